@@ -1,0 +1,42 @@
+// Every KSPEC_* environment variable, declared once with its type, default and meaning.
+// Nothing else in kspec calls getenv(); read a knob through these accessors (see api/src/knobs.cpp).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kspec::knobs {
+
+struct KnobInfo {
+  const char* name;
+  const char* type;
+  const char* default_value;
+  const char* doc;
+};
+
+// The table of all knobs, for `kspec doctor`, the README and Python's kspec.knobs().
+const std::vector<KnobInfo>& all();
+
+// KSPEC_CACHE_DIR: the disk cache's directory (default $XDG_CACHE_HOME/kspec or ~/.cache/kspec).
+std::string cache_dir();
+// KSPEC_CACHE: "on" (default) or "off" (memory only, nothing read from or written to disk).
+bool cache_enabled();
+// KSPEC_CACHE_MAX_BYTES: size cap of the disk cache, pruned least-recently-used first (default 2 GiB).
+int64_t cache_max_bytes();
+// KSPEC_TEMPLATE_DIR: read kernel templates from this directory instead of the embedded copies.
+std::optional<std::string> template_dir();
+// KSPEC_CUDA_INCLUDE: the CUDA include directory for NVRTC (default: CUDA_HOME, CUDA_PATH, next to libnvrtc).
+std::optional<std::string> cuda_include();
+// KSPEC_VERBOSE: 0 quiet (default), 1 log compiles and cache events to stderr.
+int verbose();
+// KSPEC_DEBUG_DIR: where failing sources are written (default: the system temp directory).
+std::string debug_dir();
+// KSPEC_COMPILE_THREADS: threads for batch compilation (default: hardware concurrency).
+int compile_threads();
+
+// Read a variable from the environment (the one place that does). Exposed for CUDA_HOME/CUDA_PATH.
+std::optional<std::string> env(const char* name);
+
+}  // namespace kspec::knobs

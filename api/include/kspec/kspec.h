@@ -1,0 +1,14 @@
+// kspec: JIT-specialized GPU kernels for sequence models. One include for the whole public API.
+#pragma once
+
+#include "kspec/cache.h"
+#include "kspec/check.h"
+#include "kspec/error.h"
+#include "kspec/knobs.h"
+#include "kspec/registry.h"
+#include "kspec/tensor.h"
+#include "kspec/ops/norm_act.h"
+
+namespace kspec {
+const char* version();
+}  // namespace kspec

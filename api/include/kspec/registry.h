@@ -1,0 +1,173 @@
+// The op registry: one way to call every op, from C++ and from Python. An op is defined once (schema,
+// plan, tuning space, launcher, float64 reference: see api/src/op.h); callers use kspec::call() or the
+// typed wrappers in kspec/ops/*.h.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "kspec/tensor.h"
+
+struct CUstream_st;
+
+namespace kspec {
+
+// Same type as cudaStream_t and CUstream; nullptr is the legacy default stream.
+using Stream = CUstream_st*;
+
+using ParamValue = std::variant<int64_t, double, bool, std::string>;
+std::string param_to_string(const ParamValue& v);
+
+// A small ordered map of named scalar parameters: {{"norm", "rmsnorm"}, {"eps", 1e-6}}.
+class Params {
+ public:
+  Params() = default;
+  Params(std::initializer_list<std::pair<std::string, ParamValue>> items);
+  Params& set(const std::string& name, ParamValue value);
+  const ParamValue* find(std::string_view name) const;
+  const std::vector<std::pair<std::string, ParamValue>>& items() const { return items_; }
+
+ private:
+  std::vector<std::pair<std::string, ParamValue>> items_;
+};
+
+// ---- Schema (what `kspec ops` prints and what validation messages are generated from) ----
+
+enum class ParamType { Int, Float, Bool, Choice };
+
+struct ParamDef {
+  std::string name;
+  ParamType type = ParamType::Int;
+  ParamValue default_value = int64_t(0);
+  std::vector<std::string> choices;  // for Choice
+  std::string doc;
+};
+
+// Runtime (Var) axes change nothing compiled; Const axes are template arguments; Bucket axes are
+// compile-time but rounded up to one of the listed sizes.
+enum class DimKind { Var, Const, Bucket };
+
+struct DimDef {
+  std::string name;
+  DimKind kind = DimKind::Var;
+  std::vector<int64_t> buckets;
+  std::string doc;
+};
+
+// How a tensor may be laid out in memory.
+enum class Layout {
+  Contiguous,  // row-major, no gaps
+  RowStrided,  // last dim contiguous; leading dims collapse into one row index with any row stride
+};
+
+struct TensorDef {
+  std::string name;
+  // Dim names. A first entry "...name" stands for any number of leading dims (also none) whose
+  // product binds `name`; outputs repeat the leading dims of the first input that has it.
+  std::vector<std::string> shape;
+  std::vector<DType> dtypes;     // allowed dtypes; ignored when dtype_of is set
+  std::string dtype_of;          // must have the dtype of this other tensor...
+  bool or_float32 = false;       // ...or float32 (e.g. weights of a bf16 model kept in fp32)
+  bool optional = false;
+  std::string present_with;      // outputs: present iff this input is present
+  Layout layout = Layout::RowStrided;
+  std::string doc;
+};
+
+struct OpInfo {
+  std::string name;
+  std::string family;
+  std::string doc;
+  std::vector<TensorDef> inputs, outputs;
+  std::vector<ParamDef> params;
+  std::vector<DimDef> dims;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> tuning_axes;
+  std::string reference;  // where the float64 reference lives
+};
+
+std::vector<std::string> list_ops();
+const OpInfo& op_info(std::string_view name);  // throws InvalidArgument for an unknown op
+std::string describe_op(std::string_view name);  // human-readable schema
+
+// ---- Calling ----
+
+// A tuning configuration: {{"threads_per_row", 128}, {"vec", 8}}.
+struct Config {
+  std::vector<std::pair<std::string, int64_t>> values;
+  int64_t get(std::string_view name) const;
+  bool has(std::string_view name) const;
+  std::string str() const;  // "threads_per_row=128,vec=8"
+  static Config parse(std::string_view text);
+};
+
+struct CallOptions {
+  const Config* config = nullptr;  // force a tuning configuration (tests, tuner); else tuned/heuristic
+};
+
+// Validates every argument, picks the specialization, compiles or loads it (once), and launches on
+// `stream`. Inputs/outputs are positional as in the op's schema; a left-out optional is TensorView().
+void call(std::string_view op, const std::vector<TensorView>& inputs,
+          const std::vector<TensorView>& outputs, const Params& params = {}, Stream stream = nullptr,
+          const CallOptions& options = {});
+
+// Output shapes and dtypes for given inputs (callers that allocate outputs: Python, tests).
+struct OutputSpec {
+  bool present = true;
+  DType dtype = DType::f32;
+  std::vector<int64_t> shape;
+};
+std::vector<OutputSpec> infer_outputs(std::string_view op, const std::vector<TensorView>& inputs,
+                                      const Params& params = {});
+
+// ---- Compiling without a GPU ----
+
+struct CompileRequest {
+  std::string op;
+  DType dtype = DType::f32;             // the op's main dtype (applied to every tensor that admits it)
+  std::string arch = "sm_90";
+  Params params;                        // scalar params and Const/Bucket dims ("hidden": 4096)
+  std::vector<std::string> without;     // optional inputs left out
+  std::vector<std::pair<std::string, DType>> tensor_dtypes;  // per-tensor overrides
+  const Config* config = nullptr;       // else the heuristic's choice
+};
+
+struct CompileReport {
+  std::string op;
+  std::string kernel;        // name expression
+  std::string spec;          // canonical text
+  std::string key;
+  std::string source;        // "compiled", "disk" or "memory"
+  double compile_ms = 0;     // this process's compile (0 unless source == "compiled")
+  double load_ms = 0;        // time to obtain the binary (compile or disk read)
+  int registers = -1, spill_bytes = -1, stack_bytes = -1, shared_bytes = -1;
+  std::string arch;
+  std::string path;          // cache entry, "" if memory only
+  std::string config;
+  std::string log;
+};
+
+// Compiles every kernel a call would launch; one report per kernel.
+std::vector<CompileReport> compile(const CompileRequest& request);
+
+// Every specialization `kspec precompile --all` builds: for each op, its cases x dtypes x every legal
+// configuration of its tuning space.
+std::vector<CompileRequest> precompile_plan(const std::vector<std::string>& archs,
+                                            const std::vector<std::string>& ops = {});
+
+// Counters of this process (the "hook" tests use to count compilations).
+struct Counters {
+  int64_t compiled = 0, disk_hits = 0, memory_hits = 0, launches = 0;
+};
+Counters counters();
+
+// What a call would use: op, problem signature, config, kernels and their cache entries.
+std::string explain(std::string_view op, const std::vector<TensorView>& inputs,
+                    const std::vector<TensorView>& outputs, const Params& params = {});
+
+}  // namespace kspec

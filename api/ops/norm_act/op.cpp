@@ -1,0 +1,325 @@
+// norm_act: y = act(norm(x) * weight + bias) over the last dim, norm ∈ {layernorm, rmsnorm},
+// act ∈ {identity, silu, gelu_tanh, gelu_erf}; statistics in fp32. Forward and backward ops, their
+// schema, specializations, tuning space, launchers, float64 references and case table.
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+
+#include "api/src/op.h"
+#include "norm_act/reference.h"
+
+namespace kspec {
+namespace {
+
+constexpr const char* kHeader = "norm_act/norm_act.cuh";
+const std::vector<DType> kFloatTypes = {DType::f32, DType::f16, DType::bf16};
+const std::vector<std::string> kNorms = {"layernorm", "rmsnorm"};
+const std::vector<std::string> kActs = {"identity", "silu", "gelu_tanh", "gelu_erf"};
+// Above this many elements per thread (vector width x vectors) the backward's four register arrays
+// (x, dy, dweight and dbias partials) no longer fit without spilling: 32 took 228-247 registers on
+// sm_90a with NVRTC 13.0, 16 took 128.
+constexpr int64_t kMaxElemsPerThread = 16;
+
+// Registers the backward needs per thread for a given number of elements per thread. Unbounded,
+// ptxas (sm_90a, NVRTC 13.0) used 1→32, 2→54, 4→64, 8→83, 16→128; under __launch_bounds__ it fits
+// 8 elements in 64 and 16 in 128 without spilling (kspec precompile --all checks every config). A
+// block of n threads may use at most min(255, 65536/n) each, so wide blocks need few elements each.
+int64_t registers_needed(int64_t elems) {
+  if (elems <= 1) return 32;
+  if (elems <= 2) return 48;
+  if (elems <= 8) return 64;
+  return 128;
+}
+
+int index_of(const std::vector<std::string>& v, const std::string& s) {
+  return static_cast<int>(std::find(v.begin(), v.end(), s) - v.begin());
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool valid_config(const Problem& p, const Config& c, std::string* why) {
+  int64_t hidden = p.dim("hidden");
+  int64_t tpr = c.get("threads_per_row"), rpb = c.get("rows_per_block"), vec = c.get("vec");
+  int esize = dtype_size(p.dtype("x"));
+  auto no = [&](const std::string& w) {
+    if (why) *why = w;
+    return false;
+  };
+  if (tpr * rpb > 1024) return no("more than 1024 threads per block");
+  if (hidden % vec != 0) return no("hidden is not a multiple of vec");
+  if (vec * esize > 16) return no("vector wider than 16 bytes");
+  if (vec * esize > p.align_bytes) return no("pointers or row strides not aligned for this vector width");
+  int64_t items = ceil_div(hidden, tpr * vec);
+  if (items * vec > kMaxElemsPerThread) return no("too many elements per thread (registers would spill)");
+  if (registers_needed(items * vec) > std::min<int64_t>(255, 65536 / (tpr * rpb)))
+    return no("a block this wide leaves too few registers per thread for this many elements");
+  if (tpr > 32 && tpr * vec >= 2 * hidden) return no("more than half of each row's threads would idle");
+  if (rpb > 1 && tpr * rpb > 256 && tpr >= 256) return no("several rows per block only for narrow rows");
+  return true;
+}
+
+// The default when nothing is tuned: the widest vector the data allows, about 8 elements per thread
+// (one 16-byte vector of bf16: enough loads in flight, few registers), at least 128 threads per block,
+// and as few rows per block as reach that.
+Config heuristic(const Problem& p) {
+  TuningSpace space = p.op->tuning;
+  space.heuristic = nullptr;
+  auto all = space.enumerate(p);
+  KSPEC_CHECK_AS(!all.empty(), Unsupported, p.op->info.name, ": no kernel configuration fits hidden = ",
+                 p.dim("hidden"), " (supported up to ", 1024 * kMaxElemsPerThread, ")");
+  int64_t hidden = p.dim("hidden");
+  auto score = [&](const Config& c) {
+    int64_t tpr = c.get("threads_per_row"), rpb = c.get("rows_per_block"), vec = c.get("vec");
+    int64_t elems = ceil_div(hidden, tpr * vec) * vec;
+    double dist = std::fabs(std::log2(static_cast<double>(elems) / 8.0));
+    return std::make_tuple(-vec, dist, tpr * rpb < 128 ? 1 : 0, rpb, tpr);
+  };
+  return *std::min_element(all.begin(), all.end(),
+                           [&](const Config& a, const Config& b) { return score(a) < score(b); });
+}
+
+std::vector<std::string> common_targs(const Problem& p, const Config& c, const char* x_name, const char* w_name) {
+  return {dtype_cuda_type(p.dtype(x_name)),
+          dtype_cuda_type(p.dtype(w_name)),
+          std::to_string(p.dim("hidden")),
+          std::to_string(index_of(kNorms, p.param_str("norm"))),
+          std::to_string(index_of(kActs, p.param_str("act"))),
+          p.present("bias") ? "true" : "false",
+          std::to_string(c.get("threads_per_row")),
+          std::to_string(c.get("rows_per_block")),
+          std::to_string(c.get("vec"))};
+}
+
+jit::KernelSpec spec(const Problem& p, const char* kernel, std::vector<std::string> targs) {
+  jit::KernelSpec s;
+  s.header = kHeader;
+  s.kernel = kernel;
+  s.targs = std::move(targs);
+  s.arch = p.arch;
+  return s;
+}
+
+// ---- references (float64) ----
+
+std::vector<double> or_empty(const HostTensor& t) { return t.defined ? t.data : std::vector<double>{}; }
+
+std::vector<HostTensor> fwd_reference(const Problem& p, const std::vector<HostTensor>& in) {
+  int64_t hidden = p.dim("hidden"), rows = p.dim("rows");
+  std::vector<double> bias = or_empty(in[2]);
+  auto r = ref::norm_act_fwd_ref(in[0].data, in[1].data, in[2].defined ? &bias : nullptr, rows, hidden,
+                                 index_of(kNorms, p.param_str("norm")), index_of(kActs, p.param_str("act")),
+                                 p.param_float("eps"));
+  std::vector<HostTensor> out(3);
+  out[0] = {true, in[0].shape, std::move(r.y)};
+  std::vector<int64_t> rows_shape(in[0].shape.begin(), in[0].shape.end() - 1);
+  out[1] = {true, rows_shape, std::move(r.mean)};
+  out[2] = {true, rows_shape, std::move(r.rstd)};
+  return out;
+}
+
+std::vector<HostTensor> bwd_reference(const Problem& p, const std::vector<HostTensor>& in) {
+  int64_t hidden = p.dim("hidden"), rows = p.dim("rows");
+  std::vector<double> bias = or_empty(in[3]);
+  auto r = ref::norm_act_bwd_ref(in[0].data, in[1].data, in[2].data, in[3].defined ? &bias : nullptr, rows, hidden,
+                                 index_of(kNorms, p.param_str("norm")), index_of(kActs, p.param_str("act")),
+                                 p.param_float("eps"));
+  std::vector<HostTensor> out(3);
+  out[0] = {true, in[1].shape, std::move(r.dx)};
+  out[1] = {true, {hidden}, std::move(r.dw)};
+  if (in[3].defined) out[2] = {true, {hidden}, std::move(r.db)};
+  return out;
+}
+
+// The backward's saved statistics must be those of x: compute them with the forward reference.
+void bwd_prepare(const Problem& p, std::vector<HostTensor>& in) {
+  int64_t hidden = p.dim("hidden"), rows = p.dim("rows");
+  std::vector<double> bias = or_empty(in[3]);
+  auto r = ref::norm_act_fwd_ref(in[1].data, in[2].data, in[3].defined ? &bias : nullptr, rows, hidden,
+                                 index_of(kNorms, p.param_str("norm")), index_of(kActs, p.param_str("act")),
+                                 p.param_float("eps"));
+  in[4].data = r.mean;
+  in[5].data = r.rstd;
+}
+
+// ---- shared schema pieces ----
+
+std::vector<ParamDef> norm_act_params() {
+  return {
+      {"norm", ParamType::Choice, std::string("layernorm"), kNorms, "normalization over the last dim"},
+      {"act", ParamType::Choice, std::string("identity"), kActs, "activation applied after the affine"},
+      {"eps", ParamType::Float, 1e-5, {}, "added to the variance (mean square for rmsnorm)"},
+  };
+}
+
+TuningSpace norm_act_tuning() {
+  TuningSpace t;
+  t.axes = {{"threads_per_row", {32, 64, 128, 256, 512, 1024}}, {"rows_per_block", {1, 2, 4, 8}}, {"vec", {1, 2, 4, 8}}};
+  t.valid = valid_config;
+  t.heuristic = heuristic;
+  return t;
+}
+
+std::vector<Case> norm_act_cases() {
+  auto c = [](std::string name, int64_t rows, int64_t hidden, std::string norm, std::string act) {
+    Case k;
+    k.name = std::move(name);
+    k.dims = {{"rows", rows}, {"hidden", hidden}};
+    k.params = {{"norm", norm}, {"act", act}};
+    return k;
+  };
+  std::vector<Case> cases = {
+      c("base", 37, 1024, "layernorm", "silu"),
+      c("hidden_1", 5, 1, "layernorm", "identity"),
+      c("hidden_33", 33, 33, "rmsnorm", "gelu_tanh"),
+      c("hidden_4095", 17, 4095, "layernorm", "gelu_erf"),
+      c("hidden_8192", 9, 8192, "rmsnorm", "silu"),
+      c("rows_1", 1, 768, "rmsnorm", "identity"),
+      c("rows_2", 2, 768, "layernorm", "gelu_tanh"),
+      c("rmsnorm_gelu_erf", 65, 2048, "rmsnorm", "gelu_erf"),
+      c("layernorm_identity", 129, 640, "layernorm", "identity"),
+      c("no_bias", 31, 1536, "layernorm", "silu"),
+      c("weight_fp32", 40, 2560, "rmsnorm", "silu"),
+      c("llama_4096", 4096, 4096, "rmsnorm", "silu"),
+      c("large_16384x4096", 16384, 4096, "layernorm", "gelu_tanh"),
+  };
+  cases[9].without = {"bias"};
+  cases[10].tensor_dtypes = {{"weight", DType::f32}, {"bias", DType::f32}};
+  cases[12].large = true;
+  // precompile --all: every config at these sizes, the flags rotating over them.
+  for (int i : {1, 2, 3, 4}) cases[i].representative = true;
+  auto rep = c("rep_4096", 8, 4096, "layernorm", "silu");
+  rep.representative = true;
+  rep.without = {"bias"};
+  cases.push_back(rep);
+  return cases;
+}
+
+// ---- forward ----
+
+OpDef make_fwd() {
+  OpDef op;
+  OpInfo& i = op.info;
+  i.name = "norm_act.fwd";
+  i.family = "norm_act";
+  i.doc = "y = act(norm(x) * weight + bias) over the last dim; saves mean and rstd for the backward";
+  i.inputs = {
+      {"x", {"...rows", "hidden"}, kFloatTypes, "", false, false, "", Layout::RowStrided, "input"},
+      {"weight", {"hidden"}, {}, "x", true, false, "", Layout::Contiguous, "scale"},
+      {"bias", {"hidden"}, {}, "weight", false, true, "", Layout::Contiguous, "shift"},
+  };
+  i.outputs = {
+      {"y", {"...rows", "hidden"}, {}, "x", false, false, "", Layout::RowStrided, "output"},
+      {"mean", {"...rows"}, {DType::f32}, "", false, false, "", Layout::Contiguous, "row means (0 for rmsnorm)"},
+      {"rstd", {"...rows"}, {DType::f32}, "", false, false, "", Layout::Contiguous, "1/sqrt(var + eps) per row"},
+  };
+  i.params = norm_act_params();
+  i.dims = {{"rows", DimKind::Var, {}, "rows (product of leading dims)"},
+            {"hidden", DimKind::Const, {}, "normalized size, a template argument"}};
+  op.tuning = norm_act_tuning();
+  i.tuning_axes = op.tuning.axes;
+  i.reference = "api/ops/norm_act/reference.cpp (python/kspec/reference/norm_act.py)";
+  op.kernels = [](const Problem& p, const Config& c) {
+    return std::vector<jit::KernelSpec>{spec(p, "kspec::norm_act_fwd_kernel", common_targs(p, c, "x", "weight"))};
+  };
+  op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    const TensorView &x = call.in("x"), &w = call.in("weight"), &b = call.in("bias");
+    const TensorView &y = call.out("y"), &mean = call.out("mean"), &rstd = call.out("rstd");
+    int64_t rows = call.problem.dim("rows");
+    KSPEC_CHECK(rows <= INT32_MAX, "norm_act.fwd: input 'x': at most 2^31-1 rows, got ", rows);
+    int rows_i = static_cast<int>(rows);
+    long long xs = call.row_stride(x), ys = call.row_stride(y);
+    float eps = static_cast<float>(call.problem.param_float("eps"));
+    void* xp = x.data; void* wp = w.data; void* bp = b.data; void* yp = y.data;
+    void* mp = mean.data; void* rp = rstd.data;
+    void* args[] = {&xp, &wp, &bp, &yp, &mp, &rp, &rows_i, &xs, &ys, &eps};
+    unsigned rpb = static_cast<unsigned>(c.get("rows_per_block"));
+    unsigned threads = static_cast<unsigned>(c.get("threads_per_row")) * rpb;
+    l.launch(0, {static_cast<unsigned>(ceil_div(rows, rpb))}, {threads}, 0, args);
+  };
+  op.reference = fwd_reference;
+  op.cases = norm_act_cases();
+  op.compile_dims = {{"rows", 1}};
+  op.dtypes = kFloatTypes;
+  return op;
+}
+
+// ---- backward ----
+
+constexpr unsigned kReduceThreads = 256;
+
+OpDef make_bwd() {
+  OpDef op;
+  OpInfo& i = op.info;
+  i.name = "norm_act.bwd";
+  i.family = "norm_act";
+  i.doc = "gradients of norm_act.fwd: dx, dweight, dbias (deterministic: partial sums reduced in a fixed order)";
+  i.inputs = {
+      {"dy", {"...rows", "hidden"}, kFloatTypes, "", false, false, "", Layout::RowStrided, "gradient of y"},
+      {"x", {"...rows", "hidden"}, {}, "dy", false, false, "", Layout::RowStrided, "the forward's input"},
+      {"weight", {"hidden"}, {}, "x", true, false, "", Layout::Contiguous, "scale"},
+      {"bias", {"hidden"}, {}, "weight", false, true, "", Layout::Contiguous, "shift"},
+      {"mean", {"...rows"}, {DType::f32}, "", false, false, "", Layout::Contiguous, "saved by the forward"},
+      {"rstd", {"...rows"}, {DType::f32}, "", false, false, "", Layout::Contiguous, "saved by the forward"},
+  };
+  i.outputs = {
+      {"dx", {"...rows", "hidden"}, {}, "x", false, false, "", Layout::RowStrided, "gradient of x"},
+      {"dweight", {"hidden"}, {}, "weight", false, false, "", Layout::Contiguous, "gradient of weight"},
+      {"dbias", {"hidden"}, {}, "weight", false, true, "bias", Layout::Contiguous, "gradient of bias"},
+  };
+  i.params = norm_act_params();
+  i.params[2].doc = "the forward's eps (the reference recomputes the statistics with it)";
+  i.dims = {{"rows", DimKind::Var, {}, "rows (product of leading dims)"},
+            {"hidden", DimKind::Const, {}, "normalized size, a template argument"}};
+  op.tuning = norm_act_tuning();
+  i.tuning_axes = op.tuning.axes;
+  i.reference = "api/ops/norm_act/reference.cpp (python/kspec/reference/norm_act.py)";
+  op.kernels = [](const Problem& p, const Config& c) {
+    return std::vector<jit::KernelSpec>{
+        spec(p, "kspec::norm_act_bwd_kernel", common_targs(p, c, "x", "weight")),
+        spec(p, "kspec::norm_act_bwd_reduce_kernel",
+             {dtype_cuda_type(p.dtype("weight")), std::to_string(p.dim("hidden")), p.present("bias") ? "true" : "false",
+              std::to_string(kReduceThreads)})};
+  };
+  op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    const TensorView &dy = call.in("dy"), &x = call.in("x"), &w = call.in("weight"), &b = call.in("bias");
+    const TensorView &mean = call.in("mean"), &rstd = call.in("rstd");
+    const TensorView &dx = call.out("dx"), &dw = call.out("dweight"), &db = call.out("dbias");
+    int64_t rows = call.problem.dim("rows"), hidden = call.problem.dim("hidden");
+    KSPEC_CHECK(rows <= INT32_MAX, "norm_act.bwd: input 'x': at most 2^31-1 rows, got ", rows);
+    int64_t rpb = c.get("rows_per_block");
+    int64_t threads = c.get("threads_per_row") * rpb;
+    // A persistent grid: enough blocks to fill the GPU, each summing its rows' dweight/dbias partials.
+    // The grid depends only on rows, the config and the GPU, so results are bitwise reproducible.
+    int64_t per_sm = std::max<int64_t>(1, 2048 / threads);
+    int64_t grid = std::min<int64_t>(ceil_div(rows, rpb), l.multiprocessors() * per_sm);
+    int partials = static_cast<int>(grid);
+    auto* ws = static_cast<float*>(l.workspace(sizeof(float) * 2 * std::max<int64_t>(grid, 1) * hidden));
+    float* dwp_part = ws;
+    float* dbp_part = ws + std::max<int64_t>(grid, 1) * hidden;
+    int rows_i = static_cast<int>(rows);
+    long long dys = call.row_stride(dy), xs = call.row_stride(x), dxs = call.row_stride(dx);
+    void *dyp = dy.data, *xp = x.data, *wp = w.data, *bp = b.data, *mp = mean.data, *rp = rstd.data, *dxp = dx.data;
+    if (grid > 0) {
+      void* args[] = {&dyp, &xp, &wp, &bp, &mp, &rp, &dxp, &dwp_part, &dbp_part, &rows_i, &dys, &xs, &dxs};
+      l.launch(0, {static_cast<unsigned>(grid)}, {static_cast<unsigned>(threads)}, 0, args);
+    }
+    void *dwp = dw.data, *dbp = db.data;
+    void* rargs[] = {&dwp_part, &dbp_part, &dwp, &dbp, &partials};
+    l.launch(1, {static_cast<unsigned>(ceil_div(hidden, kReduceThreads))}, {kReduceThreads}, 0, rargs);
+  };
+  op.reference = bwd_reference;
+  op.prepare_inputs = bwd_prepare;
+  op.cases = norm_act_cases();
+  op.compile_dims = {{"rows", 1}};
+  op.dtypes = kFloatTypes;
+  return op;
+}
+
+}  // namespace
+
+void register_norm_act(Registry& r) {
+  r.add(make_fwd());
+  r.add(make_bwd());
+}
+
+}  // namespace kspec

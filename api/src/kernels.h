@@ -1,0 +1,49 @@
+// From a specialization to a launchable function: the in-memory binary map, the disk cache and NVRTC
+// (compile once per key, across threads and processes), then a module per device context.
+#pragma once
+
+#include <cuda.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "jit/nvrtc.h"
+#include "jit/spec.h"
+
+namespace kspec {
+
+struct BinaryEntry {
+  std::string key;
+  std::string spec;          // canonical
+  std::string binary;
+  bool is_cubin = true;
+  std::string lowered_name;
+  jit::Resources resources;
+  double compile_ms = 0;     // when it was compiled (this process or the one that cached it)
+  std::string path;          // disk entry, "" when memory only
+  std::string log;
+};
+
+struct LoadedKernel {
+  CUfunction fn = nullptr;
+  int device = 0;
+  std::atomic<int> dynamic_smem_limit{48 * 1024};
+  std::shared_ptr<const BinaryEntry> entry;
+};
+
+struct Obtained {
+  std::shared_ptr<const BinaryEntry> entry;
+  std::string source;  // "compiled", "disk", "memory"
+  double ms = 0;       // time spent obtaining it now
+};
+
+// Memory → disk → NVRTC, holding the per-key file lock while compiling.
+Obtained obtain_binary(const jit::KernelSpec& spec);
+// The function for a spec on a device (loads its module into the device's primary context once).
+LoadedKernel& load_kernel(const jit::KernelSpec& spec, int device);
+
+void count_launch();
+void count_source(const std::string& source);
+
+}  // namespace kspec

@@ -1,0 +1,143 @@
+// The internal definition of an op: everything about it in one place (schema, specialization, tuning
+// space, launcher, float64 reference, cases). api/ops/<family>/op.cpp fills these; the registry,
+// validation, compile, precompile, tests and benchmarks all read them.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "jit/spec.h"
+#include "kspec/registry.h"
+
+namespace kspec {
+
+struct TensorMeta {
+  bool present = false;
+  DType dtype = DType::f32;
+};
+
+// A call reduced to what decides the specialization: dtypes, presence, dims, params, arch, alignment.
+// Built from real tensors by validation, or from a CompileRequest without any tensors.
+struct Problem {
+  const struct OpDef* op = nullptr;
+  std::vector<TensorMeta> inputs, outputs;
+  std::vector<std::pair<std::string, int64_t>> dims;
+  Params params;      // complete: defaults filled in
+  std::string arch;   // NVRTC target: "sm_90a"
+  int align_bytes = 16;  // the largest power of two (≤16) dividing every pointer and row stride in bytes
+  // Leading dims collapsed into a "...name" dim, as the first input with it had them (for outputs).
+  std::vector<std::pair<std::string, std::vector<int64_t>>> leading;
+
+  int64_t dim(std::string_view name) const;
+  DType dtype(std::string_view tensor) const;
+  bool present(std::string_view tensor) const;
+  int64_t param_int(std::string_view name) const;
+  double param_float(std::string_view name) const;
+  bool param_bool(std::string_view name) const;
+  const std::string& param_str(std::string_view name) const;
+  // Everything that can change the compiled code (Var dims excluded), as one canonical line.
+  std::string signature() const;
+};
+
+// A validated call with its tensors.
+struct Call {
+  Problem problem;
+  std::vector<TensorView> inputs, outputs;
+  int device = 0;
+  Stream stream = nullptr;
+  const TensorView& in(std::string_view name) const;
+  const TensorView& out(std::string_view name) const;
+  // Row stride (elements) of a RowStrided tensor whose leading dims were collapsed.
+  int64_t row_stride(const TensorView& t) const;
+};
+
+struct Dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+
+// What an op's launcher sees: the loaded kernels of its plan, a workspace, and the stream.
+class Launcher {
+ public:
+  virtual ~Launcher() = default;
+  virtual void launch(size_t kernel, Dim3 grid, Dim3 block, unsigned shared_bytes, void** args) = 0;
+  // Device scratch memory owned by kspec for this device and stream; grows outside graph capture only.
+  virtual void* workspace(size_t bytes) = 0;
+  virtual int multiprocessors() const = 0;
+};
+
+struct TuningSpace {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> axes;
+  // Whether a config is legal for a problem; `why` says what rules it out.
+  std::function<bool(const Problem&, const Config&, std::string* why)> valid;
+  // The default when nothing is tuned.
+  std::function<Config(const Problem&)> heuristic;
+  std::vector<Config> enumerate(const Problem& p) const;
+};
+
+struct HostTensor {
+  bool defined = false;
+  std::vector<int64_t> shape;
+  std::vector<double> data;
+  int64_t numel() const;
+};
+
+// One row of an op's case table (tests, benchmarks, precompile and the checker read it).
+struct Case {
+  std::string name;
+  std::vector<std::pair<std::string, int64_t>> dims;
+  Params params;
+  std::vector<std::string> without;  // optional inputs left out
+  std::vector<std::pair<std::string, DType>> tensor_dtypes;
+  bool large = false;                // skipped by quick runs and by precompile
+  bool representative = false;       // compiled by `kspec precompile --all` for every config
+};
+
+struct OpDef {
+  OpInfo info;
+  // The kernels a problem needs with a given config (index = kernel number in Launcher::launch).
+  std::function<std::vector<jit::KernelSpec>(const Problem&, const Config&)> kernels;
+  std::function<void(const Call&, const Config&, Launcher&)> launch;
+  TuningSpace tuning;
+  // float64 reference: outputs from inputs (HostTensors indexed like the schema).
+  std::function<std::vector<HostTensor>(const Problem&, const std::vector<HostTensor>&)> reference;
+  // Optional: overwrite inputs that must be consistent with others (saved statistics...).
+  std::function<void(const Problem&, std::vector<HostTensor>&)> prepare_inputs;
+  // Relative-error tolerance multiplier for long recurrences (1 = the dtype table).
+  double tolerance_scale = 1.0;
+  std::vector<Case> cases;
+  // Dims with a value when compiling without tensors (e.g. rows=1 for Var dims).
+  std::vector<std::pair<std::string, int64_t>> compile_dims;
+  std::vector<DType> dtypes;  // the op's main dtypes (for precompile and checks)
+};
+
+class Registry {
+ public:
+  static Registry& global();
+  void add(OpDef def);
+  const OpDef& get(std::string_view name) const;  // throws InvalidArgument listing known ops
+  const OpDef* find(std::string_view name) const;
+  std::vector<std::string> names() const;
+
+ private:
+  std::vector<std::unique_ptr<OpDef>> ops_;
+};
+
+// The one registration list (api/src/ops_list.cpp): one line per op family.
+void register_all_ops(Registry& r);
+
+// Validation (api/src/validate.cpp): checks every tensor and param against the schema.
+Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
+                   const std::vector<TensorView>& outputs, const Params& params, Stream stream);
+Params complete_params(const OpDef& op, const Params& given);
+// A problem from a compile request (no tensors).
+Problem problem_from_request(const OpDef& op, const CompileRequest& req);
+// Shapes from dims for each tensor of a problem (used by checks and benchmarks to allocate).
+std::vector<int64_t> shape_of(const TensorDef& t, const Problem& p);
+
+// Tolerance for ‖out−ref‖/‖ref‖ by dtype: the one table.
+double tolerance_for(DType dtype);
+
+}  // namespace kspec

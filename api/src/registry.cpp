@@ -1,0 +1,469 @@
+// The registry and the call path: validate → plan (cached per problem signature and device) → launch.
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <shared_mutex>
+#include <sstream>
+#include <unordered_map>
+
+#include "api/src/kernels.h"
+#include "api/src/op.h"
+#include "cache/disk_cache.h"
+#include "jit/driver.h"
+#include "jit/key.h"
+#include "jit/log.h"
+
+namespace kspec {
+
+// ---- small value types ----
+
+std::string param_to_string(const ParamValue& v) {
+  if (auto p = std::get_if<int64_t>(&v)) return std::to_string(*p);
+  if (auto p = std::get_if<double>(&v)) {
+    std::ostringstream os;
+    os.precision(17);
+    os << *p;
+    return os.str();
+  }
+  if (auto p = std::get_if<bool>(&v)) return *p ? "true" : "false";
+  return std::get<std::string>(v);
+}
+
+Params::Params(std::initializer_list<std::pair<std::string, ParamValue>> items) {
+  for (const auto& [k, v] : items) set(k, v);
+}
+
+Params& Params::set(const std::string& name, ParamValue value) {
+  for (auto& kv : items_)
+    if (kv.first == name) {
+      kv.second = std::move(value);
+      return *this;
+    }
+  items_.emplace_back(name, std::move(value));
+  return *this;
+}
+
+const ParamValue* Params::find(std::string_view name) const {
+  for (const auto& kv : items_)
+    if (kv.first == name) return &kv.second;
+  return nullptr;
+}
+
+int64_t Config::get(std::string_view name) const {
+  for (const auto& [k, v] : values)
+    if (k == name) return v;
+  throw InvalidArgument(detail::concat("config: no value for '", name, "' in {", str(), "}"));
+}
+
+bool Config::has(std::string_view name) const {
+  return std::any_of(values.begin(), values.end(), [&](const auto& kv) { return kv.first == name; });
+}
+
+std::string Config::str() const {
+  std::string s;
+  for (const auto& [k, v] : values) s += (s.empty() ? "" : ",") + k + "=" + std::to_string(v);
+  return s;
+}
+
+Config Config::parse(std::string_view text) {
+  Config c;
+  std::string s(text);
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item.empty()) continue;
+    auto eq = item.find('=');
+    KSPEC_CHECK(eq != std::string::npos, "config: expected name=value pairs separated by commas, got '", text, "'");
+    try {
+      c.values.emplace_back(item.substr(0, eq), std::stoll(item.substr(eq + 1)));
+    } catch (const std::exception&) {
+      throw InvalidArgument(detail::concat("config: '", item, "' is not name=integer"));
+    }
+  }
+  return c;
+}
+
+int64_t HostTensor::numel() const {
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+double tolerance_for(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return 1e-5;
+    case DType::f64: return 1e-12;
+    case DType::f16: return 1e-2;
+    case DType::bf16: return 1e-2;
+    default: return 0;
+  }
+}
+
+std::vector<Config> TuningSpace::enumerate(const Problem& p) const {
+  std::vector<Config> out;
+  std::vector<size_t> idx(axes.size(), 0);
+  if (axes.empty()) return {Config{}};
+  while (true) {
+    Config c;
+    for (size_t i = 0; i < axes.size(); ++i) c.values.emplace_back(axes[i].first, axes[i].second[idx[i]]);
+    std::string why;
+    if (!valid || valid(p, c, &why)) out.push_back(std::move(c));
+    size_t i = 0;
+    for (; i < axes.size(); ++i) {
+      if (++idx[i] < axes[i].second.size()) break;
+      idx[i] = 0;
+    }
+    if (i == axes.size()) break;
+  }
+  return out;
+}
+
+// ---- registry ----
+
+Registry& Registry::global() {
+  static Registry* r = [] {
+    auto* reg = new Registry();  // never destroyed: ops may be called from other static destructors
+    register_all_ops(*reg);
+    return reg;
+  }();
+  return *r;
+}
+
+void Registry::add(OpDef def) {
+  KSPEC_CHECK(!find(def.info.name), "registry: op '", def.info.name, "' registered twice");
+  ops_.push_back(std::make_unique<OpDef>(std::move(def)));
+}
+
+const OpDef* Registry::find(std::string_view name) const {
+  for (const auto& op : ops_)
+    if (op->info.name == name) return op.get();
+  return nullptr;
+}
+
+const OpDef& Registry::get(std::string_view name) const {
+  if (const OpDef* op = find(name)) return *op;
+  std::string names;
+  for (const auto& op : ops_) names += (names.empty() ? "" : ", ") + op->info.name;
+  throw InvalidArgument(detail::concat("unknown op '", name, "' (registered: ", names, ")"));
+}
+
+std::vector<std::string> Registry::names() const {
+  std::vector<std::string> out;
+  for (const auto& op : ops_) out.push_back(op->info.name);
+  return out;
+}
+
+std::vector<std::string> list_ops() { return Registry::global().names(); }
+
+const OpInfo& op_info(std::string_view name) { return Registry::global().get(name).info; }
+
+std::string describe_op(std::string_view name) {
+  const OpDef& op = Registry::global().get(name);
+  const OpInfo& i = op.info;
+  std::ostringstream os;
+  os << i.name << " — " << i.doc << "\n";
+  auto tensor = [&](const TensorDef& t) {
+    os << "    " << t.name << ": [";
+    for (size_t k = 0; k < t.shape.size(); ++k) os << (k ? ", " : "") << t.shape[k];
+    os << "] ";
+    if (!t.dtype_of.empty()) {
+      os << "dtype of " << t.dtype_of << (t.or_float32 ? " or float32" : "");
+    } else {
+      for (size_t k = 0; k < t.dtypes.size(); ++k) os << (k ? "|" : "") << dtype_short(t.dtypes[k]);
+    }
+    if (t.optional) os << " (optional)";
+    if (!t.present_with.empty()) os << " (present with " << t.present_with << ")";
+    if (!t.doc.empty()) os << "  " << t.doc;
+    os << "\n";
+  };
+  os << "  inputs:\n";
+  for (const auto& t : i.inputs) tensor(t);
+  os << "  outputs:\n";
+  for (const auto& t : i.outputs) tensor(t);
+  if (!i.params.empty()) {
+    os << "  params:\n";
+    for (const auto& p : i.params) {
+      os << "    " << p.name << " = " << param_to_string(p.default_value);
+      if (!p.choices.empty()) {
+        os << "  {";
+        for (size_t k = 0; k < p.choices.size(); ++k) os << (k ? ", " : "") << p.choices[k];
+        os << "}";
+      }
+      if (!p.doc.empty()) os << "  " << p.doc;
+      os << "\n";
+    }
+  }
+  os << "  dims:";
+  for (const auto& d : i.dims)
+    os << " " << d.name << (d.kind == DimKind::Var ? "(runtime)" : d.kind == DimKind::Const ? "(compile-time)" : "(bucketed)");
+  os << "\n  tuning:";
+  for (const auto& [axis, values] : i.tuning_axes) {
+    os << " " << axis << "{";
+    for (size_t k = 0; k < values.size(); ++k) os << (k ? "," : "") << values[k];
+    os << "}";
+  }
+  os << "\n  reference: " << i.reference << "\n";
+  return os.str();
+}
+
+// ---- the call path ----
+
+namespace {
+
+struct PlanEntry {
+  Config config;
+  std::vector<LoadedKernel*> kernels;
+};
+
+const std::string& device_arch(int device) {
+  static std::mutex mu;
+  static std::map<int, std::string> archs;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = archs.find(device);
+  if (it != archs.end()) return it->second;
+  jit::primary_context(device);  // validates the ordinal
+  CUdevice dev;
+  int major = 0, minor = 0;
+  CU_CHECK(cuDeviceGet(&dev, device));
+  CU_CHECK(cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev));
+  CU_CHECK(cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev));
+  return archs.emplace(device, jit::arch_for_compute_capability(major, minor)).first->second;
+}
+
+int device_sms(int device) {
+  static std::mutex mu;
+  static std::map<int, int> sms;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = sms.find(device);
+  if (it != sms.end()) return it->second;
+  CUdevice dev;
+  int n = 0;
+  CU_CHECK(cuDeviceGet(&dev, device));
+  CU_CHECK(cuDeviceGetAttribute(&n, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev));
+  return sms.emplace(device, n).first->second;
+}
+
+Config choose_config(const OpDef& op, const Problem& p, const Config* forced) {
+  if (forced) {
+    std::string why;
+    for (const auto& [axis, values] : op.tuning.axes)
+      KSPEC_CHECK(forced->has(axis), op.info.name, ": config {", forced->str(), "} lacks a value for '", axis, "'");
+    KSPEC_CHECK(!op.tuning.valid || op.tuning.valid(p, *forced, &why), op.info.name, ": config {", forced->str(),
+                "} is not valid for this problem: ", why);
+    return *forced;
+  }
+  return op.tuning.heuristic ? op.tuning.heuristic(p) : Config{};
+}
+
+PlanEntry& plan_for(const OpDef& op, const Problem& p, int device, const Config* forced) {
+  static std::shared_mutex mu;
+  static std::unordered_map<std::string, std::unique_ptr<PlanEntry>> plans;
+  std::string key = p.signature();
+  key += "#d";
+  key += std::to_string(device);
+  if (forced) key += "#" + forced->str();
+  {
+    std::shared_lock<std::shared_mutex> lock(mu);
+    auto it = plans.find(key);
+    if (it != plans.end()) return *it->second;
+  }
+  auto entry = std::make_unique<PlanEntry>();
+  entry->config = choose_config(op, p, forced);
+  for (const auto& spec : op.kernels(p, entry->config)) entry->kernels.push_back(&load_kernel(spec, device));
+  std::unique_lock<std::shared_mutex> lock(mu);
+  return *plans.emplace(key, std::move(entry)).first->second;
+}
+
+struct Workspace {
+  CUdeviceptr ptr = 0;
+  size_t bytes = 0;
+};
+
+class DeviceLauncher final : public Launcher {
+ public:
+  DeviceLauncher(PlanEntry& plan, int device, Stream stream) : plan_(plan), device_(device), stream_(stream) {}
+
+  void launch(size_t k, Dim3 grid, Dim3 block, unsigned shared_bytes, void** args) override {
+    KSPEC_CHECK_AS(k < plan_.kernels.size(), Error, "launcher: kernel ", k, " not in plan");
+    LoadedKernel& lk = *plan_.kernels[k];
+    if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;  // nothing to do (e.g. zero rows)
+    if (static_cast<int>(shared_bytes) > lk.dynamic_smem_limit.load(std::memory_order_relaxed)) {
+      CU_CHECK(cuFuncSetAttribute(lk.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                  static_cast<int>(shared_bytes)));
+      lk.dynamic_smem_limit.store(static_cast<int>(shared_bytes));
+    }
+    CUresult r = jit::driver().cuLaunchKernel(lk.fn, grid.x, grid.y, grid.z, block.x, block.y, block.z,
+                                              shared_bytes, reinterpret_cast<CUstream>(stream_), args, nullptr);
+    if (r != CUDA_SUCCESS)
+      throw CudaError(detail::concat("cuLaunchKernel(", lk.entry->spec, ", grid ", grid.x, "x", grid.y, "x", grid.z,
+                                     ", block ", block.x, "x", block.y, "x", block.z, ", smem ", shared_bytes,
+                                     ") failed: ", jit::driver_error_text(r)));
+    count_launch();
+  }
+
+  void* workspace(size_t bytes) override {
+    static std::mutex mu;
+    static std::map<std::pair<int, Stream>, Workspace> spaces;
+    std::lock_guard<std::mutex> lock(mu);
+    Workspace& w = spaces[{device_, stream_}];
+    if (w.bytes >= bytes) return reinterpret_cast<void*>(w.ptr);
+    CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+    CU_CHECK(cuStreamIsCapturing(reinterpret_cast<CUstream>(stream_), &status));
+    KSPEC_CHECK_AS(status == CU_STREAM_CAPTURE_STATUS_NONE, Unsupported,
+                   "kspec needs a larger workspace (", bytes, " bytes) on a stream that is being captured into "
+                   "a CUDA graph; run the op once with the same shapes before capturing");
+    if (w.ptr) {
+      CU_CHECK(cuStreamSynchronize(reinterpret_cast<CUstream>(stream_)));  // pending kernels may still use it
+      CU_CHECK(cuMemFree(w.ptr));
+      w = Workspace{};
+    }
+    size_t grow = std::max(bytes, size_t(1) << 20);
+    CU_CHECK(cuMemAlloc(&w.ptr, grow));
+    w.bytes = grow;
+    return reinterpret_cast<void*>(w.ptr);
+  }
+
+  int multiprocessors() const override { return device_sms(device_); }
+
+ private:
+  PlanEntry& plan_;
+  int device_;
+  Stream stream_;
+};
+
+}  // namespace
+
+void call(std::string_view op_name, const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
+          const Params& params, Stream stream, const CallOptions& options) {
+  const OpDef& op = Registry::global().get(op_name);
+  Call c = validate_call(op, inputs, outputs, params, stream);
+  c.problem.arch = device_arch(c.device);
+  PlanEntry& plan = plan_for(op, c.problem, c.device, options.config);
+  jit::ContextGuard guard(c.device);
+  DeviceLauncher launcher(plan, c.device, stream);
+  op.launch(c, plan.config, launcher);
+}
+
+std::vector<OutputSpec> infer_outputs(std::string_view op_name, const std::vector<TensorView>& inputs,
+                                      const Params& params) {
+  const OpDef& op = Registry::global().get(op_name);
+  std::vector<TensorView> no_outputs(op.info.outputs.size());
+  // Validate inputs only: outputs left out are allowed here.
+  Problem p;
+  {
+    std::vector<TensorView> outs(op.info.outputs.size());
+    // Reuse validate_call by marking outputs optional-absent: build the problem from inputs alone.
+    OpDef inputs_only = op;
+    for (auto& o : inputs_only.info.outputs) {
+      o.optional = true;
+      o.present_with.clear();
+    }
+    p = validate_call(inputs_only, inputs, outs, params, nullptr).problem;
+    p.op = &op;
+  }
+  std::vector<OutputSpec> out;
+  for (size_t i = 0; i < op.info.outputs.size(); ++i) {
+    const TensorDef& d = op.info.outputs[i];
+    OutputSpec s;
+    s.present = d.present_with.empty() ? !d.optional : p.present(d.present_with);
+    if (!d.dtype_of.empty()) s.dtype = p.dtype(d.dtype_of);
+    else s.dtype = d.dtypes.front();
+    if (s.present) s.shape = shape_of(d, p);
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+std::string explain(std::string_view op_name, const std::vector<TensorView>& inputs,
+                    const std::vector<TensorView>& outputs, const Params& params) {
+  const OpDef& op = Registry::global().get(op_name);
+  Call c = validate_call(op, inputs, outputs, params, nullptr);
+  c.problem.arch = device_arch(c.device);
+  Config cfg = choose_config(op, c.problem, nullptr);
+  std::ostringstream os;
+  os << "op: " << op.info.name << "\nproblem: " << c.problem.signature() << "\nconfig: " << cfg.str()
+     << " (heuristic)\n";
+  for (const auto& spec : op.kernels(c.problem, cfg)) {
+    std::string key = jit::content_key(spec);
+    os << "kernel: " << spec.name_expression() << "\n  arch: " << spec.arch << "\n  key: " << key
+       << "\n  cache entry: " << cache::DiskCache::global().entry_path(key) << "\n";
+  }
+  return os.str();
+}
+
+// ---- compile without a GPU ----
+
+std::vector<CompileReport> compile(const CompileRequest& req) {
+  const OpDef& op = Registry::global().get(req.op);
+  Problem p = problem_from_request(op, req);
+  Config cfg = choose_config(op, p, req.config);
+  std::vector<CompileReport> out;
+  for (const auto& spec : op.kernels(p, cfg)) {
+    Obtained ob = obtain_binary(spec);
+    CompileReport r;
+    r.op = op.info.name;
+    r.kernel = spec.name_expression();
+    r.spec = spec.canonical();
+    r.key = ob.entry->key;
+    r.source = ob.source;
+    r.compile_ms = ob.source == "compiled" ? ob.entry->compile_ms : 0;
+    r.load_ms = ob.ms;
+    r.registers = ob.entry->resources.registers;
+    r.spill_bytes = ob.entry->resources.spill_bytes;
+    r.stack_bytes = ob.entry->resources.stack_bytes;
+    r.shared_bytes = ob.entry->resources.static_shared_bytes;
+    r.arch = spec.arch;
+    r.path = ob.entry->path;
+    r.config = cfg.str();
+    r.log = ob.entry->log;
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+std::vector<CompileRequest> precompile_plan(const std::vector<std::string>& archs, const std::vector<std::string>& ops) {
+  std::vector<CompileRequest> out;
+  const Registry& reg = Registry::global();
+  static std::vector<std::unique_ptr<Config>> configs;  // CompileRequest holds a pointer
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& name : ops.empty() ? reg.names() : ops) {
+    const OpDef& op = reg.get(name);
+    for (const auto& arch : archs) {
+      std::map<std::string, bool> seen;  // one request per distinct kernel set
+      bool any_rep = std::any_of(op.cases.begin(), op.cases.end(), [](const Case& c) { return c.representative; });
+      for (const auto& cs : op.cases) {
+        if (cs.large || (any_rep && !cs.representative)) continue;
+        for (DType dt : op.dtypes) {
+          CompileRequest req;
+          req.op = name;
+          req.dtype = dt;
+          req.arch = arch;
+          req.without = cs.without;
+          req.tensor_dtypes = cs.tensor_dtypes;
+          for (const auto& [k, v] : cs.params.items()) req.params.set(k, v);
+          for (const auto& [k, v] : cs.dims) {
+            bool is_dim = false;
+            for (const auto& d : op.info.dims) is_dim = is_dim || (d.name == k && d.kind != DimKind::Var);
+            if (is_dim) req.params.set(k, v);
+          }
+          Problem p = problem_from_request(op, req);
+          for (const auto& cfg : op.tuning.enumerate(p)) {
+            std::string sig;
+            for (const auto& spec : op.kernels(p, cfg)) sig += spec.canonical() + "\n";
+            if (seen[sig]) continue;
+            seen[sig] = true;
+            configs.push_back(std::make_unique<Config>(cfg));
+            CompileRequest r = req;
+            r.config = configs.back().get();
+            out.push_back(std::move(r));
+          }
+        }
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace kspec

@@ -1,0 +1,454 @@
+// Validation of a call against its op's schema, before anything is launched. Every message names the
+// op, the argument and what was expected.
+#include <algorithm>
+#include <cstdint>
+#include <sstream>
+
+#include "api/src/op.h"
+
+namespace kspec {
+namespace {
+
+std::string join_dtypes(const std::vector<DType>& ds) {
+  std::string s;
+  for (size_t i = 0; i < ds.size(); ++i) s += (i ? "|" : "") + std::string(dtype_name(ds[i]));
+  return s;
+}
+
+std::string shape_text(const TensorDef& t) {
+  std::string s = "[";
+  for (size_t i = 0; i < t.shape.size(); ++i) s += (i ? ", " : "") + t.shape[i];
+  return s + "]";
+}
+
+bool is_leading(const std::string& tok) { return tok.rfind("...", 0) == 0; }
+
+// The distance between consecutive rows once the dims before the last are flattened: the stride of
+// the innermost of them with more than one element (size-1 dims have arbitrary strides).
+int64_t row_stride_of(const TensorView& t) {
+  for (int j = t.rank - 2; j >= 0; --j)
+    if (t.shape[j] > 1) return t.strides[j];
+  return t.rank >= 1 ? t.shape[t.rank - 1] : 1;
+}
+
+const DimDef* find_dim(const OpInfo& info, std::string_view name) {
+  for (const auto& d : info.dims)
+    if (d.name == name) return &d;
+  return nullptr;
+}
+
+int64_t bucket_of(const DimDef& d, int64_t v) {
+  for (int64_t b : d.buckets)
+    if (v <= b) return b;
+  return v;  // above the largest bucket: exact
+}
+
+void bind_dim(Problem& p, const std::string& op, const std::string& what, const std::string& dim,
+              int64_t value) {
+  for (auto& [name, v] : p.dims) {
+    if (name == dim) {
+      KSPEC_CHECK(v == value, op, ": ", what, " has ", dim, " = ", value, " but an earlier argument has ",
+                  dim, " = ", v);
+      return;
+    }
+  }
+  p.dims.emplace_back(dim, value);
+}
+
+bool is_number(const std::string& s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+int pow2_align(uint64_t x) {
+  int a = 16;
+  while (a > 1 && (x % a) != 0) a /= 2;
+  return a;
+}
+
+// Checks one tensor's rank, dtype, dims and layout; binds its dims. Returns its row stride (elements).
+void check_tensor(Problem& p, const OpInfo& info, const TensorDef& def, const TensorView& t,
+                  const std::string& what, int* device, bool is_output) {
+  const std::string& op = info.name;
+  KSPEC_CHECK(t.rank <= kMaxRank, op, ": ", what, ": rank ", t.rank, " exceeds ", kMaxRank);
+  bool leading = !def.shape.empty() && is_leading(def.shape[0]);
+  int fixed = static_cast<int>(def.shape.size()) - (leading ? 1 : 0);
+  KSPEC_CHECK(leading ? t.rank >= fixed : t.rank == fixed, op, ": ", what, ": expected shape ",
+              shape_text(def), " (rank ", leading ? ">= " : "", fixed, "), got ", t.describe());
+  // dtype
+  if (!def.dtype_of.empty()) {
+    DType want = p.dtype(def.dtype_of);
+    KSPEC_CHECK(t.dtype == want || (def.or_float32 && t.dtype == DType::f32), op, ": ", what,
+                ": expected dtype ", dtype_name(want), def.or_float32 ? " (or float32)" : "",
+                " like '", def.dtype_of, "', got ", dtype_name(t.dtype));
+  } else {
+    KSPEC_CHECK(std::find(def.dtypes.begin(), def.dtypes.end(), t.dtype) != def.dtypes.end(), op, ": ",
+                what, ": expected dtype ", join_dtypes(def.dtypes), ", got ", dtype_name(t.dtype));
+  }
+  // device and pointer
+  KSPEC_CHECK(t.device != kCpuDevice, op, ": ", what, ": expected a CUDA tensor, got one in host memory (",
+              t.describe(), ")");
+  KSPEC_CHECK(t.device >= 0, op, ": ", what, ": invalid device ", t.device);
+  if (*device < 0) *device = t.device;
+  KSPEC_CHECK(t.device == *device, op, ": ", what, ": expected a tensor on cuda:", *device,
+              " like the other arguments, got cuda:", t.device);
+  if (t.numel() > 0) KSPEC_CHECK(t.data != nullptr, op, ": ", what, ": null data pointer for ", t.describe());
+  auto addr = reinterpret_cast<uintptr_t>(t.data);
+  KSPEC_CHECK(addr % dtype_size(t.dtype) == 0, op, ": ", what, ": data pointer 0x", std::hex, addr, std::dec,
+              " is not aligned to its element size (", dtype_size(t.dtype), " bytes)");
+  // dims
+  int lead_count = t.rank - fixed;
+  if (leading) {
+    std::string dim = def.shape[0].substr(3);
+    int64_t prod = 1;
+    std::vector<int64_t> lead;
+    for (int d = 0; d < lead_count; ++d) {
+      prod *= t.shape[d];
+      lead.push_back(t.shape[d]);
+    }
+    bind_dim(p, op, what, dim, prod);
+    bool have = false;
+    for (const auto& l : p.leading) have = have || l.first == dim;
+    if (!have) p.leading.emplace_back(dim, lead);
+  }
+  for (int i = 0; i < fixed; ++i) {
+    const std::string& tok = def.shape[(leading ? 1 : 0) + i];
+    int64_t v = t.shape[lead_count + i];
+    KSPEC_CHECK(v >= 0, op, ": ", what, ": negative size in ", t.describe());
+    if (is_number(tok)) {
+      KSPEC_CHECK(v == std::stoll(tok), op, ": ", what, ": dim ", lead_count + i, " must be ", tok,
+                  ", got ", v);
+    } else {
+      bind_dim(p, op, what, tok, v);
+    }
+  }
+  // layout
+  if (t.numel() > 0) {
+    if (def.layout == Layout::Contiguous) {
+      KSPEC_CHECK(t.is_contiguous(), op, ": ", what, ": expected a contiguous tensor, got ", t.describe());
+    } else {
+      KSPEC_CHECK(t.rank == 0 || t.shape[t.rank - 1] == 1 || t.strides[t.rank - 1] == 1, op, ": ", what,
+                  ": expected the last dim to be contiguous (stride 1), got ", t.describe());
+      // Leading dims must collapse into one row index: stride[j] == stride[j+1] * shape[j+1].
+      int rows_end = t.rank - 1;       // all dims but the last form the rows
+      for (int j = 0; j + 1 < rows_end; ++j) {
+        if (t.shape[j] == 1 || t.shape[j + 1] == 1) continue;
+        KSPEC_CHECK(t.strides[j] == t.strides[j + 1] * t.shape[j + 1], op, ": ", what,
+                    ": its leading dims cannot be flattened into rows without a copy (", t.describe(),
+                    "); pass a tensor whose dims before the last have a single row stride");
+      }
+      if (t.rank >= 2) {
+        int64_t rs = row_stride_of(t);
+        if (is_output && t.numel() > t.shape[t.rank - 1])
+          KSPEC_CHECK(rs >= t.shape[t.rank - 1], op, ": ", what, ": rows overlap (row stride ", rs,
+                      " < row length ", t.shape[t.rank - 1], "); outputs must not alias themselves");
+        p.align_bytes = std::min(p.align_bytes, pow2_align(static_cast<uint64_t>(rs) * dtype_size(t.dtype)));
+      }
+    }
+    p.align_bytes = std::min(p.align_bytes, pow2_align(addr));
+  }
+}
+
+}  // namespace
+
+// ---- Problem / Call accessors ----
+
+int64_t Problem::dim(std::string_view name) const {
+  for (const auto& [n, v] : dims)
+    if (n == name) return v;
+  throw InvalidArgument(detail::concat(op ? op->info.name : "?", ": dim '", name, "' is not bound"));
+}
+
+namespace {
+int tensor_index(const std::vector<TensorDef>& defs, std::string_view name) {
+  for (size_t i = 0; i < defs.size(); ++i)
+    if (defs[i].name == name) return static_cast<int>(i);
+  return -1;
+}
+}  // namespace
+
+DType Problem::dtype(std::string_view tensor) const {
+  int i = tensor_index(op->info.inputs, tensor);
+  if (i >= 0) return inputs[i].dtype;
+  i = tensor_index(op->info.outputs, tensor);
+  if (i >= 0) return outputs[i].dtype;
+  throw InvalidArgument(detail::concat(op->info.name, ": no tensor named '", tensor, "'"));
+}
+
+bool Problem::present(std::string_view tensor) const {
+  int i = tensor_index(op->info.inputs, tensor);
+  if (i >= 0) return inputs[i].present;
+  i = tensor_index(op->info.outputs, tensor);
+  if (i >= 0) return outputs[i].present;
+  throw InvalidArgument(detail::concat(op->info.name, ": no tensor named '", tensor, "'"));
+}
+
+namespace {
+const ParamValue& get_param(const Problem& p, std::string_view name) {
+  const ParamValue* v = p.params.find(name);
+  if (!v) throw InvalidArgument(detail::concat(p.op->info.name, ": no parameter '", name, "'"));
+  return *v;
+}
+}  // namespace
+
+int64_t Problem::param_int(std::string_view name) const { return std::get<int64_t>(get_param(*this, name)); }
+double Problem::param_float(std::string_view name) const { return std::get<double>(get_param(*this, name)); }
+bool Problem::param_bool(std::string_view name) const { return std::get<bool>(get_param(*this, name)); }
+const std::string& Problem::param_str(std::string_view name) const {
+  return std::get<std::string>(get_param(*this, name));
+}
+
+std::string Problem::signature() const {
+  std::ostringstream os;
+  os << op->info.name << '|' << arch << '|';
+  for (size_t i = 0; i < inputs.size(); ++i)
+    os << (inputs[i].present ? dtype_short(inputs[i].dtype) : "-") << ',';
+  os << '|';
+  for (size_t i = 0; i < outputs.size(); ++i)
+    os << (outputs[i].present ? dtype_short(outputs[i].dtype) : "-") << ',';
+  os << '|';
+  for (const auto& [name, v] : dims) {
+    const DimDef* d = find_dim(op->info, name);
+    if (!d || d->kind == DimKind::Var) continue;
+    os << name << '=' << (d->kind == DimKind::Bucket ? bucket_of(*d, v) : v) << ',';
+  }
+  os << '|';
+  for (const auto& [name, v] : params.items()) os << name << '=' << param_to_string(v) << ',';
+  os << "|a" << align_bytes;
+  return os.str();
+}
+
+const TensorView& Call::in(std::string_view name) const {
+  int i = tensor_index(problem.op->info.inputs, name);
+  KSPEC_CHECK(i >= 0, problem.op->info.name, ": no input '", name, "'");
+  return inputs[i];
+}
+
+const TensorView& Call::out(std::string_view name) const {
+  int i = tensor_index(problem.op->info.outputs, name);
+  KSPEC_CHECK(i >= 0, problem.op->info.name, ": no output '", name, "'");
+  return outputs[i];
+}
+
+int64_t Call::row_stride(const TensorView& t) const { return row_stride_of(t); }
+
+// ---- params ----
+
+Params complete_params(const OpDef& op, const Params& given) {
+  const OpInfo& info = op.info;
+  for (const auto& [name, value] : given.items()) {
+    bool known = std::any_of(info.params.begin(), info.params.end(), [&](const ParamDef& d) { return d.name == name; });
+    if (!known) {
+      std::string names;
+      for (const auto& d : info.params) names += (names.empty() ? "" : ", ") + d.name;
+      throw InvalidArgument(detail::concat(info.name, ": unknown parameter '", name, "' (expected one of: ",
+                                           names.empty() ? "none" : names, ")"));
+    }
+  }
+  Params out;
+  for (const auto& d : info.params) {
+    const ParamValue* v = given.find(d.name);
+    ParamValue value = v ? *v : d.default_value;
+    switch (d.type) {
+      case ParamType::Int:
+        if (std::holds_alternative<double>(value)) {
+          double x = std::get<double>(value);
+          KSPEC_CHECK(x == static_cast<double>(static_cast<int64_t>(x)), info.name, ": parameter '", d.name,
+                      "': expected an integer, got ", x);
+          value = static_cast<int64_t>(x);
+        }
+        KSPEC_CHECK(std::holds_alternative<int64_t>(value), info.name, ": parameter '", d.name,
+                    "': expected an integer, got ", param_to_string(value));
+        break;
+      case ParamType::Float:
+        if (std::holds_alternative<int64_t>(value)) value = static_cast<double>(std::get<int64_t>(value));
+        KSPEC_CHECK(std::holds_alternative<double>(value), info.name, ": parameter '", d.name,
+                    "': expected a number, got ", param_to_string(value));
+        break;
+      case ParamType::Bool:
+        if (std::holds_alternative<int64_t>(value) && (std::get<int64_t>(value) == 0 || std::get<int64_t>(value) == 1))
+          value = std::get<int64_t>(value) == 1;
+        KSPEC_CHECK(std::holds_alternative<bool>(value), info.name, ": parameter '", d.name,
+                    "': expected true or false, got ", param_to_string(value));
+        break;
+      case ParamType::Choice: {
+        KSPEC_CHECK(std::holds_alternative<std::string>(value), info.name, ": parameter '", d.name,
+                    "': expected a string, got ", param_to_string(value));
+        const auto& s = std::get<std::string>(value);
+        if (std::find(d.choices.begin(), d.choices.end(), s) == d.choices.end()) {
+          std::string names;
+          for (const auto& c : d.choices) names += (names.empty() ? "" : ", ") + c;
+          throw InvalidArgument(detail::concat(info.name, ": parameter '", d.name, "': expected one of ", names,
+                                               ", got '", s, "'"));
+        }
+        break;
+      }
+    }
+    out.set(d.name, value);
+  }
+  return out;
+}
+
+// ---- shapes ----
+
+std::vector<int64_t> shape_of(const TensorDef& t, const Problem& p) {
+  std::vector<int64_t> shape;
+  for (const auto& tok : t.shape) {
+    if (is_leading(tok)) {
+      std::string dim = tok.substr(3);
+      bool found = false;
+      for (const auto& [name, lead] : p.leading)
+        if (name == dim) {
+          shape.insert(shape.end(), lead.begin(), lead.end());
+          found = true;
+        }
+      if (!found) shape.push_back(p.dim(dim));
+    } else if (is_number(tok)) {
+      shape.push_back(std::stoll(tok));
+    } else {
+      shape.push_back(p.dim(tok));
+    }
+  }
+  return shape;
+}
+
+// ---- the call ----
+
+Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
+                   const std::vector<TensorView>& outputs, const Params& params, Stream stream) {
+  const OpInfo& info = op.info;
+  auto names = [](const std::vector<TensorDef>& defs) {
+    std::string s;
+    for (const auto& d : defs) s += (s.empty() ? "" : ", ") + d.name;
+    return s;
+  };
+  KSPEC_CHECK(inputs.size() == info.inputs.size(), info.name, ": expected ", info.inputs.size(), " inputs (",
+              names(info.inputs), "), got ", inputs.size());
+  KSPEC_CHECK(outputs.size() == info.outputs.size(), info.name, ": expected ", info.outputs.size(),
+              " outputs (", names(info.outputs), "), got ", outputs.size());
+  Call call;
+  Problem& p = call.problem;
+  p.op = &op;
+  p.params = complete_params(op, params);
+  p.inputs.resize(inputs.size());
+  p.outputs.resize(outputs.size());
+  int device = -1;
+  // dtypes first (dtype_of may refer to a later tensor), then everything else in order.
+  for (size_t i = 0; i < inputs.size(); ++i) p.inputs[i] = {inputs[i].defined(), inputs[i].dtype};
+  for (size_t i = 0; i < outputs.size(); ++i) p.outputs[i] = {outputs[i].defined(), outputs[i].dtype};
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const TensorDef& def = info.inputs[i];
+    std::string what = "input '" + def.name + "'";
+    if (!inputs[i].defined()) {
+      KSPEC_CHECK(def.optional, info.name, ": ", what, " is required (expected ", shape_text(def), ")");
+      continue;
+    }
+    check_tensor(p, info, def, inputs[i], what, &device, false);
+  }
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const TensorDef& def = info.outputs[i];
+    std::string what = "output '" + def.name + "'";
+    bool needed = def.present_with.empty() ? !def.optional : p.present(def.present_with);
+    if (!outputs[i].defined()) {
+      KSPEC_CHECK(!needed, info.name, ": ", what, " is required", def.present_with.empty() ? "" : " when '",
+                  def.present_with, def.present_with.empty() ? "" : "' is given");
+      continue;
+    }
+    KSPEC_CHECK(def.present_with.empty() || needed, info.name, ": ", what, " must be None when '",
+                def.present_with, "' is None");
+    check_tensor(p, info, def, outputs[i], what, &device, true);
+    auto want = shape_of(def, p);
+    std::vector<int64_t> got(outputs[i].shape, outputs[i].shape + outputs[i].rank);
+    if (got != want) {
+      std::ostringstream os;
+      os << info.name << ": " << what << ": expected shape [";
+      for (size_t k = 0; k < want.size(); ++k) os << (k ? ", " : "") << want[k];
+      os << "], got " << outputs[i].describe();
+      throw InvalidArgument(os.str());
+    }
+  }
+  KSPEC_CHECK(device >= 0, info.name, ": no tensor arguments");
+  call.inputs = inputs;
+  call.outputs = outputs;
+  call.device = device;
+  call.stream = stream;
+  return call;
+}
+
+Problem problem_from_request(const OpDef& op, const CompileRequest& req) {
+  const OpInfo& info = op.info;
+  Problem p;
+  p.op = &op;
+  Params scalars;
+  for (const auto& [name, v] : req.params.items()) {
+    if (find_dim(info, name)) {
+      KSPEC_CHECK(std::holds_alternative<int64_t>(v), info.name, ": dim '", name, "' must be an integer");
+      p.dims.emplace_back(name, std::get<int64_t>(v));
+    } else {
+      scalars.set(name, v);
+    }
+  }
+  p.params = complete_params(op, scalars);
+  for (const auto& [name, v] : op.compile_dims) {
+    bool have = false;
+    for (const auto& d : p.dims) have = have || d.first == name;
+    if (!have) p.dims.emplace_back(name, v);
+  }
+  for (const auto& d : info.dims) {
+    bool have = false;
+    for (const auto& b : p.dims) have = have || b.first == d.name;
+    KSPEC_CHECK(have || d.kind == DimKind::Var, info.name, ": needs a value for the compile-time dim '", d.name,
+                "' (e.g. --param ", d.name, "=4096)");
+    if (!have) p.dims.emplace_back(d.name, 1);
+  }
+  for (const auto& w : req.without) {
+    bool ok = std::any_of(info.inputs.begin(), info.inputs.end(),
+                          [&](const TensorDef& t) { return t.name == w && t.optional; });
+    KSPEC_CHECK(ok, info.name, ": '", w, "' is not an optional input");
+  }
+  auto pick = [&](const TensorDef& t, DType main) -> DType {
+    for (const auto& [name, dt] : req.tensor_dtypes)
+      if (name == t.name) return dt;
+    if (!t.dtype_of.empty()) return main;  // resolved below
+    if (std::find(t.dtypes.begin(), t.dtypes.end(), main) != t.dtypes.end()) return main;
+    return t.dtypes.front();
+  };
+  p.inputs.resize(info.inputs.size());
+  p.outputs.resize(info.outputs.size());
+  for (size_t i = 0; i < info.inputs.size(); ++i) {
+    bool absent = std::find(req.without.begin(), req.without.end(), info.inputs[i].name) != req.without.end();
+    p.inputs[i] = {!absent, pick(info.inputs[i], req.dtype)};
+  }
+  for (size_t i = 0; i < info.outputs.size(); ++i) {
+    const auto& def = info.outputs[i];
+    bool present = def.present_with.empty() ? true : p.present(def.present_with);
+    p.outputs[i] = {present, pick(def, req.dtype)};
+  }
+  // dtype_of: copy the referenced tensor's dtype unless overridden (float32 allowed when or_float32).
+  auto resolve = [&](const std::vector<TensorDef>& defs, std::vector<TensorMeta>& metas) {
+    for (size_t i = 0; i < defs.size(); ++i) {
+      if (defs[i].dtype_of.empty()) continue;
+      bool overridden = false;
+      for (const auto& [name, dt] : req.tensor_dtypes) {
+        if (name != defs[i].name) continue;
+        overridden = true;
+        KSPEC_CHECK(dt == p.dtype(defs[i].dtype_of) || (defs[i].or_float32 && dt == DType::f32), info.name,
+                    ": ", defs[i].name, " must have the dtype of ", defs[i].dtype_of,
+                    defs[i].or_float32 ? " or float32" : "");
+      }
+      if (!overridden) metas[i].dtype = p.dtype(defs[i].dtype_of);
+    }
+  };
+  resolve(info.inputs, p.inputs);
+  resolve(info.outputs, p.outputs);
+  for (size_t i = 0; i < info.inputs.size(); ++i) {
+    const auto& def = info.inputs[i];
+    if (def.dtype_of.empty())
+      KSPEC_CHECK(std::find(def.dtypes.begin(), def.dtypes.end(), p.inputs[i].dtype) != def.dtypes.end(), info.name,
+                  ": input '", def.name, "' does not support dtype ", dtype_name(p.inputs[i].dtype), " (expected ",
+                  join_dtypes(def.dtypes), ")");
+  }
+  p.arch = jit::resolve_arch(req.arch);
+  return p;
+}
+
+}  // namespace kspec

@@ -1,0 +1,118 @@
+// Loads libcuda with dlopen and resolves each entry point by the versioned symbol (_v2, _v3) that
+// cuda.h maps it to, so every call matches the prototype kspec was compiled against.
+#include "driver.h"
+
+#include <dlfcn.h>
+
+#include <mutex>
+#include <vector>
+
+namespace kspec::jit {
+namespace {
+
+struct Loaded {
+  Driver driver;
+  std::string error;  // empty when loaded
+  int device_count = 0;
+};
+
+Loaded load() {
+  Loaded out;
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!lib) lib = dlopen("libcuda.so", RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    const char* e = dlerror();
+    out.error = std::string("the CUDA driver (libcuda.so.1) could not be loaded: ") + (e ? e : "?") +
+                ". Compile-only features (kspec compile/precompile) work without it.";
+    return out;
+  }
+  // Each entry point is looked up under the exact symbol cuda.h maps its name to (cuMemAlloc →
+  // cuMemAlloc_v2), so the ABI matches the prototype kspec was compiled against. (cuGetProcAddress
+  // would hand out the newest ABI of the requested CUDA version instead: with 13.0 that is
+  // cuCtxSynchronize_v2(CUcontext), which takes an argument the plain prototype does not pass.)
+#define KSPEC_STR2(x) #x
+#define KSPEC_STR(x) KSPEC_STR2(x)
+#define KSPEC_RESOLVE(name)                                                                \
+  {                                                                                        \
+    void* fn = dlsym(lib, KSPEC_STR(name));                                                \
+    if (!fn) {                                                                             \
+      out.error = "the CUDA driver lacks " KSPEC_STR(name) " (driver older than the toolkit?)"; \
+      return out;                                                                          \
+    }                                                                                      \
+    out.driver.name = reinterpret_cast<decltype(out.driver.name)>(fn);                    \
+  }
+  KSPEC_DRIVER_FUNCS(KSPEC_RESOLVE)
+#undef KSPEC_RESOLVE
+  CUresult r = out.driver.cuInit(0);
+  if (r != CUDA_SUCCESS) {
+    const char* name = nullptr;
+    out.driver.cuGetErrorName(r, &name);
+    out.error = std::string("cuInit failed: ") + (name ? name : "?") + " (no usable GPU?)";
+    return out;
+  }
+  if (out.driver.cuDeviceGetCount(&out.device_count) != CUDA_SUCCESS) out.device_count = 0;
+  return out;
+}
+
+const Loaded& loaded() {
+  static const Loaded l = load();
+  return l;
+}
+
+}  // namespace
+
+const Driver& driver() {
+  const Loaded& l = loaded();
+  if (!l.error.empty()) throw CudaError(l.error);
+  return l.driver;
+}
+
+bool driver_available() { return loaded().error.empty() && loaded().device_count > 0; }
+
+int device_count() { return loaded().error.empty() ? loaded().device_count : 0; }
+
+std::string driver_error_text(CUresult r) {
+  const Loaded& l = loaded();
+  if (!l.error.empty()) return "CUresult " + std::to_string(static_cast<int>(r));
+  const char* name = nullptr;
+  const char* text = nullptr;
+  l.driver.cuGetErrorName(r, &name);
+  l.driver.cuGetErrorString(r, &text);
+  return std::string(name ? name : "?") + " (" + std::to_string(static_cast<int>(r)) + "): " +
+         (text ? text : "");
+}
+
+void throw_cuda_error(CUresult r, const char* call, const char* file, int line) {
+  throw CudaError(detail::concat(call, " failed with ", driver_error_text(r), " at ", file, ":", line));
+}
+
+CUcontext primary_context(int device) {
+  static std::mutex mu;
+  static std::vector<CUcontext> contexts;
+  int count = device_count();
+  KSPEC_CHECK(device >= 0 && device < count, "device ", device, " does not exist (", count,
+              " CUDA device(s) visible)");
+  std::lock_guard<std::mutex> lock(mu);
+  if (contexts.empty()) contexts.assign(count, nullptr);
+  if (!contexts[device]) {
+    CUdevice dev;
+    CU_CHECK(cuDeviceGet(&dev, device));
+    CU_CHECK(cuDevicePrimaryCtxRetain(&contexts[device], dev));
+  }
+  return contexts[device];
+}
+
+ContextGuard::ContextGuard(int device) {
+  CUcontext target = primary_context(device);
+  CU_CHECK(cuCtxGetCurrent(&previous_));
+  if (previous_ != target) {
+    CU_CHECK(cuCtxSetCurrent(target));
+    switched_ = true;
+  }
+}
+
+ContextGuard::~ContextGuard() {
+  if (switched_) driver().cuCtxSetCurrent(previous_);
+}
+
+}  // namespace kspec::jit

@@ -1,0 +1,67 @@
+// The CUDA Driver API, loaded at run time with dlopen so that kspec imports and compiles kernels on a
+// machine with no GPU and no libcuda (CI). Every driver call goes through driver() and CU_CHECK.
+// Error contract: driver() throws CudaError when libcuda cannot be loaded or cuInit fails;
+// CU_CHECK throws CudaError naming the call, the code, its name and file:line.
+#pragma once
+
+#include <cuda.h>
+
+#include <string>
+
+#include "kspec/error.h"
+
+namespace kspec::jit {
+
+#define KSPEC_DRIVER_FUNCS(X)                                                             \
+  X(cuInit) X(cuDriverGetVersion) X(cuDeviceGet) X(cuDeviceGetCount) X(cuDeviceGetAttribute) \
+  X(cuDeviceGetName) X(cuDeviceTotalMem) X(cuDevicePrimaryCtxRetain) X(cuCtxGetCurrent)   \
+  X(cuCtxSetCurrent) X(cuCtxPushCurrent) X(cuCtxPopCurrent) X(cuCtxGetDevice)             \
+  X(cuCtxSynchronize) X(cuModuleLoadData) X(cuModuleUnload) X(cuModuleGetFunction)       \
+  X(cuFuncSetAttribute) X(cuFuncGetAttribute) X(cuLaunchKernel) X(cuLaunchKernelEx)        \
+  X(cuGetErrorName) X(cuGetErrorString) X(cuStreamIsCapturing) X(cuStreamSynchronize)     \
+  X(cuStreamGetCtx) X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoD) X(cuMemcpyDtoH)            \
+  X(cuMemsetD8) X(cuMemsetD32Async) X(cuPointerGetAttribute) X(cuStreamCreate)            \
+  X(cuStreamDestroy) X(cuEventCreate) X(cuEventRecord) X(cuEventSynchronize)             \
+  X(cuEventElapsedTime) X(cuEventDestroy) X(cuMemGetInfo) X(cuStreamBeginCapture)            \
+  X(cuStreamEndCapture) X(cuGraphInstantiate) X(cuGraphLaunch) X(cuGraphDestroy)             \
+  X(cuGraphExecDestroy)
+
+struct Driver {
+#define KSPEC_DECLARE_PFN(name) decltype(&::name) name = nullptr;
+  KSPEC_DRIVER_FUNCS(KSPEC_DECLARE_PFN)
+#undef KSPEC_DECLARE_PFN
+};
+
+// Loads libcuda and calls cuInit(0) once; throws CudaError if either fails.
+const Driver& driver();
+// True when a driver is loadable and reports at least one device. Never throws.
+bool driver_available();
+int device_count();  // 0 when no driver
+std::string driver_error_text(CUresult r);
+
+// The primary context of a device, retained once per process and kept for its lifetime.
+CUcontext primary_context(int device);
+
+// Makes the device's primary context current for the scope, restoring the caller's afterwards.
+class ContextGuard {
+ public:
+  explicit ContextGuard(int device);
+  ~ContextGuard();
+  ContextGuard(const ContextGuard&) = delete;
+  ContextGuard& operator=(const ContextGuard&) = delete;
+
+ private:
+  CUcontext previous_ = nullptr;
+  bool switched_ = false;
+};
+
+[[noreturn]] void throw_cuda_error(CUresult r, const char* call, const char* file, int line);
+
+}  // namespace kspec::jit
+
+#define CU_CHECK(call)                                                              \
+  do {                                                                              \
+    CUresult kspec_cu_result_ = ::kspec::jit::driver().call;                        \
+    if (kspec_cu_result_ != CUDA_SUCCESS)                                           \
+      ::kspec::jit::throw_cuda_error(kspec_cu_result_, #call, __FILE__, __LINE__);  \
+  } while (0)

@@ -1,0 +1,13 @@
+// kspec's diagnostics on stderr: warnings always, info lines with KSPEC_VERBOSE=1. warn_once()
+// reports a recurring condition (a corrupt entry, a read-only cache) a single time per process.
+#pragma once
+
+#include <string>
+
+namespace kspec::jit {
+
+void warn(const std::string& msg);
+void warn_once(const std::string& tag, const std::string& msg);
+void info(const std::string& msg);
+
+}  // namespace kspec::jit

@@ -1,0 +1,177 @@
+// NVRTC compilation of kernel specializations. Headers come from the template source (embedded or
+// KSPEC_TEMPLATE_DIR) through NVRTC's header arrays; CUDA's own headers through -I.
+#include "nvrtc.h"
+
+#include <nvrtc.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <cctype>
+
+#include "hash.h"
+#include "kspec/error.h"
+#include "kspec/knobs.h"
+#include "sources.h"
+
+namespace kspec::jit {
+namespace {
+
+void nvrtc_check(nvrtcResult r, const char* call) {
+  if (r != NVRTC_SUCCESS)
+    throw Error(detail::concat(call, " failed: ", nvrtcGetErrorString(r), " (", static_cast<int>(r), ")"));
+}
+#define NVRTC_CHECK(call) nvrtc_check(call, #call)
+
+struct Program {
+  nvrtcProgram p = nullptr;
+  ~Program() {
+    if (p) nvrtcDestroyProgram(&p);
+  }
+};
+
+std::string program_log(nvrtcProgram p) {
+  size_t n = 0;
+  if (nvrtcGetProgramLogSize(p, &n) != NVRTC_SUCCESS || n <= 1) return {};
+  std::string log(n, '\0');
+  nvrtcGetProgramLog(p, log.data());
+  while (!log.empty() && (log.back() == '\0' || log.back() == '\n')) log.pop_back();
+  return log;
+}
+
+std::string write_failed_source(const KernelSpec& spec, const std::string& source) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path dir = knobs::debug_dir();
+  fs::create_directories(dir, ec);
+  fs::path p = dir / ("kspec-failed-" + sha256_hex(spec.canonical()).substr(0, 16) + ".cu");
+  std::ofstream out(p);
+  out << source;
+  return out ? p.string() : std::string("(could not write ") + p.string() + ")";
+}
+
+// The whole specialized program as one file: the generated prologue with every kspec header
+// inlined, so the file reproduces the failure with `nvcc -I<cuda include>` alone.
+std::string flattened_source(const KernelSpec& spec, const TemplateSource& src) {
+  std::string out = spec.source();
+  out += "\n// ---- the kspec templates it includes, as compiled ----\n";
+  for (const auto& f : src.kspec_closure(spec.header))
+    out += "\n// ==== templates/" + f.name + " ====\n" + f.content;
+  out += "\n// instantiated as: " + spec.name_expression() + "\n";
+  return out;
+}
+
+}  // namespace
+
+std::string nvrtc_version() {
+  int major = 0, minor = 0;
+  nvrtcVersion(&major, &minor);
+  return std::to_string(major) + "." + std::to_string(minor);
+}
+
+std::vector<std::string> compile_options(const KernelSpec& spec) {
+  std::vector<std::string> opts = {"-std=c++17", "-default-device",
+                                   "-arch=" + spec.arch};
+  if (spec.arch.rfind("sm_", 0) == 0) opts.push_back("-Xptxas=-v");
+  const std::string& inc = cuda_include_dir();
+  if (!inc.empty()) opts.push_back("-I" + inc);
+  for (const auto& o : spec.options) opts.push_back(o);
+  return opts;
+}
+
+namespace {
+// The integer just before `tag` in `text` (searching from `from`), or -1. Hand-written instead of
+// std::regex: regex's locale facets crash when another library (torch) brings its own libstdc++ state.
+int number_before(const std::string& text, const std::string& tag, size_t from = 0) {
+  size_t pos = text.find(tag, from);
+  if (pos == std::string::npos) return -1;
+  size_t end = pos;
+  while (end > 0 && text[end - 1] == ' ') --end;
+  size_t begin = end;
+  while (begin > 0 && std::isdigit(static_cast<unsigned char>(text[begin - 1]))) --begin;
+  if (begin == end) return -1;
+  return std::stoi(text.substr(begin, end - begin));
+}
+
+// The integer just after `tag`, or -1.
+int number_after(const std::string& text, const std::string& tag) {
+  size_t pos = text.find(tag);
+  if (pos == std::string::npos) return -1;
+  pos += tag.size();
+  size_t end = pos;
+  while (end < text.size() && std::isdigit(static_cast<unsigned char>(text[end]))) ++end;
+  return end > pos ? std::stoi(text.substr(pos, end - pos)) : -1;
+}
+}  // namespace
+
+Resources parse_ptxas_log(const std::string& log) {
+  Resources r;
+  r.registers = number_after(log, "Used ");
+  int stack = number_before(log, "bytes stack frame");
+  int stores = number_before(log, "bytes spill stores");
+  int loads = number_before(log, "bytes spill loads");
+  if (stack >= 0) r.stack_bytes = stack;
+  if (stores >= 0 && loads >= 0) r.spill_bytes = stores + loads;
+  int smem = number_before(log, "bytes smem");
+  r.static_shared_bytes = smem >= 0 ? smem : (r.registers >= 0 ? 0 : -1);
+  return r;
+}
+
+CompiledKernel compile(const KernelSpec& spec, const TemplateSource* source) {
+  const TemplateSource& src = source ? *source : TemplateSource::global();
+  auto closure = src.kspec_closure(spec.header);  // throws InvalidArgument for unknown templates
+  std::vector<const char*> header_texts, header_names;
+  for (const auto& f : closure) {
+    header_texts.push_back(f.content.c_str());
+    header_names.push_back(f.name.c_str());
+  }
+  std::string program_text = spec.source();
+  auto opts = compile_options(spec);
+  std::vector<const char*> copts;
+  for (const auto& o : opts) copts.push_back(o.c_str());
+  std::string expr = spec.name_expression();
+
+  auto t0 = std::chrono::steady_clock::now();
+  Program prog;
+  NVRTC_CHECK(nvrtcCreateProgram(&prog.p, program_text.c_str(), "kspec_specialization.cu",
+                                 static_cast<int>(closure.size()), header_texts.data(),
+                                 header_names.data()));
+  NVRTC_CHECK(nvrtcAddNameExpression(prog.p, expr.c_str()));
+  nvrtcResult r = nvrtcCompileProgram(prog.p, static_cast<int>(copts.size()), copts.data());
+  CompiledKernel out;
+  out.log = program_log(prog.p);
+  if (r != NVRTC_SUCCESS) {
+    std::string joined;
+    for (const auto& o : opts) joined += (joined.empty() ? "" : " ") + o;
+    std::string path = write_failed_source(spec, flattened_source(spec, src));
+    std::string hint;
+    if (cuda_include_dir().empty())
+      hint = "\nhint: no CUDA include directory was found; set CUDA_HOME or KSPEC_CUDA_INCLUDE";
+    throw CompileError(detail::concat("NVRTC failed to compile ", spec.name_expression(), " from ",
+                                      spec.header, " for ", spec.arch, ": ", nvrtcGetErrorString(r),
+                                      "\nspecialization: ", spec.canonical(), "\noptions: ", joined,
+                                      "\nsource written to: ", path, "\n--- NVRTC log ---\n", out.log,
+                                      hint),
+                       out.log, joined, spec.canonical(), path);
+  }
+  const char* lowered = nullptr;
+  NVRTC_CHECK(nvrtcGetLoweredName(prog.p, expr.c_str(), &lowered));
+  out.lowered_name = lowered;
+  out.is_cubin = spec.arch.rfind("sm_", 0) == 0;
+  size_t n = 0;
+  if (out.is_cubin) {
+    NVRTC_CHECK(nvrtcGetCUBINSize(prog.p, &n));
+    out.binary.resize(n);
+    NVRTC_CHECK(nvrtcGetCUBIN(prog.p, out.binary.data()));
+  } else {
+    NVRTC_CHECK(nvrtcGetPTXSize(prog.p, &n));
+    out.binary.resize(n);
+    NVRTC_CHECK(nvrtcGetPTX(prog.p, out.binary.data()));
+  }
+  out.compile_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  out.resources = parse_ptxas_log(out.log);
+  return out;
+}
+
+}  // namespace kspec::jit

@@ -1,0 +1,51 @@
+// Where kernel template text comes from: the copies embedded in the library at build time, or
+// KSPEC_TEMPLATE_DIR for development (edit a template, rerun, get the new kernel). Also finds the CUDA
+// headers NVRTC needs and computes the include closure whose bytes go into a kernel's content key.
+// Error contract: read() throws InvalidArgument for an unknown template; include_closure() throws
+// CompileError-free InvalidArgument when a quoted include cannot be found.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kspec::jit {
+
+struct TemplateFile {
+  std::string name;     // relative to templates/: "norm_act/norm_act.cuh"
+  std::string content;
+};
+
+class TemplateSource {
+ public:
+  // The process-wide source: KSPEC_TEMPLATE_DIR when set, else the embedded templates.
+  static const TemplateSource& global();
+  // For tests: a source over an explicit directory.
+  static TemplateSource from_directory(const std::string& dir);
+  static TemplateSource embedded();
+
+  bool has(const std::string& name) const;
+  const std::string& read(const std::string& name) const;
+  std::vector<std::string> names() const;
+  const std::string& origin() const { return origin_; }  // "embedded" or the directory
+
+  // Every template file the header includes, directly or not (itself included), in a stable order.
+  std::vector<TemplateFile> kspec_closure(const std::string& header) const;
+  // The system headers (<cuda_fp16.h>, ...) the closure includes, resolved to files of the CUDA
+  // include directory and recursively their includes: (path, content) pairs, sorted by path.
+  std::vector<TemplateFile> system_closure(const std::string& header) const;
+
+ private:
+  std::map<std::string, std::string> files_;
+  std::string origin_;
+};
+
+// The CUDA include directory: KSPEC_CUDA_INCLUDE, $CUDA_HOME/include, $CUDA_PATH/include, the toolkit
+// next to the loaded libnvrtc, then the toolkit kspec was built against. Empty if none holds cuda_fp16.h.
+const std::string& cuda_include_dir();
+
+// Parses `#include "x"` and `#include <x>` lines (no macro expansion: kspec templates include by name).
+std::vector<std::pair<std::string, bool>> parse_includes(const std::string& text);  // (name, quoted)
+
+}  // namespace kspec::jit

@@ -1,0 +1,57 @@
+"""kspec: JIT-specialized GPU kernels for sequence models.
+
+Kernel templates are specialized at run time for the problem's shapes, dtype, tile sizes and state
+size, compiled with NVRTC, cached on disk and launched through one op registry shared with C++.
+
+    import kspec
+    y = kspec.ops.norm_act(x, w, b, norm="rmsnorm", act="silu")
+    kspec.list_ops(); kspec.compile("norm_act.fwd", dtype="bf16", hidden=4096)
+"""
+from __future__ import annotations
+
+from . import _C
+from ._C import CacheError, CompileError, CudaError, Error, InvalidArgument, Unsupported
+from ._core import call, compile, explain, list_ops, op_info
+from . import ops
+
+__version__ = _C.version()
+
+__all__ = ["call", "compile", "explain", "list_ops", "op_info", "ops", "counters", "doctor", "knobs",
+           "Error", "InvalidArgument", "Unsupported", "CompileError", "CudaError", "CacheError"]
+
+
+def counters() -> dict:
+    """This process's compile / disk-hit / memory-hit / launch counts."""
+    return _C.counters()
+
+
+def doctor() -> list:
+    """(name, value) facts about the driver, toolkit, NVRTC, GPUs and cache directory."""
+    return _C.doctor()
+
+
+def knobs() -> list:
+    """Every KSPEC_* environment variable: (name, type, default, doc)."""
+    return _C.knobs()
+
+
+def check(op: str, case: str = "", dtypes=(), device: int = 0, include_large: bool = False,
+          config: str | None = None, seed: int = 0) -> list:
+    """Run an op on the GPU against its float64 reference (fresh random inputs, NaN-poisoned outputs).
+    Returns one dict per (case, dtype) with per-output relative errors and pass/fail."""
+    return _C.check_op(op, case, list(dtypes), device, include_large, config, seed)
+
+
+def _register_torch() -> None:
+    import sys
+
+    if "torch" in sys.modules:
+        from . import _torch  # noqa: F401  (registers the custom ops)
+
+
+try:  # torch is optional; when present, the custom ops register at import
+    import torch  # noqa: F401
+
+    _register_torch()
+except ImportError:
+    pass

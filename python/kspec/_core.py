@@ -1,0 +1,50 @@
+"""The generic entry: kspec.call(name, *inputs, **params) validates in C++, allocates the outputs with
+the caller's framework, launches on the caller's current stream and returns the outputs."""
+from __future__ import annotations
+
+from . import _C
+from ._tensors import current_stream, describe, empty, framework_of
+
+
+def call(op: str, *inputs, config: str | None = None, out=None, **params):
+    """Run a registered op. Inputs are positional as in the op's schema (None for a left-out optional
+    input); params by keyword. Returns the op's outputs as a tuple (None for absent ones).
+
+    `out` may pass preallocated outputs (a sequence like the schema's outputs)."""
+    descs = [describe(t) for t in inputs]
+    fw = framework_of(inputs)
+    device = next((d[4] for d in descs if d is not None), 0)
+    if out is None:
+        specs = _C.infer_outputs(op, descs, params)
+        out = tuple(None if s is None else empty(fw, s[0], s[1], device) for s in specs)
+    out_descs = [describe(t) for t in out]
+    stream = current_stream(fw, device) if device >= 0 else 0
+    _C.call(op, descs, out_descs, params, stream, config)
+    return tuple(out)
+
+
+def explain(op: str, *inputs, **params) -> str:
+    """What a call would use: the problem signature, the config, the kernels and their cache entries."""
+    descs = [describe(t) for t in inputs]
+    specs = _C.infer_outputs(op, descs, params)
+    fw = framework_of(inputs)
+    device = next((d[4] for d in descs if d is not None), 0)
+    outs = [None if s is None else describe(empty(fw, s[0], s[1], device)) for s in specs]
+    return _C.explain(op, descs, outs, params)
+
+
+def compile(op: str, dtype: str = "f32", arch: str = "sm_90", without=(), tensor_dtypes=None,
+            config: str | None = None, **params):
+    """Specialize and compile (no GPU needed). Returns one report dict per kernel:
+    key, source ("compiled"/"disk"/"memory"), compile_ms, registers, spill_bytes, shared_bytes, path..."""
+    return _C.compile(op, dtype, arch, params, list(without), dict(tensor_dtypes or {}), config)
+
+
+def list_ops():
+    """Names of every registered op."""
+    return list(_C.list_ops())
+
+
+def op_info(op: str) -> dict:
+    """The op's schema: inputs, outputs, params, dims, tuning axes, reference."""
+    return _C.op_info(op)

@@ -1,0 +1,60 @@
+"""torch glue: kspec ops as torch.library custom ops with registered fake (meta) kernels and autograd,
+so loss.backward() and torch.compile work through them."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._core import call
+
+
+@torch.library.custom_op("kspec::norm_act_fwd", mutates_args=(), device_types="cuda")
+def norm_act_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], norm: str, act: str,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, mean, rstd = call("norm_act.fwd", x, weight, bias, norm=norm, act=act, eps=eps)
+    return y, mean, rstd
+
+
+@norm_act_fwd.register_fake
+def _(x, weight, bias, norm, act, eps):
+    stats = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("kspec::norm_act_bwd", mutates_args=(), device_types="cuda")
+def norm_act_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 mean: torch.Tensor, rstd: torch.Tensor, norm: str, act: str,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, db = call("norm_act.bwd", dy, x, weight, bias, mean, rstd, norm=norm, act=act, eps=eps)
+    # custom ops cannot return None inside a tuple: an empty tensor stands for "no bias"
+    return dx, dw, db if db is not None else weight.new_empty(0)
+
+
+@norm_act_bwd.register_fake
+def _(dy, x, weight, bias, mean, rstd, norm, act, eps):
+    db = weight.new_empty(0) if bias is None else torch.empty_like(weight)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight), db
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias, norm, act, eps = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.cfg = (norm, act, eps)
+
+
+def _backward(ctx, dy, dmean, drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    norm, act, eps = ctx.cfg
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    dx, dw, db = norm_act_bwd(dy, x, weight, bias, mean, rstd, norm, act, eps)
+    return dx, dw, db if bias is not None else None, None, None, None
+
+
+norm_act_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def norm_act(x, weight, bias, norm, act, eps):
+    return norm_act_fwd(x, weight, bias, norm, act, eps)[0]

@@ -1,0 +1,324 @@
+"""The kspec command line: ops, compile, precompile, cache, doctor, check, run."""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import sys
+import time
+
+from . import _C
+
+
+def _console():
+    try:
+        from rich.console import Console
+
+        return Console()
+    except ImportError:
+        return None
+
+
+def _table(title, columns, rows):
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=title)
+        for c in columns:
+            t.add_column(c)
+        for r in rows:
+            t.add_row(*[str(x) for x in r])
+        Console(width=200).print(t)
+    except ImportError:
+        print(title)
+        print("  ".join(columns))
+        for r in rows:
+            print("  ".join(str(x) for x in r))
+
+
+def _parse_value(v: str):
+    low = v.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(v)
+    except ValueError:
+        pass
+    try:
+        return float(v)
+    except ValueError:
+        return v
+
+
+def _kv(items, what):
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise SystemExit(f"kspec: {what} expects name=value, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k] = _parse_value(v)
+    return out
+
+
+def cmd_ops(a):
+    names = [a.name] if a.name else _C.list_ops()
+    if a.json:
+        print(json.dumps([_C.op_info(n) for n in names], indent=2))
+        return 0
+    for n in names:
+        print(_C.describe_op(n))
+    return 0
+
+
+def _compile_one(req):
+    return _C.compile(req["op"], req["dtype"], req["arch"], req.get("params", {}), req.get("without", []),
+                      req.get("tensor_dtypes", {}), req.get("config"))
+
+
+def cmd_compile(a):
+    req = {"op": a.op, "dtype": a.dtype, "arch": a.arch, "params": _kv(a.param, "--param"),
+           "without": a.without or [], "tensor_dtypes": {k: str(v) for k, v in _kv(a.tensor_dtype, "--tensor-dtype").items()},
+           "config": a.config}
+    reports = _compile_one(req)
+    if a.json:
+        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2 if a.verbose else None))
+        return 0
+    for r in reports:
+        print(f"{r['kernel']}\n  key {r['key']}\n  {r['source']} in {r['load_ms']:.1f} ms"
+              f" (compile {r['compile_ms']:.1f} ms), {r['registers']} registers, {r['spill_bytes']} B spill,"
+              f" {r['shared_bytes']} B static smem, arch {r['arch']}, config {r['config']}\n  {r['path'] or '(memory only)'}")
+        if a.verbose and r["log"]:
+            print("  " + r["log"].replace("\n", "\n  "))
+    return 0
+
+
+def _load_requests(path):
+    reqs = []
+    with open(path) as f:
+        text = f.read().strip()
+    if text.startswith("["):
+        reqs = json.loads(text)
+    else:
+        reqs = [json.loads(line) for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    for r in reqs:
+        r.setdefault("arch", "sm_90")
+        r.setdefault("dtype", "f32")
+    return reqs
+
+
+def cmd_precompile(a):
+    archs = a.arch or ["sm_80", "sm_90"]
+    if a.all:
+        reqs = _C.precompile_plan(archs, a.op or [])
+    elif a.file:
+        reqs = _load_requests(a.file)
+    else:
+        raise SystemExit("kspec precompile: give --all or --file FILE (JSON lines of compile requests)")
+    jobs = a.jobs or int(os.environ.get("KSPEC_COMPILE_THREADS", 0)) or (os.cpu_count() or 1)
+    results, failures = [], []
+    t0 = time.time()
+    try:
+        from rich.progress import Progress
+        progress = Progress(transient=False)
+    except ImportError:
+        progress = None
+
+    def run(req):
+        try:
+            return req, _compile_one(req), None
+        except Exception as e:  # report every failure, keep going
+            return req, None, e
+
+    with cf.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futs = [pool.submit(run, r) for r in reqs]
+        task = progress.add_task("compiling", total=len(futs)) if progress else None
+        if progress:
+            progress.start()
+        try:
+            for fut in cf.as_completed(futs):
+                req, reports, err = fut.result()
+                if err is not None:
+                    failures.append((req, f"{type(err).__name__}: {err}"))
+                else:
+                    for r in reports:
+                        results.append(r)
+                        if r["spill_bytes"] and r["spill_bytes"] > 0:
+                            failures.append((req, f"{r['kernel']} spills {r['spill_bytes']} bytes ({r['arch']})"))
+                if progress:
+                    progress.advance(task)
+        finally:
+            if progress:
+                progress.stop()
+    dt = time.time() - t0
+    by_source = {}
+    for r in results:
+        by_source[r["source"]] = by_source.get(r["source"], 0) + 1
+    worst = max(results, key=lambda r: r["registers"], default=None)
+    print(f"kspec precompile: {len(reqs)} requests, {len(results)} kernels ({by_source}) for {archs} in {dt:.1f} s"
+          f" with {jobs} threads" + (f"; most registers: {worst['registers']} ({worst['kernel']})" if worst else ""))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"results": results, "failures": [[r, e] for r, e in failures]}, f, indent=1)
+    for req, err in failures[:20]:
+        print(f"FAILED {json.dumps(req)}\n  {err}", file=sys.stderr)
+    if failures:
+        print(f"kspec precompile: {len(failures)} failure(s)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_cache(a):
+    if a.action == "stats":
+        s = _C.cache_stats()
+        print(json.dumps(s, indent=2) if a.json else
+              f"{s['dir']}: {s['entries']} entries, {s['bytes']} bytes (cap {s['max_bytes']}),"
+              f" {'enabled' if s['enabled'] else 'disabled'}, {'writable' if s['writable'] else 'read-only'}")
+    elif a.action == "list":
+        entries = _C.cache_entries()
+        if a.json:
+            print(json.dumps(entries, indent=1))
+        else:
+            _table("kspec cache", ["key", "kernel", "arch", "regs", "spill", "smem", "bytes", "compile ms"],
+                   [[e["key"][:16], e["kernel"][:70], e["arch"], e["registers"], e["spill_bytes"], e["shared_bytes"],
+                     e["bytes"], f"{e['compile_ms']:.0f}"] for e in entries])
+    elif a.action == "verify":
+        ok, bad = _C.cache_verify()
+        print(f"{ok} entries ok, {len(bad)} bad (removed)")
+        for b in bad:
+            print("  " + b)
+        return 1 if bad else 0
+    elif a.action == "prune":
+        n = _C.cache_prune(a.max_bytes if a.max_bytes is not None else -1)
+        print(f"pruned {n} entries")
+    elif a.action == "clear":
+        print(f"removed {_C.cache_clear()} entries")
+    return 0
+
+
+def cmd_doctor(a):
+    facts = _C.doctor()
+    if a.json:
+        print(json.dumps(dict(facts), indent=2))
+    else:
+        width = max(len(k) for k, _ in facts)
+        for k, v in facts:
+            print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _gpu_count():
+    facts = dict(_C.doctor())
+    try:
+        return int(facts.get("gpus", "0"))
+    except ValueError:
+        return 0
+
+
+def cmd_check(a):
+    if _gpu_count() == 0:
+        print("kspec check: no GPU visible; nothing to run (kspec precompile --all compiles everything without one)")
+        return 2
+    ops = a.op or _C.list_ops()
+    rows, ok = [], True
+    all_results = []
+    for op in ops:
+        res = _C.check_op(op, a.case or "", a.dtype or [], a.device, a.large, a.config, a.seed)
+        for r in res:
+            all_results.append(r)
+            ok = ok and r["passed"]
+            errs = " ".join(f"{n}={e:.1e}" for n, e in r["errors"])
+            rows.append([r["op"], r["case"], r["dtype"], r["shape"], r["config"], errs, f"{r['tolerance']:.0e}",
+                         "ok" if r["passed"] else "FAIL " + r["message"][:80]])
+    _table("kspec check: GPU vs float64 reference (relative error ‖out−ref‖/‖ref‖)",
+           ["op", "case", "dtype", "dims", "config", "errors", "tol", "result"], rows)
+    passed = sum(1 for r in all_results if r["passed"])
+    print(f"{passed} passed, {len(all_results) - passed} failed")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(all_results, f, indent=1)
+    return 0 if ok else 1
+
+
+def cmd_run(a):
+    """The main job: on a GPU, every op against its reference; without one, compile everything."""
+    if _gpu_count() > 0:
+        return cmd_check(argparse.Namespace(op=None, case=None, dtype=None, device=0, large=a.large, config=None,
+                                            seed=0, json=a.json))
+    print("kspec run: no GPU visible — specializing and compiling every op into the cache instead")
+    return cmd_precompile(argparse.Namespace(all=True, file=None, arch=a.arch or ["sm_80", "sm_90"], op=None,
+                                             jobs=None, json=a.json))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="kspec", description="JIT kernel specialization for sequence models")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("ops", help="the registry with schemas")
+    s.add_argument("name", nargs="?")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_ops)
+
+    s = sub.add_parser("compile", help="specialize + compile one op (no GPU needed)")
+    s.add_argument("op")
+    s.add_argument("--dtype", default="f32")
+    s.add_argument("--arch", default="sm_90")
+    s.add_argument("--param", action="append", metavar="K=V", help="params and compile-time dims, e.g. hidden=4096")
+    s.add_argument("--without", action="append", metavar="INPUT", help="leave out an optional input")
+    s.add_argument("--tensor-dtype", action="append", metavar="NAME=DTYPE")
+    s.add_argument("--config", help="tuning config, e.g. threads_per_row=256,rows_per_block=1,vec=8")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--verbose", "-v", action="store_true")
+    s.set_defaults(fn=cmd_compile)
+
+    s = sub.add_parser("precompile", help="compile a list of specializations (--all: every op x dtype x config)")
+    s.add_argument("--all", action="store_true")
+    s.add_argument("--file")
+    s.add_argument("--arch", action="append")
+    s.add_argument("--op", action="append")
+    s.add_argument("--jobs", type=int)
+    s.add_argument("--json", metavar="FILE")
+    s.set_defaults(fn=cmd_precompile)
+
+    s = sub.add_parser("cache", help="the disk cache")
+    s.add_argument("action", choices=["stats", "list", "verify", "prune", "clear"])
+    s.add_argument("--max-bytes", type=int)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_cache)
+
+    s = sub.add_parser("doctor", help="driver, toolkit, NVRTC, GPUs, cache directory")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_doctor)
+
+    for name, fn, hlp in (("check", cmd_check, "every op on the GPU against its float64 reference"),):
+        s = sub.add_parser(name, help=hlp)
+        s.add_argument("--op", action="append")
+        s.add_argument("--case")
+        s.add_argument("--dtype", action="append")
+        s.add_argument("--device", type=int, default=0)
+        s.add_argument("--large", action="store_true")
+        s.add_argument("--config")
+        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--json", metavar="FILE")
+        s.set_defaults(fn=fn)
+
+    s = sub.add_parser("run", help="the main job: check on a GPU, else precompile everything")
+    s.add_argument("--large", action="store_true")
+    s.add_argument("--arch", action="append")
+    s.add_argument("--json", metavar="FILE")
+    s.set_defaults(fn=cmd_run)
+
+    a = p.parse_args(argv)
+    try:
+        return a.fn(a)
+    except _C.Error as e:
+        print(f"kspec: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"kspec: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

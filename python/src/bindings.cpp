@@ -1,0 +1,391 @@
+// pybind11 bindings: kspec._C. Tensors arrive as (ptr, dtype, shape, strides, device) tuples built by
+// python/kspec/_tensors.py from torch, CuPy, DLPack or __cuda_array_interface__ objects; the C++ side
+// does all validation. Each kspec::Error maps to one Python exception class.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "kspec/kspec.h"
+
+namespace py = pybind11;
+
+namespace {
+
+kspec::TensorView to_view(const py::handle& h) {
+  kspec::TensorView t;
+  if (h.is_none()) return t;
+  auto tup = py::reinterpret_borrow<py::tuple>(h);
+  if (tup.size() != 5) throw kspec::InvalidArgument("tensor descriptor: expected (ptr, dtype, shape, strides, device)");
+  t.data = reinterpret_cast<void*>(tup[0].cast<uintptr_t>());
+  t.dtype = kspec::parse_dtype(tup[1].cast<std::string>());
+  auto shape = py::reinterpret_borrow<py::tuple>(tup[2]);
+  auto strides = py::reinterpret_borrow<py::tuple>(tup[3]);
+  if (shape.size() > static_cast<size_t>(kspec::kMaxRank))
+    throw kspec::InvalidArgument("tensor of rank " + std::to_string(shape.size()) + " exceeds kspec's maximum rank " +
+                                 std::to_string(kspec::kMaxRank));
+  if (strides.size() != shape.size()) throw kspec::InvalidArgument("tensor descriptor: shape and strides differ in length");
+  t.rank = static_cast<int>(shape.size());
+  for (int i = 0; i < t.rank; ++i) {
+    t.shape[i] = shape[i].cast<int64_t>();
+    t.strides[i] = strides[i].cast<int64_t>();
+  }
+  t.device = tup[4].cast<int>();
+  return t;
+}
+
+std::vector<kspec::TensorView> to_views(const py::sequence& seq) {
+  std::vector<kspec::TensorView> out;
+  out.reserve(seq.size());
+  for (auto h : seq) out.push_back(to_view(h));
+  return out;
+}
+
+kspec::Params to_params(const py::dict& d) {
+  kspec::Params p;
+  for (auto [k, v] : d) {
+    std::string name = k.cast<std::string>();
+    if (py::isinstance<py::bool_>(v)) p.set(name, v.cast<bool>());
+    else if (py::isinstance<py::int_>(v)) p.set(name, v.cast<int64_t>());
+    else if (py::isinstance<py::float_>(v)) p.set(name, v.cast<double>());
+    else if (py::isinstance<py::str>(v)) p.set(name, v.cast<std::string>());
+    else
+      throw kspec::InvalidArgument("parameter '" + name + "': expected int, float, bool or str, got " +
+                                   std::string(py::str(v.get_type().attr("__name__"))));
+  }
+  return p;
+}
+
+py::object param_to_py(const kspec::ParamValue& v) {
+  if (auto p = std::get_if<int64_t>(&v)) return py::int_(*p);
+  if (auto p = std::get_if<double>(&v)) return py::float_(*p);
+  if (auto p = std::get_if<bool>(&v)) return py::bool_(*p);
+  return py::str(std::get<std::string>(v));
+}
+
+py::dict tensor_def(const kspec::TensorDef& t) {
+  py::dict d;
+  d["name"] = t.name;
+  d["shape"] = t.shape;
+  std::vector<std::string> dts;
+  for (auto dt : t.dtypes) dts.push_back(kspec::dtype_name(dt));
+  d["dtypes"] = dts;
+  d["dtype_of"] = t.dtype_of;
+  d["or_float32"] = t.or_float32;
+  d["optional"] = t.optional;
+  d["present_with"] = t.present_with;
+  d["doc"] = t.doc;
+  return d;
+}
+
+py::dict op_info_dict(const std::string& name) {
+  const kspec::OpInfo& i = kspec::op_info(name);
+  py::dict d;
+  d["name"] = i.name;
+  d["family"] = i.family;
+  d["doc"] = i.doc;
+  py::list ins, outs, params, dims;
+  for (const auto& t : i.inputs) ins.append(tensor_def(t));
+  for (const auto& t : i.outputs) outs.append(tensor_def(t));
+  for (const auto& p : i.params) {
+    py::dict pd;
+    pd["name"] = p.name;
+    pd["type"] = p.type == kspec::ParamType::Int ? "int" : p.type == kspec::ParamType::Float ? "float"
+                 : p.type == kspec::ParamType::Bool ? "bool" : "choice";
+    pd["default"] = param_to_py(p.default_value);
+    pd["choices"] = p.choices;
+    pd["doc"] = p.doc;
+    params.append(pd);
+  }
+  for (const auto& dm : i.dims) {
+    py::dict dd;
+    dd["name"] = dm.name;
+    dd["kind"] = dm.kind == kspec::DimKind::Var ? "runtime" : dm.kind == kspec::DimKind::Const ? "compile-time" : "bucketed";
+    dd["doc"] = dm.doc;
+    dims.append(dd);
+  }
+  d["inputs"] = ins;
+  d["outputs"] = outs;
+  d["params"] = params;
+  d["dims"] = dims;
+  d["tuning_axes"] = i.tuning_axes;
+  d["reference"] = i.reference;
+  return d;
+}
+
+py::dict report_dict(const kspec::CompileReport& r) {
+  py::dict d;
+  d["op"] = r.op;
+  d["kernel"] = r.kernel;
+  d["spec"] = r.spec;
+  d["key"] = r.key;
+  d["source"] = r.source;
+  d["compile_ms"] = r.compile_ms;
+  d["load_ms"] = r.load_ms;
+  d["registers"] = r.registers;
+  d["spill_bytes"] = r.spill_bytes;
+  d["stack_bytes"] = r.stack_bytes;
+  d["shared_bytes"] = r.shared_bytes;
+  d["arch"] = r.arch;
+  d["path"] = r.path;
+  d["config"] = r.config;
+  d["log"] = r.log;
+  return d;
+}
+
+kspec::CompileRequest to_request(const std::string& op, const std::string& dtype, const std::string& arch,
+                                 const py::dict& params, const std::vector<std::string>& without,
+                                 const std::map<std::string, std::string>& tensor_dtypes) {
+  kspec::CompileRequest req;
+  req.op = op;
+  req.dtype = kspec::parse_dtype(dtype);
+  req.arch = arch;
+  req.params = to_params(params);
+  req.without = without;
+  for (const auto& [k, v] : tensor_dtypes) req.tensor_dtypes.emplace_back(k, kspec::parse_dtype(v));
+  return req;
+}
+
+// The DLPack ABI (stable since v0.6), declared here rather than vendored.
+struct DLDevice { int32_t device_type; int32_t device_id; };
+struct DLDataType { uint8_t code; uint8_t bits; uint16_t lanes; };
+struct DLTensor {
+  void* data; DLDevice device; int32_t ndim; DLDataType dtype; int64_t* shape; int64_t* strides; uint64_t byte_offset;
+};
+struct DLManagedTensor { DLTensor dl_tensor; void* manager_ctx; void (*deleter)(DLManagedTensor*); };
+
+py::tuple dlpack_describe(const py::capsule& cap) {
+  if (std::string(cap.name() ? cap.name() : "") != "dltensor")
+    throw kspec::InvalidArgument("DLPack: expected an unconsumed 'dltensor' capsule");
+  auto* m = static_cast<DLManagedTensor*>(cap.get_pointer());
+  const DLTensor& t = m->dl_tensor;
+  // kDLCPU (1) maps to host memory, which validation then rejects with the argument's name.
+  int device = t.device.device_type == 1 ? kspec::kCpuDevice : t.device.device_id;
+  if (t.device.device_type != 1 && t.device.device_type != 2 && t.device.device_type != 3)
+    throw kspec::InvalidArgument("DLPack: expected a CUDA tensor, got device type " + std::to_string(t.device.device_type));
+  std::string dt;
+  if (t.dtype.lanes != 1) throw kspec::InvalidArgument("DLPack: vector dtypes are not supported");
+  if (t.dtype.code == 2 && t.dtype.bits == 32) dt = "float32";
+  else if (t.dtype.code == 2 && t.dtype.bits == 16) dt = "float16";
+  else if (t.dtype.code == 2 && t.dtype.bits == 64) dt = "float64";
+  else if (t.dtype.code == 4 && t.dtype.bits == 16) dt = "bfloat16";
+  else if (t.dtype.code == 0 && t.dtype.bits == 32) dt = "int32";
+  else if (t.dtype.code == 0 && t.dtype.bits == 64) dt = "int64";
+  else if (t.dtype.code == 1 && t.dtype.bits == 8) dt = "uint8";
+  else throw kspec::InvalidArgument("DLPack: unsupported dtype code " + std::to_string(t.dtype.code) + " bits " + std::to_string(t.dtype.bits));
+  py::tuple shape(t.ndim), strides(t.ndim);
+  int64_t s = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    shape[d] = py::int_(t.shape[d]);
+    strides[d] = py::int_(t.strides ? t.strides[d] : s);
+    s *= t.shape[d];
+  }
+  uintptr_t ptr = reinterpret_cast<uintptr_t>(t.data) + t.byte_offset;
+  return py::make_tuple(ptr, dt, shape, strides, device);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "kspec native core (validation, NVRTC specialization, cache, launch)";
+
+  auto base = py::register_exception<kspec::Error>(m, "Error", PyExc_RuntimeError);
+  py::register_exception<kspec::InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
+  py::register_exception<kspec::Unsupported>(m, "Unsupported", PyExc_NotImplementedError);
+  // CompileError carries the NVRTC log, options, spec and the path of the specialized source.
+  static PyObject* compile_error_type = [&] {
+    py::exception<kspec::CompileError> t(m, "CompileError", base.ptr());
+    Py_INCREF(t.ptr());  // lives as long as the interpreter
+    return t.ptr();
+  }();
+  py::register_exception<kspec::CudaError>(m, "CudaError", base.ptr());
+  py::register_exception<kspec::CacheError>(m, "CacheError", PyExc_OSError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const kspec::CompileError& e) {
+      py::object type = py::reinterpret_borrow<py::object>(compile_error_type);
+      py::object exc = type(py::str(e.what()));
+      exc.attr("log") = e.log();
+      exc.attr("options") = e.options();
+      exc.attr("spec") = e.spec();
+      exc.attr("source_path") = e.source_path();
+      PyErr_SetObject(compile_error_type, exc.ptr());
+    }
+  });
+
+  m.def("version", &kspec::version);
+  m.def("dlpack_describe", &dlpack_describe);
+  m.def("pointer_device", [](uintptr_t p) { return kspec::pointer_device(reinterpret_cast<const void*>(p)); });
+  m.def("list_ops", &kspec::list_ops);
+  m.def("op_info", &op_info_dict);
+  m.def("describe_op", [](const std::string& n) { return kspec::describe_op(n); });
+
+  m.def("call",
+        [](const std::string& op, const py::sequence& inputs, const py::sequence& outputs, const py::dict& params,
+           uintptr_t stream, const py::object& config) {
+          auto in = to_views(inputs);
+          auto out = to_views(outputs);
+          auto p = to_params(params);
+          kspec::Config cfg;
+          kspec::CallOptions opts;
+          if (!config.is_none()) {
+            cfg = kspec::Config::parse(config.cast<std::string>());
+            opts.config = &cfg;
+          }
+          py::gil_scoped_release release;
+          kspec::call(op, in, out, p, reinterpret_cast<kspec::Stream>(stream), opts);
+        },
+        py::arg("op"), py::arg("inputs"), py::arg("outputs"), py::arg("params"), py::arg("stream") = 0,
+        py::arg("config") = py::none());
+
+  m.def("infer_outputs", [](const std::string& op, const py::sequence& inputs, const py::dict& params) {
+    py::list out;
+    for (const auto& s : kspec::infer_outputs(op, to_views(inputs), to_params(params))) {
+      if (!s.present) out.append(py::none());
+      else out.append(py::make_tuple(kspec::dtype_name(s.dtype), py::tuple(py::cast(s.shape))));
+    }
+    return out;
+  });
+
+  m.def("explain", [](const std::string& op, const py::sequence& inputs, const py::sequence& outputs,
+                      const py::dict& params) {
+    return kspec::explain(op, to_views(inputs), to_views(outputs), to_params(params));
+  });
+
+  m.def("compile",
+        [](const std::string& op, const std::string& dtype, const std::string& arch, const py::dict& params,
+           const std::vector<std::string>& without, const std::map<std::string, std::string>& tensor_dtypes,
+           const py::object& config) {
+          auto req = to_request(op, dtype, arch, params, without, tensor_dtypes);
+          kspec::Config cfg;
+          if (!config.is_none()) {
+            cfg = kspec::Config::parse(config.cast<std::string>());
+            req.config = &cfg;
+          }
+          std::vector<kspec::CompileReport> reports;
+          {
+            py::gil_scoped_release release;
+            reports = kspec::compile(req);
+          }
+          py::list out;
+          for (const auto& r : reports) out.append(report_dict(r));
+          return out;
+        },
+        py::arg("op"), py::arg("dtype"), py::arg("arch") = "sm_90", py::arg("params") = py::dict(),
+        py::arg("without") = std::vector<std::string>{}, py::arg("tensor_dtypes") = std::map<std::string, std::string>{},
+        py::arg("config") = py::none());
+
+  m.def("precompile_plan", [](const std::vector<std::string>& archs, const std::vector<std::string>& ops) {
+    py::list out;
+    for (const auto& r : kspec::precompile_plan(archs, ops)) {
+      py::dict d;
+      d["op"] = r.op;
+      d["dtype"] = kspec::dtype_short(r.dtype);
+      d["arch"] = r.arch;
+      py::dict params;
+      for (const auto& [k, v] : r.params.items()) params[py::str(k)] = param_to_py(v);
+      d["params"] = params;
+      d["without"] = r.without;
+      std::map<std::string, std::string> td;
+      for (const auto& [k, v] : r.tensor_dtypes) td[k] = kspec::dtype_short(v);
+      d["tensor_dtypes"] = td;
+      d["config"] = r.config ? py::object(py::str(r.config->str())) : py::object(py::none());
+      out.append(d);
+    }
+    return out;
+  });
+
+  m.def("counters", [] {
+    auto c = kspec::counters();
+    py::dict d;
+    d["compiled"] = c.compiled;
+    d["disk_hits"] = c.disk_hits;
+    d["memory_hits"] = c.memory_hits;
+    d["launches"] = c.launches;
+    return d;
+  });
+
+  m.def("check_op",
+        [](const std::string& op, const std::string& case_name, const std::vector<std::string>& dtypes, int device,
+           bool include_large, const py::object& config, uint64_t seed) {
+          kspec::CheckOptions o;
+          o.case_name = case_name;
+          for (const auto& d : dtypes) o.dtypes.push_back(kspec::parse_dtype(d));
+          o.device = device;
+          o.include_large = include_large;
+          o.seed = seed;
+          kspec::Config cfg;
+          if (!config.is_none()) {
+            cfg = kspec::Config::parse(config.cast<std::string>());
+            o.config = &cfg;
+          }
+          std::vector<kspec::CheckRow> rows;
+          {
+            py::gil_scoped_release release;
+            rows = kspec::check_op(op, o);
+          }
+          py::list out;
+          for (const auto& r : rows) {
+            py::dict d;
+            d["op"] = r.op;
+            d["case"] = r.case_name;
+            d["dtype"] = r.dtype;
+            d["shape"] = r.shape;
+            d["config"] = r.config;
+            d["errors"] = r.errors;
+            d["tolerance"] = r.tolerance;
+            d["passed"] = r.passed;
+            d["message"] = r.message;
+            d["seed"] = r.seed;
+            out.append(d);
+          }
+          return out;
+        },
+        py::arg("op"), py::arg("case") = "", py::arg("dtypes") = std::vector<std::string>{}, py::arg("device") = 0,
+        py::arg("include_large") = false, py::arg("config") = py::none(), py::arg("seed") = 0);
+  m.def("case_names", &kspec::case_names);
+  m.def("configs_for_case", [](const std::string& op, const std::string& case_name, const std::string& dtype) {
+    std::vector<std::string> out;
+    for (const auto& c : kspec::configs_for_case(op, case_name, kspec::parse_dtype(dtype))) out.push_back(c.str());
+    return out;
+  });
+
+  m.def("cache_stats", [] {
+    auto s = kspec::cache_stats();
+    py::dict d;
+    d["dir"] = s.dir;
+    d["enabled"] = s.enabled;
+    d["writable"] = s.writable;
+    d["entries"] = s.entries;
+    d["bytes"] = s.bytes;
+    d["max_bytes"] = s.max_bytes;
+    return d;
+  });
+  m.def("cache_entries", [] {
+    py::list out;
+    for (const auto& e : kspec::cache_entries()) {
+      py::dict d;
+      d["key"] = e.key;
+      d["path"] = e.path;
+      d["spec"] = e.spec;
+      d["kernel"] = e.kernel;
+      d["arch"] = e.arch;
+      d["bytes"] = e.bytes;
+      d["last_used"] = e.last_used;
+      d["registers"] = e.registers;
+      d["spill_bytes"] = e.spill_bytes;
+      d["shared_bytes"] = e.shared_bytes;
+      d["compile_ms"] = e.compile_ms;
+      out.append(d);
+    }
+    return out;
+  });
+  m.def("cache_verify", &kspec::cache_verify);
+  m.def("cache_prune", &kspec::cache_prune, py::arg("max_bytes") = -1);
+  m.def("cache_clear", &kspec::cache_clear);
+  m.def("doctor", &kspec::doctor);
+  m.def("knobs", [] {
+    py::list out;
+    for (const auto& k : kspec::knobs::all()) out.append(py::make_tuple(k.name, k.type, k.default_value, k.doc));
+    return out;
+  });
+}

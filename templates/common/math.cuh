@@ -1,0 +1,80 @@
+// fp32 activation functions and their derivatives for NVRTC kernels, selected at compile time by an
+// integer kind so a kernel template gets exactly one activation with no run-time branch.
+// The kind numbers are part of the specialization key: keep them stable.
+#pragma once
+
+namespace kspec {
+
+enum ActKind : int { kActIdentity = 0, kActSilu = 1, kActGeluTanh = 2, kActGeluErf = 3 };
+enum NormKind : int { kNormLayer = 0, kNormRms = 1 };
+
+namespace detail {
+constexpr float kSqrt2OverPi = 0.7978845608028654f;    // sqrt(2/pi), the tanh-GELU scale
+constexpr float kGeluTanhCubic = 0.044715f;            // the tanh-GELU cubic coefficient
+constexpr float kInvSqrt2 = 0.7071067811865476f;       // 1/sqrt(2)
+constexpr float kInvSqrt2Pi = 0.3989422804014327f;     // 1/sqrt(2*pi), the normal density's scale
+}  // namespace detail
+
+// Accurate expf/tanhf/erff rather than the __expf-style intrinsics: these kernels are memory-bound,
+// so the extra instructions are hidden, and the results stay within a few ulp of the float64 reference.
+// The sigmoid divides with __fdividef (2 ulp), not '/': IEEE division has a slow-path subroutine call,
+// and in the register-heavy norm_act kernels the call made ptxas spill live registers around it.
+// For x < -87 the denominator passes 2^126 and __fdividef returns 0, which is sigmoid's value in fp32
+// up to a denormal.
+__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + expf(-x)); }
+
+__device__ __forceinline__ float silu(float x) { return x * sigmoid(x); }
+__device__ __forceinline__ float d_silu(float x) {
+  const float s = sigmoid(x);
+  return s * (1.0f + x * (1.0f - s));
+}
+
+__device__ __forceinline__ float gelu_tanh(float x) {
+  const float u = detail::kSqrt2OverPi * (x + detail::kGeluTanhCubic * x * x * x);
+  return 0.5f * x * (1.0f + tanhf(u));
+}
+__device__ __forceinline__ float d_gelu_tanh(float x) {
+  const float x2 = x * x;
+  const float t = tanhf(detail::kSqrt2OverPi * (x + detail::kGeluTanhCubic * x2 * x));
+  const float du = detail::kSqrt2OverPi * (1.0f + 3.0f * detail::kGeluTanhCubic * x2);
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
+}
+
+__device__ __forceinline__ float gelu_erf(float x) {
+  return 0.5f * x * (1.0f + erff(x * detail::kInvSqrt2));
+}
+__device__ __forceinline__ float d_gelu_erf(float x) {
+  return 0.5f * (1.0f + erff(x * detail::kInvSqrt2)) +
+         x * detail::kInvSqrt2Pi * expf(-0.5f * x * x);
+}
+
+template <int kAct>
+__device__ __forceinline__ float apply_act(float h) {
+  static_assert(kAct >= kActIdentity && kAct <= kActGeluErf, "unknown activation kind");
+  if constexpr (kAct == kActSilu) {
+    return silu(h);
+  } else if constexpr (kAct == kActGeluTanh) {
+    return gelu_tanh(h);
+  } else if constexpr (kAct == kActGeluErf) {
+    return gelu_erf(h);
+  } else {
+    return h;
+  }
+}
+
+// dy/dh of y = apply_act<kAct>(h).
+template <int kAct>
+__device__ __forceinline__ float act_grad(float h) {
+  static_assert(kAct >= kActIdentity && kAct <= kActGeluErf, "unknown activation kind");
+  if constexpr (kAct == kActSilu) {
+    return d_silu(h);
+  } else if constexpr (kAct == kActGeluTanh) {
+    return d_gelu_tanh(h);
+  } else if constexpr (kAct == kActGeluErf) {
+    return d_gelu_erf(h);
+  } else {
+    return 1.0f;
+  }
+}
+
+}  // namespace kspec

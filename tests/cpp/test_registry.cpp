@@ -1,0 +1,233 @@
+// api/: the registry, schemas, validation messages (every bad argument named, nothing launched),
+// output inference, compile without a GPU, the precompile plan and forced configs.
+#include <algorithm>
+
+#include "api/src/op.h"
+#include "kspec/kspec.h"
+#include "test_helpers.h"
+
+using namespace kspec;
+
+namespace {
+
+void* fake(uintptr_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + offset); }
+
+struct FwdArgs {
+  TensorView x{fake(), DType::bf16, {4, 3, 1024}, 0};
+  TensorView w{fake(1 << 20), DType::bf16, {1024}, 0};
+  TensorView b{fake(2 << 20), DType::bf16, {1024}, 0};
+  TensorView y{fake(3 << 20), DType::bf16, {4, 3, 1024}, 0};
+  TensorView mean{fake(8 << 20), DType::f32, {4, 3}, 0};
+  TensorView rstd{fake(9 << 20), DType::f32, {4, 3}, 0};
+  std::vector<TensorView> in() const { return {x, w, b}; }
+  std::vector<TensorView> out() const { return {y, mean, rstd}; }
+};
+
+// Expects validation to fail with InvalidArgument whose message contains every fragment.
+void expect_invalid(const FwdArgs& a, const Params& p, std::vector<std::string> fragments, const char* op = "norm_act.fwd") {
+  try {
+    call(op, a.in(), a.out(), p);
+    ADD_FAILURE() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    std::string msg = e.what();
+    for (const auto& f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
+  }
+}
+
+}  // namespace
+
+TEST(Registry, ListsOpsWithSchemas) {
+  auto ops = list_ops();
+  EXPECT_NE(std::find(ops.begin(), ops.end(), "norm_act.fwd"), ops.end());
+  EXPECT_NE(std::find(ops.begin(), ops.end(), "norm_act.bwd"), ops.end());
+  const OpInfo& i = op_info("norm_act.fwd");
+  EXPECT_EQ(i.inputs.size(), 3u);
+  EXPECT_EQ(i.outputs.size(), 3u);
+  std::string d = describe_op("norm_act.bwd");
+  EXPECT_NE(d.find("dweight"), std::string::npos);
+  EXPECT_NE(d.find("threads_per_row"), std::string::npos);
+  EXPECT_THROW(op_info("nope.fwd"), InvalidArgument);
+}
+
+TEST(Registry, EveryOpIsFullyDefined) {
+  for (const auto& name : list_ops()) {
+    const OpDef& op = Registry::global().get(name);
+    EXPECT_TRUE(op.kernels) << name;
+    EXPECT_TRUE(op.launch) << name;
+    EXPECT_TRUE(op.reference) << name;
+    EXPECT_TRUE(op.tuning.heuristic) << name;
+    EXPECT_FALSE(op.tuning.axes.empty()) << name;
+    EXPECT_FALSE(op.cases.empty()) << name;
+    EXPECT_FALSE(op.dtypes.empty()) << name;
+  }
+}
+
+TEST(Validation, UnknownOpAndParams) {
+  FwdArgs a;
+  expect_invalid(a, {}, {"unknown op 'norm_act.fwdd'", "norm_act.fwd"}, "norm_act.fwdd");
+  expect_invalid(a, {{"epsilon", 1e-5}}, {"unknown parameter 'epsilon'", "eps"});
+  expect_invalid(a, {{"act", std::string("relu6")}}, {"parameter 'act'", "silu", "relu6"});
+  expect_invalid(a, {{"eps", std::string("small")}}, {"parameter 'eps'", "number"});
+}
+
+TEST(Validation, DtypeRankShapeDevicePointer) {
+  {
+    FwdArgs a;
+    a.x.dtype = DType::i32;
+    expect_invalid(a, {}, {"input 'x'", "float32|float16|bfloat16", "int32"});
+  }
+  {
+    FwdArgs a;
+    a.w.dtype = DType::f16;
+    expect_invalid(a, {}, {"input 'weight'", "bfloat16", "float16"});
+  }
+  {
+    FwdArgs a;
+    a.w = TensorView(fake(1 << 20), DType::bf16, {1000}, 0);
+    expect_invalid(a, {}, {"input 'weight'", "hidden = 1000", "hidden = 1024"});
+  }
+  {
+    FwdArgs a;
+    a.w = TensorView(fake(1 << 20), DType::bf16, {1, 1024}, 0);
+    expect_invalid(a, {}, {"input 'weight'", "expected shape [hidden]"});
+  }
+  {
+    FwdArgs a;
+    a.x.device = kCpuDevice;
+    expect_invalid(a, {}, {"input 'x'", "CUDA tensor", "host memory"});
+  }
+  {
+    FwdArgs a;
+    a.b.device = 1;
+    expect_invalid(a, {}, {"input 'bias'", "cuda:0", "cuda:1"});
+  }
+  {
+    FwdArgs a;
+    a.x.data = nullptr;
+    expect_invalid(a, {}, {"input 'x'", "null data pointer"});
+  }
+  {
+    FwdArgs a;
+    a.x.data = fake(1);
+    expect_invalid(a, {}, {"input 'x'", "not aligned"});
+  }
+  {
+    FwdArgs a;
+    a.x = TensorView::strided(fake(), DType::bf16, {12, 1024}, {1, 12}, 0);
+    expect_invalid(a, {}, {"input 'x'", "last dim to be contiguous"});
+  }
+  {
+    FwdArgs a;
+    a.x = TensorView::strided(fake(), DType::bf16, {4, 3, 1024}, {1024 * 8, 1024 * 2, 1}, 0);
+    expect_invalid(a, {}, {"input 'x'", "flattened into rows"});
+  }
+}
+
+TEST(Validation, OutputsAndCounts) {
+  {
+    FwdArgs a;
+    a.y = TensorView(fake(3 << 20), DType::bf16, {12, 1024}, 0);
+    expect_invalid(a, {}, {"output 'y'", "expected shape [4, 3, 1024]"});
+  }
+  {
+    FwdArgs a;
+    a.mean = TensorView(fake(8 << 20), DType::f16, {4, 3}, 0);
+    expect_invalid(a, {}, {"output 'mean'", "float32"});
+  }
+  {
+    FwdArgs a;
+    a.y = TensorView::strided(fake(3 << 20), DType::bf16, {4, 3, 1024}, {512 * 3, 512, 1}, 0);
+    expect_invalid(a, {}, {"output 'y'", "overlap"});
+  }
+  FwdArgs a;
+  EXPECT_THROW(call("norm_act.fwd", {a.x, a.w}, a.out()), InvalidArgument);
+  EXPECT_THROW(call("norm_act.fwd", {TensorView(), a.w, a.b}, a.out()), InvalidArgument);
+  // bwd: dbias given although bias is None
+  TensorView dy = a.x, dx = a.y;
+  try {
+    call("norm_act.bwd", {dy, a.x, a.w, TensorView(), a.mean, a.rstd}, {dx, a.w, a.b});
+    ADD_FAILURE() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("output 'dbias' must be None"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Validation, InferOutputs) {
+  FwdArgs a;
+  auto outs = infer_outputs("norm_act.fwd", a.in());
+  ASSERT_EQ(outs.size(), 3u);
+  EXPECT_EQ(outs[0].shape, (std::vector<int64_t>{4, 3, 1024}));
+  EXPECT_EQ(outs[0].dtype, DType::bf16);
+  EXPECT_EQ(outs[1].shape, (std::vector<int64_t>{4, 3}));
+  EXPECT_EQ(outs[1].dtype, DType::f32);
+  auto b = infer_outputs("norm_act.bwd", {a.x, a.x, TensorView(fake(1 << 20), DType::f32, {1024}, 0), TensorView(),
+                                          a.mean, a.rstd});
+  EXPECT_TRUE(b[0].present);
+  EXPECT_EQ(b[1].dtype, DType::f32);  // dweight follows an fp32 weight
+  EXPECT_FALSE(b[2].present);         // no bias, no dbias
+}
+
+TEST(Compile, WithoutGpuReportsResources) {
+  CompileRequest req;
+  req.op = "norm_act.bwd";
+  req.dtype = DType::bf16;
+  req.arch = "sm_90";
+  req.params = {{"hidden", int64_t(4096)}, {"norm", std::string("rmsnorm")}, {"act", std::string("silu")}};
+  auto reports = compile(req);
+  ASSERT_EQ(reports.size(), 2u);  // the row kernel and the deterministic column reduction
+  for (const auto& r : reports) {
+    EXPECT_EQ(r.key.size(), 64u);
+    EXPECT_GT(r.registers, 0);
+    EXPECT_EQ(r.spill_bytes, 0) << r.kernel;
+    EXPECT_EQ(r.arch, "sm_90a");
+  }
+  auto again = compile(req);
+  EXPECT_EQ(again[0].source, "memory");
+  EXPECT_EQ(again[0].key, reports[0].key);
+}
+
+TEST(Compile, RequestErrors) {
+  CompileRequest req;
+  req.op = "norm_act.fwd";
+  EXPECT_THROW(compile(req), InvalidArgument);  // hidden is compile-time: must be given
+  req.params = {{"hidden", int64_t(33)}};
+  Config bad{{{"threads_per_row", 32}, {"rows_per_block", 1}, {"vec", 8}}};
+  req.config = &bad;
+  try {
+    compile(req);
+    ADD_FAILURE() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("not valid"), std::string::npos);
+  }
+  req.config = nullptr;
+  req.without = {"x"};
+  EXPECT_THROW(compile(req), InvalidArgument);
+}
+
+TEST(Compile, PrecompilePlanCoversEveryDtypeAndConfig) {
+  auto plan = precompile_plan({"sm_90"});
+  std::map<std::string, int> per_op;
+  std::set<std::string> dtypes, configs;
+  for (const auto& r : plan) {
+    per_op[r.op]++;
+    dtypes.insert(dtype_short(r.dtype));
+    ASSERT_NE(r.config, nullptr);
+    configs.insert(r.config->str());
+  }
+  EXPECT_GT(per_op["norm_act.fwd"], 20);
+  EXPECT_GT(per_op["norm_act.bwd"], 20);
+  EXPECT_EQ(dtypes.size(), 3u);
+  // every vector width and several thread counts appear
+  for (const char* v : {"vec=1", "vec=2", "vec=4", "vec=8"})
+    EXPECT_TRUE(std::any_of(configs.begin(), configs.end(), [&](const std::string& c) { return c.find(v) != std::string::npos; })) << v;
+}
+
+TEST(Params, ParseConfig) {
+  Config c = Config::parse("threads_per_row=128,vec=4");
+  EXPECT_EQ(c.get("vec"), 4);
+  EXPECT_EQ(c.str(), "threads_per_row=128,vec=4");
+  EXPECT_THROW(Config::parse("vec"), InvalidArgument);
+  EXPECT_THROW(c.get("nope"), InvalidArgument);
+  EXPECT_THROW(parse_dtype("float8"), InvalidArgument);
+  EXPECT_EQ(parse_dtype("torch.bfloat16"), DType::bf16);
+}

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One command for a GPU machine (H100, CUDA 13, torch preinstalled, no network): builds the C++ library
+# and the Python package there, runs GoogleTest and pytest with the GPU, the main job (every op against
+# its float64 reference), the benchmarks, and prints a results table. Results go to $OUT (or ./gpu-out).
+# Stages: check.sh [build] [test] [bench] [sanitize] (default: build test bench).
+set -uo pipefail  # a failing step is recorded, the others still run
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+stages=("$@")
+((${#stages[@]})) || stages=(build test bench)
+has() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export PATH="$CUDA_HOME/bin:$PATH"
+export KSPEC_CACHE_DIR=${KSPEC_CACHE_DIR:-/tmp/kspec-gpu-cache}
+export PIP_ROOT_USER_ACTION=ignore PYTHONUNBUFFERED=1
+JOBS=$(nproc)
+status=0
+summary=()
+step() {  # step NAME CMD...: run, log to $OUT/NAME.log, remember pass/fail
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "=== $name: $*"
+  echo "=== $name: $*" >> "$OUT/log.txt"
+  if "$@" 2>&1 | tee -a "$OUT/log.txt"; then
+    summary+=("$(printf '%-14s ok    %4ds' "$name" $((SECONDS - t0)))")
+  else
+    summary+=("$(printf '%-14s FAIL  %4ds' "$name" $((SECONDS - t0)))")
+    status=1
+  fi
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw \
+  --format=csv > "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+
+if has build; then
+  step cmake cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKSPEC_BUILD_TESTS=ON -DKSPEC_BUILD_BENCH=ON
+  step build cmake --build build/gpu -j "$JOBS"
+  step pip python3 -m pip install -q --no-build-isolation --no-deps .
+  step precompile python3 -m kspec precompile --all --arch sm_90 --jobs "$JOBS"
+fi
+
+if has test; then
+  # Cold compile in a fresh cache, then a second process that finds it on disk.
+  fresh=$(mktemp -d)
+  KSPEC_CACHE_DIR=$fresh python3 -m kspec compile norm_act.fwd --dtype bf16 --arch sm_90 --param hidden=4096 --json \
+    > "$OUT/compile_first.json"
+  KSPEC_CACHE_DIR=$fresh python3 -m kspec compile norm_act.fwd --dtype bf16 --arch sm_90 --param hidden=4096 --json \
+    > "$OUT/compile_second.json"
+  echo "first process:  $(cat "$OUT/compile_first.json")"
+  echo "second process: $(cat "$OUT/compile_second.json")"
+  step check python3 -m kspec run --large --json "$OUT/check.json"
+  step ctest bash -c "cd build/gpu && ctest --output-on-failure -j 4"
+  step pytest python3 -m pytest -q -p no:cacheprovider tests/python
+fi
+
+if has sanitize; then
+  step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 build/gpu/tests/cpp/kspec_tests \
+    --gtest_filter='Gpu.EveryOpEveryCase*:Gpu.ZeroRows'
+  step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 build/gpu/tests/cpp/kspec_tests \
+    --gtest_filter='Gpu.EveryVisibleDevice'
+fi
+
+if has bench; then
+  step bench python3 tools/bench/bench.py --family norm_act --family jit \
+    --dispatch-bin build/gpu/tools/bench/kspec_dispatch_bench --json "$OUT/bench.json"
+fi
+
+echo
+echo "=== kspec GPU check summary ($(head -2 "$OUT/gpu.txt" | tail -1))"
+printf '%s\n' "${summary[@]}"
+grep -h "passed\|failed\|tests passed" "$OUT/log.txt" 2>/dev/null | tail -6
+exit $status

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Quick start, command 2 (and CI): install, build, and run every test — GoogleTest (ctest), pytest,
+# the downstream find_package(kspec) project, and the precompile check (every op x dtype x tuning
+# config through NVRTC for sm_80 and sm_90, failing on a compile error or a spill). GPU tests run when
+# a GPU is present and skip otherwise.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source tools/setup.sh
+PY=${PYTHON:-python3}
+JOBS=${JOBS:-$(nproc)}
+export KSPEC_CACHE_DIR=${KSPEC_CACHE_DIR:-$(mktemp -d)/kspec-cache}
+
+echo "== C++: configure, build, ctest"
+cmake -S . -B build/test -G Ninja -DCMAKE_BUILD_TYPE=Release -DKSPEC_BUILD_TESTS=ON >/dev/null
+cmake --build build/test -j "$JOBS"
+(cd build/test && ctest --output-on-failure -j "$JOBS")
+
+echo "== C++: install and use from a downstream CMake project"
+prefix=$(mktemp -d)
+cmake --install build/test --prefix "$prefix" >/dev/null
+cmake -S tests/downstream -B build/downstream -G Ninja -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
+cmake --build build/downstream
+./build/downstream/kspec_downstream
+
+echo "== Python: install and pytest"
+bash tools/install.sh
+"$PY" -m pytest -q tests/python
+
+echo "== precompile: every specialization for sm_80 and sm_90"
+"$PY" -m kspec precompile --all --arch sm_80 --arch sm_90
