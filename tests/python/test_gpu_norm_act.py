@@ -62,7 +62,9 @@ def test_forward_and_backward_match_reference(dtype, shape, norm, act, bias):
     if bias:
         terrs["db"] = rel_err(_np(bt.grad), dbr)
     for k, e in errs.items():
-        assert e <= tol, f"{k}: kspec {e:.2e} > tolerance {tol} (torch {terrs[k]:.2e})"
+        # Where torch itself misses the tolerance the problem is ill-conditioned (rmsnorm of one element:
+        # dx ∝ 1 - xhat² with xhat² = x²/(x²+eps)); then kspec must stay within 2x of torch.
+        assert e <= max(tol, 2 * terrs[k]), f"{k}: kspec {e:.2e} > tolerance {tol} (torch {terrs[k]:.2e})"
         assert e <= max(2 * terrs[k], tol / 10), f"{k}: kspec {e:.2e} > 2x torch's {terrs[k]:.2e}"
 
 

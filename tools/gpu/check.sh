@@ -63,8 +63,15 @@ if has sanitize; then
 fi
 
 if has bench; then
-  step bench python3 tools/bench/bench.py --family norm_act --family jit \
-    --dispatch-bin build/gpu/tools/bench/kspec_dispatch_bench --json "$OUT/bench.json"
+  # Peers carried as wheels (no network there): .peers/*.whl, e.g. liger-kernel (tools/bench/README.md).
+  if ls .peers/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl \
+      && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  [ -x build/gpu/tools/bench/kspec_dispatch_bench ] || cmake --build build/gpu -j "$JOBS" --target kspec_dispatch_bench
+  step bench_jit python3 tools/bench/bench.py --family jit --dispatch-bin build/gpu/tools/bench/kspec_dispatch_bench \
+    --json "$OUT/bench_jit.json"
+  step bench_norm_act python3 tools/bench/bench.py --family norm_act --json "$OUT/bench_norm_act.json"
 fi
 
 echo
