@@ -24,7 +24,7 @@ namespace kspec::jit {
   X(cuStreamDestroy) X(cuEventCreate) X(cuEventRecord) X(cuEventSynchronize)             \
   X(cuEventElapsedTime) X(cuEventDestroy) X(cuMemGetInfo) X(cuStreamBeginCapture)            \
   X(cuStreamEndCapture) X(cuGraphInstantiate) X(cuGraphLaunch) X(cuGraphDestroy)             \
-  X(cuGraphExecDestroy)
+  X(cuGraphExecDestroy) X(cuOccupancyMaxActiveBlocksPerMultiprocessor)
 
 struct Driver {
 #define KSPEC_DECLARE_PFN(name) decltype(&::name) name = nullptr;

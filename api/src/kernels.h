@@ -30,6 +30,17 @@ struct LoadedKernel {
   int device = 0;
   std::atomic<int> dynamic_smem_limit{48 * 1024};
   std::shared_ptr<const BinaryEntry> entry;
+  // The last occupancy answer, packed as (block threads << 40 | shared bytes << 8 | blocks) in one
+  // atomic so concurrent callers never pair one shape's key with another's answer.
+  int occupancy_for(unsigned threads, unsigned shared) const {
+    uint64_t v = occupancy.load(std::memory_order_relaxed);
+    return (v >> 8) == ((uint64_t(threads) << 32) | shared) ? static_cast<int>(v & 0xff) : 0;
+  }
+  void remember_occupancy(unsigned threads, unsigned shared, int blocks) {
+    occupancy.store((uint64_t(threads) << 40) | (uint64_t(shared) << 8) | uint64_t(blocks & 0xff),
+                    std::memory_order_relaxed);
+  }
+  std::atomic<uint64_t> occupancy{0};
 };
 
 struct Obtained {

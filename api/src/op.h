@@ -66,6 +66,8 @@ class Launcher {
   // Device scratch memory owned by kspec for this device and stream; grows outside graph capture only.
   virtual void* workspace(size_t bytes) = 0;
   virtual int multiprocessors() const = 0;
+  // Blocks of a plan's kernel that fit on one multiprocessor at once (cuOccupancy…), cached per kernel.
+  virtual int occupancy(size_t kernel, unsigned block_threads, unsigned shared_bytes) = 0;
 };
 
 struct TuningSpace {
@@ -129,8 +131,10 @@ class Registry {
 void register_all_ops(Registry& r);
 
 // Validation (api/src/validate.cpp): checks every tensor and param against the schema.
+// inputs_only: check the inputs alone (outputs not given yet: infer_outputs).
 Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
-                   const std::vector<TensorView>& outputs, const Params& params, Stream stream);
+                   const std::vector<TensorView>& outputs, const Params& params, Stream stream,
+                   bool inputs_only = false);
 Params complete_params(const OpDef& op, const Params& given);
 // A problem from a compile request (no tensors).
 Problem problem_from_request(const OpDef& op, const CompileRequest& req);

@@ -326,6 +326,17 @@ class DeviceLauncher final : public Launcher {
 
   int multiprocessors() const override { return device_sms(device_); }
 
+  int occupancy(size_t k, unsigned block_threads, unsigned shared_bytes) override {
+    KSPEC_CHECK_AS(k < plan_.kernels.size(), Error, "launcher: kernel ", k, " not in plan");
+    LoadedKernel& lk = *plan_.kernels[k];
+    int cached = lk.occupancy_for(block_threads, shared_bytes);
+    if (cached > 0) return cached;
+    int blocks = 0;
+    CU_CHECK(cuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, lk.fn, static_cast<int>(block_threads), shared_bytes));
+    lk.remember_occupancy(block_threads, shared_bytes, blocks);
+    return blocks;
+  }
+
  private:
   PlanEntry& plan_;
   int device_;
@@ -348,20 +359,7 @@ void call(std::string_view op_name, const std::vector<TensorView>& inputs, const
 std::vector<OutputSpec> infer_outputs(std::string_view op_name, const std::vector<TensorView>& inputs,
                                       const Params& params) {
   const OpDef& op = Registry::global().get(op_name);
-  std::vector<TensorView> no_outputs(op.info.outputs.size());
-  // Validate inputs only: outputs left out are allowed here.
-  Problem p;
-  {
-    std::vector<TensorView> outs(op.info.outputs.size());
-    // Reuse validate_call by marking outputs optional-absent: build the problem from inputs alone.
-    OpDef inputs_only = op;
-    for (auto& o : inputs_only.info.outputs) {
-      o.optional = true;
-      o.present_with.clear();
-    }
-    p = validate_call(inputs_only, inputs, outs, params, nullptr).problem;
-    p.op = &op;
-  }
+  Problem p = validate_call(op, inputs, {}, params, nullptr, /*inputs_only=*/true).problem;
   std::vector<OutputSpec> out;
   for (size_t i = 0; i < op.info.outputs.size(); ++i) {
     const TensorDef& d = op.info.outputs[i];

@@ -2,6 +2,8 @@
 // op, the argument and what was expected.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <ostream>
 #include <sstream>
 
 #include "api/src/op.h"
@@ -20,6 +22,13 @@ std::string shape_text(const TensorDef& t) {
   for (size_t i = 0; i < t.shape.size(); ++i) s += (i ? ", " : "") + t.shape[i];
   return s + "]";
 }
+
+// "input 'x'" for messages, formatted only when a message is built (validation runs on every call).
+struct What {
+  const char* kind;
+  const std::string& name;
+};
+std::ostream& operator<<(std::ostream& os, const What& w) { return os << w.kind << " '" << w.name << "'"; }
 
 bool is_leading(const std::string& tok) { return tok.rfind("...", 0) == 0; }
 
@@ -43,7 +52,7 @@ int64_t bucket_of(const DimDef& d, int64_t v) {
   return v;  // above the largest bucket: exact
 }
 
-void bind_dim(Problem& p, const std::string& op, const std::string& what, const std::string& dim,
+void bind_dim(Problem& p, const std::string& op, const What& what, const std::string& dim,
               int64_t value) {
   for (auto& [name, v] : p.dims) {
     if (name == dim) {
@@ -67,7 +76,7 @@ int pow2_align(uint64_t x) {
 
 // Checks one tensor's rank, dtype, dims and layout; binds its dims. Returns its row stride (elements).
 void check_tensor(Problem& p, const OpInfo& info, const TensorDef& def, const TensorView& t,
-                  const std::string& what, int* device, bool is_output) {
+                  const What& what, int* device, bool is_output) {
   const std::string& op = info.name;
   KSPEC_CHECK(t.rank <= kMaxRank, op, ": ", what, ": rank ", t.rank, " exceeds ", kMaxRank);
   bool leading = !def.shape.empty() && is_leading(def.shape[0]);
@@ -198,23 +207,49 @@ const std::string& Problem::param_str(std::string_view name) const {
 }
 
 std::string Problem::signature() const {
-  std::ostringstream os;
-  os << op->info.name << '|' << arch << '|';
-  for (size_t i = 0; i < inputs.size(); ++i)
-    os << (inputs[i].present ? dtype_short(inputs[i].dtype) : "-") << ',';
-  os << '|';
-  for (size_t i = 0; i < outputs.size(); ++i)
-    os << (outputs[i].present ? dtype_short(outputs[i].dtype) : "-") << ',';
-  os << '|';
+  // Built on every call (it keys the plan cache): plain appends, no streams.
+  std::string s;
+  s.reserve(128);
+  s += op->info.name;
+  s += '|';
+  s += arch;
+  s += '|';
+  for (const auto& t : inputs) {
+    s += t.present ? dtype_short(t.dtype) : "-";
+    s += ',';
+  }
+  s += '|';
+  for (const auto& t : outputs) {
+    s += t.present ? dtype_short(t.dtype) : "-";
+    s += ',';
+  }
+  s += '|';
   for (const auto& [name, v] : dims) {
     const DimDef* d = find_dim(op->info, name);
     if (!d || d->kind == DimKind::Var) continue;
-    os << name << '=' << (d->kind == DimKind::Bucket ? bucket_of(*d, v) : v) << ',';
+    s += name;
+    s += '=';
+    s += std::to_string(d->kind == DimKind::Bucket ? bucket_of(*d, v) : v);
+    s += ',';
   }
-  os << '|';
-  for (const auto& [name, v] : params.items()) os << name << '=' << param_to_string(v) << ',';
-  os << "|a" << align_bytes;
-  return os.str();
+  s += '|';
+  for (const auto& [name, v] : params.items()) {
+    s += name;
+    s += '=';
+    if (auto i = std::get_if<int64_t>(&v)) s += std::to_string(*i);
+    else if (auto b = std::get_if<bool>(&v)) s += *b ? "1" : "0";
+    else if (auto str = std::get_if<std::string>(&v)) s += *str;
+    else {
+      double x = std::get<double>(v);  // exact bits: two params differing in the last bit differ here
+      uint64_t bits;
+      std::memcpy(&bits, &x, sizeof(bits));
+      s += std::to_string(bits);
+    }
+    s += ',';
+  }
+  s += "|a";
+  s += std::to_string(align_bytes);
+  return s;
 }
 
 const TensorView& Call::in(std::string_view name) const {
@@ -314,7 +349,8 @@ std::vector<int64_t> shape_of(const TensorDef& t, const Problem& p) {
 // ---- the call ----
 
 Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
-                   const std::vector<TensorView>& outputs, const Params& params, Stream stream) {
+                   const std::vector<TensorView>& outputs, const Params& params, Stream stream,
+                   bool inputs_only) {
   const OpInfo& info = op.info;
   auto names = [](const std::vector<TensorDef>& defs) {
     std::string s;
@@ -323,8 +359,8 @@ Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
   };
   KSPEC_CHECK(inputs.size() == info.inputs.size(), info.name, ": expected ", info.inputs.size(), " inputs (",
               names(info.inputs), "), got ", inputs.size());
-  KSPEC_CHECK(outputs.size() == info.outputs.size(), info.name, ": expected ", info.outputs.size(),
-              " outputs (", names(info.outputs), "), got ", outputs.size());
+  KSPEC_CHECK(inputs_only || outputs.size() == info.outputs.size(), info.name, ": expected ",
+              info.outputs.size(), " outputs (", names(info.outputs), "), got ", outputs.size());
   Call call;
   Problem& p = call.problem;
   p.op = &op;
@@ -335,9 +371,20 @@ Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
   // dtypes first (dtype_of may refer to a later tensor), then everything else in order.
   for (size_t i = 0; i < inputs.size(); ++i) p.inputs[i] = {inputs[i].defined(), inputs[i].dtype};
   for (size_t i = 0; i < outputs.size(); ++i) p.outputs[i] = {outputs[i].defined(), outputs[i].dtype};
+  if (inputs_only) {
+    p.outputs.assign(info.outputs.size(), TensorMeta{});
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (inputs[i].defined()) check_tensor(p, info, info.inputs[i], inputs[i], What{"input", info.inputs[i].name}, &device, false);
+      else KSPEC_CHECK(info.inputs[i].optional, info.name, ": input '", info.inputs[i].name, "' is required");
+    }
+    KSPEC_CHECK(device >= 0, info.name, ": no tensor arguments");
+    call.inputs = inputs;
+    call.device = device;
+    return call;
+  }
   for (size_t i = 0; i < inputs.size(); ++i) {
     const TensorDef& def = info.inputs[i];
-    std::string what = "input '" + def.name + "'";
+    What what{"input", def.name};
     if (!inputs[i].defined()) {
       KSPEC_CHECK(def.optional, info.name, ": ", what, " is required (expected ", shape_text(def), ")");
       continue;
@@ -346,7 +393,7 @@ Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
   }
   for (size_t i = 0; i < outputs.size(); ++i) {
     const TensorDef& def = info.outputs[i];
-    std::string what = "output '" + def.name + "'";
+    What what{"output", def.name};
     bool needed = def.present_with.empty() ? !def.optional : p.present(def.present_with);
     if (!outputs[i].defined()) {
       KSPEC_CHECK(!needed, info.name, ": ", what, " is required", def.present_with.empty() ? "" : " when '",

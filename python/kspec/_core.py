@@ -6,6 +6,11 @@ from . import _C
 from ._tensors import current_stream, describe, empty, framework_of
 
 
+# Output (dtype, shape) by (op, input dtypes and shapes, params): inferring them is a C++ round trip
+# that repeated calls with the same shapes need not pay. The call itself is always fully validated.
+_out_specs: dict = {}
+
+
 def call(op: str, *inputs, config: str | None = None, out=None, **params):
     """Run a registered op. Inputs are positional as in the op's schema (None for a left-out optional
     input); params by keyword. Returns the op's outputs as a tuple (None for absent ones).
@@ -15,7 +20,15 @@ def call(op: str, *inputs, config: str | None = None, out=None, **params):
     fw = framework_of(inputs)
     device = next((d[4] for d in descs if d is not None), 0)
     if out is None:
-        specs = _C.infer_outputs(op, descs, params)
+        key = (op, tuple(None if d is None else (d[1], d[2]) for d in descs), tuple(params.items()))
+        try:
+            specs = _out_specs.get(key)
+        except TypeError:  # an unhashable param value: let C++ report it
+            key, specs = None, None
+        if specs is None:
+            specs = _C.infer_outputs(op, descs, params)
+            if key is not None and len(_out_specs) < 4096:
+                _out_specs[key] = specs
         out = tuple(None if s is None else empty(fw, s[0], s[1], device) for s in specs)
     out_descs = [describe(t) for t in out]
     stream = current_stream(fw, device) if device >= 0 else 0

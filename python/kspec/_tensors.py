@@ -84,6 +84,9 @@ def framework_of(tensors):
 def current_stream(framework: str, device: int) -> int:
     if framework == "torch":
         torch = _torch()
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # ~0.2 µs against ~4 µs
+        if raw is not None:
+            return raw(device)
         return torch.cuda.current_stream(device).cuda_stream
     import cupy
 

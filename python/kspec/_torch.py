@@ -56,5 +56,28 @@ def _backward(ctx, dy, dmean, drstd):
 norm_act_fwd.register_autograd(_backward, setup_context=_setup)
 
 
+class _NormAct(torch.autograd.Function):
+    """The eager path: the same kernels as the custom ops without torch.library's dispatch cost (about
+    60 µs of host time per call on the H100 machine); torch.compile traces the custom ops instead."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, norm, act, eps):
+        y, mean, rstd = call("norm_act.fwd", x, weight, bias, norm=norm, act=act, eps=eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.cfg = (norm, act, eps)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        norm, act, eps = ctx.cfg
+        if dy.stride(-1) != 1:
+            dy = dy.contiguous()
+        dx, dw, db = call("norm_act.bwd", dy, x, weight, bias, mean, rstd, norm=norm, act=act, eps=eps)
+        return dx, dw, db, None, None, None
+
+
 def norm_act(x, weight, bias, norm, act, eps):
-    return norm_act_fwd(x, weight, bias, norm, act, eps)[0]
+    if torch.compiler.is_compiling():
+        return norm_act_fwd(x, weight, bias, norm, act, eps)[0]
+    return _NormAct.apply(x, weight, bias, norm, act, eps)
