@@ -128,8 +128,8 @@ TEST(Gpu, WorksUnderCudaGraphCapture) {
   jit::ContextGuard g(0);
   CUstream s;
   CU_CHECK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
-  Problem32 p(777, 2048, 11);
-  p.run(reinterpret_cast<Stream>(s));  // warm: compile, load, size the workspace
+  Problem32 p(777, 256, 11);
+  p.run(reinterpret_cast<Stream>(s));  // warm: compile, load, size the workspace (small: ~1 MiB)
   CU_CHECK(cuStreamSynchronize(s));
   auto y_ref = p.y.download(), dw_ref = p.dw.download();
   p.poison();
@@ -147,7 +147,7 @@ TEST(Gpu, WorksUnderCudaGraphCapture) {
   EXPECT_EQ(0, std::memcmp(y.data(), y_ref.data(), y.size() * 4));
   EXPECT_EQ(0, std::memcmp(dw.data(), dw_ref.data(), dw.size() * 4));
   // A problem needing a bigger workspace cannot grow it mid-capture: a clear error, not a crash.
-  Problem32 big(200000, 4096, 12);
+  Problem32 big(2048, 8192, 12);  // its backward's partial sums need several MiB
   ASSERT_EQ(jit::driver().cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), CUDA_SUCCESS);
   EXPECT_THROW(big.run(reinterpret_cast<Stream>(s)), Unsupported);
   CUgraph discard = nullptr;

@@ -204,6 +204,23 @@ TEST(Compile, RequestErrors) {
   EXPECT_THROW(compile(req), InvalidArgument);
 }
 
+TEST(Compile, HiddenBeyondTheRegisterResidentLimitIsUnsupported) {
+  CompileRequest req;
+  req.op = "norm_act.fwd";
+  req.dtype = DType::bf16;
+  for (int64_t hidden : {int64_t(8192), int64_t(6144), int64_t(8191)}) {
+    req.params = {{"hidden", hidden}};
+    EXPECT_NO_THROW(compile(req)) << hidden;
+  }
+  req.params = {{"hidden", int64_t(8200)}};
+  try {
+    compile(req);
+    ADD_FAILURE() << "expected Unsupported";
+  } catch (const Unsupported& e) {
+    EXPECT_NE(std::string(e.what()).find("hidden = 8200"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Compile, PrecompilePlanCoversEveryDtypeAndConfig) {
   auto plan = precompile_plan({"sm_90"});
   std::map<std::string, int> per_op;
