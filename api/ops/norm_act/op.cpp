@@ -193,14 +193,30 @@ std::vector<Case> norm_act_cases() {
   return cases;
 }
 
+// What the forward and backward ops share: family, params, dims, tuning space, reference, cases.
+OpDef norm_act_base(const char* name, const char* doc) {
+  OpDef op;
+  op.info.name = name;
+  op.info.family = "norm_act";
+  op.info.doc = doc;
+  op.info.params = norm_act_params();
+  op.info.dims = {{"rows", DimKind::Var, {}, "rows (product of leading dims)"},
+                  {"hidden", DimKind::Const, {}, "normalized size, a template argument"}};
+  op.tuning = norm_act_tuning();
+  op.info.tuning_axes = op.tuning.axes;
+  op.info.reference = "api/ops/norm_act/reference.cpp (python/kspec/reference/norm_act.py)";
+  op.cases = norm_act_cases();
+  op.compile_dims = {{"rows", 1}};
+  op.dtypes = kFloatTypes;
+  return op;
+}
+
 // ---- forward ----
 
 OpDef make_fwd() {
-  OpDef op;
+  OpDef op = norm_act_base("norm_act.fwd",
+                           "y = act(norm(x) * weight + bias) over the last dim; saves mean and rstd for the backward");
   OpInfo& i = op.info;
-  i.name = "norm_act.fwd";
-  i.family = "norm_act";
-  i.doc = "y = act(norm(x) * weight + bias) over the last dim; saves mean and rstd for the backward";
   i.inputs = {
       {"x", {"...rows", "hidden"}, kFloatTypes, "", false, false, "", Layout::RowStrided, "input"},
       {"weight", {"hidden"}, {}, "x", true, false, "", Layout::Contiguous, "scale"},
@@ -211,12 +227,6 @@ OpDef make_fwd() {
       {"mean", {"...rows"}, {DType::f32}, "", false, false, "", Layout::Contiguous, "row means (0 for rmsnorm)"},
       {"rstd", {"...rows"}, {DType::f32}, "", false, false, "", Layout::Contiguous, "1/sqrt(var + eps) per row"},
   };
-  i.params = norm_act_params();
-  i.dims = {{"rows", DimKind::Var, {}, "rows (product of leading dims)"},
-            {"hidden", DimKind::Const, {}, "normalized size, a template argument"}};
-  op.tuning = norm_act_tuning();
-  i.tuning_axes = op.tuning.axes;
-  i.reference = "api/ops/norm_act/reference.cpp (python/kspec/reference/norm_act.py)";
   op.kernels = [](const Problem& p, const Config& c) {
     return std::vector<jit::KernelSpec>{spec(p, "kspec::norm_act_fwd_kernel", common_targs(p, c, "x", "weight"))};
   };
@@ -236,9 +246,6 @@ OpDef make_fwd() {
     l.launch(0, {static_cast<unsigned>(ceil_div(rows, rpb))}, {threads}, 0, args);
   };
   op.reference = fwd_reference;
-  op.cases = norm_act_cases();
-  op.compile_dims = {{"rows", 1}};
-  op.dtypes = kFloatTypes;
   return op;
 }
 
@@ -249,11 +256,9 @@ OpDef make_fwd() {
 constexpr unsigned kReduceThreads = 32;
 
 OpDef make_bwd() {
-  OpDef op;
+  OpDef op = norm_act_base(
+      "norm_act.bwd", "gradients of norm_act.fwd: dx, dweight, dbias (deterministic: partial sums reduced in a fixed order)");
   OpInfo& i = op.info;
-  i.name = "norm_act.bwd";
-  i.family = "norm_act";
-  i.doc = "gradients of norm_act.fwd: dx, dweight, dbias (deterministic: partial sums reduced in a fixed order)";
   i.inputs = {
       {"dy", {"...rows", "hidden"}, kFloatTypes, "", false, false, "", Layout::RowStrided, "gradient of y"},
       {"x", {"...rows", "hidden"}, {}, "dy", false, false, "", Layout::RowStrided, "the forward's input"},
@@ -267,13 +272,7 @@ OpDef make_bwd() {
       {"dweight", {"hidden"}, {}, "weight", false, false, "", Layout::Contiguous, "gradient of weight"},
       {"dbias", {"hidden"}, {}, "weight", false, true, "bias", Layout::Contiguous, "gradient of bias"},
   };
-  i.params = norm_act_params();
   i.params[2].doc = "the forward's eps (the reference recomputes the statistics with it)";
-  i.dims = {{"rows", DimKind::Var, {}, "rows (product of leading dims)"},
-            {"hidden", DimKind::Const, {}, "normalized size, a template argument"}};
-  op.tuning = norm_act_tuning();
-  i.tuning_axes = op.tuning.axes;
-  i.reference = "api/ops/norm_act/reference.cpp (python/kspec/reference/norm_act.py)";
   op.kernels = [](const Problem& p, const Config& c) {
     return std::vector<jit::KernelSpec>{
         spec(p, "kspec::norm_act_bwd_kernel", common_targs(p, c, "x", "weight")),
@@ -312,9 +311,6 @@ OpDef make_bwd() {
   };
   op.reference = bwd_reference;
   op.prepare_inputs = bwd_prepare;
-  op.cases = norm_act_cases();
-  op.compile_dims = {{"rows", 1}};
-  op.dtypes = kFloatTypes;
   return op;
 }
 
