@@ -93,10 +93,16 @@ def current_stream(framework: str, device: int) -> int:
     return cupy.cuda.get_current_stream().ptr
 
 
+_torch_devices: dict = {}
+
+
 def empty(framework: str, dtype: str, shape, device: int):
     if framework == "torch":
         torch = _torch()
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{device}")
+        dev = _torch_devices.get(device)
+        if dev is None:  # parsing "cuda:N" on every call costs about a microsecond
+            dev = _torch_devices[device] = torch.device("cuda", device)
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
     import cupy
 
     if dtype == "bfloat16":
