@@ -163,6 +163,13 @@ std::string DiskCache::entry_path(const std::string& key) const {
   return (fs::path(vdir_) / key.substr(0, 2) / (key + ".bin")).string();
 }
 
+std::string DiskCache::ready_dir() {
+  std::lock_guard<std::mutex> guard(mu_);
+  if (!enabled_ || !ensure_dir()) return {};
+  std::error_code ec;
+  return fs::is_directory(vdir_, ec) ? vdir_ : std::string();
+}
+
 FileLock DiskCache::lock(const std::string& key) {
   {
     std::lock_guard<std::mutex> guard(mu_);

@@ -65,6 +65,8 @@ class DiskCache {
   // Holds the per-key inter-process lock (no-op when disabled).
   FileLock lock(const std::string& key);
   std::string entry_path(const std::string& key) const;  // the .bin path, whether it exists or not
+  // The layout directory (<dir>/v1), created and checked; "" when the cache is off or unusable.
+  std::string ready_dir();
 
   Stats stats() const;
   std::vector<EntryInfo> list() const;

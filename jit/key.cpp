@@ -1,7 +1,14 @@
 // Content keys: what makes a cached binary reusable, and nothing else.
 #include "key.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 #include <mutex>
+#include <sstream>
 #include <unordered_map>
 
 #include "hash.h"
@@ -15,6 +22,83 @@
 namespace kspec::jit {
 
 const char* kspec_version() { return KSPEC_VERSION; }
+
+namespace {
+
+std::mutex g_memo_mu;
+std::string g_memo_dir;
+
+struct HeaderStat {
+  int64_t size = -1, mtime_ns = -1;
+};
+
+HeaderStat stat_of(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return {};
+  return {static_cast<int64_t>(st.st_size),
+          static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
+}
+
+// A memo file is used only if this user owns it and nobody else can write it.
+bool trusted(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && st.st_uid == ::geteuid() && !(st.st_mode & (S_IWGRP | S_IWOTH));
+}
+
+}  // namespace
+
+void set_header_memo_dir(const std::string& dir) {
+  std::lock_guard<std::mutex> lock(g_memo_mu);
+  g_memo_dir = dir;
+}
+
+std::string system_headers_hash(const TemplateSource& src, const std::string& header, const std::string& memo_dir) {
+  const std::string& inc = cuda_include_dir();
+  std::string memo_path;
+  if (!memo_dir.empty()) {
+    Sha256 k;
+    k.part("kspec-headers-v1").part(inc).part(nvrtc_version());
+    for (const auto& name : src.system_includes(header)) k.part(name);
+    memo_path = memo_dir + "/headers-" + k.hex().substr(0, 32) + ".txt";
+    // Format: the hash, then one "size mtime_ns name" line per header.
+    std::ifstream in(memo_path);
+    std::string hash;
+    if (in && trusted(memo_path) && std::getline(in, hash) && hash.size() == 64) {
+      bool fresh = true;
+      int64_t size, mtime;
+      std::string name;
+      int count = 0;
+      while (fresh && in >> size >> mtime >> name) {
+        HeaderStat st = stat_of(inc + "/" + name);
+        fresh = st.size == size && st.mtime_ns == mtime;
+        ++count;
+      }
+      if (fresh && count > 0) return hash;
+    }
+  }
+  Sha256 s;
+  std::ostringstream memo;
+  auto closure = src.system_closure(header);
+  for (const auto& f : closure) s.part(f.name).part(f.content);
+  std::string hash = s.hex();
+  if (!memo_path.empty() && !closure.empty()) {
+    memo << hash << "\n";
+    for (const auto& f : closure) {
+      HeaderStat st = stat_of(inc + "/" + f.name);
+      memo << st.size << ' ' << st.mtime_ns << ' ' << f.name << "\n";
+    }
+    // Atomic: a temporary file in the same directory, renamed over the memo.
+    std::string tmp = memo_path + ".tmp." + std::to_string(::getpid());
+    int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd >= 0) {
+      std::string text = memo.str();
+      bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+      ok = (::close(fd) == 0) && ok;
+      if (!ok || ::rename(tmp.c_str(), memo_path.c_str()) != 0) ::unlink(tmp.c_str());
+    }
+  }
+  return hash;
+}
 
 std::string compute_content_key(const KernelSpec& spec, const TemplateSource& src) {
   Sha256 h;
@@ -34,9 +118,12 @@ std::string compute_content_key(const KernelSpec& spec, const TemplateSource& sr
     auto key = src.origin() + "\n" + spec.header;
     auto it = system_memo.find(key);
     if (it == system_memo.end()) {
-      Sha256 s;
-      for (const auto& f : src.system_closure(spec.header)) s.part(f.name).part(f.content);
-      it = system_memo.emplace(key, s.hex()).first;
+      std::string memo_dir;
+      {
+        std::lock_guard<std::mutex> memo_lock(g_memo_mu);
+        memo_dir = g_memo_dir;
+      }
+      it = system_memo.emplace(key, system_headers_hash(src, spec.header, memo_dir)).first;
     }
     sys = it->second;
   }

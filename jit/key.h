@@ -18,4 +18,13 @@ std::string compute_content_key(const KernelSpec& spec, const class TemplateSour
 
 const char* kspec_version();
 
+// The CUDA headers' part of a key: SHA-256 over the bytes of every toolkit header the template
+// includes, directly or not (about 1.6 MB for cuda_bf16.h: several ms per process). With a memo
+// directory, the hash is remembered in a file with each header's size and mtime; a later process
+// re-checks those with stat() alone and rehashes when any differ (as ccache's manifests do).
+std::string system_headers_hash(const class TemplateSource& src, const std::string& header,
+                                const std::string& memo_dir);
+// Where content_key() keeps that memo ("" = nowhere; set by the cache layer to its directory).
+void set_header_memo_dir(const std::string& dir);
+
 }  // namespace kspec::jit

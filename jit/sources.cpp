@@ -132,14 +132,19 @@ std::vector<TemplateFile> TemplateSource::kspec_closure(const std::string& heade
   return out;
 }
 
+std::vector<std::string> TemplateSource::system_includes(const std::string& header) const {
+  std::set<std::string> names;
+  for (const auto& f : kspec_closure(header))
+    for (const auto& [inc, quoted] : parse_includes(f.content))
+      if (!has(inc)) names.insert(inc);
+  return {names.begin(), names.end()};
+}
+
 std::vector<TemplateFile> TemplateSource::system_closure(const std::string& header) const {
   std::vector<TemplateFile> out;
   const std::string& inc_dir = cuda_include_dir();
   std::set<std::string> seen;
-  std::vector<std::string> stack;
-  for (const auto& f : kspec_closure(header))
-    for (const auto& [inc, quoted] : parse_includes(f.content))
-      if (!has(inc)) stack.push_back(inc);
+  std::vector<std::string> stack = system_includes(header);
   while (!stack.empty()) {
     std::string name = stack.back();
     stack.pop_back();

@@ -35,6 +35,8 @@ class TemplateSource {
   // The system headers (<cuda_fp16.h>, ...) the closure includes, resolved to files of the CUDA
   // include directory and recursively their includes: (path, content) pairs, sorted by path.
   std::vector<TemplateFile> system_closure(const std::string& header) const;
+  // Only the system headers the kspec closure includes directly, sorted: cheap (no CUDA header read).
+  std::vector<std::string> system_includes(const std::string& header) const;
 
  private:
   std::map<std::string, std::string> files_;

@@ -71,6 +71,9 @@ Counters counters() { return {g_compiled.load(), g_disk.load(), g_memory.load(),
 
 Obtained obtain_binary(const jit::KernelSpec& spec) {
   auto t0 = std::chrono::steady_clock::now();
+  // The disk cache's directory also keeps the memo of the CUDA headers' hash (jit/key.h).
+  static std::once_flag memo_once;
+  std::call_once(memo_once, [] { jit::set_header_memo_dir(cache::DiskCache::global().ready_dir()); });
   auto elapsed = [&] {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   };

@@ -165,3 +165,27 @@ TEST(Nvrtc, ParsePtxasLog) {
   EXPECT_EQ(r.stack_bytes, 16);
   EXPECT_EQ(r.static_shared_bytes, 256);
 }
+
+TEST(Key, CudaHeaderHashMemoIsReusedAndRechecked) {
+  kspec::testing::TempDir tmp;
+  auto src = jit::TemplateSource::embedded();
+  std::string direct = jit::system_headers_hash(src, "norm_act/norm_act.cuh", "");
+  std::string first = jit::system_headers_hash(src, "norm_act/norm_act.cuh", tmp.path());
+  EXPECT_EQ(first, direct);
+  std::vector<fs::path> memos;
+  for (const auto& e : fs::directory_iterator(tmp.path())) memos.push_back(e.path());
+  ASSERT_EQ(memos.size(), 1u);
+  std::ifstream in(memos[0]);
+  std::string line;
+  std::getline(in, line);
+  EXPECT_EQ(line, direct);
+  // A memo whose recorded sizes no longer match the headers is ignored and rewritten.
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::ofstream(memos[0]) << std::string(64, '0') << "\n1 1 cuda_bf16.h\n";
+  EXPECT_EQ(jit::system_headers_hash(src, "norm_act/norm_act.cuh", tmp.path()), direct);
+  std::ifstream again(memos[0]);
+  std::getline(again, line);
+  EXPECT_EQ(line, direct);
+  // A trusted, fresh memo is what a later process reads (its hash is returned as written).
+  EXPECT_EQ(jit::system_headers_hash(src, "norm_act/norm_act.cuh", tmp.path()), direct);
+}

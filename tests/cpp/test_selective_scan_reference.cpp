@@ -268,8 +268,8 @@ TEST_P(SelectiveScanReferenceProperties, ZeroH0EqualsNoH0) {
 // Copies time steps [t0, t1) of a [rows, T] tensor.
 std::vector<double> slice_time(const std::vector<double>& v, int64_t T, int64_t t0, int64_t t1) {
   std::vector<double> r;
-  for (size_t row = 0; row < v.size() / static_cast<size_t>(T); ++row) {
-    r.insert(r.end(), v.begin() + static_cast<int64_t>(row) * T + t0, v.begin() + static_cast<int64_t>(row) * T + t1);
+  for (int64_t row = 0; row < static_cast<int64_t>(v.size()) / T; ++row) {
+    r.insert(r.end(), v.begin() + row * T + t0, v.begin() + row * T + t1);
   }
   return r;
 }
@@ -278,9 +278,9 @@ std::vector<double> slice_time(const std::vector<double>& v, int64_t T, int64_t 
 std::vector<double> concat_time(const std::vector<double>& a, int64_t T1, const std::vector<double>& b,
                                 int64_t T2) {
   std::vector<double> r;
-  for (size_t row = 0; row < a.size() / static_cast<size_t>(T1); ++row) {
-    r.insert(r.end(), a.begin() + static_cast<int64_t>(row) * T1, a.begin() + static_cast<int64_t>(row + 1) * T1);
-    r.insert(r.end(), b.begin() + static_cast<int64_t>(row) * T2, b.begin() + static_cast<int64_t>(row + 1) * T2);
+  for (int64_t row = 0; row < static_cast<int64_t>(a.size()) / T1; ++row) {
+    r.insert(r.end(), a.begin() + row * T1, a.begin() + (row + 1) * T1);
+    r.insert(r.end(), b.begin() + row * T2, b.begin() + (row + 1) * T2);
   }
   return r;
 }
