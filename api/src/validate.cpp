@@ -30,7 +30,9 @@ struct What {
 };
 std::ostream& operator<<(std::ostream& os, const What& w) { return os << w.kind << " '" << w.name << "'"; }
 
-bool is_leading(const std::string& tok) { return tok.rfind("...", 0) == 0; }
+bool is_leading(const std::string& tok) {
+  return tok.size() >= 3 && tok[0] == '.' && tok[1] == '.' && tok[2] == '.';
+}
 
 // The distance between consecutive rows once the dims before the last are flattened: the stride of
 // the innermost of them with more than one element (size-1 dims have arbitrary strides).
@@ -280,6 +282,7 @@ Params complete_params(const OpDef& op, const Params& given) {
     }
   }
   Params out;
+  out.reserve(info.params.size());
   for (const auto& d : info.params) {
     const ParamValue* v = given.find(d.name);
     ParamValue value = v ? *v : d.default_value;
@@ -348,6 +351,31 @@ std::vector<int64_t> shape_of(const TensorDef& t, const Problem& p) {
 
 // ---- the call ----
 
+namespace {
+// shape_of(def, p) == t's shape, without building either (validation runs on every call).
+bool shape_matches(const TensorDef& def, const Problem& p, const TensorView& t) {
+  int d = 0;
+  for (const auto& tok : def.shape) {
+    if (is_leading(tok)) {
+      const std::vector<int64_t>* lead = nullptr;
+      for (const auto& [name, l] : p.leading)
+        if (name.compare(0, std::string::npos, tok, 3, std::string::npos) == 0) lead = &l;
+      if (lead) {
+        for (int64_t v : *lead)
+          if (d >= t.rank || t.shape[d++] != v) return false;
+      } else if (d >= t.rank || t.shape[d++] != p.dim(tok.substr(3))) {
+        return false;
+      }
+    } else if (is_number(tok)) {
+      if (d >= t.rank || t.shape[d++] != std::stoll(tok)) return false;
+    } else if (d >= t.rank || t.shape[d++] != p.dim(tok)) {
+      return false;
+    }
+  }
+  return d == t.rank;
+}
+}  // namespace
+
 Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
                    const std::vector<TensorView>& outputs, const Params& params, Stream stream,
                    bool inputs_only) {
@@ -367,6 +395,7 @@ Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
   p.params = complete_params(op, params);
   p.inputs.resize(inputs.size());
   p.outputs.resize(outputs.size());
+  p.dims.reserve(4);
   int device = -1;
   // dtypes first (dtype_of may refer to a later tensor), then everything else in order.
   for (size_t i = 0; i < inputs.size(); ++i) p.inputs[i] = {inputs[i].defined(), inputs[i].dtype};
@@ -403,9 +432,8 @@ Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
     KSPEC_CHECK(def.present_with.empty() || needed, info.name, ": ", what, " must be None when '",
                 def.present_with, "' is None");
     check_tensor(p, info, def, outputs[i], what, &device, true);
-    auto want = shape_of(def, p);
-    std::vector<int64_t> got(outputs[i].shape, outputs[i].shape + outputs[i].rank);
-    if (got != want) {
+    if (!shape_matches(def, p, outputs[i])) {
+      auto want = shape_of(def, p);
       std::ostringstream os;
       os << info.name << ": " << what << ": expected shape [";
       for (size_t k = 0; k < want.size(); ++k) os << (k ? ", " : "") << want[k];

@@ -32,6 +32,7 @@ class Params {
   Params& set(const std::string& name, ParamValue value);
   const ParamValue* find(std::string_view name) const;
   const std::vector<std::pair<std::string, ParamValue>>& items() const { return items_; }
+  void reserve(size_t n) { items_.reserve(n); }
 
  private:
   std::vector<std::pair<std::string, ParamValue>> items_;
