@@ -176,7 +176,7 @@ CheckRow check_one(const OpDef& op, const Case& cs, DType dtype, const CheckOpti
     Params params;
     for (const auto& [k, v] : cs.params.items()) params.set(k, v);
     CallOptions copts;
-    copts.config = o.config;
+    copts.config = o.config ? &*o.config : nullptr;
     call(op.info.name, in_views, out_views, params, nullptr, copts);
     CU_CHECK(cuCtxSynchronize());
     auto refs = op.reference(p, host_in);

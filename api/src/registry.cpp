@@ -395,7 +395,7 @@ std::string explain(std::string_view op_name, const std::vector<TensorView>& inp
 std::vector<CompileReport> compile(const CompileRequest& req) {
   const OpDef& op = Registry::global().get(req.op);
   Problem p = problem_from_request(op, req);
-  Config cfg = choose_config(op, p, req.config);
+  Config cfg = choose_config(op, p, req.config ? &*req.config : nullptr);
   std::vector<CompileReport> out;
   for (const auto& spec : op.kernels(p, cfg)) {
     Obtained ob = obtain_binary(spec);
@@ -423,9 +423,6 @@ std::vector<CompileReport> compile(const CompileRequest& req) {
 std::vector<CompileRequest> precompile_plan(const std::vector<std::string>& archs, const std::vector<std::string>& ops) {
   std::vector<CompileRequest> out;
   const Registry& reg = Registry::global();
-  static std::vector<std::unique_ptr<Config>> configs;  // CompileRequest holds a pointer
-  static std::mutex mu;
-  std::lock_guard<std::mutex> lock(mu);
   for (const auto& name : ops.empty() ? reg.names() : ops) {
     const OpDef& op = reg.get(name);
     for (const auto& arch : archs) {
@@ -452,9 +449,8 @@ std::vector<CompileRequest> precompile_plan(const std::vector<std::string>& arch
             for (const auto& spec : op.kernels(p, cfg)) sig += spec.canonical() + "\n";
             if (seen[sig]) continue;
             seen[sig] = true;
-            configs.push_back(std::make_unique<Config>(cfg));
             CompileRequest r = req;
-            r.config = configs.back().get();
+            r.config = cfg;
             out.push_back(std::move(r));
           }
         }

@@ -256,11 +256,7 @@ PYBIND11_MODULE(_C, m) {
            const std::vector<std::string>& without, const std::map<std::string, std::string>& tensor_dtypes,
            const py::object& config) {
           auto req = to_request(op, dtype, arch, params, without, tensor_dtypes);
-          kspec::Config cfg;
-          if (!config.is_none()) {
-            cfg = kspec::Config::parse(config.cast<std::string>());
-            req.config = &cfg;
-          }
+          if (!config.is_none()) req.config = kspec::Config::parse(config.cast<std::string>());
           std::vector<kspec::CompileReport> reports;
           {
             py::gil_scoped_release release;
@@ -313,11 +309,7 @@ PYBIND11_MODULE(_C, m) {
           o.device = device;
           o.include_large = include_large;
           o.seed = seed;
-          kspec::Config cfg;
-          if (!config.is_none()) {
-            cfg = kspec::Config::parse(config.cast<std::string>());
-            o.config = &cfg;
-          }
+          if (!config.is_none()) o.config = kspec::Config::parse(config.cast<std::string>());
           std::vector<kspec::CheckRow> rows;
           {
             py::gil_scoped_release release;

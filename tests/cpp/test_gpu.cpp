@@ -100,7 +100,7 @@ TEST(Gpu, EveryTuningConfigMatchesReference) {
         CheckOptions o;
         o.case_name = s.c;
         o.dtypes = {s.dt};
-        o.config = &cfg;
+        o.config = cfg;
         report(check_op(op, o));
       }
     }

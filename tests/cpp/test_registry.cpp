@@ -192,14 +192,14 @@ TEST(Compile, RequestErrors) {
   EXPECT_THROW(compile(req), InvalidArgument);  // hidden is compile-time: must be given
   req.params = {{"hidden", int64_t(33)}};
   Config bad{{{"threads_per_row", 32}, {"rows_per_block", 1}, {"vec", 8}}};
-  req.config = &bad;
+  req.config = bad;
   try {
     compile(req);
     ADD_FAILURE() << "expected InvalidArgument";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("not valid"), std::string::npos);
   }
-  req.config = nullptr;
+  req.config.reset();
   req.without = {"x"};
   EXPECT_THROW(compile(req), InvalidArgument);
 }
@@ -228,7 +228,7 @@ TEST(Compile, PrecompilePlanCoversEveryDtypeAndConfig) {
   for (const auto& r : plan) {
     per_op[r.op]++;
     dtypes.insert(dtype_short(r.dtype));
-    ASSERT_NE(r.config, nullptr);
+    ASSERT_TRUE(r.config.has_value());
     configs.insert(r.config->str());
   }
   EXPECT_GT(per_op["norm_act.fwd"], 20);

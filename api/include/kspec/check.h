@@ -26,7 +26,7 @@ struct CheckOptions {
   std::vector<DType> dtypes;     // empty = the op's dtypes
   int device = 0;
   bool include_large = false;
-  const Config* config = nullptr;  // force a config (else the heuristic's)
+  std::optional<Config> config;  // force a config (else the heuristic's)
   uint64_t seed = 0;             // 0 = fresh from std::random_device
 };
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -135,7 +136,7 @@ struct CompileRequest {
   Params params;                        // scalar params and Const/Bucket dims ("hidden": 4096)
   std::vector<std::string> without;     // optional inputs left out
   std::vector<std::pair<std::string, DType>> tensor_dtypes;  // per-tensor overrides
-  const Config* config = nullptr;       // else the heuristic's choice
+  std::optional<Config> config;         // else the heuristic's choice
 };
 
 struct CompileReport {
