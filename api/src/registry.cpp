@@ -1,5 +1,6 @@
 // The registry and the call path: validate → plan (cached per problem signature and device) → launch.
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <map>
 #include <mutex>
@@ -20,11 +21,10 @@ namespace kspec {
 
 std::string param_to_string(const ParamValue& v) {
   if (auto p = std::get_if<int64_t>(&v)) return std::to_string(*p);
-  if (auto p = std::get_if<double>(&v)) {
-    std::ostringstream os;
-    os.precision(17);
-    os << *p;
-    return os.str();
+  if (auto p = std::get_if<double>(&v)) {  // the shortest text that reads back as the same double
+    char buf[32];
+    auto r = std::to_chars(buf, buf + sizeof(buf), *p);
+    return std::string(buf, r.ptr);
   }
   if (auto p = std::get_if<bool>(&v)) return *p ? "true" : "false";
   return std::get<std::string>(v);
