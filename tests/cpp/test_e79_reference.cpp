@@ -2,6 +2,7 @@
 // over bias modes, initial states and final-state gradients, its forward against a hand computation,
 // and a sequence run in two chunks (states and their adjoints handed across) against one run.
 #include "e79/reference.h"
+#include "reference_test_util.h"
 
 #include <gtest/gtest.h>
 
@@ -16,6 +17,11 @@
 
 namespace {
 
+using kspec::testing::random_nonzero;
+using kspec::testing::dot;
+using kspec::testing::abs_dot;
+using kspec::testing::expect_grad_near;
+
 using kspec::ref::e79_bwd_ref;
 using kspec::ref::e79_fwd_ref;
 using kspec::ref::E79Grads;
@@ -25,28 +31,6 @@ using kspec::ref::E79Shape;
 using kspec::ref::kE79BiasFixed;
 using kspec::ref::kE79BiasInput;
 using kspec::ref::kE79BiasNone;
-
-// Uniform in +-[lo, hi]: random signs and magnitudes bounded away from zero, so no term of a gradient
-// vanishes by accident, and small enough (|x| <= 0.5 mostly) that no sigmoid saturates.
-std::vector<double> random_nonzero(std::mt19937_64& rng, int64_t count, double lo, double hi) {
-  std::uniform_real_distribution<double> mag(lo, hi);
-  std::bernoulli_distribution neg(0.5);
-  std::vector<double> v(static_cast<size_t>(count));
-  for (double& e : v) e = neg(rng) ? -mag(rng) : mag(rng);
-  return v;
-}
-
-double dot(const std::vector<double>& a, const std::vector<double>& b) {
-  double s = 0.0;
-  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
-  return s;
-}
-
-double abs_dot(const std::vector<double>& a, const std::vector<double>& b) {
-  double s = 0.0;
-  for (size_t i = 0; i < a.size(); ++i) s += std::abs(a[i] * b[i]);
-  return s;
-}
 
 E79Inputs make_inputs(std::mt19937_64& rng, const E79Shape& s, bool with_init) {
   const int64_t tbn = s.T * s.B * s.n;
@@ -63,17 +47,6 @@ E79Inputs make_inputs(std::mt19937_64& rng, const E79Shape& s, bool with_init) {
     in.M0 = random_nonzero(rng, s.B * s.n * s.n, 0.1, 0.5);
   }
   return in;
-}
-
-// Each analytic element agrees with its central difference to 1e-5 relative, plus the difference
-// quotient's own rounding error, about eps_machine * loss_scale / step.
-void expect_grad_near(const std::vector<double>& analytic, const std::vector<double>& numeric,
-                      double fd_noise, const std::string& what) {
-  ASSERT_EQ(analytic.size(), numeric.size()) << what;
-  for (size_t i = 0; i < analytic.size(); ++i) {
-    EXPECT_NEAR(analytic[i], numeric[i], 1e-5 * std::abs(analytic[i]) + fd_noise)
-        << what << "[" << i << "]";
-  }
 }
 
 void expect_all_near(const std::vector<double>& a, const std::vector<double>& b, const std::string& what) {

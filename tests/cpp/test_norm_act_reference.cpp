@@ -2,6 +2,7 @@
 // its forward for every norm x activation x bias combination, and its forward against known values.
 // The reference is the spec the GPU kernels are checked against, so it is checked first.
 #include "norm_act/reference.h"
+#include "reference_test_util.h"
 
 #include <gtest/gtest.h>
 
@@ -15,6 +16,10 @@
 
 namespace {
 
+using kspec::testing::random_nonzero;
+using kspec::testing::dot;
+using kspec::testing::expect_grad_near;
+
 using kspec::ref::norm_act_bwd_ref;
 using kspec::ref::norm_act_fwd_ref;
 
@@ -23,38 +28,6 @@ constexpr int kNormRms = 1;
 constexpr int kActIdentity = 0;
 constexpr int kActGeluErf = 3;
 constexpr double kEps = 1e-5;
-
-// Uniform in +-[lo, hi]: random signs and magnitudes bounded away from zero, so no term of the
-// gradient vanishes by accident and hides a wrong formula.
-std::vector<double> random_nonzero(std::mt19937_64& rng, size_t n, double lo, double hi) {
-  std::uniform_real_distribution<double> mag(lo, hi);
-  std::bernoulli_distribution neg(0.5);
-  std::vector<double> v(n);
-  for (double& e : v) e = neg(rng) ? -mag(rng) : mag(rng);
-  return v;
-}
-
-double dot(const std::vector<double>& a, const std::vector<double>& b) {
-  double s = 0.0;
-  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
-  return s;
-}
-
-// An analytic gradient element agrees with its central difference to ~1e-6 relative; elements far
-// below the tensor's largest are compared against 1e-3 of that instead. The difference quotient also
-// carries an absolute rounding error of about eps_machine * loss_scale / step (loss_scale = sum of
-// |dy * y|), which decides for gradients that are tiny overall, e.g. RMSNorm over one element, whose
-// dy/dx = eps / (x^2 + eps)^1.5 is ~1e-6.
-void expect_grad_near(const std::vector<double>& analytic, const std::vector<double>& numeric,
-                      double fd_noise, const std::string& what) {
-  ASSERT_EQ(analytic.size(), numeric.size()) << what;
-  double max_abs = 0.0;
-  for (double v : analytic) max_abs = std::max(max_abs, std::abs(v));
-  for (size_t i = 0; i < analytic.size(); ++i) {
-    const double tol = 1e-6 * std::max(std::abs(analytic[i]), 1e-3 * max_abs) + fd_noise;
-    EXPECT_NEAR(analytic[i], numeric[i], tol) << what << "[" << i << "]";
-  }
-}
 
 // norm, act, has_bias, hidden, rows
 using FdParam = std::tuple<int, int, bool, int64_t, int64_t>;

@@ -2,6 +2,7 @@
 // its forward over fixed/variable B and C, groups, softplus and every optional input, and its forward
 // against a hand computation, a zero h0, and the same sequence scanned in two chunks.
 #include "selective_scan/reference.h"
+#include "reference_test_util.h"
 
 #include <gtest/gtest.h>
 
@@ -15,6 +16,12 @@
 #include <vector>
 
 namespace {
+
+using kspec::testing::random_nonzero;
+using kspec::testing::random_uniform;
+using kspec::testing::dot;
+using kspec::testing::abs_dot;
+using kspec::testing::expect_grad_near;
 
 using kspec::ref::ScanGrads;
 using kspec::ref::ScanInputs;
@@ -33,35 +40,6 @@ constexpr int kAllOptional = kHasD | kHasZ | kHasDeltaBias | kHasH0;
 // How B and C are given: both fixed; both variable with 1 or 2 groups; one variable, one fixed.
 enum BcMode { kFixedBc, kVariableBcG1, kVariableBcG2, kVariableBFixedCG2, kFixedBVariableCG1 };
 constexpr int kNumBcModes = 5;
-
-// Uniform in +-[lo, hi]: random signs and magnitudes bounded away from zero, so no term of a
-// gradient vanishes by accident and hides a wrong formula.
-std::vector<double> random_nonzero(std::mt19937_64& rng, int64_t n, double lo, double hi) {
-  std::uniform_real_distribution<double> mag(lo, hi);
-  std::bernoulli_distribution neg(0.5);
-  std::vector<double> v(static_cast<size_t>(n));
-  for (double& e : v) e = neg(rng) ? -mag(rng) : mag(rng);
-  return v;
-}
-
-std::vector<double> random_uniform(std::mt19937_64& rng, int64_t n, double lo, double hi) {
-  std::uniform_real_distribution<double> dist(lo, hi);
-  std::vector<double> v(static_cast<size_t>(n));
-  for (double& e : v) e = dist(rng);
-  return v;
-}
-
-double dot(const std::vector<double>& a, const std::vector<double>& b) {
-  double s = 0.0;
-  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
-  return s;
-}
-
-double abs_dot(const std::vector<double>& a, const std::vector<double>& b) {
-  double s = 0.0;
-  for (size_t i = 0; i < a.size(); ++i) s += std::abs(a[i] * b[i]);
-  return s;
-}
 
 ScanShape make_shape(int bc_mode, int64_t batch, int64_t dim, int64_t seqlen, int64_t dstate) {
   ScanShape s;
@@ -96,20 +74,6 @@ ScanInputs make_inputs(std::mt19937_64& rng, const ScanShape& s, int optional, b
   }
   if (optional & kHasH0) in.h0 = random_nonzero(rng, s.batch * s.dim * s.dstate, 0.1, 1.5);
   return in;
-}
-
-// An analytic gradient element agrees with its central difference to ~1e-6 relative; elements far
-// below the tensor's largest are compared against 1e-3 of that instead, and every element gets the
-// difference quotient's own rounding error, about eps_machine * loss_scale / step.
-void expect_grad_near(const std::vector<double>& analytic, const std::vector<double>& numeric,
-                      double fd_noise, const std::string& what) {
-  ASSERT_EQ(analytic.size(), numeric.size()) << what;
-  double max_abs = 0.0;
-  for (double v : analytic) max_abs = std::max(max_abs, std::abs(v));
-  for (size_t i = 0; i < analytic.size(); ++i) {
-    const double tol = 1e-6 * std::max(std::abs(analytic[i]), 1e-3 * max_abs) + fd_noise;
-    EXPECT_NEAR(analytic[i], numeric[i], tol) << what << "[" << i << "]";
-  }
 }
 
 void expect_all_near(const std::vector<double>& a, const std::vector<double>& b, double rtol,

@@ -2,30 +2,15 @@
 forward for every bias mode, with and without initial states and final-state gradients, and a
 sequence run in two chunks against one run."""
 
-import importlib.util
 import itertools
-import pathlib
 
 import numpy as np
 import pytest
 
-
-def _load_reference():
-    """The reference is pure NumPy, but `import kspec` loads the compiled extension: where that is not
-    built (a CPU-only checkout), load the module from its file so the spec stays testable."""
-    try:
-        from kspec.reference import e79
-
-        return e79
-    except ImportError:
-        path = pathlib.Path(__file__).resolve().parents[2] / "python/kspec/reference/e79.py"
-        spec = importlib.util.spec_from_file_location("_kspec_reference_e79", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+from reference_loader import load_reference
 
 
-ref = _load_reference()
+ref = load_reference("e79")
 
 STEP = 1e-6
 BIAS_MODES = ("none", "fixed", "input")

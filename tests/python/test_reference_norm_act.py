@@ -1,31 +1,16 @@
 """Tests of the float64 NumPy norm+activation reference: its backward against central finite
 differences of its forward, its handling of leading dimensions, and its forward against known values."""
 
-import importlib.util
 import itertools
 import math
-import pathlib
 
 import numpy as np
 import pytest
 
-
-def _load_reference():
-    """The reference is pure NumPy, but `import kspec` loads the compiled extension: where that is not
-    built (a CPU-only checkout), load the module from its file so the spec stays testable."""
-    try:
-        from kspec.reference import norm_act
-
-        return norm_act
-    except ImportError:
-        path = pathlib.Path(__file__).resolve().parents[2] / "python/kspec/reference/norm_act.py"
-        spec = importlib.util.spec_from_file_location("_kspec_reference_norm_act", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+from reference_loader import load_reference
 
 
-_ref = _load_reference()
+_ref = load_reference("norm_act")
 ACTS, NORMS, norm_act_bwd, norm_act_fwd = _ref.ACTS, _ref.NORMS, _ref.norm_act_bwd, _ref.norm_act_fwd
 
 EPS = 1e-5

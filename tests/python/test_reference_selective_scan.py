@@ -2,32 +2,17 @@
 of its forward, its B/C group layouts, chunked scans against one full scan, and a hand computation
 (the same numbers as the C++ twin's test, so both references pin one value)."""
 
-import importlib.util
 import itertools
 import math
-import pathlib
 import zlib
 
 import numpy as np
 import pytest
 
-
-def _load_reference():
-    """The reference is pure NumPy, but `import kspec` loads the compiled extension: where that is not
-    built (a CPU-only checkout), load the module from its file so the spec stays testable."""
-    try:
-        from kspec.reference import selective_scan
-
-        return selective_scan
-    except ImportError:
-        path = pathlib.Path(__file__).resolve().parents[2] / "python/kspec/reference/selective_scan.py"
-        spec = importlib.util.spec_from_file_location("_kspec_reference_selective_scan", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+from reference_loader import load_reference
 
 
-ref = _load_reference()
+ref = load_reference("selective_scan")
 
 STEP = 1e-6
 OPTIONAL = ("D", "z", "delta_bias", "h0")

@@ -3,6 +3,8 @@
 // keeps every state, and walks the steps backwards carrying the adjoints of S and M.
 #include "e79/reference.h"
 
+#include "common/reference_math.h"
+
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -11,21 +13,13 @@
 namespace kspec::ref {
 namespace {
 
+using detail::sigmoid;
+
 constexpr double kNormEps = 1e-6;
 
-double sigmoid(double x) {
-  if (x >= 0.0) return 1.0 / (1.0 + std::exp(-x));
-  const double e = std::exp(x);
-  return e / (1.0 + e);
-}
 
 void check_size(const std::vector<double>& v, int64_t expected, const char* name, bool optional) {
-  if (optional && v.empty()) return;
-  if (static_cast<int64_t>(v.size()) != expected) {
-    throw std::invalid_argument(std::string("e79 reference: ") + name + " has " +
-                                std::to_string(v.size()) + " elements, expected " +
-                                std::to_string(expected));
-  }
+  detail::check_size(v, expected, "e79", name, optional);
 }
 
 void check_args(const E79Shape& s, const E79Inputs& in) {

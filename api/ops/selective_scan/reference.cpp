@@ -3,6 +3,8 @@
 // The backward recomputes the forward and walks the recurrence backwards with a running adjoint.
 #include "selective_scan/reference.h"
 
+#include "common/reference_math.h"
+
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -10,22 +12,13 @@
 namespace kspec::ref {
 namespace {
 
-// log1p(exp(x)) without overflow for large x and without losing the tail for very negative x.
-double softplus(double x) { return x > 0.0 ? x + std::log1p(std::exp(-x)) : std::log1p(std::exp(x)); }
+using detail::sigmoid;
+using detail::softplus;
 
-double sigmoid(double x) {
-  if (x >= 0.0) return 1.0 / (1.0 + std::exp(-x));
-  const double e = std::exp(x);
-  return e / (1.0 + e);
-}
+
 
 void check_size(const std::vector<double>& v, int64_t expected, const char* name, bool optional) {
-  if (optional && v.empty()) return;
-  if (static_cast<int64_t>(v.size()) != expected) {
-    throw std::invalid_argument(std::string("selective_scan reference: ") + name + " has " +
-                                std::to_string(v.size()) + " elements, expected " +
-                                std::to_string(expected));
-  }
+  detail::check_size(v, expected, "selective_scan", name, optional);
 }
 
 void check_args(const ScanShape& s, const ScanInputs& in) {
