@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
-import os
 import sys
 import time
 
@@ -116,7 +115,7 @@ def cmd_precompile(a):
         reqs = _load_requests(a.file)
     else:
         raise SystemExit("kspec precompile: give --all or --file FILE (JSON lines of compile requests)")
-    jobs = a.jobs or int(os.environ.get("KSPEC_COMPILE_THREADS", 0)) or (os.cpu_count() or 1)
+    jobs = a.jobs or _C.compile_threads()
     results, failures = [], []
     t0 = time.time()
     try:
