@@ -56,4 +56,20 @@ inline void expect_grad_near(const std::vector<double>& analytic, const std::vec
   }
 }
 
+// d loss / d param by central differences, one element at a time (param is restored after each).
+template <typename Loss>
+std::vector<double> central_diff(Loss&& loss, std::vector<double>& param, double step) {
+  std::vector<double> grad(param.size());
+  for (size_t i = 0; i < param.size(); ++i) {
+    const double saved = param[i];
+    param[i] = saved + step;
+    const double up = loss();
+    param[i] = saved - step;
+    const double down = loss();
+    param[i] = saved;
+    grad[i] = (up - down) / (2.0 * step);
+  }
+  return grad;
+}
+
 }  // namespace kspec::testing

@@ -77,19 +77,7 @@ TEST_P(E79ReferenceFiniteDiff, BackwardMatchesCentralDifferences) {
     return dot(dout, o.out) + (with_dfinal ? dot(dS_final, o.S) + dot(dM_final, o.M) : 0.0);
   };
   constexpr double kStep = 1e-6;
-  auto central_diff = [&](std::vector<double>& param) {
-    std::vector<double> grad(param.size());
-    for (size_t i = 0; i < param.size(); ++i) {
-      const double saved = param[i];
-      param[i] = saved + kStep;
-      const double up = loss();
-      param[i] = saved - kStep;
-      const double down = loss();
-      param[i] = saved;
-      grad[i] = (up - down) / (2.0 * kStep);
-    }
-    return grad;
-  };
+  auto central_diff = [&](std::vector<double>& param) { return kspec::testing::central_diff(loss, param, kStep); };
 
   const E79Grads g = e79_bwd_ref(s, in, dout, with_dfinal ? &dS_final : nullptr,
                                  with_dfinal ? &dM_final : nullptr);

@@ -51,17 +51,7 @@ TEST_P(NormActReferenceFiniteDiff, BackwardMatchesCentralDifferences) {
   };
   constexpr double kStep = 1e-5;
   auto central_diff = [&](std::vector<double>& param) {
-    std::vector<double> grad(param.size());
-    for (size_t i = 0; i < param.size(); ++i) {
-      const double saved = param[i];
-      param[i] = saved + kStep;
-      const double up = loss(x, w, bp);
-      param[i] = saved - kStep;
-      const double down = loss(x, w, bp);
-      param[i] = saved;
-      grad[i] = (up - down) / (2.0 * kStep);
-    }
-    return grad;
+    return kspec::testing::central_diff([&] { return loss(x, w, bp); }, param, kStep);
   };
 
   const auto analytic = norm_act_bwd_ref(dy, x, w, bp, rows, hidden, norm, act, kEps);

@@ -105,19 +105,7 @@ TEST_P(SelectiveScanReferenceFiniteDiff, BackwardMatchesCentralDifferences) {
     return dot(dout, o.out) + (with_dlast ? dot(dlast, o.last_state) : 0.0);
   };
   constexpr double kStep = 1e-6;
-  auto central_diff = [&](std::vector<double>& param) {
-    std::vector<double> grad(param.size());
-    for (size_t i = 0; i < param.size(); ++i) {
-      const double saved = param[i];
-      param[i] = saved + kStep;
-      const double up = loss();
-      param[i] = saved - kStep;
-      const double down = loss();
-      param[i] = saved;
-      grad[i] = (up - down) / (2.0 * kStep);
-    }
-    return grad;
-  };
+  auto central_diff = [&](std::vector<double>& param) { return kspec::testing::central_diff(loss, param, kStep); };
 
   const ScanGrads g = selective_scan_bwd_ref(s, in, dout, dlast_ptr);
   const ScanOutputs o = selective_scan_fwd_ref(s, in);

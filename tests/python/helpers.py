@@ -1,4 +1,9 @@
-"""Tolerances by dtype (the one table) and the relative error ‖out−ref‖/‖ref‖."""
+"""Shared test helpers: tolerances by dtype (the one table), the relative error ‖out−ref‖/‖ref‖, loading
+a float64 reference module, and finite-difference gradients for the reference tests."""
+import importlib
+import importlib.util
+import pathlib
+
 import numpy as np
 
 TOL = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
@@ -12,3 +17,41 @@ def rel_err(out, ref) -> float:
     den = np.linalg.norm(ref)
     num = np.linalg.norm(out - ref)
     return float(num / den) if den > 0 else float(num)
+
+
+def load_reference(name: str):
+    """kspec.reference.<name>. The references are pure NumPy, but `import kspec` loads the compiled
+    extension: where that is not built (a CPU-only checkout), the module is loaded from its file so
+    the spec stays testable."""
+    try:
+        return importlib.import_module(f"kspec.reference.{name}")
+    except ImportError:
+        path = pathlib.Path(__file__).resolve().parents[2] / f"python/kspec/reference/{name}.py"
+        spec = importlib.util.spec_from_file_location(f"_kspec_reference_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+
+def central_diff(loss, param, step):
+    """d loss() / d param by central differences, one element at a time (param is restored)."""
+    grad = np.empty_like(param)
+    for idx in np.ndindex(param.shape):
+        saved = param[idx]
+        param[idx] = saved + step
+        up = loss()
+        param[idx] = saved - step
+        down = loss()
+        param[idx] = saved
+        grad[idx] = (up - down) / (2.0 * step)
+    return grad
+
+
+def assert_grad_close(analytic, numeric, fd_noise, what):
+    """~1e-6 relative, against 1e-3 of the tensor's largest element for tiny elements, plus the
+    difference quotient's own absolute rounding error (as in the C++ twins of these tests)."""
+    assert analytic.shape == numeric.shape, what
+    scale = np.maximum(np.abs(analytic), 1e-3 * np.abs(analytic).max())
+    err = np.abs(analytic - numeric)
+    tol = 1e-6 * scale + fd_noise
+    assert np.all(err <= tol), f"{what}: max err {err.max():.3e}, worst excess {(err - tol).max():.3e}"

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from reference_loader import load_reference
+from helpers import central_diff, load_reference
 
 
 ref = load_reference("e79")
@@ -65,16 +65,7 @@ def test_backward_matches_central_differences(bias_mode, with_init, with_dfinal,
             assert grad is None, name
             continue
         assert grad.shape == x[name].shape, name
-        param = x[name]
-        numeric = np.empty_like(param)
-        for idx in np.ndindex(param.shape):
-            saved = param[idx]
-            param[idx] = saved + STEP
-            up = loss()
-            param[idx] = saved - STEP
-            down = loss()
-            param[idx] = saved
-            numeric[idx] = (up - down) / (2.0 * STEP)
+        numeric = central_diff(loss, x[name], STEP)
         np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=fd_noise, err_msg="d" + name)
 
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from reference_loader import load_reference
+from helpers import assert_grad_close, central_diff, load_reference
 
 
 _ref = load_reference("norm_act")
@@ -31,29 +31,6 @@ def _inputs(seed, rows, hidden, has_bias):
     return x, dy, w, b
 
 
-def _central_diff(loss, param):
-    grad = np.empty_like(param)
-    flat, gflat = param.reshape(-1), grad.reshape(-1)
-    for i in range(flat.size):
-        saved = flat[i]
-        flat[i] = saved + STEP
-        up = loss()
-        flat[i] = saved - STEP
-        down = loss()
-        flat[i] = saved
-        gflat[i] = (up - down) / (2.0 * STEP)
-    return grad
-
-
-def _assert_grad_close(analytic, numeric, fd_noise, what):
-    """~1e-6 relative, against 1e-3 of the tensor's largest element for tiny elements, plus the
-    difference quotient's own absolute rounding error (see the C++ twin of this test)."""
-    scale = np.maximum(np.abs(analytic), 1e-3 * np.abs(analytic).max())
-    err = np.abs(analytic - numeric)
-    tol = 1e-6 * scale + fd_noise
-    assert np.all(err <= tol), f"{what}: max err {err.max():.3e}, worst excess {(err - tol).max():.3e}"
-
-
 @pytest.mark.parametrize(
     "norm,act,has_bias,hidden,rows",
     list(itertools.product(NORMS, ACTS, [False, True], [1, 7, 33], [1, 3])),
@@ -67,10 +44,10 @@ def test_backward_matches_central_differences(norm, act, has_bias, hidden, rows)
     dx, dw, db = norm_act_bwd(dy, x, w, b, norm, act, EPS)
     y = norm_act_fwd(x, w, b, norm, act, EPS)[0]
     fd_noise = 1e-10 * (1.0 + np.abs(dy * y).sum())
-    _assert_grad_close(dx, _central_diff(loss, x), fd_noise, "dx")
-    _assert_grad_close(dw, _central_diff(loss, w), fd_noise, "dw")
+    assert_grad_close(dx, central_diff(loss, x, STEP), fd_noise, "dx")
+    assert_grad_close(dw, central_diff(loss, w, STEP), fd_noise, "dw")
     if has_bias:
-        _assert_grad_close(db, _central_diff(loss, b), fd_noise, "db")
+        assert_grad_close(db, central_diff(loss, b, STEP), fd_noise, "db")
     else:
         assert db is None
 

@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 import pytest
 
-from reference_loader import load_reference
+from helpers import assert_grad_close, central_diff, load_reference
 
 
 ref = load_reference("selective_scan")
@@ -88,30 +88,6 @@ def _loss_fn(kw, dout, dlast):
     return loss, 1e-9 * (1.0 + scale)  # the difference quotient's rounding: ~4 * 2.2e-16 / STEP, with room
 
 
-def _central_diff(loss, param):
-    grad = np.empty_like(param)
-    flat, gflat = param.reshape(-1), grad.reshape(-1)
-    for i in range(flat.size):
-        saved = flat[i]
-        flat[i] = saved + STEP
-        up = loss()
-        flat[i] = saved - STEP
-        down = loss()
-        flat[i] = saved
-        gflat[i] = (up - down) / (2.0 * STEP)
-    return grad
-
-
-def _assert_grad_close(analytic, numeric, fd_noise, what):
-    """~1e-6 relative, against 1e-3 of the tensor's largest element for tiny elements, plus the
-    difference quotient's own absolute rounding error (as in the C++ twin of this test)."""
-    assert analytic.shape == numeric.shape, what
-    scale = np.maximum(np.abs(analytic), 1e-3 * np.abs(analytic).max())
-    err = np.abs(analytic - numeric)
-    tol = 1e-6 * scale + fd_noise
-    assert np.all(err <= tol), f"{what}: max err {err.max():.3e}, worst excess {(err - tol).max():.3e}"
-
-
 def _grad_name(name):
     return "d" + name
 
@@ -136,7 +112,7 @@ def test_backward_matches_central_differences(layout, softplus, optional, dstate
     assert set(grads) == set(ref.GRAD_KEYS)
     for name in ("u", "delta", "A", "B", "C") + OPTIONAL:
         if name in kw:
-            _assert_grad_close(grads[_grad_name(name)], _central_diff(loss, kw[name]), fd_noise, name)
+            assert_grad_close(grads[_grad_name(name)], central_diff(loss, kw[name], STEP), fd_noise, name)
         else:
             assert grads[_grad_name(name)] is None, name
 
