@@ -328,53 +328,46 @@ Params complete_params(const OpDef& op, const Params& given) {
 
 // ---- shapes ----
 
-std::vector<int64_t> shape_of(const TensorDef& t, const Problem& p) {
-  std::vector<int64_t> shape;
-  for (const auto& tok : t.shape) {
-    if (is_leading(tok)) {
-      std::string dim = tok.substr(3);
-      bool found = false;
-      for (const auto& [name, lead] : p.leading)
-        if (name == dim) {
-          shape.insert(shape.end(), lead.begin(), lead.end());
-          found = true;
-        }
-      if (!found) shape.push_back(p.dim(dim));
-    } else if (is_number(tok)) {
-      shape.push_back(std::stoll(tok));
-    } else {
-      shape.push_back(p.dim(tok));
-    }
-  }
-  return shape;
-}
-
-// ---- the call ----
-
 namespace {
-// shape_of(def, p) == t's shape, without building either (validation runs on every call).
-bool shape_matches(const TensorDef& def, const Problem& p, const TensorView& t) {
-  int d = 0;
-  for (const auto& tok : def.shape) {
+// Calls f(size) for each dim of t's shape under p, in order, until f returns false (then false).
+template <typename F>
+bool for_each_dim(const TensorDef& t, const Problem& p, F&& f) {
+  for (const auto& tok : t.shape) {
     if (is_leading(tok)) {
       const std::vector<int64_t>* lead = nullptr;
       for (const auto& [name, l] : p.leading)
         if (name.compare(0, std::string::npos, tok, 3, std::string::npos) == 0) lead = &l;
       if (lead) {
         for (int64_t v : *lead)
-          if (d >= t.rank || t.shape[d++] != v) return false;
-      } else if (d >= t.rank || t.shape[d++] != p.dim(tok.substr(3))) {
+          if (!f(v)) return false;
+      } else if (!f(p.dim(tok.substr(3)))) {
         return false;
       }
-    } else if (is_number(tok)) {
-      if (d >= t.rank || t.shape[d++] != std::stoll(tok)) return false;
-    } else if (d >= t.rank || t.shape[d++] != p.dim(tok)) {
+    } else if (!f(is_number(tok) ? std::stoll(tok) : p.dim(tok))) {
       return false;
     }
   }
-  return d == t.rank;
+  return true;
+}
+
+// shape_of(t, p) == view's shape, without building a vector (validation runs on every call).
+bool shape_matches(const TensorDef& t, const Problem& p, const TensorView& view) {
+  int d = 0;
+  return for_each_dim(t, p, [&](int64_t v) { return d < view.rank && view.shape[d++] == v; }) && d == view.rank;
 }
 }  // namespace
+
+std::vector<int64_t> shape_of(const TensorDef& t, const Problem& p) {
+  std::vector<int64_t> shape;
+  for_each_dim(t, p, [&](int64_t v) {
+    shape.push_back(v);
+    return true;
+  });
+  return shape;
+}
+
+// ---- the call ----
+
 
 Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
                    const std::vector<TensorView>& outputs, const Params& params, Stream stream,
@@ -399,18 +392,8 @@ Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
   int device = -1;
   // dtypes first (dtype_of may refer to a later tensor), then everything else in order.
   for (size_t i = 0; i < inputs.size(); ++i) p.inputs[i] = {inputs[i].defined(), inputs[i].dtype};
+  if (inputs_only) p.outputs.assign(info.outputs.size(), TensorMeta{});
   for (size_t i = 0; i < outputs.size(); ++i) p.outputs[i] = {outputs[i].defined(), outputs[i].dtype};
-  if (inputs_only) {
-    p.outputs.assign(info.outputs.size(), TensorMeta{});
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      if (inputs[i].defined()) check_tensor(p, info, info.inputs[i], inputs[i], What{"input", info.inputs[i].name}, &device, false);
-      else KSPEC_CHECK(info.inputs[i].optional, info.name, ": input '", info.inputs[i].name, "' is required");
-    }
-    KSPEC_CHECK(device >= 0, info.name, ": no tensor arguments");
-    call.inputs = inputs;
-    call.device = device;
-    return call;
-  }
   for (size_t i = 0; i < inputs.size(); ++i) {
     const TensorDef& def = info.inputs[i];
     What what{"input", def.name};
@@ -419,6 +402,12 @@ Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
       continue;
     }
     check_tensor(p, info, def, inputs[i], what, &device, false);
+  }
+  if (inputs_only) {
+    KSPEC_CHECK(device >= 0, info.name, ": no tensor arguments");
+    call.inputs = inputs;
+    call.device = device;
+    return call;
   }
   for (size_t i = 0; i < outputs.size(); ++i) {
     const TensorDef& def = info.outputs[i];

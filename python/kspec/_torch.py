@@ -37,23 +37,35 @@ def _(dy, x, weight, bias, mean, rstd, norm, act, eps):
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight), db
 
 
-def _setup(ctx, inputs, output):
-    x, weight, bias, norm, act, eps = inputs
-    _, mean, rstd = output
+def _save(ctx, x, weight, bias, norm, act, eps, mean, rstd):
     ctx.save_for_backward(x, weight, bias, mean, rstd)
     ctx.cfg = (norm, act, eps)
 
 
-def _backward(ctx, dy, dmean, drstd):
+def _grads(ctx, dy, bwd):
+    """(dx, dweight, dbias or None) through `bwd`: the custom op (traced by torch.compile) or the
+    registry call (eager)."""
     x, weight, bias, mean, rstd = ctx.saved_tensors
     norm, act, eps = ctx.cfg
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
-    dx, dw, db = norm_act_bwd(dy, x, weight, bias, mean, rstd, norm, act, eps)
-    return dx, dw, db if bias is not None else None, None, None, None
+    dx, dw, db = bwd(dy, x, weight, bias, mean, rstd, norm, act, eps)
+    return dx, dw, db if bias is not None else None
+
+
+def _setup(ctx, inputs, output):
+    _save(ctx, *inputs, *output[1:])
+
+
+def _backward(ctx, dy, dmean, drstd):
+    return (*_grads(ctx, dy, norm_act_bwd), None, None, None)
 
 
 norm_act_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def _bwd_call(dy, x, weight, bias, mean, rstd, norm, act, eps):
+    return call("norm_act.bwd", dy, x, weight, bias, mean, rstd, norm=norm, act=act, eps=eps)
 
 
 class _NormAct(torch.autograd.Function):
@@ -63,18 +75,12 @@ class _NormAct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, norm, act, eps):
         y, mean, rstd = call("norm_act.fwd", x, weight, bias, norm=norm, act=act, eps=eps)
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.cfg = (norm, act, eps)
+        _save(ctx, x, weight, bias, norm, act, eps, mean, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        norm, act, eps = ctx.cfg
-        if dy.stride(-1) != 1:
-            dy = dy.contiguous()
-        dx, dw, db = call("norm_act.bwd", dy, x, weight, bias, mean, rstd, norm=norm, act=act, eps=eps)
-        return dx, dw, db, None, None, None
+        return (*_grads(ctx, dy, _bwd_call), None, None, None)
 
 
 def norm_act(x, weight, bias, norm, act, eps):
