@@ -17,7 +17,6 @@ using detail::sigmoid;
 
 constexpr double kNormEps = 1e-6;
 
-
 void check_size(const std::vector<double>& v, int64_t expected, const char* name, bool optional) {
   detail::check_size(v, expected, "e79", name, optional);
 }
