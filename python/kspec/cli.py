@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     s.add_argument("--param", action="append", metavar="K=V", help="params and compile-time dims, e.g. hidden=4096")
     s.add_argument("--without", action="append", metavar="INPUT", help="leave out an optional input")
     s.add_argument("--tensor-dtype", action="append", metavar="NAME=DTYPE")
-    s.add_argument("--config", help="tuning config, e.g. threads_per_row=256,rows_per_block=1,vec=8")
+    s.add_argument("--config", help="tuning config, e.g. threads_per_row=256,rows_per_block=1,vec=8,stream=0")
     s.add_argument("--json", action="store_true")
     s.add_argument("--verbose", "-v", action="store_true")
     s.set_defaults(fn=cmd_compile)

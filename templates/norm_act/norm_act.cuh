@@ -396,4 +396,186 @@ __global__ void __launch_bounds__(kThreads)
   if constexpr (kHasBias) dbias[j] = from_float<TW>(db);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Streamed rows: the kernels above hold a row in registers, which caps hidden at 8192 (1024 threads
+// x 8 elements, or 256 x 32). Past that the row is streamed instead: one block per row walks it in
+// chunks of kThreads*kVec elements, once per statistic and once for the output. The first walk
+// reads HBM; the later ones re-read a row of at most a few hundred KB that the block touched
+// moments before, mostly from L1 and otherwise L2 (50 MB), so the HBM traffic stays near one read.
+// The arithmetic is the register kernels' own (normalize, affine, the same act), so both variants
+// agree to the summation order of the statistics.
+//
+// Launch (both stream kernels): blockDim = (kThreads, 1, 1), gridDim.x = rows (one block per row).
+// Shared memory: static only (kThreads/32 * 2 floats). Alignment as for the register kernels.
+// ---------------------------------------------------------------------------------------------
+template <typename T, typename TW, int kHidden, int kNorm, int kAct, bool kHasBias, int kThreads,
+          int kVec>
+__global__ void __launch_bounds__(kThreads)
+    norm_act_fwd_stream_kernel(const T* __restrict__ x, const TW* __restrict__ weight,
+                               const TW* __restrict__ bias, T* __restrict__ y,
+                               float* __restrict__ mean, float* __restrict__ rstd, int rows,
+                               long long x_row_stride, long long y_row_stride, float eps) {
+  static_assert(kThreads >= 32 && kThreads <= 1024 && (kThreads & (kThreads - 1)) == 0,
+                "kThreads must be a power of two in 32..1024");
+  static_assert(kHidden % kVec == 0, "the host picks kVec dividing the hidden size");
+  constexpr int kNumVecs = kHidden / kVec;
+  constexpr int kScratch = RowReduceScratch<kThreads, kThreads, 1>::value;
+  __shared__ float reduce_scratch[kScratch > 0 ? kScratch : 1];
+  const long long row = blockIdx.x;
+  if (row >= rows) return;
+  const int tid = static_cast<int>(threadIdx.x);
+  const float inv_hidden = 1.0f / static_cast<float>(kHidden);
+  const T* x_row = x + row * x_row_stride;
+
+  float mu = 0.0f;
+  if constexpr (kNorm == kNormLayer) {
+    float sum[1] = {0.0f};
+    for (int c = tid; c < kNumVecs; c += kThreads) {
+      float xv[kVec];
+      load_floats<kVec>(x_row + c * kVec, xv);
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) sum[0] += xv[v];
+    }
+    row_group_reduce_sum<kThreads, kThreads, 1>(sum, reduce_scratch);
+    mu = __fmul_rn(sum[0], inv_hidden);
+  }
+  float sq[1] = {0.0f};
+  for (int c = tid; c < kNumVecs; c += kThreads) {
+    float xv[kVec];
+    load_floats<kVec>(x_row + c * kVec, xv);
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      const float d = xv[v] - mu;
+      sq[0] = fmaf(d, d, sq[0]);
+    }
+  }
+  row_group_reduce_sum<kThreads, kThreads, 1>(sq, reduce_scratch);
+  const float rs = rsqrtf(fmaf(sq[0], inv_hidden, eps));
+  if (tid == 0) {
+    mean[row] = mu;
+    rstd[row] = rs;
+  }
+  T* y_row = y + row * y_row_stride;
+  for (int c = tid; c < kNumVecs; c += kThreads) {
+    const int col = c * kVec;
+    float xv[kVec], w[kVec], b[kVec] = {}, out[kVec];
+    load_floats<kVec>(x_row + col, xv);
+    load_floats<kVec>(weight + col, w);
+    if constexpr (kHasBias) load_floats<kVec>(bias + col, b);
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) out[v] = apply_act<kAct>(affine<kHasBias>(normalize(xv[v], mu, rs), w[v], b[v]));
+    store_floats<kVec>(y_row + col, out);
+  }
+}
+
+// g = dy * act'(h) and xhat for kVec elements of one row (the backward's recomputation).
+template <typename T, typename TW, int kAct, bool kHasBias, int kVec>
+__device__ __forceinline__ void stream_bwd_load(const T* x, const T* dy, const TW* weight, const TW* bias,
+                                                float mu, float rs, float (&xh)[kVec], float (&g)[kVec],
+                                                float (&w)[kVec]) {
+  constexpr bool kNeedH = kAct != kActIdentity;
+  float xf[kVec], b[kVec] = {};
+  load_floats<kVec>(x, xf);
+  load_floats<kVec>(dy, g);
+  load_floats<kVec>(weight, w);
+  if constexpr (kNeedH && kHasBias) load_floats<kVec>(bias, b);
+#pragma unroll
+  for (int v = 0; v < kVec; ++v) {
+    xh[v] = normalize(xf[v], mu, rs);
+    if constexpr (kNeedH) g[v] = __fmul_rn(g[v], act_grad<kAct>(affine<kHasBias>(xh[v], w[v], b[v])));
+  }
+}
+
+// Backward of a streamed row, dx only: one walk for sum(dxhat*xhat) (and sum(dxhat) for LayerNorm),
+// one to write dx. dweight/dbias come from norm_act_bwd_stream_dwdb_kernel. Launch as the forward.
+template <typename T, typename TW, int kHidden, int kNorm, int kAct, bool kHasBias, int kThreads,
+          int kVec>
+__global__ void __launch_bounds__(kThreads)
+    norm_act_bwd_stream_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                  const TW* __restrict__ weight, const TW* __restrict__ bias,
+                                  const float* __restrict__ mean, const float* __restrict__ rstd,
+                                  T* __restrict__ dx, int rows, long long dy_row_stride,
+                                  long long x_row_stride, long long dx_row_stride) {
+  static_assert(kThreads >= 32 && kThreads <= 1024 && (kThreads & (kThreads - 1)) == 0,
+                "kThreads must be a power of two in 32..1024");
+  constexpr int kNumVecs = kHidden / kVec;
+  constexpr int kNumSums = kNorm == kNormLayer ? 2 : 1;
+  constexpr int kScratch = RowReduceScratch<kThreads, kThreads, kNumSums>::value;
+  __shared__ float reduce_scratch[kScratch > 0 ? kScratch : 1];
+  const long long row = blockIdx.x;
+  if (row >= rows) return;
+  const int tid = static_cast<int>(threadIdx.x);
+  const float inv_hidden = 1.0f / static_cast<float>(kHidden);
+  const float mu = kNorm == kNormLayer ? mean[row] : 0.0f;
+  const float rs = rstd[row];
+  const T* x_row = x + row * x_row_stride;
+  const T* dy_row = dy + row * dy_row_stride;
+
+  float sums[kNumSums];
+#pragma unroll
+  for (int n = 0; n < kNumSums; ++n) sums[n] = 0.0f;
+  for (int c = tid; c < kNumVecs; c += kThreads) {
+    const int col = c * kVec;
+    float xh[kVec], g[kVec], w[kVec];
+    stream_bwd_load<T, TW, kAct, kHasBias, kVec>(x_row + col, dy_row + col, weight + col, bias + col, mu, rs,
+                                                  xh, g, w);
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      const float d = __fmul_rn(g[v], w[v]);
+      sums[0] = fmaf(d, xh[v], sums[0]);
+      if constexpr (kNumSums == 2) sums[1] += d;
+    }
+  }
+  row_group_reduce_sum<kThreads, kThreads, kNumSums>(sums, reduce_scratch);
+  const float mean_dxhat_xhat = __fmul_rn(sums[0], inv_hidden);
+  float mean_dxhat = 0.0f;
+  if constexpr (kNumSums == 2) mean_dxhat = __fmul_rn(sums[1], inv_hidden);
+  T* dx_row = dx + row * dx_row_stride;
+  for (int c = tid; c < kNumVecs; c += kThreads) {
+    const int col = c * kVec;
+    float xh[kVec], g[kVec], w[kVec], out[kVec];
+    stream_bwd_load<T, TW, kAct, kHasBias, kVec>(x_row + col, dy_row + col, weight + col, bias + col, mu, rs,
+                                                  xh, g, w);
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      out[v] = __fmul_rn(rs, fmaf(-xh[v], mean_dxhat_xhat, __fmul_rn(g[v], w[v]) - mean_dxhat));
+    }
+    store_floats<kVec>(dx_row + col, out);
+  }
+}
+
+// dweight/dbias partials for streamed rows, column-parallel: thread j of block (bx, p) owns column
+// bx*kThreads + j and sums g*xhat (and g) over the rows [p*rows_per_part, (p+1)*rows_per_part) in
+// order, writing dw_partial[p][col] (db_partial[p][col]); norm_act_bwd_reduce_kernel then adds the
+// gridDim.y partial rows in order, so the result is bitwise reproducible. A warp reads 32 adjacent
+// elements of a row per step (coalesced).
+//
+// Launch: blockDim = (kThreads, 1, 1), gridDim = (ceil(kHidden / kThreads), parts); rows_per_part *
+// parts >= rows. Workspace: parts * kHidden floats for each of dw_partial and (kHasBias) db_partial.
+template <typename T, typename TW, int kHidden, int kNorm, int kAct, bool kHasBias, int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    norm_act_bwd_stream_dwdb_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                    const TW* __restrict__ weight, const TW* __restrict__ bias,
+                                    const float* __restrict__ mean, const float* __restrict__ rstd,
+                                    float* __restrict__ dw_partial, float* __restrict__ db_partial,
+                                    int rows, int rows_per_part, long long dy_row_stride,
+                                    long long x_row_stride) {
+  const int col = static_cast<int>(blockIdx.x) * kThreads + static_cast<int>(threadIdx.x);
+  if (col >= kHidden) return;
+  const long long part = blockIdx.y;
+  const long long r0 = part * rows_per_part;
+  const long long r1 = r0 + rows_per_part < rows ? r0 + rows_per_part : rows;
+  float dw = 0.0f, db = 0.0f;
+  for (long long r = r0; r < r1; ++r) {
+    const float mu = kNorm == kNormLayer ? mean[r] : 0.0f;
+    float xh[1], g[1], w[1];
+    stream_bwd_load<T, TW, kAct, kHasBias, 1>(x + r * x_row_stride + col, dy + r * dy_row_stride + col,
+                                              weight + col, bias + col, mu, rstd[r], xh, g, w);
+    dw = fmaf(g[0], xh[0], dw);
+    if constexpr (kHasBias) db += g[0];
+  }
+  dw_partial[part * kHidden + col] = dw;
+  if constexpr (kHasBias) db_partial[part * kHidden + col] = db;
+}
+
 }  // namespace kspec

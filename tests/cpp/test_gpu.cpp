@@ -77,8 +77,7 @@ struct Problem32 {
 TEST(Gpu, EveryOpEveryCaseEveryDtypeMatchesReference) {
   KSPEC_REQUIRE_GPU();
   for (const auto& op : list_ops()) {
-    CheckOptions o;
-    o.include_large = true;
+    CheckOptions o;  // the large cases run in `kspec run --large` (tools/gpu/check.sh), not twice
     auto rows = check_op(op, o);
     EXPECT_FALSE(rows.empty());
     report(rows);
@@ -93,7 +92,8 @@ TEST(Gpu, EveryTuningConfigMatchesReference) {
   };
   for (const auto& op : list_ops()) {
     for (Sel s : {Sel{"hidden_33", DType::f32}, Sel{"hidden_4095", DType::bf16}, Sel{"rep_4096", DType::bf16},
-                  Sel{"hidden_8192", DType::f16}}) {
+                  Sel{"hidden_8192", DType::f16}, Sel{"hidden_12289", DType::bf16},
+                  Sel{"streamed_rows_300", DType::f32}}) {
       auto configs = configs_for_case(op, s.c, s.dt);
       EXPECT_FALSE(configs.empty());
       for (const auto& cfg : configs) {
@@ -110,17 +110,20 @@ TEST(Gpu, EveryTuningConfigMatchesReference) {
 TEST(Gpu, BackwardIsBitwiseDeterministic) {
   KSPEC_REQUIRE_GPU();
   jit::ContextGuard g(0);
-  Problem32 p(3000, 1024, 7);
-  p.run(nullptr);
-  CU_CHECK(cuCtxSynchronize());
-  auto dx1 = p.dx.download(), dw1 = p.dw.download(), db1 = p.db.download();
-  p.poison();
-  p.run(nullptr);
-  CU_CHECK(cuCtxSynchronize());
-  auto dx2 = p.dx.download(), dw2 = p.dw.download(), db2 = p.db.download();
-  EXPECT_EQ(0, std::memcmp(dx1.data(), dx2.data(), dx1.size() * 4));
-  EXPECT_EQ(0, std::memcmp(dw1.data(), dw2.data(), dw1.size() * 4));
-  EXPECT_EQ(0, std::memcmp(db1.data(), db2.data(), db1.size() * 4));
+  // Rows held in registers (hidden 1024) and streamed rows (hidden 16384).
+  for (auto [rows, hidden] : {std::pair{3000, 1024}, std::pair{700, 16384}}) {
+    Problem32 p(rows, hidden, 7);
+    p.run(nullptr);
+    CU_CHECK(cuCtxSynchronize());
+    auto dx1 = p.dx.download(), dw1 = p.dw.download(), db1 = p.db.download();
+    p.poison();
+    p.run(nullptr);
+    CU_CHECK(cuCtxSynchronize());
+    auto dx2 = p.dx.download(), dw2 = p.dw.download(), db2 = p.db.download();
+    EXPECT_EQ(0, std::memcmp(dx1.data(), dx2.data(), dx1.size() * 4)) << hidden;
+    EXPECT_EQ(0, std::memcmp(dw1.data(), dw2.data(), dw1.size() * 4)) << hidden;
+    EXPECT_EQ(0, std::memcmp(db1.data(), db2.data(), db1.size() * 4)) << hidden;
+  }
 }
 
 TEST(Gpu, WorksUnderCudaGraphCapture) {

@@ -191,7 +191,7 @@ TEST(Compile, RequestErrors) {
   req.op = "norm_act.fwd";
   EXPECT_THROW(compile(req), InvalidArgument);  // hidden is compile-time: must be given
   req.params = {{"hidden", int64_t(33)}};
-  Config bad{{{"threads_per_row", 32}, {"rows_per_block", 1}, {"vec", 8}}};
+  Config bad{{{"threads_per_row", 32}, {"rows_per_block", 1}, {"vec", 8}, {"stream", 0}}};
   req.config = bad;
   try {
     compile(req);
@@ -204,21 +204,34 @@ TEST(Compile, RequestErrors) {
   EXPECT_THROW(compile(req), InvalidArgument);
 }
 
-TEST(Compile, HiddenBeyondTheRegisterResidentLimitIsUnsupported) {
+TEST(Compile, RowsPastTheRegisterLimitAreStreamed) {
   CompileRequest req;
   req.op = "norm_act.fwd";
   req.dtype = DType::bf16;
+  // Up to 8192 the row is held in registers; past it, and for any length, it is streamed.
   for (int64_t hidden : {int64_t(8192), int64_t(6144), int64_t(8191)}) {
     req.params = {{"hidden", hidden}};
-    EXPECT_NO_THROW(compile(req)) << hidden;
+    auto r = compile(req);
+    EXPECT_EQ(r.at(0).kernel.find("stream"), std::string::npos) << hidden << " " << r.at(0).kernel;
   }
-  req.params = {{"hidden", int64_t(8200)}};
-  try {
-    compile(req);
-    ADD_FAILURE() << "expected Unsupported";
-  } catch (const Unsupported& e) {
-    EXPECT_NE(std::string(e.what()).find("hidden = 8200"), std::string::npos) << e.what();
+  for (int64_t hidden : {int64_t(8200), int64_t(12289), int64_t(100000)}) {
+    req.params = {{"hidden", hidden}};
+    auto r = compile(req);
+    EXPECT_NE(r.at(0).kernel.find("norm_act_fwd_stream_kernel"), std::string::npos) << hidden;
+    EXPECT_EQ(r.at(0).spill_bytes, 0) << hidden;
   }
+  req.op = "norm_act.bwd";
+  req.params = {{"hidden", int64_t(12289)}, {"act", std::string("gelu_tanh")}};
+  auto r = compile(req);
+  ASSERT_EQ(r.size(), 3u);
+  EXPECT_NE(r[0].kernel.find("norm_act_bwd_stream_dx_kernel"), std::string::npos);
+  EXPECT_NE(r[1].kernel.find("norm_act_bwd_stream_dwdb_kernel"), std::string::npos);
+  // A streamed row takes a whole block, and short rows are not streamed.
+  req.config = Config{{{"threads_per_row", 256}, {"rows_per_block", 2}, {"vec", 1}, {"stream", 1}}};
+  EXPECT_THROW(compile(req), InvalidArgument);
+  req.params = {{"hidden", int64_t(4096)}};
+  req.config = Config{{{"threads_per_row", 256}, {"rows_per_block", 1}, {"vec", 8}, {"stream", 1}}};
+  EXPECT_THROW(compile(req), InvalidArgument);
 }
 
 TEST(Compile, PrecompilePlanCoversEveryDtypeAndConfig) {

@@ -49,7 +49,7 @@ def test_errors_are_python_exceptions():
     with pytest.raises(ValueError, match="parameter 'act'"):
         kspec.compile("norm_act.fwd", dtype="f32", hidden=8, act="swish")
     with pytest.raises(ValueError, match="not valid"):
-        kspec.compile("norm_act.fwd", dtype="f32", hidden=33, config="threads_per_row=32,rows_per_block=1,vec=4")
+        kspec.compile("norm_act.fwd", dtype="f32", hidden=33, config="threads_per_row=32,rows_per_block=1,vec=4,stream=0")
     with pytest.raises(ValueError, match="dtype"):
         kspec.compile("norm_act.fwd", dtype="int8", hidden=8)
     assert issubclass(kspec.CompileError, kspec.Error)

@@ -20,6 +20,9 @@ const std::vector<std::string> kActs = {"identity", "silu", "gelu_tanh", "gelu_e
 // in 64 registers at 8 elements, 95-128 at 16 and 167-220 at 32 without spilling; a block of n threads
 // may use at most min(255, 65536/n) each. `kspec precompile --all` checks every config for spills.
 constexpr int64_t kMaxElemsPerThread = 32;
+// Rows at least this long may be streamed (one block per row, walked in chunks: no size limit) instead
+// of held in registers; longer than the register limit (8192), they must be.
+constexpr int64_t kMinStreamHidden = 8192;
 
 int64_t registers_needed(int64_t elems) {
   if (elems <= 1) return 32;
@@ -47,6 +50,12 @@ bool valid_config(const Problem& p, const Config& c, std::string* why) {
   if (hidden % vec != 0) return no("hidden is not a multiple of vec");
   if (vec * esize > 16) return no("vector wider than 16 bytes");
   if (vec * esize > p.align_bytes) return no("pointers or row strides not aligned for this vector width");
+  if (c.get("stream") != 0) {
+    if (hidden < kMinStreamHidden) return no("rows shorter than 8192 are held in registers, not streamed");
+    if (rpb != 1) return no("a streamed row takes a whole block");
+    if (tpr < 128) return no("a streamed row needs at least 128 threads");
+    return true;
+  }
   int64_t items = ceil_div(hidden, tpr * vec);
   if (items * vec > kMaxElemsPerThread) return no("too many elements per thread (registers would spill)");
   if (registers_needed(items * vec) > std::min<int64_t>(255, 65536 / (tpr * rpb)))
@@ -64,29 +73,37 @@ Config heuristic(const Problem& p) {
   space.heuristic = nullptr;
   auto all = space.enumerate(p);
   KSPEC_CHECK_AS(!all.empty(), Unsupported, p.op->info.name, ": no kernel configuration fits hidden = ",
-                 p.dim("hidden"), " with these pointers' alignment: each row is held in registers, which caps "
-                 "hidden at 8192 (1024 threads x 8 elements) for now");
+                 p.dim("hidden"), " with these pointers' alignment");
   int64_t hidden = p.dim("hidden");
   auto score = [&](const Config& c) {
     int64_t tpr = c.get("threads_per_row"), rpb = c.get("rows_per_block"), vec = c.get("vec");
     int64_t elems = ceil_div(hidden, tpr * vec) * vec;
     double dist = std::fabs(std::log2(static_cast<double>(elems) / 16.0));
-    return std::make_tuple(-vec, dist, tpr * rpb < 128 ? 1 : 0, rpb, tpr);
+    // Registers when the row fits: one read of x and no re-walks.
+    return std::make_tuple(c.get("stream"), -vec, dist, tpr * rpb < 128 ? 1 : 0, rpb, tpr);
   };
   return *std::min_element(all.begin(), all.end(),
                            [&](const Config& a, const Config& b) { return score(a) < score(b); });
 }
 
-std::vector<std::string> common_targs(const Problem& p, const Config& c, const char* x_name, const char* w_name) {
+// Template arguments up to kHasBias, shared by every norm_act kernel but the final reduction.
+std::vector<std::string> problem_targs(const Problem& p, const char* x_name, const char* w_name) {
   return {dtype_cuda_type(p.dtype(x_name)),
           dtype_cuda_type(p.dtype(w_name)),
           std::to_string(p.dim("hidden")),
           std::to_string(index_of(kNorms, p.param_str("norm"))),
           std::to_string(index_of(kActs, p.param_str("act"))),
-          p.present("bias") ? "true" : "false",
-          std::to_string(c.get("threads_per_row")),
-          std::to_string(c.get("rows_per_block")),
-          std::to_string(c.get("vec"))};
+          p.present("bias") ? "true" : "false"};
+}
+
+// ... then the block shape: (threads_per_row, rows_per_block, vec) for a register kernel,
+// (threads, vec) for a streamed one.
+std::vector<std::string> common_targs(const Problem& p, const Config& c, const char* x_name, const char* w_name) {
+  auto t = problem_targs(p, x_name, w_name);
+  t.push_back(std::to_string(c.get("threads_per_row")));
+  if (c.get("stream") == 0) t.push_back(std::to_string(c.get("rows_per_block")));
+  t.push_back(std::to_string(c.get("vec")));
+  return t;
 }
 
 jit::KernelSpec spec(const Problem& p, const char* kernel, std::vector<std::string> targs) {
@@ -152,7 +169,10 @@ std::vector<ParamDef> norm_act_params() {
 
 TuningSpace norm_act_tuning() {
   TuningSpace t;
-  t.axes = {{"threads_per_row", {32, 64, 128, 256, 512, 1024}}, {"rows_per_block", {1, 2, 4, 8}}, {"vec", {1, 2, 4, 8}}};
+  t.axes = {{"threads_per_row", {32, 64, 128, 256, 512, 1024}},
+            {"rows_per_block", {1, 2, 4, 8}},
+            {"vec", {1, 2, 4, 8}},
+            {"stream", {0, 1}}};
   t.valid = valid_config;
   t.heuristic = heuristic;
   return t;
@@ -180,12 +200,15 @@ std::vector<Case> norm_act_cases() {
       c("weight_fp32", 40, 2560, "rmsnorm", "silu"),
       c("llama_4096", 4096, 4096, "rmsnorm", "silu"),
       c("large_16384x4096", 16384, 4096, "layernorm", "gelu_tanh"),
+      c("hidden_12289", 6, 12289, "layernorm", "gelu_tanh"),
+      c("hidden_65536", 3, 65536, "rmsnorm", "silu"),
+      c("streamed_rows_300", 300, 16384, "layernorm", "gelu_erf"),
   };
   cases[9].without = {"bias"};
   cases[10].tensor_dtypes = {{"weight", DType::f32}, {"bias", DType::f32}};
   cases[12].large = true;
   // precompile --all: every config at these sizes, the flags rotating over them.
-  for (int i : {1, 2, 3, 4}) cases[i].representative = true;
+  for (int i : {1, 2, 3, 4, 13, 14}) cases[i].representative = true;
   auto rep = c("rep_4096", 8, 4096, "layernorm", "silu");
   rep.representative = true;
   rep.without = {"bias"};
@@ -228,7 +251,8 @@ OpDef make_fwd() {
       {"rstd", {"...rows"}, {DType::f32}, "", false, false, "", Layout::Contiguous, "1/sqrt(var + eps) per row"},
   };
   op.kernels = [](const Problem& p, const Config& c) {
-    return std::vector<jit::KernelSpec>{spec(p, "kspec::norm_act_fwd_kernel", common_targs(p, c, "x", "weight"))};
+    const char* kernel = c.get("stream") ? "kspec::norm_act_fwd_stream_kernel" : "kspec::norm_act_fwd_kernel";
+    return std::vector<jit::KernelSpec>{spec(p, kernel, common_targs(p, c, "x", "weight"))};
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     const TensorView &x = call.in("x"), &w = call.in("weight"), &b = call.in("bias");
@@ -241,7 +265,7 @@ OpDef make_fwd() {
     void* xp = x.data; void* wp = w.data; void* bp = b.data; void* yp = y.data;
     void* mp = mean.data; void* rp = rstd.data;
     void* args[] = {&xp, &wp, &bp, &yp, &mp, &rp, &rows_i, &xs, &ys, &eps};
-    unsigned rpb = static_cast<unsigned>(c.get("rows_per_block"));
+    unsigned rpb = static_cast<unsigned>(c.get("rows_per_block"));  // 1 when streamed
     unsigned threads = static_cast<unsigned>(c.get("threads_per_row")) * rpb;
     l.launch(0, {static_cast<unsigned>(ceil_div(rows, rpb))}, {threads}, 0, args);
   };
@@ -254,6 +278,46 @@ OpDef make_fwd() {
 // One thread per column, summing the partials in order: 32 threads per block was fastest on the H100
 // (15.3 µs against 18.2 µs with 256 at hidden 4096 and 132 partials).
 constexpr unsigned kReduceThreads = 32;
+// Columns per block of the streamed rows' dweight/dbias kernel, and its blocks per multiprocessor.
+constexpr unsigned kColumnThreads = 256;
+constexpr int64_t kColumnBlocksPerSm = 4;
+
+jit::KernelSpec reduce_spec(const Problem& p) {
+  return spec(p, "kspec::norm_act_bwd_reduce_kernel",
+              {dtype_cuda_type(p.dtype("weight")), std::to_string(p.dim("hidden")), p.present("bias") ? "true" : "false",
+               std::to_string(kReduceThreads)});
+}
+
+// Streamed rows: dx one block per row, dweight/dbias column-parallel over `parts` slices of the rows,
+// then the ordered reduction of the parts. `parts` depends only on rows, hidden and the GPU, so
+// results are bitwise reproducible there.
+void launch_bwd_stream(const Call& call, const Config& c, Launcher& l) {
+  const TensorView &dy = call.in("dy"), &x = call.in("x"), &w = call.in("weight"), &b = call.in("bias");
+  const TensorView &mean = call.in("mean"), &rstd = call.in("rstd");
+  const TensorView &dx = call.out("dx"), &dw = call.out("dweight"), &db = call.out("dbias");
+  int64_t rows = call.problem.dim("rows"), hidden = call.problem.dim("hidden");
+  int64_t col_blocks = ceil_div(hidden, kColumnThreads);
+  int64_t parts = std::clamp<int64_t>(ceil_div(l.multiprocessors() * kColumnBlocksPerSm, col_blocks), 1,
+                                      std::max<int64_t>(rows, 1));
+  parts = std::min<int64_t>(parts, 65535);  // gridDim.y
+  int rows_per_part = static_cast<int>(ceil_div(rows, parts));
+  auto* ws = static_cast<float*>(l.workspace(sizeof(float) * 2 * parts * hidden));
+  float* dwp_part = ws;
+  float* dbp_part = ws + parts * hidden;
+  int rows_i = static_cast<int>(rows);
+  long long dys = call.row_stride(dy), xs = call.row_stride(x), dxs = call.row_stride(dx);
+  void *dyp = dy.data, *xp = x.data, *wp = w.data, *bp = b.data, *mp = mean.data, *rp = rstd.data, *dxp = dx.data;
+  if (rows > 0) {
+    void* args[] = {&dyp, &xp, &wp, &bp, &mp, &rp, &dxp, &rows_i, &dys, &xs, &dxs};
+    l.launch(0, {static_cast<unsigned>(rows)}, {static_cast<unsigned>(c.get("threads_per_row"))}, 0, args);
+  }
+  void* pargs[] = {&dyp, &xp, &wp, &bp, &mp, &rp, &dwp_part, &dbp_part, &rows_i, &rows_per_part, &dys, &xs};
+  l.launch(1, {static_cast<unsigned>(col_blocks), static_cast<unsigned>(parts)}, {kColumnThreads}, 0, pargs);
+  int parts_i = static_cast<int>(parts);
+  void *dwp = dw.data, *dbp = db.data;
+  void* rargs[] = {&dwp_part, &dbp_part, &dwp, &dbp, &parts_i};
+  l.launch(2, {static_cast<unsigned>(ceil_div(hidden, kReduceThreads))}, {kReduceThreads}, 0, rargs);
+}
 
 OpDef make_bwd() {
   OpDef op = norm_act_base(
@@ -274,13 +338,18 @@ OpDef make_bwd() {
   };
   i.params[2].doc = "the forward's eps (the reference recomputes the statistics with it)";
   op.kernels = [](const Problem& p, const Config& c) {
-    return std::vector<jit::KernelSpec>{
-        spec(p, "kspec::norm_act_bwd_kernel", common_targs(p, c, "x", "weight")),
-        spec(p, "kspec::norm_act_bwd_reduce_kernel",
-             {dtype_cuda_type(p.dtype("weight")), std::to_string(p.dim("hidden")), p.present("bias") ? "true" : "false",
-              std::to_string(kReduceThreads)})};
+    if (c.get("stream")) {
+      auto dwdb = problem_targs(p, "x", "weight");
+      dwdb.push_back(std::to_string(kColumnThreads));
+      return std::vector<jit::KernelSpec>{
+          spec(p, "kspec::norm_act_bwd_stream_dx_kernel", common_targs(p, c, "x", "weight")),
+          spec(p, "kspec::norm_act_bwd_stream_dwdb_kernel", std::move(dwdb)), reduce_spec(p)};
+    }
+    return std::vector<jit::KernelSpec>{spec(p, "kspec::norm_act_bwd_kernel", common_targs(p, c, "x", "weight")),
+                                        reduce_spec(p)};
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    if (c.get("stream")) return launch_bwd_stream(call, c, l);
     const TensorView &dy = call.in("dy"), &x = call.in("x"), &w = call.in("weight"), &b = call.in("bias");
     const TensorView &mean = call.in("mean"), &rstd = call.in("rstd");
     const TensorView &dx = call.out("dx"), &dw = call.out("dweight"), &db = call.out("dbias");
