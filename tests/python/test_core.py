@@ -27,7 +27,7 @@ def test_registry_lists_ops_with_schema():
     assert info["inputs"][2]["optional"]
     assert {p["name"] for p in info["params"]} == {"norm", "act", "eps"}
     axes = dict(info["tuning_axes"])
-    assert set(axes) == {"threads_per_row", "rows_per_block", "vec"}
+    assert set(axes) == {"threads_per_row", "rows_per_block", "vec", "stream"}
 
 
 def test_compile_report_and_memory_hit():

@@ -67,7 +67,9 @@ def test_forward_and_backward_match_reference(dtype, shape, norm, act, bias):
         if k == "dx" and norm == "rmsnorm" and hidden == 1:
             # dx = rstd·dxhat·(1 − xhat²) with 1 − xhat² = eps/(x²+eps) ≈ 1e-5: the condition number is
             # ~1e5, so any fp32 rounding shows at 1e-3..1e-2 and neither kspec nor torch can do better.
-            assert e <= 0.1, f"dx: kspec {e:.2e} (ill-conditioned case, torch {terrs[k]:.2e})"
+            # In half precision a large |x| can leave 1 − xhat² below fp32's resolution of xhat² (torch's
+            # dx is then as wrong as kspec's): kspec may not be worse than torch.
+            assert e <= max(0.1, 2 * terrs[k]), f"dx: kspec {e:.2e} (ill-conditioned case, torch {terrs[k]:.2e})"
             continue
         # Where torch itself misses the tolerance the problem is ill-conditioned (rmsnorm of one element:
         # dx ∝ 1 - xhat² with xhat² = x²/(x²+eps)); then kspec must stay within 2x of torch.
