@@ -206,6 +206,11 @@ TuningSpace fwd_tuning() {
       if (why) *why = "the carried states do not fit in static shared memory";
       return false;
     }
+    // 16 fp32 items per lane spilled 32 bytes on sm_80 (NVRTC 13.0) and load nothing wider than 8 do.
+    if (c.get("items") * dtype_size(p.dtype("u")) > 32) {
+      if (why) *why = "more than 32 bytes of u per lane and tile (registers would spill)";
+      return false;
+    }
     return true;
   };
   // 8 items: 16 bytes of bf16 per lane and access, and the shuffle scan amortized over 8 steps;
