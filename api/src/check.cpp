@@ -107,6 +107,7 @@ Problem problem_for_case(const OpDef& op, const Case& cs, DType dtype, const std
   req.arch = arch;
   req.without = cs.without;
   req.tensor_dtypes = cs.tensor_dtypes;
+  req.alt_shapes = cs.alt_shapes;
   for (const auto& [k, v] : cs.params.items()) req.params.set(k, v);
   for (const auto& [k, v] : cs.dims) req.params.set(k, v);
   Problem p = problem_from_request(op, req);

@@ -17,6 +17,7 @@ namespace kspec {
 struct TensorMeta {
   bool present = false;
   DType dtype = DType::f32;
+  bool alt = false;  // laid out as its TensorDef::alt_shape
 };
 
 // A call reduced to what decides the specialization: dtypes, presence, dims, params, arch, alignment.
@@ -34,6 +35,8 @@ struct Problem {
   int64_t dim(std::string_view name) const;
   DType dtype(std::string_view tensor) const;
   bool present(std::string_view tensor) const;
+  bool alt(std::string_view tensor) const;  // given in its TensorDef::alt_shape
+  bool has_dim(std::string_view name) const;
   int64_t param_int(std::string_view name) const;
   double param_float(std::string_view name) const;
   bool param_bool(std::string_view name) const;
@@ -93,6 +96,7 @@ struct Case {
   Params params;
   std::vector<std::string> without;  // optional inputs left out
   std::vector<std::pair<std::string, DType>> tensor_dtypes;
+  std::vector<std::string> alt_shapes;  // inputs given in their TensorDef::alt_shape
   bool large = false;                // skipped by quick runs and by precompile
   bool representative = false;       // compiled by `kspec precompile --all` for every config
 };
@@ -107,6 +111,12 @@ struct OpDef {
   std::function<std::vector<HostTensor>(const Problem&, const std::vector<HostTensor>&)> reference;
   // Optional: overwrite inputs that must be consistent with others (saved statistics...).
   std::function<void(const Problem&, std::vector<HostTensor>&)> prepare_inputs;
+  // Optional: rules across arguments that the schema cannot state (a dim dividing another, a size
+  // limit); throws InvalidArgument/Unsupported naming the argument. Run by validation and compile.
+  std::function<void(const Problem&)> check;
+  // Optional: compile-time facts derived from runtime (Var) dims, e.g. "seqlen is a multiple of the
+  // tile"; part of the problem signature, so the plan cache tells such problems apart.
+  std::function<std::string(const Problem&)> derived_key;
   // Relative-error tolerance multiplier for long recurrences (1 = the dtype table).
   double tolerance_scale = 1.0;
   std::vector<Case> cases;

@@ -167,6 +167,11 @@ std::string describe_op(std::string_view name) {
     os << "    " << t.name << ": [";
     for (size_t k = 0; k < t.shape.size(); ++k) os << (k ? ", " : "") << t.shape[k];
     os << "] ";
+    if (!t.alt_shape.empty()) {
+      os << "or [";
+      for (size_t k = 0; k < t.alt_shape.size(); ++k) os << (k ? ", " : "") << t.alt_shape[k];
+      os << "] ";
+    }
     if (!t.dtype_of.empty()) {
       os << "dtype of " << t.dtype_of << (t.or_float32 ? " or float32" : "");
     } else {
@@ -437,6 +442,7 @@ std::vector<CompileRequest> precompile_plan(const std::vector<std::string>& arch
           req.arch = arch;
           req.without = cs.without;
           req.tensor_dtypes = cs.tensor_dtypes;
+          req.alt_shapes = cs.alt_shapes;
           for (const auto& [k, v] : cs.params.items()) req.params.set(k, v);
           for (const auto& [k, v] : cs.dims) {
             bool is_dim = false;

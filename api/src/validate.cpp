@@ -17,11 +17,18 @@ std::string join_dtypes(const std::vector<DType>& ds) {
   return s;
 }
 
-std::string shape_text(const TensorDef& t) {
+std::string shape_text(const std::vector<std::string>& shape) {
   std::string s = "[";
-  for (size_t i = 0; i < t.shape.size(); ++i) s += (i ? ", " : "") + t.shape[i];
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + shape[i];
   return s + "]";
 }
+
+std::string shape_text(const TensorDef& t) {
+  return t.alt_shape.empty() ? shape_text(t.shape) : shape_text(t.shape) + " or " + shape_text(t.alt_shape);
+}
+
+// The shape a tensor is laid out in: its alternative one when the call (or request) chose that.
+const std::vector<std::string>& shape_for(const TensorDef& t, bool alt) { return alt ? t.alt_shape : t.shape; }
 
 // "input 'x'" for messages, formatted only when a message is built (validation runs on every call).
 struct What {
@@ -78,13 +85,17 @@ int pow2_align(uint64_t x) {
 
 // Checks one tensor's rank, dtype, dims and layout; binds its dims. Returns its row stride (elements).
 void check_tensor(Problem& p, const OpInfo& info, const TensorDef& def, const TensorView& t,
-                  const What& what, int* device, bool is_output) {
+                  const What& what, int* device, bool is_output, TensorMeta& meta) {
   const std::string& op = info.name;
   KSPEC_CHECK(t.rank <= kMaxRank, op, ": ", what, ": rank ", t.rank, " exceeds ", kMaxRank);
-  bool leading = !def.shape.empty() && is_leading(def.shape[0]);
-  int fixed = static_cast<int>(def.shape.size()) - (leading ? 1 : 0);
+  // An alternative shape has no leading "..." dims and another rank than the main one: the rank decides.
+  meta.alt = !def.alt_shape.empty() && t.rank == static_cast<int>(def.alt_shape.size());
+  const std::vector<std::string>& shape = shape_for(def, meta.alt);
+  bool leading = !shape.empty() && is_leading(shape[0]);
+  int fixed = static_cast<int>(shape.size()) - (leading ? 1 : 0);
   KSPEC_CHECK(leading ? t.rank >= fixed : t.rank == fixed, op, ": ", what, ": expected shape ",
-              shape_text(def), " (rank ", leading ? ">= " : "", fixed, "), got ", t.describe());
+              shape_text(def), def.alt_shape.empty() ? " (rank " : " (main rank ", leading ? ">= " : "", fixed,
+              "), got ", t.describe());
   // dtype
   if (!def.dtype_of.empty()) {
     DType want = p.dtype(def.dtype_of);
@@ -109,7 +120,7 @@ void check_tensor(Problem& p, const OpInfo& info, const TensorDef& def, const Te
   // dims
   int lead_count = t.rank - fixed;
   if (leading) {
-    std::string dim = def.shape[0].substr(3);
+    std::string dim = shape[0].substr(3);
     int64_t prod = 1;
     std::vector<int64_t> lead;
     for (int d = 0; d < lead_count; ++d) {
@@ -122,7 +133,7 @@ void check_tensor(Problem& p, const OpInfo& info, const TensorDef& def, const Te
     if (!have) p.leading.emplace_back(dim, lead);
   }
   for (int i = 0; i < fixed; ++i) {
-    const std::string& tok = def.shape[(leading ? 1 : 0) + i];
+    const std::string& tok = shape[(leading ? 1 : 0) + i];
     int64_t v = t.shape[lead_count + i];
     KSPEC_CHECK(v >= 0, op, ": ", what, ": negative size in ", t.describe());
     if (is_number(tok)) {
@@ -185,6 +196,20 @@ DType Problem::dtype(std::string_view tensor) const {
   throw InvalidArgument(detail::concat(op->info.name, ": no tensor named '", tensor, "'"));
 }
 
+bool Problem::alt(std::string_view tensor) const {
+  int i = tensor_index(op->info.inputs, tensor);
+  if (i >= 0) return inputs[i].alt;
+  i = tensor_index(op->info.outputs, tensor);
+  if (i >= 0) return outputs[i].alt;
+  throw InvalidArgument(detail::concat(op->info.name, ": no tensor named '", tensor, "'"));
+}
+
+bool Problem::has_dim(std::string_view name) const {
+  for (const auto& d : dims)
+    if (d.first == name) return true;
+  return false;
+}
+
 bool Problem::present(std::string_view tensor) const {
   int i = tensor_index(op->info.inputs, tensor);
   if (i >= 0) return inputs[i].present;
@@ -218,11 +243,13 @@ std::string Problem::signature() const {
   s += '|';
   for (const auto& t : inputs) {
     s += t.present ? dtype_short(t.dtype) : "-";
+    if (t.alt) s += '~';
     s += ',';
   }
   s += '|';
   for (const auto& t : outputs) {
     s += t.present ? dtype_short(t.dtype) : "-";
+    if (t.alt) s += '~';
     s += ',';
   }
   s += '|';
@@ -251,6 +278,10 @@ std::string Problem::signature() const {
   }
   s += "|a";
   s += std::to_string(align_bytes);
+  if (op->derived_key) {
+    s += '|';
+    s += op->derived_key(*this);
+  }
   return s;
 }
 
@@ -330,9 +361,21 @@ Params complete_params(const OpDef& op, const Params& given) {
 
 namespace {
 // Calls f(size) for each dim of t's shape under p, in order, until f returns false (then false).
+// Whether p lays tensor t out in its alternative shape (outputs follow the input of the same name's
+// choice through TensorMeta as well).
+bool uses_alt(const TensorDef& t, const Problem& p) {
+  if (t.alt_shape.empty() || !p.op) return false;
+  const OpInfo& info = p.op->info;
+  for (size_t i = 0; i < info.inputs.size() && i < p.inputs.size(); ++i)
+    if (&info.inputs[i] == &t) return p.inputs[i].alt;
+  for (size_t i = 0; i < info.outputs.size() && i < p.outputs.size(); ++i)
+    if (&info.outputs[i] == &t) return p.outputs[i].alt;
+  return false;
+}
+
 template <typename F>
 bool for_each_dim(const TensorDef& t, const Problem& p, F&& f) {
-  for (const auto& tok : t.shape) {
+  for (const auto& tok : shape_for(t, uses_alt(t, p))) {
     if (is_leading(tok)) {
       const std::vector<int64_t>* lead = nullptr;
       for (const auto& [name, l] : p.leading)
@@ -401,8 +444,14 @@ Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
       KSPEC_CHECK(def.optional, info.name, ": ", what, " is required (expected ", shape_text(def), ")");
       continue;
     }
-    check_tensor(p, info, def, inputs[i], what, &device, false);
+    check_tensor(p, info, def, inputs[i], what, &device, false, p.inputs[i]);
   }
+  // An output with an alternative shape follows the input of the same dtype source (dB like B).
+  for (size_t i = 0; i < info.outputs.size(); ++i) {
+    const TensorDef& def = info.outputs[i];
+    if (!def.alt_shape.empty() && !def.dtype_of.empty()) p.outputs[i].alt = p.alt(def.dtype_of);
+  }
+  if (op.check) op.check(p);
   if (inputs_only) {
     KSPEC_CHECK(device >= 0, info.name, ": no tensor arguments");
     call.inputs = inputs;
@@ -420,7 +469,10 @@ Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
     }
     KSPEC_CHECK(def.present_with.empty() || needed, info.name, ": ", what, " must be None when '",
                 def.present_with, "' is None");
-    check_tensor(p, info, def, outputs[i], what, &device, true);
+    bool alt = p.outputs[i].alt;
+    check_tensor(p, info, def, outputs[i], what, &device, true, p.outputs[i]);
+    KSPEC_CHECK(p.outputs[i].alt == alt, info.name, ": ", what, ": expected shape ",
+                shape_text(shape_for(def, alt)), " like '", def.dtype_of, "', got ", outputs[i].describe());
     if (!shape_matches(def, p, outputs[i])) {
       auto want = shape_of(def, p);
       std::ostringstream os;
@@ -504,6 +556,16 @@ Problem problem_from_request(const OpDef& op, const CompileRequest& req) {
   };
   resolve(info.inputs, p.inputs);
   resolve(info.outputs, p.outputs);
+  for (const auto& name : req.alt_shapes) {
+    int i = tensor_index(info.inputs, name);
+    KSPEC_CHECK(i >= 0 && !info.inputs[i].alt_shape.empty(), info.name, ": '", name,
+                "' is not an input with an alternative shape");
+    p.inputs[i].alt = true;
+  }
+  for (size_t i = 0; i < info.outputs.size(); ++i) {
+    const TensorDef& def = info.outputs[i];
+    if (!def.alt_shape.empty() && !def.dtype_of.empty()) p.outputs[i].alt = p.alt(def.dtype_of);
+  }
   for (size_t i = 0; i < info.inputs.size(); ++i) {
     const auto& def = info.inputs[i];
     if (def.dtype_of.empty())
@@ -512,6 +574,7 @@ Problem problem_from_request(const OpDef& op, const CompileRequest& req) {
                   join_dtypes(def.dtypes), ")");
   }
   p.arch = jit::resolve_arch(req.arch);
+  if (op.check) op.check(p);
   return p;
 }
 

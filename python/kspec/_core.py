@@ -47,10 +47,11 @@ def explain(op: str, *inputs, **params) -> str:
 
 
 def compile(op: str, dtype: str = "f32", arch: str = "sm_90", without=(), tensor_dtypes=None,
-            config: str | None = None, **params):
+            config: str | None = None, alt_shapes=(), **params):
     """Specialize and compile (no GPU needed). Returns one report dict per kernel:
     key, source ("compiled"/"disk"/"memory"), compile_ms, registers, spill_bytes, shared_bytes, path..."""
-    return _C.compile(op, dtype, arch, params, list(without), dict(tensor_dtypes or {}), config)
+    return _C.compile(op, dtype, arch, params, list(without), dict(tensor_dtypes or {}), config,
+                      list(alt_shapes))
 
 
 def list_ops():

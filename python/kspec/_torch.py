@@ -87,3 +87,89 @@ def norm_act(x, weight, bias, norm, act, eps):
     if torch.compiler.is_compiling():
         return norm_act_fwd(x, weight, bias, norm, act, eps)[0]
     return _NormAct.apply(x, weight, bias, norm, act, eps)
+
+
+# ---- selective_scan ----
+
+@torch.library.custom_op("kspec::selective_scan_fwd", mutates_args=(), device_types="cuda")
+def selective_scan_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                       D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
+                       h0: Optional[torch.Tensor], delta_softplus: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, last = call("selective_scan.fwd", u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus=delta_softplus)
+    return out, last
+
+
+@selective_scan_fwd.register_fake
+def _(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus):
+    return torch.empty_like(u), u.new_empty((u.shape[0], u.shape[1], A.shape[1]), dtype=torch.float32)
+
+
+_SCAN_GRADS = ("du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias", "dh0")
+
+
+@torch.library.custom_op("kspec::selective_scan_bwd", mutates_args=(), device_types="cuda")
+def selective_scan_bwd(dout: torch.Tensor, u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                       C: torch.Tensor, D: Optional[torch.Tensor], z: Optional[torch.Tensor],
+                       delta_bias: Optional[torch.Tensor], h0: Optional[torch.Tensor],
+                       dlast_state: Optional[torch.Tensor], delta_softplus: bool) -> list[torch.Tensor]:
+    grads = call("selective_scan.bwd", dout, u, delta, A, B, C, D, z, delta_bias, h0, dlast_state,
+                 delta_softplus=delta_softplus)
+    # custom ops cannot return None in a list: an empty tensor stands for an absent input's gradient
+    return [g if g is not None else u.new_empty(0) for g in grads]
+
+
+@selective_scan_bwd.register_fake
+def _(dout, u, delta, A, B, C, D, z, delta_bias, h0, dlast_state, delta_softplus):
+    like = (u, delta, A, B, C, D, z, delta_bias, h0)
+    return [u.new_empty(0) if t is None else torch.empty_like(t) for t in like]
+
+
+def _scan_save(ctx, u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus):
+    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, h0)
+    ctx.delta_softplus = delta_softplus
+
+
+def _scan_grads(ctx, dout, dlast, bwd):
+    u, delta, A, B, C, D, z, delta_bias, h0 = ctx.saved_tensors
+    dout = dout.contiguous()
+    dlast = None if dlast is None else dlast.contiguous()
+    grads = bwd(dout, u, delta, A, B, C, D, z, delta_bias, h0, dlast, ctx.delta_softplus)
+    present = (True, True, True, True, True, D is not None, z is not None, delta_bias is not None, h0 is not None)
+    return tuple(g if p else None for g, p in zip(grads, present))
+
+
+def _scan_setup(ctx, inputs, output):
+    _scan_save(ctx, *inputs)
+
+
+def _scan_backward(ctx, dout, dlast):
+    return (*_scan_grads(ctx, dout, dlast, selective_scan_bwd), None)
+
+
+selective_scan_fwd.register_autograd(_scan_backward, setup_context=_scan_setup)
+
+
+def _scan_bwd_call(dout, u, delta, A, B, C, D, z, delta_bias, h0, dlast, delta_softplus):
+    return call("selective_scan.bwd", dout, u, delta, A, B, C, D, z, delta_bias, h0, dlast,
+                delta_softplus=delta_softplus)
+
+
+class _SelectiveScan(torch.autograd.Function):
+    """The eager path (no torch.library dispatch cost); torch.compile traces the custom ops instead."""
+
+    @staticmethod
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus):
+        out, last = call("selective_scan.fwd", u, delta, A, B, C, D, z, delta_bias, h0,
+                         delta_softplus=delta_softplus)
+        _scan_save(ctx, u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus)
+        return out, last
+
+    @staticmethod
+    def backward(ctx, dout, dlast):
+        return (*_scan_grads(ctx, dout, dlast, _scan_bwd_call), None)
+
+
+def selective_scan(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus):
+    if torch.compiler.is_compiling():
+        return selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus)
+    return _SelectiveScan.apply(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus)

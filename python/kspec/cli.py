@@ -73,13 +73,13 @@ def cmd_ops(a):
 
 def _compile_one(req):
     return _C.compile(req["op"], req["dtype"], req["arch"], req.get("params", {}), req.get("without", []),
-                      req.get("tensor_dtypes", {}), req.get("config"))
+                      req.get("tensor_dtypes", {}), req.get("config"), req.get("alt_shapes", []))
 
 
 def cmd_compile(a):
     req = {"op": a.op, "dtype": a.dtype, "arch": a.arch, "params": _kv(a.param, "--param"),
            "without": a.without or [], "tensor_dtypes": {k: str(v) for k, v in _kv(a.tensor_dtype, "--tensor-dtype").items()},
-           "config": a.config}
+           "config": a.config, "alt_shapes": a.alt_shape or []}
     reports = _compile_one(req)
     if a.json:
         print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2 if a.verbose else None))
@@ -265,6 +265,8 @@ def main(argv=None) -> int:
     s.add_argument("--arch", default="sm_90")
     s.add_argument("--param", action="append", metavar="K=V", help="params and compile-time dims, e.g. hidden=4096")
     s.add_argument("--without", action="append", metavar="INPUT", help="leave out an optional input")
+    s.add_argument("--alt-shape", action="append", metavar="INPUT",
+                   help="give an input in its alternative shape (e.g. a fixed B [dim, dstate])")
     s.add_argument("--tensor-dtype", action="append", metavar="NAME=DTYPE")
     s.add_argument("--config", help="tuning config, e.g. threads_per_row=256,rows_per_block=1,vec=8,stream=0")
     s.add_argument("--json", action="store_true")

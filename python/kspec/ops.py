@@ -4,6 +4,7 @@ registry directly (forward only)."""
 from __future__ import annotations
 
 from ._core import call
+from ._tensors import describe, empty, framework_of
 
 _NORMS = ("layernorm", "rmsnorm")
 _ACTS = ("identity", "silu", "gelu_tanh", "gelu_erf")
@@ -42,3 +43,54 @@ def norm_act_bwd(dy, x, weight, bias, mean, rstd, *, norm: str = "layernorm", ac
     """The raw backward op. dy, x: (..., hidden); mean, rstd from norm_act_fwd.
     Returns (dx: (..., hidden), dweight: (hidden), dbias: (hidden) or None)."""
     return call("norm_act.bwd", dy, x, weight, bias, mean, rstd, norm=norm, act=act, eps=float(eps))
+
+
+def _contiguous(x):
+    if x is None or not hasattr(x, "is_contiguous") or x.is_contiguous():
+        return x
+    return x.contiguous()
+
+
+def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                      return_last_state=False, h0=None):
+    """The Mamba selective scan, with mamba_ssm's selective_scan_fn arguments (plus h0).
+
+    For channel d, step t, state n (dt = delta + delta_bias, softplus'ed if delta_softplus):
+        x_t[n] = exp(dt_t A[d, n]) x_{t-1}[n] + dt_t B_t[n] u_t,  x_{-1} = h0 (or 0)
+        out_t  = (sum_n C_t[n] x_t[n] + D[d] u_t) * silu(z_t)
+    u, delta, z: (batch, dim, seqlen) fp32/fp16/bf16; A: (dim, dstate) fp32, dstate <= 256;
+    B, C: (dim, dstate) fixed, (batch, dstate, seqlen) or (batch, groups, dstate, seqlen) variable, the
+    dtype of u or fp32; D, delta_bias: (dim,) fp32; h0: (batch, dim, dstate) fp32.
+    Returns out (batch, dim, seqlen) like u, and with return_last_state also last_state
+    (batch, dim, dstate) fp32. Differentiable for torch tensors (all inputs, h0 included)."""
+    if B.ndim == 3:
+        B = B.unsqueeze(1)
+    if C.ndim == 3:
+        C = C.unsqueeze(1)
+    args = [_contiguous(t) for t in (u, delta, A, B, C, D, z, delta_bias, h0)]
+    if _is_torch(u):
+        from . import _torch
+
+        out, last = _torch.selective_scan(*args, bool(delta_softplus))
+    else:
+        out, last = call("selective_scan.fwd", *args, delta_softplus=bool(delta_softplus))
+    return (out, last) if return_last_state else out
+
+
+def selective_scan_step(state, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
+    """One decode step of the scan, updating `state` in place; returns out.
+
+    state: (batch, dim, dstate) fp32, contiguous (updated in place); u, delta, z: (batch, dim);
+    A: (dim, dstate) fp32; B, C: (batch, dstate) or (batch, groups, dstate) for this step, the dtype of
+    u or fp32 (a fixed (dim, dstate) B or C: kspec.call("selective_scan.step", ...) with a 2-D tensor);
+    D, delta_bias: (dim,) fp32. out: (batch, dim) like u. Not differentiable."""
+    if B.ndim == 2:
+        B = B[:, None]
+    if C.ndim == 2:
+        C = C[:, None]
+    u, delta, A, B, C, D, z, delta_bias = (_contiguous(t) for t in (u, delta, A, B, C, D, z, delta_bias))
+    descs = [describe(t) for t in (u,)]
+    out = empty(framework_of([u]), descs[0][1], tuple(u.shape), descs[0][4])
+    call("selective_scan.step", state, u, delta, A, B, C, D, z, delta_bias, delta_softplus=bool(delta_softplus),
+         out=(out, state))
+    return out

@@ -65,6 +65,7 @@ py::dict tensor_def(const kspec::TensorDef& t) {
   py::dict d;
   d["name"] = t.name;
   d["shape"] = t.shape;
+  d["alt_shape"] = t.alt_shape;
   std::vector<std::string> dts;
   for (auto dt : t.dtypes) dts.push_back(kspec::dtype_name(dt));
   d["dtypes"] = dts;
@@ -133,7 +134,8 @@ py::dict report_dict(const kspec::CompileReport& r) {
 
 kspec::CompileRequest to_request(const std::string& op, const std::string& dtype, const std::string& arch,
                                  const py::dict& params, const std::vector<std::string>& without,
-                                 const std::map<std::string, std::string>& tensor_dtypes) {
+                                 const std::map<std::string, std::string>& tensor_dtypes,
+                                 const std::vector<std::string>& alt_shapes) {
   kspec::CompileRequest req;
   req.op = op;
   req.dtype = kspec::parse_dtype(dtype);
@@ -141,6 +143,7 @@ kspec::CompileRequest to_request(const std::string& op, const std::string& dtype
   req.params = to_params(params);
   req.without = without;
   for (const auto& [k, v] : tensor_dtypes) req.tensor_dtypes.emplace_back(k, kspec::parse_dtype(v));
+  req.alt_shapes = alt_shapes;
   return req;
 }
 
@@ -254,8 +257,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("compile",
         [](const std::string& op, const std::string& dtype, const std::string& arch, const py::dict& params,
            const std::vector<std::string>& without, const std::map<std::string, std::string>& tensor_dtypes,
-           const py::object& config) {
-          auto req = to_request(op, dtype, arch, params, without, tensor_dtypes);
+           const py::object& config, const std::vector<std::string>& alt_shapes) {
+          auto req = to_request(op, dtype, arch, params, without, tensor_dtypes, alt_shapes);
           if (!config.is_none()) req.config = kspec::Config::parse(config.cast<std::string>());
           std::vector<kspec::CompileReport> reports;
           {
@@ -268,7 +271,7 @@ PYBIND11_MODULE(_C, m) {
         },
         py::arg("op"), py::arg("dtype"), py::arg("arch") = "sm_90", py::arg("params") = py::dict(),
         py::arg("without") = std::vector<std::string>{}, py::arg("tensor_dtypes") = std::map<std::string, std::string>{},
-        py::arg("config") = py::none());
+        py::arg("config") = py::none(), py::arg("alt_shapes") = std::vector<std::string>{});
 
   m.def("precompile_plan", [](const std::vector<std::string>& archs, const std::vector<std::string>& ops) {
     py::list out;
@@ -284,6 +287,7 @@ PYBIND11_MODULE(_C, m) {
       std::map<std::string, std::string> td;
       for (const auto& [k, v] : r.tensor_dtypes) td[k] = kspec::dtype_short(v);
       d["tensor_dtypes"] = td;
+      d["alt_shapes"] = r.alt_shapes;
       d["config"] = r.config ? py::object(py::str(r.config->str())) : py::object(py::none());
       out.append(d);
     }

@@ -48,6 +48,18 @@ __device__ __forceinline__ float d_gelu_erf(float x) {
          x * detail::kInvSqrt2Pi * expf(-0.5f * x * x);
 }
 
+// log1p(exp(x)) without overflow: max(x, 0) + log1p(exp(-|x|)), the float64 reference's form.
+__device__ __forceinline__ float softplus(float x) { return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))); }
+
+// 2^x by the SFU's ex2.approx (2 ulp; one MUFU instruction): for recurrences whose decays exp(dt*A)
+// are computed as exp2(dt * A*log2(e)) with log2(e) folded into A once per state.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+constexpr float kLog2e = 1.4426950408889634f;
+
 template <int kAct>
 __device__ __forceinline__ float apply_act(float h) {
   static_assert(kAct >= kActIdentity && kAct <= kActGeluErf, "unknown activation kind");

@@ -72,6 +72,7 @@ if has bench; then
   step bench_jit python3 tools/bench/bench.py --family jit --dispatch-bin build/gpu/tools/bench/kspec_dispatch_bench \
     --json "$OUT/bench_jit.json"
   step bench_norm_act python3 tools/bench/bench.py --family norm_act --json "$OUT/bench_norm_act.json"
+  step bench_selective_scan python3 tools/bench/bench.py --family selective_scan --json "$OUT/bench_selective_scan.json"
 fi
 
 echo

@@ -8,6 +8,7 @@
 #include "kspec/registry.h"
 #include "kspec/tensor.h"
 #include "kspec/ops/norm_act.h"
+#include "kspec/ops/selective_scan.h"
 
 namespace kspec {
 const char* version();

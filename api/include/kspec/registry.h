@@ -80,6 +80,10 @@ struct TensorDef {
   std::string present_with;      // outputs: present iff this input is present
   Layout layout = Layout::RowStrided;
   std::string doc;
+  // Optional: a second accepted shape of another rank (e.g. a weight that is either per-channel [dim, dstate] or
+  // input-dependent [batch, groups, dstate, seqlen]); a tensor's rank picks one. Which one a call used is
+  // part of the specialization (Problem: TensorMeta::alt; compile requests: CompileRequest::alt_shapes).
+  std::vector<std::string> alt_shape = {};
 };
 
 struct OpInfo {
@@ -136,6 +140,7 @@ struct CompileRequest {
   Params params;                        // scalar params and Const/Bucket dims ("hidden": 4096)
   std::vector<std::string> without;     // optional inputs left out
   std::vector<std::pair<std::string, DType>> tensor_dtypes;  // per-tensor overrides
+  std::vector<std::string> alt_shapes;  // tensors given in their TensorDef::alt_shape
   std::optional<Config> config;         // else the heuristic's choice
 };
 

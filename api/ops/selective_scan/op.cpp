@@ -1,0 +1,571 @@
+// selective_scan: the Mamba S6 scan (mamba_ssm's selective_scan_fn, plus an initial state h0), its
+// backward, and a single decode step. Schema, specializations, tuning spaces, launchers, float64
+// references and the case table; kernels in templates/selective_scan/selective_scan.cuh.
+#include <algorithm>
+#include <cmath>
+
+#include "api/src/op.h"
+#include "selective_scan/reference.h"
+
+namespace kspec {
+namespace {
+
+constexpr const char* kHeader = "selective_scan/selective_scan.cuh";
+const std::vector<DType> kFloatTypes = {DType::f32, DType::f16, DType::bf16};
+constexpr int64_t kMaxDstate = 256;
+// The largest tile (32 lanes x 16 items): a seqlen that is a multiple of it is a multiple of every
+// config's tile, so "even" can be decided before the config is.
+constexpr int64_t kEvenMultiple = 512;
+constexpr int64_t kStaticSmemBytes = 48 * 1024;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+const char* b2s(bool b) { return b ? "true" : "false"; }
+
+bool var_b(const Problem& p) { return !p.alt("B"); }
+bool var_c(const Problem& p) { return !p.alt("C"); }
+int64_t groups_of(const Problem& p) {
+  return (var_b(p) || var_c(p)) && p.has_dim("groups") ? p.dim("groups") : 1;
+}
+bool is_even(const Problem& p) { return p.dim("seqlen") % kEvenMultiple == 0 && p.align_bytes >= 16; }
+
+// Cross-argument rules, for every op of the family (step has no seqlen but the same B/C rules).
+void check_scan(const Problem& p) {
+  const std::string& op = p.op->info.name;
+  int64_t dstate = p.dim("dstate");
+  KSPEC_CHECK_AS(dstate >= 1 && dstate <= kMaxDstate, Unsupported, op, ": input 'A': dstate = ", dstate,
+                 " is not supported (1..", kMaxDstate, ")");
+  int64_t groups = groups_of(p), dim = p.dim("dim");
+  KSPEC_CHECK(groups >= 1 && dim % groups == 0, op, ": input '", var_b(p) ? "B" : "C", "': groups = ", groups,
+              " must divide dim = ", dim);
+}
+
+std::string even_key(const Problem& p) { return p.has_dim("seqlen") && is_even(p) ? "even" : ""; }
+
+std::vector<ParamDef> scan_params() {
+  return {{"delta_softplus", ParamType::Bool, false, {}, "dt = softplus(delta + delta_bias) (else delta + delta_bias)"}};
+}
+
+std::vector<DimDef> scan_dims(bool with_seqlen) {
+  std::vector<DimDef> d = {{"batch", DimKind::Var, {}, "batch"},
+                           {"dim", DimKind::Var, {}, "channels (d_inner)"},
+                           {"dstate", DimKind::Const, {}, "state size per channel, a template argument (1..256)"},
+                           {"groups", DimKind::Var, {}, "B/C groups (variable B/C only); channel d uses group d / (dim / groups)"}};
+  if (with_seqlen) d.insert(d.begin() + 2, DimDef{"seqlen", DimKind::Var, {}, "sequence length"});
+  return d;
+}
+
+TensorDef tensor(std::string name, std::vector<std::string> shape, std::vector<DType> dtypes, std::string dtype_of,
+            bool or_f32, bool optional, std::string present_with, std::string doc,
+            std::vector<std::string> alt = {}) {
+  TensorDef d;
+  d.name = std::move(name);
+  d.shape = std::move(shape);
+  d.dtypes = std::move(dtypes);
+  d.dtype_of = std::move(dtype_of);
+  d.or_float32 = or_f32;
+  d.optional = optional;
+  d.present_with = std::move(present_with);
+  d.layout = Layout::Contiguous;
+  d.doc = std::move(doc);
+  d.alt_shape = std::move(alt);
+  return d;
+}
+
+const std::vector<std::string> kBDT = {"batch", "dim", "seqlen"};
+const std::vector<std::string> kVarBC = {"batch", "groups", "dstate", "seqlen"};
+const std::vector<std::string> kFixedBC = {"dim", "dstate"};
+const std::vector<std::string> kState = {"batch", "dim", "dstate"};
+
+// The scan's inputs, shared by fwd (as is) and bwd (after dout).
+std::vector<TensorDef> scan_inputs() {
+  return {
+      tensor("u", kBDT, kFloatTypes, "", false, false, "", "input"),
+      tensor("delta", kBDT, {}, "u", false, false, "", "time step before bias and softplus"),
+      tensor("A", {"dim", "dstate"}, {DType::f32}, "", false, false, "", "state matrix (diagonal per channel); negative"),
+      tensor("B", kVarBC, {}, "u", true, false, "", "input matrix: variable, or fixed [dim, dstate]", kFixedBC),
+      tensor("C", kVarBC, {}, "u", true, false, "", "output matrix: variable, or fixed [dim, dstate]", kFixedBC),
+      tensor("D", {"dim"}, {DType::f32}, "", false, true, "", "skip connection"),
+      tensor("z", kBDT, {}, "u", false, true, "", "gate: out *= silu(z)"),
+      tensor("delta_bias", {"dim"}, {DType::f32}, "", false, true, "", "added to delta"),
+      tensor("h0", kState, {DType::f32}, "", false, true, "", "initial state (else zeros)"),
+  };
+}
+
+std::string traits(const Problem& p, const Config& c) {
+  std::string s = "kspec::ScanTraits<";
+  s += dtype_cuda_type(p.dtype("u"));
+  s += ", " + std::string(dtype_cuda_type(p.dtype("B")));
+  s += ", " + std::string(dtype_cuda_type(p.dtype("C")));
+  s += ", " + std::to_string(p.dim("dstate"));
+  for (bool f : {var_b(p), var_c(p), p.present("D"), p.present("z"), p.present("delta_bias"),
+                 p.param_bool("delta_softplus"), p.present("h0"), is_even(p)})
+    s += std::string(", ") + b2s(f);
+  s += ", " + std::to_string(c.get("warps")) + ", " + std::to_string(c.get("items")) + ">";
+  return s;
+}
+
+jit::KernelSpec spec(const Problem& p, const char* kernel, std::vector<std::string> targs) {
+  jit::KernelSpec s;
+  s.header = kHeader;
+  s.kernel = kernel;
+  s.targs = std::move(targs);
+  s.arch = p.arch;
+  return s;
+}
+
+// ---- references (float64) ----
+
+ref::ScanShape shape_of_problem(const Problem& p) {
+  ref::ScanShape s;
+  s.batch = p.dim("batch");
+  s.dim = p.dim("dim");
+  s.seqlen = p.dim("seqlen");
+  s.dstate = p.dim("dstate");
+  s.groups = groups_of(p);
+  s.variable_b = var_b(p);
+  s.variable_c = var_c(p);
+  return s;
+}
+
+std::vector<double> or_empty(const HostTensor& h) { return h.defined ? h.data : std::vector<double>{}; }
+
+// in: u, delta, A, B, C, D, z, delta_bias, h0 starting at `first`.
+ref::ScanInputs scan_inputs_of(const Problem& p, const std::vector<HostTensor>& in, size_t first) {
+  ref::ScanInputs r;
+  r.u = in[first].data;
+  r.delta = in[first + 1].data;
+  r.A = in[first + 2].data;
+  r.B = in[first + 3].data;
+  r.C = in[first + 4].data;
+  r.D = or_empty(in[first + 5]);
+  r.z = or_empty(in[first + 6]);
+  r.delta_bias = or_empty(in[first + 7]);
+  r.h0 = or_empty(in[first + 8]);
+  r.delta_softplus = p.param_bool("delta_softplus");
+  return r;
+}
+
+// Random N(0, 1) inputs make a growing recurrence; as in Mamba, A < 0 and dt >= 0 keep it a decay.
+void make_stable(const Problem& p, std::vector<HostTensor>& in, size_t first) {
+  for (auto& a : in[first + 2].data) a = -(0.25 + std::fabs(a));
+  if (!p.param_bool("delta_softplus")) {
+    for (auto& v : in[first + 1].data) v = 0.05 + 0.5 * std::fabs(v);
+    if (in[first + 7].defined)
+      for (auto& v : in[first + 7].data) v = 0.1 * std::fabs(v);
+  }
+}
+
+std::vector<HostTensor> fwd_reference(const Problem& p, const std::vector<HostTensor>& in) {
+  auto r = ref::selective_scan_fwd_ref(shape_of_problem(p), scan_inputs_of(p, in, 0));
+  std::vector<HostTensor> out(2);
+  out[0] = {true, in[0].shape, std::move(r.out)};
+  out[1] = {true, {p.dim("batch"), p.dim("dim"), p.dim("dstate")}, std::move(r.last_state)};
+  return out;
+}
+
+std::vector<HostTensor> bwd_reference(const Problem& p, const std::vector<HostTensor>& in) {
+  const std::vector<double>* dlast = in[10].defined ? &in[10].data : nullptr;
+  auto g = ref::selective_scan_bwd_ref(shape_of_problem(p), scan_inputs_of(p, in, 1), in[0].data, dlast);
+  std::vector<HostTensor> out(9);
+  auto put = [&](size_t i, const HostTensor& like, std::vector<double>& v) {
+    if (!v.empty()) out[i] = {true, like.shape, std::move(v)};
+  };
+  put(0, in[1], g.du);
+  put(1, in[2], g.ddelta);
+  put(2, in[3], g.dA);
+  put(3, in[4], g.dB);
+  put(4, in[5], g.dC);
+  put(5, in[6], g.dD);
+  put(6, in[7], g.dz);
+  put(7, in[8], g.ddelta_bias);
+  put(8, in[9], g.dh0);
+  return out;
+}
+
+// ---- tuning ----
+
+// Static shared memory of the backward kernel (see its launch contract).
+int64_t bwd_smem_bytes(const Problem& p, int64_t warps, int64_t items) {
+  bool var = var_b(p) || var_c(p);
+  return 4 * (4 * warps * p.dim("dstate") + (var ? 2 * warps * 32 * items : 0));
+}
+
+// Every warp of a block must be a channel of one group when the backward sums a variable dB/dC
+// over the block (and the block barriers need all of its warps).
+bool bwd_warps_fit(const Problem& p, int64_t warps) {
+  if (!(var_b(p) || var_c(p))) return true;
+  int64_t cpg = p.dim("dim") / std::max<int64_t>(groups_of(p), 1);
+  return cpg % warps == 0;
+}
+
+TuningSpace fwd_tuning() {
+  TuningSpace t;
+  t.axes = {{"warps", {2, 4, 8}}, {"items", {4, 8, 16}}};
+  t.valid = [](const Problem& p, const Config& c, std::string* why) {
+    if (4 * c.get("warps") * p.dim("dstate") > kStaticSmemBytes) {
+      if (why) *why = "the carried states do not fit in static shared memory";
+      return false;
+    }
+    // 16 fp32 items per lane spilled 32 bytes on sm_80 (NVRTC 13.0) and load nothing wider than 8 do.
+    if (c.get("items") * dtype_size(p.dtype("u")) > 32) {
+      if (why) *why = "more than 32 bytes of u per lane and tile (registers would spill)";
+      return false;
+    }
+    return true;
+  };
+  // 8 items: 16 bytes of bf16 per lane and access, and the shuffle scan amortized over 8 steps;
+  // 4 warps per block: untuned (no GPU measurement yet).
+  t.heuristic = [](const Problem&) { return Config{{{"warps", 4}, {"items", 8}}}; };
+  return t;
+}
+
+TuningSpace bwd_tuning() {
+  TuningSpace t;
+  // 16 items would hold ~13 arrays of 16 floats per lane: too many registers for the backward.
+  t.axes = {{"warps", {1, 2, 4, 8}}, {"items", {4, 8}}};
+  t.valid = [](const Problem& p, const Config& c, std::string* why) {
+    auto no = [&](const char* w) {
+      if (why) *why = w;
+      return false;
+    };
+    if (!bwd_warps_fit(p, c.get("warps"))) return no("warps must divide dim / groups with a variable B or C");
+    if (bwd_smem_bytes(p, c.get("warps"), c.get("items")) > kStaticSmemBytes)
+      return no("more static shared memory than 48 KiB");
+    return true;
+  };
+  t.heuristic = [](const Problem& p) {
+    for (int64_t w : {4, 2, 1})
+      if (bwd_warps_fit(p, w) && bwd_smem_bytes(p, w, 8) <= kStaticSmemBytes) return Config{{{"warps", w}, {"items", 8}}};
+    return Config{{{"warps", 1}, {"items", 4}}};
+  };
+  return t;
+}
+
+// ---- cases ----
+
+struct CaseSpec {
+  const char* name;
+  int64_t batch, dim, seqlen, dstate, groups;
+  bool softplus;
+  std::vector<std::string> without;
+  std::vector<std::string> alt;
+};
+
+std::vector<Case> scan_cases(bool with_seqlen) {
+  std::vector<CaseSpec> specs = {
+      {"base", 2, 64, 300, 16, 1, true, {}, {}},
+      {"batch_1", 1, 64, 300, 16, 1, true, {"h0"}, {}},
+      {"dim_37", 3, 37, 129, 16, 1, true, {}, {}},
+      {"seqlen_1", 2, 40, 1, 16, 1, true, {}, {}},
+      {"seqlen_2", 2, 40, 2, 16, 1, false, {}, {}},
+      {"seqlen_1023", 2, 24, 1023, 16, 1, true, {}, {}},
+      {"seqlen_even_1024", 2, 24, 1024, 16, 1, true, {}, {}},
+      {"dstate_1", 2, 24, 200, 1, 1, true, {}, {}},
+      {"dstate_4", 2, 24, 200, 4, 1, true, {}, {}},
+      {"dstate_64", 2, 24, 200, 64, 1, true, {}, {}},
+      {"dstate_256", 2, 16, 200, 256, 1, true, {}, {}},
+      {"groups_4", 2, 64, 257, 16, 4, true, {}, {}},
+      {"fixed_bc", 2, 48, 300, 16, 1, true, {}, {"B", "C"}},
+      {"fixed_b", 2, 48, 300, 16, 2, true, {}, {"B"}},
+      {"no_D", 2, 48, 300, 16, 1, true, {"D"}, {}},
+      {"no_z", 2, 48, 300, 16, 1, true, {"z"}, {}},
+      {"no_delta_bias", 2, 48, 300, 16, 1, true, {"delta_bias"}, {}},
+      {"no_softplus", 2, 48, 300, 16, 1, false, {}, {}},
+      {"none_optional", 2, 48, 300, 16, 1, false, {"D", "z", "delta_bias", "h0"}, {}},
+      {"mamba_2x512x2048", 2, 512, 2048, 16, 1, true, {"h0"}, {}},
+      {"long_65536", 1, 8, 65536, 16, 1, true, {}, {}},
+  };
+  std::vector<Case> cases;
+  for (const auto& s : specs) {
+    Case c;
+    c.name = s.name;
+    c.dims = {{"batch", s.batch}, {"dim", s.dim}, {"dstate", s.dstate}, {"groups", s.groups}};
+    if (with_seqlen) c.dims.emplace_back("seqlen", s.seqlen);
+    c.params = {{"delta_softplus", s.softplus}};
+    c.without = s.without;
+    c.alt_shapes = s.alt;
+    if (s.alt.size() == 2) c.dims.erase(c.dims.begin() + 3);  // no groups without a variable B or C
+    cases.push_back(std::move(c));
+  }
+  auto named = [&](const char* n) -> Case& {
+    for (auto& c : cases)
+      if (c.name == n) return c;
+    throw Error(n);
+  };
+  named("mamba_2x512x2048").large = true;
+  named("long_65536").large = true;
+  // precompile --all: every config for the Mamba flags at dstate 16, and the largest state.
+  named("base").representative = true;
+  named("dstate_256").representative = true;
+  // B and C in fp32 beside 16-bit activations.
+  Case f32bc = named("base");
+  f32bc.name = "bc_fp32";
+  f32bc.representative = false;
+  f32bc.tensor_dtypes = {{"B", DType::f32}, {"C", DType::f32}};
+  cases.push_back(f32bc);
+  return cases;
+}
+
+OpDef scan_base(const char* name, const char* doc, bool with_seqlen) {
+  OpDef op;
+  op.info.name = name;
+  op.info.family = "selective_scan";
+  op.info.doc = doc;
+  op.info.params = scan_params();
+  op.info.dims = scan_dims(with_seqlen);
+  op.info.reference = "api/ops/selective_scan/reference.cpp (python/kspec/reference/selective_scan.py)";
+  op.check = check_scan;
+  op.cases = scan_cases(with_seqlen);
+  op.compile_dims = {{"batch", 1}, {"dim", 1}, {"groups", 1}};
+  if (with_seqlen) op.compile_dims.emplace_back("seqlen", 1);
+  op.dtypes = kFloatTypes;
+  // fp32 over recurrences of hundreds to 65536 steps, with ex2.approx decays: 4e-5.
+  op.tolerance_scale = 4.0;
+  return op;
+}
+
+unsigned u32(int64_t v) { return static_cast<unsigned>(v); }
+
+void check_launch_sizes(const Call& call) {
+  const Problem& p = call.problem;
+  KSPEC_CHECK(p.dim("batch") <= 65535, p.op->info.name, ": input 'u': batch = ", p.dim("batch"), " exceeds 65535");
+  KSPEC_CHECK(p.dim("dim") <= INT32_MAX / 32 && (!p.has_dim("seqlen") || p.dim("seqlen") <= INT32_MAX / 2),
+              p.op->info.name, ": input 'u': dim or seqlen too large");
+}
+
+// ---- forward ----
+
+OpDef make_fwd() {
+  OpDef op = scan_base("selective_scan.fwd",
+                       "out = (C . x_t + D u) * silu(z) with x_t = exp(dt A) x_{t-1} + dt B u (mamba_ssm's "
+                       "selective_scan_fn), and the last state",
+                       true);
+  op.info.inputs = scan_inputs();
+  op.info.outputs = {
+      tensor("out", kBDT, {}, "u", false, false, "", "output"),
+      tensor("last_state", kState, {DType::f32}, "", false, false, "", "x at the last step"),
+  };
+  op.tuning = fwd_tuning();
+  op.info.tuning_axes = op.tuning.axes;
+  op.derived_key = even_key;
+  op.kernels = [](const Problem& p, const Config& c) {
+    return std::vector<jit::KernelSpec>{spec(p, "kspec::selective_scan_fwd_kernel", {traits(p, c)})};
+  };
+  op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    check_launch_sizes(call);
+    const Problem& p = call.problem;
+    int dim = static_cast<int>(p.dim("dim")), seqlen = static_cast<int>(p.dim("seqlen"));
+    int groups = static_cast<int>(groups_of(p)), cpg = dim / groups;
+    void *u = call.in("u").data, *delta = call.in("delta").data, *A = call.in("A").data, *B = call.in("B").data,
+         *C = call.in("C").data, *D = call.in("D").data, *z = call.in("z").data,
+         *bias = call.in("delta_bias").data, *h0 = call.in("h0").data, *out = call.out("out").data,
+         *last = call.out("last_state").data;
+    void* args[] = {&u, &delta, &A, &B, &C, &D, &z, &bias, &h0, &out, &last, &dim, &seqlen, &cpg, &groups};
+    int64_t warps = c.get("warps");
+    if (seqlen == 0 || dim == 0) return;
+    l.launch(0, {u32(ceil_div(dim, warps)), u32(p.dim("batch"))}, {u32(warps * 32)}, 0, args);
+  };
+  op.reference = fwd_reference;
+  op.prepare_inputs = [](const Problem& p, std::vector<HostTensor>& in) { make_stable(p, in, 0); };
+  return op;
+}
+
+// ---- backward ----
+
+OpDef make_bwd() {
+  OpDef op = scan_base("selective_scan.bwd",
+                       "gradients of selective_scan.fwd (and of its last state, given dlast_state); dA, dD, "
+                       "ddelta_bias and a fixed dB/dC summed deterministically, a variable dB/dC with fp32 atomics",
+                       true);
+  auto inputs = scan_inputs();
+  inputs.insert(inputs.begin(), tensor("dout", kBDT, kFloatTypes, "", false, false, "", "gradient of out"));
+  inputs[1].dtype_of = "dout";
+  inputs[1].dtypes = {};
+  inputs.push_back(tensor("dlast_state", kState, {DType::f32}, "", false, true, "", "gradient of last_state (else zero)"));
+  op.info.inputs = inputs;
+  op.info.outputs = {
+      tensor("du", kBDT, {}, "u", false, false, "", "gradient of u"),
+      tensor("ddelta", kBDT, {}, "delta", false, false, "", "gradient of delta"),
+      tensor("dA", {"dim", "dstate"}, {DType::f32}, "", false, false, "", "gradient of A"),
+      tensor("dB", kVarBC, {}, "B", false, false, "", "gradient of B (B's shape)", kFixedBC),
+      tensor("dC", kVarBC, {}, "C", false, false, "", "gradient of C (C's shape)", kFixedBC),
+      tensor("dD", {"dim"}, {DType::f32}, "", false, false, "D", "gradient of D"),
+      tensor("dz", kBDT, {}, "z", false, false, "z", "gradient of z"),
+      tensor("ddelta_bias", {"dim"}, {DType::f32}, "", false, false, "delta_bias", "gradient of delta_bias"),
+      tensor("dh0", kState, {DType::f32}, "", false, false, "h0", "gradient of h0"),
+  };
+  op.tuning = bwd_tuning();
+  op.info.tuning_axes = op.tuning.axes;
+  op.derived_key = even_key;
+  op.kernels = [](const Problem& p, const Config& c) {
+    std::vector<std::string> red = {dtype_cuda_type(p.dtype("B")), dtype_cuda_type(p.dtype("C")),
+                                    std::to_string(p.dim("dstate")), b2s(var_b(p)), b2s(var_c(p)),
+                                    b2s(p.present("D")), b2s(p.present("delta_bias"))};
+    return std::vector<jit::KernelSpec>{spec(p, "kspec::selective_scan_bwd_kernel", {traits(p, c)}),
+                                        spec(p, "kspec::selective_scan_bwd_reduce_kernel", red),
+                                        spec(p, "kspec::selective_scan_bwd_zero_kernel", {})};
+  };
+  op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    check_launch_sizes(call);
+    const Problem& p = call.problem;
+    int64_t batch = p.dim("batch"), dim64 = p.dim("dim"), seq64 = p.dim("seqlen"), N = p.dim("dstate");
+    int64_t warps = c.get("warps"), items = c.get("items");
+    int dim = static_cast<int>(dim64), seqlen = static_cast<int>(seq64);
+    int groups = static_cast<int>(groups_of(p)), cpg = dim / groups;
+    bool vb = var_b(p), vc = var_c(p);
+    if (dim == 0 || batch == 0) return;
+    KSPEC_CHECK(seqlen > 0, "selective_scan.bwd: input 'u': seqlen must be at least 1");
+    // Workspace: tile states | per-channel partials | variable dB, dC accumulators (fp32).
+    int64_t ntiles = ceil_div(seq64, 32 * items);
+    int64_t n_states = batch * dim64 * ntiles * N, n_part = batch * dim64 * (3 * N + 2);
+    int64_t n_var = batch * groups * N * seq64;
+    int64_t n_db = vb ? n_var : 0, n_dc = vc ? n_var : 0;
+    auto* ws = static_cast<float*>(l.workspace(sizeof(float) * (n_states + n_part + n_db + n_dc)));
+    float *states = ws, *part = ws + n_states, *db_acc = part + n_part, *dc_acc = db_acc + n_db;
+    int sms = l.multiprocessors();
+    if (vb || vc) {
+      long long na = n_db, nb = n_dc;
+      void* zargs[] = {&db_acc, &na, &dc_acc, &nb};
+      l.launch(2, {u32(std::min<int64_t>(ceil_div(std::max(na, nb), 256), 8 * sms))}, {256}, 0, zargs);
+    }
+    void *u = call.in("u").data, *delta = call.in("delta").data, *A = call.in("A").data, *B = call.in("B").data,
+         *C = call.in("C").data, *D = call.in("D").data, *z = call.in("z").data,
+         *bias = call.in("delta_bias").data, *h0 = call.in("h0").data, *dout = call.in("dout").data,
+         *dlast = call.in("dlast_state").data;
+    void *du = call.out("du").data, *ddelta = call.out("ddelta").data, *dz = call.out("dz").data,
+         *dh0 = call.out("dh0").data;
+    void* args[] = {&u,     &delta, &A,  &B,      &C,      &D,      &z,    &bias,  &h0,  &dout, &dlast, &du,
+                    &ddelta, &dz,   &dh0, &db_acc, &dc_acc, &states, &part, &dim, &seqlen, &cpg, &groups};
+    // With a variable B/C, warps divides dim / groups (the tuning space's rule), so blocks are whole.
+    l.launch(0, {u32(ceil_div(dim, warps)), u32(batch)}, {u32(warps * 32)}, 0, args);
+    void *dA = call.out("dA").data, *dB = call.out("dB").data, *dC = call.out("dC").data,
+         *dD = call.out("dD").data, *ddb = call.out("ddelta_bias").data;
+    int batch_i = static_cast<int>(batch);
+    long long var_elems = (vb || vc) ? n_var : 0;
+    void* rargs[] = {&part, &db_acc, &dc_acc, &dA, &dB, &dC, &dD, &ddb, &batch_i, &dim, &var_elems};
+    int64_t work = std::max<int64_t>({dim64 * N, dim64, var_elems});
+    l.launch(1, {u32(std::min<int64_t>(ceil_div(work, 256), 8 * sms))}, {256}, 0, rargs);
+  };
+  for (auto& c : op.cases)
+    if (c.name == std::string("none_optional")) c.without.push_back("dlast_state");
+  op.reference = bwd_reference;
+  op.prepare_inputs = [](const Problem& p, std::vector<HostTensor>& in) { make_stable(p, in, 1); };
+  return op;
+}
+
+// ---- single decode step ----
+
+constexpr int kStepThreads = 128;
+
+// Lanes per channel: each takes dstate / split states; their C . x partials are summed by shuffles.
+TuningSpace step_tuning() {
+  TuningSpace t;
+  t.axes = {{"split", {1, 4, 16, 32}}};
+  t.valid = [](const Problem& p, const Config& c, std::string* why) {
+    if (c.get("split") > 1 && c.get("split") > p.dim("dstate")) {
+      if (why) *why = "more lanes per channel than states";
+      return false;
+    }
+    return true;
+  };
+  // Decode is memory-bound on the state (dstate floats per channel, read and written): 16 lanes per
+  // channel at dstate 16 make each warp read 2 channels' states in 128-byte rows. Untuned.
+  t.heuristic = [](const Problem& p) {
+    int64_t n = p.dim("dstate");
+    return Config{{{"split", n >= 16 ? 16 : n >= 4 ? 4 : 1}}};
+  };
+  return t;
+}
+
+OpDef make_step() {
+  OpDef op = scan_base("selective_scan.step",
+                       "one decode step: new_state = exp(dt A) state + dt B u, out = (C . new_state + D u) * "
+                       "silu(z); new_state may be state itself (in place)",
+                       false);
+  const std::vector<std::string> bd = {"batch", "dim"};
+  op.info.inputs = {
+      tensor("state", kState, {DType::f32}, "", false, false, "", "the state before the step"),
+      tensor("u", bd, kFloatTypes, "", false, false, "", "input at this step"),
+      tensor("delta", bd, {}, "u", false, false, "", "time step before bias and softplus"),
+      tensor("A", {"dim", "dstate"}, {DType::f32}, "", false, false, "", "state matrix"),
+      tensor("B", {"batch", "groups", "dstate"}, {}, "u", true, false, "", "input matrix at this step, or fixed", kFixedBC),
+      tensor("C", {"batch", "groups", "dstate"}, {}, "u", true, false, "", "output matrix at this step, or fixed", kFixedBC),
+      tensor("D", {"dim"}, {DType::f32}, "", false, true, "", "skip connection"),
+      tensor("z", bd, {}, "u", false, true, "", "gate"),
+      tensor("delta_bias", {"dim"}, {DType::f32}, "", false, true, "", "added to delta"),
+  };
+  op.info.outputs = {
+      tensor("out", bd, {}, "u", false, false, "", "output at this step"),
+      tensor("new_state", kState, {DType::f32}, "", false, false, "", "the state after the step (may be `state`)"),
+  };
+  for (auto& c : op.cases) {
+    c.without.erase(std::remove(c.without.begin(), c.without.end(), "h0"), c.without.end());
+    c.representative = c.name == std::string("base") || c.name == std::string("dstate_256");
+  }
+  op.tuning = step_tuning();
+  op.info.tuning_axes = op.tuning.axes;
+  op.kernels = [](const Problem& p, const Config& c) {
+    return std::vector<jit::KernelSpec>{spec(
+        p, "kspec::selective_scan_step_kernel",
+        {dtype_cuda_type(p.dtype("u")), dtype_cuda_type(p.dtype("B")), dtype_cuda_type(p.dtype("C")),
+         std::to_string(p.dim("dstate")), b2s(var_b(p)), b2s(var_c(p)), b2s(p.present("D")), b2s(p.present("z")),
+         b2s(p.present("delta_bias")), b2s(p.param_bool("delta_softplus")), std::to_string(c.get("split")),
+         std::to_string(kStepThreads)})};
+  };
+  op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    check_launch_sizes(call);
+    const Problem& p = call.problem;
+    int batch = static_cast<int>(p.dim("batch")), dim = static_cast<int>(p.dim("dim"));
+    int groups = static_cast<int>(groups_of(p)), cpg = dim / groups;
+    void *state = call.in("state").data, *ns = call.out("new_state").data, *u = call.in("u").data,
+         *delta = call.in("delta").data, *A = call.in("A").data, *B = call.in("B").data, *C = call.in("C").data,
+         *D = call.in("D").data, *z = call.in("z").data, *bias = call.in("delta_bias").data,
+         *out = call.out("out").data;
+    void* args[] = {&state, &ns, &u, &delta, &A, &B, &C, &D, &z, &bias, &out, &batch, &dim, &cpg, &groups};
+    int64_t threads = int64_t(batch) * dim * c.get("split");
+    l.launch(0, {u32(ceil_div(threads, kStepThreads))}, {kStepThreads}, 0, args);
+  };
+  // The reference: one step of the scan from h0 = state (seqlen 1), B/C [batch, groups, dstate, 1].
+  op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
+    ref::ScanShape s;
+    s.batch = p.dim("batch");
+    s.dim = p.dim("dim");
+    s.seqlen = 1;
+    s.dstate = p.dim("dstate");
+    s.groups = groups_of(p);
+    s.variable_b = var_b(p);
+    s.variable_c = var_c(p);
+    ref::ScanInputs r;
+    r.h0 = in[0].data;
+    r.u = in[1].data;
+    r.delta = in[2].data;
+    r.A = in[3].data;
+    r.B = in[4].data;
+    r.C = in[5].data;
+    r.D = or_empty(in[6]);
+    r.z = or_empty(in[7]);
+    r.delta_bias = or_empty(in[8]);
+    r.delta_softplus = p.param_bool("delta_softplus");
+    auto o = ref::selective_scan_fwd_ref(s, r);
+    return std::vector<HostTensor>{{true, in[1].shape, std::move(o.out)}, {true, in[0].shape, std::move(o.last_state)}};
+  };
+  op.prepare_inputs = [](const Problem& p, std::vector<HostTensor>& in) {
+    for (auto& a : in[3].data) a = -(0.25 + std::fabs(a));
+    if (!p.param_bool("delta_softplus")) {
+      for (auto& v : in[2].data) v = 0.05 + 0.5 * std::fabs(v);
+      if (in[8].defined)
+        for (auto& v : in[8].data) v = 0.1 * std::fabs(v);
+    }
+  };
+  return op;
+}
+
+}  // namespace
+
+void register_selective_scan(Registry& r) {
+  r.add(make_fwd());
+  r.add(make_bwd());
+  r.add(make_step());
+}
+
+}  // namespace kspec

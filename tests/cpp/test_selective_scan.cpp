@@ -1,0 +1,151 @@
+// selective_scan without a GPU: the schema's alternative B/C shapes (fixed [dim, dstate] or variable
+// [batch, groups, dstate, seqlen]) in validation, output inference and the specialization key; the
+// cross-argument checks (groups | dim, dstate <= 256); every case of the table plans its kernels.
+// (GPU checks of every case against the float64 reference: Gpu.EveryOpEveryCaseEveryDtypeMatchesReference.)
+#include <algorithm>
+
+#include "api/src/op.h"
+#include "kspec/kspec.h"
+#include "test_helpers.h"
+
+using namespace kspec;
+
+namespace {
+
+void* fake(uintptr_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + offset); }
+
+// A bf16 scan, batch 2, dim 8, seqlen 100, dstate 4; B and C variable with `groups` groups.
+struct ScanArgs {
+  int64_t batch = 2, dim = 8, seqlen = 100, dstate = 4, groups = 2;
+  TensorView u{fake(), DType::bf16, {2, 8, 100}, 0};
+  TensorView delta{fake(1 << 20), DType::bf16, {2, 8, 100}, 0};
+  TensorView A{fake(2 << 20), DType::f32, {8, 4}, 0};
+  TensorView B{fake(3 << 20), DType::bf16, {2, 2, 4, 100}, 0};
+  TensorView C{fake(4 << 20), DType::bf16, {2, 2, 4, 100}, 0};
+  TensorView D{fake(5 << 20), DType::f32, {8}, 0};
+  std::vector<TensorView> in() const { return {u, delta, A, B, C, D, {}, {}, {}}; }
+};
+
+std::string invalid_message(const ScanArgs& a, const char* op = "selective_scan.fwd") {
+  try {
+    infer_outputs(op, a.in(), {{"delta_softplus", true}});
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(SelectiveScan, VariableAndFixedBShapesInferOutputs) {
+  ScanArgs a;
+  auto outs = infer_outputs("selective_scan.fwd", a.in());
+  ASSERT_EQ(outs.size(), 2u);
+  EXPECT_EQ(outs[0].shape, (std::vector<int64_t>{2, 8, 100}));
+  EXPECT_EQ(outs[0].dtype, DType::bf16);
+  EXPECT_EQ(outs[1].shape, (std::vector<int64_t>{2, 8, 4}));
+  EXPECT_EQ(outs[1].dtype, DType::f32);
+
+  // The backward's dB and dC take B's and C's shape: here B fixed, C variable.
+  a.B = TensorView(fake(3 << 20), DType::f32, {8, 4}, 0);
+  TensorView dout(fake(6 << 20), DType::bf16, {2, 8, 100}, 0);
+  std::vector<TensorView> in = {dout, a.u, a.delta, a.A, a.B, a.C, a.D, {}, {}, {}, {}};
+  auto grads = infer_outputs("selective_scan.bwd", in);
+  ASSERT_EQ(grads.size(), 9u);
+  EXPECT_EQ(grads[3].shape, (std::vector<int64_t>{8, 4}));
+  EXPECT_EQ(grads[3].dtype, DType::f32);
+  EXPECT_EQ(grads[4].shape, (std::vector<int64_t>{2, 2, 4, 100}));
+  EXPECT_TRUE(grads[5].present);   // dD with D
+  EXPECT_FALSE(grads[6].present);  // no z, no dz
+  EXPECT_FALSE(grads[8].present);  // no h0, no dh0
+}
+
+TEST(SelectiveScan, ValidationNamesTheArgument) {
+  {
+    ScanArgs a;
+    a.B = TensorView(fake(3 << 20), DType::bf16, {2, 4, 100}, 0);  // rank 3: the Python API unsqueezes it
+    std::string m = invalid_message(a);
+    EXPECT_NE(m.find("input 'B'"), std::string::npos) << m;
+    EXPECT_NE(m.find("[batch, groups, dstate, seqlen] or [dim, dstate]"), std::string::npos) << m;
+  }
+  {
+    ScanArgs a;
+    a.B = TensorView(fake(3 << 20), DType::bf16, {2, 3, 4, 100}, 0);
+    a.C = TensorView(fake(4 << 20), DType::bf16, {2, 3, 4, 100}, 0);
+    std::string m = invalid_message(a);
+    EXPECT_NE(m.find("groups = 3 must divide dim = 8"), std::string::npos) << m;
+  }
+  {
+    ScanArgs a;
+    a.delta.dtype = DType::f16;
+    std::string m = invalid_message(a);
+    EXPECT_NE(m.find("input 'delta'"), std::string::npos) << m;
+    EXPECT_NE(m.find("bfloat16"), std::string::npos) << m;
+  }
+  {
+    ScanArgs a;
+    a.A = TensorView(fake(2 << 20), DType::f32, {8, 300}, 0);
+    a.B = TensorView(fake(3 << 20), DType::f32, {8, 300}, 0);
+    a.C = TensorView(fake(4 << 20), DType::f32, {8, 300}, 0);
+    EXPECT_THROW(infer_outputs("selective_scan.fwd", a.in()), Unsupported);
+    std::string m = invalid_message(a);
+    EXPECT_NE(m.find("input 'A': dstate = 300"), std::string::npos) << m;
+  }
+  {
+    ScanArgs a;
+    a.C = TensorView(fake(4 << 20), DType::bf16, {2, 2, 5, 100}, 0);  // dstate 5 against A's 4
+    std::string m = invalid_message(a);
+    EXPECT_NE(m.find("input 'C'"), std::string::npos) << m;
+    EXPECT_NE(m.find("dstate"), std::string::npos) << m;
+  }
+}
+
+TEST(SelectiveScan, KeyTellsFixedFromVariableAndEvenLengths) {
+  const OpDef& op = Registry::global().get("selective_scan.fwd");
+  auto problem = [&](std::vector<std::string> alt, int64_t seqlen) {
+    CompileRequest r;
+    r.op = op.info.name;
+    r.dtype = DType::bf16;
+    r.params = {{"dstate", int64_t(16)}, {"seqlen", seqlen}};
+    r.alt_shapes = alt;
+    return problem_from_request(op, r);
+  };
+  Problem var = problem({}, 100), fixed = problem({"B", "C"}, 100), even = problem({}, 1024);
+  EXPECT_NE(var.signature(), fixed.signature());
+  EXPECT_NE(var.signature(), even.signature());
+  EXPECT_NE(op.kernels(var, op.tuning.heuristic(var))[0].name_expression(),
+            op.kernels(fixed, op.tuning.heuristic(fixed))[0].name_expression());
+  EXPECT_EQ(shape_of(op.info.inputs[3], fixed), (std::vector<int64_t>{1, 16}));
+  EXPECT_EQ(shape_of(op.info.inputs[3], var), (std::vector<int64_t>{1, 1, 16, 100}));
+  CompileRequest bad;
+  bad.op = op.info.name;
+  bad.params = {{"dstate", int64_t(16)}};
+  bad.alt_shapes = {"u"};
+  EXPECT_THROW(problem_from_request(op, bad), InvalidArgument);
+}
+
+TEST(SelectiveScan, EveryCasePlansItsKernels) {
+  for (const char* name : {"selective_scan.fwd", "selective_scan.bwd", "selective_scan.step"}) {
+    const OpDef& op = Registry::global().get(name);
+    EXPECT_TRUE(std::any_of(op.cases.begin(), op.cases.end(), [](const Case& c) { return c.representative; }));
+    for (const auto& cs : op.cases) {
+      for (DType dt : op.dtypes) {
+        CompileRequest r;
+        r.op = name;
+        r.dtype = dt;
+        r.without = cs.without;
+        r.tensor_dtypes = cs.tensor_dtypes;
+        r.alt_shapes = cs.alt_shapes;
+        for (const auto& [k, v] : cs.params.items()) r.params.set(k, v);
+        for (const auto& [k, v] : cs.dims) r.params.set(k, v);
+        Problem p = problem_from_request(op, r);
+        auto configs = op.tuning.enumerate(p);
+        EXPECT_FALSE(configs.empty()) << name << " " << cs.name;
+        Config h = op.tuning.heuristic(p);
+        std::string why;
+        EXPECT_TRUE(op.tuning.valid(p, h, &why)) << name << " " << cs.name << ": " << why;
+        EXPECT_FALSE(op.kernels(p, h).empty());
+      }
+    }
+  }
+}

@@ -1,0 +1,210 @@
+"""selective_scan on the GPU through Python: forward and every gradient (autograd, h0 and the last
+state's gradient included) against the float64 reference for every dtype, fixed and variable B/C,
+groups, each optional input on and off, dstate 1..256, T=1, T=2, odd and tile-multiple lengths and
+a 65536-step sequence; the decode step against the reference and against the scan; torch.compile."""
+import numpy as np
+import pytest
+
+from helpers import TOL, rel_err
+
+torch = pytest.importorskip("torch")
+import kspec  # noqa: E402
+from kspec.reference import selective_scan as ref  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# fp32 over long recurrences (ex2.approx decays, fp32 sums over batch and time): OpDef::tolerance_scale.
+SCALE = 4.0
+
+# name: (batch, dim, seqlen, dstate, B/C form, options)
+#   form: "var4" (batch, groups, dstate, seqlen), "var3" (batch, dstate, seqlen), "fixed", "fixed_b"
+BASE = dict(batch=2, dim=24, seqlen=300, dstate=16, groups=1, form="var4", D=True, z=True, bias=True,
+            softplus=True, h0=True, dlast=True)
+VARIANTS = {
+    "base": {},
+    "seqlen_1": dict(seqlen=1),
+    "seqlen_2": dict(seqlen=2, softplus=False),
+    "seqlen_1023": dict(seqlen=1023),
+    "seqlen_1024_even": dict(seqlen=1024),
+    "seqlen_4097": dict(batch=1, dim=8, seqlen=4097),
+    "dim_37": dict(dim=37, seqlen=129),
+    "dstate_1": dict(dstate=1),
+    "dstate_4": dict(dstate=4),
+    "dstate_64": dict(dstate=64),
+    "dstate_256": dict(dim=8, dstate=256, seqlen=100),
+    "groups_4": dict(groups=4, dim=32, seqlen=257),
+    "bc_3d": dict(form="var3"),
+    "fixed_bc": dict(form="fixed"),
+    "fixed_b": dict(form="fixed_b", groups=2),
+    "no_D": dict(D=False),
+    "no_z": dict(z=False),
+    "no_delta_bias": dict(bias=False),
+    "no_softplus": dict(softplus=False),
+    "no_h0": dict(h0=False),
+    "no_dlast": dict(dlast=False),
+    "nothing_optional": dict(D=False, z=False, bias=False, softplus=False, h0=False, dlast=False),
+}
+
+
+def _np(t):
+    return None if t is None else t.detach().double().cpu().numpy()
+
+
+def _inputs(dtype, v, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    b, d, T, N, G = v["batch"], v["dim"], v["seqlen"], v["dstate"], v["groups"]
+
+    def rn(*shape, dt=dtype):
+        return torch.randn(*shape, device="cuda", generator=g, dtype=torch.float32).to(dt)
+
+    u = rn(b, d, T)
+    # dt >= 0 and A < 0 keep the recurrence a decay (Mamba's regime)
+    delta = rn(b, d, T) if v["softplus"] else (0.05 + 0.5 * rn(b, d, T, dt=torch.float32).abs()).to(dtype)
+    A = -(0.25 + rn(d, N, dt=torch.float32).abs())
+    var_shape = (b, G, N, T) if v["form"] in ("var4", "fixed_b") else (b, N, T)
+    B = rn(d, N) if v["form"] in ("fixed", "fixed_b") else rn(*var_shape)
+    C = rn(d, N) if v["form"] == "fixed" else rn(*var_shape)
+    D = rn(d, dt=torch.float32) if v["D"] else None
+    z = rn(b, d, T) if v["z"] else None
+    bias = None
+    if v["bias"]:
+        bias = rn(d, dt=torch.float32) if v["softplus"] else 0.1 * rn(d, dt=torch.float32).abs()
+    h0 = rn(b, d, N, dt=torch.float32) if v["h0"] else None
+    return dict(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=bias, h0=h0)
+
+
+def _tol(dtype):
+    return TOL[str(dtype).split(".")[1]] * SCALE
+
+
+def _run_and_check(dtype, v, seed=0):
+    x = _inputs(dtype, v, seed)
+    leaves = {k: t.clone().requires_grad_() for k, t in x.items() if t is not None}
+    args = {k: leaves.get(k) for k in x}
+    out, last = kspec.ops.selective_scan_fn(args["u"], args["delta"], args["A"], args["B"], args["C"], D=args["D"],
+                                            z=args["z"], delta_bias=args["delta_bias"],
+                                            delta_softplus=v["softplus"], return_last_state=True, h0=args["h0"])
+    assert out.dtype == dtype and out.shape == x["u"].shape
+    assert last.dtype == torch.float32 and last.shape == (v["batch"], v["dim"], v["dstate"])
+    dout = torch.randn_like(out)
+    dlast = torch.randn_like(last) if v["dlast"] else None
+    torch.autograd.backward([out, last] if v["dlast"] else [out], [dout, dlast] if v["dlast"] else [dout])
+
+    np_in = {k: _np(t) for k, t in x.items()}
+    kw = dict(D=np_in["D"], z=np_in["z"], delta_bias=np_in["delta_bias"], delta_softplus=v["softplus"], h0=np_in["h0"])
+    out_r, last_r = ref.selective_scan_fwd(np_in["u"], np_in["delta"], np_in["A"], np_in["B"], np_in["C"], **kw)
+    grads_r = ref.selective_scan_bwd(_np(dout), np_in["u"], np_in["delta"], np_in["A"], np_in["B"], np_in["C"],
+                                     dlast_state=_np(dlast), **kw)
+    tol = _tol(dtype)
+    errs = {"out": rel_err(_np(out), out_r), "last_state": rel_err(_np(last), last_r)}
+    for name, key in [("u", "du"), ("delta", "ddelta"), ("A", "dA"), ("B", "dB"), ("C", "dC"), ("D", "dD"),
+                      ("z", "dz"), ("delta_bias", "ddelta_bias"), ("h0", "dh0")]:
+        if name in leaves:
+            grad = leaves[name].grad
+            assert grad is not None and grad.shape == leaves[name].shape, name
+            errs[key] = rel_err(_np(grad), grads_r[key])
+    bad = {k: e for k, e in errs.items() if not e <= tol}
+    assert not bad, f"errors above {tol}: {bad} (all: {errs})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_forward_and_gradients_match_reference(dtype, name):
+    v = dict(BASE, **VARIANTS[name])
+    _run_and_check(dtype, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_long_sequence_65536(dtype):
+    v = dict(BASE, batch=1, dim=4, seqlen=65536)
+    _run_and_check(dtype, v)
+
+
+def test_forward_without_last_state_and_numpy_free_path():
+    x = _inputs(torch.bfloat16, dict(BASE))
+    out = kspec.ops.selective_scan_fn(x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"], x["delta_bias"],
+                                      True)
+    assert torch.is_tensor(out) and out.shape == x["u"].shape
+
+
+def test_backward_is_deterministic_except_variable_bc():
+    v = dict(BASE, form="fixed", dim=64, seqlen=777)
+    x = _inputs(torch.float32, v)
+    dout = torch.randn_like(x["u"])
+    grads = []
+    for _ in range(2):
+        leaves = {k: t.clone().requires_grad_() for k, t in x.items() if t is not None}
+        out = kspec.ops.selective_scan_fn(leaves["u"], leaves["delta"], leaves["A"], leaves["B"], leaves["C"],
+                                          leaves["D"], leaves["z"], leaves["delta_bias"], True, h0=leaves["h0"])
+        out.backward(dout)
+        grads.append({k: t.grad.clone() for k, t in leaves.items()})
+    for k in grads[0]:
+        assert torch.equal(grads[0][k], grads[1][k]), k
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
+@pytest.mark.parametrize("form", ["var2", "var3", "fixed"])
+@pytest.mark.parametrize("dstate", [1, 16, 256])
+def test_decode_step_matches_scan(dtype, form, dstate):
+    b, d, T = 3, 40, 5
+    v = dict(BASE, batch=b, dim=d, seqlen=T, dstate=dstate, groups=2 if form == "var3" else 1,
+             form="fixed" if form == "fixed" else "var4")
+    x = _inputs(dtype, v)
+    out_scan, last_scan = kspec.ops.selective_scan_fn(x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"],
+                                                      x["delta_bias"], True, return_last_state=True, h0=x["h0"])
+    state = x["h0"].clone()
+    for t in range(T):
+        if form == "fixed":
+            Bt, Ct = x["B"], x["C"]
+        elif form == "var2":
+            Bt, Ct = x["B"][:, 0, :, t], x["C"][:, 0, :, t]
+        else:
+            Bt, Ct = x["B"][..., t], x["C"][..., t]
+        if form == "fixed":
+            o = torch.empty(b, d, device="cuda", dtype=dtype)
+            kspec.call("selective_scan.step", state, x["u"][:, :, t].contiguous(), x["delta"][:, :, t].contiguous(),
+                       x["A"], Bt, Ct, x["D"], x["z"][:, :, t].contiguous(), x["delta_bias"], delta_softplus=True,
+                       out=(o, state))
+        else:
+            o = kspec.ops.selective_scan_step(state, x["u"][:, :, t], x["delta"][:, :, t], x["A"], Bt, Ct, x["D"],
+                                              x["z"][:, :, t], x["delta_bias"], delta_softplus=True)
+        tol = 2 * TOL[str(dtype).split(".")[1]]
+        assert rel_err(_np(o), _np(out_scan[:, :, t])) <= tol, t
+    assert rel_err(_np(state), _np(last_scan)) <= 1e-5
+
+
+def test_torch_compile_through_custom_op():
+    x = _inputs(torch.bfloat16, dict(BASE, seqlen=64))
+    leaves = {k: t.clone().requires_grad_() for k, t in x.items() if t is not None}
+
+    def f(u, delta, A, B, C, D, z, delta_bias):
+        return kspec.ops.selective_scan_fn(u * 1, delta, A, B, C, D, z, delta_bias, True).float().square().sum()
+
+    names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
+    out = torch.compile(f, fullgraph=True)(*(leaves[k] for k in names))
+    out.backward()
+    compiled = {k: leaves[k].grad.clone() for k in names}
+    for k in names:
+        leaves[k].grad = None
+    f(*(leaves[k] for k in names)).backward()
+    for k in names:
+        assert rel_err(_np(compiled[k]), _np(leaves[k].grad)) < 1e-2, k
+
+
+def test_bad_inputs_on_gpu():
+    x = _inputs(torch.float32, dict(BASE))
+    with pytest.raises(ValueError, match="input 'delta'.*dtype"):
+        kspec.ops.selective_scan_fn(x["u"], x["delta"].half(), x["A"], x["B"], x["C"])
+    with pytest.raises(ValueError, match="groups = 5 must divide dim = 24"):
+        B = torch.randn(2, 5, 16, 300, device="cuda")
+        kspec.ops.selective_scan_fn(x["u"], x["delta"], x["A"], B, B)
+    with pytest.raises(NotImplementedError, match="input 'A': dstate = 300"):
+        A = -torch.rand(24, 300, device="cuda")
+        kspec.ops.selective_scan_fn(x["u"], x["delta"], A, A, A)
+
+
+def test_cpp_checker_from_python():
+    for op in ("selective_scan.fwd", "selective_scan.bwd", "selective_scan.step"):
+        rows = kspec.check(op, case="groups_4")
+        assert rows and all(r["passed"] for r in rows), rows

@@ -1,0 +1,51 @@
+"""selective_scan's schema and errors without a GPU: every bad argument is named (first-tensor errors
+through kspec.call with host arrays, the rest through compile requests), fixed and variable B in the
+schema, and the specializations compile without spills."""
+import numpy as np
+import pytest
+
+import kspec
+
+
+def _args(dtype=np.float32, bshape=(2, 1, 4, 50)):
+    u = np.zeros((2, 8, 50), dtype)
+    A = -np.ones((8, 4), np.float32)
+    B = np.zeros(bshape, dtype)
+    return u, u.copy(), A, B, B.copy()
+
+
+def test_schema_lists_both_b_shapes():
+    info = kspec.op_info("selective_scan.fwd")
+    b = next(t for t in info["inputs"] if t["name"] == "B")
+    assert b["shape"] == ["batch", "groups", "dstate", "seqlen"] and b["alt_shape"] == ["dim", "dstate"]
+    assert "or [dim, dstate]" in kspec._C.describe_op("selective_scan.fwd")
+    assert {"selective_scan.fwd", "selective_scan.bwd", "selective_scan.step"} <= set(kspec.list_ops())
+
+
+def test_wrong_dtype_and_shape_name_the_argument():
+    u, delta, A, B, C = _args(np.int32)
+    with pytest.raises(ValueError, match="input 'u'.*dtype"):
+        kspec.call("selective_scan.fwd", u, delta, A, B, C, None, None, None, None)
+    u, delta, A, B, C = _args()
+    with pytest.raises(ValueError, match="input 'u': expected shape"):
+        kspec.call("selective_scan.fwd", u[0], delta, A, B, C, None, None, None, None)
+    with pytest.raises(ValueError, match="input 'A' does not support dtype"):
+        kspec.compile("selective_scan.fwd", dtype="bf16", dstate=16, tensor_dtypes={"A": "f16"})
+
+
+def test_groups_must_divide_dim_and_dstate_is_bounded():
+    with pytest.raises(ValueError, match="input 'B': groups = 3 must divide dim = 8"):
+        kspec.compile("selective_scan.fwd", dtype="bf16", dstate=16, dim=8, groups=3)
+    with pytest.raises(NotImplementedError, match="input 'A': dstate = 300"):
+        kspec.compile("selective_scan.fwd", dtype="bf16", dstate=300)
+    with pytest.raises(ValueError, match="alternative shape"):
+        kspec.compile("selective_scan.fwd", dtype="bf16", dstate=16, alt_shapes=["u"])
+
+
+@pytest.mark.parametrize("op", ["selective_scan.fwd", "selective_scan.bwd", "selective_scan.step"])
+@pytest.mark.parametrize("alt", [(), ("B", "C")])
+def test_mamba_specialization_compiles_without_spills(op, alt):
+    reports = kspec.compile(op, dtype="bf16", arch="sm_90", dstate=16, dim=2048, delta_softplus=True,
+                            alt_shapes=alt)
+    for r in reports:
+        assert r["spill_bytes"] == 0 and r["registers"] <= 255, r
