@@ -11,10 +11,9 @@ _ACTS = ("identity", "silu", "gelu_tanh", "gelu_erf")
 
 
 def _is_torch(x) -> bool:
-    import sys
-
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
+    # By the type's bases, without importing torch or reading sys.modules: torch.compile traces this
+    # function, and its tracer failed iterating sys.modules while other modules were being imported.
+    return any(c.__name__ == "Tensor" and c.__module__ == "torch" for c in type(x).__mro__)
 
 
 def norm_act(x, weight, bias=None, *, norm: str = "layernorm", act: str = "identity", eps: float = 1e-5):

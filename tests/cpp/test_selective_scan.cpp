@@ -124,6 +124,28 @@ TEST(SelectiveScan, KeyTellsFixedFromVariableAndEvenLengths) {
   EXPECT_THROW(problem_from_request(op, bad), InvalidArgument);
 }
 
+// The backward's warps must divide dim / groups with a variable B/C: problems differing only in dim
+// (a runtime dim) but admitting different warp counts must not share a plan (dim 37 once ran with
+// the 4-warp plan of dim 64, and its extra warps wrote other channels' rows).
+TEST(SelectiveScan, BackwardKeyTellsDimsAdmittingDifferentWarps) {
+  const OpDef& op = Registry::global().get("selective_scan.bwd");
+  auto problem = [&](int64_t dim) {
+    CompileRequest r;
+    r.op = op.info.name;
+    r.dtype = DType::f32;
+    r.params = {{"dstate", int64_t(16)}, {"seqlen", int64_t(129)}, {"dim", dim}};
+    return problem_from_request(op, r);
+  };
+  Problem d64 = problem(64), d37 = problem(37), d36 = problem(36), d72 = problem(72);
+  EXPECT_NE(d64.signature(), d37.signature());
+  EXPECT_NE(d64.signature(), d36.signature());  // 8 divides 64, 4 divides 36
+  EXPECT_EQ(d64.signature(), d72.signature());  // 8 divides both
+  EXPECT_EQ(op.tuning.heuristic(d37).get("warps"), 1);
+  std::string why;
+  EXPECT_FALSE(op.tuning.valid(d37, op.tuning.heuristic(d64), &why));
+  EXPECT_NE(why.find("divide"), std::string::npos) << why;
+}
+
 TEST(SelectiveScan, EveryCasePlansItsKernels) {
   for (const char* name : {"selective_scan.fwd", "selective_scan.bwd", "selective_scan.step"}) {
     const OpDef& op = Registry::global().get(name);

@@ -198,6 +198,19 @@ bool bwd_warps_fit(const Problem& p, int64_t warps) {
   return cpg % warps == 0;
 }
 
+// The backward's legal configs depend on a runtime dim (warps must divide dim / groups with a variable
+// B or C), so the plan cache must tell apart problems that admit different warp counts: the largest
+// power of two up to 8 dividing dim / groups is part of the key.
+std::string bwd_key(const Problem& p) {
+  std::string k = even_key(p);
+  if (var_b(p) || var_c(p)) {
+    int64_t fit = 8;
+    while (fit > 1 && !bwd_warps_fit(p, fit)) fit /= 2;
+    k += ",warps|" + std::to_string(fit);
+  }
+  return k;
+}
+
 TuningSpace fwd_tuning() {
   TuningSpace t;
   t.axes = {{"warps", {2, 4, 8}}, {"items", {4, 8, 16}}};
@@ -396,7 +409,7 @@ OpDef make_bwd() {
   };
   op.tuning = bwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.derived_key = even_key;
+  op.derived_key = bwd_key;
   op.kernels = [](const Problem& p, const Config& c) {
     std::vector<std::string> red = {dtype_cuda_type(p.dtype("B")), dtype_cuda_type(p.dtype("C")),
                                     std::to_string(p.dim("dstate")), b2s(var_b(p)), b2s(var_c(p)),
@@ -436,7 +449,10 @@ OpDef make_bwd() {
          *dh0 = call.out("dh0").data;
     void* args[] = {&u,     &delta, &A,  &B,      &C,      &D,      &z,    &bias,  &h0,  &dout, &dlast, &du,
                     &ddelta, &dz,   &dh0, &db_acc, &dc_acc, &states, &part, &dim, &seqlen, &cpg, &groups};
-    // With a variable B/C, warps divides dim / groups (the tuning space's rule), so blocks are whole.
+    // With a variable B/C, warps divides dim / groups (the tuning space's rule, kept apart in the plan
+    // cache by bwd_key), so blocks are whole: a partial block's extra warps would write other rows.
+    KSPEC_CHECK_AS(bwd_warps_fit(p, warps), Error, "selective_scan.bwd: config warps = ", warps,
+                   " does not divide dim / groups = ", cpg, " (a plan chosen for another dim?)");
     l.launch(0, {u32(ceil_div(dim, warps)), u32(batch)}, {u32(warps * 32)}, 0, args);
     void *dA = call.out("dA").data, *dB = call.out("dB").data, *dC = call.out("dC").data,
          *dD = call.out("dD").data, *ddb = call.out("ddelta_bias").data;
