@@ -99,9 +99,14 @@ struct Case {
 
 struct OpDef {
   OpInfo info;
-  // The kernels a problem needs with a given config (index = kernel number in Launcher::launch).
+  // The NVRTC kernels a problem needs with a given config (index = kernel number in Launcher::launch).
+  // Left empty by a library op (one whose launch calls a CUDA library such as cuBLASLt on call.stream,
+  // with the Launcher's workspace): nothing to compile or precompile. May also return no kernels.
   std::function<std::vector<jit::KernelSpec>(const Problem&, const Config&)> kernels;
   std::function<void(const Call&, const Config&, Launcher&)> launch;
+  // Optional: checks the schema cannot state (e.g. the strides a matmul operand may have), run at the
+  // end of validation; throws InvalidArgument naming the argument.
+  std::function<void(const Call&)> check_call;
   TuningSpace tuning;
   // float64 reference: outputs from inputs (HostTensors indexed like the schema).
   std::function<std::vector<HostTensor>(const Problem&, const std::vector<HostTensor>&)> reference;
