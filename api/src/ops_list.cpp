@@ -4,9 +4,11 @@
 namespace kspec {
 
 void register_norm_act(Registry& r);
+void register_gemm(Registry& r);
 
 void register_all_ops(Registry& r) {
   register_norm_act(r);
+  register_gemm(r);
 }
 
 }  // namespace kspec

@@ -52,11 +52,14 @@ TEST(Registry, ListsOpsWithSchemas) {
 TEST(Registry, EveryOpIsFullyDefined) {
   for (const auto& name : list_ops()) {
     const OpDef& op = Registry::global().get(name);
-    EXPECT_TRUE(op.kernels) << name;
+    // A library op (gemm: cuBLASLt) has no NVRTC kernels and may have no tuning space of its own.
+    EXPECT_TRUE(op.kernels || op.info.family == "gemm") << name;
     EXPECT_TRUE(op.launch) << name;
     EXPECT_TRUE(op.reference) << name;
-    EXPECT_TRUE(op.tuning.heuristic) << name;
-    EXPECT_FALSE(op.tuning.axes.empty()) << name;
+    if (!op.tuning.axes.empty()) {
+      EXPECT_TRUE(op.tuning.heuristic) << name;
+    }
+    EXPECT_TRUE(!op.tuning.axes.empty() || op.info.family == "gemm") << name;
     EXPECT_FALSE(op.cases.empty()) << name;
     EXPECT_FALSE(op.dtypes.empty()) << name;
   }
@@ -247,4 +250,63 @@ TEST(Params, ParseConfig) {
   EXPECT_THROW(c.get("nope"), InvalidArgument);
   EXPECT_THROW(parse_dtype("float8"), InvalidArgument);
   EXPECT_EQ(parse_dtype("torch.bfloat16"), DType::bf16);
+}
+
+// ---- gemm: a library op (cuBLASLt) validated like every other op, without a GPU ----
+
+namespace {
+void expect_gemm_invalid(const std::vector<TensorView>& in, const std::vector<TensorView>& out, const Params& p,
+                         std::vector<std::string> fragments, const char* op = "gemm") {
+  try {
+    call(op, in, out, p);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    for (const auto& f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
+  }
+}
+}  // namespace
+
+TEST(Validation, GemmStridesAndEpilogues) {
+  TensorView x(fake(), DType::bf16, {8, 64}, 0), w(fake(1 << 20), DType::bf16, {32, 64}, 0);
+  TensorView b(fake(2 << 20), DType::bf16, {32}, 0), y(fake(3 << 20), DType::bf16, {8, 32}, 0);
+  TensorView aux(fake(4 << 20), DType::bf16, {8, 32}, 0);
+  // x with no unit-stride dim
+  expect_gemm_invalid({TensorView::strided(fake(), DType::bf16, {8, 64}, {128, 2}, 0), w, b}, {y, TensorView()}, {},
+                      {"gemm", "'x'", "unit-stride"});
+  // y transposed: cuBLASLt's D is never transposed
+  expect_gemm_invalid({x, w, b}, {TensorView::strided(fake(3 << 20), DType::bf16, {8, 32}, {1, 8}, 0), TensorView()},
+                      {}, {"output 'y'", "unit stride"});
+  // the saved pre-activation is for gelu only, and needs n % 8 == 0
+  expect_gemm_invalid({x, w, b}, {y, aux}, {{"act", std::string("relu")}}, {"'aux'", "gelu"});
+  TensorView w7(fake(1 << 20), DType::bf16, {7, 64}, 0), b7(fake(2 << 20), DType::bf16, {7}, 0);
+  expect_gemm_invalid({x, w7, b7}, {TensorView(fake(3 << 20), DType::bf16, {8, 7}, 0),
+                                    TensorView(fake(4 << 20), DType::bf16, {8, 7}, 0)},
+                      {{"act", std::string("gelu")}}, {"multiple of 8"});
+  // weight batch dims must be absent or x's
+  TensorView x3(fake(), DType::bf16, {3, 8, 64}, 0), w2(fake(1 << 20), DType::bf16, {2, 32, 64}, 0);
+  expect_gemm_invalid({x3, w2, b}, {TensorView(fake(3 << 20), DType::bf16, {3, 8, 32}, 0), TensorView()}, {},
+                      {"'weight'", "batch dims"});
+  expect_gemm_invalid({x, w, b}, {y, TensorView()}, {{"act", std::string("silu")}}, {"parameter 'act'", "gelu"});
+  // the backward needs the saved pre-activation with an activation
+  expect_gemm_invalid({y, x, w, TensorView()}, {x, w, TensorView()}, {{"act", std::string("gelu")}},
+                      {"gemm.bwd", "'saved'"}, "gemm.bwd");
+}
+
+TEST(Registry, LibraryOpsCompileNothingAndPrecompileSkipsThem) {
+  CompileRequest req;
+  req.op = "gemm";
+  req.dtype = DType::bf16;
+  req.params = {{"m", int64_t(8)}, {"n", int64_t(8)}, {"k", int64_t(8)}};
+  EXPECT_TRUE(compile(req).empty());
+  for (const auto& r : precompile_plan({"sm_90"})) EXPECT_NE(r.op, "gemm");
+  // gemm.bwd compiles its one elementwise kernel only when there is an activation
+  bool bwd_with_act = false;
+  for (const auto& r : precompile_plan({"sm_90"}, {"gemm.bwd"})) {
+    const ParamValue* act = r.params.find("act");
+    ASSERT_NE(act, nullptr);
+    EXPECT_NE(std::get<std::string>(*act), "none");
+    bwd_with_act = true;
+  }
+  EXPECT_TRUE(bwd_with_act);
 }
