@@ -118,6 +118,9 @@ struct OpDef {
   // Dims with a value when compiling without tensors (e.g. rows=1 for Var dims).
   std::vector<std::pair<std::string, int64_t>> compile_dims;
   std::vector<DType> dtypes;  // the op's main dtypes (for precompile and checks)
+  // False for ops the generic GPU checker (api/src/check.cpp) cannot drive (TensorList inputs): their
+  // own tests compare them with the reference.
+  bool generic_check = true;
 };
 
 class Registry {

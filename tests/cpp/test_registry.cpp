@@ -310,3 +310,67 @@ TEST(Registry, LibraryOpsCompileNothingAndPrecompileSkipsThem) {
   }
   EXPECT_TRUE(bwd_with_act);
 }
+
+// ---- TensorList inputs (adamw) and runtime params ----
+
+TEST(Validation, TensorListsAdamw) {
+  std::vector<TensorView> p = {TensorView(fake(0), DType::f32, {4, 3}, 0), TensorView(fake(1 << 20), DType::f32, {5}, 0)};
+  std::vector<TensorView> g = {TensorView(fake(2 << 20), DType::f32, {4, 3}, 0), TensorView(fake(3 << 20), DType::f32, {5}, 0)};
+  std::vector<TensorView> m = {TensorView(fake(4 << 20), DType::f32, {4, 3}, 0), TensorView(fake(5 << 20), DType::f32, {5}, 0)};
+  std::vector<TensorView> v = {TensorView(fake(6 << 20), DType::f32, {4, 3}, 0), TensorView(fake(7 << 20), DType::f32, {5}, 0)};
+  auto L = [](const std::vector<TensorView>& x) { return TensorView::list(x.data(), static_cast<int64_t>(x.size())); };
+  auto expect = [&](const std::vector<TensorView>& in, const Params& prm, std::vector<std::string> frags) {
+    try {
+      call("adamw", in, {TensorView(), TensorView()}, prm);
+      ADD_FAILURE() << "expected InvalidArgument";
+    } catch (const InvalidArgument& e) {
+      for (const auto& f : frags) EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what();
+    }
+  };
+  const TensorView none;
+  // a list where one tensor is expected, and one tensor where a list is
+  expect({p[0], L(g), L(m), L(v), none, none, none}, {}, {"input 'params'", "list of tensors"});
+  // shapes per index
+  auto g2 = g;
+  g2[1] = TensorView(fake(3 << 20), DType::f32, {6}, 0);
+  expect({L(p), L(g2), L(m), L(v), none, none, none}, {}, {"input 'grads'[1]", "shape", "'params'[1]"});
+  // lengths
+  auto g3 = g;
+  g3.pop_back();
+  expect({L(p), L(g3), L(m), L(v), none, none, none}, {}, {"input 'grads'", "tensors = 1", "tensors = 2"});
+  // one dtype per list, fp32 state
+  auto g4 = g;
+  g4[1].dtype = DType::bf16;
+  expect({L(p), L(g4), L(m), L(v), none, none, none}, {}, {"'grads'[1]", "float32", "bfloat16"});
+  auto m2 = m;
+  for (auto& t : m2) t.dtype = DType::bf16;
+  expect({L(p), L(g), L(m2), L(v), none, none, none}, {}, {"'exp_avg'", "float32"});
+  // one device, contiguity, element alignment
+  auto v2 = v;
+  v2[0].device = 1;
+  expect({L(p), L(g), L(m), L(v2), none, none, none}, {}, {"'exp_avg_sq'[0]", "cuda:0", "cuda:1"});
+  auto p2 = p;
+  p2[0] = TensorView::strided(fake(0), DType::f32, {4, 3}, {1, 4}, 0);
+  expect({L(p2), L(g), L(m), L(v), none, none, none}, {}, {"'params'[0]", "contiguous"});
+  auto p3 = p;
+  p3[1].data = fake(2);
+  expect({L(p3), L(g), L(m), L(v), none, none, none}, {}, {"'params'[1]", "aligned"});
+  // bf16 params need their fp32 master copy; betas in range
+  auto pb = p, gb = g;
+  for (auto& t : pb) t.dtype = DType::bf16;
+  for (auto& t : gb) t.dtype = DType::bf16;
+  expect({L(pb), L(gb), L(m), L(v), none, none, none}, {}, {"'master'"});
+  expect({L(p), L(g), L(m), L(v), none, none, none}, {{"beta2", 1.0}}, {"betas"});
+}
+
+TEST(Registry, RuntimeParamsStayOutOfTheSignature) {
+  CompileRequest req;
+  req.op = "adamw";
+  req.params = {{"lr", 0.1}, {"step", int64_t(7)}};
+  Problem a = problem_from_request(Registry::global().get("adamw"), req);
+  req.params = {{"lr", 0.2}, {"step", int64_t(8)}, {"max_norm", 1.0}};
+  Problem b = problem_from_request(Registry::global().get("adamw"), req);
+  EXPECT_EQ(a.signature(), b.signature());
+  req.params = {{"maximize", true}};
+  EXPECT_NE(a.signature(), problem_from_request(Registry::global().get("adamw"), req).signature());
+}
