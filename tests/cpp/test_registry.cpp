@@ -1,7 +1,9 @@
 // api/: the registry, schemas, validation messages (every bad argument named, nothing launched),
 // output inference, compile without a GPU, the precompile plan and forced configs.
 #include <algorithm>
+#include <cmath>
 
+#include "adamw/reference.h"
 #include "api/src/op.h"
 #include "kspec/kspec.h"
 #include "test_helpers.h"
@@ -373,4 +375,32 @@ TEST(Registry, RuntimeParamsStayOutOfTheSignature) {
   EXPECT_EQ(a.signature(), b.signature());
   req.params = {{"maximize", true}};
   EXPECT_NE(a.signature(), problem_from_request(Registry::global().get("adamw"), req).signature());
+}
+
+// ---- the AdamW float64 reference (the C++ twin of python/kspec/reference/adamw.py) ----
+
+TEST(AdamwReference, FirstStepClippingAndSkippedStep) {
+  std::vector<std::vector<double>> p = {{1.0, -2.0, 0.5}, {3.0}}, g = {{0.3, -0.4, 0.0}, {1.2}};
+  std::vector<std::vector<double>> m = {{0, 0, 0}, {0}}, v = m, vmax = m;
+  auto p0 = p;
+  ref::AdamwRefOptions o;
+  o.lr = 1e-2;
+  o.weight_decay = 0.1;
+  auto r = ref::adamw_ref(p, g, m, v, &vmax, o);
+  EXPECT_FALSE(r.found_inf);
+  EXPECT_NEAR(r.grad_norm, std::sqrt(0.09 + 0.16 + 1.44), 1e-15);
+  for (size_t t = 0; t < p.size(); ++t)
+    for (size_t i = 0; i < p[t].size(); ++i)  // step 1: m̂ = g, v̂ = g²
+      EXPECT_NEAR(p[t][i], p0[t][i] * (1 - 1e-3) - 1e-2 * g[t][i] / (std::fabs(g[t][i]) + 1e-8), 1e-15);
+  // grad scale 4 and clipping to 0.5: the first moment holds (1 - beta1) * g / 4 * coef
+  std::vector<std::vector<double>> g4 = {{1.2, -1.6, 0.0}, {4.8}}, m2 = {{0, 0, 0}, {0}}, v2 = m2;
+  o.grad_scale = 4.0;
+  o.max_norm = 0.5;
+  r = ref::adamw_ref(p, g4, m2, v2, nullptr, o);
+  double coef = 0.5 / (std::sqrt(1.69) + 1e-6);
+  EXPECT_NEAR(m2[1][0], 0.1 * 1.2 * coef, 1e-15);
+  g4[0][2] = INFINITY;
+  auto before = p;
+  EXPECT_TRUE(ref::adamw_ref(p, g4, m2, v2, nullptr, o).found_inf);
+  EXPECT_EQ(p, before);
 }
