@@ -103,9 +103,14 @@ struct Case {
 
 struct OpDef {
   OpInfo info;
-  // The kernels a problem needs with a given config (index = kernel number in Launcher::launch).
+  // The NVRTC kernels a problem needs with a given config (index = kernel number in Launcher::launch).
+  // Left empty by a library op (one whose launch calls a CUDA library such as cuBLASLt on call.stream,
+  // with the Launcher's workspace): nothing to compile or precompile. May also return no kernels.
   std::function<std::vector<jit::KernelSpec>(const Problem&, const Config&)> kernels;
   std::function<void(const Call&, const Config&, Launcher&)> launch;
+  // Optional: checks the schema cannot state (e.g. the strides a matmul operand may have), run at the
+  // end of validation; throws InvalidArgument naming the argument.
+  std::function<void(const Call&)> check_call;
   TuningSpace tuning;
   // float64 reference: outputs from inputs (HostTensors indexed like the schema).
   std::function<std::vector<HostTensor>(const Problem&, const std::vector<HostTensor>&)> reference;
@@ -123,6 +128,9 @@ struct OpDef {
   // Dims with a value when compiling without tensors (e.g. rows=1 for Var dims).
   std::vector<std::pair<std::string, int64_t>> compile_dims;
   std::vector<DType> dtypes;  // the op's main dtypes (for precompile and checks)
+  // False for ops the generic GPU checker (api/src/check.cpp) cannot drive (TensorList inputs): their
+  // own tests compare them with the reference.
+  bool generic_check = true;
 };
 
 class Registry {

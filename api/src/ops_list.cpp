@@ -5,10 +5,14 @@ namespace kspec {
 
 void register_norm_act(Registry& r);
 void register_selective_scan(Registry& r);
+void register_gemm(Registry& r);
+void register_adamw(Registry& r);
 
 void register_all_ops(Registry& r) {
   register_norm_act(r);
   register_selective_scan(r);
+  register_gemm(r);
+  register_adamw(r);
 }
 
 }  // namespace kspec

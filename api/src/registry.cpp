@@ -261,6 +261,11 @@ Config choose_config(const OpDef& op, const Problem& p, const Config* forced) {
   return op.tuning.heuristic ? op.tuning.heuristic(p) : Config{};
 }
 
+// A library op (no kernels function) compiles nothing.
+std::vector<jit::KernelSpec> kernel_specs(const OpDef& op, const Problem& p, const Config& c) {
+  return op.kernels ? op.kernels(p, c) : std::vector<jit::KernelSpec>{};
+}
+
 PlanEntry& plan_for(const OpDef& op, const Problem& p, int device, const Config* forced) {
   static std::shared_mutex mu;
   static std::unordered_map<std::string, std::unique_ptr<PlanEntry>> plans;
@@ -275,7 +280,7 @@ PlanEntry& plan_for(const OpDef& op, const Problem& p, int device, const Config*
   }
   auto entry = std::make_unique<PlanEntry>();
   entry->config = choose_config(op, p, forced);
-  for (const auto& spec : op.kernels(p, entry->config)) entry->kernels.push_back(&load_kernel(spec, device));
+  for (const auto& spec : kernel_specs(op, p, entry->config)) entry->kernels.push_back(&load_kernel(spec, device));
   std::unique_lock<std::shared_mutex> lock(mu);
   return *plans.emplace(key, std::move(entry)).first->second;
 }
@@ -387,7 +392,8 @@ std::string explain(std::string_view op_name, const std::vector<TensorView>& inp
   std::ostringstream os;
   os << "op: " << op.info.name << "\nproblem: " << c.problem.signature() << "\nconfig: " << cfg.str()
      << " (heuristic)\n";
-  for (const auto& spec : op.kernels(c.problem, cfg)) {
+  if (!op.kernels) os << "kernels: none (a library op: its launch calls a CUDA library)\n";
+  for (const auto& spec : kernel_specs(op, c.problem, cfg)) {
     std::string key = jit::content_key(spec);
     os << "kernel: " << spec.name_expression() << "\n  arch: " << spec.arch << "\n  key: " << key
        << "\n  cache entry: " << cache::DiskCache::global().entry_path(key) << "\n";
@@ -401,8 +407,8 @@ std::vector<CompileReport> compile(const CompileRequest& req) {
   const OpDef& op = Registry::global().get(req.op);
   Problem p = problem_from_request(op, req);
   Config cfg = choose_config(op, p, req.config ? &*req.config : nullptr);
-  std::vector<CompileReport> out;
-  for (const auto& spec : op.kernels(p, cfg)) {
+  std::vector<CompileReport> out;  // empty for a library op or a problem that needs no kernel
+  for (const auto& spec : kernel_specs(op, p, cfg)) {
     Obtained ob = obtain_binary(spec);
     CompileReport r;
     r.op = op.info.name;
@@ -430,6 +436,7 @@ std::vector<CompileRequest> precompile_plan(const std::vector<std::string>& arch
   const Registry& reg = Registry::global();
   for (const auto& name : ops.empty() ? reg.names() : ops) {
     const OpDef& op = reg.get(name);
+    if (!op.kernels) continue;  // a library op: nothing to compile
     for (const auto& arch : archs) {
       std::map<std::string, bool> seen;  // one request per distinct kernel set
       bool any_rep = std::any_of(op.cases.begin(), op.cases.end(), [](const Case& c) { return c.representative; });
@@ -453,7 +460,7 @@ std::vector<CompileRequest> precompile_plan(const std::vector<std::string>& arch
           for (const auto& cfg : op.tuning.enumerate(p)) {
             std::string sig;
             for (const auto& spec : op.kernels(p, cfg)) sig += spec.canonical() + "\n";
-            if (seen[sig]) continue;
+            if (sig.empty() || seen[sig]) continue;
             seen[sig] = true;
             CompileRequest r = req;
             r.config = cfg;

@@ -114,7 +114,16 @@ bool TensorView::is_contiguous() const {
   return true;
 }
 
+TensorView TensorView::list(const TensorView* items, int64_t count) {
+  TensorView t;
+  t.data = const_cast<TensorView*>(items);
+  t.rank = kListRank;
+  t.shape[0] = count;
+  return t;
+}
+
 std::string TensorView::describe() const {
+  if (is_list()) return "a list of " + std::to_string(list_size()) + " tensors";
   if (rank < 0) return "None";
   std::ostringstream os;
   os << dtype_name(dtype) << '[';

@@ -144,7 +144,9 @@ void check_tensor(Problem& p, const OpInfo& info, const TensorDef& def, const Te
     }
   }
   // layout
-  if (t.numel() > 0) {
+  if (t.numel() > 0 && def.layout == Layout::Strided) {
+    p.align_bytes = std::min(p.align_bytes, pow2_align(addr));  // the op's check_call judges the strides
+  } else if (t.numel() > 0) {
     if (def.layout == Layout::Contiguous) {
       KSPEC_CHECK(t.is_contiguous(), op, ": ", what, ": expected a contiguous tensor, got ", t.describe());
     } else {
@@ -167,6 +169,58 @@ void check_tensor(Problem& p, const OpInfo& info, const TensorDef& def, const Te
       }
     }
     p.align_bytes = std::min(p.align_bytes, pow2_align(addr));
+  }
+}
+
+// Checks a TensorList input: every element has the list's dtype, lives on the call's device, has the
+// def's layout (Contiguous or any), a pointer aligned to its element size; binds the count dim.
+void check_list(Problem& p, const OpInfo& info, const TensorDef& def, const TensorView& list, const What& what,
+                int* device) {
+  const std::string& op = info.name;
+  KSPEC_CHECK(list.is_list(), op, ": ", what, ": expected a list of tensors, got ", list.describe());
+  if (!def.shape.empty()) bind_dim(p, op, what, def.shape[0], list.list_size());
+  DType want = list.list_size() > 0 ? list.item(0).dtype : (def.dtypes.empty() ? DType::f32 : def.dtypes.front());
+  if (!def.dtype_of.empty()) {
+    DType other = p.dtype(def.dtype_of);
+    KSPEC_CHECK(want == other || (def.or_float32 && want == DType::f32), op, ": ", what, ": expected dtype ",
+                dtype_name(other), def.or_float32 ? " (or float32)" : "", " like '", def.dtype_of, "', got ",
+                dtype_name(want));
+  } else {
+    KSPEC_CHECK(std::find(def.dtypes.begin(), def.dtypes.end(), want) != def.dtypes.end(), op, ": ", what,
+                ": expected dtype ", join_dtypes(def.dtypes), ", got ", dtype_name(want));
+  }
+  for (int64_t i = 0; i < list.list_size(); ++i) {
+    const TensorView& t = list.item(i);
+    KSPEC_CHECK(t.defined() && !t.is_list(), op, ": ", what, "[", i, "]: expected a tensor, got ", t.describe());
+    KSPEC_CHECK(t.rank <= kMaxRank, op, ": ", what, "[", i, "]: rank ", t.rank, " exceeds ", kMaxRank);
+    KSPEC_CHECK(t.dtype == want, op, ": ", what, "[", i, "]: expected dtype ", dtype_name(want),
+                " like the list's first tensor, got ", dtype_name(t.dtype));
+    KSPEC_CHECK(t.device != kCpuDevice, op, ": ", what, "[", i, "]: expected a CUDA tensor, got one in host memory");
+    if (*device < 0) *device = t.device;
+    KSPEC_CHECK(t.device == *device, op, ": ", what, "[", i, "]: expected a tensor on cuda:", *device,
+                " like the other arguments, got cuda:", t.device);
+    if (t.numel() == 0) continue;
+    KSPEC_CHECK(t.data != nullptr, op, ": ", what, "[", i, "]: null data pointer for ", t.describe());
+    auto addr = reinterpret_cast<uintptr_t>(t.data);
+    KSPEC_CHECK(addr % dtype_size(t.dtype) == 0, op, ": ", what, "[", i, "]: data pointer 0x", std::hex, addr,
+                std::dec, " is not aligned to its element size (", dtype_size(t.dtype), " bytes)");
+    if (def.layout == Layout::Contiguous)
+      KSPEC_CHECK(t.is_contiguous(), op, ": ", what, "[", i, "]: expected a contiguous tensor, got ", t.describe());
+    p.align_bytes = std::min(p.align_bytes, pow2_align(addr));
+  }
+}
+
+// Element i of `list` has the shape of element i of `other` (same length too).
+void check_same_shapes(const std::string& op, const What& what, const TensorView& list, const std::string& other_name,
+                       const TensorView& other) {
+  KSPEC_CHECK(list.list_size() == other.list_size(), op, ": ", what, " has ", list.list_size(),
+              " tensors but '", other_name, "' has ", other.list_size());
+  for (int64_t i = 0; i < list.list_size(); ++i) {
+    const TensorView &a = list.item(i), &b = other.item(i);
+    bool same = a.rank == b.rank;
+    for (int d = 0; same && d < a.rank; ++d) same = a.shape[d] == b.shape[d];
+    KSPEC_CHECK(same, op, ": ", what, "[", i, "] has shape ", a.describe(), " but '", other_name, "'[", i,
+                "] has ", b.describe());
   }
 }
 
@@ -262,7 +316,10 @@ std::string Problem::signature() const {
     s += ',';
   }
   s += '|';
-  for (const auto& [name, v] : params.items()) {
+  const auto& defs = op->info.params;
+  for (size_t pi = 0; pi < params.items().size(); ++pi) {
+    const auto& [name, v] = params.items()[pi];
+    if (pi < defs.size() && defs[pi].name == name && defs[pi].runtime) continue;  // not compiled in
     s += name;
     s += '=';
     if (auto i = std::get_if<int64_t>(&v)) s += std::to_string(*i);
@@ -434,7 +491,10 @@ Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
   p.dims.reserve(4);
   int device = -1;
   // dtypes first (dtype_of may refer to a later tensor), then everything else in order.
-  for (size_t i = 0; i < inputs.size(); ++i) p.inputs[i] = {inputs[i].defined(), inputs[i].dtype};
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const TensorView& t = inputs[i];
+    p.inputs[i] = {t.defined(), t.is_list() && t.list_size() > 0 ? t.item(0).dtype : t.dtype};
+  }
   if (inputs_only) p.outputs.assign(info.outputs.size(), TensorMeta{});
   for (size_t i = 0; i < outputs.size(); ++i) p.outputs[i] = {outputs[i].defined(), outputs[i].dtype};
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -444,7 +504,19 @@ Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
       KSPEC_CHECK(def.optional, info.name, ": ", what, " is required (expected ", shape_text(def), ")");
       continue;
     }
+    if (def.list) {
+      check_list(p, info, def, inputs[i], what, &device);
+      continue;
+    }
+    KSPEC_CHECK(!inputs[i].is_list(), info.name, ": ", what, ": expected one tensor, got ", inputs[i].describe());
     check_tensor(p, info, def, inputs[i], what, &device, false, p.inputs[i]);
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const TensorDef& def = info.inputs[i];
+    if (!def.list || def.same_shapes_as.empty() || !inputs[i].defined()) continue;
+    int j = tensor_index(info.inputs, def.same_shapes_as);
+    if (j >= 0 && inputs[j].defined())
+      check_same_shapes(info.name, What{"input", def.name}, inputs[i], def.same_shapes_as, inputs[j]);
   }
   // An output with an alternative shape follows the input of the same dtype source (dB like B).
   for (size_t i = 0; i < info.outputs.size(); ++i) {
@@ -487,6 +559,7 @@ Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
   call.outputs = outputs;
   call.device = device;
   call.stream = stream;
+  if (op.check_call) op.check_call(call);
   return call;
 }
 
@@ -516,11 +589,12 @@ Problem problem_from_request(const OpDef& op, const CompileRequest& req) {
                 "' (e.g. --param ", d.name, "=4096)");
     if (!have) p.dims.emplace_back(d.name, 1);
   }
-  for (const auto& w : req.without) {
-    bool ok = std::any_of(info.inputs.begin(), info.inputs.end(),
-                          [&](const TensorDef& t) { return t.name == w && t.optional; });
-    KSPEC_CHECK(ok, info.name, ": '", w, "' is not an optional input");
-  }
+  auto optional_named = [](const std::vector<TensorDef>& defs, const std::string& w) {
+    return std::any_of(defs.begin(), defs.end(), [&](const TensorDef& t) { return t.name == w && t.optional; });
+  };
+  for (const auto& w : req.without)
+    KSPEC_CHECK(optional_named(info.inputs, w) || optional_named(info.outputs, w), info.name, ": '", w,
+                "' is not an optional input or output");
   auto pick = [&](const TensorDef& t, DType main) -> DType {
     for (const auto& [name, dt] : req.tensor_dtypes)
       if (name == t.name) return dt;
@@ -536,7 +610,8 @@ Problem problem_from_request(const OpDef& op, const CompileRequest& req) {
   }
   for (size_t i = 0; i < info.outputs.size(); ++i) {
     const auto& def = info.outputs[i];
-    bool present = def.present_with.empty() ? true : p.present(def.present_with);
+    bool absent = std::find(req.without.begin(), req.without.end(), def.name) != req.without.end();
+    bool present = def.present_with.empty() ? !absent : p.present(def.present_with);
     p.outputs[i] = {present, pick(def, req.dtype)};
   }
   // dtype_of: copy the referenced tensor's dtype unless overridden (float32 allowed when or_float32).

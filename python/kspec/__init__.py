@@ -53,5 +53,6 @@ try:  # torch is optional; when present, the custom ops register at import
     import torch  # noqa: F401
 
     _register_torch()
+    from . import optim  # noqa: F401  (kspec.optim.AdamW)
 except ImportError:
     pass

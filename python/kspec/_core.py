@@ -18,9 +18,10 @@ def call(op: str, *inputs, config: str | None = None, out=None, **params):
     `out` may pass preallocated outputs (a sequence like the schema's outputs)."""
     descs = [describe(t) for t in inputs]
     fw = framework_of(inputs)
-    device = next((d[4] for d in descs if d is not None), 0)
+    device = _device_of(descs)
     if out is None:
-        key = (op, tuple(None if d is None else (d[1], d[2]) for d in descs), tuple(params.items()))
+        key = (op, tuple(None if d is None else (d[1], d[2]) if not isinstance(d, list) else
+                         tuple((e[1], e[2]) for e in d) for d in descs), tuple(params.items()))
         try:
             specs = _out_specs.get(key)
         except TypeError:  # an unhashable param value: let C++ report it
@@ -36,12 +37,22 @@ def call(op: str, *inputs, config: str | None = None, out=None, **params):
     return tuple(out)
 
 
+def _device_of(descs) -> int:
+    for d in descs:
+        if isinstance(d, list):
+            if d:
+                return d[0][4]
+        elif d is not None:
+            return d[4]
+    return 0
+
+
 def explain(op: str, *inputs, **params) -> str:
     """What a call would use: the problem signature, the config, the kernels and their cache entries."""
     descs = [describe(t) for t in inputs]
     specs = _C.infer_outputs(op, descs, params)
     fw = framework_of(inputs)
-    device = next((d[4] for d in descs if d is not None), 0)
+    device = _device_of(descs)
     outs = [None if s is None else describe(empty(fw, s[0], s[1], device)) for s in specs]
     return _C.explain(op, descs, outs, params)
 

@@ -25,6 +25,8 @@ def describe(t):
     """(ptr, dtype, shape, strides in elements, device ordinal or -1 for host memory), or None."""
     if t is None:
         return None
+    if isinstance(t, (list, tuple)):  # a TensorList argument
+        return [describe(x) for x in t]
     torch = _torch()
     if torch is not None and isinstance(t, torch.Tensor):
         return (t.data_ptr(), _torch_dtype_name(t.dtype), tuple(t.shape), t.stride(), t.get_device())
@@ -70,6 +72,10 @@ def framework_of(tensors):
     torch = _torch()
     for t in tensors:
         if t is None:
+            continue
+        if isinstance(t, (list, tuple)):
+            if t:
+                return framework_of(t)
             continue
         if torch is not None and isinstance(t, torch.Tensor):
             return "torch"

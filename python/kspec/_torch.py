@@ -173,3 +173,106 @@ def selective_scan(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus):
     if torch.compiler.is_compiling():
         return selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus)
     return _SelectiveScan.apply(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus)
+
+
+# ---- gemm / linear ----
+
+def _as_matrix(x):
+    """nn.Linear takes (..., k); the gemm op takes (..., m, k): a 1-d input becomes one row."""
+    return x.unsqueeze(0) if x.dim() == 1 else x
+
+
+def _linear_fwd(x, weight, bias, act, tf32, need_saved):
+    """(y, saved): saved is what gemm.bwd needs (gelu: the pre-activation; relu: y; none: None)."""
+    if act == "gelu" and need_saved:
+        if weight.shape[0] % 8 == 0:
+            y, pre = call("gemm", x, weight, bias, act=act, tf32=tf32, out=(torch.empty(
+                (*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device), torch.empty(
+                (*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)))
+            return y, pre
+        # cuBLASLt saves the GELU input only with n a multiple of 8: the GEMM with its bias, then GELU.
+        pre = call("gemm", x, weight, bias, act="none", tf32=tf32)[0]
+        return torch.nn.functional.gelu(pre, approximate="tanh"), pre
+    y = call("gemm", x, weight, bias, act=act, tf32=tf32)[0]
+    return y, (y if act == "relu" and need_saved else None)
+
+
+def _linear_bwd(dy, x, weight, saved, has_bias, act, tf32):
+    if act != "none" and not dy.is_contiguous():
+        dy = dy.contiguous()
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    db = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device) if has_bias else None
+    call("gemm.bwd", dy, x, weight, saved, act=act, tf32=tf32, out=(dx, dw, db))
+    return dx, dw, db
+
+
+@torch.library.custom_op("kspec::linear_fwd", mutates_args=(), device_types="cuda")
+def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], act: str,
+               tf32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    y, saved = _linear_fwd(x, weight, bias, act, tf32, act == "gelu")
+    return y, saved if saved is not None else x.new_empty(0)  # relu's backward reads y (outputs may not alias)
+
+
+@linear_fwd.register_fake
+def _(x, weight, bias, act, tf32):
+    y = x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return y, (torch.empty_like(y) if act == "gelu" else x.new_empty(0))
+
+
+@torch.library.custom_op("kspec::linear_bwd", mutates_args=(), device_types="cuda")
+def linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, saved: torch.Tensor, has_bias: bool,
+               act: str, tf32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, db = _linear_bwd(dy, x, weight, saved if act != "none" else None, has_bias, act, tf32)
+    return dx, dw, db if db is not None else weight.new_empty(0)
+
+
+@linear_bwd.register_fake
+def _(dy, x, weight, saved, has_bias, act, tf32):
+    db = weight.new_empty(weight.shape[0]) if has_bias else weight.new_empty(0)
+    return torch.empty_like(x), torch.empty_like(weight), db
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, bias, act, tf32 = inputs
+    ctx.save_for_backward(x, weight, output[0] if act == "relu" else output[1])
+    ctx.cfg = (bias is not None, act, tf32)
+
+
+def _linear_backward(ctx, dy, dsaved):
+    x, weight, saved = ctx.saved_tensors
+    has_bias, act, tf32 = ctx.cfg
+    dx, dw, db = linear_bwd(dy, x, weight, saved, has_bias, act, tf32)
+    return dx, dw, db if has_bias else None, None, None
+
+
+linear_fwd.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+class _Linear(torch.autograd.Function):
+    """The eager path (no torch.library dispatch cost); torch.compile traces the custom ops instead."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, act, tf32):
+        need = any(ctx.needs_input_grad[:3])
+        y, saved = _linear_fwd(x, weight, bias, act, tf32, need)
+        ctx.save_for_backward(x, weight, saved)
+        ctx.cfg = (bias is not None, act, tf32)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, saved = ctx.saved_tensors
+        has_bias, act, tf32 = ctx.cfg
+        dx, dw, db = _linear_bwd(dy, x, weight, saved, has_bias, act, tf32)
+        return dx, dw, db, None, None
+
+
+def linear(x, weight, bias, act, tf32):
+    squeeze = x.dim() == 1
+    x2 = _as_matrix(x)
+    if torch.compiler.is_compiling():
+        y = linear_fwd(x2, weight, bias, act, tf32)[0]
+    else:
+        y = _Linear.apply(x2, weight, bias, act, tf32)
+    return y.squeeze(0) if squeeze else y

@@ -8,6 +8,7 @@ from ._tensors import describe, empty, framework_of
 
 _NORMS = ("layernorm", "rmsnorm")
 _ACTS = ("identity", "silu", "gelu_tanh", "gelu_erf")
+_GEMM_ACTS = ("none", "relu", "gelu")
 
 
 def _is_torch(x) -> bool:
@@ -93,3 +94,55 @@ def selective_scan_step(state, u, delta, A, B, C, D=None, z=None, delta_bias=Non
     call("selective_scan.step", state, u, delta, A, B, C, D, z, delta_bias, delta_softplus=bool(delta_softplus),
          out=(out, state))
     return out
+
+
+def gemm(x, weight, bias=None, *, act: str = "none", tf32: bool = False, save_pre: bool = False):
+    """The raw cuBLASLt op: y = act(x @ weight^T + bias), fp32 accumulation.
+
+    x: (..., m, k) fp32/fp16/bf16, any view with one unit-stride dim among the last two (transposed views
+    are read in place); weight: (n, k), or (..., n, k) with x's batch dims; bias: (n) or None;
+    act: "none", "relu" or "gelu" (tanh approximation: cuBLASLt's epilogue); tf32: fp32 inputs on TF32
+    tensor cores. Returns (y: (..., m, n), pre: (..., m, n) or None); pre (the pre-activation, for
+    gemm_bwd) is written only with save_pre=True and act="gelu" (n a multiple of 8)."""
+    if not save_pre:
+        return call("gemm", x, weight, bias, act=act, tf32=bool(tf32))
+    from ._tensors import empty, framework_of
+    from ._core import _C, describe
+
+    specs = _C.infer_outputs("gemm", [describe(t) for t in (x, weight, bias)], {"act": act, "tf32": bool(tf32)})
+    fw = framework_of((x,))
+    device = describe(x)[4]
+    y = empty(fw, specs[0][0], specs[0][1], device)
+    pre = empty(fw, specs[0][0], specs[0][1], device)
+    return call("gemm", x, weight, bias, act=act, tf32=bool(tf32), out=(y, pre))
+
+
+def gemm_bwd(dy, x, weight, saved=None, *, act: str = "none", tf32: bool = False, bias_grad: bool = True):
+    """The raw backward: dpre = dy * act'(saved); returns (dx like x, dweight like weight, dbias (n) or None).
+    saved: gelu: the forward's pre; relu: its pre or y; none: None."""
+    from ._tensors import empty, framework_of
+    from ._core import _C, describe
+
+    descs = [describe(t) for t in (dy, x, weight, saved)]
+    specs = _C.infer_outputs("gemm.bwd", descs, {"act": act, "tf32": bool(tf32)})
+    fw = framework_of((dy,))
+    device = descs[0][4]
+    dx = empty(fw, specs[0][0], specs[0][1], device)
+    dw = empty(fw, specs[1][0], specs[1][1], device)
+    db = empty(fw, descs[0][1], (descs[0][2][-1],), device) if bias_grad else None
+    return call("gemm.bwd", dy, x, weight, saved, act=act, tf32=bool(tf32), out=(dx, dw, db))
+
+
+def linear(x, weight, bias=None, act: str = "none", *, tf32: bool = False):
+    """y = act(x @ weight^T + bias) like torch.nn.functional.linear (+ activation), through cuBLASLt with
+    the bias and activation fused into the GEMM's epilogue.
+
+    x: (..., in_features); weight: (out_features, in_features); bias: (out_features) or None;
+    act: "none", "relu" or "gelu" (tanh approximation). Differentiable for torch tensors (gemm.bwd)."""
+    if act not in _GEMM_ACTS:
+        raise ValueError(f"kspec.ops.linear: act must be one of {_GEMM_ACTS}, got {act!r}")
+    if _is_torch(x):
+        from . import _torch
+
+        return _torch.linear(x, weight, bias, act, bool(tf32))
+    return call("gemm", x, weight, bias, act=act, tf32=bool(tf32))[0]

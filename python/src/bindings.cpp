@@ -32,10 +32,21 @@ kspec::TensorView to_view(const py::handle& h) {
   return t;
 }
 
-std::vector<kspec::TensorView> to_views(const py::sequence& seq) {
+// A Python list in an argument slot is a TensorList: its views live in `lists` for the call.
+std::vector<kspec::TensorView> to_views(const py::sequence& seq, std::vector<std::vector<kspec::TensorView>>* lists) {
   std::vector<kspec::TensorView> out;
   out.reserve(seq.size());
-  for (auto h : seq) out.push_back(to_view(h));
+  for (auto h : seq) {
+    if (py::isinstance<py::list>(h)) {
+      if (!lists) throw kspec::InvalidArgument("a list of tensors is not accepted here");
+      std::vector<kspec::TensorView> items;
+      for (auto item : py::reinterpret_borrow<py::list>(h)) items.push_back(to_view(item));
+      lists->push_back(std::move(items));  // moving keeps the items' buffer where it is
+      out.push_back(kspec::TensorView::list(lists->back().data(), static_cast<int64_t>(lists->back().size())));
+    } else {
+      out.push_back(to_view(h));
+    }
+  }
   return out;
 }
 
@@ -225,8 +236,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("call",
         [](const std::string& op, const py::sequence& inputs, const py::sequence& outputs, const py::dict& params,
            uintptr_t stream, const py::object& config) {
-          auto in = to_views(inputs);
-          auto out = to_views(outputs);
+          std::vector<std::vector<kspec::TensorView>> lists;
+          lists.reserve(inputs.size());
+          auto in = to_views(inputs, &lists);
+          auto out = to_views(outputs, nullptr);
           auto p = to_params(params);
           kspec::Config cfg;
           kspec::CallOptions opts;
@@ -242,7 +255,9 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("infer_outputs", [](const std::string& op, const py::sequence& inputs, const py::dict& params) {
     py::list out;
-    for (const auto& s : kspec::infer_outputs(op, to_views(inputs), to_params(params))) {
+    std::vector<std::vector<kspec::TensorView>> lists;
+    lists.reserve(inputs.size());
+    for (const auto& s : kspec::infer_outputs(op, to_views(inputs, &lists), to_params(params))) {
       if (!s.present) out.append(py::none());
       else out.append(py::make_tuple(kspec::dtype_name(s.dtype), py::tuple(py::cast(s.shape))));
     }
@@ -251,7 +266,9 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("explain", [](const std::string& op, const py::sequence& inputs, const py::sequence& outputs,
                       const py::dict& params) {
-    return kspec::explain(op, to_views(inputs), to_views(outputs), to_params(params));
+    std::vector<std::vector<kspec::TensorView>> lists;
+    lists.reserve(inputs.size());
+    return kspec::explain(op, to_views(inputs, &lists), to_views(outputs, nullptr), to_params(params));
   });
 
   m.def("compile",

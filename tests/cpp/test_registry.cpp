@@ -1,7 +1,9 @@
 // api/: the registry, schemas, validation messages (every bad argument named, nothing launched),
 // output inference, compile without a GPU, the precompile plan and forced configs.
 #include <algorithm>
+#include <cmath>
 
+#include "adamw/reference.h"
 #include "api/src/op.h"
 #include "kspec/kspec.h"
 #include "test_helpers.h"
@@ -52,11 +54,14 @@ TEST(Registry, ListsOpsWithSchemas) {
 TEST(Registry, EveryOpIsFullyDefined) {
   for (const auto& name : list_ops()) {
     const OpDef& op = Registry::global().get(name);
-    EXPECT_TRUE(op.kernels) << name;
+    // A library op (gemm: cuBLASLt) has no NVRTC kernels and may have no tuning space of its own.
+    EXPECT_TRUE(op.kernels || op.info.family == "gemm") << name;
     EXPECT_TRUE(op.launch) << name;
     EXPECT_TRUE(op.reference) << name;
-    EXPECT_TRUE(op.tuning.heuristic) << name;
-    EXPECT_FALSE(op.tuning.axes.empty()) << name;
+    if (!op.tuning.axes.empty()) {
+      EXPECT_TRUE(op.tuning.heuristic) << name;
+    }
+    EXPECT_TRUE(!op.tuning.axes.empty() || op.info.family == "gemm") << name;
     EXPECT_FALSE(op.cases.empty()) << name;
     EXPECT_FALSE(op.dtypes.empty()) << name;
   }
@@ -260,4 +265,155 @@ TEST(Params, ParseConfig) {
   EXPECT_THROW(c.get("nope"), InvalidArgument);
   EXPECT_THROW(parse_dtype("float8"), InvalidArgument);
   EXPECT_EQ(parse_dtype("torch.bfloat16"), DType::bf16);
+}
+
+// ---- gemm: a library op (cuBLASLt) validated like every other op, without a GPU ----
+
+namespace {
+void expect_gemm_invalid(const std::vector<TensorView>& in, const std::vector<TensorView>& out, const Params& p,
+                         std::vector<std::string> fragments, const char* op = "gemm") {
+  try {
+    call(op, in, out, p);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    for (const auto& f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
+  }
+}
+}  // namespace
+
+TEST(Validation, GemmStridesAndEpilogues) {
+  TensorView x(fake(), DType::bf16, {8, 64}, 0), w(fake(1 << 20), DType::bf16, {32, 64}, 0);
+  TensorView b(fake(2 << 20), DType::bf16, {32}, 0), y(fake(3 << 20), DType::bf16, {8, 32}, 0);
+  TensorView aux(fake(4 << 20), DType::bf16, {8, 32}, 0);
+  // x with no unit-stride dim
+  expect_gemm_invalid({TensorView::strided(fake(), DType::bf16, {8, 64}, {128, 2}, 0), w, b}, {y, TensorView()}, {},
+                      {"gemm", "'x'", "unit-stride"});
+  // y transposed: cuBLASLt's D is never transposed
+  expect_gemm_invalid({x, w, b}, {TensorView::strided(fake(3 << 20), DType::bf16, {8, 32}, {1, 8}, 0), TensorView()},
+                      {}, {"output 'y'", "unit stride"});
+  // the saved pre-activation is for gelu only, and needs n % 8 == 0
+  expect_gemm_invalid({x, w, b}, {y, aux}, {{"act", std::string("relu")}}, {"'aux'", "gelu"});
+  TensorView w7(fake(1 << 20), DType::bf16, {7, 64}, 0), b7(fake(2 << 20), DType::bf16, {7}, 0);
+  expect_gemm_invalid({x, w7, b7}, {TensorView(fake(3 << 20), DType::bf16, {8, 7}, 0),
+                                    TensorView(fake(4 << 20), DType::bf16, {8, 7}, 0)},
+                      {{"act", std::string("gelu")}}, {"multiple of 8"});
+  // weight batch dims must be absent or x's
+  TensorView x3(fake(), DType::bf16, {3, 8, 64}, 0), w2(fake(1 << 20), DType::bf16, {2, 32, 64}, 0);
+  expect_gemm_invalid({x3, w2, b}, {TensorView(fake(3 << 20), DType::bf16, {3, 8, 32}, 0), TensorView()}, {},
+                      {"'weight'", "batch dims"});
+  expect_gemm_invalid({x, w, b}, {y, TensorView()}, {{"act", std::string("silu")}}, {"parameter 'act'", "gelu"});
+  // the backward needs the saved pre-activation with an activation
+  expect_gemm_invalid({y, x, w, TensorView()}, {x, w, TensorView()}, {{"act", std::string("gelu")}},
+                      {"gemm.bwd", "'saved'"}, "gemm.bwd");
+}
+
+TEST(Registry, LibraryOpsCompileNothingAndPrecompileSkipsThem) {
+  CompileRequest req;
+  req.op = "gemm";
+  req.dtype = DType::bf16;
+  req.params = {{"m", int64_t(8)}, {"n", int64_t(8)}, {"k", int64_t(8)}};
+  EXPECT_TRUE(compile(req).empty());
+  for (const auto& r : precompile_plan({"sm_90"})) EXPECT_NE(r.op, "gemm");
+  // gemm.bwd compiles its one elementwise kernel only when there is an activation
+  bool bwd_with_act = false;
+  for (const auto& r : precompile_plan({"sm_90"}, {"gemm.bwd"})) {
+    const ParamValue* act = r.params.find("act");
+    ASSERT_NE(act, nullptr);
+    EXPECT_NE(std::get<std::string>(*act), "none");
+    bwd_with_act = true;
+  }
+  EXPECT_TRUE(bwd_with_act);
+}
+
+// ---- TensorList inputs (adamw) and runtime params ----
+
+TEST(Validation, TensorListsAdamw) {
+  std::vector<TensorView> p = {TensorView(fake(0), DType::f32, {4, 3}, 0), TensorView(fake(1 << 20), DType::f32, {5}, 0)};
+  std::vector<TensorView> g = {TensorView(fake(2 << 20), DType::f32, {4, 3}, 0), TensorView(fake(3 << 20), DType::f32, {5}, 0)};
+  std::vector<TensorView> m = {TensorView(fake(4 << 20), DType::f32, {4, 3}, 0), TensorView(fake(5 << 20), DType::f32, {5}, 0)};
+  std::vector<TensorView> v = {TensorView(fake(6 << 20), DType::f32, {4, 3}, 0), TensorView(fake(7 << 20), DType::f32, {5}, 0)};
+  auto L = [](const std::vector<TensorView>& x) { return TensorView::list(x.data(), static_cast<int64_t>(x.size())); };
+  auto expect = [&](const std::vector<TensorView>& in, const Params& prm, std::vector<std::string> frags) {
+    try {
+      call("adamw", in, {TensorView(), TensorView()}, prm);
+      ADD_FAILURE() << "expected InvalidArgument";
+    } catch (const InvalidArgument& e) {
+      for (const auto& f : frags) EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what();
+    }
+  };
+  const TensorView none;
+  // a list where one tensor is expected, and one tensor where a list is
+  expect({p[0], L(g), L(m), L(v), none, none, none}, {}, {"input 'params'", "list of tensors"});
+  // shapes per index
+  auto g2 = g;
+  g2[1] = TensorView(fake(3 << 20), DType::f32, {6}, 0);
+  expect({L(p), L(g2), L(m), L(v), none, none, none}, {}, {"input 'grads'[1]", "shape", "'params'[1]"});
+  // lengths
+  auto g3 = g;
+  g3.pop_back();
+  expect({L(p), L(g3), L(m), L(v), none, none, none}, {}, {"input 'grads'", "tensors = 1", "tensors = 2"});
+  // one dtype per list, fp32 state
+  auto g4 = g;
+  g4[1].dtype = DType::bf16;
+  expect({L(p), L(g4), L(m), L(v), none, none, none}, {}, {"'grads'[1]", "float32", "bfloat16"});
+  auto m2 = m;
+  for (auto& t : m2) t.dtype = DType::bf16;
+  expect({L(p), L(g), L(m2), L(v), none, none, none}, {}, {"'exp_avg'", "float32"});
+  // one device, contiguity, element alignment
+  auto v2 = v;
+  v2[0].device = 1;
+  expect({L(p), L(g), L(m), L(v2), none, none, none}, {}, {"'exp_avg_sq'[0]", "cuda:0", "cuda:1"});
+  auto p2 = p;
+  p2[0] = TensorView::strided(fake(0), DType::f32, {4, 3}, {1, 4}, 0);
+  expect({L(p2), L(g), L(m), L(v), none, none, none}, {}, {"'params'[0]", "contiguous"});
+  auto p3 = p;
+  p3[1].data = fake(2);
+  expect({L(p3), L(g), L(m), L(v), none, none, none}, {}, {"'params'[1]", "aligned"});
+  // bf16 params need their fp32 master copy; betas in range
+  auto pb = p, gb = g;
+  for (auto& t : pb) t.dtype = DType::bf16;
+  for (auto& t : gb) t.dtype = DType::bf16;
+  expect({L(pb), L(gb), L(m), L(v), none, none, none}, {}, {"'master'"});
+  expect({L(p), L(g), L(m), L(v), none, none, none}, {{"beta2", 1.0}}, {"betas"});
+}
+
+TEST(Registry, RuntimeParamsStayOutOfTheSignature) {
+  CompileRequest req;
+  req.op = "adamw";
+  req.params = {{"lr", 0.1}, {"step", int64_t(7)}};
+  Problem a = problem_from_request(Registry::global().get("adamw"), req);
+  req.params = {{"lr", 0.2}, {"step", int64_t(8)}, {"max_norm", 1.0}};
+  Problem b = problem_from_request(Registry::global().get("adamw"), req);
+  EXPECT_EQ(a.signature(), b.signature());
+  req.params = {{"maximize", true}};
+  EXPECT_NE(a.signature(), problem_from_request(Registry::global().get("adamw"), req).signature());
+}
+
+// ---- the AdamW float64 reference (the C++ twin of python/kspec/reference/adamw.py) ----
+
+TEST(AdamwReference, FirstStepClippingAndSkippedStep) {
+  std::vector<std::vector<double>> p = {{1.0, -2.0, 0.5}, {3.0}}, g = {{0.3, -0.4, 0.0}, {1.2}};
+  std::vector<std::vector<double>> m = {{0, 0, 0}, {0}}, v = m, vmax = m;
+  auto p0 = p;
+  ref::AdamwRefOptions o;
+  o.lr = 1e-2;
+  o.weight_decay = 0.1;
+  auto r = ref::adamw_ref(p, g, m, v, &vmax, o);
+  EXPECT_FALSE(r.found_inf);
+  EXPECT_NEAR(r.grad_norm, std::sqrt(0.09 + 0.16 + 1.44), 1e-15);
+  for (size_t t = 0; t < p.size(); ++t)
+    for (size_t i = 0; i < p[t].size(); ++i)  // step 1: m̂ = g, v̂ = g²
+      EXPECT_NEAR(p[t][i], p0[t][i] * (1 - 1e-3) - 1e-2 * g[t][i] / (std::fabs(g[t][i]) + 1e-8), 1e-15);
+  // grad scale 4 and clipping to 0.5: the first moment holds (1 - beta1) * g / 4 * coef
+  std::vector<std::vector<double>> g4 = {{1.2, -1.6, 0.0}, {4.8}}, m2 = {{0, 0, 0}, {0}}, v2 = m2;
+  o.grad_scale = 4.0;
+  o.max_norm = 0.5;
+  r = ref::adamw_ref(p, g4, m2, v2, nullptr, o);
+  double coef = 0.5 / (std::sqrt(1.69) + 1e-6);
+  EXPECT_NEAR(m2[1][0], 0.1 * 1.2 * coef, 1e-15);
+  g4[0][2] = INFINITY;
+  auto before = p;
+  EXPECT_TRUE(ref::adamw_ref(p, g4, m2, v2, nullptr, o).found_inf);
+  EXPECT_EQ(p, before);
 }

@@ -49,6 +49,9 @@ struct ParamDef {
   ParamValue default_value = int64_t(0);
   std::vector<std::string> choices;  // for Choice
   std::string doc;
+  // A value the launcher passes to the kernels (a learning rate, a step count): it changes nothing
+  // compiled, so it stays out of the problem signature and the plan cache.
+  bool runtime = false;
 };
 
 // Runtime (Var) axes change nothing compiled; Const axes are template arguments; Bucket axes are
@@ -66,6 +69,7 @@ struct DimDef {
 enum class Layout {
   Contiguous,  // row-major, no gaps
   RowStrided,  // last dim contiguous; leading dims collapse into one row index with any row stride
+  Strided,     // any strides; the op's check_call states what it accepts (e.g. a matmul operand)
 };
 
 struct TensorDef {
@@ -84,6 +88,10 @@ struct TensorDef {
   // input-dependent [batch, groups, dstate, seqlen]); a tensor's rank picks one. Which one a call used is
   // part of the specialization (Problem: TensorMeta::alt; compile requests: CompileRequest::alt_shapes).
   std::vector<std::string> alt_shape = {};
+  // A TensorList input: one argument slot holding any number of tensors (TensorView::list), each of
+  // any shape (`shape` is not used), all on one device with one dtype, laid out as `layout` says.
+  bool list = false;
+  std::string same_shapes_as = {};  // lists: element i has the shape of element i of this other list
 };
 
 struct OpInfo {

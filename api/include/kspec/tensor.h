@@ -22,11 +22,12 @@ DType parse_dtype(std::string_view name);
 
 constexpr int kMaxRank = 8;
 constexpr int kCpuDevice = -1;
+constexpr int kListRank = -2;  // a TensorView that stands for a list of tensors (TensorView::list)
 
 struct TensorView {
   void* data = nullptr;
   DType dtype = DType::f32;
-  int rank = -1;  // -1: no tensor (an optional argument left out)
+  int rank = -1;  // -1: no tensor (an optional argument left out); kListRank: a list of tensors
   int64_t shape[kMaxRank] = {};
   int64_t strides[kMaxRank] = {};  // in elements, not bytes
   int device = kCpuDevice;         // CUDA device ordinal, or kCpuDevice for host memory
@@ -37,7 +38,14 @@ struct TensorView {
   static TensorView strided(void* ptr, DType dt, std::initializer_list<int64_t> dims,
                             std::initializer_list<int64_t> stride_elems, int dev);
 
-  bool defined() const { return rank >= 0; }
+  // A list of tensors in one argument slot (a TensorList input, e.g. an optimizer's parameters). Like
+  // every view it owns nothing: `items` must outlive the call.
+  static TensorView list(const TensorView* items, int64_t count);
+
+  bool defined() const { return rank >= 0 || rank == kListRank; }
+  bool is_list() const { return rank == kListRank; }
+  int64_t list_size() const { return is_list() ? shape[0] : 0; }
+  const TensorView& item(int64_t i) const { return static_cast<const TensorView*>(data)[i]; }
   int64_t numel() const;
   int64_t size(int d) const { return shape[d < 0 ? d + rank : d]; }
   int64_t stride(int d) const { return strides[d < 0 ? d + rank : d]; }

@@ -1,0 +1,429 @@
+// gemm: y = act(x·Wᵀ + b) through cuBLASLt (a library op: no NVRTC kernel in the forward), batched,
+// fp32/fp16/bf16 with fp32 accumulation, and its backward gemm.bwd (dx, dW, dbias; one NVRTC
+// elementwise kernel for act'(pre) when there is an activation). Views of any transposition reach
+// cuBLASLt without copies through gemm/layout.h.
+#include <algorithm>
+
+#include "api/src/op.h"
+#include "jit/driver.h"
+#include "gemm/layout.h"
+#include "gemm/lt_matmul.h"
+#include "gemm/reference.h"
+
+namespace kspec {
+namespace {
+
+const std::vector<DType> kFloatTypes = {DType::f32, DType::f16, DType::bf16};
+const std::vector<std::string> kActs = {"none", "relu", "gelu"};
+constexpr unsigned kActGradThreads = 256;
+
+int act_code(const Problem& p) {
+  return static_cast<int>(std::find(kActs.begin(), kActs.end(), p.param_str("act")) - kActs.begin());
+}
+
+// A tensor [..., rows, cols] as a batched matrix view; its leading dims must collapse into one batch
+// stride (size-1 dims may have any stride).
+gemm::MatrixView matrix_of(const TensorView& t, const std::string& op, const char* name) {
+  gemm::MatrixView v;
+  v.rows = t.shape[t.rank - 2];
+  v.cols = t.shape[t.rank - 1];
+  v.row_stride = t.strides[t.rank - 2];
+  v.col_stride = t.strides[t.rank - 1];
+  int64_t expected = -1;
+  for (int j = t.rank - 3; j >= 0; --j) {
+    if (t.shape[j] == 1) continue;
+    if (expected < 0) {
+      v.batch_stride = t.strides[j];
+    } else {
+      KSPEC_CHECK(t.strides[j] == expected, op, ": '", name, "': its batch dims cannot be flattened into one batch "
+                  "stride (", t.describe(), "); pass a view whose dims before the last two have a single stride");
+    }
+    expected = t.strides[j] * t.shape[j];
+  }
+  return v;
+}
+
+// The weight's batch dims: none (or all 1: one weight for every batch) or exactly x's.
+bool weight_broadcast(const TensorView& x, const TensorView& w, const std::string& op) {
+  bool all_one = true;
+  for (int j = 0; j + 2 < w.rank; ++j) all_one = all_one && w.shape[j] == 1;
+  if (all_one) return true;
+  bool same = w.rank == x.rank;
+  for (int j = 0; same && j + 2 < w.rank; ++j) same = w.shape[j] == x.shape[j];
+  KSPEC_CHECK(same, op, ": 'weight' ", w.describe(), ": its batch dims must be absent (one weight for all) or equal "
+              "to x's ", x.describe());
+  return false;
+}
+
+struct FwdPlan {
+  gemm::LtCall lt;
+};
+
+FwdPlan plan_fwd(const Call& call) {
+  const std::string& op = call.problem.op->info.name;
+  const TensorView &x = call.in("x"), &w = call.in("weight"), &b = call.in("bias");
+  const TensorView &y = call.out("y"), &aux = call.out("aux");
+  int act = act_code(call.problem);
+  gemm::MatrixView xv = matrix_of(x, op, "x"), wv = matrix_of(w, op, "weight"), yv = matrix_of(y, op, "y");
+  if (weight_broadcast(x, w, op)) wv.batch_stride = 0;
+  int64_t batch = call.problem.dim("batch");
+  FwdPlan f;
+  gemm::LtCall& lt = f.lt;
+  lt.g = gemm::map_row_major(yv, xv, gemm::transposed(wv), std::max<int64_t>(batch, 1), "y", "x", "weight");
+  lt.ab_dtype = lt.d_dtype = x.dtype;
+  lt.tf32 = call.problem.param_bool("tf32");
+  lt.a = w.data;
+  lt.b = x.data;
+  lt.d = y.data;
+  bool has_bias = b.defined(), has_aux = aux.defined();
+  KSPEC_CHECK(!has_aux || act == 2, op, ": output 'aux' (the saved pre-activation) is only for act='gelu'; relu's "
+              "backward needs only y, none needs nothing");
+  if (has_aux) {
+    int64_t n = call.problem.dim("n");
+    KSPEC_CHECK_AS(n % 8 == 0, Unsupported, op, ": saving the GELU pre-activation ('aux') needs n a multiple of 8 "
+                   "(cuBLASLt's GELU_AUX leading dimension), got n = ", n);
+    lt.aux = aux.data;
+    lt.aux_ld = n;  // aux is contiguous [..., m, n]: in the column-major frame n x m with ld n
+    lt.aux_batch_stride = lt.g.batch > 1 ? call.problem.dim("m") * n : 0;
+  }
+  lt.bias = has_bias ? b.data : nullptr;
+  switch (act) {
+    case 0: lt.epilogue = has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT; break;
+    case 1: lt.epilogue = has_bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU; break;
+    default:
+      lt.epilogue = has_aux ? (has_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX)
+                            : (has_bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU);
+  }
+  return f;
+}
+
+std::vector<ParamDef> gemm_params() {
+  return {{"act", ParamType::Choice, std::string("none"), kActs,
+           "activation after the bias: none, relu, or gelu (tanh approximation, as cuBLASLt's epilogue)"},
+          {"tf32", ParamType::Bool, false, {}, "fp32 inputs: allow TF32 tensor cores (about 1e-3 relative error)"}};
+}
+
+std::vector<DimDef> gemm_dims() {
+  return {{"batch", DimKind::Var, {}, "product of x's leading dims"},
+          {"wbatch", DimKind::Var, {}, "product of weight's leading dims: 1 (shared) or batch"},
+          {"m", DimKind::Var, {}, "rows of x"},
+          {"n", DimKind::Var, {}, "output features (rows of weight)"},
+          {"k", DimKind::Var, {}, "input features"}};
+}
+
+Case gemm_case(std::string name, int64_t batch, int64_t wbatch, int64_t m, int64_t n, int64_t k, std::string act,
+               std::vector<std::string> without) {
+  Case c;
+  c.name = std::move(name);
+  c.dims = {{"batch", batch}, {"wbatch", wbatch}, {"m", m}, {"n", n}, {"k", k}};
+  c.params = {{"act", act}};
+  c.without = std::move(without);
+  return c;
+}
+
+// Sizes from {1, 7, 33, 4097} in every position (the float64 reference runs on the CPU, so 4097 appears in
+// one dim at a time), each activation with and without bias, batched with per-batch and shared weights.
+std::vector<Case> fwd_cases() {
+  std::vector<Case> c = {
+      gemm_case("base", 1, 1, 33, 33, 33, "none", {"aux"}),
+      gemm_case("m_1", 1, 1, 1, 7, 33, "none", {"aux"}),
+      gemm_case("n_1", 1, 1, 7, 1, 33, "none", {"aux"}),
+      gemm_case("k_1", 1, 1, 33, 7, 1, "none", {"aux"}),
+      gemm_case("k_4097", 1, 1, 7, 33, 4097, "none", {"aux"}),
+      gemm_case("m_4097", 1, 1, 4097, 7, 33, "none", {"aux"}),
+      gemm_case("n_4097", 1, 1, 33, 4097, 7, "none", {"aux"}),
+      gemm_case("no_bias", 1, 1, 33, 7, 33, "none", {"bias", "aux"}),
+      gemm_case("relu_bias", 1, 1, 33, 64, 33, "relu", {"aux"}),
+      gemm_case("relu_no_bias", 1, 1, 7, 33, 33, "relu", {"bias", "aux"}),
+      gemm_case("gelu_bias", 1, 1, 33, 33, 7, "gelu", {"aux"}),
+      gemm_case("gelu_bias_aux", 1, 1, 33, 64, 33, "gelu", {}),
+      gemm_case("gelu_aux_no_bias", 1, 1, 7, 16, 33, "gelu", {"bias"}),
+      gemm_case("batched", 3, 3, 7, 33, 33, "none", {"aux"}),
+      gemm_case("batched_shared_weight", 4, 1, 7, 33, 33, "gelu", {}),
+      gemm_case("large_1024", 1, 1, 256, 1024, 1024, "gelu", {}),
+  };
+  c[14].dims[3].second = 40;  // n = 40 (a multiple of 8 for aux)
+  c.back().large = true;
+  return c;
+}
+
+std::vector<HostTensor> fwd_reference(const Problem& p, const std::vector<HostTensor>& in) {
+  int64_t batch = p.dim("batch"), wbatch = p.dim("wbatch"), m = p.dim("m"), n = p.dim("n"), k = p.dim("k");
+  const std::vector<double>* bias = in[2].defined ? &in[2].data : nullptr;
+  auto r = ref::gemm_fwd_ref(in[0].data, in[1].data, bias, batch, wbatch, m, n, k, act_code(p));
+  std::vector<int64_t> shape = in[0].shape;
+  shape.back() = n;
+  std::vector<HostTensor> out(2);
+  out[0] = {true, shape, std::move(r.y)};
+  if (p.present("aux")) out[1] = {true, shape, std::move(r.pre)};
+  return out;
+}
+
+OpDef make_fwd() {
+  OpDef op;
+  OpInfo& i = op.info;
+  i.name = "gemm";
+  i.family = "gemm";
+  i.doc = "y = act(x·Wᵀ + b) through cuBLASLt (nn.Linear layout), batched, any transposed or strided views";
+  i.inputs = {
+      {"x", {"...batch", "m", "k"}, kFloatTypes, "", false, false, "", Layout::Strided,
+       "input; any view with one unit-stride dim of the last two"},
+      {"weight", {"...wbatch", "n", "k"}, {}, "x", false, false, "", Layout::Strided,
+       "nn.Linear layout; batch dims absent (shared) or x's"},
+      {"bias", {"n"}, {}, "x", false, true, "", Layout::Contiguous, "added before the activation"},
+  };
+  i.outputs = {
+      {"y", {"...batch", "m", "n"}, {}, "x", false, false, "", Layout::Strided, "output; unit stride along n"},
+      {"aux", {"...batch", "m", "n"}, {}, "x", false, true, "", Layout::Contiguous,
+       "optional: the pre-activation x·Wᵀ + b, saved for the backward (act=gelu, n a multiple of 8)"},
+  };
+  i.params = gemm_params();
+  i.dims = gemm_dims();
+  i.reference = "api/ops/gemm/reference.cpp (python/kspec/reference/gemm.py)";
+  op.check_call = [](const Call& call) { plan_fwd(call); };
+  op.launch = [](const Call& call, const Config&, Launcher& l) {
+    FwdPlan f = plan_fwd(call);
+    void* ws = l.workspace(gemm::kLtWorkspaceBytes);
+    gemm::lt_matmul(f.lt, call.device, call.stream, ws, gemm::kLtWorkspaceBytes);
+  };
+  op.reference = fwd_reference;
+  op.cases = fwd_cases();
+  op.dtypes = kFloatTypes;
+  return op;
+}
+
+// ---- backward ----
+
+struct BwdPlan {
+  gemm::LtCall dx, dw;
+  std::vector<gemm::LtCall> dw_per_batch;  // batches that cannot fold into one reduction: accumulated
+  bool needs_act_grad = false;
+  int64_t rows = 0, cols = 0, dy_row_stride = 0;
+  gemm::MatrixView dpre_rows;        // dpre as one [batch*m, n] matrix (when dbias is asked for)
+  const void* dpre_data = nullptr;
+  bool dbias_by_ones = false;        // dbias = ones·dpre (the dW GEMM cannot carry the BGRADB epilogue)
+};
+
+// dpre is dy itself without an activation, else the act-grad kernel's contiguous output (workspace).
+BwdPlan plan_bwd(const Call& call, void* dpre) {
+  const std::string& op = call.problem.op->info.name;
+  const TensorView &dy = call.in("dy"), &x = call.in("x"), &w = call.in("weight"), &saved = call.in("saved");
+  const TensorView &dx = call.out("dx"), &dw = call.out("dweight"), &db = call.out("dbias");
+  int act = act_code(call.problem);
+  int64_t batch = std::max<int64_t>(call.problem.dim("batch"), 1), m = call.problem.dim("m"),
+          n = call.problem.dim("n");
+  BwdPlan f;
+  gemm::MatrixView dyv = matrix_of(dy, op, "dy"), xv = matrix_of(x, op, "x"), wv = matrix_of(w, op, "weight");
+  gemm::MatrixView dxv = matrix_of(dx, op, "dx"), dwv = matrix_of(dw, op, "dweight");
+  bool shared = weight_broadcast(x, w, op);
+  if (shared) wv.batch_stride = dwv.batch_stride = 0;
+  KSPEC_CHECK(act == 0 || saved.defined(), op, ": act='", kActs[act], "' needs input 'saved' (gelu: the forward's "
+              "aux; relu: the forward's aux or y)");
+  gemm::MatrixView pv = dyv;
+  const void* pdata = dy.data;
+  if (act != 0) {
+    f.needs_act_grad = true;
+    f.rows = batch * m;
+    f.cols = n;
+    KSPEC_CHECK(dyv.col_stride == 1 || n == 1, op, ": 'dy' ", dy.describe(), ": needs unit stride along n with an "
+                "activation");
+    KSPEC_CHECK(batch == 1 || m == 1 || dyv.batch_stride == m * dyv.row_stride, op, ": 'dy' ", dy.describe(),
+                ": its rows must lie at one row stride with an activation (make it contiguous)");
+    f.dy_row_stride = m == 1 && batch > 1 ? dyv.batch_stride : dyv.row_stride;
+    pv = {m, n, n, 1, m * n};
+    pdata = dpre;
+  }
+  DType dt = dy.dtype;
+  bool tf32 = call.problem.param_bool("tf32");
+  // dx = dpre·W
+  f.dx.g = gemm::map_row_major(dxv, pv, wv, batch, "dx", "dy", "weight");
+  f.dx.ab_dtype = f.dx.d_dtype = dt;
+  f.dx.tf32 = tf32;
+  f.dx.a = w.data;
+  f.dx.b = pdata;
+  f.dx.d = dx.data;
+  // dW = dpreᵀ·x, summed over the batches that share the weight
+  gemm::MatrixView pt = gemm::transposed(pv), xq = xv;
+  gemm::LtCall base;
+  base.ab_dtype = base.d_dtype = dt;
+  base.tf32 = tf32;
+  base.a = x.data;
+  base.b = pdata;
+  base.d = dw.data;
+  if (!shared) {
+    f.dw = base;
+    f.dw.g = gemm::map_row_major(dwv, pt, xq, batch, "dweight", "dy", "x");
+  } else if (gemm::fold_batch_into_k(pt, xq, batch)) {
+    f.dw = base;
+    f.dw.g = gemm::map_row_major(dwv, pt, xq, 1, "dweight", "dy", "x");
+  } else {
+    size_t esize = dtype_size(dt);
+    for (int64_t b = 0; b < batch; ++b) {
+      gemm::LtCall c = base;
+      gemm::MatrixView pb = pt, xb = xv;
+      pb.batch_stride = xb.batch_stride = 0;
+      c.g = gemm::map_row_major(dwv, pb, xb, 1, "dweight", "dy", "x");
+      c.a = static_cast<const char*>(x.data) + b * xv.batch_stride * esize;
+      c.b = static_cast<const char*>(pdata) + b * pv.batch_stride * esize;
+      c.beta = b == 0 ? 0.f : 1.f;
+      f.dw_per_batch.push_back(c);
+    }
+  }
+  if (db.defined()) {
+    f.dpre_data = pdata;
+    if (f.dw_per_batch.empty() && f.dw.g.batch == 1) {
+      f.dw.epilogue = CUBLASLT_EPILOGUE_BGRADB;  // Σ over the dW GEMM's k (= the rows of dpre) of B = dpre
+      f.dw.bias = db.data;
+      f.dpre_rows = shared ? gemm::transposed(pt) : pv;  // folded (shared) or a single batch
+    } else {
+      // The dW GEMM is batched or split: dbias = ones·dpre over all rows, which must lie end to end.
+      KSPEC_CHECK_AS(batch == 1 || m == 1 || pv.batch_stride == m * pv.row_stride, Unsupported, op,
+                     ": dbias needs dy's batches end to end (make dy contiguous)");
+      f.dpre_rows = {batch * m, n, m == 1 && batch > 1 ? pv.batch_stride : pv.row_stride, pv.col_stride, 0};
+      f.dbias_by_ones = true;
+    }
+  }
+  return f;
+}
+
+// dbias = ones[1, rows] · dpre[rows, n] (`ones`: workspace room for rows elements).
+void lt_bias_grad(const Call& call, const BwdPlan& f, void* ones, void* ws) {
+  DType dt = call.problem.dtype("dy");
+  int64_t rows = f.dpre_rows.rows, n = f.dpre_rows.cols;
+  unsigned pattern = dt == DType::f32 ? 0x3f800000u : dt == DType::bf16 ? 0x3f803f80u : 0x3c003c00u;
+  size_t words = dt == DType::f32 ? rows : (rows + 1) / 2;
+  CU_CHECK(cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(ones), pattern, words, reinterpret_cast<CUstream>(call.stream)));
+  gemm::LtCall c;
+  gemm::MatrixView dbv{1, n, n, 1, 0}, onesv{1, rows, rows, 1, 0};
+  c.g = gemm::map_row_major(dbv, onesv, f.dpre_rows, 1, "dbias", "ones", "dy");
+  c.ab_dtype = c.d_dtype = dt;
+  c.a = f.dpre_data;
+  c.b = ones;
+  c.d = call.out("dbias").data;
+  gemm::lt_matmul(c, call.device, call.stream, ws, gemm::kLtWorkspaceBytes);
+}
+
+std::vector<HostTensor> bwd_reference(const Problem& p, const std::vector<HostTensor>& in) {
+  int64_t batch = p.dim("batch"), wbatch = p.dim("wbatch"), m = p.dim("m"), n = p.dim("n"), k = p.dim("k");
+  std::vector<double> none;
+  auto r = ref::gemm_bwd_ref(in[0].data, in[1].data, in[2].data, in[3].defined ? in[3].data : none, batch, wbatch, m,
+                             n, k, act_code(p));
+  std::vector<HostTensor> out(3);
+  out[0] = {true, in[1].shape, std::move(r.dx)};
+  out[1] = {true, in[2].shape, std::move(r.dw)};
+  if (p.present("dbias")) out[2] = {true, {n}, std::move(r.db)};
+  return out;
+}
+
+std::vector<Case> bwd_cases() {
+  std::vector<Case> c = {
+      gemm_case("base", 1, 1, 33, 33, 33, "none", {"saved"}),
+      gemm_case("m_1", 1, 1, 1, 7, 33, "none", {"saved"}),
+      gemm_case("n_1", 1, 1, 7, 1, 33, "relu", {}),
+      gemm_case("k_1", 1, 1, 33, 7, 1, "gelu", {}),
+      gemm_case("k_4097", 1, 1, 7, 33, 4097, "gelu", {}),
+      gemm_case("m_4097", 1, 1, 4097, 7, 33, "relu", {}),
+      gemm_case("n_4097", 1, 1, 33, 4097, 7, "none", {"saved"}),
+      gemm_case("batched", 3, 3, 7, 33, 33, "gelu", {}),
+      gemm_case("batched_shared_weight", 4, 1, 7, 33, 33, "gelu", {}),
+      gemm_case("large_1024", 1, 1, 256, 1024, 1024, "gelu", {}),
+  };
+  c.back().large = true;
+  return c;
+}
+
+// The saved pre-activation must be the forward's for x and W (the reference recomputes it).
+void bwd_prepare(const Problem& p, std::vector<HostTensor>& in) {
+  if (!in[3].defined) return;
+  int64_t batch = p.dim("batch"), wbatch = p.dim("wbatch"), m = p.dim("m"), n = p.dim("n"), k = p.dim("k");
+  in[3].data = ref::gemm_fwd_ref(in[1].data, in[2].data, nullptr, batch, wbatch, m, n, k, act_code(p)).pre;
+}
+
+OpDef make_bwd() {
+  OpDef op;
+  OpInfo& i = op.info;
+  i.name = "gemm.bwd";
+  i.family = "gemm";
+  i.doc = "gradients of gemm: dx = dpre·W, dW = dpreᵀ·x, dbias = Σ dpre with dpre = dy * act'(pre)";
+  i.inputs = {
+      {"dy", {"...batch", "m", "n"}, kFloatTypes, "", false, false, "", Layout::Strided, "gradient of y"},
+      {"x", {"...batch", "m", "k"}, {}, "dy", false, false, "", Layout::Strided, "the forward's input"},
+      {"weight", {"...wbatch", "n", "k"}, {}, "dy", false, false, "", Layout::Strided, "the forward's weight"},
+      {"saved", {"...batch", "m", "n"}, {}, "dy", false, true, "", Layout::Contiguous,
+       "act=gelu: the forward's aux; act=relu: its aux or y; act=none: absent"},
+  };
+  i.outputs = {
+      {"dx", {"...batch", "m", "k"}, {}, "dy", false, false, "", Layout::Strided, "gradient of x"},
+      {"dweight", {"...wbatch", "n", "k"}, {}, "dy", false, false, "", Layout::Strided, "gradient of weight"},
+      {"dbias", {"n"}, {}, "dy", false, true, "", Layout::Contiguous, "optional: gradient of bias"},
+  };
+  i.params = gemm_params();
+  i.dims = gemm_dims();
+  i.reference = "api/ops/gemm/reference.cpp (python/kspec/reference/gemm.py)";
+  op.kernels = [](const Problem& p, const Config&) {
+    std::vector<jit::KernelSpec> out;
+    if (act_code(p) == 0) return out;
+    jit::KernelSpec s;
+    s.header = "gemm/gemm_act_grad.cuh";
+    s.kernel = "kspec::gemm_act_grad_kernel";
+    s.targs = {dtype_cuda_type(p.dtype("dy")), std::to_string(act_code(p)), std::to_string(kActGradThreads)};
+    s.arch = p.arch;
+    out.push_back(std::move(s));
+    return out;
+  };
+  op.check_call = [](const Call& call) { plan_bwd(call, nullptr); };
+  op.launch = [](const Call& call, const Config&, Launcher& l) {
+    const Problem& p = call.problem;
+    int64_t rows = std::max<int64_t>(p.dim("batch"), 1) * p.dim("m"), n = p.dim("n");
+    // One workspace request (a larger one would move it): cuBLASLt's, then dpre, then ones for dbias.
+    size_t esize = dtype_size(p.dtype("dy"));
+    auto round_up = [](size_t b) { return (b + 255) / 256 * 256; };
+    size_t dpre_bytes = act_code(p) == 0 ? 0 : static_cast<size_t>(rows * n) * esize;
+    size_t dpre_offset = round_up(gemm::kLtWorkspaceBytes), ones_offset = dpre_offset + round_up(dpre_bytes);
+    size_t ones_bytes = p.present("dbias") ? static_cast<size_t>(rows + 2) * esize : 0;
+    char* ws = static_cast<char*>(l.workspace(ones_offset + ones_bytes));
+    void* dpre = dpre_bytes ? ws + dpre_offset : nullptr;
+    BwdPlan f = plan_bwd(call, dpre);
+    if (f.needs_act_grad && rows * n > 0) {
+      const void *dyp = call.in("dy").data, *sp = call.in("saved").data;
+      long long r = f.rows, c = f.cols, s = f.dy_row_stride;
+      void* args[] = {&dyp, &sp, &dpre, &r, &c, &s};
+      int64_t blocks = std::min<int64_t>((rows * n + kActGradThreads - 1) / kActGradThreads,
+                                         int64_t(l.multiprocessors()) * 16);
+      l.launch(0, {static_cast<unsigned>(blocks)}, {kActGradThreads}, 0, args);
+    }
+    gemm::lt_matmul(f.dx, call.device, call.stream, ws, gemm::kLtWorkspaceBytes);
+    if (f.dw_per_batch.empty() && !f.dbias_by_ones) {
+      try {
+        gemm::lt_matmul(f.dw, call.device, call.stream, ws, gemm::kLtWorkspaceBytes);
+      } catch (const Unsupported&) {
+        // No BGRADB algorithm for this layout: dW plainly, then dbias = ones[1, rows] · dpre[rows, n].
+        if (!f.dw.bias) throw;
+        gemm::LtCall plain = f.dw;
+        plain.epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+        plain.bias = nullptr;
+        gemm::lt_matmul(plain, call.device, call.stream, ws, gemm::kLtWorkspaceBytes);
+        lt_bias_grad(call, f, ws + ones_offset, ws);
+      }
+    } else if (f.dw_per_batch.empty()) {
+      gemm::lt_matmul(f.dw, call.device, call.stream, ws, gemm::kLtWorkspaceBytes);
+    } else {
+      for (const auto& c : f.dw_per_batch) gemm::lt_matmul(c, call.device, call.stream, ws, gemm::kLtWorkspaceBytes);
+    }
+    if (f.dbias_by_ones) lt_bias_grad(call, f, ws + ones_offset, ws);
+  };
+  op.reference = bwd_reference;
+  op.prepare_inputs = bwd_prepare;
+  op.cases = bwd_cases();
+  op.dtypes = kFloatTypes;
+  return op;
+}
+
+}  // namespace
+
+void register_gemm(Registry& r) {
+  r.add(make_fwd());
+  r.add(make_bwd());
+}
+
+}  // namespace kspec

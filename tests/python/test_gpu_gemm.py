@@ -1,0 +1,176 @@
+"""gemm / gemm.bwd / kspec.ops.linear on the GPU against the float64 reference: every transposition of x
+and W (views read in place), sizes from {1, 7, 33, 4097} in every position, batches with shared and
+per-batch weights, each epilogue; kspec's error at most 2x torch's at the same precision; autograd,
+torch.compile, bad strides."""
+import itertools
+
+import numpy as np
+import pytest
+
+from helpers import TOL, rel_err
+
+torch = pytest.importorskip("torch")
+import kspec  # noqa: E402
+from kspec.reference import gemm as ref  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SIZES = [1, 7, 33, 4097]
+# (m, n, k) with 4097 in at most one place keeps the float64 reference quick.
+SHAPES = [s for s in itertools.product(SIZES, SIZES, SIZES) if sum(v == 4097 for v in s) <= 1]
+
+
+def _np(t):
+    return t.detach().double().cpu().numpy()
+
+
+def _tol(dtype):
+    return TOL[str(dtype).split(".")[1]]
+
+
+def _make(rows, cols, dtype, transposed, gen_scale=1.0):
+    """A (rows, cols) tensor, stored column-major (a .t() view) when `transposed`."""
+    if transposed:
+        return (torch.randn(cols, rows, device="cuda") * gen_scale).to(dtype).t()
+    return (torch.randn(rows, cols, device="cuda") * gen_scale).to(dtype)
+
+
+def _check(out, want, torch_out, dtype, what):
+    e = rel_err(_np(out), want)
+    te = rel_err(_np(torch_out), want)
+    tol = _tol(dtype)
+    assert e <= max(tol, 2 * te), f"{what}: kspec {e:.2e} > tolerance {tol} (torch {te:.2e})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
+@pytest.mark.parametrize("mnk", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("xt,wt", list(itertools.product([False, True], [False, True])), ids=lambda v: "T" if v else "N")
+def test_forward_every_transposition_and_odd_size(dtype, mnk, xt, wt):
+    m, n, k = mnk
+    x = _make(m, k, dtype, xt)
+    w = _make(n, k, dtype, wt)
+    b = torch.randn(n, device="cuda").to(dtype)
+    y, pre = kspec.ops.gemm(x, w, b)
+    assert pre is None and y.shape == (m, n) and y.dtype == dtype
+    want, _ = ref.gemm_fwd(_np(x), _np(w), _np(b))
+    _check(y, want, torch.nn.functional.linear(x, w, b), dtype, f"y {mnk}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
+@pytest.mark.parametrize("act", ["none", "relu", "gelu"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("mnk", [(33, 64, 33), (7, 40, 4097), (4097, 8, 7), (1, 16, 1)], ids=str)
+def test_epilogues_and_saved_pre_activation(dtype, act, bias, mnk):
+    m, n, k = mnk
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    w = torch.randn(n, k, device="cuda").to(dtype)
+    b = torch.randn(n, device="cuda").to(dtype) if bias else None
+    y, pre = kspec.ops.gemm(x, w, b, act=act, save_pre=(act == "gelu"))
+    want_y, want_pre = ref.gemm_fwd(_np(x), _np(w), None if b is None else _np(b), act)
+    lin = torch.nn.functional.linear(x, w, b)
+    tact = {"none": lambda t: t, "relu": torch.relu,
+            "gelu": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}[act]
+    _check(y, want_y, tact(lin), dtype, "y")
+    if act == "gelu":
+        _check(pre, want_pre, lin, dtype, "pre")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_w", "batched_w"])
+@pytest.mark.parametrize("gap", [False, True], ids=["packed", "gapped"])
+def test_batched(dtype, shared, gap):
+    B, m, n, k = 3, 33, 24, 7
+    base = torch.randn(B, m + (5 if gap else 0), k, device="cuda").to(dtype)
+    x = base[:, :m]  # gapped: batches not end to end, a strided-batched GEMM instead of one folded GEMM
+    w = torch.randn(n, k, device="cuda").to(dtype) if shared else torch.randn(B, n, k, device="cuda").to(dtype)
+    b = torch.randn(n, device="cuda").to(dtype)
+    y, pre = kspec.ops.gemm(x, w, b, act="gelu", save_pre=True)
+    want_y, want_pre = ref.gemm_fwd(_np(x), _np(w), _np(b), "gelu")
+    lin = torch.matmul(x, w.transpose(-1, -2)) + b
+    _check(y, want_y, torch.nn.functional.gelu(lin, approximate="tanh"), dtype, "y")
+    _check(pre, want_pre, lin, dtype, "pre")
+    dy = torch.randn_like(y)
+    dx, dw, db = kspec.ops.gemm_bwd(dy, x, w, pre, act="gelu")
+    wdx, wdw, wdb = ref.gemm_bwd(_np(dy), _np(x), _np(w), _np(pre), "gelu")
+    tol = _tol(dtype)
+    assert rel_err(_np(dx), wdx) <= tol and rel_err(_np(dw), wdw) <= tol
+    assert rel_err(_np(db), wdb) <= tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
+@pytest.mark.parametrize("act", ["none", "relu", "gelu"])
+@pytest.mark.parametrize("mnk", [(33, 40, 7), (1, 8, 33), (7, 1, 7), (4097, 16, 33), (33, 8, 4097)], ids=str)
+@pytest.mark.parametrize("xt,wt", [(False, False), (True, True), (False, True), (True, False)], ids=str)
+def test_linear_autograd_matches_reference(dtype, act, mnk, xt, wt):
+    m, n, k = mnk
+    x = _make(m, k, dtype, xt).requires_grad_()
+    w = _make(n, k, dtype, wt).requires_grad_()
+    b = torch.randn(n, device="cuda").to(dtype).requires_grad_()
+    y = kspec.ops.linear(x, w, b, act)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    want_y, pre = ref.gemm_fwd(_np(x), _np(w), _np(b), act)
+    dx, dw, db = ref.gemm_bwd(_np(dy), _np(x), _np(w), pre, act)
+    xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    tact = {"none": lambda t: t, "relu": torch.relu,
+            "gelu": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}[act]
+    yr = tact(torch.nn.functional.linear(xr, wr, br))
+    yr.backward(dy)
+    _check(y, want_y, yr, dtype, "y")
+    _check(x.grad, dx, xr.grad, dtype, "dx")
+    _check(w.grad, dw, wr.grad, dtype, "dw")
+    _check(b.grad, db, br.grad, dtype, "db")
+
+
+def test_linear_3d_input_and_gelu_with_n_not_multiple_of_8():
+    x = torch.randn(4, 9, 33, device="cuda", requires_grad=True)
+    w = torch.randn(7, 33, device="cuda", requires_grad=True)
+    b = torch.randn(7, device="cuda", requires_grad=True)
+    y = kspec.ops.linear(x, w, b, "gelu")
+    y.sum().backward()
+    want_y, pre = ref.gemm_fwd(_np(x), _np(w), _np(b), "gelu")
+    dx, dw, db = ref.gemm_bwd(np.ones(want_y.shape), _np(x), _np(w), pre, "gelu")
+    assert rel_err(_np(y), want_y) <= 1e-5
+    assert rel_err(_np(x.grad), dx) <= 1e-5 and rel_err(_np(w.grad), dw) <= 1e-5 and rel_err(_np(b.grad), db) <= 1e-5
+
+
+def test_tf32_is_close():
+    x = torch.randn(256, 512, device="cuda")
+    w = torch.randn(128, 512, device="cuda")
+    y = kspec.ops.gemm(x, w, None, tf32=True)[0]
+    assert rel_err(_np(y), ref.gemm_fwd(_np(x), _np(w))[0]) <= 3e-3
+
+
+def test_torch_compile_through_custom_op():
+    x = torch.randn(64, 96, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(128, 96, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def f(x, w, b):
+        return (kspec.ops.linear(x * 2, w, b, "gelu") ** 2).sum()
+
+    out = torch.compile(f, fullgraph=True)(x, w, b)
+    out.backward()
+    g = [t.grad.clone() for t in (x, w, b)]
+    for t in (x, w, b):
+        t.grad = None
+    f(x, w, b).backward()
+    for a, t in zip(g, (x, w, b)):
+        assert rel_err(_np(a), _np(t.grad)) < 1e-2
+
+
+def test_bad_strides_are_clear_errors():
+    w = torch.randn(16, 32, device="cuda")
+    x = torch.randn(8, 64, device="cuda")[:, ::2]  # no unit-stride dim
+    with pytest.raises(ValueError, match="unit-stride"):
+        kspec.ops.gemm(x, w)
+    with pytest.raises(ValueError, match="'aux'.*gelu"):
+        kspec.call("gemm", torch.randn(8, 32, device="cuda"), w, None, act="relu",
+                   out=(torch.empty(8, 16, device="cuda"), torch.empty(8, 16, device="cuda")))
+
+
+def test_cpp_checker_from_python():
+    for op in ("gemm", "gemm.bwd"):
+        rows = kspec.check(op)
+        assert rows and all(r["passed"] for r in rows), [r for r in rows if not r["passed"]]
