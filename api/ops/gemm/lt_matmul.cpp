@@ -115,7 +115,13 @@ void lt_matmul(const LtCall& c, int device, Stream stream, void* workspace, size
     Preference pref(workspace_bytes);
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.h, la.h, lb.h, ld.h, ld.h, pref.h, 1, &result, &found));
+    // NOT_SUPPORTED (seen on the H100 for the BGRADB epilogue with one row, m = 1 or n = 1) means the
+    // same as finding nothing: Unsupported, which callers with a plainer fallback catch.
+    cublasStatus_t st = jit::cublaslt().cublasLtMatmulAlgoGetHeuristic(handle, desc.h, la.h, lb.h, ld.h, ld.h, pref.h,
+                                                                        1, &result, &found);
+    if (st == CUBLAS_STATUS_NOT_SUPPORTED) found = 0;
+    else if (st != CUBLAS_STATUS_SUCCESS)
+      jit::throw_cublas_error(st, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
     KSPEC_CHECK_AS(found > 0, Unsupported, "gemm: cuBLASLt has no algorithm for ", describe(g), " (",
                    dtype_name(c.ab_dtype), " -> ", dtype_name(c.d_dtype), ", epilogue ", static_cast<int>(c.epilogue),
                    ")");
