@@ -159,6 +159,17 @@ Problem problem_from_request(const OpDef& op, const CompileRequest& req);
 // Shapes from dims for each tensor of a problem (used by checks and benchmarks to allocate).
 std::vector<int64_t> shape_of(const TensorDef& t, const Problem& p);
 
+// One kernel of an op's plan: template header, kernel template name and arguments, for the problem's arch.
+inline jit::KernelSpec kernel_spec(const Problem& p, std::string header, std::string kernel,
+                                   std::vector<std::string> targs) {
+  jit::KernelSpec s;
+  s.header = std::move(header);
+  s.kernel = std::move(kernel);
+  s.targs = std::move(targs);
+  s.arch = p.arch;
+  return s;
+}
+
 // Tolerance for ‖out−ref‖/‖ref‖ by dtype: the one table.
 double tolerance_for(DType dtype);
 

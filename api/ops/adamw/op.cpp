@@ -60,12 +60,7 @@ Config heuristic(const Problem& p) {
 
 std::vector<jit::KernelSpec> kernels(const Problem& p, const Config& c) {
   auto spec = [&](const char* name, std::vector<std::string> targs) {
-    jit::KernelSpec s;
-    s.header = kHeader;
-    s.kernel = name;
-    s.targs = std::move(targs);
-    s.arch = p.arch;
-    return s;
+    return kernel_spec(p, kHeader, name, std::move(targs));
   };
   std::string threads = std::to_string(c.get("threads")), chunk = std::to_string(c.get("chunk"));
   const char* tg = dtype_cuda_type(p.dtype("grads"));

@@ -363,12 +363,9 @@ OpDef make_bwd() {
   op.kernels = [](const Problem& p, const Config&) {
     std::vector<jit::KernelSpec> out;
     if (act_code(p) == 0) return out;
-    jit::KernelSpec s;
-    s.header = "gemm/gemm_act_grad.cuh";
-    s.kernel = "kspec::gemm_act_grad_kernel";
-    s.targs = {dtype_cuda_type(p.dtype("dy")), std::to_string(act_code(p)), std::to_string(kActGradThreads)};
-    s.arch = p.arch;
-    out.push_back(std::move(s));
+    out.push_back(kernel_spec(p, "gemm/gemm_act_grad.cuh", "kspec::gemm_act_grad_kernel",
+                              {dtype_cuda_type(p.dtype("dy")), std::to_string(act_code(p)),
+                               std::to_string(kActGradThreads)}));
     return out;
   };
   op.check_call = [](const Call& call) { plan_bwd(call, nullptr); };

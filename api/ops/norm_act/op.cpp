@@ -107,12 +107,7 @@ std::vector<std::string> common_targs(const Problem& p, const Config& c, const c
 }
 
 jit::KernelSpec spec(const Problem& p, const char* kernel, std::vector<std::string> targs) {
-  jit::KernelSpec s;
-  s.header = kHeader;
-  s.kernel = kernel;
-  s.targs = std::move(targs);
-  s.arch = p.arch;
-  return s;
+  return kernel_spec(p, kHeader, kernel, std::move(targs));
 }
 
 // ---- references (float64) ----

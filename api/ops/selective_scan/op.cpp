@@ -105,12 +105,7 @@ std::string traits(const Problem& p, const Config& c) {
 }
 
 jit::KernelSpec spec(const Problem& p, const char* kernel, std::vector<std::string> targs) {
-  jit::KernelSpec s;
-  s.header = kHeader;
-  s.kernel = kernel;
-  s.targs = std::move(targs);
-  s.arch = p.arch;
-  return s;
+  return kernel_spec(p, kHeader, kernel, std::move(targs));
 }
 
 // ---- references (float64) ----
