@@ -537,6 +537,370 @@ __global__ void selective_scan_bwd_reduce_kernel(const float* __restrict__ parti
   }
 }
 
+// =============================================================================================
+// The sequential-state forward ("algo 1"): states in registers, time walked in order per thread.
+//
+// The warp-scan kernels above spend most of their time in per-state shuffle scans and the serial
+// carry, not in the exponentials that bound the scan (one ex2 per step and state, 16 per SM and
+// clock). Here a thread owns kSpt = ceil(dstate / kLanes) states of one channel in registers and walks
+// the chunk's steps in order: per step and state one ex2, three FMA/FMUL and no shuffle; the kLanes
+// threads of a channel (neighbouring lanes) add their C . x parts with log2(kLanes) xor shuffles per
+// step. Parallelism is batch * dim * kLanes threads (32768 for the (8, 2048) Mamba shapes at kLanes 2),
+// each with kSpt independent recurrences in flight.
+//
+// Per chunk of kChunk steps the block (kChannels = kThreads / kLanes neighbouring channels of one batch
+// and group) stages through shared memory, transposed to [step][channel] so a step's values are one
+// conflict-free read per warp:
+//   s_dt[t][c] = dt after bias/softplus (computed once per channel and step, not once per state)
+//   s_u[t][c]  = u,   s_B[t][n], s_C[t][n] = a variable B/C row of the block's group,
+// then the threads scan (writing y = C . x to s_y[t][c]) and the block writes out = (y + D u) * silu(z)
+// with coalesced stores. Padding steps past seqlen have dt = 0 and u = 0, so a = 1 and b = 0: every
+// thread runs the whole chunk (a constant trip count) and the state passes through them unchanged.
+// Padding states (n >= dstate) have A = B = C = 0 and stay 0.
+//
+// Launch: blockDim = kThreads; gridDim = (ceil(dim / kChannels), batch). A block's channels lie in one
+// group when B or C is variable (the host ensures groups == 1 or kChannels divides dim / groups).
+// Dynamic shared memory: seq_fwd_smem_floats() floats. With kEven (seqlen a multiple of 512, hence of
+// kChunk, and every pointer 16-byte aligned) the staging and the output use 16-byte accesses.
+// =============================================================================================
+template <typename T_, typename TB_, typename TC_, int kDstate_, bool kVarB_, bool kVarC_, bool kHasD_,
+          bool kHasZ_, bool kHasDeltaBias_, bool kSoftplus_, bool kHasH0_, bool kEven_, int kWarps_,
+          int kLanes_, int kChunk_>
+struct SeqScanTraits {
+  using T = T_;
+  using TB = TB_;
+  using TC = TC_;
+  static constexpr int kDstate = kDstate_;
+  static constexpr bool kVarB = kVarB_, kVarC = kVarC_, kHasD = kHasD_, kHasZ = kHasZ_;
+  static constexpr bool kHasDeltaBias = kHasDeltaBias_, kSoftplus = kSoftplus_, kHasH0 = kHasH0_;
+  static constexpr bool kEven = kEven_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = kWarps * kWarpSize;
+  static constexpr int kLanes = kLanes_;
+  static constexpr int kChunk = kChunk_;
+  static constexpr int kChannels = kThreads / kLanes;
+  static constexpr int kSpt = (kDstate + kLanes - 1) / kLanes;  // states per thread
+  static constexpr int kNp = kSpt * kLanes;                     // dstate padded to whole threads
+  static constexpr int kCs = kChannels + 1;                     // row stride of [step][channel] arrays
+  static_assert(kLanes >= 1 && kLanes <= kWarpSize && (kLanes & (kLanes - 1)) == 0, "kLanes: power of two <= 32");
+  static_assert(kSpt <= 32, "at most 32 states per thread");
+  static_assert(kChunk % 16 == 0, "kChunk: a multiple of 16 steps");
+  static_assert(kWarps >= 1 && kWarps <= 32, "1..32 warps per block");
+};
+
+// Shared memory of the sequential forward, in floats: s_dt, s_u, s_y, then s_B and s_C when variable.
+template <typename Tr>
+constexpr int seq_fwd_smem_floats() {
+  return 3 * Tr::kChunk * Tr::kCs + ((Tr::kVarB ? 1 : 0) + (Tr::kVarC ? 1 : 0)) * Tr::kChunk * Tr::kNp;
+}
+
+namespace scan_detail {
+
+// dst[t * stride + r] = f(src_r[t0 + t], r, t) for rows r < kRows, steps t < kChunk (0 past seqlen or
+// for rows with no source: row_ptr returns nullptr). With kVec, 16-byte loads along the step axis
+// (rows 16-byte aligned and the chunk whole).
+template <typename Tr, int kRows, typename X, typename RowPtr, typename F>
+__device__ __forceinline__ void stage_transposed(RowPtr row_ptr, int t0, int seqlen, float* dst, int stride, F f) {
+  constexpr int kC = Tr::kChunk;
+  if constexpr (Tr::kEven) {
+    constexpr int V = 16 / static_cast<int>(sizeof(X));
+    constexpr int kPerRow = kC / V;
+    for (int e = static_cast<int>(threadIdx.x); e < kRows * kPerRow; e += Tr::kThreads) {
+      const int r = e / kPerRow, tv = (e % kPerRow) * V;
+      const X* src = row_ptr(r);
+      float v[V];
+      if (src) {
+        load_floats<V>(src + t0 + tv, v);
+      } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[k] = 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < V; ++k) dst[(tv + k) * stride + r] = src ? f(v[k], r) : 0.0f;
+    }
+  } else {
+    for (int e = static_cast<int>(threadIdx.x); e < kRows * kC; e += Tr::kThreads) {
+      const int r = e / kC, t = e % kC;
+      const X* src = row_ptr(r);
+      const bool ok = src && t0 + t < seqlen;
+      dst[t * stride + r] = ok ? f(to_float(src[t0 + t]), r) : 0.0f;
+    }
+  }
+}
+
+// y of 4 consecutive steps from the kLanes threads of a channel (each holds its states' part of each):
+// a transposing reduction (lanes exchange half their values per level) takes 1, 2 or 3 shuffles for
+// the 4 steps instead of 4 * log2(kLanes), then plain xor levels above 4 lanes. Writes s_y[g * stride]
+// for g = 0..3 (s_y points at step t, channel c).
+template <int kLanes>
+__device__ __forceinline__ void seq_store_y(float (&y)[4], int sl, float* s_y, int stride) {
+  if constexpr (kLanes == 1) {
+#pragma unroll
+    for (int g = 0; g < 4; ++g) s_y[g * stride] = y[g];
+  } else if constexpr (kLanes == 2) {
+    const bool hi = sl & 1;  // lane 0 keeps steps 0, 1; lane 1 steps 2, 3
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float send = hi ? y[j] : y[j + 2];
+      const float keep = hi ? y[j + 2] : y[j];
+      s_y[((hi ? 2 : 0) + j) * stride] = keep + __shfl_xor_sync(kFull, send, 1);
+    }
+  } else {
+    const bool h = (sl >> 1) & 1;  // level 1: lanes with bit 1 set keep steps 2, 3
+    float k[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float send = h ? y[j] : y[j + 2];
+      const float keep = h ? y[j + 2] : y[j];
+      k[j] = keep + __shfl_xor_sync(kFull, send, 2);
+    }
+    const bool lo = sl & 1;  // level 2: bit 0 picks one of the two
+    float v = (lo ? k[1] : k[0]) + __shfl_xor_sync(kFull, lo ? k[0] : k[1], 1);
+#pragma unroll
+    for (int off = 4; off < kLanes; off *= 2) v += __shfl_xor_sync(kFull, v, off);
+    if (sl < 4) s_y[sl * stride] = v;  // step 2 * h + lo = sl
+  }
+}
+
+// The raw global data of one chunk (kEven: whole, 16-byte aligned), held in registers between its
+// loads and its staging: u, delta, z of the block's channels and the variable B/C rows of its group.
+// Element e of a tensor's chunk is row e / kPerRow, steps (e % kPerRow) * V ..+V.
+template <typename Tr>
+struct SeqPrefetch {
+  using T = typename Tr::T;
+  using TB = typename Tr::TB;
+  using TC = typename Tr::TC;
+  static constexpr int kC = Tr::kChunk, NC = Tr::kChannels, NP = Tr::kNp, N = Tr::kDstate;
+  static constexpr int V = 16 / static_cast<int>(sizeof(T));
+  static constexpr int VB = 16 / static_cast<int>(sizeof(TB)), VC = 16 / static_cast<int>(sizeof(TC));
+  static constexpr int kPerRow = kC / V, kPerRowB = kC / VB, kPerRowC = kC / VC;
+  static constexpr int kRowVecs = NC * kPerRow;  // vectors per tensor and chunk
+  static constexpr int PU = (kRowVecs + Tr::kThreads - 1) / Tr::kThreads;
+  static constexpr int PB = Tr::kVarB ? (NP * kPerRowB + Tr::kThreads - 1) / Tr::kThreads : 0;
+  static constexpr int PC = Tr::kVarC ? (NP * kPerRowC + Tr::kThreads - 1) / Tr::kThreads : 0;
+  Vec<T, V> u[PU], d[PU], z[Tr::kHasZ ? PU : 1];
+  Vec<TB, VB> bv[PB > 0 ? PB : 1];
+  Vec<TC, VC> cv[PC > 0 ? PC : 1];
+
+  __device__ __forceinline__ void load(const T* __restrict__ gu, const T* __restrict__ gd, const T* __restrict__ gz,
+                                       const TB* __restrict__ gB, const TC* __restrict__ gC, int b, int d0, int dim,
+                                       int seqlen, long long bc_base, int t0) {
+    const int tid = static_cast<int>(threadIdx.x);
+#pragma unroll
+    for (int k = 0; k < PU; ++k) {
+      const int e = tid + k * Tr::kThreads;
+      const int r = e / kPerRow, tv = (e % kPerRow) * V;
+      if (e < kRowVecs && d0 + r < dim) {
+        const long long off = (static_cast<long long>(b) * dim + d0 + r) * seqlen + t0 + tv;
+        u[k] = load_vec<V>(gu + off);
+        d[k] = load_vec<V>(gd + off);
+        if constexpr (Tr::kHasZ) z[k] = load_vec<V>(gz + off);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < PB; ++k) {
+      const int e = tid + k * Tr::kThreads;
+      const int n = e / kPerRowB, tv = (e % kPerRowB) * VB;
+      if (n < N) bv[k] = load_vec<VB>(gB + bc_base + static_cast<long long>(n) * seqlen + t0 + tv);
+    }
+#pragma unroll
+    for (int k = 0; k < PC; ++k) {
+      const int e = tid + k * Tr::kThreads;
+      const int n = e / kPerRowC, tv = (e % kPerRowC) * VC;
+      if (n < N) cv[k] = load_vec<VC>(gC + bc_base + static_cast<long long>(n) * seqlen + t0 + tv);
+    }
+  }
+
+  // s_u[t][c] = u, s_dt[t][c] = dt (bias, softplus), s_B/s_C[t][n]; zeros for rows past dim or dstate.
+  __device__ __forceinline__ void stage(float* s_u, float* s_dt, float* s_B, float* s_C,
+                                        const float* __restrict__ delta_bias, int d0, int dim) const {
+    constexpr int CS = Tr::kCs;
+    const int tid = static_cast<int>(threadIdx.x);
+#pragma unroll
+    for (int k = 0; k < PU; ++k) {
+      const int e = tid + k * Tr::kThreads;
+      const int r = e / kPerRow, tv = (e % kPerRow) * V;
+      if (e >= kRowVecs) continue;
+      const bool ok = d0 + r < dim;
+      const float bias = Tr::kHasDeltaBias && ok ? delta_bias[d0 + r] : 0.0f;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        float w = to_float(d[k].v[j]) + bias;
+        if constexpr (Tr::kSoftplus) w = softplus_sfu(w);
+        s_u[(tv + j) * CS + r] = ok ? to_float(u[k].v[j]) : 0.0f;
+        s_dt[(tv + j) * CS + r] = ok ? w : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < PB; ++k) {
+      const int e = tid + k * Tr::kThreads;
+      const int n = e / kPerRowB, tv = (e % kPerRowB) * VB;
+      if (n >= NP) continue;
+#pragma unroll
+      for (int j = 0; j < VB; ++j) s_B[(tv + j) * NP + n] = n < N ? to_float(bv[k].v[j]) : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < PC; ++k) {
+      const int e = tid + k * Tr::kThreads;
+      const int n = e / kPerRowC, tv = (e % kPerRowC) * VC;
+      if (n >= NP) continue;
+#pragma unroll
+      for (int j = 0; j < VC; ++j) s_C[(tv + j) * NP + n] = n < N ? to_float(cv[k].v[j]) : 0.0f;
+    }
+  }
+
+  // out = (y + D u) * silu(z) for the vectors this thread staged (its z still in registers).
+  __device__ __forceinline__ void write_out(T* __restrict__ gout, const float* __restrict__ D, const float* s_u,
+                                            const float* s_y, int b, int d0, int dim, int seqlen, int t0) const {
+    constexpr int CS = Tr::kCs;
+    const int tid = static_cast<int>(threadIdx.x);
+#pragma unroll
+    for (int k = 0; k < PU; ++k) {
+      const int e = tid + k * Tr::kThreads;
+      const int r = e / kPerRow, tv = (e % kPerRow) * V;
+      if (e >= kRowVecs || d0 + r >= dim) continue;
+      const float Dd = Tr::kHasD ? D[d0 + r] : 0.0f;
+      Vec<T, V> o;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        float v = fmaf(Dd, s_u[(tv + j) * CS + r], s_y[(tv + j) * CS + r]);
+        if constexpr (Tr::kHasZ) v *= silu(to_float(z[k].v[j]));
+        o.v[j] = from_float<T>(v);
+      }
+      store_vec<V>(gout + (static_cast<long long>(b) * dim + d0 + r) * seqlen + t0 + tv, o);
+    }
+  }
+};
+
+}  // namespace scan_detail
+
+template <typename Tr>
+__global__ void __launch_bounds__(Tr::kThreads)
+    selective_scan_fwd_seq_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
+                                  const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
+                                  const typename Tr::TC* __restrict__ C, const float* __restrict__ D,
+                                  const typename Tr::T* __restrict__ z, const float* __restrict__ delta_bias,
+                                  const float* __restrict__ h0, typename Tr::T* __restrict__ out,
+                                  float* __restrict__ last_state, int dim, int seqlen, int channels_per_group,
+                                  int groups) {
+  using namespace scan_detail;
+  using T = typename Tr::T;
+  constexpr int N = Tr::kDstate, S = Tr::kSpt, L = Tr::kLanes, NC = Tr::kChannels, CS = Tr::kCs;
+  constexpr int kC = Tr::kChunk, NP = Tr::kNp;
+  extern __shared__ float smem[];
+  float* s_dt = smem;
+  float* s_u = s_dt + kC * CS;
+  float* s_y = s_u + kC * CS;
+  float* s_B = s_y + kC * CS;
+  float* s_C = s_B + (Tr::kVarB ? kC * NP : 0);
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int cl = tid / L, sl = tid % L;  // channel in the block, state slice
+  const int d0 = static_cast<int>(blockIdx.x) * NC;
+  const int b = static_cast<int>(blockIdx.y);
+  const int d = d0 + cl;
+  const bool live = d < dim;
+  const long long chan = static_cast<long long>(b) * dim + d;
+  const long long bc_base = (static_cast<long long>(b) * groups + d0 / channels_per_group) * N * seqlen;
+
+  float A2[S], x[S], Bf[S], Cf[S];
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    const int n = sl * S + i;
+    const bool ok = live && n < N;
+    A2[i] = ok ? A[d * N + n] * kLog2e : 0.0f;
+    x[i] = ok && Tr::kHasH0 ? h0[chan * N + n] : 0.0f;
+    Bf[i] = ok && !Tr::kVarB ? to_float(B[d * N + n]) : 0.0f;
+    Cf[i] = ok && !Tr::kVarC ? to_float(C[d * N + n]) : 0.0f;
+  }
+  // ---- the scan of one staged chunk: steps in groups of 4, a group's shared-memory reads first ----
+  auto scan_chunk = [&]() {
+#pragma unroll 2
+    for (int t = 0; t < kC; t += 4) {
+      float dt[4], du[4], Bv[4][S], Cv[4][S], y[4];
+#pragma unroll
+      for (int g = 0; g < 4; ++g) {
+        dt[g] = s_dt[(t + g) * CS + cl];
+        du[g] = dt[g] * s_u[(t + g) * CS + cl];
+#pragma unroll
+        for (int i = 0; i < S; ++i) {
+          Bv[g][i] = Tr::kVarB ? s_B[(t + g) * NP + sl * S + i] : Bf[i];
+          Cv[g][i] = Tr::kVarC ? s_C[(t + g) * NP + sl * S + i] : Cf[i];
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < 4; ++g) {
+        y[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < S; ++i) {
+          x[i] = fmaf(fast_exp2(dt[g] * A2[i]), x[i], du[g] * Bv[g][i]);
+          y[g] = fmaf(Cv[g][i], x[i], y[g]);
+        }
+      }
+      seq_store_y<L>(y, sl, s_y + t * CS + cl, CS);
+    }
+  };
+
+  if constexpr (Tr::kEven) {
+    // Every chunk whole and 16-byte aligned: the next chunk's global loads are issued before this
+    // chunk's scan (registers), so their latency hides behind it.
+    using Pf = SeqPrefetch<Tr>;
+    Pf cur, nxt;
+    cur.load(u, delta, z, B, C, b, d0, dim, seqlen, bc_base, 0);
+    for (int t0 = 0; t0 < seqlen; t0 += kC) {
+      cur.stage(s_u, s_dt, s_B, s_C, delta_bias, d0, dim);
+      __syncthreads();
+      if (t0 + kC < seqlen) nxt.load(u, delta, z, B, C, b, d0, dim, seqlen, bc_base, t0 + kC);
+      scan_chunk();
+      __syncthreads();
+      cur.write_out(out, D, s_u, s_y, b, d0, dim, seqlen, t0);
+      cur = nxt;
+      __syncthreads();  // s_u, s_y are restaged next
+    }
+  } else {
+    auto row_of = [&](const T* base) {
+      return [=](int r) -> const T* {
+        return d0 + r < dim ? base + (static_cast<long long>(b) * dim + d0 + r) * seqlen : nullptr;
+      };
+    };
+    const float* bias_p = delta_bias;
+    const int d0c = d0;
+    for (int t0 = 0; t0 < seqlen; t0 += kC) {
+      stage_transposed<Tr, NC, T>(row_of(u), t0, seqlen, s_u, CS, [](float v, int) { return v; });
+      stage_transposed<Tr, NC, T>(row_of(delta), t0, seqlen, s_dt, CS, [=](float v, int r) {
+        float w = v + (Tr::kHasDeltaBias ? bias_p[d0c + r] : 0.0f);
+        if constexpr (Tr::kSoftplus) w = softplus_sfu(w);
+        return w;
+      });
+      if constexpr (Tr::kVarB)
+        stage_transposed<Tr, NP, typename Tr::TB>(
+            [=](int r) -> const typename Tr::TB* { return r < N ? B + bc_base + static_cast<long long>(r) * seqlen : nullptr; },
+            t0, seqlen, s_B, NP, [](float v, int) { return v; });
+      if constexpr (Tr::kVarC)
+        stage_transposed<Tr, NP, typename Tr::TC>(
+            [=](int r) -> const typename Tr::TC* { return r < N ? C + bc_base + static_cast<long long>(r) * seqlen : nullptr; },
+            t0, seqlen, s_C, NP, [](float v, int) { return v; });
+      __syncthreads();
+      scan_chunk();
+      __syncthreads();
+      for (int e = tid; e < NC * kC; e += Tr::kThreads) {
+        const int r = e / kC, t = e % kC;
+        if (d0 + r >= dim || t0 + t >= seqlen) continue;
+        const long long off = (static_cast<long long>(b) * dim + d0 + r) * seqlen + t0 + t;
+        float o = fmaf(Tr::kHasD ? D[d0 + r] : 0.0f, s_u[t * CS + r], s_y[t * CS + r]);
+        if constexpr (Tr::kHasZ) o *= silu(to_float(z[off]));
+        out[off] = from_float<T>(o);
+      }
+      __syncthreads();  // s_u, s_y are restaged next
+    }
+  }
+  if (live) {
+#pragma unroll
+    for (int i = 0; i < S; ++i)
+      if (sl * S + i < N) last_state[chan * N + sl * S + i] = x[i];
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // One decode step (new_state may alias state: an update in place): for each (b, d, n)
 //   state = exp(dt A) state + dt B u;  out = (C . state + D u) * silu(z).

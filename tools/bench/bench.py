@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -844,6 +845,52 @@ def bench_selective_scan(ctx):
              " torch.compile of the reference (a Python loop over seqlen steps does not compile in useful time)."]
     return {"results": rows}, [Section("selective_scan: bf16, variable B/C, D, z, delta_bias, softplus, dstate 16",
                                        cols, rows, notes)]
+
+
+@family("selective_scan_configs")
+def bench_selective_scan_configs(ctx):
+    """selective_scan.fwd at 8x2048x2048 under each config of a list (the heuristic's choice marked):
+    which algorithm and block shape to prefer. Raw kspec.call, no autograd."""
+    torch = ctx.torch
+    kspec = ctx.kspec
+    b, d, t, n = (2, 1024, 1024, 16) if ctx.args.quick else (8, 2048, 2048, 16)
+    x = _scan_inputs(torch, ctx.dev, b, d, t, n, ctx.args.seed)
+    args = (x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"], x["delta_bias"], None)
+    configs = ["algo=0,warps=4,items=8,lanes=1,chunk=32", "algo=0,warps=2,items=8,lanes=1,chunk=32"]
+    for warps in (2, 4, 8):
+        for lanes in (1, 2, 4):
+            for chunk in (32, 64, 128):
+                configs.append(f"algo=1,warps={warps},items=4,lanes={lanes},chunk={chunk}")
+    try:  # the heuristic's config, as explain() prints it
+        m = re.search(r"algo=[0-9a-z=,]+", str(kspec.explain("selective_scan.fwd", *args, delta_softplus=True)))
+        heur = m.group(0) if m else ""
+    except Exception:  # noqa: BLE001
+        heur = ""
+    rows = []
+    elems = b * d * t
+    for cfg in configs:
+        row = {"family": "selective_scan_configs", "shape": f"{b}x{d}x{t}", "config": cfg,
+               "heuristic": cfg == heur, "status": ""}
+        try:
+            step = lambda cfg=cfg: kspec.call("selective_scan.fwd", *args, config=cfg, delta_softplus=True)  # noqa: E731
+            out = step()[0]
+            row["max_error"] = _scan_check(torch, x, out.float().cpu())
+            row["status"] = "ok" if row["max_error"] <= 2e-2 else "INVALID"
+            if row["status"] == "ok":
+                row.update(ctx.timer.time(step))
+                row["ex2_floor_ms"] = elems * n / _SFU_EX2_PER_S * 1e3
+        except Exception as e:  # noqa: BLE001
+            row["status"] = "error"
+            row["error"] = _short_error(e)
+        rows.append(row)
+        print(f"bench: selective_scan_configs {cfg}: {row['status']} {row.get('gpu_ms', '')}", file=sys.stderr,
+              flush=True)
+    cols = [("config", "config"), ("heuristic", lambda r: "*" if r["heuristic"] else ""),
+            ("gpu ms", lambda r: _fmt(r.get("gpu_ms"), ".4f")), ("ev ms", lambda r: _fmt(r.get("ev_ms"), ".4f")),
+            ("ex2 floor ms", lambda r: _fmt(r.get("ex2_floor_ms"), ".3f")),
+            ("rel err (prefix)", lambda r: _fmt(r.get("max_error"), ".1e")),
+            ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else ""))]
+    return {"results": rows}, [Section(f"selective_scan.fwd configs, bf16, {b}x{d}x{t}, dstate {n}", cols, rows, [])]
 
 
 def _kspec_cli_env(cache_dir: str) -> dict:

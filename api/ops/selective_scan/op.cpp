@@ -91,17 +91,27 @@ std::vector<TensorDef> scan_inputs() {
   };
 }
 
-std::string traits(const Problem& p, const Config& c) {
-  std::string s = "kspec::ScanTraits<";
-  s += dtype_cuda_type(p.dtype("u"));
+std::string flags_targs(const Problem& p) {
+  std::string s = dtype_cuda_type(p.dtype("u"));
   s += ", " + std::string(dtype_cuda_type(p.dtype("B")));
   s += ", " + std::string(dtype_cuda_type(p.dtype("C")));
   s += ", " + std::to_string(p.dim("dstate"));
   for (bool f : {var_b(p), var_c(p), p.present("D"), p.present("z"), p.present("delta_bias"),
                  p.param_bool("delta_softplus"), p.present("h0"), is_even(p)})
     s += std::string(", ") + b2s(f);
-  s += ", " + std::to_string(c.get("warps")) + ", " + std::to_string(c.get("items")) + ">";
   return s;
+}
+
+// The warp-scan kernels (algo 0).
+std::string traits(const Problem& p, const Config& c) {
+  return "kspec::ScanTraits<" + flags_targs(p) + ", " + std::to_string(c.get("warps")) + ", " +
+         std::to_string(c.get("items")) + ">";
+}
+
+// The sequential-state kernels (algo 1).
+std::string seq_traits(const Problem& p, const Config& c) {
+  return "kspec::SeqScanTraits<" + flags_targs(p) + ", " + std::to_string(c.get("warps")) + ", " +
+         std::to_string(c.get("lanes")) + ", " + std::to_string(c.get("chunk")) + ">";
 }
 
 jit::KernelSpec spec(const Problem& p, const char* kernel, std::vector<std::string> targs) {
@@ -206,10 +216,83 @@ std::string bwd_key(const Problem& p) {
   return k;
 }
 
+// ---- the sequential-state algorithm (algo 1) ----
+
+int64_t seq_channels(const Config& c) { return c.get("warps") * 32 / c.get("lanes"); }
+int64_t seq_spt(const Problem& p, const Config& c) { return ceil_div(p.dim("dstate"), c.get("lanes")); }
+
+// Dynamic shared memory of the sequential forward (seq_fwd_smem_floats in the template).
+int64_t seq_fwd_smem_bytes(const Problem& p, const Config& c) {
+  int64_t chunk = c.get("chunk"), cs = seq_channels(c) + 1, np = seq_spt(p, c) * c.get("lanes");
+  int64_t nvar = (var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0);
+  return 4 * (3 * chunk * cs + nvar * chunk * np);
+}
+constexpr int64_t kSeqSmemLimit = 96 * 1024;  // two blocks per SM on sm_80/sm_90
+
+// The largest power of two (up to 256) dividing dim / groups when a variable B/C has several groups:
+// a block's channels must share one group, so this decides which block widths are legal.
+int64_t group_fit(const Problem& p) {
+  if (!(var_b(p) || var_c(p)) || groups_of(p) == 1) return 256;
+  int64_t cpg = p.dim("dim") / std::max<int64_t>(groups_of(p), 1), fit = 256;
+  while (fit > 1 && cpg % fit != 0) fit /= 2;
+  return fit;
+}
+
+// Enough channels for the sequential kernel to fill the GPU: batch * dim * lanes threads (an H100
+// needs ~16k resident threads at the least). Below that the warp-scan kernel's one warp per channel
+// keeps more of it busy.
+bool many_channels(const Problem& p) { return p.dim("batch") * p.dim("dim") >= 8192; }
+
+std::string fwd_key(const Problem& p) {
+  return even_key(p) + ",gfit|" + std::to_string(group_fit(p)) + (many_channels(p) ? ",wide" : ",narrow");
+}
+
+bool seq_valid(const Problem& p, const Config& c, int64_t smem_bytes, std::string* why) {
+  auto no = [&](const char* w) {
+    if (why) *why = w;
+    return false;
+  };
+  int64_t lanes = c.get("lanes"), n = p.dim("dstate");
+  if (lanes > 1 && lanes > n) return no("more lanes per channel than states");
+  if (seq_spt(p, c) > 8) return no("more than 8 states per thread (a group of 4 steps holds 8 B/C values per state)");
+  if (is_even(p)) {  // the next chunk's u, delta, z, B, C wait in registers: at most 48 of them
+    auto vecs = [&](DType dt, int64_t rows) { return ceil_div(rows * c.get("chunk") / (16 / dtype_size(dt)), c.get("warps") * 32); };
+    int64_t regs = 4 * (vecs(p.dtype("u"), seq_channels(c)) * (p.present("z") ? 3 : 2) +
+                        (var_b(p) ? vecs(p.dtype("B"), seq_spt(p, c) * lanes) : 0) +
+                        (var_c(p) ? vecs(p.dtype("C"), seq_spt(p, c) * lanes) : 0));
+    if (regs > 48) return no("the prefetched chunk would need more than 48 registers per thread");
+  }
+  if (seq_channels(c) > group_fit(p)) return no("a block's channels must lie in one B/C group");
+  if (smem_bytes > kSeqSmemLimit) return no("more than 96 KiB of shared memory per block");
+  return true;
+}
+
+// 4 states per thread: measured on the H100 (8x2048x2048 bf16) more threads beat more independent
+// recurrences per thread (lanes 4 > 2 > 1 at dstate 16).
+int64_t seq_default_lanes(const Problem& p) {
+  int64_t lanes = 1;
+  while (lanes < 32 && ceil_div(p.dim("dstate"), lanes) > 4) lanes *= 2;
+  return lanes;
+}
+
 TuningSpace fwd_tuning() {
   TuningSpace t;
-  t.axes = {{"warps", {2, 4, 8}}, {"items", {4, 8, 16}}};
+  // algo 0: warp-scan (warps, items); algo 1: sequential states (warps, lanes, chunk). Axes an algo does
+  // not use must hold their first value, so each kernel appears once in the enumeration.
+  t.axes = {{"algo", {0, 1}}, {"warps", {2, 4, 8}}, {"items", {4, 8, 16}}, {"lanes", {1, 2, 4, 8, 16, 32}},
+            {"chunk", {32, 64, 128}}};
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
+    if (c.get("algo") == 1) {
+      if (c.get("items") != 4) {
+        if (why) *why = "algo 1 does not use items (canonical value 4)";
+        return false;
+      }
+      return seq_valid(p, c, seq_fwd_smem_bytes(p, c), why);
+    }
+    if (c.get("lanes") != 1 || c.get("chunk") != 32) {
+      if (why) *why = "algo 0 does not use lanes or chunk (canonical values 1, 32)";
+      return false;
+    }
     if (4 * c.get("warps") * p.dim("dstate") > kStaticSmemBytes) {
       if (why) *why = "the carried states do not fit in static shared memory";
       return false;
@@ -221,9 +304,15 @@ TuningSpace fwd_tuning() {
     }
     return true;
   };
-  // 8 items: 16 bytes of bf16 per lane and access, and the shuffle scan amortized over 8 steps;
-  // 4 warps per block: untuned (no GPU measurement yet).
-  t.heuristic = [](const Problem&) { return Config{{{"warps", 4}, {"items", 8}}}; };
+  t.heuristic = [](const Problem& p) {
+    if (many_channels(p)) {
+      for (int64_t warps : {8, 4, 2}) {
+        Config c{{{"algo", 1}, {"warps", warps}, {"items", 4}, {"lanes", seq_default_lanes(p)}, {"chunk", 64}}};
+        if (seq_valid(p, c, seq_fwd_smem_bytes(p, c), nullptr)) return c;
+      }
+    }
+    return Config{{{"algo", 0}, {"warps", 4}, {"items", 8}, {"lanes", 1}, {"chunk", 32}}};
+  };
   return t;
 }
 
@@ -282,6 +371,9 @@ std::vector<Case> scan_cases(bool with_seqlen) {
       {"none_optional", 2, 48, 300, 16, 1, false, {"D", "z", "delta_bias", "h0"}, {}},
       {"mamba_2x512x2048", 2, 512, 2048, 16, 1, true, {"h0"}, {}},
       {"long_65536", 1, 8, 65536, 16, 1, true, {}, {}},
+      // batch * dim >= 8192: the heuristic's sequential-state kernel (the cases above take the warp scan)
+      {"wide_8x1024", 8, 1024, 130, 16, 1, true, {}, {}},
+      {"wide_even_8x1024", 8, 1024, 512, 16, 1, true, {"h0"}, {}},
   };
   std::vector<Case> cases;
   for (const auto& s : specs) {
@@ -355,8 +447,15 @@ OpDef make_fwd() {
   };
   op.tuning = fwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.derived_key = even_key;
+  op.derived_key = fwd_key;
   op.kernels = [](const Problem& p, const Config& c) {
+    if (c.get("algo") == 1) {
+      jit::KernelSpec k = spec(p, "kspec::selective_scan_fwd_seq_kernel", {seq_traits(p, c)});
+      // Left to itself under NVRTC, ptxas capped some of these at 64-72 registers and spilled a few
+      // bytes; with the cap lifted they take 80 and spill nothing.
+      k.options = {"-maxrregcount=255"};
+      return std::vector<jit::KernelSpec>{k};
+    }
     return std::vector<jit::KernelSpec>{spec(p, "kspec::selective_scan_fwd_kernel", {traits(p, c)})};
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
@@ -371,6 +470,14 @@ OpDef make_fwd() {
     void* args[] = {&u, &delta, &A, &B, &C, &D, &z, &bias, &h0, &out, &last, &dim, &seqlen, &cpg, &groups};
     int64_t warps = c.get("warps");
     if (seqlen == 0 || dim == 0) return;
+    if (c.get("algo") == 1) {
+      // A block's channels share one group (the tuning space's rule, kept apart in the plan cache by fwd_key).
+      KSPEC_CHECK_AS(seq_channels(c) <= group_fit(p), Error, "selective_scan.fwd: config ", c.str(),
+                     " puts channels of two B/C groups in one block (a plan chosen for another dim?)");
+      l.launch(0, {u32(ceil_div(dim, seq_channels(c))), u32(p.dim("batch"))}, {u32(warps * 32)},
+               static_cast<unsigned>(seq_fwd_smem_bytes(p, c)), args);
+      return;
+    }
     l.launch(0, {u32(ceil_div(dim, warps)), u32(p.dim("batch"))}, {u32(warps * 32)}, 0, args);
   };
   op.reference = fwd_reference;
