@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -143,6 +144,8 @@ struct AdamwCase {
   bool outputs = true;     // pass found_inf and grad_norm (absent: the op may skip its norm pass)
   bool packed = false;     // tensors end to end at odd offsets (scalar path)
 };
+
+void PrintTo(const AdamwCase& c, std::ostream* os) { *os << c.name; }  // gtest/ctest names, not bytes
 
 // Sizes: a single element, sizes not a multiple of the 4-wide vectors, one just over a 64 K chunk and
 // one just over two.
