@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """kspec benchmarks: one runner, a routine per op family, the peers in the same process.
 
-    python3 tools/bench/bench.py                       # every family (norm_act, jit)
+    python3 tools/bench/bench.py                       # every family (norm_act, selective_scan, gemm, adamw, jit)
+    python3 tools/bench/bench.py --family gemm --family adamw --json /tmp/bench.json
     python3 tools/bench/bench.py --family norm_act --quick --json /tmp/bench.json
     python3 tools/bench/bench.py --family jit --dispatch-bin build/tools/bench/kspec_dispatch_bench
 
@@ -204,6 +205,10 @@ def to_f64(t):
 # The runner: families, context, tables
 
 
+class NoGpu(RuntimeError):
+    """No CUDA device (or no torch): the families say so and the run exits with status 2."""
+
+
 @dataclass
 class Section:
     """One table of a family's output; `rows` are dicts, `columns` (header, key or formatter)."""
@@ -238,10 +243,12 @@ class Context:
 
     @property
     def torch(self):
-        import torch
-
+        try:
+            import torch
+        except ImportError as e:
+            raise NoGpu(f"torch is not importable ({e})") from None
         if not torch.cuda.is_available():
-            raise RuntimeError("torch sees no CUDA device")
+            raise NoGpu("torch sees no CUDA device")
         torch.cuda.set_device(self.args.device)
         return torch
 
@@ -893,6 +900,539 @@ def bench_selective_scan_configs(ctx):
     return {"results": rows}, [Section(f"selective_scan.fwd configs, bf16, {b}x{d}x{t}, dstate {n}", cols, rows, [])]
 
 
+# ---------------------------------------------------------------------------------------------
+# gemm: y = act(x·Wᵀ + b) through cuBLASLt (kspec.ops.gemm / linear) and its backward (gemm.bwd)
+
+# The % column is of the H100 SXM's dense tensor-core peak from NVIDIA's datasheet (no sparsity), in
+# TFLOP/s: bf16 and fp16 989.4, tf32 494.7; fp32 without TF32 runs on the CUDA cores, 66.9. peers.md
+# measured 794 TFLOP/s for a bf16 torch.matmul; the torch rows of the same run show what is reachable.
+H100_DENSE_TFLOPS = {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}
+# TF32 rounds the inputs to 10 mantissa bits: ~1e-3 relative error at k = 4096 (tests use 3e-3).
+GEMM_TOLERANCE = {"bf16": TOLERANCE["bfloat16"], "fp16": TOLERANCE["float16"], "fp32": TOLERANCE["float32"],
+                  "tf32": 3e-3}
+GEMM_RATIO_MIN = 0.95  # kspec's TFLOP/s over torch's for the same op: the goal is ≈ 1.0
+GEMM_EPILOGUES = {"none": ("none", False), "bias": ("none", True), "bias+relu": ("relu", True),
+                  "bias+gelu": ("gelu", True)}
+
+
+def gemm_flops(m: int, n: int, k: int, kind: str) -> int:
+    """2mnk for the forward; the backward is two GEMMs of the same size (dx = dpre·W, dW = dpreᵀ·x)."""
+    return (2 if kind == "fwd" else 4) * m * n * k
+
+
+def gemm_min_bytes(m: int, n: int, k: int, kind: str, act: str, bias: bool, esize: int) -> int:
+    """Napkin math, each tensor once: fwd reads x (m·k) and W (n·k) (+ b) and writes y (m·n); bwd reads
+    dy (m·n), the saved pre-activation with an activation (m·n), x and W, and writes dx (m·k), dW (n·k)
+    and db (n). Only the decode shape (m = 8) comes near this floor: the others are compute-bound."""
+    if kind == "fwd":
+        return esize * (m * k + n * k + m * n + (n if bias else 0))
+    return esize * (m * n * (2 if act != "none" else 1) + 2 * m * k + 2 * n * k + (n if bias else 0))
+
+
+def _gemm_case(ctx, m, n, k, dtype_name, seed):
+    torch = ctx.torch
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "tf32": torch.float32}[dtype_name]
+    g = torch.Generator(device=ctx.dev).manual_seed(seed)
+
+    def rn(*shape, scale=1.0):
+        return (torch.randn(*shape, device=ctx.dev, generator=g) * scale).to(dt)
+
+    c = {"m": m, "n": n, "k": k, "dtype": dtype_name, "tdtype": dt, "tf32": dtype_name == "tf32",
+         "x": rn(m, k), "w": rn(n, k, scale=k ** -0.5), "b": rn(n, scale=0.1), "dy": rn(m, n)}
+    # As for norm_act: the first and last check_rows/2 rows are compared with the float64 reference, and
+    # the backward's validation call gets a dy that is zero elsewhere (dW, db then equal the reference's
+    # over those rows; dx must be exactly zero on every other row).
+    r = min(ctx.args.check_rows, m)
+    idx = list(range(m)) if r >= m else list(range(r // 2)) + list(range(m - (r - r // 2), m))
+    c["idx"] = torch.tensor(idx, device=ctx.dev, dtype=torch.long)
+    c["rest"] = torch.ones(m, dtype=torch.bool, device=ctx.dev)
+    c["rest"][c["idx"]] = False
+    c["dy_check"] = torch.zeros_like(c["dy"])
+    c["dy_check"][c["idx"]] = c["dy"][c["idx"]]
+    c["xs64"] = to_f64(c["x"][c["idx"]])
+    c["w64"] = to_f64(c["w"])
+    c["b64"] = to_f64(c["b"])
+    from kspec.reference import gemm as ref
+
+    c["xw64"] = ref.gemm_fwd(c["xs64"], c["w64"])[1]  # x·Wᵀ on the checked rows, shared by every epilogue
+    return c
+
+
+def _gemm_fwd_variants(ctx, c, epi):
+    torch = ctx.torch
+    F = torch.nn.functional
+    K = ctx.kspec.ops
+    act, has_bias = GEMM_EPILOGUES[epi]
+    x, w, tf32 = c["x"], c["w"], c["tf32"]
+    b = c["b"] if has_bias else None
+    tact = {"none": lambda t: t, "relu": torch.relu, "gelu": lambda t: F.gelu(t, approximate="tanh")}[act]
+    v = [("kspec gemm", "kspec", "", lambda: K.gemm(x, w, b, act=act, tf32=tf32)[0], "kspec.ops.gemm (raw op)"),
+         ("kspec linear", "kspec", "", lambda: K.linear(x, w, b, act, tf32=tf32), "kspec.ops.linear (custom op)")]
+    if act == "none":
+        v.append(("torch F.linear", "peer", "same op", lambda: F.linear(x, w, b),
+                  "F.linear = torch.matmul(x, w.T)" + (" + b in cuBLASLt's epilogue" if has_bias else "")))
+    else:
+        v.append(("torch _addmm_activation", "peer", "same op",
+                  lambda: torch._addmm_activation(b, x, w.t(), use_gelu=act == "gelu"),
+                  "torch._addmm_activation: cuBLASLt's bias+act epilogue (private API)"))
+        v.append(("torch F.linear → act", "peer", "unfused", lambda: tact(F.linear(x, w, b)),
+                  f"F.linear then {'F.relu' if act == 'relu' else 'F.gelu(tanh)'}: what nn.Linear + activation runs"))
+    if has_bias:
+        v.append(("torch matmul + b" + (" + act" if act != "none" else ""), "peer", "unfused",
+                  lambda: tact(torch.matmul(x, w.t()) + b), "separate kernels: matmul, add, activation"))
+    return v
+
+
+def _gemm_bwd_variants(ctx, c, act, saved):
+    torch = ctx.torch
+    K = ctx.kspec.ops
+    x, w, tf32 = c["x"], c["w"], c["tf32"]
+
+    def torch_bwd(dy):
+        dpre = dy if act == "none" else torch.ops.aten.gelu_backward(dy, saved, approximate="tanh")
+        return {"dx": dpre @ w, "dw": dpre.t() @ x, "db": dpre.sum(0)}
+
+    def kspec_bwd(dy):
+        dx, dw, db = K.gemm_bwd(dy, x, w, saved, act=act, tf32=tf32)
+        return {"dx": dx, "dw": dw, "db": db}
+
+    return [("kspec gemm.bwd", "kspec", "", kspec_bwd, "kspec.ops.gemm_bwd (raw op): dx, dW, db"),
+            ("torch (autograd's ops)", "peer", "same op", torch_bwd,
+             ("" if act == "none" else "aten.gelu_backward, ") + "dpre @ W, dpreᵀ @ x, dpre.sum(0)")]
+
+
+def _gemm_row(ctx, c, kind, epi, name, impl, role, note, act, has_bias):
+    m, n, k = c["m"], c["n"], c["k"]
+    esize = c["x"].element_size()
+    return {"family": "gemm", "shape": f"{m}x{n}x{k}", "m": m, "n": n, "k": k, "dtype": c["dtype"], "epilogue": epi,
+            "kind": kind, "variant": name, "impl": impl, "role": role, "note": note,
+            "flops": gemm_flops(m, n, k, kind), "bytes": gemm_min_bytes(m, n, k, kind, act, has_bias, esize),
+            "tolerance": GEMM_TOLERANCE[c["dtype"]], "status": "", "errors": {}}
+
+
+def _gemm_time(ctx, row, step, prep=None):
+    t = ctx.timer.time(step, prep)
+    row.update(t)
+    row["tflops"] = row["flops"] / (t["gpu_ms"] * 1e-3) / 1e12
+    row["pct_of_peak"] = 100.0 * row["tflops"] / _gemm_peak(ctx, row["dtype"])
+    row["gbps"] = row["bytes"] / (t["gpu_ms"] * 1e6)
+
+
+def _gemm_peak(ctx, dtype_name):
+    if dtype_name in ("bf16", "fp16"):
+        return ctx.args.peak_tflops
+    return H100_DENSE_TFLOPS[dtype_name]
+
+
+def _run_gemm_case(ctx, c, epilogues, bwd_acts) -> list:
+    import numpy as np
+
+    torch = ctx.torch
+    from kspec.reference import gemm as ref
+
+    rows = []
+    idx, tol = c["idx"], GEMM_TOLERANCE[c["dtype"]]
+    for epi in epilogues:
+        act, has_bias = GEMM_EPILOGUES[epi]
+        pre = c["xw64"] + (c["b64"] if has_bias else 0.0)
+        want = ref.act(act, pre)
+        for name, impl, role, fn, note in _gemm_fwd_variants(ctx, c, epi):
+            row = _gemm_row(ctx, c, "fwd", epi, name, impl, role, note, act, has_bias)
+            rows.append(row)
+            if ctx.skipped(name):
+                row["status"] = "skipped"
+                continue
+            try:
+                y = fn()
+                torch.cuda.synchronize()
+                row["errors"]["y"] = rel_error(to_f64(y[idx]), want)
+                if not bool(torch.isfinite(y).all()):
+                    row["errors"]["y_finite"] = float("inf")
+                del y
+                row["max_error"] = max(row["errors"].values())
+                row["valid"] = row["max_error"] <= tol
+                row["status"] = "ok" if row["valid"] else "INVALID"
+                if row["valid"] or impl != "kspec" or ctx.args.time_invalid:
+                    _gemm_time(ctx, row, fn)
+            except Exception as e:  # noqa: BLE001  (a failing peer is recorded, not fatal)
+                row["status"] = "error"
+                row["error"] = _short_error(e)
+                if ctx.args.verbose:
+                    traceback.print_exc()
+            print(f"bench: gemm {row['shape']} {c['dtype']} {epi} {name}: {row['status']}", file=sys.stderr,
+                  flush=True)
+    for act in bwd_acts:
+        # The saved pre-activation comes from kspec's forward (x·Wᵀ + b in the dtype), and the reference
+        # takes act' at those very values (a ReLU mask from the exact maths could differ in sign within
+        # rounding of 0; GELU's derivative is continuous, this just keeps both sides on the same input).
+        saved = ctx.kspec.ops.gemm(c["x"], c["w"], c["b"], tf32=c["tf32"])[0] if act != "none" else None
+        saved64 = to_f64(saved[idx]) if saved is not None else None
+        rdx, rdw, rdb = ref.gemm_bwd(to_f64(c["dy"][idx]), c["xs64"], c["w64"], saved64, act)
+        epi = "bias" if act == "none" else f"bias+{act}"
+        for name, impl, role, fn, note in _gemm_bwd_variants(ctx, c, act, saved):
+            row = _gemm_row(ctx, c, "bwd", epi, name, impl, role, note, act, True)
+            rows.append(row)
+            if ctx.skipped(name):
+                row["status"] = "skipped"
+                continue
+            try:
+                out = fn(c["dy_check"])
+                torch.cuda.synchronize()
+                e = row["errors"]
+                e["dx"] = rel_error(to_f64(out["dx"][idx]), rdx)
+                if bool(c["rest"].any()):
+                    rest = float(out["dx"][c["rest"]].float().norm())
+                    den = max(float(np.linalg.norm(rdx)), 1e-30)
+                    e["dx_rest"] = rest / den if math.isfinite(rest) else float("inf")
+                e["dw"] = rel_error(to_f64(out["dw"]), rdw)
+                e["db"] = rel_error(to_f64(out["db"]), rdb)
+                del out
+                row["max_error"] = max(e.values())
+                row["valid"] = row["max_error"] <= tol
+                row["status"] = "ok" if row["valid"] else "INVALID"
+                if row["valid"] or impl != "kspec" or ctx.args.time_invalid:
+                    _gemm_time(ctx, row, lambda fn=fn: fn(c["dy"]))
+            except Exception as e:  # noqa: BLE001
+                row["status"] = "error"
+                row["error"] = _short_error(e)
+                if ctx.args.verbose:
+                    traceback.print_exc()
+            print(f"bench: gemm {row['shape']} {c['dtype']} bwd {epi} {name}: {row['status']}", file=sys.stderr,
+                  flush=True)
+        del saved
+    # How many times faster kspec's raw op is than each variant, same shape, dtype, epilogue and kind.
+    for r in rows:
+        base = next((b for b in rows if b["impl"] == "kspec" and b["variant"].startswith("kspec gemm")
+                     and b["epilogue"] == r["epilogue"] and b["kind"] == r["kind"] and "gpu_ms" in b), None)
+        if base and "gpu_ms" in r:
+            r["kspec_speedup_gpu"] = r["gpu_ms"] / base["gpu_ms"]
+            r["kspec_speedup_ev"] = r["ev_ms"] / base["ev_ms"]
+    return rows
+
+
+@family("gemm")
+def bench_gemm(ctx):
+    torch = ctx.torch
+    ctx.kspec  # noqa: B018  (import errors surface here, before any work)
+    all_epis = list(GEMM_EPILOGUES)
+    if ctx.args.quick:
+        plan = [((2048, 1024, 1024), "bf16", all_epis, ["none", "gelu"]), ((257, 255, 33), "bf16", all_epis, ["gelu"]),
+                ((8, 1024, 1024), "bf16", ["none", "bias+gelu"], []), ((2048, 1024, 1024), "tf32", ["none"], [])]
+    else:
+        # (m, n, k) = (tokens, out features, in features) of a 4096-wide transformer (Llama-2-7B's MLP 11008,
+        # Mistral-7B's 14336) at 16384 tokens; an odd shape (no dim a multiple of 8 or of any tile; rows of
+        # 66 bytes); and one decode step (m = 8, bound by reading W).
+        plan = [((16384, 4096, 4096), "bf16", all_epis, ["none", "gelu"]),
+                ((16384, 11008, 4096), "bf16", all_epis, ["none", "gelu"]),
+                ((16384, 14336, 4096), "bf16", all_epis, ["none", "gelu"]),
+                ((16384, 4096, 11008), "bf16", all_epis, ["none", "gelu"]),
+                ((4097, 4095, 33), "bf16", all_epis, ["gelu"]),
+                ((8, 11008, 4096), "bf16", ["none", "bias+gelu"], []),
+                ((16384, 4096, 4096), "fp16", ["none", "bias+gelu"], []),
+                ((16384, 4096, 4096), "tf32", ["none"], []),
+                ((16384, 4096, 4096), "fp32", ["none"], [])]
+    rows = []
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for i, ((m, n, k), dt, epis, bwd) in enumerate(plan):
+            torch.backends.cuda.matmul.allow_tf32 = dt == "tf32"  # torch's peer on the same tensor cores
+            c = _gemm_case(ctx, m, n, k, dt, ctx.args.seed + i)
+            rows += _run_gemm_case(ctx, c, epis, bwd)
+            del c
+            torch.cuda.empty_cache()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+
+    cols = [
+        ("shape m×n×k", "shape"), ("dtype", "dtype"), ("epilogue", "epilogue"), ("kind", "kind"),
+        ("variant", "variant"),
+        ("gpu ms", lambda r: _fmt(r.get("gpu_ms"), ".4f")), ("ev ms", lambda r: _fmt(r.get("ev_ms"), ".4f")),
+        ("TFLOP/s", lambda r: _fmt(r.get("tflops"), ".0f")),
+        ("% peak", lambda r: _fmt(r.get("pct_of_peak"), ".0f")),
+        ("GB/s", lambda r: _fmt(r.get("gbps"), ".0f")),
+        ("kspec × gpu/ev", lambda r: f"{r['kspec_speedup_gpu']:.2f}× / {r['kspec_speedup_ev']:.2f}×"
+         if "kspec_speedup_gpu" in r else "—"),
+        ("max rel err", lambda r: _fmt(r.get("max_error"), ".1e")),
+        ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else "")),
+    ]
+    notes = [
+        f"% peak: of the H100 SXM dense tensor-core peak (datasheet, no sparsity): bf16/fp16 {ctx.args.peak_tflops:g},"
+        f" tf32 {H100_DENSE_TFLOPS['tf32']:g}, fp32 (CUDA cores) {H100_DENSE_TFLOPS['fp32']:g} TFLOP/s; peers.md"
+        " measured 794 TFLOP/s for a bf16 torch.matmul. TFLOP/s: 2mnk (fwd), 4mnk (bwd) over the gpu time;"
+        " GB/s on the minimum bytes (x, W, b read, y written once; matters at m = 8).",
+        "kspec ×: this variant's time / kspec gemm's (raw op), same row group (> 1: kspec faster). Validation: the"
+        f" first and last {ctx.args.check_rows // 2} rows of y (bwd: dx there, dx = 0 elsewhere, dW, db) against"
+        " kspec.reference.gemm in float64 before timing; bwd pre-activation: kspec's, as the backward reads it.",
+    ]
+    notes += gemm_targets(rows)
+    return {"results": rows, "peak_tflops": {**H100_DENSE_TFLOPS, "bf16": ctx.args.peak_tflops,
+                                              "fp16": ctx.args.peak_tflops}}, \
+        [Section("gemm: y = act(x·Wᵀ + b) through cuBLASLt, and gemm.bwd", cols, rows, notes)]
+
+
+def gemm_targets(rows) -> list:
+    """kspec against torch's same op (goal ≈ 1.0) and the fused epilogue against unfused torch (> 1)."""
+    lines = [f"targets: kspec gemm TFLOP/s / torch same op ≥ {GEMM_RATIO_MIN:.2f}; fused epilogue faster than"
+             " unfused torch:"]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["shape"], r["dtype"], r["epilogue"], r["kind"]), []).append(r)
+    for (shape, dt, epi, kind), rs in groups.items():
+        ks = next((r for r in rs if r["variant"] in ("kspec gemm", "kspec gemm.bwd") and "gpu_ms" in r), None)
+        if ks is None:
+            lines.append(f"  {shape} {dt} {epi} {kind}: kspec not timed")
+            continue
+        parts = []
+        same = next((r for r in rs if r["role"] == "same op" and "gpu_ms" in r), None)
+        if same:
+            ratio = same["gpu_ms"] / ks["gpu_ms"]
+            parts.append(f"× {same['variant']} {ratio:.2f} {'ok' if ratio >= GEMM_RATIO_MIN else 'MISSED'}")
+        for u in (r for r in rs if r["role"] == "unfused" and "gpu_ms" in r):
+            ratio = u["gpu_ms"] / ks["gpu_ms"]
+            parts.append(f"× {u['variant']} {ratio:.2f} {'ok' if ratio > 1.0 else 'MISSED'}")
+        lines.append(f"  {shape} {dt} {epi} {kind}: {ks['tflops']:.0f} TFLOP/s; " + "; ".join(parts))
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# adamw: one optimizer step over a GPT-350M-like parameter list
+
+ADAMW_MIN_PCT = 92.0  # peers.md: ≤ 3.6 ms for 353.6 M fp32 parameters, i.e. ≥ 92 % of 3.0 TB/s
+ADAMW_HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def gpt350m_shapes(vocab=50304, d=1024, layers=24, positions=1024) -> list:
+    """GPT-2-medium-like parameter shapes (d 1024, 24 layers, vocabulary padded to 50304, 1024 positions,
+    bias-free LayerNorms): token and position embeddings; per layer ln1.w, qkv (3d×d) + bias, attention
+    projection (d×d) + bias, ln2.w, MLP up (4d×d) + bias, down (d×4d) + bias; a final LayerNorm weight.
+    243 tensors, 354.8 M parameters (peers.md's torch figure was for 353.6 M in 243 tensors; its exact
+    shapes are not recorded, the torch peers here run on this same list)."""
+    shapes = [(vocab, d), (positions, d)]
+    for _ in range(layers):
+        shapes += [(d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    return shapes + [(d,)]
+
+
+# Bytes each parameter's step must move (the floor): fp32 params: param r+w 8, grad r 4, exp_avg r+w 8,
+# exp_avg_sq r+w 8 = 28. bf16 params with an fp32 master: master r+w 8, bf16 param w 2, bf16 grad r 2,
+# moments 16 = 28. What other variants move is listed with them.
+ADAMW_FLOOR_BYTES_PER_PARAM = 28
+
+
+def _adamw_check_items(shapes) -> list:
+    """(tensor index, slice of its flattened elements) compared with the float64 reference after the first
+    step: the embedding's first and last 65537 elements (the update is elementwise without clipping), a
+    LayerNorm weight, a qkv weight and its bias, the final LayerNorm."""
+    n0 = math.prod(shapes[0])
+    e = min(65537, n0)
+    return [(0, slice(0, e)), (0, slice(n0 - e, n0)), (2, slice(None)), (3, slice(None)), (4, slice(None)),
+            (len(shapes) - 1, slice(None))]
+
+
+def _adamw_variants(ctx, group):
+    torch = ctx.torch
+    kspec = ctx.kspec
+    h = ADAMW_HYPER
+    out = []
+    if group == "fp32":
+        def kspec_opt(ps):
+            return kspec.optim.AdamW(ps, **h)
+
+        def raw(ps):
+            # The op itself, lists built once: what the optimizer adds on the host shows against this.
+            grads = [p.grad for p in ps]
+            m = [torch.zeros_like(p) for p in ps]
+            v = [torch.zeros_like(p) for p in ps]
+            pos = {id(p): i for i, p in enumerate(ps)}  # not ps.index: == on tensors is elementwise
+            kw = dict(lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
+                      weight_decay=h["weight_decay"], step=1)
+
+            def step():
+                kspec.call("adamw", ps, grads, m, v, None, None, None, out=(None, None), **kw)
+
+            return step, lambda p: {"param": p, "exp_avg": m[pos[id(p)]], "exp_avg_sq": v[pos[id(p)]]}
+
+        out += [("kspec.optim.AdamW", "kspec", kspec_opt, 28, "one launch for all tensors"),
+                ("kspec.call('adamw')", "kspec", raw, 28, "the raw op, lists built once"),
+                ("torch AdamW(fused=True)", "peer", lambda ps: torch.optim.AdamW(ps, fused=True, **h), 28, ""),
+                ("torch AdamW(foreach=True)", "peer", lambda ps: torch.optim.AdamW(ps, foreach=True, **h), 28, "")]
+    else:
+        def master_peer(ps):
+            # The torch equivalent of an fp32 master copy: fused AdamW on fp32 copies, gradients cast in,
+            # parameters cast back (grad r 2 + w 4, step 28, master r 4 + param w 2 = 40 bytes/param).
+            masters = [torch.nn.Parameter(p.detach().float()) for p in ps]
+            for mp in masters:
+                mp.grad = torch.empty_like(mp)
+            opt = torch.optim.AdamW(masters, fused=True, **h)
+            grads = [p.grad for p in ps]
+            pos = {id(p): i for i, p in enumerate(ps)}
+
+            @torch.no_grad()
+            def step():
+                torch._foreach_copy_([mp.grad for mp in masters], grads)
+                opt.step()
+                torch._foreach_copy_(ps, masters)
+
+            return step, lambda p: {"param": masters[pos[id(p)]], **opt.state[masters[pos[id(p)]]]}
+
+        out += [("kspec.optim.AdamW (fp32 master)", "kspec", lambda ps: kspec.optim.AdamW(ps, **h), 28,
+                 "state['master'] fp32, bf16 params written from it"),
+                ("torch fused on fp32 masters + casts", "peer", master_peer, 40,
+                 "_foreach_copy_ grads in, AdamW(fused=True), _foreach_copy_ params out"),
+                ("torch AdamW(fused=True), bf16 state", "peer",
+                 lambda ps: torch.optim.AdamW(ps, fused=True, **h), 14,
+                 "no master: bf16 params and moments (less precise; 14 bytes/param)")]
+    return out
+
+
+def _adamw_group(ctx, group, shapes, seed) -> list:
+    import numpy as np
+
+    torch = ctx.torch
+    from kspec.reference import adamw as ref
+
+    dt = torch.float32 if group == "fp32" else torch.bfloat16
+    g = torch.Generator(device=ctx.dev).manual_seed(seed)
+    params = []
+    for s in shapes:
+        p = torch.randn(*s, device=ctx.dev, generator=g) * (0.02 if len(s) == 2 else 0.1)
+        params.append(torch.nn.Parameter(p.to(dt)))
+    for p in params:
+        p.grad = (torch.randn(p.shape, device=ctx.dev, generator=g) * 1e-2).to(dt)
+    n_params = sum(p.numel() for p in params)
+    items = _adamw_check_items(shapes)
+    floor_ms = n_params * ADAMW_FLOOR_BYTES_PER_PARAM / (ctx.args.peak_tbps * 1e12) * 1e3
+    rows = []
+    for name, impl, make, bpp, note in _adamw_variants(ctx, group):
+        row = {"family": "adamw", "group": group, "params": n_params, "tensors": len(params), "variant": name,
+               "impl": impl, "note": note, "bytes_per_param": bpp, "bytes": bpp * n_params, "floor_ms": floor_ms,
+               "status": "", "errors": {}}
+        rows.append(row)
+        if ctx.skipped(name):
+            row["status"] = "skipped"
+            continue
+        opt = step = state_of = made = st = None
+        try:
+            # Before the first step: the checked slices of params (a master copy starts as the bf16
+            # param) and grads, fresh zero moments; one step; then the same step in float64.
+            p0 = [to_f64(params[i].detach().reshape(-1)[s]) for i, s in items]
+            g0 = [to_f64(params[i].grad.reshape(-1)[s]) for i, s in items]
+            made = make(params)
+            if isinstance(made, tuple):
+                step, state_of = made
+            else:
+                opt = made
+                step = opt.step
+
+                def state_of(p, opt=opt):
+                    st = opt.state[p]
+                    return {"param": st.get("master", p), **st}
+            step()
+            torch.cuda.synchronize()
+            m0 = [np.zeros_like(x) for x in p0]
+            v0 = [np.zeros_like(x) for x in p0]
+            hp = ADAMW_HYPER
+            ref.adamw_step(p0, g0, m0, v0, lr=hp["lr"], beta1=hp["betas"][0], beta2=hp["betas"][1], eps=hp["eps"],
+                           weight_decay=hp["weight_decay"], step=1)
+            errs, tols = row["errors"], {}
+            # fp32 numbers (params, master copies, moments) to fp32's tolerance; bf16 numbers (a bf16
+            # parameter, the moments of a bf16-state peer) to bf16's.
+            state_tol = TOLERANCE["bfloat16"] if "bf16 state" in name else TOLERANCE["float32"]
+
+            def compare(key, got, want, t):
+                errs[key] = max(errs.get(key, 0.0), rel_error(got, want))
+                tols[key] = t
+
+            for j, (i, s) in enumerate(items):
+                st = state_of(params[i])
+                compare(f"param[{i}]", to_f64(st["param"].detach().reshape(-1)[s]), p0[j], state_tol)
+                compare(f"exp_avg[{i}]", to_f64(st["exp_avg"].reshape(-1)[s]), m0[j], state_tol)
+                compare(f"exp_avg_sq[{i}]", to_f64(st["exp_avg_sq"].reshape(-1)[s]), v0[j], state_tol)
+                if dt != torch.float32:
+                    compare(f"bf16 param[{i}]", to_f64(params[i].detach().reshape(-1)[s]), p0[j], TOLERANCE["bfloat16"])
+            row["max_error"] = max(errs.values())
+            row["tolerances"] = tols
+            row["valid"] = all(errs[k] <= tols[k] for k in errs)
+            row["status"] = "ok" if row["valid"] else "INVALID"
+            if row["valid"] or impl != "kspec" or ctx.args.time_invalid:
+                t = ctx.timer.time(step)
+                row.update(t)
+                row["gbps"] = row["bytes"] / (t["gpu_ms"] * 1e6)
+                row["pct_of_peak"] = 100.0 * row["bytes"] / (t["gpu_ms"] * 1e-3) / (ctx.args.peak_tbps * 1e12)
+                row["floor_over_gpu"] = floor_ms / t["gpu_ms"]
+        except Exception as e:  # noqa: BLE001
+            row["status"] = "error"
+            row["error"] = _short_error(e)
+            if ctx.args.verbose:
+                traceback.print_exc()
+        print(f"bench: adamw {group} {name}: {row['status']}", file=sys.stderr, flush=True)
+        del opt, step, state_of, made, st  # the optimizer's state goes before the next variant's
+        torch.cuda.empty_cache()
+    for r in rows:
+        base = next((b for b in rows if b["impl"] == "kspec" and b["variant"].startswith("kspec.optim")
+                     and "gpu_ms" in b), None)
+        if base and "gpu_ms" in r:
+            r["kspec_speedup_gpu"] = r["gpu_ms"] / base["gpu_ms"]
+            r["kspec_speedup_ev"] = r["ev_ms"] / base["ev_ms"]
+    del params
+    torch.cuda.empty_cache()
+    return rows
+
+
+@family("adamw")
+def bench_adamw(ctx):
+    ctx.torch  # noqa: B018  (no GPU: a clear message before any work)
+    shapes = gpt350m_shapes(vocab=4096, d=256, layers=4, positions=256) if ctx.args.quick else gpt350m_shapes()
+    n = sum(math.prod(s) for s in shapes)
+    print(f"bench: adamw: {len(shapes)} tensors, {n:,} parameters ({n / 1e6:.1f} M)", file=sys.stderr, flush=True)
+    rows = []
+    for i, group in enumerate(("fp32", "bf16")):
+        rows += _adamw_group(ctx, group, shapes, ctx.args.seed + 100 + i)
+    peak = ctx.args.peak_tbps
+    cols = [
+        ("params", lambda r: f"{r['group']}: {r['params'] / 1e6:.1f} M in {r['tensors']}"),
+        ("variant", "variant"),
+        ("gpu ms", lambda r: _fmt(r.get("gpu_ms"), ".3f")), ("ev ms", lambda r: _fmt(r.get("ev_ms"), ".3f")),
+        ("host µs", lambda r: _fmt(r.get("host_us"), ".0f")),
+        ("B/param", "bytes_per_param"),
+        ("GB/s", lambda r: _fmt(r.get("gbps"), ".0f")),
+        (f"% of {peak:g} TB/s", lambda r: _fmt(r.get("pct_of_peak"), ".0f")),
+        ("floor ms", lambda r: _fmt(r.get("floor_ms"), ".3f")),
+        ("kspec × gpu/ev", lambda r: f"{r['kspec_speedup_gpu']:.2f}× / {r['kspec_speedup_ev']:.2f}×"
+         if "kspec_speedup_gpu" in r else "—"),
+        ("max rel err", lambda r: _fmt(r.get("max_error"), ".1e")),
+        ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else "")),
+    ]
+    notes = [
+        f"one optimizer step, lr {ADAMW_HYPER['lr']}, betas {ADAMW_HYPER['betas']}, weight decay"
+        f" {ADAMW_HYPER['weight_decay']}; floor: {ADAMW_FLOOR_BYTES_PER_PARAM} bytes/param (fp32: param r+w,"
+        " grad r, exp_avg r+w, exp_avg_sq r+w; bf16: fp32 master r+w, bf16 param w, bf16 grad r, moments)"
+        f" at {peak:g} TB/s; GB/s and % on each variant's own bytes (B/param).",
+        "validation: one step from zero moments on the embedding's first/last 65537 elements, a LayerNorm"
+        " weight, a qkv weight and bias, the final LayerNorm, against kspec.reference.adamw (float64) before"
+        " timing; kspec ×: this variant's time / kspec.optim.AdamW's, same group (> 1: kspec faster).",
+    ]
+    notes += adamw_targets(rows)
+    return {"results": rows, "shapes": [list(s) for s in shapes], "params": n}, \
+        [Section("adamw: one step over GPT-350M-like parameters", cols, rows, notes)]
+
+
+def adamw_targets(rows) -> list:
+    lines = ["targets (peers.md: torch fused 3.768 ms = 87.6 % for 353.6 M fp32; kspec ≤ 3.6 ms, "
+             f"≥ {ADAMW_MIN_PCT:g} %):"]
+    for r in rows:
+        if not r["variant"].startswith("kspec.optim") or "gpu_ms" not in r:
+            continue
+        ok = r["pct_of_peak"] >= ADAMW_MIN_PCT
+        line = (f"  {r['group']} kspec.optim.AdamW: {r['gpu_ms']:.3f} ms gpu ({r['ev_ms']:.3f} ev), "
+                f"{r['pct_of_peak']:.1f} % (≥ {ADAMW_MIN_PCT:g} %) {'ok' if ok else 'MISSED'}")
+        peer = next((p for p in rows if p["group"] == r["group"] and p["impl"] == "peer" and "gpu_ms" in p), None)
+        if peer:
+            line += f"; × {peer['variant']} {peer['gpu_ms'] / r['gpu_ms']:.2f}"
+        lines.append(line)
+    return lines
+
+
 def _kspec_cli_env(cache_dir: str) -> dict:
     env = dict(os.environ)
     env["KSPEC_CACHE_DIR"] = cache_dir
@@ -1206,6 +1746,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--check-rows", type=int, default=256, help="rows compared with the float64 reference")
     p.add_argument("--peak-tbps", type=float, default=3.0, help="the bandwidth %% is of this (H100 copy: 3.0)")
+    p.add_argument("--peak-tflops", type=float, default=H100_DENSE_TFLOPS["bf16"],
+                   help="gemm: bf16/fp16 %% of peak is of this (H100 SXM dense: 989.4)")
     p.add_argument("--skip", action="append", metavar="TEXT", help="skip variants whose name contains TEXT")
     p.add_argument("--time-invalid", action="store_true",
                    help="time kspec variants that fail validation too (failing peers are always timed, flagged)")
@@ -1235,6 +1777,7 @@ def main(argv=None) -> int:
     ctx = Context(args)
     report = {"environment": environment(ctx), "families": {}, "errors": {}}
     failed = False
+    no_gpu = 0
     try:
         for name in names:
             t0 = time.perf_counter()
@@ -1244,6 +1787,10 @@ def main(argv=None) -> int:
                 report["families"][name] = data
                 for s in sections:
                     print_section(s)
+            except NoGpu as e:
+                no_gpu += 1
+                report["errors"][name] = f"no GPU: {e}"
+                print(f"bench: family {name}: no GPU ({e}); nothing measured", file=sys.stderr)
             except Exception as e:
                 failed = True
                 report["errors"][name] = _short_error(e, 8000)
@@ -1262,7 +1809,9 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump(_json_safe(report), f, indent=1, default=str)
             print(f"bench: wrote {args.json}")
-    return 1 if failed else 0
+    if no_gpu and no_gpu == len(names):
+        return 2
+    return 1 if failed or no_gpu else 0
 
 
 if __name__ == "__main__":

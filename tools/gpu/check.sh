@@ -107,6 +107,8 @@ if has bench; then
     tail -5 /tmp/mamba_build.log
   fi
   step bench_selective_scan python3 tools/bench/bench.py --family selective_scan --json "$OUT/bench_selective_scan.json"
+  step bench_gemm python3 tools/bench/bench.py --family gemm --json "$OUT/bench_gemm.json"
+  step bench_adamw python3 tools/bench/bench.py --family adamw --json "$OUT/bench_adamw.json"
 fi
 
 echo

@@ -332,7 +332,10 @@ std::vector<Case> bwd_cases() {
   return c;
 }
 
-// The saved pre-activation must be the forward's for x and W (the reference recomputes it).
+// The saved pre-activation must be the forward's for x and W (the reference recomputes it). The checker
+// then rounds it to the dtype and the reference takes act' at those rounded values, the very ones the
+// kernel reads: ReLU's mask agrees even where pre is within rounding of 0 (where a mask taken from the
+// exact pre-activation could flip one element and so a whole row of dx).
 void bwd_prepare(const Problem& p, std::vector<HostTensor>& in) {
   if (!in[3].defined) return;
   int64_t batch = p.dim("batch"), wbatch = p.dim("wbatch"), m = p.dim("m"), n = p.dim("n"), k = p.dim("k");
