@@ -9,6 +9,7 @@
 
 #include "api/src/device_data.h"
 #include "api/src/op.h"
+#include "api/src/tuning.h"
 #include "jit/driver.h"
 
 namespace kspec {
@@ -95,10 +96,8 @@ CheckRow check_one(const OpDef& op, const Case& cs, DType dtype, const CheckOpti
         row.message += outs[i].name + " error " + std::to_string(err) + " > " + std::to_string(row.tolerance) + "; ";
       }
     }
-    Config cfg = o.config                ? *o.config
-                 : op.tuning.heuristic ? op.tuning.heuristic(problem_for_case(op, cs, dtype, "sm_90"))
-                                       : Config{};
-    row.config = cfg.str();
+    // What the call used: forced, tuned or the heuristic (the same choice dispatch made).
+    row.config = choose_config(op, p, o.config ? &*o.config : nullptr, o.device).config.str();
   } catch (const std::exception& e) {
     row.passed = false;
     row.message = e.what();

@@ -353,7 +353,12 @@ PYBIND11_MODULE(_C, m) {
           if (!progress.is_none())
             cb = [&progress](const kspec::TuneProgress& ev) {
               py::gil_scoped_acquire gil;
-              progress(ev.phase, ev.done, ev.total, ev.candidate ? py::object(candidate_dict(*ev.candidate)) : py::object(py::none()));
+              try {  // runs on the tuner's compile threads: a Python error must not escape them
+                progress(ev.phase, ev.done, ev.total,
+                         ev.candidate ? py::object(candidate_dict(*ev.candidate)) : py::object(py::none()));
+              } catch (py::error_already_set& e) {
+                e.discard_as_unraisable("kspec.tune progress callback");
+              }
             };
           kspec::TuneResult r;
           {
