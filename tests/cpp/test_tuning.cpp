@@ -7,6 +7,7 @@
 #include <sstream>
 #include <thread>
 
+#include "api/src/kernels.h"
 #include "api/src/op.h"
 #include "api/src/tuning.h"
 #include "cache/tuning_db.h"
@@ -296,4 +297,18 @@ TEST(GpuTuning, TuningATinyProblemChangesTheLaunchedConfig) {
   kspec::PlanInfo info = kspec::explain_request(req);
   EXPECT_EQ(info.config_source, "tuned");
   EXPECT_EQ(info.config, res.best_config.str());
+}
+
+TEST(Tuning, SpinKernelCompilesForEveryTunedArch) {
+  // The tuner's stream filler (templates/tune/spin.cuh) must build where the tuner times.
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    kspec::jit::KernelSpec spin;
+    spin.header = "tune/spin.cuh";
+    spin.kernel = "kspec::tune_spin_kernel";
+    spin.targs = {"1000"};
+    spin.arch = kspec::jit::resolve_arch(arch);
+    kspec::Obtained ob = kspec::obtain_binary(spin);
+    EXPECT_GT(ob.entry->binary.size(), 0u) << arch;
+    EXPECT_EQ(ob.entry->resources.spill_bytes, 0) << arch;
+  }
 }

@@ -222,3 +222,23 @@ torch.save({"x": x.cpu(), "w": w.cpu(), "y": y.cpu()}, sys.argv[1])
     import numpy as np
     y = d["y"].float().numpy()
     assert np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_auto_mode_tunes_on_first_use(tmp_path):
+    db = tmp_path / "tuning.json"
+    code = r'''
+import json, torch, kspec
+x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16)
+w = torch.ones(512, device="cuda", dtype=torch.bfloat16)
+y = kspec.call("norm_act.fwd", x, w, None, act="silu")[0]
+torch.cuda.synchronize()
+e = kspec.explain("norm_act.fwd", x, w, None, act="silu")
+print(json.dumps({"source": e.config_source, "finite": bool(torch.isfinite(y.float()).all())}))
+'''
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ, KSPEC_TUNING_DB=str(db), KSPEC_TUNE="auto", KSPEC_TUNE_BUDGET="3"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out == {"source": "tuned", "finite": True}
+    assert len(json.loads(db.read_text())["entries"]) == 1
