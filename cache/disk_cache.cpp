@@ -11,7 +11,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <random>
 #include <sstream>
 
 #include "jit/hash.h"
@@ -29,50 +28,6 @@ constexpr const char* kLayout = "v1";
 bool valid_key(const std::string& key) {
   return key.size() == 64 &&
          std::all_of(key.begin(), key.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); });
-}
-
-bool read_whole(const std::string& path, std::string* out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream os;
-  os << in.rdbuf();
-  *out = os.str();
-  return static_cast<bool>(in) || in.eof();
-}
-
-// Writes to a unique temporary file in the same directory, fsyncs, then renames over the target:
-// readers see the old file or the new one, never a half-written one.
-bool write_atomic(const std::string& path, const std::string& bytes, std::string* err) {
-  static thread_local std::mt19937_64 rng(std::random_device{}() ^ static_cast<uint64_t>(::getpid()));
-  std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(rng());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    *err = "cannot create " + tmp + ": " + std::strerror(errno);
-    return false;
-  }
-  size_t done = 0;
-  while (done < bytes.size()) {
-    ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      *err = "cannot write " + tmp + ": " + std::strerror(errno);
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      return false;
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    *err = "cannot flush " + tmp + ": " + std::strerror(errno);
-    ::unlink(tmp.c_str());
-    return false;
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    *err = "cannot rename " + tmp + " to " + path + ": " + std::strerror(errno);
-    ::unlink(tmp.c_str());
-    return false;
-  }
-  return true;
 }
 
 // An entry is trusted only if this user owns it and nobody else can write it.
@@ -192,7 +147,7 @@ std::optional<Entry> DiskCache::read_entry(const std::string& key, std::string* 
   if (!safe_file(meta_path, why) || !safe_file(bin_path, why)) return std::nullopt;
   Entry e;
   std::string meta_text;
-  if (!read_whole(meta_path, &meta_text)) {
+  if (!read_file(meta_path, &meta_text)) {
     *why = "unreadable metadata";
     return std::nullopt;
   }
@@ -207,7 +162,7 @@ std::optional<Entry> DiskCache::read_entry(const std::string& key, std::string* 
     *why = "foreign metadata (key or layout does not match)";
     return std::nullopt;
   }
-  if (!read_whole(bin_path, &e.binary)) {
+  if (!read_file(bin_path, &e.binary)) {
     *why = "unreadable binary";
     return std::nullopt;
   }
@@ -276,7 +231,7 @@ std::string DiskCache::store(const std::string& key, const std::string& binary, 
   }
   std::string bin_path = entry_path(key);
   std::string meta_path = bin_path.substr(0, bin_path.size() - 4) + ".json";
-  if (!write_atomic(bin_path, binary, &err) || !write_atomic(meta_path, meta.dump(2), &err)) {
+  if (!write_file_atomic(bin_path, binary, &err) || !write_file_atomic(meta_path, meta.dump(2), &err)) {
     std::lock_guard<std::mutex> lock(mu_);
     make_unwritable(err);
     return {};
@@ -306,7 +261,7 @@ std::vector<EntryInfo> DiskCache::list() const {
     }
     if (::stat(bin.c_str(), &st) == 0) info.bytes += st.st_size;
     std::string text;
-    if (read_whole(p.string(), &text)) {
+    if (read_file(p.string(), &text)) {
       try {
         info.meta = nlohmann::json::parse(text);
       } catch (const std::exception&) {

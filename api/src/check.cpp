@@ -7,98 +7,13 @@
 #include <random>
 #include <sstream>
 
+#include "api/src/device_data.h"
 #include "api/src/op.h"
+#include "api/src/tuning.h"
 #include "jit/driver.h"
 
 namespace kspec {
 namespace {
-
-uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);                      // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
-
-float from_bf16(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-void encode(DType dt, const std::vector<double>& src, std::vector<unsigned char>& bytes) {
-  bytes.resize(src.size() * dtype_size(dt));
-  for (size_t i = 0; i < src.size(); ++i) {
-    switch (dt) {
-      case DType::f32: { float f = static_cast<float>(src[i]); std::memcpy(&bytes[i * 4], &f, 4); break; }
-      case DType::f64: std::memcpy(&bytes[i * 8], &src[i], 8); break;
-      case DType::f16: { _Float16 h = static_cast<_Float16>(static_cast<float>(src[i])); std::memcpy(&bytes[i * 2], &h, 2); break; }
-      case DType::bf16: { uint16_t h = to_bf16(static_cast<float>(src[i])); std::memcpy(&bytes[i * 2], &h, 2); break; }
-      default: throw Unsupported(detail::concat("check: dtype ", dtype_name(dt), " not supported"));
-    }
-  }
-}
-
-std::vector<double> decode(DType dt, const std::vector<unsigned char>& bytes) {
-  size_t n = bytes.size() / dtype_size(dt);
-  std::vector<double> out(n);
-  for (size_t i = 0; i < n; ++i) {
-    switch (dt) {
-      case DType::f32: { float f; std::memcpy(&f, &bytes[i * 4], 4); out[i] = f; break; }
-      case DType::f64: std::memcpy(&out[i], &bytes[i * 8], 8); break;
-      case DType::f16: { _Float16 h; std::memcpy(&h, &bytes[i * 2], 2); out[i] = static_cast<float>(h); break; }
-      case DType::bf16: { uint16_t h; std::memcpy(&h, &bytes[i * 2], 2); out[i] = from_bf16(h); break; }
-      default: break;
-    }
-  }
-  return out;
-}
-
-// Rounds values to what the dtype can hold, so the reference sees exactly the GPU's inputs.
-void quantize(DType dt, std::vector<double>& v) {
-  std::vector<unsigned char> b;
-  encode(dt, v, b);
-  v = decode(dt, b);
-}
-
-struct DeviceBuffer {
-  CUdeviceptr ptr = 0;
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t bytes) { CU_CHECK(cuMemAlloc(&ptr, std::max<size_t>(bytes, 16))); }
-  ~DeviceBuffer() {
-    if (ptr) jit::driver().cuMemFree(ptr);
-  }
-  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr(o.ptr) { o.ptr = 0; }
-  DeviceBuffer& operator=(DeviceBuffer&&) = delete;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-};
-
-TensorView view_of(CUdeviceptr p, DType dt, const std::vector<int64_t>& shape, int device) {
-  TensorView t;
-  t.data = reinterpret_cast<void*>(p);
-  t.dtype = dt;
-  t.rank = static_cast<int>(shape.size());
-  int64_t s = 1;
-  for (int d = t.rank - 1; d >= 0; --d) {
-    t.shape[d] = shape[d];
-    t.strides[d] = s;
-    s *= shape[d];
-  }
-  t.device = device;
-  return t;
-}
-
-double rel_error(const std::vector<double>& out, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (!std::isfinite(out[i])) return INFINITY;
-    num += (out[i] - ref[i]) * (out[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
 
 Problem problem_for_case(const OpDef& op, const Case& cs, DType dtype, const std::string& arch) {
   CompileRequest req;
@@ -131,24 +46,9 @@ CheckRow check_one(const OpDef& op, const Case& cs, DType dtype, const CheckOpti
   try {
     jit::ContextGuard guard(o.device);
     Problem p = problem_for_case(op, cs, dtype, "sm_90");
-    std::mt19937_64 rng(seed);
-    std::normal_distribution<double> normal(0.0, 1.0);
     const auto& ins = op.info.inputs;
     const auto& outs = op.info.outputs;
-    std::vector<HostTensor> host_in(ins.size());
-    for (size_t i = 0; i < ins.size(); ++i) {
-      if (!p.inputs[i].present) continue;
-      HostTensor& h = host_in[i];
-      h.defined = true;
-      h.shape = shape_of(ins[i], p);
-      h.data.resize(h.numel());
-      for (auto& v : h.data) v = normal(rng);
-    }
-    // Round to the input dtypes first, so derived inputs (saved statistics) are those of what the GPU
-    // sees, then round the derived ones too.
-    for (size_t i = 0; i < ins.size(); ++i)
-      if (host_in[i].defined) quantize(p.inputs[i].dtype, host_in[i].data);
-    if (op.prepare_inputs) op.prepare_inputs(p, host_in);
+    std::vector<HostTensor> host_in = random_inputs(op, p, seed);
     std::vector<DeviceBuffer> buffers;
     std::vector<TensorView> in_views(ins.size()), out_views(outs.size());
     std::vector<unsigned char> bytes;
@@ -196,10 +96,8 @@ CheckRow check_one(const OpDef& op, const Case& cs, DType dtype, const CheckOpti
         row.message += outs[i].name + " error " + std::to_string(err) + " > " + std::to_string(row.tolerance) + "; ";
       }
     }
-    Config cfg = o.config                ? *o.config
-                 : op.tuning.heuristic ? op.tuning.heuristic(problem_for_case(op, cs, dtype, "sm_90"))
-                                       : Config{};
-    row.config = cfg.str();
+    // What the call used: forced, tuned or the heuristic (the same choice dispatch made).
+    row.config = choose_config(op, p, o.config ? &*o.config : nullptr, o.device).config.str();
   } catch (const std::exception& e) {
     row.passed = false;
     row.message = e.what();

@@ -18,7 +18,10 @@ const std::vector<KnobInfo>& all() {
       {"KSPEC_CUDA_INCLUDE", "path", "(auto)", "CUDA include directory for NVRTC (else CUDA_HOME, CUDA_PATH, next to libnvrtc)"},
       {"KSPEC_VERBOSE", "int", "0", "1: log compilations and cache events to stderr"},
       {"KSPEC_DEBUG_DIR", "path", "(system temp dir)", "where the source of a failing specialization is written"},
-      {"KSPEC_COMPILE_THREADS", "int", "(hardware threads)", "threads for kspec precompile"},
+      {"KSPEC_COMPILE_THREADS", "int", "(hardware threads)", "threads for kspec precompile and kspec tune's compiles"},
+      {"KSPEC_TUNING_DB", "path", "<cache dir>/tuning", "tuning database: a .json file, or a directory with one file per GPU model and toolkit"},
+      {"KSPEC_TUNE", "on|off|auto", "on", "on: dispatch uses tuned configs where the database has them; off: heuristics only; auto: also tune a problem on first use"},
+      {"KSPEC_TUNE_BUDGET", "seconds", "10", "time KSPEC_TUNE=auto may spend tuning one problem"},
   };
   return table;
 }
@@ -77,6 +80,28 @@ std::string debug_dir() {
 int compile_threads() {
   if (auto v = env("KSPEC_COMPILE_THREADS")) return std::max<int>(1, static_cast<int>(parse_int("KSPEC_COMPILE_THREADS", *v)));
   return std::max(1u, std::thread::hardware_concurrency());
+}
+
+std::optional<std::string> tuning_db() { return env("KSPEC_TUNING_DB"); }
+
+TuneMode tune_mode() {
+  auto v = env("KSPEC_TUNE");
+  if (!v || *v == "on" || *v == "1") return TuneMode::On;
+  if (*v == "off" || *v == "0") return TuneMode::Off;
+  if (*v == "auto") return TuneMode::Auto;
+  throw InvalidArgument("KSPEC_TUNE: expected on, off or auto, got '" + *v + "'");
+}
+
+double tune_budget() {
+  auto v = env("KSPEC_TUNE_BUDGET");
+  if (!v) return 10.0;
+  try {
+    size_t pos = 0;
+    double x = std::stod(*v, &pos);
+    if (pos == v->size() && x > 0) return x;
+  } catch (const std::exception&) {
+  }
+  throw InvalidArgument("KSPEC_TUNE_BUDGET: expected a positive number of seconds, got '" + *v + "'");
 }
 
 }  // namespace kspec::knobs

@@ -79,7 +79,13 @@ struct TuningSpace {
   std::function<bool(const Problem&, const Config&, std::string* why)> valid;
   // The default when nothing is tuned.
   std::function<Config(const Problem&)> heuristic;
+  // Optional: threads per block of the plan's widest kernel, so the tuner drops a config that the
+  // device cannot launch before compiling it, and one whose registers x threads exceed the block's
+  // register file after.
+  std::function<int64_t(const Problem&, const Config&)> block_threads;
   std::vector<Config> enumerate(const Problem& p) const;
+  // Every combination of the axes, legal or not (the tuner reports why each one is ruled out).
+  std::vector<Config> all_combinations() const;
 };
 
 struct HostTensor {
@@ -125,6 +131,10 @@ struct OpDef {
   // Relative-error tolerance multiplier for long recurrences (1 = the dtype table).
   double tolerance_scale = 1.0;
   std::vector<Case> cases;
+  // Optional: the tuning database's shape bucket of a problem (nearby shapes share a tuned config):
+  // a short text over its runtime dims. Default (tune_bucket in api/src/tuning.h): every Var dim
+  // rounded up to a power of two, "rows=16384".
+  std::function<std::string(const Problem&)> tune_bucket;
   // Dims with a value when compiling without tensors (e.g. rows=1 for Var dims).
   std::vector<std::pair<std::string, int64_t>> compile_dims;
   std::vector<DType> dtypes;  // the op's main dtypes (for precompile and checks)

@@ -10,10 +10,12 @@
 
 #include "api/src/kernels.h"
 #include "api/src/op.h"
+#include "api/src/tuning.h"
 #include "cache/disk_cache.h"
 #include "jit/driver.h"
 #include "jit/key.h"
 #include "jit/log.h"
+#include "kspec/knobs.h"
 
 namespace kspec {
 
@@ -109,6 +111,24 @@ std::vector<Config> TuningSpace::enumerate(const Problem& p) const {
     for (size_t i = 0; i < axes.size(); ++i) c.values.emplace_back(axes[i].first, axes[i].second[idx[i]]);
     std::string why;
     if (!valid || valid(p, c, &why)) out.push_back(std::move(c));
+    size_t i = 0;
+    for (; i < axes.size(); ++i) {
+      if (++idx[i] < axes[i].second.size()) break;
+      idx[i] = 0;
+    }
+    if (i == axes.size()) break;
+  }
+  return out;
+}
+
+std::vector<Config> TuningSpace::all_combinations() const {
+  std::vector<Config> out;
+  if (axes.empty()) return {Config{}};
+  std::vector<size_t> idx(axes.size(), 0);
+  while (true) {
+    Config c;
+    for (size_t i = 0; i < axes.size(); ++i) c.values.emplace_back(axes[i].first, axes[i].second[idx[i]]);
+    out.push_back(std::move(c));
     size_t i = 0;
     for (; i < axes.size(); ++i) {
       if (++idx[i] < axes[i].second.size()) break;
@@ -219,6 +239,8 @@ namespace {
 struct PlanEntry {
   Config config;
   std::vector<LoadedKernel*> kernels;
+  uint64_t generation = 0;
+  bool bucketed = false;  // a marker: the plan depends on the shape bucket (see plan_for)
 };
 
 const std::string& device_arch(int device) {
@@ -249,26 +271,19 @@ int device_sms(int device) {
   return sms.emplace(device, n).first->second;
 }
 
-Config choose_config(const OpDef& op, const Problem& p, const Config* forced) {
-  if (forced) {
-    std::string why;
-    for (const auto& [axis, values] : op.tuning.axes)
-      KSPEC_CHECK(forced->has(axis), op.info.name, ": config {", forced->str(), "} lacks a value for '", axis, "'");
-    KSPEC_CHECK(!op.tuning.valid || op.tuning.valid(p, *forced, &why), op.info.name, ": config {", forced->str(),
-                "} is not valid for this problem: ", why);
-    return *forced;
-  }
-  return op.tuning.heuristic ? op.tuning.heuristic(p) : Config{};
-}
-
 // A library op (no kernels function) compiles nothing.
 std::vector<jit::KernelSpec> kernel_specs(const OpDef& op, const Problem& p, const Config& c) {
   return op.kernels ? op.kernels(p, c) : std::vector<jit::KernelSpec>{};
 }
 
-PlanEntry& plan_for(const OpDef& op, const Problem& p, int device, const Config* forced) {
+// The plan of a problem on a device, cached by signature (and, when the tuning database has entries
+// for that signature, by shape bucket too: the tuned config may differ between buckets). A plan built
+// before this process last wrote the database is rebuilt once.
+PlanEntry& plan_for(const OpDef& op, const Problem& p, int device, const Config* forced, Stream stream) {
   static std::shared_mutex mu;
   static std::unordered_map<std::string, std::unique_ptr<PlanEntry>> plans;
+  static std::vector<std::unique_ptr<PlanEntry>> replaced;  // launches may still hold them
+  uint64_t generation = tuning_generation();
   std::string key = p.signature();
   key += "#d";
   key += std::to_string(device);
@@ -276,13 +291,36 @@ PlanEntry& plan_for(const OpDef& op, const Problem& p, int device, const Config*
   {
     std::shared_lock<std::shared_mutex> lock(mu);
     auto it = plans.find(key);
-    if (it != plans.end()) return *it->second;
+    if (it != plans.end() && it->second->generation == generation) {
+      if (!it->second->bucketed) return *it->second;
+      auto bt = plans.find(key + "#b" + tune_bucket(p));
+      if (bt != plans.end() && bt->second->generation == generation) return *bt->second;
+    }
   }
+  bool bucketed = !forced && !op.tuning.axes.empty() &&
+                  (knobs::tune_mode() == knobs::TuneMode::Auto || tuning_has_signature(p.signature(), device));
+  // KSPEC_TUNE=auto may tune now, but never inside a CUDA graph capture.
+  CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
+  if (bucketed && knobs::tune_mode() == knobs::TuneMode::Auto)
+    CU_CHECK(cuStreamIsCapturing(reinterpret_cast<CUstream>(stream), &capture));
   auto entry = std::make_unique<PlanEntry>();
-  entry->config = choose_config(op, p, forced);
+  ConfigChoice choice = choose_config(op, p, forced, device, capture == CU_STREAM_CAPTURE_STATUS_NONE);
+  entry->config = choice.config;
+  entry->generation = generation;
   for (const auto& spec : kernel_specs(op, p, entry->config)) entry->kernels.push_back(&load_kernel(spec, device));
   std::unique_lock<std::shared_mutex> lock(mu);
-  return *plans.emplace(key, std::move(entry)).first->second;
+  auto put = [&](const std::string& k, std::unique_ptr<PlanEntry> e) -> PlanEntry& {
+    auto& slot = plans[k];
+    if (slot) replaced.push_back(std::move(slot));
+    slot = std::move(e);
+    return *slot;
+  };
+  if (!bucketed) return put(key, std::move(entry));
+  auto marker = std::make_unique<PlanEntry>();
+  marker->bucketed = true;
+  marker->generation = generation;
+  put(key, std::move(marker));
+  return put(key + "#b" + tune_bucket(p), std::move(entry));
 }
 
 struct Workspace {
@@ -360,7 +398,7 @@ void call(std::string_view op_name, const std::vector<TensorView>& inputs, const
   const OpDef& op = Registry::global().get(op_name);
   Call c = validate_call(op, inputs, outputs, params, stream);
   c.problem.arch = device_arch(c.device);
-  PlanEntry& plan = plan_for(op, c.problem, c.device, options.config);
+  PlanEntry& plan = plan_for(op, c.problem, c.device, options.config, stream);
   jit::ContextGuard guard(c.device);
   DeviceLauncher launcher(plan, c.device, stream);
   op.launch(c, plan.config, launcher);
@@ -383,22 +421,63 @@ std::vector<OutputSpec> infer_outputs(std::string_view op_name, const std::vecto
   return out;
 }
 
-std::string explain(std::string_view op_name, const std::vector<TensorView>& inputs,
-                    const std::vector<TensorView>& outputs, const Params& params) {
+namespace {
+
+PlanInfo plan_info(const OpDef& op, const Problem& p, int device) {
+  ConfigChoice ch = choose_config(op, p, nullptr, device);
+  PlanInfo info;
+  info.op = op.info.name;
+  info.signature = p.signature();
+  info.bucket = tune_bucket(p);
+  info.config = ch.config.str();
+  info.config_source = ch.source;
+  info.note = ch.note;
+  info.tuning_db = ch.db_path.empty() ? tuning_db_path(device) : ch.db_path;
+  info.tuning_key = ch.key.empty() ? tuning_key(p) : ch.key;
+  knobs::TuneMode mode = knobs::tune_mode();
+  info.tune_mode = mode == knobs::TuneMode::Off ? "off" : mode == knobs::TuneMode::Auto ? "auto" : "on";
+  for (const auto& spec : kernel_specs(op, p, ch.config)) {
+    std::string key = jit::content_key(spec);
+    info.kernels.push_back({spec.name_expression(), spec.arch, key, cache::DiskCache::global().entry_path(key)});
+  }
+  return info;
+}
+
+// A device to read the tuning database for when there are no tensors: the first GPU, if any.
+int default_device() { return jit::driver_available() && jit::device_count() > 0 ? 0 : -1; }
+
+}  // namespace
+
+std::string PlanInfo::str() const {
+  std::ostringstream os;
+  os << "op: " << op << "\nspecialization: " << signature << "\nshape bucket: " << bucket << "\nconfig: " << config
+     << " (" << config_source << ")\n";
+  if (!note.empty()) os << "  note: " << note << "\n";
+  os << "tuning database: " << tuning_db << " (KSPEC_TUNE=" << tune_mode << ")\n  key: " << tuning_key << "\n";
+  if (kernels.empty()) os << "kernels: none (a library op, or nothing to launch)\n";
+  for (const auto& k : kernels)
+    os << "kernel: " << k.name << "\n  arch: " << k.arch << "\n  key: " << k.key << "\n  cache entry: " << k.cache_path
+       << "\n";
+  return os.str();
+}
+
+PlanInfo explain_plan(std::string_view op_name, const std::vector<TensorView>& inputs,
+                      const std::vector<TensorView>& outputs, const Params& params) {
   const OpDef& op = Registry::global().get(op_name);
   Call c = validate_call(op, inputs, outputs, params, nullptr);
   c.problem.arch = device_arch(c.device);
-  Config cfg = choose_config(op, c.problem, nullptr);
-  std::ostringstream os;
-  os << "op: " << op.info.name << "\nproblem: " << c.problem.signature() << "\nconfig: " << cfg.str()
-     << " (heuristic)\n";
-  if (!op.kernels) os << "kernels: none (a library op: its launch calls a CUDA library)\n";
-  for (const auto& spec : kernel_specs(op, c.problem, cfg)) {
-    std::string key = jit::content_key(spec);
-    os << "kernel: " << spec.name_expression() << "\n  arch: " << spec.arch << "\n  key: " << key
-       << "\n  cache entry: " << cache::DiskCache::global().entry_path(key) << "\n";
-  }
-  return os.str();
+  return plan_info(op, c.problem, c.device);
+}
+
+PlanInfo explain_request(const CompileRequest& req) {
+  const OpDef& op = Registry::global().get(req.op);
+  Problem p = problem_from_request(op, req);
+  return plan_info(op, p, default_device());
+}
+
+std::string explain(std::string_view op_name, const std::vector<TensorView>& inputs,
+                    const std::vector<TensorView>& outputs, const Params& params) {
+  return explain_plan(op_name, inputs, outputs, params).str();
 }
 
 // ---- compile without a GPU ----
@@ -406,7 +485,7 @@ std::string explain(std::string_view op_name, const std::vector<TensorView>& inp
 std::vector<CompileReport> compile(const CompileRequest& req) {
   const OpDef& op = Registry::global().get(req.op);
   Problem p = problem_from_request(op, req);
-  Config cfg = choose_config(op, p, req.config ? &*req.config : nullptr);
+  Config cfg = choose_config(op, p, req.config ? &*req.config : nullptr, default_device()).config;
   std::vector<CompileReport> out;  // empty for a library op or a problem that needs no kernel
   for (const auto& spec : kernel_specs(op, p, cfg)) {
     Obtained ob = obtain_binary(spec);

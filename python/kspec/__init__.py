@@ -6,6 +6,7 @@ size, compiled with NVRTC, cached on disk and launched through one op registry s
     import kspec
     y = kspec.ops.norm_act(x, w, b, norm="rmsnorm", act="silu")
     kspec.list_ops(); kspec.compile("norm_act.fwd", dtype="bf16", hidden=4096)
+    kspec.tune("norm_act.fwd", dtype="bf16", shape={"rows": 16384, "hidden": 4096}, budget=30)
 """
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from . import _C
 from ._C import CacheError, CompileError, CudaError, Error, InvalidArgument, Unsupported
 from ._core import call, compile, explain, list_ops, op_info
 from . import ops
+from .tuning import tune
 
 __version__ = _C.version()
 
-__all__ = ["call", "compile", "explain", "list_ops", "op_info", "ops", "counters", "doctor", "knobs",
+__all__ = ["call", "compile", "explain", "list_ops", "op_info", "ops", "tune", "counters", "doctor", "knobs",
            "Error", "InvalidArgument", "Unsupported", "CompileError", "CudaError", "CacheError"]
 
 

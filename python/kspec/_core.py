@@ -47,14 +47,37 @@ def _device_of(descs) -> int:
     return 0
 
 
-def explain(op: str, *inputs, **params) -> str:
-    """What a call would use: the problem signature, the config, the kernels and their cache entries."""
+class Explanation(str):
+    """What a call would use, as text (print it); the same facts as attributes: op, signature (the
+    specialization), bucket, config, config_source ("forced", "tuned" or "heuristic"), note, tuning_db,
+    tuning_key, tune_mode, kernels (name, arch, key, cache_entry)."""
+
+    def __new__(cls, info: dict):
+        s = super().__new__(cls, info["text"])
+        s.info = info
+        for k, v in info.items():
+            if k != "text":
+                setattr(s, k, v)
+        return s
+
+
+def explain(op: str, *inputs, dtype: str = "f32", arch: str = "sm_90", without=(), tensor_dtypes=None,
+            alt_shapes=(), **params) -> Explanation:
+    """What a call would use: the specialization, the config and where it came from (tuned, heuristic),
+    the tuning database's file and key, and each kernel's cache entry.
+
+    With tensors: exactly the call `kspec.call(op, *inputs, **params)`. Without tensors (no GPU
+    needed): the problem described by dtype, arch, dims and params, e.g.
+    `kspec.explain("norm_act.fwd", dtype="bf16", rows=16384, hidden=4096, act="silu")`."""
+    if not inputs:
+        return Explanation(_C.explain_request(op, dtype, arch, params, list(without), dict(tensor_dtypes or {}),
+                                              list(alt_shapes)))
     descs = [describe(t) for t in inputs]
     specs = _C.infer_outputs(op, descs, params)
     fw = framework_of(inputs)
     device = _device_of(descs)
     outs = [None if s is None else describe(empty(fw, s[0], s[1], device)) for s in specs]
-    return _C.explain(op, descs, outs, params)
+    return Explanation(_C.explain_plan(op, descs, outs, params))
 
 
 def compile(op: str, dtype: str = "f32", arch: str = "sm_90", without=(), tensor_dtypes=None,

@@ -1,4 +1,4 @@
-"""The kspec command line: ops, compile, precompile, cache, doctor, check, run."""
+"""The kspec command line: ops, compile, precompile, cache, doctor, check, run, tune."""
 from __future__ import annotations
 
 import argparse
@@ -250,6 +250,119 @@ def cmd_run(a):
                                              jobs=None, json=a.json))
 
 
+def _shape(items):
+    out = {}
+    for item in items or []:
+        for part in item.split(","):
+            if part.strip():
+                out.update(_kv([part.strip()], "--shape"))
+    return out
+
+
+def _fmt_ms(v):
+    return f"{v:.4f}" if v and v > 0 else "-"
+
+
+def _tune_progress():
+    """A rich progress bar (compile, then time), or plain lines; returns (callback, stop)."""
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        TextColumn("{task.fields[last]}"), transient=False)
+        tasks = {}
+        prog.start()
+
+        def cb(phase, done, total, cand):
+            if phase not in tasks:
+                tasks[phase] = prog.add_task("compiling" if phase == "compile" else "timing", total=total, last="")
+            last = ""
+            if cand is not None:
+                last = f"{cand['config']}: " + (f"{cand['median_ms']:.4f} ms" if cand["median_ms"] > 0 else cand["status"])
+            prog.update(tasks[phase], completed=done, total=total, last=last)
+
+        return cb, prog.stop
+    except ImportError:
+        state = {"phase": None}
+
+        def cb(phase, done, total, cand):
+            if phase != state["phase"]:
+                state["phase"] = phase
+                print(f"kspec tune: {'compiling' if phase == 'compile' else 'timing'} {total} configurations")
+            if phase == "time" and cand is not None:
+                t = f"{cand['median_ms']:.4f} ms" if cand["median_ms"] > 0 else cand["status"]
+                print(f"  [{done}/{total}] {cand['config']}: {t}", flush=True)
+
+        return cb, lambda: None
+
+
+def cmd_tune(a):
+    from . import tuning
+
+    if a.db:
+        print(tuning.db_path(a.device))
+        return 0
+    if a.export_file:
+        n = tuning.export_db(a.export_file)
+        print(f"kspec tune: exported {n} entries from {tuning.db_path(a.device)} to {a.export_file}")
+        return 0
+    if a.import_file:
+        n = tuning.import_db(a.import_file)
+        print(f"kspec tune: merged {n} entries from {a.import_file}")
+        return 0
+    if a.list:
+        entries = tuning.db_entries()
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(entries, f, indent=1)
+        _table(f"kspec tuning database: {tuning.db_path(a.device)}",
+               ["op", "shape", "bucket", "config", "ms", "default ms", "speedup", "updated"],
+               [[e.get("op", ""), e.get("shape", ""), e.get("bucket", ""), e.get("config", ""), _fmt_ms(e.get("time_ms")),
+                 _fmt_ms(e.get("default_ms")), f"{e.get('speedup', 0):.2f}x", e.get("updated", "")]
+                for e in entries.values()])
+        return 0
+    if not a.op:
+        raise SystemExit("kspec tune: give an OP (or --list, --export FILE, --import FILE, --db)")
+    params = _kv(a.param, "--param")
+    shape = _shape(a.shape)
+    cb, stop = _tune_progress() if not a.quiet else (None, lambda: None)
+    try:
+        r = tuning.tune(a.op, a.dtype, shape, budget=a.budget, all_configs=a.all_configs, device=a.device,
+                        arch=a.arch, without=a.without or [], alt_shapes=a.alt_shape or [],
+                        tensor_dtypes={k: str(v) for k, v in _kv(a.tensor_dtype, "--tensor-dtype").items()},
+                        compile_only=a.compile_only, write_db=not a.no_save, batches=a.batches, seed=a.seed,
+                        progress=cb, **params)
+    finally:
+        stop()
+    rows = tuning.table_rows(r, include_pruned=a.all_configs)
+    _table(f"kspec tune {r['op']} {r['shape']} ({r['gpu']}, {r['arch']})",
+           ["config", "status", "median ms", "min ms", "vs default", "rel. diff", "regs", "spill", "smem", "note"],
+           [[c["config"] + (" (default)" if c["default"] else ""), c["status"], _fmt_ms(c["median_ms"]),
+             _fmt_ms(c["min_ms"]), f"{c['speedup']:.2f}x" if c["speedup"] > 0 else "-",
+             f"{c['error']:.1e}" if c["error"] >= 0 else "-", c["registers"], c["spill_bytes"], c["shared_bytes"],
+             c["why"][:60]] for c in rows])
+    counts = {}
+    for c in r["candidates"]:
+        counts[c["status"]] = counts.get(c["status"], 0) + 1
+    print(f"configurations: {len(r['candidates'])} ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))})"
+          f" in {r['seconds']:.1f} s")
+    if r["timed"]:
+        print(f"default {r['default_config']}: {r['default_ms']:.4f} ms; best {r['best_config']}: {r['best_ms']:.4f} ms"
+              f" ({r['default_ms'] / r['best_ms']:.2f}x); {r['input_sets']} input sets rotated,"
+              f" {r['batch_calls']} calls per timed batch")
+        print(f"tuning database: {r['db_path']}" + (" (written)" if r["written"] else " (not written)"))
+        print(f"  key: {r['key']}")
+    else:
+        print("no GPU (or --compile-only): pruned and compiled only, nothing timed or recorded")
+    if a.report:
+        for path in tuning.write_report(r, a.report):
+            print(f"wrote {path}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(r, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="kspec", description="JIT kernel specialization for sequence models")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -303,6 +416,43 @@ def main(argv=None) -> int:
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--json", metavar="FILE")
         s.set_defaults(fn=fn)
+
+    s = sub.add_parser(
+        "tune", help="autotune an op's tile sizes for a shape; the tuning database",
+        description="Tune OP for one problem: enumerate its tuning space, prune (the op's rules, threads per "
+        "block, shared memory), compile the rest in parallel, drop spilling kernels, then on the GPU check each "
+        "config's outputs against the default config's and time it (warm-up, CUDA events, median of batches, "
+        "inputs rotated past L2, random data); the fastest is recorded in the tuning database, which dispatch "
+        "uses (KSPEC_TUNE=on|off|auto, KSPEC_TUNING_DB). Without a GPU it prunes and compiles only.",
+        epilog="examples:\n"
+        "  kspec tune norm_act.fwd --dtype bf16 --shape rows=16384,hidden=4096 --param norm=rmsnorm --param act=silu\n"
+        "  kspec tune selective_scan.fwd --dtype bf16 --shape batch=8,dim=2048,seqlen=2048,dstate=16 "
+        "--param delta_softplus=true --budget 60 --report out/scan\n"
+        "  kspec tune --list | --export team.json | --import team.json | --db",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("op", nargs="?")
+    s.add_argument("--shape", action="append", metavar="DIM=N[,DIM=N]", help="every dim, runtime ones too")
+    s.add_argument("--dtype", default="f32")
+    s.add_argument("--param", action="append", metavar="K=V")
+    s.add_argument("--without", action="append", metavar="INPUT")
+    s.add_argument("--alt-shape", action="append", metavar="INPUT")
+    s.add_argument("--tensor-dtype", action="append", metavar="NAME=DTYPE")
+    s.add_argument("--budget", type=float, default=60.0, help="seconds (default 60); the default config is always timed")
+    s.add_argument("--all-configs", action="store_true", help="time every legal config whatever the budget; list pruned ones")
+    s.add_argument("--compile-only", action="store_true", help="prune and compile, time nothing")
+    s.add_argument("--no-save", action="store_true", help="do not record the winner in the database")
+    s.add_argument("--batches", type=int, default=15, help="timed batches per config (the median is kept)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--device", type=int, default=0)
+    s.add_argument("--arch", default="sm_90", help="without a GPU: the architecture to compile for")
+    s.add_argument("--report", metavar="PREFIX", help="write PREFIX.png (time per config), PREFIX.csv, PREFIX.json")
+    s.add_argument("--json", metavar="FILE", help="the whole result as JSON (with --list: print the entries)")
+    s.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    s.add_argument("--list", action="store_true", help="the database's entries")
+    s.add_argument("--export", dest="export_file", metavar="FILE", help="write the database to FILE")
+    s.add_argument("--import", dest="import_file", metavar="FILE", help="merge FILE into the database (the faster record wins)")
+    s.add_argument("--db", action="store_true", help="print the database file dispatch reads")
+    s.set_defaults(fn=cmd_tune)
 
     s = sub.add_parser("run", help="the main job: check on a GPU, else precompile everything")
     s.add_argument("--large", action="store_true")

@@ -143,6 +143,47 @@ py::dict report_dict(const kspec::CompileReport& r) {
   return d;
 }
 
+py::dict plan_dict(const kspec::PlanInfo& i) {
+  py::dict d;
+  d["op"] = i.op;
+  d["signature"] = i.signature;
+  d["bucket"] = i.bucket;
+  d["config"] = i.config;
+  d["config_source"] = i.config_source;
+  d["note"] = i.note;
+  d["tuning_db"] = i.tuning_db;
+  d["tuning_key"] = i.tuning_key;
+  d["tune_mode"] = i.tune_mode;
+  py::list ks;
+  for (const auto& k : i.kernels) {
+    py::dict kd;
+    kd["name"] = k.name;
+    kd["arch"] = k.arch;
+    kd["key"] = k.key;
+    kd["cache_entry"] = k.cache_path;
+    ks.append(kd);
+  }
+  d["kernels"] = ks;
+  d["text"] = i.str();
+  return d;
+}
+
+py::dict candidate_dict(const kspec::TuneCandidate& c) {
+  py::dict d;
+  d["config"] = c.config.str();
+  d["default"] = c.is_default;
+  d["status"] = c.status;
+  d["why"] = c.why;
+  d["median_ms"] = c.median_ms;
+  d["min_ms"] = c.min_ms;
+  d["error"] = c.error;
+  d["registers"] = c.registers;
+  d["spill_bytes"] = c.spill_bytes;
+  d["shared_bytes"] = c.shared_bytes;
+  d["compile_ms"] = c.compile_ms;
+  return d;
+}
+
 kspec::CompileRequest to_request(const std::string& op, const std::string& dtype, const std::string& arch,
                                  const py::dict& params, const std::vector<std::string>& without,
                                  const std::map<std::string, std::string>& tensor_dtypes,
@@ -270,6 +311,91 @@ PYBIND11_MODULE(_C, m) {
     lists.reserve(inputs.size());
     return kspec::explain(op, to_views(inputs, &lists), to_views(outputs, nullptr), to_params(params));
   });
+
+  m.def("explain_plan", [](const std::string& op, const py::sequence& inputs, const py::sequence& outputs,
+                           const py::dict& params) {
+    std::vector<std::vector<kspec::TensorView>> lists;
+    lists.reserve(inputs.size());
+    return plan_dict(kspec::explain_plan(op, to_views(inputs, &lists), to_views(outputs, nullptr), to_params(params)));
+  });
+  m.def("explain_request",
+        [](const std::string& op, const std::string& dtype, const std::string& arch, const py::dict& params,
+           const std::vector<std::string>& without, const std::map<std::string, std::string>& tensor_dtypes,
+           const std::vector<std::string>& alt_shapes) {
+          return plan_dict(kspec::explain_request(to_request(op, dtype, arch, params, without, tensor_dtypes, alt_shapes)));
+        },
+        py::arg("op"), py::arg("dtype"), py::arg("arch") = "sm_90", py::arg("params") = py::dict(),
+        py::arg("without") = std::vector<std::string>{}, py::arg("tensor_dtypes") = std::map<std::string, std::string>{},
+        py::arg("alt_shapes") = std::vector<std::string>{});
+
+  m.def("tune",
+        [](const std::string& op, const std::string& dtype, const py::dict& params, const std::vector<std::string>& without,
+           const std::map<std::string, std::string>& tensor_dtypes, const std::vector<std::string>& alt_shapes,
+           int device, const std::string& arch, double budget, bool all_configs, bool compile_only, bool write_db,
+           int batches, uint64_t seed, const py::object& progress) {
+          auto base = to_request(op, dtype, arch, params, without, tensor_dtypes, alt_shapes);
+          kspec::TuneRequest req;
+          req.op = base.op;
+          req.dtype = base.dtype;
+          req.arch = base.arch;
+          req.params = base.params;
+          req.without = base.without;
+          req.tensor_dtypes = base.tensor_dtypes;
+          req.alt_shapes = base.alt_shapes;
+          req.device = device;
+          req.budget_s = budget;
+          req.all_configs = all_configs;
+          req.compile_only = compile_only;
+          req.write_db = write_db;
+          req.batches = batches;
+          req.seed = seed;
+          kspec::TuneCallback cb;
+          if (!progress.is_none())
+            cb = [&progress](const kspec::TuneProgress& ev) {
+              py::gil_scoped_acquire gil;
+              try {  // runs on the tuner's compile threads: a Python error must not escape them
+                progress(ev.phase, ev.done, ev.total,
+                         ev.candidate ? py::object(candidate_dict(*ev.candidate)) : py::object(py::none()));
+              } catch (py::error_already_set& e) {
+                e.discard_as_unraisable("kspec.tune progress callback");
+              }
+            };
+          kspec::TuneResult r;
+          {
+            py::gil_scoped_release release;
+            r = kspec::tune(req, cb);
+          }
+          py::dict d;
+          d["op"] = r.op;
+          d["gpu"] = r.gpu;
+          d["arch"] = r.arch;
+          d["signature"] = r.signature;
+          d["bucket"] = r.bucket;
+          d["key"] = r.key;
+          d["shape"] = r.shape;
+          d["db_path"] = r.db_path;
+          d["default_config"] = r.default_config.str();
+          d["best_config"] = r.best_config.str();
+          d["default_ms"] = r.default_ms;
+          d["best_ms"] = r.best_ms;
+          d["timed"] = r.timed;
+          d["written"] = r.written;
+          d["seconds"] = r.seconds;
+          d["batch_calls"] = r.batch_calls;
+          d["input_sets"] = r.input_sets;
+          py::list cands;
+          for (const auto& c : r.candidates) cands.append(candidate_dict(c));
+          d["candidates"] = cands;
+          return d;
+        },
+        py::arg("op"), py::arg("dtype"), py::arg("params"), py::arg("without"), py::arg("tensor_dtypes"),
+        py::arg("alt_shapes"), py::arg("device") = 0, py::arg("arch") = "sm_90", py::arg("budget") = 60.0,
+        py::arg("all_configs") = false, py::arg("compile_only") = false, py::arg("write_db") = true,
+        py::arg("batches") = 15, py::arg("seed") = 0, py::arg("progress") = py::none());
+  m.def("tuning_db_path", &kspec::tuning_db_path, py::arg("device") = 0);
+  m.def("tuning_db_entries", &kspec::tuning_db_entries, py::arg("path") = "");
+  m.def("tuning_export", &kspec::tuning_export, py::arg("file"), py::arg("path") = "");
+  m.def("tuning_import", &kspec::tuning_import, py::arg("file"));
 
   m.def("compile",
         [](const std::string& op, const std::string& dtype, const std::string& arch, const py::dict& params,

@@ -2,7 +2,7 @@
 # One command for a GPU machine (H100, CUDA 13, torch preinstalled, no network): builds the C++ library
 # and the Python package there, runs GoogleTest and pytest with the GPU, the main job (every op against
 # its float64 reference), the benchmarks, and prints a results table. Results go to $OUT (or ./gpu-out).
-# Stages: check.sh [build] [test] [bench] [sanitize] (default: build test bench).
+# Stages: check.sh [build] [test] [bench] [sanitize] [tune] (default: build test bench).
 set -uo pipefail  # a failing step is recorded, the others still run
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -109,6 +109,43 @@ if has bench; then
   step bench_selective_scan python3 tools/bench/bench.py --family selective_scan --json "$OUT/bench_selective_scan.json"
   step bench_gemm python3 tools/bench/bench.py --family gemm --json "$OUT/bench_gemm.json"
   step bench_adamw python3 tools/bench/bench.py --family adamw --json "$OUT/bench_adamw.json"
+fi
+
+if has tune; then
+  # Tune norm_act and selective_scan (about 60 s each), into a database under $OUT; reports (PNG, CSV,
+  # JSON) per problem; the summary prints default vs tuned time for each.
+  export KSPEC_TUNING_DB="$OUT/tuning"
+  mkdir -p "$OUT/tune"
+  BUDGET=${TUNE_BUDGET:-40}  # seconds per problem; 8 problems
+  tune_one() {  # tune_one NAME OP ARGS...
+    local name=$1; shift
+    step "tune_$name" python3 -m kspec tune "$@" --budget "$BUDGET" --report "$OUT/tune/$name" --json "$OUT/tune/$name.result.json"
+  }
+  NA=(--dtype bf16 --param norm=rmsnorm --param act=silu)
+  tune_one norm_fwd_16384x4096 norm_act.fwd "${NA[@]}" --shape rows=16384,hidden=4096
+  tune_one norm_bwd_16384x4096 norm_act.bwd "${NA[@]}" --shape rows=16384,hidden=4096
+  tune_one norm_fwd_16384x1024 norm_act.fwd "${NA[@]}" --shape rows=16384,hidden=1024
+  tune_one norm_fwd_16384x12289 norm_act.fwd "${NA[@]}" --shape rows=16384,hidden=12289
+  SS=(--dtype bf16 --param delta_softplus=true)
+  for bds in 8,2048,2048 1,2048,4096; do
+    IFS=, read -r b d l <<< "$bds"
+    tune_one "scan_fwd_${b}x${d}x${l}" selective_scan.fwd "${SS[@]}" --without h0 \
+      --shape batch=$b,dim=$d,seqlen=$l,dstate=16,groups=1
+    tune_one "scan_bwd_${b}x${d}x${l}" selective_scan.bwd "${SS[@]}" --without h0 --without dlast_state \
+      --shape batch=$b,dim=$d,seqlen=$l,dstate=16,groups=1
+  done
+  python3 -m kspec tune --list --json "$OUT/tune/db_entries.json" | tee -a "$OUT/log.txt"
+  python3 - "$OUT/tune" <<'PY' | tee "$OUT/tune/summary.txt" | tee -a "$OUT/log.txt"
+import glob, json, os, sys
+print(f"{'problem':<28} {'default config':<48} {'ms':>8} {'tuned config':<48} {'ms':>8} {'gain':>6}")
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.result.json"))):
+    r = json.load(open(f))
+    name = os.path.basename(f)[:-len(".result.json")]
+    if r["default_ms"] > 0 and r["best_ms"] > 0:
+        print(f"{name:<28} {r['default_config']:<48} {r['default_ms']:8.4f} {r['best_config']:<48} {r['best_ms']:8.4f}"
+              f" {r['default_ms'] / r['best_ms']:5.2f}x")
+PY
+  unset KSPEC_TUNING_DB
 fi
 
 echo

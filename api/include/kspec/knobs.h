@@ -36,6 +36,15 @@ std::string debug_dir();
 // KSPEC_COMPILE_THREADS: threads for batch compilation (default: hardware concurrency).
 int compile_threads();
 
+// KSPEC_TUNING_DB: the tuning database: a .json file (used for every GPU), or a directory holding one
+// file per GPU model and toolkit (default: <cache dir>/tuning).
+std::optional<std::string> tuning_db();
+// KSPEC_TUNE: how dispatch uses the tuning database.
+enum class TuneMode { On, Off, Auto };
+TuneMode tune_mode();  // "on" (default: tuned configs where present), "off" (ignored), "auto" (tune on first use)
+// KSPEC_TUNE_BUDGET: seconds KSPEC_TUNE=auto may spend tuning one problem (default 10).
+double tune_budget();
+
 // Read a variable from the environment (the one place that does). Exposed for CUDA_HOME/CUDA_PATH.
 std::optional<std::string> env(const char* name);
 

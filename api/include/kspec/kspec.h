@@ -7,6 +7,7 @@
 #include "kspec/knobs.h"
 #include "kspec/registry.h"
 #include "kspec/tensor.h"
+#include "kspec/tune.h"
 #include "kspec/ops/gemm.h"
 #include "kspec/ops/norm_act.h"
 #include "kspec/ops/selective_scan.h"

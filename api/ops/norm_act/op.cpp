@@ -170,6 +170,7 @@ TuningSpace norm_act_tuning() {
             {"stream", {0, 1}}};
   t.valid = valid_config;
   t.heuristic = heuristic;
+  t.block_threads = [](const Problem&, const Config& c) { return c.get("threads_per_row") * c.get("rows_per_block"); };
   return t;
 }
 

@@ -1,0 +1,256 @@
+// Tuning database keys, files and the dispatch-time choice of a config. The file is read once per
+// process (and again after this process writes it); a stale or unusable entry falls back to the
+// op's heuristic with one warning.
+#include "api/src/tuning.h"
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+
+#include "cache/lock.h"
+#include "cache/tuning_db.h"
+#include "jit/driver.h"
+#include "jit/log.h"
+#include "jit/nvrtc.h"
+#include "kspec/knobs.h"
+
+namespace kspec {
+namespace {
+
+std::atomic<uint64_t> g_generation{1};
+
+int64_t next_pow2(int64_t v) {
+  int64_t b = 1;
+  while (b < v && b < (int64_t(1) << 62)) b <<= 1;
+  return v <= 0 ? v : b;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+struct Snapshot {
+  uint64_t generation = 0;
+  std::map<std::string, nlohmann::json> records;
+  std::set<std::string> signatures;
+};
+
+std::shared_ptr<const Snapshot> snapshot(const std::string& path) {
+  static std::mutex mu;
+  static std::map<std::string, std::shared_ptr<const Snapshot>> snaps;
+  uint64_t gen = g_generation.load();
+  std::lock_guard<std::mutex> lock(mu);
+  auto& slot = snaps[path];
+  if (slot && slot->generation == gen) return slot;
+  auto s = std::make_shared<Snapshot>();
+  s->generation = gen;
+  nlohmann::json entries = cache::TuningDb(path).entries();
+  for (auto it = entries.begin(); it != entries.end(); ++it) {
+    s->records[it.key()] = it.value();
+    auto hash = it.key().rfind('#');
+    s->signatures.insert(it.key().substr(0, hash));
+  }
+  slot = s;
+  return slot;
+}
+
+// Whether a recorded config is one the op's current tuning space allows for this problem.
+bool usable(const OpDef& op, const Problem& p, const nlohmann::json& record, Config* out, std::string* why) {
+  if (!record.is_object() || !record.contains("config") || !record["config"].is_string()) {
+    *why = "the record has no \"config\" text";
+    return false;
+  }
+  Config c;
+  try {
+    c = Config::parse(record["config"].get<std::string>());
+  } catch (const std::exception& e) {
+    *why = e.what();
+    return false;
+  }
+  for (const auto& [name, v] : c.values) {
+    auto axis = std::find_if(op.tuning.axes.begin(), op.tuning.axes.end(), [&](const auto& a) { return a.first == name; });
+    if (axis == op.tuning.axes.end()) {
+      *why = "config {" + c.str() + "} names '" + name + "', which is not an axis of " + op.info.name + " any more";
+      return false;
+    }
+    if (std::find(axis->second.begin(), axis->second.end(), v) == axis->second.end()) {
+      *why = "config {" + c.str() + "}: " + name + "=" + std::to_string(v) + " is not in the axis any more";
+      return false;
+    }
+  }
+  for (const auto& [axis, values] : op.tuning.axes)
+    if (!c.has(axis)) {
+      *why = "config {" + c.str() + "} lacks the axis '" + axis + "'";
+      return false;
+    }
+  // The database's order may differ from the axes' order: use the axes' order.
+  Config ordered;
+  for (const auto& [axis, values] : op.tuning.axes) ordered.values.emplace_back(axis, c.get(axis));
+  std::string reason;
+  if (op.tuning.valid && !op.tuning.valid(p, ordered, &reason)) {
+    *why = "config {" + c.str() + "} is not valid for this problem: " + reason;
+    return false;
+  }
+  *out = ordered;
+  return true;
+}
+
+// KSPEC_TUNE=auto: tune a problem the first time it is seen without an entry (once per key and
+// process, one at a time); any failure leaves the heuristic in place.
+bool autotune(const OpDef& op, const Problem& p, int device, const std::string& key) {
+  static std::mutex mu;
+  static std::set<std::string> attempted;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!attempted.insert(key + "#d" + std::to_string(device)).second) return false;
+  try {
+    TuneRequest opts;
+    opts.op = op.info.name;
+    opts.device = device;
+    opts.budget_s = knobs::tune_budget();
+    jit::info("KSPEC_TUNE=auto: tuning " + key + " (budget " + std::to_string(opts.budget_s) + " s)");
+    TuneResult r = tune_problem(op, p, opts, {});
+    return r.written;
+  } catch (const std::exception& e) {
+    jit::warn_once("autotune:" + key, "KSPEC_TUNE=auto could not tune " + op.info.name + " (" + e.what() +
+                                          "); using the heuristic");
+    return false;
+  }
+}
+
+}  // namespace
+
+std::string tune_bucket(const Problem& p) {
+  if (p.op && p.op->tune_bucket) return p.op->tune_bucket(p);
+  std::string s;
+  for (const auto& d : p.op->info.dims) {
+    if (d.kind != DimKind::Var || !p.has_dim(d.name)) continue;
+    s += (s.empty() ? "" : ",") + d.name + "=" + std::to_string(next_pow2(p.dim(d.name)));
+  }
+  return s;
+}
+
+std::string tuning_key(const Problem& p) { return p.signature() + "#" + tune_bucket(p); }
+
+std::string gpu_name(int device) {
+  static std::mutex mu;
+  static std::map<int, std::string> names;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = names.find(device);
+  if (it != names.end()) return it->second;
+  std::string name = "no-gpu";
+  if (device >= 0 && jit::driver_available() && device < jit::device_count()) {
+    char buf[256] = {0};
+    CUdevice dev;
+    if (jit::driver().cuDeviceGet(&dev, device) == CUDA_SUCCESS &&
+        jit::driver().cuDeviceGetName(buf, sizeof(buf), dev) == CUDA_SUCCESS)
+      name = buf;
+  }
+  return names.emplace(device, name).first->second;
+}
+
+std::string tuning_db_path(int device) {
+  auto v = knobs::tuning_db();
+  if (v && ends_with(*v, ".json")) return *v;
+  std::string dir = v ? *v : knobs::cache_dir() + "/tuning";
+  return dir + "/tuning-" + cache::sanitize_file_part(gpu_name(device)) + "-cuda" + jit::nvrtc_version() + ".json";
+}
+
+uint64_t tuning_generation() { return g_generation.load(std::memory_order_relaxed); }
+void tuning_changed() { g_generation.fetch_add(1); }
+
+bool tuning_has_signature(const std::string& signature, int device) {
+  if (knobs::tune_mode() == knobs::TuneMode::Off) return false;
+  auto snap = snapshot(tuning_db_path(device));
+  return snap->signatures.count(signature) > 0;
+}
+
+ConfigChoice choose_config(const OpDef& op, const Problem& p, const Config* forced, int device, bool may_autotune) {
+  ConfigChoice ch;
+  if (forced) {
+    std::string why;
+    for (const auto& [axis, values] : op.tuning.axes)
+      KSPEC_CHECK(forced->has(axis), op.info.name, ": config {", forced->str(), "} lacks a value for '", axis, "'");
+    KSPEC_CHECK(!op.tuning.valid || op.tuning.valid(p, *forced, &why), op.info.name, ": config {", forced->str(),
+                "} is not valid for this problem: ", why);
+    ch.config = *forced;
+    ch.source = "forced";
+    return ch;
+  }
+  knobs::TuneMode mode = knobs::tune_mode();
+  if (mode != knobs::TuneMode::Off && !op.tuning.axes.empty()) {
+    ch.db_path = tuning_db_path(device);
+    ch.key = tuning_key(p);
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      auto snap = snapshot(ch.db_path);
+      auto it = snap->records.find(ch.key);
+      if (it != snap->records.end()) {
+        std::string why;
+        if (usable(op, p, it->second, &ch.config, &why)) {
+          ch.source = "tuned";
+          return ch;
+        }
+        ch.note = "tuned entry ignored: " + why;
+        jit::warn_once("stale-tuning:" + ch.db_path + ":" + ch.key,
+                       "the tuning database " + ch.db_path + " has an entry for " + op.info.name +
+                           " that no longer applies (" + why + "); using the heuristic (retune with kspec tune)");
+        break;
+      }
+      if (attempt == 0 && mode == knobs::TuneMode::Auto && may_autotune && device >= 0) {
+        if (!autotune(op, p, device, ch.key)) break;
+        continue;  // read the entry it wrote
+      }
+      break;
+    }
+  }
+  ch.config = op.tuning.heuristic ? op.tuning.heuristic(p) : Config{};
+  ch.source = "heuristic";
+  return ch;
+}
+
+// ---- the database from the public API ----
+
+std::string tuning_db_entries(const std::string& path) {
+  return cache::TuningDb(path.empty() ? tuning_db_path(0) : path).entries().dump(1);
+}
+
+int64_t tuning_export(const std::string& file, const std::string& path) {
+  std::string problem;
+  cache::TuningDb db(path.empty() ? tuning_db_path(0) : path);
+  nlohmann::json doc = db.document(&problem);
+  KSPEC_CHECK_AS(problem.empty(), CacheError, "tuning database ", db.path(), " is unusable: ", problem);
+  std::string err;
+  KSPEC_CHECK_AS(cache::write_file_atomic(file, doc.dump(1) + "\n", &err), CacheError, "kspec tune --export: ", err);
+  return static_cast<int64_t>(doc["entries"].size());
+}
+
+int64_t tuning_import(const std::string& file) {
+  std::string problem;
+  cache::TuningDb src(file);
+  nlohmann::json doc = src.document(&problem);
+  KSPEC_CHECK(problem.empty(), "kspec tune --import: ", file, " is not a kspec tuning database: ", problem);
+  std::string gpu = doc.value("gpu", std::string("no-gpu")), toolkit = doc.value("toolkit", jit::nvrtc_version());
+  auto v = knobs::tuning_db();
+  std::string target;
+  if (v && ends_with(*v, ".json")) {
+    target = *v;
+  } else {
+    std::string dir = v ? *v : knobs::cache_dir() + "/tuning";
+    target = dir + "/tuning-" + cache::sanitize_file_part(gpu) + "-cuda" + toolkit + ".json";
+  }
+  // The faster measurement wins; a record without a time never replaces one with a time.
+  auto faster = [](const nlohmann::json& have, const nlohmann::json& in) {
+    double h = have.value("time_ms", -1.0), i = in.value("time_ms", -1.0);
+    if (i <= 0) return false;
+    return h <= 0 || i < h;
+  };
+  std::string err;
+  KSPEC_CHECK_AS(cache::TuningDb(target).merge(doc["entries"], {{"gpu", gpu}, {"toolkit", toolkit}}, faster, &err),
+                 CacheError, "kspec tune --import: ", err);
+  tuning_changed();
+  return static_cast<int64_t>(doc["entries"].size());
+}
+
+}  // namespace kspec

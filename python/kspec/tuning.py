@@ -1,0 +1,139 @@
+"""The autotuner from Python: kspec.tune() runs the C++ tuner (prune, parallel compile, verify against
+the default config, time on the GPU, record the winner in the tuning database); this module adds the
+progress display, the table and the reports (JSON, CSV, PNG), and the database's export/import."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import struct
+import zlib
+
+from . import _C
+
+
+def tune(op: str, dtype: str = "f32", shape=None, *, budget: float = 60.0, all_configs: bool = False,
+         device: int = 0, arch: str = "sm_90", without=(), tensor_dtypes=None, alt_shapes=(),
+         compile_only: bool = False, write_db: bool = True, batches: int = 15, seed: int = 0,
+         progress=None, **params) -> dict:
+    """Tune `op` for one problem and record the winner in the tuning database.
+
+    shape: the dims, runtime ones too, e.g. {"rows": 16384, "hidden": 4096} (or as keyword params).
+    progress: None, or a callable (phase, done, total, candidate_dict_or_None).
+    Returns a dict: key, bucket, db_path, default_config/default_ms, best_config/best_ms, timed,
+    written, and `candidates` (one dict per configuration: config, status, why, median_ms, error...).
+    Without a GPU (or with compile_only) it prunes and compiles only (timed is False)."""
+    all_params = dict(shape or {})
+    all_params.update(params)
+    return _C.tune(op, dtype, all_params, list(without), dict(tensor_dtypes or {}), list(alt_shapes), device, arch,
+                   float(budget), all_configs, compile_only, write_db, batches, seed, progress)
+
+
+def db_path(device: int = 0) -> str:
+    """The tuning database file dispatch reads for a device (KSPEC_TUNING_DB overrides)."""
+    return _C.tuning_db_path(device)
+
+
+def db_entries(path: str = "") -> dict:
+    """The database's entries: key → record (config, time_ms, default_ms, shape, gpu, ...)."""
+    return json.loads(_C.tuning_db_entries(path))
+
+
+def export_db(file: str, path: str = "") -> int:
+    """Write the database (this GPU's, or `path`) to `file`; returns the number of entries."""
+    return _C.tuning_export(file, path)
+
+
+def import_db(file: str) -> int:
+    """Merge an exported database into the one for its GPU and toolkit (the faster record wins)."""
+    return _C.tuning_import(file)
+
+
+# ---- reports ----
+
+_COLUMNS = ["config", "default", "status", "median_ms", "min_ms", "speedup", "error", "registers", "spill_bytes",
+            "shared_bytes", "compile_ms", "why"]
+
+
+def table_rows(result: dict, include_pruned: bool = False):
+    """Candidates for display: timed ones fastest first, then the rest (pruned ones only if asked)."""
+    base = result.get("default_ms") or -1
+    rows = []
+    for c in result["candidates"]:
+        if not include_pruned and c["status"] == "pruned":
+            continue
+        r = dict(c)
+        r["speedup"] = base / c["median_ms"] if c["median_ms"] > 0 and base > 0 else -1
+        rows.append(r)
+    rows.sort(key=lambda r: (r["status"] != "ok", r["median_ms"] if r["median_ms"] > 0 else 1e30))
+    return rows
+
+
+def write_report(result: dict, prefix: str) -> list:
+    """Writes PREFIX.json (the whole result), PREFIX.csv (one row per configuration) and PREFIX.png (time
+    per configuration, the winner and the default marked). Returns the paths written."""
+    d = os.path.dirname(prefix)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    paths = [prefix + ".json", prefix + ".csv", prefix + ".png"]
+    with open(paths[0], "w") as f:
+        json.dump(result, f, indent=1)
+    with open(paths[1], "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(_COLUMNS)
+        for r in table_rows(result, include_pruned=True):
+            w.writerow([r.get(c, "") for c in _COLUMNS])
+    timed = [r for r in table_rows(result) if r["status"] == "ok"]
+    _plot(result, timed, paths[2])
+    return paths
+
+
+def _plot(result, timed, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _png_bars([r["median_ms"] for r in timed],
+                  [(0, 160, 0) if r["config"] == result["best_config"] else (220, 120, 0) if r["default"]
+                   else (70, 110, 200) for r in timed], path)
+        return
+    fig, ax = plt.subplots(figsize=(9, max(2.5, 0.28 * len(timed) + 1)))
+    labels = [r["config"] + ("  (default)" if r["default"] else "") for r in timed]
+    colors = ["tab:green" if r["config"] == result["best_config"] else "tab:orange" if r["default"] else "tab:blue"
+              for r in timed]
+    ax.barh(range(len(timed)), [r["median_ms"] for r in timed], color=colors)
+    ax.set_yticks(range(len(timed)))
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("median ms per call")
+    ax.set_title(f"{result['op']} {result['shape']} on {result['gpu']}: winner green, default orange", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _png_bars(values, colors, path, width=640, bar_h=12, gap=4):
+    """A horizontal bar chart PNG without matplotlib: one bar per value (as in the CSV's timed rows,
+    fastest first), length proportional to the value."""
+    n = max(1, len(values))
+    height = n * (bar_h + gap) + gap
+    vmax = max(values) if values else 1.0
+    rows = []
+    for y in range(height):
+        row = bytearray(b"\xff" * (3 * width))
+        i, off = divmod(y - gap, bar_h + gap)
+        if y >= gap and i < len(values) and off < bar_h:
+            length = max(1, int((width - 20) * values[i] / vmax))
+            row[3 * 10:3 * (10 + length)] = bytes(colors[i]) * length
+        rows.append(b"\x00" + bytes(row))
+    raw = b"".join(rows)
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xffffffff)
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+    png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+    with open(path, "wb") as f:
+        f.write(png)

@@ -1,0 +1,314 @@
+// The tuning database and the tuner without a GPU: file round trip, concurrent writers, a corrupt
+// file, shape buckets, pruning before compile, and dispatch's choice (tuned, stale, KSPEC_TUNE=off)
+// seen through explain_request (the same choose_config a call uses). GPU: a real tune changes the plan.
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "api/src/kernels.h"
+#include "api/src/op.h"
+#include "api/src/tuning.h"
+#include "cache/tuning_db.h"
+#include "kspec/kspec.h"
+#include "test_helpers.h"
+
+namespace fs = std::filesystem;
+using kspec::testing::TempDir;
+
+namespace {
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Points KSPEC_TUNING_DB (and KSPEC_TUNE) somewhere for one test.
+class EnvGuard {
+ public:
+  EnvGuard(const char* name, const std::string& value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    ::setenv(name, value.c_str(), 1);
+    kspec::tuning_changed();  // re-read the database under the new setting
+  }
+  ~EnvGuard() {
+    if (old_.empty()) ::unsetenv(name_);
+    else ::setenv(name_, old_.c_str(), 1);
+    kspec::tuning_changed();
+  }
+
+ private:
+  const char* name_;
+  std::string old_;
+};
+
+kspec::CompileRequest norm_request(int64_t rows, int64_t hidden) {
+  kspec::CompileRequest r;
+  r.op = "norm_act.fwd";
+  r.dtype = kspec::DType::bf16;
+  r.arch = "sm_90";
+  r.params = {{"rows", rows}, {"hidden", hidden}, {"norm", std::string("rmsnorm")}, {"act", std::string("silu")}};
+  return r;
+}
+
+kspec::Problem problem_of(const kspec::CompileRequest& r) {
+  const kspec::OpDef& op = kspec::Registry::global().get(r.op);
+  return kspec::problem_from_request(op, r);
+}
+
+void put_entry(const std::string& db, const std::string& key, const std::string& config) {
+  ASSERT_TRUE(kspec::cache::TuningDb(db).merge({{key, {{"config", config}, {"time_ms", 0.1}, {"op", "test"}}}},
+                                               {{"gpu", "test"}}));
+  kspec::tuning_changed();
+}
+
+}  // namespace
+
+TEST(TuningDb, RoundTripKeepsEveryEntryAndAVersionedReadableFile) {
+  TempDir dir;
+  std::string path = dir.path() + "/sub/tuning.json";
+  kspec::cache::TuningDb db(path);
+  std::string problem;
+  EXPECT_TRUE(db.entries(&problem).empty());
+  EXPECT_EQ(problem, "");  // a missing file is an empty database, not an error
+  ASSERT_TRUE(db.merge({{"a#rows=1", {{"config", "x=1"}, {"time_ms", 2.0}}}}, {{"gpu", "G"}, {"toolkit", "13.0"}}));
+  ASSERT_TRUE(db.merge({{"b#rows=2", {{"config", "x=2"}, {"time_ms", 1.0}}}}, {{"gpu", "G"}}));
+  auto doc = nlohmann::json::parse(slurp(path));
+  EXPECT_EQ(doc["version"], kspec::cache::kTuningDbVersion);
+  EXPECT_EQ(doc["gpu"], "G");
+  EXPECT_EQ(doc["toolkit"], "13.0");
+  ASSERT_EQ(doc["entries"].size(), 2u);
+  EXPECT_EQ(db.get("a#rows=1")->at("config"), "x=1");
+  EXPECT_EQ(db.get("b#rows=2")->at("time_ms"), 1.0);
+  EXPECT_FALSE(db.get("c").has_value());
+  // A prefer rule that keeps the faster record.
+  auto faster = [](const nlohmann::json& h, const nlohmann::json& i) { return i["time_ms"] < h["time_ms"]; };
+  ASSERT_TRUE(db.merge({{"a#rows=1", {{"config", "x=3"}, {"time_ms", 5.0}}}}, {}, faster));
+  EXPECT_EQ(db.get("a#rows=1")->at("config"), "x=1");
+  ASSERT_TRUE(db.merge({{"a#rows=1", {{"config", "x=4"}, {"time_ms", 0.5}}}}, {}, faster));
+  EXPECT_EQ(db.get("a#rows=1")->at("config"), "x=4");
+  EXPECT_NE(slurp(path).find('\n'), std::string::npos);  // indented: readable and diffable
+}
+
+TEST(TuningDb, ConcurrentWritersLoseNothing) {
+  TempDir dir;
+  std::string path = dir.path() + "/tuning.json";
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t)
+    threads.emplace_back([&, t] {
+      kspec::cache::TuningDb db(path);  // each writer locks through its own descriptor, as processes do
+      for (int i = 0; i < 10; ++i)
+        db.merge({{"k" + std::to_string(t) + "_" + std::to_string(i), {{"config", "x=1"}}}}, {{"gpu", "G"}});
+    });
+  for (auto& th : threads) th.join();
+  auto doc = nlohmann::json::parse(slurp(path));
+  EXPECT_EQ(doc["entries"].size(), 80u);
+}
+
+TEST(TuningDb, CorruptFileIsIgnoredThenSetAsideNeverOverwrittenBlindly) {
+  TempDir dir;
+  std::string path = dir.path() + "/tuning.json";
+  for (const std::string garbage : {"{\"version\": 1, \"entries\": {tru", "[1,2,3]", "{\"version\": 99, \"entries\": {}}"}) {
+    { std::ofstream(path) << garbage; }
+    kspec::cache::TuningDb db(path);
+    std::string problem;
+    EXPECT_TRUE(db.entries(&problem).empty());
+    EXPECT_FALSE(problem.empty()) << garbage;
+    EXPECT_EQ(slurp(path), garbage);  // reading never touches it
+    ASSERT_TRUE(db.merge({{"k", {{"config", "x=1"}}}}, {}));
+    EXPECT_EQ(slurp(path + ".corrupt"), garbage);
+    EXPECT_EQ(db.get("k")->at("config"), "x=1");
+  }
+}
+
+TEST(TuningDb, SanitizedFileNames) {
+  EXPECT_EQ(kspec::cache::sanitize_file_part("NVIDIA H100 80GB HBM3"), "NVIDIA-H100-80GB-HBM3");
+  EXPECT_EQ(kspec::cache::sanitize_file_part("a/b\\c:d"), "a-b-c-d");
+  EXPECT_EQ(kspec::cache::sanitize_file_part("///"), "unknown");
+}
+
+TEST(Tuning, BucketsRoundRuntimeDimsUpToPowersOfTwo) {
+  EXPECT_EQ(kspec::tune_bucket(problem_of(norm_request(1000, 4096))), "rows=1024");
+  EXPECT_EQ(kspec::tune_bucket(problem_of(norm_request(1024, 4096))), "rows=1024");
+  EXPECT_EQ(kspec::tune_bucket(problem_of(norm_request(1025, 4096))), "rows=2048");
+  EXPECT_EQ(kspec::tune_bucket(problem_of(norm_request(1, 4096))), "rows=1");
+  // Nearby shapes share a key; the compile-time hidden size does not.
+  EXPECT_EQ(kspec::tuning_key(problem_of(norm_request(1500, 4096))), kspec::tuning_key(problem_of(norm_request(2048, 4096))));
+  EXPECT_NE(kspec::tuning_key(problem_of(norm_request(2048, 4096))), kspec::tuning_key(problem_of(norm_request(2048, 1024))));
+  auto key = kspec::tuning_key(problem_of(norm_request(2048, 4096)));
+  EXPECT_EQ(key, problem_of(norm_request(2048, 4096)).signature() + "#rows=2048");
+  kspec::CompileRequest scan;
+  scan.op = "selective_scan.fwd";
+  scan.dtype = kspec::DType::bf16;
+  scan.params = {{"batch", int64_t(3)}, {"dim", int64_t(100)}, {"seqlen", int64_t(300)}, {"dstate", int64_t(16)}};
+  EXPECT_EQ(kspec::tune_bucket(problem_of(scan)), "batch=4,dim=128,seqlen=512,groups=1");
+}
+
+TEST(Tuning, PruningDropsIllegalConfigsBeforeCompiling) {
+  // The op's own rules, through the real norm_act.fwd space at a small hidden size.
+  const kspec::OpDef& op = kspec::Registry::global().get("norm_act.fwd");
+  kspec::Problem p = problem_of(norm_request(64, 256));
+  kspec::TuneRequest opts;
+  opts.compile_only = true;
+  opts.write_db = false;
+  kspec::TuneResult r = kspec::tune_problem(op, p, opts, {});
+  EXPECT_FALSE(r.timed);
+  EXPECT_EQ(r.candidates.size(), 6u * 4 * 4 * 2);
+  EXPECT_TRUE(r.candidates[0].is_default);
+  EXPECT_EQ(r.candidates[0].config.str(), op.tuning.heuristic(p).str());
+  int pruned = 0, compiled = 0;
+  for (const auto& c : r.candidates) {
+    std::string why;
+    bool legal = op.tuning.valid(p, c.config, &why);
+    if (!legal) {
+      EXPECT_EQ(c.status, "pruned") << c.config.str();
+      EXPECT_EQ(c.registers, -1) << c.config.str() << " was compiled";
+      EXPECT_EQ(c.why, why);
+      ++pruned;
+    } else {
+      EXPECT_EQ(c.status, "not timed") << c.config.str() << ": " << c.why;
+      EXPECT_GT(c.registers, 0) << c.config.str();
+      EXPECT_EQ(c.spill_bytes, 0) << c.config.str();
+      ++compiled;
+    }
+  }
+  EXPECT_GT(pruned, 0);
+  EXPECT_GT(compiled, 1);
+
+  // The device's threads-per-block limit, with the op's rules switched off.
+  kspec::OpDef loose = op;
+  loose.tuning.valid = nullptr;
+  loose.tuning.axes = {{"threads_per_row", {512, 1024}}, {"rows_per_block", {1, 2}}, {"vec", {8}}, {"stream", {0}}};
+  loose.tuning.heuristic = [](const kspec::Problem&) {
+    return kspec::Config{{{"threads_per_row", 512}, {"rows_per_block", 1}, {"vec", 8}, {"stream", 0}}};
+  };
+  kspec::Problem lp = problem_of(norm_request(64, 4096));
+  lp.op = &loose;
+  r = kspec::tune_problem(loose, lp, opts, {});
+  ASSERT_EQ(r.candidates.size(), 4u);
+  for (const auto& c : r.candidates) {
+    bool too_wide = c.config.get("threads_per_row") * c.config.get("rows_per_block") > 1024;
+    EXPECT_EQ(c.status, too_wide ? "pruned" : "not timed") << c.config.str() << ": " << c.why;
+    if (too_wide) {
+      EXPECT_NE(c.why.find("threads per block"), std::string::npos);
+      EXPECT_EQ(c.registers, -1);
+    }
+  }
+}
+
+TEST(Tuning, ATunedEntryChangesThePlanAndOffIgnoresIt) {
+  TempDir dir;
+  std::string db = dir.path() + "/tuning.json";
+  EnvGuard env("KSPEC_TUNING_DB", db);
+  auto req = norm_request(3000, 4096);
+  kspec::PlanInfo before = kspec::explain_request(req);
+  EXPECT_EQ(before.config_source, "heuristic");
+  EXPECT_EQ(before.tuning_db, db);
+  EXPECT_EQ(before.tuning_key, kspec::tuning_key(problem_of(req)));
+  // A legal config other than the heuristic's, recorded for the bucket (rows 2049..4096).
+  std::string tuned = "threads_per_row=512,rows_per_block=1,vec=4,stream=0";
+  ASSERT_NE(before.config, tuned);
+  put_entry(db, before.tuning_key, tuned);
+  kspec::PlanInfo after = kspec::explain_request(req);
+  EXPECT_EQ(after.config_source, "tuned");
+  EXPECT_EQ(after.config, tuned);
+  ASSERT_EQ(after.kernels.size(), 1u);
+  EXPECT_NE(after.kernels[0].name, before.kernels[0].name);
+  EXPECT_NE(after.kernels[0].name.find(", 512, 1, 4>"), std::string::npos) << after.kernels[0].name;
+  EXPECT_NE(after.str().find("(tuned)"), std::string::npos);
+  // compile() builds what dispatch would launch.
+  auto reports = kspec::compile(req);
+  ASSERT_EQ(reports.size(), 1u);
+  EXPECT_EQ(reports[0].config, tuned);
+  // Another bucket of the same specialization keeps the heuristic.
+  EXPECT_EQ(kspec::explain_request(norm_request(5000, 4096)).config_source, "heuristic");
+  {
+    EnvGuard off("KSPEC_TUNE", "off");
+    kspec::PlanInfo ignored = kspec::explain_request(req);
+    EXPECT_EQ(ignored.config_source, "heuristic");
+    EXPECT_EQ(ignored.config, before.config);
+  }
+}
+
+TEST(Tuning, StaleOrCorruptDatabaseFallsBackToTheHeuristic) {
+  TempDir dir;
+  std::string db = dir.path() + "/tuning.json";
+  EnvGuard env("KSPEC_TUNING_DB", db);
+  auto req = norm_request(100, 1024);
+  std::string heuristic = kspec::explain_request(req).config;
+  std::string key = kspec::tuning_key(problem_of(req));
+  for (const std::string stale : {"threads_per_row=256,rows_per_block=1,vec=8,stream=0,tile=64",  // an axis gone
+                                  "threads_per_row=96,rows_per_block=1,vec=8,stream=0",           // a value gone
+                                  "threads_per_row=256,vec=8,stream=0",                           // an axis added
+                                  "threads_per_row=1024,rows_per_block=8,vec=8,stream=0",         // illegal now
+                                  "not a config"}) {
+    put_entry(db, key, stale);
+    kspec::PlanInfo info = kspec::explain_request(req);
+    EXPECT_EQ(info.config_source, "heuristic") << stale;
+    EXPECT_EQ(info.config, heuristic) << stale;
+    EXPECT_NE(info.note.find("tuned entry ignored"), std::string::npos) << stale;
+  }
+  { std::ofstream(db) << "{ this is not json"; }
+  kspec::tuning_changed();
+  kspec::PlanInfo info = kspec::explain_request(req);
+  EXPECT_EQ(info.config_source, "heuristic");
+  EXPECT_EQ(slurp(db), "{ this is not json");
+}
+
+TEST(Tuning, TunerRequiresATuningSpace) {
+  kspec::TuneRequest r;
+  r.op = "gemm";
+  r.compile_only = true;
+  r.params = {{"m", int64_t(64)}, {"n", int64_t(64)}, {"k", int64_t(64)}};
+  try {
+    kspec::tune(r);
+    FAIL() << "gemm has no tuning space";
+  } catch (const kspec::Unsupported& e) {
+    EXPECT_NE(std::string(e.what()).find("no tuning space"), std::string::npos) << e.what();
+  }
+}
+
+TEST(GpuTuning, TuningATinyProblemChangesTheLaunchedConfig) {
+  KSPEC_REQUIRE_GPU();
+  TempDir dir;
+  EnvGuard env("KSPEC_TUNING_DB", dir.path() + "/tuning.json");
+  kspec::TuneRequest r;
+  r.op = "norm_act.fwd";
+  r.dtype = kspec::DType::bf16;
+  r.params = {{"rows", int64_t(256)}, {"hidden", int64_t(1024)}, {"act", std::string("silu")}};
+  r.budget_s = 5;
+  kspec::TuneResult res = kspec::tune(r);
+  ASSERT_TRUE(res.timed);
+  EXPECT_TRUE(res.written);
+  EXPECT_GT(res.default_ms, 0);
+  EXPECT_GT(res.best_ms, 0);
+  EXPECT_LE(res.best_ms, res.default_ms);
+  EXPECT_TRUE(kspec::cache::TuningDb(res.db_path).get(res.key).has_value());
+  int ok = 0;
+  for (const auto& c : res.candidates) ok += c.status == "ok";
+  EXPECT_GE(ok, 2);
+  kspec::CompileRequest req;
+  req.op = r.op;
+  req.dtype = r.dtype;
+  req.params = r.params;
+  kspec::PlanInfo info = kspec::explain_request(req);
+  EXPECT_EQ(info.config_source, "tuned");
+  EXPECT_EQ(info.config, res.best_config.str());
+}
+
+TEST(Tuning, SpinKernelCompilesForEveryTunedArch) {
+  // The tuner's stream filler (templates/tune/spin.cuh) must build where the tuner times.
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    kspec::jit::KernelSpec spin;
+    spin.header = "tune/spin.cuh";
+    spin.kernel = "kspec::tune_spin_kernel";
+    spin.targs = {"1000"};
+    spin.arch = kspec::jit::resolve_arch(arch);
+    kspec::Obtained ob = kspec::obtain_binary(spin);
+    EXPECT_GT(ob.entry->binary.size(), 0u) << arch;
+    EXPECT_EQ(ob.entry->resources.spill_bytes, 0) << arch;
+  }
+}

@@ -1,0 +1,244 @@
+"""kspec tune and the tuning database from Python and the CLI: export/import merges, concurrent
+writers, a corrupt file, KSPEC_TUNE=off, a tuned entry changing what kspec.explain reports, stale
+entries, compile-only pruning, the reports (CSV, JSON, PNG); on a GPU, a real tune that the next call uses."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import kspec
+from kspec import tuning
+
+REQ = dict(dtype="bf16", rows=3000, hidden=4096, norm="rmsnorm", act="silu")
+TUNED = "threads_per_row=512,rows_per_block=1,vec=4,stream=0"
+
+
+def cli(*args, env=None, check=True):
+    e = dict(os.environ)
+    e.update(env or {})
+    r = subprocess.run([sys.executable, "-m", "kspec", *args], capture_output=True, text=True, env=e)
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def explain_in_process(db, env=None, **req):
+    """kspec.explain in a fresh process (the database is read once per process)."""
+    code = ("import json, sys, kspec; e = kspec.explain('norm_act.fwd', **json.loads(sys.argv[1]));"
+            "print(json.dumps(e.info))")
+    e = dict(os.environ, KSPEC_TUNING_DB=str(db))
+    e.update(env or {})
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(req or REQ)], capture_output=True, text=True, env=e)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout), r.stderr
+
+
+def write_db(path, entries, gpu="NVIDIA H100 80GB HBM3"):
+    with open(path, "w") as f:
+        json.dump({"version": 1, "kind": "kspec-tuning", "gpu": gpu, "toolkit": "13.0", "entries": entries}, f)
+
+
+def key_for(db, **req):
+    info, _ = explain_in_process(db, **(req or REQ))
+    return info["tuning_key"]
+
+
+def test_a_tuned_entry_changes_the_explained_plan_and_off_ignores_it(tmp_path):
+    db = tmp_path / "tuning.json"
+    before, _ = explain_in_process(db)
+    assert before["config_source"] == "heuristic" and before["tuning_db"] == str(db)
+    assert before["config"] != TUNED
+    write_db(db, {before["tuning_key"]: {"config": TUNED, "time_ms": 0.1}})
+    after, _ = explain_in_process(db)
+    assert after["config_source"] == "tuned" and after["config"] == TUNED
+    assert ", 512, 1, 4>" in after["kernels"][0]["name"]
+    assert "(tuned)" in after["text"] and after["kernels"][0]["cache_entry"].endswith(".bin")
+    # a nearby shape (same power-of-two bucket) reuses it; another bucket does not
+    near, _ = explain_in_process(db, **dict(REQ, rows=2500))
+    assert near["config_source"] == "tuned"
+    far, _ = explain_in_process(db, **dict(REQ, rows=5000))
+    assert far["config_source"] == "heuristic"
+    off, _ = explain_in_process(db, env={"KSPEC_TUNE": "off"})
+    assert off["config_source"] == "heuristic" and off["config"] == before["config"]
+    # kspec compile builds the tuned kernel too
+    r = cli("compile", "norm_act.fwd", "--dtype", "bf16", "--param", "hidden=4096", "--param", "rows=3000",
+            "--param", "norm=rmsnorm", "--param", "act=silu", "--json", env={"KSPEC_TUNING_DB": str(db)})
+    assert json.loads(r.stdout)["config"] == TUNED
+
+
+def test_corrupt_database_warns_once_is_ignored_and_kept(tmp_path):
+    db = tmp_path / "tuning.json"
+    db.write_text('{"version": 1, "entries": {"x": ')
+    info, err = explain_in_process(db)
+    assert info["config_source"] == "heuristic"
+    assert err.count("warning") == 1 and "ignored" in err
+    assert db.read_text() == '{"version": 1, "entries": {"x": '
+    # a writer keeps the unreadable file aside, then starts a valid one
+    src = tmp_path / "in.json"
+    write_db(src, {"k#rows=1": {"config": "a=1", "time_ms": 1.0}})
+    cli("tune", "--import", str(src), env={"KSPEC_TUNING_DB": str(db)})
+    assert (tmp_path / "tuning.json.corrupt").read_text() == '{"version": 1, "entries": {"x": '
+    assert json.loads(db.read_text())["entries"]["k#rows=1"]["config"] == "a=1"
+
+
+def test_stale_entry_is_ignored_with_a_warning(tmp_path):
+    db = tmp_path / "tuning.json"
+    key = key_for(db)
+    write_db(db, {key: {"config": "threads_per_row=256,rows_per_block=1,vec=8,stream=0,tile=64", "time_ms": 0.1}})
+    info, err = explain_in_process(db)
+    assert info["config_source"] == "heuristic"
+    assert "tile" in info["note"] and "no longer applies" in err
+
+
+def test_export_import_merge_keeps_the_faster_record(tmp_path):
+    db = tmp_path / "db" / "tuning.json"
+    env = {"KSPEC_TUNING_DB": str(db)}
+    a = tmp_path / "a.json"
+    write_db(a, {"k1#rows=1": {"config": "x=1", "time_ms": 2.0}, "k2#rows=1": {"config": "x=2", "time_ms": 1.0}})
+    b = tmp_path / "b.json"
+    write_db(b, {"k1#rows=1": {"config": "x=3", "time_ms": 1.5}, "k2#rows=1": {"config": "x=4", "time_ms": 3.0},
+                 "k3#rows=1": {"config": "x=5", "time_ms": 1.0}})
+    cli("tune", "--import", str(a), env=env)
+    cli("tune", "--import", str(b), env=env)
+    out = tmp_path / "exported.json"
+    r = cli("tune", "--export", str(out), env=env)
+    assert "exported 3 entries" in r.stdout
+    doc = json.loads(out.read_text())
+    assert doc["version"] == 1
+    assert {k: v["config"] for k, v in doc["entries"].items()} == {"k1#rows=1": "x=3", "k2#rows=1": "x=2",
+                                                                  "k3#rows=1": "x=5"}
+    r = cli("tune", "--list", env=env)
+    assert "x=5" in r.stdout
+    assert cli("tune", "--db", env=env).stdout.strip() == str(db)
+
+
+def test_import_into_a_directory_picks_the_file_of_the_exported_gpu(tmp_path):
+    d = tmp_path / "dbdir"
+    src = tmp_path / "h100.json"
+    write_db(src, {"k#rows=1": {"config": "x=1", "time_ms": 1.0}})
+    cli("tune", "--import", str(src), env={"KSPEC_TUNING_DB": str(d)})
+    files = os.listdir(d)
+    assert any(f.startswith("tuning-NVIDIA-H100-80GB-HBM3-cuda13.0") and f.endswith(".json") for f in files), files
+
+
+def test_concurrent_writers_keep_every_entry(tmp_path):
+    db = tmp_path / "tuning.json"
+    procs = []
+    for i in range(6):
+        src = tmp_path / f"in{i}.json"
+        write_db(src, {f"k{i}_{j}#rows=1": {"config": f"x={j}", "time_ms": 1.0} for j in range(20)})
+        procs.append(subprocess.Popen([sys.executable, "-m", "kspec", "tune", "--import", str(src)],
+                                      env=dict(os.environ, KSPEC_TUNING_DB=str(db)),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    for p in procs:
+        assert p.wait() == 0, p.stderr.read()
+    doc = json.loads(db.read_text())
+    assert len(doc["entries"]) == 120
+    assert not [f for f in os.listdir(tmp_path) if ".tmp." in f]
+
+
+def test_compile_only_tune_prunes_and_compiles(tmp_path):
+    r = kspec.tune("norm_act.fwd", "bf16", {"rows": 64, "hidden": 256}, compile_only=True, write_db=False)
+    assert not r["timed"] and not r["written"]
+    assert r["candidates"][0]["default"]
+    statuses = {c["status"] for c in r["candidates"]}
+    assert statuses <= {"pruned", "not timed"}
+    pruned = [c for c in r["candidates"] if c["status"] == "pruned"]
+    assert pruned and all(c["registers"] == -1 and c["why"] for c in pruned)
+    assert any("1024 threads" in c["why"] for c in pruned)
+    kept = [c for c in r["candidates"] if c["status"] == "not timed"]
+    assert len(kept) > 1 and all(c["registers"] > 0 and c["spill_bytes"] == 0 for c in kept)
+    out = cli("tune", "norm_act.fwd", "--dtype", "bf16", "--shape", "rows=64,hidden=256", "--compile-only",
+              "--quiet", "--all-configs")
+    assert "pruned" in out.stdout and "nothing timed" in out.stdout
+
+
+def test_reports_csv_json_png(tmp_path):
+    result = {"op": "norm_act.fwd", "shape": "rows=64,hidden=256", "gpu": "test", "best_config": "a=2",
+              "default_config": "a=1", "default_ms": 2.0, "candidates": [
+                  {"config": "a=1", "default": True, "status": "ok", "why": "", "median_ms": 2.0, "min_ms": 1.9,
+                   "error": 0.0, "registers": 32, "spill_bytes": 0, "shared_bytes": 0, "compile_ms": 1.0},
+                  {"config": "a=2", "default": False, "status": "ok", "why": "", "median_ms": 1.0, "min_ms": 0.9,
+                   "error": 1e-3, "registers": 40, "spill_bytes": 0, "shared_bytes": 0, "compile_ms": 1.0},
+                  {"config": "a=3", "default": False, "status": "pruned", "why": "too wide", "median_ms": -1,
+                   "min_ms": -1, "error": -1, "registers": -1, "spill_bytes": -1, "shared_bytes": -1,
+                   "compile_ms": 0}]}
+    paths = tuning.write_report(result, str(tmp_path / "rep" / "norm"))
+    assert [os.path.basename(p) for p in paths] == ["norm.json", "norm.csv", "norm.png"]
+    lines = open(paths[1]).read().splitlines()
+    assert lines[0].startswith("config,default,status,median_ms") and lines[1].startswith("a=2,")
+    assert len(lines) == 4 and "2.0" in lines[1]  # speedup of the winner over the default
+    assert open(paths[2], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert json.load(open(paths[0]))["best_config"] == "a=2"
+    png = tmp_path / "bars.png"
+    tuning._png_bars([1.0, 2.0], [(0, 160, 0), (70, 110, 200)], str(png))
+    import zlib
+    data = png.read_bytes()
+    assert data[12:16] == b"IHDR" and zlib.decompress(data[data.index(b"IDAT") + 4:data.index(b"IEND") - 8])
+
+
+def test_tune_mode_knob_is_validated():
+    r = subprocess.run([sys.executable, "-c", "import kspec; kspec.explain('norm_act.fwd', hidden=64)"],
+                       capture_output=True, text=True, env=dict(os.environ, KSPEC_TUNE="sometimes"))
+    assert r.returncode != 0 and "KSPEC_TUNE" in r.stderr
+    names = [k[0] for k in kspec.knobs()]
+    assert {"KSPEC_TUNE", "KSPEC_TUNING_DB", "KSPEC_TUNE_BUDGET"} <= set(names)
+
+
+@pytest.mark.gpu
+def test_gpu_tune_is_recorded_and_used_by_the_next_call(tmp_path):
+    import torch
+    from kspec.reference import norm_act as ref
+
+    db = tmp_path / "tuning.json"
+    code = r'''
+import json, sys, torch, kspec
+from kspec.reference import norm_act as ref
+r = kspec.tune("norm_act.fwd", "bf16", {"rows": 200, "hidden": 1024}, budget=5, norm="rmsnorm", act="silu")
+x = torch.randn(200, 1024, device="cuda", dtype=torch.bfloat16)
+w = 1 + 0.1 * torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+e = kspec.explain("norm_act.fwd", x, w, None, norm="rmsnorm", act="silu")
+y, mean, rstd = kspec.call("norm_act.fwd", x, w, None, norm="rmsnorm", act="silu")
+torch.cuda.synchronize()
+print(json.dumps({"result": {k: r[k] for k in ("timed", "written", "key", "best_config", "best_ms", "default_ms")},
+                  "source": e.config_source, "config": e.config, "key": e.tuning_key,
+                  "ok": sum(c["status"] == "ok" for c in r["candidates"])}))
+torch.save({"x": x.cpu(), "w": w.cpu(), "y": y.cpu()}, sys.argv[1])
+'''
+    saved = tmp_path / "io.pt"
+    p = subprocess.run([sys.executable, "-c", code, str(saved)], capture_output=True, text=True,
+                       env=dict(os.environ, KSPEC_TUNING_DB=str(db)))
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    r = out["result"]
+    assert r["timed"] and r["written"] and r["best_ms"] > 0 and r["best_ms"] <= r["default_ms"]
+    assert out["ok"] >= 2
+    assert out["source"] == "tuned" and out["config"] == r["best_config"] and out["key"] == r["key"]
+    assert r["key"] in json.loads(db.read_text())["entries"]
+    d = torch.load(saved)
+    y_ref = ref.norm_act_fwd(d["x"].double().numpy(), d["w"].double().numpy(), None, "rmsnorm", "silu", 1e-5)[0]
+    import numpy as np
+    y = d["y"].float().numpy()
+    assert np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_auto_mode_tunes_on_first_use(tmp_path):
+    db = tmp_path / "tuning.json"
+    code = r'''
+import json, torch, kspec
+x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16)
+w = torch.ones(512, device="cuda", dtype=torch.bfloat16)
+y = kspec.call("norm_act.fwd", x, w, None, act="silu")[0]
+torch.cuda.synchronize()
+e = kspec.explain("norm_act.fwd", x, w, None, act="silu")
+print(json.dumps({"source": e.config_source, "finite": bool(torch.isfinite(y.float()).all())}))
+'''
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ, KSPEC_TUNING_DB=str(db), KSPEC_TUNE="auto", KSPEC_TUNE_BUDGET="3"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out == {"source": "tuned", "finite": True}
+    assert len(json.loads(db.read_text())["entries"]) == 1
