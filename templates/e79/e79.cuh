@@ -9,6 +9,8 @@
 //   Sq = S q;   out = Sq * silu(Sq)
 //
 // Design (first version: one CTA per sequence, correct before fast):
+// - __launch_bounds__(kThreads, 1): without the minimum of one block per SM, ptxas (CUDA 13.0) capped
+//   the backward at 80 registers and spilled (n = 16 and 48) although 168..255 were allowed.
 // - S and M (fp32) live in shared memory for the whole sequence, rows padded to kN + 1 floats so that
 //   reading a row (lanes along j) and reading a column (lanes along i) are both free of bank conflicts
 //   for kSplit = 1.
@@ -98,6 +100,15 @@ __device__ __forceinline__ float inv_norm(float norm) { return __fdividef(1.0f, 
 // The radial term of the gradient through x / (|x| + eps): (x . dxh) / (|x| (|x| + eps)^2), 0 at x = 0.
 __device__ __forceinline__ float radial(float dot, float norm, float inv) {
   return norm > 0.0f ? __fdividef(dot * inv * inv, norm) : 0.0f;
+}
+
+// The launch the kernels were written for (blockDim.x = kThreads, enough dynamic shared memory), or
+// a trap: a host-side mismatch must fail loudly, not corrupt memory.
+template <typename Tr>
+__device__ __forceinline__ void check_launch(unsigned smem_floats) {
+  unsigned smem_bytes;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+  if (blockDim.x != Tr::kThreads || blockDim.y != 1 || smem_bytes < smem_floats * 4u) __trap();
 }
 
 template <typename Tr>
@@ -262,13 +273,14 @@ __device__ __forceinline__ void step_forward(float* S, float* M, const float* in
 // S0, M0: [B, n, n] or null (zeros).
 // ---------------------------------------------------------------------------------------------
 template <typename Tr, bool kCheckpoint>
-__global__ void __launch_bounds__(Tr::kThreads)
+__global__ void __launch_bounds__(Tr::kThreads, 1)
     e79_fwd_kernel(E79Seq<const typename Tr::T> k, E79Seq<const typename Tr::T> v, E79Seq<const typename Tr::T> q,
                    E79Seq<const typename Tr::T> m, E79Seq<const typename Tr::TB> bs, E79Seq<const typename Tr::TB> bm,
                    const float* __restrict__ S0, const float* __restrict__ M0, E79Seq<typename Tr::T> out,
                    float* __restrict__ S_out, float* __restrict__ M_out, float* __restrict__ chk, int T, int nchk) {
   using namespace e79_detail;
   constexpr int N = Tr::kN;
+  check_launch<Tr>(2 * Tr::kMat + Tr::kFwdSlots * N);
   extern __shared__ float smem[];
   float* S = smem;
   float* M = smem + Tr::kMat;
@@ -307,7 +319,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
 // ws: B * kWsPerSeq floats of workspace. chk: the forward's checkpoints.
 // ---------------------------------------------------------------------------------------------
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kThreads)
+__global__ void __launch_bounds__(Tr::kThreads, 1)
     e79_bwd_kernel(E79Seq<const typename Tr::T> dout, E79Seq<const typename Tr::T> k, E79Seq<const typename Tr::T> v,
                    E79Seq<const typename Tr::T> q, E79Seq<const typename Tr::T> m, E79Seq<const typename Tr::TB> bs,
                    E79Seq<const typename Tr::TB> bm, const float* __restrict__ chk,
@@ -318,6 +330,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
   using namespace e79_detail;
   using TT = typename Tr::T;
   constexpr int N = Tr::kN, LD = Tr::kLd, P = Tr::kSplit, NN = Tr::kNN;
+  check_launch<Tr>(Tr::kSmemFloats);
   extern __shared__ float smem[];
   float* A = smem;              // S during a recompute, dS during the adjoint
   float* Bm = smem + Tr::kMat;  // M during a recompute, dM during the adjoint

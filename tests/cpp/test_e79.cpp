@@ -218,13 +218,15 @@ TEST(E79, HeuristicIsValidForEverySupportedN) {
   }
 }
 
-// Every case of both ops (and each dtype) compiles for sm_90 with the heuristic's config, without
-// spills or a stack frame; the representative cases' full tuning spaces are `kspec precompile --all`'s.
+// Every case of both ops compiles for sm_90 (bf16; the base case in every dtype) with the heuristic's
+// config, without spills or a stack frame; the representative cases' full tuning spaces in every dtype
+// are `kspec precompile --all`'s. (About a minute on two cores.)
 TEST(E79, EveryCaseCompilesWithoutSpills) {
   for (const char* name : {"e79.fwd", "e79.bwd"}) {
     const OpDef& op = Registry::global().get(name);
     for (const auto& cs : op.cases) {
       for (DType dt : op.dtypes) {
+        if (dt != DType::bf16 && cs.name != "base") continue;
         CompileRequest r;
         r.op = name;
         r.dtype = dt;
