@@ -7,12 +7,14 @@ void register_norm_act(Registry& r);
 void register_selective_scan(Registry& r);
 void register_gemm(Registry& r);
 void register_adamw(Registry& r);
+void register_e79(Registry& r);
 
 void register_all_ops(Registry& r) {
   register_norm_act(r);
   register_selective_scan(r);
   register_gemm(r);
   register_adamw(r);
+  register_e79(r);
 }
 
 }  // namespace kspec

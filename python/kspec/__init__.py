@@ -56,5 +56,6 @@ try:  # torch is optional; when present, the custom ops register at import
 
     _register_torch()
     from . import optim  # noqa: F401  (kspec.optim.AdamW)
+    from . import nn  # noqa: F401  (kspec.nn.E79Cell, kspec.nn.E79CoupledMatrix)
 except ImportError:
     pass

@@ -146,3 +146,71 @@ def linear(x, weight, bias=None, act: str = "none", *, tf32: bool = False):
 
         return _torch.linear(x, weight, bias, act, bool(tf32))
     return call("gemm", x, weight, bias, act=act, tf32=bool(tf32))[0]
+
+
+def e79_cell(kvqm, n: int, b_s=None, b_m=None, S0=None, M0=None, *, bias: str = "fixed", chunk: int = 16):
+    """The E79 coupled memory-modulation cell on a fused projection (states and arithmetic in fp32).
+
+    kvqm: (T, B, 4n) columns [k | v | q | m], or (T, B, 6n) [k | v | q | m | b_s | b_m] with
+    bias="input"; fp32/fp16/bf16, any strides with unit stride along the last dim (a batch-first
+    (B, T, C) tensor passes as its transpose(0, 1) without a copy). b_s, b_m: (n,) with bias="fixed"
+    (dtype of kvqm or fp32), else None. S0, M0: (B, n, n) fp32 or None (zeros).
+    Returns (out (T, B, n) like kvqm, S (B, n, n) fp32, M (B, n, n) fp32). Differentiable for torch
+    tensors: the forward keeps (S, M) every `chunk` steps (kspec.ops.e79_checkpoint_bytes_per_token)
+    and the backward recomputes each segment once."""
+    from . import _e79
+
+    if bias not in _e79.BIAS_MODES:
+        raise ValueError(f"kspec.ops.e79_cell: bias must be one of {_e79.BIAS_MODES}, got {bias!r}")
+    cols = 6 if bias == "input" else 4
+    if kvqm.dim() != 3 or kvqm.shape[-1] != cols * n:
+        raise ValueError(f"kspec.ops.e79_cell: kvqm must be (T, B, {cols}n) = (T, B, {cols * n}) for n = {n} and "
+                         f"bias={bias!r}, got {tuple(kvqm.shape)}")
+    if bias == "fixed" and (b_s is None or b_m is None):
+        raise ValueError("kspec.ops.e79_cell: bias='fixed' needs b_s and b_m of shape (n,)")
+    if bias != "fixed":
+        b_s = b_m = None
+    if not _is_torch(kvqm):  # forward only, any framework; biases and states as the op takes them
+        blocks = [kvqm[..., j * n:(j + 1) * n] for j in range(cols)]
+        bs, bm = (blocks[4], blocks[5]) if bias == "input" else (b_s, b_m)
+        out, S, M, _ = call("e79.fwd", *blocks[:4], bs, bm, S0, M0, chunk=int(chunk))
+        return out, S, M
+    return _e79.cell_torch(kvqm, b_s, b_m, S0, M0, int(n), bias, int(chunk))
+
+
+def e79(x, W_kvqm, b_s=None, b_m=None, W_bs=None, W_bm=None, S0=None, M0=None, *, bias: str = "fixed",
+        batch_first: bool = False, chunk: int = 16):
+    """E79 on inputs: one fused GEMM through kspec's gemm op (x @ [W_kvqm; W_bs; W_bm]^T, nn.Linear
+    layout), then the cell (kspec.ops.e79_cell). Differentiable (x, every weight and bias, S0, M0).
+
+    x: (T, B, dim), or (B, T, dim) with batch_first=True (no copies either way); W_kvqm: (4n, dim) rows
+    [k | v | q | m], the dtype of x; b_s, b_m: (n,) for bias="fixed"; W_bs, W_bm: (n, dim) for
+    bias="input"; S0, M0: (B, n, n) or None. Returns (out (T, B, n) or (B, T, n), S, M (B, n, n) fp32)."""
+    from . import _e79
+
+    if bias not in _e79.BIAS_MODES:
+        raise ValueError(f"kspec.ops.e79: bias must be one of {_e79.BIAS_MODES}, got {bias!r}")
+    if not _is_torch(x):
+        raise TypeError("kspec.ops.e79: x must be a torch tensor (the raw ops take any framework: kspec.call)")
+    if x.dim() != 3:
+        raise ValueError(f"kspec.ops.e79: x must be (T, B, dim) or batch-first (B, T, dim), got {tuple(x.shape)}")
+    if W_kvqm.dim() != 2 or W_kvqm.shape[0] % 4 != 0:
+        raise ValueError(f"kspec.ops.e79: W_kvqm must be (4n, dim), got {tuple(W_kvqm.shape)}")
+    n = W_kvqm.shape[0] // 4
+    W = W_kvqm
+    if bias == "input":
+        if W_bs is None or W_bm is None:
+            raise ValueError("kspec.ops.e79: bias='input' needs W_bs and W_bm of shape (n, dim)")
+        import torch
+
+        W = torch.cat([W_kvqm, W_bs, W_bm], dim=0)
+    proj = linear(x, W)
+    kvqm = proj.transpose(0, 1) if batch_first else proj
+    out, S, M = e79_cell(kvqm, n, b_s, b_m, S0, M0, bias=bias, chunk=chunk)
+    return (out.transpose(0, 1) if batch_first else out), S, M
+
+
+def e79_checkpoint_bytes_per_token(n: int, chunk: int = 16) -> float:
+    """Bytes E79's forward keeps per token and sequence for the backward besides its inputs: (S, M) in
+    fp32 every `chunk` steps, 8 n^2 / chunk (n = 64, chunk = 16: 2048 bytes)."""
+    return 8.0 * n * n / chunk

@@ -1,0 +1,400 @@
+// e79 without a GPU: the schema (strided [seqlen, batch, n] views such as column blocks of one fused
+// projection and batch-first layouts, the three bias modes, checkpoints), the messages for bad input,
+// every case planning its kernels, and every case's specialization compiling for sm_90 without
+// spills. (GPU: Gpu.EveryOpEveryCaseEveryDtypeMatchesReference runs the case table against the
+// float64 reference; E79Gpu.* below drive the op from the gemm projection in both layouts.)
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "api/src/op.h"
+#include "e79/reference.h"
+#include "jit/driver.h"
+#include "kspec/kspec.h"
+#include "test_helpers.h"
+
+using namespace kspec;
+
+namespace {
+
+void* fake(uintptr_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + offset); }
+
+// Views of one fused projection kvqm (+ b_s, b_m columns in input-bias mode): [T, B, C] contiguous, or
+// batch-first [B, T, C] seen as [T, B, C] through strides; column block j is [T, B, n] with unit stride.
+struct Fused {
+  int64_t T, B, n, C;
+  bool batch_first;
+  DType dt;
+  TensorView block(int j, uintptr_t base = 0) const {
+    int64_t st = batch_first ? C : B * C, sb = batch_first ? T * C : C;
+    return TensorView::strided(static_cast<char*>(fake(base)) + j * n * dtype_size(dt), dt, {T, B, n}, {st, sb, 1}, 0);
+  }
+};
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::vector<TensorView> fwd_inputs(const Fused& f, int bias /*0 none, 1 fixed, 2 input*/) {
+  TensorView bs, bm;
+  if (bias == 1) {
+    bs = TensorView(fake(1 << 28), f.dt, {f.n}, 0);
+    bm = TensorView(fake(2 << 28), f.dt, {f.n}, 0);
+  } else if (bias == 2) {
+    bs = f.block(4);
+    bm = f.block(5);
+  }
+  return {f.block(0), f.block(1), f.block(2), f.block(3), bs, bm, TensorView(), TensorView()};
+}
+
+}  // namespace
+
+TEST(E79, InferOutputsForEveryBiasModeAndLayout) {
+  for (bool bf : {false, true}) {
+    for (int bias : {0, 1, 2}) {
+      Fused f{7, 3, 32, bias == 2 ? 6 * 32 : 4 * 32, bf, DType::bf16};
+      auto outs = infer_outputs("e79.fwd", fwd_inputs(f, bias));
+      ASSERT_EQ(outs.size(), 4u);
+      EXPECT_EQ(outs[0].shape, (std::vector<int64_t>{7, 3, 32}));
+      EXPECT_EQ(outs[0].dtype, DType::bf16);
+      EXPECT_EQ(outs[1].shape, (std::vector<int64_t>{3, 32, 32}));
+      EXPECT_EQ(outs[1].dtype, DType::f32);
+      EXPECT_FALSE(outs[3].present);  // checkpoints: the caller sizes them (ceil(T / chunk))
+
+      auto in = fwd_inputs(f, bias);
+      TensorView dout(fake(3 << 28), DType::bf16, {7, 3, 32}, 0);
+      TensorView chk(fake(4 << 28), DType::f32, {3, 1, 2, 32, 32}, 0);
+      std::vector<TensorView> bin = {dout};
+      bin.insert(bin.end(), in.begin(), in.end());
+      bin.insert(bin.end(), {chk, TensorView(), TensorView()});
+      auto grads = infer_outputs("e79.bwd", bin);
+      ASSERT_EQ(grads.size(), 8u);
+      EXPECT_EQ(grads[0].shape, (std::vector<int64_t>{7, 3, 32}));
+      EXPECT_EQ(grads[4].present, bias != 0);
+      if (bias == 1) {
+        EXPECT_EQ(grads[4].shape, (std::vector<int64_t>{32}));
+      }
+      if (bias == 2) {
+        EXPECT_EQ(grads[4].shape, (std::vector<int64_t>{7, 3, 32}));
+      }
+      EXPECT_FALSE(grads[6].present);  // no S0, no dS0
+    }
+  }
+}
+
+TEST(E79, ValidationNamesTheArgument) {
+  Fused f{7, 3, 32, 128, false, DType::bf16};
+  {
+    Fused g{7, 3, 20, 80, false, DType::bf16};
+    EXPECT_THROW(infer_outputs("e79.fwd", fwd_inputs(g, 1)), Unsupported);
+    std::string m = message_of([&] { infer_outputs("e79.fwd", fwd_inputs(g, 1)); });
+    EXPECT_NE(m.find("n = 20 is not supported"), std::string::npos) << m;
+  }
+  {
+    Fused g{7, 3, 256, 1024, false, DType::bf16};
+    std::string m = message_of([&] { infer_outputs("e79.fwd", fwd_inputs(g, 0)); });
+    EXPECT_NE(m.find("n = 256 is not supported"), std::string::npos) << m;
+  }
+  {
+    auto in = fwd_inputs(f, 1);
+    in[1] = TensorView(fake(9 << 20), DType::f16, {7, 3, 32}, 0);
+    std::string m = message_of([&] { infer_outputs("e79.fwd", in); });
+    EXPECT_NE(m.find("input 'v'"), std::string::npos) << m;
+    EXPECT_NE(m.find("bfloat16"), std::string::npos) << m;
+  }
+  {
+    auto in = fwd_inputs(f, 1);
+    in[2] = TensorView(fake(9 << 20), DType::bf16, {7, 4, 32}, 0);
+    std::string m = message_of([&] { infer_outputs("e79.fwd", in); });
+    EXPECT_NE(m.find("input 'q'"), std::string::npos) << m;
+    EXPECT_NE(m.find("batch"), std::string::npos) << m;
+  }
+  {
+    auto in = fwd_inputs(f, 1);
+    in[5] = TensorView();
+    std::string m = message_of([&] { infer_outputs("e79.fwd", in); });
+    EXPECT_NE(m.find("'b_s' and 'b_m' must be given together"), std::string::npos) << m;
+  }
+  {
+    auto in = fwd_inputs(f, 1);
+    in[5] = f.block(3);  // b_m per step, b_s fixed
+    std::string m = message_of([&] { infer_outputs("e79.fwd", in); });
+    EXPECT_NE(m.find("must both be [n]"), std::string::npos) << m;
+  }
+  {
+    auto in = fwd_inputs(f, 1);
+    in[0].device = kCpuDevice;
+    std::string m = message_of([&] { infer_outputs("e79.fwd", in); });
+    EXPECT_NE(m.find("input 'k': expected a CUDA tensor"), std::string::npos) << m;
+  }
+  {
+    auto in = fwd_inputs(f, 0);
+    in[6] = TensorView(fake(5 << 28), DType::bf16, {3, 32, 32}, 0);  // S0 must be fp32
+    std::string m = message_of([&] { infer_outputs("e79.fwd", in); });
+    EXPECT_NE(m.find("input 'S0'"), std::string::npos) << m;
+    EXPECT_NE(m.find("float32"), std::string::npos) << m;
+  }
+}
+
+// Strides are checked by the op (check_call) before anything is launched; a call without a GPU fails
+// only later, at the device lookup, so these run on any machine.
+TEST(E79, CallChecksStridesAndCheckpointCount) {
+  Fused f{7, 3, 32, 128, true, DType::f32};
+  auto outs = [&](TensorView out, TensorView chk) {
+    return std::vector<TensorView>{out, TensorView(fake(6 << 28), DType::f32, {3, 32, 32}, 0),
+                                   TensorView(fake(7 << 28), DType::f32, {3, 32, 32}, 0), chk};
+  };
+  TensorView out(fake(3 << 28), DType::f32, {7, 3, 32}, 0);
+  TensorView chk(fake(4 << 28), DType::f32, {3, 1, 2, 32, 32}, 0);  // ceil(7 / 16) = 1
+  auto msg = [&](std::vector<TensorView> in, std::vector<TensorView> o, Params params = {}) {
+    return message_of([&] { call("e79.fwd", in, o, params); });
+  };
+  {
+    auto in = fwd_inputs(f, 1);
+    in[0] = TensorView::strided(fake(), DType::f32, {7, 3, 32}, {128, 7 * 128, 2}, 0);
+    std::string m = msg(in, outs(out, chk));
+    EXPECT_NE(m.find("input 'k': expected unit stride along n"), std::string::npos) << m;
+  }
+  {
+    TensorView overlapping = TensorView::strided(fake(3 << 28), DType::f32, {7, 3, 32}, {32, 16, 1}, 0);
+    std::string m = msg(fwd_inputs(f, 1), outs(overlapping, chk));
+    EXPECT_NE(m.find("output 'out': its rows overlap"), std::string::npos) << m;
+  }
+  {
+    TensorView bad(fake(4 << 28), DType::f32, {3, 2, 2, 32, 32}, 0);
+    std::string m = msg(fwd_inputs(f, 1), outs(out, bad));
+    EXPECT_NE(m.find("expected 1 checkpoints"), std::string::npos) << m;
+    TensorView four(fake(4 << 28), DType::f32, {3, 4, 2, 32, 32}, 0);  // chunk 2: ceil(7 / 2) = 4
+    m = msg(fwd_inputs(f, 1), outs(out, four), {{"chunk", int64_t(2)}});
+    EXPECT_EQ(m.find("checkpoints"), std::string::npos) << m;  // valid: fails later, without a GPU
+  }
+  {
+    std::string m = msg(fwd_inputs(f, 1), outs(out, chk), {{"chunk", int64_t(0)}});
+    EXPECT_NE(m.find("'chunk'"), std::string::npos) << m;
+  }
+}
+
+TEST(E79, KeyTellsBiasModesDtypesAndChunksApart) {
+  const OpDef& op = Registry::global().get("e79.bwd");
+  auto problem = [&](std::vector<std::string> without, std::vector<std::string> alt, int64_t chunk, DType dt) {
+    CompileRequest r;
+    r.op = op.info.name;
+    r.dtype = dt;
+    r.params = {{"n", int64_t(64)}, {"chunk", chunk}};
+    r.without = without;
+    r.alt_shapes = alt;
+    return problem_from_request(op, r);
+  };
+  Problem none = problem({"b_s", "b_m"}, {}, 16, DType::bf16), fixed = problem({}, {"b_s", "b_m"}, 16, DType::bf16),
+          input = problem({}, {}, 16, DType::bf16), k8 = problem({}, {}, 8, DType::bf16),
+          f32 = problem({}, {}, 16, DType::f32);
+  std::vector<std::string> names;
+  for (const Problem* p : {&none, &fixed, &input, &k8, &f32})
+    names.push_back(op.kernels(*p, op.tuning.heuristic(*p))[0].name_expression());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(std::unique(names.begin(), names.end()), names.end());
+  EXPECT_EQ(op.kernels(fixed, op.tuning.heuristic(fixed)).size(), 2u);  // + the bias reduction
+  EXPECT_EQ(op.kernels(input, op.tuning.heuristic(input)).size(), 1u);
+}
+
+TEST(E79, HeuristicIsValidForEverySupportedN) {
+  const OpDef& op = Registry::global().get("e79.fwd");
+  for (int64_t n = 8; n <= 128; n += 8) {
+    CompileRequest r;
+    r.op = op.info.name;
+    r.params = {{"n", n}};
+    Problem p = problem_from_request(op, r);
+    std::string why;
+    Config c = op.tuning.heuristic(p);
+    EXPECT_TRUE(op.tuning.valid(p, c, &why)) << "n = " << n << ": " << why;
+    EXPECT_LE(n * c.get("split"), 1024);
+    EXPECT_GE(n * c.get("split"), 64);
+    EXPECT_FALSE(op.tuning.enumerate(p).empty());
+  }
+}
+
+// Every case of both ops compiles for sm_90 (bf16; the base case in every dtype) with the heuristic's
+// config, without spills or a stack frame; the representative cases' full tuning spaces in every dtype
+// are `kspec precompile --all`'s. (About a minute on two cores.)
+TEST(E79, EveryCaseCompilesWithoutSpills) {
+  for (const char* name : {"e79.fwd", "e79.bwd"}) {
+    const OpDef& op = Registry::global().get(name);
+    for (const auto& cs : op.cases) {
+      for (DType dt : op.dtypes) {
+        if (dt != DType::bf16 && cs.name != "base") continue;
+        CompileRequest r;
+        r.op = name;
+        r.dtype = dt;
+        r.arch = "sm_90";
+        r.without = cs.without;
+        r.tensor_dtypes = cs.tensor_dtypes;
+        r.alt_shapes = cs.alt_shapes;
+        for (const auto& [k, v] : cs.params.items()) r.params.set(k, v);
+        for (const auto& [k, v] : cs.dims)
+          if (k == "n") r.params.set(k, v);
+        auto reports = compile(r);
+        ASSERT_FALSE(reports.empty()) << name << " " << cs.name;
+        for (const auto& rep : reports) {
+          EXPECT_EQ(rep.spill_bytes, 0) << name << " " << cs.name << " " << dtype_short(dt) << ": " << rep.kernel;
+          EXPECT_EQ(rep.stack_bytes, 0) << name << " " << cs.name << " " << dtype_short(dt) << ": " << rep.kernel;
+        }
+      }
+    }
+  }
+}
+
+// ---- GPU: the op fed by the gemm projection, as kspec.ops.e79 does it ----
+
+namespace {
+
+struct DevBuf {
+  CUdeviceptr p = 0;
+  size_t bytes = 0;
+  explicit DevBuf(size_t b) : bytes(std::max<size_t>(b, 16)) { CU_CHECK(cuMemAlloc(&p, bytes)); }
+  ~DevBuf() { jit::driver().cuMemFree(p); }
+  void* ptr() const { return reinterpret_cast<void*>(p); }
+  void upload(const std::vector<float>& v) { CU_CHECK(cuMemcpyHtoD(p, v.data(), v.size() * 4)); }
+  std::vector<float> download(size_t n) const {
+    std::vector<float> v(n);
+    CU_CHECK(cuMemcpyDtoH(v.data(), p, n * 4));
+    return v;
+  }
+  void poison() { CU_CHECK(cuMemsetD8(p, 0xFF, bytes)); }
+};
+
+double rel_err(const std::vector<float>& out, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!std::isfinite(out[i])) return INFINITY;
+    num += (out[i] - ref[i]) * (out[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// fp32 end to end: x [T, B, dim] (or batch-first [B, T, dim]) -> gemm with W [C, dim] (C = 4n, or 6n
+// with the input biases' rows) -> e79.fwd on column blocks of the projection -> e79.bwd into column
+// blocks of one gradient; compared with the float64 reference on the same projection.
+void run_projected(int64_t T, int64_t B, int64_t dim, int64_t n, bool input_bias, bool batch_first, int64_t chunk) {
+  jit::ContextGuard guard(0);
+  const int64_t C = (input_bias ? 6 : 4) * n;
+  std::mt19937_64 rng(T * 1000 + B * 10 + n);
+  std::normal_distribution<float> nd;
+  auto randn = [&](size_t count, float scale) {
+    std::vector<float> v(count);
+    for (auto& x : v) x = scale * nd(rng);
+    return v;
+  };
+  std::vector<float> x = randn(T * B * dim, 1.0f), W = randn(C * dim, 1.0f / std::sqrt(float(dim)));
+  std::vector<float> bsf = randn(n, 1.0f), bmf = randn(n, 1.0f), dout = randn(T * B * n, 1.0f);
+  DevBuf dx(x.size() * 4), dW(W.size() * 4), dproj(T * B * C * 4), dbs(n * 4), dbm(n * 4);
+  dx.upload(x);
+  dW.upload(W);
+  dbs.upload(bsf);
+  dbm.upload(bmf);
+  // x and the projection in one layout: [T, B, *] or batch-first [B, T, *].
+  std::initializer_list<int64_t> xshape = {batch_first ? B : T, batch_first ? T : B, dim};
+  std::initializer_list<int64_t> pshape = {batch_first ? B : T, batch_first ? T : B, C};
+  TensorView xv(dx.ptr(), DType::f32, xshape, 0), Wv(dW.ptr(), DType::f32, {C, dim}, 0);
+  TensorView pv(dproj.ptr(), DType::f32, pshape, 0);
+  call("gemm", {xv, Wv, TensorView()}, {pv, TensorView()}, {});
+  int64_t st = batch_first ? C : B * C, sb = batch_first ? T * C : C;
+  auto block = [&](CUdeviceptr base, int j) {
+    return TensorView::strided(reinterpret_cast<char*>(base) + j * n * 4, DType::f32, {T, B, n}, {st, sb, 1}, 0);
+  };
+  TensorView bs = input_bias ? block(dproj.p, 4) : TensorView(dbs.ptr(), DType::f32, {n}, 0);
+  TensorView bm = input_bias ? block(dproj.p, 5) : TensorView(dbm.ptr(), DType::f32, {n}, 0);
+  int64_t nchk = (T + chunk - 1) / chunk;
+  DevBuf dout_b(T * B * n * 4), out_b(T * B * n * 4), S_b(B * n * n * 4), M_b(B * n * n * 4),
+      chk_b(B * nchk * 2 * n * n * 4), grad_b(T * B * C * 4), dbs_o(n * 4), dbm_o(n * 4);
+  out_b.poison();
+  grad_b.poison();
+  // out and dout batch-first too when the input is.
+  auto tbn = [&](CUdeviceptr p) {
+    int64_t ost = batch_first ? n : B * n, osb = batch_first ? T * n : n;
+    return TensorView::strided(reinterpret_cast<void*>(p), DType::f32, {T, B, n}, {ost, osb, 1}, 0);
+  };
+  dout_b.upload(dout);
+  Params params = {{"chunk", chunk}};
+  call("e79.fwd", {block(dproj.p, 0), block(dproj.p, 1), block(dproj.p, 2), block(dproj.p, 3), bs, bm, {}, {}},
+       {tbn(out_b.p), TensorView(S_b.ptr(), DType::f32, {B, n, n}, 0), TensorView(M_b.ptr(), DType::f32, {B, n, n}, 0),
+        TensorView(chk_b.ptr(), DType::f32, {B, nchk, 2, n, n}, 0)},
+       params);
+  TensorView dbs_v = input_bias ? block(grad_b.p, 4) : TensorView(dbs_o.ptr(), DType::f32, {n}, 0);
+  TensorView dbm_v = input_bias ? block(grad_b.p, 5) : TensorView(dbm_o.ptr(), DType::f32, {n}, 0);
+  call("e79.bwd",
+       {tbn(dout_b.p), block(dproj.p, 0), block(dproj.p, 1), block(dproj.p, 2), block(dproj.p, 3), bs, bm, {}, {},
+        TensorView(chk_b.ptr(), DType::f32, {B, nchk, 2, n, n}, 0), {}, {}},
+       {block(grad_b.p, 0), block(grad_b.p, 1), block(grad_b.p, 2), block(grad_b.p, 3), dbs_v, dbm_v, {}, {}}, params);
+  CU_CHECK(cuCtxSynchronize());
+
+  // Host reference on the GPU's projection (the gemm op has its own tests), in [T, B, n] order.
+  std::vector<float> proj = dproj.download(T * B * C);
+  auto at = [&](const std::vector<float>& buf, int64_t t, int64_t b, int64_t j, int64_t width) {
+    return batch_first ? buf[(b * T + t) * width + j] : buf[(t * B + b) * width + j];
+  };
+  ref::E79Shape s{T, B, n, input_bias ? ref::kE79BiasInput : ref::kE79BiasFixed};
+  ref::E79Inputs in;
+  std::vector<double>* cols[6] = {&in.k, &in.v, &in.q, &in.m, &in.b_s, &in.b_m};
+  std::vector<double> dout_tbn(T * B * n);
+  for (int c = 0; c < (input_bias ? 6 : 4); ++c) cols[c]->resize(T * B * n);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < n; ++i) {
+        for (int c = 0; c < (input_bias ? 6 : 4); ++c) (*cols[c])[(t * B + b) * n + i] = at(proj, t, b, c * n + i, C);
+        dout_tbn[(t * B + b) * n + i] = dout[(t * B + b) * n + i];
+      }
+  if (batch_first)  // dout was uploaded as given: batch-first order
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < n; ++i) dout_tbn[(t * B + b) * n + i] = dout[(b * T + t) * n + i];
+  if (!input_bias) {
+    in.b_s.assign(bsf.begin(), bsf.end());
+    in.b_m.assign(bmf.begin(), bmf.end());
+  }
+  auto fr = ref::e79_fwd_ref(s, in);
+  auto gr = ref::e79_bwd_ref(s, in, dout_tbn, nullptr, nullptr);
+  std::vector<float> out = out_b.download(T * B * n), grad = grad_b.download(T * B * C);
+  std::vector<float> out_tbn(T * B * n);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < n; ++i) out_tbn[(t * B + b) * n + i] = at(out, t, b, i, n);
+  const double tol = 4e-5;
+  std::string where = "T=" + std::to_string(T) + " B=" + std::to_string(B) + " n=" + std::to_string(n) +
+                      (input_bias ? " input" : " fixed") + (batch_first ? " batch-first" : "");
+  EXPECT_LE(rel_err(out_tbn, fr.out), tol) << "out " << where;
+  EXPECT_LE(rel_err(S_b.download(B * n * n), fr.S), tol) << "S " << where;
+  EXPECT_LE(rel_err(M_b.download(B * n * n), fr.M), tol) << "M " << where;
+  const std::vector<double>* grads[6] = {&gr.dk, &gr.dv, &gr.dq, &gr.dm, &gr.db_s, &gr.db_m};
+  const char* names[6] = {"dk", "dv", "dq", "dm", "db_s", "db_m"};
+  for (int c = 0; c < (input_bias ? 6 : 4); ++c) {
+    std::vector<float> g(T * B * n);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < n; ++i) g[(t * B + b) * n + i] = at(grad, t, b, c * n + i, C);
+    EXPECT_LE(rel_err(g, *grads[c]), tol) << names[c] << " " << where;
+  }
+  if (!input_bias) {
+    EXPECT_LE(rel_err(dbs_o.download(n), gr.db_s), tol) << "db_s " << where;
+    EXPECT_LE(rel_err(dbm_o.download(n), gr.db_m), tol) << "db_m " << where;
+  }
+}
+
+}  // namespace
+
+TEST(E79Gpu, ProjectedThroughGemmContiguous) {
+  KSPEC_REQUIRE_GPU();
+  run_projected(19, 3, 40, 16, false, false, 8);
+  run_projected(19, 3, 40, 16, true, false, 8);
+}
+
+TEST(E79Gpu, ProjectedThroughGemmBatchFirst) {
+  KSPEC_REQUIRE_GPU();
+  run_projected(19, 3, 40, 32, false, true, 4);
+  run_projected(17, 2, 24, 64, true, true, 16);
+}

@@ -1,0 +1,306 @@
+"""e79 on the GPU through Python: the cell (kspec.ops.e79_cell, autograd) and the projected op
+(kspec.ops.e79: kspec's gemm + the cell) against the float64 reference, every gradient (the fused
+projection's columns, fixed biases, S0, M0, with and without upstream dS, dM), for each bias mode and
+dtype; named edge cases (T=1, T=2, T=K, T=K+1, T not a multiple of K, B=1, B=33, n=8, n=128), every
+layout of the projection, a 4096-step bf16 sequence, kspec.nn against the torch reference module, and
+clear errors for bad input. A failure message lists every tensor's relative error."""
+import numpy as np
+import pytest
+
+from helpers import TOL, rel_err
+
+torch = pytest.importorskip("torch")
+import kspec  # noqa: E402
+from kspec.reference import e79 as ref  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BIAS = ["none", "fixed", "input"]
+SCALE = 4.0  # OpDef::tolerance_scale: fp32 through recurrences of tens to ~1000 steps
+
+
+def _np(t):
+    return None if t is None else t.detach().double().cpu().numpy()
+
+
+def _tol(dtype, scale=SCALE):
+    return TOL[str(dtype).split(".")[1]] * scale
+
+
+def _name(d):
+    return str(d).split(".")[1]
+
+
+# name: (T, B, n, chunk, init, dfinal)
+CASES = {
+    "T_1_B_1": (1, 1, 32, 16, True, True),
+    "T_2_B_1": (2, 1, 32, 16, True, True),
+    "T_eq_K": (16, 2, 32, 16, True, True),
+    "T_K_plus_1": (17, 2, 32, 16, True, True),
+    "T_not_multiple_of_K": (45, 2, 32, 8, True, True),
+    "B_1": (30, 1, 32, 8, True, True),
+    "B_33": (20, 33, 16, 8, True, True),
+    "n_8": (25, 3, 8, 8, True, True),
+    "n_48": (19, 2, 48, 8, True, True),
+    "n_64": (19, 2, 64, 8, True, True),
+    "n_96": (11, 2, 96, 4, True, True),
+    "n_128": (11, 2, 128, 4, True, True),
+    "no_init_no_dfinal": (20, 2, 32, 8, False, False),
+    "n_16_K_4": (9, 2, 16, 4, True, True),
+    "chunk_1": (7, 2, 32, 1, True, True),
+    "chunk_5_odd": (23, 2, 32, 5, True, True),
+}
+
+
+def _inputs(T, B, n, bias, dtype, init, seed, batch_first=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rn(*shape, scale=1.0, dt=dtype):
+        return (scale * torch.randn(*shape, device="cuda", generator=g)).to(dt)
+
+    C = (6 if bias == "input" else 4) * n
+    if batch_first:  # storage (B, T, C), seen as (T, B, C)
+        kvqm = rn(B, T, C).transpose(0, 1)
+    else:
+        kvqm = rn(T, B, C)
+    b_s = rn(n, scale=0.5) if bias == "fixed" else None
+    b_m = rn(n, scale=0.5) if bias == "fixed" else None
+    S0 = rn(B, n, n, scale=0.3, dt=torch.float32) if init else None
+    M0 = rn(B, n, n, scale=0.3, dt=torch.float32) if init else None
+    return kvqm, b_s, b_m, S0, M0
+
+
+def _split(a, n, bias):
+    """kvqm (T, B, C) numpy -> k, v, q, m, b_s, b_m (per step in input mode)."""
+    cols = [a[..., j * n:(j + 1) * n] for j in range(6 if bias == "input" else 4)]
+    return cols + ([None, None] if bias != "input" else [])
+
+
+def _check_cell(T, B, n, chunk, init, dfinal, bias, dtype, batch_first=False, seed=0, scale=SCALE):
+    kvqm, b_s, b_m, S0, M0 = _inputs(T, B, n, bias, dtype, init, seed, batch_first)
+    leaves = {k: (t.detach().clone().requires_grad_() if t is not None else None)
+              for k, t in dict(kvqm=kvqm, b_s=b_s, b_m=b_m, S0=S0, M0=M0).items()}
+    if batch_first:  # keep the batch-first storage for the leaf too
+        leaves["kvqm"] = kvqm.transpose(0, 1).detach().clone().requires_grad_()
+        x_in = leaves["kvqm"].transpose(0, 1)
+    else:
+        x_in = leaves["kvqm"]
+    out, S, M = kspec.ops.e79_cell(x_in, n, leaves["b_s"], leaves["b_m"], leaves["S0"], leaves["M0"], bias=bias,
+                                   chunk=chunk)
+    assert out.shape == (T, B, n) and out.dtype == dtype
+    assert S.shape == (B, n, n) and S.dtype == torch.float32 and M.shape == (B, n, n)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    dout = torch.randn(out.shape, device="cuda", generator=g).to(dtype)
+    dS = torch.randn(S.shape, device="cuda", generator=g) if dfinal else None
+    dM = torch.randn(M.shape, device="cuda", generator=g) if dfinal else None
+    if dfinal:
+        torch.autograd.backward([out, S, M], [dout, dS, dM])
+    else:
+        out.backward(dout)
+
+    a = _np(kvqm)
+    k, v, q, m, bs_t, bm_t = _split(a, n, bias)
+    bs = _np(b_s) if bias == "fixed" else bs_t
+    bm = _np(b_m) if bias == "fixed" else bm_t
+    out_r, S_r, M_r = ref.e79_fwd(k, v, q, m, bs, bm, _np(S0), _np(M0))
+    gr = ref.e79_bwd(_np(dout), k, v, q, m, bs, bm, _np(S0), _np(M0), dS=_np(dS), dM=_np(dM))
+    errs = {"out": rel_err(_np(out), out_r), "S": rel_err(_np(S), S_r), "M": rel_err(_np(M), M_r)}
+    gk = leaves["kvqm"].grad
+    assert gk is not None
+    gk = _np(gk.transpose(0, 1) if batch_first else gk)
+    names = ["dk", "dv", "dq", "dm"] + (["db_s", "db_m"] if bias == "input" else [])
+    for j, name in enumerate(names):
+        errs[name] = rel_err(gk[..., j * n:(j + 1) * n], gr[name])
+    if bias == "fixed":
+        errs["db_s"] = rel_err(_np(leaves["b_s"].grad), gr["db_s"])
+        errs["db_m"] = rel_err(_np(leaves["b_m"].grad), gr["db_m"])
+    if init:
+        errs["dS0"] = rel_err(_np(leaves["S0"].grad), gr["dS0"])
+        errs["dM0"] = rel_err(_np(leaves["M0"].grad), gr["dM0"])
+    tol = _tol(dtype, scale)
+    bad = {k_: e for k_, e in errs.items() if not e <= tol}
+    where = f"T={T} B={B} n={n} chunk={chunk} bias={bias} {_name(dtype)} init={init} dfinal={dfinal}"
+    assert not bad, f"{where}: errors above {tol}: {bad} (all: {errs})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("bias", BIAS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_cell_forward_and_gradients_match_reference(case, bias, dtype):
+    T, B, n, chunk, init, dfinal = CASES[case]
+    _check_cell(T, B, n, chunk, init, dfinal, bias, dtype)
+
+
+@pytest.mark.parametrize("bias", BIAS)
+def test_cell_batch_first_storage(bias):
+    _check_cell(21, 3, 32, 8, True, True, bias, torch.float32, batch_first=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+def test_cell_long_1024_matches_reference(dtype):
+    _check_cell(1024, 1, 32, 32, True, True, "fixed", dtype, scale=8.0)
+
+
+def test_long_4096_bf16_stays_finite():
+    T, B, n = 4096, 2, 64
+    kvqm, b_s, b_m, S0, M0 = _inputs(T, B, n, "fixed", torch.bfloat16, False, 7)
+    kvqm.requires_grad_()
+    b_s.requires_grad_()
+    out, S, M = kspec.ops.e79_cell(kvqm, n, b_s, b_m, bias="fixed", chunk=32)
+    out.float().square().mean().backward()
+    for name, t in dict(out=out, S=S, M=M, dkvqm=kvqm.grad, db_s=b_s.grad).items():
+        assert torch.isfinite(t).all(), name
+    # The forward's last steps against the reference run over the whole sequence.
+    a = _np(kvqm)
+    k, v, q, m = (a[..., j * n:(j + 1) * n] for j in range(4))
+    out_r, S_r, _ = ref.e79_fwd(k, v, q, m, _np(b_s), _np(b_m))
+    assert rel_err(_np(out)[-64:], out_r[-64:]) <= 2e-2
+    assert rel_err(_np(S), S_r) <= 2e-2
+
+
+# ---- the projected op: x -> gemm -> cell, every layout ----
+
+LAYOUTS = ["contiguous", "batch_first", "x_transposed_view", "weight_transposed_view"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("bias", BIAS)
+def test_projected_every_layout(layout, bias):
+    T, B, dim, n = 13, 3, 40, 16
+    g = torch.Generator(device="cuda").manual_seed(3)
+    rn = lambda *s, scale=1.0: scale * torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    x_tbd = rn(T, B, dim)
+    W = rn(4 * n, dim, scale=dim ** -0.5)
+    W_bs, W_bm = rn(n, dim, scale=dim ** -0.5), rn(n, dim, scale=dim ** -0.5)
+    b_s, b_m = rn(n), rn(n)
+    S0, M0 = rn(B, n, n, scale=0.3), rn(B, n, n, scale=0.3)
+    batch_first = layout == "batch_first"
+    if batch_first:
+        x = x_tbd.transpose(0, 1).contiguous().requires_grad_()
+    elif layout == "x_transposed_view":  # (T, B, dim) view of batch-first storage
+        xs = x_tbd.transpose(0, 1).contiguous().requires_grad_()
+        x = xs.transpose(0, 1)
+    else:
+        x = x_tbd.clone().requires_grad_()
+    if layout == "weight_transposed_view":
+        Wt = W.t().contiguous().requires_grad_()
+        Wl = Wt.t()
+    else:
+        Wl = W.clone().requires_grad_()
+    params = dict(b_s=b_s.clone().requires_grad_(), b_m=b_m.clone().requires_grad_(),
+                  W_bs=W_bs.clone().requires_grad_(), W_bm=W_bm.clone().requires_grad_(),
+                  S0=S0.clone().requires_grad_(), M0=M0.clone().requires_grad_())
+    kw = dict(S0=params["S0"], M0=params["M0"])
+    if bias == "fixed":
+        kw.update(b_s=params["b_s"], b_m=params["b_m"])
+    if bias == "input":
+        kw.update(W_bs=params["W_bs"], W_bm=params["W_bm"])
+    out, S, M = kspec.ops.e79(x, Wl, bias=bias, batch_first=batch_first, chunk=4, **kw)
+    assert out.shape == ((B, T, n) if batch_first else (T, B, n))
+    dout = rn(*out.shape)
+    dS, dM = rn(B, n, n), rn(B, n, n)
+    torch.autograd.backward([out, S, M], [dout, dS, dM])
+
+    # float64: the projection, the cell, and the projection's gradients.
+    x64, W64 = _np(x_tbd), _np(W)
+    Wall = np.concatenate([W64, _np(W_bs), _np(W_bm)]) if bias == "input" else W64
+    proj = x64 @ Wall.T
+    k, v, q, m, bs_t, bm_t = _split(proj, n, bias)
+    bs = _np(b_s) if bias == "fixed" else bs_t
+    bm = _np(b_m) if bias == "fixed" else bm_t
+    out_r, S_r, M_r = ref.e79_fwd(k, v, q, m, bs, bm, _np(S0), _np(M0))
+    dout64 = _np(dout.transpose(0, 1) if batch_first else dout)
+    gr = ref.e79_bwd(dout64, k, v, q, m, bs, bm, _np(S0), _np(M0), dS=_np(dS), dM=_np(dM))
+    dproj = np.concatenate([gr[k_] for k_ in ["dk", "dv", "dq", "dm"] + (["db_s", "db_m"] if bias == "input" else [])],
+                           axis=-1)
+    dx_r = dproj @ Wall
+    dW_r = np.einsum("tbc,tbd->cd", dproj, x64)
+    out64 = _np(out.transpose(0, 1) if batch_first else out)
+    xg = x.grad if layout != "x_transposed_view" else xs.grad
+    dx = _np(xg.transpose(0, 1) if layout in ("batch_first", "x_transposed_view") else xg)
+    dW = _np(Wt.grad.t() if layout == "weight_transposed_view" else Wl.grad)
+    errs = {"out": rel_err(out64, out_r), "S": rel_err(_np(S), S_r), "M": rel_err(_np(M), M_r),
+            "dx": rel_err(dx, dx_r), "dW_kvqm": rel_err(dW, dW_r[:4 * n]),
+            "dS0": rel_err(_np(params["S0"].grad), gr["dS0"]), "dM0": rel_err(_np(params["M0"].grad), gr["dM0"])}
+    if bias == "fixed":
+        errs["db_s"] = rel_err(_np(params["b_s"].grad), gr["db_s"])
+        errs["db_m"] = rel_err(_np(params["b_m"].grad), gr["db_m"])
+    if bias == "input":
+        errs["dW_bs"] = rel_err(_np(params["W_bs"].grad), dW_r[4 * n:5 * n])
+        errs["dW_bm"] = rel_err(_np(params["W_bm"].grad), dW_r[5 * n:])
+    tol = 1e-4  # fp32 GEMMs (no TF32) and the cell
+    bad = {k_: e for k_, e in errs.items() if not e <= tol}
+    assert not bad, f"{layout} {bias}: errors above {tol}: {bad} (all: {errs})"
+
+
+# ---- kspec.nn against the torch reference modules ----
+
+@pytest.mark.parametrize("bias", BIAS)
+@pytest.mark.parametrize("use_conv", [False, True])
+def test_nn_layer_matches_reference_module(bias, use_conv):
+    from kspec.reference.e79_torch import E79CoupledMatrix as RefLayer
+
+    torch.manual_seed(0)
+    ref_layer = RefLayer(48, n_state=16, use_conv=use_conv, use_bias=bias != "none",
+                         input_bias=bias == "input").cuda()
+    layer = kspec.nn.E79CoupledMatrix(48, n_state=16, use_conv=use_conv, bias=bias, chunk=4).cuda()
+    layer.load_state_dict(ref_layer.state_dict(), strict=True)
+    x = torch.randn(3, 21, 48, device="cuda")
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, (Sa, Ma) = layer(xa)
+    yb, (Sb, Mb) = ref_layer(xb)
+    (ya.square().sum() + Sa.sum() + Ma.sum()).backward()
+    (yb.square().sum() + Sb.sum() + Mb.sum()).backward()
+    errs = {"y": rel_err(_np(ya), _np(yb)), "S": rel_err(_np(Sa), _np(Sb)), "M": rel_err(_np(Ma), _np(Mb)),
+            "dx": rel_err(_np(xa.grad), _np(xb.grad))}
+    pa, pb = dict(layer.named_parameters()), dict(ref_layer.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        errs["d" + name] = rel_err(_np(pa[name].grad), _np(pb[name].grad))
+    bad = {k_: e for k_, e in errs.items() if not e <= 1e-4}
+    assert not bad, f"{bias} conv={use_conv}: {bad} (all: {errs})"
+
+
+def test_nn_cell_bf16_runs_with_fp32_biases():
+    cell = kspec.nn.E79Cell(64, 32, bias="fixed").cuda()
+    x = torch.randn(10, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out, S, M = cell(x)
+    assert out.dtype == torch.bfloat16 and S.dtype == torch.float32
+    out.float().sum().backward()
+    assert torch.isfinite(x.grad.float()).all() and torch.isfinite(cell.b_s_gate.grad).all()
+
+
+# ---- errors and the raw ops ----
+
+def test_bad_inputs_name_the_problem():
+    kvqm = torch.randn(5, 2, 4 * 32, device="cuda")
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        kspec.ops.e79_cell(kvqm.cpu(), 32, bias="none")
+    with pytest.raises(NotImplementedError, match="n = 20 is not supported"):
+        kspec.ops.e79_cell(torch.randn(5, 2, 80, device="cuda"), 20, bias="none")
+    with pytest.raises(ValueError, match=r"kvqm must be \(T, B, 4n\)"):
+        kspec.ops.e79_cell(kvqm, 16, bias="none")
+    with pytest.raises(ValueError, match="input 'S0'"):
+        kspec.ops.e79_cell(kvqm, 32, S0=torch.zeros(3, 32, 32, device="cuda"), bias="none")
+    with pytest.raises(ValueError, match="bias must be one of"):
+        kspec.ops.e79_cell(kvqm, 32, bias="learned")
+    with pytest.raises(ValueError, match="input 'v'"):
+        k = torch.randn(5, 2, 32, device="cuda")
+        kspec.call("e79.fwd", k, k.half(), k, k, None, None, None, None)
+
+
+def test_inference_keeps_no_checkpoints_and_matches_training_forward():
+    kvqm, b_s, b_m, S0, M0 = _inputs(40, 2, 32, "fixed", torch.float32, True, 5)
+    with torch.no_grad():
+        out_a, S_a, _ = kspec.ops.e79_cell(kvqm, 32, b_s, b_m, S0, M0, bias="fixed")
+    out_b, S_b, _ = kspec.ops.e79_cell(kvqm.clone().requires_grad_(), 32, b_s, b_m, S0, M0, bias="fixed")
+    assert rel_err(_np(out_a), _np(out_b)) <= 1e-6 and rel_err(_np(S_a), _np(S_b)) <= 1e-6
+    assert kspec.ops.e79_checkpoint_bytes_per_token(64, 16) == 2048
+
+
+def test_cpp_checker_from_python():
+    for op in ("e79.fwd", "e79.bwd"):
+        for case in ("base", "T_1_B_1", "n_128", "bias_input"):
+            rows = kspec.check(op, case=case)
+            assert rows and all(r["passed"] for r in rows), rows

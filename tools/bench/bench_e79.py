@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""E79 benchmark: kspec's cell (kspec.nn.E79Cell: the fused projection GEMM + the E79 kernels) against
+the reference cell (kspec.reference.e79_torch.E79CoupledMatrixCell, the public model's loop) in torch
+eager and torch.compile, forward and forward+backward, bf16, dim 1024. Not a test: timings only.
+
+    python3 tools/bench/bench_e79.py                        # B {1,16,128} x T {512,4096} x n {32,64,128}
+    python3 tools/bench/bench_e79.py --quick --json /tmp/e79.json
+    python3 tools/bench/bench_e79.py --B 16 --T 4096 --n 64    # the target point
+
+Method: random inputs; kspec's output checked against the reference loop (fp32 arithmetic on the
+same bf16 inputs) on the first --check-T steps before anything is timed; CUDA events around one call,
+a 256 MiB write between calls to flush L2, the median of --reps calls after two warm-up calls.
+The peers are timed on min(T, --ref-T) steps and reported per step: a 4096-step eager or compiled
+loop keeps every step's activations for autograd (B=128, n=128: ~80 MB a step) and torch.compile of
+the whole unrolled loop does not finish in reasonable time, so torch.compile compiles one step
+(fullgraph) and Python loops over it. Per-step cost is flat in T for all three (checked by --ref-T).
+Reported: ms per call, µs per time step, tokens/s (B*T per second), the speed-ups, and the bytes the
+forward keeps per token for the backward (kspec: (S, M) every `chunk` steps, 8 n^2 / chunk).
+Targets (issue 8): fwd+bwd at B=16, T=4096, n=64 >= 50x eager and >= 5x torch.compile.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+TARGET = dict(B=16, T=4096, n=64, eager=50.0, compiled=5.0)
+
+
+def timer(torch, reps: int, flush):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def run(fn) -> float:
+        for _ in range(2):
+            fn()
+        times = []
+        for _ in range(reps):
+            flush.fill_(1)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    return run
+
+
+def make_step(torch, F):
+    """One step of the reference recurrence (the public model's forward body), for torch.compile."""
+
+    def step(S, M, k, v, q, m, b_s, b_m):
+        kh = k / (k.norm(dim=-1, keepdim=True) + 1e-6)
+        mh = m / (m.norm(dim=-1, keepdim=True) + 1e-6)
+        s_row = torch.sigmoid(torch.einsum("bij,bj->bi", M, kh) + b_s)
+        s_col = torch.sigmoid(torch.einsum("bji,bj->bi", M, kh) + b_s)
+        s_delta = v - torch.einsum("bij,bj->bi", S, kh)
+        S = s_row.unsqueeze(-1) * S * s_col.unsqueeze(1) + torch.einsum("bi,bj->bij", s_delta, kh)
+        m_row = torch.sigmoid(torch.einsum("bij,bj->bi", S, mh) + b_m)
+        m_col = torch.sigmoid(torch.einsum("bji,bj->bi", S, mh) + b_m)
+        m_delta = s_delta - torch.einsum("bij,bj->bi", M, mh)
+        M = m_row.unsqueeze(-1) * M * m_col.unsqueeze(1) + torch.einsum("bi,bj->bij", m_delta, mh)
+        sq = torch.einsum("bij,bj->bi", S, q)
+        return S, M, sq * F.silu(sq)
+
+    return step
+
+
+def reference_forward(torch, step, cell, x):
+    """The reference cell's forward with `step` (eager or compiled) as the loop body; fp32 states."""
+    n = cell.n_state
+    T, B, _ = x.shape
+    kvqm = (x @ cell.W_kvqm.T).float()
+    S = torch.zeros(B, n, n, device=x.device)
+    M = torch.zeros(B, n, n, device=x.device)
+    b_s, b_m = cell.b_s_gate.float(), cell.b_m_gate.float()
+    outs = []
+    for t in range(T):
+        k, v, q, m = kvqm[t].split(n, dim=-1)
+        S, M, o = step(S, M, k, v, q, m, b_s, b_m)
+        outs.append(o)
+    return torch.stack(outs).to(x.dtype), S, M
+
+
+def bench_point(torch, F, kspec, args, B, T, n, run, compiled_step, eager_step):
+    from kspec.reference.e79_torch import E79CoupledMatrixCell
+
+    dev, dt, dim = "cuda", getattr(torch, args.dtype), args.dim
+    torch.manual_seed(B * 7 + T + n)
+    ref_cell = E79CoupledMatrixCell(dim, n_state=n).to(dev, dt)
+    cell = kspec.nn.E79Cell(dim, n, bias="fixed", chunk=args.chunk).to(dev, dt)
+    cell.load_state_dict(ref_cell.state_dict(), strict=True)
+    x = torch.randn(T, B, dim, device=dev, dtype=dt)
+
+    # Validate before timing: the first check_T steps against the fp32 reference loop.
+    tc = min(T, args.check_T)
+    with torch.no_grad():
+        out_k, S_k, _ = cell(x[:tc])
+        out_r, S_r, _ = reference_forward(torch, eager_step, ref_cell, x[:tc])
+    err = ((out_k.float() - out_r.float()).norm() / out_r.float().norm()).item()
+    err_S = ((S_k - S_r).norm() / S_r.norm()).item()
+    if not (err <= 2e-2 and err_S <= 2e-2):
+        raise RuntimeError(f"kspec E79 disagrees with the reference: out {err:.3e}, S {err_S:.3e} (B={B} T={T} n={n})")
+
+    rows = []
+
+    def record(variant, ms, steps):
+        rows.append(dict(B=B, T=T, n=n, variant=variant, steps=steps, ms=ms, us_per_step=1e3 * ms / steps,
+                         tokens_per_s=B * steps / (ms * 1e-3)))
+
+    xg = x.clone().requires_grad_()
+    dout = torch.randn(T, B, n, device=dev, dtype=dt)
+
+    def k_fwd():
+        with torch.no_grad():
+            cell(x)
+
+    def k_fwd_train():
+        cell(xg)
+
+    def k_fwdbwd():
+        out, _, _ = cell(xg)
+        out.backward(dout)
+
+    record("kspec fwd (inference)", run(k_fwd), T)
+    record("kspec fwd (training)", run(k_fwd_train), T)
+    record("kspec fwd+bwd", run(k_fwdbwd), T)
+
+    tr = min(T, args.ref_T)
+    xr = x[:tr].clone().requires_grad_()
+    dr = dout[:tr]
+    for name, step in (("eager", eager_step), ("torch.compile", compiled_step)):
+        if step is None:
+            continue
+
+        def r_fwd(step=step):
+            with torch.no_grad():
+                reference_forward(torch, step, ref_cell, xr)
+
+        def r_fwdbwd(step=step):
+            out, _, _ = reference_forward(torch, step, ref_cell, xr)
+            out.backward(dr)
+
+        record(f"{name} fwd", run(r_fwd), tr)
+        record(f"{name} fwd+bwd", run(r_fwdbwd), tr)
+    return rows, dict(out_err=err, S_err=err_S, checked_steps=tc)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--B", type=int, nargs="+", default=[1, 16, 128])
+    p.add_argument("--T", type=int, nargs="+", default=[512, 4096])
+    p.add_argument("--n", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--chunk", type=int, default=16)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--ref-T", type=int, default=128, help="steps the eager/compiled peers run (per-step cost)")
+    p.add_argument("--check-T", type=int, default=64)
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    p.add_argument("--quick", action="store_true", help="only the target point B=16, T=4096, n=64")
+    p.add_argument("--json", metavar="FILE")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.B, a.T, a.n = [TARGET["B"]], [TARGET["T"]], [TARGET["n"]]
+
+    import torch
+    import torch.nn.functional as F
+
+    import kspec
+
+    if not torch.cuda.is_available():
+        print("bench_e79: no CUDA GPU", file=sys.stderr)
+        return 1
+    run = timer(torch, a.reps, torch.empty(64 << 20, dtype=torch.int32, device="cuda"))
+    eager_step = make_step(torch, F)
+    compiled_step = None if a.no_compile else torch.compile(make_step(torch, F), fullgraph=True, dynamic=False)
+
+    rows, checks = [], []
+    for n in a.n:
+        for B in a.B:
+            for T in a.T:
+                r, c = bench_point(torch, F, kspec, a, B, T, n, run, compiled_step, eager_step)
+                rows.extend(r)
+                checks.append(dict(B=B, T=T, n=n, **c))
+                by = {x["variant"]: x for x in r}
+                ks = by["kspec fwd+bwd"]["us_per_step"]
+                line = (f"B={B:4d} T={T:5d} n={n:4d}  kspec fwd {by['kspec fwd (inference)']['us_per_step']:8.2f} "
+                        f"fwd(train) {by['kspec fwd (training)']['us_per_step']:8.2f} fwd+bwd {ks:8.2f} µs/step  "
+                        f"{by['kspec fwd+bwd']['tokens_per_s']:.3g} tok/s")
+                for peer in ("eager", "torch.compile"):
+                    if f"{peer} fwd+bwd" in by:
+                        line += (f" | {peer}: fwd {by[f'{peer} fwd']['us_per_step'] / by['kspec fwd (inference)']['us_per_step']:6.1f}x "
+                                 f"fwd+bwd {by[f'{peer} fwd+bwd']['us_per_step'] / ks:6.1f}x")
+                line += f" | saved {kspec.ops.e79_checkpoint_bytes_per_token(n, a.chunk):.0f} B/token"
+                print(line, flush=True)
+
+    verdict = {}
+    for x in rows:
+        if (x["B"], x["T"], x["n"]) == (TARGET["B"], TARGET["T"], TARGET["n"]):
+            verdict[x["variant"]] = x["us_per_step"]
+    if "kspec fwd+bwd" in verdict:
+        for peer, need in (("eager", TARGET["eager"]), ("torch.compile", TARGET["compiled"])):
+            if f"{peer} fwd+bwd" in verdict:
+                s = verdict[f"{peer} fwd+bwd"] / verdict["kspec fwd+bwd"]
+                print(f"target fwd+bwd B=16 T=4096 n=64 vs {peer}: {s:.1f}x (need >= {need}x): "
+                      f"{'PASS' if s >= need else 'FAIL'}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(rows=rows, checks=checks, args=vars(a), device=torch.cuda.get_device_name(),
+                           torch=torch.__version__, kspec=kspec.__version__), f, indent=1,
+                      default=lambda v: None if isinstance(v, float) and not math.isfinite(v) else str(v))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
