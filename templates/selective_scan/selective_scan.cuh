@@ -596,38 +596,6 @@ constexpr int seq_fwd_smem_floats() {
 
 namespace scan_detail {
 
-// dst[t * stride + r] = f(src_r[t0 + t], r, t) for rows r < kRows, steps t < kChunk (0 past seqlen or
-// for rows with no source: row_ptr returns nullptr). With kVec, 16-byte loads along the step axis
-// (rows 16-byte aligned and the chunk whole).
-template <typename Tr, int kRows, typename X, typename RowPtr, typename F>
-__device__ __forceinline__ void stage_transposed(RowPtr row_ptr, int t0, int seqlen, float* dst, int stride, F f) {
-  constexpr int kC = Tr::kChunk;
-  if constexpr (Tr::kEven) {
-    constexpr int V = 16 / static_cast<int>(sizeof(X));
-    constexpr int kPerRow = kC / V;
-    for (int e = static_cast<int>(threadIdx.x); e < kRows * kPerRow; e += Tr::kThreads) {
-      const int r = e / kPerRow, tv = (e % kPerRow) * V;
-      const X* src = row_ptr(r);
-      float v[V];
-      if (src) {
-        load_floats<V>(src + t0 + tv, v);
-      } else {
-#pragma unroll
-        for (int k = 0; k < V; ++k) v[k] = 0.0f;
-      }
-#pragma unroll
-      for (int k = 0; k < V; ++k) dst[(tv + k) * stride + r] = src ? f(v[k], r) : 0.0f;
-    }
-  } else {
-    for (int e = static_cast<int>(threadIdx.x); e < kRows * kC; e += Tr::kThreads) {
-      const int r = e / kC, t = e % kC;
-      const X* src = row_ptr(r);
-      const bool ok = src && t0 + t < seqlen;
-      dst[t * stride + r] = ok ? f(to_float(src[t0 + t]), r) : 0.0f;
-    }
-  }
-}
-
 // y of 4 consecutive steps from the kLanes threads of a channel (each holds its states' part of each):
 // a transposing reduction (lanes exchange half their values per level) takes 1, 2 or 3 shuffles for
 // the 4 steps instead of 4 * log2(kLanes), then plain xor levels above 4 lanes. Writes s_y[g * stride]
@@ -772,10 +740,47 @@ struct SeqPrefetch {
   }
 };
 
+// The scan of one staged chunk by one thread (kSpt states x of channel cl, slice sl), steps in groups
+// of 4 with a group's shared-memory reads first; y = C . x of each step to s_y[t][cl]. A function, not a
+// lambda: NVRTC did not inline the lambda everywhere, and the call saved registers to the stack.
+template <typename Tr>
+__device__ __forceinline__ void seq_scan_chunk(float (&x)[Tr::kSpt], const float (&A2)[Tr::kSpt],
+                                               const float (&Bf)[Tr::kSpt], const float (&Cf)[Tr::kSpt],
+                                               const float* s_dt, const float* s_u, const float* s_B,
+                                               const float* s_C, float* s_y, int cl, int sl) {
+  constexpr int S = Tr::kSpt, L = Tr::kLanes, CS = Tr::kCs, NP = Tr::kNp, kC = Tr::kChunk;
+#pragma unroll 2
+  for (int t = 0; t < kC; t += 4) {
+    float dt[4], du[4], Bv[4][S], Cv[4][S], y[4];
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      dt[g] = s_dt[(t + g) * CS + cl];
+      du[g] = dt[g] * s_u[(t + g) * CS + cl];
+#pragma unroll
+      for (int i = 0; i < S; ++i) {
+        Bv[g][i] = Tr::kVarB ? s_B[(t + g) * NP + sl * S + i] : Bf[i];
+        Cv[g][i] = Tr::kVarC ? s_C[(t + g) * NP + sl * S + i] : Cf[i];
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      y[g] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < S; ++i) {
+        x[i] = fmaf(fast_exp2(dt[g] * A2[i]), x[i], du[g] * Bv[g][i]);
+        y[g] = fmaf(Cv[g][i], x[i], y[g]);
+      }
+    }
+    seq_store_y<L>(y, sl, s_y + t * CS + cl, CS);
+  }
+}
+
 }  // namespace scan_detail
 
+// Launch bounds with a minimum of one block per SM: without it ptxas capped some configs at 56-72
+// registers and spilled.
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kThreads)
+__global__ void __launch_bounds__(Tr::kThreads, 1)
     selective_scan_fwd_seq_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
                                   const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
                                   const typename Tr::TC* __restrict__ C, const float* __restrict__ D,
@@ -813,34 +818,6 @@ __global__ void __launch_bounds__(Tr::kThreads)
     Bf[i] = ok && !Tr::kVarB ? to_float(B[d * N + n]) : 0.0f;
     Cf[i] = ok && !Tr::kVarC ? to_float(C[d * N + n]) : 0.0f;
   }
-  // ---- the scan of one staged chunk: steps in groups of 4, a group's shared-memory reads first ----
-  auto scan_chunk = [&]() {
-#pragma unroll 2
-    for (int t = 0; t < kC; t += 4) {
-      float dt[4], du[4], Bv[4][S], Cv[4][S], y[4];
-#pragma unroll
-      for (int g = 0; g < 4; ++g) {
-        dt[g] = s_dt[(t + g) * CS + cl];
-        du[g] = dt[g] * s_u[(t + g) * CS + cl];
-#pragma unroll
-        for (int i = 0; i < S; ++i) {
-          Bv[g][i] = Tr::kVarB ? s_B[(t + g) * NP + sl * S + i] : Bf[i];
-          Cv[g][i] = Tr::kVarC ? s_C[(t + g) * NP + sl * S + i] : Cf[i];
-        }
-      }
-#pragma unroll
-      for (int g = 0; g < 4; ++g) {
-        y[g] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < S; ++i) {
-          x[i] = fmaf(fast_exp2(dt[g] * A2[i]), x[i], du[g] * Bv[g][i]);
-          y[g] = fmaf(Cv[g][i], x[i], y[g]);
-        }
-      }
-      seq_store_y<L>(y, sl, s_y + t * CS + cl, CS);
-    }
-  };
-
   if constexpr (Tr::kEven) {
     // Every chunk whole and 16-byte aligned: the next chunk's global loads are issued before this
     // chunk's scan (registers), so their latency hides behind it.
@@ -851,37 +828,33 @@ __global__ void __launch_bounds__(Tr::kThreads)
       cur.stage(s_u, s_dt, s_B, s_C, delta_bias, d0, dim);
       __syncthreads();
       if (t0 + kC < seqlen) nxt.load(u, delta, z, B, C, b, d0, dim, seqlen, bc_base, t0 + kC);
-      scan_chunk();
+      seq_scan_chunk<Tr>(x, A2, Bf, Cf, s_dt, s_u, s_B, s_C, s_y, cl, sl);
       __syncthreads();
       cur.write_out(out, D, s_u, s_y, b, d0, dim, seqlen, t0);
       cur = nxt;
       __syncthreads();  // s_u, s_y are restaged next
     }
   } else {
-    auto row_of = [&](const T* base) {
-      return [=](int r) -> const T* {
-        return d0 + r < dim ? base + (static_cast<long long>(b) * dim + d0 + r) * seqlen : nullptr;
-      };
-    };
-    const float* bias_p = delta_bias;
-    const int d0c = d0;
     for (int t0 = 0; t0 < seqlen; t0 += kC) {
-      stage_transposed<Tr, NC, T>(row_of(u), t0, seqlen, s_u, CS, [](float v, int) { return v; });
-      stage_transposed<Tr, NC, T>(row_of(delta), t0, seqlen, s_dt, CS, [=](float v, int r) {
-        float w = v + (Tr::kHasDeltaBias ? bias_p[d0c + r] : 0.0f);
+      // Element by element, zeros past seqlen, dim and dstate (a partial last chunk, odd alignments).
+      for (int e = tid; e < NC * kC; e += Tr::kThreads) {
+        const int r = e / kC, t = e % kC;
+        const bool ok = d0 + r < dim && t0 + t < seqlen;
+        const long long off = (static_cast<long long>(b) * dim + d0 + r) * seqlen + t0 + t;
+        float w = ok ? to_float(delta[off]) + (Tr::kHasDeltaBias ? delta_bias[d0 + r] : 0.0f) : 0.0f;
         if constexpr (Tr::kSoftplus) w = softplus_sfu(w);
-        return w;
-      });
-      if constexpr (Tr::kVarB)
-        stage_transposed<Tr, NP, typename Tr::TB>(
-            [=](int r) -> const typename Tr::TB* { return r < N ? B + bc_base + static_cast<long long>(r) * seqlen : nullptr; },
-            t0, seqlen, s_B, NP, [](float v, int) { return v; });
-      if constexpr (Tr::kVarC)
-        stage_transposed<Tr, NP, typename Tr::TC>(
-            [=](int r) -> const typename Tr::TC* { return r < N ? C + bc_base + static_cast<long long>(r) * seqlen : nullptr; },
-            t0, seqlen, s_C, NP, [](float v, int) { return v; });
+        s_u[t * CS + r] = ok ? to_float(u[off]) : 0.0f;
+        s_dt[t * CS + r] = ok ? w : 0.0f;
+      }
+      for (int e = tid; e < NP * kC; e += Tr::kThreads) {
+        const int n = e / kC, t = e % kC;
+        const bool ok = n < N && t0 + t < seqlen;
+        const long long off = bc_base + static_cast<long long>(n) * seqlen + t0 + t;
+        if constexpr (Tr::kVarB) s_B[t * NP + n] = ok ? to_float(B[off]) : 0.0f;
+        if constexpr (Tr::kVarC) s_C[t * NP + n] = ok ? to_float(C[off]) : 0.0f;
+      }
       __syncthreads();
-      scan_chunk();
+      seq_scan_chunk<Tr>(x, A2, Bf, Cf, s_dt, s_u, s_B, s_C, s_y, cl, sl);
       __syncthreads();
       for (int e = tid; e < NC * kC; e += Tr::kThreads) {
         const int r = e / kC, t = e % kC;
