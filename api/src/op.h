@@ -180,6 +180,24 @@ inline jit::KernelSpec kernel_spec(const Problem& p, std::string header, std::st
   return s;
 }
 
+// One TensorDef from its fields in schema order (the op definitions' tables read as one line per tensor).
+inline TensorDef tensor_def(std::string name, std::vector<std::string> shape, std::vector<DType> dtypes,
+                            std::string dtype_of, bool or_f32, bool optional, std::string present_with, Layout layout,
+                            std::string doc, std::vector<std::string> alt = {}) {
+  TensorDef d;
+  d.name = std::move(name);
+  d.shape = std::move(shape);
+  d.dtypes = std::move(dtypes);
+  d.dtype_of = std::move(dtype_of);
+  d.or_float32 = or_f32;
+  d.optional = optional;
+  d.present_with = std::move(present_with);
+  d.layout = layout;
+  d.doc = std::move(doc);
+  d.alt_shape = std::move(alt);
+  return d;
+}
+
 // Tolerance for ‖out−ref‖/‖ref‖ by dtype: the one table.
 double tolerance_for(DType dtype);
 

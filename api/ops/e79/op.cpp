@@ -52,23 +52,6 @@ void check_e79(const Problem& p) {
   }
 }
 
-TensorDef tensor(std::string name, std::vector<std::string> shape, std::vector<DType> dtypes, std::string dtype_of,
-                 bool or_f32, bool optional, std::string present_with, Layout layout, std::string doc,
-                 std::vector<std::string> alt = {}) {
-  TensorDef d;
-  d.name = std::move(name);
-  d.shape = std::move(shape);
-  d.dtypes = std::move(dtypes);
-  d.dtype_of = std::move(dtype_of);
-  d.or_float32 = or_f32;
-  d.optional = optional;
-  d.present_with = std::move(present_with);
-  d.layout = layout;
-  d.doc = std::move(doc);
-  d.alt_shape = std::move(alt);
-  return d;
-}
-
 const std::vector<std::string> kTBN = {"seqlen", "batch", "n"};
 const std::vector<std::string> kState = {"batch", "n", "n"};
 const std::vector<std::string> kChk = {"batch", "nchk", "2", "n", "n"};
@@ -76,7 +59,7 @@ const std::vector<std::string> kChk = {"batch", "nchk", "2", "n", "n"};
 // k, v, q, m, b_s, b_m, S0, M0. `like`: the tensor whose dtype they take ("" for k itself: any float).
 std::vector<TensorDef> cell_inputs(const std::string& like) {
   auto seq = [&](const char* name, const std::string& of, const char* doc) {
-    return tensor(name, kTBN, of.empty() ? kFloatTypes : std::vector<DType>{}, of, false, false, "", Layout::Strided,
+    return tensor_def(name, kTBN, of.empty() ? kFloatTypes : std::vector<DType>{}, of, false, false, "", Layout::Strided,
                   doc);
   };
   return {
@@ -84,11 +67,11 @@ std::vector<TensorDef> cell_inputs(const std::string& like) {
       seq("v", like.empty() ? "k" : like, "value"),
       seq("q", like.empty() ? "k" : like, "query"),
       seq("m", like.empty() ? "k" : like, "modulation key (unnormalized)"),
-      tensor("b_s", kTBN, {}, "k", true, true, "", Layout::Strided,
+      tensor_def("b_s", kTBN, {}, "k", true, true, "", Layout::Strided,
              "gate bias of S: [n] fixed, or [seqlen, batch, n] per step (input bias); absent: none", {"n"}),
-      tensor("b_m", kTBN, {}, "k", true, true, "", Layout::Strided, "gate bias of M, like b_s", {"n"}),
-      tensor("S0", kState, {DType::f32}, "", false, true, "", Layout::Contiguous, "initial content memory (zeros)"),
-      tensor("M0", kState, {DType::f32}, "", false, true, "", Layout::Contiguous, "initial modulation memory (zeros)"),
+      tensor_def("b_m", kTBN, {}, "k", true, true, "", Layout::Strided, "gate bias of M, like b_s", {"n"}),
+      tensor_def("S0", kState, {DType::f32}, "", false, true, "", Layout::Contiguous, "initial content memory (zeros)"),
+      tensor_def("M0", kState, {DType::f32}, "", false, true, "", Layout::Contiguous, "initial modulation memory (zeros)"),
   };
 }
 
@@ -407,10 +390,10 @@ OpDef make_fwd() {
                       false);
   op.info.inputs = cell_inputs("");
   op.info.outputs = {
-      tensor("out", kTBN, {}, "k", false, false, "", Layout::Strided, "output; any strides with unit stride along n"),
-      tensor("S", kState, {DType::f32}, "", false, false, "", Layout::Contiguous, "content memory after the last step"),
-      tensor("M", kState, {DType::f32}, "", false, false, "", Layout::Contiguous, "modulation memory after the last step"),
-      tensor("checkpoints", kChk, {DType::f32}, "", false, true, "", Layout::Contiguous,
+      tensor_def("out", kTBN, {}, "k", false, false, "", Layout::Strided, "output; any strides with unit stride along n"),
+      tensor_def("S", kState, {DType::f32}, "", false, false, "", Layout::Contiguous, "content memory after the last step"),
+      tensor_def("M", kState, {DType::f32}, "", false, false, "", Layout::Contiguous, "modulation memory after the last step"),
+      tensor_def("checkpoints", kChk, {DType::f32}, "", false, true, "", Layout::Contiguous,
              "(S, M) before steps 0, chunk, 2 chunk, ... (for e79.bwd); leave out for inference"),
   };
   op.kernels = [](const Problem& p, const Config& c) {
@@ -441,17 +424,17 @@ OpDef make_bwd() {
                       "db_s/db_m (fixed: summed over time and batch, deterministically; input: per step), dS0, dM0",
                       true);
   auto inputs = cell_inputs("dout");
-  inputs.insert(inputs.begin(), tensor("dout", kTBN, kFloatTypes, "", false, false, "", Layout::Strided,
+  inputs.insert(inputs.begin(), tensor_def("dout", kTBN, kFloatTypes, "", false, false, "", Layout::Strided,
                                        "gradient of out; any strides with unit stride along n"));
-  inputs.push_back(tensor("checkpoints", kChk, {DType::f32}, "", false, false, "", Layout::Contiguous,
+  inputs.push_back(tensor_def("checkpoints", kChk, {DType::f32}, "", false, false, "", Layout::Contiguous,
                           "e79.fwd's checkpoints (same chunk)"));
-  inputs.push_back(tensor("dS", kState, {DType::f32}, "", false, true, "", Layout::Contiguous,
+  inputs.push_back(tensor_def("dS", kState, {DType::f32}, "", false, true, "", Layout::Contiguous,
                           "gradient of the final S (else zero)"));
-  inputs.push_back(tensor("dM", kState, {DType::f32}, "", false, true, "", Layout::Contiguous,
+  inputs.push_back(tensor_def("dM", kState, {DType::f32}, "", false, true, "", Layout::Contiguous,
                           "gradient of the final M (else zero)"));
   op.info.inputs = inputs;
   auto grad = [](const char* name, const char* of) {
-    return tensor(name, kTBN, {}, of, false, false, "", Layout::Strided,
+    return tensor_def(name, kTBN, {}, of, false, false, "", Layout::Strided,
                   std::string("gradient of ") + of + "; any strides with unit stride along n (e.g. a column block of "
                   "one [seqlen, batch, 4n] gradient)");
   };
@@ -460,10 +443,10 @@ OpDef make_bwd() {
       grad("dv", "v"),
       grad("dq", "q"),
       grad("dm", "m"),
-      tensor("db_s", kTBN, {}, "b_s", false, false, "b_s", Layout::Strided, "gradient of b_s (its shape)", {"n"}),
-      tensor("db_m", kTBN, {}, "b_m", false, false, "b_m", Layout::Strided, "gradient of b_m (its shape)", {"n"}),
-      tensor("dS0", kState, {DType::f32}, "", false, false, "S0", Layout::Contiguous, "gradient of S0"),
-      tensor("dM0", kState, {DType::f32}, "", false, false, "M0", Layout::Contiguous, "gradient of M0"),
+      tensor_def("db_s", kTBN, {}, "b_s", false, false, "b_s", Layout::Strided, "gradient of b_s (its shape)", {"n"}),
+      tensor_def("db_m", kTBN, {}, "b_m", false, false, "b_m", Layout::Strided, "gradient of b_m (its shape)", {"n"}),
+      tensor_def("dS0", kState, {DType::f32}, "", false, false, "S0", Layout::Contiguous, "gradient of S0"),
+      tensor_def("dM0", kState, {DType::f32}, "", false, false, "M0", Layout::Contiguous, "gradient of M0"),
   };
   op.kernels = [](const Problem& p, const Config& c) {
     std::vector<jit::KernelSpec> ks = {spec(p, "kspec::e79_bwd_kernel", {traits(p, c)})};

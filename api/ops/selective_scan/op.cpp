@@ -54,21 +54,12 @@ std::vector<DimDef> scan_dims(bool with_seqlen) {
   return d;
 }
 
+// Every scan tensor is contiguous.
 TensorDef tensor(std::string name, std::vector<std::string> shape, std::vector<DType> dtypes, std::string dtype_of,
-            bool or_f32, bool optional, std::string present_with, std::string doc,
-            std::vector<std::string> alt = {}) {
-  TensorDef d;
-  d.name = std::move(name);
-  d.shape = std::move(shape);
-  d.dtypes = std::move(dtypes);
-  d.dtype_of = std::move(dtype_of);
-  d.or_float32 = or_f32;
-  d.optional = optional;
-  d.present_with = std::move(present_with);
-  d.layout = Layout::Contiguous;
-  d.doc = std::move(doc);
-  d.alt_shape = std::move(alt);
-  return d;
+                 bool or_f32, bool optional, std::string present_with, std::string doc,
+                 std::vector<std::string> alt = {}) {
+  return tensor_def(std::move(name), std::move(shape), std::move(dtypes), std::move(dtype_of), or_f32, optional,
+                    std::move(present_with), Layout::Contiguous, std::move(doc), std::move(alt));
 }
 
 const std::vector<std::string> kBDT = {"batch", "dim", "seqlen"};
