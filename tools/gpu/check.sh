@@ -2,7 +2,7 @@
 # One command for a GPU machine (H100, CUDA 13, torch preinstalled, no network): builds the C++ library
 # and the Python package there, runs GoogleTest and pytest with the GPU, the main job (every op against
 # its float64 reference), the benchmarks, and prints a results table. Results go to $OUT (or ./gpu-out).
-# Stages: check.sh [build] [test] [bench] [sanitize] [tune] (default: build test bench).
+# Stages: check.sh [build] [test] [bench] [sanitize] [scan] [tune] (default: build test bench).
 set -uo pipefail  # a failing step is recorded, the others still run
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -57,7 +57,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,te
 cat "$OUT/gpu.txt"
 
 # The selective-scan peer builds from source (~150 s, 16 cores) while kspec builds and tests.
-if { has bench || [ -n "${KSPEC_BUILD_PEERS:-}" ]; } && ls .peers/mamba_ssm-*.tar.gz >/dev/null 2>&1 && ! python3 -c "import torch, selective_scan_cuda" 2>/dev/null; then
+if { has bench || has scan || [ -n "${KSPEC_BUILD_PEERS:-}" ]; } && ls .peers/mamba_ssm-*.tar.gz >/dev/null 2>&1 && ! python3 -c "import torch, selective_scan_cuda" 2>/dev/null; then
   setsid nohup bash tools/gpu/build_mamba.sh > /tmp/mamba_build.log 2>&1 < /dev/null &
 fi
 
@@ -109,6 +109,25 @@ if has bench; then
   step bench_selective_scan python3 tools/bench/bench.py --family selective_scan --json "$OUT/bench_selective_scan.json"
   step bench_gemm python3 tools/bench/bench.py --family gemm --json "$OUT/bench_gemm.json"
   step bench_adamw python3 tools/bench/bench.py --family adamw --json "$OUT/bench_adamw.json"
+fi
+
+if has scan; then
+  # The selective scan's algo-1 kernels: every config on edge cases against float64, the checker on the
+  # large cases, every backward config timed at 8x2048x2048 (kspec tune), the benchmark against mamba_ssm.
+  C=(base:bf16 batch_1:f32 seqlen_1:f32 seqlen_2:f32 seqlen_1023:f32 dim_37:f32 dstate_1:f32 dstate_4:bf16
+     dstate_64:f32 groups_4:bf16 fixed_bc:f32 fixed_b:f32 no_z:bf16 no_softplus:f32 none_optional:f32
+     wide_8x1024:bf16 wide_even_8x1024:bf16 bc_fp32:bf16 seqlen_even_1024:f16)
+  step scan_configs python3 tools/gpu/check_configs.py selective_scan.bwd selective_scan.fwd \
+    --match algo=1 $(printf -- '--case %s ' "${C[@]}") --json "$OUT/scan_configs.json"
+  step scan_check python3 -m kspec check --op selective_scan.bwd --large --json "$OUT/scan_check.json"
+  KSPEC_TUNING_DB=/tmp/scan-tune.json step scan_tune_bwd python3 -m kspec tune selective_scan.bwd --dtype bf16 \
+    --param delta_softplus=true --without h0 --without dlast_state --budget 60 \
+    --shape batch=8,dim=2048,seqlen=2048,dstate=16,groups=1 --json "$OUT/scan_tune_bwd.json"
+  if [ -f /tmp/mamba_build.log ]; then
+    for _ in $(seq 360); do [ -f /tmp/mamba_build.done ] && break; sleep 1; done
+    echo "mamba_ssm build: exit $(cat /tmp/mamba_build.done 2>/dev/null || echo 'not finished')"
+  fi
+  step bench_selective_scan python3 tools/bench/bench.py --family selective_scan --json "$OUT/bench_selective_scan.json"
 fi
 
 if has tune; then
