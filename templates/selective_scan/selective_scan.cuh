@@ -900,6 +900,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 //    reduce kernel sums them over the batch, deterministically), dh0 = the adjoint left at t = -1.
 // Three ex2 per step and state in all (mamba_ssm's backward: one; its forward saves the checkpoints),
 // no per-state scans. The next chunk's global loads are issued before this chunk's work.
+// Measured (H100, 8x2048x2048 bf16): 2.35 ms at 8 lanes, against 2.63 for the warp scan's best and
+// ~2.4 for mamba_ssm's backward. ncu (4 lanes): 62 instructions per step and state, IPC 1.7, 8 warps
+// per SM (254 registers); the SFU floor of the three ex2 is 0.44 ms. Next: fewer instructions per
+// step and state (the channel sums' selects and shuffles, the index arithmetic), more warps per SM,
+// and the forward writing the checkpoints when it runs for training.
 //
 // Launch: as the sequential forward (gridDim = (ceil(dim / kChannels), batch), blockDim = kThreads),
 // dynamic shared memory seq_bwd_smem_floats() floats; the same arguments as selective_scan_bwd_kernel,
