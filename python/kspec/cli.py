@@ -223,7 +223,8 @@ def cmd_check(a):
     rows, ok = [], True
     all_results = []
     for op in ops:
-        res = _C.check_op(op, a.case or "", a.dtype or [], a.device, a.large, a.config, a.seed)
+        res = [r for case in (a.case or [""])
+               for r in _C.check_op(op, case, a.dtype or [], a.device, a.large, a.config, a.seed)]
         for r in res:
             all_results.append(r)
             ok = ok and r["passed"]
@@ -408,7 +409,7 @@ def main(argv=None) -> int:
     for name, fn, hlp in (("check", cmd_check, "every op on the GPU against its float64 reference"),):
         s = sub.add_parser(name, help=hlp)
         s.add_argument("--op", action="append")
-        s.add_argument("--case")
+        s.add_argument("--case", action="append", help="a case of the op's table (repeatable; default: all)")
         s.add_argument("--dtype", action="append")
         s.add_argument("--device", type=int, default=0)
         s.add_argument("--large", action="store_true")

@@ -89,6 +89,18 @@ if has sanitize; then
     --gtest_filter='Gpu.EveryOpEveryCase*:Gpu.ZeroRows'
   step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 build/gpu/tests/cpp/kspec_tests \
     --gtest_filter='Gpu.EveryVisibleDevice'
+  # The scan's kernels of both algorithms (shared memory staged by the block, shuffles, atomics).
+  for op_cfg in "selective_scan.fwd algo=0,warps=4,items=8,lanes=1,chunk=32" \
+                "selective_scan.fwd algo=1,warps=4,items=4,lanes=4,chunk=32" \
+                "selective_scan.bwd algo=0,warps=4,items=8,lanes=1,chunk=16" \
+                "selective_scan.bwd algo=1,warps=4,items=4,lanes=8,chunk=16"; do
+    read -r op cfg <<< "$op_cfg"
+    name=${op#selective_scan.}_a${cfg:5:1}
+    step "memcheck_$name" compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m kspec check --op "$op" \
+      --case dim_37 --case seqlen_1023 --case seqlen_2 --dtype bf16 --dtype f32 --config "$cfg"
+    step "racecheck_$name" compute-sanitizer --tool racecheck --error-exitcode 1 python3 -m kspec check --op "$op" \
+      --case dim_37 --case seqlen_2 --dtype bf16 --config "$cfg"
+  done
 fi
 
 if has bench; then
@@ -112,14 +124,15 @@ if has bench; then
 fi
 
 if has scan; then
-  # The selective scan's algo-1 kernels: every config on edge cases against float64, the checker on the
-  # large cases, every backward config timed at 8x2048x2048 (kspec tune), the benchmark against mamba_ssm.
+  # The selective scan's algo-1 kernels: every config on edge cases against float64, the checker (every
+  # case, heuristic configs; --large took over 6 minutes of float64 references on the host), every
+  # backward config timed at 8x2048x2048 (kspec tune), the benchmark against mamba_ssm.
   C=(base:bf16 batch_1:f32 seqlen_1:f32 seqlen_2:f32 seqlen_1023:f32 dim_37:f32 dstate_1:f32 dstate_4:bf16
      dstate_64:f32 groups_4:bf16 fixed_bc:f32 fixed_b:f32 no_z:bf16 no_softplus:f32 none_optional:f32
      wide_8x1024:bf16 wide_even_8x1024:bf16 bc_fp32:bf16 seqlen_even_1024:f16)
   step scan_configs python3 tools/gpu/check_configs.py selective_scan.bwd selective_scan.fwd \
     --match algo=1 $(printf -- '--case %s ' "${C[@]}") --json "$OUT/scan_configs.json"
-  step scan_check python3 -m kspec check --op selective_scan.bwd --large --json "$OUT/scan_check.json"
+  step scan_check python3 -m kspec check --op selective_scan.fwd --op selective_scan.bwd --json "$OUT/scan_check.json"
   KSPEC_TUNING_DB=/tmp/scan-tune.json step scan_tune_bwd python3 -m kspec tune selective_scan.bwd --dtype bf16 \
     --param delta_softplus=true --without h0 --without dlast_state --budget 60 \
     --shape batch=8,dim=2048,seqlen=2048,dstate=16,groups=1 --json "$OUT/scan_tune_bwd.json"
