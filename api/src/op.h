@@ -11,6 +11,7 @@
 
 #include "jit/spec.h"
 #include "kspec/registry.h"
+#include "kspec/tune.h"
 
 namespace kspec {
 
@@ -83,6 +84,17 @@ struct TuningSpace {
   // device cannot launch before compiling it, and one whose registers x threads exceed the block's
   // register file after.
   std::function<int64_t(const Problem&, const Config&)> block_threads;
+  // Optional, for a space that is not a product of axes but comes from a library on the GPU (cuBLASLt's
+  // heuristic candidates): the configs to time for a call (the tuner adds the heuristic's default, and
+  // dispatch judges a recorded config by `valid` alone; the launcher may still refuse it and fall back).
+  std::function<std::vector<Config>(const Call&, int max_candidates)> candidates;
+  // Optional: more configs to time once the first ones are timed (e.g. gemm.bwd's best dx and best dW
+  // algorithms together, each found with the other GEMM on its default).
+  std::function<std::vector<Config>(const Problem&, const std::vector<TuneCandidate>& timed)> refine;
+  // Optional: what a call will really use of a config (explain): "" when it applies as is, else why not
+  // (e.g. cuBLASLt refuses a tuned algorithm for this call's layout, and the heuristic runs instead).
+  std::function<std::string(const Call&, const Config&)> applies;
+  bool empty() const { return axes.empty() && !candidates; }
   std::vector<Config> enumerate(const Problem& p) const;
   // Every combination of the axes, legal or not (the tuner reports why each one is ruled out).
   std::vector<Config> all_combinations() const;

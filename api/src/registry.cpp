@@ -228,6 +228,7 @@ std::string describe_op(std::string_view name) {
     for (size_t k = 0; k < values.size(); ++k) os << (k ? "," : "") << values[k];
     os << "}";
   }
+  if (!i.tuning_note.empty()) os << " " << i.tuning_note;
   os << "\n  reference: " << i.reference << "\n";
   return os.str();
 }
@@ -297,7 +298,7 @@ PlanEntry& plan_for(const OpDef& op, const Problem& p, int device, const Config*
       if (bt != plans.end() && bt->second->generation == generation) return *bt->second;
     }
   }
-  bool bucketed = !forced && !op.tuning.axes.empty() &&
+  bool bucketed = !forced && !op.tuning.empty() &&
                   (knobs::tune_mode() == knobs::TuneMode::Auto || tuning_has_signature(p.signature(), device));
   // KSPEC_TUNE=auto may tune now, but never inside a CUDA graph capture.
   CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
@@ -423,8 +424,18 @@ std::vector<OutputSpec> infer_outputs(std::string_view op_name, const std::vecto
 
 namespace {
 
-PlanInfo plan_info(const OpDef& op, const Problem& p, int device) {
+PlanInfo plan_info(const OpDef& op, const Problem& p, int device, const Call* call = nullptr) {
   ConfigChoice ch = choose_config(op, p, nullptr, device);
+  if (call && ch.source == "tuned" && op.tuning.applies) {
+    // A library's tuned config may still be refused for this call (cuBLASLt checks the algorithm against
+    // the call's layouts): say what the launch will really do.
+    std::string why = op.tuning.applies(*call, ch.config);
+    if (!why.empty()) {
+      ch.note = "tuned entry {" + ch.config.str() + "} does not apply to this call: " + why;
+      ch.config = op.tuning.heuristic ? op.tuning.heuristic(p) : Config{};
+      ch.source = "heuristic";
+    }
+  }
   PlanInfo info;
   info.op = op.info.name;
   info.signature = p.signature();
@@ -466,7 +477,7 @@ PlanInfo explain_plan(std::string_view op_name, const std::vector<TensorView>& i
   const OpDef& op = Registry::global().get(op_name);
   Call c = validate_call(op, inputs, outputs, params, nullptr);
   c.problem.arch = device_arch(c.device);
-  return plan_info(op, c.problem, c.device);
+  return plan_info(op, c.problem, c.device, &c);
 }
 
 PlanInfo explain_request(const CompileRequest& req) {

@@ -102,6 +102,7 @@ struct OpInfo {
   std::vector<ParamDef> params;
   std::vector<DimDef> dims;
   std::vector<std::pair<std::string, std::vector<int64_t>>> tuning_axes;
+  std::string tuning_note;  // a space that is not a product of axes (gemm: cuBLASLt's candidates)
   std::string reference;  // where the float64 reference lives
 };
 

@@ -3,6 +3,9 @@
 // elementwise kernel for act'(pre) when there is an activation). Views of any transposition reach
 // cuBLASLt without copies through gemm/layout.h.
 #include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
 
 #include "api/src/op.h"
 #include "jit/driver.h"
@@ -54,6 +57,66 @@ bool weight_broadcast(const TensorView& x, const TensorView& w, const std::strin
               "to x's ", x.describe());
   return false;
 }
+
+// ---- tuning: a cuBLASLt algorithm as a config ----
+// The space is the heuristic's top candidates for the problem (found on the GPU by the tuner); the default
+// config is empty: cuBLASLt's first choice, as without tuning. gemm's config names an algorithm's fields
+// ("algo=..,tile=..,stages=.."); gemm.bwd's name the dx and dW GEMMs' ("dx.algo=..", "dw.algo=..").
+
+// Every name in the config is one of the algorithm fields behind one of `prefixes`, and each prefix's
+// fields are complete and in range.
+bool valid_algo_config(const Config& c, const std::vector<std::string>& prefixes, std::string* why) {
+  for (const auto& [name, v] : c.values) {
+    bool known = false;
+    for (const auto& pre : prefixes)
+      for (const auto& f : gemm::lt_algo_fields()) known = known || name == pre + f;
+    if (!known) {
+      if (why) *why = "'" + name + "' is not a cuBLASLt algorithm field (" + (prefixes[0].empty() ? "" : "dx./dw. + ") +
+                      "algo, tile, stages, splitk, reduction, swizzle, custom, inner, cluster)";
+      return false;
+    }
+  }
+  for (const auto& pre : prefixes) {
+    gemm::LtAlgoConfig a;
+    bool found = false;
+    std::string w;
+    if (!gemm::algo_from_config(c, pre, &a, &found, &w)) {
+      if (why) *why = w;
+      return false;
+    }
+  }
+  return true;
+}
+
+// The algorithm a config names for one GEMM (`prefix`), or nullptr for the heuristic's. `storage` holds it.
+const gemm::LtAlgoConfig* algo_of(const Config& c, const std::string& prefix, gemm::LtAlgoConfig* storage) {
+  if (c.values.empty()) return nullptr;
+  bool found = false;
+  std::string why;
+  if (!gemm::algo_from_config(c, prefix, storage, &found, &why)) throw InvalidArgument("gemm: config {" + c.str() + "}: " + why);
+  return found ? storage : nullptr;
+}
+
+std::vector<Config> candidate_configs(const gemm::LtCall& lt, int device, int max_count, const std::string& prefix) {
+  std::vector<Config> out;
+  for (const auto& cand : gemm::lt_candidates(lt, device, gemm::kLtWorkspaceBytes, max_count)) {
+    Config c;
+    gemm::add_to_config(cand.config, prefix, c);
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+// "" when the config's algorithm(s) apply to the call's GEMM(s), else why not.
+std::string algo_applies(const gemm::LtCall& lt, const Config& c, const std::string& prefix, int device) {
+  gemm::LtAlgoConfig a;
+  const gemm::LtAlgoConfig* algo = algo_of(c, prefix, &a);
+  std::string why;
+  if (!algo || gemm::lt_algo_applies(lt, *algo, device, gemm::kLtWorkspaceBytes, &why)) return "";
+  return (prefix.empty() ? "" : prefix) + "cuBLASLt refuses it: " + why;
+}
+
+const std::string kTuningNote = "cuBLASLt algorithm: the heuristic's top candidates, timed by kspec tune";
 
 struct FwdPlan {
   gemm::LtCall lt;
@@ -181,8 +244,19 @@ OpDef make_fwd() {
   i.dims = gemm_dims();
   i.reference = "api/ops/gemm/reference.cpp (python/kspec/reference/gemm.py)";
   op.check_call = [](const Call& call) { plan_fwd(call); };
-  op.launch = [](const Call& call, const Config&, Launcher& l) {
+  op.tuning.heuristic = [](const Problem&) { return Config{}; };
+  op.tuning.valid = [](const Problem&, const Config& c, std::string* why) { return valid_algo_config(c, {""}, why); };
+  op.tuning.candidates = [](const Call& call, int n) {
+    return candidate_configs(plan_fwd(call).lt, call.device, n, "");
+  };
+  op.tuning.applies = [](const Call& call, const Config& c) {
+    return algo_applies(plan_fwd(call).lt, c, "", call.device);
+  };
+  i.tuning_note = kTuningNote;
+  op.launch = [](const Call& call, const Config& config, Launcher& l) {
     FwdPlan f = plan_fwd(call);
+    gemm::LtAlgoConfig algo;
+    f.lt.algo = algo_of(config, "", &algo);
     void* ws = l.workspace(gemm::kLtWorkspaceBytes);
     gemm::lt_matmul(f.lt, call.device, call.stream, ws, gemm::kLtWorkspaceBytes);
   };
@@ -203,6 +277,10 @@ struct BwdPlan {
   const void* dpre_data = nullptr;
   bool dbias_by_ones = false;        // dbias = ones·dpre (the dW GEMM cannot carry the BGRADB epilogue)
 };
+
+// Where plans are built only to read their layouts (tuning candidates, explain): dpre's address stands in
+// for the workspace's (256-byte aligned, as the real one is); nothing is read or written through it.
+void* const kDpreStandIn = reinterpret_cast<void*>(uintptr_t(1) << 20);
 
 // dpre is dy itself without an activation, else the act-grad kernel's contiguous output (workspace).
 BwdPlan plan_bwd(const Call& call, void* dpre) {
@@ -372,7 +450,44 @@ OpDef make_bwd() {
     return out;
   };
   op.check_call = [](const Call& call) { plan_bwd(call, nullptr); };
-  op.launch = [](const Call& call, const Config&, Launcher& l) {
+  op.tuning.heuristic = [](const Problem&) { return Config{}; };
+  op.tuning.valid = [](const Problem&, const Config& c, std::string* why) {
+    return valid_algo_config(c, {"dx.", "dw."}, why);
+  };
+  // dx's candidates with dW on the heuristic's algorithm, dW's with dx's; refine puts the two winners together.
+  op.tuning.candidates = [](const Call& call, int n) {
+    BwdPlan f = plan_bwd(call, kDpreStandIn);
+    std::vector<Config> out = candidate_configs(f.dx, call.device, n, "dx.");
+    if (f.dw_per_batch.empty() && !f.dbias_by_ones) {
+      for (auto& c : candidate_configs(f.dw, call.device, n, "dw.")) out.push_back(std::move(c));
+    }
+    return out;
+  };
+  op.tuning.refine = [](const Problem&, const std::vector<TuneCandidate>& timed) {
+    const TuneCandidate *dx = nullptr, *dw = nullptr, *def = nullptr;
+    for (const auto& c : timed) {
+      if (c.status != "ok") continue;
+      if (c.is_default) def = &c;
+      bool is_dx = !c.config.values.empty() && c.config.values[0].first.rfind("dx.", 0) == 0;
+      bool is_dw = !c.config.values.empty() && c.config.values[0].first.rfind("dw.", 0) == 0;
+      if (is_dx && (!dx || c.median_ms < dx->median_ms)) dx = &c;
+      if (is_dw && (!dw || c.median_ms < dw->median_ms)) dw = &c;
+    }
+    std::vector<Config> out;
+    if (!def || !dx || !dw || dx->median_ms >= def->median_ms || dw->median_ms >= def->median_ms) return out;
+    Config both = dx->config;
+    for (const auto& v : dw->config.values) both.values.push_back(v);
+    out.push_back(std::move(both));
+    return out;
+  };
+  op.tuning.applies = [](const Call& call, const Config& c) {
+    BwdPlan f = plan_bwd(call, kDpreStandIn);
+    std::string why = algo_applies(f.dx, c, "dx.", call.device);
+    if (why.empty() && f.dw_per_batch.empty() && !f.dbias_by_ones) why = algo_applies(f.dw, c, "dw.", call.device);
+    return why;
+  };
+  i.tuning_note = kTuningNote + " (dx and dW each)";
+  op.launch = [](const Call& call, const Config& config, Launcher& l) {
     const Problem& p = call.problem;
     int64_t rows = std::max<int64_t>(p.dim("batch"), 1) * p.dim("m"), n = p.dim("n");
     // One workspace request (a larger one would move it): cuBLASLt's, then dpre, then ones for dbias.
@@ -384,6 +499,10 @@ OpDef make_bwd() {
     char* ws = static_cast<char*>(l.workspace(ones_offset + ones_bytes));
     void* dpre = dpre_bytes ? ws + dpre_offset : nullptr;
     BwdPlan f = plan_bwd(call, dpre);
+    gemm::LtAlgoConfig dx_algo, dw_algo;
+    f.dx.algo = algo_of(config, "dx.", &dx_algo);
+    f.dw.algo = algo_of(config, "dw.", &dw_algo);
+    for (auto& c : f.dw_per_batch) c.algo = f.dw.algo;
     if (f.needs_act_grad && rows * n > 0) {
       const void *dyp = call.in("dy").data, *sp = call.in("saved").data;
       long long r = f.rows, c = f.cols, s = f.dy_row_stride;
@@ -401,6 +520,7 @@ OpDef make_bwd() {
         if (!f.dw.bias) throw;
         gemm::LtCall plain = f.dw;
         plain.epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+        plain.algo = nullptr;  // a tuned algorithm was for the BGRADB epilogue
         plain.bias = nullptr;
         gemm::lt_matmul(plain, call.device, call.stream, ws, gemm::kLtWorkspaceBytes);
         lt_bias_grad(call, f, ws + ones_offset, ws);
