@@ -119,6 +119,7 @@ py::dict op_info_dict(const std::string& name) {
   d["params"] = params;
   d["dims"] = dims;
   d["tuning_axes"] = i.tuning_axes;
+  d["tuning_note"] = i.tuning_note;
   d["reference"] = i.reference;
   return d;
 }
@@ -332,7 +333,7 @@ PYBIND11_MODULE(_C, m) {
         [](const std::string& op, const std::string& dtype, const py::dict& params, const std::vector<std::string>& without,
            const std::map<std::string, std::string>& tensor_dtypes, const std::vector<std::string>& alt_shapes,
            int device, const std::string& arch, double budget, bool all_configs, bool compile_only, bool write_db,
-           int batches, uint64_t seed, const py::object& progress) {
+           int batches, uint64_t seed, const py::object& progress, int max_candidates) {
           auto base = to_request(op, dtype, arch, params, without, tensor_dtypes, alt_shapes);
           kspec::TuneRequest req;
           req.op = base.op;
@@ -349,6 +350,7 @@ PYBIND11_MODULE(_C, m) {
           req.write_db = write_db;
           req.batches = batches;
           req.seed = seed;
+          req.max_candidates = max_candidates;
           kspec::TuneCallback cb;
           if (!progress.is_none())
             cb = [&progress](const kspec::TuneProgress& ev) {
@@ -383,6 +385,7 @@ PYBIND11_MODULE(_C, m) {
           d["seconds"] = r.seconds;
           d["batch_calls"] = r.batch_calls;
           d["input_sets"] = r.input_sets;
+          d["note"] = r.note;
           py::list cands;
           for (const auto& c : r.candidates) cands.append(candidate_dict(c));
           d["candidates"] = cands;
@@ -391,7 +394,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("op"), py::arg("dtype"), py::arg("params"), py::arg("without"), py::arg("tensor_dtypes"),
         py::arg("alt_shapes"), py::arg("device") = 0, py::arg("arch") = "sm_90", py::arg("budget") = 60.0,
         py::arg("all_configs") = false, py::arg("compile_only") = false, py::arg("write_db") = true,
-        py::arg("batches") = 15, py::arg("seed") = 0, py::arg("progress") = py::none());
+        py::arg("batches") = 15, py::arg("seed") = 0, py::arg("progress") = py::none(),
+        py::arg("max_candidates") = 16);
   m.def("tuning_db_path", &kspec::tuning_db_path, py::arg("device") = 0);
   m.def("tuning_db_entries", &kspec::tuning_db_entries, py::arg("path") = "");
   m.def("tuning_export", &kspec::tuning_export, py::arg("file"), py::arg("path") = "");
