@@ -46,12 +46,19 @@ struct Problem {
   std::string signature() const;
 };
 
+// What an op builds once for a bound call (kspec::BoundCall) and reads on every run, e.g. adamw's table
+// of tensors and chunks already in device memory.
+struct BoundData {
+  virtual ~BoundData() = default;
+};
+
 // A validated call with its tensors.
 struct Call {
   Problem problem;
   std::vector<TensorView> inputs, outputs;
   int device = 0;
   Stream stream = nullptr;
+  const BoundData* bound = nullptr;  // set when a BoundCall runs an op that has a bind function
   const TensorView& in(std::string_view name) const;
   const TensorView& out(std::string_view name) const;
   // Row stride (elements) of a RowStrided tensor whose leading dims were collapsed.
@@ -126,6 +133,9 @@ struct OpDef {
   // with the Launcher's workspace): nothing to compile or precompile. May also return no kernels.
   std::function<std::vector<jit::KernelSpec>(const Problem&, const Config&)> kernels;
   std::function<void(const Call&, const Config&, Launcher&)> launch;
+  // Optional: data a BoundCall builds once from its validated call and plan config (launch then finds it
+  // in Call::bound). It may allocate device memory; it must not depend on runtime params or outputs.
+  std::function<std::unique_ptr<BoundData>(const Call&, const Config&)> bind;
   // Optional: checks the schema cannot state (e.g. the strides a matmul operand may have), run at the
   // end of validation; throws InvalidArgument naming the argument.
   std::function<void(const Call&)> check_call;

@@ -295,6 +295,31 @@ PYBIND11_MODULE(_C, m) {
         py::arg("op"), py::arg("inputs"), py::arg("outputs"), py::arg("params"), py::arg("stream") = 0,
         py::arg("config") = py::none());
 
+  // A call validated once and run many times on the same tensors (kspec.optim.AdamW's steps).
+  py::class_<kspec::BoundCall>(m, "BoundCall")
+      .def(py::init([](const std::string& op, const py::sequence& inputs, const py::sequence& outputs,
+                       const py::dict& params) {
+             std::vector<std::vector<kspec::TensorView>> lists;
+             lists.reserve(inputs.size());
+             auto in = to_views(inputs, &lists);
+             auto out = to_views(outputs, nullptr);
+             auto p = to_params(params);
+             py::gil_scoped_release release;
+             return std::make_unique<kspec::BoundCall>(op, in, out, p);
+           }),
+           py::arg("op"), py::arg("inputs"), py::arg("outputs"), py::arg("params"))
+      .def("run",
+           [](kspec::BoundCall& b, const py::dict& params, const py::sequence& outputs, uintptr_t stream) {
+             auto out = to_views(outputs, nullptr);
+             auto p = to_params(params);
+             py::gil_scoped_release release;
+             b.run(p, out, reinterpret_cast<kspec::Stream>(stream));
+           },
+           py::arg("params"), py::arg("outputs"), py::arg("stream") = 0)
+      .def_property_readonly("config", &kspec::BoundCall::config)
+      .def_property_readonly("runs", &kspec::BoundCall::runs)
+      .def("idle", &kspec::BoundCall::idle);
+
   m.def("infer_outputs", [](const std::string& op, const py::sequence& inputs, const py::dict& params) {
     py::list out;
     std::vector<std::vector<kspec::TensorView>> lists;
