@@ -144,6 +144,9 @@ struct OpDef {
   std::function<std::vector<HostTensor>(const Problem&, const std::vector<HostTensor>&)> reference;
   // Optional: overwrite inputs that must be consistent with others (saved statistics...).
   std::function<void(const Problem&, std::vector<HostTensor>&)> prepare_inputs;
+  // False when prepare_inputs only makes inputs agree with the float64 reference and random ones time
+  // the same (the tuner then skips it: gemm.bwd's saved pre-activation, a float64 GEMM on the host).
+  bool prepare_for_timing = true;
   // Optional: rules across arguments that the schema cannot state (a dim dividing another, a size
   // limit); throws InvalidArgument/Unsupported naming the argument. Run by validation and compile.
   std::function<void(const Problem&)> check;

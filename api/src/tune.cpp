@@ -168,7 +168,7 @@ class Bench {
  public:
   Bench(const OpDef& op, const Problem& p, int device, uint64_t seed, const Limits& lim)
       : op_(op), p_(p), device_(device) {
-    host_ = random_inputs(op, p, seed ? seed : 0x6b73706563ull);
+    host_ = random_inputs(op, p, seed ? seed : 0x6b73706563ull, /*for_timing=*/true);
     in_bytes_.resize(host_.size());
     size_t set_bytes = 0;
     for (size_t i = 0; i < host_.size(); ++i) {
