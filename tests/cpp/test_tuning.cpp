@@ -583,3 +583,47 @@ TEST(GpuTuning, AnAlgorithmCuBlasLtRefusesFallsBackToTheHeuristic) {
   auto want = op.reference(p, host);
   EXPECT_LE(kspec::rel_error(kspec::decode(kspec::DType::bf16, ybytes), want[0].data), 1e-2);
 }
+
+TEST(GemmTuning, UnfusedEpilogueCandidatesCompileAndFollowTheirRules) {
+  // Every specialization of kspec's bias/act kernel builds without spilling where gemm is tuned.
+  int compiled = 0;
+  for (const char* arch : {"sm_80", "sm_90"})
+    for (auto dt : {kspec::DType::f32, kspec::DType::f16, kspec::DType::bf16})
+      for (const std::string act : {"relu", "gelu"})
+        for (int u : {1, 2})
+          for (bool aux : {false, true}) {
+            if (aux && act != "gelu") continue;
+            auto req = gemm_request("gemm", 4097, 4095, 33, act, aux ? std::vector<std::string>{} : std::vector<std::string>{"aux"});
+            req.dtype = dt;
+            req.arch = arch;
+            req.config = kspec::Config{{{"unfused", u}}};
+            auto reports = kspec::compile(req);
+            ASSERT_EQ(reports.size(), 1u) << act << u << aux;
+            EXPECT_NE(reports[0].kernel.find("gemm_bias_act_kernel"), std::string::npos);
+            EXPECT_NE(reports[0].kernel.find(u == 2 ? ", true, " : ", false, "), std::string::npos) << reports[0].kernel;
+            EXPECT_EQ(reports[0].spill_bytes, 0) << reports[0].kernel;
+            ++compiled;
+          }
+  EXPECT_EQ(compiled, 2 * 3 * 6);
+  // Rules: only with an activation, unfused=2 only with a bias, never mixed with algorithm fields.
+  const kspec::OpDef& op = kspec::Registry::global().get("gemm");
+  std::string why;
+  auto p = problem_of(gemm_request("gemm", 64, 64, 64, "none", {"aux"}));
+  EXPECT_FALSE(op.tuning.valid(p, kspec::Config::parse("unfused=1"), &why));
+  EXPECT_NE(why.find("relu or act=gelu"), std::string::npos) << why;
+  p = problem_of(gemm_request("gemm", 64, 64, 64, "gelu", {"aux", "bias"}));
+  EXPECT_TRUE(op.tuning.valid(p, kspec::Config::parse("unfused=1"), &why)) << why;
+  EXPECT_FALSE(op.tuning.valid(p, kspec::Config::parse("unfused=2"), &why));
+  EXPECT_FALSE(op.tuning.valid(p, kspec::Config::parse("unfused=3"), &why));
+  EXPECT_FALSE(op.tuning.valid(p, kspec::Config::parse("unfused=1," + algo_text("")), &why));
+  // A recorded unfused winner is what dispatch plans, kernel included.
+  TempDir dir;
+  std::string db = dir.path() + "/tuning.json";
+  EnvGuard env("KSPEC_TUNING_DB", db);
+  auto req = gemm_request("gemm", 4097, 4095, 33, "gelu", {"aux"});
+  put_entry(db, kspec::explain_request(req).tuning_key, "unfused=2");
+  kspec::PlanInfo info = kspec::explain_request(req);
+  EXPECT_EQ(info.config_source, "tuned");
+  ASSERT_EQ(info.kernels.size(), 1u);
+  EXPECT_NE(info.kernels[0].name.find("gemm_bias_act_kernel"), std::string::npos);
+}

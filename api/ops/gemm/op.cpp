@@ -118,6 +118,27 @@ std::string algo_applies(const gemm::LtCall& lt, const Config& c, const std::str
 
 const std::string kTuningNote = "cuBLASLt algorithm: the heuristic's top candidates, timed by kspec tune";
 
+// gemm's unfused epilogue (relu/gelu): unfused=1: cuBLASLt's plain GEMM with its BIAS epilogue, then
+// templates/gemm/gemm_bias_act.cuh applies the activation (and saves aux); unfused=2: the bias too in that
+// kernel. The plain GEMM runs cuBLASLt's heuristic algorithm.
+constexpr unsigned kBiasActThreads = 256;
+
+int64_t unfused_of(const Config& c) { return c.has("unfused") ? c.get("unfused") : 0; }
+
+bool valid_fwd_config(const Problem& p, const Config& c, std::string* why) {
+  if (!c.has("unfused")) return valid_algo_config(c, {""}, why);
+  auto fail = [&](std::string w) {
+    if (why) *why = std::move(w);
+    return false;
+  };
+  int64_t u = c.get("unfused");
+  if (c.values.size() != 1) return fail("unfused runs cuBLASLt's heuristic for the plain GEMM: no algorithm fields with it");
+  if (u != 1 && u != 2) return fail("unfused is 1 (bias in cuBLASLt's epilogue) or 2 (bias in kspec's kernel)");
+  if (act_code(p) == 0) return fail("unfused is for act=relu or act=gelu");
+  if (u == 2 && !p.present("bias")) return fail("unfused=2 adds the bias in kspec's kernel, and there is no bias");
+  return true;
+}
+
 struct FwdPlan {
   gemm::LtCall lt;
 };
@@ -245,20 +266,60 @@ OpDef make_fwd() {
   i.reference = "api/ops/gemm/reference.cpp (python/kspec/reference/gemm.py)";
   op.check_call = [](const Call& call) { plan_fwd(call); };
   op.tuning.heuristic = [](const Problem&) { return Config{}; };
-  op.tuning.valid = [](const Problem&, const Config& c, std::string* why) { return valid_algo_config(c, {""}, why); };
+  op.tuning.valid = valid_fwd_config;
   op.tuning.candidates = [](const Call& call, int n) {
-    return candidate_configs(plan_fwd(call).lt, call.device, n, "");
+    std::vector<Config> out = candidate_configs(plan_fwd(call).lt, call.device, n, "");
+    if (act_code(call.problem) != 0) {
+      out.push_back(Config{{{"unfused", 1}}});
+      if (call.problem.present("bias")) out.push_back(Config{{{"unfused", 2}}});
+    }
+    return out;
   };
   op.tuning.applies = [](const Call& call, const Config& c) {
-    return algo_applies(plan_fwd(call).lt, c, "", call.device);
+    return unfused_of(c) ? std::string() : algo_applies(plan_fwd(call).lt, c, "", call.device);
   };
-  i.tuning_note = kTuningNote;
+  i.tuning_note = kTuningNote + "; or unfused=1|2 with act relu/gelu (the plain GEMM, then kspec's bias/act kernel)";
+  op.kernels = [](const Problem& p, const Config& c) {
+    std::vector<jit::KernelSpec> out;
+    int64_t u = unfused_of(c);
+    if (u == 0) return out;  // cuBLASLt alone
+    out.push_back(kernel_spec(p, "gemm/gemm_bias_act.cuh", "kspec::gemm_bias_act_kernel",
+                              {dtype_cuda_type(p.dtype("x")), std::to_string(act_code(p)),
+                               u == 2 ? "true" : "false", p.present("aux") ? "true" : "false",
+                               std::to_string(kBiasActThreads)}));
+    return out;
+  };
   op.launch = [](const Call& call, const Config& config, Launcher& l) {
     FwdPlan f = plan_fwd(call);
+    int64_t u = unfused_of(config);
     gemm::LtAlgoConfig algo;
-    f.lt.algo = algo_of(config, "", &algo);
+    f.lt.algo = u ? nullptr : algo_of(config, "", &algo);
+    if (u) {
+      f.lt.epilogue = u == 1 && f.lt.bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+      if (u == 2) f.lt.bias = nullptr;
+      f.lt.aux = nullptr;
+    }
     void* ws = l.workspace(gemm::kLtWorkspaceBytes);
     gemm::lt_matmul(f.lt, call.device, call.stream, ws, gemm::kLtWorkspaceBytes);
+    if (!u) return;
+    // The activation over y: one launch when its rows lie at one stride (batches end to end), else one per batch.
+    const TensorView &y = call.out("y"), &b = call.in("bias"), &aux = call.out("aux");
+    gemm::MatrixView yv = matrix_of(y, call.problem.op->info.name, "y");
+    int64_t batch = std::max<int64_t>(call.problem.dim("batch"), 1), m = yv.rows, n = yv.cols;
+    bool uniform = batch == 1 || m == 1 || yv.batch_stride == m * yv.row_stride;
+    int64_t launches = uniform ? 1 : batch, rows = uniform ? batch * m : m;
+    long long stride = m == 1 && batch > 1 ? yv.batch_stride : yv.row_stride, cols = n;
+    size_t esize = dtype_size(y.dtype);
+    for (int64_t k = 0; k < launches; ++k) {
+      void* yp = static_cast<char*>(y.data) + k * yv.batch_stride * esize;
+      const void* bp = b.data;
+      void* ap = aux.defined() ? static_cast<void*>(static_cast<char*>(aux.data) + k * m * n * esize) : nullptr;
+      long long r = rows;
+      void* args[] = {&yp, &bp, &ap, &r, &cols, &stride};
+      int64_t blocks = std::min<int64_t>((rows * n + kBiasActThreads - 1) / kBiasActThreads,
+                                         int64_t(l.multiprocessors()) * 16);
+      if (rows * n > 0) l.launch(0, {static_cast<unsigned>(blocks)}, {kBiasActThreads}, 0, args);
+    }
   };
   op.reference = fwd_reference;
   op.cases = fwd_cases();
