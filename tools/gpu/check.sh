@@ -2,7 +2,8 @@
 # One command for a GPU machine (H100, CUDA 13, torch preinstalled, no network): builds the C++ library
 # and the Python package there, runs GoogleTest and pytest with the GPU, the main job (every op against
 # its float64 reference), the benchmarks, and prints a results table. Results go to $OUT (or ./gpu-out).
-# Stages: check.sh [build] [test] [bench] [sanitize] [scan] [tune] (default: build test bench).
+# Stages: check.sh [build] [test] [bench] [sanitize] [scan] [tune] [tune_gemm] (default: build test
+# bench; tune includes tune_gemm, which alone tunes only the gemm problems).
 set -uo pipefail  # a failing step is recorded, the others still run
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -143,16 +144,18 @@ if has scan; then
   step bench_selective_scan python3 tools/bench/bench.py --family selective_scan --json "$OUT/bench_selective_scan.json"
 fi
 
-if has tune; then
-  # Tune norm_act and selective_scan (about 60 s each), into a database under $OUT; reports (PNG, CSV,
-  # JSON) per problem; the summary prints default vs tuned time for each.
+if has tune || has tune_gemm; then
+  # Tune norm_act and selective_scan (about 60 s each) and gemm, into a database under $OUT; reports
+  # (PNG, CSV, JSON) per problem; the summary prints default vs tuned time for each.
   export KSPEC_TUNING_DB="$OUT/tuning"
   mkdir -p "$OUT/tune"
-  BUDGET=${TUNE_BUDGET:-40}  # seconds per problem; 8 problems
+  BUDGET=${TUNE_BUDGET:-40}  # seconds per problem; 8 problems (+3 gemm)
   tune_one() {  # tune_one NAME OP ARGS...
     local name=$1; shift
     step "tune_$name" python3 -m kspec tune "$@" --budget "$BUDGET" --report "$OUT/tune/$name" --json "$OUT/tune/$name.result.json"
   }
+fi
+if has tune; then
   NA=(--dtype bf16 --param norm=rmsnorm --param act=silu)
   tune_one norm_fwd_16384x4096 norm_act.fwd "${NA[@]}" --shape rows=16384,hidden=4096
   tune_one norm_bwd_16384x4096 norm_act.bwd "${NA[@]}" --shape rows=16384,hidden=4096
@@ -166,6 +169,19 @@ if has tune; then
     tune_one "scan_bwd_${b}x${d}x${l}" selective_scan.bwd "${SS[@]}" --without h0 --without dlast_state \
       --shape batch=$b,dim=$d,seqlen=$l,dstate=16,groups=1
   done
+fi
+if has tune || has tune_gemm; then
+  # gemm: cuBLASLt's 16 best heuristic candidates per problem (bf16, bias, no saved pre-activation): the
+  # large square-ish one, and the skinny K=33 one with bias+gelu whose heuristic choice ran at 6 TFLOP/s;
+  # gemm.bwd tunes dx's and dW's algorithms. Then tune_gemm_check: explain reports the tuned algorithm,
+  # dispatch vs the heuristic vs torch timed, outputs against float64 ($OUT/tune/gemm_dispatch.json).
+  GM=(--dtype bf16 --without aux --candidates 16)
+  tune_one gemm_16384x4096x4096_bias gemm "${GM[@]}" --shape m=16384,n=4096,k=4096
+  tune_one gemm_4097x4095x33_bias_gelu gemm "${GM[@]}" --param act=gelu --shape m=4097,n=4095,k=33
+  tune_one gemm_bwd_16384x4096x4096_gelu gemm.bwd --dtype bf16 --param act=gelu --candidates 8 \
+    --shape m=16384,n=4096,k=4096
+  step tune_gemm_check python3 tools/gpu/tune_gemm_check.py --shape 16384,4096,4096 --shape 4097,4095,33:gelu \
+    --json "$OUT/tune/gemm_dispatch.json"
   python3 -m kspec tune --list --json "$OUT/tune/db_entries.json" | tee -a "$OUT/log.txt"
   python3 - "$OUT/tune" <<'PY' | tee "$OUT/tune/summary.txt" | tee -a "$OUT/log.txt"
 import glob, json, os, sys
@@ -174,7 +190,8 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.result.json"))):
     r = json.load(open(f))
     name = os.path.basename(f)[:-len(".result.json")]
     if r["default_ms"] > 0 and r["best_ms"] > 0:
-        print(f"{name:<28} {r['default_config']:<48} {r['default_ms']:8.4f} {r['best_config']:<48} {r['best_ms']:8.4f}"
+        print(f"{name:<28} {r['default_config'] or '(heuristic)':<48} {r['default_ms']:8.4f}"
+              f" {r['best_config'] or '(heuristic)':<48} {r['best_ms']:8.4f}"
               f" {r['default_ms'] / r['best_ms']:5.2f}x")
 PY
   unset KSPEC_TUNING_DB
