@@ -1187,14 +1187,21 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
   for (int k = 0; k < Ck::PE; ++k) dDk[k] = dbk[k] = 0.0f;
   Ck cur, nxt;
+  float xn[S];  // the next chunk's checkpoint, loaded a chunk ahead like its inputs
   cur.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, (nchunks - 1) * kC);
+#pragma unroll
+  for (int i = 0; i < S; ++i) xn[i] = live && sl * S + i < N ? ckpt[(nchunks - 1) * N + sl * S + i] : 0.0f;
   for (int c = nchunks - 1; c >= 0; --c) {
     const int t0 = c * kC;
 #pragma unroll
-    for (int i = 0; i < S; ++i) x[i] = live && sl * S + i < N ? ckpt[c * N + sl * S + i] : 0.0f;
+    for (int i = 0; i < S; ++i) x[i] = xn[i];
     cur.stage(s_u, s_dt, s_gy, s_sig, s_dzf, s_B, s_C, delta_bias, d0, dim, seqlen, t0);
     __syncthreads();
-    if (c > 0) nxt.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, t0 - kC);
+    if (c > 0) {
+      nxt.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, t0 - kC);
+#pragma unroll
+      for (int i = 0; i < S; ++i) xn[i] = live && sl * S + i < N ? ckpt[(c - 1) * N + sl * S + i] : 0.0f;
+    }
 
     // a. the chunk's forward from its checkpoint: x_t kept, y and dC on the way
 #pragma unroll 2
