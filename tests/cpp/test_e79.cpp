@@ -218,6 +218,103 @@ TEST(E79, HeuristicIsValidForEverySupportedN) {
   }
 }
 
+// The cluster axis (e79_cluster.cuh: one sequence over a thread-block cluster): only for sm_90 and newer,
+// n a multiple of the cluster, split >= cluster, whole warps of at most 512 threads per CTA; the heuristic
+// keeps one CTA per sequence; a cluster config plans the cluster kernels, any other e79.cuh's.
+TEST(E79, ClusterConfigsNeedSm90AndFollowTheRules) {
+  const OpDef& op = Registry::global().get("e79.bwd");
+  auto problem = [&](const char* arch, int64_t n) {
+    CompileRequest r;
+    r.op = op.info.name;
+    r.arch = arch;
+    r.params = {{"n", n}};
+    return problem_from_request(op, r);
+  };
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    for (int64_t n = 8; n <= 128; n += 8) {
+      Problem p = problem(arch, n);
+      EXPECT_EQ(op.tuning.heuristic(p).get("cluster"), 1) << arch << " n = " << n;
+      int clustered = 0;
+      for (const Config& c : op.tuning.enumerate(p)) {
+        const int64_t s = c.get("split"), cl = c.get("cluster"), threads = n * s / cl;
+        auto ks = op.kernels(p, c);
+        ASSERT_FALSE(ks.empty());
+        if (cl == 1) {
+          EXPECT_EQ(ks[0].header, "e79/e79.cuh") << c.str();
+          EXPECT_EQ(ks[0].name_expression().rfind("kspec::e79_bwd_kernel<kspec::E79Traits<", 0), 0u) << c.str();
+          continue;
+        }
+        ++clustered;
+        EXPECT_EQ(std::string(arch), "sm_90") << "n = " << n << ": " << c.str();
+        EXPECT_EQ(n % cl, 0) << c.str();
+        EXPECT_GE(s, cl) << c.str();
+        EXPECT_EQ(threads % 32, 0) << c.str();
+        EXPECT_LE(threads, 512) << c.str();
+        EXPECT_EQ(ks[0].header, "e79/e79_cluster.cuh") << c.str();
+        EXPECT_EQ(ks[0].name_expression().rfind("kspec::e79_bwd_cluster_kernel<kspec::E79ClusterTraits<", 0), 0u)
+            << ks[0].name_expression();
+      }
+      if (std::string(arch) == "sm_90" && (n == 8 || n == 32 || n == 64 || n == 128)) {
+        EXPECT_GT(clustered, 0) << "n = " << n;
+      }
+    }
+  }
+  auto why_not = [&](const char* arch, int64_t n, const char* config) {
+    std::string why;
+    EXPECT_FALSE(op.tuning.valid(problem(arch, n), Config::parse(config), &why)) << arch << " n = " << n << " " << config;
+    return why;
+  };
+  EXPECT_NE(why_not("sm_80", 64, "split=16,cluster=2").find("sm_90"), std::string::npos);
+  EXPECT_NE(why_not("sm_90", 8, "split=8,cluster=4").find("multiple of 32"), std::string::npos);
+  EXPECT_NE(why_not("sm_90", 32, "split=2,cluster=4").find("split must be at least cluster"), std::string::npos);
+  std::string why;
+  EXPECT_TRUE(op.tuning.valid(problem("sm_90", 128), Config::parse("split=32,cluster=8"), &why)) << why;
+}
+
+TEST(E79, PrecompilePlansClusterKernelsForSm90Only) {
+  int clustered = 0;
+  for (const auto& r : precompile_plan({"sm_80"}, {"e79.fwd", "e79.bwd"})) {
+    ASSERT_TRUE(r.config.has_value());
+    EXPECT_EQ(r.config->get("cluster"), 1) << r.config->str();
+  }
+  for (const auto& r : precompile_plan({"sm_90"}, {"e79.fwd", "e79.bwd"}))
+    clustered += r.config.has_value() && r.config->get("cluster") > 1;
+  EXPECT_GT(clustered, 0);
+}
+
+// Cluster kernels at the extremes (n = 8 over 2 CTAs of one warp; n = 128 over 8 CTAs of 512 threads;
+// every bias mode) compile for sm_90 without spills or a stack frame. (`kspec precompile --all` compiles
+// every config of the representative cases.)
+TEST(E79, ClusterKernelsCompileWithoutSpills) {
+  struct Item {
+    int64_t n;
+    const char* config;
+    std::vector<std::string> without, alt;
+  };
+  const std::vector<Item> items = {{8, "split=8,cluster=2", {}, {"b_s", "b_m"}},
+                                   {128, "split=32,cluster=8", {}, {}},
+                                   {64, "split=16,cluster=4", {"b_s", "b_m"}, {}}};
+  for (const char* name : {"e79.fwd", "e79.bwd"}) {
+    for (const auto& it : items) {
+      CompileRequest r;
+      r.op = name;
+      r.dtype = DType::bf16;
+      r.arch = "sm_90";
+      r.params = {{"n", it.n}, {"chunk", int64_t(8)}};
+      r.without = it.without;
+      r.alt_shapes = it.alt;
+      r.config = Config::parse(it.config);
+      auto reports = compile(r);
+      ASSERT_FALSE(reports.empty()) << name << " " << it.config;
+      EXPECT_NE(reports[0].kernel.find("_cluster_kernel<"), std::string::npos) << reports[0].kernel;
+      for (const auto& rep : reports) {
+        EXPECT_EQ(rep.spill_bytes, 0) << name << " n = " << it.n << " " << it.config << ": " << rep.kernel;
+        EXPECT_EQ(rep.stack_bytes, 0) << name << " n = " << it.n << " " << it.config << ": " << rep.kernel;
+      }
+    }
+  }
+}
+
 // Every case of both ops compiles for sm_90 (bf16; the base case in every dtype) with the heuristic's
 // config, without spills or a stack frame; the representative cases' full tuning spaces in every dtype
 // are `kspec precompile --all`'s. (About a minute on two cores.)
