@@ -2,7 +2,7 @@
 # One command for a GPU machine (H100, CUDA 13, torch preinstalled, no network): builds the C++ library
 # and the Python package there, runs GoogleTest and pytest with the GPU, the main job (every op against
 # its float64 reference), the benchmarks, and prints a results table. Results go to $OUT (or ./gpu-out).
-# Stages: check.sh [build] [test] [bench] [sanitize] [tune] (default: build test bench).
+# Stages: check.sh [build] [test] [bench] [sanitize] [tune] [e79] (default: build test bench).
 set -uo pipefail  # a failing step is recorded, the others still run
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -109,6 +109,24 @@ if has bench; then
   step bench_selective_scan python3 tools/bench/bench.py --family selective_scan --json "$OUT/bench_selective_scan.json"
   step bench_gemm python3 tools/bench/bench.py --family gemm --json "$OUT/bench_gemm.json"
   step bench_adamw python3 tools/bench/bench.py --family adamw --json "$OUT/bench_adamw.json"
+  has e79 || step bench_e79 python3 tools/bench/bench_e79.py --json "$OUT/bench_e79.json" ${KSPEC_BENCH_E79_ARGS:-}
+fi
+
+if has e79; then
+  # E79's kernels, the cluster-split ones (one sequence over 2/4/8 CTAs, sm_90) in particular: every config
+  # against the float64 reference on the cases where clusters matter, the E79 GoogleTests and pytest
+  # files, the cluster kernels under memcheck and racecheck, then the benchmark (a row per cluster size
+  # for B = 1 and 16). Quick: KSPEC_BENCH_E79_ARGS="--B 1 16 --no-compile".
+  step e79_configs python3 tools/gpu/check_configs.py e79.fwd e79.bwd --case base:bf16 --case B_1_n_8:f32 \
+    --case B_1_n_128:bf16 --case B_1_n_64_T_not_multiple_of_K:f32 --case n_48:f32 --case n_96:bf16 \
+    --case chunk_1:f32 --case T_1_B_1:f32 --json "$OUT/e79_configs.json"
+  step e79_gtest build/gpu/tests/cpp/kspec_tests --gtest_filter='E79*:Gpu.EveryTuningConfigMatchesReference'
+  step e79_pytest python3 -m pytest -q -p no:cacheprovider tests/python/test_gpu_e79.py tests/python/test_e79_nn.py
+  step e79_memcheck compute-sanitizer --tool memcheck --error-exitcode 1 build/gpu/tests/cpp/kspec_tests \
+    --gtest_filter='E79Gpu.ProjectedThroughGemmWithClusters'
+  step e79_racecheck compute-sanitizer --tool racecheck --error-exitcode 1 build/gpu/tests/cpp/kspec_tests \
+    --gtest_filter='E79Gpu.ProjectedThroughGemmWithClusters'
+  step bench_e79 python3 tools/bench/bench_e79.py --json "$OUT/bench_e79.json" ${KSPEC_BENCH_E79_ARGS:-}
 fi
 
 if has tune; then
