@@ -126,6 +126,33 @@ if has e79; then
     --gtest_filter='E79Gpu.ProjectedThroughGemmWithClusters'
   step e79_racecheck compute-sanitizer --tool racecheck --error-exitcode 1 build/gpu/tests/cpp/kspec_tests \
     --gtest_filter='E79Gpu.ProjectedThroughGemmWithClusters'
+  # Every legal (split, cluster) config timed at small-batch points, T = 4096, bf16; --no-save keeps the
+  # tuning database (and so the benchmark's default row: the heuristic, one CTA per sequence) unchanged.
+  mkdir -p "$OUT/e79_tune"
+  for op in fwd bwd; do
+    for bn in 1,64 16,64 1,128 16,128 1,32; do
+      IFS=, read -r b n <<< "$bn"
+      name="${op}_${b}x4096_n$n"
+      step "tune_e79_$name" python3 -m kspec tune "e79.$op" --dtype bf16 --alt-shape b_s --alt-shape b_m \
+        --shape "seqlen=4096,batch=$b,n=$n,nchk=256" --all-configs --no-save --quiet \
+        --report "$OUT/e79_tune/$name" --json "$OUT/e79_tune/$name.result.json"
+    done
+  done
+  python3 - "$OUT/e79_tune" <<'PY' | tee "$OUT/e79_tune/summary.txt" | tee -a "$OUT/log.txt"
+import glob, json, os, sys
+print(f"{'problem':<22} {'default (1 CTA)':<20} {'ms':>9} {'best config':<22} {'ms':>9} {'gain':>6}  best with cluster > 1")
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.result.json"))):
+    r = json.load(open(f))
+    ok = [c for c in r["candidates"] if c.get("status") == "ok"]
+    cl = min((c for c in ok if "cluster=1" not in c["config"]), key=lambda c: c["median_ms"], default=None)
+    name = os.path.basename(f)[:-len(".result.json")]
+    if r["default_ms"] > 0 and r["best_ms"] > 0:
+        print(f"{name:<22} {r['default_config']:<20} {r['default_ms']:9.3f} {r['best_config']:<22} {r['best_ms']:9.3f}"
+              f" {r['default_ms'] / r['best_ms']:5.2f}x  " + (f"{cl['config']} {cl['median_ms']:.3f} ms" if cl else "-"))
+    bad = [c for c in r["candidates"] if c.get("status") not in ("ok", "pruned", "not timed")]
+    for c in bad:
+        print(f"  {name}: {c['config']}: {c['status']} {c.get('why', '')}")
+PY
   step bench_e79 python3 tools/bench/bench_e79.py --json "$OUT/bench_e79.json" ${KSPEC_BENCH_E79_ARGS:-}
 fi
 
