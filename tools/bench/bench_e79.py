@@ -167,14 +167,16 @@ def bench_point(torch, F, kspec, args, B, T, n, run, compiled_step, eager_step):
             config = cluster_config(n, c)
             if config is None:
                 continue
-            got = short(config)
-            errs = [((g - r).norm() / r.norm().clamp_min(1e-30)).item() for g, r in zip(got, base)]
-            cluster_checks[config] = errs
-            if not all(e <= 2e-2 for e in errs):
-                cell.config = None
-                raise RuntimeError(f"kspec E79 {config} disagrees with the default config: out {errs[0]:.3e}, "
-                                   f"S {errs[1]:.3e}, dx {errs[2]:.3e} (B={B} T={T} n={n})")
-            time_kspec(config)
+            try:  # a failing config is reported in its row; the others still run
+                got = short(config)
+                errs = [((g - r).norm() / r.norm().clamp_min(1e-30)).item() for g, r in zip(got, base)]
+                cluster_checks[config] = dict(out=errs[0], S=errs[1], dx=errs[2])
+                if not all(e <= 2e-2 for e in errs):
+                    raise RuntimeError(f"disagrees with the default config: out {errs[0]:.3e}, S {errs[1]:.3e}, "
+                                       f"dx {errs[2]:.3e}")
+                time_kspec(config)
+            except Exception as e:  # noqa: BLE001
+                cluster_checks[config] = dict(cluster_checks.get(config, {}), error=f"{type(e).__name__}: {e}"[:300])
         cell.config = None
 
     tr = min(T, args.ref_T)
@@ -251,7 +253,10 @@ def main(argv=None) -> int:
                                  f"fwd+bwd {by[f'{peer} fwd+bwd']['us_per_step'] / ks:6.1f}x")
                 line += f" | saved {kspec.ops.e79_checkpoint_bytes_per_token(n, a.chunk):.0f} B/token"
                 print(line, flush=True)
-                for config in c["cluster_vs_default"]:
+                for config, chk in c["cluster_vs_default"].items():
+                    if "error" in chk:
+                        print(f"{'':27s}{config:<19s} FAILED: {chk['error']}", flush=True)
+                        continue
                     cb = {x["variant"]: x for x in r if x["config"] == config}
                     us = {v: cb[f"kspec {v}"]["us_per_step"] for v in ("fwd (inference)", "fwd (training)", "fwd+bwd")}
                     gain = {v: by[f"kspec {v}"]["us_per_step"] / us[v] for v in us}
