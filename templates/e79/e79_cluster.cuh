@@ -13,26 +13,29 @@
 //   its own rows, and the partials are exchanged. For them thread t is (i, q) = (t % n, t / n): column
 //   i over owned rows q, q + Q, ... (Q = kSplit / kCluster parts per CTA, so the same n / kSplit
 //   multiply-adds per thread as the row products). A warp reads 32 consecutive columns of one row: no
-//   bank conflicts whatever the padding, and no butterfly (the parts are summed at the exchange).
-// - An exchange is a push: every thread stores its partial into the exchange buffer of every CTA of the
-//   cluster (st.shared::cluster, slot rank * Q + q: kSplit slots per entry), one cluster barrier, then
-//   each CTA adds an entry's kSplit slots in slot order into its own copy of the vector (s_col,
-//   m_col, ...) and one __syncthreads() publishes it. Every CTA adds the same numbers in the same order,
-//   so all CTAs hold bit-identical vectors and every output is the same bits on every run (no atomics).
-//   Remote stores do not stall the thread; the barrier is the only wait (a pull would add a remote load
-//   latency after it).
+//   bank conflicts whatever the padding, and no butterfly.
+// - An exchange is a push: the Q parts of a column are added in the CTA (in part order, through shared
+//   memory: one __syncthreads() when Q > 1), then n threads store the CTA's n column sums into slot
+//   `rank` of the exchange buffer of every CTA of the cluster (st.shared::cluster, coalesced); one
+//   cluster barrier; then each CTA adds an entry's kCluster slots in slot order into its own copy of the
+//   vector (s_col, m_col, ...) and one __syncthreads() publishes it. Every CTA adds the same numbers in
+//   the same order, so all CTAs hold bit-identical vectors and every output is the same bits on every
+//   run (no atomics). Remote stores do not stall the thread, so the barrier is the only wait (a pull
+//   would add a remote load latency after it); summing the parts first keeps the SM-to-SM traffic at
+//   n floats per vector and peer, whatever kSplit (Q times less than pushing every part).
 // - Vectors that mix column and row sums (the backward's dmh and dkh) carry the row sum in one more
 //   slot, stored by the row's owner only; column sums needed later only by such a vector (dmh's and
 //   dkh's first terms) stay in registers until that exchange instead of being exchanged twice.
 // - One cluster barrier per exchange: 2 per forward step (s_col, m_col) and 4 per backward step (A: dq
 //   and d_col_m, B: dmh, C: d_col_s, D: dkh; plus the recompute's 2 per step), each followed by one
-//   __syncthreads(). The partials are double-buffered, alternating per exchange (every step has an
-//   even number, so each starts with buffer 0): a CTA stores into buffer b for exchange e + 2 only
-//   after passing the barrier of exchange e + 1, which no CTA reaches before it has summed buffer b
-//   for exchange e. A barrier costs far more than __syncthreads(), so this is the count to keep low.
-// - Shared-memory rows are padded to kLd = n + pad with kLd = kSplit (mod 32): the 32 / kSplit rows a
-//   warp reads at once fall in distinct banks (e79.cuh's n + 1 serves its column reads, which are row
-//   reads here).
+//   __syncthreads() (and preceded by one when Q > 1). The exchange buffers are double-buffered,
+//   alternating per exchange (every step has an even number, so each starts with buffer 0): a CTA
+//   stores into buffer b for exchange e + 2 only after passing the barrier of exchange e + 1, which no
+//   CTA reaches before it has summed buffer b for exchange e. A cluster barrier costs far more than
+//   __syncthreads(), so this is the count to keep low.
+// - Shared-memory rows are padded to kLd = n + pad with kLd = kSplit (mod 32), so that the 32 / kSplit
+//   rows a warp's row lanes read at once fall in distinct banks. (e79.cuh pads to n + 1 for its column
+//   reads down a column; here a warp's column lanes read along one row.)
 // - Backward workspace: every n x n matrix keeps e79.cuh's global [n, n] layout, and each CTA writes and
 //   reads only its own rows of it (its row sums and its column partials touch nothing else). The step
 //   records (vectors) are private per CTA (kCluster copies), so no CTA reads global memory that another
@@ -75,13 +78,14 @@ struct E79ClusterTraits : E79Slots {
   static_assert(kBias >= kE79BiasNone && kBias <= kE79BiasInput, "unknown bias mode");
   static_assert(kChunk >= 1, "kChunk >= 1");
 
-  // Exchange buffers: per exchanged vector kSplit column slots and one row slot of kN floats; the
-  // forward exchanges one vector at a time, the backward up to two.
-  static constexpr int kXSlots = kSplit + 1;
+  // Exchange buffers: per exchanged vector one column slot per CTA and one row slot, kN floats each;
+  // the forward exchanges one vector at a time, the backward up to two. Before them, the staging area
+  // where a CTA adds the kParts parts of its column sums (kParts x kN floats per vector).
+  static constexpr int kXSlots = kCluster + 1;
   static constexpr int kXVec = kXSlots * kN;
   static constexpr int kFwdXVecs = 1, kBwdXVecs = 2;
-  static constexpr int kFwdSmemFloats = 2 * kMat + kFwdSlots * kN + 2 * kFwdXVecs * kXVec;
-  static constexpr int kSmemFloats = 2 * kMat + kSlots * kN + 2 * kBwdXVecs * kXVec;
+  static constexpr int kFwdSmemFloats = 2 * kMat + kFwdSlots * kN + kFwdXVecs * (kParts + 2 * kXSlots) * kN;
+  static constexpr int kSmemFloats = 2 * kMat + kSlots * kN + kBwdXVecs * (kParts + 2 * kXSlots) * kN;
 
   // Backward workspace per sequence (floats): (kChunk + 1) states (S, M) of a segment (each CTA its
   // rows), kCluster private copies of kChunk records, and the stashed adjoints dS, dM.
@@ -106,7 +110,6 @@ struct Owner {
   int rank, row0;  // the CTA's rank in the cluster; its first row (global index)
   int r, p;        // row lanes: owned row r (global row0 + r), columns p, p + kSplit, ...
   int i, q;        // column lanes: column i over owned rows q, q + kParts, ...
-  int part;        // this thread's exchange slot: rank * kParts + q
   __device__ Owner() {
     const int t = static_cast<int>(threadIdx.x);
     rank = static_cast<int>(cluster_ctarank());
@@ -115,7 +118,6 @@ struct Owner {
     p = t % Tr::kSplit;
     i = t % Tr::kN;
     q = t / Tr::kN;
-    part = rank * Tr::kParts + q;
   }
 };
 
@@ -127,14 +129,43 @@ __device__ __forceinline__ void push(float* xb, int v, int slot, int e, float va
   for (int d = 0; d < Tr::kCluster; ++d) cluster_store(cluster_map(at, static_cast<unsigned>(d)), val);
 }
 
-// Entry e of vector v of exchange buffer xb: its column slots in slot order (then the row slot).
+// This CTA's column sums of kV vectors (val[v]: column lane (i, q)'s part) into slot `rank` of vector v
+// of exchange buffer xb in every CTA. The kParts parts of a column are added first, in part order,
+// through `stage` (kV x kParts x kN floats). Every thread of the CTA must call it.
+template <typename Tr, int kV>
+__device__ __forceinline__ void push_columns(const Owner<Tr>& o, float* xb, float* stage, const float (&val)[kV]) {
+  constexpr int N = Tr::kN, Q = Tr::kParts;
+  if constexpr (Q == 1) {
+    #pragma unroll
+    for (int v = 0; v < kV; ++v) push<Tr>(xb, v, o.rank, o.i, val[v]);
+  } else {
+    #pragma unroll
+    for (int v = 0; v < kV; ++v) stage[(v * Q + o.q) * N + o.i] = val[v];
+    __syncthreads();
+    for (int e = threadIdx.x; e < kV * N; e += Tr::kThreads) {
+      const int v = e / N, i = e % N;
+      float s = 0.0f;
+      #pragma unroll
+      for (int q = 0; q < Q; ++q) s += stage[(v * Q + q) * N + i];
+      push<Tr>(xb, v, o.rank, i, s);
+    }
+  }
+}
+
+// Row r's sum for entry gr of vector v (the row slot), sent by one lane of the row.
+template <typename Tr>
+__device__ __forceinline__ void push_row(float* xb, int v, int gr, float val) {
+  push<Tr>(xb, v, Tr::kCluster, gr, val);
+}
+
+// Entry e of vector v of exchange buffer xb: its column slots in CTA order (then the row slot).
 template <typename Tr, bool kRowSlot>
 __device__ __forceinline__ float gather(const float* xb, int v, int e) {
   const float* x = xb + v * Tr::kXVec + e;
   float s = 0.0f;
   #pragma unroll
-  for (int slot = 0; slot < Tr::kSplit; ++slot) s += x[slot * Tr::kN];
-  if constexpr (kRowSlot) s += x[Tr::kSplit * Tr::kN];
+  for (int slot = 0; slot < Tr::kCluster; ++slot) s += x[slot * Tr::kN];
+  if constexpr (kRowSlot) s += x[Tr::kCluster * Tr::kN];
   return s;
 }
 
@@ -153,12 +184,13 @@ __device__ __forceinline__ void store_rows(float* dst, const float* src) {
 // One forward step, e79.cuh's step_forward with the column products exchanged. On entry `in` (k, v,
 // q, m, b_s, b_m, all n entries) and the owned rows of S, M are visible to the CTA; on exit S is
 // updated and visible, M's update is written by each thread but the caller must __syncthreads()
-// before anyone reads M or reuses this step's `in`. xb0, xb1: the two exchange buffers.
+// before anyone reads M or reuses this step's `in`. xb0, xb1: the two exchange buffers; stage: the
+// staging area of push_columns.
 // rec (kRecord): this CTA's rows of S_prev, M_prev; its private record of the vectors (k, m, q, s_col,
 // m_col and the norms in full, the row quantities at its rows).
 template <typename Tr, bool kRecord>
 __device__ __forceinline__ void step_forward_cluster(const Owner<Tr>& o, float* S, float* M, const float* in,
-                                                     float* vec, float* xb0, float* xb1,
+                                                     float* vec, float* xb0, float* xb1, float* stage,
                                                      typename Tr::T* out_row, StepRecord rec) {
   constexpr int N = Tr::kN, LD = Tr::kLd, P = Tr::kSplit, R = Tr::kRows, Q = Tr::kParts;
   const int r = o.r, p = o.p, gr = o.row0 + r, i = o.i;
@@ -189,10 +221,10 @@ __device__ __forceinline__ void step_forward_cluster(const Owner<Tr>& o, float* 
     a[3] = fmaf(kj, kj, a[3]);
     a[4] = fmaf(mj, mj, a[4]);
   }
-  float x = 0.0f;
+  float x[1] = {0.0f};
   #pragma unroll 4
-  for (int jl = o.q; jl < R; jl += Q) x = fmaf(M[jl * LD + i], k[o.row0 + jl], x);
-  push<Tr>(xb0, 0, o.part, i, x);
+  for (int jl = o.q; jl < R; jl += Q) x[0] = fmaf(M[jl * LD + i], k[o.row0 + jl], x[0]);
+  push_columns<Tr>(o, xb0, stage, x);
   group_sum<Tr>(a);
   const float k_norm = fast_sqrt(a[3]), m_norm = fast_sqrt(a[4]);
   const float inv_k = inv_norm(k_norm), inv_m = inv_norm(m_norm);
@@ -235,10 +267,10 @@ __device__ __forceinline__ void step_forward_cluster(const Owner<Tr>& o, float* 
     c[0] = fmaf(Srj, m[j], c[0]);
     c[1] = fmaf(Srj, q[j], c[1]);
   }
-  float y = 0.0f;
+  float y[1] = {0.0f};
   #pragma unroll 4
-  for (int jl = o.q; jl < R; jl += Q) y = fmaf(S[jl * LD + i], m[o.row0 + jl], y);
-  push<Tr>(xb1, 0, o.part, i, y);
+  for (int jl = o.q; jl < R; jl += Q) y[0] = fmaf(S[jl * LD + i], m[o.row0 + jl], y[0]);
+  push_columns<Tr>(o, xb1, stage, y);
   group_sum<Tr>(c);
   const float m_row = sigmoid(fmaf(c[0], inv_m, b_m));
   const float m_delta = s_delta - m_ret;
@@ -289,7 +321,8 @@ __global__ void __cluster_dims__(Tr::kCluster, 1, 1) __launch_bounds__(Tr::kThre
   float* S = smem;
   float* M = smem + Tr::kMat;
   float* vec = smem + 2 * Tr::kMat;
-  float* xb0 = vec + Tr::kFwdSlots * N;
+  float* stage = vec + Tr::kFwdSlots * N;
+  float* xb0 = stage + Tr::kFwdXVecs * Tr::kParts * N;
   float* xb1 = xb0 + Tr::kFwdXVecs * Tr::kXVec;
   const Owner<Tr> o;
   const int b = static_cast<int>(blockIdx.x) / Tr::kCluster;
@@ -309,7 +342,7 @@ __global__ void __cluster_dims__(Tr::kCluster, 1, 1) __launch_bounds__(Tr::kThre
         store_rows<Tr>(c + Tr::kNN, M);
       }
     }
-    step_forward_cluster<Tr, false>(o, S, M, in, vec, xb0, xb1, out.row(t, b), StepRecord{nullptr, nullptr});
+    step_forward_cluster<Tr, false>(o, S, M, in, vec, xb0, xb1, stage, out.row(t, b), StepRecord{nullptr, nullptr});
     if (t + 1 < T) load_inputs<Tr>(kvqm, t + 1, b, vec + (Tr::kIn + ((t + 1) & 1) * Tr::kInSlots) * N);
     __syncthreads();
   }
@@ -343,7 +376,8 @@ __global__ void __cluster_dims__(Tr::kCluster, 1, 1) __launch_bounds__(Tr::kThre
   float* A = smem;              // S during a recompute, dS during the adjoint (owned rows)
   float* Bm = smem + Tr::kMat;  // M during a recompute, dM during the adjoint (owned rows)
   float* vec = smem + 2 * Tr::kMat;
-  float* xb0 = vec + Tr::kSlots * N;
+  float* stage = vec + Tr::kSlots * N;
+  float* xb0 = stage + Tr::kBwdXVecs * Tr::kParts * N;
   float* xb1 = xb0 + Tr::kBwdXVecs * Tr::kXVec;
   const Owner<Tr> o;
   const int r = o.r, p = o.p, i = o.i, gr = o.row0 + r, row0 = o.row0;
@@ -380,7 +414,7 @@ __global__ void __cluster_dims__(Tr::kCluster, 1, 1) __launch_bounds__(Tr::kThre
       const int t = t0 + s;
       float* in = vec + (Tr::kIn + (s & 1) * Tr::kInSlots) * N;
       StepRecord rec{ws_states + 2LL * s * NN, ws_records + static_cast<long long>(s) * Tr::kRecSlots * N};
-      step_forward_cluster<Tr, true>(o, A, Bm, in, vec, xb0, xb1, nullptr, rec);
+      step_forward_cluster<Tr, true>(o, A, Bm, in, vec, xb0, xb1, stage, nullptr, rec);
       if (s + 1 < len) load_inputs<Tr>(kvqm, t + 1, b, vec + (Tr::kIn + ((s + 1) & 1) * Tr::kInSlots) * N);
       __syncthreads();
     }
@@ -436,9 +470,11 @@ __global__ void __cluster_dims__(Tr::kCluster, 1, 1) __launch_bounds__(Tr::kThre
         xa[1] = fmaf(dMji * m_row[gj], Mp[gj * N + i], xa[1]);
         xa[2] = fmaf(dMji, m_delta[gj], xa[2]);
       }
-      push<Tr>(xb0, 0, o.part, i, xa[0]);
-      push<Tr>(xb0, 1, o.part, i, xa[1]);
       const float dmhA = xa[2];
+      {
+        const float cols[2] = {xa[0], xa[1]};
+        push_columns<Tr>(o, xb0, stage, cols);
+      }
       group_sum<Tr>(a);
       const float dr_m = a[0] * m_row[gr] * (1.0f - m_row[gr]);
       const float dd_m = a[1] * inv_m;
@@ -479,10 +515,13 @@ __global__ void __cluster_dims__(Tr::kCluster, 1, 1) __launch_bounds__(Tr::kThre
         xb[0] = fmaf(Sn[gj * N + i], d_row_m[gj], xb[0]);
         xb[1] = fmaf(Mp[gj * N + i], d_delta_m[gj], xb[1]);
       }
-      push<Tr>(xb1, 0, o.part, i, dmhA + xb[0] - xb[1]);
+      {
+        const float cols[1] = {dmhA + xb[0] - xb[1]};
+        push_columns<Tr>(o, xb1, stage, cols);
+      }
       group_sum<Tr>(b2);
       if (p == 0) {
-        push<Tr>(xb1, 0, P, gr, b2[0]);
+        push_row<Tr>(xb1, 0, gr, b2[0]);
         const float db = dr_m + d_col_m[gr];
         if constexpr (Tr::kBias == kE79BiasInput) dbm.row(t, b)[gr] = from_float<typename Tr::TB>(db);
         if constexpr (Tr::kBias == kE79BiasFixed) db_m_acc += db;
@@ -509,8 +548,11 @@ __global__ void __cluster_dims__(Tr::kCluster, 1, 1) __launch_bounds__(Tr::kThre
         xc[0] = fmaf(dSji * s_row[gj], Sp[gj * N + i], xc[0]);
         xc[1] = fmaf(dSji, s_delta[gj], xc[1]);
       }
-      push<Tr>(xb0, 0, o.part, i, xc[0]);
       const float dkhA = xc[1];
+      {
+        const float cols[1] = {xc[0]};
+        push_columns<Tr>(o, xb0, stage, cols);
+      }
       group_sum<Tr>(cs);
       const float dr_s = cs[0] * s_row[gr] * (1.0f - s_row[gr]);
       const float dd_s = dd_m + cs[1] * inv_k;
@@ -548,10 +590,13 @@ __global__ void __cluster_dims__(Tr::kCluster, 1, 1) __launch_bounds__(Tr::kThre
         xd[0] = fmaf(Sp[gj * N + i], d_delta_s[gj], xd[0]);
         xd[1] = fmaf(Mp[gj * N + i], d_row_s[gj], xd[1]);
       }
-      push<Tr>(xb1, 0, o.part, i, dkhA - xd[0] + xd[1]);
+      {
+        const float cols[1] = {dkhA - xd[0] + xd[1]};
+        push_columns<Tr>(o, xb1, stage, cols);
+      }
       group_sum<Tr>(d2);
       if (p == 0) {
-        push<Tr>(xb1, 0, P, gr, d2[0]);
+        push_row<Tr>(xb1, 0, gr, d2[0]);
         const float db = dr_s + d_col_s[gr];
         if constexpr (Tr::kBias == kE79BiasInput) dbs.row(t, b)[gr] = from_float<typename Tr::TB>(db);
         if constexpr (Tr::kBias == kE79BiasFixed) db_s_acc += db;

@@ -33,8 +33,9 @@ unsigned u32(int64_t v) { return static_cast<unsigned>(v); }
 // The launch of a config: CTAs per sequence, threads per CTA, shared memory per CTA. One CTA
 // (E79Traits): S and M padded to n + 1 floats a row, then 15 (forward) or 48 (backward) vectors of n
 // floats. A cluster (E79ClusterTraits): each CTA's n / cluster rows of S and M padded to
-// n + ((split - n) mod 32) floats, the same vectors, and two exchange buffers of 1 (forward) or 2
-// (backward) vectors of (split + 1) x n floats.
+// n + ((split - n) mod 32) floats, the same vectors, and per exchanged vector (1 in the forward, 2 in
+// the backward) a staging area of split / cluster x n floats and two exchange buffers of
+// (cluster + 1) x n floats.
 struct Shape {
   int64_t cluster, threads, fwd_smem_bytes, bwd_smem_bytes;
 };
@@ -42,8 +43,9 @@ struct Shape {
 Shape launch_shape(int64_t n, const Config& c) {
   const int64_t split = c.get("split"), cluster = c.get("cluster");
   if (cluster == 1) return {1, n * split, 4 * (2 * n * (n + 1) + 15 * n), 4 * (2 * n * (n + 1) + 48 * n)};
-  const int64_t ld = n + ((split % 32 - n % 32) + 32) % 32, mat = (n / cluster) * ld, xvec = (split + 1) * n;
-  return {cluster, n * split / cluster, 4 * (2 * mat + 15 * n + 2 * xvec), 4 * (2 * mat + 48 * n + 4 * xvec)};
+  const int64_t ld = n + ((split % 32 - n % 32) + 32) % 32, mat = (n / cluster) * ld;
+  const int64_t xvec = (split / cluster + 2 * (cluster + 1)) * n;  // staging + two buffers, per vector
+  return {cluster, n * split / cluster, 4 * (2 * mat + 15 * n + xvec), 4 * (2 * mat + 48 * n + 2 * xvec)};
 }
 
 // Backward workspace per sequence (floats; E79Traits::kWsPerSeq, E79ClusterTraits::kWsPerSeq: one
