@@ -43,8 +43,9 @@
 // - A cluster barrier before the first exchange, so that no CTA stores into a peer that has not started.
 //   The last remote store precedes the last exchange's barrier, so none can exit while a peer still
 //   stores into it; the final barrier keeps that so if code is added after the last exchange.
-// - The cluster size is compile-time (__cluster_dims__): a plain launch with grid B * kCluster. The
-//   kernel traps on any other cluster shape.
+// - The cluster shape is a launch attribute (Launcher::launch_clusters: cuLaunchKernelEx with a cluster
+//   dimension of kCluster, grid B * kCluster), as CUTLASS and DeepGEMM launch theirs; the kernel traps
+//   on any other cluster shape.
 #pragma once
 
 #include "common/cluster.cuh"
@@ -302,12 +303,12 @@ __device__ __forceinline__ void step_forward_cluster(const Owner<Tr>& o, float* 
 }  // namespace e79_detail
 
 // ---------------------------------------------------------------------------------------------
-// Forward, e79_fwd_kernel's arguments and outputs. Launch: gridDim = (B * kCluster) (clusters of
-// kCluster CTAs along x, one per sequence), blockDim = (kThreads), dynamic shared memory
-// kFwdSmemFloats * 4 bytes.
+// Forward, e79_fwd_kernel's arguments and outputs. Launch: clusters of (kCluster) CTAs, one per
+// sequence, gridDim = (B * kCluster), blockDim = (kThreads), dynamic shared memory kFwdSmemFloats * 4
+// bytes.
 // ---------------------------------------------------------------------------------------------
 template <typename Tr, bool kCheckpoint>
-__global__ void __cluster_dims__(Tr::kCluster, 1, 1) __launch_bounds__(Tr::kThreads, 1)
+__global__ void __launch_bounds__(Tr::kThreads, 1)
     e79_fwd_cluster_kernel(E79Seq<const typename Tr::T> k, E79Seq<const typename Tr::T> v,
                            E79Seq<const typename Tr::T> q, E79Seq<const typename Tr::T> m,
                            E79Seq<const typename Tr::TB> bs, E79Seq<const typename Tr::TB> bm,
@@ -352,13 +353,14 @@ __global__ void __cluster_dims__(Tr::kCluster, 1, 1) __launch_bounds__(Tr::kThre
 }
 
 // ---------------------------------------------------------------------------------------------
-// Backward, e79_bwd_kernel's arguments and outputs. Launch: gridDim = (B * kCluster), blockDim =
-// (kThreads), dynamic shared memory kSmemFloats * 4 bytes; ws: B * kWsPerSeq floats (this traits').
+// Backward, e79_bwd_kernel's arguments and outputs. Launch: clusters of (kCluster) CTAs, gridDim =
+// (B * kCluster), blockDim = (kThreads), dynamic shared memory kSmemFloats * 4 bytes; ws: B * kWsPerSeq
+// floats (this traits').
 // Each adjoint step is e79.cuh's passes A..E; in each, the row terms of row r are summed by its lanes,
 // the column terms over the owned rows by the column lanes, and the column totals arrive by exchange.
 // ---------------------------------------------------------------------------------------------
 template <typename Tr>
-__global__ void __cluster_dims__(Tr::kCluster, 1, 1) __launch_bounds__(Tr::kThreads, 1)
+__global__ void __launch_bounds__(Tr::kThreads, 1)
     e79_bwd_cluster_kernel(E79Seq<const typename Tr::T> dout, E79Seq<const typename Tr::T> k,
                            E79Seq<const typename Tr::T> v, E79Seq<const typename Tr::T> q,
                            E79Seq<const typename Tr::T> m, E79Seq<const typename Tr::TB> bs,

@@ -450,7 +450,11 @@ OpDef make_fwd() {
          *chk = call.out("checkpoints").data;
     void* args[] = {&k, &v, &q, &m, &bs, &bm, &S0, &M0, &out, &S, &M, &chk, &T, &nchk};
     const Shape sh = launch_shape(n, c);
-    l.launch(0, {u32(p.dim("batch") * sh.cluster)}, {u32(sh.threads)}, u32(sh.fwd_smem_bytes), args);
+    if (sh.cluster == 1)
+      l.launch(0, {u32(p.dim("batch"))}, {u32(sh.threads)}, u32(sh.fwd_smem_bytes), args);
+    else
+      l.launch_clusters(0, {u32(p.dim("batch") * sh.cluster)}, {u32(sh.threads)}, {u32(sh.cluster)},
+                        u32(sh.fwd_smem_bytes), args);
   };
   op.reference = fwd_reference;
   return op;
@@ -519,7 +523,11 @@ OpDef make_bwd() {
          *dS0 = call.out("dS0").data, *dM0 = call.out("dM0").data;
     void* args[] = {&dout, &k, &v, &q, &m, &bs, &bm, &chk, &dSf, &dMf, &dk, &dv, &dq, &dm, &dbs, &dbm,
                     &partial, &dS0, &dM0, &ws, &T, &nchk};
-    l.launch(0, {u32(B * sh.cluster)}, {u32(sh.threads)}, u32(sh.bwd_smem_bytes), args);
+    if (sh.cluster == 1)
+      l.launch(0, {u32(B)}, {u32(sh.threads)}, u32(sh.bwd_smem_bytes), args);
+    else
+      l.launch_clusters(0, {u32(B * sh.cluster)}, {u32(sh.threads)}, {u32(sh.cluster)}, u32(sh.bwd_smem_bytes),
+                        args);
     if (fixed) {
       void *db_s = call.out("db_s").data, *db_m = call.out("db_m").data;
       int batch = static_cast<int>(B);
