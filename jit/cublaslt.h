@@ -18,7 +18,8 @@ namespace kspec::jit {
   X(cublasLtMatmulDescSetAttribute) X(cublasLtMatrixLayoutCreate) X(cublasLtMatrixLayoutDestroy)      \
   X(cublasLtMatrixLayoutSetAttribute) X(cublasLtMatmulPreferenceCreate)                               \
   X(cublasLtMatmulPreferenceDestroy) X(cublasLtMatmulPreferenceSetAttribute)                          \
-  X(cublasLtMatmulAlgoGetHeuristic) X(cublasLtMatmul)
+  X(cublasLtMatmulAlgoGetHeuristic) X(cublasLtMatmul) X(cublasLtMatmulAlgoInit) X(cublasLtMatmulAlgoCheck)    \
+  X(cublasLtMatmulAlgoConfigSetAttribute) X(cublasLtMatmulAlgoConfigGetAttribute)
 
 struct CublasLt {
 #define KSPEC_DECLARE_LT_PFN(name) decltype(&::name) name = nullptr;

@@ -21,7 +21,7 @@ namespace kspec::jit {
   X(cuGetErrorName) X(cuGetErrorString) X(cuStreamIsCapturing) X(cuStreamSynchronize)     \
   X(cuStreamGetCtx) X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoD) X(cuMemcpyHtoDAsync) X(cuMemcpyDtoH)            \
   X(cuMemsetD8) X(cuMemsetD32Async) X(cuPointerGetAttribute) X(cuStreamCreate)            \
-  X(cuStreamDestroy) X(cuEventCreate) X(cuEventRecord) X(cuEventSynchronize)             \
+  X(cuStreamDestroy) X(cuEventCreate) X(cuEventRecord) X(cuEventSynchronize) X(cuEventQuery) \
   X(cuEventElapsedTime) X(cuEventDestroy) X(cuMemGetInfo) X(cuStreamBeginCapture)            \
   X(cuStreamEndCapture) X(cuGraphInstantiate) X(cuGraphLaunch) X(cuGraphDestroy)             \
   X(cuGraphExecDestroy) X(cuOccupancyMaxActiveBlocksPerMultiprocessor)

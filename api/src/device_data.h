@@ -18,8 +18,9 @@ std::vector<double> decode(DType dt, const std::vector<unsigned char>& bytes);
 void quantize(DType dt, std::vector<double>& v);
 
 // Inputs of a problem: N(0, 1) per element, rounded to each input's dtype, then the op's
-// prepare_inputs (saved statistics, a stable state matrix...) and rounded again.
-std::vector<HostTensor> random_inputs(const OpDef& op, const Problem& p, uint64_t seed);
+// prepare_inputs (saved statistics, a stable state matrix...) and rounded again. for_timing: the tuner's
+// inputs; an op whose OpDef::prepare_for_timing is false keeps its random values (see there).
+std::vector<HostTensor> random_inputs(const OpDef& op, const Problem& p, uint64_t seed, bool for_timing = false);
 
 // An owning device allocation (at least 16 bytes) in the current context.
 struct DeviceBuffer {

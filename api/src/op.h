@@ -11,6 +11,7 @@
 
 #include "jit/spec.h"
 #include "kspec/registry.h"
+#include "kspec/tune.h"
 
 namespace kspec {
 
@@ -45,12 +46,19 @@ struct Problem {
   std::string signature() const;
 };
 
+// What an op builds once for a bound call (kspec::BoundCall) and reads on every run, e.g. adamw's table
+// of tensors and chunks already in device memory.
+struct BoundData {
+  virtual ~BoundData() = default;
+};
+
 // A validated call with its tensors.
 struct Call {
   Problem problem;
   std::vector<TensorView> inputs, outputs;
   int device = 0;
   Stream stream = nullptr;
+  const BoundData* bound = nullptr;  // set when a BoundCall runs an op that has a bind function
   const TensorView& in(std::string_view name) const;
   const TensorView& out(std::string_view name) const;
   // Row stride (elements) of a RowStrided tensor whose leading dims were collapsed.
@@ -87,6 +95,17 @@ struct TuningSpace {
   // device cannot launch before compiling it, and one whose registers x threads exceed the block's
   // register file after.
   std::function<int64_t(const Problem&, const Config&)> block_threads;
+  // Optional, for a space that is not a product of axes but comes from a library on the GPU (cuBLASLt's
+  // heuristic candidates): the configs to time for a call (the tuner adds the heuristic's default, and
+  // dispatch judges a recorded config by `valid` alone; the launcher may still refuse it and fall back).
+  std::function<std::vector<Config>(const Call&, int max_candidates)> candidates;
+  // Optional: more configs to time once the first ones are timed (e.g. gemm.bwd's best dx and best dW
+  // algorithms together, each found with the other GEMM on its default).
+  std::function<std::vector<Config>(const Problem&, const std::vector<TuneCandidate>& timed)> refine;
+  // Optional: what a call will really use of a config (explain): "" when it applies as is, else why not
+  // (e.g. cuBLASLt refuses a tuned algorithm for this call's layout, and the heuristic runs instead).
+  std::function<std::string(const Call&, const Config&)> applies;
+  bool empty() const { return axes.empty() && !candidates; }
   std::vector<Config> enumerate(const Problem& p) const;
   // Every combination of the axes, legal or not (the tuner reports why each one is ruled out).
   std::vector<Config> all_combinations() const;
@@ -118,6 +137,9 @@ struct OpDef {
   // with the Launcher's workspace): nothing to compile or precompile. May also return no kernels.
   std::function<std::vector<jit::KernelSpec>(const Problem&, const Config&)> kernels;
   std::function<void(const Call&, const Config&, Launcher&)> launch;
+  // Optional: data a BoundCall builds once from its validated call and plan config (launch then finds it
+  // in Call::bound). It may allocate device memory; it must not depend on runtime params or outputs.
+  std::function<std::unique_ptr<BoundData>(const Call&, const Config&)> bind;
   // Optional: checks the schema cannot state (e.g. the strides a matmul operand may have), run at the
   // end of validation; throws InvalidArgument naming the argument.
   std::function<void(const Call&)> check_call;
@@ -126,6 +148,9 @@ struct OpDef {
   std::function<std::vector<HostTensor>(const Problem&, const std::vector<HostTensor>&)> reference;
   // Optional: overwrite inputs that must be consistent with others (saved statistics...).
   std::function<void(const Problem&, std::vector<HostTensor>&)> prepare_inputs;
+  // False when prepare_inputs only makes inputs agree with the float64 reference and random ones time
+  // the same (the tuner then skips it: gemm.bwd's saved pre-activation, a float64 GEMM on the host).
+  bool prepare_for_timing = true;
   // Optional: rules across arguments that the schema cannot state (a dim dividing another, a size
   // limit); throws InvalidArgument/Unsupported naming the argument. Run by validation and compile.
   std::function<void(const Problem&)> check;

@@ -228,6 +228,7 @@ std::string describe_op(std::string_view name) {
     for (size_t k = 0; k < values.size(); ++k) os << (k ? "," : "") << values[k];
     os << "}";
   }
+  if (!i.tuning_note.empty()) os << " " << i.tuning_note;
   os << "\n  reference: " << i.reference << "\n";
   return os.str();
 }
@@ -297,7 +298,7 @@ PlanEntry& plan_for(const OpDef& op, const Problem& p, int device, const Config*
       if (bt != plans.end() && bt->second->generation == generation) return *bt->second;
     }
   }
-  bool bucketed = !forced && !op.tuning.axes.empty() &&
+  bool bucketed = !forced && !op.tuning.empty() &&
                   (knobs::tune_mode() == knobs::TuneMode::Auto || tuning_has_signature(p.signature(), device));
   // KSPEC_TUNE=auto may tune now, but never inside a CUDA graph capture.
   CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
@@ -440,6 +441,115 @@ void call(std::string_view op_name, const std::vector<TensorView>& inputs, const
   op.launch(c, plan.config, launcher);
 }
 
+// ---- bound calls ----
+
+struct BoundCall::Impl {
+  const OpDef* op = nullptr;
+  std::vector<std::vector<TensorView>> lists;  // the list inputs' items, owned here
+  Call call;                                   // validated once; run() swaps params, outputs, stream
+  PlanEntry* plan = nullptr;                   // plans are never freed (see plan_for)
+  Config config;
+  std::string config_text;
+  std::unique_ptr<BoundData> data;
+  CUevent done = nullptr;  // recorded after each run outside graph capture; the destructor waits for it
+  bool recorded = false;
+  int64_t runs = 0;
+};
+
+namespace {
+int pointer_align(const void* p) {
+  auto a = reinterpret_cast<uintptr_t>(p);
+  int al = 16;
+  while (al > 1 && a % al) al /= 2;
+  return al;
+}
+}  // namespace
+
+BoundCall::BoundCall(std::string_view op_name, const std::vector<TensorView>& inputs,
+                     const std::vector<TensorView>& outputs, const Params& params)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& b = *impl_;
+  b.op = &Registry::global().get(op_name);
+  std::vector<TensorView> ins = inputs;
+  b.lists.reserve(ins.size());
+  for (auto& t : ins) {
+    if (!t.is_list()) continue;
+    b.lists.emplace_back();
+    for (int64_t i = 0; i < t.list_size(); ++i) b.lists.back().push_back(t.item(i));
+    t = TensorView::list(b.lists.back().data(), t.list_size());
+  }
+  b.call = validate_call(*b.op, ins, outputs, params, nullptr);
+  b.call.problem.arch = device_arch(b.call.device);
+  b.plan = &plan_for(*b.op, b.call.problem, b.call.device, nullptr, nullptr);
+  b.config = b.plan->config;
+  b.config_text = b.config.str();
+  jit::ContextGuard guard(b.call.device);
+  if (b.op->bind) b.data = b.op->bind(b.call, b.config);
+  b.call.bound = b.data.get();
+  CU_CHECK(cuEventCreate(&b.done, CU_EVENT_DISABLE_TIMING));
+}
+
+BoundCall::~BoundCall() {
+  if (!impl_) return;
+  Impl& b = *impl_;
+  if (b.done) {
+    // Its kernels may still read the op's tables (device memory freed with `data`).
+    if (b.recorded) jit::driver().cuEventSynchronize(b.done);
+    jit::driver().cuEventDestroy(b.done);
+  }
+}
+
+const std::string& BoundCall::config() const { return impl_->config_text; }
+int64_t BoundCall::runs() const { return impl_->runs; }
+
+bool BoundCall::idle() const {
+  return !impl_->recorded || jit::driver().cuEventQuery(impl_->done) != CUDA_ERROR_NOT_READY;
+}
+
+void BoundCall::run(const Params& runtime_params, const std::vector<TensorView>& outputs, Stream stream) {
+  Impl& b = *impl_;
+  const OpInfo& info = b.op->info;
+  Call c = b.call;
+  if (!runtime_params.items().empty()) {
+    Params merged = b.call.problem.params;
+    for (const auto& [name, v] : runtime_params.items()) {
+      auto d = std::find_if(info.params.begin(), info.params.end(), [&](const ParamDef& p) { return p.name == name; });
+      KSPEC_CHECK(d != info.params.end(), info.name, ": unknown parameter '", name, "'");
+      KSPEC_CHECK(d->runtime, info.name, ": parameter '", name,
+                  "' is compiled into the bound call; bind the call again to change it");
+      merged.set(name, v);
+    }
+    c.problem.params = complete_params(*b.op, merged);
+  }
+  KSPEC_CHECK(outputs.size() == b.call.outputs.size(), info.name, ": expected ", b.call.outputs.size(),
+              " outputs, got ", outputs.size());
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const TensorView &want = b.call.outputs[i], &got = outputs[i];
+    const std::string& name = info.outputs[i].name;
+    KSPEC_CHECK(want.defined() == got.defined(), info.name, ": output '", name, "' ",
+                want.defined() ? "is required (the call was bound with it)" : "must be None (the call was bound without it)");
+    if (!got.defined()) continue;
+    bool same = got.dtype == want.dtype && got.rank == want.rank && got.device == want.device &&
+                pointer_align(got.data) >= pointer_align(want.data) && (got.data || got.numel() == 0);
+    for (int d = 0; same && d < got.rank; ++d) same = got.shape[d] == want.shape[d] && got.strides[d] == want.strides[d];
+    KSPEC_CHECK(same, info.name, ": output '", name, "': expected a tensor laid out like the bound one (", want.describe(),
+                "), got ", got.describe());
+  }
+  c.outputs = outputs;
+  c.stream = stream;
+  if (b.op->check_call) b.op->check_call(c);  // the runtime params' rules
+  jit::ContextGuard guard(c.device);
+  DeviceLauncher launcher(*b.plan, c.device, stream);
+  b.op->launch(c, b.config, launcher);
+  CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
+  CU_CHECK(cuStreamIsCapturing(reinterpret_cast<CUstream>(stream), &capture));
+  if (capture == CU_STREAM_CAPTURE_STATUS_NONE) {
+    CU_CHECK(cuEventRecord(b.done, reinterpret_cast<CUstream>(stream)));
+    b.recorded = true;
+  }
+  ++b.runs;
+}
+
 std::vector<OutputSpec> infer_outputs(std::string_view op_name, const std::vector<TensorView>& inputs,
                                       const Params& params) {
   const OpDef& op = Registry::global().get(op_name);
@@ -459,8 +569,18 @@ std::vector<OutputSpec> infer_outputs(std::string_view op_name, const std::vecto
 
 namespace {
 
-PlanInfo plan_info(const OpDef& op, const Problem& p, int device) {
+PlanInfo plan_info(const OpDef& op, const Problem& p, int device, const Call* call = nullptr) {
   ConfigChoice ch = choose_config(op, p, nullptr, device);
+  if (call && ch.source == "tuned" && op.tuning.applies) {
+    // A library's tuned config may still be refused for this call (cuBLASLt checks the algorithm against
+    // the call's layouts): say what the launch will really do.
+    std::string why = op.tuning.applies(*call, ch.config);
+    if (!why.empty()) {
+      ch.note = "tuned entry {" + ch.config.str() + "} does not apply to this call: " + why;
+      ch.config = op.tuning.heuristic ? op.tuning.heuristic(p) : Config{};
+      ch.source = "heuristic";
+    }
+  }
   PlanInfo info;
   info.op = op.info.name;
   info.signature = p.signature();
@@ -502,7 +622,7 @@ PlanInfo explain_plan(std::string_view op_name, const std::vector<TensorView>& i
   const OpDef& op = Registry::global().get(op_name);
   Call c = validate_call(op, inputs, outputs, params, nullptr);
   c.problem.arch = device_arch(c.device);
-  return plan_info(op, c.problem, c.device);
+  return plan_info(op, c.problem, c.device, &c);
 }
 
 PlanInfo explain_request(const CompileRequest& req) {

@@ -105,6 +105,7 @@ void prune(const OpDef& op, const Problem& p, const Limits& lim, TuneCandidate& 
 // Compiles (or finds in the cache) every kernel of one candidate; after: spills, shared memory and the
 // register file rule it out.
 void compile_candidate(const OpDef& op, const Problem& p, const Limits& lim, TuneCandidate& c) {
+  if (!op.kernels) return;  // a library op: nothing to compile
   try {
     int regs = 0, spill = 0, smem = 0;
     double ms = 0;
@@ -167,7 +168,7 @@ class Bench {
  public:
   Bench(const OpDef& op, const Problem& p, int device, uint64_t seed, const Limits& lim)
       : op_(op), p_(p), device_(device) {
-    host_ = random_inputs(op, p, seed ? seed : 0x6b73706563ull);
+    host_ = random_inputs(op, p, seed ? seed : 0x6b73706563ull, /*for_timing=*/true);
     in_bytes_.resize(host_.size());
     size_t set_bytes = 0;
     for (size_t i = 0; i < host_.size(); ++i) {
@@ -214,10 +215,9 @@ class Bench {
 
   int sets() const { return sets_; }
 
-  // The problem the tuner's own tensors make (its signature should be the key problem's).
-  Problem own_problem() {
-    return validate_call(op_, sets_data_[0].in, sets_data_[0].out, p_.params, nullptr).problem;
-  }
+  // The call the tuner's own tensors make (its signature should be the key problem's).
+  Call own_call() { return validate_call(op_, sets_data_[0].in, sets_data_[0].out, p_.params, stream()); }
+  Stream stream() const { return reinterpret_cast<Stream>(stream_.s); }
 
   // One call on set 0 with fresh inputs and NaN-poisoned outputs; returns the outputs' bytes.
   std::vector<std::vector<unsigned char>> outputs_of(const Config& c) {
@@ -331,9 +331,9 @@ class Bench {
 
 TuneResult tune_problem(const OpDef& op, const Problem& p, const TuneRequest& opts, const TuneCallback& progress) {
   auto t0 = Clock::now();
-  KSPEC_CHECK_AS(!op.tuning.axes.empty(), Unsupported, op.info.name, " has no tuning space (nothing to tune)");
-  KSPEC_CHECK_AS(op.kernels && op.generic_check, Unsupported, op.info.name,
-                 " cannot be tuned generically (a library op or TensorList inputs)");
+  KSPEC_CHECK_AS(!op.tuning.empty(), Unsupported, op.info.name, " has no tuning space (nothing to tune)");
+  KSPEC_CHECK_AS(op.generic_check && (op.kernels || op.tuning.candidates), Unsupported, op.info.name,
+                 " cannot be tuned generically (TensorList inputs, or a library op without candidates)");
   TuneResult r;
   r.op = op.info.name;
   bool gpu = !opts.compile_only && has_gpu(opts.device);
@@ -359,12 +359,13 @@ TuneResult tune_problem(const OpDef& op, const Problem& p, const TuneRequest& op
     guard = std::make_unique<jit::ContextGuard>(opts.device);
     lim = device_limits(opts.device);
   }
-  // The default first, then every combination in the axes' order.
+  // The default first, then every combination in the axes' order (a library's candidates come from the
+  // GPU, once the tuner's tensors exist).
   TuneCandidate def;
   def.config = r.default_config;
   def.is_default = true;
   r.candidates.push_back(def);
-  for (auto& c : op.tuning.all_combinations()) {
+  for (auto& c : op.tuning.candidates ? std::vector<Config>{} : op.tuning.all_combinations()) {
     if (c.str() == r.default_config.str()) continue;
     TuneCandidate t;
     t.config = std::move(c);
@@ -393,6 +394,7 @@ TuneResult tune_problem(const OpDef& op, const Problem& p, const TuneRequest& op
   KSPEC_CHECK(r.candidates[0].status == "not timed", op.info.name, ": the default config {", r.default_config.str(),
               "} cannot be used: ", r.candidates[0].status, ": ", r.candidates[0].why);
   if (!gpu) {
+    if (op.tuning.candidates) r.note = op.info.name + "'s candidates come from its library on the GPU: nothing to list without one";
     r.seconds = seconds_since(t0);
     return r;
   }
@@ -402,20 +404,37 @@ TuneResult tune_problem(const OpDef& op, const Problem& p, const TuneRequest& op
   r.timed = true;
   Bench bench(op, p, opts.device, opts.seed, lim);
   r.input_sets = bench.sets();
-  std::string own_sig = bench.own_problem().signature();
+  Call own = bench.own_call();
+  own.problem.arch = p.arch;
+  std::string own_sig = own.problem.signature();
   if (own_sig != r.signature)
     jit::info("tune: the tuner's tensors make " + own_sig + " (recorded under " + r.signature + ")");
+  auto add_candidates = [&](std::vector<Config> configs) {
+    size_t first = r.candidates.size();
+    for (auto& c : configs) {
+      bool seen = false;
+      for (const auto& have : r.candidates) seen = seen || have.config.str() == c.str();
+      if (seen) continue;
+      TuneCandidate t;
+      t.config = std::move(c);
+      prune(op, p, lim, t);
+      if (t.status == "not timed") compile_candidate(op, p, lim, t);
+      r.candidates.push_back(std::move(t));
+    }
+    return first;
+  };
+  if (op.tuning.candidates) add_candidates(op.tuning.candidates(own, std::max(1, opts.max_candidates)));
   std::vector<std::vector<unsigned char>> reference;
-  std::vector<TuneCandidate*> order;
-  for (auto& c : r.candidates)
-    if (c.status == "not timed") order.push_back(&c);
+  std::vector<size_t> order;
+  for (size_t i = 0; i < r.candidates.size(); ++i)
+    if (r.candidates[i].status == "not timed") order.push_back(i);
   std::shuffle(order.begin() + 1, order.end(), std::mt19937_64(opts.seed + 17));
   int timed = 0;
-  for (TuneCandidate* c : order) {
+  auto time_one = [&](TuneCandidate* c, bool always) {
     bool is_def = c->is_default;
-    if (!is_def && !opts.all_configs && seconds_since(t0) > opts.budget_s) {
+    if (!is_def && !always && !opts.all_configs && seconds_since(t0) > opts.budget_s) {
       c->why = "budget spent";
-      continue;
+      return;
     }
     try {
       auto out = bench.outputs_of(c->config);
@@ -440,7 +459,7 @@ TuneResult tune_problem(const OpDef& op, const Problem& p, const TuneRequest& op
           c->status = "mismatch";
           c->why = "output '" + which + "' differs from the default config's";
           report("time", ++timed, static_cast<int>(order.size()), c);
-          continue;
+          return;
         }
       }
       auto t = bench.measure(c->config, std::max(3, opts.batches), r.best_ms);
@@ -461,6 +480,14 @@ TuneResult tune_problem(const OpDef& op, const Problem& p, const TuneRequest& op
       c->why = first_line(e.what());
     }
     report("time", ++timed, static_cast<int>(order.size()), c);
+  };
+  for (size_t i : order) time_one(&r.candidates[i], false);
+  if (op.tuning.refine) {
+    size_t first = add_candidates(op.tuning.refine(p, r.candidates));
+    for (size_t i = first; i < r.candidates.size(); ++i) {
+      order.push_back(i);
+      if (r.candidates[i].status == "not timed") time_one(&r.candidates[i], true);  // a few, built to win
+    }
   }
   r.seconds = seconds_since(t0);
 

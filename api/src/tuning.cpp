@@ -70,6 +70,15 @@ bool usable(const OpDef& op, const Problem& p, const nlohmann::json& record, Con
     *why = e.what();
     return false;
   }
+  if (op.tuning.candidates) {  // a library's space: the op's own rules judge the record
+    std::string reason;
+    if (op.tuning.valid && !op.tuning.valid(p, c, &reason)) {
+      *why = "config {" + c.str() + "} is not valid for " + op.info.name + ": " + reason;
+      return false;
+    }
+    *out = c;
+    return true;
+  }
   for (const auto& [name, v] : c.values) {
     auto axis = std::find_if(op.tuning.axes.begin(), op.tuning.axes.end(), [&](const auto& a) { return a.first == name; });
     if (axis == op.tuning.axes.end()) {
@@ -180,7 +189,7 @@ ConfigChoice choose_config(const OpDef& op, const Problem& p, const Config* forc
     return ch;
   }
   knobs::TuneMode mode = knobs::tune_mode();
-  if (mode != knobs::TuneMode::Off && !op.tuning.axes.empty()) {
+  if (mode != knobs::TuneMode::Off && !op.tuning.empty()) {
     ch.db_path = tuning_db_path(device);
     ch.key = tuning_key(p);
     for (int attempt = 0; attempt < 2; ++attempt) {

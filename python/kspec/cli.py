@@ -223,7 +223,8 @@ def cmd_check(a):
     rows, ok = [], True
     all_results = []
     for op in ops:
-        res = _C.check_op(op, a.case or "", a.dtype or [], a.device, a.large, a.config, a.seed)
+        res = [r for case in (a.case or [""])
+               for r in _C.check_op(op, case, a.dtype or [], a.device, a.large, a.config, a.seed)]
         for r in res:
             all_results.append(r)
             ok = ok and r["passed"]
@@ -325,29 +326,43 @@ def cmd_tune(a):
         raise SystemExit("kspec tune: give an OP (or --list, --export FILE, --import FILE, --db)")
     params = _kv(a.param, "--param")
     shape = _shape(a.shape)
+    info = _C.op_info(a.op)
+    dims = [d["name"] for d in info["dims"]]
+    for name in shape:
+        if name not in dims:
+            raise SystemExit(f"kspec tune: {a.op} has no dim {name!r} (its dims: {', '.join(dims)}; scalar params such"
+                             f" as {', '.join(p['name'] for p in info['params']) or 'none'} go in --param)")
+    if a.candidates < 1:
+        raise SystemExit(f"kspec tune: --candidates must be at least 1, got {a.candidates}")
     cb, stop = _tune_progress() if not a.quiet else (None, lambda: None)
     try:
         r = tuning.tune(a.op, a.dtype, shape, budget=a.budget, all_configs=a.all_configs, device=a.device,
                         arch=a.arch, without=a.without or [], alt_shapes=a.alt_shape or [],
                         tensor_dtypes={k: str(v) for k, v in _kv(a.tensor_dtype, "--tensor-dtype").items()},
                         compile_only=a.compile_only, write_db=not a.no_save, batches=a.batches, seed=a.seed,
-                        progress=cb, **params)
+                        progress=cb, candidates=a.candidates, **params)
     finally:
         stop()
     rows = tuning.table_rows(r, include_pruned=a.all_configs)
+    flops = tuning.flops(r)
     _table(f"kspec tune {r['op']} {r['shape']} ({r['gpu']}, {r['arch']})",
-           ["config", "status", "median ms", "min ms", "vs default", "rel. diff", "regs", "spill", "smem", "note"],
-           [[c["config"] + (" (default)" if c["default"] else ""), c["status"], _fmt_ms(c["median_ms"]),
-             _fmt_ms(c["min_ms"]), f"{c['speedup']:.2f}x" if c["speedup"] > 0 else "-",
+           ["config", "status", "median ms", "min ms", "vs default", "rel. diff", "regs", "spill", "smem", "note"]
+           + (["TFLOP/s"] if flops else []),
+           [[tuning.config_label(r, c["config"]) + (" (default)" if c["default"] else ""), c["status"],
+             _fmt_ms(c["median_ms"]), _fmt_ms(c["min_ms"]), f"{c['speedup']:.2f}x" if c["speedup"] > 0 else "-",
              f"{c['error']:.1e}" if c["error"] >= 0 else "-", c["registers"], c["spill_bytes"], c["shared_bytes"],
-             c["why"][:60]] for c in rows])
+             c["why"][:60]] + ([f"{c['tflops']:.0f}" if c.get("tflops", -1) > 0 else "-"] if flops else [])
+            for c in rows])
     counts = {}
     for c in r["candidates"]:
         counts[c["status"]] = counts.get(c["status"], 0) + 1
     print(f"configurations: {len(r['candidates'])} ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))})"
           f" in {r['seconds']:.1f} s")
+    if r.get("note"):
+        print(r["note"])
     if r["timed"]:
-        print(f"default {r['default_config']}: {r['default_ms']:.4f} ms; best {r['best_config']}: {r['best_ms']:.4f} ms"
+        print(f"default {tuning.config_label(r, r['default_config'])}: {r['default_ms']:.4f} ms;"
+              f" best {tuning.config_label(r, r['best_config'])}: {r['best_ms']:.4f} ms"
               f" ({r['default_ms'] / r['best_ms']:.2f}x); {r['input_sets']} input sets rotated,"
               f" {r['batch_calls']} calls per timed batch")
         print(f"tuning database: {r['db_path']}" + (" (written)" if r["written"] else " (not written)"))
@@ -408,7 +423,7 @@ def main(argv=None) -> int:
     for name, fn, hlp in (("check", cmd_check, "every op on the GPU against its float64 reference"),):
         s = sub.add_parser(name, help=hlp)
         s.add_argument("--op", action="append")
-        s.add_argument("--case")
+        s.add_argument("--case", action="append", help="a case of the op's table (repeatable; default: all)")
         s.add_argument("--dtype", action="append")
         s.add_argument("--device", type=int, default=0)
         s.add_argument("--large", action="store_true")
@@ -420,7 +435,8 @@ def main(argv=None) -> int:
     s = sub.add_parser(
         "tune", help="autotune an op's tile sizes for a shape; the tuning database",
         description="Tune OP for one problem: enumerate its tuning space, prune (the op's rules, threads per "
-        "block, shared memory), compile the rest in parallel, drop spilling kernels, then on the GPU check each "
+        "block, shared memory), compile the rest in parallel, drop spilling kernels (gemm: cuBLASLt's heuristic "
+        "candidates instead, found on the GPU), then on the GPU check each "
         "config's outputs against the default config's and time it (warm-up, CUDA events, median of batches, "
         "inputs rotated past L2, random data); the fastest is recorded in the tuning database, which dispatch "
         "uses (KSPEC_TUNE=on|off|auto, KSPEC_TUNING_DB). Without a GPU it prunes and compiles only.",
@@ -428,6 +444,9 @@ def main(argv=None) -> int:
         "  kspec tune norm_act.fwd --dtype bf16 --shape rows=16384,hidden=4096 --param norm=rmsnorm --param act=silu\n"
         "  kspec tune selective_scan.fwd --dtype bf16 --shape batch=8,dim=2048,seqlen=2048,dstate=16 "
         "--param delta_softplus=true --budget 60 --report out/scan\n"
+        "  kspec tune gemm --dtype bf16 --shape m=16384,n=4096,k=4096 --without aux          (y = x·Wᵀ + b)\n"
+        "  kspec tune gemm --dtype bf16 --shape m=4097,n=4095,k=33 --param act=gelu --without aux --candidates 16\n"
+        "  kspec tune gemm.bwd --dtype bf16 --shape m=16384,n=4096,k=4096 --param act=gelu\n"
         "  kspec tune --list | --export team.json | --import team.json | --db",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("op", nargs="?")
@@ -442,6 +461,8 @@ def main(argv=None) -> int:
     s.add_argument("--compile-only", action="store_true", help="prune and compile, time nothing")
     s.add_argument("--no-save", action="store_true", help="do not record the winner in the database")
     s.add_argument("--batches", type=int, default=15, help="timed batches per config (the median is kept)")
+    s.add_argument("--candidates", type=int, default=16,
+                   help="gemm, gemm.bwd: how many of cuBLASLt's heuristic algorithms to time (default 16)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", type=int, default=0)
     s.add_argument("--arch", default="sm_90", help="without a GPU: the architecture to compile for")

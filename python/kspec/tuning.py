@@ -15,18 +15,20 @@ from . import _C
 def tune(op: str, dtype: str = "f32", shape=None, *, budget: float = 60.0, all_configs: bool = False,
          device: int = 0, arch: str = "sm_90", without=(), tensor_dtypes=None, alt_shapes=(),
          compile_only: bool = False, write_db: bool = True, batches: int = 15, seed: int = 0,
-         progress=None, **params) -> dict:
+         progress=None, candidates: int = 16, **params) -> dict:
     """Tune `op` for one problem and record the winner in the tuning database.
 
     shape: the dims, runtime ones too, e.g. {"rows": 16384, "hidden": 4096} (or as keyword params).
     progress: None, or a callable (phase, done, total, candidate_dict_or_None).
+    candidates: for gemm / gemm.bwd, how many of cuBLASLt's heuristic algorithms to time (its first
+    choice is the default; the winner is recorded as its config fields, e.g. "algo=..,tile=..,stages=..").
     Returns a dict: key, bucket, db_path, default_config/default_ms, best_config/best_ms, timed,
     written, and `candidates` (one dict per configuration: config, status, why, median_ms, error...).
     Without a GPU (or with compile_only) it prunes and compiles only (timed is False)."""
     all_params = dict(shape or {})
     all_params.update(params)
     return _C.tune(op, dtype, all_params, list(without), dict(tensor_dtypes or {}), list(alt_shapes), device, arch,
-                   float(budget), all_configs, compile_only, write_db, batches, seed, progress)
+                   float(budget), all_configs, compile_only, write_db, batches, seed, progress, int(candidates))
 
 
 def db_path(device: int = 0) -> str:
@@ -52,18 +54,40 @@ def import_db(file: str) -> int:
 # ---- reports ----
 
 _COLUMNS = ["config", "default", "status", "median_ms", "min_ms", "speedup", "error", "registers", "spill_bytes",
-            "shared_bytes", "compile_ms", "why"]
+            "shared_bytes", "compile_ms", "why", "tflops"]
+
+
+def flops(result: dict) -> float:
+    """Floating-point operations of one call of a gemm problem (2·batch·m·n·k; gemm.bwd's dx and dW: twice
+    that), else 0 (ops timed by bytes, not flops)."""
+    if result.get("op") not in ("gemm", "gemm.bwd"):
+        return 0.0
+    dims = dict(kv.split("=") for kv in result.get("shape", "").split(",") if "=" in kv)
+    try:
+        n = 2.0 * max(int(dims.get("batch", 1)), 1) * int(dims["m"]) * int(dims["n"]) * int(dims["k"])
+    except (KeyError, ValueError):
+        return 0.0
+    return 2 * n if result["op"] == "gemm.bwd" else n
+
+
+def config_label(result: dict, config: str) -> str:
+    """A config for display: gemm's empty config is cuBLASLt's own first choice."""
+    if config:
+        return config
+    return "(cuBLASLt heuristic)" if result.get("op") in ("gemm", "gemm.bwd") else "(none)"
 
 
 def table_rows(result: dict, include_pruned: bool = False):
     """Candidates for display: timed ones fastest first, then the rest (pruned ones only if asked)."""
     base = result.get("default_ms") or -1
+    fl = flops(result)
     rows = []
     for c in result["candidates"]:
         if not include_pruned and c["status"] == "pruned":
             continue
         r = dict(c)
         r["speedup"] = base / c["median_ms"] if c["median_ms"] > 0 and base > 0 else -1
+        r["tflops"] = fl / (c["median_ms"] * 1e9) if fl and c["median_ms"] > 0 else -1
         rows.append(r)
     rows.sort(key=lambda r: (r["status"] != "ok", r["median_ms"] if r["median_ms"] > 0 else 1e30))
     return rows
@@ -100,7 +124,7 @@ def _plot(result, timed, path):
                    else (70, 110, 200) for r in timed], path)
         return
     fig, ax = plt.subplots(figsize=(9, max(2.5, 0.28 * len(timed) + 1)))
-    labels = [r["config"] + ("  (default)" if r["default"] else "") for r in timed]
+    labels = [config_label(result, r["config"]) + ("  (default)" if r["default"] else "") for r in timed]
     colors = ["tab:green" if r["config"] == result["best_config"] else "tab:orange" if r["default"] else "tab:blue"
               for r in timed]
     ax.barh(range(len(timed)), [r["median_ms"] for r in timed], color=colors)

@@ -119,6 +119,7 @@ py::dict op_info_dict(const std::string& name) {
   d["params"] = params;
   d["dims"] = dims;
   d["tuning_axes"] = i.tuning_axes;
+  d["tuning_note"] = i.tuning_note;
   d["reference"] = i.reference;
   return d;
 }
@@ -294,6 +295,31 @@ PYBIND11_MODULE(_C, m) {
         py::arg("op"), py::arg("inputs"), py::arg("outputs"), py::arg("params"), py::arg("stream") = 0,
         py::arg("config") = py::none());
 
+  // A call validated once and run many times on the same tensors (kspec.optim.AdamW's steps).
+  py::class_<kspec::BoundCall>(m, "BoundCall")
+      .def(py::init([](const std::string& op, const py::sequence& inputs, const py::sequence& outputs,
+                       const py::dict& params) {
+             std::vector<std::vector<kspec::TensorView>> lists;
+             lists.reserve(inputs.size());
+             auto in = to_views(inputs, &lists);
+             auto out = to_views(outputs, nullptr);
+             auto p = to_params(params);
+             py::gil_scoped_release release;
+             return std::make_unique<kspec::BoundCall>(op, in, out, p);
+           }),
+           py::arg("op"), py::arg("inputs"), py::arg("outputs"), py::arg("params"))
+      .def("run",
+           [](kspec::BoundCall& b, const py::dict& params, const py::sequence& outputs, uintptr_t stream) {
+             auto out = to_views(outputs, nullptr);
+             auto p = to_params(params);
+             py::gil_scoped_release release;
+             b.run(p, out, reinterpret_cast<kspec::Stream>(stream));
+           },
+           py::arg("params"), py::arg("outputs"), py::arg("stream") = 0)
+      .def_property_readonly("config", &kspec::BoundCall::config)
+      .def_property_readonly("runs", &kspec::BoundCall::runs)
+      .def("idle", &kspec::BoundCall::idle);
+
   m.def("infer_outputs", [](const std::string& op, const py::sequence& inputs, const py::dict& params) {
     py::list out;
     std::vector<std::vector<kspec::TensorView>> lists;
@@ -332,7 +358,7 @@ PYBIND11_MODULE(_C, m) {
         [](const std::string& op, const std::string& dtype, const py::dict& params, const std::vector<std::string>& without,
            const std::map<std::string, std::string>& tensor_dtypes, const std::vector<std::string>& alt_shapes,
            int device, const std::string& arch, double budget, bool all_configs, bool compile_only, bool write_db,
-           int batches, uint64_t seed, const py::object& progress) {
+           int batches, uint64_t seed, const py::object& progress, int max_candidates) {
           auto base = to_request(op, dtype, arch, params, without, tensor_dtypes, alt_shapes);
           kspec::TuneRequest req;
           req.op = base.op;
@@ -349,6 +375,7 @@ PYBIND11_MODULE(_C, m) {
           req.write_db = write_db;
           req.batches = batches;
           req.seed = seed;
+          req.max_candidates = max_candidates;
           kspec::TuneCallback cb;
           if (!progress.is_none())
             cb = [&progress](const kspec::TuneProgress& ev) {
@@ -383,6 +410,7 @@ PYBIND11_MODULE(_C, m) {
           d["seconds"] = r.seconds;
           d["batch_calls"] = r.batch_calls;
           d["input_sets"] = r.input_sets;
+          d["note"] = r.note;
           py::list cands;
           for (const auto& c : r.candidates) cands.append(candidate_dict(c));
           d["candidates"] = cands;
@@ -391,7 +419,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("op"), py::arg("dtype"), py::arg("params"), py::arg("without"), py::arg("tensor_dtypes"),
         py::arg("alt_shapes"), py::arg("device") = 0, py::arg("arch") = "sm_90", py::arg("budget") = 60.0,
         py::arg("all_configs") = false, py::arg("compile_only") = false, py::arg("write_db") = true,
-        py::arg("batches") = 15, py::arg("seed") = 0, py::arg("progress") = py::none());
+        py::arg("batches") = 15, py::arg("seed") = 0, py::arg("progress") = py::none(),
+        py::arg("max_candidates") = 16);
   m.def("tuning_db_path", &kspec::tuning_db_path, py::arg("device") = 0);
   m.def("tuning_db_entries", &kspec::tuning_db_entries, py::arg("path") = "");
   m.def("tuning_export", &kspec::tuning_export, py::arg("file"), py::arg("path") = "");

@@ -34,6 +34,52 @@ __device__ __forceinline__ float warp_reduce_sum(float v) {
   return vals[0];
 }
 
+// A transposing reduction: sums each of V values over the P lanes {lane ^ (kStride * j), j < P} (P and
+// kStride powers of two, P * kStride <= 32), halving the values a lane holds at each level: a lane keeps
+// one half, sends the other to its partner and adds what comes back. V values cost V/2 + V/4 + ...
+// shuffles instead of V * log2(P). Afterwards, with p = (lane / kStride) % P the lane's position and
+// kOut = max(V / P, 1):
+//   P <= V: v[0 .. kOut) hold the sums of the original v[p * kOut + j];
+//   P > V:  v[0] holds the sum of the original v[p / (P / V)], alike in the P / V lanes that share it.
+// Returns the original index of v[0] and sets *writer for one lane per distinct sum (all when P <= V).
+// Every lane of the warp must call it (full shuffle mask).
+template <int V, int P, int kStride>
+struct TransposeReduce {
+  static_assert(V >= 1 && (V & (V - 1)) == 0, "V: a power of two");
+  static_assert(P >= 1 && (P & (P - 1)) == 0 && kStride >= 1 && P * kStride <= kWarpSize, "P lanes of stride kStride");
+  static constexpr int kOut = V >= P ? V / P : 1;
+
+  template <int W, int O>
+  static __device__ __forceinline__ void level(float (&v)[V], int lane, int& blk) {
+    if constexpr (O >= 1) {
+      const int off = O * kStride;
+      const bool bit = (lane & off) != 0;
+      if constexpr (W > 1) {
+        constexpr int H = W / 2;
+#pragma unroll
+        for (int j = 0; j < H; ++j) {
+          const float send = bit ? v[j] : v[j + H];
+          const float keep = bit ? v[j + H] : v[j];
+          v[j] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+        }
+        blk = 2 * blk + (bit ? 1 : 0);
+        level<H, O / 2>(v, lane, blk);
+      } else {
+        v[0] += __shfl_xor_sync(0xffffffffu, v[0], off);
+        level<1, O / 2>(v, lane, blk);
+      }
+    }
+  }
+
+  static __device__ __forceinline__ int run(float (&v)[V], int lane, bool* writer) {
+    int blk = 0;
+    level<V, P / 2>(v, lane, blk);
+    const int p = (lane / kStride) % P;
+    *writer = V >= P || p % (P / (V >= P ? P : V)) == 0;
+    return blk * kOut;
+  }
+};
+
 // Shared-memory floats row_group_reduce_sum needs for kN values (0: shuffles alone suffice).
 template <int kThreads, int kThreadsPerRow, int kN>
 struct RowReduceScratch {

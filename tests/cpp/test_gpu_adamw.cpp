@@ -301,3 +301,73 @@ INSTANTIATE_TEST_SUITE_P(Options, GpuAdamw, ::testing::ValuesIn(adamw_cases()),
                          [](const ::testing::TestParamInfo<AdamwCase>& i) { return i.param.name; });
 
 }  // namespace
+
+// A BoundCall (validated and uploaded once, as kspec.optim.AdamW's steps use it) computes what kspec::call
+// computes, step after step with a new step count; it refuses a compiled param and an output laid out
+// unlike the bound one. Without a GPU: its construction validates every tensor first, as call() does.
+TEST(GpuAdamwBound, RunsMatchPlainCallsAndRefuseWhatWasCompiledIn) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  std::mt19937_64 rng(5);
+  std::normal_distribution<double> normal;
+  auto fill = [&](double scale) {
+    std::vector<std::vector<double>> v(kSizes.size());
+    for (size_t t = 0; t < kSizes.size(); ++t)
+      for (int64_t i = 0; i < kSizes[t]; ++i) v[t].push_back(scale * normal(rng));
+    return v;
+  };
+  auto p0 = fill(1), g0 = fill(1), m0 = fill(0.1), v0 = fill(0.0);
+  for (auto& t : v0)
+    for (auto& x : t) x = x * x + 1e-3;
+  DeviceList pa(DType::f32, kSizes, false), ga(DType::f32, kSizes, false), ma(DType::f32, kSizes, false),
+      va(DType::f32, kSizes, false), pb(DType::f32, kSizes, false), gb(DType::f32, kSizes, false),
+      mb(DType::f32, kSizes, false), vb(DType::f32, kSizes, false);
+  for (auto* l : {&pa, &pb}) l->upload(p0);
+  for (auto* l : {&ga, &gb}) l->upload(g0);
+  for (auto* l : {&ma, &mb}) l->upload(m0);
+  for (auto* l : {&va, &vb}) l->upload(v0);
+  Scalar na, nb;
+  Params hyper{{"lr", 1e-2}, {"weight_decay", 0.1}, {"step", int64_t(1)}};
+  BoundCall bound("adamw", {pa.view(), ga.view(), ma.view(), va.view(), TensorView(), TensorView(), TensorView()},
+                  {TensorView(), na.view()}, hyper);
+  for (int64_t step = 1; step <= 3; ++step) {
+    bound.run({{"lr", 1e-2}, {"weight_decay", 0.1}, {"step", step}}, {TensorView(), na.view()});
+    call("adamw", {pb.view(), gb.view(), mb.view(), vb.view(), TensorView(), TensorView(), TensorView()},
+         {TensorView(), nb.view()}, {{"lr", 1e-2}, {"weight_decay", 0.1}, {"step", step}});
+  }
+  CU_CHECK(cuCtxSynchronize());
+  EXPECT_EQ(bound.runs(), 3);
+  EXPECT_TRUE(bound.idle());
+  EXPECT_EQ(pa.download(), pb.download());
+  EXPECT_EQ(ma.download(), mb.download());
+  EXPECT_EQ(va.download(), vb.download());
+  EXPECT_EQ(na.get(), nb.get());
+  EXPECT_THROW(bound.run({{"maximize", true}}, {TensorView(), na.view()}), InvalidArgument);
+  EXPECT_THROW(bound.run({}, {na.view(), na.view()}), InvalidArgument);
+  EXPECT_THROW(bound.run({}, {TensorView(), TensorView(reinterpret_cast<void*>(na.p), DType::f32, {1, 1}, 0)}),
+               InvalidArgument);
+  EXPECT_THROW(bound.run({{"lr", -1.0}}, {TensorView(), na.view()}), InvalidArgument);  // check_call's rules
+}
+
+TEST(AdamwBound, ConstructionValidatesEveryTensorBeforeAnythingElse) {
+  // No GPU needed: validation comes first (fake device pointers, never dereferenced).
+  alignas(16) static float host[64];
+  auto list_of = [](std::vector<TensorView>& items) { return TensorView::list(items.data(), static_cast<int64_t>(items.size())); };
+  std::vector<TensorView> cpu = {TensorView(host, DType::f32, {4}, kCpuDevice)};
+  try {
+    BoundCall b("adamw", {list_of(cpu), list_of(cpu), list_of(cpu), list_of(cpu), TensorView(), TensorView(), TensorView()},
+                {TensorView(), TensorView()});
+    FAIL() << "host tensors were bound";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("host memory"), std::string::npos) << e.what();
+  }
+  auto fake = [](uintptr_t at, int64_t n) { return TensorView(reinterpret_cast<void*>(at), DType::f32, {n}, 0); };
+  std::vector<TensorView> p = {fake(1 << 20, 4), fake(2 << 20, 8)}, g = {fake(3 << 20, 4), fake(4 << 20, 9)};
+  try {
+    BoundCall b("adamw", {list_of(p), list_of(g), list_of(p), list_of(p), TensorView(), TensorView(), TensorView()},
+                {TensorView(), TensorView()});
+    FAIL() << "lists of different shapes were bound";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'grads'[1] has shape"), std::string::npos) << e.what();
+  }
+}

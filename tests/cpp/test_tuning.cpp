@@ -6,11 +6,15 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
+#include "api/src/device_data.h"
 #include "api/src/kernels.h"
 #include "api/src/op.h"
 #include "api/src/tuning.h"
 #include "cache/tuning_db.h"
+#include "jit/driver.h"
+#include "gemm/lt_matmul.h"
 #include "kspec/kspec.h"
 #include "test_helpers.h"
 
@@ -259,15 +263,189 @@ TEST(Tuning, StaleOrCorruptDatabaseFallsBackToTheHeuristic) {
 }
 
 TEST(Tuning, TunerRequiresATuningSpace) {
-  kspec::TuneRequest r;
-  r.op = "gemm";
-  r.compile_only = true;
-  r.params = {{"m", int64_t(64)}, {"n", int64_t(64)}, {"k", int64_t(64)}};
+  kspec::OpDef bare = kspec::Registry::global().get("norm_act.fwd");
+  bare.tuning = kspec::TuningSpace{};
+  kspec::Problem p = problem_of(norm_request(64, 256));
+  p.op = &bare;
+  kspec::TuneRequest opts;
+  opts.compile_only = true;
   try {
-    kspec::tune(r);
-    FAIL() << "gemm has no tuning space";
+    kspec::tune_problem(bare, p, opts, {});
+    FAIL() << "an op without a tuning space was tuned";
   } catch (const kspec::Unsupported& e) {
     EXPECT_NE(std::string(e.what()).find("no tuning space"), std::string::npos) << e.what();
+  }
+}
+
+// ---- gemm: cuBLASLt algorithms as tuning configs ----
+
+namespace {
+
+kspec::CompileRequest gemm_request(const std::string& op, int64_t m, int64_t n, int64_t k, const std::string& act,
+                                   std::vector<std::string> without) {
+  kspec::CompileRequest r;
+  r.op = op;
+  r.dtype = kspec::DType::bf16;
+  r.arch = "sm_90";
+  r.params = {{"m", m}, {"n", n}, {"k", k}, {"act", act}};
+  r.without = std::move(without);
+  return r;
+}
+
+kspec::gemm::LtAlgoConfig sample_algo() {
+  kspec::gemm::LtAlgoConfig a;
+  a.algo = 66;
+  a.tile = 20;
+  a.stages = 35;
+  a.splitk = 2;
+  a.reduction = 1;
+  a.swizzle = 1;
+  a.custom = 3;
+  a.inner = 0;
+  a.cluster = 2;
+  return a;
+}
+
+std::string algo_text(const std::string& prefix) {
+  kspec::Config c;
+  kspec::gemm::add_to_config(sample_algo(), prefix, c);
+  return c.str();
+}
+
+}  // namespace
+
+TEST(GemmTuning, AlgoConfigRoundTripsThroughTheConfigText) {
+  using kspec::gemm::LtAlgoConfig;
+  kspec::Config c;
+  kspec::gemm::add_to_config(sample_algo(), "dx.", c);
+  EXPECT_EQ(c.str(), "dx.algo=66,dx.tile=20,dx.stages=35,dx.splitk=2,dx.reduction=1,dx.swizzle=1,dx.custom=3,"
+                     "dx.inner=0,dx.cluster=2");
+  kspec::Config parsed = kspec::Config::parse(c.str());
+  LtAlgoConfig a;
+  bool found = false;
+  std::string why;
+  ASSERT_TRUE(kspec::gemm::algo_from_config(parsed, "dx.", &a, &found, &why)) << why;
+  EXPECT_TRUE(found);
+  EXPECT_EQ(a.algo, 66);
+  EXPECT_EQ(a.tile, 20);
+  EXPECT_EQ(a.stages, 35);
+  EXPECT_EQ(a.splitk, 2);
+  EXPECT_EQ(a.reduction, 1);
+  EXPECT_EQ(a.swizzle, 1);
+  EXPECT_EQ(a.custom, 3);
+  EXPECT_EQ(a.cluster, 2);
+  // No field with another prefix: the heuristic's choice for that GEMM, not an error.
+  ASSERT_TRUE(kspec::gemm::algo_from_config(parsed, "dw.", &a, &found, &why)) << why;
+  EXPECT_FALSE(found);
+  ASSERT_TRUE(kspec::gemm::algo_from_config(kspec::Config{}, "", &a, &found, &why));
+  EXPECT_FALSE(found);
+}
+
+TEST(GemmTuning, AlgoConfigRejectsPartialOrOutOfRangeRecords) {
+  kspec::gemm::LtAlgoConfig a;
+  bool found = false;
+  std::string why;
+  EXPECT_FALSE(kspec::gemm::algo_from_config(kspec::Config::parse("algo=3,tile=5"), "", &a, &found, &why));
+  EXPECT_NE(why.find("missing stages"), std::string::npos) << why;
+  std::string bad = algo_text("");
+  for (const auto& [field, value] : std::vector<std::pair<std::string, std::string>>{
+           {"algo=66", "algo=-1"}, {"splitk=2", "splitk=0"}, {"swizzle=1", "swizzle=2"}, {"inner=0", "inner=70000"}}) {
+    std::string text = bad;
+    text.replace(text.find(field), field.size(), value);
+    EXPECT_FALSE(kspec::gemm::algo_from_config(kspec::Config::parse(text), "", &a, &found, &why)) << text;
+    EXPECT_NE(why.find("outside"), std::string::npos) << why;
+  }
+}
+
+TEST(GemmTuning, KeyIsTheProblemSignatureAndItsPowerOfTwoBucket) {
+  auto p = problem_of(gemm_request("gemm", 16384, 4096, 4096, "none", {"aux"}));
+  EXPECT_EQ(kspec::tune_bucket(p), "batch=1,wbatch=1,m=16384,n=4096,k=4096");
+  EXPECT_EQ(kspec::tuning_key(p), p.signature() + "#batch=1,wbatch=1,m=16384,n=4096,k=4096");
+  auto odd = problem_of(gemm_request("gemm", 4097, 4095, 33, "gelu", {"aux"}));
+  EXPECT_EQ(kspec::tune_bucket(odd), "batch=1,wbatch=1,m=8192,n=4096,k=64");
+  // The epilogue, the bias, the dtype and the op are in the signature; nearby sizes share a bucket.
+  EXPECT_NE(kspec::tuning_key(odd), kspec::tuning_key(problem_of(gemm_request("gemm", 4097, 4095, 33, "none", {"aux"}))));
+  EXPECT_NE(kspec::tuning_key(odd), kspec::tuning_key(problem_of(gemm_request("gemm", 4097, 4095, 33, "gelu", {"aux", "bias"}))));
+  EXPECT_NE(kspec::tuning_key(odd), kspec::tuning_key(problem_of(gemm_request("gemm.bwd", 4097, 4095, 33, "gelu", {}))));
+  EXPECT_EQ(kspec::tuning_key(odd), kspec::tuning_key(problem_of(gemm_request("gemm", 5000, 4000, 40, "gelu", {"aux"}))));
+}
+
+TEST(GemmTuning, ARecordedAlgorithmIsWhatDispatchChoosesAndOffIgnoresIt) {
+  TempDir dir;
+  std::string db = dir.path() + "/tuning.json";
+  EnvGuard env("KSPEC_TUNING_DB", db);
+  auto req = gemm_request("gemm", 16384, 4096, 4096, "none", {"aux"});
+  kspec::PlanInfo before = kspec::explain_request(req);
+  EXPECT_EQ(before.config_source, "heuristic");
+  EXPECT_EQ(before.config, "");  // cuBLASLt's own first choice
+  EXPECT_TRUE(before.kernels.empty());
+  put_entry(db, before.tuning_key, algo_text(""));
+  // The file keeps the algorithm readable: its fields by name.
+  auto doc = nlohmann::json::parse(slurp(db));
+  EXPECT_EQ(doc["entries"][before.tuning_key]["config"], algo_text(""));
+  kspec::PlanInfo after = kspec::explain_request(req);
+  EXPECT_EQ(after.config_source, "tuned");
+  EXPECT_EQ(after.config, algo_text(""));
+  EXPECT_NE(after.str().find("algo=66,tile=20"), std::string::npos) << after.str();
+  EXPECT_EQ(kspec::explain_request(gemm_request("gemm", 12000, 4096, 4096, "none", {"aux"})).config_source, "tuned");
+  EXPECT_EQ(kspec::explain_request(gemm_request("gemm", 40000, 4096, 4096, "none", {"aux"})).config_source, "heuristic");
+  EXPECT_EQ(kspec::explain_request(gemm_request("gemm", 16384, 4096, 4096, "relu", {"aux"})).config_source, "heuristic");
+  {
+    EnvGuard off("KSPEC_TUNE", "off");
+    kspec::PlanInfo ignored = kspec::explain_request(req);
+    EXPECT_EQ(ignored.config_source, "heuristic");
+    EXPECT_EQ(ignored.config, "");
+  }
+  // gemm.bwd records one algorithm per GEMM (either may be the heuristic's).
+  auto bwd = gemm_request("gemm.bwd", 16384, 4096, 4096, "gelu", {});
+  std::string both = algo_text("dx.") + "," + algo_text("dw.");
+  put_entry(db, kspec::explain_request(bwd).tuning_key, both);
+  EXPECT_EQ(kspec::explain_request(bwd).config, both);
+  put_entry(db, kspec::explain_request(bwd).tuning_key, algo_text("dw."));
+  EXPECT_EQ(kspec::explain_request(bwd).config_source, "tuned");
+}
+
+TEST(GemmTuning, MalformedRecordsFallBackToTheHeuristicWithANote) {
+  TempDir dir;
+  std::string db = dir.path() + "/tuning.json";
+  EnvGuard env("KSPEC_TUNING_DB", db);
+  auto req = gemm_request("gemm", 512, 512, 512, "gelu", {"aux"});
+  std::string key = kspec::explain_request(req).tuning_key;
+  std::string full = algo_text("");
+  for (const std::string& stale : {std::string("algo=3,tile=5"), full + ",unknown=1", algo_text("dx."),
+                                  std::string("algo=-3,tile=0,stages=0,splitk=1,reduction=0,swizzle=0,custom=0,inner=0,cluster=0"),
+                                  std::string("not a config")}) {
+    put_entry(db, key, stale);
+    kspec::PlanInfo info = kspec::explain_request(req);
+    EXPECT_EQ(info.config_source, "heuristic") << stale;
+    EXPECT_EQ(info.config, "") << stale;
+    EXPECT_NE(info.note.find("tuned entry ignored"), std::string::npos) << stale << ": " << info.note;
+  }
+  // A forced config is held to the same rules.
+  kspec::CompileRequest forced = req;
+  forced.config = kspec::Config::parse("algo=3");
+  EXPECT_THROW(kspec::compile(forced), kspec::InvalidArgument);
+}
+
+TEST(GemmTuning, WithoutAGpuTheTunerHasOnlyTheDefaultAndSaysWhy) {
+  for (const auto& [op, act, without] : std::vector<std::tuple<std::string, std::string, std::vector<std::string>>>{
+           {"gemm", "gelu", {"aux"}}, {"gemm.bwd", "gelu", {}}}) {
+    kspec::TuneRequest r;
+    r.op = op;
+    r.dtype = kspec::DType::bf16;
+    r.params = {{"m", int64_t(4097)}, {"n", int64_t(4095)}, {"k", int64_t(33)}, {"act", act}};
+    r.without = without;
+    r.compile_only = true;
+    r.write_db = false;
+    kspec::TuneResult res = kspec::tune(r);
+    EXPECT_FALSE(res.timed) << op;
+    ASSERT_EQ(res.candidates.size(), 1u) << op;
+    EXPECT_TRUE(res.candidates[0].is_default);
+    EXPECT_EQ(res.candidates[0].status, "not timed") << res.candidates[0].why;
+    EXPECT_NE(res.note.find("GPU"), std::string::npos) << res.note;
+    if (op == "gemm.bwd") {
+      EXPECT_GT(res.candidates[0].registers, 0);  // its act-grad kernel was compiled
+    }
   }
 }
 
@@ -311,4 +489,141 @@ TEST(Tuning, SpinKernelCompilesForEveryTunedArch) {
     EXPECT_GT(ob.entry->binary.size(), 0u) << arch;
     EXPECT_EQ(ob.entry->resources.spill_bytes, 0) << arch;
   }
+}
+
+TEST(GpuTuning, GemmTuneIsRecordedUsedByDispatchAndMatchesTheReference) {
+  KSPEC_REQUIRE_GPU();
+  TempDir dir;
+  EnvGuard env("KSPEC_TUNING_DB", dir.path() + "/tuning.json");
+  kspec::TuneRequest r;
+  r.op = "gemm";
+  r.dtype = kspec::DType::bf16;
+  r.params = {{"m", int64_t(1000)}, {"n", int64_t(768)}, {"k", int64_t(96)}, {"act", std::string("gelu")}};
+  r.without = {"aux"};
+  r.budget_s = 10;
+  r.max_candidates = 8;
+  kspec::TuneResult res = kspec::tune(r);
+  ASSERT_TRUE(res.timed);
+  EXPECT_TRUE(res.written);
+  EXPECT_GT(res.default_ms, 0);
+  EXPECT_LE(res.best_ms, res.default_ms);
+  int ok = 0;
+  for (const auto& c : res.candidates) {
+    if (c.status != "ok") continue;
+    ++ok;
+    EXPECT_LE(c.error, 1e-2) << c.config.str();
+  }
+  EXPECT_GE(ok, 2);
+  EXPECT_TRUE(kspec::cache::TuningDb(res.db_path).get(res.key).has_value());
+
+  // A call of that shape: explain says it uses the tuned algorithm, and its output matches float64.
+  kspec::jit::ContextGuard guard(0);
+  const kspec::OpDef& op = kspec::Registry::global().get("gemm");
+  kspec::CompileRequest req;
+  req.op = r.op;
+  req.dtype = r.dtype;
+  req.params = r.params;
+  req.without = r.without;
+  kspec::Problem p = kspec::problem_from_request(op, req);
+  auto host = kspec::random_inputs(op, p, 7);
+  std::vector<kspec::DeviceBuffer> bufs;
+  std::vector<kspec::TensorView> in(3), out(2);
+  std::vector<unsigned char> bytes;
+  for (size_t i = 0; i < 3; ++i) {
+    kspec::encode(kspec::DType::bf16, host[i].data, bytes);
+    bufs.emplace_back(bytes.size());
+    CU_CHECK(cuMemcpyHtoD(bufs.back().ptr, bytes.data(), bytes.size()));
+    in[i] = kspec::view_of(bufs.back().ptr, kspec::DType::bf16, host[i].shape, 0);
+  }
+  std::vector<int64_t> yshape = {1, 1000, 768};
+  bufs.emplace_back(1000 * 768 * 2);
+  out[0] = kspec::view_of(bufs.back().ptr, kspec::DType::bf16, yshape, 0);
+  kspec::PlanInfo info = kspec::explain_plan("gemm", in, out, {{"act", std::string("gelu")}});
+  EXPECT_EQ(info.config_source, "tuned") << info.str();
+  EXPECT_EQ(info.config, res.best_config.str());
+  kspec::call("gemm", in, out, {{"act", std::string("gelu")}});
+  CU_CHECK(cuCtxSynchronize());
+  std::vector<unsigned char> ybytes(1000 * 768 * 2);
+  CU_CHECK(cuMemcpyDtoH(ybytes.data(), bufs.back().ptr, ybytes.size()));
+  auto want = op.reference(p, host);
+  EXPECT_LE(kspec::rel_error(kspec::decode(kspec::DType::bf16, ybytes), want[0].data), 1e-2);
+}
+
+TEST(GpuTuning, AnAlgorithmCuBlasLtRefusesFallsBackToTheHeuristic) {
+  KSPEC_REQUIRE_GPU();
+  TempDir dir;
+  std::string db = dir.path() + "/tuning.json";
+  EnvGuard env("KSPEC_TUNING_DB", db);
+  auto req = gemm_request("gemm", 64, 64, 64, "none", {"aux"});
+  kspec::jit::ContextGuard guard(0);
+  const kspec::OpDef& op = kspec::Registry::global().get("gemm");
+  kspec::Problem p = kspec::problem_from_request(op, req);
+  auto host = kspec::random_inputs(op, p, 3);
+  std::vector<kspec::DeviceBuffer> bufs;
+  std::vector<kspec::TensorView> in(3), out(2);
+  std::vector<unsigned char> bytes;
+  for (size_t i = 0; i < 3; ++i) {
+    kspec::encode(kspec::DType::bf16, host[i].data, bytes);
+    bufs.emplace_back(bytes.size());
+    CU_CHECK(cuMemcpyHtoD(bufs.back().ptr, bytes.data(), bytes.size()));
+    in[i] = kspec::view_of(bufs.back().ptr, kspec::DType::bf16, host[i].shape, 0);
+  }
+  bufs.emplace_back(64 * 64 * 2);
+  out[0] = kspec::view_of(bufs.back().ptr, kspec::DType::bf16, {1, 64, 64}, 0);
+  // A well-formed record of an algorithm id no cuBLASLt has: explain and the launch both fall back.
+  std::string bogus = "algo=99999,tile=0,stages=0,splitk=1,reduction=0,swizzle=0,custom=0,inner=0,cluster=0";
+  put_entry(db, kspec::explain_plan("gemm", in, out, {}).tuning_key, bogus);
+  kspec::PlanInfo info = kspec::explain_plan("gemm", in, out, {});
+  EXPECT_EQ(info.config_source, "heuristic") << info.str();
+  EXPECT_NE(info.note.find("cuBLASLt refuses it"), std::string::npos) << info.note;
+  kspec::call("gemm", in, out, {});
+  CU_CHECK(cuCtxSynchronize());
+  std::vector<unsigned char> ybytes(64 * 64 * 2);
+  CU_CHECK(cuMemcpyDtoH(ybytes.data(), bufs.back().ptr, ybytes.size()));
+  auto want = op.reference(p, host);
+  EXPECT_LE(kspec::rel_error(kspec::decode(kspec::DType::bf16, ybytes), want[0].data), 1e-2);
+}
+
+TEST(GemmTuning, UnfusedEpilogueCandidatesCompileAndFollowTheirRules) {
+  // Every specialization of kspec's bias/act kernel builds without spilling where gemm is tuned.
+  int compiled = 0;
+  for (const char* arch : {"sm_80", "sm_90"})
+    for (auto dt : {kspec::DType::f32, kspec::DType::f16, kspec::DType::bf16})
+      for (const std::string act : {"relu", "gelu"})
+        for (int u : {1, 2})
+          for (bool aux : {false, true}) {
+            if (aux && act != "gelu") continue;
+            auto req = gemm_request("gemm", 4097, 4095, 33, act, aux ? std::vector<std::string>{} : std::vector<std::string>{"aux"});
+            req.dtype = dt;
+            req.arch = arch;
+            req.config = kspec::Config{{{"unfused", u}}};
+            auto reports = kspec::compile(req);
+            ASSERT_EQ(reports.size(), 1u) << act << u << aux;
+            EXPECT_NE(reports[0].kernel.find("gemm_bias_act_kernel"), std::string::npos);
+            EXPECT_NE(reports[0].kernel.find(u == 2 ? ", true, " : ", false, "), std::string::npos) << reports[0].kernel;
+            EXPECT_EQ(reports[0].spill_bytes, 0) << reports[0].kernel;
+            ++compiled;
+          }
+  EXPECT_EQ(compiled, 2 * 3 * 6);
+  // Rules: only with an activation, unfused=2 only with a bias, never mixed with algorithm fields.
+  const kspec::OpDef& op = kspec::Registry::global().get("gemm");
+  std::string why;
+  auto p = problem_of(gemm_request("gemm", 64, 64, 64, "none", {"aux"}));
+  EXPECT_FALSE(op.tuning.valid(p, kspec::Config::parse("unfused=1"), &why));
+  EXPECT_NE(why.find("relu or act=gelu"), std::string::npos) << why;
+  p = problem_of(gemm_request("gemm", 64, 64, 64, "gelu", {"aux", "bias"}));
+  EXPECT_TRUE(op.tuning.valid(p, kspec::Config::parse("unfused=1"), &why)) << why;
+  EXPECT_FALSE(op.tuning.valid(p, kspec::Config::parse("unfused=2"), &why));
+  EXPECT_FALSE(op.tuning.valid(p, kspec::Config::parse("unfused=3"), &why));
+  EXPECT_FALSE(op.tuning.valid(p, kspec::Config::parse("unfused=1," + algo_text("")), &why));
+  // A recorded unfused winner is what dispatch plans, kernel included.
+  TempDir dir;
+  std::string db = dir.path() + "/tuning.json";
+  EnvGuard env("KSPEC_TUNING_DB", db);
+  auto req = gemm_request("gemm", 4097, 4095, 33, "gelu", {"aux"});
+  put_entry(db, kspec::explain_request(req).tuning_key, "unfused=2");
+  kspec::PlanInfo info = kspec::explain_request(req);
+  EXPECT_EQ(info.config_source, "tuned");
+  ASSERT_EQ(info.kernels.size(), 1u);
+  EXPECT_NE(info.kernels[0].name.find("gemm_bias_act_kernel"), std::string::npos);
 }

@@ -199,3 +199,30 @@ def test_cpp_checker_from_python():
     for op in ("gemm", "gemm.bwd"):
         rows = kspec.check(op)
         assert rows and all(r["passed"] for r in rows), [r for r in rows if not r["passed"]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+@pytest.mark.parametrize("unfused", [1, 2])
+@pytest.mark.parametrize("layout", ["2d", "batched", "gapped"])
+def test_unfused_epilogue_candidates_match_reference(dtype, act, unfused, layout):
+    """The tuner's unfused candidates (plain GEMM, then kspec's bias/act kernel), forced, against float64."""
+    m, n, k = (4097, 40, 33) if layout == "2d" else (33, 40, 7)
+    if layout == "2d":
+        x = torch.randn(m, k, device="cuda").to(dtype)
+    else:
+        base = torch.randn(3, m + (5 if layout == "gapped" else 0), k, device="cuda").to(dtype)
+        x = base[:, :m]
+    w = torch.randn(n, k, device="cuda").to(dtype)
+    b = torch.randn(n, device="cuda").to(dtype)
+    save = act == "gelu"
+    y = torch.full(x.shape[:-1] + (n,) if layout == "2d" else (3, m + 2, n), float("nan"), device="cuda",
+                   dtype=dtype)[..., :m, :]  # gapped output rows too, for the per-batch launches
+    pre = torch.full(x.shape[:-1] + (n,), float("nan"), device="cuda", dtype=dtype) if save else None
+    kspec.call("gemm", x, w, b, act=act, out=(y, pre), config=f"unfused={unfused}")
+    want_y, want_pre = ref.gemm_fwd(_np(x), _np(w), _np(b), act)
+    lin = torch.matmul(x, w.t()) + b
+    tact = torch.relu if act == "relu" else (lambda t: torch.nn.functional.gelu(t, approximate="tanh"))
+    _check(y, want_y, tact(lin), dtype, f"y unfused={unfused}")
+    if save:
+        _check(pre, want_pre, lin, dtype, "pre")

@@ -2,7 +2,8 @@
 # One command for a GPU machine (H100, CUDA 13, torch preinstalled, no network): builds the C++ library
 # and the Python package there, runs GoogleTest and pytest with the GPU, the main job (every op against
 # its float64 reference), the benchmarks, and prints a results table. Results go to $OUT (or ./gpu-out).
-# Stages: check.sh [build] [test] [bench] [sanitize] [tune] [e79] (default: build test bench).
+# Stages: check.sh [build] [test] [bench] [sanitize] [scan] [e79] [tune] [tune_gemm] (default: build
+# test bench; tune includes tune_gemm, which alone tunes only the gemm problems).
 set -uo pipefail  # a failing step is recorded, the others still run
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -57,7 +58,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,te
 cat "$OUT/gpu.txt"
 
 # The selective-scan peer builds from source (~150 s, 16 cores) while kspec builds and tests.
-if { has bench || [ -n "${KSPEC_BUILD_PEERS:-}" ]; } && ls .peers/mamba_ssm-*.tar.gz >/dev/null 2>&1 && ! python3 -c "import torch, selective_scan_cuda" 2>/dev/null; then
+if { has bench || has scan || [ -n "${KSPEC_BUILD_PEERS:-}" ]; } && ls .peers/mamba_ssm-*.tar.gz >/dev/null 2>&1 && ! python3 -c "import torch, selective_scan_cuda" 2>/dev/null; then
   setsid nohup bash tools/gpu/build_mamba.sh > /tmp/mamba_build.log 2>&1 < /dev/null &
 fi
 
@@ -89,6 +90,18 @@ if has sanitize; then
     --gtest_filter='Gpu.EveryOpEveryCase*:Gpu.ZeroRows'
   step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 build/gpu/tests/cpp/kspec_tests \
     --gtest_filter='Gpu.EveryVisibleDevice'
+  # The scan's kernels of both algorithms (shared memory staged by the block, shuffles, atomics).
+  for op_cfg in "selective_scan.fwd algo=0,warps=4,items=8,lanes=1,chunk=32" \
+                "selective_scan.fwd algo=1,warps=4,items=4,lanes=4,chunk=32" \
+                "selective_scan.bwd algo=0,warps=4,items=8,lanes=1,chunk=16" \
+                "selective_scan.bwd algo=1,warps=4,items=4,lanes=8,chunk=16"; do
+    read -r op cfg <<< "$op_cfg"
+    name=${op#selective_scan.}_a${cfg:5:1}
+    step "memcheck_$name" compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m kspec check --op "$op" \
+      --case dim_37 --case seqlen_1023 --case seqlen_2 --dtype bf16 --dtype f32 --config "$cfg"
+    step "racecheck_$name" compute-sanitizer --tool racecheck --error-exitcode 1 python3 -m kspec check --op "$op" \
+      --case dim_37 --case seqlen_2 --dtype bf16 --config "$cfg"
+  done
 fi
 
 if has bench; then
@@ -156,16 +169,38 @@ PY
   step bench_e79 python3 tools/bench/bench_e79.py --json "$OUT/bench_e79.json" ${KSPEC_BENCH_E79_ARGS:-}
 fi
 
-if has tune; then
-  # Tune norm_act and selective_scan (about 60 s each), into a database under $OUT; reports (PNG, CSV,
-  # JSON) per problem; the summary prints default vs tuned time for each.
+if has scan; then
+  # The selective scan's algo-1 kernels: every config on edge cases against float64, the checker (every
+  # case, heuristic configs; --large took over 6 minutes of float64 references on the host), every
+  # backward config timed at 8x2048x2048 (kspec tune), the benchmark against mamba_ssm.
+  C=(base:bf16 batch_1:f32 seqlen_1:f32 seqlen_2:f32 seqlen_1023:f32 dim_37:f32 dstate_1:f32 dstate_4:bf16
+     dstate_64:f32 groups_4:bf16 fixed_bc:f32 fixed_b:f32 no_z:bf16 no_softplus:f32 none_optional:f32
+     wide_8x1024:bf16 wide_even_8x1024:bf16 bc_fp32:bf16 seqlen_even_1024:f16)
+  step scan_configs python3 tools/gpu/check_configs.py selective_scan.bwd selective_scan.fwd \
+    --match algo=1 $(printf -- '--case %s ' "${C[@]}") --json "$OUT/scan_configs.json"
+  step scan_check python3 -m kspec check --op selective_scan.fwd --op selective_scan.bwd --json "$OUT/scan_check.json"
+  KSPEC_TUNING_DB=/tmp/scan-tune.json step scan_tune_bwd python3 -m kspec tune selective_scan.bwd --dtype bf16 \
+    --param delta_softplus=true --without h0 --without dlast_state --budget 60 \
+    --shape batch=8,dim=2048,seqlen=2048,dstate=16,groups=1 --json "$OUT/scan_tune_bwd.json"
+  if [ -f /tmp/mamba_build.log ]; then
+    for _ in $(seq 360); do [ -f /tmp/mamba_build.done ] && break; sleep 1; done
+    echo "mamba_ssm build: exit $(cat /tmp/mamba_build.done 2>/dev/null || echo 'not finished')"
+  fi
+  step bench_selective_scan python3 tools/bench/bench.py --family selective_scan --json "$OUT/bench_selective_scan.json"
+fi
+
+if has tune || has tune_gemm; then
+  # Tune norm_act and selective_scan (about 60 s each) and gemm, into a database under $OUT; reports
+  # (PNG, CSV, JSON) per problem; the summary prints default vs tuned time for each.
   export KSPEC_TUNING_DB="$OUT/tuning"
   mkdir -p "$OUT/tune"
-  BUDGET=${TUNE_BUDGET:-40}  # seconds per problem; 8 problems
+  BUDGET=${TUNE_BUDGET:-40}  # seconds per problem; 8 problems (+3 gemm)
   tune_one() {  # tune_one NAME OP ARGS...
     local name=$1; shift
     step "tune_$name" python3 -m kspec tune "$@" --budget "$BUDGET" --report "$OUT/tune/$name" --json "$OUT/tune/$name.result.json"
   }
+fi
+if has tune; then
   NA=(--dtype bf16 --param norm=rmsnorm --param act=silu)
   tune_one norm_fwd_16384x4096 norm_act.fwd "${NA[@]}" --shape rows=16384,hidden=4096
   tune_one norm_bwd_16384x4096 norm_act.bwd "${NA[@]}" --shape rows=16384,hidden=4096
@@ -179,6 +214,19 @@ if has tune; then
     tune_one "scan_bwd_${b}x${d}x${l}" selective_scan.bwd "${SS[@]}" --without h0 --without dlast_state \
       --shape batch=$b,dim=$d,seqlen=$l,dstate=16,groups=1
   done
+fi
+if has tune || has tune_gemm; then
+  # gemm: cuBLASLt's 16 best heuristic candidates per problem (bf16, bias, no saved pre-activation): the
+  # large square-ish one, and the skinny K=33 one with bias+gelu whose heuristic choice ran at 6 TFLOP/s;
+  # gemm.bwd tunes dx's and dW's algorithms. Then tune_gemm_check: explain reports the tuned algorithm,
+  # dispatch vs the heuristic vs torch timed, outputs against float64 ($OUT/tune/gemm_dispatch.json).
+  GM=(--dtype bf16 --without aux --candidates 16)
+  tune_one gemm_16384x4096x4096_bias gemm "${GM[@]}" --shape m=16384,n=4096,k=4096
+  tune_one gemm_4097x4095x33_bias_gelu gemm "${GM[@]}" --param act=gelu --shape m=4097,n=4095,k=33
+  tune_one gemm_bwd_16384x4096x4096_gelu gemm.bwd --dtype bf16 --param act=gelu --candidates 8 \
+    --shape m=16384,n=4096,k=4096
+  step tune_gemm_check python3 tools/gpu/tune_gemm_check.py --shape 16384,4096,4096 --shape 4097,4095,33:gelu \
+    --json "$OUT/tune/gemm_dispatch.json"
   python3 -m kspec tune --list --json "$OUT/tune/db_entries.json" | tee -a "$OUT/log.txt"
   python3 - "$OUT/tune" <<'PY' | tee "$OUT/tune/summary.txt" | tee -a "$OUT/log.txt"
 import glob, json, os, sys
@@ -187,7 +235,8 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.result.json"))):
     r = json.load(open(f))
     name = os.path.basename(f)[:-len(".result.json")]
     if r["default_ms"] > 0 and r["best_ms"] > 0:
-        print(f"{name:<28} {r['default_config']:<48} {r['default_ms']:8.4f} {r['best_config']:<48} {r['best_ms']:8.4f}"
+        print(f"{name:<28} {r['default_config'] or '(heuristic)':<48} {r['default_ms']:8.4f}"
+              f" {r['best_config'] or '(heuristic)':<48} {r['best_ms']:8.4f}"
               f" {r['default_ms'] / r['best_ms']:5.2f}x")
 PY
   unset KSPEC_TUNING_DB

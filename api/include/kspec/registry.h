@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -102,6 +103,7 @@ struct OpInfo {
   std::vector<ParamDef> params;
   std::vector<DimDef> dims;
   std::vector<std::pair<std::string, std::vector<int64_t>>> tuning_axes;
+  std::string tuning_note;  // a space that is not a product of axes (gemm: cuBLASLt's candidates)
   std::string reference;  // where the float64 reference lives
 };
 
@@ -129,6 +131,32 @@ struct CallOptions {
 void call(std::string_view op, const std::vector<TensorView>& inputs,
           const std::vector<TensorView>& outputs, const Params& params = {}, Stream stream = nullptr,
           const CallOptions& options = {});
+
+// A call validated once and launched again and again on the same tensors (an optimizer's step over the
+// same parameter lists): the constructor does everything call() does before a launch — every tensor of
+// every list validated, the plan (tuned or heuristic config) and the op's own tables (adamw uploads its
+// table of tensors and chunks to device memory once) — and run() then takes only the params declared
+// runtime (lr, step, ...) and outputs laid out like the bound ones. Its view of the inputs is fixed:
+// when a pointer, shape or dtype changes, build a new one (Python's kspec.optim.AdamW does so by
+// comparing every pointer before each step). Destroying it waits for its last run's kernels.
+class BoundCall {
+ public:
+  BoundCall(std::string_view op, const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
+            const Params& params = {});
+  ~BoundCall();
+  BoundCall(const BoundCall&) = delete;
+  BoundCall& operator=(const BoundCall&) = delete;
+  // Throws InvalidArgument for a param that is not runtime, or an output unlike the bound one.
+  void run(const Params& runtime_params, const std::vector<TensorView>& outputs, Stream stream = nullptr);
+  const std::string& config() const;  // the plan's config (as text)
+  int64_t runs() const;
+  // Whether its last run's kernels have finished (then destroying it does not wait). Never blocks.
+  bool idle() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 // Output shapes and dtypes for given inputs (callers that allocate outputs: Python, tests).
 struct OutputSpec {

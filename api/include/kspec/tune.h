@@ -28,6 +28,7 @@ struct TuneRequest {
   bool compile_only = false;            // prune and compile, time nothing (works without a GPU)
   bool write_db = true;                 // record the winner in the tuning database
   int batches = 15;                     // timed batches per config (the median is kept)
+  int max_candidates = 16;              // library ops (gemm): the heuristic's top candidates to time
   uint64_t seed = 0;                    // input data (0: fixed default seed)
 };
 
@@ -49,12 +50,15 @@ struct TuneResult {
   std::string op, gpu, arch, signature, bucket, key, shape, db_path;
   Config default_config, best_config;
   double default_ms = -1, best_ms = -1;
-  std::vector<TuneCandidate> candidates;  // the default first, then every combination of the axes
+  // The default first, then every combination of the axes (or, for a library op such as gemm, the
+  // library's candidates for the problem, found on the GPU, and any the op builds from their timings).
+  std::vector<TuneCandidate> candidates;
   bool timed = false;                     // false without a GPU or with compile_only
   bool written = false;                   // the winner was recorded in db_path
   double seconds = 0;
   int batch_calls = 0;                    // calls per timed batch (for the default)
   int input_sets = 0;                     // input sets rotated so that L2 does not flatter small problems
+  std::string note;                       // e.g. why nothing could be timed
 };
 
 struct TuneProgress {

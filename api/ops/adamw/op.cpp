@@ -1,11 +1,13 @@
 // adamw: fused multi-tensor AdamW (decoupled weight decay) over lists of tensors of any sizes, with
 // optional AMSGrad, maximize, fp32 master weights for bf16/fp16 parameters, gradient clipping by the
 // global norm and gradient unscaling with an inf/nan check that skips the step. The launcher builds a
-// table of tensors and fixed-size chunks in kspec's workspace (one host-to-device copy on the stream).
+// table of tensors and fixed-size chunks in kspec's workspace (one host-to-device copy on the stream);
+// a BoundCall (kspec.optim.AdamW, step after step) builds and uploads it once.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
+#include "api/src/device_data.h"
 #include "api/src/op.h"
 #include "jit/driver.h"
 
@@ -90,13 +92,17 @@ void check_call(const Call& call) {
     KSPEC_CHECK(params.item(i).numel() < (int64_t(1) << 62), op, ": tensor ", i, " is too large");
 }
 
-void launch(const Call& call, const Config& c, Launcher& l) {
-  const Problem& p = call.problem;
+// The table the kernels read: one AdamwTensor per tensor, then one AdamwChunk per `chunk` elements of each
+// (5400 chunks for GPT-350M's 354.8 M parameters at 65536), as bytes; tensors_bytes is the chunks' offset.
+struct Table {
+  std::vector<unsigned char> bytes;
+  size_t tensors_bytes = 0;
+  int n_chunks = 0;
+};
+
+Table build_table(const Call& call, int64_t chunk) {
   const TensorView &params = call.in("params"), &grads = call.in("grads"), &m = call.in("exp_avg"),
-                   &v = call.in("exp_avg_sq"), &master = call.in("master"), &vmax = call.in("max_exp_avg_sq"),
-                   &scale = call.in("grad_scale");
-  const TensorView &found_inf = call.out("found_inf"), &grad_norm = call.out("grad_norm");
-  const int64_t chunk = c.get("chunk");
+                   &v = call.in("exp_avg_sq"), &master = call.in("master"), &vmax = call.in("max_exp_avg_sq");
   std::vector<AdamwTensor> tensors;
   std::vector<AdamwChunk> chunks;
   tensors.reserve(params.list_size());
@@ -108,21 +114,59 @@ void launch(const Call& call, const Config& c, Launcher& l) {
                        vmax.defined() ? static_cast<float*>(vmax.item(i).data) : nullptr, n});
     for (int64_t s = 0; s < n; s += chunk) chunks.push_back({static_cast<int>(i), 0, s});
   }
+  Table t;
+  t.tensors_bytes = round_up(tensors.size() * sizeof(AdamwTensor));
+  t.n_chunks = static_cast<int>(chunks.size());
+  t.bytes.resize(t.tensors_bytes + round_up(chunks.size() * sizeof(AdamwChunk)));
+  if (!tensors.empty()) std::memcpy(t.bytes.data(), tensors.data(), tensors.size() * sizeof(AdamwTensor));
+  if (!chunks.empty()) std::memcpy(t.bytes.data() + t.tensors_bytes, chunks.data(), chunks.size() * sizeof(AdamwChunk));
+  return t;
+}
+
+// A bound call's table, uploaded once (an optimizer's parameter lists do not move between steps).
+struct BoundTable final : BoundData {
+  DeviceBuffer buffer;
+  size_t tensors_bytes = 0;
+  int n_chunks = 0;
+  explicit BoundTable(size_t bytes) : buffer(bytes) {}
+};
+
+std::unique_ptr<BoundData> bind(const Call& call, const Config& c) {
+  Table t = build_table(call, c.get("chunk"));
+  auto b = std::make_unique<BoundTable>(t.bytes.size());
+  b->tensors_bytes = t.tensors_bytes;
+  b->n_chunks = t.n_chunks;
+  if (!t.bytes.empty()) CU_CHECK(cuMemcpyHtoD(b->buffer.ptr, t.bytes.data(), t.bytes.size()));
+  return b;
+}
+
+void launch(const Call& call, const Config& c, Launcher& l) {
+  const Problem& p = call.problem;
+  const TensorView& scale = call.in("grad_scale");
+  const TensorView &found_inf = call.out("found_inf"), &grad_norm = call.out("grad_norm");
   CUstream stream = reinterpret_cast<CUstream>(call.stream);
-  const size_t tensors_bytes = round_up(tensors.size() * sizeof(AdamwTensor));
-  const size_t chunks_bytes = round_up(chunks.size() * sizeof(AdamwChunk));
-  const size_t partial_bytes = round_up(chunks.size() * sizeof(double));
-  char* ws = static_cast<char*>(l.workspace(tensors_bytes + chunks_bytes + partial_bytes + 256));
-  // One copy of the table; from pageable memory, cuMemcpyHtoDAsync stages it before returning, so the
-  // host vector may go away at once (and the host does not wait for the stream).
-  std::vector<unsigned char> table(tensors_bytes + chunks_bytes);
-  if (!tensors.empty()) std::memcpy(table.data(), tensors.data(), tensors.size() * sizeof(AdamwTensor));
-  if (!chunks.empty()) std::memcpy(table.data() + tensors_bytes, chunks.data(), chunks.size() * sizeof(AdamwChunk));
-  if (!table.empty()) CU_CHECK(cuMemcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(ws), table.data(), table.size(), stream));
-  void* tensors_dev = ws;
-  void* chunks_dev = ws + tensors_bytes;
-  void* partial = ws + tensors_bytes + chunks_bytes;
-  float* result = reinterpret_cast<float*>(ws + tensors_bytes + chunks_bytes + partial_bytes);
+  void *tensors_dev = nullptr, *chunks_dev = nullptr;
+  int n_chunks = 0;
+  char* ws = nullptr;
+  if (auto* bound = dynamic_cast<const BoundTable*>(call.bound)) {
+    n_chunks = bound->n_chunks;
+    tensors_dev = reinterpret_cast<void*>(bound->buffer.ptr);
+    chunks_dev = reinterpret_cast<char*>(bound->buffer.ptr) + bound->tensors_bytes;
+    ws = static_cast<char*>(l.workspace(round_up(n_chunks * sizeof(double)) + 256));
+  } else {
+    Table t = build_table(call, c.get("chunk"));
+    n_chunks = t.n_chunks;
+    char* base = static_cast<char*>(l.workspace(t.bytes.size() + round_up(n_chunks * sizeof(double)) + 256));
+    // One copy of the table; from pageable memory, cuMemcpyHtoDAsync stages it before returning, so the
+    // host vector may go away at once (and the host does not wait for the stream).
+    if (!t.bytes.empty()) CU_CHECK(cuMemcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(base), t.bytes.data(), t.bytes.size(), stream));
+    tensors_dev = base;
+    chunks_dev = base + t.tensors_bytes;
+    ws = base + t.bytes.size();
+  }
+  const size_t partial_bytes = round_up(n_chunks * sizeof(double));
+  void* partial = ws;
+  float* result = reinterpret_cast<float*>(ws + partial_bytes);
 
   const double lr = p.param_float("lr"), b1 = p.param_float("beta1"), b2 = p.param_float("beta2");
   const double step = static_cast<double>(p.param_int("step"));
@@ -134,7 +178,7 @@ void launch(const Call& call, const Config& c, Launcher& l) {
                  static_cast<float>(lr / bc1), static_cast<float>(std::sqrt(bc2)), max_norm};
 
   const unsigned threads = static_cast<unsigned>(c.get("threads"));
-  const unsigned grid = static_cast<unsigned>(chunks.size());
+  const unsigned grid = static_cast<unsigned>(n_chunks);
   const float* gs = scale.defined() ? static_cast<const float*>(scale.data) : nullptr;
   float* fi = found_inf.defined() ? static_cast<float*>(found_inf.data) : nullptr;
   float* gn = grad_norm.defined() ? static_cast<float*>(grad_norm.data) : nullptr;
@@ -145,7 +189,6 @@ void launch(const Call& call, const Config& c, Launcher& l) {
       void* a0[] = {&tensors_dev, &chunks_dev, &partial};
       l.launch(0, {grid}, {threads}, 0, a0);
     }
-    int n_chunks = static_cast<int>(chunks.size());
     void* a1[] = {&partial, &n_chunks, &gs, &max_norm, &result, &fi, &gn};
     l.launch(1, {1}, {kFinalizeThreads}, 0, a1);
     res = result;
@@ -207,6 +250,7 @@ OpDef make_adamw() {
   op.kernels = kernels;
   op.check_call = check_call;
   op.launch = launch;
+  op.bind = bind;
   op.reference = [](const Problem&, const std::vector<HostTensor>&) -> std::vector<HostTensor> {
     throw Unsupported("adamw: list inputs: the generic checker does not build lists; see ref::adamw_ref and "
                       "tests/python/test_gpu_adamw.py");

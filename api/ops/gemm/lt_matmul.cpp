@@ -1,12 +1,17 @@
-// cuBLASLt matmul: RAII descriptors per call (a few µs of host time), the heuristic's algorithm cached.
+// cuBLASLt matmul: RAII descriptors per call (a few µs of host time), the heuristic's (or a tuned and
+// checked) algorithm cached; the heuristic's top candidates for the tuner.
 #include "gemm/lt_matmul.h"
 
+#include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 
 #include "jit/cublaslt.h"
+#include "jit/log.h"
 
 namespace kspec::gemm {
 namespace {
@@ -75,31 +80,197 @@ std::string algo_key(const LtCall& c, int device, size_t ws) {
                         c.aux_ld, ",", c.aux_batch_stride, "|d", device, "|w", ws);
 }
 
+// The descriptors of one call (a few µs of host time).
+struct Descriptors {
+  cublasComputeType_t compute;
+  cudaDataType_t tab, td;
+  Desc desc;
+  Layout la, lb, ld;
+  explicit Descriptors(const LtCall& c)
+      : compute(c.ab_dtype == DType::f32 && c.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F),
+        tab(lt_type(c.ab_dtype)),
+        td(lt_type(c.d_dtype)),
+        desc(compute),
+        la(tab, c.g.a, c.g.batch),
+        lb(tab, c.g.b, c.g.batch),
+        ld(td, c.g.d, c.g.batch) {
+    const LtGemm& g = c.g;
+    cublasOperation_t ta = g.a.transpose ? CUBLAS_OP_T : CUBLAS_OP_N, tb = g.b.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
+    desc.set(CUBLASLT_MATMUL_DESC_TRANSA, ta);
+    desc.set(CUBLASLT_MATMUL_DESC_TRANSB, tb);
+    if (c.epilogue != CUBLASLT_EPILOGUE_DEFAULT) desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, c.epilogue);
+    if (c.bias) desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, c.bias);
+    if (c.aux) {
+      desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, c.aux);
+      desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, c.aux_ld);
+      if (g.batch > 1) desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE, c.aux_batch_stride);
+    }
+  }
+};
+
+// The heuristic's first `count` results. NOT_SUPPORTED (seen on the H100 for the BGRADB epilogue with one
+// row, m = 1 or n = 1) means the same as finding nothing.
+std::vector<cublasLtMatmulHeuristicResult_t> heuristic(Descriptors& d, cublasLtHandle_t handle, size_t ws,
+                                                       int count) {
+  Preference pref(ws);
+  std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(count));
+  int found = 0;
+  cublasStatus_t st = jit::cublaslt().cublasLtMatmulAlgoGetHeuristic(handle, d.desc.h, d.la.h, d.lb.h, d.ld.h, d.ld.h,
+                                                                      pref.h, count, results.data(), &found);
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED) found = 0;
+  else if (st != CUBLAS_STATUS_SUCCESS)
+    jit::throw_cublas_error(st, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
+  results.resize(static_cast<size_t>(std::max(found, 0)));
+  results.erase(std::remove_if(results.begin(), results.end(),
+                               [](const auto& r) { return r.state != CUBLAS_STATUS_SUCCESS; }),
+                results.end());
+  return results;
+}
+
+template <typename T>
+bool get_attr(const cublasLtMatmulAlgo_t& a, cublasLtMatmulAlgoConfigAttributes_t attr, int64_t* out) {
+  T v{};
+  size_t written = 0;
+  if (jit::cublaslt().cublasLtMatmulAlgoConfigGetAttribute(&a, attr, &v, sizeof(v), &written) != CUBLAS_STATUS_SUCCESS)
+    return false;
+  *out = static_cast<int64_t>(v);
+  return true;
+}
+
+template <typename T>
+cublasStatus_t set_attr(cublasLtMatmulAlgo_t& a, cublasLtMatmulAlgoConfigAttributes_t attr, int64_t value) {
+  T v = static_cast<T>(value);
+  return jit::cublaslt().cublasLtMatmulAlgoConfigSetAttribute(&a, attr, &v, sizeof(v));
+}
+
+LtAlgoConfig config_of(const cublasLtMatmulAlgo_t& a) {
+  LtAlgoConfig c;
+  get_attr<int32_t>(a, CUBLASLT_ALGO_CONFIG_ID, &c.algo);
+  get_attr<uint32_t>(a, CUBLASLT_ALGO_CONFIG_TILE_ID, &c.tile);
+  get_attr<uint32_t>(a, CUBLASLT_ALGO_CONFIG_STAGES_ID, &c.stages);
+  get_attr<int32_t>(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &c.splitk);
+  get_attr<uint32_t>(a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &c.reduction);
+  get_attr<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &c.swizzle);
+  get_attr<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &c.custom);
+  get_attr<uint16_t>(a, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, &c.inner);
+  get_attr<uint16_t>(a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &c.cluster);
+  return c;
+}
+
+std::string config_text(const LtAlgoConfig& a) {
+  Config c;
+  add_to_config(a, "", c);
+  return c.str();
+}
+
+// cublasLtMatmulAlgoInit for the call's types, then each attribute; then cublasLtMatmulAlgoCheck on the
+// call's descriptors. False with `why` when any step refuses.
+bool build_algo(Descriptors& d, cublasLtHandle_t handle, const LtAlgoConfig& c, size_t ws, cublasLtMatmulAlgo_t* out,
+                std::string* why) {
+  const auto& lt = jit::cublaslt();
+  cublasLtMatmulAlgo_t a{};
+  auto failed = [&](const char* what, cublasStatus_t st) {
+    *why = detail::concat(what, ": ", lt.cublasLtGetStatusName(st));
+    return false;
+  };
+  cublasStatus_t st = lt.cublasLtMatmulAlgoInit(handle, d.compute, CUDA_R_32F, d.tab, d.tab, d.td, d.td,
+                                                static_cast<int>(c.algo), &a);
+  if (st != CUBLAS_STATUS_SUCCESS) return failed("cublasLtMatmulAlgoInit", st);
+  struct {
+    cublasStatus_t st;
+    const char* name;
+  } sets[] = {
+      {set_attr<uint32_t>(a, CUBLASLT_ALGO_CONFIG_TILE_ID, c.tile), "tile"},
+      {set_attr<uint32_t>(a, CUBLASLT_ALGO_CONFIG_STAGES_ID, c.stages), "stages"},
+      {set_attr<int32_t>(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, c.splitk), "splitk"},
+      {set_attr<uint32_t>(a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, c.reduction), "reduction"},
+      {set_attr<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, c.swizzle), "swizzle"},
+      {set_attr<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, c.custom), "custom"},
+      {set_attr<uint16_t>(a, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, c.inner), "inner"},
+      {set_attr<uint16_t>(a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, c.cluster), "cluster"},
+  };
+  for (const auto& s : sets)
+    if (s.st != CUBLAS_STATUS_SUCCESS) return failed(detail::concat("setting ", s.name).c_str(), s.st);
+  cublasLtMatmulHeuristicResult_t res{};
+  st = lt.cublasLtMatmulAlgoCheck(handle, d.desc.h, d.la.h, d.lb.h, d.ld.h, d.ld.h, &a, &res);
+  if (st != CUBLAS_STATUS_SUCCESS) return failed("cublasLtMatmulAlgoCheck", st);
+  if (res.workspaceSize > ws) {
+    *why = detail::concat("needs ", res.workspaceSize, " bytes of workspace, kspec has ", ws);
+    return false;
+  }
+  *out = a;
+  return true;
+}
+
+struct Range {
+  const char* name;
+  int64_t LtAlgoConfig::*field;
+  int64_t lo, hi;
+};
+
+const std::vector<Range>& ranges() {
+  static const std::vector<Range> r = {
+      {"algo", &LtAlgoConfig::algo, 0, INT32_MAX},          {"tile", &LtAlgoConfig::tile, 0, UINT32_MAX},
+      {"stages", &LtAlgoConfig::stages, 0, UINT32_MAX},     {"splitk", &LtAlgoConfig::splitk, 1, INT32_MAX},
+      {"reduction", &LtAlgoConfig::reduction, 0, UINT32_MAX}, {"swizzle", &LtAlgoConfig::swizzle, 0, 1},
+      {"custom", &LtAlgoConfig::custom, 0, UINT32_MAX},     {"inner", &LtAlgoConfig::inner, 0, UINT16_MAX},
+      {"cluster", &LtAlgoConfig::cluster, 0, UINT16_MAX},
+  };
+  return r;
+}
+
 }  // namespace
+
+const std::vector<std::string>& lt_algo_fields() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> n;
+    for (const auto& r : ranges()) n.push_back(r.name);
+    return n;
+  }();
+  return names;
+}
+
+void add_to_config(const LtAlgoConfig& a, const std::string& prefix, Config& out) {
+  for (const auto& r : ranges()) out.values.emplace_back(prefix + r.name, a.*r.field);
+}
+
+bool algo_from_config(const Config& c, const std::string& prefix, LtAlgoConfig* out, bool* found, std::string* why) {
+  LtAlgoConfig a;
+  int have = 0;
+  std::string missing;
+  for (const auto& r : ranges()) {
+    std::string name = prefix + r.name;
+    if (!c.has(name)) {
+      missing += (missing.empty() ? "" : ", ") + name;
+      continue;
+    }
+    ++have;
+    int64_t v = c.get(name);
+    if (v < r.lo || v > r.hi) {
+      *why = detail::concat(name, "=", v, " is outside [", r.lo, ", ", r.hi, "]");
+      return false;
+    }
+    a.*r.field = v;
+  }
+  *found = have > 0;
+  if (have > 0 && !missing.empty()) {
+    *why = detail::concat("a cuBLASLt algorithm needs every field; missing ", missing);
+    return false;
+  }
+  if (have > 0) *out = a;
+  return true;
+}
 
 void lt_matmul(const LtCall& c, int device, Stream stream, void* workspace, size_t workspace_bytes) {
   const LtGemm& g = c.g;
   if (g.m == 0 || g.n == 0 || g.batch == 0) return;
   KSPEC_CHECK_AS(g.k > 0, Unsupported, "gemm: the reduction dim k is 0");
-  cublasComputeType_t compute =
-      c.ab_dtype == DType::f32 && c.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
-  Desc desc(compute);
-  cublasOperation_t ta = g.a.transpose ? CUBLAS_OP_T : CUBLAS_OP_N, tb = g.b.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
-  desc.set(CUBLASLT_MATMUL_DESC_TRANSA, ta);
-  desc.set(CUBLASLT_MATMUL_DESC_TRANSB, tb);
-  if (c.epilogue != CUBLASLT_EPILOGUE_DEFAULT) desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, c.epilogue);
-  if (c.bias) desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, c.bias);
-  if (c.aux) {
-    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, c.aux);
-    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, c.aux_ld);
-    if (g.batch > 1) desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE, c.aux_batch_stride);
-  }
-  cudaDataType_t tab = lt_type(c.ab_dtype), td = lt_type(c.d_dtype);
-  Layout la(tab, g.a, g.batch), lb(tab, g.b, g.batch), ld(td, g.d, g.batch);
+  Descriptors d(c);
 
   static std::mutex mu;
   static std::map<std::string, cublasLtMatmulAlgo_t> algos;
   std::string key = algo_key(c, device, workspace_bytes);
+  if (c.algo) key += "|cfg:" + config_text(*c.algo);
   cublasLtMatmulAlgo_t algo;
   bool have = false;
   {
@@ -112,26 +283,42 @@ void lt_matmul(const LtCall& c, int device, Stream stream, void* workspace, size
   }
   cublasLtHandle_t handle = jit::cublaslt_handle(device);
   if (!have) {
-    Preference pref(workspace_bytes);
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    // NOT_SUPPORTED (seen on the H100 for the BGRADB epilogue with one row, m = 1 or n = 1) means the
-    // same as finding nothing: Unsupported, which callers with a plainer fallback catch.
-    cublasStatus_t st = jit::cublaslt().cublasLtMatmulAlgoGetHeuristic(handle, desc.h, la.h, lb.h, ld.h, ld.h, pref.h,
-                                                                        1, &result, &found);
-    if (st == CUBLAS_STATUS_NOT_SUPPORTED) found = 0;
-    else if (st != CUBLAS_STATUS_SUCCESS)
-      jit::throw_cublas_error(st, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
-    KSPEC_CHECK_AS(found > 0, Unsupported, "gemm: cuBLASLt has no algorithm for ", describe(g), " (",
-                   dtype_name(c.ab_dtype), " -> ", dtype_name(c.d_dtype), ", epilogue ", static_cast<int>(c.epilogue),
-                   ")");
-    algo = result.algo;
+    std::string why;
+    if (c.algo && build_algo(d, handle, *c.algo, workspace_bytes, &algo, &why)) {
+      have = true;
+    } else if (c.algo) {
+      jit::warn_once("gemm-algo:" + key, "gemm: the tuned cuBLASLt algorithm {" + config_text(*c.algo) +
+                                             "} does not apply to " + describe(g) + " (" + why +
+                                             "); using cuBLASLt's heuristic (retune with kspec tune gemm)");
+    }
+    if (!have) {
+      auto found = heuristic(d, handle, workspace_bytes, 1);
+      KSPEC_CHECK_AS(!found.empty(), Unsupported, "gemm: cuBLASLt has no algorithm for ", describe(g), " (",
+                     dtype_name(c.ab_dtype), " -> ", dtype_name(c.d_dtype), ", epilogue ",
+                     static_cast<int>(c.epilogue), ")");
+      algo = found[0].algo;
+    }
     std::lock_guard<std::mutex> lock(mu);
     algos.emplace(key, algo);
   }
   float alpha = 1.f, beta = c.beta;
-  CUBLAS_CHECK(cublasLtMatmul(handle, desc.h, &alpha, c.a, la.h, c.b, lb.h, &beta, c.d, ld.h, c.d, ld.h, &algo,
-                              workspace, workspace_bytes, reinterpret_cast<cudaStream_t>(stream)));
+  CUBLAS_CHECK(cublasLtMatmul(handle, d.desc.h, &alpha, c.a, d.la.h, c.b, d.lb.h, &beta, c.d, d.ld.h, c.d, d.ld.h,
+                              &algo, workspace, workspace_bytes, reinterpret_cast<cudaStream_t>(stream)));
+}
+
+std::vector<LtCandidate> lt_candidates(const LtCall& c, int device, size_t workspace_bytes, int max_count) {
+  std::vector<LtCandidate> out;
+  if (c.g.m == 0 || c.g.n == 0 || c.g.batch == 0 || c.g.k == 0 || max_count <= 0) return out;
+  Descriptors d(c);
+  for (const auto& r : heuristic(d, jit::cublaslt_handle(device), workspace_bytes, max_count))
+    out.push_back({config_of(r.algo), r.workspaceSize, r.wavesCount});
+  return out;
+}
+
+bool lt_algo_applies(const LtCall& c, const LtAlgoConfig& a, int device, size_t workspace_bytes, std::string* why) {
+  Descriptors d(c);
+  cublasLtMatmulAlgo_t algo;
+  return build_algo(d, jit::cublaslt_handle(device), a, workspace_bytes, &algo, why);
 }
 
 }  // namespace kspec::gemm

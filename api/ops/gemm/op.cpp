@@ -3,6 +3,9 @@
 // elementwise kernel for act'(pre) when there is an activation). Views of any transposition reach
 // cuBLASLt without copies through gemm/layout.h.
 #include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
 
 #include "api/src/op.h"
 #include "jit/driver.h"
@@ -53,6 +56,87 @@ bool weight_broadcast(const TensorView& x, const TensorView& w, const std::strin
   KSPEC_CHECK(same, op, ": 'weight' ", w.describe(), ": its batch dims must be absent (one weight for all) or equal "
               "to x's ", x.describe());
   return false;
+}
+
+// ---- tuning: a cuBLASLt algorithm as a config ----
+// The space is the heuristic's top candidates for the problem (found on the GPU by the tuner); the default
+// config is empty: cuBLASLt's first choice, as without tuning. gemm's config names an algorithm's fields
+// ("algo=..,tile=..,stages=.."); gemm.bwd's name the dx and dW GEMMs' ("dx.algo=..", "dw.algo=..").
+
+// Every name in the config is one of the algorithm fields behind one of `prefixes`, and each prefix's
+// fields are complete and in range.
+bool valid_algo_config(const Config& c, const std::vector<std::string>& prefixes, std::string* why) {
+  for (const auto& [name, v] : c.values) {
+    bool known = false;
+    for (const auto& pre : prefixes)
+      for (const auto& f : gemm::lt_algo_fields()) known = known || name == pre + f;
+    if (!known) {
+      if (why) *why = "'" + name + "' is not a cuBLASLt algorithm field (" + (prefixes[0].empty() ? "" : "dx./dw. + ") +
+                      "algo, tile, stages, splitk, reduction, swizzle, custom, inner, cluster)";
+      return false;
+    }
+  }
+  for (const auto& pre : prefixes) {
+    gemm::LtAlgoConfig a;
+    bool found = false;
+    std::string w;
+    if (!gemm::algo_from_config(c, pre, &a, &found, &w)) {
+      if (why) *why = w;
+      return false;
+    }
+  }
+  return true;
+}
+
+// The algorithm a config names for one GEMM (`prefix`), or nullptr for the heuristic's. `storage` holds it.
+const gemm::LtAlgoConfig* algo_of(const Config& c, const std::string& prefix, gemm::LtAlgoConfig* storage) {
+  if (c.values.empty()) return nullptr;
+  bool found = false;
+  std::string why;
+  if (!gemm::algo_from_config(c, prefix, storage, &found, &why)) throw InvalidArgument("gemm: config {" + c.str() + "}: " + why);
+  return found ? storage : nullptr;
+}
+
+std::vector<Config> candidate_configs(const gemm::LtCall& lt, int device, int max_count, const std::string& prefix) {
+  std::vector<Config> out;
+  for (const auto& cand : gemm::lt_candidates(lt, device, gemm::kLtWorkspaceBytes, max_count)) {
+    Config c;
+    gemm::add_to_config(cand.config, prefix, c);
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+// "" when the config's algorithm(s) apply to the call's GEMM(s), else why not.
+std::string algo_applies(const gemm::LtCall& lt, const Config& c, const std::string& prefix, int device) {
+  gemm::LtAlgoConfig a;
+  const gemm::LtAlgoConfig* algo = algo_of(c, prefix, &a);
+  std::string why;
+  if (!algo || gemm::lt_algo_applies(lt, *algo, device, gemm::kLtWorkspaceBytes, &why)) return "";
+  return (prefix.empty() ? "" : prefix) + "cuBLASLt refuses it: " + why;
+}
+
+const std::string kTuningNote = "cuBLASLt algorithm: the heuristic's top candidates, timed by kspec tune";
+
+// gemm's unfused epilogue (relu/gelu): unfused=1: cuBLASLt's plain GEMM with its BIAS epilogue, then
+// templates/gemm/gemm_bias_act.cuh applies the activation (and saves aux); unfused=2: the bias too in that
+// kernel. The plain GEMM runs cuBLASLt's heuristic algorithm.
+constexpr unsigned kBiasActThreads = 256;
+
+int64_t unfused_of(const Config& c) { return c.has("unfused") ? c.get("unfused") : 0; }
+
+bool valid_fwd_config(const Problem& p, const Config& c, std::string* why) {
+  if (!c.has("unfused")) return valid_algo_config(c, {""}, why);
+  auto fail = [&](std::string w) {
+    if (why) *why = std::move(w);
+    return false;
+  };
+  int64_t u = c.get("unfused");
+  if (c.values.size() != 1) return fail("unfused runs cuBLASLt's heuristic for the plain GEMM: no algorithm fields with it");
+  if (u != 1 && u != 2) return fail("unfused is 1 (bias in cuBLASLt's epilogue) or 2 (bias in kspec's kernel)");
+  if (act_code(p) == 0) return fail("unfused is for act=relu or act=gelu");
+  if (u == 2 && !p.present("bias")) return fail("unfused=2 adds the bias in kspec's kernel, and there is no bias");
+  return true;
 }
 
 struct FwdPlan {
@@ -181,10 +265,61 @@ OpDef make_fwd() {
   i.dims = gemm_dims();
   i.reference = "api/ops/gemm/reference.cpp (python/kspec/reference/gemm.py)";
   op.check_call = [](const Call& call) { plan_fwd(call); };
-  op.launch = [](const Call& call, const Config&, Launcher& l) {
+  op.tuning.heuristic = [](const Problem&) { return Config{}; };
+  op.tuning.valid = valid_fwd_config;
+  op.tuning.candidates = [](const Call& call, int n) {
+    std::vector<Config> out = candidate_configs(plan_fwd(call).lt, call.device, n, "");
+    if (act_code(call.problem) != 0) {
+      out.push_back(Config{{{"unfused", 1}}});
+      if (call.problem.present("bias")) out.push_back(Config{{{"unfused", 2}}});
+    }
+    return out;
+  };
+  op.tuning.applies = [](const Call& call, const Config& c) {
+    return unfused_of(c) ? std::string() : algo_applies(plan_fwd(call).lt, c, "", call.device);
+  };
+  i.tuning_note = kTuningNote + "; or unfused=1|2 with act relu/gelu (the plain GEMM, then kspec's bias/act kernel)";
+  op.kernels = [](const Problem& p, const Config& c) {
+    std::vector<jit::KernelSpec> out;
+    int64_t u = unfused_of(c);
+    if (u == 0) return out;  // cuBLASLt alone
+    out.push_back(kernel_spec(p, "gemm/gemm_bias_act.cuh", "kspec::gemm_bias_act_kernel",
+                              {dtype_cuda_type(p.dtype("x")), std::to_string(act_code(p)),
+                               u == 2 ? "true" : "false", p.present("aux") ? "true" : "false",
+                               std::to_string(kBiasActThreads)}));
+    return out;
+  };
+  op.launch = [](const Call& call, const Config& config, Launcher& l) {
     FwdPlan f = plan_fwd(call);
+    int64_t u = unfused_of(config);
+    gemm::LtAlgoConfig algo;
+    f.lt.algo = u ? nullptr : algo_of(config, "", &algo);
+    if (u) {
+      f.lt.epilogue = u == 1 && f.lt.bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+      if (u == 2) f.lt.bias = nullptr;
+      f.lt.aux = nullptr;
+    }
     void* ws = l.workspace(gemm::kLtWorkspaceBytes);
     gemm::lt_matmul(f.lt, call.device, call.stream, ws, gemm::kLtWorkspaceBytes);
+    if (!u) return;
+    // The activation over y: one launch when its rows lie at one stride (batches end to end), else one per batch.
+    const TensorView &y = call.out("y"), &b = call.in("bias"), &aux = call.out("aux");
+    gemm::MatrixView yv = matrix_of(y, call.problem.op->info.name, "y");
+    int64_t batch = std::max<int64_t>(call.problem.dim("batch"), 1), m = yv.rows, n = yv.cols;
+    bool uniform = batch == 1 || m == 1 || yv.batch_stride == m * yv.row_stride;
+    int64_t launches = uniform ? 1 : batch, rows = uniform ? batch * m : m;
+    long long stride = m == 1 && batch > 1 ? yv.batch_stride : yv.row_stride, cols = n;
+    size_t esize = dtype_size(y.dtype);
+    for (int64_t k = 0; k < launches; ++k) {
+      void* yp = static_cast<char*>(y.data) + k * yv.batch_stride * esize;
+      const void* bp = b.data;
+      void* ap = aux.defined() ? static_cast<void*>(static_cast<char*>(aux.data) + k * m * n * esize) : nullptr;
+      long long r = rows;
+      void* args[] = {&yp, &bp, &ap, &r, &cols, &stride};
+      int64_t blocks = std::min<int64_t>((rows * n + kBiasActThreads - 1) / kBiasActThreads,
+                                         int64_t(l.multiprocessors()) * 16);
+      if (rows * n > 0) l.launch(0, {static_cast<unsigned>(blocks)}, {kBiasActThreads}, 0, args);
+    }
   };
   op.reference = fwd_reference;
   op.cases = fwd_cases();
@@ -203,6 +338,10 @@ struct BwdPlan {
   const void* dpre_data = nullptr;
   bool dbias_by_ones = false;        // dbias = ones·dpre (the dW GEMM cannot carry the BGRADB epilogue)
 };
+
+// Where plans are built only to read their layouts (tuning candidates, explain): dpre's address stands in
+// for the workspace's (256-byte aligned, as the real one is); nothing is read or written through it.
+void* const kDpreStandIn = reinterpret_cast<void*>(uintptr_t(1) << 20);
 
 // dpre is dy itself without an activation, else the act-grad kernel's contiguous output (workspace).
 BwdPlan plan_bwd(const Call& call, void* dpre) {
@@ -372,7 +511,44 @@ OpDef make_bwd() {
     return out;
   };
   op.check_call = [](const Call& call) { plan_bwd(call, nullptr); };
-  op.launch = [](const Call& call, const Config&, Launcher& l) {
+  op.tuning.heuristic = [](const Problem&) { return Config{}; };
+  op.tuning.valid = [](const Problem&, const Config& c, std::string* why) {
+    return valid_algo_config(c, {"dx.", "dw."}, why);
+  };
+  // dx's candidates with dW on the heuristic's algorithm, dW's with dx's; refine puts the two winners together.
+  op.tuning.candidates = [](const Call& call, int n) {
+    BwdPlan f = plan_bwd(call, kDpreStandIn);
+    std::vector<Config> out = candidate_configs(f.dx, call.device, n, "dx.");
+    if (f.dw_per_batch.empty() && !f.dbias_by_ones) {
+      for (auto& c : candidate_configs(f.dw, call.device, n, "dw.")) out.push_back(std::move(c));
+    }
+    return out;
+  };
+  op.tuning.refine = [](const Problem&, const std::vector<TuneCandidate>& timed) {
+    const TuneCandidate *dx = nullptr, *dw = nullptr, *def = nullptr;
+    for (const auto& c : timed) {
+      if (c.status != "ok") continue;
+      if (c.is_default) def = &c;
+      bool is_dx = !c.config.values.empty() && c.config.values[0].first.rfind("dx.", 0) == 0;
+      bool is_dw = !c.config.values.empty() && c.config.values[0].first.rfind("dw.", 0) == 0;
+      if (is_dx && (!dx || c.median_ms < dx->median_ms)) dx = &c;
+      if (is_dw && (!dw || c.median_ms < dw->median_ms)) dw = &c;
+    }
+    std::vector<Config> out;
+    if (!def || !dx || !dw || dx->median_ms >= def->median_ms || dw->median_ms >= def->median_ms) return out;
+    Config both = dx->config;
+    for (const auto& v : dw->config.values) both.values.push_back(v);
+    out.push_back(std::move(both));
+    return out;
+  };
+  op.tuning.applies = [](const Call& call, const Config& c) {
+    BwdPlan f = plan_bwd(call, kDpreStandIn);
+    std::string why = algo_applies(f.dx, c, "dx.", call.device);
+    if (why.empty() && f.dw_per_batch.empty() && !f.dbias_by_ones) why = algo_applies(f.dw, c, "dw.", call.device);
+    return why;
+  };
+  i.tuning_note = kTuningNote + " (dx and dW each)";
+  op.launch = [](const Call& call, const Config& config, Launcher& l) {
     const Problem& p = call.problem;
     int64_t rows = std::max<int64_t>(p.dim("batch"), 1) * p.dim("m"), n = p.dim("n");
     // One workspace request (a larger one would move it): cuBLASLt's, then dpre, then ones for dbias.
@@ -384,6 +560,10 @@ OpDef make_bwd() {
     char* ws = static_cast<char*>(l.workspace(ones_offset + ones_bytes));
     void* dpre = dpre_bytes ? ws + dpre_offset : nullptr;
     BwdPlan f = plan_bwd(call, dpre);
+    gemm::LtAlgoConfig dx_algo, dw_algo;
+    f.dx.algo = algo_of(config, "dx.", &dx_algo);
+    f.dw.algo = algo_of(config, "dw.", &dw_algo);
+    for (auto& c : f.dw_per_batch) c.algo = f.dw.algo;
     if (f.needs_act_grad && rows * n > 0) {
       const void *dyp = call.in("dy").data, *sp = call.in("saved").data;
       long long r = f.rows, c = f.cols, s = f.dy_row_stride;
@@ -401,6 +581,7 @@ OpDef make_bwd() {
         if (!f.dw.bias) throw;
         gemm::LtCall plain = f.dw;
         plain.epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+        plain.algo = nullptr;  // a tuned algorithm was for the BGRADB epilogue
         plain.bias = nullptr;
         gemm::lt_matmul(plain, call.device, call.stream, ws, gemm::kLtWorkspaceBytes);
         lt_bias_grad(call, f, ws + ones_offset, ws);
@@ -414,6 +595,9 @@ OpDef make_bwd() {
   };
   op.reference = bwd_reference;
   op.prepare_inputs = bwd_prepare;
+  // The tuner's saved pre-activation stays random: recomputing the forward in float64 on the host takes
+  // minutes at 16384x4096x4096, and every candidate is compared with the default on the same inputs.
+  op.prepare_for_timing = false;
   op.cases = bwd_cases();
   op.dtypes = kFloatTypes;
   return op;

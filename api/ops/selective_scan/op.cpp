@@ -218,7 +218,15 @@ int64_t seq_fwd_smem_bytes(const Problem& p, const Config& c) {
   int64_t nvar = (var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0);
   return 4 * (3 * chunk * cs + nvar * chunk * np);
 }
-constexpr int64_t kSeqSmemLimit = 96 * 1024;  // two blocks per SM on sm_80/sm_90
+constexpr int64_t kSeqSmemLimit = 96 * 1024;
+
+// Dynamic shared memory of the sequential backward (seq_bwd_smem_floats in the template).
+int64_t seq_bwd_smem_bytes(const Problem& p, const Config& c) {
+  int64_t chunk = c.get("chunk"), cs = seq_channels(c) + 1, np = seq_spt(p, c) * c.get("lanes");
+  int64_t nvar = (var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0);
+  return 4 * ((5 + (p.param_bool("delta_softplus") ? 1 : 0) + (p.present("z") ? 2 : 0)) * chunk * cs + nvar * chunk * np + nvar * c.get("warps") * np * (chunk + 1) +
+              chunk * seq_spt(p, c) * c.get("warps") * 32);
+}  // two blocks per SM on sm_80/sm_90
 
 // The largest power of two (up to 256) dividing dim / groups when a variable B/C has several groups:
 // a block's channels must share one group, so this decides which block widths are legal.
@@ -238,7 +246,14 @@ std::string fwd_key(const Problem& p) {
   return even_key(p) + ",gfit|" + std::to_string(group_fit(p)) + (many_channels(p) ? ",wide" : ",narrow");
 }
 
-bool seq_valid(const Problem& p, const Config& c, int64_t smem_bytes, std::string* why) {
+// The backward's algo-0 warp fit, and the forward's distinctions for algo 1.
+std::string bwd_all_key(const Problem& p) {
+  return bwd_key(p) + ",gfit|" + std::to_string(group_fit(p)) + (many_channels(p) ? ",wide" : ",narrow");
+}
+
+// The rules of both sequential kernels; `prefetch_regs`: the forward's rule for the registers of its
+// vectorized prefetch (the backward prefetches scalars).
+bool seq_valid(const Problem& p, const Config& c, int64_t smem_bytes, bool prefetch_regs, std::string* why) {
   auto no = [&](const char* w) {
     if (why) *why = w;
     return false;
@@ -246,7 +261,7 @@ bool seq_valid(const Problem& p, const Config& c, int64_t smem_bytes, std::strin
   int64_t lanes = c.get("lanes"), n = p.dim("dstate");
   if (lanes > 1 && lanes > n) return no("more lanes per channel than states");
   if (seq_spt(p, c) > 8) return no("more than 8 states per thread (a group of 4 steps holds 8 B/C values per state)");
-  if (is_even(p)) {
+  if (prefetch_regs && is_even(p)) {
     // The next chunk's u, delta, z, B, C wait in registers during the scan, beside this chunk's z:
     // at most 40 of them (more spilled under NVRTC beside the scan's ~70).
     auto vecs = [&](DType dt, int64_t rows) { return ceil_div(rows * c.get("chunk") / (16 / dtype_size(dt)), c.get("warps") * 32); };
@@ -280,7 +295,7 @@ TuningSpace fwd_tuning() {
         if (why) *why = "algo 1 does not use items (canonical value 4)";
         return false;
       }
-      return seq_valid(p, c, seq_fwd_smem_bytes(p, c), why);
+      return seq_valid(p, c, seq_fwd_smem_bytes(p, c), true, why);
     }
     if (c.get("lanes") != 1 || c.get("chunk") != 32) {
       if (why) *why = "algo 0 does not use lanes or chunk (canonical values 1, 32)";
@@ -303,7 +318,7 @@ TuningSpace fwd_tuning() {
       // memory halves the resident blocks); 2 or 8 warps and 2 lanes within 5%.
       for (int64_t warps : {4, 8, 2}) {
         Config c{{{"algo", 1}, {"warps", warps}, {"items", 4}, {"lanes", seq_default_lanes(p)}, {"chunk", 32}}};
-        if (seq_valid(p, c, seq_fwd_smem_bytes(p, c), nullptr)) return c;
+        if (seq_valid(p, c, seq_fwd_smem_bytes(p, c), true, nullptr)) return c;
       }
     }
     return Config{{{"algo", 0}, {"warps", 4}, {"items", 8}, {"lanes", 1}, {"chunk", 32}}};
@@ -311,24 +326,54 @@ TuningSpace fwd_tuning() {
   return t;
 }
 
+// The sequential backward holds the next chunk in registers (SeqBwdChunk): u, delta, dout, z per
+// element of [channel][step], a variable B and C per element of [state][step]. Beyond 24 of them the
+// kernel spilled under NVRTC 13.0 (it needs ~200 registers besides at 4 states per thread).
+bool seq_bwd_prefetch_fits(const Problem& p, const Config& c) {
+  int64_t threads = c.get("warps") * 32, chunk = c.get("chunk");
+  int64_t pe = ceil_div(seq_channels(c) * chunk, threads);
+  int64_t pn = ceil_div(seq_spt(p, c) * c.get("lanes") * chunk, threads);
+  return pe * (2 + (p.present("z") ? 2 : 1)) + pn * ((var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0)) <= 24;
+}
+
 TuningSpace bwd_tuning() {
   TuningSpace t;
-  // 16 items would hold ~13 arrays of 16 floats per lane: too many registers for the backward.
-  t.axes = {{"warps", {1, 2, 4, 8}}, {"items", {4, 8}}};
+  // algo 0: warp-scan (warps, items; 16 items would hold ~13 arrays of 16 floats per lane: too many
+  // registers); algo 1: sequential states (warps, lanes, chunk). Unused axes hold their first value.
+  t.axes = {{"algo", {0, 1}}, {"warps", {1, 2, 4, 8}}, {"items", {4, 8}}, {"lanes", {1, 2, 4, 8, 16, 32}},
+            {"chunk", {16, 32}}};
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     auto no = [&](const char* w) {
       if (why) *why = w;
       return false;
     };
+    if (c.get("algo") == 1) {
+      if (c.get("items") != 4) return no("algo 1 does not use items (canonical value 4)");
+      if (!seq_bwd_prefetch_fits(p, c)) return no("the prefetched chunk would need more than 24 registers per thread");
+      return seq_valid(p, c, seq_bwd_smem_bytes(p, c), false, why);
+    }
+    if (c.get("lanes") != 1 || c.get("chunk") != 16) return no("algo 0 does not use lanes or chunk (canonical values 1, 16)");
     if (!bwd_warps_fit(p, c.get("warps"))) return no("warps must divide dim / groups with a variable B or C");
     if (bwd_smem_bytes(p, c.get("warps"), c.get("items")) > kStaticSmemBytes)
       return no("more static shared memory than 48 KiB");
     return true;
   };
   t.heuristic = [](const Problem& p) {
+    if (many_channels(p)) {
+      // H100, 8x2048x2048 bf16 (kspec tune, every config): (4 warps, 8 lanes, chunk 16) 2.35 ms, 4 lanes
+      // 2.42, 16 lanes 2.67, chunk 32 3.26; the warp scan's best 2.63. Two states per thread: 151
+      // registers, three blocks per SM (four lanes: 254, two blocks).
+      int64_t lanes = 1;
+      while (lanes < 32 && ceil_div(p.dim("dstate"), lanes) > 2) lanes *= 2;
+      for (int64_t warps : {4, 8, 2}) {
+        Config c{{{"algo", 1}, {"warps", warps}, {"items", 4}, {"lanes", lanes}, {"chunk", 16}}};
+        if (seq_bwd_prefetch_fits(p, c) && seq_valid(p, c, seq_bwd_smem_bytes(p, c), false, nullptr)) return c;
+      }
+    }
     for (int64_t w : {4, 2, 1})
-      if (bwd_warps_fit(p, w) && bwd_smem_bytes(p, w, 8) <= kStaticSmemBytes) return Config{{{"warps", w}, {"items", 8}}};
-    return Config{{{"warps", 1}, {"items", 4}}};
+      if (bwd_warps_fit(p, w) && bwd_smem_bytes(p, w, 8) <= kStaticSmemBytes)
+        return Config{{{"algo", 0}, {"warps", w}, {"items", 8}, {"lanes", 1}, {"chunk", 16}}};
+    return Config{{{"algo", 0}, {"warps", 1}, {"items", 4}, {"lanes", 1}, {"chunk", 16}}};
   };
   return t;
 }
@@ -501,12 +546,14 @@ OpDef make_bwd() {
   };
   op.tuning = bwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.derived_key = bwd_key;
+  op.derived_key = bwd_all_key;
   op.kernels = [](const Problem& p, const Config& c) {
     std::vector<std::string> red = {dtype_cuda_type(p.dtype("B")), dtype_cuda_type(p.dtype("C")),
                                     std::to_string(p.dim("dstate")), b2s(var_b(p)), b2s(var_c(p)),
                                     b2s(p.present("D")), b2s(p.present("delta_bias"))};
-    return std::vector<jit::KernelSpec>{spec(p, "kspec::selective_scan_bwd_kernel", {traits(p, c)}),
+    const bool seq = c.get("algo") == 1;
+    return std::vector<jit::KernelSpec>{seq ? spec(p, "kspec::selective_scan_bwd_seq_kernel", {seq_traits(p, c)})
+                                            : spec(p, "kspec::selective_scan_bwd_kernel", {traits(p, c)}),
                                         spec(p, "kspec::selective_scan_bwd_reduce_kernel", red),
                                         spec(p, "kspec::selective_scan_bwd_zero_kernel", {})};
   };
@@ -515,13 +562,15 @@ OpDef make_bwd() {
     const Problem& p = call.problem;
     int64_t batch = p.dim("batch"), dim64 = p.dim("dim"), seq64 = p.dim("seqlen"), N = p.dim("dstate");
     int64_t warps = c.get("warps"), items = c.get("items");
+    const bool seq = c.get("algo") == 1;
     int dim = static_cast<int>(dim64), seqlen = static_cast<int>(seq64);
     int groups = static_cast<int>(groups_of(p)), cpg = dim / groups;
     bool vb = var_b(p), vc = var_c(p);
     if (dim == 0 || batch == 0) return;
     KSPEC_CHECK(seqlen > 0, "selective_scan.bwd: input 'u': seqlen must be at least 1");
-    // Workspace: tile states | per-channel partials | variable dB, dC accumulators (fp32).
-    int64_t ntiles = ceil_div(seq64, 32 * items);
+    // Workspace: tile (algo 0) or chunk (algo 1) states | per-channel partials | variable dB, dC
+    // accumulators (fp32).
+    int64_t ntiles = ceil_div(seq64, seq ? c.get("chunk") : 32 * items);
     int64_t n_states = batch * dim64 * ntiles * N, n_part = batch * dim64 * (3 * N + 2);
     int64_t n_var = batch * groups * N * seq64;
     int64_t n_db = vb ? n_var : 0, n_dc = vc ? n_var : 0;
@@ -541,11 +590,19 @@ OpDef make_bwd() {
          *dh0 = call.out("dh0").data;
     void* args[] = {&u,     &delta, &A,  &B,      &C,      &D,      &z,    &bias,  &h0,  &dout, &dlast, &du,
                     &ddelta, &dz,   &dh0, &db_acc, &dc_acc, &states, &part, &dim, &seqlen, &cpg, &groups};
-    // With a variable B/C, warps divides dim / groups (the tuning space's rule, kept apart in the plan
-    // cache by bwd_key), so blocks are whole: a partial block's extra warps would write other rows.
-    KSPEC_CHECK_AS(bwd_warps_fit(p, warps), Error, "selective_scan.bwd: config warps = ", warps,
-                   " does not divide dim / groups = ", cpg, " (a plan chosen for another dim?)");
-    l.launch(0, {u32(ceil_div(dim, warps)), u32(batch)}, {u32(warps * 32)}, 0, args);
+    if (seq) {
+      // A block's channels share one group (the tuning space's rule, kept apart in the plan cache by the key).
+      KSPEC_CHECK_AS(seq_channels(c) <= group_fit(p), Error, "selective_scan.bwd: config ", c.str(),
+                     " puts channels of two B/C groups in one block (a plan chosen for another dim?)");
+      l.launch(0, {u32(ceil_div(dim, seq_channels(c))), u32(batch)}, {u32(warps * 32)},
+               static_cast<unsigned>(seq_bwd_smem_bytes(p, c)), args);
+    } else {
+      // With a variable B/C, warps divides dim / groups (the tuning space's rule, kept apart in the plan
+      // cache by bwd_key), so blocks are whole: a partial block's extra warps would write other rows.
+      KSPEC_CHECK_AS(bwd_warps_fit(p, warps), Error, "selective_scan.bwd: config warps = ", warps,
+                     " does not divide dim / groups = ", cpg, " (a plan chosen for another dim?)");
+      l.launch(0, {u32(ceil_div(dim, warps)), u32(batch)}, {u32(warps * 32)}, 0, args);
+    }
     void *dA = call.out("dA").data, *dB = call.out("dB").data, *dC = call.out("dC").data,
          *dD = call.out("dD").data, *ddb = call.out("ddelta_bias").data;
     int batch_i = static_cast<int>(batch);
