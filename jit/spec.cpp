@@ -59,6 +59,16 @@ std::string arch_for_compute_capability(int major, int minor) {
   return resolve_arch("sm_" + std::to_string(major * 10 + minor));
 }
 
+int compute_capability(const std::string& arch) {
+  std::string s = arch;
+  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (s.rfind("sm_", 0) == 0) s = s.substr(3);
+  else if (s.rfind("compute_", 0) == 0) s = s.substr(8);
+  if (!s.empty() && (s.back() == 'a' || s.back() == 'f')) s.pop_back();
+  if (s.empty() || s.size() > 4 || !std::all_of(s.begin(), s.end(), ::isdigit)) return 0;
+  return std::stoi(s);
+}
+
 std::string resolve_arch(const std::string& requested) {
   std::string s = requested;
   for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));

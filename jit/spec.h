@@ -30,5 +30,9 @@ struct KernelSpec {
 // does not know as SASS falls back to PTX ("compute_NN") of the highest one it knows below it.
 std::string resolve_arch(const std::string& requested);
 std::string arch_for_compute_capability(int major, int minor);
+// The compute capability an architecture string names, as major * 10 + minor: "sm_90a" → 90,
+// "compute_80" → 80, "sm_100f" → 100; 0 for text that names none (so rules like "sm_90 or newer"
+// are false for it).
+int compute_capability(const std::string& arch);
 
 }  // namespace kspec::jit

@@ -74,6 +74,10 @@ class Launcher {
  public:
   virtual ~Launcher() = default;
   virtual void launch(size_t kernel, Dim3 grid, Dim3 block, unsigned shared_bytes, void** args) = 0;
+  // The same with the grid's CTAs in thread-block clusters of `cluster` (sm_90+; each grid dim a
+  // multiple of the cluster's), through cuLaunchKernelEx's cluster-dimension attribute.
+  virtual void launch_clusters(size_t kernel, Dim3 grid, Dim3 block, Dim3 cluster, unsigned shared_bytes,
+                               void** args) = 0;
   // Device scratch memory owned by kspec for this device and stream; grows outside graph capture only.
   virtual void* workspace(size_t bytes) = 0;
   virtual int multiprocessors() const = 0;

@@ -334,19 +334,41 @@ class DeviceLauncher final : public Launcher {
   DeviceLauncher(PlanEntry& plan, int device, Stream stream) : plan_(plan), device_(device), stream_(stream) {}
 
   void launch(size_t k, Dim3 grid, Dim3 block, unsigned shared_bytes, void** args) override {
-    KSPEC_CHECK_AS(k < plan_.kernels.size(), Error, "launcher: kernel ", k, " not in plan");
-    LoadedKernel& lk = *plan_.kernels[k];
-    if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;  // nothing to do (e.g. zero rows)
-    if (static_cast<int>(shared_bytes) > lk.dynamic_smem_limit.load(std::memory_order_relaxed)) {
-      CU_CHECK(cuFuncSetAttribute(lk.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                  static_cast<int>(shared_bytes)));
-      lk.dynamic_smem_limit.store(static_cast<int>(shared_bytes));
-    }
-    CUresult r = jit::driver().cuLaunchKernel(lk.fn, grid.x, grid.y, grid.z, block.x, block.y, block.z,
+    LoadedKernel* lk = prepare(k, grid, shared_bytes);
+    if (!lk) return;
+    CUresult r = jit::driver().cuLaunchKernel(lk->fn, grid.x, grid.y, grid.z, block.x, block.y, block.z,
                                               shared_bytes, reinterpret_cast<CUstream>(stream_), args, nullptr);
     if (r != CUDA_SUCCESS)
-      throw CudaError(detail::concat("cuLaunchKernel(", lk.entry->spec, ", grid ", grid.x, "x", grid.y, "x", grid.z,
+      throw CudaError(detail::concat("cuLaunchKernel(", lk->entry->spec, ", grid ", grid.x, "x", grid.y, "x", grid.z,
                                      ", block ", block.x, "x", block.y, "x", block.z, ", smem ", shared_bytes,
+                                     ") failed: ", jit::driver_error_text(r)));
+    count_launch();
+  }
+
+  void launch_clusters(size_t k, Dim3 grid, Dim3 block, Dim3 cluster, unsigned shared_bytes, void** args) override {
+    LoadedKernel* lk = prepare(k, grid, shared_bytes);
+    if (!lk) return;
+    CUlaunchAttribute attr{};
+    attr.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = cluster.x;
+    attr.value.clusterDim.y = cluster.y;
+    attr.value.clusterDim.z = cluster.z;
+    CUlaunchConfig cfg{};
+    cfg.gridDimX = grid.x;
+    cfg.gridDimY = grid.y;
+    cfg.gridDimZ = grid.z;
+    cfg.blockDimX = block.x;
+    cfg.blockDimY = block.y;
+    cfg.blockDimZ = block.z;
+    cfg.sharedMemBytes = shared_bytes;
+    cfg.hStream = reinterpret_cast<CUstream>(stream_);
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    CUresult r = jit::driver().cuLaunchKernelEx(&cfg, lk->fn, args, nullptr);
+    if (r != CUDA_SUCCESS)
+      throw CudaError(detail::concat("cuLaunchKernelEx(", lk->entry->spec, ", grid ", grid.x, "x", grid.y, "x",
+                                     grid.z, ", cluster ", cluster.x, "x", cluster.y, "x", cluster.z, ", block ",
+                                     block.x, "x", block.y, "x", block.z, ", smem ", shared_bytes,
                                      ") failed: ", jit::driver_error_text(r)));
     count_launch();
   }
@@ -387,6 +409,20 @@ class DeviceLauncher final : public Launcher {
   }
 
  private:
+  // The plan's kernel k with room for shared_bytes of dynamic shared memory; null when the grid is
+  // empty (nothing to do, e.g. zero rows).
+  LoadedKernel* prepare(size_t k, Dim3 grid, unsigned shared_bytes) {
+    KSPEC_CHECK_AS(k < plan_.kernels.size(), Error, "launcher: kernel ", k, " not in plan");
+    LoadedKernel& lk = *plan_.kernels[k];
+    if (grid.x == 0 || grid.y == 0 || grid.z == 0) return nullptr;
+    if (static_cast<int>(shared_bytes) > lk.dynamic_smem_limit.load(std::memory_order_relaxed)) {
+      CU_CHECK(cuFuncSetAttribute(lk.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                  static_cast<int>(shared_bytes)));
+      lk.dynamic_smem_limit.store(static_cast<int>(shared_bytes));
+    }
+    return &lk;
+  }
+
   PlanEntry& plan_;
   int device_;
   Stream stream_;

@@ -35,10 +35,11 @@ class E79Function(torch.autograd.Function):
     kvqm: the fused projection, any strides with unit stride along the last dim; columns
     [k | v | q | m] (+ [b_s | b_m] per step in input-bias mode). b_s, b_m: (n,) in fixed mode, else
     None. S0, M0: (B, n, n) fp32 or None. The gradient of kvqm is written by the backward kernel
-    straight into one tensor of kvqm's layout, ready for the projection's backward GEMMs."""
+    straight into one tensor of kvqm's layout, ready for the projection's backward GEMMs. config: a
+    tuning config for both kernels (e79.fwd and e79.bwd share their axes) or None."""
 
     @staticmethod
-    def forward(ctx, kvqm, b_s, b_m, S0, M0, n, mode, chunk):
+    def forward(ctx, kvqm, b_s, b_m, S0, M0, n, mode, chunk, config):
         T, B = kvqm.shape[0], kvqm.shape[1]
         k, v, q, m, *rest = _blocks(kvqm, n, 6 if mode == "input" else 4)
         bs, bm = rest if mode == "input" else (b_s, b_m)
@@ -50,15 +51,15 @@ class E79Function(torch.autograd.Function):
         if need:
             nchk = -(-T // chunk)
             chk = torch.empty((B, nchk, 2, n, n), dtype=torch.float32, device=kvqm.device)
-        call("e79.fwd", k, v, q, m, bs, bm, S0, M0, chunk=chunk, out=(out, S, M, chk))
+        call("e79.fwd", k, v, q, m, bs, bm, S0, M0, chunk=chunk, config=config, out=(out, S, M, chk))
         ctx.save_for_backward(kvqm, b_s, b_m, S0, M0, chk)
-        ctx.cfg = (n, mode, chunk)
+        ctx.cfg = (n, mode, chunk, config)
         return out, S, M
 
     @staticmethod
     def backward(ctx, dout, dS, dM):
         kvqm, b_s, b_m, S0, M0, chk = ctx.saved_tensors
-        n, mode, chunk = ctx.cfg
+        n, mode, chunk, config = ctx.cfg
         if dout is None:
             dout = torch.zeros(kvqm.shape[:2] + (n,), dtype=kvqm.dtype, device=kvqm.device)
         elif dout.stride(-1) != 1:
@@ -78,17 +79,17 @@ class E79Function(torch.autograd.Function):
             dbs = dbm = None
         dS0 = None if S0 is None else torch.empty_like(S0)
         dM0 = None if M0 is None else torch.empty_like(M0)
-        call("e79.bwd", dout, k, v, q, m, bs, bm, S0, M0, chk, dS, dM, chunk=chunk,
+        call("e79.bwd", dout, k, v, q, m, bs, bm, S0, M0, chk, dS, dM, chunk=chunk, config=config,
              out=(dk, dv, dq, dm, dbs, dbm, dS0, dM0))
         fixed = mode == "fixed"
-        return dkvqm, dbs if fixed else None, dbm if fixed else None, dS0, dM0, None, None, None
+        return dkvqm, dbs if fixed else None, dbm if fixed else None, dS0, dM0, None, None, None, None
 
 
-def cell_torch(kvqm, b_s, b_m, S0, M0, n, mode, chunk):
+def cell_torch(kvqm, b_s, b_m, S0, M0, n, mode, chunk, config=None):
     """Casts what the op needs cast (fp32 states; biases of another dtype than kvqm to fp32), then the
     autograd Function."""
     if b_s is not None and b_s.dtype not in (kvqm.dtype, torch.float32):
         b_s, b_m = b_s.float(), b_m.float()
     S0 = None if S0 is None else S0.float().contiguous()
     M0 = None if M0 is None else M0.float().contiguous()
-    return E79Function.apply(kvqm, b_s, b_m, S0, M0, n, mode, chunk)
+    return E79Function.apply(kvqm, b_s, b_m, S0, M0, n, mode, chunk, config)

@@ -39,13 +39,16 @@ class E79Cell(_ref.E79CoupledMatrixCell):
     Parameters as the reference: W_kvqm (4n, dim); bias="fixed": b_s_gate, b_m_gate (n,);
     bias="input": W_bs, W_bm (n, dim) and zero buffers b_s_gate, b_m_gate; bias="none": the zero
     buffers. States S, M (B, n, n) are fp32. chunk: steps between the saved states (memory 8 n^2 / chunk
-    bytes per token and sequence during training)."""
+    bytes per token and sequence during training). config: a tuning config forced on the kernels, e.g.
+    "split=16,cluster=4" (kspec.ops.e79_cell), or None (tuned or heuristic)."""
 
     def __init__(self, dim: int, n_state: int = 64, bias: Optional[str] = None, *, chunk: int = 16,
-                 use_bias: Optional[bool] = None, input_bias: Optional[bool] = None, use_cuda: bool = True):
+                 use_bias: Optional[bool] = None, input_bias: Optional[bool] = None, use_cuda: bool = True,
+                 config: Optional[str] = None):
         mode = _mode(bias, use_bias, input_bias)
         super().__init__(dim, n_state=n_state, use_bias=mode != "none", input_bias=mode == "input")
         self.chunk = chunk
+        self.config = config
 
     def forward(self, x: torch.Tensor, S: Optional[torch.Tensor] = None, M: Optional[torch.Tensor] = None,
                 batch_first: bool = False):
@@ -58,10 +61,11 @@ class E79Cell(_ref.E79CoupledMatrixCell):
         b_s = self.b_s_gate if mode == "fixed" else None
         b_m = self.b_m_gate if mode == "fixed" else None
         return ops.e79(x, self.W_kvqm.to(dt), b_s, b_m, W_bs, W_bm, S, M, bias=mode, batch_first=batch_first,
-                       chunk=self.chunk)
+                       chunk=self.chunk, config=self.config)
 
     def extra_repr(self):
-        return f"dim={self.dim}, n_state={self.n_state}, bias={self.bias_mode!r}, chunk={self.chunk}"
+        s = f"dim={self.dim}, n_state={self.n_state}, bias={self.bias_mode!r}, chunk={self.chunk}"
+        return s + (f", config={self.config!r}" if self.config else "")
 
 
 class E79CoupledMatrix(nn.Module):

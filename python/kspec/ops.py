@@ -148,7 +148,8 @@ def linear(x, weight, bias=None, act: str = "none", *, tf32: bool = False):
     return call("gemm", x, weight, bias, act=act, tf32=bool(tf32))[0]
 
 
-def e79_cell(kvqm, n: int, b_s=None, b_m=None, S0=None, M0=None, *, bias: str = "fixed", chunk: int = 16):
+def e79_cell(kvqm, n: int, b_s=None, b_m=None, S0=None, M0=None, *, bias: str = "fixed", chunk: int = 16,
+             config: str | None = None):
     """The E79 coupled memory-modulation cell on a fused projection (states and arithmetic in fp32).
 
     kvqm: (T, B, 4n) columns [k | v | q | m], or (T, B, 6n) [k | v | q | m | b_s | b_m] with
@@ -157,7 +158,9 @@ def e79_cell(kvqm, n: int, b_s=None, b_m=None, S0=None, M0=None, *, bias: str = 
     (dtype of kvqm or fp32), else None. S0, M0: (B, n, n) fp32 or None (zeros).
     Returns (out (T, B, n) like kvqm, S (B, n, n) fp32, M (B, n, n) fp32). Differentiable for torch
     tensors: the forward keeps (S, M) every `chunk` steps (kspec.ops.e79_checkpoint_bytes_per_token)
-    and the backward recomputes each segment once."""
+    and the backward recomputes each segment once. config: a tuning config forced on e79.fwd and e79.bwd
+    alike, e.g. "split=16,cluster=4" (one thread-block cluster of 4 CTAs per sequence, sm_90+); None:
+    the tuned or heuristic one."""
     from . import _e79
 
     if bias not in _e79.BIAS_MODES:
@@ -173,19 +176,20 @@ def e79_cell(kvqm, n: int, b_s=None, b_m=None, S0=None, M0=None, *, bias: str = 
     if not _is_torch(kvqm):  # forward only, any framework; biases and states as the op takes them
         blocks = [kvqm[..., j * n:(j + 1) * n] for j in range(cols)]
         bs, bm = (blocks[4], blocks[5]) if bias == "input" else (b_s, b_m)
-        out, S, M, _ = call("e79.fwd", *blocks[:4], bs, bm, S0, M0, chunk=int(chunk))
+        out, S, M, _ = call("e79.fwd", *blocks[:4], bs, bm, S0, M0, chunk=int(chunk), config=config)
         return out, S, M
-    return _e79.cell_torch(kvqm, b_s, b_m, S0, M0, int(n), bias, int(chunk))
+    return _e79.cell_torch(kvqm, b_s, b_m, S0, M0, int(n), bias, int(chunk), config)
 
 
 def e79(x, W_kvqm, b_s=None, b_m=None, W_bs=None, W_bm=None, S0=None, M0=None, *, bias: str = "fixed",
-        batch_first: bool = False, chunk: int = 16):
+        batch_first: bool = False, chunk: int = 16, config: str | None = None):
     """E79 on inputs: one fused GEMM through kspec's gemm op (x @ [W_kvqm; W_bs; W_bm]^T, nn.Linear
     layout), then the cell (kspec.ops.e79_cell). Differentiable (x, every weight and bias, S0, M0).
 
     x: (T, B, dim), or (B, T, dim) with batch_first=True (no copies either way); W_kvqm: (4n, dim) rows
     [k | v | q | m], the dtype of x; b_s, b_m: (n,) for bias="fixed"; W_bs, W_bm: (n, dim) for
-    bias="input"; S0, M0: (B, n, n) or None. Returns (out (T, B, n) or (B, T, n), S, M (B, n, n) fp32)."""
+    bias="input"; S0, M0: (B, n, n) or None; config: as kspec.ops.e79_cell's. Returns (out (T, B, n) or
+    (B, T, n), S, M (B, n, n) fp32)."""
     from . import _e79
 
     if bias not in _e79.BIAS_MODES:
@@ -206,7 +210,7 @@ def e79(x, W_kvqm, b_s=None, b_m=None, W_bs=None, W_bm=None, S0=None, M0=None, *
         W = torch.cat([W_kvqm, W_bs, W_bm], dim=0)
     proj = linear(x, W)
     kvqm = proj.transpose(0, 1) if batch_first else proj
-    out, S, M = e79_cell(kvqm, n, b_s, b_m, S0, M0, bias=bias, chunk=chunk)
+    out, S, M = e79_cell(kvqm, n, b_s, b_m, S0, M0, bias=bias, chunk=chunk, config=config)
     return (out.transpose(0, 1) if batch_first else out), S, M
 
 

@@ -28,6 +28,8 @@
 //   segment with dS, dM in shared memory (stashed in the workspace while the next segment recomputes).
 //   Each adjoint step is four passes over the n x n elements (api/ops/e79/reference.cpp step_backward,
 //   regrouped so that each pass's row and column sums read only what no thread writes in that pass).
+// - e79_cluster.cuh has the same kernels with one sequence split across a thread-block cluster (sm_90+),
+//   for batches below the SM count.
 #pragma once
 
 #include "common/dtype.cuh"
@@ -47,11 +49,27 @@ struct E79Seq {
   __device__ __forceinline__ X* row(int t, int b) const { return p + t * st + b * sb; }
 };
 
+// Shared-memory vector slots (kN floats each) after the two matrices; the cluster kernels
+// (e79_cluster.cuh) use the same ones.
+struct E79Slots {
+  // Forward: inputs k, v, q, m, b_s, b_m double-buffered (12), then s_col, m_col, s_delta (3).
+  static constexpr int kIn = 0, kInSlots = 6, kSCol = 12, kMCol = 13, kSDelta = 14, kFwdSlots = 15;
+  // Backward: one step's record double-buffered (2 * kRecSlots), then the adjoint's vectors.
+  static constexpr int kRecSlots = 11;  // k, m, q, s_row, s_col, s_delta, m_row, m_col, m_delta, sq, norms
+  static constexpr int kRk = 0, kRm = 1, kRq = 2, kRsRow = 3, kRsCol = 4, kRsDelta = 5, kRmRow = 6, kRmCol = 7,
+                       kRmDelta = 8, kRsq = 9, kRnorm = 10;
+  static constexpr int kRec = kFwdSlots;                 // 2 * kRecSlots slots
+  static constexpr int kG = kRec + 2 * kRecSlots;        // dout * d out / d Sq
+  static constexpr int kDRowM = kG + 1, kDColM = kG + 2, kDDelta = kG + 3, kDmhA = kG + 4, kDmh = kG + 5;
+  static constexpr int kDRowS = kG + 6, kDColS = kG + 7, kDDeltaS = kG + 8, kDkhA = kG + 9, kDkh = kG + 10;
+  static constexpr int kSlots = kG + 11;
+};
+
 // Everything compile-time about one specialization.
 //   T: k, v, q, m, out and their gradients; TB: b_s, b_m (T or float).
 //   kN: state size; kSplit: lanes per row (a power of two <= 32); kChunk: steps per checkpoint.
 template <typename T_, typename TB_, int kN_, int kSplit_, int kBias_, int kChunk_>
-struct E79Traits {
+struct E79Traits : E79Slots {
   using T = T_;
   using TB = TB_;
   static constexpr int kN = kN_;
@@ -68,18 +86,6 @@ struct E79Traits {
   static_assert(kBias >= kE79BiasNone && kBias <= kE79BiasInput, "unknown bias mode");
   static_assert(kChunk >= 1, "kChunk >= 1");
 
-  // Shared-memory vector slots (kN floats each) after the two matrices.
-  // Forward: inputs k, v, q, m, b_s, b_m double-buffered (12), then s_col, m_col, s_delta (3).
-  static constexpr int kIn = 0, kInSlots = 6, kSCol = 12, kMCol = 13, kSDelta = 14, kFwdSlots = 15;
-  // Backward: one step's record double-buffered (2 * kRecSlots), then the adjoint's vectors.
-  static constexpr int kRecSlots = 11;  // k, m, q, s_row, s_col, s_delta, m_row, m_col, m_delta, sq, norms
-  static constexpr int kRk = 0, kRm = 1, kRq = 2, kRsRow = 3, kRsCol = 4, kRsDelta = 5, kRmRow = 6, kRmCol = 7,
-                       kRmDelta = 8, kRsq = 9, kRnorm = 10;
-  static constexpr int kRec = kFwdSlots;                 // 2 * kRecSlots slots
-  static constexpr int kG = kRec + 2 * kRecSlots;        // dout * d out / d Sq
-  static constexpr int kDRowM = kG + 1, kDColM = kG + 2, kDDelta = kG + 3, kDmhA = kG + 4, kDmh = kG + 5;
-  static constexpr int kDRowS = kG + 6, kDColS = kG + 7, kDDeltaS = kG + 8, kDkhA = kG + 9, kDkh = kG + 10;
-  static constexpr int kSlots = kG + 11;
   static constexpr int kSmemFloats = 2 * kMat + kSlots * kN;
 
   // Backward workspace per sequence (floats): (kChunk + 1) states (S, M) of a segment, kChunk records,

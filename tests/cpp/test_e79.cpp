@@ -1,8 +1,9 @@
 // e79 without a GPU: the schema (strided [seqlen, batch, n] views such as column blocks of one fused
 // projection and batch-first layouts, the three bias modes, checkpoints), the messages for bad input,
 // every case planning its kernels, and every case's specialization compiling for sm_90 without
-// spills. (GPU: Gpu.EveryOpEveryCaseEveryDtypeMatchesReference runs the case table against the
-// float64 reference; E79Gpu.* below drive the op from the gemm projection in both layouts.)
+// spills; the cluster configs' rules and kernels. (GPU: Gpu.EveryOpEveryCaseEveryDtypeMatchesReference
+// runs the case table against the float64 reference; E79Gpu.* below drive the op from the gemm
+// projection in both layouts, and every cluster config of the B = 1 cases.)
 #include <algorithm>
 #include <cmath>
 #include <random>
@@ -218,6 +219,103 @@ TEST(E79, HeuristicIsValidForEverySupportedN) {
   }
 }
 
+// The cluster axis (e79_cluster.cuh: one sequence over a thread-block cluster): only for sm_90 and newer,
+// n a multiple of the cluster, split >= cluster, whole warps of at most 512 threads per CTA; the heuristic
+// keeps one CTA per sequence; a cluster config plans the cluster kernels, any other e79.cuh's.
+TEST(E79, ClusterConfigsNeedSm90AndFollowTheRules) {
+  const OpDef& op = Registry::global().get("e79.bwd");
+  auto problem = [&](const char* arch, int64_t n) {
+    CompileRequest r;
+    r.op = op.info.name;
+    r.arch = arch;
+    r.params = {{"n", n}};
+    return problem_from_request(op, r);
+  };
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    for (int64_t n = 8; n <= 128; n += 8) {
+      Problem p = problem(arch, n);
+      EXPECT_EQ(op.tuning.heuristic(p).get("cluster"), 1) << arch << " n = " << n;
+      int clustered = 0;
+      for (const Config& c : op.tuning.enumerate(p)) {
+        const int64_t s = c.get("split"), cl = c.get("cluster"), threads = n * s / cl;
+        auto ks = op.kernels(p, c);
+        ASSERT_FALSE(ks.empty());
+        if (cl == 1) {
+          EXPECT_EQ(ks[0].header, "e79/e79.cuh") << c.str();
+          EXPECT_EQ(ks[0].name_expression().rfind("kspec::e79_bwd_kernel<kspec::E79Traits<", 0), 0u) << c.str();
+          continue;
+        }
+        ++clustered;
+        EXPECT_EQ(std::string(arch), "sm_90") << "n = " << n << ": " << c.str();
+        EXPECT_EQ(n % cl, 0) << c.str();
+        EXPECT_GE(s, cl) << c.str();
+        EXPECT_EQ(threads % 32, 0) << c.str();
+        EXPECT_LE(threads, 512) << c.str();
+        EXPECT_EQ(ks[0].header, "e79/e79_cluster.cuh") << c.str();
+        EXPECT_EQ(ks[0].name_expression().rfind("kspec::e79_bwd_cluster_kernel<kspec::E79ClusterTraits<", 0), 0u)
+            << ks[0].name_expression();
+      }
+      if (std::string(arch) == "sm_90" && (n == 8 || n == 32 || n == 64 || n == 128)) {
+        EXPECT_GT(clustered, 0) << "n = " << n;
+      }
+    }
+  }
+  auto why_not = [&](const char* arch, int64_t n, const char* config) {
+    std::string why;
+    EXPECT_FALSE(op.tuning.valid(problem(arch, n), Config::parse(config), &why)) << arch << " n = " << n << " " << config;
+    return why;
+  };
+  EXPECT_NE(why_not("sm_80", 64, "split=16,cluster=2").find("sm_90"), std::string::npos);
+  EXPECT_NE(why_not("sm_90", 8, "split=8,cluster=4").find("multiple of 32"), std::string::npos);
+  EXPECT_NE(why_not("sm_90", 32, "split=2,cluster=4").find("split must be at least cluster"), std::string::npos);
+  std::string why;
+  EXPECT_TRUE(op.tuning.valid(problem("sm_90", 128), Config::parse("split=32,cluster=8"), &why)) << why;
+}
+
+TEST(E79, PrecompilePlansClusterKernelsForSm90Only) {
+  int clustered = 0;
+  for (const auto& r : precompile_plan({"sm_80"}, {"e79.fwd", "e79.bwd"})) {
+    ASSERT_TRUE(r.config.has_value());
+    EXPECT_EQ(r.config->get("cluster"), 1) << r.config->str();
+  }
+  for (const auto& r : precompile_plan({"sm_90"}, {"e79.fwd", "e79.bwd"}))
+    clustered += r.config.has_value() && r.config->get("cluster") > 1;
+  EXPECT_GT(clustered, 0);
+}
+
+// Cluster kernels at the extremes (n = 8 over 2 CTAs of one warp; n = 128 over 8 CTAs of 512 threads;
+// every bias mode) compile for sm_90 without spills or a stack frame. (`kspec precompile --all` compiles
+// every config of the representative cases.)
+TEST(E79, ClusterKernelsCompileWithoutSpills) {
+  struct Item {
+    int64_t n;
+    const char* config;
+    std::vector<std::string> without, alt;
+  };
+  const std::vector<Item> items = {{8, "split=8,cluster=2", {}, {"b_s", "b_m"}},
+                                   {128, "split=32,cluster=8", {}, {}},
+                                   {64, "split=16,cluster=4", {"b_s", "b_m"}, {}}};
+  for (const char* name : {"e79.fwd", "e79.bwd"}) {
+    for (const auto& it : items) {
+      CompileRequest r;
+      r.op = name;
+      r.dtype = DType::bf16;
+      r.arch = "sm_90";
+      r.params = {{"n", it.n}, {"chunk", int64_t(8)}};
+      r.without = it.without;
+      r.alt_shapes = it.alt;
+      r.config = Config::parse(it.config);
+      auto reports = compile(r);
+      ASSERT_FALSE(reports.empty()) << name << " " << it.config;
+      EXPECT_NE(reports[0].kernel.find("_cluster_kernel<"), std::string::npos) << reports[0].kernel;
+      for (const auto& rep : reports) {
+        EXPECT_EQ(rep.spill_bytes, 0) << name << " n = " << it.n << " " << it.config << ": " << rep.kernel;
+        EXPECT_EQ(rep.stack_bytes, 0) << name << " n = " << it.n << " " << it.config << ": " << rep.kernel;
+      }
+    }
+  }
+}
+
 // Every case of both ops compiles for sm_90 (bf16; the base case in every dtype) with the heuristic's
 // config, without spills or a stack frame; the representative cases' full tuning spaces in every dtype
 // are `kspec precompile --all`'s. (About a minute on two cores.)
@@ -280,7 +378,9 @@ double rel_err(const std::vector<float>& out, const std::vector<double>& ref) {
 // fp32 end to end: x [T, B, dim] (or batch-first [B, T, dim]) -> gemm with W [C, dim] (C = 4n, or 6n
 // with the input biases' rows) -> e79.fwd on column blocks of the projection -> e79.bwd into column
 // blocks of one gradient; compared with the float64 reference on the same projection.
-void run_projected(int64_t T, int64_t B, int64_t dim, int64_t n, bool input_bias, bool batch_first, int64_t chunk) {
+// config: forced on both ops (null: the heuristic's).
+void run_projected(int64_t T, int64_t B, int64_t dim, int64_t n, bool input_bias, bool batch_first, int64_t chunk,
+                   const char* config = nullptr) {
   jit::ContextGuard guard(0);
   const int64_t C = (input_bias ? 6 : 4) * n;
   std::mt19937_64 rng(T * 1000 + B * 10 + n);
@@ -321,16 +421,23 @@ void run_projected(int64_t T, int64_t B, int64_t dim, int64_t n, bool input_bias
   };
   dout_b.upload(dout);
   Params params = {{"chunk", chunk}};
+  Config forced;
+  CallOptions opts;
+  if (config) {
+    forced = Config::parse(config);
+    opts.config = &forced;
+  }
   call("e79.fwd", {block(dproj.p, 0), block(dproj.p, 1), block(dproj.p, 2), block(dproj.p, 3), bs, bm, {}, {}},
        {tbn(out_b.p), TensorView(S_b.ptr(), DType::f32, {B, n, n}, 0), TensorView(M_b.ptr(), DType::f32, {B, n, n}, 0),
         TensorView(chk_b.ptr(), DType::f32, {B, nchk, 2, n, n}, 0)},
-       params);
+       params, nullptr, opts);
   TensorView dbs_v = input_bias ? block(grad_b.p, 4) : TensorView(dbs_o.ptr(), DType::f32, {n}, 0);
   TensorView dbm_v = input_bias ? block(grad_b.p, 5) : TensorView(dbm_o.ptr(), DType::f32, {n}, 0);
   call("e79.bwd",
        {tbn(dout_b.p), block(dproj.p, 0), block(dproj.p, 1), block(dproj.p, 2), block(dproj.p, 3), bs, bm, {}, {},
         TensorView(chk_b.ptr(), DType::f32, {B, nchk, 2, n, n}, 0), {}, {}},
-       {block(grad_b.p, 0), block(grad_b.p, 1), block(grad_b.p, 2), block(grad_b.p, 3), dbs_v, dbm_v, {}, {}}, params);
+       {block(grad_b.p, 0), block(grad_b.p, 1), block(grad_b.p, 2), block(grad_b.p, 3), dbs_v, dbm_v, {}, {}}, params,
+       nullptr, opts);
   CU_CHECK(cuCtxSynchronize());
 
   // Host reference on the GPU's projection (the gemm op has its own tests), in [T, B, n] order.
@@ -366,7 +473,8 @@ void run_projected(int64_t T, int64_t B, int64_t dim, int64_t n, bool input_bias
       for (int64_t i = 0; i < n; ++i) out_tbn[(t * B + b) * n + i] = at(out, t, b, i, n);
   const double tol = 4e-5;
   std::string where = "T=" + std::to_string(T) + " B=" + std::to_string(B) + " n=" + std::to_string(n) +
-                      (input_bias ? " input" : " fixed") + (batch_first ? " batch-first" : "");
+                      (input_bias ? " input" : " fixed") + (batch_first ? " batch-first" : "") +
+                      (config ? std::string(" ") + config : std::string());
   EXPECT_LE(rel_err(out_tbn, fr.out), tol) << "out " << where;
   EXPECT_LE(rel_err(S_b.download(B * n * n), fr.S), tol) << "S " << where;
   EXPECT_LE(rel_err(M_b.download(B * n * n), fr.M), tol) << "M " << where;
@@ -397,4 +505,52 @@ TEST(E79Gpu, ProjectedThroughGemmBatchFirst) {
   KSPEC_REQUIRE_GPU();
   run_projected(19, 3, 40, 32, false, true, 4);
   run_projected(17, 2, 24, 64, true, true, 16);
+}
+
+// ---- GPU: one sequence over a thread-block cluster (sm_90+) ----
+
+namespace {
+
+bool device_has_clusters() {
+  CUdevice dev;
+  int major = 0;
+  CU_CHECK(cuDeviceGet(&dev, 0));
+  CU_CHECK(cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev));
+  return major >= 9;
+}
+
+}  // namespace
+
+// Every cluster config of the B = 1 cases (and of base, n = 48, chunk 5) against the float64 reference,
+// forward and backward, through the generic checker (NaN-poisoned outputs).
+TEST(E79Gpu, EveryClusterConfigMatchesReference) {
+  KSPEC_REQUIRE_GPU();
+  if (!device_has_clusters()) GTEST_SKIP() << "thread-block clusters need sm_90 or newer";
+  for (const char* op : {"e79.fwd", "e79.bwd"}) {
+    for (const char* cs : {"B_1_n_8", "B_1_n_128", "B_1_n_64_T_not_multiple_of_K", "base", "n_48", "chunk_5"}) {
+      int clustered = 0;
+      for (const Config& cfg : configs_for_case(op, cs, DType::f32)) {
+        if (cfg.get("cluster") == 1) continue;
+        ++clustered;
+        CheckOptions o;
+        o.case_name = cs;
+        o.dtypes = {DType::f32};
+        o.config = cfg;
+        for (const auto& r : check_op(op, o)) {
+          std::string errs;
+          for (const auto& [name, e] : r.errors) errs += name + "=" + std::to_string(e) + " ";
+          EXPECT_TRUE(r.passed) << op << " " << cs << " config " << r.config << ": " << r.message << " errors " << errs;
+        }
+      }
+      EXPECT_GT(clustered, 0) << op << " " << cs;
+    }
+  }
+}
+
+TEST(E79Gpu, ProjectedThroughGemmWithClusters) {
+  KSPEC_REQUIRE_GPU();
+  if (!device_has_clusters()) GTEST_SKIP() << "thread-block clusters need sm_90 or newer";
+  run_projected(19, 1, 40, 16, false, false, 8, "split=8,cluster=4");
+  run_projected(17, 2, 24, 64, true, true, 16, "split=32,cluster=8");
+  run_projected(9, 3, 32, 128, false, true, 4, "split=8,cluster=2");
 }

@@ -98,7 +98,8 @@ TEST(Gpu, EveryTuningConfigMatchesReference) {
                   Sel{"hidden_8192", DType::f16}, Sel{"hidden_12289", DType::bf16},
                   Sel{"streamed_rows_300", DType::f32}, Sel{"base", DType::bf16}, Sel{"seqlen_1023", DType::f32},
                   Sel{"seqlen_even_1024", DType::bf16}, Sel{"dstate_256", DType::f16}, Sel{"groups_4", DType::bf16},
-                  Sel{"fixed_bc", DType::f32}, Sel{"seqlen_2", DType::f16}}) {
+                  Sel{"fixed_bc", DType::f32}, Sel{"seqlen_2", DType::f16}, Sel{"B_1_n_8", DType::f32},
+                  Sel{"B_1_n_128", DType::bf16}, Sel{"B_1_n_64_T_not_multiple_of_K", DType::f32}}) {
       if (std::find(names.begin(), names.end(), s.c) == names.end()) continue;  // a case of another family
       auto configs = configs_for_case(op, s.c, s.dt);
       EXPECT_FALSE(configs.empty());

@@ -59,6 +59,13 @@ TEST(Spec, ResolveArch) {
   EXPECT_THROW(jit::resolve_arch("sm_9"), InvalidArgument);
   // An architecture NVRTC cannot emit SASS for (here: a future one) falls back to PTX.
   EXPECT_EQ(jit::resolve_arch("sm_199").rfind("compute_", 0), 0u);
+  // What ops' rules read from a resolved arch ("cluster kernels need sm_90 or newer").
+  EXPECT_EQ(jit::compute_capability("sm_90a"), 90);
+  EXPECT_EQ(jit::compute_capability(jit::resolve_arch("sm_80")), 80);
+  EXPECT_EQ(jit::compute_capability("compute_86"), 86);
+  EXPECT_EQ(jit::compute_capability("sm_100f"), 100);
+  EXPECT_EQ(jit::compute_capability(""), 0);
+  EXPECT_EQ(jit::compute_capability("hopper"), 0);
 }
 
 TEST(Sources, EmbeddedTemplatesMatchTheTree) {

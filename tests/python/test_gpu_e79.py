@@ -3,7 +3,8 @@
 projection's columns, fixed biases, S0, M0, with and without upstream dS, dM), for each bias mode and
 dtype; named edge cases (T=1, T=2, T=K, T=K+1, T not a multiple of K, B=1, B=33, n=8, n=128), every
 layout of the projection, a 4096-step bf16 sequence, kspec.nn against the torch reference module, and
-clear errors for bad input. A failure message lists every tensor's relative error."""
+clear errors for bad input; the cluster configs (one sequence over a thread-block cluster, sm_90+) on
+their own cases, bitwise reproducible. A failure message lists every tensor's relative error."""
 import numpy as np
 import pytest
 
@@ -77,7 +78,7 @@ def _split(a, n, bias):
     return cols + ([None, None] if bias != "input" else [])
 
 
-def _check_cell(T, B, n, chunk, init, dfinal, bias, dtype, batch_first=False, seed=0, scale=SCALE):
+def _check_cell(T, B, n, chunk, init, dfinal, bias, dtype, batch_first=False, seed=0, scale=SCALE, config=None):
     kvqm, b_s, b_m, S0, M0 = _inputs(T, B, n, bias, dtype, init, seed, batch_first)
     leaves = {k: (t.detach().clone().requires_grad_() if t is not None else None)
               for k, t in dict(kvqm=kvqm, b_s=b_s, b_m=b_m, S0=S0, M0=M0).items()}
@@ -87,7 +88,7 @@ def _check_cell(T, B, n, chunk, init, dfinal, bias, dtype, batch_first=False, se
     else:
         x_in = leaves["kvqm"]
     out, S, M = kspec.ops.e79_cell(x_in, n, leaves["b_s"], leaves["b_m"], leaves["S0"], leaves["M0"], bias=bias,
-                                   chunk=chunk)
+                                   chunk=chunk, config=config)
     assert out.shape == (T, B, n) and out.dtype == dtype
     assert S.shape == (B, n, n) and S.dtype == torch.float32 and M.shape == (B, n, n)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
@@ -120,7 +121,7 @@ def _check_cell(T, B, n, chunk, init, dfinal, bias, dtype, batch_first=False, se
         errs["dM0"] = rel_err(_np(leaves["M0"].grad), gr["dM0"])
     tol = _tol(dtype, scale)
     bad = {k_: e for k_, e in errs.items() if not e <= tol}
-    where = f"T={T} B={B} n={n} chunk={chunk} bias={bias} {_name(dtype)} init={init} dfinal={dfinal}"
+    where = f"T={T} B={B} n={n} chunk={chunk} bias={bias} {_name(dtype)} init={init} dfinal={dfinal} config={config}"
     assert not bad, f"{where}: errors above {tol}: {bad} (all: {errs})"
 
 
@@ -304,3 +305,63 @@ def test_cpp_checker_from_python():
         for case in ("base", "T_1_B_1", "n_128", "bias_input"):
             rows = kspec.check(op, case=case)
             assert rows and all(r["passed"] for r in rows), rows
+
+
+# ---- one sequence over a thread-block cluster (e79_cluster.cuh) ----
+
+# name: (T, B, n, chunk, config)
+CLUSTER_CASES = {
+    "B_1_n_8_cluster_2": (23, 1, 8, 8, "split=8,cluster=2"),
+    "B_1_n_128_cluster_8": (13, 1, 128, 8, "split=32,cluster=8"),
+    "B_1_n_128_cluster_2": (9, 1, 128, 4, "split=8,cluster=2"),
+    "B_1_n_64_cluster_4_T_not_multiple_of_K": (45, 1, 64, 8, "split=16,cluster=4"),
+    "B_3_n_32_cluster_2_split_2": (20, 3, 32, 16, "split=2,cluster=2"),
+    "B_2_n_48_cluster_8": (19, 2, 48, 8, "split=16,cluster=8"),
+    "B_1_n_96_cluster_4_chunk_1": (6, 1, 96, 1, "split=8,cluster=4"),
+    "B_2_n_16_cluster_4_T_1": (1, 2, 16, 16, "split=8,cluster=4"),
+}
+
+
+def _need_clusters():
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90 or newer")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+@pytest.mark.parametrize("bias", BIAS)
+@pytest.mark.parametrize("case", list(CLUSTER_CASES))
+def test_cluster_cell_matches_reference(case, bias, dtype):
+    _need_clusters()
+    T, B, n, chunk, config = CLUSTER_CASES[case]
+    _check_cell(T, B, n, chunk, True, True, bias, dtype, config=config)
+
+
+@pytest.mark.parametrize("bias", BIAS)
+def test_cluster_batch_first_without_init_or_dfinal(bias):
+    _need_clusters()
+    _check_cell(21, 3, 64, 8, False, False, bias, torch.float32, batch_first=True, config="split=32,cluster=8")
+
+
+def test_cluster_runs_are_bitwise_identical():
+    """Every CTA adds the exchanged partials in the same fixed order: two runs give the same bits."""
+    _need_clusters()
+    kvqm, b_s, b_m, S0, M0 = _inputs(37, 2, 64, "fixed", torch.bfloat16, True, 11)
+    dout = torch.randn(37, 2, 64, device="cuda").to(torch.bfloat16)
+
+    def run():
+        x = kvqm.detach().clone().requires_grad_()
+        bs, bm = b_s.detach().clone().requires_grad_(), b_m.detach().clone().requires_grad_()
+        out, S, M = kspec.ops.e79_cell(x, 64, bs, bm, S0, M0, bias="fixed", chunk=8, config="split=16,cluster=4")
+        out.backward(dout)
+        return [out, S, M, x.grad, bs.grad, bm.grad]
+
+    first, second = run(), run()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_cluster_config_needs_its_rules():
+    """A forced config the tuning space rules out names the rule."""
+    kvqm, b_s, b_m, S0, M0 = _inputs(5, 1, 32, "fixed", torch.float32, False, 3)
+    with pytest.raises(Exception, match="split must be at least cluster|need sm_90"):
+        kspec.ops.e79_cell(kvqm, 32, b_s, b_m, bias="fixed", config="split=2,cluster=4")

@@ -6,6 +6,7 @@ eager and torch.compile, forward and forward+backward, bf16, dim 1024. Not a tes
     python3 tools/bench/bench_e79.py                        # B {1,16,128} x T {512,4096} x n {32,64,128}
     python3 tools/bench/bench_e79.py --quick --json /tmp/e79.json
     python3 tools/bench/bench_e79.py --B 16 --T 4096 --n 64    # the target point
+    python3 tools/bench/bench_e79.py --B 1 16 --no-compile --clusters 2 4 8   # cluster rows only matter
 
 Method: random inputs; kspec's output checked against the reference loop (fp32 arithmetic on the
 same bf16 inputs) on the first --check-T steps before anything is timed; CUDA events around one call,
@@ -16,6 +17,11 @@ the whole unrolled loop does not finish in reasonable time, so torch.compile com
 (fullgraph) and Python loops over it. Per-step cost is flat in T for all three (checked by --ref-T).
 Reported: ms per call, µs per time step, tokens/s (B*T per second), the speed-ups, and the bytes the
 forward keeps per token for the backward (kspec: (S, M) every `chunk` steps, 8 n^2 / chunk).
+Cluster rows (issue 8: one CTA per sequence leaves most of the 132 SMs idle at small B): for B in
+--cluster-B, kspec again with each --clusters size forced (config "split=S,cluster=C": a cluster of C
+CTAs per sequence, S lanes per row with n * S / C threads per CTA, the most up to 512), each validated
+against the default config's output, final S and input gradient before it is timed, and its speed-up
+over the default (one CTA per sequence) printed beside it.
 Targets (issue 8): fwd+bwd at B=16, T=4096, n=64 >= 50x eager and >= 5x torch.compile.
 """
 from __future__ import annotations
@@ -85,6 +91,19 @@ def reference_forward(torch, step, cell, x):
     return torch.stack(outs).to(x.dtype), S, M
 
 
+def cluster_config(n: int, cluster: int):
+    """The config a cluster row forces: the most lanes per row (split) with n * split / cluster threads
+    per CTA in 32..512, a whole number of warps, split in cluster..min(32, n) (the op's rules); None
+    when n admits none (n not a multiple of cluster)."""
+    if n % cluster:
+        return None
+    for split in (32, 16, 8, 4, 2):
+        threads = n * split // cluster
+        if cluster <= split <= n and threads <= 512 and threads % 32 == 0:
+            return f"split={split},cluster={cluster}"
+    return None
+
+
 def bench_point(torch, F, kspec, args, B, T, n, run, compiled_step, eager_step):
     from kspec.reference.e79_torch import E79CoupledMatrixCell
 
@@ -107,9 +126,9 @@ def bench_point(torch, F, kspec, args, B, T, n, run, compiled_step, eager_step):
 
     rows = []
 
-    def record(variant, ms, steps):
-        rows.append(dict(B=B, T=T, n=n, variant=variant, steps=steps, ms=ms, us_per_step=1e3 * ms / steps,
-                         tokens_per_s=B * steps / (ms * 1e-3)))
+    def record(variant, ms, steps, config="default"):
+        rows.append(dict(B=B, T=T, n=n, variant=variant, config=config, steps=steps, ms=ms,
+                         us_per_step=1e3 * ms / steps, tokens_per_s=B * steps / (ms * 1e-3)))
 
     xg = x.clone().requires_grad_()
     dout = torch.randn(T, B, n, device=dev, dtype=dt)
@@ -125,9 +144,40 @@ def bench_point(torch, F, kspec, args, B, T, n, run, compiled_step, eager_step):
         out, _, _ = cell(xg)
         out.backward(dout)
 
-    record("kspec fwd (inference)", run(k_fwd), T)
-    record("kspec fwd (training)", run(k_fwd_train), T)
-    record("kspec fwd+bwd", run(k_fwdbwd), T)
+    def time_kspec(config):
+        record("kspec fwd (inference)", run(k_fwd), T, config)
+        record("kspec fwd (training)", run(k_fwd_train), T, config)
+        record("kspec fwd+bwd", run(k_fwdbwd), T, config)
+
+    time_kspec("default")
+    cluster_checks = {}
+    if B in args.cluster_B:
+        # Each cluster config against the default one on the first check_T steps (out, final S, dx).
+        xc = x[:tc].clone().requires_grad_()
+
+        def short(config):
+            cell.config = config
+            xc.grad = None
+            out, S, _ = cell(xc)
+            out.backward(dout[:tc])
+            return out.float(), S, xc.grad.float()
+
+        base = short(None)
+        for c in args.clusters:
+            config = cluster_config(n, c)
+            if config is None:
+                continue
+            try:  # a failing config is reported in its row; the others still run
+                got = short(config)
+                errs = [((g - r).norm() / r.norm().clamp_min(1e-30)).item() for g, r in zip(got, base)]
+                cluster_checks[config] = dict(out=errs[0], S=errs[1], dx=errs[2])
+                if not all(e <= 2e-2 for e in errs):
+                    raise RuntimeError(f"disagrees with the default config: out {errs[0]:.3e}, S {errs[1]:.3e}, "
+                                       f"dx {errs[2]:.3e}")
+                time_kspec(config)
+            except Exception as e:  # noqa: BLE001
+                cluster_checks[config] = dict(cluster_checks.get(config, {}), error=f"{type(e).__name__}: {e}"[:300])
+        cell.config = None
 
     tr = min(T, args.ref_T)
     xr = x[:tr].clone().requires_grad_()
@@ -146,7 +196,7 @@ def bench_point(torch, F, kspec, args, B, T, n, run, compiled_step, eager_step):
 
         record(f"{name} fwd", run(r_fwd), tr)
         record(f"{name} fwd+bwd", run(r_fwdbwd), tr)
-    return rows, dict(out_err=err, S_err=err_S, checked_steps=tc)
+    return rows, dict(out_err=err, S_err=err_S, checked_steps=tc, cluster_vs_default=cluster_checks)
 
 
 def main(argv=None) -> int:
@@ -161,6 +211,9 @@ def main(argv=None) -> int:
     p.add_argument("--ref-T", type=int, default=128, help="steps the eager/compiled peers run (per-step cost)")
     p.add_argument("--check-T", type=int, default=64)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    p.add_argument("--clusters", type=int, nargs="*", default=[2, 4, 8],
+                   help="cluster sizes for the cluster rows (CTAs per sequence; sm_90+)")
+    p.add_argument("--cluster-B", type=int, nargs="*", default=[1, 16], help="batch sizes that get cluster rows")
     p.add_argument("--quick", action="store_true", help="only the target point B=16, T=4096, n=64")
     p.add_argument("--json", metavar="FILE")
     a = p.parse_args(argv)
@@ -175,6 +228,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_e79: no CUDA GPU", file=sys.stderr)
         return 1
+    if torch.cuda.get_device_capability()[0] < 9 and a.clusters:
+        print("bench_e79: thread-block clusters need sm_90 or newer; no cluster rows", file=sys.stderr)
+        a.clusters = []
     run = timer(torch, a.reps, torch.empty(64 << 20, dtype=torch.int32, device="cuda"))
     eager_step = make_step(torch, F)
     # One compiled step per (B, n) point: dynamo's default of 8 recompiles is below the table's 9 points.
@@ -188,7 +244,7 @@ def main(argv=None) -> int:
                 r, c = bench_point(torch, F, kspec, a, B, T, n, run, compiled_step, eager_step)
                 rows.extend(r)
                 checks.append(dict(B=B, T=T, n=n, **c))
-                by = {x["variant"]: x for x in r}
+                by = {x["variant"]: x for x in r if x["config"] == "default"}
                 ks = by["kspec fwd+bwd"]["us_per_step"]
                 line = (f"B={B:4d} T={T:5d} n={n:4d}  kspec fwd {by['kspec fwd (inference)']['us_per_step']:8.2f} "
                         f"fwd(train) {by['kspec fwd (training)']['us_per_step']:8.2f} fwd+bwd {ks:8.2f} µs/step  "
@@ -199,10 +255,22 @@ def main(argv=None) -> int:
                                  f"fwd+bwd {by[f'{peer} fwd+bwd']['us_per_step'] / ks:6.1f}x")
                 line += f" | saved {kspec.ops.e79_checkpoint_bytes_per_token(n, a.chunk):.0f} B/token"
                 print(line, flush=True)
+                for config, chk in c["cluster_vs_default"].items():
+                    if "error" in chk:
+                        print(f"{'':27s}{config:<19s} FAILED: {chk['error']}", flush=True)
+                        continue
+                    cb = {x["variant"]: x for x in r if x["config"] == config}
+                    us = {v: cb[f"kspec {v}"]["us_per_step"] for v in ("fwd (inference)", "fwd (training)", "fwd+bwd")}
+                    gain = {v: by[f"kspec {v}"]["us_per_step"] / us[v] for v in us}
+                    print(f"{'':27s}{config:<19s} fwd {us['fwd (inference)']:8.2f} fwd(train) "
+                          f"{us['fwd (training)']:8.2f} fwd+bwd {us['fwd+bwd']:8.2f} µs/step  "
+                          f"{cb['kspec fwd+bwd']['tokens_per_s']:.3g} tok/s | vs 1 CTA/sequence: fwd "
+                          f"{gain['fwd (inference)']:5.2f}x fwd+bwd {gain['fwd+bwd']:5.2f}x "
+                          f"{'WINS' if gain['fwd+bwd'] > 1.0 else 'loses'}", flush=True)
 
     verdict = {}
     for x in rows:
-        if (x["B"], x["T"], x["n"]) == (TARGET["B"], TARGET["T"], TARGET["n"]):
+        if (x["B"], x["T"], x["n"]) == (TARGET["B"], TARGET["T"], TARGET["n"]) and x["config"] == "default":
             verdict[x["variant"]] = x["us_per_step"]
     if "kspec fwd+bwd" in verdict:
         for peer, need in (("eager", TARGET["eager"]), ("torch.compile", TARGET["compiled"])):

@@ -2,8 +2,8 @@
 # One command for a GPU machine (H100, CUDA 13, torch preinstalled, no network): builds the C++ library
 # and the Python package there, runs GoogleTest and pytest with the GPU, the main job (every op against
 # its float64 reference), the benchmarks, and prints a results table. Results go to $OUT (or ./gpu-out).
-# Stages: check.sh [build] [test] [bench] [sanitize] [scan] [tune] [tune_gemm] (default: build test
-# bench; tune includes tune_gemm, which alone tunes only the gemm problems).
+# Stages: check.sh [build] [test] [bench] [sanitize] [scan] [e79] [tune] [tune_gemm] (default: build
+# test bench; tune includes tune_gemm, which alone tunes only the gemm problems).
 set -uo pipefail  # a failing step is recorded, the others still run
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -122,6 +122,51 @@ if has bench; then
   step bench_selective_scan python3 tools/bench/bench.py --family selective_scan --json "$OUT/bench_selective_scan.json"
   step bench_gemm python3 tools/bench/bench.py --family gemm --json "$OUT/bench_gemm.json"
   step bench_adamw python3 tools/bench/bench.py --family adamw --json "$OUT/bench_adamw.json"
+  has e79 || step bench_e79 python3 tools/bench/bench_e79.py --json "$OUT/bench_e79.json" ${KSPEC_BENCH_E79_ARGS:-}
+fi
+
+if has e79; then
+  # E79's kernels, the cluster-split ones (one sequence over 2/4/8 CTAs, sm_90) in particular: every config
+  # against the float64 reference on the cases where clusters matter, the E79 GoogleTests and pytest
+  # files, the cluster kernels under memcheck and racecheck, then the benchmark (a row per cluster size
+  # for B = 1 and 16). Quick: KSPEC_BENCH_E79_ARGS="--B 1 16 --no-compile".
+  step e79_configs python3 tools/gpu/check_configs.py e79.fwd e79.bwd --case base:bf16 --case B_1_n_8:f32 \
+    --case B_1_n_128:bf16 --case B_1_n_64_T_not_multiple_of_K:f32 --case n_48:f32 --case n_96:bf16 \
+    --case chunk_1:f32 --case T_1_B_1:f32 --json "$OUT/e79_configs.json"
+  step e79_gtest build/gpu/tests/cpp/kspec_tests --gtest_filter='E79*:Gpu.EveryTuningConfigMatchesReference'
+  step e79_pytest python3 -m pytest -q -p no:cacheprovider tests/python/test_gpu_e79.py tests/python/test_e79_nn.py
+  step e79_memcheck compute-sanitizer --tool memcheck --error-exitcode 1 build/gpu/tests/cpp/kspec_tests \
+    --gtest_filter='E79Gpu.ProjectedThroughGemmWithClusters'
+  step e79_racecheck compute-sanitizer --tool racecheck --error-exitcode 1 build/gpu/tests/cpp/kspec_tests \
+    --gtest_filter='E79Gpu.ProjectedThroughGemmWithClusters'
+  # Every legal (split, cluster) config timed at small-batch points, T = 4096, bf16; --no-save keeps the
+  # tuning database (and so the benchmark's default row: the heuristic, one CTA per sequence) unchanged.
+  mkdir -p "$OUT/e79_tune"
+  for op in fwd bwd; do
+    for bn in 1,64 16,64 1,128 16,128 1,32; do
+      IFS=, read -r b n <<< "$bn"
+      name="${op}_${b}x4096_n$n"
+      step "tune_e79_$name" python3 -m kspec tune "e79.$op" --dtype bf16 --alt-shape b_s --alt-shape b_m \
+        --shape "seqlen=4096,batch=$b,n=$n,nchk=256" --all-configs --no-save --quiet \
+        --report "$OUT/e79_tune/$name" --json "$OUT/e79_tune/$name.result.json"
+    done
+  done
+  python3 - "$OUT/e79_tune" <<'PY' | tee "$OUT/e79_tune/summary.txt" | tee -a "$OUT/log.txt"
+import glob, json, os, sys
+print(f"{'problem':<22} {'default (1 CTA)':<20} {'ms':>9} {'best config':<22} {'ms':>9} {'gain':>6}  best with cluster > 1")
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.result.json"))):
+    r = json.load(open(f))
+    ok = [c for c in r["candidates"] if c.get("status") == "ok"]
+    cl = min((c for c in ok if "cluster=1" not in c["config"]), key=lambda c: c["median_ms"], default=None)
+    name = os.path.basename(f)[:-len(".result.json")]
+    if r["default_ms"] > 0 and r["best_ms"] > 0:
+        print(f"{name:<22} {r['default_config']:<20} {r['default_ms']:9.3f} {r['best_config']:<22} {r['best_ms']:9.3f}"
+              f" {r['default_ms'] / r['best_ms']:5.2f}x  " + (f"{cl['config']} {cl['median_ms']:.3f} ms" if cl else "-"))
+    bad = [c for c in r["candidates"] if c.get("status") not in ("ok", "pruned", "not timed")]
+    for c in bad:
+        print(f"  {name}: {c['config']}: {c['status']} {c.get('why', '')}")
+PY
+  step bench_e79 python3 tools/bench/bench_e79.py --json "$OUT/bench_e79.json" ${KSPEC_BENCH_E79_ARGS:-}
 fi
 
 if has scan; then

@@ -1,18 +1,21 @@
 // e79: the coupled memory-modulation matrix RNN cell (E79) on projected inputs: e79.fwd (outputs, final
 // states, checkpoints every `chunk` steps) and e79.bwd (every gradient, recomputing each segment once
 // from its checkpoint). Schema, specializations, tuning space, launchers, float64 references and the
-// case table; kernels in templates/e79/e79.cuh, the recurrence in api/ops/e79/reference.h. The
+// case table; kernels in templates/e79/e79.cuh (one CTA per sequence) and e79_cluster.cuh (one
+// thread-block cluster per sequence, sm_90+), the recurrence in api/ops/e79/reference.h. The
 // projections (x @ W_kvqm^T, fused with W_bs, W_bm in input-bias mode) are the gemm op's, called by
 // the Python layer (kspec.ops.e79) and by the C++ GPU tests.
 #include <algorithm>
 
 #include "api/src/op.h"
 #include "e79/reference.h"
+#include "jit/spec.h"
 
 namespace kspec {
 namespace {
 
 constexpr const char* kHeader = "e79/e79.cuh";
+constexpr const char* kClusterHeader = "e79/e79_cluster.cuh";
 const std::vector<DType> kFloatTypes = {DType::f32, DType::f16, DType::bf16};
 constexpr int64_t kMinN = 8, kMaxN = 128;
 constexpr int kDefaultChunk = 16;
@@ -27,12 +30,29 @@ int bias_mode(const Problem& p) {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 unsigned u32(int64_t v) { return static_cast<unsigned>(v); }
 
-// Shared memory of the kernels (floats; E79Traits::kSmemFloats and the forward's share of it): S and
-// M padded to n + 1 floats a row, then 15 (forward) or 48 (backward) vectors of n floats.
-int64_t fwd_smem_bytes(int64_t n) { return 4 * (2 * n * (n + 1) + 15 * n); }
-int64_t bwd_smem_bytes(int64_t n) { return 4 * (2 * n * (n + 1) + 48 * n); }
-// Backward workspace per sequence (floats; E79Traits::kWsPerSeq).
-int64_t bwd_ws_floats(int64_t n, int64_t chunk) { return (chunk + 1) * 2 * n * n + chunk * 11 * n + 2 * n * n; }
+// The launch of a config: CTAs per sequence, threads per CTA, shared memory per CTA. One CTA
+// (E79Traits): S and M padded to n + 1 floats a row, then 15 (forward) or 48 (backward) vectors of n
+// floats. A cluster (E79ClusterTraits): each CTA's n / cluster rows of S and M padded to
+// n + ((split - n) mod 32) floats, the same vectors, and per exchanged vector (1 in the forward, 2 in
+// the backward) a staging area of split / cluster x n floats and two exchange buffers of
+// (cluster + 1) x n floats.
+struct Shape {
+  int64_t cluster, threads, fwd_smem_bytes, bwd_smem_bytes;
+};
+
+Shape launch_shape(int64_t n, const Config& c) {
+  const int64_t split = c.get("split"), cluster = c.get("cluster");
+  if (cluster == 1) return {1, n * split, 4 * (2 * n * (n + 1) + 15 * n), 4 * (2 * n * (n + 1) + 48 * n)};
+  const int64_t ld = n + ((split % 32 - n % 32) + 32) % 32, mat = (n / cluster) * ld;
+  const int64_t xvec = (split / cluster + 2 * (cluster + 1)) * n;  // staging + two buffers, per vector
+  return {cluster, n * split / cluster, 4 * (2 * mat + 15 * n + xvec), 4 * (2 * mat + 48 * n + 2 * xvec)};
+}
+
+// Backward workspace per sequence (floats; E79Traits::kWsPerSeq, E79ClusterTraits::kWsPerSeq: one
+// copy of the step records per CTA).
+int64_t bwd_ws_floats(int64_t n, int64_t chunk, int64_t cluster) {
+  return (chunk + 1) * 2 * n * n + cluster * chunk * 11 * n + 2 * n * n;
+}
 
 void check_e79(const Problem& p) {
   const std::string& op = p.op->info.name;
@@ -83,7 +103,7 @@ std::vector<ParamDef> e79_params() {
 
 std::vector<DimDef> e79_dims() {
   return {{"seqlen", DimKind::Var, {}, "T, time steps"},
-          {"batch", DimKind::Var, {}, "B, sequences (one thread block each)"},
+          {"batch", DimKind::Var, {}, "B, sequences (one thread block, or one cluster of them, each)"},
           {"n", DimKind::Const, {}, "state size (S, M are n x n), a template argument: 8..128, a multiple of 8"},
           {"nchk", DimKind::Var, {}, "checkpoints: ceil(seqlen / chunk)"}};
 }
@@ -147,40 +167,52 @@ void check_e79_call(const Call& call) {
 
 // ---- specializations ----
 
+bool clustered(const Config& c) { return c.get("cluster") > 1; }
+
 std::string traits(const Problem& p, const Config& c) {
-  std::string s = "kspec::E79Traits<";
+  std::string s = clustered(c) ? "kspec::E79ClusterTraits<" : "kspec::E79Traits<";
   s += dtype_cuda_type(p.dtype("k"));
   s += ", ";
   s += p.present("b_s") ? dtype_cuda_type(p.dtype("b_s")) : "float";
   s += ", " + std::to_string(p.dim("n")) + ", " + std::to_string(c.get("split")) + ", " +
-       std::to_string(bias_mode(p)) + ", " + std::to_string(p.param_int("chunk")) + ">";
-  return s;
+       std::to_string(bias_mode(p)) + ", " + std::to_string(p.param_int("chunk"));
+  if (clustered(c)) s += ", " + std::to_string(c.get("cluster"));
+  return s + ">";
 }
 
-// Lanes per row: n * split threads. One warp's worth of rows per 32 / split... the products are n
-// multiply-adds per row and vector, so n * split near 512 threads keeps every SM sub-partition busy
-// with one block. Untuned first guess.
+// split: lanes per row (n * split threads, or n * split / cluster per CTA of a cluster). The products
+// are n multiply-adds per row and vector, so n * split near 512 threads keeps every SM sub-partition
+// busy with one block. cluster: CTAs per sequence (e79_cluster.cuh), for batches below the SM count;
+// the heuristic keeps 1 until the benchmark (tools/bench/bench_e79.py, a row per cluster size) shows
+// where a cluster wins. Untuned first guess.
 TuningSpace e79_tuning() {
   TuningSpace t;
-  t.axes = {{"split", {1, 2, 4, 8, 16, 32}}};
+  t.axes = {{"split", {1, 2, 4, 8, 16, 32}}, {"cluster", {1, 2, 4, 8}}};
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
-    int64_t n = p.dim("n"), s = c.get("split");
-    if ((n * s) % 32 != 0 || n * s > 512) {
-      if (why) *why = "n * split must be a multiple of 32 and at most 512 threads (the backward needs ~128 registers)";
+    const int64_t n = p.dim("n"), s = c.get("split"), cl = c.get("cluster");
+    auto no = [&](const char* reason) {
+      if (why) *why = reason;
       return false;
+    };
+    if (cl > 1) {
+      if (jit::compute_capability(p.arch) < 90) return no("thread-block clusters need sm_90 or newer");
+      if (n % cl != 0) return no("n must be a multiple of cluster (each CTA owns n / cluster rows)");
+      if (s < cl) return no("split must be at least cluster (each CTA sums a column in split / cluster parts)");
     }
-    if (s > n) {
-      if (why) *why = "more lanes per row than columns";
-      return false;
-    }
+    const int64_t threads = n * s / cl;
+    if (threads % 32 != 0 || threads > 512)
+      return no("n * split / cluster must be a multiple of 32 and at most 512 threads (the backward needs ~128 "
+                "registers)");
+    if (s > n) return no("more lanes per row than columns");
     return true;
   };
   t.heuristic = [](const Problem& p) {
     int64_t n = p.dim("n"), s = 32;
     while (s > 1 && (n * s > 512 || s > n)) s /= 2;
     while ((n * s) % 32 != 0) s *= 2;
-    return Config{{{"split", s}}};
+    return Config{{{"split", s}, {"cluster", 1}}};
   };
+  t.block_threads = [](const Problem& p, const Config& c) { return launch_shape(p.dim("n"), c).threads; };
   return t;
 }
 
@@ -320,6 +352,11 @@ std::vector<Case> e79_cases(bool bwd) {
       {"nothing_optional", 20, 2, 32, 16, "none", false, false},
       {"chunk_1", 7, 2, 32, 1, "fixed", true, true},
       {"chunk_5", 23, 2, 32, 5, "input", true, true},
+      // B = 1, where the cluster configs matter: Gpu.EveryTuningConfigMatchesReference and
+      // tools/gpu/check_configs.py run every config on these.
+      {"B_1_n_8", 23, 1, 8, 8, "fixed", true, true},
+      {"B_1_n_128", 13, 1, 128, 8, "input", true, true},
+      {"B_1_n_64_T_not_multiple_of_K", 45, 1, 64, 8, "fixed", true, true},
       {"long_1024", 1024, 2, 64, 32, "fixed", true, true, true},
       {"model_16x512_n64", 512, 16, 64, 32, "fixed", false, false, true},
   };
@@ -377,8 +414,10 @@ OpDef e79_base(const char* name, const char* doc, bool bwd) {
   return op;
 }
 
-jit::KernelSpec spec(const Problem& p, const char* kernel, std::vector<std::string> targs) {
-  return kernel_spec(p, kHeader, kernel, std::move(targs));
+// The kernel `name` of e79.cuh, or its cluster twin name + "_cluster" of e79_cluster.cuh.
+jit::KernelSpec spec(const Problem& p, const Config& c, const std::string& name, std::vector<std::string> targs) {
+  if (clustered(c)) return kernel_spec(p, kClusterHeader, name + "_cluster_kernel", std::move(targs));
+  return kernel_spec(p, kHeader, name + "_kernel", std::move(targs));
 }
 
 // ---- forward ----
@@ -398,7 +437,7 @@ OpDef make_fwd() {
   };
   op.kernels = [](const Problem& p, const Config& c) {
     return std::vector<jit::KernelSpec>{
-        spec(p, "kspec::e79_fwd_kernel", {traits(p, c), p.present("checkpoints") ? "true" : "false"})};
+        spec(p, c, "kspec::e79_fwd", {traits(p, c), p.present("checkpoints") ? "true" : "false"})};
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     const Problem& p = call.problem;
@@ -410,7 +449,12 @@ OpDef make_fwd() {
     void *S0 = call.in("S0").data, *M0 = call.in("M0").data, *S = call.out("S").data, *M = call.out("M").data,
          *chk = call.out("checkpoints").data;
     void* args[] = {&k, &v, &q, &m, &bs, &bm, &S0, &M0, &out, &S, &M, &chk, &T, &nchk};
-    l.launch(0, {u32(p.dim("batch"))}, {u32(n * c.get("split"))}, u32(fwd_smem_bytes(n)), args);
+    const Shape sh = launch_shape(n, c);
+    if (sh.cluster == 1)
+      l.launch(0, {u32(p.dim("batch"))}, {u32(sh.threads)}, u32(sh.fwd_smem_bytes), args);
+    else
+      l.launch_clusters(0, {u32(p.dim("batch") * sh.cluster)}, {u32(sh.threads)}, {u32(sh.cluster)},
+                        u32(sh.fwd_smem_bytes), args);
   };
   op.reference = fwd_reference;
   return op;
@@ -449,10 +493,10 @@ OpDef make_bwd() {
       tensor_def("dM0", kState, {DType::f32}, "", false, false, "M0", Layout::Contiguous, "gradient of M0"),
   };
   op.kernels = [](const Problem& p, const Config& c) {
-    std::vector<jit::KernelSpec> ks = {spec(p, "kspec::e79_bwd_kernel", {traits(p, c)})};
+    std::vector<jit::KernelSpec> ks = {spec(p, c, "kspec::e79_bwd", {traits(p, c)})};
     if (bias_mode(p) == ref::kE79BiasFixed)
-      ks.push_back(spec(p, "kspec::e79_bias_reduce_kernel",
-                        {dtype_cuda_type(p.dtype("b_s")), std::to_string(p.dim("n"))}));
+      ks.push_back(kernel_spec(p, kHeader, "kspec::e79_bias_reduce_kernel",
+                               {dtype_cuda_type(p.dtype("b_s")), std::to_string(p.dim("n"))}));
     return ks;
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
@@ -462,7 +506,8 @@ OpDef make_bwd() {
     int nchk = static_cast<int>(ceil_div(T, chunk));
     bool fixed = bias_mode(p) == ref::kE79BiasFixed;
     if (B == 0) return;
-    int64_t per_seq = bwd_ws_floats(n, chunk);
+    const Shape sh = launch_shape(n, c);
+    int64_t per_seq = bwd_ws_floats(n, chunk, sh.cluster);
     auto* ws = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(B * per_seq + 2 * B * n)));
     float* partial = ws + B * per_seq;
     SeqArg dout = seq_arg(call.in("dout")), k = seq_arg(call.in("k")), v = seq_arg(call.in("v")),
@@ -478,7 +523,11 @@ OpDef make_bwd() {
          *dS0 = call.out("dS0").data, *dM0 = call.out("dM0").data;
     void* args[] = {&dout, &k, &v, &q, &m, &bs, &bm, &chk, &dSf, &dMf, &dk, &dv, &dq, &dm, &dbs, &dbm,
                     &partial, &dS0, &dM0, &ws, &T, &nchk};
-    l.launch(0, {u32(B)}, {u32(n * c.get("split"))}, u32(bwd_smem_bytes(n)), args);
+    if (sh.cluster == 1)
+      l.launch(0, {u32(B)}, {u32(sh.threads)}, u32(sh.bwd_smem_bytes), args);
+    else
+      l.launch_clusters(0, {u32(B * sh.cluster)}, {u32(sh.threads)}, {u32(sh.cluster)}, u32(sh.bwd_smem_bytes),
+                        args);
     if (fixed) {
       void *db_s = call.out("db_s").data, *db_m = call.out("db_m").data;
       int batch = static_cast<int>(B);
