@@ -521,16 +521,8 @@ TuneResult tune_problem(const OpDef& op, const Problem& p, const TuneRequest& op
 }
 
 TuneResult tune(const TuneRequest& req, const TuneCallback& progress) {
-  const OpDef& op = Registry::global().get(req.op);
-  CompileRequest cr;
-  cr.op = req.op;
-  cr.dtype = req.dtype;
-  cr.arch = req.arch;
-  cr.params = req.params;
-  cr.without = req.without;
-  cr.tensor_dtypes = req.tensor_dtypes;
-  cr.alt_shapes = req.alt_shapes;
-  Problem p = problem_from_request(op, cr);
+  const OpDef& op = Registry::global().get(req.problem.op);
+  Problem p = problem_from_request(op, req.problem);
   if (!req.compile_only && has_gpu(req.device)) p.arch = device_arch_of(req.device);
   if (op.check) op.check(p);
   return tune_problem(op, p, req, progress);

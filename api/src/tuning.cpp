@@ -115,8 +115,7 @@ bool autotune(const OpDef& op, const Problem& p, int device, const std::string& 
   std::lock_guard<std::mutex> lock(mu);
   if (!attempted.insert(key + "#d" + std::to_string(device)).second) return false;
   try {
-    TuneRequest opts;
-    opts.op = op.info.name;
+    TuneRequest opts;  // the problem is p; only the options are read
     opts.device = device;
     opts.budget_s = knobs::tune_budget();
     jit::info("KSPEC_TUNE=auto: tuning " + key + " (budget " + std::to_string(opts.budget_s) + " s)");

@@ -359,15 +359,8 @@ PYBIND11_MODULE(_C, m) {
            const std::map<std::string, std::string>& tensor_dtypes, const std::vector<std::string>& alt_shapes,
            int device, const std::string& arch, double budget, bool all_configs, bool compile_only, bool write_db,
            int batches, uint64_t seed, const py::object& progress, int max_candidates) {
-          auto base = to_request(op, dtype, arch, params, without, tensor_dtypes, alt_shapes);
           kspec::TuneRequest req;
-          req.op = base.op;
-          req.dtype = base.dtype;
-          req.arch = base.arch;
-          req.params = base.params;
-          req.without = base.without;
-          req.tensor_dtypes = base.tensor_dtypes;
-          req.alt_shapes = base.alt_shapes;
+          req.problem = to_request(op, dtype, arch, params, without, tensor_dtypes, alt_shapes);
           req.device = device;
           req.budget_s = budget;
           req.all_configs = all_configs;

@@ -431,10 +431,10 @@ TEST(GemmTuning, WithoutAGpuTheTunerHasOnlyTheDefaultAndSaysWhy) {
   for (const auto& [op, act, without] : std::vector<std::tuple<std::string, std::string, std::vector<std::string>>>{
            {"gemm", "gelu", {"aux"}}, {"gemm.bwd", "gelu", {}}}) {
     kspec::TuneRequest r;
-    r.op = op;
-    r.dtype = kspec::DType::bf16;
-    r.params = {{"m", int64_t(4097)}, {"n", int64_t(4095)}, {"k", int64_t(33)}, {"act", act}};
-    r.without = without;
+    r.problem.op = op;
+    r.problem.dtype = kspec::DType::bf16;
+    r.problem.params = {{"m", int64_t(4097)}, {"n", int64_t(4095)}, {"k", int64_t(33)}, {"act", act}};
+    r.problem.without = without;
     r.compile_only = true;
     r.write_db = false;
     kspec::TuneResult res = kspec::tune(r);
@@ -454,9 +454,9 @@ TEST(GpuTuning, TuningATinyProblemChangesTheLaunchedConfig) {
   TempDir dir;
   EnvGuard env("KSPEC_TUNING_DB", dir.path() + "/tuning.json");
   kspec::TuneRequest r;
-  r.op = "norm_act.fwd";
-  r.dtype = kspec::DType::bf16;
-  r.params = {{"rows", int64_t(256)}, {"hidden", int64_t(1024)}, {"act", std::string("silu")}};
+  r.problem.op = "norm_act.fwd";
+  r.problem.dtype = kspec::DType::bf16;
+  r.problem.params = {{"rows", int64_t(256)}, {"hidden", int64_t(1024)}, {"act", std::string("silu")}};
   r.budget_s = 5;
   kspec::TuneResult res = kspec::tune(r);
   ASSERT_TRUE(res.timed);
@@ -468,10 +468,7 @@ TEST(GpuTuning, TuningATinyProblemChangesTheLaunchedConfig) {
   int ok = 0;
   for (const auto& c : res.candidates) ok += c.status == "ok";
   EXPECT_GE(ok, 2);
-  kspec::CompileRequest req;
-  req.op = r.op;
-  req.dtype = r.dtype;
-  req.params = r.params;
+  const kspec::CompileRequest& req = r.problem;
   kspec::PlanInfo info = kspec::explain_request(req);
   EXPECT_EQ(info.config_source, "tuned");
   EXPECT_EQ(info.config, res.best_config.str());
@@ -496,10 +493,10 @@ TEST(GpuTuning, GemmTuneIsRecordedUsedByDispatchAndMatchesTheReference) {
   TempDir dir;
   EnvGuard env("KSPEC_TUNING_DB", dir.path() + "/tuning.json");
   kspec::TuneRequest r;
-  r.op = "gemm";
-  r.dtype = kspec::DType::bf16;
-  r.params = {{"m", int64_t(1000)}, {"n", int64_t(768)}, {"k", int64_t(96)}, {"act", std::string("gelu")}};
-  r.without = {"aux"};
+  r.problem.op = "gemm";
+  r.problem.dtype = kspec::DType::bf16;
+  r.problem.params = {{"m", int64_t(1000)}, {"n", int64_t(768)}, {"k", int64_t(96)}, {"act", std::string("gelu")}};
+  r.problem.without = {"aux"};
   r.budget_s = 10;
   r.max_candidates = 8;
   kspec::TuneResult res = kspec::tune(r);
@@ -519,11 +516,7 @@ TEST(GpuTuning, GemmTuneIsRecordedUsedByDispatchAndMatchesTheReference) {
   // A call of that shape: explain says it uses the tuned algorithm, and its output matches float64.
   kspec::jit::ContextGuard guard(0);
   const kspec::OpDef& op = kspec::Registry::global().get("gemm");
-  kspec::CompileRequest req;
-  req.op = r.op;
-  req.dtype = r.dtype;
-  req.params = r.params;
-  req.without = r.without;
+  const kspec::CompileRequest& req = r.problem;
   kspec::Problem p = kspec::problem_from_request(op, req);
   auto host = kspec::random_inputs(op, p, 7);
   std::vector<kspec::DeviceBuffer> bufs;

@@ -15,14 +15,10 @@ namespace kspec {
 
 // One problem to tune: an op, its dtype, its dims (runtime ones too: rows=16384, hidden=4096), params.
 struct TuneRequest {
-  std::string op;
-  DType dtype = DType::f32;
-  Params params;                        // scalar params and every dim
-  std::vector<std::string> without;     // optional inputs left out
-  std::vector<std::pair<std::string, DType>> tensor_dtypes;
-  std::vector<std::string> alt_shapes;
+  // The problem as a compile request: every dim in params (runtime ones too); its arch is used only
+  // without a GPU (compile_only), else the device's; its config is ignored (the tuner searches).
+  CompileRequest problem;
   int device = 0;
-  std::string arch = "sm_90";           // used only without a GPU (compile_only); else the device's
   double budget_s = 60;                 // wall-clock budget (compiles and timing; the default is always timed)
   bool all_configs = false;             // time every legal config, whatever the budget
   bool compile_only = false;            // prune and compile, time nothing (works without a GPU)
