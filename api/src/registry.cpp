@@ -104,20 +104,9 @@ double tolerance_for(DType dtype) {
 
 std::vector<Config> TuningSpace::enumerate(const Problem& p) const {
   std::vector<Config> out;
-  std::vector<size_t> idx(axes.size(), 0);
-  if (axes.empty()) return {Config{}};
-  while (true) {
-    Config c;
-    for (size_t i = 0; i < axes.size(); ++i) c.values.emplace_back(axes[i].first, axes[i].second[idx[i]]);
-    std::string why;
+  std::string why;  // some rules write their reason unconditionally
+  for (Config& c : all_combinations())
     if (!valid || valid(p, c, &why)) out.push_back(std::move(c));
-    size_t i = 0;
-    for (; i < axes.size(); ++i) {
-      if (++idx[i] < axes[i].second.size()) break;
-      idx[i] = 0;
-    }
-    if (i == axes.size()) break;
-  }
   return out;
 }
 
