@@ -748,8 +748,9 @@ def norm_act_targets(rows, quick) -> list:
 
 # Floors. Bytes: u, delta, z read and out written once (B, C: 2 * batch * dstate * seqlen more), fwd+bwd
 # adds dout, du, ddelta, dz and the forward's reads again. Exponentials: one ex2 per (b, d, t, n) in the
-# forward, three in fwd+bwd (kspec's backward recomputes the forward twice); the SFU does 16 ex2 per SM
-# and clock: 16 * 132 * 1.755e9 = 3.71e12 per second on the H100.
+# forward, three in fwd+bwd (the least without saved states: the forward, the backward's recompute and
+# its adjoint; kspec's backward does three itself, five with segments); the SFU does 16 ex2 per SM and
+# clock: 16 * 132 * 1.755e9 = 3.71e12 per second on the H100.
 _SFU_EX2_PER_S = 16 * 132 * 1.755e9
 
 
@@ -856,48 +857,66 @@ def bench_selective_scan(ctx):
 
 @family("selective_scan_configs")
 def bench_selective_scan_configs(ctx):
-    """selective_scan.fwd at 8x2048x2048 under each config of a list (the heuristic's choice marked):
-    which algorithm and block shape to prefer. Raw kspec.call, no autograd."""
+    """selective_scan.fwd or .bwd (--scan-op) at one shape (--scan-shape BxDxL, default 8x2048x2048) under
+    each config of a list (--scan-config, repeatable; default: a forward sweep), the heuristic's choice
+    timed too and marked: which algorithm, block shape and segment count to prefer. Raw kspec.call, no
+    autograd. Each config's outputs are compared with the heuristic's before it is timed (the forward's
+    out prefix also with the float64 reference)."""
     torch = ctx.torch
     kspec = ctx.kspec
-    b, d, t, n = (2, 1024, 1024, 16) if ctx.args.quick else (8, 2048, 2048, 16)
+    op = f"selective_scan.{ctx.args.scan_op}"
+    b, d, t = (2, 1024, 1024) if ctx.args.quick else tuple(int(v) for v in ctx.args.scan_shape.split("x"))
+    n = 16
     x = _scan_inputs(torch, ctx.dev, b, d, t, n, ctx.args.seed)
-    args = (x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"], x["delta_bias"], None)
-    configs = ["algo=0,warps=4,items=8,lanes=1,chunk=32", "algo=0,warps=2,items=8,lanes=1,chunk=32"]
-    for warps in (2, 4, 8):
-        for lanes in (1, 2, 4):
-            for chunk in (32, 64, 128):
-                configs.append(f"algo=1,warps={warps},items=4,lanes={lanes},chunk={chunk}")
+    fwd_args = (x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"], x["delta_bias"], None)
+    args = fwd_args if ctx.args.scan_op == "fwd" else (torch.randn_like(x["u"]),) + fwd_args + (None,)
+    configs = list(ctx.args.scan_config or [])
+    if not configs:
+        configs = ["algo=0,warps=4,items=8,lanes=1,chunk=32,segs=1", "algo=0,warps=2,items=8,lanes=1,chunk=32,segs=1"]
+        for warps in (2, 4, 8):
+            for lanes in (1, 2, 4):
+                for chunk in (32, 64, 128):
+                    configs.append(f"algo=1,warps={warps},items=4,lanes={lanes},chunk={chunk},segs=1")
     try:  # the heuristic's config, as explain() prints it
-        m = re.search(r"algo=[0-9a-z=,]+", str(kspec.explain("selective_scan.fwd", *args, delta_softplus=True)))
+        m = re.search(r"algo=[0-9a-z=,]+", str(kspec.explain(op, *args, delta_softplus=True)))
         heur = m.group(0) if m else ""
     except Exception:  # noqa: BLE001
         heur = ""
+    if heur and heur not in configs:
+        configs.insert(0, heur)
+    ref_out = [o.float() for o in kspec.call(op, *args, delta_softplus=True) if o is not None]
     rows = []
     elems = b * d * t
     for cfg in configs:
-        row = {"family": "selective_scan_configs", "shape": f"{b}x{d}x{t}", "config": cfg,
+        row = {"family": "selective_scan_configs", "op": op, "shape": f"{b}x{d}x{t}", "config": cfg,
                "heuristic": cfg == heur, "status": ""}
         try:
-            step = lambda cfg=cfg: kspec.call("selective_scan.fwd", *args, config=cfg, delta_softplus=True)  # noqa: E731
-            out = step()[0]
-            row["max_error"] = _scan_check(torch, x, out.float().cpu())
-            row["status"] = "ok" if row["max_error"] <= 2e-2 else "INVALID"
-            if row["status"] == "ok":
+            step = lambda cfg=cfg: kspec.call(op, *args, config=cfg, delta_softplus=True)  # noqa: E731
+            outs = [o.float() for o in step() if o is not None]
+            row["vs_heuristic"] = max(float((o - r).norm() / r.norm().clamp_min(1e-30)) for o, r in zip(outs, ref_out))
+            ok = row["vs_heuristic"] <= 1e-2
+            if ctx.args.scan_op == "fwd":
+                row["max_error"] = _scan_check(torch, x, outs[0][:1, :4, :512].cpu())
+                ok = ok and row["max_error"] <= 2e-2
+            row["status"] = "ok" if ok else "INVALID"
+            if ok:
                 row.update(ctx.timer.time(step))
-                row["ex2_floor_ms"] = elems * n / _SFU_EX2_PER_S * 1e3
+                row["ex2_floor_ms"] = elems * n * (1 if ctx.args.scan_op == "fwd" else 2) / _SFU_EX2_PER_S * 1e3
         except Exception as e:  # noqa: BLE001
             row["status"] = "error"
             row["error"] = _short_error(e)
         rows.append(row)
-        print(f"bench: selective_scan_configs {cfg}: {row['status']} {row.get('gpu_ms', '')}", file=sys.stderr,
+        print(f"bench: selective_scan_configs {op} {cfg}: {row['status']} {row.get('gpu_ms', '')}", file=sys.stderr,
               flush=True)
     cols = [("config", "config"), ("heuristic", lambda r: "*" if r["heuristic"] else ""),
             ("gpu ms", lambda r: _fmt(r.get("gpu_ms"), ".4f")), ("ev ms", lambda r: _fmt(r.get("ev_ms"), ".4f")),
             ("ex2 floor ms", lambda r: _fmt(r.get("ex2_floor_ms"), ".3f")),
+            ("vs heuristic", lambda r: _fmt(r.get("vs_heuristic"), ".1e")),
             ("rel err (prefix)", lambda r: _fmt(r.get("max_error"), ".1e")),
             ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else ""))]
-    return {"results": rows}, [Section(f"selective_scan.fwd configs, bf16, {b}x{d}x{t}, dstate {n}", cols, rows, [])]
+    notes = ["ex2 floor: one ex2 per step and state for the forward, two for the backward (the least it can"
+             " do without saved states; kspec's does three, five with segments)."]
+    return {"results": rows}, [Section(f"{op} configs, bf16, {b}x{d}x{t}, dstate {n}", cols, rows, notes)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1759,6 +1778,10 @@ def main(argv=None) -> int:
     p.add_argument("--jit-reps", type=int, default=3, help="cold-compile processes (each with a fresh cache)")
     p.add_argument("--calls", type=int, default=2000, help="back-to-back calls per host-overhead sample")
     p.add_argument("--verbose", "-v", action="store_true", help="print tracebacks of failing variants")
+    p.add_argument("--scan-op", choices=("fwd", "bwd"), default="fwd", help="selective_scan_configs: the op")
+    p.add_argument("--scan-shape", default="8x2048x2048", metavar="BxDxL", help="selective_scan_configs: the shape")
+    p.add_argument("--scan-config", action="append", metavar="CONFIG",
+                   help="selective_scan_configs: a config to time (repeatable; default: a forward sweep)")
     args = p.parse_args(argv)
     if args.reps is None:
         args.reps = 30 if args.quick else 50

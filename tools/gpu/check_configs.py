@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Every tuning config of an op on chosen cases, each against the float64 reference (GPU).
 
-  python3 tools/gpu/check_configs.py selective_scan.fwd --case base:bf16 --case seqlen_1023:f32 [--match algo=1]
+  python3 tools/gpu/check_configs.py selective_scan.fwd --case base:bf16 --case seqlen_1023:f32 [--match 'algo=1.*segs=[248]']
 
 Prints one line per failing (case, dtype, config) and a summary; exits 1 on any failure. The C++ test
 Gpu.EveryTuningConfigMatchesReference does the same for a fixed list over every op; this is the quick
@@ -9,6 +9,7 @@ way to check one op's new kernels.
 """
 import argparse
 import json
+import re
 import sys
 
 from kspec import _C
@@ -18,7 +19,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("op", nargs="+")
     ap.add_argument("--case", action="append", required=True, help="CASE:DTYPE")
-    ap.add_argument("--match", default="", help="only configs containing this text, e.g. algo=1")
+    ap.add_argument("--match", default="", help="only configs matching this regular expression, e.g. algo=1")
     ap.add_argument("--json")
     a = ap.parse_args()
     failed, total, rows = 0, 0, []
@@ -28,7 +29,7 @@ def main() -> int:
             if case not in _C.case_names(op):
                 continue
             for cfg in _C.configs_for_case(op, case, dtype):
-                if a.match and a.match not in cfg:
+                if a.match and not re.search(a.match, cfg):
                     continue
                 for r in _C.check_op(op, case, [dtype], 0, True, cfg, 0):
                     total += 1
