@@ -19,6 +19,8 @@
 //   (1, 2048, 65536). We chose this serial carry over a chunked scan with a fix-up pass because the
 //   fix-up needs a second pass of exponentials over every step (the forward is bound by the SFU's
 //   ex2 rate: 16 per SM and clock), while the serial carry costs only a shuffle broadcast per tile.
+//   (The sequential-state kernels below do take that second pass, as "segments", where few channels
+//   leave the GPU idle: at 1x2048x65536 it wins 1.4x.)
 // - Decays are exp2(dt * A * log2(e)), log2(e) folded into A once per state: one MUFU.EX2 each.
 // - Padding steps past seqlen get dt = 0 and u = 0: a = 1, b = 0, so the state passes through them.
 #pragma once
@@ -558,10 +560,13 @@ __global__ void selective_scan_bwd_reduce_kernel(const float* __restrict__ parti
 // thread runs the whole chunk (a constant trip count) and the state passes through them unchanged.
 // Padding states (n >= dstate) have A = B = C = 0 and stay 0.
 //
-// Launch: blockDim = kThreads; gridDim = (ceil(dim / kChannels), batch). A block's channels lie in one
-// group when B or C is variable (the host ensures groups == 1 or kChannels divides dim / groups).
+// Launch: blockDim = kThreads; gridDim = (ceil(dim / kChannels), batch, nsegs). A block's channels lie
+// in one group when B or C is variable (the host ensures groups == 1 or kChannels divides dim / groups).
 // Dynamic shared memory: seq_fwd_smem_floats() floats. With kEven (seqlen a multiple of 512, hence of
 // kChunk, and every pointer 16-byte aligned) the staging and the output use 16-byte accesses.
+// Segments (nsegs > 1, after selective_scan_seg_fwd_kernel; see "segments" below): block z runs the
+// chunks of segment z from the state folded over segments 0..z-1; nsegs = 1 is the whole sequence
+// (seg_len >= seqlen rounded up to kChunk; seg_h, seg_dt unused).
 // =============================================================================================
 template <typename T_, typename TB_, typename TC_, int kDstate_, bool kVarB_, bool kVarC_, bool kHasD_,
           bool kHasZ_, bool kHasDeltaBias_, bool kSoftplus_, bool kHasH0_, bool kEven_, int kWarps_,
@@ -741,13 +746,15 @@ struct SeqPrefetch {
 };
 
 // The scan of one staged chunk by one thread (kSpt states x of channel cl, slice sl), steps in groups
-// of 4 with a group's shared-memory reads first; y = C . x of each step to s_y[t][cl]. A function, not a
-// lambda: NVRTC did not inline the lambda everywhere, and the call saved registers to the stack.
-template <typename Tr>
+// of 4 with a group's shared-memory reads first. kY: y = C . x of each step to s_y[t][cl] (else C, s_C
+// and s_y are not read). kSumDt: adds the chunk's dt to sdt (a segment's decay, see the segments below).
+// A function, not a lambda: NVRTC did not inline the lambda everywhere, and the call saved registers to
+// the stack.
+template <typename Tr, bool kY = true, bool kSumDt = false>
 __device__ __forceinline__ void seq_scan_chunk(float (&x)[Tr::kSpt], const float (&A2)[Tr::kSpt],
                                                const float (&Bf)[Tr::kSpt], const float (&Cf)[Tr::kSpt],
                                                const float* s_dt, const float* s_u, const float* s_B,
-                                               const float* s_C, float* s_y, int cl, int sl) {
+                                               const float* s_C, float* s_y, int cl, int sl, float& sdt) {
   constexpr int S = Tr::kSpt, L = Tr::kLanes, CS = Tr::kCs, NP = Tr::kNp, kC = Tr::kChunk;
 #pragma unroll 2
   for (int t = 0; t < kC; t += 4) {
@@ -756,10 +763,11 @@ __device__ __forceinline__ void seq_scan_chunk(float (&x)[Tr::kSpt], const float
     for (int g = 0; g < 4; ++g) {
       dt[g] = s_dt[(t + g) * CS + cl];
       du[g] = dt[g] * s_u[(t + g) * CS + cl];
+      if constexpr (kSumDt) sdt += dt[g];
 #pragma unroll
       for (int i = 0; i < S; ++i) {
         Bv[g][i] = Tr::kVarB ? s_B[(t + g) * NP + sl * S + i] : Bf[i];
-        Cv[g][i] = Tr::kVarC ? s_C[(t + g) * NP + sl * S + i] : Cf[i];
+        if constexpr (kY) Cv[g][i] = Tr::kVarC ? s_C[(t + g) * NP + sl * S + i] : Cf[i];
       }
     }
 #pragma unroll
@@ -768,12 +776,70 @@ __device__ __forceinline__ void seq_scan_chunk(float (&x)[Tr::kSpt], const float
 #pragma unroll
       for (int i = 0; i < S; ++i) {
         x[i] = fmaf(fast_exp2(dt[g] * A2[i]), x[i], du[g] * Bv[g][i]);
-        y[g] = fmaf(Cv[g][i], x[i], y[g]);
+        if constexpr (kY) y[g] = fmaf(Cv[g][i], x[i], y[g]);
       }
     }
-    seq_store_y<L>(y, sl, s_y + t * CS + cl, CS);
+    if constexpr (kY) seq_store_y<L>(y, sl, s_y + t * CS + cl, CS);
   }
 }
+
+// ---- segments: one sequence cut along time into parallel pieces (few channels, long sequences) ----
+// With nsegs > 1 the steps are cut into segments of seg_len steps (a multiple of kChunk; the last one
+// may be shorter), run by blocks with blockIdx.z = segment. A segment's map of the state is affine:
+// x_out = P x_in + X with P = prod a_t = exp2(A2 * sum dt) per state and X its end state from zero, so
+// a local pass (selective_scan_seg_fwd_kernel) gives every segment but the last (X, sum dt), and the
+// block of segment z folds segments 0..z-1 into its entering state in z steps. The backward's adjoint
+// is affine over a segment too (H_in = P H_out + G, G from a zero end): selective_scan_seg_bwd_kernel
+// gives every segment but the first G (and the last one's sum dt), folded from the end. The price: one
+// more ex2 per step and state per local pass, for nsegs times the parallelism.
+// seg_h, seg_g: [batch * dim, nsegs, dstate]; seg_dt: [batch * dim, nsegs] (fp32 workspace).
+
+// x (h0 or zeros) carried over segments 0..z-1.
+template <typename Tr>
+__device__ __forceinline__ void seq_fold_forward(float (&x)[Tr::kSpt], const float (&A2)[Tr::kSpt],
+                                                 const float* __restrict__ seg_h, const float* __restrict__ seg_dt,
+                                                 long long chan, int nsegs, int z, int sl, bool live) {
+  constexpr int S = Tr::kSpt, N = Tr::kDstate;
+  if (!live) return;
+  for (int q = 0; q < z; ++q) {
+    const long long s = chan * nsegs + q;
+    const float sd = seg_dt[s];
+#pragma unroll
+    for (int i = 0; i < S; ++i) {
+      const int n = sl * S + i;
+      x[i] = fmaf(fast_exp2(sd * A2[i]), x[i], n < N ? seg_h[s * N + n] : 0.0f);
+    }
+  }
+}
+
+// The adjoint H (dlast_state or zeros) carried back over segments nsegs-1..z+1.
+template <typename Tr>
+__device__ __forceinline__ void seq_fold_adjoint(float (&H)[Tr::kSpt], const float (&A2)[Tr::kSpt],
+                                                 const float* __restrict__ seg_g, const float* __restrict__ seg_dt,
+                                                 long long chan, int nsegs, int z, int sl, bool live) {
+  constexpr int S = Tr::kSpt, N = Tr::kDstate;
+  if (!live) return;
+  for (int q = nsegs - 1; q > z; --q) {
+    const long long s = chan * nsegs + q;
+    const float sd = seg_dt[s];
+#pragma unroll
+    for (int i = 0; i < S; ++i) {
+      const int n = sl * S + i;
+      H[i] = fmaf(fast_exp2(sd * A2[i]), H[i], n < N ? seg_g[s * N + n] : 0.0f);
+    }
+  }
+}
+
+// The chunks [cb, ce) of segment z: seg_len / kChunk chunks from z * seg_len, cut at seqlen.
+struct SeqSegment {
+  int z, cb, ce;
+  __device__ __forceinline__ SeqSegment(int z_, int kC, int seqlen, int seg_len) {
+    z = z_;
+    const int per = seg_len / kC, nchunks = (seqlen + kC - 1) / kC;
+    cb = z * per;
+    ce = min(cb + per, nchunks);
+  }
+};
 
 }  // namespace scan_detail
 
@@ -787,7 +853,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                   const typename Tr::T* __restrict__ z, const float* __restrict__ delta_bias,
                                   const float* __restrict__ h0, typename Tr::T* __restrict__ out,
                                   float* __restrict__ last_state, int dim, int seqlen, int channels_per_group,
-                                  int groups) {
+                                  int groups, const float* __restrict__ seg_h, const float* __restrict__ seg_dt,
+                                  int seg_len, int nsegs) {
   using namespace scan_detail;
   using T = typename Tr::T;
   constexpr int N = Tr::kDstate, S = Tr::kSpt, L = Tr::kLanes, NC = Tr::kChannels, CS = Tr::kCs;
@@ -818,24 +885,28 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     Bf[i] = ok && !Tr::kVarB ? to_float(B[d * N + n]) : 0.0f;
     Cf[i] = ok && !Tr::kVarC ? to_float(C[d * N + n]) : 0.0f;
   }
+  const SeqSegment seg(static_cast<int>(blockIdx.z), kC, seqlen, seg_len);
+  seq_fold_forward<Tr>(x, A2, seg_h, seg_dt, chan, nsegs, seg.z, sl, live);
+  const int tb = seg.cb * kC, te = min(seg.ce * kC, seqlen);
+  float unused = 0.0f;
   if constexpr (Tr::kEven) {
     // Every chunk whole and 16-byte aligned: the next chunk's global loads are issued before this
     // chunk's scan (registers), so their latency hides behind it.
     using Pf = SeqPrefetch<Tr>;
     Pf cur, nxt;
-    cur.load(u, delta, z, B, C, b, d0, dim, seqlen, bc_base, 0);
-    for (int t0 = 0; t0 < seqlen; t0 += kC) {
+    cur.load(u, delta, z, B, C, b, d0, dim, seqlen, bc_base, tb);
+    for (int t0 = tb; t0 < te; t0 += kC) {
       cur.stage(s_u, s_dt, s_B, s_C, delta_bias, d0, dim);
       __syncthreads();
-      if (t0 + kC < seqlen) nxt.load(u, delta, z, B, C, b, d0, dim, seqlen, bc_base, t0 + kC);
-      seq_scan_chunk<Tr>(x, A2, Bf, Cf, s_dt, s_u, s_B, s_C, s_y, cl, sl);
+      if (t0 + kC < te) nxt.load(u, delta, z, B, C, b, d0, dim, seqlen, bc_base, t0 + kC);
+      seq_scan_chunk<Tr>(x, A2, Bf, Cf, s_dt, s_u, s_B, s_C, s_y, cl, sl, unused);
       __syncthreads();
       cur.write_out(out, D, s_u, s_y, b, d0, dim, seqlen, t0);
       cur = nxt;
       __syncthreads();  // s_u, s_y are restaged next
     }
   } else {
-    for (int t0 = 0; t0 < seqlen; t0 += kC) {
+    for (int t0 = tb; t0 < te; t0 += kC) {
       // Element by element, zeros past seqlen, dim and dstate (a partial last chunk, odd alignments).
       for (int e = tid; e < NC * kC; e += Tr::kThreads) {
         const int r = e / kC, t = e % kC;
@@ -854,7 +925,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if constexpr (Tr::kVarC) s_C[t * NP + n] = ok ? to_float(C[off]) : 0.0f;
       }
       __syncthreads();
-      seq_scan_chunk<Tr>(x, A2, Bf, Cf, s_dt, s_u, s_B, s_C, s_y, cl, sl);
+      seq_scan_chunk<Tr>(x, A2, Bf, Cf, s_dt, s_u, s_B, s_C, s_y, cl, sl, unused);
       __syncthreads();
       for (int e = tid; e < NC * kC; e += Tr::kThreads) {
         const int r = e / kC, t = e % kC;
@@ -867,7 +938,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       __syncthreads();  // s_u, s_y are restaged next
     }
   }
-  if (live) {
+  if (live && seg.z == nsegs - 1) {
 #pragma unroll
     for (int i = 0; i < S; ++i)
       if (sl * S + i < N) last_state[chan * N + sl * S + i] = x[i];
@@ -889,8 +960,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 //    b. runs the adjoint backwards through the chunk, H_{t-1} = a_t (H_t + gy_t C_t) with
 //       hx = H_t + gy_t C_t the adjoint of x_t (a_t recomputed: an ex2 is cheaper than a round trip
 //       through shared memory), and forms
-//         ddt_t = sum_n hx (A a_t x_{t-1} + B_t u_t),  du_t = dt_t sum_n hx B_t + D gy_t,
-//         dA += hx dt_t a_t x_{t-1},  dB_t = hx dt_t u_t,   with a_t x_{t-1} = x_t - dt_t B_t u_t.
+//         ddt_t = sum_n hx (A a_t x_{t-1} + B_t u_t) = sum_n A q + u_t hb,  du_t = dt_t hb + D gy_t,
+//         dA += dt_t q,  dB_t = hx dt_t u_t,   with q = hx a_t x_{t-1}, hb = sum_n hx B_t and
+//         a_t x_{t-1} = x_t - dt_t B_t u_t.
 //    Sums over a channel's kLanes threads (ddt, du, y) and over the channels of a warp (a variable
 //    dB_t, dC_t) are transposing shuffle reductions over groups of 4 steps (TransposeReduce); the
 //    warps' dB/dC then go through shared memory and one fp32 atomicAdd per element, chunk and block
@@ -901,15 +973,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // Three ex2 per step and state in all (mamba_ssm's backward: one; its forward saves the checkpoints),
 // no per-state scans. The next chunk's global loads are issued before this chunk's work.
 // Measured (H100, 8x2048x2048 bf16): 2.35 ms at 8 lanes, against 2.63 for the warp scan's best and
-// ~2.4 for mamba_ssm's backward. ncu (4 lanes): 62 instructions per step and state, IPC 1.7, 8 warps
+// ~2.4 for mamba_ssm's backward; 2.00 ms with registers capped at 128 (see the launch bounds). ncu (4 lanes): 62 instructions per step and state, IPC 1.7, 8 warps
 // per SM (254 registers); the SFU floor of the three ex2 is 0.44 ms. Next: fewer instructions per
 // step and state (the channel sums' selects and shuffles, the index arithmetic), more warps per SM,
 // and the forward writing the checkpoints when it runs for training.
 //
-// Launch: as the sequential forward (gridDim = (ceil(dim / kChannels), batch), blockDim = kThreads),
-// dynamic shared memory seq_bwd_smem_floats() floats; the same arguments as selective_scan_bwd_kernel,
-// with `states` holding ceil(seqlen / kChunk) states per channel. Every thread of a block reaches
+// Launch: as the sequential forward (gridDim = (ceil(dim / kChannels), batch, nsegs), blockDim =
+// kThreads), dynamic shared memory seq_bwd_smem_floats() floats; the arguments of
+// selective_scan_bwd_kernel, with `states` holding ceil(seqlen / kChunk) states per channel and
+// `partials` one row per (batch, segment, channel), then the segments'. Every thread of a block reaches
 // every barrier and shuffle: channels past dim run on zeros (a = 1, b = 0, gy = 0) and write nothing.
+// Segments (nsegs > 1, after both local passes): block z starts its checkpoints from the state folded
+// over segments 0..z-1 and its adjoint from dlast_state folded back over segments nsegs-1..z+1; only
+// segment 0 writes dh0.
 // =============================================================================================
 
 // Shared memory of the sequential backward, in floats: u, dt, gy, ddt, du (sig with softplus; y, dzf
@@ -924,19 +1000,23 @@ constexpr int seq_bwd_smem_floats() {
 
 namespace scan_detail {
 
+// What a chunk of the sequential backward stages: the forward walk's u, dt, a variable B (kStageWalk); all
+// of the reverse walk's inputs (kStageAll); the adjoint alone's dt, gy and a variable C (kStageAdjoint).
+enum SeqStage { kStageWalk = 0, kStageAll = 1, kStageAdjoint = 2 };
+
 // One chunk's raw inputs, held in registers from their global loads (issued a chunk ahead) to their
 // staging. Element e = tid + k * kThreads of a [channel][step] tensor is (r, t) = (e / kChunk,
-// e % kChunk); of a B/C chunk, (n, t). Zeros past dim, seqlen and dstate. kReverse: the backward's
-// reverse walk, which also needs dout, z and a variable C.
-template <typename Tr, bool kReverse>
+// e % kChunk); of a B/C chunk, (n, t). Zeros past dim, seqlen and dstate.
+template <typename Tr, int kMode>
 struct SeqBwdChunk {
   using T = typename Tr::T;
   static constexpr int kC = Tr::kChunk, NC = Tr::kChannels, NP = Tr::kNp, N = Tr::kDstate, CS = Tr::kCs;
   static constexpr int PE = (NC * kC + Tr::kThreads - 1) / Tr::kThreads;
   static constexpr int PN = (NP * kC + Tr::kThreads - 1) / Tr::kThreads;
-  static constexpr bool kZ = kReverse && Tr::kHasZ;
-  float u[PE], dl[PE], g[kReverse ? PE : 1], zz[kZ ? PE : 1];
-  float bv[Tr::kVarB ? PN : 1], cv[kReverse && Tr::kVarC ? PN : 1];
+  static constexpr bool kU = kMode != kStageAdjoint, kG = kMode != kStageWalk, kZ = kG && Tr::kHasZ;
+  static constexpr bool kB = kU && Tr::kVarB, kCv = kG && Tr::kVarC;
+  float u[kU ? PE : 1], dl[PE], g[kG ? PE : 1], zz[kZ ? PE : 1];
+  float bv[kB ? PN : 1], cv[kCv ? PN : 1];
 
   static __device__ __forceinline__ bool elem(int k, int d0, int dim, int seqlen, int t0, int* r, int* t) {
     const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads;
@@ -954,9 +1034,9 @@ struct SeqBwdChunk {
       int r, t;
       const bool ok = elem(k, d0, dim, seqlen, t0, &r, &t);
       const long long off = (static_cast<long long>(b) * dim + d0 + r) * seqlen + t0 + t;
-      u[k] = ok ? to_float(gu[off]) : 0.0f;
+      if constexpr (kU) u[k] = ok ? to_float(gu[off]) : 0.0f;
       dl[k] = ok ? to_float(gd[off]) : 0.0f;
-      if constexpr (kReverse) g[k] = ok ? to_float(gout[off]) : 0.0f;
+      if constexpr (kG) g[k] = ok ? to_float(gout[off]) : 0.0f;
       if constexpr (kZ) zz[k] = ok ? to_float(gz[off]) : 0.0f;
     }
 #pragma unroll
@@ -965,13 +1045,13 @@ struct SeqBwdChunk {
       const int n = e / kC, t = e % kC;
       const bool ok = n < N && t0 + t < seqlen;
       const long long off = bc_base + static_cast<long long>(n) * seqlen + t0 + t;
-      if constexpr (Tr::kVarB) bv[k] = ok ? to_float(gB[off]) : 0.0f;
-      if constexpr (kReverse && Tr::kVarC) cv[k] = ok ? to_float(gC[off]) : 0.0f;
+      if constexpr (kB) bv[k] = ok ? to_float(gB[off]) : 0.0f;
+      if constexpr (kCv) cv[k] = ok ? to_float(gC[off]) : 0.0f;
     }
   }
 
-  // s_u, s_dt (bias, softplus; 0 past seqlen), s_B/s_C[t][n]; in reverse also s_gy = dout silu(z), and
-  // what the outputs need: s_sig = softplus'(pre), s_dzf = dout silu'(z).
+  // s_u, s_dt (bias, softplus; 0 past seqlen), s_B/s_C[t][n]; with the adjoint's inputs also s_gy = dout
+  // silu(z), and for kStageAll what the outputs need: s_sig = softplus'(pre), s_dzf = dout silu'(z).
   __device__ __forceinline__ void stage(float* s_u, float* s_dt, float* s_gy, float* s_sig, float* s_dzf, float* s_B,
                                         float* s_C, const float* __restrict__ delta_bias, int d0, int dim,
                                         int seqlen, int t0) const {
@@ -982,10 +1062,10 @@ struct SeqBwdChunk {
       if (r >= NC) continue;
       const float pre = dl[k] + (Tr::kHasDeltaBias && ok ? delta_bias[d0 + r] : 0.0f);
       const int i = t * CS + r;
-      s_u[i] = u[k];
+      if constexpr (kU) s_u[i] = u[k];
       s_dt[i] = ok ? (Tr::kSoftplus ? softplus_sfu(pre) : pre) : 0.0f;
-      if constexpr (kReverse) {
-        s_gy[i] = Tr::kHasZ ? g[k] * silu(zz[k]) : g[k];
+      if constexpr (kG) s_gy[i] = Tr::kHasZ ? g[k] * silu(zz[k]) : g[k];
+      if constexpr (kMode == kStageAll) {
         if constexpr (Tr::kSoftplus) s_sig[i] = sigmoid(pre);
         if constexpr (Tr::kHasZ) s_dzf[i] = g[k] * d_silu(zz[k]);
       }
@@ -995,11 +1075,42 @@ struct SeqBwdChunk {
       const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads;
       if (e >= NP * kC) continue;
       const int n = e / kC, t = e % kC;
-      if constexpr (Tr::kVarB) s_B[t * NP + n] = bv[k];
-      if constexpr (kReverse && Tr::kVarC) s_C[t * NP + n] = cv[k];
+      if constexpr (kB) s_B[t * NP + n] = bv[k];
+      if constexpr (kCv) s_C[t * NP + n] = cv[k];
     }
   }
 };
+
+// The forward over chunks [cb, ce) from x, staged as kStageWalk (s_u, s_dt, s_B). kCkpt: writes the state
+// entering each chunk to ckpt[c * dstate + n] and stops before the last chunk's scan (the backward
+// recomputes it from there); else scans every chunk and adds their dt to sdt.
+template <typename Tr, bool kCkpt>
+__device__ __forceinline__ void seq_forward_walk(float (&x)[Tr::kSpt], const float (&A2)[Tr::kSpt],
+                                                 const float (&Bf)[Tr::kSpt], const typename Tr::T* __restrict__ u,
+                                                 const typename Tr::T* __restrict__ delta,
+                                                 const typename Tr::TB* __restrict__ B,
+                                                 const float* __restrict__ delta_bias, float* __restrict__ ckpt,
+                                                 float& sdt, float* s_u, float* s_dt, float* s_B, int b, int d0,
+                                                 int dim, int seqlen, long long bc_base, int cb, int ce, int cl,
+                                                 int sl, bool live) {
+  constexpr int S = Tr::kSpt, N = Tr::kDstate, kC = Tr::kChunk;
+  SeqBwdChunk<Tr, kStageWalk> cur;  // reloaded once staged: its registers are free during the scan
+  const int last = kCkpt ? ce - 1 : ce;  // chunks [cb, last) are scanned
+  if (cb < last) cur.load(u, delta, nullptr, nullptr, B, nullptr, b, d0, dim, seqlen, bc_base, cb * kC);
+  for (int c = cb; c < ce; ++c) {
+    if constexpr (kCkpt) {
+#pragma unroll
+      for (int i = 0; i < S; ++i)
+        if (live && sl * S + i < N) ckpt[c * N + sl * S + i] = x[i];
+    }
+    if (c == last) break;
+    cur.stage(s_u, s_dt, nullptr, nullptr, nullptr, s_B, nullptr, delta_bias, d0, dim, seqlen, c * kC);
+    __syncthreads();
+    if (c + 1 < last) cur.load(u, delta, nullptr, nullptr, B, nullptr, b, d0, dim, seqlen, bc_base, (c + 1) * kC);
+    seq_scan_chunk<Tr, false, !kCkpt>(x, A2, Bf, Bf, s_dt, s_u, s_B, nullptr, nullptr, cl, sl, sdt);
+    __syncthreads();  // s_u, s_dt, s_B are restaged next
+  }
+}
 
 // The backward's outputs of one chunk from shared memory: du = dt * (sum_n hx B) + D gy, ddelta = ddt *
 // softplus'(pre), dz = dout silu'(z) (y + D u), for the elements e = tid + k * kThreads (fixed rows per
@@ -1088,8 +1199,12 @@ __device__ __forceinline__ void seq_lane_sum(float (&v)[4 * Q], float* const (&d
 
 }  // namespace scan_detail
 
+// At most 2 states per thread, chunks of 16 and blocks of 4 or 8 warps, registers are capped at 128 (4
+// blocks of 4 warps per SM, against 3 at the 140 ptxas chose): H100, 8x2048x2048 bf16, 8 lanes: 2.00 ms
+// against 2.33. Elsewhere the cap spilled (4 states per thread; chunks of 32; one warp on sm_80).
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kThreads, 1)
+__global__ void __launch_bounds__(Tr::kThreads,
+                                  Tr::kSpt <= 2 && Tr::kChunk == 16 && Tr::kThreads >= 128 ? 512 / Tr::kThreads : 1)
     selective_scan_bwd_seq_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
                                   const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
                                   const typename Tr::TC* __restrict__ C, const float* __restrict__ D,
@@ -1099,7 +1214,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                   typename Tr::T* __restrict__ ddelta, typename Tr::T* __restrict__ dz,
                                   float* __restrict__ dh0, float* __restrict__ dB_acc, float* __restrict__ dC_acc,
                                   float* __restrict__ states, float* __restrict__ partials, int dim, int seqlen,
-                                  int channels_per_group, int groups) {
+                                  int channels_per_group, int groups, const float* __restrict__ seg_h,
+                                  const float* __restrict__ seg_g, const float* __restrict__ seg_dt, int seg_len,
+                                  int nsegs) {
   using namespace scan_detail;
   constexpr int N = Tr::kDstate, S = Tr::kSpt, L = Tr::kLanes, NC = Tr::kChannels, CS = Tr::kCs;
   constexpr int kC = Tr::kChunk, NP = Tr::kNp, W = Tr::kWarps, kRs = kC + 1;
@@ -1142,40 +1259,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   }
 
   // ---- 1: checkpoints ----
-  {
-    using Ck = SeqBwdChunk<Tr, false>;
-    Ck cur, nxt;
-    if (nchunks > 1) cur.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, 0);
-    for (int c = 0; c < nchunks; ++c) {
-#pragma unroll
-      for (int i = 0; i < S; ++i)
-        if (live && sl * S + i < N) ckpt[c * N + sl * S + i] = x[i];
-      if (c == nchunks - 1) break;  // the last chunk's forward is recomputed in step 2
-      cur.stage(s_u, s_dt, nullptr, nullptr, nullptr, s_B, nullptr, delta_bias, d0, dim, seqlen, c * kC);
-      __syncthreads();
-      if (c + 2 < nchunks) nxt.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, (c + 1) * kC);
-#pragma unroll 2
-      for (int t = 0; t < kC; t += 4) {
-        float dt[4], dtu[4], Bv[4][S];
-#pragma unroll
-        for (int g = 0; g < 4; ++g) {
-          dt[g] = s_dt[(t + g) * CS + cl];
-          dtu[g] = dt[g] * s_u[(t + g) * CS + cl];
-#pragma unroll
-          for (int i = 0; i < S; ++i) Bv[g][i] = Tr::kVarB ? s_B[(t + g) * NP + sl * S + i] : Bf[i];
-        }
-#pragma unroll
-        for (int g = 0; g < 4; ++g)
-#pragma unroll
-          for (int i = 0; i < S; ++i) x[i] = fmaf(fast_exp2(dt[g] * A2[i]), x[i], dtu[g] * Bv[g][i]);
-      }
-      __syncthreads();  // s_u, s_dt, s_B are restaged next
-      if (c + 2 < nchunks) cur = nxt;
-    }
-  }
+  const SeqSegment seg(static_cast<int>(blockIdx.z), kC, seqlen, seg_len);
+  seq_fold_forward<Tr>(x, A2, seg_h, seg_dt, chan, nsegs, seg.z, sl, live);
+  float unused = 0.0f;
+  seq_forward_walk<Tr, true>(x, A2, Bf, u, delta, B, delta_bias, ckpt, unused, s_u, s_dt, s_B, b, d0, dim, seqlen,
+                             bc_base, seg.cb, seg.ce, cl, sl, live);
 
   // ---- 2: chunks in reverse ----
-  using Ck = SeqBwdChunk<Tr, true>;
+  using Ck = SeqBwdChunk<Tr, kStageAll>;
   float H[S], dA[S], dBf[S], dCf[S];
   float dDk[Ck::PE], dbk[Ck::PE];
 #pragma unroll
@@ -1184,21 +1275,22 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     H[i] = live && n < N && dlast_state ? dlast_state[chan * N + n] : 0.0f;
     dA[i] = dBf[i] = dCf[i] = 0.0f;
   }
+  seq_fold_adjoint<Tr>(H, A2, seg_g, seg_dt, chan, nsegs, seg.z, sl, live);
 #pragma unroll
   for (int k = 0; k < Ck::PE; ++k) dDk[k] = dbk[k] = 0.0f;
-  Ck cur, nxt;
+  Ck cur;  // reloaded once staged: its registers are free during the chunk's work
   float xn[S];  // the next chunk's checkpoint, loaded a chunk ahead like its inputs
-  cur.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, (nchunks - 1) * kC);
+  cur.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, (seg.ce - 1) * kC);
 #pragma unroll
-  for (int i = 0; i < S; ++i) xn[i] = live && sl * S + i < N ? ckpt[(nchunks - 1) * N + sl * S + i] : 0.0f;
-  for (int c = nchunks - 1; c >= 0; --c) {
+  for (int i = 0; i < S; ++i) xn[i] = live && sl * S + i < N ? ckpt[(seg.ce - 1) * N + sl * S + i] : 0.0f;
+  for (int c = seg.ce - 1; c >= seg.cb; --c) {
     const int t0 = c * kC;
 #pragma unroll
     for (int i = 0; i < S; ++i) x[i] = xn[i];
     cur.stage(s_u, s_dt, s_gy, s_sig, s_dzf, s_B, s_C, delta_bias, d0, dim, seqlen, t0);
     __syncthreads();
-    if (c > 0) {
-      nxt.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, t0 - kC);
+    if (c > seg.cb) {
+      cur.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, t0 - kC);
 #pragma unroll
       for (int i = 0; i < S; ++i) xn[i] = live && sl * S + i < N ? ckpt[(c - 1) * N + sl * S + i] : 0.0f;
     }
@@ -1242,14 +1334,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           const float a = fast_exp2(st.dt * A2[i]);
           const float hx = fmaf(st.gy, st.C[i], H[i]);
           const float ax = fmaf(-st.dtu, st.B[i], s_x[((t + g) * S + i) * Tr::kThreads + tid]);  // a_t x_{t-1}
-          ddt = fmaf(hx, fmaf(An[i], ax, st.B[i] * st.u), ddt);
+          const float q = hx * ax;
+          ddt = fmaf(An[i], q, ddt);  // the hx B u part of ddt is u * hb, added once per step below
           hb = fmaf(hx, st.B[i], hb);
-          dA[i] = fmaf(hx * st.dt, ax, dA[i]);
+          dA[i] = fmaf(st.dt, q, dA[i]);
           if constexpr (Tr::kVarB) dBv[g * S + i] = hx * st.dtu;
           else dBf[i] = fmaf(hx, st.dtu, dBf[i]);
           H[i] = a * hx;
         }
-        v[g] = ddt;
+        v[g] = fmaf(st.u, hb, ddt);
         v[4 + g] = hb;
       }
       float* const dst[2] = {s_ddt, s_du};
@@ -1281,17 +1374,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
     }
     __syncthreads();  // the next chunk is staged over these
-    if (c > 0) cur = nxt;
   }
 
   // ---- 3: per-channel results ----
+  // partials of segment z: [batch * nsegs, dim, 3 * dstate + 2] (the reduce kernel's batch is batch * nsegs)
+  const long long pchan = (static_cast<long long>(b) * nsegs + seg.z) * dim;
   if (live) {
-    float* part = partials + chan * (3 * N + 2);
+    float* part = partials + (pchan + d) * (3 * N + 2);
 #pragma unroll
     for (int i = 0; i < S; ++i) {
       const int n = sl * S + i;
       if (n >= N) continue;
-      if constexpr (Tr::kHasH0) dh0[chan * N + n] = H[i];
+      if constexpr (Tr::kHasH0)
+        if (seg.z == 0) dh0[chan * N + n] = H[i];
       part[n] = dA[i];
       part[N + n] = dBf[i];
       part[2 * N + n] = dCf[i];
@@ -1314,10 +1409,132 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       sD += s_u[tid * kC + t];
       sb += s_dt[tid * kC + t];
     }
-    float* part = partials + (static_cast<long long>(b) * dim + d0 + tid) * (3 * N + 2);
+    float* part = partials + (pchan + d0 + tid) * (3 * N + 2);
     part[3 * N] = sD;
     part[3 * N + 1] = sb;
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The segments' local passes (see "segments" above), in the sequential kernels' layout and config.
+// Launch: gridDim = (ceil(dim / kChannels), batch, nsegs - 1), blockDim = kThreads, dynamic shared
+// memory seq_seg_smem_floats() floats; seg_len and nsegs as given to the main kernels.
+// ---------------------------------------------------------------------------------------------
+template <typename Tr>
+constexpr int seq_seg_smem_floats() {
+  return 2 * Tr::kChunk * Tr::kCs + (Tr::kVarB || Tr::kVarC ? Tr::kChunk * Tr::kNp : 0);
+}
+
+// Segment z = blockIdx.z (every one but the last) from a zero state: seg_h = its end state, seg_dt =
+// its sum of dt.
+template <typename Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    selective_scan_seg_fwd_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
+                                  const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
+                                  const float* __restrict__ delta_bias, float* __restrict__ seg_h,
+                                  float* __restrict__ seg_dt, int dim, int seqlen, int channels_per_group, int groups,
+                                  int seg_len, int nsegs) {
+  using namespace scan_detail;
+  constexpr int N = Tr::kDstate, S = Tr::kSpt, L = Tr::kLanes, NC = Tr::kChannels, kC = Tr::kChunk;
+  extern __shared__ float smem[];
+  float* s_u = smem;
+  float* s_dt = s_u + kC * Tr::kCs;
+  float* s_B = s_dt + kC * Tr::kCs;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int cl = tid / L, sl = tid % L;
+  const int d0 = static_cast<int>(blockIdx.x) * NC;
+  const int b = static_cast<int>(blockIdx.y);
+  const int d = d0 + cl;
+  const bool live = d < dim;
+  const long long chan = static_cast<long long>(b) * dim + d;
+  const long long bc_base = (static_cast<long long>(b) * groups + d0 / channels_per_group) * N * seqlen;
+  float A2[S], Bf[S], x[S];
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    const int n = sl * S + i;
+    const bool ok = live && n < N;
+    A2[i] = ok ? A[d * N + n] * kLog2e : 0.0f;
+    Bf[i] = ok && !Tr::kVarB ? to_float(B[d * N + n]) : 0.0f;
+    x[i] = 0.0f;
+  }
+  const SeqSegment seg(static_cast<int>(blockIdx.z), kC, seqlen, seg_len);
+  float sdt = 0.0f;
+  seq_forward_walk<Tr, false>(x, A2, Bf, u, delta, B, delta_bias, nullptr, sdt, s_u, s_dt, s_B, b, d0, dim, seqlen,
+                              bc_base, seg.cb, seg.ce, cl, sl, live);
+  if (!live) return;
+  const long long sg = chan * nsegs + seg.z;
+#pragma unroll
+  for (int i = 0; i < S; ++i)
+    if (sl * S + i < N) seg_h[sg * N + sl * S + i] = x[i];
+  if (sl == 0) seg_dt[sg] = sdt;
+}
+
+// Segment z = blockIdx.z + 1 (every one but the first), the adjoint H_{t-1} = a_t (H_t + gy_t C_t) from a
+// zero end: seg_g = H at its first step; the last segment also writes its sum of dt to seg_dt.
+template <typename Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    selective_scan_seg_bwd_kernel(const typename Tr::T* __restrict__ delta, const float* __restrict__ A,
+                                  const typename Tr::TC* __restrict__ C, const typename Tr::T* __restrict__ z,
+                                  const float* __restrict__ delta_bias, const typename Tr::T* __restrict__ dout,
+                                  float* __restrict__ seg_g, float* __restrict__ seg_dt, int dim, int seqlen,
+                                  int channels_per_group, int groups, int seg_len, int nsegs) {
+  using namespace scan_detail;
+  constexpr int N = Tr::kDstate, S = Tr::kSpt, L = Tr::kLanes, NC = Tr::kChannels, kC = Tr::kChunk;
+  constexpr int CS = Tr::kCs, NP = Tr::kNp;
+  extern __shared__ float smem[];
+  float* s_gy = smem;
+  float* s_dt = s_gy + kC * CS;
+  float* s_C = s_dt + kC * CS;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int cl = tid / L, sl = tid % L;
+  const int d0 = static_cast<int>(blockIdx.x) * NC;
+  const int b = static_cast<int>(blockIdx.y);
+  const int d = d0 + cl;
+  const bool live = d < dim;
+  const long long chan = static_cast<long long>(b) * dim + d;
+  const long long bc_base = (static_cast<long long>(b) * groups + d0 / channels_per_group) * N * seqlen;
+  float A2[S], Cf[S], H[S];
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    const int n = sl * S + i;
+    const bool ok = live && n < N;
+    A2[i] = ok ? A[d * N + n] * kLog2e : 0.0f;
+    Cf[i] = ok && !Tr::kVarC ? to_float(C[d * N + n]) : 0.0f;
+    H[i] = 0.0f;
+  }
+  const SeqSegment seg(static_cast<int>(blockIdx.z) + 1, kC, seqlen, seg_len);
+  SeqBwdChunk<Tr, kStageAdjoint> cur;  // reloaded once staged
+  cur.load(nullptr, delta, dout, z, nullptr, C, b, d0, dim, seqlen, bc_base, (seg.ce - 1) * kC);
+  float sdt = 0.0f;
+  for (int c = seg.ce - 1; c >= seg.cb; --c) {
+    cur.stage(nullptr, s_dt, s_gy, nullptr, nullptr, nullptr, s_C, delta_bias, d0, dim, seqlen, c * kC);
+    __syncthreads();
+    if (c > seg.cb) cur.load(nullptr, delta, dout, z, nullptr, C, b, d0, dim, seqlen, bc_base, (c - 1) * kC);
+#pragma unroll 2
+    for (int t = kC - 4; t >= 0; t -= 4) {
+      float dt[4], gy[4], Cv[4][S];
+#pragma unroll
+      for (int g = 0; g < 4; ++g) {
+        dt[g] = s_dt[(t + g) * CS + cl];
+        gy[g] = s_gy[(t + g) * CS + cl];
+#pragma unroll
+        for (int i = 0; i < S; ++i) Cv[g][i] = Tr::kVarC ? s_C[(t + g) * NP + sl * S + i] : Cf[i];
+      }
+#pragma unroll
+      for (int g = 3; g >= 0; --g) {
+        sdt += dt[g];
+#pragma unroll
+        for (int i = 0; i < S; ++i) H[i] = fast_exp2(dt[g] * A2[i]) * fmaf(gy[g], Cv[g][i], H[i]);
+      }
+    }
+    __syncthreads();  // restaged next
+  }
+  if (!live) return;
+  const long long sg = chan * nsegs + seg.z;
+#pragma unroll
+  for (int i = 0; i < S; ++i)
+    if (sl * S + i < N) seg_g[sg * N + sl * S + i] = H[i];
+  if (sl == 0 && seg.z == nsegs - 1) seg_dt[sg] = sdt;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -44,6 +44,9 @@ VARIANTS = {
     "no_h0": dict(h0=False),
     "no_dlast": dict(dlast=False),
     "nothing_optional": dict(D=False, z=False, bias=False, softplus=False, h0=False, dlast=False),
+    # few channels and long: the heuristic cuts the sequence into segments run in parallel
+    "segments_fixed_bc": dict(batch=2, dim=16, seqlen=9000, form="fixed"),
+    "segments_groups_4": dict(batch=1, dim=32, groups=4, seqlen=8200, softplus=False),
 }
 
 
@@ -119,6 +122,21 @@ def test_forward_and_gradients_match_reference(dtype, name):
 def test_long_sequence_65536(dtype):
     v = dict(BASE, batch=1, dim=4, seqlen=65536)
     _run_and_check(dtype, v)
+
+
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_long_narrow_problems_take_segments(op):
+    """The heuristic's choice for few channels and a long sequence (the variants above run it)."""
+    import re
+
+    v = dict(BASE, batch=2, dim=16, seqlen=9000, form="fixed")
+    x = _inputs(torch.bfloat16, v)
+    args = [x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")]
+    if op == "bwd":
+        args = [torch.randn_like(x["u"])] + args + [None]
+    text = str(kspec.explain(f"selective_scan.{op}", *args, delta_softplus=True))
+    m = re.search(r"algo=1,[0-9a-z=,]*segs=(\d+)", text)
+    assert m and int(m.group(1)) > 1, text
 
 
 def test_forward_without_last_state_and_numpy_free_path():

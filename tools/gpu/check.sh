@@ -173,11 +173,14 @@ if has scan; then
   # The selective scan's algo-1 kernels: every config on edge cases against float64, the checker (every
   # case, heuristic configs; --large took over 6 minutes of float64 references on the host), every
   # backward config timed at 8x2048x2048 (kspec tune), the benchmark against mamba_ssm.
+  # One process per case in parallel (the compiles and float64 references are CPU-bound); segment
+  # counts > 1 are legal only where a segment holds 4 chunks, so the long cases carry them.
   C=(base:bf16 batch_1:f32 seqlen_1:f32 seqlen_2:f32 seqlen_1023:f32 dim_37:f32 dstate_1:f32 dstate_4:bf16
      dstate_64:f32 groups_4:bf16 fixed_bc:f32 fixed_b:f32 no_z:bf16 no_softplus:f32 none_optional:f32
-     wide_8x1024:bf16 wide_even_8x1024:bf16 bc_fp32:bf16 seqlen_even_1024:f16)
-  step scan_configs python3 tools/gpu/check_configs.py selective_scan.bwd selective_scan.fwd \
-    --match algo=1 $(printf -- '--case %s ' "${C[@]}") --json "$OUT/scan_configs.json"
+     wide_8x1024:bf16 wide_even_8x1024:bf16 bc_fp32:bf16 seqlen_even_1024:f16 segments_2x32x9000:bf16
+     segments_2x32x9000:f32)
+  step scan_configs bash -c 'printf "%s\n" "$@" | xargs -P 12 -I{} python3 tools/gpu/check_configs.py \
+    selective_scan.bwd selective_scan.fwd --match algo=1 --case {}' _ "${C[@]}"
   step scan_check python3 -m kspec check --op selective_scan.fwd --op selective_scan.bwd --json "$OUT/scan_check.json"
   KSPEC_TUNING_DB=/tmp/scan-tune.json step scan_tune_bwd python3 -m kspec tune selective_scan.bwd --dtype bf16 \
     --param delta_softplus=true --without h0 --without dlast_state --budget 60 \

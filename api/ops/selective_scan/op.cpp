@@ -220,6 +220,12 @@ int64_t seq_fwd_smem_bytes(const Problem& p, const Config& c) {
 }
 constexpr int64_t kSeqSmemLimit = 96 * 1024;
 
+// Dynamic shared memory of the segments' local passes (seq_seg_smem_floats in the template).
+int64_t seq_seg_smem_bytes(const Problem& p, const Config& c) {
+  int64_t chunk = c.get("chunk"), cs = seq_channels(c) + 1, np = seq_spt(p, c) * c.get("lanes");
+  return 4 * (2 * chunk * cs + (var_b(p) || var_c(p) ? chunk * np : 0));
+}
+
 // Dynamic shared memory of the sequential backward (seq_bwd_smem_floats in the template).
 int64_t seq_bwd_smem_bytes(const Problem& p, const Config& c) {
   int64_t chunk = c.get("chunk"), cs = seq_channels(c) + 1, np = seq_spt(p, c) * c.get("lanes");
@@ -242,13 +248,42 @@ int64_t group_fit(const Problem& p) {
 // keeps more of it busy.
 bool many_channels(const Problem& p) { return p.dim("batch") * p.dim("dim") >= 8192; }
 
+// Segments along time (algo 1, see "segments" in the template): the steps are cut into `segs` pieces
+// run in parallel, each a whole number of chunks. A segment of fewer than 4 chunks costs more in its
+// local pass than it gains.
+constexpr int64_t kSegChunksMin = 4;
+bool segs_fit(const Problem& p, const Config& c) {
+  return c.get("segs") == 1 || p.dim("seqlen") >= kSegChunksMin * c.get("segs") * c.get("chunk");
+}
+struct SegPlan {
+  int seg_len, nsegs;  // steps per segment (a multiple of the chunk) and the segments that hold steps
+};
+SegPlan seg_plan(const Problem& p, const Config& c) {
+  int64_t seqlen = std::max<int64_t>(p.dim("seqlen"), 1), chunk = c.get("chunk");
+  int64_t len = ceil_div(ceil_div(seqlen, c.get("segs")), chunk) * chunk;
+  return {static_cast<int>(len), static_cast<int>(ceil_div(seqlen, len))};
+}
+
+// The heuristic's segment count: with few channels (batch * dim < 8192) and a long sequence, enough
+// segments for ~32k channel-segments, each of 2048 steps or more. H100, 1x2048x65536 bf16 (ms, segments
+// 4 / 8 / 16): forward (4 lanes) 3.70 / 2.41 / 2.40, one segment 5.70 and the warp scan 3.36;
+// backward (8 lanes) 14.25 / 12.13 / 11.73.
+int64_t default_segs(const Problem& p) {
+  if (many_channels(p) || !p.has_dim("seqlen")) return 1;
+  int64_t segs = 1;
+  while (segs < 16 && p.dim("batch") * p.dim("dim") * segs < 32768 && p.dim("seqlen") >= 2048 * 2 * segs) segs *= 2;
+  return segs;
+}
+
 std::string fwd_key(const Problem& p) {
-  return even_key(p) + ",gfit|" + std::to_string(group_fit(p)) + (many_channels(p) ? ",wide" : ",narrow");
+  return even_key(p) + ",gfit|" + std::to_string(group_fit(p)) + (many_channels(p) ? ",wide" : ",narrow") +
+         ",segs|" + std::to_string(default_segs(p));
 }
 
 // The backward's algo-0 warp fit, and the forward's distinctions for algo 1.
 std::string bwd_all_key(const Problem& p) {
-  return bwd_key(p) + ",gfit|" + std::to_string(group_fit(p)) + (many_channels(p) ? ",wide" : ",narrow");
+  return bwd_key(p) + ",gfit|" + std::to_string(group_fit(p)) + (many_channels(p) ? ",wide" : ",narrow") +
+         ",segs|" + std::to_string(default_segs(p));
 }
 
 // The rules of both sequential kernels; `prefetch_regs`: the forward's rule for the registers of its
@@ -276,10 +311,12 @@ bool seq_valid(const Problem& p, const Config& c, int64_t smem_bytes, bool prefe
 }
 
 // 4 states per thread: measured on the H100 (8x2048x2048 bf16) more threads beat more independent
-// recurrences per thread (lanes 4 > 2 > 1 at dstate 16).
+// recurrences per thread (lanes 4 > 2 > 1 at dstate 16: 0.318, 0.325 ms); with 32k channels or more, 8
+// states per thread (8x5120x2048: lanes 2 0.686 ms, lanes 4 0.781).
 int64_t seq_default_lanes(const Problem& p) {
+  const int64_t most = p.dim("batch") * p.dim("dim") >= 32768 ? 8 : 4;
   int64_t lanes = 1;
-  while (lanes < 32 && ceil_div(p.dim("dstate"), lanes) > 4) lanes *= 2;
+  while (lanes < 32 && ceil_div(p.dim("dstate"), lanes) > most) lanes *= 2;
   return lanes;
 }
 
@@ -288,17 +325,21 @@ TuningSpace fwd_tuning() {
   // algo 0: warp-scan (warps, items); algo 1: sequential states (warps, lanes, chunk). Axes an algo does
   // not use must hold their first value, so each kernel appears once in the enumeration.
   t.axes = {{"algo", {0, 1}}, {"warps", {2, 4, 8}}, {"items", {4, 8, 16}}, {"lanes", {1, 2, 4, 8, 16, 32}},
-            {"chunk", {32, 64, 128}}};
+            {"chunk", {32, 64, 128}}, {"segs", {1, 2, 4, 8, 16}}};
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     if (c.get("algo") == 1) {
       if (c.get("items") != 4) {
         if (why) *why = "algo 1 does not use items (canonical value 4)";
         return false;
       }
+      if (!segs_fit(p, c)) {
+        if (why) *why = "segments of fewer than 4 chunks";
+        return false;
+      }
       return seq_valid(p, c, seq_fwd_smem_bytes(p, c), true, why);
     }
-    if (c.get("lanes") != 1 || c.get("chunk") != 32) {
-      if (why) *why = "algo 0 does not use lanes or chunk (canonical values 1, 32)";
+    if (c.get("lanes") != 1 || c.get("chunk") != 32 || c.get("segs") != 1) {
+      if (why) *why = "algo 0 does not use lanes, chunk or segs (canonical values 1, 32, 1)";
       return false;
     }
     if (4 * c.get("warps") * p.dim("dstate") > kStaticSmemBytes) {
@@ -313,15 +354,17 @@ TuningSpace fwd_tuning() {
     return true;
   };
   t.heuristic = [](const Problem& p) {
-    if (many_channels(p)) {
+    const int64_t segs = default_segs(p);
+    if (many_channels(p) || segs > 1) {
       // H100, 8x2048x2048 bf16: (4 warps, 4 lanes, chunk 32) 0.314 ms; chunk 64 0.394 ms (its shared
       // memory halves the resident blocks); 2 or 8 warps and 2 lanes within 5%.
       for (int64_t warps : {4, 8, 2}) {
-        Config c{{{"algo", 1}, {"warps", warps}, {"items", 4}, {"lanes", seq_default_lanes(p)}, {"chunk", 32}}};
-        if (seq_valid(p, c, seq_fwd_smem_bytes(p, c), true, nullptr)) return c;
+        Config c{{{"algo", 1}, {"warps", warps}, {"items", 4}, {"lanes", seq_default_lanes(p)}, {"chunk", 32},
+                  {"segs", segs}}};
+        if (segs_fit(p, c) && seq_valid(p, c, seq_fwd_smem_bytes(p, c), true, nullptr)) return c;
       }
     }
-    return Config{{{"algo", 0}, {"warps", 4}, {"items", 8}, {"lanes", 1}, {"chunk", 32}}};
+    return Config{{{"algo", 0}, {"warps", 4}, {"items", 8}, {"lanes", 1}, {"chunk", 32}, {"segs", 1}}};
   };
   return t;
 }
@@ -341,7 +384,7 @@ TuningSpace bwd_tuning() {
   // algo 0: warp-scan (warps, items; 16 items would hold ~13 arrays of 16 floats per lane: too many
   // registers); algo 1: sequential states (warps, lanes, chunk). Unused axes hold their first value.
   t.axes = {{"algo", {0, 1}}, {"warps", {1, 2, 4, 8}}, {"items", {4, 8}}, {"lanes", {1, 2, 4, 8, 16, 32}},
-            {"chunk", {16, 32}}};
+            {"chunk", {16, 32}}, {"segs", {1, 2, 4, 8, 16}}};
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     auto no = [&](const char* w) {
       if (why) *why = w;
@@ -350,30 +393,36 @@ TuningSpace bwd_tuning() {
     if (c.get("algo") == 1) {
       if (c.get("items") != 4) return no("algo 1 does not use items (canonical value 4)");
       if (!seq_bwd_prefetch_fits(p, c)) return no("the prefetched chunk would need more than 24 registers per thread");
+      if (!segs_fit(p, c)) return no("segments of fewer than 4 chunks");
       return seq_valid(p, c, seq_bwd_smem_bytes(p, c), false, why);
     }
-    if (c.get("lanes") != 1 || c.get("chunk") != 16) return no("algo 0 does not use lanes or chunk (canonical values 1, 16)");
+    if (c.get("lanes") != 1 || c.get("chunk") != 16 || c.get("segs") != 1)
+      return no("algo 0 does not use lanes, chunk or segs (canonical values 1, 16, 1)");
     if (!bwd_warps_fit(p, c.get("warps"))) return no("warps must divide dim / groups with a variable B or C");
     if (bwd_smem_bytes(p, c.get("warps"), c.get("items")) > kStaticSmemBytes)
       return no("more static shared memory than 48 KiB");
     return true;
   };
   t.heuristic = [](const Problem& p) {
-    if (many_channels(p)) {
+    const int64_t segs = default_segs(p);
+    if (many_channels(p) || segs > 1) {
       // H100, 8x2048x2048 bf16 (kspec tune, every config): (4 warps, 8 lanes, chunk 16) 2.35 ms, 4 lanes
-      // 2.42, 16 lanes 2.67, chunk 32 3.26; the warp scan's best 2.63. Two states per thread: 151
-      // registers, three blocks per SM (four lanes: 254, two blocks).
+      // 2.42, 16 lanes 2.67, chunk 32 3.26; the warp scan's best 2.63. Two states per thread and
+      // registers capped at 128 (the kernel's launch bounds): 1.99 ms at 4 warps, 1.92 at 8. With
+      // segments (1x2048x65536, 16 segments): 10.35 ms at 4 warps.
       int64_t lanes = 1;
       while (lanes < 32 && ceil_div(p.dim("dstate"), lanes) > 2) lanes *= 2;
-      for (int64_t warps : {4, 8, 2}) {
-        Config c{{{"algo", 1}, {"warps", warps}, {"items", 4}, {"lanes", lanes}, {"chunk", 16}}};
-        if (seq_bwd_prefetch_fits(p, c) && seq_valid(p, c, seq_bwd_smem_bytes(p, c), false, nullptr)) return c;
+      const int64_t order[2][3] = {{4, 8, 2}, {8, 4, 2}};
+      for (int64_t warps : order[many_channels(p) ? 1 : 0]) {
+        Config c{{{"algo", 1}, {"warps", warps}, {"items", 4}, {"lanes", lanes}, {"chunk", 16}, {"segs", segs}}};
+        if (seq_bwd_prefetch_fits(p, c) && segs_fit(p, c) && seq_valid(p, c, seq_bwd_smem_bytes(p, c), false, nullptr))
+          return c;
       }
     }
     for (int64_t w : {4, 2, 1})
       if (bwd_warps_fit(p, w) && bwd_smem_bytes(p, w, 8) <= kStaticSmemBytes)
-        return Config{{{"algo", 0}, {"warps", w}, {"items", 8}, {"lanes", 1}, {"chunk", 16}}};
-    return Config{{{"algo", 0}, {"warps", 1}, {"items", 4}, {"lanes", 1}, {"chunk", 16}}};
+        return Config{{{"algo", 0}, {"warps", w}, {"items", 8}, {"lanes", 1}, {"chunk", 16}, {"segs", 1}}};
+    return Config{{{"algo", 0}, {"warps", 1}, {"items", 4}, {"lanes", 1}, {"chunk", 16}, {"segs", 1}}};
   };
   return t;
 }
@@ -414,6 +463,8 @@ std::vector<Case> scan_cases(bool with_seqlen) {
       // batch * dim >= 8192: the heuristic's sequential-state kernel (the cases above take the warp scan)
       {"wide_8x1024", 8, 1024, 130, 16, 1, true, {}, {}},
       {"wide_even_8x1024", 8, 1024, 512, 16, 1, true, {"h0"}, {}},
+      // few channels, long: the heuristic's sequential kernel over 4 segments in parallel
+      {"segments_2x32x9000", 2, 32, 9000, 16, 1, true, {}, {}},
   };
   std::vector<Case> cases;
   for (const auto& s : specs) {
@@ -489,8 +540,11 @@ OpDef make_fwd() {
   op.info.tuning_axes = op.tuning.axes;
   op.derived_key = fwd_key;
   op.kernels = [](const Problem& p, const Config& c) {
-    if (c.get("algo") == 1)
-      return std::vector<jit::KernelSpec>{spec(p, "kspec::selective_scan_fwd_seq_kernel", {seq_traits(p, c)})};
+    if (c.get("algo") == 1) {
+      std::vector<jit::KernelSpec> k = {spec(p, "kspec::selective_scan_fwd_seq_kernel", {seq_traits(p, c)})};
+      if (c.get("segs") > 1) k.push_back(spec(p, "kspec::selective_scan_seg_fwd_kernel", {seq_traits(p, c)}));
+      return k;
+    }
     return std::vector<jit::KernelSpec>{spec(p, "kspec::selective_scan_fwd_kernel", {traits(p, c)})};
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
@@ -509,8 +563,21 @@ OpDef make_fwd() {
       // A block's channels share one group (the tuning space's rule, kept apart in the plan cache by fwd_key).
       KSPEC_CHECK_AS(seq_channels(c) <= group_fit(p), Error, "selective_scan.fwd: config ", c.str(),
                      " puts channels of two B/C groups in one block (a plan chosen for another dim?)");
-      l.launch(0, {u32(ceil_div(dim, seq_channels(c))), u32(p.dim("batch"))}, {u32(warps * 32)},
-               static_cast<unsigned>(seq_fwd_smem_bytes(p, c)), args);
+      SegPlan sp = seg_plan(p, c);
+      int64_t chans = p.dim("batch") * p.dim("dim");
+      float *seg_h = nullptr, *seg_dt = nullptr;
+      const unsigned gx = u32(ceil_div(dim, seq_channels(c))), gy = u32(p.dim("batch"));
+      if (sp.nsegs > 1) {
+        // Every segment but the last from a zero state: its end state and sum of dt (workspace).
+        seg_h = static_cast<float*>(l.workspace(sizeof(float) * chans * sp.nsegs * (p.dim("dstate") + 1)));
+        seg_dt = seg_h + chans * sp.nsegs * p.dim("dstate");
+        void* sargs[] = {&u, &delta, &A, &B, &bias, &seg_h, &seg_dt, &dim, &seqlen, &cpg, &groups, &sp.seg_len, &sp.nsegs};
+        l.launch(1, {gx, gy, u32(sp.nsegs - 1)}, {u32(warps * 32)}, static_cast<unsigned>(seq_seg_smem_bytes(p, c)),
+                 sargs);
+      }
+      void* sargs[] = {&u,   &delta,  &A,   &B,      &C,     &D,     &z,    &bias,      &h0,      &out,
+                       &last, &dim,   &seqlen, &cpg, &groups, &seg_h, &seg_dt, &sp.seg_len, &sp.nsegs};
+      l.launch(0, {gx, gy, u32(sp.nsegs)}, {u32(warps * 32)}, static_cast<unsigned>(seq_fwd_smem_bytes(p, c)), sargs);
       return;
     }
     l.launch(0, {u32(ceil_div(dim, warps)), u32(p.dim("batch"))}, {u32(warps * 32)}, 0, args);
@@ -552,10 +619,15 @@ OpDef make_bwd() {
                                     std::to_string(p.dim("dstate")), b2s(var_b(p)), b2s(var_c(p)),
                                     b2s(p.present("D")), b2s(p.present("delta_bias"))};
     const bool seq = c.get("algo") == 1;
-    return std::vector<jit::KernelSpec>{seq ? spec(p, "kspec::selective_scan_bwd_seq_kernel", {seq_traits(p, c)})
-                                            : spec(p, "kspec::selective_scan_bwd_kernel", {traits(p, c)}),
-                                        spec(p, "kspec::selective_scan_bwd_reduce_kernel", red),
-                                        spec(p, "kspec::selective_scan_bwd_zero_kernel", {})};
+    std::vector<jit::KernelSpec> k = {seq ? spec(p, "kspec::selective_scan_bwd_seq_kernel", {seq_traits(p, c)})
+                                          : spec(p, "kspec::selective_scan_bwd_kernel", {traits(p, c)}),
+                                      spec(p, "kspec::selective_scan_bwd_reduce_kernel", red),
+                                      spec(p, "kspec::selective_scan_bwd_zero_kernel", {})};
+    if (seq && c.get("segs") > 1) {
+      k.push_back(spec(p, "kspec::selective_scan_seg_fwd_kernel", {seq_traits(p, c)}));
+      k.push_back(spec(p, "kspec::selective_scan_seg_bwd_kernel", {seq_traits(p, c)}));
+    }
+    return k;
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     check_launch_sizes(call);
@@ -568,14 +640,19 @@ OpDef make_bwd() {
     bool vb = var_b(p), vc = var_c(p);
     if (dim == 0 || batch == 0) return;
     KSPEC_CHECK(seqlen > 0, "selective_scan.bwd: input 'u': seqlen must be at least 1");
-    // Workspace: tile (algo 0) or chunk (algo 1) states | per-channel partials | variable dB, dC
-    // accumulators (fp32).
+    // Workspace: tile (algo 0) or chunk (algo 1) states | per-channel (and segment) partials | variable
+    // dB, dC accumulators | with segments, their local end states, adjoints and sums of dt (fp32).
+    SegPlan sp = seq ? seg_plan(p, c) : SegPlan{seqlen, 1};
     int64_t ntiles = ceil_div(seq64, seq ? c.get("chunk") : 32 * items);
-    int64_t n_states = batch * dim64 * ntiles * N, n_part = batch * dim64 * (3 * N + 2);
+    int64_t n_states = batch * dim64 * ntiles * N, n_part = batch * sp.nsegs * dim64 * (3 * N + 2);
     int64_t n_var = batch * groups * N * seq64;
     int64_t n_db = vb ? n_var : 0, n_dc = vc ? n_var : 0;
-    auto* ws = static_cast<float*>(l.workspace(sizeof(float) * (n_states + n_part + n_db + n_dc)));
+    int64_t n_seg = sp.nsegs > 1 ? batch * dim64 * sp.nsegs * (2 * N + 1) : 0;
+    auto* ws = static_cast<float*>(l.workspace(sizeof(float) * (n_states + n_part + n_db + n_dc + n_seg)));
     float *states = ws, *part = ws + n_states, *db_acc = part + n_part, *dc_acc = db_acc + n_db;
+    float *seg_h = sp.nsegs > 1 ? dc_acc + n_dc : nullptr;
+    float *seg_g = seg_h ? seg_h + batch * dim64 * sp.nsegs * N : nullptr;
+    float *seg_dt = seg_g ? seg_g + batch * dim64 * sp.nsegs * N : nullptr;
     int sms = l.multiprocessors();
     if (vb || vc) {
       long long na = n_db, nb = n_dc;
@@ -594,8 +671,20 @@ OpDef make_bwd() {
       // A block's channels share one group (the tuning space's rule, kept apart in the plan cache by the key).
       KSPEC_CHECK_AS(seq_channels(c) <= group_fit(p), Error, "selective_scan.bwd: config ", c.str(),
                      " puts channels of two B/C groups in one block (a plan chosen for another dim?)");
-      l.launch(0, {u32(ceil_div(dim, seq_channels(c))), u32(batch)}, {u32(warps * 32)},
-               static_cast<unsigned>(seq_bwd_smem_bytes(p, c)), args);
+      const unsigned gx = u32(ceil_div(dim, seq_channels(c))), gy = u32(batch), threads = u32(warps * 32);
+      if (sp.nsegs > 1) {
+        // The segments' local forward (all but the last) and adjoint (all but the first) passes.
+        const unsigned smem = static_cast<unsigned>(seq_seg_smem_bytes(p, c));
+        void* fargs[] = {&u, &delta, &A, &B, &bias, &seg_h, &seg_dt, &dim, &seqlen, &cpg, &groups, &sp.seg_len, &sp.nsegs};
+        l.launch(3, {gx, gy, u32(sp.nsegs - 1)}, {threads}, smem, fargs);
+        void* gargs[] = {&delta, &A,   &C,      &z,   &bias,   &dout,      &seg_g,   &seg_dt,
+                         &dim,   &seqlen, &cpg, &groups, &sp.seg_len, &sp.nsegs};
+        l.launch(4, {gx, gy, u32(sp.nsegs - 1)}, {threads}, smem, gargs);
+      }
+      void* sargs[] = {&u,      &delta,  &A,     &B,     &C,      &D,    &z,      &bias,   &h0,     &dout,
+                       &dlast,  &du,     &ddelta, &dz,   &dh0,    &db_acc, &dc_acc, &states, &part,   &dim,
+                       &seqlen, &cpg,    &groups, &seg_h, &seg_g, &seg_dt, &sp.seg_len, &sp.nsegs};
+      l.launch(0, {gx, gy, u32(sp.nsegs)}, {threads}, static_cast<unsigned>(seq_bwd_smem_bytes(p, c)), sargs);
     } else {
       // With a variable B/C, warps divides dim / groups (the tuning space's rule, kept apart in the plan
       // cache by bwd_key), so blocks are whole: a partial block's extra warps would write other rows.
@@ -605,7 +694,7 @@ OpDef make_bwd() {
     }
     void *dA = call.out("dA").data, *dB = call.out("dB").data, *dC = call.out("dC").data,
          *dD = call.out("dD").data, *ddb = call.out("ddelta_bias").data;
-    int batch_i = static_cast<int>(batch);
+    int batch_i = static_cast<int>(batch * sp.nsegs);  // partials per (batch, segment)
     long long var_elems = (vb || vc) ? n_var : 0;
     void* rargs[] = {&part, &db_acc, &dc_acc, &dA, &dB, &dC, &dD, &ddb, &batch_i, &dim, &var_elems};
     int64_t work = std::max<int64_t>({dim64 * N, dim64, var_elems});
