@@ -830,6 +830,40 @@ __device__ __forceinline__ void seq_fold_adjoint(float (&H)[Tr::kSpt], const flo
   }
 }
 
+// Where a thread of the sequential kernels works: channel d = d0 + cl of batch b (cl: the block's
+// channel, sl: the thread's slice of kSpt states), live when d < dim; chan = b * dim + d; bc_base: the
+// offset of its B/C group's rows in the variable layout.
+template <typename Tr>
+struct SeqPlace {
+  static constexpr int S = Tr::kSpt, N = Tr::kDstate;
+  int tid, cl, sl, d0, b, d;
+  bool live;
+  long long chan, bc_base;
+  __device__ __forceinline__ SeqPlace(int dim, int seqlen, int channels_per_group, int groups) {
+    tid = static_cast<int>(threadIdx.x);
+    cl = tid / Tr::kLanes;
+    sl = tid % Tr::kLanes;
+    d0 = static_cast<int>(blockIdx.x) * Tr::kChannels;
+    b = static_cast<int>(blockIdx.y);
+    d = d0 + cl;
+    live = d < dim;
+    chan = static_cast<long long>(b) * dim + d;
+    bc_base = (static_cast<long long>(b) * groups + d0 / channels_per_group) * N * seqlen;
+  }
+  // The thread's states of a [dim, dstate] row (A, or a fixed B or C) times `scale`, when kUse; zeros
+  // past dim and dstate, and without kUse.
+  template <bool kUse, typename X>
+  __device__ __forceinline__ void row(const X* __restrict__ p, float scale, float (&v)[S]) const {
+#pragma unroll
+    for (int i = 0; i < S; ++i) v[i] = kUse && live && sl * S + i < N ? to_float(p[d * N + sl * S + i]) * scale : 0.0f;
+  }
+  // The thread's states of a [batch, dim, dstate] state (h0, dlast_state), zeros when p is null.
+  __device__ __forceinline__ void state(const float* __restrict__ p, float (&v)[S]) const {
+#pragma unroll
+    for (int i = 0; i < S; ++i) v[i] = p && live && sl * S + i < N ? p[chan * N + sl * S + i] : 0.0f;
+  }
+};
+
 // The chunks [cb, ce) of segment z: seg_len / kChunk chunks from z * seg_len, cut at seqlen.
 struct SeqSegment {
   int z, cb, ce;
@@ -857,7 +891,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                   int seg_len, int nsegs) {
   using namespace scan_detail;
   using T = typename Tr::T;
-  constexpr int N = Tr::kDstate, S = Tr::kSpt, L = Tr::kLanes, NC = Tr::kChannels, CS = Tr::kCs;
+  constexpr int N = Tr::kDstate, S = Tr::kSpt, NC = Tr::kChannels, CS = Tr::kCs;
   constexpr int kC = Tr::kChunk, NP = Tr::kNp;
   extern __shared__ float smem[];
   float* s_dt = smem;
@@ -866,25 +900,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   float* s_B = s_y + kC * CS;
   float* s_C = s_B + (Tr::kVarB ? kC * NP : 0);
 
-  const int tid = static_cast<int>(threadIdx.x);
-  const int cl = tid / L, sl = tid % L;  // channel in the block, state slice
-  const int d0 = static_cast<int>(blockIdx.x) * NC;
-  const int b = static_cast<int>(blockIdx.y);
-  const int d = d0 + cl;
-  const bool live = d < dim;
-  const long long chan = static_cast<long long>(b) * dim + d;
-  const long long bc_base = (static_cast<long long>(b) * groups + d0 / channels_per_group) * N * seqlen;
-
+  const SeqPlace<Tr> at(dim, seqlen, channels_per_group, groups);
+  const int tid = at.tid, cl = at.cl, sl = at.sl, d0 = at.d0, b = at.b, d = at.d;
+  const bool live = at.live;
+  const long long chan = at.chan, bc_base = at.bc_base;
   float A2[S], x[S], Bf[S], Cf[S];
-#pragma unroll
-  for (int i = 0; i < S; ++i) {
-    const int n = sl * S + i;
-    const bool ok = live && n < N;
-    A2[i] = ok ? A[d * N + n] * kLog2e : 0.0f;
-    x[i] = ok && Tr::kHasH0 ? h0[chan * N + n] : 0.0f;
-    Bf[i] = ok && !Tr::kVarB ? to_float(B[d * N + n]) : 0.0f;
-    Cf[i] = ok && !Tr::kVarC ? to_float(C[d * N + n]) : 0.0f;
-  }
+  at.template row<true>(A, kLog2e, A2);
+  at.template row<!Tr::kVarB>(B, 1.0f, Bf);
+  at.template row<!Tr::kVarC>(C, 1.0f, Cf);
+  at.state(Tr::kHasH0 ? h0 : nullptr, x);
   const SeqSegment seg(static_cast<int>(blockIdx.z), kC, seqlen, seg_len);
   seq_fold_forward<Tr>(x, A2, seg_h, seg_dt, chan, nsegs, seg.z, sl, live);
   const int tb = seg.cb * kC, te = min(seg.ce * kC, seqlen);
@@ -1218,7 +1242,7 @@ __global__ void __launch_bounds__(Tr::kThreads,
                                   const float* __restrict__ seg_g, const float* __restrict__ seg_dt, int seg_len,
                                   int nsegs) {
   using namespace scan_detail;
-  constexpr int N = Tr::kDstate, S = Tr::kSpt, L = Tr::kLanes, NC = Tr::kChannels, CS = Tr::kCs;
+  constexpr int N = Tr::kDstate, S = Tr::kSpt, NC = Tr::kChannels, CS = Tr::kCs;
   constexpr int kC = Tr::kChunk, NP = Tr::kNp, W = Tr::kWarps, kRs = kC + 1;
   extern __shared__ float smem[];
   float* s_u = smem;
@@ -1235,28 +1259,21 @@ __global__ void __launch_bounds__(Tr::kThreads,
   float* s_rC = s_rB + (Tr::kVarB ? W * NP * kRs : 0);
   float* s_x = s_rC + (Tr::kVarC ? W * NP * kRs : 0);  // [step][state i][thread]: the thread's own states
 
-  const int tid = static_cast<int>(threadIdx.x);
-  const int cl = tid / L, sl = tid % L, warp = tid / kWarpSize, lane = tid % kWarpSize;
-  const int d0 = static_cast<int>(blockIdx.x) * NC;
-  const int b = static_cast<int>(blockIdx.y);
-  const int d = d0 + cl;
-  const bool live = d < dim;
-  const long long chan = static_cast<long long>(b) * dim + d;
-  const long long bc_base = (static_cast<long long>(b) * groups + d0 / channels_per_group) * N * seqlen;
+  const SeqPlace<Tr> at(dim, seqlen, channels_per_group, groups);
+  const int tid = at.tid, cl = at.cl, sl = at.sl, d0 = at.d0, b = at.b, d = at.d;
+  const bool live = at.live;
+  const long long chan = at.chan, bc_base = at.bc_base;
+  const int warp = tid / kWarpSize, lane = tid % kWarpSize;
   const int nchunks = (seqlen + kC - 1) / kC;
   float* ckpt = states + (live ? chan : 0) * nchunks * N;
 
   float An[S], A2[S], Bf[S], Cf[S], x[S];
+  at.template row<true>(A, 1.0f, An);
 #pragma unroll
-  for (int i = 0; i < S; ++i) {
-    const int n = sl * S + i;
-    const bool ok = live && n < N;
-    An[i] = ok ? A[d * N + n] : 0.0f;
-    A2[i] = An[i] * kLog2e;
-    x[i] = ok && Tr::kHasH0 ? h0[chan * N + n] : 0.0f;
-    Bf[i] = ok && !Tr::kVarB ? to_float(B[d * N + n]) : 0.0f;
-    Cf[i] = ok && !Tr::kVarC ? to_float(C[d * N + n]) : 0.0f;
-  }
+  for (int i = 0; i < S; ++i) A2[i] = An[i] * kLog2e;
+  at.template row<!Tr::kVarB>(B, 1.0f, Bf);
+  at.template row<!Tr::kVarC>(C, 1.0f, Cf);
+  at.state(Tr::kHasH0 ? h0 : nullptr, x);
 
   // ---- 1: checkpoints ----
   const SeqSegment seg(static_cast<int>(blockIdx.z), kC, seqlen, seg_len);
@@ -1269,12 +1286,9 @@ __global__ void __launch_bounds__(Tr::kThreads,
   using Ck = SeqBwdChunk<Tr, kStageAll>;
   float H[S], dA[S], dBf[S], dCf[S];
   float dDk[Ck::PE], dbk[Ck::PE];
+  at.state(dlast_state, H);
 #pragma unroll
-  for (int i = 0; i < S; ++i) {
-    const int n = sl * S + i;
-    H[i] = live && n < N && dlast_state ? dlast_state[chan * N + n] : 0.0f;
-    dA[i] = dBf[i] = dCf[i] = 0.0f;
-  }
+  for (int i = 0; i < S; ++i) dA[i] = dBf[i] = dCf[i] = 0.0f;
   seq_fold_adjoint<Tr>(H, A2, seg_g, seg_dt, chan, nsegs, seg.z, sl, live);
 #pragma unroll
   for (int k = 0; k < Ck::PE; ++k) dDk[k] = dbk[k] = 0.0f;
@@ -1435,28 +1449,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                   float* __restrict__ seg_dt, int dim, int seqlen, int channels_per_group, int groups,
                                   int seg_len, int nsegs) {
   using namespace scan_detail;
-  constexpr int N = Tr::kDstate, S = Tr::kSpt, L = Tr::kLanes, NC = Tr::kChannels, kC = Tr::kChunk;
+  constexpr int N = Tr::kDstate, S = Tr::kSpt, kC = Tr::kChunk;
   extern __shared__ float smem[];
   float* s_u = smem;
   float* s_dt = s_u + kC * Tr::kCs;
   float* s_B = s_dt + kC * Tr::kCs;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int cl = tid / L, sl = tid % L;
-  const int d0 = static_cast<int>(blockIdx.x) * NC;
-  const int b = static_cast<int>(blockIdx.y);
-  const int d = d0 + cl;
-  const bool live = d < dim;
-  const long long chan = static_cast<long long>(b) * dim + d;
-  const long long bc_base = (static_cast<long long>(b) * groups + d0 / channels_per_group) * N * seqlen;
+  const SeqPlace<Tr> at(dim, seqlen, channels_per_group, groups);
+  const int tid = at.tid, cl = at.cl, sl = at.sl, d0 = at.d0, b = at.b, d = at.d;
+  const bool live = at.live;
+  const long long chan = at.chan, bc_base = at.bc_base;
   float A2[S], Bf[S], x[S];
-#pragma unroll
-  for (int i = 0; i < S; ++i) {
-    const int n = sl * S + i;
-    const bool ok = live && n < N;
-    A2[i] = ok ? A[d * N + n] * kLog2e : 0.0f;
-    Bf[i] = ok && !Tr::kVarB ? to_float(B[d * N + n]) : 0.0f;
-    x[i] = 0.0f;
-  }
+  at.template row<true>(A, kLog2e, A2);
+  at.template row<!Tr::kVarB>(B, 1.0f, Bf);
+  at.state(nullptr, x);
   const SeqSegment seg(static_cast<int>(blockIdx.z), kC, seqlen, seg_len);
   float sdt = 0.0f;
   seq_forward_walk<Tr, false>(x, A2, Bf, u, delta, B, delta_bias, nullptr, sdt, s_u, s_dt, s_B, b, d0, dim, seqlen,
@@ -1479,29 +1484,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                   float* __restrict__ seg_g, float* __restrict__ seg_dt, int dim, int seqlen,
                                   int channels_per_group, int groups, int seg_len, int nsegs) {
   using namespace scan_detail;
-  constexpr int N = Tr::kDstate, S = Tr::kSpt, L = Tr::kLanes, NC = Tr::kChannels, kC = Tr::kChunk;
+  constexpr int N = Tr::kDstate, S = Tr::kSpt, kC = Tr::kChunk;
   constexpr int CS = Tr::kCs, NP = Tr::kNp;
   extern __shared__ float smem[];
   float* s_gy = smem;
   float* s_dt = s_gy + kC * CS;
   float* s_C = s_dt + kC * CS;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int cl = tid / L, sl = tid % L;
-  const int d0 = static_cast<int>(blockIdx.x) * NC;
-  const int b = static_cast<int>(blockIdx.y);
-  const int d = d0 + cl;
-  const bool live = d < dim;
-  const long long chan = static_cast<long long>(b) * dim + d;
-  const long long bc_base = (static_cast<long long>(b) * groups + d0 / channels_per_group) * N * seqlen;
+  const SeqPlace<Tr> at(dim, seqlen, channels_per_group, groups);
+  const int tid = at.tid, cl = at.cl, sl = at.sl, d0 = at.d0, b = at.b, d = at.d;
+  const bool live = at.live;
+  const long long chan = at.chan, bc_base = at.bc_base;
   float A2[S], Cf[S], H[S];
-#pragma unroll
-  for (int i = 0; i < S; ++i) {
-    const int n = sl * S + i;
-    const bool ok = live && n < N;
-    A2[i] = ok ? A[d * N + n] * kLog2e : 0.0f;
-    Cf[i] = ok && !Tr::kVarC ? to_float(C[d * N + n]) : 0.0f;
-    H[i] = 0.0f;
-  }
+  at.template row<true>(A, kLog2e, A2);
+  at.template row<!Tr::kVarC>(C, 1.0f, Cf);
+  at.state(nullptr, H);
   const SeqSegment seg(static_cast<int>(blockIdx.z) + 1, kC, seqlen, seg_len);
   SeqBwdChunk<Tr, kStageAdjoint> cur;  // reloaded once staged
   cur.load(nullptr, delta, dout, z, nullptr, C, b, d0, dim, seqlen, bc_base, (seg.ce - 1) * kC);
