@@ -794,38 +794,22 @@ __device__ __forceinline__ void seq_scan_chunk(float (&x)[Tr::kSpt], const float
 // more ex2 per step and state per local pass, for nsegs times the parallelism.
 // seg_h, seg_g: [batch * dim, nsegs, dstate]; seg_dt: [batch * dim, nsegs] (fp32 workspace).
 
-// x (h0 or zeros) carried over segments 0..z-1.
+// v carried over segments q = first, first + step, ... up to `end` (exclusive): v <- exp2(A2 * sum dt_q) v +
+// seg_v[q]. The forward's entering state folds segments 0..z-1 from h0 (step 1); the adjoint leaving
+// segment z folds nsegs-1..z+1 from dlast_state (step -1).
 template <typename Tr>
-__device__ __forceinline__ void seq_fold_forward(float (&x)[Tr::kSpt], const float (&A2)[Tr::kSpt],
-                                                 const float* __restrict__ seg_h, const float* __restrict__ seg_dt,
-                                                 long long chan, int nsegs, int z, int sl, bool live) {
+__device__ __forceinline__ void seq_fold(float (&v)[Tr::kSpt], const float (&A2)[Tr::kSpt],
+                                         const float* __restrict__ seg_v, const float* __restrict__ seg_dt,
+                                         long long chan, int nsegs, int first, int end, int step, int sl, bool live) {
   constexpr int S = Tr::kSpt, N = Tr::kDstate;
   if (!live) return;
-  for (int q = 0; q < z; ++q) {
+  for (int q = first; q != end; q += step) {
     const long long s = chan * nsegs + q;
     const float sd = seg_dt[s];
 #pragma unroll
     for (int i = 0; i < S; ++i) {
       const int n = sl * S + i;
-      x[i] = fmaf(fast_exp2(sd * A2[i]), x[i], n < N ? seg_h[s * N + n] : 0.0f);
-    }
-  }
-}
-
-// The adjoint H (dlast_state or zeros) carried back over segments nsegs-1..z+1.
-template <typename Tr>
-__device__ __forceinline__ void seq_fold_adjoint(float (&H)[Tr::kSpt], const float (&A2)[Tr::kSpt],
-                                                 const float* __restrict__ seg_g, const float* __restrict__ seg_dt,
-                                                 long long chan, int nsegs, int z, int sl, bool live) {
-  constexpr int S = Tr::kSpt, N = Tr::kDstate;
-  if (!live) return;
-  for (int q = nsegs - 1; q > z; --q) {
-    const long long s = chan * nsegs + q;
-    const float sd = seg_dt[s];
-#pragma unroll
-    for (int i = 0; i < S; ++i) {
-      const int n = sl * S + i;
-      H[i] = fmaf(fast_exp2(sd * A2[i]), H[i], n < N ? seg_g[s * N + n] : 0.0f);
+      v[i] = fmaf(fast_exp2(sd * A2[i]), v[i], n < N ? seg_v[s * N + n] : 0.0f);
     }
   }
 }
@@ -910,7 +894,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   at.template row<!Tr::kVarC>(C, 1.0f, Cf);
   at.state(Tr::kHasH0 ? h0 : nullptr, x);
   const SeqSegment seg(static_cast<int>(blockIdx.z), kC, seqlen, seg_len);
-  seq_fold_forward<Tr>(x, A2, seg_h, seg_dt, chan, nsegs, seg.z, sl, live);
+  seq_fold<Tr>(x, A2, seg_h, seg_dt, chan, nsegs, 0, seg.z, 1, sl, live);
   const int tb = seg.cb * kC, te = min(seg.ce * kC, seqlen);
   float unused = 0.0f;
   if constexpr (Tr::kEven) {
@@ -1277,7 +1261,7 @@ __global__ void __launch_bounds__(Tr::kThreads,
 
   // ---- 1: checkpoints ----
   const SeqSegment seg(static_cast<int>(blockIdx.z), kC, seqlen, seg_len);
-  seq_fold_forward<Tr>(x, A2, seg_h, seg_dt, chan, nsegs, seg.z, sl, live);
+  seq_fold<Tr>(x, A2, seg_h, seg_dt, chan, nsegs, 0, seg.z, 1, sl, live);
   float unused = 0.0f;
   seq_forward_walk<Tr, true>(x, A2, Bf, u, delta, B, delta_bias, ckpt, unused, s_u, s_dt, s_B, b, d0, dim, seqlen,
                              bc_base, seg.cb, seg.ce, cl, sl, live);
@@ -1289,7 +1273,7 @@ __global__ void __launch_bounds__(Tr::kThreads,
   at.state(dlast_state, H);
 #pragma unroll
   for (int i = 0; i < S; ++i) dA[i] = dBf[i] = dCf[i] = 0.0f;
-  seq_fold_adjoint<Tr>(H, A2, seg_g, seg_dt, chan, nsegs, seg.z, sl, live);
+  seq_fold<Tr>(H, A2, seg_g, seg_dt, chan, nsegs, nsegs - 1, seg.z, -1, sl, live);
 #pragma unroll
   for (int k = 0; k < Ck::PE; ++k) dDk[k] = dbk[k] = 0.0f;
   Ck cur;  // reloaded once staged: its registers are free during the chunk's work
@@ -1455,23 +1439,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   float* s_dt = s_u + kC * Tr::kCs;
   float* s_B = s_dt + kC * Tr::kCs;
   const SeqPlace<Tr> at(dim, seqlen, channels_per_group, groups);
-  const int tid = at.tid, cl = at.cl, sl = at.sl, d0 = at.d0, b = at.b, d = at.d;
-  const bool live = at.live;
-  const long long chan = at.chan, bc_base = at.bc_base;
   float A2[S], Bf[S], x[S];
   at.template row<true>(A, kLog2e, A2);
   at.template row<!Tr::kVarB>(B, 1.0f, Bf);
   at.state(nullptr, x);
   const SeqSegment seg(static_cast<int>(blockIdx.z), kC, seqlen, seg_len);
   float sdt = 0.0f;
-  seq_forward_walk<Tr, false>(x, A2, Bf, u, delta, B, delta_bias, nullptr, sdt, s_u, s_dt, s_B, b, d0, dim, seqlen,
-                              bc_base, seg.cb, seg.ce, cl, sl, live);
-  if (!live) return;
-  const long long sg = chan * nsegs + seg.z;
+  seq_forward_walk<Tr, false>(x, A2, Bf, u, delta, B, delta_bias, nullptr, sdt, s_u, s_dt, s_B, at.b, at.d0, dim,
+                              seqlen, at.bc_base, seg.cb, seg.ce, at.cl, at.sl, at.live);
+  if (!at.live) return;
+  const long long sg = at.chan * nsegs + seg.z;
 #pragma unroll
   for (int i = 0; i < S; ++i)
-    if (sl * S + i < N) seg_h[sg * N + sl * S + i] = x[i];
-  if (sl == 0) seg_dt[sg] = sdt;
+    if (at.sl * S + i < N) seg_h[sg * N + at.sl * S + i] = x[i];
+  if (at.sl == 0) seg_dt[sg] = sdt;
 }
 
 // Segment z = blockIdx.z + 1 (every one but the first), the adjoint H_{t-1} = a_t (H_t + gy_t C_t) from a
@@ -1491,30 +1472,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   float* s_dt = s_gy + kC * CS;
   float* s_C = s_dt + kC * CS;
   const SeqPlace<Tr> at(dim, seqlen, channels_per_group, groups);
-  const int tid = at.tid, cl = at.cl, sl = at.sl, d0 = at.d0, b = at.b, d = at.d;
-  const bool live = at.live;
-  const long long chan = at.chan, bc_base = at.bc_base;
   float A2[S], Cf[S], H[S];
   at.template row<true>(A, kLog2e, A2);
   at.template row<!Tr::kVarC>(C, 1.0f, Cf);
   at.state(nullptr, H);
   const SeqSegment seg(static_cast<int>(blockIdx.z) + 1, kC, seqlen, seg_len);
   SeqBwdChunk<Tr, kStageAdjoint> cur;  // reloaded once staged
-  cur.load(nullptr, delta, dout, z, nullptr, C, b, d0, dim, seqlen, bc_base, (seg.ce - 1) * kC);
+  cur.load(nullptr, delta, dout, z, nullptr, C, at.b, at.d0, dim, seqlen, at.bc_base, (seg.ce - 1) * kC);
   float sdt = 0.0f;
   for (int c = seg.ce - 1; c >= seg.cb; --c) {
-    cur.stage(nullptr, s_dt, s_gy, nullptr, nullptr, nullptr, s_C, delta_bias, d0, dim, seqlen, c * kC);
+    cur.stage(nullptr, s_dt, s_gy, nullptr, nullptr, nullptr, s_C, delta_bias, at.d0, dim, seqlen, c * kC);
     __syncthreads();
-    if (c > seg.cb) cur.load(nullptr, delta, dout, z, nullptr, C, b, d0, dim, seqlen, bc_base, (c - 1) * kC);
+    if (c > seg.cb) cur.load(nullptr, delta, dout, z, nullptr, C, at.b, at.d0, dim, seqlen, at.bc_base, (c - 1) * kC);
 #pragma unroll 2
     for (int t = kC - 4; t >= 0; t -= 4) {
       float dt[4], gy[4], Cv[4][S];
 #pragma unroll
       for (int g = 0; g < 4; ++g) {
-        dt[g] = s_dt[(t + g) * CS + cl];
-        gy[g] = s_gy[(t + g) * CS + cl];
+        dt[g] = s_dt[(t + g) * CS + at.cl];
+        gy[g] = s_gy[(t + g) * CS + at.cl];
 #pragma unroll
-        for (int i = 0; i < S; ++i) Cv[g][i] = Tr::kVarC ? s_C[(t + g) * NP + sl * S + i] : Cf[i];
+        for (int i = 0; i < S; ++i) Cv[g][i] = Tr::kVarC ? s_C[(t + g) * NP + at.sl * S + i] : Cf[i];
       }
 #pragma unroll
       for (int g = 3; g >= 0; --g) {
@@ -1525,12 +1503,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
     __syncthreads();  // restaged next
   }
-  if (!live) return;
-  const long long sg = chan * nsegs + seg.z;
+  if (!at.live) return;
+  const long long sg = at.chan * nsegs + seg.z;
 #pragma unroll
   for (int i = 0; i < S; ++i)
-    if (sl * S + i < N) seg_g[sg * N + sl * S + i] = H[i];
-  if (sl == 0 && seg.z == nsegs - 1) seg_dt[sg] = sdt;
+    if (at.sl * S + i < N) seg_g[sg * N + at.sl * S + i] = H[i];
+  if (at.sl == 0 && seg.z == nsegs - 1) seg_dt[sg] = sdt;
 }
 
 // ---------------------------------------------------------------------------------------------
