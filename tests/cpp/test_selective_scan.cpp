@@ -2,6 +2,7 @@
 // [batch, groups, dstate, seqlen]) in validation, output inference and the specialization key; the
 // cross-argument checks (groups | dim, dstate <= 256); every case of the table plans its kernels.
 // (GPU checks of every case against the float64 reference: Gpu.EveryOpEveryCaseEveryDtypeMatchesReference.)
+#include <array>
 #include <algorithm>
 
 #include "api/src/op.h"
@@ -144,6 +145,34 @@ TEST(SelectiveScan, BackwardKeyTellsDimsAdmittingDifferentWarps) {
   std::string why;
   EXPECT_FALSE(op.tuning.valid(d37, op.tuning.heuristic(d64), &why));
   EXPECT_NE(why.find("divide"), std::string::npos) << why;
+}
+
+// The plan cache keys a heuristic choice by the problem's signature: two problems with the same
+// signature must get the same heuristic config (8x5120x2048 once ran with the lanes of 8x2048x2048, and
+// segments depend on batch * dim and seqlen, both runtime dims).
+TEST(SelectiveScan, ProblemsSharingAPlanShareTheHeuristic) {
+  for (const char* name : {"selective_scan.fwd", "selective_scan.bwd"}) {
+    const OpDef& op = Registry::global().get(name);
+    std::vector<Problem> ps;
+    for (auto [b, d, t] : std::vector<std::array<int64_t, 3>>{{8, 2048, 2048}, {8, 5120, 2048}, {8, 2048, 8192},
+                                                             {1, 2048, 65536}, {1, 2048, 8192}, {1, 2048, 4096},
+                                                             {2, 64, 300}, {2, 32, 9000}, {1, 8, 65536},
+                                                             {8, 1024, 512}, {16, 4096, 1024}, {4, 4096, 4096}}) {
+      CompileRequest r;
+      r.op = name;
+      r.dtype = DType::bf16;
+      r.params = {{"dstate", int64_t(16)}, {"batch", b}, {"dim", d}, {"seqlen", t}, {"delta_softplus", true}};
+      ps.push_back(problem_from_request(op, r));
+    }
+    for (const auto& p : ps)
+      for (const auto& q : ps)
+        if (p.signature() == q.signature())
+          EXPECT_EQ(op.tuning.heuristic(p).str(), op.tuning.heuristic(q).str())
+              << name << ": " << p.dim("batch") << "x" << p.dim("dim") << "x" << p.dim("seqlen") << " and "
+              << q.dim("batch") << "x" << q.dim("dim") << "x" << q.dim("seqlen");
+    EXPECT_EQ(op.tuning.heuristic(ps[3]).get("segs"), 16) << name;  // 1x2048x65536
+    EXPECT_EQ(op.tuning.heuristic(ps[0]).get("segs"), 1) << name;
+  }
 }
 
 TEST(SelectiveScan, EveryCasePlansItsKernels) {

@@ -248,6 +248,16 @@ int64_t group_fit(const Problem& p) {
 // keeps more of it busy.
 bool many_channels(const Problem& p) { return p.dim("batch") * p.dim("dim") >= 8192; }
 
+// 4 states per thread: measured on the H100 (8x2048x2048 bf16) more threads beat more independent
+// recurrences per thread (lanes 4 > 2 > 1 at dstate 16: 0.318, 0.325 ms); with 32k channels or more, 8
+// states per thread (8x5120x2048: lanes 2 0.686 ms, lanes 4 0.781).
+int64_t seq_default_lanes(const Problem& p) {
+  const int64_t most = p.dim("batch") * p.dim("dim") >= 32768 ? 8 : 4;
+  int64_t lanes = 1;
+  while (lanes < 32 && ceil_div(p.dim("dstate"), lanes) > most) lanes *= 2;
+  return lanes;
+}
+
 // Segments along time (algo 1, see "segments" in the template): the steps are cut into `segs` pieces
 // run in parallel, each a whole number of chunks. A segment of fewer than 4 chunks costs more in its
 // local pass than it gains.
@@ -275,9 +285,10 @@ int64_t default_segs(const Problem& p) {
   return segs;
 }
 
+// The forward's heuristic also takes 8 states per thread from 32k channels on (seq_default_lanes).
 std::string fwd_key(const Problem& p) {
   return even_key(p) + ",gfit|" + std::to_string(group_fit(p)) + (many_channels(p) ? ",wide" : ",narrow") +
-         ",segs|" + std::to_string(default_segs(p));
+         ",segs|" + std::to_string(default_segs(p)) + ",lanes|" + std::to_string(seq_default_lanes(p));
 }
 
 // The backward's algo-0 warp fit, and the forward's distinctions for algo 1.
@@ -308,16 +319,6 @@ bool seq_valid(const Problem& p, const Config& c, int64_t smem_bytes, bool prefe
   if (seq_channels(c) > group_fit(p)) return no("a block's channels must lie in one B/C group");
   if (smem_bytes > kSeqSmemLimit) return no("more than 96 KiB of shared memory per block");
   return true;
-}
-
-// 4 states per thread: measured on the H100 (8x2048x2048 bf16) more threads beat more independent
-// recurrences per thread (lanes 4 > 2 > 1 at dstate 16: 0.318, 0.325 ms); with 32k channels or more, 8
-// states per thread (8x5120x2048: lanes 2 0.686 ms, lanes 4 0.781).
-int64_t seq_default_lanes(const Problem& p) {
-  const int64_t most = p.dim("batch") * p.dim("dim") >= 32768 ? 8 : 4;
-  int64_t lanes = 1;
-  while (lanes < 32 && ceil_div(p.dim("dstate"), lanes) > most) lanes *= 2;
-  return lanes;
 }
 
 TuningSpace fwd_tuning() {
