@@ -229,8 +229,9 @@ def linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, saved: t
 
 @linear_bwd.register_fake
 def _(dy, x, weight, saved, has_bias, act, tf32):
+    # contiguous, as _linear_bwd allocates them, whatever the strides of x and weight (a transposed view)
     db = weight.new_empty(weight.shape[0]) if has_bias else weight.new_empty(0)
-    return torch.empty_like(x), torch.empty_like(weight), db
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), db
 
 
 def _linear_setup(ctx, inputs, output):

@@ -160,7 +160,8 @@ def e79_cell(kvqm, n: int, b_s=None, b_m=None, S0=None, M0=None, *, bias: str = 
     tensors: the forward keeps (S, M) every `chunk` steps (kspec.ops.e79_checkpoint_bytes_per_token)
     and the backward recomputes each segment once. config: a tuning config forced on e79.fwd and e79.bwd
     alike, e.g. "split=16,cluster=4" (one thread-block cluster of 4 CTAs per sequence, sm_90+); None:
-    the tuned or heuristic one."""
+    the tuned or heuristic one. torch.compile traces it without a graph break, as the custom ops
+    kspec::e79_fwd and kspec::e79_bwd (checkpoints kept only where a gradient is wanted)."""
     from . import _e79
 
     if bias not in _e79.BIAS_MODES:
@@ -189,7 +190,8 @@ def e79(x, W_kvqm, b_s=None, b_m=None, W_bs=None, W_bm=None, S0=None, M0=None, *
     x: (T, B, dim), or (B, T, dim) with batch_first=True (no copies either way); W_kvqm: (4n, dim) rows
     [k | v | q | m], the dtype of x; b_s, b_m: (n,) for bias="fixed"; W_bs, W_bm: (n, dim) for
     bias="input"; S0, M0: (B, n, n) or None; config: as kspec.ops.e79_cell's. Returns (out (T, B, n) or
-    (B, T, n), S, M (B, n, n) fp32)."""
+    (B, T, n), S, M (B, n, n) fp32). Under torch.compile: two custom ops (kspec::linear_fwd, kspec::e79_fwd)
+    and their backwards, one graph (fullgraph=True works)."""
     from . import _e79
 
     if bias not in _e79.BIAS_MODES:

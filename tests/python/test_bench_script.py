@@ -1,6 +1,7 @@
 """tools/bench/bench.py without a GPU: it compiles, its napkin math holds (the GPT-350M parameter list, the
 GEMM FLOP and byte counts), and asking for a GPU family ends with a clear 'no GPU' message and status 2,
-not a traceback. The timings themselves run on the GPU machine (tools/gpu/check.sh bench)."""
+not a traceback; tools/bench/bench_e79.py compiles and says 'no CUDA GPU' (status 1). The timings
+themselves run on the GPU machine (tools/gpu/check.sh bench, e79)."""
 import importlib.util
 import json
 import math
@@ -10,7 +11,10 @@ import py_compile
 import subprocess
 import sys
 
+import pytest
+
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "tools/bench/bench.py"
+BENCH_E79 = BENCH.with_name("bench_e79.py")
 
 
 def _bench():
@@ -54,3 +58,13 @@ def test_gpu_families_without_a_gpu_say_so(tmp_path):
     assert "no GPU" in p.stderr and "Traceback" not in text, text
     errors = json.loads(out.read_text())["errors"]
     assert set(errors) == {"gemm", "adamw"} and all(e.startswith("no GPU") for e in errors.values())
+
+
+def test_bench_e79_without_a_gpu_says_so():
+    py_compile.compile(str(BENCH_E79), doraise=True)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, str(BENCH_E79), "--quick"], capture_output=True, text=True, env=env,
+                       timeout=600)
+    if "No module named 'torch'" in p.stderr:
+        pytest.skip("no torch")
+    assert p.returncode == 1 and "no CUDA GPU" in p.stderr and "Traceback" not in p.stdout + p.stderr, p.stderr

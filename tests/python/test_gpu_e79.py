@@ -4,7 +4,10 @@ projection's columns, fixed biases, S0, M0, with and without upstream dS, dM), f
 dtype; named edge cases (T=1, T=2, T=K, T=K+1, T not a multiple of K, B=1, B=33, n=8, n=128), every
 layout of the projection, a 4096-step bf16 sequence, kspec.nn against the torch reference module, and
 clear errors for bad input; the cluster configs (one sequence over a thread-block cluster, sm_90+) on
-their own cases, bitwise reproducible. A failure message lists every tensor's relative error."""
+their own cases, bitwise reproducible; torch.compile (fullgraph, inductor) through the custom ops
+kspec::e79_fwd/e79_bwd: the cell, the projected op with dynamic shapes, kspec.nn.E79Cell and
+E79CoupledMatrix forward+backward in one frame each, matching eager, and torch.library.opcheck of the
+ops. A failure message lists every tensor's relative error."""
 import numpy as np
 import pytest
 
@@ -365,3 +368,135 @@ def test_cluster_config_needs_its_rules():
     kvqm, b_s, b_m, S0, M0 = _inputs(5, 1, 32, "fixed", torch.float32, False, 3)
     with pytest.raises(Exception, match="split must be at least cluster|need sm_90"):
         kspec.ops.e79_cell(kvqm, 32, b_s, b_m, bias="fixed", config="split=2,cluster=4")
+
+
+# ---- torch.compile through the custom ops kspec::e79_fwd, kspec::e79_bwd (no graph break) ----
+
+def _compile_counter():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    return CompileCounterWithBackend("inductor")
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+@pytest.mark.parametrize("bias", BIAS)
+def test_compiled_cell_fullgraph_matches_eager(bias, dtype, batch_first):
+    """One frame; the same kernels as the eager autograd Function, so the same outputs and gradients."""
+    from test_e79_custom_op import check_compiled_cell
+
+    torch._dynamo.reset()
+    check_compiled_cell(bias, dtype, "cuda", batch_first, "inductor", tol=1e-6, T=45, B=3, n=32, chunk=8,
+                        bias_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("bias", BIAS)
+def test_compiled_cell_fullgraph_with_cluster_heuristic(bias):
+    """n = 64 at B = 2: the heuristic's cluster config on sm_90 (one CTA per sequence elsewhere)."""
+    from test_e79_custom_op import check_compiled_cell
+
+    torch._dynamo.reset()
+    check_compiled_cell(bias, torch.bfloat16, "cuda", True, "inductor", tol=1e-6, T=37, B=2, n=64, chunk=8,
+                        bias_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("bias", BIAS)
+def test_custom_ops_pass_opcheck(bias, batch_first):
+    from test_e79_custom_op import make_inputs
+
+    n, chunk = 16, 4
+    inp = make_inputs(11, 3, n, bias, torch.float32, "cuda", batch_first)
+    args = (inp["kvqm"], inp["b_s"], inp["b_m"], inp["S0"], inp["M0"], n, bias, chunk, None, True)
+    torch.library.opcheck(torch.ops.kspec.e79_fwd.default, args)
+    with torch.no_grad():
+        chk = torch.ops.kspec.e79_fwd(*args)[3]
+    detached = [None if t is None else t.detach() for t in args[:5]]
+    dout = torch.randn(11, 3, n, device="cuda")
+    bwd_args = (dout, *detached, chk, torch.randn(3, n, n, device="cuda"), None, n, bias, chunk, None)
+    torch.library.opcheck(torch.ops.kspec.e79_bwd.default, bwd_args)
+
+
+def test_compiled_projected_op_dynamic_shapes_is_one_graph():
+    """kspec.ops.e79 (gemm + cell, batch-first) under dynamic=True, as tools/bench/bench_e79.py compiles
+    it: other T and B reuse the one graph; outputs and every gradient as eager."""
+    counter = _compile_counter()
+    n, dim = 32, 48
+    g = torch.Generator(device="cuda").manual_seed(5)
+    W = (dim ** -0.5 * torch.randn(4 * n, dim, device="cuda", generator=g)).requires_grad_()
+    b_s = (0.5 * torch.randn(n, device="cuda", generator=g)).requires_grad_()
+    b_m = (0.5 * torch.randn(n, device="cuda", generator=g)).requires_grad_()
+
+    def f(x, W, b_s, b_m):
+        return kspec.ops.e79(x, W, b_s, b_m, bias="fixed", batch_first=True, chunk=8)
+
+    compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
+    for B, T in ((2, 17), (3, 40)):
+        x = torch.randn(B, T, dim, device="cuda", generator=g)
+        results = []
+        for fn in (compiled, f):
+            xi = x.clone().requires_grad_()
+            out, S, M = fn(xi, W, b_s, b_m)
+            assert out.shape == (B, T, n)
+            grads = torch.autograd.grad((out.square().sum() + S.sum() + M.sum()), (xi, W, b_s, b_m))
+            results.append([out, S, M, *grads])
+        names = ["out", "S", "M", "dx", "dW", "db_s", "db_m"]
+        errs = {k: rel_err(_np(a), _np(b)) for k, a, b in zip(names, *results)}
+        bad = {k: e for k, e in errs.items() if not e <= 1e-6}
+        assert not bad, f"B={B} T={T}: compiled vs eager {bad}"
+    assert counter.frame_count == 1
+
+
+def _module_grads(module, fn, x, loss):
+    module.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_()
+    outs = fn(xi)
+    loss(outs).backward()
+    return outs, [xi.grad] + [p.grad for _, p in module.named_parameters()]
+
+
+@pytest.mark.parametrize("bias", BIAS)
+def test_compiled_nn_cell_bf16_fullgraph_matches_eager(bias):
+    counter = _compile_counter()
+    torch.manual_seed(0)
+    cell = kspec.nn.E79Cell(64, 32, bias=bias, chunk=8).cuda()
+    x = torch.randn(3, 29, 64, device="cuda", dtype=torch.bfloat16)
+
+    def loss(outs):
+        out, S, M = outs
+        return out.float().square().sum() + S.sum() + M.sum()
+
+    compiled = torch.compile(cell, backend=counter, fullgraph=True)
+    got, got_grads = _module_grads(cell, lambda xi: compiled(xi, batch_first=True), x, loss)
+    want, want_grads = _module_grads(cell, lambda xi: cell(xi, batch_first=True), x, loss)
+    assert counter.frame_count == 1
+    names = ["out", "S", "M", "dx"] + ["d" + k for k, _ in cell.named_parameters()]
+    errs = {k: rel_err(_np(a), _np(b)) for k, a, b in zip(names, [*got, *got_grads], [*want, *want_grads])}
+    bad = {k: e for k, e in errs.items() if not e <= 1e-3}
+    assert not bad, f"{bias}: compiled vs eager {bad} (all: {errs})"
+
+
+@pytest.mark.parametrize("use_conv", [False, True])
+@pytest.mark.parametrize("bias", BIAS)
+def test_compiled_layer_fullgraph_forward_backward_matches_eager(bias, use_conv):
+    """kspec.nn.E79CoupledMatrix (in_proj, conv, silu, the cell, out_proj) as one graph, fp32; inductor
+    fuses the torch parts its own way, hence 1e-4."""
+    counter = _compile_counter()
+    torch.manual_seed(0)
+    layer = kspec.nn.E79CoupledMatrix(48, n_state=16, use_conv=use_conv, bias=bias, chunk=4).cuda()
+    x = torch.randn(3, 21, 48, device="cuda")
+
+    def loss(outs):
+        y, (S, M) = outs
+        return y.square().sum() + S.sum() + M.sum()
+
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    (y, (S, M)), got_grads = _module_grads(layer, compiled, x, loss)
+    (y_r, (S_r, M_r)), want_grads = _module_grads(layer, layer, x, loss)
+    assert counter.frame_count == 1
+    names = ["dx"] + ["d" + k for k, _ in layer.named_parameters()]
+    errs = {"y": rel_err(_np(y), _np(y_r)), "S": rel_err(_np(S), _np(S_r)), "M": rel_err(_np(M), _np(M_r))}
+    errs.update({k: rel_err(_np(a), _np(b)) for k, a, b in zip(names, got_grads, want_grads)})
+    bad = {k: e for k, e in errs.items() if not e <= 1e-4}
+    assert not bad, f"{bias} conv={use_conv}: compiled vs eager {bad} (all: {errs})"

@@ -3,18 +3,30 @@
 the reference cell (kspec.reference.e79_torch.E79CoupledMatrixCell, the public model's loop) in torch
 eager and torch.compile, forward and forward+backward, bf16, dim 1024. Not a test: timings only.
 
-    python3 tools/bench/bench_e79.py                        # B {1,16,128} x T {512,4096} x n {32,64,128}
+    python3 tools/bench/bench_e79.py --json e79.json        # B {1,16,128} x T {512,4096} x n {32,64,96,128}
+    python3 tools/bench/bench_e79.py --n 32 64 128          # issue 8's table alone (no n = 96)
     python3 tools/bench/bench_e79.py --quick --json /tmp/e79.json
     python3 tools/bench/bench_e79.py --B 16 --T 4096 --n 64    # the target point
     python3 tools/bench/bench_e79.py --B 1 16 --no-compile --clusters 2 4 8   # cluster rows only matter
 
 Method: random inputs; kspec's output checked against the reference loop (fp32 arithmetic on the
 same bf16 inputs) on the first --check-T steps before anything is timed; CUDA events around one call,
-a 256 MiB write between calls to flush L2, the median of --reps calls after two warm-up calls.
+a 256 MiB write between calls to flush L2, the median of the timed calls after two warm-up calls:
+--reps (10) for kspec's rows, --ref-reps (3) for the two peers, whose calls are long and whose spread
+is small next to the gaps measured.
 The peers are timed on min(T, --ref-T) steps and reported per step: a 4096-step eager or compiled
 loop keeps every step's activations for autograd (B=128, n=128: ~80 MB a step) and torch.compile of
 the whole unrolled loop does not finish in reasonable time, so torch.compile compiles one step
-(fullgraph) and Python loops over it. Per-step cost is flat in T for all three (checked by --ref-T).
+(fullgraph, dynamic=False: the best case for the peer, one compile per (B, n), shared by both T) and
+Python loops over it; the compiled step is checked against the eager one on --check-T steps (a row
+that disagrees is marked INVALID and still timed). Per-step cost is flat in T for all three (checked
+by --ref-T).
+Compiled kspec rows ("kspec compiled ..."): kspec.ops.e79, what E79Cell.forward calls, with the
+cell's parameters under torch.compile(fullgraph=True, dynamic=True): the E79 cell and the projection
+are torch.library custom ops, so the whole forward and backward is one graph; with dynamic shapes
+(parameter shapes too) four compiles serve the whole grid (batch 1 or more, with or without a
+gradient). Each point checks it against the eager call (out, final S, dx) before timing it; its time
+over the eager rows' is the cost of going through torch.compile (about 1.0 expected: nothing to fuse).
 Reported: ms per call, µs per time step, tokens/s (B*T per second), the speed-ups, and the bytes the
 forward keeps per token for the backward (kspec: (S, M) every `chunk` steps, 8 n^2 / chunk).
 Cluster rows (issue 8: one CTA per sequence leaves most of the 132 SMs idle at small B): for B in
@@ -23,6 +35,13 @@ CTAs per sequence, S lanes per row with n * S / C threads per CTA, the most up t
 against the default config's output, final S and input gradient before it is timed, and its speed-up
 over the cluster-1 row (one CTA per sequence, also timed) printed beside it. The default row is the
 heuristic's config, which takes cluster 4 for n in {64, 96, 128} at B <= 16 on sm_90.
+Time: each point prints its seconds, the run its total (also in the JSON). Where it goes: the
+compiled peer's Inductor compiles (for each of the 12 (B, n) of the default grid: a no-grad step, a
+step whose M needs no gradient yet, one whose M does, and their backwards), the NVRTC
+compiles of kspec's kernels when the kernel cache is cold (fwd ~1 s, bwd ~2 s each on one CPU core:
+one per n, config and kernel), the eager peer at B=128 (GPU-bound on (B, n, n) fp32 intermediates),
+and the T=4096 kspec rows with their cluster rows. --ref-T, --ref-reps, --no-compile and --clusters
+trade coverage for time.
 Targets (issue 8): fwd+bwd at B=16, T=4096, n=64 >= 50x eager and >= 5x torch.compile.
 """
 from __future__ import annotations
@@ -32,6 +51,7 @@ import json
 import math
 import statistics
 import sys
+import time
 
 TARGET = dict(B=16, T=4096, n=64, eager=50.0, compiled=5.0)
 
@@ -105,7 +125,7 @@ def cluster_config(n: int, cluster: int):
     return None
 
 
-def bench_point(torch, F, kspec, args, B, T, n, run, compiled_step, eager_step):
+def bench_point(torch, F, kspec, args, B, T, n, run, run_ref, compiled_step, eager_step, compiled_e79):
     from kspec.reference.e79_torch import E79CoupledMatrixCell
 
     dev, dt, dim = "cuda", getattr(torch, args.dtype), args.dim
@@ -127,9 +147,10 @@ def bench_point(torch, F, kspec, args, B, T, n, run, compiled_step, eager_step):
 
     rows = []
 
-    def record(variant, ms, steps, config="default"):
+    def record(variant, ms, steps, config="default", reps=args.reps, valid=True):
         rows.append(dict(B=B, T=T, n=n, variant=variant, config=config, steps=steps, ms=ms,
-                         us_per_step=1e3 * ms / steps, tokens_per_s=B * steps / (ms * 1e-3)))
+                         us_per_step=1e3 * ms / steps, tokens_per_s=B * steps / (ms * 1e-3), reps=reps,
+                         valid=valid))
 
     xg = x.clone().requires_grad_()
     dout = torch.randn(T, B, n, device=dev, dtype=dt)
@@ -151,6 +172,46 @@ def bench_point(torch, F, kspec, args, B, T, n, run, compiled_step, eager_step):
         record("kspec fwd+bwd", run(k_fwdbwd), T, config)
 
     time_kspec("default")
+    compiled_check = {}
+    if compiled_e79 is not None:
+        # kspec.ops.e79 as E79Cell.forward calls it, under torch.compile: checked against the eager cell
+        # (out and final S over all T without a gradient, dx over check_T steps).
+        params = (cell.W_kvqm, cell.b_s_gate, cell.b_m_gate)
+
+        def kc(xx):
+            return compiled_e79(xx, *params)
+
+        def kc_fwd():
+            with torch.no_grad():
+                kc(x)
+
+        def kc_fwd_train():
+            kc(xg)
+
+        def kc_fwdbwd():
+            out, _, _ = kc(xg)
+            out.backward(dout)
+
+        def rel(a, b):
+            return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+        try:
+            with torch.no_grad():
+                got, want = kc(x), cell(x)
+            errs = dict(out=rel(got[0], want[0]), S=rel(got[1], want[1]))
+            xc = [x[:tc].clone().requires_grad_() for _ in range(2)]
+            for fn, xx in ((kc, xc[0]), (cell, xc[1])):
+                out, _, _ = fn(xx)
+                out.backward(dout[:tc])
+            errs["dx"] = rel(xc[0].grad, xc[1].grad)
+            compiled_check = errs
+            if not all(e <= 1e-3 for e in errs.values()):
+                raise RuntimeError(f"compiled disagrees with eager: {errs}")
+            record("kspec compiled fwd (inference)", run(kc_fwd), T)
+            record("kspec compiled fwd (training)", run(kc_fwd_train), T)
+            record("kspec compiled fwd+bwd", run(kc_fwdbwd), T)
+        except Exception as e:  # noqa: BLE001  (reported in its line and the JSON; the run goes on)
+            compiled_check = dict(compiled_check, error=f"{type(e).__name__}: {e}"[:300])
     cluster_checks = {}
     if B in args.cluster_B:
         # Each cluster config against the default one on the first check_T steps (out, final S, dx).
@@ -185,9 +246,16 @@ def bench_point(torch, F, kspec, args, B, T, n, run, compiled_step, eager_step):
     tr = min(T, args.ref_T)
     xr = x[:tr].clone().requires_grad_()
     dr = dout[:tr]
+    peer_err = None
     for name, step in (("eager", eager_step), ("torch.compile", compiled_step)):
         if step is None:
             continue
+        valid = True
+        if step is compiled_step:  # the compiled step against the eager loop (this compiles its no-grad graph)
+            with torch.no_grad():
+                out_c, _, _ = reference_forward(torch, step, ref_cell, x[:tc])
+            peer_err = ((out_c.float() - out_r.float()).norm() / out_r.float().norm()).item()
+            valid = peer_err <= 2e-2
 
         def r_fwd(step=step):
             with torch.no_grad():
@@ -197,23 +265,26 @@ def bench_point(torch, F, kspec, args, B, T, n, run, compiled_step, eager_step):
             out, _, _ = reference_forward(torch, step, ref_cell, xr)
             out.backward(dr)
 
-        record(f"{name} fwd", run(r_fwd), tr)
-        record(f"{name} fwd+bwd", run(r_fwdbwd), tr)
-    return rows, dict(out_err=err, S_err=err_S, checked_steps=tc, cluster_vs_default=cluster_checks)
+        record(f"{name} fwd", run_ref(r_fwd), tr, reps=args.ref_reps, valid=valid)
+        record(f"{name} fwd+bwd", run_ref(r_fwdbwd), tr, reps=args.ref_reps, valid=valid)
+    return rows, dict(out_err=err, S_err=err_S, checked_steps=tc, compiled_peer_err=peer_err,
+                      compiled_kspec_vs_eager=compiled_check, cluster_vs_default=cluster_checks)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--B", type=int, nargs="+", default=[1, 16, 128])
     p.add_argument("--T", type=int, nargs="+", default=[512, 4096])
-    p.add_argument("--n", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument("--n", type=int, nargs="+", default=[32, 64, 96, 128])
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--chunk", type=int, default=16)
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--reps", type=int, default=10, help="timed calls of kspec's rows (median)")
+    p.add_argument("--ref-reps", type=int, default=3, help="timed calls of the eager/compiled peers (median)")
     p.add_argument("--ref-T", type=int, default=128, help="steps the eager/compiled peers run (per-step cost)")
     p.add_argument("--check-T", type=int, default=64)
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    p.add_argument("--no-compile", action="store_true",
+                   help="skip everything torch.compile: the compiled peer and the compiled kspec rows")
     p.add_argument("--clusters", type=int, nargs="*", default=[2, 4, 8],
                    help="cluster sizes for the cluster rows (CTAs per sequence; sm_90+)")
     p.add_argument("--cluster-B", type=int, nargs="*", default=[1, 16], help="batch sizes that get cluster rows")
@@ -234,29 +305,49 @@ def main(argv=None) -> int:
     if torch.cuda.get_device_capability()[0] < 9 and a.clusters:
         print("bench_e79: thread-block clusters need sm_90 or newer; no cluster rows", file=sys.stderr)
         a.clusters = []
-    run = timer(torch, a.reps, torch.empty(64 << 20, dtype=torch.int32, device="cuda"))
+    flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
+    run, run_ref = timer(torch, a.reps, flush), timer(torch, a.ref_reps, flush)
     eager_step = make_step(torch, F)
-    # One compiled step per (B, n) point: dynamo's default of 8 recompiles is below the table's 9 points.
+    # One compiled step per (B, n) point: dynamo's default of 8 recompiles is below the table's 12 points.
     torch._dynamo.config.recompile_limit = 64
     compiled_step = None if a.no_compile else torch.compile(make_step(torch, F), fullgraph=True, dynamic=False)
+    compiled_e79 = None
+    if not a.no_compile:
+        # Symbolic parameter shapes too (n), so one graph serves every n; the peer's step is static anyway.
+        torch._dynamo.config.force_parameter_static_shapes = False
+        chunk = a.chunk
+
+        def e79_fixed(x, W_kvqm, b_s, b_m):
+            return kspec.ops.e79(x, W_kvqm, b_s, b_m, bias="fixed", chunk=chunk)
+
+        compiled_e79 = torch.compile(e79_fixed, fullgraph=True, dynamic=True)
 
     rows, checks = [], []
+    t_start = time.perf_counter()
     for n in a.n:
         for B in a.B:
             for T in a.T:
-                r, c = bench_point(torch, F, kspec, a, B, T, n, run, compiled_step, eager_step)
+                t_point = time.perf_counter()
+                r, c = bench_point(torch, F, kspec, a, B, T, n, run, run_ref, compiled_step, eager_step, compiled_e79)
+                seconds = time.perf_counter() - t_point
                 rows.extend(r)
-                checks.append(dict(B=B, T=T, n=n, **c))
+                checks.append(dict(B=B, T=T, n=n, seconds=seconds, **c))
                 by = {x["variant"]: x for x in r if x["config"] == "default"}
-                ks = by["kspec fwd+bwd"]["us_per_step"]
-                line = (f"B={B:4d} T={T:5d} n={n:4d}  kspec fwd {by['kspec fwd (inference)']['us_per_step']:8.2f} "
-                        f"fwd(train) {by['kspec fwd (training)']['us_per_step']:8.2f} fwd+bwd {ks:8.2f} µs/step  "
+                us = {v: x["us_per_step"] for v, x in by.items()}
+                kf, ks = us["kspec fwd (inference)"], us["kspec fwd+bwd"]
+                line = (f"B={B:4d} T={T:5d} n={n:4d}  kspec fwd {kf:8.2f} fwd(train) "
+                        f"{us['kspec fwd (training)']:8.2f} fwd+bwd {ks:8.2f} µs/step  "
                         f"{by['kspec fwd+bwd']['tokens_per_s']:.3g} tok/s")
                 for peer in ("eager", "torch.compile"):
                     if f"{peer} fwd+bwd" in by:
-                        line += (f" | {peer}: fwd {by[f'{peer} fwd']['us_per_step'] / by['kspec fwd (inference)']['us_per_step']:6.1f}x "
-                                 f"fwd+bwd {by[f'{peer} fwd+bwd']['us_per_step'] / ks:6.1f}x")
-                line += f" | saved {kspec.ops.e79_checkpoint_bytes_per_token(n, a.chunk):.0f} B/token"
+                        line += (f" | {peer}: fwd {us[f'{peer} fwd'] / kf:6.1f}x fwd+bwd {us[f'{peer} fwd+bwd'] / ks:6.1f}x"
+                                 f"{'' if by[f'{peer} fwd+bwd']['valid'] else ' INVALID'}")
+                if "kspec compiled fwd+bwd" in by:  # compiled kspec's time over eager kspec's
+                    line += (f" | kspec compiled/eager: fwd {us['kspec compiled fwd (inference)'] / kf:5.2f} "
+                             f"fwd+bwd {us['kspec compiled fwd+bwd'] / ks:5.2f}")
+                elif "error" in c["compiled_kspec_vs_eager"]:
+                    line += f" | kspec compiled FAILED: {c['compiled_kspec_vs_eager']['error']}"
+                line += f" | saved {kspec.ops.e79_checkpoint_bytes_per_token(n, a.chunk):.0f} B/token [{seconds:.0f} s]"
                 print(line, flush=True)
                 one = cluster_config(n, 1)
                 base = {x["variant"]: x for x in r if x["config"] == one} or by
@@ -283,10 +374,12 @@ def main(argv=None) -> int:
                 s = verdict[f"{peer} fwd+bwd"] / verdict["kspec fwd+bwd"]
                 print(f"target fwd+bwd B=16 T=4096 n=64 vs {peer}: {s:.1f}x (need >= {need}x): "
                       f"{'PASS' if s >= need else 'FAIL'}")
+    total = time.perf_counter() - t_start
+    print(f"bench_e79: {len(checks)} points, {len(rows)} rows in {total:.0f} s")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(rows=rows, checks=checks, args=vars(a), device=torch.cuda.get_device_name(),
-                           torch=torch.__version__, kspec=kspec.__version__), f, indent=1,
+                           torch=torch.__version__, kspec=kspec.__version__, seconds=total), f, indent=1,
                       default=lambda v: None if isinstance(v, float) and not math.isfinite(v) else str(v))
     return 0
 
