@@ -29,7 +29,9 @@
 //   Each adjoint step is four passes over the n x n elements (api/ops/e79/reference.cpp step_backward,
 //   regrouped so that each pass's row and column sums read only what no thread writes in that pass).
 // - e79_cluster.cuh has the same kernels with one sequence split across a thread-block cluster (sm_90+),
-//   for batches below the SM count.
+//   for batches below the SM count. The per-row math of a step (gates, state updates, the adjoint's
+//   passes) is written once, in e79_detail below, and called by both: the kernels differ only in where
+//   column sums come from (here, the same loops as the row sums; there, exchanges between CTAs).
 #pragma once
 
 #include "common/dtype.cuh"
@@ -76,6 +78,7 @@ struct E79Traits : E79Slots {
   static constexpr int kSplit = kSplit_;
   static constexpr int kBias = kBias_;
   static constexpr int kChunk = kChunk_;
+  static constexpr int kRows = kN;             // rows a CTA owns: all (e79_cluster.cuh splits them)
   static constexpr int kThreads = kN * kSplit;
   static constexpr int kLd = kN + 1;           // padded row of a shared-memory matrix
   static constexpr int kMat = kN * kLd;        // floats per shared-memory matrix
@@ -150,15 +153,17 @@ __device__ __forceinline__ void load_inputs(const E79Inputs<Tr>& in, int t, int 
   }
 }
 
-// Row-major n x n (global) <-> padded shared memory, all threads; `src` may be null (zeros).
+// The CTA's rows (kRows x kN at src, row-major) <-> padded shared memory, all threads; `src` may be
+// null (zeros). With E79Traits a CTA owns all rows: the whole n x n matrix.
 template <typename Tr>
-__device__ __forceinline__ void load_matrix(float* dst, const float* src) {
-  for (int i = threadIdx.x; i < Tr::kNN; i += Tr::kThreads)
-    dst[(i / Tr::kN) * Tr::kLd + i % Tr::kN] = src ? src[i] : 0.0f;
+__device__ __forceinline__ void load_rows(float* dst, const float* src) {
+  for (int e = threadIdx.x; e < Tr::kRows * Tr::kN; e += Tr::kThreads)
+    dst[(e / Tr::kN) * Tr::kLd + e % Tr::kN] = src ? src[e] : 0.0f;
 }
 template <typename Tr>
-__device__ __forceinline__ void store_matrix(float* dst, const float* src) {
-  for (int i = threadIdx.x; i < Tr::kNN; i += Tr::kThreads) dst[i] = src[(i / Tr::kN) * Tr::kLd + i % Tr::kN];
+__device__ __forceinline__ void store_rows(float* dst, const float* src) {
+  for (int e = threadIdx.x; e < Tr::kRows * Tr::kN; e += Tr::kThreads)
+    dst[e] = src[(e / Tr::kN) * Tr::kLd + e % Tr::kN];
 }
 
 // Where the backward's recompute records a step: its states before the update and its vectors.
@@ -167,6 +172,155 @@ struct StepRecord {
   float* vecs;    // kRecSlots * n
 };
 
+// ---------------------------------------------------------------------------------------------
+// The per-row math of a step, shared by e79_fwd/bwd_kernel and their cluster twins (e79_cluster.cuh).
+// Thread (r, p) works on row r at columns p, p + kSplit, ... (gr: the row's global index, r plus the
+// CTA's first row; `in`: a step's six input slots, k, v, q, m, b_s, b_m). The kernels differ in where
+// column sums come from: the one-CTA kernels add column r's terms in the same loops as row r's,
+// through the hook `col(j, ...)` that each row loop calls; the cluster kernels pass one that does
+// nothing (they sum columns over their own rows and exchange them). Accumulators are the caller's,
+// passed by reference, so each kernel keeps its layout.
+// The helpers repeat the kernels' former code statement for statement (each fmaf, add and multiply in
+// its order, the hooks where the column terms were), so results are bit for bit as before. ptxas's
+// register counts here react to statement order and address arithmetic (CUDA 13.0: a struct holding
+// the six input pointers cost up to 32 registers at n = 32): keep new code in the same form.
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float gate(float sum, float inv, float bias) { return sigmoid(fmaf(sum, inv, bias)); }
+template <typename Tr>
+__device__ __forceinline__ float bias_at(const float* b, int i) {
+  return Tr::kBias == kE79BiasNone ? 0.0f : b[i];
+}
+
+// The recompute's record of a step: the CTA's rows of S_prev, M_prev (row0: its first row) and the
+// inputs k, m, q in full.
+template <typename Tr>
+__device__ __forceinline__ void record_step(StepRecord rec, int row0, const float* S, const float* M,
+                                            const float* in) {
+  constexpr int N = Tr::kN;
+  const float *k = in, *q = in + 2 * N, *m = in + 3 * N;
+  for (int e = threadIdx.x; e < Tr::kRows * N; e += Tr::kThreads) {
+    const int off = (e / N) * Tr::kLd + e % N;
+    rec.states[row0 * N + e] = S[off];
+    rec.states[Tr::kNN + row0 * N + e] = M[off];
+  }
+  for (int e = threadIdx.x; e < 3 * N; e += Tr::kThreads) {
+    const int which = e / N, j = e % N;  // k, m, q
+    rec.vecs[e] = (which == 0 ? k : which == 1 ? m : q)[j];
+  }
+}
+
+// 1. Row r's products with the old states, M k, S k, M m, and |k|^2, |m|^2 (every row group sees all
+//    of k and m, so the norms cost no separate reduction). col(j, k_j): the caller's column terms.
+template <typename Tr, typename Col>
+__device__ __forceinline__ void old_state_products(const float* S, const float* M, const float* in, int r, int p,
+                                                   float& Mk, float& Sk, float& Mm, float& kk, float& mm, Col&& col) {
+  constexpr int N = Tr::kN, LD = Tr::kLd;
+  const float *k = in, *m = in + 3 * N;
+  #pragma unroll 4
+  for (int j = p; j < N; j += Tr::kSplit) {
+    const float kj = k[j], mj = m[j], Mrj = M[r * LD + j];
+    Mk = fmaf(Mrj, kj, Mk);
+    col(j, kj);
+    Sk = fmaf(S[r * LD + j], kj, Sk);
+    Mm = fmaf(Mrj, mj, Mm);
+    kk = fmaf(kj, kj, kk);
+    mm = fmaf(mj, mj, mm);
+  }
+}
+
+// Row gr's quantities of a forward step, in the order they become known.
+struct RowStep {
+  float k_norm, m_norm, inv_k, inv_m, b_s, b_m;
+  float s_row, s_col, s_delta, m_ret;  // s_gates (s_col: column gr's, one-CTA kernels only)
+  float m_row, m_col, m_delta, sq;     // m_gates (m_col: likewise)
+};
+
+// The norms and S's row gate and delta from old_state_products' sums (normalization folded in:
+// M kh = (M k) / (|k| + eps)); with kColumn also the gate of column gr's sum Mtk = M^T k.
+template <typename Tr, bool kColumn>
+__device__ __forceinline__ RowStep s_gates(float Mk, float Sk, float Mm, float kk, float mm, float Mtk,
+                                           const float* in, int gr) {
+  constexpr int N = Tr::kN;
+  const float *v = in + N, *bs = in + 4 * N, *bm = in + 5 * N;
+  RowStep st;
+  st.k_norm = fast_sqrt(kk);
+  st.m_norm = fast_sqrt(mm);
+  st.inv_k = inv_norm(st.k_norm);
+  st.inv_m = inv_norm(st.m_norm);
+  st.b_s = bias_at<Tr>(bs, gr);
+  st.b_m = bias_at<Tr>(bm, gr);
+  st.s_row = gate(Mk, st.inv_k, st.b_s);
+  if constexpr (kColumn) st.s_col = gate(Mtk, st.inv_k, st.b_s);
+  st.s_delta = v[gr] - Sk * st.inv_k;
+  st.m_ret = Mm * st.inv_m;
+  return st;
+}
+
+// The record of s_gates' row quantities (one lane per row; the norms where `norms`).
+template <typename Tr, bool kColumn>
+__device__ __forceinline__ void record_s_row(StepRecord rec, int gr, const RowStep& st, bool norms) {
+  constexpr int N = Tr::kN;
+  rec.vecs[Tr::kRsRow * N + gr] = st.s_row;
+  if constexpr (kColumn) rec.vecs[Tr::kRsCol * N + gr] = st.s_col;
+  rec.vecs[Tr::kRsDelta * N + gr] = st.s_delta;
+  if (norms) {
+    rec.vecs[Tr::kRnorm * N] = st.k_norm;
+    rec.vecs[Tr::kRnorm * N + 1] = st.m_norm;
+  }
+}
+
+// 2. and 4. X <- x_row X x_col + delta xh^T on row r (this thread's columns: read and written by it
+//    alone), xh = x * inv.
+template <typename Tr>
+__device__ __forceinline__ void update_row(float* X, int r, float x_row, const float* x_col, float delta,
+                                           const float* x, float inv, int p) {
+  #pragma unroll 4
+  for (int j = p; j < Tr::kN; j += Tr::kSplit) {
+    float& e = X[r * Tr::kLd + j];
+    e = fmaf(x_row * e, x_col[j], delta * (x[j] * inv));
+  }
+}
+
+// 3. Row r's products with the new S: S m, S q. col(j, m_j): the caller's column terms.
+template <typename Tr, typename Col>
+__device__ __forceinline__ void new_state_products(const float* S, const float* in, int r, int p, float& Sm, float& Sq,
+                                                   Col&& col) {
+  constexpr int N = Tr::kN;
+  const float *q = in + 2 * N, *m = in + 3 * N;
+  #pragma unroll 4
+  for (int j = p; j < N; j += Tr::kSplit) {
+    const float Srj = S[r * Tr::kLd + j], mj = m[j];
+    Sm = fmaf(Srj, mj, Sm);
+    col(j, mj);
+    Sq = fmaf(Srj, q[j], Sq);
+  }
+}
+
+// M's row gate and delta and the output's pre-activation from new_state_products' sums; with
+// kColumn also the gate of column gr's sum Stm = S^T m.
+template <bool kColumn>
+__device__ __forceinline__ void m_gates(RowStep& st, float Sm, float Stm, float Sq) {
+  st.m_row = gate(Sm, st.inv_m, st.b_m);
+  if constexpr (kColumn) st.m_col = gate(Stm, st.inv_m, st.b_m);
+  st.m_delta = st.s_delta - st.m_ret;
+  st.sq = Sq;
+}
+
+// Row gr's output, out = Sq * silu(Sq) (out_row null: none), and the record of m_gates' row
+// quantities (one lane per row).
+template <typename Tr, bool kRecord, bool kColumn>
+__device__ __forceinline__ void finish_row(StepRecord rec, typename Tr::T* out_row, int gr, const RowStep& st) {
+  constexpr int N = Tr::kN;
+  if (out_row) out_row[gr] = from_float<typename Tr::T>(st.sq * silu(st.sq));
+  if constexpr (kRecord) {
+    rec.vecs[Tr::kRmRow * N + gr] = st.m_row;
+    if constexpr (kColumn) rec.vecs[Tr::kRmCol * N + gr] = st.m_col;
+    rec.vecs[Tr::kRmDelta * N + gr] = st.m_delta;
+    rec.vecs[Tr::kRsq * N + gr] = st.sq;
+  }
+}
+
 // One forward step on the shared-memory states. On entry `in` (k, v, q, m, b_s, b_m) and S, M are
 // visible to all threads; on exit S is updated and visible, M's update is written by each thread but
 // the caller must __syncthreads() before anyone reads M or reuses this step's `in`.
@@ -174,100 +328,157 @@ struct StepRecord {
 template <typename Tr, bool kRecord>
 __device__ __forceinline__ void step_forward(float* S, float* M, const float* in, float* vec,
                                              typename Tr::T* out_row, StepRecord rec) {
-  constexpr int N = Tr::kN, LD = Tr::kLd, P = Tr::kSplit;
+  constexpr int N = Tr::kN, LD = Tr::kLd;
   const Lane<Tr> l;
   const int r = l.r, p = l.p;
-  const float *k = in, *v = in + N, *q = in + 2 * N, *m = in + 3 * N, *bs = in + 4 * N, *bm = in + 5 * N;
+  const float *k = in, *m = in + 3 * N;
   float* s_col = vec + Tr::kSCol * N;
   float* m_col = vec + Tr::kMCol * N;
 
-  if constexpr (kRecord) {
-    for (int i = threadIdx.x; i < Tr::kNN; i += Tr::kThreads) {
-      const int off = (i / N) * LD + i % N;
-      rec.states[i] = S[off];
-      rec.states[Tr::kNN + i] = M[off];
-    }
-    for (int i = threadIdx.x; i < 3 * N; i += Tr::kThreads) {
-      const int which = i / N, j = i % N;  // k, m, q
-      rec.vecs[i] = (which == 0 ? k : which == 1 ? m : q)[j];
-    }
-  }
+  if constexpr (kRecord) record_step<Tr>(rec, 0, S, M, in);
 
-  // 1. Products with the old states: M k (row), M^T k (column), S k, M m, and |k|^2, |m|^2.
+  // 1. Products with the old states: row r's, and column r's M^T k (a[1]).
   float a[6] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  #pragma unroll 4
-  for (int j = p; j < N; j += P) {
-    const float kj = k[j], mj = m[j], Mrj = M[r * LD + j];
-    a[0] = fmaf(Mrj, kj, a[0]);
-    a[1] = fmaf(M[j * LD + r], kj, a[1]);
-    a[2] = fmaf(S[r * LD + j], kj, a[2]);
-    a[3] = fmaf(Mrj, mj, a[3]);
-    a[4] = fmaf(kj, kj, a[4]);
-    a[5] = fmaf(mj, mj, a[5]);
-  }
+  old_state_products<Tr>(S, M, in, r, p, a[0], a[2], a[3], a[4], a[5],
+                         [&](int j, float kj) { a[1] = fmaf(M[j * LD + r], kj, a[1]); });
   group_sum<Tr>(a);
-  const float k_norm = fast_sqrt(a[4]), m_norm = fast_sqrt(a[5]);
-  const float inv_k = inv_norm(k_norm), inv_m = inv_norm(m_norm);
-  const float b_s = Tr::kBias == kE79BiasNone ? 0.0f : bs[r];
-  const float b_m = Tr::kBias == kE79BiasNone ? 0.0f : bm[r];
-  const float s_row = sigmoid(fmaf(a[0], inv_k, b_s));
-  const float s_colr = sigmoid(fmaf(a[1], inv_k, b_s));
-  const float s_delta = v[r] - a[2] * inv_k;
-  const float m_ret = a[3] * inv_m;
+  RowStep st = s_gates<Tr, true>(a[0], a[2], a[3], a[4], a[5], a[1], in, r);
   if (p == 0) {
-    s_col[r] = s_colr;
-    if constexpr (kRecord) {
-      rec.vecs[Tr::kRsRow * N + r] = s_row;
-      rec.vecs[Tr::kRsCol * N + r] = s_colr;
-      rec.vecs[Tr::kRsDelta * N + r] = s_delta;
-      if (r == 0) {
-        rec.vecs[Tr::kRnorm * N] = k_norm;
-        rec.vecs[Tr::kRnorm * N + 1] = m_norm;
-      }
-    }
+    s_col[r] = st.s_col;
+    if constexpr (kRecord) record_s_row<Tr, true>(rec, r, st, r == 0);
   }
   __syncthreads();
 
-  // 2. S <- s_row S s_col + s_delta kh^T (row r, this thread's columns: read and written by it alone).
-  #pragma unroll 4
-  for (int j = p; j < N; j += P) {
-    float& s = S[r * LD + j];
-    s = fmaf(s_row * s, s_col[j], s_delta * (k[j] * inv_k));
-  }
+  // 2. S <- s_row S s_col + s_delta kh^T.
+  update_row<Tr>(S, r, st.s_row, s_col, st.s_delta, k, st.inv_k, p);
   __syncthreads();
 
-  // 3. Products with the new S: S m (row), S^T m (column), S q.
+  // 3. Products with the new S: row r's, and column r's S^T m (c[1]).
   float c[3] = {0.0f, 0.0f, 0.0f};
-  #pragma unroll 4
-  for (int j = p; j < N; j += P) {
-    const float Srj = S[r * LD + j], mj = m[j];
-    c[0] = fmaf(Srj, mj, c[0]);
-    c[1] = fmaf(S[j * LD + r], mj, c[1]);
-    c[2] = fmaf(Srj, q[j], c[2]);
-  }
+  new_state_products<Tr>(S, in, r, p, c[0], c[2], [&](int j, float mj) { c[1] = fmaf(S[j * LD + r], mj, c[1]); });
   group_sum<Tr>(c);
-  const float m_row = sigmoid(fmaf(c[0], inv_m, b_m));
-  const float m_colr = sigmoid(fmaf(c[1], inv_m, b_m));
-  const float m_delta = s_delta - m_ret;
-  const float sq = c[2];
+  m_gates<true>(st, c[0], c[1], c[2]);
   if (p == 0) {
-    m_col[r] = m_colr;
-    if (out_row) out_row[r] = from_float<typename Tr::T>(sq * silu(sq));
-    if constexpr (kRecord) {
-      rec.vecs[Tr::kRmRow * N + r] = m_row;
-      rec.vecs[Tr::kRmCol * N + r] = m_colr;
-      rec.vecs[Tr::kRmDelta * N + r] = m_delta;
-      rec.vecs[Tr::kRsq * N + r] = sq;
-    }
+    m_col[r] = st.m_col;
+    finish_row<Tr, kRecord, true>(rec, out_row, r, st);
   }
   __syncthreads();
 
   // 4. M <- m_row M m_col + m_delta mh^T.
-  #pragma unroll 4
-  for (int j = p; j < N; j += P) {
-    float& mm = M[r * LD + j];
-    mm = fmaf(m_row * mm, m_col[j], m_delta * (m[j] * inv_m));
+  update_row<Tr>(M, r, st.m_row, m_col, st.m_delta, m, st.inv_m, p);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The adjoint's per-row math (passes A..E of e79_bwd_kernel and of its cluster twin).
+// ---------------------------------------------------------------------------------------------
+
+// d gate / d pre-activation times the incoming sum.
+__device__ __forceinline__ float gate_grad(float sum, float y) { return sum * y * (1.0f - y); }
+// The gradient through xh = x / (|x| + eps): dxh / (|x| + eps) - x (x . dxh) / (|x| (|x| + eps)^2).
+__device__ __forceinline__ float grad_through_norm(float dxh, float x, float dot, float norm, float inv) {
+  return dxh * inv - x * radial(dot, norm, inv);
+}
+
+// One step's record as the adjoint reads it (its copy in shared memory).
+template <typename Tr>
+struct StepVecs {
+  const float *k, *m, *q, *s_row, *s_col, *s_delta, *m_row, *m_col, *m_delta;
+  float k_norm, m_norm, inv_k, inv_m;
+  __device__ __forceinline__ explicit StepVecs(const float* rv)
+      : k(rv + Tr::kRk * Tr::kN), m(rv + Tr::kRm * Tr::kN), q(rv + Tr::kRq * Tr::kN),
+        s_row(rv + Tr::kRsRow * Tr::kN), s_col(rv + Tr::kRsCol * Tr::kN), s_delta(rv + Tr::kRsDelta * Tr::kN),
+        m_row(rv + Tr::kRmRow * Tr::kN), m_col(rv + Tr::kRmCol * Tr::kN), m_delta(rv + Tr::kRmDelta * Tr::kN),
+        k_norm(rv[Tr::kRnorm * Tr::kN]), m_norm(rv[Tr::kRnorm * Tr::kN + 1]),
+        inv_k(inv_norm(k_norm)), inv_m(inv_norm(m_norm)) {}
+};
+
+// Copies step t's record (rec_g, global) into rv, and sets g = dout * d out / d Sq at the CTA's rows
+// (row0 ...): out = sq^2 sigma(sq), so d out / d sq = sq sigma (2 + sq (1 - sigma)).
+template <typename Tr>
+__device__ __forceinline__ void load_step(float* rv, float* g, const float* rec_g, E79Seq<const typename Tr::T> dout,
+                                          int t, int b, int row0) {
+  for (int e = threadIdx.x; e < Tr::kRecSlots * Tr::kN; e += Tr::kThreads) rv[e] = rec_g[e];
+  for (int e = threadIdx.x; e < Tr::kRows; e += Tr::kThreads) {
+    const int gi = row0 + e;
+    const float sq = rec_g[Tr::kRsq * Tr::kN + gi];
+    const float sg = sigmoid(sq);
+    g[gi] = to_float(dout.row(t, b)[gi]) * sq * sg * (2.0f + sq * (1.0f - sg));
   }
+}
+
+// A. Row r's sums through the M update, d_row's (dM * M_prev) . m_col and d_delta's dM . m, and
+//    dS += g q^T. The caller's column terms in two hooks, before and after the row terms (as the
+//    one-CTA kernel had them: with all of them before, ptxas took 5 more registers at n = 32).
+template <typename Tr, typename Col, typename ColAfter>
+__device__ __forceinline__ void adjoint_a_row(float* dS, const float* dM, const float* Mp, const StepVecs<Tr>& rv,
+                                              int r, int gr, int p, float g_r, float& d_row, float& d_delta,
+                                              Col&& col, ColAfter&& col_after) {
+  constexpr int N = Tr::kN, LD = Tr::kLd;
+  #pragma unroll 4
+  for (int j = p; j < N; j += Tr::kSplit) {
+    const float dMrj = dM[r * LD + j];
+    col(j);
+    d_row = fmaf(dMrj * Mp[gr * N + j], rv.m_col[j], d_row);
+    d_delta = fmaf(dMrj, rv.m[j], d_delta);
+    col_after(j);
+    dS[r * LD + j] = fmaf(g_r, rv.q[j], dS[r * LD + j]);
+  }
+}
+
+// B and D on row r, undoing X <- x_row X x_col + delta xh^T for the adjoints dP (the other state's)
+// and dX: dP += d_row xh^T + xh d_col^T; dX <- dX * x_row x_col^T - d_delta xh^T; and the row term
+// Z d_col of dxh into acc. B: X = M (x = m), P = S, Z = S_new; D: X = S (x = k), P = M, Z = M_prev.
+// xh_r: row r's xh. x_row by reference: the one-CTA kernel passes its shared-memory copy (read in
+// the loop, as before), the cluster kernel a register. col(j): the caller's column terms.
+template <typename Tr, typename Col>
+__device__ __forceinline__ void adjoint_update_row(float* dP, float* dX, const float* Z, int r, int gr, int p,
+                                                   const float* d_col, const float* x_col, const float& x_row, float d_row,
+                                                   float d_delta, const float* x, float inv, float xh_r, float& acc,
+                                                   Col&& col) {
+  constexpr int N = Tr::kN, LD = Tr::kLd;
+  #pragma unroll 4
+  for (int j = p; j < N; j += Tr::kSplit) {
+    const float xhj = x[j] * inv;
+    col(j);
+    acc = fmaf(Z[gr * N + j], d_col[j], acc);
+    float& dp = dP[r * LD + j];
+    dp = fmaf(d_row, xhj, fmaf(xh_r, d_col[j], dp));
+    float& dx = dX[r * LD + j];
+    dx = fmaf(dx * x_row, x_col[j], -d_delta * xhj);
+  }
+}
+
+// C. Row r's sums through the S update, d_row's (dS * S_prev) . s_col and d_delta's dS . k, and
+//    m . dmh for dm's radial term. col(j): the caller's column terms.
+template <typename Tr, typename Col>
+__device__ __forceinline__ void adjoint_c_row(const float* dS, const float* Sp, const StepVecs<Tr>& rv,
+                                              const float* dmh, int r, int gr, int p, float& d_row, float& d_delta,
+                                              float& m_dot, Col&& col) {
+  constexpr int N = Tr::kN, LD = Tr::kLd;
+  #pragma unroll 4
+  for (int j = p; j < N; j += Tr::kSplit) {
+    const float dSrj = dS[r * LD + j];
+    col(j);
+    d_row = fmaf(dSrj * Sp[gr * N + j], rv.s_col[j], d_row);
+    d_delta = fmaf(dSrj, rv.k[j], d_delta);
+    m_dot = fmaf(rv.m[j], dmh[j], m_dot);
+  }
+}
+
+// E. k . dkh for dk's radial term, summed over the row's lanes.
+template <typename Tr>
+__device__ __forceinline__ float adjoint_e_dot(const StepVecs<Tr>& rv, const float* dkh, int p) {
+  float e[1] = {0.0f};
+  for (int j = p; j < Tr::kN; j += Tr::kSplit) e[0] = fmaf(rv.k[j], dkh[j], e[0]);
+  group_sum<Tr>(e);
+  return e[0];
+}
+
+// A bias gradient at (t, b, gr): stored (input biases) or added to this row's sum (fixed biases).
+template <typename Tr>
+__device__ __forceinline__ void bias_grad(E79Seq<typename Tr::TB> db, int t, int b, int gr, float grad, float& acc) {
+  if constexpr (Tr::kBias == kE79BiasInput) db.row(t, b)[gr] = from_float<typename Tr::TB>(grad);
+  if constexpr (Tr::kBias == kE79BiasFixed) acc += grad;
 }
 
 }  // namespace e79_detail
@@ -295,8 +506,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const long long state = static_cast<long long>(b) * Tr::kNN;
   const E79Inputs<Tr> kvqm{k, v, q, m, bs, bm};
 
-  load_matrix<Tr>(S, S0 ? S0 + state : nullptr);
-  load_matrix<Tr>(M, M0 ? M0 + state : nullptr);
+  load_rows<Tr>(S, S0 ? S0 + state : nullptr);
+  load_rows<Tr>(M, M0 ? M0 + state : nullptr);
   load_inputs<Tr>(kvqm, 0, b, vec + Tr::kIn * N);
   __syncthreads();
   for (int t = 0; t < T; ++t) {
@@ -304,16 +515,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if constexpr (kCheckpoint) {
       if (t % Tr::kChunk == 0) {
         float* c = chk + (static_cast<long long>(b) * nchk + t / Tr::kChunk) * 2 * Tr::kNN;
-        store_matrix<Tr>(c, S);
-        store_matrix<Tr>(c + Tr::kNN, M);
+        store_rows<Tr>(c, S);
+        store_rows<Tr>(c + Tr::kNN, M);
       }
     }
     step_forward<Tr, false>(S, M, in, vec, out.row(t, b), StepRecord{nullptr, nullptr});
     if (t + 1 < T) load_inputs<Tr>(kvqm, t + 1, b, vec + (Tr::kIn + ((t + 1) & 1) * Tr::kInSlots) * N);
     __syncthreads();
   }
-  store_matrix<Tr>(S_out + state, S);
-  store_matrix<Tr>(M_out + state, M);
+  store_rows<Tr>(S_out + state, S);
+  store_rows<Tr>(M_out + state, M);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -335,7 +546,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                    float* __restrict__ dS0, float* __restrict__ dM0, float* __restrict__ ws, int T, int nchk) {
   using namespace e79_detail;
   using TT = typename Tr::T;
-  constexpr int N = Tr::kN, LD = Tr::kLd, P = Tr::kSplit, NN = Tr::kNN;
+  constexpr int N = Tr::kN, LD = Tr::kLd, NN = Tr::kNN;
   check_launch<Tr>(Tr::kSmemFloats);
   extern __shared__ float smem[];
   float* A = smem;              // S during a recompute, dS during the adjoint
@@ -356,18 +567,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   float *dkhA = vec + Tr::kDkhA * N, *dkh = vec + Tr::kDkh * N;
   float db_s_acc = 0.0f, db_m_acc = 0.0f;  // fixed biases: this row's sum over the sequence
 
-  load_matrix<Tr>(A, dS_final ? dS_final + state : nullptr);
-  load_matrix<Tr>(Bm, dM_final ? dM_final + state : nullptr);
+  load_rows<Tr>(A, dS_final ? dS_final + state : nullptr);
+  load_rows<Tr>(Bm, dM_final ? dM_final + state : nullptr);
   for (int seg = nchk - 1; seg >= 0; --seg) {
     const int t0 = seg * Tr::kChunk;
     const int len = min(Tr::kChunk, T - t0);
     // Stash the adjoints, recompute the segment from its checkpoint, recording every step.
     __syncthreads();
-    store_matrix<Tr>(ws_adj, A);
-    store_matrix<Tr>(ws_adj + NN, Bm);
+    store_rows<Tr>(ws_adj, A);
+    store_rows<Tr>(ws_adj + NN, Bm);
     const float* c = chk + (static_cast<long long>(b) * nchk + seg) * 2 * NN;
-    load_matrix<Tr>(A, c);
-    load_matrix<Tr>(Bm, c + NN);
+    load_rows<Tr>(A, c);
+    load_rows<Tr>(Bm, c + NN);
     load_inputs<Tr>(kvqm, t0, b, vec + Tr::kIn * N);  // buffer (s & 1) holds step t0 + s
     __syncthreads();
     for (int s = 0; s < len; ++s) {
@@ -384,8 +595,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       ws_states[2LL * len * NN + NN + i] = Bm[off];
     }
     __syncthreads();
-    load_matrix<Tr>(A, ws_adj);
-    load_matrix<Tr>(Bm, ws_adj + NN);
+    load_rows<Tr>(A, ws_adj);
+    load_rows<Tr>(Bm, ws_adj + NN);
 
     // The adjoint, last step of the segment first.
     for (int s = len - 1; s >= 0; --s) {
@@ -393,50 +604,33 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const float* Sp = ws_states + 2LL * s * NN;  // S before the step
       const float* Mp = Sp + NN;                   // M before the step
       const float* Sn = Sp + 2 * NN;               // S after the step
-      const float* rec_g = ws_records + static_cast<long long>(s) * Tr::kRecSlots * N;
-      float* rv = vec + (Tr::kRec + (s & 1) * Tr::kRecSlots) * N;
-      for (int i = threadIdx.x; i < Tr::kRecSlots * N; i += Tr::kThreads) rv[i] = rec_g[i];
-      for (int i = threadIdx.x; i < N; i += Tr::kThreads) {
-        // out = sq^2 sigma(sq): d out / d sq = sq sigma (2 + sq (1 - sigma)).
-        const float sq = rec_g[Tr::kRsq * N + i];
-        const float sg = sigmoid(sq);
-        g[i] = to_float(dout.row(t, b)[i]) * sq * sg * (2.0f + sq * (1.0f - sg));
-      }
+      float* rv_buf = vec + (Tr::kRec + (s & 1) * Tr::kRecSlots) * N;
+      load_step<Tr>(rv_buf, g, ws_records + static_cast<long long>(s) * Tr::kRecSlots * N, dout, t, b, 0);
       __syncthreads();
-      const float *kr = rv + Tr::kRk * N, *mr = rv + Tr::kRm * N, *qr = rv + Tr::kRq * N;
-      const float *s_row = rv + Tr::kRsRow * N, *s_col = rv + Tr::kRsCol * N, *s_delta = rv + Tr::kRsDelta * N;
-      const float *m_row = rv + Tr::kRmRow * N, *m_col = rv + Tr::kRmCol * N, *m_delta = rv + Tr::kRmDelta * N;
-      const float k_norm = rv[Tr::kRnorm * N], m_norm = rv[Tr::kRnorm * N + 1];
-      const float inv_k = inv_norm(k_norm), inv_m = inv_norm(m_norm);
+      const StepVecs<Tr> rv(rv_buf);
 
       // A. dq = S_new^T g;  dS += g q^T;  through the M update: d_row, d_delta (row sums of dM),
       //    d_col and dmh's first term (column sums of dM).
       float a[5] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-      {
-        const float gr = g[r];
-        #pragma unroll 4
-  for (int j = p; j < N; j += P) {
-          const float dMrj = Bm[r * LD + j], dMjr = Bm[j * LD + r];
-          a[0] = fmaf(Sn[j * N + r], g[j], a[0]);
-          a[1] = fmaf(dMrj * Mp[r * N + j], m_col[j], a[1]);
-          a[2] = fmaf(dMrj, mr[j], a[2]);
-          a[3] = fmaf(dMjr * m_row[j], Mp[j * N + r], a[3]);
-          a[4] = fmaf(dMjr, m_delta[j], a[4]);
-          A[r * LD + j] = fmaf(gr, qr[j], A[r * LD + j]);
-        }
-      }
+      float dMjr;  // dM[j, r], loaded by the first hook, used by the second
+      adjoint_a_row<Tr>(A, Bm, Mp, rv, r, r, p, g[r], a[1], a[2], [&](int j) {
+        dMjr = Bm[j * LD + r];
+        a[0] = fmaf(Sn[j * N + r], g[j], a[0]);
+      }, [&](int j) {
+        a[3] = fmaf(dMjr * rv.m_row[j], Mp[j * N + r], a[3]);
+        a[4] = fmaf(dMjr, rv.m_delta[j], a[4]);
+      });
       group_sum<Tr>(a);
-      const float dr_m = a[1] * m_row[r] * (1.0f - m_row[r]);
-      const float dc_m = a[3] * m_col[r] * (1.0f - m_col[r]);
-      const float dd_m = a[2] * inv_m;
+      const float dr_m = gate_grad(a[1], rv.m_row[r]);
+      const float dc_m = gate_grad(a[3], rv.m_col[r]);
+      const float dd_m = a[2] * rv.inv_m;
       if (p == 0) {
         dq.row(t, b)[r] = from_float<TT>(a[0]);
         d_row_m[r] = dr_m;
         d_col_m[r] = dc_m;
         d_delta_m[r] = dd_m;
         dmhA[r] = a[4];
-        if constexpr (Tr::kBias == kE79BiasInput) dbm.row(t, b)[r] = from_float<typename Tr::TB>(dr_m + dc_m);
-        if constexpr (Tr::kBias == kE79BiasFixed) db_m_acc += dr_m + dc_m;
+        bias_grad<Tr>(dbm, t, b, r, dr_m + dc_m, db_m_acc);
       }
       __syncthreads();
 
@@ -444,18 +638,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       //    dS += d_row mh^T + mh d_col^T;  dM <- dM * m_row m_col^T - d_delta mh^T  (own rows only).
       float bsum[3] = {0.0f, 0.0f, 0.0f};
       {
-        const float mhr = mr[r] * inv_m;
-        #pragma unroll 4
-  for (int j = p; j < N; j += P) {
-          const float mhj = mr[j] * inv_m;
-          bsum[0] = fmaf(Sn[j * N + r], d_row_m[j], bsum[0]);
-          bsum[1] = fmaf(Mp[j * N + r], d_delta_m[j], bsum[1]);
-          bsum[2] = fmaf(Sn[r * N + j], d_col_m[j], bsum[2]);
-          float& ds = A[r * LD + j];
-          ds = fmaf(dr_m, mhj, fmaf(mhr, d_col_m[j], ds));
-          float& dmm = Bm[r * LD + j];
-          dmm = fmaf(dmm * m_row[r], m_col[j], -dd_m * mhj);
-        }
+        const float mhr = rv.m[r] * rv.inv_m;
+        adjoint_update_row<Tr>(A, Bm, Sn, r, r, p, d_col_m, rv.m_col, rv.m_row[r], dr_m, dd_m, rv.m, rv.inv_m, mhr, bsum[2],
+                               [&](int j) {
+                                 bsum[0] = fmaf(Sn[j * N + r], d_row_m[j], bsum[0]);
+                                 bsum[1] = fmaf(Mp[j * N + r], d_delta_m[j], bsum[1]);
+                               });
       }
       group_sum<Tr>(bsum);
       if (p == 0) dmh[r] = dmhA[r] + bsum[0] - bsum[1] + bsum[2];
@@ -464,29 +652,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // C. Through the S update: d_row, d_delta (row sums of dS), d_col and dkh's first term (column
       //    sums of dS); dv; dm from dmh through the normalization (|m|^2-weighted dot summed here).
       float cs[5] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-      #pragma unroll 4
-  for (int j = p; j < N; j += P) {
-        const float dSrj = A[r * LD + j], dSjr = A[j * LD + r];
-        cs[0] = fmaf(dSrj * Sp[r * N + j], s_col[j], cs[0]);
-        cs[1] = fmaf(dSrj, kr[j], cs[1]);
-        cs[2] = fmaf(dSjr * s_row[j], Sp[j * N + r], cs[2]);
-        cs[3] = fmaf(dSjr, s_delta[j], cs[3]);
-        cs[4] = fmaf(mr[j], dmh[j], cs[4]);
-      }
+      adjoint_c_row<Tr>(A, Sp, rv, dmh, r, r, p, cs[0], cs[1], cs[4], [&](int j) {
+        const float dSjr = A[j * LD + r];
+        cs[2] = fmaf(dSjr * rv.s_row[j], Sp[j * N + r], cs[2]);
+        cs[3] = fmaf(dSjr, rv.s_delta[j], cs[3]);
+      });
       group_sum<Tr>(cs);
-      const float dr_s = cs[0] * s_row[r] * (1.0f - s_row[r]);
-      const float dc_s = cs[2] * s_col[r] * (1.0f - s_col[r]);
-      const float dd_s = dd_m + cs[1] * inv_k;
+      const float dr_s = gate_grad(cs[0], rv.s_row[r]);
+      const float dc_s = gate_grad(cs[2], rv.s_col[r]);
+      const float dd_s = dd_m + cs[1] * rv.inv_k;
       if (p == 0) {
         dv.row(t, b)[r] = from_float<TT>(dd_s);
         d_row_s[r] = dr_s;
         d_col_s[r] = dc_s;
         d_delta_s[r] = dd_s;
         dkhA[r] = cs[3];
-        // Gradient through mh = m / (|m| + eps): dmh / (|m| + eps) - m (m . dmh) / (|m| (|m| + eps)^2).
-        dm.row(t, b)[r] = from_float<TT>(dmh[r] * inv_m - mr[r] * radial(cs[4], m_norm, inv_m));
-        if constexpr (Tr::kBias == kE79BiasInput) dbs.row(t, b)[r] = from_float<typename Tr::TB>(dr_s + dc_s);
-        if constexpr (Tr::kBias == kE79BiasFixed) db_s_acc += dr_s + dc_s;
+        dm.row(t, b)[r] = from_float<TT>(grad_through_norm(dmh[r], rv.m[r], cs[4], rv.m_norm, rv.inv_m));
+        bias_grad<Tr>(dbs, t, b, r, dr_s + dc_s, db_s_acc);
       }
       __syncthreads();
 
@@ -494,18 +676,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       //    dM += d_row kh^T + kh d_col^T;  dS <- dS * s_row s_col^T - d_delta kh^T  (own rows only).
       float dsum[3] = {0.0f, 0.0f, 0.0f};
       {
-        const float khr = kr[r] * inv_k;
-        #pragma unroll 4
-  for (int j = p; j < N; j += P) {
-          const float khj = kr[j] * inv_k;
-          dsum[0] = fmaf(Sp[j * N + r], d_delta_s[j], dsum[0]);
-          dsum[1] = fmaf(Mp[j * N + r], d_row_s[j], dsum[1]);
-          dsum[2] = fmaf(Mp[r * N + j], d_col_s[j], dsum[2]);
-          float& dmm = Bm[r * LD + j];
-          dmm = fmaf(dr_s, khj, fmaf(khr, d_col_s[j], dmm));
-          float& ds = A[r * LD + j];
-          ds = fmaf(ds * s_row[r], s_col[j], -dd_s * khj);
-        }
+        const float khr = rv.k[r] * rv.inv_k;
+        adjoint_update_row<Tr>(Bm, A, Mp, r, r, p, d_col_s, rv.s_col, rv.s_row[r], dr_s, dd_s, rv.k, rv.inv_k, khr, dsum[2],
+                               [&](int j) {
+                                 dsum[0] = fmaf(Sp[j * N + r], d_delta_s[j], dsum[0]);
+                                 dsum[1] = fmaf(Mp[j * N + r], d_row_s[j], dsum[1]);
+                               });
       }
       group_sum<Tr>(dsum);
       if (p == 0) dkh[r] = dkhA[r] - dsum[0] + dsum[1] + dsum[2];
@@ -513,17 +689,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
       // E. dk from dkh through the normalization. Reads only this step's record buffer and dkh, so
       //    the next step's loads (the other buffer) may overlap it.
-      float e[1] = {0.0f};
-      for (int j = p; j < N; j += P) e[0] = fmaf(kr[j], dkh[j], e[0]);
-      group_sum<Tr>(e);
-      if (p == 0) {
-        dk.row(t, b)[r] = from_float<TT>(dkh[r] * inv_k - kr[r] * radial(e[0], k_norm, inv_k));
-      }
+      const float e = adjoint_e_dot<Tr>(rv, dkh, p);
+      if (p == 0) dk.row(t, b)[r] = from_float<TT>(grad_through_norm(dkh[r], rv.k[r], e, rv.k_norm, rv.inv_k));
     }
   }
   __syncthreads();
-  if (dS0) store_matrix<Tr>(dS0 + state, A);
-  if (dM0) store_matrix<Tr>(dM0 + state, Bm);
+  if (dS0) store_rows<Tr>(dS0 + state, A);
+  if (dM0) store_rows<Tr>(dM0 + state, Bm);
   if constexpr (Tr::kBias == kE79BiasFixed) {
     if (p == 0) {
       bias_partial[(2LL * b) * N + r] = db_s_acc;

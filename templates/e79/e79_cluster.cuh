@@ -170,18 +170,6 @@ __device__ __forceinline__ float gather(const float* xb, int v, int e) {
   return s;
 }
 
-// The CTA's rows (kRows x kN at src, row-major) <-> padded shared memory; `src` may be null (zeros).
-template <typename Tr>
-__device__ __forceinline__ void load_rows(float* dst, const float* src) {
-  for (int e = threadIdx.x; e < Tr::kRows * Tr::kN; e += Tr::kThreads)
-    dst[(e / Tr::kN) * Tr::kLd + e % Tr::kN] = src ? src[e] : 0.0f;
-}
-template <typename Tr>
-__device__ __forceinline__ void store_rows(float* dst, const float* src) {
-  for (int e = threadIdx.x; e < Tr::kRows * Tr::kN; e += Tr::kThreads)
-    dst[e] = src[(e / Tr::kN) * Tr::kLd + e % Tr::kN];
-}
-
 // One forward step, e79.cuh's step_forward with the column products exchanged. On entry `in` (k, v,
 // q, m, b_s, b_m, all n entries) and the owned rows of S, M are visible to the CTA; on exit S is
 // updated and visible, M's update is written by each thread but the caller must __syncthreads()
@@ -193,111 +181,59 @@ template <typename Tr, bool kRecord>
 __device__ __forceinline__ void step_forward_cluster(const Owner<Tr>& o, float* S, float* M, const float* in,
                                                      float* vec, float* xb0, float* xb1, float* stage,
                                                      typename Tr::T* out_row, StepRecord rec) {
-  constexpr int N = Tr::kN, LD = Tr::kLd, P = Tr::kSplit, R = Tr::kRows, Q = Tr::kParts;
+  constexpr int N = Tr::kN, LD = Tr::kLd, R = Tr::kRows, Q = Tr::kParts;
   const int r = o.r, p = o.p, gr = o.row0 + r, i = o.i;
-  const float *k = in, *v = in + N, *q = in + 2 * N, *m = in + 3 * N, *bs = in + 4 * N, *bm = in + 5 * N;
+  const float *k = in, *m = in + 3 * N, *bs = in + 4 * N, *bm = in + 5 * N;
   float* s_col = vec + Tr::kSCol * N;
   float* m_col = vec + Tr::kMCol * N;
+  const auto no_columns = [](int, float) {};  // column sums: over the owned rows, exchanged
 
-  if constexpr (kRecord) {
-    for (int e = threadIdx.x; e < R * N; e += Tr::kThreads) {
-      const int off = (e / N) * LD + e % N;
-      rec.states[o.row0 * N + e] = S[off];
-      rec.states[Tr::kNN + o.row0 * N + e] = M[off];
-    }
-    for (int e = threadIdx.x; e < 3 * N; e += Tr::kThreads) {
-      const int which = e / N, j = e % N;  // k, m, q
-      rec.vecs[e] = (which == 0 ? k : which == 1 ? m : q)[j];
-    }
-  }
+  if constexpr (kRecord) record_step<Tr>(rec, o.row0, S, M, in);
 
-  // 1. Row r: M k, S k, M m, |k|^2, |m|^2. Column i: M^T k over the owned rows, to exchange.
-  float a[6] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  // 1. Row r's products with the old states. Column i: M^T k over the owned rows, to exchange.
+  float a[5] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  old_state_products<Tr>(S, M, in, r, p, a[0], a[1], a[2], a[3], a[4], no_columns);
+  float xk[1] = {0.0f};
   #pragma unroll 4
-  for (int j = p; j < N; j += P) {
-    const float kj = k[j], mj = m[j], Mrj = M[r * LD + j];
-    a[0] = fmaf(Mrj, kj, a[0]);
-    a[1] = fmaf(S[r * LD + j], kj, a[1]);
-    a[2] = fmaf(Mrj, mj, a[2]);
-    a[3] = fmaf(kj, kj, a[3]);
-    a[4] = fmaf(mj, mj, a[4]);
-  }
-  float x[1] = {0.0f};
-  #pragma unroll 4
-  for (int jl = o.q; jl < R; jl += Q) x[0] = fmaf(M[jl * LD + i], k[o.row0 + jl], x[0]);
-  push_columns<Tr>(o, xb0, stage, x);
+  for (int jl = o.q; jl < R; jl += Q) xk[0] = fmaf(M[jl * LD + i], k[o.row0 + jl], xk[0]);
+  push_columns<Tr>(o, xb0, stage, xk);
   group_sum<Tr>(a);
-  const float k_norm = fast_sqrt(a[3]), m_norm = fast_sqrt(a[4]);
-  const float inv_k = inv_norm(k_norm), inv_m = inv_norm(m_norm);
-  const float b_s = Tr::kBias == kE79BiasNone ? 0.0f : bs[gr];
-  const float b_m = Tr::kBias == kE79BiasNone ? 0.0f : bm[gr];
-  const float s_row = sigmoid(fmaf(a[0], inv_k, b_s));
-  const float s_delta = v[gr] - a[1] * inv_k;
-  const float m_ret = a[2] * inv_m;
+  RowStep st = s_gates<Tr, false>(a[0], a[1], a[2], a[3], a[4], 0.0f, in, gr);
   if constexpr (kRecord) {
-    if (p == 0) {
-      rec.vecs[Tr::kRsRow * N + gr] = s_row;
-      rec.vecs[Tr::kRsDelta * N + gr] = s_delta;
-      if (threadIdx.x == 0) {
-        rec.vecs[Tr::kRnorm * N] = k_norm;
-        rec.vecs[Tr::kRnorm * N + 1] = m_norm;
-      }
-    }
+    if (p == 0) record_s_row<Tr, false>(rec, gr, st, threadIdx.x == 0);
   }
   cluster_sync();
   for (int e = threadIdx.x; e < N; e += Tr::kThreads) {
     const float b = Tr::kBias == kE79BiasNone ? 0.0f : bs[e];
-    s_col[e] = sigmoid(fmaf(gather<Tr, false>(xb0, 0, e), inv_k, b));
+    s_col[e] = gate(gather<Tr, false>(xb0, 0, e), st.inv_k, b);
     if constexpr (kRecord) rec.vecs[Tr::kRsCol * N + e] = s_col[e];
   }
   __syncthreads();
 
-  // 2. S <- s_row S s_col + s_delta kh^T (row r, this thread's columns: read and written by it alone).
-  #pragma unroll 4
-  for (int j = p; j < N; j += P) {
-    float& s = S[r * LD + j];
-    s = fmaf(s_row * s, s_col[j], s_delta * (k[j] * inv_k));
-  }
+  // 2. S <- s_row S s_col + s_delta kh^T.
+  update_row<Tr>(S, r, st.s_row, s_col, st.s_delta, k, st.inv_k, p);
   __syncthreads();
 
-  // 3. Row r: S m, S q. Column i: S^T m over the owned rows, to exchange.
+  // 3. Row r's products with the new S. Column i: S^T m over the owned rows, to exchange.
   float c[2] = {0.0f, 0.0f};
+  new_state_products<Tr>(S, in, r, p, c[0], c[1], no_columns);
+  float xm[1] = {0.0f};
   #pragma unroll 4
-  for (int j = p; j < N; j += P) {
-    const float Srj = S[r * LD + j];
-    c[0] = fmaf(Srj, m[j], c[0]);
-    c[1] = fmaf(Srj, q[j], c[1]);
-  }
-  float y[1] = {0.0f};
-  #pragma unroll 4
-  for (int jl = o.q; jl < R; jl += Q) y[0] = fmaf(S[jl * LD + i], m[o.row0 + jl], y[0]);
-  push_columns<Tr>(o, xb1, stage, y);
+  for (int jl = o.q; jl < R; jl += Q) xm[0] = fmaf(S[jl * LD + i], m[o.row0 + jl], xm[0]);
+  push_columns<Tr>(o, xb1, stage, xm);
   group_sum<Tr>(c);
-  const float m_row = sigmoid(fmaf(c[0], inv_m, b_m));
-  const float m_delta = s_delta - m_ret;
-  const float sq = c[1];
-  if (p == 0) {
-    if (out_row) out_row[gr] = from_float<typename Tr::T>(sq * silu(sq));
-    if constexpr (kRecord) {
-      rec.vecs[Tr::kRmRow * N + gr] = m_row;
-      rec.vecs[Tr::kRmDelta * N + gr] = m_delta;
-      rec.vecs[Tr::kRsq * N + gr] = sq;
-    }
-  }
+  m_gates<false>(st, c[0], 0.0f, c[1]);
+  if (p == 0) finish_row<Tr, kRecord, false>(rec, out_row, gr, st);
   cluster_sync();
   for (int e = threadIdx.x; e < N; e += Tr::kThreads) {
     const float b = Tr::kBias == kE79BiasNone ? 0.0f : bm[e];
-    m_col[e] = sigmoid(fmaf(gather<Tr, false>(xb1, 0, e), inv_m, b));
+    m_col[e] = gate(gather<Tr, false>(xb1, 0, e), st.inv_m, b);
     if constexpr (kRecord) rec.vecs[Tr::kRmCol * N + e] = m_col[e];
   }
   __syncthreads();
 
   // 4. M <- m_row M m_col + m_delta mh^T.
-  #pragma unroll 4
-  for (int j = p; j < N; j += P) {
-    float& mm = M[r * LD + j];
-    mm = fmaf(m_row * mm, m_col[j], m_delta * (m[j] * inv_m));
-  }
+  update_row<Tr>(M, r, st.m_row, m_col, st.m_delta, m, st.inv_m, p);
 }
 
 }  // namespace e79_detail
@@ -372,7 +308,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                            float* __restrict__ ws, int T, int nchk) {
   using namespace e79_detail;
   using TT = typename Tr::T;
-  constexpr int N = Tr::kN, LD = Tr::kLd, P = Tr::kSplit, R = Tr::kRows, Q = Tr::kParts, NN = Tr::kNN;
+  constexpr int N = Tr::kN, LD = Tr::kLd, R = Tr::kRows, Q = Tr::kParts, NN = Tr::kNN;
   check_cluster_launch<Tr>(Tr::kSmemFloats);
   extern __shared__ float smem[];
   float* A = smem;              // S during a recompute, dS during the adjoint (owned rows)
@@ -396,6 +332,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   float *d_row_s = vec + Tr::kDRowS * N, *d_col_s = vec + Tr::kDColS * N, *d_delta_s = vec + Tr::kDDeltaS * N;
   float* dkh = vec + Tr::kDkh * N;
   float db_s_acc = 0.0f, db_m_acc = 0.0f;  // fixed biases: this row's sum over the sequence
+  const auto no_columns = [](int) {};       // the column terms are summed over the owned rows instead
 
   load_rows<Tr>(A, dS_final ? dS_final + rows : nullptr);
   load_rows<Tr>(Bm, dM_final ? dM_final + rows : nullptr);
@@ -432,45 +369,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const float* Sp = ws_states + 2LL * s * NN;  // S before the step (rows row0.. are this CTA's)
       const float* Mp = Sp + NN;                   // M before the step
       const float* Sn = Sp + 2 * NN;               // S after the step
-      const float* rec_g = ws_records + static_cast<long long>(s) * Tr::kRecSlots * N;
-      float* rv = vec + (Tr::kRec + (s & 1) * Tr::kRecSlots) * N;
+      float* rv_buf = vec + (Tr::kRec + (s & 1) * Tr::kRecSlots) * N;
       // The whole private record (the row quantities hold values at the owned rows only).
-      for (int e = threadIdx.x; e < Tr::kRecSlots * N; e += Tr::kThreads) rv[e] = rec_g[e];
-      for (int e = threadIdx.x; e < R; e += Tr::kThreads) {
-        // out = sq^2 sigma(sq): d out / d sq = sq sigma (2 + sq (1 - sigma)).
-        const int gi = row0 + e;
-        const float sq = rec_g[Tr::kRsq * N + gi];
-        const float sg = sigmoid(sq);
-        g[gi] = to_float(dout.row(t, b)[gi]) * sq * sg * (2.0f + sq * (1.0f - sg));
-      }
+      load_step<Tr>(rv_buf, g, ws_records + static_cast<long long>(s) * Tr::kRecSlots * N, dout, t, b, row0);
       __syncthreads();
-      const float *kr = rv + Tr::kRk * N, *mr = rv + Tr::kRm * N, *qr = rv + Tr::kRq * N;
-      const float *s_row = rv + Tr::kRsRow * N, *s_col = rv + Tr::kRsCol * N, *s_delta = rv + Tr::kRsDelta * N;
-      const float *m_row = rv + Tr::kRmRow * N, *m_col = rv + Tr::kRmCol * N, *m_delta = rv + Tr::kRmDelta * N;
-      const float k_norm = rv[Tr::kRnorm * N], m_norm = rv[Tr::kRnorm * N + 1];
-      const float inv_k = inv_norm(k_norm), inv_m = inv_norm(m_norm);
+      const StepVecs<Tr> rv(rv_buf);
 
       // A. Row r: d_row, d_delta (row sums of dM); dS += g q^T. Columns (owned rows, exchanged): dq
       //    and d_col; dmh's first term (M's column sums of dM * m_delta) waits in a register for B.
       float a[2] = {0.0f, 0.0f};
-      {
-        const float g_r = g[gr];
-        #pragma unroll 4
-        for (int j = p; j < N; j += P) {
-          const float dMrj = Bm[r * LD + j];
-          a[0] = fmaf(dMrj * Mp[gr * N + j], m_col[j], a[0]);
-          a[1] = fmaf(dMrj, mr[j], a[1]);
-          A[r * LD + j] = fmaf(g_r, qr[j], A[r * LD + j]);
-        }
-      }
+      adjoint_a_row<Tr>(A, Bm, Mp, rv, r, gr, p, g[gr], a[0], a[1], no_columns, no_columns);
       float xa[3] = {0.0f, 0.0f, 0.0f};
       #pragma unroll 4
       for (int jl = o.q; jl < R; jl += Q) {
         const int gj = row0 + jl;
         const float dMji = Bm[jl * LD + i];
         xa[0] = fmaf(Sn[gj * N + i], g[gj], xa[0]);
-        xa[1] = fmaf(dMji * m_row[gj], Mp[gj * N + i], xa[1]);
-        xa[2] = fmaf(dMji, m_delta[gj], xa[2]);
+        xa[1] = fmaf(dMji * rv.m_row[gj], Mp[gj * N + i], xa[1]);
+        xa[2] = fmaf(dMji, rv.m_delta[gj], xa[2]);
       }
       const float dmhA = xa[2];
       {
@@ -478,8 +394,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         push_columns<Tr>(o, xb0, stage, cols);
       }
       group_sum<Tr>(a);
-      const float dr_m = a[0] * m_row[gr] * (1.0f - m_row[gr]);
-      const float dd_m = a[1] * inv_m;
+      const float dr_m = gate_grad(a[0], rv.m_row[gr]);
+      const float dd_m = a[1] * rv.inv_m;
       if (p == 0) {
         d_row_m[gr] = dr_m;
         d_delta_m[gr] = dd_m;
@@ -487,7 +403,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       cluster_sync();
       for (int e = threadIdx.x; e < N + R; e += Tr::kThreads) {
         if (e < N) {
-          d_col_m[e] = gather<Tr, false>(xb0, 1, e) * m_col[e] * (1.0f - m_col[e]);
+          d_col_m[e] = gate_grad(gather<Tr, false>(xb0, 1, e), rv.m_col[e]);
         } else {
           const int gi = row0 + e - N;
           dq.row(t, b)[gi] = from_float<TT>(gather<Tr, false>(xb0, 0, gi));
@@ -499,16 +415,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       //    dM <- dM * m_row m_col^T - d_delta mh^T. Columns: dmh = dmhA + S_new^T d_row - M_prev^T d_delta.
       float b2[1] = {0.0f};
       {
-        const float mhr = mr[gr] * inv_m, mrow = m_row[gr];
-        #pragma unroll 4
-        for (int j = p; j < N; j += P) {
-          const float mhj = mr[j] * inv_m;
-          b2[0] = fmaf(Sn[gr * N + j], d_col_m[j], b2[0]);
-          float& ds = A[r * LD + j];
-          ds = fmaf(dr_m, mhj, fmaf(mhr, d_col_m[j], ds));
-          float& dmm = Bm[r * LD + j];
-          dmm = fmaf(dmm * mrow, m_col[j], -dd_m * mhj);
-        }
+        const float mhr = rv.m[gr] * rv.inv_m, mrow = rv.m_row[gr];
+        adjoint_update_row<Tr>(A, Bm, Sn, r, gr, p, d_col_m, rv.m_col, mrow, dr_m, dd_m, rv.m, rv.inv_m, mhr, b2[0],
+                               no_columns);
       }
       float xb[2] = {0.0f, 0.0f};
       #pragma unroll 4
@@ -524,9 +433,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       group_sum<Tr>(b2);
       if (p == 0) {
         push_row<Tr>(xb1, 0, gr, b2[0]);
-        const float db = dr_m + d_col_m[gr];
-        if constexpr (Tr::kBias == kE79BiasInput) dbm.row(t, b)[gr] = from_float<typename Tr::TB>(db);
-        if constexpr (Tr::kBias == kE79BiasFixed) db_m_acc += db;
+        bias_grad<Tr>(dbm, t, b, gr, dr_m + d_col_m[gr], db_m_acc);
       }
       cluster_sync();
       for (int e = threadIdx.x; e < N; e += Tr::kThreads) dmh[e] = gather<Tr, true>(xb1, 0, e);
@@ -535,20 +442,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // C. Row r: d_row, d_delta (row sums of dS); dv; dm from dmh through the normalization. Columns:
       //    d_col (exchanged); dkh's first term (column sums of dS * s_delta) waits in a register for D.
       float cs[3] = {0.0f, 0.0f, 0.0f};
-      #pragma unroll 4
-      for (int j = p; j < N; j += P) {
-        const float dSrj = A[r * LD + j];
-        cs[0] = fmaf(dSrj * Sp[gr * N + j], s_col[j], cs[0]);
-        cs[1] = fmaf(dSrj, kr[j], cs[1]);
-        cs[2] = fmaf(mr[j], dmh[j], cs[2]);
-      }
+      adjoint_c_row<Tr>(A, Sp, rv, dmh, r, gr, p, cs[0], cs[1], cs[2], no_columns);
       float xc[2] = {0.0f, 0.0f};
       #pragma unroll 4
       for (int jl = o.q; jl < R; jl += Q) {
         const int gj = row0 + jl;
         const float dSji = A[jl * LD + i];
-        xc[0] = fmaf(dSji * s_row[gj], Sp[gj * N + i], xc[0]);
-        xc[1] = fmaf(dSji, s_delta[gj], xc[1]);
+        xc[0] = fmaf(dSji * rv.s_row[gj], Sp[gj * N + i], xc[0]);
+        xc[1] = fmaf(dSji, rv.s_delta[gj], xc[1]);
       }
       const float dkhA = xc[1];
       {
@@ -556,34 +457,26 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         push_columns<Tr>(o, xb0, stage, cols);
       }
       group_sum<Tr>(cs);
-      const float dr_s = cs[0] * s_row[gr] * (1.0f - s_row[gr]);
-      const float dd_s = dd_m + cs[1] * inv_k;
+      const float dr_s = gate_grad(cs[0], rv.s_row[gr]);
+      const float dd_s = dd_m + cs[1] * rv.inv_k;
       if (p == 0) {
         dv.row(t, b)[gr] = from_float<TT>(dd_s);
         d_row_s[gr] = dr_s;
         d_delta_s[gr] = dd_s;
-        // Gradient through mh = m / (|m| + eps): dmh / (|m| + eps) - m (m . dmh) / (|m| (|m| + eps)^2).
-        dm.row(t, b)[gr] = from_float<TT>(dmh[gr] * inv_m - mr[gr] * radial(cs[2], m_norm, inv_m));
+        dm.row(t, b)[gr] = from_float<TT>(grad_through_norm(dmh[gr], rv.m[gr], cs[2], rv.m_norm, rv.inv_m));
       }
       cluster_sync();
       for (int e = threadIdx.x; e < N; e += Tr::kThreads)
-        d_col_s[e] = gather<Tr, false>(xb0, 0, e) * s_col[e] * (1.0f - s_col[e]);
+        d_col_s[e] = gate_grad(gather<Tr, false>(xb0, 0, e), rv.s_col[e]);
       __syncthreads();
 
       // D. Row r: dkh's row term M_prev d_col (the row slot); dM += d_row kh^T + kh d_col^T;
       //    dS <- dS * s_row s_col^T - d_delta kh^T. Columns: dkh = dkhA - S_prev^T d_delta + M_prev^T d_row.
       float d2[1] = {0.0f};
       {
-        const float khr = kr[gr] * inv_k, srow = s_row[gr];
-        #pragma unroll 4
-        for (int j = p; j < N; j += P) {
-          const float khj = kr[j] * inv_k;
-          d2[0] = fmaf(Mp[gr * N + j], d_col_s[j], d2[0]);
-          float& dmm = Bm[r * LD + j];
-          dmm = fmaf(dr_s, khj, fmaf(khr, d_col_s[j], dmm));
-          float& ds = A[r * LD + j];
-          ds = fmaf(ds * srow, s_col[j], -dd_s * khj);
-        }
+        const float khr = rv.k[gr] * rv.inv_k, srow = rv.s_row[gr];
+        adjoint_update_row<Tr>(Bm, A, Mp, r, gr, p, d_col_s, rv.s_col, srow, dr_s, dd_s, rv.k, rv.inv_k, khr, d2[0],
+                               no_columns);
       }
       float xd[2] = {0.0f, 0.0f};
       #pragma unroll 4
@@ -599,9 +492,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       group_sum<Tr>(d2);
       if (p == 0) {
         push_row<Tr>(xb1, 0, gr, d2[0]);
-        const float db = dr_s + d_col_s[gr];
-        if constexpr (Tr::kBias == kE79BiasInput) dbs.row(t, b)[gr] = from_float<typename Tr::TB>(db);
-        if constexpr (Tr::kBias == kE79BiasFixed) db_s_acc += db;
+        bias_grad<Tr>(dbs, t, b, gr, dr_s + d_col_s[gr], db_s_acc);
       }
       cluster_sync();
       for (int e = threadIdx.x; e < N; e += Tr::kThreads) dkh[e] = gather<Tr, true>(xb1, 0, e);
@@ -609,10 +500,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
       // E. dk from dkh through the normalization (rows of this CTA). Reads only this step's record
       //    buffer and dkh, so the next step's loads (the other buffer, g at owned rows) may overlap it.
-      float e1[1] = {0.0f};
-      for (int j = p; j < N; j += P) e1[0] = fmaf(kr[j], dkh[j], e1[0]);
-      group_sum<Tr>(e1);
-      if (p == 0) dk.row(t, b)[gr] = from_float<TT>(dkh[gr] * inv_k - kr[gr] * radial(e1[0], k_norm, inv_k));
+      const float e1 = adjoint_e_dot<Tr>(rv, dkh, p);
+      if (p == 0) dk.row(t, b)[gr] = from_float<TT>(grad_through_norm(dkh[gr], rv.k[gr], e1, rv.k_norm, rv.inv_k));
     }
   }
   __syncthreads();
