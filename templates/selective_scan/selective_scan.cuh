@@ -981,10 +981,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // Three ex2 per step and state in all (mamba_ssm's backward: one; its forward saves the checkpoints),
 // no per-state scans. The next chunk's global loads are issued before this chunk's work.
 // Measured (H100, 8x2048x2048 bf16): 2.35 ms at 8 lanes, against 2.63 for the warp scan's best and
-// ~2.4 for mamba_ssm's backward; 2.00 ms with registers capped at 128 (see the launch bounds). ncu (4 lanes): 62 instructions per step and state, IPC 1.7, 8 warps
-// per SM (254 registers); the SFU floor of the three ex2 is 0.44 ms. Next: fewer instructions per
-// step and state (the channel sums' selects and shuffles, the index arithmetic), more warps per SM,
-// and the forward writing the checkpoints when it runs for training.
+// ~2.4 for mamba_ssm's backward; 2.00 ms with registers capped at 128 (see the launch bounds), 1.92 at
+// 8 warps. ncu (8 warps, 8 lanes): 68 warp instructions per step and state slot, IPC 2.4, bound by the
+// L1's shared-memory wavefronts (79% busy): a step's values were 3 scalar loads and B, C two more per
+// thread and pass. Packed as below (one 16-byte load of {dt, dt u, gy, u}, B and C of the thread's
+// states side by side, x_t as one vector per thread): 1.77 ms.
 //
 // Launch: as the sequential forward (gridDim = (ceil(dim / kChannels), batch, nsegs), blockDim =
 // kThreads), dynamic shared memory seq_bwd_smem_floats() floats; the arguments of
@@ -996,14 +997,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // segment 0 writes dh0.
 // =============================================================================================
 
-// Shared memory of the sequential backward, in floats: u, dt, gy, ddt, du (sig with softplus; y, dzf
-// with z) as [step][channel]; variable B, C as [step][state]; the warps' dB, dC as [warp][state][step (+1 pad)]; the
-// chunk's states x_t as [step][state][thread].
+// Shared memory of the sequential backward, in floats, in this order (each part a whole number of
+// 16-byte words, the first three read with vector loads):
+//   s_st  [step][channel (+1 pad)] float4 {dt, dt u, gy, u}: one 16-byte read per step and thread;
+//   s_bc  [step][thread slice][B of its kSpt states, C of them] (row padded by 4; when B or C is
+//         variable): one or two vector reads per step and thread;
+//   s_x   [step][thread][state]: the chunk's states x_t, each thread its own;
+//   s_ddt, s_du (s_sig with softplus; s_y, s_dzf with z) [step][channel]; the warps' variable dB, dC as
+//   [warp][state][step (+1 pad)].
+template <typename Tr>
+constexpr int seq_bwd_bc_stride() {
+  return 2 * Tr::kNp + 4;
+}
 template <typename Tr>
 constexpr int seq_bwd_smem_floats() {
   constexpr int nvar = (Tr::kVarB ? 1 : 0) + (Tr::kVarC ? 1 : 0);
-  return (5 + (Tr::kSoftplus ? 1 : 0) + (Tr::kHasZ ? 2 : 0)) * Tr::kChunk * Tr::kCs + nvar * Tr::kChunk * Tr::kNp +
-         nvar * Tr::kWarps * Tr::kNp * (Tr::kChunk + 1) + Tr::kChunk * Tr::kSpt * Tr::kThreads;
+  return 4 * Tr::kChunk * (Tr::kChannels + 1) + (nvar ? Tr::kChunk * seq_bwd_bc_stride<Tr>() : 0) +
+         Tr::kChunk * Tr::kSpt * Tr::kThreads + (2 + (Tr::kSoftplus ? 1 : 0) + (Tr::kHasZ ? 2 : 0)) * Tr::kChunk * Tr::kCs +
+         nvar * Tr::kWarps * Tr::kNp * (Tr::kChunk + 1);
 }
 
 namespace scan_detail {
@@ -1055,6 +1066,36 @@ struct SeqBwdChunk {
       const long long off = bc_base + static_cast<long long>(n) * seqlen + t0 + t;
       if constexpr (kB) bv[k] = ok ? to_float(gB[off]) : 0.0f;
       if constexpr (kCv) cv[k] = ok ? to_float(gC[off]) : 0.0f;
+    }
+  }
+
+  // The main backward pass's staging (kStageAll), in the layout of seq_bwd_smem_floats: s_st[t][r] =
+  // {dt, dt u, gy, u}, s_sig = softplus'(pre), s_dzf = dout silu'(z) [t][r]; a variable B, C to s_bc.
+  __device__ __forceinline__ void stage_packed(float4* s_st, float* s_sig, float* s_dzf, float* s_bc,
+                                               const float* __restrict__ delta_bias, int d0, int dim, int seqlen,
+                                               int t0) const {
+    static_assert(kMode == kStageAll, "the packed layout is the main pass's");
+#pragma unroll
+    for (int k = 0; k < PE; ++k) {
+      int r, t;
+      const bool ok = elem(k, d0, dim, seqlen, t0, &r, &t);
+      if (r >= NC) continue;
+      const float pre = dl[k] + (Tr::kHasDeltaBias && ok ? delta_bias[d0 + r] : 0.0f);
+      const float dt = ok ? (Tr::kSoftplus ? softplus_sfu(pre) : pre) : 0.0f;
+      s_st[t * (NC + 1) + r] = make_float4(dt, dt * u[k], Tr::kHasZ ? g[k] * silu(zz[k]) : g[k], u[k]);
+      const int i = t * CS + r;
+      if constexpr (Tr::kSoftplus) s_sig[i] = sigmoid(pre);
+      if constexpr (Tr::kHasZ) s_dzf[i] = g[k] * d_silu(zz[k]);
+    }
+    constexpr int S = Tr::kSpt, RS = seq_bwd_bc_stride<Tr>();
+#pragma unroll
+    for (int k = 0; k < PN; ++k) {
+      const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads;
+      if (e >= NP * kC) continue;
+      const int n = e / kC, t = e % kC;
+      float* row = s_bc + t * RS + (n / S) * 2 * S + n % S;
+      if constexpr (kB) row[0] = bv[k];
+      if constexpr (kCv) row[S] = cv[k];
     }
   }
 
@@ -1126,10 +1167,9 @@ __device__ __forceinline__ void seq_forward_walk(float (&x)[Tr::kSpt], const flo
 template <typename Tr, int PE>
 __device__ __forceinline__ void seq_bwd_write(typename Tr::T* __restrict__ gdu, typename Tr::T* __restrict__ gddelta,
                                               typename Tr::T* __restrict__ gdz, const float* __restrict__ D,
-                                              const float* s_u, const float* s_dt, const float* s_gy,
-                                              const float* s_sig, const float* s_dzf, const float* s_ddt,
-                                              const float* s_du, const float* s_y, int b, int d0, int dim, int seqlen,
-                                              int t0, float (&dD)[PE], float (&dbias)[PE]) {
+                                              const float4* s_st, const float* s_sig, const float* s_dzf,
+                                              const float* s_ddt, const float* s_du, const float* s_y, int b, int d0,
+                                              int dim, int seqlen, int t0, float (&dD)[PE], float (&dbias)[PE]) {
   using T = typename Tr::T;
   constexpr int kC = Tr::kChunk, NC = Tr::kChannels, CS = Tr::kCs;
 #pragma unroll
@@ -1140,33 +1180,75 @@ __device__ __forceinline__ void seq_bwd_write(typename Tr::T* __restrict__ gdu, 
     const long long off = (static_cast<long long>(b) * dim + d0 + r) * seqlen + t0 + t;
     const int i = t * CS + r;
     const float Dd = Tr::kHasD ? D[d0 + r] : 0.0f;
-    const float gy = s_gy[i], uv = s_u[i];
+    const float4 st = s_st[t * (NC + 1) + r];  // dt, dt u, gy, u
     const float dd = Tr::kSoftplus ? s_ddt[i] * s_sig[i] : s_ddt[i];
-    gdu[off] = from_float<T>(fmaf(s_dt[i], s_du[i], Dd * gy));
+    gdu[off] = from_float<T>(fmaf(st.x, s_du[i], Dd * st.z));
     gddelta[off] = from_float<T>(dd);
-    if constexpr (Tr::kHasZ) gdz[off] = from_float<T>(s_dzf[i] * fmaf(Dd, uv, s_y[i]));
-    dD[k] = fmaf(gy, uv, dD[k]);
+    if constexpr (Tr::kHasZ) gdz[off] = from_float<T>(s_dzf[i] * fmaf(Dd, st.w, s_y[i]));
+    dD[k] = fmaf(st.z, st.w, dD[k]);
     dbias[k] += dd;
   }
 }
 
-// One step's values read from shared memory by thread (cl, sl): dt, u, gy, and B and C of its states
-// (the fixed values when not variable).
+// K consecutive floats of shared memory with the widest loads (or stores) K and the alignment allow: p
+// is aligned to 4 * (the largest power of two up to 4 dividing K) bytes.
+template <int K>
+__device__ __forceinline__ void lds_vec(const float* p, float* v) {
+  if constexpr (K % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < K; j += 4) {
+      const float4 q = *reinterpret_cast<const float4*>(p + j);
+      v[j] = q.x, v[j + 1] = q.y, v[j + 2] = q.z, v[j + 3] = q.w;
+    }
+  } else if constexpr (K % 2 == 0) {
+#pragma unroll
+    for (int j = 0; j < K; j += 2) {
+      const float2 q = *reinterpret_cast<const float2*>(p + j);
+      v[j] = q.x, v[j + 1] = q.y;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < K; ++j) v[j] = p[j];
+  }
+}
+template <int K>
+__device__ __forceinline__ void sts_vec(float* p, const float* v) {
+  if constexpr (K % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < K; j += 4) *reinterpret_cast<float4*>(p + j) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
+  } else if constexpr (K % 2 == 0) {
+#pragma unroll
+    for (int j = 0; j < K; j += 2) *reinterpret_cast<float2*>(p + j) = make_float2(v[j], v[j + 1]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < K; ++j) p[j] = v[j];
+  }
+}
+
+// One step's values read from the packed shared memory by thread (cl, sl): dt, dt u, gy, u, and B and
+// C of its states (the fixed values when not variable).
 template <typename Tr>
 struct SeqStep {
-  static constexpr int S = Tr::kSpt, CS = Tr::kCs, NP = Tr::kNp;
+  static constexpr int S = Tr::kSpt, NC = Tr::kChannels, RS = seq_bwd_bc_stride<Tr>();
   float dt, u, dtu, gy, B[S], C[S];
-  __device__ __forceinline__ void read(int t, const float* s_dt, const float* s_u, const float* s_gy,
-                                       const float* s_B, const float* s_C, const float (&Bf)[S],
+  __device__ __forceinline__ void read(int t, const float4* s_st, const float* s_bc, const float (&Bf)[S],
                                        const float (&Cf)[S], int cl, int sl) {
-    dt = s_dt[t * CS + cl];
-    u = s_u[t * CS + cl];
-    dtu = dt * u;
-    gy = s_gy[t * CS + cl];
+    const float4 st = s_st[t * (NC + 1) + cl];
+    dt = st.x, dtu = st.y, gy = st.z, u = st.w;
+    const float* row = s_bc + t * RS + sl * 2 * S;
+    if constexpr (Tr::kVarB && Tr::kVarC) {
+      float v[2 * S];
+      lds_vec<2 * S>(row, v);
 #pragma unroll
-    for (int i = 0; i < S; ++i) {
-      B[i] = Tr::kVarB ? s_B[t * NP + sl * S + i] : Bf[i];
-      C[i] = Tr::kVarC ? s_C[t * NP + sl * S + i] : Cf[i];
+      for (int i = 0; i < S; ++i) B[i] = v[i], C[i] = v[S + i];
+    } else {
+      if constexpr (Tr::kVarB) lds_vec<S>(row, B);
+      if constexpr (Tr::kVarC) lds_vec<S>(row + S, C);
+#pragma unroll
+      for (int i = 0; i < S; ++i) {
+        if constexpr (!Tr::kVarB) B[i] = Bf[i];
+        if constexpr (!Tr::kVarC) C[i] = Cf[i];
+      }
     }
   }
 };
@@ -1228,20 +1310,22 @@ __global__ void __launch_bounds__(Tr::kThreads,
   using namespace scan_detail;
   constexpr int N = Tr::kDstate, S = Tr::kSpt, NC = Tr::kChannels, CS = Tr::kCs;
   constexpr int kC = Tr::kChunk, NP = Tr::kNp, W = Tr::kWarps, kRs = kC + 1;
-  extern __shared__ float smem[];
-  float* s_u = smem;
-  float* s_dt = s_u + kC * CS;
-  float* s_gy = s_dt + kC * CS;
-  float* s_ddt = s_gy + kC * CS;
+  extern __shared__ float4 smem4[];  // the layout of seq_bwd_smem_floats
+  float4* s_st = smem4;
+  float* s_bc = reinterpret_cast<float*>(s_st + kC * (NC + 1));
+  float* s_x = s_bc + (Tr::kVarB || Tr::kVarC ? kC * seq_bwd_bc_stride<Tr>() : 0);
+  float* s_ddt = s_x + kC * S * Tr::kThreads;
   float* s_du = s_ddt + kC * CS;
   float* s_sig = s_du + kC * CS;
   float* s_y = s_sig + (Tr::kSoftplus ? kC * CS : 0);
   float* s_dzf = s_y + (Tr::kHasZ ? kC * CS : 0);
-  float* s_B = s_dzf + (Tr::kHasZ ? kC * CS : 0);
-  float* s_C = s_B + (Tr::kVarB ? kC * NP : 0);
-  float* s_rB = s_C + (Tr::kVarC ? kC * NP : 0);
+  float* s_rB = s_dzf + (Tr::kHasZ ? kC * CS : 0);
   float* s_rC = s_rB + (Tr::kVarB ? W * NP * kRs : 0);
-  float* s_x = s_rC + (Tr::kVarC ? W * NP * kRs : 0);  // [step][state i][thread]: the thread's own states
+  // the chunk-walk's staging (pass 1) overlays the packed arrays: s_u, s_dt [step][channel], s_B [step][state]
+  float* s_u = reinterpret_cast<float*>(s_st);
+  float* s_dt = s_u + kC * CS;
+  float* s_B = s_dt + kC * CS;
+  static_assert(2 * kC * CS + kC * NP <= 4 * kC * (NC + 1) + kC * seq_bwd_bc_stride<Tr>(), "walk staging fits");
 
   const SeqPlace<Tr> at(dim, seqlen, channels_per_group, groups);
   const int tid = at.tid, cl = at.cl, sl = at.sl, d0 = at.d0, b = at.b, d = at.d;
@@ -1285,7 +1369,7 @@ __global__ void __launch_bounds__(Tr::kThreads,
     const int t0 = c * kC;
 #pragma unroll
     for (int i = 0; i < S; ++i) x[i] = xn[i];
-    cur.stage(s_u, s_dt, s_gy, s_sig, s_dzf, s_B, s_C, delta_bias, d0, dim, seqlen, t0);
+    cur.stage_packed(s_st, s_sig, s_dzf, s_bc, delta_bias, d0, dim, seqlen, t0);
     __syncthreads();
     if (c > seg.cb) {
       cur.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, t0 - kC);
@@ -1300,16 +1384,16 @@ __global__ void __launch_bounds__(Tr::kThreads,
 #pragma unroll
       for (int g = 0; g < 4; ++g) {
         SeqStep<Tr> st;
-        st.read(t + g, s_dt, s_u, s_gy, s_B, s_C, Bf, Cf, cl, sl);
+        st.read(t + g, s_st, s_bc, Bf, Cf, cl, sl);
         y[g] = 0.0f;
 #pragma unroll
         for (int i = 0; i < S; ++i) {
           x[i] = fmaf(fast_exp2(st.dt * A2[i]), x[i], st.dtu * st.B[i]);
-          s_x[((t + g) * S + i) * Tr::kThreads + tid] = x[i];
           y[g] = fmaf(st.C[i], x[i], y[g]);
           if constexpr (Tr::kVarC) dCv[g * S + i] = st.gy * x[i];
           else dCf[i] = fmaf(st.gy, x[i], dCf[i]);
         }
+        sts_vec<S>(s_x + ((t + g) * Tr::kThreads + tid) * S, x);
       }
       if constexpr (Tr::kHasZ) {
         float* const dst[1] = {s_y};
@@ -1325,13 +1409,15 @@ __global__ void __launch_bounds__(Tr::kThreads,
 #pragma unroll
       for (int g = 3; g >= 0; --g) {
         SeqStep<Tr> st;
-        st.read(t + g, s_dt, s_u, s_gy, s_B, s_C, Bf, Cf, cl, sl);
+        st.read(t + g, s_st, s_bc, Bf, Cf, cl, sl);
+        float xs[S];
+        lds_vec<S>(s_x + ((t + g) * Tr::kThreads + tid) * S, xs);
         float ddt = 0.0f, hb = 0.0f;
 #pragma unroll
         for (int i = 0; i < S; ++i) {
           const float a = fast_exp2(st.dt * A2[i]);
           const float hx = fmaf(st.gy, st.C[i], H[i]);
-          const float ax = fmaf(-st.dtu, st.B[i], s_x[((t + g) * S + i) * Tr::kThreads + tid]);  // a_t x_{t-1}
+          const float ax = fmaf(-st.dtu, st.B[i], xs[i]);  // a_t x_{t-1}
           const float q = hx * ax;
           ddt = fmaf(An[i], q, ddt);  // the hx B u part of ddt is u * hb, added once per step below
           hb = fmaf(hx, st.B[i], hb);
@@ -1350,8 +1436,8 @@ __global__ void __launch_bounds__(Tr::kThreads,
     __syncthreads();
 
     // c. outputs of the chunk; the variable dB, dC summed over the warps, added to the accumulators
-    seq_bwd_write<Tr, Ck::PE>(du, ddelta, dz, D, s_u, s_dt, s_gy, s_sig, s_dzf, s_ddt, s_du, s_y, b, d0, dim, seqlen,
-                              t0, dDk, dbk);
+    seq_bwd_write<Tr, Ck::PE>(du, ddelta, dz, D, s_st, s_sig, s_dzf, s_ddt, s_du, s_y, b, d0, dim, seqlen, t0, dDk,
+                              dbk);
     if constexpr (Tr::kVarB || Tr::kVarC) {
       for (int e = tid; e < N * kC; e += Tr::kThreads) {
         const int n = e / kC, t = e % kC;

@@ -228,10 +228,11 @@ int64_t seq_seg_smem_bytes(const Problem& p, const Config& c) {
 
 // Dynamic shared memory of the sequential backward (seq_bwd_smem_floats in the template).
 int64_t seq_bwd_smem_bytes(const Problem& p, const Config& c) {
-  int64_t chunk = c.get("chunk"), cs = seq_channels(c) + 1, np = seq_spt(p, c) * c.get("lanes");
+  int64_t chunk = c.get("chunk"), nc = seq_channels(c), cs = nc + 1, np = seq_spt(p, c) * c.get("lanes");
   int64_t nvar = (var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0);
-  return 4 * ((5 + (p.param_bool("delta_softplus") ? 1 : 0) + (p.present("z") ? 2 : 0)) * chunk * cs + nvar * chunk * np + nvar * c.get("warps") * np * (chunk + 1) +
-              chunk * seq_spt(p, c) * c.get("warps") * 32);
+  int64_t scalars = 2 + (p.param_bool("delta_softplus") ? 1 : 0) + (p.present("z") ? 2 : 0);
+  return 4 * (4 * chunk * (nc + 1) + (nvar ? chunk * (2 * np + 4) : 0) + chunk * seq_spt(p, c) * c.get("warps") * 32 +
+              scalars * chunk * cs + nvar * c.get("warps") * np * (chunk + 1));
 }  // two blocks per SM on sm_80/sm_90
 
 // The largest power of two (up to 256) dividing dim / groups when a variable B/C has several groups:
