@@ -469,10 +469,22 @@ std::vector<int64_t> shape_of(const TensorDef& t, const Problem& p) {
 // ---- the call ----
 
 
-Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
-                   const std::vector<TensorView>& outputs, const Params& params, Stream stream,
+// Trailing optional arguments may be left out: an op that gains an optional input or output keeps its
+// callers. Padded with absent views; any other count is left for the caller's check to report.
+static std::vector<TensorView> pad_optional(const std::vector<TensorView>& given, const std::vector<TensorDef>& defs) {
+  std::vector<TensorView> v = given;
+  bool all_optional = v.size() < defs.size();
+  for (size_t i = v.size(); i < defs.size(); ++i) all_optional = all_optional && defs[i].optional;
+  if (all_optional) v.resize(defs.size());
+  return v;
+}
+
+Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs_given,
+                   const std::vector<TensorView>& outputs_given, const Params& params, Stream stream,
                    bool inputs_only) {
   const OpInfo& info = op.info;
+  const std::vector<TensorView> inputs = pad_optional(inputs_given, info.inputs);
+  const std::vector<TensorView> outputs = inputs_only ? outputs_given : pad_optional(outputs_given, info.outputs);
   auto names = [](const std::vector<TensorDef>& defs) {
     std::string s;
     for (const auto& d : defs) s += (s.empty() ? "" : ", ") + d.name;
