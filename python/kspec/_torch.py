@@ -90,18 +90,43 @@ def norm_act(x, weight, bias, norm, act, eps):
 
 
 # ---- selective_scan ----
+# For training the forward keeps the state entering every 16th step (`states`, [batch, dim,
+# ceil(seqlen / 16), dstate] fp32), and the backward reads them instead of recomputing the forward.
+
+_STATE_STRIDE = 16
+
+
+def _scan_states(u, A, save):
+    """The forward's states output: allocated when `save`, else None (inference)."""
+    if not save:
+        return None
+    return u.new_empty((u.shape[0], u.shape[1], -(-u.shape[2] // _STATE_STRIDE), A.shape[1]), dtype=torch.float32)
+
+
+def _scan_fwd_call(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, save):
+    out = torch.empty_like(u)
+    last = u.new_empty((u.shape[0], u.shape[1], A.shape[1]), dtype=torch.float32)
+    states = _scan_states(u, A, save)
+    call("selective_scan.fwd", u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus=delta_softplus,
+         out=(out, last, states))
+    return out, last, states
+
 
 @torch.library.custom_op("kspec::selective_scan_fwd", mutates_args=(), device_types="cuda")
 def selective_scan_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                        D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
-                       h0: Optional[torch.Tensor], delta_softplus: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    out, last = call("selective_scan.fwd", u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus=delta_softplus)
-    return out, last
+                       h0: Optional[torch.Tensor], delta_softplus: bool,
+                       save_states: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, last_state, states); states empty unless `save_states`."""
+    out, last, states = _scan_fwd_call(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, save_states)
+    return out, last, states if states is not None else u.new_empty(0, dtype=torch.float32)
 
 
 @selective_scan_fwd.register_fake
-def _(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus):
-    return torch.empty_like(u), u.new_empty((u.shape[0], u.shape[1], A.shape[1]), dtype=torch.float32)
+def _(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, save_states):
+    states = _scan_states(u, A, save_states)
+    return (torch.empty_like(u), u.new_empty((u.shape[0], u.shape[1], A.shape[1]), dtype=torch.float32),
+            states if states is not None else u.new_empty(0, dtype=torch.float32))
 
 
 _SCAN_GRADS = ("du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias", "dh0")
@@ -111,46 +136,51 @@ _SCAN_GRADS = ("du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias", "dh0
 def selective_scan_bwd(dout: torch.Tensor, u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                        C: torch.Tensor, D: Optional[torch.Tensor], z: Optional[torch.Tensor],
                        delta_bias: Optional[torch.Tensor], h0: Optional[torch.Tensor],
-                       dlast_state: Optional[torch.Tensor], delta_softplus: bool) -> list[torch.Tensor]:
-    grads = call("selective_scan.bwd", dout, u, delta, A, B, C, D, z, delta_bias, h0, dlast_state,
+                       dlast_state: Optional[torch.Tensor], states: Optional[torch.Tensor],
+                       delta_softplus: bool) -> list[torch.Tensor]:
+    grads = call("selective_scan.bwd", dout, u, delta, A, B, C, D, z, delta_bias, h0, dlast_state, states,
                  delta_softplus=delta_softplus)
     # custom ops cannot return None in a list: an empty tensor stands for an absent input's gradient
     return [g if g is not None else u.new_empty(0) for g in grads]
 
 
 @selective_scan_bwd.register_fake
-def _(dout, u, delta, A, B, C, D, z, delta_bias, h0, dlast_state, delta_softplus):
+def _(dout, u, delta, A, B, C, D, z, delta_bias, h0, dlast_state, states, delta_softplus):
     like = (u, delta, A, B, C, D, z, delta_bias, h0)
     return [u.new_empty(0) if t is None else torch.empty_like(t) for t in like]
 
 
-def _scan_save(ctx, u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus):
-    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, h0)
+def _scan_save(ctx, u, delta, A, B, C, D, z, delta_bias, h0, states, delta_softplus):
+    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, h0, states)
     ctx.delta_softplus = delta_softplus
 
 
 def _scan_grads(ctx, dout, dlast, bwd):
-    u, delta, A, B, C, D, z, delta_bias, h0 = ctx.saved_tensors
+    u, delta, A, B, C, D, z, delta_bias, h0, states = ctx.saved_tensors
+    if states is not None and states.numel() == 0:
+        states = None  # the forward kept none: the backward recomputes them
     dout = dout.contiguous()
     dlast = None if dlast is None else dlast.contiguous()
-    grads = bwd(dout, u, delta, A, B, C, D, z, delta_bias, h0, dlast, ctx.delta_softplus)
+    grads = bwd(dout, u, delta, A, B, C, D, z, delta_bias, h0, dlast, states, ctx.delta_softplus)
     present = (True, True, True, True, True, D is not None, z is not None, delta_bias is not None, h0 is not None)
     return tuple(g if p else None for g, p in zip(grads, present))
 
 
 def _scan_setup(ctx, inputs, output):
-    _scan_save(ctx, *inputs)
+    u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, _save = inputs
+    _scan_save(ctx, u, delta, A, B, C, D, z, delta_bias, h0, output[2], delta_softplus)
+    ctx.mark_non_differentiable(output[2])
 
 
-def _scan_backward(ctx, dout, dlast):
-    return (*_scan_grads(ctx, dout, dlast, selective_scan_bwd), None)
+def _scan_backward(ctx, dout, dlast, _dstates):
+    return (*_scan_grads(ctx, dout, dlast, selective_scan_bwd), None, None)
 
 
 selective_scan_fwd.register_autograd(_scan_backward, setup_context=_scan_setup)
 
 
-def _scan_bwd_call(dout, u, delta, A, B, C, D, z, delta_bias, h0, dlast, delta_softplus):
-    return call("selective_scan.bwd", dout, u, delta, A, B, C, D, z, delta_bias, h0, dlast,
+def _scan_bwd_call(dout, u, delta, A, B, C, D, z, delta_bias, h0, dlast, states, delta_softplus):
+    return call("selective_scan.bwd", dout, u, delta, A, B, C, D, z, delta_bias, h0, dlast, states,
                 delta_softplus=delta_softplus)
 
 
@@ -158,21 +188,29 @@ class _SelectiveScan(torch.autograd.Function):
     """The eager path (no torch.library dispatch cost); torch.compile traces the custom ops instead."""
 
     @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus):
-        out, last = call("selective_scan.fwd", u, delta, A, B, C, D, z, delta_bias, h0,
-                         delta_softplus=delta_softplus)
-        _scan_save(ctx, u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus)
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, save_states):
+        save = save_states and any(ctx.needs_input_grad[:9])
+        out, last, states = _scan_fwd_call(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, save)
+        _scan_save(ctx, u, delta, A, B, C, D, z, delta_bias, h0, states, delta_softplus)
         return out, last
 
     @staticmethod
     def backward(ctx, dout, dlast):
-        return (*_scan_grads(ctx, dout, dlast, _scan_bwd_call), None)
+        return (*_scan_grads(ctx, dout, dlast, _scan_bwd_call), None, None)
 
 
-def selective_scan(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus):
+def _wants_grad(*tensors):
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def selective_scan(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, save_states=True):
+    """(out, last_state). With `save_states` (the default) and a gradient wanted, the forward keeps the
+    state every 16 steps for the backward: batch * dim * ceil(seqlen / 16) * dstate * 4 bytes."""
     if torch.compiler.is_compiling():
-        return selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus)
-    return _SelectiveScan.apply(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus)
+        save = save_states and _wants_grad(u, delta, A, B, C, D, z, delta_bias, h0)
+        out, last, _ = selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, save)
+        return out, last
+    return _SelectiveScan.apply(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, save_states)
 
 
 # ---- gemm / linear ----

@@ -52,7 +52,7 @@ def _contiguous(x):
 
 
 def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                      return_last_state=False, h0=None):
+                      return_last_state=False, h0=None, save_states=True):
     """The Mamba selective scan, with mamba_ssm's selective_scan_fn arguments (plus h0).
 
     For channel d, step t, state n (dt = delta + delta_bias, softplus'ed if delta_softplus):
@@ -62,7 +62,11 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
     B, C: (dim, dstate) fixed, (batch, dstate, seqlen) or (batch, groups, dstate, seqlen) variable, the
     dtype of u or fp32; D, delta_bias: (dim,) fp32; h0: (batch, dim, dstate) fp32.
     Returns out (batch, dim, seqlen) like u, and with return_last_state also last_state
-    (batch, dim, dstate) fp32. Differentiable for torch tensors (all inputs, h0 included)."""
+    (batch, dim, dstate) fp32. Differentiable for torch tensors (all inputs, h0 included).
+
+    When a gradient is wanted the forward keeps the state entering every 16th step for the backward
+    (batch * dim * ceil(seqlen / 16) * dstate * 4 bytes: twice a bf16 u at dstate 16), which then skips
+    recomputing the forward; save_states=False keeps none, and the backward recomputes them."""
     if B.ndim == 3:
         B = B.unsqueeze(1)
     if C.ndim == 3:
@@ -71,9 +75,9 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
     if _is_torch(u):
         from . import _torch
 
-        out, last = _torch.selective_scan(*args, bool(delta_softplus))
+        out, last = _torch.selective_scan(*args, bool(delta_softplus), bool(save_states))
     else:
-        out, last = call("selective_scan.fwd", *args, delta_softplus=bool(delta_softplus))
+        out, last, _ = call("selective_scan.fwd", *args, delta_softplus=bool(delta_softplus))
     return (out, last) if return_last_state else out
 
 

@@ -60,6 +60,12 @@ namespace scan_detail {
 
 constexpr unsigned kFull = 0xffffffffu;
 
+// The forward's states for the backward (training): `states` [batch, dim, ceil(seqlen / 16), dstate]
+// fp32 holds the state entering steps 0, 16, 32, ... (h0 or zeros first). Every forward kernel writes
+// it when given; every backward reads it when given, in place of its own forward pass (the chunks and
+// tiles of the backward are whole multiples of 16 steps).
+constexpr int kStateStride = 16;
+
 // kItems values of one row starting at step t0 (zeros past seqlen).
 template <typename Tr, typename X>
 __device__ __forceinline__ void load_items(const X* row, int t0, int seqlen, float (&v)[Tr::kItems]) {
@@ -173,14 +179,14 @@ __device__ __forceinline__ float lane_entry_state(const float (&a)[kItems], cons
 // All tensors contiguous; with kEven the pointers are 16-byte aligned (the host checks).
 // ---------------------------------------------------------------------------------------------
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kThreads)
+__global__ void __launch_bounds__(Tr::kThreads, 1)
     selective_scan_fwd_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
                               const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
                               const typename Tr::TC* __restrict__ C, const float* __restrict__ D,
                               const typename Tr::T* __restrict__ z, const float* __restrict__ delta_bias,
                               const float* __restrict__ h0, typename Tr::T* __restrict__ out,
                               float* __restrict__ last_state, int dim, int seqlen, int channels_per_group,
-                              int groups) {
+                              int groups, float* __restrict__ states) {
   using namespace scan_detail;
   constexpr int N = Tr::kDstate;
   constexpr int K = Tr::kItems;
@@ -203,6 +209,8 @@ __global__ void __launch_bounds__(Tr::kThreads)
   for (int tile = 0; tile < ntiles; ++tile) {
     __syncwarp();  // the carry written by lane 0 in the last tile (or set above) is visible
     const int t0 = tile * Tr::kTile + lane * K;
+    // The lanes entering a multiple of 16 steps write the states for the backward.
+    const bool st_lane = states && t0 % kStateStride == 0 && t0 < seqlen;
     float uv[K], dt[K], pre[K], dtu[K], y[K];
     load_items<Tr>(u + row, t0, seqlen, uv);
     load_items<Tr>(delta + row, t0, seqlen, dt);
@@ -226,6 +234,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
       const float c_in = carry[n];
       float c_out;
       float h = lane_entry_state<K>(a, bu, c_in, lane, &c_out, nullptr);
+      if (st_lane) states[(chan * ((seqlen + kStateStride - 1) / kStateStride) + t0 / kStateStride) * N + n] = h;
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         h = fmaf(a[k], h, bu[k]);
@@ -281,7 +290,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
 // when variable ([batch, groups, dstate, seqlen] fp32).
 // ---------------------------------------------------------------------------------------------
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kThreads)
+__global__ void __launch_bounds__(Tr::kThreads, 1)
     selective_scan_bwd_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
                               const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
                               const typename Tr::TC* __restrict__ C, const float* __restrict__ D,
@@ -291,7 +300,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
                               typename Tr::T* __restrict__ ddelta, typename Tr::T* __restrict__ dz,
                               float* __restrict__ dh0, float* __restrict__ dB_acc, float* __restrict__ dC_acc,
                               float* states, float* __restrict__ partials, int dim, int seqlen,
-                              int channels_per_group, int groups) {
+                              int channels_per_group, int groups, const float* __restrict__ given) {
   using namespace scan_detail;
   constexpr int N = Tr::kDstate;
   constexpr int K = Tr::kItems;
@@ -314,10 +323,14 @@ __global__ void __launch_bounds__(Tr::kThreads)
   float* tile_states = states + chan * ntiles * N;
   const float bias = Tr::kHasDeltaBias ? delta_bias[d] : 0.0f;
   const float Dd = Tr::kHasD ? D[d] : 0.0f;
+  // The state entering tile i: tile_in[i * tile_step * N + n] (the forward's states, or pass 1's).
+  static_assert(Tr::kTile % kStateStride == 0, "a tile is a whole number of state strides");
+  const float* tile_in = given ? given + chan * ((seqlen + kStateStride - 1) / kStateStride) * N : tile_states;
+  const int tile_step = given ? Tr::kTile / kStateStride : 1;
 
-  // ---- 1: forward, saving the state entering each tile ----
+  // ---- 1: forward, saving the state entering each tile (unless the forward gave them) ----
   for (int n = lane; n < N; n += kWarpSize) carry[n] = Tr::kHasH0 ? h0[chan * N + n] : 0.0f;
-  for (int tile = 0; tile < ntiles; ++tile) {
+  for (int tile = 0; tile < (given ? 0 : ntiles); ++tile) {
     __syncwarp();
     for (int n = lane; n < N; n += kWarpSize) tile_states[tile * N + n] = carry[n];
     const int t0 = tile * Tr::kTile + lane * K;
@@ -386,7 +399,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
       }
       // the states x_t of the lane's steps, from the state saved for this tile
       float P, tile_end;
-      float h = lane_entry_state<K>(a, bu, tile_states[tile * N + n], lane, &tile_end, &P);
+      float h = lane_entry_state<K>(a, bu, tile_in[tile * tile_step * N + n], lane, &tile_end, &P);
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         h = fmaf(a[k], h, bu[k]);
@@ -754,10 +767,16 @@ template <typename Tr, bool kY = true, bool kSumDt = false>
 __device__ __forceinline__ void seq_scan_chunk(float (&x)[Tr::kSpt], const float (&A2)[Tr::kSpt],
                                                const float (&Bf)[Tr::kSpt], const float (&Cf)[Tr::kSpt],
                                                const float* s_dt, const float* s_u, const float* s_B,
-                                               const float* s_C, float* s_y, int cl, int sl, float& sdt) {
-  constexpr int S = Tr::kSpt, L = Tr::kLanes, CS = Tr::kCs, NP = Tr::kNp, kC = Tr::kChunk;
+                                               const float* s_C, float* s_y, int cl, int sl, float& sdt,
+                                               float* ck = nullptr, int t0 = 0, int seqlen = 0) {
+  constexpr int S = Tr::kSpt, L = Tr::kLanes, CS = Tr::kCs, NP = Tr::kNp, kC = Tr::kChunk, N = Tr::kDstate;
 #pragma unroll 2
   for (int t = 0; t < kC; t += 4) {
+    if (ck && t % kStateStride == 0 && t0 + t < seqlen) {  // the state entering step t0 + t
+#pragma unroll
+      for (int i = 0; i < S; ++i)
+        if (sl * S + i < N) ck[((t0 + t) / kStateStride) * N + i] = x[i];
+    }
     float dt[4], du[4], Bv[4][S], Cv[4][S], y[4];
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
@@ -863,8 +882,10 @@ struct SeqSegment {
 
 // Launch bounds with a minimum of one block per SM: without it ptxas capped some configs at 56-72
 // registers and spilled.
+// At 8 states per thread in blocks of 4 warps, 3 blocks per SM (170 registers): ptxas chose 174 once
+// the states for the backward were written, and 2 blocks ran 8x5120x2048 bf16 in 0.89 ms against 0.69.
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kThreads, 1)
+__global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 8 && Tr::kThreads == 128 ? 3 : 1)
     selective_scan_fwd_seq_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
                                   const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
                                   const typename Tr::TC* __restrict__ C, const float* __restrict__ D,
@@ -872,7 +893,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                   const float* __restrict__ h0, typename Tr::T* __restrict__ out,
                                   float* __restrict__ last_state, int dim, int seqlen, int channels_per_group,
                                   int groups, const float* __restrict__ seg_h, const float* __restrict__ seg_dt,
-                                  int seg_len, int nsegs) {
+                                  int seg_len, int nsegs, float* __restrict__ states) {
   using namespace scan_detail;
   using T = typename Tr::T;
   constexpr int N = Tr::kDstate, S = Tr::kSpt, NC = Tr::kChannels, CS = Tr::kCs;
@@ -897,6 +918,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   seq_fold<Tr>(x, A2, seg_h, seg_dt, chan, nsegs, 0, seg.z, 1, sl, live);
   const int tb = seg.cb * kC, te = min(seg.ce * kC, seqlen);
   float unused = 0.0f;
+  // The states for the backward: this thread's slice of [batch, dim, nstates, dstate].
+  float* ck = states && live ? states + chan * ((seqlen + kStateStride - 1) / kStateStride) * N + sl * S : nullptr;
   if constexpr (Tr::kEven) {
     // Every chunk whole and 16-byte aligned: the next chunk's global loads are issued before this
     // chunk's scan (registers), so their latency hides behind it.
@@ -907,7 +930,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       cur.stage(s_u, s_dt, s_B, s_C, delta_bias, d0, dim);
       __syncthreads();
       if (t0 + kC < te) nxt.load(u, delta, z, B, C, b, d0, dim, seqlen, bc_base, t0 + kC);
-      seq_scan_chunk<Tr>(x, A2, Bf, Cf, s_dt, s_u, s_B, s_C, s_y, cl, sl, unused);
+      seq_scan_chunk<Tr>(x, A2, Bf, Cf, s_dt, s_u, s_B, s_C, s_y, cl, sl, unused, ck, t0, seqlen);
       __syncthreads();
       cur.write_out(out, D, s_u, s_y, b, d0, dim, seqlen, t0);
       cur = nxt;
@@ -933,7 +956,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if constexpr (Tr::kVarC) s_C[t * NP + n] = ok ? to_float(C[off]) : 0.0f;
       }
       __syncthreads();
-      seq_scan_chunk<Tr>(x, A2, Bf, Cf, s_dt, s_u, s_B, s_C, s_y, cl, sl, unused);
+      seq_scan_chunk<Tr>(x, A2, Bf, Cf, s_dt, s_u, s_B, s_C, s_y, cl, sl, unused, ck, t0, seqlen);
       __syncthreads();
       for (int e = tid; e < NC * kC; e += Tr::kThreads) {
         const int r = e / kC, t = e % kC;
@@ -960,6 +983,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 //
 // 1. Checkpoints: a forward walk over every chunk but the last writes the state entering each chunk
 //    of kChunk steps to `states` ([batch * dim, nchunks, dstate] fp32; one ex2 per step and state).
+//    Skipped when the forward's states are `given` (training): chunk c starts from given[c * kChunk /
+//    16]. H100, 8x2048x2048 bf16: 1.77 ms with this pass, 1.44 without; 1x2048x65536 (16 segments,
+//    whose local forward pass goes too): 10.35 -> 7.04 ms.
 // 2. Chunks last to first. The block stages the chunk ([step][channel]: u, dt after bias/softplus,
 //    gy = dout * silu(z); [step][state]: a variable B and C row) and each thread
 //    a. recomputes the chunk's forward from its checkpoint, keeping x_t of every step in shared
@@ -1306,7 +1332,7 @@ __global__ void __launch_bounds__(Tr::kThreads,
                                   float* __restrict__ states, float* __restrict__ partials, int dim, int seqlen,
                                   int channels_per_group, int groups, const float* __restrict__ seg_h,
                                   const float* __restrict__ seg_g, const float* __restrict__ seg_dt, int seg_len,
-                                  int nsegs) {
+                                  int nsegs, const float* __restrict__ given) {
   using namespace scan_detail;
   constexpr int N = Tr::kDstate, S = Tr::kSpt, NC = Tr::kChannels, CS = Tr::kCs;
   constexpr int kC = Tr::kChunk, NP = Tr::kNp, W = Tr::kWarps, kRs = kC + 1;
@@ -1333,7 +1359,11 @@ __global__ void __launch_bounds__(Tr::kThreads,
   const long long chan = at.chan, bc_base = at.bc_base;
   const int warp = tid / kWarpSize, lane = tid % kWarpSize;
   const int nchunks = (seqlen + kC - 1) / kC;
-  float* ckpt = states + (live ? chan : 0) * nchunks * N;
+  // The state entering chunk c: ckpt[c * ck_step * N + n], the forward's (given) or pass 1's.
+  static_assert(kC % kStateStride == 0, "a chunk is a whole number of state strides");
+  const float* ckpt = given ? given + (live ? chan : 0) * ((seqlen + kStateStride - 1) / kStateStride) * N
+                            : states + (live ? chan : 0) * nchunks * N;
+  const int ck_step = given ? kC / kStateStride : 1;
 
   float An[S], A2[S], Bf[S], Cf[S], x[S];
   at.template row<true>(A, 1.0f, An);
@@ -1343,12 +1373,14 @@ __global__ void __launch_bounds__(Tr::kThreads,
   at.template row<!Tr::kVarC>(C, 1.0f, Cf);
   at.state(Tr::kHasH0 ? h0 : nullptr, x);
 
-  // ---- 1: checkpoints ----
+  // ---- 1: checkpoints (unless the forward gave them) ----
   const SeqSegment seg(static_cast<int>(blockIdx.z), kC, seqlen, seg_len);
-  seq_fold<Tr>(x, A2, seg_h, seg_dt, chan, nsegs, 0, seg.z, 1, sl, live);
-  float unused = 0.0f;
-  seq_forward_walk<Tr, true>(x, A2, Bf, u, delta, B, delta_bias, ckpt, unused, s_u, s_dt, s_B, b, d0, dim, seqlen,
-                             bc_base, seg.cb, seg.ce, cl, sl, live);
+  if (!given) {
+    seq_fold<Tr>(x, A2, seg_h, seg_dt, chan, nsegs, 0, seg.z, 1, sl, live);
+    float unused = 0.0f;
+    seq_forward_walk<Tr, true>(x, A2, Bf, u, delta, B, delta_bias, states + (live ? chan : 0) * nchunks * N, unused,
+                               s_u, s_dt, s_B, b, d0, dim, seqlen, bc_base, seg.cb, seg.ce, cl, sl, live);
+  }
 
   // ---- 2: chunks in reverse ----
   using Ck = SeqBwdChunk<Tr, kStageAll>;
@@ -1364,7 +1396,7 @@ __global__ void __launch_bounds__(Tr::kThreads,
   float xn[S];  // the next chunk's checkpoint, loaded a chunk ahead like its inputs
   cur.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, (seg.ce - 1) * kC);
 #pragma unroll
-  for (int i = 0; i < S; ++i) xn[i] = live && sl * S + i < N ? ckpt[(seg.ce - 1) * N + sl * S + i] : 0.0f;
+  for (int i = 0; i < S; ++i) xn[i] = live && sl * S + i < N ? ckpt[(seg.ce - 1) * ck_step * N + sl * S + i] : 0.0f;
   for (int c = seg.ce - 1; c >= seg.cb; --c) {
     const int t0 = c * kC;
 #pragma unroll
@@ -1374,7 +1406,7 @@ __global__ void __launch_bounds__(Tr::kThreads,
     if (c > seg.cb) {
       cur.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, t0 - kC);
 #pragma unroll
-      for (int i = 0; i < S; ++i) xn[i] = live && sl * S + i < N ? ckpt[(c - 1) * N + sl * S + i] : 0.0f;
+      for (int i = 0; i < S; ++i) xn[i] = live && sl * S + i < N ? ckpt[(c - 1) * ck_step * N + sl * S + i] : 0.0f;
     }
 
     // a. the chunk's forward from its checkpoint: x_t kept, y and dC on the way
@@ -1542,7 +1574,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 }
 
 // Segment z = blockIdx.z + 1 (every one but the first), the adjoint H_{t-1} = a_t (H_t + gy_t C_t) from a
-// zero end: seg_g = H at its first step; the last segment also writes its sum of dt to seg_dt.
+// zero end: seg_g = H at its first step, and its sum of dt to seg_dt (which the adjoint's fold needs:
+// with the forward's states the forward local pass, which also writes it, does not run).
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     selective_scan_seg_bwd_kernel(const typename Tr::T* __restrict__ delta, const float* __restrict__ A,
@@ -1594,7 +1627,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
   for (int i = 0; i < S; ++i)
     if (at.sl * S + i < N) seg_g[sg * N + at.sl * S + i] = H[i];
-  if (at.sl == 0 && seg.z == nsegs - 1) seg_dt[sg] = sdt;
+  if (at.sl == 0) seg_dt[sg] = sdt;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 // [batch, groups, dstate, seqlen]) in validation, output inference and the specialization key; the
 // cross-argument checks (groups | dim, dstate <= 256); every case of the table plans its kernels.
 // (GPU checks of every case against the float64 reference: Gpu.EveryOpEveryCaseEveryDtypeMatchesReference.)
+#include <functional>
 #include <array>
 #include <algorithm>
 
@@ -41,7 +42,8 @@ std::string invalid_message(const ScanArgs& a, const char* op = "selective_scan.
 TEST(SelectiveScan, VariableAndFixedBShapesInferOutputs) {
   ScanArgs a;
   auto outs = infer_outputs("selective_scan.fwd", a.in());
-  ASSERT_EQ(outs.size(), 2u);
+  ASSERT_EQ(outs.size(), 3u);
+  EXPECT_FALSE(outs[2].present);  // states: only when the caller asks (training)
   EXPECT_EQ(outs[0].shape, (std::vector<int64_t>{2, 8, 100}));
   EXPECT_EQ(outs[0].dtype, DType::bf16);
   EXPECT_EQ(outs[1].shape, (std::vector<int64_t>{2, 8, 4}));
@@ -59,6 +61,36 @@ TEST(SelectiveScan, VariableAndFixedBShapesInferOutputs) {
   EXPECT_TRUE(grads[5].present);   // dD with D
   EXPECT_FALSE(grads[6].present);  // no z, no dz
   EXPECT_FALSE(grads[8].present);  // no h0, no dh0
+}
+
+// The forward's states for the backward: ceil(seqlen / 16) of them, checked on both ops before any
+// launch (BoundCall validates and plans without launching on these fake pointers).
+TEST(SelectiveScan, StatesCountAndShapeAreChecked) {
+  ScanArgs a;  // seqlen 100: 7 states
+  auto message = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  TensorView out(fake(6 << 20), DType::bf16, {2, 8, 100}, 0), last(fake(7 << 20), DType::f32, {2, 8, 4}, 0);
+  TensorView six(fake(8 << 20), DType::f32, {2, 8, 6, 4}, 0);
+  std::string m = message([&] { BoundCall b("selective_scan.fwd", a.in(), {out, last, six}); });
+  EXPECT_NE(m.find("'states': expected 7 states"), std::string::npos) << m;
+  TensorView dout(fake(9 << 20), DType::bf16, {2, 8, 100}, 0);
+  TensorView wrong_dstate(fake(8 << 20), DType::f32, {2, 8, 7, 5}, 0);
+  std::vector<TensorView> in = {dout, a.u, a.delta, a.A, a.B, a.C, a.D, {}, {}, {}, {}, wrong_dstate};
+  m = message([&] { infer_outputs("selective_scan.bwd", in); });
+  EXPECT_NE(m.find("input 'states'"), std::string::npos) << m;
+  TensorView bf16_states(fake(8 << 20), DType::bf16, {2, 8, 7, 4}, 0);
+  in.back() = bf16_states;
+  m = message([&] { infer_outputs("selective_scan.bwd", in); });
+  EXPECT_NE(m.find("input 'states'"), std::string::npos) << m;
+  TensorView seven(fake(8 << 20), DType::f32, {2, 8, 7, 4}, 0);
+  in.back() = seven;
+  EXPECT_NO_THROW(infer_outputs("selective_scan.bwd", in));
 }
 
 TEST(SelectiveScan, ValidationNamesTheArgument) {

@@ -47,6 +47,12 @@ VARIANTS = {
     # few channels and long: the heuristic cuts the sequence into segments run in parallel
     "segments_fixed_bc": dict(batch=2, dim=16, seqlen=9000, form="fixed"),
     "segments_groups_4": dict(batch=1, dim=32, groups=4, seqlen=8200, softplus=False),
+    # batch * dim >= 8192: the sequential-state kernels (the variants above take the warp scan)
+    "wide_8x1024": dict(batch=8, dim=1024, seqlen=130),
+    # the forward keeps no states (save_states=False): the backward recomputes them, with each algorithm
+    "no_saved_states": dict(save=False),
+    "no_saved_states_wide": dict(batch=8, dim=1024, seqlen=130, save=False),
+    "no_saved_states_segments": dict(batch=2, dim=16, seqlen=9000, form="fixed", save=False),
 }
 
 
@@ -87,7 +93,8 @@ def _run_and_check(dtype, v, seed=0):
     args = {k: leaves.get(k) for k in x}
     out, last = kspec.ops.selective_scan_fn(args["u"], args["delta"], args["A"], args["B"], args["C"], D=args["D"],
                                             z=args["z"], delta_bias=args["delta_bias"],
-                                            delta_softplus=v["softplus"], return_last_state=True, h0=args["h0"])
+                                            delta_softplus=v["softplus"], return_last_state=True, h0=args["h0"],
+                                            save_states=v.get("save", True))
     assert out.dtype == dtype and out.shape == x["u"].shape
     assert last.dtype == torch.float32 and last.shape == (v["batch"], v["dim"], v["dstate"])
     dout = torch.randn_like(out)
@@ -137,6 +144,38 @@ def test_long_narrow_problems_take_segments(op):
     text = str(kspec.explain(f"selective_scan.{op}", *args, delta_softplus=True))
     m = re.search(r"algo=1,[0-9a-z=,]*segs=(\d+)", text)
     assert m and int(m.group(1)) > 1, text
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
+@pytest.mark.parametrize("name", ["base", "seqlen_1", "seqlen_1023", "dstate_256", "fixed_b", "wide_8x1024",
+                                  "segments_fixed_bc"])
+def test_forward_states_match_reference(dtype, name):
+    """selective_scan.fwd's `states` (the backward's input in training): the state entering steps 0, 16,
+    32, ... against the float64 reference, poisoned before the call so an unwritten entry shows."""
+    v = dict(BASE, **VARIANTS[name])
+    x = _inputs(dtype, v)
+    args = [x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")]
+    B_, D_, T, N = v["batch"], v["dim"], v["seqlen"], v["dstate"]
+    out = torch.full_like(x["u"], float("nan"))
+    last = torch.full((B_, D_, N), float("nan"), device="cuda")
+    states = torch.full((B_, D_, -(-T // 16), N), float("nan"), device="cuda")
+    kspec.call("selective_scan.fwd", *args, delta_softplus=v["softplus"], out=(out, last, states))
+    np_in = {k: _np(t) for k, t in x.items()}
+    out_r, last_r, states_r = ref.selective_scan_fwd(
+        np_in["u"], np_in["delta"], np_in["A"], np_in["B"], np_in["C"], D=np_in["D"], z=np_in["z"],
+        delta_bias=np_in["delta_bias"], delta_softplus=v["softplus"], h0=np_in["h0"], state_stride=16)
+    tol = _tol(dtype)
+    for name_, got, want in (("out", out, out_r), ("last_state", last, last_r), ("states", states, states_r)):
+        err = rel_err(_np(got), want)
+        assert err <= tol, (name_, err, tol)
+
+
+def test_backward_with_states_of_another_length_is_refused():
+    x = _inputs(torch.float32, dict(BASE))
+    args = [x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")]
+    states = torch.zeros(2, 24, 300 // 16, 16, device="cuda")  # 18, not ceil(300 / 16) = 19
+    with pytest.raises(ValueError, match="'states': expected 19 states"):
+        kspec.call("selective_scan.bwd", torch.randn_like(x["u"]), *args, None, states, delta_softplus=True)
 
 
 def test_forward_without_last_state_and_numpy_free_path():

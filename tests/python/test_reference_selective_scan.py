@@ -232,6 +232,21 @@ def test_chunked_equals_full(layout, optional, split):
         np.testing.assert_allclose(g1["dh0"], g["dh0"], rtol=1e-13, atol=1e-13)
 
 
+@pytest.mark.parametrize("layout", list(BC_LAYOUTS))
+@pytest.mark.parametrize("stride", [1, 3, 16])
+def test_states_are_the_prefix_scans_last_states(layout, stride):
+    """states[:, :, k] (selective_scan.fwd's output for the backward) is the state entering step k *
+    stride: h0 for k = 0, else the last state of the scan over the first k * stride steps."""
+    kw = _inputs(23, layout, OPTIONAL, True, seqlen=37)
+    out, last, states = ref.selective_scan_fwd(**kw, state_stride=stride)
+    assert states.shape == (2, 4, -(-37 // stride), 4)
+    np.testing.assert_array_equal(out, ref.selective_scan_fwd(**kw)[0])
+    np.testing.assert_allclose(states[:, :, 0], kw["h0"], rtol=0, atol=0)
+    for k in range(1, states.shape[2]):
+        prefix = ref.selective_scan_fwd(**_time_slice(kw, 0, k * stride))[1]
+        np.testing.assert_allclose(states[:, :, k], prefix, rtol=1e-13, atol=1e-13)
+
+
 def test_groups_layouts_agree():
     """(batch, dstate, seqlen) is one group; with two groups each half of the channels scans with its
     own group's B and C; and a fixed B is a variable one with dim groups, constant over batch and time."""

@@ -748,8 +748,9 @@ def norm_act_targets(rows, quick) -> list:
 
 # Floors. Bytes: u, delta, z read and out written once (B, C: 2 * batch * dstate * seqlen more), fwd+bwd
 # adds dout, du, ddelta, dz and the forward's reads again. Exponentials: one ex2 per (b, d, t, n) in the
-# forward, three in fwd+bwd (the least without saved states: the forward, the backward's recompute and
-# its adjoint; kspec's backward does three itself, five with segments); the SFU does 16 ex2 per SM and
+# forward, three in fwd+bwd (the forward, the backward's recompute and its adjoint: kspec's with the
+# forward's states every 16 steps, four with segments; without them its backward does three itself, five
+# with segments; mamba_ssm's forward saves x and its backward does one); the SFU does 16 ex2 per SM and
 # clock: 16 * 132 * 1.755e9 = 3.71e12 per second on the H100.
 _SFU_EX2_PER_S = 16 * 132 * 1.755e9
 
@@ -860,8 +861,9 @@ def bench_selective_scan_configs(ctx):
     """selective_scan.fwd or .bwd (--scan-op) at one shape (--scan-shape BxDxL, default 8x2048x2048) under
     each config of a list (--scan-config, repeatable; default: a forward sweep), the heuristic's choice
     timed too and marked: which algorithm, block shape and segment count to prefer. Raw kspec.call, no
-    autograd. Each config's outputs are compared with the heuristic's before it is timed (the forward's
-    out prefix also with the float64 reference)."""
+    autograd: the forward without states (inference), the backward with the forward's states (training;
+    --scan-own-states: without, so it makes its own). Each config's outputs are compared with the
+    heuristic's before it is timed (the forward's out prefix also with the float64 reference)."""
     torch = ctx.torch
     kspec = ctx.kspec
     op = f"selective_scan.{ctx.args.scan_op}"
@@ -869,7 +871,12 @@ def bench_selective_scan_configs(ctx):
     n = 16
     x = _scan_inputs(torch, ctx.dev, b, d, t, n, ctx.args.seed)
     fwd_args = (x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"], x["delta_bias"], None)
-    args = fwd_args if ctx.args.scan_op == "fwd" else (torch.randn_like(x["u"]),) + fwd_args + (None,)
+    states = None
+    if ctx.args.scan_op == "bwd" and not ctx.args.scan_own_states:
+        states = torch.empty(b, d, -(-t // 16), n, device=ctx.dev)
+        kspec.call("selective_scan.fwd", *fwd_args, delta_softplus=True,
+                   out=(torch.empty_like(x["u"]), torch.empty(b, d, n, device=ctx.dev), states))
+    args = fwd_args if ctx.args.scan_op == "fwd" else (torch.randn_like(x["u"]),) + fwd_args + (None, states)
     configs = list(ctx.args.scan_config or [])
     if not configs:
         configs = ["algo=0,warps=4,items=8,lanes=1,chunk=32,segs=1", "algo=0,warps=2,items=8,lanes=1,chunk=32,segs=1"]
@@ -914,8 +921,8 @@ def bench_selective_scan_configs(ctx):
             ("vs heuristic", lambda r: _fmt(r.get("vs_heuristic"), ".1e")),
             ("rel err (prefix)", lambda r: _fmt(r.get("max_error"), ".1e")),
             ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else ""))]
-    notes = ["ex2 floor: one ex2 per step and state for the forward, two for the backward (the least it can"
-             " do without saved states; kspec's does three, five with segments)."]
+    notes = ["ex2 floor: one ex2 per step and state for the forward, two for the backward (its recompute from"
+             " the forward's states and the adjoint; three without the states, and one more with segments)."]
     return {"results": rows}, [Section(f"{op} configs, bf16, {b}x{d}x{t}, dstate {n}", cols, rows, notes)]
 
 
@@ -1780,6 +1787,8 @@ def main(argv=None) -> int:
     p.add_argument("--verbose", "-v", action="store_true", help="print tracebacks of failing variants")
     p.add_argument("--scan-op", choices=("fwd", "bwd"), default="fwd", help="selective_scan_configs: the op")
     p.add_argument("--scan-shape", default="8x2048x2048", metavar="BxDxL", help="selective_scan_configs: the shape")
+    p.add_argument("--scan-own-states", action="store_true",
+                   help="selective_scan_configs: the backward without the forward's states (it makes its own)")
     p.add_argument("--scan-config", action="append", metavar="CONFIG",
                    help="selective_scan_configs: a config to time (repeatable; default: a forward sweep)")
     args = p.parse_args(argv)

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "api/src/device_data.h"
 #include "api/src/op.h"
 #include "selective_scan/reference.h"
 
@@ -17,6 +18,8 @@ constexpr int64_t kMaxDstate = 256;
 // config's tile, so "even" can be decided before the config is.
 constexpr int64_t kEvenMultiple = 512;
 constexpr int64_t kStaticSmemBytes = 48 * 1024;
+// The forward's states for the backward: every 16 steps (kStateStride in the template).
+constexpr int64_t kStateStride = 16;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 const char* b2s(bool b) { return b ? "true" : "false"; }
@@ -50,7 +53,10 @@ std::vector<DimDef> scan_dims(bool with_seqlen) {
                            {"dim", DimKind::Var, {}, "channels (d_inner)"},
                            {"dstate", DimKind::Const, {}, "state size per channel, a template argument (1..256)"},
                            {"groups", DimKind::Var, {}, "B/C groups (variable B/C only); channel d uses group d / (dim / groups)"}};
-  if (with_seqlen) d.insert(d.begin() + 2, DimDef{"seqlen", DimKind::Var, {}, "sequence length"});
+  if (with_seqlen) {
+    d.insert(d.begin() + 2, DimDef{"seqlen", DimKind::Var, {}, "sequence length"});
+    d.push_back({"nstates", DimKind::Var, {}, "the forward's states for the backward: ceil(seqlen / 16)"});
+  }
   return d;
 }
 
@@ -66,6 +72,16 @@ const std::vector<std::string> kBDT = {"batch", "dim", "seqlen"};
 const std::vector<std::string> kVarBC = {"batch", "groups", "dstate", "seqlen"};
 const std::vector<std::string> kFixedBC = {"dim", "dstate"};
 const std::vector<std::string> kState = {"batch", "dim", "dstate"};
+const std::vector<std::string> kStates = {"batch", "dim", "nstates", "dstate"};
+
+// The forward's `states` output and the backward's `states` input agree on ceil(seqlen / 16) entries.
+void check_scan_call(const Call& call) {
+  const Problem& p = call.problem;
+  if (!p.has_dim("nstates")) return;
+  const int64_t want = ceil_div(p.dim("seqlen"), kStateStride);
+  KSPEC_CHECK(p.dim("nstates") == want, p.op->info.name, ": 'states': expected ", want,
+              " states (ceil(seqlen / 16) = ceil(", p.dim("seqlen"), " / 16)), got ", p.dim("nstates"));
+}
 
 // The scan's inputs, shared by fwd (as is) and bwd (after dout).
 std::vector<TensorDef> scan_inputs() {
@@ -152,10 +168,12 @@ void make_stable(const Problem& p, std::vector<HostTensor>& in, size_t first) {
 }
 
 std::vector<HostTensor> fwd_reference(const Problem& p, const std::vector<HostTensor>& in) {
-  auto r = ref::selective_scan_fwd_ref(shape_of_problem(p), scan_inputs_of(p, in, 0));
-  std::vector<HostTensor> out(2);
+  const bool states = p.present("states");
+  auto r = ref::selective_scan_fwd_ref(shape_of_problem(p), scan_inputs_of(p, in, 0), states ? kStateStride : 0);
+  std::vector<HostTensor> out(3);
   out[0] = {true, in[0].shape, std::move(r.out)};
   out[1] = {true, {p.dim("batch"), p.dim("dim"), p.dim("dstate")}, std::move(r.last_state)};
+  if (states) out[2] = {true, {p.dim("batch"), p.dim("dim"), p.dim("nstates"), p.dim("dstate")}, std::move(r.states)};
   return out;
 }
 
@@ -473,7 +491,10 @@ std::vector<Case> scan_cases(bool with_seqlen) {
     Case c;
     c.name = s.name;
     c.dims = {{"batch", s.batch}, {"dim", s.dim}, {"dstate", s.dstate}, {"groups", s.groups}};
-    if (with_seqlen) c.dims.emplace_back("seqlen", s.seqlen);
+    if (with_seqlen) {
+      c.dims.emplace_back("seqlen", s.seqlen);
+      c.dims.emplace_back("nstates", ceil_div(s.seqlen, kStateStride));
+    }
     c.params = {{"delta_softplus", s.softplus}};
     c.without = s.without;
     c.alt_shapes = s.alt;
@@ -496,6 +517,19 @@ std::vector<Case> scan_cases(bool with_seqlen) {
   f32bc.representative = false;
   f32bc.tensor_dtypes = {{"B", DType::f32}, {"C", DType::f32}};
   cases.push_back(f32bc);
+  if (with_seqlen) {
+    // Every case above runs as in training: the forward writes `states`, the backward reads them. These
+    // run without: the forward for inference, the backward with its own forward pass (each algorithm,
+    // and segments).
+    named("none_optional").without.push_back("states");
+    for (const char* n : {"base", "seqlen_1023", "dstate_64", "wide_8x1024", "wide_even_8x1024", "segments_2x32x9000"}) {
+      Case c = named(n);
+      c.name = std::string("no_states_") + n;
+      c.representative = false;
+      c.without.push_back("states");
+      cases.push_back(std::move(c));
+    }
+  }
   return cases;
 }
 
@@ -508,9 +542,13 @@ OpDef scan_base(const char* name, const char* doc, bool with_seqlen) {
   op.info.dims = scan_dims(with_seqlen);
   op.info.reference = "api/ops/selective_scan/reference.cpp (python/kspec/reference/selective_scan.py)";
   op.check = check_scan;
+  op.check_call = check_scan_call;
   op.cases = scan_cases(with_seqlen);
   op.compile_dims = {{"batch", 1}, {"dim", 1}, {"groups", 1}};
-  if (with_seqlen) op.compile_dims.emplace_back("seqlen", 1);
+  if (with_seqlen) {
+    op.compile_dims.emplace_back("seqlen", 1);
+    op.compile_dims.emplace_back("nstates", 1);
+  }
   op.dtypes = kFloatTypes;
   // fp32 over recurrences of hundreds to 65536 steps, with ex2.approx decays: 4e-5.
   op.tolerance_scale = 4.0;
@@ -537,6 +575,9 @@ OpDef make_fwd() {
   op.info.outputs = {
       tensor("out", kBDT, {}, "u", false, false, "", "output"),
       tensor("last_state", kState, {DType::f32}, "", false, false, "", "x at the last step"),
+      tensor("states", kStates, {DType::f32}, "", false, true, "",
+             "for training: the state entering steps 0, 16, 32, ... (selective_scan.bwd's `states`, which then "
+             "skips its own forward pass); leave out for inference"),
   };
   op.tuning = fwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
@@ -557,8 +598,8 @@ OpDef make_fwd() {
     void *u = call.in("u").data, *delta = call.in("delta").data, *A = call.in("A").data, *B = call.in("B").data,
          *C = call.in("C").data, *D = call.in("D").data, *z = call.in("z").data,
          *bias = call.in("delta_bias").data, *h0 = call.in("h0").data, *out = call.out("out").data,
-         *last = call.out("last_state").data;
-    void* args[] = {&u, &delta, &A, &B, &C, &D, &z, &bias, &h0, &out, &last, &dim, &seqlen, &cpg, &groups};
+         *last = call.out("last_state").data, *states = call.out("states").data;
+    void* args[] = {&u, &delta, &A, &B, &C, &D, &z, &bias, &h0, &out, &last, &dim, &seqlen, &cpg, &groups, &states};
     int64_t warps = c.get("warps");
     if (seqlen == 0 || dim == 0) return;
     if (c.get("algo") == 1) {
@@ -577,8 +618,8 @@ OpDef make_fwd() {
         l.launch(1, {gx, gy, u32(sp.nsegs - 1)}, {u32(warps * 32)}, static_cast<unsigned>(seq_seg_smem_bytes(p, c)),
                  sargs);
       }
-      void* sargs[] = {&u,   &delta,  &A,   &B,      &C,     &D,     &z,    &bias,      &h0,      &out,
-                       &last, &dim,   &seqlen, &cpg, &groups, &seg_h, &seg_dt, &sp.seg_len, &sp.nsegs};
+      void* sargs[] = {&u,    &delta, &A,      &B,   &C,      &D,     &z,      &bias,      &h0,       &out,
+                       &last, &dim,   &seqlen, &cpg, &groups, &seg_h, &seg_dt, &sp.seg_len, &sp.nsegs, &states};
       l.launch(0, {gx, gy, u32(sp.nsegs)}, {u32(warps * 32)}, static_cast<unsigned>(seq_fwd_smem_bytes(p, c)), sargs);
       return;
     }
@@ -601,6 +642,9 @@ OpDef make_bwd() {
   inputs[1].dtype_of = "dout";
   inputs[1].dtypes = {};
   inputs.push_back(tensor("dlast_state", kState, {DType::f32}, "", false, true, "", "gradient of last_state (else zero)"));
+  inputs.push_back(tensor("states", kStates, {DType::f32}, "", false, true, "",
+                          "selective_scan.fwd's states of these inputs: the backward then skips its own forward "
+                          "pass (else it makes them in a workspace)"));
   op.info.inputs = inputs;
   op.info.outputs = {
       tensor("du", kBDT, {}, "u", false, false, "", "gradient of u"),
@@ -645,8 +689,9 @@ OpDef make_bwd() {
     // Workspace: tile (algo 0) or chunk (algo 1) states | per-channel (and segment) partials | variable
     // dB, dC accumulators | with segments, their local end states, adjoints and sums of dt (fp32).
     SegPlan sp = seq ? seg_plan(p, c) : SegPlan{seqlen, 1};
+    void* given = call.in("states").data;  // the forward's states: no forward pass, no workspace for them
     int64_t ntiles = ceil_div(seq64, seq ? c.get("chunk") : 32 * items);
-    int64_t n_states = batch * dim64 * ntiles * N, n_part = batch * sp.nsegs * dim64 * (3 * N + 2);
+    int64_t n_states = given ? 0 : batch * dim64 * ntiles * N, n_part = batch * sp.nsegs * dim64 * (3 * N + 2);
     int64_t n_var = batch * groups * N * seq64;
     int64_t n_db = vb ? n_var : 0, n_dc = vc ? n_var : 0;
     int64_t n_seg = sp.nsegs > 1 ? batch * dim64 * sp.nsegs * (2 * N + 1) : 0;
@@ -667,25 +712,26 @@ OpDef make_bwd() {
          *dlast = call.in("dlast_state").data;
     void *du = call.out("du").data, *ddelta = call.out("ddelta").data, *dz = call.out("dz").data,
          *dh0 = call.out("dh0").data;
-    void* args[] = {&u,     &delta, &A,  &B,      &C,      &D,      &z,    &bias,  &h0,  &dout, &dlast, &du,
-                    &ddelta, &dz,   &dh0, &db_acc, &dc_acc, &states, &part, &dim, &seqlen, &cpg, &groups};
+    void* args[] = {&u,      &delta, &A,   &B,      &C,      &D,      &z,    &bias, &h0,     &dout, &dlast,  &du,
+                    &ddelta, &dz,    &dh0, &db_acc, &dc_acc, &states, &part, &dim,  &seqlen, &cpg,  &groups, &given};
     if (seq) {
       // A block's channels share one group (the tuning space's rule, kept apart in the plan cache by the key).
       KSPEC_CHECK_AS(seq_channels(c) <= group_fit(p), Error, "selective_scan.bwd: config ", c.str(),
                      " puts channels of two B/C groups in one block (a plan chosen for another dim?)");
       const unsigned gx = u32(ceil_div(dim, seq_channels(c))), gy = u32(batch), threads = u32(warps * 32);
       if (sp.nsegs > 1) {
-        // The segments' local forward (all but the last) and adjoint (all but the first) passes.
+        // The segments' local forward (all but the last; not needed with the forward's states) and adjoint
+        // (all but the first) passes.
         const unsigned smem = static_cast<unsigned>(seq_seg_smem_bytes(p, c));
         void* fargs[] = {&u, &delta, &A, &B, &bias, &seg_h, &seg_dt, &dim, &seqlen, &cpg, &groups, &sp.seg_len, &sp.nsegs};
-        l.launch(3, {gx, gy, u32(sp.nsegs - 1)}, {threads}, smem, fargs);
+        if (!given) l.launch(3, {gx, gy, u32(sp.nsegs - 1)}, {threads}, smem, fargs);
         void* gargs[] = {&delta, &A,   &C,      &z,   &bias,   &dout,      &seg_g,   &seg_dt,
                          &dim,   &seqlen, &cpg, &groups, &sp.seg_len, &sp.nsegs};
         l.launch(4, {gx, gy, u32(sp.nsegs - 1)}, {threads}, smem, gargs);
       }
       void* sargs[] = {&u,      &delta,  &A,     &B,     &C,      &D,    &z,      &bias,   &h0,     &dout,
                        &dlast,  &du,     &ddelta, &dz,   &dh0,    &db_acc, &dc_acc, &states, &part,   &dim,
-                       &seqlen, &cpg,    &groups, &seg_h, &seg_g, &seg_dt, &sp.seg_len, &sp.nsegs};
+                       &seqlen, &cpg,    &groups, &seg_h, &seg_g, &seg_dt, &sp.seg_len, &sp.nsegs, &given};
       l.launch(0, {gx, gy, u32(sp.nsegs)}, {threads}, static_cast<unsigned>(seq_bwd_smem_bytes(p, c)), sargs);
     } else {
       // With a variable B/C, warps divides dim / groups (the tuning space's rule, kept apart in the plan
@@ -705,7 +751,14 @@ OpDef make_bwd() {
   for (auto& c : op.cases)
     if (c.name == std::string("none_optional")) c.without.push_back("dlast_state");
   op.reference = bwd_reference;
-  op.prepare_inputs = [](const Problem& p, std::vector<HostTensor>& in) { make_stable(p, in, 1); };
+  op.prepare_inputs = [](const Problem& p, std::vector<HostTensor>& in) {
+    make_stable(p, in, 1);
+    if (!in[11].defined) return;
+    // The states a forward of these very inputs would have written (as the GPU will see them).
+    for (size_t i = 1; i <= 9; ++i)
+      if (in[i].defined) quantize(p.inputs[i].dtype, in[i].data);
+    in[11].data = ref::selective_scan_fwd_ref(shape_of_problem(p), scan_inputs_of(p, in, 1), kStateStride).states;
+  };
   return op;
 }
 

@@ -85,11 +85,14 @@ void load_h0(const ScanShape& s, const ScanInputs& in, int64_t b, int64_t d, dou
 
 }  // namespace
 
-ScanOutputs selective_scan_fwd_ref(const ScanShape& s, const ScanInputs& in) {
+ScanOutputs selective_scan_fwd_ref(const ScanShape& s, const ScanInputs& in, int64_t state_stride) {
   check_args(s, in);
+  if (state_stride < 0) throw std::invalid_argument("selective_scan_fwd_ref: state_stride must be >= 0");
   ScanOutputs res;
   res.out.assign(static_cast<size_t>(s.batch * s.dim * s.seqlen), 0.0);
   res.last_state.assign(static_cast<size_t>(s.batch * s.dim * s.dstate), 0.0);
+  const int64_t nst = state_stride > 0 ? (s.seqlen + state_stride - 1) / state_stride : 0;
+  res.states.assign(static_cast<size_t>(s.batch * s.dim * nst * s.dstate), 0.0);
   std::vector<double> pre(s.seqlen), dt(s.seqlen), x(s.dstate);
   for (int64_t b = 0; b < s.batch; ++b) {
     for (int64_t d = 0; d < s.dim; ++d) {
@@ -97,6 +100,9 @@ ScanOutputs selective_scan_fwd_ref(const ScanShape& s, const ScanInputs& in) {
       load_h0(s, in, b, d, x.data());
       const int64_t row = (b * s.dim + d) * s.seqlen;
       for (int64_t t = 0; t < s.seqlen; ++t) {
+        if (nst > 0 && t % state_stride == 0)
+          for (int64_t n = 0; n < s.dstate; ++n)
+            res.states[((b * s.dim + d) * nst + t / state_stride) * s.dstate + n] = x[n];
         double o = step(s, in, b, d, t, dt[t], x.data());
         if (!in.D.empty()) o += in.D[d] * in.u[row + t];
         if (!in.z.empty()) o *= in.z[row + t] * sigmoid(in.z[row + t]);

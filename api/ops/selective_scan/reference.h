@@ -28,9 +28,11 @@ struct ScanInputs {
   bool delta_softplus = false;
 };
 
-// out: [batch, dim, seqlen]; last_state: [batch, dim, dstate] = x_{seqlen-1}.
+// out: [batch, dim, seqlen]; last_state: [batch, dim, dstate] = x_{seqlen-1}; states (when asked for
+// with a stride k > 0): [batch, dim, ceil(seqlen / k), dstate], the state entering steps 0, k, 2k, ...
+// (x_{-1} = h0 or 0 first).
 struct ScanOutputs {
-  std::vector<double> out, last_state;
+  std::vector<double> out, last_state, states;
 };
 
 // Gradients of sum(dout * out) + sum(dlast_state * last_state), each in its input's layout (dB and dC
@@ -41,7 +43,7 @@ struct ScanGrads {
 
 // Both throw std::invalid_argument when a size disagrees with the shape. The forward keeps only the
 // current state: O(dstate) scratch for any seqlen.
-ScanOutputs selective_scan_fwd_ref(const ScanShape& shape, const ScanInputs& in);
+ScanOutputs selective_scan_fwd_ref(const ScanShape& shape, const ScanInputs& in, int64_t state_stride = 0);
 
 // dout: [batch, dim, seqlen]; dlast_state: [batch, dim, dstate] or null (no gradient flows into
 // last_state). Recomputes the forward one channel at a time and stores that channel's states

@@ -115,10 +115,15 @@ def _gate(p, y):
     return out, (out if p["z"] is None else out * p["z"] * _sigmoid(p["z"]))
 
 
-def selective_scan_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, h0=None):
-    """Returns (out: (batch, dim, seqlen), last_state: (batch, dim, dstate)), both float64."""
+def selective_scan_fwd(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, h0=None,
+                       state_stride=0):
+    """Returns (out: (batch, dim, seqlen), last_state: (batch, dim, dstate)), both float64; with
+    state_stride k > 0 also states (batch, dim, ceil(seqlen / k), dstate): the state entering steps 0, k,
+    2k, ... (selective_scan.fwd's `states` output for k = 16)."""
     p = _prepare(u, delta, A, B, C, D, z, delta_bias, delta_softplus, h0)
-    y, last, _ = _scan(p, keep_states=False)
+    y, last, states = _scan(p, keep_states=state_stride > 0)
+    if state_stride > 0:
+        return _gate(p, y)[1], last, np.ascontiguousarray(states[:-1:state_stride].transpose(1, 2, 0, 3))
     return _gate(p, y)[1], last
 
 
