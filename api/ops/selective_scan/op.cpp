@@ -543,6 +543,17 @@ OpDef scan_base(const char* name, const char* doc, bool with_seqlen) {
   op.info.reference = "api/ops/selective_scan/reference.cpp (python/kspec/reference/selective_scan.py)";
   op.check = check_scan;
   op.check_call = check_scan_call;
+  // The tuning bucket: every runtime dim rounded up to a power of two, but nstates (seqlen's, derived).
+  op.tune_bucket = [](const Problem& p) {
+    std::string s;
+    for (const auto& d : p.op->info.dims) {
+      if (d.kind != DimKind::Var || d.name == "nstates" || !p.has_dim(d.name)) continue;
+      int64_t v = 1;
+      while (v < p.dim(d.name)) v *= 2;
+      s += (s.empty() ? "" : ",") + d.name + "=" + std::to_string(v);
+    }
+    return s;
+  };
   op.cases = scan_cases(with_seqlen);
   op.compile_dims = {{"batch", 1}, {"dim", 1}, {"groups", 1}};
   if (with_seqlen) {
