@@ -1095,6 +1095,15 @@ struct SeqBwdChunk {
     }
   }
 
+  // Element k's dt after bias and softplus (0 past seqlen and dim), and in *pre its value before softplus.
+  __device__ __forceinline__ float dt_of(int k, bool ok, const float* __restrict__ delta_bias, int d0, int r,
+                                         float* pre) const {
+    *pre = dl[k] + (Tr::kHasDeltaBias && ok ? delta_bias[d0 + r] : 0.0f);
+    return ok ? (Tr::kSoftplus ? softplus_sfu(*pre) : *pre) : 0.0f;
+  }
+  // Element k's gy = dout silu(z).
+  __device__ __forceinline__ float gy_of(int k) const { return Tr::kHasZ ? g[k] * silu(zz[k]) : g[k]; }
+
   // The main backward pass's staging (kStageAll), in the layout of seq_bwd_smem_floats: s_st[t][r] =
   // {dt, dt u, gy, u}, s_sig = softplus'(pre), s_dzf = dout silu'(z) [t][r]; a variable B, C to s_bc.
   __device__ __forceinline__ void stage_packed(float4* s_st, float* s_sig, float* s_dzf, float* s_bc,
@@ -1106,9 +1115,9 @@ struct SeqBwdChunk {
       int r, t;
       const bool ok = elem(k, d0, dim, seqlen, t0, &r, &t);
       if (r >= NC) continue;
-      const float pre = dl[k] + (Tr::kHasDeltaBias && ok ? delta_bias[d0 + r] : 0.0f);
-      const float dt = ok ? (Tr::kSoftplus ? softplus_sfu(pre) : pre) : 0.0f;
-      s_st[t * (NC + 1) + r] = make_float4(dt, dt * u[k], Tr::kHasZ ? g[k] * silu(zz[k]) : g[k], u[k]);
+      float pre;
+      const float dt = dt_of(k, ok, delta_bias, d0, r, &pre);
+      s_st[t * (NC + 1) + r] = make_float4(dt, dt * u[k], gy_of(k), u[k]);
       const int i = t * CS + r;
       if constexpr (Tr::kSoftplus) s_sig[i] = sigmoid(pre);
       if constexpr (Tr::kHasZ) s_dzf[i] = g[k] * d_silu(zz[k]);
@@ -1125,25 +1134,22 @@ struct SeqBwdChunk {
     }
   }
 
-  // s_u, s_dt (bias, softplus; 0 past seqlen), s_B/s_C[t][n]; with the adjoint's inputs also s_gy = dout
-  // silu(z), and for kStageAll what the outputs need: s_sig = softplus'(pre), s_dzf = dout silu'(z).
-  __device__ __forceinline__ void stage(float* s_u, float* s_dt, float* s_gy, float* s_sig, float* s_dzf, float* s_B,
-                                        float* s_C, const float* __restrict__ delta_bias, int d0, int dim,
-                                        int seqlen, int t0) const {
+  // The walks' staging (kStageWalk, kStageAdjoint): s_u, s_dt (bias, softplus; 0 past seqlen),
+  // s_B/s_C[t][n]; with the adjoint's inputs also s_gy = dout silu(z).
+  __device__ __forceinline__ void stage(float* s_u, float* s_dt, float* s_gy, float* s_B, float* s_C,
+                                        const float* __restrict__ delta_bias, int d0, int dim, int seqlen,
+                                        int t0) const {
+    static_assert(kMode != kStageAll, "the main pass stages with stage_packed");
 #pragma unroll
     for (int k = 0; k < PE; ++k) {
       int r, t;
       const bool ok = elem(k, d0, dim, seqlen, t0, &r, &t);
       if (r >= NC) continue;
-      const float pre = dl[k] + (Tr::kHasDeltaBias && ok ? delta_bias[d0 + r] : 0.0f);
+      float pre;
       const int i = t * CS + r;
       if constexpr (kU) s_u[i] = u[k];
-      s_dt[i] = ok ? (Tr::kSoftplus ? softplus_sfu(pre) : pre) : 0.0f;
-      if constexpr (kG) s_gy[i] = Tr::kHasZ ? g[k] * silu(zz[k]) : g[k];
-      if constexpr (kMode == kStageAll) {
-        if constexpr (Tr::kSoftplus) s_sig[i] = sigmoid(pre);
-        if constexpr (Tr::kHasZ) s_dzf[i] = g[k] * d_silu(zz[k]);
-      }
+      s_dt[i] = dt_of(k, ok, delta_bias, d0, r, &pre);
+      if constexpr (kG) s_gy[i] = gy_of(k);
     }
 #pragma unroll
     for (int k = 0; k < PN; ++k) {
@@ -1179,7 +1185,7 @@ __device__ __forceinline__ void seq_forward_walk(float (&x)[Tr::kSpt], const flo
         if (live && sl * S + i < N) ckpt[c * N + sl * S + i] = x[i];
     }
     if (c == last) break;
-    cur.stage(s_u, s_dt, nullptr, nullptr, nullptr, s_B, nullptr, delta_bias, d0, dim, seqlen, c * kC);
+    cur.stage(s_u, s_dt, nullptr, s_B, nullptr, delta_bias, d0, dim, seqlen, c * kC);
     __syncthreads();
     if (c + 1 < last) cur.load(u, delta, nullptr, nullptr, B, nullptr, b, d0, dim, seqlen, bc_base, (c + 1) * kC);
     seq_scan_chunk<Tr, false, !kCkpt>(x, A2, Bf, Bf, s_dt, s_u, s_B, nullptr, nullptr, cl, sl, sdt);
@@ -1600,7 +1606,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   cur.load(nullptr, delta, dout, z, nullptr, C, at.b, at.d0, dim, seqlen, at.bc_base, (seg.ce - 1) * kC);
   float sdt = 0.0f;
   for (int c = seg.ce - 1; c >= seg.cb; --c) {
-    cur.stage(nullptr, s_dt, s_gy, nullptr, nullptr, nullptr, s_C, delta_bias, at.d0, dim, seqlen, c * kC);
+    cur.stage(nullptr, s_dt, s_gy, nullptr, s_C, delta_bias, at.d0, dim, seqlen, c * kC);
     __syncthreads();
     if (c > seg.cb) cur.load(nullptr, delta, dout, z, nullptr, C, at.b, at.d0, dim, seqlen, at.bc_base, (c - 1) * kC);
 #pragma unroll 2
