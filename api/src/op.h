@@ -166,6 +166,9 @@ struct OpDef {
   std::function<std::string(const Problem&)> tune_bucket;
   // Dims with a value when compiling without tensors (e.g. rows=1 for Var dims).
   std::vector<std::pair<std::string, int64_t>> compile_dims;
+  // Optional: a runtime dim that follows from others (a checkpoint count from seqlen), as value(p) of a
+  // request's problem when the request does not give it (after compile_dims; before any other default).
+  std::vector<std::pair<std::string, std::function<int64_t(const Problem&)>>> derived_dims;
   std::vector<DType> dtypes;  // the op's main dtypes (for precompile and checks)
   // False for ops the generic GPU checker (api/src/check.cpp) cannot drive (TensorList inputs): their
   // own tests compare them with the reference.

@@ -594,6 +594,11 @@ Problem problem_from_request(const OpDef& op, const CompileRequest& req) {
     for (const auto& d : p.dims) have = have || d.first == name;
     if (!have) p.dims.emplace_back(name, v);
   }
+  for (const auto& [name, value] : op.derived_dims) {
+    bool have = false;
+    for (const auto& d : p.dims) have = have || d.first == name;
+    if (!have) p.dims.emplace_back(name, value(p));
+  }
   for (const auto& d : info.dims) {
     bool have = false;
     for (const auto& b : p.dims) have = have || b.first == d.name;

@@ -2,11 +2,12 @@
 // [batch, groups, dstate, seqlen]) in validation, output inference and the specialization key; the
 // cross-argument checks (groups | dim, dstate <= 256); every case of the table plans its kernels.
 // (GPU checks of every case against the float64 reference: Gpu.EveryOpEveryCaseEveryDtypeMatchesReference.)
-#include <functional>
-#include <array>
 #include <algorithm>
+#include <array>
+#include <functional>
 
 #include "api/src/op.h"
+#include "api/src/tuning.h"
 #include "kspec/kspec.h"
 #include "test_helpers.h"
 
@@ -91,6 +92,27 @@ TEST(SelectiveScan, StatesCountAndShapeAreChecked) {
   TensorView seven(fake(8 << 20), DType::f32, {2, 8, 7, 4}, 0);
   in.back() = seven;
   EXPECT_NO_THROW(infer_outputs("selective_scan.bwd", in));
+}
+
+// A request (compile, tune) that names seqlen but not nstates gets ceil(seqlen / 16) states, so the
+// tuner's tensors pass the call's check; the tuning bucket leaves the derived dim out.
+TEST(SelectiveScan, RequestsDeriveTheStateCountFromSeqlen) {
+  for (const char* name : {"selective_scan.fwd", "selective_scan.bwd"}) {
+    const OpDef& op = Registry::global().get(name);
+    CompileRequest r;
+    r.op = name;
+    r.dtype = DType::bf16;
+    r.params = {{"batch", int64_t(8)}, {"dim", int64_t(2048)}, {"seqlen", int64_t(2047)}, {"dstate", int64_t(16)}};
+    Problem p = problem_from_request(op, r);
+    EXPECT_EQ(p.dim("nstates"), 128) << name;
+    EXPECT_EQ(tune_bucket(p), "batch=8,dim=2048,seqlen=2048,groups=1") << name;
+  }
+  const OpDef& e79 = Registry::global().get("e79.fwd");
+  CompileRequest r;
+  r.op = "e79.fwd";
+  r.dtype = DType::bf16;
+  r.params = {{"n", int64_t(32)}, {"seqlen", int64_t(100)}, {"chunk", int64_t(16)}};
+  EXPECT_EQ(problem_from_request(e79, r).dim("nchk"), 7);
 }
 
 TEST(SelectiveScan, ValidationNamesTheArgument) {

@@ -419,7 +419,8 @@ OpDef e79_base(const char* name, const char* doc, bool bwd) {
   op.derived_key = e79_key;
   op.info.tuning_axes = op.tuning.axes;
   op.cases = e79_cases(bwd);
-  op.compile_dims = {{"seqlen", 1}, {"batch", 1}, {"nchk", 1}};
+  op.compile_dims = {{"seqlen", 1}, {"batch", 1}};
+  op.derived_dims = {{"nchk", [](const Problem& p) { return ceil_div(p.dim("seqlen"), std::max<int64_t>(p.param_int("chunk"), 1)); }}};
   op.dtypes = kFloatTypes;
   // fp32 over recurrences of up to 1024 steps through two coupled n x n states (sigmoid gates,
   // normalizations): errors grow with T; 4e-5 relative.

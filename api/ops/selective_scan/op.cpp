@@ -558,7 +558,7 @@ OpDef scan_base(const char* name, const char* doc, bool with_seqlen) {
   op.compile_dims = {{"batch", 1}, {"dim", 1}, {"groups", 1}};
   if (with_seqlen) {
     op.compile_dims.emplace_back("seqlen", 1);
-    op.compile_dims.emplace_back("nstates", 1);
+    op.derived_dims.emplace_back("nstates", [](const Problem& p) { return ceil_div(p.dim("seqlen"), kStateStride); });
   }
   op.dtypes = kFloatTypes;
   // fp32 over recurrences of hundreds to 65536 steps, with ex2.approx decays: 4e-5.
