@@ -470,21 +470,27 @@ std::vector<int64_t> shape_of(const TensorDef& t, const Problem& p) {
 
 
 // Trailing optional arguments may be left out: an op that gains an optional input or output keeps its
-// callers. Padded with absent views; any other count is left for the caller's check to report.
-static std::vector<TensorView> pad_optional(const std::vector<TensorView>& given, const std::vector<TensorDef>& defs) {
-  std::vector<TensorView> v = given;
-  bool all_optional = v.size() < defs.size();
-  for (size_t i = v.size(); i < defs.size(); ++i) all_optional = all_optional && defs[i].optional;
-  if (all_optional) v.resize(defs.size());
-  return v;
+// callers. `given` itself when nothing is left out (no copy on the call path), else a copy padded with
+// absent views in `storage`; any other count is left for the caller's check to report.
+static const std::vector<TensorView>& pad_optional(const std::vector<TensorView>& given,
+                                                   const std::vector<TensorDef>& defs,
+                                                   std::vector<TensorView>& storage) {
+  if (given.size() >= defs.size()) return given;
+  for (size_t i = given.size(); i < defs.size(); ++i)
+    if (!defs[i].optional) return given;
+  storage = given;
+  storage.resize(defs.size());
+  return storage;
 }
 
 Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs_given,
                    const std::vector<TensorView>& outputs_given, const Params& params, Stream stream,
                    bool inputs_only) {
   const OpInfo& info = op.info;
-  const std::vector<TensorView> inputs = pad_optional(inputs_given, info.inputs);
-  const std::vector<TensorView> outputs = inputs_only ? outputs_given : pad_optional(outputs_given, info.outputs);
+  std::vector<TensorView> in_storage, out_storage;
+  const std::vector<TensorView>& inputs = pad_optional(inputs_given, info.inputs, in_storage);
+  const std::vector<TensorView>& outputs =
+      inputs_only ? outputs_given : pad_optional(outputs_given, info.outputs, out_storage);
   auto names = [](const std::vector<TensorDef>& defs) {
     std::string s;
     for (const auto& d : defs) s += (s.empty() ? "" : ", ") + d.name;
@@ -594,11 +600,8 @@ Problem problem_from_request(const OpDef& op, const CompileRequest& req) {
     for (const auto& d : p.dims) have = have || d.first == name;
     if (!have) p.dims.emplace_back(name, v);
   }
-  for (const auto& [name, value] : op.derived_dims) {
-    bool have = false;
-    for (const auto& d : p.dims) have = have || d.first == name;
-    if (!have) p.dims.emplace_back(name, value(p));
-  }
+  for (const auto& [name, value] : op.derived_dims)
+    if (!p.has_dim(name)) p.dims.emplace_back(name, value(p));
   for (const auto& d : info.dims) {
     bool have = false;
     for (const auto& b : p.dims) have = have || b.first == d.name;
