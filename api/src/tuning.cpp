@@ -130,14 +130,18 @@ bool autotune(const OpDef& op, const Problem& p, int device, const std::string& 
 
 }  // namespace
 
-std::string tune_bucket(const Problem& p) {
-  if (p.op && p.op->tune_bucket) return p.op->tune_bucket(p);
+std::string pow2_bucket(const Problem& p, std::string_view skip) {
   std::string s;
   for (const auto& d : p.op->info.dims) {
-    if (d.kind != DimKind::Var || !p.has_dim(d.name)) continue;
+    if (d.kind != DimKind::Var || !p.has_dim(d.name) || d.name == skip) continue;
     s += (s.empty() ? "" : ",") + d.name + "=" + std::to_string(next_pow2(p.dim(d.name)));
   }
   return s;
+}
+
+std::string tune_bucket(const Problem& p) {
+  if (p.op && p.op->tune_bucket) return p.op->tune_bucket(p);
+  return pow2_bucket(p);
 }
 
 std::string tuning_key(const Problem& p) { return p.signature() + "#" + tune_bucket(p); }

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "api/src/op.h"
 #include "kspec/tune.h"
@@ -13,6 +14,8 @@ namespace kspec {
 // The op's bucket of a problem's runtime dims (OpDef::tune_bucket, else each Var dim rounded up to a
 // power of two: "rows=16384").
 std::string tune_bucket(const Problem& p);
+// The default bucket: each Var dim the problem has, but `skip`, rounded up to a power of two.
+std::string pow2_bucket(const Problem& p, std::string_view skip = {});
 // The database key: the problem signature (op, arch, dtypes, compiled dims and params, alignment,
 // derived keys) and the bucket, "<signature>#<bucket>".
 std::string tuning_key(const Problem& p);

@@ -6,6 +6,7 @@
 
 #include "api/src/device_data.h"
 #include "api/src/op.h"
+#include "api/src/tuning.h"
 #include "selective_scan/reference.h"
 
 namespace kspec {
@@ -22,6 +23,7 @@ constexpr int64_t kStaticSmemBytes = 48 * 1024;
 constexpr int64_t kStateStride = 16;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t nstates_for(int64_t seqlen) { return ceil_div(seqlen, kStateStride); }
 const char* b2s(bool b) { return b ? "true" : "false"; }
 
 bool var_b(const Problem& p) { return !p.alt("B"); }
@@ -78,7 +80,7 @@ const std::vector<std::string> kStates = {"batch", "dim", "nstates", "dstate"};
 void check_scan_call(const Call& call) {
   const Problem& p = call.problem;
   if (!p.has_dim("nstates")) return;
-  const int64_t want = ceil_div(p.dim("seqlen"), kStateStride);
+  const int64_t want = nstates_for(p.dim("seqlen"));
   KSPEC_CHECK(p.dim("nstates") == want, p.op->info.name, ": 'states': expected ", want,
               " states (ceil(seqlen / 16) = ceil(", p.dim("seqlen"), " / 16)), got ", p.dim("nstates"));
 }
@@ -493,7 +495,7 @@ std::vector<Case> scan_cases(bool with_seqlen) {
     c.dims = {{"batch", s.batch}, {"dim", s.dim}, {"dstate", s.dstate}, {"groups", s.groups}};
     if (with_seqlen) {
       c.dims.emplace_back("seqlen", s.seqlen);
-      c.dims.emplace_back("nstates", ceil_div(s.seqlen, kStateStride));
+      c.dims.emplace_back("nstates", nstates_for(s.seqlen));
     }
     c.params = {{"delta_softplus", s.softplus}};
     c.without = s.without;
@@ -543,22 +545,13 @@ OpDef scan_base(const char* name, const char* doc, bool with_seqlen) {
   op.info.reference = "api/ops/selective_scan/reference.cpp (python/kspec/reference/selective_scan.py)";
   op.check = check_scan;
   op.check_call = check_scan_call;
-  // The tuning bucket: every runtime dim rounded up to a power of two, but nstates (seqlen's, derived).
-  op.tune_bucket = [](const Problem& p) {
-    std::string s;
-    for (const auto& d : p.op->info.dims) {
-      if (d.kind != DimKind::Var || d.name == "nstates" || !p.has_dim(d.name)) continue;
-      int64_t v = 1;
-      while (v < p.dim(d.name)) v *= 2;
-      s += (s.empty() ? "" : ",") + d.name + "=" + std::to_string(v);
-    }
-    return s;
-  };
+  // The tuning bucket: the default's, but nstates (seqlen's, derived).
+  op.tune_bucket = [](const Problem& p) { return pow2_bucket(p, "nstates"); };
   op.cases = scan_cases(with_seqlen);
   op.compile_dims = {{"batch", 1}, {"dim", 1}, {"groups", 1}};
   if (with_seqlen) {
     op.compile_dims.emplace_back("seqlen", 1);
-    op.derived_dims.emplace_back("nstates", [](const Problem& p) { return ceil_div(p.dim("seqlen"), kStateStride); });
+    op.derived_dims.emplace_back("nstates", [](const Problem& p) { return nstates_for(p.dim("seqlen")); });
   }
   op.dtypes = kFloatTypes;
   // fp32 over recurrences of hundreds to 65536 steps, with ex2.approx decays: 4e-5.
