@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from ._core import call
+from ._torch import wants_grad
 
 BIAS_MODES = ("none", "fixed", "input")
 DEFAULT_CHUNK = 16
@@ -189,7 +190,7 @@ def cell_torch(kvqm, b_s, b_m, S0, M0, n, mode, chunk, config=None):
     S0 = None if S0 is None else S0.float().contiguous()
     M0 = None if M0 is None else M0.float().contiguous()
     if torch.compiler.is_compiling():
-        save = torch.is_grad_enabled() and any([t.requires_grad for t in (kvqm, b_s, b_m, S0, M0) if t is not None])
+        save = wants_grad(kvqm, b_s, b_m, S0, M0)
         out, S, M, _ = e79_fwd(kvqm, b_s, b_m, S0, M0, n, mode, chunk, config, save)
         return out, S, M
     return E79Function.apply(kvqm, b_s, b_m, S0, M0, n, mode, chunk, config)

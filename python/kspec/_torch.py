@@ -199,15 +199,17 @@ class _SelectiveScan(torch.autograd.Function):
         return (*_scan_grads(ctx, dout, dlast, _scan_bwd_call), None, None)
 
 
-def _wants_grad(*tensors):
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def wants_grad(*tensors):
+    """Whether autograd will want a gradient of any of these (None skipped): the custom ops' forward keeps
+    what the backward needs only then."""
+    return torch.is_grad_enabled() and any([t.requires_grad for t in tensors if t is not None])
 
 
 def selective_scan(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, save_states=True):
     """(out, last_state). With `save_states` (the default) and a gradient wanted, the forward keeps the
     state every 16 steps for the backward: batch * dim * ceil(seqlen / 16) * dstate * 4 bytes."""
     if torch.compiler.is_compiling():
-        save = save_states and _wants_grad(u, delta, A, B, C, D, z, delta_bias, h0)
+        save = save_states and wants_grad(u, delta, A, B, C, D, z, delta_bias, h0)
         out, last, _ = selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, save)
         return out, last
     return _SelectiveScan.apply(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, save_states)
