@@ -91,10 +91,10 @@ if has sanitize; then
   step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 build/gpu/tests/cpp/kspec_tests \
     --gtest_filter='Gpu.EveryVisibleDevice'
   # The scan's kernels of both algorithms (shared memory staged by the block, shuffles, atomics).
-  for op_cfg in "selective_scan.fwd algo=0,warps=4,items=8,lanes=1,chunk=32" \
-                "selective_scan.fwd algo=1,warps=4,items=4,lanes=4,chunk=32" \
-                "selective_scan.bwd algo=0,warps=4,items=8,lanes=1,chunk=16" \
-                "selective_scan.bwd algo=1,warps=4,items=4,lanes=8,chunk=16"; do
+  for op_cfg in "selective_scan.fwd algo=0,warps=4,items=8,lanes=1,chunk=32,segs=1" \
+                "selective_scan.fwd algo=1,warps=4,items=4,lanes=4,chunk=32,segs=1" \
+                "selective_scan.bwd algo=0,warps=4,items=8,lanes=1,chunk=16,segs=1" \
+                "selective_scan.bwd algo=1,warps=4,items=4,lanes=8,chunk=16,segs=1"; do
     read -r op cfg <<< "$op_cfg"
     name=${op#selective_scan.}_a${cfg:5:1}
     step "memcheck_$name" compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m kspec check --op "$op" \
