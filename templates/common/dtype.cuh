@@ -37,6 +37,29 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
+// One element as its raw bits in a 32-bit word (16-bit types zero-extended), for a value that waits in a
+// register between its load and its use: converted at the load, the compiler waited for the load there.
+// raw_to_float gives the value; raw 0 is 0.0f for every type.
+__device__ __forceinline__ unsigned load_raw(const float* p) { return __float_as_uint(*p); }
+__device__ __forceinline__ unsigned load_raw(const __half* p) { return *reinterpret_cast<const unsigned short*>(p); }
+__device__ __forceinline__ unsigned load_raw(const __nv_bfloat16* p) {
+  return *reinterpret_cast<const unsigned short*>(p);
+}
+template <typename T>
+__device__ __forceinline__ float raw_to_float(unsigned r);
+template <>
+__device__ __forceinline__ float raw_to_float<float>(unsigned r) {
+  return __uint_as_float(r);
+}
+template <>
+__device__ __forceinline__ float raw_to_float<__half>(unsigned r) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(r)));
+}
+template <>
+__device__ __forceinline__ float raw_to_float<__nv_bfloat16>(unsigned r) {
+  return __uint_as_float(r << 16);
+}
+
 // Any-to-any conversion through fp32 (exact for every pair we support, apart from the final rounding).
 template <typename To, typename From>
 __device__ __forceinline__ To load_as(From v) {
@@ -64,6 +87,21 @@ __device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
 template <int N, typename T>
 __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& val) {
   *reinterpret_cast<Vec<T, N>*>(p) = val;
+}
+
+// 16 bytes held as four raw 32-bit words, e.g. a prefetch waiting in registers. Held as Vec<bf16, 8>, the
+// compiler split the 16-bit elements into registers right at the load (PRMT), which waited for the load
+// there; as words they are split where used (as_vec). p must be 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ uint4 load_raw16(const T* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> as_vec(const uint4& raw) {
+  static_assert(sizeof(Vec<T, N>) == sizeof(uint4), "16 bytes");
+  Vec<T, N> v;
+  memcpy(&v, &raw, sizeof(v));
+  return v;
 }
 
 // Widest legal access for T: 16 bytes, or N elements if that is less.
