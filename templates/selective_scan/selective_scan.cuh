@@ -566,9 +566,9 @@ __global__ void selective_scan_bwd_reduce_kernel(const float* __restrict__ parti
 // Per chunk of kChunk steps the block (kChannels = kThreads / kLanes neighbouring channels of one batch
 // and group) stages through shared memory, transposed to [step][channel] so a step's values are one
 // conflict-free read per warp:
-//   s_dt[t][c] = dt after bias/softplus (computed once per channel and step, not once per state)
+//   s_dtu[t][c] = {dt after bias/softplus, dt u} (computed once per channel and step, not once per state)
 //   s_u[t][c]  = u,   s_B[t][n], s_C[t][n] = a variable B/C row of the block's group,
-// then the threads scan (writing y = C . x to s_y[t][c]) and the block writes out = (y + D u) * silu(z)
+// then the threads scan (writing y = C . x to s_y[t][c]) and the block writes out = (y + D u) silu(z)
 // with coalesced stores. Padding steps past seqlen have dt = 0 and u = 0, so a = 1 and b = 0: every
 // thread runs the whole chunk (a constant trip count) and the state passes through them unchanged.
 // Padding states (n >= dstate) have A = B = C = 0 and stay 0.
@@ -606,10 +606,11 @@ struct SeqScanTraits {
   static_assert(kWarps >= 1 && kWarps <= 32, "1..32 warps per block");
 };
 
-// Shared memory of the sequential forward, in floats: s_dt, s_u, s_y, then s_B and s_C when variable.
+// Shared memory of the sequential forward, in floats: s_dtu (float2 {dt, dt u}), s_u, s_y, then s_B and s_C
+// when variable.
 template <typename Tr>
 constexpr int seq_fwd_smem_floats() {
-  return 3 * Tr::kChunk * Tr::kCs + ((Tr::kVarB ? 1 : 0) + (Tr::kVarC ? 1 : 0)) * Tr::kChunk * Tr::kNp;
+  return 4 * Tr::kChunk * Tr::kCs + ((Tr::kVarB ? 1 : 0) + (Tr::kVarC ? 1 : 0)) * Tr::kChunk * Tr::kNp;
 }
 
 namespace scan_detail {
@@ -664,9 +665,8 @@ struct SeqPrefetch {
   static constexpr int PU = (kRowVecs + Tr::kThreads - 1) / Tr::kThreads;
   static constexpr int PB = Tr::kVarB ? (NP * kPerRowB + Tr::kThreads - 1) / Tr::kThreads : 0;
   static constexpr int PC = Tr::kVarC ? (NP * kPerRowC + Tr::kThreads - 1) / Tr::kThreads : 0;
-  Vec<T, V> u[PU], d[PU], z[Tr::kHasZ ? PU : 1];
-  Vec<TB, VB> bv[PB > 0 ? PB : 1];
-  Vec<TC, VC> cv[PC > 0 ? PC : 1];
+  uint4 u[PU], d[PU], z[Tr::kHasZ ? PU : 1];  // raw 16-byte vectors (see load_raw16)
+  uint4 bv[PB > 0 ? PB : 1], cv[PC > 0 ? PC : 1];
 
   __device__ __forceinline__ void load(const T* __restrict__ gu, const T* __restrict__ gd, const T* __restrict__ gz,
                                        const TB* __restrict__ gB, const TC* __restrict__ gC, int b, int d0, int dim,
@@ -678,28 +678,44 @@ struct SeqPrefetch {
       const int r = e / kPerRow, tv = (e % kPerRow) * V;
       if (e < kRowVecs && d0 + r < dim) {
         const long long off = (static_cast<long long>(b) * dim + d0 + r) * seqlen + t0 + tv;
-        u[k] = load_vec<V>(gu + off);
-        d[k] = load_vec<V>(gd + off);
-        if constexpr (Tr::kHasZ) z[k] = load_vec<V>(gz + off);
+        u[k] = load_raw16(gu + off);
+        d[k] = load_raw16(gd + off);
+        if constexpr (Tr::kHasZ) z[k] = load_raw16(gz + off);
       }
     }
 #pragma unroll
     for (int k = 0; k < PB; ++k) {
       const int e = tid + k * Tr::kThreads;
       const int n = e / kPerRowB, tv = (e % kPerRowB) * VB;
-      if (n < N) bv[k] = load_vec<VB>(gB + bc_base + static_cast<long long>(n) * seqlen + t0 + tv);
+      if (n < N) bv[k] = load_raw16(gB + bc_base + static_cast<long long>(n) * seqlen + t0 + tv);
     }
 #pragma unroll
     for (int k = 0; k < PC; ++k) {
       const int e = tid + k * Tr::kThreads;
       const int n = e / kPerRowC, tv = (e % kPerRowC) * VC;
-      if (n < N) cv[k] = load_vec<VC>(gC + bc_base + static_cast<long long>(n) * seqlen + t0 + tv);
+      if (n < N) cv[k] = load_raw16(gC + bc_base + static_cast<long long>(n) * seqlen + t0 + tv);
     }
   }
 
-  // s_u[t][c] = u, s_dt[t][c] = dt (bias, softplus), s_B/s_C[t][n]; zeros for rows past dim or dstate.
-  __device__ __forceinline__ void stage(float* s_u, float* s_dt, float* s_B, float* s_C,
-                                        const float* __restrict__ delta_bias, int d0, int dim) const {
+  // delta_bias and D of the channel of this thread's vector k (fixed rows per k), loaded once.
+  struct Rows {
+    float bias[PU], D[PU];
+    __device__ __forceinline__ Rows(const float* __restrict__ delta_bias, const float* __restrict__ Dp, int d0,
+                                    int dim) {
+#pragma unroll
+      for (int k = 0; k < PU; ++k) {
+        const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads, r = e / kPerRow;
+        const bool ok = e < kRowVecs && d0 + r < dim;
+        bias[k] = Tr::kHasDeltaBias && ok ? delta_bias[d0 + r] : 0.0f;
+        D[k] = Tr::kHasD && ok ? Dp[d0 + r] : 0.0f;
+      }
+    }
+  };
+
+  // s_u[t][c] = u, s_dtu[t][c] = {dt (bias, softplus), dt u}, s_B/s_C[t][n]; zeros for rows past dim or
+  // dstate.
+  __device__ __forceinline__ void stage(float2* s_dtu, float* s_u, float* s_B, float* s_C, const Rows& rows, int d0,
+                                        int dim) const {
     constexpr int CS = Tr::kCs;
     const int tid = static_cast<int>(threadIdx.x);
 #pragma unroll
@@ -708,13 +724,15 @@ struct SeqPrefetch {
       const int r = e / kPerRow, tv = (e % kPerRow) * V;
       if (e >= kRowVecs) continue;
       const bool ok = d0 + r < dim;
-      const float bias = Tr::kHasDeltaBias && ok ? delta_bias[d0 + r] : 0.0f;
+      const Vec<T, V> dv = as_vec<T, V>(d[k]), uv = as_vec<T, V>(u[k]);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        float w = to_float(d[k].v[j]) + bias;
+        float w = to_float(dv.v[j]) + rows.bias[k];
         if constexpr (Tr::kSoftplus) w = softplus_sfu(w);
-        s_u[(tv + j) * CS + r] = ok ? to_float(u[k].v[j]) : 0.0f;
-        s_dt[(tv + j) * CS + r] = ok ? w : 0.0f;
+        const float uu = ok ? to_float(uv.v[j]) : 0.0f;
+        w = ok ? w : 0.0f;
+        s_u[(tv + j) * CS + r] = uu;
+        s_dtu[(tv + j) * CS + r] = make_float2(w, w * uu);
       }
     }
 #pragma unroll
@@ -722,22 +740,24 @@ struct SeqPrefetch {
       const int e = tid + k * Tr::kThreads;
       const int n = e / kPerRowB, tv = (e % kPerRowB) * VB;
       if (n >= NP) continue;
+      const Vec<TB, VB> v = as_vec<TB, VB>(bv[k]);
 #pragma unroll
-      for (int j = 0; j < VB; ++j) s_B[(tv + j) * NP + n] = n < N ? to_float(bv[k].v[j]) : 0.0f;
+      for (int j = 0; j < VB; ++j) s_B[(tv + j) * NP + n] = n < N ? to_float(v.v[j]) : 0.0f;
     }
 #pragma unroll
     for (int k = 0; k < PC; ++k) {
       const int e = tid + k * Tr::kThreads;
       const int n = e / kPerRowC, tv = (e % kPerRowC) * VC;
       if (n >= NP) continue;
+      const Vec<TC, VC> v = as_vec<TC, VC>(cv[k]);
 #pragma unroll
-      for (int j = 0; j < VC; ++j) s_C[(tv + j) * NP + n] = n < N ? to_float(cv[k].v[j]) : 0.0f;
+      for (int j = 0; j < VC; ++j) s_C[(tv + j) * NP + n] = n < N ? to_float(v.v[j]) : 0.0f;
     }
   }
 
   // out = (y + D u) * silu(z) for the vectors this thread staged (its z still in registers).
-  __device__ __forceinline__ void write_out(T* __restrict__ gout, const float* __restrict__ D, const float* s_u,
-                                            const float* s_y, int b, int d0, int dim, int seqlen, int t0) const {
+  __device__ __forceinline__ void write_out(T* __restrict__ gout, const Rows& rows, const float* s_u, const float* s_y,
+                                            int b, int d0, int dim, int seqlen, int t0) const {
     constexpr int CS = Tr::kCs;
     const int tid = static_cast<int>(threadIdx.x);
 #pragma unroll
@@ -745,12 +765,13 @@ struct SeqPrefetch {
       const int e = tid + k * Tr::kThreads;
       const int r = e / kPerRow, tv = (e % kPerRow) * V;
       if (e >= kRowVecs || d0 + r >= dim) continue;
-      const float Dd = Tr::kHasD ? D[d0 + r] : 0.0f;
+      const float Dd = rows.D[k];
+      const Vec<T, V> zv = as_vec<T, V>(z[k]);
       Vec<T, V> o;
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         float v = fmaf(Dd, s_u[(tv + j) * CS + r], s_y[(tv + j) * CS + r]);
-        if constexpr (Tr::kHasZ) v *= silu(to_float(z[k].v[j]));
+        if constexpr (Tr::kHasZ) v *= silu_sfu(to_float(zv.v[j]));
         o.v[j] = from_float<T>(v);
       }
       store_vec<V>(gout + (static_cast<long long>(b) * dim + d0 + r) * seqlen + t0 + tv, o);
@@ -766,7 +787,7 @@ struct SeqPrefetch {
 template <typename Tr, bool kY = true, bool kSumDt = false>
 __device__ __forceinline__ void seq_scan_chunk(float (&x)[Tr::kSpt], const float (&A2)[Tr::kSpt],
                                                const float (&Bf)[Tr::kSpt], const float (&Cf)[Tr::kSpt],
-                                               const float* s_dt, const float* s_u, const float* s_B,
+                                               const float2* s_dtu, const float* s_B,
                                                const float* s_C, float* s_y, int cl, int sl, float& sdt,
                                                float* ck = nullptr, int t0 = 0, int seqlen = 0) {
   constexpr int S = Tr::kSpt, L = Tr::kLanes, CS = Tr::kCs, NP = Tr::kNp, kC = Tr::kChunk, N = Tr::kDstate;
@@ -780,8 +801,9 @@ __device__ __forceinline__ void seq_scan_chunk(float (&x)[Tr::kSpt], const float
     float dt[4], du[4], Bv[4][S], Cv[4][S], y[4];
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
-      dt[g] = s_dt[(t + g) * CS + cl];
-      du[g] = dt[g] * s_u[(t + g) * CS + cl];
+      const float2 q = s_dtu[(t + g) * CS + cl];
+      dt[g] = q.x;
+      du[g] = q.y;
       if constexpr (kSumDt) sdt += dt[g];
 #pragma unroll
       for (int i = 0; i < S; ++i) {
@@ -899,8 +921,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 8 && Tr::kThreads ==
   constexpr int N = Tr::kDstate, S = Tr::kSpt, NC = Tr::kChannels, CS = Tr::kCs;
   constexpr int kC = Tr::kChunk, NP = Tr::kNp;
   extern __shared__ float smem[];
-  float* s_dt = smem;
-  float* s_u = s_dt + kC * CS;
+  float2* s_dtu = reinterpret_cast<float2*>(smem);
+  float* s_u = smem + 2 * kC * CS;
   float* s_y = s_u + kC * CS;
   float* s_B = s_y + kC * CS;
   float* s_C = s_B + (Tr::kVarB ? kC * NP : 0);
@@ -925,14 +947,15 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 8 && Tr::kThreads ==
     // chunk's scan (registers), so their latency hides behind it.
     using Pf = SeqPrefetch<Tr>;
     Pf cur, nxt;
+    const typename Pf::Rows rows(delta_bias, D, d0, dim);
     cur.load(u, delta, z, B, C, b, d0, dim, seqlen, bc_base, tb);
     for (int t0 = tb; t0 < te; t0 += kC) {
-      cur.stage(s_u, s_dt, s_B, s_C, delta_bias, d0, dim);
+      cur.stage(s_dtu, s_u, s_B, s_C, rows, d0, dim);
       __syncthreads();
       if (t0 + kC < te) nxt.load(u, delta, z, B, C, b, d0, dim, seqlen, bc_base, t0 + kC);
-      seq_scan_chunk<Tr>(x, A2, Bf, Cf, s_dt, s_u, s_B, s_C, s_y, cl, sl, unused, ck, t0, seqlen);
+      seq_scan_chunk<Tr>(x, A2, Bf, Cf, s_dtu, s_B, s_C, s_y, cl, sl, unused, ck, t0, seqlen);
       __syncthreads();
-      cur.write_out(out, D, s_u, s_y, b, d0, dim, seqlen, t0);
+      cur.write_out(out, rows, s_u, s_y, b, d0, dim, seqlen, t0);
       cur = nxt;
       __syncthreads();  // s_u, s_y are restaged next
     }
@@ -945,8 +968,10 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 8 && Tr::kThreads ==
         const long long off = (static_cast<long long>(b) * dim + d0 + r) * seqlen + t0 + t;
         float w = ok ? to_float(delta[off]) + (Tr::kHasDeltaBias ? delta_bias[d0 + r] : 0.0f) : 0.0f;
         if constexpr (Tr::kSoftplus) w = softplus_sfu(w);
-        s_u[t * CS + r] = ok ? to_float(u[off]) : 0.0f;
-        s_dt[t * CS + r] = ok ? w : 0.0f;
+        const float uu = ok ? to_float(u[off]) : 0.0f;
+        w = ok ? w : 0.0f;
+        s_u[t * CS + r] = uu;
+        s_dtu[t * CS + r] = make_float2(w, w * uu);
       }
       for (int e = tid; e < NP * kC; e += Tr::kThreads) {
         const int n = e / kC, t = e % kC;
@@ -956,14 +981,14 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 8 && Tr::kThreads ==
         if constexpr (Tr::kVarC) s_C[t * NP + n] = ok ? to_float(C[off]) : 0.0f;
       }
       __syncthreads();
-      seq_scan_chunk<Tr>(x, A2, Bf, Cf, s_dt, s_u, s_B, s_C, s_y, cl, sl, unused, ck, t0, seqlen);
+      seq_scan_chunk<Tr>(x, A2, Bf, Cf, s_dtu, s_B, s_C, s_y, cl, sl, unused, ck, t0, seqlen);
       __syncthreads();
       for (int e = tid; e < NC * kC; e += Tr::kThreads) {
         const int r = e / kC, t = e % kC;
         if (d0 + r >= dim || t0 + t >= seqlen) continue;
         const long long off = (static_cast<long long>(b) * dim + d0 + r) * seqlen + t0 + t;
         float o = fmaf(Tr::kHasD ? D[d0 + r] : 0.0f, s_u[t * CS + r], s_y[t * CS + r]);
-        if constexpr (Tr::kHasZ) o *= silu(to_float(z[off]));
+        if constexpr (Tr::kHasZ) o *= silu_sfu(to_float(z[off]));
         out[off] = from_float<T>(o);
       }
       __syncthreads();  // s_u, s_y are restaged next
@@ -988,15 +1013,17 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 8 && Tr::kThreads ==
 //    whose local forward pass goes too): 10.35 -> 7.04 ms.
 // 2. Chunks last to first. The block stages the chunk ([step][channel]: u, dt after bias/softplus,
 //    gy = dout * silu(z); [step][state]: a variable B and C row) and each thread
-//    a. recomputes the chunk's forward from its checkpoint, keeping x_t of every step in shared
-//       memory (each thread its own; registers were tried: the fully unrolled chunk took 255
+//    a. recomputes the chunk's forward from its checkpoint, keeping x_{t-1} and a_t of every step in
+//       shared memory (each thread its own; registers were tried: the fully unrolled chunk took 255
 //       registers and spilled) and, on the way, y = C . x (for dz) and dC_t = gy_t x_t;
 //    b. runs the adjoint backwards through the chunk, H_{t-1} = a_t (H_t + gy_t C_t) with
-//       hx = H_t + gy_t C_t the adjoint of x_t (a_t recomputed: an ex2 is cheaper than a round trip
-//       through shared memory), and forms
+//       hx = H_t + gy_t C_t the adjoint of x_t, and forms
 //         ddt_t = sum_n hx (A a_t x_{t-1} + B_t u_t) = sum_n A q + u_t hb,  du_t = dt_t hb + D gy_t,
-//         dA += dt_t q,  dB_t = hx dt_t u_t,   with q = hx a_t x_{t-1}, hb = sum_n hx B_t and
-//         a_t x_{t-1} = x_t - dt_t B_t u_t.
+//         dA += dt_t q,  dB_t = hx dt_t u_t,   with q = hx a_t x_{t-1} = H_{t-1} x_{t-1} and
+//         hb = sum_n hx B_t.
+//       a_t from shared memory rather than a second ex2: the ex2's latency sat on the adjoint's chain
+//       (a third of ncu's stall samples were FMULs waiting on it). With q from x_{t-1} (it was
+//       (x_t - dt_t B_t u_t) hx, a cancellation) the adjoint is 7 FMA/FMUL per state, was 10.
 //    Sums over a channel's kLanes threads (ddt, du, y) and over the channels of a warp (a variable
 //    dB_t, dC_t) are transposing shuffle reductions over groups of 4 steps (TransposeReduce); the
 //    warps' dB/dC then go through shared memory and one fp32 atomicAdd per element, chunk and block
@@ -1004,14 +1031,18 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 8 && Tr::kThreads ==
 //    dout silu'(z) in shared memory, so the outputs du, ddelta, dz are written from there.
 // 3. dA, a fixed dB/dC, dD and ddelta_bias go to `partials` per channel as in algo 0 (the same
 //    reduce kernel sums them over the batch, deterministically), dh0 = the adjoint left at t = -1.
-// Three ex2 per step and state in all (mamba_ssm's backward: one; its forward saves the checkpoints),
-// no per-state scans. The next chunk's global loads are issued before this chunk's work.
+// Two ex2 per step and state in all, one with the forward's states (mamba_ssm's backward: one; its
+// forward saves the checkpoints), no per-state scans. The next chunk's global loads are issued before
+// this chunk's work.
 // Measured (H100, 8x2048x2048 bf16): 2.35 ms at 8 lanes, against 2.63 for the warp scan's best and
 // ~2.4 for mamba_ssm's backward; 2.00 ms with registers capped at 128 (see the launch bounds), 1.92 at
 // 8 warps. ncu (8 warps, 8 lanes): 68 warp instructions per step and state slot, IPC 2.4, bound by the
 // L1's shared-memory wavefronts (79% busy): a step's values were 3 scalar loads and B, C two more per
 // thread and pass. Packed as below (one 16-byte load of {dt, dt u, gy, u}, B and C of the thread's
-// states side by side, x_t as one vector per thread): 1.77 ms.
+// states side by side, x_t as one vector per thread): 1.77 ms. With the forward's states: 1.44 ms at 8
+// warps. ncu then: 49 warp instructions per step and state slot, of which 12 FSEL/SHFL/FADD of the
+// sums, 13 per thread and chunk (staging, outputs, atomics), 17 the two passes' arithmetic. With a_t
+// kept (below) and delta_bias, D loaded once: 1.39 ms at 4 warps (8 warps no longer fit 96 KiB).
 //
 // Launch: as the sequential forward (gridDim = (ceil(dim / kChannels), batch, nsegs), blockDim =
 // kThreads), dynamic shared memory seq_bwd_smem_floats() floats; the arguments of
@@ -1028,7 +1059,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 8 && Tr::kThreads ==
 //   s_st  [step][channel (+1 pad)] float4 {dt, dt u, gy, u}: one 16-byte read per step and thread;
 //   s_bc  [step][thread slice][B of its kSpt states, C of them] (row padded by 4; when B or C is
 //         variable): one or two vector reads per step and thread;
-//   s_x   [step][thread][state]: the chunk's states x_t, each thread its own;
+//   s_x   [step][thread][x_{t-1} of its kSpt states, a_t of them]: each thread its own;
 //   s_ddt, s_du (s_sig with softplus; s_y, s_dzf with z) [step][channel]; the warps' variable dB, dC as
 //   [warp][state][step (+1 pad)].
 template <typename Tr>
@@ -1039,7 +1070,8 @@ template <typename Tr>
 constexpr int seq_bwd_smem_floats() {
   constexpr int nvar = (Tr::kVarB ? 1 : 0) + (Tr::kVarC ? 1 : 0);
   return 4 * Tr::kChunk * (Tr::kChannels + 1) + (nvar ? Tr::kChunk * seq_bwd_bc_stride<Tr>() : 0) +
-         Tr::kChunk * Tr::kSpt * Tr::kThreads + (2 + (Tr::kSoftplus ? 1 : 0) + (Tr::kHasZ ? 2 : 0)) * Tr::kChunk * Tr::kCs +
+         2 * Tr::kChunk * Tr::kSpt * Tr::kThreads +
+         (2 + (Tr::kSoftplus ? 1 : 0) + (Tr::kHasZ ? 2 : 0)) * Tr::kChunk * Tr::kCs +
          nvar * Tr::kWarps * Tr::kNp * (Tr::kChunk + 1);
 }
 
@@ -1060,8 +1092,20 @@ struct SeqBwdChunk {
   static constexpr int PN = (NP * kC + Tr::kThreads - 1) / Tr::kThreads;
   static constexpr bool kU = kMode != kStageAdjoint, kG = kMode != kStageWalk, kZ = kG && Tr::kHasZ;
   static constexpr bool kB = kU && Tr::kVarB, kCv = kG && Tr::kVarC;
-  float u[kU ? PE : 1], dl[PE], g[kG ? PE : 1], zz[kZ ? PE : 1];
-  float bv[kB ? PN : 1], cv[kCv ? PN : 1];
+  // raw bits (load_raw; 0 past dim, seqlen and dstate), converted where staged: as floats, converted at
+  // the load, the compiler waited for the loads there, at the top of the chunk's work
+  unsigned u[kU ? PE : 1], dl[PE], g[kG ? PE : 1], zz[kZ ? PE : 1];
+  unsigned bv[kB ? PN : 1], cv[kCv ? PN : 1];
+  static __device__ __forceinline__ float f(unsigned r) { return raw_to_float<T>(r); }
+  float bias[PE];  // delta_bias of element k's channel, loaded once (the rows are fixed per k)
+
+  __device__ __forceinline__ SeqBwdChunk(const float* __restrict__ delta_bias, int d0, int dim) {
+#pragma unroll
+    for (int k = 0; k < PE; ++k) {
+      const int r = (static_cast<int>(threadIdx.x) + k * Tr::kThreads) / kC;
+      bias[k] = Tr::kHasDeltaBias && r < NC && d0 + r < dim ? delta_bias[d0 + r] : 0.0f;
+    }
+  }
 
   static __device__ __forceinline__ bool elem(int k, int d0, int dim, int seqlen, int t0, int* r, int* t) {
     const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads;
@@ -1079,10 +1123,16 @@ struct SeqBwdChunk {
       int r, t;
       const bool ok = elem(k, d0, dim, seqlen, t0, &r, &t);
       const long long off = (static_cast<long long>(b) * dim + d0 + r) * seqlen + t0 + t;
-      if constexpr (kU) u[k] = ok ? to_float(gu[off]) : 0.0f;
-      dl[k] = ok ? to_float(gd[off]) : 0.0f;
-      if constexpr (kG) g[k] = ok ? to_float(gout[off]) : 0.0f;
-      if constexpr (kZ) zz[k] = ok ? to_float(gz[off]) : 0.0f;
+      if constexpr (kU) u[k] = 0u;
+      dl[k] = 0u;
+      if constexpr (kG) g[k] = 0u;
+      if constexpr (kZ) zz[k] = 0u;
+      if (ok) {
+        if constexpr (kU) u[k] = load_raw(gu + off);
+        dl[k] = load_raw(gd + off);
+        if constexpr (kG) g[k] = load_raw(gout + off);
+        if constexpr (kZ) zz[k] = load_raw(gz + off);
+      }
     }
 #pragma unroll
     for (int k = 0; k < PN; ++k) {
@@ -1090,37 +1140,47 @@ struct SeqBwdChunk {
       const int n = e / kC, t = e % kC;
       const bool ok = n < N && t0 + t < seqlen;
       const long long off = bc_base + static_cast<long long>(n) * seqlen + t0 + t;
-      if constexpr (kB) bv[k] = ok ? to_float(gB[off]) : 0.0f;
-      if constexpr (kCv) cv[k] = ok ? to_float(gC[off]) : 0.0f;
+      if constexpr (kB) bv[k] = 0u;
+      if constexpr (kCv) cv[k] = 0u;
+      if (ok) {
+        if constexpr (kB) bv[k] = load_raw(gB + off);
+        if constexpr (kCv) cv[k] = load_raw(gC + off);
+      }
     }
   }
 
-  // Element k's dt after bias and softplus (0 past seqlen and dim), and in *pre its value before softplus.
-  __device__ __forceinline__ float dt_of(int k, bool ok, const float* __restrict__ delta_bias, int d0, int r,
-                                         float* pre) const {
-    *pre = dl[k] + (Tr::kHasDeltaBias && ok ? delta_bias[d0 + r] : 0.0f);
-    return ok ? (Tr::kSoftplus ? softplus_sfu(*pre) : *pre) : 0.0f;
+  // Element k's dt after bias and softplus (0 past seqlen and dim), and in *sig softplus' there.
+  __device__ __forceinline__ float dt_of(int k, bool ok, float* sig) const {
+    const float pre = f(dl[k]) + bias[k];
+    *sig = 1.0f;
+    return ok ? (Tr::kSoftplus ? softplus_sfu(pre, sig) : pre) : 0.0f;
   }
   // Element k's gy = dout silu(z).
-  __device__ __forceinline__ float gy_of(int k) const { return Tr::kHasZ ? g[k] * silu(zz[k]) : g[k]; }
+  __device__ __forceinline__ float gy_of(int k) const { return Tr::kHasZ ? f(g[k]) * silu_sfu(f(zz[k])) : f(g[k]); }
 
   // The main backward pass's staging (kStageAll), in the layout of seq_bwd_smem_floats: s_st[t][r] =
   // {dt, dt u, gy, u}, s_sig = softplus'(pre), s_dzf = dout silu'(z) [t][r]; a variable B, C to s_bc.
-  __device__ __forceinline__ void stage_packed(float4* s_st, float* s_sig, float* s_dzf, float* s_bc,
-                                               const float* __restrict__ delta_bias, int d0, int dim, int seqlen,
-                                               int t0) const {
+  __device__ __forceinline__ void stage_packed(float4* s_st, float* s_sig, float* s_dzf, float* s_bc, int d0,
+                                               int dim, int seqlen, int t0) const {
     static_assert(kMode == kStageAll, "the packed layout is the main pass's");
 #pragma unroll
     for (int k = 0; k < PE; ++k) {
       int r, t;
       const bool ok = elem(k, d0, dim, seqlen, t0, &r, &t);
       if (r >= NC) continue;
-      float pre;
-      const float dt = dt_of(k, ok, delta_bias, d0, r, &pre);
-      s_st[t * (NC + 1) + r] = make_float4(dt, dt * u[k], gy_of(k), u[k]);
+      float sig;
+      const float dt = dt_of(k, ok, &sig);
       const int i = t * CS + r;
-      if constexpr (Tr::kSoftplus) s_sig[i] = sigmoid(pre);
-      if constexpr (Tr::kHasZ) s_dzf[i] = g[k] * d_silu(zz[k]);
+      if constexpr (Tr::kHasZ) {
+        const float zk = f(zz[k]), gk = f(g[k]), uk = f(u[k]);
+        const float sz = sigmoid_sfu(zk);  // silu(z) = z sz, silu'(z) = sz (1 + z (1 - sz))
+        s_st[t * (NC + 1) + r] = make_float4(dt, dt * uk, gk * zk * sz, uk);
+        s_dzf[i] = gk * sz * fmaf(zk, 1.0f - sz, 1.0f);
+      } else {
+        const float uk = f(u[k]);
+        s_st[t * (NC + 1) + r] = make_float4(dt, dt * uk, f(g[k]), uk);
+      }
+      if constexpr (Tr::kSoftplus) s_sig[i] = sig;
     }
     constexpr int S = Tr::kSpt, RS = seq_bwd_bc_stride<Tr>();
 #pragma unroll
@@ -1129,26 +1189,26 @@ struct SeqBwdChunk {
       if (e >= NP * kC) continue;
       const int n = e / kC, t = e % kC;
       float* row = s_bc + t * RS + (n / S) * 2 * S + n % S;
-      if constexpr (kB) row[0] = bv[k];
-      if constexpr (kCv) row[S] = cv[k];
+      if constexpr (kB) row[0] = raw_to_float<typename Tr::TB>(bv[k]);
+      if constexpr (kCv) row[S] = raw_to_float<typename Tr::TC>(cv[k]);
     }
   }
 
-  // The walks' staging (kStageWalk, kStageAdjoint): s_u, s_dt (bias, softplus; 0 past seqlen),
-  // s_B/s_C[t][n]; with the adjoint's inputs also s_gy = dout silu(z).
-  __device__ __forceinline__ void stage(float* s_u, float* s_dt, float* s_gy, float* s_B, float* s_C,
-                                        const float* __restrict__ delta_bias, int d0, int dim, int seqlen,
-                                        int t0) const {
+  // The walks' staging: kStageWalk s_dtu = {dt, dt u} (bias, softplus; 0 past seqlen) and s_B[t][n];
+  // kStageAdjoint s_dt, s_gy = dout silu(z) and s_C[t][n].
+  __device__ __forceinline__ void stage(float2* s_dtu, float* s_dt, float* s_gy, float* s_B, float* s_C, int d0,
+                                        int dim, int seqlen, int t0) const {
     static_assert(kMode != kStageAll, "the main pass stages with stage_packed");
 #pragma unroll
     for (int k = 0; k < PE; ++k) {
       int r, t;
       const bool ok = elem(k, d0, dim, seqlen, t0, &r, &t);
       if (r >= NC) continue;
-      float pre;
+      float sig;
       const int i = t * CS + r;
-      if constexpr (kU) s_u[i] = u[k];
-      s_dt[i] = dt_of(k, ok, delta_bias, d0, r, &pre);
+      const float dt = dt_of(k, ok, &sig);
+      if constexpr (kU) s_dtu[i] = make_float2(dt, dt * f(u[k]));
+      else s_dt[i] = dt;
       if constexpr (kG) s_gy[i] = gy_of(k);
     }
 #pragma unroll
@@ -1156,13 +1216,13 @@ struct SeqBwdChunk {
       const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads;
       if (e >= NP * kC) continue;
       const int n = e / kC, t = e % kC;
-      if constexpr (kB) s_B[t * NP + n] = bv[k];
-      if constexpr (kCv) s_C[t * NP + n] = cv[k];
+      if constexpr (kB) s_B[t * NP + n] = raw_to_float<typename Tr::TB>(bv[k]);
+      if constexpr (kCv) s_C[t * NP + n] = raw_to_float<typename Tr::TC>(cv[k]);
     }
   }
 };
 
-// The forward over chunks [cb, ce) from x, staged as kStageWalk (s_u, s_dt, s_B). kCkpt: writes the state
+// The forward over chunks [cb, ce) from x, staged as kStageWalk (s_dtu, s_B). kCkpt: writes the state
 // entering each chunk to ckpt[c * dstate + n] and stops before the last chunk's scan (the backward
 // recomputes it from there); else scans every chunk and adds their dt to sdt.
 template <typename Tr, bool kCkpt>
@@ -1171,11 +1231,11 @@ __device__ __forceinline__ void seq_forward_walk(float (&x)[Tr::kSpt], const flo
                                                  const typename Tr::T* __restrict__ delta,
                                                  const typename Tr::TB* __restrict__ B,
                                                  const float* __restrict__ delta_bias, float* __restrict__ ckpt,
-                                                 float& sdt, float* s_u, float* s_dt, float* s_B, int b, int d0,
+                                                 float& sdt, float2* s_dtu, float* s_B, int b, int d0,
                                                  int dim, int seqlen, long long bc_base, int cb, int ce, int cl,
                                                  int sl, bool live) {
   constexpr int S = Tr::kSpt, N = Tr::kDstate, kC = Tr::kChunk;
-  SeqBwdChunk<Tr, kStageWalk> cur;  // reloaded once staged: its registers are free during the scan
+  SeqBwdChunk<Tr, kStageWalk> cur(delta_bias, d0, dim);  // reloaded once staged: registers free during the scan
   const int last = kCkpt ? ce - 1 : ce;  // chunks [cb, last) are scanned
   if (cb < last) cur.load(u, delta, nullptr, nullptr, B, nullptr, b, d0, dim, seqlen, bc_base, cb * kC);
   for (int c = cb; c < ce; ++c) {
@@ -1185,20 +1245,21 @@ __device__ __forceinline__ void seq_forward_walk(float (&x)[Tr::kSpt], const flo
         if (live && sl * S + i < N) ckpt[c * N + sl * S + i] = x[i];
     }
     if (c == last) break;
-    cur.stage(s_u, s_dt, nullptr, s_B, nullptr, delta_bias, d0, dim, seqlen, c * kC);
+    cur.stage(s_dtu, nullptr, nullptr, s_B, nullptr, d0, dim, seqlen, c * kC);
     __syncthreads();
     if (c + 1 < last) cur.load(u, delta, nullptr, nullptr, B, nullptr, b, d0, dim, seqlen, bc_base, (c + 1) * kC);
-    seq_scan_chunk<Tr, false, !kCkpt>(x, A2, Bf, Bf, s_dt, s_u, s_B, nullptr, nullptr, cl, sl, sdt);
-    __syncthreads();  // s_u, s_dt, s_B are restaged next
+    seq_scan_chunk<Tr, false, !kCkpt>(x, A2, Bf, Bf, s_dtu, s_B, nullptr, nullptr, cl, sl, sdt);
+    __syncthreads();  // s_dtu, s_B are restaged next
   }
 }
 
 // The backward's outputs of one chunk from shared memory: du = dt * (sum_n hx B) + D gy, ddelta = ddt *
 // softplus'(pre), dz = dout silu'(z) (y + D u), for the elements e = tid + k * kThreads (fixed rows per
-// k, as in SeqBwdChunk), whose gy u and ddelta are added to dD[k], dbias[k].
+// k, as in SeqBwdChunk; Dk[k] = D of element k's channel), whose gy u and ddelta are added to dD[k],
+// dbias[k].
 template <typename Tr, int PE>
 __device__ __forceinline__ void seq_bwd_write(typename Tr::T* __restrict__ gdu, typename Tr::T* __restrict__ gddelta,
-                                              typename Tr::T* __restrict__ gdz, const float* __restrict__ D,
+                                              typename Tr::T* __restrict__ gdz, const float (&Dk)[PE],
                                               const float4* s_st, const float* s_sig, const float* s_dzf,
                                               const float* s_ddt, const float* s_du, const float* s_y, int b, int d0,
                                               int dim, int seqlen, int t0, float (&dD)[PE], float (&dbias)[PE]) {
@@ -1211,7 +1272,7 @@ __device__ __forceinline__ void seq_bwd_write(typename Tr::T* __restrict__ gdu, 
     if (e >= NC * kC || d0 + r >= dim || t0 + t >= seqlen) continue;
     const long long off = (static_cast<long long>(b) * dim + d0 + r) * seqlen + t0 + t;
     const int i = t * CS + r;
-    const float Dd = Tr::kHasD ? D[d0 + r] : 0.0f;
+    const float Dd = Dk[k];
     const float4 st = s_st[t * (NC + 1) + r];  // dt, dt u, gy, u
     const float dd = Tr::kSoftplus ? s_ddt[i] * s_sig[i] : s_ddt[i];
     gdu[off] = from_float<T>(fmaf(st.x, s_du[i], Dd * st.z));
@@ -1304,9 +1365,10 @@ __device__ __forceinline__ void seq_channel_sum(float (&v)[4 * Tr::kSpt], float*
 }
 
 // Sums a group's per-step values v[q * 4 + g] (q < Q quantities) over the channel's kLanes threads and
-// writes them to dst[q][(t + g) * kCs + cl].
+// writes them to dst[q * kChunk * kCs + (t + g) * kCs + cl] (the quantities' [step][channel] arrays side
+// by side; an array of pointers indexed by the lane's q went to local memory).
 template <typename Tr, int Q>
-__device__ __forceinline__ void seq_lane_sum(float (&v)[4 * Q], float* const (&dst)[Q], int lane, int cl, int t) {
+__device__ __forceinline__ void seq_lane_sum(float (&v)[4 * Q], float* dst, int lane, int cl, int t) {
   using R = TransposeReduce<4 * Q, Tr::kLanes, 1>;
   bool writer;
   const int base = R::run(v, lane, &writer);
@@ -1314,7 +1376,7 @@ __device__ __forceinline__ void seq_lane_sum(float (&v)[4 * Q], float* const (&d
 #pragma unroll
     for (int j = 0; j < R::kOut; ++j) {
       const int q = (base + j) / 4, g = (base + j) % 4;
-      dst[q][(t + g) * Tr::kCs + cl] = v[j];
+      dst[(q * Tr::kChunk + t + g) * Tr::kCs + cl] = v[j];
     }
   }
 }
@@ -1323,10 +1385,20 @@ __device__ __forceinline__ void seq_lane_sum(float (&v)[4 * Q], float* const (&d
 
 // At most 2 states per thread, chunks of 16 and blocks of 4 or 8 warps, registers are capped at 128 (4
 // blocks of 4 warps per SM, against 3 at the 140 ptxas chose): H100, 8x2048x2048 bf16, 8 lanes: 2.00 ms
-// against 2.33. Elsewhere the cap spilled (4 states per thread; chunks of 32; one warp on sm_80).
+// against 2.33. Elsewhere the cap spilled (4 states per thread; chunks of 32; one warp on sm_80), and on
+// sm_80 since a_t is kept in shared memory (16 bytes with h0 and odd lengths): there 3 blocks of 4 warps
+// (168 registers).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr int kSeqBwdCappedThreadsPerSm = 384;
+#else
+constexpr int kSeqBwdCappedThreadsPerSm = 512;
+#endif
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kThreads,
-                                  Tr::kSpt <= 2 && Tr::kChunk == 16 && Tr::kThreads >= 128 ? 512 / Tr::kThreads : 1)
+__global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt <= 2 && Tr::kChunk == 16 && Tr::kThreads >= 128
+                                                    ? (kSeqBwdCappedThreadsPerSm / Tr::kThreads > 0
+                                                           ? kSeqBwdCappedThreadsPerSm / Tr::kThreads
+                                                           : 1)
+                                                    : 1)
     selective_scan_bwd_seq_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
                                   const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
                                   const typename Tr::TC* __restrict__ C, const float* __restrict__ D,
@@ -1346,17 +1418,16 @@ __global__ void __launch_bounds__(Tr::kThreads,
   float4* s_st = smem4;
   float* s_bc = reinterpret_cast<float*>(s_st + kC * (NC + 1));
   float* s_x = s_bc + (Tr::kVarB || Tr::kVarC ? kC * seq_bwd_bc_stride<Tr>() : 0);
-  float* s_ddt = s_x + kC * S * Tr::kThreads;
+  float* s_ddt = s_x + 2 * kC * S * Tr::kThreads;
   float* s_du = s_ddt + kC * CS;
   float* s_sig = s_du + kC * CS;
   float* s_y = s_sig + (Tr::kSoftplus ? kC * CS : 0);
   float* s_dzf = s_y + (Tr::kHasZ ? kC * CS : 0);
   float* s_rB = s_dzf + (Tr::kHasZ ? kC * CS : 0);
   float* s_rC = s_rB + (Tr::kVarB ? W * NP * kRs : 0);
-  // the chunk-walk's staging (pass 1) overlays the packed arrays: s_u, s_dt [step][channel], s_B [step][state]
-  float* s_u = reinterpret_cast<float*>(s_st);
-  float* s_dt = s_u + kC * CS;
-  float* s_B = s_dt + kC * CS;
+  // the chunk-walk's staging (pass 1) overlays the packed arrays: s_dtu [step][channel], s_B [step][state]
+  float2* s_dtu = reinterpret_cast<float2*>(s_st);
+  float* s_B = reinterpret_cast<float*>(s_dtu + kC * CS);
   static_assert(2 * kC * CS + kC * NP <= 4 * kC * (NC + 1) + kC * seq_bwd_bc_stride<Tr>(), "walk staging fits");
 
   const SeqPlace<Tr> at(dim, seqlen, channels_per_group, groups);
@@ -1385,7 +1456,7 @@ __global__ void __launch_bounds__(Tr::kThreads,
     seq_fold<Tr>(x, A2, seg_h, seg_dt, chan, nsegs, 0, seg.z, 1, sl, live);
     float unused = 0.0f;
     seq_forward_walk<Tr, true>(x, A2, Bf, u, delta, B, delta_bias, states + (live ? chan : 0) * nchunks * N, unused,
-                               s_u, s_dt, s_B, b, d0, dim, seqlen, bc_base, seg.cb, seg.ce, cl, sl, live);
+                               s_dtu, s_B, b, d0, dim, seqlen, bc_base, seg.cb, seg.ce, cl, sl, live);
   }
 
   // ---- 2: chunks in reverse ----
@@ -1396,9 +1467,14 @@ __global__ void __launch_bounds__(Tr::kThreads,
 #pragma unroll
   for (int i = 0; i < S; ++i) dA[i] = dBf[i] = dCf[i] = 0.0f;
   seq_fold<Tr>(H, A2, seg_g, seg_dt, chan, nsegs, nsegs - 1, seg.z, -1, sl, live);
+  float Dk[Ck::PE];  // D of element k's channel (see seq_bwd_write)
 #pragma unroll
-  for (int k = 0; k < Ck::PE; ++k) dDk[k] = dbk[k] = 0.0f;
-  Ck cur;  // reloaded once staged: its registers are free during the chunk's work
+  for (int k = 0; k < Ck::PE; ++k) {
+    const int r = (tid + k * Tr::kThreads) / kC;
+    dDk[k] = dbk[k] = 0.0f;
+    Dk[k] = Tr::kHasD && r < NC && d0 + r < dim ? D[d0 + r] : 0.0f;
+  }
+  Ck cur(delta_bias, d0, dim);  // reloaded once staged: its registers are free during the chunk's work
   float xn[S];  // the next chunk's checkpoint, loaded a chunk ahead like its inputs
   cur.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, (seg.ce - 1) * kC);
 #pragma unroll
@@ -1407,7 +1483,7 @@ __global__ void __launch_bounds__(Tr::kThreads,
     const int t0 = c * kC;
 #pragma unroll
     for (int i = 0; i < S; ++i) x[i] = xn[i];
-    cur.stage_packed(s_st, s_sig, s_dzf, s_bc, delta_bias, d0, dim, seqlen, t0);
+    cur.stage_packed(s_st, s_sig, s_dzf, s_bc, d0, dim, seqlen, t0);
     __syncthreads();
     if (c > seg.cb) {
       cur.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, t0 - kC);
@@ -1424,19 +1500,20 @@ __global__ void __launch_bounds__(Tr::kThreads,
         SeqStep<Tr> st;
         st.read(t + g, s_st, s_bc, Bf, Cf, cl, sl);
         y[g] = 0.0f;
+        float xa[2 * S];  // x_{t-1}, a_t for the adjoint
 #pragma unroll
         for (int i = 0; i < S; ++i) {
-          x[i] = fmaf(fast_exp2(st.dt * A2[i]), x[i], st.dtu * st.B[i]);
+          const float a = fast_exp2(st.dt * A2[i]);
+          xa[i] = x[i];
+          xa[S + i] = a;
+          x[i] = fmaf(a, x[i], st.dtu * st.B[i]);
           y[g] = fmaf(st.C[i], x[i], y[g]);
           if constexpr (Tr::kVarC) dCv[g * S + i] = st.gy * x[i];
           else dCf[i] = fmaf(st.gy, x[i], dCf[i]);
         }
-        sts_vec<S>(s_x + ((t + g) * Tr::kThreads + tid) * S, x);
+        sts_vec<2 * S>(s_x + ((t + g) * Tr::kThreads + tid) * 2 * S, xa);
       }
-      if constexpr (Tr::kHasZ) {
-        float* const dst[1] = {s_y};
-        seq_lane_sum<Tr, 1>(y, dst, lane, cl, t);
-      }
+      if constexpr (Tr::kHasZ) seq_lane_sum<Tr, 1>(y, s_y, lane, cl, t);
       if constexpr (Tr::kVarC) seq_channel_sum<Tr>(dCv, s_rC, warp, lane, sl, t);
     }
 
@@ -1448,33 +1525,30 @@ __global__ void __launch_bounds__(Tr::kThreads,
       for (int g = 3; g >= 0; --g) {
         SeqStep<Tr> st;
         st.read(t + g, s_st, s_bc, Bf, Cf, cl, sl);
-        float xs[S];
-        lds_vec<S>(s_x + ((t + g) * Tr::kThreads + tid) * S, xs);
+        float xa[2 * S];  // x_{t-1}, a_t
+        lds_vec<2 * S>(s_x + ((t + g) * Tr::kThreads + tid) * 2 * S, xa);
         float ddt = 0.0f, hb = 0.0f;
 #pragma unroll
         for (int i = 0; i < S; ++i) {
-          const float a = fast_exp2(st.dt * A2[i]);
           const float hx = fmaf(st.gy, st.C[i], H[i]);
-          const float ax = fmaf(-st.dtu, st.B[i], xs[i]);  // a_t x_{t-1}
-          const float q = hx * ax;
+          H[i] = xa[S + i] * hx;      // H_{t-1} = a_t hx
+          const float q = H[i] * xa[i];  // hx a_t x_{t-1}
           ddt = fmaf(An[i], q, ddt);  // the hx B u part of ddt is u * hb, added once per step below
           hb = fmaf(hx, st.B[i], hb);
           dA[i] = fmaf(st.dt, q, dA[i]);
           if constexpr (Tr::kVarB) dBv[g * S + i] = hx * st.dtu;
           else dBf[i] = fmaf(hx, st.dtu, dBf[i]);
-          H[i] = a * hx;
         }
         v[g] = fmaf(st.u, hb, ddt);
         v[4 + g] = hb;
       }
-      float* const dst[2] = {s_ddt, s_du};
-      seq_lane_sum<Tr, 2>(v, dst, lane, cl, t);
+      seq_lane_sum<Tr, 2>(v, s_ddt, lane, cl, t);  // s_ddt, then s_du
       if constexpr (Tr::kVarB) seq_channel_sum<Tr>(dBv, s_rB, warp, lane, sl, t);
     }
     __syncthreads();
 
     // c. outputs of the chunk; the variable dB, dC summed over the warps, added to the accumulators
-    seq_bwd_write<Tr, Ck::PE>(du, ddelta, dz, D, s_st, s_sig, s_dzf, s_ddt, s_du, s_y, b, d0, dim, seqlen, t0, dDk,
+    seq_bwd_write<Tr, Ck::PE>(du, ddelta, dz, Dk, s_st, s_sig, s_dzf, s_ddt, s_du, s_y, b, d0, dim, seqlen, t0, dDk,
                               dbk);
     if constexpr (Tr::kVarB || Tr::kVarC) {
       for (int e = tid; e < N * kC; e += Tr::kThreads) {
@@ -1514,22 +1588,24 @@ __global__ void __launch_bounds__(Tr::kThreads,
       part[2 * N + n] = dCf[i];
     }
   }
-  // dD and ddelta_bias: each thread's elements are fixed rows; their sums meet in shared memory and
-  // are added in step order per channel (deterministic).
+  // dD and ddelta_bias: each thread's elements are fixed rows; their sums meet in shared memory (over the
+  // staging arrays) and are added in step order per channel (deterministic).
+  float* s_sD = reinterpret_cast<float*>(s_st);
+  float* s_sb = s_sD + NC * kC;
 #pragma unroll
   for (int k = 0; k < Ck::PE; ++k) {
     const int e = tid + k * Tr::kThreads;
     if (e < NC * kC) {
-      s_u[e] = dDk[k];
-      s_dt[e] = dbk[k];
+      s_sD[e] = dDk[k];
+      s_sb[e] = dbk[k];
     }
   }
   __syncthreads();
   if (tid < NC && d0 + tid < dim) {
     float sD = 0.0f, sb = 0.0f;
     for (int t = 0; t < kC; ++t) {
-      sD += s_u[tid * kC + t];
-      sb += s_dt[tid * kC + t];
+      sD += s_sD[tid * kC + t];
+      sb += s_sb[tid * kC + t];
     }
     float* part = partials + (pchan + d0 + tid) * (3 * N + 2);
     part[3 * N] = sD;
@@ -1548,9 +1624,11 @@ constexpr int seq_seg_smem_floats() {
 }
 
 // Segment z = blockIdx.z (every one but the last) from a zero state: seg_h = its end state, seg_dt =
-// its sum of dt.
+// its sum of dt. Up to 4 states per thread, registers are capped at 128 (4 blocks of 4 warps per SM):
+// uncapped, ptxas took 163-188 for (4 warps, 4 lanes, chunk 32) once delta_bias was held in registers,
+// against 105 before, and H100 1x2048x65536 bf16 went from 2.47 to 3.50 ms. At 8 the cap spilled.
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kThreads, 1)
+__global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt <= 4 && Tr::kThreads <= 512 ? 512 / Tr::kThreads : 1)
     selective_scan_seg_fwd_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
                                   const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
                                   const float* __restrict__ delta_bias, float* __restrict__ seg_h,
@@ -1559,9 +1637,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   using namespace scan_detail;
   constexpr int N = Tr::kDstate, S = Tr::kSpt, kC = Tr::kChunk;
   extern __shared__ float smem[];
-  float* s_u = smem;
-  float* s_dt = s_u + kC * Tr::kCs;
-  float* s_B = s_dt + kC * Tr::kCs;
+  float2* s_dtu = reinterpret_cast<float2*>(smem);
+  float* s_B = smem + 2 * kC * Tr::kCs;
   const SeqPlace<Tr> at(dim, seqlen, channels_per_group, groups);
   float A2[S], Bf[S], x[S];
   at.template row<true>(A, kLog2e, A2);
@@ -1569,7 +1646,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   at.state(nullptr, x);
   const SeqSegment seg(static_cast<int>(blockIdx.z), kC, seqlen, seg_len);
   float sdt = 0.0f;
-  seq_forward_walk<Tr, false>(x, A2, Bf, u, delta, B, delta_bias, nullptr, sdt, s_u, s_dt, s_B, at.b, at.d0, dim,
+  seq_forward_walk<Tr, false>(x, A2, Bf, u, delta, B, delta_bias, nullptr, sdt, s_dtu, s_B, at.b, at.d0, dim,
                               seqlen, at.bc_base, seg.cb, seg.ce, at.cl, at.sl, at.live);
   if (!at.live) return;
   const long long sg = at.chan * nsegs + seg.z;
@@ -1602,11 +1679,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   at.template row<!Tr::kVarC>(C, 1.0f, Cf);
   at.state(nullptr, H);
   const SeqSegment seg(static_cast<int>(blockIdx.z) + 1, kC, seqlen, seg_len);
-  SeqBwdChunk<Tr, kStageAdjoint> cur;  // reloaded once staged
+  SeqBwdChunk<Tr, kStageAdjoint> cur(delta_bias, at.d0, dim);  // reloaded once staged
   cur.load(nullptr, delta, dout, z, nullptr, C, at.b, at.d0, dim, seqlen, at.bc_base, (seg.ce - 1) * kC);
   float sdt = 0.0f;
   for (int c = seg.ce - 1; c >= seg.cb; --c) {
-    cur.stage(nullptr, s_dt, s_gy, nullptr, s_C, delta_bias, at.d0, dim, seqlen, c * kC);
+    cur.stage(nullptr, s_dt, s_gy, nullptr, s_C, at.d0, dim, seqlen, c * kC);
     __syncthreads();
     if (c > seg.cb) cur.load(nullptr, delta, dout, z, nullptr, C, at.b, at.d0, dim, seqlen, at.bc_base, (c - 1) * kC);
 #pragma unroll 2

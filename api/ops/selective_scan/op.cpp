@@ -236,7 +236,7 @@ int64_t seq_spt(const Problem& p, const Config& c) { return ceil_div(p.dim("dsta
 int64_t seq_fwd_smem_bytes(const Problem& p, const Config& c) {
   int64_t chunk = c.get("chunk"), cs = seq_channels(c) + 1, np = seq_spt(p, c) * c.get("lanes");
   int64_t nvar = (var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0);
-  return 4 * (3 * chunk * cs + nvar * chunk * np);
+  return 4 * (4 * chunk * cs + nvar * chunk * np);
 }
 constexpr int64_t kSeqSmemLimit = 96 * 1024;
 
@@ -251,7 +251,7 @@ int64_t seq_bwd_smem_bytes(const Problem& p, const Config& c) {
   int64_t chunk = c.get("chunk"), nc = seq_channels(c), cs = nc + 1, np = seq_spt(p, c) * c.get("lanes");
   int64_t nvar = (var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0);
   int64_t scalars = 2 + (p.param_bool("delta_softplus") ? 1 : 0) + (p.present("z") ? 2 : 0);
-  return 4 * (4 * chunk * (nc + 1) + (nvar ? chunk * (2 * np + 4) : 0) + chunk * seq_spt(p, c) * c.get("warps") * 32 +
+  return 4 * (4 * chunk * (nc + 1) + (nvar ? chunk * (2 * np + 4) : 0) + 2 * chunk * seq_spt(p, c) * c.get("warps") * 32 +
               scalars * chunk * cs + nvar * c.get("warps") * np * (chunk + 1));
 }  // two blocks per SM on sm_80/sm_90
 
@@ -271,9 +271,11 @@ bool many_channels(const Problem& p) { return p.dim("batch") * p.dim("dim") >= 8
 
 // 4 states per thread: measured on the H100 (8x2048x2048 bf16) more threads beat more independent
 // recurrences per thread (lanes 4 > 2 > 1 at dstate 16: 0.318, 0.325 ms); with 32k channels or more, 8
-// states per thread (8x5120x2048: lanes 2 0.686 ms, lanes 4 0.781).
+// states per thread (8x5120x2048: lanes 2 0.686 ms, lanes 4 0.781). Since the prefetch waits as raw
+// words (no stall on its loads at the top of each chunk), 8 states from 16k channels: 8x2048x2048 lanes
+// 2 0.262 ms, lanes 4 0.296. (Segments keep 4: at 8 states their local pass took 246 registers.)
 int64_t seq_default_lanes(const Problem& p) {
-  const int64_t most = p.dim("batch") * p.dim("dim") >= 32768 ? 8 : 4;
+  const int64_t most = p.dim("batch") * p.dim("dim") >= 16384 ? 8 : 4;
   int64_t lanes = 1;
   while (lanes < 32 && ceil_div(p.dim("dstate"), lanes) > most) lanes *= 2;
   return lanes;
@@ -306,7 +308,7 @@ int64_t default_segs(const Problem& p) {
   return segs;
 }
 
-// The forward's heuristic also takes 8 states per thread from 32k channels on (seq_default_lanes).
+// The forward's heuristic also takes 8 states per thread from 16k channels on (seq_default_lanes).
 std::string fwd_key(const Problem& p) {
   return even_key(p) + ",gfit|" + std::to_string(group_fit(p)) + (many_channels(p) ? ",wide" : ",narrow") +
          ",segs|" + std::to_string(default_segs(p)) + ",lanes|" + std::to_string(seq_default_lanes(p));
@@ -431,7 +433,9 @@ TuningSpace bwd_tuning() {
       // H100, 8x2048x2048 bf16 (kspec tune, every config): (4 warps, 8 lanes, chunk 16) 2.35 ms, 4 lanes
       // 2.42, 16 lanes 2.67, chunk 32 3.26; the warp scan's best 2.63. Two states per thread and
       // registers capped at 128 (the kernel's launch bounds): 1.99 ms at 4 warps, 1.92 at 8. With
-      // segments (1x2048x65536, 16 segments): 10.35 ms at 4 warps.
+      // segments (1x2048x65536, 16 segments): 10.35 ms at 4 warps. With the forward's states and a_t kept
+      // in shared memory (8 warps then need 104 KiB, past the limit): 1.39 ms at 4 warps, 6.84 with
+      // segments.
       int64_t lanes = 1;
       while (lanes < 32 && ceil_div(p.dim("dstate"), lanes) > 2) lanes *= 2;
       const int64_t order[2][3] = {{4, 8, 2}, {8, 4, 2}};
