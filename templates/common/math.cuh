@@ -54,30 +54,24 @@ __device__ __forceinline__ float softplus(float x) { return fmaxf(x, 0.0f) + log
 // The same from two SFU instructions (ex2, lg2) and no local memory (log1pf's slow path keeps a stack
 // frame): log1p(e) for e = exp(-|x|) in (0, 1] is e (1 - e/2) below 1e-3 (error < e^3/3 < 4e-10) and
 // lg2(1 + e) ln 2 above (absolute error ~1e-7). For scans that compute dt once per channel and step.
-__device__ __forceinline__ float softplus_sfu(float x) {
-  const float e = __expf(-fabsf(x));
-  const float l = e < 1e-3f ? e * fmaf(-0.5f, e, 1.0f) : __logf(1.0f + e);
-  return fmaxf(x, 0.0f) + l;
-}
-
-// softplus_sfu and its derivative sigmoid(x) from the same exponential: with e = exp(-|x|),
-// sigmoid(x) = (x >= 0 ? 1 : e) / (1 + e), one more SFU reciprocal (2 ulp).
+// With sig: also its derivative sigmoid(x) = (x >= 0 ? 1 : e) / (1 + e) from the same exponential, one
+// more SFU reciprocal (2 ulp).
 __device__ __forceinline__ float softplus_sfu(float x, float* sig) {
   const float e = __expf(-fabsf(x));
   const float l = e < 1e-3f ? e * fmaf(-0.5f, e, 1.0f) : __logf(1.0f + e);
   *sig = __fdividef(x >= 0.0f ? 1.0f : e, 1.0f + e);
   return fmaxf(x, 0.0f) + l;
 }
+__device__ __forceinline__ float softplus_sfu(float x) {
+  float unused;  // the reciprocal is dead code
+  return softplus_sfu(x, &unused);
+}
 
-// sigmoid, silu and silu' from the SFU (ex2.approx, rcp.approx: a few ulp) for the scans, where they run
+// sigmoid and silu from the SFU (ex2.approx, rcp.approx: a few ulp) for the scans, where they run
 // once per channel and step inside compute-bound kernels; the accurate forms above cost ~15 instructions
 // more each. For x < -87, 1 + exp(-x) is inf and the quotient 0.
 __device__ __forceinline__ float sigmoid_sfu(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 __device__ __forceinline__ float silu_sfu(float x) { return x * sigmoid_sfu(x); }
-__device__ __forceinline__ float d_silu_sfu(float x) {
-  const float s = sigmoid_sfu(x);
-  return s * (1.0f + x * (1.0f - s));
-}
 
 // 2^x by the SFU's ex2.approx (2 ulp; one MUFU instruction): for recurrences whose decays exp(dt*A)
 // are computed as exp2(dt * A*log2(e)) with log2(e) folded into A once per state.

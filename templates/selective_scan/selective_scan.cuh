@@ -1156,7 +1156,9 @@ struct SeqBwdChunk {
     return ok ? (Tr::kSoftplus ? softplus_sfu(pre, sig) : pre) : 0.0f;
   }
   // Element k's gy = dout silu(z).
-  __device__ __forceinline__ float gy_of(int k) const { return Tr::kHasZ ? f(g[k]) * silu_sfu(f(zz[k])) : f(g[k]); }
+  __device__ __forceinline__ float gy_of(int k) const {
+    return Tr::kHasZ ? f(g[k]) * silu_sfu(f(zz[k])) : f(g[k]);
+  }
 
   // The main backward pass's staging (kStageAll), in the layout of seq_bwd_smem_floats: s_st[t][r] =
   // {dt, dt u, gy, u}, s_sig = softplus'(pre), s_dzf = dout silu'(z) [t][r]; a variable B, C to s_bc.
