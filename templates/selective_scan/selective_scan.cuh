@@ -65,6 +65,7 @@ constexpr unsigned kFull = 0xffffffffu;
 // it when given; every backward reads it when given, in place of its own forward pass (the chunks and
 // tiles of the backward are whole multiples of 16 steps).
 constexpr int kStateStride = 16;
+__device__ __forceinline__ int nstates_of(int seqlen) { return (seqlen + kStateStride - 1) / kStateStride; }
 
 // kItems values of one row starting at step t0 (zeros past seqlen).
 template <typename Tr, typename X>
@@ -234,7 +235,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const float c_in = carry[n];
       float c_out;
       float h = lane_entry_state<K>(a, bu, c_in, lane, &c_out, nullptr);
-      if (st_lane) states[(chan * ((seqlen + kStateStride - 1) / kStateStride) + t0 / kStateStride) * N + n] = h;
+      if (st_lane) states[(chan * nstates_of(seqlen) + t0 / kStateStride) * N + n] = h;
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         h = fmaf(a[k], h, bu[k]);
@@ -325,7 +326,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const float Dd = Tr::kHasD ? D[d] : 0.0f;
   // The state entering tile i: tile_in[i * tile_step * N + n] (the forward's states, or pass 1's).
   static_assert(Tr::kTile % kStateStride == 0, "a tile is a whole number of state strides");
-  const float* tile_in = given ? given + chan * ((seqlen + kStateStride - 1) / kStateStride) * N : tile_states;
+  const float* tile_in = given ? given + chan * nstates_of(seqlen) * N : tile_states;
   const int tile_step = given ? Tr::kTile / kStateStride : 1;
 
   // ---- 1: forward, saving the state entering each tile (unless the forward gave them) ----
@@ -941,7 +942,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 8 && Tr::kThreads ==
   const int tb = seg.cb * kC, te = min(seg.ce * kC, seqlen);
   float unused = 0.0f;
   // The states for the backward: this thread's slice of [batch, dim, nstates, dstate].
-  float* ck = states && live ? states + chan * ((seqlen + kStateStride - 1) / kStateStride) * N + sl * S : nullptr;
+  float* ck = states && live ? states + chan * nstates_of(seqlen) * N + sl * S : nullptr;
   if constexpr (Tr::kEven) {
     // Every chunk whole and 16-byte aligned: the next chunk's global loads are issued before this
     // chunk's scan (registers), so their latency hides behind it.
@@ -1440,7 +1441,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt <= 2 && Tr::kChunk == 1
   const int nchunks = (seqlen + kC - 1) / kC;
   // The state entering chunk c: ckpt[c * ck_step * N + n], the forward's (given) or pass 1's.
   static_assert(kC % kStateStride == 0, "a chunk is a whole number of state strides");
-  const float* ckpt = given ? given + (live ? chan : 0) * ((seqlen + kStateStride - 1) / kStateStride) * N
+  const float* ckpt = given ? given + (live ? chan : 0) * nstates_of(seqlen) * N
                             : states + (live ? chan : 0) * nchunks * N;
   const int ck_step = given ? kC / kStateStride : 1;
 
