@@ -595,16 +595,12 @@ Problem problem_from_request(const OpDef& op, const CompileRequest& req) {
     }
   }
   p.params = complete_params(op, scalars);
-  for (const auto& [name, v] : op.compile_dims) {
-    bool have = false;
-    for (const auto& d : p.dims) have = have || d.first == name;
-    if (!have) p.dims.emplace_back(name, v);
-  }
+  for (const auto& [name, v] : op.compile_dims)
+    if (!p.has_dim(name)) p.dims.emplace_back(name, v);
   for (const auto& [name, value] : op.derived_dims)
     if (!p.has_dim(name)) p.dims.emplace_back(name, value(p));
   for (const auto& d : info.dims) {
-    bool have = false;
-    for (const auto& b : p.dims) have = have || b.first == d.name;
+    const bool have = p.has_dim(d.name);
     KSPEC_CHECK(have || d.kind == DimKind::Var, info.name, ": needs a value for the compile-time dim '", d.name,
                 "' (e.g. --param ", d.name, "=4096)");
     if (!have) p.dims.emplace_back(d.name, 1);

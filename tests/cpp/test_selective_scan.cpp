@@ -219,11 +219,13 @@ TEST(SelectiveScan, ProblemsSharingAPlanShareTheHeuristic) {
       ps.push_back(problem_from_request(op, r));
     }
     for (const auto& p : ps)
-      for (const auto& q : ps)
-        if (p.signature() == q.signature())
+      for (const auto& q : ps) {
+        if (p.signature() == q.signature()) {
           EXPECT_EQ(op.tuning.heuristic(p).str(), op.tuning.heuristic(q).str())
               << name << ": " << p.dim("batch") << "x" << p.dim("dim") << "x" << p.dim("seqlen") << " and "
               << q.dim("batch") << "x" << q.dim("dim") << "x" << q.dim("seqlen");
+        }
+      }
     EXPECT_EQ(op.tuning.heuristic(ps[3]).get("segs"), 16) << name;  // 1x2048x65536
     EXPECT_EQ(op.tuning.heuristic(ps[0]).get("segs"), 1) << name;
   }
