@@ -145,7 +145,11 @@ TEST(Validation, OutputsAndCounts) {
     expect_invalid(a, {}, {"output 'y'", "overlap"});
   }
   FwdArgs a;
-  EXPECT_THROW(call("norm_act.fwd", {a.x, a.w}, a.out()), InvalidArgument);
+  // Counts: one input too many; the required weight left out (a trailing optional input, bias, may be left
+  // out: that call is valid, and with these fake pointers it would launch).
+  EXPECT_THROW(call("norm_act.fwd", {a.x, a.w, a.b, a.b}, a.out()), InvalidArgument);
+  EXPECT_THROW(call("norm_act.fwd", {a.x}, a.out()), InvalidArgument);
+  EXPECT_THROW(call("norm_act.fwd", a.in(), {a.y, a.mean}), InvalidArgument);
   EXPECT_THROW(call("norm_act.fwd", {TensorView(), a.w, a.b}, a.out()), InvalidArgument);
   // bwd: dbias given although bias is None
   TensorView dy = a.x, dx = a.y;
