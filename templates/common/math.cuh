@@ -51,15 +51,37 @@ __device__ __forceinline__ float d_gelu_erf(float x) {
 // log1p(exp(x)) without overflow: max(x, 0) + log1p(exp(-|x|)), the float64 reference's form.
 __device__ __forceinline__ float softplus(float x) { return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))); }
 
-// The same from two SFU instructions (ex2, lg2) and no local memory (log1pf's slow path keeps a stack
-// frame): log1p(e) for e = exp(-|x|) in (0, 1] is e (1 - e/2) below 1e-3 (error < e^3/3 < 4e-10) and
-// lg2(1 + e) ln 2 above (absolute error ~1e-7). For scans that compute dt once per channel and step.
-// With sig: also its derivative sigmoid(x) = (x >= 0 ? 1 : e) / (1 + e) from the same exponential, one
-// more SFU reciprocal (2 ulp).
+// The SFU's approximations (MUFU: ex2 2 ulp, rcp 1 ulp, lg2 ~2^-22 absolute), flushing denormal inputs and results to
+// zero: without .ftz each one is wrapped in a few instructions that scale denormals, which the scans run
+// once per channel and step (the decays exp(dt*A) once per step and state, as exp2(dt * A*log2(e)) with
+// log2(e) folded into A once per state).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// softplus from the SFU (ex2, lg2) and no local memory (log1pf's slow path keeps a stack frame):
+// log1p(e) for e = exp(-|x|) in (0, 1] is e (1 - e/2) below 1e-3 (error < e^3/3 < 4e-10) and
+// lg2(1 + e) ln 2 above (absolute error ~1e-7); e under 2^-126 (|x| > 87) flushes to 0. For scans that
+// compute dt once per channel and step. With sig: also its derivative sigmoid(x) = (x >= 0 ? 1 : e) /
+// (1 + e) from the same exponential and one more SFU reciprocal.
 __device__ __forceinline__ float softplus_sfu(float x, float* sig) {
-  const float e = __expf(-fabsf(x));
-  const float l = e < 1e-3f ? e * fmaf(-0.5f, e, 1.0f) : __logf(1.0f + e);
-  *sig = __fdividef(x >= 0.0f ? 1.0f : e, 1.0f + e);
+  const float e = fast_exp2(-fabsf(x) * kLog2e);
+  const float l = e < 1e-3f ? e * fmaf(-0.5f, e, 1.0f) : fast_log2(1.0f + e) * kLn2;
+  *sig = (x >= 0.0f ? 1.0f : e) * fast_rcp(1.0f + e);
   return fmaxf(x, 0.0f) + l;
 }
 __device__ __forceinline__ float softplus_sfu(float x) {
@@ -67,20 +89,11 @@ __device__ __forceinline__ float softplus_sfu(float x) {
   return softplus_sfu(x, &unused);
 }
 
-// sigmoid and silu from the SFU (ex2.approx, rcp.approx: a few ulp) for the scans, where they run
-// once per channel and step inside compute-bound kernels; the accurate forms above cost ~15 instructions
-// more each. For x < -87, 1 + exp(-x) is inf and the quotient 0.
-__device__ __forceinline__ float sigmoid_sfu(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+// sigmoid and silu from the SFU, for the scans, where they run once per channel and step inside
+// compute-bound kernels; the accurate forms above cost ~15 instructions more each. For x < -88,
+// exp(-x) is inf and its reciprocal 0.
+__device__ __forceinline__ float sigmoid_sfu(float x) { return fast_rcp(1.0f + fast_exp2(-x * kLog2e)); }
 __device__ __forceinline__ float silu_sfu(float x) { return x * sigmoid_sfu(x); }
-
-// 2^x by the SFU's ex2.approx (2 ulp; one MUFU instruction): for recurrences whose decays exp(dt*A)
-// are computed as exp2(dt * A*log2(e)) with log2(e) folded into A once per state.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-constexpr float kLog2e = 1.4426950408889634f;
 
 template <int kAct>
 __device__ __forceinline__ float apply_act(float h) {
