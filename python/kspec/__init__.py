@@ -38,9 +38,10 @@ def knobs() -> list:
 
 
 def check(op: str, case: str = "", dtypes=(), device: int = 0, include_large: bool = False,
-          config: str | None = None, seed: int = 0) -> list:
+          config: str | list[str] | None = None, seed: int = 0) -> list:
     """Run an op on the GPU against its float64 reference (fresh random inputs, NaN-poisoned outputs).
-    Returns one dict per (case, dtype) with per-output relative errors and pass/fail."""
+    Returns one dict per (case, dtype) with per-output relative errors and pass/fail; with a list of
+    configs, one per (case, dtype, config), the configs run on the same inputs against one reference."""
     return _C.check_op(op, case, list(dtypes), device, include_large, config, seed)
 
 

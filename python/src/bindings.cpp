@@ -478,7 +478,11 @@ PYBIND11_MODULE(_C, m) {
           o.device = device;
           o.include_large = include_large;
           o.seed = seed;
-          if (!config.is_none()) o.config = kspec::Config::parse(config.cast<std::string>());
+          if (py::isinstance<py::str>(config)) {
+            o.config = kspec::Config::parse(config.cast<std::string>());
+          } else if (!config.is_none()) {  // several configs on one draw of inputs, a row each
+            for (const auto& c : config.cast<std::vector<std::string>>()) o.configs.push_back(kspec::Config::parse(c));
+          }
           std::vector<kspec::CheckRow> rows;
           {
             py::gil_scoped_release release;

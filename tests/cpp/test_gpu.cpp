@@ -101,15 +101,14 @@ TEST(Gpu, EveryTuningConfigMatchesReference) {
                   Sel{"fixed_bc", DType::f32}, Sel{"seqlen_2", DType::f16}, Sel{"B_1_n_8", DType::f32},
                   Sel{"B_1_n_128", DType::bf16}, Sel{"B_1_n_64_T_not_multiple_of_K", DType::f32}}) {
       if (std::find(names.begin(), names.end(), s.c) == names.end()) continue;  // a case of another family
-      auto configs = configs_for_case(op, s.c, s.dt);
-      EXPECT_FALSE(configs.empty());
-      for (const auto& cfg : configs) {
-        CheckOptions o;
-        o.case_name = s.c;
-        o.dtypes = {s.dt};
-        o.config = cfg;
-        report(check_op(op, o));
-      }
+      CheckOptions o;  // every config on one draw of inputs, against one reference
+      o.case_name = s.c;
+      o.dtypes = {s.dt};
+      o.configs = configs_for_case(op, s.c, s.dt);
+      EXPECT_FALSE(o.configs.empty());
+      auto rows = check_op(op, o);
+      EXPECT_EQ(rows.size(), o.configs.size()) << op << " " << s.c;
+      report(rows);
     }
   }
 }

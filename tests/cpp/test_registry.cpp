@@ -421,3 +421,27 @@ TEST(AdamwReference, FirstStepClippingAndSkippedStep) {
   EXPECT_TRUE(ref::adamw_ref(p, g4, m2, v2, nullptr, o).found_inf);
   EXPECT_EQ(p, before);
 }
+
+// Several configs on one draw of inputs: one row each, in the order given, each naming its config. With a
+// GPU they run and pass; without one each row says why it did not run.
+TEST(Check, SeveralConfigsOneRowEachInOrder) {
+  CheckOptions o;
+  o.case_name = "hidden_33";
+  o.dtypes = {DType::f32};
+  o.configs = configs_for_case("norm_act.fwd", "hidden_33", DType::f32);
+  ASSERT_GE(o.configs.size(), 2u);
+  auto rows = check_op("norm_act.fwd", o);
+  ASSERT_EQ(rows.size(), o.configs.size());
+  for (size_t k = 0; k < rows.size(); ++k) {
+    EXPECT_EQ(rows[k].config, o.configs[k].str());
+    EXPECT_EQ(rows[k].case_name, "hidden_33");
+    EXPECT_EQ(rows[k].seed, rows[0].seed);  // the same inputs
+    if (gpu_available()) {
+      EXPECT_TRUE(rows[k].passed) << rows[k].config << ": " << rows[k].message;
+      EXPECT_FALSE(rows[k].errors.empty());
+    } else {
+      EXPECT_FALSE(rows[k].passed);
+      EXPECT_NE(rows[k].message.find("(seed "), std::string::npos) << rows[k].message;
+    }
+  }
+}

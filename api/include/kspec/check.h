@@ -27,7 +27,12 @@ struct CheckOptions {
   int device = 0;
   bool include_large = false;
   std::optional<Config> config;  // force a config (else the heuristic's)
+  // Several configs on the same inputs, one row each against one reference (in place of `config`).
+  std::vector<Config> configs;
   uint64_t seed = 0;             // 0 = fresh from std::random_device
+  // Worker threads for the float64 references, which run while the GPU checks the next case
+  // (0 = the machine's cores, at most 16).
+  int threads = 0;
 };
 
 std::vector<CheckRow> check_op(const std::string& op, const CheckOptions& options = {});
