@@ -163,7 +163,8 @@ void compare_with_reference(CaseRun& r) noexcept {
           row.errors.emplace_back(outs[i].name, err);
           if (!(err <= row.tolerance)) {
             row.passed = false;
-            row.message += outs[i].name + " error " + std::to_string(err) + " > " + std::to_string(row.tolerance) + "; ";
+            row.message +=
+                outs[i].name + " error " + std::to_string(err) + " > " + std::to_string(row.tolerance) + "; ";
           }
         }
       }
