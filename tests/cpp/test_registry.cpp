@@ -436,7 +436,7 @@ TEST(Check, SeveralConfigsOneRowEachInOrder) {
     EXPECT_EQ(rows[k].config, o.configs[k].str());
     EXPECT_EQ(rows[k].case_name, "hidden_33");
     EXPECT_EQ(rows[k].seed, rows[0].seed);  // the same inputs
-    if (gpu_available()) {
+    if (kspec::testing::gpu_available()) {
       EXPECT_TRUE(rows[k].passed) << rows[k].config << ": " << rows[k].message;
       EXPECT_FALSE(rows[k].errors.empty());
     } else {
