@@ -55,7 +55,7 @@ struct CaseRun {
     size_t n = 0;
     for (const auto& t : host_in) n += t.data.size() * sizeof(double);
     for (const auto& row : outs)
-      for (const auto& o : row) n += o.size() * (sizeof(double) + 1);  // decoded next to the bytes
+      for (const auto& o : row) n += o.size() * (sizeof(double) + 1);  // bytes + decoded doubles: a bound
     return n;
   }
 };
