@@ -1014,7 +1014,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 8 && Tr::kThreads ==
 //    whose local forward pass goes too): 10.35 -> 7.04 ms.
 // 2. Chunks last to first. The block stages the chunk ([step][channel]: u, dt after bias/softplus,
 //    gy = dout * silu(z); [step][state]: a variable B and C row) and each thread
-//    a. recomputes the chunk's forward from its checkpoint, keeping x_{t-1} and a_t of every step in
+//    a. recomputes the chunk's forward from its checkpoint, keeping x_{t-1} of every step in
 //       shared memory (each thread its own; registers were tried: the fully unrolled chunk took 255
 //       registers and spilled) and, on the way, y = C . x (for dz) and dC_t = gy_t x_t;
 //    b. runs the adjoint backwards through the chunk, H_{t-1} = a_t (H_t + gy_t C_t) with
@@ -1022,9 +1022,10 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 8 && Tr::kThreads ==
 //         ddt_t = sum_n hx (A a_t x_{t-1} + B_t u_t) = sum_n A q + u_t hb,  du_t = dt_t hb + D gy_t,
 //         dA += dt_t q,  dB_t = hx dt_t u_t,   with q = hx a_t x_{t-1} = H_{t-1} x_{t-1} and
 //         hb = sum_n hx B_t.
-//       a_t from shared memory rather than a second ex2: the ex2's latency sat on the adjoint's chain
-//       (a third of ncu's stall samples were FMULs waiting on it). With q from x_{t-1} (it was
-//       (x_t - dt_t B_t u_t) hx, a cancellation) the adjoint is 7 FMA/FMUL per state, was 10.
+//       a_t again by ex2, for a group of 4 steps before its chain (it was read from shared memory, saved
+//       beside x_{t-1}: that traffic was a third of the backward's wavefronts; earlier still, an ex2
+//       inside the chain: a third of ncu's stall samples were FMULs waiting on it). With q from x_{t-1}
+//       (it was (x_t - dt_t B_t u_t) hx, a cancellation) the adjoint is 7 FMA/FMUL per state, was 10.
 //    Sums over a channel's kLanes threads (ddt, du, y) and over the channels of a warp (a variable
 //    dB_t, dC_t) are transposing shuffle reductions over groups of 4 steps (TransposeReduce); the
 //    warps' dB/dC then go through shared memory and one fp32 atomicAdd per element, chunk and block
@@ -1060,7 +1061,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 8 && Tr::kThreads ==
 //   s_st  [step][channel (+1 pad)] float4 {dt, dt u, gy, u}: one 16-byte read per step and thread;
 //   s_bc  [step][thread slice][B of its kSpt states, C of them] (row padded by 4; when B or C is
 //         variable): one or two vector reads per step and thread;
-//   s_x   [step][thread][x_{t-1} of its kSpt states, a_t of them]: each thread its own;
+//   s_x   [step][thread][x_{t-1} of its kSpt states]: each thread its own;
 //   s_ddt, s_du (s_sig with softplus; s_y, s_dzf with z) [step][channel]; the warps' variable dB, dC as
 //   [warp][state][step (+1 pad)].
 template <typename Tr>
@@ -1071,7 +1072,7 @@ template <typename Tr>
 constexpr int seq_bwd_smem_floats() {
   constexpr int nvar = (Tr::kVarB ? 1 : 0) + (Tr::kVarC ? 1 : 0);
   return 4 * Tr::kChunk * (Tr::kChannels + 1) + (nvar ? Tr::kChunk * seq_bwd_bc_stride<Tr>() : 0) +
-         2 * Tr::kChunk * Tr::kSpt * Tr::kThreads +
+         Tr::kChunk * Tr::kSpt * Tr::kThreads +
          (2 + (Tr::kSoftplus ? 1 : 0) + (Tr::kHasZ ? 2 : 0)) * Tr::kChunk * Tr::kCs +
          nvar * Tr::kWarps * Tr::kNp * (Tr::kChunk + 1);
 }
@@ -1421,7 +1422,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt <= 2 && Tr::kChunk == 1
   float4* s_st = smem4;
   float* s_bc = reinterpret_cast<float*>(s_st + kC * (NC + 1));
   float* s_x = s_bc + (Tr::kVarB || Tr::kVarC ? kC * seq_bwd_bc_stride<Tr>() : 0);
-  float* s_ddt = s_x + 2 * kC * S * Tr::kThreads;
+  float* s_ddt = s_x + kC * S * Tr::kThreads;
   float* s_du = s_ddt + kC * CS;
   float* s_sig = s_du + kC * CS;
   float* s_y = s_sig + (Tr::kSoftplus ? kC * CS : 0);
@@ -1503,18 +1504,17 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt <= 2 && Tr::kChunk == 1
         SeqStep<Tr> st;
         st.read(t + g, s_st, s_bc, Bf, Cf, cl, sl);
         y[g] = 0.0f;
-        float xa[2 * S];  // x_{t-1}, a_t for the adjoint
+        float xp[S];  // x_{t-1} for the adjoint
 #pragma unroll
         for (int i = 0; i < S; ++i) {
           const float a = fast_exp2(st.dt * A2[i]);
-          xa[i] = x[i];
-          xa[S + i] = a;
+          xp[i] = x[i];
           x[i] = fmaf(a, x[i], st.dtu * st.B[i]);
           y[g] = fmaf(st.C[i], x[i], y[g]);
           if constexpr (Tr::kVarC) dCv[g * S + i] = st.gy * x[i];
           else dCf[i] = fmaf(st.gy, x[i], dCf[i]);
         }
-        sts_vec<2 * S>(s_x + ((t + g) * Tr::kThreads + tid) * 2 * S, xa);
+        sts_vec<S>(s_x + ((t + g) * Tr::kThreads + tid) * S, xp);
       }
       if constexpr (Tr::kHasZ) seq_lane_sum<Tr, 1>(y, s_y, lane, cl, t);
       if constexpr (Tr::kVarC) seq_channel_sum<Tr>(dCv, s_rC, warp, lane, sl, t);
@@ -1524,18 +1524,24 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt <= 2 && Tr::kChunk == 1
 #pragma unroll 2
     for (int t = kC - 4; t >= 0; t -= 4) {
       float v[8], dBv[4 * S];  // v: ddt of the 4 steps, then sum_n hx B
+      SeqStep<Tr> st4[4];
+      float xp[4][S], a4[4][S];  // x_{t-1} from the forward pass; a_t again (ex2 off the chain)
+#pragma unroll
+      for (int g = 0; g < 4; ++g) {
+        st4[g].read(t + g, s_st, s_bc, Bf, Cf, cl, sl);
+        lds_vec<S>(s_x + ((t + g) * Tr::kThreads + tid) * S, xp[g]);
+#pragma unroll
+        for (int i = 0; i < S; ++i) a4[g][i] = fast_exp2(st4[g].dt * A2[i]);
+      }
 #pragma unroll
       for (int g = 3; g >= 0; --g) {
-        SeqStep<Tr> st;
-        st.read(t + g, s_st, s_bc, Bf, Cf, cl, sl);
-        float xa[2 * S];  // x_{t-1}, a_t
-        lds_vec<2 * S>(s_x + ((t + g) * Tr::kThreads + tid) * 2 * S, xa);
+        const SeqStep<Tr>& st = st4[g];
         float ddt = 0.0f, hb = 0.0f;
 #pragma unroll
         for (int i = 0; i < S; ++i) {
           const float hx = fmaf(st.gy, st.C[i], H[i]);
-          H[i] = xa[S + i] * hx;      // H_{t-1} = a_t hx
-          const float q = H[i] * xa[i];  // hx a_t x_{t-1}
+          H[i] = a4[g][i] * hx;      // H_{t-1} = a_t hx
+          const float q = H[i] * xp[g][i];  // hx a_t x_{t-1}
           ddt = fmaf(An[i], q, ddt);  // the hx B u part of ddt is u * hb, added once per step below
           hb = fmaf(hx, st.B[i], hb);
           dA[i] = fmaf(st.dt, q, dA[i]);

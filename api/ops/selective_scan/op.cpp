@@ -252,7 +252,7 @@ int64_t seq_bwd_smem_bytes(const Problem& p, const Config& c) {
   int64_t nvar = (var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0);
   int64_t scalars = 2 + (p.param_bool("delta_softplus") ? 1 : 0) + (p.present("z") ? 2 : 0);
   return 4 * (4 * chunk * (nc + 1) + (nvar ? chunk * (2 * np + 4) : 0) +
-              2 * chunk * seq_spt(p, c) * c.get("warps") * 32 + scalars * chunk * cs +
+              chunk * seq_spt(p, c) * c.get("warps") * 32 + scalars * chunk * cs +
               nvar * c.get("warps") * np * (chunk + 1));
 }
 
