@@ -86,7 +86,11 @@ fi
 # ctest took over 6 minutes beside `kspec run --large`).
 if has test || has run; then pstep check python3 -m kspec run --large --json "$OUT/check.json"; fi
 if has test || has ctest; then pstep ctest bash -c "cd build/gpu && ctest --output-on-failure -j 8"; fi
-if has test || has pytest; then pstep pytest python3 -m pytest -q -p no:cacheprovider tests/python ${KSPEC_PYTEST_ARGS:-}; fi
+# pytest in 8 parallel shards (~2600 tests with a GPU, most of their time float64 references on the CPU).
+if has test || has pytest; then
+  pstep pytest python3 tools/gpu/pytest_shards.py --shards "${KSPEC_PYTEST_SHARDS:-8}" --log-dir /tmp/kspec-pytest-shards \
+    tests/python ${KSPEC_PYTEST_ARGS:-}
+fi
 pwait
 
 if has sanitize; then
