@@ -435,12 +435,15 @@ TuningSpace bwd_tuning() {
       // 2.42, 16 lanes 2.67, chunk 32 3.26; the warp scan's best 2.63. Two states per thread and
       // registers capped at 128 (the kernel's launch bounds): 1.99 ms at 4 warps, 1.92 at 8. With
       // segments (1x2048x65536, 16 segments): 10.35 ms at 4 warps. With the forward's states and a_t kept
-      // in shared memory (8 warps then need 104 KiB, past the limit): 1.39 ms at 4 warps, 6.84 with
-      // segments.
+      // in shared memory: 1.39 ms at 4 warps, 6.84 with segments. With x_{t-1} only (a_t recomputed,
+      // half the shared memory): 4 states per thread (4 lanes) now lead at every batch-8 shape (8x2048x2048
+      // 1.209 ms, 8 lanes 1.239, 8 warps and 8 lanes 1.250; 8x5120x2048 2.996 / 3.042 / 3.082;
+      // 8x2048x8192 4.774 / 4.921 / 4.963); segments keep 2 (1x2048x65536, one segment: 4 lanes 13.2 ms,
+      // 8 lanes 9.3; 16 segments at 8 lanes 5.97).
+      const int64_t most = segs > 1 ? 2 : 4;
       int64_t lanes = 1;
-      while (lanes < 32 && ceil_div(p.dim("dstate"), lanes) > 2) lanes *= 2;
-      const int64_t order[2][3] = {{4, 8, 2}, {8, 4, 2}};
-      for (int64_t warps : order[many_channels(p) ? 1 : 0]) {
+      while (lanes < 32 && ceil_div(p.dim("dstate"), lanes) > most) lanes *= 2;
+      for (int64_t warps : {4, 8, 2}) {
         Config c{{{"algo", 1}, {"warps", warps}, {"items", 4}, {"lanes", lanes}, {"chunk", 16}, {"segs", segs}}};
         if (seq_bwd_prefetch_fits(p, c) && segs_fit(p, c) && seq_valid(p, c, seq_bwd_smem_bytes(p, c), false, nullptr))
           return c;
