@@ -7,11 +7,13 @@ CPU for most of their time) took over 6 minutes for the first fifth serially, pa
 Collects the test ids once, deals them round-robin to --shards pytest processes (neighbouring ids,
 often one parametrized test, spread over every shard), each with OMP_NUM_THREADS = cores / shards, runs
 them together and prints each shard's summary, the failures' sections, and the totals. Exits 0 only when
-every shard ran and none failed (a shard that errors, or collects nothing, counts as failed).
+every shard ran and none failed (a shard that errors, or collects nothing, counts as failed). On SIGTERM
+or SIGINT (a `timeout`) the shards are killed and each one's last progress line is printed (exit 124).
 """
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -47,20 +49,43 @@ def main() -> int:
         cmd = base + ["-q", "-rfE"] + shard
         procs.append((s, len(shard), subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
     print(f"pytest_shards: {len(ids)} tests in {n} shards, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}", flush=True)
+
+    class Stopped(Exception):
+        pass
+
+    def stop(signum, _frame):  # raised out of Popen.wait (a wait in the handler would deadlock on its lock)
+        raise Stopped(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     totals, failed_shards = {}, []
-    for s, count, p, log in procs:
-        rc = p.wait()
-        log.close()
-        text = open(log.name).read()
-        summary = text.strip().splitlines()[-1] if text.strip() else "(no output)"
-        print(f"shard {s} ({count} tests, exit {rc}, {time.time() - t0:.0f} s): {summary}", flush=True)
-        for num, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", summary):
-            word = "error" if word.startswith("error") else word
-            totals[word] = totals.get(word, 0) + int(num)
-        if rc != 0:
-            failed_shards.append(s)
-            m = re.search(r"^=+ (FAILURES|ERRORS) =+$", text, re.M)
-            print(text[m.start():][-20000:] if m else text[-6000:])
+    try:
+        for s, count, p, log in procs:
+            rc = p.wait()
+            log.close()
+            text = open(log.name).read()
+            summary = text.strip().splitlines()[-1] if text.strip() else "(no output)"
+            print(f"shard {s} ({count} tests, exit {rc}, {time.time() - t0:.0f} s): {summary}", flush=True)
+            for num, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", summary):
+                word = "error" if word.startswith("error") else word
+                totals[word] = totals.get(word, 0) + int(num)
+            if rc != 0:
+                failed_shards.append(s)
+                m = re.search(r"^=+ (FAILURES|ERRORS) =+$", text, re.M)
+                print(text[m.start():][-20000:] if m else text[-6000:])
+    except Stopped as e:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for s, count, p, log in procs:
+            if p.poll() is None:
+                p.kill()
+        for s, count, p, log in procs:
+            p.wait()
+            log.close()
+            lines = [ln for ln in open(log.name).read().splitlines() if ln.strip()]
+            print(f"shard {s} ({count} tests, exit {p.returncode}): {lines[-1] if lines else '(no output)'}")
+        print(f"pytest_shards: stopped by signal {e.args[0]} after {time.time() - t0:.0f} s")
+        return 124
     ran = sum(totals.get(k, 0) for k in ("passed", "failed", "error", "xpassed", "xfailed", "skipped"))
     print("pytest_shards: " + ", ".join(f"{v} {k}" for k, v in sorted(totals.items())) +
           f" of {len(ids)} collected, in {time.time() - t0:.0f} s")
