@@ -1390,19 +1390,27 @@ __device__ __forceinline__ void seq_lane_sum(float (&v)[4 * Q], float* dst, int 
 // At most 2 states per thread, chunks of 16 and blocks of 4 or 8 warps, registers are capped at 128 (4
 // blocks of 4 warps per SM, against 3 at the 140 ptxas chose): H100, 8x2048x2048 bf16, 8 lanes: 2.00 ms
 // against 2.33. Elsewhere the cap spilled (4 states per thread; chunks of 32; one warp on sm_80), and on
-// sm_80 since a_t is kept in shared memory (16 bytes with h0 and odd lengths): there 3 blocks of 4 warps
-// (168 registers).
+// sm_80 when a_t was kept in shared memory beside x_{t-1} (16 bytes with h0 and odd lengths): there 3
+// blocks of 4 warps (168 registers).
+// 4 states per thread in blocks of 4 warps and chunks of 16 (the heuristic's choice from 16k channels),
+// sm_90: 3 blocks per SM (168 registers, against 214 and 2 blocks uncapped): H100 bf16, the backward alone,
+// 8x2048x2048 1.216 -> 1.196 ms, 8x5120x2048 2.991 -> 2.698, 8x2048x8192 4.767 -> 4.700. (sm_80's 164 KiB
+// of shared memory hold only 2 such blocks of ~62 KiB: uncapped there.)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 constexpr int kSeqBwdCappedThreadsPerSm = 384;
+constexpr int kSeqBwdSpt4Blocks = 1;
 #else
 constexpr int kSeqBwdCappedThreadsPerSm = 512;
+constexpr int kSeqBwdSpt4Blocks = 3;
 #endif
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt <= 2 && Tr::kChunk == 16 && Tr::kThreads >= 128
-                                                    ? (kSeqBwdCappedThreadsPerSm / Tr::kThreads > 0
-                                                           ? kSeqBwdCappedThreadsPerSm / Tr::kThreads
-                                                           : 1)
-                                                    : 1)
+__global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 4 && Tr::kChunk == 16 && Tr::kThreads == 128
+                                                    ? kSeqBwdSpt4Blocks
+                                                    : (Tr::kSpt <= 2 && Tr::kChunk == 16 && Tr::kThreads >= 128
+                                                           ? (kSeqBwdCappedThreadsPerSm / Tr::kThreads > 0
+                                                                  ? kSeqBwdCappedThreadsPerSm / Tr::kThreads
+                                                                  : 1)
+                                                           : 1))
     selective_scan_bwd_seq_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
                                   const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
                                   const typename Tr::TC* __restrict__ C, const float* __restrict__ D,
