@@ -2,6 +2,8 @@
 // config of representative cases, bitwise determinism of the backward, CUDA graph capture, many host
 // threads on their own streams, row-strided inputs, and every visible device.
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -106,7 +108,11 @@ TEST(Gpu, EveryTuningConfigMatchesReference) {
       o.dtypes = {s.dt};
       o.configs = configs_for_case(op, s.c, s.dt);
       EXPECT_FALSE(o.configs.empty());
+      const auto t0 = std::chrono::steady_clock::now();
       auto rows = check_op(op, o);
+      // where this test's minutes go (printed, not asserted): configs and seconds per op and case
+      std::printf("[ configs  ] %s %s %s: %zu configs, %.1f s\n", op.c_str(), s.c, dtype_name(s.dt),
+                  o.configs.size(), std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       EXPECT_EQ(rows.size(), o.configs.size()) << op << " " << s.c;
       report(rows);
     }
