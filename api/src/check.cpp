@@ -3,6 +3,7 @@
 #include "kspec/check.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <deque>
@@ -14,9 +15,11 @@
 #include <thread>
 
 #include "api/src/device_data.h"
+#include "api/src/kernels.h"
 #include "api/src/op.h"
 #include "api/src/tuning.h"
 #include "jit/driver.h"
+#include "kspec/knobs.h"
 
 namespace kspec {
 namespace {
@@ -59,6 +62,36 @@ struct CaseRun {
     return n;
   }
 };
+
+// Compiles (or finds in the cache) the kernels of every config of a call, in parallel: NVRTC is
+// thread-safe and the cache locks per key. The configs of cases `precompile --all` does not cover for
+// every config were compiled one by one by their calls (most of Gpu.EveryTuningConfigMatchesReference's
+// 7 minutes on the H100). Errors are left for each config's call to report in its row.
+void compile_configs(const OpDef& op, const std::vector<TensorView>& ins, const std::vector<TensorView>& outs,
+                     const Params& params, int device, const std::vector<const Config*>& configs) {
+  if (!op.kernels || configs.size() < 2) return;
+  Problem p;
+  try {
+    p = validate_call(op, ins, outs, params, nullptr).problem;
+    p.arch = device_arch(device);
+  } catch (const std::exception&) {
+    return;  // the calls report it
+  }
+  std::atomic<size_t> next{0};
+  const int threads = std::max(1, std::min<int>(knobs::compile_threads(), static_cast<int>(configs.size())));
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&] {
+      for (size_t i = next++; i < configs.size(); i = next++) {
+        if (!configs[i]) continue;
+        try {
+          for (const auto& spec : op.kernels(p, *configs[i])) obtain_binary(spec);
+        } catch (const std::exception&) {  // the call reports it
+        }
+      }
+    });
+  for (auto& th : pool) th.join();
+}
 
 CaseRun run_on_gpu(const OpDef& op, const Case& cs, DType dtype, const CheckOptions& o, uint64_t seed) {
   std::vector<const Config*> configs;
@@ -103,6 +136,7 @@ CaseRun run_on_gpu(const OpDef& op, const Case& cs, DType dtype, const CheckOpti
     }
     Params params;
     for (const auto& [k, v] : cs.params.items()) params.set(k, v);
+    compile_configs(op, in_views, out_views, params, o.device, configs);
     for (const Config* cfg : configs) {
       CheckRow row = proto;
       std::vector<std::vector<unsigned char>> got(outs.size());

@@ -49,6 +49,9 @@ struct Obtained {
   double ms = 0;       // time spent obtaining it now
 };
 
+// The arch a device's kernels are compiled for ("sm_90a" on an H100); cached per device, thread-safe.
+const std::string& device_arch(int device);
+
 // Memory → disk → NVRTC, holding the per-key file lock while compiling.
 Obtained obtain_binary(const jit::KernelSpec& spec);
 // The function for a spec on a device (loads its module into the device's primary context once).

@@ -224,15 +224,7 @@ std::string describe_op(std::string_view name) {
 
 // ---- the call path ----
 
-namespace {
-
-struct PlanEntry {
-  Config config;
-  std::vector<LoadedKernel*> kernels;
-  uint64_t generation = 0;
-  bool bucketed = false;  // a marker: the plan depends on the shape bucket (see plan_for)
-};
-
+// The compile target of a device ("sm_90a" on an H100), looked up once per device (kernels.h).
 const std::string& device_arch(int device) {
   static std::mutex mu;
   static std::map<int, std::string> archs;
@@ -247,6 +239,16 @@ const std::string& device_arch(int device) {
   CU_CHECK(cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev));
   return archs.emplace(device, jit::arch_for_compute_capability(major, minor)).first->second;
 }
+
+namespace {
+
+struct PlanEntry {
+  Config config;
+  std::vector<LoadedKernel*> kernels;
+  uint64_t generation = 0;
+  bool bucketed = false;  // a marker: the plan depends on the shape bucket (see plan_for)
+};
+
 
 int device_sms(int device) {
   static std::mutex mu;

@@ -48,15 +48,6 @@ Limits device_limits(int device) {
   return l;
 }
 
-std::string device_arch_of(int device) {
-  CUdevice dev;
-  int major = 0, minor = 0;
-  CU_CHECK(cuDeviceGet(&dev, device));
-  CU_CHECK(cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev));
-  CU_CHECK(cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev));
-  return jit::arch_for_compute_capability(major, minor);
-}
-
 bool has_gpu(int device) { return jit::driver_available() && device >= 0 && device < jit::device_count(); }
 
 std::string shape_text(const Problem& p) {
@@ -523,7 +514,7 @@ TuneResult tune_problem(const OpDef& op, const Problem& p, const TuneRequest& op
 TuneResult tune(const TuneRequest& req, const TuneCallback& progress) {
   const OpDef& op = Registry::global().get(req.problem.op);
   Problem p = problem_from_request(op, req.problem);
-  if (!req.compile_only && has_gpu(req.device)) p.arch = device_arch_of(req.device);
+  if (!req.compile_only && has_gpu(req.device)) p.arch = device_arch(req.device);
   if (op.check) op.check(p);
   return tune_problem(op, p, req, progress);
 }
