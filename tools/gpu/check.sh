@@ -187,7 +187,7 @@ if has scan; then
   C=(base:bf16 batch_1:f32 seqlen_1:f32 seqlen_2:f32 seqlen_1023:f32 dim_37:f32 dstate_1:f32 dstate_4:bf16
      dstate_64:f32 groups_4:bf16 fixed_bc:f32 fixed_b:f32 no_z:bf16 no_softplus:f32 none_optional:f32
      wide_8x1024:bf16 wide_even_8x1024:bf16 bc_fp32:bf16 seqlen_even_1024:f16 segments_2x32x9000:bf16
-     segments_2x32x9000:f32)
+     segments_2x32x9000:f32 segments_even_2x32x8192:bf16 segments_even_2x32x8192:f32)
   step scan_configs bash -c 'printf "%s\n" "$@" | xargs -P 12 -I{} python3 tools/gpu/check_configs.py \
     selective_scan.bwd selective_scan.fwd --match algo=1 --case {}' _ "${C[@]}"
   step scan_check python3 -m kspec check --op selective_scan.fwd --op selective_scan.bwd --json "$OUT/scan_check.json"

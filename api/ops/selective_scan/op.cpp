@@ -495,6 +495,8 @@ std::vector<Case> scan_cases(bool with_seqlen) {
       {"wide_even_8x1024", 8, 1024, 512, 16, 1, true, {"h0"}, {}},
       // few channels, long: the heuristic's sequential kernel over 4 segments in parallel
       {"segments_2x32x9000", 2, 32, 9000, 16, 1, true, {}, {}},
+      // the same at a length of whole 512-step tiles: the segments' vector-load (kEven) paths
+      {"segments_even_2x32x8192", 2, 32, 8192, 16, 1, true, {}, {}},
   };
   std::vector<Case> cases;
   for (const auto& s : specs) {
@@ -532,7 +534,8 @@ std::vector<Case> scan_cases(bool with_seqlen) {
     // run without: the forward for inference, the backward with its own forward pass (each algorithm,
     // and segments).
     named("none_optional").without.push_back("states");
-    for (const char* n : {"base", "seqlen_1023", "dstate_64", "wide_8x1024", "wide_even_8x1024", "segments_2x32x9000"}) {
+    for (const char* n : {"base", "seqlen_1023", "dstate_64", "wide_8x1024", "wide_even_8x1024", "segments_2x32x9000",
+                          "segments_even_2x32x8192"}) {
       Case c = named(n);
       c.name = std::string("no_states_") + n;
       c.representative = false;
