@@ -249,7 +249,6 @@ struct PlanEntry {
   bool bucketed = false;  // a marker: the plan depends on the shape bucket (see plan_for)
 };
 
-
 int device_sms(int device) {
   static std::mutex mu;
   static std::map<int, int> sms;
