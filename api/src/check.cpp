@@ -3,7 +3,6 @@
 #include "kspec/check.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <deque>
@@ -19,7 +18,6 @@
 #include "api/src/op.h"
 #include "api/src/tuning.h"
 #include "jit/driver.h"
-#include "kspec/knobs.h"
 
 namespace kspec {
 namespace {
@@ -77,20 +75,13 @@ void compile_configs(const OpDef& op, const std::vector<TensorView>& ins, const 
   } catch (const std::exception&) {
     return;  // the calls report it
   }
-  std::atomic<size_t> next{0};
-  const int threads = std::max(1, std::min<int>(knobs::compile_threads(), static_cast<int>(configs.size())));
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t)
-    pool.emplace_back([&] {
-      for (size_t i = next++; i < configs.size(); i = next++) {
-        if (!configs[i]) continue;
-        try {
-          for (const auto& spec : op.kernels(p, *configs[i])) obtain_binary(spec);
-        } catch (const std::exception&) {  // the call reports it
-        }
-      }
-    });
-  for (auto& th : pool) th.join();
+  for_each_compile_thread(configs.size(), [&](size_t i) {
+    if (!configs[i]) return;
+    try {
+      for (const auto& spec : op.kernels(p, *configs[i])) obtain_binary(spec);
+    } catch (const std::exception&) {  // the call reports it
+    }
+  });
 }
 
 CaseRun run_on_gpu(const OpDef& op, const Case& cs, DType dtype, const CheckOptions& o, uint64_t seed) {

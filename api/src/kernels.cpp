@@ -2,16 +2,19 @@
 // (registry.cpp); this file runs only the first time a specialization is needed on a device.
 #include "api/src/kernels.h"
 
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <mutex>
 #include <shared_mutex>
+#include <thread>
 #include <unordered_map>
 
 #include "cache/disk_cache.h"
 #include "jit/driver.h"
 #include "jit/key.h"
 #include "jit/log.h"
+#include "kspec/knobs.h"
 #include "kspec/registry.h"
 
 namespace kspec {
@@ -165,6 +168,17 @@ LoadedKernel& load_kernel(const jit::KernelSpec& spec, int device) {
   // Modules live as long as the process: a kernel may be captured in a CUDA graph that outlives any
   // scope kspec could tie them to.
   return *loaded.emplace(std::make_pair(device, canon), std::move(k)).first->second;
+}
+
+void for_each_compile_thread(size_t n, const std::function<void(size_t)>& fn) {
+  std::atomic<size_t> next{0};
+  const int threads = std::max(1, std::min<int>(knobs::compile_threads(), static_cast<int>(n)));
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&] {
+      for (size_t i = next++; i < n; i = next++) fn(i);
+    });
+  for (auto& th : pool) th.join();
 }
 
 }  // namespace kspec

@@ -5,6 +5,7 @@
 #include <cuda.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -54,6 +55,9 @@ const std::string& device_arch(int device);
 
 // Memory → disk → NVRTC, holding the per-key file lock while compiling.
 Obtained obtain_binary(const jit::KernelSpec& spec);
+// fn(0), ..., fn(n - 1) on up to KSPEC_COMPILE_THREADS threads (compiles: NVRTC is thread-safe and the
+// cache locks per key); returns when all are done. fn must not throw.
+void for_each_compile_thread(size_t n, const std::function<void(size_t)>& fn);
 // The function for a spec on a device (loads its module into the device's primary context once).
 LoadedKernel& load_kernel(const jit::KernelSpec& spec, int device);
 

@@ -9,7 +9,6 @@
 #include <ctime>
 #include <mutex>
 #include <random>
-#include <thread>
 
 #include "api/src/device_data.h"
 #include "api/src/kernels.h"
@@ -370,18 +369,11 @@ TuneResult tune_problem(const OpDef& op, const Problem& p, const TuneRequest& op
   std::vector<TuneCandidate*> todo;
   for (auto& c : r.candidates)
     if (c.status == "not timed") todo.push_back(&c);
-  std::atomic<size_t> next{0};
   std::atomic<int> compiled{0};
-  int threads = std::max(1, std::min<int>(knobs::compile_threads(), static_cast<int>(todo.size())));
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t)
-    pool.emplace_back([&] {
-      for (size_t i = next++; i < todo.size(); i = next++) {
-        compile_candidate(op, p, lim, *todo[i]);
-        report("compile", ++compiled, static_cast<int>(todo.size()), todo[i]);
-      }
-    });
-  for (auto& th : pool) th.join();
+  for_each_compile_thread(todo.size(), [&](size_t i) {
+    compile_candidate(op, p, lim, *todo[i]);
+    report("compile", ++compiled, static_cast<int>(todo.size()), todo[i]);
+  });
   KSPEC_CHECK(r.candidates[0].status == "not timed", op.info.name, ": the default config {", r.default_config.str(),
               "} cannot be used: ", r.candidates[0].status, ": ", r.candidates[0].why);
   if (!gpu) {
