@@ -270,16 +270,20 @@ int64_t group_fit(const Problem& p) {
 // keeps more of it busy.
 bool many_channels(const Problem& p) { return p.dim("batch") * p.dim("dim") >= 8192; }
 
+// The fewest lanes per channel (a power of two up to 32) that leave each thread at most `most` states.
+int64_t lanes_for_states(const Problem& p, int64_t most) {
+  int64_t lanes = 1;
+  while (lanes < 32 && ceil_div(p.dim("dstate"), lanes) > most) lanes *= 2;
+  return lanes;
+}
+
 // 4 states per thread: measured on the H100 (8x2048x2048 bf16) more threads beat more independent
 // recurrences per thread (lanes 4 > 2 > 1 at dstate 16: 0.318, 0.325 ms); with 32k channels or more, 8
 // states per thread (8x5120x2048: lanes 2 0.686 ms, lanes 4 0.781). Since the prefetch waits as raw
 // words (no stall on its loads at the top of each chunk), 8 states from 16k channels: 8x2048x2048 lanes
 // 2 0.262 ms, lanes 4 0.296. (Segments keep 4: at 8 states their local pass took 246 registers.)
 int64_t seq_default_lanes(const Problem& p) {
-  const int64_t most = p.dim("batch") * p.dim("dim") >= 16384 ? 8 : 4;
-  int64_t lanes = 1;
-  while (lanes < 32 && ceil_div(p.dim("dstate"), lanes) > most) lanes *= 2;
-  return lanes;
+  return lanes_for_states(p, p.dim("batch") * p.dim("dim") >= 16384 ? 8 : 4);
 }
 
 // Segments along time (algo 1, see "segments" in the template): the steps are cut into `segs` pieces
@@ -440,9 +444,7 @@ TuningSpace bwd_tuning() {
       // 1.209 ms, 8 lanes 1.239, 8 warps and 8 lanes 1.250; 8x5120x2048 2.996 / 3.042 / 3.082;
       // 8x2048x8192 4.774 / 4.921 / 4.963); segments keep 2 (1x2048x65536, one segment: 4 lanes 13.2 ms,
       // 8 lanes 9.3; 16 segments at 8 lanes 5.97).
-      const int64_t most = segs > 1 ? 2 : 4;
-      int64_t lanes = 1;
-      while (lanes < 32 && ceil_div(p.dim("dstate"), lanes) > most) lanes *= 2;
+      const int64_t lanes = lanes_for_states(p, segs > 1 ? 2 : 4);
       for (int64_t warps : {4, 8, 2}) {
         Config c{{{"algo", 1}, {"warps", warps}, {"items", 4}, {"lanes", lanes}, {"chunk", 16}, {"segs", segs}}};
         if (seq_bwd_prefetch_fits(p, c) && segs_fit(p, c) && seq_valid(p, c, seq_bwd_smem_bytes(p, c), false, nullptr))
