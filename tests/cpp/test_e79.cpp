@@ -540,11 +540,7 @@ TEST(E79Gpu, EveryClusterConfigMatchesReference) {
       EXPECT_GT(o.configs.size(), 0u) << op << " " << cs;
       auto rows = check_op(op, o);
       EXPECT_EQ(rows.size(), o.configs.size()) << op << " " << cs;
-      for (const auto& r : rows) {
-        std::string errs;
-        for (const auto& [name, e] : r.errors) errs += name + "=" + std::to_string(e) + " ";
-        EXPECT_TRUE(r.passed) << op << " " << cs << " config " << r.config << ": " << r.message << " errors " << errs;
-      }
+      kspec::testing::report(rows);
     }
   }
 }

@@ -40,14 +40,7 @@ std::vector<float> randn(size_t n, uint64_t seed) {
   return v;
 }
 
-void report(const std::vector<CheckRow>& rows) {
-  for (const auto& r : rows) {
-    std::string errs;
-    for (const auto& [name, e] : r.errors) errs += name + "=" + std::to_string(e) + " ";
-    EXPECT_TRUE(r.passed) << r.op << " " << r.case_name << " " << r.dtype << " config " << r.config << ": "
-                          << r.message << " errors " << errs;
-  }
-}
+using kspec::testing::report;
 
 // One norm_act fwd+bwd problem in fp32 with its buffers.
 struct Problem32 {

@@ -12,6 +12,15 @@
 
 namespace kspec::testing {
 
+void report(const std::vector<CheckRow>& rows) {
+  for (const auto& r : rows) {
+    std::string errs;
+    for (const auto& [name, e] : r.errors) errs += name + "=" + std::to_string(e) + " ";
+    EXPECT_TRUE(r.passed) << r.op << " " << r.case_name << " " << r.dtype << " config " << r.config << ": "
+                          << r.message << " errors " << errs;
+  }
+}
+
 TempDir::TempDir(const std::string& tag) {
   std::string tmpl = (std::filesystem::temp_directory_path() / (tag + "-XXXXXX")).string();
   std::vector<char> buf(tmpl.begin(), tmpl.end());

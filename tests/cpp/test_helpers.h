@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "kspec/check.h"
+
 namespace kspec::testing {
 
 // A fresh directory under the system temp dir, removed at destruction.
@@ -31,6 +33,9 @@ struct ProcResult {
 ProcResult run(const std::string& command);
 
 bool gpu_available();
+
+// One EXPECT_TRUE per row of a GPU check: op, case, dtype, config, message and every output's error.
+void report(const std::vector<CheckRow>& rows);
 
 }  // namespace kspec::testing
 
