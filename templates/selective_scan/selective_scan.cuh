@@ -1403,14 +1403,17 @@ constexpr int kSeqBwdSpt4Blocks = 1;
 constexpr int kSeqBwdCappedThreadsPerSm = 512;
 constexpr int kSeqBwdSpt4Blocks = 3;
 #endif
+// The backward's minimum blocks per SM for its launch bounds (the register cap), by the rules above.
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 4 && Tr::kChunk == 16 && Tr::kThreads == 128
-                                                    ? kSeqBwdSpt4Blocks
-                                                    : (Tr::kSpt <= 2 && Tr::kChunk == 16 && Tr::kThreads >= 128
-                                                           ? (kSeqBwdCappedThreadsPerSm / Tr::kThreads > 0
-                                                                  ? kSeqBwdCappedThreadsPerSm / Tr::kThreads
-                                                                  : 1)
-                                                           : 1))
+constexpr int seq_bwd_min_blocks() {
+  if (Tr::kChunk != 16) return 1;
+  if (Tr::kSpt == 4 && Tr::kThreads == 128) return kSeqBwdSpt4Blocks;
+  if (Tr::kSpt <= 2 && Tr::kThreads >= 128 && kSeqBwdCappedThreadsPerSm / Tr::kThreads > 0)
+    return kSeqBwdCappedThreadsPerSm / Tr::kThreads;
+  return 1;
+}
+template <typename Tr>
+__global__ void __launch_bounds__(Tr::kThreads, seq_bwd_min_blocks<Tr>())
     selective_scan_bwd_seq_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
                                   const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
                                   const typename Tr::TC* __restrict__ C, const float* __restrict__ D,
