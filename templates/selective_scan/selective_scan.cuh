@@ -652,8 +652,9 @@ __device__ __forceinline__ void seq_store_y(float (&y)[4], int sl, float* s_y, i
 
 // The raw global data of one chunk (kEven: whole, 16-byte aligned), held in registers between its
 // loads and its staging: u, delta, z of the block's channels and the variable B/C rows of its group.
-// Element e of a tensor's chunk is row e / kPerRow, steps (e % kPerRow) * V ..+V.
-template <typename Tr>
+// Element e of a tensor's chunk is row e / kPerRow, steps (e % kPerRow) * V ..+V. kOut = false: only what
+// the state's recurrence reads (u, delta, a variable B; no z, C, s_u, D), for the segments' local pass.
+template <typename Tr, bool kOut = true>
 struct SeqPrefetch {
   using T = typename Tr::T;
   using TB = typename Tr::TB;
@@ -665,8 +666,9 @@ struct SeqPrefetch {
   static constexpr int kRowVecs = NC * kPerRow;  // vectors per tensor and chunk
   static constexpr int PU = (kRowVecs + Tr::kThreads - 1) / Tr::kThreads;
   static constexpr int PB = Tr::kVarB ? (NP * kPerRowB + Tr::kThreads - 1) / Tr::kThreads : 0;
-  static constexpr int PC = Tr::kVarC ? (NP * kPerRowC + Tr::kThreads - 1) / Tr::kThreads : 0;
-  uint4 u[PU], d[PU], z[Tr::kHasZ ? PU : 1];  // raw 16-byte vectors (see load_raw16)
+  static constexpr int PC = kOut && Tr::kVarC ? (NP * kPerRowC + Tr::kThreads - 1) / Tr::kThreads : 0;
+  static constexpr bool kZ = kOut && Tr::kHasZ;
+  uint4 u[PU], d[PU], z[kZ ? PU : 1];  // raw 16-byte vectors (see load_raw16)
   uint4 bv[PB > 0 ? PB : 1], cv[PC > 0 ? PC : 1];
 
   __device__ __forceinline__ void load(const T* __restrict__ gu, const T* __restrict__ gd, const T* __restrict__ gz,
@@ -681,7 +683,7 @@ struct SeqPrefetch {
         const long long off = (static_cast<long long>(b) * dim + d0 + r) * seqlen + t0 + tv;
         u[k] = load_raw16(gu + off);
         d[k] = load_raw16(gd + off);
-        if constexpr (Tr::kHasZ) z[k] = load_raw16(gz + off);
+        if constexpr (kZ) z[k] = load_raw16(gz + off);
       }
     }
 #pragma unroll
@@ -708,7 +710,7 @@ struct SeqPrefetch {
         const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads, r = e / kPerRow;
         const bool ok = e < kRowVecs && d0 + r < dim;
         bias[k] = Tr::kHasDeltaBias && ok ? delta_bias[d0 + r] : 0.0f;
-        D[k] = Tr::kHasD && ok ? Dp[d0 + r] : 0.0f;
+        D[k] = kOut && Tr::kHasD && ok ? Dp[d0 + r] : 0.0f;
       }
     }
   };
@@ -732,7 +734,7 @@ struct SeqPrefetch {
         if constexpr (Tr::kSoftplus) w = softplus_sfu(w);
         const float uu = ok ? to_float(uv.v[j]) : 0.0f;
         w = ok ? w : 0.0f;
-        s_u[(tv + j) * CS + r] = uu;
+        if constexpr (kOut) s_u[(tv + j) * CS + r] = uu;
         s_dtu[(tv + j) * CS + r] = make_float2(w, w * uu);
       }
     }
@@ -759,6 +761,7 @@ struct SeqPrefetch {
   // out = (y + D u) * silu(z) for the vectors this thread staged (its z still in registers).
   __device__ __forceinline__ void write_out(T* __restrict__ gout, const Rows& rows, const float* s_u, const float* s_y,
                                             int b, int d0, int dim, int seqlen, int t0) const {
+    static_assert(kOut, "the local pass writes no outputs");
     constexpr int CS = Tr::kCs;
     const int tid = static_cast<int>(threadIdx.x);
 #pragma unroll
@@ -776,6 +779,34 @@ struct SeqPrefetch {
         o.v[j] = from_float<T>(v);
       }
       store_vec<V>(gout + (static_cast<long long>(b) * dim + d0 + r) * seqlen + t0 + tv, o);
+    }
+  }
+
+  // The chunks [tb, te) in order (tb < te: a segment holds steps): each chunk's loads are issued a chunk
+  // ahead into the other prefetch's registers, so their latency hides behind scan(t0) of the staged chunk
+  // before. With kOut, out follows from s_y; without, only s_dtu and s_B are staged (gz, gC, gout, s_u,
+  // s_C, s_y unused).
+  template <typename Scan>
+  static __device__ __forceinline__ void walk(const T* __restrict__ gu, const T* __restrict__ gd,
+                                              const T* __restrict__ gz, const TB* __restrict__ gB,
+                                              const TC* __restrict__ gC, T* __restrict__ gout, const Rows& rows,
+                                              int b, int d0, int dim, int seqlen, long long bc_base, int tb, int te,
+                                              float2* s_dtu, float* s_u, float* s_B, float* s_C, const float* s_y,
+                                              Scan&& scan) {
+    constexpr int kC = Tr::kChunk;
+    SeqPrefetch cur, nxt;
+    cur.load(gu, gd, gz, gB, gC, b, d0, dim, seqlen, bc_base, tb);
+    for (int t0 = tb; t0 < te; t0 += kC) {
+      cur.stage(s_dtu, s_u, s_B, s_C, rows, d0, dim);
+      __syncthreads();
+      if (t0 + kC < te) nxt.load(gu, gd, gz, gB, gC, b, d0, dim, seqlen, bc_base, t0 + kC);
+      scan(t0);
+      if constexpr (kOut) {
+        __syncthreads();
+        cur.write_out(gout, rows, s_u, s_y, b, d0, dim, seqlen, t0);
+      }
+      cur = nxt;
+      __syncthreads();  // the chunk's shared memory is restaged next
     }
   }
 };
@@ -947,19 +978,10 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 8 && Tr::kThreads ==
     // Every chunk whole and 16-byte aligned: the next chunk's global loads are issued before this
     // chunk's scan (registers), so their latency hides behind it.
     using Pf = SeqPrefetch<Tr>;
-    Pf cur, nxt;
-    const typename Pf::Rows rows(delta_bias, D, d0, dim);
-    cur.load(u, delta, z, B, C, b, d0, dim, seqlen, bc_base, tb);
-    for (int t0 = tb; t0 < te; t0 += kC) {
-      cur.stage(s_dtu, s_u, s_B, s_C, rows, d0, dim);
-      __syncthreads();
-      if (t0 + kC < te) nxt.load(u, delta, z, B, C, b, d0, dim, seqlen, bc_base, t0 + kC);
-      seq_scan_chunk<Tr>(x, A2, Bf, Cf, s_dtu, s_B, s_C, s_y, cl, sl, unused, ck, t0, seqlen);
-      __syncthreads();
-      cur.write_out(out, rows, s_u, s_y, b, d0, dim, seqlen, t0);
-      cur = nxt;
-      __syncthreads();  // s_u, s_y are restaged next
-    }
+    Pf::walk(u, delta, z, B, C, out, typename Pf::Rows(delta_bias, D, d0, dim), b, d0, dim, seqlen, bc_base, tb, te,
+             s_dtu, s_u, s_B, s_C, s_y, [&](int t0) {
+               seq_scan_chunk<Tr>(x, A2, Bf, Cf, s_dtu, s_B, s_C, s_y, cl, sl, unused, ck, t0, seqlen);
+             });
   } else {
     for (int t0 = tb; t0 < te; t0 += kC) {
       // Element by element, zeros past seqlen, dim and dstate (a partial last chunk, odd alignments).
@@ -1666,8 +1688,21 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt <= 4 && Tr::kThreads <=
   at.state(nullptr, x);
   const SeqSegment seg(static_cast<int>(blockIdx.z), kC, seqlen, seg_len);
   float sdt = 0.0f;
-  seq_forward_walk<Tr, false>(x, A2, Bf, u, delta, B, delta_bias, nullptr, sdt, s_dtu, s_B, at.b, at.d0, dim,
-                              seqlen, at.bc_base, seg.cb, seg.ce, at.cl, at.sl, at.live);
+  if constexpr (Tr::kEven) {
+    // The main kernel's vector loads, issued a chunk ahead (SeqPrefetch without z, C and outputs): the
+    // scalar loads and per-element staging of seq_forward_walk were 452 of this kernel's 1144 instructions
+    // per thread and chunk (1x2048x65536 bf16, 4 warps, 4 lanes, chunk 32); with it, 901, and the forward
+    // took 1.839 ms on the H100 where it took 2.055 (16 segments; chunk 64: 3.020 -> 2.046). (The adjoint's
+    // local pass, at chunk 16 and 4 warps, has half a vector per thread: the same tried there saved
+    // nothing, 767 -> 774, half the threads staging twice the elements.)
+    using Pf = SeqPrefetch<Tr, false>;
+    Pf::walk(u, delta, nullptr, B, nullptr, nullptr, typename Pf::Rows(delta_bias, nullptr, at.d0, dim), at.b, at.d0,
+             dim, seqlen, at.bc_base, seg.cb * kC, min(seg.ce * kC, seqlen), s_dtu, nullptr, s_B, nullptr, nullptr,
+             [&](int) { seq_scan_chunk<Tr, false, true>(x, A2, Bf, Bf, s_dtu, s_B, nullptr, nullptr, at.cl, at.sl, sdt); });
+  } else {
+    seq_forward_walk<Tr, false>(x, A2, Bf, u, delta, B, delta_bias, nullptr, sdt, s_dtu, s_B, at.b, at.d0, dim,
+                                seqlen, at.bc_base, seg.cb, seg.ce, at.cl, at.sl, at.live);
+  }
   if (!at.live) return;
   const long long sg = at.chan * nsegs + seg.z;
 #pragma unroll
