@@ -442,9 +442,9 @@ TuningSpace bwd_tuning() {
       // in shared memory: 1.39 ms at 4 warps, 6.84 with segments. With x_{t-1} only (a_t recomputed,
       // half the shared memory): 4 states per thread (4 lanes) now lead at every batch-8 shape (8x2048x2048
       // 1.209 ms, 8 lanes 1.239, 8 warps and 8 lanes 1.250; 8x5120x2048 2.996 / 3.042 / 3.082;
-      // 8x2048x8192 4.774 / 4.921 / 4.963); segments keep 2 (1x2048x65536, one segment: 4 lanes 13.2 ms,
-      // 8 lanes 9.3; 16 segments at 8 lanes 5.97).
-      const int64_t lanes = lanes_for_states(p, segs > 1 ? 2 : 4);
+      // 8x2048x8192 4.774 / 4.921 / 4.963), and with segments (1x2048x65536, 16 segments: 4 lanes
+      // 5.29 ms, 8 lanes 5.91; but with one segment 4 lanes 13.2, 8 lanes 9.3).
+      const int64_t lanes = lanes_for_states(p, 4);
       for (int64_t warps : {4, 8, 2}) {
         Config c{{{"algo", 1}, {"warps", warps}, {"items", 4}, {"lanes", lanes}, {"chunk", 16}, {"segs", segs}}};
         if (seq_bwd_prefetch_fits(p, c) && segs_fit(p, c) && seq_valid(p, c, seq_bwd_smem_bytes(p, c), false, nullptr))
