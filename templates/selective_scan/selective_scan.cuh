@@ -811,11 +811,53 @@ struct SeqPrefetch {
   }
 };
 
+// A thread's slice of one saved state: `row` holds a channel's kDstate floats, the thread's kSpt of them
+// start at sl * kSpt. As 16-byte vectors when every slice is whole and 16-byte aligned (kEven: every
+// pointer is, and rows of a multiple of 4 floats keep it), else element by element, past the padding
+// states. A warp's scalar store put 4 bytes in each of 32 sectors: the forward's states (8 per thread)
+// took 8 such stores per saved step, 4 times the L2 write transactions of 2 vectors.
+template <typename Tr>
+constexpr bool kSeqVecState = Tr::kEven && Tr::kSpt % 4 == 0 && Tr::kDstate % Tr::kSpt == 0;
+
+template <typename Tr>
+__device__ __forceinline__ void seq_put_state(float* row, const float (&x)[Tr::kSpt], int sl) {
+  constexpr int S = Tr::kSpt, N = Tr::kDstate;
+  if constexpr (kSeqVecState<Tr>) {
+#pragma unroll
+    for (int i = 0; i < S; i += 4)
+      *reinterpret_cast<float4*>(row + sl * S + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < S; ++i)
+      if (sl * S + i < N) row[sl * S + i] = x[i];
+  }
+}
+
+// The inverse: zeros for the padding states and where !ok.
+template <typename Tr>
+__device__ __forceinline__ void seq_get_state(float (&x)[Tr::kSpt], const float* row, int sl, bool ok) {
+  constexpr int S = Tr::kSpt, N = Tr::kDstate;
+  if constexpr (kSeqVecState<Tr>) {
+#pragma unroll
+    for (int i = 0; i < S; i += 4) {
+      const float4 v = ok ? *reinterpret_cast<const float4*>(row + sl * S + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+      x[i] = v.x;
+      x[i + 1] = v.y;
+      x[i + 2] = v.z;
+      x[i + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < S; ++i) x[i] = ok && sl * S + i < N ? row[sl * S + i] : 0.0f;
+  }
+}
+
 // The scan of one staged chunk by one thread (kSpt states x of channel cl, slice sl), steps in groups
 // of 4 with a group's shared-memory reads first. kY: y = C . x of each step to s_y[t][cl] (else C, s_C
 // and s_y are not read). kSumDt: adds the chunk's dt to sdt (a segment's decay, see the segments below).
-// A function, not a lambda: NVRTC did not inline the lambda everywhere, and the call saved registers to
-// the stack.
+// ck, when not null: the channel's rows of the states for the backward, given the state entering each
+// multiple of kStateStride steps. A function, not a lambda: NVRTC did not inline the lambda everywhere,
+// and the call saved registers to the stack.
 template <typename Tr, bool kY = true, bool kSumDt = false>
 __device__ __forceinline__ void seq_scan_chunk(float (&x)[Tr::kSpt], const float (&A2)[Tr::kSpt],
                                                const float (&Bf)[Tr::kSpt], const float (&Cf)[Tr::kSpt],
@@ -825,11 +867,8 @@ __device__ __forceinline__ void seq_scan_chunk(float (&x)[Tr::kSpt], const float
   constexpr int S = Tr::kSpt, L = Tr::kLanes, CS = Tr::kCs, NP = Tr::kNp, kC = Tr::kChunk, N = Tr::kDstate;
 #pragma unroll 2
   for (int t = 0; t < kC; t += 4) {
-    if (ck && t % kStateStride == 0 && t0 + t < seqlen) {  // the state entering step t0 + t
-#pragma unroll
-      for (int i = 0; i < S; ++i)
-        if (sl * S + i < N) ck[((t0 + t) / kStateStride) * N + i] = x[i];
-    }
+    if (ck && t % kStateStride == 0 && t0 + t < seqlen)  // the state entering step t0 + t
+      seq_put_state<Tr>(ck + ((t0 + t) / kStateStride) * N, x, sl);
     float dt[4], du[4], Bv[4][S], Cv[4][S], y[4];
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
@@ -972,8 +1011,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 8 && Tr::kThreads ==
   seq_fold<Tr>(x, A2, seg_h, seg_dt, chan, nsegs, 0, seg.z, 1, sl, live);
   const int tb = seg.cb * kC, te = min(seg.ce * kC, seqlen);
   float unused = 0.0f;
-  // The states for the backward: this thread's slice of [batch, dim, nstates, dstate].
-  float* ck = states && live ? states + chan * nstates_of(seqlen) * N + sl * S : nullptr;
+  // The states for the backward: this channel's rows of [batch, dim, nstates, dstate].
+  float* ck = states && live ? states + chan * nstates_of(seqlen) * N : nullptr;
   if constexpr (Tr::kEven) {
     // Every chunk whole and 16-byte aligned: the next chunk's global loads are issued before this
     // chunk's scan (registers), so their latency hides behind it.
@@ -1266,9 +1305,7 @@ __device__ __forceinline__ void seq_forward_walk(float (&x)[Tr::kSpt], const flo
   if (cb < last) cur.load(u, delta, nullptr, nullptr, B, nullptr, b, d0, dim, seqlen, bc_base, cb * kC);
   for (int c = cb; c < ce; ++c) {
     if constexpr (kCkpt) {
-#pragma unroll
-      for (int i = 0; i < S; ++i)
-        if (live && sl * S + i < N) ckpt[c * N + sl * S + i] = x[i];
+      if (live) seq_put_state<Tr>(ckpt + c * N, x, sl);
     }
     if (c == last) break;
     cur.stage(s_dtu, nullptr, nullptr, s_B, nullptr, d0, dim, seqlen, c * kC);
@@ -1514,8 +1551,7 @@ __global__ void __launch_bounds__(Tr::kThreads, seq_bwd_min_blocks<Tr>())
   Ck cur(delta_bias, d0, dim);  // reloaded once staged: its registers are free during the chunk's work
   float xn[S];  // the next chunk's checkpoint, loaded a chunk ahead like its inputs
   cur.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, (seg.ce - 1) * kC);
-#pragma unroll
-  for (int i = 0; i < S; ++i) xn[i] = live && sl * S + i < N ? ckpt[(seg.ce - 1) * ck_step * N + sl * S + i] : 0.0f;
+  seq_get_state<Tr>(xn, ckpt + (seg.ce - 1) * ck_step * N, sl, live);
   for (int c = seg.ce - 1; c >= seg.cb; --c) {
     const int t0 = c * kC;
 #pragma unroll
@@ -1524,8 +1560,7 @@ __global__ void __launch_bounds__(Tr::kThreads, seq_bwd_min_blocks<Tr>())
     __syncthreads();
     if (c > seg.cb) {
       cur.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, t0 - kC);
-#pragma unroll
-      for (int i = 0; i < S; ++i) xn[i] = live && sl * S + i < N ? ckpt[(c - 1) * ck_step * N + sl * S + i] : 0.0f;
+      seq_get_state<Tr>(xn, ckpt + (c - 1) * ck_step * N, sl, live);
     }
 
     // a. the chunk's forward from its checkpoint: x_t kept, y and dC on the way
