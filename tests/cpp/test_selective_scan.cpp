@@ -211,7 +211,8 @@ TEST(SelectiveScan, ProblemsSharingAPlanShareTheHeuristic) {
     for (auto [b, d, t] : std::vector<std::array<int64_t, 3>>{{8, 2048, 2048}, {8, 5120, 2048}, {8, 2048, 8192},
                                                              {1, 2048, 65536}, {1, 2048, 8192}, {1, 2048, 4096},
                                                              {2, 64, 300}, {2, 32, 9000}, {1, 8, 65536},
-                                                             {8, 1024, 512}, {16, 4096, 1024}, {4, 4096, 4096}}) {
+                                                             {8, 1024, 512}, {16, 4096, 1024}, {4, 4096, 4096},
+                                                             {1, 2048, 65000}}) {
       CompileRequest r;
       r.op = name;
       r.dtype = DType::bf16;
@@ -226,7 +227,11 @@ TEST(SelectiveScan, ProblemsSharingAPlanShareTheHeuristic) {
               << q.dim("batch") << "x" << q.dim("dim") << "x" << q.dim("seqlen");
         }
       }
-    EXPECT_EQ(op.tuning.heuristic(ps[3]).get("segs"), 16) << name;  // 1x2048x65536
+    // 1x2048x65536: the forward cuts it into 32 segments at 8 states per thread, the backward into 16
+    const bool fwd = std::string(name) == "selective_scan.fwd";
+    EXPECT_EQ(op.tuning.heuristic(ps[3]).get("segs"), fwd ? 32 : 16) << name;
+    EXPECT_EQ(op.tuning.heuristic(ps[3]).get("lanes"), fwd ? 2 : 4) << name;
+    EXPECT_EQ(op.tuning.heuristic(ps.back()).get("lanes"), 4) << name;  // 65000 steps: no vector chunks
     EXPECT_EQ(op.tuning.heuristic(ps[0]).get("segs"), 1) << name;
   }
 }

@@ -281,9 +281,13 @@ int64_t lanes_for_states(const Problem& p, int64_t most) {
 // recurrences per thread (lanes 4 > 2 > 1 at dstate 16: 0.318, 0.325 ms); with 32k channels or more, 8
 // states per thread (8x5120x2048: lanes 2 0.686 ms, lanes 4 0.781). Since the prefetch waits as raw
 // words (no stall on its loads at the top of each chunk), 8 states from 16k channels: 8x2048x2048 lanes
-// 2 0.262 ms, lanes 4 0.296. (Segments keep 4: at 8 states their local pass took 246 registers.)
-int64_t seq_default_lanes(const Problem& p) {
-  return lanes_for_states(p, p.dim("batch") * p.dim("dim") >= 16384 ? 8 : 4);
+// 2 0.262 ms, lanes 4 0.296. With segments (segs > 1) and whole vector chunks (kEven) 8 too, since the
+// local pass takes the vector prefetch (139 registers at 8 states): 1x2048x65536, 4 warps, chunk 32, 32
+// segments 1.622 ms, at 4 states 1.836 (16 segments 1.678 / 1.856). Elsewhere segments keep 4: the
+// scalar walk of the local pass takes 246 registers at 8 states.
+int64_t seq_default_lanes(const Problem& p, int64_t segs) {
+  const bool eight = p.dim("batch") * p.dim("dim") >= 16384 || (segs > 1 && is_even(p));
+  return lanes_for_states(p, eight ? 8 : 4);
 }
 
 // Segments along time (algo 1, see "segments" in the template): the steps are cut into `segs` pieces
@@ -303,26 +307,31 @@ SegPlan seg_plan(const Problem& p, const Config& c) {
 }
 
 // The heuristic's segment count: with few channels (batch * dim < 8192) and a long sequence, enough
-// segments for ~32k channel-segments, each of 2048 steps or more. H100, 1x2048x65536 bf16 (ms, segments
-// 4 / 8 / 16): forward (4 lanes) 3.70 / 2.41 / 2.40, one segment 5.70 and the warp scan 3.36;
-// backward (8 lanes) 14.25 / 12.13 / 11.73.
-int64_t default_segs(const Problem& p) {
+// segments for `most` * 2048 channel-segments, each of 2048 steps or more. H100, 1x2048x65536 bf16 (ms,
+// segments 4 / 8 / 16): forward (4 lanes) 3.70 / 2.41 / 2.40, one segment 5.70 and the warp scan 3.36;
+// backward (8 lanes) 14.25 / 12.13 / 11.73. Since the vector local pass, forward at 8 states per thread
+// (ms, segments 8 / 16 / 32): 1.745 / 1.678 / 1.622, so it takes up to 32; the backward (4 lanes) 5.27 at
+// 16 segments and 5.23 at 32, measured beside other GPU work: it keeps 16.
+int64_t default_segs(const Problem& p, int64_t most) {
   if (many_channels(p) || !p.has_dim("seqlen")) return 1;
   int64_t segs = 1;
-  while (segs < 16 && p.dim("batch") * p.dim("dim") * segs < 32768 && p.dim("seqlen") >= 2048 * 2 * segs) segs *= 2;
+  while (segs < most && p.dim("batch") * p.dim("dim") * segs < 2048 * most && p.dim("seqlen") >= 2048 * 2 * segs)
+    segs *= 2;
   return segs;
 }
+constexpr int64_t kFwdSegsMost = 32, kBwdSegsMost = 16;
 
 // The forward's heuristic also takes 8 states per thread from 16k channels on (seq_default_lanes).
 std::string fwd_key(const Problem& p) {
+  const int64_t segs = default_segs(p, kFwdSegsMost);
   return even_key(p) + ",gfit|" + std::to_string(group_fit(p)) + (many_channels(p) ? ",wide" : ",narrow") +
-         ",segs|" + std::to_string(default_segs(p)) + ",lanes|" + std::to_string(seq_default_lanes(p));
+         ",segs|" + std::to_string(segs) + ",lanes|" + std::to_string(seq_default_lanes(p, segs));
 }
 
 // The backward's algo-0 warp fit, and the forward's distinctions for algo 1.
 std::string bwd_all_key(const Problem& p) {
   return bwd_key(p) + ",gfit|" + std::to_string(group_fit(p)) + (many_channels(p) ? ",wide" : ",narrow") +
-         ",segs|" + std::to_string(default_segs(p));
+         ",segs|" + std::to_string(default_segs(p, kBwdSegsMost));
 }
 
 // The rules of both sequential kernels; `prefetch_regs`: the forward's rule for the registers of its
@@ -354,7 +363,7 @@ TuningSpace fwd_tuning() {
   // algo 0: warp-scan (warps, items); algo 1: sequential states (warps, lanes, chunk). Axes an algo does
   // not use must hold their first value, so each kernel appears once in the enumeration.
   t.axes = {{"algo", {0, 1}}, {"warps", {2, 4, 8}}, {"items", {4, 8, 16}}, {"lanes", {1, 2, 4, 8, 16, 32}},
-            {"chunk", {32, 64, 128}}, {"segs", {1, 2, 4, 8, 16}}};
+            {"chunk", {32, 64, 128}}, {"segs", {1, 2, 4, 8, 16, 32}}};
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     if (c.get("algo") == 1) {
       if (c.get("items") != 4) {
@@ -383,12 +392,12 @@ TuningSpace fwd_tuning() {
     return true;
   };
   t.heuristic = [](const Problem& p) {
-    const int64_t segs = default_segs(p);
+    const int64_t segs = default_segs(p, kFwdSegsMost);
     if (many_channels(p) || segs > 1) {
       // H100, 8x2048x2048 bf16: (4 warps, 4 lanes, chunk 32) 0.314 ms; chunk 64 0.394 ms (its shared
       // memory halves the resident blocks); 2 or 8 warps and 2 lanes within 5%.
       for (int64_t warps : {4, 8, 2}) {
-        Config c{{{"algo", 1}, {"warps", warps}, {"items", 4}, {"lanes", seq_default_lanes(p)}, {"chunk", 32},
+        Config c{{{"algo", 1}, {"warps", warps}, {"items", 4}, {"lanes", seq_default_lanes(p, segs)}, {"chunk", 32},
                   {"segs", segs}}};
         if (segs_fit(p, c) && seq_valid(p, c, seq_fwd_smem_bytes(p, c), true, nullptr)) return c;
       }
@@ -413,7 +422,7 @@ TuningSpace bwd_tuning() {
   // algo 0: warp-scan (warps, items; 16 items would hold ~13 arrays of 16 floats per lane: too many
   // registers); algo 1: sequential states (warps, lanes, chunk). Unused axes hold their first value.
   t.axes = {{"algo", {0, 1}}, {"warps", {1, 2, 4, 8}}, {"items", {4, 8}}, {"lanes", {1, 2, 4, 8, 16, 32}},
-            {"chunk", {16, 32}}, {"segs", {1, 2, 4, 8, 16}}};
+            {"chunk", {16, 32}}, {"segs", {1, 2, 4, 8, 16, 32}}};
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     auto no = [&](const char* w) {
       if (why) *why = w;
@@ -433,7 +442,7 @@ TuningSpace bwd_tuning() {
     return true;
   };
   t.heuristic = [](const Problem& p) {
-    const int64_t segs = default_segs(p);
+    const int64_t segs = default_segs(p, kBwdSegsMost);
     if (many_channels(p) || segs > 1) {
       // H100, 8x2048x2048 bf16 (kspec tune, every config): (4 warps, 8 lanes, chunk 16) 2.35 ms, 4 lanes
       // 2.42, 16 lanes 2.67, chunk 32 3.26; the warp scan's best 2.63. Two states per thread and
