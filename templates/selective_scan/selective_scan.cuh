@@ -1703,7 +1703,8 @@ constexpr int seq_seg_smem_floats() {
 // Segment z = blockIdx.z (every one but the last) from a zero state: seg_h = its end state, seg_dt =
 // its sum of dt. Up to 4 states per thread, registers are capped at 128 (4 blocks of 4 warps per SM):
 // uncapped, ptxas took 163-188 for (4 warps, 4 lanes, chunk 32) once delta_bias was held in registers,
-// against 105 before, and H100 1x2048x65536 bf16 went from 2.47 to 3.50 ms. At 8 the cap spilled.
+// against 105 before, and H100 1x2048x65536 bf16 went from 2.47 to 3.50 ms. At 8 the cap spilled;
+// uncapped, the vector walk (kEven: the forward's heuristic with segments) takes 139, the scalar one 246.
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt <= 4 && Tr::kThreads <= 512 ? 512 / Tr::kThreads : 1)
     selective_scan_seg_fwd_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
@@ -1733,7 +1734,9 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt <= 4 && Tr::kThreads <=
     using Pf = SeqPrefetch<Tr, false>;
     Pf::walk(u, delta, nullptr, B, nullptr, nullptr, typename Pf::Rows(delta_bias, nullptr, at.d0, dim), at.b, at.d0,
              dim, seqlen, at.bc_base, seg.cb * kC, min(seg.ce * kC, seqlen), s_dtu, nullptr, s_B, nullptr, nullptr,
-             [&](int) { seq_scan_chunk<Tr, false, true>(x, A2, Bf, Bf, s_dtu, s_B, nullptr, nullptr, at.cl, at.sl, sdt); });
+             [&](int) {
+               seq_scan_chunk<Tr, false, true>(x, A2, Bf, Bf, s_dtu, s_B, nullptr, nullptr, at.cl, at.sl, sdt);
+             });
   } else {
     seq_forward_walk<Tr, false>(x, A2, Bf, u, delta, B, delta_bias, nullptr, sdt, s_dtu, s_B, at.b, at.d0, dim,
                                 seqlen, at.bc_base, seg.cb, seg.ce, at.cl, at.sl, at.live);
