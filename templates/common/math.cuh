@@ -70,6 +70,25 @@ __device__ __forceinline__ float fast_rcp(float x) {
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+// 2^x on the FMA pipe, for kernels whose SFU is their limit while the issue has room. x = j + f, j an
+// integer (by adding 1.5 * 2^23, which leaves it in the low mantissa bits), f in [-0.5, 0.5]; 2^f by a
+// degree-6 polynomial (relative error < 1e-7, as ex2.approx's 2 ulp), j added to its exponent field (the
+// low 9 bits of the shifted sum are j's). x is clamped to [-126, 127]: where ex2.approx.ftz flushes
+// results under 2^-126 to 0, this returns 2^-126.
+__device__ __forceinline__ float fma_exp2(float x) {
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+  x = fminf(fmaxf(x, -126.0f), 127.0f);
+  const float t = x + kRound;
+  const float f = x - (t - kRound);
+  float p = 1.5337577e-4f;
+  p = fmaf(p, f, 1.3399860e-3f);
+  p = fmaf(p, f, 9.6185198e-3f);
+  p = fmaf(p, f, 5.5503290e-2f);
+  p = fmaf(p, f, 2.4022646e-1f);
+  p = fmaf(p, f, 6.9314718e-1f);
+  p = fmaf(p, f, 1.0f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
