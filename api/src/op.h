@@ -78,6 +78,11 @@ class Launcher {
   // multiple of the cluster's), through cuLaunchKernelEx's cluster-dimension attribute.
   virtual void launch_clusters(size_t kernel, Dim3 grid, Dim3 block, Dim3 cluster, unsigned shared_bytes,
                                void** args) = 0;
+  // The same as launch, for a kernel that may start while the one launched before it on the stream still
+  // runs (programmatic dependent launch, sm_90+): its blocks begin once every block of that kernel has
+  // executed griddepcontrol.launch_dependents (or ended), so the kernel must wait for the data it needs
+  // itself. Before sm_90 a plain launch.
+  virtual void launch_dependent(size_t kernel, Dim3 grid, Dim3 block, unsigned shared_bytes, void** args) = 0;
   // Device scratch memory owned by kspec for this device and stream; grows outside graph capture only.
   virtual void* workspace(size_t bytes) = 0;
   virtual int multiprocessors() const = 0;

@@ -249,18 +249,21 @@ struct PlanEntry {
   bool bucketed = false;  // a marker: the plan depends on the shape bucket (see plan_for)
 };
 
-int device_sms(int device) {
+// A device attribute, read once per device.
+int device_attribute(int device, CUdevice_attribute attr) {
   static std::mutex mu;
-  static std::map<int, int> sms;
+  static std::map<std::pair<int, int>, int> values;
   std::lock_guard<std::mutex> lock(mu);
-  auto it = sms.find(device);
-  if (it != sms.end()) return it->second;
+  auto it = values.find({device, static_cast<int>(attr)});
+  if (it != values.end()) return it->second;
   CUdevice dev;
   int n = 0;
   CU_CHECK(cuDeviceGet(&dev, device));
-  CU_CHECK(cuDeviceGetAttribute(&n, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev));
-  return sms.emplace(device, n).first->second;
+  CU_CHECK(cuDeviceGetAttribute(&n, attr, dev));
+  return values.emplace(std::make_pair(device, static_cast<int>(attr)), n).first->second;
 }
+int device_sms(int device) { return device_attribute(device, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT); }
+int device_cc_major(int device) { return device_attribute(device, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR); }
 
 // A library op (no kernels function) compiles nothing.
 std::vector<jit::KernelSpec> kernel_specs(const OpDef& op, const Problem& p, const Config& c) {
@@ -336,31 +339,21 @@ class DeviceLauncher final : public Launcher {
   }
 
   void launch_clusters(size_t k, Dim3 grid, Dim3 block, Dim3 cluster, unsigned shared_bytes, void** args) override {
-    LoadedKernel* lk = prepare(k, grid, shared_bytes);
-    if (!lk) return;
     CUlaunchAttribute attr{};
     attr.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
     attr.value.clusterDim.x = cluster.x;
     attr.value.clusterDim.y = cluster.y;
     attr.value.clusterDim.z = cluster.z;
-    CUlaunchConfig cfg{};
-    cfg.gridDimX = grid.x;
-    cfg.gridDimY = grid.y;
-    cfg.gridDimZ = grid.z;
-    cfg.blockDimX = block.x;
-    cfg.blockDimY = block.y;
-    cfg.blockDimZ = block.z;
-    cfg.sharedMemBytes = shared_bytes;
-    cfg.hStream = reinterpret_cast<CUstream>(stream_);
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    CUresult r = jit::driver().cuLaunchKernelEx(&cfg, lk->fn, args, nullptr);
-    if (r != CUDA_SUCCESS)
-      throw CudaError(detail::concat("cuLaunchKernelEx(", lk->entry->spec, ", grid ", grid.x, "x", grid.y, "x",
-                                     grid.z, ", cluster ", cluster.x, "x", cluster.y, "x", cluster.z, ", block ",
-                                     block.x, "x", block.y, "x", block.z, ", smem ", shared_bytes,
-                                     ") failed: ", jit::driver_error_text(r)));
-    count_launch();
+    launch_ex(k, grid, block, shared_bytes, args, attr,
+              detail::concat(", cluster ", cluster.x, "x", cluster.y, "x", cluster.z));
+  }
+
+  void launch_dependent(size_t k, Dim3 grid, Dim3 block, unsigned shared_bytes, void** args) override {
+    if (device_cc_major(device_) < 9) return launch(k, grid, block, shared_bytes, args);
+    CUlaunchAttribute attr{};
+    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    launch_ex(k, grid, block, shared_bytes, args, attr, ", programmatic stream serialization");
   }
 
   void* workspace(size_t bytes) override {
@@ -399,6 +392,30 @@ class DeviceLauncher final : public Launcher {
   }
 
  private:
+  // cuLaunchKernelEx with one attribute (`what` describes it in the error).
+  void launch_ex(size_t k, Dim3 grid, Dim3 block, unsigned shared_bytes, void** args, const CUlaunchAttribute& attr,
+                 const std::string& what) {
+    LoadedKernel* lk = prepare(k, grid, shared_bytes);
+    if (!lk) return;
+    CUlaunchConfig cfg{};
+    cfg.gridDimX = grid.x;
+    cfg.gridDimY = grid.y;
+    cfg.gridDimZ = grid.z;
+    cfg.blockDimX = block.x;
+    cfg.blockDimY = block.y;
+    cfg.blockDimZ = block.z;
+    cfg.sharedMemBytes = shared_bytes;
+    cfg.hStream = reinterpret_cast<CUstream>(stream_);
+    cfg.attrs = const_cast<CUlaunchAttribute*>(&attr);
+    cfg.numAttrs = 1;
+    CUresult r = jit::driver().cuLaunchKernelEx(&cfg, lk->fn, args, nullptr);
+    if (r != CUDA_SUCCESS)
+      throw CudaError(detail::concat("cuLaunchKernelEx(", lk->entry->spec, ", grid ", grid.x, "x", grid.y, "x",
+                                     grid.z, what, ", block ", block.x, "x", block.y, "x", block.z, ", smem ",
+                                     shared_bytes, ") failed: ", jit::driver_error_text(r)));
+    count_launch();
+  }
+
   // The plan's kernel k with room for shared_bytes of dynamic shared memory; null when the grid is
   // empty (nothing to do, e.g. zero rows).
   LoadedKernel* prepare(size_t k, Dim3 grid, unsigned shared_bytes) {

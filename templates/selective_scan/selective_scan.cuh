@@ -910,8 +910,45 @@ __device__ __forceinline__ void seq_scan_chunk(float (&x)[Tr::kSpt], const float
 // more ex2 per step and state per local pass, for nsegs times the parallelism.
 // seg_h, seg_g: [batch * dim, nsegs, dstate]; seg_dt: [batch * dim, nsegs] (fp32 workspace).
 
+// The forward's two passes overlap (programmatic dependent launch, sm_90+): the main kernel is launched
+// to start once every block of the local pass has begun (seq_allow_next_kernel), not once they all end,
+// so its blocks fill the multiprocessors the local pass's last blocks leave idle. Each local block then
+// publishes its segment in seg_ready[(batch, channel block), segment] (zeroed by the host before the local
+// pass), and a main block of segment z waits for segments 0..z-1 of its channels (seq_wait_segments)
+// before it folds them: no block waits for one that has not started, so nothing can hang. Before sm_90,
+// and with a plain launch, the main kernel starts after the local pass and finds every flag set.
+__device__ __forceinline__ void seq_allow_next_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// Every thread's writes of the segment are visible on the GPU before the flag (call from all threads).
+__device__ __forceinline__ void seq_publish_segment(unsigned* __restrict__ seg_ready, int nsegs, int z) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* f = seg_ready + (static_cast<long long>(blockIdx.y) * gridDim.x + blockIdx.x) * nsegs + z;
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(f), "r"(1u) : "memory");
+  }
+}
+__device__ __forceinline__ void seq_wait_segments(const unsigned* __restrict__ seg_ready, int nsegs, int z) {
+  if (threadIdx.x == 0) {
+    const unsigned* f = seg_ready + (static_cast<long long>(blockIdx.y) * gridDim.x + blockIdx.x) * nsegs;
+    for (int q = 0; q < z; ++q) {
+      for (;;) {
+        unsigned v;
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(f + q) : "memory");
+        if (v) break;
+        __nanosleep(200);
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
 // v carried over segments q = first, first + step, ... up to `end` (exclusive): v <- exp2(A2 * sum dt_q) v +
-// seg_v[q]. The forward's entering state folds segments 0..z-1 from h0 (step 1); the adjoint leaving
+// seg_v[q]. Read past L1 (ld.global.cg): the local pass may still be running beside this kernel. The forward's entering state folds segments 0..z-1 from h0 (step 1); the adjoint leaving
 // segment z folds nsegs-1..z+1 from dlast_state (step -1).
 template <typename Tr>
 __device__ __forceinline__ void seq_fold(float (&v)[Tr::kSpt], const float (&A2)[Tr::kSpt],
@@ -921,11 +958,11 @@ __device__ __forceinline__ void seq_fold(float (&v)[Tr::kSpt], const float (&A2)
   if (!live) return;
   for (int q = first; q != end; q += step) {
     const long long s = chan * nsegs + q;
-    const float sd = seg_dt[s];
+    const float sd = __ldcg(seg_dt + s);
 #pragma unroll
     for (int i = 0; i < S; ++i) {
       const int n = sl * S + i;
-      v[i] = fmaf(fast_exp2(sd * A2[i]), v[i], n < N ? seg_v[s * N + n] : 0.0f);
+      v[i] = fmaf(fast_exp2(sd * A2[i]), v[i], n < N ? __ldcg(seg_v + s * N + n) : 0.0f);
     }
   }
 }
@@ -990,7 +1027,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 8 && Tr::kThreads ==
                                   const float* __restrict__ h0, typename Tr::T* __restrict__ out,
                                   float* __restrict__ last_state, int dim, int seqlen, int channels_per_group,
                                   int groups, const float* __restrict__ seg_h, const float* __restrict__ seg_dt,
-                                  int seg_len, int nsegs, float* __restrict__ states) {
+                                  int seg_len, int nsegs, float* __restrict__ states,
+                                  const unsigned* __restrict__ seg_ready) {
   using namespace scan_detail;
   using T = typename Tr::T;
   constexpr int N = Tr::kDstate, S = Tr::kSpt, NC = Tr::kChannels, CS = Tr::kCs;
@@ -1012,6 +1050,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 8 && Tr::kThreads ==
   at.template row<!Tr::kVarC>(C, 1.0f, Cf);
   at.state(Tr::kHasH0 ? h0 : nullptr, x);
   const SeqSegment seg(static_cast<int>(blockIdx.z), kC, seqlen, seg_len);
+  if (seg_ready && seg.z > 0) seq_wait_segments(seg_ready, nsegs, seg.z);
   seq_fold<Tr>(x, A2, seg_h, seg_dt, chan, nsegs, 0, seg.z, 1, sl, live);
   const int tb = seg.cb * kC, te = min(seg.ce * kC, seqlen);
   float unused = 0.0f;
@@ -1709,15 +1748,23 @@ constexpr int seq_seg_smem_floats() {
 // uncapped, ptxas took 163-188 for (4 warps, 4 lanes, chunk 32) once delta_bias was held in registers,
 // against 105 before, and H100 1x2048x65536 bf16 went from 2.47 to 3.50 ms. At 8 the cap spilled;
 // uncapped, the vector walk (kEven: the forward's heuristic with segments) takes 139, the scalar one 246.
+// Since fma_exp2 the vector walk at 8 states takes 112 (4 blocks of 4 warps); capped at 5 blocks it fits
+// 96 without spilling, and H100 1x2048x65536 bf16 (32 segments) ran this pass in 0.649 ms against 0.664.
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt <= 4 && Tr::kThreads <= 512 ? 512 / Tr::kThreads : 1)
+constexpr int seq_seg_min_blocks() {
+  if (Tr::kSpt <= 4 && Tr::kThreads <= 512) return 512 / Tr::kThreads;
+  return Tr::kSpt == 8 && Tr::kEven && Tr::kThreads == 128 ? 5 : 1;
+}
+template <typename Tr>
+__global__ void __launch_bounds__(Tr::kThreads, seq_seg_min_blocks<Tr>())
     selective_scan_seg_fwd_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
                                   const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
                                   const float* __restrict__ delta_bias, float* __restrict__ seg_h,
                                   float* __restrict__ seg_dt, int dim, int seqlen, int channels_per_group, int groups,
-                                  int seg_len, int nsegs) {
+                                  int seg_len, int nsegs, unsigned* __restrict__ seg_ready) {
   using namespace scan_detail;
   constexpr int N = Tr::kDstate, S = Tr::kSpt, kC = Tr::kChunk;
+  if (seg_ready) seq_allow_next_kernel();
   extern __shared__ float smem[];
   float2* s_dtu = reinterpret_cast<float2*>(smem);
   float* s_B = smem + 2 * kC * Tr::kCs;
@@ -1745,12 +1792,14 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt <= 4 && Tr::kThreads <=
     seq_forward_walk<Tr, false>(x, A2, Bf, u, delta, B, delta_bias, nullptr, sdt, s_dtu, s_B, at.b, at.d0, dim,
                                 seqlen, at.bc_base, seg.cb, seg.ce, at.cl, at.sl, at.live);
   }
-  if (!at.live) return;
-  const long long sg = at.chan * nsegs + seg.z;
+  if (at.live) {
+    const long long sg = at.chan * nsegs + seg.z;
 #pragma unroll
-  for (int i = 0; i < S; ++i)
-    if (at.sl * S + i < N) seg_h[sg * N + at.sl * S + i] = x[i];
-  if (at.sl == 0) seg_dt[sg] = sdt;
+    for (int i = 0; i < S; ++i)
+      if (at.sl * S + i < N) seg_h[sg * N + at.sl * S + i] = x[i];
+    if (at.sl == 0) seg_dt[sg] = sdt;
+  }
+  if (seg_ready) seq_publish_segment(seg_ready, nsegs, seg.z);
 }
 
 // Segment z = blockIdx.z + 1 (every one but the first), the adjoint H_{t-1} = a_t (H_t + gy_t C_t) from a

@@ -7,6 +7,7 @@
 #include "api/src/device_data.h"
 #include "api/src/op.h"
 #include "api/src/tuning.h"
+#include "jit/driver.h"
 #include "selective_scan/reference.h"
 
 namespace kspec {
@@ -311,7 +312,10 @@ SegPlan seg_plan(const Problem& p, const Config& c) {
 // segments 4 / 8 / 16): forward (4 lanes) 3.70 / 2.41 / 2.40, one segment 5.70 and the warp scan 3.36;
 // backward (8 lanes) 14.25 / 12.13 / 11.73. Since the vector local pass, forward at 8 states per thread
 // (ms, segments 8 / 16 / 32): 1.745 / 1.678 / 1.622, so it takes up to 32; the backward (4 lanes) 5.27 at
-// 16 segments and 5.23 at 32, measured beside other GPU work: it keeps 16.
+// 16 segments and 5.23 at 32, measured beside other GPU work: it keeps 16. With the two forward passes
+// overlapped (launch_dependent), 1x2048x65536 bf16 forward at 32 / 33 / 34 / 40 / 48 / 64 segments:
+// 1.556 / 1.532 / 1.532 / 1.537 / 1.584 / 1.627 ms. 33 and 34 fill the H100's 132 multiprocessors with
+// whole blocks per pass; the heuristic does not know the device, and keeps powers of two.
 int64_t default_segs(const Problem& p, int64_t most) {
   if (many_channels(p) || !p.has_dim("seqlen")) return 1;
   int64_t segs = 1;
@@ -635,18 +639,28 @@ OpDef make_fwd() {
       SegPlan sp = seg_plan(p, c);
       int64_t chans = p.dim("batch") * p.dim("dim");
       float *seg_h = nullptr, *seg_dt = nullptr;
+      unsigned* seg_ready = nullptr;
       const unsigned gx = u32(ceil_div(dim, seq_channels(c))), gy = u32(p.dim("batch"));
-      if (sp.nsegs > 1) {
-        // Every segment but the last from a zero state: its end state and sum of dt (workspace).
-        seg_h = static_cast<float*>(l.workspace(sizeof(float) * chans * sp.nsegs * (p.dim("dstate") + 1)));
-        seg_dt = seg_h + chans * sp.nsegs * p.dim("dstate");
-        void* sargs[] = {&u, &delta, &A, &B, &bias, &seg_h, &seg_dt, &dim, &seqlen, &cpg, &groups, &sp.seg_len, &sp.nsegs};
-        l.launch(1, {gx, gy, u32(sp.nsegs - 1)}, {u32(warps * 32)}, static_cast<unsigned>(seq_seg_smem_bytes(p, c)),
-                 sargs);
-      }
-      void* sargs[] = {&u,    &delta, &A,      &B,   &C,      &D,     &z,      &bias,      &h0,       &out,
-                       &last, &dim,   &seqlen, &cpg, &groups, &seg_h, &seg_dt, &sp.seg_len, &sp.nsegs, &states};
-      l.launch(0, {gx, gy, u32(sp.nsegs)}, {u32(warps * 32)}, static_cast<unsigned>(seq_fwd_smem_bytes(p, c)), sargs);
+      const unsigned smem = static_cast<unsigned>(seq_fwd_smem_bytes(p, c));
+      void* margs[] = {&u,    &delta, &A,      &B,   &C,      &D,     &z,      &bias,      &h0,       &out,
+                       &last, &dim,   &seqlen, &cpg, &groups, &seg_h, &seg_dt, &sp.seg_len, &sp.nsegs, &states,
+                       &seg_ready};
+      if (sp.nsegs == 1) return l.launch(0, {gx, gy, 1}, {u32(warps * 32)}, smem, margs);
+      // Every segment but the last from a zero state: its end state and sum of dt, and a flag per
+      // (batch, channel block, segment) set once they are written (workspace; the flags zeroed here). The
+      // main kernel starts beside the local pass and waits on the flags (see "segments" in the template).
+      const int64_t nflags = int64_t(gx) * gy * sp.nsegs;
+      seg_h = static_cast<float*>(
+          l.workspace(sizeof(float) * chans * sp.nsegs * (p.dim("dstate") + 1) + sizeof(unsigned) * nflags));
+      seg_dt = seg_h + chans * sp.nsegs * p.dim("dstate");
+      seg_ready = reinterpret_cast<unsigned*>(seg_dt + chans * sp.nsegs);
+      CU_CHECK(cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(seg_ready), 0, static_cast<size_t>(nflags),
+                                reinterpret_cast<CUstream>(call.stream)));
+      void* sargs[] = {&u,      &delta, &A,   &B,      &bias,      &seg_h,    &seg_dt,
+                       &dim,    &seqlen, &cpg, &groups, &sp.seg_len, &sp.nsegs, &seg_ready};
+      l.launch(1, {gx, gy, u32(sp.nsegs - 1)}, {u32(warps * 32)}, static_cast<unsigned>(seq_seg_smem_bytes(p, c)),
+               sargs);
+      l.launch_dependent(0, {gx, gy, u32(sp.nsegs)}, {u32(warps * 32)}, smem, margs);
       return;
     }
     l.launch(0, {u32(ceil_div(dim, warps)), u32(p.dim("batch"))}, {u32(warps * 32)}, 0, args);
@@ -749,7 +763,9 @@ OpDef make_bwd() {
         // The segments' local forward (all but the last; not needed with the forward's states) and adjoint
         // (all but the first) passes.
         const unsigned smem = static_cast<unsigned>(seq_seg_smem_bytes(p, c));
-        void* fargs[] = {&u, &delta, &A, &B, &bias, &seg_h, &seg_dt, &dim, &seqlen, &cpg, &groups, &sp.seg_len, &sp.nsegs};
+        unsigned* no_flags = nullptr;  // the backward's kernels run one after the other
+        void* fargs[] = {&u,      &delta, &A,   &B,      &bias,      &seg_h,    &seg_dt,
+                         &dim,    &seqlen, &cpg, &groups, &sp.seg_len, &sp.nsegs, &no_flags};
         if (!given) l.launch(3, {gx, gy, u32(sp.nsegs - 1)}, {threads}, smem, fargs);
         void* gargs[] = {&delta, &A,   &C,      &z,   &bias,   &dout,      &seg_g,   &seg_dt,
                          &dim,   &seqlen, &cpg, &groups, &sp.seg_len, &sp.nsegs};
