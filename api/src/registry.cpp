@@ -366,7 +366,8 @@ class DeviceLauncher final : public Launcher {
     CU_CHECK(cuStreamIsCapturing(reinterpret_cast<CUstream>(stream_), &status));
     KSPEC_CHECK_AS(status == CU_STREAM_CAPTURE_STATUS_NONE, Unsupported,
                    "kspec needs a larger workspace (", bytes, " bytes) on a stream that is being captured into "
-                   "a CUDA graph; run the op once with the same shapes before capturing");
+                   "a CUDA graph; run the op once with the same shapes on this stream before capturing (the "
+                   "workspace is per stream)");
     if (w.ptr) {
       CU_CHECK(cuStreamSynchronize(reinterpret_cast<CUstream>(stream_)));  // pending kernels may still use it
       CU_CHECK(cuMemFree(w.ptr));

@@ -169,13 +169,14 @@ def test_segmented_forward_back_to_back_and_in_graph_replays():
             for x in [static] + fresh]
     for x, out in zip([static] + fresh, outs):
         check(x, out)
+    # kspec's workspace is per stream: a first call on the capture stream sizes it.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         kspec.call("selective_scan.fwd", *(static[k] for k in names), config=cfg, delta_softplus=True)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         out = kspec.call("selective_scan.fwd", *(static[k] for k in names), config=cfg, delta_softplus=True)[0]
     for x in fresh:
         for k in names:
