@@ -313,9 +313,9 @@ SegPlan seg_plan(const Problem& p, const Config& c) {
 // backward (8 lanes) 14.25 / 12.13 / 11.73. Since the vector local pass, forward at 8 states per thread
 // (ms, segments 8 / 16 / 32): 1.745 / 1.678 / 1.622, so it takes up to 32; the backward (4 lanes) 5.27 at
 // 16 segments and 5.23 at 32, measured beside other GPU work: it keeps 16. With the two forward passes
-// overlapped (launch_dependent), 1x2048x65536 bf16 forward at 32 / 33 / 34 / 40 / 48 / 64 segments:
-// 1.556 / 1.532 / 1.532 / 1.537 / 1.584 / 1.627 ms. 33 and 34 fill the H100's 132 multiprocessors with
-// whole blocks per pass; the heuristic does not know the device, and keeps powers of two.
+// overlapped (launch_dependent), 1x2048x65536 bf16 forward at 32 / 33 / 34 segments 1.556 / 1.532 /
+// 1.532 ms, and in another run 32 / 33 / 40 / 48 / 64: 1.557 / 1.542 / 1.537 / 1.584 / 1.627. 33 gives 8
+// blocks per multiprocessor of the H100's 132; the heuristic does not know the device, and keeps 32.
 int64_t default_segs(const Problem& p, int64_t most) {
   if (many_channels(p) || !p.has_dim("seqlen")) return 1;
   int64_t segs = 1;
