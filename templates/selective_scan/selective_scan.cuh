@@ -948,8 +948,9 @@ __device__ __forceinline__ void seq_wait_segments(const unsigned* __restrict__ s
 }
 
 // v carried over segments q = first, first + step, ... up to `end` (exclusive): v <- exp2(A2 * sum dt_q) v +
-// seg_v[q]. Read past L1 (ld.global.cg): the local pass may still be running beside this kernel. The forward's entering state folds segments 0..z-1 from h0 (step 1); the adjoint leaving
-// segment z folds nsegs-1..z+1 from dlast_state (step -1).
+// seg_v[q]. The forward's entering state folds segments 0..z-1 from h0 (step 1); the adjoint leaving
+// segment z folds nsegs-1..z+1 from dlast_state (step -1). Read past L1 (ld.global.cg): the forward's
+// local pass may still be running beside this kernel.
 template <typename Tr>
 __device__ __forceinline__ void seq_fold(float (&v)[Tr::kSpt], const float (&A2)[Tr::kSpt],
                                          const float* __restrict__ seg_v, const float* __restrict__ seg_dt,
