@@ -1795,9 +1795,7 @@ __global__ void __launch_bounds__(Tr::kThreads, seq_seg_min_blocks<Tr>())
   }
   if (at.live) {
     const long long sg = at.chan * nsegs + seg.z;
-#pragma unroll
-    for (int i = 0; i < S; ++i)
-      if (at.sl * S + i < N) seg_h[sg * N + at.sl * S + i] = x[i];
+    seq_put_state<Tr>(seg_h + sg * N, x, at.sl);
     if (at.sl == 0) seg_dt[sg] = sdt;
   }
   if (seg_ready) seq_publish_segment(seg_ready, nsegs, seg.z);
@@ -1854,9 +1852,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   }
   if (!at.live) return;
   const long long sg = at.chan * nsegs + seg.z;
-#pragma unroll
-  for (int i = 0; i < S; ++i)
-    if (at.sl * S + i < N) seg_g[sg * N + at.sl * S + i] = H[i];
+  seq_put_state<Tr>(seg_g + sg * N, H, at.sl);
   if (at.sl == 0) seg_dt[sg] = sdt;
 }
 
