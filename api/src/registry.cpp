@@ -393,8 +393,9 @@ class DeviceLauncher final : public Launcher {
   }
 
  private:
-  // cuLaunchKernelEx with one attribute (`what` describes it in the error).
-  void launch_ex(size_t k, Dim3 grid, Dim3 block, unsigned shared_bytes, void** args, const CUlaunchAttribute& attr,
+  // cuLaunchKernelEx with one attribute (`what` describes it in the error). By value: CUlaunchConfig points
+  // at a mutable attribute.
+  void launch_ex(size_t k, Dim3 grid, Dim3 block, unsigned shared_bytes, void** args, CUlaunchAttribute attr,
                  const std::string& what) {
     LoadedKernel* lk = prepare(k, grid, shared_bytes);
     if (!lk) return;
@@ -407,7 +408,7 @@ class DeviceLauncher final : public Launcher {
     cfg.blockDimZ = block.z;
     cfg.sharedMemBytes = shared_bytes;
     cfg.hStream = reinterpret_cast<CUstream>(stream_);
-    cfg.attrs = const_cast<CUlaunchAttribute*>(&attr);
+    cfg.attrs = &attr;
     cfg.numAttrs = 1;
     CUresult r = jit::driver().cuLaunchKernelEx(&cfg, lk->fn, args, nullptr);
     if (r != CUDA_SUCCESS)

@@ -113,6 +113,19 @@ __device__ __forceinline__ float softplus_sfu(float x) {
 // exp(-x) is inf and its reciprocal 0.
 __device__ __forceinline__ float sigmoid_sfu(float x) { return fast_rcp(1.0f + fast_exp2(-x * kLog2e)); }
 __device__ __forceinline__ float silu_sfu(float x) { return x * sigmoid_sfu(x); }
+// silu of two values with one SFU reciprocal: 1 / (1 + e0) = r (1 + e1) and 1 / (1 + e1) = r (1 + e0) with
+// r = 1 / ((1 + e0) (1 + e1)). The exponents are clamped to 62 so that the product stays below 2^125 and r
+// a normal number (ftz): a value under -43 gives x 2^-62 (not x e^x), both under 1e-17 in magnitude. A NaN
+// stays in its own output: fminf(NaN, 62) is 62, so its partner's factor is still 1 / (1 + e).
+// H100, selective_scan forward (the configs bench, bf16): 8x2048x2048 0.2564 / 0.2538 -> 0.2532 / 0.2509 ms
+// in two runs, 1x2048x65536 at 32 segments 1.563 / 1.550 -> 1.560 / 1.546.
+__device__ __forceinline__ void silu2_sfu(float& x0, float& x1) {
+  const float p0 = 1.0f + fast_exp2(fminf(-x0 * kLog2e, 62.0f));
+  const float p1 = 1.0f + fast_exp2(fminf(-x1 * kLog2e, 62.0f));
+  const float r = fast_rcp(p0 * p1);
+  x0 *= r * p1;
+  x1 *= r * p0;
+}
 
 template <int kAct>
 __device__ __forceinline__ float apply_act(float h) {

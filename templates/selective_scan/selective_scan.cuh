@@ -772,11 +772,19 @@ struct SeqPrefetch {
       const float Dd = rows.D[k];
       const Vec<T, V> zv = as_vec<T, V>(z[k]);
       Vec<T, V> o;
+      static_assert(V % 2 == 0, "silu2_sfu takes the steps in pairs");
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        float v = fmaf(Dd, s_u[(tv + j) * CS + r], s_y[(tv + j) * CS + r]);
-        if constexpr (Tr::kHasZ) v *= silu_sfu(to_float(zv.v[j]));
-        o.v[j] = from_float<T>(v);
+      for (int j = 0; j < V; j += 2) {
+        float v0 = fmaf(Dd, s_u[(tv + j) * CS + r], s_y[(tv + j) * CS + r]);
+        float v1 = fmaf(Dd, s_u[(tv + j + 1) * CS + r], s_y[(tv + j + 1) * CS + r]);
+        if constexpr (Tr::kHasZ) {
+          float g0 = to_float(zv.v[j]), g1 = to_float(zv.v[j + 1]);
+          silu2_sfu(g0, g1);
+          v0 *= g0;
+          v1 *= g1;
+        }
+        o.v[j] = from_float<T>(v0);
+        o.v[j + 1] = from_float<T>(v1);
       }
       store_vec<V>(gout + (static_cast<long long>(b) * dim + d0 + r) * seqlen + t0 + tv, o);
     }
