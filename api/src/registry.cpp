@@ -4,6 +4,7 @@
 #include <chrono>
 #include <map>
 #include <mutex>
+#include <set>
 #include <shared_mutex>
 #include <sstream>
 #include <unordered_map>
@@ -700,15 +701,28 @@ std::vector<CompileRequest> precompile_plan(const std::vector<std::string>& arch
             for (const auto& d : op.info.dims) is_dim = is_dim || (d.name == k && d.kind != DimKind::Var);
             if (is_dim) req.params.set(k, v);
           }
-          Problem p = problem_from_request(op, req);
-          for (const auto& cfg : op.tuning.enumerate(p)) {
-            std::string sig;
-            for (const auto& spec : op.kernels(p, cfg)) sig += spec.canonical() + "\n";
-            if (sig.empty() || seen[sig]) continue;
-            seen[sig] = true;
-            CompileRequest r = req;
-            r.config = cfg;
-            out.push_back(std::move(r));
+          // Then with the case's runtime dims too, for the algorithms (first axis) that only they admit:
+          // selective_scan's one-pass tile kernel needs a seqlen of whole 512-step tiles. The other
+          // algorithms' kernels for those dims (e.g. the scans' kEven variants) are left to the JIT: they
+          // would double the scans' share of this plan.
+          CompileRequest full = req;
+          for (const auto& [k, v] : cs.dims) full.params.set(k, v);
+          const std::string first = op.tuning.axes.empty() ? std::string() : op.tuning.axes.front().first;
+          std::set<int64_t> base_algos;
+          for (const CompileRequest* base : {&req, &full}) {
+            Problem p = problem_from_request(op, *base);
+            for (const auto& cfg : op.tuning.enumerate(p)) {
+              if (first.empty() && base != &req) continue;
+              if (base == &req && !first.empty()) base_algos.insert(cfg.get(first));
+              if (base != &req && base_algos.count(cfg.get(first))) continue;
+              std::string sig;
+              for (const auto& spec : op.kernels(p, cfg)) sig += spec.canonical() + "\n";
+              if (sig.empty() || seen[sig]) continue;
+              seen[sig] = true;
+              CompileRequest r = *base;
+              r.config = cfg;
+              out.push_back(std::move(r));
+            }
           }
         }
       }

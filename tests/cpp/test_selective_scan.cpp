@@ -227,10 +227,28 @@ TEST(SelectiveScan, ProblemsSharingAPlanShareTheHeuristic) {
               << q.dim("batch") << "x" << q.dim("dim") << "x" << q.dim("seqlen");
         }
       }
-    // 1x2048x65536: the forward cuts it into 32 segments at 8 states per thread, the backward into 16
+    // 1x2048x65536: the forward takes the one-pass tile kernel (algo 2, 6 warps), the backward 16 segments;
+    // with 1024 channels (the tile kernel's grid would fill half the GPU) the forward takes 32 segments at
+    // 8 states per thread
     const bool fwd = std::string(name) == "selective_scan.fwd";
-    EXPECT_EQ(op.tuning.heuristic(ps[3]).get("segs"), fwd ? 32 : 16) << name;
-    EXPECT_EQ(op.tuning.heuristic(ps[3]).get("lanes"), fwd ? 2 : 4) << name;
+    EXPECT_EQ(op.tuning.heuristic(ps[3]).get("algo"), fwd ? 2 : 1) << name;
+    EXPECT_EQ(op.tuning.heuristic(ps[3]).get("segs"), fwd ? 1 : 16) << name;
+    EXPECT_EQ(op.tuning.heuristic(ps[3]).get("lanes"), fwd ? 1 : 4) << name;
+    if (fwd) {
+      CompileRequest r;
+      r.op = name;
+      r.dtype = DType::bf16;
+      r.params = {{"dstate", int64_t(16)}, {"batch", int64_t(1)}, {"dim", int64_t(1024)}, {"seqlen", int64_t(65536)},
+                  {"delta_softplus", true}};
+      const Problem narrow = problem_from_request(op, r);
+      EXPECT_NE(narrow.signature(), ps[3].signature());
+      EXPECT_EQ(op.tuning.heuristic(narrow).get("algo"), 1);
+      EXPECT_EQ(op.tuning.heuristic(narrow).get("segs"), 32);
+      EXPECT_EQ(op.tuning.heuristic(narrow).get("lanes"), 2);
+      r.dtype = DType::f32;  // the tile kernel takes 16-bit inputs only
+      r.params.set("dim", int64_t(2048));
+      EXPECT_NE(op.tuning.heuristic(problem_from_request(op, r)).get("algo"), 2);
+    }
     EXPECT_EQ(op.tuning.heuristic(ps.back()).get("lanes"), 4) << name;  // 65000 steps: no vector chunks
     EXPECT_EQ(op.tuning.heuristic(ps[0]).get("segs"), 1) << name;
   }

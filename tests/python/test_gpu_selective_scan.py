@@ -212,6 +212,59 @@ def test_forward_states_match_reference(dtype, name):
         assert err <= tol, (name_, err, tol)
 
 
+TILE_VARIANTS = {
+    # dim 20: the last block of 8 channels holds 4; 2048 steps: a partial last tile at 6 warps (96 steps)
+    "tile_partial": dict(dim=20, seqlen=2048),
+    "tile_fixed_bc_no_h0": dict(dim=16, seqlen=1024, form="fixed", h0=False),
+    "tile_groups_2_no_z": dict(dim=32, groups=2, seqlen=1536, z=False, softplus=False),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("name", list(TILE_VARIANTS))
+@pytest.mark.parametrize("warps", [4, 6])
+def test_tile_kernel_forward_states_and_backward(dtype, name, warps):
+    """The one-pass tile kernel (algo 2): out, last_state and `states` against the float64 reference
+    (poisoned first), then selective_scan.bwd from those states: every gradient against the reference."""
+    v = dict(BASE, **TILE_VARIANTS[name])
+    x = _inputs(dtype, v)
+    args = [x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")]
+    B_, D_, T, N = v["batch"], v["dim"], v["seqlen"], v["dstate"]
+    out = torch.full_like(x["u"], float("nan"))
+    last = torch.full((B_, D_, N), float("nan"), device="cuda")
+    states = torch.full((B_, D_, -(-T // 16), N), float("nan"), device="cuda")
+    cfg = f"algo=2,warps={warps},items=4,lanes=1,chunk=32,segs=1"
+    kspec.call("selective_scan.fwd", *args, config=cfg, delta_softplus=v["softplus"], out=(out, last, states))
+    np_in = {k: _np(t) for k, t in x.items()}
+    kw = dict(D=np_in["D"], z=np_in["z"], delta_bias=np_in["delta_bias"], delta_softplus=v["softplus"], h0=np_in["h0"])
+    out_r, last_r, states_r = ref.selective_scan_fwd(np_in["u"], np_in["delta"], np_in["A"], np_in["B"], np_in["C"],
+                                                     state_stride=16, **kw)
+    tol = _tol(dtype)
+    for what, got, want in (("out", out, out_r), ("last_state", last, last_r), ("states", states, states_r)):
+        err = rel_err(_np(got), want)
+        assert err <= tol, (what, err, tol)
+    dout = torch.randn_like(out)
+    dlast = torch.randn_like(last)
+    grads = kspec.call("selective_scan.bwd", dout, *args, dlast, states, delta_softplus=v["softplus"])
+    grads_r = ref.selective_scan_bwd(_np(dout), np_in["u"], np_in["delta"], np_in["A"], np_in["B"], np_in["C"],
+                                     dlast_state=_np(dlast), **kw)
+    for key, got in zip(("du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias", "dh0"), grads):
+        if got is not None and grads_r.get(key) is not None:
+            err = rel_err(_np(got), grads_r[key])
+            assert err <= tol, (key, err, tol)
+
+
+def test_tile_kernel_is_the_heuristic_for_2048_channels():
+    """2048 channels over a long sequence in bf16: the heuristic takes the one-pass tile kernel (algo 2)
+    where the sequential kernel would need segments; fp32 (whose prefetch would spill there) does not."""
+    v = dict(BASE, batch=1, dim=2048, seqlen=8192)
+    for dtype, tile in ((torch.bfloat16, True), (torch.float32, False)):
+        x = _inputs(dtype, v)
+        args = [x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")]
+        text = str(kspec.explain("selective_scan.fwd", *args, delta_softplus=True))
+        assert ("config: algo=2," in text) == tile, text
+
+
 def test_backward_with_states_of_another_length_is_refused():
     x = _inputs(torch.float32, dict(BASE))
     args = [x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")]

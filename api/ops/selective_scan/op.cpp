@@ -124,6 +124,11 @@ std::string seq_traits(const Problem& p, const Config& c) {
          std::to_string(c.get("lanes")) + ", " + std::to_string(c.get("chunk")) + ">";
 }
 
+// The one-pass tile kernel (algo 2).
+std::string tile_traits(const Problem& p, const Config& c) {
+  return "kspec::TileScanTraits<" + flags_targs(p) + ", " + std::to_string(c.get("warps")) + ">";
+}
+
 jit::KernelSpec spec(const Problem& p, const char* kernel, std::vector<std::string> targs) {
   return kernel_spec(p, kHeader, kernel, std::move(targs));
 }
@@ -325,11 +330,54 @@ int64_t default_segs(const Problem& p, int64_t most) {
 }
 constexpr int64_t kFwdSegsMost = 32, kBwdSegsMost = 16;
 
+// ---- the one-pass tile kernel (algo 2, forward only; see "the tile kernel" in the template) ----
+// A block holds 8 channels (lanes = 8 channels x 4 groups of 4 states) and `warps` runs of 16 steps.
+constexpr int64_t kTileChannels = 8, kTileRun = 16;
+
+// Dynamic shared memory of the tile kernel (tile_fwd_smem_floats in the template).
+int64_t tile_smem_bytes(const Problem& p, const Config& c) {
+  int64_t w = c.get("warps"), tile = w * kTileRun, n = p.dim("dstate");
+  int64_t nvar = (var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0);
+  return 4 * (2 * nvar * tile * n + 2 * tile * kTileChannels + 2 * w * 2 * kTileChannels * n + 2 * kTileChannels * n +
+              w * (n / 4) * (kTileChannels * kTileRun + 4));
+}
+
+bool tile_valid(const Problem& p, const Config& c, std::string* why) {
+  auto no = [&](const char* w) {
+    if (why) *why = w;
+    return false;
+  };
+  if (c.get("items") != 4 || c.get("lanes") != 1 || c.get("chunk") != 32 || c.get("segs") != 1)
+    return no("algo 2 does not use items, lanes, chunk or segs (canonical values 4, 1, 32, 1)");
+  if (c.get("warps") != 4 && c.get("warps") != 6) return no("algo 2 runs 4 or 6 warps (2 blocks per SM)");
+  if (p.dim("dstate") != 16) return no("algo 2's lane map is for dstate 16");
+  // With fp32 u, delta, z (or a variable fp32 B/C) the raw prefetch of the next tile spilled 56-64 bytes.
+  if (dtype_size(p.dtype("u")) != 2 || (var_b(p) && dtype_size(p.dtype("B")) != 2) ||
+      (var_c(p) && dtype_size(p.dtype("C")) != 2))
+    return no("algo 2 takes 16-bit u, delta, z and variable B/C (the fp32 prefetch spills)");
+  if (!is_even(p)) return no("algo 2 needs seqlen a multiple of 512 and 16-byte aligned tensors");
+  if (kTileChannels > group_fit(p)) return no("a block's 8 channels must lie in one B/C group");
+  if (tile_smem_bytes(p, c) > kSeqSmemLimit) return no("more than 96 KiB of shared memory per block");
+  return true;
+}
+
+// The heuristic takes the tile kernel (6 warps) where the sequential kernel would need segments and the
+// tile kernel's grid, one block per 8 channels, still fills an H100 at 2 blocks per SM (264 slots): from
+// 2048 channels. H100, 1x2048x65536 bf16: 1.445 ms as a prototype against 1.53-1.56 for the two passes of
+// algo 1 at 32-33 segments (tools/bench/NOTES.md).
+bool tile_preferred(const Problem& p) {
+  if (!p.has_dim("seqlen") || many_channels(p) || p.dim("batch") * p.dim("dim") < 2048) return false;
+  if (default_segs(p, kFwdSegsMost) == 1) return false;
+  Config c{{{"algo", 2}, {"warps", 6}, {"items", 4}, {"lanes", 1}, {"chunk", 32}, {"segs", 1}}};
+  return tile_valid(p, c, nullptr);
+}
+
 // The forward's heuristic also takes 8 states per thread from 16k channels on (seq_default_lanes).
 std::string fwd_key(const Problem& p) {
   const int64_t segs = default_segs(p, kFwdSegsMost);
   return even_key(p) + ",gfit|" + std::to_string(group_fit(p)) + (many_channels(p) ? ",wide" : ",narrow") +
-         ",segs|" + std::to_string(segs) + ",lanes|" + std::to_string(seq_default_lanes(p, segs));
+         ",segs|" + std::to_string(segs) + ",lanes|" + std::to_string(seq_default_lanes(p, segs)) +
+         (tile_preferred(p) ? ",tile" : "");
 }
 
 // The backward's algo-0 warp fit, and the forward's distinctions for algo 1.
@@ -364,11 +412,17 @@ bool seq_valid(const Problem& p, const Config& c, int64_t smem_bytes, bool prefe
 
 TuningSpace fwd_tuning() {
   TuningSpace t;
-  // algo 0: warp-scan (warps, items); algo 1: sequential states (warps, lanes, chunk). Axes an algo does
-  // not use must hold their first value, so each kernel appears once in the enumeration.
-  t.axes = {{"algo", {0, 1}}, {"warps", {2, 4, 8}}, {"items", {4, 8, 16}}, {"lanes", {1, 2, 4, 8, 16, 32}},
+  // algo 0: warp-scan (warps, items); algo 1: sequential states (warps, lanes, chunk, segs); algo 2: the
+  // one-pass tile kernel (warps). Axes an algo does not use must hold their first value, so each kernel
+  // appears once in the enumeration.
+  t.axes = {{"algo", {0, 1, 2}}, {"warps", {2, 4, 6, 8}}, {"items", {4, 8, 16}}, {"lanes", {1, 2, 4, 8, 16, 32}},
             {"chunk", {32, 64, 128}}, {"segs", {1, 2, 4, 8, 16, 32}}};
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
+    if (c.get("algo") == 2) return tile_valid(p, c, why);
+    if (c.get("warps") == 6) {
+      if (why) *why = "6 warps only for algo 2";
+      return false;
+    }
     if (c.get("algo") == 1) {
       if (c.get("items") != 4) {
         if (why) *why = "algo 1 does not use items (canonical value 4)";
@@ -396,6 +450,8 @@ TuningSpace fwd_tuning() {
     return true;
   };
   t.heuristic = [](const Problem& p) {
+    if (tile_preferred(p))
+      return Config{{{"algo", 2}, {"warps", 6}, {"items", 4}, {"lanes", 1}, {"chunk", 32}, {"segs", 1}}};
     const int64_t segs = default_segs(p, kFwdSegsMost);
     if (many_channels(p) || segs > 1) {
       // H100, 8x2048x2048 bf16: (4 warps, 4 lanes, chunk 32) 0.314 ms; chunk 64 0.394 ms (its shared
@@ -538,6 +594,8 @@ std::vector<Case> scan_cases(bool with_seqlen) {
   // precompile --all: every config for the Mamba flags at dstate 16, and the largest state.
   named("base").representative = true;
   named("dstate_256").representative = true;
+  // whole 512-step tiles (kEven) at dstate 16: the vector paths, and the one-pass tile kernel (algo 2)
+  named("seqlen_even_1024").representative = true;
   // B and C in fp32 beside 16-bit activations.
   Case f32bc = named("base");
   f32bc.name = "bc_fp32";
@@ -613,6 +671,8 @@ OpDef make_fwd() {
   op.info.tuning_axes = op.tuning.axes;
   op.derived_key = fwd_key;
   op.kernels = [](const Problem& p, const Config& c) {
+    if (c.get("algo") == 2)
+      return std::vector<jit::KernelSpec>{spec(p, "kspec::selective_scan_fwd_tile_kernel", {tile_traits(p, c)})};
     if (c.get("algo") == 1) {
       std::vector<jit::KernelSpec> k = {spec(p, "kspec::selective_scan_fwd_seq_kernel", {seq_traits(p, c)})};
       if (c.get("segs") > 1) k.push_back(spec(p, "kspec::selective_scan_seg_fwd_kernel", {seq_traits(p, c)}));
@@ -632,6 +692,12 @@ OpDef make_fwd() {
     void* args[] = {&u, &delta, &A, &B, &C, &D, &z, &bias, &h0, &out, &last, &dim, &seqlen, &cpg, &groups, &states};
     int64_t warps = c.get("warps");
     if (seqlen == 0 || dim == 0) return;
+    if (c.get("algo") == 2) {
+      KSPEC_CHECK_AS(kTileChannels <= group_fit(p), Error, "selective_scan.fwd: config ", c.str(),
+                     " puts channels of two B/C groups in one block (a plan chosen for another dim?)");
+      return l.launch(0, {u32(ceil_div(dim, kTileChannels)), u32(p.dim("batch"))}, {u32(warps * 32)},
+                      static_cast<unsigned>(tile_smem_bytes(p, c)), args);
+    }
     if (c.get("algo") == 1) {
       // A block's channels share one group (the tuning space's rule, kept apart in the plan cache by fwd_key).
       KSPEC_CHECK_AS(seq_channels(c) <= group_fit(p), Error, "selective_scan.fwd: config ", c.str(),
