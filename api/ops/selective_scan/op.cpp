@@ -363,8 +363,9 @@ bool tile_valid(const Problem& p, const Config& c, std::string* why) {
 
 // The heuristic takes the tile kernel (6 warps) where the sequential kernel would need segments and the
 // tile kernel's grid, one block per 8 channels, still fills an H100 at 2 blocks per SM (264 slots): from
-// 2048 channels. H100, 1x2048x65536 bf16: 1.445 ms as a prototype against 1.53-1.56 for the two passes of
-// algo 1 at 32-33 segments (tools/bench/NOTES.md).
+// 2048 channels. H100 bf16 forward, ms, tile kernel against algo 1 with the segments it took before:
+// 1x2048x8192 0.204 / 0.290, 1x2048x16384 0.393 / 0.449, 1x4096x16384 0.776 / 0.814, 1x6144x8192 0.586 /
+// 0.599, 1x2048x65536 1.495-1.506 / 1.559 (1.535 at 33 segments) (tools/bench/NOTES.md).
 bool tile_preferred(const Problem& p) {
   if (!p.has_dim("seqlen") || many_channels(p) || p.dim("batch") * p.dim("dim") < 2048) return false;
   if (default_segs(p, kFwdSegsMost) == 1) return false;
