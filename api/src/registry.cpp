@@ -682,6 +682,8 @@ std::vector<CompileRequest> precompile_plan(const std::vector<std::string>& arch
   for (const auto& name : ops.empty() ? reg.names() : ops) {
     const OpDef& op = reg.get(name);
     if (!op.kernels) continue;  // a library op: nothing to compile
+    // the algorithm axis (a tuning space's first axis), if any
+    const std::string first = op.tuning.axes.empty() ? std::string() : op.tuning.axes.front().first;
     for (const auto& arch : archs) {
       std::map<std::string, bool> seen;  // one request per distinct kernel set
       bool any_rep = std::any_of(op.cases.begin(), op.cases.end(), [](const Case& c) { return c.representative; });
@@ -701,29 +703,31 @@ std::vector<CompileRequest> precompile_plan(const std::vector<std::string>& arch
             for (const auto& d : op.info.dims) is_dim = is_dim || (d.name == k && d.kind != DimKind::Var);
             if (is_dim) req.params.set(k, v);
           }
-          // Then with the case's runtime dims too, for the algorithms (first axis) that only they admit:
-          // selective_scan's one-pass tile kernel needs a seqlen of whole 512-step tiles. The other
-          // algorithms' kernels for those dims (e.g. the scans' kEven variants) are left to the JIT: they
-          // would double the scans' share of this plan.
+          auto add = [&](const CompileRequest& base, const Problem& p, const Config& cfg) {
+            std::string sig;
+            for (const auto& spec : op.kernels(p, cfg)) sig += spec.canonical() + "\n";
+            if (sig.empty() || seen[sig]) return;
+            seen[sig] = true;
+            CompileRequest r = base;
+            r.config = cfg;
+            out.push_back(std::move(r));
+          };
+          const Problem p = problem_from_request(op, req);
+          std::set<int64_t> algos;  // values of the first axis (the algorithm) these dims admit
+          for (const auto& cfg : op.tuning.enumerate(p)) {
+            if (!first.empty()) algos.insert(cfg.get(first));
+            add(req, p, cfg);
+          }
+          if (first.empty()) continue;
+          // Then with the case's runtime dims too, for the algorithms that only they admit: selective_scan's
+          // one-pass tile kernel needs a seqlen of whole 512-step tiles. The other algorithms' kernels for
+          // those dims (e.g. the scans' kEven variants) are left to the JIT: they would double the scans'
+          // share of this plan.
           CompileRequest full = req;
           for (const auto& [k, v] : cs.dims) full.params.set(k, v);
-          const std::string first = op.tuning.axes.empty() ? std::string() : op.tuning.axes.front().first;
-          std::set<int64_t> base_algos;
-          for (const CompileRequest* base : {&req, &full}) {
-            Problem p = problem_from_request(op, *base);
-            for (const auto& cfg : op.tuning.enumerate(p)) {
-              if (first.empty() && base != &req) continue;
-              if (base == &req && !first.empty()) base_algos.insert(cfg.get(first));
-              if (base != &req && base_algos.count(cfg.get(first))) continue;
-              std::string sig;
-              for (const auto& spec : op.kernels(p, cfg)) sig += spec.canonical() + "\n";
-              if (sig.empty() || seen[sig]) continue;
-              seen[sig] = true;
-              CompileRequest r = *base;
-              r.config = cfg;
-              out.push_back(std::move(r));
-            }
-          }
+          const Problem pf = problem_from_request(op, full);
+          for (const auto& cfg : op.tuning.enumerate(pf))
+            if (!algos.count(cfg.get(first))) add(full, pf, cfg);
         }
       }
     }

@@ -2090,7 +2090,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     const int t0 = it * TL, tr = t0 + w * R;  // the tile's first step, this warp's
     const bool run = live && tr < seqlen;
     // 1. {dt, dt u} of this lane's Q steps (dt = 0, u = 0 past seqlen and dim: the state passes through).
-    // u and z stay raw words until the outputs (as floats they cost 4 more registers, and ptxas spilled).
+    // u is kept as floats for the outputs, z as raw words (copied: the next tile's prefetch overwrites pz).
     const Raw4<T> rz = pz;
     float uq[Q];
 #pragma unroll

@@ -366,11 +366,13 @@ bool tile_valid(const Problem& p, const Config& c, std::string* why) {
 // 2048 channels. H100 bf16 forward, ms, tile kernel against algo 1 with the segments it took before:
 // 1x2048x8192 0.204 / 0.290, 1x2048x16384 0.393 / 0.449, 1x4096x16384 0.776 / 0.814, 1x6144x8192 0.586 /
 // 0.599, 1x2048x65536 1.495-1.506 / 1.559 (1.535 at 33 segments) (tools/bench/NOTES.md).
+Config tile_heuristic_config() {
+  return Config{{{"algo", 2}, {"warps", 6}, {"items", 4}, {"lanes", 1}, {"chunk", 32}, {"segs", 1}}};
+}
 bool tile_preferred(const Problem& p) {
   if (!p.has_dim("seqlen") || many_channels(p) || p.dim("batch") * p.dim("dim") < 2048) return false;
   if (default_segs(p, kFwdSegsMost) == 1) return false;
-  Config c{{{"algo", 2}, {"warps", 6}, {"items", 4}, {"lanes", 1}, {"chunk", 32}, {"segs", 1}}};
-  return tile_valid(p, c, nullptr);
+  return tile_valid(p, tile_heuristic_config(), nullptr);
 }
 
 // The forward's heuristic also takes 8 states per thread from 16k channels on (seq_default_lanes).
@@ -451,8 +453,7 @@ TuningSpace fwd_tuning() {
     return true;
   };
   t.heuristic = [](const Problem& p) {
-    if (tile_preferred(p))
-      return Config{{{"algo", 2}, {"warps", 6}, {"items", 4}, {"lanes", 1}, {"chunk", 32}, {"segs", 1}}};
+    if (tile_preferred(p)) return tile_heuristic_config();
     const int64_t segs = default_segs(p, kFwdSegsMost);
     if (many_channels(p) || segs > 1) {
       // H100, 8x2048x2048 bf16: (4 warps, 4 lanes, chunk 32) 0.314 ms; chunk 64 0.394 ms (its shared
@@ -595,7 +596,8 @@ std::vector<Case> scan_cases(bool with_seqlen) {
   // precompile --all: every config for the Mamba flags at dstate 16, and the largest state.
   named("base").representative = true;
   named("dstate_256").representative = true;
-  // whole 512-step tiles (kEven) at dstate 16: the vector paths, and the one-pass tile kernel (algo 2)
+  // whole 512-step tiles at dstate 16: precompile --all compiles the one-pass tile kernel (algo 2), which
+  // only these runtime dims admit, from this case
   named("seqlen_even_1024").representative = true;
   // B and C in fp32 beside 16-bit activations.
   Case f32bc = named("base");
