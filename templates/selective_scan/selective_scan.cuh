@@ -1894,7 +1894,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // 8 channels (256 here), so 4-warp blocks left a third of the 3-per-SM slots empty. The two passes of
 // algo 1 took 1.53-1.56 ms. This kernel: 1.549 ms with u, z unpacked through Vec<T, 4> and outputs
 // converted one by one; 1.495-1.506 with the shifts/masks and packed conversions below (5.6% more
-// instructions than the prototype by ncu before that).
+// instructions than the prototype by ncu before that); 1.437 with the prefetch unpredicated (addresses
+// clamped into the tensors), 32-bit lane offsets from a block base, B/C staged by shifts/masks and the
+// fold over warps unrolled (its loop of runtime length was compiled 16-, 8- and 4-fold with remainders).
+// Loading z after the outputs (no copy of it) ran 13% slower.
 //
 // Launch: gridDim = (ceil(dim / 8), batch), blockDim = 32 kWarps, dynamic shared memory
 // tile_fwd_smem_floats() floats; the arguments of selective_scan_fwd_kernel. Requires kEven (seqlen a
@@ -1966,10 +1969,6 @@ struct Raw4 {
   static constexpr int kWords = static_cast<int>(sizeof(T));  // 4 elements of sizeof(T) bytes
   Vec<unsigned, kWords> w;
   __device__ __forceinline__ void load(const T* p) { w = load_vec<kWords>(reinterpret_cast<const unsigned*>(p)); }
-  __device__ __forceinline__ void zero() {
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) w.v[i] = 0u;
-  }
   // element k: a 16-bit one from its half of a word by a shift or a mask (as a Vec<T, 4> the compiler
   // unpacked with PRMTs)
   __device__ __forceinline__ float at(int k) const {
@@ -1991,21 +1990,28 @@ struct TileRows {
   static constexpr int kPer = kVecs / Tr::kThreads;
   static_assert(kVecs % Tr::kThreads == 0, "whole vectors per thread");
   uint4 v[kPer];
-  __device__ __forceinline__ void load(const X* __restrict__ g, long long base, int seqlen, int t0) {
+  // g: the block's group's rows (dstate seqlen elements: 32-bit offsets, see tile_valid). Vectors past
+  // seqlen read the row's last one instead (no predicate, no zeroing): their steps have dt = 0.
+  __device__ __forceinline__ void load(const X* __restrict__ g, int seqlen, int t0) {
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
       const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads, n = e % Tr::kDstate, tv = (e / Tr::kDstate) * V;
-      v[k] = t0 + tv < seqlen ? load_raw16(g + base + static_cast<long long>(n) * seqlen + t0 + tv)
-                              : make_uint4(0u, 0u, 0u, 0u);
+      v[k] = load_raw16(g + (n * seqlen + min(t0 + tv, seqlen - V)));
     }
   }
   __device__ __forceinline__ void stage(float* s) const {
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
       const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads, n = e % Tr::kDstate, tv = (e / Tr::kDstate) * V;
-      const Vec<X, V> x = as_vec<X, V>(v[k]);
+      const unsigned w[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
 #pragma unroll
-      for (int j = 0; j < V; ++j) s[(tv + j) * Tr::kDstate + n] = to_float(x.v[j]);
+      for (int j = 0; j < V; ++j) {
+        if constexpr (V == 8) {
+          s[(tv + j) * Tr::kDstate + n] = half_word_to_float<X>(w[j / 2], j & 1);  // a shift or a mask, no PRMT
+        } else {
+          s[(tv + j) * Tr::kDstate + n] = __uint_as_float(w[j]);
+        }
+      }
     }
   }
 };
@@ -2037,7 +2043,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   const int sg = (lane >> 1) & (G - 1), c = (lane & 1) | ((lane >> 3) << 1);
   const int b = static_cast<int>(blockIdx.y), d0 = static_cast<int>(blockIdx.x) * CW, d = d0 + c;
   const bool live = d < dim;
-  const long long chan = static_cast<long long>(b) * dim + d, row = chan * seqlen;
+  const long long chan = static_cast<long long>(b) * dim + d;
   const long long bc_base = (static_cast<long long>(b) * groups + d0 / channels_per_group) * N * seqlen;
   const int n0 = sg * S;
   float A2[S], Bf[S], Cf[S];
@@ -2051,25 +2057,30 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   const float Dd = Tr::kHasD && live ? D[d] : 0.0f;
   const int nt = (seqlen + TL - 1) / TL;
 
-  // this lane's Q steps of its channel in a tile: t0 + w R + sg Q
+  // This lane's Q steps of its channel in a tile: t0 + w R + sg Q. The loads never leave the tensors, so
+  // they need no predicate and no zeroing: channels past dim read the last channel and steps past seqlen
+  // the row's last Q (step 1 gives them dt = 0; nothing is written from them). Addresses: the block's
+  // rows from one 64-bit base (uniform registers) and a lane's offset in 32 bits (tile_valid: dstate
+  // seqlen fits in an int).
+  const long long blk = (static_cast<long long>(b) * dim + d0) * seqlen;
+  const T* const u_blk = u + blk;
+  const T* const delta_blk = delta + blk;
+  const T* const z_blk = Tr::kHasZ ? z + blk : nullptr;
+  T* const out_blk = out + blk;
+  const int tq = w * R + sg * Q;
+  const int lane_in = (live ? c : dim - 1 - d0) * seqlen, lane_out = c * seqlen + tq;
   Raw4<T> pu, pd, pz;
   auto load_q = [&](int t0) {
-    const int t = t0 + w * R + sg * Q;
-    if (live && t < seqlen) {
-      pu.load(u + row + t);
-      pd.load(delta + row + t);
-      if constexpr (Tr::kHasZ) pz.load(z + row + t);
-    } else {
-      pu.zero();
-      pd.zero();
-      pz.zero();
-    }
+    const int t = lane_in + min(t0 + tq, seqlen - Q);
+    pu.load(u_blk + t);
+    pd.load(delta_blk + t);
+    if constexpr (Tr::kHasZ) pz.load(z_blk + t);
   };
   TileRows<Tr, typename Tr::TB> rb;
   TileRows<Tr, typename Tr::TC> rc;
   auto load_bc = [&](int t0) {
-    if constexpr (Tr::kVarB) rb.load(B, bc_base, seqlen, t0);
-    if constexpr (Tr::kVarC) rc.load(C, bc_base, seqlen, t0);
+    if constexpr (Tr::kVarB) rb.load(B + bc_base, seqlen, t0);
+    if constexpr (Tr::kVarC) rc.load(C + bc_base, seqlen, t0);
   };
   auto stage_bc = [&](int buf) {
     float* s = s_bc + buf * Tr::kNvar * TL * N;
@@ -2162,7 +2173,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     {
       const float4 cv = *reinterpret_cast<const float4*>(s_carry + (it & 1) * CW * N + c * N + n0);
       h[0] = cv.x, h[1] = cv.y, h[2] = cv.z, h[3] = cv.w;
-      for (int v = 0; v < w; ++v) {
+#pragma unroll
+      for (int v = 0; v < W - 1; ++v) {
+        if (v >= w) break;
         const float* pv = s_px + ((it & 1) * W + v) * 2 * CW * N + c * N + n0;
         const float4 P4 = *reinterpret_cast<const float4*>(pv), X4 = *reinterpret_cast<const float4*>(pv + CW * N);
         h[0] = fmaf(P4.x, h[0], X4.x);
@@ -2214,7 +2227,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
           o[k + 1] *= g1;
         }
       }
-      T* dst = out + row + tr + sg * Q;
+      T* dst = out_blk + lane_out + t0;
       if constexpr (sizeof(T) == 4) {
         *reinterpret_cast<float4*>(dst) = make_float4(o[0], o[1], o[2], o[3]);
       } else {

@@ -195,21 +195,28 @@ def test_forward_states_match_reference(dtype, name):
     """selective_scan.fwd's `states` (the backward's input in training): the state entering steps 0, 16,
     32, ... against the float64 reference, poisoned before the call so an unwritten entry shows."""
     v = dict(BASE, **VARIANTS[name])
-    x = _inputs(dtype, v)
+    _forward_states_checked(dtype, v, _inputs(dtype, v))
+
+
+def _forward_states_checked(dtype, v, x, config=None):
+    """selective_scan.fwd with `states` into outputs poisoned with NaN, then out, last_state and states
+    against the float64 reference. Returns the call's args, out, last_state and states, the inputs as
+    numpy and the reference's keyword arguments (for a backward from those states)."""
     args = [x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")]
     B_, D_, T, N = v["batch"], v["dim"], v["seqlen"], v["dstate"]
     out = torch.full_like(x["u"], float("nan"))
     last = torch.full((B_, D_, N), float("nan"), device="cuda")
     states = torch.full((B_, D_, -(-T // 16), N), float("nan"), device="cuda")
-    kspec.call("selective_scan.fwd", *args, delta_softplus=v["softplus"], out=(out, last, states))
+    kspec.call("selective_scan.fwd", *args, config=config, delta_softplus=v["softplus"], out=(out, last, states))
     np_in = {k: _np(t) for k, t in x.items()}
-    out_r, last_r, states_r = ref.selective_scan_fwd(
-        np_in["u"], np_in["delta"], np_in["A"], np_in["B"], np_in["C"], D=np_in["D"], z=np_in["z"],
-        delta_bias=np_in["delta_bias"], delta_softplus=v["softplus"], h0=np_in["h0"], state_stride=16)
+    kw = dict(D=np_in["D"], z=np_in["z"], delta_bias=np_in["delta_bias"], delta_softplus=v["softplus"], h0=np_in["h0"])
+    out_r, last_r, states_r = ref.selective_scan_fwd(np_in["u"], np_in["delta"], np_in["A"], np_in["B"], np_in["C"],
+                                                     state_stride=16, **kw)
     tol = _tol(dtype)
-    for name_, got, want in (("out", out, out_r), ("last_state", last, last_r), ("states", states, states_r)):
+    for what, got, want in (("out", out, out_r), ("last_state", last, last_r), ("states", states, states_r)):
         err = rel_err(_np(got), want)
-        assert err <= tol, (name_, err, tol)
+        assert err <= tol, (what, err, tol)
+    return args, out, last, states, np_in, kw
 
 
 TILE_VARIANTS = {
@@ -217,6 +224,8 @@ TILE_VARIANTS = {
     "tile_partial": dict(dim=20, seqlen=2048),
     "tile_fixed_bc_no_h0": dict(dim=16, seqlen=1024, form="fixed", h0=False),
     "tile_groups_2_no_z": dict(dim=32, groups=2, seqlen=1536, z=False, softplus=False),
+    # the carry over 683 tiles at 6 warps (a partial last one) and 1024 at 4 warps
+    "tile_long_65536": dict(batch=1, dim=8, seqlen=65536),
 }
 
 
@@ -227,22 +236,9 @@ def test_tile_kernel_forward_states_and_backward(dtype, name, warps):
     """The one-pass tile kernel (algo 2): out, last_state and `states` against the float64 reference
     (poisoned first), then selective_scan.bwd from those states: every gradient against the reference."""
     v = dict(BASE, **TILE_VARIANTS[name])
-    x = _inputs(dtype, v)
-    args = [x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")]
-    B_, D_, T, N = v["batch"], v["dim"], v["seqlen"], v["dstate"]
-    out = torch.full_like(x["u"], float("nan"))
-    last = torch.full((B_, D_, N), float("nan"), device="cuda")
-    states = torch.full((B_, D_, -(-T // 16), N), float("nan"), device="cuda")
     cfg = f"algo=2,warps={warps},items=4,lanes=1,chunk=32,segs=1"
-    kspec.call("selective_scan.fwd", *args, config=cfg, delta_softplus=v["softplus"], out=(out, last, states))
-    np_in = {k: _np(t) for k, t in x.items()}
-    kw = dict(D=np_in["D"], z=np_in["z"], delta_bias=np_in["delta_bias"], delta_softplus=v["softplus"], h0=np_in["h0"])
-    out_r, last_r, states_r = ref.selective_scan_fwd(np_in["u"], np_in["delta"], np_in["A"], np_in["B"], np_in["C"],
-                                                     state_stride=16, **kw)
+    args, out, last, states, np_in, kw = _forward_states_checked(dtype, v, _inputs(dtype, v), config=cfg)
     tol = _tol(dtype)
-    for what, got, want in (("out", out, out_r), ("last_state", last, last_r), ("states", states, states_r)):
-        err = rel_err(_np(got), want)
-        assert err <= tol, (what, err, tol)
     dout = torch.randn_like(out)
     dlast = torch.randn_like(last)
     grads = kspec.call("selective_scan.bwd", dout, *args, dlast, states, delta_softplus=v["softplus"])

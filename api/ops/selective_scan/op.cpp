@@ -356,6 +356,8 @@ bool tile_valid(const Problem& p, const Config& c, std::string* why) {
       (var_c(p) && dtype_size(p.dtype("C")) != 2))
     return no("algo 2 takes 16-bit u, delta, z and variable B/C (the fp32 prefetch spills)");
   if (!is_even(p)) return no("algo 2 needs seqlen a multiple of 512 and 16-byte aligned tensors");
+  if (p.dim("seqlen") * p.dim("dstate") > INT32_MAX)
+    return no("algo 2 addresses a block's rows with 32-bit offsets (dstate * seqlen at most 2^31 - 1)");
   if (kTileChannels > group_fit(p)) return no("a block's 8 channels must lie in one B/C group");
   if (tile_smem_bytes(p, c) > kSeqSmemLimit) return no("more than 96 KiB of shared memory per block");
   return true;
@@ -695,16 +697,19 @@ OpDef make_fwd() {
     void* args[] = {&u, &delta, &A, &B, &C, &D, &z, &bias, &h0, &out, &last, &dim, &seqlen, &cpg, &groups, &states};
     int64_t warps = c.get("warps");
     if (seqlen == 0 || dim == 0) return;
+    // A block's channels share one B/C group for algos 1 and 2 (the tuning space's rule, kept apart in the
+    // plan cache by fwd_key); algo 0's warps each read their own channel's group.
+    const int64_t block_channels = c.get("algo") == 2 ? kTileChannels : c.get("algo") == 1 ? seq_channels(c) : 1;
+    KSPEC_CHECK_AS(block_channels <= group_fit(p), Error, "selective_scan.fwd: config ", c.str(),
+                   " puts channels of two B/C groups in one block (a plan chosen for another dim?)");
     if (c.get("algo") == 2) {
-      KSPEC_CHECK_AS(kTileChannels <= group_fit(p), Error, "selective_scan.fwd: config ", c.str(),
-                     " puts channels of two B/C groups in one block (a plan chosen for another dim?)");
+      KSPEC_CHECK_AS(p.dim("seqlen") * p.dim("dstate") <= INT32_MAX, Error, "selective_scan.fwd: config ", c.str(),
+                     " addresses rows with 32-bit offsets: seqlen = ", p.dim("seqlen"),
+                     " is too long (a plan chosen for another seqlen?)");
       return l.launch(0, {u32(ceil_div(dim, kTileChannels)), u32(p.dim("batch"))}, {u32(warps * 32)},
                       static_cast<unsigned>(tile_smem_bytes(p, c)), args);
     }
     if (c.get("algo") == 1) {
-      // A block's channels share one group (the tuning space's rule, kept apart in the plan cache by fwd_key).
-      KSPEC_CHECK_AS(seq_channels(c) <= group_fit(p), Error, "selective_scan.fwd: config ", c.str(),
-                     " puts channels of two B/C groups in one block (a plan chosen for another dim?)");
       SegPlan sp = seg_plan(p, c);
       int64_t chans = p.dim("batch") * p.dim("dim");
       float *seg_h = nullptr, *seg_dt = nullptr;
