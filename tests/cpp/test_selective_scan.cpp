@@ -248,6 +248,33 @@ TEST(SelectiveScan, ProblemsSharingAPlanShareTheHeuristic) {
       r.dtype = DType::f32;  // the tile kernel takes 16-bit inputs only
       r.params.set("dim", int64_t(2048));
       EXPECT_NE(op.tuning.heuristic(problem_from_request(op, r)).get("algo"), 2);
+      // From 2048 to 8192 channels (batch * dim) the tile kernel, also where the sequence is too short for
+      // segments (algo 0 before); past 8192 algo 1.
+      r.dtype = DType::bf16;
+      for (auto [b, d, t, algo] : std::vector<std::array<int64_t, 4>>{{1, 4096, 2048, 2},
+                                                                     {1, 2048, 512, 2},
+                                                                     {1, 8192, 8192, 2},
+                                                                     {4, 2048, 1024, 2},
+                                                                     {2, 6144, 8192, 1},
+                                                                     {1, 8200, 8192, 1},
+                                                                     {1, 2040, 2048, 0},
+                                                                     {1, 4096, 2000, 0}}) {
+        r.params.set("batch", b);
+        r.params.set("dim", d);
+        r.params.set("seqlen", t);
+        EXPECT_EQ(op.tuning.heuristic(problem_from_request(op, r)).get("algo"), algo) << b << "x" << d << "x" << t;
+      }
+      // Its 32-bit offsets: dstate * seqlen must fit in an int.
+      r.params.set("batch", int64_t(1));
+      r.params.set("dim", int64_t(2048));
+      r.params.set("seqlen", int64_t(1) << 27);
+      const Problem huge = problem_from_request(op, r);
+      std::string why;
+      EXPECT_FALSE(op.tuning.valid(huge, Config{{{"algo", 2}, {"warps", 6}, {"items", 4}, {"lanes", 1}, {"chunk", 32},
+                                                 {"segs", 1}}},
+                                   &why));
+      EXPECT_NE(why.find("32-bit offsets"), std::string::npos) << why;
+      EXPECT_NE(op.tuning.heuristic(huge).get("algo"), 2);
     }
     EXPECT_EQ(op.tuning.heuristic(ps.back()).get("lanes"), 4) << name;  // 65000 steps: no vector chunks
     EXPECT_EQ(op.tuning.heuristic(ps[0]).get("segs"), 1) << name;

@@ -49,6 +49,8 @@ VARIANTS = {
     "segments_groups_4": dict(batch=1, dim=32, groups=4, seqlen=8200, softplus=False),
     # batch * dim >= 8192: the sequential-state kernels (the variants above take the warp scan)
     "wide_8x1024": dict(batch=8, dim=1024, seqlen=130),
+    # 2048 channels, seqlen a multiple of 512: the heuristic's forward is the tile kernel (16-bit dtypes)
+    "tile_heuristic_4x512x1024": dict(batch=4, dim=512, seqlen=1024),
     # the forward keeps no states (save_states=False): the backward recomputes them, with each algorithm
     "no_saved_states": dict(save=False),
     "no_saved_states_wide": dict(batch=8, dim=1024, seqlen=130, save=False),

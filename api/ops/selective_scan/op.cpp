@@ -363,17 +363,26 @@ bool tile_valid(const Problem& p, const Config& c, std::string* why) {
   return true;
 }
 
-// The heuristic takes the tile kernel (6 warps) where the sequential kernel would need segments and the
-// tile kernel's grid, one block per 8 channels, still fills an H100 at 2 blocks per SM (264 slots): from
-// 2048 channels. H100 bf16 forward, ms, tile kernel against algo 1 with the segments it took before:
-// 1x2048x8192 0.204 / 0.290, 1x2048x16384 0.393 / 0.449, 1x4096x16384 0.776 / 0.814, 1x6144x8192 0.586 /
-// 0.599, 1x2048x65536 1.495-1.506 / 1.559 (1.535 at 33 segments) (tools/bench/NOTES.md).
+// The heuristic takes the tile kernel (6 warps) from 2048 channels, where its grid of one block per 8
+// channels fills an H100 at 2 blocks per SM (264 slots), to 8192 (batch * dim). H100 bf16 forward, ms,
+// tile kernel against the heuristic's choice before it (tools/bench/NOTES.md, 2026-11-24):
+//  - where algo 1 took segments: 1x2048x65536 1.440 / 1.559, 1x2048x16384 0.367 / 0.449, 1x2048x8192
+//    0.189 / 0.290, 1x4096x16384 0.719 / 0.814, 1x6144x8192 0.547 / 0.599;
+//  - where algo 0 ran (too short for segments): 1x2048x512 0.019 / 0.023, 1x2048x2048 0.052 / 0.086,
+//    2x2048x1024 0.054 / 0.079, 1x4096x2048 0.100 / 0.153, 1x6144x2048 0.148 / 0.216;
+//  - at 8192, against algo 1 at 4 lanes: 1x8192x16384 1.424 / 1.530, 1x8192x8192 0.721 / 0.769,
+//    4x2048x4096 0.367 / 0.389, 4x2048x1024 0.101 / 0.105, 2x4096x512 0.059 / 0.056.
+// Past 8192 algo 1 gains (12288 channels: 6x2048x4096 0.544 / 0.481, 1x12288x1024 0.149 / 0.127;
+// 16384 at 8 states per thread: 8x2048x2048 0.376 / 0.254); below 2048 the grid leaves SMs idle
+// (1x1024x65536 1.007 / 0.831 at 32 segments).
 Config tile_heuristic_config() {
   return Config{{{"algo", 2}, {"warps", 6}, {"items", 4}, {"lanes", 1}, {"chunk", 32}, {"segs", 1}}};
 }
+constexpr int64_t kTileChannelsMin = 2048, kTileChannelsMost = 8192;
 bool tile_preferred(const Problem& p) {
-  if (!p.has_dim("seqlen") || many_channels(p) || p.dim("batch") * p.dim("dim") < 2048) return false;
-  if (default_segs(p, kFwdSegsMost) == 1) return false;
+  if (!p.has_dim("seqlen")) return false;
+  const int64_t chans = p.dim("batch") * p.dim("dim");
+  if (chans < kTileChannelsMin || chans > kTileChannelsMost) return false;
   return tile_valid(p, tile_heuristic_config(), nullptr);
 }
 
