@@ -1903,7 +1903,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // tile_fwd_smem_floats() floats; the arguments of selective_scan_fwd_kernel. Requires kEven (seqlen a
 // multiple of 512, 16-byte aligned pointers: a warp's 16-step run is wholly inside or outside the
 // sequence, and a lane's 4 steps are one aligned vector) and dstate 16. Runs past seqlen stage dt = 0
-// and u = 0 (a = 1, b = 0: the carry passes through); channels past dim run on zeros and write nothing.
+// (a = 1, dt u = 0: the carry passes through); channels past dim run with A = 0 and dt = 0 and write
+// nothing. Both read inputs inside the tensors (the row's last steps, the last channel).
 // =============================================================================================
 template <typename T_, typename TB_, typename TC_, int kDstate_, bool kVarB_, bool kVarC_, bool kHasD_,
           bool kHasZ_, bool kHasDeltaBias_, bool kSoftplus_, bool kHasH0_, bool kEven_, int kWarps_>
