@@ -342,6 +342,9 @@ int64_t tile_smem_bytes(const Problem& p, const Config& c) {
               w * (n / 4) * (kTileChannels * kTileRun + 4));
 }
 
+// The kernel addresses a block's rows with 32-bit offsets: dstate * seqlen must fit in an int.
+bool tile_offsets_fit(const Problem& p) { return p.dim("seqlen") * p.dim("dstate") <= INT32_MAX; }
+
 bool tile_valid(const Problem& p, const Config& c, std::string* why) {
   auto no = [&](const char* w) {
     if (why) *why = w;
@@ -356,7 +359,7 @@ bool tile_valid(const Problem& p, const Config& c, std::string* why) {
       (var_c(p) && dtype_size(p.dtype("C")) != 2))
     return no("algo 2 takes 16-bit u, delta, z and variable B/C (the fp32 prefetch spills)");
   if (!is_even(p)) return no("algo 2 needs seqlen a multiple of 512 and 16-byte aligned tensors");
-  if (p.dim("seqlen") * p.dim("dstate") > INT32_MAX)
+  if (!tile_offsets_fit(p))
     return no("algo 2 addresses a block's rows with 32-bit offsets (dstate * seqlen at most 2^31 - 1)");
   if (kTileChannels > group_fit(p)) return no("a block's 8 channels must lie in one B/C group");
   if (tile_smem_bytes(p, c) > kSeqSmemLimit) return no("more than 96 KiB of shared memory per block");
@@ -712,7 +715,7 @@ OpDef make_fwd() {
     KSPEC_CHECK_AS(block_channels <= group_fit(p), Error, "selective_scan.fwd: config ", c.str(),
                    " puts channels of two B/C groups in one block (a plan chosen for another dim?)");
     if (c.get("algo") == 2) {
-      KSPEC_CHECK_AS(p.dim("seqlen") * p.dim("dstate") <= INT32_MAX, Error, "selective_scan.fwd: config ", c.str(),
+      KSPEC_CHECK_AS(tile_offsets_fit(p), Error, "selective_scan.fwd: config ", c.str(),
                      " addresses rows with 32-bit offsets: seqlen = ", p.dim("seqlen"),
                      " is too long (a plan chosen for another seqlen?)");
       return l.launch(0, {u32(ceil_div(dim, kTileChannels)), u32(p.dim("batch"))}, {u32(warps * 32)},
