@@ -394,10 +394,18 @@ struct StepVecs {
 
 // Copies step t's record (rec_g, global) into rv, and sets g = dout * d out / d Sq at the CTA's rows
 // (row0 ...): out = sq^2 sigma(sq), so d out / d sq = sq sigma (2 + sq (1 - sigma)).
+// Only what the recompute wrote is read (compute-sanitizer initcheck): the vectors k, m, q, s_col, m_col
+// in full, the row quantities at the CTA's rows (all rows without a cluster) and the two norms.
 template <typename Tr>
 __device__ __forceinline__ void load_step(float* rv, float* g, const float* rec_g, E79Seq<const typename Tr::T> dout,
                                           int t, int b, int row0) {
-  for (int e = threadIdx.x; e < Tr::kRecSlots * Tr::kN; e += Tr::kThreads) rv[e] = rec_g[e];
+  constexpr int N = Tr::kN;
+  for (int e = threadIdx.x; e < Tr::kRnorm * N + 2; e += Tr::kThreads) {
+    const int slot = e / N, i = e % N;
+    const bool full = slot == Tr::kRk || slot == Tr::kRm || slot == Tr::kRq || slot == Tr::kRsCol ||
+                      slot == Tr::kRmCol || slot == Tr::kRnorm;
+    if (full || (i >= row0 && i < row0 + Tr::kRows)) rv[e] = rec_g[e];
+  }
   for (int e = threadIdx.x; e < Tr::kRows; e += Tr::kThreads) {
     const int gi = row0 + e;
     const float sq = rec_g[Tr::kRsq * Tr::kN + gi];
