@@ -784,6 +784,8 @@ def bench_selective_scan(ctx):
     kspec = ctx.kspec
     shapes = [(2, 1024, 1024)] if ctx.args.quick else [(8, 2048, 2048), (8, 5120, 2048), (8, 2048, 8192),
                                                       (1, 2048, 65536)]
+    if ctx.args.scan_shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in ctx.args.scan_shapes.split(",")]
     peer = None
     try:
         from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as peer  # torch imported first
@@ -1787,6 +1789,8 @@ def main(argv=None) -> int:
     p.add_argument("--verbose", "-v", action="store_true", help="print tracebacks of failing variants")
     p.add_argument("--scan-op", choices=("fwd", "bwd"), default="fwd", help="selective_scan_configs: the op")
     p.add_argument("--scan-shape", default="8x2048x2048", metavar="BxDxL", help="selective_scan_configs: the shape")
+    p.add_argument("--scan-shapes", metavar="BxDxL,...", help="selective_scan: these shapes instead of the default four"
+                   " (the small ones of the outside test: 4x1536x1000,2x4096x333,1x2048x512,16x768x256,8x2560x1024)")
     p.add_argument("--scan-own-states", action="store_true",
                    help="selective_scan_configs: the backward without the forward's states (it makes its own)")
     p.add_argument("--scan-config", action="append", metavar="CONFIG",
