@@ -49,6 +49,10 @@ VARIANTS = {
     "segments_groups_4": dict(batch=1, dim=32, groups=4, seqlen=8200, softplus=False),
     # batch * dim >= 8192: the sequential-state kernels (the variants above take the warp scan)
     "wide_8x1024": dict(batch=8, dim=1024, seqlen=130),
+    # 1024..8191 channels, 128 steps or more: algo 1 at 2 states per thread with segments (backward: 4
+    # here; forward from 1024 steps: 8), where the warp scan ran before
+    "few_channels_short_1x1024x600": dict(batch=1, dim=1024, seqlen=600),
+    "few_channels_short_1x1024x1100": dict(batch=1, dim=1024, seqlen=1100, h0=False),
     # 2048 channels, seqlen a multiple of 512: the heuristic's forward is the tile kernel (16-bit dtypes)
     "tile_heuristic_4x512x1024": dict(batch=4, dim=512, seqlen=1024),
     # the forward keeps no states (save_states=False): the backward recomputes them, with each algorithm
@@ -131,6 +135,21 @@ def test_forward_and_gradients_match_reference(dtype, name):
 def test_long_sequence_65536(dtype):
     v = dict(BASE, batch=1, dim=4, seqlen=65536)
     _run_and_check(dtype, v)
+
+
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_few_channels_short_sequences_take_segments(op):
+    """The heuristic's choice for 1024 channels and 1100 steps (the few_channels variants run it)."""
+    import re
+
+    v = dict(BASE, batch=1, dim=1024, seqlen=1100)
+    x = _inputs(torch.bfloat16, v)
+    args = [x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")]
+    if op == "bwd":
+        args = [torch.randn_like(x["u"])] + args + [None]
+    text = str(kspec.explain(f"selective_scan.{op}", *args, delta_softplus=True))
+    m = re.search(r"algo=1,[0-9a-z=,]*lanes=8,[0-9a-z=,]*segs=(\d+)", text)
+    assert m and int(m.group(1)) == 8, text
 
 
 @pytest.mark.parametrize("op", ["fwd", "bwd"])
