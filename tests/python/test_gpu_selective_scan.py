@@ -137,34 +137,28 @@ def test_long_sequence_65536(dtype):
     _run_and_check(dtype, v)
 
 
-@pytest.mark.parametrize("op", ["fwd", "bwd"])
-def test_few_channels_short_sequences_take_segments(op):
-    """The heuristic's choice for 1024 channels and 1100 steps (the few_channels variants run it)."""
-    import re
-
-    v = dict(BASE, batch=1, dim=1024, seqlen=1100)
-    x = _inputs(torch.bfloat16, v)
+def _heuristic_config(op, **shape):
+    """The config text kspec.explain gives for a bf16 call of this shape (the BASE options)."""
+    x = _inputs(torch.bfloat16, dict(BASE, **shape))
     args = [x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")]
     if op == "bwd":
         args = [torch.randn_like(x["u"])] + args + [None]
-    text = str(kspec.explain(f"selective_scan.{op}", *args, delta_softplus=True))
-    m = re.search(r"algo=1,[0-9a-z=,]*lanes=8,[0-9a-z=,]*segs=(\d+)", text)
-    assert m and int(m.group(1)) == 8, text
+    return str(kspec.explain(f"selective_scan.{op}", *args, delta_softplus=True))
 
 
 @pytest.mark.parametrize("op", ["fwd", "bwd"])
-def test_long_narrow_problems_take_segments(op):
-    """The heuristic's choice for few channels and a long sequence (the variants above run it)."""
+@pytest.mark.parametrize("shape,pattern,segs", [
+    # few channels and a long sequence: segments (the segments_* variants run it)
+    (dict(batch=2, dim=16, seqlen=9000, form="fixed"), r"algo=1,[0-9a-z=,]*segs=(\d+)", None),
+    # 1024 channels, 1100 steps: 2 states per thread and 8 segments (the few_channels variants run it)
+    (dict(batch=1, dim=1024, seqlen=1100), r"algo=1,[0-9a-z=,]*lanes=8,[0-9a-z=,]*segs=(\d+)", 8),
+], ids=["long_narrow", "few_channels_short"])
+def test_heuristic_takes_segments(op, shape, pattern, segs):
     import re
 
-    v = dict(BASE, batch=2, dim=16, seqlen=9000, form="fixed")
-    x = _inputs(torch.bfloat16, v)
-    args = [x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")]
-    if op == "bwd":
-        args = [torch.randn_like(x["u"])] + args + [None]
-    text = str(kspec.explain(f"selective_scan.{op}", *args, delta_softplus=True))
-    m = re.search(r"algo=1,[0-9a-z=,]*segs=(\d+)", text)
-    assert m and int(m.group(1)) > 1, text
+    text = _heuristic_config(op, **shape)
+    m = re.search(pattern, text)
+    assert m and (int(m.group(1)) == segs if segs else int(m.group(1)) > 1), text
 
 
 def test_segmented_forward_back_to_back_and_in_graph_replays():
