@@ -628,28 +628,34 @@ TEST(GemmTuning, UnfusedEpilogueCandidatesCompileAndFollowTheirRules) {
   int compiled = 0;
   for (const char* arch : {"sm_80", "sm_90"})
     for (auto dt : {kspec::DType::f32, kspec::DType::f16, kspec::DType::bf16})
-      for (int u : {1, 2})
-        for (bool aux : {false, true}) {
-          auto req = gemm_request("gemm", 4097, 4095, 33, "gelu", aux ? std::vector<std::string>{} : std::vector<std::string>{"aux"});
-          req.dtype = dt;
-          req.arch = arch;
-          req.config = kspec::Config{{{"unfused", u}}};
-          auto reports = kspec::compile(req);
-          ASSERT_EQ(reports.size(), 1u) << u << aux;
-          EXPECT_NE(reports[0].kernel.find("gemm_bias_act_kernel"), std::string::npos);
-          EXPECT_NE(reports[0].kernel.find(u == 2 ? ", true, " : ", false, "), std::string::npos) << reports[0].kernel;
-          EXPECT_EQ(reports[0].spill_bytes, 0) << reports[0].kernel;
-          ++compiled;
-        }
-  EXPECT_EQ(compiled, 2 * 3 * 4);
-  // Rules: only with act=gelu, unfused=2 only with a bias, never mixed with algorithm fields.
+      for (const std::string act : {"relu", "gelu"})
+        for (int u : {1, 2})
+          for (bool aux : {false, true}) {
+            if ((aux || u == 2) && act != "gelu") continue;
+            auto req = gemm_request("gemm", 4097, 4095, 33, act, aux ? std::vector<std::string>{} : std::vector<std::string>{"aux"});
+            req.dtype = dt;
+            req.arch = arch;
+            req.config = kspec::Config{{{"unfused", u}}};
+            auto reports = kspec::compile(req);
+            // relu in 16-bit types: the bias fill first (cuBLASLt's C), then the act kernel
+            size_t fill = act == "relu" && dt != kspec::DType::f32 ? 1 : 0;
+            ASSERT_EQ(reports.size(), 1u + fill) << act << u << aux;
+            EXPECT_NE(reports[fill].kernel.find("gemm_bias_act_kernel"), std::string::npos);
+            EXPECT_NE(reports[fill].kernel.find(u == 2 ? ", true, " : ", false, "), std::string::npos) << reports[fill].kernel;
+            for (const auto& r : reports) EXPECT_EQ(r.spill_bytes, 0) << r.kernel;
+            ++compiled;
+          }
+  EXPECT_EQ(compiled, 2 * 3 * 5);
+  // Rules: only with an activation, unfused=2 only for gelu with a bias, never mixed with algorithm fields.
   const kspec::OpDef& op = kspec::Registry::global().get("gemm");
   std::string why;
   auto p = problem_of(gemm_request("gemm", 64, 64, 64, "none", {"aux"}));
   EXPECT_FALSE(op.tuning.valid(p, kspec::Config::parse("unfused=1"), &why));
-  EXPECT_NE(why.find("act=gelu"), std::string::npos) << why;
+  EXPECT_NE(why.find("relu or act=gelu"), std::string::npos) << why;
   p = problem_of(gemm_request("gemm", 64, 64, 64, "relu", {"aux"}));
-  EXPECT_FALSE(op.tuning.valid(p, kspec::Config::parse("unfused=1"), &why));
+  EXPECT_TRUE(op.tuning.valid(p, kspec::Config::parse("unfused=1"), &why)) << why;
+  EXPECT_FALSE(op.tuning.valid(p, kspec::Config::parse("unfused=2"), &why));  // relu's sign before rounding
+  EXPECT_NE(why.find("gelu"), std::string::npos) << why;
   p = problem_of(gemm_request("gemm", 64, 64, 64, "gelu", {"aux", "bias"}));
   EXPECT_TRUE(op.tuning.valid(p, kspec::Config::parse("unfused=1"), &why)) << why;
   EXPECT_FALSE(op.tuning.valid(p, kspec::Config::parse("unfused=2"), &why));

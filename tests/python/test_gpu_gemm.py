@@ -236,8 +236,7 @@ def test_cpp_checker_from_python():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
-@pytest.mark.parametrize("act", ["relu", "gelu"])
-@pytest.mark.parametrize("unfused", [1, 2])
+@pytest.mark.parametrize("act,unfused", [("relu", 1), ("gelu", 1), ("gelu", 2)])
 @pytest.mark.parametrize("layout", ["2d", "batched", "gapped"])
 def test_unfused_epilogue_candidates_match_reference(dtype, act, unfused, layout):
     """The tuner's unfused candidates (plain GEMM, then kspec's bias/act kernel), forced, against float64."""
@@ -338,23 +337,3 @@ def test_the_layout_rule_is_the_gemm_ops(layout):
     for name, _, _ in e.copies:
         assert f"copies {name}" in e
 
-
-def test_graph_capture_with_torchs_recipe_for_linear():
-    """Issue 33: torch.cuda.graph captures on its own stream, which no warm-up ran on; kspec's workspace
-    there is an allocation of the graph (tests/python/test_gpu_capture.py covers every op)."""
-    x = torch.randn(33, 7, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(4097, 7, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(4097, device="cuda", dtype=torch.bfloat16)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            kspec.ops.linear(x, w, b, "relu")
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = kspec.ops.linear(x, w, b, "relu")
-    x.copy_(torch.randn_like(x))
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y, kspec.ops.linear(x, w, b, "relu"))

@@ -1251,8 +1251,9 @@ def linear_path(kspec, x, w, b, act) -> str:
 @family("linear_sweep")
 def bench_linear_sweep(ctx):
     """kspec.ops.linear's default (run with KSPEC_TUNE=off for the untuned heuristic; the path column says
-    which config ran and where it came from) against F.linear + act, bf16, forward; for gelu also each path
-    forced, so the default's thresholds (api/ops/gemm/op.cpp, kUnfusedGelu*) can be read off the table."""
+    which config ran and where it came from) against F.linear + act, bf16, forward; for relu and gelu also
+    each path forced, so the default's thresholds (api/ops/gemm/op.cpp, kUnfusedGelu / kUnfusedRelu) can be
+    read off the table."""
     torch = ctx.torch
     kspec = ctx.kspec
     F = torch.nn.functional
@@ -1269,10 +1270,9 @@ def bench_linear_sweep(ctx):
             variants = [("kspec linear", lambda: kspec.ops.linear(x, w, b, act)),
                         ("torch F.linear" + (f" → {act}" if act != "none" else ""),
                          lambda: tact[act](F.linear(x, w, b)))]
-            if act == "gelu":
-                for cfg in ("", "unfused=1", "unfused=2"):
-                    variants.append((f"kspec gemm {cfg or 'fused'}",
-                                     lambda cfg=cfg: kspec.call("gemm", x, w, b, act=act, config=cfg)[0]))
+            for cfg in {"none": (), "relu": ("", "unfused=1"), "gelu": ("", "unfused=1", "unfused=2")}[act]:
+                variants.append((f"kspec gemm {cfg or 'fused'}",
+                                 lambda cfg=cfg: kspec.call("gemm", x, w, b, act=act, config=cfg)[0]))
             base = {"shape": f"{m}x{n}x{k}", "m": m, "n": n, "k": k, "act": act, "dtype": "bf16"}
             group = []
             for name, fn in variants:
@@ -1312,7 +1312,7 @@ def bench_linear_sweep(ctx):
              + (f"MISSED at {', '.join(missed)}" if missed else "met everywhere"),
              "path: what the default ran (explain's config; heuristic unless KSPEC_TUNE is on with a tuned "
              "entry). 'kspec gemm fused / unfused=N': that path forced, for setting api/ops/gemm/op.cpp's "
-             "kUnfusedGeluMaxK / kUnfusedGeluMinOutputs (run with KSPEC_TUNE=off)."]
+             "kUnfusedGelu / kUnfusedRelu rules (run with KSPEC_TUNE=off)."]
     return {"results": rows, "tune_mode": os.environ.get("KSPEC_TUNE", "on")}, \
         [Section("linear_sweep: kspec.ops.linear default vs torch F.linear (+ act), bf16 forward", cols, rows, notes)]
 

@@ -118,11 +118,11 @@ std::string algo_applies(const gemm::LtCall& lt, const Config& c, const std::str
 
 const std::string kTuningNote = "cuBLASLt algorithm: the heuristic's top candidates, timed by kspec tune";
 
-// gemm's unfused epilogue (gelu): unfused=1: cuBLASLt's plain GEMM with its BIAS epilogue, then
-// templates/gemm/gemm_bias_act.cuh applies the activation (and saves aux); unfused=2: the bias too in that
-// kernel. The plain GEMM runs cuBLASLt's heuristic algorithm. Not for relu: its fused epilogue costs
-// nothing extra, and a bias added to the rounded GEMM output would decide its sign at the output's
-// precision (see bias_through_c).
+// gemm's unfused epilogue (relu/gelu): unfused=1: cuBLASLt's plain GEMM with its BIAS epilogue (relu in
+// fp16/bf16: the bias as C, see bias_through_c), then templates/gemm/gemm_bias_act.cuh applies the
+// activation (and saves aux); unfused=2 (gelu only): the bias too in that kernel, added to the rounded
+// product, which would decide relu's sign at the output's precision. The plain GEMM runs cuBLASLt's
+// heuristic algorithm.
 constexpr unsigned kBiasActThreads = 256;
 
 int64_t unfused_of(const Config& c) { return c.has("unfused") ? c.get("unfused") : 0; }
@@ -140,19 +140,25 @@ bool bias_through_c(const Problem& p) {
 // ---- the untuned default: cuBLASLt's fused epilogue, or unfused (plain GEMM, then kspec's kernel) ----
 // cuBLASLt's fused GELU epilogue runs slow kernels where K is small (x [4097, 33], W [4095, 33] bf16 on the
 // H100: 0.204 ms fused against 0.063 ms for torch's F.linear then F.gelu, issue 33), while its plain GEMM
-// with the BIAS epilogue (torch's F.linear) and one pass over y do not. The thresholds below are measured:
-// tools/bench/bench.py --routine linear_sweep times the default against torch for every act over small
-// K, small M, odd N and LLM shapes and prints which path the default took; adjust them from its table.
-constexpr int64_t kUnfusedGeluMaxK = 64;         // GELU unfused when k is at most this ...
-constexpr int64_t kUnfusedGeluMinOutputs = 4096;  // ... and y has at least this many elements (below it
-                                                  // the second launch costs more than the slow epilogue)
+// with the BIAS epilogue (torch's F.linear) and one pass over y do not. The thresholds are measurements:
+// `KSPEC_TUNE=off python3 tools/bench/bench.py --family linear_sweep` times the default against torch for
+// every act over small K, small M, odd N and LLM shapes, each path forced beside it; set them from its
+// table. The default takes unfused=1 where k <= max_k and y has at least min_outputs elements (below that
+// the second launch costs more than a slow epilogue).
+struct UnfusedRule {
+  int64_t max_k, min_outputs;
+};
+constexpr UnfusedRule kUnfusedGelu{64, 4096};  // from the issue's one measurement (k = 33), pending the sweep
+constexpr UnfusedRule kUnfusedRelu{0, 0};      // never: no shape measured where RELU's epilogue loses
 
-// The default's unfused level for a problem: 0 (fused) or 1 (BIAS epilogue, then kspec's GELU kernel).
+// The default's unfused level for a problem: 0 (fused) or 1 (BIAS epilogue, then kspec's act kernel).
 int64_t default_unfused(const Problem& p) {
-  if (act_code(p) != 2 || !p.has_dim("k") || !p.has_dim("m") || !p.has_dim("n")) return 0;
+  int act = act_code(p);
+  if (act == 0 || !p.has_dim("k") || !p.has_dim("m") || !p.has_dim("n")) return 0;
+  const UnfusedRule& rule = act == 1 ? kUnfusedRelu : kUnfusedGelu;
   int64_t batch = p.has_dim("batch") ? std::max<int64_t>(p.dim("batch"), 1) : 1;
   int64_t outputs = batch * p.dim("m") * p.dim("n");
-  return p.dim("k") <= kUnfusedGeluMaxK && outputs >= kUnfusedGeluMinOutputs ? 1 : 0;
+  return p.dim("k") <= rule.max_k && outputs >= rule.min_outputs ? 1 : 0;
 }
 
 bool valid_fwd_config(const Problem& p, const Config& c, std::string* why) {
@@ -164,7 +170,9 @@ bool valid_fwd_config(const Problem& p, const Config& c, std::string* why) {
   int64_t u = c.get("unfused");
   if (c.values.size() != 1) return fail("unfused runs cuBLASLt's heuristic for the plain GEMM: no algorithm fields with it");
   if (u != 1 && u != 2) return fail("unfused is 1 (bias in cuBLASLt's epilogue) or 2 (bias in kspec's kernel)");
-  if (act_code(p) != 2) return fail("unfused is for act=gelu (relu's fused epilogue costs nothing extra)");
+  if (act_code(p) == 0) return fail("unfused is for act=relu or act=gelu");
+  if (u == 2 && act_code(p) != 2)
+    return fail("unfused=2 is for gelu (relu's sign must be taken before the product is rounded)");
   if (u == 2 && !p.present("bias")) return fail("unfused=2 adds the bias in kspec's kernel, and there is no bias");
   return true;
 }
@@ -337,16 +345,17 @@ OpDef make_fwd() {
   op.tuning.valid = valid_fwd_config;
   op.tuning.candidates = [](const Call& call, int n) {
     std::vector<Config> out = candidate_configs(plan_fwd(call).lt, call.device, n, "");
-    if (act_code(call.problem) == 2) {
-      out.push_back(Config{{{"unfused", 1}}});
-      if (call.problem.present("bias")) out.push_back(Config{{{"unfused", 2}}});
+    if (act_code(call.problem) != 0) out.push_back(Config{{{"unfused", 1}}});
+    if (act_code(call.problem) == 2 && call.problem.present("bias")) {
+      out.push_back(Config{{{"unfused", 2}}});
     }
     return out;
   };
   op.tuning.applies = [](const Call& call, const Config& c) {
     return unfused_of(c) ? std::string() : algo_applies(plan_fwd(call).lt, c, "", call.device);
   };
-  i.tuning_note = kTuningNote + "; or unfused=1|2 with act gelu (the plain GEMM, then kspec's bias/act kernel)";
+  i.tuning_note = kTuningNote + "; or unfused=1 with act relu/gelu, unfused=2 with gelu (the plain GEMM, then kspec's "
+                                "bias/act kernel)";
   op.kernels = [](const Problem& p, const Config& c) {
     std::vector<jit::KernelSpec> out;
     int64_t u = unfused_of(c);
