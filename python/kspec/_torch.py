@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from ._core import call
+from .ops import gemm_reads_in_place
 
 
 @torch.library.custom_op("kspec::norm_act_fwd", mutates_args=(), device_types="cuda")
@@ -333,8 +334,6 @@ class _Linear(torch.autograd.Function):
 def _readable(t):
     """t itself when the gemm op reads it in place, else a contiguous copy (autograd sees the copy, so
     the gradient comes back to the view F.linear was given)."""
-    from .ops import gemm_reads_in_place
-
     if t is None or gemm_reads_in_place(t.shape, t.stride()):
         return t
     return t.contiguous()
