@@ -241,6 +241,10 @@ TILE_VARIANTS = {
     "tile_groups_2_no_z": dict(dim=32, groups=2, seqlen=1536, z=False, softplus=False),
     # the carry over 683 tiles at 6 warps (a partial last one) and 1024 at 4 warps
     "tile_long_65536": dict(batch=1, dim=8, seqlen=65536),
+    # seqlen a multiple of 8 only: the last run of 16 steps ends after 8 (1000, 520) or in the first tile
+    "tile_seqlen_1000": dict(dim=24, seqlen=1000),
+    "tile_seqlen_520_no_h0": dict(dim=16, seqlen=520, h0=False),
+    "tile_seqlen_8": dict(dim=8, seqlen=8),
 }
 
 

@@ -33,6 +33,11 @@ int64_t groups_of(const Problem& p) {
   return (var_b(p) || var_c(p)) && p.has_dim("groups") ? p.dim("groups") : 1;
 }
 bool is_even(const Problem& p) { return p.dim("seqlen") % kEvenMultiple == 0 && p.align_bytes >= 16; }
+// The tile kernel's (algo 2) vectors: a variable B/C row's 16-byte vectors of 8 steps and a lane's 4 steps
+// of u, delta, z, out start at aligned addresses when seqlen is a multiple of 8 and the tensors are
+// 16-byte aligned; a run of 16 steps may then be cut by the sequence's end at 8.
+constexpr int64_t kTileVector = 8;
+bool tile_vectors(const Problem& p) { return p.dim("seqlen") % kTileVector == 0 && p.align_bytes >= 16; }
 
 // Cross-argument rules, for every op of the family (step has no seqlen but the same B/C rules).
 void check_scan(const Problem& p) {
@@ -101,32 +106,33 @@ std::vector<TensorDef> scan_inputs() {
   };
 }
 
-std::string flags_targs(const Problem& p) {
+// `vectors`: the last flag, kEven (algo 0 and 1: is_even) or the tile kernel's kVec (tile_vectors).
+std::string flags_targs(const Problem& p, bool vectors) {
   std::string s = dtype_cuda_type(p.dtype("u"));
   s += ", " + std::string(dtype_cuda_type(p.dtype("B")));
   s += ", " + std::string(dtype_cuda_type(p.dtype("C")));
   s += ", " + std::to_string(p.dim("dstate"));
   for (bool f : {var_b(p), var_c(p), p.present("D"), p.present("z"), p.present("delta_bias"),
-                 p.param_bool("delta_softplus"), p.present("h0"), is_even(p)})
+                 p.param_bool("delta_softplus"), p.present("h0"), vectors})
     s += std::string(", ") + b2s(f);
   return s;
 }
 
 // The warp-scan kernels (algo 0).
 std::string traits(const Problem& p, const Config& c) {
-  return "kspec::ScanTraits<" + flags_targs(p) + ", " + std::to_string(c.get("warps")) + ", " +
+  return "kspec::ScanTraits<" + flags_targs(p, is_even(p)) + ", " + std::to_string(c.get("warps")) + ", " +
          std::to_string(c.get("items")) + ">";
 }
 
 // The sequential-state kernels (algo 1).
 std::string seq_traits(const Problem& p, const Config& c) {
-  return "kspec::SeqScanTraits<" + flags_targs(p) + ", " + std::to_string(c.get("warps")) + ", " +
+  return "kspec::SeqScanTraits<" + flags_targs(p, is_even(p)) + ", " + std::to_string(c.get("warps")) + ", " +
          std::to_string(c.get("lanes")) + ", " + std::to_string(c.get("chunk")) + ">";
 }
 
 // The one-pass tile kernel (algo 2).
 std::string tile_traits(const Problem& p, const Config& c) {
-  return "kspec::TileScanTraits<" + flags_targs(p) + ", " + std::to_string(c.get("warps")) + ">";
+  return "kspec::TileScanTraits<" + flags_targs(p, tile_vectors(p)) + ", " + std::to_string(c.get("warps")) + ">";
 }
 
 jit::KernelSpec spec(const Problem& p, const char* kernel, std::vector<std::string> targs) {
@@ -394,7 +400,7 @@ bool tile_valid(const Problem& p, const Config& c, std::string* why) {
   if (dtype_size(p.dtype("u")) != 2 || (var_b(p) && dtype_size(p.dtype("B")) != 2) ||
       (var_c(p) && dtype_size(p.dtype("C")) != 2))
     return no("algo 2 takes 16-bit u, delta, z and variable B/C (the fp32 prefetch spills)");
-  if (!is_even(p)) return no("algo 2 needs seqlen a multiple of 512 and 16-byte aligned tensors");
+  if (!tile_vectors(p)) return no("algo 2 needs seqlen a multiple of 8 and 16-byte aligned tensors");
   if (!tile_offsets_fit(p))
     return no("algo 2 addresses a block's rows with 32-bit offsets (dstate * seqlen at most 2^31 - 1)");
   if (kTileChannels > group_fit(p)) return no("a block's 8 channels must lie in one B/C group");
@@ -430,7 +436,8 @@ std::string fwd_key(const Problem& p) {
   const int64_t segs = default_segs(p, kFwdSegsMost);
   return even_key(p) + ",gfit|" + std::to_string(group_fit(p)) + (many_channels(p) ? ",wide" : ",narrow") +
          ",segs|" + std::to_string(segs) + ",lanes|" + std::to_string(seq_default_lanes(p, segs)) +
-         (tile_preferred(p) ? ",tile" : "") + few_key(few_channels_plan(p, kFwdSegsMost, 32, true));
+         (tile_vectors(p) ? ",v8" : "") + (tile_preferred(p) ? ",tile" : "") +
+         few_key(few_channels_plan(p, kFwdSegsMost, 32, true));
 }
 
 // The backward's algo-0 warp fit, and the forward's distinctions for algo 1.
