@@ -190,7 +190,7 @@ def cmd_cache(a):
     try:
         return _cache_action(a)
     except _C.CacheError as e:  # a read-only or foreign directory: say so, no traceback
-        print(f"kspec cache {a.action}: {e}", file=sys.stderr)
+        print(f"kspec: CacheError: {e}", file=sys.stderr)
         return 1
 
 
