@@ -154,7 +154,11 @@ std::optional<Entry> DiskCache::read_entry(const std::string& key, std::string* 
     return std::nullopt;
   }
   auto sum = e.meta.find("checksum");
-  if (sum == e.meta.end() || !sum->is_string() || *sum != record_checksum(e.meta)) {
+  if (sum == e.meta.end()) {
+    *why = "metadata without a checksum (written by an older kspec)";
+    return std::nullopt;
+  }
+  if (!sum->is_string() || *sum != record_checksum(e.meta)) {
     *why = "metadata checksum mismatch (corrupt metadata)";
     return std::nullopt;
   }
