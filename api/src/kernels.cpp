@@ -92,6 +92,7 @@ void set_header_memo_dir_once() {
 
 Obtained obtain_binary(const jit::KernelSpec& spec) {
   auto t0 = std::chrono::steady_clock::now();
+  knobs::validate();
   set_header_memo_dir_once();
   auto elapsed = [&] {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();

@@ -93,6 +93,15 @@ const std::vector<KnobInfo>& all() {
   return table;
 }
 
+void validate() {
+  cache_enabled();
+  cache_max_bytes();
+  verbose();
+  compile_threads();
+  tune_mode();
+  tune_budget();
+}
+
 std::optional<std::string> env(const char* name) {
   const char* v = std::getenv(name);
   if (!v || !*v) return std::nullopt;

@@ -117,6 +117,12 @@ TEST(Knobs, BadValueFailsTheCallNotTheProcess) {
   expect_invalid([] { for_each_compile_thread(3, [](size_t) {}); }, {"KSPEC_COMPILE_THREADS"});
 }
 
+// Every path that compiles or plans checks every knob, also one it does not read itself.
+TEST(Knobs, CompileChecksEveryKnob) {
+  ScopedEnv t("KSPEC_TUNE_BUDGET", "soon");
+  expect_invalid([] { compile(norm_request(64)); }, {"KSPEC_TUNE_BUDGET", "'soon'"});
+}
+
 // An exception in one of the compile threads reaches the caller (it terminated the process).
 TEST(Knobs, CompileThreadExceptionsReachTheCaller) {
   ScopedEnv t("KSPEC_COMPILE_THREADS", "4");

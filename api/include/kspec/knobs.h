@@ -48,6 +48,11 @@ TuneMode tune_mode();
 // KSPEC_TUNE_BUDGET: seconds KSPEC_TUNE=auto may spend tuning one problem (default 10).
 double tune_budget();
 
+// Reads every knob that has a type: throws InvalidArgument for the first value a knob does not take. Run
+// where kspec starts to compile or plan (obtain a binary, compile, explain), so that a misspelt knob
+// fails there whether or not that path reads it.
+void validate();
+
 // Read a variable from the environment (the one place that does). Exposed for CUDA_HOME/CUDA_PATH.
 std::optional<std::string> env(const char* name);
 
