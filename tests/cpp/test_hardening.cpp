@@ -10,8 +10,10 @@
 #include <limits>
 #include <stdexcept>
 
+#include "api/src/device_data.h"
 #include "api/src/kernels.h"
 #include "api/src/op.h"
+#include "jit/driver.h"
 #include "kspec/kspec.h"
 #include "test_helpers.h"
 
@@ -136,6 +138,24 @@ TEST(Knobs, CompileThreadExceptionsReachTheCaller) {
       },
       {"item 5 is bad"});
   EXPECT_LT(ran.load(), 64 + 4);
+}
+
+// kspec::call on a GPU: a bad knob fails the call (each time), and the next call with a good value runs.
+TEST(Knobs, BadValueFailsKspecCallOnTheGpu) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard g(0);
+  const int64_t rows = 5, hidden = 136;  // a problem no other test plans
+  DeviceBuffer x(rows * hidden * 4), w(hidden * 4), y(rows * hidden * 4), mean(rows * 4), rstd(rows * 4);
+  auto in = std::vector<TensorView>{view_of(x.ptr, DType::f32, {rows, hidden}, 0), view_of(w.ptr, DType::f32, {hidden}, 0),
+                                    TensorView()};
+  auto out = std::vector<TensorView>{view_of(y.ptr, DType::f32, {rows, hidden}, 0),
+                                     view_of(mean.ptr, DType::f32, {rows}, 0), view_of(rstd.ptr, DType::f32, {rows}, 0)};
+  {
+    ScopedEnv t("KSPEC_TUNE", "sometimes");
+    for (int i = 0; i < 2; ++i) expect_invalid([&] { call("norm_act.fwd", in, out); }, {"KSPEC_TUNE"});
+  }
+  EXPECT_NO_THROW(call("norm_act.fwd", in, out));
+  EXPECT_EQ(jit::driver().cuCtxSynchronize(), CUDA_SUCCESS);
 }
 
 // KSPEC_CACHE is read once per process, when the cache is first used: a fresh process per value. The
