@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <cstring>
+#include <limits>
 #include <ostream>
 #include <sstream>
 
@@ -414,10 +414,13 @@ std::string range_text(const ParamDef& d) {
   return d.min ? ">= " + num(*d.min) : "<= " + num(*d.max);
 }
 
-void check_param_range(const OpInfo& info, const ParamDef& d, double v) {
+// `value` is an Int or Float param's (already converted to its type).
+void check_param_range(const OpInfo& info, const ParamDef& d, const ParamValue& value) {
+  const double v = std::holds_alternative<int64_t>(value) ? static_cast<double>(std::get<int64_t>(value))
+                                                          : std::get<double>(value);
   if ((!d.min || v >= *d.min) && (!d.max || v <= *d.max)) return;
   throw InvalidArgument(detail::concat(info.name, ": parameter '", d.name, "' must be ", range_text(d), ", got ",
-                                       d.type == ParamType::Int ? std::to_string(static_cast<int64_t>(v)) : detail::concat(v)));
+                                       param_to_string(value)));
 }
 }  // namespace
 
@@ -449,7 +452,7 @@ Params complete_params(const OpDef& op, const Params& given) {
         }
         KSPEC_CHECK(std::holds_alternative<int64_t>(value), info.name, ": parameter '", d.name,
                     "': expected an integer, got ", param_to_string(value));
-        check_param_range(info, d, static_cast<double>(std::get<int64_t>(value)));
+        check_param_range(info, d, value);
         break;
       case ParamType::Float:
         if (std::holds_alternative<int64_t>(value)) value = static_cast<double>(std::get<int64_t>(value));
@@ -457,7 +460,7 @@ Params complete_params(const OpDef& op, const Params& given) {
                     "': expected a number, got ", param_to_string(value));
         KSPEC_CHECK(std::isfinite(std::get<double>(value)), info.name, ": parameter '", d.name,
                     "': expected a finite number, got ", std::get<double>(value));
-        check_param_range(info, d, std::get<double>(value));
+        check_param_range(info, d, value);
         break;
       case ParamType::Bool:
         if (std::holds_alternative<int64_t>(value) && (std::get<int64_t>(value) == 0 || std::get<int64_t>(value) == 1))

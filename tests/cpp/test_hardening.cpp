@@ -211,7 +211,7 @@ TEST(Schema, IntParamsInRangeAndFromDoublesOnlyWhenExact) {
   req.op = "e79.fwd";
   req.dtype = DType::bf16;
   req.params = {{"n", int64_t(32)}};
-  for (int64_t chunk : {int64_t(0), int64_t(1025), int64_t(-7)}) {
+  for (int64_t chunk : {int64_t(0), int64_t(1025), int64_t(-7), std::numeric_limits<int64_t>::max()}) {
     req.params.set("chunk", chunk);
     expect_invalid([&] { problem_from_request(e79, req); }, {"parameter 'chunk'", "1..1024", std::to_string(chunk)});
   }
