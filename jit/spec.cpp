@@ -83,9 +83,11 @@ std::string resolve_arch(const std::string& requested) {
   std::string digits = arch_specific ? s.substr(0, s.size() - 1) : s;
   KSPEC_CHECK(!digits.empty() && std::all_of(digits.begin(), digits.end(), ::isdigit),
               "arch: expected sm_NN, sm_NNa, compute_NN or NN (e.g. sm_90), got '", requested, "'");
+  // Five digits or more cannot be in range (and may not fit an int): no stoi on them.
+  KSPEC_CHECK(digits.size() <= 4, "arch: compute capability ", digits, " from '", requested, "' is out of range (50..199)");
   int cc = std::stoi(digits);
   KSPEC_CHECK(cc >= 50 && cc < 200, "arch: compute capability ", cc, " from '", requested,
-              "' is out of range");
+              "' is out of range (50..199)");
   std::vector<int> archs = supported_sass_archs();
   bool known = std::find(archs.begin(), archs.end(), cc) != archs.end();
   if (want_ptx) return "compute_" + digits;

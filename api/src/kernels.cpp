@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <shared_mutex>
@@ -72,11 +73,27 @@ void count_source(const std::string& source) {
 
 Counters counters() { return {g_compiled.load(), g_disk.load(), g_memory.load(), g_launches.load()}; }
 
+namespace {
+// The disk cache's directory also keeps the memo of the CUDA headers' hash (jit/key.h). Not
+// std::call_once: an exception from the cache's set-up (a bad KSPEC_CACHE) unwinding through glibc's
+// pthread_once aborted the process from Python (exit 134). Here it reaches the caller, and every later
+// call tries again and throws the same.
+void set_header_memo_dir_once() {
+  static std::atomic<bool> done{false};
+  static std::mutex mu;
+  if (done.load(std::memory_order_acquire)) return;
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.load(std::memory_order_relaxed)) return;
+  jit::set_header_memo_dir(cache::DiskCache::global().ready_dir());
+  done.store(true, std::memory_order_release);
+}
+
+}  // namespace
+
 Obtained obtain_binary(const jit::KernelSpec& spec) {
   auto t0 = std::chrono::steady_clock::now();
-  // The disk cache's directory also keeps the memo of the CUDA headers' hash (jit/key.h).
-  static std::once_flag memo_once;
-  std::call_once(memo_once, [] { jit::set_header_memo_dir(cache::DiskCache::global().ready_dir()); });
+  knobs::validate();
+  set_header_memo_dir_once();
   auto elapsed = [&] {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   };
@@ -173,12 +190,23 @@ LoadedKernel& load_kernel(const jit::KernelSpec& spec, int device) {
 void for_each_compile_thread(size_t n, const std::function<void(size_t)>& fn) {
   std::atomic<size_t> next{0};
   const int threads = std::max(1, std::min<int>(knobs::compile_threads(), static_cast<int>(n)));
+  // An exception escaping a thread would terminate the process: the first one stops the work and is
+  // rethrown here, after every thread has finished.
+  std::mutex mu;
+  std::exception_ptr first;
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t)
     pool.emplace_back([&] {
-      for (size_t i = next++; i < n; i = next++) fn(i);
+      try {
+        for (size_t i = next++; i < n; i = next++) fn(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!first) first = std::current_exception();
+        next = n;
+      }
     });
   for (auto& th : pool) th.join();
+  if (first) std::rethrow_exception(first);
 }
 
 }  // namespace kspec

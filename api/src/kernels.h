@@ -56,7 +56,8 @@ const std::string& device_arch(int device);
 // Memory → disk → NVRTC, holding the per-key file lock while compiling.
 Obtained obtain_binary(const jit::KernelSpec& spec);
 // fn(0), ..., fn(n - 1) on up to KSPEC_COMPILE_THREADS threads (compiles: NVRTC is thread-safe and the
-// cache locks per key); returns when all are done. fn must not throw.
+// cache locks per key); returns when all are done. The first exception fn throws stops the others
+// taking more work and is rethrown once all threads are done.
 void for_each_compile_thread(size_t n, const std::function<void(size_t)>& fn);
 // The function for a spec on a device (loads its module into the device's primary context once).
 LoadedKernel& load_kernel(const jit::KernelSpec& spec, int device);

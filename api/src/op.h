@@ -7,6 +7,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "jit/spec.h"
@@ -202,7 +203,16 @@ void register_all_ops(Registry& r);
 Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
                    const std::vector<TensorView>& outputs, const Params& params, Stream stream,
                    bool inputs_only = false);
+// Every param checked against its ParamDef (type, choices, range, finite) and defaults filled in.
 Params complete_params(const OpDef& op, const Params& given);
+// The values a dim may take (DimDef::min/max, else the defaults for its kind).
+std::pair<int64_t, int64_t> dim_range(const DimDef& d);
+// Every bound dim of a problem within its range; throws InvalidArgument naming the dim.
+void check_dims(const Problem& p);
+// Whether a config names each axis of the op's tuning space once, with one of the axis' values, and
+// nothing else (not whether it suits a problem: TuningSpace::valid). A space from a library
+// (TuningSpace::candidates) has no fixed axes: always true there.
+bool config_in_space(const OpDef& op, const Config& c, std::string* why);
 // A problem from a compile request (no tensors).
 Problem problem_from_request(const OpDef& op, const CompileRequest& req);
 // Shapes from dims for each tensor of a problem (used by checks and benchmarks to allocate).

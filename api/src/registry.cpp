@@ -205,6 +205,9 @@ std::string describe_op(std::string_view name) {
         for (size_t k = 0; k < p.choices.size(); ++k) os << (k ? ", " : "") << p.choices[k];
         os << "}";
       }
+      if (p.min || p.max)
+        os << "  [" << (p.min ? detail::concat(*p.min) : std::string()) << ".." << (p.max ? detail::concat(*p.max) : std::string())
+           << "]";
       if (!p.doc.empty()) os << "  " << p.doc;
       os << "\n";
     }
@@ -613,6 +616,7 @@ std::vector<OutputSpec> infer_outputs(std::string_view op_name, const std::vecto
 namespace {
 
 PlanInfo plan_info(const OpDef& op, const Problem& p, int device, const Call* call = nullptr) {
+  knobs::validate();
   ConfigChoice ch = choose_config(op, p, nullptr, device);
   if (call && ch.source == "tuned" && op.tuning.applies) {
     // A library's tuned config may still be refused for this call (cuBLASLt checks the algorithm against
@@ -682,6 +686,7 @@ std::string explain(std::string_view op_name, const std::vector<TensorView>& inp
 // ---- compile without a GPU ----
 
 std::vector<CompileReport> compile(const CompileRequest& req) {
+  knobs::validate();  // also for an op with no kernel to obtain
   const OpDef& op = Registry::global().get(req.op);
   Problem p = problem_from_request(op, req);
   Config cfg = choose_config(op, p, req.config ? &*req.config : nullptr, default_device()).config;

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -79,22 +81,7 @@ bool usable(const OpDef& op, const Problem& p, const nlohmann::json& record, Con
     *out = c;
     return true;
   }
-  for (const auto& [name, v] : c.values) {
-    auto axis = std::find_if(op.tuning.axes.begin(), op.tuning.axes.end(), [&](const auto& a) { return a.first == name; });
-    if (axis == op.tuning.axes.end()) {
-      *why = "config {" + c.str() + "} names '" + name + "', which is not an axis of " + op.info.name + " any more";
-      return false;
-    }
-    if (std::find(axis->second.begin(), axis->second.end(), v) == axis->second.end()) {
-      *why = "config {" + c.str() + "}: " + name + "=" + std::to_string(v) + " is not in the axis any more";
-      return false;
-    }
-  }
-  for (const auto& [axis, values] : op.tuning.axes)
-    if (!c.has(axis)) {
-      *why = "config {" + c.str() + "} lacks the axis '" + axis + "'";
-      return false;
-    }
+  if (!config_in_space(op, c, why)) return false;
   // The database's order may differ from the axes' order: use the axes' order.
   Config ordered;
   for (const auto& [axis, values] : op.tuning.axes) ordered.values.emplace_back(axis, c.get(axis));
@@ -189,8 +176,7 @@ ConfigChoice choose_config(const OpDef& op, const Problem& p, const Config* forc
   ConfigChoice ch;
   if (forced) {
     std::string why;
-    for (const auto& [axis, values] : op.tuning.axes)
-      KSPEC_CHECK(forced->has(axis), op.info.name, ": config {", forced->str(), "} lacks a value for '", axis, "'");
+    KSPEC_CHECK(config_in_space(op, *forced, &why), op.info.name, ": ", why);
     KSPEC_CHECK(!op.tuning.valid || op.tuning.valid(p, *forced, &why), op.info.name, ": config {", forced->str(),
                 "} is not valid for this problem: ", why);
     ch.config = *forced;
@@ -244,11 +230,90 @@ int64_t tuning_export(const std::string& file, const std::string& path) {
   return static_cast<int64_t>(doc["entries"].size());
 }
 
+namespace {
+
+// An import larger than any real database (a few thousand records are ~2 MB) is refused before it is
+// read: every process would parse it on its first dispatch (a 142 MB one cost each 6 s and 1.2 GB).
+constexpr uintmax_t kMaxImportBytes = uintmax_t(16) << 20;
+// A recorded time beyond this is no measurement of one kernel call.
+constexpr double kMaxRecordMs = 3600.0 * 1000.0;
+
+// The file to import exists, is a regular file and is not too large.
+void check_import_file(const std::string& file) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(file, ec);
+  KSPEC_CHECK(std::filesystem::exists(status), "kspec tune --import: ", file, " does not exist");
+  KSPEC_CHECK(std::filesystem::is_regular_file(status), "kspec tune --import: ", file, " is not a regular file");
+  const uintmax_t size = std::filesystem::file_size(file, ec);
+  KSPEC_CHECK(!ec, "kspec tune --import: cannot read the size of ", file, ": ", ec.message());
+  KSPEC_CHECK(size <= kMaxImportBytes, "kspec tune --import: ", file, " has ", size, " bytes; the limit is ",
+              kMaxImportBytes >> 20, " MiB");
+}
+
+// Why one imported record cannot be merged ("" when it can): the key names a known op, the record's
+// fields have the types kspec writes, its config is in the op's current tuning space, its time is one.
+std::string import_record_problem(const std::string& key, const nlohmann::json& rec) {
+  if (key.empty() || key.size() > 4096 || key.find('#') == std::string::npos || key.find('|') == std::string::npos)
+    return "the key is not '<signature>#<bucket>'";
+  if (!rec.is_object()) return "the record is not an object";
+  static const char* const kText[] = {"op", "config", "default_config", "shape", "bucket", "signature",
+                                      "arch", "gpu",    "toolkit",        "kspec", "updated"};
+  static const char* const kNumbers[] = {"time_ms", "default_ms", "speedup", "configs_timed", "configs_total"};
+  for (const char* f : kText)
+    if (rec.contains(f) && !rec[f].is_string()) return std::string("\"") + f + "\" is not text";
+  for (const char* f : kNumbers)
+    if (rec.contains(f) && (!rec[f].is_number() || !std::isfinite(rec[f].get<double>())))
+      return std::string("\"") + f + "\" is not a finite number";
+  if (!rec.contains("config")) return "the record has no \"config\"";
+  const std::string op_name = key.substr(0, key.find('|'));
+  if (rec.contains("op") && rec["op"].get<std::string>() != op_name)
+    return "its \"op\" (" + rec["op"].get<std::string>() + ") is not the key's (" + op_name + ")";
+  const OpDef* op = Registry::global().find(op_name);
+  if (!op) return "'" + op_name + "' is not an op of this kspec";
+  Config c;
+  try {
+    c = Config::parse(rec["config"].get<std::string>());
+  } catch (const Error& e) {
+    return e.what();
+  }
+  std::string why;
+  if (!config_in_space(*op, c, &why)) return why;
+  if (rec.contains("time_ms")) {
+    const double ms = rec["time_ms"].get<double>();
+    if (!(ms > 0 && ms < kMaxRecordMs))
+      return "time_ms = " + std::to_string(ms) + " is not a kernel time (expected 0 < ms < " +
+             std::to_string(static_cast<int64_t>(kMaxRecordMs)) + ")";
+  }
+  return "";
+}
+
+// Every record of an import, before any is merged: the whole import is refused if one is bad, naming the
+// first few.
+void check_import_records(const std::string& file, const nlohmann::json& doc) {
+  for (const char* f : {"gpu", "toolkit"})
+    KSPEC_CHECK(!doc.contains(f) || doc[f].is_string(), "kspec tune --import: ", file, ": \"", f, "\" is not text");
+  KSPEC_CHECK(doc.contains("entries") && doc["entries"].is_object(), "kspec tune --import: ", file,
+              ": \"entries\" is not an object of records");
+  std::string first;
+  int bad = 0;
+  for (auto it = doc["entries"].begin(); it != doc["entries"].end(); ++it) {
+    std::string why = import_record_problem(it.key(), it.value());
+    if (why.empty()) continue;
+    if (++bad <= 3) first += "\n  " + it.key().substr(0, 200) + ": " + why;
+  }
+  KSPEC_CHECK(bad == 0, "kspec tune --import: ", file, ": ", bad, " of ", doc["entries"].size(),
+              " records cannot be imported (nothing was merged):", first, bad > 3 ? "\n  ..." : "");
+}
+
+}  // namespace
+
 int64_t tuning_import(const std::string& file) {
+  check_import_file(file);
   std::string problem;
   cache::TuningDb src(file, /*user_file=*/true);
   nlohmann::json doc = src.document(&problem);
   KSPEC_CHECK(problem.empty(), "kspec tune --import: ", file, " is not a kspec tuning database: ", problem);
+  check_import_records(file, doc);
   std::string gpu = doc.value("gpu", std::string("no-gpu")), toolkit = doc.value("toolkit", jit::nvrtc_version());
   auto v = knobs::tuning_db();
   std::string target;

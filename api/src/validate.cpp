@@ -1,8 +1,10 @@
 // Validation of a call against its op's schema, before anything is launched. Every message names the
 // op, the argument and what was expected.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <ostream>
 #include <sstream>
 
@@ -356,7 +358,71 @@ const TensorView& Call::out(std::string_view name) const {
 
 int64_t Call::row_stride(const TensorView& t) const { return row_stride_of(t); }
 
+// ---- ranges and configs: what the schema allows ----
+
+std::pair<int64_t, int64_t> dim_range(const DimDef& d) {
+  const bool template_arg = d.kind != DimKind::Var;
+  return {d.min.value_or(template_arg ? 1 : 0),
+          d.max.value_or(template_arg ? std::numeric_limits<int32_t>::max() : std::numeric_limits<int64_t>::max())};
+}
+
+void check_dims(const Problem& p) {
+  const OpInfo& info = p.op->info;
+  for (const auto& [name, v] : p.dims) {
+    const DimDef* d = find_dim(info, name);
+    if (!d) continue;
+    const auto [lo, hi] = dim_range(*d);
+    KSPEC_CHECK(v >= lo && v <= hi, info.name, ": dim '", name, "' must be in ", lo, "..", hi, ", got ", v);
+  }
+}
+
+bool config_in_space(const OpDef& op, const Config& c, std::string* why) {
+  auto no = [&](const std::string& w) {
+    *why = "config {" + c.str() + "}: " + w;
+    return false;
+  };
+  if (op.tuning.candidates) return true;  // a library's space: its own rules (TuningSpace::valid) judge
+  const auto& axes = op.tuning.axes;
+  for (size_t i = 0; i < c.values.size(); ++i) {
+    const auto& [name, v] = c.values[i];
+    auto axis = std::find_if(axes.begin(), axes.end(), [&](const auto& a) { return a.first == name; });
+    if (axis == axes.end()) {
+      std::string names;
+      for (const auto& a : axes) names += (names.empty() ? "" : ", ") + a.first;
+      return no("'" + name + "' is not an axis of " + op.info.name + "'s tuning space (" +
+                (names.empty() ? std::string("it has none") : "its axes: " + names) + ")");
+    }
+    for (size_t j = 0; j < i; ++j)
+      if (c.values[j].first == name) return no("'" + name + "' is given twice");
+    if (std::find(axis->second.begin(), axis->second.end(), v) == axis->second.end()) {
+      std::string values;
+      for (int64_t a : axis->second) values += (values.empty() ? "" : ", ") + std::to_string(a);
+      return no(name + "=" + std::to_string(v) + " is not one of the axis' values (" + values + ")");
+    }
+  }
+  for (const auto& [axis, values] : axes)
+    if (!c.has(axis)) return no("lacks a value for the axis '" + axis + "'");
+  return true;
+}
+
 // ---- params ----
+
+namespace {
+std::string range_text(const ParamDef& d) {
+  auto num = [&](double x) { return d.type == ParamType::Int ? std::to_string(static_cast<int64_t>(x)) : detail::concat(x); };
+  if (d.min && d.max) return "in " + num(*d.min) + ".." + num(*d.max);
+  return d.min ? ">= " + num(*d.min) : "<= " + num(*d.max);
+}
+
+// `value` is an Int or Float param's (already converted to its type).
+void check_param_range(const OpInfo& info, const ParamDef& d, const ParamValue& value) {
+  const double v = std::holds_alternative<int64_t>(value) ? static_cast<double>(std::get<int64_t>(value))
+                                                          : std::get<double>(value);
+  if ((!d.min || v >= *d.min) && (!d.max || v <= *d.max)) return;
+  throw InvalidArgument(detail::concat(info.name, ": parameter '", d.name, "' must be ", range_text(d), ", got ",
+                                       param_to_string(value)));
+}
+}  // namespace
 
 Params complete_params(const OpDef& op, const Params& given) {
   const OpInfo& info = op.info;
@@ -378,17 +444,23 @@ Params complete_params(const OpDef& op, const Params& given) {
       case ParamType::Int:
         if (std::holds_alternative<double>(value)) {
           double x = std::get<double>(value);
-          KSPEC_CHECK(x == static_cast<double>(static_cast<int64_t>(x)), info.name, ": parameter '", d.name,
-                      "': expected an integer, got ", x);
+          // 2^63 is exact in a double; the cast below is defined only inside (-2^63, 2^63).
+          KSPEC_CHECK(std::isfinite(x) && std::fabs(x) < 9223372036854775808.0 &&
+                          x == static_cast<double>(static_cast<int64_t>(x)),
+                      info.name, ": parameter '", d.name, "': expected an integer, got ", x);
           value = static_cast<int64_t>(x);
         }
         KSPEC_CHECK(std::holds_alternative<int64_t>(value), info.name, ": parameter '", d.name,
                     "': expected an integer, got ", param_to_string(value));
+        check_param_range(info, d, value);
         break;
       case ParamType::Float:
         if (std::holds_alternative<int64_t>(value)) value = static_cast<double>(std::get<int64_t>(value));
         KSPEC_CHECK(std::holds_alternative<double>(value), info.name, ": parameter '", d.name,
                     "': expected a number, got ", param_to_string(value));
+        KSPEC_CHECK(std::isfinite(std::get<double>(value)), info.name, ": parameter '", d.name,
+                    "': expected a finite number, got ", std::get<double>(value));
+        check_param_range(info, d, value);
         break;
       case ParamType::Bool:
         if (std::holds_alternative<int64_t>(value) && (std::get<int64_t>(value) == 0 || std::get<int64_t>(value) == 1))
@@ -541,6 +613,7 @@ Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs_given,
     const TensorDef& def = info.outputs[i];
     if (!def.alt_shape.empty() && !def.dtype_of.empty()) p.outputs[i].alt = p.alt(def.dtype_of);
   }
+  check_dims(p);
   if (op.check) op.check(p);
   if (inputs_only) {
     KSPEC_CHECK(device >= 0, info.name, ": no tensor arguments");
@@ -665,6 +738,7 @@ Problem problem_from_request(const OpDef& op, const CompileRequest& req) {
                   join_dtypes(def.dtypes), ")");
   }
   p.arch = jit::resolve_arch(req.arch);
+  check_dims(p);
   if (op.check) op.check(p);
   return p;
 }

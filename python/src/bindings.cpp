@@ -50,12 +50,24 @@ std::vector<kspec::TensorView> to_views(const py::sequence& seq, std::vector<std
   return out;
 }
 
+// A Python int as a param: one past 64 bits is an InvalidArgument naming it (pybind's cast_error said
+// only "Unable to cast").
+int64_t int64_param(const std::string& name, const py::handle& v) {
+  int overflow = 0;
+  long long x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+  if (overflow != 0)
+    throw kspec::InvalidArgument("parameter '" + name + "': " + std::string(py::str(v)) +
+                                 " does not fit in a 64-bit integer");
+  if (x == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return x;
+}
+
 kspec::Params to_params(const py::dict& d) {
   kspec::Params p;
   for (auto [k, v] : d) {
     std::string name = k.cast<std::string>();
     if (py::isinstance<py::bool_>(v)) p.set(name, v.cast<bool>());
-    else if (py::isinstance<py::int_>(v)) p.set(name, v.cast<int64_t>());
+    else if (py::isinstance<py::int_>(v)) p.set(name, int64_param(name, v));
     else if (py::isinstance<py::float_>(v)) p.set(name, v.cast<double>());
     else if (py::isinstance<py::str>(v)) p.set(name, v.cast<std::string>());
     else

@@ -35,6 +35,16 @@ def explain_in_process(db, env=None, **req):
     return json.loads(r.stdout), r.stderr
 
 
+def rkey(name):
+    """A database key of a real op (kspec tune --import refuses keys of unknown ops)."""
+    return f"norm_act.fwd|test-{name}#rows=1"
+
+
+def cfg(n):
+    """The n-th of a few configs in norm_act's tuning space (imports are checked against it)."""
+    return f"threads_per_row={[32, 64, 128, 256, 512, 1024][n % 6]},rows_per_block=1,vec={[1, 2, 4, 8][n // 6 % 4]},stream=0"
+
+
 def write_db(path, entries, gpu="NVIDIA H100 80GB HBM3"):
     with open(path, "w") as f:
         json.dump({"version": 1, "kind": "kspec-tuning", "gpu": gpu, "toolkit": "13.0", "entries": entries}, f)
@@ -77,10 +87,10 @@ def test_corrupt_database_warns_once_is_ignored_and_kept(tmp_path):
     assert db.read_text() == '{"version": 1, "entries": {"x": '
     # a writer keeps the unreadable file aside, then starts a valid one
     src = tmp_path / "in.json"
-    write_db(src, {"k#rows=1": {"config": "a=1", "time_ms": 1.0}})
+    write_db(src, {rkey("k"): {"config": cfg(1), "time_ms": 1.0}})
     cli("tune", "--import", str(src), env={"KSPEC_TUNING_DB": str(db)})
     assert (tmp_path / "tuning.json.corrupt").read_text() == '{"version": 1, "entries": {"x": '
-    assert json.loads(db.read_text())["entries"]["k#rows=1"]["config"] == "a=1"
+    assert json.loads(db.read_text())["entries"][rkey("k")]["config"] == cfg(1)
 
 
 def test_stale_entry_is_ignored_with_a_warning(tmp_path):
@@ -96,10 +106,10 @@ def test_export_import_merge_keeps_the_faster_record(tmp_path):
     db = tmp_path / "db" / "tuning.json"
     env = {"KSPEC_TUNING_DB": str(db)}
     a = tmp_path / "a.json"
-    write_db(a, {"k1#rows=1": {"config": "x=1", "time_ms": 2.0}, "k2#rows=1": {"config": "x=2", "time_ms": 1.0}})
+    write_db(a, {rkey("k1"): {"config": cfg(1), "time_ms": 2.0}, rkey("k2"): {"config": cfg(2), "time_ms": 1.0}})
     b = tmp_path / "b.json"
-    write_db(b, {"k1#rows=1": {"config": "x=3", "time_ms": 1.5}, "k2#rows=1": {"config": "x=4", "time_ms": 3.0},
-                 "k3#rows=1": {"config": "x=5", "time_ms": 1.0}})
+    write_db(b, {rkey("k1"): {"config": cfg(3), "time_ms": 1.5}, rkey("k2"): {"config": cfg(4), "time_ms": 3.0},
+                 rkey("k3"): {"config": cfg(5), "time_ms": 1.0}})
     cli("tune", "--import", str(a), env=env)
     cli("tune", "--import", str(b), env=env)
     out = tmp_path / "exported.json"
@@ -107,17 +117,17 @@ def test_export_import_merge_keeps_the_faster_record(tmp_path):
     assert "exported 3 entries" in r.stdout
     doc = json.loads(out.read_text())
     assert doc["version"] == 1
-    assert {k: v["config"] for k, v in doc["entries"].items()} == {"k1#rows=1": "x=3", "k2#rows=1": "x=2",
-                                                                  "k3#rows=1": "x=5"}
+    assert {k: v["config"] for k, v in doc["entries"].items()} == {rkey("k1"): cfg(3), rkey("k2"): cfg(2),
+                                                                  rkey("k3"): cfg(5)}
     r = cli("tune", "--list", env=env)
-    assert "x=5" in r.stdout
+    assert cfg(5) in r.stdout
     assert cli("tune", "--db", env=env).stdout.strip() == str(db)
 
 
 def test_import_into_a_directory_picks_the_file_of_the_exported_gpu(tmp_path):
     d = tmp_path / "dbdir"
     src = tmp_path / "h100.json"
-    write_db(src, {"k#rows=1": {"config": "x=1", "time_ms": 1.0}})
+    write_db(src, {rkey("k"): {"config": cfg(1), "time_ms": 1.0}})
     cli("tune", "--import", str(src), env={"KSPEC_TUNING_DB": str(d)})
     files = os.listdir(d)
     assert any(f.startswith("tuning-NVIDIA-H100-80GB-HBM3-cuda13.0") and f.endswith(".json") for f in files), files
@@ -128,7 +138,7 @@ def test_concurrent_writers_keep_every_entry(tmp_path):
     procs = []
     for i in range(6):
         src = tmp_path / f"in{i}.json"
-        write_db(src, {f"k{i}_{j}#rows=1": {"config": f"x={j}", "time_ms": 1.0} for j in range(20)})
+        write_db(src, {rkey(f"k{i}_{j}"): {"config": cfg(j), "time_ms": 1.0} for j in range(20)})
         procs.append(subprocess.Popen([sys.executable, "-m", "kspec", "tune", "--import", str(src)],
                                       env=dict(os.environ, KSPEC_TUNING_DB=str(db)),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))

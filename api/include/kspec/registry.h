@@ -53,6 +53,9 @@ struct ParamDef {
   // A value the launcher passes to the kernels (a learning rate, a step count): it changes nothing
   // compiled, so it stays out of the problem signature and the plan cache.
   bool runtime = false;
+  // Int and Float: the smallest and largest value allowed (inclusive; none: unbounded). Validation and
+  // compile requests check them before anything compiles; a Float must also be finite.
+  std::optional<double> min = std::nullopt, max = std::nullopt;
 };
 
 // Runtime (Var) axes change nothing compiled; Const axes are template arguments; Bucket axes are
@@ -64,6 +67,9 @@ struct DimDef {
   DimKind kind = DimKind::Var;
   std::vector<int64_t> buckets;
   std::string doc;
+  // The values allowed (inclusive), checked before anything compiles. Unset: a Var dim 0..2^63-1; a Const
+  // or Bucket dim, a template argument, 1..2^31-1 (dim_range in api/src/validate.cpp).
+  std::optional<int64_t> min = std::nullopt, max = std::nullopt;
 };
 
 // How a tensor may be laid out in memory.

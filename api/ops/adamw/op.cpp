@@ -82,11 +82,8 @@ void check_call(const Call& call) {
                   : "'master' is only for bf16/fp16 'params'");
   const Params& ps = call.problem.params;
   auto f = [&](const char* n) { return std::get<double>(*ps.find(n)); };
-  KSPEC_CHECK(f("lr") >= 0, op, ": parameter 'lr' must be >= 0, got ", f("lr"));
-  KSPEC_CHECK(f("beta1") >= 0 && f("beta1") < 1 && f("beta2") >= 0 && f("beta2") < 1, op,
-              ": betas must be in [0, 1), got ", f("beta1"), ", ", f("beta2"));
-  KSPEC_CHECK(f("eps") >= 0, op, ": parameter 'eps' must be >= 0");
-  KSPEC_CHECK(std::get<int64_t>(*ps.find("step")) >= 1, op, ": parameter 'step' counts from 1 (bias correction)");
+  // The schema bounds the params (ParamDef::min/max); 1 itself is no decay rate (1 - beta^step = 0).
+  KSPEC_CHECK(f("beta1") < 1 && f("beta2") < 1, op, ": betas must be in [0, 1), got ", f("beta1"), ", ", f("beta2"));
   const TensorView& params = call.in("params");
   for (int64_t i = 0; i < params.list_size(); ++i)
     KSPEC_CHECK(params.item(i).numel() < (int64_t(1) << 62), op, ": tensor ", i, " is too large");
@@ -231,14 +228,14 @@ OpDef make_adamw() {
     return d;
   };
   i.params = {
-      rt({"lr", ParamType::Float, 1e-3, {}, "learning rate"}),
-      rt({"beta1", ParamType::Float, 0.9, {}, "first-moment decay"}),
-      rt({"beta2", ParamType::Float, 0.999, {}, "second-moment decay"}),
-      rt({"eps", ParamType::Float, 1e-8, {}, "added to the denominator"}),
+      rt({"lr", ParamType::Float, 1e-3, {}, "learning rate", false, 0.0}),
+      rt({"beta1", ParamType::Float, 0.9, {}, "first-moment decay (< 1)", false, 0.0, 1.0}),
+      rt({"beta2", ParamType::Float, 0.999, {}, "second-moment decay (< 1)", false, 0.0, 1.0}),
+      rt({"eps", ParamType::Float, 1e-8, {}, "added to the denominator", false, 0.0}),
       rt({"weight_decay", ParamType::Float, 1e-2, {}, "decoupled: p *= 1 - lr * weight_decay"}),
-      rt({"step", ParamType::Int, int64_t(1), {}, "the step being taken (1 for the first)"}),
+      rt({"step", ParamType::Int, int64_t(1), {}, "the step being taken (1 for the first: bias correction)", false, 1.0}),
       rt({"bias_correction", ParamType::Bool, true, {}, "divide the moments by 1 - beta^step"}),
-      rt({"max_norm", ParamType::Float, 0.0, {}, "> 0: clip gradients to this global L2 norm first"}),
+      rt({"max_norm", ParamType::Float, 0.0, {}, "> 0: clip gradients to this global L2 norm first", false, 0.0}),
       {"maximize", ParamType::Bool, false, {}, "ascend instead of descend"},
   };
   i.dims = {{"tensors", DimKind::Var, {}, "number of tensors in each list"}};

@@ -59,9 +59,6 @@ void check_e79(const Problem& p) {
   int64_t n = p.dim("n");
   KSPEC_CHECK_AS(n >= kMinN && n <= kMaxN && n % 8 == 0, Unsupported, op, ": input 'k': n = ", n,
                  " is not supported (a multiple of 8 in ", kMinN, "..", kMaxN, ")");
-  int64_t chunk = p.param_int("chunk");
-  KSPEC_CHECK(chunk >= 1 && chunk <= 1024, op, ": parameter 'chunk' (steps per checkpoint) must be in 1..1024, got ",
-              chunk);
   KSPEC_CHECK(p.present("b_s") == p.present("b_m"), op, ": inputs 'b_s' and 'b_m' must be given together (",
               p.present("b_s") ? "b_m" : "b_s", " is missing)");
   if (p.present("b_s")) {
@@ -98,7 +95,8 @@ std::vector<TensorDef> cell_inputs(const std::string& like) {
 std::vector<ParamDef> e79_params() {
   return {{"chunk", ParamType::Int, int64_t(kDefaultChunk), {},
            "K: the forward saves (S, M) every K steps; the backward recomputes each K-step segment once (memory: "
-           "8 n^2 / K bytes per token and sequence)"}};
+           "8 n^2 / K bytes per token and sequence)",
+           false, 1.0, 1024.0}};
 }
 
 std::vector<DimDef> e79_dims() {

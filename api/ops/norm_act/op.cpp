@@ -158,7 +158,7 @@ std::vector<ParamDef> norm_act_params() {
   return {
       {"norm", ParamType::Choice, std::string("layernorm"), kNorms, "normalization over the last dim"},
       {"act", ParamType::Choice, std::string("identity"), kActs, "activation applied after the affine"},
-      {"eps", ParamType::Float, 1e-5, {}, "added to the variance (mean square for rmsnorm)"},
+      {"eps", ParamType::Float, 1e-5, {}, "added to the variance (mean square for rmsnorm)", false, 0.0},
   };
 }
 
