@@ -14,11 +14,16 @@ template <typename T, int kThreads>
 __global__ void __launch_bounds__(kThreads)
     gemm_fill_bias_kernel(T* __restrict__ y, const T* __restrict__ bias, long long rows, long long cols,
                           long long y_row_stride) {
-  const long long total = rows * cols;
-  for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x; i < total;
-       i += static_cast<long long>(gridDim.x) * kThreads) {
-    const long long r = i / cols, c = i - r * cols;
+  // (row, column) stepped by the grid's stride: no 64-bit division per element
+  const long long total = rows * cols, step = static_cast<long long>(gridDim.x) * kThreads;
+  const long long first = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
+  const long long dr = step / cols, dc = step - dr * cols;
+  long long r = first / cols, c = first - r * cols;
+  for (long long i = first; i < total; i += step) {
     y[r * y_row_stride + c] = bias[c];
+    r += dr;
+    c += dc;
+    if (c >= cols) c -= cols, ++r;
   }
 }
 

@@ -367,13 +367,13 @@ TEST(GemmTuning, KeyIsTheProblemSignatureAndItsPowerOfTwoBucket) {
   EXPECT_NE(kspec::tuning_key(odd), kspec::tuning_key(problem_of(gemm_request("gemm", 4097, 4095, 33, "none", {"aux"}))));
   EXPECT_NE(kspec::tuning_key(odd), kspec::tuning_key(problem_of(gemm_request("gemm", 4097, 4095, 33, "gelu", {"aux", "bias"}))));
   EXPECT_NE(kspec::tuning_key(odd), kspec::tuning_key(problem_of(gemm_request("gemm.bwd", 4097, 4095, 33, "gelu", {}))));
-  EXPECT_EQ(kspec::tuning_key(odd), kspec::tuning_key(problem_of(gemm_request("gemm", 5000, 4000, 40, "gelu", {"aux"}))));
+  EXPECT_EQ(kspec::tuning_key(odd), kspec::tuning_key(problem_of(gemm_request("gemm", 5000, 4001, 40, "gelu", {"aux"}))));
 }
 
 TEST(GemmTuning, TheDefaultTakesTheUnfusedGeluWhereTheFusedEpilogueLoses) {
-  // Small K (issue 33: bf16 4097x4095x33 bias+gelu, 0.204 ms fused against torch's 0.063): unfused=1, the
-  // plain GEMM with the BIAS epilogue and kspec's GELU kernel; LLM shapes and other acts keep cuBLASLt's
-  // fused epilogue; a tiny output keeps it too (one launch).
+  // n or k not a multiple of 8 (issue 33: bf16 4097x4095x33 bias+gelu, 0.204 ms fused against torch's
+  // 0.063): unfused=1, the plain GEMM with the BIAS epilogue and kspec's GELU kernel; aligned shapes and
+  // other acts keep cuBLASLt's fused epilogue; a tiny output keeps it too (one launch).
   auto info = [](int64_t m, int64_t n, int64_t k, const std::string& act) {
     return kspec::explain_request(gemm_request("gemm", m, n, k, act, {"aux"}));
   };
@@ -383,12 +383,16 @@ TEST(GemmTuning, TheDefaultTakesTheUnfusedGeluWhereTheFusedEpilogueLoses) {
   ASSERT_EQ(small_k.kernels.size(), 1u);
   EXPECT_NE(small_k.kernels[0].name.find("gemm_bias_act_kernel"), std::string::npos);
   EXPECT_EQ(info(16384, 4096, 4096, "gelu").config, "");
+  EXPECT_EQ(info(16384, 4096, 64, "gelu").config, "");        // n, k multiples of 8: fused
+  EXPECT_EQ(info(16384, 4096, 33, "gelu").config, "unfused=1");  // k odd
+  EXPECT_EQ(info(4096, 4097, 4096, "gelu").config, "unfused=1");  // n odd
   EXPECT_EQ(info(4097, 4095, 33, "none").config, "");
   EXPECT_EQ(info(4097, 4095, 33, "relu").config, "");
+  EXPECT_EQ(info(33, 4097, 7, "gelu").config, "");  // a tiny output: one launch
   EXPECT_EQ(info(1, 33, 7, "gelu").config, "");
   // The two choices are two plans: the derived key tells them apart.
   EXPECT_NE(problem_of(gemm_request("gemm", 4097, 4095, 33, "gelu", {"aux"})).signature(),
-            problem_of(gemm_request("gemm", 4097, 4095, 4096, "gelu", {"aux"})).signature());
+            problem_of(gemm_request("gemm", 4096, 4096, 64, "gelu", {"aux"})).signature());
 }
 
 TEST(GemmTuning, ReluWithABiasIn16BitTypesSumsTheBiasInFp32ThroughC) {

@@ -1254,7 +1254,7 @@ def linear_path(kspec, x, w, b, act) -> str:
 def bench_linear_sweep(ctx):
     """kspec.ops.linear's default (run with KSPEC_TUNE=off for the untuned heuristic; the path column says
     which config ran and where it came from) against F.linear + act, bf16, forward; for relu and gelu also
-    each path forced, so the default's thresholds (api/ops/gemm/op.cpp, kUnfusedGelu / kUnfusedRelu) can be
+    each path forced, so the default's thresholds (api/ops/gemm/op.cpp, default_unfused) can be
     read off the table."""
     torch = ctx.torch
     kspec = ctx.kspec
@@ -1314,7 +1314,7 @@ def bench_linear_sweep(ctx):
              + (f"MISSED at {', '.join(missed)}" if missed else "met everywhere"),
              "path: what the default ran (explain's config; heuristic unless KSPEC_TUNE is on with a tuned "
              "entry). 'kspec gemm fused / unfused=N': that path forced, for setting api/ops/gemm/op.cpp's "
-             "kUnfusedGelu / kUnfusedRelu rules (run with KSPEC_TUNE=off)."]
+             "default_unfused rule (run with KSPEC_TUNE=off)."]
     return {"results": rows, "tune_mode": os.environ.get("KSPEC_TUNE", "on")}, \
         [Section("linear_sweep: kspec.ops.linear default vs torch F.linear (+ act), bf16 forward", cols, rows, notes)]
 

@@ -138,27 +138,25 @@ bool bias_through_c(const Problem& p) {
 }
 
 // ---- the untuned default: cuBLASLt's fused epilogue, or unfused (plain GEMM, then kspec's kernel) ----
-// cuBLASLt's fused GELU epilogue runs slow kernels where K is small (x [4097, 33], W [4095, 33] bf16 on the
-// H100: 0.204 ms fused against 0.063 ms for torch's F.linear then F.gelu, issue 33), while its plain GEMM
-// with the BIAS epilogue (torch's F.linear) and one pass over y do not. The thresholds are measurements:
-// `KSPEC_TUNE=off python3 tools/bench/bench.py --family linear_sweep` times the default against torch for
-// every act over small K, small M, odd N and LLM shapes, each path forced beside it; set them from its
-// table. The default takes unfused=1 where k <= max_k and y has at least min_outputs elements (below that
-// the second launch costs more than a slow epilogue).
-struct UnfusedRule {
-  int64_t max_k, min_outputs;
-};
-constexpr UnfusedRule kUnfusedGelu{64, 4096};  // from the issue's one measurement (k = 33), pending the sweep
-constexpr UnfusedRule kUnfusedRelu{0, 0};      // never: no shape measured where RELU's epilogue loses
+// cuBLASLt's fused GELU epilogue runs slow kernels where n or k is not a multiple of 8 (rows not 16-byte
+// aligned). H100 bf16, KSPEC_TUNE=off bench.py --family linear_sweep (2026-11-26), ms, fused / unfused=1
+// (cuBLASLt's BIAS epilogue, then kspec's GELU pass) / torch's F.linear then F.gelu:
+//   4097x4095x33 0.199 / 0.092 / 0.063, 4097x4095x7 0.171 / 0.087 / 0.058, 4096x4095x1024 1.232 / 0.444 /
+//   0.376, 4096x4097x4096 4.393 / 1.483 / 1.441, 16384x4096x33 0.378 / 0.406 / 0.234;
+// with n and k multiples of 8 the fused epilogue wins: 16384x4096x64 0.069 / 0.320 / 0.148, 4096^3 0.186 /
+// 0.246 / 0.204, 16384x11008x4096 2.180 / 2.663 / 2.267; and on a tiny output (33x4097x7: 0.009 / 0.012)
+// one launch does. The unfused GELU pass then took 0.05-0.27 ms for y of 33-134 MB (a 64-bit division per
+// element; now a flat 16-byte walk): re-measure with the sweep before moving these bounds.
+constexpr int64_t kUnfusedAlign = 8, kUnfusedMinOutputs = int64_t(1) << 20;
 
 // The default's unfused level for a problem: 0 (fused) or 1 (BIAS epilogue, then kspec's act kernel).
+// ReLU keeps the fused path (16-bit with a bias: the bias through C, see bias_through_c).
 int64_t default_unfused(const Problem& p) {
-  int act = act_code(p);
-  if (act == 0 || !p.has_dim("k") || !p.has_dim("m") || !p.has_dim("n")) return 0;
-  const UnfusedRule& rule = act == 1 ? kUnfusedRelu : kUnfusedGelu;
+  if (act_code(p) != 2 || !p.has_dim("k") || !p.has_dim("m") || !p.has_dim("n")) return 0;
   int64_t batch = p.has_dim("batch") ? std::max<int64_t>(p.dim("batch"), 1) : 1;
   int64_t outputs = batch * p.dim("m") * p.dim("n");
-  return p.dim("k") <= rule.max_k && outputs >= rule.min_outputs ? 1 : 0;
+  const bool aligned = p.dim("n") % kUnfusedAlign == 0 && p.dim("k") % kUnfusedAlign == 0;
+  return !aligned && outputs >= kUnfusedMinOutputs ? 1 : 0;
 }
 
 bool valid_fwd_config(const Problem& p, const Config& c, std::string* why) {
