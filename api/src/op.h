@@ -200,6 +200,10 @@ void register_all_ops(Registry& r);
 Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs,
                    const std::vector<TensorView>& outputs, const Params& params, Stream stream,
                    bool inputs_only = false);
+// Refuses an output that shares memory with an input (but its TensorDef::in_place_of itself) or with
+// another output (api/src/tensor.cpp).
+void check_no_overlap(const OpInfo& info, const std::vector<TensorView>& inputs,
+                      const std::vector<TensorView>& outputs);
 Params complete_params(const OpDef& op, const Params& given);
 // A problem from a compile request (no tensors).
 Problem problem_from_request(const OpDef& op, const CompileRequest& req);

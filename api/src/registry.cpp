@@ -545,6 +545,7 @@ void BoundCall::run(const Params& runtime_params, const std::vector<TensorView>&
     KSPEC_CHECK(same, info.name, ": output '", name, "': expected a tensor laid out like the bound one (", want.describe(),
                 "), got ", got.describe());
   }
+  check_no_overlap(info, b.call.inputs, outputs);
   c.outputs = outputs;
   c.stream = stream;
   if (b.op->check_call) b.op->check_call(c);  // the runtime params' rules

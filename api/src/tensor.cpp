@@ -3,6 +3,7 @@
 #include <cctype>
 #include <sstream>
 
+#include "api/src/op.h"
 #include "kspec/tensor.h"
 
 namespace kspec {
@@ -132,6 +133,138 @@ std::string TensorView::describe() const {
   for (int d = 0; d < rank; ++d) os << (d ? ", " : "") << strides[d];
   os << "] on " << (device == kCpuDevice ? std::string("cpu") : "cuda:" + std::to_string(device));
   return os.str();
+}
+
+}  // namespace kspec
+
+// Outputs that share memory with inputs or with each other: validation refuses them before a launch,
+// since a kernel reading what another of its threads already wrote gives wrong results silently.
+namespace kspec {
+namespace {
+
+// The bytes a non-empty view's elements lie in, [lo, hi), and whether its elements fill those bytes
+// exactly once (a permutation of a contiguous tensor). `known` is false where the arithmetic would
+// overflow: such a view is never called overlapping.
+struct Extent {
+  uintptr_t lo = 0, hi = 0;
+  uintptr_t first_end = 0;  // the end of the element at lo
+  uintptr_t last = 0;       // the start of the element ending at hi
+  bool dense = false;
+  bool known = false;
+};
+
+Extent extent_of(const TensorView& t) {
+  Extent e;
+  const int64_t size = dtype_size(t.dtype);
+  int64_t below = 0, above = 0;  // elements before / after the data pointer
+  for (int d = 0; d < t.rank; ++d) {
+    int64_t reach = 0;
+    if (__builtin_mul_overflow(t.strides[d], t.shape[d] - 1, &reach)) return e;
+    if (reach < 0 ? __builtin_sub_overflow(below, reach, &below) : __builtin_add_overflow(above, reach, &above))
+      return e;
+  }
+  int64_t below_bytes = 0, above_bytes = 0;
+  if (__builtin_mul_overflow(below, size, &below_bytes) || __builtin_mul_overflow(above, size, &above_bytes)) return e;
+  auto base = reinterpret_cast<uintptr_t>(t.data);
+  if (__builtin_sub_overflow(base, static_cast<uintptr_t>(below_bytes), &e.lo) ||
+      __builtin_add_overflow(base, static_cast<uintptr_t>(above_bytes), &e.last) ||
+      __builtin_add_overflow(e.last, static_cast<uintptr_t>(size), &e.hi))
+    return e;
+  e.first_end = e.lo + size;
+  // Dense: sorted by stride, the dims of more than one element step 1, then each the product before it.
+  // Dims are few (kMaxRank): an insertion sort by stride.
+  int64_t stride[kMaxRank], count[kMaxRank];
+  int n = 0;
+  bool positive = true;
+  for (int d = 0; d < t.rank && d < kMaxRank; ++d) {
+    if (t.shape[d] == 1) continue;
+    positive = positive && t.strides[d] > 0;
+    int i = n++;
+    for (; i > 0 && stride[i - 1] > t.strides[d]; --i) {
+      stride[i] = stride[i - 1];
+      count[i] = count[i - 1];
+    }
+    stride[i] = t.strides[d];
+    count[i] = t.shape[d];
+  }
+  int64_t expect = 1;
+  e.dense = positive;
+  for (int i = 0; e.dense && i < n; ++i)
+    e.dense = stride[i] == expect && !__builtin_mul_overflow(expect, count[i], &expect);
+  e.known = true;
+  return e;
+}
+
+bool intersect(uintptr_t lo1, uintptr_t hi1, uintptr_t lo2, uintptr_t hi2) { return lo1 < hi2 && lo2 < hi1; }
+
+// Sure to share an element: both start at one address, or one fills its bytes and the other's first
+// or last element lies in them. (Strided views whose ranges interleave without a common element, like
+// two column blocks of one matrix, are not reported.)
+bool overlap(const TensorView& a, const Extent& ea, const TensorView& b, const Extent& eb) {
+  if (!ea.known || !eb.known) return false;
+  if (a.data == b.data) return true;
+  if (!intersect(ea.lo, ea.hi, eb.lo, eb.hi)) return false;
+  auto touches = [](const Extent& dense, const Extent& other) {
+    return dense.dense && (intersect(dense.lo, dense.hi, other.lo, other.first_end) ||
+                           intersect(dense.lo, dense.hi, other.last, other.hi));
+  };
+  return touches(ea, eb) || touches(eb, ea);
+}
+
+bool same_view(const TensorView& a, const TensorView& b) {
+  if (a.data != b.data || a.dtype != b.dtype || a.rank != b.rank) return false;
+  for (int d = 0; d < a.rank; ++d)
+    if (a.shape[d] != b.shape[d] || (a.shape[d] > 1 && a.strides[d] != b.strides[d])) return false;
+  return true;
+}
+
+struct Arg {
+  const TensorView* view;
+  const TensorDef* def;
+  int64_t item;  // the element of a TensorList, or -1
+  Extent extent;
+};
+
+std::string arg_text(const char* kind, const Arg& a) {
+  std::string s = std::string(kind) + " '" + a.def->name + "'";
+  if (a.item >= 0) s += "[" + std::to_string(a.item) + "]";
+  return s;
+}
+
+void collect(const std::vector<TensorDef>& defs, const std::vector<TensorView>& views, std::vector<Arg>* out) {
+  for (size_t i = 0; i < views.size() && i < defs.size(); ++i) {
+    const TensorView& t = views[i];
+    if (t.is_list()) {
+      for (int64_t k = 0; k < t.list_size(); ++k)
+        if (t.item(k).rank >= 0 && t.item(k).numel() > 0) out->push_back({&t.item(k), &defs[i], k, extent_of(t.item(k))});
+    } else if (t.rank >= 0 && t.numel() > 0) {
+      out->push_back({&t, &defs[i], -1, extent_of(t)});
+    }
+  }
+}
+
+}  // namespace
+
+void check_no_overlap(const OpInfo& info, const std::vector<TensorView>& inputs,
+                      const std::vector<TensorView>& outputs) {
+  std::vector<Arg> ins, outs;
+  collect(info.inputs, inputs, &ins);
+  collect(info.outputs, outputs, &outs);
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const Arg& o = outs[i];
+    for (const Arg& in : ins) {
+      if (!overlap(*o.view, o.extent, *in.view, in.extent)) continue;
+      bool in_place = !o.def->in_place_of.empty() && o.def->in_place_of == in.def->name && in.item < 0;
+      KSPEC_CHECK(in_place && same_view(*o.view, *in.view), info.name, ": ", arg_text("output", o), " (",
+                  o.view->describe(), ") shares memory with ", arg_text("input", in), " (", in.view->describe(),
+                  in_place ? "): it may be that tensor itself (updated in place) but not overlap it otherwise"
+                           : "); outputs must not overlap inputs");
+    }
+    for (size_t j = 0; j < i; ++j)
+      KSPEC_CHECK(!overlap(*o.view, o.extent, *outs[j].view, outs[j].extent), info.name, ": ",
+                  arg_text("output", o), " (", o.view->describe(), ") shares memory with ",
+                  arg_text("output", outs[j]), " (", outs[j].view->describe(), "); outputs must not overlap");
+  }
 }
 
 }  // namespace kspec
