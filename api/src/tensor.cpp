@@ -139,25 +139,25 @@ std::string TensorView::describe() const {
 
 // Outputs that share memory with inputs or with each other: validation refuses them before a launch,
 // since a kernel reading what another of its threads already wrote gives wrong results silently.
+// This runs on every call and BoundCall::run (AdamW: ~1000 input tensors), so a pair's spans are
+// compared first and density is judged only for the rare pair whose spans intersect.
 namespace kspec {
 namespace {
 
-// The bytes a non-empty view's elements lie in, [lo, hi), and whether its elements fill those bytes
-// exactly once (a permutation of a contiguous tensor). `known` is false where the arithmetic would
-// overflow: such a view is never called overlapping.
-struct Extent {
-  uintptr_t lo = 0, hi = 0;
-  uintptr_t first_end = 0;  // the end of the element at lo
-  uintptr_t last = 0;       // the start of the element ending at hi
-  bool dense = false;
-  bool known = false;
+// The bytes a non-empty view's elements lie in, [lo, hi); its lowest element ends at first_end, its
+// highest starts at last. `known` is false where the arithmetic would overflow: such a view is never
+// called overlapping.
+struct Span {
+  uintptr_t lo = 0, hi = 0, first_end = 0, last = 0;
+  bool known = false;  // false also for an empty view or none: nothing to share
 };
 
-Extent extent_of(const TensorView& t) {
-  Extent e;
+Span span_of(const TensorView& t) {
+  Span e;
   const int64_t size = dtype_size(t.dtype);
   int64_t below = 0, above = 0;  // elements before / after the data pointer
   for (int d = 0; d < t.rank; ++d) {
+    if (t.shape[d] <= 0) return e;
     int64_t reach = 0;
     if (__builtin_mul_overflow(t.strides[d], t.shape[d] - 1, &reach)) return e;
     if (reach < 0 ? __builtin_sub_overflow(below, reach, &below) : __builtin_add_overflow(above, reach, &above))
@@ -171,14 +171,18 @@ Extent extent_of(const TensorView& t) {
       __builtin_add_overflow(e.last, static_cast<uintptr_t>(size), &e.hi))
     return e;
   e.first_end = e.lo + size;
-  // Dense: sorted by stride, the dims of more than one element step 1, then each the product before it.
-  // Dims are few (kMaxRank): an insertion sort by stride.
-  int64_t stride[kMaxRank], count[kMaxRank];
+  e.known = true;
+  return e;
+}
+
+// Whether the elements fill the span exactly once (a permutation of a contiguous tensor): sorted by
+// stride, the dims of more than one element step 1, then each the product of those before it.
+bool dense(const TensorView& t) {
+  int64_t stride[kMaxRank], count[kMaxRank];  // an insertion sort: dims are few
   int n = 0;
-  bool positive = true;
   for (int d = 0; d < t.rank && d < kMaxRank; ++d) {
     if (t.shape[d] == 1) continue;
-    positive = positive && t.strides[d] > 0;
+    if (t.strides[d] <= 0) return false;
     int i = n++;
     for (; i > 0 && stride[i - 1] > t.strides[d]; --i) {
       stride[i] = stride[i - 1];
@@ -188,27 +192,24 @@ Extent extent_of(const TensorView& t) {
     count[i] = t.shape[d];
   }
   int64_t expect = 1;
-  e.dense = positive;
-  for (int i = 0; e.dense && i < n; ++i)
-    e.dense = stride[i] == expect && !__builtin_mul_overflow(expect, count[i], &expect);
-  e.known = true;
-  return e;
+  for (int i = 0; i < n; ++i)
+    if (stride[i] != expect || __builtin_mul_overflow(expect, count[i], &expect)) return false;
+  return true;
 }
 
 bool intersect(uintptr_t lo1, uintptr_t hi1, uintptr_t lo2, uintptr_t hi2) { return lo1 < hi2 && lo2 < hi1; }
 
-// Sure to share an element: both start at one address, or one fills its bytes and the other's first
-// or last element lies in them. (Strided views whose ranges interleave without a common element, like
+// Sure to share an element: both start at one address, or one fills its span and the other's lowest
+// or highest element lies in it. (Strided views whose spans interleave without a common element, like
 // two column blocks of one matrix, are not reported.)
-bool overlap(const TensorView& a, const Extent& ea, const TensorView& b, const Extent& eb) {
-  if (!ea.known || !eb.known) return false;
+bool overlap(const TensorView& a, const Span& sa, const TensorView& b, const Span& sb) {
+  if (!sa.known || !sb.known) return false;
   if (a.data == b.data) return true;
-  if (!intersect(ea.lo, ea.hi, eb.lo, eb.hi)) return false;
-  auto touches = [](const Extent& dense, const Extent& other) {
-    return dense.dense && (intersect(dense.lo, dense.hi, other.lo, other.first_end) ||
-                           intersect(dense.lo, dense.hi, other.last, other.hi));
+  if (!intersect(sa.lo, sa.hi, sb.lo, sb.hi)) return false;
+  auto holds_end_of = [](const Span& full, const Span& other) {
+    return intersect(full.lo, full.hi, other.lo, other.first_end) || intersect(full.lo, full.hi, other.last, other.hi);
   };
-  return touches(ea, eb) || touches(eb, ea);
+  return (dense(a) && holds_end_of(sa, sb)) || (dense(b) && holds_end_of(sb, sa));
 }
 
 bool same_view(const TensorView& a, const TensorView& b) {
@@ -218,52 +219,53 @@ bool same_view(const TensorView& a, const TensorView& b) {
   return true;
 }
 
-struct Arg {
-  const TensorView* view;
-  const TensorDef* def;
-  int64_t item;  // the element of a TensorList, or -1
-  Extent extent;
-};
-
-std::string arg_text(const char* kind, const Arg& a) {
-  std::string s = std::string(kind) + " '" + a.def->name + "'";
-  if (a.item >= 0) s += "[" + std::to_string(a.item) + "]";
-  return s;
-}
-
-void collect(const std::vector<TensorDef>& defs, const std::vector<TensorView>& views, std::vector<Arg>* out) {
-  for (size_t i = 0; i < views.size() && i < defs.size(); ++i) {
-    const TensorView& t = views[i];
-    if (t.is_list()) {
-      for (int64_t k = 0; k < t.list_size(); ++k)
-        if (t.item(k).rank >= 0 && t.item(k).numel() > 0) out->push_back({&t.item(k), &defs[i], k, extent_of(t.item(k))});
-    } else if (t.rank >= 0 && t.numel() > 0) {
-      out->push_back({&t, &defs[i], -1, extent_of(t)});
-    }
-  }
+std::string arg_text(const char* kind, const TensorDef& def, int64_t item) {
+  std::string s = std::string(kind) + " '" + def.name + "'";
+  return item >= 0 ? s + "[" + std::to_string(item) + "]" : s;
 }
 
 }  // namespace
 
 void check_no_overlap(const OpInfo& info, const std::vector<TensorView>& inputs,
                       const std::vector<TensorView>& outputs) {
-  std::vector<Arg> ins, outs;
-  collect(info.inputs, inputs, &ins);
-  collect(info.outputs, outputs, &outs);
-  for (size_t i = 0; i < outs.size(); ++i) {
-    const Arg& o = outs[i];
-    for (const Arg& in : ins) {
-      if (!overlap(*o.view, o.extent, *in.view, in.extent)) continue;
-      bool in_place = !o.def->in_place_of.empty() && o.def->in_place_of == in.def->name && in.item < 0;
-      KSPEC_CHECK(in_place && same_view(*o.view, *in.view), info.name, ": ", arg_text("output", o), " (",
-                  o.view->describe(), ") shares memory with ", arg_text("input", in), " (", in.view->describe(),
+  // Outputs are few (e79.bwd has the most, 8) and never lists: their spans stay off the heap.
+  const size_t n_out = std::min(outputs.size(), info.outputs.size());
+  Span local[16];
+  std::vector<Span> more(n_out > 16 ? n_out : 0);
+  Span* out_span = n_out > 16 ? more.data() : local;
+  bool any = false;
+  for (size_t i = 0; i < n_out; ++i) {
+    const TensorView& o = outputs[i];
+    if (o.rank < 0) continue;
+    out_span[i] = span_of(o);
+    any = any || out_span[i].known;
+    for (size_t j = 0; j < i; ++j)
+      KSPEC_CHECK(!overlap(o, out_span[i], outputs[j], out_span[j]), info.name, ": ",
+                  arg_text("output", info.outputs[i], -1), " (", o.describe(), ") shares memory with ",
+                  arg_text("output", info.outputs[j], -1), " (", outputs[j].describe(), "); outputs must not overlap");
+  }
+  if (!any) return;
+  auto check_input = [&](const TensorView& in, const TensorDef& def, int64_t item) {
+    const Span s = span_of(in);
+    if (!s.known) return;
+    for (size_t i = 0; i < n_out; ++i) {
+      const TensorView& o = outputs[i];
+      if (!overlap(o, out_span[i], in, s)) continue;
+      const TensorDef& odef = info.outputs[i];
+      bool in_place = !odef.in_place_of.empty() && odef.in_place_of == def.name && item < 0;
+      KSPEC_CHECK(in_place && same_view(o, in), info.name, ": ", arg_text("output", odef, -1), " (", o.describe(),
+                  ") shares memory with ", arg_text("input", def, item), " (", in.describe(),
                   in_place ? "): it may be that tensor itself (updated in place) but not overlap it otherwise"
                            : "); outputs must not overlap inputs");
     }
-    for (size_t j = 0; j < i; ++j)
-      KSPEC_CHECK(!overlap(*o.view, o.extent, *outs[j].view, outs[j].extent), info.name, ": ",
-                  arg_text("output", o), " (", o.view->describe(), ") shares memory with ",
-                  arg_text("output", outs[j]), " (", outs[j].view->describe(), "); outputs must not overlap");
+  };
+  for (size_t k = 0; k < inputs.size() && k < info.inputs.size(); ++k) {
+    const TensorView& t = inputs[k];
+    if (t.is_list()) {
+      for (int64_t e = 0; e < t.list_size(); ++e) check_input(t.item(e), info.inputs[k], e);
+    } else if (t.rank >= 0) {
+      check_input(t, info.inputs[k], -1);
+    }
   }
 }
 

@@ -127,16 +127,39 @@ TEST(Overlap, InPlaceOutputMustBeThatInputItself) {
   expect_has(invalid([&] { check_no_overlap(info, in, {u, state}); }), {"output 'out'", "input 'u'"});
 }
 
-TEST(Overlap, ListElementsAreNamedByIndex) {
+namespace {
+
+// AdamW's lists on fake pointers, with grad_scale so that its outputs are given.
+struct Adamw {
   std::vector<TensorView> p = {TensorView(fake(0), DType::f32, {4, 3}, 0), TensorView(fake(1 << 20), DType::f32, {5}, 0)};
   std::vector<TensorView> g = {TensorView(fake(2 << 20), DType::f32, {4, 3}, 0), TensorView(fake(3 << 20), DType::f32, {5}, 0)};
   std::vector<TensorView> m = {TensorView(fake(4 << 20), DType::f32, {4, 3}, 0), TensorView(fake(5 << 20), DType::f32, {5}, 0)};
   std::vector<TensorView> v = {TensorView(fake(6 << 20), DType::f32, {4, 3}, 0), TensorView(fake(7 << 20), DType::f32, {5}, 0)};
-  auto L = [](const std::vector<TensorView>& x) { return TensorView::list(x.data(), static_cast<int64_t>(x.size())); };
-  const TensorView none;
-  TensorView found(static_cast<float*>(p[1].data) + 2, DType::f32, {1}, 0);
-  TensorView norm(fake(9 << 20), DType::f32, {1}, 0);
-  TensorView scale(fake(10 << 20), DType::f32, {1}, 0);
-  expect_has(invalid([&] { call("adamw", {L(p), L(g), L(m), L(v), none, none, scale}, {found, norm}, {}); }),
+  TensorView scale{fake(10 << 20), DType::f32, {1}, 0};
+  TensorView found{fake(8 << 20), DType::f32, {1}, 0};
+  TensorView norm{fake(9 << 20), DType::f32, {1}, 0};
+  TensorView on_params() const { return TensorView(static_cast<float*>(p[1].data) + 2, DType::f32, {1}, 0); }
+  static TensorView L(const std::vector<TensorView>& x) { return TensorView::list(x.data(), static_cast<int64_t>(x.size())); }
+  std::vector<TensorView> in() const { return {L(p), L(g), L(m), L(v), TensorView(), TensorView(), scale}; }
+};
+
+}  // namespace
+
+TEST(Overlap, ListElementsAreNamedByIndex) {
+  Adamw a;
+  expect_has(invalid([&] { call("adamw", a.in(), {a.on_params(), a.norm}, {}); }),
              {"output 'found_inf'", "input 'params'[1]"});
+  // A BoundCall is validated the same way at its construction (no GPU needed: validation comes first).
+  expect_has(invalid([&] { BoundCall b("adamw", a.in(), {a.found, a.on_params()}, {}); }),
+             {"output 'grad_norm'", "input 'params'[1]"});
+}
+
+TEST(Overlap, BoundRunRefusesAnOutputMovedOntoAnInput) {
+  KSPEC_REQUIRE_GPU();
+  Adamw a;
+  // Bound on fake pointers: binding validates, plans and uploads the table of pointers, launches nothing.
+  BoundCall bound("adamw", a.in(), {a.found, a.norm}, {});
+  // run() checks before it launches; this output moved onto a parameter, so it never launches.
+  expect_has(invalid([&] { bound.run({}, {a.on_params(), a.norm}); }), {"output 'found_inf'", "input 'params'[1]"});
+  EXPECT_EQ(bound.runs(), 0);
 }
