@@ -93,15 +93,28 @@ def cmd_compile(a):
     return 0
 
 
+_MAX_SPEC_LIST_BYTES = 64 << 20  # ~300k requests; a larger list is a mistake, not a build
+
+
 def _load_requests(path):
-    reqs = []
+    """A JSON array of compile requests, or JSON lines ('#' comments). Each must be an object; the
+    file is anyone's, so its size and nesting are bounded (deep nesting exhausts Python's parser)."""
     with open(path) as f:
-        text = f.read().strip()
-    if text.startswith("["):
-        reqs = json.loads(text)
-    else:
-        reqs = [json.loads(line) for line in text.splitlines() if line.strip() and not line.startswith("#")]
-    for r in reqs:
+        text = f.read(_MAX_SPEC_LIST_BYTES + 1).strip()
+    if len(text) > _MAX_SPEC_LIST_BYTES:
+        raise _C.InvalidArgument(f"{path}: larger than {_MAX_SPEC_LIST_BYTES >> 20} MiB")
+    try:
+        if text.startswith("["):
+            reqs = json.loads(text)
+        else:
+            reqs = [json.loads(line) for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    except RecursionError:
+        raise _C.InvalidArgument(f"{path}: JSON nested too deeply") from None
+    except ValueError as e:
+        raise _C.InvalidArgument(f"{path}: not JSON ({e})") from None
+    for i, r in enumerate(reqs):
+        if not isinstance(r, dict):
+            raise _C.InvalidArgument(f"{path}: request {i + 1}: expected a JSON object, got {type(r).__name__}")
         r.setdefault("arch", "sm_90")
         r.setdefault("dtype", "f32")
     return reqs
