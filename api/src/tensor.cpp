@@ -1,4 +1,4 @@
-// DType names and TensorView helpers.
+// DType names, TensorView helpers, and the check that a call's outputs share no memory with its inputs.
 #include <algorithm>
 #include <cctype>
 #include <sstream>
