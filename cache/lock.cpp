@@ -1,28 +1,48 @@
-// flock-based per-key lock, whole-file reads and atomic replaces.
+// flock-based per-key lock that survives its file being removed under it.
 #include "lock.h"
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstring>
-#include <fstream>
-#include <random>
-#include <sstream>
 
 namespace kspec::cache {
 
-FileLock::FileLock(const std::string& path) {
-  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-  if (fd_ < 0) return;
-  while (::flock(fd_, LOCK_EX) != 0) {
-    if (errno != EINTR) {
-      ::close(fd_);
-      fd_ = -1;
+FileLock::FileLock(const std::string& path, bool wait) {
+  // A removed-and-recreated lock file can only be seen a few times in a row under heavy pruning.
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) {
+      error_ = errno;
       return;
     }
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid() ||
+        (st.st_mode & (S_IWGRP | S_IWOTH))) {
+      error_ = EPERM;
+      ::close(fd);
+      return;
+    }
+    int rc;
+    while ((rc = ::flock(fd, LOCK_EX | (wait ? 0 : LOCK_NB))) != 0 && errno == EINTR) {
+    }
+    if (rc != 0) {
+      error_ = errno;
+      ::close(fd);
+      return;
+    }
+    // Still the file at `path`? If another process removed it while we waited, the lock we hold is on
+    // a file nobody else will open again: retry on the current one.
+    struct stat now;
+    if (::lstat(path.c_str(), &now) == 0 && now.st_dev == st.st_dev && now.st_ino == st.st_ino) {
+      fd_ = fd;
+      return;
+    }
+    ::close(fd);
   }
+  error_ = EWOULDBLOCK;
 }
 
 FileLock::~FileLock() {
@@ -32,7 +52,7 @@ FileLock::~FileLock() {
   }
 }
 
-FileLock::FileLock(FileLock&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
+FileLock::FileLock(FileLock&& other) noexcept : fd_(other.fd_), error_(other.error_) { other.fd_ = -1; }
 
 FileLock& FileLock::operator=(FileLock&& other) noexcept {
   if (this != &other) {
@@ -41,51 +61,10 @@ FileLock& FileLock::operator=(FileLock&& other) noexcept {
       ::close(fd_);
     }
     fd_ = other.fd_;
+    error_ = other.error_;
     other.fd_ = -1;
   }
   return *this;
-}
-
-bool read_file(const std::string& path, std::string* out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream os;
-  os << in.rdbuf();
-  *out = os.str();
-  return static_cast<bool>(in) || in.eof();
-}
-
-bool write_file_atomic(const std::string& path, const std::string& bytes, std::string* err) {
-  static thread_local std::mt19937_64 rng(std::random_device{}() ^ static_cast<uint64_t>(::getpid()));
-  std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(rng());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    *err = "cannot create " + tmp + ": " + std::strerror(errno);
-    return false;
-  }
-  size_t done = 0;
-  while (done < bytes.size()) {
-    ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      *err = "cannot write " + tmp + ": " + std::strerror(errno);
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      return false;
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    *err = "cannot flush " + tmp + ": " + std::strerror(errno);
-    ::unlink(tmp.c_str());
-    return false;
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    *err = "cannot rename " + tmp + " to " + path + ": " + std::strerror(errno);
-    ::unlink(tmp.c_str());
-    return false;
-  }
-  return true;
 }
 
 }  // namespace kspec::cache

@@ -9,6 +9,8 @@
 #include <cstring>
 #include <filesystem>
 
+#include "bounded_json.h"
+#include "jit/files.h"
 #include "jit/log.h"
 #include "lock.h"
 
@@ -17,20 +19,13 @@ namespace fs = std::filesystem;
 namespace kspec::cache {
 namespace {
 
-// Parses and checks a database document; "" when good, else why it is not usable.
-std::string parse_document(const std::string& text, nlohmann::json* doc) {
-  try {
-    *doc = nlohmann::json::parse(text);
-  } catch (const std::exception& e) {
-    return std::string("not valid JSON (") + e.what() + ")";
-  }
-  if (!doc->is_object()) return "not a JSON object";
-  if (!doc->contains("version") || !(*doc)["version"].is_number_integer())
-    return "no integer \"version\" field";
-  if ((*doc)["version"].get<int>() != kTuningDbVersion)
-    return "version " + std::to_string((*doc)["version"].get<int>()) + ", this kspec reads version " +
-           std::to_string(kTuningDbVersion);
-  if (!doc->contains("entries") || !(*doc)["entries"].is_object()) return "no \"entries\" object";
+// Checks a parsed database document; "" when good, else why it is not usable.
+std::string check_document(const nlohmann::json& doc) {
+  if (!doc.is_object()) return "not a JSON object";
+  if (!doc.contains("version") || !doc["version"].is_number_integer()) return "no integer \"version\" field";
+  if (doc["version"] != kTuningDbVersion)
+    return "version " + doc["version"].dump() + ", this kspec reads version " + std::to_string(kTuningDbVersion);
+  if (!doc.contains("entries") || !doc["entries"].is_object()) return "no \"entries\" object";
   return "";
 }
 
@@ -43,44 +38,45 @@ nlohmann::json fresh_document(const nlohmann::json& header) {
 }
 
 // Reads the file; `problem` is "" for a good or missing file. `exists` says whether there was one.
-nlohmann::json read_document(const std::string& path, std::string* problem, bool* exists) {
-  *problem = "";
-  std::error_code ec;
-  *exists = fs::exists(path, ec);
-  nlohmann::json doc;
-  if (!*exists) return fresh_document({});
-  std::string text;
-  if (!read_file(path, &text)) {
-    *problem = std::string("unreadable: ") + std::strerror(errno);
-  } else {
-    *problem = parse_document(text, &doc);
-  }
-  if (!problem->empty()) {
-    jit::warn_once("tuning-db:" + path + ":" + *problem,
-                   "the tuning database " + path + " is ignored: " + *problem +
-                       " (kspec uses its heuristics; a tuner will keep a copy as .corrupt and start a new file)");
+nlohmann::json read_document(const std::string& path, bool user_file, std::string* problem, bool* exists) {
+  bool missing = false;
+  auto doc = read_json_file(path, kMaxTuningDbBytes, /*own=*/!user_file, problem, &missing);
+  *exists = !missing;
+  if (missing) {
+    problem->clear();
     return fresh_document({});
   }
-  return doc;
+  if (doc) *problem = check_document(*doc);
+  if (!problem->empty()) {
+    if (!user_file)  // an import's problem is the caller's error message
+      jit::warn_once("tuning-db:" + path + ":" + *problem,
+                   "the tuning database " + path + " is ignored: " + *problem +
+                       " (kspec uses its heuristics; a tuner will move it aside to .corrupt and start a new file)");
+    return fresh_document({});
+  }
+  return std::move(*doc);
 }
 
 }  // namespace
 
 std::string sanitize_file_part(const std::string& text) {
+  constexpr size_t kMaxPart = 64;
   std::string out;
   for (char c : text) {
+    if (out.size() >= kMaxPart) break;
     unsigned char u = static_cast<unsigned char>(c);
     if (std::isalnum(u) || c == '.' || c == '_') out += c;
     else if (!out.empty() && out.back() != '-') out += '-';
   }
   while (!out.empty() && out.back() == '-') out.pop_back();
-  return out.empty() ? "unknown" : out;
+  if (out.find_first_not_of('.') == std::string::npos) return "unknown";
+  return out;
 }
 
 nlohmann::json TuningDb::document(std::string* problem) const {
   std::string why;
   bool exists = false;
-  nlohmann::json doc = read_document(path_, &why, &exists);
+  nlohmann::json doc = read_document(path_, user_file_, &why, &exists);
   if (problem) *problem = why;
   return doc;
 }
@@ -102,19 +98,20 @@ bool TuningDb::merge(const nlohmann::json& incoming, const nlohmann::json& heade
     if (err) *err = msg;
     return false;
   };
-  fs::path p(path_);
-  std::error_code ec;
-  if (!p.parent_path().empty()) fs::create_directories(p.parent_path(), ec);
+  fs::path dir = fs::path(path_).parent_path();
+  std::string derr;
+  if (!jit::make_private_dir(dir.empty() ? "." : dir.string(), &derr)) return fail(derr);
   FileLock lock(path_ + ".lock");
-  if (!lock.held()) return fail("cannot lock " + path_ + ".lock: " + std::strerror(errno));
+  if (!lock.held()) return fail("cannot lock " + path_ + ".lock: " + std::strerror(lock.error()));
   bool exists = false;
-  nlohmann::json doc = read_document(path_, &why, &exists);
+  nlohmann::json doc = read_document(path_, user_file_, &why, &exists);
   if (exists && !why.empty()) {
-    // Never overwrite what we could not read: keep it aside for a person to look at.
+    // Never overwrite what we could not read: keep it aside for a person to look at. A rename moves a
+    // symlink itself and replaces whatever <file>.corrupt was, without following it.
     std::string aside = path_ + ".corrupt";
-    fs::copy_file(path_, aside, fs::copy_options::overwrite_existing, ec);
-    if (ec) return fail("it is unusable (" + why + ") and could not be copied to " + aside + ": " + ec.message());
-    jit::warn("the unusable tuning database " + path_ + " was copied to " + aside + "; starting a new file");
+    if (::rename(path_.c_str(), aside.c_str()) != 0)
+      return fail("it is unusable (" + why + ") and could not be moved to " + aside + ": " + std::strerror(errno));
+    jit::warn("the unusable tuning database " + path_ + " was moved to " + aside + "; starting a new file");
   }
   if (!exists || !why.empty()) doc = fresh_document(header);
   nlohmann::json& entries = doc["entries"];
@@ -123,7 +120,7 @@ bool TuningDb::merge(const nlohmann::json& incoming, const nlohmann::json& heade
     if (have == entries.end() || prefer(*have, it.value())) entries[it.key()] = it.value();
   }
   std::string werr;
-  if (!write_file_atomic(path_, doc.dump(1) + "\n", &werr)) return fail(werr);
+  if (!jit::write_file_atomic(path_, doc.dump(1) + "\n", &werr)) return fail(werr);
   return true;
 }
 

@@ -5,10 +5,13 @@
 //    "entries": {"<key>": {"config": "warps=4,items=8", "time_ms": ..., ...}, ...}}
 //
 // Error contract: nothing here throws for I/O or content problems. A missing file is an empty
-// database; an unreadable, corrupt or foreign-version file is ignored with one warning per process
-// (its entries are not used) and is never overwritten blindly: a writer first copies it aside to
-// <file>.corrupt, then starts a fresh file. Writers hold an flock on <file>.lock, re-read the file,
-// merge, and replace it atomically, so concurrent tuners lose no entries.
+// database; an unreadable, corrupt, too large (kMaxTuningDbBytes) or too deeply nested, foreign-version
+// or untrusted file (a symlink, another user's, writable by group or others) is ignored with one warning
+// per process (its entries are not used) and is never overwritten blindly: a writer first moves it aside
+// to <file>.corrupt (a rename: a symlink there is replaced, not followed), then starts a fresh file.
+// Writers create the directory 0700 and refuse one that is not this user's private directory, hold an
+// flock on <file>.lock, re-read the file, merge, and replace it atomically, so concurrent tuners lose
+// no entries.
 #pragma once
 
 #include <functional>
@@ -23,7 +26,9 @@ constexpr int kTuningDbVersion = 1;
 
 class TuningDb {
  public:
-  explicit TuningDb(std::string path) : path_(std::move(path)) {}
+  // `user_file`: a file the user named to read (an import), which may be anyone's and a symlink; the
+  // size and depth bounds still apply.
+  explicit TuningDb(std::string path, bool user_file = false) : path_(std::move(path)), user_file_(user_file) {}
   const std::string& path() const { return path_; }
 
   // The "entries" object of the file (empty when missing, unreadable or corrupt). `problem`, when
@@ -44,9 +49,12 @@ class TuningDb {
 
  private:
   std::string path_;
+  bool user_file_;
 };
 
-// A file name part from free text: "NVIDIA H100 80GB HBM3" → "NVIDIA-H100-80GB-HBM3".
+// A file name part from free text (a GPU name, a toolkit version: data, never a path): letters, digits,
+// '_' and '.' are kept, every other run becomes one '-', at most 64 characters; nothing usable (or only
+// dots) gives "unknown". "NVIDIA H100 80GB HBM3" → "NVIDIA-H100-80GB-HBM3", "/../x" → "..-x".
 std::string sanitize_file_part(const std::string& text);
 
 }  // namespace kspec::cache

@@ -1,16 +1,15 @@
 // Content keys: what makes a cached binary reusable, and nothing else.
 #include "key.h"
 
-#include <fcntl.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
-#include <fstream>
 #include <mutex>
 #include <sstream>
 #include <unordered_map>
 
+#include "files.h"
 #include "hash.h"
+#include "log.h"
 #include "nvrtc.h"
 #include "sources.h"
 
@@ -38,10 +37,17 @@ HeaderStat stat_of(const std::string& path) {
           static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
 }
 
-// A memo file is used only if this user owns it and nobody else can write it.
-bool trusted(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0 && st.st_uid == ::geteuid() && !(st.st_mode & (S_IWGRP | S_IWOTH));
+constexpr int64_t kMaxMemoBytes = int64_t(1) << 20;
+
+// The memo's body, if its last line ("sum <sha256 of the lines before>") matches: a flipped bit in the
+// hash it keeps would otherwise silently change every key.
+bool verified_memo(const std::string& text, std::string* body) {
+  size_t last = text.rfind("\nsum ");
+  if (last == std::string::npos) return false;
+  *body = text.substr(0, last + 1);
+  std::string sum = text.substr(last + 5);
+  while (!sum.empty() && sum.back() == '\n') sum.pop_back();
+  return sum == sha256_hex(*body);
 }
 
 }  // namespace
@@ -56,23 +62,33 @@ std::string system_headers_hash(const TemplateSource& src, const std::string& he
   std::string memo_path;
   if (!memo_dir.empty()) {
     Sha256 k;
-    k.part("kspec-headers-v1").part(inc).part(nvrtc_version());
+    k.part("kspec-headers-v2").part(inc).part(nvrtc_version());
     for (const auto& name : src.system_includes(header)) k.part(name);
     memo_path = memo_dir + "/headers-" + k.hex().substr(0, 32) + ".txt";
-    // Format: the hash, then one "size mtime_ns name" line per header.
-    std::ifstream in(memo_path);
-    std::string hash;
-    if (in && trusted(memo_path) && std::getline(in, hash) && hash.size() == 64) {
-      bool fresh = true;
-      int64_t size, mtime;
-      std::string name;
-      int count = 0;
-      while (fresh && in >> size >> mtime >> name) {
-        HeaderStat st = stat_of(inc + "/" + name);
-        fresh = st.size == size && st.mtime_ns == mtime;
-        ++count;
+    // Format: the hash, one "size mtime_ns name" line per header, then "sum <sha256 of those lines>".
+    // Only this user's private regular file is read (jit::read_file with FileTrust::Own).
+    std::string text, body, why;
+    bool missing = false;
+    if (read_file(memo_path, kMaxMemoBytes, FileTrust::Own, &text, &why, &missing)) {
+      std::string hash;
+      std::istringstream in;
+      if (!verified_memo(text, &body)) {
+        warn_once("memo:" + memo_path, "the CUDA header hash memo " + memo_path +
+                                           " is corrupt (checksum mismatch); hashing the headers again");
+      } else if (in.str(body); std::getline(in, hash) && hash.size() == 64) {
+        bool fresh = true;
+        int64_t size, mtime;
+        std::string name;
+        int count = 0;
+        while (fresh && in >> size >> mtime >> name) {
+          HeaderStat st = stat_of(inc + "/" + name);
+          fresh = st.size == size && st.mtime_ns == mtime;
+          ++count;
+        }
+        if (fresh && count > 0) return hash;
       }
-      if (fresh && count > 0) return hash;
+    } else if (!missing) {
+      warn_once("memo:" + memo_path, "the CUDA header hash memo is not used: " + why);
     }
   }
   Sha256 s;
@@ -86,15 +102,9 @@ std::string system_headers_hash(const TemplateSource& src, const std::string& he
       HeaderStat st = stat_of(inc + "/" + f.name);
       memo << st.size << ' ' << st.mtime_ns << ' ' << f.name << "\n";
     }
-    // Atomic: a temporary file in the same directory, renamed over the memo.
-    std::string tmp = memo_path + ".tmp." + std::to_string(::getpid());
-    int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (fd >= 0) {
-      std::string text = memo.str();
-      bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
-      ok = (::close(fd) == 0) && ok;
-      if (!ok || ::rename(tmp.c_str(), memo_path.c_str()) != 0) ::unlink(tmp.c_str());
-    }
+    std::string text = memo.str(), err;
+    text += "sum " + sha256_hex(text) + "\n";
+    write_file_atomic(memo_path, text, &err);  // a memo that cannot be written only costs a rehash
   }
   return hash;
 }

@@ -4,11 +4,18 @@
 
 #include <nvrtc.h>
 
-#include <chrono>
-#include <filesystem>
-#include <fstream>
-#include <cctype>
+#include <stdlib.h>
+#include <sys/stat.h>
 
+#include <cctype>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <mutex>
+
+#include "files.h"
 #include "hash.h"
 #include "kspec/error.h"
 #include "kspec/knobs.h"
@@ -39,15 +46,33 @@ std::string program_log(nvrtcProgram p) {
   return log;
 }
 
+// The failing source goes to KSPEC_DEBUG_DIR when that is (or can be created as) this user's private
+// directory; otherwise (the default, the shared temp dir) into a private directory made once per process
+// inside it (mkdtemp, 0700): a predictable name in /tmp could be a symlink another user planted.
 std::string write_failed_source(const KernelSpec& spec, const std::string& source) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  fs::path dir = knobs::debug_dir();
-  fs::create_directories(dir, ec);
-  fs::path p = dir / ("kspec-failed-" + sha256_hex(spec.canonical()).substr(0, 16) + ".cu");
-  std::ofstream out(p);
-  out << source;
-  return out ? p.string() : std::string("(could not write ") + p.string() + ")";
+  static std::mutex mu;
+  static std::map<std::string, std::string> private_dirs;  // debug dir → where this process writes
+  std::string base = knobs::debug_dir(), why, dir;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = private_dirs.find(base);
+    if (it == private_dirs.end()) {
+      std::string chosen;
+      if (make_private_dir(base, &why)) {
+        chosen = base;
+      } else {
+        std::string templ = (std::filesystem::path(base) / "kspec-debug-XXXXXX").string();
+        if (::mkdtemp(templ.data()) && ::chmod(templ.c_str(), 0700) == 0) chosen = templ;
+        else why += "; mkdtemp " + templ + ": " + std::strerror(errno);
+      }
+      if (chosen.empty()) return "(could not write the source: " + why + ")";  // tried again next time
+      it = private_dirs.emplace(base, chosen).first;
+    }
+    dir = it->second;
+  }
+  std::string name = "kspec-failed-" + sha256_hex(spec.canonical()).substr(0, 16) + ".cu";
+  std::string path = (std::filesystem::path(dir) / name).string(), err;
+  return write_file_atomic(path, source, &err) ? path : "(could not write " + path + ": " + err + ")";
 }
 
 // The whole specialized program as one file: the generated prologue with every kspec header

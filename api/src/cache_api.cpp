@@ -29,6 +29,7 @@ std::vector<CacheEntryInfo> cache_entries() {
     i.bytes = e.bytes;
     i.last_used = e.last_used;
     const auto& m = e.meta;
+    if (e.orphan) i.kernel = "(orphan binary without metadata: removed by verify, prune or clear)";
     if (m.is_object()) {
       i.spec = m.value("spec", std::string());
       i.kernel = m.value("kernel", std::string());
@@ -52,7 +53,11 @@ std::pair<int64_t, std::vector<std::string>> cache_verify() {
 
 int64_t cache_prune(int64_t max_bytes) {
   auto& c = cache::DiskCache::global();
-  return max_bytes < 0 ? c.prune() : c.prune(max_bytes);
+  std::string failure;
+  int64_t n = c.prune(max_bytes < 0 ? c.max_bytes() : max_bytes, &failure);
+  KSPEC_CHECK_AS(failure.empty(), CacheError, "kspec cache prune: removed ", n, " entries from ", c.dir(),
+                 " but could not remove more: ", failure);
+  return n;
 }
 
 int64_t cache_clear() { return cache::DiskCache::global().clear(); }

@@ -83,7 +83,9 @@ class Launcher {
   // executed griddepcontrol.launch_dependents (or ended), so the kernel must wait for the data it needs
   // itself. Before sm_90 a plain launch.
   virtual void launch_dependent(size_t kernel, Dim3 grid, Dim3 block, unsigned shared_bytes, void** args) = 0;
-  // Device scratch memory owned by kspec for this device and stream; grows outside graph capture only.
+  // Device scratch memory: outside graph capture, kspec's buffer for this device and stream (grown on
+  // demand); inside a capture, an allocation of the graph itself, freed in the graph after the op. A
+  // larger request moves it: an op asks once for all it needs.
   virtual void* workspace(size_t bytes) = 0;
   virtual int multiprocessors() const = 0;
   // Blocks of a plan's kernel that fit on one multiprocessor at once (cuOccupancy…), cached per kernel.

@@ -326,6 +326,20 @@ struct Workspace {
 class DeviceLauncher final : public Launcher {
  public:
   DeviceLauncher(PlanEntry& plan, int device, Stream stream) : plan_(plan), device_(device), stream_(stream) {}
+  // An op that threw mid-capture: its graph-owned workspace is freed on the stream all the same (the capture
+  // is broken anyway; nothing to report from a destructor).
+  ~DeviceLauncher() override {
+    for (CUdeviceptr p : graph_owned_) jit::driver().cuMemFreeAsync(p, reinterpret_cast<CUstream>(stream_));
+  }
+  DeviceLauncher(const DeviceLauncher&) = delete;
+  DeviceLauncher& operator=(const DeviceLauncher&) = delete;
+
+  // After the op's launches: a captured call's workspace is freed in the graph, behind its kernels.
+  void finish() {
+    std::vector<CUdeviceptr> owned;
+    owned.swap(graph_owned_);
+    for (CUdeviceptr p : owned) CU_CHECK(cuMemFreeAsync(p, reinterpret_cast<CUstream>(stream_)));
+  }
 
   void launch(size_t k, Dim3 grid, Dim3 block, unsigned shared_bytes, void** args) override {
     LoadedKernel* lk = prepare(k, grid, shared_bytes);
@@ -357,18 +371,33 @@ class DeviceLauncher final : public Launcher {
     launch_ex(k, grid, block, shared_bytes, args, attr, ", programmatic stream serialization");
   }
 
+  // Outside capture: one buffer per (device, stream), grown on demand; kernels on one stream run one after
+  // another, so they may share it, and kernels on two streams never do. Inside a capture (torch.cuda.graph
+  // captures on a stream of its own that no warm-up ran on, and a graph may be replayed on any stream,
+  // concurrently with eager work on the stream it was captured on): the workspace is a stream-ordered
+  // allocation of the graph itself (cuMemAllocAsync, freed by finish() behind the op's kernels), so every
+  // captured call has its own and no replay shares it with anything else; replays allocate nothing.
   void* workspace(size_t bytes) override {
+    CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+    CU_CHECK(cuStreamIsCapturing(reinterpret_cast<CUstream>(stream_), &status));
+    if (status != CU_STREAM_CAPTURE_STATUS_NONE) {
+      if (!graph_owned_.empty() && graph_bytes_ >= bytes) return reinterpret_cast<void*>(graph_owned_.back());
+      // A larger request moves the workspace (as outside capture); the smaller one stays allocated until
+      // finish(), as kernels already captured read it.
+      CUdeviceptr p = 0;
+      CUresult r = jit::driver().cuMemAllocAsync(&p, std::max<size_t>(bytes, 256), reinterpret_cast<CUstream>(stream_));
+      KSPEC_CHECK_AS(r == CUDA_SUCCESS, Unsupported, "kspec could not allocate its workspace (", bytes,
+                     " bytes) inside the CUDA graph being captured (cuMemAllocAsync: ", jit::driver_error_text(r),
+                     "; graph memory nodes need a device with memory pools)");
+      graph_owned_.push_back(p);
+      graph_bytes_ = bytes;
+      return reinterpret_cast<void*>(p);
+    }
     static std::mutex mu;
     static std::map<std::pair<int, Stream>, Workspace> spaces;
     std::lock_guard<std::mutex> lock(mu);
     Workspace& w = spaces[{device_, stream_}];
     if (w.bytes >= bytes) return reinterpret_cast<void*>(w.ptr);
-    CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
-    CU_CHECK(cuStreamIsCapturing(reinterpret_cast<CUstream>(stream_), &status));
-    KSPEC_CHECK_AS(status == CU_STREAM_CAPTURE_STATUS_NONE, Unsupported,
-                   "kspec needs a larger workspace (", bytes, " bytes) on a stream that is being captured into "
-                   "a CUDA graph; run the op once with the same shapes on this stream before capturing (the "
-                   "workspace is per stream)");
     if (w.ptr) {
       CU_CHECK(cuStreamSynchronize(reinterpret_cast<CUstream>(stream_)));  // pending kernels may still use it
       CU_CHECK(cuMemFree(w.ptr));
@@ -436,6 +465,8 @@ class DeviceLauncher final : public Launcher {
   PlanEntry& plan_;
   int device_;
   Stream stream_;
+  std::vector<CUdeviceptr> graph_owned_;  // this call's workspace(s) inside a capture
+  size_t graph_bytes_ = 0;                // the size of graph_owned_.back()
 };
 
 }  // namespace
@@ -449,6 +480,7 @@ void call(std::string_view op_name, const std::vector<TensorView>& inputs, const
   jit::ContextGuard guard(c.device);
   DeviceLauncher launcher(plan, c.device, stream);
   op.launch(c, plan.config, launcher);
+  launcher.finish();
 }
 
 // ---- bound calls ----
@@ -556,6 +588,7 @@ void BoundCall::run(const Params& runtime_params, const std::vector<TensorView>&
   jit::ContextGuard guard(c.device);
   DeviceLauncher launcher(*b.plan, c.device, stream);
   b.op->launch(c, b.config, launcher);
+  launcher.finish();
   CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
   CU_CHECK(cuStreamIsCapturing(reinterpret_cast<CUstream>(stream), &capture));
   if (capture == CU_STREAM_CAPTURE_STATUS_NONE) {

@@ -10,9 +10,9 @@
 #include <mutex>
 #include <set>
 
-#include "cache/lock.h"
 #include "cache/tuning_db.h"
 #include "jit/driver.h"
+#include "jit/files.h"
 #include "jit/log.h"
 #include "jit/nvrtc.h"
 #include "kspec/knobs.h"
@@ -128,6 +128,12 @@ bool autotune(const OpDef& op, const Problem& p, int device, const std::string& 
   }
 }
 
+// The database file for a GPU model and toolkit. Both names come from data (a device's name, an
+// imported file's header), so each is sanitized into a plain file-name part, never a path.
+std::string tuning_file_in(const std::string& dir, const std::string& gpu, const std::string& toolkit) {
+  return dir + "/tuning-" + cache::sanitize_file_part(gpu) + "-cuda" + cache::sanitize_file_part(toolkit) + ".json";
+}
+
 }  // namespace
 
 std::string pow2_bucket(const Problem& p, std::string_view skip) {
@@ -167,7 +173,7 @@ std::string tuning_db_path(int device) {
   auto v = knobs::tuning_db();
   if (v && ends_with(*v, ".json")) return *v;
   std::string dir = v ? *v : knobs::cache_dir() + "/tuning";
-  return dir + "/tuning-" + cache::sanitize_file_part(gpu_name(device)) + "-cuda" + jit::nvrtc_version() + ".json";
+  return tuning_file_in(dir, gpu_name(device), jit::nvrtc_version());
 }
 
 uint64_t tuning_generation() { return g_generation.load(std::memory_order_relaxed); }
@@ -234,13 +240,13 @@ int64_t tuning_export(const std::string& file, const std::string& path) {
   nlohmann::json doc = db.document(&problem);
   KSPEC_CHECK_AS(problem.empty(), CacheError, "tuning database ", db.path(), " is unusable: ", problem);
   std::string err;
-  KSPEC_CHECK_AS(cache::write_file_atomic(file, doc.dump(1) + "\n", &err), CacheError, "kspec tune --export: ", err);
+  KSPEC_CHECK_AS(jit::write_file_atomic(file, doc.dump(1) + "\n", &err), CacheError, "kspec tune --export: ", err);
   return static_cast<int64_t>(doc["entries"].size());
 }
 
 int64_t tuning_import(const std::string& file) {
   std::string problem;
-  cache::TuningDb src(file);
+  cache::TuningDb src(file, /*user_file=*/true);
   nlohmann::json doc = src.document(&problem);
   KSPEC_CHECK(problem.empty(), "kspec tune --import: ", file, " is not a kspec tuning database: ", problem);
   std::string gpu = doc.value("gpu", std::string("no-gpu")), toolkit = doc.value("toolkit", jit::nvrtc_version());
@@ -250,7 +256,7 @@ int64_t tuning_import(const std::string& file) {
     target = *v;
   } else {
     std::string dir = v ? *v : knobs::cache_dir() + "/tuning";
-    target = dir + "/tuning-" + cache::sanitize_file_part(gpu) + "-cuda" + toolkit + ".json";
+    target = tuning_file_in(dir, gpu, toolkit);
   }
   // The faster measurement wins; a record without a time never replaces one with a time.
   auto faster = [](const nlohmann::json& have, const nlohmann::json& in) {

@@ -92,7 +92,12 @@ def explain(op: str, *inputs, dtype: str = "f32", arch: str = "sm_90", without=(
 
     With tensors: exactly the call `kspec.call(op, *inputs, **params)`. Without tensors (no GPU
     needed): the problem described by dtype, arch, dims and params, e.g.
-    `kspec.explain("norm_act.fwd", dtype="bf16", rows=16384, hidden=4096, act="silu")`."""
+    `kspec.explain("norm_act.fwd", dtype="bf16", rows=16384, hidden=4096, act="silu")`. "linear": what
+    kspec.ops.linear(x, weight, bias, act=...) would run, with the operands it copies first."""
+    if op == "linear" and inputs:
+        from .ops import explain_linear
+
+        return explain_linear(*inputs, **params)
     if not inputs:
         return Explanation(_C.explain_request(op, dtype, arch, params, list(without), dict(tensor_dtypes or {}),
                                               list(alt_shapes)))

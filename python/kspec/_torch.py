@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from ._core import call
+from .ops import gemm_reads_in_place
 
 
 @torch.library.custom_op("kspec::norm_act_fwd", mutates_args=(), device_types="cuda")
@@ -217,6 +218,10 @@ def selective_scan(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, save
 
 # ---- gemm / linear ----
 
+_ACT = {"none": lambda t: t, "relu": torch.relu,
+        "gelu": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
+
+
 def _as_matrix(x):
     """nn.Linear takes (..., k); the gemm op takes (..., m, k): a 1-d input becomes one row."""
     return x.unsqueeze(0) if x.dim() == 1 else x
@@ -224,6 +229,11 @@ def _as_matrix(x):
 
 def _linear_fwd(x, weight, bias, act, tf32, need_saved):
     """(y, saved): saved is what gemm.bwd needs (gelu: the pre-activation; relu: y; none: None)."""
+    if x.numel() == 0:  # no rows, or k = 0 (y = act(bias)): nothing for cuBLASLt, which needs k > 0
+        pre = torch.zeros((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+        if bias is not None:
+            pre = pre + bias
+        return _ACT[act](pre), (pre if act != "none" and need_saved else None)
     if act == "gelu" and need_saved:
         if weight.shape[0] % 8 == 0:
             y, pre = call("gemm", x, weight, bias, act=act, tf32=tf32, out=(torch.empty(
@@ -238,9 +248,21 @@ def _linear_fwd(x, weight, bias, act, tf32, need_saved):
 
 
 def _linear_bwd(dy, x, weight, saved, has_bias, act, tf32):
-    if act != "none" and not dy.is_contiguous():
+    # autograd's dy may be any view (y.sum() gives a broadcast one, strides 0): gemm.bwd reads rows of it
+    if not dy.is_contiguous():
         dy = dy.contiguous()
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:  # no rows, or k = 0: dW is empty or zero; dbias sums dpre over the rows there are
+        dw = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+        if not has_bias:
+            return dx, dw, None
+        if act == "none":
+            dpre = dy
+        else:
+            with torch.enable_grad():
+                pre = saved.detach().requires_grad_()
+                dpre, = torch.autograd.grad(_ACT[act](pre), pre, dy)
+        return dx, dw, dpre.reshape(-1, weight.shape[0]).sum(0, dtype=torch.float32).to(weight.dtype)
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     db = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device) if has_bias else None
     call("gemm.bwd", dy, x, weight, saved, act=act, tf32=tf32, out=(dx, dw, db))
@@ -309,9 +331,18 @@ class _Linear(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+def _readable(t):
+    """t itself when the gemm op reads it in place, else a contiguous copy (autograd sees the copy, so
+    the gradient comes back to the view F.linear was given)."""
+    if t is None or gemm_reads_in_place(t.shape, t.stride()):
+        return t
+    return t.contiguous()
+
+
 def linear(x, weight, bias, act, tf32):
     squeeze = x.dim() == 1
-    x2 = _as_matrix(x)
+    x2 = _readable(_as_matrix(x))
+    weight, bias = _readable(weight), _readable(bias)
     if torch.compiler.is_compiling():
         y = linear_fwd(x2, weight, bias, act, tf32)[0]
     else:

@@ -93,28 +93,33 @@ def cmd_compile(a):
     return 0
 
 
-_MAX_SPEC_LIST_BYTES = 64 << 20  # ~300k requests; a larger list is a mistake, not a build
+# A spec list is a few thousand requests at most; a larger file is refused before it is read.
+_MAX_SPEC_LIST_BYTES = 16 << 20
 
 
 def _load_requests(path):
-    """A JSON array of compile requests, or JSON lines ('#' comments). Each must be an object; the
-    file is anyone's, so its size and nesting are bounded (deep nesting exhausts Python's parser)."""
-    with open(path) as f:
-        text = f.read(_MAX_SPEC_LIST_BYTES + 1).strip()
-    if len(text) > _MAX_SPEC_LIST_BYTES:
-        raise _C.InvalidArgument(f"{path}: larger than {_MAX_SPEC_LIST_BYTES >> 20} MiB")
+    """Compile requests from a JSON list or JSON lines; InvalidArgument for anything else (too large,
+    nested too deep for the parser, not objects)."""
+    what = f"kspec precompile --file {path}"
     try:
+        with open(path, "rb") as f:
+            data = f.read(_MAX_SPEC_LIST_BYTES + 1)
+    except OSError as e:
+        raise _C.InvalidArgument(f"{what}: cannot read it ({e.strerror})") from None
+    if len(data) > _MAX_SPEC_LIST_BYTES:
+        raise _C.InvalidArgument(f"{what}: larger than {_MAX_SPEC_LIST_BYTES} bytes; expected a list of compile requests")
+    try:
+        text = data.decode("utf-8").strip()
         if text.startswith("["):
             reqs = json.loads(text)
         else:
             reqs = [json.loads(line) for line in text.splitlines() if line.strip() and not line.startswith("#")]
-    except RecursionError:
-        raise _C.InvalidArgument(f"{path}: JSON nested too deeply") from None
-    except ValueError as e:
-        raise _C.InvalidArgument(f"{path}: not JSON ({e})") from None
-    for i, r in enumerate(reqs):
-        if not isinstance(r, dict):
-            raise _C.InvalidArgument(f"{path}: request {i + 1}: expected a JSON object, got {type(r).__name__}")
+    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser goes
+        raise _C.InvalidArgument(f"{what}: not JSON lines or a JSON list of compile requests ({type(e).__name__}:"
+                                 f" {str(e)[:200]})") from None
+    if not isinstance(reqs, list) or not all(isinstance(r, dict) for r in reqs):
+        raise _C.InvalidArgument(f"{what}: expected compile requests as JSON objects ({{\"op\": ..., \"dtype\": ...}})")
+    for r in reqs:
         r.setdefault("arch", "sm_90")
         r.setdefault("dtype", "f32")
     return reqs
@@ -182,6 +187,14 @@ def cmd_precompile(a):
 
 
 def cmd_cache(a):
+    try:
+        return _cache_action(a)
+    except _C.CacheError as e:  # a read-only or foreign directory: say so, no traceback
+        print(f"kspec: CacheError: {e}", file=sys.stderr)
+        return 1
+
+
+def _cache_action(a):
     if a.action == "stats":
         s = _C.cache_stats()
         print(json.dumps(s, indent=2) if a.json else
@@ -197,7 +210,8 @@ def cmd_cache(a):
                      e["bytes"], f"{e['compile_ms']:.0f}"] for e in entries])
     elif a.action == "verify":
         ok, bad = _C.cache_verify()
-        print(f"{ok} entries ok, {len(bad)} bad (removed)")
+        removed = sum(1 for b in bad if b.endswith("(removed)"))
+        print(f"{ok} entries ok, {len(bad)} bad ({removed} removed)")
         for b in bad:
             print("  " + b)
         return 1 if bad else 0

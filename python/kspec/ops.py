@@ -137,12 +137,56 @@ def gemm_bwd(dy, x, weight, saved=None, *, act: str = "none", tf32: bool = False
     return call("gemm.bwd", dy, x, weight, saved, act=act, tf32=bool(tf32), out=(dx, dw, db))
 
 
+def gemm_reads_in_place(shape, strides) -> bool:
+    """Whether the gemm op reads a (..., rows, cols) operand with these strides (in elements) in place:
+    api/ops/gemm/op.cpp's matrix_of and gemm/layout.h's rule. The dims before the last two collapse into
+    one batch stride (size-1 dims may have any), and one of the last two is unit-stride with the other's
+    stride at least its size (a row-major or column-major matrix; a size-1 dim may have any stride).
+    kspec.ops.linear copies an operand that fails it (as F.linear would read it: x[:, ::2], a broadcast
+    row); the raw gemm op refuses it."""
+    shape, strides = tuple(shape), tuple(strides)
+    if len(shape) < 2:
+        return len(shape) == 1 and (shape[0] <= 1 or strides[0] == 1)
+    expected = None
+    for d, st in zip(reversed(shape[:-2]), reversed(strides[:-2])):
+        if d == 1:
+            continue
+        if expected is not None and st != expected:
+            return False
+        expected = st * d
+    rows, cols = shape[-2:]
+    rs, cs = strides[-2:]
+    if (cs == 1 or cols <= 1) and (rows <= 1 or rs >= max(cols, 1)):
+        return True
+    return (rs == 1 or rows <= 1) and (cols <= 1 or cs >= max(rows, 1))
+
+
+def linear_copies(x, weight, bias=None) -> list:
+    """The operands kspec.ops.linear copies before cuBLASLt reads them: [(name, shape, strides)], empty
+    when every one is read in place (a 1-d x counts as one row; the bias must be unit-stride)."""
+    out = []
+    xs, xst = tuple(x.shape), tuple(x.stride())
+    if len(xs) == 1:
+        xs, xst = (1,) + xs, (xs[0],) + xst
+    if not gemm_reads_in_place(xs, xst):
+        out.append(("x", tuple(x.shape), tuple(x.stride())))
+    if not gemm_reads_in_place(tuple(weight.shape), tuple(weight.stride())):
+        out.append(("weight", tuple(weight.shape), tuple(weight.stride())))
+    if bias is not None and not gemm_reads_in_place(tuple(bias.shape), tuple(bias.stride())):
+        out.append(("bias", tuple(bias.shape), tuple(bias.stride())))
+    return out
+
+
 def linear(x, weight, bias=None, act: str = "none", *, tf32: bool = False):
     """y = act(x @ weight^T + bias) like torch.nn.functional.linear (+ activation), through cuBLASLt with
-    the bias and activation fused into the GEMM's epilogue.
+    the bias and activation in the GEMM's epilogue (GELU with a small K: the plain GEMM, then kspec's
+    kernel, where that is faster).
 
-    x: (..., in_features); weight: (out_features, in_features); bias: (out_features) or None;
-    act: "none", "relu" or "gelu" (tanh approximation). Differentiable for torch tensors (gemm.bwd)."""
+    x: (..., in_features), any view F.linear takes: transposed and sliced views are read in place, others
+    (a step-2 last dim, a broadcast row) copied first (kspec.explain("linear", x, weight, bias) names
+    them); weight: (out_features, in_features); bias: (out_features) or None; act: "none", "relu" or
+    "gelu" (tanh approximation). Differentiable for torch tensors (gemm.bwd; dx comes back with x's shape
+    and strides as autograd gives them)."""
     if act not in _GEMM_ACTS:
         raise ValueError(f"kspec.ops.linear: act must be one of {_GEMM_ACTS}, got {act!r}")
     if _is_torch(x):
@@ -150,6 +194,25 @@ def linear(x, weight, bias=None, act: str = "none", *, tf32: bool = False):
 
         return _torch.linear(x, weight, bias, act, bool(tf32))
     return call("gemm", x, weight, bias, act=act, tf32=bool(tf32))[0]
+
+
+def explain_linear(x, weight, bias=None, act: str = "none", *, tf32: bool = False):
+    """kspec.explain for kspec.ops.linear (also kspec.explain("linear", x, weight, bias, act=...)): the gemm
+    call it makes, plus a line per operand it copies first; `.copies` lists them as (name, shape, strides)."""
+    from ._core import Explanation, explain
+
+    copies = linear_copies(x, weight, bias)
+    if x.dim() == 1:
+        x = x.unsqueeze(0)
+    x, weight, bias = (t.contiguous() if t is not None and any(c[0] == n for c in copies) else t
+                       for n, t in (("x", x), ("weight", weight), ("bias", bias)))
+    info = dict(explain("gemm", x, weight, bias, act=act, tf32=bool(tf32)).info)
+    lines = [f"linear: copies {n} {list(shape)} with strides {list(st)} to a contiguous tensor first (cuBLASLt "
+             "cannot read that view in place)" for n, shape, st in copies]
+    info["text"] = info["text"] + "".join("\n" + line for line in (lines or ["linear: no copies (every operand "
+                                                                              "read in place)"]))
+    info["copies"] = copies
+    return Explanation(info)
 
 
 def e79_cell(kvqm, n: int, b_s=None, b_m=None, S0=None, M0=None, *, bias: str = "fixed", chunk: int = 16,

@@ -393,14 +393,25 @@ struct StepVecs {
 };
 
 // Copies step t's record (rec_g, global) into rv, and sets g = dout * d out / d Sq at the CTA's rows
-// (row0 ...): out = sq^2 sigma(sq), so d out / d sq = sq sigma (2 + sq (1 - sigma)).
+// (row0 ...): out = sq^2 sigma(sq), so d out / d sq = sq sigma (2 + sq (1 - sigma)). Only what the
+// recompute wrote is read (compute-sanitizer initcheck): the vectors k, m, q, s_col, m_col in full, the
+// row quantities at the CTA's rows (all rows without a cluster) and the two norms.
 template <typename Tr>
 __device__ __forceinline__ void load_step(float* rv, float* g, const float* rec_g, E79Seq<const typename Tr::T> dout,
                                           int t, int b, int row0) {
-  for (int e = threadIdx.x; e < Tr::kRecSlots * Tr::kN; e += Tr::kThreads) rv[e] = rec_g[e];
+  constexpr int N = Tr::kN;
+  constexpr int kFull[5] = {Tr::kRk, Tr::kRm, Tr::kRq, Tr::kRsCol, Tr::kRmCol};
+  constexpr int kRow[5] = {Tr::kRsRow, Tr::kRsDelta, Tr::kRmRow, Tr::kRmDelta, Tr::kRsq};
+  for (int e = threadIdx.x; e < N; e += Tr::kThreads) {
+#pragma unroll
+    for (int i = 0; i < 5; ++i) rv[kFull[i] * N + e] = rec_g[kFull[i] * N + e];
+  }
+  if (threadIdx.x < 2) rv[Tr::kRnorm * N + threadIdx.x] = rec_g[Tr::kRnorm * N + threadIdx.x];
   for (int e = threadIdx.x; e < Tr::kRows; e += Tr::kThreads) {
     const int gi = row0 + e;
-    const float sq = rec_g[Tr::kRsq * Tr::kN + gi];
+#pragma unroll
+    for (int i = 0; i < 5; ++i) rv[kRow[i] * N + gi] = rec_g[kRow[i] * N + gi];
+    const float sq = rec_g[Tr::kRsq * N + gi];
     const float sg = sigmoid(sq);
     g[gi] = to_float(dout.row(t, b)[gi]) * sq * sg * (2.0f + sq * (1.0f - sg));
   }

@@ -1900,14 +1900,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // Loading z after the outputs (no copy of it) ran 13% slower.
 //
 // Launch: gridDim = (ceil(dim / 8), batch), blockDim = 32 kWarps, dynamic shared memory
-// tile_fwd_smem_floats() floats; the arguments of selective_scan_fwd_kernel. Requires kEven (seqlen a
-// multiple of 512, 16-byte aligned pointers: a warp's 16-step run is wholly inside or outside the
-// sequence, and a lane's 4 steps are one aligned vector) and dstate 16. Runs past seqlen stage dt = 0
-// (a = 1, dt u = 0: the carry passes through); channels past dim run with A = 0 and dt = 0 and write
-// nothing. Both read inputs inside the tensors (the row's last steps, the last channel).
+// tile_fwd_smem_floats() floats; the arguments of selective_scan_fwd_kernel. Requires kVec (seqlen a
+// multiple of 8, 16-byte aligned pointers: a variable B/C row's 8-step vectors and a lane's 4 steps are
+// aligned vectors, wholly inside or outside the sequence) and dstate 16. Steps past seqlen stage dt = 0
+// (a = 1, dt u = 0: the carry passes through), by a lane's 4 steps, so a run may end inside a tile and
+// inside a warp's 16 steps; channels past dim run with A = 0 and dt = 0 and write nothing. Both read
+// inputs inside the tensors (the row's last steps, the last channel).
 // =============================================================================================
 template <typename T_, typename TB_, typename TC_, int kDstate_, bool kVarB_, bool kVarC_, bool kHasD_,
-          bool kHasZ_, bool kHasDeltaBias_, bool kSoftplus_, bool kHasH0_, bool kEven_, int kWarps_>
+          bool kHasZ_, bool kHasDeltaBias_, bool kSoftplus_, bool kHasH0_, bool kVec_, int kWarps_>
 struct TileScanTraits {
   using T = T_;
   using TB = TB_;
@@ -1924,7 +1925,7 @@ struct TileScanTraits {
   static constexpr int kQ = kRun / kG;         // steps a lane stages and writes
   static constexpr int kNvar = (kVarB ? 1 : 0) + (kVarC ? 1 : 0);
   static constexpr int kYRow = kCW * kRun + 4;  // a state group's row of partial y (+4: 8 bank groups)
-  static_assert(kEven_, "the tile kernel needs whole 16-byte aligned vectors (kEven)");
+  static_assert(kVec_, "the tile kernel needs whole 16-byte aligned vectors (kVec: seqlen a multiple of 8)");
   static_assert(kDstate == 16, "the tile kernel's lane map is for dstate 16");
   static_assert(kQ == 4, "a lane stages 4 steps");
 };
@@ -2100,7 +2101,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
 
   for (int it = 0; it < nt; ++it) {
     const int t0 = it * TL, tr = t0 + w * R;  // the tile's first step, this warp's
-    const bool run = live && tr < seqlen;
+    const bool run = live && tr < seqlen;            // the warp's run starts inside the sequence
+    const bool qrun = live && tr + sg * Q < seqlen;  // this lane's Q steps are inside it (seqlen % Q == 0)
     // 1. {dt, dt u} of this lane's Q steps (dt = 0, u = 0 past seqlen and dim: the state passes through).
     // u is kept as floats for the outputs, z as raw words (copied: the next tile's prefetch overwrites pz).
     const Raw4<T> rz = pz;
@@ -2109,7 +2111,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     for (int k = 0; k < Q; ++k) {
       float dt = pd.at(k) + bias;
       if constexpr (Tr::kSoftplus) dt = softplus_sfu(dt);
-      dt = run ? dt : 0.0f;
+      dt = qrun ? dt : 0.0f;
       uq[k] = pu.at(k);
       s_q[(w * R + sg * Q + k) * CW + c] = make_float2(dt, dt * uq[k]);
     }
@@ -2215,7 +2217,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       const float4 v = *reinterpret_cast<const float4*>(sy + g * YR + c * R + sg * Q);
       yo[0] += v.x, yo[1] += v.y, yo[2] += v.z, yo[3] += v.w;
     }
-    if (run) {
+    if (qrun) {
       float o[Q];
 #pragma unroll
       for (int k = 0; k < Q; k += 2) {

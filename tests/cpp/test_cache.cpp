@@ -1,18 +1,32 @@
 // cache/: atomic checksummed entries, corrupt/truncated/foreign/unsafe entries, read-only directories,
 // LRU pruning, and processes: N concurrent processes compile once; a second process hits the disk;
-// an edited template recompiles; KSPEC_CACHE=off.
+// an edited template recompiles; KSPEC_CACHE=off. Hardening: bounded JSON, whole-entry and memo
+// checksums, orphans, locked verify/prune/clear under a multi-process storm, a cache cleared by another
+// process, the tuning database's files and directories, private directories, failed sources.
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <thread>
 
+#include "cache/bounded_json.h"
 #include "cache/disk_cache.h"
+#include "cache/tuning_db.h"
+#include "jit/files.h"
 #include "jit/hash.h"
+#include "jit/key.h"
+#include "jit/nvrtc.h"
+#include "jit/sources.h"
+#include "kspec/error.h"
 #include "test_helpers.h"
 
 namespace fs = std::filesystem;
@@ -239,4 +253,359 @@ TEST(CacheProcesses, EditedTemplateRecompilesWithoutRebuild) {
   std::string c = probe(env, "512");
   EXPECT_EQ(c.rfind("compiled ", 0), 0u) << c;
   EXPECT_NE(key_in(c), key_in(a));
+}
+
+// ---- hardening ----
+
+namespace {
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+std::string nested(int depth) { return std::string(depth, '[') + std::string(depth, ']'); }
+
+// Restores the umask when a test that sets one ends.
+struct Umask {
+  explicit Umask(mode_t m) : old(::umask(m)) {}
+  ~Umask() { ::umask(old); }
+  mode_t old;
+};
+
+}  // namespace
+
+TEST(BoundedJson, TooDeepOrTooLargeIsRefusedBeforeParsing) {
+  std::string why;
+  // 140k levels (280 KB) overflowed the stack in nlohmann's recursive copy.
+  EXPECT_FALSE(kspec::cache::parse_json_bounded("{\"entries\": {\"k\": {\"x\": " + nested(140000) + "}}}",
+                                                int64_t(1) << 30, &why));
+  EXPECT_NE(why.find("nested deeper than 64"), std::string::npos) << why;
+  EXPECT_TRUE(kspec::cache::parse_json_bounded(nested(64), 1 << 20, &why));
+  EXPECT_FALSE(kspec::cache::parse_json_bounded(nested(65), 1 << 20, &why));
+  // Brackets inside strings (escaped quotes too) do not nest.
+  auto j = kspec::cache::parse_json_bounded("{\"a\": \"" + std::string(1000, '[') + "\\\"[[\"}", 1 << 20, &why);
+  ASSERT_TRUE(j) << why;
+  EXPECT_EQ((*j)["a"].get<std::string>().size(), 1003u);
+  EXPECT_FALSE(kspec::cache::parse_json_bounded(std::string(100, ' ') + "{}", 50, &why));
+  EXPECT_NE(why.find("too large"), std::string::npos) << why;
+  EXPECT_FALSE(kspec::cache::parse_json_bounded("{ not json", 1 << 20, &why));
+  EXPECT_NE(why.find("not valid JSON"), std::string::npos) << why;
+}
+
+TEST(BoundedJson, DeepTuningDatabaseAndCacheMetadataAreIgnoredNotACrash) {
+  kspec::testing::TempDir tmp;
+  std::string db = tmp.path() + "/db.json";
+  std::ofstream(db) << "{\"version\": 1, \"entries\": {\"k\": {\"x\": " << nested(140000) << "}}}";
+  std::string problem;
+  EXPECT_TRUE(kspec::cache::TuningDb(db).entries(&problem).empty());
+  EXPECT_NE(problem.find("nested deeper"), std::string::npos) << problem;
+  EXPECT_TRUE(kspec::cache::TuningDb(db, /*user_file=*/true).entries(&problem).empty());
+  // A writer moves it aside and starts a new file.
+  ASSERT_TRUE(kspec::cache::TuningDb(db).merge({{"k#a=1", {{"config", "a=1"}}}}, {}));
+  EXPECT_TRUE(kspec::cache::TuningDb(db).get("k#a=1"));
+  EXPECT_GT(fs::file_size(db + ".corrupt"), 280000u);
+  // Cache metadata nested deeply: a bad entry, removed.
+  DiskCache c(tmp.path() + "/c", true, 1 << 30);
+  std::string k = key_of("deep");
+  c.store(k, "bytes", {});
+  std::ofstream(meta_path(c, k)) << "{\"x\": " << nested(100000) << "}";
+  EXPECT_FALSE(c.load(k));
+  EXPECT_FALSE(fs::exists(meta_path(c, k)));
+}
+
+TEST(DiskCache, AnyMetadataBitFlipIsCaughtAndEvicted) {
+  kspec::testing::TempDir tmp;
+  DiskCache c(tmp.path() + "/c", true, 1 << 30);
+  nlohmann::json meta = {{"spec", "norm_act|bf16|4096"},
+                         {"lowered_name", "_Z6kernelv"},
+                         {"arch", "sm_90a"},
+                         {"resources", {{"registers", 40}, {"spill_bytes", 0}}}};
+  // Each edit keeps the metadata valid JSON: only the whole-record checksum can tell.
+  std::vector<std::pair<std::string, std::string>> flips = {{"_Z6kernelv", "_Z6kernelw"},
+                                                            {"norm_act|bf16|4096", "norm_act|bf16|4097"},
+                                                            {"\"registers\": 40", "\"registers\": 41"},
+                                                            {"\"spill_bytes\": 0", "\"spill_bytes\": 1"},
+                                                            {"sm_90a", "sm_90b"}};
+  for (size_t i = 0; i < flips.size(); ++i) {
+    std::string k = key_of("flip" + std::to_string(i));
+    c.store(k, "binary", meta);
+    ASSERT_TRUE(c.load(k));
+    std::string text = slurp(meta_path(c, k));
+    auto at = text.find(flips[i].first);
+    ASSERT_NE(at, std::string::npos) << text;
+    text.replace(at, flips[i].first.size(), flips[i].second);
+    std::ofstream(meta_path(c, k)) << text;
+    if (i % 2 == 0) {
+      EXPECT_FALSE(c.load(k)) << flips[i].first;
+      EXPECT_FALSE(fs::exists(meta_path(c, k)));
+    } else {
+      auto v = c.verify();
+      ASSERT_EQ(v.bad.size(), 1u) << flips[i].first;
+      EXPECT_NE(v.bad[0].find("metadata checksum mismatch"), std::string::npos) << v.bad[0];
+      EXPECT_NE(v.bad[0].find("(removed)"), std::string::npos) << v.bad[0];
+    }
+  }
+  EXPECT_EQ(c.verify().ok, 0);
+}
+
+TEST(DiskCache, OrphanBinaryIsShownThenRemovedOnceOld) {
+  kspec::testing::TempDir tmp;
+  DiskCache c(tmp.path() + "/c", true, 1 << 30);
+  std::string good = key_of("good"), lost = key_of("lost");
+  c.store(good, "good", {});
+  c.store(lost, "lost binary", {});
+  fs::remove(meta_path(c, lost));  // as a full disk leaves it between the binary and the metadata
+  auto listed = c.list();
+  ASSERT_EQ(listed.size(), 2u);
+  EXPECT_EQ(c.stats().entries, 2);
+  EXPECT_FALSE(c.load(lost));  // no metadata: a miss, not a warning
+  // A young one may be a write in progress: left alone.
+  auto v = c.verify();
+  EXPECT_EQ(v.ok, 1);
+  EXPECT_TRUE(v.bad.empty());
+  EXPECT_TRUE(fs::exists(c.entry_path(lost)));
+  struct timespec old[2] = {{1000000, 0}, {1000000, 0}};
+  ::utimensat(AT_FDCWD, c.entry_path(lost).c_str(), old, 0);
+  v = c.verify();
+  ASSERT_EQ(v.bad.size(), 1u);
+  EXPECT_NE(v.bad[0].find("without metadata"), std::string::npos) << v.bad[0];
+  EXPECT_EQ(v.removed, 1);
+  EXPECT_FALSE(fs::exists(c.entry_path(lost)));
+  EXPECT_TRUE(c.load(good));
+}
+
+TEST(DiskCache, ClearedByAnotherProcessIsRecreatedOnTheNextStore) {
+  kspec::testing::TempDir tmp;
+  Umask open_umask(0);
+  DiskCache running(tmp.path() + "/c", true, 1 << 30), other(tmp.path() + "/c", true, 1 << 30);
+  ASSERT_FALSE(running.store(key_of("1"), "one", {}).empty());
+  EXPECT_EQ(other.clear(), 1);
+  EXPECT_FALSE(fs::exists(tmp.path() + "/c/v1"));
+  std::string p = running.store(key_of("2"), "two", {});
+  ASSERT_FALSE(p.empty());  // not memory-only for the rest of its life
+  EXPECT_TRUE(running.load(key_of("2")));
+  EXPECT_TRUE(running.writable());
+  EXPECT_EQ(mode_of(tmp.path() + "/c/v1"), 0700);
+  EXPECT_EQ(mode_of(fs::path(p).parent_path().string()), 0700);
+}
+
+TEST(DiskCache, PruneAndClearLeaveAnEntryLockedElsewhere) {
+  kspec::testing::TempDir tmp;
+  DiskCache c(tmp.path() + "/c", true, 0);
+  std::vector<std::string> keys = {key_of("a"), key_of("b"), key_of("c")};
+  for (const auto& k : keys) c.store(k, std::string(1000, 'x'), {});
+  {
+    auto held = c.lock(keys[1]);  // as a process writing or loading it would
+    ASSERT_TRUE(held.held());
+    std::string failure;
+    EXPECT_EQ(c.prune(0, &failure), 2);
+    EXPECT_TRUE(failure.empty()) << failure;
+    EXPECT_TRUE(c.load(keys[1]));
+  }
+  EXPECT_EQ(c.prune(0), 1);
+  EXPECT_EQ(c.stats().entries, 0);
+}
+
+TEST(DiskCache, LockFilesAreNeverFollowed) {
+  kspec::testing::TempDir tmp;
+  DiskCache c(tmp.path() + "/c", true, 1 << 30);
+  std::string k = key_of("l");
+  c.store(k, "bytes", {});
+  std::string lock = c.entry_path(k).substr(0, c.entry_path(k).size() - 4) + ".lock";
+  fs::remove(lock);
+  fs::create_symlink(tmp.path() + "/created-through-link", lock);
+  EXPECT_FALSE(c.lock(k).held());
+  EXPECT_FALSE(fs::exists(tmp.path() + "/created-through-link"));
+  // A lock removed by its holder (pruning) is never held twice: the waiter relocks the new file.
+  fs::remove(lock);
+  auto a = c.lock(k);
+  ASSERT_TRUE(a.held());
+  fs::remove(lock);
+  auto b = c.lock(k, /*wait=*/false);
+  EXPECT_TRUE(b.held());  // a new file: the removed one's holder excludes nobody any more
+}
+
+// Processes that store (each store prunes to a cap of a few entries) and processes that verify, for a
+// bounded time: verify must never report, or remove, an entry that was merely pruned or being written.
+TEST(CacheProcesses, VerifyDuringPruneStormRemovesNothingHealthy) {
+  kspec::testing::TempDir tmp;
+  std::string dir = tmp.path() + "/c";
+  constexpr int kWriters = 3, kVerifiers = 2;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
+  std::vector<pid_t> writers, verifiers;
+  for (int w = 0; w < kWriters + kVerifiers; ++w) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      ::alarm(30);  // a hang ends the child, never the suite
+      DiskCache c(dir, true, 30000);
+      int bad = 0;
+      for (int n = 0; std::chrono::steady_clock::now() < until; ++n) {
+        if (w < kWriters) {
+          std::string k = key_of("w" + std::to_string(w) + "-" + std::to_string(n));
+          auto held = c.lock(k);
+          c.store(k, std::string(4000 + n % 7, 'x'), {{"n", n}});
+        } else {
+          auto r = c.verify();
+          for (const auto& b : r.bad) std::fprintf(stderr, "verify: %s\n", b.c_str());
+          bad += static_cast<int>(r.bad.size());
+        }
+      }
+      ::_exit(std::min(bad, 100));
+    }
+    (w < kWriters ? writers : verifiers).push_back(pid);
+  }
+  for (pid_t pid : writers) {
+    int st = 0;
+    ::waitpid(pid, &st, 0);
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  }
+  for (pid_t pid : verifiers) {
+    int st = 0;
+    ::waitpid(pid, &st, 0);
+    EXPECT_TRUE(WIFEXITED(st)) << "verifier killed";
+    EXPECT_EQ(WEXITSTATUS(st), 0) << "verify reported healthy entries as bad";
+  }
+  DiskCache c(dir, true, 30000);
+  auto v = c.verify();
+  EXPECT_TRUE(v.bad.empty());
+  EXPECT_GT(v.ok, 0);
+}
+
+TEST(TuningDbFiles, LinksAndForeignFilesAreNeverFollowedOrTrusted) {
+  kspec::testing::TempDir tmp;
+  std::string dir = tmp.path() + "/tuning", victim = tmp.path() + "/victim";
+  std::string why;
+  ASSERT_TRUE(kspec::jit::make_private_dir(dir, &why)) << why;
+  std::ofstream(victim) << "precious";
+  std::string db = dir + "/tuning-x.json";
+  // A .lock symlink: not followed, its target not created, the write refused.
+  fs::create_symlink(tmp.path() + "/lock-target", db + ".lock");
+  std::string err;
+  EXPECT_FALSE(kspec::cache::TuningDb(db).merge({{"k", {{"config", "a=1"}}}}, {}, kspec::cache::TuningDb::prefer_incoming, &err));
+  EXPECT_FALSE(fs::exists(tmp.path() + "/lock-target"));
+  fs::remove(db + ".lock");
+  // The database a symlink to the victim, .corrupt another: neither target is read or written.
+  fs::create_symlink(victim, db);
+  fs::create_symlink(victim, db + ".corrupt");
+  std::string problem;
+  EXPECT_TRUE(kspec::cache::TuningDb(db).entries(&problem).empty());
+  EXPECT_NE(problem.find("symbolic link"), std::string::npos) << problem;
+  ASSERT_TRUE(kspec::cache::TuningDb(db).merge({{"k", {{"config", "a=1"}}}}, {}, kspec::cache::TuningDb::prefer_incoming, &err)) << err;
+  EXPECT_EQ(slurp(victim), "precious");
+  EXPECT_TRUE(fs::is_symlink(db + ".corrupt"));  // the link itself moved aside
+  EXPECT_FALSE(fs::is_symlink(db));
+  EXPECT_EQ(mode_of(db), 0600);
+  EXPECT_TRUE(kspec::cache::TuningDb(db).get("k"));
+  // Writable by others: not trusted.
+  ::chmod(db.c_str(), 0666);
+  EXPECT_FALSE(kspec::cache::TuningDb(db).get("k"));
+  // A directory others can write is refused for writing.
+  std::string shared = tmp.path() + "/shared";
+  fs::create_directory(shared);
+  ::chmod(shared.c_str(), 0777);
+  EXPECT_FALSE(kspec::cache::TuningDb(shared + "/db.json").merge({{"k", {{"config", "a=1"}}}}, {}, kspec::cache::TuningDb::prefer_incoming, &err));
+  EXPECT_NE(err.find("writable by group or others"), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(shared + "/db.json"));
+}
+
+TEST(TuningDbFiles, DataDerivedNamesAreFileNamePartsOnly) {
+  using kspec::cache::sanitize_file_part;
+  std::vector<std::string> hostiles = {"/../../../../../tmp/victim", "..", "...", "../..", "a/b",
+                                      std::string(300, 'x'), std::string("a\0b", 3), "\n/etc/passwd"};
+  for (const auto& hostile : hostiles) {
+    std::string part = sanitize_file_part(hostile);
+    EXPECT_EQ(part.find('/'), std::string::npos) << hostile;
+    EXPECT_NE(part.find_first_not_of('.'), std::string::npos) << hostile;  // never "." or ".."
+    EXPECT_LE(part.size(), 64u);
+    EXPECT_FALSE(part.empty());
+  }
+  EXPECT_EQ(sanitize_file_part("12.8"), "12.8");
+}
+
+TEST(PrivateDirs, CreatedOwnerOnlyWhateverTheUmaskAndCheckedWhenPresent) {
+  kspec::testing::TempDir tmp;
+  {
+    Umask open_umask(0);
+    std::string why;
+    ASSERT_TRUE(kspec::jit::make_private_dir(tmp.path() + "/a/b/c", &why)) << why;
+    for (const char* d : {"/a", "/a/b", "/a/b/c"}) EXPECT_EQ(mode_of(tmp.path() + d), 0700) << d;
+    // The first command being a tuning import: its cache and tuning directories are private too.
+    ASSERT_TRUE(kspec::cache::TuningDb(tmp.path() + "/cache/tuning/db.json").merge({{"k", {{"config", "a=1"}}}}, {}));
+    EXPECT_EQ(mode_of(tmp.path() + "/cache"), 0700);
+    EXPECT_EQ(mode_of(tmp.path() + "/cache/tuning"), 0700);
+    DiskCache c(tmp.path() + "/cache", true, 1 << 30);
+    EXPECT_FALSE(c.store(key_of("u"), "bytes", {}).empty());  // the kernel cache accepts it as its own
+  }
+  {
+    Umask closed_umask(0777);
+    std::string why;
+    ASSERT_TRUE(kspec::jit::make_private_dir(tmp.path() + "/m", &why)) << why;
+    EXPECT_EQ(mode_of(tmp.path() + "/m"), 0700);
+  }
+  std::string why;
+  ::chmod((tmp.path() + "/a").c_str(), 0770);
+  EXPECT_FALSE(kspec::jit::make_private_dir(tmp.path() + "/a", &why));
+  EXPECT_NE(why.find("writable by group or others"), std::string::npos) << why;
+  std::ofstream(tmp.path() + "/file") << "x";
+  EXPECT_FALSE(kspec::jit::make_private_dir(tmp.path() + "/file", &why));
+  EXPECT_NE(why.find("not a directory"), std::string::npos) << why;
+}
+
+TEST(DebugSources, FailedSourceGoesToAPrivateDirectoryNeverThroughALink) {
+  kspec::testing::TempDir tmp;
+  kspec::jit::KernelSpec spec;
+  spec.header = "norm_act/norm_act.cuh";
+  spec.kernel = "kspec::norm_act_fwd_kernel";
+  spec.targs = {"not_a_type_at_all"};
+  spec.arch = "sm_90a";
+  std::string name = "kspec-failed-" + kspec::jit::sha256_hex(spec.canonical()).substr(0, 16) + ".cu";
+  // A shared directory (as /tmp) with the predictable name planted as a link to a victim.
+  std::string shared = tmp.path() + "/shared", victim = tmp.path() + "/victim";
+  fs::create_directory(shared);
+  ::chmod(shared.c_str(), 01777);
+  std::ofstream(victim) << "precious";
+  fs::create_symlink(victim, shared + "/" + name);
+  ::setenv("KSPEC_DEBUG_DIR", shared.c_str(), 1);
+  std::string path;
+  try {
+    kspec::jit::compile(spec);
+    ADD_FAILURE() << "expected CompileError";
+  } catch (const kspec::CompileError& e) {
+    path = e.source_path();
+  }
+  EXPECT_EQ(slurp(victim), "precious");
+  ASSERT_TRUE(fs::exists(path)) << path;
+  EXPECT_NE(slurp(path).find("not_a_type_at_all"), std::string::npos);
+  EXPECT_EQ(fs::path(path).parent_path().parent_path(), fs::path(shared));  // shared/kspec-debug-XXXXXX/
+  EXPECT_EQ(mode_of(fs::path(path).parent_path().string()), 0700);
+  EXPECT_EQ(mode_of(path), 0600);
+  // A debug directory of the user's own that does not exist yet is created private and used as is.
+  std::string own = tmp.path() + "/mine/debug";
+  ::setenv("KSPEC_DEBUG_DIR", own.c_str(), 1);
+  try {
+    kspec::jit::compile(spec);
+  } catch (const kspec::CompileError& e) {
+    path = e.source_path();
+  }
+  ::unsetenv("KSPEC_DEBUG_DIR");
+  EXPECT_EQ(path, own + "/" + name);
+  EXPECT_EQ(mode_of(own), 0700);
+}
+
+TEST(Key, HeaderMemoBitFlipIsDetectedAndRehashed) {
+  kspec::testing::TempDir tmp;
+  auto src = kspec::jit::TemplateSource::embedded();
+  std::string direct = kspec::jit::system_headers_hash(src, "norm_act/norm_act.cuh", "");
+  ASSERT_EQ(kspec::jit::system_headers_hash(src, "norm_act/norm_act.cuh", tmp.path()), direct);
+  std::string memo;
+  for (const auto& e : fs::directory_iterator(tmp.path())) memo = e.path().string();
+  ASSERT_FALSE(memo.empty());
+  std::string text = slurp(memo);
+  text[3] = text[3] == '0' ? '1' : '0';  // one hex digit of the recorded hash
+  std::ofstream(memo) << text;
+  EXPECT_EQ(kspec::jit::system_headers_hash(src, "norm_act/norm_act.cuh", tmp.path()), direct);
+  EXPECT_EQ(slurp(memo).substr(0, 64), direct);  // rewritten
+  EXPECT_EQ(kspec::jit::system_headers_hash(src, "norm_act/norm_act.cuh", tmp.path()), direct);
 }

@@ -154,13 +154,30 @@ TEST(Gpu, WorksUnderCudaGraphCapture) {
   auto y = p.y.download(), dw = p.dw.download();
   EXPECT_EQ(0, std::memcmp(y.data(), y_ref.data(), y.size() * 4));
   EXPECT_EQ(0, std::memcmp(dw.data(), dw_ref.data(), dw.size() * 4));
-  // A problem needing a bigger workspace cannot grow it mid-capture: a clear error, not a crash.
-  Problem32 big(2048, 8192, 12);  // its backward's partial sums need several MiB
+  // torch.cuda.graph's recipe: warmed on one stream, captured on another whose workspace is too small (here
+  // 1 MiB, where the backward's partial sums need several): the captured call allocates its workspace in the
+  // graph, and the replays match the eager run.
+  CUstream warm;
+  CU_CHECK(cuStreamCreate(&warm, CU_STREAM_NON_BLOCKING));
+  Problem32 big(2048, 8192, 12);
+  big.run(reinterpret_cast<Stream>(warm));
+  CU_CHECK(cuStreamSynchronize(warm));
+  auto big_y = big.y.download(), big_dw = big.dw.download();
+  big.poison();
+  CUgraph big_graph;
+  CUgraphExec big_exec;
   ASSERT_EQ(jit::driver().cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), CUDA_SUCCESS);
-  EXPECT_THROW(big.run(reinterpret_cast<Stream>(s)), Unsupported);
-  CUgraph discard = nullptr;
-  jit::driver().cuStreamEndCapture(s, &discard);
-  if (discard) jit::driver().cuGraphDestroy(discard);
+  big.run(reinterpret_cast<Stream>(s));
+  ASSERT_EQ(jit::driver().cuStreamEndCapture(s, &big_graph), CUDA_SUCCESS);
+  ASSERT_EQ(jit::driver().cuGraphInstantiate(&big_exec, big_graph, 0), CUDA_SUCCESS);
+  for (int i = 0; i < 2; ++i) ASSERT_EQ(jit::driver().cuGraphLaunch(big_exec, warm), CUDA_SUCCESS);
+  CU_CHECK(cuStreamSynchronize(warm));
+  auto y2 = big.y.download(), dw2 = big.dw.download();
+  EXPECT_EQ(0, std::memcmp(y2.data(), big_y.data(), y2.size() * 4));
+  EXPECT_EQ(0, std::memcmp(dw2.data(), big_dw.data(), dw2.size() * 4));
+  jit::driver().cuGraphExecDestroy(big_exec);
+  jit::driver().cuGraphDestroy(big_graph);
+  jit::driver().cuStreamDestroy(warm);
   jit::driver().cuGraphExecDestroy(exec);
   jit::driver().cuGraphDestroy(graph);
   jit::driver().cuStreamDestroy(s);

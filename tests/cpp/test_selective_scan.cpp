@@ -212,7 +212,9 @@ TEST(SelectiveScan, ProblemsSharingAPlanShareTheHeuristic) {
                                                              {1, 2048, 65536}, {1, 2048, 8192}, {1, 2048, 4096},
                                                              {2, 64, 300}, {2, 32, 9000}, {1, 8, 65536},
                                                              {8, 1024, 512}, {16, 4096, 1024}, {4, 4096, 4096},
-                                                             {1, 2048, 65000}}) {
+                                                             {1, 2048, 65000}, {4, 1536, 1000}, {2, 4096, 333},
+                                                             {1, 1024, 2000}, {16, 768, 256}, {2, 2048, 700},
+                                                             {1, 2048, 512}, {1, 1024, 100}, {3, 1000, 1000}}) {
       CompileRequest r;
       r.op = name;
       r.dtype = DType::bf16;
@@ -249,7 +251,7 @@ TEST(SelectiveScan, ProblemsSharingAPlanShareTheHeuristic) {
       r.params.set("dim", int64_t(2048));
       EXPECT_NE(op.tuning.heuristic(problem_from_request(op, r)).get("algo"), 2);
       // From 2048 to 8192 channels (batch * dim) the tile kernel, also where the sequence is too short for
-      // segments (algo 0 before); past 8192 algo 1.
+      // segments (algo 0 before) and wherever seqlen is a multiple of 8; past 8192 algo 1.
       r.dtype = DType::bf16;
       for (auto [b, d, t, algo] : std::vector<std::array<int64_t, 4>>{{1, 4096, 2048, 2},
                                                                      {1, 2048, 512, 2},
@@ -257,8 +259,10 @@ TEST(SelectiveScan, ProblemsSharingAPlanShareTheHeuristic) {
                                                                      {4, 2048, 1024, 2},
                                                                      {2, 6144, 8192, 1},
                                                                      {1, 8200, 8192, 1},
-                                                                     {1, 2040, 2048, 0},
-                                                                     {1, 4096, 2000, 0}}) {
+                                                                     {1, 2040, 2048, 1},
+                                                                     {4, 1536, 1000, 2},
+                                                                     {1, 4096, 2000, 2},
+                                                                     {1, 4096, 2004, 0}}) {
         r.params.set("batch", b);
         r.params.set("dim", d);
         r.params.set("seqlen", t);
@@ -276,9 +280,42 @@ TEST(SelectiveScan, ProblemsSharingAPlanShareTheHeuristic) {
       EXPECT_NE(why.find("32-bit offsets"), std::string::npos) << why;
       EXPECT_NE(op.tuning.heuristic(huge).get("algo"), 2);
     }
-    EXPECT_EQ(op.tuning.heuristic(ps.back()).get("lanes"), 4) << name;  // 65000 steps: no vector chunks
+    // 65000 steps: no vector chunks for algos 0 and 1 (4 states per thread with segments); the forward's
+    // tile kernel takes any multiple of 8 steps
+    if (fwd) EXPECT_EQ(op.tuning.heuristic(ps[12]).get("algo"), 2) << name;
+    else EXPECT_EQ(op.tuning.heuristic(ps[12]).get("lanes"), 4) << name;
     EXPECT_EQ(op.tuning.heuristic(ps[0]).get("segs"), 1) << name;
   }
+}
+
+// Few channels, short sequences (where algo 0 ran before; issue 33's small Mamba shapes): algo 1 at 2
+// states per thread with segments filling 8192 channel-segments; short sequences with many channels
+// take the lanes that give 48k threads.
+TEST(SelectiveScan, HeuristicForShortSequences) {
+  auto heuristic = [](const char* name, int64_t b, int64_t d, int64_t t) {
+    const OpDef& op = Registry::global().get(name);
+    CompileRequest r;
+    r.op = name;
+    r.dtype = DType::bf16;
+    r.params = {{"dstate", int64_t(16)}, {"batch", b}, {"dim", d}, {"seqlen", t}, {"delta_softplus", true}};
+    return op.tuning.heuristic(problem_from_request(op, r));
+  };
+  const char* bwd = "selective_scan.bwd";
+  const char* fwd = "selective_scan.fwd";
+  for (auto [b, d, t, segs] : std::vector<std::array<int64_t, 4>>{
+           {1, 1024, 2000, 8}, {1, 2048, 512, 4}, {2, 2048, 700, 2}, {4, 1536, 1000, 1}, {3, 1000, 1000, 2}}) {
+    const Config c = heuristic(bwd, b, d, t);
+    EXPECT_EQ(c.get("algo"), 1) << b << "x" << d << "x" << t;
+    EXPECT_EQ(c.get("lanes"), 8) << b << "x" << d << "x" << t;
+    EXPECT_EQ(c.get("segs"), segs) << b << "x" << d << "x" << t;
+  }
+  EXPECT_EQ(heuristic(bwd, 1, 1024, 100).get("algo"), 0);  // under 128 steps: the warp scan
+  EXPECT_EQ(heuristic(fwd, 1, 1024, 2000).get("segs"), 8);
+  EXPECT_EQ(heuristic(fwd, 1, 1024, 2000).get("lanes"), 8);
+  EXPECT_EQ(heuristic(fwd, 4, 1536, 1004).get("algo"), 0);  // 6144 channels: the warp scan stays ahead
+  EXPECT_EQ(heuristic(fwd, 2, 4096, 333).get("lanes"), 8);
+  EXPECT_EQ(heuristic(fwd, 16, 768, 256).get("lanes"), 4);
+  EXPECT_EQ(heuristic(fwd, 8, 2048, 2048).get("lanes"), 2);  // long sequences as before
 }
 
 TEST(SelectiveScan, EveryCasePlansItsKernels) {

@@ -370,6 +370,45 @@ TEST(GemmTuning, KeyIsTheProblemSignatureAndItsPowerOfTwoBucket) {
   EXPECT_EQ(kspec::tuning_key(odd), kspec::tuning_key(problem_of(gemm_request("gemm", 5000, 4000, 40, "gelu", {"aux"}))));
 }
 
+TEST(GemmTuning, TheDefaultTakesTheUnfusedGeluWhereTheFusedEpilogueLoses) {
+  // Small K (issue 33: bf16 4097x4095x33 bias+gelu, 0.204 ms fused against torch's 0.063): unfused=1, the
+  // plain GEMM with the BIAS epilogue and kspec's GELU kernel; LLM shapes and other acts keep cuBLASLt's
+  // fused epilogue; a tiny output keeps it too (one launch).
+  auto info = [](int64_t m, int64_t n, int64_t k, const std::string& act) {
+    return kspec::explain_request(gemm_request("gemm", m, n, k, act, {"aux"}));
+  };
+  kspec::PlanInfo small_k = info(4097, 4095, 33, "gelu");
+  EXPECT_EQ(small_k.config_source, "heuristic");
+  EXPECT_EQ(small_k.config, "unfused=1");
+  ASSERT_EQ(small_k.kernels.size(), 1u);
+  EXPECT_NE(small_k.kernels[0].name.find("gemm_bias_act_kernel"), std::string::npos);
+  EXPECT_EQ(info(16384, 4096, 4096, "gelu").config, "");
+  EXPECT_EQ(info(4097, 4095, 33, "none").config, "");
+  EXPECT_EQ(info(4097, 4095, 33, "relu").config, "");
+  EXPECT_EQ(info(1, 33, 7, "gelu").config, "");
+  // The two choices are two plans: the derived key tells them apart.
+  EXPECT_NE(problem_of(gemm_request("gemm", 4097, 4095, 33, "gelu", {"aux"})).signature(),
+            problem_of(gemm_request("gemm", 4097, 4095, 4096, "gelu", {"aux"})).signature());
+}
+
+TEST(GemmTuning, ReluWithABiasIn16BitTypesSumsTheBiasInFp32ThroughC) {
+  // bf16/fp16: y is filled with the bias, then cuBLASLt's RELU epilogue reads it as C (the fill kernel is
+  // the plan's); fp32 and relu without a bias keep the fused epilogue alone.
+  auto kernels = [](kspec::DType dt, const std::string& act, std::vector<std::string> without) {
+    auto req = gemm_request("gemm", 33, 4097, 7, act, std::move(without));
+    req.dtype = dt;
+    return kspec::explain_request(req).kernels;
+  };
+  for (auto dt : {kspec::DType::bf16, kspec::DType::f16}) {
+    auto k = kernels(dt, "relu", {"aux"});
+    ASSERT_EQ(k.size(), 1u);
+    EXPECT_NE(k[0].name.find("gemm_fill_bias_kernel"), std::string::npos) << k[0].name;
+  }
+  EXPECT_TRUE(kernels(kspec::DType::f32, "relu", {"aux"}).empty());
+  EXPECT_TRUE(kernels(kspec::DType::bf16, "relu", {"aux", "bias"}).empty());
+  EXPECT_TRUE(kernels(kspec::DType::bf16, "none", {"aux"}).empty());
+}
+
 TEST(GemmTuning, ARecordedAlgorithmIsWhatDispatchChoosesAndOffIgnoresIt) {
   TempDir dir;
   std::string db = dir.path() + "/tuning.json";
@@ -592,25 +631,31 @@ TEST(GemmTuning, UnfusedEpilogueCandidatesCompileAndFollowTheirRules) {
       for (const std::string act : {"relu", "gelu"})
         for (int u : {1, 2})
           for (bool aux : {false, true}) {
-            if (aux && act != "gelu") continue;
+            if ((aux || u == 2) && act != "gelu") continue;
             auto req = gemm_request("gemm", 4097, 4095, 33, act, aux ? std::vector<std::string>{} : std::vector<std::string>{"aux"});
             req.dtype = dt;
             req.arch = arch;
             req.config = kspec::Config{{{"unfused", u}}};
             auto reports = kspec::compile(req);
-            ASSERT_EQ(reports.size(), 1u) << act << u << aux;
-            EXPECT_NE(reports[0].kernel.find("gemm_bias_act_kernel"), std::string::npos);
-            EXPECT_NE(reports[0].kernel.find(u == 2 ? ", true, " : ", false, "), std::string::npos) << reports[0].kernel;
-            EXPECT_EQ(reports[0].spill_bytes, 0) << reports[0].kernel;
+            // relu in 16-bit types: the bias fill first (cuBLASLt's C), then the act kernel
+            size_t fill = act == "relu" && dt != kspec::DType::f32 ? 1 : 0;
+            ASSERT_EQ(reports.size(), 1u + fill) << act << u << aux;
+            EXPECT_NE(reports[fill].kernel.find("gemm_bias_act_kernel"), std::string::npos);
+            EXPECT_NE(reports[fill].kernel.find(u == 2 ? ", true, " : ", false, "), std::string::npos) << reports[fill].kernel;
+            for (const auto& r : reports) EXPECT_EQ(r.spill_bytes, 0) << r.kernel;
             ++compiled;
           }
-  EXPECT_EQ(compiled, 2 * 3 * 6);
-  // Rules: only with an activation, unfused=2 only with a bias, never mixed with algorithm fields.
+  EXPECT_EQ(compiled, 2 * 3 * 5);
+  // Rules: only with an activation, unfused=2 only for gelu with a bias, never mixed with algorithm fields.
   const kspec::OpDef& op = kspec::Registry::global().get("gemm");
   std::string why;
   auto p = problem_of(gemm_request("gemm", 64, 64, 64, "none", {"aux"}));
   EXPECT_FALSE(op.tuning.valid(p, kspec::Config::parse("unfused=1"), &why));
   EXPECT_NE(why.find("relu or act=gelu"), std::string::npos) << why;
+  p = problem_of(gemm_request("gemm", 64, 64, 64, "relu", {"aux"}));
+  EXPECT_TRUE(op.tuning.valid(p, kspec::Config::parse("unfused=1"), &why)) << why;
+  EXPECT_FALSE(op.tuning.valid(p, kspec::Config::parse("unfused=2"), &why));  // relu's sign before rounding
+  EXPECT_NE(why.find("gelu"), std::string::npos) << why;
   p = problem_of(gemm_request("gemm", 64, 64, 64, "gelu", {"aux", "bias"}));
   EXPECT_TRUE(op.tuning.valid(p, kspec::Config::parse("unfused=1"), &why)) << why;
   EXPECT_FALSE(op.tuning.valid(p, kspec::Config::parse("unfused=2"), &why));

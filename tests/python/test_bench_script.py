@@ -33,6 +33,15 @@ def test_families_are_registered():
     assert {"norm_act", "selective_scan", "gemm", "adamw", "jit"} <= set(_bench().FAMILIES)
 
 
+def test_linear_sweep_covers_the_issue_shapes():
+    """Small K (7, 33, 64), small M (1, 32), odd N (4095, 4097) and an LLM shape, within one table."""
+    b = _bench()
+    assert "linear_sweep" in b.FAMILIES
+    shapes = b.linear_sweep_shapes(quick=False)
+    assert {7, 33, 64} <= {k for _, _, k in shapes} and {1, 32} <= {m for m, _, _ in shapes}
+    assert {4095, 4097} <= {n for _, n, _ in shapes} and (16384, 4096, 4096) in shapes
+
+
 def test_gpt350m_parameter_list():
     shapes = _bench().gpt350m_shapes()
     assert len(shapes) == 243

@@ -49,6 +49,10 @@ VARIANTS = {
     "segments_groups_4": dict(batch=1, dim=32, groups=4, seqlen=8200, softplus=False),
     # batch * dim >= 8192: the sequential-state kernels (the variants above take the warp scan)
     "wide_8x1024": dict(batch=8, dim=1024, seqlen=130),
+    # 1024..8191 channels, 128 steps or more: algo 1 at 2 states per thread with segments (backward: 4
+    # here; forward from 1024 steps: 8), where the warp scan ran before
+    "few_channels_short_1x1024x600": dict(batch=1, dim=1024, seqlen=600),
+    "few_channels_short_1x1024x1100": dict(batch=1, dim=1024, seqlen=1100, h0=False),
     # 2048 channels, seqlen a multiple of 512: the heuristic's forward is the tile kernel (16-bit dtypes)
     "tile_heuristic_4x512x1024": dict(batch=4, dim=512, seqlen=1024),
     # the forward keeps no states (save_states=False): the backward recomputes them, with each algorithm
@@ -133,19 +137,28 @@ def test_long_sequence_65536(dtype):
     _run_and_check(dtype, v)
 
 
-@pytest.mark.parametrize("op", ["fwd", "bwd"])
-def test_long_narrow_problems_take_segments(op):
-    """The heuristic's choice for few channels and a long sequence (the variants above run it)."""
-    import re
-
-    v = dict(BASE, batch=2, dim=16, seqlen=9000, form="fixed")
-    x = _inputs(torch.bfloat16, v)
+def _heuristic_config(op, **shape):
+    """The config text kspec.explain gives for a bf16 call of this shape (the BASE options)."""
+    x = _inputs(torch.bfloat16, dict(BASE, **shape))
     args = [x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")]
     if op == "bwd":
         args = [torch.randn_like(x["u"])] + args + [None]
-    text = str(kspec.explain(f"selective_scan.{op}", *args, delta_softplus=True))
-    m = re.search(r"algo=1,[0-9a-z=,]*segs=(\d+)", text)
-    assert m and int(m.group(1)) > 1, text
+    return str(kspec.explain(f"selective_scan.{op}", *args, delta_softplus=True))
+
+
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+@pytest.mark.parametrize("shape,pattern,segs", [
+    # few channels and a long sequence: segments (the segments_* variants run it)
+    (dict(batch=2, dim=16, seqlen=9000, form="fixed"), r"algo=1,[0-9a-z=,]*segs=(\d+)", None),
+    # 1024 channels, 1100 steps: 2 states per thread and 8 segments (the few_channels variants run it)
+    (dict(batch=1, dim=1024, seqlen=1100), r"algo=1,[0-9a-z=,]*lanes=8,[0-9a-z=,]*segs=(\d+)", 8),
+], ids=["long_narrow", "few_channels_short"])
+def test_heuristic_takes_segments(op, shape, pattern, segs):
+    import re
+
+    text = _heuristic_config(op, **shape)
+    m = re.search(pattern, text)
+    assert m and (int(m.group(1)) == segs if segs else int(m.group(1)) > 1), text
 
 
 def test_segmented_forward_back_to_back_and_in_graph_replays():
@@ -228,6 +241,10 @@ TILE_VARIANTS = {
     "tile_groups_2_no_z": dict(dim=32, groups=2, seqlen=1536, z=False, softplus=False),
     # the carry over 683 tiles at 6 warps (a partial last one) and 1024 at 4 warps
     "tile_long_65536": dict(batch=1, dim=8, seqlen=65536),
+    # seqlen a multiple of 8 only: the last run of 16 steps ends after 8 (1000, 520) or in the first tile
+    "tile_seqlen_1000": dict(dim=24, seqlen=1000),
+    "tile_seqlen_520_no_h0": dict(dim=16, seqlen=520, h0=False),
+    "tile_seqlen_8": dict(dim=8, seqlen=8),
 }
 
 

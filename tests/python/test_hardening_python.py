@@ -392,19 +392,6 @@ def test_cli_reports_file_errors_in_one_line(tmp_path):
     assert_clean_error(r, "")
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("[1, 2]", "request 1: expected a JSON object, got int"),
-    ('{"op": "norm_act.fwd"}\n"x"\n', "request 2: expected a JSON object, got str"),
-    ("[" * 200000 + "]" * 200000, "nested too deeply"),
-    ('{"op": "norm_act.fwd"}\n{"op": ', "not JSON"),
-])
-def test_cli_precompile_spec_list_is_checked(tmp_path, text, fragment):
-    f = tmp_path / "specs.jsonl"
-    f.write_text(text)
-    r = cli("precompile", "--file", str(f), env={"KSPEC_CACHE_DIR": str(tmp_path / "c")})
-    assert_clean_error(r, fragment)
-
-
 def test_cli_cache_error_is_one_line(tmp_path):
     # kspec.CacheError raised anywhere under the CLI is reported without a traceback.
     script = textwrap.dedent("""

@@ -277,6 +277,9 @@ def test_gemm_cli_names_its_dims_and_params_like_the_other_ops():
     r = cli("tune", "gemm", "--dtype", "bf16", "--shape", "m=4097,n=4095,k=33", "--param", "act=gelu",
             "--without", "aux", "--compile-only", "--quiet")
     assert "candidates come from its library on the GPU" in r.stdout and "nothing timed" in r.stdout
+    assert "unfused=1 (default)" in r.stdout  # GELU with a small K: the plain GEMM, then kspec's kernel
+    r = cli("tune", "gemm", "--dtype", "bf16", "--shape", "m=16384,n=4096,k=4096", "--param", "act=gelu",
+            "--without", "aux", "--compile-only", "--quiet")
     assert "(cuBLASLt heuristic) (default)" in r.stdout
 
 

@@ -2,7 +2,7 @@
 # One command for a GPU machine (H100, CUDA 13, torch preinstalled, no network): builds the C++ library
 # and the Python package there, runs GoogleTest and pytest with the GPU, the main job (every op against
 # its float64 reference), the benchmarks, and prints a results table. Results go to $OUT (or ./gpu-out).
-# Stages: check.sh [build] [test] [bench] [sanitize] [scan] [e79] [tune] [tune_gemm] (default: build
+# Stages: check.sh [build] [test] [bench] [sanitize] [sanitize_all] [scan] [scan_small] [e79] [tune] [tune_gemm] (default: build
 # test bench; tune includes tune_gemm, which alone tunes only the gemm problems; test is run + ctest +
 # pytest, also stages of their own).
 set -uo pipefail  # a failing step is recorded, the others still run
@@ -59,7 +59,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,te
 cat "$OUT/gpu.txt"
 
 # The selective-scan peer builds from source (~150 s, 16 cores) while kspec builds and tests.
-if { has bench || has scan || [ -n "${KSPEC_BUILD_PEERS:-}" ]; } && ls .peers/mamba_ssm-*.tar.gz >/dev/null 2>&1 && ! python3 -c "import torch, selective_scan_cuda" 2>/dev/null; then
+if { has bench || has scan || has scan_small || [ -n "${KSPEC_BUILD_PEERS:-}" ]; } && ls .peers/mamba_ssm-*.tar.gz >/dev/null 2>&1 && ! python3 -c "import torch, selective_scan_cuda" 2>/dev/null; then
   setsid nohup bash tools/gpu/build_mamba.sh > /tmp/mamba_build.log 2>&1 < /dev/null &
 fi
 
@@ -110,6 +110,47 @@ if has sanitize; then
     step "racecheck_$name" compute-sanitizer --tool racecheck --error-exitcode 1 python3 -m kspec check --op "$op" \
       --case dim_37 --case seqlen_2 --dtype bf16 --config "$cfg"
   done
+fi
+
+if has sanitize_all; then
+  # Every op's small cases under memcheck, racecheck and initcheck (tools/gpu/sanitize_all.sh).
+  step sanitize_all bash tools/gpu/sanitize_all.sh
+fi
+
+if has scan_small; then
+  # The small Mamba-1 shapes of the outside test (issue 33): kspec against mamba_ssm (gpu and ev columns),
+  # where the host time of a training step goes, and every config of the forward and the backward timed
+  # at each shape (no database written) to compare with the heuristic's choice.
+  SMALL=4x1536x1000,2x4096x333,1x2048x512,16x768x256,8x2560x1024
+  if [ -f /tmp/mamba_build.log ]; then
+    for _ in $(seq 360); do [ -f /tmp/mamba_build.done ] && break; sleep 1; done
+    echo "mamba_ssm build: exit $(cat /tmp/mamba_build.done 2>/dev/null || echo 'not finished')"
+  fi
+  step bench_scan_small python3 tools/bench/bench.py --family selective_scan --scan-shapes "$SMALL" \
+    --json "$OUT/bench_scan_small.json"
+  for shp in 2x4096x333 4x1536x1000; do
+    step "profile_$shp" python3 tools/gpu/profile_scan_host.py --shape "$shp" --json "$OUT/profile_$shp.json"
+  done
+  if [ -z "${KSPEC_SCAN_SMALL_NO_TUNE:-}" ]; then
+    mkdir -p "$OUT/scan_tune"
+    for shp in ${SMALL//,/ }; do
+      IFS=x read -r b d l <<< "$shp"
+      for op in fwd bwd; do
+        extra=(--without h0); [ $op = bwd ] && extra+=(--without dlast_state)
+        step "tune_${op}_$shp" python3 -m kspec tune "selective_scan.$op" --dtype bf16 --param delta_softplus=true \
+          "${extra[@]}" --shape "batch=$b,dim=$d,seqlen=$l,dstate=16,groups=1" --budget "${SCAN_TUNE_BUDGET:-15}" \
+          --no-save --quiet --json "$OUT/scan_tune/${op}_$shp.json"
+      done
+    done
+    python3 - "$OUT/scan_tune" <<'PY' | tee "$OUT/scan_tune/summary.txt"
+import glob, json, os, sys
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    r = json.load(open(f))
+    ok = sorted((c for c in r["candidates"] if c.get("status") == "ok"), key=lambda c: c["median_ms"])
+    print(f"{os.path.basename(f)[:-5]:<22} default {r['default_config']} {r['default_ms']:.4f} ms | best "
+          f"{r['best_config']} {r['best_ms']:.4f} ms | next: " + "; ".join(f"{c['config']} {c['median_ms']:.4f}" for c in ok[1:4]))
+PY
+  fi
 fi
 
 if has bench; then

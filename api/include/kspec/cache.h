@@ -22,10 +22,13 @@ struct CacheEntryInfo {
 
 CacheStats cache_stats();
 std::vector<CacheEntryInfo> cache_entries();  // most recently used first
-// Checks every entry's checksum; bad ones are removed. Returns (ok count, "key: reason" of bad ones).
+// Checks every entry's checksums (binary and metadata), under each entry's lock; bad ones are removed.
+// Returns (ok count, "key: reason (removed)" or "key: reason (not removed: why)" for each bad one).
 std::pair<int64_t, std::vector<std::string>> cache_verify();
-int64_t cache_prune(int64_t max_bytes = -1);  // -1: KSPEC_CACHE_MAX_BYTES
-int64_t cache_clear();
+// Removes least recently used entries down to max_bytes (-1: KSPEC_CACHE_MAX_BYTES); returns how many
+// were removed. CacheError when some could not be (a read-only directory).
+int64_t cache_prune(int64_t max_bytes = -1);
+int64_t cache_clear();  // returns how many entries were removed; CacheError when some could not be
 
 // Facts for `kspec doctor`: "name" → "value" lines, in order.
 std::vector<std::pair<std::string, std::string>> doctor();

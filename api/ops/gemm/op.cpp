@@ -118,12 +118,48 @@ std::string algo_applies(const gemm::LtCall& lt, const Config& c, const std::str
 
 const std::string kTuningNote = "cuBLASLt algorithm: the heuristic's top candidates, timed by kspec tune";
 
-// gemm's unfused epilogue (relu/gelu): unfused=1: cuBLASLt's plain GEMM with its BIAS epilogue, then
-// templates/gemm/gemm_bias_act.cuh applies the activation (and saves aux); unfused=2: the bias too in that
-// kernel. The plain GEMM runs cuBLASLt's heuristic algorithm.
+// gemm's unfused epilogue (relu/gelu): unfused=1: cuBLASLt's plain GEMM with its BIAS epilogue (relu in
+// fp16/bf16: the bias as C, see bias_through_c), then templates/gemm/gemm_bias_act.cuh applies the
+// activation (and saves aux); unfused=2 (gelu only): the bias too in that kernel, added to the rounded
+// product, which would decide relu's sign at the output's precision. The plain GEMM runs cuBLASLt's
+// heuristic algorithm.
 constexpr unsigned kBiasActThreads = 256;
 
 int64_t unfused_of(const Config& c) { return c.has("unfused") ? c.get("unfused") : 0; }
+
+// ReLU + bias in fp16/bf16: the bias goes in as cuBLASLt's C operand (y filled with it by
+// templates/gemm/gemm_fill_bias.cuh, beta = 1) under the plain RELU epilogue, so x·Wᵀ + b is summed in fp32
+// and ReLU takes the sign of that sum. With the RELU_BIAS epilogue the sign flipped where x·Wᵀ ≈ -b, up to
+// 2u·|x·Wᵀ| from 0 (the bias added after x·Wᵀ was rounded to the output type), and the backward, which
+// masks with y > 0, was 4e-2 off (bf16 x [33, 7], W [4097, 7]; torch's F.relu(F.linear) 1.7e-3; issue 33).
+// In fp32 the output type is the sum's: the fused epilogue stays.
+bool bias_through_c(const Problem& p) {
+  return act_code(p) == 1 && p.present("bias") && p.dtype("x") != DType::f32;
+}
+
+// ---- the untuned default: cuBLASLt's fused epilogue, or unfused (plain GEMM, then kspec's kernel) ----
+// cuBLASLt's fused GELU epilogue runs slow kernels where K is small (x [4097, 33], W [4095, 33] bf16 on the
+// H100: 0.204 ms fused against 0.063 ms for torch's F.linear then F.gelu, issue 33), while its plain GEMM
+// with the BIAS epilogue (torch's F.linear) and one pass over y do not. The thresholds are measurements:
+// `KSPEC_TUNE=off python3 tools/bench/bench.py --family linear_sweep` times the default against torch for
+// every act over small K, small M, odd N and LLM shapes, each path forced beside it; set them from its
+// table. The default takes unfused=1 where k <= max_k and y has at least min_outputs elements (below that
+// the second launch costs more than a slow epilogue).
+struct UnfusedRule {
+  int64_t max_k, min_outputs;
+};
+constexpr UnfusedRule kUnfusedGelu{64, 4096};  // from the issue's one measurement (k = 33), pending the sweep
+constexpr UnfusedRule kUnfusedRelu{0, 0};      // never: no shape measured where RELU's epilogue loses
+
+// The default's unfused level for a problem: 0 (fused) or 1 (BIAS epilogue, then kspec's act kernel).
+int64_t default_unfused(const Problem& p) {
+  int act = act_code(p);
+  if (act == 0 || !p.has_dim("k") || !p.has_dim("m") || !p.has_dim("n")) return 0;
+  const UnfusedRule& rule = act == 1 ? kUnfusedRelu : kUnfusedGelu;
+  int64_t batch = p.has_dim("batch") ? std::max<int64_t>(p.dim("batch"), 1) : 1;
+  int64_t outputs = batch * p.dim("m") * p.dim("n");
+  return p.dim("k") <= rule.max_k && outputs >= rule.min_outputs ? 1 : 0;
+}
 
 bool valid_fwd_config(const Problem& p, const Config& c, std::string* why) {
   if (!c.has("unfused")) return valid_algo_config(c, {""}, why);
@@ -135,12 +171,15 @@ bool valid_fwd_config(const Problem& p, const Config& c, std::string* why) {
   if (c.values.size() != 1) return fail("unfused runs cuBLASLt's heuristic for the plain GEMM: no algorithm fields with it");
   if (u != 1 && u != 2) return fail("unfused is 1 (bias in cuBLASLt's epilogue) or 2 (bias in kspec's kernel)");
   if (act_code(p) == 0) return fail("unfused is for act=relu or act=gelu");
+  if (u == 2 && act_code(p) != 2)
+    return fail("unfused=2 is for gelu (relu's sign must be taken before the product is rounded)");
   if (u == 2 && !p.present("bias")) return fail("unfused=2 adds the bias in kspec's kernel, and there is no bias");
   return true;
 }
 
 struct FwdPlan {
   gemm::LtCall lt;
+  bool fill_bias = false;  // y is filled with the bias first and read back as C (bias_through_c)
 };
 
 FwdPlan plan_fwd(const Call& call) {
@@ -171,6 +210,13 @@ FwdPlan plan_fwd(const Call& call) {
     lt.aux_batch_stride = lt.g.batch > 1 ? call.problem.dim("m") * n : 0;
   }
   lt.bias = has_bias ? b.data : nullptr;
+  if (bias_through_c(call.problem)) {
+    f.fill_bias = true;
+    lt.bias = nullptr;
+    lt.beta = 1.f;  // C = D = y, holding the bias
+    lt.epilogue = CUBLASLT_EPILOGUE_RELU;
+    return f;
+  }
   switch (act) {
     case 0: lt.epilogue = has_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT; break;
     case 1: lt.epilogue = has_bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU; break;
@@ -243,6 +289,32 @@ std::vector<HostTensor> fwd_reference(const Problem& p, const std::vector<HostTe
   return out;
 }
 
+// Blocks of a grid-stride elementwise kernel over `total` elements (a few waves at most; 0 for none).
+unsigned grid_for(Launcher& l, int64_t total) {
+  return static_cast<unsigned>(std::min<int64_t>((total + kBiasActThreads - 1) / kBiasActThreads,
+                                                 int64_t(l.multiprocessors()) * 16));
+}
+
+// y (and aux, contiguous like it) as blocks of rows at one row stride for an elementwise kernel: one block
+// when its batches lie end to end (or there is one row per batch), else one per batch.
+template <typename F>
+void for_each_y_block(const Call& call, F&& f) {
+  const TensorView &y = call.out("y"), &aux = call.out("aux");
+  gemm::MatrixView yv = matrix_of(y, call.problem.op->info.name, "y");
+  int64_t batch = std::max<int64_t>(call.problem.dim("batch"), 1), m = yv.rows, n = yv.cols;
+  bool uniform = batch == 1 || m == 1 || yv.batch_stride == m * yv.row_stride;
+  int64_t blocks = uniform ? 1 : batch;
+  long long rows = uniform ? batch * m : m, cols = n;
+  long long stride = m == 1 && batch > 1 ? yv.batch_stride : yv.row_stride;
+  size_t esize = dtype_size(y.dtype);
+  if (rows * cols == 0) return;
+  for (int64_t k = 0; k < blocks; ++k) {
+    void* yp = static_cast<char*>(y.data) + k * yv.batch_stride * esize;
+    void* ap = aux.defined() ? static_cast<void*>(static_cast<char*>(aux.data) + k * m * n * esize) : nullptr;
+    f(yp, ap, rows, cols, stride);
+  }
+}
+
 OpDef make_fwd() {
   OpDef op;
   OpInfo& i = op.info;
@@ -265,24 +337,33 @@ OpDef make_fwd() {
   i.dims = gemm_dims();
   i.reference = "api/ops/gemm/reference.cpp (python/kspec/reference/gemm.py)";
   op.check_call = [](const Call& call) { plan_fwd(call); };
-  op.tuning.heuristic = [](const Problem&) { return Config{}; };
+  op.tuning.heuristic = [](const Problem& p) {
+    return default_unfused(p) ? Config{{{"unfused", default_unfused(p)}}} : Config{};
+  };
+  // The heuristic reads runtime dims: the plan cache keeps its two choices apart.
+  op.derived_key = [](const Problem& p) { return default_unfused(p) ? std::string("unfused") : std::string(); };
   op.tuning.valid = valid_fwd_config;
   op.tuning.candidates = [](const Call& call, int n) {
     std::vector<Config> out = candidate_configs(plan_fwd(call).lt, call.device, n, "");
-    if (act_code(call.problem) != 0) {
-      out.push_back(Config{{{"unfused", 1}}});
-      if (call.problem.present("bias")) out.push_back(Config{{{"unfused", 2}}});
+    if (act_code(call.problem) != 0) out.push_back(Config{{{"unfused", 1}}});
+    if (act_code(call.problem) == 2 && call.problem.present("bias")) {
+      out.push_back(Config{{{"unfused", 2}}});
     }
     return out;
   };
   op.tuning.applies = [](const Call& call, const Config& c) {
     return unfused_of(c) ? std::string() : algo_applies(plan_fwd(call).lt, c, "", call.device);
   };
-  i.tuning_note = kTuningNote + "; or unfused=1|2 with act relu/gelu (the plain GEMM, then kspec's bias/act kernel)";
+  i.tuning_note = kTuningNote + "; or unfused=1 with act relu/gelu, unfused=2 with gelu (the plain GEMM, then kspec's "
+                                "bias/act kernel)";
   op.kernels = [](const Problem& p, const Config& c) {
     std::vector<jit::KernelSpec> out;
     int64_t u = unfused_of(c);
-    if (u == 0) return out;  // cuBLASLt alone
+    if (bias_through_c(p)) {
+      out.push_back(kernel_spec(p, "gemm/gemm_fill_bias.cuh", "kspec::gemm_fill_bias_kernel",
+                                {dtype_cuda_type(p.dtype("x")), std::to_string(kBiasActThreads)}));
+    }
+    if (u == 0) return out;  // cuBLASLt alone (after the bias fill)
     out.push_back(kernel_spec(p, "gemm/gemm_bias_act.cuh", "kspec::gemm_bias_act_kernel",
                               {dtype_cuda_type(p.dtype("x")), std::to_string(act_code(p)),
                                u == 2 ? "true" : "false", p.present("aux") ? "true" : "false",
@@ -299,27 +380,22 @@ OpDef make_fwd() {
       if (u == 2) f.lt.bias = nullptr;
       f.lt.aux = nullptr;
     }
+    const TensorView& b = call.in("bias");
+    if (f.fill_bias) {
+      for_each_y_block(call, [&](void* yp, void*, long long rows, long long cols, long long stride) {
+        const void* bp = b.data;
+        void* args[] = {&yp, &bp, &rows, &cols, &stride};
+        l.launch(0, {grid_for(l, rows * cols)}, {kBiasActThreads}, 0, args);
+      });
+    }
     void* ws = l.workspace(gemm::kLtWorkspaceBytes);
     gemm::lt_matmul(f.lt, call.device, call.stream, ws, gemm::kLtWorkspaceBytes);
     if (!u) return;
-    // The activation over y: one launch when its rows lie at one stride (batches end to end), else one per batch.
-    const TensorView &y = call.out("y"), &b = call.in("bias"), &aux = call.out("aux");
-    gemm::MatrixView yv = matrix_of(y, call.problem.op->info.name, "y");
-    int64_t batch = std::max<int64_t>(call.problem.dim("batch"), 1), m = yv.rows, n = yv.cols;
-    bool uniform = batch == 1 || m == 1 || yv.batch_stride == m * yv.row_stride;
-    int64_t launches = uniform ? 1 : batch, rows = uniform ? batch * m : m;
-    long long stride = m == 1 && batch > 1 ? yv.batch_stride : yv.row_stride, cols = n;
-    size_t esize = dtype_size(y.dtype);
-    for (int64_t k = 0; k < launches; ++k) {
-      void* yp = static_cast<char*>(y.data) + k * yv.batch_stride * esize;
+    for_each_y_block(call, [&](void* yp, void* ap, long long rows, long long cols, long long stride) {
       const void* bp = b.data;
-      void* ap = aux.defined() ? static_cast<void*>(static_cast<char*>(aux.data) + k * m * n * esize) : nullptr;
-      long long r = rows;
-      void* args[] = {&yp, &bp, &ap, &r, &cols, &stride};
-      int64_t blocks = std::min<int64_t>((rows * n + kBiasActThreads - 1) / kBiasActThreads,
-                                         int64_t(l.multiprocessors()) * 16);
-      if (rows * n > 0) l.launch(0, {static_cast<unsigned>(blocks)}, {kBiasActThreads}, 0, args);
-    }
+      void* args[] = {&yp, &bp, &ap, &rows, &cols, &stride};
+      l.launch(f.fill_bias ? 1 : 0, {grid_for(l, rows * cols)}, {kBiasActThreads}, 0, args);
+    });
   };
   op.reference = fwd_reference;
   op.cases = fwd_cases();

@@ -33,6 +33,11 @@ int64_t groups_of(const Problem& p) {
   return (var_b(p) || var_c(p)) && p.has_dim("groups") ? p.dim("groups") : 1;
 }
 bool is_even(const Problem& p) { return p.dim("seqlen") % kEvenMultiple == 0 && p.align_bytes >= 16; }
+// The tile kernel's (algo 2) vectors: a variable B/C row's 16-byte vectors of 8 steps and a lane's 4 steps
+// of u, delta, z, out start at aligned addresses when seqlen is a multiple of 8 and the tensors are
+// 16-byte aligned; a run of 16 steps may then be cut by the sequence's end at 8.
+constexpr int64_t kTileVector = 8;
+bool tile_vectors(const Problem& p) { return p.dim("seqlen") % kTileVector == 0 && p.align_bytes >= 16; }
 
 // Cross-argument rules, for every op of the family (step has no seqlen but the same B/C rules).
 void check_scan(const Problem& p) {
@@ -101,32 +106,33 @@ std::vector<TensorDef> scan_inputs() {
   };
 }
 
-std::string flags_targs(const Problem& p) {
+// `vectors`: the last flag, kEven (algo 0 and 1: is_even) or the tile kernel's kVec (tile_vectors).
+std::string flags_targs(const Problem& p, bool vectors) {
   std::string s = dtype_cuda_type(p.dtype("u"));
   s += ", " + std::string(dtype_cuda_type(p.dtype("B")));
   s += ", " + std::string(dtype_cuda_type(p.dtype("C")));
   s += ", " + std::to_string(p.dim("dstate"));
   for (bool f : {var_b(p), var_c(p), p.present("D"), p.present("z"), p.present("delta_bias"),
-                 p.param_bool("delta_softplus"), p.present("h0"), is_even(p)})
+                 p.param_bool("delta_softplus"), p.present("h0"), vectors})
     s += std::string(", ") + b2s(f);
   return s;
 }
 
 // The warp-scan kernels (algo 0).
 std::string traits(const Problem& p, const Config& c) {
-  return "kspec::ScanTraits<" + flags_targs(p) + ", " + std::to_string(c.get("warps")) + ", " +
+  return "kspec::ScanTraits<" + flags_targs(p, is_even(p)) + ", " + std::to_string(c.get("warps")) + ", " +
          std::to_string(c.get("items")) + ">";
 }
 
 // The sequential-state kernels (algo 1).
 std::string seq_traits(const Problem& p, const Config& c) {
-  return "kspec::SeqScanTraits<" + flags_targs(p) + ", " + std::to_string(c.get("warps")) + ", " +
+  return "kspec::SeqScanTraits<" + flags_targs(p, is_even(p)) + ", " + std::to_string(c.get("warps")) + ", " +
          std::to_string(c.get("lanes")) + ", " + std::to_string(c.get("chunk")) + ">";
 }
 
 // The one-pass tile kernel (algo 2).
 std::string tile_traits(const Problem& p, const Config& c) {
-  return "kspec::TileScanTraits<" + flags_targs(p) + ", " + std::to_string(c.get("warps")) + ">";
+  return "kspec::TileScanTraits<" + flags_targs(p, tile_vectors(p)) + ", " + std::to_string(c.get("warps")) + ">";
 }
 
 jit::KernelSpec spec(const Problem& p, const char* kernel, std::vector<std::string> targs) {
@@ -291,8 +297,18 @@ int64_t lanes_for_states(const Problem& p, int64_t most) {
 // local pass takes the vector prefetch (139 registers at 8 states): 1x2048x65536, 4 warps, chunk 32, 32
 // segments 1.622 ms, at 4 states 1.836 (16 segments 1.678 / 1.856). Elsewhere segments keep 4: the
 // scalar walk of the local pass takes 246 registers at 8 states.
+// Sequences shorter than kShortSeqlen without segments take the fewest lanes that give 48k threads
+// (a chunk's fixed cost is not amortized over many steps there, so more threads win): H100 bf16
+// forward, 2x4096x333: 8 lanes 0.081 ms, 4 lanes 0.113; 16x768x256: 4 lanes 0.094, 8 lanes over 0.10.
+constexpr int64_t kShortSeqlen = 512, kShortThreads = 49152;
 int64_t seq_default_lanes(const Problem& p, int64_t segs) {
-  const bool eight = p.dim("batch") * p.dim("dim") >= 16384 || (segs > 1 && is_even(p));
+  const int64_t chans = p.dim("batch") * p.dim("dim");
+  if (segs == 1 && p.dim("seqlen") < kShortSeqlen) {
+    int64_t lanes = lanes_for_states(p, 8);
+    while (lanes < 32 && lanes < p.dim("dstate") && chans * lanes < kShortThreads) lanes *= 2;
+    return lanes;
+  }
+  const bool eight = chans >= 16384 || (segs > 1 && is_even(p));
   return lanes_for_states(p, eight ? 8 : 4);
 }
 
@@ -330,6 +346,32 @@ int64_t default_segs(const Problem& p, int64_t most) {
 }
 constexpr int64_t kFwdSegsMost = 32, kBwdSegsMost = 16;
 
+// Few channels and a sequence too short for default_segs: algo 1 at 2 states per thread, with segments
+// up to 8192 channel-segments (each of 4 chunks or more), where the warp scan (algo 0) ran before. H100
+// bf16, kspec tune --all-configs (2026-11-26), ms, this config against algo 0's heuristic config:
+//  - backward (4 warps, chunk 16): 1x1024x2000 0.111 / 0.252 (8 segments), 1x2048x512 0.063 / 0.113 (4),
+//    2x2048x700 0.145 / 0.368 (2), 4x1536x1000 0.250 / 0.741 (1); the best configs were within 3%.
+//  - forward (4 warps, chunk 32), only up to 2048 channels and from 1024 steps: 1x1024x2000 0.074 / 0.102
+//    (8 segments); with 4096 channels (2x2048x700: 0.098 / 0.094) and 6144 (4x1536x1000: 0.214 / 0.193)
+//    the warp scan stays ahead.
+//  Not measured below 1024 channels or 128 steps (tiny, latency-bound problems): algo 0 stays there.
+constexpr int64_t kFewChannelSegs = 8192, kFewChannelsMin = 1024, kFewSeqlenMin = 128;
+struct FewChannels {
+  int64_t segs = 0;  // 0: the rule does not apply
+  int64_t lanes = 0;
+};
+FewChannels few_channels_plan(const Problem& p, int64_t most, int64_t chunk, bool fwd) {
+  if (!p.has_dim("seqlen") || many_channels(p) || default_segs(p, most) > 1) return {};
+  const int64_t chans = p.dim("batch") * p.dim("dim"), seqlen = p.dim("seqlen");
+  if (chans < kFewChannelsMin || seqlen < kFewSeqlenMin || (fwd && (chans > 2048 || seqlen < 1024))) return {};
+  int64_t segs = 1;
+  while (segs < most && chans * segs * 2 <= kFewChannelSegs && seqlen >= kSegChunksMin * chunk * segs * 2) segs *= 2;
+  return {segs, lanes_for_states(p, 2)};
+}
+std::string few_key(const FewChannels& f) {
+  return f.segs ? ",few|" + std::to_string(f.segs) + "x" + std::to_string(f.lanes) : "";
+}
+
 // ---- the one-pass tile kernel (algo 2, forward only; see "the tile kernel" in the template) ----
 // A block holds 8 channels (lanes = 8 channels x 4 groups of 4 states) and `warps` runs of 16 steps.
 constexpr int64_t kTileChannels = 8, kTileRun = 16;
@@ -358,7 +400,7 @@ bool tile_valid(const Problem& p, const Config& c, std::string* why) {
   if (dtype_size(p.dtype("u")) != 2 || (var_b(p) && dtype_size(p.dtype("B")) != 2) ||
       (var_c(p) && dtype_size(p.dtype("C")) != 2))
     return no("algo 2 takes 16-bit u, delta, z and variable B/C (the fp32 prefetch spills)");
-  if (!is_even(p)) return no("algo 2 needs seqlen a multiple of 512 and 16-byte aligned tensors");
+  if (!tile_vectors(p)) return no("algo 2 needs seqlen a multiple of 8 and 16-byte aligned tensors");
   if (!tile_offsets_fit(p))
     return no("algo 2 addresses a block's rows with 32-bit offsets (dstate * seqlen at most 2^31 - 1)");
   if (kTileChannels > group_fit(p)) return no("a block's 8 channels must lie in one B/C group");
@@ -394,13 +436,15 @@ std::string fwd_key(const Problem& p) {
   const int64_t segs = default_segs(p, kFwdSegsMost);
   return even_key(p) + ",gfit|" + std::to_string(group_fit(p)) + (many_channels(p) ? ",wide" : ",narrow") +
          ",segs|" + std::to_string(segs) + ",lanes|" + std::to_string(seq_default_lanes(p, segs)) +
-         (tile_preferred(p) ? ",tile" : "");
+         (tile_vectors(p) ? ",v8" : "") + (tile_preferred(p) ? ",tile" : "") +
+         few_key(few_channels_plan(p, kFwdSegsMost, 32, true));
 }
 
 // The backward's algo-0 warp fit, and the forward's distinctions for algo 1.
 std::string bwd_all_key(const Problem& p) {
   return bwd_key(p) + ",gfit|" + std::to_string(group_fit(p)) + (many_channels(p) ? ",wide" : ",narrow") +
-         ",segs|" + std::to_string(default_segs(p, kBwdSegsMost));
+         ",segs|" + std::to_string(default_segs(p, kBwdSegsMost)) +
+         few_key(few_channels_plan(p, kBwdSegsMost, 16, false));
 }
 
 // The rules of both sequential kernels; `prefetch_regs`: the forward's rule for the registers of its
@@ -468,6 +512,12 @@ TuningSpace fwd_tuning() {
   };
   t.heuristic = [](const Problem& p) {
     if (tile_preferred(p)) return tile_heuristic_config();
+    const FewChannels few = few_channels_plan(p, kFwdSegsMost, 32, true);
+    for (int64_t warps : {4, 8, 2}) {
+      if (!few.segs) break;
+      Config c{{{"algo", 1}, {"warps", warps}, {"items", 4}, {"lanes", few.lanes}, {"chunk", 32}, {"segs", few.segs}}};
+      if (segs_fit(p, c) && seq_valid(p, c, seq_fwd_smem_bytes(p, c), true, nullptr)) return c;
+    }
     const int64_t segs = default_segs(p, kFwdSegsMost);
     if (many_channels(p) || segs > 1) {
       // H100, 8x2048x2048 bf16: (4 warps, 4 lanes, chunk 32) 0.314 ms; chunk 64 0.394 ms (its shared
@@ -518,6 +568,13 @@ TuningSpace bwd_tuning() {
     return true;
   };
   t.heuristic = [](const Problem& p) {
+    const FewChannels few = few_channels_plan(p, kBwdSegsMost, 16, false);
+    for (int64_t warps : {4, 8, 2}) {
+      if (!few.segs) break;
+      Config c{{{"algo", 1}, {"warps", warps}, {"items", 4}, {"lanes", few.lanes}, {"chunk", 16}, {"segs", few.segs}}};
+      if (seq_bwd_prefetch_fits(p, c) && segs_fit(p, c) && seq_valid(p, c, seq_bwd_smem_bytes(p, c), false, nullptr))
+        return c;
+    }
     const int64_t segs = default_segs(p, kBwdSegsMost);
     if (many_channels(p) || segs > 1) {
       // H100, 8x2048x2048 bf16 (kspec tune, every config): (4 warps, 8 lanes, chunk 16) 2.35 ms, 4 lanes
