@@ -217,6 +217,10 @@ bool config_in_space(const OpDef& op, const Config& c, std::string* why);
 Problem problem_from_request(const OpDef& op, const CompileRequest& req);
 // Shapes from dims for each tensor of a problem (used by checks and benchmarks to allocate).
 std::vector<int64_t> shape_of(const TensorDef& t, const Problem& p);
+// Refuses an output that shares memory with an input (but its TensorDef::in_place_of itself) or with
+// another output, naming both (api/src/tensor.cpp; run by validate_call and BoundCall::run).
+void check_no_overlap(const OpInfo& info, const std::vector<TensorView>& inputs,
+                      const std::vector<TensorView>& outputs);
 
 // One kernel of an op's plan: template header, kernel template name and arguments, for the problem's arch.
 inline jit::KernelSpec kernel_spec(const Problem& p, std::string header, std::string kernel,

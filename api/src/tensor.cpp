@@ -1,8 +1,9 @@
-// DType names and TensorView helpers.
+// DType names, TensorView helpers, and the check that a call's outputs share no memory with its inputs.
 #include <algorithm>
 #include <cctype>
 #include <sstream>
 
+#include "api/src/op.h"
 #include "kspec/tensor.h"
 
 namespace kspec {
@@ -132,6 +133,140 @@ std::string TensorView::describe() const {
   for (int d = 0; d < rank; ++d) os << (d ? ", " : "") << strides[d];
   os << "] on " << (device == kCpuDevice ? std::string("cpu") : "cuda:" + std::to_string(device));
   return os.str();
+}
+
+}  // namespace kspec
+
+// Outputs that share memory with inputs or with each other: validation refuses them before a launch,
+// since a kernel reading what another of its threads already wrote gives wrong results silently.
+// This runs on every call and BoundCall::run (AdamW: ~1000 input tensors), so a pair's spans are
+// compared first and density is judged only for the rare pair whose spans intersect.
+namespace kspec {
+namespace {
+
+// The bytes a non-empty view's elements lie in, [lo, hi); its lowest element ends at first_end, its
+// highest starts at last. `known` is false where the arithmetic would overflow: such a view is never
+// called overlapping.
+struct Span {
+  uintptr_t lo = 0, hi = 0, first_end = 0, last = 0;
+  bool known = false;  // false also for an empty view or none: nothing to share
+};
+
+Span span_of(const TensorView& t) {
+  Span e;
+  const int64_t size = dtype_size(t.dtype);
+  int64_t below = 0, above = 0;  // elements before / after the data pointer
+  for (int d = 0; d < t.rank; ++d) {
+    if (t.shape[d] <= 0) return e;
+    int64_t reach = 0;
+    if (__builtin_mul_overflow(t.strides[d], t.shape[d] - 1, &reach)) return e;
+    if (reach < 0 ? __builtin_sub_overflow(below, reach, &below) : __builtin_add_overflow(above, reach, &above))
+      return e;
+  }
+  int64_t below_bytes = 0, above_bytes = 0;
+  if (__builtin_mul_overflow(below, size, &below_bytes) || __builtin_mul_overflow(above, size, &above_bytes)) return e;
+  auto base = reinterpret_cast<uintptr_t>(t.data);
+  if (__builtin_sub_overflow(base, static_cast<uintptr_t>(below_bytes), &e.lo) ||
+      __builtin_add_overflow(base, static_cast<uintptr_t>(above_bytes), &e.last) ||
+      __builtin_add_overflow(e.last, static_cast<uintptr_t>(size), &e.hi))
+    return e;
+  e.first_end = e.lo + size;
+  e.known = true;
+  return e;
+}
+
+// Whether the elements fill the span exactly once (a permutation of a contiguous tensor): sorted by
+// stride, the dims of more than one element step 1, then each the product of those before it.
+bool dense(const TensorView& t) {
+  int64_t stride[kMaxRank], count[kMaxRank];  // an insertion sort: dims are few
+  int n = 0;
+  for (int d = 0; d < t.rank && d < kMaxRank; ++d) {
+    if (t.shape[d] == 1) continue;
+    if (t.strides[d] <= 0) return false;
+    int i = n++;
+    for (; i > 0 && stride[i - 1] > t.strides[d]; --i) {
+      stride[i] = stride[i - 1];
+      count[i] = count[i - 1];
+    }
+    stride[i] = t.strides[d];
+    count[i] = t.shape[d];
+  }
+  int64_t expect = 1;
+  for (int i = 0; i < n; ++i)
+    if (stride[i] != expect || __builtin_mul_overflow(expect, count[i], &expect)) return false;
+  return true;
+}
+
+bool intersect(uintptr_t lo1, uintptr_t hi1, uintptr_t lo2, uintptr_t hi2) { return lo1 < hi2 && lo2 < hi1; }
+
+// Sure to share an element: both start at one address, or one fills its span and the other's lowest
+// or highest element lies in it. (Strided views whose spans interleave without a common element, like
+// two column blocks of one matrix, are not reported.)
+bool overlap(const TensorView& a, const Span& sa, const TensorView& b, const Span& sb) {
+  if (!sa.known || !sb.known) return false;
+  if (a.data == b.data) return true;
+  if (!intersect(sa.lo, sa.hi, sb.lo, sb.hi)) return false;
+  auto holds_end_of = [](const Span& full, const Span& other) {
+    return intersect(full.lo, full.hi, other.lo, other.first_end) || intersect(full.lo, full.hi, other.last, other.hi);
+  };
+  return (dense(a) && holds_end_of(sa, sb)) || (dense(b) && holds_end_of(sb, sa));
+}
+
+bool same_view(const TensorView& a, const TensorView& b) {
+  if (a.data != b.data || a.dtype != b.dtype || a.rank != b.rank) return false;
+  for (int d = 0; d < a.rank; ++d)
+    if (a.shape[d] != b.shape[d] || (a.shape[d] > 1 && a.strides[d] != b.strides[d])) return false;
+  return true;
+}
+
+std::string arg_text(const char* kind, const TensorDef& def, int64_t item) {
+  std::string s = std::string(kind) + " '" + def.name + "'";
+  return item >= 0 ? s + "[" + std::to_string(item) + "]" : s;
+}
+
+}  // namespace
+
+void check_no_overlap(const OpInfo& info, const std::vector<TensorView>& inputs,
+                      const std::vector<TensorView>& outputs) {
+  // Outputs are few (e79.bwd has the most, 8) and never lists: their spans stay off the heap.
+  const size_t n_out = std::min(outputs.size(), info.outputs.size());
+  Span local[16];
+  std::vector<Span> more(n_out > 16 ? n_out : 0);
+  Span* out_span = n_out > 16 ? more.data() : local;
+  bool any = false;
+  for (size_t i = 0; i < n_out; ++i) {
+    const TensorView& o = outputs[i];
+    if (o.rank < 0) continue;
+    out_span[i] = span_of(o);
+    any = any || out_span[i].known;
+    for (size_t j = 0; j < i; ++j)
+      KSPEC_CHECK(!overlap(o, out_span[i], outputs[j], out_span[j]), info.name, ": ",
+                  arg_text("output", info.outputs[i], -1), " (", o.describe(), ") shares memory with ",
+                  arg_text("output", info.outputs[j], -1), " (", outputs[j].describe(), "); outputs must not overlap");
+  }
+  if (!any) return;
+  auto check_input = [&](const TensorView& in, const TensorDef& def, int64_t item) {
+    const Span s = span_of(in);
+    if (!s.known) return;
+    for (size_t i = 0; i < n_out; ++i) {
+      const TensorView& o = outputs[i];
+      if (!overlap(o, out_span[i], in, s)) continue;
+      const TensorDef& odef = info.outputs[i];
+      bool in_place = !odef.in_place_of.empty() && odef.in_place_of == def.name && item < 0;
+      KSPEC_CHECK(in_place && same_view(o, in), info.name, ": ", arg_text("output", odef, -1), " (", o.describe(),
+                  ") shares memory with ", arg_text("input", def, item), " (", in.describe(),
+                  in_place ? "): it may be that tensor itself (updated in place) but not overlap it otherwise"
+                           : "); outputs must not overlap inputs");
+    }
+  };
+  for (size_t k = 0; k < inputs.size() && k < info.inputs.size(); ++k) {
+    const TensorView& t = inputs[k];
+    if (t.is_list()) {
+      for (int64_t e = 0; e < t.list_size(); ++e) check_input(t.item(e), info.inputs[k], e);
+    } else if (t.rank >= 0) {
+      check_input(t, info.inputs[k], -1);
+    }
+  }
 }
 
 }  // namespace kspec

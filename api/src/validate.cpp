@@ -651,6 +651,7 @@ Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs_given,
   call.device = device;
   call.stream = stream;
   if (op.check_call) op.check_call(call);
+  check_no_overlap(info, inputs, outputs);
   return call;
 }
 

@@ -15,8 +15,9 @@ def call(op: str, *inputs, config: str | None = None, out=None, **params):
     """Run a registered op. Inputs are positional as in the op's schema (None for a left-out optional
     input); params by keyword. Returns the op's outputs as a tuple (None for absent ones).
 
-    `out` may pass preallocated outputs (a sequence like the schema's outputs)."""
-    descs = [describe(t) for t in inputs]
+    `out` may pass preallocated outputs (a sequence like the schema's outputs); without it the outputs
+    are allocated with the inputs' framework (torch or CuPy), which is then needed."""
+    descs = _describe_args(op, inputs, "input")
     fw = framework_of(inputs)
     device = _device_of(descs)
     if out is None:
@@ -30,11 +31,34 @@ def call(op: str, *inputs, config: str | None = None, out=None, **params):
             specs = _C.infer_outputs(op, descs, params)
             if key is not None and len(_out_specs) < 4096:
                 _out_specs[key] = specs
+        if fw is None:
+            raise _C.InvalidArgument(f"{op}: no framework to allocate the outputs with (neither torch nor CuPy is "
+                                     "installed): pass them with out=, or install torch or cupy")
         out = tuple(None if s is None else empty(fw, s[0], s[1], device) for s in specs)
-    out_descs = [describe(t) for t in out]
+    elif not isinstance(out, (list, tuple)):
+        raise _C.InvalidArgument(f"{op}: out= expects a sequence of outputs ({_names(op, 'outputs')}), "
+                                 f"got {type(out).__name__}")
+    out_descs = _describe_args(op, out, "output")
     stream = current_stream(fw, device) if device >= 0 else 0
     _C.call(op, descs, out_descs, params, stream, config)
     return tuple(out)
+
+
+def _names(op: str, kind: str) -> str:
+    return ", ".join(t["name"] for t in _C.op_info(op)[kind])
+
+
+def _describe_args(op: str, tensors, kind: str) -> list:
+    """describe() each argument; an object it cannot read is reported by the argument's name."""
+    descs = []
+    for i, t in enumerate(tensors):
+        try:
+            descs.append(describe(t))
+        except (_C.InvalidArgument, TypeError) as e:
+            defs = _C.op_info(op)[kind + "s"]
+            name = f"'{defs[i]['name']}'" if i < len(defs) else str(i)
+            raise type(e)(f"{op}: {kind} {name}: {str(e).removeprefix('kspec: ')}") from None
+    return descs
 
 
 def _device_of(descs) -> int:
@@ -77,10 +101,13 @@ def explain(op: str, *inputs, dtype: str = "f32", arch: str = "sm_90", without=(
     if not inputs:
         return Explanation(_C.explain_request(op, dtype, arch, params, list(without), dict(tensor_dtypes or {}),
                                               list(alt_shapes)))
-    descs = [describe(t) for t in inputs]
+    descs = _describe_args(op, inputs, "input")
     specs = _C.infer_outputs(op, descs, params)
     fw = framework_of(inputs)
     device = _device_of(descs)
+    if fw is None:
+        raise _C.InvalidArgument(f"{op}: explain with tensors allocates outputs like the call: neither torch nor "
+                                 "CuPy is installed (describe the problem without tensors instead)")
     outs = [None if s is None else describe(empty(fw, s[0], s[1], device)) for s in specs]
     return Explanation(_C.explain_plan(op, descs, outs, params))
 

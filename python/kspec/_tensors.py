@@ -22,7 +22,8 @@ def _torch_dtype_name(dt) -> str:
 
 
 def describe(t):
-    """(ptr, dtype, shape, strides in elements, device ordinal or -1 for host memory), or None."""
+    """(ptr, dtype, shape, strides in elements, device ordinal or -1 for host memory[, True if read-only]),
+    or None. A malformed object raises kspec.InvalidArgument (the caller adds the argument's name)."""
     if t is None:
         return None
     if isinstance(t, (list, tuple)):  # a TensorList argument
@@ -32,27 +33,7 @@ def describe(t):
         return (t.data_ptr(), _torch_dtype_name(t.dtype), tuple(t.shape), t.stride(), t.get_device())
     cai = getattr(t, "__cuda_array_interface__", None)
     if cai is not None:
-        typestr = cai["typestr"]
-        if typestr not in _TYPESTR:
-            raise TypeError(f"kspec: unsupported __cuda_array_interface__ typestr {typestr!r}")
-        itemsize = int(typestr[2:])
-        shape = tuple(cai["shape"])
-        if cai.get("strides") is None:
-            strides, s = [], 1
-            for d in reversed(shape):
-                strides.append(s)
-                s *= d
-            strides = tuple(reversed(strides))
-        else:
-            for st in cai["strides"]:
-                if st % itemsize:
-                    raise ValueError(f"kspec: stride {st} bytes is not a multiple of the element size {itemsize}")
-            strides = tuple(st // itemsize for st in cai["strides"])
-        dev = getattr(t, "device", None)
-        device = getattr(dev, "id", None)
-        if device is None:
-            device = _pointer_device(cai["data"][0])
-        return (cai["data"][0], _TYPESTR[typestr], shape, strides, device)
+        return _describe_cai(t, cai)
     if hasattr(t, "__dlpack__"):
         from . import _C
 
@@ -62,20 +43,97 @@ def describe(t):
         f"got {type(t).__name__}")
 
 
+def _bad(what: str):
+    from . import _C
+
+    return _C.InvalidArgument(f"__cuda_array_interface__: {what}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _ints(v, key: str) -> tuple:
+    if not isinstance(v, (tuple, list)) or not all(_is_int(x) for x in v):
+        raise _bad(f"'{key}' must be a tuple of ints, got {v!r}")
+    return tuple(v)
+
+
+def _describe_cai(t, cai):
+    """The CUDA Array Interface (v2/v3): the dict is the producer's, so every key is checked."""
+    if not isinstance(cai, dict):
+        raise _bad(f"expected a dict, got {type(cai).__name__}")
+    missing = [k for k in ("shape", "typestr", "data") if k not in cai]
+    if missing:
+        raise _bad(f"missing key(s) {', '.join(map(repr, missing))}")
+    typestr = cai["typestr"]
+    if typestr not in _TYPESTR:
+        raise _bad(f"unsupported typestr {typestr!r} (kspec takes {', '.join(_TYPESTR)})")
+    itemsize = int(typestr[2:])
+    shape = _ints(cai["shape"], "shape")
+    if any(d < 0 for d in shape):
+        raise _bad(f"negative size in shape {shape}")
+    data = cai["data"]
+    if not isinstance(data, (tuple, list)) or len(data) != 2 or not _is_int(data[0]) or not isinstance(data[1], bool):
+        raise _bad(f"'data' must be (pointer: int, read_only: bool), got {data!r}")
+    ptr, read_only = data
+    if not 0 <= ptr < 2**64:
+        raise _bad(f"data pointer {ptr} is not an address")
+    if cai.get("mask") is not None:
+        raise _bad("masked arrays are not supported ('mask' must be None)")
+    if cai.get("strides") is None:
+        strides, s = [], 1
+        for d in reversed(shape):
+            strides.append(s)
+            s *= d
+        strides = tuple(reversed(strides))
+    else:
+        byte_strides = _ints(cai["strides"], "strides")
+        if len(byte_strides) != len(shape):
+            raise _bad(f"{len(byte_strides)} strides for {len(shape)} dims")
+        for st in byte_strides:
+            if st % itemsize:
+                raise _bad(f"stride {st} bytes is not a multiple of the element size {itemsize}")
+        strides = tuple(st // itemsize for st in byte_strides)
+    dev = getattr(t, "device", None)
+    device = getattr(dev, "id", None)
+    if not _is_int(device):
+        device = _pointer_device(ptr)
+    desc = (ptr, _TYPESTR[typestr], shape, strides, device)
+    return desc + (True,) if read_only else desc
+
+
 def _pointer_device(ptr: int) -> int:
     from . import _C
 
     return _C.pointer_device(ptr)
 
 
+_cupy_module = []  # [module or None] once looked for
+
+
+def _cupy():
+    if not _cupy_module:
+        try:
+            import cupy
+        except ImportError:
+            cupy = None
+        _cupy_module.append(cupy)
+    return _cupy_module[0]
+
+
 def framework_of(tensors):
+    """"torch" or "cupy": what allocates outputs and names the current stream, the tensors' own
+    framework first; None when neither is installed (outputs must then be given, the stream is 0)."""
     torch = _torch()
     for t in tensors:
         if t is None:
             continue
         if isinstance(t, (list, tuple)):
             if t:
-                return framework_of(t)
+                fw = framework_of(t)
+                if fw is not None:
+                    return fw
             continue
         if torch is not None and isinstance(t, torch.Tensor):
             return "torch"
@@ -84,19 +142,19 @@ def framework_of(tensors):
             return "cupy"
     if torch is not None:
         return "torch"
-    return "cupy"
+    return "cupy" if _cupy() is not None else None
 
 
-def current_stream(framework: str, device: int) -> int:
+def current_stream(framework, device: int) -> int:
     if framework == "torch":
         torch = _torch()
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # ~0.2 µs against ~4 µs
         if raw is not None:
             return raw(device)
         return torch.cuda.current_stream(device).cuda_stream
-    import cupy
-
-    return cupy.cuda.get_current_stream().ptr
+    if framework is None:  # the legacy default stream
+        return 0
+    return _cupy().cuda.get_current_stream().ptr
 
 
 _torch_devices: dict = {}
@@ -109,8 +167,12 @@ def empty(framework: str, dtype: str, shape, device: int):
         if dev is None:  # parsing "cuda:N" on every call costs about a microsecond
             dev = _torch_devices[device] = torch.device("cuda", device)
         return torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
-    import cupy
+    if framework is None:
+        from . import _C
 
+        raise _C.InvalidArgument("kspec: no framework to allocate outputs with (neither torch nor CuPy is "
+                                 "installed): pass the outputs with out=, or install torch or cupy")
+    cupy = _cupy()
     if dtype == "bfloat16":
         raise TypeError("kspec: CuPy has no bfloat16 arrays; pass torch tensors for bf16")
     with cupy.cuda.Device(device):

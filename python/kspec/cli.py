@@ -511,11 +511,11 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         return a.fn(a)
-    except _C.Error as e:
-        print(f"kspec: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    except ValueError as e:
-        print(f"kspec: {e}", file=sys.stderr)
+    except (_C.Error, OSError, ValueError) as e:
+        # kspec's errors (CacheError is also an OSError), files the command was given or writes, and
+        # malformed JSON: one line for the user (a CompileError adds its log), no traceback.
+        kind = f"{type(e).__name__}: " if isinstance(e, _C.Error) else ""
+        print(f"kspec: error: {kind}{e}", file=sys.stderr)
         return 1
 
 

@@ -99,6 +99,9 @@ struct TensorDef {
   // any shape (`shape` is not used), all on one device with one dtype, laid out as `layout` says.
   bool list = false;
   std::string same_shapes_as = {};  // lists: element i has the shape of element i of this other list
+  // Outputs: may be this input itself, updated in place (the same pointer, dtype, shape and strides).
+  // Any other sharing of memory between an output and an input or another output is refused.
+  std::string in_place_of = {};
 };
 
 struct OpInfo {

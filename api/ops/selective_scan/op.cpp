@@ -992,6 +992,7 @@ OpDef make_step() {
       tensor("out", bd, {}, "u", false, false, "", "output at this step"),
       tensor("new_state", kState, {DType::f32}, "", false, false, "", "the state after the step (may be `state`)"),
   };
+  op.info.outputs[1].in_place_of = "state";
   for (auto& c : op.cases) {
     c.without.erase(std::remove(c.without.begin(), c.without.end(), "h0"), c.without.end());
     c.representative = c.name == std::string("base") || c.name == std::string("dstate_256");
