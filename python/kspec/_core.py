@@ -108,7 +108,10 @@ def explain(op: str, *inputs, dtype: str = "f32", arch: str = "sm_90", without=(
     if fw is None:
         raise _C.InvalidArgument(f"{op}: explain with tensors allocates outputs like the call: neither torch nor "
                                  "CuPy is installed (describe the problem without tensors instead)")
-    outs = [None if s is None else describe(empty(fw, s[0], s[1], device)) for s in specs]
+    # The outputs stay alive until the plan is explained: freed one by one, the caching allocator would
+    # hand the next one the same memory and validation would refuse them as overlapping.
+    held = [None if s is None else empty(fw, s[0], s[1], device) for s in specs]
+    outs = [None if t is None else describe(t) for t in held]
     return Explanation(_C.explain_plan(op, descs, outs, params))
 
 

@@ -138,7 +138,8 @@ struct Adamw {
   TensorView scale{fake(10 << 20), DType::f32, {1}, 0};
   TensorView found{fake(8 << 20), DType::f32, {1}, 0};
   TensorView norm{fake(9 << 20), DType::f32, {1}, 0};
-  TensorView on_params() const { return TensorView(static_cast<float*>(p[1].data) + 2, DType::f32, {1}, 0); }
+  // Inside params[1], 16-byte aligned like the bound outputs (BoundCall::run checks the layout first).
+  TensorView on_params() const { return TensorView(static_cast<float*>(p[1].data) + 4, DType::f32, {1}, 0); }
   static TensorView L(const std::vector<TensorView>& x) { return TensorView::list(x.data(), static_cast<int64_t>(x.size())); }
   std::vector<TensorView> in() const { return {L(p), L(g), L(m), L(v), TensorView(), TensorView(), scale}; }
 };

@@ -36,7 +36,7 @@ def _lists(shapes, dtype, gdtype, seed):
 @pytest.mark.parametrize("maximize", [False, True])
 @pytest.mark.parametrize("max_norm", [0.0, 1.0])
 @pytest.mark.parametrize("scale", [None, 1024.0])
-@pytest.mark.parametrize("config", [None, "threads=128,vec=1,chunk=16384", "threads=256,vec=4,chunk=16384"])
+@pytest.mark.parametrize("config", [None, "threads=256,vec=1,chunk=16384", "threads=512,vec=4,chunk=16384"])
 def test_op_matches_reference(pdt, gdt, amsgrad, maximize, max_norm, scale, config):
     params, grads, m, v, master = _lists(SHAPES, pdt, gdt, 0)
     if scale:
