@@ -123,6 +123,10 @@ Obtained obtain_binary(const jit::KernelSpec& spec) {
     if (!entry) {
       jit::info("compiling " + spec.name_expression() + " for " + spec.arch);
       jit::CompiledKernel ck = jit::compile(spec);
+      if (ck.is_cubin && (ck.resources.registers < 0 || ck.resources.spill_bytes < 0))
+        jit::warn_once("ptxas-figures", "NVRTC's log for " + spec.name_expression() + " (" + spec.arch +
+                                            ") has no ptxas register/spill figures; resource checks see -1. Log end: " +
+                                            ck.log.substr(ck.log.size() > 600 ? ck.log.size() - 600 : 0));
       auto b = std::make_shared<BinaryEntry>();
       b->key = key;
       b->spec = spec.canonical();

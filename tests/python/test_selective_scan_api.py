@@ -48,4 +48,6 @@ def test_mamba_specialization_compiles_without_spills(op, alt):
     reports = kspec.compile(op, dtype="bf16", arch="sm_90", dstate=16, dim=2048, delta_softplus=True,
                             alt_shapes=alt)
     for r in reports:
-        assert r["spill_bytes"] == 0 and r["registers"] <= 255, r
+        # -1: no ptxas figures in the NVRTC log (seen once on the H100 in a pytest shard with torch loaded and
+        # nothing precompiled, not reproduced on the CPU machine): the log's end says what NVRTC printed
+        assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, (r["source"], r["arch"], r["log"][-1500:])
