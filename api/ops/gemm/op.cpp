@@ -129,10 +129,13 @@ int64_t unfused_of(const Config& c) { return c.has("unfused") ? c.get("unfused")
 
 // ReLU + bias in fp16/bf16: the bias goes in as cuBLASLt's C operand (y filled with it by
 // templates/gemm/gemm_fill_bias.cuh, beta = 1) under the plain RELU epilogue, so x·Wᵀ + b is summed in fp32
-// and ReLU takes the sign of that sum. With the RELU_BIAS epilogue the sign flipped where x·Wᵀ ≈ -b, up to
-// 2u·|x·Wᵀ| from 0 (the bias added after x·Wᵀ was rounded to the output type), and the backward, which
-// masks with y > 0, was 4e-2 off (bf16 x [33, 7], W [4097, 7]; torch's F.relu(F.linear) 1.7e-3; issue 33).
-// In fp32 the output type is the sum's: the fused epilogue stays.
+// and ReLU takes the sign of that sum. With the fused RELU_BIAS epilogue kspec's bf16 backward, which masks
+// with y > 0, was 4e-2 off (x [33, 7], W [4097, 7]; torch's F.relu(F.linear) 1.7e-3; issue 33), and the
+// tests' mask check (test_gpu_gemm.py, _pre_seen) had allowed sign flips up to two roundings of x·Wᵀ; with
+// the bias through C the strict check and every gradient pass on the H100 (2026-11-26). The mechanism is
+// not confirmed: the working guess was the bias added after x·Wᵀ is rounded, but torch._addmm_activation
+// (also RELU_BIAS) gave no sign flips against float64 at that shape in the same run. In fp32 the output
+// type is the sum's: the fused epilogue stays.
 bool bias_through_c(const Problem& p) {
   return act_code(p) == 1 && p.present("bias") && p.dtype("x") != DType::f32;
 }
