@@ -316,6 +316,10 @@ TEST(SelectiveScan, HeuristicForShortSequences) {
   EXPECT_EQ(heuristic(fwd, 2, 4096, 333).get("lanes"), 8);
   EXPECT_EQ(heuristic(fwd, 16, 768, 256).get("lanes"), 4);
   EXPECT_EQ(heuristic(fwd, 8, 2048, 2048).get("lanes"), 2);  // long sequences as before
+  // the tile kernel: 4 warps up to 512 steps (whole 64-step tiles), 6 beyond
+  EXPECT_EQ(heuristic(fwd, 1, 2048, 512).get("algo"), 2);
+  EXPECT_EQ(heuristic(fwd, 1, 2048, 512).get("warps"), 4);
+  EXPECT_EQ(heuristic(fwd, 1, 2048, 520).get("warps"), 6);
 }
 
 TEST(SelectiveScan, EveryCasePlansItsKernels) {

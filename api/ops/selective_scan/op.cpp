@@ -408,7 +408,7 @@ bool tile_valid(const Problem& p, const Config& c, std::string* why) {
   return true;
 }
 
-// The heuristic takes the tile kernel (6 warps) from 2048 channels, where its grid of one block per 8
+// The heuristic takes the tile kernel (6 warps; 4 up to 512 steps) from 2048 channels, where its grid of one block per 8
 // channels fills an H100 at 2 blocks per SM (264 slots), to 8192 (batch * dim). H100 bf16 forward, ms,
 // tile kernel against the heuristic's choice before it (tools/bench/NOTES.md, 2026-11-24):
 //  - where algo 1 took segments: 1x2048x65536 1.440 / 1.559, 1x2048x16384 0.367 / 0.449, 1x2048x8192
@@ -420,15 +420,19 @@ bool tile_valid(const Problem& p, const Config& c, std::string* why) {
 // Past 8192 algo 1 gains (12288 channels: 6x2048x4096 0.544 / 0.481, 1x12288x1024 0.149 / 0.127;
 // 16384 at 8 states per thread: 8x2048x2048 0.376 / 0.254); below 2048 the grid leaves SMs idle
 // (1x1024x65536 1.007 / 0.831 at 32 segments).
-Config tile_heuristic_config() {
-  return Config{{{"algo", 2}, {"warps", 6}, {"items", 4}, {"lanes", 1}, {"chunk", 32}, {"segs", 1}}};
+// Up to 512 steps, 4 warps: a tile is 16 warps steps, and 6 warps' 96-step tiles leave a partial last one
+// (1x2048x512: 4 warps 0.0169 ms, 6 warps 0.0178; kspec tune --all-configs, H100, 2026-11-26, two runs).
+constexpr int64_t kTileShortSeqlen = 512;
+Config tile_heuristic_config(const Problem& p) {
+  const int64_t warps = p.has_dim("seqlen") && p.dim("seqlen") <= kTileShortSeqlen ? 4 : 6;
+  return Config{{{"algo", 2}, {"warps", warps}, {"items", 4}, {"lanes", 1}, {"chunk", 32}, {"segs", 1}}};
 }
 constexpr int64_t kTileChannelsMin = 2048, kTileChannelsMost = 8192;
 bool tile_preferred(const Problem& p) {
   if (!p.has_dim("seqlen")) return false;
   const int64_t chans = p.dim("batch") * p.dim("dim");
   if (chans < kTileChannelsMin || chans > kTileChannelsMost) return false;
-  return tile_valid(p, tile_heuristic_config(), nullptr);
+  return tile_valid(p, tile_heuristic_config(p), nullptr);
 }
 
 // The forward's heuristic also takes 8 states per thread from 16k channels on (seq_default_lanes).
@@ -436,7 +440,8 @@ std::string fwd_key(const Problem& p) {
   const int64_t segs = default_segs(p, kFwdSegsMost);
   return even_key(p) + ",gfit|" + std::to_string(group_fit(p)) + (many_channels(p) ? ",wide" : ",narrow") +
          ",segs|" + std::to_string(segs) + ",lanes|" + std::to_string(seq_default_lanes(p, segs)) +
-         (tile_vectors(p) ? ",v8" : "") + (tile_preferred(p) ? ",tile" : "") +
+         (tile_vectors(p) ? ",v8" : "") +
+         (tile_preferred(p) ? ",tile" + std::to_string(tile_heuristic_config(p).get("warps")) : "") +
          few_key(few_channels_plan(p, kFwdSegsMost, 32, true));
 }
 
@@ -511,7 +516,7 @@ TuningSpace fwd_tuning() {
     return true;
   };
   t.heuristic = [](const Problem& p) {
-    if (tile_preferred(p)) return tile_heuristic_config();
+    if (tile_preferred(p)) return tile_heuristic_config(p);
     const FewChannels few = few_channels_plan(p, kFwdSegsMost, 32, true);
     for (int64_t warps : {4, 8, 2}) {
       if (!few.segs) break;
