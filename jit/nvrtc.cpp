@@ -2,8 +2,6 @@
 // KSPEC_TEMPLATE_DIR) through NVRTC's header arrays; CUDA's own headers through -I.
 #include "nvrtc.h"
 
-#include <nvrtc.h>
-
 #include <stdlib.h>
 #include <sys/stat.h>
 
@@ -23,12 +21,6 @@
 
 namespace kspec::jit {
 namespace {
-
-void nvrtc_check(nvrtcResult r, const char* call) {
-  if (r != NVRTC_SUCCESS)
-    throw Error(detail::concat(call, " failed: ", nvrtcGetErrorString(r), " (", static_cast<int>(r), ")"));
-}
-#define NVRTC_CHECK(call) nvrtc_check(call, #call)
 
 struct Program {
   nvrtcProgram p = nullptr;
@@ -87,6 +79,13 @@ std::string flattened_source(const KernelSpec& spec, const TemplateSource& src) 
 }
 
 }  // namespace
+
+// CudaError, not CompileError: these calls fail for reasons outside the code being compiled (out of
+// memory, bad input from kspec itself); a rejected specialization is reported by compile() below.
+void throw_nvrtc_error(nvrtcResult r, const char* call, const char* file, int line) {
+  throw CudaError(detail::concat(call, " failed: ", nvrtcGetErrorString(r), " (", static_cast<int>(r), ") at ", file,
+                                 ":", line));
+}
 
 std::string nvrtc_version() {
   int major = 0, minor = 0;
