@@ -5,6 +5,7 @@
 
 #include "api/src/plan.h"
 #include "jit/driver.h"
+#include "jit/handles.h"
 
 namespace kspec {
 
@@ -16,7 +17,7 @@ struct BoundCall::Impl {
   Config config;
   std::string config_text;
   std::unique_ptr<BoundData> data;
-  CUevent done = nullptr;  // recorded after each run outside graph capture; the destructor waits for it
+  jit::OwnedEvent done;  // recorded after each run outside graph capture; the destructor waits for it
   bool recorded = false;
   int64_t runs = 0;
 };
@@ -51,24 +52,20 @@ BoundCall::BoundCall(std::string_view op_name, const std::vector<TensorView>& in
   jit::ContextGuard guard(b.call.device);
   if (b.op->bind) b.data = b.op->bind(b.call, b.config);
   b.call.bound = b.data.get();
-  CU_CHECK(cuEventCreate(&b.done, CU_EVENT_DISABLE_TIMING));
+  CU_CHECK(cuEventCreate(b.done.out(), CU_EVENT_DISABLE_TIMING));
 }
 
 BoundCall::~BoundCall() {
   if (!impl_) return;
-  Impl& b = *impl_;
-  if (b.done) {
-    // Its kernels may still read the op's tables (device memory freed with `data`).
-    if (b.recorded) jit::driver().cuEventSynchronize(b.done);
-    jit::driver().cuEventDestroy(b.done);
-  }
+  // Its kernels may still read the op's tables (device memory freed with `data`).
+  if (impl_->recorded) jit::driver().cuEventSynchronize(impl_->done.get());
 }
 
 const std::string& BoundCall::config() const { return impl_->config_text; }
 int64_t BoundCall::runs() const { return impl_->runs; }
 
 bool BoundCall::idle() const {
-  return !impl_->recorded || jit::driver().cuEventQuery(impl_->done) != CUDA_ERROR_NOT_READY;
+  return !impl_->recorded || jit::driver().cuEventQuery(impl_->done.get()) != CUDA_ERROR_NOT_READY;
 }
 
 void BoundCall::run(const Params& runtime_params, const std::vector<TensorView>& outputs, Stream stream) {
@@ -115,7 +112,7 @@ void BoundCall::run(const Params& runtime_params, const std::vector<TensorView>&
   CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
   CU_CHECK(cuStreamIsCapturing(reinterpret_cast<CUstream>(stream), &capture));
   if (capture == CU_STREAM_CAPTURE_STATUS_NONE) {
-    CU_CHECK(cuEventRecord(b.done, reinterpret_cast<CUstream>(stream)));
+    CU_CHECK(cuEventRecord(b.done.get(), reinterpret_cast<CUstream>(stream)));
     b.recorded = true;
   }
   ++b.runs;
