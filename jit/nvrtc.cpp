@@ -2,8 +2,6 @@
 // KSPEC_TEMPLATE_DIR) through NVRTC's header arrays; CUDA's own headers through -I.
 #include "nvrtc.h"
 
-#include <nvrtc.h>
-
 #include <stdlib.h>
 #include <sys/stat.h>
 
@@ -16,6 +14,7 @@
 #include <mutex>
 
 #include "files.h"
+#include "handles.h"
 #include "hash.h"
 #include "kspec/error.h"
 #include "kspec/knobs.h"
@@ -23,19 +22,6 @@
 
 namespace kspec::jit {
 namespace {
-
-void nvrtc_check(nvrtcResult r, const char* call) {
-  if (r != NVRTC_SUCCESS)
-    throw Error(detail::concat(call, " failed: ", nvrtcGetErrorString(r), " (", static_cast<int>(r), ")"));
-}
-#define NVRTC_CHECK(call) nvrtc_check(call, #call)
-
-struct Program {
-  nvrtcProgram p = nullptr;
-  ~Program() {
-    if (p) nvrtcDestroyProgram(&p);
-  }
-};
 
 std::string program_log(nvrtcProgram p) {
   size_t n = 0;
@@ -87,6 +73,13 @@ std::string flattened_source(const KernelSpec& spec, const TemplateSource& src) 
 }
 
 }  // namespace
+
+// CudaError, not CompileError: these calls fail for reasons outside the code being compiled (out of
+// memory, bad input from kspec itself); a rejected specialization is reported by compile() below.
+void throw_nvrtc_error(nvrtcResult r, const char* call, const char* file, int line) {
+  throw CudaError(detail::concat(call, " failed: ", nvrtcGetErrorString(r), " (", static_cast<int>(r), ") at ", file,
+                                 ":", line));
+}
 
 std::string nvrtc_version() {
   int major = 0, minor = 0;
@@ -157,14 +150,14 @@ CompiledKernel compile(const KernelSpec& spec, const TemplateSource* source) {
   std::string expr = spec.name_expression();
 
   auto t0 = std::chrono::steady_clock::now();
-  Program prog;
-  NVRTC_CHECK(nvrtcCreateProgram(&prog.p, program_text.c_str(), "kspec_specialization.cu",
+  NvrtcProgram prog;
+  NVRTC_CHECK(nvrtcCreateProgram(prog.out(), program_text.c_str(), "kspec_specialization.cu",
                                  static_cast<int>(closure.size()), header_texts.data(),
                                  header_names.data()));
-  NVRTC_CHECK(nvrtcAddNameExpression(prog.p, expr.c_str()));
-  nvrtcResult r = nvrtcCompileProgram(prog.p, static_cast<int>(copts.size()), copts.data());
+  NVRTC_CHECK(nvrtcAddNameExpression(prog.get(), expr.c_str()));
+  nvrtcResult r = nvrtcCompileProgram(prog.get(), static_cast<int>(copts.size()), copts.data());
   CompiledKernel out;
-  out.log = program_log(prog.p);
+  out.log = program_log(prog.get());
   if (r != NVRTC_SUCCESS) {
     std::string joined;
     for (const auto& o : opts) joined += (joined.empty() ? "" : " ") + o;
@@ -180,18 +173,18 @@ CompiledKernel compile(const KernelSpec& spec, const TemplateSource* source) {
                        out.log, joined, spec.canonical(), path);
   }
   const char* lowered = nullptr;
-  NVRTC_CHECK(nvrtcGetLoweredName(prog.p, expr.c_str(), &lowered));
+  NVRTC_CHECK(nvrtcGetLoweredName(prog.get(), expr.c_str(), &lowered));
   out.lowered_name = lowered;
   out.is_cubin = spec.arch.rfind("sm_", 0) == 0;
   size_t n = 0;
   if (out.is_cubin) {
-    NVRTC_CHECK(nvrtcGetCUBINSize(prog.p, &n));
+    NVRTC_CHECK(nvrtcGetCUBINSize(prog.get(), &n));
     out.binary.resize(n);
-    NVRTC_CHECK(nvrtcGetCUBIN(prog.p, out.binary.data()));
+    NVRTC_CHECK(nvrtcGetCUBIN(prog.get(), out.binary.data()));
   } else {
-    NVRTC_CHECK(nvrtcGetPTXSize(prog.p, &n));
+    NVRTC_CHECK(nvrtcGetPTXSize(prog.get(), &n));
     out.binary.resize(n);
-    NVRTC_CHECK(nvrtcGetPTX(prog.p, out.binary.data()));
+    NVRTC_CHECK(nvrtcGetPTX(prog.get(), out.binary.data()));
   }
   out.compile_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();

@@ -2,8 +2,11 @@
 // the template instantiated through a name expression, resource use read from ptxas's report.
 // Error contract: compile() throws CompileError (log, options, spec, and the specialized source
 // written to a file named in the message) when NVRTC rejects the code; InvalidArgument for a
-// template that does not exist; Error for NVRTC failures unrelated to the code.
+// template that does not exist; CudaError for NVRTC API failures unrelated to the code (NVRTC_CHECK:
+// the call, NVRTC's error string and code, file:line).
 #pragma once
+
+#include <nvrtc.h>
 
 #include <string>
 
@@ -42,4 +45,13 @@ std::vector<std::string> compile_options(const KernelSpec& spec);
 // Parses ptxas -v output for one kernel.
 Resources parse_ptxas_log(const std::string& log);
 
+[[noreturn]] void throw_nvrtc_error(nvrtcResult r, const char* call, const char* file, int line);
+
 }  // namespace kspec::jit
+
+#define NVRTC_CHECK(call)                                                             \
+  do {                                                                                \
+    nvrtcResult kspec_nvrtc_result_ = (call);                                         \
+    if (kspec_nvrtc_result_ != NVRTC_SUCCESS)                                         \
+      ::kspec::jit::throw_nvrtc_error(kspec_nvrtc_result_, #call, __FILE__, __LINE__); \
+  } while (0)

@@ -1,5 +1,5 @@
 // The compile/load pipeline behind every op call. The steady state is a hash lookup in the plan cache
-// (registry.cpp); this file runs only the first time a specialization is needed on a device.
+// (plan.cpp); this file runs only the first time a specialization is needed on a device.
 #include "api/src/kernels.h"
 
 #include <atomic>

@@ -15,6 +15,7 @@
 #include "api/src/tuning.h"
 #include "cache/tuning_db.h"
 #include "jit/driver.h"
+#include "jit/handles.h"
 #include "jit/key.h"
 #include "jit/log.h"
 #include "kspec/knobs.h"
@@ -135,24 +136,6 @@ void compile_candidate(const OpDef& op, const Problem& p, const Limits& lim, Tun
   }
 }
 
-struct Stream_ {
-  CUstream s = nullptr;
-  Stream_() { CU_CHECK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING)); }
-  ~Stream_() {
-    if (s) jit::driver().cuStreamDestroy(s);
-  }
-};
-
-struct Event_ {
-  CUevent e = nullptr;
-  Event_() { CU_CHECK(cuEventCreate(&e, CU_EVENT_DEFAULT)); }
-  ~Event_() {
-    if (e) jit::driver().cuEventDestroy(e);
-  }
-  Event_(Event_&& o) noexcept : e(o.e) { o.e = nullptr; }
-  Event_& operator=(Event_&&) = delete;
-};
-
 // Device data for timing: `sets` copies of the problem's inputs and outputs, rotated call by call.
 class Bench {
  public:
@@ -207,7 +190,7 @@ class Bench {
 
   // The call the tuner's own tensors make (its signature should be the key problem's).
   Call own_call() { return validate_call(op_, sets_data_[0].in, sets_data_[0].out, p_.params, stream()); }
-  Stream stream() const { return reinterpret_cast<Stream>(stream_.s); }
+  Stream stream() const { return reinterpret_cast<Stream>(stream_.get()); }
 
   // One call on set 0 with fresh inputs and NaN-poisoned outputs; returns the outputs' bytes.
   std::vector<std::vector<unsigned char>> outputs_of(const Config& c) {
@@ -219,7 +202,7 @@ class Bench {
       if (p_.outputs[i].present && nbytes_out(i) > 0)
         CU_CHECK(cuMemsetD8(reinterpret_cast<CUdeviceptr>(st.out[i].data), 0xFF, nbytes_out(i)));
     run(c, 0);
-    CU_CHECK(cuStreamSynchronize(stream_.s));
+    CU_CHECK(cuStreamSynchronize(stream_.get()));
     std::vector<std::vector<unsigned char>> out(st.out.size());
     for (size_t i = 0; i < st.out.size(); ++i) {
       if (!p_.outputs[i].present) continue;
@@ -238,18 +221,18 @@ class Bench {
   // Median per-call GPU time over `batches` batches; stops early when clearly slower than `best_ms`.
   Timing measure(const Config& c, int batches, double best_ms) {
     for (int i = 0; i < 3; ++i) run(c, next());
-    CU_CHECK(cuStreamSynchronize(stream_.s));
+    CU_CHECK(cuStreamSynchronize(stream_.get()));
     auto t0 = Clock::now();
     for (int i = 0; i < 5; ++i) run(c, next());
     double host_ms = seconds_since(t0) * 1e3 / 5;
-    CU_CHECK(cuStreamSynchronize(stream_.s));
-    Event_ a, b;
-    CU_CHECK(cuEventRecord(a.e, stream_.s));
+    CU_CHECK(cuStreamSynchronize(stream_.get()));
+    jit::OwnedEvent a = jit::create_event(CU_EVENT_DEFAULT), b = jit::create_event(CU_EVENT_DEFAULT);
+    CU_CHECK(cuEventRecord(a.get(), stream_.get()));
     for (int i = 0; i < 5; ++i) run(c, next());
-    CU_CHECK(cuEventRecord(b.e, stream_.s));
-    CU_CHECK(cuEventSynchronize(b.e));
+    CU_CHECK(cuEventRecord(b.get(), stream_.get()));
+    CU_CHECK(cuEventSynchronize(b.get()));
     float est = 0;
-    CU_CHECK(cuEventElapsedTime(&est, a.e, b.e));
+    CU_CHECK(cuEventElapsedTime(&est, a.get(), b.get()));
     double est_ms = std::max(1e-4, est / 5.0);
     // About half a millisecond of GPU work per batch: many calls of a small kernel, few of a big one.
     int k = static_cast<int>(std::clamp(std::ceil(0.5 / est_ms), 1.0, 100.0));
@@ -259,20 +242,21 @@ class Bench {
     int done = 0;
     while (done < batches) {
       int chunk = std::min(done == 0 ? 3 : batches - done, batches - done);
-      std::vector<Event_> ev(2 * chunk);
+      std::vector<jit::OwnedEvent> ev;
+      for (int i = 0; i < 2 * chunk; ++i) ev.push_back(jit::create_event(CU_EVENT_DEFAULT));
       for (int b2 = 0; b2 < chunk; ++b2) {
         // The spin outlasts the host's enqueueing of the batch (2x its measured host time).
         unsigned long long ns = static_cast<unsigned long long>(std::clamp(2e6 * k * host_ms, 5e4, 2e7));
         void* args[] = {&ns};
-        CU_CHECK(cuLaunchKernel(spin_, 1, 1, 1, 1, 1, 1, 0, stream_.s, args, nullptr));
-        CU_CHECK(cuEventRecord(ev[2 * b2].e, stream_.s));
+        CU_CHECK(cuLaunchKernel(spin_, 1, 1, 1, 1, 1, 1, 0, stream_.get(), args, nullptr));
+        CU_CHECK(cuEventRecord(ev[2 * b2].get(), stream_.get()));
         for (int i = 0; i < k; ++i) run(c, next());
-        CU_CHECK(cuEventRecord(ev[2 * b2 + 1].e, stream_.s));
+        CU_CHECK(cuEventRecord(ev[2 * b2 + 1].get(), stream_.get()));
       }
-      CU_CHECK(cuEventSynchronize(ev.back().e));
+      CU_CHECK(cuEventSynchronize(ev.back().get()));
       for (int b2 = 0; b2 < chunk; ++b2) {
         float ms = 0;
-        CU_CHECK(cuEventElapsedTime(&ms, ev[2 * b2].e, ev[2 * b2 + 1].e));
+        CU_CHECK(cuEventElapsedTime(&ms, ev[2 * b2].get(), ev[2 * b2 + 1].get()));
         samples.push_back(ms / k);
       }
       done += chunk;
@@ -301,13 +285,13 @@ class Bench {
   void run(const Config& c, int set) {
     CallOptions o;
     o.config = &c;
-    call(op_.info.name, sets_data_[set].in, sets_data_[set].out, p_.params, reinterpret_cast<Stream>(stream_.s), o);
+    call(op_.info.name, sets_data_[set].in, sets_data_[set].out, p_.params, stream(), o);
   }
 
   const OpDef& op_;
   const Problem& p_;
   int device_;
-  Stream_ stream_;
+  jit::OwnedStream stream_ = jit::create_stream(CU_STREAM_NON_BLOCKING);
   std::vector<HostTensor> host_;
   std::vector<std::vector<unsigned char>> in_bytes_;
   std::vector<std::vector<int64_t>> out_shapes_;

@@ -162,6 +162,24 @@ TEST(Nvrtc, UnknownTemplateIsInvalidArgument) {
   EXPECT_THROW(jit::compile(s), InvalidArgument);
 }
 
+// An NVRTC API call that fails for a reason other than the code (here one NVRTC refuses: no program
+// handle to create) is a CudaError naming the call, NVRTC's reason and where it was checked.
+TEST(Nvrtc, FailedApiCallIsCudaErrorWithFileAndLine) {
+  const int line = __LINE__ + 2;
+  auto failing = [] {
+    NVRTC_CHECK(nvrtcCreateProgram(nullptr, "", "empty.cu", 0, nullptr, nullptr));
+  };
+  try {
+    failing();
+    FAIL() << "expected a CudaError";
+  } catch (const CudaError& e) {
+    std::string msg = e.what();
+    EXPECT_EQ(msg.rfind("nvrtcCreateProgram(nullptr, ", 0), 0u) << msg;
+    EXPECT_NE(msg.find(" failed: NVRTC_ERROR_"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(detail::concat(" at ", __FILE__, ":", line)), std::string::npos) << msg;
+  }
+}
+
 TEST(Nvrtc, ParsePtxasLog) {
   auto r = jit::parse_ptxas_log(
       "ptxas info    : Function properties for k\n"

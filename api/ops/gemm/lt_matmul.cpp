@@ -11,6 +11,7 @@
 #include <string>
 
 #include "jit/cublaslt.h"
+#include "jit/handles.h"
 #include "jit/log.h"
 
 namespace kspec::gemm {
@@ -26,44 +27,37 @@ cudaDataType_t lt_type(DType t) {
 }
 
 struct Desc {
-  cublasLtMatmulDesc_t h = nullptr;
-  Desc(cublasComputeType_t compute) { CUBLAS_CHECK(cublasLtMatmulDescCreate(&h, compute, CUDA_R_32F)); }
-  ~Desc() { jit::cublaslt().cublasLtMatmulDescDestroy(h); }
+  jit::LtMatmulDesc h;
+  Desc(cublasComputeType_t compute) { CUBLAS_CHECK(cublasLtMatmulDescCreate(h.out(), compute, CUDA_R_32F)); }
   template <typename T>
   void set(cublasLtMatmulDescAttributes_t a, const T& v) {
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(h, a, &v, sizeof(v)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(h.get(), a, &v, sizeof(v)));
   }
-  Desc(const Desc&) = delete;
-  Desc& operator=(const Desc&) = delete;
 };
 
 struct Layout {
-  cublasLtMatrixLayout_t h = nullptr;
+  jit::LtMatrixLayout h;
   Layout(cudaDataType_t t, const LtOperand& o, int64_t batch) {
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&h, t, static_cast<uint64_t>(o.stored_rows),
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(h.out(), t, static_cast<uint64_t>(o.stored_rows),
                                             static_cast<uint64_t>(o.stored_cols), o.ld));
     if (batch > 1) {
       int32_t count = static_cast<int32_t>(batch);
-      CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(h, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
-      CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(h, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &o.batch_stride,
-                                                    sizeof(o.batch_stride)));
+      CUBLAS_CHECK(
+          cublasLtMatrixLayoutSetAttribute(h.get(), CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+      CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(h.get(), CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                    &o.batch_stride, sizeof(o.batch_stride)));
     }
   }
-  ~Layout() { jit::cublaslt().cublasLtMatrixLayoutDestroy(h); }
-  Layout(const Layout&) = delete;
-  Layout& operator=(const Layout&) = delete;
 };
 
 struct Preference {
-  cublasLtMatmulPreference_t h = nullptr;
+  jit::LtMatmulPreference h;
   explicit Preference(size_t workspace) {
-    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&h));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(h.out()));
     uint64_t ws = workspace;
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(h, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+    CUBLAS_CHECK(
+        cublasLtMatmulPreferenceSetAttribute(h.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
   }
-  ~Preference() { jit::cublaslt().cublasLtMatmulPreferenceDestroy(h); }
-  Preference(const Preference&) = delete;
-  Preference& operator=(const Preference&) = delete;
 };
 
 int align_of(const void* p) {
@@ -115,8 +109,9 @@ std::vector<cublasLtMatmulHeuristicResult_t> heuristic(Descriptors& d, cublasLtH
   Preference pref(ws);
   std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(count));
   int found = 0;
-  cublasStatus_t st = jit::cublaslt().cublasLtMatmulAlgoGetHeuristic(handle, d.desc.h, d.la.h, d.lb.h, d.ld.h, d.ld.h,
-                                                                      pref.h, count, results.data(), &found);
+  cublasStatus_t st = jit::cublaslt().cublasLtMatmulAlgoGetHeuristic(
+      handle, d.desc.h.get(), d.la.h.get(), d.lb.h.get(), d.ld.h.get(), d.ld.h.get(), pref.h.get(), count,
+      results.data(), &found);
   if (st == CUBLAS_STATUS_NOT_SUPPORTED) found = 0;
   else if (st != CUBLAS_STATUS_SUCCESS)
     jit::throw_cublas_error(st, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
@@ -192,7 +187,8 @@ bool build_algo(Descriptors& d, cublasLtHandle_t handle, const LtAlgoConfig& c, 
   for (const auto& s : sets)
     if (s.st != CUBLAS_STATUS_SUCCESS) return failed(detail::concat("setting ", s.name).c_str(), s.st);
   cublasLtMatmulHeuristicResult_t res{};
-  st = lt.cublasLtMatmulAlgoCheck(handle, d.desc.h, d.la.h, d.lb.h, d.ld.h, d.ld.h, &a, &res);
+  st = lt.cublasLtMatmulAlgoCheck(handle, d.desc.h.get(), d.la.h.get(), d.lb.h.get(), d.ld.h.get(), d.ld.h.get(), &a,
+                                  &res);
   if (st != CUBLAS_STATUS_SUCCESS) return failed("cublasLtMatmulAlgoCheck", st);
   if (res.workspaceSize > ws) {
     *why = detail::concat("needs ", res.workspaceSize, " bytes of workspace, kspec has ", ws);
@@ -302,8 +298,9 @@ void lt_matmul(const LtCall& c, int device, Stream stream, void* workspace, size
     algos.emplace(key, algo);
   }
   float alpha = 1.f, beta = c.beta;
-  CUBLAS_CHECK(cublasLtMatmul(handle, d.desc.h, &alpha, c.a, d.la.h, c.b, d.lb.h, &beta, c.d, d.ld.h, c.d, d.ld.h,
-                              &algo, workspace, workspace_bytes, reinterpret_cast<cudaStream_t>(stream)));
+  CUBLAS_CHECK(cublasLtMatmul(handle, d.desc.h.get(), &alpha, c.a, d.la.h.get(), c.b, d.lb.h.get(), &beta, c.d,
+                              d.ld.h.get(), c.d, d.ld.h.get(), &algo, workspace, workspace_bytes,
+                              reinterpret_cast<cudaStream_t>(stream)));
 }
 
 std::vector<LtCandidate> lt_candidates(const LtCall& c, int device, size_t workspace_bytes, int max_count) {

@@ -1,0 +1,69 @@
+// The plan cache and the launcher shared by kspec::call (plan.cpp), BoundCall (bound_call.cpp) and the
+// compile requests (requests.cpp): a problem's config and loaded kernels per device, and the Launcher
+// that runs them on a stream.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "api/src/kernels.h"
+#include "api/src/op.h"
+
+namespace kspec {
+
+struct PlanEntry {
+  Config config;
+  std::vector<LoadedKernel*> kernels;
+  uint64_t generation = 0;
+  bool bucketed = false;  // a marker: the plan depends on the shape bucket (see plan_for)
+};
+
+// A library op (no kernels function) compiles nothing.
+std::vector<jit::KernelSpec> kernel_specs(const OpDef& op, const Problem& p, const Config& c);
+
+// The plan of a problem on a device, cached by signature (and, when the tuning database has entries
+// for that signature, by shape bucket too: the tuned config may differ between buckets). A plan built
+// before this process last wrote the database is rebuilt once. Plans are never freed: launches and
+// bound calls may still hold them.
+PlanEntry& plan_for(const OpDef& op, const Problem& p, int device, const Config* forced, Stream stream);
+
+class DeviceLauncher final : public Launcher {
+ public:
+  DeviceLauncher(PlanEntry& plan, int device, Stream stream) : plan_(plan), device_(device), stream_(stream) {}
+  // An op that threw mid-capture: its graph-owned workspace is freed on the stream all the same (the capture
+  // is broken anyway; nothing to report from a destructor).
+  ~DeviceLauncher() override;
+  DeviceLauncher(const DeviceLauncher&) = delete;
+  DeviceLauncher& operator=(const DeviceLauncher&) = delete;
+
+  // After the op's launches: a captured call's workspace is freed in the graph, behind its kernels.
+  void finish();
+
+  void launch(size_t k, Dim3 grid, Dim3 block, unsigned shared_bytes, void** args) override;
+  void launch_clusters(size_t k, Dim3 grid, Dim3 block, Dim3 cluster, unsigned shared_bytes, void** args) override;
+  void launch_dependent(size_t k, Dim3 grid, Dim3 block, unsigned shared_bytes, void** args) override;
+  // See plan.cpp for who shares a workspace and who does not (eager calls vs. graph capture).
+  void* workspace(size_t bytes) override;
+  int multiprocessors() const override;
+  int occupancy(size_t k, unsigned block_threads, unsigned shared_bytes) override;
+
+ private:
+  // cuLaunchKernelEx with one attribute (`what` describes it in the error). By value: CUlaunchConfig points
+  // at a mutable attribute.
+  void launch_ex(size_t k, Dim3 grid, Dim3 block, unsigned shared_bytes, void** args, CUlaunchAttribute attr,
+                 const std::string& what);
+  // The plan's kernel k with room for shared_bytes of dynamic shared memory; null when the grid is
+  // empty (nothing to do, e.g. zero rows).
+  LoadedKernel* prepare(size_t k, Dim3 grid, unsigned shared_bytes);
+
+  PlanEntry& plan_;
+  int device_;
+  Stream stream_;
+  std::vector<CUdeviceptr> graph_owned_;  // this call's workspace(s) inside a capture
+  size_t graph_bytes_ = 0;                // the size of graph_owned_.back()
+};
+
+}  // namespace kspec

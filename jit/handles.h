@@ -1,0 +1,74 @@
+// Owners of toolkit handles (driver streams and events, NVRTC programs, cuBLASLt descriptors), kept
+// together so that every handle kspec creates has one RAII type. Each destroys its handle once and
+// ignores the result: a destructor has no one to report to.
+#pragma once
+
+#include <cuda.h>
+#include <nvrtc.h>
+
+#include <utility>
+
+#include "jit/cublaslt.h"
+#include "jit/driver.h"
+
+namespace kspec::jit {
+
+// A move-only owner of one handle. Create into out() (only while empty); Destroy is a functor.
+template <typename Handle, typename Destroy>
+class Owned {
+ public:
+  Owned() = default;
+  ~Owned() {
+    if (h_) Destroy{}(h_);
+  }
+  Owned(Owned&& o) noexcept : h_(std::exchange(o.h_, Handle{})) {}
+  Owned& operator=(Owned&&) = delete;
+  Owned(const Owned&) = delete;
+  Owned& operator=(const Owned&) = delete;
+
+  Handle get() const { return h_; }
+  Handle* out() { return &h_; }
+
+ private:
+  Handle h_{};
+};
+
+struct StreamDestroy {
+  void operator()(CUstream s) const { driver().cuStreamDestroy(s); }
+};
+struct EventDestroy {
+  void operator()(CUevent e) const { driver().cuEventDestroy(e); }
+};
+struct NvrtcProgramDestroy {
+  void operator()(nvrtcProgram p) const { nvrtcDestroyProgram(&p); }
+};
+struct LtMatmulDescDestroy {
+  void operator()(cublasLtMatmulDesc_t h) const { cublaslt().cublasLtMatmulDescDestroy(h); }
+};
+struct LtMatrixLayoutDestroy {
+  void operator()(cublasLtMatrixLayout_t h) const { cublaslt().cublasLtMatrixLayoutDestroy(h); }
+};
+struct LtMatmulPreferenceDestroy {
+  void operator()(cublasLtMatmulPreference_t h) const { cublaslt().cublasLtMatmulPreferenceDestroy(h); }
+};
+
+using OwnedStream = Owned<CUstream, StreamDestroy>;
+using OwnedEvent = Owned<CUevent, EventDestroy>;
+using NvrtcProgram = Owned<nvrtcProgram, NvrtcProgramDestroy>;
+using LtMatmulDesc = Owned<cublasLtMatmulDesc_t, LtMatmulDescDestroy>;
+using LtMatrixLayout = Owned<cublasLtMatrixLayout_t, LtMatrixLayoutDestroy>;
+using LtMatmulPreference = Owned<cublasLtMatmulPreference_t, LtMatmulPreferenceDestroy>;
+
+// A stream / event in the current context; CU_CHECK's CudaError if the driver refuses.
+inline OwnedStream create_stream(unsigned flags) {
+  OwnedStream s;
+  CU_CHECK(cuStreamCreate(s.out(), flags));
+  return s;
+}
+inline OwnedEvent create_event(unsigned flags) {
+  OwnedEvent e;
+  CU_CHECK(cuEventCreate(e.out(), flags));
+  return e;
+}
+
+}  // namespace kspec::jit
