@@ -1,6 +1,7 @@
 // selective_scan: the Mamba S6 scan (mamba_ssm's selective_scan_fn, plus an initial state h0), its
 // backward, and a single decode step. Schema, specializations, tuning spaces, launchers, float64
-// references and the case table; kernels in templates/selective_scan/selective_scan.cuh.
+// references and the case table; kernels in templates/selective_scan/, one header per algorithm (each
+// binary's cache key hashes only its own header's include tree).
 #include <algorithm>
 #include <cmath>
 
@@ -13,7 +14,11 @@
 namespace kspec {
 namespace {
 
-constexpr const char* kHeader = "selective_scan/selective_scan.cuh";
+constexpr const char* kWarpScanHeader = "selective_scan/warp_scan.cuh";    // algo 0
+constexpr const char* kSequentialHeader = "selective_scan/sequential.cuh";  // algo 1
+constexpr const char* kTileHeader = "selective_scan/tile.cuh";              // algo 2
+constexpr const char* kReduceHeader = "selective_scan/reduce.cuh";          // the backward's zero and pass 2
+constexpr const char* kStepHeader = "selective_scan/step.cuh";
 const std::vector<DType> kFloatTypes = {DType::f32, DType::f16, DType::bf16};
 constexpr int64_t kMaxDstate = 256;
 // The largest tile (32 lanes x 16 items): a seqlen that is a multiple of it is a multiple of every
@@ -135,8 +140,8 @@ std::string tile_traits(const Problem& p, const Config& c) {
   return "kspec::TileScanTraits<" + flags_targs(p, tile_vectors(p)) + ", " + std::to_string(c.get("warps")) + ">";
 }
 
-jit::KernelSpec spec(const Problem& p, const char* kernel, std::vector<std::string> targs) {
-  return kernel_spec(p, kHeader, kernel, std::move(targs));
+jit::KernelSpec spec(const Problem& p, const char* header, const char* kernel, std::vector<std::string> targs) {
+  return kernel_spec(p, header, kernel, std::move(targs));
 }
 
 // ---- references (float64) ----
@@ -746,13 +751,16 @@ OpDef make_fwd() {
   op.derived_key = fwd_key;
   op.kernels = [](const Problem& p, const Config& c) {
     if (c.get("algo") == 2)
-      return std::vector<jit::KernelSpec>{spec(p, "kspec::selective_scan_fwd_tile_kernel", {tile_traits(p, c)})};
+      return std::vector<jit::KernelSpec>{
+          spec(p, kTileHeader, "kspec::selective_scan_fwd_tile_kernel", {tile_traits(p, c)})};
     if (c.get("algo") == 1) {
-      std::vector<jit::KernelSpec> k = {spec(p, "kspec::selective_scan_fwd_seq_kernel", {seq_traits(p, c)})};
-      if (c.get("segs") > 1) k.push_back(spec(p, "kspec::selective_scan_seg_fwd_kernel", {seq_traits(p, c)}));
+      std::vector<jit::KernelSpec> k = {
+          spec(p, kSequentialHeader, "kspec::selective_scan_fwd_seq_kernel", {seq_traits(p, c)})};
+      if (c.get("segs") > 1)
+        k.push_back(spec(p, kSequentialHeader, "kspec::selective_scan_seg_fwd_kernel", {seq_traits(p, c)}));
       return k;
     }
-    return std::vector<jit::KernelSpec>{spec(p, "kspec::selective_scan_fwd_kernel", {traits(p, c)})};
+    return std::vector<jit::KernelSpec>{spec(p, kWarpScanHeader, "kspec::selective_scan_fwd_kernel", {traits(p, c)})};
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     check_launch_sizes(call);
@@ -848,13 +856,14 @@ OpDef make_bwd() {
                                     std::to_string(p.dim("dstate")), b2s(var_b(p)), b2s(var_c(p)),
                                     b2s(p.present("D")), b2s(p.present("delta_bias"))};
     const bool seq = c.get("algo") == 1;
-    std::vector<jit::KernelSpec> k = {seq ? spec(p, "kspec::selective_scan_bwd_seq_kernel", {seq_traits(p, c)})
-                                          : spec(p, "kspec::selective_scan_bwd_kernel", {traits(p, c)}),
-                                      spec(p, "kspec::selective_scan_bwd_reduce_kernel", red),
-                                      spec(p, "kspec::selective_scan_bwd_zero_kernel", {})};
+    std::vector<jit::KernelSpec> k = {
+        seq ? spec(p, kSequentialHeader, "kspec::selective_scan_bwd_seq_kernel", {seq_traits(p, c)})
+            : spec(p, kWarpScanHeader, "kspec::selective_scan_bwd_kernel", {traits(p, c)}),
+        spec(p, kReduceHeader, "kspec::selective_scan_bwd_reduce_kernel", red),
+        spec(p, kReduceHeader, "kspec::selective_scan_bwd_zero_kernel", {})};
     if (seq && c.get("segs") > 1) {
-      k.push_back(spec(p, "kspec::selective_scan_seg_fwd_kernel", {seq_traits(p, c)}));
-      k.push_back(spec(p, "kspec::selective_scan_seg_bwd_kernel", {seq_traits(p, c)}));
+      k.push_back(spec(p, kSequentialHeader, "kspec::selective_scan_seg_fwd_kernel", {seq_traits(p, c)}));
+      k.push_back(spec(p, kSequentialHeader, "kspec::selective_scan_seg_bwd_kernel", {seq_traits(p, c)}));
     }
     return k;
   };
@@ -1001,7 +1010,7 @@ OpDef make_step() {
   op.info.tuning_axes = op.tuning.axes;
   op.kernels = [](const Problem& p, const Config& c) {
     return std::vector<jit::KernelSpec>{spec(
-        p, "kspec::selective_scan_step_kernel",
+        p, kStepHeader, "kspec::selective_scan_step_kernel",
         {dtype_cuda_type(p.dtype("u")), dtype_cuda_type(p.dtype("B")), dtype_cuda_type(p.dtype("C")),
          std::to_string(p.dim("dstate")), b2s(var_b(p)), b2s(var_c(p)), b2s(p.present("D")), b2s(p.present("z")),
          b2s(p.present("delta_bias")), b2s(p.param_bool("delta_softplus")), std::to_string(c.get("split")),
