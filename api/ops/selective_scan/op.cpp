@@ -25,7 +25,7 @@ constexpr int64_t kMaxDstate = 256;
 // config's tile, so "even" can be decided before the config is.
 constexpr int64_t kEvenMultiple = 512;
 constexpr int64_t kStaticSmemBytes = 48 * 1024;
-// The forward's states for the backward: every 16 steps (kStateStride in the template).
+// The forward's states for the backward: every 16 steps (kStateStride in selective_scan/common.cuh).
 constexpr int64_t kStateStride = 16;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -249,7 +249,7 @@ std::string bwd_key(const Problem& p) {
 int64_t seq_channels(const Config& c) { return c.get("warps") * 32 / c.get("lanes"); }
 int64_t seq_spt(const Problem& p, const Config& c) { return ceil_div(p.dim("dstate"), c.get("lanes")); }
 
-// Dynamic shared memory of the sequential forward (seq_fwd_smem_floats in the template).
+// Dynamic shared memory of the sequential forward (seq_fwd_smem_floats in sequential.cuh).
 int64_t seq_fwd_smem_bytes(const Problem& p, const Config& c) {
   int64_t chunk = c.get("chunk"), cs = seq_channels(c) + 1, np = seq_spt(p, c) * c.get("lanes");
   int64_t nvar = (var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0);
@@ -257,13 +257,13 @@ int64_t seq_fwd_smem_bytes(const Problem& p, const Config& c) {
 }
 constexpr int64_t kSeqSmemLimit = 96 * 1024;
 
-// Dynamic shared memory of the segments' local passes (seq_seg_smem_floats in the template).
+// Dynamic shared memory of the segments' local passes (seq_seg_smem_floats in sequential.cuh).
 int64_t seq_seg_smem_bytes(const Problem& p, const Config& c) {
   int64_t chunk = c.get("chunk"), cs = seq_channels(c) + 1, np = seq_spt(p, c) * c.get("lanes");
   return 4 * (2 * chunk * cs + (var_b(p) || var_c(p) ? chunk * np : 0));
 }
 
-// Dynamic shared memory of the sequential backward (seq_bwd_smem_floats in the template).
+// Dynamic shared memory of the sequential backward (seq_bwd_smem_floats in sequential.cuh).
 int64_t seq_bwd_smem_bytes(const Problem& p, const Config& c) {
   int64_t chunk = c.get("chunk"), nc = seq_channels(c), cs = nc + 1, np = seq_spt(p, c) * c.get("lanes");
   int64_t nvar = (var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0);
@@ -317,7 +317,7 @@ int64_t seq_default_lanes(const Problem& p, int64_t segs) {
   return lanes_for_states(p, eight ? 8 : 4);
 }
 
-// Segments along time (algo 1, see "segments" in the template): the steps are cut into `segs` pieces
+// Segments along time (algo 1, see "segments" in sequential.cuh): the steps are cut into `segs` pieces
 // run in parallel, each a whole number of chunks. A segment of fewer than 4 chunks costs more in its
 // local pass than it gains.
 constexpr int64_t kSegChunksMin = 4;
@@ -377,11 +377,11 @@ std::string few_key(const FewChannels& f) {
   return f.segs ? ",few|" + std::to_string(f.segs) + "x" + std::to_string(f.lanes) : "";
 }
 
-// ---- the one-pass tile kernel (algo 2, forward only; see "the tile kernel" in the template) ----
+// ---- the one-pass tile kernel (algo 2, forward only; see tile.cuh) ----
 // A block holds 8 channels (lanes = 8 channels x 4 groups of 4 states) and `warps` runs of 16 steps.
 constexpr int64_t kTileChannels = 8, kTileRun = 16;
 
-// Dynamic shared memory of the tile kernel (tile_fwd_smem_floats in the template).
+// Dynamic shared memory of the tile kernel (tile_fwd_smem_floats in tile.cuh).
 int64_t tile_smem_bytes(const Problem& p, const Config& c) {
   int64_t w = c.get("warps"), tile = w * kTileRun, n = p.dim("dstate");
   int64_t nvar = (var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0);
@@ -799,7 +799,7 @@ OpDef make_fwd() {
       if (sp.nsegs == 1) return l.launch(0, {gx, gy, 1}, {u32(warps * 32)}, smem, margs);
       // Every segment but the last from a zero state: its end state and sum of dt, and a flag per
       // (batch, channel block, segment) set once they are written (workspace; the flags zeroed here). The
-      // main kernel starts beside the local pass and waits on the flags (see "segments" in the template).
+      // main kernel starts beside the local pass and waits on the flags (see "segments" in sequential.cuh).
       const int64_t nflags = int64_t(gx) * gy * sp.nsegs;
       seg_h = static_cast<float*>(
           l.workspace(sizeof(float) * chans * sp.nsegs * (p.dim("dstate") + 1) + sizeof(unsigned) * nflags));
