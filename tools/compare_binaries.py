@@ -8,15 +8,17 @@ split) left the kernels as they were.
 
 `dump` walks a cache directory's entries (the .json metadata beside each .bin: kernel, lowered_name, arch,
 resources) and records per (kernel name expression, arch): the SHA-256 of the whole cubin, the SHA-256 of
-the kernel's own machine code (the ELF section .text.<lowered name>: its SASS, read without the toolkit),
-of its other per-kernel sections (.nv.info.*, .nv.constant0.*, .nv.shared.* sizes; relocations left out,
-their symbol indices move with the module's other symbols), and registers / spill / shared bytes.
-With --sass (and cuobjdump on PATH or in CUDA_HOME/bin) it also hashes the function's `cuobjdump -sass`.
+the kernel's own machine code (the ELF section .text.<lowered name>: its SASS, read without the toolkit)
+and of that code's relocations (by symbol name: symbol indices move with the module's other symbols), of
+its other per-kernel sections (.nv.info.*, .nv.constant0.*, .nv.shared.* sizes: informational, they hold
+symbol indices too), and registers / spill / shared bytes.
+With --sass it also hashes the function's `cuobjdump -sass` (cuobjdump and nvdisasm on PATH or in
+$CUDA_HOME/bin; the pip packages nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm have them).
 
 `compare` pairs the two dumps by (kernel, arch). A kernel whose cubin differs but whose own code and
 resources match is counted as same-code: the cubin also holds every other kernel its source defines
-(a non-template __global__ is compiled into every module that includes it), so moving such a kernel to
-another header changes the cubins around it without changing any kernel.
+(a non-template __global__ is compiled into every module that includes it) and the header's namespace-
+scope constants, so moving code to another header changes the cubins around a kernel without changing it.
 """
 import argparse
 import hashlib
@@ -30,22 +32,36 @@ from pathlib import Path
 
 
 def elf_sections(data):
-    """{section name: bytes (b"" for NOBITS) or its size for NOBITS} of a 64-bit little-endian ELF."""
+    """{section name: bytes, or its size for NOBITS} of a 64-bit little-endian ELF (a cubin), and
+    {section name: its relocations as (offset, type, symbol name, addend)}."""
     if data[:4] != b"\x7fELF" or data[4] != 2:
         raise ValueError("not a 64-bit ELF (cubin)")
     shoff, = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
     headers = []
     for i in range(shnum):
-        name, typ, _flags, _addr, off, size = struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize)
-        headers.append((name, typ, off, size))
-    _, _, stroff, strsize = headers[shstrndx]
-    strtab = data[stroff:stroff + strsize]
-    out = {}
-    for name, typ, off, size in headers:
-        sname = strtab[name:strtab.index(b"\0", name)].decode()
+        name, typ, _flags, _addr, off, size, link = struct.unpack_from("<IIQQQQI", data, shoff + i * shentsize)
+        headers.append((name, typ, off, size, link))
+
+    def cstr(table_off, i):
+        return data[table_off + i:data.index(b"\0", table_off + i)].decode()
+
+    names = [cstr(headers[shstrndx][2], h[0]) for h in headers]
+    out, relocs = {}, {}
+    for sname, (_, typ, off, size, link) in zip(names, headers):
         out[sname] = size if typ == 8 else data[off:off + size]  # 8: SHT_NOBITS
-    return out
+        if typ in (4, 9):  # SHT_RELA, SHT_REL: symbol indices resolved to names (they move between modules)
+            _, _, sym_off, _, str_index = headers[link]
+            str_off = headers[str_index][2]
+            step = 24 if typ == 4 else 16
+            rows = []
+            for e in range(size // step):
+                r_off, info = struct.unpack_from("<QQ", data, off + e * step)
+                addend = struct.unpack_from("<q", data, off + e * step + 16)[0] if typ == 4 else 0
+                sym_name = cstr(str_off, struct.unpack_from("<I", data, sym_off + (info >> 32) * 24)[0])
+                rows.append((r_off, info & 0xFFFFFFFF, sym_name, addend))
+            relocs[sname] = sorted(rows)
+    return out, relocs
 
 
 def cuobjdump():
@@ -61,7 +77,7 @@ def function_sass(tool, bin_path, lowered):
     """The SASS text of one function of a cubin (addresses and encodings as cuobjdump prints them)."""
     text = subprocess.run([tool, "-sass", "-fun", lowered, str(bin_path)], check=True, capture_output=True,
                           text=True).stdout
-    return "\n".join(l for l in text.splitlines() if not l.startswith(("Fatbin", "code for", "arch =")))
+    return "\n".join(l for l in text.splitlines() if not l.strip().startswith(("Fatbin", "code for", "arch =")))
 
 
 def dump(cache_dir, with_sass):
@@ -84,9 +100,11 @@ def dump(cache_dir, with_sass):
                "registers": res.get("registers"), "spill_bytes": res.get("spill_bytes"),
                "shared_bytes": res.get("shared_bytes")}
         try:
-            sections = elf_sections(data)
+            sections, relocs = elf_sections(data)
             text = sections.get(".text." + lowered)
             row["text_sha256"] = hashlib.sha256(text).hexdigest() if isinstance(text, bytes) else None
+            code_relocs = relocs.get(".rel.text." + lowered, []) + relocs.get(".rela.text." + lowered, [])
+            row["text_relocations_sha256"] = hashlib.sha256(repr(code_relocs).encode()).hexdigest()
             aux = hashlib.sha256()
             for name in sorted(sections):
                 if name.endswith("." + lowered) and not name.startswith((".text.", ".rel")):
@@ -113,7 +131,7 @@ def compare(a, b):
             same_cubin += 1
             same_code += 1
             continue
-        fields = ["text_sha256", "registers", "spill_bytes", "shared_bytes"]
+        fields = ["text_sha256", "text_relocations_sha256", "registers", "spill_bytes", "shared_bytes"]
         if "sass_sha256" in x and "sass_sha256" in y:
             fields.append("sass_sha256")
         diff = [f for f in fields if x.get(f) != y.get(f) or x.get(f) is None]
