@@ -4,10 +4,15 @@
 // (GPU checks of every case against the float64 reference: Gpu.EveryOpEveryCaseEveryDtypeMatchesReference.)
 #include <algorithm>
 #include <array>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <map>
 
 #include "api/src/op.h"
 #include "api/src/tuning.h"
+#include "jit/key.h"
+#include "jit/sources.h"
 #include "kspec/kspec.h"
 #include "test_helpers.h"
 
@@ -346,4 +351,57 @@ TEST(SelectiveScan, EveryCasePlansItsKernels) {
       }
     }
   }
+}
+
+// One header per algorithm: editing the step kernel (or the tile kernel) changes the cache key of its own
+// binaries and of no other scan kernel (the key hashes a header's whole include tree; with every kernel
+// in one header, an edit to the step rebuilt every scan binary).
+TEST(SelectiveScan, AnAlgorithmsHeaderEditChangesOnlyItsKernelsKeys) {
+  kspec::testing::TempDir tmp;
+  const std::string root = tmp.path() + "/templates";
+  std::filesystem::copy(std::string(KSPEC_SOURCE_DIR) + "/templates", root,
+                        std::filesystem::copy_options::recursive);
+  auto problem = [](const char* name, bool with_seqlen) {
+    const OpDef& op = Registry::global().get(name);
+    CompileRequest r;
+    r.op = name;
+    r.dtype = DType::bf16;
+    r.params = {{"dstate", int64_t(16)}};
+    if (with_seqlen) r.params.set("seqlen", int64_t(1024));
+    return problem_from_request(op, r);
+  };
+  auto config = [](int64_t algo, int64_t warps) {
+    return Config{{{"algo", algo}, {"warps", warps}, {"items", 4}, {"lanes", 2}, {"chunk", 16}, {"segs", 2}}};
+  };
+  std::vector<jit::KernelSpec> specs;
+  for (const char* name : {"selective_scan.fwd", "selective_scan.bwd"}) {
+    const Problem p = problem(name, true);
+    for (int64_t algo : {0, 1, 2}) {
+      if (algo == 2 && std::string(name) == "selective_scan.bwd") continue;  // the tile kernel is forward only
+      for (auto& k : p.op->kernels(p, config(algo, algo == 2 ? 6 : 4))) specs.push_back(k);
+    }
+  }
+  const Problem step = problem("selective_scan.step", false);
+  for (auto& k : step.op->kernels(step, step.op->tuning.heuristic(step))) specs.push_back(k);
+  auto keys = [&] {
+    std::map<std::string, std::string> m;
+    auto src = jit::TemplateSource::from_directory(root);
+    for (const auto& k : specs) m[k.name_expression()] = jit::compute_content_key(k, src);
+    return m;
+  };
+  auto changed = [](const std::map<std::string, std::string>& a, const std::map<std::string, std::string>& b) {
+    std::vector<std::string> names;
+    for (const auto& [name, key] : a)
+      if (b.at(name) != key) names.push_back(name.substr(0, name.find('<')));
+    return names;
+  };
+  const auto k0 = keys();
+  // Every scan kernel once: 3 forward algorithms and the segments' forward pass, 2 backward algorithms, the
+  // segments' backward pass, the backward's reduce and zero kernels, the step.
+  ASSERT_EQ(k0.size(), 10u);
+  std::ofstream(root + "/selective_scan/step.cuh", std::ios::app) << "\n// edited\n";
+  const auto k1 = keys();
+  EXPECT_EQ(changed(k0, k1), std::vector<std::string>{"kspec::selective_scan_step_kernel"});
+  std::ofstream(root + "/selective_scan/tile.cuh", std::ios::app) << "\n// edited\n";
+  EXPECT_EQ(changed(k1, keys()), std::vector<std::string>{"kspec::selective_scan_fwd_tile_kernel"});
 }

@@ -1,6 +1,7 @@
 // selective_scan: the Mamba S6 scan (mamba_ssm's selective_scan_fn, plus an initial state h0), its
 // backward, and a single decode step. Schema, specializations, tuning spaces, launchers, float64
-// references and the case table; kernels in templates/selective_scan/selective_scan.cuh.
+// references and the case table; kernels in templates/selective_scan/, one header per algorithm (each
+// binary's cache key hashes only its own header's include tree).
 #include <algorithm>
 #include <cmath>
 
@@ -13,14 +14,18 @@
 namespace kspec {
 namespace {
 
-constexpr const char* kHeader = "selective_scan/selective_scan.cuh";
+constexpr const char* kWarpScanHeader = "selective_scan/warp_scan.cuh";    // algo 0
+constexpr const char* kSequentialHeader = "selective_scan/sequential.cuh";  // algo 1
+constexpr const char* kTileHeader = "selective_scan/tile.cuh";              // algo 2
+constexpr const char* kReduceHeader = "selective_scan/reduce.cuh";          // the backward's zero and pass 2
+constexpr const char* kStepHeader = "selective_scan/step.cuh";
 const std::vector<DType> kFloatTypes = {DType::f32, DType::f16, DType::bf16};
 constexpr int64_t kMaxDstate = 256;
 // The largest tile (32 lanes x 16 items): a seqlen that is a multiple of it is a multiple of every
 // config's tile, so "even" can be decided before the config is.
 constexpr int64_t kEvenMultiple = 512;
 constexpr int64_t kStaticSmemBytes = 48 * 1024;
-// The forward's states for the backward: every 16 steps (kStateStride in the template).
+// The forward's states for the backward: every 16 steps (kStateStride in selective_scan/common.cuh).
 constexpr int64_t kStateStride = 16;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -135,8 +140,8 @@ std::string tile_traits(const Problem& p, const Config& c) {
   return "kspec::TileScanTraits<" + flags_targs(p, tile_vectors(p)) + ", " + std::to_string(c.get("warps")) + ">";
 }
 
-jit::KernelSpec spec(const Problem& p, const char* kernel, std::vector<std::string> targs) {
-  return kernel_spec(p, kHeader, kernel, std::move(targs));
+jit::KernelSpec spec(const Problem& p, const char* header, const char* kernel, std::vector<std::string> targs) {
+  return kernel_spec(p, header, kernel, std::move(targs));
 }
 
 // ---- references (float64) ----
@@ -244,7 +249,7 @@ std::string bwd_key(const Problem& p) {
 int64_t seq_channels(const Config& c) { return c.get("warps") * 32 / c.get("lanes"); }
 int64_t seq_spt(const Problem& p, const Config& c) { return ceil_div(p.dim("dstate"), c.get("lanes")); }
 
-// Dynamic shared memory of the sequential forward (seq_fwd_smem_floats in the template).
+// Dynamic shared memory of the sequential forward (seq_fwd_smem_floats in sequential.cuh).
 int64_t seq_fwd_smem_bytes(const Problem& p, const Config& c) {
   int64_t chunk = c.get("chunk"), cs = seq_channels(c) + 1, np = seq_spt(p, c) * c.get("lanes");
   int64_t nvar = (var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0);
@@ -252,13 +257,13 @@ int64_t seq_fwd_smem_bytes(const Problem& p, const Config& c) {
 }
 constexpr int64_t kSeqSmemLimit = 96 * 1024;
 
-// Dynamic shared memory of the segments' local passes (seq_seg_smem_floats in the template).
+// Dynamic shared memory of the segments' local passes (seq_seg_smem_floats in sequential.cuh).
 int64_t seq_seg_smem_bytes(const Problem& p, const Config& c) {
   int64_t chunk = c.get("chunk"), cs = seq_channels(c) + 1, np = seq_spt(p, c) * c.get("lanes");
   return 4 * (2 * chunk * cs + (var_b(p) || var_c(p) ? chunk * np : 0));
 }
 
-// Dynamic shared memory of the sequential backward (seq_bwd_smem_floats in the template).
+// Dynamic shared memory of the sequential backward (seq_bwd_smem_floats in sequential.cuh).
 int64_t seq_bwd_smem_bytes(const Problem& p, const Config& c) {
   int64_t chunk = c.get("chunk"), nc = seq_channels(c), cs = nc + 1, np = seq_spt(p, c) * c.get("lanes");
   int64_t nvar = (var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0);
@@ -312,7 +317,7 @@ int64_t seq_default_lanes(const Problem& p, int64_t segs) {
   return lanes_for_states(p, eight ? 8 : 4);
 }
 
-// Segments along time (algo 1, see "segments" in the template): the steps are cut into `segs` pieces
+// Segments along time (algo 1, see "segments" in sequential.cuh): the steps are cut into `segs` pieces
 // run in parallel, each a whole number of chunks. A segment of fewer than 4 chunks costs more in its
 // local pass than it gains.
 constexpr int64_t kSegChunksMin = 4;
@@ -372,11 +377,11 @@ std::string few_key(const FewChannels& f) {
   return f.segs ? ",few|" + std::to_string(f.segs) + "x" + std::to_string(f.lanes) : "";
 }
 
-// ---- the one-pass tile kernel (algo 2, forward only; see "the tile kernel" in the template) ----
+// ---- the one-pass tile kernel (algo 2, forward only; see tile.cuh) ----
 // A block holds 8 channels (lanes = 8 channels x 4 groups of 4 states) and `warps` runs of 16 steps.
 constexpr int64_t kTileChannels = 8, kTileRun = 16;
 
-// Dynamic shared memory of the tile kernel (tile_fwd_smem_floats in the template).
+// Dynamic shared memory of the tile kernel (tile_fwd_smem_floats in tile.cuh).
 int64_t tile_smem_bytes(const Problem& p, const Config& c) {
   int64_t w = c.get("warps"), tile = w * kTileRun, n = p.dim("dstate");
   int64_t nvar = (var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0);
@@ -751,13 +756,16 @@ OpDef make_fwd() {
   op.derived_key = fwd_key;
   op.kernels = [](const Problem& p, const Config& c) {
     if (c.get("algo") == 2)
-      return std::vector<jit::KernelSpec>{spec(p, "kspec::selective_scan_fwd_tile_kernel", {tile_traits(p, c)})};
+      return std::vector<jit::KernelSpec>{
+          spec(p, kTileHeader, "kspec::selective_scan_fwd_tile_kernel", {tile_traits(p, c)})};
     if (c.get("algo") == 1) {
-      std::vector<jit::KernelSpec> k = {spec(p, "kspec::selective_scan_fwd_seq_kernel", {seq_traits(p, c)})};
-      if (c.get("segs") > 1) k.push_back(spec(p, "kspec::selective_scan_seg_fwd_kernel", {seq_traits(p, c)}));
+      std::vector<jit::KernelSpec> k = {
+          spec(p, kSequentialHeader, "kspec::selective_scan_fwd_seq_kernel", {seq_traits(p, c)})};
+      if (c.get("segs") > 1)
+        k.push_back(spec(p, kSequentialHeader, "kspec::selective_scan_seg_fwd_kernel", {seq_traits(p, c)}));
       return k;
     }
-    return std::vector<jit::KernelSpec>{spec(p, "kspec::selective_scan_fwd_kernel", {traits(p, c)})};
+    return std::vector<jit::KernelSpec>{spec(p, kWarpScanHeader, "kspec::selective_scan_fwd_kernel", {traits(p, c)})};
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     check_launch_sizes(call);
@@ -796,7 +804,7 @@ OpDef make_fwd() {
       if (sp.nsegs == 1) return l.launch(0, {gx, gy, 1}, {u32(warps * 32)}, smem, margs);
       // Every segment but the last from a zero state: its end state and sum of dt, and a flag per
       // (batch, channel block, segment) set once they are written (workspace; the flags zeroed here). The
-      // main kernel starts beside the local pass and waits on the flags (see "segments" in the template).
+      // main kernel starts beside the local pass and waits on the flags (see "segments" in sequential.cuh).
       const int64_t nflags = int64_t(gx) * gy * sp.nsegs;
       seg_h = static_cast<float*>(
           l.workspace(sizeof(float) * chans * sp.nsegs * (p.dim("dstate") + 1) + sizeof(unsigned) * nflags));
@@ -853,13 +861,14 @@ OpDef make_bwd() {
                                     std::to_string(p.dim("dstate")), b2s(var_b(p)), b2s(var_c(p)),
                                     b2s(p.present("D")), b2s(p.present("delta_bias"))};
     const bool seq = c.get("algo") == 1;
-    std::vector<jit::KernelSpec> k = {seq ? spec(p, "kspec::selective_scan_bwd_seq_kernel", {seq_traits(p, c)})
-                                          : spec(p, "kspec::selective_scan_bwd_kernel", {traits(p, c)}),
-                                      spec(p, "kspec::selective_scan_bwd_reduce_kernel", red),
-                                      spec(p, "kspec::selective_scan_bwd_zero_kernel", {})};
+    std::vector<jit::KernelSpec> k = {
+        seq ? spec(p, kSequentialHeader, "kspec::selective_scan_bwd_seq_kernel", {seq_traits(p, c)})
+            : spec(p, kWarpScanHeader, "kspec::selective_scan_bwd_kernel", {traits(p, c)}),
+        spec(p, kReduceHeader, "kspec::selective_scan_bwd_reduce_kernel", red),
+        spec(p, kReduceHeader, "kspec::selective_scan_bwd_zero_kernel", {})};
     if (seq && c.get("segs") > 1) {
-      k.push_back(spec(p, "kspec::selective_scan_seg_fwd_kernel", {seq_traits(p, c)}));
-      k.push_back(spec(p, "kspec::selective_scan_seg_bwd_kernel", {seq_traits(p, c)}));
+      k.push_back(spec(p, kSequentialHeader, "kspec::selective_scan_seg_fwd_kernel", {seq_traits(p, c)}));
+      k.push_back(spec(p, kSequentialHeader, "kspec::selective_scan_seg_bwd_kernel", {seq_traits(p, c)}));
     }
     return k;
   };
@@ -1006,7 +1015,7 @@ OpDef make_step() {
   op.info.tuning_axes = op.tuning.axes;
   op.kernels = [](const Problem& p, const Config& c) {
     return std::vector<jit::KernelSpec>{spec(
-        p, "kspec::selective_scan_step_kernel",
+        p, kStepHeader, "kspec::selective_scan_step_kernel",
         {dtype_cuda_type(p.dtype("u")), dtype_cuda_type(p.dtype("B")), dtype_cuda_type(p.dtype("C")),
          std::to_string(p.dim("dstate")), b2s(var_b(p)), b2s(var_c(p)), b2s(p.present("D")), b2s(p.present("z")),
          b2s(p.present("delta_bias")), b2s(p.param_bool("delta_softplus")), std::to_string(c.get("split")),

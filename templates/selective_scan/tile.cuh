@@ -1,0 +1,380 @@
+// The one-pass tile kernel (algo 2) of the selective scan's forward.
+#pragma once
+
+#include "selective_scan/common.cuh"
+
+namespace kspec {
+
+// =============================================================================================
+// The one-pass forward ("algo 2", the tile kernel): few channels and long sequences, where the
+// sequential kernels (sequential.cuh) need segments and so two ex2 per step and state (the local pass and the
+// main pass). Here the warps of a block run along time and pay one.
+//
+// Layout: a block holds kCW = 8 channels of one batch and B/C group (dstate 16); lane = (channel, state
+// group of 4 states) with bit 0 a channel bit, bits 1-2 the group and bits 3-4 the other channel bits.
+// So lanes n and n^1 read the same B/C vector and lanes n and n^2 the same {dt, dt u}, which halves
+// their shared-memory wavefronts (an LDS.128 takes 4 unless such pairs share an address, then 2).
+// Measured on the H100 (prototype, design D of tools/bench/NOTES.md): 1.93 -> 1.60 ms at 1x2048x65536.
+// The block's kWarps warps take kRun = 16 consecutive steps each of a tile of kTile = 16 kWarps steps.
+// Per tile:
+//  1. each lane stages {dt, dt u} of 4 of its warp's steps of its channel (its raw u, delta and z
+//     were loaded a tile ahead into registers);
+//  2. sweep 1: each lane runs its warp's 16 steps from a zero state: x, P (the product of the decays
+//     so far), yl_t = C_t . x_t and CP_t = C_t * P_t kept in registers for each step. One ex2 per step
+//     and state;
+//  3. the warp's map (P, x) goes to shared memory; the block stages the next tile's variable B/C
+//     (double-buffered, loaded a tile ahead) and meets at its one barrier;
+//  4. warp w folds the maps of warps 0..w-1 into the carried state: h, the true state entering its
+//     steps (written to `states` for the backward: a run starts at a multiple of kStateStride). The
+//     last warp also writes the next tile's carry;
+//  5. sweep 2: y_t = yl_t + CP_t . h, no recurrence and no shared-memory reads;
+//  6. the 4 state groups' parts of y are summed through shared memory (each lane sums its 4 steps),
+//     and out = (y + D u) * silu(z).
+// 6 warps per block, because the grid is one block per 8 channels (256 at 1x2048x65536) and 4-warp
+// blocks left a third of the 3-per-SM slots empty. Measured on the H100 (1x2048x65536 bf16): 1.437 ms,
+// against 1.53-1.56 ms for the two passes of algo 1. The steps from the prototype to that figure
+// (y through shared memory, packed conversions, the unpredicated prefetch; z loaded late, dropped):
+// tools/bench/NOTES.md, "The tile kernel's attempts".
+//
+// Launch: gridDim = (ceil(dim / 8), batch), blockDim = 32 kWarps, dynamic shared memory
+// tile_fwd_smem_floats() floats; the arguments of selective_scan_fwd_kernel. Requires kVec (seqlen a
+// multiple of 8, 16-byte aligned pointers: a variable B/C row's 8-step vectors and a lane's 4 steps are
+// aligned vectors, wholly inside or outside the sequence) and dstate 16. Steps past seqlen stage dt = 0
+// (a = 1, dt u = 0: the carry passes through), by a lane's 4 steps, so a run may end inside a tile and
+// inside a warp's 16 steps; channels past dim run with A = 0 and dt = 0 and write nothing. Both read
+// inputs inside the tensors (the row's last steps, the last channel).
+// =============================================================================================
+template <typename T_, typename TB_, typename TC_, int kDstate_, bool kVarB_, bool kVarC_, bool kHasD_,
+          bool kHasZ_, bool kHasDeltaBias_, bool kSoftplus_, bool kHasH0_, bool kVec_, int kWarps_>
+struct TileScanTraits {
+  using T = T_;
+  using TB = TB_;
+  using TC = TC_;
+  static constexpr int kDstate = kDstate_;
+  static constexpr bool kVarB = kVarB_, kVarC = kVarC_, kHasD = kHasD_, kHasZ = kHasZ_;
+  static constexpr bool kHasDeltaBias = kHasDeltaBias_, kSoftplus = kSoftplus_, kHasH0 = kHasH0_;
+  static constexpr int kWarps = kWarps_, kThreads = 32 * kWarps;
+  static constexpr int kS = 4;                 // states per lane
+  static constexpr int kG = kDstate / kS;      // state groups (lanes per channel)
+  static constexpr int kCW = 32 / kG;          // channels per block
+  static constexpr int kRun = scan_detail::kStateStride;  // steps per warp and tile
+  static constexpr int kTile = kWarps * kRun;  // steps per tile
+  static constexpr int kQ = kRun / kG;         // steps a lane stages and writes
+  static constexpr int kNvar = (kVarB ? 1 : 0) + (kVarC ? 1 : 0);
+  static constexpr int kYRow = kCW * kRun + 4;  // a state group's row of partial y (+4: 8 bank groups)
+  static_assert(kVec_, "the tile kernel needs whole 16-byte aligned vectors (kVec: seqlen a multiple of 8)");
+  static_assert(kDstate == 16, "the tile kernel's lane map is for dstate 16");
+  static_assert(kQ == 4, "a lane stages 4 steps");
+};
+
+template <typename Tr>
+constexpr int tile_fwd_smem_floats() {
+  return 2 * Tr::kNvar * Tr::kTile * Tr::kDstate  // s_bc [buffer][B, C][step][state]
+         + 2 * Tr::kTile * Tr::kCW                 // s_q [step][channel] float2 {dt, dt u}
+         + 2 * Tr::kWarps * 2 * Tr::kCW * Tr::kDstate  // s_px [slot][warp][P, X][channel][state]
+         + 2 * Tr::kCW * Tr::kDstate                   // s_carry [slot][channel][state]
+         + Tr::kWarps * Tr::kG * Tr::kYRow;            // s_y [warp][group][channel * kRun + step]
+}
+
+namespace scan_detail {
+// The low (hi = 0) or high 16-bit element of a word as a float.
+template <typename T>
+__device__ __forceinline__ float half_word_to_float(unsigned x, int hi);
+template <>
+__device__ __forceinline__ float half_word_to_float<__nv_bfloat16>(unsigned x, int hi) {
+  return __uint_as_float(hi ? x & 0xffff0000u : x << 16);
+}
+template <>
+__device__ __forceinline__ float half_word_to_float<__half>(unsigned x, int hi) {
+  return raw_to_float<__half>(hi ? x >> 16 : x & 0xffffu);
+}
+// Two floats rounded to T and packed in a word (one conversion instruction for both).
+template <typename T>
+__device__ __forceinline__ unsigned pack2(float a, float b);
+template <>
+__device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+template <>
+__device__ __forceinline__ unsigned pack2<__half>(float a, float b) {
+  const __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+
+// 4 consecutive elements of T as raw 32-bit words (8 or 16 bytes), split where used.
+template <typename T>
+struct Raw4 {
+  static constexpr int kWords = static_cast<int>(sizeof(T));  // 4 elements of sizeof(T) bytes
+  Vec<unsigned, kWords> w;
+  __device__ __forceinline__ void load(const T* p) { w = load_vec<kWords>(reinterpret_cast<const unsigned*>(p)); }
+  // element k: a 16-bit one from its half of a word by a shift or a mask (as a Vec<T, 4> the compiler
+  // unpacked with PRMTs)
+  __device__ __forceinline__ float at(int k) const {
+    if constexpr (kWords == 4) {
+      return __uint_as_float(w.v[k]);
+    } else {
+      const unsigned x = w.v[k / 2];
+      return half_word_to_float<T>(x, k & 1);
+    }
+  }
+};
+
+// The block's variable B/C rows of one tile: 16-byte vectors of V steps of one state, [state][step] in
+// global memory, staged transposed to [step][state] floats. Zeros past seqlen.
+template <typename Tr, typename X>
+struct TileRows {
+  static constexpr int V = 16 / static_cast<int>(sizeof(X));
+  static constexpr int kVecs = Tr::kDstate * Tr::kTile / V;
+  static constexpr int kPer = kVecs / Tr::kThreads;
+  static_assert(kVecs % Tr::kThreads == 0, "whole vectors per thread");
+  uint4 v[kPer];
+  // g: the block's group's rows (dstate seqlen elements: 32-bit offsets, see tile_valid). Vectors past
+  // seqlen read the row's last one instead (no predicate, no zeroing): their steps have dt = 0.
+  __device__ __forceinline__ void load(const X* __restrict__ g, int seqlen, int t0) {
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads, n = e % Tr::kDstate, tv = (e / Tr::kDstate) * V;
+      v[k] = load_raw16(g + (n * seqlen + min(t0 + tv, seqlen - V)));
+    }
+  }
+  __device__ __forceinline__ void stage(float* s) const {
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads, n = e % Tr::kDstate, tv = (e / Tr::kDstate) * V;
+      const unsigned w[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        if constexpr (V == 8) {
+          s[(tv + j) * Tr::kDstate + n] = half_word_to_float<X>(w[j / 2], j & 1);  // a shift or a mask, no PRMT
+        } else {
+          s[(tv + j) * Tr::kDstate + n] = __uint_as_float(w[j]);
+        }
+      }
+    }
+  }
+};
+}  // namespace scan_detail
+
+// Two blocks per SM (168 registers at 6 warps, no spill). At 4 warps, 3 blocks (168 registers) ran the
+// prototype 1.50 ms against 1.53 at 2, but NVRTC spilled 8 bytes there for fp16 on sm_90.
+template <typename Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 2)
+    selective_scan_fwd_tile_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
+                                   const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
+                                   const typename Tr::TC* __restrict__ C, const float* __restrict__ D,
+                                   const typename Tr::T* __restrict__ z, const float* __restrict__ delta_bias,
+                                   const float* __restrict__ h0, typename Tr::T* __restrict__ out,
+                                   float* __restrict__ last_state, int dim, int seqlen, int channels_per_group,
+                                   int groups, float* __restrict__ states) {
+  using namespace scan_detail;
+  using T = typename Tr::T;
+  constexpr int N = Tr::kDstate, S = Tr::kS, G = Tr::kG, CW = Tr::kCW, W = Tr::kWarps, R = Tr::kRun;
+  constexpr int TL = Tr::kTile, Q = Tr::kQ, YR = Tr::kYRow;
+  extern __shared__ __align__(16) float smem[];
+  float* s_bc = smem;
+  float2* s_q = reinterpret_cast<float2*>(s_bc + 2 * Tr::kNvar * TL * N);
+  float* s_px = reinterpret_cast<float*>(s_q + TL * CW);
+  float* s_carry = s_px + 2 * W * 2 * CW * N;
+  float* s_y = s_carry + 2 * CW * N;
+
+  const int tid = static_cast<int>(threadIdx.x), w = tid / 32, lane = tid % 32;
+  const int sg = (lane >> 1) & (G - 1), c = (lane & 1) | ((lane >> 3) << 1);
+  const int b = static_cast<int>(blockIdx.y), d0 = static_cast<int>(blockIdx.x) * CW, d = d0 + c;
+  const bool live = d < dim;
+  const long long chan = static_cast<long long>(b) * dim + d;
+  const long long bc_base = (static_cast<long long>(b) * groups + d0 / channels_per_group) * N * seqlen;
+  const int n0 = sg * S;
+  float A2[S], Bf[S], Cf[S];
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    A2[i] = live ? A[d * N + n0 + i] * kLog2e : 0.0f;
+    Bf[i] = !Tr::kVarB && live ? to_float(B[d * N + n0 + i]) : 0.0f;
+    Cf[i] = !Tr::kVarC && live ? to_float(C[d * N + n0 + i]) : 0.0f;
+  }
+  const float bias = Tr::kHasDeltaBias && live ? delta_bias[d] : 0.0f;
+  const float Dd = Tr::kHasD && live ? D[d] : 0.0f;
+  const int nt = (seqlen + TL - 1) / TL;
+
+  // This lane's Q steps of its channel in a tile: t0 + w R + sg Q. The loads never leave the tensors, so
+  // they need no predicate and no zeroing: channels past dim read the last channel and steps past seqlen
+  // the row's last Q (step 1 gives them dt = 0; nothing is written from them). Addresses: the block's
+  // rows from one 64-bit base (uniform registers) and a lane's offset in 32 bits (tile_valid: dstate
+  // seqlen fits in an int).
+  const long long blk = (static_cast<long long>(b) * dim + d0) * seqlen;
+  const T* const u_blk = u + blk;
+  const T* const delta_blk = delta + blk;
+  const T* const z_blk = Tr::kHasZ ? z + blk : nullptr;
+  T* const out_blk = out + blk;
+  const int tq = w * R + sg * Q;
+  const int lane_in = (live ? c : dim - 1 - d0) * seqlen, lane_out = c * seqlen + tq;
+  Raw4<T> pu, pd, pz;
+  auto load_q = [&](int t0) {
+    const int t = lane_in + min(t0 + tq, seqlen - Q);
+    pu.load(u_blk + t);
+    pd.load(delta_blk + t);
+    if constexpr (Tr::kHasZ) pz.load(z_blk + t);
+  };
+  TileRows<Tr, typename Tr::TB> rb;
+  TileRows<Tr, typename Tr::TC> rc;
+  auto load_bc = [&](int t0) {
+    if constexpr (Tr::kVarB) rb.load(B + bc_base, seqlen, t0);
+    if constexpr (Tr::kVarC) rc.load(C + bc_base, seqlen, t0);
+  };
+  auto stage_bc = [&](int buf) {
+    float* s = s_bc + buf * Tr::kNvar * TL * N;
+    if constexpr (Tr::kVarB) rb.stage(s);
+    if constexpr (Tr::kVarC) rc.stage(s + (Tr::kVarB ? TL * N : 0));
+  };
+  load_bc(0);
+  stage_bc(0);
+  if (nt > 1) load_bc(TL);
+  load_q(0);
+  if (w == 0) {
+#pragma unroll
+    for (int i = 0; i < S; ++i) s_carry[c * N + n0 + i] = Tr::kHasH0 && live ? h0[chan * N + n0 + i] : 0.0f;
+  }
+  __syncthreads();
+
+  for (int it = 0; it < nt; ++it) {
+    const int t0 = it * TL, tr = t0 + w * R;  // the tile's first step, this warp's
+    const bool run = live && tr < seqlen;            // the warp's run starts inside the sequence
+    const bool qrun = live && tr + sg * Q < seqlen;  // this lane's Q steps are inside it (seqlen % Q == 0)
+    // 1. {dt, dt u} of this lane's Q steps (dt = 0, u = 0 past seqlen and dim: the state passes through).
+    // u is kept as floats for the outputs, z as raw words (copied: the next tile's prefetch overwrites pz).
+    const Raw4<T> rz = pz;
+    float uq[Q];
+#pragma unroll
+    for (int k = 0; k < Q; ++k) {
+      float dt = pd.at(k) + bias;
+      if constexpr (Tr::kSoftplus) dt = softplus_sfu(dt);
+      dt = qrun ? dt : 0.0f;
+      uq[k] = pu.at(k);
+      s_q[(w * R + sg * Q + k) * CW + c] = make_float2(dt, dt * uq[k]);
+    }
+    if (it + 1 < nt) load_q(t0 + TL);
+    __syncwarp();
+    // 2. sweep 1 from a zero state, a group of 4 steps' shared-memory reads first
+    const float* sB = s_bc + (it & 1) * Tr::kNvar * TL * N + w * R * N + n0;
+    const float* sC = sB + (Tr::kVarB ? TL * N : 0);
+    const float2* sq = s_q + w * R * CW + c;
+    float CP[R][S], yl[R], x[S], P[S];
+#pragma unroll
+    for (int i = 0; i < S; ++i) x[i] = 0.0f, P[i] = 1.0f;
+#pragma unroll
+    for (int j0 = 0; j0 < R; j0 += 4) {
+      float2 q[4];
+      float bv[4][S], cv[4][S];
+#pragma unroll
+      for (int g = 0; g < 4; ++g) {
+        q[g] = sq[(j0 + g) * CW];
+        if constexpr (Tr::kVarB) {
+          const float4 v = *reinterpret_cast<const float4*>(sB + (j0 + g) * N);
+          bv[g][0] = v.x, bv[g][1] = v.y, bv[g][2] = v.z, bv[g][3] = v.w;
+        } else {
+#pragma unroll
+          for (int i = 0; i < S; ++i) bv[g][i] = Bf[i];
+        }
+        if constexpr (Tr::kVarC) {
+          const float4 v = *reinterpret_cast<const float4*>(sC + (j0 + g) * N);
+          cv[g][0] = v.x, cv[g][1] = v.y, cv[g][2] = v.z, cv[g][3] = v.w;
+        } else {
+#pragma unroll
+          for (int i = 0; i < S; ++i) cv[g][i] = Cf[i];
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < 4; ++g) {
+        const int j = j0 + g;
+        float y0 = 0.0f, y1 = 0.0f;
+#pragma unroll
+        for (int i = 0; i < S; ++i) {
+          const float a = fast_exp2(q[g].x * A2[i]);
+          x[i] = fmaf(a, x[i], q[g].y * bv[g][i]);
+          P[i] *= a;
+          CP[j][i] = cv[g][i] * P[i];
+          if (i & 1) y1 = fmaf(cv[g][i], x[i], y1);
+          else y0 = fmaf(cv[g][i], x[i], y0);
+        }
+        yl[j] = y0 + y1;
+      }
+    }
+    // 3. this warp's map; the next tile's B/C; the block's barrier
+    float* px = s_px + ((it & 1) * W + w) * 2 * CW * N + c * N + n0;
+    *reinterpret_cast<float4*>(px) = make_float4(P[0], P[1], P[2], P[3]);
+    *reinterpret_cast<float4*>(px + CW * N) = make_float4(x[0], x[1], x[2], x[3]);
+    if (it + 1 < nt) {
+      stage_bc((it + 1) & 1);
+      if (it + 2 < nt) load_bc(t0 + 2 * TL);
+    }
+    __syncthreads();
+    // 4. the state entering this warp's steps: the carry folded over warps 0..w-1
+    float h[S];
+    {
+      const float4 cv = *reinterpret_cast<const float4*>(s_carry + (it & 1) * CW * N + c * N + n0);
+      h[0] = cv.x, h[1] = cv.y, h[2] = cv.z, h[3] = cv.w;
+#pragma unroll
+      for (int v = 0; v < W - 1; ++v) {
+        if (v >= w) break;
+        const float* pv = s_px + ((it & 1) * W + v) * 2 * CW * N + c * N + n0;
+        const float4 P4 = *reinterpret_cast<const float4*>(pv), X4 = *reinterpret_cast<const float4*>(pv + CW * N);
+        h[0] = fmaf(P4.x, h[0], X4.x);
+        h[1] = fmaf(P4.y, h[1], X4.y);
+        h[2] = fmaf(P4.z, h[2], X4.z);
+        h[3] = fmaf(P4.w, h[3], X4.w);
+      }
+      if (states && run)
+        *reinterpret_cast<float4*>(states + (chan * nstates_of(seqlen) + tr / kStateStride) * N + n0) =
+            make_float4(h[0], h[1], h[2], h[3]);
+      if (w == W - 1) {
+        const float4 nc = make_float4(fmaf(P[0], h[0], x[0]), fmaf(P[1], h[1], x[1]), fmaf(P[2], h[2], x[2]),
+                                      fmaf(P[3], h[3], x[3]));
+        *reinterpret_cast<float4*>(s_carry + ((it + 1) & 1) * CW * N + c * N + n0) = nc;
+        if (it + 1 == nt && live) *reinterpret_cast<float4*>(last_state + chan * N + n0) = nc;
+      }
+    }
+    // 5. sweep 2
+    float y[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      float y0 = fmaf(CP[j][0], h[0], yl[j]), y1 = CP[j][1] * h[1];
+      y0 = fmaf(CP[j][2], h[2], y0);
+      y1 = fmaf(CP[j][3], h[3], y1);
+      y[j] = y0 + y1;
+    }
+    // 6. y over the state groups through shared memory; this lane's Q steps out
+    float* sy = s_y + w * G * YR;
+#pragma unroll
+    for (int j = 0; j < R; j += 4)
+      *reinterpret_cast<float4*>(sy + sg * YR + c * R + j) = make_float4(y[j], y[j + 1], y[j + 2], y[j + 3]);
+    __syncwarp();
+    float yo[Q] = {};
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float4 v = *reinterpret_cast<const float4*>(sy + g * YR + c * R + sg * Q);
+      yo[0] += v.x, yo[1] += v.y, yo[2] += v.z, yo[3] += v.w;
+    }
+    if (qrun) {
+      float o[Q];
+#pragma unroll
+      for (int k = 0; k < Q; k += 2) {
+        o[k] = fmaf(Dd, uq[k], yo[k]);
+        o[k + 1] = fmaf(Dd, uq[k + 1], yo[k + 1]);
+        if constexpr (Tr::kHasZ) {
+          float g0 = rz.at(k), g1 = rz.at(k + 1);
+          silu2_sfu(g0, g1);
+          o[k] *= g0;
+          o[k + 1] *= g1;
+        }
+      }
+      T* dst = out_blk + lane_out + t0;
+      if constexpr (sizeof(T) == 4) {
+        *reinterpret_cast<float4*>(dst) = make_float4(o[0], o[1], o[2], o[3]);
+      } else {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<T>(o[0], o[1]), pack2<T>(o[2], o[3]));
+      }
+    }
+  }
+}
+
+}  // namespace kspec
