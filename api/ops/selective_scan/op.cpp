@@ -428,9 +428,9 @@ bool tile_valid(const Problem& p, const Config& c, std::string* why) {
 // Up to 512 steps, 4 warps: a tile is 16 warps steps, and 6 warps' 96-step tiles leave a partial last one
 // (1x2048x512: 4 warps 0.0169 ms, 6 warps 0.0178; kspec tune --all-configs, H100, 2026-11-26, two runs).
 constexpr int64_t kTileShortSeqlen = 512;
+int64_t tile_warps(const Problem& p) { return p.has_dim("seqlen") && p.dim("seqlen") <= kTileShortSeqlen ? 4 : 6; }
 Config tile_heuristic_config(const Problem& p) {
-  const int64_t warps = p.has_dim("seqlen") && p.dim("seqlen") <= kTileShortSeqlen ? 4 : 6;
-  return Config{{{"algo", 2}, {"warps", warps}, {"items", 4}, {"lanes", 1}, {"chunk", 32}, {"segs", 1}}};
+  return Config{{{"algo", 2}, {"warps", tile_warps(p)}, {"items", 4}, {"lanes", 1}, {"chunk", 32}, {"segs", 1}}};
 }
 constexpr int64_t kTileChannelsMin = 2048, kTileChannelsMost = 8192;
 bool tile_preferred(const Problem& p) {
@@ -446,7 +446,7 @@ std::string fwd_key(const Problem& p) {
   return even_key(p) + ",gfit|" + std::to_string(group_fit(p)) + (many_channels(p) ? ",wide" : ",narrow") +
          ",segs|" + std::to_string(segs) + ",lanes|" + std::to_string(seq_default_lanes(p, segs)) +
          (tile_vectors(p) ? ",v8" : "") +
-         (tile_preferred(p) ? ",tile" + std::to_string(tile_heuristic_config(p).get("warps")) : "") +
+         (tile_preferred(p) ? ",tile" + std::to_string(tile_warps(p)) : "") +
          few_key(few_channels_plan(p, kFwdSegsMost, 32, true));
 }
 
