@@ -140,6 +140,22 @@ bool bias_through_c(const Problem& p) {
   return act_code(p) == 1 && p.present("bias") && p.dtype("x") != DType::f32;
 }
 
+// Where K is small beside the output, the bias goes in as one more column of the product instead
+// (templates/gemm/gemm_augment.cuh: x' = [x, 1, 0…], W' = [W, b, 0…], K' = K + 1 rounded up to 8): the
+// copies cost about 2·(batch·m + wbatch·n)·K' elements of traffic, the bias through C 2·batch·m·n (fill y,
+// read it back). Same fp32 sum, so the same sign for ReLU.
+constexpr int64_t kAugmentAlign = 8;
+
+int64_t augmented_k(int64_t k) { return (k + 1 + kAugmentAlign - 1) / kAugmentAlign * kAugmentAlign; }
+
+bool bias_as_column(const Problem& p) {
+  if (!bias_through_c(p) || !p.has_dim("m") || !p.has_dim("n") || !p.has_dim("k")) return false;
+  const int64_t batch = std::max<int64_t>(p.has_dim("batch") ? p.dim("batch") : 1, 1);
+  const int64_t wbatch = std::max<int64_t>(p.has_dim("wbatch") ? p.dim("wbatch") : 1, 1);
+  const int64_t copied = (batch * p.dim("m") + wbatch * p.dim("n")) * augmented_k(p.dim("k"));
+  return copied < batch * p.dim("m") * p.dim("n");
+}
+
 // ---- the untuned default: cuBLASLt's fused epilogue, or unfused (plain GEMM, then kspec's kernel) ----
 // cuBLASLt's fused GELU epilogue runs slow kernels where n or k is not a multiple of 8 (rows not 16-byte
 // aligned). H100 bf16, KSPEC_TUNE=off bench.py --family linear_sweep (2026-11-26), ms, fused / unfused=1
@@ -178,10 +194,25 @@ bool valid_fwd_config(const Problem& p, const Config& c, std::string* why) {
   return true;
 }
 
+// Where augmented operands are planned without a workspace (check_call, tuning candidates, explain): a
+// stand-in address (256-byte aligned, as the workspace is); nothing is read or written through it.
+void* const kAugmentStandIn = reinterpret_cast<void*>(uintptr_t(1) << 20);
+
 struct FwdPlan {
   gemm::LtCall lt;
   bool fill_bias = false;  // y is filled with the bias first and read back as C (bias_through_c)
+  bool bias_column = false;  // x' and W' carry the bias as one more column (bias_as_column)
+  int64_t kp = 0;            // their K'
+  int64_t x_rows = 0, w_rows = 0;  // rows of x' (batch·m) and of W' (wbatch·n)
+  gemm::MatrixView xv, wv;   // the original operands' views
+  size_t x_bytes = 0, w_bytes = 0;  // the copies' sizes (each rounded up to 256 bytes)
 };
+
+// The augmented copies at `ws` (x' then W'), or the stand-in address.
+void point_at_copies(FwdPlan& f, char* ws) {
+  f.lt.b = ws;
+  f.lt.a = ws + f.x_bytes;
+}
 
 FwdPlan plan_fwd(const Call& call) {
   const std::string& op = call.problem.op->info.name;
@@ -211,6 +242,26 @@ FwdPlan plan_fwd(const Call& call) {
     lt.aux_batch_stride = lt.g.batch > 1 ? call.problem.dim("m") * n : 0;
   }
   lt.bias = has_bias ? b.data : nullptr;
+  f.xv = xv;
+  f.wv = wv;
+  if (bias_as_column(call.problem)) {
+    const bool shared = wv.batch_stride == 0;
+    const int64_t bt = std::max<int64_t>(batch, 1), m = call.problem.dim("m"), n = call.problem.dim("n");
+    const size_t es = dtype_size(x.dtype);
+    auto round256 = [](size_t v) { return (v + 255) / 256 * 256; };
+    f.bias_column = true;
+    f.kp = augmented_k(call.problem.dim("k"));
+    f.x_rows = bt * m;
+    f.w_rows = (shared ? 1 : bt) * n;
+    f.x_bytes = round256(size_t(f.x_rows * f.kp) * es);
+    f.w_bytes = round256(size_t(f.w_rows * f.kp) * es);
+    gemm::MatrixView xa{m, f.kp, f.kp, 1, m * f.kp}, wa{n, f.kp, f.kp, 1, shared ? 0 : n * f.kp};
+    lt.g = gemm::map_row_major(yv, xa, gemm::transposed(wa), bt, "y", "x", "weight");
+    point_at_copies(f, static_cast<char*>(kAugmentStandIn));
+    lt.bias = nullptr;
+    lt.epilogue = CUBLASLT_EPILOGUE_RELU;
+    return f;
+  }
   if (bias_through_c(call.problem)) {
     f.fill_bias = true;
     lt.bias = nullptr;
@@ -266,6 +317,9 @@ std::vector<Case> fwd_cases() {
       gemm_case("no_bias", 1, 1, 33, 7, 33, "none", {"bias", "aux"}),
       gemm_case("relu_bias", 1, 1, 33, 64, 33, "relu", {"aux"}),
       gemm_case("relu_no_bias", 1, 1, 7, 33, 33, "relu", {"bias", "aux"}),
+      gemm_case("relu_bias_small_k", 1, 1, 65, 130, 7, "relu", {"aux"}),
+      gemm_case("relu_bias_small_k_batched", 3, 3, 33, 65, 7, "relu", {"aux"}),
+      gemm_case("relu_bias_small_k_shared_weight", 4, 1, 33, 65, 9, "relu", {"aux"}),
       gemm_case("gelu_bias", 1, 1, 33, 33, 7, "gelu", {"aux"}),
       gemm_case("gelu_bias_aux", 1, 1, 33, 64, 33, "gelu", {}),
       gemm_case("gelu_aux_no_bias", 1, 1, 7, 16, 33, "gelu", {"bias"}),
@@ -273,7 +327,9 @@ std::vector<Case> fwd_cases() {
       gemm_case("batched_shared_weight", 4, 1, 7, 33, 33, "gelu", {}),
       gemm_case("large_1024", 1, 1, 256, 1024, 1024, "gelu", {}),
   };
-  c[14].dims[3].second = 40;  // n = 40 (a multiple of 8 for aux)
+  for (Case& e : c) {
+    if (e.name == "batched_shared_weight") e.dims[3].second = 40;  // n = 40 (a multiple of 8 for aux)
+  }
   c.back().large = true;
   return c;
 }
@@ -341,8 +397,10 @@ OpDef make_fwd() {
   op.tuning.heuristic = [](const Problem& p) {
     return default_unfused(p) ? Config{{{"unfused", default_unfused(p)}}} : Config{};
   };
-  // The heuristic reads runtime dims: the plan cache keeps its two choices apart.
-  op.derived_key = [](const Problem& p) { return default_unfused(p) ? std::string("unfused") : std::string(); };
+  // The heuristic and the bias's way in read runtime dims: the plan cache keeps their choices apart.
+  op.derived_key = [](const Problem& p) {
+    return std::string(default_unfused(p) ? "unfused" : "") + (bias_as_column(p) ? "+bias_column" : "");
+  };
   op.tuning.valid = valid_fwd_config;
   op.tuning.candidates = [](const Call& call, int n) {
     std::vector<Config> out = candidate_configs(plan_fwd(call).lt, call.device, n, "");
@@ -360,7 +418,10 @@ OpDef make_fwd() {
   op.kernels = [](const Problem& p, const Config& c) {
     std::vector<jit::KernelSpec> out;
     int64_t u = unfused_of(c);
-    if (bias_through_c(p)) {
+    if (bias_as_column(p)) {
+      out.push_back(kernel_spec(p, "gemm/gemm_augment.cuh", "kspec::gemm_augment_kernel",
+                                {dtype_cuda_type(p.dtype("x")), std::to_string(kBiasActThreads)}));
+    } else if (bias_through_c(p)) {
       out.push_back(kernel_spec(p, "gemm/gemm_fill_bias.cuh", "kspec::gemm_fill_bias_kernel",
                                 {dtype_cuda_type(p.dtype("x")), std::to_string(kBiasActThreads)}));
     }
@@ -382,6 +443,20 @@ OpDef make_fwd() {
       f.lt.aux = nullptr;
     }
     const TensorView& b = call.in("bias");
+    const size_t copies = f.x_bytes + f.w_bytes;
+    char* ws = static_cast<char*>(l.workspace(gemm::kLtWorkspaceBytes + copies));
+    if (f.bias_column) {
+      point_at_copies(f, ws + gemm::kLtWorkspaceBytes);
+      const int64_t m = call.problem.dim("m"), n = call.problem.dim("n");
+      auto copy = [&](void* dst, const void* src, const void* last, long long rows, long long per_batch,
+                      const gemm::MatrixView& v) {
+        long long k = call.problem.dim("k"), kp = f.kp, bs = v.batch_stride, rs = v.row_stride, cs = v.col_stride;
+        void* args[] = {&dst, &src, &last, &rows, &per_batch, &k, &kp, &bs, &rs, &cs};
+        l.launch(0, {grid_for(l, rows * kp)}, {kBiasActThreads}, 0, args);
+      };
+      copy(const_cast<void*>(f.lt.b), call.in("x").data, nullptr, f.x_rows, m, f.xv);
+      copy(const_cast<void*>(f.lt.a), call.in("weight").data, b.data, f.w_rows, n, f.wv);
+    }
     if (f.fill_bias) {
       for_each_y_block(call, [&](void* yp, void*, long long rows, long long cols, long long stride) {
         const void* bp = b.data;
@@ -389,13 +464,12 @@ OpDef make_fwd() {
         l.launch(0, {grid_for(l, rows * cols)}, {kBiasActThreads}, 0, args);
       });
     }
-    void* ws = l.workspace(gemm::kLtWorkspaceBytes);
     gemm::lt_matmul(f.lt, call.device, call.stream, ws, gemm::kLtWorkspaceBytes);
     if (!u) return;
     for_each_y_block(call, [&](void* yp, void* ap, long long rows, long long cols, long long stride) {
       const void* bp = b.data;
       void* args[] = {&yp, &bp, &ap, &rows, &cols, &stride};
-      l.launch(f.fill_bias ? 1 : 0, {grid_for(l, rows * cols)}, {kBiasActThreads}, 0, args);
+      l.launch(f.fill_bias || f.bias_column ? 1 : 0, {grid_for(l, rows * cols)}, {kBiasActThreads}, 0, args);
     });
   };
   op.reference = fwd_reference;
