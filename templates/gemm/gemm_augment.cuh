@@ -8,27 +8,27 @@
 #pragma once
 
 #include "common/dtype.cuh"
+#include "gemm/augment_params.h"
 
 namespace kspec {
 
-// dst: rows x kp, contiguous. Row r of src is batch r / rows_per_batch, row r % rows_per_batch, at
-// batch_stride, row_stride and col_stride (elements). Column k is last[r % rows_per_batch] (the bias, on
-// the weight's side) or 1 (last == nullptr, on x's side); columns past k are 0. Launch: blockDim =
-// (kThreads); any grid (grid-stride loop). A division per element: the copy is small beside y.
+// Both copies in one launch (x' then W'): blockDim = (kThreads); any grid (grid-stride loop). A division
+// per element: the copies are small beside y.
 template <typename T, int kThreads>
-__global__ void __launch_bounds__(kThreads)
-    gemm_augment_kernel(T* __restrict__ dst, const T* __restrict__ src, const T* __restrict__ last,
-                        long long rows, long long rows_per_batch, long long k, long long kp,
-                        long long batch_stride, long long row_stride, long long col_stride) {
-  const long long total = rows * kp, step = static_cast<long long>(gridDim.x) * kThreads;
+__global__ void __launch_bounds__(kThreads) gemm_augment_kernel(const AugmentParams p) {
+  const long long kp = p.kp, nx = p.x.rows * kp, total = nx + p.w.rows * kp;
+  const long long step = static_cast<long long>(gridDim.x) * kThreads;
   for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x; i < total; i += step) {
-    const long long r = i / kp, c = i - r * kp;
-    const long long b = r / rows_per_batch, rr = r - b * rows_per_batch;
+    const bool on_x = i < nx;
+    const AugmentOperand& o = on_x ? p.x : p.w;
+    const long long j = on_x ? i : i - nx;
+    const long long r = j / kp, c = j - r * kp;
+    const long long b = r / o.rows_per_batch, rr = r - b * o.rows_per_batch;
     T v;
-    if (c < k) v = src[b * batch_stride + rr * row_stride + c * col_stride];
-    else if (c == k) v = last ? last[rr] : store_as<T>(1.f);
+    if (c < p.k) v = static_cast<const T*>(o.src)[b * o.batch_stride + rr * o.row_stride + c * o.col_stride];
+    else if (c == p.k) v = o.last ? static_cast<const T*>(o.last)[rr] : store_as<T>(1.f);
     else v = store_as<T>(0.f);
-    dst[i] = v;
+    static_cast<T*>(o.dst)[j] = v;
   }
 }
 

@@ -12,6 +12,7 @@
 #include "gemm/layout.h"
 #include "gemm/lt_matmul.h"
 #include "gemm/reference.h"
+#include "templates/gemm/augment_params.h"
 
 namespace kspec {
 namespace {
@@ -448,14 +449,15 @@ OpDef make_fwd() {
     if (f.bias_column) {
       point_at_copies(f, ws + gemm::kLtWorkspaceBytes);
       const int64_t m = call.problem.dim("m"), n = call.problem.dim("n");
-      auto copy = [&](void* dst, const void* src, const void* last, long long rows, long long per_batch,
-                      const gemm::MatrixView& v) {
-        long long k = call.problem.dim("k"), kp = f.kp, bs = v.batch_stride, rs = v.row_stride, cs = v.col_stride;
-        void* args[] = {&dst, &src, &last, &rows, &per_batch, &k, &kp, &bs, &rs, &cs};
-        l.launch(0, {grid_for(l, rows * kp)}, {kBiasActThreads}, 0, args);
-      };
-      copy(const_cast<void*>(f.lt.b), call.in("x").data, nullptr, f.x_rows, m, f.xv);
-      copy(const_cast<void*>(f.lt.a), call.in("weight").data, b.data, f.w_rows, n, f.wv);
+      AugmentParams a;
+      a.x = {const_cast<void*>(f.lt.b), call.in("x").data, nullptr, f.x_rows, m, f.xv.batch_stride, f.xv.row_stride,
+             f.xv.col_stride};
+      a.w = {const_cast<void*>(f.lt.a), call.in("weight").data, b.data, f.w_rows, n, f.wv.batch_stride,
+             f.wv.row_stride, f.wv.col_stride};
+      a.k = call.problem.dim("k");
+      a.kp = f.kp;
+      void* args[] = {&a};
+      l.launch(0, {grid_for(l, (f.x_rows + f.w_rows) * f.kp)}, {kBiasActThreads}, 0, args);
     }
     if (f.fill_bias) {
       for_each_y_block(call, [&](void* yp, void*, long long rows, long long cols, long long stride) {
