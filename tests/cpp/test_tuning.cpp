@@ -413,6 +413,7 @@ TEST(GemmTuning, ReluWithABiasIn16BitTypesSumsTheBiasInFp32) {
     EXPECT_TRUE(only(kernels(dt, 16384, 4096, 64, "relu", {"aux"}), "gemm_augment_kernel"));
     EXPECT_TRUE(only(kernels(dt, 4096, 4096, 4096, "relu", {"aux"}), "gemm_fill_bias_kernel"));
     EXPECT_TRUE(only(kernels(dt, 33, 64, 33, "relu", {"aux"}), "gemm_fill_bias_kernel"));
+    EXPECT_TRUE(only(kernels(dt, 16384, 11008, 4096, "relu", {"aux"}), "gemm_fill_bias_kernel"));  // K > 1024
   }
   EXPECT_TRUE(kernels(kspec::DType::f32, 33, 4097, 7, "relu", {"aux"}).empty());
   EXPECT_TRUE(kernels(kspec::DType::bf16, 33, 4097, 7, "relu", {"aux", "bias"}).empty());
