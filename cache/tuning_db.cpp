@@ -11,7 +11,7 @@
 
 #include "bounded_json.h"
 #include "jit/files.h"
-#include "jit/log.h"
+#include "jit/base/log.h"
 #include "lock.h"
 
 namespace fs = std::filesystem;

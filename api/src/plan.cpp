@@ -10,7 +10,6 @@
 
 #include "api/src/tuning.h"
 #include "jit/driver.h"
-#include "kspec/knobs.h"
 
 namespace kspec {
 
@@ -78,10 +77,10 @@ PlanEntry& plan_for(const OpDef& op, const Problem& p, int device, const Config*
     }
   }
   bool bucketed = !forced && !op.tuning.empty() &&
-                  (knobs::tune_mode() == knobs::TuneMode::Auto || tuning_has_signature(p.signature(), device));
+                  (tune_mode() == TuneMode::Auto || tuning_has_signature(p.signature(), device));
   // KSPEC_TUNE=auto may tune now, but never inside a CUDA graph capture.
   CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
-  if (bucketed && knobs::tune_mode() == knobs::TuneMode::Auto)
+  if (bucketed && tune_mode() == TuneMode::Auto)
     CU_CHECK(cuStreamIsCapturing(reinterpret_cast<CUstream>(stream), &capture));
   auto entry = std::make_unique<PlanEntry>();
   ConfigChoice choice = choose_config(op, p, forced, device, capture == CU_STREAM_CAPTURE_STATUS_NONE);

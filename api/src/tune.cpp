@@ -17,7 +17,7 @@
 #include "jit/driver.h"
 #include "jit/handles.h"
 #include "jit/key.h"
-#include "jit/log.h"
+#include "jit/base/log.h"
 #include "kspec/knobs.h"
 
 namespace kspec {

@@ -701,7 +701,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cache_prune", &kspec::cache_prune, py::arg("max_bytes") = -1);
   m.def("cache_clear", &kspec::cache_clear);
   m.def("doctor", &kspec::doctor);
-  m.def("compile_threads", &kspec::knobs::compile_threads);
+  m.def("compile_threads", [] { return kspec::knobs::compile_threads(); });
   m.def("knobs", [] {
     py::list out;
     for (const auto& k : kspec::knobs::all()) out.append(py::make_tuple(k.name, k.type, k.default_value, k.doc));

@@ -22,7 +22,7 @@
 #include "cache/disk_cache.h"
 #include "cache/tuning_db.h"
 #include "jit/files.h"
-#include "jit/hash.h"
+#include "jit/base/hash.h"
 #include "jit/key.h"
 #include "jit/nvrtc.h"
 #include "jit/sources.h"

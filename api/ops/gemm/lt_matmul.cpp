@@ -12,7 +12,7 @@
 
 #include "jit/cublaslt.h"
 #include "jit/handles.h"
-#include "jit/log.h"
+#include "jit/base/log.h"
 
 namespace kspec::gemm {
 namespace {
