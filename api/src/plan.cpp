@@ -184,7 +184,7 @@ void* DeviceLauncher::workspace(size_t bytes) {
 int DeviceLauncher::multiprocessors() const { return device_sms(device_); }
 
 int DeviceLauncher::occupancy(size_t k, unsigned block_threads, unsigned shared_bytes) {
-  KSPEC_CHECK_AS(k < plan_.kernels.size(), Error, "launcher: kernel ", k, " not in plan");
+  KSPEC_CHECK_AS(k < plan_.kernels.size(), InternalError, "launcher: kernel ", k, " not in plan");
   LoadedKernel& lk = *plan_.kernels[k];
   int cached = lk.occupancy_for(block_threads, shared_bytes);
   if (cached > 0) return cached;
@@ -218,7 +218,7 @@ void DeviceLauncher::launch_ex(size_t k, Dim3 grid, Dim3 block, unsigned shared_
 }
 
 LoadedKernel* DeviceLauncher::prepare(size_t k, Dim3 grid, unsigned shared_bytes) {
-  KSPEC_CHECK_AS(k < plan_.kernels.size(), Error, "launcher: kernel ", k, " not in plan");
+  KSPEC_CHECK_AS(k < plan_.kernels.size(), InternalError, "launcher: kernel ", k, " not in plan");
   LoadedKernel& lk = *plan_.kernels[k];
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return nullptr;
   if (static_cast<int>(shared_bytes) > lk.dynamic_smem_limit.load(std::memory_order_relaxed)) {

@@ -396,6 +396,7 @@ PYBIND11_MODULE(_C, m) {
   }();
   py::register_exception<kspec::CudaError>(m, "CudaError", base.ptr());
   py::register_exception<kspec::CacheError>(m, "CacheError", error_and(PyExc_OSError));
+  py::register_exception<kspec::InternalError>(m, "InternalError", base.ptr());
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
