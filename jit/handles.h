@@ -1,4 +1,5 @@
-// Owners of toolkit handles (driver streams and events, NVRTC programs, cuBLASLt descriptors), kept
+// Owners of toolkit handles (device memory, driver streams and events, NVRTC programs, cuBLASLt
+// descriptors), kept
 // together so that every handle kspec creates has one RAII type. Each destroys its handle once and
 // ignores the result: a destructor has no one to report to.
 #pragma once
@@ -6,6 +7,8 @@
 #include <cuda.h>
 #include <nvrtc.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <utility>
 
 #include "jit/cublaslt.h"
@@ -58,6 +61,27 @@ using NvrtcProgram = Owned<nvrtcProgram, NvrtcProgramDestroy>;
 using LtMatmulDesc = Owned<cublasLtMatmulDesc_t, LtMatmulDescDestroy>;
 using LtMatrixLayout = Owned<cublasLtMatrixLayout_t, LtMatrixLayoutDestroy>;
 using LtMatmulPreference = Owned<cublasLtMatmulPreference_t, LtMatmulPreferenceDestroy>;
+
+// An owning device allocation (at least 16 bytes, so that even an empty tensor has an address) in the
+// current context; CU_CHECK's CudaError if the driver refuses.
+struct DeviceBuffer {
+  CUdeviceptr ptr = 0;
+  size_t bytes = 0;
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t n) : bytes(n) { CU_CHECK(cuMemAlloc(&ptr, std::max<size_t>(n, 16))); }
+  ~DeviceBuffer() {
+    if (ptr) driver().cuMemFree(ptr);
+  }
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr(std::exchange(o.ptr, 0)), bytes(o.bytes) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {  // the old allocation leaves with `o`
+    std::swap(ptr, o.ptr);
+    std::swap(bytes, o.bytes);
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void* data() const { return reinterpret_cast<void*>(ptr); }
+};
 
 // A stream / event in the current context; CU_CHECK's CudaError if the driver refuses.
 inline OwnedStream create_stream(unsigned flags) {
