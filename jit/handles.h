@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <utility>
 
 #include "jit/cublaslt.h"
@@ -93,6 +94,36 @@ inline OwnedEvent create_event(unsigned flags) {
   OwnedEvent e;
   CU_CHECK(cuEventCreate(e.out(), flags));
   return e;
+}
+
+// cuBLASLt descriptors; CUBLAS_CHECK's CudaError if the library refuses. A descriptor's attributes are set
+// by value with set_attribute (the size is the value's).
+inline LtMatmulDesc create_matmul_desc(cublasComputeType_t compute, cudaDataType_t scale) {
+  LtMatmulDesc d;
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(d.out(), compute, scale));
+  return d;
+}
+inline LtMatrixLayout create_matrix_layout(cudaDataType_t type, uint64_t rows, uint64_t cols, int64_t ld) {
+  LtMatrixLayout l;
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(l.out(), type, rows, cols, ld));
+  return l;
+}
+inline LtMatmulPreference create_matmul_preference() {
+  LtMatmulPreference p;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(p.out()));
+  return p;
+}
+template <typename T>
+void set_attribute(const LtMatmulDesc& d, cublasLtMatmulDescAttributes_t a, const T& v) {
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.get(), a, &v, sizeof(v)));
+}
+template <typename T>
+void set_attribute(const LtMatrixLayout& l, cublasLtMatrixLayoutAttribute_t a, const T& v) {
+  CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l.get(), a, &v, sizeof(v)));
+}
+template <typename T>
+void set_attribute(const LtMatmulPreference& p, cublasLtMatmulPreferenceAttributes_t a, const T& v) {
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p.get(), a, &v, sizeof(v)));
 }
 
 }  // namespace kspec::jit
