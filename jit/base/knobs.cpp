@@ -22,7 +22,7 @@ std::string lower_trimmed(const std::string& v) {
 
 template <const auto& K>
 KnobInfo info() {
-  return {K.name, K.parse.type, K.fallback.text, K.doc, [] { K(); }};
+  return {K.name, K.parse.type, K.fallback.text, K.doc, [] { K.value_set(); }};
 }
 
 }  // namespace

@@ -47,9 +47,15 @@ struct Knob {
 
   // The current value; InvalidArgument for a value the knob does not take.
   T operator()() const {
+    auto v = value_set();
+    return v ? *v : fallback.value();
+  }
+  // The value the variable is set to, nullopt when unset or empty (the default is not computed);
+  // InvalidArgument for a value the knob does not take.
+  std::optional<T> value_set() const {
     auto text = env(name);
-    if (!text) return fallback.value();
-    if (auto v = parse.read(*text)) return *v;
+    if (!text) return std::nullopt;
+    if (auto v = parse.read(*text)) return v;
     bad_value(name, parse.expected(), *text);
   }
 };
@@ -135,7 +141,7 @@ struct KnobInfo {
   const char* type;
   const char* default_value;
   const char* doc;
-  void (*check)();  // reads the knob: InvalidArgument for a value it does not take
+  void (*check)();  // reads the variable: InvalidArgument for a value it does not take (no default computed)
 };
 
 // Every knob above, in order: for `kspec doctor`, the README's table and Python's kspec.knobs().
