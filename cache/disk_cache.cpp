@@ -13,9 +13,9 @@
 #include <map>
 
 #include "bounded_json.h"
-#include "jit/files.h"
 #include "jit/base/hash.h"
 #include "jit/base/log.h"
+#include "jit/files.h"
 #include "kspec/error.h"
 
 namespace fs = std::filesystem;

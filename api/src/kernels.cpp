@@ -12,9 +12,9 @@
 #include <unordered_map>
 
 #include "cache/disk_cache.h"
+#include "jit/base/log.h"
 #include "jit/driver.h"
 #include "jit/key.h"
-#include "jit/base/log.h"
 #include "kspec/knobs.h"
 #include "kspec/registry.h"
 

@@ -13,9 +13,9 @@
 #include <set>
 
 #include "cache/tuning_db.h"
+#include "jit/base/log.h"
 #include "jit/driver.h"
 #include "jit/files.h"
-#include "jit/base/log.h"
 #include "jit/nvrtc.h"
 #include "kspec/knobs.h"
 

@@ -10,9 +10,9 @@
 #include <mutex>
 #include <string>
 
+#include "jit/base/log.h"
 #include "jit/cublaslt.h"
 #include "jit/handles.h"
-#include "jit/base/log.h"
 
 namespace kspec::gemm {
 namespace {
