@@ -13,11 +13,10 @@
 #include <map>
 
 #include "bounded_json.h"
+#include "jit/base/hash.h"
+#include "jit/base/log.h"
 #include "jit/files.h"
-#include "jit/hash.h"
-#include "jit/log.h"
 #include "kspec/error.h"
-#include "kspec/knobs.h"
 
 namespace fs = std::filesystem;
 
@@ -65,11 +64,6 @@ bool remove_file(const std::string& path, std::string* err) {
 }
 
 }  // namespace
-
-DiskCache& DiskCache::global() {
-  static DiskCache cache(knobs::cache_dir(), knobs::cache_enabled(), knobs::cache_max_bytes());
-  return cache;
-}
 
 DiskCache::DiskCache(std::string dir, bool enabled, int64_t max_bytes)
     : dir_(std::move(dir)), enabled_(enabled), max_bytes_(max_bytes) {

@@ -60,9 +60,8 @@ struct VerifyResult {
 
 class DiskCache {
  public:
-  // The process-wide cache configured by KSPEC_CACHE, KSPEC_CACHE_DIR, KSPEC_CACHE_MAX_BYTES.
-  static DiskCache& global();
-  // For tests and tools: a cache over a given directory.
+  // A cache over `dir` holding at most `max_bytes`; `enabled` false keeps everything in memory. The cache
+  // reads no environment: api builds the process's cache from the knobs (kspec::disk_cache()).
   DiskCache(std::string dir, bool enabled, int64_t max_bytes);
 
   bool enabled() const { return enabled_; }

@@ -10,8 +10,8 @@
 #include <filesystem>
 
 #include "bounded_json.h"
+#include "jit/base/log.h"
 #include "jit/files.h"
-#include "jit/log.h"
 #include "lock.h"
 
 namespace fs = std::filesystem;

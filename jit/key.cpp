@@ -8,8 +8,8 @@
 #include <unordered_map>
 
 #include "files.h"
-#include "hash.h"
-#include "log.h"
+#include "jit/base/hash.h"
+#include "jit/base/log.h"
 #include "nvrtc.h"
 #include "sources.h"
 

@@ -15,7 +15,7 @@
 
 #include "files.h"
 #include "handles.h"
-#include "hash.h"
+#include "jit/base/hash.h"
 #include "kspec/error.h"
 #include "kspec/knobs.h"
 #include "sources.h"

@@ -4,6 +4,7 @@
 
 #include <sstream>
 
+#include "api/src/kernels.h"
 #include "cache/disk_cache.h"
 #include "jit/driver.h"
 #include "jit/key.h"
@@ -16,13 +17,13 @@
 namespace kspec {
 
 CacheStats cache_stats() {
-  auto s = cache::DiskCache::global().stats();
+  auto s = disk_cache().stats();
   return {s.dir, s.enabled, s.writable, s.entries, s.bytes, s.max_bytes};
 }
 
 std::vector<CacheEntryInfo> cache_entries() {
   std::vector<CacheEntryInfo> out;
-  for (const auto& e : cache::DiskCache::global().list()) {
+  for (const auto& e : disk_cache().list()) {
     CacheEntryInfo i;
     i.key = e.key;
     i.path = e.path;
@@ -47,12 +48,12 @@ std::vector<CacheEntryInfo> cache_entries() {
 }
 
 std::pair<int64_t, std::vector<std::string>> cache_verify() {
-  auto r = cache::DiskCache::global().verify();
+  auto r = disk_cache().verify();
   return {r.ok, r.bad};
 }
 
 int64_t cache_prune(int64_t max_bytes) {
-  auto& c = cache::DiskCache::global();
+  auto& c = disk_cache();
   std::string failure;
   int64_t n = c.prune(max_bytes < 0 ? c.max_bytes() : max_bytes, &failure);
   KSPEC_CHECK_AS(failure.empty(), CacheError, "kspec cache prune: removed ", n, " entries from ", c.dir(),
@@ -60,7 +61,7 @@ int64_t cache_prune(int64_t max_bytes) {
   return n;
 }
 
-int64_t cache_clear() { return cache::DiskCache::global().clear(); }
+int64_t cache_clear() { return disk_cache().clear(); }
 
 std::vector<std::pair<std::string, std::string>> doctor() {
   std::vector<std::pair<std::string, std::string>> out;
@@ -95,7 +96,7 @@ std::vector<std::pair<std::string, std::string>> doctor() {
     out.emplace_back("driver", std::string("unavailable: ") + e.what());
     out.emplace_back("gpus", "0");
   }
-  auto s = cache::DiskCache::global().stats();
+  auto s = disk_cache().stats();
   std::ostringstream cs;
   cs << s.dir << " (" << (s.enabled ? (s.writable ? "read-write" : "READ-ONLY: memory only") : "disabled") << ", "
      << s.entries << " entries, " << s.bytes << " bytes, cap " << s.max_bytes << ")";

@@ -6,7 +6,6 @@
 #include <cstring>
 #include <random>
 
-#include "jit/driver.h"
 
 namespace kspec {
 namespace {
@@ -61,12 +60,6 @@ void quantize(DType dt, std::vector<double>& v) {
   std::vector<unsigned char> b;
   encode(dt, v, b);
   v = decode(dt, b);
-}
-
-DeviceBuffer::DeviceBuffer(size_t n) : bytes(n) { CU_CHECK(cuMemAlloc(&ptr, std::max<size_t>(n, 16))); }
-
-DeviceBuffer::~DeviceBuffer() {
-  if (ptr) jit::driver().cuMemFree(ptr);
 }
 
 TensorView view_of(CUdeviceptr p, DType dt, const std::vector<int64_t>& shape, int device) {

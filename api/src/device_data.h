@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "api/src/op.h"
+#include "jit/handles.h"
 
 namespace kspec {
 
@@ -22,17 +23,7 @@ void quantize(DType dt, std::vector<double>& v);
 // inputs; an op whose OpDef::prepare_for_timing is false keeps its random values (see there).
 std::vector<HostTensor> random_inputs(const OpDef& op, const Problem& p, uint64_t seed, bool for_timing = false);
 
-// An owning device allocation (at least 16 bytes) in the current context.
-struct DeviceBuffer {
-  CUdeviceptr ptr = 0;
-  size_t bytes = 0;
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t n);
-  ~DeviceBuffer();
-  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr(o.ptr), bytes(o.bytes) { o.ptr = 0; }
-  DeviceBuffer& operator=(DeviceBuffer&&) = delete;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-};
+using jit::DeviceBuffer;  // the device allocations of checks and tuning (jit/handles.h)
 
 TensorView view_of(CUdeviceptr p, DType dt, const std::vector<int64_t>& shape, int device);
 

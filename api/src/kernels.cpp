@@ -12,9 +12,9 @@
 #include <unordered_map>
 
 #include "cache/disk_cache.h"
+#include "jit/base/log.h"
 #include "jit/driver.h"
 #include "jit/key.h"
-#include "jit/log.h"
 #include "kspec/knobs.h"
 #include "kspec/registry.h"
 
@@ -84,11 +84,16 @@ void set_header_memo_dir_once() {
   if (done.load(std::memory_order_acquire)) return;
   std::lock_guard<std::mutex> lock(mu);
   if (done.load(std::memory_order_relaxed)) return;
-  jit::set_header_memo_dir(cache::DiskCache::global().ready_dir());
+  jit::set_header_memo_dir(disk_cache().ready_dir());
   done.store(true, std::memory_order_release);
 }
 
 }  // namespace
+
+cache::DiskCache& disk_cache() {
+  static cache::DiskCache cache(knobs::cache_dir(), knobs::cache_enabled(), knobs::cache_max_bytes());
+  return cache;
+}
 
 Obtained obtain_binary(const jit::KernelSpec& spec) {
   auto t0 = std::chrono::steady_clock::now();
@@ -114,7 +119,7 @@ Obtained obtain_binary(const jit::KernelSpec& spec) {
     auto it = m.by_key.find(key);
     if (it != m.by_key.end()) return {it->second, "memory", elapsed()};
   }
-  cache::DiskCache& disk = cache::DiskCache::global();
+  cache::DiskCache& disk = disk_cache();
   std::shared_ptr<const BinaryEntry> entry = from_disk(key, disk);
   std::string source = "disk";
   if (!entry) {

@@ -12,7 +12,15 @@
 #include "jit/nvrtc.h"
 #include "jit/spec.h"
 
+namespace kspec::cache {
+class DiskCache;
+}
+
 namespace kspec {
+
+// The process-wide disk cache, built on first use from KSPEC_CACHE_DIR, KSPEC_CACHE and
+// KSPEC_CACHE_MAX_BYTES (a bad value throws InvalidArgument, and the next call reads the knobs again).
+cache::DiskCache& disk_cache();
 
 struct BinaryEntry {
   std::string key;

@@ -10,7 +10,6 @@
 
 #include "api/src/tuning.h"
 #include "jit/driver.h"
-#include "kspec/knobs.h"
 
 namespace kspec {
 
@@ -78,10 +77,10 @@ PlanEntry& plan_for(const OpDef& op, const Problem& p, int device, const Config*
     }
   }
   bool bucketed = !forced && !op.tuning.empty() &&
-                  (knobs::tune_mode() == knobs::TuneMode::Auto || tuning_has_signature(p.signature(), device));
+                  (tune_mode() == TuneMode::Auto || tuning_has_signature(p.signature(), device));
   // KSPEC_TUNE=auto may tune now, but never inside a CUDA graph capture.
   CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
-  if (bucketed && knobs::tune_mode() == knobs::TuneMode::Auto)
+  if (bucketed && tune_mode() == TuneMode::Auto)
     CU_CHECK(cuStreamIsCapturing(reinterpret_cast<CUstream>(stream), &capture));
   auto entry = std::make_unique<PlanEntry>();
   ConfigChoice choice = choose_config(op, p, forced, device, capture == CU_STREAM_CAPTURE_STATUS_NONE);
@@ -185,7 +184,7 @@ void* DeviceLauncher::workspace(size_t bytes) {
 int DeviceLauncher::multiprocessors() const { return device_sms(device_); }
 
 int DeviceLauncher::occupancy(size_t k, unsigned block_threads, unsigned shared_bytes) {
-  KSPEC_CHECK_AS(k < plan_.kernels.size(), Error, "launcher: kernel ", k, " not in plan");
+  KSPEC_CHECK_AS(k < plan_.kernels.size(), InternalError, "launcher: kernel ", k, " not in plan");
   LoadedKernel& lk = *plan_.kernels[k];
   int cached = lk.occupancy_for(block_threads, shared_bytes);
   if (cached > 0) return cached;
@@ -219,7 +218,7 @@ void DeviceLauncher::launch_ex(size_t k, Dim3 grid, Dim3 block, unsigned shared_
 }
 
 LoadedKernel* DeviceLauncher::prepare(size_t k, Dim3 grid, unsigned shared_bytes) {
-  KSPEC_CHECK_AS(k < plan_.kernels.size(), Error, "launcher: kernel ", k, " not in plan");
+  KSPEC_CHECK_AS(k < plan_.kernels.size(), InternalError, "launcher: kernel ", k, " not in plan");
   LoadedKernel& lk = *plan_.kernels[k];
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return nullptr;
   if (static_cast<int>(shared_bytes) > lk.dynamic_smem_limit.load(std::memory_order_relaxed)) {

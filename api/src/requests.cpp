@@ -7,6 +7,7 @@
 
 #include "api/src/plan.h"
 #include "api/src/tuning.h"
+#include "api/src/kernels.h"
 #include "cache/disk_cache.h"
 #include "jit/driver.h"
 #include "jit/key.h"
@@ -38,11 +39,11 @@ PlanInfo plan_info(const OpDef& op, const Problem& p, int device, const Call* ca
   info.note = ch.note;
   info.tuning_db = ch.db_path.empty() ? tuning_db_path(device) : ch.db_path;
   info.tuning_key = ch.key.empty() ? tuning_key(p) : ch.key;
-  knobs::TuneMode mode = knobs::tune_mode();
-  info.tune_mode = mode == knobs::TuneMode::Off ? "off" : mode == knobs::TuneMode::Auto ? "auto" : "on";
+  TuneMode mode = tune_mode();
+  info.tune_mode = mode == TuneMode::Off ? "off" : mode == TuneMode::Auto ? "auto" : "on";
   for (const auto& spec : kernel_specs(op, p, ch.config)) {
     std::string key = jit::content_key(spec);
-    info.kernels.push_back({spec.name_expression(), spec.arch, key, cache::DiskCache::global().entry_path(key)});
+    info.kernels.push_back({spec.name_expression(), spec.arch, key, disk_cache().entry_path(key)});
   }
   return info;
 }

@@ -14,10 +14,10 @@
 #include "api/src/kernels.h"
 #include "api/src/tuning.h"
 #include "cache/tuning_db.h"
+#include "jit/base/log.h"
 #include "jit/driver.h"
 #include "jit/handles.h"
 #include "jit/key.h"
-#include "jit/log.h"
 #include "kspec/knobs.h"
 
 namespace kspec {

@@ -13,9 +13,9 @@
 #include <set>
 
 #include "cache/tuning_db.h"
+#include "jit/base/log.h"
 #include "jit/driver.h"
 #include "jit/files.h"
-#include "jit/log.h"
 #include "jit/nvrtc.h"
 #include "kspec/knobs.h"
 
@@ -166,8 +166,17 @@ std::string tuning_db_path(int device) {
 uint64_t tuning_generation() { return g_generation.load(std::memory_order_relaxed); }
 void tuning_changed() { g_generation.fetch_add(1); }
 
+TuneMode tune_mode() {
+  switch (knobs::tune()) {
+    case knobs::Switch::Off: return TuneMode::Off;
+    case knobs::Switch::Auto: return TuneMode::Auto;
+    case knobs::Switch::On: break;
+  }
+  return TuneMode::On;
+}
+
 bool tuning_has_signature(const std::string& signature, int device) {
-  if (knobs::tune_mode() == knobs::TuneMode::Off) return false;
+  if (tune_mode() == TuneMode::Off) return false;
   auto snap = snapshot(tuning_db_path(device));
   return snap->signatures.count(signature) > 0;
 }
@@ -183,8 +192,8 @@ ConfigChoice choose_config(const OpDef& op, const Problem& p, const Config* forc
     ch.source = "forced";
     return ch;
   }
-  knobs::TuneMode mode = knobs::tune_mode();
-  if (mode != knobs::TuneMode::Off && !op.tuning.empty()) {
+  TuneMode mode = tune_mode();
+  if (mode != TuneMode::Off && !op.tuning.empty()) {
     ch.db_path = tuning_db_path(device);
     ch.key = tuning_key(p);
     for (int attempt = 0; attempt < 2; ++attempt) {
@@ -202,7 +211,7 @@ ConfigChoice choose_config(const OpDef& op, const Problem& p, const Config* forc
                            " that no longer applies (" + why + "); using the heuristic (retune with kspec tune)");
         break;
       }
-      if (attempt == 0 && mode == knobs::TuneMode::Auto && may_autotune && device >= 0) {
+      if (attempt == 0 && mode == TuneMode::Auto && may_autotune && device >= 0) {
         if (!autotune(op, p, device, ch.key)) break;
         continue;  // read the entry it wrote
       }

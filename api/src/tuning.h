@@ -30,6 +30,11 @@ struct ConfigChoice {
 // `may_autotune`: KSPEC_TUNE=auto may tune this problem now (a call outside graph capture).
 ConfigChoice choose_config(const OpDef& op, const Problem& p, const Config* forced, int device,
                            bool may_autotune = false);
+// KSPEC_TUNE, as dispatch reads it: On uses tuned configs where the database has them, Off ignores the
+// database (heuristics only), Auto also tunes a problem on its first call.
+enum class TuneMode { On, Off, Auto };
+TuneMode tune_mode();
+
 // Whether the database for the device has any entry for this signature (then plans differ by bucket).
 bool tuning_has_signature(const std::string& signature, int device);
 // Bumped whenever this process writes a database: plans built before are rebuilt.

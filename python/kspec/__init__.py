@@ -11,7 +11,7 @@ size, compiled with NVRTC, cached on disk and launched through one op registry s
 from __future__ import annotations
 
 from . import _C
-from ._C import CacheError, CompileError, CudaError, Error, InvalidArgument, Unsupported
+from ._C import CacheError, CompileError, CudaError, Error, InternalError, InvalidArgument, Unsupported
 from ._core import call, compile, explain, list_ops, op_info
 from . import ops
 from .tuning import tune
@@ -19,7 +19,8 @@ from .tuning import tune
 __version__ = _C.version()
 
 __all__ = ["call", "compile", "explain", "list_ops", "op_info", "ops", "tune", "counters", "doctor", "knobs",
-           "Error", "InvalidArgument", "Unsupported", "CompileError", "CudaError", "CacheError"]
+           "Error", "InvalidArgument", "Unsupported", "CompileError", "CudaError", "CacheError",
+           "InternalError"]
 
 
 def counters() -> dict:

@@ -396,6 +396,7 @@ PYBIND11_MODULE(_C, m) {
   }();
   py::register_exception<kspec::CudaError>(m, "CudaError", base.ptr());
   py::register_exception<kspec::CacheError>(m, "CacheError", error_and(PyExc_OSError));
+  py::register_exception<kspec::InternalError>(m, "InternalError", base.ptr());
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -701,7 +702,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cache_prune", &kspec::cache_prune, py::arg("max_bytes") = -1);
   m.def("cache_clear", &kspec::cache_clear);
   m.def("doctor", &kspec::doctor);
-  m.def("compile_threads", &kspec::knobs::compile_threads);
+  m.def("compile_threads", [] { return kspec::knobs::compile_threads(); });
   m.def("knobs", [] {
     py::list out;
     for (const auto& k : kspec::knobs::all()) out.append(py::make_tuple(k.name, k.type, k.default_value, k.doc));

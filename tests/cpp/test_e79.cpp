@@ -11,6 +11,7 @@
 #include "api/src/op.h"
 #include "e79/reference.h"
 #include "jit/driver.h"
+#include "jit/handles.h"
 #include "kspec/kspec.h"
 #include "test_helpers.h"
 
@@ -355,11 +356,11 @@ TEST(E79, EveryCaseCompilesWithoutSpills) {
 namespace {
 
 struct DevBuf {
-  CUdeviceptr p = 0;
-  size_t bytes = 0;
-  explicit DevBuf(size_t b) : bytes(std::max<size_t>(b, 16)) { CU_CHECK(cuMemAlloc(&p, bytes)); }
-  ~DevBuf() { jit::driver().cuMemFree(p); }
-  void* ptr() const { return reinterpret_cast<void*>(p); }
+  jit::DeviceBuffer mem;
+  CUdeviceptr p;  // mem.ptr
+  size_t bytes;
+  explicit DevBuf(size_t b) : mem(b), p(mem.ptr), bytes(std::max<size_t>(b, 16)) {}
+  void* ptr() const { return mem.data(); }
   void upload(const std::vector<float>& v) { CU_CHECK(cuMemcpyHtoD(p, v.data(), v.size() * 4)); }
   std::vector<float> download(size_t n) const {
     std::vector<float> v(n);

@@ -10,6 +10,7 @@
 
 #include "api/src/op.h"
 #include "jit/driver.h"
+#include "jit/handles.h"
 #include "kspec/kspec.h"
 #include "test_helpers.h"
 
@@ -18,11 +19,11 @@ using namespace kspec;
 namespace {
 
 struct Buf {
-  CUdeviceptr p = 0;
-  size_t n = 0;  // floats
-  explicit Buf(size_t count) : n(count) { CU_CHECK(cuMemAlloc(&p, std::max<size_t>(count, 1) * 4)); }
-  ~Buf() { jit::driver().cuMemFree(p); }
-  void* ptr() const { return reinterpret_cast<void*>(p); }
+  jit::DeviceBuffer mem;
+  CUdeviceptr p;  // mem.ptr
+  size_t n;       // floats
+  explicit Buf(size_t count) : mem(std::max<size_t>(count, 1) * 4), p(mem.ptr), n(count) {}
+  void* ptr() const { return mem.data(); }
   void upload(const std::vector<float>& v) { CU_CHECK(cuMemcpyHtoD(p, v.data(), v.size() * 4)); }
   std::vector<float> download() const {
     std::vector<float> v(n);
@@ -134,8 +135,8 @@ TEST(Gpu, BackwardIsBitwiseDeterministic) {
 TEST(Gpu, WorksUnderCudaGraphCapture) {
   KSPEC_REQUIRE_GPU();
   jit::ContextGuard g(0);
-  CUstream s;
-  CU_CHECK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  jit::OwnedStream owned_s = jit::create_stream(CU_STREAM_NON_BLOCKING);
+  CUstream s = owned_s.get();
   Problem32 p(777, 256, 11);
   p.run(reinterpret_cast<Stream>(s));  // warm: compile, load, size the workspace (small: ~1 MiB)
   CU_CHECK(cuStreamSynchronize(s));
@@ -157,8 +158,8 @@ TEST(Gpu, WorksUnderCudaGraphCapture) {
   // torch.cuda.graph's recipe: warmed on one stream, captured on another whose workspace is too small (here
   // 1 MiB, where the backward's partial sums need several): the captured call allocates its workspace in the
   // graph, and the replays match the eager run.
-  CUstream warm;
-  CU_CHECK(cuStreamCreate(&warm, CU_STREAM_NON_BLOCKING));
+  jit::OwnedStream owned_warm = jit::create_stream(CU_STREAM_NON_BLOCKING);
+  CUstream warm = owned_warm.get();
   Problem32 big(2048, 8192, 12);
   big.run(reinterpret_cast<Stream>(warm));
   CU_CHECK(cuStreamSynchronize(warm));
@@ -177,10 +178,8 @@ TEST(Gpu, WorksUnderCudaGraphCapture) {
   EXPECT_EQ(0, std::memcmp(dw2.data(), big_dw.data(), dw2.size() * 4));
   jit::driver().cuGraphExecDestroy(big_exec);
   jit::driver().cuGraphDestroy(big_graph);
-  jit::driver().cuStreamDestroy(warm);
   jit::driver().cuGraphExecDestroy(exec);
   jit::driver().cuGraphDestroy(graph);
-  jit::driver().cuStreamDestroy(s);
 }
 
 TEST(Gpu, ManyHostThreadsOnTheirOwnStreams) {
@@ -203,11 +202,9 @@ TEST(Gpu, ManyHostThreadsOnTheirOwnStreams) {
   for (int i = 0; i < kThreads; ++i)
     ts.emplace_back([&, i] {
       jit::ContextGuard tg(0);
-      CUstream s;
-      CU_CHECK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
-      for (int k = 0; k < 20; ++k) ps[i]->run(reinterpret_cast<Stream>(s));
-      CU_CHECK(cuStreamSynchronize(s));
-      jit::driver().cuStreamDestroy(s);
+      jit::OwnedStream s = jit::create_stream(CU_STREAM_NON_BLOCKING);
+      for (int k = 0; k < 20; ++k) ps[i]->run(reinterpret_cast<Stream>(s.get()));
+      CU_CHECK(cuStreamSynchronize(s.get()));
     });
   for (auto& t : ts) t.join();
   for (int i = 0; i < kThreads; ++i) {

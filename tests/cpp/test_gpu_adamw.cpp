@@ -17,6 +17,7 @@
 #include "adamw/reference.h"
 #include "api/src/op.h"
 #include "jit/driver.h"
+#include "jit/handles.h"
 #include "kspec/kspec.h"
 #include "test_helpers.h"
 
@@ -54,11 +55,11 @@ class DeviceList {
       off += packed ? n * es : (n * es + 255) / 256 * 256;
     }
     bytes_ = std::max<size_t>(off, 16);
-    CU_CHECK(cuMemAlloc(&base_, bytes_));
+    mem_ = jit::DeviceBuffer(bytes_);
+    base_ = mem_.ptr;
     for (size_t i = 0; i < sizes.size(); ++i)
       items_.emplace_back(reinterpret_cast<void*>(base_ + offsets_[i]), dt, std::initializer_list<int64_t>{sizes[i]}, 0);
   }
-  ~DeviceList() { jit::driver().cuMemFree(base_); }
   DeviceList(const DeviceList&) = delete;
   DeviceList& operator=(const DeviceList&) = delete;
 
@@ -104,17 +105,15 @@ class DeviceList {
   std::vector<int64_t> sizes_;
   std::vector<size_t> offsets_;
   std::vector<TensorView> items_;
-  CUdeviceptr base_ = 0;
+  jit::DeviceBuffer mem_;
+  CUdeviceptr base_ = 0;  // mem_.ptr
   size_t bytes_ = 0;
 };
 
 struct Scalar {  // a one-float output (found_inf, grad_norm), poisoned with NaN
-  CUdeviceptr p = 0;
-  Scalar() {
-    CU_CHECK(cuMemAlloc(&p, 4));
-    CU_CHECK(cuMemsetD8(p, 0xFF, 4));
-  }
-  ~Scalar() { jit::driver().cuMemFree(p); }
+  jit::DeviceBuffer mem{4};
+  CUdeviceptr p = mem.ptr;
+  Scalar() { CU_CHECK(cuMemsetD8(p, 0xFF, 4)); }
   TensorView view() const { return TensorView(reinterpret_cast<void*>(p), DType::f32, {1}, 0); }
   float get() const {
     float f;

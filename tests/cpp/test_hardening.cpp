@@ -7,12 +7,15 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
+#include <set>
 #include <stdexcept>
 
 #include "api/src/device_data.h"
 #include "api/src/kernels.h"
 #include "api/src/op.h"
+#include "api/src/tuning.h"
 #include "jit/driver.h"
 #include "kspec/kspec.h"
 #include "test_helpers.h"
@@ -67,18 +70,18 @@ TEST(Knobs, EveryBooleanSpellingInAnyCase) {
     ScopedEnv e("KSPEC_CACHE", on);
     EXPECT_TRUE(knobs::cache_enabled()) << on;
     ScopedEnv t("KSPEC_TUNE", on);
-    EXPECT_EQ(knobs::tune_mode(), knobs::TuneMode::On) << on;
+    EXPECT_EQ(tune_mode(), TuneMode::On) << on;
   }
   for (const char* off : {"off", "OFF", "0", "false", "False", "no", "NO"}) {
     ScopedEnv e("KSPEC_CACHE", off);
     EXPECT_FALSE(knobs::cache_enabled()) << off;
     ScopedEnv t("KSPEC_TUNE", off);
-    EXPECT_EQ(knobs::tune_mode(), knobs::TuneMode::Off) << off;
+    EXPECT_EQ(tune_mode(), TuneMode::Off) << off;
     ScopedEnv v("KSPEC_VERBOSE", off);
     EXPECT_EQ(knobs::verbose(), 0) << off;
   }
   ScopedEnv t("KSPEC_TUNE", "AUTO");
-  EXPECT_EQ(knobs::tune_mode(), knobs::TuneMode::Auto);
+  EXPECT_EQ(tune_mode(), TuneMode::Auto);
   ScopedEnv v("KSPEC_VERBOSE", "On");
   EXPECT_EQ(knobs::verbose(), 1);
 }
@@ -93,7 +96,7 @@ TEST(Knobs, BadValuesNameTheVariableAndWhatItTakes) {
   const std::vector<Row> rows = {
       {"KSPEC_CACHE", "maybe", [] { knobs::cache_enabled(); }, "on/off"},
       {"KSPEC_CACHE", "2", [] { knobs::cache_enabled(); }, "yes/no"},
-      {"KSPEC_TUNE", "sometimes", [] { knobs::tune_mode(); }, "auto"},
+      {"KSPEC_TUNE", "sometimes", [] { tune_mode(); }, "auto"},
       {"KSPEC_VERBOSE", "loud", [] { knobs::verbose(); }, "an integer"},
       {"KSPEC_VERBOSE", "99999999999999999999999", [] { knobs::verbose(); }, "an integer"},
       {"KSPEC_CACHE_MAX_BYTES", "-5", [] { knobs::cache_max_bytes(); }, "an integer in 0.."},
@@ -107,6 +110,50 @@ TEST(Knobs, BadValuesNameTheVariableAndWhatItTakes) {
     ScopedEnv e(r.name, r.value);
     expect_invalid(r.read, {r.name, r.takes, std::string("'") + r.value + "'"});
   }
+}
+
+// One table: every knob is listed once, with a type, a default and a doc, and validate() reads each.
+TEST(Knobs, TableListsEveryKnobOnceAndValidateReadsEach) {
+  std::set<std::string> names;
+  for (const auto& k : knobs::all()) {
+    EXPECT_TRUE(names.insert(k.name).second) << k.name;
+    EXPECT_EQ(std::string(k.name).rfind("KSPEC_", 0), 0u) << k.name;
+    EXPECT_TRUE(*k.type && *k.default_value && *k.doc) << k.name;
+  }
+  EXPECT_EQ(names.size(), 11u);
+  for (const char* typed : {"KSPEC_CACHE", "KSPEC_CACHE_MAX_BYTES", "KSPEC_VERBOSE", "KSPEC_COMPILE_THREADS",
+                            "KSPEC_TUNE", "KSPEC_TUNE_BUDGET"}) {
+    ScopedEnv e(typed, "bogus");
+    expect_invalid([] { knobs::validate(); }, {typed, "'bogus'"});
+  }
+}
+
+// Every knob that takes on/off takes every boolean spelling (KSPEC_TUNE=no was once refused while
+// KSPEC_CACHE=no worked): the spellings are one parser, shared through the table.
+TEST(Knobs, EveryOnOffKnobTakesEveryBooleanSpelling) {
+  int on_off = 0;
+  for (const auto& k : knobs::all()) {
+    if (std::string(k.type).rfind("on|off", 0) != 0) continue;
+    ++on_off;
+    for (const char* v : {"on", "off", "1", "0", "true", "false", "yes", "no", " No ", "YES"}) {
+      ScopedEnv e(k.name, v);
+      EXPECT_NO_THROW(k.check()) << k.name << "=" << v;
+    }
+  }
+  EXPECT_EQ(on_off, 2);  // KSPEC_CACHE, KSPEC_TUNE
+  ScopedEnv t("KSPEC_TUNE", "no");
+  EXPECT_EQ(tune_mode(), TuneMode::Off);
+}
+
+// The README's table of environment variables is the knobs table: the same names, nothing more.
+TEST(Knobs, ReadmeListsExactlyTheTable) {
+  std::ifstream f(std::string(KSPEC_SOURCE_DIR) + "/README.md");
+  std::string readme((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::set<std::string> listed, table;
+  for (size_t at = readme.find("\n| `KSPEC_"); at != std::string::npos; at = readme.find("\n| `KSPEC_", at + 1))
+    listed.insert(readme.substr(at + 4, readme.find('`', at + 4) - at - 4));
+  for (const auto& k : knobs::all()) table.insert(k.name);
+  EXPECT_EQ(listed, table);
 }
 
 // The knobs read on the compile path (the tuning mode, the compile threads) fail the call, every time.

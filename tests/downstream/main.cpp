@@ -1,10 +1,14 @@
 // Downstream use of an installed kspec: list the registry and compile one op without a GPU.
+#include <kspec/error.h>
+#include <kspec/knobs.h>
 #include <kspec/kspec.h>
 
 #include <cstdio>
 
 int main() {
-  std::printf("kspec %s: %zu ops\n", kspec::version(), kspec::list_ops().size());
+  std::printf("kspec %s: %zu ops, %zu knobs (%s=%s)\n", kspec::version(), kspec::list_ops().size(),
+              kspec::knobs::all().size(), kspec::knobs::cache_enabled.name,
+              kspec::knobs::cache_enabled() ? "on" : "off");
   kspec::CompileRequest req;
   req.op = "norm_act.fwd";
   req.dtype = kspec::DType::f16;

@@ -332,7 +332,7 @@ def test_call_without_torch_or_cupy(tmp_path):
 
 @pytest.mark.parametrize("name, builtin", [("InvalidArgument", ValueError), ("Unsupported", NotImplementedError),
                                            ("CacheError", OSError), ("CompileError", RuntimeError),
-                                           ("CudaError", RuntimeError)])
+                                           ("CudaError", RuntimeError), ("InternalError", RuntimeError)])
 def test_every_kspec_exception_is_a_kspec_error_and_its_builtin(name, builtin):
     cls = getattr(kspec, name)
     assert issubclass(cls, kspec.Error) and issubclass(cls, builtin)

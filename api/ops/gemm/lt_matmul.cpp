@@ -10,9 +10,9 @@
 #include <mutex>
 #include <string>
 
+#include "jit/base/log.h"
 #include "jit/cublaslt.h"
 #include "jit/handles.h"
-#include "jit/log.h"
 
 namespace kspec::gemm {
 namespace {
@@ -26,39 +26,16 @@ cudaDataType_t lt_type(DType t) {
   }
 }
 
-struct Desc {
-  jit::LtMatmulDesc h;
-  Desc(cublasComputeType_t compute) { CUBLAS_CHECK(cublasLtMatmulDescCreate(h.out(), compute, CUDA_R_32F)); }
-  template <typename T>
-  void set(cublasLtMatmulDescAttributes_t a, const T& v) {
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(h.get(), a, &v, sizeof(v)));
+// An operand's layout, batched when batch > 1.
+jit::LtMatrixLayout layout(cudaDataType_t t, const LtOperand& o, int64_t batch) {
+  jit::LtMatrixLayout l = jit::create_matrix_layout(t, static_cast<uint64_t>(o.stored_rows),
+                                                    static_cast<uint64_t>(o.stored_cols), o.ld);
+  if (batch > 1) {
+    jit::set_attribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, static_cast<int32_t>(batch));
+    jit::set_attribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, o.batch_stride);
   }
-};
-
-struct Layout {
-  jit::LtMatrixLayout h;
-  Layout(cudaDataType_t t, const LtOperand& o, int64_t batch) {
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(h.out(), t, static_cast<uint64_t>(o.stored_rows),
-                                            static_cast<uint64_t>(o.stored_cols), o.ld));
-    if (batch > 1) {
-      int32_t count = static_cast<int32_t>(batch);
-      CUBLAS_CHECK(
-          cublasLtMatrixLayoutSetAttribute(h.get(), CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
-      CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(h.get(), CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                                                    &o.batch_stride, sizeof(o.batch_stride)));
-    }
-  }
-};
-
-struct Preference {
-  jit::LtMatmulPreference h;
-  explicit Preference(size_t workspace) {
-    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(h.out()));
-    uint64_t ws = workspace;
-    CUBLAS_CHECK(
-        cublasLtMatmulPreferenceSetAttribute(h.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  }
-};
+  return l;
+}
 
 int align_of(const void* p) {
   auto a = reinterpret_cast<uintptr_t>(p);
@@ -78,26 +55,26 @@ std::string algo_key(const LtCall& c, int device, size_t ws) {
 struct Descriptors {
   cublasComputeType_t compute;
   cudaDataType_t tab, td;
-  Desc desc;
-  Layout la, lb, ld;
+  jit::LtMatmulDesc desc;
+  jit::LtMatrixLayout la, lb, ld;
   explicit Descriptors(const LtCall& c)
       : compute(c.ab_dtype == DType::f32 && c.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F),
         tab(lt_type(c.ab_dtype)),
         td(lt_type(c.d_dtype)),
-        desc(compute),
-        la(tab, c.g.a, c.g.batch),
-        lb(tab, c.g.b, c.g.batch),
-        ld(td, c.g.d, c.g.batch) {
+        desc(jit::create_matmul_desc(compute, CUDA_R_32F)),
+        la(layout(tab, c.g.a, c.g.batch)),
+        lb(layout(tab, c.g.b, c.g.batch)),
+        ld(layout(td, c.g.d, c.g.batch)) {
     const LtGemm& g = c.g;
     cublasOperation_t ta = g.a.transpose ? CUBLAS_OP_T : CUBLAS_OP_N, tb = g.b.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
-    desc.set(CUBLASLT_MATMUL_DESC_TRANSA, ta);
-    desc.set(CUBLASLT_MATMUL_DESC_TRANSB, tb);
-    if (c.epilogue != CUBLASLT_EPILOGUE_DEFAULT) desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, c.epilogue);
-    if (c.bias) desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, c.bias);
+    jit::set_attribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, ta);
+    jit::set_attribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, tb);
+    if (c.epilogue != CUBLASLT_EPILOGUE_DEFAULT) jit::set_attribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, c.epilogue);
+    if (c.bias) jit::set_attribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, c.bias);
     if (c.aux) {
-      desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, c.aux);
-      desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, c.aux_ld);
-      if (g.batch > 1) desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE, c.aux_batch_stride);
+      jit::set_attribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, c.aux);
+      jit::set_attribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, c.aux_ld);
+      if (g.batch > 1) jit::set_attribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE, c.aux_batch_stride);
     }
   }
 };
@@ -106,11 +83,12 @@ struct Descriptors {
 // row, m = 1 or n = 1) means the same as finding nothing.
 std::vector<cublasLtMatmulHeuristicResult_t> heuristic(Descriptors& d, cublasLtHandle_t handle, size_t ws,
                                                        int count) {
-  Preference pref(ws);
+  jit::LtMatmulPreference pref = jit::create_matmul_preference();
+  jit::set_attribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<uint64_t>(ws));
   std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(count));
   int found = 0;
   cublasStatus_t st = jit::cublaslt().cublasLtMatmulAlgoGetHeuristic(
-      handle, d.desc.h.get(), d.la.h.get(), d.lb.h.get(), d.ld.h.get(), d.ld.h.get(), pref.h.get(), count,
+      handle, d.desc.get(), d.la.get(), d.lb.get(), d.ld.get(), d.ld.get(), pref.get(), count,
       results.data(), &found);
   if (st == CUBLAS_STATUS_NOT_SUPPORTED) found = 0;
   else if (st != CUBLAS_STATUS_SUCCESS)
@@ -187,7 +165,7 @@ bool build_algo(Descriptors& d, cublasLtHandle_t handle, const LtAlgoConfig& c, 
   for (const auto& s : sets)
     if (s.st != CUBLAS_STATUS_SUCCESS) return failed(detail::concat("setting ", s.name).c_str(), s.st);
   cublasLtMatmulHeuristicResult_t res{};
-  st = lt.cublasLtMatmulAlgoCheck(handle, d.desc.h.get(), d.la.h.get(), d.lb.h.get(), d.ld.h.get(), d.ld.h.get(), &a,
+  st = lt.cublasLtMatmulAlgoCheck(handle, d.desc.get(), d.la.get(), d.lb.get(), d.ld.get(), d.ld.get(), &a,
                                   &res);
   if (st != CUBLAS_STATUS_SUCCESS) return failed("cublasLtMatmulAlgoCheck", st);
   if (res.workspaceSize > ws) {
@@ -298,8 +276,8 @@ void lt_matmul(const LtCall& c, int device, Stream stream, void* workspace, size
     algos.emplace(key, algo);
   }
   float alpha = 1.f, beta = c.beta;
-  CUBLAS_CHECK(cublasLtMatmul(handle, d.desc.h.get(), &alpha, c.a, d.la.h.get(), c.b, d.lb.h.get(), &beta, c.d,
-                              d.ld.h.get(), c.d, d.ld.h.get(), &algo, workspace, workspace_bytes,
+  CUBLAS_CHECK(cublasLtMatmul(handle, d.desc.get(), &alpha, c.a, d.la.get(), c.b, d.lb.get(), &beta, c.d,
+                              d.ld.get(), c.d, d.ld.get(), &algo, workspace, workspace_bytes,
                               reinterpret_cast<cudaStream_t>(stream)));
 }
 

@@ -670,7 +670,7 @@ std::vector<Case> scan_cases(bool with_seqlen) {
   auto named = [&](const char* n) -> Case& {
     for (auto& c : cases)
       if (c.name == n) return c;
-    throw Error(n);
+    throw InternalError(n);
   };
   named("mamba_2x512x2048").large = true;
   named("long_65536").large = true;
@@ -782,10 +782,10 @@ OpDef make_fwd() {
     // A block's channels share one B/C group for algos 1 and 2 (the tuning space's rule, kept apart in the
     // plan cache by fwd_key); algo 0's warps each read their own channel's group.
     const int64_t block_channels = c.get("algo") == 2 ? kTileChannels : c.get("algo") == 1 ? seq_channels(c) : 1;
-    KSPEC_CHECK_AS(block_channels <= group_fit(p), Error, "selective_scan.fwd: config ", c.str(),
+    KSPEC_CHECK_AS(block_channels <= group_fit(p), InternalError, "selective_scan.fwd: config ", c.str(),
                    " puts channels of two B/C groups in one block (a plan chosen for another dim?)");
     if (c.get("algo") == 2) {
-      KSPEC_CHECK_AS(tile_offsets_fit(p), Error, "selective_scan.fwd: config ", c.str(),
+      KSPEC_CHECK_AS(tile_offsets_fit(p), InternalError, "selective_scan.fwd: config ", c.str(),
                      " addresses rows with 32-bit offsets: seqlen = ", p.dim("seqlen"),
                      " is too long (a plan chosen for another seqlen?)");
       return l.launch(0, {u32(ceil_div(dim, kTileChannels)), u32(p.dim("batch"))}, {u32(warps * 32)},
@@ -913,7 +913,7 @@ OpDef make_bwd() {
                     &ddelta, &dz,    &dh0, &db_acc, &dc_acc, &states, &part, &dim,  &seqlen, &cpg,  &groups, &given};
     if (seq) {
       // A block's channels share one group (the tuning space's rule, kept apart in the plan cache by the key).
-      KSPEC_CHECK_AS(seq_channels(c) <= group_fit(p), Error, "selective_scan.bwd: config ", c.str(),
+      KSPEC_CHECK_AS(seq_channels(c) <= group_fit(p), InternalError, "selective_scan.bwd: config ", c.str(),
                      " puts channels of two B/C groups in one block (a plan chosen for another dim?)");
       const unsigned gx = u32(ceil_div(dim, seq_channels(c))), gy = u32(batch), threads = u32(warps * 32);
       if (sp.nsegs > 1) {
@@ -935,7 +935,7 @@ OpDef make_bwd() {
     } else {
       // With a variable B/C, warps divides dim / groups (the tuning space's rule, kept apart in the plan
       // cache by bwd_key), so blocks are whole: a partial block's extra warps would write other rows.
-      KSPEC_CHECK_AS(bwd_warps_fit(p, warps), Error, "selective_scan.bwd: config warps = ", warps,
+      KSPEC_CHECK_AS(bwd_warps_fit(p, warps), InternalError, "selective_scan.bwd: config warps = ", warps,
                      " does not divide dim / groups = ", cpg, " (a plan chosen for another dim?)");
       l.launch(0, {u32(ceil_div(dim, warps)), u32(batch)}, {u32(warps * 32)}, 0, args);
     }

@@ -1,4 +1,5 @@
 // SHA-256 through OpenSSL's EVP interface: the content keys of kernels and the checksums of cache files.
+// Part of the bottom layer (jit/base), used by jit and cache; the namespace stays jit::.
 #pragma once
 
 #include <string>

@@ -52,6 +52,14 @@ class CudaError : public Error {
   using Error::Error;
 };
 
+// kspec broke one of its own invariants (a plan's kernel index out of range, a config launched for a
+// problem it was not chosen for) or a library it relies on failed where it cannot (OpenSSL's SHA-256):
+// a bug to report, never a consequence of the caller's input.
+class InternalError : public Error {
+ public:
+  using Error::Error;
+};
+
 // The disk cache could not be used as asked (only raised by explicit cache commands; lookups degrade).
 class CacheError : public Error {
  public:

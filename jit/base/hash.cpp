@@ -24,13 +24,13 @@ std::string sha256_hex(std::string_view bytes) {
   unsigned char md[EVP_MAX_MD_SIZE];
   unsigned n = 0;
   if (EVP_Digest(bytes.data(), bytes.size(), md, &n, EVP_sha256(), nullptr) != 1)
-    throw Error("EVP_Digest(sha256) failed");
+    throw InternalError("EVP_Digest(sha256) failed");
   return to_hex(md, n);
 }
 
 Sha256::Sha256() : ctx_(EVP_MD_CTX_new()) {
   if (!ctx_ || EVP_DigestInit_ex(static_cast<EVP_MD_CTX*>(ctx_), EVP_sha256(), nullptr) != 1)
-    throw Error("EVP_DigestInit_ex(sha256) failed");
+    throw InternalError("EVP_DigestInit_ex(sha256) failed");
 }
 
 Sha256::~Sha256() { EVP_MD_CTX_free(static_cast<EVP_MD_CTX*>(ctx_)); }
