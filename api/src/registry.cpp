@@ -94,6 +94,10 @@ double tolerance_for(DType dtype) {
   }
 }
 
+double op_tolerance(std::string_view op, DType dtype) {
+  return tolerance_for(dtype) * Registry::global().get(op).tolerance_scale;
+}
+
 std::vector<Config> TuningSpace::enumerate(const Problem& p) const {
   std::vector<Config> out;
   std::string why;  // some rules write their reason unconditionally

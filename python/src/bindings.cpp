@@ -212,6 +212,12 @@ py::dict op_info_dict(const std::string& name) {
   d["tuning_axes"] = i.tuning_axes;
   d["tuning_note"] = i.tuning_note;
   d["reference"] = i.reference;
+  py::dict constants, tolerances;
+  for (const auto& [k, v] : i.constants) constants[py::str(k)] = v;
+  for (auto dt : {kspec::DType::f32, kspec::DType::f16, kspec::DType::bf16, kspec::DType::f64})
+    tolerances[kspec::dtype_name(dt)] = kspec::op_tolerance(name, dt);
+  d["constants"] = constants;
+  d["tolerances"] = tolerances;
   return d;
 }
 
@@ -606,6 +612,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("dlpack_describe", &dlpack_describe);
   m.def("pointer_device", [](uintptr_t p) { return kspec::pointer_device(reinterpret_cast<const void*>(p)); });
   m.def("list_ops", &kspec::list_ops);
+  m.def("tolerances", [] {  // the one table, by dtype name (ops scale it: op_info(op)["tolerances"])
+    py::dict d;
+    for (auto dt : {kspec::DType::f32, kspec::DType::f16, kspec::DType::bf16, kspec::DType::f64})
+      d[kspec::dtype_name(dt)] = kspec::tolerance_for(dt);
+    return d;
+  });
   m.def("op_info", &op_info_dict);
   m.def("describe_op", [](const std::string& n) { return kspec::describe_op(n); });
 

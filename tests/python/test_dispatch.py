@@ -153,3 +153,16 @@ def test_cached_signature_still_checks_pointers():
     torch.cuda.synchronize()
     ref = kspec.call("norm_act.fwd", x_odd.contiguous(), w, None)[0]
     assert torch.equal(y, ref)
+
+
+def test_one_tolerance_table_and_constants():
+    """Tests and benchmarks read C++'s tolerance table; op_info exports constants and scaled tolerances."""
+    import helpers
+    from kspec import _C
+
+    assert helpers.TOL == _C.tolerances()
+    assert _C.tolerances()["float16"] == 1e-2 and _C.tolerances()["float32"] == 1e-5
+    info = _C.op_info("selective_scan.fwd")
+    assert info["constants"] == {"state_stride": 16}
+    assert info["tolerances"]["bfloat16"] == 4 * _C.tolerances()["bfloat16"]  # a long recurrence's scale
+    assert _C.op_info("norm_act.fwd")["tolerances"] == _C.tolerances()
