@@ -94,6 +94,13 @@ double tolerance_for(DType dtype) {
   }
 }
 
+std::vector<CaseInfo> op_cases(std::string_view op) {
+  std::vector<CaseInfo> out;
+  for (const Case& c : Registry::global().get(op).cases)
+    out.push_back({c.name, c.dims, c.params, c.without, c.tensor_dtypes, c.alt_shapes, c.large});
+  return out;
+}
+
 double op_tolerance(std::string_view op, DType dtype) {
   return tolerance_for(dtype) * Registry::global().get(op).tolerance_scale;
 }

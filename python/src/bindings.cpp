@@ -216,6 +216,22 @@ py::dict op_info_dict(const std::string& name) {
   for (const auto& [k, v] : i.constants) constants[py::str(k)] = v;
   for (auto dt : {kspec::DType::f32, kspec::DType::f16, kspec::DType::bf16, kspec::DType::f64})
     tolerances[kspec::dtype_name(dt)] = kspec::op_tolerance(name, dt);
+  py::list cases;
+  for (const auto& c : kspec::op_cases(name)) {
+    py::dict cd, dims, ps, tds;
+    for (const auto& [k, v] : c.dims) dims[py::str(k)] = v;
+    for (const auto& [k, v] : c.params.items()) ps[py::str(k)] = param_to_py(v);
+    for (const auto& [k, v] : c.tensor_dtypes) tds[py::str(k)] = kspec::dtype_name(v);
+    cd["name"] = c.name;
+    cd["dims"] = dims;
+    cd["params"] = ps;
+    cd["without"] = c.without;
+    cd["tensor_dtypes"] = tds;
+    cd["alt_shapes"] = c.alt_shapes;
+    cd["large"] = c.large;
+    cases.append(cd);
+  }
+  d["cases"] = cases;
   d["constants"] = constants;
   d["tolerances"] = tolerances;
   return d;

@@ -166,3 +166,67 @@ def test_one_tolerance_table_and_constants():
     assert info["constants"] == {"state_stride": 16}
     assert info["tolerances"]["bfloat16"] == 4 * _C.tolerances()["bfloat16"]  # a long recurrence's scale
     assert _C.op_info("norm_act.fwd")["tolerances"] == _C.tolerances()
+
+
+def _case_inputs(info, case):
+    """(shapes, dtypes) of a case's inputs from its dims, or None when a present input has a dim the case
+    does not give (a derived one)."""
+    dims, shapes, dtypes = case["dims"], [], {}
+    for d in info["inputs"]:
+        if d["optional"] and d["name"] in case["without"]:
+            shapes.append(None)
+            continue
+        tokens = d["alt_shape"] if d["name"] in case["alt_shapes"] else d["shape"]
+        shape = []
+        for tok in tokens:
+            name = tok[3:] if tok.startswith("...") else tok
+            if tok.isdigit():
+                shape.append(int(tok))
+            elif name in dims:
+                shape.append(dims[name])
+            else:
+                return None
+        shapes.append(tuple(shape))
+    for _ in info["inputs"]:  # dtype_of may name a later input: settle in a few passes
+        for d in info["inputs"]:
+            if d["name"] in case["tensor_dtypes"]:
+                dtypes[d["name"]] = case["tensor_dtypes"][d["name"]]
+            elif d["dtype_of"]:
+                dtypes[d["name"]] = dtypes.get(d["dtype_of"], "float32")
+            else:
+                dtypes[d["name"]] = "float32" if "float32" in d["dtypes"] else d["dtypes"][0]
+    return shapes, [dtypes[d["name"]] for d in info["inputs"]]
+
+
+def test_schema_shapes_match_infer_outputs():
+    """kspec._schema.output_specs (what the torch fake kernels evaluate, symbolic sizes included) gives
+    C++ infer_outputs' dtypes and shapes for every case of every op (TensorList ops aside)."""
+    from kspec import _C, _schema
+
+    compared = 0
+    for op in _C.list_ops():
+        info = _C.op_info(op)
+        if any(d["shape"] == ["tensors"] for d in info["inputs"]):
+            continue
+        for case in info["cases"]:
+            if case["large"]:
+                continue
+            got = _case_inputs(info, case)
+            if got is None:
+                continue
+            shapes, dtypes = got
+            descs, ptr = [], 1 << 32
+            for shape, dt in zip(shapes, dtypes):
+                if shape is None:
+                    descs.append(None)
+                    continue
+                strides, s = [], 1
+                for n in reversed(shape):
+                    strides.insert(0, s)
+                    s *= n
+                descs.append((ptr, dt, shape, tuple(strides), 0))
+                ptr += 1 << 30
+            want = [None if s is None else (s[0], tuple(s[1])) for s in _C.infer_outputs(op, descs, case["params"])]
+            assert _schema.output_specs(op, shapes, dtypes) == want, (op, case["name"])
+            compared += 1
+    assert compared >= 40, compared

@@ -125,6 +125,18 @@ double tolerance_for(DType dtype);
 // The same for one op's outputs: tolerance_for(dtype) times the op's scale (long recurrences allow more).
 double op_tolerance(std::string_view op, DType dtype);
 
+// One row of an op's case table, as tests and benchmarks outside C++ read it (kspec.op_info(op)["cases"]).
+struct CaseInfo {
+  std::string name;
+  std::vector<std::pair<std::string, int64_t>> dims;
+  Params params;
+  std::vector<std::string> without;                           // optional inputs left out
+  std::vector<std::pair<std::string, DType>> tensor_dtypes;   // per-tensor dtypes (else the op's dtype)
+  std::vector<std::string> alt_shapes;                        // inputs given in their alternative shape
+  bool large = false;
+};
+std::vector<CaseInfo> op_cases(std::string_view op);
+
 std::vector<std::string> list_ops();
 const OpInfo& op_info(std::string_view name);  // throws InvalidArgument for an unknown op
 std::string describe_op(std::string_view name);  // human-readable schema
