@@ -303,8 +303,9 @@ void call(std::string_view op_name, const std::vector<TensorView>& inputs, const
   static std::shared_mutex mu;
   static std::unordered_map<std::string, std::unique_ptr<CachedCall>> cache;
   const OpDef& op = Registry::global().get(op_name);
-  thread_local std::string key;
-  key.clear();
+  // Local, not thread_local: plan_for may tune (KSPEC_TUNE=auto), and the tuner's own calls come back here.
+  std::string key;
+  key.reserve(256);
   const bool cacheable = !options.config && append_call_key(key, op, inputs, outputs, params);
   const CachedCall* hit = nullptr;
   if (cacheable) {

@@ -236,8 +236,8 @@ std::vector<OutputSpec> infer_outputs(std::string_view op_name, const std::vecto
   static std::unordered_map<std::string, std::vector<OutputSpec>> cache;
   constexpr size_t kMaxEntries = 4096;
   const OpDef& op = Registry::global().get(op_name);
-  thread_local std::string key;
-  key.clear();
+  std::string key;
+  key.reserve(256);
   const bool cacheable = append_call_key(key, op, inputs, {}, params);
   if (cacheable) {
     std::shared_lock<std::shared_mutex> lock(mu);
