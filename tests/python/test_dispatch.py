@@ -230,3 +230,34 @@ def test_schema_shapes_match_infer_outputs():
             assert _schema.output_specs(op, shapes, dtypes) == want, (op, case["name"])
             compared += 1
     assert compared >= 40, compared
+
+
+@pytest.mark.gpu
+def test_fast_path_threads_share_the_cache():
+    """Four threads, each on its own stream, call one signature 50 times at once: every result equals the
+    single-threaded one (the caches are shared under a lock; each call keeps its own tensors and stream)."""
+    import threading
+
+    import torch
+    import kspec
+
+    x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    want = kspec.call("norm_act.fwd", x, w, None, norm="layernorm", act="silu")[0]
+    torch.cuda.synchronize()
+    bad = []
+
+    def worker():
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            for _ in range(50):
+                y = kspec.call("norm_act.fwd", x, w, None, norm="layernorm", act="silu")[0]
+            s.synchronize()
+            if not torch.equal(y, want):
+                bad.append(1)
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads) and not bad
