@@ -218,12 +218,12 @@ py::dict op_info_dict(const std::string& name) {
     tolerances[kspec::dtype_name(dt)] = kspec::op_tolerance(name, dt);
   py::list cases;
   for (const auto& c : kspec::op_cases(name)) {
-    py::dict cd, dims, ps, tds;
-    for (const auto& [k, v] : c.dims) dims[py::str(k)] = v;
+    py::dict cd, case_dims, ps, tds;
+    for (const auto& [k, v] : c.dims) case_dims[py::str(k)] = v;
     for (const auto& [k, v] : c.params.items()) ps[py::str(k)] = param_to_py(v);
     for (const auto& [k, v] : c.tensor_dtypes) tds[py::str(k)] = kspec::dtype_name(v);
     cd["name"] = c.name;
-    cd["dims"] = dims;
+    cd["dims"] = case_dims;
     cd["params"] = ps;
     cd["without"] = c.without;
     cd["tensor_dtypes"] = tds;
