@@ -251,7 +251,5 @@ inline TensorDef tensor_def(std::string name, std::vector<std::string> shape, st
   return d;
 }
 
-// Tolerance for ‖out−ref‖/‖ref‖ by dtype: the one table.
-double tolerance_for(DType dtype);
 
 }  // namespace kspec

@@ -229,12 +229,127 @@ LoadedKernel* DeviceLauncher::prepare(size_t k, Dim3 grid, unsigned shared_bytes
   return &lk;
 }
 
+namespace {
+
+template <typename T>
+void append_raw(std::string& key, const T& v) {
+  key.append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+
+int pointer_alignment(const void* p) {
+  auto a = reinterpret_cast<uintptr_t>(p);
+  int al = 16;
+  while (al > 1 && a % al) al /= 2;
+  return al;
+}
+
+bool append_view(std::string& key, const TensorView& t) {
+  if (t.is_list()) return false;
+  const int8_t head[4] = {static_cast<int8_t>(t.rank), static_cast<int8_t>(t.dtype),
+                          static_cast<int8_t>(pointer_alignment(t.data)), 0};
+  append_raw(key, head);
+  if (t.rank < 0) return true;
+  append_raw(key, t.device);
+  key.append(reinterpret_cast<const char*>(t.shape), sizeof(int64_t) * static_cast<size_t>(t.rank));
+  key.append(reinterpret_cast<const char*>(t.strides), sizeof(int64_t) * static_cast<size_t>(t.rank));
+  return true;
+}
+
+// A validated call kept for the next one with the same signature: its problem (params completed, arch
+// set), device and padded argument counts, and the plan it used.
+struct CachedCall {
+  Call call;
+  PlanEntry* plan = nullptr;
+  uint64_t generation = 0;
+};
+
+// Bounded: a process that sweeps shapes stops adding after this many (its calls validate in full).
+constexpr size_t kMaxCachedCalls = 4096;
+
+}  // namespace
+
+bool append_call_key(std::string& key, const OpDef& op, const std::vector<TensorView>& inputs,
+                     const std::vector<TensorView>& outputs, const Params& params) {
+  append_raw(key, &op);
+  const uint16_t counts[2] = {static_cast<uint16_t>(inputs.size()), static_cast<uint16_t>(outputs.size())};
+  append_raw(key, counts);
+  for (const auto& t : inputs)
+    if (!append_view(key, t)) return false;
+  for (const auto& t : outputs)
+    if (!append_view(key, t)) return false;
+  for (const auto& [name, v] : params.items()) {
+    append_raw(key, static_cast<uint32_t>(name.size()));
+    key += name;
+    append_raw(key, static_cast<uint8_t>(v.index()));
+    if (auto i = std::get_if<int64_t>(&v)) append_raw(key, *i);
+    else if (auto d = std::get_if<double>(&v)) append_raw(key, *d);
+    else if (auto b = std::get_if<bool>(&v)) append_raw(key, *b);
+    else {
+      const auto& str = std::get<std::string>(v);
+      append_raw(key, static_cast<uint32_t>(str.size()));
+      key += str;
+    }
+  }
+  return true;
+}
+
+// kspec::call validates a call's signature once: a later call with the same signature (see
+// append_call_key) copies the validated problem and its plan, and checks only what depends on the
+// pointers — null data, overlap between outputs and inputs, the op's own check_call — each with the
+// message full validation gives (a null pointer goes through full validation, which names it).
 void call(std::string_view op_name, const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
           const Params& params, Stream stream, const CallOptions& options) {
+  static std::shared_mutex mu;
+  static std::unordered_map<std::string, std::unique_ptr<CachedCall>> cache;
   const OpDef& op = Registry::global().get(op_name);
+  // Local, not thread_local: plan_for may tune (KSPEC_TUNE=auto), and the tuner's own calls come back here.
+  std::string key;
+  key.reserve(256);
+  const bool cacheable = !options.config && append_call_key(key, op, inputs, outputs, params);
+  const CachedCall* hit = nullptr;
+  if (cacheable) {
+    std::shared_lock<std::shared_mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) hit = it->second.get();
+  }
+  bool pointers_ok = true;
+  if (hit) {
+    for (const auto* list : {&inputs, &outputs})
+      for (const auto& t : *list) pointers_ok = pointers_ok && (t.data || t.rank < 0 || t.numel() == 0);
+  }
+  if (hit && pointers_ok) {
+    Call c;
+    c.problem = hit->call.problem;
+    c.device = hit->call.device;
+    c.stream = stream;
+    c.inputs = inputs;
+    c.inputs.resize(hit->call.inputs.size());  // trailing optionals left out: absent views
+    c.outputs = outputs;
+    c.outputs.resize(hit->call.outputs.size());
+    if (op.check_call) op.check_call(c);
+    check_no_overlap(op.info, c.inputs, c.outputs);
+    PlanEntry* plan = hit->plan;
+    if (hit->generation != tuning_generation()) plan = &plan_for(op, c.problem, c.device, nullptr, stream);
+    jit::ContextGuard guard(c.device);
+    DeviceLauncher launcher(*plan, c.device, stream);
+    op.launch(c, plan->config, launcher);
+    launcher.finish();
+    return;
+  }
   Call c = validate_call(op, inputs, outputs, params, stream);
   c.problem.arch = device_arch(c.device);
   PlanEntry& plan = plan_for(op, c.problem, c.device, options.config, stream);
+  if (cacheable) {
+    auto entry = std::make_unique<CachedCall>();
+    entry->call.problem = c.problem;
+    entry->call.device = c.device;
+    entry->call.inputs.resize(c.inputs.size());
+    entry->call.outputs.resize(c.outputs.size());
+    entry->plan = &plan;
+    entry->generation = plan.generation;
+    std::unique_lock<std::shared_mutex> lock(mu);
+    if (cache.size() < kMaxCachedCalls) cache.emplace(key, std::move(entry));
+  }
   jit::ContextGuard guard(c.device);
   DeviceLauncher launcher(plan, c.device, stream);
   op.launch(c, plan.config, launcher);

@@ -30,6 +30,14 @@ std::vector<jit::KernelSpec> kernel_specs(const OpDef& op, const Problem& p, con
 // bound calls may still hold them.
 PlanEntry& plan_for(const OpDef& op, const Problem& p, int device, const Config* forced, Stream stream);
 
+// The compact signature of a call for the call cache: the op, every view's presence, dtype, rank, shape,
+// strides, device and pointer alignment (the largest power of two up to 16 dividing it), and the params as
+// given. Everything validation reads but the pointers themselves, so two calls with one signature pass or
+// fail validation alike except for what depends on the pointers (null, overlap, the op's check_call).
+// False (nothing appended) for a call the cache does not take: a TensorList argument.
+bool append_call_key(std::string& key, const OpDef& op, const std::vector<TensorView>& inputs,
+                     const std::vector<TensorView>& outputs, const Params& params);
+
 class DeviceLauncher final : public Launcher {
  public:
   DeviceLauncher(PlanEntry& plan, int device, Stream stream) : plan_(plan), device_(device), stream_(stream) {}

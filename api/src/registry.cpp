@@ -2,9 +2,12 @@
 // inference. The call path lives in plan.cpp and bound_call.cpp, the compile requests in requests.cpp.
 #include <algorithm>
 #include <charconv>
+#include <mutex>
+#include <shared_mutex>
 #include <sstream>
+#include <unordered_map>
 
-#include "api/src/op.h"
+#include "api/src/plan.h"
 
 namespace kspec {
 
@@ -89,6 +92,17 @@ double tolerance_for(DType dtype) {
     case DType::bf16: return 1e-2;
     default: return 0;
   }
+}
+
+std::vector<CaseInfo> op_cases(std::string_view op) {
+  std::vector<CaseInfo> out;
+  for (const Case& c : Registry::global().get(op).cases)
+    out.push_back({c.name, c.dims, c.params, c.without, c.tensor_dtypes, c.alt_shapes, c.large});
+  return out;
+}
+
+double op_tolerance(std::string_view op, DType dtype) {
+  return tolerance_for(dtype) * Registry::global().get(op).tolerance_scale;
 }
 
 std::vector<Config> TuningSpace::enumerate(const Problem& p) const {
@@ -214,9 +228,22 @@ std::string describe_op(std::string_view name) {
   return os.str();
 }
 
+// Cached by the inputs' signature (append_call_key): a caller that allocates outputs asks this before
+// every call with the same shapes.
 std::vector<OutputSpec> infer_outputs(std::string_view op_name, const std::vector<TensorView>& inputs,
                                       const Params& params) {
+  static std::shared_mutex mu;
+  static std::unordered_map<std::string, std::vector<OutputSpec>> cache;
+  constexpr size_t kMaxEntries = 4096;
   const OpDef& op = Registry::global().get(op_name);
+  std::string key;
+  key.reserve(256);
+  const bool cacheable = append_call_key(key, op, inputs, {}, params);
+  if (cacheable) {
+    std::shared_lock<std::shared_mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
   Problem p = validate_call(op, inputs, {}, params, nullptr, /*inputs_only=*/true).problem;
   std::vector<OutputSpec> out;
   for (size_t i = 0; i < op.info.outputs.size(); ++i) {
@@ -227,6 +254,10 @@ std::vector<OutputSpec> infer_outputs(std::string_view op_name, const std::vecto
     else s.dtype = d.dtypes.front();
     if (s.present) s.shape = shape_of(d, p);
     out.push_back(std::move(s));
+  }
+  if (cacheable) {
+    std::unique_lock<std::shared_mutex> lock(mu);
+    if (cache.size() < kMaxEntries) cache.emplace(key, out);
   }
   return out;
 }

@@ -6,31 +6,27 @@ from . import _C
 from ._tensors import current_stream, describe, empty, framework_of
 
 
-# Output (dtype, shape) by (op, input dtypes and shapes, params): inferring them is a C++ round trip
-# that repeated calls with the same shapes need not pay. The call itself is always fully validated.
-_out_specs: dict = {}
-
-
 def call(op: str, *inputs, config: str | None = None, out=None, **params):
     """Run a registered op. Inputs are positional as in the op's schema (None for a left-out optional
     input); params by keyword. Returns the op's outputs as a tuple (None for absent ones).
 
     `out` may pass preallocated outputs (a sequence like the schema's outputs); without it the outputs
     are allocated with the inputs' framework (torch or CuPy), which is then needed."""
+    if config is None:  # torch tensors: described, allocated and launched in one C++ call
+        r = _C.call_torch(op, inputs, out, params)
+        if r is not NotImplemented:
+            return r
+    return _call_general(op, inputs, config, out, params)
+
+
+def _call_general(op: str, inputs, config, out, params: dict):
+    """Any framework: each argument described in Python (_tensors.describe), outputs allocated with the
+    inputs' framework; every error of a call is raised here with its argument's name."""
     descs = _describe_args(op, inputs, "input")
     fw = framework_of(inputs)
     device = _device_of(descs)
     if out is None:
-        key = (op, tuple(None if d is None else (d[1], d[2]) if not isinstance(d, list) else
-                         tuple((e[1], e[2]) for e in d) for d in descs), tuple(params.items()))
-        try:
-            specs = _out_specs.get(key)
-        except TypeError:  # an unhashable param value: let C++ report it
-            key, specs = None, None
-        if specs is None:
-            specs = _C.infer_outputs(op, descs, params)
-            if key is not None and len(_out_specs) < 4096:
-                _out_specs[key] = specs
+        specs = _C.infer_outputs(op, descs, params)  # cached in C++ by the inputs' signature
         if fw is None:
             raise _C.InvalidArgument(f"{op}: no framework to allocate the outputs with (neither torch nor CuPy is "
                                      "installed): pass them with out=, or install torch or cupy")

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from . import _C
 from ._core import call
 from .ops import gemm_reads_in_place
 
@@ -87,6 +88,8 @@ class _NormAct(torch.autograd.Function):
 def norm_act(x, weight, bias, norm, act, eps):
     if torch.compiler.is_compiling():
         return norm_act_fwd(x, weight, bias, norm, act, eps)[0]
+    if not wants_grad(x, weight, bias):  # no graph to record: the op alone (autograd.Function.apply costs ~8 µs)
+        return call("norm_act.fwd", x, weight, bias, norm=norm, act=act, eps=eps)[0]
     return _NormAct.apply(x, weight, bias, norm, act, eps)
 
 
@@ -94,7 +97,7 @@ def norm_act(x, weight, bias, norm, act, eps):
 # For training the forward keeps the state entering every 16th step (`states`, [batch, dim,
 # ceil(seqlen / 16), dstate] fp32), and the backward reads them instead of recomputing the forward.
 
-_STATE_STRIDE = 16
+_STATE_STRIDE = _C.op_info("selective_scan.fwd")["constants"]["state_stride"]
 
 
 def _scan_states(u, A, save):
@@ -212,6 +215,9 @@ def selective_scan(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, save
     if torch.compiler.is_compiling():
         save = save_states and wants_grad(u, delta, A, B, C, D, z, delta_bias, h0)
         out, last, _ = selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, save)
+        return out, last
+    if not wants_grad(u, delta, A, B, C, D, z, delta_bias, h0):  # inference: the op alone, no states kept
+        out, last, _ = _scan_fwd_call(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, False)
         return out, last
     return _SelectiveScan.apply(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, save_states)
 
@@ -345,6 +351,8 @@ def linear(x, weight, bias, act, tf32):
     weight, bias = _readable(weight), _readable(bias)
     if torch.compiler.is_compiling():
         y = linear_fwd(x2, weight, bias, act, tf32)[0]
+    elif not wants_grad(x2, weight, bias):  # no graph to record: the GEMM alone
+        y = _linear_fwd(x2, weight, bias, act, tf32, False)[0]
     else:
         y = _Linear.apply(x2, weight, bias, act, tf32)
     return y.squeeze(0) if squeeze else y

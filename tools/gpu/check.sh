@@ -171,6 +171,8 @@ if has bench; then
   step bench_selective_scan python3 tools/bench/bench.py --family selective_scan --json "$OUT/bench_selective_scan.json"
   step bench_gemm python3 tools/bench/bench.py --family gemm --json "$OUT/bench_gemm.json"
   step bench_adamw python3 tools/bench/bench.py --family adamw --json "$OUT/bench_adamw.json"
+  step bench_dispatch python3 tools/bench/dispatch.py --dispatch-bin build/gpu/tools/bench/kspec_dispatch_bench \
+    --json "$OUT/bench_dispatch.json"
   has e79 || step bench_e79 python3 tools/bench/bench_e79.py --json "$OUT/bench_e79.json" ${KSPEC_BENCH_E79_ARGS:-}
 fi
 

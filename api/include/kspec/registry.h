@@ -114,7 +114,28 @@ struct OpInfo {
   std::vector<std::pair<std::string, std::vector<int64_t>>> tuning_axes;
   std::string tuning_note;  // a space that is not a product of axes (gemm: cuBLASLt's candidates)
   std::string reference;  // where the float64 reference lives
+  // Named constants of the op that its callers must agree with (the scan's state_stride: the forward keeps
+  // the state entering every state_stride-th step); Python and the tests read them from here.
+  std::vector<std::pair<std::string, int64_t>> constants = {};
 };
+
+// Relative error ‖out−ref‖/‖ref‖ allowed against the float64 reference by dtype: the one table (checks,
+// tuner, tests and benchmarks read it; an op's OpInfo::tolerance_scale multiplies it).
+double tolerance_for(DType dtype);
+// The same for one op's outputs: tolerance_for(dtype) times the op's scale (long recurrences allow more).
+double op_tolerance(std::string_view op, DType dtype);
+
+// One row of an op's case table, as tests and benchmarks outside C++ read it (kspec.op_info(op)["cases"]).
+struct CaseInfo {
+  std::string name;
+  std::vector<std::pair<std::string, int64_t>> dims;
+  Params params;
+  std::vector<std::string> without;                           // optional inputs left out
+  std::vector<std::pair<std::string, DType>> tensor_dtypes;   // per-tensor dtypes (else the op's dtype)
+  std::vector<std::string> alt_shapes;                        // inputs given in their alternative shape
+  bool large = false;
+};
+std::vector<CaseInfo> op_cases(std::string_view op);
 
 std::vector<std::string> list_ops();
 const OpInfo& op_info(std::string_view name);  // throws InvalidArgument for an unknown op

@@ -711,6 +711,7 @@ OpDef scan_base(const char* name, const char* doc, bool with_seqlen) {
   op.info.params = scan_params();
   op.info.dims = scan_dims(with_seqlen);
   op.info.reference = "api/ops/selective_scan/reference.cpp (python/kspec/reference/selective_scan.py)";
+  op.info.constants = {{"state_stride", kStateStride}};  // kspec._torch allocates `states` with it
   op.check = check_scan;
   op.check_call = check_scan_call;
   // The tuning bucket: the default's, but nstates (seqlen's, derived).

@@ -1,0 +1,93 @@
+// kspec::call's signature cache (api/src/plan.cpp): the compact key tells apart everything validation
+// reads, and a call whose signature was validated before still gets the pointer checks (null data,
+// overlap) with validation's own messages.
+#include <gtest/gtest.h>
+
+#include <cuda.h>
+
+#include <string>
+#include <vector>
+
+#include "api/src/plan.h"
+#include "jit/driver.h"
+#include "kspec/kspec.h"
+#include "test_helpers.h"
+
+namespace kspec {
+namespace {
+
+std::string key_of(const std::vector<TensorView>& in, const std::vector<TensorView>& out, const Params& p) {
+  std::string k;
+  EXPECT_TRUE(append_call_key(k, Registry::global().get("norm_act.fwd"), in, out, p));
+  return k;
+}
+
+TEST(CallCache, KeyTellsApartWhatValidationReads) {
+  auto* base = reinterpret_cast<char*>(uintptr_t(1) << 32);
+  TensorView x(base, DType::bf16, {4, 256}, 0), w(base + 4096, DType::bf16, {256}, 0);
+  const Params p{{"norm", std::string("rmsnorm")}};
+  const std::string k = key_of({x, w, TensorView()}, {}, p);
+  // Another pointer of the same alignment: the same signature.
+  TensorView x_moved(base + (1 << 20), DType::bf16, {4, 256}, 0);
+  EXPECT_EQ(key_of({x_moved, w, TensorView()}, {}, p), k);
+  // Each of these changes what validation or the plan would decide.
+  TensorView x_odd(base + 2, DType::bf16, {4, 256}, 0);  // 2-byte aligned
+  TensorView x_shape(base, DType::bf16, {8, 256}, 0);
+  TensorView x_f16(base, DType::f16, {4, 256}, 0);
+  TensorView x_dev(base, DType::bf16, {4, 256}, 1);
+  TensorView x_strided = TensorView::strided(base, DType::bf16, {4, 256}, {512, 1}, 0);
+  for (const auto& v : {x_odd, x_shape, x_f16, x_dev, x_strided})
+    EXPECT_NE(key_of({v, w, TensorView()}, {}, p), k) << v.describe();
+  EXPECT_NE(key_of({x, w, w}, {}, p), k);                                           // bias present
+  EXPECT_NE(key_of({x, w}, {}, p), k);                                              // fewer arguments
+  EXPECT_NE(key_of({x, w, TensorView()}, {}, {{"norm", std::string("layernorm")}}), k);
+  EXPECT_NE(key_of({x, w, TensorView()}, {}, {{"norm", std::string("rmsnorm")}, {"eps", 1e-6}}), k);
+  EXPECT_NE(key_of({x, w, TensorView()}, {x}, p), k);
+  // An int and a float param of the same bits are two signatures (validation types them).
+  EXPECT_NE(key_of({x, w, TensorView()}, {}, {{"eps", int64_t(0)}}), key_of({x, w, TensorView()}, {}, {{"eps", 0.0}}));
+}
+
+TEST(CallCache, ListsAreNotCached) {
+  TensorView items[1] = {TensorView(reinterpret_cast<void*>(uintptr_t(1) << 32), DType::f32, {4}, 0)};
+  std::string k;
+  EXPECT_FALSE(append_call_key(k, Registry::global().get("adamw"), {TensorView::list(items, 1)}, {}, {}));
+}
+
+// Owns one cuMemAlloc'd buffer.
+struct Buffer {
+  CUdeviceptr p = 0;
+  explicit Buffer(size_t bytes) { CU_CHECK(cuMemAlloc(&p, bytes)); }
+  ~Buffer() { jit::driver().cuMemFree(p); }
+  char* get() const { return reinterpret_cast<char*>(p); }
+};
+
+TEST(CallCache, CachedSignatureStillChecksPointers) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  Buffer xs(4 * 256 * 4 * 2), ws(256 * 4), stats(4 * 4 * 2);
+  TensorView x(xs.get(), DType::f32, {4, 256}, 0), y(xs.get() + 4 * 256 * 4, DType::f32, {4, 256}, 0);
+  TensorView w(ws.get(), DType::f32, {256}, 0);
+  TensorView mean(stats.get(), DType::f32, {4}, 0), rstd(stats.get() + 16, DType::f32, {4}, 0);
+  const Params p{{"norm", std::string("rmsnorm")}};
+  call("norm_act.fwd", {x, w, TensorView()}, {y, mean, rstd}, p);
+  call("norm_act.fwd", {x, w, TensorView()}, {y, mean, rstd}, p);  // the cached signature
+  // y and x swapped: the same layout and alignment, so the same signature; still refused.
+  TensorView y_on_x(xs.get(), DType::f32, {4, 256}, 0);
+  try {
+    call("norm_act.fwd", {x, w, TensorView()}, {y_on_x, mean, rstd}, p);
+    FAIL() << "an output on an input was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("shares memory with input 'x'"), std::string::npos) << e.what();
+  }
+  TensorView null_x(nullptr, DType::f32, {4, 256}, 0);
+  try {
+    call("norm_act.fwd", {null_x, w, TensorView()}, {y, mean, rstd}, p);
+    FAIL() << "a null input was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("null data pointer"), std::string::npos) << e.what();
+  }
+  CU_CHECK(cuCtxSynchronize());
+}
+
+}  // namespace
+}  // namespace kspec

@@ -1,0 +1,264 @@
+"""Host cost of one call (issue 28's table): kspec's entry points and their peers in one process, on
+problems so small that only dispatch is measured. Each row is the median host time of 2000 calls after
+200 warm-ups, each call timed alone with perf_counter_ns, no sync inside the loop (the GPU drains
+between rows). A second table times a training step (forward + backward through autograd) per call in
+a loop: wall time per step with one sync at the end, and the host time the loop took to enqueue it.
+
+    python3 tools/bench/dispatch.py [--json FILE] [--dispatch-bin build/gpu/tools/bench/kspec_dispatch_bench]
+
+The entry for a runner is run(args), args having .json and .dispatch_bin (None to skip either)."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+
+CALLS, WARMUP = 2000, 200
+STEPS, STEP_WARMUP = 200, 20
+
+
+def host_us(fn, calls=CALLS, warmup=WARMUP) -> float:
+    """Median host microseconds of one fn() call."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t = [0] * calls
+    clock = time.perf_counter_ns
+    for i in range(calls):
+        t0 = clock()
+        fn()
+        t[i] = clock() - t0
+    torch.cuda.synchronize()
+    t.sort()
+    return t[calls // 2] / 1e3
+
+
+def step_us(fn, steps=STEPS, warmup=STEP_WARMUP) -> tuple[float, float]:
+    """(wall µs per step with one sync at the end, host µs per step spent enqueueing)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter_ns()
+    for _ in range(steps):
+        fn()
+    t1 = time.perf_counter_ns()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter_ns()
+    return (t2 - t0) / 1e3 / steps, (t1 - t0) / 1e3 / steps
+
+
+def _cupy_row():
+    """A CuPy RawKernel launch of a one-thread kernel: the floor of a Python launch."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    k = cupy.RawKernel(r'extern "C" __global__ void nop(float* x) { if (threadIdx.x == 1000) x[0] = 1; }', "nop")
+    x = cupy.zeros(1, dtype=cupy.float32)
+    return lambda: k((1,), (32,), (x,))
+
+
+def call_rows():
+    """[(group, name, fn or None)]: a None fn prints as n/a (the peer is not installed)."""
+    import torch
+    import torch.nn.functional as F
+
+    import kspec
+    from kspec._core import _call_general
+
+    dev, bf = "cuda", torch.bfloat16
+    x = torch.randn(4, 256, device=dev, dtype=bf)
+    w = torch.ones(256, device=dev, dtype=bf)
+    xg = x.clone().requires_grad_()
+    y, mean, rstd = torch.empty_like(x), torch.empty(4, device=dev), torch.empty(4, device=dev)
+    lx = torch.randn(4, 256, device=dev, dtype=bf)
+    lw = torch.randn(256, 256, device=dev, dtype=bf)
+    lxg = lx.clone().requires_grad_()
+    b, d, t, n = 1, 16, 32, 16
+    u = torch.randn(b, d, t, device=dev, dtype=bf)
+    delta = torch.rand(b, d, t, device=dev, dtype=bf)
+    A = -torch.rand(d, n, device=dev)
+    B = torch.randn(b, 1, n, t, device=dev, dtype=bf)
+    C = torch.randn(b, 1, n, t, device=dev, dtype=bf)
+    D = torch.randn(d, device=dev)
+    ug = u.clone().requires_grad_()
+    nm = dict(norm="rmsnorm", act="identity", eps=1e-5)
+    try:
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as mamba_scan
+    except ImportError:
+        mamba_scan = None
+    return [
+        ("launch", "CuPy RawKernel launch", _cupy_row()),
+        ("launch", "torch F.rms_norm [4, 256] bf16", lambda: F.rms_norm(x, (256,), w, 1e-5)),
+        ("launch", "torch x.add(1)", lambda: x.add(1)),
+        ("call", "kspec.call norm_act.fwd, out=", lambda: kspec.call("norm_act.fwd", x, w, None, out=(y, mean, rstd),
+                                                                    **nm)),
+        ("call", "kspec.call norm_act.fwd (allocated)", lambda: kspec.call("norm_act.fwd", x, w, None, **nm)),
+        ("call", "general path (any framework), allocated",
+         lambda: _call_general("norm_act.fwd", (x, w, None), None, None, nm)),
+        ("norm", "torch F.rms_norm", lambda: F.rms_norm(x, (256,), w, 1e-5)),
+        ("norm", "kspec.ops.norm_act (no grad)", lambda: kspec.ops.norm_act(x, w, None, norm="rmsnorm")),
+        ("norm", "torch F.rms_norm (input requires grad)", lambda: F.rms_norm(xg, (256,), w, 1e-5)),
+        ("norm", "kspec.ops.norm_act (input requires grad)", lambda: kspec.ops.norm_act(xg, w, None, norm="rmsnorm")),
+        ("linear", "torch F.linear [4, 256] x [256, 256]", lambda: F.linear(lx, lw)),
+        ("linear", "kspec.ops.linear (no grad)", lambda: kspec.ops.linear(lx, lw)),
+        ("linear", "torch F.linear (input requires grad)", lambda: F.linear(lxg, lw)),
+        ("linear", "kspec.ops.linear (input requires grad)", lambda: kspec.ops.linear(lxg, lw)),
+        ("scan", "mamba_ssm selective_scan_fn [1, 16, 32]",
+         None if mamba_scan is None else lambda: mamba_scan(u, delta, A, B, C, D, delta_softplus=True)),
+        ("scan", "kspec.ops.selective_scan_fn (no grad)",
+         lambda: kspec.ops.selective_scan_fn(u, delta, A, B, C, D, delta_softplus=True)),
+        ("scan", "mamba_ssm selective_scan_fn (input requires grad)",
+         None if mamba_scan is None else lambda: mamba_scan(ug, delta, A, B, C, D, delta_softplus=True)),
+        ("scan", "kspec.ops.selective_scan_fn (input requires grad)",
+         lambda: kspec.ops.selective_scan_fn(ug, delta, A, B, C, D, delta_softplus=True)),
+    ]
+
+
+def piece_rows():
+    """Where a call's host time goes: each piece of the general (any-framework) path timed alone, and the
+    torch layers around the ops (the autograd Function, torch.library's dispatch of a custom op)."""
+    import torch
+
+    import kspec
+    from kspec import _C
+    from kspec._tensors import current_stream, describe, empty, framework_of
+
+    dev, bf = "cuda", torch.bfloat16
+    x = torch.randn(4, 256, device=dev, dtype=bf)
+    w = torch.ones(256, device=dev, dtype=bf)
+    y, mean, rstd = torch.empty_like(x), torch.empty(4, device=dev), torch.empty(4, device=dev)
+    nm = dict(norm="rmsnorm", act="identity", eps=1e-5)
+    descs = [describe(x), describe(w), None]
+    outs = [describe(y), describe(mean), describe(rstd)]
+    stream = current_stream("torch", 0)
+
+    class Nop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+    xg = x.clone().requires_grad_()
+    from kspec import _torch
+    return [
+        ("piece", "describe(torch tensor), Python", lambda: describe(x)),
+        ("piece", "framework_of(3 args)", lambda: framework_of((x, w, None))),
+        ("piece", "current_stream(torch)", lambda: current_stream("torch", 0)),
+        ("piece", "torch.empty([4, 256] bf16) x1", lambda: empty("torch", "bfloat16", (4, 256), 0)),
+        ("piece", "_C.infer_outputs (cached signature)", lambda: _C.infer_outputs("norm_act.fwd", descs, nm)),
+        ("piece", "_C.call, descriptors given", lambda: _C.call("norm_act.fwd", descs, outs, nm, stream, None)),
+        ("piece", "_C.call, forced config (no call cache)",
+         lambda: _C.call("norm_act.fwd", descs, outs, nm, stream,
+                         kspec.explain("norm_act.fwd", x, w, None, **nm).config)),
+        ("piece", "torch.compiler.is_compiling()", torch.compiler.is_compiling),
+        ("piece", "autograd.Function.apply (identity, grad)", lambda: Nop.apply(xg)),
+        ("piece", "custom op kspec::norm_act_fwd (no grad)",
+         lambda: _torch.norm_act_fwd(x, w, None, "rmsnorm", "identity", 1e-5)),
+    ]
+
+
+def step_rows():
+    """Forward + backward per step: norm_act against torch, the scan at issue 33's host-bound shape."""
+    import torch
+    import torch.nn.functional as F
+
+    import kspec
+
+    dev, bf = "cuda", torch.bfloat16
+    x = torch.randn(4, 256, device=dev, dtype=bf, requires_grad=True)
+    w = torch.ones(256, device=dev, dtype=bf, requires_grad=True)
+    gy = torch.randn(4, 256, device=dev, dtype=bf)
+
+    def norm_step(fn):
+        return lambda: fn().backward(gy)
+    b, d, t, n = 2, 4096, 333, 16
+    g = torch.Generator(device=dev).manual_seed(0)
+    leaves = dict(u=torch.randn(b, d, t, device=dev, dtype=bf, generator=g),
+                  delta=torch.rand(b, d, t, device=dev, dtype=bf, generator=g) * 0.5 - 1,
+                  A=-(0.25 + torch.rand(d, n, device=dev, generator=g)),
+                  B=torch.randn(b, 1, n, t, device=dev, dtype=bf, generator=g),
+                  C=torch.randn(b, 1, n, t, device=dev, dtype=bf, generator=g),
+                  D=torch.randn(d, device=dev, generator=g),
+                  z=torch.randn(b, d, t, device=dev, dtype=bf, generator=g),
+                  delta_bias=torch.randn(d, device=dev, generator=g) * 0.1)
+    leaves = {k: v.requires_grad_() for k, v in leaves.items()}
+    dout = torch.randn(b, d, t, device=dev, dtype=bf, generator=g)
+    order = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
+
+    def scan_step(fn):
+        def step():
+            for v in leaves.values():
+                v.grad = None
+            fn(*(leaves[k] for k in order), delta_softplus=True).backward(dout)
+        return step
+    try:
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as mamba_scan
+    except ImportError:
+        mamba_scan = None
+    return [
+        ("norm step", "torch F.rms_norm fwd+bwd [4, 256]", norm_step(lambda: F.rms_norm(x, (256,), w, 1e-5))),
+        ("norm step", "kspec.ops.norm_act fwd+bwd", norm_step(lambda: kspec.ops.norm_act(x, w, None, norm="rmsnorm"))),
+        ("scan step", "mamba_ssm fwd+bwd (2, 4096, 333)", None if mamba_scan is None else scan_step(mamba_scan)),
+        ("scan step", "kspec fwd+bwd (2, 4096, 333)", scan_step(kspec.ops.selective_scan_fn)),
+    ]
+
+
+def cpp_rows(path):
+    """kspec_dispatch_bench's JSON (C++: raw cuLaunchKernel, kspec::call, the typed wrapper)."""
+    r = subprocess.run([path], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise RuntimeError(f"{path} exited {r.returncode}: {r.stderr.strip()[-400:]}")
+    return json.loads(r.stdout)
+
+
+def run(args) -> dict:
+    import torch
+
+    data = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": CALLS, "warmup": WARMUP,
+            "rows": [], "steps": []}
+    print(f"dispatch: median host µs of {CALLS} calls after {WARMUP} warm-ups ({data['device']}, torch {torch.__version__})")
+    print(f"{'group':8} {'call':50} {'µs':>8}")
+    for group, name, fn in call_rows() + piece_rows():
+        us = None if fn is None else host_us(fn)
+        data["rows"].append({"group": group, "call": name, "us": us})
+        print(f"{group:8} {name:50} {'n/a' if us is None else f'{us:8.1f}':>8}")
+    print(f"\n{'group':10} {'step':42} {'wall µs':>9} {'host µs':>9}")
+    for group, name, fn in step_rows():
+        wall, host = (None, None) if fn is None else step_us(fn)
+        data["steps"].append({"group": group, "step": name, "wall_us": wall, "host_us": host})
+        cols = "      n/a       n/a" if wall is None else f"{wall:9.1f} {host:9.1f}"
+        print(f"{group:10} {name:42} {cols}")
+    if getattr(args, "dispatch_bin", None):
+        try:
+            c = cpp_rows(args.dispatch_bin)
+            data["cpp"] = c
+            print(f"\nC++ ({c['problem']}): raw cuLaunchKernel {c['raw_us']:.2f} µs, kspec::call {c['call_us']:.2f} "
+                  f"(+{c['call_minus_raw_us']:.2f}), prebuilt params {c['call_prebuilt_params_us']:.2f} "
+                  f"(+{c['call_prebuilt_params_minus_raw_us']:.2f}), typed {c['typed_us']:.2f} "
+                  f"(+{c['typed_minus_raw_us']:.2f})")
+        except Exception as e:  # the Python table stands without it
+            data["cpp_error"] = str(e)
+            print(f"\nC++ dispatch benchmark: {e}")
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+    return data
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--dispatch-bin", metavar="PATH", help="the kspec_dispatch_bench binary (C++ rows)")
+    run(p.parse_args())
+
+
+if __name__ == "__main__":
+    main()
