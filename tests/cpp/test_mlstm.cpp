@@ -1,6 +1,7 @@
 // mlstm ops without a GPU: output inference, the messages for bad input (shapes, head dims, mixed
 // dtypes, partial states, host memory, chunk), and every case's specialization compiling for sm_90
-// without spills. On a GPU (skipped without one): mlstm.step in place against the float64 recurrence,
+// without spills, and the log-sigmoid probe compiling. On a GPU (skipped without one): the kernels'
+// log-sigmoid for every gate dtype, mlstm.step in place against the float64 recurrence,
 // two chunkwise calls passing states against one call and against the recurrence (so S steps of
 // mlstm.step and one chunkwise call agree through the reference).
 // (Gpu.EveryOpEveryCaseEveryDtypeMatchesReference runs both case tables against the reference.)
@@ -9,6 +10,8 @@
 #include <functional>
 #include <random>
 
+#include "api/src/device_data.h"
+#include "api/src/kernels.h"
 #include "api/src/op.h"
 #include "jit/driver.h"
 #include "kspec/kspec.h"
@@ -148,7 +151,56 @@ TEST(Mlstm, EveryCaseCompilesWithoutSpills) {
   }
 }
 
+// The log-sigmoid probe (templates/mlstm/log_sigmoid_probe.cuh) compiles for every gate dtype.
+jit::KernelSpec log_sigmoid_probe(DType dt, const std::string& arch) {
+  jit::KernelSpec s;
+  s.header = "mlstm/log_sigmoid_probe.cuh";
+  s.kernel = "kspec::mlstm_log_sigmoid_probe_kernel";
+  s.targs = {dtype_cuda_type(dt)};
+  s.arch = jit::resolve_arch(arch);
+  return s;
+}
+
+TEST(Mlstm, LogSigmoidProbeCompiles) {
+  for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+    Obtained ob = obtain_binary(log_sigmoid_probe(dt, "sm_90"));
+    EXPECT_GT(ob.entry->binary.size(), 0u) << dtype_short(dt);
+  }
+}
+
 // ---- GPU ----
+
+// logsigmoid_all_dtypes (issue 29): the kernels' log-sigmoid of a gate in fp32, fp16 and bf16 over
+// x in [-40, 40] (every 1/64), against float64 of the same (rounded) x: a few fp32 ulp everywhere,
+// where log(sigmoid(x)) would lose all digits past x = 17 and exp(-x) overflow below -88.
+TEST(MlstmGpu, LogSigmoidAllDtypes) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard ctx(0);
+  std::vector<double> x;
+  for (int j = -40 * 64; j <= 40 * 64; ++j) x.push_back(j / 64.0);
+  const int n = static_cast<int>(x.size());
+  for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+    std::vector<double> xq = x;
+    quantize(dt, xq);
+    std::vector<unsigned char> bytes;
+    encode(dt, xq, bytes);
+    LoadedKernel& k = load_kernel(log_sigmoid_probe(dt, device_arch(0)), 0);
+    DeviceBuffer dx(bytes.size()), dout(n * sizeof(float));
+    CU_CHECK(cuMemcpyHtoD(dx.ptr, bytes.data(), bytes.size()));
+    void* args[] = {&dx.ptr, &dout.ptr, const_cast<int*>(&n)};
+    CU_CHECK(cuLaunchKernel(k.fn, static_cast<unsigned>((n + 255) / 256), 1, 1, 256, 1, 1, 0, nullptr, args, nullptr));
+    CU_CHECK(cuCtxSynchronize());
+    std::vector<float> out(n);
+    CU_CHECK(cuMemcpyDtoH(out.data(), dout.ptr, n * sizeof(float)));
+    double worst = 0.0;
+    for (int j = 0; j < n; ++j) {
+      const double want = std::min(xq[j], 0.0) - std::log1p(std::exp(-std::abs(xq[j])));
+      ASSERT_TRUE(std::isfinite(out[j])) << dtype_short(dt) << " x = " << xq[j];
+      worst = std::max(worst, std::abs(out[j] - want) / std::abs(want));
+    }
+    EXPECT_LT(worst, 1e-6) << dtype_short(dt);
+  }
+}
 
 namespace {
 
