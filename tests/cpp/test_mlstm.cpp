@@ -112,6 +112,10 @@ TEST(Mlstm, ValidationNamesTheArgument) {
     expect_in(message_of([&] { infer_outputs(op, in); }), {"input 'C0'", "float32"});
   }
   {
+    auto in = chunk_inputs(2, 3, 0, 32, 64, DType::bf16, false);
+    expect_in(message_of([&] { infer_outputs(op, in); }), {"seqlen"});
+  }
+  {
     auto in = chunk_inputs(2, 3, 70, 32, 64, DType::bf16, false);
     in[0].device = kCpuDevice;
     expect_in(message_of([&] { infer_outputs(op, in); }), {"input 'q'", "CUDA tensor"});

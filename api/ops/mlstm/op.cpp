@@ -4,6 +4,7 @@
 // references (api/ops/mlstm/reference.h) and the case tables; kernels in templates/mlstm/ (step.cuh,
 // chunkwise_fwd.cuh), their one argument templates/mlstm/params.h.
 #include <algorithm>
+#include <cstdint>
 
 #include "api/src/op.h"
 #include "jit/spec.h"
@@ -29,7 +30,7 @@ std::string list(const std::vector<int64_t>& set) {
   return s;
 }
 
-// Head dims, and the three states given (or left out) together: as inputs, and as outputs.
+// Head dims, the grid size, and the tensors that come only as a group.
 void check_mlstm(const Problem& p) {
   const std::string& op = p.op->info.name;
   for (const char* dim : {"dhqk", "dhhv"})
@@ -44,7 +45,9 @@ void check_mlstm(const Problem& p) {
                   " must be given together or not at all ('", name, "' is ", p.present(name) ? "given" : "missing",
                   ", '", names[0], "' ", p.present(names[0]) ? "given" : "missing", ")");
   };
-  if (p.op->info.name == "mlstm.chunkwise.fwd") {
+  KSPEC_CHECK(p.dim("batch") * p.dim("heads") <= INT32_MAX, op, ": input 'q': batch * heads = ",
+              p.dim("batch") * p.dim("heads"), " is too large (one thread block per sequence, at most ", INT32_MAX, ")");
+  if (op == "mlstm.chunkwise.fwd") {
     together("inputs", {"C0", "n0", "m0"});
     together("outputs", {"C_last", "n_last", "m_last"});
     together("outputs", {"nrm", "m_rows"});
@@ -55,7 +58,7 @@ void check_mlstm(const Problem& p) {
 
 std::vector<DimDef> mlstm_dims(bool seq) {
   std::vector<DimDef> d = {{"batch", DimKind::Var, {}, "B"}, {"heads", DimKind::Var, {}, "NH"}};
-  if (seq) d.push_back({"seqlen", DimKind::Var, {}, "S, any length >= 1"});
+  if (seq) d.push_back({"seqlen", DimKind::Var, {}, "S, any length >= 1", 1});
   d.push_back({"dhqk", DimKind::Const, {}, "DHQK, head dim of q and k: " + list(kHeadDims), 16, 512});
   d.push_back({"dhhv", DimKind::Const, {}, "DHHV, head dim of v and h: " + list(kHeadDims), 16, 512});
   return d;
