@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <memory>
 #include <random>
 
 #include "api/src/device_data.h"
@@ -360,4 +361,73 @@ TEST(MlstmGpu, ChunkwiseTwoCallsPassingStatesEqualOne) {
   EXPECT_LT(rel_err(joined, want.h), 4e-5);
   EXPECT_LT(rel_err(C2.download(seqs * dk * dv), to_double(C.download(seqs * dk * dv))), 1e-5);
   EXPECT_LT(rel_err(m2.download(seqs), to_double(m.download(seqs))), 1e-6);
+}
+
+namespace {
+
+// mlstm.chunkwise.fwd on the device in dtype dt, no states, h only: inputs rounded to dt in place (so
+// the reference sees what the GPU sees); returns h.
+std::vector<double> chunkwise_h(DType dt, int64_t S, int64_t dh, int64_t chunk, std::vector<double>& q,
+                                std::vector<double>& k, std::vector<double>& v, std::vector<double>& i,
+                                std::vector<double>& f) {
+  jit::ContextGuard guard(0);
+  std::vector<std::unique_ptr<DeviceBuffer>> bufs;
+  auto upload = [&](std::vector<double>& x, std::initializer_list<int64_t> shape) {
+    quantize(dt, x);
+    std::vector<unsigned char> bytes;
+    encode(dt, x, bytes);
+    bufs.push_back(std::make_unique<DeviceBuffer>(bytes.size()));
+    CU_CHECK(cuMemcpyHtoD(bufs.back()->ptr, bytes.data(), bytes.size()));
+    return TensorView(reinterpret_cast<void*>(bufs.back()->ptr), dt, shape, 0);
+  };
+  std::vector<TensorView> in = {upload(q, {1, 1, S, dh}), upload(k, {1, 1, S, dh}), upload(v, {1, 1, S, dh}),
+                                upload(i, {1, 1, S}),     upload(f, {1, 1, S}),     TensorView(),
+                                TensorView(),             TensorView()};
+  const size_t bytes = static_cast<size_t>(S * dh) * dtype_size(dt);
+  DeviceBuffer h(bytes);
+  CU_CHECK(cuMemsetD8(h.ptr, 0xFF, bytes));
+  call("mlstm.chunkwise.fwd", in,
+       {TensorView(reinterpret_cast<void*>(h.ptr), dt, {1, 1, S, dh}, 0), TensorView(), TensorView(), TensorView(),
+        TensorView(), TensorView()},
+       {{"chunk", chunk}});
+  CU_CHECK(cuCtxSynchronize());
+  std::vector<unsigned char> out(bytes);
+  CU_CHECK(cuMemcpyDtoH(out.data(), h.ptr, bytes));
+  return decode(dt, out);
+}
+
+}  // namespace
+
+// fp16_long_sequences (issue 29): S = 8192 and 32768 with strong forgetting (f ~ -5, i ~ N(0, 1)) and
+// with f ~ 4, i = -10 (m drifts down to -10, e^-m = 2.2e4), in fp16 and bf16: every h finite and within
+// the issue's forward tolerance of the float64 reference (m, e^-m and the sums are fp32 in the kernel).
+TEST(MlstmGpu, LongSequencesInHalfPrecision) {
+  KSPEC_REQUIRE_GPU();
+  const int64_t dh = 32;
+  for (int64_t S : {8192, 32768}) {
+    for (bool forget_hard : {true, false}) {
+      for (DType dt : {DType::f16, DType::bf16}) {
+        std::mt19937_64 rng(S + forget_hard);
+        std::normal_distribution<double> nd;
+        auto randn = [&](int64_t n, double mean, double sd) {
+          std::vector<double> x(n);
+          for (auto& e : x) e = mean + sd * nd(rng);
+          return x;
+        };
+        std::vector<double> q = randn(S * dh, 0, 1), k = randn(S * dh, 0, 1), v = randn(S * dh, 0, 1);
+        std::vector<double> i = forget_hard ? randn(S, 0, 1) : randn(S, -10, 0);
+        std::vector<double> f = forget_hard ? randn(S, -5, 0.1) : randn(S, 4, 0.1);
+        const std::vector<double> got = chunkwise_h(dt, S, dh, 64, q, k, v, i, f);
+        const ref::MlstmOutputs want = ref::mlstm_chunkwise_fwd_ref({1, 1, S, dh, dh}, {q, k, v, i, f, {}, {}, {}}, 64);
+        double num = 0, den = 0;
+        for (size_t j = 0; j < got.size(); ++j) {
+          ASSERT_TRUE(std::isfinite(got[j])) << dtype_short(dt) << " S " << S << " element " << j;
+          num += (got[j] - want.h[j]) * (got[j] - want.h[j]);
+          den += want.h[j] * want.h[j];
+        }
+        EXPECT_LT(std::sqrt(num / den), dt == DType::f16 ? 3e-3 : 2e-2)
+            << dtype_short(dt) << " S " << S << (forget_hard ? " f ~ -5" : " f ~ 4, i = -10");
+      }
+    }
+  }
 }
