@@ -157,16 +157,16 @@ std::vector<CompileRequest> precompile_plan(const std::vector<std::string>& arch
             if (!first.empty()) algos.insert(cfg.get(first));
             add(req, p, cfg);
           }
-          if (first.empty()) continue;
-          // Then with the case's runtime dims too, for the algorithms that only they admit: selective_scan's
-          // one-pass tile kernel needs a seqlen of whole 512-step tiles. The other algorithms' kernels for
-          // those dims (e.g. the scans' kEven variants) are left to the JIT: they would double the scans'
-          // share of this plan.
+          // Then with the case's runtime dims too: for an op without an algorithm axis, every kernel set they
+          // lead to (gemm's bias as a column of a small K); else for the algorithms that only they admit
+          // (selective_scan's one-pass tile kernel needs a seqlen of whole 8-step vectors). The other
+          // algorithms' kernels for those dims (e.g. the scans' kEven variants) are left to the JIT: they
+          // would double the scans' share of this plan.
           CompileRequest full = req;
           for (const auto& [k, v] : cs.dims) full.params.set(k, v);
           const Problem pf = problem_from_request(op, full);
           for (const auto& cfg : op.tuning.enumerate(pf))
-            if (!algos.count(cfg.get(first))) add(full, pf, cfg);
+            if (first.empty() || !algos.count(cfg.get(first))) add(full, pf, cfg);
         }
       }
     }

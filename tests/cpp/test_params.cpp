@@ -113,6 +113,12 @@ std::string host_layout() {
   PROBE_FIELD(p, GemmEpilogueParams, dpre);
   PROBE_FIELD(p, GemmEpilogueParams, rows);
   PROBE_FIELD(p, GemmEpilogueParams, dy_row_stride);
+  p.size<AugmentOperand>("AugmentOperand");
+  PROBE_FIELD(p, AugmentOperand, last);
+  PROBE_FIELD(p, AugmentOperand, col_stride);
+  p.size<AugmentParams>("AugmentParams");
+  PROBE_FIELD(p, AugmentParams, w);
+  PROBE_FIELD(p, AugmentParams, kp);
   return p.text();
 }
 

@@ -395,22 +395,32 @@ TEST(GemmTuning, TheDefaultTakesTheUnfusedGeluWhereTheFusedEpilogueLoses) {
             problem_of(gemm_request("gemm", 4096, 4096, 64, "gelu", {"aux"})).signature());
 }
 
-TEST(GemmTuning, ReluWithABiasIn16BitTypesSumsTheBiasInFp32ThroughC) {
-  // bf16/fp16: y is filled with the bias, then cuBLASLt's RELU epilogue reads it as C (the fill kernel is
-  // the plan's); fp32 and relu without a bias keep the fused epilogue alone.
-  auto kernels = [](kspec::DType dt, const std::string& act, std::vector<std::string> without) {
-    auto req = gemm_request("gemm", 33, 4097, 7, act, std::move(without));
+TEST(GemmTuning, ReluWithABiasIn16BitTypesSumsTheBiasInFp32) {
+  // bf16/fp16: the bias is summed in fp32 inside the GEMM, so ReLU's sign is the fp32 sum's: as one more
+  // column of x and W where K is small beside the output (the copy kernel is the plan's), else through C
+  // (y filled with the bias first). fp32 and relu without a bias keep the fused epilogue alone.
+  auto kernels = [](kspec::DType dt, int64_t m, int64_t n, int64_t k, const std::string& act,
+                    std::vector<std::string> without) {
+    auto req = gemm_request("gemm", m, n, k, act, std::move(without));
     req.dtype = dt;
     return kspec::explain_request(req).kernels;
   };
+  auto only = [](const std::vector<kspec::PlanInfo::Kernel>& k, const char* name) {
+    return k.size() == 1 && k[0].name.find(name) != std::string::npos;
+  };
   for (auto dt : {kspec::DType::bf16, kspec::DType::f16}) {
-    auto k = kernels(dt, "relu", {"aux"});
-    ASSERT_EQ(k.size(), 1u);
-    EXPECT_NE(k[0].name.find("gemm_fill_bias_kernel"), std::string::npos) << k[0].name;
+    EXPECT_TRUE(only(kernels(dt, 33, 4097, 7, "relu", {"aux"}), "gemm_augment_kernel"));
+    EXPECT_TRUE(only(kernels(dt, 16384, 4096, 64, "relu", {"aux"}), "gemm_augment_kernel"));
+    EXPECT_TRUE(only(kernels(dt, 4096, 4096, 4096, "relu", {"aux"}), "gemm_fill_bias_kernel"));
+    EXPECT_TRUE(only(kernels(dt, 33, 64, 33, "relu", {"aux"}), "gemm_fill_bias_kernel"));
+    EXPECT_TRUE(only(kernels(dt, 16384, 11008, 4096, "relu", {"aux"}), "gemm_fill_bias_kernel"));  // K > 1024
   }
-  EXPECT_TRUE(kernels(kspec::DType::f32, "relu", {"aux"}).empty());
-  EXPECT_TRUE(kernels(kspec::DType::bf16, "relu", {"aux", "bias"}).empty());
-  EXPECT_TRUE(kernels(kspec::DType::bf16, "none", {"aux"}).empty());
+  EXPECT_TRUE(kernels(kspec::DType::f32, 33, 4097, 7, "relu", {"aux"}).empty());
+  EXPECT_TRUE(kernels(kspec::DType::bf16, 33, 4097, 7, "relu", {"aux", "bias"}).empty());
+  EXPECT_TRUE(kernels(kspec::DType::bf16, 33, 4097, 7, "none", {"aux"}).empty());
+  // The two ways in are two plans.
+  EXPECT_NE(problem_of(gemm_request("gemm", 33, 4097, 7, "relu", {"aux"})).signature(),
+            problem_of(gemm_request("gemm", 4096, 4096, 4096, "relu", {"aux"})).signature());
 }
 
 TEST(GemmTuning, ARecordedAlgorithmIsWhatDispatchChoosesAndOffIgnoresIt) {

@@ -29,12 +29,15 @@ def linear_sweep_shapes(quick: bool) -> list:
 
 def linear_path(kspec, x, w, b, act) -> str:
     """Which path kspec.ops.linear's gemm takes: 'fused' (cuBLASLt's epilogue), 'unfused=1|2' (the plain
-    GEMM, then kspec's bias/act kernel), '+C bias' (relu in 16-bit: the bias summed in fp32 as C), and
+    GEMM, then kspec's bias/act kernel), '+C bias' / '+K bias' (relu in 16-bit: the bias summed in fp32, as
+    C or as one more column of x and W), and
     where the config came from (heuristic or tuned)."""
     e = kspec.explain("gemm", x, w, b, act=act)
     path = e.config if e.config.startswith("unfused") else "fused"
     if any("gemm_fill_bias" in k["name"] for k in e.kernels):
         path += " +C bias"
+    if any("gemm_augment" in k["name"] for k in e.kernels):
+        path += " +K bias"
     return f"{path} ({e.config_source})"
 
 

@@ -141,6 +141,27 @@ bool bias_through_c(const Problem& p) {
   return act_code(p) == 1 && p.present("bias") && p.dtype("x") != DType::f32;
 }
 
+// Where K is small beside the output, the bias goes in as one more column of the product instead
+// (templates/gemm/gemm_augment.cuh: x' = [x, 1, 0…], W' = [W, b, 0…], K' = K + 1 rounded up to 8): the
+// copies cost about 2·(batch·m + wbatch·n)·K' elements of traffic, the bias through C 2·batch·m·n (fill y,
+// read it back). Same fp32 sum, so the same sign for ReLU. H100 bf16 relu+bias, KSPEC_TUNE=off linear_sweep
+// (2026-11-27), torch's F.linear then F.relu / kspec ms: 16384x4096x33 0.234 / 0.065 (was 0.283 through C),
+// 16384x4096x64 0.149 / 0.069, 4097x4095x7 0.058 / 0.034, 4096x4095x1024 0.373 / 0.397. Up to K = 1024
+// only: the copy kernel (a 64-bit division per element) made 16384x11008x4096 2.59 ms against 1.97 for the
+// GEMM alone, where the bias through C costs less than its copies of x and W.
+constexpr int64_t kAugmentAlign = 8, kAugmentMostK = 1024;
+
+int64_t augmented_k(int64_t k) { return (k + 1 + kAugmentAlign - 1) / kAugmentAlign * kAugmentAlign; }
+
+bool bias_as_column(const Problem& p) {
+  if (!bias_through_c(p) || !p.has_dim("m") || !p.has_dim("n") || !p.has_dim("k")) return false;
+  if (p.dim("k") > kAugmentMostK) return false;
+  const int64_t batch = std::max<int64_t>(p.has_dim("batch") ? p.dim("batch") : 1, 1);
+  const int64_t wbatch = std::max<int64_t>(p.has_dim("wbatch") ? p.dim("wbatch") : 1, 1);
+  const int64_t copied = (batch * p.dim("m") + wbatch * p.dim("n")) * augmented_k(p.dim("k"));
+  return copied < batch * p.dim("m") * p.dim("n");
+}
+
 // ---- the untuned default: cuBLASLt's fused epilogue, or unfused (plain GEMM, then kspec's kernel) ----
 // cuBLASLt's fused GELU epilogue runs slow kernels where n or k is not a multiple of 8 (rows not 16-byte
 // aligned). H100 bf16, KSPEC_TUNE=off bench.py --family linear_sweep (2026-11-26), ms, fused / unfused=1
@@ -179,10 +200,25 @@ bool valid_fwd_config(const Problem& p, const Config& c, std::string* why) {
   return true;
 }
 
+// Where augmented operands are planned without a workspace (check_call, tuning candidates, explain): a
+// stand-in address (256-byte aligned, as the workspace is); nothing is read or written through it.
+void* const kAugmentStandIn = reinterpret_cast<void*>(uintptr_t(1) << 20);
+
 struct FwdPlan {
   gemm::LtCall lt;
   bool fill_bias = false;  // y is filled with the bias first and read back as C (bias_through_c)
+  bool bias_column = false;  // x' and W' carry the bias as one more column (bias_as_column)
+  int64_t kp = 0;            // their K'
+  int64_t x_rows = 0, w_rows = 0;  // rows of x' (batch·m) and of W' (wbatch·n)
+  gemm::MatrixView xv, wv;   // the original operands' views
+  size_t x_bytes = 0, w_bytes = 0;  // the copies' sizes (each rounded up to 256 bytes)
 };
+
+// The augmented copies at `ws` (x' then W'), or the stand-in address.
+void point_at_copies(FwdPlan& f, char* ws) {
+  f.lt.b = ws;
+  f.lt.a = ws + f.x_bytes;
+}
 
 FwdPlan plan_fwd(const Call& call) {
   const std::string& op = call.problem.op->info.name;
@@ -212,6 +248,26 @@ FwdPlan plan_fwd(const Call& call) {
     lt.aux_batch_stride = lt.g.batch > 1 ? call.problem.dim("m") * n : 0;
   }
   lt.bias = has_bias ? b.data : nullptr;
+  f.xv = xv;
+  f.wv = wv;
+  if (bias_as_column(call.problem)) {
+    const bool shared = wv.batch_stride == 0;
+    const int64_t bt = std::max<int64_t>(batch, 1), m = call.problem.dim("m"), n = call.problem.dim("n");
+    const size_t es = dtype_size(x.dtype);
+    auto round256 = [](size_t v) { return (v + 255) / 256 * 256; };
+    f.bias_column = true;
+    f.kp = augmented_k(call.problem.dim("k"));
+    f.x_rows = bt * m;
+    f.w_rows = (shared ? 1 : bt) * n;
+    f.x_bytes = round256(size_t(f.x_rows * f.kp) * es);
+    f.w_bytes = round256(size_t(f.w_rows * f.kp) * es);
+    gemm::MatrixView xa{m, f.kp, f.kp, 1, m * f.kp}, wa{n, f.kp, f.kp, 1, shared ? 0 : n * f.kp};
+    lt.g = gemm::map_row_major(yv, xa, gemm::transposed(wa), bt, "y", "x", "weight");
+    point_at_copies(f, static_cast<char*>(kAugmentStandIn));
+    lt.bias = nullptr;
+    lt.epilogue = CUBLASLT_EPILOGUE_RELU;
+    return f;
+  }
   if (bias_through_c(call.problem)) {
     f.fill_bias = true;
     lt.bias = nullptr;
@@ -267,6 +323,9 @@ std::vector<Case> fwd_cases() {
       gemm_case("no_bias", 1, 1, 33, 7, 33, "none", {"bias", "aux"}),
       gemm_case("relu_bias", 1, 1, 33, 64, 33, "relu", {"aux"}),
       gemm_case("relu_no_bias", 1, 1, 7, 33, 33, "relu", {"bias", "aux"}),
+      gemm_case("relu_bias_small_k", 1, 1, 65, 130, 7, "relu", {"aux"}),
+      gemm_case("relu_bias_small_k_batched", 3, 3, 33, 65, 7, "relu", {"aux"}),
+      gemm_case("relu_bias_small_k_shared_weight", 4, 1, 33, 65, 9, "relu", {"aux"}),
       gemm_case("gelu_bias", 1, 1, 33, 33, 7, "gelu", {"aux"}),
       gemm_case("gelu_bias_aux", 1, 1, 33, 64, 33, "gelu", {}),
       gemm_case("gelu_aux_no_bias", 1, 1, 7, 16, 33, "gelu", {"bias"}),
@@ -274,7 +333,9 @@ std::vector<Case> fwd_cases() {
       gemm_case("batched_shared_weight", 4, 1, 7, 33, 33, "gelu", {}),
       gemm_case("large_1024", 1, 1, 256, 1024, 1024, "gelu", {}),
   };
-  c[14].dims[3].second = 40;  // n = 40 (a multiple of 8 for aux)
+  for (Case& e : c) {
+    if (e.name == "batched_shared_weight") e.dims[3].second = 40;  // n = 40 (a multiple of 8 for aux)
+  }
   c.back().large = true;
   return c;
 }
@@ -355,8 +416,10 @@ OpDef make_fwd() {
   op.tuning.heuristic = [](const Problem& p) {
     return default_unfused(p) ? Config{{{"unfused", default_unfused(p)}}} : Config{};
   };
-  // The heuristic reads runtime dims: the plan cache keeps its two choices apart.
-  op.derived_key = [](const Problem& p) { return default_unfused(p) ? std::string("unfused") : std::string(); };
+  // The heuristic and the bias's way in read runtime dims: the plan cache keeps their choices apart.
+  op.derived_key = [](const Problem& p) {
+    return std::string(default_unfused(p) ? "unfused" : "") + (bias_as_column(p) ? "+bias_column" : "");
+  };
   op.tuning.valid = valid_fwd_config;
   op.tuning.candidates = [](const Call& call, int n) {
     std::vector<Config> out = candidate_configs(plan_fwd(call).lt, call.device, n, "");
@@ -374,7 +437,10 @@ OpDef make_fwd() {
   op.kernels = [](const Problem& p, const Config& c) {
     std::vector<jit::KernelSpec> out;
     int64_t u = unfused_of(c);
-    if (bias_through_c(p)) {
+    if (bias_as_column(p)) {
+      out.push_back(kernel_spec(p, "gemm/gemm_augment.cuh", "kspec::gemm_augment_kernel",
+                                {dtype_cuda_type(p.dtype("x")), std::to_string(kBiasActThreads)}));
+    } else if (bias_through_c(p)) {
       out.push_back(kernel_spec(p, "gemm/gemm_fill_bias.cuh", "kspec::gemm_fill_bias_kernel",
                                 {dtype_cuda_type(p.dtype("x")), std::to_string(kBiasActThreads)}));
     }
@@ -396,6 +462,21 @@ OpDef make_fwd() {
       f.lt.aux = nullptr;
     }
     const TensorView& b = call.in("bias");
+    const size_t copies = f.x_bytes + f.w_bytes;
+    char* ws = static_cast<char*>(l.workspace(gemm::kLtWorkspaceBytes + copies));
+    if (f.bias_column) {
+      point_at_copies(f, ws + gemm::kLtWorkspaceBytes);
+      const int64_t m = call.problem.dim("m"), n = call.problem.dim("n");
+      AugmentParams a;
+      a.x = {const_cast<void*>(f.lt.b), call.in("x").data, nullptr, f.x_rows, m, f.xv.batch_stride, f.xv.row_stride,
+             f.xv.col_stride};
+      a.w = {const_cast<void*>(f.lt.a), call.in("weight").data, b.data, f.w_rows, n, f.wv.batch_stride,
+             f.wv.row_stride, f.wv.col_stride};
+      a.k = call.problem.dim("k");
+      a.kp = f.kp;
+      void* args[] = {&a};
+      l.launch(0, {grid_for(l, (f.x_rows + f.w_rows) * f.kp)}, {kBiasActThreads}, 0, args);
+    }
     if (f.fill_bias) {
       for_each_y_block(call, [&](void* yp, void*, long long rows, long long cols, long long stride) {
         GemmEpilogueParams prm = y_block_params(yp, b.data, nullptr, rows, cols, stride);
@@ -403,13 +484,12 @@ OpDef make_fwd() {
         l.launch(0, {grid_for(l, rows * cols)}, {kBiasActThreads}, 0, args);
       });
     }
-    void* ws = l.workspace(gemm::kLtWorkspaceBytes);
     gemm::lt_matmul(f.lt, call.device, call.stream, ws, gemm::kLtWorkspaceBytes);
     if (!u) return;
     for_each_y_block(call, [&](void* yp, void* ap, long long rows, long long cols, long long stride) {
       GemmEpilogueParams prm = y_block_params(yp, b.data, ap, rows, cols, stride);
       void* args[] = {&prm};
-      l.launch(f.fill_bias ? 1 : 0, {grid_for(l, rows * cols)}, {kBiasActThreads}, 0, args);
+      l.launch(f.fill_bias || f.bias_column ? 1 : 0, {grid_for(l, rows * cols)}, {kBiasActThreads}, 0, args);
     });
   };
   op.reference = fwd_reference;
