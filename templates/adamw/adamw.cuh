@@ -33,10 +33,9 @@ __device__ __forceinline__ double block_sum(double v, double* scratch) {
 // Pass 1: partial[c] = Σ g² over chunk c (double), NaN when the chunk holds a non-finite gradient.
 // Launch: grid = chunks, block = kThreads.
 template <typename TG, int kThreads, int kChunk>
-__global__ void __launch_bounds__(kThreads) adamw_grad_norm_kernel(const AdamwParams prm) {
-  const AdamwTensor* __restrict__ tensors = prm.tensors;
-  const AdamwChunk* __restrict__ chunks = prm.chunks;
-  double* __restrict__ partial = prm.partial;
+__global__ void __launch_bounds__(kThreads)
+    adamw_grad_norm_kernel(const AdamwTensor* __restrict__ tensors, const AdamwChunk* __restrict__ chunks,
+                           double* __restrict__ partial) {
   static_assert(kThreads % 32 == 0 && kThreads <= 1024, "whole warps");
   __shared__ double scratch[kThreads / 32];
   const AdamwChunk ch = chunks[blockIdx.x];
@@ -58,14 +57,10 @@ __global__ void __launch_bounds__(kThreads) adamw_grad_norm_kernel(const AdamwPa
 // Pass 2 (one block): the norm in a fixed order. result[0] = the gradient multiplier (clip / scale),
 // result[1] = 1 when a gradient is not finite (the update then skips). Also fills the optional outputs.
 template <int kThreads>
-__global__ void __launch_bounds__(kThreads) adamw_finalize_kernel(const AdamwParams prm) {
-  const double* __restrict__ partial = prm.partial;
-  const int chunks = prm.n_chunks;
-  const float* __restrict__ grad_scale = prm.grad_scale;
-  const float max_norm = prm.s.max_norm;
-  float* __restrict__ result = prm.result;
-  float* __restrict__ found_inf = prm.found_inf;
-  float* __restrict__ grad_norm = prm.grad_norm;
+__global__ void __launch_bounds__(kThreads)
+    adamw_finalize_kernel(const double* __restrict__ partial, int chunks, const float* __restrict__ grad_scale,
+                          float max_norm, float* __restrict__ result, float* __restrict__ found_inf,
+                          float* __restrict__ grad_norm) {
   __shared__ double scratch[kThreads / 32];
   double s = 0.0;
   for (int i = threadIdx.x; i < chunks; i += kThreads) s += partial[i];
@@ -111,12 +106,9 @@ __device__ __forceinline__ AdamwElem adamw_step(AdamwElem e, float g, const Adam
 // without it the multiplier is 1 / *grad_scale (or 1). Launch: grid = chunks, block = kThreads.
 // kVec elements per access: every pointer 16-byte aligned for the fp32 lists (the host checks).
 template <typename TP, typename TG, bool kMaster, bool kAmsgrad, bool kMaximize, int kThreads, int kVec, int kChunk>
-__global__ void __launch_bounds__(kThreads) adamw_update_kernel(const AdamwParams prm) {
-  const AdamwTensor* __restrict__ tensors = prm.tensors;
-  const AdamwChunk* __restrict__ chunks = prm.chunks;
-  const AdamwScalars s = prm.s;
-  const float* __restrict__ result = prm.result;
-  const float* __restrict__ grad_scale = prm.grad_scale;
+__global__ void __launch_bounds__(kThreads)
+    adamw_update_kernel(const AdamwTensor* __restrict__ tensors, const AdamwChunk* __restrict__ chunks,
+                        AdamwScalars s, const float* __restrict__ result, const float* __restrict__ grad_scale) {
   static_assert(kMaster || IsSame<TP, float>::value, "bf16/fp16 parameters need an fp32 master copy");
   static_assert(kChunk % kVec == 0, "chunks hold whole vectors, so every chunk start stays aligned");
   float mult = 1.f;

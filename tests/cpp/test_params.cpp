@@ -61,16 +61,6 @@ std::string host_layout() {
   PROBE_FIELD(p, AdamwScalars, step_size);
   PROBE_FIELD(p, AdamwScalars, bias_correction2_sqrt);
   PROBE_FIELD(p, AdamwScalars, max_norm);
-  p.size<AdamwParams>("AdamwParams");
-  PROBE_FIELD(p, AdamwParams, tensors);
-  PROBE_FIELD(p, AdamwParams, chunks);
-  PROBE_FIELD(p, AdamwParams, partial);
-  PROBE_FIELD(p, AdamwParams, n_chunks);
-  PROBE_FIELD(p, AdamwParams, grad_scale);
-  PROBE_FIELD(p, AdamwParams, result);
-  PROBE_FIELD(p, AdamwParams, found_inf);
-  PROBE_FIELD(p, AdamwParams, grad_norm);
-  PROBE_FIELD(p, AdamwParams, s);
 
   p.size<E79SeqArg>("E79SeqArg");
   PROBE_FIELD(p, E79SeqArg, st);

@@ -142,6 +142,8 @@ void launch(const Call& call, const Config& c, Launcher& l) {
     ws = base + t.bytes.size();
   }
   const size_t partial_bytes = round_up(n_chunks * sizeof(double));
+  void* partial = ws;
+  float* result = reinterpret_cast<float*>(ws + partial_bytes);
 
   const double lr = p.param_float("lr"), b1 = p.param_float("beta1"), b2 = p.param_float("beta2");
   const double step = static_cast<double>(p.param_int("step"));
@@ -154,22 +156,22 @@ void launch(const Call& call, const Config& c, Launcher& l) {
 
   const unsigned threads = static_cast<unsigned>(c.get("threads"));
   const unsigned grid = static_cast<unsigned>(n_chunks);
-  AdamwParams prm{};
-  prm.tensors = static_cast<const AdamwTensor*>(tensors_dev);
-  prm.chunks = static_cast<const AdamwChunk*>(chunks_dev);
-  prm.partial = reinterpret_cast<double*>(ws);
-  prm.n_chunks = n_chunks;
-  prm.grad_scale = scale.defined() ? static_cast<const float*>(scale.data) : nullptr;
-  prm.found_inf = found_inf.defined() ? static_cast<float*>(found_inf.data) : nullptr;
-  prm.grad_norm = grad_norm.defined() ? static_cast<float*>(grad_norm.data) : nullptr;
-  prm.s = s;
-  void* args[] = {&prm};
-  if (max_norm > 0.f || prm.found_inf || prm.grad_norm) {  // passes 1 and 2: the norm, the inf check
-    prm.result = reinterpret_cast<float*>(ws + partial_bytes);
-    if (grid > 0) l.launch(0, {grid}, {threads}, 0, args);
-    l.launch(1, {1}, {kFinalizeThreads}, 0, args);
+  const float* gs = scale.defined() ? static_cast<const float*>(scale.data) : nullptr;
+  float* fi = found_inf.defined() ? static_cast<float*>(found_inf.data) : nullptr;
+  float* gn = grad_norm.defined() ? static_cast<float*>(grad_norm.data) : nullptr;
+  const bool first_pass = max_norm > 0.f || fi || gn;
+  const float* res = nullptr;
+  if (first_pass) {
+    if (grid > 0) {
+      void* a0[] = {&tensors_dev, &chunks_dev, &partial};
+      l.launch(0, {grid}, {threads}, 0, a0);
+    }
+    void* a1[] = {&partial, &n_chunks, &gs, &max_norm, &result, &fi, &gn};
+    l.launch(1, {1}, {kFinalizeThreads}, 0, a1);
+    res = result;
   }
-  l.launch(2, {grid}, {threads}, 0, args);
+  void* a2[] = {&tensors_dev, &chunks_dev, &s, &res, &gs};
+  l.launch(2, {grid}, {threads}, 0, a2);
 }
 
 OpDef make_adamw() {
