@@ -6,35 +6,10 @@
 // Arithmetic in fp32 (the optimizer state is fp32), bf16/fp16 parameters updated from an fp32 master copy.
 #pragma once
 
+#include "adamw/params.h"
 #include "common/dtype.cuh"
 
 namespace kspec {
-
-// One parameter tensor (pointers may be null where the list is absent).
-struct AdamwTensor {
-  void* param;             // TP
-  const void* grad;        // TG
-  float* exp_avg;
-  float* exp_avg_sq;
-  float* master;           // fp32 copy of a bf16/fp16 param (kMaster)
-  float* max_exp_avg_sq;   // amsgrad
-  long long numel;
-};
-
-// Chunk c covers elements [start, min(start + chunk size, numel)) of tensor `tensor`.
-struct AdamwChunk {
-  int tensor;
-  int pad;
-  long long start;
-};
-
-// Per-step scalars, computed by the host in double and rounded once.
-struct AdamwScalars {
-  float lr, beta1, beta2, eps, weight_decay;
-  float step_size;         // lr / (1 - beta1^step)
-  float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
-  float max_norm;          // <= 0: no clipping
-};
 
 namespace adamw_detail {
 

@@ -37,19 +37,29 @@
 #include "common/dtype.cuh"
 #include "common/math.cuh"
 #include "common/reduce.cuh"
+#include "e79/params.h"
 
 namespace kspec {
 
 enum E79Bias : int { kE79BiasNone = 0, kE79BiasFixed = 1, kE79BiasInput = 2 };
 
 // A [T, B, n] tensor with unit stride along n: element (t, b, i) is p[t * st + b * sb + i]. A fixed
-// bias [n] is the same with st = sb = 0. The host passes a struct of the same layout.
+// bias [n] is the same with st = sb = 0. The host passes an E79SeqArg (params.h), typed here.
 template <typename X>
 struct E79Seq {
   X* p;
   long long st, sb;
   __device__ __forceinline__ X* row(int t, int b) const { return p + t * st + b * sb; }
 };
+// The typed view of a parameter, read in place: E79Seq<X> has E79SeqArg's layout, and a reference into the
+// kernel's parameter keeps its reads in the parameter bank, as when E79Seq was itself a kernel argument.
+// Copied into locals instead, the backward cluster kernel (n = 64, bf16, chunk 8, cluster 4, sm_90a) spilled
+// 68 bytes at its 128-register cap.
+template <typename X>
+__device__ __forceinline__ const E79Seq<X>& as_seq(const E79SeqArg& a) {
+  static_assert(sizeof(E79Seq<X>) == sizeof(E79SeqArg), "E79Seq is E79SeqArg, typed");
+  return reinterpret_cast<const E79Seq<X>&>(a);
+}
 
 // Shared-memory vector slots (kN floats each) after the two matrices; the cluster kernels
 // (e79_cluster.cuh) use the same ones.
@@ -502,11 +512,24 @@ __device__ __forceinline__ void bias_grad(E79Seq<typename Tr::TB> db, int t, int
 // ---------------------------------------------------------------------------------------------
 template <typename Tr, bool kCheckpoint>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
-    e79_fwd_kernel(E79Seq<const typename Tr::T> k, E79Seq<const typename Tr::T> v, E79Seq<const typename Tr::T> q,
-                   E79Seq<const typename Tr::T> m, E79Seq<const typename Tr::TB> bs, E79Seq<const typename Tr::TB> bm,
-                   const float* __restrict__ S0, const float* __restrict__ M0, E79Seq<typename Tr::T> out,
-                   float* __restrict__ S_out, float* __restrict__ M_out, float* __restrict__ chk, int T, int nchk) {
+    e79_fwd_kernel(const E79Params prm) {
   using namespace e79_detail;
+  // The parameters, typed and named as the kernel reads them (restrict where they were kernel arguments).
+  using TT = typename Tr::T;
+  using TBias = typename Tr::TB;
+  const E79Seq<const TT>& k = as_seq<const TT>(prm.k);
+  const E79Seq<const TT>& v = as_seq<const TT>(prm.v);
+  const E79Seq<const TT>& q = as_seq<const TT>(prm.q);
+  const E79Seq<const TT>& m = as_seq<const TT>(prm.m);
+  const E79Seq<const TBias>& bs = as_seq<const TBias>(prm.b_s);
+  const E79Seq<const TBias>& bm = as_seq<const TBias>(prm.b_m);
+  const E79Seq<TT>& out = as_seq<TT>(prm.out);
+  const float* __restrict__ S0 = prm.S0;
+  const float* __restrict__ M0 = prm.M0;
+  float* __restrict__ S_out = prm.S;
+  float* __restrict__ M_out = prm.M;
+  float* __restrict__ chk = prm.checkpoints;
+  const int T = prm.T, nchk = prm.nchk;
   constexpr int N = Tr::kN;
   check_launch<Tr>(2 * Tr::kMat + Tr::kFwdSlots * N);
   extern __shared__ float smem[];
@@ -548,15 +571,32 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // ---------------------------------------------------------------------------------------------
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
-    e79_bwd_kernel(E79Seq<const typename Tr::T> dout, E79Seq<const typename Tr::T> k, E79Seq<const typename Tr::T> v,
-                   E79Seq<const typename Tr::T> q, E79Seq<const typename Tr::T> m, E79Seq<const typename Tr::TB> bs,
-                   E79Seq<const typename Tr::TB> bm, const float* __restrict__ chk,
-                   const float* __restrict__ dS_final, const float* __restrict__ dM_final, E79Seq<typename Tr::T> dk,
-                   E79Seq<typename Tr::T> dv, E79Seq<typename Tr::T> dq, E79Seq<typename Tr::T> dm,
-                   E79Seq<typename Tr::TB> dbs, E79Seq<typename Tr::TB> dbm, float* __restrict__ bias_partial,
-                   float* __restrict__ dS0, float* __restrict__ dM0, float* __restrict__ ws, int T, int nchk) {
+    e79_bwd_kernel(const E79Params prm) {
   using namespace e79_detail;
+  // The parameters, typed and named as the kernel reads them (restrict where they were kernel arguments).
   using TT = typename Tr::T;
+  using TBias = typename Tr::TB;
+  const E79Seq<const TT>& dout = as_seq<const TT>(prm.dout);
+  const E79Seq<const TT>& k = as_seq<const TT>(prm.k);
+  const E79Seq<const TT>& v = as_seq<const TT>(prm.v);
+  const E79Seq<const TT>& q = as_seq<const TT>(prm.q);
+  const E79Seq<const TT>& m = as_seq<const TT>(prm.m);
+  const E79Seq<const TBias>& bs = as_seq<const TBias>(prm.b_s);
+  const E79Seq<const TBias>& bm = as_seq<const TBias>(prm.b_m);
+  const E79Seq<TT>& dk = as_seq<TT>(prm.dk);
+  const E79Seq<TT>& dv = as_seq<TT>(prm.dv);
+  const E79Seq<TT>& dq = as_seq<TT>(prm.dq);
+  const E79Seq<TT>& dm = as_seq<TT>(prm.dm);
+  const E79Seq<TBias>& dbs = as_seq<TBias>(prm.db_s);
+  const E79Seq<TBias>& dbm = as_seq<TBias>(prm.db_m);
+  const float* __restrict__ chk = prm.checkpoints;
+  const float* __restrict__ dS_final = prm.dS;
+  const float* __restrict__ dM_final = prm.dM;
+  float* __restrict__ bias_partial = prm.bias_partial;
+  float* __restrict__ dS0 = prm.dS0;
+  float* __restrict__ dM0 = prm.dM0;
+  float* __restrict__ ws = prm.ws;
+  const int T = prm.T, nchk = prm.nchk;
   constexpr int N = Tr::kN, LD = Tr::kLd, NN = Tr::kNN;
   check_launch<Tr>(Tr::kSmemFloats);
   extern __shared__ float smem[];
@@ -721,8 +761,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // ---------------------------------------------------------------------------------------------
 template <typename TB, int kN>
 __global__ void __launch_bounds__(256)
-    e79_bias_reduce_kernel(const float* __restrict__ bias_partial, int batch, TB* __restrict__ db_s,
-                           TB* __restrict__ db_m) {
+    e79_bias_reduce_kernel(const E79Params prm) {
+  const float* __restrict__ bias_partial = prm.bias_partial;
+  const int batch = prm.batch;
+  TB* __restrict__ db_s = static_cast<TB*>(prm.db_s_sum);
+  TB* __restrict__ db_m = static_cast<TB*>(prm.db_m_sum);
   for (int i = threadIdx.x; i < 2 * kN; i += blockDim.x) {
     float acc = 0.0f;
     for (int b = 0; b < batch; ++b) acc += bias_partial[2LL * b * kN + i];

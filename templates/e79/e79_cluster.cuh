@@ -245,13 +245,24 @@ __device__ __forceinline__ void step_forward_cluster(const Owner<Tr>& o, float* 
 // ---------------------------------------------------------------------------------------------
 template <typename Tr, bool kCheckpoint>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
-    e79_fwd_cluster_kernel(E79Seq<const typename Tr::T> k, E79Seq<const typename Tr::T> v,
-                           E79Seq<const typename Tr::T> q, E79Seq<const typename Tr::T> m,
-                           E79Seq<const typename Tr::TB> bs, E79Seq<const typename Tr::TB> bm,
-                           const float* __restrict__ S0, const float* __restrict__ M0, E79Seq<typename Tr::T> out,
-                           float* __restrict__ S_out, float* __restrict__ M_out, float* __restrict__ chk, int T,
-                           int nchk) {
+    e79_fwd_cluster_kernel(const E79Params prm) {
   using namespace e79_detail;
+  // The parameters, typed and named as the kernel reads them (restrict where they were kernel arguments).
+  using TT = typename Tr::T;
+  using TBias = typename Tr::TB;
+  const E79Seq<const TT>& k = as_seq<const TT>(prm.k);
+  const E79Seq<const TT>& v = as_seq<const TT>(prm.v);
+  const E79Seq<const TT>& q = as_seq<const TT>(prm.q);
+  const E79Seq<const TT>& m = as_seq<const TT>(prm.m);
+  const E79Seq<const TBias>& bs = as_seq<const TBias>(prm.b_s);
+  const E79Seq<const TBias>& bm = as_seq<const TBias>(prm.b_m);
+  const E79Seq<TT>& out = as_seq<TT>(prm.out);
+  const float* __restrict__ S0 = prm.S0;
+  const float* __restrict__ M0 = prm.M0;
+  float* __restrict__ S_out = prm.S;
+  float* __restrict__ M_out = prm.M;
+  float* __restrict__ chk = prm.checkpoints;
+  const int T = prm.T, nchk = prm.nchk;
   constexpr int N = Tr::kN;
   check_cluster_launch<Tr>(Tr::kFwdSmemFloats);
   extern __shared__ float smem[];
@@ -297,17 +308,32 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // ---------------------------------------------------------------------------------------------
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
-    e79_bwd_cluster_kernel(E79Seq<const typename Tr::T> dout, E79Seq<const typename Tr::T> k,
-                           E79Seq<const typename Tr::T> v, E79Seq<const typename Tr::T> q,
-                           E79Seq<const typename Tr::T> m, E79Seq<const typename Tr::TB> bs,
-                           E79Seq<const typename Tr::TB> bm, const float* __restrict__ chk,
-                           const float* __restrict__ dS_final, const float* __restrict__ dM_final,
-                           E79Seq<typename Tr::T> dk, E79Seq<typename Tr::T> dv, E79Seq<typename Tr::T> dq,
-                           E79Seq<typename Tr::T> dm, E79Seq<typename Tr::TB> dbs, E79Seq<typename Tr::TB> dbm,
-                           float* __restrict__ bias_partial, float* __restrict__ dS0, float* __restrict__ dM0,
-                           float* __restrict__ ws, int T, int nchk) {
+    e79_bwd_cluster_kernel(const E79Params prm) {
   using namespace e79_detail;
+  // The parameters, typed and named as the kernel reads them (restrict where they were kernel arguments).
   using TT = typename Tr::T;
+  using TBias = typename Tr::TB;
+  const E79Seq<const TT>& dout = as_seq<const TT>(prm.dout);
+  const E79Seq<const TT>& k = as_seq<const TT>(prm.k);
+  const E79Seq<const TT>& v = as_seq<const TT>(prm.v);
+  const E79Seq<const TT>& q = as_seq<const TT>(prm.q);
+  const E79Seq<const TT>& m = as_seq<const TT>(prm.m);
+  const E79Seq<const TBias>& bs = as_seq<const TBias>(prm.b_s);
+  const E79Seq<const TBias>& bm = as_seq<const TBias>(prm.b_m);
+  const E79Seq<TT>& dk = as_seq<TT>(prm.dk);
+  const E79Seq<TT>& dv = as_seq<TT>(prm.dv);
+  const E79Seq<TT>& dq = as_seq<TT>(prm.dq);
+  const E79Seq<TT>& dm = as_seq<TT>(prm.dm);
+  const E79Seq<TBias>& dbs = as_seq<TBias>(prm.db_s);
+  const E79Seq<TBias>& dbm = as_seq<TBias>(prm.db_m);
+  const float* __restrict__ chk = prm.checkpoints;
+  const float* __restrict__ dS_final = prm.dS;
+  const float* __restrict__ dM_final = prm.dM;
+  float* __restrict__ bias_partial = prm.bias_partial;
+  float* __restrict__ dS0 = prm.dS0;
+  float* __restrict__ dM0 = prm.dM0;
+  float* __restrict__ ws = prm.ws;
+  const int T = prm.T, nchk = prm.nchk;
   constexpr int N = Tr::kN, LD = Tr::kLd, R = Tr::kRows, Q = Tr::kParts, NN = Tr::kNN;
   check_cluster_launch<Tr>(Tr::kSmemFloats);
   extern __shared__ float smem[];

@@ -6,6 +6,7 @@
 
 #include "common/dtype.cuh"
 #include "common/math.cuh"
+#include "gemm/params.h"
 
 namespace kspec {
 
@@ -15,8 +16,13 @@ namespace kspec {
 // dy_row_stride and unit column stride; saved and dpre contiguous rows x cols.
 template <typename T, int kAct, int kThreads>
 __global__ void __launch_bounds__(kThreads)
-    gemm_act_grad_kernel(const T* __restrict__ dy, const T* __restrict__ saved, T* __restrict__ dpre, long long rows,
-                         long long cols, long long dy_row_stride) {
+    gemm_act_grad_kernel(const GemmEpilogueParams prm) {
+  const T* __restrict__ dy = static_cast<const T*>(prm.dy);
+  const T* __restrict__ saved = static_cast<const T*>(prm.saved);
+  T* __restrict__ dpre = static_cast<T*>(prm.dpre);
+  const long long rows = prm.rows;
+  const long long cols = prm.cols;
+  const long long dy_row_stride = prm.dy_row_stride;
   static_assert(kAct == 1 || kAct == 2, "act must be relu (1) or gelu (2)");
   const long long total = rows * cols;
   for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x; i < total;

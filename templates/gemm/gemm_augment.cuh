@@ -8,7 +8,7 @@
 #pragma once
 
 #include "common/dtype.cuh"
-#include "gemm/augment_params.h"
+#include "gemm/params.h"
 
 namespace kspec {
 

@@ -7,6 +7,7 @@
 
 #include "common/dtype.cuh"
 #include "common/math.cuh"
+#include "gemm/params.h"
 
 namespace kspec {
 
@@ -26,8 +27,13 @@ __device__ __forceinline__ float gemm_act(float h) {
 // for 16384x4096 bf16 on the H100, against ~0.1 to read and write y).
 template <typename T, int kAct, bool kBias, bool kAux, int kThreads>
 __global__ void __launch_bounds__(kThreads)
-    gemm_bias_act_kernel(T* __restrict__ y, const T* __restrict__ bias, T* __restrict__ aux, long long rows,
-                         long long cols, long long y_row_stride) {
+    gemm_bias_act_kernel(const GemmEpilogueParams prm) {
+  T* __restrict__ y = static_cast<T*>(prm.y);
+  const T* __restrict__ bias = static_cast<const T*>(prm.bias);
+  T* __restrict__ aux = static_cast<T*>(prm.aux);
+  const long long rows = prm.rows;
+  const long long cols = prm.cols;
+  const long long y_row_stride = prm.y_row_stride;
   const long long total = rows * cols, step = static_cast<long long>(gridDim.x) * kThreads;
   const long long first = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
   if (!kBias && !kAux && y_row_stride == cols && reinterpret_cast<unsigned long long>(y) % 16 == 0) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "common/dtype.cuh"
+#include "gemm/params.h"
 
 namespace kspec {
 
@@ -12,8 +13,12 @@ namespace kspec {
 // (grid-stride loop).
 template <typename T, int kThreads>
 __global__ void __launch_bounds__(kThreads)
-    gemm_fill_bias_kernel(T* __restrict__ y, const T* __restrict__ bias, long long rows, long long cols,
-                          long long y_row_stride) {
+    gemm_fill_bias_kernel(const GemmEpilogueParams prm) {
+  T* __restrict__ y = static_cast<T*>(prm.y);
+  const T* __restrict__ bias = static_cast<const T*>(prm.bias);
+  const long long rows = prm.rows;
+  const long long cols = prm.cols;
+  const long long y_row_stride = prm.y_row_stride;
   // (row, column) stepped by the grid's stride: no 64-bit division per element
   const long long total = rows * cols, step = static_cast<long long>(gridDim.x) * kThreads;
   const long long first = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;

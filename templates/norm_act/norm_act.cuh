@@ -6,6 +6,7 @@
 #include "common/dtype.cuh"
 #include "common/math.cuh"
 #include "common/reduce.cuh"
+#include "norm_act/params.h"
 
 namespace kspec {
 
@@ -90,10 +91,17 @@ __device__ __forceinline__ float affine(float xhat, float w, float b) {
 template <typename T, typename TW, int kHidden, int kNorm, int kAct, bool kHasBias,
           int kThreadsPerRow, int kRowsPerBlock, int kVec>
 __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock)
-    norm_act_fwd_kernel(const T* __restrict__ x, const TW* __restrict__ weight,
-                        const TW* __restrict__ bias, T* __restrict__ y, float* __restrict__ mean,
-                        float* __restrict__ rstd, int rows, long long x_row_stride,
-                        long long y_row_stride, float eps) {
+    norm_act_fwd_kernel(const NormActParams prm) {
+  const T* __restrict__ x = static_cast<const T*>(prm.x);
+  const TW* __restrict__ weight = static_cast<const TW*>(prm.weight);
+  const TW* __restrict__ bias = static_cast<const TW*>(prm.bias);
+  T* __restrict__ y = static_cast<T*>(prm.y);
+  float* __restrict__ mean = prm.mean;
+  float* __restrict__ rstd = prm.rstd;
+  const int rows = prm.rows;
+  const long long x_row_stride = prm.x_row_stride;
+  const long long y_row_stride = prm.y_row_stride;
+  const float eps = prm.eps;
   using Tr = NormActTraits<T, TW, kHidden, kThreadsPerRow, kRowsPerBlock, kVec>;
   constexpr int kThreads = Tr::kThreads;
   constexpr int kIters = Tr::kIters;
@@ -256,12 +264,20 @@ __device__ __forceinline__ void store_block_partial(const float (&acc)[kIters][k
 template <typename T, typename TW, int kHidden, int kNorm, int kAct, bool kHasBias,
           int kThreadsPerRow, int kRowsPerBlock, int kVec>
 __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock, 1)
-    norm_act_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                        const TW* __restrict__ weight, const TW* __restrict__ bias,
-                        const float* __restrict__ mean, const float* __restrict__ rstd,
-                        T* __restrict__ dx, float* __restrict__ dw_partial,
-                        float* __restrict__ db_partial, int rows, long long dy_row_stride,
-                        long long x_row_stride, long long dx_row_stride) {
+    norm_act_bwd_kernel(const NormActParams prm) {
+  const T* __restrict__ dy = static_cast<const T*>(prm.dy);
+  const T* __restrict__ x = static_cast<const T*>(prm.x);
+  const TW* __restrict__ weight = static_cast<const TW*>(prm.weight);
+  const TW* __restrict__ bias = static_cast<const TW*>(prm.bias);
+  const float* __restrict__ mean = prm.mean;
+  const float* __restrict__ rstd = prm.rstd;
+  T* __restrict__ dx = static_cast<T*>(prm.dx);
+  float* __restrict__ dw_partial = prm.dw_partial;
+  float* __restrict__ db_partial = prm.db_partial;
+  const int rows = prm.rows;
+  const long long dy_row_stride = prm.dy_row_stride;
+  const long long x_row_stride = prm.x_row_stride;
+  const long long dx_row_stride = prm.dx_row_stride;
   using Tr = NormActTraits<T, TW, kHidden, kThreadsPerRow, kRowsPerBlock, kVec>;
   constexpr int kThreads = Tr::kThreads;
   constexpr int kIters = Tr::kIters;
@@ -377,9 +393,12 @@ __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock, 1)
 // ---------------------------------------------------------------------------------------------
 template <typename TW, int kHidden, bool kHasBias, int kThreads>
 __global__ void __launch_bounds__(kThreads)
-    norm_act_bwd_reduce_kernel(const float* __restrict__ dw_partial,
-                               const float* __restrict__ db_partial, TW* __restrict__ dweight,
-                               TW* __restrict__ dbias, int num_partials) {
+    norm_act_bwd_reduce_kernel(const NormActParams prm) {
+  const float* __restrict__ dw_partial = prm.dw_partial;
+  const float* __restrict__ db_partial = prm.db_partial;
+  TW* __restrict__ dweight = static_cast<TW*>(prm.dweight);
+  TW* __restrict__ dbias = static_cast<TW*>(prm.dbias);
+  const int num_partials = prm.num_partials;
   static_assert(kThreads >= 1 && kThreads <= 1024, "a block holds at most 1024 threads");
   const int j = static_cast<int>(blockIdx.x) * kThreads + static_cast<int>(threadIdx.x);
   if (j >= kHidden) return;
@@ -411,10 +430,17 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, typename TW, int kHidden, int kNorm, int kAct, bool kHasBias, int kThreads,
           int kVec>
 __global__ void __launch_bounds__(kThreads)
-    norm_act_fwd_stream_kernel(const T* __restrict__ x, const TW* __restrict__ weight,
-                               const TW* __restrict__ bias, T* __restrict__ y,
-                               float* __restrict__ mean, float* __restrict__ rstd, int rows,
-                               long long x_row_stride, long long y_row_stride, float eps) {
+    norm_act_fwd_stream_kernel(const NormActParams prm) {
+  const T* __restrict__ x = static_cast<const T*>(prm.x);
+  const TW* __restrict__ weight = static_cast<const TW*>(prm.weight);
+  const TW* __restrict__ bias = static_cast<const TW*>(prm.bias);
+  T* __restrict__ y = static_cast<T*>(prm.y);
+  float* __restrict__ mean = prm.mean;
+  float* __restrict__ rstd = prm.rstd;
+  const int rows = prm.rows;
+  const long long x_row_stride = prm.x_row_stride;
+  const long long y_row_stride = prm.y_row_stride;
+  const float eps = prm.eps;
   static_assert(kThreads >= 32 && kThreads <= 1024 && (kThreads & (kThreads - 1)) == 0,
                 "kThreads must be a power of two in 32..1024");
   static_assert(kHidden % kVec == 0, "the host picks kVec dividing the hidden size");
@@ -491,11 +517,18 @@ __device__ __forceinline__ void stream_bwd_load(const T* x, const T* dy, const T
 template <typename T, typename TW, int kHidden, int kNorm, int kAct, bool kHasBias, int kThreads,
           int kVec>
 __global__ void __launch_bounds__(kThreads)
-    norm_act_bwd_stream_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                                  const TW* __restrict__ weight, const TW* __restrict__ bias,
-                                  const float* __restrict__ mean, const float* __restrict__ rstd,
-                                  T* __restrict__ dx, int rows, long long dy_row_stride,
-                                  long long x_row_stride, long long dx_row_stride) {
+    norm_act_bwd_stream_dx_kernel(const NormActParams prm) {
+  const T* __restrict__ dy = static_cast<const T*>(prm.dy);
+  const T* __restrict__ x = static_cast<const T*>(prm.x);
+  const TW* __restrict__ weight = static_cast<const TW*>(prm.weight);
+  const TW* __restrict__ bias = static_cast<const TW*>(prm.bias);
+  const float* __restrict__ mean = prm.mean;
+  const float* __restrict__ rstd = prm.rstd;
+  T* __restrict__ dx = static_cast<T*>(prm.dx);
+  const int rows = prm.rows;
+  const long long dy_row_stride = prm.dy_row_stride;
+  const long long x_row_stride = prm.x_row_stride;
+  const long long dx_row_stride = prm.dx_row_stride;
   static_assert(kThreads >= 32 && kThreads <= 1024 && (kThreads & (kThreads - 1)) == 0,
                 "kThreads must be a power of two in 32..1024");
   constexpr int kNumVecs = kHidden / kVec;
@@ -554,12 +587,19 @@ __global__ void __launch_bounds__(kThreads)
 // parts >= rows. Workspace: parts * kHidden floats for each of dw_partial and (kHasBias) db_partial.
 template <typename T, typename TW, int kHidden, int kNorm, int kAct, bool kHasBias, int kThreads>
 __global__ void __launch_bounds__(kThreads)
-    norm_act_bwd_stream_dwdb_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                                    const TW* __restrict__ weight, const TW* __restrict__ bias,
-                                    const float* __restrict__ mean, const float* __restrict__ rstd,
-                                    float* __restrict__ dw_partial, float* __restrict__ db_partial,
-                                    int rows, int rows_per_part, long long dy_row_stride,
-                                    long long x_row_stride) {
+    norm_act_bwd_stream_dwdb_kernel(const NormActParams prm) {
+  const T* __restrict__ dy = static_cast<const T*>(prm.dy);
+  const T* __restrict__ x = static_cast<const T*>(prm.x);
+  const TW* __restrict__ weight = static_cast<const TW*>(prm.weight);
+  const TW* __restrict__ bias = static_cast<const TW*>(prm.bias);
+  const float* __restrict__ mean = prm.mean;
+  const float* __restrict__ rstd = prm.rstd;
+  float* __restrict__ dw_partial = prm.dw_partial;
+  float* __restrict__ db_partial = prm.db_partial;
+  const int rows = prm.rows;
+  const int rows_per_part = prm.rows_per_part;
+  const long long dy_row_stride = prm.dy_row_stride;
+  const long long x_row_stride = prm.x_row_stride;
   const int col = static_cast<int>(blockIdx.x) * kThreads + static_cast<int>(threadIdx.x);
   if (col >= kHidden) return;
   const long long part = blockIdx.y;

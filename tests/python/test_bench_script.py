@@ -1,7 +1,8 @@
-"""tools/bench/bench.py without a GPU: it compiles, its napkin math holds (the GPT-350M parameter list, the
-GEMM FLOP and byte counts), and asking for a GPU family ends with a clear 'no GPU' message and status 2,
-not a traceback; tools/bench/bench_e79.py compiles and says 'no CUDA GPU' (status 1). The timings
-themselves run on the GPU machine (tools/gpu/check.sh bench, e79)."""
+"""tools/bench without a GPU: the runner finds every family file (and only those), parses every family's
+options without collisions, runs a family's run() and writes the report; the napkin math holds (the
+GPT-350M parameter list, the GEMM FLOP and byte counts); asking for a GPU family ends with a clear 'no GPU'
+message and status 2, not a traceback. The timings themselves run on the GPU machine (tools/gpu/check.sh
+bench, e79)."""
 import importlib.util
 import json
 import math
@@ -13,67 +14,136 @@ import sys
 
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "tools/bench/bench.py"
-BENCH_E79 = BENCH.with_name("bench_e79.py")
+HERE = pathlib.Path(__file__).resolve().parents[2] / "tools/bench"
+BENCH = HERE / "bench.py"
+EXPECTED = {"norm_act", "selective_scan", "selective_scan_configs", "gemm", "linear_sweep", "adamw", "jit", "e79"}
 
 
-def _bench():
+@pytest.fixture(scope="module")
+def bench():
     spec = importlib.util.spec_from_file_location("kspec_bench_script", BENCH)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
 
-def test_compiles():
-    py_compile.compile(str(BENCH), doraise=True)
+@pytest.fixture(scope="module")
+def families(bench):
+    return bench.discover()
 
 
-def test_families_are_registered():
-    assert {"norm_act", "selective_scan", "gemm", "adamw", "jit"} <= set(_bench().FAMILIES)
+@pytest.mark.parametrize("path", sorted(HERE.glob("*.py")), ids=lambda p: p.name)
+def test_compiles(path):
+    py_compile.compile(str(path), doraise=True)
 
 
-def test_linear_sweep_covers_the_issue_shapes():
+def test_every_family_file_is_discovered(bench, families):
+    assert EXPECTED <= set(families)
+    assert all(callable(m.run) and m.DESCRIPTION for m in families.values())
+    # helper modules are not families; adamw_host.py (a script) is never imported by discovery
+    assert not {"common", "timing", "report", "bench", "adamw_host"} & set(families)
+    assert "kspec_bench.adamw_host" not in sys.modules
+
+
+def _write_family(folder, stem, body):
+    (folder / f"{stem}.py").write_text(body)
+
+
+def test_a_new_family_is_one_file(bench, tmp_path):
+    """A file that sets FAMILY and defines run() is found; run(args) returning a dict lands in the JSON
+    (the convention tools/bench/dispatch.py follows); IN_ALL = False keeps a sweep out of 'all'; a file
+    without FAMILY is never imported (it would raise)."""
+    _write_family(tmp_path, "toy", 'FAMILY = "toy"\nDESCRIPTION = "a toy"\n\n\ndef add_arguments(p):\n'
+                  '    p.add_argument("--toy-size", type=int, default=3)\n\n\n'
+                  'def run(args):\n    return {"size": args.toy_size, "quick": args.quick}\n')
+    _write_family(tmp_path, "toy_sweep", 'FAMILY = "toy_sweep"\nIN_ALL = False\n\n\ndef run(ctx):\n    return None\n')
+    _write_family(tmp_path, "helper", 'raise RuntimeError("a helper must not be imported")\n')
+    found = bench.discover(tmp_path, package="kspec_bench_test_toy")
+    assert set(found) == {"toy", "toy_sweep"}
+    args, names = bench.parse_args(found, ["--toy-size", "7"])
+    assert names == ["toy"] and args.toy_size == 7 and args.reps == 50
+    _, names = bench.parse_args(found, ["--family", "toy_sweep,toy", "--family", "all"])
+    assert names == ["toy_sweep", "toy"]
+    out = tmp_path / "out" / "report.json"
+    assert bench.main(["--toy-size", "5", "--quick", "--json", str(out)], families=found) == 0
+    report = json.loads(out.read_text())
+    assert report["families"]["toy"]["size"] == 5 and report["families"]["toy"]["quick"] is True
+    assert report["errors"] == {}
+
+
+def test_discovery_errors_name_the_file(bench, tmp_path):
+    _write_family(tmp_path, "a", 'FAMILY = "same"\n\n\ndef run(ctx):\n    pass\n')
+    _write_family(tmp_path, "b", 'FAMILY = "same"\n\n\ndef run(ctx):\n    pass\n')
+    with pytest.raises(SystemExit, match="both a.py and b.py"):
+        bench.discover(tmp_path, package="kspec_bench_test_dup")
+    (tmp_path / "b.py").write_text('FAMILY = "norun"\n')
+    with pytest.raises(SystemExit, match="b.py sets FAMILY = 'norun' but defines no run"):
+        bench.discover(tmp_path, package="kspec_bench_test_norun")
+
+
+def test_cli_parsing(bench, families, capsys):
+    """Every family's options in one parser (argparse raises on a collision); e79's options before the
+    runner took it over (check.sh's KSPEC_BENCH_E79_ARGS) still parse; unknown families are refused."""
+    e79 = families["e79"]
+    args, names = bench.parse_args(families, ["--family", "e79", "--B", "1", "16", "--no-compile", "--n", "64"])
+    o = e79.options(args)
+    assert names == ["e79"] and o.B == [1, 16] and o.n == [64] and o.T == [512, 4096] and o.no_compile
+    assert o.reps == 10 and o.ref_reps == 3 and o.clusters == [2, 4, 8]
+    args, _ = bench.parse_args(families, ["--family", "e79", "--e79-T", "128", "--reps", "40", "--quick"])
+    o = e79.options(args)
+    assert o.reps == 40 and (o.B, o.T, o.n) == ([16], [4096], [64])  # --quick: the target point
+    args, names = bench.parse_args(families, [])
+    assert set(names) == EXPECTED - {"linear_sweep", "selective_scan_configs"}  # the sweeps run on request
+    assert args.scan_op == "fwd" and args.peak_tflops == pytest.approx(989.4) and args.jit_hidden == 4224
+    with pytest.raises(SystemExit):
+        bench.parse_args(families, ["--family", "nonesuch"])
+    assert "unknown family nonesuch" in capsys.readouterr().err
+
+
+def test_list_is_what_check_sh_reads():
+    p = subprocess.run([sys.executable, str(BENCH), "--list"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    rows = {line.split()[0]: line.split()[1] for line in p.stdout.splitlines()}
+    assert set(rows) == EXPECTED - {"linear_sweep", "selective_scan_configs"}
+    assert rows["selective_scan"] == "mamba" and rows["gemm"] == "-"
+
+
+def test_linear_sweep_covers_the_issue_shapes(families):
     """Small K (7, 33, 64), small M (1, 32), odd N (4095, 4097) and an LLM shape, within one table."""
-    b = _bench()
-    assert "linear_sweep" in b.FAMILIES
-    shapes = b.linear_sweep_shapes(quick=False)
+    shapes = families["linear_sweep"].linear_sweep_shapes(quick=False)
     assert {7, 33, 64} <= {k for _, _, k in shapes} and {1, 32} <= {m for m, _, _ in shapes}
     assert {4095, 4097} <= {n for _, n, _ in shapes} and (16384, 4096, 4096) in shapes
 
 
-def test_gpt350m_parameter_list():
-    shapes = _bench().gpt350m_shapes()
+def test_gpt350m_parameter_list(families):
+    shapes = families["adamw"].gpt350m_shapes()
     assert len(shapes) == 243
     assert sum(math.prod(s) for s in shapes) == 354_821_120  # peers.md: 353.6 M in 243 tensors (shapes unrecorded)
     assert shapes[0] == (50304, 1024) and shapes[1] == (1024, 1024)
 
 
-def test_gemm_napkin_math():
-    b = _bench()
-    assert b.gemm_flops(16384, 4096, 4096, "fwd") == 2 * 16384 * 4096 * 4096
-    assert b.gemm_flops(16384, 4096, 4096, "bwd") == 4 * 16384 * 4096 * 4096
+def test_gemm_napkin_math(families):
+    g = families["gemm"]
+    assert g.gemm_flops(16384, 4096, 4096, "fwd") == 2 * 16384 * 4096 * 4096
+    assert g.gemm_flops(16384, 4096, 4096, "bwd") == 4 * 16384 * 4096 * 4096
     # decode: x (8x4096), W (11008x4096), b, y (8x11008), bf16
-    assert b.gemm_min_bytes(8, 11008, 4096, "fwd", "gelu", True, 2) == 2 * (8 * 4096 + 11008 * 4096 + 8 * 11008 + 11008)
+    assert g.gemm_min_bytes(8, 11008, 4096, "fwd", "gelu", True, 2) == 2 * (8 * 4096 + 11008 * 4096 + 8 * 11008 + 11008)
+
+
+def test_e79_cluster_config(families):
+    cc = families["e79"].cluster_config
+    assert cc(64, 1) == "split=8,cluster=1" and cc(64, 4) == "split=32,cluster=4" and cc(96, 8) is not None
+    assert cc(48, 32) is None
 
 
 def test_gpu_families_without_a_gpu_say_so(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    p = subprocess.run([sys.executable, str(BENCH), "--family", "gemm,adamw", "--json", str(out)],
+    p = subprocess.run([sys.executable, str(BENCH), "--family", "gemm,adamw", "--family", "e79", "--json", str(out)],
                        capture_output=True, text=True, env=env, timeout=600)
     text = p.stdout + p.stderr
     assert p.returncode == 2, text
     assert "no GPU" in p.stderr and "Traceback" not in text, text
     errors = json.loads(out.read_text())["errors"]
-    assert set(errors) == {"gemm", "adamw"} and all(e.startswith("no GPU") for e in errors.values())
-
-
-def test_bench_e79_without_a_gpu_says_so():
-    py_compile.compile(str(BENCH_E79), doraise=True)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    p = subprocess.run([sys.executable, str(BENCH_E79), "--quick"], capture_output=True, text=True, env=env,
-                       timeout=600)
-    if "No module named 'torch'" in p.stderr:
-        pytest.skip("no torch")
-    assert p.returncode == 1 and "no CUDA GPU" in p.stderr and "Traceback" not in p.stdout + p.stderr, p.stderr
+    assert set(errors) == {"gemm", "adamw", "e79"} and all(e.startswith("no GPU") for e in errors.values())

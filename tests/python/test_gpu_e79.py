@@ -419,7 +419,7 @@ def test_custom_ops_pass_opcheck(bias, batch_first):
 
 
 def test_compiled_projected_op_dynamic_shapes_is_one_graph():
-    """kspec.ops.e79 (gemm + cell, batch-first) under dynamic=True, as tools/bench/bench_e79.py compiles
+    """kspec.ops.e79 (gemm + cell, batch-first) under dynamic=True, as tools/bench/e79.py compiles
     it: other T and B reuse the one graph; outputs and every gradient as eager."""
     counter = _compile_counter()
     n, dim = 32, 48

@@ -4,15 +4,20 @@ problems so small that only dispatch is measured. Each row is the median host ti
 between rows). A second table times a training step (forward + backward through autograd) per call in
 a loop: wall time per step with one sync at the end, and the host time the loop took to enqueue it.
 
-    python3 tools/bench/dispatch.py [--json FILE] [--dispatch-bin build/gpu/tools/bench/kspec_dispatch_bench]
+    python3 tools/bench/bench.py --family dispatch [--json FILE] [--dispatch-bin build/gpu/tools/bench/kspec_dispatch_bench]
+    python3 tools/bench/dispatch.py [--json FILE] [--dispatch-bin ...]      # the same, alone
 
-The entry for a runner is run(args), args having .json and .dispatch_bin (None to skip either)."""
+A bench family (FAMILY below): the runner calls run(ctx), ctx.dispatch_bin from jit's --dispatch-bin option
+(None to skip the C++ rows)."""
 from __future__ import annotations
 
 import argparse
 import json
 import subprocess
 import time
+
+FAMILY = "dispatch"
+DESCRIPTION = "host µs per call of kspec's entry points beside their peers (issue 28's table)"
 
 CALLS, WARMUP = 2000, 200
 STEPS, STEP_WARMUP = 200, 20
@@ -247,9 +252,6 @@ def run(args) -> dict:
         except Exception as e:  # the Python table stands without it
             data["cpp_error"] = str(e)
             print(f"\nC++ dispatch benchmark: {e}")
-    if getattr(args, "json", None):
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=1)
     return data
 
 
@@ -257,7 +259,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--dispatch-bin", metavar="PATH", help="the kspec_dispatch_bench binary (C++ rows)")
-    run(p.parse_args())
+    args = p.parse_args()
+    data = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,12 @@ pwait() {  # waits for every pstep, appends their logs in order
   done
   pids=() pnames=() pstart=()
 }
+wait_build() {  # wait_build NAME: a peer built in the background (/tmp/NAME_build.log), at most 6 minutes
+  [ -f "/tmp/$1_build.log" ] || return 0
+  for _ in $(seq 360); do [ -f "/tmp/$1_build.done" ] && break; sleep 1; done
+  echo "$1 build: exit $(cat "/tmp/$1_build.done" 2>/dev/null || echo 'not finished')"
+  tail -5 "/tmp/$1_build.log"
+}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw \
   --format=csv > "$OUT/gpu.txt" 2>&1
@@ -122,10 +128,7 @@ if has scan_small; then
   # where the host time of a training step goes, and every config of the forward and the backward timed
   # at each shape (no database written) to compare with the heuristic's choice.
   SMALL=4x1536x1000,2x4096x333,1x2048x512,16x768x256,8x2560x1024
-  if [ -f /tmp/mamba_build.log ]; then
-    for _ in $(seq 360); do [ -f /tmp/mamba_build.done ] && break; sleep 1; done
-    echo "mamba_ssm build: exit $(cat /tmp/mamba_build.done 2>/dev/null || echo 'not finished')"
-  fi
+  wait_build mamba
   step bench_scan_small python3 tools/bench/bench.py --family selective_scan --scan-shapes "$SMALL" \
     --json "$OUT/bench_scan_small.json"
   for shp in 2x4096x333 4x1536x1000; do
@@ -160,20 +163,23 @@ if has bench; then
       && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
   [ -x build/gpu/tools/bench/kspec_dispatch_bench ] || cmake --build build/gpu -j "$JOBS" --target kspec_dispatch_bench
-  step bench_jit python3 tools/bench/bench.py --family jit --dispatch-bin build/gpu/tools/bench/kspec_dispatch_bench \
-    --json "$OUT/bench_jit.json"
-  step bench_norm_act python3 tools/bench/bench.py --family norm_act --json "$OUT/bench_norm_act.json"
-  if [ -f /tmp/mamba_build.log ]; then  # wait for the peer (at most 6 minutes), then say how it went
-    for _ in $(seq 360); do [ -f /tmp/mamba_build.done ] && break; sleep 1; done
-    echo "mamba_ssm build: exit $(cat /tmp/mamba_build.done 2>/dev/null || echo 'not finished')"
-    tail -5 /tmp/mamba_build.log
+  # Every family of `bench.py --list` (a file under tools/bench that sets FAMILY), a step bench_<family>
+  # each with its JSON; a family's extra options from KSPEC_BENCH_<FAMILY>_ARGS (e.g. KSPEC_BENCH_E79_ARGS);
+  # a family that is also a stage of this run (e79) is benched there; one whose peer is built above waits
+  # for that build first.
+  if families=$(python3 tools/bench/bench.py --list); then
+    while read -r -u 3 fam needs _; do  # fd 3: a benchmark reading stdin cannot eat the list
+      has "$fam" && continue
+      [ "$needs" != - ] && wait_build "$needs"
+      extra_var="KSPEC_BENCH_${fam^^}_ARGS"
+      # shellcheck disable=SC2086  # the extra options are words
+      step "bench_$fam" python3 tools/bench/bench.py --family "$fam" \
+        --dispatch-bin build/gpu/tools/bench/kspec_dispatch_bench --json "$OUT/bench_$fam.json" ${!extra_var:-}
+    done 3<<< "$families"
+  else
+    summary+=("$(printf '%-14s FAIL  %4ds' bench_list 0)")
+    status=1
   fi
-  step bench_selective_scan python3 tools/bench/bench.py --family selective_scan --json "$OUT/bench_selective_scan.json"
-  step bench_gemm python3 tools/bench/bench.py --family gemm --json "$OUT/bench_gemm.json"
-  step bench_adamw python3 tools/bench/bench.py --family adamw --json "$OUT/bench_adamw.json"
-  step bench_dispatch python3 tools/bench/dispatch.py --dispatch-bin build/gpu/tools/bench/kspec_dispatch_bench \
-    --json "$OUT/bench_dispatch.json"
-  has e79 || step bench_e79 python3 tools/bench/bench_e79.py --json "$OUT/bench_e79.json" ${KSPEC_BENCH_E79_ARGS:-}
 fi
 
 if has e79; then
@@ -218,7 +224,8 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.result.json"))):
     for c in bad:
         print(f"  {name}: {c['config']}: {c['status']} {c.get('why', '')}")
 PY
-  step bench_e79 python3 tools/bench/bench_e79.py --json "$OUT/bench_e79.json" ${KSPEC_BENCH_E79_ARGS:-}
+  # shellcheck disable=SC2086
+  step bench_e79 python3 tools/bench/bench.py --family e79 --json "$OUT/bench_e79.json" ${KSPEC_BENCH_E79_ARGS:-}
 fi
 
 if has scan; then
@@ -237,10 +244,7 @@ if has scan; then
   KSPEC_TUNING_DB=/tmp/scan-tune.json step scan_tune_bwd python3 -m kspec tune selective_scan.bwd --dtype bf16 \
     --param delta_softplus=true --without h0 --without dlast_state --budget 60 \
     --shape batch=8,dim=2048,seqlen=2048,dstate=16,groups=1 --json "$OUT/scan_tune_bwd.json"
-  if [ -f /tmp/mamba_build.log ]; then
-    for _ in $(seq 360); do [ -f /tmp/mamba_build.done ] && break; sleep 1; done
-    echo "mamba_ssm build: exit $(cat /tmp/mamba_build.done 2>/dev/null || echo 'not finished')"
-  fi
+  wait_build mamba
   step bench_selective_scan python3 tools/bench/bench.py --family selective_scan --json "$OUT/bench_selective_scan.json"
 fi
 

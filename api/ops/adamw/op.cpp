@@ -10,33 +10,13 @@
 #include "api/src/device_data.h"
 #include "api/src/op.h"
 #include "jit/driver.h"
+#include "templates/adamw/params.h"
 
 namespace kspec {
 namespace {
 
 constexpr const char* kHeader = "adamw/adamw.cuh";
 constexpr unsigned kFinalizeThreads = 256;
-
-// Host mirrors of the device structs in templates/adamw/adamw.cuh (same members, same order).
-struct AdamwTensor {
-  void* param;
-  const void* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
-  float* master;
-  float* max_exp_avg_sq;
-  long long numel;
-};
-struct AdamwChunk {
-  int tensor;
-  int pad;
-  long long start;
-};
-struct AdamwScalars {
-  float lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt, max_norm;
-};
-static_assert(sizeof(AdamwTensor) == 56 && sizeof(AdamwChunk) == 16 && sizeof(AdamwScalars) == 32,
-              "host and device table layouts must agree");
 
 size_t round_up(size_t b) { return (b + 255) / 256 * 256; }
 

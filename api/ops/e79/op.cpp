@@ -10,6 +10,7 @@
 #include "api/src/op.h"
 #include "e79/reference.h"
 #include "jit/spec.h"
+#include "templates/e79/params.h"
 
 namespace kspec {
 namespace {
@@ -108,14 +109,9 @@ std::vector<DimDef> e79_dims() {
 
 // ---- strided [seqlen, batch, n] tensors ----
 
-// The kernels' E79Seq<X>: element (t, b, i) at p[t * st + b * sb + i].
-struct SeqArg {
-  const void* p = nullptr;
-  long long st = 0, sb = 0;
-};
-
-SeqArg seq_arg(const TensorView& t) {
-  if (!t.defined()) return {};
+// The kernels' E79Seq<X> (templates/e79/params.h): element (t, b, i) at p[t * st + b * sb + i].
+E79SeqArg seq_arg(const TensorView& t) {
+  if (!t.defined()) return {nullptr, 0, 0};
   if (t.rank == 1) return {t.data, 0, 0};  // a fixed bias [n], the same row for every (t, b)
   return {t.data, t.strides[0], t.strides[1]};
 }
@@ -426,6 +422,23 @@ OpDef e79_base(const char* name, const char* doc, bool bwd) {
   return op;
 }
 
+// The parameters both directions read: k, v, q, m, the biases, the initial states, T and the checkpoint
+// count; the rest null until the launch fills it.
+E79Params cell_params(const Call& call, int T, int nchk) {
+  E79Params prm{};
+  prm.k = seq_arg(call.in("k"));
+  prm.v = seq_arg(call.in("v"));
+  prm.q = seq_arg(call.in("q"));
+  prm.m = seq_arg(call.in("m"));
+  prm.b_s = seq_arg(call.in("b_s"));
+  prm.b_m = seq_arg(call.in("b_m"));
+  prm.S0 = static_cast<const float*>(call.in("S0").data);
+  prm.M0 = static_cast<const float*>(call.in("M0").data);
+  prm.T = T;
+  prm.nchk = nchk;
+  return prm;
+}
+
 // The kernel `name` of e79.cuh, or its cluster twin name + "_cluster" of e79_cluster.cuh.
 jit::KernelSpec spec(const Problem& p, const Config& c, const std::string& name, std::vector<std::string> targs) {
   if (clustered(c)) return kernel_spec(p, kClusterHeader, name + "_cluster_kernel", std::move(targs));
@@ -456,11 +469,12 @@ OpDef make_fwd() {
     int64_t n = p.dim("n");
     int T = static_cast<int>(p.dim("seqlen"));
     int nchk = static_cast<int>(ceil_div(T, p.param_int("chunk")));
-    SeqArg k = seq_arg(call.in("k")), v = seq_arg(call.in("v")), q = seq_arg(call.in("q")), m = seq_arg(call.in("m"));
-    SeqArg bs = seq_arg(call.in("b_s")), bm = seq_arg(call.in("b_m")), out = seq_arg(call.out("out"));
-    void *S0 = call.in("S0").data, *M0 = call.in("M0").data, *S = call.out("S").data, *M = call.out("M").data,
-         *chk = call.out("checkpoints").data;
-    void* args[] = {&k, &v, &q, &m, &bs, &bm, &S0, &M0, &out, &S, &M, &chk, &T, &nchk};
+    E79Params prm = cell_params(call, T, nchk);
+    prm.out = seq_arg(call.out("out"));
+    prm.S = static_cast<float*>(call.out("S").data);
+    prm.M = static_cast<float*>(call.out("M").data);
+    prm.checkpoints = static_cast<float*>(call.out("checkpoints").data);
+    void* args[] = {&prm};
     const Shape sh = launch_shape(n, c);
     if (sh.cluster == 1)
       l.launch(0, {u32(p.dim("batch"))}, {u32(sh.threads)}, u32(sh.fwd_smem_bytes), args);
@@ -522,29 +536,34 @@ OpDef make_bwd() {
     int64_t per_seq = bwd_ws_floats(n, chunk, sh.cluster);
     auto* ws = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(B * per_seq + 2 * B * n)));
     float* partial = ws + B * per_seq;
-    SeqArg dout = seq_arg(call.in("dout")), k = seq_arg(call.in("k")), v = seq_arg(call.in("v")),
-           q = seq_arg(call.in("q")), m = seq_arg(call.in("m")), bs = seq_arg(call.in("b_s")),
-           bm = seq_arg(call.in("b_m"));
-    SeqArg dk = seq_arg(call.out("dk")), dv = seq_arg(call.out("dv")), dq = seq_arg(call.out("dq")),
-           dm = seq_arg(call.out("dm")), dbs, dbm;
+    E79Params prm = cell_params(call, T, nchk);
+    prm.checkpoints = static_cast<float*>(call.in("checkpoints").data);
+    prm.dout = seq_arg(call.in("dout"));
+    prm.dk = seq_arg(call.out("dk"));
+    prm.dv = seq_arg(call.out("dv"));
+    prm.dq = seq_arg(call.out("dq"));
+    prm.dm = seq_arg(call.out("dm"));
     if (bias_mode(p) == ref::kE79BiasInput) {
-      dbs = seq_arg(call.out("db_s"));
-      dbm = seq_arg(call.out("db_m"));
+      prm.db_s = seq_arg(call.out("db_s"));
+      prm.db_m = seq_arg(call.out("db_m"));
     }
-    void *chk = call.in("checkpoints").data, *dSf = call.in("dS").data, *dMf = call.in("dM").data,
-         *dS0 = call.out("dS0").data, *dM0 = call.out("dM0").data;
-    void* args[] = {&dout, &k, &v, &q, &m, &bs, &bm, &chk, &dSf, &dMf, &dk, &dv, &dq, &dm, &dbs, &dbm,
-                    &partial, &dS0, &dM0, &ws, &T, &nchk};
+    prm.dS = static_cast<const float*>(call.in("dS").data);
+    prm.dM = static_cast<const float*>(call.in("dM").data);
+    prm.dS0 = static_cast<float*>(call.out("dS0").data);
+    prm.dM0 = static_cast<float*>(call.out("dM0").data);
+    prm.bias_partial = partial;
+    prm.ws = ws;
+    prm.batch = static_cast<int>(B);
+    void* args[] = {&prm};
     if (sh.cluster == 1)
       l.launch(0, {u32(B)}, {u32(sh.threads)}, u32(sh.bwd_smem_bytes), args);
     else
       l.launch_clusters(0, {u32(B * sh.cluster)}, {u32(sh.threads)}, {u32(sh.cluster)}, u32(sh.bwd_smem_bytes),
                         args);
     if (fixed) {
-      void *db_s = call.out("db_s").data, *db_m = call.out("db_m").data;
-      int batch = static_cast<int>(B);
-      void* rargs[] = {&partial, &batch, &db_s, &db_m};
-      l.launch(1, {1}, {256}, 0, rargs);
+      prm.db_s_sum = call.out("db_s").data;
+      prm.db_m_sum = call.out("db_m").data;
+      l.launch(1, {1}, {256}, 0, args);
     }
   };
   op.reference = bwd_reference;

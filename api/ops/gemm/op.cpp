@@ -12,7 +12,7 @@
 #include "gemm/layout.h"
 #include "gemm/lt_matmul.h"
 #include "gemm/reference.h"
-#include "templates/gemm/augment_params.h"
+#include "templates/gemm/params.h"
 
 namespace kspec {
 namespace {
@@ -358,6 +358,19 @@ unsigned grid_for(Launcher& l, int64_t total) {
                                                  int64_t(l.multiprocessors()) * 16));
 }
 
+// The forward's elementwise kernels' parameters for one block of y's rows (templates/gemm/params.h).
+GemmEpilogueParams y_block_params(void* y, const void* bias, void* aux, long long rows, long long cols,
+                                  long long stride) {
+  GemmEpilogueParams prm{};
+  prm.y = y;
+  prm.bias = bias;
+  prm.aux = aux;
+  prm.rows = rows;
+  prm.cols = cols;
+  prm.y_row_stride = stride;
+  return prm;
+}
+
 // y (and aux, contiguous like it) as blocks of rows at one row stride for an elementwise kernel: one block
 // when its batches lie end to end (or there is one row per batch), else one per batch.
 template <typename F>
@@ -466,16 +479,16 @@ OpDef make_fwd() {
     }
     if (f.fill_bias) {
       for_each_y_block(call, [&](void* yp, void*, long long rows, long long cols, long long stride) {
-        const void* bp = b.data;
-        void* args[] = {&yp, &bp, &rows, &cols, &stride};
+        GemmEpilogueParams prm = y_block_params(yp, b.data, nullptr, rows, cols, stride);
+        void* args[] = {&prm};
         l.launch(0, {grid_for(l, rows * cols)}, {kBiasActThreads}, 0, args);
       });
     }
     gemm::lt_matmul(f.lt, call.device, call.stream, ws, gemm::kLtWorkspaceBytes);
     if (!u) return;
     for_each_y_block(call, [&](void* yp, void* ap, long long rows, long long cols, long long stride) {
-      const void* bp = b.data;
-      void* args[] = {&yp, &bp, &ap, &rows, &cols, &stride};
+      GemmEpilogueParams prm = y_block_params(yp, b.data, ap, rows, cols, stride);
+      void* args[] = {&prm};
       l.launch(f.fill_bias || f.bias_column ? 1 : 0, {grid_for(l, rows * cols)}, {kBiasActThreads}, 0, args);
     });
   };
@@ -723,9 +736,14 @@ OpDef make_bwd() {
     f.dw.algo = algo_of(config, "dw.", &dw_algo);
     for (auto& c : f.dw_per_batch) c.algo = f.dw.algo;
     if (f.needs_act_grad && rows * n > 0) {
-      const void *dyp = call.in("dy").data, *sp = call.in("saved").data;
-      long long r = f.rows, c = f.cols, s = f.dy_row_stride;
-      void* args[] = {&dyp, &sp, &dpre, &r, &c, &s};
+      GemmEpilogueParams prm{};
+      prm.dy = call.in("dy").data;
+      prm.saved = call.in("saved").data;
+      prm.dpre = dpre;
+      prm.rows = f.rows;
+      prm.cols = f.cols;
+      prm.dy_row_stride = f.dy_row_stride;
+      void* args[] = {&prm};
       int64_t blocks = std::min<int64_t>((rows * n + kActGradThreads - 1) / kActGradThreads,
                                          int64_t(l.multiprocessors()) * 16);
       l.launch(0, {static_cast<unsigned>(blocks)}, {kActGradThreads}, 0, args);

@@ -7,6 +7,7 @@
 
 #include "api/src/op.h"
 #include "norm_act/reference.h"
+#include "templates/norm_act/params.h"
 
 namespace kspec {
 namespace {
@@ -104,6 +105,37 @@ std::vector<std::string> common_targs(const Problem& p, const Config& c, const c
   if (c.get("stream") == 0) t.push_back(std::to_string(c.get("rows_per_block")));
   t.push_back(std::to_string(c.get("vec")));
   return t;
+}
+
+// The kernels' parameters a call's tensors give (templates/norm_act/params.h); the work split's fields
+// (partials) are the launch's to fill.
+NormActParams kernel_params(const Call& call, bool backward) {
+  const TensorView& x = call.in("x");
+  NormActParams prm{};
+  prm.x = x.data;
+  prm.weight = call.in("weight").data;
+  prm.bias = call.in("bias").data;
+  prm.x_row_stride = call.row_stride(x);
+  prm.rows = static_cast<int>(call.problem.dim("rows"));
+  if (backward) {
+    const TensorView &dy = call.in("dy"), &dx = call.out("dx");
+    prm.mean = static_cast<float*>(call.in("mean").data);
+    prm.rstd = static_cast<float*>(call.in("rstd").data);
+    prm.dy = dy.data;
+    prm.dx = dx.data;
+    prm.dweight = call.out("dweight").data;
+    prm.dbias = call.out("dbias").data;
+    prm.dy_row_stride = call.row_stride(dy);
+    prm.dx_row_stride = call.row_stride(dx);
+  } else {
+    const TensorView& y = call.out("y");
+    prm.y = y.data;
+    prm.mean = static_cast<float*>(call.out("mean").data);
+    prm.rstd = static_cast<float*>(call.out("rstd").data);
+    prm.y_row_stride = call.row_stride(y);
+    prm.eps = static_cast<float>(call.problem.param_float("eps"));
+  }
+  return prm;
 }
 
 jit::KernelSpec spec(const Problem& p, const char* kernel, std::vector<std::string> targs) {
@@ -251,16 +283,10 @@ OpDef make_fwd() {
     return std::vector<jit::KernelSpec>{spec(p, kernel, common_targs(p, c, "x", "weight"))};
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
-    const TensorView &x = call.in("x"), &w = call.in("weight"), &b = call.in("bias");
-    const TensorView &y = call.out("y"), &mean = call.out("mean"), &rstd = call.out("rstd");
     int64_t rows = call.problem.dim("rows");
     KSPEC_CHECK(rows <= INT32_MAX, "norm_act.fwd: input 'x': at most 2^31-1 rows, got ", rows);
-    int rows_i = static_cast<int>(rows);
-    long long xs = call.row_stride(x), ys = call.row_stride(y);
-    float eps = static_cast<float>(call.problem.param_float("eps"));
-    void* xp = x.data; void* wp = w.data; void* bp = b.data; void* yp = y.data;
-    void* mp = mean.data; void* rp = rstd.data;
-    void* args[] = {&xp, &wp, &bp, &yp, &mp, &rp, &rows_i, &xs, &ys, &eps};
+    NormActParams prm = kernel_params(call, false);
+    void* args[] = {&prm};
     unsigned rpb = static_cast<unsigned>(c.get("rows_per_block"));  // 1 when streamed
     unsigned threads = static_cast<unsigned>(c.get("threads_per_row")) * rpb;
     l.launch(0, {static_cast<unsigned>(ceil_div(rows, rpb))}, {threads}, 0, args);
@@ -288,31 +314,21 @@ jit::KernelSpec reduce_spec(const Problem& p) {
 // then the ordered reduction of the parts. `parts` depends only on rows, hidden and the GPU, so
 // results are bitwise reproducible there.
 void launch_bwd_stream(const Call& call, const Config& c, Launcher& l) {
-  const TensorView &dy = call.in("dy"), &x = call.in("x"), &w = call.in("weight"), &b = call.in("bias");
-  const TensorView &mean = call.in("mean"), &rstd = call.in("rstd");
-  const TensorView &dx = call.out("dx"), &dw = call.out("dweight"), &db = call.out("dbias");
   int64_t rows = call.problem.dim("rows"), hidden = call.problem.dim("hidden");
   int64_t col_blocks = ceil_div(hidden, kColumnThreads);
   int64_t parts = std::clamp<int64_t>(ceil_div(l.multiprocessors() * kColumnBlocksPerSm, col_blocks), 1,
                                       std::max<int64_t>(rows, 1));
   parts = std::min<int64_t>(parts, 65535);  // gridDim.y
-  int rows_per_part = static_cast<int>(ceil_div(rows, parts));
   auto* ws = static_cast<float*>(l.workspace(sizeof(float) * 2 * parts * hidden));
-  float* dwp_part = ws;
-  float* dbp_part = ws + parts * hidden;
-  int rows_i = static_cast<int>(rows);
-  long long dys = call.row_stride(dy), xs = call.row_stride(x), dxs = call.row_stride(dx);
-  void *dyp = dy.data, *xp = x.data, *wp = w.data, *bp = b.data, *mp = mean.data, *rp = rstd.data, *dxp = dx.data;
-  if (rows > 0) {
-    void* args[] = {&dyp, &xp, &wp, &bp, &mp, &rp, &dxp, &rows_i, &dys, &xs, &dxs};
-    l.launch(0, {static_cast<unsigned>(rows)}, {static_cast<unsigned>(c.get("threads_per_row"))}, 0, args);
-  }
-  void* pargs[] = {&dyp, &xp, &wp, &bp, &mp, &rp, &dwp_part, &dbp_part, &rows_i, &rows_per_part, &dys, &xs};
-  l.launch(1, {static_cast<unsigned>(col_blocks), static_cast<unsigned>(parts)}, {kColumnThreads}, 0, pargs);
-  int parts_i = static_cast<int>(parts);
-  void *dwp = dw.data, *dbp = db.data;
-  void* rargs[] = {&dwp_part, &dbp_part, &dwp, &dbp, &parts_i};
-  l.launch(2, {static_cast<unsigned>(ceil_div(hidden, kReduceThreads))}, {kReduceThreads}, 0, rargs);
+  NormActParams prm = kernel_params(call, true);
+  prm.dw_partial = ws;
+  prm.db_partial = ws + parts * hidden;
+  prm.rows_per_part = static_cast<int>(ceil_div(rows, parts));
+  prm.num_partials = static_cast<int>(parts);
+  void* args[] = {&prm};
+  if (rows > 0) l.launch(0, {static_cast<unsigned>(rows)}, {static_cast<unsigned>(c.get("threads_per_row"))}, 0, args);
+  l.launch(1, {static_cast<unsigned>(col_blocks), static_cast<unsigned>(parts)}, {kColumnThreads}, 0, args);
+  l.launch(2, {static_cast<unsigned>(ceil_div(hidden, kReduceThreads))}, {kReduceThreads}, 0, args);
 }
 
 OpDef make_bwd() {
@@ -346,9 +362,6 @@ OpDef make_bwd() {
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     if (c.get("stream")) return launch_bwd_stream(call, c, l);
-    const TensorView &dy = call.in("dy"), &x = call.in("x"), &w = call.in("weight"), &b = call.in("bias");
-    const TensorView &mean = call.in("mean"), &rstd = call.in("rstd");
-    const TensorView &dx = call.out("dx"), &dw = call.out("dweight"), &db = call.out("dbias");
     int64_t rows = call.problem.dim("rows"), hidden = call.problem.dim("hidden");
     KSPEC_CHECK(rows <= INT32_MAX, "norm_act.bwd: input 'x': at most 2^31-1 rows, got ", rows);
     int64_t rpb = c.get("rows_per_block");
@@ -359,20 +372,14 @@ OpDef make_bwd() {
     // the reduction must read (528 partials cost 44-56 µs of reduction against 15-18 µs for 132).
     int64_t per_sm = std::max(1, l.occupancy(0, static_cast<unsigned>(threads), 0));
     int64_t grid = std::min<int64_t>(ceil_div(rows, rpb), l.multiprocessors() * per_sm);
-    int partials = static_cast<int>(grid);
     auto* ws = static_cast<float*>(l.workspace(sizeof(float) * 2 * std::max<int64_t>(grid, 1) * hidden));
-    float* dwp_part = ws;
-    float* dbp_part = ws + std::max<int64_t>(grid, 1) * hidden;
-    int rows_i = static_cast<int>(rows);
-    long long dys = call.row_stride(dy), xs = call.row_stride(x), dxs = call.row_stride(dx);
-    void *dyp = dy.data, *xp = x.data, *wp = w.data, *bp = b.data, *mp = mean.data, *rp = rstd.data, *dxp = dx.data;
-    if (grid > 0) {
-      void* args[] = {&dyp, &xp, &wp, &bp, &mp, &rp, &dxp, &dwp_part, &dbp_part, &rows_i, &dys, &xs, &dxs};
-      l.launch(0, {static_cast<unsigned>(grid)}, {static_cast<unsigned>(threads)}, 0, args);
-    }
-    void *dwp = dw.data, *dbp = db.data;
-    void* rargs[] = {&dwp_part, &dbp_part, &dwp, &dbp, &partials};
-    l.launch(1, {static_cast<unsigned>(ceil_div(hidden, kReduceThreads))}, {kReduceThreads}, 0, rargs);
+    NormActParams prm = kernel_params(call, true);
+    prm.dw_partial = ws;
+    prm.db_partial = ws + std::max<int64_t>(grid, 1) * hidden;
+    prm.num_partials = static_cast<int>(grid);
+    void* args[] = {&prm};
+    if (grid > 0) l.launch(0, {static_cast<unsigned>(grid)}, {static_cast<unsigned>(threads)}, 0, args);
+    l.launch(1, {static_cast<unsigned>(ceil_div(hidden, kReduceThreads))}, {kReduceThreads}, 0, args);
   };
   op.reference = bwd_reference;
   op.prepare_inputs = bwd_prepare;

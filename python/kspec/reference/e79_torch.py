@@ -1,6 +1,6 @@
 """Pure-torch E79 modules with the public reference model's parameter names and layout (the `elman`
 project's E79CoupledMatrixCell and E79CoupledMatrix): the eager loop over time that kspec replaces,
-used as the peer in tools/bench/bench_e79.py and as the state-dict format kspec.nn must load.
+used as the peer in tools/bench/e79.py and as the state-dict format kspec.nn must load.
 
 Parameters and buffers of the cell: W_kvqm (4n, dim) rows [k | v | q | m]; with fixed biases
 b_s_gate, b_m_gate (n,) parameters; with input biases W_bs, W_bm (n, dim) parameters and zero

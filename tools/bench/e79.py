@@ -1,19 +1,21 @@
-#!/usr/bin/env python3
 """E79 benchmark: kspec's cell (kspec.nn.E79Cell: the fused projection GEMM + the E79 kernels) against
 the reference cell (kspec.reference.e79_torch.E79CoupledMatrixCell, the public model's loop) in torch
 eager and torch.compile, forward and forward+backward, bf16, dim 1024. Not a test: timings only.
 
-    python3 tools/bench/bench_e79.py --json e79.json        # B {1,16,128} x T {512,4096} x n {32,64,96,128}
-    python3 tools/bench/bench_e79.py --n 32 64 128          # issue 8's table alone (no n = 96)
-    python3 tools/bench/bench_e79.py --quick --json /tmp/e79.json
-    python3 tools/bench/bench_e79.py --B 16 --T 4096 --n 64    # the target point
-    python3 tools/bench/bench_e79.py --B 1 16 --no-compile --clusters 2 4 8   # cluster rows only matter
+    python3 tools/bench/bench.py --family e79 --json e79.json    # B {1,16,128} x T {512,4096} x n {32,64,96,128}
+    python3 tools/bench/bench.py --family e79 --e79-n 32 64 128  # issue 8's table alone (no n = 96)
+    python3 tools/bench/bench.py --family e79 --quick --json /tmp/e79.json
+    python3 tools/bench/bench.py --family e79 --e79-B 16 --e79-T 4096 --e79-n 64    # the target point
+    python3 tools/bench/bench.py --family e79 --e79-B 1 16 --e79-no-compile --e79-clusters 2 4 8   # cluster rows
 
+The options before the runner took this family over keep working without the e79- prefix (--B, --n,
+--no-compile, ...: tools/gpu/check.sh's KSPEC_BENCH_E79_ARGS); --quick is the target point alone.
 Method: random inputs; kspec's output checked against the reference loop (fp32 arithmetic on the
-same bf16 inputs) on the first --check-T steps before anything is timed; CUDA events around one call,
-a 256 MiB write between calls to flush L2, the median of the timed calls after two warm-up calls:
---reps (10) for kspec's rows, --ref-reps (3) for the two peers, whose calls are long and whose spread
-is small next to the gaps measured.
+same bf16 inputs) on the first --check-T steps before anything is timed; the runner's timer (timing.py:
+the L2 flushed before each call, gpu and ev times, the median of the timed calls) after two warm-up
+calls: --reps (10 unless given) for kspec's rows, --ref-reps (3) for the two peers, whose calls are
+long and whose spread is small next to the gaps measured. The ms and µs/step columns are ev times (a
+synchronize, then events around the call: what a training step waits), the JSON rows carry gpu_ms too.
 The peers are timed on min(T, --ref-T) steps and reported per step: a 4096-step eager or compiled
 loop keeps every step's activations for autograd (B=128, n=128: ~80 MB a step) and torch.compile of
 the whole unrolled loop does not finish in reasonable time, so torch.compile compiles one step
@@ -46,34 +48,49 @@ Targets (issue 8): fwd+bwd at B=16, T=4096, n=64 >= 50x eager and >= 5x torch.co
 """
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import statistics
 import sys
 import time
+from types import SimpleNamespace
+
+FAMILY = "e79"
+DESCRIPTION = "the E79 cell (projection GEMM + kernels) against the reference loop, eager and torch.compile"
 
 TARGET = dict(B=16, T=4096, n=64, eager=50.0, compiled=5.0)
+# (option, default, help); each is --e79-<option> and, as before the runner took this family over, --<option>.
+OPTIONS = (
+    ("B", [1, 16, 128], "batch sizes"),
+    ("T", [512, 4096], "sequence lengths"),
+    ("n", [32, 64, 96, 128], "state sizes"),
+    ("cluster-B", [1, 16], "batch sizes that get cluster rows"),
+    ("clusters", [2, 4, 8], "cluster sizes for the cluster rows (CTAs per sequence; sm_90+)"),
+)
 
 
-def timer(torch, reps: int, flush):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+def add_arguments(p):
+    for name, default, text in OPTIONS:
+        p.add_argument(f"--e79-{name}", f"--{name}", type=int, nargs="+" if name in "BTn" else "*", default=default,
+                       help=text)
+    p.add_argument("--e79-dim", "--dim", type=int, default=1024)
+    p.add_argument("--e79-dtype", "--dtype", default="bfloat16")
+    p.add_argument("--e79-chunk", "--chunk", type=int, default=16)
+    p.add_argument("--e79-reps", type=int, help="timed calls of kspec's rows (default: --reps when given, else 10)")
+    p.add_argument("--e79-ref-reps", "--ref-reps", type=int, default=3,
+                   help="timed calls of the eager/compiled peers (median)")
+    p.add_argument("--e79-ref-T", "--ref-T", type=int, default=128,
+                   help="steps the eager/compiled peers run (per-step cost)")
+    p.add_argument("--e79-check-T", "--check-T", type=int, default=64)
+    p.add_argument("--e79-no-compile", "--no-compile", action="store_true",
+                   help="skip everything torch.compile: the compiled peer and the compiled kspec rows")
 
-    def run(fn) -> float:
-        for _ in range(2):
-            fn()
-        times = []
-        for _ in range(reps):
-            flush.fill_(1)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
 
-    return run
+def options(args) -> SimpleNamespace:
+    """This family's options without their prefix; --quick is the target point alone."""
+    o = SimpleNamespace(**{k[len("e79_"):]: v for k, v in vars(args).items() if k.startswith("e79_")})
+    if o.reps is None:
+        o.reps = args.reps if args.reps_given else 10
+    if args.quick:
+        o.B, o.T, o.n = [TARGET["B"]], [TARGET["T"]], [TARGET["n"]]
+    return o
 
 
 def make_step(torch, F):
@@ -147,10 +164,11 @@ def bench_point(torch, F, kspec, args, B, T, n, run, run_ref, compiled_step, eag
 
     rows = []
 
-    def record(variant, ms, steps, config="default", reps=args.reps, valid=True):
+    def record(variant, t, steps, config="default", valid=True):
+        ms = t["ev_ms"]
         rows.append(dict(B=B, T=T, n=n, variant=variant, config=config, steps=steps, ms=ms,
-                         us_per_step=1e3 * ms / steps, tokens_per_s=B * steps / (ms * 1e-3), reps=reps,
-                         valid=valid))
+                         us_per_step=1e3 * ms / steps, tokens_per_s=B * steps / (ms * 1e-3), reps=t["reps"],
+                         gpu_ms=t["gpu_ms"], host_us=t["host_us"], valid=valid))
 
     xg = x.clone().requires_grad_()
     dout = torch.randn(T, B, n, device=dev, dtype=dt)
@@ -265,48 +283,30 @@ def bench_point(torch, F, kspec, args, B, T, n, run, run_ref, compiled_step, eag
             out, _, _ = reference_forward(torch, step, ref_cell, xr)
             out.backward(dr)
 
-        record(f"{name} fwd", run_ref(r_fwd), tr, reps=args.ref_reps, valid=valid)
-        record(f"{name} fwd+bwd", run_ref(r_fwdbwd), tr, reps=args.ref_reps, valid=valid)
+        record(f"{name} fwd", run_ref(r_fwd), tr, valid=valid)
+        record(f"{name} fwd+bwd", run_ref(r_fwdbwd), tr, valid=valid)
     return rows, dict(out_err=err, S_err=err_S, checked_steps=tc, compiled_peer_err=peer_err,
                       compiled_kspec_vs_eager=compiled_check, cluster_vs_default=cluster_checks)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--B", type=int, nargs="+", default=[1, 16, 128])
-    p.add_argument("--T", type=int, nargs="+", default=[512, 4096])
-    p.add_argument("--n", type=int, nargs="+", default=[32, 64, 96, 128])
-    p.add_argument("--dim", type=int, default=1024)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--chunk", type=int, default=16)
-    p.add_argument("--reps", type=int, default=10, help="timed calls of kspec's rows (median)")
-    p.add_argument("--ref-reps", type=int, default=3, help="timed calls of the eager/compiled peers (median)")
-    p.add_argument("--ref-T", type=int, default=128, help="steps the eager/compiled peers run (per-step cost)")
-    p.add_argument("--check-T", type=int, default=64)
-    p.add_argument("--no-compile", action="store_true",
-                   help="skip everything torch.compile: the compiled peer and the compiled kspec rows")
-    p.add_argument("--clusters", type=int, nargs="*", default=[2, 4, 8],
-                   help="cluster sizes for the cluster rows (CTAs per sequence; sm_90+)")
-    p.add_argument("--cluster-B", type=int, nargs="*", default=[1, 16], help="batch sizes that get cluster rows")
-    p.add_argument("--quick", action="store_true", help="only the target point B=16, T=4096, n=64")
-    p.add_argument("--json", metavar="FILE")
-    a = p.parse_args(argv)
-    if a.quick:
-        a.B, a.T, a.n = [TARGET["B"]], [TARGET["T"]], [TARGET["n"]]
-
-    import torch
+def run(ctx):
+    """Every (n, B, T) point: a line each as it finishes, the target verdict at the end."""
+    a = options(ctx.args)
+    torch = ctx.torch
     import torch.nn.functional as F
 
     import kspec
 
-    if not torch.cuda.is_available():
-        print("bench_e79: no CUDA GPU", file=sys.stderr)
-        return 1
     if torch.cuda.get_device_capability()[0] < 9 and a.clusters:
-        print("bench_e79: thread-block clusters need sm_90 or newer; no cluster rows", file=sys.stderr)
+        print("bench e79: thread-block clusters need sm_90 or newer; no cluster rows", file=sys.stderr)
         a.clusters = []
-    flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
-    run, run_ref = timer(torch, a.reps, flush), timer(torch, a.ref_reps, flush)
+
+    def timed(fn):
+        return ctx.timer.time(fn, reps=a.reps, warmup=2)
+
+    def timed_ref(fn):
+        return ctx.timer.time(fn, reps=a.ref_reps, warmup=2)
+
     eager_step = make_step(torch, F)
     # One compiled step per (B, n) point: dynamo's default of 8 recompiles is below the table's 12 points.
     torch._dynamo.config.recompile_limit = 64
@@ -328,7 +328,8 @@ def main(argv=None) -> int:
         for B in a.B:
             for T in a.T:
                 t_point = time.perf_counter()
-                r, c = bench_point(torch, F, kspec, a, B, T, n, run, run_ref, compiled_step, eager_step, compiled_e79)
+                r, c = bench_point(torch, F, kspec, a, B, T, n, timed, timed_ref, compiled_step, eager_step,
+                                   compiled_e79)
                 seconds = time.perf_counter() - t_point
                 rows.extend(r)
                 checks.append(dict(B=B, T=T, n=n, seconds=seconds, **c))
@@ -375,14 +376,5 @@ def main(argv=None) -> int:
                 print(f"target fwd+bwd B=16 T=4096 n=64 vs {peer}: {s:.1f}x (need >= {need}x): "
                       f"{'PASS' if s >= need else 'FAIL'}")
     total = time.perf_counter() - t_start
-    print(f"bench_e79: {len(checks)} points, {len(rows)} rows in {total:.0f} s")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(rows=rows, checks=checks, args=vars(a), device=torch.cuda.get_device_name(),
-                           torch=torch.__version__, kspec=kspec.__version__, seconds=total), f, indent=1,
-                      default=lambda v: None if isinstance(v, float) and not math.isfinite(v) else str(v))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    print(f"bench e79: {len(checks)} points, {len(rows)} rows in {total:.0f} s")
+    return {"rows": rows, "checks": checks, "options": vars(a), "verdict_us_per_step": verdict}

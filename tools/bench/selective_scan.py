@@ -1,0 +1,130 @@
+"""The selective_scan benchmark: the Mamba S6 scan, bf16, variable B/C (one group), D, z, delta_bias,
+softplus, dstate 16, against mamba_ssm."""
+from __future__ import annotations
+
+import sys
+import traceback
+
+from .common import Section, brief, rel_error, short_error
+from .report import fmt
+
+
+FAMILY = "selective_scan"
+DESCRIPTION = "the Mamba S6 scan against mamba_ssm's selective_scan_fn"
+NEEDS_BUILD = "mamba"  # the peer tools/gpu/check.sh builds from source (build_mamba.sh) while kspec builds
+
+
+def add_arguments(p):
+    p.add_argument("--scan-shapes", metavar="BxDxL,...", help="selective_scan: these shapes instead of the default four"
+                   " (the small ones of the outside test: 4x1536x1000,2x4096x333,1x2048x512,16x768x256,8x2560x1024)")
+
+
+# Floors. Bytes: u, delta, z read and out written once (B, C: 2 * batch * dstate * seqlen more), fwd+bwd
+# adds dout, du, ddelta, dz and the forward's reads again. Exponentials: one ex2 per (b, d, t, n) in the
+# forward, three in fwd+bwd (the forward, the backward's recompute and its adjoint: kspec's with the
+# forward's states every 16 steps, four with segments; without them its backward does three itself, five
+# with segments; mamba_ssm's forward saves x and its backward does one); the SFU does 16 ex2 per SM and
+# clock: 16 * 132 * 1.755e9 = 3.71e12 per second on the H100.
+SFU_EX2_PER_S = 16 * 132 * 1.755e9
+
+
+def scan_inputs(torch, dev, b, d, t, n, seed):
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def rn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device=dev, generator=g).to(dtype)
+
+    return dict(u=rn(b, d, t), delta=rn(b, d, t) * 0.5 - 1.0, A=-(0.25 + rn(d, n, dtype=torch.float32).abs()),
+                B=rn(b, 1, n, t), C=rn(b, 1, n, t), D=rn(d, dtype=torch.float32), z=rn(b, d, t),
+                delta_bias=rn(d, dtype=torch.float32) * 0.1)
+
+
+def scan_check(torch, x, out, channels=4, steps=512):
+    """out[0, :channels, :steps] against the float64 reference (its prefix needs only those steps)."""
+    from kspec.reference import selective_scan as ref
+
+    sl = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
+    c, s = channels, steps
+    yr, _ = ref.selective_scan_fwd(sl(x["u"][:1, :c, :s]), sl(x["delta"][:1, :c, :s]), sl(x["A"][:c]),
+                                   sl(x["B"][:1, :, :, :s]), sl(x["C"][:1, :, :, :s]), sl(x["D"][:c]),
+                                   sl(x["z"][:1, :c, :s]), sl(x["delta_bias"][:c]), True)
+    return rel_error(out[:1, :c, :s], torch.from_numpy(yr))
+
+
+def run(ctx):
+    torch = ctx.torch
+    kspec = ctx.kspec
+    shapes = [(2, 1024, 1024)] if ctx.args.quick else [(8, 2048, 2048), (8, 5120, 2048), (8, 2048, 8192),
+                                                      (1, 2048, 65536)]
+    if ctx.args.scan_shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in ctx.args.scan_shapes.split(",")]
+    peer = None
+    try:
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as peer  # torch imported first
+    except Exception as e:  # noqa: BLE001
+        print(f"bench: selective_scan: mamba_ssm not importable ({brief(str(e))})", file=sys.stderr)
+    n = 16
+    rows = []
+    for b, d, t in shapes:
+        x = scan_inputs(torch, ctx.dev, b, d, t, n, ctx.args.seed)
+        leaves = {k: v.clone().requires_grad_() for k, v in x.items()}
+        dout = torch.randn_like(x["u"])
+        impls = [("kspec", kspec.ops.selective_scan_fn)] + ([("mamba_ssm", peer)] if peer else [])
+        for impl, fn in impls:
+            def fwd(fn=fn, a=x):
+                return fn(a["u"], a["delta"], a["A"], a["B"], a["C"], a["D"], a["z"], a["delta_bias"], True)
+
+            def fwdbwd(fn=fn):
+                for v in leaves.values():
+                    v.grad = None
+                y = fn(leaves["u"], leaves["delta"], leaves["A"], leaves["B"], leaves["C"], leaves["D"],
+                       leaves["z"], leaves["delta_bias"], True)
+                y.backward(dout)
+
+            elems = b * d * t
+            for kind, step, nbytes, ex2 in (("fwd", fwd, 2 * 4 * elems + 2 * 2 * b * n * t, elems * n),
+                                            ("fwd+bwd", fwdbwd, 2 * 11 * elems + 2 * 6 * b * n * t, 3 * elems * n)):
+                row = {"family": "selective_scan", "shape": f"{b}x{d}x{t}", "impl": impl, "kind": kind,
+                       "bytes": nbytes, "status": ""}
+                if ctx.skipped(impl):
+                    row["status"] = "skipped"
+                    rows.append(row)
+                    continue
+                try:
+                    row["max_error"] = scan_check(torch, x, fwd().float().cpu())
+                    row["valid"] = row["max_error"] <= 2e-2
+                    row["status"] = "ok" if row["valid"] else "INVALID"
+                    if row["valid"] or impl != "kspec" or ctx.args.time_invalid:
+                        row.update(ctx.timer.time(step))
+                        row["bytes_floor_ms"] = nbytes / (ctx.args.peak_tbps * 1e12) * 1e3
+                        row["ex2_floor_ms"] = ex2 / SFU_EX2_PER_S * 1e3
+                except Exception as e:  # noqa: BLE001
+                    row["status"] = "error"
+                    row["error"] = short_error(e)
+                    if ctx.args.verbose:
+                        traceback.print_exc()
+                rows.append(row)
+                print(f"bench: selective_scan {row['shape']} {impl} {kind}: {row['status']}", file=sys.stderr,
+                      flush=True)
+        del x, leaves, dout
+        torch.cuda.empty_cache()
+    for r in rows:
+        base = next((k for k in rows if k["impl"] == "kspec" and k["kind"] == r["kind"] and k["shape"] == r["shape"]
+                     and "gpu_ms" in k), None)
+        if base and "gpu_ms" in r:
+            r["kspec_speedup_gpu"] = r["gpu_ms"] / base["gpu_ms"]
+    cols = [
+        ("shape (B×D×L)", "shape"), ("impl", "impl"), ("kind", "kind"),
+        ("gpu ms", lambda r: fmt(r.get("gpu_ms"), ".3f")), ("ev ms", lambda r: fmt(r.get("ev_ms"), ".3f")),
+        ("bytes floor ms", lambda r: fmt(r.get("bytes_floor_ms"), ".3f")),
+        ("ex2 floor ms", lambda r: fmt(r.get("ex2_floor_ms"), ".3f")),
+        ("kspec × (gpu)", lambda r: fmt(r.get("kspec_speedup_gpu"), ".2f")),
+        ("rel err (prefix)", lambda r: fmt(r.get("max_error"), ".1e")),
+        ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else "")),
+    ]
+    notes = ["targets (H100, peers.md): fwd <= 0.30 ms and fwd+bwd <= 1.5 ms at 8x2048x2048; >= 2x mamba_ssm"
+             " (1.45/7.46, 2.75/12.3, 3.00/14.3 ms at the other shapes).",
+             "validation: out[0, :4, :512] against the float64 reference before timing. Not benchmarked: a"
+             " torch.compile of the reference (a Python loop over seqlen steps does not compile in useful time)."]
+    return {"results": rows}, [Section("selective_scan: bf16, variable B/C, D, z, delta_bias, softplus, dstate 16",
+                                       cols, rows, notes)]

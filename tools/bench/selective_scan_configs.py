@@ -1,0 +1,92 @@
+"""The selective_scan_configs sweep: every config of the scan's forward or backward at one shape."""
+from __future__ import annotations
+
+import re
+import sys
+
+from .common import Section, short_error
+from .report import fmt
+from .selective_scan import SFU_EX2_PER_S, scan_check, scan_inputs
+
+
+FAMILY = "selective_scan_configs"
+DESCRIPTION = "every config of the scan's forward or backward at one shape (a sweep)"
+IN_ALL = False  # a sweep, run on request
+
+
+def add_arguments(p):
+    p.add_argument("--scan-op", choices=("fwd", "bwd"), default="fwd", help="selective_scan_configs: the op")
+    p.add_argument("--scan-shape", default="8x2048x2048", metavar="BxDxL", help="selective_scan_configs: the shape")
+    p.add_argument("--scan-own-states", action="store_true",
+                   help="selective_scan_configs: the backward without the forward's states (it makes its own)")
+    p.add_argument("--scan-config", action="append", metavar="CONFIG",
+                   help="selective_scan_configs: a config to time (repeatable; default: a forward sweep)")
+
+
+def run(ctx):
+    """selective_scan.fwd or .bwd (--scan-op) at one shape (--scan-shape BxDxL, default 8x2048x2048) under
+    each config of a list (--scan-config, repeatable; default: a forward sweep), the heuristic's choice
+    timed too and marked: which algorithm, block shape and segment count to prefer. Raw kspec.call, no
+    autograd: the forward without states (inference), the backward with the forward's states (training;
+    --scan-own-states: without, so it makes its own). Each config's outputs are compared with the
+    heuristic's before it is timed (the forward's out prefix also with the float64 reference)."""
+    torch = ctx.torch
+    kspec = ctx.kspec
+    op = f"selective_scan.{ctx.args.scan_op}"
+    b, d, t = (2, 1024, 1024) if ctx.args.quick else tuple(int(v) for v in ctx.args.scan_shape.split("x"))
+    n = 16
+    x = scan_inputs(torch, ctx.dev, b, d, t, n, ctx.args.seed)
+    fwd_args = (x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"], x["delta_bias"], None)
+    states = None
+    if ctx.args.scan_op == "bwd" and not ctx.args.scan_own_states:
+        states = torch.empty(b, d, -(-t // 16), n, device=ctx.dev)
+        kspec.call("selective_scan.fwd", *fwd_args, delta_softplus=True,
+                   out=(torch.empty_like(x["u"]), torch.empty(b, d, n, device=ctx.dev), states))
+    args = fwd_args if ctx.args.scan_op == "fwd" else (torch.randn_like(x["u"]),) + fwd_args + (None, states)
+    configs = list(ctx.args.scan_config or [])
+    if not configs:
+        configs = ["algo=0,warps=4,items=8,lanes=1,chunk=32,segs=1", "algo=0,warps=2,items=8,lanes=1,chunk=32,segs=1"]
+        for warps in (2, 4, 8):
+            for lanes in (1, 2, 4):
+                for chunk in (32, 64, 128):
+                    configs.append(f"algo=1,warps={warps},items=4,lanes={lanes},chunk={chunk},segs=1")
+    try:  # the heuristic's config, as explain() prints it
+        m = re.search(r"algo=[0-9a-z=,]+", str(kspec.explain(op, *args, delta_softplus=True)))
+        heur = m.group(0) if m else ""
+    except Exception:  # noqa: BLE001
+        heur = ""
+    if heur and heur not in configs:
+        configs.insert(0, heur)
+    ref_out = [o.float() for o in kspec.call(op, *args, delta_softplus=True) if o is not None]
+    rows = []
+    elems = b * d * t
+    for cfg in configs:
+        row = {"family": "selective_scan_configs", "op": op, "shape": f"{b}x{d}x{t}", "config": cfg,
+               "heuristic": cfg == heur, "status": ""}
+        try:
+            step = lambda cfg=cfg: kspec.call(op, *args, config=cfg, delta_softplus=True)  # noqa: E731
+            outs = [o.float() for o in step() if o is not None]
+            row["vs_heuristic"] = max(float((o - r).norm() / r.norm().clamp_min(1e-30)) for o, r in zip(outs, ref_out))
+            ok = row["vs_heuristic"] <= 1e-2
+            if ctx.args.scan_op == "fwd":
+                row["max_error"] = scan_check(torch, x, outs[0][:1, :4, :512].cpu())
+                ok = ok and row["max_error"] <= 2e-2
+            row["status"] = "ok" if ok else "INVALID"
+            if ok:
+                row.update(ctx.timer.time(step))
+                row["ex2_floor_ms"] = elems * n * (1 if ctx.args.scan_op == "fwd" else 2) / SFU_EX2_PER_S * 1e3
+        except Exception as e:  # noqa: BLE001
+            row["status"] = "error"
+            row["error"] = short_error(e)
+        rows.append(row)
+        print(f"bench: selective_scan_configs {op} {cfg}: {row['status']} {row.get('gpu_ms', '')}", file=sys.stderr,
+              flush=True)
+    cols = [("config", "config"), ("heuristic", lambda r: "*" if r["heuristic"] else ""),
+            ("gpu ms", lambda r: fmt(r.get("gpu_ms"), ".4f")), ("ev ms", lambda r: fmt(r.get("ev_ms"), ".4f")),
+            ("ex2 floor ms", lambda r: fmt(r.get("ex2_floor_ms"), ".3f")),
+            ("vs heuristic", lambda r: fmt(r.get("vs_heuristic"), ".1e")),
+            ("rel err (prefix)", lambda r: fmt(r.get("max_error"), ".1e")),
+            ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else ""))]
+    notes = ["ex2 floor: one ex2 per step and state for the forward, two for the backward (its recompute from"
+             " the forward's states and the adjoint; three without the states, and one more with segments)."]
+    return {"results": rows}, [Section(f"{op} configs, bf16, {b}x{d}x{t}, dstate {n}", cols, rows, notes)]
