@@ -5,8 +5,40 @@
 #include "common/dtype.cuh"
 #include "common/math.cuh"
 #include "common/reduce.cuh"
+#include "selective_scan/params.h"
 
 namespace kspec {
+
+// The compile-time facts of a problem that every scan kernel specializes on, one type for all of them
+// (api/ops/selective_scan: flags_targs):
+//   T: u, delta, z, out (and du, ddelta, dz); TB, TC: B and C (the input dtype or float).
+//   kVarB/kVarC: B/C is input-dependent [batch, groups, dstate, seqlen] (else fixed [dim, dstate]).
+//   kVectors: whole aligned 16-byte vectors along time; what "whole" means is the algorithm's (the warp
+//   and sequential kernels' kEven: seqlen a multiple of 512; the tile kernel's kVec: of 8), and every
+//   pointer 16-byte aligned.
+template <typename T_, typename TB_, typename TC_, int kDstate_, bool kVarB_, bool kVarC_, bool kHasD_,
+          bool kHasZ_, bool kHasDeltaBias_, bool kSoftplus_, bool kHasH0_, bool kVectors_>
+struct ScanFlags {
+  using T = T_;
+  using TB = TB_;
+  using TC = TC_;
+  static constexpr int kDstate = kDstate_;
+  static constexpr bool kVarB = kVarB_, kVarC = kVarC_, kHasD = kHasD_, kHasZ = kHasZ_;
+  static constexpr bool kHasDeltaBias = kHasDeltaBias_, kSoftplus = kSoftplus_, kHasH0 = kHasH0_;
+  static constexpr bool kVectors = kVectors_;
+};
+
+// A pointer from the kernel's ScanParams, as the kernel's element type. kUsed (the pointer is never null
+// in this specialization): it points to global memory, which NVVM assumes of a pointer passed as a kernel
+// parameter but not of one read from a struct; without it the __restrict__ loads lost the read-only
+// path (sm_80 warp forward, fp16: 16 of its 28 16-bit loads plain LDG, 76 registers against 72). Never
+// kUsed for a pointer that may be null (__isGlobal(nullptr) is false: the assumption would be undefined).
+template <typename X, bool kUsed, typename P>
+__device__ __forceinline__ X* param_ptr(P* p) {
+  X* q = static_cast<X*>(p);
+  if constexpr (kUsed) __builtin_assume(__isGlobal(q));
+  return q;
+}
 
 namespace scan_detail {
 

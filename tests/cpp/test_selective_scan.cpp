@@ -403,5 +403,16 @@ TEST(SelectiveScan, AnAlgorithmsHeaderEditChangesOnlyItsKernelsKeys) {
   const auto k1 = keys();
   EXPECT_EQ(changed(k0, k1), std::vector<std::string>{"kspec::selective_scan_step_kernel"});
   std::ofstream(root + "/selective_scan/tile.cuh", std::ios::app) << "\n// edited\n";
-  EXPECT_EQ(changed(k1, keys()), std::vector<std::string>{"kspec::selective_scan_fwd_tile_kernel"});
+  const auto k2 = keys();
+  EXPECT_EQ(changed(k1, k2), std::vector<std::string>{"kspec::selective_scan_fwd_tile_kernel"});
+  // The sequential kernels: forward, backward and the segments' passes each in its own header.
+  std::ofstream(root + "/selective_scan/sequential_fwd.cuh", std::ios::app) << "\n// edited\n";
+  const auto k3 = keys();
+  EXPECT_EQ(changed(k2, k3), std::vector<std::string>{"kspec::selective_scan_fwd_seq_kernel"});
+  std::ofstream(root + "/selective_scan/sequential_bwd.cuh", std::ios::app) << "\n// edited\n";
+  const auto k4 = keys();
+  EXPECT_EQ(changed(k3, k4), std::vector<std::string>{"kspec::selective_scan_bwd_seq_kernel"});
+  std::ofstream(root + "/selective_scan/sequential_segments.cuh", std::ios::app) << "\n// edited\n";
+  EXPECT_EQ(changed(k4, keys()),
+            (std::vector<std::string>{"kspec::selective_scan_seg_bwd_kernel", "kspec::selective_scan_seg_fwd_kernel"}));
 }
