@@ -5,12 +5,11 @@
 #include "common/dtype.cuh"
 #include "common/math.cuh"
 #include "common/reduce.cuh"
-#include "selective_scan/params.h"
 
 namespace kspec {
 
 // The compile-time facts of a problem that every scan kernel specializes on, one type for all of them
-// (api/ops/selective_scan: flags_targs):
+// (api/ops/selective_scan/schema.cpp: flags_type):
 //   T: u, delta, z, out (and du, ddelta, dz); TB, TC: B and C (the input dtype or float).
 //   kVarB/kVarC: B/C is input-dependent [batch, groups, dstate, seqlen] (else fixed [dim, dstate]).
 //   kVectors: whole aligned 16-byte vectors along time; what "whole" means is the algorithm's (the warp
@@ -27,18 +26,6 @@ struct ScanFlags {
   static constexpr bool kHasDeltaBias = kHasDeltaBias_, kSoftplus = kSoftplus_, kHasH0 = kHasH0_;
   static constexpr bool kVectors = kVectors_;
 };
-
-// A pointer from the kernel's ScanParams, as the kernel's element type. kUsed (the pointer is never null
-// in this specialization): it points to global memory, which NVVM assumes of a pointer passed as a kernel
-// parameter but not of one read from a struct; without it the __restrict__ loads lost the read-only
-// path (sm_80 warp forward, fp16: 16 of its 28 16-bit loads plain LDG, 76 registers against 72). Never
-// kUsed for a pointer that may be null (__isGlobal(nullptr) is false: the assumption would be undefined).
-template <typename X, bool kUsed, typename P>
-__device__ __forceinline__ X* param_ptr(P* p) {
-  X* q = static_cast<X*>(p);
-  if constexpr (kUsed) __builtin_assume(__isGlobal(q));
-  return q;
-}
 
 namespace scan_detail {
 

@@ -211,36 +211,18 @@ constexpr int seq_bwd_min_blocks() {
 }
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, seq_bwd_min_blocks<Tr>())
-    selective_scan_bwd_seq_kernel(const ScanParams params) {
-  const typename Tr::T* __restrict__ u = param_ptr<const typename Tr::T, true>(params.u);
-  const typename Tr::T* __restrict__ delta = param_ptr<const typename Tr::T, true>(params.delta);
-  const float* __restrict__ A = param_ptr<const float, true>(params.A);
-  const typename Tr::TB* __restrict__ B = param_ptr<const typename Tr::TB, true>(params.B);
-  const typename Tr::TC* __restrict__ C = param_ptr<const typename Tr::TC, true>(params.C);
-  const float* __restrict__ D = param_ptr<const float, Tr::kHasD>(params.D);
-  const typename Tr::T* __restrict__ z = param_ptr<const typename Tr::T, Tr::kHasZ>(params.z);
-  const float* __restrict__ delta_bias = param_ptr<const float, Tr::kHasDeltaBias>(params.delta_bias);
-  const float* __restrict__ h0 = param_ptr<const float, Tr::kHasH0>(params.h0);
-  const typename Tr::T* __restrict__ dout = param_ptr<const typename Tr::T, true>(params.dout);
-  const float* __restrict__ dlast_state = param_ptr<const float, false>(params.dlast_state);
-  typename Tr::T* __restrict__ du = param_ptr<typename Tr::T, true>(params.du);
-  typename Tr::T* __restrict__ ddelta = param_ptr<typename Tr::T, true>(params.ddelta);
-  typename Tr::T* __restrict__ dz = param_ptr<typename Tr::T, Tr::kHasZ>(params.dz);
-  float* __restrict__ dh0 = param_ptr<float, Tr::kHasH0>(params.dh0);
-  float* __restrict__ dB_acc = param_ptr<float, true>(params.dB_acc);
-  float* __restrict__ dC_acc = param_ptr<float, true>(params.dC_acc);
-  float* __restrict__ states = param_ptr<float, true>(params.states);
-  float* __restrict__ partials = param_ptr<float, true>(params.partials);
-  int dim = params.dim;
-  int seqlen = params.seqlen;
-  int channels_per_group = params.channels_per_group;
-  int groups = params.groups;
-  const float* __restrict__ seg_h = param_ptr<const float, false>(params.seg_h);
-  const float* __restrict__ seg_g = param_ptr<const float, false>(params.seg_g);
-  const float* __restrict__ seg_dt = param_ptr<const float, false>(params.seg_dt);
-  int seg_len = params.seg_len;
-  int nsegs = params.nsegs;
-  const float* __restrict__ given = param_ptr<const float, false>(params.given);
+    selective_scan_bwd_seq_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
+                                  const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
+                                  const typename Tr::TC* __restrict__ C, const float* __restrict__ D,
+                                  const typename Tr::T* __restrict__ z, const float* __restrict__ delta_bias,
+                                  const float* __restrict__ h0, const typename Tr::T* __restrict__ dout,
+                                  const float* __restrict__ dlast_state, typename Tr::T* __restrict__ du,
+                                  typename Tr::T* __restrict__ ddelta, typename Tr::T* __restrict__ dz,
+                                  float* __restrict__ dh0, float* __restrict__ dB_acc, float* __restrict__ dC_acc,
+                                  float* __restrict__ states, float* __restrict__ partials, int dim, int seqlen,
+                                  int channels_per_group, int groups, const float* __restrict__ seg_h,
+                                  const float* __restrict__ seg_g, const float* __restrict__ seg_dt, int seg_len,
+                                  int nsegs, const float* __restrict__ given) {
   using namespace scan_detail;
   constexpr int N = Tr::kDstate, S = Tr::kSpt, NC = Tr::kChannels, CS = Tr::kCs;
   constexpr int kC = Tr::kChunk, NP = Tr::kNp, W = Tr::kWarps, kRs = kC + 1;

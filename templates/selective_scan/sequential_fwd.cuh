@@ -19,28 +19,15 @@ constexpr int seq_fwd_smem_floats() {
 // the states for the backward were written, and 2 blocks ran 8x5120x2048 bf16 in 0.89 ms against 0.69.
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kSpt == 8 && Tr::kThreads == 128 ? 3 : 1)
-    selective_scan_fwd_seq_kernel(const ScanParams params) {
-  const typename Tr::T* __restrict__ u = param_ptr<const typename Tr::T, true>(params.u);
-  const typename Tr::T* __restrict__ delta = param_ptr<const typename Tr::T, true>(params.delta);
-  const float* __restrict__ A = param_ptr<const float, true>(params.A);
-  const typename Tr::TB* __restrict__ B = param_ptr<const typename Tr::TB, true>(params.B);
-  const typename Tr::TC* __restrict__ C = param_ptr<const typename Tr::TC, true>(params.C);
-  const float* __restrict__ D = param_ptr<const float, Tr::kHasD>(params.D);
-  const typename Tr::T* __restrict__ z = param_ptr<const typename Tr::T, Tr::kHasZ>(params.z);
-  const float* __restrict__ delta_bias = param_ptr<const float, Tr::kHasDeltaBias>(params.delta_bias);
-  const float* __restrict__ h0 = param_ptr<const float, Tr::kHasH0>(params.h0);
-  typename Tr::T* __restrict__ out = param_ptr<typename Tr::T, true>(params.out);
-  float* __restrict__ last_state = param_ptr<float, true>(params.last_state);
-  int dim = params.dim;
-  int seqlen = params.seqlen;
-  int channels_per_group = params.channels_per_group;
-  int groups = params.groups;
-  const float* __restrict__ seg_h = param_ptr<const float, false>(params.seg_h);
-  const float* __restrict__ seg_dt = param_ptr<const float, false>(params.seg_dt);
-  int seg_len = params.seg_len;
-  int nsegs = params.nsegs;
-  float* __restrict__ states = param_ptr<float, false>(params.states);
-  const unsigned* __restrict__ seg_ready = param_ptr<const unsigned, false>(params.seg_ready);
+    selective_scan_fwd_seq_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
+                                  const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
+                                  const typename Tr::TC* __restrict__ C, const float* __restrict__ D,
+                                  const typename Tr::T* __restrict__ z, const float* __restrict__ delta_bias,
+                                  const float* __restrict__ h0, typename Tr::T* __restrict__ out,
+                                  float* __restrict__ last_state, int dim, int seqlen, int channels_per_group,
+                                  int groups, const float* __restrict__ seg_h, const float* __restrict__ seg_dt,
+                                  int seg_len, int nsegs, float* __restrict__ states,
+                                  const unsigned* __restrict__ seg_ready) {
   using namespace scan_detail;
   using T = typename Tr::T;
   constexpr int N = Tr::kDstate, S = Tr::kSpt, NC = Tr::kChannels, CS = Tr::kCs;

@@ -30,21 +30,11 @@ constexpr int seq_seg_min_blocks() {
 }
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, seq_seg_min_blocks<Tr>())
-    selective_scan_seg_fwd_kernel(const ScanParams params) {
-  const typename Tr::T* __restrict__ u = param_ptr<const typename Tr::T, true>(params.u);
-  const typename Tr::T* __restrict__ delta = param_ptr<const typename Tr::T, true>(params.delta);
-  const float* __restrict__ A = param_ptr<const float, true>(params.A);
-  const typename Tr::TB* __restrict__ B = param_ptr<const typename Tr::TB, true>(params.B);
-  const float* __restrict__ delta_bias = param_ptr<const float, Tr::kHasDeltaBias>(params.delta_bias);
-  float* __restrict__ seg_h = param_ptr<float, true>(params.seg_h);
-  float* __restrict__ seg_dt = param_ptr<float, true>(params.seg_dt);
-  int dim = params.dim;
-  int seqlen = params.seqlen;
-  int channels_per_group = params.channels_per_group;
-  int groups = params.groups;
-  int seg_len = params.seg_len;
-  int nsegs = params.nsegs;
-  unsigned* __restrict__ seg_ready = param_ptr<unsigned, false>(params.seg_ready);
+    selective_scan_seg_fwd_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
+                                  const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
+                                  const float* __restrict__ delta_bias, float* __restrict__ seg_h,
+                                  float* __restrict__ seg_dt, int dim, int seqlen, int channels_per_group, int groups,
+                                  int seg_len, int nsegs, unsigned* __restrict__ seg_ready) {
   using namespace scan_detail;
   constexpr int N = Tr::kDstate, S = Tr::kSpt, kC = Tr::kChunk;
   if (seg_ready) seq_allow_next_kernel();
@@ -88,21 +78,11 @@ __global__ void __launch_bounds__(Tr::kThreads, seq_seg_min_blocks<Tr>())
 // with the forward's states the forward local pass, which also writes it, does not run).
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
-    selective_scan_seg_bwd_kernel(const ScanParams params) {
-  const typename Tr::T* __restrict__ delta = param_ptr<const typename Tr::T, true>(params.delta);
-  const float* __restrict__ A = param_ptr<const float, true>(params.A);
-  const typename Tr::TC* __restrict__ C = param_ptr<const typename Tr::TC, true>(params.C);
-  const typename Tr::T* __restrict__ z = param_ptr<const typename Tr::T, Tr::kHasZ>(params.z);
-  const float* __restrict__ delta_bias = param_ptr<const float, Tr::kHasDeltaBias>(params.delta_bias);
-  const typename Tr::T* __restrict__ dout = param_ptr<const typename Tr::T, true>(params.dout);
-  float* __restrict__ seg_g = param_ptr<float, true>(params.seg_g);
-  float* __restrict__ seg_dt = param_ptr<float, true>(params.seg_dt);
-  int dim = params.dim;
-  int seqlen = params.seqlen;
-  int channels_per_group = params.channels_per_group;
-  int groups = params.groups;
-  int seg_len = params.seg_len;
-  int nsegs = params.nsegs;
+    selective_scan_seg_bwd_kernel(const typename Tr::T* __restrict__ delta, const float* __restrict__ A,
+                                  const typename Tr::TC* __restrict__ C, const typename Tr::T* __restrict__ z,
+                                  const float* __restrict__ delta_bias, const typename Tr::T* __restrict__ dout,
+                                  float* __restrict__ seg_g, float* __restrict__ seg_dt, int dim, int seqlen,
+                                  int channels_per_group, int groups, int seg_len, int nsegs) {
   using namespace scan_detail;
   constexpr int N = Tr::kDstate, S = Tr::kSpt, kC = Tr::kChunk;
   constexpr int CS = Tr::kCs, NP = Tr::kNp;

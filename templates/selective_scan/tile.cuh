@@ -48,7 +48,7 @@ template <typename Flags, int kWarps_>
 struct TileScanTraits : Flags {
   static constexpr int kWarps = kWarps_, kThreads = 32 * kWarps;
   static constexpr int kS = 4;                 // states per lane
-  static constexpr int kG = Flags::kDstate / kS;      // state groups (lanes per channel)
+  static constexpr int kG = Flags::kDstate / kS;  // state groups (lanes per channel)
   static constexpr int kCW = 32 / kG;          // channels per block
   static constexpr int kRun = scan_detail::kStateStride;  // steps per warp and tile
   static constexpr int kTile = kWarps * kRun;  // steps per tile
@@ -153,23 +153,13 @@ struct TileRows {
 // prototype 1.50 ms against 1.53 at 2, but NVRTC spilled 8 bytes there for fp16 on sm_90.
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 2)
-    selective_scan_fwd_tile_kernel(const ScanParams params) {
-  const typename Tr::T* __restrict__ u = param_ptr<const typename Tr::T, true>(params.u);
-  const typename Tr::T* __restrict__ delta = param_ptr<const typename Tr::T, true>(params.delta);
-  const float* __restrict__ A = param_ptr<const float, true>(params.A);
-  const typename Tr::TB* __restrict__ B = param_ptr<const typename Tr::TB, true>(params.B);
-  const typename Tr::TC* __restrict__ C = param_ptr<const typename Tr::TC, true>(params.C);
-  const float* __restrict__ D = param_ptr<const float, Tr::kHasD>(params.D);
-  const typename Tr::T* __restrict__ z = param_ptr<const typename Tr::T, Tr::kHasZ>(params.z);
-  const float* __restrict__ delta_bias = param_ptr<const float, Tr::kHasDeltaBias>(params.delta_bias);
-  const float* __restrict__ h0 = param_ptr<const float, Tr::kHasH0>(params.h0);
-  typename Tr::T* __restrict__ out = param_ptr<typename Tr::T, true>(params.out);
-  float* __restrict__ last_state = param_ptr<float, true>(params.last_state);
-  int dim = params.dim;
-  int seqlen = params.seqlen;
-  int channels_per_group = params.channels_per_group;
-  int groups = params.groups;
-  float* __restrict__ states = param_ptr<float, false>(params.states);
+    selective_scan_fwd_tile_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
+                                   const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
+                                   const typename Tr::TC* __restrict__ C, const float* __restrict__ D,
+                                   const typename Tr::T* __restrict__ z, const float* __restrict__ delta_bias,
+                                   const float* __restrict__ h0, typename Tr::T* __restrict__ out,
+                                   float* __restrict__ last_state, int dim, int seqlen, int channels_per_group,
+                                   int groups, float* __restrict__ states) {
   using namespace scan_detail;
   using T = typename Tr::T;
   constexpr int N = Tr::kDstate, S = Tr::kS, G = Tr::kG, CW = Tr::kCW, W = Tr::kWarps, R = Tr::kRun;

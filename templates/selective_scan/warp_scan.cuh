@@ -162,23 +162,13 @@ __device__ __forceinline__ float lane_entry_state(const float (&a)[kItems], cons
 // ---------------------------------------------------------------------------------------------
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
-    selective_scan_fwd_kernel(const ScanParams params) {
-  const typename Tr::T* __restrict__ u = param_ptr<const typename Tr::T, true>(params.u);
-  const typename Tr::T* __restrict__ delta = param_ptr<const typename Tr::T, true>(params.delta);
-  const float* __restrict__ A = param_ptr<const float, true>(params.A);
-  const typename Tr::TB* __restrict__ B = param_ptr<const typename Tr::TB, true>(params.B);
-  const typename Tr::TC* __restrict__ C = param_ptr<const typename Tr::TC, true>(params.C);
-  const float* __restrict__ D = param_ptr<const float, Tr::kHasD>(params.D);
-  const typename Tr::T* __restrict__ z = param_ptr<const typename Tr::T, Tr::kHasZ>(params.z);
-  const float* __restrict__ delta_bias = param_ptr<const float, Tr::kHasDeltaBias>(params.delta_bias);
-  const float* __restrict__ h0 = param_ptr<const float, Tr::kHasH0>(params.h0);
-  typename Tr::T* __restrict__ out = param_ptr<typename Tr::T, true>(params.out);
-  float* __restrict__ last_state = param_ptr<float, true>(params.last_state);
-  int dim = params.dim;
-  int seqlen = params.seqlen;
-  int channels_per_group = params.channels_per_group;
-  int groups = params.groups;
-  float* __restrict__ states = param_ptr<float, false>(params.states);
+    selective_scan_fwd_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
+                              const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
+                              const typename Tr::TC* __restrict__ C, const float* __restrict__ D,
+                              const typename Tr::T* __restrict__ z, const float* __restrict__ delta_bias,
+                              const float* __restrict__ h0, typename Tr::T* __restrict__ out,
+                              float* __restrict__ last_state, int dim, int seqlen, int channels_per_group,
+                              int groups, float* __restrict__ states) {
   using namespace scan_detail;
   constexpr int N = Tr::kDstate;
   constexpr int K = Tr::kItems;
@@ -283,31 +273,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // ---------------------------------------------------------------------------------------------
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
-    selective_scan_bwd_kernel(const ScanParams params) {
-  const typename Tr::T* __restrict__ u = param_ptr<const typename Tr::T, true>(params.u);
-  const typename Tr::T* __restrict__ delta = param_ptr<const typename Tr::T, true>(params.delta);
-  const float* __restrict__ A = param_ptr<const float, true>(params.A);
-  const typename Tr::TB* __restrict__ B = param_ptr<const typename Tr::TB, true>(params.B);
-  const typename Tr::TC* __restrict__ C = param_ptr<const typename Tr::TC, true>(params.C);
-  const float* __restrict__ D = param_ptr<const float, Tr::kHasD>(params.D);
-  const typename Tr::T* __restrict__ z = param_ptr<const typename Tr::T, Tr::kHasZ>(params.z);
-  const float* __restrict__ delta_bias = param_ptr<const float, Tr::kHasDeltaBias>(params.delta_bias);
-  const float* __restrict__ h0 = param_ptr<const float, Tr::kHasH0>(params.h0);
-  const typename Tr::T* __restrict__ dout = param_ptr<const typename Tr::T, true>(params.dout);
-  const float* __restrict__ dlast_state = param_ptr<const float, false>(params.dlast_state);
-  typename Tr::T* __restrict__ du = param_ptr<typename Tr::T, true>(params.du);
-  typename Tr::T* __restrict__ ddelta = param_ptr<typename Tr::T, true>(params.ddelta);
-  typename Tr::T* __restrict__ dz = param_ptr<typename Tr::T, Tr::kHasZ>(params.dz);
-  float* __restrict__ dh0 = param_ptr<float, Tr::kHasH0>(params.dh0);
-  float* __restrict__ dB_acc = param_ptr<float, true>(params.dB_acc);
-  float* __restrict__ dC_acc = param_ptr<float, true>(params.dC_acc);
-  float* states = param_ptr<float, true>(params.states);
-  float* __restrict__ partials = param_ptr<float, true>(params.partials);
-  int dim = params.dim;
-  int seqlen = params.seqlen;
-  int channels_per_group = params.channels_per_group;
-  int groups = params.groups;
-  const float* __restrict__ given = param_ptr<const float, false>(params.given);
+    selective_scan_bwd_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
+                              const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
+                              const typename Tr::TC* __restrict__ C, const float* __restrict__ D,
+                              const typename Tr::T* __restrict__ z, const float* __restrict__ delta_bias,
+                              const float* __restrict__ h0, const typename Tr::T* __restrict__ dout,
+                              const float* __restrict__ dlast_state, typename Tr::T* __restrict__ du,
+                              typename Tr::T* __restrict__ ddelta, typename Tr::T* __restrict__ dz,
+                              float* __restrict__ dh0, float* __restrict__ dB_acc, float* __restrict__ dC_acc,
+                              float* states, float* __restrict__ partials, int dim, int seqlen,
+                              int channels_per_group, int groups, const float* __restrict__ given) {
   using namespace scan_detail;
   constexpr int N = Tr::kDstate;
   constexpr int K = Tr::kItems;

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "api/src/op.h"
-#include "templates/selective_scan/params.h"
+#include "selective_scan/params.h"
 
 namespace kspec::scan {
 
@@ -56,7 +56,7 @@ inline bool many_channels(const Problem& p) { return p.dim("batch") * p.dim("dim
 std::string flags_type(const Problem& p, bool vectors);
 jit::KernelSpec kernel(const Problem& p, const char* header, const char* name, std::string traits);
 
-// The kernel argument of every scan kernel: the call's tensors and sizes (the workspace's pointers and
+// The kernels' arguments from the call's tensors and sizes (the workspace's pointers and
 // the segments' are filled by the algorithm's launch).
 ScanParams scan_params_of(const Call& call);
 

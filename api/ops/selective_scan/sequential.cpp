@@ -116,8 +116,8 @@ void fwd_launch(const Call& call, const Config& c, Launcher& l, ScanParams& s) {
   s.nsegs = sp.nsegs;
   const unsigned gx = u32(ceil_div(s.dim, seq_channels(c))), gy = u32(p.dim("batch")), threads = u32(c.get("warps") * 32);
   const unsigned smem = static_cast<unsigned>(seq_fwd_smem_bytes(p, c));
-  void* args[] = {&s};
-  if (sp.nsegs == 1) return l.launch(0, {gx, gy, 1}, {threads}, smem, args);
+  auto args = fwd_seq_args(s);  // the fields' addresses: the segments' pointers set below are read at launch
+  if (sp.nsegs == 1) return l.launch(0, {gx, gy, 1}, {threads}, smem, args.data());
   // Every segment but the last from a zero state: its end state and sum of dt, and a flag per
   // (batch, channel block, segment) set once they are written (workspace; the flags zeroed here). The
   // main kernel starts beside the local pass and waits on the flags (see "segments" in sequential.cuh).
@@ -128,8 +128,9 @@ void fwd_launch(const Call& call, const Config& c, Launcher& l, ScanParams& s) {
   s.seg_ready = reinterpret_cast<unsigned*>(s.seg_dt + chans * sp.nsegs);
   CU_CHECK(cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(s.seg_ready), 0, static_cast<size_t>(nflags),
                             reinterpret_cast<CUstream>(call.stream)));
-  l.launch(1, {gx, gy, u32(sp.nsegs - 1)}, {threads}, static_cast<unsigned>(seq_seg_smem_bytes(p, c)), args);
-  l.launch_dependent(0, {gx, gy, u32(sp.nsegs)}, {threads}, smem, args);
+  l.launch(1, {gx, gy, u32(sp.nsegs - 1)}, {threads}, static_cast<unsigned>(seq_seg_smem_bytes(p, c)),
+           seg_fwd_args(s).data());
+  l.launch_dependent(0, {gx, gy, u32(sp.nsegs)}, {threads}, smem, args.data());
 }
 
 bool bwd_valid(const Problem& p, const Config& c, std::string* why) {
@@ -162,16 +163,16 @@ void bwd_launch(const Call& call, const Config& c, Launcher& l, const BwdWork& w
   check_block_group(call, c, "selective_scan.bwd");
   const Problem& p = call.problem;
   const unsigned gx = u32(ceil_div(s.dim, seq_channels(c))), gy = u32(p.dim("batch")), threads = u32(c.get("warps") * 32);
-  void* args[] = {&s};
   if (w.nsegs > 1) {
     // The segments' local forward (all but the last; not needed with the forward's states) and adjoint
     // (all but the first) passes. The backward's kernels run one after the other: no ready flags.
     const unsigned smem = static_cast<unsigned>(seq_seg_smem_bytes(p, c));
     s.seg_ready = nullptr;
-    if (!s.given) l.launch(3, {gx, gy, u32(w.nsegs - 1)}, {threads}, smem, args);
-    l.launch(4, {gx, gy, u32(w.nsegs - 1)}, {threads}, smem, args);
+    if (!s.given) l.launch(3, {gx, gy, u32(w.nsegs - 1)}, {threads}, smem, seg_fwd_args(s).data());
+    l.launch(4, {gx, gy, u32(w.nsegs - 1)}, {threads}, smem, seg_bwd_args(s).data());
   }
-  l.launch(0, {gx, gy, u32(w.nsegs)}, {threads}, static_cast<unsigned>(seq_bwd_smem_bytes(p, c)), args);
+  l.launch(0, {gx, gy, u32(w.nsegs)}, {threads}, static_cast<unsigned>(seq_bwd_smem_bytes(p, c)),
+           bwd_seq_args(s).data());
 }
 
 }  // namespace

@@ -50,9 +50,8 @@ void launch(const Call& call, const Config& c, Launcher& l, ScanParams& s) {
   KSPEC_CHECK_AS(tile_offsets_fit(p), Error, "selective_scan.fwd: config ", c.str(p.op->info),
                  " addresses rows with 32-bit offsets: seqlen = ", p.dim("seqlen"),
                  " is too long (a plan chosen for another seqlen?)");
-  void* args[] = {&s};
   l.launch(0, {u32(ceil_div(s.dim, kTileChannels)), u32(p.dim("batch"))}, {u32(c.get("warps") * 32)},
-           static_cast<unsigned>(tile_smem_bytes(p, c)), args);
+           static_cast<unsigned>(tile_smem_bytes(p, c)), fwd_args(s).data());
 }
 
 }  // namespace

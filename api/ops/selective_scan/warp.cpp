@@ -34,8 +34,8 @@ std::vector<jit::KernelSpec> fwd_kernels(const Problem& p, const Config& c) {
 // Each warp reads its own channel's B/C group: any block width is legal.
 void fwd_launch(const Call& call, const Config& c, Launcher& l, ScanParams& s) {
   const int64_t warps = c.get("warps");
-  void* args[] = {&s};
-  l.launch(0, {u32(ceil_div(s.dim, warps)), u32(call.problem.dim("batch"))}, {u32(warps * 32)}, 0, args);
+  l.launch(0, {u32(ceil_div(s.dim, warps)), u32(call.problem.dim("batch"))}, {u32(warps * 32)}, 0,
+           fwd_args(s).data());
 }
 
 int64_t no_dynamic_smem(const Problem&, const Config&) { return 0; }
@@ -66,8 +66,8 @@ void bwd_launch(const Call& call, const Config& c, Launcher& l, const BwdWork&, 
   // cache by bwd_key), so blocks are whole: a partial block's extra warps would write other rows.
   KSPEC_CHECK_AS(bwd_warps_fit(call.problem, warps), Error, "selective_scan.bwd: config warps = ", warps,
                  " does not divide dim / groups = ", s.channels_per_group, " (a plan chosen for another dim?)");
-  void* args[] = {&s};
-  l.launch(0, {u32(ceil_div(s.dim, warps)), u32(call.problem.dim("batch"))}, {u32(warps * 32)}, 0, args);
+  l.launch(0, {u32(ceil_div(s.dim, warps)), u32(call.problem.dim("batch"))}, {u32(warps * 32)}, 0,
+           bwd_args(s).data());
 }
 
 }  // namespace
