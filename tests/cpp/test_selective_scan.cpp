@@ -401,22 +401,20 @@ TEST(SelectiveScan, AnAlgorithmsHeaderEditChangesOnlyItsKernelsKeys) {
   // Every scan kernel once: 3 forward algorithms and the segments' forward pass, 2 backward algorithms, the
   // segments' backward pass, the backward's reduce and zero kernels, the step.
   ASSERT_EQ(k0.size(), 10u);
-  std::ofstream(root + "/selective_scan/step.cuh", std::ios::app) << "\n// edited\n";
-  const auto k1 = keys();
-  EXPECT_EQ(changed(k0, k1), std::vector<std::string>{"kspec::selective_scan_step_kernel"});
-  std::ofstream(root + "/selective_scan/tile.cuh", std::ios::app) << "\n// edited\n";
-  const auto k2 = keys();
-  EXPECT_EQ(changed(k1, k2), std::vector<std::string>{"kspec::selective_scan_fwd_tile_kernel"});
-  // The sequential kernels: forward, backward and the segments' passes each in its own header.
-  std::ofstream(root + "/selective_scan/sequential_fwd.cuh", std::ios::app) << "\n// edited\n";
-  const auto k3 = keys();
-  EXPECT_EQ(changed(k2, k3), std::vector<std::string>{"kspec::selective_scan_fwd_seq_kernel"});
-  std::ofstream(root + "/selective_scan/sequential_bwd.cuh", std::ios::app) << "\n// edited\n";
-  const auto k4 = keys();
-  EXPECT_EQ(changed(k3, k4), std::vector<std::string>{"kspec::selective_scan_bwd_seq_kernel"});
-  std::ofstream(root + "/selective_scan/sequential_segments.cuh", std::ios::app) << "\n// edited\n";
-  EXPECT_EQ(changed(k4, keys()),
-            (std::vector<std::string>{"kspec::selective_scan_seg_bwd_kernel", "kspec::selective_scan_seg_fwd_kernel"}));
+  // Each header edited in turn changes the keys of its own kernels only.
+  const std::vector<std::pair<std::string, std::vector<std::string>>> edits = {
+      {"step.cuh", {"kspec::selective_scan_step_kernel"}},
+      {"tile.cuh", {"kspec::selective_scan_fwd_tile_kernel"}},
+      {"sequential_fwd.cuh", {"kspec::selective_scan_fwd_seq_kernel"}},
+      {"sequential_bwd.cuh", {"kspec::selective_scan_bwd_seq_kernel"}},
+      {"sequential_segments.cuh", {"kspec::selective_scan_seg_bwd_kernel", "kspec::selective_scan_seg_fwd_kernel"}}};
+  auto before = k0;
+  for (const auto& [header, kernels] : edits) {
+    std::ofstream(root + "/selective_scan/" + header, std::ios::app) << "\n// edited\n";
+    const auto after = keys();
+    EXPECT_EQ(changed(before, after), kernels) << header;
+    before = after;
+  }
 }
 
 // Each kernel's argument list, read from ScanParams by one function per signature, names the kernel's

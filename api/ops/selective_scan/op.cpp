@@ -5,6 +5,7 @@
 // binary's cache key hashes only its own header's include tree).
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "selective_scan/scan.h"
 
@@ -31,6 +32,16 @@ const BwdAlgorithm& bwd_algorithm(const Config& c) {
   for (const BwdAlgorithm* a : {&kWarpBwd, &kSequentialBwd})
     if (a->id == c.get("algo")) return *a;
   throw InvalidArgument("selective_scan.bwd: config " + c.str() + ": no such algo");
+}
+
+// The sequential algorithm at (lanes, chunk, segs) with the first of 4, 8, 2 warps it takes, if any.
+template <typename Algorithm>
+std::optional<Config> seq_at_warps(const Algorithm& a, const Problem& p, int64_t lanes, int64_t chunk, int64_t segs) {
+  for (int64_t warps : {4, 8, 2}) {
+    Config c = seq_config(warps, lanes, chunk, segs);
+    if (algorithm_valid(a, p, c, nullptr)) return c;
+  }
+  return std::nullopt;
 }
 
 // The names of the `algo` axis' values (the forward has all three, the backward the first two).
@@ -80,20 +91,13 @@ TuningSpace fwd_tuning() {
   t.heuristic = [](const Problem& p) {
     if (tile_preferred(p)) return tile_heuristic_config(p);
     const FewChannels few = few_channels_plan(p, kFwdSegsMost, 32, true);
-    for (int64_t warps : {4, 8, 2}) {
-      if (!few.segs) break;
-      Config c = seq_config(warps, few.lanes, 32, few.segs);
-      if (algorithm_valid(kSequentialFwd, p, c, nullptr)) return c;
-    }
+    if (few.segs)
+      if (auto c = seq_at_warps(kSequentialFwd, p, few.lanes, 32, few.segs)) return *c;
     const int64_t segs = default_segs(p, kFwdSegsMost);
-    if (many_channels(p) || segs > 1) {
-      // H100, 8x2048x2048 bf16: (4 warps, 4 lanes, chunk 32) 0.314 ms; chunk 64 0.394 ms (its shared
-      // memory halves the resident blocks); 2 or 8 warps and 2 lanes within 5%.
-      for (int64_t warps : {4, 8, 2}) {
-        Config c = seq_config(warps, seq_default_lanes(p, segs), 32, segs);
-        if (algorithm_valid(kSequentialFwd, p, c, nullptr)) return c;
-      }
-    }
+    // H100, 8x2048x2048 bf16: (4 warps, 4 lanes, chunk 32) 0.314 ms; chunk 64 0.394 ms (its shared
+    // memory halves the resident blocks); 2 or 8 warps and 2 lanes within 5%.
+    if (many_channels(p) || segs > 1)
+      if (auto c = seq_at_warps(kSequentialFwd, p, seq_default_lanes(p, segs), 32, segs)) return *c;
     return warp_config(4, 8, 32);
   };
   return t;
@@ -110,11 +114,8 @@ TuningSpace bwd_tuning() {
   };
   t.heuristic = [](const Problem& p) {
     const FewChannels few = few_channels_plan(p, kBwdSegsMost, 16, false);
-    for (int64_t warps : {4, 8, 2}) {
-      if (!few.segs) break;
-      Config c = seq_config(warps, few.lanes, 16, few.segs);
-      if (algorithm_valid(kSequentialBwd, p, c, nullptr)) return c;
-    }
+    if (few.segs)
+      if (auto c = seq_at_warps(kSequentialBwd, p, few.lanes, 16, few.segs)) return *c;
     const int64_t segs = default_segs(p, kBwdSegsMost);
     if (many_channels(p) || segs > 1) {
       // H100, 8x2048x2048 bf16 (kspec tune, every config): (4 warps, 8 lanes, chunk 16) 2.35 ms, 4 lanes
@@ -126,11 +127,7 @@ TuningSpace bwd_tuning() {
       // 1.209 ms, 8 lanes 1.239, 8 warps and 8 lanes 1.250; 8x5120x2048 2.996 / 3.042 / 3.082;
       // 8x2048x8192 4.774 / 4.921 / 4.963), and with segments (1x2048x65536, 16 segments: 4 lanes
       // 5.29 ms, 8 lanes 5.91; but with one segment 4 lanes 13.2, 8 lanes 9.3).
-      const int64_t lanes = lanes_for_states(p, 4);
-      for (int64_t warps : {4, 8, 2}) {
-        Config c = seq_config(warps, lanes, 16, segs);
-        if (algorithm_valid(kSequentialBwd, p, c, nullptr)) return c;
-      }
+      if (auto c = seq_at_warps(kSequentialBwd, p, lanes_for_states(p, 4), 16, segs)) return *c;
     }
     for (int64_t w : {4, 2, 1})
       if (bwd_warps_fit(p, w) && bwd_smem_bytes(p, w, 8) <= kStaticSmemBytes) return warp_config(w, 8, 16);
@@ -347,14 +344,8 @@ OpDef make_step() {
     l.launch(0, {u32(ceil_div(threads, kStepThreads))}, {kStepThreads}, 0, args);
   };
   op.reference = step_reference;
-  op.prepare_inputs = [](const Problem& p, std::vector<HostTensor>& in) {
-    for (auto& a : in[3].data) a = -(0.25 + std::fabs(a));
-    if (!p.param_bool("delta_softplus")) {
-      for (auto& v : in[2].data) v = 0.05 + 0.5 * std::fabs(v);
-      if (in[8].defined)
-        for (auto& v : in[8].data) v = 0.1 * std::fabs(v);
-    }
-  };
+  // The step's u, delta, A, ..., delta_bias follow `state`: the scan's inputs from index 1.
+  op.prepare_inputs = [](const Problem& p, std::vector<HostTensor>& in) { make_stable(p, in, 1); };
   return op;
 }
 
