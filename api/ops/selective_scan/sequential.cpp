@@ -27,13 +27,13 @@ int64_t seq_fwd_smem_bytes(const Problem& p, const Config& c) {
   return 4 * (4 * chunk * cs + nvar * chunk * np);
 }
 
-// Dynamic shared memory of the segments' local passes (seq_seg_smem_floats in sequential.cuh).
+// Dynamic shared memory of the segments' local passes (seq_seg_smem_floats in sequential_segments.cuh).
 int64_t seq_seg_smem_bytes(const Problem& p, const Config& c) {
   int64_t chunk = c.get("chunk"), cs = seq_channels(c) + 1, np = seq_spt(p, c) * c.get("lanes");
   return 4 * (2 * chunk * cs + (var_bc(p) ? chunk * np : 0));
 }
 
-// Dynamic shared memory of the sequential backward (seq_bwd_smem_floats in sequential.cuh).
+// Dynamic shared memory of the sequential backward (seq_bwd_smem_floats in sequential_chunks.cuh).
 int64_t seq_bwd_smem_bytes(const Problem& p, const Config& c) {
   int64_t chunk = c.get("chunk"), nc = seq_channels(c), cs = nc + 1, np = seq_spt(p, c) * c.get("lanes");
   const int64_t nvar = (var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0);
