@@ -75,10 +75,12 @@ def cuobjdump():
 
 
 def function_sass(tool, bin_path, lowered):
-    """The SASS text of one function of a cubin (addresses and encodings as cuobjdump prints them)."""
+    """The SASS text of one function of a cubin (addresses and encodings as cuobjdump prints them), without
+    its "Function : <name>" line: the name is the dump's key (and --rename pairs renamed kernels)."""
     text = subprocess.run([tool, "-sass", "-fun", lowered, str(bin_path)], check=True, capture_output=True,
                           text=True).stdout
-    return "\n".join(l for l in text.splitlines() if not l.strip().startswith(("Fatbin", "code for", "arch =")))
+    skip = ("Fatbin", "code for", "arch =", "Function :")
+    return "\n".join(l for l in text.splitlines() if not l.strip().startswith(skip))
 
 
 def dump(cache_dir, with_sass):
