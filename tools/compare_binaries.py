@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -74,10 +75,12 @@ def cuobjdump():
 
 
 def function_sass(tool, bin_path, lowered):
-    """The SASS text of one function of a cubin (addresses and encodings as cuobjdump prints them)."""
+    """The SASS text of one function of a cubin (addresses and encodings as cuobjdump prints them), without
+    its "Function : <name>" line: the name is the dump's key (and --rename pairs renamed kernels)."""
     text = subprocess.run([tool, "-sass", "-fun", lowered, str(bin_path)], check=True, capture_output=True,
                           text=True).stdout
-    return "\n".join(l for l in text.splitlines() if not l.strip().startswith(("Fatbin", "code for", "arch =")))
+    skip = ("Fatbin", "code for", "arch =", "Function :")
+    return "\n".join(l for l in text.splitlines() if not l.strip().startswith(skip))
 
 
 def dump(cache_dir, with_sass):
@@ -120,7 +123,18 @@ def dump(cache_dir, with_sass):
     return rows
 
 
-def compare(a, b):
+def rename(rows, rules):
+    """The dump with each kernel name rewritten by the (regex, replacement) rules in order: pairs a kernel
+    whose template arguments were regrouped (e.g. a flag list folded into one flags type) with itself."""
+    out = {}
+    for k, v in rows.items():
+        for pattern, repl in rules:
+            k = re.sub(pattern, repl, k)
+        out[k] = v
+    return out
+
+
+def compare(a, b, resources_only=False):
     common = sorted(set(a) & set(b))
     only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
     same_cubin = same_code = 0
@@ -131,8 +145,10 @@ def compare(a, b):
             same_cubin += 1
             same_code += 1
             continue
-        fields = ["text_sha256", "text_relocations_sha256", "registers", "spill_bytes", "shared_bytes"]
-        if "sass_sha256" in x and "sass_sha256" in y:
+        fields = ["registers", "spill_bytes", "shared_bytes"]
+        if not resources_only:
+            fields += ["text_sha256", "text_relocations_sha256"]
+        if not resources_only and "sass_sha256" in x and "sass_sha256" in y:
             fields.append("sass_sha256")
         diff = [f for f in fields if x.get(f) != y.get(f) or x.get(f) is None]
         if diff:
@@ -140,8 +156,8 @@ def compare(a, b):
         else:
             same_code += 1
     print(f"kernels: {len(a)} before, {len(b)} after, {len(common)} in both")
-    print(f"identical cubin: {same_cubin}; same kernel code and resources (cubin differs): "
-          f"{same_code - same_cubin}; different: {len(bad)}")
+    what = "same resources (registers, spills, shared memory)" if resources_only else "same kernel code and resources"
+    print(f"identical cubin: {same_cubin}; {what} (cubin differs): {same_code - same_cubin}; different: {len(bad)}")
     aux = sum(1 for k in common if a[k].get("aux_sha256") != b[k].get("aux_sha256"))
     if aux:
         print(f"(per-kernel .nv.info/.nv.constant0/.nv.shared sections differ for {aux}: informational)")
@@ -164,13 +180,22 @@ def main():
     c = sub.add_parser("compare", help="compare two dumps; exit 1 on a difference")
     c.add_argument("before")
     c.add_argument("after")
+    c.add_argument("--rename", action="append", default=[], metavar="REGEX=>REPLACEMENT",
+                   help="rewrite the before dump's kernel names (re.sub, in order; repeatable)")
+    c.add_argument("--resources-only", action="store_true",
+                   help="judge registers, spill and shared bytes only (for a change to the kernels' parameters, "
+                        "whose code then reads them at other offsets)")
     args = ap.parse_args()
     if args.cmd == "dump":
         rows = dump(args.cache_dir, args.sass)
         Path(args.output).write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
         print(f"{len(rows)} kernels from {args.cache_dir} -> {args.output}")
         return 0
-    return compare(json.loads(Path(args.before).read_text()), json.loads(Path(args.after).read_text()))
+    rules = [tuple(r.split("=>", 1)) for r in args.rename]
+    if any(len(r) != 2 for r in rules):
+        ap.error("--rename takes REGEX=>REPLACEMENT")
+    before = rename(json.loads(Path(args.before).read_text()), rules)
+    return compare(before, json.loads(Path(args.after).read_text()), args.resources_only)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ BoundCall::BoundCall(std::string_view op_name, const std::vector<TensorView>& in
   b.call.problem.arch = device_arch(b.call.device);
   b.plan = &plan_for(*b.op, b.call.problem, b.call.device, nullptr, nullptr);
   b.config = b.plan->config;
-  b.config_text = b.config.str();
+  b.config_text = b.config.str(b.op->info);
   jit::ContextGuard guard(b.call.device);
   if (b.op->bind) b.data = b.op->bind(b.call, b.config);
   b.call.bound = b.data.get();

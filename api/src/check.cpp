@@ -146,7 +146,7 @@ CaseRun run_on_gpu(const OpDef& op, const Case& cs, DType dtype, const CheckOpti
           if (!got[i].empty()) CU_CHECK(cuMemcpyDtoH(got[i].data(), out_buf[i]->ptr, got[i].size()));
         }
         // What the call used: forced, tuned or the heuristic (the same choice dispatch made).
-        row.config = choose_config(op, p, cfg, o.device).config.str();
+        row.config = choose_config(op, p, cfg, o.device).config.str(op.info);
         row.passed = true;  // until compared with the reference
       } catch (const std::exception& e) {
         row.passed = false;

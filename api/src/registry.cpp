@@ -60,7 +60,23 @@ std::string Config::str() const {
   return s;
 }
 
-Config Config::parse(std::string_view text) {
+namespace {
+
+// The names of an axis' values (OpInfo::tuning_names), or null for a numeric axis.
+const std::vector<std::string>* value_names(const OpInfo& op, std::string_view axis,
+                                            const std::vector<int64_t>** values) {
+  for (const auto& [name, names] : op.tuning_names) {
+    if (name != axis) continue;
+    for (const auto& a : op.tuning_axes)
+      if (a.first == axis && a.second.size() == names.size()) {
+        *values = &a.second;
+        return &names;
+      }
+  }
+  return nullptr;
+}
+
+Config parse_config(std::string_view text, const OpInfo* op) {
   Config c;
   std::string s(text);
   std::stringstream ss(s);
@@ -69,13 +85,46 @@ Config Config::parse(std::string_view text) {
     if (item.empty()) continue;
     auto eq = item.find('=');
     KSPEC_CHECK(eq != std::string::npos, "config: expected name=value pairs separated by commas, got '", text, "'");
+    const std::string axis = item.substr(0, eq), value = item.substr(eq + 1);
+    const std::vector<int64_t>* values = nullptr;
+    const std::vector<std::string>* names = op ? value_names(*op, axis, &values) : nullptr;
+    if (names) {
+      auto it = std::find(names->begin(), names->end(), value);
+      if (it != names->end()) {
+        c.values.emplace_back(axis, (*values)[it - names->begin()]);
+        continue;
+      }
+    }
     try {
-      c.values.emplace_back(item.substr(0, eq), std::stoll(item.substr(eq + 1)));
+      c.values.emplace_back(axis, std::stoll(value));
     } catch (const std::exception&) {
-      throw InvalidArgument(detail::concat("config: '", item, "' is not name=integer"));
+      if (!names) throw InvalidArgument(detail::concat("config: '", item, "' is not name=integer"));
+      std::string known;
+      for (const auto& n : *names) known += (known.empty() ? "" : ", ") + n;
+      throw InvalidArgument(detail::concat("config: '", item, "': ", axis, " is one of ", known, " (or its number)"));
     }
   }
   return c;
+}
+
+}  // namespace
+
+Config Config::parse(std::string_view text) { return parse_config(text, nullptr); }
+Config Config::parse(std::string_view text, const OpInfo& op) { return parse_config(text, &op); }
+
+std::string Config::str(const OpInfo& op) const {
+  std::string s;
+  for (const auto& [k, v] : values) {
+    const std::vector<int64_t>* axis = nullptr;
+    const std::vector<std::string>* names = value_names(op, k, &axis);
+    std::string text = std::to_string(v);
+    if (names) {
+      auto it = std::find(axis->begin(), axis->end(), v);
+      if (it != axis->end()) text = (*names)[it - axis->begin()];
+    }
+    s += (s.empty() ? "" : ",") + k + "=" + text;
+  }
+  return s;
 }
 
 int64_t HostTensor::numel() const {
@@ -219,8 +268,10 @@ std::string describe_op(std::string_view name) {
     os << " " << d.name << (d.kind == DimKind::Var ? "(runtime)" : d.kind == DimKind::Const ? "(compile-time)" : "(bucketed)");
   os << "\n  tuning:";
   for (const auto& [axis, values] : i.tuning_axes) {
+    const std::vector<int64_t>* same = nullptr;
+    const std::vector<std::string>* names = value_names(i, axis, &same);
     os << " " << axis << "{";
-    for (size_t k = 0; k < values.size(); ++k) os << (k ? "," : "") << values[k];
+    for (size_t k = 0; k < values.size(); ++k) os << (k ? "," : "") << (names ? (*names)[k] : std::to_string(values[k]));
     os << "}";
   }
   if (!i.tuning_note.empty()) os << " " << i.tuning_note;

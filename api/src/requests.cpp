@@ -25,7 +25,7 @@ PlanInfo plan_info(const OpDef& op, const Problem& p, int device, const Call* ca
     // the call's layouts): say what the launch will really do.
     std::string why = op.tuning.applies(*call, ch.config);
     if (!why.empty()) {
-      ch.note = "tuned entry {" + ch.config.str() + "} does not apply to this call: " + why;
+      ch.note = "tuned entry {" + ch.config.str(op.info) + "} does not apply to this call: " + why;
       ch.config = op.tuning.heuristic ? op.tuning.heuristic(p) : Config{};
       ch.source = "heuristic";
     }
@@ -34,7 +34,7 @@ PlanInfo plan_info(const OpDef& op, const Problem& p, int device, const Call* ca
   info.op = op.info.name;
   info.signature = p.signature();
   info.bucket = tune_bucket(p);
-  info.config = ch.config.str();
+  info.config = ch.config.str(op.info);
   info.config_source = ch.source;
   info.note = ch.note;
   info.tuning_db = ch.db_path.empty() ? tuning_db_path(device) : ch.db_path;
@@ -109,7 +109,7 @@ std::vector<CompileReport> compile(const CompileRequest& req) {
     r.shared_bytes = ob.entry->resources.static_shared_bytes;
     r.arch = spec.arch;
     r.path = ob.entry->path;
-    r.config = cfg.str();
+    r.config = cfg.str(op.info);
     r.log = ob.entry->log;
     out.push_back(std::move(r));
   }

@@ -346,7 +346,7 @@ TuneResult tune_problem(const OpDef& op, const Problem& p, const TuneRequest& op
     r.candidates.push_back(std::move(t));
   }
   for (auto& c : r.candidates) prune(op, p, lim, c);
-  KSPEC_CHECK(r.candidates[0].status == "not timed", op.info.name, ": the default config {", r.default_config.str(),
+  KSPEC_CHECK(r.candidates[0].status == "not timed", op.info.name, ": the default config {", r.default_config.str(op.info),
               "} is ruled out: ", r.candidates[0].why);
 
   // Compile every survivor in parallel on the host (NVRTC is thread-safe; the cache locks per key).
@@ -358,7 +358,7 @@ TuneResult tune_problem(const OpDef& op, const Problem& p, const TuneRequest& op
     compile_candidate(op, p, lim, *todo[i]);
     report("compile", ++compiled, static_cast<int>(todo.size()), todo[i]);
   });
-  KSPEC_CHECK(r.candidates[0].status == "not timed", op.info.name, ": the default config {", r.default_config.str(),
+  KSPEC_CHECK(r.candidates[0].status == "not timed", op.info.name, ": the default config {", r.default_config.str(op.info),
               "} cannot be used: ", r.candidates[0].status, ": ", r.candidates[0].why);
   if (!gpu) {
     if (op.tuning.candidates) r.note = op.info.name + "'s candidates come from its library on the GPU: nothing to list without one";
@@ -463,9 +463,9 @@ TuneResult tune_problem(const OpDef& op, const Problem& p, const TuneRequest& op
     for (const auto& c : r.candidates) n_ok += c.status == "ok";
     nlohmann::json rec = {
         {"op", r.op},
-        {"config", r.best_config.str()},
+        {"config", r.best_config.str(op.info)},
         {"time_ms", r.best_ms},
-        {"default_config", r.default_config.str()},
+        {"default_config", r.default_config.str(op.info)},
         {"default_ms", r.default_ms},
         {"speedup", r.default_ms / r.best_ms},
         {"shape", r.shape},

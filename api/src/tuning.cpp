@@ -67,7 +67,7 @@ bool usable(const OpDef& op, const Problem& p, const nlohmann::json& record, Con
   }
   Config c;
   try {
-    c = Config::parse(record["config"].get<std::string>());
+    c = Config::parse(record["config"].get<std::string>(), op.info);
   } catch (const std::exception& e) {
     *why = e.what();
     return false;
@@ -75,7 +75,7 @@ bool usable(const OpDef& op, const Problem& p, const nlohmann::json& record, Con
   if (op.tuning.candidates) {  // a library's space: the op's own rules judge the record
     std::string reason;
     if (op.tuning.valid && !op.tuning.valid(p, c, &reason)) {
-      *why = "config {" + c.str() + "} is not valid for " + op.info.name + ": " + reason;
+      *why = "config {" + c.str(op.info) + "} is not valid for " + op.info.name + ": " + reason;
       return false;
     }
     *out = c;
@@ -87,7 +87,7 @@ bool usable(const OpDef& op, const Problem& p, const nlohmann::json& record, Con
   for (const auto& [axis, values] : op.tuning.axes) ordered.values.emplace_back(axis, c.get(axis));
   std::string reason;
   if (op.tuning.valid && !op.tuning.valid(p, ordered, &reason)) {
-    *why = "config {" + c.str() + "} is not valid for this problem: " + reason;
+    *why = "config {" + c.str(op.info) + "} is not valid for this problem: " + reason;
     return false;
   }
   *out = ordered;
@@ -186,7 +186,7 @@ ConfigChoice choose_config(const OpDef& op, const Problem& p, const Config* forc
   if (forced) {
     std::string why;
     KSPEC_CHECK(config_in_space(op, *forced, &why), op.info.name, ": ", why);
-    KSPEC_CHECK(!op.tuning.valid || op.tuning.valid(p, *forced, &why), op.info.name, ": config {", forced->str(),
+    KSPEC_CHECK(!op.tuning.valid || op.tuning.valid(p, *forced, &why), op.info.name, ": config {", forced->str(op.info),
                 "} is not valid for this problem: ", why);
     ch.config = *forced;
     ch.source = "forced";
@@ -281,7 +281,7 @@ std::string import_record_problem(const std::string& key, const nlohmann::json& 
   if (!op) return "'" + op_name + "' is not an op of this kspec";
   Config c;
   try {
-    c = Config::parse(rec["config"].get<std::string>());
+    c = Config::parse(rec["config"].get<std::string>(), op->info);
   } catch (const Error& e) {
     return e.what();
   }

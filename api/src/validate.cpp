@@ -378,7 +378,7 @@ void check_dims(const Problem& p) {
 
 bool config_in_space(const OpDef& op, const Config& c, std::string* why) {
   auto no = [&](const std::string& w) {
-    *why = "config {" + c.str() + "}: " + w;
+    *why = "config {" + c.str(op.info) + "}: " + w;
     return false;
   };
   if (op.tuning.candidates) return true;  // a library's space: its own rules (TuningSpace::valid) judge

@@ -210,6 +210,7 @@ py::dict op_info_dict(const std::string& name) {
   d["params"] = params;
   d["dims"] = dims;
   d["tuning_axes"] = i.tuning_axes;
+  d["tuning_names"] = i.tuning_names;
   d["tuning_note"] = i.tuning_note;
   d["reference"] = i.reference;
   py::dict constants, tolerances;
@@ -282,9 +283,9 @@ py::dict plan_dict(const kspec::PlanInfo& i) {
   return d;
 }
 
-py::dict candidate_dict(const kspec::TuneCandidate& c) {
+py::dict candidate_dict(const kspec::TuneCandidate& c, const kspec::OpInfo& op) {
   py::dict d;
-  d["config"] = c.config.str();
+  d["config"] = c.config.str(op);
   d["default"] = c.is_default;
   d["status"] = c.status;
   d["why"] = c.why;
@@ -650,7 +651,7 @@ PYBIND11_MODULE(_C, m) {
           kspec::Config cfg;
           kspec::CallOptions opts;
           if (!config.is_none()) {
-            cfg = kspec::Config::parse(config.cast<std::string>());
+            cfg = kspec::Config::parse(config.cast<std::string>(), kspec::op_info(op));
             opts.config = &cfg;
           }
           py::gil_scoped_release release;
@@ -735,11 +736,11 @@ PYBIND11_MODULE(_C, m) {
           req.max_candidates = max_candidates;
           kspec::TuneCallback cb;
           if (!progress.is_none())
-            cb = [&progress](const kspec::TuneProgress& ev) {
+            cb = [&progress, &op](const kspec::TuneProgress& ev) {
               py::gil_scoped_acquire gil;
               try {  // runs on the tuner's compile threads: a Python error must not escape them
                 progress(ev.phase, ev.done, ev.total,
-                         ev.candidate ? py::object(candidate_dict(*ev.candidate)) : py::object(py::none()));
+                         ev.candidate ? py::object(candidate_dict(*ev.candidate, kspec::op_info(op))) : py::object(py::none()));
               } catch (py::error_already_set& e) {
                 e.discard_as_unraisable("kspec.tune progress callback");
               }
@@ -758,8 +759,8 @@ PYBIND11_MODULE(_C, m) {
           d["key"] = r.key;
           d["shape"] = r.shape;
           d["db_path"] = r.db_path;
-          d["default_config"] = r.default_config.str();
-          d["best_config"] = r.best_config.str();
+          d["default_config"] = r.default_config.str(kspec::op_info(r.op));
+          d["best_config"] = r.best_config.str(kspec::op_info(r.op));
           d["default_ms"] = r.default_ms;
           d["best_ms"] = r.best_ms;
           d["timed"] = r.timed;
@@ -769,7 +770,7 @@ PYBIND11_MODULE(_C, m) {
           d["input_sets"] = r.input_sets;
           d["note"] = r.note;
           py::list cands;
-          for (const auto& c : r.candidates) cands.append(candidate_dict(c));
+          for (const auto& c : r.candidates) cands.append(candidate_dict(c, kspec::op_info(r.op)));
           d["candidates"] = cands;
           return d;
         },
@@ -799,7 +800,7 @@ PYBIND11_MODULE(_C, m) {
            const std::vector<std::string>& without, const std::map<std::string, std::string>& tensor_dtypes,
            const py::object& config, const std::vector<std::string>& alt_shapes) {
           auto req = to_request(op, dtype, arch, params, without, tensor_dtypes, alt_shapes);
-          if (!config.is_none()) req.config = kspec::Config::parse(config.cast<std::string>());
+          if (!config.is_none()) req.config = kspec::Config::parse(config.cast<std::string>(), kspec::op_info(op));
           std::vector<kspec::CompileReport> reports;
           {
             py::gil_scoped_release release;
@@ -854,9 +855,9 @@ PYBIND11_MODULE(_C, m) {
           o.include_large = include_large;
           o.seed = seed;
           if (py::isinstance<py::str>(config)) {
-            o.config = kspec::Config::parse(config.cast<std::string>());
+            o.config = kspec::Config::parse(config.cast<std::string>(), kspec::op_info(op));
           } else if (!config.is_none()) {  // several configs on one draw of inputs, a row each
-            for (const auto& c : config.cast<std::vector<std::string>>()) o.configs.push_back(kspec::Config::parse(c));
+            for (const auto& c : config.cast<std::vector<std::string>>()) o.configs.push_back(kspec::Config::parse(c, kspec::op_info(op)));
           }
           std::vector<kspec::CheckRow> rows;
           {
@@ -885,7 +886,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("case_names", &kspec::case_names);
   m.def("configs_for_case", [](const std::string& op, const std::string& case_name, const std::string& dtype) {
     std::vector<std::string> out;
-    for (const auto& c : kspec::configs_for_case(op, case_name, kspec::parse_dtype(dtype))) out.push_back(c.str());
+    for (const auto& c : kspec::configs_for_case(op, case_name, kspec::parse_dtype(dtype))) out.push_back(c.str(kspec::op_info(op)));
     return out;
   });
 

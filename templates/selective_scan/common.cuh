@@ -8,6 +8,25 @@
 
 namespace kspec {
 
+// The compile-time facts of a problem that every scan kernel specializes on, one type for all of them
+// (api/ops/selective_scan/schema.cpp: flags_type):
+//   T: u, delta, z, out (and du, ddelta, dz); TB, TC: B and C (the input dtype or float).
+//   kVarB/kVarC: B/C is input-dependent [batch, groups, dstate, seqlen] (else fixed [dim, dstate]).
+//   kVectors: whole aligned 16-byte vectors along time; what "whole" means is the algorithm's (the warp
+//   and sequential kernels' kEven: seqlen a multiple of 512; the tile kernel's kVec: of 8), and every
+//   pointer 16-byte aligned.
+template <typename T_, typename TB_, typename TC_, int kDstate_, bool kVarB_, bool kVarC_, bool kHasD_,
+          bool kHasZ_, bool kHasDeltaBias_, bool kSoftplus_, bool kHasH0_, bool kVectors_>
+struct ScanFlags {
+  using T = T_;
+  using TB = TB_;
+  using TC = TC_;
+  static constexpr int kDstate = kDstate_;
+  static constexpr bool kVarB = kVarB_, kVarC = kVarC_, kHasD = kHasD_, kHasZ = kHasZ_;
+  static constexpr bool kHasDeltaBias = kHasDeltaBias_, kSoftplus = kSoftplus_, kHasH0 = kHasH0_;
+  static constexpr bool kVectors = kVectors_;
+};
+
 namespace scan_detail {
 
 constexpr unsigned kFull = 0xffffffffu;

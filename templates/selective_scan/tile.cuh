@@ -44,26 +44,19 @@ namespace kspec {
 // inside a warp's 16 steps; channels past dim run with A = 0 and dt = 0 and write nothing. Both read
 // inputs inside the tensors (the row's last steps, the last channel).
 // =============================================================================================
-template <typename T_, typename TB_, typename TC_, int kDstate_, bool kVarB_, bool kVarC_, bool kHasD_,
-          bool kHasZ_, bool kHasDeltaBias_, bool kSoftplus_, bool kHasH0_, bool kVec_, int kWarps_>
-struct TileScanTraits {
-  using T = T_;
-  using TB = TB_;
-  using TC = TC_;
-  static constexpr int kDstate = kDstate_;
-  static constexpr bool kVarB = kVarB_, kVarC = kVarC_, kHasD = kHasD_, kHasZ = kHasZ_;
-  static constexpr bool kHasDeltaBias = kHasDeltaBias_, kSoftplus = kSoftplus_, kHasH0 = kHasH0_;
+template <typename Flags, int kWarps_>
+struct TileScanTraits : Flags {
   static constexpr int kWarps = kWarps_, kThreads = 32 * kWarps;
   static constexpr int kS = 4;                 // states per lane
-  static constexpr int kG = kDstate / kS;      // state groups (lanes per channel)
+  static constexpr int kG = Flags::kDstate / kS;  // state groups (lanes per channel)
   static constexpr int kCW = 32 / kG;          // channels per block
   static constexpr int kRun = scan_detail::kStateStride;  // steps per warp and tile
   static constexpr int kTile = kWarps * kRun;  // steps per tile
   static constexpr int kQ = kRun / kG;         // steps a lane stages and writes
-  static constexpr int kNvar = (kVarB ? 1 : 0) + (kVarC ? 1 : 0);
+  static constexpr int kNvar = (Flags::kVarB ? 1 : 0) + (Flags::kVarC ? 1 : 0);
   static constexpr int kYRow = kCW * kRun + 4;  // a state group's row of partial y (+4: 8 bank groups)
-  static_assert(kVec_, "the tile kernel needs whole 16-byte aligned vectors (kVec: seqlen a multiple of 8)");
-  static_assert(kDstate == 16, "the tile kernel's lane map is for dstate 16");
+  static_assert(Flags::kVectors, "the tile kernel needs whole 16-byte aligned vectors (kVec: seqlen a multiple of 8)");
+  static_assert(Flags::kDstate == 16, "the tile kernel's lane map is for dstate 16");
   static_assert(kQ == 4, "a lane stages 4 steps");
 };
 

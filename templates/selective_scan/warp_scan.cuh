@@ -30,26 +30,17 @@
 
 namespace kspec {
 
-// Everything compile-time about one scan specialization.
-//   T: u, delta, z, out (and du, ddelta, dz); TB, TC: B and C (the input dtype or float).
-//   kVarB/kVarC: B/C is input-dependent [batch, groups, dstate, seqlen] (else fixed [dim, dstate]).
-//   kEven: seqlen is a multiple of kTile and every pointer is 16-byte aligned (vector loads, no masks).
-template <typename T_, typename TB_, typename TC_, int kDstate_, bool kVarB_, bool kVarC_, bool kHasD_,
-          bool kHasZ_, bool kHasDeltaBias_, bool kSoftplus_, bool kHasH0_, bool kEven_, int kWarps_,
-          int kItems_>
-struct ScanTraits {
-  using T = T_;
-  using TB = TB_;
-  using TC = TC_;
-  static constexpr int kDstate = kDstate_;
-  static constexpr bool kVarB = kVarB_, kVarC = kVarC_, kHasD = kHasD_, kHasZ = kHasZ_;
-  static constexpr bool kHasDeltaBias = kHasDeltaBias_, kSoftplus = kSoftplus_, kHasH0 = kHasH0_;
-  static constexpr bool kEven = kEven_;
+// Everything compile-time about one scan specialization: the problem's ScanFlags (common.cuh) and the
+// block shape. kEven (the flags' kVectors): seqlen is a multiple of 512, hence of kTile, and every
+// pointer is 16-byte aligned (vector loads, no masks).
+template <typename Flags, int kWarps_, int kItems_>
+struct ScanTraits : Flags {
+  static constexpr bool kEven = Flags::kVectors;
   static constexpr int kWarps = kWarps_;
   static constexpr int kItems = kItems_;
   static constexpr int kThreads = kWarps * kWarpSize;
   static constexpr int kTile = kWarpSize * kItems;
-  static_assert(kDstate >= 1 && kDstate <= 256, "dstate must be in 1..256");
+  static_assert(Flags::kDstate >= 1 && Flags::kDstate <= 256, "dstate must be in 1..256");
   static_assert(kWarps >= 1 && kWarps <= 32, "1..32 warps per block");
   static_assert(kItems == 1 || kItems == 2 || kItems == 4 || kItems == 8 || kItems == 16,
                 "kItems must be a power of two up to 16");

@@ -271,6 +271,37 @@ TEST(Params, ParseConfig) {
   EXPECT_EQ(parse_dtype("torch.bfloat16"), DType::bf16);
 }
 
+// A named choice on a tuning axis (OpInfo::tuning_names): read by name or number, written by name; other
+// axes and ops unchanged.
+TEST(Params, NamedChoicesOfATuningAxis) {
+  const OpInfo& fwd = op_info("selective_scan.fwd");
+  const std::string named = "algo=tile,warps=6,items=4,lanes=1,chunk=32,segs=1";
+  Config c = Config::parse(named, fwd);
+  EXPECT_EQ(c.get("algo"), 2);
+  EXPECT_EQ(c.str(), "algo=2,warps=6,items=4,lanes=1,chunk=32,segs=1");  // plan keys stay numeric
+  EXPECT_EQ(c.str(fwd), named);
+  // The numbers configs held before the names (forced configs, scripts) still read.
+  EXPECT_EQ(Config::parse("algo=2,warps=6,items=4,lanes=1,chunk=32,segs=1", fwd).str(fwd), named);
+  EXPECT_EQ(Config::parse("algo=warp", fwd).get("algo"), 0);
+  EXPECT_EQ(Config::parse("algo=sequential", fwd).get("algo"), 1);
+  // The backward has no tile kernel: its names are the first two.
+  EXPECT_THROW(Config::parse("algo=tile", op_info("selective_scan.bwd")), InvalidArgument);
+  try {
+    Config::parse("algo=fast,warps=4", fwd);
+    ADD_FAILURE() << "an unknown name was read";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'algo=fast': algo is one of warp, sequential, tile"), std::string::npos)
+        << e.what();
+  }
+  // Without the op, or on an op without names, a word is not a value.
+  EXPECT_THROW(Config::parse("algo=tile"), InvalidArgument);
+  EXPECT_THROW(Config::parse("vec=wide", op_info("norm_act.fwd")), InvalidArgument);
+  EXPECT_EQ(Config::parse("vec=4", op_info("norm_act.fwd")).str(op_info("norm_act.fwd")), "vec=4");
+  // The op's description lists the names.
+  EXPECT_NE(describe_op("selective_scan.fwd").find("algo{warp,sequential,tile}"), std::string::npos)
+      << describe_op("selective_scan.fwd");
+}
+
 // ---- gemm: a library op (cuBLASLt) validated like every other op, without a GPU ----
 
 namespace {

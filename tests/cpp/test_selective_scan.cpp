@@ -8,11 +8,13 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <regex>
 
 #include "api/src/op.h"
 #include "api/src/tuning.h"
 #include "jit/key.h"
 #include "jit/sources.h"
+#include "selective_scan/params.h"
 #include "kspec/kspec.h"
 #include "test_helpers.h"
 
@@ -399,9 +401,59 @@ TEST(SelectiveScan, AnAlgorithmsHeaderEditChangesOnlyItsKernelsKeys) {
   // Every scan kernel once: 3 forward algorithms and the segments' forward pass, 2 backward algorithms, the
   // segments' backward pass, the backward's reduce and zero kernels, the step.
   ASSERT_EQ(k0.size(), 10u);
-  std::ofstream(root + "/selective_scan/step.cuh", std::ios::app) << "\n// edited\n";
-  const auto k1 = keys();
-  EXPECT_EQ(changed(k0, k1), std::vector<std::string>{"kspec::selective_scan_step_kernel"});
-  std::ofstream(root + "/selective_scan/tile.cuh", std::ios::app) << "\n// edited\n";
-  EXPECT_EQ(changed(k1, keys()), std::vector<std::string>{"kspec::selective_scan_fwd_tile_kernel"});
+  // Each header edited in turn changes the keys of its own kernels only.
+  const std::vector<std::pair<std::string, std::vector<std::string>>> edits = {
+      {"step.cuh", {"kspec::selective_scan_step_kernel"}},
+      {"tile.cuh", {"kspec::selective_scan_fwd_tile_kernel"}},
+      {"sequential_fwd.cuh", {"kspec::selective_scan_fwd_seq_kernel"}},
+      {"sequential_bwd.cuh", {"kspec::selective_scan_bwd_seq_kernel"}},
+      {"sequential_segments.cuh", {"kspec::selective_scan_seg_bwd_kernel", "kspec::selective_scan_seg_fwd_kernel"}}};
+  auto before = k0;
+  for (const auto& [header, kernels] : edits) {
+    std::ofstream(root + "/selective_scan/" + header, std::ios::app) << "\n// edited\n";
+    const auto after = keys();
+    EXPECT_EQ(changed(before, after), kernels) << header;
+    before = after;
+  }
+}
+
+// Each kernel's argument list, read from ScanParams by one function per signature, names the kernel's
+// parameters in the template's order (a launch copies them by position: a swapped pair would pass one
+// tensor for another).
+TEST(SelectiveScan, ArgumentListsFollowTheKernelSignatures) {
+  using namespace kspec::scan;
+  ScanParams s;
+  const std::map<const void*, std::string> field = {
+      {&s.u, "u"}, {&s.delta, "delta"}, {&s.A, "A"}, {&s.B, "B"}, {&s.C, "C"}, {&s.D, "D"}, {&s.z, "z"},
+      {&s.delta_bias, "delta_bias"}, {&s.h0, "h0"}, {&s.out, "out"}, {&s.last_state, "last_state"},
+      {&s.states, "states"}, {&s.dout, "dout"}, {&s.dlast_state, "dlast_state"}, {&s.du, "du"},
+      {&s.ddelta, "ddelta"}, {&s.dz, "dz"}, {&s.dh0, "dh0"}, {&s.dB_acc, "dB_acc"}, {&s.dC_acc, "dC_acc"},
+      {&s.partials, "partials"}, {&s.given, "given"}, {&s.seg_h, "seg_h"}, {&s.seg_g, "seg_g"},
+      {&s.seg_dt, "seg_dt"}, {&s.seg_ready, "seg_ready"}, {&s.dim, "dim"}, {&s.seqlen, "seqlen"},
+      {&s.channels_per_group, "channels_per_group"}, {&s.groups, "groups"}, {&s.seg_len, "seg_len"},
+      {&s.nsegs, "nsegs"}};
+  auto names = [&](auto args) {
+    std::vector<std::string> out;
+    for (void* a : args) out.push_back(field.at(a));
+    return out;
+  };
+  auto signature = [](const std::string& header, const std::string& kernel) {
+    std::ifstream in(std::string(KSPEC_SOURCE_DIR) + "/templates/selective_scan/" + header);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::smatch m;
+    EXPECT_TRUE(std::regex_search(text, m, std::regex(kernel + "\\(([^)]*)\\)"))) << kernel;
+    std::vector<std::string> out;
+    const std::string params = m[1];
+    const std::regex name("(\\w+)\\s*(,|$)");
+    for (auto it = std::sregex_iterator(params.begin(), params.end(), name); it != std::sregex_iterator(); ++it)
+      out.push_back((*it)[1]);
+    return out;
+  };
+  EXPECT_EQ(names(fwd_args(s)), signature("warp_scan.cuh", "selective_scan_fwd_kernel"));
+  EXPECT_EQ(names(fwd_args(s)), signature("tile.cuh", "selective_scan_fwd_tile_kernel"));
+  EXPECT_EQ(names(fwd_seq_args(s)), signature("sequential_fwd.cuh", "selective_scan_fwd_seq_kernel"));
+  EXPECT_EQ(names(bwd_args(s)), signature("warp_scan.cuh", "selective_scan_bwd_kernel"));
+  EXPECT_EQ(names(bwd_seq_args(s)), signature("sequential_bwd.cuh", "selective_scan_bwd_seq_kernel"));
+  EXPECT_EQ(names(seg_fwd_args(s)), signature("sequential_segments.cuh", "selective_scan_seg_fwd_kernel"));
+  EXPECT_EQ(names(seg_bwd_args(s)), signature("sequential_segments.cuh", "selective_scan_seg_bwd_kernel"));
 }

@@ -237,6 +237,44 @@ TEST(Tuning, ATunedEntryChangesThePlanAndOffIgnoresIt) {
   }
 }
 
+// selective_scan's `algo` is a named choice: explain and the database say "algo=sequential"; a record
+// written before the names ("algo=1") still reads, and an unknown name falls back to the heuristic.
+TEST(Tuning, NamedChoicesAreShownByNameAndOldNumericRecordsStillRead) {
+  TempDir dir;
+  std::string db = dir.path() + "/tuning.json";
+  EnvGuard env("KSPEC_TUNING_DB", db);
+  kspec::CompileRequest req;
+  req.op = "selective_scan.fwd";
+  req.dtype = kspec::DType::bf16;
+  req.arch = "sm_90";
+  req.params = {{"dstate", int64_t(16)}, {"batch", int64_t(2)}, {"dim", int64_t(64)}, {"seqlen", int64_t(300)}};
+  kspec::PlanInfo before = kspec::explain_request(req);
+  EXPECT_EQ(before.config_source, "heuristic");
+  EXPECT_EQ(before.config, "algo=warp,warps=4,items=8,lanes=1,chunk=32,segs=1");
+  const std::string named = "algo=sequential,warps=4,items=4,lanes=2,chunk=32,segs=1";
+  for (const std::string& recorded : {std::string("algo=1,warps=4,items=4,lanes=2,chunk=32,segs=1"), named}) {
+    put_entry(db, before.tuning_key, recorded);
+    kspec::PlanInfo after = kspec::explain_request(req);
+    EXPECT_EQ(after.config_source, "tuned") << recorded << ": " << after.note;
+    EXPECT_EQ(after.config, named) << recorded;
+    ASSERT_FALSE(after.kernels.empty());
+    EXPECT_NE(after.kernels[0].name.find("selective_scan_fwd_seq_kernel"), std::string::npos) << after.kernels[0].name;
+    EXPECT_NE(after.str().find("config: " + named), std::string::npos) << after.str();
+  }
+  put_entry(db, before.tuning_key, "algo=turbo,warps=4,items=4,lanes=2,chunk=32,segs=1");
+  kspec::PlanInfo bad = kspec::explain_request(req);
+  EXPECT_EQ(bad.config_source, "heuristic");
+  EXPECT_NE(bad.note.find("algo is one of warp, sequential, tile"), std::string::npos) << bad.note;
+  // A forced config by name or number (CompileRequest::config, kspec.call(config=...)).
+  const kspec::OpDef& op = kspec::Registry::global().get(req.op);
+  for (const char* forced : {named.c_str(), "algo=1,warps=4,items=4,lanes=2,chunk=32,segs=1"}) {
+    const kspec::Config f = kspec::Config::parse(forced, op.info);
+    const kspec::ConfigChoice ch = kspec::choose_config(op, problem_of(req), &f, -1);
+    EXPECT_EQ(ch.source, "forced");
+    EXPECT_EQ(ch.config.str(op.info), named) << forced;
+  }
+}
+
 TEST(Tuning, StaleOrCorruptDatabaseFallsBackToTheHeuristic) {
   TempDir dir;
   std::string db = dir.path() + "/tuning.json";

@@ -149,9 +149,9 @@ def _heuristic_config(op, **shape):
 @pytest.mark.parametrize("op", ["fwd", "bwd"])
 @pytest.mark.parametrize("shape,pattern,segs", [
     # few channels and a long sequence: segments (the segments_* variants run it)
-    (dict(batch=2, dim=16, seqlen=9000, form="fixed"), r"algo=1,[0-9a-z=,]*segs=(\d+)", None),
+    (dict(batch=2, dim=16, seqlen=9000, form="fixed"), r"algo=sequential,[0-9a-z=,]*segs=(\d+)", None),
     # 1024 channels, 1100 steps: 2 states per thread and 8 segments (the few_channels variants run it)
-    (dict(batch=1, dim=1024, seqlen=1100), r"algo=1,[0-9a-z=,]*lanes=8,[0-9a-z=,]*segs=(\d+)", 8),
+    (dict(batch=1, dim=1024, seqlen=1100), r"algo=sequential,[0-9a-z=,]*lanes=8,[0-9a-z=,]*segs=(\d+)", 8),
 ], ids=["long_narrow", "few_channels_short"])
 def test_heuristic_takes_segments(op, shape, pattern, segs):
     import re
@@ -167,7 +167,7 @@ def test_segmented_forward_back_to_back_and_in_graph_replays():
     a captured call replayed on new inputs, each match the float64 reference (a flag left set by the call
     before would let a main block fold a segment's state before the local pass writes it)."""
     v = dict(BASE, batch=1, dim=64, seqlen=16384, h0=False)
-    cfg = "algo=1,warps=4,items=4,lanes=2,chunk=32,segs=16"
+    cfg = "algo=sequential,warps=4,items=4,lanes=2,chunk=32,segs=16"
     names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")
     tol = _tol(torch.bfloat16)
 
@@ -252,10 +252,10 @@ TILE_VARIANTS = {
 @pytest.mark.parametrize("name", list(TILE_VARIANTS))
 @pytest.mark.parametrize("warps", [4, 6])
 def test_tile_kernel_forward_states_and_backward(dtype, name, warps):
-    """The one-pass tile kernel (algo 2): out, last_state and `states` against the float64 reference
+    """The one-pass tile kernel (algo=tile): out, last_state and `states` against the float64 reference
     (poisoned first), then selective_scan.bwd from those states: every gradient against the reference."""
     v = dict(BASE, **TILE_VARIANTS[name])
-    cfg = f"algo=2,warps={warps},items=4,lanes=1,chunk=32,segs=1"
+    cfg = f"algo=tile,warps={warps},items=4,lanes=1,chunk=32,segs=1"
     args, out, last, states, np_in, kw = _forward_states_checked(dtype, v, _inputs(dtype, v), config=cfg)
     tol = _tol(dtype)
     dout = torch.randn_like(out)
@@ -270,14 +270,14 @@ def test_tile_kernel_forward_states_and_backward(dtype, name, warps):
 
 
 def test_tile_kernel_is_the_heuristic_for_2048_channels():
-    """2048 channels over a long sequence in bf16: the heuristic takes the one-pass tile kernel (algo 2)
+    """2048 channels over a long sequence in bf16: the heuristic takes the one-pass tile kernel (algo=tile)
     where the sequential kernel would need segments; fp32 (whose prefetch would spill there) does not."""
     v = dict(BASE, batch=1, dim=2048, seqlen=8192)
     for dtype, tile in ((torch.bfloat16, True), (torch.float32, False)):
         x = _inputs(dtype, v)
         args = [x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")]
         text = str(kspec.explain("selective_scan.fwd", *args, delta_softplus=True))
-        assert ("config: algo=2," in text) == tile, text
+        assert ("config: algo=tile," in text) == tile, text
 
 
 def test_backward_with_states_of_another_length_is_refused():

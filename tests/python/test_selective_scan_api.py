@@ -51,3 +51,21 @@ def test_mamba_specialization_compiles_without_spills(op, alt):
         # -1: no ptxas figures in the NVRTC log (seen once on the H100 in a pytest shard with torch loaded and
         # nothing precompiled, not reproduced on the CPU machine): the log's end says what NVRTC printed
         assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, (r["source"], r["arch"], r["log"][-1500:])
+
+
+def test_algo_is_a_named_choice_in_configs():
+    """`algo` is written by name (the op's info, the configs of a case) and read by name or number in a
+    forced config; an unknown name or an algorithm a problem cannot run is refused before compiling."""
+    info = kspec.op_info("selective_scan.fwd")
+    assert dict(info["tuning_names"]) == {"algo": ["warp", "sequential", "tile"]}
+    assert dict(kspec.op_info("selective_scan.bwd")["tuning_names"]) == {"algo": ["warp", "sequential"]}
+    configs = kspec._C.configs_for_case("selective_scan.fwd", "seqlen_even_1024", "bf16")
+    assert {c.split(",")[0] for c in configs} == {"algo=warp", "algo=sequential", "algo=tile"}
+    small = dict(dstate=16, seqlen=300)  # seqlen not a multiple of 8: no tile kernel
+    with pytest.raises(ValueError, match="'algo=fast': algo is one of warp, sequential, tile"):
+        kspec.compile("selective_scan.fwd", "bf16", config="algo=fast,warps=4,items=8,lanes=1,chunk=32,segs=1",
+                      **small)
+    for text in ("algo=tile,warps=6,items=4,lanes=1,chunk=32,segs=1", "algo=2,warps=6,items=4,lanes=1,chunk=32,segs=1"):
+        with pytest.raises(ValueError, match=r"config \{algo=tile,warps=6.*\} is not valid for this problem: algo=tile "
+                                             "needs seqlen a multiple of 8"):
+            kspec.compile("selective_scan.fwd", "bf16", config=text, **small)

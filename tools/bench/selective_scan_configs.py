@@ -45,11 +45,11 @@ def run(ctx):
     args = fwd_args if ctx.args.scan_op == "fwd" else (torch.randn_like(x["u"]),) + fwd_args + (None, states)
     configs = list(ctx.args.scan_config or [])
     if not configs:
-        configs = ["algo=0,warps=4,items=8,lanes=1,chunk=32,segs=1", "algo=0,warps=2,items=8,lanes=1,chunk=32,segs=1"]
+        configs = ["algo=warp,warps=4,items=8,lanes=1,chunk=32,segs=1", "algo=warp,warps=2,items=8,lanes=1,chunk=32,segs=1"]
         for warps in (2, 4, 8):
             for lanes in (1, 2, 4):
                 for chunk in (32, 64, 128):
-                    configs.append(f"algo=1,warps={warps},items=4,lanes={lanes},chunk={chunk},segs=1")
+                    configs.append(f"algo=sequential,warps={warps},items=4,lanes={lanes},chunk={chunk},segs=1")
     try:  # the heuristic's config, as explain() prints it
         m = re.search(r"algo=[0-9a-z=,]+", str(kspec.explain(op, *args, delta_softplus=True)))
         heur = m.group(0) if m else ""

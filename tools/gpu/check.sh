@@ -105,10 +105,10 @@ if has sanitize; then
   step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 build/gpu/tests/cpp/kspec_tests \
     --gtest_filter='Gpu.EveryVisibleDevice'
   # The scan's kernels of both algorithms (shared memory staged by the block, shuffles, atomics).
-  for op_cfg in "selective_scan.fwd algo=0,warps=4,items=8,lanes=1,chunk=32,segs=1" \
-                "selective_scan.fwd algo=1,warps=4,items=4,lanes=4,chunk=32,segs=1" \
-                "selective_scan.bwd algo=0,warps=4,items=8,lanes=1,chunk=16,segs=1" \
-                "selective_scan.bwd algo=1,warps=4,items=4,lanes=8,chunk=16,segs=1"; do
+  for op_cfg in "selective_scan.fwd algo=warp,warps=4,items=8,lanes=1,chunk=32,segs=1" \
+                "selective_scan.fwd algo=sequential,warps=4,items=4,lanes=4,chunk=32,segs=1" \
+                "selective_scan.bwd algo=warp,warps=4,items=8,lanes=1,chunk=16,segs=1" \
+                "selective_scan.bwd algo=sequential,warps=4,items=4,lanes=8,chunk=16,segs=1"; do
     read -r op cfg <<< "$op_cfg"
     name=${op#selective_scan.}_a${cfg:5:1}
     step "memcheck_$name" compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m kspec check --op "$op" \
@@ -239,7 +239,7 @@ if has scan; then
      wide_8x1024:bf16 wide_even_8x1024:bf16 bc_fp32:bf16 seqlen_even_1024:f16 segments_2x32x9000:bf16
      segments_2x32x9000:f32 segments_even_2x32x8192:bf16 segments_even_2x32x8192:f32)
   step scan_configs bash -c 'printf "%s\n" "$@" | xargs -P 12 -I{} python3 tools/gpu/check_configs.py \
-    selective_scan.bwd selective_scan.fwd --match algo=1 --case {}' _ "${C[@]}"
+    selective_scan.bwd selective_scan.fwd --match algo=sequential --case {}' _ "${C[@]}"
   step scan_check python3 -m kspec check --op selective_scan.fwd --op selective_scan.bwd --json "$OUT/scan_check.json"
   KSPEC_TUNING_DB=/tmp/scan-tune.json step scan_tune_bwd python3 -m kspec tune selective_scan.bwd --dtype bf16 \
     --param delta_softplus=true --without h0 --without dlast_state --budget 60 \

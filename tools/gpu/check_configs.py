@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Every tuning config of an op on chosen cases, each against the float64 reference (GPU).
 
-  python3 tools/gpu/check_configs.py selective_scan.fwd --case base:bf16 --case seqlen_1023:f32 [--match 'algo=1.*segs=[248]']
+  python3 tools/gpu/check_configs.py selective_scan.fwd --case base:bf16 --case seqlen_1023:f32 [--match 'algo=sequential.*segs=[248]']
 
 Prints one line per failing (case, dtype, config) and a summary; exits 1 on any failure. The C++ test
 Gpu.EveryTuningConfigMatchesReference does the same for a fixed list over every op; this is the quick
@@ -19,7 +19,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("op", nargs="+")
     ap.add_argument("--case", action="append", required=True, help="CASE:DTYPE")
-    ap.add_argument("--match", default="", help="only configs matching this regular expression, e.g. algo=1")
+    ap.add_argument("--match", default="", help="only configs matching this regular expression, e.g. algo=sequential")
     ap.add_argument("--json")
     a = ap.parse_args()
     failed, total, rows = 0, 0, []

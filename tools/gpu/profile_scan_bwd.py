@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One selective_scan.bwd call at a Mamba shape (for a profiler: ncu --kernel-name regex:bwd ...).
 
-    python3 tools/gpu/profile_scan_bwd.py [--config algo=1,...] [B D L]
+    python3 tools/gpu/profile_scan_bwd.py [--config algo=sequential,...] [B D L]
 """
 import argparse
 

@@ -112,6 +112,10 @@ struct OpInfo {
   std::vector<ParamDef> params;
   std::vector<DimDef> dims;
   std::vector<std::pair<std::string, std::vector<int64_t>>> tuning_axes;
+  // Named choices: an axis whose values are alternatives rather than sizes lists a name per value (in
+  // tuning_axes' order), e.g. {"algo", {"warp", "sequential", "tile"}}. Configs are then written with the
+  // name ("algo=tile": explain, the tuning database) and read with the name or the number.
+  std::vector<std::pair<std::string, std::vector<std::string>>> tuning_names;
   std::string tuning_note;  // a space that is not a product of axes (gemm: cuBLASLt's candidates)
   std::string reference;  // where the float64 reference lives
   // Named constants of the op that its callers must agree with (the scan's state_stride: the forward keeps
@@ -148,8 +152,13 @@ struct Config {
   std::vector<std::pair<std::string, int64_t>> values;
   int64_t get(std::string_view name) const;
   bool has(std::string_view name) const;
-  std::string str() const;  // "threads_per_row=128,vec=8"
+  std::string str() const;  // "threads_per_row=128,vec=8": every value a number (plan keys, comparisons)
+  // The text a user reads and the tuning database stores: a named choice by its name ("algo=tile,warps=4").
+  std::string str(const OpInfo& op) const;
   static Config parse(std::string_view text);
+  // The same, also reading the op's named choices ("algo=tile"); a number is still read (older tuning
+  // entries and scripts). An unknown name throws InvalidArgument listing the axis' names.
+  static Config parse(std::string_view text, const OpInfo& op);
 };
 
 struct CallOptions {

@@ -1,0 +1,88 @@
+// The one-pass tile kernel (algo=tile, forward only; templates/selective_scan/tile.cuh): a block's
+// warps run along time, 8 channels of dstate 16 per block; and when the heuristic takes it.
+#include "selective_scan/scan.h"
+
+namespace kspec::scan {
+namespace {
+
+constexpr const char* kHeader = "selective_scan/tile.cuh";
+// A block holds 8 channels (lanes = 8 channels x 4 groups of 4 states) and `warps` runs of 16 steps.
+constexpr int64_t kTileRun = 16;
+
+// Dynamic shared memory of the tile kernel (tile_fwd_smem_floats in tile.cuh).
+int64_t tile_smem_bytes(const Problem& p, const Config& c) {
+  int64_t w = c.get("warps"), tile = w * kTileRun, n = p.dim("dstate");
+  const int64_t nvar = (var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0);
+  return 4 * (2 * nvar * tile * n + 2 * tile * kTileChannels + 2 * w * 2 * kTileChannels * n + 2 * kTileChannels * n +
+              w * (n / 4) * (kTileChannels * kTileRun + 4));
+}
+
+// The kernel addresses a block's rows with 32-bit offsets: dstate * seqlen must fit in an int.
+bool tile_offsets_fit(const Problem& p) { return p.dim("seqlen") * p.dim("dstate") <= INT32_MAX; }
+
+bool valid(const Problem& p, const Config& c, std::string* why) {
+  if (c.get("items") != 4 || c.get("lanes") != 1 || c.get("chunk") != 32 || c.get("segs") != 1)
+    return no(why, "algo=tile does not use items, lanes, chunk or segs (canonical values 4, 1, 32, 1)");
+  if (c.get("warps") != 4 && c.get("warps") != 6) return no(why, "algo=tile runs 4 or 6 warps (2 blocks per SM)");
+  if (p.dim("dstate") != 16) return no(why, "algo=tile's lane map is for dstate 16");
+  // With fp32 u, delta, z (or a variable fp32 B/C) the raw prefetch of the next tile spilled 56-64 bytes.
+  if (dtype_size(p.dtype("u")) != 2 || (var_b(p) && dtype_size(p.dtype("B")) != 2) ||
+      (var_c(p) && dtype_size(p.dtype("C")) != 2))
+    return no(why, "algo=tile takes 16-bit u, delta, z and variable B/C (the fp32 prefetch spills)");
+  if (!tile_vectors(p)) return no(why, "algo=tile needs seqlen a multiple of 8 and 16-byte aligned tensors");
+  if (!tile_offsets_fit(p))
+    return no(why, "algo=tile addresses a block's rows with 32-bit offsets (dstate * seqlen at most 2^31 - 1)");
+  if (kTileChannels > group_fit(p)) return no(why, "a block's 8 channels must lie in one B/C group");
+  return true;
+}
+
+std::vector<jit::KernelSpec> kernels(const Problem& p, const Config& c) {
+  return {kernel(p, kHeader, "kspec::selective_scan_fwd_tile_kernel",
+                 "kspec::TileScanTraits<" + flags_type(p, tile_vectors(p)) + ", " + std::to_string(c.get("warps")) + ">")};
+}
+
+void launch(const Call& call, const Config& c, Launcher& l, ScanParams& s) {
+  const Problem& p = call.problem;
+  // A block's channels share one B/C group, and its rows fit 32-bit offsets (the tuning space's rules,
+  // kept apart in the plan cache by the op's derived key).
+  KSPEC_CHECK_AS(kTileChannels <= group_fit(p), InternalError, "selective_scan.fwd: config ", c.str(p.op->info),
+                 " puts channels of two B/C groups in one block (a plan chosen for another dim?)");
+  KSPEC_CHECK_AS(tile_offsets_fit(p), InternalError, "selective_scan.fwd: config ", c.str(p.op->info),
+                 " addresses rows with 32-bit offsets: seqlen = ", p.dim("seqlen"),
+                 " is too long (a plan chosen for another seqlen?)");
+  l.launch(0, {u32(ceil_div(s.dim, kTileChannels)), u32(p.dim("batch"))}, {u32(c.get("warps") * 32)},
+           static_cast<unsigned>(tile_smem_bytes(p, c)), fwd_args(s).data());
+}
+
+}  // namespace
+
+// The heuristic takes the tile kernel (6 warps; 4 up to 512 steps) from 2048 channels, where its grid of one block per 8
+// channels fills an H100 at 2 blocks per SM (264 slots), to 8192 (batch * dim). H100 bf16 forward, ms,
+// tile kernel against the heuristic's choice before it (tools/bench/NOTES.md, 2026-11-24):
+//  - where algo 1 took segments: 1x2048x65536 1.440 / 1.559, 1x2048x16384 0.367 / 0.449, 1x2048x8192
+//    0.189 / 0.290, 1x4096x16384 0.719 / 0.814, 1x6144x8192 0.547 / 0.599;
+//  - where algo 0 ran (too short for segments): 1x2048x512 0.019 / 0.023, 1x2048x2048 0.052 / 0.086,
+//    2x2048x1024 0.054 / 0.079, 1x4096x2048 0.100 / 0.153, 1x6144x2048 0.148 / 0.216;
+//  - at 8192, against algo 1 at 4 lanes: 1x8192x16384 1.424 / 1.530, 1x8192x8192 0.721 / 0.769,
+//    4x2048x4096 0.367 / 0.389, 4x2048x1024 0.101 / 0.105, 2x4096x512 0.059 / 0.056.
+// Past 8192 algo 1 gains (12288 channels: 6x2048x4096 0.544 / 0.481, 1x12288x1024 0.149 / 0.127;
+// 16384 at 8 states per thread: 8x2048x2048 0.376 / 0.254); below 2048 the grid leaves SMs idle
+// (1x1024x65536 1.007 / 0.831 at 32 segments).
+// Up to 512 steps, 4 warps: a tile is 16 warps steps, and 6 warps' 96-step tiles leave a partial last one
+// (1x2048x512: 4 warps 0.0169 ms, 6 warps 0.0178; kspec tune --all-configs, H100, 2026-11-26, two runs).
+constexpr int64_t kTileShortSeqlen = 512;
+int64_t tile_warps(const Problem& p) { return p.has_dim("seqlen") && p.dim("seqlen") <= kTileShortSeqlen ? 4 : 6; }
+Config tile_heuristic_config(const Problem& p) {
+  return Config{{{"algo", kTile}, {"warps", tile_warps(p)}, {"items", 4}, {"lanes", 1}, {"chunk", 32}, {"segs", 1}}};
+}
+constexpr int64_t kTileChannelsMin = 2048, kTileChannelsMost = 8192;
+bool tile_preferred(const Problem& p) {
+  if (!p.has_dim("seqlen")) return false;
+  const int64_t chans = p.dim("batch") * p.dim("dim");
+  if (chans < kTileChannelsMin || chans > kTileChannelsMost) return false;
+  return valid(p, tile_heuristic_config(p), nullptr) && tile_smem_bytes(p, tile_heuristic_config(p)) <= kSeqSmemLimit;
+}
+
+const FwdAlgorithm kTileFwd = {kTile, valid, kernels, launch, tile_smem_bytes};
+
+}  // namespace kspec::scan
