@@ -321,7 +321,11 @@ TEST(SelectiveScan, HeuristicForShortSequences) {
   EXPECT_EQ(heuristic(fwd, 1, 1024, 2000).get("lanes"), 8);
   EXPECT_EQ(heuristic(fwd, 4, 1536, 1004).get("algo"), 0);  // 6144 channels: the warp scan stays ahead
   EXPECT_EQ(heuristic(fwd, 2, 4096, 333).get("lanes"), 8);
-  EXPECT_EQ(heuristic(fwd, 16, 768, 256).get("lanes"), 4);
+  EXPECT_EQ(heuristic(fwd, 16, 768, 256).get("algo"), 2);  // 12288 channels, 256 steps: the tile kernel
+  EXPECT_EQ(heuristic(fwd, 16, 768, 256).get("warps"), 4);
+  EXPECT_EQ(heuristic(fwd, 16, 768, 264).get("algo"), 1);  // past 256 steps: algo 1 as before
+  EXPECT_EQ(heuristic(fwd, 16, 768, 264).get("lanes"), 4);
+  EXPECT_EQ(heuristic(fwd, 24, 768, 256).get("algo"), 1);  // past 16384 channels
   EXPECT_EQ(heuristic(fwd, 8, 2048, 2048).get("lanes"), 2);  // long sequences as before
   // the tile kernel: 4 warps up to 512 steps (whole 64-step tiles), 6 beyond
   EXPECT_EQ(heuristic(fwd, 1, 2048, 512).get("algo"), 2);

@@ -75,11 +75,17 @@ int64_t tile_warps(const Problem& p) { return p.has_dim("seqlen") && p.dim("seql
 Config tile_heuristic_config(const Problem& p) {
   return Config{{{"algo", kTile}, {"warps", tile_warps(p)}, {"items", 4}, {"lanes", 1}, {"chunk", 32}, {"segs", 1}}};
 }
+// Past 8192 channels, short sequences still take it: there algo 1 pays its per-channel start for few
+// steps (16x768x256, 12288 channels: tile 4 warps 0.0493 ms, 6 warps 0.0501, algo 0 0.0892, algo 1 0.0937;
+// kspec tune --all-configs, H100, 2026-11-27). Up to 16384 channels of at most 256 steps: the one point
+// measured, where longer ones went to algo 1 (1x12288x1024 above).
 constexpr int64_t kTileChannelsMin = 2048, kTileChannelsMost = 8192;
+constexpr int64_t kTileWideChannelsMost = 16384, kTileWideSeqlenMost = 256;
 bool tile_preferred(const Problem& p) {
   if (!p.has_dim("seqlen")) return false;
   const int64_t chans = p.dim("batch") * p.dim("dim");
-  if (chans < kTileChannelsMin || chans > kTileChannelsMost) return false;
+  const bool wide_short = chans <= kTileWideChannelsMost && p.dim("seqlen") <= kTileWideSeqlenMost;
+  if (chans < kTileChannelsMin || (chans > kTileChannelsMost && !wide_short)) return false;
   return valid(p, tile_heuristic_config(p), nullptr) && tile_smem_bytes(p, tile_heuristic_config(p)) <= kSeqSmemLimit;
 }
 
