@@ -16,7 +16,7 @@ import pytest
 
 HERE = pathlib.Path(__file__).resolve().parents[2] / "tools/bench"
 BENCH = HERE / "bench.py"
-EXPECTED = {"norm_act", "selective_scan", "selective_scan_configs", "gemm", "linear_sweep", "adamw", "jit", "e79"}
+EXPECTED = {"norm_act", "selective_scan", "selective_scan_configs", "gemm", "linear_sweep", "adamw", "jit", "e79", "dispatch"}
 
 
 @pytest.fixture(scope="module")
