@@ -15,6 +15,7 @@
 #include "jit/driver.h"
 #include "jit/spec.h"
 #include "kspec/kspec.h"
+#include "norm_act/params.h"
 #include "norm_act/reference.h"
 
 namespace {
@@ -149,16 +150,18 @@ int run() {
   const std::string explained = kspec::explain("norm_act.fwd", {xv, wv, bv}, {yv, mv, rv}, params);
   const bool same_kernel = explained.find(spec.name_expression()) != std::string::npos;
 
-  void* xp = x.get();
-  void* wp = w.get();
-  void* bp = b.get();
-  void* yp = y.get();
-  void* mp = mean.get();
-  void* rp = rstd.get();
-  int rows = kRows;
-  long long x_stride = kHidden, y_stride = kHidden;
-  float eps = static_cast<float>(kEps);
-  void* args[] = {&xp, &wp, &bp, &yp, &mp, &rp, &rows, &x_stride, &y_stride, &eps};
+  // The kernel's one argument, as api/ops/norm_act/op.cpp fills it (templates/norm_act/params.h).
+  kspec::NormActParams prm{};
+  prm.x = x.get();
+  prm.weight = w.get();
+  prm.bias = b.get();
+  prm.y = y.get();
+  prm.mean = static_cast<float*>(mean.get());
+  prm.rstd = static_cast<float*>(rstd.get());
+  prm.x_row_stride = prm.y_row_stride = kHidden;
+  prm.rows = kRows;
+  prm.eps = static_cast<float>(kEps);
+  void* args[] = {&prm};
   const unsigned grid = (kRows + kRowsPerBlock - 1) / kRowsPerBlock;
 
   auto raw = [&] { CU_CHECK(cuLaunchKernel(fn, grid, 1, 1, kThreads, 1, 1, 0, cu_stream, args, nullptr)); };
