@@ -123,20 +123,20 @@ class Surface:
         # Where each backward argument comes from, resolved once: (0, i) the gradient of forward output
         # i, (1, k) the k-th saved tensor, (2, k) the k-th non-tensor; what is saved: (0, i) forward
         # argument i, (1, i) forward output i, (2, name) an extra.
-        self.bwd_plan, self.keep_saved, self.keep_cfg = [], [], []
+        self.bwd_plan, keep_saved, keep_cfg = [], [], []
         for n, t in self.bwd_args:
             if n.startswith("d") and n[1:] in f.fwd_out:
                 self.bwd_plan.append((0, f.fwd_out.index(n[1:])))
                 continue
-            keep = self.keep_saved if _is_tensor(t) else self.keep_cfg
-            self.bwd_plan.append((1 if keep is self.keep_saved else 2, len(keep)))
+            keep = keep_saved if _is_tensor(t) else keep_cfg
+            self.bwd_plan.append((1 if keep is keep_saved else 2, len(keep)))
             keep.append((2, n) if n in f.extra else (0, self.fwd_names.index(n)) if n in self.fwd_names
                         else (1, f.fwd_out.index(n)))
         # the saved tensors and non-tensors as one C-level pick from (args, outputs, extras)
         n_args, n_out, extras = len(self.fwd_names), len(f.fwd_out), list(f.extra)
         self.pick_saved, self.pick_cfg = (_picker([i if kind == 0 else n_args + i if kind == 1
                                                    else n_args + n_out + extras.index(i) for kind, i in keep])
-                                          for keep in (self.keep_saved, self.keep_cfg))
+                                          for keep in (keep_saved, keep_cfg))
         # zeros for an unused output only where the backward cannot take None for its gradient
         self.materialize = any(t == "Tensor" for (k, _), (_, t) in zip(self.bwd_plan, self.bwd_args) if k == 0)
         # forward argument -> index of its gradient among the backward's outputs (-1: none)
