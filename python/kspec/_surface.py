@@ -10,13 +10,14 @@ output of that name (saved for the backward when it is a tensor), or an `extra` 
 backward output `d<arg>` is the gradient of forward argument <arg> (None where that argument was None)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import itemgetter
 from typing import Callable, Optional
 
 import torch
 
 from . import _schema
+from ._core import call
 
 FAMILIES: dict = {}  # name -> Family, in registration order
 
@@ -42,7 +43,8 @@ class Family:
     fwd, bwd: their arguments in torch schema syntax; fwd_out, bwd_out: their outputs' names.
     forward(*fwd args, save=bool) -> a tuple like fwd_out (None for an absent output); `save` says whether
     a backward will run (keep what only it reads). backward(*bwd args) -> a tuple like bwd_out (None for
-    an absent gradient). Both receive real tensors (the kernels' callers) or fake ones (never: fakes come
+    an absent gradient). Either left out: one kspec.call of ops[0] / ops[1] with the tensor arguments in
+    order and the non-tensor arguments the op has as params. They only ever see real tensors (fakes come
     from `fake`/`bwd_fake`, or from the schema of `ops`).
     public: the forward outputs the public function returns (one: the tensor itself, more: a tuple).
     save_arg: the forward's bool argument that allows keeping what only the backward reads (under
@@ -59,8 +61,8 @@ class Family:
     fwd_out: tuple
     bwd: str
     bwd_out: tuple
-    forward: Callable
-    backward: Callable
+    forward: Optional[Callable] = None
+    backward: Optional[Callable] = None
     public: tuple = (0,)
     save_arg: Optional[str] = None
     save_required: bool = False
@@ -101,6 +103,18 @@ def _picker(indices):
     return get if len(indices) > 1 else (lambda seq: (get(seq),))
 
 
+def _one_call(op, arg_types):
+    """fn(*args, **ignored) -> kspec.call(op, tensors..., **params): the default forward or backward."""
+    params = {p["name"] for p in _schema._info(op)["params"]}
+    tensor_pos = [i for i, (_, t) in enumerate(arg_types) if _is_tensor(t)]
+    param_pos = [(n, i) for i, (n, t) in enumerate(arg_types) if not _is_tensor(t) and n in params]
+
+    def run(*args, **_):
+        return call(op, *[args[i] for i in tensor_pos], **{n: args[i] for n, i in param_pos})
+
+    return run
+
+
 def wants_grad(*tensors):
     """Whether autograd will want a gradient of any of these (None skipped)."""
     return torch.is_grad_enabled() and any([t.requires_grad for t in tensors if t is not None])
@@ -111,9 +125,12 @@ class Surface:
     .bwd_kernel: what a CPU test may register for CPU tensors) and __call__, the public entry."""
 
     def __init__(self, f: Family):
-        self.family = f
         self.fwd_args = _args(f.fwd)
         self.bwd_args = _args(f.bwd)
+        if f.forward is None or f.backward is None:
+            f = replace(f, forward=f.forward or _one_call(f.ops[0], self.fwd_args),
+                        backward=f.backward or _one_call(f.ops[1], self.bwd_args))
+        self.family = f
         self.fwd_names = [n for n, _ in self.fwd_args]
         self.tensor_pos = [i for i, (_, t) in enumerate(self.fwd_args) if _is_tensor(t)]
         self.save_pos = self.fwd_names.index(f.save_arg) if f.save_arg else None

@@ -10,11 +10,7 @@ from ._core import call
 from ._surface import Family, build
 from .ops import gemm_reads_in_place
 
-# ---- norm_act ----
-
-def _norm_act_fwd(x, weight, bias, norm, act, eps, save):
-    return call("norm_act.fwd", x, weight, bias, norm=norm, act=act, eps=eps)
-
+# ---- norm_act (the forward: the default, one call of norm_act.fwd) ----
 
 def _norm_act_bwd(dy, x, weight, bias, mean, rstd, norm, act, eps):
     if dy.stride(-1) != 1:
@@ -26,7 +22,7 @@ norm_act = build(Family(
     name="norm_act", ops=("norm_act.fwd", "norm_act.bwd"),
     fwd="Tensor x, Tensor weight, Tensor? bias, str norm, str act, float eps", fwd_out=("y", "mean", "rstd"),
     bwd="Tensor dy, Tensor x, Tensor weight, Tensor? bias, Tensor mean, Tensor rstd, str norm, str act, float eps",
-    bwd_out=("dx", "dweight", "dbias"), forward=_norm_act_fwd, backward=_norm_act_bwd))
+    bwd_out=("dx", "dweight", "dbias"), backward=_norm_act_bwd))
 
 
 # ---- selective_scan ----
@@ -58,7 +54,8 @@ def _scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, h0, dlast_state, states
                 delta_softplus=delta_softplus)
 
 
-_SCAN_TENSORS = "Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, Tensor? delta_bias, Tensor? h0"
+_SCAN_TENSORS = ("Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, Tensor? delta_bias, "
+                 "Tensor? h0")
 selective_scan = build(Family(
     name="selective_scan", ops=("selective_scan.fwd", "selective_scan.bwd"),
     fwd=_SCAN_TENSORS + ", bool delta_softplus, bool save_states", fwd_out=("out", "last_state", "states"),

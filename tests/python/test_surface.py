@@ -201,6 +201,7 @@ def _reference_call(op, *inputs, norm, act, eps, out=None):
 @pytest.fixture
 def reference_norm_act(monkeypatch):
     monkeypatch.setattr(_torch, "call", _reference_call)
+    monkeypatch.setattr(_surface, "call", _reference_call)  # the default forward's one call
     _torch.norm_act.fwd_op.register_kernel("cpu", _torch.norm_act.fwd_kernel)
     _torch.norm_act.bwd_op.register_kernel("cpu", _torch.norm_act.bwd_kernel)
     torch._dynamo.reset()
