@@ -4,7 +4,7 @@ torch.compile(fullgraph=True, dynamic=True) of the public function give the same
 and a second shape in the same bucket compiles no second frame. (E79's three doors: test_gpu_e79.py.)"""
 import pytest
 
-from helpers import rel_err
+from helpers import TOL, rel_err
 
 torch = pytest.importorskip("torch")
 import kspec  # noqa: E402
@@ -92,7 +92,8 @@ def test_three_doors_agree(name, dtype):
             got, got_grads = _run(fn, inputs)
             for a, b in zip(got + got_grads, want + want_grads):
                 assert a.shape == b.shape and a.dtype == b.dtype
-                assert rel_err(_np(a), _np(b)) <= 1e-5, (name, shape)
+                # the same kernels: equal up to the order of atomic sums in a backward
+                assert rel_err(_np(a), _np(b)) <= TOL[str(dtype).removeprefix("torch.")], (name, shape)
         frames.append(counter.frame_count)
     assert frames[0] >= 1 and frames[1] == frames[0], f"a second shape in the same bucket recompiled: {frames}"
 
