@@ -1,15 +1,13 @@
-"""torch glue for E79: the cell over one fused projection as torch.library custom ops (kspec::e79_fwd,
-kspec::e79_bwd, with fake kernels and autograd: what torch.compile traces) and as an autograd Function
-(the eager path, without torch.library's dispatch cost), both on one forward and one backward below;
-kspec.ops.e79 puts the projection GEMM (kspec's gemm op, kspec.ops.linear) in front."""
+"""torch glue for E79: the cell over one fused projection (one forward and one backward below, on the
+column blocks of the projection), and its family spec, from which kspec._surface makes the custom ops
+kspec::e79_fwd / e79_bwd, their fakes, autograd and the eager path; kspec.ops.e79 puts the projection
+GEMM (kspec's gemm op, kspec.ops.linear) in front."""
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
 from ._core import call
-from ._torch import wants_grad
+from ._surface import Family, build
 
 BIAS_MODES = ("none", "fixed", "input")
 DEFAULT_CHUNK = 16
@@ -34,11 +32,6 @@ def _rows_like(x, cols):
     if x.stride(0) < x.stride(1) and T > 1 and B > 1:
         return x.new_empty_strided((T, B, cols), (cols, T * cols, 1))
     return x.new_empty((T, B, cols))
-
-
-def _absent(like, dtype=None):
-    """Custom ops cannot return None inside a tuple: an empty tensor stands for an absent output."""
-    return like.new_empty(0, dtype=dtype)
 
 
 def _kernel_inputs(kvqm, b_s, b_m, n, mode):
@@ -94,103 +87,38 @@ def _backward(dout, kvqm, b_s, b_m, S0, M0, chk, dS, dM, n, mode, chunk, config)
     return grads
 
 
-# ---- the custom ops (torch.compile) ----
-# Their implementations stay plain functions: the CPU tests register them for CPU tensors with the
-# float64 reference standing in for the kernels, and so test this glue without a GPU.
+# ---- the surface: custom ops kspec::e79_fwd / e79_bwd (torch.compile), autograd, the eager path ----
+# The checkpoints only feed the backward (no gradient for them), and no zeros are materialized for them
+# (8 n^2 / chunk bytes per token: 4 GiB at B=128, T=4096, n=128) or for an unused out, S or M: every
+# gradient argument of the backward is optional.
 
-def _fwd_op(kvqm: torch.Tensor, b_s: Optional[torch.Tensor], b_m: Optional[torch.Tensor],
-            S0: Optional[torch.Tensor], M0: Optional[torch.Tensor], n: int, mode: str, chunk: int,
-            config: Optional[str], save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, S, M, checkpoints); checkpoints empty unless `save` (what the backward needs)."""
-    out, S, M, chk = _forward(kvqm, b_s, b_m, S0, M0, n, mode, chunk, config, save)
-    return out, S, M, chk if chk is not None else _absent(kvqm, torch.float32)
+def _fwd(kvqm, b_s, b_m, S0, M0, n, mode, chunk, config, save_arg, save):
+    return _forward(kvqm, b_s, b_m, S0, M0, n, mode, chunk, config, save)
 
 
-def _bwd_op(dout: Optional[torch.Tensor], kvqm: torch.Tensor, b_s: Optional[torch.Tensor],
-            b_m: Optional[torch.Tensor], S0: Optional[torch.Tensor], M0: Optional[torch.Tensor],
-            chk: torch.Tensor, dS: Optional[torch.Tensor], dM: Optional[torch.Tensor], n: int, mode: str,
-            chunk: int, config: Optional[str]
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dkvqm, db_s, db_m, dS0, dM0); an empty tensor for an absent gradient."""
-    grads = _backward(dout, kvqm, b_s, b_m, S0, M0, chk, dS, dM, n, mode, chunk, config)
-    return tuple(_absent(kvqm) if g is None else g for g in grads)
+def _fwd_fake(kvqm, b_s, b_m, S0, M0, n, mode, chunk, config, save):
+    return _fwd_outputs(kvqm, n, chunk, save)
 
 
-e79_fwd = torch.library.custom_op("kspec::e79_fwd", _fwd_op, mutates_args=(), device_types="cuda")
-e79_bwd = torch.library.custom_op("kspec::e79_bwd", _bwd_op, mutates_args=(), device_types="cuda")
+def _bwd_fake(dout, kvqm, b_s, b_m, S0, M0, chk, dS, dM, n, mode, chunk, config):
+    return _bwd_outputs(kvqm, b_s, b_m, S0, M0, mode)
 
 
-@e79_fwd.register_fake
-def _(kvqm, b_s, b_m, S0, M0, n, mode, chunk, config, save):
-    out, S, M, chk = _fwd_outputs(kvqm, n, chunk, save)
-    return out, S, M, chk if chk is not None else _absent(kvqm, torch.float32)
-
-
-@e79_bwd.register_fake
-def _(dout, kvqm, b_s, b_m, S0, M0, chk, dS, dM, n, mode, chunk, config):
-    return tuple(_absent(kvqm) if g is None else g for g in _bwd_outputs(kvqm, b_s, b_m, S0, M0, mode))
-
-
-def _setup(ctx, inputs, output):
-    kvqm, b_s, b_m, S0, M0, n, mode, chunk, config, save = inputs
-    ctx.save_for_backward(kvqm, b_s, b_m, S0, M0, output[3])
-    ctx.cfg = (n, mode, chunk, config, save)
-    # The checkpoints only feed the backward: no gradient for them, and no zeros materialized for them
-    # (8 n^2 / chunk bytes per token: 4 GiB at B=128, T=4096, n=128) or for an unused out, S or M.
-    ctx.mark_non_differentiable(output[3])
-    ctx.set_materialize_grads(False)
-
-
-def _grads(ctx, dout, dS, dM, dchk):
-    kvqm, b_s, b_m, S0, M0, chk = ctx.saved_tensors
-    n, mode, chunk, config, save = ctx.cfg
-    if not save:
-        raise RuntimeError("kspec::e79_fwd ran with save=False: it kept no checkpoints for the backward")
-    dkvqm, dbs, dbm, dS0, dM0 = e79_bwd(dout, kvqm, b_s, b_m, S0, M0, chk, dS, dM, n, mode, chunk, config)
-    fixed = mode == "fixed"
-    return (dkvqm, dbs if fixed else None, dbm if fixed else None, None if S0 is None else dS0,
-            None if M0 is None else dM0, None, None, None, None, None)
-
-
-e79_fwd.register_autograd(_grads, setup_context=_setup)
-
-
-# ---- the eager path ----
-
-class E79Function(torch.autograd.Function):
-    """(kvqm [T, B, 4n or 6n], b_s, b_m, S0, M0) -> (out [T, B, n], S, M).
-
-    kvqm: the fused projection, any strides with unit stride along the last dim; columns
-    [k | v | q | m] (+ [b_s | b_m] per step in input-bias mode). b_s, b_m: (n,) in fixed mode, else
-    None. S0, M0: (B, n, n) fp32 or None. config: a tuning config for both kernels (e79.fwd and e79.bwd
-    share their axes) or None. The same kernels as the custom ops; torch.compile traces those instead."""
-
-    @staticmethod
-    def forward(ctx, kvqm, b_s, b_m, S0, M0, n, mode, chunk, config):
-        save = any(ctx.needs_input_grad[:5])
-        out, S, M, chk = _forward(kvqm, b_s, b_m, S0, M0, n, mode, chunk, config, save)
-        ctx.save_for_backward(kvqm, b_s, b_m, S0, M0, chk)
-        ctx.cfg = (n, mode, chunk, config)
-        return out, S, M
-
-    @staticmethod
-    def backward(ctx, dout, dS, dM):
-        kvqm, b_s, b_m, S0, M0, chk = ctx.saved_tensors
-        n, mode, chunk, config = ctx.cfg
-        dkvqm, dbs, dbm, dS0, dM0 = _backward(dout, kvqm, b_s, b_m, S0, M0, chk, dS, dM, n, mode, chunk, config)
-        return dkvqm, dbs, dbm, dS0, dM0, None, None, None, None
+_STATES = "Tensor kvqm, Tensor? b_s, Tensor? b_m, Tensor? S0, Tensor? M0"
+_CFG = "SymInt n, str mode, SymInt chunk, str? config"
+cell = build(Family(
+    name="e79", ops=("e79.fwd", "e79.bwd"), fwd=f"{_STATES}, {_CFG}, bool save", fwd_out=("out", "S", "M", "chk"),
+    bwd=f"Tensor? dout, {_STATES}, Tensor chk, Tensor? dS, Tensor? dM, {_CFG}",
+    bwd_out=("dkvqm", "db_s", "db_m", "dS0", "dM0"), forward=_fwd, backward=_backward, public=(0, 1, 2),
+    save_arg="save", save_required=True, fake=_fwd_fake, bwd_fake=_bwd_fake))
+e79_fwd, e79_bwd = cell.fwd_op, cell.bwd_op
 
 
 def cell_torch(kvqm, b_s, b_m, S0, M0, n, mode, chunk, config=None):
     """Casts what the op needs cast (fp32 states; biases of another dtype than kvqm to fp32), then the
-    autograd Function, or under torch.compile the custom op (keeping checkpoints only when a gradient
-    is wanted, as the Function does)."""
+    family's surface (checkpoints kept only when a gradient is wanted)."""
     if b_s is not None and b_s.dtype not in (kvqm.dtype, torch.float32):
         b_s, b_m = b_s.float(), b_m.float()
     S0 = None if S0 is None else S0.float().contiguous()
     M0 = None if M0 is None else M0.float().contiguous()
-    if torch.compiler.is_compiling():
-        save = wants_grad(kvqm, b_s, b_m, S0, M0)
-        out, S, M, _ = e79_fwd(kvqm, b_s, b_m, S0, M0, n, mode, chunk, config, save)
-        return out, S, M
-    return E79Function.apply(kvqm, b_s, b_m, S0, M0, n, mode, chunk, config)
+    return cell(kvqm, b_s, b_m, S0, M0, n, mode, chunk, config, True)

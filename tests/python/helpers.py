@@ -63,3 +63,33 @@ def assert_grad_close(analytic, numeric, fd_noise, what):
     err = np.abs(analytic - numeric)
     tol = 1e-6 * scale + fd_noise
     assert np.all(err <= tol), f"{what}: max err {err.max():.3e}, worst excess {(err - tol).max():.3e}"
+
+
+def case_inputs(info, case):
+    """(shapes, dtypes) of a case's inputs from its dims, or None when a present input has a dim the case
+    does not give (a derived one)."""
+    dims, shapes, dtypes = case["dims"], [], {}
+    for d in info["inputs"]:
+        if d["optional"] and d["name"] in case["without"]:
+            shapes.append(None)
+            continue
+        tokens = d["alt_shape"] if d["name"] in case["alt_shapes"] else d["shape"]
+        shape = []
+        for tok in tokens:
+            name = tok[3:] if tok.startswith("...") else tok
+            if tok.isdigit():
+                shape.append(int(tok))
+            elif name in dims:
+                shape.append(dims[name])
+            else:
+                return None
+        shapes.append(tuple(shape))
+    for _ in info["inputs"]:  # dtype_of may name a later input: settle in a few passes
+        for d in info["inputs"]:
+            if d["name"] in case["tensor_dtypes"]:
+                dtypes[d["name"]] = case["tensor_dtypes"][d["name"]]
+            elif d["dtype_of"]:
+                dtypes[d["name"]] = dtypes.get(d["dtype_of"], "float32")
+            else:
+                dtypes[d["name"]] = "float32" if "float32" in d["dtypes"] else d["dtypes"][0]
+    return shapes, [dtypes[d["name"]] for d in info["inputs"]]

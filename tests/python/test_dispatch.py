@@ -8,6 +8,8 @@ import textwrap
 
 import pytest
 
+from helpers import case_inputs
+
 # Runs in a fresh interpreter with a stand-in `torch` module (this machine may have no torch; the real one
 # must not be replaced in the test process): tensors with the attributes the fast path reads, an
 # allocator and a current stream. Each bad call must raise the same exception type and message through
@@ -168,36 +170,6 @@ def test_one_tolerance_table_and_constants():
     assert _C.op_info("norm_act.fwd")["tolerances"] == _C.tolerances()
 
 
-def _case_inputs(info, case):
-    """(shapes, dtypes) of a case's inputs from its dims, or None when a present input has a dim the case
-    does not give (a derived one)."""
-    dims, shapes, dtypes = case["dims"], [], {}
-    for d in info["inputs"]:
-        if d["optional"] and d["name"] in case["without"]:
-            shapes.append(None)
-            continue
-        tokens = d["alt_shape"] if d["name"] in case["alt_shapes"] else d["shape"]
-        shape = []
-        for tok in tokens:
-            name = tok[3:] if tok.startswith("...") else tok
-            if tok.isdigit():
-                shape.append(int(tok))
-            elif name in dims:
-                shape.append(dims[name])
-            else:
-                return None
-        shapes.append(tuple(shape))
-    for _ in info["inputs"]:  # dtype_of may name a later input: settle in a few passes
-        for d in info["inputs"]:
-            if d["name"] in case["tensor_dtypes"]:
-                dtypes[d["name"]] = case["tensor_dtypes"][d["name"]]
-            elif d["dtype_of"]:
-                dtypes[d["name"]] = dtypes.get(d["dtype_of"], "float32")
-            else:
-                dtypes[d["name"]] = "float32" if "float32" in d["dtypes"] else d["dtypes"][0]
-    return shapes, [dtypes[d["name"]] for d in info["inputs"]]
-
-
 def test_schema_shapes_match_infer_outputs():
     """kspec._schema.output_specs (what the torch fake kernels evaluate, symbolic sizes included) gives
     C++ infer_outputs' dtypes and shapes for every case of every op (TensorList ops aside)."""
@@ -211,7 +183,7 @@ def test_schema_shapes_match_infer_outputs():
         for case in info["cases"]:
             if case["large"]:
                 continue
-            got = _case_inputs(info, case)
+            got = case_inputs(info, case)
             if got is None:
                 continue
             shapes, dtypes = got

@@ -217,8 +217,8 @@ def reference_call(op, *inputs, chunk, config=None, out):
 def reference_kernels(monkeypatch):
     """The ops' implementations, registered for CPU tensors, with the float64 reference as kspec.call."""
     monkeypatch.setattr(_e79, "call", reference_call)
-    _e79.e79_fwd.register_kernel("cpu", _e79._fwd_op)
-    _e79.e79_bwd.register_kernel("cpu", _e79._bwd_op)
+    _e79.e79_fwd.register_kernel("cpu", _e79.cell.fwd_kernel)
+    _e79.e79_bwd.register_kernel("cpu", _e79.cell.bwd_kernel)
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

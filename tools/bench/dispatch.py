@@ -166,7 +166,7 @@ def piece_rows():
         ("piece", "torch.compiler.is_compiling()", torch.compiler.is_compiling),
         ("piece", "autograd.Function.apply (identity, grad)", lambda: Nop.apply(xg)),
         ("piece", "custom op kspec::norm_act_fwd (no grad)",
-         lambda: _torch.norm_act_fwd(x, w, None, "rmsnorm", "identity", 1e-5)),
+         lambda: _torch.norm_act.fwd_op(x, w, None, "rmsnorm", "identity", 1e-5)),
     ]
 
 

@@ -1,0 +1,282 @@
+"""The torch surface of every differentiable op family, made from one short spec per family (`Family`):
+the two torch.library custom ops (kspec::<name>_fwd, kspec::<name>_bwd, what torch.compile traces), their
+fake kernels (by default evaluated from the OpDef's schema by kspec._schema, so symbolic sizes stay
+symbolic under dynamic shapes), their autograd, and the eager path (an autograd.Function on the same
+forward and backward, without torch.library's dispatch cost; the forward alone when no gradient is wanted).
+
+The backward is paired with the forward by name, as the OpDefs name their tensors: a backward argument
+`d<out>` is the gradient of forward output <out>; any other backward argument is the forward argument or
+output of that name (saved for the backward when it is a tensor), or an `extra` computed from them; a
+backward output `d<arg>` is the gradient of forward argument <arg> (None where that argument was None)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from operator import itemgetter
+from typing import Callable, Optional
+
+import torch
+
+from . import _schema
+from ._core import call
+
+FAMILIES: dict = {}  # name -> Family, in registration order
+
+
+def _args(schema: str):
+    """[(name, type)] of a custom op's arguments in torch schema syntax ("Tensor x, Tensor? bias, str act")."""
+    out = []
+    for part in schema.split(","):
+        typ, name = part.split()
+        out.append((name, typ))
+    return out
+
+
+def _is_tensor(typ: str) -> bool:
+    return typ in ("Tensor", "Tensor?")
+
+
+@dataclass(eq=False)
+class Family:
+    """One op family's torch surface.
+
+    name: the custom ops are kspec::<name>_fwd and kspec::<name>_bwd.
+    fwd, bwd: their arguments in torch schema syntax; fwd_out, bwd_out: their outputs' names.
+    forward(*fwd args, save=bool) -> a tuple like fwd_out (None for an absent output); `save` says whether
+    a backward will run (keep what only it reads). backward(*bwd args) -> a tuple like bwd_out (None for
+    an absent gradient). Either left out: one kspec.call of ops[0] / ops[1] with the tensor arguments in
+    order and the non-tensor arguments the op has as params. They only ever see real tensors (fakes come
+    from `fake`/`bwd_fake`, or from the schema of `ops`).
+    public: the forward outputs the public function returns (one: the tensor itself, more: a tuple).
+    save_arg: the forward's bool argument that allows keeping what only the backward reads (under
+    torch.compile and in the eager path it is and-ed with "a gradient is wanted"); save_required: the
+    backward needs it (raise when it was off) rather than recomputing what was not kept.
+    extra: backward argument -> fn(env) for one that is neither a gradient nor a forward argument/output
+    (env: the forward's arguments and outputs by name).
+    ops: (forward op, backward op) in the registry, whose schemas give the default fakes (the custom
+    op's tensor arguments in the op's input order); derived: {dim: fn(dims)} for an output dim no input
+    binds. fake, bwd_fake: (*args) -> outputs like forward/backward's, where the schema's rule is not the
+    one (other layouts, composite ops)."""
+    name: str
+    fwd: str
+    fwd_out: tuple
+    bwd: str
+    bwd_out: tuple
+    forward: Optional[Callable] = None
+    backward: Optional[Callable] = None
+    public: tuple = (0,)
+    save_arg: Optional[str] = None
+    save_required: bool = False
+    extra: dict = field(default_factory=dict)
+    ops: tuple = (None, None)
+    derived: dict = field(default_factory=dict)
+    fake: Optional[Callable] = None
+    bwd_fake: Optional[Callable] = None
+
+
+def _absent(args):
+    """Custom ops cannot return None inside a tuple: an empty tensor stands for an absent output."""
+    first = next(a for a in args if isinstance(a, torch.Tensor))
+    return first.new_empty(0)
+
+
+def _filled(outs, args):
+    return tuple(_absent(args) if o is None else o for o in outs)
+
+
+def _dtype_name(t):
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _schema_fake(op, tensors, derived, present):
+    """Outputs of registry op `op` for these (fake) inputs, from its schema; None for absent ones."""
+    specs = _schema.output_specs(op, [None if t is None else tuple(t.shape) for t in tensors],
+                                 [None if t is None else _dtype_name(t) for t in tensors], derived, present)
+    device = next(t.device for t in tensors if t is not None)
+    return tuple(None if s is None else torch.empty(s[1], dtype=getattr(torch, s[0]), device=device) for s in specs)
+
+
+def _picker(indices):
+    """fn(seq) -> tuple of seq's items at `indices` (operator.itemgetter, always a tuple)."""
+    if not indices:
+        return lambda seq: ()
+    get = itemgetter(*indices)
+    return get if len(indices) > 1 else (lambda seq: (get(seq),))
+
+
+def _one_call(op, arg_types):
+    """fn(*args, **ignored) -> kspec.call(op, tensors..., **params): the default forward or backward."""
+    params = {p["name"] for p in _schema._info(op)["params"]}
+    tensor_pos = [i for i, (_, t) in enumerate(arg_types) if _is_tensor(t)]
+    param_pos = [(n, i) for i, (n, t) in enumerate(arg_types) if not _is_tensor(t) and n in params]
+
+    def run(*args, **_):
+        return call(op, *[args[i] for i in tensor_pos], **{n: args[i] for n, i in param_pos})
+
+    return run
+
+
+def wants_grad(*tensors):
+    """Whether autograd will want a gradient of any of these (None skipped)."""
+    return torch.is_grad_enabled() and any([t.requires_grad for t in tensors if t is not None])
+
+
+class Surface:
+    """What build() makes of a Family: the custom ops (.fwd_op, .bwd_op), their implementations (.fwd_kernel,
+    .bwd_kernel: what a CPU test may register for CPU tensors) and __call__, the public entry."""
+
+    def __init__(self, f: Family):
+        self.fwd_args = _args(f.fwd)
+        self.bwd_args = _args(f.bwd)
+        if f.forward is None or f.backward is None:
+            f = replace(f, forward=f.forward or _one_call(f.ops[0], self.fwd_args),
+                        backward=f.backward or _one_call(f.ops[1], self.bwd_args))
+        self.family = f
+        self.fwd_names = [n for n, _ in self.fwd_args]
+        self.tensor_pos = [i for i, (_, t) in enumerate(self.fwd_args) if _is_tensor(t)]
+        self.save_pos = self.fwd_names.index(f.save_arg) if f.save_arg else None
+        bwd_names = [n for n, _ in self.bwd_args]
+        # forward outputs with a gradient argument in the backward; the others are non-differentiable
+        self.diff_out = [i for i, o in enumerate(f.fwd_out) if "d" + o in bwd_names]
+        # Where each backward argument comes from, resolved once: (0, i) the gradient of forward output
+        # i, (1, k) the k-th saved tensor, (2, k) the k-th non-tensor; what is saved: (0, i) forward
+        # argument i, (1, i) forward output i, (2, name) an extra.
+        self.bwd_plan, keep_saved, keep_cfg = [], [], []
+        for n, t in self.bwd_args:
+            if n.startswith("d") and n[1:] in f.fwd_out:
+                self.bwd_plan.append((0, f.fwd_out.index(n[1:])))
+                continue
+            keep = keep_saved if _is_tensor(t) else keep_cfg
+            self.bwd_plan.append((1 if keep is keep_saved else 2, len(keep)))
+            keep.append((2, n) if n in f.extra else (0, self.fwd_names.index(n)) if n in self.fwd_names
+                        else (1, f.fwd_out.index(n)))
+        # the saved tensors and non-tensors as one C-level pick from (args, outputs, extras)
+        n_args, n_out, extras = len(self.fwd_names), len(f.fwd_out), list(f.extra)
+        self.pick_saved, self.pick_cfg = (_picker([i if kind == 0 else n_args + i if kind == 1
+                                                   else n_args + n_out + extras.index(i) for kind, i in keep])
+                                          for keep in (keep_saved, keep_cfg))
+        # zeros for an unused output only where the backward cannot take None for its gradient
+        self.materialize = any(t == "Tensor" for (k, _), (_, t) in zip(self.bwd_plan, self.bwd_args) if k == 0)
+        # forward argument -> index of its gradient among the backward's outputs (-1: none)
+        self.grad_plan = [f.bwd_out.index("d" + n) if "d" + n in f.bwd_out else -1 for n in self.fwd_names]
+        fwd_ret = "(" + ", ".join(["Tensor"] * len(f.fwd_out)) + ")"
+        bwd_ret = "(" + ", ".join(["Tensor"] * len(f.bwd_out)) + ")"
+        self.fwd_op = torch.library.custom_op(f"kspec::{f.name}_fwd", self.fwd_kernel, mutates_args=(),
+                                              device_types="cuda", schema=f"({f.fwd}) -> {fwd_ret}")
+        self.bwd_op = torch.library.custom_op(f"kspec::{f.name}_bwd", self.bwd_kernel, mutates_args=(),
+                                              device_types="cuda", schema=f"({f.bwd}) -> {bwd_ret}")
+        self.fwd_op.register_fake(self._fwd_fake)
+        self.bwd_op.register_fake(self._bwd_fake)
+        self.fwd_op.register_autograd(self._op_backward, setup_context=self._op_setup)
+        self.function = self._eager_function()
+
+    # ---- the custom ops ----
+
+    def _save_flag(self, args) -> bool:
+        return True if self.save_pos is None else bool(args[self.save_pos])
+
+    def fwd_kernel(self, *args):
+        return _filled(self.family.forward(*args, save=self._save_flag(args)), args)
+
+    def bwd_kernel(self, *args):
+        return _filled(self.family.backward(*args), args)
+
+    def _fwd_fake(self, *args):
+        f = self.family
+        if f.fake is not None:
+            return _filled(f.fake(*args), args)
+        present = None
+        if self.save_pos is not None:  # the schema's optional outputs are what only the backward reads
+            keep = bool(args[self.save_pos])
+            present = {d["name"]: keep for d in _schema._info(f.ops[0])["outputs"] if d["optional"]}
+        tensors = [args[i] for i in self.tensor_pos]
+        return _filled(_schema_fake(f.ops[0], tensors, f.derived, present), args)
+
+    def _bwd_fake(self, *args):
+        f = self.family
+        if f.bwd_fake is not None:
+            return _filled(f.bwd_fake(*args), args)
+        tensors = [a for a, (_, t) in zip(args, self.bwd_args) if _is_tensor(t)]
+        return _filled(_schema_fake(f.ops[1], tensors, f.derived, None), args)
+
+    # ---- autograd, shared by the custom op and the eager Function ----
+
+    def _setup(self, ctx, args, outs):
+        env = args + tuple(outs)
+        if self.family.extra:
+            named = dict(zip(self.fwd_names + list(self.family.fwd_out), env))
+            env += tuple(fn(named) for fn in self.family.extra.values())
+        ctx.save_for_backward(*self.pick_saved(env))
+        ctx.kspec_cfg = self.pick_cfg(env)
+        ctx.kspec_absent = [a is None for a in args]
+        ctx.kspec_saved = self._save_flag(args)
+        if not self.materialize:
+            ctx.set_materialize_grads(False)
+
+    def _grads(self, ctx, grads, bwd):
+        """The forward arguments' gradients; grads: one per forward output (None: none came)."""
+        f = self.family
+        if f.save_required and not ctx.kspec_saved:
+            raise RuntimeError(f"kspec::{f.name}_fwd ran with {f.save_arg}=False: it kept nothing for the backward")
+        saved, cfg = ctx.saved_tensors, ctx.kspec_cfg
+        res = bwd(*[grads[i] if k == 0 else saved[i] if k == 1 else cfg[i] for k, i in self.bwd_plan])
+        return tuple(None if j < 0 or absent else res[j] for j, absent in zip(self.grad_plan, ctx.kspec_absent))
+
+    def _op_setup(self, ctx, inputs, output):
+        self._setup(ctx, inputs, output)
+        nondiff = [output[i] for i in range(len(output)) if i not in self.diff_out]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+
+    def _op_backward(self, ctx, *grads):
+        return self._grads(ctx, grads, self.bwd_op)
+
+    def _eager_function(self):
+        """An autograd.Function on the family's forward and backward, returning the public outputs; made
+        with type() so that its graph node is named for the family (NormActBackward)."""
+        surface, f = self, self.family
+        public, n_out = f.public, len(f.fwd_out)
+        nondiff = [i for i in public if i not in self.diff_out]
+
+        def forward(ctx, *args):
+            save = surface._save_flag(args) and any(ctx.needs_input_grad)
+            outs = f.forward(*args, save=save)
+            surface._setup(ctx, args, outs)
+            ctx.kspec_saved = save
+            if nondiff:
+                ctx.mark_non_differentiable(*[outs[i] for i in nondiff])
+            return outs[public[0]] if len(public) == 1 else tuple(outs[i] for i in public)
+
+        def backward(ctx, *grads):
+            full = [None] * n_out
+            for i, g in zip(public, grads):
+                full[i] = g
+            return surface._grads(ctx, full, f.backward)
+
+        name = "".join(p.title() for p in f.name.split("_"))
+        return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                       "backward": staticmethod(backward)})
+
+    # ---- the public entry ----
+
+    def __call__(self, *args):
+        """The public outputs of the forward, with autograd: the custom op under torch.compile, the forward
+        alone when no gradient is wanted, else the eager autograd.Function."""
+        public = self.family.public
+        tensors = [args[i] for i in self.tensor_pos]
+        if torch.compiler.is_compiling():
+            if self.save_pos is not None:
+                args = list(args)
+                args[self.save_pos] = bool(args[self.save_pos]) and wants_grad(*tensors)
+            outs = self.fwd_op(*args)
+        elif not wants_grad(*tensors):
+            outs = self.family.forward(*args, save=False)
+        else:
+            return self.function.apply(*args)
+        return outs[public[0]] if len(public) == 1 else tuple(outs[i] for i in public)
+
+
+def build(family: Family) -> Surface:
+    """Registers the family's custom ops and autograd; the returned Surface is its public entry."""
+    s = Surface(family)
+    FAMILIES[family.name] = s
+    return s
