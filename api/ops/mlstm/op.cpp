@@ -394,7 +394,8 @@ std::vector<TensorDef> bwd_outputs(bool chunkwise) {
 }
 
 // The inputs rounded to their dtypes, then nrm and m_rows as the forward of these very inputs gives
-// them (what the backward is always called with).
+// them (what the backward is always called with; n0 taken as zero, as the backward has no n0: nrm is
+// the backward's constant whatever it is).
 void bwd_prepare(const Problem& p, std::vector<HostTensor>& in, bool chunkwise) {
   for (size_t j = 0; j < 5; ++j) quantize(p.inputs[j].dtype, in[j].data);
   const ref::MlstmShape s = shape_of_problem(p, p.dim("seqlen"));
@@ -521,7 +522,7 @@ OpDef make_chunkwise_bwd() {
     launch_bwd(call, c, l, call.problem.param_int("chunk"), true);
   };
   op.prepare_inputs = [](const Problem& p, std::vector<HostTensor>& in) { bwd_prepare(p, in, true); };
-  op.prepare_for_timing = false;  // random nrm > 0 and m_rows time the same
+  op.prepare_for_timing = false;  // random nrm and m_rows time the same (no data-dependent branch)
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
     const ref::MlstmShape s = shape_of_problem(p, p.dim("seqlen"));
     ref::MlstmInputs r{in[0].data, in[1].data, in[2].data, in[3].data, in[4].data, {}, {}, {}};
