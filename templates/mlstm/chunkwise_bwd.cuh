@@ -57,6 +57,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_chunkwise_bwd_kernel(const Mls
   float* di_c = rden + L;   // di_s of the chunk in fp32, for df
   float* misc = di_c + L;   // [0]: g_end, [1]: the running sum of df (thread 0)
   float* scratch = misc + 2;
+  mlstm_poison_smem<kThreads>(smem, mlstm_chunkwise_bwd_smem_floats(L));
   const long long seq = blockIdx.x, S = p.seqlen;
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
   const T* q = static_cast<const T*>(p.q) + seq * S * kDk;

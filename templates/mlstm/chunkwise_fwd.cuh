@@ -35,6 +35,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_chunkwise_fwd_kernel(const Mls
   float* ig = w + L;       // i_s
   float* den = ig + L;     // nrm_t + eps
   float* state = den + L;  // [0]: m, [1]: e^(b_L + m - m_L)
+  mlstm_poison_smem<kThreads>(smem, mlstm_chunkwise_fwd_smem_floats(L));
   const long long seq = blockIdx.x, S = p.seqlen;
   const int tid = threadIdx.x;
   const T* q = static_cast<const T*>(p.q) + seq * S * kDk;

@@ -20,6 +20,7 @@
 #include "jit/driver.h"
 #include "kspec/kspec.h"
 #include "mlstm/reference.h"
+#include "templates/mlstm/params.h"
 #include "test_helpers.h"
 
 using namespace kspec;
@@ -224,6 +225,25 @@ TEST(Mlstm, LogSigmoidProbeCompiles) {
   for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
     Obtained ob = obtain_binary(log_sigmoid_probe(dt, "sm_90"));
     EXPECT_GT(ob.entry->binary.size(), 0u) << dtype_short(dt);
+  }
+}
+
+// The chunkwise kernels with shared memory poisoned (KSPEC_MLSTM_POISON_SMEM, templates/mlstm/common.cuh):
+// fp32, head dims 32, chunk 16, 128 threads.
+jit::KernelSpec poisoned(const char* what, const std::string& arch) {
+  jit::KernelSpec s;
+  s.header = std::string("mlstm/chunkwise_") + what + ".cuh";
+  s.kernel = std::string("kspec::mlstm_chunkwise_") + what + "_kernel";
+  s.targs = {"float", "float", "32", "32", "16", "128"};
+  s.defines = {{"KSPEC_MLSTM_POISON_SMEM", "1"}};
+  s.arch = jit::resolve_arch(arch);
+  return s;
+}
+
+TEST(Mlstm, PoisonedSharedMemoryKernelsCompile) {
+  for (const char* what : {"fwd", "bwd"}) {
+    Obtained ob = obtain_binary(poisoned(what, "sm_90"));
+    EXPECT_GT(ob.entry->binary.size(), 0u) << what;
   }
 }
 
@@ -688,4 +708,61 @@ TEST(MlstmGpu, EveryTuningConfigOnThreeShapes) {
     }
     EXPECT_EQ(shapes, 3) << op;
   }
+}
+
+// accumulators_initialized, shared memory (issue 29): the chunkwise forward and backward compiled with
+// their shared memory NaN-filled at the start (and every output NaN-filled before the launch), over 8
+// chunks, with initial states and dC_last: h, nrm, m, the last states and every gradient finite and
+// within fp32 tolerance of the reference, so nothing is read before it is written.
+TEST(MlstmGpu, PoisonedSharedMemoryNeverReachesOutputs) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  const int64_t B = 1, NH = 2, S = 128, dk = 32, dv = 32, chunk = 16, seqs = B * NH;
+  Problem32 pr(B, NH, S, dk, dv, 61);
+  const auto dh = randn_f(seqs * S * dv, 62), dC_last = randn_f(seqs * dk * dv, 63);
+  DevBuf q(seqs * S * dk * 4), k(seqs * S * dk * 4), v(seqs * S * dv * 4), i(seqs * S * 4), f(seqs * S * 4),
+      C0(seqs * dk * dv * 4), n0(seqs * dk * 4), m0(seqs * 4), dhb(seqs * S * dv * 4), dCl(seqs * dk * dv * 4);
+  q.upload(pr.q), k.upload(pr.k), v.upload(pr.v), i.upload(pr.i), f.upload(pr.f);
+  C0.upload(pr.C0), n0.upload(pr.n0), m0.upload(pr.m0), dhb.upload(dh), dCl.upload(dC_last);
+  DevBuf h(seqs * S * dv * 4), nrm(seqs * S * 4), mr(seqs * S * 4), C(seqs * dk * dv * 4), n(seqs * dk * 4),
+      m(seqs * 4), dq(seqs * S * dk * 4), dkb(seqs * S * dk * 4), dvb(seqs * S * dv * 4), di(seqs * S * 4),
+      df(seqs * S * 4), dC0(seqs * dk * dv * 4), qdq(seqs * S * 4);
+  for (DevBuf* b : {&h, &nrm, &mr, &C, &n, &m, &dq, &dkb, &dvb, &di, &df, &dC0, &qdq}) b->poison();
+  auto f32 = [](const DevBuf& b) { return static_cast<float*>(b.ptr()); };
+  MlstmParams a{};
+  a.q = q.ptr(), a.k = k.ptr(), a.v = v.ptr(), a.i = i.ptr(), a.f = f.ptr();
+  a.C0 = f32(C0), a.n0 = f32(n0), a.m0 = f32(m0);
+  a.h = h.ptr(), a.nrm = f32(nrm), a.m_rows = f32(mr), a.C = f32(C), a.n = f32(n), a.m = f32(m);
+  a.seqlen = S;
+  a.eps = 1e-6f;
+  auto launch = [&](const char* what, int smem_floats) {
+    LoadedKernel& lk = load_kernel(poisoned(what, device_arch(0)), 0);
+    void* args[] = {&a};
+    CU_CHECK(cuLaunchKernel(lk.fn, static_cast<unsigned>(seqs), 1, 1, 128, 1, 1,
+                            static_cast<unsigned>(smem_floats * sizeof(float)), nullptr, args, nullptr));
+  };
+  launch("fwd", mlstm_chunkwise_fwd_smem_floats(chunk));
+  MlstmParams fwd = a;
+  a = MlstmParams{};
+  a.q = fwd.q, a.k = fwd.k, a.v = fwd.v, a.i = fwd.i, a.f = fwd.f, a.C0 = fwd.C0, a.m0 = fwd.m0;
+  a.nrm = fwd.nrm, a.m_rows = fwd.m_rows, a.dh = dhb.ptr(), a.dC_last = f32(dCl);
+  a.dq = dq.ptr(), a.dk = dkb.ptr(), a.dv = dvb.ptr(), a.di = di.ptr(), a.df = df.ptr(), a.C = f32(dC0);
+  a.qdq = f32(qdq);
+  a.seqlen = S;
+  a.eps = 1e-6f;
+  launch("bwd", mlstm_chunkwise_bwd_smem_floats(chunk));
+  CU_CHECK(cuCtxSynchronize());
+  const ref::MlstmShape shape{B, NH, S, dk, dv};
+  const auto want = ref::mlstm_chunkwise_fwd_ref(shape, pr.ref_inputs(true), chunk);
+  EXPECT_LT(rel_max(h.download(seqs * S * dv), want.h), 1e-4);
+  EXPECT_LT(rel_max(nrm.download(seqs * S), want.nrm), 1e-4);
+  EXPECT_LT(rel_max(mr.download(seqs * S), want.m), 1e-5);
+  EXPECT_LT(rel_max(C.download(seqs * dk * dv), want.C), 1e-4);
+  EXPECT_LT(rel_max(n.download(seqs * dk), want.n), 1e-4);
+  EXPECT_LT(rel_max(m.download(seqs), want.m_last), 1e-5);
+  const std::vector<double> dC_d = to_double(dC_last);
+  const Grads32 g{dq.download(seqs * S * dk), dkb.download(seqs * S * dk), dvb.download(seqs * S * dv),
+                  di.download(seqs * S), df.download(seqs * S), dC0.download(seqs * dk * dv)};
+  expect_grads(g, ref::mlstm_chunkwise_bwd_ref(shape, pr.ref_inputs(true), to_double(dh), &dC_d, chunk),
+               "poisoned shared memory");
 }
