@@ -14,6 +14,8 @@
 // global memory (the C_last output or a workspace, L2-resident), S (L x L) and the per-step gate
 // vectors in shared memory; q, k, v read from global memory in each pass. Barriers separate the
 // passes: gates (one thread) | S | normalizers | outputs | state update.
+// mlstm.parallel.fwd is this kernel from the states (0, 0, -inf) (MlstmParams::m_init): the recurrence
+// from m = -inf gives m_t = max_s<=t (F_t - F_s + i_s), the parallel form's, and the same h and nrm.
 #pragma once
 
 #include "mlstm/common.cuh"
@@ -33,6 +35,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_chunkwise_fwd_kernel(const Mls
   float* ig = w + L;       // i_s
   float* den = ig + L;     // nrm_t + eps
   float* state = den + L;  // [0]: m, [1]: e^(b_L + m - m_L)
+  mlstm_poison_smem<kThreads>(smem, mlstm_chunkwise_fwd_smem_floats(L));
   const long long seq = blockIdx.x, S = p.seqlen;
   const int tid = threadIdx.x;
   const T* q = static_cast<const T*>(p.q) + seq * S * kDk;
@@ -45,7 +48,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_chunkwise_fwd_kernel(const Mls
   const float scale = rsqrtf(static_cast<float>(kDk));
   for (int j = tid; j < kDk * kDv; j += kThreads) C[j] = p.C0 ? p.C0[seq * kDk * kDv + j] : 0.0f;
   for (int d = tid; d < kDk; d += kThreads) n[d] = p.n0 ? p.n0[seq * kDk + d] : 0.0f;
-  if (tid == 0) state[0] = p.m0 ? p.m0[seq] : 0.0f;
+  if (tid == 0) state[0] = p.m0 ? p.m0[seq] : p.m_init;
   __syncthreads();
 
   for (long long t0 = 0; t0 < S; t0 += L) {

@@ -1,4 +1,5 @@
-// What the mLSTM kernels share: the log-sigmoid of the forget gate and a block-wide sum.
+// What the mLSTM kernels share: the log-sigmoid of the forget gate, a block-wide sum, and the debug
+// poisoning of shared memory.
 #pragma once
 
 #include "common/dtype.cuh"
@@ -26,6 +27,20 @@ __device__ __forceinline__ float mlstm_block_sum(float v, float* scratch) {
   for (int w = 0; w < kWarps; ++w) total += scratch[w];
   __syncthreads();
   return total;
+}
+
+// Compiled with -DKSPEC_MLSTM_POISON_SMEM=1 (tests/cpp/test_mlstm.cpp, accumulators_initialized): the
+// first n floats of dynamic shared memory start as NaN, so a read before a write reaches the outputs.
+// Otherwise nothing.
+template <int kThreads>
+__device__ __forceinline__ void mlstm_poison_smem(float* smem, int n) {
+#ifdef KSPEC_MLSTM_POISON_SMEM
+  for (int j = threadIdx.x; j < n; j += kThreads) smem[j] = __int_as_float(0x7fffffff);
+  __syncthreads();
+#else
+  (void)smem;
+  (void)n;
+#endif
 }
 
 }  // namespace kspec

@@ -1,9 +1,12 @@
 // mlstm ops without a GPU: output inference, the messages for bad input (shapes, head dims, mixed
-// dtypes, partial states, host memory, chunk), and every case's specialization compiling for sm_90
-// without spills, and the log-sigmoid probe compiling. On a GPU (skipped without one): the kernels'
-// log-sigmoid for every gate dtype, mlstm.step in place against the float64 recurrence,
-// two chunkwise calls passing states against one call and against the recurrence (so S steps of
-// mlstm.step and one chunkwise call agree through the reference).
+// dtypes, partial states, host memory, chunk) for the forward and the backward, every case's
+// specialization of every mlstm op compiling for sm_90 without spills, and the log-sigmoid probe
+// compiling. On a GPU (skipped without one): the kernels' log-sigmoid for every gate dtype, mlstm.step in
+// place against the float64 recurrence, two chunkwise calls passing states against one call and against
+// the recurrence (so S steps of mlstm.step and one chunkwise call agree through the reference), long
+// half-precision sequences, the chunkwise and parallel backward against the reference (dC_last reaching
+// df), accumulators_initialized (two calls, NaN-poisoned outputs, bitwise repeatable) and every tuning
+// config on three shapes (nondefault_tiles).
 // (Gpu.EveryOpEveryCaseEveryDtypeMatchesReference runs both case tables against the reference.)
 #include <algorithm>
 #include <cmath>
@@ -17,6 +20,7 @@
 #include "jit/driver.h"
 #include "kspec/kspec.h"
 #include "mlstm/reference.h"
+#include "templates/mlstm/params.h"
 #include "test_helpers.h"
 
 using namespace kspec;
@@ -128,10 +132,61 @@ TEST(Mlstm, ValidationNamesTheArgument) {
   }
 }
 
-// Every case of both ops compiles for sm_90 (bf16; the base case in every dtype) with the heuristic's
+// mlstm.chunkwise.bwd: q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last at fake addresses (i, f fp32).
+std::vector<TensorView> bwd_inputs(bool init, bool dC_last) {
+  const int64_t B = 2, NH = 3, S = 70, dk = 32, dv = 64;
+  auto in = chunk_inputs(B, NH, S, dk, dv, DType::bf16, init);
+  in[3] = TensorView(fake(4 << 28), DType::f32, {B, NH, S}, 0);
+  in[4] = TensorView(fake(5 << 28), DType::f32, {B, NH, S}, 0);
+  in.erase(in.begin() + 6);  // no n0
+  in.push_back(TensorView(fake(10u << 28), DType::f32, {B, NH, S}, 0));
+  in.push_back(TensorView(fake(11u << 28), DType::f32, {B, NH, S}, 0));
+  in.push_back(TensorView(fake(12u << 28), DType::bf16, {B, NH, S, dv}, 0));
+  in.push_back(dC_last ? TensorView(fake(13u << 28), DType::f32, {B, NH, dk, dv}, 0) : TensorView());
+  return in;
+}
+
+TEST(Mlstm, BackwardOutputsAndValidation) {
+  const char* op = "mlstm.chunkwise.bwd";
+  auto outs = infer_outputs(op, bwd_inputs(true, true));
+  ASSERT_EQ(outs.size(), 6u);
+  EXPECT_EQ(outs[0].shape, (std::vector<int64_t>{2, 3, 70, 32}));
+  EXPECT_EQ(outs[0].dtype, DType::bf16);
+  EXPECT_EQ(outs[2].shape, (std::vector<int64_t>{2, 3, 70, 64}));
+  EXPECT_EQ(outs[4].dtype, DType::f32);  // df: i's dtype
+  EXPECT_TRUE(outs[5].present);          // dC0 with C0
+  EXPECT_EQ(outs[5].shape, (std::vector<int64_t>{2, 3, 32, 64}));
+  EXPECT_FALSE(infer_outputs(op, bwd_inputs(false, false))[5].present);
+  {
+    auto in = bwd_inputs(true, false);
+    in[6] = TensorView();
+    expect_in(message_of([&] { infer_outputs(op, in); }), {"'C0', 'm0'", "together", "'m0' is missing"});
+  }
+  {
+    auto in = bwd_inputs(false, false);
+    in[9] = TensorView(fake(12u << 28), DType::f16, {2, 3, 70, 64}, 0);
+    expect_in(message_of([&] { infer_outputs(op, in); }), {"input 'dh'", "bfloat16"});
+  }
+  {
+    auto in = bwd_inputs(false, false);
+    in[7] = TensorView(fake(10u << 28), DType::f32, {2, 3, 71}, 0);
+    expect_in(message_of([&] { infer_outputs(op, in); }), {"input 'nrm'", "seqlen"});
+  }
+  EXPECT_THROW(infer_outputs(op, bwd_inputs(false, false), {{"chunk", int64_t(48)}}), Unsupported);
+  // The parallel form's tile is a tuning axis, not a parameter.
+  auto par = bwd_inputs(false, false);
+  par.erase(par.begin() + 5, par.begin() + 7);
+  par.pop_back();
+  EXPECT_EQ(infer_outputs("mlstm.parallel.bwd", par).size(), 5u);
+  const auto& axes = op_info("mlstm.parallel.fwd").tuning_axes;
+  EXPECT_TRUE(std::any_of(axes.begin(), axes.end(), [](const auto& a) { return a.first == "chunk"; }));
+}
+
+// Every case of every mlstm op compiles for sm_90 (bf16; the base case in every dtype) with the heuristic's
 // config, without spills or a stack frame.
 TEST(Mlstm, EveryCaseCompilesWithoutSpills) {
-  for (const char* name : {"mlstm.step", "mlstm.chunkwise.fwd"}) {
+  for (const char* name :
+       {"mlstm.step", "mlstm.chunkwise.fwd", "mlstm.chunkwise.bwd", "mlstm.parallel.fwd", "mlstm.parallel.bwd"}) {
     const OpDef& op = Registry::global().get(name);
     for (const auto& cs : op.cases) {
       for (DType dt : op.dtypes) {
@@ -170,6 +225,25 @@ TEST(Mlstm, LogSigmoidProbeCompiles) {
   for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
     Obtained ob = obtain_binary(log_sigmoid_probe(dt, "sm_90"));
     EXPECT_GT(ob.entry->binary.size(), 0u) << dtype_short(dt);
+  }
+}
+
+// The chunkwise kernels with shared memory poisoned (KSPEC_MLSTM_POISON_SMEM, templates/mlstm/common.cuh):
+// fp32, head dims 32, chunk 16, 128 threads.
+jit::KernelSpec poisoned(const char* what, const std::string& arch) {
+  jit::KernelSpec s;
+  s.header = std::string("mlstm/chunkwise_") + what + ".cuh";
+  s.kernel = std::string("kspec::mlstm_chunkwise_") + what + "_kernel";
+  s.targs = {"float", "float", "32", "32", "16", "128"};
+  s.defines = {{"KSPEC_MLSTM_POISON_SMEM", "1"}};
+  s.arch = jit::resolve_arch(arch);
+  return s;
+}
+
+TEST(Mlstm, PoisonedSharedMemoryKernelsCompile) {
+  for (const char* what : {"fwd", "bwd"}) {
+    Obtained ob = obtain_binary(poisoned(what, "sm_90"));
+    EXPECT_GT(ob.entry->binary.size(), 0u) << what;
   }
 }
 
@@ -430,4 +504,265 @@ TEST(MlstmGpu, LongSequencesInHalfPrecision) {
       }
     }
   }
+}
+
+// ---- backward and parallel form ----
+
+namespace {
+
+double rel_max(const std::vector<float>& out, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t j = 0; j < out.size(); ++j) {
+    if (!std::isfinite(out[j])) return INFINITY;
+    num = std::max(num, std::abs(out[j] - ref[j]));
+    den = std::max(den, std::abs(ref[j]));
+  }
+  return num / std::max(den, 1e-300);
+}
+
+struct Grads32 {
+  std::vector<float> dq, dk, dv, di, df, dC0;
+};
+
+// fp32 forward then backward of one problem on the device, every output NaN-poisoned first: the
+// backward is given the device forward's nrm and m_rows (as autograd would), with or without the
+// initial states and dC_last. parallel: mlstm.parallel.fwd / .bwd (no states) with the config's chunk.
+Grads32 device_grads(const Problem32& pr, const std::vector<float>& dh, const std::vector<float>* dC_last, bool init,
+                     int64_t chunk, bool parallel = false, const Config* config = nullptr) {
+  jit::ContextGuard guard(0);
+  const int64_t B = pr.B, NH = pr.NH, S = pr.S, dk = pr.dk, dv = pr.dv, seqs = B * NH;
+  auto dev = [](const std::vector<float>& x) {
+    auto b = std::make_unique<DevBuf>(x.size() * 4);
+    b->upload(x);
+    return b;
+  };
+  auto out = [](size_t n) {
+    auto b = std::make_unique<DevBuf>(n * 4);
+    b->poison();
+    return b;
+  };
+  auto q = dev(pr.q), k = dev(pr.k), v = dev(pr.v), i = dev(pr.i), f = dev(pr.f), C0 = dev(pr.C0), n0 = dev(pr.n0),
+       m0 = dev(pr.m0), dhb = dev(dh);
+  auto dCl = dev(dC_last ? *dC_last : std::vector<float>(1));
+  auto h = out(seqs * S * dv), nrm = out(seqs * S), mr = out(seqs * S), dq = out(seqs * S * dk), dkb = out(seqs * S * dk),
+       dvb = out(seqs * S * dv), di = out(seqs * S), df = out(seqs * S), dC0 = out(seqs * dk * dv);
+  using Buf = std::unique_ptr<DevBuf>;
+  auto tq = [&](const Buf& b) { return TensorView(b->ptr(), DType::f32, {B, NH, S, dk}, 0); };
+  auto tv = [&](const Buf& b) { return TensorView(b->ptr(), DType::f32, {B, NH, S, dv}, 0); };
+  auto tr = [&](const Buf& b) { return TensorView(b->ptr(), DType::f32, {B, NH, S}, 0); };
+  auto tc = [&](const Buf& b) { return TensorView(b->ptr(), DType::f32, {B, NH, dk, dv}, 0); };
+  auto tn = [&](const Buf& b) { return TensorView(b->ptr(), DType::f32, {B, NH, dk}, 0); };
+  auto tm = [&](const Buf& b) { return TensorView(b->ptr(), DType::f32, {B, NH, 1}, 0); };
+  const std::vector<TensorView> qkvif = {tq(q), tq(k), tv(v), tr(i), tr(f)};
+  Params params;
+  if (!parallel) params.set("chunk", chunk);
+  CallOptions opt;
+  opt.config = config;
+  if (parallel) {
+    call("mlstm.parallel.fwd", qkvif, {tv(h), tr(nrm), tr(mr)}, params, nullptr, opt);
+    auto in = qkvif;
+    in.insert(in.end(), {tr(nrm), tr(mr), tv(dhb)});
+    call("mlstm.parallel.bwd", in, {tq(dq), tq(dkb), tv(dvb), tr(di), tr(df)}, params, nullptr, opt);
+  } else {
+    auto in = qkvif;
+    in.insert(in.end(), {init ? tc(C0) : TensorView(), init ? tn(n0) : TensorView(),
+                         init ? tm(m0) : TensorView()});
+    call("mlstm.chunkwise.fwd", in, {tv(h), tr(nrm), tr(mr), TensorView(), TensorView(), TensorView()},
+         params);
+    auto bin = qkvif;
+    bin.insert(bin.end(), {init ? tc(C0) : TensorView(), init ? tm(m0) : TensorView(), tr(nrm),
+                           tr(mr), tv(dhb), dC_last ? tc(dCl) : TensorView()});
+    call("mlstm.chunkwise.bwd", bin,
+         {tq(dq), tq(dkb), tv(dvb), tr(di), tr(df), init ? tc(dC0) : TensorView()}, params,
+         nullptr, opt);
+  }
+  CU_CHECK(cuCtxSynchronize());
+  Grads32 g{dq->download(seqs * S * dk), dkb->download(seqs * S * dk), dvb->download(seqs * S * dv),
+            di->download(seqs * S), df->download(seqs * S), {}};
+  if (init && !parallel) g.dC0 = dC0->download(seqs * dk * dv);
+  return g;
+}
+
+std::vector<float> randn_f(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(n);
+  for (auto& e : x) e = nd(rng);
+  return x;
+}
+
+// Every gradient within the issue's fp32 tolerance (max|x - ref| / max|ref| <= 1e-3).
+void expect_grads(const Grads32& g, const ref::MlstmGrads& want, const std::string& what) {
+  EXPECT_LT(rel_max(g.dq, want.dq), 1e-3) << what << " dq";
+  EXPECT_LT(rel_max(g.dk, want.dk), 1e-3) << what << " dk";
+  EXPECT_LT(rel_max(g.dv, want.dv), 1e-3) << what << " dv";
+  EXPECT_LT(rel_max(g.di, want.di), 1e-3) << what << " di";
+  EXPECT_LT(rel_max(g.df, want.df), 1e-3) << what << " df";
+  if (!want.dC0.empty()) {
+    EXPECT_LT(rel_max(g.dC0, want.dC0), 1e-3) << what << " dC0";
+  }
+}
+
+}  // namespace
+
+// mlstm.chunkwise.bwd after the device's forward, fp32, against the float64 reference: S = 150 over
+// chunks of 64 and 16 (a short last chunk), with and without initial states and dC_last.
+TEST(MlstmGpu, ChunkwiseBackwardMatchesReference) {
+  KSPEC_REQUIRE_GPU();
+  const int64_t B = 2, NH = 2, S = 150, dk = 32, dv = 64;
+  Problem32 pr(B, NH, S, dk, dv, 21);
+  const auto dh = randn_f(B * NH * S * dv, 22), dC_last = randn_f(B * NH * dk * dv, 23);
+  const std::vector<double> dh_d = to_double(dh), dC_d = to_double(dC_last);
+  for (int64_t chunk : {16, 64})
+    for (bool init : {false, true})
+      for (bool with_dC : {false, true}) {
+        const Grads32 g = device_grads(pr, dh, with_dC ? &dC_last : nullptr, init, chunk);
+        const auto want = ref::mlstm_chunkwise_bwd_ref({B, NH, S, dk, dv}, pr.ref_inputs(init), dh_d,
+                                                       with_dC ? &dC_d : nullptr, chunk);
+        expect_grads(g, want, "chunk " + std::to_string(chunk) + (init ? " init" : "") + (with_dC ? " dC_last" : ""));
+      }
+}
+
+// dC_last_df (issue 29): an upstream dC_last reaches df (mlstm_kernels leaves <dC_last, C_last> out):
+// df with dC_last matches the reference and differs from df without it by far more than the tolerance.
+TEST(MlstmGpu, DcLastReachesDf) {
+  KSPEC_REQUIRE_GPU();
+  const int64_t B = 1, NH = 2, S = 100, dk = 32, dv = 32;
+  Problem32 pr(B, NH, S, dk, dv, 31);
+  const auto dh = randn_f(B * NH * S * dv, 32), dC_last = randn_f(B * NH * dk * dv, 33);
+  const std::vector<double> dC_d = to_double(dC_last);
+  const Grads32 with = device_grads(pr, dh, &dC_last, true, 64), without = device_grads(pr, dh, nullptr, true, 64);
+  const auto want = ref::mlstm_chunkwise_bwd_ref({B, NH, S, dk, dv}, pr.ref_inputs(true), to_double(dh), &dC_d, 64);
+  EXPECT_LT(rel_max(with.df, want.df), 1e-3);
+  EXPECT_GT(rel_max(without.df, want.df), 1e-2);
+}
+
+// accumulators_initialized (issue 29): S of 8 chunks; two calls with different inputs, every output
+// NaN-filled before each (device_grads): the second call's gradients match its own reference (nothing
+// of the first call's state or of the poison survives), and a third call on the same inputs gives the
+// same bits (deterministic: no atomics).
+TEST(MlstmGpu, AccumulatorsInitialized) {
+  KSPEC_REQUIRE_GPU();
+  const int64_t B = 2, NH = 1, S = 128, dk = 32, dv = 32, chunk = 16;
+  Problem32 first(B, NH, S, dk, dv, 41), second(B, NH, S, dk, dv, 42);
+  const auto dh1 = randn_f(B * NH * S * dv, 43), dh2 = randn_f(B * NH * S * dv, 44);
+  const auto dC1 = randn_f(B * NH * dk * dv, 45), dC2 = randn_f(B * NH * dk * dv, 46);
+  device_grads(first, dh1, &dC1, true, chunk);
+  const Grads32 g = device_grads(second, dh2, &dC2, true, chunk);
+  const std::vector<double> dC2_d = to_double(dC2);
+  expect_grads(g, ref::mlstm_chunkwise_bwd_ref({B, NH, S, dk, dv}, second.ref_inputs(true), to_double(dh2), &dC2_d,
+                                               chunk),
+               "second call");
+  const Grads32 again = device_grads(second, dh2, &dC2, true, chunk);
+  EXPECT_EQ(g.dq, again.dq);
+  EXPECT_EQ(g.dk, again.dk);
+  EXPECT_EQ(g.dv, again.dv);
+  EXPECT_EQ(g.di, again.di);
+  EXPECT_EQ(g.df, again.df);
+  EXPECT_EQ(g.dC0, again.dC0);
+  device_grads(first, dh1, nullptr, false, chunk, true);
+  const Grads32 p = device_grads(second, dh2, nullptr, false, chunk, true);
+  expect_grads(p, ref::mlstm_parallel_bwd_ref({B, NH, S, dk, dv}, second.ref_inputs(false), to_double(dh2)),
+               "parallel, second call");
+}
+
+// The parallel form forward and backward, fp32, S in {1, 65, 200}, every chunk tile: against the
+// float64 parallel reference (m0 = -inf, no states).
+TEST(MlstmGpu, ParallelMatchesReference) {
+  KSPEC_REQUIRE_GPU();
+  for (int64_t S : {1, 65, 200}) {
+    const int64_t B = 1, NH = 2, dk = 32, dv = 64;
+    Problem32 pr(B, NH, S, dk, dv, 50 + S);
+    const auto dh = randn_f(B * NH * S * dv, 51);
+    const auto want = ref::mlstm_parallel_bwd_ref({B, NH, S, dk, dv}, pr.ref_inputs(false), to_double(dh));
+    for (int64_t chunk : {16, 32, 64, 128}) {
+      const Config c{{{"threads", 128}, {"chunk", chunk}}};
+      expect_grads(device_grads(pr, dh, nullptr, false, chunk, true, &c), want,
+                   "S " + std::to_string(S) + " chunk " + std::to_string(chunk));
+    }
+  }
+}
+
+// nondefault_tiles (issue 29): every tuning config of every mlstm op on three shapes (a length just past
+// a chunk, head dims 16/32, head dims 128/256), fp32 and bf16, against the reference.
+// (Gpu.EveryTuningConfigMatchesReference runs every config of each op's "base" case in bf16.)
+TEST(MlstmGpu, EveryTuningConfigOnThreeShapes) {
+  KSPEC_REQUIRE_GPU();
+  for (const char* op : {"mlstm.step", "mlstm.chunkwise.fwd", "mlstm.chunkwise.bwd", "mlstm.parallel.fwd",
+                         "mlstm.parallel.bwd"}) {
+    const auto names = case_names(op);
+    int shapes = 0;
+    for (const char* cs : {"S_65", "dh_16", "dk_16_dv_32", "dk_128_dv_256"}) {
+      if (std::find(names.begin(), names.end(), cs) == names.end() || shapes == 3) continue;
+      ++shapes;
+      for (DType dt : {DType::f32, DType::bf16}) {
+        CheckOptions o;
+        o.case_name = cs;
+        o.dtypes = {dt};
+        o.configs = configs_for_case(op, cs, dt);
+        ASSERT_FALSE(o.configs.empty()) << op << " " << cs;
+        auto rows = check_op(op, o);
+        EXPECT_EQ(rows.size(), o.configs.size()) << op << " " << cs;
+        kspec::testing::report(rows);
+      }
+    }
+    EXPECT_EQ(shapes, 3) << op;
+  }
+}
+
+// accumulators_initialized, shared memory (issue 29): the chunkwise forward and backward compiled with
+// their shared memory NaN-filled at the start (and every output NaN-filled before the launch), over 8
+// chunks, with initial states and dC_last: h, nrm, m, the last states and every gradient finite and
+// within fp32 tolerance of the reference, so nothing is read before it is written.
+TEST(MlstmGpu, PoisonedSharedMemoryNeverReachesOutputs) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  const int64_t B = 1, NH = 2, S = 128, dk = 32, dv = 32, chunk = 16, seqs = B * NH;
+  Problem32 pr(B, NH, S, dk, dv, 61);
+  const auto dh = randn_f(seqs * S * dv, 62), dC_last = randn_f(seqs * dk * dv, 63);
+  DevBuf q(seqs * S * dk * 4), k(seqs * S * dk * 4), v(seqs * S * dv * 4), i(seqs * S * 4), f(seqs * S * 4),
+      C0(seqs * dk * dv * 4), n0(seqs * dk * 4), m0(seqs * 4), dhb(seqs * S * dv * 4), dCl(seqs * dk * dv * 4);
+  q.upload(pr.q), k.upload(pr.k), v.upload(pr.v), i.upload(pr.i), f.upload(pr.f);
+  C0.upload(pr.C0), n0.upload(pr.n0), m0.upload(pr.m0), dhb.upload(dh), dCl.upload(dC_last);
+  DevBuf h(seqs * S * dv * 4), nrm(seqs * S * 4), mr(seqs * S * 4), C(seqs * dk * dv * 4), n(seqs * dk * 4),
+      m(seqs * 4), dq(seqs * S * dk * 4), dkb(seqs * S * dk * 4), dvb(seqs * S * dv * 4), di(seqs * S * 4),
+      df(seqs * S * 4), dC0(seqs * dk * dv * 4), qdq(seqs * S * 4);
+  for (DevBuf* b : {&h, &nrm, &mr, &C, &n, &m, &dq, &dkb, &dvb, &di, &df, &dC0, &qdq}) b->poison();
+  auto f32 = [](const DevBuf& b) { return static_cast<float*>(b.ptr()); };
+  MlstmParams a{};
+  a.q = q.ptr(), a.k = k.ptr(), a.v = v.ptr(), a.i = i.ptr(), a.f = f.ptr();
+  a.C0 = f32(C0), a.n0 = f32(n0), a.m0 = f32(m0);
+  a.h = h.ptr(), a.nrm = f32(nrm), a.m_rows = f32(mr), a.C = f32(C), a.n = f32(n), a.m = f32(m);
+  a.seqlen = S;
+  a.eps = 1e-6f;
+  auto launch = [&](const char* what, int smem_floats) {
+    LoadedKernel& lk = load_kernel(poisoned(what, device_arch(0)), 0);
+    void* args[] = {&a};
+    CU_CHECK(cuLaunchKernel(lk.fn, static_cast<unsigned>(seqs), 1, 1, 128, 1, 1,
+                            static_cast<unsigned>(smem_floats * sizeof(float)), nullptr, args, nullptr));
+  };
+  launch("fwd", mlstm_chunkwise_fwd_smem_floats(chunk));
+  MlstmParams fwd = a;
+  a = MlstmParams{};
+  a.q = fwd.q, a.k = fwd.k, a.v = fwd.v, a.i = fwd.i, a.f = fwd.f, a.C0 = fwd.C0, a.m0 = fwd.m0;
+  a.nrm = fwd.nrm, a.m_rows = fwd.m_rows, a.dh = dhb.ptr(), a.dC_last = f32(dCl);
+  a.dq = dq.ptr(), a.dk = dkb.ptr(), a.dv = dvb.ptr(), a.di = di.ptr(), a.df = df.ptr(), a.C = f32(dC0);
+  a.qdq = f32(qdq);
+  a.seqlen = S;
+  a.eps = 1e-6f;
+  launch("bwd", mlstm_chunkwise_bwd_smem_floats(chunk));
+  CU_CHECK(cuCtxSynchronize());
+  const ref::MlstmShape shape{B, NH, S, dk, dv};
+  const auto want = ref::mlstm_chunkwise_fwd_ref(shape, pr.ref_inputs(true), chunk);
+  EXPECT_LT(rel_max(h.download(seqs * S * dv), want.h), 1e-4);
+  EXPECT_LT(rel_max(nrm.download(seqs * S), want.nrm), 1e-4);
+  EXPECT_LT(rel_max(mr.download(seqs * S), want.m), 1e-5);
+  EXPECT_LT(rel_max(C.download(seqs * dk * dv), want.C), 1e-4);
+  EXPECT_LT(rel_max(n.download(seqs * dk), want.n), 1e-4);
+  EXPECT_LT(rel_max(m.download(seqs), want.m_last), 1e-5);
+  const std::vector<double> dC_d = to_double(dC_last);
+  const Grads32 g{dq.download(seqs * S * dk), dkb.download(seqs * S * dk), dvb.download(seqs * S * dv),
+                  di.download(seqs * S), df.download(seqs * S), dC0.download(seqs * dk * dv)};
+  expect_grads(g, ref::mlstm_chunkwise_bwd_ref(shape, pr.ref_inputs(true), to_double(dh), &dC_d, chunk),
+               "poisoned shared memory");
 }
