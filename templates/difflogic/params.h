@@ -1,7 +1,8 @@
 // The argument of every difflogic kernel (layer.cuh), one plain struct compiled by both the host compiler
 // (api/ops/difflogic/op.cpp fills it) and NVRTC, so the two sides cannot disagree on its layout. Passed by
-// value. x, y, dout, dx: [batch, width] row-major in the activation dtype; logits, dlogits: [n_out, 16]
-// fp32; wires and the consumers CSR int32.
+// value. x, y, dout, dx: [batch, width] row-major in the activation dtype (packed.cuh: x, y are words
+// [width, words], 32 or 64 samples a word); logits, dlogits: [n_out, 16] fp32; wires and the consumers CSR
+// int32.
 #pragma once
 
 namespace kspec {
@@ -18,6 +19,7 @@ struct DiffLogicParams {
   void* dx;                // [batch, n_in] (backward)
   float* dlogits;          // [n_out, 16] (backward)
   long long batch, n_in, n_out;
+  long long words;         // packed: ceil(batch / w) words per row
   float grad_factor;
 };
 

@@ -3,11 +3,12 @@
 // (skipped without one; the generic checker cannot drive int32 inputs, so these are the ops' checks):
 // layer.fwd (soft and hard) and layer.bwd against the float64 reference for every dtype over widths 1, 7,
 // 33, 4097, B = 1, 33, 1024, fan-out 4 -> 2048 and self-paired gates; hard mode on {0, 1} inputs bit for
-// bit; two backward runs bitwise equal; a wire out of range gives NaN, not a fault.
+// bit; packed.fwd (w = 32, 64) over three layers bit for bit; two backward runs bitwise equal; a wire out of range gives NaN, not a fault.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <random>
 #include <tuple>
 
@@ -107,9 +108,33 @@ TEST(DiffLogic, ValidationNamesTheArgument) {
   }
 }
 
+TEST(DiffLogic, PackedInferenceAndMessages) {
+  const char* op = "difflogic.packed.fwd";
+  auto in = [](DType words_dt, int64_t words) {
+    return std::vector<TensorView>{TensorView(fake(1 << 28), words_dt, {10, words}, 0),
+                                   TensorView(fake(2 << 28), DType::f32, {7, 16}, 0),
+                                   TensorView(fake(3 << 28), DType::i32, {7}, 0),
+                                   TensorView(fake(4 << 28), DType::i32, {7}, 0)};
+  };
+  auto y = infer_outputs(op, in(DType::i64, 2), {{"batch", int64_t{100}}});
+  ASSERT_EQ(y.size(), 1u);
+  EXPECT_EQ(y[0].shape, (std::vector<int64_t>{7, 2}));
+  EXPECT_EQ(y[0].dtype, DType::i64);
+  // Checked on calls (check_call), after the outputs are validated.
+  expect_in(message_of([&] {
+              validate_call(Registry::global().get(op), in(DType::i32, 3),
+                            {TensorView(fake(5 << 28), DType::i32, {7, 3}, 0)}, {{"batch", int64_t{100}}}, nullptr);
+            }),
+            {"parameter 'batch' = 100 needs 4 words of 32 bits", "input 'x' has 3"});
+  expect_in(message_of([&] { infer_outputs(op, in(DType::f32, 4), {{"batch", int64_t{100}}}); }), {"input 'x'", "int32"});
+  expect_in(message_of([&] { infer_outputs(op, in(DType::i32, 4), {{"batch", int64_t{0}}}); }), {"parameter 'batch'"});
+}
+
 // Every case compiles for sm_90 in every dtype with every config, without spills or a stack frame.
 TEST(DiffLogic, EveryCaseCompilesWithoutSpills) {
-  for (const char* name : {"difflogic.layer.fwd", "difflogic.layer.bwd"}) {
+  const std::map<std::string, size_t> kernels = {
+      {"difflogic.layer.fwd", 2}, {"difflogic.layer.bwd", 3}, {"difflogic.packed.fwd", 1}};
+  for (const auto& [name, count] : kernels) {
     const OpDef& op = Registry::global().get(name);
     for (const auto& cs : op.cases) {
       if (cs.name != "base" && cs.name != "hard") continue;  // Var dims only: the other rows compile the same
@@ -122,7 +147,7 @@ TEST(DiffLogic, EveryCaseCompilesWithoutSpills) {
           for (const auto& [k, v] : cs.params.items()) r.params.set(k, v);
           r.config = Config{{{"threads", threads}}};
           auto reports = compile(r);
-          ASSERT_EQ(reports.size(), std::string(name) == "difflogic.layer.fwd" ? 2u : 3u) << name;
+          ASSERT_EQ(reports.size(), count) << name;
           for (const auto& rep : reports) {
             EXPECT_EQ(rep.spill_bytes, 0) << name << " " << cs.name << " " << dtype_short(dt) << ": " << rep.kernel;
             EXPECT_EQ(rep.stack_bytes, 0) << name << " " << cs.name << " " << dtype_short(dt) << ": " << rep.kernel;
@@ -266,6 +291,62 @@ TEST(DiffLogicGpuExact, HardModeOnBitsIsExact) {
     const auto want = ref::difflogic_layer_fwd_ref(100, 64, r.x, r.logits, r.a, r.b, ref::DiffLogicMode::Hard);
     EXPECT_EQ(r.fwd("hard"), want) << dtype_short(dt);
   }
+}
+
+// Three hard layers on packed words (w = 32 in int32, 64 in int64; B not a multiple of w) equal the
+// reference bit for bit, padding bits cleared.
+TEST(DiffLogicGpuExact, PackedEqualsReferenceBitForBit) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  for (int w : {32, 64})
+    for (int64_t B : {1, 33, 64, 100, 1000}) {
+      const int64_t W = (B + w - 1) / w;
+      const DType dt = w == 32 ? DType::i32 : DType::i64;
+      std::mt19937_64 rng(static_cast<uint64_t>(B * 3 + w));
+      std::bernoulli_distribution bit(0.5);
+      std::normal_distribution<double> normal(0.0, 1.0);
+      int64_t n = 40;
+      std::vector<double> x(B * n);
+      for (double& v : x) v = bit(rng);
+      std::vector<uint64_t> want = ref::difflogic_pack_ref(B, n, x, w);
+      auto to_bytes = [&](const std::vector<uint64_t>& v) {
+        std::vector<unsigned char> bytes(v.size() * (w / 8));
+        for (size_t j = 0; j < v.size(); ++j) std::memcpy(&bytes[j * (w / 8)], &v[j], w / 8);  // little-endian
+        return bytes;
+      };
+      auto cur = std::make_unique<DevBuf>(want.size() * (w / 8));
+      const auto first = to_bytes(want);
+      cur->upload(first.data(), first.size());
+      for (int64_t n_out : {4097, 300, 7}) {
+        std::vector<double> logits(n_out * 16);
+        for (double& v : logits) v = normal(rng);
+        logits[16 * (n_out - 1)] = logits[16 * (n_out - 1) + 5] = 10.0;  // a tie: op 0 (FALSE) wins
+        quantize(DType::f32, logits);
+        std::vector<int32_t> a, b;
+        std::uniform_int_distribution<int32_t> wire(0, static_cast<int32_t>(n - 1));
+        for (int64_t g = 0; g < n_out; ++g) {
+          a.push_back(wire(rng));
+          b.push_back(g % 3 == 0 ? a.back() : wire(rng));
+        }
+        std::vector<unsigned char> lbytes;
+        encode(DType::f32, logits, lbytes);
+        DevBuf l(lbytes.size()), ab(a.size() * 4), bb(b.size() * 4);
+        l.upload(lbytes.data(), lbytes.size());
+        ab.upload(a.data(), a.size() * 4);
+        bb.upload(b.data(), b.size() * 4);
+        auto next = std::make_unique<DevBuf>(n_out * W * (w / 8));
+        next->poison();
+        call("difflogic.packed.fwd",
+             {TensorView(cur->ptr(), dt, {n, W}, 0), TensorView(l.ptr(), DType::f32, {n_out, 16}, 0),
+              TensorView(ab.ptr(), DType::i32, {n_out}, 0), TensorView(bb.ptr(), DType::i32, {n_out}, 0)},
+             {TensorView(next->ptr(), dt, {n_out, W}, 0)}, {{"batch", B}});
+        CU_CHECK(cuCtxSynchronize());
+        want = ref::difflogic_packed_fwd_ref(B, n, want, w, ref::difflogic_hard_ops(logits, n_out), a, b);
+        EXPECT_TRUE(next->download(n_out * W * (w / 8)) == to_bytes(want)) << "w " << w << " B " << B << " n_out " << n_out;
+        cur = std::move(next);
+        n = n_out;
+      }
+    }
 }
 
 // A wire outside [0, n_in) (a wiring that skipped the host check) is not followed: NaN, not a fault.

@@ -1,7 +1,7 @@
 // difflogic: differentiable logic gate layers (issue 30). difflogic.layer.fwd (soft or hard; the
-// straight-through estimator's forward is hard) and difflogic.layer.bwd (the soft backward, also the
-// estimator's). Schema, specializations, tuning space, launchers, float64 references
-// (api/ops/difflogic/reference.h) and the case tables; kernels in templates/difflogic/layer.cuh, their one
+// straight-through estimator's forward is hard), difflogic.layer.bwd (the soft backward, also the
+// estimator's) and difflogic.packed.fwd (a hard layer on bit-packed samples). Schema, specializations, tuning space, launchers, float64 references
+// (api/ops/difflogic/reference.h) and the case tables; kernels in templates/difflogic/{layer,packed}.cuh, their one
 // argument templates/difflogic/params.h. Wires are int32 data: the consumers CSR the backward reads is
 // built from them on the host once per wiring (kspec::ref::difflogic_consumers's layout, int32), which is
 // where their range is checked; the kernels never follow a wire outside [0, n_in) (NaN instead).
@@ -252,11 +252,104 @@ OpDef make_layer_bwd() {
   return op;
 }
 
+// ---- difflogic.packed.fwd ----
+
+OpDef make_packed_fwd() {
+  OpDef op;
+  op.info.name = "difflogic.packed.fwd";
+  op.info.family = "difflogic";
+  op.info.doc = "one hard layer on bit-packed samples: words [n, ceil(batch / w)], w = 32 (int32) or 64 (int64), "
+                "sample s in bit s mod w of word s / w; each gate runs the argmax op of its logits (ties to the "
+                "lower index) bitwise; padding bits are cleared";
+  op.info.reference = "api/ops/difflogic/reference.cpp: difflogic_packed_fwd_ref (python/kspec/reference/difflogic.py)";
+  op.info.dims = {{"n_in", DimKind::Var, {}, "rows (inputs) of the layer", 1, INT32_MAX},
+                  {"n_out", DimKind::Var, {}, "gates of the layer", 1, INT32_MAX},
+                  {"words", DimKind::Var, {}, "words per row: ceil(batch / w)", 1}};
+  ParamDef batch{"batch", ParamType::Int, int64_t(1), {}, "samples packed (B); the last word's higher bits are padding",
+                 true};
+  batch.min = 1.0;
+  op.info.params = {batch};
+  op.info.inputs = {
+      tensor_def("x", {"n_in", "words"}, {DType::i32, DType::i64}, "", false, false, "", Layout::Contiguous,
+                 "packed inputs; int32: w = 32, int64: w = 64 (bits, not numbers)"),
+      tensor_def("logits", {"n_out", "16"}, {DType::f32}, "", false, false, "", Layout::Contiguous, "gate logits"),
+      tensor_def("a", {"n_out"}, {DType::i32}, "", false, false, "", Layout::Contiguous, "first wires, in [0, n_in)"),
+      tensor_def("b", {"n_out"}, {DType::i32}, "", false, false, "", Layout::Contiguous, "second wires, in [0, n_in)"),
+  };
+  op.info.outputs = {
+      tensor_def("y", {"n_out", "words"}, {}, "x", false, false, "", Layout::Contiguous, "packed gate outputs"),
+  };
+  // On calls only (a compile request binds no words: batch is runtime and changes nothing compiled).
+  op.check_call = [](const Call& call) {
+    const Problem& p = call.problem;
+    const int64_t w = p.dtype("x") == DType::i64 ? 64 : 32, want = (p.param_int("batch") + w - 1) / w;
+    KSPEC_CHECK(p.dim("words") == want, p.op->info.name, ": parameter 'batch' = ", p.param_int("batch"), " needs ",
+                want, " words of ", w, " bits per row, but input 'x' has ", p.dim("words"));
+  };
+  op.tuning = difflogic_tuning();
+  op.info.tuning_axes = op.tuning.axes;
+  op.dtypes = {DType::i32, DType::i64};
+  op.compile_dims = {{"n_in", 1}, {"n_out", 1}, {"words", 1}};
+  op.generic_check = false;
+  struct Spec {
+    const char* name;
+    int64_t B, n_in, n_out;
+  };
+  for (const Spec& s : std::vector<Spec>{{"base", 1000, 100, 200}, {"B_1", 1, 33, 7}, {"B_2", 2, 7, 33},
+                                         {"B_65_n_4097", 65, 4097, 4097}, {"B_16384", 16384, 784, 4096}}) {
+    Case c;
+    c.name = s.name;
+    // words for w = 32; the int64 runs of the same rows (precompile) only need the Var dims to bind.
+    c.dims = {{"n_in", s.n_in}, {"n_out", s.n_out}, {"words", (s.B + 31) / 32}};
+    c.params = {{"batch", s.B}};
+    c.representative = c.name == "base";
+    op.cases.push_back(std::move(c));
+  }
+  op.kernels = [](const Problem& p, const Config& c) {
+    return std::vector<jit::KernelSpec>{
+        kernel_spec(p, "difflogic/packed.cuh", "kspec::difflogic_packed_fwd_kernel",
+                    {p.dtype("x") == DType::i64 ? "64" : "32", std::to_string(c.get("threads"))})};
+  };
+  op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    const Problem& p = call.problem;
+    DiffLogicParams a{};
+    a.x = call.in("x").data;
+    a.logits = static_cast<const float*>(call.in("logits").data);
+    a.a = static_cast<const int*>(call.in("a").data);
+    a.b = static_cast<const int*>(call.in("b").data);
+    a.y = call.out("y").data;
+    a.batch = p.param_int("batch");
+    a.n_in = p.dim("n_in");
+    a.n_out = p.dim("n_out");
+    a.words = p.dim("words");
+    const int64_t threads = c.get("threads");
+    void* args[] = {&a};
+    l.launch(0, {blocks_for(a.n_out * a.words, threads)}, {u32(threads)}, 0, args);
+  };
+  // Host tensors are float64: an int32 word is exact there, a 64-bit word is not (the w = 64 kernel is
+  // compared with difflogic_packed_fwd_ref directly in tests/cpp/test_difflogic.cpp).
+  op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
+    KSPEC_CHECK_AS(p.dtype("x") == DType::i32, Unsupported, p.op->info.name,
+                   ": the float64 reference takes int32 words only (a 64-bit word does not fit a double)");
+    std::vector<uint64_t> words(in[0].data.size());
+    for (size_t j = 0; j < words.size(); ++j)
+      words[j] = static_cast<uint32_t>(static_cast<int32_t>(in[0].data[j]));
+    const auto ops = ref::difflogic_hard_ops(in[1].data, p.dim("n_out"));
+    const auto out = ref::difflogic_packed_fwd_ref(p.param_int("batch"), p.dim("n_in"), words, 32, ops, wires(in[2]),
+                                                   wires(in[3]));
+    std::vector<double> y(out.size());
+    for (size_t j = 0; j < y.size(); ++j) y[j] = static_cast<int32_t>(static_cast<uint32_t>(out[j]));
+    return std::vector<HostTensor>{{true, {p.dim("n_out"), p.dim("words")}, std::move(y)}};
+  };
+  return op;
+}
+
 }  // namespace
 
 void register_difflogic(Registry& r) {
   r.add(make_layer_fwd());
   r.add(make_layer_bwd());
+  r.add(make_packed_fwd());
 }
 
 }  // namespace kspec
