@@ -1,5 +1,5 @@
 // difflogic ops without a GPU: output inference, the messages for bad input (dtypes, shapes, the consumers
-// CSR's length), and every case's kernels compiling for sm_90 in every dtype without spills. On a GPU
+// CSR's length), and the family's precompile plan compiling for sm_90 without spills. On a GPU
 // (skipped without one; the generic checker cannot drive int32 inputs, so these are the ops' checks):
 // layer.fwd (soft and hard) and layer.bwd against the float64 reference for every dtype over widths 1, 7,
 // 33, 4097, B = 1, 33, 1024, fan-out 4 -> 2048 and self-paired gates; hard mode on {0, 1} inputs bit for
@@ -130,31 +130,25 @@ TEST(DiffLogic, PackedInferenceAndMessages) {
   expect_in(message_of([&] { infer_outputs(op, in(DType::i32, 4), {{"batch", int64_t{0}}}); }), {"parameter 'batch'"});
 }
 
-// Every case compiles for sm_90 in every dtype with every config, without spills or a stack frame.
-TEST(DiffLogic, EveryCaseCompilesWithoutSpills) {
+// What `kspec precompile --all` builds for the family (every dtype, every config of the representative
+// cases) compiles for sm_90 without spills or a stack frame.
+TEST(DiffLogic, PrecompilePlanCompilesWithoutSpills) {
   const std::map<std::string, size_t> kernels = {
       {"difflogic.layer.fwd", 2}, {"difflogic.layer.bwd", 3}, {"difflogic.packed.fwd", 1}};
-  for (const auto& [name, count] : kernels) {
-    const OpDef& op = Registry::global().get(name);
-    for (const auto& cs : op.cases) {
-      if (cs.name != "base" && cs.name != "hard") continue;  // Var dims only: the other rows compile the same
-      for (DType dt : op.dtypes)
-        for (int64_t threads : {128, 256}) {
-          CompileRequest r;
-          r.op = name;
-          r.dtype = dt;
-          r.arch = "sm_90";
-          for (const auto& [k, v] : cs.params.items()) r.params.set(k, v);
-          r.config = Config{{{"threads", threads}}};
-          auto reports = compile(r);
-          ASSERT_EQ(reports.size(), count) << name;
-          for (const auto& rep : reports) {
-            EXPECT_EQ(rep.spill_bytes, 0) << name << " " << cs.name << " " << dtype_short(dt) << ": " << rep.kernel;
-            EXPECT_EQ(rep.stack_bytes, 0) << name << " " << cs.name << " " << dtype_short(dt) << ": " << rep.kernel;
-          }
-        }
+  std::map<std::string, int> requests;
+  for (const auto& r : precompile_plan({"sm_90"}, {"difflogic.layer.fwd", "difflogic.layer.bwd", "difflogic.packed.fwd"})) {
+    ++requests[r.op];
+    auto reports = compile(r);
+    ASSERT_EQ(reports.size(), kernels.at(r.op)) << r.op;
+    for (const auto& rep : reports) {
+      EXPECT_EQ(rep.spill_bytes, 0) << r.op << " " << dtype_short(r.dtype) << ": " << rep.kernel;
+      EXPECT_EQ(rep.stack_bytes, 0) << r.op << " " << dtype_short(r.dtype) << ": " << rep.kernel;
     }
   }
+  // soft and hard x 3 dtypes x 2 configs; 3 dtypes x 2 configs; 2 word widths x 2 configs.
+  EXPECT_EQ(requests["difflogic.layer.fwd"], 12);
+  EXPECT_EQ(requests["difflogic.layer.bwd"], 6);
+  EXPECT_EQ(requests["difflogic.packed.fwd"], 4);
 }
 
 namespace {
