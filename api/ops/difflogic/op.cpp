@@ -1,14 +1,14 @@
 // difflogic: differentiable logic gate layers (issue 30). difflogic.layer.fwd (soft or hard; the
 // straight-through estimator's forward is hard), difflogic.layer.bwd (the soft backward, also the
-// estimator's) and difflogic.packed.fwd (a hard layer on bit-packed samples). Schema, specializations, tuning space, launchers, float64 references
-// (api/ops/difflogic/reference.h) and the case tables; kernels in templates/difflogic/{layer,packed}.cuh, their one
-// argument templates/difflogic/params.h. Wires are int32 data: the consumers CSR the backward reads is
-// built from them on the host once per wiring (kspec::ref::difflogic_consumers's layout, int32), which is
-// where their range is checked; the kernels never follow a wire outside [0, n_in) (NaN instead).
-// The ops take int32 inputs, which the generic checker cannot encode: tests/cpp/test_difflogic.cpp
-// compares them with the reference instead (generic_check = false).
+// estimator's) and difflogic.packed.fwd (a hard layer on bit-packed samples). Schema, specializations,
+// tuning space, launchers, float64 references (api/ops/difflogic/reference.h) and the case tables; kernels
+// in templates/difflogic/{layer,packed}.cuh, their one argument templates/difflogic/params.h.
+// Wires are int32 data on the device: their range is checked where the wiring is built on the host
+// (kspec::ref::difflogic_consumers, which also builds the consumers CSR the backward reads, once per
+// wiring); checking them per call would cost a copy and a sync. The kernels never follow a wire outside
+// [0, n_in) (NaN, or zero words, instead). The generic checker cannot encode int32 inputs:
+// tests/cpp/test_difflogic.cpp compares these ops with the reference instead (generic_check = false).
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <random>
 
