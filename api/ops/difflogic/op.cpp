@@ -288,7 +288,8 @@ OpDef make_packed_fwd() {
   };
   op.tuning = difflogic_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.dtypes = {DType::i32, DType::i64};
+  // The main dtype is the logits' (fp32); the word width is x's dtype, which the _w64 rows set.
+  op.dtypes = {DType::f32};
   op.compile_dims = {{"n_in", 1}, {"n_out", 1}, {"words", 1}};
   op.generic_check = false;
   struct Spec {
@@ -296,15 +297,16 @@ OpDef make_packed_fwd() {
     int64_t B, n_in, n_out;
   };
   for (const Spec& s : std::vector<Spec>{{"base", 1000, 100, 200}, {"B_1", 1, 33, 7}, {"B_2", 2, 7, 33},
-                                         {"B_65_n_4097", 65, 4097, 4097}, {"B_16384", 16384, 784, 4096}}) {
-    Case c;
-    c.name = s.name;
-    // words for w = 32; the int64 runs of the same rows (precompile) only need the Var dims to bind.
-    c.dims = {{"n_in", s.n_in}, {"n_out", s.n_out}, {"words", (s.B + 31) / 32}};
-    c.params = {{"batch", s.B}};
-    c.representative = c.name == "base";
-    op.cases.push_back(std::move(c));
-  }
+                                         {"B_65_n_4097", 65, 4097, 4097}, {"B_16384", 16384, 784, 4096}})
+    for (int64_t w : {32, 64}) {
+      Case c;
+      c.name = std::string(s.name) + (w == 64 ? "_w64" : "");
+      c.dims = {{"n_in", s.n_in}, {"n_out", s.n_out}, {"words", (s.B + w - 1) / w}};
+      c.params = {{"batch", s.B}};
+      if (w == 64) c.tensor_dtypes = {{"x", DType::i64}};
+      c.representative = std::string(s.name) == "base";
+      op.cases.push_back(std::move(c));
+    }
   op.kernels = [](const Problem& p, const Config& c) {
     return std::vector<jit::KernelSpec>{
         kernel_spec(p, "difflogic/packed.cuh", "kspec::difflogic_packed_fwd_kernel",
