@@ -9,6 +9,7 @@ void register_gemm(Registry& r);
 void register_adamw(Registry& r);
 void register_e79(Registry& r);
 void register_mlstm(Registry& r);
+void register_difflogic(Registry& r);
 
 void register_all_ops(Registry& r) {
   register_norm_act(r);
@@ -17,6 +18,7 @@ void register_all_ops(Registry& r) {
   register_adamw(r);
   register_e79(r);
   register_mlstm(r);
+  register_difflogic(r);
 }
 
 }  // namespace kspec

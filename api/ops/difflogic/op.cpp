@@ -1,0 +1,357 @@
+// difflogic: differentiable logic gate layers (issue 30). difflogic.layer.fwd (soft or hard; the
+// straight-through estimator's forward is hard), difflogic.layer.bwd (the soft backward, also the
+// estimator's) and difflogic.packed.fwd (a hard layer on bit-packed samples). Schema, specializations,
+// tuning space, launchers, float64 references (api/ops/difflogic/reference.h) and the case tables; kernels
+// in templates/difflogic/{layer,packed}.cuh, their one argument templates/difflogic/params.h.
+// Wires are int32 data on the device: their range is checked where the wiring is built on the host
+// (kspec::ref::difflogic_consumers, which also builds the consumers CSR the backward reads, once per
+// wiring); checking them per call would cost a copy and a sync. The kernels never follow a wire outside
+// [0, n_in) (NaN, or zero words, instead). The generic checker cannot encode int32 inputs:
+// tests/cpp/test_difflogic.cpp compares these ops with the reference instead (generic_check = false).
+#include <algorithm>
+#include <cstdint>
+#include <random>
+
+#include "api/src/op.h"
+#include "difflogic/reference.h"
+#include "jit/spec.h"
+#include "templates/difflogic/params.h"
+
+namespace kspec {
+namespace {
+
+const std::vector<DType> kFloatTypes = {DType::f32, DType::f16, DType::bf16};
+const std::vector<std::string> kModes = {"soft", "hard"};
+// One thread per output element up to this many blocks, then grid-stride loops.
+constexpr int64_t kMaxBlocks = int64_t{1} << 20;
+
+unsigned u32(int64_t v) { return static_cast<unsigned>(v); }
+
+unsigned blocks_for(int64_t elements, int64_t threads) {
+  return u32(std::max<int64_t>(1, std::min(kMaxBlocks, (elements + threads - 1) / threads)));
+}
+
+TuningSpace difflogic_tuning() {
+  TuningSpace t;
+  t.axes = {{"threads", {128, 256}}};
+  t.valid = [](const Problem&, const Config&, std::string*) { return true; };
+  t.heuristic = [](const Problem&) { return Config{{{"threads", 256}}}; };
+  t.block_threads = [](const Problem&, const Config& c) { return c.get("threads"); };
+  return t;
+}
+
+std::vector<DimDef> layer_dims(bool csr) {
+  std::vector<DimDef> d = {{"batch", DimKind::Var, {}, "B, samples", 1},
+                           {"n_in", DimKind::Var, {}, "inputs of the layer", 1, INT32_MAX},
+                           {"n_out", DimKind::Var, {}, "gates of the layer", 1, INT32_MAX / 2}};
+  if (csr) d.push_back({"csr", DimKind::Var, {}, "length of the consumers CSR: n_in + 1 + 2 n_out", 3});
+  return d;
+}
+
+std::vector<TensorDef> layer_inputs() {
+  return {
+      tensor_def("x", {"batch", "n_in"}, kFloatTypes, "", false, false, "", Layout::Contiguous, "activations"),
+      tensor_def("logits", {"n_out", "16"}, {DType::f32}, "", false, false, "", Layout::Contiguous,
+                 "gate logits (softmax over the 16 ops)"),
+      tensor_def("a", {"n_out"}, {DType::i32}, "", false, false, "", Layout::Contiguous,
+                 "first wire of each gate, in [0, n_in)"),
+      tensor_def("b", {"n_out"}, {DType::i32}, "", false, false, "", Layout::Contiguous,
+                 "second wire of each gate, in [0, n_in) (may equal a)"),
+  };
+}
+
+OpDef layer_base(const char* name, const char* doc, bool csr) {
+  OpDef op;
+  op.info.name = name;
+  op.info.family = "difflogic";
+  op.info.doc = doc;
+  op.info.dims = layer_dims(csr);
+  op.info.reference = "api/ops/difflogic/reference.cpp (python/kspec/reference/difflogic.py)";
+  op.info.inputs = layer_inputs();
+  op.tuning = difflogic_tuning();
+  op.info.tuning_axes = op.tuning.axes;
+  op.dtypes = kFloatTypes;
+  op.compile_dims = {{"batch", 1}, {"n_in", 1}, {"n_out", 1}};
+  if (csr) op.compile_dims.push_back({"csr", 4});
+  op.generic_check = false;
+  return op;
+}
+
+// Base, one axis varied per row, the edges (B = 1, B = 2, a single gate, widths no tile divides) and a
+// large layer.
+std::vector<Case> layer_cases() {
+  struct Spec {
+    const char* name;
+    int64_t B, n_in, n_out;
+    bool large;
+  };
+  const std::vector<Spec> specs = {
+      {"base", 64, 100, 200, false},      {"B_1", 1, 33, 7, false},          {"B_2", 2, 7, 33, false},
+      {"B_33_n_4097", 33, 4097, 4097, false}, {"one_gate", 5, 1, 1, false}, {"fan_out_4_to_2048", 8, 4, 2048, false},
+      {"B_1024_n_1000", 1024, 1000, 1000, false}, {"large_16k", 1024, 16384, 16384, true},
+  };
+  std::vector<Case> cases;
+  for (const auto& s : specs) {
+    Case c;
+    c.name = s.name;
+    c.dims = {{"batch", s.B}, {"n_in", s.n_in}, {"n_out", s.n_out}};
+    c.large = s.large;
+    c.representative = c.name == "base";
+    cases.push_back(std::move(c));
+  }
+  return cases;
+}
+
+std::vector<int32_t> wires(const HostTensor& t) {
+  std::vector<int32_t> w(t.data.size());
+  for (size_t g = 0; g < w.size(); ++g) w[g] = static_cast<int32_t>(t.data[g]);
+  return w;
+}
+
+// Random wiring in range, every third gate self-paired (the generic input generator draws normals).
+void prepare_wires(const Problem& p, std::vector<HostTensor>& in) {
+  std::mt19937_64 rng(static_cast<uint64_t>(p.dim("n_in") * 131 + p.dim("n_out")));
+  std::uniform_int_distribution<int64_t> wire(0, p.dim("n_in") - 1);
+  for (size_t g = 0; g < in[2].data.size(); ++g) {
+    in[2].data[g] = static_cast<double>(wire(rng));
+    in[3].data[g] = g % 3 == 0 ? in[2].data[g] : static_cast<double>(wire(rng));
+  }
+}
+
+DiffLogicParams params_of(const Call& call) {
+  const Problem& p = call.problem;
+  DiffLogicParams a{};
+  a.x = call.in("x").data;
+  a.logits = static_cast<const float*>(call.in("logits").data);
+  a.a = static_cast<const int*>(call.in("a").data);
+  a.b = static_cast<const int*>(call.in("b").data);
+  a.batch = p.dim("batch");
+  a.n_in = p.dim("n_in");
+  a.n_out = p.dim("n_out");
+  return a;
+}
+
+jit::KernelSpec tables_kernel(const Problem& p, bool hard, int64_t threads) {
+  return kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_tables_kernel",
+                     {hard ? "true" : "false", std::to_string(threads)});
+}
+
+// ---- difflogic.layer.fwd ----
+
+OpDef make_layer_fwd() {
+  OpDef op = layer_base("difflogic.layer.fwd",
+                        "y[:, g] = sum_i p_i op_i(x[:, a_g], x[:, b_g]), p = softmax(logits[g]) (soft) or one-hot "
+                        "argmax, ties to the lower index (hard; the straight-through estimator's forward)",
+                        false);
+  op.info.params = {{"mode", ParamType::Choice, std::string("soft"), kModes, "soft (training) or hard (inference)"}};
+  op.info.outputs = {
+      tensor_def("y", {"batch", "n_out"}, {}, "x", false, false, "", Layout::Contiguous, "gate outputs"),
+  };
+  op.cases = layer_cases();
+  Case hard = op.cases.front();
+  hard.name = "hard";
+  hard.representative = true;
+  hard.params = {{"mode", std::string("hard")}};
+  op.cases.push_back(std::move(hard));
+  op.prepare_inputs = prepare_wires;
+  op.kernels = [](const Problem& p, const Config& c) {
+    const int64_t threads = c.get("threads");
+    return std::vector<jit::KernelSpec>{
+        tables_kernel(p, p.param_str("mode") == "hard", threads),
+        kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_fwd_kernel",
+                    {dtype_cuda_type(p.dtype("x")), std::to_string(threads)})};
+  };
+  op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    DiffLogicParams a = params_of(call);
+    a.y = call.out("y").data;
+    a.tables = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(4 * a.n_out)));
+    const int64_t threads = c.get("threads");
+    void* args[] = {&a};
+    l.launch(0, {blocks_for(a.n_out, threads)}, {u32(threads)}, 0, args);
+    if (a.batch > 0) l.launch(1, {blocks_for(a.batch * a.n_out, threads)}, {u32(threads)}, 0, args);
+  };
+  op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
+    const auto mode = p.param_str("mode") == "hard" ? ref::DiffLogicMode::Hard : ref::DiffLogicMode::Soft;
+    auto y = ref::difflogic_layer_fwd_ref(p.dim("batch"), p.dim("n_in"), in[0].data, in[1].data, wires(in[2]),
+                                          wires(in[3]), mode);
+    return std::vector<HostTensor>{{true, {p.dim("batch"), p.dim("n_out")}, std::move(y)}};
+  };
+  return op;
+}
+
+// ---- difflogic.layer.bwd ----
+
+OpDef make_layer_bwd() {
+  OpDef op = layer_base("difflogic.layer.bwd",
+                        "gradients of sum(dout * y) of the soft layer (also the straight-through estimator's): "
+                        "dlogits[g, i] = sum_s dout p_i (op_i - y), dx = grad_factor * the sum over each input's "
+                        "readers in the consumers CSR's order (no atomics: the same bits every run)",
+                        true);
+  ParamDef gf{"grad_factor", ParamType::Float, 1.0, {}, "scales dx only", true};
+  op.info.params = {gf};
+  op.info.inputs.push_back(tensor_def("dout", {"batch", "n_out"}, {}, "x", false, false, "", Layout::Contiguous,
+                                      "upstream gradient of y"));
+  op.info.inputs.push_back(tensor_def("consumers", {"csr"}, {DType::i32}, "", false, false, "", Layout::Contiguous,
+                                      "offsets [n_in + 1] then entries [2 n_out] (2 g + side, ascending per input), "
+                                      "built once per wiring"));
+  op.info.outputs = {
+      tensor_def("dx", {"batch", "n_in"}, {}, "x", false, false, "", Layout::Contiguous, "gradient of x"),
+      tensor_def("dlogits", {"n_out", "16"}, {DType::f32}, "", false, false, "", Layout::Contiguous,
+                 "gradient of the logits"),
+  };
+  op.check = [](const Problem& p) {
+    const int64_t want = p.dim("n_in") + 1 + 2 * p.dim("n_out");
+    KSPEC_CHECK(p.dim("csr") == want, p.op->info.name, ": input 'consumers' has ", p.dim("csr"),
+                " elements, expected n_in + 1 + 2 n_out = ", want, " (offsets, then entries)");
+  };
+  op.cases = layer_cases();
+  for (auto& c : op.cases) {
+    int64_t n_in = 0, n_out = 0;
+    for (const auto& [k, v] : c.dims) {
+      if (k == "n_in") n_in = v;
+      if (k == "n_out") n_out = v;
+    }
+    c.dims.push_back({"csr", n_in + 1 + 2 * n_out});
+  }
+  op.cases.front().params = {{"grad_factor", 2.0}};
+  op.prepare_inputs = [](const Problem& p, std::vector<HostTensor>& in) {
+    prepare_wires(p, in);
+    const auto c = ref::difflogic_consumers(p.dim("n_in"), wires(in[2]), wires(in[3]));
+    auto& csr = in[5].data;
+    csr.assign(c.offsets.begin(), c.offsets.end());
+    csr.insert(csr.end(), c.entries.begin(), c.entries.end());
+  };
+  op.kernels = [](const Problem& p, const Config& c) {
+    const std::string t = dtype_cuda_type(p.dtype("x")), threads = std::to_string(c.get("threads"));
+    return std::vector<jit::KernelSpec>{
+        tables_kernel(p, false, c.get("threads")),
+        kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_dx_kernel", {t, threads}),
+        kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_dlogits_kernel", {t, threads})};
+  };
+  op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    DiffLogicParams a = params_of(call);
+    a.dout = call.in("dout").data;
+    a.offsets = static_cast<const int*>(call.in("consumers").data);
+    a.entries = a.offsets + a.n_in + 1;
+    a.dx = call.out("dx").data;
+    a.dlogits = static_cast<float*>(call.out("dlogits").data);
+    a.grad_factor = static_cast<float>(call.problem.param_float("grad_factor"));
+    a.tables = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(4 * a.n_out)));
+    const int64_t threads = c.get("threads");
+    void* args[] = {&a};
+    l.launch(0, {blocks_for(a.n_out, threads)}, {u32(threads)}, 0, args);
+    if (a.batch > 0) l.launch(1, {blocks_for(a.batch * a.n_in, threads)}, {u32(threads)}, 0, args);
+    l.launch(2, {u32(std::min<int64_t>(kMaxBlocks, a.n_out))}, {u32(threads)}, 0, args);
+  };
+  op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
+    auto g = ref::difflogic_layer_bwd_ref(p.dim("batch"), p.dim("n_in"), in[0].data, in[1].data, wires(in[2]),
+                                          wires(in[3]), in[4].data, p.param_float("grad_factor"));
+    return std::vector<HostTensor>{{true, {p.dim("batch"), p.dim("n_in")}, std::move(g.dx)},
+                                   {true, {p.dim("n_out"), 16}, std::move(g.dlogits)}};
+  };
+  return op;
+}
+
+// ---- difflogic.packed.fwd ----
+
+OpDef make_packed_fwd() {
+  OpDef op;
+  op.info.name = "difflogic.packed.fwd";
+  op.info.family = "difflogic";
+  op.info.doc = "one hard layer on bit-packed samples: words [n, ceil(batch / w)], w = 32 (int32) or 64 (int64), "
+                "sample s in bit s mod w of word s / w; each gate runs the argmax op of its logits (ties to the "
+                "lower index) bitwise; padding bits are cleared";
+  op.info.reference = "api/ops/difflogic/reference.cpp: difflogic_packed_fwd_ref (python/kspec/reference/difflogic.py)";
+  op.info.dims = {{"n_in", DimKind::Var, {}, "rows (inputs) of the layer", 1, INT32_MAX},
+                  {"n_out", DimKind::Var, {}, "gates of the layer", 1, INT32_MAX},
+                  {"words", DimKind::Var, {}, "words per row: ceil(batch / w)", 1}};
+  ParamDef batch{"batch", ParamType::Int, int64_t(1), {}, "samples packed (B); the last word's higher bits are padding",
+                 true};
+  batch.min = 1.0;
+  op.info.params = {batch};
+  op.info.inputs = {
+      tensor_def("x", {"n_in", "words"}, {DType::i32, DType::i64}, "", false, false, "", Layout::Contiguous,
+                 "packed inputs; int32: w = 32, int64: w = 64 (bits, not numbers)"),
+      tensor_def("logits", {"n_out", "16"}, {DType::f32}, "", false, false, "", Layout::Contiguous, "gate logits"),
+      tensor_def("a", {"n_out"}, {DType::i32}, "", false, false, "", Layout::Contiguous, "first wires, in [0, n_in)"),
+      tensor_def("b", {"n_out"}, {DType::i32}, "", false, false, "", Layout::Contiguous, "second wires, in [0, n_in)"),
+  };
+  op.info.outputs = {
+      tensor_def("y", {"n_out", "words"}, {}, "x", false, false, "", Layout::Contiguous, "packed gate outputs"),
+  };
+  // On calls only (a compile request binds no words: batch is runtime and changes nothing compiled).
+  op.check_call = [](const Call& call) {
+    const Problem& p = call.problem;
+    const int64_t w = p.dtype("x") == DType::i64 ? 64 : 32, want = (p.param_int("batch") + w - 1) / w;
+    KSPEC_CHECK(p.dim("words") == want, p.op->info.name, ": parameter 'batch' = ", p.param_int("batch"), " needs ",
+                want, " words of ", w, " bits per row, but input 'x' has ", p.dim("words"));
+  };
+  op.tuning = difflogic_tuning();
+  op.info.tuning_axes = op.tuning.axes;
+  // The main dtype is the logits' (fp32); the word width is x's dtype, which the _w64 rows set.
+  op.dtypes = {DType::f32};
+  op.compile_dims = {{"n_in", 1}, {"n_out", 1}, {"words", 1}};
+  op.generic_check = false;
+  struct Spec {
+    const char* name;
+    int64_t B, n_in, n_out;
+  };
+  for (const Spec& s : std::vector<Spec>{{"base", 1000, 100, 200}, {"B_1", 1, 33, 7}, {"B_2", 2, 7, 33},
+                                         {"B_65_n_4097", 65, 4097, 4097}, {"B_16384", 16384, 784, 4096}})
+    for (int64_t w : {32, 64}) {
+      Case c;
+      c.name = std::string(s.name) + (w == 64 ? "_w64" : "");
+      c.dims = {{"n_in", s.n_in}, {"n_out", s.n_out}, {"words", (s.B + w - 1) / w}};
+      c.params = {{"batch", s.B}};
+      if (w == 64) c.tensor_dtypes = {{"x", DType::i64}};
+      c.representative = std::string(s.name) == "base";
+      op.cases.push_back(std::move(c));
+    }
+  op.kernels = [](const Problem& p, const Config& c) {
+    return std::vector<jit::KernelSpec>{
+        kernel_spec(p, "difflogic/packed.cuh", "kspec::difflogic_packed_fwd_kernel",
+                    {p.dtype("x") == DType::i64 ? "64" : "32", std::to_string(c.get("threads"))})};
+  };
+  op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    const Problem& p = call.problem;
+    DiffLogicParams a{};
+    a.x = call.in("x").data;
+    a.logits = static_cast<const float*>(call.in("logits").data);
+    a.a = static_cast<const int*>(call.in("a").data);
+    a.b = static_cast<const int*>(call.in("b").data);
+    a.y = call.out("y").data;
+    a.batch = p.param_int("batch");
+    a.n_in = p.dim("n_in");
+    a.n_out = p.dim("n_out");
+    a.words = p.dim("words");
+    const int64_t threads = c.get("threads");
+    void* args[] = {&a};
+    l.launch(0, {blocks_for(a.n_out * a.words, threads)}, {u32(threads)}, 0, args);
+  };
+  // Host tensors are float64: an int32 word is exact there, a 64-bit word is not (the w = 64 kernel is
+  // compared with difflogic_packed_fwd_ref directly in tests/cpp/test_difflogic.cpp).
+  op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
+    KSPEC_CHECK_AS(p.dtype("x") == DType::i32, Unsupported, p.op->info.name,
+                   ": the float64 reference takes int32 words only (a 64-bit word does not fit a double)");
+    std::vector<uint64_t> words(in[0].data.size());
+    for (size_t j = 0; j < words.size(); ++j)
+      words[j] = static_cast<uint32_t>(static_cast<int32_t>(in[0].data[j]));
+    const auto ops = ref::difflogic_hard_ops(in[1].data, p.dim("n_out"));
+    const auto out = ref::difflogic_packed_fwd_ref(p.param_int("batch"), p.dim("n_in"), words, 32, ops, wires(in[2]),
+                                                   wires(in[3]));
+    std::vector<double> y(out.size());
+    for (size_t j = 0; j < y.size(); ++j) y[j] = static_cast<int32_t>(static_cast<uint32_t>(out[j]));
+    return std::vector<HostTensor>{{true, {p.dim("n_out"), p.dim("words")}, std::move(y)}};
+  };
+  return op;
+}
+
+}  // namespace
+
+void register_difflogic(Registry& r) {
+  r.add(make_layer_fwd());
+  r.add(make_layer_bwd());
+  r.add(make_packed_fwd());
+}
+
+}  // namespace kspec

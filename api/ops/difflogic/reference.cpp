@@ -1,0 +1,269 @@
+// Float64 difflogic reference (see reference.h): plain loops. The layer works in the T-form (4 numbers per
+// gate); the 16 explicit multilinear extensions are kept beside it as the independent statement the
+// T-form is tested against.
+#include "difflogic/reference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace kspec::ref {
+namespace {
+
+[[noreturn]] void fail(const std::string& what) { throw std::invalid_argument("difflogic reference: " + what); }
+
+template <typename V>
+void check_size(const V& v, int64_t want, const char* name) {
+  if (static_cast<int64_t>(v.size()) != want)
+    fail(std::string(name) + " has " + std::to_string(v.size()) + " elements, expected " + std::to_string(want));
+}
+
+// The wires: equal lengths and every entry in [0, n_in).
+int64_t check_wires(int64_t n_in, const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  if (n_in < 1) fail("n_in = " + std::to_string(n_in) + ", expected >= 1");
+  check_size(b, static_cast<int64_t>(a.size()), "b (one wire per gate, as a)");
+  for (const auto* wires : {&a, &b})
+    for (size_t g = 0; g < wires->size(); ++g)
+      if ((*wires)[g] < 0 || (*wires)[g] >= n_in)
+        fail(std::string(wires == &a ? "a" : "b") + "[" + std::to_string(g) + "] = " + std::to_string((*wires)[g]) +
+             " is outside [0, " + std::to_string(n_in) + ")");
+  return static_cast<int64_t>(a.size());
+}
+
+void check_width(int w) {
+  if (w != 32 && w != 64) fail("w = " + std::to_string(w) + ", expected 32 or 64");
+}
+
+void check_groups(int64_t n, int64_t k) {
+  if (k < 1 || n % k != 0) fail("k = " + std::to_string(k) + " must be >= 1 and divide n = " + std::to_string(n));
+}
+
+// softmax of one gate's 16 logits.
+std::array<double, kDiffLogicOps> softmax16(const double* l) {
+  const double mx = *std::max_element(l, l + kDiffLogicOps);
+  std::array<double, kDiffLogicOps> p{};
+  double sum = 0.0;
+  for (int i = 0; i < kDiffLogicOps; ++i) sum += p[i] = std::exp(l[i] - mx);
+  for (double& v : p) v /= sum;
+  return p;
+}
+
+int argmax16(const double* l) {
+  int best = 0;
+  for (int i = 1; i < kDiffLogicOps; ++i)
+    if (l[i] > l[best]) best = i;  // strict: ties stay with the lower index
+  return best;
+}
+
+// y and its partials in the T-form: y = T00 (1-a)(1-b) + T01 (1-a) b + T10 a (1-b) + T11 a b.
+double gate_y(const double* t, double xa, double xb) {
+  return t[0] * (1 - xa) * (1 - xb) + t[1] * (1 - xa) * xb + t[2] * xa * (1 - xb) + t[3] * xa * xb;
+}
+
+}  // namespace
+
+double difflogic_op(int i, double a, double b) {
+  switch (i) {
+    case 0: return 0.0;
+    case 1: return a * b;
+    case 2: return a - a * b;
+    case 3: return a;
+    case 4: return b - a * b;
+    case 5: return b;
+    case 6: return a + b - 2 * a * b;
+    case 7: return a + b - a * b;
+    case 8: return 1 - (a + b - a * b);
+    case 9: return 1 - (a + b - 2 * a * b);
+    case 10: return 1 - b;
+    case 11: return 1 - b + a * b;
+    case 12: return 1 - a;
+    case 13: return 1 - a + a * b;
+    case 14: return 1 - a * b;
+    case 15: return 1.0;
+  }
+  fail("op " + std::to_string(i) + " is outside [0, 16)");
+}
+
+int difflogic_truth(int i, int u, int v) { return (i >> (3 - (2 * u + v))) & 1; }
+
+std::vector<double> difflogic_tables(const std::vector<double>& logits, int64_t n_out, DiffLogicMode mode) {
+  check_size(logits, n_out * kDiffLogicOps, "logits ([n_out, 16])");
+  std::vector<double> t(static_cast<size_t>(n_out * 4), 0.0);
+  for (int64_t g = 0; g < n_out; ++g) {
+    const double* l = &logits[g * kDiffLogicOps];
+    std::array<double, kDiffLogicOps> p{};
+    if (mode == DiffLogicMode::Soft)
+      p = softmax16(l);
+    else
+      p[argmax16(l)] = 1.0;
+    for (int uv = 0; uv < 4; ++uv)
+      for (int i = 0; i < kDiffLogicOps; ++i) t[g * 4 + uv] += p[i] * difflogic_truth(i, uv >> 1, uv & 1);
+  }
+  return t;
+}
+
+std::vector<int> difflogic_hard_ops(const std::vector<double>& logits, int64_t n_out) {
+  check_size(logits, n_out * kDiffLogicOps, "logits ([n_out, 16])");
+  std::vector<int> ops(static_cast<size_t>(n_out));
+  for (int64_t g = 0; g < n_out; ++g) ops[g] = argmax16(&logits[g * kDiffLogicOps]);
+  return ops;
+}
+
+DiffLogicConsumers difflogic_consumers(int64_t n_in, const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  const int64_t n_out = check_wires(n_in, a, b);
+  DiffLogicConsumers c;
+  c.offsets.assign(static_cast<size_t>(n_in + 1), 0);
+  for (int64_t g = 0; g < n_out; ++g) {
+    ++c.offsets[a[g] + 1];
+    ++c.offsets[b[g] + 1];
+  }
+  for (int64_t j = 0; j < n_in; ++j) c.offsets[j + 1] += c.offsets[j];
+  c.entries.resize(static_cast<size_t>(2 * n_out));
+  std::vector<int64_t> fill(c.offsets.begin(), c.offsets.end() - 1);
+  // Visiting (g, side) in ascending 2 g + side order leaves each input's list sorted.
+  for (int64_t g = 0; g < n_out; ++g) {
+    c.entries[fill[a[g]]++] = 2 * g;
+    c.entries[fill[b[g]]++] = 2 * g + 1;
+  }
+  return c;
+}
+
+std::vector<double> difflogic_layer_fwd_ref(int64_t B, int64_t n_in, const std::vector<double>& x,
+                                            const std::vector<double>& logits, const std::vector<int32_t>& a,
+                                            const std::vector<int32_t>& b, DiffLogicMode mode) {
+  const int64_t n_out = check_wires(n_in, a, b);
+  if (B < 0) fail("B = " + std::to_string(B) + ", expected >= 0");
+  check_size(x, B * n_in, "x ([B, n_in])");
+  const std::vector<double> t = difflogic_tables(logits, n_out, mode);
+  std::vector<double> y(static_cast<size_t>(B * n_out));
+  for (int64_t s = 0; s < B; ++s)
+    for (int64_t g = 0; g < n_out; ++g) y[s * n_out + g] = gate_y(&t[g * 4], x[s * n_in + a[g]], x[s * n_in + b[g]]);
+  return y;
+}
+
+DiffLogicGrads difflogic_layer_bwd_ref(int64_t B, int64_t n_in, const std::vector<double>& x,
+                                       const std::vector<double>& logits, const std::vector<int32_t>& a,
+                                       const std::vector<int32_t>& b, const std::vector<double>& dout,
+                                       double grad_factor) {
+  const int64_t n_out = check_wires(n_in, a, b);
+  if (B < 0) fail("B = " + std::to_string(B) + ", expected >= 0");
+  check_size(x, B * n_in, "x ([B, n_in])");
+  check_size(dout, B * n_out, "dout ([B, n_out])");
+  if (!std::isfinite(grad_factor)) fail("grad_factor must be finite");
+  const std::vector<double> t = difflogic_tables(logits, n_out, DiffLogicMode::Soft);
+  DiffLogicGrads gr;
+  gr.dlogits.assign(static_cast<size_t>(n_out * kDiffLogicOps), 0.0);
+  // dy/da, dy/db times dout per (sample, gate, side): what the consumers CSR gathers into dx.
+  std::vector<double> dside(static_cast<size_t>(B * n_out * 2));
+  for (int64_t g = 0; g < n_out; ++g) {
+    const std::array<double, kDiffLogicOps> p = softmax16(&logits[g * kDiffLogicOps]);
+    const double* tg = &t[g * 4];
+    for (int64_t s = 0; s < B; ++s) {
+      const double xa = x[s * n_in + a[g]], xb = x[s * n_in + b[g]], d = dout[s * n_out + g];
+      const double y = gate_y(tg, xa, xb);
+      for (int i = 0; i < kDiffLogicOps; ++i) gr.dlogits[g * kDiffLogicOps + i] += d * p[i] * (difflogic_op(i, xa, xb) - y);
+      dside[(s * n_out + g) * 2] = d * ((tg[2] - tg[0]) * (1 - xb) + (tg[3] - tg[1]) * xb);
+      dside[(s * n_out + g) * 2 + 1] = d * ((tg[1] - tg[0]) * (1 - xa) + (tg[3] - tg[2]) * xa);
+    }
+  }
+  const DiffLogicConsumers c = difflogic_consumers(n_in, a, b);
+  gr.dx.assign(static_cast<size_t>(B * n_in), 0.0);
+  for (int64_t s = 0; s < B; ++s)
+    for (int64_t j = 0; j < n_in; ++j) {
+      double sum = 0.0;
+      for (int64_t e = c.offsets[j]; e < c.offsets[j + 1]; ++e) sum += dside[s * n_out * 2 + c.entries[e]];
+      gr.dx[s * n_in + j] = grad_factor * sum;
+    }
+  return gr;
+}
+
+std::vector<double> difflogic_group_sum_ref(int64_t B, int64_t n, const std::vector<double>& x, int64_t k,
+                                            double tau) {
+  check_groups(n, k);
+  check_size(x, B * n, "x ([B, n])");
+  if (!(tau > 0) || !std::isfinite(tau)) fail("tau must be finite and > 0");
+  const int64_t m = n / k;
+  std::vector<double> y(static_cast<size_t>(B * k), 0.0);
+  for (int64_t s = 0; s < B; ++s)
+    for (int64_t j = 0; j < n; ++j) y[s * k + j / m] += x[s * n + j];
+  for (double& v : y) v /= tau;
+  return y;
+}
+
+std::vector<double> difflogic_group_sum_bwd_ref(int64_t B, int64_t n, const std::vector<double>& dy, int64_t k,
+                                                double tau) {
+  check_groups(n, k);
+  check_size(dy, B * k, "dy ([B, k])");
+  if (!(tau > 0) || !std::isfinite(tau)) fail("tau must be finite and > 0");
+  const int64_t m = n / k;
+  std::vector<double> dx(static_cast<size_t>(B * n));
+  for (int64_t s = 0; s < B; ++s)
+    for (int64_t j = 0; j < n; ++j) dx[s * n + j] = dy[s * k + j / m] / tau;
+  return dx;
+}
+
+std::vector<uint64_t> difflogic_pack_ref(int64_t B, int64_t n, const std::vector<double>& x, int w) {
+  check_width(w);
+  check_size(x, B * n, "x ([B, n])");
+  const int64_t W = (B + w - 1) / w;
+  std::vector<uint64_t> words(static_cast<size_t>(n * W), 0);
+  for (int64_t s = 0; s < B; ++s)
+    for (int64_t j = 0; j < n; ++j) {
+      const double v = x[s * n + j];
+      if (v != 0.0 && v != 1.0)
+        fail("x[" + std::to_string(s) + ", " + std::to_string(j) + "] = " + std::to_string(v) + ", expected 0 or 1");
+      if (v == 1.0) words[j * W + s / w] |= uint64_t{1} << (s % w);
+    }
+  return words;
+}
+
+std::vector<double> difflogic_unpack_ref(int64_t B, int64_t n, const std::vector<uint64_t>& words, int w) {
+  check_width(w);
+  const int64_t W = (B + w - 1) / w;
+  check_size(words, n * W, "words ([n, ceil(B / w)])");
+  std::vector<double> x(static_cast<size_t>(B * n));
+  for (int64_t s = 0; s < B; ++s)
+    for (int64_t j = 0; j < n; ++j) x[s * n + j] = static_cast<double>((words[j * W + s / w] >> (s % w)) & 1);
+  return x;
+}
+
+std::vector<uint64_t> difflogic_packed_fwd_ref(int64_t B, int64_t n_in, const std::vector<uint64_t>& words, int w,
+                                               const std::vector<int>& ops, const std::vector<int32_t>& a,
+                                               const std::vector<int32_t>& b) {
+  check_width(w);
+  const int64_t n_out = check_wires(n_in, a, b);
+  check_size(ops, n_out, "ops ([n_out])");
+  const int64_t W = (B + w - 1) / w;
+  check_size(words, n_in * W, "words ([n_in, ceil(B / w)])");
+  const uint64_t ones = w == 64 ? ~uint64_t{0} : 0xffffffffull;
+  std::vector<uint64_t> out(static_cast<size_t>(n_out * W));
+  for (int64_t g = 0; g < n_out; ++g) {
+    if (ops[g] < 0 || ops[g] >= kDiffLogicOps)
+      fail("ops[" + std::to_string(g) + "] = " + std::to_string(ops[g]) + " is outside [0, 16)");
+    auto mask = [&](int u, int v) { return difflogic_truth(ops[g], u, v) ? ones : uint64_t{0}; };
+    for (int64_t q = 0; q < W; ++q) {
+      const uint64_t A = words[a[g] * W + q], Bw = words[b[g] * W + q];
+      uint64_t r = (mask(0, 0) & ~A & ~Bw) | (mask(0, 1) & ~A & Bw) | (mask(1, 0) & A & ~Bw) | (mask(1, 1) & A & Bw);
+      const int64_t valid = std::min<int64_t>(w, B - q * w);  // samples in this word
+      r &= valid == 64 ? ~uint64_t{0} : (uint64_t{1} << valid) - 1;
+      out[g * W + q] = r & ones;
+    }
+  }
+  return out;
+}
+
+std::vector<int64_t> difflogic_packed_group_sum_ref(int64_t B, int64_t n, const std::vector<uint64_t>& words, int w,
+                                                    int64_t k) {
+  check_width(w);
+  check_groups(n, k);
+  const int64_t W = (B + w - 1) / w;
+  check_size(words, n * W, "words ([n, ceil(B / w)])");
+  const int64_t m = n / k;
+  std::vector<int64_t> counts(static_cast<size_t>(B * k), 0);
+  for (int64_t s = 0; s < B; ++s)
+    for (int64_t j = 0; j < n; ++j) counts[s * k + j / m] += static_cast<int64_t>((words[j * W + s / w] >> (s % w)) & 1);
+  return counts;
+}
+
+}  // namespace kspec::ref

@@ -1,0 +1,196 @@
+"""Float64 NumPy reference for differentiable logic gate networks (difflogic, NeurIPS 2022; issue 30).
+
+The twin of api/ops/difflogic/reference.cpp (same maths, same layouts, same orders). Shapes: x (B, n_in);
+logits (n_out, 16); wires a, b (n_out,) int in [0, n_in) (repeats and a[g] == b[g] allowed); y, dout
+(B, n_out). Gate op i is truth table i = 8 f(0,0) + 4 f(0,1) + 2 f(1,0) + f(1,1). Per gate
+T = p . truth table = (T00, T01, T10, T11), p = softmax(logits) (soft) or one-hot argmax, ties to the
+lower index (hard), and
+    y = T00 (1-a)(1-b) + T01 (1-a) b + T10 a (1-b) + T11 a b,   a = x[:, a_g], b = x[:, b_g].
+Backward of sum(dout * y) (soft; also the straight-through estimator's, whose forward is hard):
+    dlogits[g, i] = sum_s dout p_i (op_i - y)      dx = grad_factor * sum over each input's readers,
+the readers in the consumers CSR's order (2 g + side ascending; a self-paired gate gives da + db).
+GroupSum(k, tau): contiguous groups of n/k, sums / tau. Packed: {0,1} (B, n) -> words (n, ceil(B/w)),
+w = 32 or 64, sample s in bit s mod w of word s // w, padding bits zero; packed GroupSum counts bits.
+Gumbel noise for the straight-through estimator is not here: the issue names no generator to match.
+"""
+
+import numpy as np
+
+N_OPS = 16
+
+# The multilinear extensions, as the issue lists them: the independent statement of each op.
+OPS = (
+    lambda a, b: 0.0 * a,
+    lambda a, b: a * b,
+    lambda a, b: a - a * b,
+    lambda a, b: a + 0.0 * b,
+    lambda a, b: b - a * b,
+    lambda a, b: b + 0.0 * a,
+    lambda a, b: a + b - 2 * a * b,
+    lambda a, b: a + b - a * b,
+    lambda a, b: 1 - (a + b - a * b),
+    lambda a, b: 1 - (a + b - 2 * a * b),
+    lambda a, b: 1 - b + 0.0 * a,
+    lambda a, b: 1 - b + a * b,
+    lambda a, b: 1 - a + 0.0 * b,
+    lambda a, b: 1 - a + a * b,
+    lambda a, b: 1 - a * b,
+    lambda a, b: 1.0 + 0.0 * a,
+)
+
+# TRUTH[i, 2u + v] = f_i(u, v): bit 3 - (2u + v) of i.
+TRUTH = np.array([[(i >> (3 - uv)) & 1 for uv in range(4)] for i in range(N_OPS)], dtype=np.float64)
+
+
+def _wires(n_in, a, b):
+    a = np.asarray(a)
+    b = np.asarray(b)
+    if n_in < 1:
+        raise ValueError(f"difflogic reference: n_in = {n_in}, expected >= 1")
+    if a.ndim != 1 or b.shape != a.shape:
+        raise ValueError(f"difflogic reference: a, b must be two (n_out,) vectors, got {a.shape} and {b.shape}")
+    for name, w in (("a", a), ("b", b)):
+        bad = np.flatnonzero((w < 0) | (w >= n_in))
+        if bad.size:
+            g = int(bad[0])
+            raise ValueError(f"difflogic reference: {name}[{g}] = {int(w[g])} is outside [0, {n_in})")
+    return a.astype(np.int64), b.astype(np.int64)
+
+
+def _logits(logits, n_out):
+    logits = np.asarray(logits, dtype=np.float64)
+    if logits.shape != (n_out, N_OPS):
+        raise ValueError(f"difflogic reference: logits must be ({n_out}, 16), got {logits.shape}")
+    return logits
+
+
+def softmax(logits):
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def hard_ops(logits):
+    """The argmax per gate; np.argmax returns the first maximum: ties go to the lower index."""
+    return np.argmax(np.asarray(logits, dtype=np.float64), axis=-1)
+
+
+def tables(logits, hard=False):
+    """T (n_out, 4) = p . truth table."""
+    logits = np.asarray(logits, dtype=np.float64)
+    p = np.eye(N_OPS)[hard_ops(logits)] if hard else softmax(logits)
+    return p @ TRUTH
+
+
+def _gate(t, xa, xb):
+    return t[:, 0] * (1 - xa) * (1 - xb) + t[:, 1] * (1 - xa) * xb + t[:, 2] * xa * (1 - xb) + t[:, 3] * xa * xb
+
+
+def consumers(n_in, a, b):
+    """(offsets (n_in + 1,), entries (2 n_out,)): input j's readers 2 g + side, ascending."""
+    a, b = _wires(n_in, a, b)
+    reader = np.stack([a, b], axis=1).ravel()  # reader[2 g + side] = the input it reads
+    entries = np.argsort(reader, kind="stable")  # stable: ascending 2 g + side within each input
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(reader, minlength=n_in))])
+    return offsets.astype(np.int64), entries.astype(np.int64)
+
+
+def layer_fwd(x, logits, a, b, hard=False):
+    """y (B, n_out); the straight-through estimator's forward is hard=True."""
+    x = np.asarray(x, dtype=np.float64)
+    a, b = _wires(x.shape[1], a, b)
+    t = tables(_logits(logits, a.size), hard)
+    return _gate(t, x[:, a], x[:, b])
+
+
+def layer_bwd(dout, x, logits, a, b, grad_factor=1.0):
+    """(dx (B, n_in), dlogits (n_out, 16)): the soft layer's gradients of sum(dout * y)."""
+    x = np.asarray(x, dtype=np.float64)
+    dout = np.asarray(dout, dtype=np.float64)
+    B, n_in = x.shape
+    a, b = _wires(n_in, a, b)
+    logits = _logits(logits, a.size)
+    if dout.shape != (B, a.size):
+        raise ValueError(f"difflogic reference: dout must be ({B}, {a.size}), got {dout.shape}")
+    p = softmax(logits)
+    t = p @ TRUTH
+    xa, xb = x[:, a], x[:, b]
+    y = _gate(t, xa, xb)
+    ops = np.stack([op(xa, xb) for op in OPS], axis=-1)  # (B, n_out, 16)
+    dlogits = np.einsum("sg,gi,sgi->gi", dout, p, ops - y[..., None])
+    da = dout * ((t[:, 2] - t[:, 0]) * (1 - xb) + (t[:, 3] - t[:, 1]) * xb)
+    db = dout * ((t[:, 1] - t[:, 0]) * (1 - xa) + (t[:, 3] - t[:, 2]) * xa)
+    dside = np.stack([da, db], axis=-1).reshape(B, -1)  # dside[:, 2 g + side]
+    offsets, entries = consumers(n_in, a, b)
+    dx = np.zeros((B, n_in))
+    for j in range(n_in):  # each input sums its readers in the CSR's order
+        acc = np.zeros(B)
+        for e in entries[offsets[j]:offsets[j + 1]]:
+            acc = acc + dside[:, e]
+        dx[:, j] = grad_factor * acc
+    return dx, dlogits
+
+
+def _groups(n, k):
+    if k < 1 or n % k:
+        raise ValueError(f"difflogic reference: k = {k} must be >= 1 and divide n = {n}")
+    return n // k
+
+
+def group_sum(x, k, tau=1.0):
+    x = np.asarray(x, dtype=np.float64)
+    m = _groups(x.shape[1], k)
+    return x.reshape(x.shape[0], k, m).sum(axis=-1) / tau
+
+
+def group_sum_bwd(dy, n, tau=1.0):
+    dy = np.asarray(dy, dtype=np.float64)
+    m = _groups(n, dy.shape[1])
+    return np.repeat(dy, m, axis=1) / tau
+
+
+def _width(w):
+    if w not in (32, 64):
+        raise ValueError(f"difflogic reference: w = {w}, expected 32 or 64")
+
+
+def pack(x, w):
+    """{0,1} (B, n) -> uint64 words (n, ceil(B / w)); a 32-bit word in the low half."""
+    _width(w)
+    x = np.asarray(x, dtype=np.float64)
+    if not np.all((x == 0) | (x == 1)):
+        raise ValueError("difflogic reference: x must hold only 0 and 1")
+    B, n = x.shape
+    W = -(-B // w)
+    bits = np.zeros((n, W * w), dtype=np.uint64)
+    bits[:, :B] = x.T.astype(np.uint64)
+    shifts = np.arange(w, dtype=np.uint64)
+    return np.bitwise_or.reduce(bits.reshape(n, W, w) << shifts, axis=-1)
+
+
+def unpack(words, B, w):
+    _width(w)
+    words = np.asarray(words, dtype=np.uint64)
+    s = np.arange(B)
+    bits = (words[:, s // w] >> (s % w).astype(np.uint64)) & np.uint64(1)
+    return bits.T.astype(np.float64)
+
+
+def packed_fwd(words, B, w, ops, a, b):
+    _width(w)
+    words = np.asarray(words, dtype=np.uint64)
+    a, b = _wires(words.shape[0], a, b)
+    ops = np.asarray(ops, dtype=np.int64)
+    ones = np.uint64(2**w - 1)
+    f = np.where(TRUTH[ops] > 0, ones, np.uint64(0))[:, :, None]  # (n_out, 4, 1)
+    A, Bw = words[a], words[b]
+    r = (f[:, 0] & ~A & ~Bw) | (f[:, 1] & ~A & Bw) | (f[:, 2] & A & ~Bw) | (f[:, 3] & A & Bw)
+    valid = np.clip(B - np.arange(words.shape[1]) * w, 0, w)
+    mask = np.array([2**int(v) - 1 for v in valid], dtype=np.uint64)
+    return r & mask & ones
+
+
+def packed_group_sum(words, B, w, k):
+    """counts (B, k) int64."""
+    bits = unpack(words, B, w)
+    m = _groups(bits.shape[1], k)
+    return bits.reshape(B, k, m).sum(axis=-1).astype(np.int64)

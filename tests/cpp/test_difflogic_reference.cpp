@@ -1,0 +1,239 @@
+// Tests of the float64 difflogic reference: truth tables against the multilinear extensions, the T-form
+// against sum_i p_i op_i, the soft backward against central differences (repeated wires, self-paired
+// gates, grad_factor), hard mode's ties, packed inference equal to the hard forward bit for bit (w = 32,
+// 64, B not a multiple of w), GroupSum, the consumers CSR, errors naming the argument, and values pinned
+// by the Python twin's test (tests/python/test_reference_difflogic.py).
+#include "difflogic/reference.h"
+#include "reference_test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using kspec::testing::central_diff;
+using kspec::testing::expect_grad_near;
+using kspec::testing::random_uniform;
+namespace ref = kspec::ref;
+using ref::DiffLogicMode;
+
+struct Layer {
+  int64_t B, n_in, n_out;
+  std::vector<double> x, logits;
+  std::vector<int32_t> a, b;
+};
+
+// Random wiring with every third gate self-paired.
+Layer make_layer(std::mt19937_64& rng, int64_t B, int64_t n_in, int64_t n_out) {
+  Layer l{B, n_in, n_out, random_uniform(rng, B * n_in, 0.05, 0.95), random_uniform(rng, n_out * 16, -3.0, 3.0), {}, {}};
+  std::uniform_int_distribution<int32_t> wire(0, static_cast<int32_t>(n_in - 1));
+  for (int64_t g = 0; g < n_out; ++g) {
+    l.a.push_back(wire(rng));
+    l.b.push_back(g % 3 == 0 ? l.a.back() : wire(rng));
+  }
+  return l;
+}
+
+TEST(DiffLogicReference, TruthTablesAreTheMultilinearExtensionsAtCorners) {
+  for (int i = 0; i < 16; ++i)
+    for (int u = 0; u < 2; ++u)
+      for (int v = 0; v < 2; ++v) EXPECT_EQ(ref::difflogic_op(i, u, v), ref::difflogic_truth(i, u, v)) << i;
+  EXPECT_EQ(ref::difflogic_truth(6, 0, 1) + ref::difflogic_truth(6, 1, 0), 2);  // XOR
+  EXPECT_EQ(ref::difflogic_truth(6, 1, 1), 0);
+}
+
+TEST(DiffLogicReference, TFormEqualsTheMixtureOfOps) {
+  std::mt19937_64 rng(1);
+  const Layer l = make_layer(rng, 5, 4, 9);
+  const auto y = ref::difflogic_layer_fwd_ref(l.B, l.n_in, l.x, l.logits, l.a, l.b, DiffLogicMode::Soft);
+  for (int64_t g = 0; g < l.n_out; ++g) {
+    double mx = -1e300, sum = 0.0;
+    for (int i = 0; i < 16; ++i) mx = std::max(mx, l.logits[g * 16 + i]);
+    for (int i = 0; i < 16; ++i) sum += std::exp(l.logits[g * 16 + i] - mx);
+    for (int64_t s = 0; s < l.B; ++s) {
+      double want = 0.0;
+      for (int i = 0; i < 16; ++i)
+        want += std::exp(l.logits[g * 16 + i] - mx) / sum *
+                ref::difflogic_op(i, l.x[s * l.n_in + l.a[g]], l.x[s * l.n_in + l.b[g]]);
+      EXPECT_NEAR(y[s * l.n_out + g], want, 1e-14);
+    }
+  }
+}
+
+class DiffLogicBackward : public ::testing::TestWithParam<std::tuple<int64_t, int64_t, int64_t, double>> {};
+
+TEST_P(DiffLogicBackward, MatchesCentralDifferences) {
+  const auto [B, n_in, n_out, grad_factor] = GetParam();
+  std::mt19937_64 rng(10 + n_out);
+  Layer l = make_layer(rng, B, n_in, n_out);
+  const std::vector<double> dout = random_uniform(rng, B * n_out, -1.0, 1.0);
+  const auto g = ref::difflogic_layer_bwd_ref(B, n_in, l.x, l.logits, l.a, l.b, dout, grad_factor);
+  auto loss = [&] {
+    const auto y = ref::difflogic_layer_fwd_ref(B, n_in, l.x, l.logits, l.a, l.b, DiffLogicMode::Soft);
+    double s = 0.0;
+    for (size_t j = 0; j < y.size(); ++j) s += dout[j] * y[j];
+    return s;
+  };
+  std::vector<double> fd_x = central_diff(loss, l.x, 1e-6);
+  for (double& v : fd_x) v *= grad_factor;
+  expect_grad_near(g.dx, fd_x, 1e-9, "dx");
+  expect_grad_near(g.dlogits, central_diff(loss, l.logits, 1e-6), 1e-9, "dlogits");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DiffLogicBackward,
+                         ::testing::Values(std::make_tuple(1, 1, 1, 1.0), std::make_tuple(3, 4, 7, 1.0),
+                                           std::make_tuple(2, 5, 9, 2.5), std::make_tuple(4, 2, 6, 0.5)));
+
+TEST(DiffLogicReference, ConsumersCsrOrdersReadersAndSkipsUnreadInputs) {
+  const auto c = ref::difflogic_consumers(5, {2, 0, 2, 3}, {0, 0, 3, 2});
+  EXPECT_EQ(c.offsets, (std::vector<int64_t>{0, 3, 3, 6, 8, 8}));
+  EXPECT_EQ(c.entries, (std::vector<int64_t>{1, 2, 3, 0, 4, 7, 5, 6}));
+  // An unread input gets dx = 0; a self-paired gate's input gets da + db.
+  std::vector<double> logits(16, 0.0);
+  logits[6] = 3.0;
+  const auto g = ref::difflogic_layer_bwd_ref(1, 2, {0.3, 0.8}, logits, {0}, {0}, {1.0});
+  EXPECT_EQ(g.dx[1], 0.0);
+  const auto t = ref::difflogic_tables(logits, 1, DiffLogicMode::Soft);
+  const double x = 0.3, da = (t[2] - t[0]) * (1 - x) + (t[3] - t[1]) * x, db = (t[1] - t[0]) * (1 - x) + (t[3] - t[2]) * x;
+  EXPECT_NEAR(g.dx[0], da + db, 1e-15);
+}
+
+TEST(DiffLogicReference, HardModeTiesGoToTheLowerIndex) {
+  std::vector<double> logits(3 * 16, 0.0);
+  logits[16 + 3] = logits[16 + 7] = 2.0;
+  logits[32 + 14] = logits[32 + 9] = 1.0;
+  EXPECT_EQ(ref::difflogic_hard_ops(logits, 3), (std::vector<int>{0, 3, 9}));
+  const std::vector<double> x = {0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.25, 0.5};
+  const auto y = ref::difflogic_layer_fwd_ref(4, 2, x, logits, {0, 0, 0}, {1, 1, 1}, DiffLogicMode::Hard);
+  for (int s = 0; s < 4; ++s)
+    for (int g = 0; g < 3; ++g) EXPECT_EQ(y[s * 3 + g], ref::difflogic_op(std::vector<int>{0, 3, 9}[g], x[2 * s], x[2 * s + 1]));
+}
+
+class DiffLogicPacked : public ::testing::TestWithParam<std::tuple<int, int64_t>> {};
+
+// Three hard layers on random bits, packed and unpacked, and the packed GroupSum counts.
+TEST_P(DiffLogicPacked, EqualsHardForwardBitForBit) {
+  const auto [w, B] = GetParam();
+  std::mt19937_64 rng(static_cast<uint64_t>(B * 7 + w));
+  int64_t n = 12;
+  std::vector<double> x(static_cast<size_t>(B * n));
+  std::bernoulli_distribution bit(0.5);
+  for (double& v : x) v = bit(rng);
+  std::vector<uint64_t> words = ref::difflogic_pack_ref(B, n, x, w);
+  ASSERT_EQ(words.size(), static_cast<size_t>(n * ((B + w - 1) / w)));
+  EXPECT_EQ(ref::difflogic_unpack_ref(B, n, words, w), x);
+  for (int64_t n_out : {20, 16, 10}) {
+    Layer l = make_layer(rng, 1, n, n_out);
+    x = ref::difflogic_layer_fwd_ref(B, n, x, l.logits, l.a, l.b, DiffLogicMode::Hard);
+    words = ref::difflogic_packed_fwd_ref(B, n, words, w, ref::difflogic_hard_ops(l.logits, n_out), l.a, l.b);
+    n = n_out;
+    EXPECT_EQ(ref::difflogic_unpack_ref(B, n, words, w), x);
+    EXPECT_EQ(words, ref::difflogic_pack_ref(B, n, x, w));  // padding bits cleared
+  }
+  const auto counts = ref::difflogic_packed_group_sum_ref(B, n, words, w, 5);
+  const auto sums = ref::difflogic_group_sum_ref(B, n, x, 5, 1.0);
+  for (size_t j = 0; j < counts.size(); ++j) EXPECT_EQ(static_cast<double>(counts[j]), sums[j]);
+}
+
+INSTANTIATE_TEST_SUITE_P(WidthsAndBatches, DiffLogicPacked,
+                         ::testing::Combine(::testing::Values(32, 64), ::testing::Values(1, 33, 64, 100)));
+
+TEST(DiffLogicReference, EveryOpPackedAtEveryCorner) {
+  const std::vector<double> x = {0, 0, 0, 1, 1, 0, 1, 1};
+  std::vector<int> ops(16);
+  for (int i = 0; i < 16; ++i) ops[i] = i;
+  for (int w : {32, 64}) {
+    const auto y = ref::difflogic_unpack_ref(
+        4, 16, ref::difflogic_packed_fwd_ref(4, 2, ref::difflogic_pack_ref(4, 2, x, w), w, ops,
+                                             std::vector<int32_t>(16, 0), std::vector<int32_t>(16, 1)),
+        w);
+    for (int s = 0; s < 4; ++s)
+      for (int i = 0; i < 16; ++i) EXPECT_EQ(y[s * 16 + i], ref::difflogic_truth(i, s >> 1, s & 1)) << i << " " << w;
+  }
+}
+
+TEST(DiffLogicReference, GroupSumAndItsBackward) {
+  std::mt19937_64 rng(7);
+  std::vector<double> x = random_uniform(rng, 36, -1.0, 1.0);
+  const std::vector<double> dy = random_uniform(rng, 12, -1.0, 1.0);
+  const auto y = ref::difflogic_group_sum_ref(3, 12, x, 4, 2.0);
+  EXPECT_NEAR(y[5], (x[15] + x[16] + x[17]) / 2.0, 1e-15);
+  auto loss = [&] {
+    const auto v = ref::difflogic_group_sum_ref(3, 12, x, 4, 2.0);
+    double s = 0.0;
+    for (size_t j = 0; j < v.size(); ++j) s += dy[j] * v[j];
+    return s;
+  };
+  expect_grad_near(ref::difflogic_group_sum_bwd_ref(3, 12, dy, 4, 2.0), central_diff(loss, x, 1e-6), 1e-9, "dx");
+}
+
+void expect_error(const std::function<void()>& f, const std::string& part) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one containing '" << part << "'";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
+}
+
+TEST(DiffLogicReference, ErrorsNameTheArgument) {
+  const std::vector<double> x(6, 0.0), l2(32, 0.0);
+  expect_error([&] { ref::difflogic_layer_fwd_ref(2, 3, x, l2, {0, 1}, {2, 3}, DiffLogicMode::Soft); },
+               "b[1] = 3 is outside [0, 3)");
+  expect_error([&] { ref::difflogic_layer_fwd_ref(2, 3, x, l2, {-1, 0}, {0, 0}, DiffLogicMode::Soft); }, "a[0] = -1");
+  expect_error([&] { ref::difflogic_layer_fwd_ref(2, 3, x, l2, {0}, {0, 1}, DiffLogicMode::Soft); }, "b (one wire");
+  expect_error([&] { ref::difflogic_layer_fwd_ref(2, 3, x, l2, {0}, {0}, DiffLogicMode::Soft); }, "logits");
+  expect_error([&] { ref::difflogic_group_sum_ref(2, 3, x, 2, 1.0); }, "divide n = 3");
+  expect_error([&] { ref::difflogic_pack_ref(2, 3, x, 16); }, "w = 16");
+  expect_error([&] { ref::difflogic_pack_ref(1, 1, {0.5}, 32); }, "expected 0 or 1");
+  expect_error([&] { ref::difflogic_packed_fwd_ref(1, 1, {0}, 32, {16}, {0}, {0}); }, "ops[0] = 16");
+}
+
+// scale * sin(0.37 j + c) + shift, j = 0..n-1: the inputs both sides compute.
+std::vector<double> formula(int64_t n, double c, double scale, double shift = 0.0) {
+  std::vector<double> v(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) v[j] = scale * std::sin(0.37 * static_cast<double>(j) + c) + shift;
+  return v;
+}
+
+double weighted(const std::vector<double>& a) {
+  double r = 0.0;
+  for (size_t j = 0; j < a.size(); ++j) r += a[j] * std::cos(static_cast<double>(j));
+  return r;
+}
+
+// tests/python/test_reference_difflogic.py computes the same numbers (PINNED) with the NumPy reference.
+TEST(DiffLogicReference, PinnedValuesSharedWithPython) {
+  const int64_t B = 3, n_in = 5, n_out = 7;
+  const auto x = formula(B * n_in, 0.1, 0.45, 0.5), logits = formula(n_out * 16, 0.2, 2.0),
+             dout = formula(B * n_out, 0.3, 1.0);
+  std::vector<int32_t> a, b;
+  for (int32_t g = 0; g < n_out; ++g) {
+    a.push_back((3 * g + 1) % n_in);
+    b.push_back((2 * g) % n_in);
+  }
+  const auto y = ref::difflogic_layer_fwd_ref(B, n_in, x, logits, a, b, DiffLogicMode::Soft);
+  const auto g = ref::difflogic_layer_bwd_ref(B, n_in, x, logits, a, b, dout, 1.5);
+  std::vector<double> bits(x.size());
+  for (size_t j = 0; j < x.size(); ++j) bits[j] = x[j] > 0.5 ? 1.0 : 0.0;
+  const auto hard = ref::difflogic_unpack_ref(
+      B, n_out,
+      ref::difflogic_packed_fwd_ref(B, n_in, ref::difflogic_pack_ref(B, n_in, bits, 32), 32,
+                                    ref::difflogic_hard_ops(logits, n_out), a, b),
+      32);
+  EXPECT_NEAR(weighted(y), 1.3609391835026599, 1e-12);
+  EXPECT_NEAR(weighted(g.dx), -0.11917770680712834, 1e-12);
+  EXPECT_NEAR(weighted(g.dlogits), -0.05810427339926578, 1e-12);
+  EXPECT_NEAR(weighted(hard), 0.8392275169378114, 1e-12);
+}
+
+}  // namespace
