@@ -187,7 +187,11 @@ __global__ void __launch_bounds__(kThreads) mlstm_chunkwise_bwd_kernel(const Mls
       float da = misc[1];
       for (int t = len - 1; t >= 0; --t) {
         da += qdq[t0 + t] - di_c[t];
-        df[t0 + t] = from_float<TG>(da / (1.0f + expf(to_float(fp[t0 + t]))));  // da sigmoid(-f)
+        // The sum down to step 0 is <dC, C> before it: a_0 only scales the entering state. Without one
+        // (zeros; the parallel form) that is exactly 0, where the sum leaves fp32 cancellation noise
+        // (S = 1: ~1e-8 against a float64 0).
+        const float da_t = (t0 + t == 0 && !p.C0) ? 0.0f : da;
+        df[t0 + t] = from_float<TG>(da_t / (1.0f + expf(to_float(fp[t0 + t]))));  // da sigmoid(-f)
       }
       misc[1] = da;
     }
