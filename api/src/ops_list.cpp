@@ -8,6 +8,7 @@ void register_selective_scan(Registry& r);
 void register_gemm(Registry& r);
 void register_adamw(Registry& r);
 void register_e79(Registry& r);
+void register_mhc(Registry& r);
 
 void register_all_ops(Registry& r) {
   register_norm_act(r);
@@ -15,6 +16,7 @@ void register_all_ops(Registry& r) {
   register_gemm(r);
   register_adamw(r);
   register_e79(r);
+  register_mhc(r);
 }
 
 }  // namespace kspec
