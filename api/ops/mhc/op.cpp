@@ -396,6 +396,18 @@ OpDef make_pre_bwd(bool po) {
                          : "gradients of mhc.pre.fwd: dx (plus the post op's dx_post when given), dphi, dalpha, "
                            "dbias, dgamma; sums over tokens in a fixed order (deterministic, no atomics)",
                       true, po);
+  if (po) {
+    // ptxas (sm_90a, NVRTC 13) spills 8-32 bytes in mhc_pre_bwd_token_kernel<pre_only> at 256 threads
+    // (48 registers), none at 128: the first correct kernel keeps to 128.
+    auto valid = op.tuning.valid;
+    op.tuning.valid = [valid](const Problem& p, const Config& c, std::string* why) {
+      if (c.get("threads") > 128) {
+        if (why) *why = "the pre_only backward spills registers at 256 threads";
+        return false;
+      }
+      return valid(p, c, why);
+    };
+  }
   op.info.inputs = {per_token("dy", "", "gradient of y"),
                     streams("x", "dy", "the forward's x")};
   op.info.inputs[0].dtypes = kFloatTypes;
