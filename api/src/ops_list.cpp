@@ -10,6 +10,7 @@ void register_adamw(Registry& r);
 void register_e79(Registry& r);
 void register_mlstm(Registry& r);
 void register_difflogic(Registry& r);
+void register_mhc(Registry& r);
 
 void register_all_ops(Registry& r) {
   register_norm_act(r);
@@ -19,6 +20,7 @@ void register_all_ops(Registry& r) {
   register_e79(r);
   register_mlstm(r);
   register_difflogic(r);
+  register_mhc(r);
 }
 
 }  // namespace kspec

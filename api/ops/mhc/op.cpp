@@ -1,0 +1,733 @@
+// mhc: manifold-constrained hyper-connections (issue 34). mhc.pre.fwd/bwd (stream weights H_pre, H_post,
+// the Sinkhorn-Knopp mixing R and the sublayer input y from an RMS-normalized projection of the n
+// streams), mhc.post.fwd/bwd (the next layer's streams) and mhc.sinkhorn.fwd/bwd (the projection alone).
+// Schema, specializations, tuning space, launchers, float64 references and case tables; kernels in
+// templates/mhc/, their arguments in templates/mhc/params.h, the maths in api/ops/mhc/reference.h.
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <tuple>
+
+#include "api/src/op.h"
+#include "mhc/reference.h"
+#include "templates/mhc/params.h"
+
+namespace kspec {
+namespace {
+
+const std::vector<DType> kFloatTypes = {DType::f32, DType::f16, DType::bf16};
+constexpr int64_t kMaxN = 8;
+// The Sinkhorn backward keeps 2 t_max + 1 iterates of n x n floats in shared memory
+// (templates/mhc/sinkhorn.cuh: kMhcMaxTMax).
+constexpr int64_t kMaxTMax = 64;
+// Tokens per part of pre.bwd's sums over tokens, and at most this many parts: the partial sums take
+// parts x (M + 1) x nD floats of workspace (32 x 25 x 16384 x 4 B = 52 MB at n 4, D 4096).
+constexpr int64_t kTokensPerPart = 128;
+constexpr int64_t kMaxParts = 32;
+constexpr unsigned kReduceThreads = 256;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+unsigned u32(int64_t v) { return static_cast<unsigned>(v); }
+const char* b(bool v) { return v ? "true" : "false"; }
+
+// mhc.pre_only.fwd/bwd: the pre op with M = n rows (only H_pre and y), for the final collapse of the
+// streams; its own ops because its outputs differ (no h_post, r).
+bool pre_only(const Problem& p) { return p.op->info.name.rfind("mhc.pre_only.", 0) == 0; }
+int64_t proj_rows(const Problem& p) { return ref::mhc_proj_rows(p.dim("n"), pre_only(p)); }
+
+// ---- schema pieces ----
+
+ParamDef eps_param(const char* name, const char* doc) {
+  return {name, ParamType::Float, 1e-6, {}, doc, true, 0.0};
+}
+ParamDef t_max_param() {
+  return {"t_max", ParamType::Int, int64_t(20), {},
+          "Sinkhorn-Knopp rounds (the first a column normalization alone); a template argument, at most 64",
+          false, 1.0, static_cast<double>(kMaxTMax)};
+}
+
+DimDef dim_T() { return {"T", DimKind::Var, {}, "tokens (B*S: the leading dims collapse with one row stride)"}; }
+DimDef dim_n() { return {"n", DimKind::Const, {}, "residual streams, a template argument: 1..8", 1, kMaxN}; }
+DimDef dim_D() { return {"D", DimKind::Const, {}, "hidden size per stream, a template argument (any size)"}; }
+
+std::vector<DimDef> pre_dims() {
+  return {dim_T(), dim_n(), dim_D(),
+          {"M", DimKind::Var, {}, "projection rows: n*n + 2n (pre_only: n)"},
+          {"nD", DimKind::Var, {}, "n * D, the flattened streams of a token"},
+          {"A", DimKind::Var, {}, "alphas: 3 (pre_only: 1)"}};
+}
+
+TensorDef streams(const char* name, const std::string& dtype_of, const char* doc) {
+  return tensor_def(name, {"...T", "n", "D"}, dtype_of.empty() ? kFloatTypes : std::vector<DType>{}, dtype_of, false,
+                    false, "", Layout::RowStrided, doc);
+}
+TensorDef per_token(const char* name, const std::string& dtype_of, const char* doc) {
+  return tensor_def(name, {"...T", "D"}, {}, dtype_of, false, false, "", Layout::RowStrided, doc);
+}
+TensorDef f32(const char* name, std::vector<std::string> shape, bool optional, const char* doc,
+              std::string present_with = "") {
+  return tensor_def(name, std::move(shape), {DType::f32}, "", false, optional, std::move(present_with),
+                    Layout::Contiguous, doc);
+}
+
+// The rules the schema cannot state: M, nD and A follow from n, D and pre_only.
+void check_pre(const Problem& p) {
+  const std::string& op = p.op->info.name;
+  const int64_t n = p.dim("n"), D = p.dim("D"), m = proj_rows(p), a = ref::mhc_alpha_size(pre_only(p));
+  KSPEC_CHECK(p.dim("nD") == n * D, op, ": input 'phi': expected [M, nD] with nD = n * D = ", n * D, ", got nD = ",
+              p.dim("nD"));
+  KSPEC_CHECK(p.dim("M") == m, op, ": input 'phi': expected [M, nD] with M = ", pre_only(p) ? "n = " : "n*n + 2n = ",
+              m, " for n = ", n, pre_only(p) ? " (pre_only)" : "", ", got M = ", p.dim("M"));
+  KSPEC_CHECK(p.dim("A") == a, op, ": input 'alpha': expected [", a, "]", pre_only(p) ? " (pre_only)" : "",
+              ", got [", p.dim("A"), "]");
+}
+
+std::vector<std::pair<std::string, std::function<int64_t(const Problem&)>>> pre_derived_dims() {
+  return {{"M", [](const Problem& p) { return proj_rows(p); }},
+          {"nD", [](const Problem& p) { return p.dim("n") * p.dim("D"); }},
+          {"A", [](const Problem& p) { return ref::mhc_alpha_size(pre_only(p)); }}};
+}
+
+// ---- tuning: threads per block ----
+
+// The pre kernels keep M + n (up to 88) running sums per thread, post.bwd n + n^2 (up to 72): at most
+// 256 threads, so each may use up to 255 registers.
+// Nothing is measured yet (first correct kernels): a small space, so `kspec precompile --all` stays short.
+TuningSpace threads_tuning(std::vector<int64_t> threads, std::function<int64_t(const Problem&)> min_threads,
+                           int64_t max_threads) {
+  TuningSpace t;
+  t.axes = {{"threads", std::move(threads)}};
+  t.valid = [min_threads, max_threads](const Problem& p, const Config& c, std::string* why) {
+    const int64_t th = c.get("threads");
+    if (th < min_threads(p)) {
+      if (why) *why = "fewer threads than the n*n Sinkhorn elements or the M projection rows of a token";
+      return false;
+    }
+    if (th > max_threads) {
+      if (why) *why = "more threads than the per-thread running sums leave registers for";
+      return false;
+    }
+    return true;
+  };
+  // 128 threads, or the fewest that hold a token's rows.
+  t.heuristic = [min_threads](const Problem& p) {
+    int64_t th = 128;
+    while (th < min_threads(p)) th *= 2;
+    return Config{{{"threads", th}}};
+  };
+  t.block_threads = [](const Problem&, const Config& c) { return c.get("threads"); };
+  return t;
+}
+
+int64_t pre_min_threads(const Problem& p) {
+  return pre_only(p) ? proj_rows(p) : std::max<int64_t>(proj_rows(p), p.dim("n") * p.dim("n"));
+}
+
+std::string thr(const Config& c) { return std::to_string(c.get("threads")); }
+// pre_only has no Sinkhorn-Knopp: one specialization whatever t_max.
+std::string t_max_arg(const Problem& p) { return pre_only(p) ? "1" : std::to_string(p.param_int("t_max")); }
+
+// ---- references ----
+
+ref::MhcShape shape_of_problem(const Problem& p) {
+  return {p.dim("T"), p.dim("n"), p.dim("D"), pre_only(p)};
+}
+ref::MhcEps eps_of(const Problem& p) {
+  ref::MhcEps e;
+  e.rms = p.param_float("eps_rms");
+  e.pre = p.param_float("eps_pre");
+  if (!pre_only(p)) {
+    e.sk = p.param_float("eps_sk");
+    e.t_max = static_cast<int>(p.param_int("t_max"));
+  }
+  return e;
+}
+std::vector<double> or_empty(const HostTensor& h) { return h.defined ? h.data : std::vector<double>{}; }
+
+// Leading dims as the first input had them, then `rest`.
+std::vector<int64_t> token_shape(const HostTensor& x, size_t trailing, std::vector<int64_t> rest) {
+  std::vector<int64_t> s(x.shape.begin(), x.shape.end() - static_cast<std::ptrdiff_t>(trailing));
+  s.insert(s.end(), rest.begin(), rest.end());
+  return s;
+}
+
+// N(0, 1) inputs would give |m| ~ sqrt(nD): every sigmoid saturated and R a permutation. A projection
+// of unit scale keeps h near the unit range, where the gradients are not vanishingly small.
+void scale_projection(const Problem& p, std::vector<HostTensor>& in, size_t phi) {
+  const double s = 1.0 / std::sqrt(static_cast<double>(p.dim("nD")));
+  for (double& v : in[phi].data) v *= s;
+}
+
+// pre.fwd inputs: x, phi, alpha, bias, gamma.
+ref::MhcPreInputs pre_inputs_of(const std::vector<HostTensor>& in, size_t first) {
+  return {in[first].data, in[first + 1].data, in[first + 2].data, in[first + 3].data, or_empty(in[first + 4])};
+}
+
+std::vector<HostTensor> pre_fwd_reference(const Problem& p, const std::vector<HostTensor>& in) {
+  const ref::MhcShape s = shape_of_problem(p);
+  auto r = ref::mhc_pre_fwd_ref(s, eps_of(p), pre_inputs_of(in, 0));
+  const HostTensor& x = in[0];
+  std::vector<HostTensor> out;
+  out.push_back({true, token_shape(x, 2, {s.D}), std::move(r.y)});
+  out.push_back({true, token_shape(x, 2, {s.n}), std::move(r.h_pre)});
+  if (!s.pre_only) {
+    out.push_back({true, token_shape(x, 2, {s.n}), std::move(r.h_post)});
+    out.push_back({true, token_shape(x, 2, {s.n, s.n}), std::move(r.r)});
+  }
+  out.push_back({true, token_shape(x, 2, {}), std::move(r.inv)});
+  out.push_back({true, token_shape(x, 2, {proj_rows(p)}), std::move(r.h)});
+  return out;
+}
+
+// An input by name, or an absent one when the op has no such input (pre_only: dh_post, dr).
+HostTensor named(const Problem& p, const std::vector<HostTensor>& in, const char* name) {
+  const auto& defs = p.op->info.inputs;
+  for (size_t i = 0; i < defs.size(); ++i)
+    if (defs[i].name == name) return in[i];
+  return {};
+}
+
+// pre.bwd inputs: dy, x, phi, alpha, bias, gamma, inv, h, dh_pre, dh_post, dr, dx_post (pre_only: no
+// dh_post, dr).
+std::vector<HostTensor> pre_bwd_reference(const Problem& p, const std::vector<HostTensor>& in) {
+  const ref::MhcShape s = shape_of_problem(p);
+  ref::MhcPreUpstream up{in[0].data, or_empty(named(p, in, "dh_pre")), or_empty(named(p, in, "dh_post")),
+                         or_empty(named(p, in, "dr")), or_empty(named(p, in, "dx_post"))};
+  auto g = ref::mhc_pre_bwd_ref(s, eps_of(p), pre_inputs_of(in, 1), up);
+  std::vector<HostTensor> out(5);
+  out[0] = {true, in[1].shape, std::move(g.dx)};
+  out[1] = {true, in[2].shape, std::move(g.dphi)};
+  out[2] = {true, in[3].shape, std::move(g.dalpha)};
+  out[3] = {true, in[4].shape, std::move(g.dbias)};
+  if (in[5].defined) out[4] = {true, in[5].shape, std::move(g.dgamma)};
+  return out;
+}
+
+void pre_fwd_prepare(const Problem& p, std::vector<HostTensor>& in) { scale_projection(p, in, 1); }
+
+// The saved inv and h must be the forward's on these inputs.
+void pre_bwd_prepare(const Problem& p, std::vector<HostTensor>& in) {
+  scale_projection(p, in, 2);
+  auto r = ref::mhc_pre_fwd_ref(shape_of_problem(p), eps_of(p), pre_inputs_of(in, 1));
+  in[6].data = std::move(r.inv);
+  in[7].data = std::move(r.h);
+}
+
+// ---- cases ----
+
+struct PreCase {
+  const char* name;
+  int64_t T, n, D;
+  int64_t t_max = 20;
+  bool gamma = true, pre_only = false, eps0 = false, large = false;
+};
+
+const std::vector<PreCase>& pre_case_specs() {
+  static const std::vector<PreCase> specs = {
+      {"base", 37, 4, 256},
+      {"n_1", 5, 1, 64},
+      {"n_2", 9, 2, 100},
+      {"n_3", 7, 3, 33},
+      {"n_8", 5, 8, 128},
+      {"T_1", 1, 4, 128},
+      {"T_2", 2, 4, 128},
+      {"D_37", 6, 4, 37},
+      {"D_128", 5, 4, 128},  // the hand-written backward that read 32 of 128 elements
+      {"D_1000", 3, 4, 1000},
+      {"D_2560", 3, 4, 2560},
+      {"D_4000", 3, 4, 4000},  // nD above every block size
+      {"D_7168", 2, 4, 7168},
+      {"t_max_1", 11, 4, 64, 1},
+      {"t_max_3_n_8", 4, 8, 40, 3},
+      {"eps_0", 9, 4, 96, 20, true, false, true},
+      {"no_gamma", 13, 4, 200, 20, false},
+      // mhc.pre_only.*
+      {"base", 10, 4, 300, 20, true, true},
+      {"n_8", 5, 8, 128, 20, true, true},
+      {"no_gamma_n_1", 3, 1, 50, 20, false, true},
+      {"D_4000", 3, 4, 4000, 20, true, true},
+      {"T_1", 1, 4, 37, 20, false, true},
+      {"dx_dgamma_multiblock", 1031, 4, 4000},  // several parts of the sums over tokens
+      {"deepseek_v4_16384x4x4096", 16384, 4, 4096, 20, true, false, false, true},
+  };
+  return specs;
+}
+
+std::vector<Case> pre_cases(bool bwd, bool po) {
+  std::vector<Case> cases;
+  for (const PreCase& s : pre_case_specs()) {
+    if (s.pre_only != po) continue;
+    Case c;
+    c.name = s.name;
+    c.dims = {{"T", s.T}, {"n", s.n}, {"D", s.D}};
+    if (!po) c.params = {{"t_max", s.t_max}};
+    if (s.eps0) c.params = {{"t_max", s.t_max}, {"eps_rms", 0.0}, {"eps_pre", 0.0}, {"eps_sk", 0.0}};
+    if (!s.gamma) c.without.push_back("gamma");
+    c.large = s.large;
+    c.representative = c.name == "base" || c.name == "n_8";
+    cases.push_back(std::move(c));
+  }
+  if (bwd && po) {
+    Case c;
+    c.name = "only_dy";
+    c.dims = {{"T", 19}, {"n", 4}, {"D", 160}};
+    c.without = {"dh_pre", "dx_post"};
+    cases.push_back(std::move(c));
+  }
+  if (bwd && !po) {
+    // Each upstream gradient alone beside dy, and dx_post (the post op's dx) added in.
+    const std::vector<std::pair<const char*, std::vector<std::string>>> alone = {
+        {"only_dy", {"dh_pre", "dh_post", "dr", "dx_post"}},
+        {"dy_dh_pre", {"dh_post", "dr", "dx_post"}},
+        {"dy_dh_post", {"dh_pre", "dr", "dx_post"}},
+        {"dy_dr", {"dh_pre", "dh_post", "dx_post"}},
+        {"no_dx_post", {"dx_post"}},
+    };
+    for (const auto& [name, without] : alone) {
+      Case c;
+      c.name = name;
+      c.dims = {{"T", 19}, {"n", 4}, {"D", 160}};
+      c.without = without;
+      cases.push_back(std::move(c));
+    }
+  }
+  return cases;
+}
+
+// ---- pre.fwd ----
+
+OpDef pre_base(const char* name, const char* doc, bool bwd, bool po) {
+  OpDef op;
+  op.info.name = name;
+  op.info.family = "mhc";
+  op.info.doc = doc;
+  op.info.params = {eps_param("eps_rms", "added to mean(v^2) under the square root"),
+                    eps_param("eps_pre", "added to H_pre = sigma(h[0:n])"),
+                    eps_param("eps_sk", "added after the softmax and to every Sinkhorn-Knopp divisor"), t_max_param()};
+  if (po) op.info.params.resize(2);  // no Sinkhorn-Knopp
+  op.info.dims = pre_dims();
+  op.info.reference = "api/ops/mhc/reference.cpp (python/kspec/reference/mhc.py)";
+  op.info.constants = {{"max_n", kMaxN}, {"max_t_max", kMaxTMax}};
+  op.check = check_pre;
+  op.derived_dims = pre_derived_dims();
+  op.compile_dims = {{"T", 1}};
+  op.tuning = threads_tuning({128, 256}, pre_min_threads, 256);
+  op.info.tuning_axes = op.tuning.axes;
+  op.cases = pre_cases(bwd, po);
+  op.dtypes = kFloatTypes;
+  return op;
+}
+
+std::vector<TensorDef> pre_param_inputs() {
+  return {f32("phi", {"M", "nD"}, false, "projection [n*n + 2n, n*D] (pre_only: [n, n*D])"),
+          f32("alpha", {"A"}, false, "scales of the pre, post and residual rows (pre_only: [1], the pre rows')"),
+          f32("bias", {"M"}, false, "added to h"),
+          f32("gamma", {"nD"}, true, "RMSNorm weight over the n*D flattened streams (absent: 1)")};
+}
+
+void check_tokens(const Problem& p) {
+  KSPEC_CHECK(p.dim("T") <= INT32_MAX, p.op->info.name, ": input 'x': at most 2^31-1 tokens, got ", p.dim("T"));
+}
+
+OpDef make_pre_fwd(bool po) {
+  OpDef op = pre_base(po ? "mhc.pre_only.fwd" : "mhc.pre.fwd",
+                      po ? "mHC pre with H_pre alone (M = n): y = sum_i H_pre[i] x[i], the final collapse of the "
+                           "streams; saves inv and h for the backward"
+                         : "mHC pre: from x [..., n, D], H_pre, H_post, R (Sinkhorn-Knopp) and y = sum_i H_pre[i] "
+                           "x[i] (the sublayer input); saves inv and h for the backward",
+                      false, po);
+  op.info.inputs = {streams("x", "", "the n residual streams; last dim contiguous, leading dims with one row stride")};
+  for (auto& t : pre_param_inputs()) op.info.inputs.push_back(t);
+  op.info.outputs = {per_token("y", "x", "sublayer input sum_i H_pre[i] x[i]"),
+                     f32("h_pre", {"...T", "n"}, false, "sigma(h[0:n]) + eps_pre")};
+  if (!po) {
+    op.info.outputs.push_back(f32("h_post", {"...T", "n"}, false, "2 sigma(h[n:2n])"));
+    op.info.outputs.push_back(
+        f32("r", {"...T", "n", "n"}, false, "Sinkhorn-Knopp of h[2n:] as n x n: R[j, k] mixes stream j into k"));
+  }
+  op.info.outputs.push_back(f32("inv", {"...T"}, false, "1/sqrt(mean(v^2) + eps_rms), saved for the backward"));
+  op.info.outputs.push_back(f32("h", {"...T", "M"}, false, "the pre-activation rows, saved for the backward"));
+  op.check_call = [](const Call& call) { check_tokens(call.problem); };
+  op.kernels = [](const Problem& p, const Config& c) {
+    return std::vector<jit::KernelSpec>{kernel_spec(
+        p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_fwd_kernel",
+        {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")),
+         t_max_arg(p), b(p.present("gamma")), b(pre_only(p)), thr(c)})};
+  };
+  op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    const Problem& pr = call.problem;
+    if (pr.dim("T") == 0) return;
+    MhcPreParams a{};
+    a.x = call.in("x").data;
+    a.phi = static_cast<const float*>(call.in("phi").data);
+    a.alpha = static_cast<const float*>(call.in("alpha").data);
+    a.bias = static_cast<const float*>(call.in("bias").data);
+    a.gamma = static_cast<const float*>(call.in("gamma").data);
+    a.y = call.out("y").data;
+    a.h_pre = static_cast<float*>(call.out("h_pre").data);
+    if (!pre_only(pr)) {
+      a.h_post = static_cast<float*>(call.out("h_post").data);
+      a.r = static_cast<float*>(call.out("r").data);
+    }
+    a.inv = static_cast<float*>(call.out("inv").data);
+    a.h = static_cast<float*>(call.out("h").data);
+    a.T = pr.dim("T");
+    a.x_row = call.row_stride(call.in("x"));
+    a.y_row = call.row_stride(call.out("y"));
+    a.eps_rms = static_cast<float>(pr.param_float("eps_rms"));
+    a.eps_pre = static_cast<float>(pr.param_float("eps_pre"));
+    a.eps_sk = pre_only(pr) ? 0.f : static_cast<float>(pr.param_float("eps_sk"));
+    void* args[] = {&a};
+    l.launch(0, {u32(a.T)}, {u32(c.get("threads"))}, 0, args);
+  };
+  op.reference = pre_fwd_reference;
+  op.prepare_inputs = pre_fwd_prepare;
+  return op;
+}
+
+// ---- pre.bwd ----
+
+int64_t bwd_parts(int64_t T) { return std::clamp<int64_t>(ceil_div(T, kTokensPerPart), 1, kMaxParts); }
+
+OpDef make_pre_bwd(bool po) {
+  OpDef op = pre_base(po ? "mhc.pre_only.bwd" : "mhc.pre.bwd",
+                      po ? "gradients of mhc.pre_only.fwd: dx (plus dx_post when given), dphi, dalpha, dbias, dgamma; "
+                           "sums over tokens in a fixed order (deterministic, no atomics)"
+                         : "gradients of mhc.pre.fwd: dx (plus the post op's dx_post when given), dphi, dalpha, "
+                           "dbias, dgamma; sums over tokens in a fixed order (deterministic, no atomics)",
+                      true, po);
+  if (po) {
+    // ptxas (sm_90a, NVRTC 13) spills 8-32 bytes in mhc_pre_bwd_token_kernel<pre_only> at 256 threads
+    // (48 registers), none at 128: the first correct kernel keeps to 128.
+    auto valid = op.tuning.valid;
+    op.tuning.valid = [valid](const Problem& p, const Config& c, std::string* why) {
+      if (c.get("threads") > 128) {
+        if (why) *why = "the pre_only backward spills registers at 256 threads";
+        return false;
+      }
+      return valid(p, c, why);
+    };
+  }
+  op.info.inputs = {per_token("dy", "", "gradient of y"),
+                    streams("x", "dy", "the forward's x")};
+  op.info.inputs[0].dtypes = kFloatTypes;
+  op.info.inputs[0].dtype_of.clear();
+  for (auto& t : pre_param_inputs()) op.info.inputs.push_back(t);
+  op.info.inputs.push_back(f32("inv", {"...T"}, false, "saved by the forward"));
+  op.info.inputs.push_back(f32("h", {"...T", "M"}, false, "saved by the forward"));
+  op.info.inputs.push_back(f32("dh_pre", {"...T", "n"}, true, "gradient of h_pre (absent: 0)"));
+  if (!po) {
+    op.info.inputs.push_back(f32("dh_post", {"...T", "n"}, true, "gradient of h_post (absent: 0)"));
+    op.info.inputs.push_back(f32("dr", {"...T", "n", "n"}, true, "gradient of r (absent: 0)"));
+  }
+  op.info.inputs.push_back(tensor_def("dx_post", {"...T", "n", "D"}, {}, "dy", false, true, "", Layout::RowStrided,
+                                      "the post op's dx for the same x, added into dx"));
+  op.info.outputs = {
+      streams("dx", "dy", "gradient of x"),
+      f32("dphi", {"M", "nD"}, false, "gradient of phi"),
+      f32("dalpha", {"A"}, false, "gradient of alpha"),
+      f32("dbias", {"M"}, false, "gradient of bias"),
+      f32("dgamma", {"nD"}, false, "gradient of gamma", "gamma"),
+  };
+  op.check_call = [](const Call& call) { check_tokens(call.problem); };
+  op.kernels = [](const Problem& p, const Config& c) {
+    const std::string T = dtype_cuda_type(p.dtype("x")), n = std::to_string(p.dim("n")),
+                      D = std::to_string(p.dim("D")), g = b(p.present("gamma")), head = b(pre_only(p));
+    return std::vector<jit::KernelSpec>{
+        kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_token_kernel",
+                    {T, n, D, t_max_arg(p), g, head, b(p.present("dx_post")), thr(c)}),
+        kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_columns_kernel", {T, n, D, g, head, thr(c)}),
+        kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_reduce_kernel",
+                    {n, D, g, head, std::to_string(kReduceThreads)})};
+  };
+  op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    const Problem& pr = call.problem;
+    const int64_t T = pr.dim("T"), m = proj_rows(pr), nd = pr.dim("nD"), parts = bwd_parts(T);
+    MhcPreBwdParams a{};
+    a.dy = call.in("dy").data;
+    a.x = call.in("x").data;
+    a.phi = static_cast<const float*>(call.in("phi").data);
+    a.alpha = static_cast<const float*>(call.in("alpha").data);
+    a.bias = static_cast<const float*>(call.in("bias").data);
+    a.gamma = static_cast<const float*>(call.in("gamma").data);
+    a.inv = static_cast<const float*>(call.in("inv").data);
+    a.h = static_cast<const float*>(call.in("h").data);
+    a.dh_pre = static_cast<const float*>(call.in("dh_pre").data);
+    if (!pre_only(pr)) {
+      a.dh_post = static_cast<const float*>(call.in("dh_post").data);
+      a.dr = static_cast<const float*>(call.in("dr").data);
+    }
+    a.dx_post = call.in("dx_post").data;
+    a.dx = call.out("dx").data;
+    a.dphi = static_cast<float*>(call.out("dphi").data);
+    a.dalpha = static_cast<float*>(call.out("dalpha").data);
+    a.dbias = static_cast<float*>(call.out("dbias").data);
+    a.dgamma = static_cast<float*>(call.out("dgamma").data);
+    const int64_t ws_floats = T * (2 * m + 3) + parts * ((m + 1) * nd + m + 3);
+    auto* ws = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(ws_floats)));
+    a.ws_g = ws;
+    a.ws_dm = ws + T * m;
+    a.ws_ga = ws + 2 * T * m;
+    a.ws_part = ws + T * (2 * m + 3);
+    a.T = T;
+    a.x_row = call.row_stride(call.in("x"));
+    a.dy_row = call.row_stride(call.in("dy"));
+    a.dx_row = call.row_stride(call.out("dx"));
+    a.dx_post_row = call.in("dx_post").defined() ? call.row_stride(call.in("dx_post")) : 0;
+    a.parts = static_cast<int>(parts);
+    a.tokens_per_part = static_cast<int>(ceil_div(T, parts));
+    a.eps_pre = static_cast<float>(pr.param_float("eps_pre"));
+    a.eps_sk = pre_only(pr) ? 0.f : static_cast<float>(pr.param_float("eps_sk"));
+    void* args[] = {&a};
+    const unsigned th = u32(c.get("threads"));
+    if (T > 0) l.launch(0, {u32(T)}, {th}, 0, args);
+    l.launch(1, {u32(ceil_div(nd, th)), u32(parts)}, {th}, 0, args);
+    l.launch(2, {u32(ceil_div((m + 1) * nd + m + 3, kReduceThreads))}, {kReduceThreads}, 0, args);
+  };
+  op.reference = pre_bwd_reference;
+  op.prepare_inputs = pre_bwd_prepare;
+  return op;
+}
+
+// ---- post ----
+
+std::vector<Case> post_cases() {
+  std::vector<Case> cases;
+  for (const PreCase& s : pre_case_specs()) {
+    if (s.pre_only || s.eps0 || !s.gamma || s.t_max != 20) continue;  // no such inputs or params here
+    Case c;
+    c.name = s.name;
+    c.dims = {{"T", s.T}, {"n", s.n}, {"D", s.D}};
+    c.large = s.large;
+    c.representative = c.name == "base" || c.name == "n_8";
+    cases.push_back(std::move(c));
+  }
+  return cases;
+}
+
+OpDef post_base(const char* name, const char* doc) {
+  OpDef op;
+  op.info.name = name;
+  op.info.family = "mhc";
+  op.info.doc = doc;
+  op.info.dims = {dim_T(), dim_n(), dim_D()};
+  op.info.reference = "api/ops/mhc/reference.cpp (python/kspec/reference/mhc.py)";
+  op.info.constants = {{"max_n", kMaxN}};
+  op.check = check_tokens;
+  op.compile_dims = {{"T", 1}};
+  op.tuning = threads_tuning({64, 128, 256}, [](const Problem&) { return int64_t(32); }, 256);
+  op.info.tuning_axes = op.tuning.axes;
+  op.cases = post_cases();
+  op.dtypes = kFloatTypes;
+  return op;
+}
+
+std::vector<TensorDef> post_inputs(const std::string& like) {
+  return {streams("x", like, "the n residual streams the pre op read"),
+          per_token("f", like.empty() ? "x" : like, "the sublayer's output F(y)"),
+          f32("h_post", {"...T", "n"}, false, "mhc.pre.fwd's h_post"),
+          f32("h_res", {"...T", "n", "n"}, false, "mhc.pre.fwd's r: R[j, k] mixes stream j into k")};
+}
+
+std::vector<HostTensor> post_fwd_reference(const Problem& p, const std::vector<HostTensor>& in) {
+  const ref::MhcShape s = shape_of_problem(p);
+  return {{true, in[0].shape, ref::mhc_post_fwd_ref(s, in[0].data, in[1].data, in[2].data, in[3].data)}};
+}
+
+// post.bwd inputs: dout, x, f, h_post, h_res.
+std::vector<HostTensor> post_bwd_reference(const Problem& p, const std::vector<HostTensor>& in) {
+  const ref::MhcShape s = shape_of_problem(p);
+  auto g = ref::mhc_post_bwd_ref(s, in[1].data, in[2].data, in[3].data, in[4].data, in[0].data);
+  return {{true, in[1].shape, std::move(g.dx)},
+          {true, in[2].shape, std::move(g.df)},
+          {true, in[3].shape, std::move(g.dh_post)},
+          {true, in[4].shape, std::move(g.dr)}};
+}
+
+OpDef make_post_fwd() {
+  OpDef op = post_base("mhc.post.fwd", "mHC post: out[k] = h_post[k] f + sum_j h_res[j, k] x[j] (the next layer's x)");
+  op.info.inputs = post_inputs("");
+  op.info.outputs = {streams("out", "x", "the next layer's n streams")};
+  op.kernels = [](const Problem& p, const Config& c) {
+    return std::vector<jit::KernelSpec>{kernel_spec(
+        p, "mhc/mhc_post.cuh", "kspec::mhc_post_fwd_kernel",
+        {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")), thr(c)})};
+  };
+  op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    const Problem& pr = call.problem;
+    if (pr.dim("T") == 0) return;
+    MhcPostParams a{};
+    a.x = call.in("x").data;
+    a.f = call.in("f").data;
+    a.h_post = static_cast<const float*>(call.in("h_post").data);
+    a.r = static_cast<const float*>(call.in("h_res").data);
+    a.out = call.out("out").data;
+    a.T = pr.dim("T");
+    a.x_row = call.row_stride(call.in("x"));
+    a.f_row = call.row_stride(call.in("f"));
+    a.out_row = call.row_stride(call.out("out"));
+    void* args[] = {&a};
+    const int64_t th = c.get("threads");
+    l.launch(0, {u32(a.T), u32(ceil_div(pr.dim("D"), th))}, {u32(th)}, 0, args);
+  };
+  op.reference = post_fwd_reference;
+  return op;
+}
+
+OpDef make_post_bwd() {
+  OpDef op = post_base("mhc.post.bwd", "gradients of mhc.post.fwd: dx, df, dh_post, dh_res (per token, no atomics)");
+  op.info.inputs = post_inputs("dout");
+  op.info.inputs.insert(op.info.inputs.begin(), streams("dout", "", "gradient of out"));
+  op.info.outputs = {streams("dx", "dout", "gradient of x (pass it to mhc.pre.bwd as dx_post)"),
+                     per_token("df", "dout", "gradient of f"),
+                     f32("dh_post", {"...T", "n"}, false, "gradient of h_post"),
+                     f32("dh_res", {"...T", "n", "n"}, false, "gradient of h_res")};
+  op.kernels = [](const Problem& p, const Config& c) {
+    return std::vector<jit::KernelSpec>{kernel_spec(
+        p, "mhc/mhc_post.cuh", "kspec::mhc_post_bwd_kernel",
+        {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")), thr(c)})};
+  };
+  op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    const Problem& pr = call.problem;
+    if (pr.dim("T") == 0) return;
+    MhcPostBwdParams a{};
+    a.dout = call.in("dout").data;
+    a.x = call.in("x").data;
+    a.f = call.in("f").data;
+    a.h_post = static_cast<const float*>(call.in("h_post").data);
+    a.r = static_cast<const float*>(call.in("h_res").data);
+    a.dx = call.out("dx").data;
+    a.df = call.out("df").data;
+    a.dh_post = static_cast<float*>(call.out("dh_post").data);
+    a.dr = static_cast<float*>(call.out("dh_res").data);
+    a.T = pr.dim("T");
+    a.dout_row = call.row_stride(call.in("dout"));
+    a.x_row = call.row_stride(call.in("x"));
+    a.f_row = call.row_stride(call.in("f"));
+    a.dx_row = call.row_stride(call.out("dx"));
+    a.df_row = call.row_stride(call.out("df"));
+    void* args[] = {&a};
+    l.launch(0, {u32(a.T)}, {u32(c.get("threads"))}, 0, args);
+  };
+  op.reference = post_bwd_reference;
+  return op;
+}
+
+// ---- sinkhorn ----
+
+std::vector<Case> sinkhorn_cases() {
+  const std::vector<std::tuple<const char*, int64_t, int64_t, int64_t, double>> specs = {
+      {"base", 37, 4, 20, 1e-6}, {"n_1", 5, 1, 20, 1e-6}, {"n_3", 9, 3, 20, 1e-6}, {"n_8", 17, 8, 20, 1e-6},
+      {"T_1", 1, 4, 20, 1e-6},   {"T_2", 2, 4, 20, 1e-6}, {"t_max_1", 13, 4, 1, 1e-6}, {"eps_0", 13, 4, 20, 0.0},
+      {"large_16384", 16384, 4, 20, 1e-6},
+  };
+  std::vector<Case> cases;
+  for (const auto& [name, T, n, t_max, eps] : specs) {
+    Case c;
+    c.name = name;
+    c.dims = {{"T", T}, {"n", n}};
+    c.params = {{"t_max", t_max}, {"eps_sk", eps}};
+    c.large = T > 1000;
+    c.representative = c.name == "base" || c.name == "n_8";
+    cases.push_back(std::move(c));
+  }
+  return cases;
+}
+
+OpDef sinkhorn_base(const char* name, const char* doc) {
+  OpDef op;
+  op.info.name = name;
+  op.info.family = "mhc";
+  op.info.doc = doc;
+  op.info.params = {eps_param("eps_sk", "added after the softmax and to every divisor"), t_max_param()};
+  op.info.dims = {dim_T(), dim_n()};
+  op.info.reference = "api/ops/mhc/reference.cpp (python/kspec/reference/mhc.py)";
+  op.info.constants = {{"max_n", kMaxN}, {"max_t_max", kMaxTMax}};
+  op.check = check_tokens;
+  op.compile_dims = {{"T", 1}};
+  TuningSpace t;
+  t.axes = {{"threads", {32, 64}}};
+  t.valid = [](const Problem& p, const Config& c, std::string* why) {
+    if (c.get("threads") >= p.dim("n") * p.dim("n")) return true;
+    if (why) *why = "fewer threads than the n*n elements";
+    return false;
+  };
+  t.heuristic = [](const Problem& p) { return Config{{{"threads", p.dim("n") * p.dim("n") <= 32 ? 32 : 64}}}; };
+  t.block_threads = [](const Problem&, const Config& c) { return c.get("threads"); };
+  op.tuning = t;
+  op.info.tuning_axes = op.tuning.axes;
+  op.cases = sinkhorn_cases();
+  op.dtypes = {DType::f32};
+  return op;
+}
+
+jit::KernelSpec sinkhorn_spec(const Problem& p, const Config& c, const char* kernel) {
+  return kernel_spec(p, "mhc/sinkhorn.cuh", kernel,
+                     {std::to_string(p.dim("n")), std::to_string(p.param_int("t_max")), thr(c)});
+}
+
+void launch_sinkhorn(const Call& call, const Config& c, Launcher& l, bool bwd) {
+  const Problem& pr = call.problem;
+  if (pr.dim("T") == 0) return;
+  MhcSinkhornParams a{};
+  a.logits = static_cast<const float*>(call.in("logits").data);
+  a.dr = bwd ? static_cast<const float*>(call.in("dr").data) : nullptr;
+  a.out = static_cast<float*>(call.outputs[0].data);
+  a.T = pr.dim("T");
+  a.eps = static_cast<float>(pr.param_float("eps_sk"));
+  void* args[] = {&a};
+  l.launch(0, {u32(a.T)}, {u32(c.get("threads"))}, 0, args);
+}
+
+OpDef make_sinkhorn_fwd() {
+  OpDef op = sinkhorn_base("mhc.sinkhorn.fwd",
+                           "Sinkhorn-Knopp of n x n logits per token: A = softmax_k + eps, then column and row "
+                           "normalizations (t_max rounds, ending on columns: each column sums to 1 at eps 0)");
+  op.info.inputs = {f32("logits", {"...T", "n", "n"}, false, "Z[j, k]")};
+  op.info.outputs = {f32("r", {"...T", "n", "n"}, false, "R[j, k]")};
+  op.kernels = [](const Problem& p, const Config& c) {
+    return std::vector<jit::KernelSpec>{sinkhorn_spec(p, c, "kspec::mhc_sinkhorn_fwd_kernel")};
+  };
+  op.launch = [](const Call& call, const Config& c, Launcher& l) { launch_sinkhorn(call, c, l, false); };
+  op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
+    return std::vector<HostTensor>{
+        {true, in[0].shape,
+         ref::mhc_sinkhorn_fwd_ref(in[0].data, p.dim("T"), p.dim("n"), static_cast<int>(p.param_int("t_max")),
+                                   p.param_float("eps_sk"))}};
+  };
+  return op;
+}
+
+OpDef make_sinkhorn_bwd() {
+  OpDef op = sinkhorn_base("mhc.sinkhorn.bwd",
+                           "gradient of mhc.sinkhorn.fwd: the iterates recomputed on chip, each step differentiated");
+  op.info.inputs = {f32("logits", {"...T", "n", "n"}, false, "the forward's Z"),
+                    f32("dr", {"...T", "n", "n"}, false, "gradient of r")};
+  op.info.outputs = {f32("dlogits", {"...T", "n", "n"}, false, "gradient of logits")};
+  op.kernels = [](const Problem& p, const Config& c) {
+    return std::vector<jit::KernelSpec>{sinkhorn_spec(p, c, "kspec::mhc_sinkhorn_bwd_kernel")};
+  };
+  op.launch = [](const Call& call, const Config& c, Launcher& l) { launch_sinkhorn(call, c, l, true); };
+  op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
+    return std::vector<HostTensor>{
+        {true, in[0].shape,
+         ref::mhc_sinkhorn_bwd_ref(in[0].data, in[1].data, p.dim("T"), p.dim("n"),
+                                   static_cast<int>(p.param_int("t_max")), p.param_float("eps_sk"))}};
+  };
+  return op;
+}
+
+}  // namespace
+
+void register_mhc(Registry& r) {
+  for (bool po : {false, true}) {
+    r.add(make_pre_fwd(po));
+    r.add(make_pre_bwd(po));
+  }
+  r.add(make_post_fwd());
+  r.add(make_post_bwd());
+  r.add(make_sinkhorn_fwd());
+  r.add(make_sinkhorn_bwd());
+}
+
+}  // namespace kspec

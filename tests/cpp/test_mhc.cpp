@@ -1,0 +1,405 @@
+// mhc without a GPU: the schema ([T, n, D] and [B, S, n, D] tokens, pre_only), the messages for bad
+// input (each names the argument), and the base and n = 8 cases of every op compiling for sm_90
+// without spills. On a GPU: a layer (pre, identity sublayer, post) forward and backward on [B, S, n, D]
+// views with padded rows against the float64 reference, and pre.bwd giving the same bits three times.
+// (Gpu.EveryOpEveryCaseEveryDtypeMatchesReference runs the case tables against the reference.)
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <random>
+
+#include "api/src/op.h"
+#include "jit/driver.h"
+#include "jit/handles.h"
+#include "kspec/kspec.h"
+#include "mhc/reference.h"
+#include "test_helpers.h"
+
+using namespace kspec;
+
+namespace {
+
+void* fake(uintptr_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + offset); }
+
+// A view of any rank from vectors (contiguous unless strides are given).
+TensorView view(void* p, DType dt, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides = {}) {
+  TensorView t;
+  t.data = p;
+  t.dtype = dt;
+  t.rank = static_cast<int>(shape.size());
+  t.device = 0;
+  int64_t s = 1;
+  for (int i = t.rank - 1; i >= 0; --i) {
+    t.shape[i] = shape[i];
+    t.strides[i] = strides.empty() ? s : strides[i];
+    s *= shape[i];
+  }
+  return t;
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// pre.fwd inputs for x [lead..., n, D] (bf16) with the given phi rows, alpha size and gamma size.
+struct PreArgs {
+  std::vector<int64_t> lead = {3, 5};
+  int64_t n = 4, D = 40, M = 24, A = 3, G = 160;
+  DType dt = DType::bf16;
+  std::vector<TensorView> inputs() const {
+    std::vector<int64_t> xs = lead;
+    xs.insert(xs.end(), {n, D});
+    return {view(fake(), dt, xs), TensorView(fake(1 << 28), DType::f32, {M, n * D}, 0),
+            TensorView(fake(2 << 28), DType::f32, {A}, 0), TensorView(fake(3 << 28), DType::f32, {M}, 0),
+            G ? TensorView(fake(4 << 28), DType::f32, {G}, 0) : TensorView()};
+  }
+};
+
+void expect_message(const std::string& op, const std::vector<TensorView>& in, const Params& params,
+                    std::initializer_list<const char*> fragments) {
+  const std::string msg = message_of([&] { infer_outputs(op, in, params); });
+  ASSERT_FALSE(msg.empty()) << op << ": no error";
+  for (const char* f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
+}
+
+}  // namespace
+
+TEST(Mhc, InferOutputsForTokensAndBatchSequenceLayouts) {
+  for (const auto& lead : {std::vector<int64_t>{15}, std::vector<int64_t>{3, 5}}) {
+    PreArgs a;
+    a.lead = lead;
+    auto outs = infer_outputs("mhc.pre.fwd", a.inputs());
+    ASSERT_EQ(outs.size(), 6u);  // y, h_pre, h_post, r, inv, h
+    auto with = [&](std::vector<int64_t> rest) {
+      std::vector<int64_t> s = lead;
+      s.insert(s.end(), rest.begin(), rest.end());
+      return s;
+    };
+    EXPECT_EQ(outs[0].shape, with({40}));
+    EXPECT_EQ(outs[0].dtype, DType::bf16);
+    EXPECT_EQ(outs[1].shape, with({4}));
+    EXPECT_EQ(outs[2].shape, with({4}));
+    EXPECT_EQ(outs[3].shape, with({4, 4}));
+    EXPECT_EQ(outs[4].shape, with({}));
+    EXPECT_EQ(outs[5].shape, with({24}));
+    for (size_t i = 1; i < outs.size(); ++i) EXPECT_EQ(outs[i].dtype, DType::f32);
+  }
+  PreArgs po;
+  po.M = 4;
+  po.A = 1;
+  auto outs = infer_outputs("mhc.pre_only.fwd", po.inputs());
+  ASSERT_EQ(outs.size(), 4u);  // y, h_pre, inv, h
+  EXPECT_EQ(outs[3].shape, (std::vector<int64_t>{3, 5, 4}));
+  // post: out like x.
+  std::vector<TensorView> post = {TensorView(fake(), DType::f16, {2, 7, 3, 33}, 0),
+                                  TensorView(fake(1 << 28), DType::f16, {2, 7, 33}, 0),
+                                  TensorView(fake(2 << 28), DType::f32, {2, 7, 3}, 0),
+                                  TensorView(fake(3 << 28), DType::f32, {2, 7, 3, 3}, 0)};
+  auto pout = infer_outputs("mhc.post.fwd", post);
+  ASSERT_EQ(pout.size(), 1u);
+  EXPECT_EQ(pout[0].shape, (std::vector<int64_t>{2, 7, 3, 33}));
+  EXPECT_EQ(pout[0].dtype, DType::f16);
+}
+
+TEST(Mhc, BadInputNamesTheArgument) {
+  const std::string op = "mhc.pre.fwd";
+  {
+    PreArgs a;
+    a.M = 23;
+    expect_message(op, a.inputs(), {}, {"input 'phi'", "M = n*n + 2n = 24", "got M = 23"});
+  }
+  {
+    PreArgs a;
+    a.G = 0;
+    auto in = a.inputs();
+    in[1] = TensorView(fake(1 << 28), DType::f32, {24, 161}, 0);
+    expect_message(op, in, {}, {"input 'phi'", "nD = n * D = 160", "got nD = 161"});
+  }
+  {
+    PreArgs a;
+    a.A = 2;
+    expect_message(op, a.inputs(), {}, {"input 'alpha'", "expected [3]", "got [2]"});
+  }
+  {
+    PreArgs a;
+    auto in = a.inputs();
+    in[3] = TensorView(fake(3 << 28), DType::f32, {25}, 0);
+    expect_message(op, in, {}, {"input 'bias'", "M = 25", "M = 24"});
+  }
+  {
+    PreArgs a;
+    a.G = 159;
+    expect_message(op, a.inputs(), {}, {"input 'gamma'", "nD = 159", "nD = 160"});
+  }
+  {
+    PreArgs a;
+    a.n = 9;
+    a.M = 99;
+    a.G = 0;
+    expect_message(op, a.inputs(), {}, {"dim 'n'", "9"});
+  }
+  {
+    PreArgs a;
+    expect_message(op, a.inputs(), {{"t_max", int64_t(0)}}, {"t_max"});
+    expect_message(op, a.inputs(), {{"t_max", int64_t(65)}}, {"t_max"});
+    expect_message(op, a.inputs(), {{"eps_sk", -1e-6}}, {"eps_sk"});
+    expect_message(op, a.inputs(), {{"eps_rms", -1.0}}, {"eps_rms"});
+  }
+  {
+    PreArgs a;
+    auto in = a.inputs();
+    in[0].device = kCpuDevice;
+    expect_message(op, in, {}, {"input 'x'", "CUDA tensor"});
+  }
+  {
+    PreArgs a;
+    auto in = a.inputs();
+    in[0] = TensorView::strided(fake(), DType::bf16, {15, 4, 40}, {160, 1, 4}, 0);
+    expect_message(op, in, {}, {"input 'x'", "last dim to be contiguous"});
+  }
+  {
+    PreArgs a;
+    auto in = a.inputs();
+    in[1] = TensorView(fake(1 << 28), DType::bf16, {24, 160}, 0);
+    expect_message(op, in, {}, {"input 'phi'", "float32", "bfloat16"});
+  }
+  // Mismatched tokens and dtypes between the post op's arguments.
+  std::vector<TensorView> post = {TensorView(fake(), DType::bf16, {14, 4, 40}, 0),
+                                  TensorView(fake(1 << 28), DType::bf16, {15, 40}, 0),
+                                  TensorView(fake(2 << 28), DType::f32, {14, 4}, 0),
+                                  TensorView(fake(3 << 28), DType::f32, {14, 4, 4}, 0)};
+  expect_message("mhc.post.fwd", post, {}, {"input 'f'", "T = 15", "T = 14"});
+  post[1] = TensorView(fake(1 << 28), DType::f16, {14, 40}, 0);
+  expect_message("mhc.post.fwd", post, {}, {"input 'f'", "bfloat16", "float16"});
+  post[1] = TensorView(fake(1 << 28), DType::bf16, {14, 40}, 0);
+  post[3] = TensorView(fake(3 << 28), DType::f32, {14, 4, 3}, 0);
+  expect_message("mhc.post.fwd", post, {}, {"input 'h_res'", "n = 3", "n = 4"});
+  // pre_only: M = n and alpha [1].
+  PreArgs po;
+  expect_message("mhc.pre_only.fwd", po.inputs(), {}, {"input 'phi'", "M = n = 4", "got M = 24"});
+}
+
+// The base and n = 8 (most registers) cases of every op compile for sm_90 in bf16 with the heuristic's
+// config, without spills or a stack frame (`kspec precompile --all` compiles every config of the
+// representative cases in every dtype).
+TEST(Mhc, BaseAndWidestCasesCompileWithoutSpills) {
+  int compiled = 0;
+  for (const auto& name : list_ops()) {
+    const OpDef& op = Registry::global().get(name);
+    if (op.info.family != "mhc") continue;
+    for (const auto& cs : op.cases) {
+      if (cs.name != "base" && cs.name != "n_8") continue;
+      CompileRequest r;
+      r.op = name;
+      r.dtype = op.dtypes.size() > 1 ? DType::bf16 : op.dtypes.front();
+      r.arch = "sm_90";
+      r.without = cs.without;
+      for (const auto& [k, v] : cs.params.items()) r.params.set(k, v);
+      for (const auto& [k, v] : cs.dims)
+        if (k != "T") r.params.set(k, v);
+      auto reports = compile(r);
+      ASSERT_FALSE(reports.empty()) << name << " " << cs.name;
+      for (const auto& rep : reports) {
+        EXPECT_EQ(rep.spill_bytes, 0) << name << " " << cs.name << ": " << rep.kernel;
+        EXPECT_EQ(rep.stack_bytes, 0) << name << " " << cs.name << ": " << rep.kernel;
+        ++compiled;
+      }
+    }
+  }
+  EXPECT_GE(compiled, 16);
+}
+
+// ---- GPU ----
+
+namespace {
+
+struct DevBuf {
+  jit::DeviceBuffer mem;
+  size_t bytes;
+  explicit DevBuf(size_t b) : mem(std::max<size_t>(b, 16)), bytes(std::max<size_t>(b, 16)) {}
+  void* ptr() const { return mem.data(); }
+  void upload(const std::vector<float>& v) { CU_CHECK(cuMemcpyHtoD(mem.ptr, v.data(), v.size() * 4)); }
+  std::vector<float> download(size_t n) const {
+    std::vector<float> v(n);
+    CU_CHECK(cuMemcpyDtoH(v.data(), mem.ptr, n * 4));
+    return v;
+  }
+  void poison() { CU_CHECK(cuMemsetD8(mem.ptr, 0xFF, bytes)); }
+};
+
+// max |out - ref| / max |ref| (issue 34's measure).
+double max_rel(const std::vector<float>& out, const std::vector<double>& ref) {
+  double err = 0, scale = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(out[i])) return INFINITY;
+    err = std::max(err, std::abs(out[i] - ref[i]));
+    scale = std::max(scale, std::abs(ref[i]));
+  }
+  return err / std::max(scale, 1e-300);
+}
+
+std::vector<float> randn(std::mt19937_64& rng, size_t count, float scale) {
+  std::normal_distribution<float> nd;
+  std::vector<float> v(count);
+  for (auto& x : v) x = scale * nd(rng);
+  return v;
+}
+
+std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+// x [B, S, n, D] fp32 with rows padded to D + pad floats, as a strided view.
+TensorView padded(const DevBuf& b, std::vector<int64_t> shape, int64_t pad) {
+  const int64_t D = shape.back();
+  std::vector<int64_t> strides(shape.size());
+  int64_t s = D + pad;
+  strides.back() = 1;
+  for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i) {
+    strides[i] = s;
+    s *= shape[i];
+  }
+  return view(b.ptr(), DType::f32, shape, strides);
+}
+
+std::vector<float> pad_rows(const std::vector<float>& v, int64_t D, int64_t pad) {
+  std::vector<float> out;
+  for (size_t r = 0; r < v.size() / D; ++r) {
+    out.insert(out.end(), v.begin() + r * D, v.begin() + (r + 1) * D);
+    out.insert(out.end(), pad, 0.f);
+  }
+  return out;
+}
+
+std::vector<float> unpad_rows(const std::vector<float>& v, int64_t D, int64_t pad) {
+  std::vector<float> out;
+  for (size_t r = 0; r < v.size() / (D + pad); ++r)
+    out.insert(out.end(), v.begin() + r * (D + pad), v.begin() + r * (D + pad) + D);
+  return out;
+}
+
+}  // namespace
+
+// One layer in fp32: pre.fwd, an identity sublayer (f = y), post.fwd; then post.bwd and pre.bwd with the
+// post op's dx added in, on [B, S, n, D] views whose rows are padded (a row stride of D + 3); every
+// output against the float64 reference.
+TEST(MhcGpu, LayerForwardAndBackwardOnPaddedBatchSequenceViews) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  const int64_t B = 2, S = 7, n = 4, D = 100, T = B * S, M = n * n + 2 * n, nd = n * D, pad = 3;
+  std::mt19937_64 rng(34);
+  std::vector<float> x = randn(rng, T * nd, 1.f), phi = randn(rng, M * nd, 1.f / std::sqrt(float(nd)));
+  std::vector<float> alpha = {0.7f, -0.5f, 1.3f}, bias = randn(rng, M, 0.5f), gamma = randn(rng, nd, 0.3f);
+  for (auto& g : gamma) g += 1.f;
+  std::vector<float> dout = randn(rng, T * nd, 1.f);
+  DevBuf xb(T * n * (D + pad) * 4), phib(M * nd * 4), ab(12), bb(M * 4), gb(nd * 4), yb(T * (D + pad) * 4),
+      hpre(T * n * 4), hpost(T * n * 4), rb(T * n * n * 4), invb(T * 4), hb(T * M * 4), outb(T * n * (D + pad) * 4),
+      doutb(T * n * (D + pad) * 4), dxpost(T * n * (D + pad) * 4), dfb(T * (D + pad) * 4), dhpost(T * n * 4),
+      dres(T * n * n * 4), dxb(T * n * (D + pad) * 4), dphi(M * nd * 4), dalpha(12), dbias(M * 4), dgamma(nd * 4);
+  xb.upload(pad_rows(x, D, pad));
+  phib.upload(phi);
+  ab.upload(alpha);
+  bb.upload(bias);
+  gb.upload(gamma);
+  doutb.upload(pad_rows(dout, D, pad));
+  for (DevBuf* o : {&yb, &hpre, &hpost, &rb, &invb, &hb, &outb, &dxpost, &dfb, &dhpost, &dres, &dxb, &dphi, &dalpha,
+                    &dbias, &dgamma})
+    o->poison();
+  auto f32 = [](const DevBuf& b, std::vector<int64_t> shape) { return view(b.ptr(), DType::f32, shape); };
+  TensorView xv = padded(xb, {B, S, n, D}, pad), yv = padded(yb, {B, S, D}, pad);
+  TensorView phiv = f32(phib, {M, nd}), av = f32(ab, {3}), bv = f32(bb, {M}), gv = f32(gb, {nd});
+  TensorView hprev = f32(hpre, {B, S, n}), hpostv = f32(hpost, {B, S, n}), rv = f32(rb, {B, S, n, n});
+  TensorView invv = f32(invb, {B, S}), hv = f32(hb, {B, S, M});
+  call("mhc.pre.fwd", {xv, phiv, av, bv, gv}, {yv, hprev, hpostv, rv, invv, hv});
+  call("mhc.post.fwd", {xv, yv, hpostv, rv}, {padded(outb, {B, S, n, D}, pad)});
+  TensorView dxpostv = padded(dxpost, {B, S, n, D}, pad), dfv = padded(dfb, {B, S, D}, pad);
+  call("mhc.post.bwd", {padded(doutb, {B, S, n, D}, pad), xv, yv, hpostv, rv},
+       {dxpostv, dfv, f32(dhpost, {B, S, n}), f32(dres, {B, S, n, n})});
+  // f = y: df flows back into y as dy; dh_post and dR into the pre op.
+  call("mhc.pre.bwd",
+       {dfv, xv, phiv, av, bv, gv, invv, hv, TensorView(), f32(dhpost, {B, S, n}), f32(dres, {B, S, n, n}), dxpostv},
+       {padded(dxb, {B, S, n, D}, pad), f32(dphi, {M, nd}), f32(dalpha, {3}), f32(dbias, {M}), f32(dgamma, {nd})});
+  CU_CHECK(cuCtxSynchronize());
+
+  const ref::MhcShape s{T, n, D, false};
+  const ref::MhcEps e;
+  const ref::MhcPreInputs in{to_double(x), to_double(phi), to_double(alpha), to_double(bias), to_double(gamma)};
+  const auto fw = ref::mhc_pre_fwd_ref(s, e, in);
+  const auto out = ref::mhc_post_fwd_ref(s, in.x, fw.y, fw.h_post, fw.r);
+  const auto pg = ref::mhc_post_bwd_ref(s, in.x, fw.y, fw.h_post, fw.r, to_double(dout));
+  ref::MhcPreUpstream up;
+  up.dy = pg.df;
+  up.dh_post = pg.dh_post;
+  up.dr = pg.dr;
+  up.dx_post = pg.dx;
+  const auto g = ref::mhc_pre_bwd_ref(s, e, in, up);
+  auto expect_close = [](const char* what, const std::vector<float>& got, const std::vector<double>& want, double tol) {
+    EXPECT_LE(max_rel(got, want), tol) << what;
+  };
+  expect_close("y", unpad_rows(yb.download(T * (D + pad)), D, pad), fw.y, 1e-5);
+  expect_close("h_pre", hpre.download(T * n), fw.h_pre, 1e-5);
+  expect_close("h_post", hpost.download(T * n), fw.h_post, 1e-5);
+  expect_close("r", rb.download(T * n * n), fw.r, 1e-5);
+  expect_close("inv", invb.download(T), fw.inv, 1e-5);
+  expect_close("h", hb.download(T * M), fw.h, 1e-5);
+  expect_close("out", unpad_rows(outb.download(T * n * (D + pad)), D, pad), out, 1e-5);
+  expect_close("post dx", unpad_rows(dxpost.download(T * n * (D + pad)), D, pad), pg.dx, 1e-4);
+  expect_close("df", unpad_rows(dfb.download(T * (D + pad)), D, pad), pg.df, 1e-4);
+  expect_close("dh_post", dhpost.download(T * n), pg.dh_post, 1e-4);
+  expect_close("dh_res", dres.download(T * n * n), pg.dr, 1e-4);
+  expect_close("dx", unpad_rows(dxb.download(T * n * (D + pad)), D, pad), g.dx, 1e-4);
+  expect_close("dphi", dphi.download(M * nd), g.dphi, 1e-4);
+  expect_close("dalpha", dalpha.download(3), g.dalpha, 1e-4);
+  expect_close("dbias", dbias.download(M), g.dbias, 1e-4);
+  expect_close("dgamma", dgamma.download(nd), g.dgamma, 1e-4);
+}
+
+// grads_deterministic: several parts along T and blocks along nD (T 1031, D 4000); three runs give the
+// same bits for dx, dphi, dalpha, dbias, dgamma (no float atomics anywhere).
+TEST(MhcGpu, PreBackwardIsBitwiseDeterministic) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  const int64_t T = 1031, n = 4, D = 4000, M = n * n + 2 * n, nd = n * D;
+  std::mt19937_64 rng(1031);
+  std::vector<float> x = randn(rng, T * nd, 1.f), phi = randn(rng, M * nd, 1.f / std::sqrt(float(nd)));
+  std::vector<float> alpha = {0.7f, -0.5f, 1.3f}, bias = randn(rng, M, 0.5f), gamma = randn(rng, nd, 1.f);
+  DevBuf xb(T * nd * 4), phib(M * nd * 4), ab(12), bb(M * 4), gb(nd * 4), yb(T * D * 4), hpre(T * n * 4),
+      hpost(T * n * 4), rb(T * n * n * 4), invb(T * 4), hb(T * M * 4), dyb(T * D * 4), dhp(T * n * 4),
+      drb(T * n * n * 4), dxp(T * nd * 4);
+  xb.upload(x);
+  phib.upload(phi);
+  ab.upload(alpha);
+  bb.upload(bias);
+  gb.upload(gamma);
+  dyb.upload(randn(rng, T * D, 1.f));
+  dhp.upload(randn(rng, T * n, 1.f));
+  drb.upload(randn(rng, T * n * n, 1.f));
+  dxp.upload(randn(rng, T * nd, 1.f));
+  auto f32 = [](const DevBuf& b, std::vector<int64_t> shape) { return view(b.ptr(), DType::f32, shape); };
+  const TensorView xv = f32(xb, {T, n, D}), phiv = f32(phib, {M, nd}), av = f32(ab, {3}), bv = f32(bb, {M}),
+                   gv = f32(gb, {nd}), invv = f32(invb, {T}), hv = f32(hb, {T, M});
+  call("mhc.pre.fwd", {xv, phiv, av, bv, gv},
+       {f32(yb, {T, D}), f32(hpre, {T, n}), f32(hpost, {T, n}), f32(rb, {T, n, n}), invv, hv});
+  std::vector<std::vector<float>> first;
+  for (int run = 0; run < 3; ++run) {
+    DevBuf dx(T * nd * 4), dphi(M * nd * 4), dalpha(12), dbias(M * 4), dgamma(nd * 4);
+    call("mhc.pre.bwd",
+         {f32(dyb, {T, D}), xv, phiv, av, bv, gv, invv, hv, TensorView(), f32(dhp, {T, n}), f32(drb, {T, n, n}),
+          f32(dxp, {T, n, D})},
+         {f32(dx, {T, n, D}), f32(dphi, {M, nd}), f32(dalpha, {3}), f32(dbias, {M}), f32(dgamma, {nd})});
+    CU_CHECK(cuCtxSynchronize());
+    std::vector<std::vector<float>> got = {dx.download(T * nd), dphi.download(M * nd), dalpha.download(3),
+                                           dbias.download(M), dgamma.download(nd)};
+    if (run == 0) {
+      first = got;
+      continue;
+    }
+    const char* names[] = {"dx", "dphi", "dalpha", "dbias", "dgamma"};
+    for (size_t k = 0; k < got.size(); ++k)
+      EXPECT_EQ(std::memcmp(got[k].data(), first[k].data(), got[k].size() * 4), 0) << names[k] << " run " << run;
+  }
+}
