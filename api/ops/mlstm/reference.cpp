@@ -193,7 +193,9 @@ void df_from(const MlstmShape& s, const MlstmInputs& in, const std::vector<doubl
       const int64_t r = bh * s.S + t;
       da += dot(in.q.data() + r * s.DK, g.dq.data() + r * s.DK, s.DK) -
             dot(in.k.data() + r * s.DK, g.dk.data() + r * s.DK, s.DK);
-      g.df[r] = da * sigmoid(-in.f[r]);
+      // The sum down to step 0 is <dC, C> of the entering state, which a_0 alone scales: exactly 0
+      // without one (the kernel writes the same 0 where this sum leaves rounding noise).
+      g.df[r] = (t == 0 && in.C0.empty()) ? 0.0 : da * sigmoid(-in.f[r]);
     }
   }
 }

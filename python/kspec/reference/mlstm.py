@@ -146,12 +146,15 @@ def _chunk_bwd(q, k, v, i, a, C, m, nrm, m_row, m_end, dh, dC_end, eps):
     return dqs * s, dk, dv, di, dC
 
 
-def _df_from(q, dq, k, dk, f, last_term):
+def _df_from(q, dq, k, dk, f, last_term, entering_state=False):
     """df with F = cumsum(logsigmoid(f)): dF_t = q_t.dq_t - k_t.dk_t (h_t and C_last are linear in
-    q_t, k_s, and scale with e^(F_t), e^(-F_s)), plus <dC_last, C_last> at the last step."""
+    q_t, k_s, and scale with e^(F_t), e^(-F_s)), plus <dC_last, C_last> at the last step. The sum down
+    to step 0 is <dC, C> of the entering state, which a_0 alone scales: exactly 0 without one."""
     dF = np.einsum("bhtd,bhtd->bht", q, dq) - np.einsum("bhtd,bhtd->bht", k, dk)
     dF[..., -1] += last_term
     da = np.flip(np.cumsum(np.flip(dF, -1), -1), -1)
+    if not entering_state:
+        da[..., 0] = 0.0
     return da * _sigmoid(-f)
 
 
@@ -184,8 +187,8 @@ def mlstm_chunkwise_bwd(dh, q, k, v, i, f, C0=None, n0=None, m0=None, dC_last=No
             q[:, :, sl], k[:, :, sl], v[:, :, sl], i[:, :, sl], a[:, :, sl], Cs, ms, nrm[:, :, sl],
             m_row[:, :, sl], m_row[:, :, sl.stop - 1], dh[:, :, sl], dC, eps)
     last = 0.0 if dC_last is None else np.einsum("bhde,bhde->bh", dC_last, C_last)
-    df = _df_from(q, dq, k, dk, f, last)
     with_init = C0 is not None
+    df = _df_from(q, dq, k, dk, f, last, with_init)
     return dict(dq=dq, dk=dk, dv=dv, di=di, df=df, dC0=dC if with_init else None,
                 dn0=np.zeros_like(n0) if with_init else None, dm0=np.zeros_like(m0) if with_init else None)
 
