@@ -68,7 +68,7 @@ struct DimDef {
   std::vector<int64_t> buckets;
   std::string doc;
   // The values allowed (inclusive), checked before anything compiles. Unset: a Var dim 0..2^63-1; a Const
-  // or Bucket dim, a template argument, 1..2^31-1 (dim_range in api/src/validate.cpp).
+  // or Bucket dim, a template argument, 1..2^31-1 (dim_range in api/src/problem.cpp).
   std::optional<int64_t> min = std::nullopt, max = std::nullopt;
 };
 
