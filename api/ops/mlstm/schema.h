@@ -1,0 +1,49 @@
+// What the mlstm family's two files share. schema.cpp: the tensors, params, dims, checks, tuning spaces
+// and case tables of the five ops; op.cpp: the OpDefs (kernels, launchers, references).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "api/src/op.h"
+#include "mlstm/reference.h"
+
+namespace kspec::mlstm {
+
+extern const std::vector<DType> kFloatTypes;
+extern const std::vector<int64_t> kHeadDims;
+extern const std::vector<int64_t> kChunks;
+constexpr int64_t kDefaultChunk = 64;
+// Shapes of the states (C, n, m) and of the per-step rows (i, f, nrm, m_rows).
+extern const std::vector<std::string> kC, kN, kM, kRows;
+
+inline unsigned u32(int64_t v) { return static_cast<unsigned>(v); }
+std::string list(const std::vector<int64_t>& set);
+
+// An op's common part: name, doc, dims (with seqlen when `seq`), check, tuning, dtypes, compile dims.
+OpDef mlstm_base(const char* name, const char* doc, bool seq);
+ParamDef eps_param();
+ParamDef chunk_param();  // the chunkwise ops' `chunk`
+TuningSpace mlstm_tuning(bool bwd = false);
+TuningSpace parallel_tuning(bool bwd);  // chunk is a tuning axis
+
+// Inputs q, k, v, i, f with these leading dims; i and f in the input dtype or fp32.
+std::vector<TensorDef> qkvif(const std::vector<std::string>& lead, const std::vector<std::string>& gate);
+std::vector<TensorDef> bwd_inputs(bool chunkwise);
+std::vector<TensorDef> bwd_outputs(bool chunkwise);
+
+std::vector<Case> step_cases();
+std::vector<Case> chunkwise_fwd_cases();
+std::vector<Case> chunkwise_bwd_cases();
+std::vector<Case> parallel_cases(bool bwd);
+
+inline std::string gate_type(const Problem& p) { return dtype_cuda_type(p.dtype("f")); }
+inline ref::MlstmShape shape_of_problem(const Problem& p, int64_t seqlen) {
+  return {p.dim("batch"), p.dim("heads"), seqlen, p.dim("dhqk"), p.dim("dhhv")};
+}
+inline HostTensor host(const std::vector<int64_t>& shape, std::vector<double> data) {
+  return {true, shape, std::move(data)};
+}
+
+}  // namespace kspec::mlstm
