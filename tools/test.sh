@@ -21,6 +21,7 @@ cmake --install build/test --prefix "$prefix" >/dev/null
 cmake -S tests/downstream -B build/downstream -G Ninja -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
 cmake --build build/downstream
 ./build/downstream/kspec_downstream
+./build/downstream/kspec_downstream_c
 
 echo "== Python: install and pytest"
 bash tools/install.sh
