@@ -11,7 +11,7 @@ JOBS=${JOBS:-$(nproc)}
 export KSPEC_CACHE_DIR=${KSPEC_CACHE_DIR:-$(mktemp -d)/kspec-cache}
 
 echo "== C++: configure, build, ctest"
-cmake -S . -B build/test -G Ninja -DCMAKE_BUILD_TYPE=Release -DKSPEC_BUILD_TESTS=ON >/dev/null
+cmake -S . -B build/test -G Ninja -DCMAKE_BUILD_TYPE=Release -DKSPEC_BUILD_TESTS=ON -DKSPEC_PYTHON="$(command -v "$PY")" >/dev/null
 cmake --build build/test -j "$JOBS"
 (cd build/test && ctest --output-on-failure -j "$JOBS")
 

@@ -367,4 +367,5 @@ PYBIND11_MODULE(_C, m) {
     for (const auto& k : kspec::knobs::all()) out.append(py::make_tuple(k.name, k.type, k.default_value, k.doc));
     return out;
   });
+  kspec_py::bind_xla(m);
 }

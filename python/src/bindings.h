@@ -36,4 +36,7 @@ py::dict candidate_dict(const kspec::TuneCandidate& c, const kspec::OpInfo& op);
 // general path for.
 py::object call_torch(const std::string& op, const py::tuple& inputs, const py::object& out, const py::dict& params);
 
+// xla.cpp: the XLA FFI handlers as capsules for kspec.jax (_xla_available, _xla_handlers, _xla_targets).
+void bind_xla(py::module_& m);
+
 }  // namespace kspec_py
