@@ -20,7 +20,8 @@ fi
 
 PY=${PYTHON:-python3}
 missing=()
-for mod in pybind11 scikit_build_core pytest numpy rich; do
+# jax (CPU wheels unless a CUDA jax is there): its XLA FFI headers build kspec's XLA handlers, tested in CI.
+for mod in pybind11 scikit_build_core pytest numpy rich jax; do
   "$PY" -c "import $mod" 2>/dev/null || missing+=("$mod")
 done
 if ((${#missing[@]})); then

@@ -1,0 +1,258 @@
+"""kspec.jax on the GPU: every function's forward and jax.grad of a random projection against the float64
+references (fp32/bf16/fp16; both scan layouts; T=1, T=2, odd lengths), a jitted call run twice gives the
+same bits, and the same numbers as kspec's torch path on the same inputs (bitwise for the forwards; torch
+comparisons skip without torch)."""
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to torch in this process
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from helpers import rel_err  # noqa: E402
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import kspec  # noqa: E402
+from kspec import _xla  # noqa: E402
+from kspec.reference import adamw as adamw_ref  # noqa: E402
+from kspec.reference import e79 as e79_ref  # noqa: E402
+from kspec.reference import norm_act as norm_ref  # noqa: E402
+from kspec.reference import selective_scan as scan_ref  # noqa: E402
+
+
+def _jax_gpu() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _xla.available(), reason="kspec built without XLA FFI"),
+              pytest.mark.skipif(not _jax_gpu(), reason="no CUDA device for jax")]
+
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+TORCH_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+
+
+@pytest.fixture(scope="module")
+def kj():
+    import kspec.jax as kj
+
+    return kj
+
+
+def _tol(op, dt):
+    return kspec.op_info(op)["tolerances"][TORCH_NAMES[dt]]
+
+
+def _f64(x):
+    return None if x is None else np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def _to_torch(torch, x):
+    return None if x is None else torch.from_dlpack(jax.block_until_ready(x))
+
+
+def _check(errs, tol):
+    bad = {k: e for k, e in errs.items() if not e <= tol}
+    assert not bad, f"errors above {tol}: {bad} (all: {errs})"
+
+
+# ---- selective scan ----
+
+SCAN_SHAPES = {"base": (2, 24, 300, 16), "T1": (2, 8, 1, 16), "T2": (1, 8, 2, 4), "odd": (2, 37, 129, 8)}
+
+
+def _scan_inputs(b, d, L, n, dt, seed=0):
+    rng = np.random.default_rng(seed)
+    rn = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    x = dict(u=rn(b, d, L), delta=rn(b, d, L), A=-(0.25 + np.abs(rn(d, n))), B=rn(b, n, L), C=rn(b, n, L),
+             D=rn(d), z=rn(b, d, L), delta_bias=rn(d), h0=rn(b, d, n))
+    j = {k: jnp.asarray(v, DTYPES[dt] if k in ("u", "delta", "B", "C", "z") else jnp.float32) for k, v in x.items()}
+    return j
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("shape", list(SCAN_SHAPES))
+@pytest.mark.parametrize("layout", ["bdl", "bld"])
+def test_selective_scan_forward_and_grad(kj, dt, shape, layout):
+    b, d, L, n = SCAN_SHAPES[shape]
+    x = _scan_inputs(b, d, L, n, dt)
+    rng = np.random.default_rng(1)
+    P = rng.standard_normal((b, d, L))
+    Q = rng.standard_normal((b, d, n))
+    names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")
+    tr = (lambda a: jnp.swapaxes(a, 1, 2)) if layout == "bld" else (lambda a: a)
+    seq = {"u", "delta", "B", "C", "z"}
+
+    def f(*args):
+        a = dict(zip(names, args))
+        out, last = kj.selective_scan(a["u"], a["delta"], a["A"], a["B"], a["C"], a["D"], a["z"], a["delta_bias"],
+                                      delta_softplus=True, h0=a["h0"], layout=layout, return_last_state=True)
+        return out, last
+
+    args = [tr(x[k]) if k in seq else x[k] for k in names]
+
+    def loss(*args):
+        out, last = f(*args)
+        return jnp.sum(tr(out).astype(jnp.float32) * P) + jnp.sum(last * Q)
+
+    out, last = jax.jit(f)(*args)
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))(*args)
+    np_in = {k: _f64(x[k]) for k in names}
+    kw = {k: np_in[k] for k in ("D", "z", "delta_bias", "h0")}
+    out_r, last_r = scan_ref.selective_scan_fwd(np_in["u"], np_in["delta"], np_in["A"], np_in["B"], np_in["C"],
+                                                delta_softplus=True, **kw)
+    g_r = scan_ref.selective_scan_bwd(P, np_in["u"], np_in["delta"], np_in["A"], np_in["B"], np_in["C"],
+                                      delta_softplus=True, dlast_state=Q, **kw)
+    errs = {"out": rel_err(_f64(tr(out)), out_r), "last_state": rel_err(_f64(last), last_r)}
+    for k, g in zip(names, grads):
+        assert g.shape == dict(zip(names, args))[k].shape and g.dtype == dict(zip(names, args))[k].dtype, k
+        errs["d" + k] = rel_err(_f64(tr(g) if k in seq else g), g_r["d" + k])
+    _check(errs, _tol("selective_scan.fwd", dt))
+
+    # jit twice: the same bits
+    out2, _ = jax.jit(f)(*args)
+    assert np.array_equal(np.asarray(out, np.float32), np.asarray(out2, np.float32))
+
+    torch = _torch()
+    if torch is not None:  # the torch path on the same inputs: the same forward kernel, the same bits
+        t = {k: _to_torch(torch, x[k]) for k in names}
+        t_out, t_last = kspec.ops.selective_scan_fn(t["u"], t["delta"], t["A"], t["B"], t["C"], t["D"], t["z"],
+                                                    t["delta_bias"], True, True, t["h0"])
+        assert torch.equal(_to_torch(torch, tr(out)).float(), t_out.float())
+        assert torch.equal(_to_torch(torch, last), t_last)
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_selective_scan_step_matches_reference(kj, dt):
+    b, d, n = 2, 24, 16
+    x = _scan_inputs(b, d, 1, n, dt)
+    state = x["h0"]
+    u, delta, z = (x[k][..., 0] for k in ("u", "delta", "z"))
+    B, C = x["B"][..., 0], x["C"][..., 0]
+    out, new_state = jax.jit(lambda *a: kj.selective_scan_step(*a, D=x["D"], z=z, delta_bias=x["delta_bias"],
+                                                               delta_softplus=True))(state, u, delta, x["A"], B, C)
+    np_in = {k: _f64(x[k]) for k in x}
+    out_r, last_r = scan_ref.selective_scan_fwd(np_in["u"], np_in["delta"], np_in["A"], np_in["B"], np_in["C"],
+                                                D=np_in["D"], z=np_in["z"], delta_bias=np_in["delta_bias"],
+                                                delta_softplus=True, h0=np_in["h0"])
+    _check({"out": rel_err(_f64(out), out_r[..., 0]), "new_state": rel_err(_f64(new_state), last_r)},
+           _tol("selective_scan.step", dt))
+
+
+# ---- norm_act ----
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("norm,act,hidden,bias", [("layernorm", "gelu_tanh", 1000, True), ("rmsnorm", "silu", 4096, False),
+                                                  ("layernorm", "identity", 37, True)])
+def test_norm_act_forward_and_grad(kj, dt, norm, act, hidden, bias):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((3, 5, hidden)), DTYPES[dt])
+    w = jnp.asarray(1 + 0.1 * rng.standard_normal(hidden), jnp.float32)
+    bb = jnp.asarray(0.1 * rng.standard_normal(hidden), jnp.float32) if bias else None
+    P = rng.standard_normal((3, 5, hidden))
+
+    def f(x, w, bb):
+        return kj.norm_act(x, w, bb, norm=norm, act=act, eps=1e-5)
+
+    y = jax.jit(f)(x, w, bb)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * P), argnums=(0, 1, 2) if bias else (0, 1)))(
+        x, w, bb)
+    y_r, _, _ = norm_ref.norm_act_fwd(_f64(x), _f64(w), _f64(bb), norm, act, 1e-5)
+    dx_r, dw_r, db_r = norm_ref.norm_act_bwd(P, _f64(x), _f64(w), _f64(bb), norm, act, 1e-5)
+    errs = {"y": rel_err(_f64(y), y_r), "dx": rel_err(_f64(grads[0]), dx_r), "dw": rel_err(_f64(grads[1]), dw_r)}
+    if bias:
+        errs["db"] = rel_err(_f64(grads[2]), db_r)
+    _check(errs, _tol("norm_act.fwd", dt))
+    assert np.array_equal(np.asarray(y, np.float32), np.asarray(jax.jit(f)(x, w, bb), np.float32))
+    torch = _torch()
+    if torch is not None:
+        t_y = kspec.ops.norm_act(_to_torch(torch, x), _to_torch(torch, w), _to_torch(torch, bb), norm=norm, act=act)
+        assert torch.equal(_to_torch(torch, y), t_y)
+
+
+# ---- e79 ----
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("T,bias", [(1, "fixed"), (2, "none"), (37, "fixed"), (33, "input")])
+def test_e79_cell_forward_and_grad(kj, dt, T, bias):
+    B, n, chunk = 2, 16, 8
+    rng = np.random.default_rng(0)
+    cols = 6 if bias == "input" else 4
+    kvqm = jnp.asarray(0.5 * rng.standard_normal((T, B, cols * n)), DTYPES[dt])
+    bs = jnp.asarray(0.1 * rng.standard_normal(n), jnp.float32) if bias == "fixed" else None
+    bm = jnp.asarray(0.1 * rng.standard_normal(n), jnp.float32) if bias == "fixed" else None
+    S0 = jnp.asarray(0.1 * rng.standard_normal((B, n, n)), jnp.float32)
+    M0 = jnp.asarray(0.1 * rng.standard_normal((B, n, n)), jnp.float32)
+    P, PS, PM = rng.standard_normal((T, B, n)), rng.standard_normal((B, n, n)), rng.standard_normal((B, n, n))
+
+    def f(kvqm, bs, bm, S0, M0):
+        return kj.e79_cell(kvqm, n, bs, bm, S0, M0, bias=bias, chunk=chunk)
+
+    def loss(*a):
+        out, S, M = f(*a)
+        return jnp.sum(out.astype(jnp.float32) * P) + jnp.sum(S * PS) + jnp.sum(M * PM)
+
+    out, S, M = jax.jit(f)(kvqm, bs, bm, S0, M0)
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(kvqm, bs, bm, S0, M0)
+    blocks = [_f64(kvqm)[..., j * n:(j + 1) * n] for j in range(cols)]
+    b_s, b_m = (blocks[4], blocks[5]) if bias == "input" else (_f64(bs), _f64(bm))
+    out_r, S_r, M_r = e79_ref.e79_fwd(*blocks[:4], b_s, b_m, _f64(S0), _f64(M0))
+    gr = e79_ref.e79_bwd(P, *blocks[:4], b_s, b_m, _f64(S0), _f64(M0), dS=PS, dM=PM)
+    dkvqm_r = np.concatenate([gr["dk"], gr["dv"], gr["dq"], gr["dm"]] + ([gr["db_s"], gr["db_m"]] if bias == "input" else []),
+                             axis=-1)
+    errs = {"out": rel_err(_f64(out), out_r), "S": rel_err(_f64(S), S_r), "M": rel_err(_f64(M), M_r),
+            "dkvqm": rel_err(_f64(g[0]), dkvqm_r), "dS0": rel_err(_f64(g[3]), gr["dS0"]),
+            "dM0": rel_err(_f64(g[4]), gr["dM0"])}
+    if bias == "fixed":
+        errs["db_s"] = rel_err(_f64(g[1]), gr["db_s"])
+        errs["db_m"] = rel_err(_f64(g[2]), gr["db_m"])
+    _check(errs, _tol("e79.fwd", dt))
+    out2 = jax.jit(f)(kvqm, bs, bm, S0, M0)[0]
+    assert np.array_equal(np.asarray(out, np.float32), np.asarray(out2, np.float32))
+    torch = _torch()
+    if torch is not None:
+        t_out, t_S, _ = kspec.ops.e79_cell(_to_torch(torch, kvqm), n, _to_torch(torch, bs), _to_torch(torch, bm),
+                                           _to_torch(torch, S0), _to_torch(torch, M0), bias=bias, chunk=chunk)
+        assert torch.equal(_to_torch(torch, out), t_out) and torch.equal(_to_torch(torch, S), t_S)
+
+
+# ---- AdamW ----
+
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adamw_steps_match_reference(kj, dt, amsgrad):
+    rng = np.random.default_rng(0)
+    shapes = {"w": (7, 33), "b": (33,), "e": (1000,)}
+    params = {k: jnp.asarray(rng.standard_normal(s), DTYPES[dt]) for k, s in shapes.items()}
+    state = kj.adamw_init(params, amsgrad=amsgrad)
+    hyper = dict(beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, max_norm=1.0)
+    step = jax.jit(lambda p, g, s, lr: kj.adamw_step(p, g, s, lr=lr, **hyper), donate_argnums=(0, 2))
+    names = sorted(shapes)
+    ref_p = [_f64(params[k]) for k in names]
+    ref_m = [np.zeros(shapes[k]) for k in names]
+    ref_v = [np.zeros(shapes[k]) for k in names]
+    ref_vmax = [np.zeros(shapes[k]) for k in names] if amsgrad else None
+    for it, lr in enumerate([1e-2, 5e-3, 2e-3]):  # a schedule: lr and the step change without recompiling
+        grads = {k: jnp.asarray(rng.standard_normal(s), DTYPES[dt]) for k, s in shapes.items()}
+        params, state, norm = step(params, grads, state, jnp.float32(lr))
+        _, norm_r = adamw_ref.adamw_step(ref_p, [_f64(grads[k]) for k in names], ref_m, ref_v, ref_vmax, lr=lr,
+                                         step=it + 1, **hyper)
+        assert int(state.step) == it + 1
+        assert abs(float(norm[0]) - norm_r) <= 1e-4 * norm_r
+    got = state.master if dt != "f32" else params
+    errs = {k: rel_err(_f64(got[k]), ref_p[i]) for i, k in enumerate(names)}
+    errs.update({"m_" + k: rel_err(_f64(state.exp_avg[k]), ref_m[i]) for i, k in enumerate(names)})
+    _check(errs, 1e-5)
+    assert step._cache_size() == 1

@@ -1,0 +1,198 @@
+"""kspec.jax without a GPU: the XLA target table (generated from the registry), the handler capsules, their
+registration with jaxlib's XLA at import, and what jitted functions lower to (the custom calls, their
+attributes, the bld operand layouts, adamw's aliasing, the backward's targets under jax.grad)."""
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import kspec
+from kspec import _C, _xla
+
+TARGETS = {"kspec_selective_scan_fwd": "selective_scan.fwd", "kspec_selective_scan_bwd": "selective_scan.bwd",
+           "kspec_selective_scan_step": "selective_scan.step", "kspec_norm_act_fwd": "norm_act.fwd",
+           "kspec_norm_act_bwd": "norm_act.bwd", "kspec_e79_fwd": "e79.fwd", "kspec_e79_bwd": "e79.bwd",
+           "kspec_adamw": "adamw"}
+
+
+def test_target_table_is_the_registry():
+    table = _xla.targets()
+    assert {t["target"]: t["op"] for t in table} == TARGETS
+    for t in table:
+        info = kspec.op_info(t["op"])
+        assert [o["name"] for o in t["operands"]] == [i["name"] for i in info["inputs"]]
+        assert [r["name"] for r in t["results"]] == [o["name"] for o in info["outputs"]]
+        attrs = {a["name"]: a["type"] for a in t["attributes"]}
+        for p in info["params"]:
+            assert p["name"] in attrs, (t["target"], p["name"])
+        assert attrs["inputs"] == attrs["outputs"] == "string"
+        assert ("layout" in attrs) == (t["op"] in ("selective_scan.fwd", "selective_scan.bwd"))
+        assert ("tensors" in attrs) == (t["op"] == "adamw")
+    md = _xla.markdown()
+    assert md.count("\n| `kspec_") == len(TARGETS)
+    assert "| `kspec_norm_act_fwd` | norm_act.fwd | x, weight, *bias* | y, mean, rstd |" in md
+
+
+def test_handlers_are_capsules_when_built():
+    if not _xla.available():
+        assert all(_C._xla_handler(t) is None for t in TARGETS)
+        return
+    for t in TARGETS:
+        assert type(_C._xla_handler(t)).__name__ == "PyCapsule", t
+    assert _C._xla_handler("kspec_no_such_target") is None
+
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+
+def test_import_says_why_without_the_handlers():
+    if _xla.available():
+        pytest.skip("this kspec has the XLA handlers")
+    with pytest.raises(ImportError, match="without XLA's FFI headers"):
+        import kspec.jax  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def kj():
+    if not _xla.available():
+        pytest.skip("kspec built without XLA's FFI headers")
+    import kspec.jax as kj  # registers every target for CUDA
+
+    return kj
+
+
+def _hlo(fn, *args, platform="cuda"):
+    """The StableHLO text of fn jitted, lowered for `platform` (no device of it needed)."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def _calls(text):
+    """(target, attribute text) of every custom call in a StableHLO module."""
+    return re.findall(r'stablehlo.custom_call @(\w+)\(.*?backend_config = \{([^}]*)\}', text)
+
+
+def test_registered_at_import_for_cuda(kj):
+    from jax._src.lib import xla_client
+
+    assert kj.PLATFORM == "CUDA"
+    if "CUDA" in xla_client._custom_callback_handler:
+        pytest.skip("a CUDA plugin is loaded: registrations went straight to it (the GPU tests run them)")
+    # Without the CUDA plugin, jaxlib keeps CUDA registrations until the plugin loads: every target is
+    # there once, with the typed FFI (api_version 1) and the handler kspec._C hands out.
+    pending = {name: (fn, api) for name, fn, api, _ in xla_client._custom_callback.get("CUDA", [])}
+    for t in TARGETS:
+        fn, api = pending[t]
+        assert api == 1 and type(fn).__name__ == "PyCapsule", t
+
+
+def test_xla_binds_the_handler(tmp_path):
+    """XLA itself decodes a kspec handler's binding: registered for the CPU it gets as far as the CUDA
+    stream, which a CPU has not (the body needs a GPU: test_gpu_jax.py)."""
+    if not _xla.available():
+        pytest.skip("kspec built without XLA's FFI headers")
+    code = (
+        "import jax, jax.numpy as jnp\n"
+        "from kspec import _C\n"
+        "jax.ffi.register_ffi_target('kspec_norm_act_fwd', _C._xla_handler('kspec_norm_act_fwd'), platform='cpu')\n"
+        "import kspec.jax as kj\n"
+        "x = jnp.ones((4, 64)); w = jnp.ones((64,))\n"
+        "try:\n"
+        "    jax.jit(lambda x, w: kj.norm_act(x, w))(x, w).block_until_ready()\n"
+        "except Exception as e:\n"
+        "    print('ERROR', e)\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert "ERROR" in r.stdout and "platform stream" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_norm_act_lowers_to_the_custom_call_and_its_backward(kj):
+    x = jax.ShapeDtypeStruct((6, 64), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((64,), jnp.float32)
+    text = _hlo(lambda x, w: kj.norm_act(x, w, norm="rmsnorm", act="silu", eps=1e-6), x, w)
+    [(target, attrs)] = _calls(text)
+    assert target == "kspec_norm_act_fwd"
+    assert 'inputs = "x,weight"' in attrs and 'outputs = "y,mean,rstd"' in attrs
+    assert 'norm = "rmsnorm"' in attrs and 'act = "silu"' in attrs and "eps = 9.9999999999999995E-7 : f64" in attrs
+    grad = _hlo(jax.grad(lambda x, w: kj.norm_act(x, w).astype(jnp.float32).sum(), argnums=(0, 1)), x, w)
+    assert [t for t, _ in _calls(grad)] == ["kspec_norm_act_fwd", "kspec_norm_act_bwd"]
+    assert 'inputs = "dy,x,weight,mean,rstd"' in grad and 'outputs = "dx,dweight"' in grad
+
+
+@pytest.mark.parametrize("layout", ["bdl", "bld"])
+def test_selective_scan_lowers_with_layouts_and_backward(kj, layout):
+    b, d, L, n = 2, 8, 5, 4
+    seq = (b, d, L) if layout == "bdl" else (b, L, d)
+    bc = (b, n, L) if layout == "bdl" else (b, L, n)
+    S = jax.ShapeDtypeStruct
+    args = (S(seq, jnp.bfloat16), S(seq, jnp.bfloat16), S((d, n), jnp.float32), S(bc, jnp.bfloat16),
+            S(bc, jnp.bfloat16), S((d,), jnp.float32))
+
+    def loss(u, delta, A, B, C, D):
+        return kj.selective_scan(u, delta, A, B, C, D, delta_softplus=True, layout=layout).astype(jnp.float32).sum()
+
+    text = _hlo(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)), *args)
+    calls = _calls(text)
+    assert [t for t, _ in calls] == ["kspec_selective_scan_fwd", "kspec_selective_scan_bwd"]
+    fwd, bwd = calls[0][1], calls[1][1]
+    assert f'layout = "{layout}"' in fwd and "delta_softplus = true" in fwd
+    assert 'inputs = "u,delta,A,B,C,D"' in fwd and 'outputs = "out,last_state,states"' in fwd
+    assert 'outputs = "du,ddelta,dA,dB,dC,dD"' in bwd
+    assert 'inputs = "dout,u,delta,A,B,C,D,dlast_state,states"' in bwd
+    fwd_line = next(line for line in text.splitlines() if "@kspec_selective_scan_fwd" in line)
+    # XLA layouts are minor-to-major: [b, l, d] with memory [b, d, l] is {1, 2, 0}; bdl is the default.
+    assert ("dense<[1, 2, 0]>" in fwd_line) == (layout == "bld"), fwd_line
+    # states: [batch, dim, ceil(seqlen / 16), dstate] fp32
+    assert f"tensor<{b}x{d}x1x{n}xf32>" in fwd_line
+
+
+def test_e79_and_step_lower(kj):
+    T, B, n = 3, 2, 8
+    kvqm = jax.ShapeDtypeStruct((T, B, 4 * n), jnp.float32)
+    bias = jax.ShapeDtypeStruct((n,), jnp.float32)
+    text = _hlo(jax.grad(lambda x, bs, bm: kj.e79_cell(x, n, bs, bm, chunk=4)[0].sum(), argnums=(0, 1, 2)),
+                kvqm, bias, bias)
+    calls = _calls(text)
+    assert [t for t, _ in calls] == ["kspec_e79_fwd", "kspec_e79_bwd"]
+    assert 'inputs = "k,v,q,m,b_s,b_m"' in calls[0][1] and "chunk = 4 : i64" in calls[0][1]
+    assert 'outputs = "dk,dv,dq,dm,db_s,db_m"' in calls[1][1]
+    S = jax.ShapeDtypeStruct
+    step = _hlo(lambda s, u, dt, A, Bm, Cm: kj.selective_scan_step(s, u, dt, A, Bm, Cm),
+                S((2, 8, 4), jnp.float32), S((2, 8), jnp.float32), S((2, 8), jnp.float32), S((8, 4), jnp.float32),
+                S((2, 4), jnp.float32), S((2, 4), jnp.float32))
+    assert "output_operand_aliases" in step and "@kspec_selective_scan_step" in step
+
+
+def test_adamw_lowers_in_place(kj):
+    params = {"w": jnp.zeros((4, 3), jnp.bfloat16), "b": jnp.zeros((3,), jnp.float32)}
+    state = kj.adamw_init(params)
+    assert state.master is not None and state.max_exp_avg_sq is None and int(state.step) == 0
+    text = _hlo(lambda p, g, s, lr: kj.adamw_step(p, g, s, lr=lr, weight_decay=0.1, max_norm=1.0), params, params,
+                state, jnp.float32(1e-3))
+    [(target, attrs)] = _calls(text)
+    assert target == "kspec_adamw"
+    assert 'inputs = "lr,step,params,grads,exp_avg,exp_avg_sq,master"' in attrs
+    assert 'outputs = "params,exp_avg,exp_avg_sq,master,grad_norm"' in attrs and "tensors = 2 : i64" in attrs
+    # every in-place list's buffers alias their operands: 4 lists x 2 tensors
+    assert text.count("output_tuple_indices") == 8
+
+
+def test_bad_layout_is_refused_before_lowering(kj):
+    x = jnp.zeros((1, 2, 3))
+    with pytest.raises(ValueError, match="layout must be 'bdl' or 'bld'"):
+        kj.selective_scan(x, x, jnp.zeros((2, 4)), x, x, layout="lbd")
+    with pytest.raises(ValueError, match="kvqm must be"):
+        kj.e79_cell(jnp.zeros((2, 2, 7)), 2)
+
+
+def test_table_json_is_the_c_table():
+    assert json.loads(_C._xla_targets()) == _xla.targets()
+
+
+def test_readme_table_is_generated():
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert _xla.markdown() in readme, "README's target table is stale: paste `python -m kspec._xla`"
