@@ -19,7 +19,7 @@ try:
     import jax
     import jax.numpy as jnp
     import numpy as np
-except ImportError as e:  # pragma: no cover (the message is the point)
+except ImportError as e:
     raise ImportError(f"kspec.jax needs jax (pip install jax; for GPUs jax[cuda12] or jax[cuda13]): {e}") from e
 
 from . import _C, _xla

@@ -46,6 +46,13 @@ def test_handlers_are_capsules_when_built():
     assert _C._xla_handler("kspec_no_such_target") is None
 
 
+def test_import_without_jax_says_why():
+    code = ("import sys\nsys.modules['jax'] = None  # as if jax were not installed\n"
+            "try:\n    import kspec.jax\nexcept ImportError as e:\n    print('ImportError:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "ImportError: kspec.jax needs jax (pip install jax" in r.stdout, (r.stdout, r.stderr)
+
+
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
