@@ -1,0 +1,322 @@
+"""The jax family (issue 32): kspec.jax, kspec's ops as XLA custom calls, against kspec's torch path on the
+same inputs (the FFI should add nothing), and against what a JAX user writes without kspec: the scan as
+jax.lax.associative_scan and as jax.lax.scan, XLA's fused layer_norm + silu, optax's adamw, all jitted.
+
+Timing: JAX runs on its own stream, which torch's CUDA events do not see, so every row here (the torch rows
+too, for one method) is the wall clock of `--jax-calls` calls queued back to back, then one wait, divided by
+the calls: the GPU time per call once the queue is full (each call here takes 0.1 ms or more of GPU time,
+far above either framework's launch cost). Before timing, kspec.jax's outputs must equal the torch path's
+(the same kernels: bitwise) and each pure-JAX peer must match kspec within the dtype's tolerance (a peer
+that does not is still timed, flagged INVALID). Run it on its own: --family jax (not part of `all`)."""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+from .common import NoGpu, Section, short_error
+from .report import fmt
+
+FAMILY = "jax"
+DESCRIPTION = "kspec.jax (XLA FFI) against kspec's torch path, jax.lax scans, XLA layer_norm+silu, optax adamw"
+IN_ALL = False
+
+SCAN_SHAPES = [(8, 2048, 2048), (4, 1536, 1000)]  # (batch, dim, seqlen), dstate 16: the torch benchmarks'
+DSTATE = 16
+NORM_SHAPE = (16384, 4096)
+
+
+def add_arguments(p):
+    p.add_argument("--jax-calls", type=int, default=20, help="calls queued back to back per timing (default 20)")
+    p.add_argument("--jax-repeats", type=int, default=7, help="timings per variant, median taken (default 7)")
+
+
+def _wall_ms(fn, sync, calls, repeats):
+    for _ in range(3):
+        fn()
+    sync()
+    per = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        per.append((time.perf_counter() - t0) / calls * 1e3)
+    return {"ms": statistics.median(per), "min_ms": min(per)}
+
+
+def _rel(a, b, np):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _scan_peers(jax, jnp):
+    """The selective scan as a JAX user writes it (Mamba flags: D, z, delta_bias, softplus), fp32 inside."""
+
+    def prep(u, delta, A, B, C, D, z, delta_bias):
+        dt = jax.nn.softplus(delta.astype(jnp.float32) + delta_bias[None, :, None])  # [b, d, l]
+        return dt, u.astype(jnp.float32), B.astype(jnp.float32), C.astype(jnp.float32)
+
+    def finish(y, u, D, z):
+        y = y + D[None, :, None] * u
+        return (y * jax.nn.silu(z.astype(jnp.float32))).astype(z.dtype)
+
+    def associative(u, delta, A, B, C, D, z, delta_bias):
+        dt, u32, B32, C32 = prep(u, delta, A, B, C, D, z, delta_bias)
+        dA = jnp.exp(dt[..., None] * A[None, :, None, :])                       # [b, d, l, n]
+        dBu = (dt * u32)[..., None] * jnp.swapaxes(B32, 1, 2)[:, None]           # B [b, n, l] -> [b, 1, l, n]
+
+        def combine(x, y):
+            return x[0] * y[0], y[0] * x[1] + y[1]
+
+        _, h = jax.lax.associative_scan(combine, (dA, dBu), axis=2)
+        y = jnp.einsum("bdln,bln->bdl", h, jnp.swapaxes(C32, 1, 2))
+        return finish(y, u32, D, z)
+
+    def sequential(u, delta, A, B, C, D, z, delta_bias):
+        dt, u32, B32, C32 = prep(u, delta, A, B, C, D, z, delta_bias)
+
+        def step(h, xs):
+            dt_t, u_t, B_t, C_t = xs                                              # [b, d], [b, d], [b, n], [b, n]
+            h = jnp.exp(dt_t[..., None] * A[None]) * h + (dt_t * u_t)[..., None] * B_t[:, None, :]
+            return h, jnp.einsum("bdn,bn->bd", h, C_t)
+
+        b, d, _ = u.shape
+        xs = (jnp.moveaxis(dt, 2, 0), jnp.moveaxis(u32, 2, 0), jnp.moveaxis(B32, 2, 0), jnp.moveaxis(C32, 2, 0))
+        _, ys = jax.lax.scan(step, jnp.zeros((b, d, A.shape[1]), jnp.float32), xs)
+        return finish(jnp.moveaxis(ys, 0, 2), u32, D, z)
+
+    return {"jax.lax.associative_scan": associative, "jax.lax.scan": sequential}
+
+
+def _scan_section(ctx, jax, jnp, np, kj, torch, kspec):
+    rows = []
+    rng = np.random.default_rng(ctx.seed)
+    peers = _scan_peers(jax, jnp)
+    for (b, d, L) in SCAN_SHAPES if not ctx.quick else [(2, 256, 512)]:
+        n = DSTATE
+        host = dict(u=rng.standard_normal((b, d, L)), delta=rng.standard_normal((b, d, L)),
+                    A=-(0.25 + np.abs(rng.standard_normal((d, n)))), B=rng.standard_normal((b, n, L)),
+                    C=rng.standard_normal((b, n, L)), D=rng.standard_normal(d), z=rng.standard_normal((b, d, L)),
+                    delta_bias=rng.standard_normal(d))
+        bf = {"u", "delta", "B", "C", "z"}
+        j = {k: jnp.asarray(v, jnp.bfloat16 if k in bf else jnp.float32) for k, v in host.items()}
+        names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
+        args = [j[k] for k in names]
+        dout = jnp.asarray(rng.standard_normal((b, d, L)), jnp.bfloat16)
+
+        def kspec_fn(u, delta, A, B, C, D, z, delta_bias):
+            return kj.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True)
+
+        def fwd_bwd(f):
+            return jax.jit(lambda dout, *a: jax.vjp(f, *a)[1](dout))
+
+        fwd = {"kspec.jax": jax.jit(kspec_fn)}
+        fb = {"kspec.jax": fwd_bwd(kspec_fn)}
+        for name, f in peers.items():
+            fwd[name] = jax.jit(f)
+            fb[name] = fwd_bwd(f)
+        ref = np.asarray(fwd["kspec.jax"](*args), np.float32)
+        t = {k: torch.from_dlpack(jax.block_until_ready(j[k])) for k in names}
+        t_out = kspec.ops.selective_scan_fn(*(t[k] for k in names[:5]), t["D"], t["z"], t["delta_bias"], True)
+        same = bool(np.array_equal(ref, t_out.float().cpu().numpy()))
+        shape = f"({b}, {d}, {L})"
+        tol = kspec.op_info("selective_scan.fwd")["tolerances"]["bfloat16"]
+
+        for mode, table in (("fwd", fwd), ("fwd+bwd", fb)):
+            for name, f in table.items():
+                if ctx.skipped(name):
+                    continue
+                row = {"shape": shape, "pass": mode, "variant": name}
+                try:
+                    if mode == "fwd":
+                        call = lambda f=f: f(*args)  # noqa: E731
+                        out = np.asarray(call(), np.float32)
+                        row["rel_err"] = _rel(out, ref, np) if name != "kspec.jax" else 0.0
+                    else:
+                        call = lambda f=f: f(dout, *args)  # noqa: E731
+                        call()
+                    if name == "kspec.jax":
+                        row["valid"] = same if mode == "fwd" else True
+                    else:
+                        row["valid"] = row.get("rel_err", 0.0) <= tol
+                    last = [None]
+
+                    def run(call=call, last=last):
+                        last[0] = call()
+
+                    row.update(_wall_ms(run, lambda last=last: jax.block_until_ready(last[0]), ctx.jax_calls,
+                                        ctx.jax_repeats))
+                except Exception as e:  # noqa: BLE001 (an OOM or a failing peer is a row, not the end)
+                    row["error"] = short_error(e, 300)
+                rows.append(row)
+            # kspec's torch path, same method
+            tw = {k: v.clone().requires_grad_(mode == "fwd+bwd" and v.dtype.is_floating_point) for k, v in t.items()}
+            t_dout = torch.from_dlpack(jax.block_until_ready(dout))
+
+            def torch_call(mode=mode, tw=tw):
+                out = kspec.ops.selective_scan_fn(*(tw[k] for k in names[:5]), tw["D"], tw["z"], tw["delta_bias"], True)
+                if mode == "fwd+bwd":
+                    out.backward(t_dout)
+
+            try:
+                rows.append({"shape": shape, "pass": mode, "variant": "kspec torch", "valid": True,
+                             **_wall_ms(torch_call, torch.cuda.synchronize, ctx.jax_calls, ctx.jax_repeats)})
+            except Exception as e:  # noqa: BLE001
+                rows.append({"shape": shape, "pass": mode, "variant": "kspec torch", "error": short_error(e, 300)})
+        _ratios(rows, shape)
+    return rows
+
+
+def _ratios(rows, shape):
+    """Each row's time relative to kspec.jax's (same shape and pass)."""
+    for mode in ("fwd", "fwd+bwd"):
+        base = [r for r in rows if r.get("shape") == shape and r["pass"] == mode and r["variant"] == "kspec.jax"]
+        if not base or "ms" not in base[0]:
+            continue
+        for r in rows:
+            if r.get("shape") == shape and r["pass"] == mode and "ms" in r:
+                r["vs_kspec_jax"] = r["ms"] / base[0]["ms"]
+
+
+def _norm_section(ctx, jax, jnp, np, kj, torch, kspec):
+    rows = []
+    rng = np.random.default_rng(ctx.seed + 1)
+    R, H = NORM_SHAPE if not ctx.quick else (1024, 1024)
+    x = jnp.asarray(rng.standard_normal((R, H)), jnp.bfloat16)
+    w = jnp.asarray(1 + 0.1 * rng.standard_normal(H), jnp.bfloat16)
+    bb = jnp.asarray(0.1 * rng.standard_normal(H), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((R, H)), jnp.bfloat16)
+
+    def kspec_fn(x, w, bb):
+        return kj.norm_act(x, w, bb, norm="layernorm", act="silu")
+
+    def xla_fn(x, w, bb):
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = ((x32 - mean) ** 2).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + 1e-5) * w.astype(jnp.float32) + bb.astype(jnp.float32)
+        return jax.nn.silu(y).astype(x.dtype)
+
+    ref = np.asarray(jax.jit(kspec_fn)(x, w, bb), np.float32)
+    shape = f"({R}, {H})"
+    tol = kspec.op_info("norm_act.fwd")["tolerances"]["bfloat16"]
+    tx, tw_, tb = (torch.from_dlpack(jax.block_until_ready(a)) for a in (x, w, bb))
+    same = bool(np.array_equal(ref, kspec.ops.norm_act(tx, tw_, tb, norm="layernorm", act="silu").float().cpu().numpy()))
+    for name, f in (("kspec.jax", kspec_fn), ("XLA layer_norm+silu", xla_fn)):
+        for mode in ("fwd", "fwd+bwd"):
+            g = jax.jit(f) if mode == "fwd" else jax.jit(lambda dy, *a, f=f: jax.vjp(f, *a)[1](dy))
+            call = (lambda g=g: g(x, w, bb)) if mode == "fwd" else (lambda g=g: g(dy, x, w, bb))
+            row = {"shape": shape, "pass": mode, "variant": name}
+            try:
+                if mode == "fwd":
+                    row["rel_err"] = _rel(np.asarray(call(), np.float32), ref, np)
+                row["valid"] = same if name == "kspec.jax" and mode == "fwd" else row.get("rel_err", 0.0) <= tol
+                last = [None]
+                row.update(_wall_ms(lambda call=call, last=last: last.__setitem__(0, call()),
+                                    lambda last=last: jax.block_until_ready(last[0]), ctx.jax_calls, ctx.jax_repeats))
+            except Exception as e:  # noqa: BLE001
+                row["error"] = short_error(e, 300)
+            rows.append(row)
+    for mode in ("fwd", "fwd+bwd"):
+        g = mode == "fwd+bwd"
+        a = [t.clone().requires_grad_(g) for t in (tx, tw_, tb)]
+        t_dy = torch.from_dlpack(jax.block_until_ready(dy))
+
+        def torch_call(a=a, g=g):
+            y = kspec.ops.norm_act(*a, norm="layernorm", act="silu")
+            if g:
+                y.backward(t_dy)
+
+        rows.append({"shape": shape, "pass": mode, "variant": "kspec torch", "valid": True,
+                     **_wall_ms(torch_call, torch.cuda.synchronize, ctx.jax_calls, ctx.jax_repeats)})
+    _ratios(rows, shape)
+    return rows
+
+
+def _adamw_section(ctx, jax, jnp, np, kj, torch, kspec):
+    from .adamw import gpt350m_shapes
+
+    shapes = gpt350m_shapes() if not ctx.quick else [(1024, 1024), (1024,)] * 8
+    rng = np.random.default_rng(ctx.seed + 2)
+    params = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+    grads = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+    h = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    label = f"{len(shapes)} tensors, {sum(int(np.prod(s)) for s in shapes) / 1e6:.1f} M fp32"
+    rows = []
+    state = kj.adamw_init(params)
+    step = jax.jit(lambda p, g, s, lr: kj.adamw_step(p, g, s, lr=lr, **h), donate_argnums=(0, 2))
+    box = {"p": params, "s": state}
+
+    def kspec_call():
+        box["p"], box["s"], _ = step(box["p"], grads, box["s"], jnp.float32(1e-3))
+
+    rows.append({"shape": label, "pass": "step", "variant": "kspec.jax adamw_step",
+                 **_wall_ms(kspec_call, lambda: jax.block_until_ready(box["p"]), ctx.jax_calls, ctx.jax_repeats)})
+    try:
+        import optax
+
+        opt = optax.adamw(1e-3, b1=h["beta1"], b2=h["beta2"], eps=h["eps"], weight_decay=h["weight_decay"])
+        obox = {"p": [p.copy() for p in params]}
+        obox["s"] = opt.init(obox["p"])
+
+        def optax_step(p, g, s):
+            updates, s = opt.update(g, s, p)
+            return optax.apply_updates(p, updates), s
+
+        optax_step = jax.jit(optax_step, donate_argnums=(0, 2))
+
+        def optax_call():
+            obox["p"], obox["s"] = optax_step(obox["p"], grads, obox["s"])
+
+        rows.append({"shape": label, "pass": "step", "variant": "optax.adamw (jit, donated)",
+                     **_wall_ms(optax_call, lambda: jax.block_until_ready(obox["p"]), ctx.jax_calls, ctx.jax_repeats)})
+    except ImportError as e:
+        rows.append({"shape": label, "pass": "step", "variant": "optax.adamw", "error": f"not installed ({e})"})
+    tp = [torch.nn.Parameter(torch.from_dlpack(jax.block_until_ready(p.copy()))) for p in params]
+    for p, g in zip(tp, grads):
+        p.grad = torch.from_dlpack(jax.block_until_ready(g))
+    topt = kspec.optim.AdamW(tp, lr=1e-3, betas=(h["beta1"], h["beta2"]), eps=h["eps"], weight_decay=h["weight_decay"])
+    rows.append({"shape": label, "pass": "step", "variant": "kspec torch (kspec.optim.AdamW)",
+                 **_wall_ms(topt.step, torch.cuda.synchronize, ctx.jax_calls, ctx.jax_repeats)})
+    base = rows[0].get("ms")
+    for r in rows:
+        if base and "ms" in r:
+            r["vs_kspec_jax"] = r["ms"] / base
+    return rows
+
+
+def run(ctx):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU in this process
+    torch = ctx.torch
+    try:
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+    except ImportError as e:
+        raise NoGpu(f"jax is not importable ({e})") from None
+    try:
+        if not jax.devices("cuda"):
+            raise RuntimeError
+    except RuntimeError:
+        raise NoGpu("jax sees no CUDA device") from None
+    import kspec.jax as kj
+
+    kspec = ctx.kspec
+    cols = [("shape", "shape"), ("pass", "pass"), ("variant", "variant"),
+            ("ms", lambda r: fmt(r.get("ms"), ".3f")), ("vs kspec.jax", lambda r: fmt(r.get("vs_kspec_jax"), ".2f")),
+            ("rel err", lambda r: fmt(r.get("rel_err"), ".1e")),
+            ("check", lambda r: r.get("error") or ("ok" if r.get("valid", True) else "INVALID"))]
+    data, sections = {}, []
+    for key, title, fn in (("selective_scan", "selective_scan bf16, dstate 16, D z delta_bias softplus", _scan_section),
+                           ("norm_act", "norm_act bf16 layernorm+silu", _norm_section),
+                           ("adamw", "AdamW step, GPT-350M parameter list", _adamw_section)):
+        if ctx.skipped(key):
+            continue
+        rows = fn(ctx, jax, jnp, np, kj, torch, kspec)
+        data[key] = rows
+        sections.append(Section(title, cols, rows, notes=[
+            "ms: wall clock per call with --jax-calls calls queued back to back, median of --jax-repeats; "
+            "kspec.jax's forward must equal kspec torch's bit for bit, peers kspec within the bf16 tolerance"]))
+    return data, sections
