@@ -87,11 +87,33 @@ int main(void) {
   expect_error(kspec_call("norm_act.fwd", in, 3, out, 3, "{\"act\": \"swish\"}", NULL),
                KSPEC_ERROR_INVALID_ARGUMENT, "swish", "unknown choice");
 
-  /* Well-formed host tensors: refused as not on a GPU (no GPU needed to see the message). */
-  kspec_status st = kspec_call("norm_act.fwd", in, 3, out, 3, "{\"norm\": \"rmsnorm\", \"eps\": 1}", NULL);
-  EXPECT(st != KSPEC_OK, "a call on host memory succeeded");
-  EXPECT(strlen(kspec_last_error()) > 0, "no message");
-  printf("  %-28s -> %d: %.110s\n", "host memory", (int)st, kspec_last_error());
+  /* Host memory is refused by name, GPU or not; nothing is launched. */
+  {
+    int i;
+    for (i = 0; i < 3; ++i) in[i].device = out[i].device = KSPEC_HOST;
+    expect_error(kspec_call("norm_act.fwd", in, 3, out, 3, "{\"norm\": \"rmsnorm\", \"eps\": 1}", NULL),
+                 KSPEC_ERROR_INVALID_ARGUMENT, "host memory", "host memory");
+  }
+  /* A device that does not exist (none here has 100 GPUs; without a GPU, 0 are visible): refused by name. */
+  {
+    int i;
+    for (i = 0; i < 3; ++i) in[i].device = out[i].device = 99;
+    expect_error(kspec_call("norm_act.fwd", in, 3, out, 3, NULL, NULL), KSPEC_ERROR_INVALID_ARGUMENT,
+                 "device 99 does not exist", "no such device");
+  }
+  /* Device 0 with NULL data: refused before any launch, with or without a GPU (without one: device 0 does
+   * not exist; with one: the NULL pointer). */
+  {
+    int i;
+    for (i = 0; i < 3; ++i) {
+      in[i].device = out[i].device = 0;
+      in[i].data = out[i].data = NULL;
+    }
+    kspec_status st = kspec_call("norm_act.fwd", in, 3, out, 3, NULL, NULL);
+    EXPECT(st == KSPEC_ERROR_INVALID_ARGUMENT || st == KSPEC_ERROR_CUDA, "status %d: %s", (int)st, kspec_last_error());
+    EXPECT(strlen(kspec_last_error()) > 0, "no message");
+    printf("  %-28s -> %d: %.110s\n", "device 0, NULL data", (int)st, kspec_last_error());
+  }
 
   if (failures) {
     fprintf(stderr, "%d failures\n", failures);

@@ -43,6 +43,7 @@ typedef enum kspec_dtype {
 #define KSPEC_MAX_RANK 8
 #define KSPEC_ABSENT (-1) /* rank of an optional tensor left out */
 #define KSPEC_LIST (-2)   /* rank of a list of tensors (adamw's params, grads, ...) */
+#define KSPEC_HOST (-1)   /* device of host memory (refused by every op: kspec runs on the GPU) */
 
 /* A non-owning view of a tensor in device memory.
  *   rank >= 0:      data, dtype, shape[rank]; strides[rank] in elements, or NULL for row-major contiguous;
