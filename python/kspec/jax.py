@@ -174,9 +174,9 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 def selective_scan_step(state, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
     """One decode step: returns (out (batch, dim) like u, new_state (batch, dim, dstate) fp32). new_state is
     written into state's buffer (an aliased result): jit with state donated to update it in place.
-    state fp32; u, delta, z (batch, dim); B, C (batch, dstate), (batch, groups, dstate) or fixed (dim,
-    dstate) given as B_fixed=... is not supported here; A (dim, dstate) fp32; D, delta_bias (dim,) fp32.
-    Not differentiable (as kspec.ops.selective_scan_step)."""
+    state (batch, dim, dstate) fp32; u, delta, z (batch, dim) fp32/fp16/bf16; B, C (batch, dstate) or (batch,
+    groups, dstate), like u or fp32; A (dim, dstate) fp32; D, delta_bias (dim,) fp32. Not differentiable
+    (as kspec.ops.selective_scan_step)."""
     if B.ndim == 2:
         B = B[:, None]
     if C.ndim == 2:

@@ -10,8 +10,10 @@ import sys
 
 import pytest
 
-import kspec
-from kspec import _C, _xla
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # a GPU machine: leave memory to torch
+
+import kspec  # noqa: E402
+from kspec import _C, _xla  # noqa: E402
 
 TARGETS = {"kspec_selective_scan_fwd": "selective_scan.fwd", "kspec_selective_scan_bwd": "selective_scan.bwd",
            "kspec_selective_scan_step": "selective_scan.step", "kspec_norm_act_fwd": "norm_act.fwd",
