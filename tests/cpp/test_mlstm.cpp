@@ -710,6 +710,104 @@ TEST(MlstmGpu, EveryTuningConfigOnThreeShapes) {
   }
 }
 
+namespace {
+
+// Every output of mlstm.chunkwise.fwd in a 16-bit dtype under a forced config (NaN-poisoned first),
+// decoded to double; the inputs are pr's rounded to dt (q, k, v, i, f) and fp32 (states), which
+// `rounded` receives for the reference.
+std::vector<std::vector<double>> forward16(const Problem32& pr, DType dt, int64_t chunk, bool init, const Config& cfg,
+                                           ref::MlstmInputs* rounded) {
+  jit::ContextGuard guard(0);
+  const int64_t B = pr.B, NH = pr.NH, S = pr.S, dk = pr.dk, dv = pr.dv;
+  std::vector<std::unique_ptr<DeviceBuffer>> bufs;
+  auto put = [&](std::vector<double> x, DType t, std::initializer_list<int64_t> shape, std::vector<double>* keep) {
+    quantize(t, x);
+    if (keep) *keep = x;
+    std::vector<unsigned char> bytes;
+    encode(t, x, bytes);
+    bufs.push_back(std::make_unique<DeviceBuffer>(bytes.size()));
+    CU_CHECK(cuMemcpyHtoD(bufs.back()->ptr, bytes.data(), bytes.size()));
+    return TensorView(reinterpret_cast<void*>(bufs.back()->ptr), t, shape, 0);
+  };
+  *rounded = pr.ref_inputs(init);
+  std::vector<TensorView> in = {put(to_double(pr.q), dt, {B, NH, S, dk}, &rounded->q),
+                                put(to_double(pr.k), dt, {B, NH, S, dk}, &rounded->k),
+                                put(to_double(pr.v), dt, {B, NH, S, dv}, &rounded->v),
+                                put(to_double(pr.i), dt, {B, NH, S}, &rounded->i),
+                                put(to_double(pr.f), dt, {B, NH, S}, &rounded->f),
+                                TensorView(), TensorView(), TensorView()};
+  if (init) {
+    in[5] = put(to_double(pr.C0), DType::f32, {B, NH, dk, dv}, nullptr);
+    in[6] = put(to_double(pr.n0), DType::f32, {B, NH, dk}, nullptr);
+    in[7] = put(to_double(pr.m0), DType::f32, {B, NH, 1}, nullptr);
+  }
+  std::vector<DType> types = {dt, DType::f32, DType::f32, DType::f32, DType::f32, DType::f32};
+  std::vector<int64_t> sizes = {B * NH * S * dv, B * NH * S, B * NH * S, B * NH * dk * dv, B * NH * dk, B * NH};
+  std::vector<std::unique_ptr<DeviceBuffer>> outs;
+  for (size_t j = 0; j < types.size(); ++j) {
+    outs.push_back(std::make_unique<DeviceBuffer>(static_cast<size_t>(sizes[j]) * dtype_size(types[j])));
+    CU_CHECK(cuMemsetD8(outs[j]->ptr, 0xFF, outs[j]->bytes));
+  }
+  auto at = [&](size_t j) { return reinterpret_cast<void*>(outs[j]->ptr); };
+  CallOptions opt;
+  opt.config = &cfg;
+  call("mlstm.chunkwise.fwd", in,
+       {TensorView(at(0), dt, {B, NH, S, dv}, 0), TensorView(at(1), DType::f32, {B, NH, S}, 0),
+        TensorView(at(2), DType::f32, {B, NH, S}, 0), TensorView(at(3), DType::f32, {B, NH, dk, dv}, 0),
+        TensorView(at(4), DType::f32, {B, NH, dk}, 0), TensorView(at(5), DType::f32, {B, NH, 1}, 0)},
+       {{"chunk", chunk}}, nullptr, opt);
+  CU_CHECK(cuCtxSynchronize());
+  std::vector<std::vector<double>> got;
+  for (size_t j = 0; j < types.size(); ++j) {
+    std::vector<unsigned char> bytes(outs[j]->bytes);
+    CU_CHECK(cuMemcpyDtoH(bytes.data(), outs[j]->ptr, bytes.size()));
+    got.push_back(decode(types[j], bytes));
+  }
+  return got;
+}
+
+double rel_max_d(const std::vector<double>& out, const std::vector<double>& ref) {
+  return rel_max(std::vector<float>(out.begin(), out.end()), ref);
+}
+
+}  // namespace
+
+// The tensor-core forward (algo=tc, templates/mlstm/chunkwise_tc.cuh) in fp16 and bf16 against the
+// float64 chunkwise reference of the same rounded inputs, every output: S of 1, 2, one short of and one
+// past a chunk, several chunks with a short last one, every chunk size, head dims 16..128, with and
+// without initial states. h within the issue's forward tolerance (fp16 3e-3, bf16 2e-2); the last
+// states (fp32 sums of 16-bit w_s k_s products) within the same; nrm and m (fp32 gate math) within 1e-4.
+TEST(MlstmGpu, TensorCoreForwardMatchesReference) {
+  KSPEC_REQUIRE_GPU();
+  struct Shape {
+    int64_t B, NH, S, dk, dv, chunk;
+  };
+  const std::vector<Shape> shapes = {{2, 2, 1, 32, 32, 64},   {2, 1, 2, 32, 64, 16},   {1, 2, 63, 32, 32, 64},
+                                     {1, 2, 65, 32, 32, 64},  {1, 2, 100, 16, 32, 16}, {1, 2, 150, 64, 64, 32},
+                                     {1, 2, 300, 32, 32, 128}, {1, 1, 200, 128, 128, 128}, {1, 1, 130, 128, 256, 64}};
+  const Config tc = Config::parse("algo=tc,threads=128", op_info("mlstm.chunkwise.fwd"));
+  for (const Shape& sh : shapes) {
+    Problem32 pr(sh.B, sh.NH, sh.S, sh.dk, sh.dv, 70 + sh.S);
+    for (DType dt : {DType::f16, DType::bf16}) {
+      for (bool init : {false, true}) {
+        ref::MlstmInputs r;
+        const auto got = forward16(pr, dt, sh.chunk, init, tc, &r);
+        const auto want = ref::mlstm_chunkwise_fwd_ref({sh.B, sh.NH, sh.S, sh.dk, sh.dv}, r, sh.chunk);
+        const std::string what = std::string(dtype_short(dt)) + " S " + std::to_string(sh.S) + " dk " + std::to_string(sh.dk) +
+                                 " dv " + std::to_string(sh.dv) + " chunk " + std::to_string(sh.chunk) +
+                                 (init ? " init" : "");
+        const double tol = dt == DType::f16 ? 3e-3 : 2e-2;
+        EXPECT_LT(rel_max_d(got[0], want.h), tol) << what << " h";
+        EXPECT_LT(rel_max_d(got[1], want.nrm), 1e-4) << what << " nrm";
+        EXPECT_LT(rel_max_d(got[2], want.m), 1e-4) << what << " m_rows";
+        EXPECT_LT(rel_max_d(got[3], want.C), tol) << what << " C_last";
+        EXPECT_LT(rel_max_d(got[4], want.n), tol) << what << " n_last";
+        EXPECT_LT(rel_max_d(got[5], want.m_last), 1e-4) << what << " m_last";
+      }
+    }
+  }
+}
+
 // accumulators_initialized, shared memory (issue 29): the chunkwise forward and backward compiled with
 // their shared memory NaN-filled at the start (and every output NaN-filled before the launch), over 8
 // chunks, with initial states and dC_last: h, nrm, m, the last states and every gradient finite and

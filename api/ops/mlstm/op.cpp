@@ -123,6 +123,60 @@ void launch_fwd(const Call& call, const Config& c, Launcher& l, int64_t chunk, b
   l.launch(0, {u32(seqs)}, {u32(c.get("threads"))}, u32(smem), args);
 }
 
+// ---- the tensor-core forward (mlstm.chunkwise.fwd, algo=tc; templates/mlstm/chunkwise_tc.cuh) ----
+
+// Kernels 0, 1, 2: gates, state, output.
+std::vector<jit::KernelSpec> tc_kernels(const Problem& p) {
+  const std::string t = dtype_cuda_type(p.dtype("q")), dk = std::to_string(p.dim("dhqk")),
+                    dv = std::to_string(p.dim("dhhv")), L = std::to_string(p.param_int("chunk"));
+  return {kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
+          kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_state_kernel", {t, dk, dv, L}),
+          kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_out_kernel", {t, dk, dv, L})};
+}
+
+// Workspace, each piece 256-byte aligned: the per-step gate rows (4 floats), m per step when m_rows is
+// not an output, the per-chunk decay, n and C entering every chunk (C in the input dtype).
+void launch_tc(const Call& call, Launcher& l) {
+  const Problem& p = call.problem;
+  const int64_t seqs = p.dim("batch") * p.dim("heads"), S = p.dim("seqlen"), dk = p.dim("dhqk"),
+                dv = p.dim("dhhv"), L = p.param_int("chunk"), NC = (S + L - 1) / L;
+  if (seqs == 0) return;
+  const int rows = mlstm_tc_rows(static_cast<int>(L));
+  const int64_t qtiles = (S + rows - 1) / rows;
+  KSPEC_CHECK_AS(seqs * qtiles <= INT32_MAX && seqs * (dk / mlstm_tc_state_tile(static_cast<int>(dk))) <= INT32_MAX,
+                 Unsupported, "mlstm.chunkwise.fwd: batch * heads * ceil(seqlen / ", rows, ") = ", seqs * qtiles,
+                 " thread blocks exceed the grid (at most ", INT32_MAX, "); use algo=simt");
+  MlstmParams a = qkvif_args(call);
+  a.C0 = static_cast<const float*>(call.in("C0").data);
+  a.n0 = static_cast<const float*>(call.in("n0").data);
+  a.m0 = static_cast<const float*>(call.in("m0").data);
+  a.h = call.out("h").data;
+  a.nrm = static_cast<float*>(call.out("nrm").data);
+  a.m_rows = static_cast<float*>(call.out("m_rows").data);
+  a.C = static_cast<float*>(call.out("C_last").data);
+  a.n = static_cast<float*>(call.out("n_last").data);
+  a.m = static_cast<float*>(call.out("m_last").data);
+  a.seqlen = S;
+  a.eps = static_cast<float>(p.param_float("eps"));
+  auto round = [](size_t b) { return (b + 255) / 256 * 256; };
+  const size_t gate_b = round(sizeof(float) * 4 * seqs * S), m_b = a.m_rows ? 0 : round(sizeof(float) * seqs * S),
+               g_b = round(sizeof(float) * seqs * NC), n_b = round(sizeof(float) * seqs * NC * dk),
+               C_b = round(dtype_size(p.dtype("q")) * static_cast<size_t>(seqs * NC * dk * dv));
+  char* ws = static_cast<char*>(l.workspace(gate_b + m_b + g_b + n_b + C_b));
+  a.gate_rows = reinterpret_cast<float*>(ws);
+  if (!a.m_rows) a.m_rows = reinterpret_cast<float*>(ws + gate_b);
+  a.chunk_g = reinterpret_cast<float*>(ws + gate_b + m_b);
+  a.ns = reinterpret_cast<float*>(ws + gate_b + m_b + g_b);
+  a.Cs = ws + gate_b + m_b + g_b + n_b;
+  void* args[] = {&a};
+  const int dki = static_cast<int>(dk), dvi = static_cast<int>(dv), Li = static_cast<int>(L);
+  l.launch(0, {u32(seqs)}, {32}, 0, args);
+  l.launch(1, {u32(seqs * (dk / mlstm_tc_state_tile(dki))), u32(dv / mlstm_tc_state_tile(dvi))},
+           {u32(mlstm_tc_state_threads(dki))}, u32(mlstm_tc_state_smem_bytes(dki, dvi, Li)), args);
+  l.launch(2, {u32(seqs * qtiles), u32(dv / mlstm_tc_bv(dvi))}, {u32(mlstm_tc_out_threads(Li))},
+           u32(mlstm_tc_out_smem_bytes(dki, dvi, Li)), args);
+}
+
 // ---- mlstm.chunkwise.fwd ----
 
 OpDef make_chunkwise_fwd() {
@@ -149,11 +203,17 @@ OpDef make_chunkwise_fwd() {
       tensor_def("n_last", kN, {DType::f32}, "", false, true, "", Layout::Contiguous, "normalizer after the last step"),
       tensor_def("m_last", kM, {DType::f32}, "", false, true, "", Layout::Contiguous, "stabilizer after the last step"),
   };
+  op.tuning = chunkwise_fwd_tuning();
+  op.info.tuning_axes = op.tuning.axes;
+  op.info.tuning_names = {{"algo", {"simt", "tc"}}};
   op.cases = chunkwise_fwd_cases();
   // fp32 over recurrences of up to 4096 steps: 4e-5 relative.
   op.tolerance_scale = 4.0;
-  op.kernels = [](const Problem& p, const Config& c) { return fwd_kernels(p, c, p.param_int("chunk")); };
+  op.kernels = [](const Problem& p, const Config& c) {
+    return c.get("algo") == kTc ? tc_kernels(p) : fwd_kernels(p, c, p.param_int("chunk"));
+  };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    if (c.get("algo") == kTc) return launch_tc(call, l);
     launch_fwd(call, c, l, call.problem.param_int("chunk"), true);
   };
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {

@@ -1,0 +1,379 @@
+// mlstm.chunkwise.fwd, algo=tc: the chunkwise forward on tensor cores (fp16/bf16 q, k, v), three kernels
+// in a row (chunkwise_fwd.cuh states the math; tools/bench/NOTES.md "mlstm: the tensor-core forward"
+// the design):
+//   1. gates: one warp per sequence forms each chunk's cumulative gates once: b (in-chunk cumsum of
+//      logsigmoid(f)) and every row's final max m_t = b_t + max(m, max_s<=t (i_s - b_s)), so no later
+//      kernel keeps a partial max or rescales (every exponent is <= 0), and writes per row
+//      (b_t - m_t, i_t - b_t, g_t, w_t), per chunk e^(b_L + m - m_L), and m_t.
+//   2. state: the only sequential part, over the chunks: a CTA owns a 64x64 tile of C in mma
+//      accumulators (fp32, never leaving registers) and per chunk adds (w o K)^T V with mma.sync, its
+//      K and V slices double-buffered through cp.async; it writes the C (input dtype) and n (fp32)
+//      entering every chunk to the workspace, and the last ones to C_last, n_last.
+//   3. output: one CTA per (query tile of 64 rows, 128 columns of h): FlashAttention-2-like, the inter
+//      term (g_t s q_t)^T C_c by mma from the chunk's entering state, then for each key tile of the
+//      chunk up to the diagonal S = Q K^T by mma, scaled by s e^(b_t - m_t + i_s - b_s) and masked
+//      (s <= t) in registers, row sums in fp32, P (input dtype) V by mma; h = O / (max(|z|, e^-m_t) + eps)
+//      once at the end, with z = g_t s q_t.n_c + sum_s S_ts.
+// Any S: tiles past the end are zero-filled (cp.async with a zero source size) and masked. DHQK <= 256
+// (the output kernel's Q and C tiles sit in shared memory); DHQK, DHHV multiples of 16; 16-byte rows.
+#pragma once
+
+#include "common/mma.cuh"
+#include "mlstm/common.cuh"
+#include "mlstm/params.h"
+
+namespace kspec {
+
+__device__ __forceinline__ float mlstm_neg_inf() { return __int_as_float(0xff800000); }
+
+// ---- 1. gates ----
+
+template <typename TG, int kChunk>
+__global__ void __launch_bounds__(32) mlstm_tc_gates_kernel(const MlstmParams p) {
+  constexpr int L = kChunk, E = (L + 31) / 32;  // steps per lane, consecutive
+  const float kNegInf = mlstm_neg_inf();
+  const long long seq = blockIdx.x, S = p.seqlen, NC = (S + L - 1) / L;
+  const int lane = threadIdx.x;
+  const TG* ip = static_cast<const TG*>(p.i) + seq * S;
+  const TG* fp = static_cast<const TG*>(p.f) + seq * S;
+  float4* rows = reinterpret_cast<float4*>(p.gate_rows) + seq * S;
+  float* mrow = p.m_rows + seq * S;
+  float m = p.m0 ? p.m0[seq] : p.m_init;
+  for (long long c = 0; c < NC; ++c) {
+    const long long t0 = c * L;
+    const int len = static_cast<int>(S - t0 < L ? S - t0 : L);
+    float b[E], ig[E], pm[E];
+    float run = 0.0f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int t = lane * E + j;
+      const bool ok = t < len;
+      ig[j] = ok ? to_float(ip[t0 + t]) : kNegInf;
+      run += ok ? mlstm_log_sigmoid(to_float(fp[t0 + t])) : 0.0f;
+      b[j] = run;
+    }
+    float incl = run;  // inclusive scan of the lanes' sums
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) {
+      const float y = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += y;
+    }
+    float run_max = kNegInf;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      b[j] += incl - run;
+      run_max = fmaxf(run_max, ig[j] - b[j]);
+      pm[j] = run_max;  // max over this lane's steps <= j of i_s - b_s
+    }
+    float pin = run_max;  // inclusive max scan over lanes
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) {
+      const float y = __shfl_up_sync(0xffffffffu, pin, off);
+      if (lane >= off) pin = fmaxf(pin, y);
+    }
+    float before = __shfl_up_sync(0xffffffffu, pin, 1);
+    if (lane == 0) before = kNegInf;
+    const int last = len - 1, owner = last / E, j_last = last % E;
+    float mt[E], b_sel = 0.0f, m_sel = 0.0f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      mt[j] = b[j] + fmaxf(m, fmaxf(pm[j], before));
+      if (j == j_last) b_sel = b[j], m_sel = mt[j];
+    }
+    const float bL = __shfl_sync(0xffffffffu, b_sel, owner), mL = __shfl_sync(0xffffffffu, m_sel, owner);
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int t = lane * E + j;
+      if (t < len) {
+        rows[t0 + t] = make_float4(b[j] - mt[j], ig[j] - b[j], expf(b[j] + m - mt[j]), expf(bL - b[j] + ig[j] - mL));
+        mrow[t0 + t] = mt[j];
+      }
+    }
+    if (lane == 0) p.chunk_g[seq * NC + c] = expf(bL + m - mL);
+    m = mL;
+  }
+  if (lane == 0 && p.m) p.m[seq] = m;
+}
+
+// ---- 2. state ----
+
+template <typename T, int kDk, int kDv, int kChunk>
+__global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_kernel(const MlstmParams p) {
+  constexpr int L = kChunk, BK = mlstm_tc_state_tile(kDk), BV = mlstm_tc_state_tile(kDv), P = kMlstmTcPad;
+  constexpr int kThreads = mlstm_tc_state_threads(kDk), NT = BV / 8, KS = BK + P, VS = BV + P;
+  constexpr int kDkTiles = kDk / BK;
+  static_assert(BK % 16 == 0 && BV % 16 == 0 && L % 16 == 0, "tiles of 16");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Ks = reinterpret_cast<T*>(smem_raw);                  // [2][L][KS]
+  T* Vs = Ks + 2 * L * KS;                                 // [2][L][VS]
+  float* ws = reinterpret_cast<float*>(Vs + 2 * L * VS);  // [2][L]: w_t
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
+  const long long seq = blockIdx.x / kDkTiles, S = p.seqlen, NC = (S + L - 1) / L;
+  const int d0 = static_cast<int>(blockIdx.x % kDkTiles) * BK, e0 = blockIdx.y * BV;
+  const T* k = static_cast<const T*>(p.k) + seq * S * kDk;
+  const T* v = static_cast<const T*>(p.v) + seq * S * kDv;
+  const float4* gr = reinterpret_cast<const float4*>(p.gate_rows) + seq * S;
+  const bool owns_n = blockIdx.y == 0 && tid < BK;
+
+  auto load = [&](long long c, int st) {
+    const long long t0 = c * L;
+    T* ks = Ks + st * L * KS;
+    T* vs = Vs + st * L * VS;
+    for (int j = tid; j < L * (BK / 8); j += kThreads) {
+      const int s = j / (BK / 8), x = j % (BK / 8);
+      const bool ok = t0 + s < S;
+      cp_async_16(ks + s * KS + x * 8, k + (ok ? t0 + s : 0) * kDk + d0 + x * 8, ok);
+    }
+    for (int j = tid; j < L * (BV / 8); j += kThreads) {
+      const int s = j / (BV / 8), x = j % (BV / 8);
+      const bool ok = t0 + s < S;
+      cp_async_16(vs + s * VS + x * 8, v + (ok ? t0 + s : 0) * kDv + e0 + x * 8, ok);
+    }
+    for (int s = tid; s < L; s += kThreads) ws[st * L + s] = t0 + s < S ? gr[t0 + s].w : 0.0f;
+  };
+
+  // This thread's accumulators: rows r0 and r0 + 8 of C, columns e0 + 8 nt + 2 cq (+1).
+  const int r0 = d0 + warp * 16 + g;
+  float acc[NT][4];
+  const float* C0 = p.C0 ? p.C0 + seq * kDk * kDv : nullptr;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int col = e0 + nt * 8 + 2 * cq;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nt][e] = C0 ? C0[(r0 + (e / 2) * 8) * kDv + col + e % 2] : 0.0f;
+  }
+  float nval = owns_n && p.n0 ? p.n0[seq * kDk + d0 + tid] : 0.0f;
+
+  load(0, 0);
+  cp_async_commit();
+  for (long long c = 0; c < NC; ++c) {
+    const int st = static_cast<int>(c & 1);
+    T* Cc = static_cast<T*>(p.Cs) + (seq * NC + c) * kDk * kDv;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int col = e0 + nt * 8 + 2 * cq;
+      *reinterpret_cast<unsigned*>(Cc + r0 * kDv + col) = pack2<T>(acc[nt][0], acc[nt][1]);
+      *reinterpret_cast<unsigned*>(Cc + (r0 + 8) * kDv + col) = pack2<T>(acc[nt][2], acc[nt][3]);
+    }
+    if (owns_n) p.ns[(seq * NC + c) * kDk + d0 + tid] = nval;
+    const bool last = c + 1 == NC;
+    if (last && !p.C) {  // the state after the last chunk only for C_last
+      cp_async_wait<0>();
+      break;
+    }
+    if (!last) {
+      load(c + 1, st ^ 1);  // that stage's last readers passed the barrier closing chunk c - 1
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const float ge = p.chunk_g[seq * NC + c];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] *= ge;
+    const T* ks = Ks + st * L * KS;
+    const T* vs = Vs + st * L * VS;
+    const float* w = ws + st * L;
+#pragma unroll 2
+    for (int kk = 0; kk < L / 16; ++kk) {
+      // A[dk][s] = w_s K[s][dk]: the stored tile's rows are A's columns, hence the transposed load.
+      unsigned a[4];
+      ldmatrix_x4_trans(a, ks + (kk * 16 + lane % 8 + 8 * (lane / 16)) * KS + warp * 16 + 8 * ((lane / 8) % 2));
+      const int s = kk * 16 + 2 * cq;
+      a[0] = scale2<T>(a[0], w[s], w[s + 1]);
+      a[1] = scale2<T>(a[1], w[s], w[s + 1]);
+      a[2] = scale2<T>(a[2], w[s + 8], w[s + 9]);
+      a[3] = scale2<T>(a[3], w[s + 8], w[s + 9]);
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        unsigned b[4];
+        ldmatrix_x4_trans(b, vs + (kk * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * VS + np * 16 + 8 * (lane / 16));
+        mma_16816<T>(acc[2 * np], a, b[0], b[1]);
+        mma_16816<T>(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+    if (owns_n) {
+      float nn = ge * nval;
+      for (int s = 0; s < L; ++s) nn = fmaf(w[s], to_float(ks[s * KS + tid]), nn);
+      nval = nn;
+    }
+    __syncthreads();
+  }
+  if (p.C) {
+    float* C = p.C + seq * kDk * kDv;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int col = e0 + nt * 8 + 2 * cq;
+      *reinterpret_cast<float2*>(C + r0 * kDv + col) = make_float2(acc[nt][0], acc[nt][1]);
+      *reinterpret_cast<float2*>(C + (r0 + 8) * kDv + col) = make_float2(acc[nt][2], acc[nt][3]);
+    }
+    if (owns_n) p.n[seq * kDk + d0 + tid] = nval;
+  }
+}
+
+// ---- 3. output ----
+
+template <typename T, int kDk, int kDv, int kChunk>
+__global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 2) mlstm_tc_out_kernel(const MlstmParams p) {
+  constexpr int L = kChunk, R = mlstm_tc_rows(L), BV = mlstm_tc_bv(kDv), P = kMlstmTcPad;
+  constexpr int kThreads = mlstm_tc_out_threads(L), QS = kDk + P, VS = BV + P, NV = BV / 8, NK = R / 8;
+  static_assert(kDk % 16 == 0 && BV % 16 == 0 && R % 16 == 0 && L % R == 0, "tiles of 16");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Qs = reinterpret_cast<T*>(smem_raw);  // [R][QS]
+  T* Rg = Qs + R * QS;                     // the C tile [kDk][VS], then K [R][QS] and V [R][VS]
+  T* Ks = Rg;
+  T* Vs = Rg + R * QS;
+  float* ibs = reinterpret_cast<float*>(Rg + mlstm_tc_out_region_elems(kDk, kDv, L));  // [L]: i_s - b_s
+  float* qn = ibs + L;                                                                 // [R]: q_t . n_c
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
+  const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
+  const long long seq = blockIdx.x / QT, t0 = (blockIdx.x % QT) * R, c = t0 / L, cs = c * L;
+  const int e0 = blockIdx.y * BV, ktiles = static_cast<int>((t0 - cs) / R) + 1;
+  const T* q = static_cast<const T*>(p.q) + seq * S * kDk;
+  const T* k = static_cast<const T*>(p.k) + seq * S * kDk;
+  const T* v = static_cast<const T*>(p.v) + seq * S * kDv;
+  const float4* gr = reinterpret_cast<const float4*>(p.gate_rows) + seq * S;
+  const float scale = rsqrtf(static_cast<float>(kDk));
+
+  for (int j = tid; j < R * (kDk / 8); j += kThreads) {
+    const int r = j / (kDk / 8), x = j % (kDk / 8);
+    const bool ok = t0 + r < S;
+    cp_async_16(Qs + r * QS + x * 8, q + (ok ? t0 + r : 0) * kDk + x * 8, ok);
+  }
+  const T* Cc = static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv;
+  for (int j = tid; j < kDk * (BV / 8); j += kThreads) {
+    const int r = j / (BV / 8), x = j % (BV / 8);
+    cp_async_16(Rg + r * VS + x * 8, Cc + r * kDv + e0 + x * 8, true);
+  }
+  cp_async_commit();
+  for (int s = tid; s < ktiles * R; s += kThreads) ibs[s] = cs + s < S ? gr[cs + s].y : mlstm_neg_inf();
+  // This thread's rows: ra and ra + 8 of the tile.
+  const int ra = warp * 16 + g;
+  const long long ta = t0 + ra, tb = ta + 8;
+  const float4 ga = ta < S ? gr[ta] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float4 gb = tb < S ? gr[tb] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float ma = ta < S ? p.m_rows[seq * S + ta] : 0.0f, mb = tb < S ? p.m_rows[seq * S + tb] : 0.0f;
+  cp_async_wait<0>();
+  __syncthreads();
+  {  // q_t . n_c, two threads per row
+    const int r = tid / 2, half = tid % 2;
+    const float* nc = p.ns + (seq * NC + c) * kDk + half * (kDk / 2);
+    const T* qr = Qs + r * QS + half * (kDk / 2);
+    float z = 0.0f;
+#pragma unroll 8
+    for (int d = 0; d < kDk / 2; ++d) z = fmaf(to_float(qr[d]), nc[d], z);
+    z += __shfl_xor_sync(0xffffffffu, z, 1);
+    if (half == 0) qn[r] = z;
+  }
+
+  // Inter-chunk term: O = (g_t s Q) C_c.
+  float o[NV][4];
+#pragma unroll
+  for (int nt = 0; nt < NV; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
+  const T* qa = Qs + (warp * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * QS + 8 * (lane / 16);  // A rows, row-major
+#pragma unroll 2
+  for (int kk = 0; kk < kDk / 16; ++kk) {
+    unsigned a[4];
+    ldmatrix_x4(a, qa + kk * 16);
+#pragma unroll
+    for (int np = 0; np < NV / 2; ++np) {
+      unsigned b[4];
+      ldmatrix_x4_trans(b, Rg + (kk * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * VS + np * 16 + 8 * (lane / 16));
+      mma_16816<T>(o[2 * np], a, b[0], b[1]);
+      mma_16816<T>(o[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+  const float fa = ga.z * scale, fb = gb.z * scale;
+#pragma unroll
+  for (int nt = 0; nt < NV; ++nt) o[nt][0] *= fa, o[nt][1] *= fa, o[nt][2] *= fb, o[nt][3] *= fb;
+
+  // Intra-chunk term, key tiles from the chunk's start to the diagonal.
+  float sum_a = 0.0f, sum_b = 0.0f;
+  const int row_a = static_cast<int>(t0 - cs) + ra, row_b = row_a + 8;  // rows' positions in the chunk
+  for (int kt = 0; kt < ktiles; ++kt) {
+    __syncthreads();  // every warp is done with the region (C tile, or the last K and V tiles)
+    const long long k0 = cs + static_cast<long long>(kt) * R;
+    for (int j = tid; j < R * (kDk / 8); j += kThreads) {
+      const int r = j / (kDk / 8), x = j % (kDk / 8);
+      const bool ok = k0 + r < S;
+      cp_async_16(Ks + r * QS + x * 8, k + (ok ? k0 + r : 0) * kDk + x * 8, ok);
+    }
+    for (int j = tid; j < R * (BV / 8); j += kThreads) {
+      const int r = j / (BV / 8), x = j % (BV / 8);
+      const bool ok = k0 + r < S;
+      cp_async_16(Vs + r * VS + x * 8, v + (ok ? k0 + r : 0) * kDv + e0 + x * 8, ok);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    float sc[NK][4];
+#pragma unroll
+    for (int nt = 0; nt < NK; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[nt][e] = 0.0f;
+#pragma unroll 2
+    for (int kk = 0; kk < kDk / 16; ++kk) {
+      unsigned a[4];
+      ldmatrix_x4(a, qa + kk * 16);
+#pragma unroll
+      for (int np = 0; np < NK / 2; ++np) {
+        unsigned b[4];  // B[dk][key] = K[key][dk]: the stored rows are B's columns
+        ldmatrix_x4(b, Ks + (np * 16 + lane % 8 + 8 * (lane / 16)) * QS + kk * 16 + 8 * ((lane / 8) % 2));
+        mma_16816<T>(sc[2 * np], a, b[0], b[1]);
+        mma_16816<T>(sc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NK; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = kt * R + nt * 8 + 2 * cq + e % 2;  // position in the chunk
+        const bool upper = e < 2;
+        const float x = (upper ? row_a : row_b) >= key ? sc[nt][e] * scale * __expf((upper ? ga.x : gb.x) + ibs[key])
+                                                       : 0.0f;
+        sc[nt][e] = x;
+        if (upper) sum_a += x;
+        else sum_b += x;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < R / 16; ++kk) {
+      // The score accumulators of key columns 16 kk .. 16 kk + 15 are this step's A fragment.
+      const unsigned a[4] = {pack2<T>(sc[2 * kk][0], sc[2 * kk][1]), pack2<T>(sc[2 * kk][2], sc[2 * kk][3]),
+                             pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                             pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+      for (int np = 0; np < NV / 2; ++np) {
+        unsigned b[4];
+        ldmatrix_x4_trans(b, Vs + (kk * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * VS + np * 16 + 8 * (lane / 16));
+        mma_16816<T>(o[2 * np], a, b[0], b[1]);
+        mma_16816<T>(o[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+  }
+  sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 1);
+  sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 2);
+  sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
+  sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
+  const float nrm_a = fmaxf(fabsf(fa * qn[ra] + sum_a), expf(-ma));
+  const float nrm_b = fmaxf(fabsf(fb * qn[ra + 8] + sum_b), expf(-mb));
+  const float inv_a = 1.0f / (nrm_a + p.eps), inv_b = 1.0f / (nrm_b + p.eps);
+  T* h = static_cast<T*>(p.h) + seq * S * kDv;
+#pragma unroll
+  for (int nt = 0; nt < NV; ++nt) {
+    const int col = e0 + nt * 8 + 2 * cq;
+    if (ta < S) *reinterpret_cast<unsigned*>(h + ta * kDv + col) = pack2<T>(o[nt][0] * inv_a, o[nt][1] * inv_a);
+    if (tb < S) *reinterpret_cast<unsigned*>(h + tb * kDv + col) = pack2<T>(o[nt][2] * inv_b, o[nt][3] * inv_b);
+  }
+  if (p.nrm && blockIdx.y == 0 && cq == 0) {
+    if (ta < S) p.nrm[seq * S + ta] = nrm_a;
+    if (tb < S) p.nrm[seq * S + tb] = nrm_b;
+  }
+}
+
+}  // namespace kspec
