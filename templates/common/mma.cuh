@@ -24,11 +24,21 @@ __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
   return *reinterpret_cast<const unsigned*>(&v);
 }
 
-// One register of two T scaled by (lo, hi) in fp32, rounded back to T.
+// One register of two T scaled by (lo, hi) in fp32 and rounded back to T; the fp32 products are also
+// added to `sum` (a row sum of the scaled operand before its rounding).
 template <typename T>
-__device__ __forceinline__ unsigned scale2(unsigned r, float lo, float hi) {
+__device__ __forceinline__ unsigned scale2(unsigned r, float lo, float hi, float& sum) {
   const T* v = reinterpret_cast<const T*>(&r);
-  return pack2<T>(to_float(v[0]) * lo, to_float(v[1]) * hi);
+  const float x = to_float(v[0]) * lo, y = to_float(v[1]) * hi;
+  sum += x + y;
+  return pack2<T>(x, y);
+}
+
+// The dot product of a register of two T with (x, y), in fp32.
+template <typename T>
+__device__ __forceinline__ float dot2(unsigned r, float x, float y) {
+  const T* v = reinterpret_cast<const T*>(&r);
+  return fmaf(to_float(v[0]), x, to_float(v[1]) * y);
 }
 
 // D += A * B, A 16x16 row-major, B 16x8 column-major, fp32 accumulators.

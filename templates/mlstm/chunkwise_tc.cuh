@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_ke
   const T* k = static_cast<const T*>(p.k) + seq * S * kDk;
   const T* v = static_cast<const T*>(p.v) + seq * S * kDv;
   const float4* gr = reinterpret_cast<const float4*>(p.gate_rows) + seq * S;
-  const bool owns_n = blockIdx.y == 0 && tid < BK;
+  const bool writes_n = blockIdx.y == 0 && cq == 0;  // n once per row: the first column tile's quad leaders
 
   auto load = [&](long long c, int st) {
     const long long t0 = c * L;
@@ -142,7 +142,8 @@ __global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_ke
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[nt][e] = C0 ? C0[(r0 + (e / 2) * 8) * kDv + col + e % 2] : 0.0f;
   }
-  float nval = owns_n && p.n0 ? p.n0[seq * kDk + d0 + tid] : 0.0f;
+  // n of rows r0, r0 + 8, kept (identical) by the four lanes of a quad.
+  float n_a = p.n0 ? p.n0[seq * kDk + r0] : 0.0f, n_b = p.n0 ? p.n0[seq * kDk + r0 + 8] : 0.0f;
 
   load(0, 0);
   cp_async_commit();
@@ -155,7 +156,7 @@ __global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_ke
       *reinterpret_cast<unsigned*>(Cc + r0 * kDv + col) = pack2<T>(acc[nt][0], acc[nt][1]);
       *reinterpret_cast<unsigned*>(Cc + (r0 + 8) * kDv + col) = pack2<T>(acc[nt][2], acc[nt][3]);
     }
-    if (owns_n) p.ns[(seq * NC + c) * kDk + d0 + tid] = nval;
+    if (writes_n) p.ns[(seq * NC + c) * kDk + r0] = n_a, p.ns[(seq * NC + c) * kDk + r0 + 8] = n_b;
     const bool last = c + 1 == NC;
     if (last && !p.C) {  // the state after the last chunk only for C_last
       cp_async_wait<0>();
@@ -177,16 +178,17 @@ __global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_ke
     const T* ks = Ks + st * L * KS;
     const T* vs = Vs + st * L * VS;
     const float* w = ws + st * L;
+    float sum_a = 0.0f, sum_b = 0.0f;  // this lane's part of sum_s w_s k_s for rows r0, r0 + 8 (fp32)
 #pragma unroll 2
     for (int kk = 0; kk < L / 16; ++kk) {
       // A[dk][s] = w_s K[s][dk]: the stored tile's rows are A's columns, hence the transposed load.
       unsigned a[4];
       ldmatrix_x4_trans(a, ks + (kk * 16 + lane % 8 + 8 * (lane / 16)) * KS + warp * 16 + 8 * ((lane / 8) % 2));
       const int s = kk * 16 + 2 * cq;
-      a[0] = scale2<T>(a[0], w[s], w[s + 1]);
-      a[1] = scale2<T>(a[1], w[s], w[s + 1]);
-      a[2] = scale2<T>(a[2], w[s + 8], w[s + 9]);
-      a[3] = scale2<T>(a[3], w[s + 8], w[s + 9]);
+      a[0] = scale2<T>(a[0], w[s], w[s + 1], sum_a);
+      a[1] = scale2<T>(a[1], w[s], w[s + 1], sum_b);
+      a[2] = scale2<T>(a[2], w[s + 8], w[s + 9], sum_a);
+      a[3] = scale2<T>(a[3], w[s + 8], w[s + 9], sum_b);
 #pragma unroll
       for (int np = 0; np < NT / 2; ++np) {
         unsigned b[4];
@@ -195,11 +197,13 @@ __global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_ke
         mma_16816<T>(acc[2 * np + 1], a, b[2], b[3]);
       }
     }
-    if (owns_n) {
-      float nn = ge * nval;
-      for (int s = 0; s < L; ++s) nn = fmaf(w[s], to_float(ks[s * KS + tid]), nn);
-      nval = nn;
-    }
+    // The quad's lanes hold the columns 2cq, 2cq + 1, 2cq + 8, 2cq + 9 of every 16 steps: together all.
+    sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 1);
+    sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 2);
+    sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
+    sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
+    n_a = fmaf(ge, n_a, sum_a);
+    n_b = fmaf(ge, n_b, sum_b);
     __syncthreads();
   }
   if (p.C) {
@@ -210,11 +214,28 @@ __global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_ke
       *reinterpret_cast<float2*>(C + r0 * kDv + col) = make_float2(acc[nt][0], acc[nt][1]);
       *reinterpret_cast<float2*>(C + (r0 + 8) * kDv + col) = make_float2(acc[nt][2], acc[nt][3]);
     }
-    if (owns_n) p.n[seq * kDk + d0 + tid] = nval;
+    if (writes_n) p.n[seq * kDk + r0] = n_a, p.n[seq * kDk + r0 + 8] = n_b;
   }
 }
 
 // ---- 3. output ----
+
+// K and V rows k0 .. k0 + R - 1 (zeros past S), V's columns e0 .. e0 + BV - 1, into Ks [R][QS], Vs [R][VS].
+template <typename T, int kDk, int kDv, int R, int BV, int kThreads>
+__device__ __forceinline__ void mlstm_tc_load_kv(T* Ks, T* Vs, const T* k, const T* v, long long k0, long long S,
+                                                 int e0, int tid) {
+  constexpr int QS = kDk + kMlstmTcPad, VS = BV + kMlstmTcPad;
+  for (int j = tid; j < R * (kDk / 8); j += kThreads) {
+    const int r = j / (kDk / 8), x = j % (kDk / 8);
+    const bool ok = k0 + r < S;
+    cp_async_16(Ks + r * QS + x * 8, k + (ok ? k0 + r : 0) * kDk + x * 8, ok);
+  }
+  for (int j = tid; j < R * (BV / 8); j += kThreads) {
+    const int r = j / (BV / 8), x = j % (BV / 8);
+    const bool ok = k0 + r < S;
+    cp_async_16(Vs + r * VS + x * 8, v + (ok ? k0 + r : 0) * kDv + e0 + x * 8, ok);
+  }
+}
 
 template <typename T, int kDk, int kDv, int kChunk>
 __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 2) mlstm_tc_out_kernel(const MlstmParams p) {
@@ -222,12 +243,13 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 2) mlstm_tc_out_
   constexpr int kThreads = mlstm_tc_out_threads(L), QS = kDk + P, VS = BV + P, NV = BV / 8, NK = R / 8;
   static_assert(kDk % 16 == 0 && BV % 16 == 0 && R % 16 == 0 && L % R == 0, "tiles of 16");
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* Qs = reinterpret_cast<T*>(smem_raw);  // [R][QS]
-  T* Rg = Qs + R * QS;                     // the C tile [kDk][VS], then K [R][QS] and V [R][VS]
-  T* Ks = Rg;
-  T* Vs = Rg + R * QS;
-  float* ibs = reinterpret_cast<float*>(Rg + mlstm_tc_out_region_elems(kDk, kDv, L));  // [L]: i_s - b_s
-  float* qn = ibs + L;                                                                 // [R]: q_t . n_c
+  // Q [R][QS]; two K/V buffers: 0 first holds the C tile [kDk][VS], 1 the first K/V tile, then they
+  // alternate (tile kt in buffer (kt + 1) % 2); then i_s - b_s of the chunk and n entering it.
+  T* Qs = reinterpret_cast<T*>(smem_raw);
+  T* const buf0 = Qs + R * QS;
+  T* const buf1 = buf0 + mlstm_tc_out_region_elems(kDk, kDv, L);
+  float* ibs = reinterpret_cast<float*>(buf1 + R * QS + R * VS);  // [L]
+  float* nsm = ibs + L;                                             // [kDk]
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
   const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
   const long long seq = blockIdx.x / QT, t0 = (blockIdx.x % QT) * R, c = t0 / L, cs = c * L;
@@ -246,44 +268,41 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 2) mlstm_tc_out_
   const T* Cc = static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv;
   for (int j = tid; j < kDk * (BV / 8); j += kThreads) {
     const int r = j / (BV / 8), x = j % (BV / 8);
-    cp_async_16(Rg + r * VS + x * 8, Cc + r * kDv + e0 + x * 8, true);
+    cp_async_16(buf0 + r * VS + x * 8, Cc + r * kDv + e0 + x * 8, true);
   }
   cp_async_commit();
+  mlstm_tc_load_kv<T, kDk, kDv, R, BV, kThreads>(buf1, buf1 + R * QS, k, v, cs, S, e0, tid);
+  cp_async_commit();
   for (int s = tid; s < ktiles * R; s += kThreads) ibs[s] = cs + s < S ? gr[cs + s].y : mlstm_neg_inf();
+  for (int d = tid; d < kDk; d += kThreads) nsm[d] = p.ns[(seq * NC + c) * kDk + d];
   // This thread's rows: ra and ra + 8 of the tile.
   const int ra = warp * 16 + g;
   const long long ta = t0 + ra, tb = ta + 8;
   const float4 ga = ta < S ? gr[ta] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   const float4 gb = tb < S ? gr[tb] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   const float ma = ta < S ? p.m_rows[seq * S + ta] : 0.0f, mb = tb < S ? p.m_rows[seq * S + tb] : 0.0f;
-  cp_async_wait<0>();
+  cp_async_wait<1>();  // Q and C
   __syncthreads();
-  {  // q_t . n_c, two threads per row
-    const int r = tid / 2, half = tid % 2;
-    const float* nc = p.ns + (seq * NC + c) * kDk + half * (kDk / 2);
-    const T* qr = Qs + r * QS + half * (kDk / 2);
-    float z = 0.0f;
-#pragma unroll 8
-    for (int d = 0; d < kDk / 2; ++d) z = fmaf(to_float(qr[d]), nc[d], z);
-    z += __shfl_xor_sync(0xffffffffu, z, 1);
-    if (half == 0) qn[r] = z;
-  }
 
-  // Inter-chunk term: O = (g_t s Q) C_c.
+  // Inter-chunk term O = (g_t s Q) C_c by mma, and q_t . n_c from the same A fragments (fp32).
   float o[NV][4];
 #pragma unroll
   for (int nt = 0; nt < NV; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
+  float qn_a = 0.0f, qn_b = 0.0f;
   const T* qa = Qs + (warp * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * QS + 8 * (lane / 16);  // A rows, row-major
 #pragma unroll 2
   for (int kk = 0; kk < kDk / 16; ++kk) {
     unsigned a[4];
     ldmatrix_x4(a, qa + kk * 16);
+    const int d = kk * 16 + 2 * cq;
+    qn_a += dot2<T>(a[0], nsm[d], nsm[d + 1]) + dot2<T>(a[2], nsm[d + 8], nsm[d + 9]);
+    qn_b += dot2<T>(a[1], nsm[d], nsm[d + 1]) + dot2<T>(a[3], nsm[d + 8], nsm[d + 9]);
 #pragma unroll
     for (int np = 0; np < NV / 2; ++np) {
       unsigned b[4];
-      ldmatrix_x4_trans(b, Rg + (kk * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * VS + np * 16 + 8 * (lane / 16));
+      ldmatrix_x4_trans(b, buf0 + (kk * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * VS + np * 16 + 8 * (lane / 16));
       mma_16816<T>(o[2 * np], a, b[0], b[1]);
       mma_16816<T>(o[2 * np + 1], a, b[2], b[3]);
     }
@@ -292,25 +311,23 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 2) mlstm_tc_out_
 #pragma unroll
   for (int nt = 0; nt < NV; ++nt) o[nt][0] *= fa, o[nt][1] *= fa, o[nt][2] *= fb, o[nt][3] *= fb;
 
-  // Intra-chunk term, key tiles from the chunk's start to the diagonal.
+  // Intra-chunk term, key tiles from the chunk's start to the diagonal; tile kt + 1's loads fly during
+  // tile kt's math.
   float sum_a = 0.0f, sum_b = 0.0f;
   const int row_a = static_cast<int>(t0 - cs) + ra, row_b = row_a + 8;  // rows' positions in the chunk
   for (int kt = 0; kt < ktiles; ++kt) {
-    __syncthreads();  // every warp is done with the region (C tile, or the last K and V tiles)
-    const long long k0 = cs + static_cast<long long>(kt) * R;
-    for (int j = tid; j < R * (kDk / 8); j += kThreads) {
-      const int r = j / (kDk / 8), x = j % (kDk / 8);
-      const bool ok = k0 + r < S;
-      cp_async_16(Ks + r * QS + x * 8, k + (ok ? k0 + r : 0) * kDk + x * 8, ok);
+    __syncthreads();  // every warp is done with buffer kt % 2 (the C tile, or tile kt - 1)
+    if (kt + 1 < ktiles) {
+      T* nb = kt % 2 ? buf1 : buf0;
+      mlstm_tc_load_kv<T, kDk, kDv, R, BV, kThreads>(nb, nb + R * QS, k, v, cs + (kt + 1) * R, S, e0, tid);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
     }
-    for (int j = tid; j < R * (BV / 8); j += kThreads) {
-      const int r = j / (BV / 8), x = j % (BV / 8);
-      const bool ok = k0 + r < S;
-      cp_async_16(Vs + r * VS + x * 8, v + (ok ? k0 + r : 0) * kDv + e0 + x * 8, ok);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
     __syncthreads();
+    const T* Ks = kt % 2 ? buf0 : buf1;
+    const T* Vs = Ks + R * QS;
     float sc[NK][4];
 #pragma unroll
     for (int nt = 0; nt < NK; ++nt)
@@ -356,12 +373,15 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 2) mlstm_tc_out_
       }
     }
   }
-  sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 1);
-  sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 2);
-  sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
-  sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
-  const float nrm_a = fmaxf(fabsf(fa * qn[ra] + sum_a), expf(-ma));
-  const float nrm_b = fmaxf(fabsf(fb * qn[ra + 8] + sum_b), expf(-mb));
+  // Row sums over the quad (its lanes hold every column between them).
+  for (int x = 1; x <= 2; x *= 2) {
+    sum_a += __shfl_xor_sync(0xffffffffu, sum_a, x);
+    sum_b += __shfl_xor_sync(0xffffffffu, sum_b, x);
+    qn_a += __shfl_xor_sync(0xffffffffu, qn_a, x);
+    qn_b += __shfl_xor_sync(0xffffffffu, qn_b, x);
+  }
+  const float nrm_a = fmaxf(fabsf(fa * qn_a + sum_a), expf(-ma));
+  const float nrm_b = fmaxf(fabsf(fb * qn_b + sum_b), expf(-mb));
   const float inv_a = 1.0f / (nrm_a + p.eps), inv_b = 1.0f / (nrm_b + p.eps);
   T* h = static_cast<T*>(p.h) + seq * S * kDv;
 #pragma unroll

@@ -49,17 +49,19 @@ constexpr int mlstm_tc_state_tile(int dh) { return dh < 64 ? dh : 64; }
 constexpr int kMlstmTcPad = 8;
 constexpr int mlstm_tc_out_threads(int chunk) { return mlstm_tc_rows(chunk) * 2; }
 constexpr int mlstm_tc_state_threads(int dk) { return mlstm_tc_state_tile(dk) * 2; }
-// The output kernel's C tile, then its K and V tiles, share one region.
+// The output kernel's C tile, then K and V tiles, share one region.
 constexpr int mlstm_tc_out_region_elems(int dk, int dv, int chunk) {
   return dk * (mlstm_tc_bv(dv) + kMlstmTcPad) >
                  mlstm_tc_rows(chunk) * (dk + kMlstmTcPad) + mlstm_tc_rows(chunk) * (mlstm_tc_bv(dv) + kMlstmTcPad)
              ? dk * (mlstm_tc_bv(dv) + kMlstmTcPad)
              : mlstm_tc_rows(chunk) * (dk + kMlstmTcPad) + mlstm_tc_rows(chunk) * (mlstm_tc_bv(dv) + kMlstmTcPad);
 }
-// Dynamic shared memory in bytes (16-bit elements): Q tile, the region, i_s - b_s of a chunk, q.n per row.
+// Dynamic shared memory in bytes (16-bit elements): Q tile, the region, a second K and V buffer, then
+// in fp32 i_s - b_s of a chunk and its entering n.
 constexpr int mlstm_tc_out_smem_bytes(int dk, int dv, int chunk) {
-  return 2 * (mlstm_tc_rows(chunk) * (dk + kMlstmTcPad) + mlstm_tc_out_region_elems(dk, dv, chunk)) +
-         4 * (chunk + mlstm_tc_rows(chunk));
+  return 2 * (mlstm_tc_rows(chunk) * (dk + kMlstmTcPad) + mlstm_tc_out_region_elems(dk, dv, chunk) +
+              mlstm_tc_rows(chunk) * (dk + kMlstmTcPad) + mlstm_tc_rows(chunk) * (mlstm_tc_bv(dv) + kMlstmTcPad)) +
+         4 * (chunk + dk);
 }
 // Two stages of a chunk's K and V slices, and of its w_t.
 constexpr int mlstm_tc_state_smem_bytes(int dk, int dv, int chunk) {
