@@ -79,6 +79,45 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* 
                : "r"(smem_addr(row)));
 }
 
+// Lane row addresses for ldmatrix_x4 of a 16x16 A fragment at (m0, k0): frag_a from a row-major [m][k]
+// tile (plain load), frag_a_t from a [k][m] tile (transposed load). Strides in elements.
+template <typename T>
+__device__ __forceinline__ const T* frag_a(const T* base, int stride, int m0, int k0, int lane) {
+  return base + (m0 + lane % 8 + 8 * ((lane / 8) % 2)) * stride + k0 + 8 * (lane / 16);
+}
+template <typename T>
+__device__ __forceinline__ const T* frag_a_t(const T* base, int stride, int m0, int k0, int lane) {
+  return base + (k0 + lane % 8 + 8 * (lane / 16)) * stride + m0 + 8 * ((lane / 8) % 2);
+}
+
+// acc[nt] (16 x 8 each, kNt of them) += A (16x16, registers) * B (16 x 8 kNt) read from shared memory at
+// row k0 of B: stored as [n][k] (kTrans false: plain loads) or [k][n] (kTrans true: transposed loads).
+template <typename T, int kNt, bool kTrans>
+__device__ __forceinline__ void mma_row(float (&acc)[kNt][4], const unsigned (&a)[4], const T* b, int stride, int k0,
+                                        int lane) {
+  static_assert(kNt % 2 == 0, "pairs of n-tiles");
+#pragma unroll
+  for (int np = 0; np < kNt / 2; ++np) {
+    unsigned r[4];
+    if (kTrans)
+      ldmatrix_x4_trans(r, b + (k0 + lane % 8 + 8 * ((lane / 8) % 2)) * stride + np * 16 + 8 * (lane / 16));
+    else
+      ldmatrix_x4(r, b + (np * 16 + lane % 8 + 8 * (lane / 16)) * stride + k0 + 8 * ((lane / 8) % 2));
+    mma_16816<T>(acc[2 * np], a, r[0], r[1]);
+    mma_16816<T>(acc[2 * np + 1], a, r[2], r[3]);
+  }
+}
+
+// The A fragments of a 16 x 16 step taken from score accumulators (FA2's register reuse): columns
+// 16 kk .. 16 kk + 15 of a 16-row C-layout tile, rounded to T.
+template <typename T, int kNt>
+__device__ __forceinline__ void scores_as_a(unsigned (&a)[4], const float (&sc)[kNt][4], int kk) {
+  a[0] = pack2<T>(sc[2 * kk][0], sc[2 * kk][1]);
+  a[1] = pack2<T>(sc[2 * kk][2], sc[2 * kk][3]);
+  a[2] = pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+  a[3] = pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+}
+
 // 16 bytes from global to shared memory without a register round trip; `valid` false writes zeros
 // (the source is not read: src-size 0), which is how tiles past the sequence's end are masked.
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {

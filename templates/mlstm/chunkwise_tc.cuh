@@ -95,25 +95,32 @@ __global__ void __launch_bounds__(32) mlstm_tc_gates_kernel(const MlstmParams p)
   if (lane == 0 && p.m) p.m[seq] = m;
 }
 
-// ---- 2. state ----
+// ---- 2. state (and, reversed, the backward's state gradient) ----
 
-template <typename T, int kDk, int kDv, int kChunk>
+// kReverse false (the forward): C entering chunk c, C <- e^(b_L + m - m_L) C + sum_s w_s k_s v_s^T from
+// C0, n alike; writes C (and n) entering every chunk, C_last and n_last when p.C is set.
+// kReverse true (mlstm.chunkwise.bwd algo=tc): dC after chunk c, from the last chunk down,
+// dC <- e^(b_L + m - m_L) dC + sum_t u_t q_t dh_t^T with u_t = s g_t / (nrm_t + eps), from dC_last;
+// writes dC after every chunk (to Cs), and dC0 (the gradient entering the first chunk) when p.C is set.
+// The same product either way: a [64 x L] . [L x 64] mma per chunk with a per-step weight on A.
+template <typename T, int kDk, int kDv, int kChunk, bool kReverse>
 __global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_kernel(const MlstmParams p) {
   constexpr int L = kChunk, BK = mlstm_tc_state_tile(kDk), BV = mlstm_tc_state_tile(kDv), P = kMlstmTcPad;
   constexpr int kThreads = mlstm_tc_state_threads(kDk), NT = BV / 8, KS = BK + P, VS = BV + P;
   constexpr int kDkTiles = kDk / BK;
   static_assert(BK % 16 == 0 && BV % 16 == 0 && L % 16 == 0, "tiles of 16");
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* Ks = reinterpret_cast<T*>(smem_raw);                  // [2][L][KS]
-  T* Vs = Ks + 2 * L * KS;                                 // [2][L][VS]
-  float* ws = reinterpret_cast<float*>(Vs + 2 * L * VS);  // [2][L]: w_t
+  T* Ks = reinterpret_cast<T*>(smem_raw);                  // [2][L][KS]: k (q reversed)
+  T* Vs = Ks + 2 * L * KS;                                 // [2][L][VS]: v (dh reversed)
+  float* ws = reinterpret_cast<float*>(Vs + 2 * L * VS);  // [2][L]: w_t (u_t reversed)
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
   const long long seq = blockIdx.x / kDkTiles, S = p.seqlen, NC = (S + L - 1) / L;
   const int d0 = static_cast<int>(blockIdx.x % kDkTiles) * BK, e0 = blockIdx.y * BV;
-  const T* k = static_cast<const T*>(p.k) + seq * S * kDk;
-  const T* v = static_cast<const T*>(p.v) + seq * S * kDv;
+  const T* k = static_cast<const T*>(kReverse ? p.q : p.k) + seq * S * kDk;
+  const T* v = static_cast<const T*>(kReverse ? p.dh : p.v) + seq * S * kDv;
   const float4* gr = reinterpret_cast<const float4*>(p.gate_rows) + seq * S;
-  const bool writes_n = blockIdx.y == 0 && cq == 0;  // n once per row: the first column tile's quad leaders
+  const float scale = rsqrtf(static_cast<float>(kDk));
+  const bool writes_n = !kReverse && blockIdx.y == 0 && cq == 0;  // n once per row: the quad leaders
 
   auto load = [&](long long c, int st) {
     const long long t0 = c * L;
@@ -129,13 +136,17 @@ __global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_ke
       const bool ok = t0 + s < S;
       cp_async_16(vs + s * VS + x * 8, v + (ok ? t0 + s : 0) * kDv + e0 + x * 8, ok);
     }
-    for (int s = tid; s < L; s += kThreads) ws[st * L + s] = t0 + s < S ? gr[t0 + s].w : 0.0f;
+    for (int s = tid; s < L; s += kThreads) {
+      const long long t = t0 + s;
+      ws[st * L + s] = t >= S ? 0.0f : kReverse ? scale * gr[t].z / (p.nrm[seq * S + t] + p.eps) : gr[t].w;
+    }
   };
 
   // This thread's accumulators: rows r0 and r0 + 8 of C, columns e0 + 8 nt + 2 cq (+1).
   const int r0 = d0 + warp * 16 + g;
   float acc[NT][4];
-  const float* C0 = p.C0 ? p.C0 + seq * kDk * kDv : nullptr;
+  const float* C0 = kReverse ? p.dC_last : p.C0;
+  if (C0) C0 += seq * kDk * kDv;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int col = e0 + nt * 8 + 2 * cq;
@@ -143,12 +154,13 @@ __global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_ke
     for (int e = 0; e < 4; ++e) acc[nt][e] = C0 ? C0[(r0 + (e / 2) * 8) * kDv + col + e % 2] : 0.0f;
   }
   // n of rows r0, r0 + 8, kept (identical) by the four lanes of a quad.
-  float n_a = p.n0 ? p.n0[seq * kDk + r0] : 0.0f, n_b = p.n0 ? p.n0[seq * kDk + r0 + 8] : 0.0f;
+  float n_a = !kReverse && p.n0 ? p.n0[seq * kDk + r0] : 0.0f, n_b = !kReverse && p.n0 ? p.n0[seq * kDk + r0 + 8] : 0.0f;
 
-  load(0, 0);
+  load(kReverse ? NC - 1 : 0, 0);
   cp_async_commit();
-  for (long long c = 0; c < NC; ++c) {
-    const int st = static_cast<int>(c & 1);
+  for (long long j = 0; j < NC; ++j) {
+    const long long c = kReverse ? NC - 1 - j : j;
+    const int st = static_cast<int>(j & 1);
     T* Cc = static_cast<T*>(p.Cs) + (seq * NC + c) * kDk * kDv;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -157,13 +169,13 @@ __global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_ke
       *reinterpret_cast<unsigned*>(Cc + (r0 + 8) * kDv + col) = pack2<T>(acc[nt][2], acc[nt][3]);
     }
     if (writes_n) p.ns[(seq * NC + c) * kDk + r0] = n_a, p.ns[(seq * NC + c) * kDk + r0 + 8] = n_b;
-    const bool last = c + 1 == NC;
-    if (last && !p.C) {  // the state after the last chunk only for C_last
+    const bool last = j + 1 == NC;
+    if (last && !p.C) {  // the state after the last chunk (C_last, dC0) only when asked for
       cp_async_wait<0>();
       break;
     }
     if (!last) {
-      load(c + 1, st ^ 1);  // that stage's last readers passed the barrier closing chunk c - 1
+      load(kReverse ? c - 1 : c + 1, st ^ 1);  // that stage's last readers passed the barrier closing j - 1
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -197,13 +209,15 @@ __global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_ke
         mma_16816<T>(acc[2 * np + 1], a, b[2], b[3]);
       }
     }
-    // The quad's lanes hold the columns 2cq, 2cq + 1, 2cq + 8, 2cq + 9 of every 16 steps: together all.
-    sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 1);
-    sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 2);
-    sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
-    sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
-    n_a = fmaf(ge, n_a, sum_a);
-    n_b = fmaf(ge, n_b, sum_b);
+    if (!kReverse) {
+      // The quad's lanes hold the columns 2cq, 2cq + 1, 2cq + 8, 2cq + 9 of every 16 steps: together all.
+      sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 1);
+      sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 2);
+      sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
+      sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
+      n_a = fmaf(ge, n_a, sum_a);
+      n_b = fmaf(ge, n_b, sum_b);
+    }
     __syncthreads();
   }
   if (p.C) {

@@ -29,6 +29,7 @@ struct MlstmParams {
   float* chunk_g;    // [seqs, NC]: e^(b_L + m - m_L), the decay of the state carried over each chunk
   void* Cs;          // [seqs, NC, DHQK, DHHV] in the input dtype: C entering each chunk
   float* ns;         // [seqs, NC, DHQK]: n entering each chunk
+  float* kdk;        // backward: [seqs, S] k_t . dk_t in fp32 (qdq above: q_t . dq_t), for df
 };
 
 // Dynamic shared memory of mlstm_chunkwise_fwd_kernel in floats: S (chunk x chunk), six vectors of
@@ -66,6 +67,15 @@ constexpr int mlstm_tc_out_smem_bytes(int dk, int dv, int chunk) {
 // Two stages of a chunk's K and V slices, and of its w_t.
 constexpr int mlstm_tc_state_smem_bytes(int dk, int dv, int chunk) {
   return 2 * 2 * chunk * (mlstm_tc_state_tile(dk) + mlstm_tc_state_tile(dv) + 2 * kMlstmTcPad) + 2 * 4 * chunk;
+}
+
+// The backward (chunkwise_tc_bwd.cuh), DHQK and DHHV <= 128, 4 warps for 64 rows like the output
+// kernel: the dq kernel holds Q, dH, the chunk's C, a K and a V tile; the dk/dv kernels their own K and
+// V tiles, the chunk's dC, a Q and a dH tile; both take the chunk's i_s - b_s.
+constexpr int mlstm_tc_bwd_smem_bytes(int dk, int dv, int chunk) {
+  return 2 * (2 * mlstm_tc_rows(chunk) * (dk + kMlstmTcPad) + 2 * mlstm_tc_rows(chunk) * (dv + kMlstmTcPad) +
+              dk * (dv + kMlstmTcPad)) +
+         4 * (chunk + 2 * mlstm_tc_rows(chunk));
 }
 
 }  // namespace kspec

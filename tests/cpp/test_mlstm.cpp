@@ -211,6 +211,32 @@ TEST(Mlstm, EveryCaseCompilesWithoutSpills) {
   }
 }
 
+// mlstm.chunkwise.bwd's algo=tc (not the heuristic's choice yet, so not compiled above) compiles without
+// spills or a stack frame: the base case in fp16 and bf16 and chunk 128 in bf16.
+TEST(Mlstm, TensorCoreBackwardCompilesWithoutSpills) {
+  const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
+  const Config tc = Config::parse("algo=tc,threads=128", op.info);
+  for (const auto& [case_name, dt] : std::vector<std::pair<std::string, DType>>{
+           {"base", DType::f16}, {"base", DType::bf16}, {"chunk_128", DType::bf16}}) {
+    for (const auto& cs : op.cases) {
+      if (cs.name != case_name) continue;
+      CompileRequest r;
+      r.op = op.info.name;
+      r.dtype = dt;
+      r.config = tc;
+      for (const auto& [k, v] : cs.params.items()) r.params.set(k, v);
+      for (const auto& [k, v] : cs.dims)
+        if (k == "dhqk" || k == "dhhv") r.params.set(k, v);
+      const auto reports = compile(r);
+      EXPECT_EQ(reports.size(), 7u) << case_name;
+      for (const auto& rep : reports) {
+        EXPECT_EQ(rep.spill_bytes, 0) << case_name << " " << dtype_short(dt) << ": " << rep.kernel;
+        EXPECT_EQ(rep.stack_bytes, 0) << case_name << " " << dtype_short(dt) << ": " << rep.kernel;
+      }
+    }
+  }
+}
+
 // The log-sigmoid probe (templates/mlstm/log_sigmoid_probe.cuh) compiles for every gate dtype.
 jit::KernelSpec log_sigmoid_probe(DType dt, const std::string& arch) {
   jit::KernelSpec s;
@@ -805,6 +831,36 @@ TEST(MlstmGpu, TensorCoreForwardMatchesReference) {
         EXPECT_LT(rel_max_d(got[5], want.m_last), 1e-4) << what << " m_last";
       }
     }
+  }
+}
+
+// algo=tc forced on every case of both chunkwise ops that it supports (the backward: head dims <= 128),
+// fp16 and bf16, against the float64 reference with the op's tolerance (the generic checker's rows:
+// S of 1, 2, 63, 64, 65, 100, 300, chunks 16 to 128, head dims 16 to 128 (forward: to 256 x 512 with
+// the large cases), with and without initial states, dC_last, nrm and the last states).
+TEST(MlstmGpu, TensorCoreEveryCaseMatchesReference) {
+  KSPEC_REQUIRE_GPU();
+  for (const char* op : {"mlstm.chunkwise.fwd", "mlstm.chunkwise.bwd"}) {
+    const Config tc = Config::parse("algo=tc,threads=128", op_info(op));
+    int ran = 0;
+    for (const auto& cs : Registry::global().get(op).cases) {
+      if (cs.large) continue;
+      int64_t dk = 0, dv = 0;
+      for (const auto& [name, value] : cs.dims) {
+        if (name == "dhqk") dk = value;
+        if (name == "dhhv") dv = value;
+      }
+      if (std::string(op) == "mlstm.chunkwise.bwd" && (dk > 128 || dv > 128)) continue;
+      CheckOptions o;
+      o.case_name = cs.name;
+      o.dtypes = {DType::f16, DType::bf16};
+      o.configs = {tc};
+      const auto rows = check_op(op, o);
+      EXPECT_EQ(rows.size(), 2u) << op << " " << cs.name;
+      kspec::testing::report(rows);
+      ++ran;
+    }
+    EXPECT_GE(ran, 12) << op;
   }
 }
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Kernel-level timing of mlstm.chunkwise.fwd: algo=simt (the correct-first kernel) against algo=tc (the
-tensor-core forward) at issue 29's anchor, B=8, NH=8, DHQK=DHHV=128, bf16, chunk 128, S in {4096, 8192}.
-Each shape first checks tc's h, nrm and m against simt's, then times each algo: CUDA events around one
-call, median of 30 after 5 warm-up calls, L2 flushed (a 256 MB write) before every timed call.
-TFLOP/s by the issue's formula (per token and head 4 DHQK DHHV + 128 (DHQK + DHHV), forward).
+"""Kernel-level timing of mlstm.chunkwise.fwd and .bwd: algo=simt (the correct-first kernels) against
+algo=tc (tensor cores) at issue 29's anchor, B=8, NH=8, DHQK=DHHV=128, bf16, chunk 128, S in {4096, 8192}.
+Each shape first checks tc's outputs against simt's (forward: h, nrm, m; backward, both from simt's nrm
+and m: dq, dk, dv, di, df), then times each algo: CUDA events around the call(s), median of 30 after 5
+warm-up calls (simt, tens of ms a call: median of 3 after 1), L2 flushed (a 256 MB write) before every
+timed call; "fwd+bwd" is one forward and one backward of the same algo. TFLOP/s by the issue's formula (per token and head 4 DHQK DHHV + 128 (DHQK +
+DHHV) forward, x3 with the backward).
 
     python3 tools/gpu/profile_mlstm.py [--seqlens 4096 8192] [--dtype bf16] [--chunk 128] [--reps 30]
 """
@@ -29,13 +31,23 @@ def forward(q, k, v, i, f, chunk, config, out):
     return out
 
 
+def backward(q, k, v, i, f, nrm, m, dh, chunk, config, out):
+    kspec.call("mlstm.chunkwise.bwd", q, k, v, i, f, None, None, nrm, m, dh, None, out=(*out, None),
+               chunk=chunk, config=config)
+    return out
+
+
+def grads(q, k, v, i):
+    return tuple(torch.full_like(t, float("nan")) for t in (q, k, v, i, i))
+
+
 def rel_max(x, ref):
     x, ref = x.double(), ref.double()
     return float((x - ref).abs().max() / ref.abs().max())
 
 
-def time_ms(fn, reps, flush):
-    for _ in range(5):
+def time_ms(fn, reps, flush, warmup=5):
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
@@ -74,11 +86,23 @@ def main() -> None:
         finite = all(bool(torch.isfinite(x).all()) for x in out["tc"])
         print(f"S={S}: tc vs simt max-rel  h {errs[0]:.2e}  nrm {errs[1]:.2e}  m {errs[2]:.2e}  "
               f"{'finite' if finite else 'NON-FINITE'}")
+        dh = r(B, NH, S, D).to(dt)
+        _, nrm, m = out["simt"]
+        gr = {name: backward(q, k, v, i, f, nrm, m, dh, a.chunk, cfg, grads(q, k, v, i)) for name, cfg in CONFIGS.items()}
+        torch.cuda.synchronize()
+        errs = [rel_max(x, y) for x, y in zip(gr["tc"], gr["simt"])]
+        finite = all(bool(torch.isfinite(x).all()) for x in gr["tc"])
+        print("       bwd: tc vs simt max-rel  " + "  ".join(f"{n} {e:.2e}" for n, e in zip(("dq", "dk", "dv", "di", "df"), errs))
+              + f"  {'finite' if finite else 'NON-FINITE'}")
         flop = B * NH * S * (4 * D * D + 128 * (D + D))
         for name, cfg in CONFIGS.items():
-            o = out[name]
-            ms = time_ms(lambda: forward(q, k, v, i, f, a.chunk, cfg, o), a.reps, flush)
-            print(f"  {name:5s} {ms:8.3f} ms  {flop / ms / 1e9:7.1f} TFLOP/s")
+            o, g_ = out[name], gr[name]
+            reps, warmup = (a.reps, 5) if name == "tc" else (3, 1)  # simt: tens of ms a call
+            ms = time_ms(lambda: forward(q, k, v, i, f, a.chunk, cfg, o), reps, flush, warmup)
+            both = time_ms(lambda: backward(q, k, v, i, f, *forward(q, k, v, i, f, a.chunk, cfg, o)[1:], dh, a.chunk,
+                                            cfg, g_), reps, flush, warmup)
+            print(f"  {name:5s} fwd {ms:8.3f} ms {flop / ms / 1e9:7.1f} TFLOP/s   "
+                  f"fwd+bwd {both:8.3f} ms {3 * flop / both / 1e9:7.1f} TFLOP/s")
 
 
 if __name__ == "__main__":

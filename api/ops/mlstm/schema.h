@@ -30,8 +30,12 @@ TuningSpace mlstm_tuning(bool bwd = false);
 // chunkwise_tc.cuh, its own block sizes, named with threads = 128) over mlstm_tuning's threads.
 enum FwdAlgo : int64_t { kSimt = 0, kTc = 1 };
 TuningSpace chunkwise_fwd_tuning();
-// Why algo=tc cannot run a problem ("" when it can): 16-bit q, k, v, DHQK <= 256, 16-byte pointers.
-std::string tc_unsupported(const Problem& p);
+// mlstm.chunkwise.bwd's: the same axes; algo=tc (chunkwise_tc_bwd.cuh) only where a config names it
+// until it is measured on a GPU.
+TuningSpace chunkwise_bwd_tuning();
+// Why algo=tc cannot run a problem ("" when it can): 16-bit q, k, v, DHQK <= 256 (backward: DHQK and
+// DHHV <= 128), 16-byte pointers.
+std::string tc_unsupported(const Problem& p, bool bwd = false);
 TuningSpace parallel_tuning(bool bwd);  // chunk is a tuning axis
 
 // Inputs q, k, v, i, f with these leading dims; i and f in the input dtype or fp32.
