@@ -113,6 +113,7 @@ __global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_ke
   T* Ks = reinterpret_cast<T*>(smem_raw);                  // [2][L][KS]: k (q reversed)
   T* Vs = Ks + 2 * L * KS;                                 // [2][L][VS]: v (dh reversed)
   float* ws = reinterpret_cast<float*>(Vs + 2 * L * VS);  // [2][L]: w_t (u_t reversed)
+  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_state_smem_bytes(kDk, kDv, L) / 4);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
   const long long seq = blockIdx.x / kDkTiles, S = p.seqlen, NC = (S + L - 1) / L;
   const int d0 = static_cast<int>(blockIdx.x % kDkTiles) * BK, e0 = blockIdx.y * BV;
@@ -264,6 +265,7 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 2) mlstm_tc_out_
   T* const buf1 = buf0 + mlstm_tc_out_region_elems(kDk, kDv, L);
   float* ibs = reinterpret_cast<float*>(buf1 + R * QS + R * VS);  // [L]
   float* nsm = ibs + L;                                             // [kDk]
+  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_out_smem_bytes(kDk, kDv, L) / 4);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
   const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
   const long long seq = blockIdx.x / QT, t0 = (blockIdx.x % QT) * R, c = t0 / L, cs = c * L;

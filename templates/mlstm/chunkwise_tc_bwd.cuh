@@ -39,6 +39,7 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
   T* Vs = Hs + R * VS;                     // [R][VS]
   T* Cs = Vs + R * VS;                     // [kDk][VS] C entering the chunk
   float* ibs = reinterpret_cast<float*>(Cs + kDk * VS);  // [L]
+  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_bwd_smem_bytes(kDk, kDv, L) / 4);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
   const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
   const long long seq = blockIdx.x / QT, t0 = (blockIdx.x % QT) * R, c = t0 / L, cs = c * L;
@@ -147,6 +148,7 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dkv_
   T* Ds = Hs + R * VS;                     // [kDk][VS] dC after the chunk
   float* bms = reinterpret_cast<float*>(Ds + kDk * VS);  // [R] b_t - m_t of the query tile (-inf past S)
   float* rds = bms + R;                                  // [R] 1 / (nrm_t + eps) (0 past S)
+  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_bwd_smem_bytes(kDk, kDv, L) / 4);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
   const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
   const long long seq = blockIdx.x / QT, s0 = (blockIdx.x % QT) * R, c = s0 / L, cs = c * L;

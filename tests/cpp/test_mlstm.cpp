@@ -273,6 +273,38 @@ TEST(Mlstm, PoisonedSharedMemoryKernelsCompile) {
   }
 }
 
+namespace {
+
+// The op's kernels for a problem and config, compiled with shared memory NaN-poisoned
+// (KSPEC_MLSTM_POISON_SMEM).
+std::vector<jit::KernelSpec> poisoned_plan(const OpDef& op, const Problem& p, const Config& c) {
+  std::vector<jit::KernelSpec> specs = op.kernels(p, c);
+  for (auto& s : specs) s.defines.push_back({"KSPEC_MLSTM_POISON_SMEM", "1"});
+  return specs;
+}
+
+}  // namespace
+
+// The tensor-core kernels of both chunkwise ops compile with their shared memory poisoned (bf16,
+// head dims 32, chunk 16).
+TEST(Mlstm, PoisonedTensorCoreKernelsCompile) {
+  for (const char* name : {"mlstm.chunkwise.fwd", "mlstm.chunkwise.bwd"}) {
+    const OpDef& op = Registry::global().get(name);
+    CompileRequest r;
+    r.op = name;
+    r.dtype = DType::bf16;
+    r.params.set("dhqk", int64_t(32));
+    r.params.set("dhhv", int64_t(32));
+    r.params.set("chunk", int64_t(16));
+    Problem p = problem_from_request(op, r);
+    p.arch = jit::resolve_arch("sm_90");
+    for (const auto& spec : poisoned_plan(op, p, Config::parse("algo=tc,threads=128", op.info))) {
+      Obtained ob = obtain_binary(spec);
+      EXPECT_GT(ob.entry->binary.size(), 0u) << name << " " << spec.kernel;
+    }
+  }
+}
+
 // ---- GPU ----
 
 // logsigmoid_all_dtypes (issue 29): the kernels' log-sigmoid of a gate in fp32, fp16 and bf16 over
@@ -861,6 +893,123 @@ TEST(MlstmGpu, TensorCoreEveryCaseMatchesReference) {
       ++ran;
     }
     EXPECT_GE(ran, 12) << op;
+  }
+}
+
+namespace {
+
+// Runs an op's launcher on the poisoned build of its plan (poisoned_plan): every launch loads the
+// poisoned kernel; the workspace is NaN-filled.
+class PoisonedLauncher : public Launcher {
+ public:
+  explicit PoisonedLauncher(std::vector<jit::KernelSpec> specs) : specs_(std::move(specs)) {}
+  void launch(size_t k, Dim3 grid, Dim3 block, unsigned shared, void** args) override {
+    LoadedKernel& lk = load_kernel(specs_.at(k), 0);
+    if (shared > 48 * 1024)
+      CU_CHECK(cuFuncSetAttribute(lk.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, static_cast<int>(shared)));
+    CU_CHECK(cuLaunchKernel(lk.fn, grid.x, grid.y, grid.z, block.x, block.y, block.z, shared, nullptr, args, nullptr));
+  }
+  void launch_clusters(size_t k, Dim3 grid, Dim3 block, Dim3, unsigned shared, void** args) override {
+    launch(k, grid, block, shared, args);
+  }
+  void launch_dependent(size_t k, Dim3 grid, Dim3 block, unsigned shared, void** args) override {
+    launch(k, grid, block, shared, args);
+  }
+  void* workspace(size_t bytes) override {
+    ws_ = std::make_unique<DeviceBuffer>(bytes);
+    CU_CHECK(cuMemsetD8(ws_->ptr, 0xFF, std::max<size_t>(bytes, 16)));
+    return reinterpret_cast<void*>(ws_->ptr);
+  }
+  int multiprocessors() const override { return 1; }
+  int occupancy(size_t, unsigned, unsigned) override { return 1; }
+
+ private:
+  std::vector<jit::KernelSpec> specs_;
+  std::unique_ptr<DeviceBuffer> ws_;
+};
+
+}  // namespace
+
+// accumulators_initialized for algo=tc (issue 29): the tensor-core forward and backward with their
+// shared memory and workspace NaN-filled and every output NaN-poisoned, bf16 and fp16, S = 100 over
+// chunks of 16 and 64 (short last chunks), with initial states and dC_last: every output finite and
+// within tolerance of the float64 reference.
+TEST(MlstmGpu, TensorCorePoisonedSharedMemoryNeverReachesOutputs) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  const int64_t B = 1, NH = 2, S = 100, dk = 32, dv = 32;
+  Problem32 pr(B, NH, S, dk, dv, 81);
+  const auto dh32 = randn_f(B * NH * S * dv, 82), dC32 = randn_f(B * NH * dk * dv, 83);
+  for (DType dt : {DType::f16, DType::bf16}) {
+    for (int64_t chunk : {16, 64}) {
+      std::vector<std::unique_ptr<DeviceBuffer>> bufs;
+      auto put = [&](std::vector<double> x, DType t, std::initializer_list<int64_t> shape) {
+        quantize(t, x);
+        std::vector<unsigned char> bytes;
+        encode(t, x, bytes);
+        bufs.push_back(std::make_unique<DeviceBuffer>(bytes.size()));
+        CU_CHECK(cuMemcpyHtoD(bufs.back()->ptr, bytes.data(), bytes.size()));
+        return std::make_pair(TensorView(reinterpret_cast<void*>(bufs.back()->ptr), t, shape, 0), x);
+      };
+      auto nan_out = [&](DType t, std::initializer_list<int64_t> shape) {
+        int64_t n = 1;
+        for (int64_t d : shape) n *= d;
+        bufs.push_back(std::make_unique<DeviceBuffer>(static_cast<size_t>(n) * dtype_size(t)));
+        CU_CHECK(cuMemsetD8(bufs.back()->ptr, 0xFF, bufs.back()->bytes));
+        return TensorView(reinterpret_cast<void*>(bufs.back()->ptr), t, shape, 0);
+      };
+      auto fetch = [](const TensorView& t) {
+        std::vector<unsigned char> bytes(static_cast<size_t>(t.numel()) * dtype_size(t.dtype));
+        CU_CHECK(cuMemcpyDtoH(bytes.data(), reinterpret_cast<CUdeviceptr>(t.data), bytes.size()));
+        return decode(t.dtype, bytes);
+      };
+      auto [q, qd] = put(to_double(pr.q), dt, {B, NH, S, dk});
+      auto [k, kd] = put(to_double(pr.k), dt, {B, NH, S, dk});
+      auto [v, vd] = put(to_double(pr.v), dt, {B, NH, S, dv});
+      auto [i, id] = put(to_double(pr.i), dt, {B, NH, S});
+      auto [f, fd] = put(to_double(pr.f), dt, {B, NH, S});
+      auto [dh, dhd] = put(to_double(dh32), dt, {B, NH, S, dv});
+      auto [C0, C0d] = put(to_double(pr.C0), DType::f32, {B, NH, dk, dv});
+      auto [n0, n0d] = put(std::vector<double>(B * NH * dk, 0.0), DType::f32, {B, NH, dk});
+      auto [m0, m0d] = put(to_double(pr.m0), DType::f32, {B, NH, 1});
+      auto [dCl, dCd] = put(to_double(dC32), DType::f32, {B, NH, dk, dv});
+      const TensorView h = nan_out(dt, {B, NH, S, dv}), nrm = nan_out(DType::f32, {B, NH, S}),
+                       mr = nan_out(DType::f32, {B, NH, S}), Cl = nan_out(DType::f32, {B, NH, dk, dv}),
+                       nl = nan_out(DType::f32, {B, NH, dk}), ml = nan_out(DType::f32, {B, NH, 1});
+      const TensorView dq = nan_out(dt, {B, NH, S, dk}), dkk = nan_out(dt, {B, NH, S, dk}),
+                       dvv = nan_out(dt, {B, NH, S, dv}), di = nan_out(dt, {B, NH, S}), df = nan_out(dt, {B, NH, S}),
+                       dC0 = nan_out(DType::f32, {B, NH, dk, dv});
+      Params params;
+      params.set("chunk", chunk);
+      auto run = [&](const char* name, const std::vector<TensorView>& in, const std::vector<TensorView>& out) {
+        const OpDef& op = Registry::global().get(name);
+        Call call = validate_call(op, in, out, params, nullptr);
+        const Config c = Config::parse("algo=tc,threads=128", op.info);
+        PoisonedLauncher l(poisoned_plan(op, call.problem, c));
+        op.launch(call, c, l);
+        CU_CHECK(cuCtxSynchronize());
+      };
+      run("mlstm.chunkwise.fwd", {q, k, v, i, f, C0, n0, m0}, {h, nrm, mr, Cl, nl, ml});
+      run("mlstm.chunkwise.bwd", {q, k, v, i, f, C0, m0, nrm, mr, dh, dCl}, {dq, dkk, dvv, di, df, dC0});
+      ref::MlstmInputs r{qd, kd, vd, id, fd, C0d, n0d, m0d};
+      const ref::MlstmShape shape{B, NH, S, dk, dv};
+      const auto want = ref::mlstm_chunkwise_fwd_ref(shape, r, chunk);
+      const auto grads = ref::mlstm_chunkwise_bwd_ref(shape, r, dhd, &dCd, chunk);
+      const std::string what = std::string(dtype_short(dt)) + " chunk " + std::to_string(chunk);
+      const double tol = dt == DType::f16 ? 3e-3 : 2e-2, gtol = dt == DType::f16 ? 1e-2 : 5e-2;
+      EXPECT_LT(rel_max_d(fetch(h), want.h), tol) << what << " h";
+      EXPECT_LT(rel_max_d(fetch(nrm), want.nrm), 1e-4) << what << " nrm";
+      EXPECT_LT(rel_max_d(fetch(mr), want.m), 1e-4) << what << " m_rows";
+      EXPECT_LT(rel_max_d(fetch(Cl), want.C), tol) << what << " C_last";
+      EXPECT_LT(rel_max_d(fetch(nl), want.n), tol) << what << " n_last";
+      EXPECT_LT(rel_max_d(fetch(ml), want.m_last), 1e-4) << what << " m_last";
+      EXPECT_LT(rel_max_d(fetch(dq), grads.dq), gtol) << what << " dq";
+      EXPECT_LT(rel_max_d(fetch(dkk), grads.dk), gtol) << what << " dk";
+      EXPECT_LT(rel_max_d(fetch(dvv), grads.dv), gtol) << what << " dv";
+      EXPECT_LT(rel_max_d(fetch(di), grads.di), gtol) << what << " di";
+      EXPECT_LT(rel_max_d(fetch(df), grads.df), gtol) << what << " df";
+      EXPECT_LT(rel_max_d(fetch(dC0), grads.dC0), gtol) << what << " dC0";
+    }
   }
 }
 
