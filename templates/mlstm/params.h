@@ -23,6 +23,13 @@ struct MlstmParams {
   void *dq, *dk, *dv;      // like q, k, v
   void *di, *df;           // like i
   float* qdq;              // [seqs, S] workspace: q_t . dq_t in fp32, from the forward pass to df's
+  // algo=tc (chunkwise_tc.cuh): what its gates and state kernels leave in the workspace for the output
+  // kernel (NC = ceil(S / L) chunks; m_rows above is then always set, to the output or the workspace).
+  float* gate_rows;  // [seqs, S, 4]: b_t - m_t, i_t - b_t, g_t = e^(b_t + m - m_t), w_t = e^(b_L - b_t + i_t - m_L)
+  float* chunk_g;    // [seqs, NC]: e^(b_L + m - m_L), the decay of the state carried over each chunk
+  void* Cs;          // [seqs, NC, DHQK, DHHV] in the input dtype: C entering each chunk
+  float* ns;         // [seqs, NC, DHQK]: n entering each chunk
+  float* kdk;        // backward: [seqs, S] k_t . dk_t in fp32 (qdq above: q_t . dq_t), for df
 };
 
 // Dynamic shared memory of mlstm_chunkwise_fwd_kernel in floats: S (chunk x chunk), six vectors of
@@ -32,5 +39,43 @@ constexpr int mlstm_chunkwise_fwd_smem_floats(int chunk) { return chunk * chunk 
 // Dynamic shared memory of mlstm_chunkwise_bwd_kernel in floats: two chunk x chunk matrices, seven
 // vectors of chunk floats, two scalars and a block sum's scratch (up to 32 warps).
 constexpr int mlstm_chunkwise_bwd_smem_floats(int chunk) { return 2 * chunk * chunk + 7 * chunk + 2 + 32; }
+
+// algo=tc's tiles (chunkwise_tc.cuh), shared with the host's launcher. Output kernel: query rows and keys
+// per tile (16 per warp), h columns per CTA. State kernel: a C tile of (state_tile(DHQK) x
+// state_tile(DHHV)), 16 rows per warp. Shared rows are padded by 8 elements (16 bytes), so the 8 row
+// addresses of an ldmatrix fall in distinct banks.
+constexpr int mlstm_tc_rows(int chunk) { return chunk < 64 ? chunk : 64; }
+constexpr int mlstm_tc_bv(int dv) { return dv < 128 ? dv : 128; }
+constexpr int mlstm_tc_state_tile(int dh) { return dh < 64 ? dh : 64; }
+constexpr int kMlstmTcPad = 8;
+constexpr int mlstm_tc_out_threads(int chunk) { return mlstm_tc_rows(chunk) * 2; }
+constexpr int mlstm_tc_state_threads(int dk) { return mlstm_tc_state_tile(dk) * 2; }
+// The output kernel's C tile, then K and V tiles, share one region.
+constexpr int mlstm_tc_out_region_elems(int dk, int dv, int chunk) {
+  return dk * (mlstm_tc_bv(dv) + kMlstmTcPad) >
+                 mlstm_tc_rows(chunk) * (dk + kMlstmTcPad) + mlstm_tc_rows(chunk) * (mlstm_tc_bv(dv) + kMlstmTcPad)
+             ? dk * (mlstm_tc_bv(dv) + kMlstmTcPad)
+             : mlstm_tc_rows(chunk) * (dk + kMlstmTcPad) + mlstm_tc_rows(chunk) * (mlstm_tc_bv(dv) + kMlstmTcPad);
+}
+// Dynamic shared memory in bytes (16-bit elements): Q tile, the region, a second K and V buffer, then
+// in fp32 i_s - b_s of a chunk and its entering n.
+constexpr int mlstm_tc_out_smem_bytes(int dk, int dv, int chunk) {
+  return 2 * (mlstm_tc_rows(chunk) * (dk + kMlstmTcPad) + mlstm_tc_out_region_elems(dk, dv, chunk) +
+              mlstm_tc_rows(chunk) * (dk + kMlstmTcPad) + mlstm_tc_rows(chunk) * (mlstm_tc_bv(dv) + kMlstmTcPad)) +
+         4 * (chunk + dk);
+}
+// Two stages of a chunk's K and V slices, and of its w_t.
+constexpr int mlstm_tc_state_smem_bytes(int dk, int dv, int chunk) {
+  return 2 * 2 * chunk * (mlstm_tc_state_tile(dk) + mlstm_tc_state_tile(dv) + 2 * kMlstmTcPad) + 2 * 4 * chunk;
+}
+
+// The backward (chunkwise_tc_bwd.cuh), DHQK and DHHV <= 128, 4 warps for 64 rows like the output
+// kernel: the dq kernel holds Q, dH, the chunk's C, a K and a V tile; the dk/dv kernels their own K and
+// V tiles, the chunk's dC, a Q and a dH tile; both take the chunk's i_s - b_s.
+constexpr int mlstm_tc_bwd_smem_bytes(int dk, int dv, int chunk) {
+  return 2 * (2 * mlstm_tc_rows(chunk) * (dk + kMlstmTcPad) + 2 * mlstm_tc_rows(chunk) * (dv + kMlstmTcPad) +
+              dk * (dv + kMlstmTcPad)) +
+         4 * (chunk + 2 * mlstm_tc_rows(chunk));
+}
 
 }  // namespace kspec

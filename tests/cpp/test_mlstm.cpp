@@ -211,6 +211,32 @@ TEST(Mlstm, EveryCaseCompilesWithoutSpills) {
   }
 }
 
+// mlstm.chunkwise.bwd's algo=tc (not the heuristic's choice yet, so not compiled above) compiles without
+// spills or a stack frame: the base case in fp16 and bf16 and chunk 128 in bf16.
+TEST(Mlstm, TensorCoreBackwardCompilesWithoutSpills) {
+  const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
+  const Config tc = Config::parse("algo=tc,threads=128", op.info);
+  for (const auto& [case_name, dt] : std::vector<std::pair<std::string, DType>>{
+           {"base", DType::f16}, {"base", DType::bf16}, {"chunk_128", DType::bf16}}) {
+    for (const auto& cs : op.cases) {
+      if (cs.name != case_name) continue;
+      CompileRequest r;
+      r.op = op.info.name;
+      r.dtype = dt;
+      r.config = tc;
+      for (const auto& [k, v] : cs.params.items()) r.params.set(k, v);
+      for (const auto& [k, v] : cs.dims)
+        if (k == "dhqk" || k == "dhhv") r.params.set(k, v);
+      const auto reports = compile(r);
+      EXPECT_EQ(reports.size(), 7u) << case_name;
+      for (const auto& rep : reports) {
+        EXPECT_EQ(rep.spill_bytes, 0) << case_name << " " << dtype_short(dt) << ": " << rep.kernel;
+        EXPECT_EQ(rep.stack_bytes, 0) << case_name << " " << dtype_short(dt) << ": " << rep.kernel;
+      }
+    }
+  }
+}
+
 // The log-sigmoid probe (templates/mlstm/log_sigmoid_probe.cuh) compiles for every gate dtype.
 jit::KernelSpec log_sigmoid_probe(DType dt, const std::string& arch) {
   jit::KernelSpec s;
@@ -244,6 +270,38 @@ TEST(Mlstm, PoisonedSharedMemoryKernelsCompile) {
   for (const char* what : {"fwd", "bwd"}) {
     Obtained ob = obtain_binary(poisoned(what, "sm_90"));
     EXPECT_GT(ob.entry->binary.size(), 0u) << what;
+  }
+}
+
+namespace {
+
+// The op's kernels for a problem and config, compiled with shared memory NaN-poisoned
+// (KSPEC_MLSTM_POISON_SMEM).
+std::vector<jit::KernelSpec> poisoned_plan(const OpDef& op, const Problem& p, const Config& c) {
+  std::vector<jit::KernelSpec> specs = op.kernels(p, c);
+  for (auto& s : specs) s.defines.push_back({"KSPEC_MLSTM_POISON_SMEM", "1"});
+  return specs;
+}
+
+}  // namespace
+
+// The tensor-core kernels of both chunkwise ops compile with their shared memory poisoned (bf16,
+// head dims 32, chunk 16).
+TEST(Mlstm, PoisonedTensorCoreKernelsCompile) {
+  for (const char* name : {"mlstm.chunkwise.fwd", "mlstm.chunkwise.bwd"}) {
+    const OpDef& op = Registry::global().get(name);
+    CompileRequest r;
+    r.op = name;
+    r.dtype = DType::bf16;
+    r.params.set("dhqk", int64_t(32));
+    r.params.set("dhhv", int64_t(32));
+    r.params.set("chunk", int64_t(16));
+    Problem p = problem_from_request(op, r);
+    p.arch = jit::resolve_arch("sm_90");
+    for (const auto& spec : poisoned_plan(op, p, Config::parse("algo=tc,threads=128", op.info))) {
+      Obtained ob = obtain_binary(spec);
+      EXPECT_GT(ob.entry->binary.size(), 0u) << name << " " << spec.kernel;
+    }
   }
 }
 
@@ -707,6 +765,251 @@ TEST(MlstmGpu, EveryTuningConfigOnThreeShapes) {
       }
     }
     EXPECT_EQ(shapes, 3) << op;
+  }
+}
+
+namespace {
+
+// Every output of mlstm.chunkwise.fwd in a 16-bit dtype under a forced config (NaN-poisoned first),
+// decoded to double; the inputs are pr's rounded to dt (q, k, v, i, f) and fp32 (states), which
+// `rounded` receives for the reference.
+std::vector<std::vector<double>> forward16(const Problem32& pr, DType dt, int64_t chunk, bool init, const Config& cfg,
+                                           ref::MlstmInputs* rounded) {
+  jit::ContextGuard guard(0);
+  const int64_t B = pr.B, NH = pr.NH, S = pr.S, dk = pr.dk, dv = pr.dv;
+  std::vector<std::unique_ptr<DeviceBuffer>> bufs;
+  auto put = [&](std::vector<double> x, DType t, std::initializer_list<int64_t> shape, std::vector<double>* keep) {
+    quantize(t, x);
+    if (keep) *keep = x;
+    std::vector<unsigned char> bytes;
+    encode(t, x, bytes);
+    bufs.push_back(std::make_unique<DeviceBuffer>(bytes.size()));
+    CU_CHECK(cuMemcpyHtoD(bufs.back()->ptr, bytes.data(), bytes.size()));
+    return TensorView(reinterpret_cast<void*>(bufs.back()->ptr), t, shape, 0);
+  };
+  *rounded = pr.ref_inputs(init);
+  std::vector<TensorView> in = {put(to_double(pr.q), dt, {B, NH, S, dk}, &rounded->q),
+                                put(to_double(pr.k), dt, {B, NH, S, dk}, &rounded->k),
+                                put(to_double(pr.v), dt, {B, NH, S, dv}, &rounded->v),
+                                put(to_double(pr.i), dt, {B, NH, S}, &rounded->i),
+                                put(to_double(pr.f), dt, {B, NH, S}, &rounded->f),
+                                TensorView(), TensorView(), TensorView()};
+  if (init) {
+    in[5] = put(to_double(pr.C0), DType::f32, {B, NH, dk, dv}, nullptr);
+    in[6] = put(to_double(pr.n0), DType::f32, {B, NH, dk}, nullptr);
+    in[7] = put(to_double(pr.m0), DType::f32, {B, NH, 1}, nullptr);
+  }
+  std::vector<DType> types = {dt, DType::f32, DType::f32, DType::f32, DType::f32, DType::f32};
+  std::vector<int64_t> sizes = {B * NH * S * dv, B * NH * S, B * NH * S, B * NH * dk * dv, B * NH * dk, B * NH};
+  std::vector<std::unique_ptr<DeviceBuffer>> outs;
+  for (size_t j = 0; j < types.size(); ++j) {
+    outs.push_back(std::make_unique<DeviceBuffer>(static_cast<size_t>(sizes[j]) * dtype_size(types[j])));
+    CU_CHECK(cuMemsetD8(outs[j]->ptr, 0xFF, outs[j]->bytes));
+  }
+  auto at = [&](size_t j) { return reinterpret_cast<void*>(outs[j]->ptr); };
+  CallOptions opt;
+  opt.config = &cfg;
+  call("mlstm.chunkwise.fwd", in,
+       {TensorView(at(0), dt, {B, NH, S, dv}, 0), TensorView(at(1), DType::f32, {B, NH, S}, 0),
+        TensorView(at(2), DType::f32, {B, NH, S}, 0), TensorView(at(3), DType::f32, {B, NH, dk, dv}, 0),
+        TensorView(at(4), DType::f32, {B, NH, dk}, 0), TensorView(at(5), DType::f32, {B, NH, 1}, 0)},
+       {{"chunk", chunk}}, nullptr, opt);
+  CU_CHECK(cuCtxSynchronize());
+  std::vector<std::vector<double>> got;
+  for (size_t j = 0; j < types.size(); ++j) {
+    std::vector<unsigned char> bytes(outs[j]->bytes);
+    CU_CHECK(cuMemcpyDtoH(bytes.data(), outs[j]->ptr, bytes.size()));
+    got.push_back(decode(types[j], bytes));
+  }
+  return got;
+}
+
+double rel_max_d(const std::vector<double>& out, const std::vector<double>& ref) {
+  return rel_max(std::vector<float>(out.begin(), out.end()), ref);
+}
+
+}  // namespace
+
+// The tensor-core forward (algo=tc, templates/mlstm/chunkwise_tc.cuh) in fp16 and bf16 against the
+// float64 chunkwise reference of the same rounded inputs, every output: S of 1, 2, one short of and one
+// past a chunk, several chunks with a short last one, every chunk size, head dims 16..128, with and
+// without initial states. h within the issue's forward tolerance (fp16 3e-3, bf16 2e-2); the last
+// states (fp32 sums of 16-bit w_s k_s products) within the same; nrm and m (fp32 gate math) within 1e-4.
+TEST(MlstmGpu, TensorCoreForwardMatchesReference) {
+  KSPEC_REQUIRE_GPU();
+  struct Shape {
+    int64_t B, NH, S, dk, dv, chunk;
+  };
+  const std::vector<Shape> shapes = {{2, 2, 1, 32, 32, 64},   {2, 1, 2, 32, 64, 16},   {1, 2, 63, 32, 32, 64},
+                                     {1, 2, 65, 32, 32, 64},  {1, 2, 100, 16, 32, 16}, {1, 2, 150, 64, 64, 32},
+                                     {1, 2, 300, 32, 32, 128}, {1, 1, 200, 128, 128, 128}, {1, 1, 130, 128, 256, 64}};
+  const Config tc = Config::parse("algo=tc,threads=128", op_info("mlstm.chunkwise.fwd"));
+  for (const Shape& sh : shapes) {
+    Problem32 pr(sh.B, sh.NH, sh.S, sh.dk, sh.dv, 70 + sh.S);
+    for (DType dt : {DType::f16, DType::bf16}) {
+      for (bool init : {false, true}) {
+        ref::MlstmInputs r;
+        const auto got = forward16(pr, dt, sh.chunk, init, tc, &r);
+        const auto want = ref::mlstm_chunkwise_fwd_ref({sh.B, sh.NH, sh.S, sh.dk, sh.dv}, r, sh.chunk);
+        const std::string what = std::string(dtype_short(dt)) + " S " + std::to_string(sh.S) + " dk " + std::to_string(sh.dk) +
+                                 " dv " + std::to_string(sh.dv) + " chunk " + std::to_string(sh.chunk) +
+                                 (init ? " init" : "");
+        const double tol = dt == DType::f16 ? 3e-3 : 2e-2;
+        EXPECT_LT(rel_max_d(got[0], want.h), tol) << what << " h";
+        EXPECT_LT(rel_max_d(got[1], want.nrm), 1e-4) << what << " nrm";
+        EXPECT_LT(rel_max_d(got[2], want.m), 1e-4) << what << " m_rows";
+        EXPECT_LT(rel_max_d(got[3], want.C), tol) << what << " C_last";
+        EXPECT_LT(rel_max_d(got[4], want.n), tol) << what << " n_last";
+        EXPECT_LT(rel_max_d(got[5], want.m_last), 1e-4) << what << " m_last";
+      }
+    }
+  }
+}
+
+// algo=tc forced on every case of both chunkwise ops that it supports (the backward: head dims <= 128),
+// fp16 and bf16, against the float64 reference with the op's tolerance (the generic checker's rows:
+// S of 1, 2, 63, 64, 65, 100, 300, chunks 16 to 128, head dims 16 to 128 (forward: to 256 x 512 with
+// the large cases), with and without initial states, dC_last, nrm and the last states).
+TEST(MlstmGpu, TensorCoreEveryCaseMatchesReference) {
+  KSPEC_REQUIRE_GPU();
+  for (const char* op : {"mlstm.chunkwise.fwd", "mlstm.chunkwise.bwd"}) {
+    const Config tc = Config::parse("algo=tc,threads=128", op_info(op));
+    int ran = 0;
+    for (const auto& cs : Registry::global().get(op).cases) {
+      if (cs.large) continue;
+      int64_t dk = 0, dv = 0;
+      for (const auto& [name, value] : cs.dims) {
+        if (name == "dhqk") dk = value;
+        if (name == "dhhv") dv = value;
+      }
+      if (std::string(op) == "mlstm.chunkwise.bwd" && (dk > 128 || dv > 128)) continue;
+      CheckOptions o;
+      o.case_name = cs.name;
+      o.dtypes = {DType::f16, DType::bf16};
+      o.configs = {tc};
+      const auto rows = check_op(op, o);
+      EXPECT_EQ(rows.size(), 2u) << op << " " << cs.name;
+      kspec::testing::report(rows);
+      ++ran;
+    }
+    EXPECT_GE(ran, 12) << op;
+  }
+}
+
+namespace {
+
+// Runs an op's launcher on the poisoned build of its plan (poisoned_plan): every launch loads the
+// poisoned kernel; the workspace is NaN-filled.
+class PoisonedLauncher : public Launcher {
+ public:
+  explicit PoisonedLauncher(std::vector<jit::KernelSpec> specs) : specs_(std::move(specs)) {}
+  void launch(size_t k, Dim3 grid, Dim3 block, unsigned shared, void** args) override {
+    LoadedKernel& lk = load_kernel(specs_.at(k), 0);
+    if (shared > 48 * 1024)
+      CU_CHECK(cuFuncSetAttribute(lk.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, static_cast<int>(shared)));
+    CU_CHECK(cuLaunchKernel(lk.fn, grid.x, grid.y, grid.z, block.x, block.y, block.z, shared, nullptr, args, nullptr));
+  }
+  void launch_clusters(size_t k, Dim3 grid, Dim3 block, Dim3, unsigned shared, void** args) override {
+    launch(k, grid, block, shared, args);
+  }
+  void launch_dependent(size_t k, Dim3 grid, Dim3 block, unsigned shared, void** args) override {
+    launch(k, grid, block, shared, args);
+  }
+  void* workspace(size_t bytes) override {
+    ws_ = std::make_unique<DeviceBuffer>(bytes);
+    CU_CHECK(cuMemsetD8(ws_->ptr, 0xFF, std::max<size_t>(bytes, 16)));
+    return reinterpret_cast<void*>(ws_->ptr);
+  }
+  int multiprocessors() const override { return 1; }
+  int occupancy(size_t, unsigned, unsigned) override { return 1; }
+
+ private:
+  std::vector<jit::KernelSpec> specs_;
+  std::unique_ptr<DeviceBuffer> ws_;
+};
+
+}  // namespace
+
+// accumulators_initialized for algo=tc (issue 29): the tensor-core forward and backward with their
+// shared memory and workspace NaN-filled and every output NaN-poisoned, bf16 and fp16, S = 100 over
+// chunks of 16 and 64 (short last chunks), with initial states and dC_last: every output finite and
+// within tolerance of the float64 reference.
+TEST(MlstmGpu, TensorCorePoisonedSharedMemoryNeverReachesOutputs) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  const int64_t B = 1, NH = 2, S = 100, dk = 32, dv = 32;
+  Problem32 pr(B, NH, S, dk, dv, 81);
+  const auto dh32 = randn_f(B * NH * S * dv, 82), dC32 = randn_f(B * NH * dk * dv, 83);
+  for (DType dt : {DType::f16, DType::bf16}) {
+    for (int64_t chunk : {16, 64}) {
+      std::vector<std::unique_ptr<DeviceBuffer>> bufs;
+      auto put = [&](std::vector<double> x, DType t, std::initializer_list<int64_t> shape) {
+        quantize(t, x);
+        std::vector<unsigned char> bytes;
+        encode(t, x, bytes);
+        bufs.push_back(std::make_unique<DeviceBuffer>(bytes.size()));
+        CU_CHECK(cuMemcpyHtoD(bufs.back()->ptr, bytes.data(), bytes.size()));
+        return std::make_pair(TensorView(reinterpret_cast<void*>(bufs.back()->ptr), t, shape, 0), x);
+      };
+      auto nan_out = [&](DType t, std::initializer_list<int64_t> shape) {
+        int64_t n = 1;
+        for (int64_t d : shape) n *= d;
+        bufs.push_back(std::make_unique<DeviceBuffer>(static_cast<size_t>(n) * dtype_size(t)));
+        CU_CHECK(cuMemsetD8(bufs.back()->ptr, 0xFF, bufs.back()->bytes));
+        return TensorView(reinterpret_cast<void*>(bufs.back()->ptr), t, shape, 0);
+      };
+      auto fetch = [](const TensorView& t) {
+        std::vector<unsigned char> bytes(static_cast<size_t>(t.numel()) * dtype_size(t.dtype));
+        CU_CHECK(cuMemcpyDtoH(bytes.data(), reinterpret_cast<CUdeviceptr>(t.data), bytes.size()));
+        return decode(t.dtype, bytes);
+      };
+      auto [q, qd] = put(to_double(pr.q), dt, {B, NH, S, dk});
+      auto [k, kd] = put(to_double(pr.k), dt, {B, NH, S, dk});
+      auto [v, vd] = put(to_double(pr.v), dt, {B, NH, S, dv});
+      auto [i, id] = put(to_double(pr.i), dt, {B, NH, S});
+      auto [f, fd] = put(to_double(pr.f), dt, {B, NH, S});
+      auto [dh, dhd] = put(to_double(dh32), dt, {B, NH, S, dv});
+      auto [C0, C0d] = put(to_double(pr.C0), DType::f32, {B, NH, dk, dv});
+      auto [n0, n0d] = put(std::vector<double>(B * NH * dk, 0.0), DType::f32, {B, NH, dk});
+      auto [m0, m0d] = put(to_double(pr.m0), DType::f32, {B, NH, 1});
+      auto [dCl, dCd] = put(to_double(dC32), DType::f32, {B, NH, dk, dv});
+      const TensorView h = nan_out(dt, {B, NH, S, dv}), nrm = nan_out(DType::f32, {B, NH, S}),
+                       mr = nan_out(DType::f32, {B, NH, S}), Cl = nan_out(DType::f32, {B, NH, dk, dv}),
+                       nl = nan_out(DType::f32, {B, NH, dk}), ml = nan_out(DType::f32, {B, NH, 1});
+      const TensorView dq = nan_out(dt, {B, NH, S, dk}), dkk = nan_out(dt, {B, NH, S, dk}),
+                       dvv = nan_out(dt, {B, NH, S, dv}), di = nan_out(dt, {B, NH, S}), df = nan_out(dt, {B, NH, S}),
+                       dC0 = nan_out(DType::f32, {B, NH, dk, dv});
+      Params params;
+      params.set("chunk", chunk);
+      auto run = [&](const char* name, const std::vector<TensorView>& in, const std::vector<TensorView>& out) {
+        const OpDef& op = Registry::global().get(name);
+        Call call = validate_call(op, in, out, params, nullptr);
+        const Config c = Config::parse("algo=tc,threads=128", op.info);
+        PoisonedLauncher l(poisoned_plan(op, call.problem, c));
+        op.launch(call, c, l);
+        CU_CHECK(cuCtxSynchronize());
+      };
+      run("mlstm.chunkwise.fwd", {q, k, v, i, f, C0, n0, m0}, {h, nrm, mr, Cl, nl, ml});
+      run("mlstm.chunkwise.bwd", {q, k, v, i, f, C0, m0, nrm, mr, dh, dCl}, {dq, dkk, dvv, di, df, dC0});
+      ref::MlstmInputs r{qd, kd, vd, id, fd, C0d, n0d, m0d};
+      const ref::MlstmShape shape{B, NH, S, dk, dv};
+      const auto want = ref::mlstm_chunkwise_fwd_ref(shape, r, chunk);
+      const auto grads = ref::mlstm_chunkwise_bwd_ref(shape, r, dhd, &dCd, chunk);
+      const std::string what = std::string(dtype_short(dt)) + " chunk " + std::to_string(chunk);
+      const double tol = dt == DType::f16 ? 3e-3 : 2e-2, gtol = dt == DType::f16 ? 1e-2 : 5e-2;
+      EXPECT_LT(rel_max_d(fetch(h), want.h), tol) << what << " h";
+      EXPECT_LT(rel_max_d(fetch(nrm), want.nrm), 1e-4) << what << " nrm";
+      EXPECT_LT(rel_max_d(fetch(mr), want.m), 1e-4) << what << " m_rows";
+      EXPECT_LT(rel_max_d(fetch(Cl), want.C), tol) << what << " C_last";
+      EXPECT_LT(rel_max_d(fetch(nl), want.n), tol) << what << " n_last";
+      EXPECT_LT(rel_max_d(fetch(ml), want.m_last), 1e-4) << what << " m_last";
+      EXPECT_LT(rel_max_d(fetch(dq), grads.dq), gtol) << what << " dq";
+      EXPECT_LT(rel_max_d(fetch(dkk), grads.dk), gtol) << what << " dk";
+      EXPECT_LT(rel_max_d(fetch(dvv), grads.dv), gtol) << what << " dv";
+      EXPECT_LT(rel_max_d(fetch(di), grads.di), gtol) << what << " di";
+      EXPECT_LT(rel_max_d(fetch(df), grads.df), gtol) << what << " df";
+      EXPECT_LT(rel_max_d(fetch(dC0), grads.dC0), gtol) << what << " dC0";
+    }
   }
 }
 

@@ -64,3 +64,69 @@ def test_fp16_S64_seed0(form):
     assert _rel_max(nrm, want_nrm) <= 1e-4 and _rel_max(m_rows, want_m) <= 1e-4  # fp32 in the kernels
     for name, g in zip(("dq", "dk", "dv", "di", "df"), grads):
         assert _rel_max(g, want[name]) <= 1e-2, name  # the issue's fp16 gradient tolerance
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("S,chunk", [(1, 64), (2, 16), (65, 64), (100, 32), (300, 128)])
+def test_tensor_core_forward(dtype, S, chunk):
+    """mlstm.chunkwise.fwd algo=tc (templates/mlstm/chunkwise_tc.cuh) from initial states, every output
+    against the float64 reference of the same rounded inputs (h and the last states within the issue's
+    forward tolerance, nrm and m in fp32 math within 1e-4), and h against algo=simt's."""
+    B, NH, DK, DV = 1, 2, 32, 64
+    g = torch.Generator(device="cuda").manual_seed(S + chunk)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    q, k, v = r(B, NH, S, DK).to(dtype), r(B, NH, S, DK).to(dtype), r(B, NH, S, DV).to(dtype)
+    i, f = r(B, NH, S).to(dtype), (r(B, NH, S) + 2.0).to(dtype)
+    C0, n0, m0 = r(B, NH, DK, DV), r(B, NH, DK), r(B, NH, 1)
+
+    def run(config):
+        rows = _nan_like(i, torch.float32)
+        out = (_nan_like(v), rows.clone(), rows.clone(), _nan_like(C0), _nan_like(n0), _nan_like(m0))
+        kspec.call("mlstm.chunkwise.fwd", q, k, v, i, f, C0, n0, m0, out=out, chunk=chunk, config=config)
+        return out
+
+    h, nrm, m, C, n, m_last = run("algo=tc,threads=128")
+    h_simt = run("algo=simt,threads=256")[0]
+    torch.cuda.synchronize()
+    want_h, want_nrm, want_m, (want_C, want_n, want_m_last) = ref.mlstm_chunkwise_fwd(
+        *(_np(t) for t in (q, k, v, i, f, C0, n0)), _np(m0).reshape(B, NH), chunk=chunk)
+    tol = 3e-3 if dtype == torch.float16 else 2e-2  # the issue's forward tolerance
+    assert _rel_max(h, want_h) <= tol
+    assert _rel_max(C, want_C) <= tol and _rel_max(n, want_n) <= tol
+    assert _rel_max(nrm, want_nrm) <= 1e-4 and _rel_max(m, want_m) <= 1e-4
+    assert _rel_max(m_last, want_m_last.reshape(B, NH, 1)) <= 1e-4
+    assert _rel_max(h, _np(h_simt)) <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("S,chunk", [(1, 64), (2, 16), (65, 64), (150, 32), (300, 128)])
+def test_tensor_core_backward(dtype, S, chunk):
+    """mlstm.chunkwise.bwd algo=tc (templates/mlstm/chunkwise_tc_bwd.cuh) after the forward, with initial
+    states and dC_last: every gradient against the float64 reference of the same rounded inputs within
+    the issue's gradient tolerance, and against algo=simt's."""
+    B, NH, DK, DV = 1, 2, 32, 64
+    g = torch.Generator(device="cuda").manual_seed(10 * S + chunk)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    q, k, v = r(B, NH, S, DK).to(dtype), r(B, NH, S, DK).to(dtype), r(B, NH, S, DV).to(dtype)
+    i, f = r(B, NH, S).to(dtype), (r(B, NH, S) + 2.0).to(dtype)
+    dh = r(B, NH, S, DV).to(dtype)
+    C0, n0, m0, dC_last = r(B, NH, DK, DV), torch.zeros(B, NH, DK, device="cuda"), r(B, NH, 1), r(B, NH, DK, DV)
+    rows = _nan_like(i, torch.float32)
+    nrm, m_rows = rows.clone(), rows.clone()
+    kspec.call("mlstm.chunkwise.fwd", q, k, v, i, f, C0, n0, m0, out=(_nan_like(v), nrm, m_rows, None, None, None),
+               chunk=chunk)
+
+    def run(config):
+        out = (_nan_like(q), _nan_like(k), _nan_like(v), _nan_like(i), _nan_like(f), _nan_like(C0))
+        kspec.call("mlstm.chunkwise.bwd", q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, out=out, chunk=chunk,
+                   config=config)
+        return out
+
+    got, simt = run("algo=tc,threads=128"), run("algo=simt,threads=256")
+    torch.cuda.synchronize()
+    want = ref.mlstm_chunkwise_bwd(*(_np(t) for t in (dh, q, k, v, i, f, C0, n0)), _np(m0).reshape(B, NH),
+                                   _np(dC_last), chunk=chunk)
+    tol = 1e-2 if dtype == torch.float16 else 5e-2  # the issue's gradient tolerance
+    for name, x, y in zip(("dq", "dk", "dv", "di", "df", "dC0"), got, simt):
+        assert _rel_max(x, want[name].reshape(x.shape)) <= tol, name
+        assert _rel_max(x, _np(y)) <= tol, name

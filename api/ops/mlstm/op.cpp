@@ -123,6 +123,60 @@ void launch_fwd(const Call& call, const Config& c, Launcher& l, int64_t chunk, b
   l.launch(0, {u32(seqs)}, {u32(c.get("threads"))}, u32(smem), args);
 }
 
+// ---- the tensor-core forward (mlstm.chunkwise.fwd, algo=tc; templates/mlstm/chunkwise_tc.cuh) ----
+
+// Kernels 0, 1, 2: gates, state, output.
+std::vector<jit::KernelSpec> tc_kernels(const Problem& p) {
+  const std::string t = dtype_cuda_type(p.dtype("q")), dk = std::to_string(p.dim("dhqk")),
+                    dv = std::to_string(p.dim("dhhv")), L = std::to_string(p.param_int("chunk"));
+  return {kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
+          kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "false"}),
+          kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_out_kernel", {t, dk, dv, L})};
+}
+
+// Workspace, each piece 256-byte aligned: the per-step gate rows (4 floats), m per step when m_rows is
+// not an output, the per-chunk decay, n and C entering every chunk (C in the input dtype).
+void launch_tc(const Call& call, Launcher& l) {
+  const Problem& p = call.problem;
+  const int64_t seqs = p.dim("batch") * p.dim("heads"), S = p.dim("seqlen"), dk = p.dim("dhqk"),
+                dv = p.dim("dhhv"), L = p.param_int("chunk"), NC = (S + L - 1) / L;
+  if (seqs == 0) return;
+  const int rows = mlstm_tc_rows(static_cast<int>(L));
+  const int64_t qtiles = (S + rows - 1) / rows;
+  KSPEC_CHECK_AS(seqs * qtiles <= INT32_MAX && seqs * (dk / mlstm_tc_state_tile(static_cast<int>(dk))) <= INT32_MAX,
+                 Unsupported, "mlstm.chunkwise.fwd: batch * heads * ceil(seqlen / ", rows, ") = ", seqs * qtiles,
+                 " thread blocks exceed the grid (at most ", INT32_MAX, "); use algo=simt");
+  MlstmParams a = qkvif_args(call);
+  a.C0 = static_cast<const float*>(call.in("C0").data);
+  a.n0 = static_cast<const float*>(call.in("n0").data);
+  a.m0 = static_cast<const float*>(call.in("m0").data);
+  a.h = call.out("h").data;
+  a.nrm = static_cast<float*>(call.out("nrm").data);
+  a.m_rows = static_cast<float*>(call.out("m_rows").data);
+  a.C = static_cast<float*>(call.out("C_last").data);
+  a.n = static_cast<float*>(call.out("n_last").data);
+  a.m = static_cast<float*>(call.out("m_last").data);
+  a.seqlen = S;
+  a.eps = static_cast<float>(p.param_float("eps"));
+  auto round = [](size_t b) { return (b + 255) / 256 * 256; };
+  const size_t gate_b = round(sizeof(float) * 4 * seqs * S), m_b = a.m_rows ? 0 : round(sizeof(float) * seqs * S),
+               g_b = round(sizeof(float) * seqs * NC), n_b = round(sizeof(float) * seqs * NC * dk),
+               C_b = round(dtype_size(p.dtype("q")) * static_cast<size_t>(seqs * NC * dk * dv));
+  char* ws = static_cast<char*>(l.workspace(gate_b + m_b + g_b + n_b + C_b));
+  a.gate_rows = reinterpret_cast<float*>(ws);
+  if (!a.m_rows) a.m_rows = reinterpret_cast<float*>(ws + gate_b);
+  a.chunk_g = reinterpret_cast<float*>(ws + gate_b + m_b);
+  a.ns = reinterpret_cast<float*>(ws + gate_b + m_b + g_b);
+  a.Cs = ws + gate_b + m_b + g_b + n_b;
+  void* args[] = {&a};
+  const int dki = static_cast<int>(dk), dvi = static_cast<int>(dv), Li = static_cast<int>(L);
+  l.launch(0, {u32(seqs)}, {32}, 0, args);
+  l.launch(1, {u32(seqs * (dk / mlstm_tc_state_tile(dki))), u32(dv / mlstm_tc_state_tile(dvi))},
+           {u32(mlstm_tc_state_threads(dki))}, u32(mlstm_tc_state_smem_bytes(dki, dvi, Li)), args);
+  l.launch(2, {u32(seqs * qtiles), u32(dv / mlstm_tc_bv(dvi))}, {u32(mlstm_tc_out_threads(Li))},
+           u32(mlstm_tc_out_smem_bytes(dki, dvi, Li)), args);
+}
+
 // ---- mlstm.chunkwise.fwd ----
 
 OpDef make_chunkwise_fwd() {
@@ -149,11 +203,17 @@ OpDef make_chunkwise_fwd() {
       tensor_def("n_last", kN, {DType::f32}, "", false, true, "", Layout::Contiguous, "normalizer after the last step"),
       tensor_def("m_last", kM, {DType::f32}, "", false, true, "", Layout::Contiguous, "stabilizer after the last step"),
   };
+  op.tuning = chunkwise_fwd_tuning();
+  op.info.tuning_axes = op.tuning.axes;
+  op.info.tuning_names = {{"algo", {"simt", "tc"}}};
   op.cases = chunkwise_fwd_cases();
   // fp32 over recurrences of up to 4096 steps: 4e-5 relative.
   op.tolerance_scale = 4.0;
-  op.kernels = [](const Problem& p, const Config& c) { return fwd_kernels(p, c, p.param_int("chunk")); };
+  op.kernels = [](const Problem& p, const Config& c) {
+    return c.get("algo") == kTc ? tc_kernels(p) : fwd_kernels(p, c, p.param_int("chunk"));
+  };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    if (c.get("algo") == kTc) return launch_tc(call, l);
     launch_fwd(call, c, l, call.problem.param_int("chunk"), true);
   };
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
@@ -233,6 +293,89 @@ std::vector<jit::KernelSpec> bwd_kernels(const Problem& p, const Config& c, int6
                        std::to_string(p.dim("dhhv")), std::to_string(chunk), std::to_string(c.get("threads"))})};
 }
 
+// ---- the tensor-core backward (mlstm.chunkwise.bwd, algo=tc; templates/mlstm/chunkwise_tc_bwd.cuh) ----
+
+// Kernels 0..6: gates, state forward, state reversed, dq, dv, dk, df.
+std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p) {
+  const std::string t = dtype_cuda_type(p.dtype("q")), dk = std::to_string(p.dim("dhqk")),
+                    dv = std::to_string(p.dim("dhhv")), L = std::to_string(p.param_int("chunk"));
+  const char* fwd = "mlstm/chunkwise_tc.cuh";
+  const char* bwd = "mlstm/chunkwise_tc_bwd.cuh";
+  return {kernel_spec(p, fwd, "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
+          kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "false"}),
+          kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "true"}),
+          kernel_spec(p, bwd, "kspec::mlstm_tc_dq_kernel", {t, dk, dv, L}),
+          kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "false"}),
+          kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "true"}),
+          kernel_spec(p, bwd, "kspec::mlstm_tc_df_kernel", {gate_type(p), dk, dv})};
+}
+
+// Workspace (256-byte pieces): gate rows, m per step (recomputed: the forward's of the same inputs),
+// per-chunk decay, n entering each chunk (written, unused), C entering and dC after each chunk (input
+// dtype), q.dq and k.dk per step, and C_last, n_last when dC_last is given (for df).
+void launch_tc_bwd(const Call& call, Launcher& l) {
+  const Problem& p = call.problem;
+  const int64_t seqs = p.dim("batch") * p.dim("heads"), S = p.dim("seqlen"), dk = p.dim("dhqk"),
+                dv = p.dim("dhhv"), L = p.param_int("chunk"), NC = (S + L - 1) / L;
+  if (seqs == 0) return;
+  const int rows = mlstm_tc_rows(static_cast<int>(L));
+  const int64_t qtiles = (S + rows - 1) / rows;
+  KSPEC_CHECK_AS(seqs * qtiles <= INT32_MAX, Unsupported, "mlstm.chunkwise.bwd: batch * heads * ceil(seqlen / ", rows,
+                 ") = ", seqs * qtiles, " thread blocks exceed the grid (at most ", INT32_MAX, "); use algo=simt");
+  MlstmParams a = qkvif_args(call);
+  a.C0 = static_cast<const float*>(call.in("C0").data);
+  a.m0 = static_cast<const float*>(call.in("m0").data);
+  a.nrm = static_cast<float*>(call.in("nrm").data);
+  a.dh = call.in("dh").data;
+  a.dC_last = static_cast<const float*>(call.in("dC_last").data);
+  a.dq = call.out("dq").data;
+  a.dk = call.out("dk").data;
+  a.dv = call.out("dv").data;
+  a.di = call.out("di").data;
+  a.df = call.out("df").data;
+  a.seqlen = S;
+  a.eps = static_cast<float>(p.param_float("eps"));
+  auto round = [](size_t b) { return (b + 255) / 256 * 256; };
+  const size_t rows_b = round(sizeof(float) * seqs * S), state_b = round(dtype_size(p.dtype("q")) * static_cast<size_t>(seqs * NC * dk * dv));
+  const size_t sizes[] = {4 * rows_b, rows_b, round(sizeof(float) * seqs * NC), round(sizeof(float) * seqs * NC * dk),
+                          state_b, state_b, rows_b, rows_b,
+                          a.dC_last ? round(sizeof(float) * seqs * dk * dv) : 0, a.dC_last ? round(sizeof(float) * seqs * dk) : 0};
+  size_t total = 0;
+  for (size_t b : sizes) total += b;
+  char* ws = static_cast<char*>(l.workspace(total));
+  char* at[10];
+  for (int j = 0; j < 10; ++j) at[j] = ws, ws += sizes[j];
+  a.gate_rows = reinterpret_cast<float*>(at[0]);
+  a.m_rows = reinterpret_cast<float*>(at[1]);
+  a.chunk_g = reinterpret_cast<float*>(at[2]);
+  a.ns = reinterpret_cast<float*>(at[3]);
+  a.qdq = reinterpret_cast<float*>(at[6]);
+  a.kdk = reinterpret_cast<float*>(at[7]);
+  MlstmParams fwd = a, rev = a, dkv = a, last = a;
+  fwd.Cs = at[4];
+  fwd.C = a.dC_last ? reinterpret_cast<float*>(at[8]) : nullptr;  // C_last, for <dC_last, C_last> in df
+  fwd.n = reinterpret_cast<float*>(at[9]);
+  rev.Cs = dkv.Cs = at[5];
+  rev.C = static_cast<float*>(call.out("dC0").data);
+  last.C = fwd.C;
+  const int dki = static_cast<int>(dk), dvi = static_cast<int>(dv), Li = static_cast<int>(L);
+  const Dim3 state_grid{u32(seqs * (dk / mlstm_tc_state_tile(dki))), u32(dv / mlstm_tc_state_tile(dvi))};
+  const Dim3 tiles{u32(seqs * qtiles)}, block{u32(mlstm_tc_out_threads(Li))};
+  const auto state_smem = u32(mlstm_tc_state_smem_bytes(dki, dvi, Li)), smem = u32(mlstm_tc_bwd_smem_bytes(dki, dvi, Li));
+  void* args[] = {&a};
+  void* fwd_args[] = {&fwd};
+  void* rev_args[] = {&rev};
+  void* dkv_args[] = {&dkv};
+  void* last_args[] = {&last};
+  l.launch(0, {u32(seqs)}, {32}, 0, args);
+  l.launch(1, state_grid, {u32(mlstm_tc_state_threads(dki))}, state_smem, fwd_args);
+  l.launch(2, state_grid, {u32(mlstm_tc_state_threads(dki))}, state_smem, rev_args);
+  l.launch(3, tiles, block, smem, fwd_args);
+  l.launch(4, tiles, block, smem, dkv_args);
+  l.launch(5, tiles, block, smem, dkv_args);
+  l.launch(6, {u32(seqs)}, {32}, 0, last_args);
+}
+
 // ---- mlstm.chunkwise.bwd ----
 
 OpDef make_chunkwise_bwd() {
@@ -243,12 +386,16 @@ OpDef make_chunkwise_bwd() {
   op.info.params = {eps_param(), chunk_param()};
   op.info.inputs = bwd_inputs(true);
   op.info.outputs = bwd_outputs(true);
-  op.tuning = mlstm_tuning(true);
+  op.tuning = chunkwise_bwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
+  op.info.tuning_names = {{"algo", {"simt", "tc"}}};
   op.cases = chunkwise_bwd_cases();
   op.tolerance_scale = 4.0;
-  op.kernels = [](const Problem& p, const Config& c) { return bwd_kernels(p, c, p.param_int("chunk")); };
+  op.kernels = [](const Problem& p, const Config& c) {
+    return c.get("algo") == kTc ? tc_bwd_kernels(p) : bwd_kernels(p, c, p.param_int("chunk"));
+  };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    if (c.get("algo") == kTc) return launch_tc_bwd(call, l);
     launch_bwd(call, c, l, call.problem.param_int("chunk"), true);
   };
   op.prepare_inputs = [](const Problem& p, std::vector<HostTensor>& in) { bwd_prepare(p, in, true); };

@@ -158,6 +158,51 @@ TuningSpace mlstm_tuning(bool bwd) {
   return t;
 }
 
+std::string tc_unsupported(const Problem& p, bool bwd) {
+  const DType dt = p.dtype("q");
+  if (dt != DType::f16 && dt != DType::bf16) return "algo=tc needs float16 or bfloat16 q, k, v";
+  if (p.dim("dhqk") > 256) return "algo=tc keeps dhqk <= 256 (its Q and C tiles in shared memory)";
+  if (bwd && (p.dim("dhqk") > 128 || p.dim("dhhv") > 128))
+    return "the backward's algo=tc keeps dhqk, dhhv <= 128 (a whole C and dC tile in shared memory)";
+  if (p.align_bytes < 16) return "algo=tc copies 16-byte pieces: every pointer must be 16-byte aligned";
+  return "";
+}
+
+// algo=tc wherever it runs (tools/bench/NOTES.md, "mlstm: the tensor-core forward"), else the SIMT kernel
+// at 256 threads.
+TuningSpace chunkwise_fwd_tuning() {
+  TuningSpace t = mlstm_tuning();
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc}});
+  t.valid = [](const Problem& p, const Config& c, std::string* why) {
+    if (c.get("algo") != kTc) return true;
+    std::string no = tc_unsupported(p);
+    if (no.empty() && c.get("threads") != 128) no = "algo=tc sets its own block sizes (named with threads=128)";
+    if (why) *why = no;
+    return no.empty();
+  };
+  t.heuristic = [](const Problem& p) {
+    return tc_unsupported(p).empty() ? Config{{{"algo", kTc}, {"threads", 128}}}
+                                     : Config{{{"algo", kSimt}, {"threads", 256}}};
+  };
+  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") == kTc ? 128 : c.get("threads"); };
+  return t;
+}
+
+TuningSpace chunkwise_bwd_tuning() {
+  TuningSpace t = mlstm_tuning(true);
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc}});
+  t.valid = [](const Problem& p, const Config& c, std::string* why) {
+    if (c.get("algo") != kTc) return true;
+    std::string no = tc_unsupported(p, true);
+    if (no.empty() && c.get("threads") != 128) no = "algo=tc sets its own block sizes (named with threads=128)";
+    if (why) *why = no;
+    return no.empty();
+  };
+  t.heuristic = [](const Problem&) { return Config{{{"algo", kSimt}, {"threads", 256}}}; };
+  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") == kTc ? 128 : c.get("threads"); };
+  return t;
+}
+
 // The parallel form is the chunkwise kernels from the states (0, 0, -inf) (see chunkwise_fwd.cuh): the
 // chunk is then a tile size, free to tune, not a parameter. Untuned: 64 steps, 256 threads.
 TuningSpace parallel_tuning(bool bwd) {

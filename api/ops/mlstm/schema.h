@@ -26,6 +26,16 @@ OpDef mlstm_base(const char* name, const char* doc, bool seq);
 ParamDef eps_param();
 ParamDef chunk_param();  // the chunkwise ops' `chunk`
 TuningSpace mlstm_tuning(bool bwd = false);
+// mlstm.chunkwise.fwd's space: the `algo` axis (kSimt: chunkwise_fwd.cuh, `threads` its CTA size; kTc:
+// chunkwise_tc.cuh, its own block sizes, named with threads = 128) over mlstm_tuning's threads.
+enum FwdAlgo : int64_t { kSimt = 0, kTc = 1 };
+TuningSpace chunkwise_fwd_tuning();
+// mlstm.chunkwise.bwd's: the same axes; algo=tc (chunkwise_tc_bwd.cuh) only where a config names it
+// until it is measured on a GPU.
+TuningSpace chunkwise_bwd_tuning();
+// Why algo=tc cannot run a problem ("" when it can): 16-bit q, k, v, DHQK <= 256 (backward: DHQK and
+// DHHV <= 128), 16-byte pointers.
+std::string tc_unsupported(const Problem& p, bool bwd = false);
 TuningSpace parallel_tuning(bool bwd);  // chunk is a tuning axis
 
 // Inputs q, k, v, i, f with these leading dims; i and f in the input dtype or fp32.

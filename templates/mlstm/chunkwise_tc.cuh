@@ -1,0 +1,415 @@
+// mlstm.chunkwise.fwd, algo=tc: the chunkwise forward on tensor cores (fp16/bf16 q, k, v), three kernels
+// in a row (chunkwise_fwd.cuh states the math; tools/bench/NOTES.md "mlstm: the tensor-core forward"
+// the design):
+//   1. gates: one warp per sequence forms each chunk's cumulative gates once: b (in-chunk cumsum of
+//      logsigmoid(f)) and every row's final max m_t = b_t + max(m, max_s<=t (i_s - b_s)), so no later
+//      kernel keeps a partial max or rescales (every exponent is <= 0), and writes per row
+//      (b_t - m_t, i_t - b_t, g_t, w_t), per chunk e^(b_L + m - m_L), and m_t.
+//   2. state: the only sequential part, over the chunks: a CTA owns a 64x64 tile of C in mma
+//      accumulators (fp32, never leaving registers) and per chunk adds (w o K)^T V with mma.sync, its
+//      K and V slices double-buffered through cp.async; it writes the C (input dtype) and n (fp32)
+//      entering every chunk to the workspace, and the last ones to C_last, n_last.
+//   3. output: one CTA per (query tile of 64 rows, 128 columns of h): FlashAttention-2-like, the inter
+//      term (g_t s q_t)^T C_c by mma from the chunk's entering state, then for each key tile of the
+//      chunk up to the diagonal S = Q K^T by mma, scaled by s e^(b_t - m_t + i_s - b_s) and masked
+//      (s <= t) in registers, row sums in fp32, P (input dtype) V by mma; h = O / (max(|z|, e^-m_t) + eps)
+//      once at the end, with z = g_t s q_t.n_c + sum_s S_ts.
+// Any S: tiles past the end are zero-filled (cp.async with a zero source size) and masked. DHQK <= 256
+// (the output kernel's Q and C tiles sit in shared memory); DHQK, DHHV multiples of 16; 16-byte rows.
+#pragma once
+
+#include "common/mma.cuh"
+#include "mlstm/common.cuh"
+#include "mlstm/params.h"
+
+namespace kspec {
+
+__device__ __forceinline__ float mlstm_neg_inf() { return __int_as_float(0xff800000); }
+
+// ---- 1. gates ----
+
+template <typename TG, int kChunk>
+__global__ void __launch_bounds__(32) mlstm_tc_gates_kernel(const MlstmParams p) {
+  constexpr int L = kChunk, E = (L + 31) / 32;  // steps per lane, consecutive
+  const float kNegInf = mlstm_neg_inf();
+  const long long seq = blockIdx.x, S = p.seqlen, NC = (S + L - 1) / L;
+  const int lane = threadIdx.x;
+  const TG* ip = static_cast<const TG*>(p.i) + seq * S;
+  const TG* fp = static_cast<const TG*>(p.f) + seq * S;
+  float4* rows = reinterpret_cast<float4*>(p.gate_rows) + seq * S;
+  float* mrow = p.m_rows + seq * S;
+  float m = p.m0 ? p.m0[seq] : p.m_init;
+  for (long long c = 0; c < NC; ++c) {
+    const long long t0 = c * L;
+    const int len = static_cast<int>(S - t0 < L ? S - t0 : L);
+    float b[E], ig[E], pm[E];
+    float run = 0.0f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int t = lane * E + j;
+      const bool ok = t < len;
+      ig[j] = ok ? to_float(ip[t0 + t]) : kNegInf;
+      run += ok ? mlstm_log_sigmoid(to_float(fp[t0 + t])) : 0.0f;
+      b[j] = run;
+    }
+    float incl = run;  // inclusive scan of the lanes' sums
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) {
+      const float y = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += y;
+    }
+    float run_max = kNegInf;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      b[j] += incl - run;
+      run_max = fmaxf(run_max, ig[j] - b[j]);
+      pm[j] = run_max;  // max over this lane's steps <= j of i_s - b_s
+    }
+    float pin = run_max;  // inclusive max scan over lanes
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) {
+      const float y = __shfl_up_sync(0xffffffffu, pin, off);
+      if (lane >= off) pin = fmaxf(pin, y);
+    }
+    float before = __shfl_up_sync(0xffffffffu, pin, 1);
+    if (lane == 0) before = kNegInf;
+    const int last = len - 1, owner = last / E, j_last = last % E;
+    float mt[E], b_sel = 0.0f, m_sel = 0.0f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      mt[j] = b[j] + fmaxf(m, fmaxf(pm[j], before));
+      if (j == j_last) b_sel = b[j], m_sel = mt[j];
+    }
+    const float bL = __shfl_sync(0xffffffffu, b_sel, owner), mL = __shfl_sync(0xffffffffu, m_sel, owner);
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int t = lane * E + j;
+      if (t < len) {
+        rows[t0 + t] = make_float4(b[j] - mt[j], ig[j] - b[j], expf(b[j] + m - mt[j]), expf(bL - b[j] + ig[j] - mL));
+        mrow[t0 + t] = mt[j];
+      }
+    }
+    if (lane == 0) p.chunk_g[seq * NC + c] = expf(bL + m - mL);
+    m = mL;
+  }
+  if (lane == 0 && p.m) p.m[seq] = m;
+}
+
+// ---- 2. state (and, reversed, the backward's state gradient) ----
+
+// kReverse false (the forward): C entering chunk c, C <- e^(b_L + m - m_L) C + sum_s w_s k_s v_s^T from
+// C0, n alike; writes C (and n) entering every chunk, C_last and n_last when p.C is set.
+// kReverse true (mlstm.chunkwise.bwd algo=tc): dC after chunk c, from the last chunk down,
+// dC <- e^(b_L + m - m_L) dC + sum_t u_t q_t dh_t^T with u_t = s g_t / (nrm_t + eps), from dC_last;
+// writes dC after every chunk (to Cs), and dC0 (the gradient entering the first chunk) when p.C is set.
+// The same product either way: a [64 x L] . [L x 64] mma per chunk with a per-step weight on A.
+template <typename T, int kDk, int kDv, int kChunk, bool kReverse>
+__global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_kernel(const MlstmParams p) {
+  constexpr int L = kChunk, BK = mlstm_tc_state_tile(kDk), BV = mlstm_tc_state_tile(kDv), P = kMlstmTcPad;
+  constexpr int kThreads = mlstm_tc_state_threads(kDk), NT = BV / 8, KS = BK + P, VS = BV + P;
+  constexpr int kDkTiles = kDk / BK;
+  static_assert(BK % 16 == 0 && BV % 16 == 0 && L % 16 == 0, "tiles of 16");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Ks = reinterpret_cast<T*>(smem_raw);                  // [2][L][KS]: k (q reversed)
+  T* Vs = Ks + 2 * L * KS;                                 // [2][L][VS]: v (dh reversed)
+  float* ws = reinterpret_cast<float*>(Vs + 2 * L * VS);  // [2][L]: w_t (u_t reversed)
+  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_state_smem_bytes(kDk, kDv, L) / 4);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
+  const long long seq = blockIdx.x / kDkTiles, S = p.seqlen, NC = (S + L - 1) / L;
+  const int d0 = static_cast<int>(blockIdx.x % kDkTiles) * BK, e0 = blockIdx.y * BV;
+  const T* k = static_cast<const T*>(kReverse ? p.q : p.k) + seq * S * kDk;
+  const T* v = static_cast<const T*>(kReverse ? p.dh : p.v) + seq * S * kDv;
+  const float4* gr = reinterpret_cast<const float4*>(p.gate_rows) + seq * S;
+  const float scale = rsqrtf(static_cast<float>(kDk));
+  const bool writes_n = !kReverse && blockIdx.y == 0 && cq == 0;  // n once per row: the quad leaders
+
+  auto load = [&](long long c, int st) {
+    const long long t0 = c * L;
+    T* ks = Ks + st * L * KS;
+    T* vs = Vs + st * L * VS;
+    for (int j = tid; j < L * (BK / 8); j += kThreads) {
+      const int s = j / (BK / 8), x = j % (BK / 8);
+      const bool ok = t0 + s < S;
+      cp_async_16(ks + s * KS + x * 8, k + (ok ? t0 + s : 0) * kDk + d0 + x * 8, ok);
+    }
+    for (int j = tid; j < L * (BV / 8); j += kThreads) {
+      const int s = j / (BV / 8), x = j % (BV / 8);
+      const bool ok = t0 + s < S;
+      cp_async_16(vs + s * VS + x * 8, v + (ok ? t0 + s : 0) * kDv + e0 + x * 8, ok);
+    }
+    for (int s = tid; s < L; s += kThreads) {
+      const long long t = t0 + s;
+      ws[st * L + s] = t >= S ? 0.0f : kReverse ? scale * gr[t].z / (p.nrm[seq * S + t] + p.eps) : gr[t].w;
+    }
+  };
+
+  // This thread's accumulators: rows r0 and r0 + 8 of C, columns e0 + 8 nt + 2 cq (+1).
+  const int r0 = d0 + warp * 16 + g;
+  float acc[NT][4];
+  const float* C0 = kReverse ? p.dC_last : p.C0;
+  if (C0) C0 += seq * kDk * kDv;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int col = e0 + nt * 8 + 2 * cq;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nt][e] = C0 ? C0[(r0 + (e / 2) * 8) * kDv + col + e % 2] : 0.0f;
+  }
+  // n of rows r0, r0 + 8, kept (identical) by the four lanes of a quad.
+  float n_a = !kReverse && p.n0 ? p.n0[seq * kDk + r0] : 0.0f, n_b = !kReverse && p.n0 ? p.n0[seq * kDk + r0 + 8] : 0.0f;
+
+  load(kReverse ? NC - 1 : 0, 0);
+  cp_async_commit();
+  for (long long j = 0; j < NC; ++j) {
+    const long long c = kReverse ? NC - 1 - j : j;
+    const int st = static_cast<int>(j & 1);
+    T* Cc = static_cast<T*>(p.Cs) + (seq * NC + c) * kDk * kDv;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int col = e0 + nt * 8 + 2 * cq;
+      *reinterpret_cast<unsigned*>(Cc + r0 * kDv + col) = pack2<T>(acc[nt][0], acc[nt][1]);
+      *reinterpret_cast<unsigned*>(Cc + (r0 + 8) * kDv + col) = pack2<T>(acc[nt][2], acc[nt][3]);
+    }
+    if (writes_n) p.ns[(seq * NC + c) * kDk + r0] = n_a, p.ns[(seq * NC + c) * kDk + r0 + 8] = n_b;
+    const bool last = j + 1 == NC;
+    if (last && !p.C) {  // the state after the last chunk (C_last, dC0) only when asked for
+      cp_async_wait<0>();
+      break;
+    }
+    if (!last) {
+      load(kReverse ? c - 1 : c + 1, st ^ 1);  // that stage's last readers passed the barrier closing j - 1
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const float ge = p.chunk_g[seq * NC + c];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] *= ge;
+    const T* ks = Ks + st * L * KS;
+    const T* vs = Vs + st * L * VS;
+    const float* w = ws + st * L;
+    float sum_a = 0.0f, sum_b = 0.0f;  // this lane's part of sum_s w_s k_s for rows r0, r0 + 8 (fp32)
+#pragma unroll 2
+    for (int kk = 0; kk < L / 16; ++kk) {
+      // A[dk][s] = w_s K[s][dk]: the stored tile's rows are A's columns, hence the transposed load.
+      unsigned a[4];
+      ldmatrix_x4_trans(a, ks + (kk * 16 + lane % 8 + 8 * (lane / 16)) * KS + warp * 16 + 8 * ((lane / 8) % 2));
+      const int s = kk * 16 + 2 * cq;
+      a[0] = scale2<T>(a[0], w[s], w[s + 1], sum_a);
+      a[1] = scale2<T>(a[1], w[s], w[s + 1], sum_b);
+      a[2] = scale2<T>(a[2], w[s + 8], w[s + 9], sum_a);
+      a[3] = scale2<T>(a[3], w[s + 8], w[s + 9], sum_b);
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        unsigned b[4];
+        ldmatrix_x4_trans(b, vs + (kk * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * VS + np * 16 + 8 * (lane / 16));
+        mma_16816<T>(acc[2 * np], a, b[0], b[1]);
+        mma_16816<T>(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+    if (!kReverse) {
+      // The quad's lanes hold the columns 2cq, 2cq + 1, 2cq + 8, 2cq + 9 of every 16 steps: together all.
+      sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 1);
+      sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 2);
+      sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
+      sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
+      n_a = fmaf(ge, n_a, sum_a);
+      n_b = fmaf(ge, n_b, sum_b);
+    }
+    __syncthreads();
+  }
+  if (p.C) {
+    float* C = p.C + seq * kDk * kDv;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int col = e0 + nt * 8 + 2 * cq;
+      *reinterpret_cast<float2*>(C + r0 * kDv + col) = make_float2(acc[nt][0], acc[nt][1]);
+      *reinterpret_cast<float2*>(C + (r0 + 8) * kDv + col) = make_float2(acc[nt][2], acc[nt][3]);
+    }
+    if (writes_n) p.n[seq * kDk + r0] = n_a, p.n[seq * kDk + r0 + 8] = n_b;
+  }
+}
+
+// ---- 3. output ----
+
+// K and V rows k0 .. k0 + R - 1 (zeros past S), V's columns e0 .. e0 + BV - 1, into Ks [R][QS], Vs [R][VS].
+template <typename T, int kDk, int kDv, int R, int BV, int kThreads>
+__device__ __forceinline__ void mlstm_tc_load_kv(T* Ks, T* Vs, const T* k, const T* v, long long k0, long long S,
+                                                 int e0, int tid) {
+  constexpr int QS = kDk + kMlstmTcPad, VS = BV + kMlstmTcPad;
+  for (int j = tid; j < R * (kDk / 8); j += kThreads) {
+    const int r = j / (kDk / 8), x = j % (kDk / 8);
+    const bool ok = k0 + r < S;
+    cp_async_16(Ks + r * QS + x * 8, k + (ok ? k0 + r : 0) * kDk + x * 8, ok);
+  }
+  for (int j = tid; j < R * (BV / 8); j += kThreads) {
+    const int r = j / (BV / 8), x = j % (BV / 8);
+    const bool ok = k0 + r < S;
+    cp_async_16(Vs + r * VS + x * 8, v + (ok ? k0 + r : 0) * kDv + e0 + x * 8, ok);
+  }
+}
+
+template <typename T, int kDk, int kDv, int kChunk>
+__global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 2) mlstm_tc_out_kernel(const MlstmParams p) {
+  constexpr int L = kChunk, R = mlstm_tc_rows(L), BV = mlstm_tc_bv(kDv), P = kMlstmTcPad;
+  constexpr int kThreads = mlstm_tc_out_threads(L), QS = kDk + P, VS = BV + P, NV = BV / 8, NK = R / 8;
+  static_assert(kDk % 16 == 0 && BV % 16 == 0 && R % 16 == 0 && L % R == 0, "tiles of 16");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // Q [R][QS]; two K/V buffers: 0 first holds the C tile [kDk][VS], 1 the first K/V tile, then they
+  // alternate (tile kt in buffer (kt + 1) % 2); then i_s - b_s of the chunk and n entering it.
+  T* Qs = reinterpret_cast<T*>(smem_raw);
+  T* const buf0 = Qs + R * QS;
+  T* const buf1 = buf0 + mlstm_tc_out_region_elems(kDk, kDv, L);
+  float* ibs = reinterpret_cast<float*>(buf1 + R * QS + R * VS);  // [L]
+  float* nsm = ibs + L;                                             // [kDk]
+  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_out_smem_bytes(kDk, kDv, L) / 4);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
+  const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
+  const long long seq = blockIdx.x / QT, t0 = (blockIdx.x % QT) * R, c = t0 / L, cs = c * L;
+  const int e0 = blockIdx.y * BV, ktiles = static_cast<int>((t0 - cs) / R) + 1;
+  const T* q = static_cast<const T*>(p.q) + seq * S * kDk;
+  const T* k = static_cast<const T*>(p.k) + seq * S * kDk;
+  const T* v = static_cast<const T*>(p.v) + seq * S * kDv;
+  const float4* gr = reinterpret_cast<const float4*>(p.gate_rows) + seq * S;
+  const float scale = rsqrtf(static_cast<float>(kDk));
+
+  for (int j = tid; j < R * (kDk / 8); j += kThreads) {
+    const int r = j / (kDk / 8), x = j % (kDk / 8);
+    const bool ok = t0 + r < S;
+    cp_async_16(Qs + r * QS + x * 8, q + (ok ? t0 + r : 0) * kDk + x * 8, ok);
+  }
+  const T* Cc = static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv;
+  for (int j = tid; j < kDk * (BV / 8); j += kThreads) {
+    const int r = j / (BV / 8), x = j % (BV / 8);
+    cp_async_16(buf0 + r * VS + x * 8, Cc + r * kDv + e0 + x * 8, true);
+  }
+  cp_async_commit();
+  mlstm_tc_load_kv<T, kDk, kDv, R, BV, kThreads>(buf1, buf1 + R * QS, k, v, cs, S, e0, tid);
+  cp_async_commit();
+  for (int s = tid; s < ktiles * R; s += kThreads) ibs[s] = cs + s < S ? gr[cs + s].y : mlstm_neg_inf();
+  for (int d = tid; d < kDk; d += kThreads) nsm[d] = p.ns[(seq * NC + c) * kDk + d];
+  // This thread's rows: ra and ra + 8 of the tile.
+  const int ra = warp * 16 + g;
+  const long long ta = t0 + ra, tb = ta + 8;
+  const float4 ga = ta < S ? gr[ta] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float4 gb = tb < S ? gr[tb] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float ma = ta < S ? p.m_rows[seq * S + ta] : 0.0f, mb = tb < S ? p.m_rows[seq * S + tb] : 0.0f;
+  cp_async_wait<1>();  // Q and C
+  __syncthreads();
+
+  // Inter-chunk term O = (g_t s Q) C_c by mma, and q_t . n_c from the same A fragments (fp32).
+  float o[NV][4];
+#pragma unroll
+  for (int nt = 0; nt < NV; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
+  float qn_a = 0.0f, qn_b = 0.0f;
+  const T* qa = Qs + (warp * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * QS + 8 * (lane / 16);  // A rows, row-major
+#pragma unroll 2
+  for (int kk = 0; kk < kDk / 16; ++kk) {
+    unsigned a[4];
+    ldmatrix_x4(a, qa + kk * 16);
+    const int d = kk * 16 + 2 * cq;
+    qn_a += dot2<T>(a[0], nsm[d], nsm[d + 1]) + dot2<T>(a[2], nsm[d + 8], nsm[d + 9]);
+    qn_b += dot2<T>(a[1], nsm[d], nsm[d + 1]) + dot2<T>(a[3], nsm[d + 8], nsm[d + 9]);
+#pragma unroll
+    for (int np = 0; np < NV / 2; ++np) {
+      unsigned b[4];
+      ldmatrix_x4_trans(b, buf0 + (kk * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * VS + np * 16 + 8 * (lane / 16));
+      mma_16816<T>(o[2 * np], a, b[0], b[1]);
+      mma_16816<T>(o[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+  const float fa = ga.z * scale, fb = gb.z * scale;
+#pragma unroll
+  for (int nt = 0; nt < NV; ++nt) o[nt][0] *= fa, o[nt][1] *= fa, o[nt][2] *= fb, o[nt][3] *= fb;
+
+  // Intra-chunk term, key tiles from the chunk's start to the diagonal; tile kt + 1's loads fly during
+  // tile kt's math.
+  float sum_a = 0.0f, sum_b = 0.0f;
+  const int row_a = static_cast<int>(t0 - cs) + ra, row_b = row_a + 8;  // rows' positions in the chunk
+  for (int kt = 0; kt < ktiles; ++kt) {
+    __syncthreads();  // every warp is done with buffer kt % 2 (the C tile, or tile kt - 1)
+    if (kt + 1 < ktiles) {
+      T* nb = kt % 2 ? buf1 : buf0;
+      mlstm_tc_load_kv<T, kDk, kDv, R, BV, kThreads>(nb, nb + R * QS, k, v, cs + (kt + 1) * R, S, e0, tid);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* Ks = kt % 2 ? buf0 : buf1;
+    const T* Vs = Ks + R * QS;
+    float sc[NK][4];
+#pragma unroll
+    for (int nt = 0; nt < NK; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[nt][e] = 0.0f;
+#pragma unroll 2
+    for (int kk = 0; kk < kDk / 16; ++kk) {
+      unsigned a[4];
+      ldmatrix_x4(a, qa + kk * 16);
+#pragma unroll
+      for (int np = 0; np < NK / 2; ++np) {
+        unsigned b[4];  // B[dk][key] = K[key][dk]: the stored rows are B's columns
+        ldmatrix_x4(b, Ks + (np * 16 + lane % 8 + 8 * (lane / 16)) * QS + kk * 16 + 8 * ((lane / 8) % 2));
+        mma_16816<T>(sc[2 * np], a, b[0], b[1]);
+        mma_16816<T>(sc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NK; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = kt * R + nt * 8 + 2 * cq + e % 2;  // position in the chunk
+        const bool upper = e < 2;
+        const float x = (upper ? row_a : row_b) >= key ? sc[nt][e] * scale * __expf((upper ? ga.x : gb.x) + ibs[key])
+                                                       : 0.0f;
+        sc[nt][e] = x;
+        if (upper) sum_a += x;
+        else sum_b += x;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < R / 16; ++kk) {
+      // The score accumulators of key columns 16 kk .. 16 kk + 15 are this step's A fragment.
+      const unsigned a[4] = {pack2<T>(sc[2 * kk][0], sc[2 * kk][1]), pack2<T>(sc[2 * kk][2], sc[2 * kk][3]),
+                             pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                             pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+      for (int np = 0; np < NV / 2; ++np) {
+        unsigned b[4];
+        ldmatrix_x4_trans(b, Vs + (kk * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * VS + np * 16 + 8 * (lane / 16));
+        mma_16816<T>(o[2 * np], a, b[0], b[1]);
+        mma_16816<T>(o[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+  }
+  // Row sums over the quad (its lanes hold every column between them).
+  for (int x = 1; x <= 2; x *= 2) {
+    sum_a += __shfl_xor_sync(0xffffffffu, sum_a, x);
+    sum_b += __shfl_xor_sync(0xffffffffu, sum_b, x);
+    qn_a += __shfl_xor_sync(0xffffffffu, qn_a, x);
+    qn_b += __shfl_xor_sync(0xffffffffu, qn_b, x);
+  }
+  const float nrm_a = fmaxf(fabsf(fa * qn_a + sum_a), expf(-ma));
+  const float nrm_b = fmaxf(fabsf(fb * qn_b + sum_b), expf(-mb));
+  const float inv_a = 1.0f / (nrm_a + p.eps), inv_b = 1.0f / (nrm_b + p.eps);
+  T* h = static_cast<T*>(p.h) + seq * S * kDv;
+#pragma unroll
+  for (int nt = 0; nt < NV; ++nt) {
+    const int col = e0 + nt * 8 + 2 * cq;
+    if (ta < S) *reinterpret_cast<unsigned*>(h + ta * kDv + col) = pack2<T>(o[nt][0] * inv_a, o[nt][1] * inv_a);
+    if (tb < S) *reinterpret_cast<unsigned*>(h + tb * kDv + col) = pack2<T>(o[nt][2] * inv_b, o[nt][3] * inv_b);
+  }
+  if (p.nrm && blockIdx.y == 0 && cq == 0) {
+    if (ta < S) p.nrm[seq * S + ta] = nrm_a;
+    if (tb < S) p.nrm[seq * S + tb] = nrm_b;
+  }
+}
+
+}  // namespace kspec
