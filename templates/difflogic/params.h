@@ -1,8 +1,8 @@
 // The argument of every difflogic kernel (layer.cuh), one plain struct compiled by both the host compiler
 // (api/ops/difflogic/op.cpp fills it) and NVRTC, so the two sides cannot disagree on its layout. Passed by
 // value. x, y, dout, dx: [batch, width] row-major in the activation dtype (packed.cuh: x, y are words
-// [width, words], 32 or 64 samples a word); logits, dlogits: [n_out, 16] fp32; wires and the consumers CSR
-// int32.
+// [width, words], 32 or 64 samples a word; bits.cuh: the tensors its comments name); logits, dlogits:
+// [n_out, 16] fp32; wires and the consumers CSR int32.
 #pragma once
 
 namespace kspec {
@@ -20,7 +20,11 @@ struct DiffLogicParams {
   float* dlogits;          // [n_out, 16] (backward)
   long long batch, n_in, n_out;
   long long words;         // packed: ceil(batch / w) words per row
+  long long groups;        // GroupSum: k groups of n_in / k consecutive columns (rows when packed)
   float grad_factor;
+  float tau;               // GroupSum: sums / tau
+  unsigned long long seed; // Gumbel noise: the Philox key (philox.cuh)
+  int gumbel;              // layer: 1 adds Gumbel noise of `seed` to the logits (forward and backward)
 };
 
 }  // namespace kspec

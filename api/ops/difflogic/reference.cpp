@@ -110,6 +110,34 @@ std::vector<int> difflogic_hard_ops(const std::vector<double>& logits, int64_t n
   return ops;
 }
 
+std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 4> c, std::array<uint32_t, 2> k) {
+  for (int round = 0; round < 10; ++round) {
+    const uint64_t p0 = uint64_t{0xD2511F53u} * c[0], p1 = uint64_t{0xCD9E8D57u} * c[2];
+    c = {static_cast<uint32_t>(p1 >> 32) ^ c[1] ^ k[0], static_cast<uint32_t>(p1),
+         static_cast<uint32_t>(p0 >> 32) ^ c[3] ^ k[1], static_cast<uint32_t>(p0)};
+    k[0] += 0x9E3779B9u;
+    k[1] += 0xBB67AE85u;
+  }
+  return c;
+}
+
+std::vector<double> difflogic_gumbel_noise(int64_t n_out, uint64_t seed) {
+  if (n_out < 0) fail("n_out = " + std::to_string(n_out) + ", expected >= 0");
+  const std::array<uint32_t, 2> key = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
+  std::vector<double> noise(static_cast<size_t>(n_out * kDiffLogicOps));
+  for (int64_t g = 0; g < n_out; ++g) {
+    const auto ug = static_cast<uint64_t>(g);
+    for (uint32_t block = 0; block < 4; ++block) {
+      const auto r = philox4x32_10({static_cast<uint32_t>(ug), static_cast<uint32_t>(ug >> 32), block, 0}, key);
+      for (int j = 0; j < 4; ++j) {
+        const double u = (static_cast<double>(r[j] >> 8) + 0.5) * 0x1p-24;
+        noise[g * kDiffLogicOps + 4 * block + j] = -std::log(-std::log(u));
+      }
+    }
+  }
+  return noise;
+}
+
 DiffLogicConsumers difflogic_consumers(int64_t n_in, const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
   const int64_t n_out = check_wires(n_in, a, b);
   DiffLogicConsumers c;
@@ -201,6 +229,12 @@ std::vector<double> difflogic_group_sum_bwd_ref(int64_t B, int64_t n, const std:
   for (int64_t s = 0; s < B; ++s)
     for (int64_t j = 0; j < n; ++j) dx[s * n + j] = dy[s * k + j / m] / tau;
   return dx;
+}
+
+std::vector<double> difflogic_binarize(const std::vector<double>& x) {
+  std::vector<double> bits(x.size());
+  for (size_t j = 0; j < x.size(); ++j) bits[j] = x[j] > 0.5 ? 1.0 : 0.0;
+  return bits;
 }
 
 std::vector<uint64_t> difflogic_pack_ref(int64_t B, int64_t n, const std::vector<double>& x, int w) {

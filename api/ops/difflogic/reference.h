@@ -26,6 +26,14 @@ std::vector<double> difflogic_tables(const std::vector<double>& logits, int64_t 
 // The argmax per gate (ties to the lower index): the op hard mode and packed inference run.
 std::vector<int> difflogic_hard_ops(const std::vector<double>& logits, int64_t n_out);
 
+// Gumbel noise for the straight-through estimator (hard forward, soft backward; "Mind the Gap", NeurIPS
+// 2025): the layer then runs on logits + G, both directions with one G. Counter-based: Philox4x32-10
+// (Salmon et al., SC 2011) with key (seed low 32 bits, seed high) and counter (g low, g high, i / 4, 0);
+// word i mod 4 of its output r gives U = ((r >> 8) + 0.5) 2^-24 in (0, 1) (exact in fp32, so the kernel's U
+// is this one) and G[g, i] = -log(-log U). Returns G [n_out, 16].
+std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 4> counter, std::array<uint32_t, 2> key);
+std::vector<double> difflogic_gumbel_noise(int64_t n_out, uint64_t seed);
+
 // Who reads input j: entries[offsets[j] .. offsets[j+1]) are 2 g + side (side 0: wire a, 1: wire b),
 // ascending. dx[:, j] sums its readers in exactly this order (a gate with a[g] = b[g] appears twice:
 // da + db). Built once per wiring.
@@ -67,6 +75,9 @@ std::vector<double> difflogic_group_sum_bwd_ref(int64_t B, int64_t n, const std:
 // Bit-packing, w = 32 or 64: {0, 1} x [B, n] -> words [n, ceil(B / w)], sample s in bit s mod w of word
 // s / w (a 32-bit word in the low half of each uint64_t). Padding bits (s >= B) are zero. x values other
 // than exactly 0 and 1 are refused.
+// What difflogic.pack packs: 1 where x > 0.5, else 0 (NaN: 0). {0, 1} inputs pass unchanged; the
+// output of a hard layer is {0, 1}, a soft one's rounds to its nearer corner.
+std::vector<double> difflogic_binarize(const std::vector<double>& x);
 std::vector<uint64_t> difflogic_pack_ref(int64_t B, int64_t n, const std::vector<double>& x, int w);
 std::vector<double> difflogic_unpack_ref(int64_t B, int64_t n, const std::vector<uint64_t>& words, int w);
 

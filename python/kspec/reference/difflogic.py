@@ -10,8 +10,11 @@ Backward of sum(dout * y) (soft; also the straight-through estimator's, whose fo
     dlogits[g, i] = sum_s dout p_i (op_i - y)      dx = grad_factor * sum over each input's readers,
 the readers in the consumers CSR's order (2 g + side ascending; a self-paired gate gives da + db).
 GroupSum(k, tau): contiguous groups of n/k, sums / tau. Packed: {0,1} (B, n) -> words (n, ceil(B/w)),
-w = 32 or 64, sample s in bit s mod w of word s // w, padding bits zero; packed GroupSum counts bits.
-Gumbel noise for the straight-through estimator is not here: the issue names no generator to match.
+w = 32 or 64, sample s in bit s mod w of word s // w, padding bits zero; packed GroupSum counts bits;
+difflogic.pack packs binarize(x) (1 where x > 0.5).
+Gumbel noise for the straight-through estimator (hard forward, soft backward, both on logits + G):
+G[g, i] = -log(-log U), U = ((r >> 8) + 0.5) 2^-24 with r word i mod 4 of Philox4x32-10 at key
+(seed low, seed high), counter (g low, g high, i // 4, 0) (gumbel_noise; the kernels' philox.cuh).
 """
 
 import numpy as np
@@ -40,6 +43,37 @@ OPS = (
 
 # TRUTH[i, 2u + v] = f_i(u, v): bit 3 - (2u + v) of i.
 TRUTH = np.array([[(i >> (3 - uv)) & 1 for uv in range(4)] for i in range(N_OPS)], dtype=np.float64)
+
+
+_M0, _M1, _W0, _W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
+_MASK = 0xFFFFFFFF
+
+
+def philox4x32_10(counter, key):
+    """Philox4x32-10 (Salmon et al., SC 2011) on uint64 arrays holding 32-bit words: counter (4, ...) and
+    key (2, ...), broadcast together; returns (4, ...)."""
+    c = [np.asarray(v, dtype=np.uint64) for v in counter]
+    k0, k1 = (np.asarray(v, dtype=np.uint64) for v in key)
+    for _ in range(10):
+        p0 = np.uint64(_M0) * c[0]
+        p1 = np.uint64(_M1) * c[2]
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & np.uint64(_MASK), (p0 >> np.uint64(32)) ^ c[3] ^ k1,
+             p0 & np.uint64(_MASK)]
+        k0 = (k0 + np.uint64(_W0)) & np.uint64(_MASK)
+        k1 = (k1 + np.uint64(_W1)) & np.uint64(_MASK)
+    return np.stack(np.broadcast_arrays(*c))
+
+
+def gumbel_noise(n_out, seed):
+    """G (n_out, 16): the Gumbel noise the layer adds to its logits with gumbel=True."""
+    g = np.arange(n_out, dtype=np.uint64)[:, None]
+    block = np.arange(4, dtype=np.uint64)[None, :]
+    seed = int(seed)
+    key = (np.uint64(seed & _MASK), np.uint64(seed >> 32))
+    r = philox4x32_10((g & np.uint64(_MASK), g >> np.uint64(32), block, np.zeros_like(block)), key)  # (4, n, 4)
+    words = np.moveaxis(r, 0, -1).reshape(n_out, 16)  # op i = 4 block + j is word j of block i // 4
+    u = ((words >> np.uint64(8)).astype(np.float64) + 0.5) * 2.0**-24
+    return -np.log(-np.log(u))
 
 
 def _wires(n_in, a, b):
@@ -151,6 +185,13 @@ def group_sum_bwd(dy, n, tau=1.0):
 def _width(w):
     if w not in (32, 64):
         raise ValueError(f"difflogic reference: w = {w}, expected 32 or 64")
+
+
+def binarize(x):
+    """What difflogic.pack packs: 1 where x > 0.5, else 0 (NaN: 0); {0, 1} pass unchanged."""
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        return (x > 0.5).astype(np.float64)
 
 
 def pack(x, w):
