@@ -92,4 +92,41 @@ std::vector<uint64_t> difflogic_packed_fwd_ref(int64_t B, int64_t n_in, const st
 std::vector<int64_t> difflogic_packed_group_sum_ref(int64_t B, int64_t n, const std::vector<uint64_t>& words, int w,
                                                     int64_t k);
 
+// ---- DiffLogic cellular automaton (issue 30, as the published notebook) ----
+// state [B, H, W, C]. Perception of a cell: for every channel c, the 3x3 patch of channel c around the
+// cell (row-major, index 3 (dy + 1) + (dx + 1), centre 4; outside the grid 0 (zero-padded) or wrapped
+// (periodic)) runs through K perception kernels. Kernel k is a logic network whose first layer has 8
+// gates, gate g reading (patch[perm[g]], patch[4]) (perm: the neighbours in some order), and whose
+// further layers have the wiring `perception` shared by all kernels; every kernel has logits of its own.
+// Its last layer's P outputs are placed at c P K + bit K + k. The update network runs on
+// [state (C) | perception (C P K)] with the layers `update` (last width C); its outputs replace the cell's
+// state where fire[b, h, w] is 1 (no mask: everywhere). One step; a rollout repeats it.
+struct DiffLogicLayerWires {
+  std::vector<int32_t> a, b;  // [width] each; the layer's n_in is the previous layer's width
+};
+struct DiffLogicCa {
+  int64_t C = 0, K = 0;
+  bool periodic = false;
+  std::vector<int32_t> perm;                     // [8], patch indices in [0, 9)
+  std::vector<DiffLogicLayerWires> perception;   // the layers after the first (n_in of the first: 8)
+  std::vector<DiffLogicLayerWires> update;       // n_in of the first: C + C P K; last width C
+};
+// perception[l]: [K, width_l, 16] (l = 0: the 8-gate first layer); update[l]: [width_l, 16].
+struct DiffLogicCaLogits {
+  std::vector<std::vector<double>> perception, update;
+};
+// fire: [B, H, W] of 0 / 1, or nullptr. Returns the new state [B, H, W, C].
+std::vector<double> difflogic_ca_step_ref(const DiffLogicCa& ca, int64_t B, int64_t H, int64_t W,
+                                          const std::vector<double>& state, const DiffLogicCaLogits& logits,
+                                          const std::vector<double>* fire, DiffLogicMode mode);
+// Gradients of sum(dnew * new_state) of the soft step: the state's (through the kept cells, the update
+// network's input and every neighbour's perception) and every layer's logits.
+struct DiffLogicCaGrads {
+  std::vector<double> dstate;
+  DiffLogicCaLogits dlogits;
+};
+DiffLogicCaGrads difflogic_ca_step_bwd_ref(const DiffLogicCa& ca, int64_t B, int64_t H, int64_t W,
+                                           const std::vector<double>& state, const DiffLogicCaLogits& logits,
+                                           const std::vector<double>* fire, const std::vector<double>& dnew);
+
 }  // namespace kspec::ref
