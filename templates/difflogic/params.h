@@ -25,6 +25,29 @@ struct DiffLogicParams {
   float tau;               // GroupSum: sums / tau
   unsigned long long seed; // Gumbel noise: the Philox key (philox.cuh)
   int gumbel;              // layer: 1 adds Gumbel noise of `seed` to the logits (forward and backward)
+  // CA step (ca.cuh): x, y the state [batch, height, width, C]; a the perception's first-layer neighbours
+  // [8]; b the other layers' wires [2, wired] (a row, then b row); tables [K perception_gates +
+  // update_gates, 4]; fire [batch, height, width] or null.
+  const void* fire;
+  long long height, width, wired;
+  int periodic;
+};
+
+// The CA architectures (compile-time: a kernel is specialized for one): C channels, K perception kernels,
+// the perception's widths (the first 8: gate g reads (patch[perm[g]], centre)) and the update network's
+// (first n_in C + C P K, P the perception's last width; last width C). Read by the host (op.cpp) and by
+// the kernels alike.
+struct DiffLogicCaArch {
+  int C, K;
+  int n_perception, n_update;
+  int perception[4];
+  int update[20];
+};
+// 0 checkerboard: the published notebook's (C = 8, K = 16, 9 -> 8 -> 4 -> 2, 264 -> 256 x 10 -> 128 -> 64
+// -> 32 -> 16 -> 8 -> 8, 3040 update gates). 1 tiny: C = 2, K = 2, 9 -> 8 -> 4 -> 2, 10 -> 6 -> 2 (tests).
+constexpr DiffLogicCaArch kDiffLogicCaArchs[] = {
+    {8, 16, 3, 16, {8, 4, 2}, {256, 256, 256, 256, 256, 256, 256, 256, 256, 256, 128, 64, 32, 16, 8, 8}},
+    {2, 2, 3, 2, {8, 4, 2}, {6, 2}},
 };
 
 }  // namespace kspec

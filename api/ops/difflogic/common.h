@@ -1,5 +1,5 @@
 // What the difflogic op definitions share (op.cpp: the layer ops; bits.cpp: GroupSum, pack, unpack and
-// packed GroupSum): dtypes, grid sizes, the tuning space, and reading host tensors as wires or words.
+// packed GroupSum; ca.cpp: the CA step): dtypes, grid sizes, the tuning space, and reading host tensors as wires or words.
 #pragma once
 
 #include <algorithm>
@@ -52,7 +52,8 @@ inline std::vector<double> doubles_of_words(const std::vector<uint64_t>& words) 
 // The word width of a packed tensor: its dtype, int32 or int64.
 inline int word_bits(DType dt) { return dt == DType::i64 ? 64 : 32; }
 
-// GroupSum, pack, unpack, packed GroupSum (bits.cpp).
+// GroupSum, pack, unpack, packed GroupSum (bits.cpp); the CA step (ca.cpp).
 void register_difflogic_bits(Registry& r);
+void register_difflogic_ca(Registry& r);
 
 }  // namespace kspec::difflogic

@@ -368,6 +368,7 @@ void register_difflogic(Registry& r) {
   r.add(make_layer_bwd());
   r.add(make_packed_fwd());
   register_difflogic_bits(r);
+  register_difflogic_ca(r);
 }
 
 }  // namespace kspec
