@@ -4,8 +4,9 @@
 //   difflogic_group_sum_fwd_kernel  one warp per (sample, group), groups fastest: lane l sums columns
 //                                   l, l + 32, ... of the group, then a fixed shuffle tree; y = sum / tau.
 //                                   x: [batch, n_in]; y: [batch, groups].
-//   difflogic_group_sum_bwd_kernel  one thread per (sample, column): dx = dy[s, j / m] / tau.
-//                                   dout (dy): [batch, groups]; dx: [batch, n_in].
+//   difflogic_group_sum_bwd_kernel  one thread per (sample, group, column): dx = dy / tau, dy read
+//                                   through its strides (0 along the group when expanded from [batch, k]).
+//                                   dout (dy): [batch, groups, m]; dx: [batch, n_in] contiguous.
 //   difflogic_packed_group_sum_kernel  one thread per (group, sample), samples fastest (the 32 lanes of
 //                                   a warp read one word, a broadcast): the count of the sample's set bits
 //                                   over the group's m rows. x: words [n_in, words]; y: int32 [batch, groups].
@@ -44,8 +45,8 @@ __global__ void __launch_bounds__(kThreads) difflogic_group_sum_bwd_kernel(const
   const long long m = p.n_in / p.groups, total = p.batch * p.n_in;
   for (long long e = blockIdx.x * static_cast<long long>(kThreads) + threadIdx.x; e < total;
        e += static_cast<long long>(gridDim.x) * kThreads) {
-    const long long s = e / p.n_in, j = e - s * p.n_in;
-    dx[e] = from_float<TOut>(to_float(dy[s * p.groups + j / m]) / p.tau);
+    const long long s = e / p.n_in, j = e - s * p.n_in, c = j / m;
+    dx[e] = from_float<TOut>(to_float(dy[s * p.strides[0] + c * p.strides[1] + (j - c * m) * p.strides[2]]) / p.tau);
   }
 }
 

@@ -23,6 +23,7 @@ struct DiffLogicParams {
   long long groups;        // GroupSum: k groups of n_in / k consecutive columns (rows when packed)
   float grad_factor;
   float tau;               // GroupSum: sums / tau
+  long long strides[3];    // GroupSum's backward: dy's strides (elements; 0 along an expanded group)
   unsigned long long seed; // Gumbel noise: the Philox key (philox.cuh)
   int gumbel;              // layer: 1 adds Gumbel noise of `seed` to the logits (forward and backward)
   // CA step (ca.cuh): x, y the state [batch, height, width, C]; a the perception's first-layer neighbours

@@ -4,8 +4,8 @@
 // pack (every activation dtype, w = 32 and 64, B not a multiple of w, values at and around 0.5, NaN),
 // unpack and packed.group_sum equal to the integer reference bit for bit; pack -> packed.fwd ->
 // packed.group_sum equal to the hard layer's GroupSum; group_sum.fwd on {0, 1} exact and two runs bitwise
-// equal. (group_sum.fwd/.bwd against the float64 reference on every case: the generic checker,
-// Gpu.EveryOpMatchesReference.)
+// equal; group_sum.bwd on an expanded (stride 0) gradient. (group_sum.fwd/.bwd against the float64
+// reference on every case: the generic checker.)
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -50,31 +50,37 @@ void validate(const char* op, const std::vector<TensorView>& in, const std::vect
 
 }  // namespace
 
-// A dim no input binds (GroupSum's k, pack's word count) comes from the output given.
-TEST(DiffLogicBits, OutputsBindTheirDims) {
-  Call c = validate_call(Registry::global().get("difflogic.group_sum.fwd"), {view(1, DType::bf16, {4, 100})},
+// GroupSum's dims are its input's (x viewed as [batch, k, n / k]); pack's word count comes from the
+// output given.
+TEST(DiffLogicBits, OutputsAndTheirDims) {
+  auto y = infer_outputs("difflogic.group_sum.fwd", {view(1, DType::bf16, {4, 10, 100})});
+  ASSERT_EQ(y.size(), 1u);
+  EXPECT_EQ(y[0].shape, (std::vector<int64_t>{4, 10}));
+  EXPECT_EQ(y[0].dtype, DType::bf16);
+  Call c = validate_call(Registry::global().get("difflogic.group_sum.fwd"), {view(1, DType::bf16, {4, 10, 100})},
                          {view(2, DType::f32, {4, 10})}, {}, nullptr);
-  EXPECT_EQ(c.problem.dim("k"), 10);
   EXPECT_EQ(c.problem.dtype("y"), DType::f32);  // x's dtype or float32
+  // The backward reads dy through its strides: an expanded [batch, k] gradient (stride 0) is accepted.
+  auto dx = infer_outputs("difflogic.group_sum.bwd",
+                          {TensorView::strided(fake(1 << 28), DType::f16, {4, 10, 100}, {10, 1, 0}, 0)});
+  EXPECT_EQ(dx[0].shape, (std::vector<int64_t>{4, 10, 100}));
   Call p = validate_call(Registry::global().get("difflogic.pack"), {view(1, DType::f16, {100, 7})},
                          {view(2, DType::i64, {7, 2})}, {}, nullptr);
   EXPECT_EQ(p.problem.dim("words"), 2);
 }
 
 TEST(DiffLogicBits, ValidationNamesTheArgument) {
-  expect_in(message_of([] { validate("difflogic.group_sum.fwd", {view(1, DType::f32, {4, 100})}, {view(2, DType::f32, {4, 7})}); }),
-            {"k = 7 groups must divide n = 100", "columns"});
   expect_in(message_of([] {
-              validate("difflogic.group_sum.fwd", {view(1, DType::f32, {4, 100})}, {view(2, DType::f32, {4, 10})},
+              validate("difflogic.group_sum.fwd", {view(1, DType::f32, {4, 10, 10})}, {view(2, DType::f32, {4, 10})},
                        {{"tau", 0.0}});
             }),
             {"parameter 'tau' must be > 0"});
-  expect_in(message_of([] { validate("difflogic.group_sum.fwd", {view(1, DType::bf16, {4, 100})}, {view(2, DType::f16, {4, 10})}); }),
+  expect_in(message_of([] { validate("difflogic.group_sum.fwd", {view(1, DType::bf16, {4, 10, 10})}, {view(2, DType::f16, {4, 10})}); }),
             {"output 'y'"});
-  expect_in(message_of([] { validate("difflogic.group_sum.fwd", {view(1, DType::f32, {4, 100})}, {view(2, DType::f32, {5, 10})}); }),
-            {"output 'y'", "batch"});
-  expect_in(message_of([] { validate("difflogic.group_sum.bwd", {view(1, DType::f32, {4, 3})}, {view(2, DType::bf16, {4, 100})}); }),
-            {"k = 3 groups must divide n = 100"});
+  expect_in(message_of([] { validate("difflogic.group_sum.fwd", {view(1, DType::f32, {4, 100})}, {view(2, DType::f32, {4, 10})}); }),
+            {"input 'x'", "[batch, k, m]"});
+  expect_in(message_of([] { validate("difflogic.group_sum.bwd", {view(1, DType::f32, {4, 3, 5})}, {view(2, DType::bf16, {4, 3, 6})}); }),
+            {"output 'dx'"});
   EXPECT_EQ(message_of([] {
               validate("difflogic.packed.group_sum", {view(1, DType::i32, {100, 4})}, {view(2, DType::i32, {100, 10})});
             }),
@@ -279,7 +285,7 @@ TEST(DiffLogicBitsGpu, GroupSumOnBitsIsExactAndReproducible) {
     std::vector<unsigned char> first;
     for (int run = 0; run < 2; ++run) {
       y.poison();
-      call("difflogic.group_sum.fwd", {TensorView(xd->ptr(), dt, {B, n}, 0)},
+      call("difflogic.group_sum.fwd", {TensorView(xd->ptr(), dt, {B, k, n / k}, 0)},
            {TensorView(y.ptr(), DType::f32, {B, k}, 0)}, {{"tau", 4.0}});
       CU_CHECK(cuCtxSynchronize());
       const auto got = y.download(B * k * 4);
@@ -290,5 +296,30 @@ TEST(DiffLogicBitsGpu, GroupSumOnBitsIsExactAndReproducible) {
         EXPECT_TRUE(got == first) << "two runs differ " << dtype_short(dt);
       }
     }
+  }
+}
+
+// The backward on the gradient of y [B, k] expanded over each group (stride 0, no copy) equals GroupSum's
+// backward dx[s, j] = dy[s, j / m] / tau, in any dx dtype.
+TEST(DiffLogicBitsGpu, GroupSumBackwardOfAnExpandedGradient) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  const int64_t B = 33, k = 17, m = 241;
+  std::mt19937_64 rng(12);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (DType dt : {DType::f32, DType::bf16}) {
+    std::vector<double> dy(B * k);
+    for (double& v : dy) v = normal(rng);
+    quantize(dt, dy);
+    std::vector<unsigned char> bytes;
+    encode(dt, dy, bytes);
+    auto dyd = device_copy(bytes);
+    DevBuf dx(B * k * m * 4);
+    dx.poison();
+    call("difflogic.group_sum.bwd", {TensorView::strided(dyd->ptr(), dt, {B, k, m}, {k, 1, 0}, 0)},
+         {TensorView(dx.ptr(), DType::f32, {B, k, m}, 0)}, {{"tau", 3.0}});
+    CU_CHECK(cuCtxSynchronize());
+    const auto want = ref::difflogic_group_sum_bwd_ref(B, k * m, dy, k, 3.0);
+    EXPECT_LE(rel_error(decode(DType::f32, dx.download(B * k * m * 4)), want), 1e-6) << dtype_short(dt);
   }
 }

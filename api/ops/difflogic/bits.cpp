@@ -2,9 +2,10 @@
 // activations), difflogic.packed.group_sum (its counts on packed words), difflogic.pack and
 // difflogic.unpack (activations <-> words). Kernels in templates/difflogic/{group_sum,pack}.cuh; the float64
 // references in api/ops/difflogic/reference.h.
-// A dim no input binds is given by the output's shape (y: [batch, k] says k; unpack's x: [batch, n] says
-// batch), as e79's checkpoints are: the torch surface allocates it, a compile request names it. k must
-// divide n; the word count must be ceil(batch / w), w = 32 for int32 words, 64 for int64.
+// GroupSum takes x [batch, n] viewed as [batch, k, n / k], so every output dim is an input's. Packing
+// cannot: the word count ceil(batch / w) of pack's words and the batch of unpack's x and of packed
+// GroupSum's counts are given by the output's shape (as e79's checkpoints are: the torch surface
+// allocates it, kspec.call needs out=); w = 32 for int32 words, 64 for int64.
 // The generic checker cannot encode int32/int64 tensors: pack, unpack and packed.group_sum are compared
 // with the reference by tests/cpp/test_difflogic_bits.cpp instead (generic_check = false); GroupSum on
 // activations is all floats and goes through the generic checker.
@@ -67,47 +68,53 @@ Case make_case(std::string name, std::vector<std::pair<std::string, int64_t>> di
   return c;
 }
 
-// (batch, n, k): widths 1, 7, 33, 4097 and B = 1, 33, 1024, groups of one column, one group, and the
-// issue's 64k-wide last layer into 10 classes.
+// (batch, k, m): widths n = k m of 1, 7, 33, 4097 and B = 1, 33, 1024, groups of one column, one group, and
+// the 64k-wide last layer into 10 classes.
 struct GroupShape {
   const char* name;
-  int64_t B, n, k;
+  int64_t B, k, m;
   bool large;
 };
 const std::vector<GroupShape> kGroupShapes = {
-    {"base", 64, 1000, 10, false},   {"B_1_n_1", 1, 1, 1, false},         {"B_33_n_7", 33, 7, 7, false},
-    {"B_1_n_33", 1, 33, 3, false},   {"B_33_n_4097", 33, 4097, 17, false}, {"B_1024_k_1", 1024, 4097, 1, false},
-    {"B_1024_n_1000", 1024, 1000, 10, false}, {"large_64k_10", 4096, 64000, 10, true},
+    {"base", 64, 10, 100, false},  {"B_1_n_1", 1, 1, 1, false},        {"B_33_n_7", 33, 7, 1, false},
+    {"B_1_n_33", 1, 3, 11, false}, {"B_33_n_4097", 33, 17, 241, false}, {"B_1024_k_1", 1024, 1, 4097, false},
+    {"B_1024_n_1000", 1024, 10, 100, false}, {"large_64k_10", 4096, 10, 6400, true},
 };
+
+std::vector<DimDef> group_dims() {
+  return {dim("batch", "B, samples"), dim("k", "groups", 1), dim("m", "columns per group: n / k", 1)};
+}
+
+std::vector<Case> group_cases(const char* f32_tensor) {
+  std::vector<Case> cases;
+  for (const auto& s : kGroupShapes)
+    cases.push_back(make_case(s.name, {{"batch", s.B}, {"k", s.k}, {"m", s.m}}, std::string(s.name) == "base",
+                              s.large));
+  Case f32 = make_case(std::string(f32_tensor) + "_float32", {{"batch", 33}, {"k", 17}, {"m", 241}}, true);
+  f32.tensor_dtypes = {{f32_tensor, DType::f32}};
+  f32.params = {{"tau", 3.0}};
+  cases.push_back(std::move(f32));
+  return cases;
+}
 
 // ---- difflogic.group_sum.fwd ----
 
 OpDef make_group_sum_fwd() {
   OpDef op = base("difflogic.group_sum.fwd",
-                  "GroupSum(k, tau): y[s, c] = sum of x[s, c n/k .. (c+1) n/k) / tau, k given by y's shape; fp32 "
-                  "sums in a fixed order");
+                  "GroupSum(k, tau): y[s, c] = sum_j x[s, c, j] / tau, x the activations [batch, n] viewed as "
+                  "[batch, k, n / k] (the view fails where k does not divide n); fp32 sums in a fixed order");
   op.info.reference = "api/ops/difflogic/reference.cpp: difflogic_group_sum_ref (python/kspec/reference/difflogic.py)";
-  op.info.dims = {dim("batch", "B, samples"), dim("n", "columns of x", 1), dim("k", "groups (k divides n)", 1)};
+  op.info.dims = group_dims();
   op.info.params = {tau_param()};
-  op.info.inputs = {tensor_def("x", {"batch", "n"}, kFloatTypes, "", false, false, "", Layout::Contiguous,
-                               "activations")};
+  op.info.inputs = {tensor_def("x", {"batch", "k", "m"}, kFloatTypes, "", false, false, "", Layout::Contiguous,
+                               "activations [batch, n] as [batch, k, n / k]")};
   op.info.outputs = {tensor_def("y", {"batch", "k"}, {}, "x", true, false, "", Layout::Contiguous,
                                 "group sums / tau, in x's dtype or float32 (a bf16 sum of thousands of bits "
                                 "is not exact)")};
-  op.check = [](const Problem& p) {
-    check_tau(p);
-    check_groups(p, "columns");
-  };
-  op.check_call = [](const Call& call) { check_groups(call.problem, "columns"); };
+  op.check = check_tau;
   op.dtypes = kFloatTypes;
-  op.compile_dims = {{"batch", 1}, {"n", 1}, {"k", 1}};
-  for (const auto& s : kGroupShapes)
-    op.cases.push_back(make_case(s.name, {{"batch", s.B}, {"n", s.n}, {"k", s.k}}, std::string(s.name) == "base",
-                                 s.large));
-  Case f32 = make_case("y_float32", {{"batch", 33}, {"n", 4097}, {"k", 17}}, true);
-  f32.tensor_dtypes = {{"y", DType::f32}};
-  f32.params = {{"tau", 3.0}};
-  op.cases.push_back(std::move(f32));
+  op.compile_dims = {{"batch", 1}, {"k", 1}, {"m", 1}};
+  op.cases = group_cases("y");
   op.kernels = [](const Problem& p, const Config& c) {
     return std::vector<jit::KernelSpec>{kernel_spec(
         p, "difflogic/group_sum.cuh", "kspec::difflogic_group_sum_fwd_kernel",
@@ -119,15 +126,16 @@ OpDef make_group_sum_fwd() {
     a.x = call.in("x").data;
     a.y = call.out("y").data;
     a.batch = p.dim("batch");
-    a.n_in = p.dim("n");
     a.groups = p.dim("k");
+    a.n_in = a.groups * p.dim("m");
     a.tau = static_cast<float>(p.param_float("tau"));
     const int64_t threads = c.get("threads");
     void* args[] = {&a};
     if (a.batch > 0) l.launch(0, {blocks_for(a.batch * a.groups, threads / 32)}, {u32(threads)}, 0, args);
   };
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
-    auto y = ref::difflogic_group_sum_ref(p.dim("batch"), p.dim("n"), in[0].data, p.dim("k"), p.param_float("tau"));
+    auto y = ref::difflogic_group_sum_ref(p.dim("batch"), p.dim("k") * p.dim("m"), in[0].data, p.dim("k"),
+                                          p.param_float("tau"));
     return std::vector<HostTensor>{{true, {p.dim("batch"), p.dim("k")}, std::move(y)}};
   };
   return op;
@@ -137,29 +145,20 @@ OpDef make_group_sum_fwd() {
 
 OpDef make_group_sum_bwd() {
   OpDef op = base("difflogic.group_sum.bwd",
-                  "GroupSum's backward: dx[s, j] = dy[s, j / (n/k)] / tau, n given by dx's shape");
-  op.info.reference =
-      "api/ops/difflogic/reference.cpp: difflogic_group_sum_bwd_ref (python/kspec/reference/difflogic.py)";
-  op.info.dims = {dim("batch", "B, samples"), dim("k", "groups", 1), dim("n", "columns of x (k divides n)", 1)};
+                  "GroupSum's backward: dx[s, c, j] = dy[s, c, j] / tau, dy the gradient of y [batch, k] expanded "
+                  "over the group (dy[:, :, None].expand(batch, k, m): stride 0, no copy); any strides");
+  op.info.reference = "api/ops/difflogic/reference.cpp: difflogic_group_sum_bwd_ref on an expanded dy, else "
+                      "dy / tau (python/kspec/reference/difflogic.py)";
+  op.info.dims = group_dims();
   op.info.params = {tau_param()};
-  op.info.inputs = {tensor_def("dy", {"batch", "k"}, kFloatTypes, "", false, false, "", Layout::Contiguous,
-                               "upstream gradient of y")};
-  op.info.outputs = {tensor_def("dx", {"batch", "n"}, kFloatTypes, "", false, false, "", Layout::Contiguous,
-                                "gradient of x, in x's dtype (any float dtype, not necessarily dy's)")};
-  op.check = [](const Problem& p) {
-    check_tau(p);
-    check_groups(p, "columns");
-  };
-  op.check_call = [](const Call& call) { check_groups(call.problem, "columns"); };
+  op.info.inputs = {tensor_def("dy", {"batch", "k", "m"}, kFloatTypes, "", false, false, "", Layout::Strided,
+                               "upstream gradient of y, expanded over each group (any strides)")};
+  op.info.outputs = {tensor_def("dx", {"batch", "k", "m"}, kFloatTypes, "", false, false, "", Layout::Contiguous,
+                                "gradient of x (any float dtype: x's, not necessarily dy's)")};
+  op.check = check_tau;
   op.dtypes = kFloatTypes;
-  op.compile_dims = {{"batch", 1}, {"k", 1}, {"n", 1}};
-  for (const auto& s : kGroupShapes)
-    op.cases.push_back(make_case(s.name, {{"batch", s.B}, {"k", s.k}, {"n", s.n}}, std::string(s.name) == "base",
-                                 s.large));
-  Case f32 = make_case("dy_float32", {{"batch", 33}, {"k", 17}, {"n", 4097}}, true);
-  f32.tensor_dtypes = {{"dy", DType::f32}};
-  f32.params = {{"tau", 3.0}};
-  op.cases.push_back(std::move(f32));
+  op.compile_dims = {{"batch", 1}, {"k", 1}, {"m", 1}};
+  op.cases = group_cases("dy");
   op.kernels = [](const Problem& p, const Config& c) {
     return std::vector<jit::KernelSpec>{kernel_spec(
         p, "difflogic/group_sum.cuh", "kspec::difflogic_group_sum_bwd_kernel",
@@ -167,21 +166,23 @@ OpDef make_group_sum_bwd() {
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     const Problem& p = call.problem;
+    const TensorView& dy = call.in("dy");
     DiffLogicParams a{};
-    a.dout = call.in("dy").data;
+    a.dout = dy.data;
     a.dx = call.out("dx").data;
     a.batch = p.dim("batch");
-    a.n_in = p.dim("n");
     a.groups = p.dim("k");
+    a.n_in = a.groups * p.dim("m");
+    for (int d = 0; d < 3; ++d) a.strides[d] = dy.strides[d];
     a.tau = static_cast<float>(p.param_float("tau"));
     const int64_t threads = c.get("threads");
     void* args[] = {&a};
     if (a.batch > 0) l.launch(0, {blocks_for(a.batch * a.n_in, threads)}, {u32(threads)}, 0, args);
   };
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
-    auto dx =
-        ref::difflogic_group_sum_bwd_ref(p.dim("batch"), p.dim("n"), in[0].data, p.dim("k"), p.param_float("tau"));
-    return std::vector<HostTensor>{{true, {p.dim("batch"), p.dim("n")}, std::move(dx)}};
+    std::vector<double> dx = in[0].data;
+    for (double& v : dx) v /= p.param_float("tau");
+    return std::vector<HostTensor>{{true, {p.dim("batch"), p.dim("k"), p.dim("m")}, std::move(dx)}};
   };
   return op;
 }
