@@ -2,6 +2,9 @@
 // fast; every sum in a fixed order, no atomics, so a rerun gives the same bits:
 //   difflogic_tables_kernel   one thread per gate: p = softmax(logits) or one-hot argmax (ties to the
 //                             lower index), T = p . truth table, 4 floats per gate, once per call.
+//                             With p.gumbel the logits are logits + G, G the gate's Gumbel noise of
+//                             p.seed (philox.cuh), here and in difflogic_dlogits_kernel alike: the
+//                             straight-through estimator's hard forward and soft backward see one G.
 //   difflogic_fwd_kernel      one thread per (sample, gate), gates fastest (coalesced y):
 //                             y = T00 (1-a)(1-b) + T01 (1-a) b + T10 a (1-b) + T11 a b.
 //   difflogic_dx_kernel       one thread per (sample, input): dx = grad_factor * the sum of da or db over
@@ -17,6 +20,7 @@
 #include "common/dtype.cuh"
 #include "common/reduce.cuh"
 #include "difflogic/params.h"
+#include "difflogic/philox.cuh"
 
 namespace kspec {
 
@@ -40,11 +44,19 @@ __device__ __forceinline__ void difflogic_softmax(const float* l, float* p) {
   for (int i = 0; i < 16; ++i) p[i] *= inv;
 }
 
+// Gate g's 16 logits, plus its Gumbel noise when p.gumbel.
+__device__ __forceinline__ void difflogic_load_logits(const DiffLogicParams& p, long long g, float* l) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) l[i] = p.logits[g * 16 + i];
+  if (p.gumbel) difflogic_add_gumbel(l, p.seed, g);
+}
+
 template <bool kHard, int kThreads>
 __global__ void __launch_bounds__(kThreads) difflogic_tables_kernel(const DiffLogicParams p) {
   for (long long g = blockIdx.x * static_cast<long long>(kThreads) + threadIdx.x; g < p.n_out;
        g += static_cast<long long>(gridDim.x) * kThreads) {
-    const float* l = p.logits + g * 16;
+    float l[16];
+    difflogic_load_logits(p, g, l);
     float w[16];
     if (kHard) {
       int best = 0;
@@ -146,8 +158,9 @@ __global__ void __launch_bounds__(kThreads) difflogic_dlogits_kernel(const DiffL
         S[uv] = 0.0f;
         for (int w = 0; w < kThreads / kWarpSize; ++w) S[uv] += partial[uv][w];
       }
-      float pr[16];
-      difflogic_softmax(p.logits + g * 16, pr);
+      float l[16], pr[16];
+      difflogic_load_logits(p, g, l);
+      difflogic_softmax(l, pr);
       const int i = threadIdx.x;
       const float* t = p.tables + 4 * g;
       float own = 0.0f, mix = 0.0f;

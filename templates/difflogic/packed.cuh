@@ -8,19 +8,9 @@
 #pragma once
 
 #include "difflogic/params.h"
+#include "difflogic/word.cuh"
 
 namespace kspec {
-
-template <int kWidth>
-struct DiffLogicWord;
-template <>
-struct DiffLogicWord<32> {
-  using type = unsigned int;
-};
-template <>
-struct DiffLogicWord<64> {
-  using type = unsigned long long;
-};
 
 template <int kWidth, int kThreads>
 __global__ void __launch_bounds__(kThreads) difflogic_packed_fwd_kernel(const DiffLogicParams p) {

@@ -1,8 +1,8 @@
 // The argument of every difflogic kernel (layer.cuh), one plain struct compiled by both the host compiler
 // (api/ops/difflogic/op.cpp fills it) and NVRTC, so the two sides cannot disagree on its layout. Passed by
 // value. x, y, dout, dx: [batch, width] row-major in the activation dtype (packed.cuh: x, y are words
-// [width, words], 32 or 64 samples a word); logits, dlogits: [n_out, 16] fp32; wires and the consumers CSR
-// int32.
+// [width, words], 32 or 64 samples a word; bits.cuh: the tensors its comments name); logits, dlogits:
+// [n_out, 16] fp32; wires and the consumers CSR int32.
 #pragma once
 
 namespace kspec {
@@ -20,7 +20,35 @@ struct DiffLogicParams {
   float* dlogits;          // [n_out, 16] (backward)
   long long batch, n_in, n_out;
   long long words;         // packed: ceil(batch / w) words per row
+  long long groups;        // GroupSum: k groups of n_in / k consecutive columns (rows when packed)
   float grad_factor;
+  float tau;               // GroupSum: sums / tau
+  long long strides[3];    // GroupSum's backward: dy's strides (elements; 0 along an expanded group)
+  unsigned long long seed; // Gumbel noise: the Philox key (philox.cuh)
+  int gumbel;              // layer: 1 adds Gumbel noise of `seed` to the logits (forward and backward)
+  // CA step (ca.cuh): x, y the state [batch, height, width, C]; a the perception's first-layer neighbours
+  // [8]; b the other layers' wires [2, wired] (a row, then b row); tables [K perception_gates +
+  // update_gates, 4]; fire [batch, height, width] or null.
+  const void* fire;
+  long long height, width, wired;
+  int periodic;
+};
+
+// The CA architectures (compile-time: a kernel is specialized for one): C channels, K perception kernels,
+// the perception's widths (the first 8: gate g reads (patch[perm[g]], centre)) and the update network's
+// (first n_in C + C P K, P the perception's last width; last width C). Read by the host (op.cpp) and by
+// the kernels alike.
+struct DiffLogicCaArch {
+  int C, K;
+  int n_perception, n_update;
+  int perception[4];
+  int update[20];
+};
+// 0 checkerboard: the published notebook's (C = 8, K = 16, 9 -> 8 -> 4 -> 2, 264 -> 256 x 10 -> 128 -> 64
+// -> 32 -> 16 -> 8 -> 8, 3040 update gates). 1 tiny: C = 2, K = 2, 9 -> 8 -> 4 -> 2, 10 -> 6 -> 2 (tests).
+constexpr DiffLogicCaArch kDiffLogicCaArchs[] = {
+    {8, 16, 3, 16, {8, 4, 2}, {256, 256, 256, 256, 256, 256, 256, 256, 256, 256, 128, 64, 32, 16, 8, 8}},
+    {2, 2, 3, 2, {8, 4, 2}, {6, 2}},
 };
 
 }  // namespace kspec

@@ -3,7 +3,8 @@
 // (skipped without one; the generic checker cannot drive int32 inputs, so these are the ops' checks):
 // layer.fwd (soft and hard) and layer.bwd against the float64 reference for every dtype over widths 1, 7,
 // 33, 4097, B = 1, 33, 1024, fan-out 4 -> 2048 and self-paired gates; hard mode on {0, 1} inputs bit for
-// bit; packed.fwd (w = 32, 64) over three layers bit for bit; two backward runs bitwise equal; a wire out of range gives NaN, not a fault.
+// bit; packed.fwd (w = 32, 64) over three layers bit for bit; two backward runs bitwise equal; a wire out of range gives NaN, not a fault;
+// the straight-through estimator with Gumbel noise against the reference on logits + G.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -220,22 +221,29 @@ struct LayerRun {
     return {TensorView(x_->ptr(), dt, {B, n_in}, 0), TensorView(logits_->ptr(), DType::f32, {n_out, 16}, 0),
             TensorView(a_->ptr(), DType::i32, {n_out}, 0), TensorView(b_->ptr(), DType::i32, {n_out}, 0)};
   }
-  std::vector<double> fwd(const std::string& mode) {
+  std::vector<double> fwd(const std::string& mode, Params extra = {}, const Config* config = nullptr) {
     y_->poison();
-    call("difflogic.layer.fwd", inputs(), {TensorView(y_->ptr(), dt, {B, n_out}, 0)}, {{"mode", mode}});
+    extra.set("mode", mode);
+    CallOptions opts;
+    opts.config = config;
+    call("difflogic.layer.fwd", inputs(), {TensorView(y_->ptr(), dt, {B, n_out}, 0)}, extra, nullptr, opts);
     CU_CHECK(cuCtxSynchronize());
     return decode(dt, y_->download(B * n_out * dtype_size(dt)));
   }
   // dx and dlogits as raw bytes (for bitwise comparisons).
-  std::pair<std::vector<unsigned char>, std::vector<unsigned char>> bwd(double grad_factor) {
+  std::pair<std::vector<unsigned char>, std::vector<unsigned char>> bwd(double grad_factor, Params extra = {},
+                                                                        const Config* config = nullptr) {
     dx_->poison();
     dlogits_->poison();
     auto in = inputs();
     in.push_back(TensorView(dout_->ptr(), dt, {B, n_out}, 0));
     in.push_back(TensorView(csr_->ptr(), DType::i32, {static_cast<int64_t>(csr.size())}, 0));
+    extra.set("grad_factor", grad_factor);
+    CallOptions opts;
+    opts.config = config;
     call("difflogic.layer.bwd", in,
-         {TensorView(dx_->ptr(), dt, {B, n_in}, 0), TensorView(dlogits_->ptr(), DType::f32, {n_out, 16}, 0)},
-         {{"grad_factor", grad_factor}});
+         {TensorView(dx_->ptr(), dt, {B, n_in}, 0), TensorView(dlogits_->ptr(), DType::f32, {n_out, 16}, 0)}, extra,
+         nullptr, opts);
     CU_CHECK(cuCtxSynchronize());
     return {dx_->download(B * n_in * dtype_size(dt)), dlogits_->download(n_out * 16 * 4)};
   }
@@ -355,4 +363,52 @@ TEST(DiffLogicGpuExact, WireOutOfRangeGivesNanNotAFault) {
     EXPECT_TRUE(std::isnan(y[s * 5])) << s;
     EXPECT_TRUE(std::isfinite(y[s * 5 + 1])) << s;
   }
+}
+
+// The straight-through estimator with Gumbel noise (hard forward, soft backward, one G from the seed):
+// the hard forward equals the reference's hard layer on logits + G, the soft forward and the backward are
+// within 1e-4 of the reference's on logits + G, and the noise is the seed's alone: both thread configs give
+// the same bits, and another seed other outputs. Gates whose two best noisy logits are within 1e-4 are left
+// out of the hard comparison (fp32 logf and float64 log may order them differently).
+TEST(DiffLogicGpuExact, StraightThroughGumbelMatchesReference) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  const int64_t B = 33, n_in = 4097, n_out = 4097;
+  const int64_t seed = (int64_t{5} << 32) + 77;
+  LayerRun r(B, n_in, n_out, DType::f32, false, 21);
+  auto noisy = r.logits;
+  const auto noise = ref::difflogic_gumbel_noise(n_out, static_cast<uint64_t>(seed));
+  for (size_t j = 0; j < noisy.size(); ++j) noisy[j] += noise[j];
+  Params gumbel;
+  gumbel.set("gumbel", true);
+  gumbel.set("seed", seed);
+  const Config c128{{{"threads", 128}}}, c256{{{"threads", 256}}};
+
+  const auto hard = r.fwd("hard", gumbel, &c128);
+  EXPECT_EQ(hard, r.fwd("hard", gumbel, &c256)) << "the noise depends on the launch configuration";
+  const auto want_hard = ref::difflogic_layer_fwd_ref(B, n_in, r.x, noisy, r.a, r.b, ref::DiffLogicMode::Hard);
+  int64_t compared = 0;
+  for (int64_t g = 0; g < n_out; ++g) {
+    std::vector<double> l(noisy.begin() + g * 16, noisy.begin() + g * 16 + 16);
+    std::sort(l.begin(), l.end());
+    if (l[15] - l[14] < 1e-4) continue;
+    ++compared;
+    for (int64_t s = 0; s < B; ++s)
+      ASSERT_NEAR(hard[s * n_out + g], want_hard[s * n_out + g], 1e-6) << "gate " << g << " sample " << s;
+  }
+  EXPECT_GT(compared, n_out * 99 / 100);
+  EXPECT_NE(hard, r.fwd("hard"));  // without noise: other ops for some gates
+
+  const auto soft = r.fwd("soft", gumbel);
+  EXPECT_LE(rel_error(soft, ref::difflogic_layer_fwd_ref(B, n_in, r.x, noisy, r.a, r.b, ref::DiffLogicMode::Soft)),
+            1e-4);
+  const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, noisy, r.a, r.b, r.dout, 1.0);
+  const auto got = r.bwd(1.0, gumbel, &c128);
+  EXPECT_LE(rel_error(decode(DType::f32, got.first), want.dx), 1e-4) << "dx";
+  EXPECT_LE(rel_error(decode(DType::f32, got.second), want.dlogits), 1e-4) << "dlogits";
+  const auto again = r.bwd(1.0, gumbel, &c256);
+  EXPECT_TRUE(got.first == again.first && got.second == again.second) << "the backward depends on the config";
+  Params other = gumbel;
+  other.set("seed", seed + 1);
+  EXPECT_FALSE(r.bwd(1.0, other).second == got.second) << "the seed does not change the noise";
 }

@@ -1,14 +1,17 @@
 // Tests of the float64 difflogic reference: truth tables against the multilinear extensions, the T-form
 // against sum_i p_i op_i, the soft backward against central differences (repeated wires, self-paired
 // gates, grad_factor), hard mode's ties, packed inference equal to the hard forward bit for bit (w = 32,
-// 64, B not a multiple of w), GroupSum, the consumers CSR, errors naming the argument, and values pinned
-// by the Python twin's test (tests/python/test_reference_difflogic.py).
+// 64, B not a multiple of w), GroupSum, the consumers CSR, Philox's known answers, the Gumbel noise's
+// distribution, the straight-through estimator's backward on logits + G against central differences,
+// errors naming the argument, and values pinned by the Python twin's test
+// (tests/python/test_reference_difflogic.py).
 #include "difflogic/reference.h"
 #include "reference_test_util.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -92,6 +95,61 @@ TEST_P(DiffLogicBackward, MatchesCentralDifferences) {
 INSTANTIATE_TEST_SUITE_P(Shapes, DiffLogicBackward,
                          ::testing::Values(std::make_tuple(1, 1, 1, 1.0), std::make_tuple(3, 4, 7, 1.0),
                                            std::make_tuple(2, 5, 9, 2.5), std::make_tuple(4, 2, 6, 0.5)));
+
+// ---- the straight-through estimator's Gumbel noise ----
+
+// Random123's published known-answer vectors for Philox4x32-10.
+TEST(DiffLogicReference, PhiloxKnownAnswers) {
+  EXPECT_EQ(ref::philox4x32_10({0, 0, 0, 0}, {0, 0}),
+            (std::array<uint32_t, 4>{0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u}));
+  EXPECT_EQ(ref::philox4x32_10({0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}, {0xffffffffu, 0xffffffffu}),
+            (std::array<uint32_t, 4>{0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu}));
+}
+
+TEST(DiffLogicReference, GumbelNoiseIsGumbelAndDependsOnSeedAndGateOnly) {
+  const auto g = ref::difflogic_gumbel_noise(4096, 7);
+  double mean = 0.0, sq = 0.0;
+  for (double v : g) mean += v / static_cast<double>(g.size());
+  for (double v : g) sq += (v - mean) * (v - mean) / static_cast<double>(g.size());
+  EXPECT_NEAR(mean, 0.5772156649015329, 0.02);  // Euler's gamma; std of the mean (pi / sqrt 6) / 256
+  EXPECT_NEAR(sq, M_PI * M_PI / 6.0, 0.06);
+  const auto prefix = ref::difflogic_gumbel_noise(10, 7);
+  EXPECT_EQ(prefix, std::vector<double>(g.begin(), g.begin() + 160));  // a gate's noise: (seed, g) alone
+  const auto other = ref::difflogic_gumbel_noise(10, 7 + (uint64_t{1} << 32));  // the seed's high word counts
+  for (size_t j = 0; j < other.size(); ++j) EXPECT_NE(other[j], prefix[j]) << j;
+}
+
+// The estimator's backward is the soft layer's on logits + G (G fixed by the seed), its forward the hard
+// layer of argmax(logits + G).
+TEST_P(DiffLogicBackward, StraightThroughGumbelMatchesCentralDifferences) {
+  const auto [B, n_in, n_out, grad_factor] = GetParam();
+  std::mt19937_64 rng(20 + n_out);
+  Layer l = make_layer(rng, B, n_in, n_out);
+  const std::vector<double> dout = random_uniform(rng, B * n_out, -1.0, 1.0);
+  const auto noise = ref::difflogic_gumbel_noise(n_out, 99);
+  auto noisy = [&] {
+    std::vector<double> v = l.logits;
+    for (size_t j = 0; j < v.size(); ++j) v[j] += noise[j];
+    return v;
+  };
+  const auto g = ref::difflogic_layer_bwd_ref(B, n_in, l.x, noisy(), l.a, l.b, dout, grad_factor);
+  auto loss = [&] {
+    const auto y = ref::difflogic_layer_fwd_ref(B, n_in, l.x, noisy(), l.a, l.b, DiffLogicMode::Soft);
+    double s = 0.0;
+    for (size_t j = 0; j < y.size(); ++j) s += dout[j] * y[j];
+    return s;
+  };
+  std::vector<double> fd_x = central_diff(loss, l.x, 1e-6);
+  for (double& v : fd_x) v *= grad_factor;
+  expect_grad_near(g.dx, fd_x, 1e-9, "dx");
+  expect_grad_near(g.dlogits, central_diff(loss, l.logits, 1e-6), 1e-9, "dlogits");
+  const auto hard = ref::difflogic_layer_fwd_ref(B, n_in, l.x, noisy(), l.a, l.b, DiffLogicMode::Hard);
+  const auto ops = ref::difflogic_hard_ops(noisy(), n_out);
+  for (int64_t s = 0; s < B; ++s)
+    for (int64_t k = 0; k < n_out; ++k)
+      EXPECT_NEAR(hard[s * n_out + k], ref::difflogic_op(ops[k], l.x[s * n_in + l.a[k]], l.x[s * n_in + l.b[k]]),
+                  1e-15);
+}
 
 TEST(DiffLogicReference, ConsumersCsrOrdersReadersAndSkipsUnreadInputs) {
   const auto c = ref::difflogic_consumers(5, {2, 0, 2, 3}, {0, 0, 3, 2});
@@ -234,6 +292,47 @@ TEST(DiffLogicReference, PinnedValuesSharedWithPython) {
   EXPECT_NEAR(weighted(g.dx), -0.11917770680712834, 1e-12);
   EXPECT_NEAR(weighted(g.dlogits), -0.05810427339926578, 1e-12);
   EXPECT_NEAR(weighted(hard), 0.8392275169378114, 1e-12);
+}
+
+// GroupSum, binarize + pack (w = 32, 64) and packed GroupSum on formula inputs: PINNED_BITS there.
+TEST(DiffLogicReference, PinnedBitsSharedWithPython) {
+  const int64_t B = 37, n = 12;
+  const auto x = formula(B * n, 0.4, 0.6, 0.5);
+  const auto bits = ref::difflogic_binarize(x);
+  std::vector<double> dy;  // x[:, :4], the Python side's upstream gradient
+  for (int64_t s = 0; s < B; ++s) dy.insert(dy.end(), x.begin() + s * n, x.begin() + s * n + 4);
+  auto as_doubles = [](const std::vector<uint64_t>& w, double scale) {
+    std::vector<double> d(w.size());
+    for (size_t j = 0; j < w.size(); ++j) d[j] = static_cast<double>(w[j]) / scale;
+    return d;
+  };
+  const auto words64 = ref::difflogic_pack_ref(B, n, bits, 64);
+  const auto counts = ref::difflogic_packed_group_sum_ref(B, n, words64, 64, 4);
+  EXPECT_NEAR(weighted(ref::difflogic_group_sum_ref(B, n, x, 4, 2.5)), 3.932900446562618, 1e-12);
+  EXPECT_NEAR(weighted(ref::difflogic_group_sum_bwd_ref(B, n, dy, 4, 2.5)), -0.21024730192034558, 1e-12);
+  EXPECT_NEAR(weighted(as_doubles(ref::difflogic_pack_ref(B, n, bits, 32), 1.0)), -462858463.86566114, 1e-5);
+  EXPECT_NEAR(weighted(as_doubles(words64, 4294967296.0)), -27.214010749434678, 1e-12);
+  EXPECT_NEAR(weighted(std::vector<double>(counts.begin(), counts.end())), 7.922464655066591, 1e-12);
+}
+
+// Gumbel noise of a seed with both key words set, and the estimator on it: PINNED_GUMBEL there.
+TEST(DiffLogicReference, PinnedGumbelSharedWithPython) {
+  const int64_t B = 3, n_in = 5, n_out = 7;
+  const auto x = formula(B * n_in, 0.1, 0.45, 0.5), dout = formula(B * n_out, 0.3, 1.0);
+  std::vector<double> logits = formula(n_out * 16, 0.2, 2.0);
+  std::vector<int32_t> a, b;
+  for (int32_t g = 0; g < n_out; ++g) {
+    a.push_back((3 * g + 1) % n_in);
+    b.push_back((2 * g) % n_in);
+  }
+  const auto noise = ref::difflogic_gumbel_noise(n_out, 0x123456789ull);
+  for (size_t j = 0; j < logits.size(); ++j) logits[j] += noise[j];
+  const auto g = ref::difflogic_layer_bwd_ref(B, n_in, x, logits, a, b, dout, 1.5);
+  EXPECT_NEAR(weighted(noise), -8.145101570081561, 1e-12);
+  EXPECT_NEAR(weighted(ref::difflogic_layer_fwd_ref(B, n_in, x, logits, a, b, DiffLogicMode::Hard)),
+              0.7226733450030891, 1e-12);
+  EXPECT_NEAR(weighted(g.dx), -0.3453163755311174, 1e-12);
+  EXPECT_NEAR(weighted(g.dlogits), -0.13913343765147065, 1e-12);
 }
 
 }  // namespace

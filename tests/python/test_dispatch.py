@@ -175,10 +175,13 @@ def test_schema_shapes_match_infer_outputs():
     C++ infer_outputs' dtypes and shapes for every case of every op (TensorList ops aside)."""
     from kspec import _C, _schema
 
+    # Ops whose output has a dim no input binds and no family rule gives (packing: ceil(batch / w) words,
+    # unpack's batch): the caller sizes the output (out=).
+    caller_sized = {"difflogic.pack", "difflogic.unpack", "difflogic.packed.group_sum"}
     compared = 0
     for op in _C.list_ops():
         info = _C.op_info(op)
-        if any(d["shape"] == ["tensors"] for d in info["inputs"]):
+        if any(d["shape"] == ["tensors"] for d in info["inputs"]) or op in caller_sized:
             continue
         for case in info["cases"]:
             if case["large"]:

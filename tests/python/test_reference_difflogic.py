@@ -1,6 +1,8 @@
 """Tests of the float64 NumPy difflogic reference: the 16 truth tables against their multilinear
 extensions, the T-form against sum_i p_i op_i, the soft backward (dlogits, dx with repeated wires,
-self-paired gates, grad_factor) against central differences, hard mode's ties, packed inference equal
+self-paired gates, grad_factor) against central differences, binarize, Philox's known answers, the
+Gumbel noise's distribution, the straight-through estimator's backward on logits + G against central
+differences, hard mode's ties, packed inference equal
 to the hard forward bit for bit (w = 32, 64, B not a multiple of w), GroupSum and its packed counts,
 the consumers CSR, errors naming the argument, and pinned values shared with the C++ twin's test
 (tests/cpp/test_difflogic_reference.cpp)."""
@@ -192,4 +194,93 @@ PINNED = dict(y=1.3609391835026599, dx=-0.11917770680712834, dlogits=-0.05810427
 def test_pinned_values_shared_with_cpp():
     got = pinned_values()
     for key, want in PINNED.items():
+        assert got[key] == pytest.approx(want, rel=1e-12), key
+
+
+def test_binarize_thresholds_at_one_half():
+    x = np.array([0.0, 1.0, 0.5, np.nextafter(0.5, 1.0), 0.49, -3.0, 7.0, np.nan])
+    np.testing.assert_array_equal(ref.binarize(x), [0, 1, 0, 1, 0, 0, 1, 0])
+
+
+def pinned_bits():
+    """GroupSum, binarize + pack (w = 32, 64) and packed GroupSum on formula inputs, as the C++ twin's test."""
+    B, n = 37, 12
+    x = _formula(B * n, 0.4, 0.6, 0.5).reshape(B, n)
+    bits = ref.binarize(x)
+    w = lambda v: float(np.sum(np.asarray(v, dtype=np.float64).ravel() * np.cos(np.arange(v.size))))  # noqa: E731
+    return dict(group_sum=w(ref.group_sum(x, 4, 2.5)), group_sum_bwd=w(ref.group_sum_bwd(x[:, :4], 12, 2.5)),
+                pack32=w(ref.pack(bits, 32)), pack64=w(ref.pack(bits, 64).astype(np.float64) / 2.0**32),
+                counts=w(ref.packed_group_sum(ref.pack(bits, 64), B, 64, 4)))
+
+
+PINNED_BITS = dict(group_sum=3.932900446562618, group_sum_bwd=-0.21024730192034558, pack32=-462858463.86566114,
+                   pack64=-27.214010749434678, counts=7.922464655066591)
+
+
+def test_pinned_bits_shared_with_cpp():
+    got = pinned_bits()
+    for key, want in PINNED_BITS.items():
+        assert got[key] == pytest.approx(want, rel=1e-12), key
+
+
+# ---- the straight-through estimator's Gumbel noise ----
+
+def test_philox_known_answers():
+    """Random123's published known-answer vectors for Philox4x32-10."""
+    got = [int(v) for v in ref.philox4x32_10((0, 0, 0, 0), (0, 0))]
+    assert got == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    got = [int(v) for v in ref.philox4x32_10((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2)]
+    assert got == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+
+
+def test_gumbel_noise_is_gumbel_and_depends_on_seed_and_gate_only():
+    g = ref.gumbel_noise(4096, 7)
+    assert abs(g.mean() - np.euler_gamma) < 0.02  # std of the mean: (pi / sqrt 6) / 256 = 0.005
+    assert abs(g.var() - np.pi**2 / 6) < 0.06
+    np.testing.assert_array_equal(ref.gumbel_noise(10, 7), g[:10])  # a gate's noise: (seed, g) alone
+    assert not np.any(ref.gumbel_noise(10, 8) == g[:10])
+    assert not np.any(ref.gumbel_noise(10, 7 + 2**32) == g[:10])  # the seed's high word is part of the key
+
+
+@pytest.mark.parametrize("B,n_in,n_out", [(1, 1, 1), (3, 4, 7), (2, 5, 9)])
+def test_straight_through_gumbel_backward_matches_central_differences(B, n_in, n_out):
+    """The estimator's backward is the soft layer's on logits + G, G fixed by the seed."""
+    rng, x, logits, a, b = _layer(20 + n_out, B, n_in, n_out)
+    dout = rng.normal(size=(B, n_out))
+    noise = ref.gumbel_noise(n_out, 99)
+    dx, dlogits = ref.layer_bwd(dout, x, logits + noise, a, b)
+
+    def loss():
+        return float(np.sum(dout * ref.layer_fwd(x, logits + noise, a, b)))
+
+    assert_grad_close(dx, central_diff(loss, x, STEP), 1e-9, "dx")
+    assert_grad_close(dlogits, central_diff(loss, logits, STEP), 1e-9, "dlogits")
+    # Its forward: the hard layer of argmax(logits + G).
+    hard = ref.layer_fwd(x, logits + noise, a, b, hard=True)
+    ops = ref.hard_ops(logits + noise)
+    np.testing.assert_allclose(hard, np.stack([ref.OPS[o](x[:, a[g]], x[:, b[g]]) for g, o in enumerate(ops)], 1),
+                               rtol=0, atol=1e-15)
+
+
+def pinned_gumbel():
+    B, n_in, n_out = 3, 5, 7
+    x = _formula(B * n_in, 0.1, 0.45, 0.5).reshape(B, n_in)
+    logits = _formula(n_out * 16, 0.2, 2.0).reshape(n_out, 16)
+    a = (3 * np.arange(n_out) + 1) % n_in
+    b = (2 * np.arange(n_out)) % n_in
+    dout = _formula(B * n_out, 0.3, 1.0).reshape(B, n_out)
+    noise = ref.gumbel_noise(n_out, 0x123456789)
+    dx, dlogits = ref.layer_bwd(dout, x, logits + noise, a, b, grad_factor=1.5)
+    w = lambda v: float(np.sum(v.ravel() * np.cos(np.arange(v.size))))  # noqa: E731
+    return dict(noise=w(noise), hard=w(ref.layer_fwd(x, logits + noise, a, b, hard=True)), dx=w(dx),
+                dlogits=w(dlogits))
+
+
+PINNED_GUMBEL = dict(noise=-8.145101570081561, hard=0.7226733450030891, dx=-0.3453163755311174,
+                     dlogits=-0.13913343765147065)
+
+
+def test_pinned_gumbel_shared_with_cpp():
+    got = pinned_gumbel()
+    for key, want in PINNED_GUMBEL.items():
         assert got[key] == pytest.approx(want, rel=1e-12), key

@@ -1,8 +1,9 @@
 // difflogic: differentiable logic gate layers (issue 30). difflogic.layer.fwd (soft or hard; the
 // straight-through estimator's forward is hard), difflogic.layer.bwd (the soft backward, also the
-// estimator's) and difflogic.packed.fwd (a hard layer on bit-packed samples). Schema, specializations,
-// tuning space, launchers, float64 references (api/ops/difflogic/reference.h) and the case tables; kernels
-// in templates/difflogic/{layer,packed}.cuh, their one argument templates/difflogic/params.h.
+// estimator's), both optionally on logits + Gumbel noise from a seed, and difflogic.packed.fwd (a hard
+// layer on bit-packed samples); GroupSum and packing are in bits.cpp. Schema, specializations, tuning
+// space, launchers, float64 references (api/ops/difflogic/reference.h) and the case tables; kernels in
+// templates/difflogic/{layer,packed}.cuh, their one argument templates/difflogic/params.h.
 // Wires are int32 data on the device: their range is checked where the wiring is built on the host
 // (kspec::ref::difflogic_consumers, which also builds the consumers CSR the backward reads, once per
 // wiring); checking them per call would cost a copy and a sync. The kernels never follow a wire outside
@@ -13,6 +14,7 @@
 #include <random>
 
 #include "api/src/op.h"
+#include "difflogic/common.h"
 #include "difflogic/reference.h"
 #include "jit/spec.h"
 #include "templates/difflogic/params.h"
@@ -20,24 +22,33 @@
 namespace kspec {
 namespace {
 
-const std::vector<DType> kFloatTypes = {DType::f32, DType::f16, DType::bf16};
+using namespace difflogic;
+
 const std::vector<std::string> kModes = {"soft", "hard"};
-// One thread per output element up to this many blocks, then grid-stride loops.
-constexpr int64_t kMaxBlocks = int64_t{1} << 20;
 
-unsigned u32(int64_t v) { return static_cast<unsigned>(v); }
-
-unsigned blocks_for(int64_t elements, int64_t threads) {
-  return u32(std::max<int64_t>(1, std::min(kMaxBlocks, (elements + threads - 1) / threads)));
+// The straight-through estimator's Gumbel option: runtime params (the noise is data, made in the tables
+// kernel from the seed), the same two in the forward and the backward.
+std::vector<ParamDef> gumbel_params() {
+  ParamDef gumbel{"gumbel", ParamType::Bool, false, {},
+                  "add Gumbel noise G (from seed, counter-based: templates/difflogic/philox.cuh) to the logits: "
+                  "hard gives argmax(logits + G), soft softmax(logits + G); pass the forward's seed to the backward",
+                  true};
+  ParamDef seed{"seed", ParamType::Int, int64_t(0), {}, "the noise's key (a new one per training step)", true};
+  seed.min = 0.0;
+  return {gumbel, seed};
 }
 
-TuningSpace difflogic_tuning() {
-  TuningSpace t;
-  t.axes = {{"threads", {128, 256}}};
-  t.valid = [](const Problem&, const Config&, std::string*) { return true; };
-  t.heuristic = [](const Problem&) { return Config{{{"threads", 256}}}; };
-  t.block_threads = [](const Problem&, const Config& c) { return c.get("threads"); };
-  return t;
+void set_gumbel(const Problem& p, DiffLogicParams& a) {
+  a.gumbel = p.param_bool("gumbel") ? 1 : 0;
+  a.seed = static_cast<unsigned long long>(p.param_int("seed"));
+}
+
+// The logits the layer runs on: logits + G with Gumbel noise, else the logits.
+std::vector<double> effective_logits(const Problem& p, const HostTensor& logits) {
+  if (!p.param_bool("gumbel")) return logits.data;
+  std::vector<double> l = ref::difflogic_gumbel_noise(p.dim("n_out"), static_cast<uint64_t>(p.param_int("seed")));
+  for (size_t j = 0; j < l.size(); ++j) l[j] += logits.data[j];
+  return l;
 }
 
 std::vector<DimDef> layer_dims(bool csr) {
@@ -102,12 +113,6 @@ std::vector<Case> layer_cases() {
   return cases;
 }
 
-std::vector<int32_t> wires(const HostTensor& t) {
-  std::vector<int32_t> w(t.data.size());
-  for (size_t g = 0; g < w.size(); ++g) w[g] = static_cast<int32_t>(t.data[g]);
-  return w;
-}
-
 // Random wiring in range, every third gate self-paired (the generic input generator draws normals).
 void prepare_wires(const Problem& p, std::vector<HostTensor>& in) {
   std::mt19937_64 rng(static_cast<uint64_t>(p.dim("n_in") * 131 + p.dim("n_out")));
@@ -143,7 +148,9 @@ OpDef make_layer_fwd() {
                         "y[:, g] = sum_i p_i op_i(x[:, a_g], x[:, b_g]), p = softmax(logits[g]) (soft) or one-hot "
                         "argmax, ties to the lower index (hard; the straight-through estimator's forward)",
                         false);
-  op.info.params = {{"mode", ParamType::Choice, std::string("soft"), kModes, "soft (training) or hard (inference)"}};
+  op.info.params = {{"mode", ParamType::Choice, std::string("soft"), kModes,
+                     "soft (training) or hard (inference; the straight-through estimator's forward)"}};
+  for (auto& g : gumbel_params()) op.info.params.push_back(std::move(g));
   op.info.outputs = {
       tensor_def("y", {"batch", "n_out"}, {}, "x", false, false, "", Layout::Contiguous, "gate outputs"),
   };
@@ -153,6 +160,10 @@ OpDef make_layer_fwd() {
   hard.representative = true;
   hard.params = {{"mode", std::string("hard")}};
   op.cases.push_back(std::move(hard));
+  Case ste = op.cases[2];
+  ste.name = "hard_gumbel";
+  ste.params = {{"mode", std::string("hard")}, {"gumbel", true}, {"seed", int64_t{12345}}};
+  op.cases.push_back(std::move(ste));
   op.prepare_inputs = prepare_wires;
   op.kernels = [](const Problem& p, const Config& c) {
     const int64_t threads = c.get("threads");
@@ -164,6 +175,7 @@ OpDef make_layer_fwd() {
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     DiffLogicParams a = params_of(call);
     a.y = call.out("y").data;
+    set_gumbel(call.problem, a);
     a.tables = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(4 * a.n_out)));
     const int64_t threads = c.get("threads");
     void* args[] = {&a};
@@ -172,8 +184,8 @@ OpDef make_layer_fwd() {
   };
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
     const auto mode = p.param_str("mode") == "hard" ? ref::DiffLogicMode::Hard : ref::DiffLogicMode::Soft;
-    auto y = ref::difflogic_layer_fwd_ref(p.dim("batch"), p.dim("n_in"), in[0].data, in[1].data, wires(in[2]),
-                                          wires(in[3]), mode);
+    auto y = ref::difflogic_layer_fwd_ref(p.dim("batch"), p.dim("n_in"), in[0].data, effective_logits(p, in[1]),
+                                          wires(in[2]), wires(in[3]), mode);
     return std::vector<HostTensor>{{true, {p.dim("batch"), p.dim("n_out")}, std::move(y)}};
   };
   return op;
@@ -183,12 +195,14 @@ OpDef make_layer_fwd() {
 
 OpDef make_layer_bwd() {
   OpDef op = layer_base("difflogic.layer.bwd",
-                        "gradients of sum(dout * y) of the soft layer (also the straight-through estimator's): "
+                        "gradients of sum(dout * y) of the soft layer (also the straight-through estimator's; with "
+                        "gumbel, of softmax(logits + G) for the forward's G): "
                         "dlogits[g, i] = sum_s dout p_i (op_i - y), dx = grad_factor * the sum over each input's "
                         "readers in the consumers CSR's order (no atomics: the same bits every run)",
                         true);
   ParamDef gf{"grad_factor", ParamType::Float, 1.0, {}, "scales dx only", true};
   op.info.params = {gf};
+  for (auto& g : gumbel_params()) op.info.params.push_back(std::move(g));
   op.info.inputs.push_back(tensor_def("dout", {"batch", "n_out"}, {}, "x", false, false, "", Layout::Contiguous,
                                       "upstream gradient of y"));
   op.info.inputs.push_back(tensor_def("consumers", {"csr"}, {DType::i32}, "", false, false, "", Layout::Contiguous,
@@ -214,6 +228,10 @@ OpDef make_layer_bwd() {
     c.dims.push_back({"csr", n_in + 1 + 2 * n_out});
   }
   op.cases.front().params = {{"grad_factor", 2.0}};
+  Case ste = op.cases[2];
+  ste.name = "gumbel";
+  ste.params = {{"gumbel", true}, {"seed", int64_t{12345}}};
+  op.cases.push_back(std::move(ste));
   op.prepare_inputs = [](const Problem& p, std::vector<HostTensor>& in) {
     prepare_wires(p, in);
     const auto c = ref::difflogic_consumers(p.dim("n_in"), wires(in[2]), wires(in[3]));
@@ -236,6 +254,7 @@ OpDef make_layer_bwd() {
     a.dx = call.out("dx").data;
     a.dlogits = static_cast<float*>(call.out("dlogits").data);
     a.grad_factor = static_cast<float>(call.problem.param_float("grad_factor"));
+    set_gumbel(call.problem, a);
     a.tables = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(4 * a.n_out)));
     const int64_t threads = c.get("threads");
     void* args[] = {&a};
@@ -244,8 +263,8 @@ OpDef make_layer_bwd() {
     l.launch(2, {u32(std::min<int64_t>(kMaxBlocks, a.n_out))}, {u32(threads)}, 0, args);
   };
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
-    auto g = ref::difflogic_layer_bwd_ref(p.dim("batch"), p.dim("n_in"), in[0].data, in[1].data, wires(in[2]),
-                                          wires(in[3]), in[4].data, p.param_float("grad_factor"));
+    auto g = ref::difflogic_layer_bwd_ref(p.dim("batch"), p.dim("n_in"), in[0].data, effective_logits(p, in[1]),
+                                          wires(in[2]), wires(in[3]), in[4].data, p.param_float("grad_factor"));
     return std::vector<HostTensor>{{true, {p.dim("batch"), p.dim("n_in")}, std::move(g.dx)},
                                    {true, {p.dim("n_out"), 16}, std::move(g.dlogits)}};
   };
@@ -333,15 +352,11 @@ OpDef make_packed_fwd() {
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
     KSPEC_CHECK_AS(p.dtype("x") == DType::i32, Unsupported, p.op->info.name,
                    ": the float64 reference takes int32 words only (a 64-bit word does not fit a double)");
-    std::vector<uint64_t> words(in[0].data.size());
-    for (size_t j = 0; j < words.size(); ++j)
-      words[j] = static_cast<uint32_t>(static_cast<int32_t>(in[0].data[j]));
+    const std::vector<uint64_t> words = words_of(in[0]);
     const auto ops = ref::difflogic_hard_ops(in[1].data, p.dim("n_out"));
     const auto out = ref::difflogic_packed_fwd_ref(p.param_int("batch"), p.dim("n_in"), words, 32, ops, wires(in[2]),
                                                    wires(in[3]));
-    std::vector<double> y(out.size());
-    for (size_t j = 0; j < y.size(); ++j) y[j] = static_cast<int32_t>(static_cast<uint32_t>(out[j]));
-    return std::vector<HostTensor>{{true, {p.dim("n_out"), p.dim("words")}, std::move(y)}};
+    return std::vector<HostTensor>{{true, {p.dim("n_out"), p.dim("words")}, doubles_of_words(out)}};
   };
   return op;
 }
@@ -352,6 +367,8 @@ void register_difflogic(Registry& r) {
   r.add(make_layer_fwd());
   r.add(make_layer_bwd());
   r.add(make_packed_fwd());
+  register_difflogic_bits(r);
+  register_difflogic_ca(r);
 }
 
 }  // namespace kspec

@@ -110,6 +110,34 @@ std::vector<int> difflogic_hard_ops(const std::vector<double>& logits, int64_t n
   return ops;
 }
 
+std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 4> c, std::array<uint32_t, 2> k) {
+  for (int round = 0; round < 10; ++round) {
+    const uint64_t p0 = uint64_t{0xD2511F53u} * c[0], p1 = uint64_t{0xCD9E8D57u} * c[2];
+    c = {static_cast<uint32_t>(p1 >> 32) ^ c[1] ^ k[0], static_cast<uint32_t>(p1),
+         static_cast<uint32_t>(p0 >> 32) ^ c[3] ^ k[1], static_cast<uint32_t>(p0)};
+    k[0] += 0x9E3779B9u;
+    k[1] += 0xBB67AE85u;
+  }
+  return c;
+}
+
+std::vector<double> difflogic_gumbel_noise(int64_t n_out, uint64_t seed) {
+  if (n_out < 0) fail("n_out = " + std::to_string(n_out) + ", expected >= 0");
+  const std::array<uint32_t, 2> key = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
+  std::vector<double> noise(static_cast<size_t>(n_out * kDiffLogicOps));
+  for (int64_t g = 0; g < n_out; ++g) {
+    const auto ug = static_cast<uint64_t>(g);
+    for (uint32_t block = 0; block < 4; ++block) {
+      const auto r = philox4x32_10({static_cast<uint32_t>(ug), static_cast<uint32_t>(ug >> 32), block, 0}, key);
+      for (int j = 0; j < 4; ++j) {
+        const double u = (static_cast<double>(r[j] >> 8) + 0.5) * 0x1p-24;
+        noise[g * kDiffLogicOps + 4 * block + j] = -std::log(-std::log(u));
+      }
+    }
+  }
+  return noise;
+}
+
 DiffLogicConsumers difflogic_consumers(int64_t n_in, const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
   const int64_t n_out = check_wires(n_in, a, b);
   DiffLogicConsumers c;
@@ -203,6 +231,12 @@ std::vector<double> difflogic_group_sum_bwd_ref(int64_t B, int64_t n, const std:
   return dx;
 }
 
+std::vector<double> difflogic_binarize(const std::vector<double>& x) {
+  std::vector<double> bits(x.size());
+  for (size_t j = 0; j < x.size(); ++j) bits[j] = x[j] > 0.5 ? 1.0 : 0.0;
+  return bits;
+}
+
 std::vector<uint64_t> difflogic_pack_ref(int64_t B, int64_t n, const std::vector<double>& x, int w) {
   check_width(w);
   check_size(x, B * n, "x ([B, n])");
@@ -264,6 +298,184 @@ std::vector<int64_t> difflogic_packed_group_sum_ref(int64_t B, int64_t n, const 
   for (int64_t s = 0; s < B; ++s)
     for (int64_t j = 0; j < n; ++j) counts[s * k + j / m] += static_cast<int64_t>((words[j * W + s / w] >> (s % w)) & 1);
   return counts;
+}
+
+}  // namespace kspec::ref
+
+// ---- DiffLogic CA: the step as layers of the reference above, perception kernels run as batches of
+// (cell, channel) patches ----
+namespace kspec::ref {
+namespace {
+
+// The wires of perception layer l (l = 0: the 8-gate first layer reading (perm[g], centre)).
+DiffLogicLayerWires perception_wires(const DiffLogicCa& ca, size_t l) {
+  if (l > 0) return ca.perception[l - 1];
+  return {ca.perm, std::vector<int32_t>(8, 4)};
+}
+
+std::vector<double> slice(const std::vector<double>& v, int64_t begin, int64_t n) {
+  return std::vector<double>(v.begin() + begin, v.begin() + begin + n);
+}
+
+// Checks sizes and ranges; returns P, the width of the perception's last layer.
+int64_t check_ca(const DiffLogicCa& ca, int64_t B, int64_t H, int64_t W, const std::vector<double>& state,
+                 const DiffLogicCaLogits& logits, const std::vector<double>* fire) {
+  if (ca.C < 1 || ca.K < 1) fail("C = " + std::to_string(ca.C) + ", K = " + std::to_string(ca.K) + ", expected >= 1");
+  if (B < 0 || H < 1 || W < 1) fail("B, H, W = " + std::to_string(B) + ", " + std::to_string(H) + ", " +
+                                    std::to_string(W) + ": expected B >= 0, H, W >= 1");
+  check_size(state, B * H * W * ca.C, "state ([B, H, W, C])");
+  if (fire) check_size(*fire, B * H * W, "fire ([B, H, W])");
+  check_size(ca.perm, 8, "perm (the first perception layer's 8 neighbours)");
+  check_size(logits.perception, static_cast<int64_t>(ca.perception.size()) + 1,
+             "perception logits (one tensor per perception layer)");
+  int64_t width = 8;
+  for (size_t l = 0; l < logits.perception.size(); ++l) {
+    const int64_t n_in = width;
+    width = static_cast<int64_t>(perception_wires(ca, l).a.size());
+    check_wires(l == 0 ? 9 : n_in, perception_wires(ca, l).a, perception_wires(ca, l).b);
+    check_size(logits.perception[l], ca.K * width * kDiffLogicOps,
+               ("perception logits [" + std::to_string(l) + "] ([K, width, 16])").c_str());
+  }
+  const int64_t P = width;
+  if (ca.update.empty()) fail("the update network has no layers");
+  check_size(logits.update, static_cast<int64_t>(ca.update.size()), "update logits (one tensor per update layer)");
+  width = ca.C + ca.C * P * ca.K;
+  for (size_t l = 0; l < ca.update.size(); ++l) {
+    check_wires(width, ca.update[l].a, ca.update[l].b);
+    width = static_cast<int64_t>(ca.update[l].a.size());
+    check_size(logits.update[l], width * kDiffLogicOps, ("update logits [" + std::to_string(l) + "]").c_str());
+  }
+  if (width != ca.C) fail("the update network's last width is " + std::to_string(width) + ", expected C = " +
+                          std::to_string(ca.C));
+  return P;
+}
+
+// The cell read at patch index q (3 (dy + 1) + (dx + 1)) of cell (b, h, w), or -1 outside a zero-padded grid.
+int64_t neighbour(const DiffLogicCa& ca, int64_t b, int64_t h, int64_t w, int q, int64_t H, int64_t W) {
+  int64_t y = h + q / 3 - 1, x = w + q % 3 - 1;
+  if (ca.periodic) {
+    y = (y + H) % H;
+    x = (x + W) % W;
+  } else if (y < 0 || y >= H || x < 0 || x >= W) {
+    return -1;
+  }
+  return (b * H + y) * W + x;
+}
+
+// Every layer's input of one soft or hard step (the backward's saved activations) and its output.
+struct CaForward {
+  std::vector<std::vector<std::vector<double>>> perception_in;  // [k][l]: [N C, n_in of layer l]
+  std::vector<std::vector<double>> update_in;                   // [l]: [N, n_in of layer l]
+  std::vector<double> out;                                      // [N, C]
+};
+
+CaForward ca_forward(const DiffLogicCa& ca, int64_t B, int64_t H, int64_t W, const std::vector<double>& state,
+                     const DiffLogicCaLogits& logits, int64_t P, DiffLogicMode mode) {
+  const int64_t N = B * H * W, C = ca.C, K = ca.K, NC = N * C, n_up = C + C * P * K;
+  std::vector<double> patches(static_cast<size_t>(NC * 9));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t w = 0; w < W; ++w)
+        for (int q = 0; q < 9; ++q) {
+          const int64_t cell = (b * H + h) * W + w, nb = neighbour(ca, b, h, w, q, H, W);
+          for (int64_t c = 0; c < C; ++c) patches[(cell * C + c) * 9 + q] = nb < 0 ? 0.0 : state[nb * C + c];
+        }
+  CaForward f;
+  std::vector<double> u(static_cast<size_t>(N * n_up));
+  for (int64_t cell = 0; cell < N; ++cell)
+    for (int64_t c = 0; c < C; ++c) u[cell * n_up + c] = state[cell * C + c];
+  f.perception_in.resize(static_cast<size_t>(K));
+  for (int64_t k = 0; k < K; ++k) {
+    std::vector<double> x = patches;
+    int64_t n_in = 9;
+    for (size_t l = 0; l < logits.perception.size(); ++l) {
+      const DiffLogicLayerWires wl = perception_wires(ca, l);
+      const auto width = static_cast<int64_t>(wl.a.size());
+      f.perception_in[k].push_back(x);
+      x = difflogic_layer_fwd_ref(NC, n_in, x, slice(logits.perception[l], k * width * 16, width * 16), wl.a, wl.b,
+                                  mode);
+      n_in = width;
+    }
+    for (int64_t s = 0; s < NC; ++s)
+      for (int64_t bit = 0; bit < P; ++bit)
+        u[(s / C) * n_up + C + (s % C) * P * K + bit * K + k] = x[s * P + bit];
+  }
+  int64_t n_in = n_up;
+  for (size_t l = 0; l < ca.update.size(); ++l) {
+    f.update_in.push_back(u);
+    u = difflogic_layer_fwd_ref(N, n_in, u, logits.update[l], ca.update[l].a, ca.update[l].b, mode);
+    n_in = static_cast<int64_t>(ca.update[l].a.size());
+  }
+  f.out = std::move(u);
+  return f;
+}
+
+}  // namespace
+
+std::vector<double> difflogic_ca_step_ref(const DiffLogicCa& ca, int64_t B, int64_t H, int64_t W,
+                                          const std::vector<double>& state, const DiffLogicCaLogits& logits,
+                                          const std::vector<double>* fire, DiffLogicMode mode) {
+  const int64_t P = check_ca(ca, B, H, W, state, logits, fire);
+  std::vector<double> next = ca_forward(ca, B, H, W, state, logits, P, mode).out;
+  if (fire)
+    for (size_t j = 0; j < next.size(); ++j)
+      if ((*fire)[j / static_cast<size_t>(ca.C)] == 0.0) next[j] = state[j];
+  return next;
+}
+
+DiffLogicCaGrads difflogic_ca_step_bwd_ref(const DiffLogicCa& ca, int64_t B, int64_t H, int64_t W,
+                                           const std::vector<double>& state, const DiffLogicCaLogits& logits,
+                                           const std::vector<double>* fire, const std::vector<double>& dnew) {
+  const int64_t P = check_ca(ca, B, H, W, state, logits, fire);
+  const int64_t N = B * H * W, C = ca.C, K = ca.K, NC = N * C, n_up = C + C * P * K;
+  check_size(dnew, N * C, "dnew ([B, H, W, C])");
+  const CaForward f = ca_forward(ca, B, H, W, state, logits, P, DiffLogicMode::Soft);
+  DiffLogicCaGrads g;
+  g.dstate.assign(static_cast<size_t>(N * C), 0.0);
+  std::vector<double> d = dnew;  // the gradient of the update network's output
+  if (fire)
+    for (size_t j = 0; j < d.size(); ++j)
+      if ((*fire)[j / static_cast<size_t>(C)] == 0.0) {
+        g.dstate[j] = dnew[j];  // a kept cell passes its gradient to its own state
+        d[j] = 0.0;
+      }
+  g.dlogits.update.resize(ca.update.size());
+  for (size_t l = ca.update.size(); l-- > 0;) {
+    const int64_t n_in = l == 0 ? n_up : static_cast<int64_t>(ca.update[l - 1].a.size());
+    auto gl = difflogic_layer_bwd_ref(N, n_in, f.update_in[l], logits.update[l], ca.update[l].a, ca.update[l].b, d);
+    g.dlogits.update[l] = std::move(gl.dlogits);
+    d = std::move(gl.dx);
+  }
+  for (int64_t cell = 0; cell < N; ++cell)
+    for (int64_t c = 0; c < C; ++c) g.dstate[cell * C + c] += d[cell * n_up + c];
+  std::vector<double> dpatches(static_cast<size_t>(NC * 9), 0.0);
+  g.dlogits.perception.resize(logits.perception.size());
+  for (size_t l = 0; l < logits.perception.size(); ++l) g.dlogits.perception[l].assign(logits.perception[l].size(), 0.0);
+  for (int64_t k = 0; k < K; ++k) {
+    std::vector<double> dk(static_cast<size_t>(NC * P));
+    for (int64_t s = 0; s < NC; ++s)
+      for (int64_t bit = 0; bit < P; ++bit) dk[s * P + bit] = d[(s / C) * n_up + C + (s % C) * P * K + bit * K + k];
+    for (size_t l = logits.perception.size(); l-- > 0;) {
+      const DiffLogicLayerWires wl = perception_wires(ca, l);
+      const auto width = static_cast<int64_t>(wl.a.size());
+      const int64_t n_in = l == 0 ? 9 : static_cast<int64_t>(perception_wires(ca, l - 1).a.size());
+      auto gl = difflogic_layer_bwd_ref(NC, n_in, f.perception_in[k][l],
+                                        slice(logits.perception[l], k * width * 16, width * 16), wl.a, wl.b, dk);
+      std::copy(gl.dlogits.begin(), gl.dlogits.end(), g.dlogits.perception[l].begin() + k * width * 16);
+      dk = std::move(gl.dx);
+    }
+    for (size_t j = 0; j < dpatches.size(); ++j) dpatches[j] += dk[j];
+  }
+  // Each patch value is a neighbour's state: its gradient goes back there (nowhere for the zero padding).
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t w = 0; w < W; ++w)
+        for (int q = 0; q < 9; ++q) {
+          const int64_t cell = (b * H + h) * W + w, nb = neighbour(ca, b, h, w, q, H, W);
+          if (nb < 0) continue;
+          for (int64_t c = 0; c < C; ++c) g.dstate[nb * C + c] += dpatches[(cell * C + c) * 9 + q];
+        }
+  return g;
 }
 
 }  // namespace kspec::ref
