@@ -102,3 +102,9 @@ class E79CoupledMatrix(nn.Module):
 
     def extra_repr(self):
         return f"dim={self.dim}, d_inner={self.d_inner}, n_state={self.n_state}"
+
+
+# difflogic's modules (issue 30), on kspec's logic layer kernels
+from ._difflogic import GroupSum, LogicLayer  # noqa: E402
+
+__all__ += ["LogicLayer", "GroupSum"]
