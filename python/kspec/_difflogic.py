@@ -194,3 +194,29 @@ class GroupSum(torch.nn.Module):
 
     def extra_repr(self):
         return f"k={self.k}, tau={self.tau}"
+
+
+def from_difflogic(model):
+    """A copy of a difflogic model (a module tree) on kspec's layers: each difflogic LogicLayer becomes a
+    kspec LogicLayer with its weights and wiring (and grad_factor, training mode), each GroupSum kspec's;
+    every other module is kept (a shallow copy: its parameters are shared). The model is not changed."""
+    import copy
+
+    def convert(m):
+        kind = type(m).__name__
+        if kind == "LogicLayer" and not isinstance(m, LogicLayer):
+            out = LogicLayer.__new__(LogicLayer)
+            torch.nn.Module.__init__(out)
+            out.in_dim, out.out_dim, out.grad_factor, out.straight_through = m.in_dim, m.out_dim, m.grad_factor, False
+            out.weights = torch.nn.Parameter(m.weights.detach().clone(), requires_grad=m.weights.requires_grad)
+            out.register_buffer("indices", torch.stack([w.detach().to(torch.int64) for w in m.indices]).clone())
+            out._wiring = None
+            out.wiring()  # checks the wiring now
+            return out.train(m.training)
+        if kind == "GroupSum" and not isinstance(m, GroupSum):
+            return GroupSum(m.k, m.tau).train(m.training)
+        m = copy.copy(m)
+        m._modules = {name: None if c is None else convert(c) for name, c in m._modules.items()}
+        return m
+
+    return convert(model)

@@ -105,6 +105,6 @@ class E79CoupledMatrix(nn.Module):
 
 
 # difflogic's modules (issue 30), on kspec's logic layer kernels
-from ._difflogic import GroupSum, LogicLayer  # noqa: E402
+from ._difflogic import GroupSum, LogicLayer, from_difflogic  # noqa: E402
 
-__all__ += ["LogicLayer", "GroupSum"]
+__all__ += ["LogicLayer", "GroupSum", "from_difflogic"]

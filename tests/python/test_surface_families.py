@@ -139,6 +139,11 @@ def _reference(op, a, p):
         n0 = None if C0 is None else np.zeros(C0.shape[:3])  # the op's backward needs no n0 (nrm is given)
         g = mlstm_ref.mlstm_chunkwise_bwd(dh, q, k, v, i, f, C0, n0, _m0(m0), dC_last, chunk=p["chunk"], eps=p["eps"])
         return g["dq"], g["dk"], g["dv"], g["di"], g["df"], g["dC0"]
+    if op == "mlstm.step":
+        q, k, v = (t[:, :, None] for t in a[:3])  # one step: S = 1 (i, f are (B, NH, 1) already)
+        i, f, C, n, m = a[3:]
+        h, _, _, (C2, n2, m2) = mlstm_ref.mlstm_recurrent_fwd(q, k, v, i, f, C, n, m[..., 0], eps=p["eps"])
+        return h[:, :, 0], C2, n2, m2[..., None]
     if op == "mlstm.parallel.fwd":
         return mlstm_ref.mlstm_parallel_fwd(*a, eps=p["eps"])
     if op == "mlstm.parallel.bwd":
@@ -293,6 +298,26 @@ def test_mlstm_chunkwise_dc_initial_and_parallel(on_reference):
         _close(outs[0], hp)
         for got, name in zip(grads, ("dq", "dk", "dv", "di", "df")):
             _close(got, gp[name])
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_mlstm_step_routes_states(on_reference, inplace):
+    """mlstm_step: (h, (C', n', m')) of one recurrence step; inplace writes the states into C, n, m."""
+    g = _gen(8)
+    B, NH, DK, DV = 2, 3, 8, 16
+    q, k = torch.randn(B, NH, DK, generator=g), torch.randn(B, NH, DK, generator=g)
+    v, i, f = torch.randn(B, NH, DV, generator=g), torch.randn(B, NH, generator=g), torch.randn(B, NH, generator=g)
+    C, n, m = torch.randn(B, NH, DK, DV, generator=g), torch.randn(B, NH, DK, generator=g), torch.randn(B, NH, 1,
+                                                                                                     generator=g)
+    C_in, n_in, m_in = C.clone(), n.clone(), m.clone()
+    h, (C2, n2, m2) = kspec.ops.mlstm_step(q, k, v, i, f, C, n, m, inplace=inplace)
+    want_h, _, _, (wC, wn, wm) = mlstm_ref.mlstm_recurrent_fwd(
+        *(_np(t)[:, :, None] for t in (q, k, v, i, f)), _np(C_in), _np(n_in), _np(m_in)[..., 0])
+    _close(h, want_h[:, :, 0])
+    for got, want in ((C2, wC), (n2, wn), (m2, wm[..., None])):
+        _close(got, want)
+    assert (C2 is C and n2 is n and m2 is m) == inplace
+    assert inplace or torch.equal(C, C_in)
 
 
 def test_mlstm_errors_name_the_argument():
@@ -452,3 +477,29 @@ def test_difflogic_wires_pack_and_modules():
     with pytest.raises(ValueError, match=r"in \[0, n_in\) = \[0, 6\)"):
         layer.set_wiring(torch.tensor([0] * 7 + [6]), torch.zeros(8, dtype=torch.long))
     assert kspec.nn.GroupSum(2, tau=2.0)(torch.ones(3, 8)).tolist() == [[2.0, 2.0]] * 3
+
+
+def test_from_difflogic_keeps_weights_wiring_and_mode():
+    """A difflogic model (classes named as difflogic's, indices a tuple of wires) becomes kspec's layers with
+    the same weights, wiring, grad_factor and mode; other modules are kept; the model is unchanged."""
+    class LogicLayer(torch.nn.Module):  # difflogic's attributes
+        def __init__(self, in_dim, out_dim):
+            super().__init__()
+            self.in_dim, self.out_dim, self.grad_factor = in_dim, out_dim, 2.0
+            self.weights = torch.nn.Parameter(torch.randn(out_dim, 16))
+            self.indices = (torch.randint(0, in_dim, (out_dim,)), torch.randint(0, in_dim, (out_dim,)))
+
+    class GroupSum(torch.nn.Module):
+        def __init__(self, k, tau):
+            super().__init__()
+            self.k, self.tau = k, tau
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), LogicLayer(6, 8), LogicLayer(8, 4), GroupSum(2, 3.0)).eval()
+    got = kspec.nn.from_difflogic(model)
+    assert isinstance(got[1], kspec.nn.LogicLayer) and isinstance(got[3], kspec.nn.GroupSum)
+    assert isinstance(got[0], torch.nn.Flatten) and type(model[1]) is LogicLayer  # the model is unchanged
+    for ours, theirs in ((got[1], model[1]), (got[2], model[2])):
+        assert torch.equal(ours.weights, theirs.weights) and ours.weights is not theirs.weights
+        assert torch.equal(ours.indices, torch.stack(theirs.indices)) and ours.grad_factor == 2.0
+        assert not ours.training
+    assert (got[3].k, got[3].tau) == (2, 3.0)
