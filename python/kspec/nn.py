@@ -108,3 +108,8 @@ class E79CoupledMatrix(nn.Module):
 from ._difflogic import GroupSum, LogicLayer, from_difflogic  # noqa: E402
 
 __all__ += ["LogicLayer", "GroupSum", "from_difflogic"]
+
+# mHC (issue 34), on kspec's mhc ops
+from ._mhc import HyperConnection, HyperConnectionHead, expand as mhc_expand  # noqa: E402
+
+__all__ += ["HyperConnection", "HyperConnectionHead", "mhc_expand"]

@@ -387,6 +387,13 @@ def mhc_layer(x, sublayer, phi, alpha, bias, gamma=None, *, eps_rms: float = 1e-
     return mhc_post(x, sublayer(y), h_post, r)
 
 
+def mhc_expand(x, n: int):
+    """x (..., D) -> (..., n, D): the n residual streams of mHC, each a copy of x (contiguous)."""
+    from . import _mhc
+
+    return _mhc.expand(x, n)
+
+
 # ---- difflogic (issue 30): torch tensors only ----
 
 def logic_layer(x, logits, a, b, *, mode: str = "soft", grad_factor: float = 1.0, consumers=None):

@@ -4,6 +4,8 @@
 and LogicLayer (train: soft, eval: hard; same seed, same wiring as difflogic 0.1.0, equal to it where it
 imports, but for its dx on self-paired gates). The three doors (eager, custom op, torch.compile) of these
 families: test_gpu_surface.py."""
+import copy
+
 import numpy as np
 import pytest
 
@@ -216,3 +218,52 @@ def test_logic_layer_module_modes_and_difflogic():
     self_paired = set(a[a == b].tolist())
     other = [j for j in range(64) if j not in self_paired]
     _check(dk[:, other], _np(dp[:, other]), 1e-4, "dx vs difflogic (inputs of no self-paired gate)")
+
+
+def _torch_mhc_layer(x, phi, alpha, bias, gamma, sub, eps=1e-6, t_max=20):
+    """Issue 34's layer in torch float64 (plain autograd): pre, the sublayer, post."""
+    n = x.shape[-2]
+    v = x.flatten(-2)
+    inv = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    a = torch.cat([alpha[0].expand(n), alpha[1].expand(n), alpha[2].expand(n * n)])
+    h = inv * a * ((v * gamma) @ phi.t()) + bias
+    h_pre, h_post = torch.sigmoid(h[..., :n]) + eps, 2 * torch.sigmoid(h[..., n:2 * n])
+    r = torch.softmax(h[..., 2 * n:].unflatten(-1, (n, n)), -1) + eps
+    r = r / (r.sum(-2, keepdim=True) + eps)
+    for _ in range(t_max - 1):
+        r = r / (r.sum(-1, keepdim=True) + eps)
+        r = r / (r.sum(-2, keepdim=True) + eps)
+    f = sub((h_pre[..., None] * x).sum(-2))
+    return h_post[..., None] * f[..., None, :] + torch.einsum("...jk,...jd->...kd", r, x)
+
+
+def test_two_hyper_connections_around_mlps_vs_torch_float64():
+    """Two stacked kspec.nn.HyperConnection layers (random phi, not the residual start) around MLPs, end to
+    end, fp32: the output and every parameter's gradient against the same chain in torch float64."""
+    torch.manual_seed(0)
+    B, S, n, D = 2, 8, 4, 64
+    mlps = [torch.nn.Sequential(torch.nn.Linear(D, 2 * D), torch.nn.GELU(), torch.nn.Linear(2 * D, D)).cuda()
+            for _ in range(2)]
+    layers = [kspec.nn.HyperConnection(D, n, m, device="cuda") for m in mlps]
+    with torch.no_grad():
+        for hc in layers:
+            hc.phi.normal_(0, (n * D) ** -0.5)
+            hc.alpha.fill_(0.5)
+            hc.gamma.normal_(1, 0.1)
+    x = kspec.nn.mhc_expand(torch.randn(B, S, D, device="cuda"), n) + 0.1 * torch.randn(B, S, n, D, device="cuda")
+    out = layers[1](layers[0](x))
+    params = [p for hc in layers for p in (hc.phi, hc.alpha, hc.bias, hc.gamma)]
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, params, dout)
+    x64 = x.double()
+    ref = x64
+    ref_params = []
+    for hc, m in zip(layers, mlps):
+        p64 = [p.detach().double().requires_grad_() for p in (hc.phi, hc.alpha, hc.bias, hc.gamma)]
+        ref_params += p64
+        m64 = copy.deepcopy(m).double()
+        ref = _torch_mhc_layer(ref, *p64, m64)
+    want = torch.autograd.grad(ref, ref_params, dout.double())
+    _check(out, _np(ref), 1e-4, "out")
+    for got, w, name in zip(grads, want, ["phi", "alpha", "bias", "gamma"] * 2):
+        _check(got, _np(w), 1e-3, "d" + name)

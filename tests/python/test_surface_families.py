@@ -186,6 +186,9 @@ def _reference_call(op, *inputs, out=None, config=None, **params):
     p.update(params)
     a = [None if t is None else (t.numpy() if t.dtype == torch.int32 else _np(t)) for t in inputs]
     a += [None] * (len(info["inputs"]) - len(a))
+    for j, d in enumerate(info["inputs"]):  # mhc's leading "...T" dims as one token dim (the references' T)
+        if a[j] is not None and d["shape"] and d["shape"][0] == "...T":
+            a[j] = a[j].reshape((-1,) + a[j].shape[a[j].ndim - len(d["shape"]) + 1:])
     res = _reference(op, a, p)
     specs = _schema.output_specs(op, [None if t is None else tuple(t.shape) for t in inputs],
                                  [None if t is None else str(t.dtype).removeprefix("torch.") for t in inputs],
@@ -195,7 +198,7 @@ def _reference_call(op, *inputs, out=None, config=None, **params):
         if r is None or (out is not None and out[j] is None):
             got.append(None)
             continue
-        t = torch.from_numpy(np.ascontiguousarray(r)).to(getattr(torch, specs[j][0]))
+        t = torch.from_numpy(np.ascontiguousarray(r)).to(getattr(torch, specs[j][0])).reshape(specs[j][1])
         if out is not None:
             out[j].copy_(t.reshape(out[j].shape))
             t = out[j]
@@ -503,3 +506,28 @@ def test_from_difflogic_keeps_weights_wiring_and_mode():
         assert torch.equal(ours.indices, torch.stack(theirs.indices)) and ours.grad_factor == 2.0
         assert not ours.training
     assert (got[3].k, got[3].tau) == (2, 3.0)
+
+
+def test_hyper_connection_starts_as_a_plain_residual(on_reference):
+    """At initialisation out[k] ~ x[k] + sublayer(mean of the streams) (H_pre = 1/n, H_post = 1, R ~ I), the
+    head gives the mean; every parameter gets a gradient; DeepSeek-V4's tensors load by shape."""
+    g = _gen(9)
+    B, S, n, D = 2, 3, 4, 8
+    x = kspec.nn.mhc_expand(torch.randn(B, S, D, generator=g, dtype=torch.float64), n)
+    x = x + 0.1 * torch.randn(x.shape, generator=g, dtype=torch.float64)
+    assert x.shape == (B, S, n, D) and x.is_contiguous()
+    lin = torch.nn.Linear(D, D, dtype=torch.float64)
+    hc = kspec.nn.HyperConnection(D, n, lin)
+    out = hc(x)
+    want = x + lin(x.mean(dim=-2)).unsqueeze(-2)
+    assert out.shape == x.shape and (out - want).abs().max() <= 1e-3 * want.abs().max()
+    out.square().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in (hc.phi, hc.alpha, hc.bias, hc.gamma))
+    assert hc.phi.grad.abs().sum() > 0
+    head = kspec.nn.HyperConnectionHead(D, n)
+    assert (head(x) - x.mean(dim=-2)).abs().max() <= 1e-5 * x.abs().max()
+    M = n * n + 2 * n
+    hc.load_deepseek(torch.ones(M, n * D), torch.full((3,), 0.5), torch.zeros(M))
+    assert torch.equal(hc.alpha.detach(), torch.full((3,), 0.5))
+    with pytest.raises(ValueError, match=r"fn must be \(24, 32\)"):
+        hc.load_deepseek(torch.ones(M, D), torch.ones(3), torch.zeros(M))
