@@ -172,7 +172,87 @@ def run(ctx):
             del x, dh, dh_check, leaves
             torch.cuda.empty_cache()
     _ratios(rows)
-    return _report(ctx, rows, why)
+    data, sections = _report(ctx, rows, why)
+    step_rows = run_step(ctx, peers_step())
+    data["step"] = step_rows
+    return data, sections + [_step_section(step_rows)]
+
+
+# ---- the decoding step ----
+
+STEP_BATCHES = (1, 8, 64)
+
+
+def peers_step():
+    """mlstm_kernels' Triton step kernel, or None."""
+    os.environ.setdefault("DISABLE_LLVM_OPT", "1")
+    try:
+        from mlstm_kernels.torch.recurrent.triton_step import mlstm_recurrent_step__triton_fw
+    except Exception:  # noqa: BLE001  (absent: the rows say so)
+        return None
+
+    def step(q, k, v, i, f, c, n, m):
+        return mlstm_recurrent_step__triton_fw(matC_old=c, vecN_old=n, scaM_old=m, vecQ=q, vecK=k, vecV=v, scaI=i,
+                                               scaF=f, eps=1e-6)
+
+    return step
+
+
+def run_step(ctx, peer):
+    """mlstm.step at B in STEP_BATCHES, NH = 8, DH = 128, bf16, states fp32: µs per step (one token of each
+    sequence), kspec's in-place step against mlstm_kernels' Triton step; h and the new C checked against the
+    float64 recurrence first."""
+    import numpy as np
+    from kspec.reference import mlstm as ref
+
+    torch, K = ctx.torch, ctx.kspec.ops
+    NH, DK, DV = 8, 128, 128
+    rows = []
+    for B in STEP_BATCHES:
+        g = torch.Generator(device=ctx.dev).manual_seed(ctx.args.seed + B)
+        rn = lambda *s, dt=torch.bfloat16: torch.randn(*s, device=ctx.dev, generator=g).to(dt)  # noqa: E731
+        q, k, v, i, f = rn(B, NH, DK), rn(B, NH, DK), rn(B, NH, DV), rn(B, NH, 1), rn(B, NH, 1) + 3
+        C, n, m = rn(B, NH, DK, DV, dt=torch.float32), rn(B, NH, DK, dt=torch.float32).abs(), rn(B, NH, 1,
+                                                                                                dt=torch.float32)
+        a = [t.double().cpu().numpy() for t in (q, k, v)]
+        want_h, _, _, (want_C, _, _) = ref.mlstm_recurrent_fwd(
+            *(x[:, :, None] for x in a), i.double().cpu().numpy(), f.double().cpu().numpy(),
+            C.double().cpu().numpy(), n.double().cpu().numpy(), m.double().cpu().numpy()[..., 0])
+        impls = [("kspec mlstm_step (in place)", lambda s: K.mlstm_step(q, k, v, i, f, *s, inplace=True))]
+        if peer is not None:
+            impls.append(("mlstm_kernels triton step", lambda s: peer(q, k, v, i, f, *s)))
+        for name, fn in impls:
+            row = {"family": "mlstm", "B": B, "variant": name, "kind": "step", "status": ""}
+            try:
+                states = (C.clone(), n.clone(), m.clone())
+                h, (C2, _, _) = fn(states)
+                torch.cuda.synchronize()
+                errs = [float(np.abs(got.double().cpu().numpy() - w).max() / np.abs(w).max())
+                        for got, w in ((h, want_h[:, :, 0]), (C2, want_C))]
+                row["max_error"] = max(errs)
+                row["status"] = "ok" if row["max_error"] <= FWD_TOL else "INVALID"
+                states = (C.clone(), n.clone(), m.clone())
+                row.update(ctx.timer.time(lambda fn=fn, states=states: fn(states)))
+            except Exception as e:  # noqa: BLE001
+                row["status"] = "error"
+                row["error"] = short_error(e)
+            rows.append(row)
+    return rows
+
+
+def _step_section(rows):
+    cols = [("B", "B"), ("variant", "variant"),
+            ("gpu µs", lambda r: fmt(r["gpu_ms"] * 1e3 if "gpu_ms" in r else None, ".1f")),
+            ("ev µs", lambda r: fmt(r["ev_ms"] * 1e3 if "ev_ms" in r else None, ".1f")),
+            ("host µs", lambda r: fmt(r.get("host_us"), ".1f")),
+            ("max rel err", lambda r: fmt(r.get("max_error"), ".1e")),
+            ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else ""))]
+    notes = ["one decoding step (a token of every sequence), NH = 8, DH = 128, q/k/v bf16, states fp32; h and C'"
+             " checked against the float64 recurrence first; kspec updates C, n, m in place, mlstm_kernels returns"
+             " new states."]
+    if not any(r["variant"].startswith("mlstm_kernels") for r in rows):
+        notes.append("peer absent: mlstm_kernels' triton step not importable")
+    return Section("mlstm.step: µs per step", cols, rows, notes)
 
 
 def _validate_and_time(ctx, torch, kind, fwd, fwdbwd, prep, leaves, dh_check, ref, impl, step):
