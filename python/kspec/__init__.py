@@ -50,7 +50,7 @@ def _register_torch() -> None:
     import sys
 
     if "torch" in sys.modules:
-        from . import _e79, _torch  # noqa: F401  (register the custom ops)
+        from . import _difflogic, _e79, _mhc, _mlstm, _torch  # noqa: F401  (register the custom ops)
 
 
 try:  # torch is optional; when present, the custom ops register at import

@@ -83,6 +83,15 @@ def _filled(outs, args):
     return tuple(_absent(args) if o is None else o for o in outs)
 
 
+def _returns(n: int) -> str:
+    """A custom op's return type for n outputs."""
+    return "Tensor" if n == 1 else "(" + ", ".join(["Tensor"] * n) + ")"
+
+
+def _unwrapped(outs: tuple, one: bool):
+    return outs[0] if one else outs
+
+
 def _dtype_name(t):
     return str(t.dtype).removeprefix("torch.")
 
@@ -158,8 +167,9 @@ class Surface:
         self.materialize = any(t == "Tensor" for (k, _), (_, t) in zip(self.bwd_plan, self.bwd_args) if k == 0)
         # forward argument -> index of its gradient among the backward's outputs (-1: none)
         self.grad_plan = [f.bwd_out.index("d" + n) if "d" + n in f.bwd_out else -1 for n in self.fwd_names]
-        fwd_ret = "(" + ", ".join(["Tensor"] * len(f.fwd_out)) + ")"
-        bwd_ret = "(" + ", ".join(["Tensor"] * len(f.bwd_out)) + ")"
+        # One output: the op returns a Tensor, not a tuple (torch reads "-> (Tensor)" as one Tensor).
+        self.one_fwd, self.one_bwd = len(f.fwd_out) == 1, len(f.bwd_out) == 1
+        fwd_ret, bwd_ret = (_returns(len(f.fwd_out)), _returns(len(f.bwd_out)))
         self.fwd_op = torch.library.custom_op(f"kspec::{f.name}_fwd", self.fwd_kernel, mutates_args=(),
                                               device_types="cuda", schema=f"({f.fwd}) -> {fwd_ret}")
         self.bwd_op = torch.library.custom_op(f"kspec::{f.name}_bwd", self.bwd_kernel, mutates_args=(),
@@ -175,28 +185,37 @@ class Surface:
         return True if self.save_pos is None else bool(args[self.save_pos])
 
     def fwd_kernel(self, *args):
-        return _filled(self.family.forward(*args, save=self._save_flag(args)), args)
+        return _unwrapped(_filled(self.family.forward(*args, save=self._save_flag(args)), args), self.one_fwd)
 
     def bwd_kernel(self, *args):
-        return _filled(self.family.backward(*args), args)
+        return _unwrapped(_filled(self.family.backward(*args), args), self.one_bwd)
+
+    def _fwd_call(self, *args):
+        """The forward custom op's outputs, always a tuple."""
+        outs = self.fwd_op(*args)
+        return (outs,) if self.one_fwd else outs
+
+    def _bwd_call(self, *args):
+        outs = self.bwd_op(*args)
+        return (outs,) if self.one_bwd else outs
 
     def _fwd_fake(self, *args):
         f = self.family
         if f.fake is not None:
-            return _filled(f.fake(*args), args)
+            return _unwrapped(_filled(f.fake(*args), args), self.one_fwd)
         present = None
         if self.save_pos is not None:  # the schema's optional outputs are what only the backward reads
             keep = bool(args[self.save_pos])
             present = {d["name"]: keep for d in _schema._info(f.ops[0])["outputs"] if d["optional"]}
         tensors = [args[i] for i in self.tensor_pos]
-        return _filled(_schema_fake(f.ops[0], tensors, f.derived, present), args)
+        return _unwrapped(_filled(_schema_fake(f.ops[0], tensors, f.derived, present), args), self.one_fwd)
 
     def _bwd_fake(self, *args):
         f = self.family
         if f.bwd_fake is not None:
-            return _filled(f.bwd_fake(*args), args)
+            return _unwrapped(_filled(f.bwd_fake(*args), args), self.one_bwd)
         tensors = [a for a, (_, t) in zip(args, self.bwd_args) if _is_tensor(t)]
-        return _filled(_schema_fake(f.ops[1], tensors, f.derived, None), args)
+        return _unwrapped(_filled(_schema_fake(f.ops[1], tensors, f.derived, None), args), self.one_bwd)
 
     # ---- autograd, shared by the custom op and the eager Function ----
 
@@ -222,13 +241,14 @@ class Surface:
         return tuple(None if j < 0 or absent else res[j] for j, absent in zip(self.grad_plan, ctx.kspec_absent))
 
     def _op_setup(self, ctx, inputs, output):
+        output = (output,) if self.one_fwd else output
         self._setup(ctx, inputs, output)
         nondiff = [output[i] for i in range(len(output)) if i not in self.diff_out]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
 
     def _op_backward(self, ctx, *grads):
-        return self._grads(ctx, grads, self.bwd_op)
+        return self._grads(ctx, grads, self._bwd_call)
 
     def _eager_function(self):
         """An autograd.Function on the family's forward and backward, returning the public outputs; made
@@ -242,8 +262,9 @@ class Surface:
             outs = f.forward(*args, save=save)
             surface._setup(ctx, args, outs)
             ctx.kspec_saved = save
-            if nondiff:
-                ctx.mark_non_differentiable(*[outs[i] for i in nondiff])
+            present = [outs[i] for i in nondiff if outs[i] is not None]  # an absent output is None
+            if present:
+                ctx.mark_non_differentiable(*present)
             return outs[public[0]] if len(public) == 1 else tuple(outs[i] for i in public)
 
         def backward(ctx, *grads):
@@ -267,7 +288,7 @@ class Surface:
             if self.save_pos is not None:
                 args = list(args)
                 args[self.save_pos] = bool(args[self.save_pos]) and wants_grad(*tensors)
-            outs = self.fwd_op(*args)
+            outs = self._fwd_call(*args)
         elif not wants_grad(*tensors):
             outs = self.family.forward(*args, save=False)
         else:

@@ -102,3 +102,14 @@ class E79CoupledMatrix(nn.Module):
 
     def extra_repr(self):
         return f"dim={self.dim}, d_inner={self.d_inner}, n_state={self.n_state}"
+
+
+# difflogic's modules (issue 30), on kspec's logic layer kernels
+from ._difflogic import GroupSum, LogicLayer, from_difflogic  # noqa: E402
+
+__all__ += ["LogicLayer", "GroupSum", "from_difflogic"]
+
+# mHC (issue 34), on kspec's mhc ops
+from ._mhc import HyperConnection, HyperConnectionHead, expand as mhc_expand  # noqa: E402
+
+__all__ += ["HyperConnection", "HyperConnectionHead", "mhc_expand"]

@@ -287,3 +287,154 @@ def e79_checkpoint_bytes_per_token(n: int, chunk: int = 16) -> float:
     """Bytes E79's forward keeps per token and sequence for the backward besides its inputs: (S, M) in
     fp32 every `chunk` steps, 8 n^2 / chunk (n = 64, chunk = 16: 2048 bytes)."""
     return 8.0 * n * n / chunk
+
+
+# ---- mlstm (issue 29): torch tensors only, named as in mlstm_kernels ----
+
+def mlstm_chunkwise(q, k, v, i, f, c_initial=None, n_initial=None, m_initial=None, return_last_states=False,
+                    eps: float = 1e-6, chunk_size: int = 128):
+    """The xLSTM mLSTM cell chunk by chunk (the recurrence exactly, any seqlen), as mlstm_kernels'
+    mlstm_chunkwise__xl_chunk: a = logsigmoid(f), m' = max(a + m, i), C' = e^(a+m-m') C + e^(i-m') k v^T,
+    n' alike, h = (s q)^T C' / (max(|s q.n'|, e^-m') + eps), s = DHQK^-1/2.
+
+    q, k: (B, NH, S, DHQK), v: (B, NH, S, DHHV) fp32/fp16/bf16; i, f: (B, NH, S) gate pre-activations (q's
+    dtype or fp32); c_initial (B, NH, DHQK, DHHV), n_initial (B, NH, DHQK), m_initial (B, NH, 1) fp32, all
+    three or none (zeros). Returns h (B, NH, S, DHHV) like q, or with return_last_states (h, (C, n, m)).
+    Differentiable (kspec's backward: dq, dk, dv, di, df and dc_initial; n and m held constant as in
+    mlstm_kernels, so n_initial, m_initial and the returned n, m carry no gradient; a gradient on the returned
+    C reaches df, unlike mlstm_kernels). torch.compile: the custom ops kspec::mlstm_chunkwise_fwd/_bwd."""
+    from . import _mlstm
+
+    return _mlstm.mlstm_chunkwise(q, k, v, i, f, c_initial, n_initial, m_initial, return_last_states, eps,
+                                  chunk_size)
+
+
+def mlstm_parallel(q, k, v, i, f, eps: float = 1e-6):
+    """The mLSTM's parallel form (no states): F = cumsum(logsigmoid(f)), D_ts = F_t - F_s + i_s (s <= t),
+    m_t = max_s D_ts, C_ts = s q_t.k_s e^(D_ts - m_t), h = C V / (max(|sum_s C_ts|, e^-m_t) + eps).
+    Shapes as mlstm_chunkwise; returns h. Differentiable (kspec::mlstm_parallel_fwd/_bwd)."""
+    from . import _mlstm
+
+    return _mlstm.mlstm_parallel(q, k, v, i, f, eps)
+
+
+def mlstm(q, k, v, i, f, c_initial=None, n_initial=None, m_initial=None, return_last_states=False,
+          eps: float = 1e-6, chunk_size: int = 128, kernel: str = "chunkwise"):
+    """mlstm_chunkwise (kernel="chunkwise") or mlstm_parallel (kernel="parallel": no initial or last
+    states), one entry for both forms; see their docs."""
+    if kernel == "parallel":
+        if c_initial is not None or n_initial is not None or m_initial is not None or return_last_states:
+            raise ValueError("kspec.ops.mlstm: kernel='parallel' has no states (no c/n/m_initial, no "
+                             "return_last_states): use kernel='chunkwise'")
+        return mlstm_parallel(q, k, v, i, f, eps)
+    if kernel != "chunkwise":
+        raise ValueError(f"kspec.ops.mlstm: kernel must be 'chunkwise' or 'parallel', got {kernel!r}")
+    return mlstm_chunkwise(q, k, v, i, f, c_initial, n_initial, m_initial, return_last_states, eps, chunk_size)
+
+
+def mlstm_step(q, k, v, i, f, c, n, m, eps: float = 1e-6, inplace: bool = False):
+    """One decoding step (mlstm.step): q, k (B, NH, DHQK), v (B, NH, DHHV); i, f (B, NH, 1) or (B, NH);
+    c (B, NH, DHQK, DHHV), n (B, NH, DHQK), m (B, NH, 1) fp32. Returns (h (B, NH, DHHV) like q, (c', n', m'));
+    inplace=True writes c', n', m' into c, n, m (and returns them). Not differentiable."""
+    from . import _mlstm
+
+    return _mlstm.mlstm_step(q, k, v, i, f, c, n, m, eps, inplace)
+
+
+# ---- mhc (issue 34): torch tensors only ----
+
+def mhc_pre(x, phi, alpha, bias, gamma=None, *, pre_only: bool = False, eps_rms: float = 1e-6,
+            eps_pre: float = 1e-6, eps_sk: float = 1e-6, t_max: int = 20):
+    """mHC pre per token, fp32 math: v = vec(x), inv = 1/sqrt(mean(v^2) + eps_rms), h = inv alpha_s (v*gamma)
+    phi^T + bias; H_pre = sigmoid(h[:n]) + eps_pre, H_post = 2 sigmoid(h[n:2n]), R = Sinkhorn-Knopp of h[2n:]
+    (t_max steps), y = sum_i H_pre[i] x[i].
+
+    x: (..., n, D) fp32/fp16/bf16, last dim contiguous; phi: (n*n + 2n, n*D) fp32 (pre_only: (n, n*D));
+    alpha: (3,) fp32 (pre_only: (1,)); bias: (M,) fp32; gamma: (n*D,) fp32 or None. Returns (y (..., D) like x,
+    h_pre (..., n), h_post (..., n), r (..., n, n)) fp32 — pre_only: (y, h_pre). Differentiable in every
+    input (kspec::mhc_pre_fwd/_bwd; kspec::mhc_pre_only_* for the final collapse of the streams)."""
+    from . import _mhc
+
+    if pre_only:
+        return _mhc.pre_only(x, phi, alpha, bias, gamma, float(eps_rms), float(eps_pre))
+    return _mhc.pre(x, phi, alpha, bias, gamma, float(eps_rms), float(eps_pre), float(eps_sk), int(t_max))
+
+
+def mhc_post(x, f, h_post, h_res):
+    """mHC post: out[k] = h_post[k] f + sum_j h_res[j, k] x[j], the next layer's streams.
+    x: (..., n, D); f: (..., D) like x; h_post: (..., n), h_res: (..., n, n) fp32 (mhc_pre's h_post and r).
+    Returns out (..., n, D) like x. Differentiable (kspec::mhc_post_fwd/_bwd)."""
+    from . import _mhc
+
+    return _mhc.post(x, f, h_post, h_res)
+
+
+def mhc_sinkhorn(logits, *, eps_sk: float = 1e-6, t_max: int = 20):
+    """Sinkhorn-Knopp of (..., n, n) fp32 logits: A = softmax over k + eps, A /= (sum_j A + eps), then t_max - 1
+    times A /= (sum_k A + eps), A /= (sum_j A + eps). Returns R like logits; differentiable (the exact
+    gradient of the t_max steps, iterates recomputed)."""
+    from . import _mhc
+
+    return _mhc.sinkhorn(logits, float(eps_sk), int(t_max))
+
+
+def mhc_layer(x, sublayer, phi, alpha, bias, gamma=None, *, eps_rms: float = 1e-6, eps_pre: float = 1e-6,
+              eps_sk: float = 1e-6, t_max: int = 20):
+    """One mHC-wrapped sublayer: y, H_pre, H_post, R = mhc_pre(x, ...); f = sublayer(y); returns
+    mhc_post(x, f, H_post, R) (..., n, D). Differentiable through both ops and the sublayer."""
+    y, _, h_post, r = mhc_pre(x, phi, alpha, bias, gamma, eps_rms=eps_rms, eps_pre=eps_pre, eps_sk=eps_sk,
+                              t_max=t_max)
+    return mhc_post(x, sublayer(y), h_post, r)
+
+
+def mhc_expand(x, n: int):
+    """x (..., D) -> (..., n, D): the n residual streams of mHC, each a copy of x (contiguous)."""
+    from . import _mhc
+
+    return _mhc.expand(x, n)
+
+
+# ---- difflogic (issue 30): torch tensors only ----
+
+def logic_layer(x, logits, a, b, *, mode: str = "soft", grad_factor: float = 1.0, consumers=None):
+    """A differentiable logic gate layer: y[:, g] = sum_i p_i op_i(x[:, a_g], x[:, b_g]) over the 16 two-input
+    ops (multilinear extensions), p = softmax(logits[g]) (mode="soft") or the one-hot argmax, ties to the
+    lower index (mode="hard"; its gradient is the straight-through estimator's: the soft backward).
+
+    x: (batch, n_in) fp32/fp16/bf16; logits: (n_out, 16) fp32; a, b: (n_out,) integer wires in [0, n_in)
+    (a gate may read one input twice). Returns y (batch, n_out) like x. Differentiable in x and logits
+    (dx scaled by grad_factor; no atomics: the same bits every run). consumers: the wiring's CSR
+    (kspec._difflogic.consumers) when the caller caches it; None builds it (and checks the wires) per call."""
+    from . import _difflogic
+
+    return _difflogic.logic_layer(x, logits, a, b, mode=mode, grad_factor=grad_factor, consumers_csr=consumers)
+
+
+def difflogic_pack(x, w: int = 32):
+    """{0,1} (batch, n) -> words (n, ceil(batch / w)) int32 (w = 32) or int64 (w = 64); sample s is bit
+    s mod w of word s // w, padding bits 0."""
+    from . import _difflogic
+
+    return _difflogic.pack(x, w)
+
+
+def difflogic_unpack(words, batch: int):
+    """difflogic_pack's inverse: words (n, ceil(batch / w)) -> (batch, n) uint8 {0,1}."""
+    from . import _difflogic
+
+    return _difflogic.unpack(words, batch)
+
+
+def difflogic_packed(words, logits, a, b, batch: int):
+    """One hard logic layer on packed samples: words (n_in, ceil(batch / w)) int32/int64 -> (n_out, same) of
+    the same dtype (each gate's argmax op, bitwise; padding bits cleared). Not differentiable."""
+    from . import _difflogic
+
+    return _difflogic.packed_layer(words, logits, a, b, batch)
+
+
+def difflogic_packed_group_sum(words, batch: int, k: int):
+    """GroupSum on packed outputs: (batch, k) int64 counts of set bits in each of k equal groups of rows."""
+    from . import _difflogic
+
+    return _difflogic.packed_group_sum(words, batch, k)

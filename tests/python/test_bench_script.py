@@ -16,7 +16,8 @@ import pytest
 
 HERE = pathlib.Path(__file__).resolve().parents[2] / "tools/bench"
 BENCH = HERE / "bench.py"
-EXPECTED = {"norm_act", "selective_scan", "selective_scan_configs", "gemm", "linear_sweep", "adamw", "jit", "e79", "dispatch"}
+EXPECTED = {"norm_act", "selective_scan", "selective_scan_configs", "gemm", "linear_sweep", "adamw", "jit", "e79", "dispatch",
+            "mlstm", "mhc", "difflogic"}
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,7 @@ def test_list_is_what_check_sh_reads():
     assert p.returncode == 0, p.stderr
     rows = {line.split()[0]: line.split()[1] for line in p.stdout.splitlines()}
     assert set(rows) == EXPECTED - {"linear_sweep", "selective_scan_configs"}
-    assert rows["selective_scan"] == "mamba" and rows["gemm"] == "-"
+    assert rows["selective_scan"] == "mamba" and rows["gemm"] == "-" and rows["difflogic"] == "difflogic"
 
 
 def test_linear_sweep_covers_the_issue_shapes(families):
@@ -129,6 +130,52 @@ def test_gemm_napkin_math(families):
     assert g.gemm_flops(16384, 4096, 4096, "bwd") == 4 * 16384 * 4096 * 4096
     # decode: x (8x4096), W (11008x4096), b, y (8x11008), bf16
     assert g.gemm_min_bytes(8, 11008, 4096, "fwd", "gelu", True, 2) == 2 * (8 * 4096 + 11008 * 4096 + 8 * 11008 + 11008)
+
+
+def test_mlstm_mhc_difflogic_napkin_math(families):
+    """Issue 29's FLOP formula; issue 34's bytes (pre fwd 0.67 GB, post fwd 1.21, post bwd 1.88, pre bwd with
+    the post's dx 1.75 at T = 16384, n = 4, D = 4096 bf16); issue 30's anchor (difflogic 64k: 16% / 10%)."""
+    assert families["mlstm"].flops(8, 8, 4096, 128, 128, "fwd") == 64 * 4096 * (4 * 128 * 128 + 128 * 256)
+    assert families["mlstm"].flops(1, 1, 1, 64, 64, "fwd+bwd") == 3 * (4 * 64 * 64 + 128 * 128)
+    mb = families["mhc"].min_bytes
+    T, n, D = 16384, 4, 4096
+    assert round(mb("pre", "fwd", T, n, D) / 1e9, 2) == 0.67 and round(mb("post", "fwd", T, n, D) / 1e9, 2) == 1.21
+    assert round((mb("post", "fwd+bwd", T, n, D) - mb("post", "fwd", T, n, D)) / 1e9, 2) == 1.88
+    layer_bwd = mb("layer", "fwd+bwd", T, n, D) - mb("layer", "fwd", T, n, D)
+    assert abs((layer_bwd - 3 * T * n * D * 2 - 2 * T * D * 2) / 1e9 - 1.75) < 0.01
+    db = families["difflogic"].min_bytes
+    assert round(100 * db(1024, 64000, 64000, "fwd", 4) / 1.101e-3 / 3e12) == 16
+    assert round(100 * db(1024, 64000, 64000, "fwd+bwd", 4) / 4.260e-3 / 3e12) == 10
+
+
+def test_torch_peers_of_the_new_families_match_the_references(families):
+    """The torch eager implementations the benchmarks time (and torch.compile compiles) compute what the
+    float64 references do: mLSTM's parallel form, mHC's pre/post, the logic layer (CPU, float64)."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+    from kspec.reference import difflogic as dl_ref
+    from kspec.reference import mhc as mhc_ref
+    from kspec.reference import mlstm as mlstm_ref
+
+    g = torch.Generator().manual_seed(0)
+    rn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    q, k, v, i, f = rn(1, 2, 40, 8), rn(1, 2, 40, 8), rn(1, 2, 40, 16), rn(1, 2, 40), rn(1, 2, 40) + 3
+    h = families["mlstm"].torch_parallel(torch, q, k, v, i, f)
+    want = mlstm_ref.mlstm_parallel_fwd(*(t.numpy() for t in (q, k, v, i, f)))[0]
+    assert np.abs(h.numpy() - want).max() <= 1e-5 * np.abs(want).max()
+    x, phi, alpha, bias, gamma = rn(5, 4, 8), 0.1 * rn(24, 32), rn(3).abs() + 0.5, 0.1 * rn(24), 1 + 0.1 * rn(32)
+    y, h_pre, h_post, r = families["mhc"].torch_pre(torch, x, phi, alpha, bias, gamma)
+    p = mhc_ref.mhc_pre_fwd(*(t.numpy() for t in (x, phi, alpha, bias, gamma)))
+    for got, name in ((y, "y"), (h_pre, "h_pre"), (h_post, "h_post"), (r, "r")):
+        assert np.abs(got.numpy() - p[name]).max() <= 1e-6 * np.abs(p[name]).max(), name
+    fx = rn(5, 8)
+    out = families["mhc"].torch_post(torch, x, fx, h_post, r)
+    assert np.allclose(out.numpy(), mhc_ref.mhc_post_fwd(x.numpy(), fx.numpy(), p["h_post"], p["r"]))
+    xs, logits = torch.rand(6, 9, generator=g, dtype=torch.float64), rn(12, 16)
+    a, b = torch.randint(0, 9, (12,), generator=g), torch.randint(0, 9, (12,), generator=g)
+    layer = families["difflogic"].torch_layer(torch, torch.tensor(dl_ref.TRUTH, dtype=torch.float64))
+    assert np.allclose(layer(xs, logits, a, b).numpy(), dl_ref.layer_fwd(xs.numpy(), logits.numpy(), a.numpy(),
+                                                                          b.numpy()))
 
 
 def test_e79_cluster_config(families):

@@ -1,7 +1,8 @@
 """The generated surface on the GPU, every family with the real kernels: the public function's eager path
 (the generated autograd.Function), the custom op called directly (its generated autograd) and
 torch.compile(fullgraph=True, dynamic=True) of the public function give the same outputs and gradients,
-and a second shape in the same bucket compiles no second frame. (E79's three doors: test_gpu_e79.py.)"""
+and a second shape in the same bucket compiles no second frame. (E79's three doors: test_gpu_e79.py; the
+new families against their float64 references: test_gpu_surface_families.py.)"""
 import pytest
 
 from helpers import TOL, rel_err
@@ -56,11 +57,73 @@ def _linear(shape, dtype):
     return (x, w, b), public, custom
 
 
+def _mlstm(shape, dtype):
+    B, NH, S, DK, DV = shape
+    g = torch.Generator(device="cuda").manual_seed(S)
+    rn = lambda *s, dt=dtype: torch.randn(*s, device="cuda", dtype=dt, generator=g)  # noqa: E731
+    q, k, v, i, f = rn(B, NH, S, DK), rn(B, NH, S, DK), rn(B, NH, S, DV), rn(B, NH, S), rn(B, NH, S) + 3
+    C0 = rn(B, NH, DK, DV, dt=torch.float32)
+    n0, m0 = rn(B, NH, DK, dt=torch.float32), rn(B, NH, 1, dt=torch.float32)
+
+    def public(q, k, v, i, f, C0):  # n and m carry no gradient (held constant, as mlstm_kernels)
+        h, (C, _, _) = kspec.ops.mlstm_chunkwise(q, k, v, i, f, C0, n0, m0, return_last_states=True, chunk_size=64)
+        return h, C
+
+    def custom(q, k, v, i, f, C0):
+        return torch.ops.kspec.mlstm_chunkwise_fwd(q, k, v, i, f, C0, n0, m0, True, 1e-6, 64, True)[0:4:3]
+
+    return (q, k, v, i, f, C0), public, custom
+
+
+def _mlstm_parallel(shape, dtype):
+    (q, k, v, i, f, _), _, _ = _mlstm(shape, dtype)
+    public = lambda q, k, v, i, f: kspec.ops.mlstm_parallel(q, k, v, i, f)  # noqa: E731
+    custom = lambda q, k, v, i, f: torch.ops.kspec.mlstm_parallel_fwd(q, k, v, i, f, 1e-6, True)[0]  # noqa: E731
+    return (q, k, v, i, f), public, custom
+
+
+def _mhc(shape, dtype):
+    T, n, D = shape
+    g = torch.Generator(device="cuda").manual_seed(T)
+    rn = lambda *s, dt=torch.float32: torch.randn(*s, device="cuda", dtype=dt, generator=g)  # noqa: E731
+    M = n * n + 2 * n
+    x, f = rn(T, n, D, dt=dtype), rn(T, D, dt=dtype)
+    phi, alpha, bias, gamma = rn(M, n * D) * 0.05, rn(3).abs() + 0.5, rn(M) * 0.1, 1 + 0.1 * rn(n * D)
+
+    def public(x, f, phi, alpha, bias, gamma):
+        y, h_pre, h_post, r = kspec.ops.mhc_pre(x, phi, alpha, bias, gamma)
+        return y, h_pre, kspec.ops.mhc_post(x, f, h_post, r), kspec.ops.mhc_sinkhorn(r * 3)
+
+    def custom(x, f, phi, alpha, bias, gamma):
+        y, h_pre, h_post, r = torch.ops.kspec.mhc_pre_fwd(x, phi, alpha, bias, gamma, 1e-6, 1e-6, 1e-6, 20)[:4]
+        return (y, h_pre, torch.ops.kspec.mhc_post_fwd(x, f, h_post, r),
+                torch.ops.kspec.mhc_sinkhorn_fwd(r * 3, 1e-6, 20))
+
+    return (x, f, phi, alpha, bias, gamma), public, custom
+
+
+def _logic(shape, dtype):
+    B, n_in, n_out = shape
+    g = torch.Generator(device="cuda").manual_seed(B)
+    x = torch.rand(B, n_in, device="cuda", generator=g).to(dtype)
+    logits = torch.randn(n_out, 16, device="cuda", generator=g)
+    a = torch.randint(0, n_in, (n_out,), device="cuda", generator=g, dtype=torch.int32)
+    b = torch.randint(0, n_in, (n_out,), device="cuda", generator=g, dtype=torch.int32)
+    csr = kspec._difflogic.consumers(n_in, a, b)
+    public = lambda x, logits: kspec.ops.logic_layer(x, logits, a, b, consumers=csr)  # noqa: E731
+    custom = lambda x, logits: torch.ops.kspec.logic_layer_fwd(x, logits, a, b, csr, "soft", 1.0)  # noqa: E731
+    return (x, logits), public, custom
+
+
 # two shapes of one bucket per family (dims that are runtime sizes, not compile-time constants)
 FAMILIES = {
     "norm_act": (_norm_act, [(64, 256), (96, 256)]),
     "selective_scan": (_scan, [(2, 32, 100), (2, 32, 140)]),
     "linear": (_linear, [(32, 64, 128), (48, 64, 128)]),
+    "mlstm_chunkwise": (_mlstm, [(2, 2, 100, 32, 64), (2, 2, 140, 32, 64)]),
+    "mlstm_parallel": (_mlstm_parallel, [(1, 2, 100, 32, 32), (1, 2, 130, 32, 32)]),
+    "mhc": (_mhc, [(20, 4, 96), (33, 4, 96)]),
+    "logic_layer": (_logic, [(40, 33, 70), (50, 33, 70)]),
 }
 
 

@@ -68,6 +68,10 @@ cat "$OUT/gpu.txt"
 if { has bench || has scan || has scan_small || [ -n "${KSPEC_BUILD_PEERS:-}" ]; } && ls .peers/mamba_ssm-*.tar.gz >/dev/null 2>&1 && ! python3 -c "import torch, selective_scan_cuda" 2>/dev/null; then
   setsid nohup bash tools/gpu/build_mamba.sh > /tmp/mamba_build.log 2>&1 < /dev/null &
 fi
+# The logic-gate peer likewise (~120 s): the difflogic benchmark and test_gpu_surface_families.py use it.
+if { has bench || has test || has pytest || [ -n "${KSPEC_BUILD_PEERS:-}" ]; } && ls .peers/difflogic-*.tar.gz >/dev/null 2>&1 && ! python3 -c "import torch, difflogic" 2>/dev/null; then
+  setsid nohup bash tools/gpu/build_difflogic.sh > /tmp/difflogic_build.log 2>&1 < /dev/null &
+fi
 
 if has build; then
   step cmake cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKSPEC_BUILD_TESTS=ON -DKSPEC_BUILD_BENCH=ON
@@ -157,7 +161,8 @@ PY
 fi
 
 if has bench; then
-  # Peers carried as wheels (no network there): .peers/*.whl, e.g. liger-kernel (tools/bench/README.md).
+  # Peers carried as wheels (no network there): .peers/*.whl, e.g. liger-kernel, mlstm-kernels and einops
+  # (tools/bench/README.md).
   if ls .peers/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl \
       && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

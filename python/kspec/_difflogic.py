@@ -1,0 +1,222 @@
+"""torch glue for difflogic (issue 30): the logic layer's family spec (kspec._surface makes the custom ops
+kspec::logic_layer_fwd/_bwd, fakes, autograd and the eager path), the wiring (int32 wires checked once, and
+the consumers CSR the backward reads, built on the device once per wiring), the packed inference op and
+the bit packing around it (torch ops: no kernel of kspec's), and the modules kspec.nn.LogicLayer and
+kspec.nn.GroupSum with difflogic 0.1.0's parameters, wiring and modes."""
+from __future__ import annotations
+
+import torch
+
+from ._core import call
+from ._surface import Family, build
+
+MODES = ("soft", "hard")
+
+
+def check_wires(n_in: int, a, b, where: str = "kspec.ops.logic_layer"):
+    """int32 contiguous copies of the wires, after checking them (one host sync: done once per wiring)."""
+    for name, w in (("a", a), ("b", b)):
+        if not isinstance(w, torch.Tensor) or w.dim() != 1:
+            raise ValueError(f"{where}: wire '{name}' must be a 1-d integer tensor (n_out,), got "
+                             f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
+        if w.dtype.is_floating_point or w.dtype == torch.bool:
+            raise ValueError(f"{where}: wire '{name}' must be an integer tensor, got {w.dtype}")
+    if a.shape != b.shape:
+        raise ValueError(f"{where}: wires 'a' {tuple(a.shape)} and 'b' {tuple(b.shape)} must have one length (n_out)")
+    if a.numel() and not torch.compiler.is_compiling():  # a value check syncs: not in a compiled graph
+        lo, hi = int(torch.minimum(a.min(), b.min())), int(torch.maximum(a.max(), b.max()))
+        if lo < 0 or hi >= n_in:
+            raise ValueError(f"{where}: wires must lie in [0, n_in) = [0, {n_in}), got values in [{lo}, {hi}]")
+    return a.to(torch.int32).contiguous(), b.to(torch.int32).contiguous()
+
+
+def consumers(n_in: int, a, b):
+    """The backward's consumers CSR of a wiring, int32 on the wires' device: offsets [n_in + 1], then for
+    each input its readers 2 g + side in ascending order [2 n_out] (kspec.reference.difflogic.consumers)."""
+    reader = torch.stack([a, b], dim=1).reshape(-1).long()  # reader[2 g + side] = the input it reads
+    ordered, entries = torch.sort(reader, stable=True)
+    # offsets[j] = readers of inputs below j; searchsorted, not bincount: static shapes under torch.compile
+    offsets = torch.searchsorted(ordered, torch.arange(n_in + 1, device=a.device))
+    return torch.cat([offsets, entries]).to(torch.int32)
+
+
+def _layer_fwd(x, logits, a, b, csr, mode, grad_factor, save):
+    return call("difflogic.layer.fwd", x, logits, a, b, mode=mode)
+
+
+def _layer_bwd(dy, x, logits, a, b, csr, grad_factor):
+    return call("difflogic.layer.bwd", x, logits, a, b, dy.contiguous(), csr, grad_factor=grad_factor)
+
+
+layer = build(Family(
+    name="logic_layer", ops=("difflogic.layer.fwd", "difflogic.layer.bwd"),
+    fwd="Tensor x, Tensor logits, Tensor a, Tensor b, Tensor consumers, str mode, float grad_factor", fwd_out=("y",),
+    bwd="Tensor dy, Tensor x, Tensor logits, Tensor a, Tensor b, Tensor consumers, float grad_factor",
+    bwd_out=("dx", "dlogits"), forward=_layer_fwd, backward=_layer_bwd,
+    bwd_fake=lambda dy, x, logits, *_: (x.new_empty(x.shape), logits.new_empty(logits.shape))))
+
+
+def logic_layer(x, logits, a, b, *, mode: str = "soft", grad_factor: float = 1.0, consumers_csr=None):
+    if mode not in MODES:
+        raise ValueError(f"kspec.ops.logic_layer: mode must be one of {MODES}, got {mode!r}")
+    if x.dim() != 2:
+        raise ValueError(f"kspec.ops.logic_layer: x must be (batch, n_in), got {tuple(x.shape)}")
+    if a.dtype != torch.int32 or b.dtype != torch.int32 or consumers_csr is None:
+        a, b = check_wires(x.shape[1], a, b)
+    if consumers_csr is None:
+        consumers_csr = consumers(x.shape[1], a, b)
+    x = x if x.is_contiguous() else x.contiguous()
+    return layer(x, logits, a, b, consumers_csr, mode, float(grad_factor))
+
+
+# ---- bit packing and packed inference (forward only) ----
+
+_WORD = {32: torch.int32, 64: torch.int64}
+
+
+def _word_dtype(w: int):
+    if w not in _WORD:
+        raise ValueError(f"kspec.ops.difflogic_pack: word width w must be 32 or 64, got {w}")
+    return _WORD[w]
+
+
+def pack(x, w: int = 32):
+    """{0,1} (or bool) [B, n] -> words [n, ceil(B / w)] int32 (w = 32) or int64 (w = 64): sample s is bit
+    s mod w of word s // w; the last word's padding bits are 0."""
+    dtype = _word_dtype(w)
+    B, n = x.shape
+    words = -(-B // w)
+    bits = torch.zeros((words * w, n), dtype=torch.int64, device=x.device)
+    bits[:B] = (x != 0).to(torch.int64)
+    shifts = torch.arange(w, device=x.device, dtype=torch.int64)
+    packed = (bits.reshape(words, w, n) << shifts[None, :, None]).sum(dim=1)  # disjoint bits: sum == or
+    if w == 32:  # the int32 word's bit pattern (bit 31 is the sign)
+        packed = torch.where(packed >= 2**31, packed - 2**32, packed)
+    return packed.t().contiguous().to(dtype)
+
+
+def unpack(words, batch: int):
+    """words [n, ceil(B / w)] -> {0,1} [B, n] uint8 (pack's inverse)."""
+    w = 64 if words.dtype == torch.int64 else 32
+    shifts = torch.arange(w, device=words.device, dtype=torch.int64)
+    bits = (words.to(torch.int64)[:, :, None] >> shifts) & 1  # arithmetic shift: bit w-1 comes out as 1
+    return bits.reshape(words.shape[0], -1)[:, :batch].t().to(torch.uint8).contiguous()
+
+
+def packed_layer(words, logits, a, b, batch: int):
+    """One hard layer on packed samples (difflogic.packed.fwd): words [n_in, ceil(batch / w)] int32/int64 ->
+    [n_out, ceil(batch / w)] of the same dtype; each gate runs its logits' argmax op bitwise."""
+    a, b = check_wires(words.shape[0], a, b, "kspec.ops.difflogic_packed")
+    return call("difflogic.packed.fwd", words, logits, a, b, batch=int(batch))[0]
+
+
+def packed_group_sum(words, batch: int, k: int):
+    """Packed GroupSum: counts of set bits per group [batch, k] (int64) of words [n, ceil(batch / w)]."""
+    n = words.shape[0]
+    if k < 1 or n % k:
+        raise ValueError(f"kspec.ops.difflogic_packed_group_sum: k = {k} must be >= 1 and divide n = {n}")
+    return unpack(words, batch).to(torch.int64).reshape(batch, k, n // k).sum(-1)
+
+
+# ---- modules ----
+
+class LogicLayer(torch.nn.Module):
+    """difflogic 0.1.0's LogicLayer on kspec's kernels: y[:, g] = sum_i p_i op_i(x[:, a_g], x[:, b_g]).
+
+    x: (batch, in_dim) fp32/fp16/bf16 on CUDA -> (batch, out_dim) like x. Parameter `weights` (out_dim, 16)
+    (randn, as difflogic's), buffer `indices` (2, out_dim) int64: the wiring, drawn as difflogic draws it
+    (the same torch seed gives the same weights and wiring) and kept in the state dict. Training: the soft
+    layer; eval: the hard one (argmax op, ties to the lower index). straight_through=True: the hard forward
+    in training too, with the soft backward. grad_factor scales dx only. implementation: accepted for
+    difflogic's signature ("cuda" or None; kspec's kernels run either way)."""
+
+    def __init__(self, in_dim: int, out_dim: int, device="cuda", grad_factor: float = 1.0, implementation=None,
+                 connections: str = "random", straight_through: bool = False):
+        super().__init__()
+        if implementation not in (None, "cuda"):
+            raise ValueError(f"kspec.nn.LogicLayer: implementation must be None or 'cuda', got {implementation!r}")
+        if connections != "random":
+            raise NotImplementedError(f"kspec.nn.LogicLayer: connections={connections!r}: only 'random' (pass a "
+                                      "wiring with set_wiring)")
+        if 2 * out_dim < in_dim:
+            raise ValueError(f"kspec.nn.LogicLayer: out_dim = {out_dim} gates read at most {2 * out_dim} inputs, fewer "
+                             f"than in_dim = {in_dim}")
+        self.in_dim, self.out_dim = in_dim, out_dim
+        self.grad_factor = grad_factor
+        self.straight_through = straight_through
+        self.weights = torch.nn.Parameter(torch.randn(out_dim, 16, device=device))
+        # difflogic's draw, on the CPU generator: a permutation of 2 out_dim slots onto the inputs (each input
+        # read about equally often), the inputs themselves permuted.
+        slots = torch.randperm(2 * out_dim) % in_dim
+        wires = torch.randperm(in_dim)[slots].reshape(2, out_dim)
+        self.register_buffer("indices", wires.to(device=device, dtype=torch.int64))
+        self._wiring = None  # (indices' data_ptr, version) -> (a, b, consumers)
+
+    def set_wiring(self, a, b):
+        """Replaces the wiring (checked now: (out_dim,) each, in [0, in_dim))."""
+        a32, b32 = check_wires(self.in_dim, a, b, "kspec.nn.LogicLayer.set_wiring")
+        if a32.numel() != self.out_dim:
+            raise ValueError(f"kspec.nn.LogicLayer.set_wiring: wires must have out_dim = {self.out_dim} entries, got "
+                             f"{a32.numel()}")
+        with torch.no_grad():
+            self.indices.copy_(torch.stack([a32, b32]).to(self.indices))
+
+    def wiring(self):
+        """(a, b int32, consumers CSR) of the current `indices`, checked and built once per wiring."""
+        key = (self.indices.data_ptr(), self.indices._version, self.indices.device)
+        if self._wiring is None or self._wiring[0] != key:
+            a, b = check_wires(self.in_dim, self.indices[0], self.indices[1], "kspec.nn.LogicLayer")
+            self._wiring = (key, (a, b, consumers(self.in_dim, a, b)))
+        return self._wiring[1]
+
+    def forward(self, x):
+        if x.dim() != 2 or x.shape[1] != self.in_dim:
+            raise ValueError(f"kspec.nn.LogicLayer: x must be (batch, {self.in_dim}), got {tuple(x.shape)}")
+        a, b, csr = self.wiring()
+        mode = "soft" if self.training and not self.straight_through else "hard"
+        return logic_layer(x, self.weights, a, b, mode=mode, grad_factor=self.grad_factor, consumers_csr=csr)
+
+    def extra_repr(self):
+        return f"{self.in_dim}, {self.out_dim}, {'train' if self.training else 'eval'}"
+
+
+class GroupSum(torch.nn.Module):
+    """difflogic's GroupSum: x (..., n) -> (..., k), the sums of k equal groups of n / k divided by tau."""
+
+    def __init__(self, k: int, tau: float = 1.0, device=None):
+        super().__init__()
+        self.k, self.tau = k, tau
+
+    def forward(self, x):
+        if x.shape[-1] % self.k:
+            raise ValueError(f"kspec.nn.GroupSum: the last dim {x.shape[-1]} is not a multiple of k = {self.k}")
+        return x.reshape(*x.shape[:-1], self.k, x.shape[-1] // self.k).sum(-1) / self.tau
+
+    def extra_repr(self):
+        return f"k={self.k}, tau={self.tau}"
+
+
+def from_difflogic(model):
+    """A copy of a difflogic model (a module tree) on kspec's layers: each difflogic LogicLayer becomes a
+    kspec LogicLayer with its weights and wiring (and grad_factor, training mode), each GroupSum kspec's;
+    every other module is kept (a shallow copy: its parameters are shared). The model is not changed."""
+    import copy
+
+    def convert(m):
+        kind = type(m).__name__
+        if kind == "LogicLayer" and not isinstance(m, LogicLayer):
+            out = LogicLayer.__new__(LogicLayer)
+            torch.nn.Module.__init__(out)
+            out.in_dim, out.out_dim, out.grad_factor, out.straight_through = m.in_dim, m.out_dim, m.grad_factor, False
+            out.weights = torch.nn.Parameter(m.weights.detach().clone(), requires_grad=m.weights.requires_grad)
+            out.register_buffer("indices", torch.stack([w.detach().to(torch.int64) for w in m.indices]).clone())
+            out._wiring = None
+            out.wiring()  # checks the wiring now
+            return out.train(m.training)
+        if kind == "GroupSum" and not isinstance(m, GroupSum):
+            return GroupSum(m.k, m.tau).train(m.training)
+        m = copy.copy(m)
+        m._modules = {name: None if c is None else convert(c) for name, c in m._modules.items()}
+        return m
+
+    return convert(model)
