@@ -57,3 +57,16 @@ def test_pip_nvidia_wheel_layout_comes_first(tmp_path):
     assert out["doctor"]["nvrtc library"] == str(lib / system.name), out["doctor"]
     assert out["compiled"] and all(s in ("compiled", "disk") for s in out["compiled"]), out
 
+
+def test_one_version_and_the_wheel_metadata():
+    """The package's version is CMake's project version (pyproject reads it from CMakeLists.txt), and the
+    wheel carries its licence, readme and py.typed."""
+    from importlib import metadata
+
+    assert metadata.version("kspec") == kspec.__version__
+    meta = metadata.metadata("kspec")
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert meta["Requires-Python"] and meta["Description-Content-Type"] == "text/markdown"
+    assert "Typing :: Typed" in meta.get_all("Classifier")
+    names = {str(f) for f in metadata.files("kspec")}
+    assert "kspec/py.typed" in names
