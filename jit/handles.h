@@ -14,6 +14,7 @@
 
 #include "jit/cublaslt.h"
 #include "jit/driver.h"
+#include "jit/nvrtc.h"
 
 namespace kspec::jit {
 
@@ -44,7 +45,7 @@ struct EventDestroy {
   void operator()(CUevent e) const { driver().cuEventDestroy(e); }
 };
 struct NvrtcProgramDestroy {
-  void operator()(nvrtcProgram p) const { nvrtcDestroyProgram(&p); }
+  void operator()(nvrtcProgram p) const { nvrtc().nvrtcDestroyProgram(&p); }
 };
 struct LtMatmulDescDestroy {
   void operator()(cublasLtMatmulDesc_t h) const { cublaslt().cublasLtMatmulDescDestroy(h); }

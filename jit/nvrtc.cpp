@@ -2,6 +2,7 @@
 // KSPEC_TEMPLATE_DIR) through NVRTC's header arrays; CUDA's own headers through -I.
 #include "nvrtc.h"
 
+#include <dlfcn.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 
@@ -25,9 +26,9 @@ namespace {
 
 std::string program_log(nvrtcProgram p) {
   size_t n = 0;
-  if (nvrtcGetProgramLogSize(p, &n) != NVRTC_SUCCESS || n <= 1) return {};
+  if (nvrtc().nvrtcGetProgramLogSize(p, &n) != NVRTC_SUCCESS || n <= 1) return {};
   std::string log(n, '\0');
-  nvrtcGetProgramLog(p, log.data());
+  nvrtc().nvrtcGetProgramLog(p, log.data());
   while (!log.empty() && (log.back() == '\0' || log.back() == '\n')) log.pop_back();
   return log;
 }
@@ -74,17 +75,64 @@ std::string flattened_source(const KernelSpec& spec, const TemplateSource& src) 
 
 }  // namespace
 
+NvrtcLoad load_nvrtc(const std::vector<LibraryCandidate>& candidates) {
+  NvrtcLoad out;
+  auto accept = [&out](void* lib) -> std::string {
+    Nvrtc api;
+#define KSPEC_NVRTC_STR2(x) #x
+#define KSPEC_NVRTC_STR(x) KSPEC_NVRTC_STR2(x)
+#define KSPEC_NVRTC_RESOLVE(name)                                          \
+  api.name = reinterpret_cast<decltype(api.name)>(dlsym(lib, KSPEC_NVRTC_STR(name))); \
+  if (!api.name) return "not NVRTC, or too old: it lacks " KSPEC_NVRTC_STR(name);
+    KSPEC_NVRTC_FUNCS(KSPEC_NVRTC_RESOLVE)
+#undef KSPEC_NVRTC_RESOLVE
+    if (api.nvrtcVersion(&api.major, &api.minor) != NVRTC_SUCCESS) return "nvrtcVersion failed";
+    if (api.major < kMinNvrtcMajor)
+      return detail::concat("NVRTC ", api.major, ".", api.minor, " is older than ", kMinNvrtcMajor,
+                            ".0, the oldest kspec supports");
+    out.api = std::move(api);
+    return {};
+  };
+  OpenedLibrary lib = open_first(candidates, accept);
+  if (lib.handle) {
+    // A path as given (a wheel's symlink stays the wheel's); for a soname, the file the loader chose.
+    out.api.path = lib.path.find('/') != std::string::npos
+                       ? lib.path
+                       : library_of(reinterpret_cast<const void*>(out.api.nvrtcVersion));
+    return out;
+  }
+  std::string searched;
+  for (const auto& t : lib.tried) searched += "\n  " + t;
+  out.error = detail::concat(
+      "NVRTC (libnvrtc.so.13 or .so.12) could not be loaded; kspec needs it to compile kernels. Searched, in "
+      "order:", searched,
+      "\nInstall the CUDA toolkit (and set CUDA_HOME), or `pip install nvidia-cuda-nvrtc nvidia-cuda-runtime`, "
+      "or set KSPEC_NVRTC to the path of libnvrtc.so.");
+  return out;
+}
+
+std::vector<LibraryCandidate> nvrtc_candidates() {
+  // CUDA 13 wheels share nvidia/cu13/lib; CUDA 12's nvidia-cuda-nvrtc-cu12 has nvidia/cuda_nvrtc/lib.
+  return library_candidates("KSPEC_NVRTC", knobs::nvrtc(), {"libnvrtc.so.13", "libnvrtc.so.12"},
+                            {"cu13/lib", "cuda_nvrtc/lib"});
+}
+
+const Nvrtc& nvrtc() {
+  static const NvrtcLoad loaded = load_nvrtc(nvrtc_candidates());
+  if (!loaded.error.empty()) throw CudaError(loaded.error);
+  return loaded.api;
+}
+
 // CudaError, not CompileError: these calls fail for reasons outside the code being compiled (out of
 // memory, bad input from kspec itself); a rejected specialization is reported by compile() below.
 void throw_nvrtc_error(nvrtcResult r, const char* call, const char* file, int line) {
-  throw CudaError(detail::concat(call, " failed: ", nvrtcGetErrorString(r), " (", static_cast<int>(r), ") at ", file,
+  throw CudaError(detail::concat(call, " failed: ", nvrtc().nvrtcGetErrorString(r), " (", static_cast<int>(r), ") at ", file,
                                  ":", line));
 }
 
 std::string nvrtc_version() {
-  int major = 0, minor = 0;
-  nvrtcVersion(&major, &minor);
-  return std::to_string(major) + "." + std::to_string(minor);
+  const Nvrtc& api = nvrtc();
+  return std::to_string(api.major) + "." + std::to_string(api.minor);
 }
 
 std::vector<std::string> compile_options(const KernelSpec& spec) {
@@ -155,7 +203,7 @@ CompiledKernel compile(const KernelSpec& spec, const TemplateSource* source) {
                                  static_cast<int>(closure.size()), header_texts.data(),
                                  header_names.data()));
   NVRTC_CHECK(nvrtcAddNameExpression(prog.get(), expr.c_str()));
-  nvrtcResult r = nvrtcCompileProgram(prog.get(), static_cast<int>(copts.size()), copts.data());
+  nvrtcResult r = nvrtc().nvrtcCompileProgram(prog.get(), static_cast<int>(copts.size()), copts.data());
   CompiledKernel out;
   out.log = program_log(prog.get());
   if (r != NVRTC_SUCCESS) {
@@ -166,7 +214,7 @@ CompiledKernel compile(const KernelSpec& spec, const TemplateSource* source) {
     if (cuda_include_dir().empty())
       hint = "\nhint: no CUDA include directory was found; set CUDA_HOME or KSPEC_CUDA_INCLUDE";
     throw CompileError(detail::concat("NVRTC failed to compile ", spec.name_expression(), " from ",
-                                      spec.header, " for ", spec.arch, ": ", nvrtcGetErrorString(r),
+                                      spec.header, " for ", spec.arch, ": ", nvrtc().nvrtcGetErrorString(r),
                                       "\nspecialization: ", spec.canonical(), "\noptions: ", joined,
                                       "\nsource written to: ", path, "\n--- NVRTC log ---\n", out.log,
                                       hint),

@@ -1,8 +1,6 @@
 // Template text (embedded or from KSPEC_TEMPLATE_DIR), CUDA include discovery and include closures.
 #include "sources.h"
 
-#include <dlfcn.h>
-#include <nvrtc.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -13,6 +11,7 @@
 
 #include "kspec/error.h"
 #include "kspec/knobs.h"
+#include "nvrtc.h"
 
 // Generated at build time from templates/ (jit/embed_templates.cmake).
 namespace kspec::embedded {
@@ -164,23 +163,36 @@ std::vector<TemplateFile> TemplateSource::system_closure(const std::string& head
   return out;
 }
 
+std::vector<std::pair<std::string, std::string>> cuda_include_candidates() {
+  std::vector<std::pair<std::string, std::string>> out;
+  if (auto v = knobs::cuda_include()) out.emplace_back("KSPEC_CUDA_INCLUDE", *v);
+  // The headers of NVRTC's own toolkit or wheel set first: NVRTC 12 cannot parse CUDA 13's headers.
+  std::string lib;
+  try {
+    lib = nvrtc().path;
+  } catch (const CudaError&) {  // no NVRTC: nothing compiles, but the search is still shown (doctor)
+  }
+  if (!lib.empty()) {
+    fs::path dir = fs::path(lib).parent_path();
+    out.emplace_back("next to libnvrtc", (dir.parent_path() / "include").string());
+    out.emplace_back("next to libnvrtc", (dir.parent_path().parent_path() / "include").string());
+    out.emplace_back("next to libnvrtc", (dir.parent_path() / "targets/x86_64-linux/include").string());
+  }
+  for (const auto& nv : nvidia_package_dirs())
+    for (const char* sub : {"cu13/include", "cuda_runtime/include"})
+      out.emplace_back("pip nvidia wheel", (fs::path(nv) / sub).string());
+  if (auto v = knobs::env("CUDA_HOME")) out.emplace_back("CUDA_HOME", *v + "/include");
+  if (auto v = knobs::env("CUDA_PATH")) out.emplace_back("CUDA_PATH", *v + "/include");
+  out.emplace_back("/usr/local/cuda", "/usr/local/cuda/include");
+#ifdef KSPEC_BUILD_CUDA_INCLUDE
+  out.emplace_back("the toolkit kspec was built with", KSPEC_BUILD_CUDA_INCLUDE);
+#endif
+  return out;
+}
+
 const std::string& cuda_include_dir() {
   static const std::string dir = [] {
-    std::vector<std::string> candidates;
-    if (auto v = knobs::cuda_include()) candidates.push_back(*v);
-    if (auto v = knobs::env("CUDA_HOME")) candidates.push_back(*v + "/include");
-    if (auto v = knobs::env("CUDA_PATH")) candidates.push_back(*v + "/include");
-    Dl_info info;
-    if (dladdr(reinterpret_cast<void*>(&nvrtcVersion), &info) && info.dli_fname) {
-      fs::path lib = fs::weakly_canonical(fs::path(info.dli_fname)).parent_path();
-      candidates.push_back((lib.parent_path() / "include").string());
-      candidates.push_back((lib.parent_path().parent_path() / "include").string());
-      candidates.push_back((lib.parent_path() / "targets/x86_64-linux/include").string());
-    }
-#ifdef KSPEC_BUILD_CUDA_INCLUDE
-    candidates.push_back(KSPEC_BUILD_CUDA_INCLUDE);
-#endif
-    for (const auto& c : candidates) {
+    for (const auto& [source, c] : cuda_include_candidates()) {
       std::error_code ec;
       if (!c.empty() && fs::is_regular_file(fs::path(c) / "cuda_fp16.h", ec))
         return fs::weakly_canonical(c).string();

@@ -43,8 +43,11 @@ class TemplateSource {
   std::string origin_;
 };
 
-// The CUDA include directory: KSPEC_CUDA_INCLUDE, $CUDA_HOME/include, $CUDA_PATH/include, the toolkit
-// next to the loaded libnvrtc, then the toolkit kspec was built against. Empty if none holds cuda_fp16.h.
+// Where CUDA's headers (cuda_fp16.h, cuda_bf16.h) are looked for, in order, as (why, directory):
+// KSPEC_CUDA_INCLUDE, the toolkit or wheel set of the loaded libnvrtc, pip's nvidia wheels, $CUDA_HOME,
+// $CUDA_PATH, /usr/local/cuda, the toolkit kspec was built against.
+std::vector<std::pair<std::string, std::string>> cuda_include_candidates();
+// The first candidate holding cuda_fp16.h, found once per process; empty if none does.
 const std::string& cuda_include_dir();
 
 // Parses `#include "x"` and `#include <x>` lines (no macro expansion: kspec templates include by name).

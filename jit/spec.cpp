@@ -1,7 +1,7 @@
 // Canonical text of a specialization and the architecture rules for NVRTC targets.
 #include "spec.h"
 
-#include <nvrtc.h>
+#include "nvrtc.h"
 
 #include <algorithm>
 #include <cctype>
@@ -46,9 +46,10 @@ namespace {
 std::vector<int> supported_sass_archs() {
   int n = 0;
   std::vector<int> archs;
-  if (nvrtcGetNumSupportedArchs(&n) == NVRTC_SUCCESS && n > 0) {
+  const Nvrtc& api = nvrtc();
+  if (api.nvrtcGetNumSupportedArchs(&n) == NVRTC_SUCCESS && n > 0) {
     archs.resize(n);
-    nvrtcGetSupportedArchs(archs.data());
+    api.nvrtcGetSupportedArchs(archs.data());
   }
   std::sort(archs.begin(), archs.end());
   return archs;

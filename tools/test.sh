@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Quick start, command 2 (and CI): install, build, and run every test — GoogleTest (ctest), pytest,
-# the downstream find_package(kspec) project, and the precompile check (every op x dtype x tuning
-# config through NVRTC for sm_80 and sm_90, failing on a compile error or a spill). GPU tests run when
-# a GPU is present and skip otherwise.
+# the downstream find_package(kspec) project, the wheel in a fresh venv (tools/wheel_check.sh), and the
+# precompile check (every op x dtype x tuning config through NVRTC for sm_80 and sm_90, failing on a
+# compile error or a spill). GPU tests run when a GPU is present and skip otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/setup.sh
@@ -26,6 +26,9 @@ cmake --build build/downstream
 echo "== Python: install and pytest"
 bash tools/install.sh
 "$PY" -m pytest -q tests/python
+
+echo "== Python: the wheel in a fresh venv without the toolkit (auditwheel, NVRTC from pip's wheels)"
+bash tools/wheel_check.sh
 
 echo "== precompile: every specialization for sm_80 and sm_90"
 "$PY" -m kspec precompile --all --arch sm_80 --arch sm_90

@@ -66,9 +66,20 @@ int64_t cache_clear() { return disk_cache().clear(); }
 std::vector<std::pair<std::string, std::string>> doctor() {
   std::vector<std::pair<std::string, std::string>> out;
   out.emplace_back("kspec", jit::kspec_version());
-  out.emplace_back("nvrtc", jit::nvrtc_version());
+  try {
+    const jit::Nvrtc& api = jit::nvrtc();
+    out.emplace_back("nvrtc", jit::nvrtc_version());
+    out.emplace_back("nvrtc library", api.path);
+  } catch (const CudaError& e) {
+    out.emplace_back("nvrtc", std::string("NOT FOUND: ") + e.what());
+    out.emplace_back("nvrtc library", "");
+  }
   const std::string& inc = jit::cuda_include_dir();
-  out.emplace_back("cuda include", inc.empty() ? "NOT FOUND (set CUDA_HOME or KSPEC_CUDA_INCLUDE)" : inc);
+  std::string searched;
+  for (const auto& [why, dir] : jit::cuda_include_candidates()) searched += "; " + why + " " + dir;
+  out.emplace_back("cuda include", inc.empty() ? "NOT FOUND (set KSPEC_CUDA_INCLUDE or CUDA_HOME; searched" +
+                                                     searched.substr(1) + ")"
+                                               : inc);
   out.emplace_back("templates", jit::TemplateSource::global().origin() + " (" +
                                     std::to_string(jit::TemplateSource::global().names().size()) + " files)");
   try {

@@ -11,6 +11,21 @@ size, compiled with NVRTC, cached on disk and launched through one op registry s
 from __future__ import annotations
 
 from . import _C
+
+
+def _nvidia_dirs() -> list:
+    """The directories of pip's `nvidia` namespace package (nvidia-cuda-nvrtc, nvidia-cuda-runtime; torch
+    brings them): where NVRTC and CUDA's headers are looked for after KSPEC_NVRTC / KSPEC_CUDA_INCLUDE."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        return []
+    return [str(d) for d in (spec.submodule_search_locations or [])] if spec else []
+
+
+_C._set_nvidia_dirs(_nvidia_dirs())
 from ._C import CacheError, CompileError, CudaError, Error, InternalError, InvalidArgument, Unsupported
 from ._core import call, compile, explain, list_ops, op_info
 from . import ops

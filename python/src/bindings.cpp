@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "jit/cuda_libs.h"
 #include "kspec/kspec.h"
 #include "python/src/bindings.h"
 
@@ -361,6 +362,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("cache_prune", &kspec::cache_prune, py::arg("max_bytes") = -1);
   m.def("cache_clear", &kspec::cache_clear);
   m.def("doctor", &kspec::doctor);
+  // pip's nvidia wheel directories, where NVRTC and CUDA's headers are looked for (kspec/__init__.py).
+  m.def("_set_nvidia_dirs", &kspec::jit::set_nvidia_package_dirs);
   m.def("compile_threads", [] { return kspec::knobs::compile_threads(); });
   m.def("knobs", [] {
     py::list out;

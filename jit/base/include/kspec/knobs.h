@@ -114,7 +114,12 @@ inline constexpr Knob<std::optional<std::string>> template_dir{
     "read kernel templates from this directory instead of the copies built into the library"};
 inline constexpr Knob<std::optional<std::string>> cuda_include{
     "KSPEC_CUDA_INCLUDE", {"(auto)", [] { return std::optional<std::string>(); }}, kOptionalPath,
-    "CUDA include directory for NVRTC (else CUDA_HOME, CUDA_PATH, next to libnvrtc)"};
+    "CUDA include directory for NVRTC (else next to libnvrtc, pip's nvidia wheels, CUDA_HOME, CUDA_PATH, "
+    "/usr/local/cuda)"};
+inline constexpr Knob<std::optional<std::string>> nvrtc{
+    "KSPEC_NVRTC", {"(auto)", [] { return std::optional<std::string>(); }}, kOptionalPath,
+    "path of the libnvrtc.so to load (else pip's nvidia wheels, CUDA_HOME, CUDA_PATH, the loader path, "
+    "/usr/local/cuda)"};
 inline constexpr Knob<int64_t> verbose{"KSPEC_VERBOSE", {"0", [] { return int64_t(0); }},
                                        integer<0, INT32_MAX, true>("int"),
                                        "1 (or on): log compilations and cache events to stderr"};
