@@ -371,11 +371,18 @@ kspec_status kspec_xla_register(const XLA_FFI_Api* api, const char* platform) {
     args.extension_start = nullptr;
     args.name = XLA_FFI_ByteSpan{h.target, std::strlen(h.target)};
     args.platform = XLA_FFI_ByteSpan{platform, std::strlen(platform)};
-    args.bundle = XLA_FFI_Handler_Bundle{nullptr, nullptr, nullptr, h.fn};
+    args.bundle = XLA_FFI_Handler_Bundle{};  // newer APIs add stages (e.g. record): all unset but execute
+    args.bundle.execute = h.fn;
     args.traits = 0;  // not command-buffer compatible: see the top of this file
     if (XLA_FFI_Error* err = api->XLA_FFI_Handler_Register(&args)) {
+      // XLA's FFI API 0.4 (jaxlib 0.11.1) replaced GetMessage with GetDetails (the message and a code).
+#if XLA_FFI_API_MAJOR > 0 || XLA_FFI_API_MINOR >= 4
+      XLA_FFI_Error_GetDetails_Args msg{XLA_FFI_Error_GetDetails_Args_STRUCT_SIZE, nullptr, err, nullptr, {}};
+      api->XLA_FFI_Error_GetDetails(&msg);
+#else
       XLA_FFI_Error_GetMessage_Args msg{XLA_FFI_Error_GetMessage_Args_STRUCT_SIZE, nullptr, err, nullptr};
       api->XLA_FFI_Error_GetMessage(&msg);
+#endif
       const std::string text = msg.message ? msg.message : "(no message)";
       XLA_FFI_Error_Destroy_Args destroy{XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, nullptr, err};
       api->XLA_FFI_Error_Destroy(&destroy);

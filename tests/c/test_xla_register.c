@@ -44,7 +44,15 @@ static XLA_FFI_Error* fake_register(XLA_FFI_Handler_Register_Args* args) {
   ++registered;
   return NULL;
 }
-static void fake_message(XLA_FFI_Error_GetMessage_Args* args) { args->message = "target already registered"; }
+/* XLA's FFI API 0.4 (jaxlib 0.11.1) replaced GetMessage with GetDetails. */
+#if XLA_FFI_API_MAJOR > 0 || XLA_FFI_API_MINOR >= 4
+#define KSPEC_FFI_ERROR_TEXT XLA_FFI_Error_GetDetails
+typedef XLA_FFI_Error_GetDetails_Args ErrorTextArgs;
+#else
+#define KSPEC_FFI_ERROR_TEXT XLA_FFI_Error_GetMessage
+typedef XLA_FFI_Error_GetMessage_Args ErrorTextArgs;
+#endif
+static void fake_message(ErrorTextArgs* args) { args->message = "target already registered"; }
 static int destroyed = 0;
 static void fake_destroy(XLA_FFI_Error_Destroy_Args* args) { destroyed += args->error == kRefused; }
 #endif
@@ -68,7 +76,7 @@ int main(void) {
   api.api_version.major_version = XLA_FFI_API_MAJOR;
   api.api_version.minor_version = XLA_FFI_API_MINOR;
   api.XLA_FFI_Handler_Register = fake_register;
-  api.XLA_FFI_Error_GetMessage = fake_message;
+  api.KSPEC_FFI_ERROR_TEXT = fake_message;
   api.XLA_FFI_Error_Destroy = fake_destroy;
   EXPECT(kspec_xla_register(&api, "CUDA") == KSPEC_OK, "register: %s", kspec_last_error());
   EXPECT(registered == (int)N_TARGETS, "%d registered", registered);
