@@ -65,18 +65,18 @@ def _mlstm(shape, dtype):
     C0 = rn(B, NH, DK, DV, dt=torch.float32)
     n0, m0 = rn(B, NH, DK, dt=torch.float32), rn(B, NH, 1, dt=torch.float32)
 
-    def public(q, k, v, i, f, C0):  # n and m carry no gradient (held constant, as mlstm_kernels)
+    def public(q, k, v, i, f, C0, n0, m0):  # n and m carry no gradient (held constant, as mlstm_kernels)
         h, (C, _, _) = kspec.ops.mlstm_chunkwise(q, k, v, i, f, C0, n0, m0, return_last_states=True, chunk_size=64)
         return h, C
 
-    def custom(q, k, v, i, f, C0):
+    def custom(q, k, v, i, f, C0, n0, m0):
         return torch.ops.kspec.mlstm_chunkwise_fwd(q, k, v, i, f, C0, n0, m0, True, 1e-6, 64, True)[0:4:3]
 
-    return (q, k, v, i, f, C0), public, custom
+    return (q, k, v, i, f, C0), public, custom, (n0, m0)
 
 
 def _mlstm_parallel(shape, dtype):
-    (q, k, v, i, f, _), _, _ = _mlstm(shape, dtype)
+    (q, k, v, i, f, _), _, _, _ = _mlstm(shape, dtype)
     public = lambda q, k, v, i, f: kspec.ops.mlstm_parallel(q, k, v, i, f)  # noqa: E731
     custom = lambda q, k, v, i, f: torch.ops.kspec.mlstm_parallel_fwd(q, k, v, i, f, 1e-6, True)[0]  # noqa: E731
     return (q, k, v, i, f), public, custom
@@ -110,9 +110,9 @@ def _logic(shape, dtype):
     a = torch.randint(0, n_in, (n_out,), device="cuda", generator=g, dtype=torch.int32)
     b = torch.randint(0, n_in, (n_out,), device="cuda", generator=g, dtype=torch.int32)
     csr = kspec._difflogic.consumers(n_in, a, b)
-    public = lambda x, logits: kspec.ops.logic_layer(x, logits, a, b, consumers=csr)  # noqa: E731
-    custom = lambda x, logits: torch.ops.kspec.logic_layer_fwd(x, logits, a, b, csr, "soft", 1.0)  # noqa: E731
-    return (x, logits), public, custom
+    public = lambda x, logits, a, b, csr: kspec.ops.logic_layer(x, logits, a, b, consumers=csr)  # noqa: E731
+    custom = lambda x, logits, a, b, csr: torch.ops.kspec.logic_layer_fwd(x, logits, a, b, csr, "soft", 1.0)  # noqa: E731
+    return (x, logits), public, custom, (a, b, csr)
 
 
 # two shapes of one bucket per family (dims that are runtime sizes, not compile-time constants)
@@ -127,9 +127,9 @@ FAMILIES = {
 }
 
 
-def _run(fn, inputs):
+def _run(fn, inputs, consts=()):
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
-    outs = fn(*leaves)
+    outs = fn(*leaves, *consts)
     outs = outs if isinstance(outs, tuple) else (outs,)
     g = torch.Generator(device="cuda").manual_seed(7)
     cots = [torch.randn(o.shape, device="cuda", dtype=o.dtype, generator=g) for o in outs]
@@ -146,13 +146,16 @@ def test_three_doors_agree(name, dtype):
     counter = CompileCounterWithBackend("inductor")
     compiled, frames = None, []
     for shape in shapes:
-        inputs, public, custom = make(shape, dtype)
+        # tensors without gradients (wiring, states held constant) are arguments too: the compiled function
+        # is the first shape's, so a tensor it closed over would be the first shape's at the second
+        inputs, public, custom, *rest = make(shape, dtype)
+        consts = rest[0] if rest else ()
         if compiled is None:
             torch._dynamo.reset()
             compiled = torch.compile(public, backend=counter, fullgraph=True, dynamic=True)
-        want, want_grads = _run(public, inputs)
+        want, want_grads = _run(public, inputs, consts)
         for fn in (custom, compiled):
-            got, got_grads = _run(fn, inputs)
+            got, got_grads = _run(fn, inputs, consts)
             for a, b in zip(got + got_grads, want + want_grads):
                 assert a.shape == b.shape and a.dtype == b.dtype
                 # the same kernels: equal up to the order of atomic sums in a backward
