@@ -1,7 +1,7 @@
 // e79 without a GPU: the schema (strided [seqlen, batch, n] views such as column blocks of one fused
 // projection and batch-first layouts, the three bias modes, checkpoints), the messages for bad input,
 // every case planning its kernels, and every case's specialization compiling for sm_90 without
-// spills; the cluster configs' rules and kernels. (GPU: Gpu.EveryOpEveryCaseEveryDtypeMatchesReference
+// spills; the cluster configs' rules and kernels. (GPU: GpuEveryOp.EveryCaseEveryDtypeMatchesReference
 // runs the case table against the float64 reference; E79Gpu.* below drive the op from the gemm
 // projection in both layouts, and every cluster config of the B = 1 cases.)
 #include <algorithm>

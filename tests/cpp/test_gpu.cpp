@@ -71,48 +71,57 @@ struct Problem32 {
 
 }  // namespace
 
-TEST(Gpu, EveryOpEveryCaseEveryDtypeMatchesReference) {
-  KSPEC_REQUIRE_GPU();
-  for (const auto& op : list_ops()) {
-    if (!Registry::global().get(op).generic_check) continue;  // TensorList ops: their own tests
-    CheckOptions o;  // the large cases run in `kspec run --large` (tools/gpu/check.sh), not twice
-    auto rows = check_op(op, o);
-    EXPECT_FALSE(rows.empty());
-    report(rows);
-  }
+// One test per registered op (ctest runs them in parallel; one test over every op took 466 s on the H100).
+class GpuEveryOp : public ::testing::TestWithParam<std::string> {};
+
+std::string op_test_name(const ::testing::TestParamInfo<std::string>& info) {
+  std::string name = info.param;
+  std::replace(name.begin(), name.end(), '.', '_');
+  return name;
 }
 
-TEST(Gpu, EveryTuningConfigMatchesReference) {
+TEST_P(GpuEveryOp, EveryCaseEveryDtypeMatchesReference) {
   KSPEC_REQUIRE_GPU();
+  const std::string& op = GetParam();
+  if (!Registry::global().get(op).generic_check) GTEST_SKIP() << op << ": TensorList/int data, its own tests";
+  CheckOptions o;  // the large cases run in `kspec run --large` (tools/gpu/check.sh), not twice
+  auto rows = check_op(op, o);
+  EXPECT_FALSE(rows.empty());
+  report(rows);
+}
+
+TEST_P(GpuEveryOp, EveryTuningConfigMatchesReference) {
+  KSPEC_REQUIRE_GPU();
+  const std::string& op = GetParam();
+  if (!Registry::global().get(op).generic_check) GTEST_SKIP() << op << ": compared by its own suites";
   struct Sel {
     const char* c;
     DType dt;
   };
-  for (const auto& op : list_ops()) {
-    auto names = case_names(op);
-    for (Sel s : {Sel{"hidden_33", DType::f32}, Sel{"hidden_4095", DType::bf16}, Sel{"rep_4096", DType::bf16},
-                  Sel{"hidden_8192", DType::f16}, Sel{"hidden_12289", DType::bf16},
-                  Sel{"streamed_rows_300", DType::f32}, Sel{"base", DType::bf16}, Sel{"seqlen_1023", DType::f32},
-                  Sel{"seqlen_even_1024", DType::bf16}, Sel{"dstate_256", DType::f16}, Sel{"groups_4", DType::bf16},
-                  Sel{"fixed_bc", DType::f32}, Sel{"seqlen_2", DType::f16}, Sel{"B_1_n_8", DType::f32},
-                  Sel{"B_1_n_128", DType::bf16}, Sel{"B_1_n_64_T_not_multiple_of_K", DType::f32}}) {
-      if (std::find(names.begin(), names.end(), s.c) == names.end()) continue;  // a case of another family
-      if (!Registry::global().get(op).generic_check) continue;  // compared by their own suites
-      CheckOptions o;  // every config on one draw of inputs, against one reference
-      o.case_name = s.c;
-      o.dtypes = {s.dt};
-      o.configs = configs_for_case(op, s.c, s.dt);
-      EXPECT_FALSE(o.configs.empty());
-      const auto t0 = std::chrono::steady_clock::now();
-      auto rows = check_op(op, o);
-      // where this test's minutes go (printed, not asserted): configs and seconds per op and case
-      std::printf("[ configs  ] %s %s %s: %zu configs, %.1f s\n", op.c_str(), s.c, dtype_name(s.dt),
-                  o.configs.size(), std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      EXPECT_EQ(rows.size(), o.configs.size()) << op << " " << s.c;
-      report(rows);
-    }
+  auto names = case_names(op);
+  for (Sel s : {Sel{"hidden_33", DType::f32}, Sel{"hidden_4095", DType::bf16}, Sel{"rep_4096", DType::bf16},
+                Sel{"hidden_8192", DType::f16}, Sel{"hidden_12289", DType::bf16},
+                Sel{"streamed_rows_300", DType::f32}, Sel{"base", DType::bf16}, Sel{"seqlen_1023", DType::f32},
+                Sel{"seqlen_even_1024", DType::bf16}, Sel{"dstate_256", DType::f16}, Sel{"groups_4", DType::bf16},
+                Sel{"fixed_bc", DType::f32}, Sel{"seqlen_2", DType::f16}, Sel{"B_1_n_8", DType::f32},
+                Sel{"B_1_n_128", DType::bf16}, Sel{"B_1_n_64_T_not_multiple_of_K", DType::f32}}) {
+    if (std::find(names.begin(), names.end(), s.c) == names.end()) continue;  // a case of another family
+    CheckOptions o;  // every config on one draw of inputs, against one reference
+    o.case_name = s.c;
+    o.dtypes = {s.dt};
+    o.configs = configs_for_case(op, s.c, s.dt);
+    EXPECT_FALSE(o.configs.empty());
+    const auto t0 = std::chrono::steady_clock::now();
+    auto rows = check_op(op, o);
+    // where this test's minutes go (printed, not asserted): configs and seconds per op and case
+    std::printf("[ configs  ] %s %s %s: %zu configs, %.1f s\n", op.c_str(), s.c, dtype_name(s.dt), o.configs.size(),
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    EXPECT_EQ(rows.size(), o.configs.size()) << op << " " << s.c;
+    report(rows);
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Ops, GpuEveryOp, ::testing::ValuesIn(list_ops()), op_test_name);
 
 TEST(Gpu, BackwardIsBitwiseDeterministic) {
   KSPEC_REQUIRE_GPU();

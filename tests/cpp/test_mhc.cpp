@@ -2,7 +2,7 @@
 // input (each names the argument), and the base and n = 8 cases of every op compiling for sm_90
 // without spills. On a GPU: a layer (pre, identity sublayer, post) forward and backward on [B, S, n, D]
 // views with padded rows against the float64 reference, and pre.bwd giving the same bits three times.
-// (Gpu.EveryOpEveryCaseEveryDtypeMatchesReference runs the case tables against the reference.)
+// (GpuEveryOp.EveryCaseEveryDtypeMatchesReference runs the case tables against the reference.)
 #include <algorithm>
 #include <cmath>
 #include <cstring>

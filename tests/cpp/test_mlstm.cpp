@@ -7,7 +7,7 @@
 // half-precision sequences, the chunkwise and parallel backward against the reference (dC_last reaching
 // df), accumulators_initialized (two calls, NaN-poisoned outputs, bitwise repeatable) and every tuning
 // config on three shapes (nondefault_tiles).
-// (Gpu.EveryOpEveryCaseEveryDtypeMatchesReference runs both case tables against the reference.)
+// (GpuEveryOp.EveryCaseEveryDtypeMatchesReference runs both case tables against the reference.)
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -743,7 +743,7 @@ TEST(MlstmGpu, ParallelMatchesReference) {
 
 // nondefault_tiles (issue 29): every tuning config of every mlstm op on three shapes (a length just past
 // a chunk, head dims 16/32, head dims 128/256), fp32 and bf16, against the reference.
-// (Gpu.EveryTuningConfigMatchesReference runs every config of each op's "base" case in bf16.)
+// (GpuEveryOp.EveryTuningConfigMatchesReference runs every config of each op's "base" case in bf16.)
 TEST(MlstmGpu, EveryTuningConfigOnThreeShapes) {
   KSPEC_REQUIRE_GPU();
   for (const char* op : {"mlstm.step", "mlstm.chunkwise.fwd", "mlstm.chunkwise.bwd", "mlstm.parallel.fwd",

@@ -1,7 +1,7 @@
 // selective_scan without a GPU: the schema's alternative B/C shapes (fixed [dim, dstate] or variable
 // [batch, groups, dstate, seqlen]) in validation, output inference and the specialization key; the
 // cross-argument checks (groups | dim, dstate <= 256); every case of the table plans its kernels.
-// (GPU checks of every case against the float64 reference: Gpu.EveryOpEveryCaseEveryDtypeMatchesReference.)
+// (GPU checks of every case against the float64 reference: GpuEveryOp.EveryCaseEveryDtypeMatchesReference.)
 #include <algorithm>
 #include <array>
 #include <filesystem>

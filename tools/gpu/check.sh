@@ -105,7 +105,7 @@ pwait
 
 if has sanitize; then
   step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 build/gpu/tests/cpp/kspec_tests \
-    --gtest_filter='Gpu.EveryOpEveryCase*:Gpu.ZeroRows'
+    --gtest_filter='Ops/GpuEveryOp.EveryCase*:Gpu.ZeroRows'
   step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 build/gpu/tests/cpp/kspec_tests \
     --gtest_filter='Gpu.EveryVisibleDevice'
   # The scan's kernels of both algorithms (shared memory staged by the block, shuffles, atomics).
@@ -195,7 +195,7 @@ if has e79; then
   step e79_configs python3 tools/gpu/check_configs.py e79.fwd e79.bwd --case base:bf16 --case B_1_n_8:f32 \
     --case B_1_n_128:bf16 --case B_1_n_64_T_not_multiple_of_K:f32 --case n_48:f32 --case n_96:bf16 \
     --case chunk_1:f32 --case T_1_B_1:f32 --json "$OUT/e79_configs.json"
-  step e79_gtest build/gpu/tests/cpp/kspec_tests --gtest_filter='E79*:Gpu.EveryTuningConfigMatchesReference'
+  step e79_gtest build/gpu/tests/cpp/kspec_tests --gtest_filter='E79*:Ops/GpuEveryOp.EveryTuningConfigMatchesReference/e79*'
   step e79_pytest python3 -m pytest -q -p no:cacheprovider tests/python/test_gpu_e79.py tests/python/test_e79_nn.py \
     tests/python/test_e79_custom_op.py
   step e79_memcheck compute-sanitizer --tool memcheck --error-exitcode 1 build/gpu/tests/cpp/kspec_tests \

@@ -4,7 +4,7 @@
   python3 tools/gpu/check_configs.py selective_scan.fwd --case base:bf16 --case seqlen_1023:f32 [--match 'algo=sequential.*segs=[248]']
 
 Prints one line per failing (case, dtype, config) and a summary; exits 1 on any failure. The C++ test
-Gpu.EveryTuningConfigMatchesReference does the same for a fixed list over every op; this is the quick
+GpuEveryOp.EveryTuningConfigMatchesReference does the same for a fixed list over every op; this is the quick
 way to check one op's new kernels.
 """
 import argparse
