@@ -10,7 +10,8 @@ OUT=${OUT:-$PWD/gpu-out}
 dir="$OUT/sanitize"
 mkdir -p "$dir"
 LIMIT=${KSPEC_SANITIZE_TIMEOUT:-420}
-ops=$(python3 -c "import kspec; print(' '.join(kspec.list_ops()))")
+# KSPEC_SANITIZE_OPS: a regular expression selecting ops (default: every op, and E79's cluster runs)
+ops=$(python3 -c "import kspec, os, re; pat = os.environ.get('KSPEC_SANITIZE_OPS', ''); print(' '.join(o for o in kspec.list_ops() if re.search(pat, o)))")
 runs=()
 for op in $ops; do
   # racecheck is the slowest tool (minutes for e79 and the scan's backward): one dtype; shared memory
@@ -19,7 +20,8 @@ for op in $ops; do
 done
 # E79's cluster kernels, sm_90: one sequence over 2 and 4 CTAs (B = 1 cases where n * split / cluster
 # threads are whole warps).
-for cfg in split=4,cluster=2 split=8,cluster=4; do
+[ -n "${KSPEC_SANITIZE_OPS:-}" ] && ! [[ e79.fwd =~ $KSPEC_SANITIZE_OPS ]] && cluster_cfgs=() || cluster_cfgs=(split=4,cluster=2 split=8,cluster=4)
+for cfg in "${cluster_cfgs[@]}"; do
   for op in e79.fwd e79.bwd; do
     for tool in memcheck racecheck initcheck; do
       runs+=("$tool|$op|$cfg|--dtype f32 --case B_1_n_128 --case B_1_n_64_T_not_multiple_of_K --case T_1_B_1")
