@@ -194,3 +194,18 @@ def test_gpu_families_without_a_gpu_say_so(tmp_path):
     assert "no GPU" in p.stderr and "Traceback" not in text, text
     errors = json.loads(out.read_text())["errors"]
     assert set(errors) == {"gemm", "adamw", "e79"} and all(e.startswith("no GPU") for e in errors.values())
+
+
+def test_a_family_file_does_not_shadow_the_peer_package_of_its_name(tmp_path):
+    """Run as a script, tools/bench is first on sys.path: difflogic.py and jax.py shadowed the peers'
+    packages there (the H100 run saw "difflogic not importable"). The runner takes its folder off."""
+    peer = tmp_path / "difflogic"
+    peer.mkdir()
+    (peer / "__init__.py").write_text("PEER = True\n")
+    probe = ("import runpy, sys; script, folder = sys.argv[1:3]; sys.argv = [script, '--list']; "
+             "sys.path.insert(0, folder); runpy.run_path(script, run_name='bench'); import difflogic; "
+             "print(difflogic.PEER)")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", probe, str(BENCH), str(HERE)], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.returncode == 0 and p.stdout.strip() == "True", p.stderr

@@ -29,6 +29,9 @@ import types
 HERE = pathlib.Path(__file__).resolve().parent
 PACKAGE = "kspec_bench"  # tools/bench imported as one package: the families' relative imports, no clash
 # between a family's file name and a peer's package (a difflogic.py family importing `difflogic`)
+# Run as a script, Python puts this folder first on sys.path, where difflogic.py and jax.py would still
+# shadow those packages (the H100 run of 2026-11-27 saw "difflogic not importable"): take it off.
+sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != HERE]
 
 
 def _package(folder: pathlib.Path, name: str):
