@@ -209,3 +209,13 @@ def test_a_family_file_does_not_shadow_the_peer_package_of_its_name(tmp_path):
     p = subprocess.run([sys.executable, "-c", probe, str(BENCH), str(HERE)], capture_output=True, text=True,
                        timeout=120, env=env)
     assert p.returncode == 0 and p.stdout.strip() == "True", p.stderr
+
+
+def test_mhc_bench_references_run_on_the_cpu(families):
+    """The mhc bench's float64 references (its validation before timing) on a tiny problem: the layer's
+    pre backward once took the post's gradients positionally into the wrong slots (H100 run: ValueError)."""
+    torch = pytest.importorskip("torch")
+    mhc = families["mhc"]
+    x = mhc._inputs(torch, "cpu", 8, 4, 16, 0)
+    want = mhc._ref(x, "fwd+bwd")
+    assert {"dx", "dphi", "dalpha", "dbias"} <= set(want["layer"]) and want["layer"]["dx"].shape == (8, 4, 16)

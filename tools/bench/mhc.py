@@ -110,7 +110,7 @@ def _ref(x, kind):
     g = ref.mhc_post_bwd(a["dout"], a["x"], a["f"], a["h_post"], a["h_res"])
     out["post"].update(dx=g["dx"], df=g["df"], dh_post=g["dh_post"], dh_res=g["dr"])
     p = ref.mhc_post_bwd(a["dout"], a["x"], pre["y"], pre["h_post"], pre["r"])
-    g = ref.mhc_pre_bwd(p["df"], *args, None, p["dh_post"], p["dr"], p["dx"])
+    g = ref.mhc_pre_bwd(p["df"], *args, dh_post=p["dh_post"], dr=p["dr"], dx_post=p["dx"])
     out["layer"].update(dx=g["dx"], dphi=g["dphi"], dalpha=g["dalpha"], dbias=g["dbias"])
     return out
 
