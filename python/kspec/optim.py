@@ -24,9 +24,9 @@ class AdamW(torch.optim.Optimizer):
       weight_decay, amsgrad, maximize: as torch's.
       foreach, fused: accepted and recorded in param_groups, no effect: kspec always runs its own fused
       kernel (one launch per group, device and dtype).
-      capturable: see _CAPTURABLE below.
-      differentiable=True: NotImplementedError (the kernel updates in place, outside autograd: use
-      torch.optim.AdamW(differentiable=True)).
+      capturable=True, differentiable=True: NotImplementedError. The kernel's bias corrections come from
+      the host's step count (a CUDA graph would replay the captured step's); the kernel updates in place,
+      outside autograd.
     param_groups carry torch's keys (decoupled_weight_decay=True included) and the state torch's names
     (step, exp_avg, exp_avg_sq, max_exp_avg_sq), so state_dict()/load_state_dict() go both ways between
     this and torch.optim.AdamW. bf16/fp16 parameters keep fp32 moments and an fp32 master copy in
@@ -227,8 +227,7 @@ class AdamW(torch.optim.Optimizer):
 
 _NOT_DIFFERENTIABLE = ("kspec.optim.AdamW: differentiable=True is not supported (the fused kernel updates the "
                        "parameters in place, outside autograd); use torch.optim.AdamW(differentiable=True)")
-# The kernel's bias corrections come from the host's step count, one launch argument: a CUDA graph would
-# replay the captured step's. torch's capturable=True keeps the step on the device instead.
+# torch's capturable=True keeps the step count on the device; kspec's kernel takes it from the host.
 _CAPTURABLE = ("kspec.optim.AdamW: capturable=True is not supported yet (the step count is a launch argument "
                "from the host, so a captured step replays its own bias correction); capture with "
                "torch.optim.AdamW(capturable=True, fused=True), or call kspec's step outside the graph")

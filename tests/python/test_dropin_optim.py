@@ -51,7 +51,8 @@ def test_honours_maximize_amsgrad_and_tensor_hyperparameters(recorder):
     b = recorder.binds[0]
     assert b.params["maximize"] is True and b.inputs[5] is not None  # max_exp_avg_sq: AMSGrad
     run = b.runs[-1]
-    assert run["lr"] == pytest.approx(0.02) and run["beta1"] == pytest.approx(0.8) and run["beta2"] == pytest.approx(0.9)
+    assert run["lr"] == pytest.approx(0.02)
+    assert run["beta1"] == pytest.approx(0.8) and run["beta2"] == pytest.approx(0.9)
     opt.param_groups[0]["lr"].fill_(0.01)  # a tensor lr is read at each step
     opt.step()
     assert b.runs[-1]["lr"] == pytest.approx(0.01) and b.runs[-1]["step"] == 2
