@@ -78,10 +78,11 @@ def _check_arrays(who: str, **tensors):
     for name, t in tensors.items():
         if t is None:
             continue
-        if not _is_array(t):
+        is_torch = _is_torch(t)
+        if not (is_torch or _is_array(t)):
             raise TypeError(f"{who}: {name} must be a torch tensor or a GPU array (CuPy, __cuda_array_interface__, "
                             f"DLPack), got {type(t).__name__}")
-        if _is_torch(t) != torch_first:
+        if is_torch != torch_first:
             raise TypeError(f"{who}: {name} is a {type(t).__module__}.{type(t).__name__} but {first} is a "
                             f"{type(tensors[first]).__module__}.{type(tensors[first]).__name__}: pass one framework's "
                             "tensors")
