@@ -7,6 +7,7 @@ load_state_dict with torch.optim.AdamW's state names (step, exp_avg, exp_avg_sq,
 checkpoint moves between the two. One kernel launch updates every tensor of a group."""
 from __future__ import annotations
 
+import warnings
 from operator import attrgetter, itemgetter
 
 import torch
@@ -92,7 +93,7 @@ class AdamW(torch.optim.Optimizer):
         check = grad_scale is not None or clip
         launches = []
         for gi, group in enumerate(self.param_groups):
-            if group["differentiable"]:  # a group loaded from a torch state dict
+            if group["differentiable"]:  # a group loaded from a torch state dict, or edited
                 raise NotImplementedError(_NOT_DIFFERENTIABLE)
             if group["capturable"]:
                 raise NotImplementedError(_CAPTURABLE)
@@ -130,6 +131,11 @@ class AdamW(torch.optim.Optimizer):
         every state tensor to its parameter's dtype, which would round kspec's fp32 moments and master
         copy (a torch state dict's bf16 moments are widened at the next step)."""
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            if group["capturable"]:  # a checkpoint of torch's capturable AdamW: stepping eagerly is the same
+                warnings.warn("kspec.optim.AdamW: a loaded param group has capturable=True; kspec's steps are not "
+                              "capturable (the step count comes from the host), so it is set to False")
+                group["capturable"] = False
         saved = [i for g in state_dict["param_groups"] for i in g["params"]]
         current = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(saved, current):

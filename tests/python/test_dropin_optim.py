@@ -3,6 +3,7 @@
 kernel is replaced by a recorder (as in test_optim_cache.py) to check what a step would launch and the
 state dicts' structure; on a GPU the numerics against torch across a state-dict hand-over either way."""
 import inspect
+import warnings
 
 import pytest
 
@@ -203,3 +204,45 @@ def test_bf16_kspec_state_reloads_without_rounding(recorder):
     for i, p in enumerate(ps):
         for k in ("exp_avg", "exp_avg_sq", "master"):
             assert again.state[p][k].dtype == torch.float32 and torch.equal(again.state[p][k], sd["state"][i][k]), k
+
+
+def test_a_capturable_checkpoint_loads_and_steps_eagerly(recorder):
+    """A state dict of torch's AdamW(capturable=True) (step counts on the parameter's device) loads with
+    a warning, capturable set to False, and steps on from its count."""
+    ps = params()
+    ref = torch.optim.AdamW(ps)  # capturable=True needs CUDA parameters: its state dict, but for the flag
+    ref.step()
+    sd = ref.state_dict()
+    sd["param_groups"][0]["capturable"] = True
+    opt = kspec.optim.AdamW(ps)
+    with pytest.warns(UserWarning, match="capturable=True; kspec's steps are not capturable"):
+        opt.load_state_dict(sd)
+    assert opt.param_groups[0]["capturable"] is False
+    opt.step()
+    assert recorder.binds[-1].runs[-1]["step"] == 2
+    opt.param_groups[0]["capturable"] = True  # asked for, not loaded: refused
+    with pytest.raises(NotImplementedError, match="capturable=True is not supported"):
+        opt.step()
+
+
+@pytest.mark.gpu
+def test_gpu_steps_on_from_torch_capturable_and_fused_checkpoints():
+    """Checkpoints of torch's AdamW(capturable=True) and AdamW(fused=True) (step counts on the GPU):
+    kspec steps on from them as torch does."""
+    for kw in (dict(capturable=True), dict(fused=True)):
+        qs = params(device="cuda")
+        ref = torch.optim.AdamW(qs, weight_decay=0.1, **kw)
+        for s in range(2):
+            _grads(qs, s)
+            ref.step()
+        ps = [torch.nn.Parameter(q.detach().clone()) for q in qs]
+        opt = kspec.optim.AdamW(ps, weight_decay=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # capturable=True is set to False (tested without a GPU)
+            opt.load_state_dict(ref.state_dict())
+        for s in range(2, 5):
+            _grads(ps, s)
+            _grads(qs, s)
+            opt.step()
+            ref.step()
+        _assert_close(ps, qs, 1e-5)
