@@ -31,8 +31,8 @@ class AdamW(torch.optim.Optimizer):
     param_groups carry torch's keys (decoupled_weight_decay=True included) and the state torch's names
     (step, exp_avg, exp_avg_sq, max_exp_avg_sq), so state_dict()/load_state_dict() go both ways between
     this and torch.optim.AdamW. bf16/fp16 parameters keep fp32 moments and an fp32 master copy in
-    state["master"] (torch keeps moments in the parameter's dtype: a state dict from torch is widened on
-    load, and torch narrows kspec's on load and ignores "master").
+    state["master"] (torch keeps moments in the parameter's dtype: a state dict from torch is widened at
+    the next step, and torch narrows kspec's on load and ignores "master").
 
     Extra options: max_grad_norm (clip all gradients of the step to this global L2 norm first, computed
     deterministically on the GPU); step(grad_scale=...) divides the gradients by an AMP loss scale and
