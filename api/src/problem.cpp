@@ -257,10 +257,15 @@ Params complete_params(const OpDef& op, const Params& given) {
       case ParamType::Choice: {
         KSPEC_CHECK(std::holds_alternative<std::string>(value), info.name, ": parameter '", d.name,
                     "': expected a string, got ", param_to_string(value));
+        for (const auto& [alias, choice] : d.aliases)
+          if (std::get<std::string>(value) == alias) value = choice;
         const auto& s = std::get<std::string>(value);
         if (std::find(d.choices.begin(), d.choices.end(), s) == d.choices.end()) {
           std::string names;
           for (const auto& c : d.choices) names += (names.empty() ? "" : ", ") + c;
+          for (const auto& [alias, choice] : d.aliases)
+            if (std::find(d.choices.begin(), d.choices.end(), choice) != d.choices.end())
+              names += ", " + alias + " (= " + choice + ")";
           throw InvalidArgument(detail::concat(info.name, ": parameter '", d.name, "': expected one of ", names,
                                                ", got '", s, "'"));
         }

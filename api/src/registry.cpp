@@ -254,6 +254,7 @@ std::string describe_op(std::string_view name) {
       if (!p.choices.empty()) {
         os << "  {";
         for (size_t k = 0; k < p.choices.size(); ++k) os << (k ? ", " : "") << p.choices[k];
+        for (const auto& [alias, choice] : p.aliases) os << ", " << alias << " = " << choice;
         os << "}";
       }
       if (p.min || p.max)

@@ -68,7 +68,7 @@ selective_scan = build(Family(
 # ---- gemm / linear ----
 
 _ACT = {"none": lambda t: t, "relu": torch.relu,
-        "gelu": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
+        "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
 
 
 def _as_matrix(x):
@@ -77,15 +77,15 @@ def _as_matrix(x):
 
 
 def _linear_fwd(x, weight, bias, act, tf32, save):
-    """(y, pre): pre, GELU's input, only for gelu with a backward to run (relu's backward reads y: outputs
+    """(y, pre): pre, GELU's input, only for gelu_tanh with a backward to run (relu's backward reads y: outputs
     of a custom op may not alias, so y is not returned twice)."""
     if x.numel() == 0:  # no rows, or k = 0 (y = act(bias)): nothing for cuBLASLt, which needs k > 0
         pre = torch.zeros((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
         if bias is not None:
             pre = pre + bias
         y = _ACT[act](pre)
-        return y, (pre if act == "gelu" and save else None)
-    if act == "gelu" and save:
+        return y, (pre if act == "gelu_tanh" and save else None)
+    if act == "gelu_tanh" and save:
         if weight.shape[0] % 8 == 0:
             y, pre = call("gemm", x, weight, bias, act=act, tf32=tf32, out=(torch.empty(
                 (*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device), torch.empty(
@@ -123,7 +123,7 @@ def _linear_bwd(dy, x, weight, saved, has_bias, act, tf32):
 
 def _linear_fake(x, weight, bias, act, tf32):
     y = x.new_empty((*x.shape[:-1], weight.shape[0]))
-    return y, (torch.empty_like(y) if act == "gelu" else None)
+    return y, (torch.empty_like(y) if act == "gelu_tanh" else None)
 
 
 def _linear_bwd_fake(dy, x, weight, saved, has_bias, act, tf32):

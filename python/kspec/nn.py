@@ -1,5 +1,9 @@
 """kspec.nn: drop-in modules backed by kspec's kernels.
 
+RMSNorm and LayerNorm are torch.nn's (and Liger's) with an optional fused activation (kspec.ops.norm_act);
+Mamba is mamba_ssm's Mamba-1 block (kspec.ops.selective_scan_fn, selective_state_update): their state
+dicts load strictly both ways.
+
 E79Cell and E79CoupledMatrix have the parameters, buffers and names of the public E79 reference model
 (kspec.reference.e79_torch), so its state dicts load with strict=True; on CUDA tensors they run the
 fused projection (kspec's gemm) and the E79 kernels (kspec.ops.e79), elsewhere the torch loop.
@@ -13,9 +17,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ops
+from ._nn_mamba import Mamba
+from ._nn_norm import LayerNorm, RMSNorm
 from .reference import e79_torch as _ref
 
-__all__ = ["E79Cell", "E79CoupledMatrix"]
+__all__ = ["E79Cell", "E79CoupledMatrix", "LayerNorm", "Mamba", "RMSNorm"]
 
 _BIAS = ("none", "fixed", "input")
 

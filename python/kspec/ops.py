@@ -7,8 +7,26 @@ from ._core import call
 from ._tensors import describe, empty, framework_of
 
 _NORMS = ("layernorm", "rmsnorm")
-_ACTS = ("identity", "silu", "gelu_tanh", "gelu_erf")
-_GEMM_ACTS = ("none", "relu", "gelu")
+# One activation vocabulary for every op with an `act` (api/ops/common/activations.h, where the C++ ops
+# map an alias to its canonical name): canonical none, relu, silu, gelu_tanh, gelu_erf; "identity" is
+# accepted for none and "gelu" for gelu_tanh (the tanh approximation, as in cuBLASLt's epilogue; torch's
+# default F.gelu is gelu_erf). norm_act takes none, silu, gelu_tanh, gelu_erf; gemm/linear none, relu,
+# gelu_tanh.
+ACTIVATIONS = ("none", "relu", "silu", "gelu_tanh", "gelu_erf")
+ACTIVATION_ALIASES = {"identity": "none", "gelu": "gelu_tanh"}
+_ACTS = ("none", "silu", "gelu_tanh", "gelu_erf")
+_GEMM_ACTS = ("none", "relu", "gelu_tanh")
+
+
+def canonical_act(act, allowed=ACTIVATIONS, who: str = "kspec") -> str:
+    """The canonical name of activation `act` (an alias mapped, see ACTIVATIONS); ValueError when it is
+    not one of `allowed` (None counts as "none")."""
+    name = "none" if act is None else ACTIVATION_ALIASES.get(act, act) if isinstance(act, str) else act
+    if name not in allowed:
+        spelled = ", ".join(allowed) + "".join(f", {a!r} (= {c})" for a, c in ACTIVATION_ALIASES.items()
+                                               if c in allowed)
+        raise ValueError(f"{who}: act must be one of {spelled}; got {act!r}")
+    return name
 
 
 def _is_torch(x) -> bool:
@@ -17,11 +35,11 @@ def _is_torch(x) -> bool:
     return any(c.__name__ == "Tensor" and c.__module__ == "torch" for c in type(x).__mro__)
 
 
-def norm_act(x, weight, bias=None, *, norm: str = "layernorm", act: str = "identity", eps: float = 1e-5):
+def norm_act(x, weight, bias=None, *, norm: str = "layernorm", act: str = "none", eps: float = 1e-5):
     """Fused normalization + affine + activation over the last dim.
 
-    y = act(norm(x) * weight + bias), norm in {layernorm, rmsnorm}, act in {identity, silu, gelu_tanh,
-    gelu_erf}; statistics and arithmetic in fp32.
+    y = act(norm(x) * weight + bias), norm in {layernorm, rmsnorm}, act in {none, silu, gelu_tanh,
+    gelu_erf} (or an alias: ACTIVATIONS); statistics and arithmetic in fp32.
 
     x: (..., hidden) fp32/fp16/bf16, last dim contiguous; weight: (hidden) like x or fp32;
     bias: (hidden) like weight, or None. Returns y: (..., hidden) like x. Differentiable for torch
@@ -29,20 +47,45 @@ def norm_act(x, weight, bias=None, *, norm: str = "layernorm", act: str = "ident
     if _is_torch(x):
         from . import _torch
 
-        return _torch.norm_act(x, weight, bias, norm, act, float(eps))
+        return _torch.norm_act(x, weight, bias, norm, canonical_act(act, _ACTS, "kspec.ops.norm_act"), float(eps))
     return call("norm_act.fwd", x, weight, bias, norm=norm, act=act, eps=float(eps))[0]
 
 
-def norm_act_fwd(x, weight, bias=None, *, norm: str = "layernorm", act: str = "identity", eps: float = 1e-5):
+def norm_act_fwd(x, weight, bias=None, *, norm: str = "layernorm", act: str = "none", eps: float = 1e-5):
     """The raw forward op. Returns (y: (..., hidden), mean: (...) fp32, rstd: (...) fp32)."""
     return call("norm_act.fwd", x, weight, bias, norm=norm, act=act, eps=float(eps))
 
 
-def norm_act_bwd(dy, x, weight, bias, mean, rstd, *, norm: str = "layernorm", act: str = "identity",
+def norm_act_bwd(dy, x, weight, bias, mean, rstd, *, norm: str = "layernorm", act: str = "none",
                  eps: float = 1e-5):
     """The raw backward op. dy, x: (..., hidden); mean, rstd from norm_act_fwd.
     Returns (dx: (..., hidden), dweight: (hidden), dbias: (hidden) or None)."""
     return call("norm_act.bwd", dy, x, weight, bias, mean, rstd, norm=norm, act=act, eps=float(eps))
+
+
+def _is_array(x) -> bool:
+    """Whether kspec.call can read x (kspec._tensors.describe): a torch tensor, or an array with
+    __cuda_array_interface__ or __dlpack__ and a shape."""
+    return _is_torch(x) or ((hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__"))
+                            and hasattr(x, "ndim"))
+
+
+def _check_arrays(who: str, **tensors):
+    """TypeError unless every given tensor is an array kspec reads, all torch or none torch (the first,
+    required one says which); None stands for an absent optional tensor."""
+    first = next(iter(tensors))
+    torch_first = _is_torch(tensors[first])
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        is_torch = _is_torch(t)
+        if not (is_torch or _is_array(t)):
+            raise TypeError(f"{who}: {name} must be a torch tensor or a GPU array (CuPy, __cuda_array_interface__, "
+                            f"DLPack), got {type(t).__name__}")
+        if is_torch != torch_first:
+            raise TypeError(f"{who}: {name} is a {type(t).__module__}.{type(t).__name__} but {first} is a "
+                            f"{type(tensors[first]).__module__}.{type(tensors[first]).__name__}: pass one framework's "
+                            "tensors")
 
 
 def _contiguous(x):
@@ -66,11 +109,15 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
 
     When a gradient is wanted the forward keeps the state entering every 16th step for the backward
     (batch * dim * ceil(seqlen / 16) * dstate * 4 bytes: twice a bf16 u at dstate 16), which then skips
-    recomputing the forward; save_states=False keeps none, and the backward recomputes them."""
+    recomputing the forward; save_states=False keeps none, and the backward recomputes them.
+    Other frameworks' GPU arrays (CuPy, __cuda_array_interface__, DLPack) run the forward alone; anything
+    else, or torch mixed with another framework, is a TypeError naming the argument."""
+    _check_arrays("kspec.ops.selective_scan_fn", u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias,
+                  h0=h0)
     if B.ndim == 3:
-        B = B.unsqueeze(1)
+        B = B[:, None]
     if C.ndim == 3:
-        C = C.unsqueeze(1)
+        C = C[:, None]
     args = [_contiguous(t) for t in (u, delta, A, B, C, D, z, delta_bias, h0)]
     if _is_torch(u):
         from . import _torch
@@ -100,14 +147,91 @@ def selective_scan_step(state, u, delta, A, B, C, D=None, z=None, delta_bias=Non
     return out
 
 
+def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                           state_batch_indices=None):
+    """One decode step of the selective scan, updating `state` in place, with mamba_ssm's arguments
+    (mamba_ssm.ops.triton.selective_state_update); torch tensors.
+
+        dt' = dt + dt_bias (softplus'ed if dt_softplus)
+        state = exp(dt' A) state + dt' B x;   out = (sum_n C state + D x) * silu(z)
+
+    state: (batch, dim, dstate), or (batch, nheads, dim, dstate) with heads (Mamba-2's layout: head h
+    reads group h // (nheads / ngroups) of B and C); any float dtype (other than contiguous fp32 it is
+    updated through an fp32 copy, written back); x, dt, z: (batch, dim) or (batch, nheads, dim);
+    A: (dim, dstate) or (nheads, dim, dstate); B, C: (batch, dstate) or (batch, ngroups, dstate);
+    D, dt_bias: (dim,) or (nheads, dim). state_batch_indices: (batch,) ints or None: the row of `state`
+    each sequence of x reads and writes. Returns out: like x. The arithmetic is kspec's
+    selective_scan.step (fp32 state, A, D, dt_bias). Not differentiable."""
+    _check_arrays("kspec.ops.selective_state_update", state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z,
+                  dt_bias=dt_bias, state_batch_indices=state_batch_indices)
+    if not _is_torch(state):
+        raise TypeError("kspec.ops.selective_state_update: takes torch tensors (other frameworks: "
+                        "kspec.ops.selective_scan_step)")
+    import torch
+
+    heads = state.dim() == 4
+    if state.dim() not in (3, 4):
+        raise ValueError(f"kspec.ops.selective_state_update: state must be (batch, dim, dstate) or "
+                         f"(batch, nheads, dim, dstate), got {tuple(state.shape)}")
+    rows = state.shape[0]
+    hd = state.shape[1:-1]  # (dim,) or (nheads, dim)
+    channels, dstate = hd.numel(), state.shape[-1]
+    batch = x.shape[0]
+
+    def per_channel(name, t, lead):
+        """t (lead..., *hd) -> (lead..., channels); a shape error names t."""
+        if t is None:
+            return None
+        if tuple(t.shape) != (*lead, *hd):
+            raise ValueError(f"kspec.ops.selective_state_update: {name} must be {(*lead, *hd)} for a state of "
+                             f"shape {tuple(state.shape)}, got {tuple(t.shape)}")
+        return t.reshape(*lead, channels)
+
+    x2 = per_channel("x", x, (batch,))
+    dt2 = per_channel("dt", dt, (batch,)).to(x.dtype)
+    z2 = None if z is None else per_channel("z", z, (batch,)).to(x.dtype)
+    D2 = None if D is None else per_channel("D", D, ()).float()
+    bias2 = None if dt_bias is None else per_channel("dt_bias", dt_bias, ()).float()
+    if tuple(A.shape) != (*hd, dstate):
+        raise ValueError(f"kspec.ops.selective_state_update: A must be {(*hd, dstate)}, got {tuple(A.shape)}")
+    A2 = A.reshape(channels, dstate).float()
+    BC = []
+    for name, t in (("B", B), ("C", C)):
+        if t.dim() == 2:
+            t = t[:, None]
+        if t.dim() != 3 or t.shape[0] != batch or t.shape[2] != dstate or hd[0] % t.shape[1] != 0:
+            raise ValueError(f"kspec.ops.selective_state_update: {name} must be (batch, dstate) or (batch, ngroups, "
+                             f"dstate) with ngroups dividing {'nheads' if heads else 'dim'} = {hd[0]}, batch = "
+                             f"{batch}, dstate = {dstate}; got {tuple(t.shape)}")
+        BC.append(t if t.dtype in (x.dtype, torch.float32) else t.to(x.dtype))
+    if state_batch_indices is None:
+        if rows != batch:
+            raise ValueError(f"kspec.ops.selective_state_update: state has {rows} rows for a batch of {batch} "
+                             "(state_batch_indices picks the rows)")
+        direct = state.dtype == torch.float32 and state.is_contiguous()
+        work = state.view(batch, channels, dstate) if direct else state.reshape(batch, channels, dstate).float()
+    else:
+        idx = state_batch_indices.long()
+        direct = False
+        work = state[idx].reshape(batch, channels, dstate).float()
+    out = selective_scan_step(work, x2, dt2, A2, BC[0], BC[1], D2, z2, bias2, delta_softplus=bool(dt_softplus))
+    if not direct:
+        back = work.view(batch, *hd, dstate).to(state.dtype)
+        if state_batch_indices is None:
+            state.copy_(back)
+        else:
+            state[idx] = back
+    return out.view(x.shape)
+
+
 def gemm(x, weight, bias=None, *, act: str = "none", tf32: bool = False, save_pre: bool = False):
     """The raw cuBLASLt op: y = act(x @ weight^T + bias), fp32 accumulation.
 
     x: (..., m, k) fp32/fp16/bf16, any view with one unit-stride dim among the last two (transposed views
     are read in place); weight: (n, k), or (..., n, k) with x's batch dims; bias: (n) or None;
-    act: "none", "relu" or "gelu" (tanh approximation: cuBLASLt's epilogue); tf32: fp32 inputs on TF32
-    tensor cores. Returns (y: (..., m, n), pre: (..., m, n) or None); pre (the pre-activation, for
-    gemm_bwd) is written only with save_pre=True and act="gelu" (n a multiple of 8)."""
+    act: "none", "relu" or "gelu_tanh" (cuBLASLt's epilogue; "gelu" is accepted for it); tf32: fp32 inputs
+    on TF32 tensor cores. Returns (y: (..., m, n), pre: (..., m, n) or None); pre (the pre-activation, for
+    gemm_bwd) is written only with save_pre=True and act="gelu_tanh" (n a multiple of 8)."""
     if not save_pre:
         return call("gemm", x, weight, bias, act=act, tf32=bool(tf32))
     from ._tensors import empty, framework_of
@@ -123,7 +247,7 @@ def gemm(x, weight, bias=None, *, act: str = "none", tf32: bool = False, save_pr
 
 def gemm_bwd(dy, x, weight, saved=None, *, act: str = "none", tf32: bool = False, bias_grad: bool = True):
     """The raw backward: dpre = dy * act'(saved); returns (dx like x, dweight like weight, dbias (n) or None).
-    saved: gelu: the forward's pre; relu: its pre or y; none: None."""
+    saved: gelu_tanh: the forward's pre; relu: its pre or y; none: None."""
     from ._tensors import empty, framework_of
     from ._core import _C, describe
 
@@ -185,10 +309,9 @@ def linear(x, weight, bias=None, act: str = "none", *, tf32: bool = False):
     x: (..., in_features), any view F.linear takes: transposed and sliced views are read in place, others
     (a step-2 last dim, a broadcast row) copied first (kspec.explain("linear", x, weight, bias) names
     them); weight: (out_features, in_features); bias: (out_features) or None; act: "none", "relu" or
-    "gelu" (tanh approximation). Differentiable for torch tensors (gemm.bwd; dx comes back with x's shape
-    and strides as autograd gives them)."""
-    if act not in _GEMM_ACTS:
-        raise ValueError(f"kspec.ops.linear: act must be one of {_GEMM_ACTS}, got {act!r}")
+    "gelu_tanh" ("gelu" is accepted for it). Differentiable for torch tensors (gemm.bwd; dx comes back
+    with x's shape and strides as autograd gives them)."""
+    act = canonical_act(act, _GEMM_ACTS, "kspec.ops.linear")
     if _is_torch(x):
         from . import _torch
 

@@ -7,6 +7,7 @@ load_state_dict with torch.optim.AdamW's state names (step, exp_avg, exp_avg_sq,
 checkpoint moves between the two. One kernel launch updates every tensor of a group."""
 from __future__ import annotations
 
+import warnings
 from operator import attrgetter, itemgetter
 
 import torch
@@ -19,21 +20,53 @@ from ._tensors import current_stream, describe
 class AdamW(torch.optim.Optimizer):
     """torch.optim.AdamW on one fused multi-tensor kernel (kspec op "adamw").
 
-    Extra options: maximize; max_grad_norm (clip all gradients of the step to this global L2 norm first,
-    computed deterministically on the GPU); bf16/fp16 parameters keep an fp32 master copy in
-    state["master"] (the update runs on it, the parameter receives its rounding). step(grad_scale=...)
-    divides the gradients by an AMP loss scale and skips the step when one is inf/nan (self.found_inf)."""
+    Takes every torch.optim.AdamW argument (torch 2.11's signature):
+      lr (a float, or a 1-element tensor: read each step), betas (floats or 1-element tensors), eps,
+      weight_decay, amsgrad, maximize: as torch's.
+      foreach, fused: accepted and recorded in param_groups, no effect: kspec always runs its own fused
+      kernel (one launch per group, device and dtype).
+      capturable=True, differentiable=True: NotImplementedError. The kernel's bias corrections come from
+      the host's step count (a CUDA graph would replay the captured step's); the kernel updates in place,
+      outside autograd.
+    param_groups carry torch's keys (decoupled_weight_decay=True included) and the state torch's names
+    (step, exp_avg, exp_avg_sq, max_exp_avg_sq), so state_dict()/load_state_dict() go both ways between
+    this and torch.optim.AdamW. bf16/fp16 parameters keep fp32 moments and an fp32 master copy in
+    state["master"] (torch keeps moments in the parameter's dtype: a state dict from torch is widened at
+    the next step, and torch narrows kspec's on load and ignores "master").
+
+    Extra options: max_grad_norm (clip all gradients of the step to this global L2 norm first, computed
+    deterministically on the GPU); step(grad_scale=...) divides the gradients by an AMP loss scale and
+    skips the step when one is inf/nan (self.found_inf)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, max_grad_norm=None):
-        if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                 max_grad_norm=None):
+        for name, v in (("lr", lr), ("betas[0]", betas[0]), ("betas[1]", betas[1])):
+            if isinstance(v, torch.Tensor) and v.numel() != 1:
+                raise ValueError(f"kspec.optim.AdamW: Tensor {name} must be 1-element, got shape {tuple(v.shape)}")
+        if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"kspec.optim.AdamW: invalid hyperparameters lr={lr} betas={betas} eps={eps} "
                              f"weight_decay={weight_decay}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+        if differentiable:
+            raise NotImplementedError(_NOT_DIFFERENTIABLE)
+        if capturable:
+            raise NotImplementedError(_CAPTURABLE)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
+                        fused=fused, decoupled_weight_decay=True)
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.found_inf = None
         self.grad_norm = None
+
+    def __setstate__(self, state):
+        """As torch.optim.AdamW's: a group from an older or other state dict gets torch's defaults."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for k, v in (("amsgrad", False), ("maximize", False), ("foreach", None), ("capturable", False),
+                         ("differentiable", False), ("fused", None)):
+                group.setdefault(k, v)
+            group["decoupled_weight_decay"] = True
 
     def _init_state(self, p, amsgrad):
         state = self.state[p]
@@ -60,6 +93,10 @@ class AdamW(torch.optim.Optimizer):
         check = grad_scale is not None or clip
         launches = []
         for gi, group in enumerate(self.param_groups):
+            if group["differentiable"]:  # a group loaded from a torch state dict, or edited
+                raise NotImplementedError(_NOT_DIFFERENTIABLE)
+            if group["capturable"]:
+                raise NotImplementedError(_CAPTURABLE)
             launches += self._launches(gi, group, grad_scale, check)
         if clip and len(launches) > 1:
             raise NotImplementedError("kspec.optim.AdamW: max_grad_norm needs every parameter in one launch (one "
@@ -88,6 +125,25 @@ class AdamW(torch.optim.Optimizer):
             if not skipped:
                 b.advance()
         return loss
+
+    def load_state_dict(self, state_dict):
+        """torch's load_state_dict, except that fp32 state of a bf16/fp16 parameter stays fp32: torch casts
+        every state tensor to its parameter's dtype, which would round kspec's fp32 moments and master
+        copy (a torch state dict's bf16 moments are widened at the next step)."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            if group["capturable"]:  # a checkpoint of torch's capturable AdamW: stepping eagerly is the same
+                warnings.warn("kspec.optim.AdamW: a loaded param group has capturable=True; kspec's steps are not "
+                              "capturable (the step count comes from the host), so it is set to False")
+                group["capturable"] = False
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        current = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved, current):
+            st = state_dict["state"].get(i, {})
+            for k in _FP32_STATE:
+                v = st.get(k)
+                if isinstance(v, torch.Tensor) and v.dtype == torch.float32 and p.dtype != torch.float32:
+                    self.state[p][k] = v.to(device=p.device)
 
     def state_dict(self):
         """torch's state_dict; each step tensor a copy (the live ones are views of one buffer per launch)."""
@@ -175,6 +231,14 @@ class AdamW(torch.optim.Optimizer):
                 tuple(map(id, map(_step, sts))))
 
 
+_NOT_DIFFERENTIABLE = ("kspec.optim.AdamW: differentiable=True is not supported (the fused kernel updates the "
+                       "parameters in place, outside autograd); use torch.optim.AdamW(differentiable=True)")
+# torch's capturable=True keeps the step count on the device; kspec's kernel takes it from the host.
+_CAPTURABLE = ("kspec.optim.AdamW: capturable=True is not supported yet (the step count is a launch argument "
+               "from the host, so a captured step replays its own bias correction); capture with "
+               "torch.optim.AdamW(capturable=True, fused=True), or call kspec's step outside the graph")
+
+_FP32_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")  # kept in fp32 for any parameter dtype
 _Tensor = torch.Tensor
 _grad = attrgetter("grad")
 _dtype = attrgetter("dtype")

@@ -45,6 +45,9 @@ py::dict op_info_dict(const std::string& name) {
                  : p.type == kspec::ParamType::Bool ? "bool" : "choice";
     pd["default"] = param_to_py(p.default_value);
     pd["choices"] = p.choices;
+    py::dict aliases;
+    for (const auto& [alias, choice] : p.aliases) aliases[py::str(alias)] = choice;
+    pd["aliases"] = aliases;
     pd["doc"] = p.doc;
     params.append(pd);
   }

@@ -56,6 +56,9 @@ struct ParamDef {
   // Int and Float: the smallest and largest value allowed (inclusive; none: unbounded). Validation and
   // compile requests check them before anything compiles; a Float must also be finite.
   std::optional<double> min = std::nullopt, max = std::nullopt;
+  // Choice: other accepted spellings, (alias, choice); validation replaces an alias by its choice, so
+  // the two spell the same problem.
+  std::vector<std::pair<std::string, std::string>> aliases = {};
 };
 
 // Runtime (Var) axes change nothing compiled; Const axes are template arguments; Bucket axes are

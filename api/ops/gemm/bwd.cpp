@@ -183,7 +183,7 @@ OpDef make_bwd() {
       {"x", {"...batch", "m", "k"}, {}, "dy", false, false, "", Layout::Strided, "the forward's input"},
       {"weight", {"...wbatch", "n", "k"}, {}, "dy", false, false, "", Layout::Strided, "the forward's weight"},
       {"saved", {"...batch", "m", "n"}, {}, "dy", false, true, "", Layout::Contiguous,
-       "act=gelu: the forward's aux; act=relu: its aux or y; act=none: absent"},
+       "act=gelu_tanh: the forward's aux; act=relu: its aux or y; act=none: absent"},
   };
   i.outputs = {
       {"dx", {"...batch", "m", "k"}, {}, "dy", false, false, "", Layout::Strided, "gradient of x"},

@@ -92,9 +92,9 @@ bool valid_fwd_config(const Problem& p, const Config& c, std::string* why) {
   int64_t u = c.get("unfused");
   if (c.values.size() != 1) return fail("unfused runs cuBLASLt's heuristic for the plain GEMM: no algorithm fields with it");
   if (u != 1 && u != 2) return fail("unfused is 1 (bias in cuBLASLt's epilogue) or 2 (bias in kspec's kernel)");
-  if (act_code(p) == 0) return fail("unfused is for act=relu or act=gelu");
+  if (act_code(p) == 0) return fail("unfused is for act=relu or act=gelu_tanh");
   if (u == 2 && act_code(p) != 2)
-    return fail("unfused=2 is for gelu (relu's sign must be taken before the product is rounded)");
+    return fail("unfused=2 is for gelu_tanh (relu's sign must be taken before the product is rounded)");
   if (u == 2 && !p.present("bias")) return fail("unfused=2 adds the bias in kspec's kernel, and there is no bias");
   return true;
 }
@@ -136,7 +136,7 @@ FwdPlan plan_fwd(const Call& call) {
   lt.b = x.data;
   lt.d = y.data;
   bool has_bias = b.defined(), has_aux = aux.defined();
-  KSPEC_CHECK(!has_aux || act == 2, op, ": output 'aux' (the saved pre-activation) is only for act='gelu'; relu's "
+  KSPEC_CHECK(!has_aux || act == 2, op, ": output 'aux' (the saved pre-activation) is only for act='gelu_tanh'; relu's "
               "backward needs only y, none needs nothing");
   if (has_aux) {
     int64_t n = call.problem.dim("n");
@@ -283,7 +283,7 @@ OpDef make_fwd() {
   i.outputs = {
       {"y", {"...batch", "m", "n"}, {}, "x", false, false, "", Layout::Strided, "output; unit stride along n"},
       {"aux", {"...batch", "m", "n"}, {}, "x", false, true, "", Layout::Contiguous,
-       "optional: the pre-activation x·Wᵀ + b, saved for the backward (act=gelu, n a multiple of 8)"},
+       "optional: the pre-activation x·Wᵀ + b, saved for the backward (act=gelu_tanh, n a multiple of 8)"},
   };
   i.params = gemm_params();
   i.dims = gemm_dims();

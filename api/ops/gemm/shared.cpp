@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "api/src/op.h"
+#include "common/activations.h"
 #include "jit/driver.h"
 #include "gemm/layout.h"
 #include "gemm/lt_matmul.h"
@@ -16,7 +17,7 @@
 namespace kspec::gemm_op {
 
 const std::vector<DType> kFloatTypes = {DType::f32, DType::f16, DType::bf16};
-const std::vector<std::string> kActs = {"none", "relu", "gelu"};
+const std::vector<std::string> kActs = {"none", "relu", "gelu_tanh"};
 
 int act_code(const Problem& p) {
   return static_cast<int>(std::find(kActs.begin(), kActs.end(), p.param_str("act")) - kActs.begin());
@@ -118,7 +119,8 @@ const std::string kTuningNote = "cuBLASLt algorithm: the heuristic's top candida
 
 std::vector<ParamDef> gemm_params() {
   return {{"act", ParamType::Choice, std::string("none"), kActs,
-           "activation after the bias: none, relu, or gelu (tanh approximation, as cuBLASLt's epilogue)"},
+           "activation after the bias: none, relu, or gelu_tanh (cuBLASLt's GELU epilogue)", false, std::nullopt,
+           std::nullopt, kActivationAliases},
           {"tf32", ParamType::Bool, false, {}, "fp32 inputs: allow TF32 tensor cores (about 1e-3 relative error)"}};
 }
 

@@ -1,11 +1,12 @@
 // norm_act: y = act(norm(x) * weight + bias) over the last dim, norm ∈ {layernorm, rmsnorm},
-// act ∈ {identity, silu, gelu_tanh, gelu_erf}; statistics in fp32. Forward and backward ops, their
+// act ∈ {none, silu, gelu_tanh, gelu_erf} (ops/common/activations.h); statistics in fp32. Forward and backward ops, their
 // schema, specializations, tuning space, launchers, float64 references and case table.
 #include <algorithm>
 #include <cmath>
 #include <tuple>
 
 #include "api/src/op.h"
+#include "common/activations.h"
 #include "norm_act/reference.h"
 #include "templates/norm_act/params.h"
 
@@ -15,7 +16,7 @@ namespace {
 constexpr const char* kHeader = "norm_act/norm_act.cuh";
 const std::vector<DType> kFloatTypes = {DType::f32, DType::f16, DType::bf16};
 const std::vector<std::string> kNorms = {"layernorm", "rmsnorm"};
-const std::vector<std::string> kActs = {"identity", "silu", "gelu_tanh", "gelu_erf"};
+const std::vector<std::string> kActs = {"none", "silu", "gelu_tanh", "gelu_erf"};  // the kernels' act codes
 // Elements per thread (vector width x vectors) bound the registers: the backward holds x, dy and the
 // dweight/dbias partials for each. Under __launch_bounds__ ptxas (sm_90a, NVRTC 13.0) fit the backward
 // in 64 registers at 8 elements, 95-128 at 16 and 167-220 at 32 without spilling; a block of n threads
@@ -189,7 +190,8 @@ void bwd_prepare(const Problem& p, std::vector<HostTensor>& in) {
 std::vector<ParamDef> norm_act_params() {
   return {
       {"norm", ParamType::Choice, std::string("layernorm"), kNorms, "normalization over the last dim"},
-      {"act", ParamType::Choice, std::string("identity"), kActs, "activation applied after the affine"},
+      {"act", ParamType::Choice, std::string("none"), kActs, "activation applied after the affine", false,
+       std::nullopt, std::nullopt, kActivationAliases},
       {"eps", ParamType::Float, 1e-5, {}, "added to the variance (mean square for rmsnorm)", false, 0.0},
   };
 }

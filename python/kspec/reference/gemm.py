@@ -1,14 +1,15 @@
 """Float64 NumPy reference for the gemm ops: y = act(x @ W.T + b), batched, and its gradients.
 
-The twin of api/ops/gemm/reference.cpp. act: "none", "relu" or "gelu" (the tanh approximation, which is
-what cuBLASLt's GELU epilogue computes, i.e. torch's F.gelu(approximate="tanh")).
+The twin of api/ops/gemm/reference.cpp. act: "none", "relu" or "gelu_tanh" (what cuBLASLt's GELU
+epilogue computes, i.e. torch's F.gelu(approximate="tanh"); "gelu" is accepted for it).
 """
 
 import math
 
 import numpy as np
 
-ACTS = ("none", "relu", "gelu")
+ACTS = ("none", "relu", "gelu_tanh")
+_GELU = ("gelu_tanh", "gelu")
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _CUBIC = 0.044715
 
@@ -16,7 +17,7 @@ _CUBIC = 0.044715
 def act(name, h):
     if name == "relu":
         return np.maximum(h, 0.0)
-    if name == "gelu":
+    if name in _GELU:
         return 0.5 * h * (1.0 + np.tanh(_SQRT_2_OVER_PI * (h + _CUBIC * h**3)))
     return h
 
@@ -24,7 +25,7 @@ def act(name, h):
 def act_grad(name, h):
     if name == "relu":
         return (h > 0).astype(np.float64)
-    if name == "gelu":
+    if name in _GELU:
         t = np.tanh(_SQRT_2_OVER_PI * (h + _CUBIC * h**3))
         return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _CUBIC * h * h)
     return np.ones_like(h)

@@ -9,7 +9,8 @@ import math
 import numpy as np
 
 NORMS = ("layernorm", "rmsnorm")
-ACTS = ("identity", "silu", "gelu_tanh", "gelu_erf")
+ACTS = ("none", "silu", "gelu_tanh", "gelu_erf")
+ALIASES = {"identity": "none", "gelu": "gelu_tanh"}  # kspec's other spellings (kspec.ops.ACTIVATIONS)
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_TANH_CUBIC = 0.044715
@@ -24,6 +25,7 @@ def _erf(v):
 
 
 def _act(act, h):
+    act = ALIASES.get(act, act)
     if act == "silu":
         return h / (1.0 + np.exp(-h))
     if act == "gelu_tanh":
@@ -35,6 +37,7 @@ def _act(act, h):
 
 def _act_grad(act, h):
     """dy/dh of _act(act, h)."""
+    act = ALIASES.get(act, act)
     if act == "silu":
         s = 1.0 / (1.0 + np.exp(-h))
         return s * (1.0 + h * (1.0 - s))
@@ -50,7 +53,7 @@ def _act_grad(act, h):
 def _check(x, w, b, norm, act):
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-    if act not in ACTS:
+    if ALIASES.get(act, act) not in ACTS:
         raise ValueError(f"act must be one of {ACTS}, got {act!r}")
     if x.ndim < 1 or x.shape[-1] < 1:
         raise ValueError(f"x must have a non-empty last dimension, got shape {x.shape}")

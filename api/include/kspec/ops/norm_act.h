@@ -7,7 +7,7 @@ namespace kspec::ops {
 
 struct NormActOptions {
   std::string norm = "layernorm";  // or "rmsnorm"
-  std::string act = "identity";    // "silu", "gelu_tanh", "gelu_erf"
+  std::string act = "none";  // "silu", "gelu_tanh", "gelu_erf" ("identity" is accepted for none)
   double eps = 1e-5;
 };
 
