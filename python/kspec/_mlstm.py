@@ -125,11 +125,11 @@ def _gates(i, f, q):
 
 def mlstm_chunkwise(q, k, v, i, f, c_initial=None, n_initial=None, m_initial=None, return_last_states=False,
                     eps=EPS, chunk_size=DEFAULT_CHUNK):
-    given = [t is not None for t in (c_initial, n_initial, m_initial)]
-    if any(given) and not all(given):
+    given = [n for n, t in (("c_initial", c_initial), ("n_initial", n_initial), ("m_initial", m_initial))
+             if t is not None]
+    if 0 < len(given) < 3:
         raise ValueError("kspec.ops.mlstm_chunkwise: c_initial, n_initial and m_initial go together (all three or "
-                         f"none), got {', '.join(n for n, g in zip(('c_initial', 'n_initial', 'm_initial'), given) if g)}"
-                         " alone")
+                         f"none), got {', '.join(given)} alone")
     i, f = _gates(i, f, q)
     args = [_contiguous(t) for t in (q, k, v, i, f, c_initial, n_initial, m_initial)]
     if args[7] is not None and args[7].dim() == 2:

@@ -169,7 +169,7 @@ class Surface:
         self.grad_plan = [f.bwd_out.index("d" + n) if "d" + n in f.bwd_out else -1 for n in self.fwd_names]
         # One output: the op returns a Tensor, not a tuple (torch reads "-> (Tensor)" as one Tensor).
         self.one_fwd, self.one_bwd = len(f.fwd_out) == 1, len(f.bwd_out) == 1
-        fwd_ret, bwd_ret = (_returns(len(f.fwd_out)), _returns(len(f.bwd_out)))
+        fwd_ret, bwd_ret = _returns(len(f.fwd_out)), _returns(len(f.bwd_out))
         self.fwd_op = torch.library.custom_op(f"kspec::{f.name}_fwd", self.fwd_kernel, mutates_args=(),
                                               device_types="cuda", schema=f"({f.fwd}) -> {fwd_ret}")
         self.bwd_op = torch.library.custom_op(f"kspec::{f.name}_bwd", self.bwd_kernel, mutates_args=(),
@@ -196,6 +196,7 @@ class Surface:
         return (outs,) if self.one_fwd else outs
 
     def _bwd_call(self, *args):
+        """The backward custom op's outputs, always a tuple."""
         outs = self.bwd_op(*args)
         return (outs,) if self.one_bwd else outs
 
