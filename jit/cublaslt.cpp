@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 
+#include "jit/cuda_libs.h"
 #include "jit/driver.h"
 
 namespace kspec::jit {
@@ -20,19 +21,17 @@ struct LoadedLt {
 
 LoadedLt load() {
   LoadedLt out;
-  const char* names[] = {"libcublasLt.so.13", "libcublasLt.so"};
-  void* lib = nullptr;
-  std::string tried;
-  for (const char* n : names) {
-    lib = dlopen(n, RTLD_NOW | RTLD_LOCAL);
-    if (lib) break;
-    const char* e = dlerror();
-    tried += std::string(tried.empty() ? "" : "; ") + (e ? e : n);
-  }
+  // Searched like NVRTC (pip's nvidia-cublas wheel, CUDA_HOME, the loader path, /usr/local/cuda); only
+  // the CUDA 13 ABI kspec is compiled against.
+  OpenedLibrary opened = open_first(library_candidates("", std::nullopt, {"libcublasLt.so.13"}, {"cu13/lib"}),
+                                    [](void*) { return std::string(); });
+  void* lib = opened.handle;
   if (!lib) {
-    out.error = "cuBLASLt (libcublasLt.so.13) could not be loaded: " + tried +
-                ". The gemm ops need it (install the CUDA toolkit's libcublas, or add its lib directory to "
-                "LD_LIBRARY_PATH); every other op works without it.";
+    std::string tried;
+    for (const auto& t : opened.tried) tried += "\n  " + t;
+    out.error = "cuBLASLt (libcublasLt.so.13) could not be loaded. The gemm ops need it (install the CUDA "
+                "toolkit's libcublas, or pip install nvidia-cublas); every other op works without it. Searched:" +
+                tried;
     return out;
   }
 #define KSPEC_LT_STR2(x) #x

@@ -126,8 +126,9 @@ const Nvrtc& nvrtc() {
 // CudaError, not CompileError: these calls fail for reasons outside the code being compiled (out of
 // memory, bad input from kspec itself); a rejected specialization is reported by compile() below.
 void throw_nvrtc_error(nvrtcResult r, const char* call, const char* file, int line) {
-  throw CudaError(detail::concat(call, " failed: ", nvrtc().nvrtcGetErrorString(r), " (", static_cast<int>(r), ") at ", file,
-                                 ":", line));
+  const Nvrtc& api = nvrtc();
+  throw CudaError(detail::concat(call, " failed: ", api.nvrtcGetErrorString(r), " (", static_cast<int>(r), ") at ", file,
+                                 ":", line, " (NVRTC ", api.major, ".", api.minor, ", ", api.path, ")"));
 }
 
 std::string nvrtc_version() {
@@ -211,11 +212,15 @@ CompiledKernel compile(const KernelSpec& spec, const TemplateSource* source) {
     for (const auto& o : opts) joined += (joined.empty() ? "" : " ") + o;
     std::string path = write_failed_source(spec, flattened_source(spec, src));
     std::string hint;
-    if (cuda_include_dir().empty())
-      hint = "\nhint: no CUDA include directory was found; set CUDA_HOME or KSPEC_CUDA_INCLUDE";
+    if (cuda_include_dir().empty()) {
+      hint = "\nhint: no CUDA include directory (one with cuda_fp16.h) was found; set KSPEC_CUDA_INCLUDE, or "
+             "CUDA_HOME, or pip install nvidia-cuda-runtime. Searched:";
+      for (const auto& [why, dir] : cuda_include_candidates()) hint += "\n  " + why + " " + dir;
+    }
     throw CompileError(detail::concat("NVRTC failed to compile ", spec.name_expression(), " from ",
                                       spec.header, " for ", spec.arch, ": ", nvrtc().nvrtcGetErrorString(r),
                                       "\nspecialization: ", spec.canonical(), "\noptions: ", joined,
+                                      "\nNVRTC ", nvrtc_version(), " from ", nvrtc().path,
                                       "\nsource written to: ", path, "\n--- NVRTC log ---\n", out.log,
                                       hint),
                        out.log, joined, spec.canonical(), path);

@@ -145,6 +145,8 @@ TEST(Nvrtc, BrokenTemplateRaisesCompileErrorWithSourceFile) {
     std::string msg = e.what();
     EXPECT_NE(msg.find("norm_act_fwd_kernel"), std::string::npos) << msg;
     EXPECT_NE(msg.find("NVRTC log"), std::string::npos);
+    // Which NVRTC rejected it: the version and the library, found at run time (jit/cuda_libs.h).
+    EXPECT_NE(msg.find("\nNVRTC " + jit::nvrtc_version() + " from " + jit::nvrtc().path), std::string::npos) << msg;
     EXPECT_FALSE(e.log().empty());
     EXPECT_NE(e.options().find("-arch=sm_90a"), std::string::npos);
     ASSERT_TRUE(fs::exists(e.source_path())) << e.source_path();
@@ -176,7 +178,8 @@ TEST(Nvrtc, FailedApiCallIsCudaErrorWithFileAndLine) {
     std::string msg = e.what();
     EXPECT_EQ(msg.rfind("nvrtcCreateProgram(nullptr, ", 0), 0u) << msg;
     EXPECT_NE(msg.find(" failed: NVRTC_ERROR_"), std::string::npos) << msg;
-    EXPECT_NE(msg.find(detail::concat(" at ", __FILE__, ":", line)), std::string::npos) << msg;
+    EXPECT_NE(msg.find(detail::concat(" at ", __FILE__, ":", line, " (NVRTC ", jit::nvrtc_version())),
+              std::string::npos) << msg;
   }
 }
 
