@@ -97,7 +97,8 @@ const std::vector<KnobInfo>& all() {
   static const std::vector<KnobInfo> table = {
       info<cache_dir>(),       info<cache_enabled>(), info<cache_max_bytes>(), info<template_dir>(),
       info<cuda_include>(),    info<verbose>(),       info<debug_dir>(),       info<compile_threads>(),
-      info<tuning_db>(),       info<tune>(),          info<tune_budget>()};
+      info<tuning_db>(),       info<tune>(),          info<tune_budget>(),
+      info<torch_ext>()};
   return table;
 }
 

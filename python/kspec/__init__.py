@@ -50,6 +50,9 @@ def _register_torch() -> None:
     import sys
 
     if "torch" in sys.modules:
+        from . import _native
+
+        _native._load()  # the torch C++ extension, where built and enabled
         from . import _e79, _torch  # noqa: F401  (register the custom ops)
 
 

@@ -76,6 +76,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("op_info", &op_info_dict);
   m.def("describe_op", [](const std::string& n) { return kspec::describe_op(n); });
 
+  m.attr("_ext_api") = kspec_py::ext_api_capsule();
   m.def("call_torch", &call_torch, py::arg("op"), py::arg("inputs"), py::arg("out"), py::arg("params"));
   m.def("call",
         [](const std::string& op, const py::sequence& inputs, const py::sequence& outputs, const py::dict& params,
@@ -362,6 +363,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cache_clear", &kspec::cache_clear);
   m.def("doctor", &kspec::doctor);
   m.def("compile_threads", [] { return kspec::knobs::compile_threads(); });
+  m.def("torch_ext_enabled", [] { return kspec::knobs::torch_ext(); });
   m.def("knobs", [] {
     py::list out;
     for (const auto& k : kspec::knobs::all()) out.append(py::make_tuple(k.name, k.type, k.default_value, k.doc));
