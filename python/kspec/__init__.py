@@ -65,6 +65,9 @@ def _register_torch() -> None:
     import sys
 
     if "torch" in sys.modules:
+        from . import _native
+
+        _native._load()  # the torch C++ extension, where built and enabled
         from . import _difflogic, _e79, _mhc, _mlstm, _torch  # noqa: F401  (register the custom ops)
 
 

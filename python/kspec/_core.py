@@ -6,14 +6,24 @@ from . import _C
 from ._tensors import current_stream, describe, empty, framework_of
 
 
+# torch tensors' path: described, allocated and launched in one C++ call; kspec._torch_ext's (at::Tensor,
+# at::empty) when kspec._native loads it, else _C's (the Python C API, torch.empty).
+_call_torch = _C.call_torch
+
+
+def use_torch_ext(fn) -> None:
+    global _call_torch
+    _call_torch = fn
+
+
 def call(op: str, *inputs, config: str | None = None, out=None, **params):
     """Run a registered op. Inputs are positional as in the op's schema (None for a left-out optional
     input); params by keyword. Returns the op's outputs as a tuple (None for absent ones).
 
     `out` may pass preallocated outputs (a sequence like the schema's outputs); without it the outputs
     are allocated with the inputs' framework (torch or CuPy), which is then needed."""
-    if config is None:  # torch tensors: described, allocated and launched in one C++ call
-        r = _C.call_torch(op, inputs, out, params)
+    if config is None:
+        r = _call_torch(op, inputs, out, params)
         if r is not NotImplemented:
             return r
     return _call_general(op, inputs, config, out, params)

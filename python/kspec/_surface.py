@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import _schema
+from . import _native, _schema
 from ._core import call
 
 FAMILIES: dict = {}  # name -> Family, in registration order
@@ -234,12 +234,14 @@ class Surface:
 
     def _grads(self, ctx, grads, bwd):
         """The forward arguments' gradients; grads: one per forward output (None: none came)."""
+        return self._grads_of(ctx.saved_tensors, ctx.kspec_cfg, ctx.kspec_absent, ctx.kspec_saved, grads, bwd)
+
+    def _grads_of(self, saved, cfg, absent, kept, grads, bwd):
         f = self.family
-        if f.save_required and not ctx.kspec_saved:
+        if f.save_required and not kept:
             raise RuntimeError(f"kspec::{f.name}_fwd ran with {f.save_arg}=False: it kept nothing for the backward")
-        saved, cfg = ctx.saved_tensors, ctx.kspec_cfg
         res = bwd(*[grads[i] if k == 0 else saved[i] if k == 1 else cfg[i] for k, i in self.bwd_plan])
-        return tuple(None if j < 0 or absent else res[j] for j, absent in zip(self.grad_plan, ctx.kspec_absent))
+        return tuple(None if j < 0 or a else res[j] for j, a in zip(self.grad_plan, absent))
 
     def _op_setup(self, ctx, inputs, output):
         output = (output,) if self.one_fwd else output
@@ -275,14 +277,47 @@ class Surface:
             return surface._grads(ctx, full, f.backward)
 
         name = "".join(p.title() for p in f.name.split("_"))
+        self.node_name = name + "Backward"
         return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
                                                        "backward": staticmethod(backward)})
+
+    # ---- the eager path's graph node made in C++ (kspec._torch_ext.record), where the extension is ----
+
+    def _native_apply(self, args):
+        """What the eager autograd.Function does, without its Python apply: the forward without grad, then
+        one C++ node (SurfaceBackward) that saves what the spec says and calls _native_backward."""
+        f = self.family
+        save = self._save_flag(args)
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            outs = f.forward(*args, save=save)
+        finally:
+            torch._C._set_grad_enabled(enabled)
+        env = args + tuple(outs)
+        if f.extra:
+            named = dict(zip(self.fwd_names + list(f.fwd_out), env))
+            env += tuple(fn(named) for fn in f.extra.values())
+        ctx = (self.pick_cfg(env), [a is None for a in args], save)
+        _native.ext.record(self.node_name, self._native_backward, ctx, self.materialize,
+                           [args[i] for i in self.tensor_pos], outs, self.diff_out, self.pick_saved(env))
+        public = f.public
+        return outs[public[0]] if len(public) == 1 else tuple(outs[i] for i in public)
+
+    def _native_backward(self, saved, grads, ctx):
+        """The tensor arguments' gradients; grads: one per differentiable output (None: none came)."""
+        full = [None] * len(self.family.fwd_out)
+        for i, g in zip(self.diff_out, grads):
+            full[i] = g
+        res = self._grads_of(saved, ctx[0], ctx[1], ctx[2], full, self.family.backward)
+        return [res[i] for i in self.tensor_pos]
 
     # ---- the public entry ----
 
     def __call__(self, *args):
         """The public outputs of the forward, with autograd: the custom op under torch.compile, the forward
-        alone when no gradient is wanted, else the eager autograd.Function."""
+        alone when no gradient is wanted, else the eager path's node (C++ with the torch extension, else
+        the autograd.Function)."""
         public = self.family.public
         tensors = [args[i] for i in self.tensor_pos]
         if torch.compiler.is_compiling():
@@ -292,13 +327,17 @@ class Surface:
             outs = self._fwd_call(*args)
         elif not wants_grad(*tensors):
             outs = self.family.forward(*args, save=False)
+        elif _native.ext is not None:
+            return self._native_apply(args)
         else:
             return self.function.apply(*args)
         return outs[public[0]] if len(public) == 1 else tuple(outs[i] for i in public)
 
 
 def build(family: Family) -> Surface:
-    """Registers the family's custom ops and autograd; the returned Surface is its public entry."""
+    """Registers the family's custom ops and autograd; the returned Surface is its public entry. With the
+    torch extension its registry ops are dispatcher ops too (kspec._native; .native: theirs or None)."""
     s = Surface(family)
     FAMILIES[family.name] = s
+    s.native = tuple(_native.define(op, family.derived) for op in family.ops)
     return s

@@ -165,7 +165,8 @@ def empty(framework: str, dtype: str, shape, device: int):
         torch = _torch()
         dev = _torch_devices.get(device)
         if dev is None:  # parsing "cuda:N" on every call costs about a microsecond
-            dev = _torch_devices[device] = torch.device("cuda", device)
+            # host inputs get host outputs: the call then refuses them with kspec's own message
+            dev = _torch_devices[device] = torch.device("cpu") if device < 0 else torch.device("cuda", device)
         return torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
     if framework is None:
         from . import _C

@@ -77,6 +77,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("op_info", &op_info_dict);
   m.def("describe_op", [](const std::string& n) { return kspec::describe_op(n); });
 
+  m.attr("_ext_api") = kspec_py::ext_api_capsule();
   m.def("call_torch", &call_torch, py::arg("op"), py::arg("inputs"), py::arg("out"), py::arg("params"));
   m.def("call",
         [](const std::string& op, const py::sequence& inputs, const py::sequence& outputs, const py::dict& params,
@@ -365,6 +366,7 @@ PYBIND11_MODULE(_C, m) {
   // pip's nvidia wheel directories, where NVRTC and CUDA's headers are looked for (kspec/__init__.py).
   m.def("_set_nvidia_dirs", &kspec::jit::set_nvidia_package_dirs);
   m.def("compile_threads", [] { return kspec::knobs::compile_threads(); });
+  m.def("torch_ext_enabled", [] { return kspec::knobs::torch_ext(); });
   m.def("knobs", [] {
     py::list out;
     for (const auto& k : kspec::knobs::all()) out.append(py::make_tuple(k.name, k.type, k.default_value, k.doc));

@@ -1,5 +1,6 @@
 // The pieces of kspec._C (python/src/bindings.cpp) defined in its other files: conversions from Python
-// (convert.cpp), result dicts (dicts.cpp) and the torch fast path (torch_call.cpp).
+// (convert.cpp), result dicts (dicts.cpp), the torch fast path (torch_call.cpp) and the C ABI of the
+// torch extension (ext_api.cpp).
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -38,5 +39,8 @@ py::object call_torch(const std::string& op, const py::tuple& inputs, const py::
 
 // xla.cpp: the XLA FFI handlers as capsules for kspec.jax (_xla_available, _xla_handlers, _xla_targets).
 void bind_xla(py::module_& m);
+
+// ext_api.cpp: the C ABI the optional torch extension calls kspec through (python/src/ext_api.h).
+py::capsule ext_api_capsule();
 
 }  // namespace kspec_py

@@ -120,7 +120,7 @@ TEST(Knobs, TableListsEveryKnobOnceAndValidateReadsEach) {
     EXPECT_EQ(std::string(k.name).rfind("KSPEC_", 0), 0u) << k.name;
     EXPECT_TRUE(*k.type && *k.default_value && *k.doc) << k.name;
   }
-  EXPECT_EQ(names.size(), 12u);
+  EXPECT_EQ(names.size(), 13u);
   for (const char* typed : {"KSPEC_CACHE", "KSPEC_CACHE_MAX_BYTES", "KSPEC_VERBOSE", "KSPEC_COMPILE_THREADS",
                             "KSPEC_TUNE", "KSPEC_TUNE_BUDGET"}) {
     ScopedEnv e(typed, "bogus");
@@ -140,7 +140,7 @@ TEST(Knobs, EveryOnOffKnobTakesEveryBooleanSpelling) {
       EXPECT_NO_THROW(k.check()) << k.name << "=" << v;
     }
   }
-  EXPECT_EQ(on_off, 2);  // KSPEC_CACHE, KSPEC_TUNE
+  EXPECT_EQ(on_off, 3);  // KSPEC_CACHE, KSPEC_TUNE, KSPEC_TORCH_EXT
   ScopedEnv t("KSPEC_TUNE", "no");
   EXPECT_EQ(tune_mode(), TuneMode::Off);
 }

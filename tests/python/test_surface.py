@@ -281,6 +281,6 @@ def test_eager_paths_record_only_what_is_needed(reference_norm_act):
     assert y.grad_fn is None
     x.requires_grad_()
     y = kspec.ops.norm_act(x, w)
-    assert type(y.grad_fn).__name__ == "NormActBackward"
+    assert y.grad_fn.name() == "NormActBackward"  # the Function's node, or the torch extension's C++ one
     (dx,) = torch.autograd.grad(y.sum(), x)
     assert np.isfinite(dx.numpy()).all()

@@ -3,6 +3,8 @@ problems so small that only dispatch is measured. Each row is the median host ti
 200 warm-ups, each call timed alone with perf_counter_ns, no sync inside the loop (the GPU drains
 between rows). A second table times a training step (forward + backward through autograd) per call in
 a loop: wall time per step with one sync at the end, and the host time the loop took to enqueue it.
+With the torch extension loaded (kspec._native), each kspec row runs twice, through the extension and
+on the pure path (kspec._C.call_torch), and the extension's own doors have rows ("ext").
 
     python3 tools/bench/bench.py --family dispatch [--json FILE] [--dispatch-bin build/gpu/tools/bench/kspec_dispatch_bench]
     python3 tools/bench/dispatch.py [--json FILE] [--dispatch-bin ...]      # the same, alone
@@ -216,6 +218,56 @@ def step_rows():
     ]
 
 
+def native_rows():
+    """The torch extension's own doors (kspec._torch_ext): kspec.call's C++ path called directly, and the
+    registry op as a dispatcher op (kspec_ops::norm_act_fwd, what torch.compile may trace)."""
+    import torch
+
+    from kspec import _native
+
+    if _native.ext is None:
+        return []
+    dev, bf = "cuda", torch.bfloat16
+    x = torch.randn(4, 256, device=dev, dtype=bf)
+    w = torch.ones(256, device=dev, dtype=bf)
+    nm = dict(norm="rmsnorm", act="identity", eps=1e-5)
+    op = torch.ops.kspec_ops.norm_act_fwd.default
+    return [
+        ("ext", "_torch_ext.call norm_act.fwd (allocated)", lambda: _native.ext.call("norm_act.fwd", (x, w, None),
+                                                                                     None, nm)),
+        ("ext", "dispatcher op kspec_ops::norm_act_fwd (allocated)", lambda: op(x, w, None, **nm)),
+    ]
+
+
+class _PurePath:
+    """kspec.call's torch path as without the extension (kspec._C.call_torch), for the same rows twice."""
+
+    def __enter__(self):
+        from kspec import _C, _core
+
+        self.saved = _core._call_torch
+        _core.use_torch_ext(_C.call_torch)
+
+    def __exit__(self, *exc):
+        from kspec import _core
+
+        _core.use_torch_ext(self.saved)
+
+
+def _twins(rows):
+    """Each kspec row, then with the extension loaded the same row on the pure path ("pure" in its path
+    column): [(group, name, path, fn or None)]."""
+    from kspec import _native
+
+    out = []
+    for group, name, fn in rows:
+        kspec_row = name.startswith("kspec") and fn is not None
+        out.append((group, name, "ext" if kspec_row and _native.ext is not None else "", fn))
+        if kspec_row and _native.ext is not None:
+            out.append((group, name, "pure", fn))
+    return out
+
+
 def cpp_rows(path):
     """kspec_dispatch_bench's JSON (C++: raw cuLaunchKernel, kspec::call, the typed wrapper)."""
     r = subprocess.run([path], capture_output=True, text=True, timeout=300)
@@ -230,17 +282,34 @@ def run(args) -> dict:
     data = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": CALLS, "warmup": WARMUP,
             "rows": [], "steps": []}
     print(f"dispatch: median host µs of {CALLS} calls after {WARMUP} warm-ups ({data['device']}, torch {torch.__version__})")
-    print(f"{'group':8} {'call':50} {'µs':>8}")
-    for group, name, fn in call_rows() + piece_rows():
-        us = None if fn is None else host_us(fn)
-        data["rows"].append({"group": group, "call": name, "us": us})
-        print(f"{group:8} {name:50} {'n/a' if us is None else f'{us:8.1f}':>8}")
-    print(f"\n{'group':10} {'step':42} {'wall µs':>9} {'host µs':>9}")
-    for group, name, fn in step_rows():
-        wall, host = (None, None) if fn is None else step_us(fn)
-        data["steps"].append({"group": group, "step": name, "wall_us": wall, "host_us": host})
+    from kspec import _native
+
+    data["torch_ext"] = _native.ext is not None
+    print("torch extension (kspec._torch_ext): " + ("loaded; each kspec row twice, path ext and pure"
+                                                     if data["torch_ext"] else "not loaded (pure path)"))
+    print(f"{'group':8} {'call':50} {'path':5} {'µs':>8}")
+    for group, name, path, fn in _twins(call_rows() + piece_rows() + native_rows()):
+        if fn is None:
+            us = None
+        elif path == "pure":
+            with _PurePath():
+                us = host_us(fn)
+        else:
+            us = host_us(fn)
+        data["rows"].append({"group": group, "call": name, "path": path, "us": us})
+        print(f"{group:8} {name:50} {path:5} {'n/a' if us is None else f'{us:8.1f}':>8}")
+    print(f"\n{'group':10} {'step':42} {'path':5} {'wall µs':>9} {'host µs':>9}")
+    for group, name, path, fn in _twins(step_rows()):
+        if fn is None:
+            wall, host = None, None
+        elif path == "pure":
+            with _PurePath():
+                wall, host = step_us(fn)
+        else:
+            wall, host = step_us(fn)
+        data["steps"].append({"group": group, "step": name, "path": path, "wall_us": wall, "host_us": host})
         cols = "      n/a       n/a" if wall is None else f"{wall:9.1f} {host:9.1f}"
-        print(f"{group:10} {name:42} {cols}")
+        print(f"{group:10} {name:42} {path:5} {cols}")
     if getattr(args, "dispatch_bin", None):
         try:
             c = cpp_rows(args.dispatch_bin)

@@ -138,6 +138,9 @@ inline constexpr Knob<Switch> tune{"KSPEC_TUNE", {"on", [] { return Switch::On; 
                                    "only; auto: also tune a problem on first use"};
 inline constexpr Knob<double> tune_budget{"KSPEC_TUNE_BUDGET", {"10", [] { return 10.0; }}, kPositive,
                                           "seconds KSPEC_TUNE=auto may spend tuning one problem"};
+inline constexpr Knob<bool> torch_ext{"KSPEC_TORCH_EXT", {"on", [] { return true; }}, kBoolean,
+                                      "off: Python takes its pure path even where the torch extension "
+                                      "(kspec._torch_ext) is built"};
 
 // ---- the table ----
 

@@ -1,0 +1,85 @@
+// kspec._C's side of the C ABI for the torch extension (python/src/ext_api.h): the registry's
+// infer_outputs and call behind plain structs, errors kept per thread and raised as _C raises them.
+#include "python/src/ext_api.h"
+
+#include <pybind11/pybind11.h>
+
+#include <exception>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kspec/kspec.h"
+#include "python/src/bindings.h"
+
+namespace py = pybind11;
+
+namespace kspec_py {
+namespace {
+
+thread_local std::exception_ptr g_error;
+
+kspec::Params to_params(const kspec_ext::Param* p, int n) {
+  kspec::Params out;
+  for (int i = 0; i < n; ++i) {
+    switch (p[i].kind) {
+      case kspec_ext::kInt: out.set(p[i].name, p[i].i); break;
+      case kspec_ext::kFloat: out.set(p[i].name, p[i].f); break;
+      case kspec_ext::kBool: out.set(p[i].name, p[i].i != 0); break;
+      default: out.set(p[i].name, std::string(p[i].s)); break;
+    }
+  }
+  return out;
+}
+
+int infer_outputs(const char* op, const kspec::TensorView* in, int n_in, const kspec_ext::Param* params,
+                  int n_params, kspec_ext::Output* out, int capacity, int* n_out) {
+  try {
+    auto specs = kspec::infer_outputs(op, std::vector<kspec::TensorView>(in, in + n_in), to_params(params, n_params));
+    if (static_cast<int>(specs.size()) > capacity)
+      throw kspec::InternalError(std::string(op) + ": more outputs than the torch extension takes");
+    for (size_t i = 0; i < specs.size(); ++i) {
+      out[i].present = specs[i].present;
+      out[i].dtype = static_cast<int>(specs[i].dtype);
+      out[i].rank = static_cast<int>(specs[i].shape.size());
+      for (size_t d = 0; d < specs[i].shape.size(); ++d) out[i].shape[d] = specs[i].shape[d];
+    }
+    *n_out = static_cast<int>(specs.size());
+    return 0;
+  } catch (...) {
+    g_error = std::current_exception();
+    return -1;
+  }
+}
+
+int call(const char* op, const kspec::TensorView* in, int n_in, const kspec::TensorView* out, int n_out,
+         const kspec_ext::Param* params, int n_params, void* stream) {
+  try {
+    kspec::call(op, std::vector<kspec::TensorView>(in, in + n_in), std::vector<kspec::TensorView>(out, out + n_out),
+                to_params(params, n_params), static_cast<kspec::Stream>(stream));
+    return 0;
+  } catch (...) {
+    g_error = std::current_exception();
+    return -1;
+  }
+}
+
+void raise_error() {
+  try {
+    std::exception_ptr e = std::exchange(g_error, nullptr);
+    if (!e) throw kspec::InternalError("the torch extension raised a kspec error that was not kept");
+    std::rethrow_exception(e);
+  } catch (...) {
+    py::detail::try_translate_exceptions();  // _C's registered translators: the exception _C raises
+  }
+}
+
+const kspec_ext::Api kApi = {kspec_ext::kApiVersion, &infer_outputs, &call, &raise_error};
+
+}  // namespace
+
+py::capsule ext_api_capsule() {
+  return py::capsule(const_cast<kspec_ext::Api*>(&kApi), "kspec._C._ext_api");
+}
+
+}  // namespace kspec_py

@@ -1,0 +1,512 @@
+// kspec._torch_ext: the optional torch C++ extension (built when the building Python has torch). Three
+// things torch's Python layer makes slow are done here in C++: torch tensors read as at::Tensor (no
+// attribute calls), outputs allocated with at::empty (about 1 us against 6 us for torch.empty from
+// Python on the H100), and kspec's registry ops registered with the torch dispatcher (kspec_ops::*,
+// schemas generated from op_info by kspec._native), each a boxed kernel on the same path.
+// kspec itself is reached through kspec._C's C ABI (python/src/ext_api.h): one registry, one call cache.
+#include <Python.h>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "python/src/ext_api.h"
+
+namespace {
+
+const kspec_ext::Api* g_api = nullptr;
+
+bool to_kspec(at::ScalarType s, kspec::DType* out) {
+  switch (s) {
+    case at::kFloat: *out = kspec::DType::f32; return true;
+    case at::kHalf: *out = kspec::DType::f16; return true;
+    case at::kBFloat16: *out = kspec::DType::bf16; return true;
+    case at::kDouble: *out = kspec::DType::f64; return true;
+    case at::kInt: *out = kspec::DType::i32; return true;
+    case at::kLong: *out = kspec::DType::i64; return true;
+    case at::kByte: *out = kspec::DType::u8; return true;
+    default: return false;
+  }
+}
+
+at::ScalarType to_torch(int dtype) {
+  switch (static_cast<kspec::DType>(dtype)) {
+    case kspec::DType::f32: return at::kFloat;
+    case kspec::DType::f16: return at::kHalf;
+    case kspec::DType::bf16: return at::kBFloat16;
+    case kspec::DType::f64: return at::kDouble;
+    case kspec::DType::i32: return at::kInt;
+    case kspec::DType::i64: return at::kLong;
+    default: return at::kByte;
+  }
+}
+
+// A tensor as kspec's view; false for one kspec's general path must judge (a dtype kspec does not
+// know, too many dims, a device other than CPU and CUDA). A CPU tensor is a view on kCpuDevice, so
+// kspec's validation gives it the message it gives any host tensor.
+bool view_of(const at::Tensor& t, bool writable, kspec::TensorView* v) {
+  if (!to_kspec(t.scalar_type(), &v->dtype) || t.dim() > kspec::kMaxRank) return false;
+  if (!t.is_cuda() && !t.is_cpu()) return false;
+  v->rank = static_cast<int>(t.dim());
+  for (int d = 0; d < v->rank; ++d) {
+    v->shape[d] = t.size(d);
+    v->strides[d] = t.stride(d);
+  }
+  v->data = writable ? t.mutable_data_ptr() : const_cast<void*>(t.const_data_ptr());
+  v->device = t.is_cuda() ? t.get_device() : kspec::kCpuDevice;
+  return true;
+}
+
+void* stream_of(const at::Device& device) {
+  return device.is_cuda() ? c10::cuda::getCurrentCUDAStream(device.index()).stream() : nullptr;
+}
+
+// Outputs from the registry's infer_outputs, allocated on `device`; false when kspec raised (kept).
+bool allocate(const char* op, const std::vector<kspec::TensorView>& in, const std::vector<kspec_ext::Param>& params,
+              const at::Device& device, std::vector<at::Tensor>* out) {
+  kspec_ext::Output specs[kspec_ext::kMaxOutputs];
+  int n = 0;
+  if (g_api->infer_outputs(op, in.data(), static_cast<int>(in.size()), params.data(), static_cast<int>(params.size()),
+                           specs, kspec_ext::kMaxOutputs, &n) != 0)
+    return false;
+  out->resize(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    if (!specs[i].present) continue;
+    (*out)[i] = at::empty(c10::IntArrayRef(specs[i].shape, specs[i].rank),
+                          at::TensorOptions().dtype(to_torch(specs[i].dtype)).device(device));
+  }
+  return true;
+}
+
+int run(const char* op, const std::vector<kspec::TensorView>& in, const std::vector<kspec::TensorView>& out,
+        const std::vector<kspec_ext::Param>& params, void* stream) {
+  return g_api->call(op, in.data(), static_cast<int>(in.size()), out.data(), static_cast<int>(out.size()),
+                     params.data(), static_cast<int>(params.size()), stream);
+}
+
+// run() without the GIL where this thread holds it (the launch may compile or wait for a lock).
+int run_released(const char* op, const std::vector<kspec::TensorView>& in, const std::vector<kspec::TensorView>& out,
+                 const std::vector<kspec_ext::Param>& params, void* stream) {
+  if (!PyGILState_Check()) return run(op, in, out, params, stream);
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = run(op, in, out, params, stream);
+  Py_END_ALLOW_THREADS
+  return rc;
+}
+
+// ---- kspec.call's path: _torch_ext.call(op, inputs, out, params) ----
+
+PyObject* not_implemented() {
+  Py_RETURN_NOTIMPLEMENTED;
+}
+
+// Python params as the C ABI's; false (no error set) for a value the general path must judge.
+bool params_of(PyObject* dict, std::vector<kspec_ext::Param>* out) {
+  if (!PyDict_Check(dict)) return false;
+  Py_ssize_t pos = 0;
+  PyObject *k, *v;
+  while (PyDict_Next(dict, &pos, &k, &v)) {
+    kspec_ext::Param p{PyUnicode_Check(k) ? PyUnicode_AsUTF8(k) : nullptr, kspec_ext::kInt, 0, 0.0, nullptr};
+    if (!p.name) break;
+    if (PyBool_Check(v)) {
+      p.kind = kspec_ext::kBool;
+      p.i = v == Py_True;
+    } else if (PyLong_Check(v)) {
+      int overflow = 0;
+      p.i = PyLong_AsLongLongAndOverflow(v, &overflow);
+      if (overflow || (p.i == -1 && PyErr_Occurred())) break;
+    } else if (PyFloat_Check(v)) {
+      p.kind = kspec_ext::kFloat;
+      p.f = PyFloat_AS_DOUBLE(v);
+    } else if (PyUnicode_Check(v)) {
+      p.kind = kspec_ext::kStr;
+      p.s = PyUnicode_AsUTF8(v);
+      if (!p.s) break;
+    } else {
+      break;
+    }
+    out->push_back(p);
+  }
+  if (PyErr_Occurred()) PyErr_Clear();
+  return pos == PyDict_Size(dict) && static_cast<Py_ssize_t>(out->size()) == PyDict_Size(dict);
+}
+
+// Tensors (None: absent) from a tuple or list; false (no error set) for anything else.
+bool tensors_of(PyObject* seq, std::vector<at::Tensor>* out) {
+  if (!PyTuple_Check(seq) && !PyList_Check(seq)) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  out->resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* o = PySequence_Fast_GET_ITEM(seq, i);
+    if (o == Py_None) continue;
+    if (!THPVariable_Check(o)) return false;
+    (*out)[static_cast<size_t>(i)] = THPVariable_Unpack(o);
+  }
+  return true;
+}
+
+bool views_of(const std::vector<at::Tensor>& ts, bool writable, std::vector<kspec::TensorView>* out) {
+  out->resize(ts.size());
+  for (size_t i = 0; i < ts.size(); ++i)
+    if (ts[i].defined() && !view_of(ts[i], writable, &(*out)[i])) return false;
+  return true;
+}
+
+// call(op, inputs, out, params): kspec.call for torch tensors (None or a sequence of outputs for `out`).
+// NotImplemented for anything it does not read (another framework, a dtype or device kspec does not
+// know, a param of another type): kspec.call's general path then runs and raises what it raises.
+PyObject* py_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 4 || !PyUnicode_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "_torch_ext.call(op, inputs, out, params)");
+    return nullptr;
+  }
+  const char* op = PyUnicode_AsUTF8(args[0]);
+  if (!op) return nullptr;
+  std::vector<at::Tensor> in, out;
+  std::vector<kspec::TensorView> in_views, out_views;
+  std::vector<kspec_ext::Param> params;
+  if (!tensors_of(args[1], &in) || !views_of(in, false, &in_views) || !params_of(args[3], &params))
+    return not_implemented();
+  const at::Tensor* first = nullptr;
+  for (const auto& t : in)
+    if (t.defined()) {
+      first = &t;
+      break;
+    }
+  if (!first) return not_implemented();
+  const at::Device device = first->device();
+  const bool allocated = args[2] == Py_None;
+  if (allocated) {
+    if (!allocate(op, in_views, params, device, &out)) {
+      g_api->raise_error();
+      return nullptr;
+    }
+  } else if (!tensors_of(args[2], &out)) {
+    return not_implemented();
+  }
+  if (!views_of(out, true, &out_views)) return not_implemented();
+  if (run_released(op, in_views, out_views, params, stream_of(device)) != 0) {
+    g_api->raise_error();
+    return nullptr;
+  }
+  if (!allocated) return PySequence_Tuple(args[2]);
+  PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(out.size()));
+  if (!result) return nullptr;
+  for (size_t i = 0; i < out.size(); ++i) {
+    PyObject* o = Py_None;
+    if (out[i].defined())
+      o = THPVariable_Wrap(std::move(out[i]));
+    else
+      Py_INCREF(o);
+    if (!o) {
+      Py_DECREF(result);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i), o);
+  }
+  return result;
+  END_HANDLE_TH_ERRORS
+}
+
+// ---- the dispatcher ops: kspec_ops::<op> ----
+
+// The Python error set on this thread as torch's python_error, fetched now: the autograd engine may
+// rethrow it on another thread (a CUDA device's worker), where torch restores it for the caller.
+[[noreturn]] void throw_python_error() {
+  python_error e;
+  e.persist();
+  throw std::move(e);
+}
+
+// kspec's kept error as the Python exception kspec._C raises, carried through the dispatcher (and the
+// autograd engine) as torch's python_error, which torch restores when the call returns to Python.
+[[noreturn]] void throw_kept_error() {
+  {
+    pybind11::gil_scoped_acquire gil;
+    g_api->raise_error();
+  }
+  throw_python_error();
+}
+
+// Python's value of a param IValue (None, bool, int, float or str: what the schema admits).
+PyObject* param_to_py(const c10::IValue& v) {
+  if (v.isBool()) return PyBool_FromLong(v.toBool());
+  if (v.isInt()) return PyLong_FromLongLong(v.toInt());
+  if (v.isDouble()) return PyFloat_FromDouble(v.toDouble());
+  return PyUnicode_FromString(v.toStringRef().c_str());
+}
+
+// kspec.call's general path (kspec._core._call_general) for inputs the C++ path does not read (a dtype
+// or device kspec only judges in Python): it raises what kspec.call raises for them, or runs the call.
+std::vector<at::Tensor> general_path(const std::string& op, c10::ArrayRef<c10::IValue> args, size_t n_inputs,
+                                     const std::vector<std::string>& names) {
+  pybind11::gil_scoped_acquire gil;
+  auto steal = [](PyObject* o) {
+    if (!o) throw_python_error();
+    return pybind11::reinterpret_steal<pybind11::object>(o);
+  };
+  pybind11::object core = steal(PyImport_ImportModule("kspec._core"));
+  pybind11::object inputs = steal(PyTuple_New(static_cast<Py_ssize_t>(n_inputs)));
+  for (size_t i = 0; i < n_inputs; ++i) {
+    PyObject* o = args[i].isNone() ? (Py_INCREF(Py_None), Py_None) : THPVariable_Wrap(args[i].toTensor());
+    PyTuple_SET_ITEM(inputs.ptr(), static_cast<Py_ssize_t>(i), steal(o).release().ptr());
+  }
+  pybind11::object params = steal(PyDict_New());
+  for (size_t j = 0; j < names.size(); ++j)
+    if (!args[n_inputs + j].isNone() &&
+        PyDict_SetItemString(params.ptr(), names[j].c_str(), steal(param_to_py(args[n_inputs + j])).ptr()) != 0)
+      throw_python_error();
+  pybind11::object op_name = steal(PyUnicode_FromString(op.c_str()));
+  pybind11::object result = steal(PyObject_CallMethod(core.ptr(), "_call_general", "OOOOO", op_name.ptr(),
+                                                      inputs.ptr(), Py_None, Py_None, params.ptr()));
+  std::vector<at::Tensor> out;
+  for (pybind11::handle o : result)
+    out.push_back(o.is_none() ? at::Tensor() : THPVariable_Unpack(o.ptr()));
+  return out;
+}
+
+// One registry op as a boxed kernel. The schema (kspec._native.schema) lists the op's inputs in order
+// (Tensor or Tensor?), then its params keyword-only and optional (None: not given, as kspec.call
+// leaves them out), and returns every output (an empty tensor for an absent one, as custom ops must).
+class RegistryKernel final : public c10::OperatorKernel {
+ public:
+  RegistryKernel(std::string op, const c10::FunctionSchema& schema) : op_(std::move(op)) {
+    for (const auto& a : schema.arguments()) {
+      if (a.kwarg_only())
+        params_.push_back(a.name());
+      else
+        ++n_inputs_;
+    }
+  }
+
+  void operator()(const c10::OperatorHandle&, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    const size_t n_args = n_inputs_ + params_.size();
+    auto args = torch::jit::last(*stack, n_args);
+    std::vector<at::Tensor> in(n_inputs_), out;
+    std::vector<kspec::TensorView> in_views(n_inputs_), out_views;
+    const at::Tensor* first = nullptr;
+    bool readable = true;
+    for (size_t i = 0; i < n_inputs_; ++i) {
+      if (args[i].isNone()) continue;
+      in[i] = args[i].toTensor();
+      readable = readable && view_of(in[i], false, &in_views[i]);
+      if (!first) first = &in[i];
+    }
+    if (!readable) out = general_path(op_, args, n_inputs_, params_);
+    std::vector<kspec_ext::Param> params;
+    for (size_t j = 0; j < params_.size(); ++j) {
+      const c10::IValue& v = args[n_inputs_ + j];
+      kspec_ext::Param p{params_[j].c_str(), kspec_ext::kInt, 0, 0.0, nullptr};
+      if (v.isNone()) continue;
+      if (v.isBool()) {
+        p.kind = kspec_ext::kBool;
+        p.i = v.toBool();
+      } else if (v.isInt()) {
+        p.i = v.toInt();
+      } else if (v.isDouble()) {
+        p.kind = kspec_ext::kFloat;
+        p.f = v.toDouble();
+      } else {
+        p.kind = kspec_ext::kStr;
+        p.s = v.toStringRef().c_str();  // the IValue on the stack keeps the string alive
+      }
+      params.push_back(p);
+    }
+    TORCH_CHECK(first, op_, ": no tensor input");  // the schema has required tensors: never met
+    if (readable) {
+      const at::Device device = first->device();
+      if (!allocate(op_.c_str(), in_views, params, device, &out)) throw_kept_error();
+      TORCH_INTERNAL_ASSERT(views_of(out, true, &out_views));
+      if (run_released(op_.c_str(), in_views, out_views, params, stream_of(device)) != 0) throw_kept_error();
+    }
+    torch::jit::drop(*stack, n_args);
+    for (auto& t : out) torch::jit::push(*stack, t.defined() ? std::move(t) : at::empty({0}, first->options()));
+  }
+
+ private:
+  std::string op_;
+  size_t n_inputs_ = 0;
+  std::vector<std::string> params_;
+};
+
+std::vector<std::unique_ptr<torch::Library>>& libraries() {
+  static std::vector<std::unique_ptr<torch::Library>> libs;  // registrations live until exit
+  return libs;
+}
+
+// define(ns, op, schema, module): defines ns::<schema's name> and registers the registry op `op` as its
+// CPU and CUDA kernel (CPU tensors reach kspec's validation, which refuses them with its host-tensor
+// message); `module` is the Python module that registers its fake kernel (torch requires the pystub).
+PyObject* py_define(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(nargs == 4, "_torch_ext.define(ns, op, schema, module)");
+  const char* ns = PyUnicode_AsUTF8(args[0]);
+  const char* op = PyUnicode_AsUTF8(args[1]);
+  const char* schema = PyUnicode_AsUTF8(args[2]);
+  const char* module = PyUnicode_AsUTF8(args[3]);
+  if (!ns || !op || !schema || !module) return nullptr;
+  c10::FunctionSchema parsed = torch::schema(schema);
+  const std::string name = parsed.name();
+  auto lib = std::make_unique<torch::Library>(torch::Library::FRAGMENT, ns, std::nullopt, __FILE__, __LINE__);
+  lib->set_python_module(module);
+  lib->def(c10::FunctionSchema(parsed));
+  for (auto key : {c10::DispatchKey::CUDA, c10::DispatchKey::CPU})
+    lib->impl(name.c_str(), torch::dispatch(key, torch::CppFunction::makeFromBoxedFunctor(
+                                                     std::make_unique<RegistryKernel>(op, parsed))));
+  libraries().push_back(std::move(lib));
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// ---- the eager autograd node of a surface (kspec._surface) ----
+
+// One graph node for a family's forward, made in C++ instead of a torch.autograd.Function (whose Python
+// apply costs about 10 us on the H100). What it saves and how its backward is called is the family's
+// spec, resolved in Python (kspec._surface.Surface): `backward` is the surface's function
+// (saved tensors, gradients of the differentiable outputs, ctx) -> gradients of the tensor inputs.
+class SurfaceBackward final : public torch::autograd::Node {
+ public:
+  SurfaceBackward(std::string name, PyObject* backward, PyObject* ctx, bool materialize)
+      : name_(std::move(name)), backward_(backward), ctx_(ctx), materialize_(materialize) {
+    Py_INCREF(backward_);
+    Py_INCREF(ctx_);
+  }
+  ~SurfaceBackward() override {
+    pybind11::gil_scoped_acquire gil;
+    Py_DECREF(backward_);
+    Py_DECREF(ctx_);
+  }
+  std::string name() const override { return name_; }
+
+  // An output it is the grad_fn of (an undefined one gets no gradient, not even materialized zeros).
+  void add_output(const at::Tensor& t) {
+    torch::autograd::set_history(t, shared_from_this());
+    output_defined_.push_back(t.defined());
+  }
+
+  void save(std::vector<at::Tensor> saved, const std::vector<bool>& is_output) {
+    for (size_t i = 0; i < saved.size(); ++i) saved_.emplace_back(saved[i], is_output[i]);
+  }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    TORCH_CHECK(!released_, name_, ": its saved tensors were freed by a backward that ran before; pass "
+                "retain_graph=True to the first backward to run it twice");
+    std::vector<at::Tensor> saved;
+    for (auto& v : saved_) saved.push_back(v.unpack(shared_from_this()));
+    for (size_t i = 0; i < grads.size(); ++i)
+      if (!grads[i].defined() && materialize_ && output_defined_[i]) grads[i] = input_metadata(i).zeros_like();
+    pybind11::gil_scoped_acquire gil;
+    auto to_tuple = [](const std::vector<at::Tensor>& ts) {
+      pybind11::tuple t(ts.size());
+      for (size_t i = 0; i < ts.size(); ++i)
+        t[i] = ts[i].defined() ? pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(ts[i]))
+                               : pybind11::none();
+      return t;
+    };
+    pybind11::tuple saved_py = to_tuple(saved), grads_py = to_tuple(grads);
+    PyObject* r = PyObject_CallFunctionObjArgs(backward_, saved_py.ptr(), grads_py.ptr(), ctx_, nullptr);
+    if (!r) throw_python_error();
+    pybind11::object result = pybind11::reinterpret_steal<pybind11::object>(r);
+    torch::autograd::variable_list out;
+    for (pybind11::handle g : result) out.push_back(g.is_none() ? at::Tensor() : THPVariable_Unpack(g.ptr()));
+    TORCH_CHECK(out.size() == num_outputs(), name_, ": the backward gave ", out.size(), " gradients for ",
+                num_outputs(), " inputs");
+    return out;
+  }
+
+  void release_variables() override {
+    saved_.clear();
+    released_ = true;
+  }
+
+ private:
+  std::string name_;
+  PyObject* backward_;
+  PyObject* ctx_;
+  bool materialize_;
+  bool released_ = false;
+  std::vector<bool> output_defined_;
+  std::vector<torch::autograd::SavedVariable> saved_;
+};
+
+// record(name, backward, ctx, materialize, inputs, outputs, diff, saved): puts the forward that made
+// `outputs` from `inputs` (tensors or None, computed without grad) into the autograd graph: a
+// SurfaceBackward node whose inputs are outputs[diff] (they get it as grad_fn) and whose next edges are
+// the tensor inputs'; it saves `saved` (outputs among them are saved as outputs, with no reference cycle).
+PyObject* py_record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(nargs == 8, "_torch_ext.record(name, backward, ctx, materialize, inputs, outputs, diff, saved)");
+  const char* name = PyUnicode_AsUTF8(args[0]);
+  if (!name) return nullptr;
+  std::vector<at::Tensor> inputs, outputs, saved;
+  TORCH_CHECK(tensors_of(args[4], &inputs) && tensors_of(args[5], &outputs) && tensors_of(args[7], &saved),
+              name, ": inputs, outputs and saved must be sequences of tensors or None");
+  auto node = std::shared_ptr<SurfaceBackward>(
+      new SurfaceBackward(name, args[1], args[2], PyObject_IsTrue(args[3]) == 1), torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  std::vector<const at::TensorImpl*> with_history;
+  PyObject* diff = PySequence_Fast(args[6], "diff: a sequence of output indices");
+  if (!diff) return nullptr;
+  pybind11::object hold = pybind11::reinterpret_steal<pybind11::object>(diff);
+  for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(diff); ++k) {
+    const long i = PyLong_AsLong(PySequence_Fast_GET_ITEM(diff, k));
+    if (i == -1 && PyErr_Occurred()) return nullptr;
+    TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < outputs.size(), name, ": diff index ", i, " out of range");
+    node->add_output(outputs[static_cast<size_t>(i)]);
+    if (outputs[static_cast<size_t>(i)].defined())
+      with_history.push_back(outputs[static_cast<size_t>(i)].unsafeGetTensorImpl());
+  }
+  std::vector<bool> is_output;
+  for (const auto& t : saved)
+    is_output.push_back(t.defined() && std::find(with_history.begin(), with_history.end(),
+                                                 t.unsafeGetTensorImpl()) != with_history.end());
+  node->save(std::move(saved), is_output);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// init(capsule): takes kspec._C's C ABI (kspec._C._ext_api).
+PyObject* py_init(PyObject*, PyObject* capsule) {
+  auto* api = static_cast<const kspec_ext::Api*>(PyCapsule_GetPointer(capsule, "kspec._C._ext_api"));
+  if (!api) return nullptr;
+  if (api->version != kspec_ext::kApiVersion) {
+    PyErr_Format(PyExc_ImportError, "kspec._torch_ext: kspec._C offers C ABI version %d, the extension needs %d",
+                 api->version, kspec_ext::kApiVersion);
+    return nullptr;
+  }
+  g_api = api;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kMethods[] = {
+    {"init", py_init, METH_O, "init(kspec._C._ext_api): connect to kspec's registry"},
+    {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_call)), METH_FASTCALL,
+     "call(op, inputs, out, params): kspec.call for torch tensors, or NotImplemented"},
+    {"define", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_define)), METH_FASTCALL,
+     "define(ns, op, schema, module): a dispatcher op running registry op `op`"},
+    {"record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_record)), METH_FASTCALL,
+     "record(name, backward, ctx, materialize, inputs, outputs, diff, saved): a C++ autograd node"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_torch_ext", "kspec's torch C++ extension", -1, kMethods,
+                       nullptr, nullptr, nullptr, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__torch_ext() {
+  return PyModule_Create(&kModule);
+}

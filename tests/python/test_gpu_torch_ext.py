@@ -1,0 +1,119 @@
+"""The torch C++ extension (kspec._torch_ext) on the GPU: every family's public op gives the pure path's
+outputs and gradients (bitwise where the pure path repeats itself bitwise, else within the dtype's
+tolerance), the dispatcher ops (kspec_ops::*) give kspec.call's outputs, and both run on torch's
+current stream and under CUDA-graph capture."""
+import pytest
+
+from helpers import TOL, rel_err
+
+torch = pytest.importorskip("torch")
+import kspec  # noqa: E402
+from kspec import _C, _core, _native  # noqa: E402
+from test_gpu_surface import FAMILIES  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_native.ext is None, reason="the torch extension is not loaded")]
+
+
+class pure_path:
+    def __enter__(self):
+        self.saved = _core._call_torch
+        _core.use_torch_ext(_C.call_torch)
+
+    def __exit__(self, *exc):
+        _core.use_torch_ext(self.saved)
+
+
+def _np(t):
+    return t.detach().double().cpu().numpy()
+
+
+def _run(fn, inputs):
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    cots = [torch.randn(o.shape, device="cuda", dtype=o.dtype, generator=g) for o in outs]
+    grads = torch.autograd.grad(outs, [t for t in leaves if t.requires_grad], cots, allow_unused=True)
+    return [t for t in list(outs) + list(grads) if t is not None]
+
+
+def _same(got, want, again, dtype, what):
+    for i, (a, b, c) in enumerate(zip(got, want, again)):
+        assert a.shape == b.shape and a.dtype == b.dtype, (what, i)
+        if torch.equal(b, c):  # the pure path repeats itself bitwise: so must the extension
+            assert torch.equal(a, b), (what, i)
+        else:  # atomic sums in a backward
+            assert rel_err(_np(a), _np(b)) <= TOL[str(dtype).removeprefix("torch.")], (what, i)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_public_ops_same_outputs_and_gradients_as_pure_path(name, dtype):
+    make, shapes = FAMILIES[name]
+    inputs, public, _ = make(shapes[0], dtype)
+    got = _run(public, inputs)
+    with pure_path():
+        want, again = _run(public, inputs), _run(public, inputs)
+    _same(got, want, again, dtype, name)
+    with torch.no_grad():  # the no-grad path (the forward alone)
+        got = public(*inputs)
+        with pure_path():
+            want, again = public(*inputs), public(*inputs)
+    got, want, again = ((t,) if isinstance(t, torch.Tensor) else t for t in (got, want, again))
+    _same(got, want, again, dtype, name + " no grad")
+
+
+@pytest.mark.parametrize("bias", ["none", "fixed", "input"])
+def test_e79_same_outputs_and_gradients_as_pure_path(bias):
+    from test_e79_custom_op import make_inputs
+
+    n = 16
+    inp = make_inputs(13, 3, n, bias, torch.bfloat16, "cuda")
+    args = [inp[k] for k in ("kvqm", "b_s", "b_m", "S0", "M0")]
+    present = [a for a in args if a is not None]
+
+    def cell(*ts):
+        it = iter(ts)
+        full = [None if a is None else next(it) for a in args]
+        return kspec.ops.e79_cell(full[0], n, *full[1:], bias=bias, chunk=4)
+
+    got = _run(cell, present)
+    with pure_path():
+        want, again = _run(cell, present), _run(cell, present)
+    _same(got, want, again, torch.bfloat16, f"e79 {bias}")
+
+
+def test_dispatcher_ops_match_kspec_call():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(33, 1000, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(1000, device="cuda", dtype=torch.bfloat16, generator=g)
+    nm = dict(norm="layernorm", act="gelu_tanh", eps=1e-5)
+    want = kspec.call("norm_act.fwd", x, w, None, **nm)
+    for got, ref in zip(torch.ops.kspec_ops.norm_act_fwd(x, w, None, **nm), want):
+        assert torch.equal(got, ref)
+    lw = torch.randn(64, 1000, device="cuda", dtype=torch.bfloat16, generator=g)
+    y, pre = torch.ops.kspec_ops.gemm(x, lw, None, act="relu")
+    assert pre.numel() == 0  # an absent output: the empty stand-in
+    assert torch.equal(y, kspec.call("gemm", x, lw, None, act="relu")[0])
+
+
+def test_runs_on_the_current_stream_and_under_graph_capture():
+    x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    want = kspec.ops.norm_act(x, w, None, norm="rmsnorm", act="silu")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
+        for _ in range(2):
+            kspec.ops.norm_act(x, w, None, norm="rmsnorm", act="silu")
+            torch.ops.kspec_ops.norm_act_fwd(x, w, None, norm="rmsnorm", act="silu")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y1 = kspec.ops.norm_act(x, w, None, norm="rmsnorm", act="silu")
+        y2 = torch.ops.kspec_ops.norm_act_fwd(x, w, None, norm="rmsnorm", act="silu")[0]
+    x.copy_(torch.randn_like(x))
+    want = kspec.ops.norm_act(x, w, None, norm="rmsnorm", act="silu")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y1, want) and torch.equal(y2, want)

@@ -1,0 +1,268 @@
+"""The torch C++ extension (kspec._torch_ext, loaded by kspec._native) without a GPU: it is built and
+loaded where torch is; every registry op a torch surface uses is a dispatcher op (kspec_ops::*) whose
+schema is op_info's; kspec.call through it and the dispatcher ops raise the pure path's exceptions with
+its messages (CPU tensors reach kspec's validation), from several threads at once too; torch.compile
+traces them into one graph with no recompile for a second shape; KSPEC_TORCH_EXT=off keeps the pure
+path. Outputs and gradients on a GPU: test_gpu_torch_ext.py."""
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import kspec  # noqa: E402
+from kspec import _C, _core, _native, _surface  # noqa: E402
+from kspec._core import _call_general  # noqa: E402
+
+needs_ext = pytest.mark.skipif(_native.ext is None, reason="KSPEC_TORCH_EXT is off")
+
+
+def _outcome(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 (any exception is the outcome compared)
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def test_extension_is_built_and_loaded_where_torch_is():
+    if os.environ.get("KSPEC_TORCH_EXT", "on").lower() in ("off", "0", "false", "no"):
+        pytest.skip("KSPEC_TORCH_EXT is off")
+    from kspec import _torch_ext
+
+    assert _native.ext is _torch_ext
+    assert _core._call_torch is _torch_ext.call
+
+
+@needs_ext
+def test_every_surface_op_is_a_dispatcher_op_with_its_op_info_schema():
+    ops = [op for s in _surface.FAMILIES.values() for op in s.family.ops]
+    assert len(ops) >= 8 and set(ops) == set(_native.defined())
+    for op in ops:
+        info = _C.op_info(op)
+        overload = getattr(torch.ops.kspec_ops, op.replace(".", "_")).default
+        assert overload is _native.defined()[op]
+        args = overload._schema.arguments
+        tensors = [a for a in args if not a.kwarg_only]
+        params = [a for a in args if a.kwarg_only]
+        assert [a.name for a in tensors] == [d["name"] for d in info["inputs"]], op
+        assert [str(a.type) for a in tensors] == ["Optional[Tensor]" if d["optional"] else "Tensor"
+                                                  for d in info["inputs"]], op
+        kinds = {"int": "int", "float": "float", "bool": "bool", "choice": "str"}
+        assert [a.name for a in params] == [p["name"] for p in info["params"]], op
+        assert [str(a.type) for a in params] == [f"Optional[{kinds[p['type']]}]" for p in info["params"]], op
+        assert all(a.default_value is None for a in params), op
+        assert len(overload._schema.returns) == len(info["outputs"]), op
+
+
+def _bad_calls():
+    """(op, inputs, out, params) of calls kspec refuses, on CPU tensors (the first refusal of each is not
+    the host-memory one where validation checks something else first)."""
+    bf, f32 = torch.bfloat16, torch.float32
+    x, w = torch.zeros(4, 256, dtype=bf), torch.ones(256, dtype=bf)
+    y, m, r = torch.empty(4, 256, dtype=bf), torch.empty(4), torch.empty(4)
+    return {
+        "host tensor": ("norm_act.fwd", (x, w, None), None, {}),
+        "host tensor, out given": ("norm_act.fwd", (x, w, None), (y, m, r), {}),
+        "wrong dtype": ("norm_act.fwd", (x.int(), w, None), None, {}),
+        "unsupported dtype": ("norm_act.fwd", (x.to(torch.complex64), w, None), None, {}),
+        "wrong shape": ("norm_act.fwd", (x, w[:128], None), None, {}),
+        "wrong rank": ("norm_act.fwd", (x, w.view(2, 128), None), None, {}),
+        "row stride": ("norm_act.fwd", (torch.zeros(4, 512, dtype=bf)[:, ::2], w, None), None, {}),
+        "misaligned": ("norm_act.fwd", (torch.zeros(4 * 256 + 1, dtype=bf)[1:].view(4, 256), w, None), None, {}),
+        "missing input": ("norm_act.fwd", (x,), None, {}),
+        "unknown param": ("norm_act.fwd", (x, w, None), None, {"bogus": 1}),
+        "bad choice": ("norm_act.fwd", (x, w, None), None, {"norm": "batchnorm"}),
+        "param type": ("norm_act.fwd", (x, w, None), None, {"eps": [1]}),
+        "param range": ("norm_act.fwd", (x, w, None), None, {"eps": float("nan")}),
+        "unknown op": ("no_such.op", (x, w, None), None, {}),
+        "out not a sequence": ("norm_act.fwd", (x, w, None), y, {}),
+        "out overlaps": ("norm_act.fwd", (x, w, None), (x, m, r), {}),
+        "out wrong shape": ("norm_act.fwd", (x, w, None), (y[:, :128], m, r), {}),
+        "out wrong dtype": ("norm_act.fwd", (x, w, None), (y, m.double(), r), {}),
+        "out not a tensor": ("norm_act.fwd", (x, w, None), ("y", m, r), {}),
+        "scan wrong shape": ("selective_scan.fwd", (torch.zeros(2, 8, 16), torch.zeros(2, 8, 16), torch.zeros(8, 4),
+                                                    torch.zeros(2, 1, 4, 16), torch.zeros(2, 1, 4, 15), None, None,
+                                                    None, None), None, {}),
+        "gemm k mismatch": ("gemm", (torch.zeros(4, 64, dtype=f32), torch.zeros(32, 48, dtype=f32), None), None, {}),
+    }
+
+
+@needs_ext
+def test_extension_errors_match_the_pure_path():
+    """kspec.call through the extension (and, where the call fits a schema, the dispatcher op) raises
+    the pure path's exception type and message, twice (nothing about a failed call is cached); the
+    extension itself handles all but the objects it declines (a complex dtype, a list param)."""
+    declined = {"unsupported dtype", "param type", "out not a sequence", "out not a tensor"}
+    for name, (op, ins, out, params) in _bad_calls().items():
+        for _ in range(2):
+            ext = _outcome(lambda: kspec.call(op, *ins, out=out, **params))
+            pure = _outcome(lambda: _call_general(op, ins, None, out, params))
+            assert ext == pure, (name, ext, pure)
+            assert ext[0] in ("InvalidArgument", "Unsupported", "TypeError"), (name, ext)
+            assert op in ext[1] or name == "param type", (name, ext)  # a message naming the op
+        if name in declined:
+            assert _native.ext.call(op, ins, out, params) is NotImplemented, name
+        else:  # raised by the extension itself, not by the general path after it declined
+            assert _outcome(lambda: _native.ext.call(op, ins, out, params)) == pure, name
+        if out is None and op != "no_such.op" and name not in ("missing input", "unknown param", "param type"):
+            native = _outcome(lambda: _native.defined()[op](*ins, **params))
+            assert native == pure, (name, native, pure)
+
+
+@needs_ext
+def test_a_cpu_tensor_to_a_cuda_op_is_refused_clearly():
+    x, w = torch.zeros(4, 256), torch.ones(256)
+    msg = "input 'x': expected a CUDA tensor, got one in host memory"
+    with pytest.raises(kspec.InvalidArgument, match=msg):
+        kspec.call("norm_act.fwd", x, w, None)
+    with pytest.raises(kspec.InvalidArgument, match=msg):
+        torch.ops.kspec_ops.norm_act_fwd(x, w, None, norm="rmsnorm")
+    with pytest.raises(kspec.InvalidArgument, match=msg):
+        kspec.ops.norm_act(x, w, None)
+
+
+@needs_ext
+def test_errors_stay_with_their_thread():
+    """kspec's error is kept per thread between the C ABI's call and its raise: four threads refused with
+    different messages at once each get their own."""
+    failures = []
+
+    def worker(rows):
+        x, w = torch.zeros(rows, 256), torch.ones(256)
+        for _ in range(200):
+            try:
+                kspec.call("norm_act.fwd", x, w, None)
+                failures.append((rows, "no error"))
+            except kspec.InvalidArgument as e:
+                if f"[{rows}, 256]" not in str(e):
+                    failures.append((rows, str(e)))
+
+    threads = [threading.Thread(target=worker, args=(rows,)) for rows in (1, 2, 3, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert not failures, failures[:3]
+
+
+def _fake_backend(graphs):
+    """A torch.compile backend that records the graph and runs it on fake tensors (the fake kernels), then
+    returns empty tensors of their shapes: the graph is what is tested here, the kernels need a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+
+        def run(*args):
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                outs = gm(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+            return [torch.empty(o.shape, dtype=o.dtype) for o in outs]
+        return run
+    return backend
+
+
+def _targets(gm):
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@needs_ext
+def test_compile_traces_dispatcher_ops_in_one_graph_without_recompiling():
+    graphs = []
+
+    def fn(x, w):
+        y, mean, rstd = torch.ops.kspec_ops.norm_act_fwd(x, w, None, norm="rmsnorm", act="silu")
+        return y * 2, mean
+
+    compiled = torch.compile(fn, backend=_fake_backend(graphs), fullgraph=True, dynamic=True)
+    for rows in (6, 10):
+        y, mean = compiled(torch.zeros(rows, 256), torch.ones(256))
+        assert y.shape == (rows, 256) and mean.shape == (rows,) and mean.dtype == torch.float32
+    assert len(graphs) == 1, "a second shape recompiled"
+    assert any(t.startswith("kspec_ops.norm_act_fwd") for t in _targets(graphs[0]))
+
+
+@needs_ext
+def test_compile_traces_the_public_ops_in_one_graph():
+    graphs = []
+
+    def fn(x, w, wl):
+        return kspec.ops.linear(kspec.ops.norm_act(x, w, None, norm="rmsnorm"), wl, None)
+
+    compiled = torch.compile(fn, backend=_fake_backend(graphs), fullgraph=True, dynamic=True)
+    # floats stay constants (not lifted to 0-d tensor inputs the fake backend would have to read)
+    with torch._dynamo.config.patch(specialize_float=True):
+        for rows in (6, 10):
+            assert compiled(torch.zeros(rows, 256), torch.ones(256), torch.zeros(64, 256)).shape == (rows, 64)
+    assert len(graphs) == 1
+    targets = _targets(graphs[0])
+    assert any(t.startswith("kspec.norm_act_fwd") for t in targets)
+    assert any(t.startswith("kspec.linear_fwd") for t in targets)
+
+
+@pytest.mark.parametrize("value,loaded", [("off", False), ("0", False), ("on", True)])
+def test_knob_chooses_the_pure_path(value, loaded):
+    code = ("import torch, kspec; from kspec import _C, _core, _native\n"
+            "print(_native.ext is not None, _core._call_torch is not _C.call_torch, len(_native.defined()))\n"
+            "try:\n    kspec.call('norm_act.fwd', torch.zeros(4, 256), torch.ones(256), None)\n"
+            "except kspec.InvalidArgument as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, KSPEC_TORCH_EXT=value))
+    assert r.returncode == 0, r.stderr
+    first, msg = r.stdout.splitlines()[:2]
+    if loaded and _native.ext is None and os.environ.get("KSPEC_TORCH_EXT") is None:
+        pytest.skip("the extension is not built")
+    assert first == (f"True True {len(_native.defined()) or 8}" if loaded else "False False 0")
+    assert "input 'x': expected a CUDA tensor, got one in host memory" in msg  # the same error either way
+
+
+def test_bad_knob_value_is_named():
+    r = subprocess.run([sys.executable, "-c", "import torch, kspec"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, KSPEC_TORCH_EXT="sometimes"))
+    assert r.returncode != 0
+    assert "KSPEC_TORCH_EXT" in r.stderr and "'sometimes'" in r.stderr
+
+
+@needs_ext
+def test_eager_node_in_cpp_gives_the_functions_gradients(monkeypatch):
+    """With a gradient wanted the eager path records one C++ node (kspec._torch_ext.record) instead of the
+    autograd.Function: the same outputs and gradients (the kernels stood in for by the float64
+    reference on CPU, as in test_surface.py), saved statistics that a second backward needs
+    retain_graph for, and no gradient for an input that wants none."""
+    from kspec import _torch
+    from test_surface import _reference_call
+
+    monkeypatch.setattr(_torch, "call", _reference_call)
+    monkeypatch.setattr(_surface, "call", _reference_call)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 24, generator=g, dtype=torch.float64)
+    w, b = torch.randn(24, generator=g, dtype=torch.float64), torch.randn(24, generator=g, dtype=torch.float64)
+    dy = torch.randn(2, 5, 24, generator=g, dtype=torch.float64)
+
+    ext = _native.ext
+    function_node = torch.autograd.function.BackwardCFunction
+
+    def run(wanted):
+        leaves = [t.clone().requires_grad_(r) for t, r in zip((x, w, b), wanted)]
+        y = kspec.ops.norm_act(*leaves, norm="layernorm", act="gelu_tanh")
+        return y, torch.autograd.grad(y, [t for t in leaves if t.requires_grad], dy)
+
+    for wanted in ((True, True, True), (False, True, False)):
+        monkeypatch.setattr(_native, "ext", ext)
+        y, grads = run(wanted)
+        assert y.grad_fn.name() == "NormActBackward" and not isinstance(y.grad_fn, function_node)
+        monkeypatch.setattr(_native, "ext", None)  # the autograd.Function path
+        want_y, want_grads = run(wanted)
+        assert isinstance(want_y.grad_fn, function_node)
+        assert torch.equal(y, want_y)
+        assert len(grads) == len(want_grads) and all(torch.equal(a, c) for a, c in zip(grads, want_grads))
+    monkeypatch.setattr(_native, "ext", ext)
+    xl = x.clone().requires_grad_()
+    y = kspec.ops.norm_act(xl, w, b, norm="layernorm", act="gelu_tanh")
+    torch.autograd.grad(y, xl, dy, retain_graph=True)
+    torch.autograd.grad(y, xl, dy)
+    with pytest.raises(RuntimeError, match="retain_graph=True"):
+        torch.autograd.grad(y, xl, dy)
