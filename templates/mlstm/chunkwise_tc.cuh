@@ -39,17 +39,31 @@ __global__ void __launch_bounds__(32) mlstm_tc_gates_kernel(const MlstmParams p)
   float4* rows = reinterpret_cast<float4*>(p.gate_rows) + seq * S;
   float* mrow = p.m_rows + seq * S;
   float m = p.m0 ? p.m0[seq] : p.m_init;
+  // The next chunk's gates are loaded (raw) while this one's are scanned: the chunks' loads do not
+  // wait on each other's latency.
+  unsigned f_raw[E], i_raw[E];
+  auto load = [&](long long t0) {
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const long long t = t0 + lane * E + j;
+      f_raw[j] = t < S ? load_raw(fp + t) : 0u;
+      i_raw[j] = t < S ? load_raw(ip + t) : 0u;
+    }
+  };
+  load(0);
   for (long long c = 0; c < NC; ++c) {
     const long long t0 = c * L;
     const int len = static_cast<int>(S - t0 < L ? S - t0 : L);
-    float b[E], ig[E], pm[E];
+    float b[E], ig[E], pm[E], fv[E];
+#pragma unroll
+    for (int j = 0; j < E; ++j) fv[j] = raw_to_float<TG>(f_raw[j]), ig[j] = raw_to_float<TG>(i_raw[j]);
+    if (c + 1 < NC) load(t0 + L);
     float run = 0.0f;
 #pragma unroll
     for (int j = 0; j < E; ++j) {
-      const int t = lane * E + j;
-      const bool ok = t < len;
-      ig[j] = ok ? to_float(ip[t0 + t]) : kNegInf;
-      run += ok ? mlstm_log_sigmoid(to_float(fp[t0 + t])) : 0.0f;
+      const bool ok = lane * E + j < len;
+      ig[j] = ok ? ig[j] : kNegInf;
+      run += ok ? mlstm_log_sigmoid(fv[j]) : 0.0f;
       b[j] = run;
     }
     float incl = run;  // inclusive scan of the lanes' sums

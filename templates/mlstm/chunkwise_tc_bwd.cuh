@@ -272,21 +272,25 @@ __global__ void __launch_bounds__(32) mlstm_tc_df_kernel(const MlstmParams p) {
   const TG* fp = static_cast<const TG*>(p.f) + seq * S;
   TG* di = static_cast<TG*>(p.di) + seq * S;
   TG* df = static_cast<TG*>(p.df) + seq * S;
-  for (long long hi = S - 1; hi >= 0; hi -= 32) {
-    const long long t = hi - lane;  // lane 0 the latest step
-    const float x = t >= 0 ? qdq[t] - kdk[t] : 0.0f;
-    float incl = x;  // sum over steps t .. hi
+  // A lane owns one of 32 consecutive segments: its sum, the sums of the later segments (a reverse
+  // scan over lanes), then its steps from its end down, each lane's loads independent of the others.
+  const long long seg = (S + 31) / 32, lo = lane * seg < S ? lane * seg : S, hi = lo + seg < S ? lo + seg : S;
+  float own = 0.0f;
+#pragma unroll 4
+  for (long long t = lo; t < hi; ++t) own += qdq[t] - kdk[t];
+  float later = own;  // sum over lanes >= this one
 #pragma unroll
-    for (int off = 1; off < 32; off *= 2) {
-      const float y = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += y;
-    }
-    if (t >= 0) {
-      const float da = (t == 0 && !p.C0) ? 0.0f : run + incl;  // step 0 without a state: a_0 scales nothing
-      df[t] = from_float<TG>(da / (1.0f + expf(to_float(fp[t]))));
-      di[t] = from_float<TG>(kdk[t]);
-    }
-    run += __shfl_sync(0xffffffffu, incl, 31);
+  for (int off = 1; off < 32; off *= 2) {
+    const float y = __shfl_down_sync(0xffffffffu, later, off);
+    if (lane + off < 32) later += y;
+  }
+  float da = run + later - own;
+#pragma unroll 4
+  for (long long t = hi - 1; t >= lo; --t) {
+    da += qdq[t] - kdk[t];
+    const float d = (t == 0 && !p.C0) ? 0.0f : da;  // step 0 without a state: a_0 scales nothing
+    df[t] = from_float<TG>(d / (1.0f + expf(to_float(fp[t]))));
+    di[t] = from_float<TG>(kdk[t]);
   }
 }
 
