@@ -216,7 +216,9 @@ OpDef make_packed_group_sum() {
     check_groups(call.problem);
     check_words(call.problem, "x");
   };
-  op.dtypes = {DType::i32};
+  // No float tensor: the main dtype is nominal (as packed.fwd's fp32 logits are); the words' dtype, which the
+  // _w64 rows set, is the width.
+  op.dtypes = {DType::f32};
   op.generic_check = false;
   op.compile_dims = {{"n", 1}, {"words", 1}, {"batch", 1}, {"k", 1}};
   for (const auto& s : kPackShapes)
