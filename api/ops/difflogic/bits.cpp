@@ -23,12 +23,12 @@ namespace {
 
 const std::vector<DType> kWordTypes = {DType::i32, DType::i64};
 
-// what: "columns" or "rows" (packed), what a group is made of.
-void check_groups(const Problem& p, const char* what) {
-  if (!p.has_dim("k") || !p.has_dim("n")) return;  // a call: k or n is bound by the output later
+// Packed GroupSum: k (the counts' width) divides the n rows.
+void check_groups(const Problem& p) {
+  if (!p.has_dim("k")) return;  // a call: bound by the output later (check_call)
   const int64_t n = p.dim("n"), k = p.dim("k");
   KSPEC_CHECK(n % k == 0, p.op->info.name, ": k = ", k, " groups must divide n = ", n,
-              " (GroupSum sums groups of n / k consecutive ", what, ")");
+              " (GroupSum counts groups of n / k consecutive rows)");
 }
 
 void check_tau(const Problem& p) {
@@ -211,12 +211,14 @@ OpDef make_packed_group_sum() {
                                "packed bits; int32: w = 32, int64: w = 64")};
   op.info.outputs = {tensor_def("counts", {"batch", "k"}, {DType::i32}, "", false, false, "", Layout::Contiguous,
                                 "set bits per sample and group")};
-  op.check = [](const Problem& p) { check_groups(p, "rows"); };
+  op.check = [](const Problem& p) { check_groups(p); };
   op.check_call = [](const Call& call) {
-    check_groups(call.problem, "rows");
+    check_groups(call.problem);
     check_words(call.problem, "x");
   };
-  op.dtypes = {DType::i32};
+  // No float tensor: the main dtype is nominal (as packed.fwd's fp32 logits are); the words' dtype, which the
+  // _w64 rows set, is the width.
+  op.dtypes = {DType::f32};
   op.generic_check = false;
   op.compile_dims = {{"n", 1}, {"words", 1}, {"batch", 1}, {"k", 1}};
   for (const auto& s : kPackShapes)
