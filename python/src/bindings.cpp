@@ -301,7 +301,7 @@ PYBIND11_MODULE(_C, m) {
     }
     if (!PyCallable_Check(fn.ptr())) 
       throw kspec::InvalidArgument("set_log_sink: expected a callable or None, got " +
-                                   std::string(py::str(fn.get_type().attr("__name__"))));
+                                   std::string(py::str(py::type::handle_of(fn).attr("__name__"))));
     // The callable is released under the GIL, on whichever thread drops the last copy of the sink.
     std::shared_ptr<py::object> held(new py::object(std::move(fn)), [](py::object* o) {
       if (!Py_IsInitialized()) return;  // the interpreter is gone: leak rather than touch it
