@@ -17,11 +17,35 @@ if ((${#need_apt[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
-PY=${PYTHON:-python3}
+# Python: $PYTHON if given, else the active virtual environment, else .venv at the repository root,
+# created here. Never the system interpreter itself: Debian's is externally managed (PEP 668) and
+# refuses pip. The venv sees the system's site-packages, so what a machine already has (torch, or
+# everything on an offline GPU machine) is used as it is and only what is missing is pip-installed.
+if [ -z "${PYTHON:-}" ]; then
+  if [ -n "${VIRTUAL_ENV:-}" ]; then
+    PYTHON="$VIRTUAL_ENV/bin/python"
+  else
+    venv="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv"
+    if [ ! -x "$venv/bin/python" ]; then
+      # Debian/Ubuntu ship venv's ensurepip in a separate package.
+      if ! python3 -c "import ensurepip, venv" >/dev/null 2>&1; then
+        echo "setup: installing python3-venv"
+        SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+        $SUDO apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq python3-venv >/dev/null
+      fi
+      echo "setup: creating the virtual environment $venv"
+      python3 -m venv --system-site-packages "$venv"
+    fi
+    PYTHON="$venv/bin/python"
+  fi
+fi
+export PYTHON
+PY=$PYTHON
 missing=()
 # jax (CPU wheels unless a CUDA jax is there): its XLA FFI headers build kspec's XLA handlers, tested in CI.
 for mod in pybind11 scikit_build_core pytest numpy rich jax; do
-  "$PY" -c "import $mod" 2>/dev/null || missing+=("$mod")
+  "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('$mod') is None)" 2>/dev/null || missing+=("$mod")
 done
 if ((${#missing[@]})); then
   pkgs=()

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/setup.sh
-PY=${PYTHON:-python3}
+PY=$PYTHON  # set by setup.sh: .venv unless PYTHON or an active venv says otherwise
 JOBS=${JOBS:-$(nproc)}
 export KSPEC_CACHE_DIR=${KSPEC_CACHE_DIR:-$(mktemp -d)/kspec-cache}
 

@@ -136,6 +136,7 @@ struct Case {
   std::vector<std::string> alt_shapes;  // inputs given in their TensorDef::alt_shape
   bool large = false;                // skipped by quick runs and by precompile
   bool representative = false;       // compiled by `kspec precompile --all` for every config
+  bool typical = false;              // the op's everyday call: what `kspec precompile` compiles (else the first case)
 };
 
 struct OpDef {

@@ -116,6 +116,42 @@ std::vector<CompileReport> compile(const CompileRequest& req) {
   return out;
 }
 
+namespace {
+
+// A case as the request `kspec compile` makes for it: its params, Const dims and inputs, no runtime dims.
+CompileRequest case_request(const OpDef& op, const Case& cs, DType dt, const std::string& arch) {
+  CompileRequest req;
+  req.op = op.info.name;
+  req.dtype = dt;
+  req.arch = arch;
+  req.without = cs.without;
+  req.tensor_dtypes = cs.tensor_dtypes;
+  req.alt_shapes = cs.alt_shapes;
+  for (const auto& [k, v] : cs.params.items()) req.params.set(k, v);
+  for (const auto& [k, v] : cs.dims) {
+    bool is_dim = false;
+    for (const auto& d : op.info.dims) is_dim = is_dim || (d.name == k && d.kind != DimKind::Var);
+    if (is_dim) req.params.set(k, v);
+  }
+  return req;
+}
+
+}  // namespace
+
+std::vector<CompileRequest> quick_plan(const std::vector<std::string>& archs, const std::vector<std::string>& ops) {
+  std::vector<CompileRequest> out;
+  const Registry& reg = Registry::global();
+  for (const auto& name : ops.empty() ? reg.names() : ops) {
+    const OpDef& op = reg.get(name);
+    if (!op.kernels || op.cases.empty()) continue;  // a library op: nothing to compile
+    auto it = std::find_if(op.cases.begin(), op.cases.end(), [](const Case& c) { return c.typical; });
+    const Case& cs = it != op.cases.end() ? *it : op.cases.front();
+    for (const auto& arch : archs)
+      for (DType dt : op.dtypes) out.push_back(case_request(op, cs, dt, arch));
+  }
+  return out;
+}
+
 std::vector<CompileRequest> precompile_plan(const std::vector<std::string>& archs, const std::vector<std::string>& ops) {
   std::vector<CompileRequest> out;
   const Registry& reg = Registry::global();
@@ -130,19 +166,7 @@ std::vector<CompileRequest> precompile_plan(const std::vector<std::string>& arch
       for (const auto& cs : op.cases) {
         if (cs.large || (any_rep && !cs.representative)) continue;
         for (DType dt : op.dtypes) {
-          CompileRequest req;
-          req.op = name;
-          req.dtype = dt;
-          req.arch = arch;
-          req.without = cs.without;
-          req.tensor_dtypes = cs.tensor_dtypes;
-          req.alt_shapes = cs.alt_shapes;
-          for (const auto& [k, v] : cs.params.items()) req.params.set(k, v);
-          for (const auto& [k, v] : cs.dims) {
-            bool is_dim = false;
-            for (const auto& d : op.info.dims) is_dim = is_dim || (d.name == k && d.kind != DimKind::Var);
-            if (is_dim) req.params.set(k, v);
-          }
+          const CompileRequest req = case_request(op, cs, dt, arch);
           auto add = [&](const CompileRequest& base, const Problem& p, const Config& cfg) {
             std::string sig;
             for (const auto& spec : op.kernels(p, cfg)) sig += spec.canonical() + "\n";

@@ -1,5 +1,6 @@
-// kspec's diagnostics on stderr: warnings always, info lines with KSPEC_VERBOSE=1. warn_once()
-// reports a recurring condition (a corrupt entry, a read-only cache) a single time per process.
+// kspec's diagnostics: warnings always, info lines with KSPEC_VERBOSE=1, to stderr or to the sink an
+// application installs (kspec/log.h). warn_once() reports a recurring condition (a corrupt entry, a
+// read-only cache) a single time per process.
 // Part of the bottom layer (jit/base), so jit, cache and api all log the same way; the namespace stays jit::.
 #pragma once
 

@@ -27,15 +27,17 @@ def _nvidia_dirs() -> list:
 
 _C._set_nvidia_dirs(_nvidia_dirs())
 from ._C import CacheError, CompileError, CudaError, Error, InternalError, InvalidArgument, Unsupported
+from ._log import KspecWarning, install as _install_log_sink
 from ._core import call, compile, explain, list_ops, op_info
 from . import ops
 from .tuning import tune
 
 __version__ = _C.version()
+_install_log_sink(_C)  # C++ diagnostics to logging.getLogger("kspec") and warnings
 
 __all__ = ["call", "compile", "explain", "list_ops", "op_info", "ops", "tune", "counters", "doctor", "knobs",
            "Error", "InvalidArgument", "Unsupported", "CompileError", "CudaError", "CacheError",
-           "InternalError"]
+           "InternalError", "KspecWarning"]
 
 
 def counters() -> dict:

@@ -37,10 +37,33 @@ def describe(t):
     if hasattr(t, "__dlpack__"):
         from . import _C
 
-        return _C.dlpack_describe(t.__dlpack__())
+        return _C.dlpack_describe(_dlpack_capsule(t))
     raise TypeError(
         f"kspec: expected a GPU tensor (torch.Tensor, CuPy array, __cuda_array_interface__ or DLPack), "
         f"got {type(t).__name__}")
+
+
+_DL_CUDA, _DL_CUDA_MANAGED = 2, 13
+
+
+def _dlpack_capsule(t):
+    """t.__dlpack__() as the array API standard has a consumer call it: asking for a v1.0 capsule (older
+    producers, whose __dlpack__ has no max_version, give the unversioned one), and for CUDA memory with
+    `stream=` the stream kspec will launch on, so the producer orders its pending work before it."""
+    stream = None
+    dev = getattr(t, "__dlpack_device__", None)
+    if dev is not None:
+        dev_type, dev_id = dev()
+        if dev_type in (_DL_CUDA, _DL_CUDA_MANAGED):
+            # The stream the call will use (see _core): DLPack spells the legacy default stream 1, not 0.
+            try:
+                stream = current_stream(framework_of([t]), dev_id) or 1
+            except (RuntimeError, AssertionError):  # no usable CUDA here: validation refuses the call by name
+                stream = None
+    try:
+        return t.__dlpack__(stream=stream, max_version=(1, 0))
+    except TypeError:  # a producer older than DLPack 1.0 (no max_version)
+        return t.__dlpack__(stream=stream)
 
 
 def _bad(what: str):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import struct
-import zlib
 
 from . import _C
 
@@ -93,13 +91,28 @@ def table_rows(result: dict, include_pruned: bool = False):
     return rows
 
 
+# Shown where a plot was asked for and matplotlib (the `plot` extra) is not installed.
+PLOT_HINT = "no PNG: matplotlib is not installed (pip install 'kspec[plot]')"
+
+
+def plotting_available() -> bool:
+    """Whether write_report can draw PREFIX.png (matplotlib, the `plot` extra, is importable)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def write_report(result: dict, prefix: str) -> list:
-    """Writes PREFIX.json (the whole result), PREFIX.csv (one row per configuration) and PREFIX.png (time
-    per configuration, the winner and the default marked). Returns the paths written."""
+    """Writes PREFIX.json (the whole result), PREFIX.csv (one row per configuration) and, where matplotlib
+    is installed and some configuration was timed, PREFIX.png (time per configuration, the winner and the
+    default marked). Returns the paths written (the PNG missing from them says it was not drawn: see
+    plotting_available())."""
     d = os.path.dirname(prefix)
     if d:
         os.makedirs(d, exist_ok=True)
-    paths = [prefix + ".json", prefix + ".csv", prefix + ".png"]
+    paths = [prefix + ".json", prefix + ".csv"]
     with open(paths[0], "w") as f:
         json.dump(result, f, indent=1)
     with open(paths[1], "w", newline="") as f:
@@ -108,21 +121,18 @@ def write_report(result: dict, prefix: str) -> list:
         for r in table_rows(result, include_pruned=True):
             w.writerow([r.get(c, "") for c in _COLUMNS])
     timed = [r for r in table_rows(result) if r["status"] == "ok"]
-    _plot(result, timed, paths[2])
+    if timed and plotting_available():
+        _plot(result, timed, prefix + ".png")
+        paths.append(prefix + ".png")
     return paths
 
 
 def _plot(result, timed, path):
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        _png_bars([r["median_ms"] for r in timed],
-                  [(0, 160, 0) if r["config"] == result["best_config"] else (220, 120, 0) if r["default"]
-                   else (70, 110, 200) for r in timed], path)
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(9, max(2.5, 0.28 * len(timed) + 1)))
     labels = [config_label(result, r["config"]) + ("  (default)" if r["default"] else "") for r in timed]
     colors = ["tab:green" if r["config"] == result["best_config"] else "tab:orange" if r["default"] else "tab:blue"
@@ -137,27 +147,3 @@ def _plot(result, timed, path):
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-
-def _png_bars(values, colors, path, width=640, bar_h=12, gap=4):
-    """A horizontal bar chart PNG without matplotlib: one bar per value (as in the CSV's timed rows,
-    fastest first), length proportional to the value."""
-    n = max(1, len(values))
-    height = n * (bar_h + gap) + gap
-    vmax = max(values) if values else 1.0
-    rows = []
-    for y in range(height):
-        row = bytearray(b"\xff" * (3 * width))
-        i, off = divmod(y - gap, bar_h + gap)
-        if y >= gap and i < len(values) and off < bar_h:
-            length = max(1, int((width - 20) * values[i] / vmax))
-            row[3 * 10:3 * (10 + length)] = bytes(colors[i]) * length
-        rows.append(b"\x00" + bytes(row))
-    raw = b"".join(rows)
-
-    def chunk(kind, data):
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xffffffff)
-
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-    png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
-    with open(path, "wb") as f:
-        f.write(png)

@@ -2,6 +2,9 @@
 // python/kspec/_tensors.py from torch, CuPy, DLPack or __cuda_array_interface__ objects; the C++ side
 // does all validation. Each kspec::Error maps to one Python exception class.
 // The conversions, the result dicts and the torch fast path live beside this file (python/src/).
+#include <cstdio>
+#include <memory>
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -30,6 +33,14 @@ struct BoundCall {
   std::string op;
   std::unique_ptr<kspec::BoundCall> call;
 };
+
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
 
 }  // namespace
 
@@ -253,9 +264,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("without") = std::vector<std::string>{}, py::arg("tensor_dtypes") = std::map<std::string, std::string>{},
         py::arg("config") = py::none(), py::arg("alt_shapes") = std::vector<std::string>{});
 
-  m.def("precompile_plan", [](const std::vector<std::string>& archs, const std::vector<std::string>& ops) {
+  // The full sweep (`kspec precompile --all`) and the quick one (`kspec precompile`), as request dicts.
+  auto plan_list = [](const std::vector<kspec::CompileRequest>& plan) {
     py::list out;
-    for (const auto& r : kspec::precompile_plan(archs, ops)) {
+    for (const auto& r : plan) {
       py::dict d;
       d["op"] = r.op;
       d["dtype"] = kspec::dtype_short(r.dtype);
@@ -272,7 +284,46 @@ PYBIND11_MODULE(_C, m) {
       out.append(d);
     }
     return out;
+  };
+  m.def("precompile_plan", [plan_list](const std::vector<std::string>& archs, const std::vector<std::string>& ops) {
+    return plan_list(kspec::precompile_plan(archs, ops));
   });
+  m.def("quick_plan", [plan_list](const std::vector<std::string>& archs, const std::vector<std::string>& ops) {
+    return plan_list(kspec::quick_plan(archs, ops));
+  });
+
+  // Routes kspec's diagnostics to fn(level: "info" | "warning", message: str), or back to stderr (None).
+  // The C++ side calls it from any thread, holding none of its locks, with or without the GIL: the sink
+  // takes the GIL itself (a thread that released it inside a kspec call simply takes it back). Once the
+  // interpreter is finalizing, messages go to stderr (kspec/_log.py also removes the sink at exit).
+  m.def("set_log_sink", [](py::object fn) {
+    if (fn.is_none()) {
+      kspec::set_log_sink({});
+      return;
+    }
+    if (!PyCallable_Check(fn.ptr())) 
+      throw kspec::InvalidArgument("set_log_sink: expected a callable or None, got " +
+                                   std::string(py::str(py::type::handle_of(fn).attr("__name__"))));
+    // The callable is released under the GIL, on whichever thread drops the last copy of the sink.
+    std::shared_ptr<py::object> held(new py::object(std::move(fn)), [](py::object* o) {
+      if (!Py_IsInitialized()) return;  // the interpreter is gone: leak rather than touch it
+      py::gil_scoped_acquire gil;
+      delete o;
+    });
+    kspec::set_log_sink([held](kspec::LogLevel level, const std::string& msg) {
+      const char* lv = level == kspec::LogLevel::Warning ? "warning" : "info";
+      if (!Py_IsInitialized() || interpreter_finalizing()) {
+        std::fprintf(stderr, "[kspec] %s: %s\n", lv, msg.c_str());
+        return;
+      }
+      py::gil_scoped_acquire gil;
+      try {
+        (*held)(lv, msg);
+      } catch (py::error_already_set& e) {  // a failing sink is reported, never raised into kspec
+        e.discard_as_unraisable("kspec log sink");
+      }
+    });
+  }, py::arg("fn"));
 
   m.def("counters", [] {
     auto c = kspec::counters();

@@ -1,6 +1,9 @@
 // kspec._C's conversions from Python: tensor descriptors (the tuples python/kspec/_tensors.py builds),
 // params dicts, compile requests, and DLPack capsules read into descriptors. Every bad value is an
 // InvalidArgument naming the argument.
+#include <cstddef>
+#include <cstdint>
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -189,16 +192,29 @@ kspec::CompileRequest to_request(const std::string& op, const std::string& dtype
 
 namespace {
 
-// The DLPack ABI (stable since v0.6), declared here rather than vendored.
+// The DLPack ABI as dlpack.h v1.0 defines it (no package kspec's set-up can install ships a v1 header:
+// Debian's libdlpack-dev is 0.6). Both capsules a producer may return are read: "dltensor" (a
+// DLManagedTensor, every version) and "dltensor_versioned" (a DLManagedTensorVersioned, v1.0+, asked for
+// with __dlpack__(max_version=(1, 0)), which adds the version and the read-only flag).
 struct DLDevice { int32_t device_type; int32_t device_id; };
 struct DLDataType { uint8_t code; uint8_t bits; uint16_t lanes; };
 struct DLTensor {
   void* data; DLDevice device; int32_t ndim; DLDataType dtype; int64_t* shape; int64_t* strides; uint64_t byte_offset;
 };
 struct DLManagedTensor { DLTensor dl_tensor; void* manager_ctx; void (*deleter)(DLManagedTensor*); };
+struct DLPackVersion { uint32_t major; uint32_t minor; };
+struct DLManagedTensorVersioned {
+  DLPackVersion version; void* manager_ctx; void (*deleter)(DLManagedTensorVersioned*); uint64_t flags; DLTensor dl_tensor;
+};
+// dlpack.h's layout on LP64, which producers compiled from the real header use.
+static_assert(sizeof(DLTensor) == 48 && offsetof(DLTensor, shape) == 24 && offsetof(DLTensor, byte_offset) == 40);
+static_assert(sizeof(DLManagedTensor) == 64 && offsetof(DLManagedTensorVersioned, dl_tensor) == 32);
+constexpr uint32_t kDLPackMajor = 1;
+constexpr uint64_t kDLPackFlagReadOnly = 1ull << 0;
 
-// The device types kspec reads (dlpack.h's DLDeviceType): CUDA memory is taken; host memory (pageable
-// or pinned) is described as such, and validation refuses it by the argument's name.
+// The device types kspec reads (dlpack.h's DLDeviceType): CUDA memory is taken; pageable host memory
+// is described as such for validation to refuse by the argument's name; pinned host memory is refused
+// here (a kernel could read it over PCIe, silently and slowly: the caller should copy it to the GPU).
 constexpr int32_t kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13;
 
 }  // namespace
@@ -209,18 +225,33 @@ py::tuple dlpack_describe(const py::handle& obj) {
   using kspec::InvalidArgument;
   if (!PyCapsule_CheckExact(obj.ptr()))
     throw InvalidArgument("DLPack: __dlpack__() returned a " + type_name(obj) +
-                          ", expected a 'dltensor' capsule");
+                          ", expected a 'dltensor' or 'dltensor_versioned' capsule");
   const char* name = PyCapsule_GetName(obj.ptr());
   std::string cap_name = name ? name : "";
-  if (cap_name == "used_dltensor") throw InvalidArgument("DLPack: the capsule was already consumed ('used_dltensor')");
-  if (cap_name != "dltensor")
-    throw InvalidArgument("DLPack: expected a capsule named 'dltensor', got '" + cap_name + "'");
-  auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(obj.ptr(), "dltensor"));
-  if (!m) {
+  if (cap_name == "used_dltensor" || cap_name == "used_dltensor_versioned")
+    throw InvalidArgument("DLPack: the capsule was already consumed ('" + cap_name + "')");
+  if (cap_name != "dltensor" && cap_name != "dltensor_versioned")
+    throw InvalidArgument("DLPack: expected a capsule named 'dltensor' or 'dltensor_versioned', got '" + cap_name + "'");
+  void* raw = PyCapsule_GetPointer(obj.ptr(), cap_name.c_str());
+  if (!raw) {
     PyErr_Clear();
-    throw InvalidArgument("DLPack: the 'dltensor' capsule holds a null pointer");
+    throw InvalidArgument("DLPack: the '" + cap_name + "' capsule holds a null pointer");
   }
-  const DLTensor& t = m->dl_tensor;
+  bool read_only = false;
+  const DLTensor* tp = nullptr;
+  if (cap_name == "dltensor_versioned") {
+    auto* mv = static_cast<DLManagedTensorVersioned*>(raw);
+    // A different major version may lay the struct out differently: nothing past `version` is read.
+    if (mv->version.major != kDLPackMajor)
+      throw InvalidArgument("DLPack: the capsule is version " + std::to_string(mv->version.major) + "." +
+                            std::to_string(mv->version.minor) + "; kspec reads major version " +
+                            std::to_string(kDLPackMajor));
+    read_only = (mv->flags & kDLPackFlagReadOnly) != 0;
+    tp = &mv->dl_tensor;
+  } else {
+    tp = &static_cast<DLManagedTensor*>(raw)->dl_tensor;
+  }
+  const DLTensor& t = *tp;
   int device = kspec::kCpuDevice;
   switch (t.device.device_type) {
     case kDLCUDA:
@@ -229,8 +260,10 @@ py::tuple dlpack_describe(const py::handle& obj) {
         throw InvalidArgument("DLPack: negative CUDA device id " + std::to_string(t.device.device_id));
       device = t.device.device_id;
       break;
-    case kDLCPU:
-    case kDLCUDAHost: break;
+    case kDLCPU: break;
+    case kDLCUDAHost:
+      throw InvalidArgument("DLPack: pinned host memory (kDLCUDAHost) is not GPU memory; copy the tensor to the "
+                            "GPU first (kspec takes kDLCUDA = 2 and kDLCUDAManaged = 13)");
     default:
       throw InvalidArgument("DLPack: device type " + std::to_string(t.device.device_type) +
                             " is not CUDA memory (kspec takes kDLCUDA = 2 and kDLCUDAManaged = 13)");
@@ -269,6 +302,7 @@ py::tuple dlpack_describe(const py::handle& obj) {
     strides[d] = py::int_(t.strides ? t.strides[d] : s);
     if (__builtin_mul_overflow(s, t.shape[d], &s)) s = 0;  // only with a zero-size dim: nothing is read
   }
+  if (read_only) return py::make_tuple(ptr, dt, shape, strides, device, true);  // refused as an output
   return py::make_tuple(ptr, dt, shape, strides, device);
 }
 

@@ -243,6 +243,38 @@ TEST(Compile, RowsPastTheRegisterLimitAreStreamed) {
   EXPECT_THROW(compile(req), InvalidArgument);
 }
 
+// The main job without a GPU: one request per op with kernels and dtype, and the everyday call a user
+// types (`kspec compile norm_act.fwd --dtype bf16 --param hidden=4096 --param act=silu`) among them,
+// with the same kernels, so that call is a cache hit afterwards.
+TEST(Compile, QuickPlanIsOneTypicalCallPerOpAndDtype) {
+  auto plan = quick_plan({"sm_90"});
+  std::map<std::pair<std::string, std::string>, int> per_op_dtype;
+  for (const auto& r : plan) {
+    per_op_dtype[{r.op, dtype_short(r.dtype)}]++;
+    EXPECT_FALSE(r.config.has_value()) << r.op;  // dispatch's own choice, as `kspec compile` makes it
+    EXPECT_EQ(r.arch, "sm_90");
+  }
+  for (const auto& [k, n] : per_op_dtype) EXPECT_EQ(n, 1) << k.first << " " << k.second;
+  EXPECT_LT(plan.size(), precompile_plan({"sm_90"}).size() / 10);
+
+  CompileRequest typed;
+  typed.op = "norm_act.fwd";
+  typed.dtype = DType::bf16;
+  typed.params = {{"hidden", int64_t(4096)}, {"act", std::string("silu")}};
+  auto want = explain_request(typed).kernels;
+  ASSERT_FALSE(want.empty());
+  bool found = false;
+  for (const auto& r : plan) {
+    if (r.op != "norm_act.fwd" || r.dtype != DType::bf16) continue;
+    auto got = explain_request(r).kernels;
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].key, want[i].key);
+    found = true;
+  }
+  EXPECT_TRUE(found);
+  EXPECT_EQ(quick_plan({"sm_80", "sm_90"}, {"norm_act.bwd"}).size(), 6u);  // 2 archs x 3 dtypes
+}
+
 TEST(Compile, PrecompilePlanCoversEveryDtypeAndConfig) {
   auto plan = precompile_plan({"sm_90"});
   std::map<std::string, int> per_op;

@@ -115,7 +115,7 @@ def test_cli_precompile_from_file(tmp_path):
 
 def test_cli_errors_are_clean(tmp_path):
     r = cli("compile", "nope.fwd", env={"KSPEC_CACHE_DIR": str(tmp_path / "c")}, check=False)
-    assert r.returncode == 1 and "unknown op 'nope.fwd'" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "unknown op 'nope.fwd'" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_broken_template_gives_compile_error_with_source(tmp_path):
@@ -129,7 +129,7 @@ def test_broken_template_gives_compile_error_with_source(tmp_path):
     r = cli("compile", "norm_act.fwd", "--param", "hidden=64",
             env={"KSPEC_CACHE_DIR": str(tmp_path / "c"), "KSPEC_TEMPLATE_DIR": str(tdir),
                  "KSPEC_DEBUG_DIR": str(tmp_path / "dbg")}, check=False)
-    assert r.returncode == 1 and "CompileError" in r.stderr and "planted" in r.stderr
+    assert r.returncode == 3 and "CompileError" in r.stderr and "planted" in r.stderr
     written = list((tmp_path / "dbg").glob("kspec-failed-*.cu"))
     assert len(written) == 1 and "planted" in written[0].read_text()
     assert str(written[0]) in r.stderr
@@ -139,7 +139,7 @@ def test_no_gpu_run_precompiles(tmp_path):
     if kspec._C.doctor() and dict(kspec._C.doctor()).get("gpus", "0") != "0":
         pytest.skip("a GPU is present: `kspec run` checks instead")
     # The session's cache: tools/test.sh's final precompile for sm_90 then finds these on disk.
-    r = cli("run", "--arch", "sm_90", "--json", str(tmp_path / "r.json"))
+    r = cli("run", "--arch", "sm_90", "--output", str(tmp_path / "r.json"))
     assert "no GPU visible" in r.stdout
     data = json.loads((tmp_path / "r.json").read_text())
     assert len(data["results"]) > 40 and not data["failures"]

@@ -186,6 +186,38 @@ def test_cupy_and_dlpack_inputs():
     assert rel_err(_np(y2), ref.norm_act_fwd(_np(xt), _np(wt), None, "layernorm", "identity", 1e-5)[0]) < 1e-5
 
 
+def test_dlpack_producer_is_asked_for_v1_on_the_current_stream():
+    """A DLPack-only tensor (torch's capsules behind a plain object) on a side stream: kspec asks for a
+    1.0 capsule with stream= the stream it launches on (torch's current one), and the result is right."""
+    calls = []
+
+    class V1:
+        def __init__(self, t):
+            self.t = t
+
+        def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+            calls.append((stream, max_version))
+            try:
+                return self.t.__dlpack__(stream=stream, max_version=max_version)
+            except TypeError:  # a torch without DLPack 1.0
+                return self.t.__dlpack__(stream=stream)
+
+        def __dlpack_device__(self):
+            return self.t.__dlpack_device__()
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        xt = torch.randn(5, 96, device="cuda")
+        wt = torch.randn(96, device="cuda")
+        y = kspec.call("norm_act.fwd", V1(xt), V1(wt), None)[0]
+        assert calls == [(side.cuda_stream, (1, 0))] * 2
+    side.synchronize()
+    assert rel_err(_np(y), ref.norm_act_fwd(_np(xt), _np(wt), None, "layernorm", "identity", 1e-5)[0]) < 1e-5
+    pinned = torch.randn(5, 96).pin_memory()
+    with pytest.raises(kspec.InvalidArgument, match="input 'x'"):
+        kspec.call("norm_act.fwd", V1(pinned), V1(wt), None)
+
+
 def test_every_visible_device():
     for d in range(torch.cuda.device_count()):
         x = torch.randn(33, 257, device=f"cuda:{d}", dtype=torch.bfloat16, requires_grad=True)

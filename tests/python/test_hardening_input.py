@@ -23,7 +23,7 @@ def cli(*args, env=None, timeout=120):
 
 def assert_clean_failure(r, *fragments):
     out = r.stdout + r.stderr
-    assert r.returncode in (1, 2), f"exit {r.returncode}:\n{out}"
+    assert r.returncode in (1, 2, 5), f"exit {r.returncode}:\n{out}"  # kspec.cli.EXIT_*: found, usage, file
     assert "Traceback" not in out, out
     for f in fragments:
         assert f in out, f"missing {f!r} in:\n{out}"

@@ -88,9 +88,8 @@ def test_well_formed_capsules_are_described():
     # an empty tensor may have a null data pointer; a 0-d tensor a null shape
     assert _C.dlpack_describe(capsule(shape=(0, 8), data=None))[2] == (0, 8)
     assert _C.dlpack_describe(capsule(shape=(), null_shape=True))[2] == ()
-    # host memory (pageable or pinned) is described as such, for validation to refuse by name
+    # pageable host memory is described as such, for validation to refuse by name (pinned: refused below)
     assert _C.dlpack_describe(capsule(device_type=CPU))[4] == -1
-    assert _C.dlpack_describe(capsule(device_type=CUDA_HOST))[4] == -1
     assert _C.dlpack_describe(capsule(device_type=CUDA_MANAGED, device_id=1))[4] == 1
 
 
@@ -110,8 +109,9 @@ def test_well_formed_capsules_are_described():
     (dict(device_id=-3), "negative CUDA device id"),
     (dict(data=2**64 - 16, byte_offset=64), "overflows"),
     (dict(name=b"used_dltensor"), "already consumed"),
-    (dict(name=b"dltensor_versioned"), "'dltensor_versioned'"),
-    (dict(name=None), "named 'dltensor'"),
+    (dict(name=b"used_dltensor_versioned"), "already consumed"),
+    (dict(name=None), "named 'dltensor' or 'dltensor_versioned'"),
+    (dict(device_type=CUDA_HOST), "pinned host memory"),
 ])
 def test_malformed_capsule_is_invalid_argument(kwargs, fragment):
     with pytest.raises(kspec.InvalidArgument, match="DLPack") as e:
@@ -131,6 +131,89 @@ def test_malformed_capsule_through_call_names_the_argument():
     # a host capsule reaches validation and is refused by name
     with pytest.raises(kspec.InvalidArgument, match="input 'x': expected a CUDA tensor"):
         kspec.call("norm_act.fwd", Dl(capsule(device_type=CPU)), w, None, out=(None, None, None))
+
+
+# ---- DLPack 1.0: versioned capsules, stream=, max_version ----
+
+
+class DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("version", DLPackVersion), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p),
+                ("flags", ctypes.c_uint64), ("dl_tensor", DLTensor)]
+
+
+def versioned(shape=(4, 8), major=1, minor=0, flags=0, device_type=CUDA, name=b"dltensor_versioned"):
+    """A 'dltensor_versioned' capsule (dlpack.h 1.0's DLManagedTensorVersioned)."""
+    m = DLManagedTensorVersioned()
+    m.version = DLPackVersion(major, minor)
+    m.flags = flags
+    t = m.dl_tensor
+    t.data = FAKE_PTR
+    t.device = DLDevice(device_type, 0)
+    t.ndim = len(shape)
+    t.dtype = DLDataType(2, 32, 1)
+    arr = (ctypes.c_int64 * len(shape))(*shape)
+    _keep.extend([arr, m])
+    t.shape = ctypes.cast(arr, ctypes.POINTER(ctypes.c_int64))
+    return _new_capsule(ctypes.addressof(m), name, None)
+
+
+def test_versioned_capsules_are_read():
+    assert ctypes.sizeof(DLManagedTensorVersioned) == 80  # dlpack.h 1.0 on LP64
+    assert _C.dlpack_describe(versioned()) == (FAKE_PTR, "float32", (4, 8), (8, 1), 0)
+    assert _C.dlpack_describe(versioned(minor=3)) == (FAKE_PTR, "float32", (4, 8), (8, 1), 0)
+    # the read-only flag (DLPACK_FLAG_BITMASK_READ_ONLY) marks the descriptor, so it is refused as an output
+    assert _C.dlpack_describe(versioned(flags=1))[5] is True
+    with pytest.raises(kspec.InvalidArgument, match=r"version 2\.0; kspec reads major version 1"):
+        _C.dlpack_describe(versioned(major=2))
+    with pytest.raises(kspec.InvalidArgument, match="pinned host memory"):
+        _C.dlpack_describe(versioned(device_type=CUDA_HOST))
+
+
+class Producer:
+    """A DLPack 1.0 producer that records how it was asked (the array API's __dlpack__ signature)."""
+
+    def __init__(self, cap, device=(CUDA, 0), legacy=False):
+        self.cap, self.device, self.calls = cap, device, []
+        if legacy:  # before DLPack 1.0: no max_version
+            self.__dlpack__ = lambda stream=None: (self.calls.append({"stream": stream}), self.cap)[1]
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        self.calls.append({"stream": stream, "max_version": max_version})
+        return self.cap
+
+    def __dlpack_device__(self):
+        return self.device
+
+
+def test_dlpack_is_asked_for_v1_on_the_calls_stream(monkeypatch):
+    from kspec import _tensors
+
+    monkeypatch.setattr(_tensors, "current_stream", lambda fw, device: 0x5EED)
+    p = Producer(versioned())
+    assert _tensors.describe(p)[:3] == (FAKE_PTR, "float32", (4, 8))
+    assert p.calls == [{"stream": 0x5EED, "max_version": (1, 0)}]
+    # the legacy default stream is 1 in DLPack (0 is not allowed for CUDA)
+    monkeypatch.setattr(_tensors, "current_stream", lambda fw, device: 0)
+    p = Producer(versioned())
+    _tensors.describe(p)
+    assert p.calls[0]["stream"] == 1
+    # a producer older than 1.0 is asked without max_version, still with the stream
+    p = Producer(capsule(), legacy=True)
+    assert _tensors.describe(p)[2] == (4, 8) and p.calls == [{"stream": 1}]
+    # host memory: no stream (the standard wants None for non-CUDA devices)
+    p = Producer(capsule(device_type=CPU), device=(CPU, 0))
+    _tensors.describe(p)
+    assert p.calls[0]["stream"] is None
+
+
+def test_pinned_dlpack_through_call_is_refused_by_name():
+    w = Dl(capsule(shape=(8,)))
+    with pytest.raises(kspec.InvalidArgument, match=r"input 'x': DLPack: pinned host memory"):
+        kspec.call("norm_act.fwd", Producer(versioned(device_type=CUDA_HOST), device=(CUDA_HOST, 0)), w, None)
 
 
 # ---- __cuda_array_interface__ ----
@@ -405,4 +488,4 @@ def test_cli_cache_error_is_one_line(tmp_path):
         sys.exit(cli.main(["doctor"]))
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and r.stderr.strip() == "kspec: error: CacheError: cache: cannot write /x (disk full)", r.stderr
+    assert r.returncode == 5 and r.stderr.strip() == "kspec: error: CacheError: cache: cannot write /x (disk full)", r.stderr

@@ -83,7 +83,7 @@ def test_corrupt_database_warns_once_is_ignored_and_kept(tmp_path):
     db.write_text('{"version": 1, "entries": {"x": ')
     info, err = explain_in_process(db)
     assert info["config_source"] == "heuristic"
-    assert err.count("warning") == 1 and "ignored" in err
+    assert err.count("KspecWarning") == 1 and "ignored" in err  # once, through Python's warnings
     assert db.read_text() == '{"version": 1, "entries": {"x": '
     # a writer keeps the unreadable file aside, then starts a valid one
     src = tmp_path / "in.json"
@@ -176,17 +176,35 @@ def test_reports_csv_json_png(tmp_path):
                    "min_ms": -1, "error": -1, "registers": -1, "spill_bytes": -1, "shared_bytes": -1,
                    "compile_ms": 0}]}
     paths = tuning.write_report(result, str(tmp_path / "rep" / "norm"))
-    assert [os.path.basename(p) for p in paths] == ["norm.json", "norm.csv", "norm.png"]
+    png = ["norm.png"] if tuning.plotting_available() else []
+    assert [os.path.basename(p) for p in paths] == ["norm.json", "norm.csv"] + png
     lines = open(paths[1]).read().splitlines()
     assert lines[0].startswith("config,default,status,median_ms") and lines[1].startswith("a=2,")
     assert len(lines) == 4 and "2.0" in lines[1]  # speedup of the winner over the default
-    assert open(paths[2], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    if png:
+        assert open(paths[2], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert json.load(open(paths[0]))["best_config"] == "a=2"
-    png = tmp_path / "bars.png"
-    tuning._png_bars([1.0, 2.0], [(0, 160, 0), (70, 110, 200)], str(png))
-    import zlib
-    data = png.read_bytes()
-    assert data[12:16] == b"IHDR" and zlib.decompress(data[data.index(b"IDAT") + 4:data.index(b"IEND") - 8])
+
+
+def test_report_without_matplotlib_writes_no_png_and_says_so(tmp_path, monkeypatch):
+    """Without the `plot` extra: JSON and CSV, no picture (not a blank one), and the CLI names the extra."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert not tuning.plotting_available()
+    result = {"op": "norm_act.fwd", "shape": "rows=64,hidden=256", "gpu": "test", "best_config": "a=1",
+              "default_config": "a=1", "default_ms": 2.0, "candidates": [
+                  {"config": "a=1", "default": True, "status": "ok", "why": "", "median_ms": 2.0, "min_ms": 1.9,
+                   "error": 0.0, "registers": 32, "spill_bytes": 0, "shared_bytes": 0, "compile_ms": 1.0}]}
+    paths = tuning.write_report(result, str(tmp_path / "norm"))
+    assert [os.path.basename(p) for p in paths] == ["norm.json", "norm.csv"]
+    assert not (tmp_path / "norm.png").exists()
+    code = ("import sys; sys.modules['matplotlib'] = None; from kspec.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", code, "tune", "norm_act.fwd", "--dtype", "bf16", "--shape",
+                        "rows=64,hidden=256", "--compile-only", "--quiet", "--report", str(tmp_path / "cli")],
+                       capture_output=True, text=True, timeout=600)  # the session cache: compiled above
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "kspec[plot]" in r.stderr and not (tmp_path / "cli.png").exists()
+    assert (tmp_path / "cli.csv").exists() and (tmp_path / "cli.json").exists()
 
 
 def test_tune_mode_knob_is_validated():
@@ -278,10 +296,10 @@ def test_gemm_cli_names_its_dims_and_params_like_the_other_ops():
     assert "act, tf32" in r.stderr  # where the epilogue goes
     r = cli("tune", "gemm", "--dtype", "bf16", "--shape", "m=64,n=64,k=64", "--param", "epilogue=bias_gelu",
             "--compile-only", check=False)
-    assert r.returncode == 1 and "unknown parameter 'epilogue'" in r.stderr and "act" in r.stderr, r.stderr
+    assert r.returncode == 2 and "unknown parameter 'epilogue'" in r.stderr and "act" in r.stderr, r.stderr
     r = cli("tune", "gemm", "--dtype", "bf16", "--shape", "m=64,n=64,k=64", "--param", "act=swish",
             "--compile-only", check=False)
-    assert r.returncode == 1 and "none, relu, gelu" in r.stderr, r.stderr
+    assert r.returncode == 2 and "none, relu, gelu" in r.stderr, r.stderr
     r = cli("tune", "gemm", "--dtype", "bf16", "--shape", "m=64,n=64,k=64", "--candidates", "0", check=False)
     assert r.returncode != 0 and "--candidates" in r.stderr
     r = cli("tune", "gemm", "--dtype", "bf16", "--shape", "m=4097,n=4095,k=33", "--param", "act=gelu",

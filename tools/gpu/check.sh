@@ -94,7 +94,7 @@ fi
 # The test stage's three parts, in parallel; each is also a stage of its own (run, ctest, pytest), so the
 # suite can be split over two device calls of at most 10 minutes (H100, precompiled cache: the whole
 # ctest took over 6 minutes beside `kspec run --large`).
-if has test || has run; then pstep check python3 -m kspec run --large --json "$OUT/check.json"; fi
+if has test || has run; then pstep check python3 -m kspec run --large --output "$OUT/check.json"; fi
 if has test || has ctest; then pstep ctest bash -c "cd build/gpu && ctest --output-on-failure -j 8"; fi
 # pytest in 8 parallel shards (~2600 tests with a GPU, most of their time float64 references on the CPU).
 if has test || has pytest; then
@@ -146,7 +146,7 @@ if has scan_small; then
         extra=(--without h0); [ $op = bwd ] && extra+=(--without dlast_state)
         step "tune_${op}_$shp" python3 -m kspec tune "selective_scan.$op" --dtype bf16 --param delta_softplus=true \
           "${extra[@]}" --shape "batch=$b,dim=$d,seqlen=$l,dstate=16,groups=1" --budget "${SCAN_TUNE_BUDGET:-15}" \
-          --no-save --quiet --json "$OUT/scan_tune/${op}_$shp.json"
+          --no-save --quiet --output "$OUT/scan_tune/${op}_$shp.json"
       done
     done
     python3 - "$OUT/scan_tune" <<'PY' | tee "$OUT/scan_tune/summary.txt"
@@ -211,7 +211,7 @@ if has e79; then
       name="${op}_${b}x4096_n$n"
       step "tune_e79_$name" python3 -m kspec tune "e79.$op" --dtype bf16 --alt-shape b_s --alt-shape b_m \
         --shape "seqlen=4096,batch=$b,n=$n,nchk=256" --all-configs --no-save --quiet \
-        --report "$OUT/e79_tune/$name" --json "$OUT/e79_tune/$name.result.json"
+        --report "$OUT/e79_tune/$name" --output "$OUT/e79_tune/$name.result.json"
     done
   done
   python3 - "$OUT/e79_tune" <<'PY' | tee "$OUT/e79_tune/summary.txt" | tee -a "$OUT/log.txt"
@@ -245,10 +245,10 @@ if has scan; then
      segments_2x32x9000:f32 segments_even_2x32x8192:bf16 segments_even_2x32x8192:f32)
   step scan_configs bash -c 'printf "%s\n" "$@" | xargs -P 12 -I{} python3 tools/gpu/check_configs.py \
     selective_scan.bwd selective_scan.fwd --match algo=sequential --case {}' _ "${C[@]}"
-  step scan_check python3 -m kspec check --op selective_scan.fwd --op selective_scan.bwd --json "$OUT/scan_check.json"
+  step scan_check python3 -m kspec check --op selective_scan.fwd --op selective_scan.bwd --output "$OUT/scan_check.json"
   KSPEC_TUNING_DB=/tmp/scan-tune.json step scan_tune_bwd python3 -m kspec tune selective_scan.bwd --dtype bf16 \
     --param delta_softplus=true --without h0 --without dlast_state --budget 60 \
-    --shape batch=8,dim=2048,seqlen=2048,dstate=16,groups=1 --json "$OUT/scan_tune_bwd.json"
+    --shape batch=8,dim=2048,seqlen=2048,dstate=16,groups=1 --output "$OUT/scan_tune_bwd.json"
   wait_build mamba
   step bench_selective_scan python3 tools/bench/bench.py --family selective_scan --json "$OUT/bench_selective_scan.json"
 fi
@@ -261,7 +261,7 @@ if has tune || has tune_gemm; then
   BUDGET=${TUNE_BUDGET:-40}  # seconds per problem; 8 problems (+3 gemm)
   tune_one() {  # tune_one NAME OP ARGS...
     local name=$1; shift
-    step "tune_$name" python3 -m kspec tune "$@" --budget "$BUDGET" --report "$OUT/tune/$name" --json "$OUT/tune/$name.result.json"
+    step "tune_$name" python3 -m kspec tune "$@" --budget "$BUDGET" --report "$OUT/tune/$name" --output "$OUT/tune/$name.result.json"
   }
 fi
 if has tune; then
@@ -291,7 +291,7 @@ if has tune || has tune_gemm; then
     --shape m=16384,n=4096,k=4096
   step tune_gemm_check python3 tools/gpu/tune_gemm_check.py --shape 16384,4096,4096 --shape 4097,4095,33:gelu \
     --json "$OUT/tune/gemm_dispatch.json"
-  python3 -m kspec tune --list --json "$OUT/tune/db_entries.json" | tee -a "$OUT/log.txt"
+  python3 -m kspec tune --list --output "$OUT/tune/db_entries.json" | tee -a "$OUT/log.txt"
   python3 - "$OUT/tune" <<'PY' | tee "$OUT/tune/summary.txt" | tee -a "$OUT/log.txt"
 import glob, json, os, sys
 print(f"{'problem':<28} {'default config':<48} {'ms':>8} {'tuned config':<48} {'ms':>8} {'gain':>6}")

@@ -5,6 +5,7 @@
 #include "kspec/check.h"
 #include "kspec/error.h"
 #include "kspec/knobs.h"
+#include "kspec/log.h"
 #include "kspec/registry.h"
 #include "kspec/tensor.h"
 #include "kspec/tune.h"

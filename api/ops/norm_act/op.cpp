@@ -243,6 +243,11 @@ std::vector<Case> norm_act_cases() {
   rep.representative = true;
   rep.without = {"bias"};
   cases.push_back(rep);
+  // What a model calls (`kspec compile norm_act.fwd --dtype bf16 --param hidden=4096 --param act=silu`,
+  // bias on): the quick precompile of the main job compiles exactly this, so that call is a cache hit.
+  auto typical = c("typical_4096", 64, 4096, "layernorm", "silu");
+  typical.typical = true;
+  cases.push_back(typical);
   return cases;
 }
 
