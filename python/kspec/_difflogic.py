@@ -40,11 +40,33 @@ def consumers(n_in: int, a, b):
     return torch.cat([offsets, entries]).to(torch.int32)
 
 
+def feature_major(t) -> bool:
+    """Whether a (batch, n) tensor is the transpose of a contiguous (n, batch) one (strides (1, batch)), the
+    layout difflogic keeps: the layer then runs its feature-major kernels and returns y (and dx) the same
+    way, so a stack of layers fed x.t() stays feature-major. With batch or n of 1 both layouts coincide
+    (row-major is used)."""
+    return t.dim() == 2 and t.shape[0] > 1 and t.shape[1] > 1 and t.stride(0) == 1 and t.stride(1) == t.shape[0]
+
+
+def _like_x(x, n):
+    """An empty (batch, n) tensor in x's layout."""
+    if feature_major(x):
+        return torch.empty(n, x.shape[0], dtype=x.dtype, device=x.device).t()
+    return x.new_empty((x.shape[0], n))
+
+
 def _layer_fwd(x, logits, a, b, csr, mode, grad_factor, save):
+    if feature_major(x):
+        return call("difflogic.layer.fwd", x, logits, a, b, mode=mode, layout="feature_major",
+                    out=(_like_x(x, a.shape[0]),))
     return call("difflogic.layer.fwd", x, logits, a, b, mode=mode)
 
 
 def _layer_bwd(dy, x, logits, a, b, csr, grad_factor):
+    if feature_major(x):
+        dy = dy if feature_major(dy) else dy.t().contiguous().t()
+        return call("difflogic.layer.bwd", x, logits, a, b, dy, csr, grad_factor=grad_factor, layout="feature_major",
+                    out=(_like_x(x, x.shape[1]), torch.empty_like(logits)))
     return call("difflogic.layer.bwd", x, logits, a, b, dy.contiguous(), csr, grad_factor=grad_factor)
 
 
@@ -53,7 +75,8 @@ layer = build(Family(
     fwd="Tensor x, Tensor logits, Tensor a, Tensor b, Tensor consumers, str mode, float grad_factor", fwd_out=("y",),
     bwd="Tensor dy, Tensor x, Tensor logits, Tensor a, Tensor b, Tensor consumers, float grad_factor",
     bwd_out=("dx", "dlogits"), forward=_layer_fwd, backward=_layer_bwd,
-    bwd_fake=lambda dy, x, logits, *_: (x.new_empty(x.shape), logits.new_empty(logits.shape))))
+    fake=lambda x, logits, a, *_: (_like_x(x, a.shape[0]),),
+    bwd_fake=lambda dy, x, logits, *_: (_like_x(x, x.shape[1]), logits.new_empty(logits.shape))))
 
 
 def logic_layer(x, logits, a, b, *, mode: str = "soft", grad_factor: float = 1.0, consumers_csr=None):
@@ -65,7 +88,7 @@ def logic_layer(x, logits, a, b, *, mode: str = "soft", grad_factor: float = 1.0
         a, b = check_wires(x.shape[1], a, b)
     if consumers_csr is None:
         consumers_csr = consumers(x.shape[1], a, b)
-    x = x if x.is_contiguous() else x.contiguous()
+    x = x if x.is_contiguous() or feature_major(x) else x.contiguous()
     return layer(x, logits, a, b, consumers_csr, mode, float(grad_factor))
 
 
@@ -123,8 +146,9 @@ def packed_group_sum(words, batch: int, k: int):
 class LogicLayer(torch.nn.Module):
     """difflogic 0.1.0's LogicLayer on kspec's kernels: y[:, g] = sum_i p_i op_i(x[:, a_g], x[:, b_g]).
 
-    x: (batch, in_dim) fp32/fp16/bf16 on CUDA -> (batch, out_dim) like x. Parameter `weights` (out_dim, 16)
-    (randn, as difflogic's), buffer `indices` (2, out_dim) int64: the wiring, drawn as difflogic draws it
+    x: (batch, in_dim) fp32/fp16/bf16 on CUDA -> (batch, out_dim) like x and in x's layout: x.t() of a
+    contiguous (in_dim, batch) (difflogic's layout) runs the feature-major kernels and gives y the same way, so
+    a stack fed x.t() stays feature-major. Parameter `weights` (out_dim, 16) (randn, as difflogic's), buffer `indices` (2, out_dim) int64: the wiring, drawn as difflogic draws it
     (the same torch seed gives the same weights and wiring) and kept in the state dict. Training: the soft
     layer; eval: the hard one (argmax op, ties to the lower index). straight_through=True: the hard forward
     in training too, with the soft backward. grad_factor scales dx only. implementation: accepted for

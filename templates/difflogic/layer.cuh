@@ -3,16 +3,23 @@
 //   difflogic_tables_kernel   one thread per gate: p = softmax(logits) or one-hot argmax (ties to the
 //                             lower index), T = p . truth table, 4 floats per gate, once per call.
 //                             With p.gumbel the logits are logits + G, G the gate's Gumbel noise of
-//                             p.seed (philox.cuh), here and in difflogic_dlogits_kernel alike: the
+//                             p.seed (philox.cuh), here and in the dlogits kernels alike: the
 //                             straight-through estimator's hard forward and soft backward see one G.
-//   difflogic_fwd_kernel      one thread per (sample, gate), gates fastest (coalesced y):
-//                             y = T00 (1-a)(1-b) + T01 (1-a) b + T10 a (1-b) + T11 a b.
+//   Activations are row-major [batch, width] or, kFM / layout feature_major, feature-major (the transpose
+//   of a contiguous [width, batch], difflogic's own layout): flat indices run in memory order either way.
+//   difflogic_fwd_kernel      one thread per (sample, gate), y written in memory order:
+//                             y = T00 (1-a)(1-b) + T01 (1-a) b + T10 a (1-b) + T11 a b. Feature-major,
+//                             a warp reads rows a_g and b_g contiguously.
 //   difflogic_dx_kernel       one thread per (sample, input): dx = grad_factor * the sum of da or db over
 //                             the input's readers in the consumers CSR's order (recomputed from x, dout, T:
 //                             no [batch, n_out, 2] buffer); a self-paired gate gives da + db.
-//   difflogic_dlogits_kernel  one block per gate: S_uv = sum_s dout P(a = u) P(b = v) in a fixed block
-//                             tree, then dlogits_i = p_i (sum_uv f_i(u, v) S_uv - sum_uv T_uv S_uv), which is
-//                             sum_s dout p_i (op_i - y) with 4 sums instead of 16.
+//   dlogits                   S_uv = sum_s dout P(a = u) P(b = v), then dlogits_i = p_i (sum_uv f_i(u, v)
+//                             S_uv - sum_uv T_uv S_uv), which is sum_s dout p_i (op_i - y) with 4 sums
+//                             instead of 16. Feature-major (difflogic_dlogits_fm_kernel): one block per
+//                             gate, threads along the batch, a fixed block tree. Row-major
+//                             (difflogic_dlogits_partial_kernel, _finish_kernel): threads along the gates
+//                             (a block per gate would read a different row per thread), each summing a
+//                             chunk of kDiffLogicChunk samples in order; the chunks then summed in order.
 // A wire outside [0, n_in) is never followed: its outputs become NaN (the wiring is validated on the host
 // when it is built; this keeps a bad one from reading out of bounds).
 #pragma once
@@ -82,25 +89,49 @@ __device__ __forceinline__ float difflogic_gate(const float* t, float xa, float 
   return t[0] * (1.0f - xa) * (1.0f - xb) + t[1] * (1.0f - xa) * xb + t[2] * xa * (1.0f - xb) + t[3] * xa * xb;
 }
 
-template <typename T, int kThreads>
+// Element (s, j) of a [batch, width] activation: row-major (s * width + j) or, kFM, feature-major
+// (j * batch + s: the transpose of a contiguous [width, batch], so a feature is one contiguous row).
+template <bool kFM>
+__device__ __forceinline__ long long difflogic_at(const DiffLogicParams& p, long long s, long long j,
+                                                  long long width) {
+  return kFM ? j * p.batch + s : s * width + j;
+}
+
+// Flat index e over [batch, width] in memory order: (s, j) with j fastest (row-major) or s fastest (kFM),
+// so consecutive threads touch consecutive addresses of y / dx either way.
+template <bool kFM>
+__device__ __forceinline__ void difflogic_split(const DiffLogicParams& p, long long e, long long width, long long& s,
+                                                long long& j) {
+  if (kFM) {
+    j = e / p.batch;
+    s = e - j * p.batch;
+  } else {
+    s = e / width;
+    j = e - s * width;
+  }
+}
+
+template <typename T, int kThreads, bool kFM>
 __global__ void __launch_bounds__(kThreads) difflogic_fwd_kernel(const DiffLogicParams p) {
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
   const long long total = p.batch * p.n_out;
   for (long long e = blockIdx.x * static_cast<long long>(kThreads) + threadIdx.x; e < total;
        e += static_cast<long long>(gridDim.x) * kThreads) {
-    const long long s = e / p.n_out, g = e - s * p.n_out;
+    long long s, g;
+    difflogic_split<kFM>(p, e, p.n_out, s, g);
     const int wa = p.a[g], wb = p.b[g];
     float out = __int_as_float(0x7fc00000);  // NaN for a wire out of range
     if (difflogic_wire_ok(wa, p.n_in) && difflogic_wire_ok(wb, p.n_in)) {
       const float t[4] = {p.tables[g * 4], p.tables[g * 4 + 1], p.tables[g * 4 + 2], p.tables[g * 4 + 3]};
-      out = difflogic_gate(t, to_float(x[s * p.n_in + wa]), to_float(x[s * p.n_in + wb]));
+      out = difflogic_gate(t, to_float(x[difflogic_at<kFM>(p, s, wa, p.n_in)]),
+                           to_float(x[difflogic_at<kFM>(p, s, wb, p.n_in)]));
     }
     y[e] = from_float<T>(out);
   }
 }
 
-template <typename T, int kThreads>
+template <typename T, int kThreads, bool kFM>
 __global__ void __launch_bounds__(kThreads) difflogic_dx_kernel(const DiffLogicParams p) {
   const T* x = static_cast<const T*>(p.x);
   const T* dout = static_cast<const T*>(p.dout);
@@ -108,8 +139,8 @@ __global__ void __launch_bounds__(kThreads) difflogic_dx_kernel(const DiffLogicP
   const long long total = p.batch * p.n_in;
   for (long long e = blockIdx.x * static_cast<long long>(kThreads) + threadIdx.x; e < total;
        e += static_cast<long long>(gridDim.x) * kThreads) {
-    const long long s = e / p.n_in, j = e - s * p.n_in;
-    const T* xs = x + s * p.n_in;
+    long long s, j;
+    difflogic_split<kFM>(p, e, p.n_in, s, j);
     float sum = 0.0f;
     for (int k = p.offsets[j]; k < p.offsets[j + 1]; ++k) {
       const int entry = p.entries[k], g = entry >> 1, wa = p.a[g], wb = p.b[g];
@@ -118,7 +149,9 @@ __global__ void __launch_bounds__(kThreads) difflogic_dx_kernel(const DiffLogicP
         break;
       }
       const float* t = p.tables + 4 * g;
-      const float xa = to_float(xs[wa]), xb = to_float(xs[wb]), d = to_float(dout[s * p.n_out + g]);
+      const float xa = to_float(x[difflogic_at<kFM>(p, s, wa, p.n_in)]),
+                  xb = to_float(x[difflogic_at<kFM>(p, s, wb, p.n_in)]),
+                  d = to_float(dout[difflogic_at<kFM>(p, s, g, p.n_out)]);
       sum += (entry & 1) ? d * ((t[1] - t[0]) * (1.0f - xa) + (t[3] - t[2]) * xa)
                          : d * ((t[2] - t[0]) * (1.0f - xb) + (t[3] - t[1]) * xb);
     }
@@ -126,8 +159,33 @@ __global__ void __launch_bounds__(kThreads) difflogic_dx_kernel(const DiffLogicP
   }
 }
 
+// Gate g's dlogits from its four sums S_uv: dlogits_i = p_i (sum_uv f_i(u, v) S_uv - sum_uv T_uv S_uv).
+__device__ __forceinline__ void difflogic_dlogits_of(const DiffLogicParams& p, long long g, const float* S, bool ok,
+                                                     int i) {
+  float l[16], pr[16];
+  difflogic_load_logits(p, g, l);
+  difflogic_softmax(l, pr);
+  const float* t = p.tables + 4 * g;
+  float own = 0.0f, mix = 0.0f;
+#pragma unroll
+  for (int uv = 0; uv < 4; ++uv) {
+    own += difflogic_truth(i, uv) * S[uv];
+    mix += t[uv] * S[uv];
+  }
+  p.dlogits[g * 16 + i] = ok ? pr[i] * (own - mix) : __int_as_float(0x7fc00000);
+}
+
+__device__ __forceinline__ void difflogic_accumulate(float* acc, float d, float xa, float xb) {
+  acc[0] += d * (1.0f - xa) * (1.0f - xb);
+  acc[1] += d * (1.0f - xa) * xb;
+  acc[2] += d * xa * (1.0f - xb);
+  acc[3] += d * xa * xb;
+}
+
+// Feature-major: one block per gate, threads along the batch (rows a_g, b_g and g of dout read
+// contiguously), then a fixed block tree.
 template <typename T, int kThreads>
-__global__ void __launch_bounds__(kThreads) difflogic_dlogits_kernel(const DiffLogicParams p) {
+__global__ void __launch_bounds__(kThreads) difflogic_dlogits_fm_kernel(const DiffLogicParams p) {
   static_assert(kThreads % kWarpSize == 0, "whole warps");
   __shared__ float partial[4][kThreads / kWarpSize];
   const T* x = static_cast<const T*>(p.x);
@@ -136,16 +194,12 @@ __global__ void __launch_bounds__(kThreads) difflogic_dlogits_kernel(const DiffL
     const int wa = p.a[g], wb = p.b[g];
     const bool ok = difflogic_wire_ok(wa, p.n_in) && difflogic_wire_ok(wb, p.n_in);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (ok)
-      for (long long s = threadIdx.x; s < p.batch; s += kThreads) {
-        const float xa = to_float(x[s * p.n_in + wa]), xb = to_float(x[s * p.n_in + wb]);
-        const float d = to_float(dout[s * p.n_out + g]);
-        acc[0] += d * (1.0f - xa) * (1.0f - xb);
-        acc[1] += d * (1.0f - xa) * xb;
-        acc[2] += d * xa * (1.0f - xb);
-        acc[3] += d * xa * xb;
-      }
-    // The block tree: shuffles within each warp, then warp 0 sums the warps' partials in order.
+    if (ok) {
+      const T *xa = x + wa * p.batch, *xb = x + wb * p.batch, *d = dout + g * p.batch;
+      for (long long s = threadIdx.x; s < p.batch; s += kThreads)
+        difflogic_accumulate(acc, to_float(d[s]), to_float(xa[s]), to_float(xb[s]));
+    }
+    // The block tree: shuffles within each warp, then the warps' partials in order.
     warp_reduce_sum<kWarpSize, 4>(acc);
     if (threadIdx.x % kWarpSize == 0)
 #pragma unroll
@@ -158,20 +212,55 @@ __global__ void __launch_bounds__(kThreads) difflogic_dlogits_kernel(const DiffL
         S[uv] = 0.0f;
         for (int w = 0; w < kThreads / kWarpSize; ++w) S[uv] += partial[uv][w];
       }
-      float l[16], pr[16];
-      difflogic_load_logits(p, g, l);
-      difflogic_softmax(l, pr);
-      const int i = threadIdx.x;
-      const float* t = p.tables + 4 * g;
-      float own = 0.0f, mix = 0.0f;
-#pragma unroll
-      for (int uv = 0; uv < 4; ++uv) {
-        own += difflogic_truth(i, uv) * S[uv];
-        mix += t[uv] * S[uv];
-      }
-      p.dlogits[g * 16 + i] = ok ? pr[i] * (own - mix) : __int_as_float(0x7fc00000);
+      difflogic_dlogits_of(p, g, S, ok, threadIdx.x);
     }
     __syncthreads();  // partial is reused by the next gate
+  }
+}
+
+// Row-major, first pass: thread (chunk c = blockIdx.y, gate g) sums samples [c kDiffLogicChunk, (c + 1)
+// kDiffLogicChunk) in order into partials[c][g][4] (tables' workspace, after the tables). Gates run along
+// the threads, so dout's row is read coalesced and x's two reads of a warp hit one row.
+template <typename T, int kThreads>
+__global__ void __launch_bounds__(kThreads) difflogic_dlogits_partial_kernel(const DiffLogicParams p) {
+  const T* x = static_cast<const T*>(p.x);
+  const T* dout = static_cast<const T*>(p.dout);
+  float* partials = p.tables + 4 * p.n_out;
+  const long long chunks = p.batch > 0 ? (p.batch + kDiffLogicChunk - 1) / kDiffLogicChunk : 1;
+  for (long long c = blockIdx.y; c < chunks; c += gridDim.y) {
+    const long long s0 = c * kDiffLogicChunk, s1 = s0 + kDiffLogicChunk < p.batch ? s0 + kDiffLogicChunk : p.batch;
+    for (long long g = blockIdx.x * static_cast<long long>(kThreads) + threadIdx.x; g < p.n_out;
+         g += static_cast<long long>(gridDim.x) * kThreads) {
+      const int wa = p.a[g], wb = p.b[g];
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (difflogic_wire_ok(wa, p.n_in) && difflogic_wire_ok(wb, p.n_in))
+        for (long long s = s0; s < s1; ++s)
+          difflogic_accumulate(acc, to_float(dout[s * p.n_out + g]), to_float(x[s * p.n_in + wa]),
+                               to_float(x[s * p.n_in + wb]));
+      reinterpret_cast<float4*>(partials)[c * p.n_out + g] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    }
+  }
+}
+
+// Row-major, second pass: one thread per (gate, op i); S = the chunks' partials summed in chunk order.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) difflogic_dlogits_finish_kernel(const DiffLogicParams p) {
+  const float4* partials = reinterpret_cast<const float4*>(p.tables + 4 * p.n_out);
+  const long long chunks = p.batch > 0 ? (p.batch + kDiffLogicChunk - 1) / kDiffLogicChunk : 1;
+  for (long long e = blockIdx.x * static_cast<long long>(kThreads) + threadIdx.x; e < p.n_out * 16;
+       e += static_cast<long long>(gridDim.x) * kThreads) {
+    const long long g = e / 16;
+    const int wa = p.a[g], wb = p.b[g];
+    float S[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (long long c = 0; c < chunks; ++c) {
+      const float4 v = partials[c * p.n_out + g];
+      S[0] += v.x;
+      S[1] += v.y;
+      S[2] += v.z;
+      S[3] += v.w;
+    }
+    difflogic_dlogits_of(p, g, S, difflogic_wire_ok(wa, p.n_in) && difflogic_wire_ok(wb, p.n_in),
+                         static_cast<int>(e % 16));
   }
 }
 

@@ -34,6 +34,10 @@ struct DiffLogicParams {
   int periodic;
 };
 
+// Samples per chunk of the row-major layer backward's dlogits partials (layer.cuh; the host sizes the
+// workspace by it).
+constexpr int kDiffLogicChunk = 64;
+
 // The CA architectures (compile-time: a kernel is specialized for one): C channels, K perception kernels,
 // the perception's widths (the first 8: gate g reads (patch[perm[g]], centre)) and the update network's
 // (first n_in C + C P K, P the perception's last width; last width C). Read by the host (op.cpp) and by

@@ -109,6 +109,32 @@ TEST(DiffLogic, ValidationNamesTheArgument) {
   }
 }
 
+// layout: row_major wants contiguous activations, feature_major the transpose of contiguous [n, B]
+// (checked on calls); a size-1 batch fits both.
+TEST(DiffLogic, LayoutChecksTheStrides) {
+  const OpDef& fwd = Registry::global().get("difflogic.layer.fwd");
+  const OpDef& bwd = Registry::global().get("difflogic.layer.bwd");
+  const Params fm = {{"layout", std::string("feature_major")}};
+  auto t = [](uintptr_t at, int64_t B, int64_t n) { return TensorView::strided(fake(at << 28), DType::f32, {B, n}, {1, B}, 0); };
+  auto rm = [](uintptr_t at, int64_t B, int64_t n) { return TensorView(fake(at << 28), DType::f32, {B, n}, 0); };
+  auto in = fwd_inputs(3, 10, 7, DType::f32);
+  in[0] = t(1, 3, 10);
+  EXPECT_NO_THROW(validate_call(fwd, in, {t(8, 3, 7)}, fm, nullptr));
+  expect_in(message_of([&] { validate_call(fwd, in, {t(8, 3, 7)}, {}, nullptr); }),
+            {"input 'x'", "layout 'row_major' expects strides (10, 1)", "layout='feature_major'"});
+  expect_in(message_of([&] { validate_call(fwd, in, {rm(8, 3, 7)}, fm, nullptr); }),
+            {"output 'y'", "layout 'feature_major' expects strides (1, 3)"});
+  EXPECT_NO_THROW(validate_call(fwd, fwd_inputs(1, 10, 7, DType::f32), {t(8, 1, 7)}, fm, nullptr));
+  auto bin = bwd_inputs(3, 10, 7, DType::f32);
+  bin[0] = t(1, 3, 10);
+  bin[4] = t(5, 3, 7);
+  const TensorView dlogits(fake(9 << 28), DType::f32, {7, 16}, 0);
+  EXPECT_NO_THROW(validate_call(bwd, bin, {t(8, 3, 10), dlogits}, fm, nullptr));
+  expect_in(message_of([&] { validate_call(bwd, bin, {rm(8, 3, 10), dlogits}, fm, nullptr); }), {"output 'dx'"});
+  bin[4] = rm(5, 3, 7);
+  expect_in(message_of([&] { validate_call(bwd, bin, {t(8, 3, 10), dlogits}, fm, nullptr); }), {"input 'dout'"});
+}
+
 TEST(DiffLogic, PackedInferenceAndMessages) {
   const char* op = "difflogic.packed.fwd";
   auto in = [](DType words_dt, int64_t words) {
@@ -132,19 +158,28 @@ TEST(DiffLogic, PackedInferenceAndMessages) {
 }
 
 // What `kspec precompile --all` builds for the family (every dtype, every config of the representative
-// cases) compiles for sm_90 without spills or a stack frame.
+// cases), and the layer ops' feature-major variants of the same requests (no case of theirs: the cases'
+// generated inputs are row-major), compile for sm_90 without spills or a stack frame.
 TEST(DiffLogic, PrecompilePlanCompilesWithoutSpills) {
+  // Row-major bwd: tables, dx, dlogits partials and finish; feature-major: tables, dx, dlogits.
   const std::map<std::string, size_t> kernels = {
-      {"difflogic.layer.fwd", 2}, {"difflogic.layer.bwd", 3}, {"difflogic.packed.fwd", 1}};
+      {"difflogic.layer.fwd", 2}, {"difflogic.layer.bwd", 4}, {"difflogic.packed.fwd", 1}};
   std::map<std::string, int> requests;
-  for (const auto& r : precompile_plan({"sm_90"}, {"difflogic.layer.fwd", "difflogic.layer.bwd", "difflogic.packed.fwd"})) {
-    ++requests[r.op];
+  auto check = [](const CompileRequest& r, size_t want) {
     auto reports = compile(r);
-    ASSERT_EQ(reports.size(), kernels.at(r.op)) << r.op;
+    ASSERT_EQ(reports.size(), want) << r.op;
     for (const auto& rep : reports) {
       EXPECT_EQ(rep.spill_bytes, 0) << r.op << " " << dtype_short(r.dtype) << ": " << rep.kernel;
       EXPECT_EQ(rep.stack_bytes, 0) << r.op << " " << dtype_short(r.dtype) << ": " << rep.kernel;
     }
+  };
+  for (const auto& r : precompile_plan({"sm_90"}, {"difflogic.layer.fwd", "difflogic.layer.bwd", "difflogic.packed.fwd"})) {
+    ++requests[r.op];
+    check(r, kernels.at(r.op));
+    if (r.op == "difflogic.packed.fwd") continue;
+    CompileRequest fm = r;
+    fm.params.set("layout", std::string("feature_major"));
+    check(fm, r.op == "difflogic.layer.bwd" ? 3 : 2);
   }
   // soft and hard x 3 dtypes x 2 configs; 3 dtypes x 2 configs; 2 word widths x 2 configs.
   EXPECT_EQ(requests["difflogic.layer.fwd"], 12);
@@ -169,16 +204,27 @@ struct DevBuf {
   void poison() { CU_CHECK(cuMemsetD8(p, 0xFF, bytes)); }
 };
 
-// One layer on the host (float64, rounded to the activation dtype) and on the device.
+// [rows, cols] row-major -> [cols, rows] row-major.
+std::vector<double> transposed(const std::vector<double>& v, int64_t rows, int64_t cols) {
+  std::vector<double> t(v.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) t[c * rows + r] = v[r * cols + c];
+  return t;
+}
+
+// One layer on the host (float64, rounded to the activation dtype) and on the device; with fm, the device
+// activations are feature-major (layout feature_major: [B, n] views of contiguous [n, B] buffers) and
+// fwd / bwd hand back row-major [B, n] values like the reference's.
 struct LayerRun {
   int64_t B, n_in, n_out;
   DType dt;
+  bool fm = false;
   std::vector<double> x, logits, dout;
   std::vector<int32_t> a, b, csr;
   std::unique_ptr<DevBuf> dx_, dlogits_, y_, x_, logits_, a_, b_, dout_, csr_;
 
-  LayerRun(int64_t B_, int64_t n_in_, int64_t n_out_, DType dt_, bool bits, uint64_t seed)
-      : B(B_), n_in(n_in_), n_out(n_out_), dt(dt_) {
+  LayerRun(int64_t B_, int64_t n_in_, int64_t n_out_, DType dt_, bool bits, uint64_t seed, bool fm_ = false)
+      : B(B_), n_in(n_in_), n_out(n_out_), dt(dt_), fm(fm_) {
     std::mt19937_64 rng(seed);
     std::uniform_real_distribution<double> unit(0.0, 1.0);
     std::normal_distribution<double> normal(0.0, 1.5);
@@ -204,9 +250,9 @@ struct LayerRun {
       d->upload(data, n);
     };
     std::vector<unsigned char> bytes;
-    encode(dt, x, bytes);
+    encode(dt, fm ? transposed(x, B, n_in) : x, bytes);
     up(x_, bytes.data(), bytes.size());
-    encode(dt, dout, bytes);
+    encode(dt, fm ? transposed(dout, B, n_out) : dout, bytes);
     up(dout_, bytes.data(), bytes.size());
     encode(DType::f32, logits, bytes);
     up(logits_, bytes.data(), bytes.size());
@@ -217,32 +263,43 @@ struct LayerRun {
     dx_ = std::make_unique<DevBuf>(B * n_in * dtype_size(dt));
     dlogits_ = std::make_unique<DevBuf>(n_out * 16 * 4);
   }
+  // A [B, n] activation in the run's layout.
+  TensorView act(const DevBuf& d, int64_t n) const {
+    return fm ? TensorView::strided(d.ptr(), dt, {B, n}, {1, B}, 0) : TensorView(d.ptr(), dt, {B, n}, 0);
+  }
+  // A downloaded [B, n] activation, row-major.
+  std::vector<double> values(const std::vector<unsigned char>& bytes, int64_t n) const {
+    auto v = decode(dt, bytes);
+    return fm ? transposed(v, n, B) : v;
+  }
   std::vector<TensorView> inputs() const {
-    return {TensorView(x_->ptr(), dt, {B, n_in}, 0), TensorView(logits_->ptr(), DType::f32, {n_out, 16}, 0),
+    return {act(*x_, n_in), TensorView(logits_->ptr(), DType::f32, {n_out, 16}, 0),
             TensorView(a_->ptr(), DType::i32, {n_out}, 0), TensorView(b_->ptr(), DType::i32, {n_out}, 0)};
   }
   std::vector<double> fwd(const std::string& mode, Params extra = {}, const Config* config = nullptr) {
     y_->poison();
     extra.set("mode", mode);
+    if (fm) extra.set("layout", std::string("feature_major"));
     CallOptions opts;
     opts.config = config;
-    call("difflogic.layer.fwd", inputs(), {TensorView(y_->ptr(), dt, {B, n_out}, 0)}, extra, nullptr, opts);
+    call("difflogic.layer.fwd", inputs(), {act(*y_, n_out)}, extra, nullptr, opts);
     CU_CHECK(cuCtxSynchronize());
-    return decode(dt, y_->download(B * n_out * dtype_size(dt)));
+    return values(y_->download(B * n_out * dtype_size(dt)), n_out);
   }
-  // dx and dlogits as raw bytes (for bitwise comparisons).
+  // dx and dlogits as raw bytes (for bitwise comparisons), dx in the run's layout (values() reads it).
   std::pair<std::vector<unsigned char>, std::vector<unsigned char>> bwd(double grad_factor, Params extra = {},
                                                                         const Config* config = nullptr) {
     dx_->poison();
     dlogits_->poison();
     auto in = inputs();
-    in.push_back(TensorView(dout_->ptr(), dt, {B, n_out}, 0));
+    in.push_back(act(*dout_, n_out));
     in.push_back(TensorView(csr_->ptr(), DType::i32, {static_cast<int64_t>(csr.size())}, 0));
     extra.set("grad_factor", grad_factor);
+    if (fm) extra.set("layout", std::string("feature_major"));
     CallOptions opts;
     opts.config = config;
     call("difflogic.layer.bwd", in,
-         {TensorView(dx_->ptr(), dt, {B, n_in}, 0), TensorView(dlogits_->ptr(), DType::f32, {n_out, 16}, 0)}, extra,
+         {act(*dx_, n_in), TensorView(dlogits_->ptr(), DType::f32, {n_out, 16}, 0)}, extra,
          nullptr, opts);
     CU_CHECK(cuCtxSynchronize());
     return {dx_->download(B * n_in * dtype_size(dt)), dlogits_->download(n_out * 16 * 4)};
@@ -283,6 +340,50 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(std::make_tuple(1, 1, 1), std::make_tuple(33, 7, 33),
                                          std::make_tuple(1, 33, 7), std::make_tuple(33, 4097, 4097),
                                          std::make_tuple(1024, 1000, 1000), std::make_tuple(8, 4, 2048))));
+
+// Both layouts (row-major: the chunked dlogits; feature-major: every kernel along the batch) against the
+// reference: widths 1 to 4097, B = 1, 33 (a partial chunk), 1024 (16 chunks), every third gate
+// self-paired, inputs read by many gates (n_in 7 or 33 under 4097 gates), unread inputs' dx exactly 0, two
+// runs bitwise equal.
+class DiffLogicGpuLayout
+    : public ::testing::TestWithParam<std::tuple<bool, DType, std::tuple<int64_t, int64_t, int64_t>>> {};
+
+TEST_P(DiffLogicGpuLayout, MatchesReference) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  const bool fm = std::get<0>(GetParam());
+  const DType dt = std::get<1>(GetParam());
+  const auto [B, n_in, n_out] = std::get<2>(GetParam());
+  LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 7 + n_in * 13 + n_out), fm);
+  for (const char* mode : {"soft", "hard"}) {
+    const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
+                                                   std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
+                                                                               : ref::DiffLogicMode::Soft);
+    EXPECT_LE(rel_error(r.fwd(mode), want), tol(dt)) << mode;
+  }
+  const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 0.5);
+  const auto got = r.bwd(0.5);
+  const auto dx = r.values(got.first, n_in);
+  EXPECT_LE(rel_error(dx, want.dx), tol(dt)) << "dx";
+  EXPECT_LE(rel_error(decode(DType::f32, got.second), want.dlogits), tol(dt)) << "dlogits";
+  for (int64_t j = 0; j < n_in; ++j) {
+    if (r.csr[j] != r.csr[j + 1]) continue;
+    for (int64_t s = 0; s < B; ++s) {
+      ASSERT_EQ(dx[s * n_in + j], 0.0) << "unread input " << j << ", sample " << s;
+    }
+  }
+  const auto again = r.bwd(0.5);
+  EXPECT_TRUE(got.first == again.first) << "dx differs between two runs";
+  EXPECT_TRUE(got.second == again.second) << "dlogits differs between two runs";
+  EXPECT_TRUE(r.fwd("soft") == r.fwd("soft")) << "y differs between two runs";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, DiffLogicGpuLayout,
+    ::testing::Combine(::testing::Bool(), ::testing::Values(DType::f32, DType::bf16),
+                       ::testing::Values(std::make_tuple(1, 1, 1), std::make_tuple(33, 7, 33),
+                                         std::make_tuple(1024, 33, 7), std::make_tuple(1, 4097, 7),
+                                         std::make_tuple(33, 7, 4097), std::make_tuple(1024, 4097, 4097))));
 
 // Hard mode on {0, 1} inputs is exact in every dtype: equal to the reference bit for bit.
 TEST(DiffLogicGpuExact, HardModeOnBitsIsExact) {

@@ -178,6 +178,47 @@ def test_logic_layer_autograd_vs_reference(dtype, B, n_in, n_out):
     assert torch.equal(again[0], dx) and torch.equal(again[1], dl)  # no atomics: the same bits
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("B,n_in,n_out", [(33, 7, 4097), (1024, 4097, 33)])
+def test_logic_layer_feature_major(dtype, B, n_in, n_out):
+    """x.t() of a contiguous (n_in, B) runs the feature-major kernels: y and dx come back feature-major, equal
+    to the row-major path's bit for bit (the same per-element sums), dlogits within the bound, two runs
+    bitwise equal; an input no gate reads gets dx = 0; a stack of two layers stays feature-major."""
+    from kspec._difflogic import feature_major
+
+    g = torch.Generator(device="cuda").manual_seed(B * 3 + n_in)
+    x = torch.rand(B, n_in, device="cuda", generator=g).to(dtype)
+    logits = _rn(g, n_out, 16)
+    a = torch.randint(0, n_in - 1, (n_out,), device="cuda", generator=g)  # input n_in - 1 unread
+    b = torch.randint(0, n_in - 1, (n_out,), device="cuda", generator=g)
+    b[::3] = a[::3]
+    dy = _rn(g, B, n_out, dtype=dtype)
+    xf = x.t().contiguous().t().requires_grad_()
+    ll = logits.clone().requires_grad_()
+    y = kspec.ops.logic_layer(xf, ll, a, b, grad_factor=1.5)
+    assert feature_major(y), y.stride()
+    dx, dl = torch.autograd.grad(y, (xf, ll), dy.t().contiguous().t())
+    assert feature_major(dx), dx.stride()
+    want_dx, want_dl = dl_ref.layer_bwd(_np(dy), _np(x), _np(logits), a.cpu().numpy(), b.cpu().numpy(), 1.5)
+    fwd_tol, bwd_tol = LOGIC_TOL[dtype]
+    _check(y, dl_ref.layer_fwd(_np(x), _np(logits), a.cpu().numpy(), b.cpu().numpy()), fwd_tol, "y")
+    _check(dx, want_dx, bwd_tol, "dx")
+    _check(dl, want_dl, bwd_tol, "dlogits")
+    assert torch.all(dx[:, n_in - 1] == 0)
+    xr, lr = _leaves(x, logits)
+    yr = kspec.ops.logic_layer(xr, lr, a, b, grad_factor=1.5)
+    dxr, _ = torch.autograd.grad(yr, (xr, lr), dy)
+    assert torch.equal(y, yr) and torch.equal(dx, dxr)
+    again = torch.autograd.grad(kspec.ops.logic_layer(xf, ll, a, b, grad_factor=1.5), (xf, ll), dy.t().contiguous().t())
+    assert torch.equal(again[0], dx) and torch.equal(again[1], dl)  # no atomics: the same bits
+    torch.manual_seed(1)
+    stack = torch.nn.Sequential(kspec.nn.LogicLayer(n_in, n_in, device="cuda"),
+                                kspec.nn.LogicLayer(n_in, n_in, device="cuda"))
+    out = stack(xf)
+    assert feature_major(out)
+    assert torch.equal(out, stack(x))
+
+
 @pytest.mark.parametrize("w", [32, 64])
 def test_packed_layer_and_group_sum_vs_reference(w):
     B, n_in, n_out = 100, 50, 40  # B not a multiple of w

@@ -109,11 +109,14 @@ def run(ctx):
             dy_check = torch.zeros_like(dy)
             dy_check[:CHECK_SAMPLES] = dy[:CHECK_SAMPLES]
             ref = _reference(x, layer.weights.detach(), a, b, dy_check)
-            impls = [("kspec", "kspec", lambda x, m=layer: m(x), layer.weights),
-                     ("torch eager", "peer", lambda x, w=layer.weights: eager(x, w, a, b), layer.weights)]
+            # kspec both ways: x (and dy) as given, row-major; and feature-major (the user hands over x.t() of
+            # a contiguous (n_in, B), difflogic's own layout: y, dx come back feature-major, no copies timed).
+            impls = [("kspec", "kspec", lambda x, m=layer: m(x), layer.weights, False),
+                     ("kspec feature-major", "kspec", lambda x, m=layer: m(x), layer.weights, True),
+                     ("torch eager", "peer", lambda x, w=layer.weights: eager(x, w, a, b), layer.weights, False)]
             if peer is not None and dtype == torch.float32:
-                impls.append(("difflogic 0.1.0", "peer", peer, peer.weights))
-            for name, impl, fn, weights in impls:
+                impls.append(("difflogic 0.1.0", "peer", peer, peer.weights, False))
+            for name, impl, fn, weights, fm in impls:
                 for kind in ("fwd", "fwd+bwd"):
                     row = {"family": "difflogic", "shape": f"{B}x{n_in}→{n_out}", "dtype": dt, "variant": name,
                            "impl": impl, "kind": kind, "bytes": min_bytes(B, n_in, n_out, kind, x.element_size()),
@@ -123,7 +126,7 @@ def run(ctx):
                         rows.append(row)
                         continue
                     try:
-                        row.update(_run_one(ctx, torch, fn, weights, x, dy, dy_check, kind, ref, impl, dt))
+                        row.update(_run_one(ctx, torch, fn, weights, x, dy, dy_check, kind, ref, impl, dt, fm))
                     except Exception as e:  # noqa: BLE001
                         row["status"] = "OOM" if "out of memory" in str(e).lower() else "error"
                         row["error"] = short_error(e)
@@ -136,7 +139,7 @@ def run(ctx):
         del layer, peer
         torch.cuda.empty_cache()
     for r in rows:
-        base = next((k for k in rows if k["impl"] == "kspec" and k["shape"] == r["shape"] and k["dtype"] == r["dtype"]
+        base = next((k for k in rows if k["variant"] == "kspec" and k["shape"] == r["shape"] and k["dtype"] == r["dtype"]
                      and k["kind"] == r["kind"] and "gpu_ms" in k), None)
         if "gpu_ms" in r:
             r["gbps"] = r["bytes"] / (r["gpu_ms"] * 1e6)
@@ -147,8 +150,15 @@ def run(ctx):
     return _report(ctx, rows, notes, why)
 
 
-def _run_one(ctx, torch, fn, weights, x, dy, dy_check, kind, ref, impl, dt):
-    xl = x.detach().clone().requires_grad_(kind != "fwd")
+def _feature_major(t):
+    """The same values as a (B, n) view of a contiguous (n, B) tensor."""
+    return t.t().contiguous().t()
+
+
+def _run_one(ctx, torch, fn, weights, x, dy, dy_check, kind, ref, impl, dt, fm=False):
+    if fm:
+        x, dy, dy_check = _feature_major(x), _feature_major(dy), _feature_major(dy_check)
+    xl = x.detach().clone().requires_grad_(kind != "fwd")  # clone keeps the strides
 
     def prep():
         xl.grad = None
@@ -193,10 +203,12 @@ def _report(ctx, rows, notes, why):
     ]
     notes = list(notes) + [
         "kspec: kspec.nn.LogicLayer (training mode: the soft layer; wiring checked and its consumers CSR built"
-        " once). difflogic 0.1.0: LogicLayer(implementation='cuda'), fp32 only, synchronizes after every kernel.",
+        " once), x and dy row-major as given; kspec feature-major: the same layer handed x.t() of a contiguous"
+        " (n_in, B) and dy likewise (difflogic's layout: its kernels run along the batch; y, dx feature-major). difflogic 0.1.0: LogicLayer(implementation='cuda'), fp32 only, synchronizes after every kernel.",
         f"validation: y, dx and dlogits of the first {CHECK_SAMPLES} samples (dy zero elsewhere) vs the float64"
         " reference, before timing; difflogic's dx differs on inputs of self-paired gates (its bug, issue 30).",
-        "bytes: x and y once, the backward dy, x again and dx (logits 64 B a gate); measured anchor (issue 30, H100):"
+        "bytes: a floor, x and y once, the backward dy, x again and dx (logits 64 B a gate); a gate reads two"
+        " rows of x, so the forward moves up to 1.5x the floor where L2 misses the second reader; measured anchor (issue 30, H100):"
         " difflogic 64k→64k, B = 1024, fp32: fwd 1.101 ms, fwd+bwd 4.260 ms.",
         "not benchmarked here: packed inference (kspec.ops.difflogic_packed) and the CA rollout (no op yet).",
     ]
@@ -212,7 +224,7 @@ def targets(rows, peak) -> list:
     for r in rows:
         if r["impl"] != "kspec" or "gpu_ms" not in r:
             continue
-        line = f"  {r['shape']} {r['dtype']} {r['kind']}: {r['gpu_ms']:.3f} ms, {r['pct_of_peak']:.0f}%"
+        line = f"  {r['variant']} {r['shape']} {r['dtype']} {r['kind']}: {r['gpu_ms']:.3f} ms, {r['pct_of_peak']:.0f}%"
         if r["kind"] == "fwd":
             line += " ok" if r["pct_of_peak"] >= FWD_PCT else " MISSED"
         else:

@@ -51,6 +51,30 @@ std::vector<double> effective_logits(const Problem& p, const HostTensor& logits)
   return l;
 }
 
+// The activations' layout (compile-time: each has its own kernels). row_major: x, y, dout, dx contiguous
+// [batch, width]. feature_major: each the transpose of a contiguous [width, batch] (strides (1, batch), as
+// x.t() of a [width, batch] tensor gives), the layout difflogic itself keeps: a gate reads two contiguous
+// rows and every kernel runs its threads along the batch.
+ParamDef layout_param() {
+  return {"layout", ParamType::Choice, std::string("row_major"), {"row_major", "feature_major"},
+          "x, y, dout, dx: row_major (contiguous [batch, width]) or feature_major (strides (1, batch): the "
+          "transpose of a contiguous [width, batch])"};
+}
+
+bool feature_major(const Problem& p) { return p.param_str("layout") == "feature_major"; }
+
+// An activation's strides against the layout (a size-1 dim's stride is free).
+void check_layout(const Call& call, const TensorView& t, const char* what) {
+  if (t.numel() == 0) return;
+  const bool fm = feature_major(call.problem);
+  const int64_t want[2] = {fm ? 1 : t.shape[1], fm ? t.shape[0] : 1};
+  for (int d = 0; d < 2; ++d)
+    KSPEC_CHECK(t.shape[d] == 1 || t.strides[d] == want[d], call.problem.op->info.name, ": ", what, ": layout '",
+                call.problem.param_str("layout"), "' expects strides (", want[0], ", ", want[1], ") ",
+                fm ? "(the transpose of a contiguous [width, batch])" : "(contiguous [batch, width])", ", got ",
+                t.describe(), fm ? "" : "; pass layout='feature_major' for a batch-contiguous view");
+}
+
 std::vector<DimDef> layer_dims(bool csr) {
   std::vector<DimDef> d = {{"batch", DimKind::Var, {}, "B, samples", 1},
                            {"n_in", DimKind::Var, {}, "inputs of the layer", 1, INT32_MAX},
@@ -61,7 +85,8 @@ std::vector<DimDef> layer_dims(bool csr) {
 
 std::vector<TensorDef> layer_inputs() {
   return {
-      tensor_def("x", {"batch", "n_in"}, kFloatTypes, "", false, false, "", Layout::Contiguous, "activations"),
+      tensor_def("x", {"batch", "n_in"}, kFloatTypes, "", false, false, "", Layout::Strided,
+                 "activations (strides per the layout param)"),
       tensor_def("logits", {"n_out", "16"}, {DType::f32}, "", false, false, "", Layout::Contiguous,
                  "gate logits (softmax over the 16 ops)"),
       tensor_def("a", {"n_out"}, {DType::i32}, "", false, false, "", Layout::Contiguous,
@@ -149,10 +174,11 @@ OpDef make_layer_fwd() {
                         "argmax, ties to the lower index (hard; the straight-through estimator's forward)",
                         false);
   op.info.params = {{"mode", ParamType::Choice, std::string("soft"), kModes,
-                     "soft (training) or hard (inference; the straight-through estimator's forward)"}};
+                     "soft (training) or hard (inference; the straight-through estimator's forward)"},
+                    layout_param()};
   for (auto& g : gumbel_params()) op.info.params.push_back(std::move(g));
   op.info.outputs = {
-      tensor_def("y", {"batch", "n_out"}, {}, "x", false, false, "", Layout::Contiguous, "gate outputs"),
+      tensor_def("y", {"batch", "n_out"}, {}, "x", false, false, "", Layout::Strided, "gate outputs (layout as x)"),
   };
   op.cases = layer_cases();
   Case hard = op.cases.front();
@@ -165,12 +191,16 @@ OpDef make_layer_fwd() {
   ste.params = {{"mode", std::string("hard")}, {"gumbel", true}, {"seed", int64_t{12345}}};
   op.cases.push_back(std::move(ste));
   op.prepare_inputs = prepare_wires;
+  op.check_call = [](const Call& call) {
+    check_layout(call, call.in("x"), "input 'x'");
+    check_layout(call, call.out("y"), "output 'y'");
+  };
   op.kernels = [](const Problem& p, const Config& c) {
     const int64_t threads = c.get("threads");
     return std::vector<jit::KernelSpec>{
         tables_kernel(p, p.param_str("mode") == "hard", threads),
         kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_fwd_kernel",
-                    {dtype_cuda_type(p.dtype("x")), std::to_string(threads)})};
+                    {dtype_cuda_type(p.dtype("x")), std::to_string(threads), feature_major(p) ? "true" : "false"})};
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     DiffLogicParams a = params_of(call);
@@ -201,15 +231,15 @@ OpDef make_layer_bwd() {
                         "readers in the consumers CSR's order (no atomics: the same bits every run)",
                         true);
   ParamDef gf{"grad_factor", ParamType::Float, 1.0, {}, "scales dx only", true};
-  op.info.params = {gf};
+  op.info.params = {gf, layout_param()};
   for (auto& g : gumbel_params()) op.info.params.push_back(std::move(g));
-  op.info.inputs.push_back(tensor_def("dout", {"batch", "n_out"}, {}, "x", false, false, "", Layout::Contiguous,
-                                      "upstream gradient of y"));
+  op.info.inputs.push_back(tensor_def("dout", {"batch", "n_out"}, {}, "x", false, false, "", Layout::Strided,
+                                      "upstream gradient of y (layout as x)"));
   op.info.inputs.push_back(tensor_def("consumers", {"csr"}, {DType::i32}, "", false, false, "", Layout::Contiguous,
                                       "offsets [n_in + 1] then entries [2 n_out] (2 g + side, ascending per input), "
                                       "built once per wiring"));
   op.info.outputs = {
-      tensor_def("dx", {"batch", "n_in"}, {}, "x", false, false, "", Layout::Contiguous, "gradient of x"),
+      tensor_def("dx", {"batch", "n_in"}, {}, "x", false, false, "", Layout::Strided, "gradient of x (layout as x)"),
       tensor_def("dlogits", {"n_out", "16"}, {DType::f32}, "", false, false, "", Layout::Contiguous,
                  "gradient of the logits"),
   };
@@ -217,6 +247,11 @@ OpDef make_layer_bwd() {
     const int64_t want = p.dim("n_in") + 1 + 2 * p.dim("n_out");
     KSPEC_CHECK(p.dim("csr") == want, p.op->info.name, ": input 'consumers' has ", p.dim("csr"),
                 " elements, expected n_in + 1 + 2 n_out = ", want, " (offsets, then entries)");
+  };
+  op.check_call = [](const Call& call) {
+    check_layout(call, call.in("x"), "input 'x'");
+    check_layout(call, call.in("dout"), "input 'dout'");
+    check_layout(call, call.out("dx"), "output 'dx'");
   };
   op.cases = layer_cases();
   for (auto& c : op.cases) {
@@ -241,10 +276,17 @@ OpDef make_layer_bwd() {
   };
   op.kernels = [](const Problem& p, const Config& c) {
     const std::string t = dtype_cuda_type(p.dtype("x")), threads = std::to_string(c.get("threads"));
-    return std::vector<jit::KernelSpec>{
+    const bool fm = feature_major(p);
+    std::vector<jit::KernelSpec> k = {
         tables_kernel(p, false, c.get("threads")),
-        kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_dx_kernel", {t, threads}),
-        kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_dlogits_kernel", {t, threads})};
+        kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_dx_kernel", {t, threads, fm ? "true" : "false"})};
+    if (fm) {
+      k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_dlogits_fm_kernel", {t, threads}));
+    } else {
+      k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_dlogits_partial_kernel", {t, threads}));
+      k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_dlogits_finish_kernel", {threads}));
+    }
+    return k;
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     DiffLogicParams a = params_of(call);
@@ -255,12 +297,21 @@ OpDef make_layer_bwd() {
     a.dlogits = static_cast<float*>(call.out("dlogits").data);
     a.grad_factor = static_cast<float>(call.problem.param_float("grad_factor"));
     set_gumbel(call.problem, a);
-    a.tables = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(4 * a.n_out)));
+    const bool fm = feature_major(call.problem);
+    // Row-major: the tables, then the dlogits partials [chunks, n_out, 4] (at least one chunk, of zeros
+    // when batch = 0), in one workspace.
+    const int64_t chunks = fm ? 0 : std::max<int64_t>(1, (a.batch + kDiffLogicChunk - 1) / kDiffLogicChunk);
+    a.tables = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(4 * a.n_out * (1 + chunks))));
     const int64_t threads = c.get("threads");
     void* args[] = {&a};
     l.launch(0, {blocks_for(a.n_out, threads)}, {u32(threads)}, 0, args);
     if (a.batch > 0) l.launch(1, {blocks_for(a.batch * a.n_in, threads)}, {u32(threads)}, 0, args);
-    l.launch(2, {u32(std::min<int64_t>(kMaxBlocks, a.n_out))}, {u32(threads)}, 0, args);
+    if (fm) {
+      l.launch(2, {u32(std::min<int64_t>(kMaxBlocks, a.n_out))}, {u32(threads)}, 0, args);
+    } else {
+      l.launch(2, {blocks_for(a.n_out, threads), u32(std::min<int64_t>(chunks, 65535))}, {u32(threads)}, 0, args);
+      l.launch(3, {blocks_for(16 * a.n_out, threads)}, {u32(threads)}, 0, args);
+    }
   };
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
     auto g = ref::difflogic_layer_bwd_ref(p.dim("batch"), p.dim("n_in"), in[0].data, effective_logits(p, in[1]),
