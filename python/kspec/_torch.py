@@ -8,7 +8,7 @@ import torch
 from . import _C
 from ._core import call
 from ._surface import Family, build
-from .ops import gemm_reads_in_place
+from .ops import ACTIVATION_ALIASES, gemm_reads_in_place
 
 # ---- norm_act (the forward: the default, one call of norm_act.fwd) ----
 
@@ -76,9 +76,16 @@ def _as_matrix(x):
     return x.unsqueeze(0) if x.dim() == 1 else x
 
 
+def _act(act):
+    """The canonical name: the custom ops are called with an alias too (torch.ops.kspec.linear_fwd(...,
+    "gelu", ...)), and the choice to keep GELU's input must see gelu_tanh (H100 run: the alias kept none)."""
+    return ACTIVATION_ALIASES.get(act, act)
+
+
 def _linear_fwd(x, weight, bias, act, tf32, save):
     """(y, pre): pre, GELU's input, only for gelu_tanh with a backward to run (relu's backward reads y: outputs
     of a custom op may not alias, so y is not returned twice)."""
+    act = _act(act)
     if x.numel() == 0:  # no rows, or k = 0 (y = act(bias)): nothing for cuBLASLt, which needs k > 0
         pre = torch.zeros((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
         if bias is not None:
@@ -98,6 +105,7 @@ def _linear_fwd(x, weight, bias, act, tf32, save):
 
 
 def _linear_bwd(dy, x, weight, saved, has_bias, act, tf32):
+    act = _act(act)
     if act == "none":
         saved = None  # it reads none (the custom op passes an empty stand-in)
     # autograd's dy may be any view (y.sum() gives a broadcast one, strides 0): gemm.bwd reads rows of it
@@ -122,6 +130,7 @@ def _linear_bwd(dy, x, weight, saved, has_bias, act, tf32):
 
 
 def _linear_fake(x, weight, bias, act, tf32):
+    act = _act(act)
     y = x.new_empty((*x.shape[:-1], weight.shape[0]))
     return y, (torch.empty_like(y) if act == "gelu_tanh" else None)
 
@@ -137,7 +146,7 @@ linear_surface = build(Family(
     fwd="Tensor x, Tensor weight, Tensor? bias, str act, bool tf32", fwd_out=("y", "pre"),
     bwd="Tensor dy, Tensor x, Tensor weight, Tensor? saved, bool has_bias, str act, bool tf32",
     bwd_out=("dx", "dweight", "dbias"), forward=_linear_fwd, backward=_linear_bwd,
-    extra={"saved": lambda e: e["y"] if e["act"] == "relu" else e["pre"], "has_bias": lambda e: e["bias"] is not None},
+    extra={"saved": lambda e: e["y"] if _act(e["act"]) == "relu" else e["pre"], "has_bias": lambda e: e["bias"] is not None},
     fake=_linear_fake, bwd_fake=_linear_bwd_fake))
 
 

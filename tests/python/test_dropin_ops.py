@@ -139,7 +139,9 @@ def test_selective_state_update_refuses_other_types():
 @pytest.mark.parametrize("case", list(UPDATE_CASES))
 def test_gpu_selective_state_update_vs_reference(case):
     kw = UPDATE_CASES[case]
-    args = make_update_args(**kw, batch=4 if not kw.get("rows") else 3, dstate=16, dim=64, device="cuda")
+    # the GPU sizes, where the case does not set its own (the head cases set dim)
+    sizes = dict(dict(batch=4 if not kw.get("rows") else 3, dstate=16, dim=64), **kw)
+    args = make_update_args(**sizes, device="cuda")
     idx = torch.tensor([4, 0, 2], device="cuda") if kw.get("rows") else None
     want_out, want_state = state_update_reference(**{k: v.cpu() for k, v in args.items()}, dt_softplus=True,
                                                   idx=None if idx is None else idx.cpu())

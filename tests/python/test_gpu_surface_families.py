@@ -8,6 +8,7 @@ import copy
 
 import numpy as np
 import pytest
+from helpers import rel_err
 
 torch = pytest.importorskip("torch")
 import kspec  # noqa: E402
@@ -182,7 +183,7 @@ def test_logic_layer_autograd_vs_reference(dtype, B, n_in, n_out):
 @pytest.mark.parametrize("B,n_in,n_out", [(33, 7, 4097), (1024, 4097, 33)])
 def test_logic_layer_feature_major(dtype, B, n_in, n_out):
     """x.t() of a contiguous (n_in, B) runs the feature-major kernels: y and dx come back feature-major, equal
-    to the row-major path's bit for bit (the same per-element sums), dlogits within the bound, two runs
+    to the row-major path's to rounding (the same per-element sums, other FMA contractions), dlogits within the bound, two runs
     bitwise equal; an input no gate reads gets dx = 0; a stack of two layers stays feature-major."""
     from kspec._difflogic import feature_major
 
@@ -208,7 +209,9 @@ def test_logic_layer_feature_major(dtype, B, n_in, n_out):
     xr, lr = _leaves(x, logits)
     yr = kspec.ops.logic_layer(xr, lr, a, b, grad_factor=1.5)
     dxr, _ = torch.autograd.grad(yr, (xr, lr), dy)
-    assert torch.equal(y, yr) and torch.equal(dx, dxr)
+    # two kernels (the compiler contracts their sums into FMAs differently: the H100 saw fp32 y differ in
+    # the last bits), so equal to rounding, not bit for bit; each path is bitwise repeatable (below)
+    assert rel_err(_np(y), _np(yr)) <= 1e-6 and rel_err(_np(dx), _np(dxr)) <= 1e-6
     again = torch.autograd.grad(kspec.ops.logic_layer(xf, ll, a, b, grad_factor=1.5), (xf, ll), dy.t().contiguous().t())
     assert torch.equal(again[0], dx) and torch.equal(again[1], dl)  # no atomics: the same bits
     torch.manual_seed(1)
@@ -216,7 +219,7 @@ def test_logic_layer_feature_major(dtype, B, n_in, n_out):
                                 kspec.nn.LogicLayer(n_in, n_in, device="cuda"))
     out = stack(xf)
     assert feature_major(out)
-    assert torch.equal(out, stack(x))
+    assert rel_err(_np(out), _np(stack(x))) <= 1e-6  # the row-major stack, to rounding (see above)
 
 
 @pytest.mark.parametrize("w", [32, 64])

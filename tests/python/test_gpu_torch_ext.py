@@ -27,9 +27,9 @@ def _np(t):
     return t.detach().double().cpu().numpy()
 
 
-def _run(fn, inputs):
+def _run(fn, inputs, consts=()):
     leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
-    outs = fn(*leaves)
+    outs = fn(*leaves, *consts)
     outs = outs if isinstance(outs, tuple) else (outs,)
     g = torch.Generator(device="cuda").manual_seed(7)
     cots = [torch.randn(o.shape, device="cuda", dtype=o.dtype, generator=g) for o in outs]
@@ -50,15 +50,16 @@ def _same(got, want, again, dtype, what):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_public_ops_same_outputs_and_gradients_as_pure_path(name, dtype):
     make, shapes = FAMILIES[name]
-    inputs, public, _ = make(shapes[0], dtype)
-    got = _run(public, inputs)
+    inputs, public, _, *rest = make(shapes[0], dtype)  # rest: tensors without gradients (test_gpu_surface)
+    consts = rest[0] if rest else ()
+    got = _run(public, inputs, consts)
     with pure_path():
-        want, again = _run(public, inputs), _run(public, inputs)
+        want, again = _run(public, inputs, consts), _run(public, inputs, consts)
     _same(got, want, again, dtype, name)
     with torch.no_grad():  # the no-grad path (the forward alone)
-        got = public(*inputs)
+        got = public(*inputs, *consts)
         with pure_path():
-            want, again = public(*inputs), public(*inputs)
+            want, again = public(*inputs, *consts), public(*inputs, *consts)
     got, want, again = ((t,) if isinstance(t, torch.Tensor) else t for t in (got, want, again))
     _same(got, want, again, dtype, name + " no grad")
 
