@@ -2,6 +2,7 @@
 (honoured, recorded, or refused with a clear error), and state dicts move both ways. Without a GPU the
 kernel is replaced by a recorder (as in test_optim_cache.py) to check what a step would launch and the
 state dicts' structure; on a GPU the numerics against torch across a state-dict hand-over either way."""
+import copy
 import inspect
 import warnings
 
@@ -114,7 +115,7 @@ def test_state_dict_to_torch_and_back(recorder, amsgrad):
     assert all(float(ref.state[q]["step"]) == 4.0 for q in qs)
 
     back = kspec.optim.AdamW(ps, lr=1e-2, amsgrad=amsgrad)
-    back.load_state_dict(ref.state_dict())
+    back.load_state_dict(copy.deepcopy(ref.state_dict()))
     back.step()
     b = recorder.binds[-1]
     assert b.runs[-1]["step"] == 5
@@ -171,7 +172,9 @@ def test_gpu_state_dict_round_trip_numerics(kw):
         opt.step()
     qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     ref = torch.optim.AdamW(qs, weight_decay=0.1, **torch_kw)
-    ref.load_state_dict(opt.state_dict())
+    # a checkpoint's copy: load_state_dict keeps a tensor of the right dtype and device as it is (torch's
+    # and kspec's), so a live state dict would leave both optimizers stepping one set of moments
+    ref.load_state_dict(copy.deepcopy(opt.state_dict()))
     for s in range(3, 6):
         _grads(ps, s)
         _grads(qs, s)
@@ -180,7 +183,7 @@ def test_gpu_state_dict_round_trip_numerics(kw):
     _assert_close(ps, qs, 1e-5)
     rs = [torch.nn.Parameter(q.detach().clone()) for q in qs]
     back = kspec.optim.AdamW(rs, weight_decay=0.1, **kw)
-    back.load_state_dict(ref.state_dict())
+    back.load_state_dict(copy.deepcopy(ref.state_dict()))
     for s in range(6, 9):
         _grads(rs, s)
         _grads(qs, s)
@@ -239,7 +242,7 @@ def test_gpu_steps_on_from_torch_capturable_and_fused_checkpoints():
         opt = kspec.optim.AdamW(ps, weight_decay=0.1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # capturable=True is set to False (tested without a GPU)
-            opt.load_state_dict(ref.state_dict())
+            opt.load_state_dict(copy.deepcopy(ref.state_dict()))  # a checkpoint's copy (see above)
         for s in range(2, 5):
             _grads(ps, s)
             _grads(qs, s)
