@@ -277,41 +277,59 @@ std::vector<DimDef> pack_dims() {
           dim("words", "words per row: ceil(batch / w)", 1)};
 }
 
-OpDef make_pack() {
-  OpDef op = base("difflogic.pack",
-                  "activations [batch, n] -> words [n, ceil(batch / w)]: sample s is bit s mod w of word s / w, set "
-                  "where x > 0.5 (exact for {0, 1}; NaN gives 0); padding bits zero; w = 32 (int32 words) or 64 "
-                  "(int64), the words' dtype");
-  op.info.reference = "api/ops/difflogic/reference.cpp: difflogic_binarize, difflogic_pack_ref "
-                      "(python/kspec/reference/difflogic.py)";
+// What pack and unpack share (they are mirrors): the dims, the word-width check, the cases, the kernel
+// of pack.cuh by name (from the activations' dtype, the word width and the block size) and its launch,
+// one thread per `per_thread` element ("words": a word of a column, "x": a sample of a column).
+OpDef pack_base(const char* name, const char* doc, const char* reference, TensorDef in, TensorDef out,
+                const char* kernel_name) {
+  OpDef op = base(name, doc);
+  op.info.reference = reference;
   op.info.dims = pack_dims();
-  op.info.inputs = {tensor_def("x", {"batch", "n"}, kFloatTypes, "", false, false, "", Layout::Contiguous,
-                               "activations ({0, 1}, or thresholded at 0.5)")};
-  op.info.outputs = {tensor_def("words", {"n", "words"}, kWordTypes, "", false, false, "", Layout::Contiguous,
-                                "packed bits; int32: w = 32, int64: w = 64")};
+  op.info.inputs = {std::move(in)};
+  op.info.outputs = {std::move(out)};
   op.check_call = [](const Call& call) { check_words(call.problem, "words"); };
   op.dtypes = kFloatTypes;
   op.generic_check = false;
   op.compile_dims = {{"batch", 1}, {"n", 1}, {"words", 1}};
   op.cases = pack_cases("words");
-  op.kernels = [](const Problem& p, const Config& c) {
-    return std::vector<jit::KernelSpec>{kernel_spec(p, "difflogic/pack.cuh", "kspec::difflogic_pack_kernel",
+  const std::string kernel = kernel_name;
+  op.kernels = [kernel](const Problem& p, const Config& c) {
+    return std::vector<jit::KernelSpec>{kernel_spec(p, "difflogic/pack.cuh", kernel,
                                                     {dtype_cuda_type(p.dtype("x")),
                                                      std::to_string(word_bits(p.dtype("words"))),
                                                      std::to_string(c.get("threads"))})};
   };
-  op.launch = [](const Call& call, const Config& c, Launcher& l) {
+  const std::string in_name = op.info.inputs[0].name, out_name = op.info.outputs[0].name;
+  op.launch = [in_name, out_name](const Call& call, const Config& c, Launcher& l) {
     const Problem& p = call.problem;
     DiffLogicParams a{};
-    a.x = call.in("x").data;
-    a.y = call.out("words").data;
+    a.x = call.in(in_name).data;
+    a.y = call.out(out_name).data;
     a.batch = p.dim("batch");
     a.n_in = p.dim("n");
     a.words = p.dim("words");
     const int64_t threads = c.get("threads");
+    // pack: a thread per word of a column; unpack: a thread per sample of a column
+    const int64_t elements = (out_name == "words" ? a.words : a.batch) * a.n_in;
     void* args[] = {&a};
-    l.launch(0, {blocks_for(a.words * a.n_in, threads)}, {u32(threads)}, 0, args);
+    l.launch(0, {blocks_for(elements, threads)}, {u32(threads)}, 0, args);
   };
+  return op;
+}
+
+OpDef make_pack() {
+  OpDef op = pack_base(
+      "difflogic.pack",
+      "activations [batch, n] -> words [n, ceil(batch / w)]: sample s is bit s mod w of word s / w, set "
+      "where x > 0.5 (exact for {0, 1}; NaN gives 0); padding bits zero; w = 32 (int32 words) or 64 "
+      "(int64), the words' dtype",
+      "api/ops/difflogic/reference.cpp: difflogic_binarize, difflogic_pack_ref "
+      "(python/kspec/reference/difflogic.py)",
+      tensor_def("x", {"batch", "n"}, kFloatTypes, "", false, false, "", Layout::Contiguous,
+                 "activations ({0, 1}, or thresholded at 0.5)"),
+      tensor_def("words", {"n", "words"}, kWordTypes, "", false, false, "", Layout::Contiguous,
+                 "packed bits; int32: w = 32, int64: w = 64"),
+      "kspec::difflogic_pack_kernel");
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
     KSPEC_CHECK_AS(p.dtype("words") == DType::i32, Unsupported, p.op->info.name,
                    ": the float64 reference gives int32 words only (a 64-bit word does not fit a double)");
@@ -322,38 +340,16 @@ OpDef make_pack() {
 }
 
 OpDef make_unpack() {
-  OpDef op = base("difflogic.unpack",
-                  "words [n, ceil(batch / w)] -> {0, 1} activations [batch, n], batch given by x's shape; w = 32 "
-                  "(int32 words) or 64 (int64)");
-  op.info.reference = "api/ops/difflogic/reference.cpp: difflogic_unpack_ref (python/kspec/reference/difflogic.py)";
-  op.info.dims = pack_dims();
-  op.info.inputs = {tensor_def("words", {"n", "words"}, kWordTypes, "", false, false, "", Layout::Contiguous,
-                               "packed bits; int32: w = 32, int64: w = 64")};
-  op.info.outputs = {tensor_def("x", {"batch", "n"}, kFloatTypes, "", false, false, "", Layout::Contiguous,
-                                "activations, 0 or 1, in any float dtype")};
-  op.check_call = [](const Call& call) { check_words(call.problem, "words"); };
-  op.dtypes = kFloatTypes;
-  op.generic_check = false;
-  op.compile_dims = {{"batch", 1}, {"n", 1}, {"words", 1}};
-  op.cases = pack_cases("words");
-  op.kernels = [](const Problem& p, const Config& c) {
-    return std::vector<jit::KernelSpec>{kernel_spec(p, "difflogic/pack.cuh", "kspec::difflogic_unpack_kernel",
-                                                    {dtype_cuda_type(p.dtype("x")),
-                                                     std::to_string(word_bits(p.dtype("words"))),
-                                                     std::to_string(c.get("threads"))})};
-  };
-  op.launch = [](const Call& call, const Config& c, Launcher& l) {
-    const Problem& p = call.problem;
-    DiffLogicParams a{};
-    a.x = call.in("words").data;
-    a.y = call.out("x").data;
-    a.batch = p.dim("batch");
-    a.n_in = p.dim("n");
-    a.words = p.dim("words");
-    const int64_t threads = c.get("threads");
-    void* args[] = {&a};
-    l.launch(0, {blocks_for(a.batch * a.n_in, threads)}, {u32(threads)}, 0, args);
-  };
+  OpDef op = pack_base(
+      "difflogic.unpack",
+      "words [n, ceil(batch / w)] -> {0, 1} activations [batch, n], batch given by x's shape; w = 32 "
+      "(int32 words) or 64 (int64)",
+      "api/ops/difflogic/reference.cpp: difflogic_unpack_ref (python/kspec/reference/difflogic.py)",
+      tensor_def("words", {"n", "words"}, kWordTypes, "", false, false, "", Layout::Contiguous,
+                 "packed bits; int32: w = 32, int64: w = 64"),
+      tensor_def("x", {"batch", "n"}, kFloatTypes, "", false, false, "", Layout::Contiguous,
+                 "activations, 0 or 1, in any float dtype"),
+      "kspec::difflogic_unpack_kernel");
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
     KSPEC_CHECK_AS(p.dtype("words") == DType::i32, Unsupported, p.op->info.name,
                    ": the float64 reference takes int32 words only (a 64-bit word does not fit a double)");
