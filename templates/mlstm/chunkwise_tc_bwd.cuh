@@ -98,18 +98,14 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
 
   // dq = u_t (dH C^T): B[dv][dk] = C[dk][dv], stored as [n][k].
   float dq[NQ][4];
-#pragma unroll
-  for (int nt = 0; nt < NQ; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dq[nt][e] = 0.0f;
+  mma_zero(dq);
 #pragma unroll 2
   for (int kk = 0; kk < BV / 16; ++kk) {
     unsigned a[4];
     ldmatrix_x4(a, frag_a(Hs, VS, warp * 16, kk * 16, lane));
     mma_row<T, NQ, false>(dq, a, Cs, VS, kk * 16, lane);
   }
-#pragma unroll
-  for (int nt = 0; nt < NQ; ++nt) dq[nt][0] *= ua, dq[nt][1] *= ua, dq[nt][2] *= ub, dq[nt][3] *= ub;
+  mma_scale_rows(dq, ua, ub);
 
   const int row_a = static_cast<int>(t0 - cs) + ra, row_b = row_a + 8;
   for (int kt = 0; kt < ktiles; ++kt) {
@@ -120,10 +116,7 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
     cp_async_wait<0>();
     __syncthreads();
     float sc[NK][4];  // dH V^T: B[dv][key] = V[key][dv], stored as [n][k]
-#pragma unroll
-    for (int nt = 0; nt < NK; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[nt][e] = 0.0f;
+    mma_zero(sc);
 #pragma unroll 2
     for (int kk = 0; kk < BV / 16; ++kk) {
       unsigned a[4];
@@ -216,18 +209,14 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
 
   // Inter-chunk term: dv_s = w_s (k_s^T dC) (B[dk][dv] = dC, [k][n]); dk_s = w_s (dC v_s) (B[dv][dk], [n][k]).
   float acc[NA][4];
-#pragma unroll
-  for (int nt = 0; nt < NA; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
+  mma_zero(acc);
 #pragma unroll 2
   for (int kk = 0; kk < (kDkPart ? BV : BK) / 16; ++kk) {
     unsigned a[4];
     ldmatrix_x4(a, kDkPart ? frag_a(Vs, VS, warp * 16, kk * 16, lane) : frag_a(Ks, KS, warp * 16, kk * 16, lane));
     mma_row<T, NA, !kDkPart>(acc, a, Ds, VS, kk * 16, lane);
   }
-#pragma unroll
-  for (int nt = 0; nt < NA; ++nt) acc[nt][0] *= wa, acc[nt][1] *= wa, acc[nt][2] *= wb, acc[nt][3] *= wb;
+  mma_scale_rows(acc, wa, wb);
 
   const int pos_a = static_cast<int>(s0 - cs) + ra, pos_b = pos_a + 8;  // the keys' positions in the chunk
   for (long long t0 = s0; t0 < ce; t0 += R) {
@@ -244,10 +233,7 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
     __syncthreads();
     // Scores with the keys as rows: K Q^T (for dv) or V dH^T (for dk); B = the query tile, [n][k].
     float sc[NK][4];
-#pragma unroll
-    for (int nt = 0; nt < NK; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[nt][e] = 0.0f;
+    mma_zero(sc);
 #pragma unroll 2
     for (int kk = 0; kk < (kDkPart ? BV : BK) / 16; ++kk) {
       unsigned a[4];
