@@ -982,6 +982,15 @@ TEST(MlstmGpu, TensorCoreEveryCaseMatchesReference) {
 
 namespace {
 
+// A device tensor of `shape` in dtype t, every byte 0xFF (NaN in every float type), kept alive by bufs.
+TensorView nan_tensor(std::vector<std::unique_ptr<DeviceBuffer>>& bufs, DType t, std::initializer_list<int64_t> shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  bufs.push_back(std::make_unique<DeviceBuffer>(static_cast<size_t>(n) * dtype_size(t)));
+  CU_CHECK(cuMemsetD8(bufs.back()->ptr, 0xFF, bufs.back()->bytes));
+  return TensorView(reinterpret_cast<void*>(bufs.back()->ptr), t, shape, 0);
+}
+
 // Every output of mlstm.chunkwise.bwd in a 16-bit dtype under a forced config (NaN-poisoned first),
 // decoded to double, with dC_last and the initial states: the inputs are r's (already rounded to dt),
 // nrm and m_rows the float64 forward's of them (as autograd hands the forward's over).
@@ -999,13 +1008,7 @@ std::vector<std::vector<double>> backward16(const ref::MlstmShape& sh, const ref
     CU_CHECK(cuMemcpyHtoD(bufs.back()->ptr, bytes.data(), bytes.size()));
     return TensorView(reinterpret_cast<void*>(bufs.back()->ptr), t, shape, 0);
   };
-  auto nan_out = [&](DType t, std::initializer_list<int64_t> shape) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    bufs.push_back(std::make_unique<DeviceBuffer>(static_cast<size_t>(n) * dtype_size(t)));
-    CU_CHECK(cuMemsetD8(bufs.back()->ptr, 0xFF, bufs.back()->bytes));
-    return TensorView(reinterpret_cast<void*>(bufs.back()->ptr), t, shape, 0);
-  };
+  auto nan_out = [&](DType t, std::initializer_list<int64_t> shape) { return nan_tensor(bufs, t, shape); };
   const std::vector<TensorView> in = {
       put(r.q, dt, {B, NH, S, dk}),        put(r.k, dt, {B, NH, S, dk}),       put(r.v, dt, {B, NH, S, dv}),
       put(r.i, dt, {B, NH, S}),            put(r.f, dt, {B, NH, S}),           put(r.C0, DType::f32, {B, NH, dk, dv}),
@@ -1125,13 +1128,7 @@ TEST(MlstmGpu, TensorCorePoisonedSharedMemoryNeverReachesOutputs) {
           CU_CHECK(cuMemcpyHtoD(bufs.back()->ptr, bytes.data(), bytes.size()));
           return std::make_pair(TensorView(reinterpret_cast<void*>(bufs.back()->ptr), t, shape, 0), x);
         };
-        auto nan_out = [&](DType t, std::initializer_list<int64_t> shape) {
-          int64_t n = 1;
-          for (int64_t d : shape) n *= d;
-          bufs.push_back(std::make_unique<DeviceBuffer>(static_cast<size_t>(n) * dtype_size(t)));
-          CU_CHECK(cuMemsetD8(bufs.back()->ptr, 0xFF, bufs.back()->bytes));
-          return TensorView(reinterpret_cast<void*>(bufs.back()->ptr), t, shape, 0);
-        };
+        auto nan_out = [&](DType t, std::initializer_list<int64_t> shape) { return nan_tensor(bufs, t, shape); };
         auto fetch = [](const TensorView& t) {
           std::vector<unsigned char> bytes(static_cast<size_t>(t.numel()) * dtype_size(t.dtype));
           CU_CHECK(cuMemcpyDtoH(bytes.data(), reinterpret_cast<CUdeviceptr>(t.data), bytes.size()));
