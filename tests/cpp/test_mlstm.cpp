@@ -171,7 +171,8 @@ TEST(Mlstm, Chunk256IsTensorCoreOnly) {
 
 // The tensor-core backward at head dims over 128 (issue 29's (128, 256) and (256, 512)): one CTA per
 // column block of 128, so its kernels are those of 128 x 128 plus one reduce kernel for each gradient
-// that sums blocks (dq, dk contract DHHV; dv DHQK), and nothing more at 128 x 128.
+// that sums blocks (dq, dk contract DHHV; dv DHQK), and nothing more at 128 x 128; algo=tc_fused has the
+// same kernels with dv and dk as one.
 TEST(Mlstm, TensorCoreBackwardBlocksLargeHeadDims) {
   const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
   const Config tc = Config::parse("algo=tc,threads=128", op.info);
@@ -192,6 +193,12 @@ TEST(Mlstm, TensorCoreBackwardBlocksLargeHeadDims) {
     ASSERT_EQ(kernels.size(), row.kernels) << row.dk << " x " << row.dv;
     for (size_t k = 7; k < kernels.size(); ++k)
       EXPECT_EQ(kernels[k].kernel, "kspec::mlstm_tc_reduce_kernel") << k;
+    // algo=tc_fused: dv and dk as one kernel (4), df next, the same reduce kernels after it.
+    const auto fused = op.kernels(p, Config::parse("algo=tc_fused,threads=128", op.info));
+    ASSERT_EQ(fused.size(), row.kernels - 1) << row.dk << " x " << row.dv;
+    EXPECT_EQ(fused[4].kernel, "kspec::mlstm_tc_dkv_fused_kernel");
+    EXPECT_EQ(fused[5].kernel, "kspec::mlstm_tc_df_kernel");
+    for (size_t k = 6; k < fused.size(); ++k) EXPECT_EQ(fused[k].targs, kernels[k + 1].targs) << k;
     const int dk = static_cast<int>(row.dk), dv = static_cast<int>(row.dv);
     EXPECT_EQ(mlstm_tc_bwd_blocks(dk, dv), row.blocks);
     // Every CTA's tiles are at most those of 128 x 128 (106 KB at chunk 256, within sm_90's 227 KB).
