@@ -422,8 +422,8 @@ def mlstm_chunkwise(q, k, v, i, f, c_initial=None, n_initial=None, m_initial=Non
 
     q, k: (B, NH, S, DHQK), v: (B, NH, S, DHHV) fp32/fp16/bf16; i, f: (B, NH, S) gate pre-activations (q's
     dtype or fp32); c_initial (B, NH, DHQK, DHHV), n_initial (B, NH, DHQK), m_initial (B, NH, 1) fp32, all
-    three or none (zeros). Returns h (B, NH, S, DHHV) like q, or with return_last_states (h, (C, n, m)).
-    Differentiable (kspec's backward: dq, dk, dv, di, df and dc_initial; n and m held constant as in
+    three or none (zeros). chunk_size: 16, 32, 64, 128 or 256 (256 with fp16/bf16 q, k, v only). Returns h
+    (B, NH, S, DHHV) like q, or with return_last_states (h, (C, n, m)). Differentiable (kspec's backward: dq, dk, dv, di, df and dc_initial; n and m held constant as in
     mlstm_kernels, so n_initial, m_initial and the returned n, m carry no gradient; a gradient on the returned
     C reaches df, unlike mlstm_kernels). torch.compile: the custom ops kspec::mlstm_chunkwise_fwd/_bwd."""
     from . import _mlstm

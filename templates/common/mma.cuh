@@ -108,6 +108,21 @@ __device__ __forceinline__ void mma_row(float (&acc)[kNt][4], const unsigned (&a
   }
 }
 
+// kNt 16 x 8 accumulator tiles set to zero, and their rows scaled: row g (d0, d1) by `lo`, row g + 8
+// (d2, d3) by `hi` (a per-row factor of a 16-row tile).
+template <int kNt>
+__device__ __forceinline__ void mma_zero(float (&acc)[kNt][4]) {
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
+}
+template <int kNt>
+__device__ __forceinline__ void mma_scale_rows(float (&acc)[kNt][4], float lo, float hi) {
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt) acc[nt][0] *= lo, acc[nt][1] *= lo, acc[nt][2] *= hi, acc[nt][3] *= hi;
+}
+
 // The A fragments of a 16 x 16 step taken from score accumulators (FA2's register reuse): columns
 // 16 kk .. 16 kk + 15 of a 16-row C-layout tile, rounded to T.
 template <typename T, int kNt>

@@ -216,13 +216,7 @@ __global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_ke
       a[1] = scale2<T>(a[1], w[s], w[s + 1], sum_b);
       a[2] = scale2<T>(a[2], w[s + 8], w[s + 9], sum_a);
       a[3] = scale2<T>(a[3], w[s + 8], w[s + 9], sum_b);
-#pragma unroll
-      for (int np = 0; np < NT / 2; ++np) {
-        unsigned b[4];
-        ldmatrix_x4_trans(b, vs + (kk * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * VS + np * 16 + 8 * (lane / 16));
-        mma_16816<T>(acc[2 * np], a, b[0], b[1]);
-        mma_16816<T>(acc[2 * np + 1], a, b[2], b[3]);
-      }
+      mma_row<T, NT, true>(acc, a, vs, VS, kk * 16, lane);
     }
     if (!kReverse) {
       // The quad's lanes hold the columns 2cq, 2cq + 1, 2cq + 8, 2cq + 9 of every 16 steps: together all.
@@ -316,10 +310,7 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 2) mlstm_tc_out_
 
   // Inter-chunk term O = (g_t s Q) C_c by mma, and q_t . n_c from the same A fragments (fp32).
   float o[NV][4];
-#pragma unroll
-  for (int nt = 0; nt < NV; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
+  mma_zero(o);
   float qn_a = 0.0f, qn_b = 0.0f;
   const T* qa = Qs + (warp * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * QS + 8 * (lane / 16);  // A rows, row-major
 #pragma unroll 2
@@ -329,17 +320,10 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 2) mlstm_tc_out_
     const int d = kk * 16 + 2 * cq;
     qn_a += dot2<T>(a[0], nsm[d], nsm[d + 1]) + dot2<T>(a[2], nsm[d + 8], nsm[d + 9]);
     qn_b += dot2<T>(a[1], nsm[d], nsm[d + 1]) + dot2<T>(a[3], nsm[d + 8], nsm[d + 9]);
-#pragma unroll
-    for (int np = 0; np < NV / 2; ++np) {
-      unsigned b[4];
-      ldmatrix_x4_trans(b, buf0 + (kk * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * VS + np * 16 + 8 * (lane / 16));
-      mma_16816<T>(o[2 * np], a, b[0], b[1]);
-      mma_16816<T>(o[2 * np + 1], a, b[2], b[3]);
-    }
+    mma_row<T, NV, true>(o, a, buf0, VS, kk * 16, lane);
   }
   const float fa = ga.z * scale, fb = gb.z * scale;
-#pragma unroll
-  for (int nt = 0; nt < NV; ++nt) o[nt][0] *= fa, o[nt][1] *= fa, o[nt][2] *= fb, o[nt][3] *= fb;
+  mma_scale_rows(o, fa, fb);
 
   // Intra-chunk term, key tiles from the chunk's start to the diagonal; tile kt + 1's loads fly during
   // tile kt's math.
@@ -359,21 +343,12 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 2) mlstm_tc_out_
     const T* Ks = kt % 2 ? buf0 : buf1;
     const T* Vs = Ks + R * QS;
     float sc[NK][4];
-#pragma unroll
-    for (int nt = 0; nt < NK; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[nt][e] = 0.0f;
+    mma_zero(sc);
 #pragma unroll 2
     for (int kk = 0; kk < kDk / 16; ++kk) {
       unsigned a[4];
       ldmatrix_x4(a, qa + kk * 16);
-#pragma unroll
-      for (int np = 0; np < NK / 2; ++np) {
-        unsigned b[4];  // B[dk][key] = K[key][dk]: the stored rows are B's columns
-        ldmatrix_x4(b, Ks + (np * 16 + lane % 8 + 8 * (lane / 16)) * QS + kk * 16 + 8 * ((lane / 8) % 2));
-        mma_16816<T>(sc[2 * np], a, b[0], b[1]);
-        mma_16816<T>(sc[2 * np + 1], a, b[2], b[3]);
-      }
+      mma_row<T, NK, false>(sc, a, Ks, QS, kk * 16, lane);  // B[dk][key] = K[key][dk], stored as [n][k]
     }
 #pragma unroll
     for (int nt = 0; nt < NK; ++nt) {
@@ -389,18 +364,10 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 2) mlstm_tc_out_
       }
     }
 #pragma unroll
-    for (int kk = 0; kk < R / 16; ++kk) {
-      // The score accumulators of key columns 16 kk .. 16 kk + 15 are this step's A fragment.
-      const unsigned a[4] = {pack2<T>(sc[2 * kk][0], sc[2 * kk][1]), pack2<T>(sc[2 * kk][2], sc[2 * kk][3]),
-                             pack2<T>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                             pack2<T>(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
-#pragma unroll
-      for (int np = 0; np < NV / 2; ++np) {
-        unsigned b[4];
-        ldmatrix_x4_trans(b, Vs + (kk * 16 + lane % 8 + 8 * ((lane / 8) % 2)) * VS + np * 16 + 8 * (lane / 16));
-        mma_16816<T>(o[2 * np], a, b[0], b[1]);
-        mma_16816<T>(o[2 * np + 1], a, b[2], b[3]);
-      }
+    for (int kk = 0; kk < R / 16; ++kk) {  // O += P V: the score accumulators are the A fragments
+      unsigned a[4];
+      scores_as_a<T, NK>(a, sc, kk);
+      mma_row<T, NV, true>(o, a, Vs, VS, kk * 16, lane);
     }
   }
   // Row sums over the quad (its lanes hold every column between them).

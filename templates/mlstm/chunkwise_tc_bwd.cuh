@@ -1,4 +1,4 @@
-// mlstm.chunkwise.bwd, algo=tc: the backward on tensor cores (fp16/bf16, DHQK and DHHV <= 128), the
+// mlstm.chunkwise.bwd, algo=tc: the backward on tensor cores (fp16/bf16, DHQK <= 256), the
 // formulas of chunkwise_bwd.cuh (dhn_t = dh_t / (nrm_t + eps), D_ts = e^(b_t - m_t + i_s - b_s), s <= t
 // in one chunk, C the state entering the chunk, dC the gradient of the state after it):
 //   dq_t = s g_t C dhn_t + s sum_s D_ts (dhn_t . v_s) k_s        dk_s = s sum_t D_ts (dhn_t . v_s) q_t + w_s dC v_s
@@ -9,6 +9,9 @@
 // (dC after every chunk, dC0): dq per query tile (like the forward's output kernel, dH Vᵀ in place of
 // Q Kᵀ), dv and dk per key tile (two kernels, each with its own accumulators: 64 floats a thread at
 // head dims 128), looping over the chunk's query tiles from the diagonal on; then df per sequence.
+// Head dims over 128: a CTA per column block of 128 (params.h, mlstm_tc_bwd_blocks), the tiles and
+// accumulators of a 128 x 128 problem; a gradient that contracts a split dim is a sum of the blocks'
+// fp32 partials, which mlstm_tc_reduce_kernel adds in a fixed order (with q . dq and k . dk).
 // No atomics: every output element is one thread's, every sum a fixed order (bitwise repeatable).
 #pragma once
 
@@ -16,13 +19,38 @@
 
 namespace kspec {
 
-// Rows r0 .. r0 + R - 1 of a [S][kD] tensor into a [R][kD + pad] shared tile (zeros past S).
-template <typename T, int kD, int R, int kThreads>
+// Rows r0 .. r0 + R - 1, kD columns from src (rows kStride apart: a column block of a wider tensor),
+// into a [R][kD + pad] shared tile (zeros past S).
+template <typename T, int kD, int R, int kThreads, int kStride = kD>
 __device__ __forceinline__ void mlstm_tc_load_rows(T* dst, const T* src, long long r0, long long S, int tid) {
   for (int j = tid; j < R * (kD / 8); j += kThreads) {
     const int r = j / (kD / 8), x = j % (kD / 8);
     const bool ok = r0 + r < S;
-    cp_async_16(dst + r * (kD + kMlstmTcPad) + x * 8, src + (ok ? r0 + r : 0) * kD + x * 8, ok);
+    cp_async_16(dst + r * (kD + kMlstmTcPad) + x * 8, src + (ok ? r0 + r : 0) * kStride + x * 8, ok);
+  }
+}
+
+// This CTA's column blocks: DHQK columns d0 .. d0 + BK - 1, DHHV columns e0 .. e0 + BV - 1.
+template <int kDk, int kDv>
+struct MlstmTcBwdBlock {
+  static constexpr int BK = mlstm_tc_bwd_block(kDk), BV = mlstm_tc_bwd_block(kDv);
+  static constexpr bool kOne = mlstm_tc_bwd_blocks(kDk, kDv) == 1;  // both 0, known to the compiler
+  int d0, e0;
+  __device__ __forceinline__ MlstmTcBwdBlock()
+      : d0(kOne ? 0 : static_cast<int>(blockIdx.y / (kDv / BV)) * BK),
+        e0(kOne ? 0 : static_cast<int>(blockIdx.y % (kDv / BV)) * BV) {}
+};
+
+// A 16-row slice of a partial gradient in fp32 (rows sa and sb of the sequence whose rows start at
+// `rows`, kW apart; this CTA's columns from c0), for mlstm_tc_reduce_kernel.
+template <int kNt, int kW>
+__device__ __forceinline__ void mlstm_tc_store_part(const float (&acc)[kNt][4], float* rows, long long sa, long long sb,
+                                                    long long S, int c0, int cq) {
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt) {
+    const int col = c0 + nt * 8 + 2 * cq;
+    if (sa < S) *reinterpret_cast<float2*>(rows + sa * kW + col) = make_float2(acc[nt][0], acc[nt][1]);
+    if (sb < S) *reinterpret_cast<float2*>(rows + sb * kW + col) = make_float2(acc[nt][2], acc[nt][3]);
   }
 }
 
@@ -30,28 +58,33 @@ __device__ __forceinline__ void mlstm_tc_load_rows(T* dst, const T* src, long lo
 
 template <typename T, int kDk, int kDv, int kChunk>
 __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_kernel(const MlstmParams p) {
+  using Block = MlstmTcBwdBlock<kDk, kDv>;
   constexpr int L = kChunk, R = mlstm_tc_rows(L), P = kMlstmTcPad, kThreads = mlstm_tc_out_threads(L);
-  constexpr int KS = kDk + P, VS = kDv + P, NQ = kDk / 8, NK = R / 8;
+  constexpr int BK = Block::BK, BV = Block::BV, KS = BK + P, VS = BV + P, NQ = BK / 8, NK = R / 8;
+  constexpr bool kReduced = mlstm_tc_bwd_reduced(kDk, kDv, kMlstmGradDq);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);  // [R][KS]
   T* Ks = Qs + R * KS;                     // [R][KS]
   T* Hs = Ks + R * KS;                     // [R][VS] dh
   T* Vs = Hs + R * VS;                     // [R][VS]
-  T* Cs = Vs + R * VS;                     // [kDk][VS] C entering the chunk
-  float* ibs = reinterpret_cast<float*>(Cs + kDk * VS);  // [L]
+  T* Cs = Vs + R * VS;                     // [BK][VS] C entering the chunk
+  float* ibs = reinterpret_cast<float*>(Cs + BK * VS);  // [L]
   mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_bwd_smem_bytes(kDk, kDv, L) / 4);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
   const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
   const long long seq = blockIdx.x / QT, t0 = (blockIdx.x % QT) * R, c = t0 / L, cs = c * L;
   const int ktiles = static_cast<int>((t0 - cs) / R) + 1;
-  const T* k = static_cast<const T*>(p.k) + seq * S * kDk;
-  const T* v = static_cast<const T*>(p.v) + seq * S * kDv;
+  const Block blk;
+  const T* k = static_cast<const T*>(p.k) + seq * S * kDk + blk.d0;
+  const T* v = static_cast<const T*>(p.v) + seq * S * kDv + blk.e0;
   const float4* gr = reinterpret_cast<const float4*>(p.gate_rows) + seq * S;
   const float scale = rsqrtf(static_cast<float>(kDk));
 
-  mlstm_tc_load_rows<T, kDk, R, kThreads>(Qs, static_cast<const T*>(p.q) + seq * S * kDk, t0, S, tid);
-  mlstm_tc_load_rows<T, kDv, R, kThreads>(Hs, static_cast<const T*>(p.dh) + seq * S * kDv, t0, S, tid);
-  mlstm_tc_load_rows<T, kDv, kDk, kThreads>(Cs, static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv, 0, kDk, tid);
+  if (!kReduced)  // for q . dq (the reduce kernel's otherwise)
+    mlstm_tc_load_rows<T, kDk, R, kThreads>(Qs, static_cast<const T*>(p.q) + seq * S * kDk, t0, S, tid);
+  mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Hs, static_cast<const T*>(p.dh) + seq * S * kDv + blk.e0, t0, S, tid);
+  mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(
+      Cs, static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv + blk.d0 * kDv + blk.e0, 0, BK, tid);
   cp_async_commit();
   for (int s = tid; s < ktiles * R; s += kThreads) ibs[s] = cs + s < S ? gr[cs + s].y : mlstm_neg_inf();
   const int ra = warp * 16 + g;
@@ -65,34 +98,27 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
 
   // dq = u_t (dH C^T): B[dv][dk] = C[dk][dv], stored as [n][k].
   float dq[NQ][4];
-#pragma unroll
-  for (int nt = 0; nt < NQ; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dq[nt][e] = 0.0f;
+  mma_zero(dq);
 #pragma unroll 2
-  for (int kk = 0; kk < kDv / 16; ++kk) {
+  for (int kk = 0; kk < BV / 16; ++kk) {
     unsigned a[4];
     ldmatrix_x4(a, frag_a(Hs, VS, warp * 16, kk * 16, lane));
     mma_row<T, NQ, false>(dq, a, Cs, VS, kk * 16, lane);
   }
-#pragma unroll
-  for (int nt = 0; nt < NQ; ++nt) dq[nt][0] *= ua, dq[nt][1] *= ua, dq[nt][2] *= ub, dq[nt][3] *= ub;
+  mma_scale_rows(dq, ua, ub);
 
   const int row_a = static_cast<int>(t0 - cs) + ra, row_b = row_a + 8;
   for (int kt = 0; kt < ktiles; ++kt) {
     __syncthreads();  // every warp is done with the last K and V tiles
-    mlstm_tc_load_rows<T, kDk, R, kThreads>(Ks, k, cs + kt * R, S, tid);
-    mlstm_tc_load_rows<T, kDv, R, kThreads>(Vs, v, cs + kt * R, S, tid);
+    mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Ks, k, cs + kt * R, S, tid);
+    mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Vs, v, cs + kt * R, S, tid);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
     float sc[NK][4];  // dH V^T: B[dv][key] = V[key][dv], stored as [n][k]
-#pragma unroll
-    for (int nt = 0; nt < NK; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[nt][e] = 0.0f;
+    mma_zero(sc);
 #pragma unroll 2
-    for (int kk = 0; kk < kDv / 16; ++kk) {
+    for (int kk = 0; kk < BV / 16; ++kk) {
       unsigned a[4];
       ldmatrix_x4(a, frag_a(Hs, VS, warp * 16, kk * 16, lane));
       mma_row<T, NK, false>(sc, a, Vs, VS, kk * 16, lane);
@@ -113,6 +139,11 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
       scores_as_a<T, NK>(a, sc, kk);
       mma_row<T, NQ, true>(dq, a, Ks, KS, kk * 16, lane);
     }
+  }
+  if (kReduced) {  // part: this CTA's DHHV block
+    const long long seqs = gridDim.x / QT;
+    mlstm_tc_store_part<NQ, kDk>(dq, p.part + ((blk.e0 / BV) * seqs + seq) * S * kDk, ta, tb, S, blk.d0, cq);
+    return;
   }
   float qa = 0.0f, qb = 0.0f;  // q . dq in fp32, before dq is rounded
   T* dqo = static_cast<T*>(p.dq) + seq * S * kDk;
@@ -136,31 +167,38 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
 
 // ---- dv (kDkPart false) or dk, di and k . dk (kDkPart true), per key tile ----
 
-template <typename T, int kDk, int kDv, int kChunk, bool kDkPart>
-__global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dkv_kernel(const MlstmParams p) {
-  constexpr int L = kChunk, R = mlstm_tc_rows(L), P = kMlstmTcPad, kThreads = mlstm_tc_out_threads(L);
-  constexpr int KS = kDk + P, VS = kDv + P, NA = (kDkPart ? kDk : kDv) / 8, NK = R / 8;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+// One key tile's dv or dk by 4 warps (`warp` 0..3 of them); the tiles are loaded by kThreads threads
+// (`tid` 0 .. kThreads - 1): the 4 warps alone (mlstm_tc_dkv_kernel), or with the 4 warps of the other
+// gradient, which load the same tiles (mlstm_tc_dkv_fused_kernel). Partials (head dims over 128) go to
+// p.part + kPartAt * seqs * S.
+template <typename T, int kDk, int kDv, int kChunk, bool kDkPart, int kThreads, int kPartAt>
+__device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned char* smem_raw, int tid, int warp) {
+  using Block = MlstmTcBwdBlock<kDk, kDv>;
+  constexpr int L = kChunk, R = mlstm_tc_rows(L), P = kMlstmTcPad;
+  constexpr int BK = Block::BK, BV = Block::BV, KS = BK + P, VS = BV + P, NA = (kDkPart ? BK : BV) / 8, NK = R / 8;
+  constexpr bool kReduced = mlstm_tc_bwd_reduced(kDk, kDv, kDkPart ? kMlstmGradDk : kMlstmGradDv);
   T* Ks = reinterpret_cast<T*>(smem_raw);  // [R][KS] this tile's keys
   T* Qs = Ks + R * KS;                     // [R][KS] a query tile
   T* Vs = Qs + R * KS;                     // [R][VS] this tile's values
   T* Hs = Vs + R * VS;                     // [R][VS] a query tile's dh
-  T* Ds = Hs + R * VS;                     // [kDk][VS] dC after the chunk
-  float* bms = reinterpret_cast<float*>(Ds + kDk * VS);  // [R] b_t - m_t of the query tile (-inf past S)
+  T* Ds = Hs + R * VS;                     // [BK][VS] dC after the chunk
+  float* bms = reinterpret_cast<float*>(Ds + BK * VS);  // [R] b_t - m_t of the query tile (-inf past S)
   float* rds = bms + R;                                  // [R] 1 / (nrm_t + eps) (0 past S)
   mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_bwd_smem_bytes(kDk, kDv, L) / 4);
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
+  const int lane = threadIdx.x % 32, g = lane / 4, cq = lane % 4;
   const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
   const long long seq = blockIdx.x / QT, s0 = (blockIdx.x % QT) * R, c = s0 / L, cs = c * L;
   const long long ce = cs + L < S ? cs + L : S;  // the chunk's end
-  const T* q = static_cast<const T*>(p.q) + seq * S * kDk;
-  const T* dh = static_cast<const T*>(p.dh) + seq * S * kDv;
+  const Block blk;
+  const T* q = static_cast<const T*>(p.q) + seq * S * kDk + blk.d0;
+  const T* dh = static_cast<const T*>(p.dh) + seq * S * kDv + blk.e0;
   const float4* gr = reinterpret_cast<const float4*>(p.gate_rows) + seq * S;
   const float scale = rsqrtf(static_cast<float>(kDk));
 
-  mlstm_tc_load_rows<T, kDk, R, kThreads>(Ks, static_cast<const T*>(p.k) + seq * S * kDk, s0, S, tid);
-  mlstm_tc_load_rows<T, kDv, R, kThreads>(Vs, static_cast<const T*>(p.v) + seq * S * kDv, s0, S, tid);
-  mlstm_tc_load_rows<T, kDv, kDk, kThreads>(Ds, static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv, 0, kDk, tid);
+  mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Ks, static_cast<const T*>(p.k) + seq * S * kDk + blk.d0, s0, S, tid);
+  mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Vs, static_cast<const T*>(p.v) + seq * S * kDv + blk.e0, s0, S, tid);
+  mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(
+      Ds, static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv + blk.d0 * kDv + blk.e0, 0, BK, tid);
   cp_async_commit();
   const int ra = warp * 16 + g;
   const long long sa = s0 + ra, sb = sa + 8;
@@ -171,24 +209,20 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dkv_
 
   // Inter-chunk term: dv_s = w_s (k_s^T dC) (B[dk][dv] = dC, [k][n]); dk_s = w_s (dC v_s) (B[dv][dk], [n][k]).
   float acc[NA][4];
-#pragma unroll
-  for (int nt = 0; nt < NA; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
+  mma_zero(acc);
 #pragma unroll 2
-  for (int kk = 0; kk < (kDkPart ? kDv : kDk) / 16; ++kk) {
+  for (int kk = 0; kk < (kDkPart ? BV : BK) / 16; ++kk) {
     unsigned a[4];
     ldmatrix_x4(a, kDkPart ? frag_a(Vs, VS, warp * 16, kk * 16, lane) : frag_a(Ks, KS, warp * 16, kk * 16, lane));
     mma_row<T, NA, !kDkPart>(acc, a, Ds, VS, kk * 16, lane);
   }
-#pragma unroll
-  for (int nt = 0; nt < NA; ++nt) acc[nt][0] *= wa, acc[nt][1] *= wa, acc[nt][2] *= wb, acc[nt][3] *= wb;
+  mma_scale_rows(acc, wa, wb);
 
   const int pos_a = static_cast<int>(s0 - cs) + ra, pos_b = pos_a + 8;  // the keys' positions in the chunk
   for (long long t0 = s0; t0 < ce; t0 += R) {
     __syncthreads();  // every warp is done with the last query tile
-    mlstm_tc_load_rows<T, kDk, R, kThreads>(Qs, q, t0, S, tid);
-    mlstm_tc_load_rows<T, kDv, R, kThreads>(Hs, dh, t0, S, tid);
+    mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Qs, q, t0, S, tid);
+    mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Hs, dh, t0, S, tid);
     cp_async_commit();
     for (int r = tid; r < R; r += kThreads) {
       const bool ok = t0 + r < S;
@@ -199,12 +233,9 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dkv_
     __syncthreads();
     // Scores with the keys as rows: K Q^T (for dv) or V dH^T (for dk); B = the query tile, [n][k].
     float sc[NK][4];
-#pragma unroll
-    for (int nt = 0; nt < NK; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[nt][e] = 0.0f;
+    mma_zero(sc);
 #pragma unroll 2
-    for (int kk = 0; kk < (kDkPart ? kDv : kDk) / 16; ++kk) {
+    for (int kk = 0; kk < (kDkPart ? BV : BK) / 16; ++kk) {
       unsigned a[4];
       ldmatrix_x4(a, kDkPart ? frag_a(Vs, VS, warp * 16, kk * 16, lane) : frag_a(Ks, KS, warp * 16, kk * 16, lane));
       if (kDkPart) mma_row<T, NK, false>(sc, a, Hs, VS, kk * 16, lane);
@@ -230,7 +261,13 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dkv_
     }
   }
   constexpr int kW = kDkPart ? kDk : kDv;
-  T* out = static_cast<T*>(kDkPart ? p.dk : p.dv) + seq * S * kW;
+  if (kReduced) {  // part: this CTA's block of the dim the gradient contracts
+    const long long seqs = gridDim.x / QT, part = kDkPart ? blk.e0 / BV : blk.d0 / BK;
+    mlstm_tc_store_part<NA, kW>(acc, p.part + kPartAt * seqs * S + (part * seqs + seq) * S * kW, sa, sb, S,
+                                kDkPart ? blk.d0 : blk.e0, cq);
+    return;
+  }
+  T* out = static_cast<T*>(kDkPart ? p.dk : p.dv) + seq * S * kW + (kDkPart ? blk.d0 : blk.e0);
   float da = 0.0f, db = 0.0f;  // k . dk in fp32
 #pragma unroll
   for (int nt = 0; nt < NA; ++nt) {
@@ -252,6 +289,61 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dkv_
       if (sb < S) p.kdk[seq * S + sb] = db;
     }
   }
+}
+
+template <typename T, int kDk, int kDv, int kChunk, bool kDkPart>
+__global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dkv_kernel(const MlstmParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, kDkPart, mlstm_tc_out_threads(kChunk), 0>(p, smem_raw, threadIdx.x,
+                                                                                   threadIdx.x / 32);
+}
+
+// algo=tc_fused: dv (warps 0-3) and dk (warps 4-7) of a key tile in one CTA of 8 warps, so its K, V, dC,
+// Q and dH tiles are read once instead of twice (tools/bench/NOTES.md, "the tensor-core backward's
+// bytes": 478 MB of the 1.9 GB the backward reads at 8x8x4096, 128 x 128) and one launch goes. The
+// groups run the same loop (the same barriers, reached from their own code: sm_70+ counts arrivals per
+// thread). The dk partials sit after the dv ones where both are summed.
+template <typename T, int kDk, int kDv, int kChunk>
+__global__ void __launch_bounds__(2 * mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dkv_fused_kernel(const MlstmParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  constexpr int kThreads = 2 * mlstm_tc_out_threads(kChunk), kWarps = kThreads / 64;
+  constexpr int kDkAt = mlstm_tc_bwd_reduced(kDk, kDv, kMlstmGradDv) ? mlstm_tc_bwd_parts(kDk, kDv, kMlstmGradDv) * kDv : 0;
+  const int warp = threadIdx.x / 32;
+  if (warp < kWarps)
+    mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, false, kThreads, 0>(p, smem_raw, threadIdx.x, warp);
+  else
+    mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, true, kThreads, kDkAt>(p, smem_raw, threadIdx.x, warp - kWarps);
+}
+
+// ---- the sum of the partials (head dims over 128) ----
+
+// One warp per row of dq (kGrad kMlstmGradDq), dv or dk: the parts added in their order in fp32, rounded
+// once to T, and for dq, dk the row's dot with q, k (q . dq, k . dk for df and di) from the fp32 sum.
+// Grid: seqs * ceil(S / 4) CTAs of 4 warps.
+template <typename T, int kDk, int kDv, int kGrad>
+__global__ void __launch_bounds__(128) mlstm_tc_reduce_kernel(const MlstmParams p) {
+  constexpr int kW = kGrad == kMlstmGradDv ? kDv : kDk, kParts = mlstm_tc_bwd_parts(kDk, kDv, kGrad);
+  const long long S = p.seqlen, tiles = (S + 3) / 4, seq = blockIdx.x / tiles, seqs = gridDim.x / tiles;
+  const long long t = (blockIdx.x % tiles) * 4 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (t >= S) return;  // a whole warp: the shuffles below stay full
+  const long long row = seq * S + t;
+  T* out = static_cast<T*>(kGrad == kMlstmGradDq ? p.dq : kGrad == kMlstmGradDk ? p.dk : p.dv) + row * kW;
+  const T* src = static_cast<const T*>(kGrad == kMlstmGradDq ? p.q : p.k) + row * kW;
+  float dot = 0.0f;
+  for (int c = 2 * lane; c < kW; c += 64) {
+    float x = 0.0f, y = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kParts; ++j) {
+      const float2 v = *reinterpret_cast<const float2*>(p.part + (j * seqs * S + row) * kW + c);
+      x += v.x, y += v.y;
+    }
+    *reinterpret_cast<unsigned*>(out + c) = pack2<T>(x, y);
+    if (kGrad != kMlstmGradDv) dot += dot2<T>(*reinterpret_cast<const unsigned*>(src + c), x, y);
+  }
+  if (kGrad == kMlstmGradDv) return;
+  dot = warp_reduce_sum(dot);
+  if (lane == 0) (kGrad == kMlstmGradDq ? p.qdq : p.kdk)[row] = dot;
 }
 
 // ---- di, df: one warp per sequence, from the end ----

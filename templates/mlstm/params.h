@@ -30,6 +30,9 @@ struct MlstmParams {
   void* Cs;          // [seqs, NC, DHQK, DHHV] in the input dtype: C entering each chunk
   float* ns;         // [seqs, NC, DHQK]: n entering each chunk
   float* kdk;        // backward: [seqs, S] k_t . dk_t in fp32 (qdq above: q_t . dq_t), for df
+  // backward at head dims > 128: [parts, seqs, S, D] fp32 partial sums of dq, dv or dk over the column
+  // blocks of the dim they contract (mlstm_tc_bwd_parts), summed in a fixed order by the reduce kernel.
+  float* part;
 };
 
 // Dynamic shared memory of mlstm_chunkwise_fwd_kernel in floats: S (chunk x chunk), six vectors of
@@ -69,13 +72,30 @@ constexpr int mlstm_tc_state_smem_bytes(int dk, int dv, int chunk) {
   return 2 * 2 * chunk * (mlstm_tc_state_tile(dk) + mlstm_tc_state_tile(dv) + 2 * kMlstmTcPad) + 2 * 4 * chunk;
 }
 
-// The backward (chunkwise_tc_bwd.cuh), DHQK and DHHV <= 128, 4 warps for 64 rows like the output
-// kernel: the dq kernel holds Q, dH, the chunk's C, a K and a V tile; the dk/dv kernels their own K and
-// V tiles, the chunk's dC, a Q and a dH tile; both take the chunk's i_s - b_s.
+// The backward (chunkwise_tc_bwd.cuh), 4 warps for 64 rows like the output kernel. Head dims over 128
+// are cut into column blocks of 128 (one CTA each, blockIdx.y = DHQK block * DHHV blocks + DHHV block),
+// so a CTA's tiles and accumulators are those of a 128 x 128 problem: the dq kernel holds Q, dH, the
+// chunk's C, a K and a V tile; the dk/dv kernels their own K and V tiles, the chunk's dC, a Q and a dH
+// tile; both take the chunk's i_s - b_s.
+constexpr int mlstm_tc_bwd_block(int dh) { return dh < 128 ? dh : 128; }
+constexpr int mlstm_tc_bwd_blocks(int dk, int dv) { return (dk / mlstm_tc_bwd_block(dk)) * (dv / mlstm_tc_bwd_block(dv)); }
 constexpr int mlstm_tc_bwd_smem_bytes(int dk, int dv, int chunk) {
-  return 2 * (2 * mlstm_tc_rows(chunk) * (dk + kMlstmTcPad) + 2 * mlstm_tc_rows(chunk) * (dv + kMlstmTcPad) +
-              dk * (dv + kMlstmTcPad)) +
+  return 2 * (2 * mlstm_tc_rows(chunk) * (mlstm_tc_bwd_block(dk) + kMlstmTcPad) +
+              2 * mlstm_tc_rows(chunk) * (mlstm_tc_bwd_block(dv) + kMlstmTcPad) +
+              mlstm_tc_bwd_block(dk) * (mlstm_tc_bwd_block(dv) + kMlstmTcPad)) +
          4 * (chunk + 2 * mlstm_tc_rows(chunk));
+}
+// The backward's three gradients of q, k, v (kMlstmGradDq: contracts DHHV; kMlstmGradDv: DHQK;
+// kMlstmGradDk: DHHV): a CTA's result is a partial sum over its block of the contracted dim, and
+// dq, dk also need the whole row for q . dq, k . dk. Where there is more than one block, fp32 partials go
+// to MlstmParams::part and mlstm_tc_reduce_kernel sums them in the order of the parts (no atomics),
+// except dv over a single DHQK block (no sum, no dot: written directly).
+enum MlstmGrad { kMlstmGradDq = 0, kMlstmGradDv = 1, kMlstmGradDk = 2 };
+constexpr int mlstm_tc_bwd_parts(int dk, int dv, int grad) {
+  return grad == kMlstmGradDv ? dk / mlstm_tc_bwd_block(dk) : dv / mlstm_tc_bwd_block(dv);
+}
+constexpr bool mlstm_tc_bwd_reduced(int dk, int dv, int grad) {
+  return mlstm_tc_bwd_blocks(dk, dv) > 1 && (grad != kMlstmGradDv || mlstm_tc_bwd_parts(dk, dv, grad) > 1);
 }
 
 }  // namespace kspec

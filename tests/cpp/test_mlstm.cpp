@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <tuple>
 
 #include "api/src/device_data.h"
 #include "api/src/kernels.h"
@@ -132,6 +133,86 @@ TEST(Mlstm, ValidationNamesTheArgument) {
   }
 }
 
+// chunk 256 (issue 29's L up to 256) runs on algo=tc only: fp32 inputs get an Unsupported naming the
+// chunk, the SIMT kernels' shared-memory limit and why algo=tc cannot run them; bf16 inputs pass, and
+// the heuristic picks algo=tc for them in both directions (algo=simt is out of the space).
+TEST(Mlstm, Chunk256IsTensorCoreOnly) {
+  const Params chunk256{{"chunk", int64_t(256)}};
+  for (const char* op : {"mlstm.chunkwise.fwd", "mlstm.chunkwise.bwd"}) {
+    auto in = chunk_inputs(2, 3, 300, 64, 64, DType::f32, false);
+    if (std::string(op) == "mlstm.chunkwise.bwd") {
+      in.erase(in.begin() + 5, in.end());
+      in.insert(in.end(), {TensorView(), TensorView(), TensorView(fake(10u << 28), DType::f32, {2, 3, 300}, 0),
+                           TensorView(fake(11u << 28), DType::f32, {2, 3, 300}, 0),
+                           TensorView(fake(12u << 28), DType::f32, {2, 3, 300, 64}, 0), TensorView()});
+    }
+    EXPECT_THROW(infer_outputs(op, in, chunk256), Unsupported) << op;
+    expect_in(message_of([&] { infer_outputs(op, in, chunk256); }),
+              {"'chunk' = 256", "algo=tc", "227 KB", "float16 or bfloat16"});
+    for (TensorView& t : in)
+      if (t.data && t.dtype == DType::f32 && t.size(-1) == 64) t.dtype = DType::bf16;  // q, k, v, dh
+    for (size_t j = 3; j < 5; ++j) in[j].dtype = DType::bf16;  // i, f
+    EXPECT_NO_THROW(infer_outputs(op, in, chunk256)) << op;
+    const OpDef& def = Registry::global().get(op);
+    CompileRequest r;
+    r.op = op;
+    r.dtype = DType::bf16;
+    r.arch = "sm_90";
+    r.params.set("chunk", int64_t(256));
+    r.params.set("dhqk", int64_t(64));
+    r.params.set("dhhv", int64_t(64));
+    const Problem pr = problem_from_request(def, r);
+    EXPECT_EQ(def.tuning.heuristic(pr).get("algo"), 1) << op;  // algo=tc
+    std::string why;
+    EXPECT_FALSE(def.tuning.valid(pr, Config{{{"algo", 0}, {"threads", 256}}}, &why)) << op;
+    expect_in(why, {"algo=simt", "chunk <= 128"});
+  }
+}
+
+// The tensor-core backward at head dims over 128 (issue 29's (128, 256) and (256, 512)): one CTA per
+// column block of 128, so its kernels are those of 128 x 128 plus one reduce kernel for each gradient
+// that sums blocks (dq, dk contract DHHV; dv DHQK), and nothing more at 128 x 128; algo=tc_fused has the
+// same kernels with dv and dk as one.
+TEST(Mlstm, TensorCoreBackwardBlocksLargeHeadDims) {
+  const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
+  const Config tc = Config::parse("algo=tc,threads=128", op.info);
+  struct Row {
+    int64_t dk, dv;
+    size_t kernels;
+    int blocks;
+  };
+  for (const Row& row : std::vector<Row>{{128, 128, 7, 1}, {64, 256, 9, 2}, {128, 256, 9, 2}, {256, 512, 10, 8}}) {
+    CompileRequest r;
+    r.op = op.info.name;
+    r.dtype = DType::bf16;
+    r.arch = "sm_90";
+    r.params.set("dhqk", row.dk);
+    r.params.set("dhhv", row.dv);
+    const Problem p = problem_from_request(op, r);
+    const auto kernels = op.kernels(p, tc);
+    ASSERT_EQ(kernels.size(), row.kernels) << row.dk << " x " << row.dv;
+    for (size_t k = 7; k < kernels.size(); ++k)
+      EXPECT_EQ(kernels[k].kernel, "kspec::mlstm_tc_reduce_kernel") << k;
+    // algo=tc_fused: dv and dk as one kernel (4), df next, the same reduce kernels after it.
+    const auto fused = op.kernels(p, Config::parse("algo=tc_fused,threads=128", op.info));
+    ASSERT_EQ(fused.size(), row.kernels - 1) << row.dk << " x " << row.dv;
+    EXPECT_EQ(fused[4].kernel, "kspec::mlstm_tc_dkv_fused_kernel");
+    EXPECT_EQ(fused[5].kernel, "kspec::mlstm_tc_df_kernel");
+    for (size_t k = 6; k < fused.size(); ++k) EXPECT_EQ(fused[k].targs, kernels[k + 1].targs) << k;
+    const int dk = static_cast<int>(row.dk), dv = static_cast<int>(row.dv);
+    EXPECT_EQ(mlstm_tc_bwd_blocks(dk, dv), row.blocks);
+    // Every CTA's tiles are at most those of 128 x 128 (106 KB at chunk 256, within sm_90's 227 KB).
+    EXPECT_LE(mlstm_tc_bwd_smem_bytes(dk, dv, 256), mlstm_tc_bwd_smem_bytes(128, 128, 256));
+    EXPECT_LE(mlstm_tc_bwd_smem_bytes(128, 128, 256), 227 * 1024);
+  }
+  // dv over a single DHQK block needs no sum (written directly); dq and dk over two DHHV blocks do.
+  EXPECT_TRUE(mlstm_tc_bwd_reduced(128, 256, kMlstmGradDq));
+  EXPECT_FALSE(mlstm_tc_bwd_reduced(128, 256, kMlstmGradDv));
+  EXPECT_TRUE(mlstm_tc_bwd_reduced(128, 256, kMlstmGradDk));
+  EXPECT_TRUE(mlstm_tc_bwd_reduced(256, 512, kMlstmGradDv));
+  EXPECT_FALSE(mlstm_tc_bwd_reduced(128, 128, kMlstmGradDq));
+}
+
 // mlstm.chunkwise.bwd: q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last at fake addresses (i, f fp32).
 std::vector<TensorView> bwd_inputs(bool init, bool dC_last) {
   const int64_t B = 2, NH = 3, S = 70, dk = 32, dv = 64;
@@ -211,29 +292,45 @@ TEST(Mlstm, EveryCaseCompilesWithoutSpills) {
   }
 }
 
-// mlstm.chunkwise.bwd's algo=tc (not the heuristic's choice yet, so not compiled above) compiles without
-// spills or a stack frame: the base case in fp16 and bf16 and chunk 128 in bf16.
+// mlstm.chunkwise.bwd's algo=tc_fused (not the heuristic's choice, so not compiled above) compiles
+// without spills or a stack frame: the base case in fp16 and bf16, chunk 128 and 256, and head dims
+// 128 x 256 (its dv and dk partials side by side) in bf16; algo=tc at 128 x 256 beside it.
 TEST(Mlstm, TensorCoreBackwardCompilesWithoutSpills) {
   const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
-  const Config tc = Config::parse("algo=tc,threads=128", op.info);
-  for (const auto& [case_name, dt] : std::vector<std::pair<std::string, DType>>{
-           {"base", DType::f16}, {"base", DType::bf16}, {"chunk_128", DType::bf16}}) {
+  const Config tc = Config::parse("algo=tc,threads=128", op.info),
+               fused = Config::parse("algo=tc_fused,threads=128", op.info);
+  struct Row {
+    const char* case_name;
+    DType dt;
+    const Config& config;
+    size_t kernels;
+  };
+  for (const Row& row : std::vector<Row>{{"base", DType::f16, fused, 6},
+                                         {"base", DType::bf16, fused, 6},
+                                         {"chunk_128", DType::bf16, fused, 6},
+                                         {"chunk_256", DType::bf16, fused, 6},
+                                         {"dk_128_dv_256", DType::bf16, fused, 8},
+                                         {"dk_128_dv_256", DType::bf16, tc, 9}}) {
+    int found = 0;
     for (const auto& cs : op.cases) {
-      if (cs.name != case_name) continue;
+      if (cs.name != row.case_name) continue;
+      ++found;
       CompileRequest r;
       r.op = op.info.name;
-      r.dtype = dt;
-      r.config = tc;
+      r.dtype = row.dt;
+      r.config = row.config;
+      r.tensor_dtypes = cs.tensor_dtypes;
       for (const auto& [k, v] : cs.params.items()) r.params.set(k, v);
       for (const auto& [k, v] : cs.dims)
         if (k == "dhqk" || k == "dhhv") r.params.set(k, v);
       const auto reports = compile(r);
-      EXPECT_EQ(reports.size(), 7u) << case_name;
+      EXPECT_EQ(reports.size(), row.kernels) << row.case_name;
       for (const auto& rep : reports) {
-        EXPECT_EQ(rep.spill_bytes, 0) << case_name << " " << dtype_short(dt) << ": " << rep.kernel;
-        EXPECT_EQ(rep.stack_bytes, 0) << case_name << " " << dtype_short(dt) << ": " << rep.kernel;
+        EXPECT_EQ(rep.spill_bytes, 0) << row.case_name << " " << dtype_short(row.dt) << ": " << rep.kernel;
+        EXPECT_EQ(rep.stack_bytes, 0) << row.case_name << " " << dtype_short(row.dt) << ": " << rep.kernel;
       }
     }
+    EXPECT_EQ(found, 1) << row.case_name;
   }
 }
 
@@ -866,10 +963,10 @@ TEST(MlstmGpu, TensorCoreForwardMatchesReference) {
   }
 }
 
-// algo=tc forced on every case of both chunkwise ops that it supports (the backward: head dims <= 128),
-// fp16 and bf16, against the float64 reference with the op's tolerance (the generic checker's rows:
-// S of 1, 2, 63, 64, 65, 100, 300, chunks 16 to 128, head dims 16 to 128 (forward: to 256 x 512 with
-// the large cases), with and without initial states, dC_last, nrm and the last states).
+// algo=tc forced on every case of both chunkwise ops, fp16 and bf16, against the float64 reference with
+// the op's tolerance (the generic checker's rows: S of 1, 2, 63, 64, 65, 100, 300, chunks 16 to 256, head
+// dims 16 to 128 x 256 (to 256 x 512 with the large cases), with and without initial states, dC_last,
+// nrm and the last states).
 TEST(MlstmGpu, TensorCoreEveryCaseMatchesReference) {
   KSPEC_REQUIRE_GPU();
   for (const char* op : {"mlstm.chunkwise.fwd", "mlstm.chunkwise.bwd"}) {
@@ -877,12 +974,6 @@ TEST(MlstmGpu, TensorCoreEveryCaseMatchesReference) {
     int ran = 0;
     for (const auto& cs : Registry::global().get(op).cases) {
       if (cs.large) continue;
-      int64_t dk = 0, dv = 0;
-      for (const auto& [name, value] : cs.dims) {
-        if (name == "dhqk") dk = value;
-        if (name == "dhhv") dv = value;
-      }
-      if (std::string(op) == "mlstm.chunkwise.bwd" && (dk > 128 || dv > 128)) continue;
       CheckOptions o;
       o.case_name = cs.name;
       o.dtypes = {DType::f16, DType::bf16};
@@ -892,7 +983,97 @@ TEST(MlstmGpu, TensorCoreEveryCaseMatchesReference) {
       kspec::testing::report(rows);
       ++ran;
     }
-    EXPECT_GE(ran, 12) << op;
+    EXPECT_GE(ran, 14) << op;
+  }
+}
+
+namespace {
+
+// A device tensor of `shape` in dtype t, every byte 0xFF (NaN in every float type), kept alive by bufs.
+TensorView nan_tensor(std::vector<std::unique_ptr<DeviceBuffer>>& bufs, DType t, std::initializer_list<int64_t> shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  bufs.push_back(std::make_unique<DeviceBuffer>(static_cast<size_t>(n) * dtype_size(t)));
+  CU_CHECK(cuMemsetD8(bufs.back()->ptr, 0xFF, bufs.back()->bytes));
+  return TensorView(reinterpret_cast<void*>(bufs.back()->ptr), t, shape, 0);
+}
+
+// Every output of mlstm.chunkwise.bwd in a 16-bit dtype under a forced config (NaN-poisoned first),
+// decoded to double, with dC_last and the initial states: the inputs are r's (already rounded to dt),
+// nrm and m_rows the float64 forward's of them (as autograd hands the forward's over).
+std::vector<std::vector<double>> backward16(const ref::MlstmShape& sh, const ref::MlstmInputs& r,
+                                            const std::vector<double>& dh, const std::vector<double>& dC_last,
+                                            DType dt, int64_t chunk, const Config& cfg) {
+  jit::ContextGuard guard(0);
+  const int64_t B = sh.B, NH = sh.NH, S = sh.S, dk = sh.DK, dv = sh.DV;
+  const auto fwd = ref::mlstm_chunkwise_fwd_ref(sh, r, chunk);
+  std::vector<std::unique_ptr<DeviceBuffer>> bufs;
+  auto put = [&](const std::vector<double>& x, DType t, std::initializer_list<int64_t> shape) {
+    std::vector<unsigned char> bytes;
+    encode(t, x, bytes);
+    bufs.push_back(std::make_unique<DeviceBuffer>(bytes.size()));
+    CU_CHECK(cuMemcpyHtoD(bufs.back()->ptr, bytes.data(), bytes.size()));
+    return TensorView(reinterpret_cast<void*>(bufs.back()->ptr), t, shape, 0);
+  };
+  auto nan_out = [&](DType t, std::initializer_list<int64_t> shape) { return nan_tensor(bufs, t, shape); };
+  const std::vector<TensorView> in = {
+      put(r.q, dt, {B, NH, S, dk}),        put(r.k, dt, {B, NH, S, dk}),       put(r.v, dt, {B, NH, S, dv}),
+      put(r.i, dt, {B, NH, S}),            put(r.f, dt, {B, NH, S}),           put(r.C0, DType::f32, {B, NH, dk, dv}),
+      put(r.m0, DType::f32, {B, NH, 1}),   put(fwd.nrm, DType::f32, {B, NH, S}), put(fwd.m, DType::f32, {B, NH, S}),
+      put(dh, dt, {B, NH, S, dv}),         put(dC_last, DType::f32, {B, NH, dk, dv})};
+  const std::vector<TensorView> out = {nan_out(dt, {B, NH, S, dk}), nan_out(dt, {B, NH, S, dk}),
+                                       nan_out(dt, {B, NH, S, dv}), nan_out(dt, {B, NH, S}),
+                                       nan_out(dt, {B, NH, S}),     nan_out(DType::f32, {B, NH, dk, dv})};
+  CallOptions opt;
+  opt.config = &cfg;
+  call("mlstm.chunkwise.bwd", in, out, {{"chunk", chunk}}, nullptr, opt);
+  CU_CHECK(cuCtxSynchronize());
+  std::vector<std::vector<double>> got;
+  for (const TensorView& t : out) {
+    std::vector<unsigned char> bytes(static_cast<size_t>(t.numel()) * dtype_size(t.dtype));
+    CU_CHECK(cuMemcpyDtoH(bytes.data(), reinterpret_cast<CUdeviceptr>(t.data), bytes.size()));
+    got.push_back(decode(t.dtype, bytes));
+  }
+  return got;
+}
+
+}  // namespace
+
+// The tensor-core forward and backward at issue 29's larger head dims, (128, 256) and (256, 512) (the
+// backward in column blocks of 128 with its partial sums reduced in a fixed order), S of 1, 65 and 300,
+// chunks 64, 128 and 256, bf16, with initial states and dC_last: every output against the float64
+// reference of the same rounded inputs (h within 2e-2, the gradients within 5e-2 as the poisoned-memory
+// test), and a second call gives the same bits.
+TEST(MlstmGpu, TensorCoreLargeHeadDimsMatchReference) {
+  KSPEC_REQUIRE_GPU();
+  const DType dt = DType::bf16;
+  const Config fwd_tc = Config::parse("algo=tc,threads=128", op_info("mlstm.chunkwise.fwd"));
+  const Config bwd_tc = Config::parse("algo=tc,threads=128", op_info("mlstm.chunkwise.bwd"));
+  for (const auto& [dk, dv] : std::vector<std::pair<int64_t, int64_t>>{{128, 256}, {256, 512}}) {
+    for (int64_t S : {1, 65, 300}) {
+      Problem32 pr(1, 1, S, dk, dv, 90 + S + dk);
+      std::vector<double> dh = to_double(randn_f(S * dv, 91)), dC_last = to_double(randn_f(dk * dv, 92));
+      quantize(dt, dh);
+      for (int64_t chunk : {64, 128, 256}) {
+        const std::string what = "dk " + std::to_string(dk) + " dv " + std::to_string(dv) + " S " +
+                                 std::to_string(S) + " chunk " + std::to_string(chunk);
+        ref::MlstmInputs r;
+        const auto h = forward16(pr, dt, chunk, true, fwd_tc, &r);
+        const ref::MlstmShape sh{1, 1, S, dk, dv};
+        const auto want = ref::mlstm_chunkwise_fwd_ref(sh, r, chunk);
+        EXPECT_LT(rel_max_d(h[0], want.h), 2e-2) << what << " h";
+        EXPECT_LT(rel_max_d(h[3], want.C), 2e-2) << what << " C_last";
+        EXPECT_EQ(forward16(pr, dt, chunk, true, fwd_tc, &r)[0], h[0]) << what << " h, second call";
+        r.n0.assign(dk, 0.0);  // the backward has no n0 (nrm is its constant)
+        const auto g = backward16(sh, r, dh, dC_last, dt, chunk, bwd_tc);
+        const auto grads = ref::mlstm_chunkwise_bwd_ref(sh, r, dh, &dC_last, chunk);
+        const char* names[] = {"dq", "dk", "dv", "di", "df", "dC0"};
+        const std::vector<double>* refs[] = {&grads.dq, &grads.dk, &grads.dv, &grads.di, &grads.df, &grads.dC0};
+        for (size_t j = 0; j < 6; ++j) EXPECT_LT(rel_max_d(g[j], *refs[j]), 5e-2) << what << " " << names[j];
+        const auto again = backward16(sh, r, dh, dC_last, dt, chunk, bwd_tc);
+        for (size_t j = 0; j < 6; ++j) EXPECT_EQ(again[j], g[j]) << what << " " << names[j] << ", second call";
+      }
+    }
   }
 }
 
@@ -930,86 +1111,86 @@ class PoisonedLauncher : public Launcher {
 
 }  // namespace
 
-// accumulators_initialized for algo=tc (issue 29): the tensor-core forward and backward with their
-// shared memory and workspace NaN-filled and every output NaN-poisoned, bf16 and fp16, S = 100 over
-// chunks of 16 and 64 (short last chunks), with initial states and dC_last: every output finite and
+// accumulators_initialized for algo=tc (issue 29): the tensor-core forward and backward (algo=tc and
+// tc_fused) with their shared memory and workspace NaN-filled and every output NaN-poisoned, bf16 and
+// fp16, S = 100 over chunks of 16 and 64 (short last chunks), head dims 32 x 32 and 128 x 256 (the
+// backward's column blocks and partial sums), with initial states and dC_last: every output finite and
 // within tolerance of the float64 reference.
 TEST(MlstmGpu, TensorCorePoisonedSharedMemoryNeverReachesOutputs) {
   KSPEC_REQUIRE_GPU();
   jit::ContextGuard guard(0);
-  const int64_t B = 1, NH = 2, S = 100, dk = 32, dv = 32;
-  Problem32 pr(B, NH, S, dk, dv, 81);
-  const auto dh32 = randn_f(B * NH * S * dv, 82), dC32 = randn_f(B * NH * dk * dv, 83);
-  for (DType dt : {DType::f16, DType::bf16}) {
-    for (int64_t chunk : {16, 64}) {
-      std::vector<std::unique_ptr<DeviceBuffer>> bufs;
-      auto put = [&](std::vector<double> x, DType t, std::initializer_list<int64_t> shape) {
-        quantize(t, x);
-        std::vector<unsigned char> bytes;
-        encode(t, x, bytes);
-        bufs.push_back(std::make_unique<DeviceBuffer>(bytes.size()));
-        CU_CHECK(cuMemcpyHtoD(bufs.back()->ptr, bytes.data(), bytes.size()));
-        return std::make_pair(TensorView(reinterpret_cast<void*>(bufs.back()->ptr), t, shape, 0), x);
-      };
-      auto nan_out = [&](DType t, std::initializer_list<int64_t> shape) {
-        int64_t n = 1;
-        for (int64_t d : shape) n *= d;
-        bufs.push_back(std::make_unique<DeviceBuffer>(static_cast<size_t>(n) * dtype_size(t)));
-        CU_CHECK(cuMemsetD8(bufs.back()->ptr, 0xFF, bufs.back()->bytes));
-        return TensorView(reinterpret_cast<void*>(bufs.back()->ptr), t, shape, 0);
-      };
-      auto fetch = [](const TensorView& t) {
-        std::vector<unsigned char> bytes(static_cast<size_t>(t.numel()) * dtype_size(t.dtype));
-        CU_CHECK(cuMemcpyDtoH(bytes.data(), reinterpret_cast<CUdeviceptr>(t.data), bytes.size()));
-        return decode(t.dtype, bytes);
-      };
-      auto [q, qd] = put(to_double(pr.q), dt, {B, NH, S, dk});
-      auto [k, kd] = put(to_double(pr.k), dt, {B, NH, S, dk});
-      auto [v, vd] = put(to_double(pr.v), dt, {B, NH, S, dv});
-      auto [i, id] = put(to_double(pr.i), dt, {B, NH, S});
-      auto [f, fd] = put(to_double(pr.f), dt, {B, NH, S});
-      auto [dh, dhd] = put(to_double(dh32), dt, {B, NH, S, dv});
-      auto [C0, C0d] = put(to_double(pr.C0), DType::f32, {B, NH, dk, dv});
-      auto [n0, n0d] = put(std::vector<double>(B * NH * dk, 0.0), DType::f32, {B, NH, dk});
-      auto [m0, m0d] = put(to_double(pr.m0), DType::f32, {B, NH, 1});
-      auto [dCl, dCd] = put(to_double(dC32), DType::f32, {B, NH, dk, dv});
-      const TensorView h = nan_out(dt, {B, NH, S, dv}), nrm = nan_out(DType::f32, {B, NH, S}),
-                       mr = nan_out(DType::f32, {B, NH, S}), Cl = nan_out(DType::f32, {B, NH, dk, dv}),
-                       nl = nan_out(DType::f32, {B, NH, dk}), ml = nan_out(DType::f32, {B, NH, 1});
-      const TensorView dq = nan_out(dt, {B, NH, S, dk}), dkk = nan_out(dt, {B, NH, S, dk}),
-                       dvv = nan_out(dt, {B, NH, S, dv}), di = nan_out(dt, {B, NH, S}), df = nan_out(dt, {B, NH, S}),
-                       dC0 = nan_out(DType::f32, {B, NH, dk, dv});
-      Params params;
-      params.set("chunk", chunk);
-      auto run = [&](const char* name, const std::vector<TensorView>& in, const std::vector<TensorView>& out) {
-        const OpDef& op = Registry::global().get(name);
-        Call call = validate_call(op, in, out, params, nullptr);
-        call.problem.arch = device_arch(0);  // as the plan sets it before compiling (H100 run: NVRTC got -arch=)
-        const Config c = Config::parse("algo=tc,threads=128", op.info);
-        PoisonedLauncher l(poisoned_plan(op, call.problem, c));
-        op.launch(call, c, l);
-        CU_CHECK(cuCtxSynchronize());
-      };
-      run("mlstm.chunkwise.fwd", {q, k, v, i, f, C0, n0, m0}, {h, nrm, mr, Cl, nl, ml});
-      run("mlstm.chunkwise.bwd", {q, k, v, i, f, C0, m0, nrm, mr, dh, dCl}, {dq, dkk, dvv, di, df, dC0});
-      ref::MlstmInputs r{qd, kd, vd, id, fd, C0d, n0d, m0d};
-      const ref::MlstmShape shape{B, NH, S, dk, dv};
-      const auto want = ref::mlstm_chunkwise_fwd_ref(shape, r, chunk);
-      const auto grads = ref::mlstm_chunkwise_bwd_ref(shape, r, dhd, &dCd, chunk);
-      const std::string what = std::string(dtype_short(dt)) + " chunk " + std::to_string(chunk);
-      const double tol = dt == DType::f16 ? 3e-3 : 2e-2, gtol = dt == DType::f16 ? 1e-2 : 5e-2;
-      EXPECT_LT(rel_max_d(fetch(h), want.h), tol) << what << " h";
-      EXPECT_LT(rel_max_d(fetch(nrm), want.nrm), 1e-4) << what << " nrm";
-      EXPECT_LT(rel_max_d(fetch(mr), want.m), 1e-4) << what << " m_rows";
-      EXPECT_LT(rel_max_d(fetch(Cl), want.C), tol) << what << " C_last";
-      EXPECT_LT(rel_max_d(fetch(nl), want.n), tol) << what << " n_last";
-      EXPECT_LT(rel_max_d(fetch(ml), want.m_last), 1e-4) << what << " m_last";
-      EXPECT_LT(rel_max_d(fetch(dq), grads.dq), gtol) << what << " dq";
-      EXPECT_LT(rel_max_d(fetch(dkk), grads.dk), gtol) << what << " dk";
-      EXPECT_LT(rel_max_d(fetch(dvv), grads.dv), gtol) << what << " dv";
-      EXPECT_LT(rel_max_d(fetch(di), grads.di), gtol) << what << " di";
-      EXPECT_LT(rel_max_d(fetch(df), grads.df), gtol) << what << " df";
-      EXPECT_LT(rel_max_d(fetch(dC0), grads.dC0), gtol) << what << " dC0";
+  const int64_t B = 1, NH = 2, S = 100;
+  for (const auto& [dk, dv, bwd_algo] : std::vector<std::tuple<int64_t, int64_t, const char*>>{
+           {32, 32, "tc"}, {32, 32, "tc_fused"}, {128, 256, "tc"}, {128, 256, "tc_fused"}}) {
+    Problem32 pr(B, NH, S, dk, dv, 81);
+    const auto dh32 = randn_f(B * NH * S * dv, 82), dC32 = randn_f(B * NH * dk * dv, 83);
+    for (DType dt : {DType::f16, DType::bf16}) {
+      for (int64_t chunk : {16, 64}) {
+        std::vector<std::unique_ptr<DeviceBuffer>> bufs;
+        auto put = [&](std::vector<double> x, DType t, std::initializer_list<int64_t> shape) {
+          quantize(t, x);
+          std::vector<unsigned char> bytes;
+          encode(t, x, bytes);
+          bufs.push_back(std::make_unique<DeviceBuffer>(bytes.size()));
+          CU_CHECK(cuMemcpyHtoD(bufs.back()->ptr, bytes.data(), bytes.size()));
+          return std::make_pair(TensorView(reinterpret_cast<void*>(bufs.back()->ptr), t, shape, 0), x);
+        };
+        auto nan_out = [&](DType t, std::initializer_list<int64_t> shape) { return nan_tensor(bufs, t, shape); };
+        auto fetch = [](const TensorView& t) {
+          std::vector<unsigned char> bytes(static_cast<size_t>(t.numel()) * dtype_size(t.dtype));
+          CU_CHECK(cuMemcpyDtoH(bytes.data(), reinterpret_cast<CUdeviceptr>(t.data), bytes.size()));
+          return decode(t.dtype, bytes);
+        };
+        auto [q, qd] = put(to_double(pr.q), dt, {B, NH, S, dk});
+        auto [k, kd] = put(to_double(pr.k), dt, {B, NH, S, dk});
+        auto [v, vd] = put(to_double(pr.v), dt, {B, NH, S, dv});
+        auto [i, id] = put(to_double(pr.i), dt, {B, NH, S});
+        auto [f, fd] = put(to_double(pr.f), dt, {B, NH, S});
+        auto [dh, dhd] = put(to_double(dh32), dt, {B, NH, S, dv});
+        auto [C0, C0d] = put(to_double(pr.C0), DType::f32, {B, NH, dk, dv});
+        auto [n0, n0d] = put(std::vector<double>(B * NH * dk, 0.0), DType::f32, {B, NH, dk});
+        auto [m0, m0d] = put(to_double(pr.m0), DType::f32, {B, NH, 1});
+        auto [dCl, dCd] = put(to_double(dC32), DType::f32, {B, NH, dk, dv});
+        const TensorView h = nan_out(dt, {B, NH, S, dv}), nrm = nan_out(DType::f32, {B, NH, S}),
+                         mr = nan_out(DType::f32, {B, NH, S}), Cl = nan_out(DType::f32, {B, NH, dk, dv}),
+                         nl = nan_out(DType::f32, {B, NH, dk}), ml = nan_out(DType::f32, {B, NH, 1});
+        const TensorView dq = nan_out(dt, {B, NH, S, dk}), dkk = nan_out(dt, {B, NH, S, dk}),
+                         dvv = nan_out(dt, {B, NH, S, dv}), di = nan_out(dt, {B, NH, S}), df = nan_out(dt, {B, NH, S}),
+                         dC0 = nan_out(DType::f32, {B, NH, dk, dv});
+        Params params;
+        params.set("chunk", chunk);
+        auto run = [&](const char* name, const std::vector<TensorView>& in, const std::vector<TensorView>& out) {
+          const OpDef& op = Registry::global().get(name);
+          Call call = validate_call(op, in, out, params, nullptr);
+          call.problem.arch = device_arch(0);  // as the plan sets it before compiling (H100 run: NVRTC got -arch=)
+          const std::string algo = op.info.name == "mlstm.chunkwise.bwd" ? bwd_algo : "tc";
+          const Config c = Config::parse("algo=" + algo + ",threads=128", op.info);
+          PoisonedLauncher l(poisoned_plan(op, call.problem, c));
+          op.launch(call, c, l);
+          CU_CHECK(cuCtxSynchronize());
+        };
+        run("mlstm.chunkwise.fwd", {q, k, v, i, f, C0, n0, m0}, {h, nrm, mr, Cl, nl, ml});
+        run("mlstm.chunkwise.bwd", {q, k, v, i, f, C0, m0, nrm, mr, dh, dCl}, {dq, dkk, dvv, di, df, dC0});
+        ref::MlstmInputs r{qd, kd, vd, id, fd, C0d, n0d, m0d};
+        const ref::MlstmShape shape{B, NH, S, dk, dv};
+        const auto want = ref::mlstm_chunkwise_fwd_ref(shape, r, chunk);
+        const auto grads = ref::mlstm_chunkwise_bwd_ref(shape, r, dhd, &dCd, chunk);
+        const std::string what = std::string(dtype_short(dt)) + " chunk " + std::to_string(chunk) + " dk " +
+                                 std::to_string(dk) + " dv " + std::to_string(dv) + " " + bwd_algo;
+        const double tol = dt == DType::f16 ? 3e-3 : 2e-2, gtol = dt == DType::f16 ? 1e-2 : 5e-2;
+        EXPECT_LT(rel_max_d(fetch(h), want.h), tol) << what << " h";
+        EXPECT_LT(rel_max_d(fetch(nrm), want.nrm), 1e-4) << what << " nrm";
+        EXPECT_LT(rel_max_d(fetch(mr), want.m), 1e-4) << what << " m_rows";
+        EXPECT_LT(rel_max_d(fetch(Cl), want.C), tol) << what << " C_last";
+        EXPECT_LT(rel_max_d(fetch(nl), want.n), tol) << what << " n_last";
+        EXPECT_LT(rel_max_d(fetch(ml), want.m_last), 1e-4) << what << " m_last";
+        EXPECT_LT(rel_max_d(fetch(dq), grads.dq), gtol) << what << " dq";
+        EXPECT_LT(rel_max_d(fetch(dkk), grads.dk), gtol) << what << " dk";
+        EXPECT_LT(rel_max_d(fetch(dvv), grads.dv), gtol) << what << " dv";
+        EXPECT_LT(rel_max_d(fetch(di), grads.di), gtol) << what << " di";
+        EXPECT_LT(rel_max_d(fetch(df), grads.df), gtol) << what << " df";
+        EXPECT_LT(rel_max_d(fetch(dC0), grads.dC0), gtol) << what << " dC0";
+      }
     }
   }
 }

@@ -148,6 +148,24 @@ def test_mlstm_mhc_difflogic_napkin_math(families):
     assert round(100 * db(1024, 64000, 64000, "fwd+bwd", 4) / 4.260e-3 / 3e12) == 10
 
 
+def test_mlstm_quick_times_only_kspec_and_xl_chunk(families, bench):
+    """--mlstm-quick (issue 29's speed table in under a minute): the option parses, and its variants are
+    kspec's chunkwise op and mlstm_kernels xl_chunk at L=128 alone (no limit_chunk, no torch rows, whose
+    torch.compile alone took tens of seconds), on the issue's three head-dim rows."""
+    import argparse
+    import types
+
+    m = families["mlstm"]
+    p = argparse.ArgumentParser()
+    m.add_arguments(p)
+    assert p.parse_args(["--mlstm-quick"]).mlstm_quick and not p.parse_args([]).mlstm_quick
+    assert m.QUICK_DIMS == ((128, 128), (128, 256), (256, 512)) and m.QUICK_S == 4096
+    ctx = types.SimpleNamespace(torch=None, kspec=types.SimpleNamespace(ops=None))
+    peers = {"xl_chunk": object(), "limit_chunk": object()}
+    names = [v[0] for v in m.variants(ctx, [m.QUICK_CHUNK], peers, quick=True)]
+    assert names == ["kspec chunkwise L=128", "mlstm_kernels xl_chunk L=128"]
+
+
 def test_torch_peers_of_the_new_families_match_the_references(families):
     """The torch eager implementations the benchmarks time (and torch.compile compiles) compute what the
     float64 references do: mLSTM's parallel form, mHC's pre/post, the logic layer (CPU, float64)."""

@@ -130,3 +130,39 @@ def test_tensor_core_backward(dtype, S, chunk):
     for name, x, y in zip(("dq", "dk", "dv", "di", "df", "dC0"), got, simt):
         assert _rel_max(x, want[name].reshape(x.shape)) <= tol, name
         assert _rel_max(x, _np(y)) <= tol, name
+
+
+@pytest.mark.parametrize("algo", ["tc", "tc_fused"])
+@pytest.mark.parametrize("chunk", [64, 256])
+@pytest.mark.parametrize("S", [1, 65, 300])
+@pytest.mark.parametrize("DK,DV", [(128, 256), (256, 512)])
+def test_tensor_core_large_head_dims(DK, DV, S, chunk, algo):
+    """Issue 29's larger head dims on the tensor-core kernels, bf16, with initial states and dC_last: the
+    forward's h and the backward's gradients (column blocks of 128, partials summed in a fixed order;
+    tc_fused: dv and dk in one kernel) against the float64 reference, and a second backward bitwise equal."""
+    B, NH, dtype = 1, 1, torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(S + DK + chunk)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    q, k, v = r(B, NH, S, DK).to(dtype), r(B, NH, S, DK).to(dtype), r(B, NH, S, DV).to(dtype)
+    i, f = r(B, NH, S).to(dtype), (r(B, NH, S) + 2.0).to(dtype)
+    dh = r(B, NH, S, DV).to(dtype)
+    C0, n0, m0, dC_last = r(B, NH, DK, DV), torch.zeros(B, NH, DK, device="cuda"), r(B, NH, 1), r(B, NH, DK, DV)
+    h, nrm, m_rows = _nan_like(v), _nan_like(i, torch.float32), _nan_like(i, torch.float32)
+    kspec.call("mlstm.chunkwise.fwd", q, k, v, i, f, C0, n0, m0, out=(h, nrm, m_rows, None, None, None), chunk=chunk,
+               config="algo=tc,threads=128")
+
+    def run():
+        out = (_nan_like(q), _nan_like(k), _nan_like(v), _nan_like(i), _nan_like(f), _nan_like(C0))
+        kspec.call("mlstm.chunkwise.bwd", q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, out=out, chunk=chunk,
+                   config=f"algo={algo},threads=128")
+        return out
+
+    got, again = run(), run()
+    torch.cuda.synchronize()
+    x = [_np(t) for t in (q, k, v, i, f, C0, n0)]
+    want_h = ref.mlstm_chunkwise_fwd(*x, _np(m0).reshape(B, NH), chunk=chunk)[0]
+    assert _rel_max(h, want_h.reshape(h.shape)) <= 2e-2, "h"
+    want = ref.mlstm_chunkwise_bwd(_np(dh), *x, _np(m0).reshape(B, NH), _np(dC_last), chunk=chunk)
+    for name, a, b in zip(("dq", "dk", "dv", "di", "df", "dC0"), got, again):
+        assert _rel_max(a, want[name].reshape(a.shape)) <= 5e-2, name
+        assert torch.equal(a, b), f"{name}: a second call differs"

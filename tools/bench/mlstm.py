@@ -17,6 +17,9 @@ DESCRIPTION = "the mLSTM cell: kspec.ops.mlstm_chunkwise against mlstm_kernels (
 FWD_TOL, BWD_TOL = 2e-2, 5e-2
 CHECK_STEPS = 256  # the checked prefix of sequence (0, 0) (a step depends only on the ones before it)
 TARGET = 1.3       # issue 29: >= 1.3x the best mlstm_kernels kernel, fwd and fwd+bwd
+# --mlstm-quick: issue 29's speed table in under a minute (the full run took > 150 s on the H100): only
+# kspec's default (algo=tc) and mlstm_kernels xl_chunk at chunk 128, these head dims at S = 4096, few reps.
+QUICK_DIMS, QUICK_S, QUICK_CHUNK, QUICK_REPS, QUICK_WARMUP = ((128, 128), (128, 256), (256, 512)), 4096, 128, 10, 3
 
 
 def add_arguments(p):
@@ -26,6 +29,10 @@ def add_arguments(p):
                    help="mlstm: head dims (default 128x128; issue 29 also lists 128x256,256x512)")
     p.add_argument("--mlstm-chunks", metavar="L,...", default="64,128",
                    help="mlstm: kspec's chunk sizes timed (default 64,128)")
+    p.add_argument("--mlstm-quick", action="store_true",
+                   help=f"mlstm: kspec tc vs mlstm_kernels xl_chunk only, L={QUICK_CHUNK}, S={QUICK_S}, DH "
+                        + ", ".join(f"{k}x{v}" for k, v in QUICK_DIMS) + f", {QUICK_REPS} reps (< 60 s on an H100;"
+                        " no step table)")
 
 
 def flops(B, NH, S, DK, DV, kind):
@@ -98,11 +105,16 @@ def _peers():
     return {"xl_chunk": mlstm_chunkwise__xl_chunk, "limit_chunk": mlstm_chunkwise__limit_chunk}, None
 
 
-def variants(ctx, chunks, peers):
-    """[(name, impl, fn(q, k, v, i, f) -> h)]."""
+def variants(ctx, chunks, peers, quick=False):
+    """[(name, impl, fn(q, k, v, i, f) -> h)]; quick: kspec and xl_chunk at QUICK_CHUNK only."""
     torch, K = ctx.torch, ctx.kspec.ops
     out = [(f"kspec chunkwise L={L}", "kspec",
             lambda q, k, v, i, f, L=L: K.mlstm_chunkwise(q, k, v, i, f, chunk_size=L)) for L in chunks]
+    if quick:
+        if "xl_chunk" in peers:
+            out.append((f"mlstm_kernels xl_chunk L={QUICK_CHUNK}", "peer",
+                        lambda q, k, v, i, f: peers["xl_chunk"](q=q, k=k, v=v, i=i, f=f, chunk_size=QUICK_CHUNK)))
+        return out
     for L in (64, 128, 256):
         if "xl_chunk" in peers:
             out.append((f"mlstm_kernels xl_chunk L={L}", "peer",
@@ -122,7 +134,10 @@ def run(ctx):
     dims = [tuple(int(d) for d in s.split("x")) for s in ctx.args.mlstm_dims.split(",")]
     chunks = [int(c) for c in ctx.args.mlstm_chunks.split(",")]
     B, NH = 8, 8
-    if ctx.args.quick:
+    quick = getattr(ctx.args, "mlstm_quick", False)
+    if quick:
+        seqlens, dims, chunks = [QUICK_S], list(QUICK_DIMS), [QUICK_CHUNK]
+    elif ctx.args.quick:
         seqlens, B = [1024], 2
     peers, why = _peers()
     if why:
@@ -137,7 +152,7 @@ def run(ctx):
             ref = _reference(torch, x, dh_check)
             leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
             shape = f"{B}x{NH}x{S} {DK}x{DV}"
-            for name, impl, fn in variants(ctx, chunks, peers):
+            for name, impl, fn in variants(ctx, chunks, peers, quick):
                 def fwd(fn=fn, x=x):
                     return fn(x["q"], x["k"], x["v"], x["i"], x["f"])
 
@@ -160,7 +175,7 @@ def run(ctx):
                         continue
                     try:
                         row.update(_validate_and_time(ctx, torch, kind, fwd, fwdbwd, prep, leaves, dh_check, ref,
-                                                      impl, step))
+                                                      impl, step, quick))
                     except Exception as e:  # noqa: BLE001  (a peer's OOM or compile failure is a result)
                         row["status"] = "OOM" if "out of memory" in str(e).lower() else "error"
                         row["error"] = short_error(e)
@@ -173,6 +188,8 @@ def run(ctx):
             torch.cuda.empty_cache()
     _ratios(rows)
     data, sections = _report(ctx, rows, why)
+    if quick:
+        return data, sections
     step_rows = run_step(ctx, peers_step())
     data["step"] = step_rows
     return data, sections + [_step_section(step_rows)]
@@ -255,7 +272,7 @@ def _step_section(rows):
     return Section("mlstm.step: µs per step", cols, rows, notes)
 
 
-def _validate_and_time(ctx, torch, kind, fwd, fwdbwd, prep, leaves, dh_check, ref, impl, step):
+def _validate_and_time(ctx, torch, kind, fwd, fwdbwd, prep, leaves, dh_check, ref, impl, step, quick=False):
     out = {}
     if kind == "fwd":
         errs = {"h": _max_rel(torch, fwd(), ref["h"])}
@@ -275,7 +292,8 @@ def _validate_and_time(ctx, torch, kind, fwd, fwdbwd, prep, leaves, dh_check, re
     out["valid"] = out["max_error"] <= tol
     out["status"] = "ok" if out["valid"] else "INVALID"
     if out["valid"] or impl != "kspec" or ctx.args.time_invalid:
-        t = ctx.timer.time(step, prep if kind != "fwd" else None)
+        t = ctx.timer.time(step, prep if kind != "fwd" else None,
+                           **(dict(reps=QUICK_REPS, warmup=QUICK_WARMUP) if quick else {}))
         out.update(t)
     return out
 

@@ -4,6 +4,7 @@
 // and .bwd (no states). The OpDefs: kernels, launchers and float64 references (api/ops/mlstm/reference.h);
 // the schema, tuning spaces and case tables they share in schema.cpp. Kernels in templates/mlstm/
 // (step.cuh, chunkwise_fwd.cuh, chunkwise_bwd.cuh), their one argument templates/mlstm/params.h.
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -295,25 +296,44 @@ std::vector<jit::KernelSpec> bwd_kernels(const Problem& p, const Config& c, int6
 
 // ---- the tensor-core backward (mlstm.chunkwise.bwd, algo=tc; templates/mlstm/chunkwise_tc_bwd.cuh) ----
 
-// Kernels 0..6: gates, state forward, state reversed, dq, dv, dk, df.
-std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p) {
+// Which of dq, dv, dk (MlstmGrad order) go through the partials and a reduce kernel (head dims > 128).
+std::vector<MlstmGrad> tc_bwd_reduced(const Problem& p) {
+  const int dk = static_cast<int>(p.dim("dhqk")), dv = static_cast<int>(p.dim("dhhv"));
+  std::vector<MlstmGrad> r;
+  for (MlstmGrad g : {kMlstmGradDq, kMlstmGradDv, kMlstmGradDk})
+    if (mlstm_tc_bwd_reduced(dk, dv, g)) r.push_back(g);
+  return r;
+}
+
+// Kernels 0..6: gates, state forward, state reversed, dq, dv, dk, df (fused: 0..5, dv and dk as kernel 4);
+// then one reduce kernel for each of tc_bwd_reduced.
+std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, bool fused) {
   const std::string t = dtype_cuda_type(p.dtype("q")), dk = std::to_string(p.dim("dhqk")),
                     dv = std::to_string(p.dim("dhhv")), L = std::to_string(p.param_int("chunk"));
   const char* fwd = "mlstm/chunkwise_tc.cuh";
   const char* bwd = "mlstm/chunkwise_tc_bwd.cuh";
-  return {kernel_spec(p, fwd, "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
-          kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "false"}),
-          kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "true"}),
-          kernel_spec(p, bwd, "kspec::mlstm_tc_dq_kernel", {t, dk, dv, L}),
-          kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "false"}),
-          kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "true"}),
-          kernel_spec(p, bwd, "kspec::mlstm_tc_df_kernel", {gate_type(p), dk, dv})};
+  std::vector<jit::KernelSpec> k = {kernel_spec(p, fwd, "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
+                                    kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "false"}),
+                                    kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "true"}),
+                                    kernel_spec(p, bwd, "kspec::mlstm_tc_dq_kernel", {t, dk, dv, L})};
+  if (fused) {
+    k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_fused_kernel", {t, dk, dv, L}));
+  } else {
+    k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "false"}));
+    k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "true"}));
+  }
+  k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_df_kernel", {gate_type(p), dk, dv}));
+  for (MlstmGrad g : tc_bwd_reduced(p))
+    k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_reduce_kernel", {t, dk, dv, std::to_string(g)}));
+  return k;
 }
 
 // Workspace (256-byte pieces): gate rows, m per step (recomputed: the forward's of the same inputs),
 // per-chunk decay, n entering each chunk (written, unused), C entering and dC after each chunk (input
-// dtype), q.dq and k.dk per step, and C_last, n_last when dC_last is given (for df).
-void launch_tc_bwd(const Call& call, Launcher& l) {
+// dtype), q.dq and k.dk per step, C_last, n_last when dC_last is given (for df), and at head dims over
+// 128 the fp32 partials of one gradient at a time (each reduced before the next kernel writes them; fused:
+// dv's and dk's side by side).
+void launch_tc_bwd(const Call& call, Launcher& l, bool fused) {
   const Problem& p = call.problem;
   const int64_t seqs = p.dim("batch") * p.dim("heads"), S = p.dim("seqlen"), dk = p.dim("dhqk"),
                 dv = p.dim("dhhv"), L = p.param_int("chunk"), NC = (S + L - 1) / L;
@@ -322,6 +342,10 @@ void launch_tc_bwd(const Call& call, Launcher& l) {
   const int64_t qtiles = (S + rows - 1) / rows;
   KSPEC_CHECK_AS(seqs * qtiles <= INT32_MAX, Unsupported, "mlstm.chunkwise.bwd: batch * heads * ceil(seqlen / ", rows,
                  ") = ", seqs * qtiles, " thread blocks exceed the grid (at most ", INT32_MAX, "); use algo=simt");
+  KSPEC_CHECK_AS(tc_bwd_reduced(p).empty() || seqs * ((S + 3) / 4) <= INT32_MAX, Unsupported,
+                 "mlstm.chunkwise.bwd: batch * heads * ceil(seqlen / 4) = ", seqs * ((S + 3) / 4),
+                 " thread blocks of the partial sums' reduction exceed the grid (at most ", INT32_MAX,
+                 "); use algo=simt");
   MlstmParams a = qkvif_args(call);
   a.C0 = static_cast<const float*>(call.in("C0").data);
   a.m0 = static_cast<const float*>(call.in("m0").data);
@@ -337,20 +361,32 @@ void launch_tc_bwd(const Call& call, Launcher& l) {
   a.eps = static_cast<float>(p.param_float("eps"));
   auto round = [](size_t b) { return (b + 255) / 256 * 256; };
   const size_t rows_b = round(sizeof(float) * seqs * S), state_b = round(dtype_size(p.dtype("q")) * static_cast<size_t>(seqs * NC * dk * dv));
+  const std::vector<MlstmGrad> reduced = tc_bwd_reduced(p);
+  const int dki = static_cast<int>(dk), dvi = static_cast<int>(dv), Li = static_cast<int>(L);
+  auto part_floats = [&](MlstmGrad g) {
+    return std::find(reduced.begin(), reduced.end(), g) == reduced.end()
+               ? size_t{0}
+               : static_cast<size_t>(mlstm_tc_bwd_parts(dki, dvi, g) * seqs * S * (g == kMlstmGradDv ? dv : dk));
+  };
+  const size_t dv_floats = part_floats(kMlstmGradDv);
+  const size_t part_b = round(sizeof(float) * std::max({part_floats(kMlstmGradDq), fused ? 0 : dv_floats,
+                                                        (fused ? dv_floats : 0) + part_floats(kMlstmGradDk)}));
   const size_t sizes[] = {4 * rows_b, rows_b, round(sizeof(float) * seqs * NC), round(sizeof(float) * seqs * NC * dk),
                           state_b, state_b, rows_b, rows_b,
-                          a.dC_last ? round(sizeof(float) * seqs * dk * dv) : 0, a.dC_last ? round(sizeof(float) * seqs * dk) : 0};
+                          a.dC_last ? round(sizeof(float) * seqs * dk * dv) : 0, a.dC_last ? round(sizeof(float) * seqs * dk) : 0,
+                          part_b};
   size_t total = 0;
   for (size_t b : sizes) total += b;
   char* ws = static_cast<char*>(l.workspace(total));
-  char* at[10];
-  for (int j = 0; j < 10; ++j) at[j] = ws, ws += sizes[j];
+  char* at[11];
+  for (int j = 0; j < 11; ++j) at[j] = ws, ws += sizes[j];
   a.gate_rows = reinterpret_cast<float*>(at[0]);
   a.m_rows = reinterpret_cast<float*>(at[1]);
   a.chunk_g = reinterpret_cast<float*>(at[2]);
   a.ns = reinterpret_cast<float*>(at[3]);
   a.qdq = reinterpret_cast<float*>(at[6]);
   a.kdk = reinterpret_cast<float*>(at[7]);
+  a.part = part_b ? reinterpret_cast<float*>(at[10]) : nullptr;
   MlstmParams fwd = a, rev = a, dkv = a, last = a;
   fwd.Cs = at[4];
   fwd.C = a.dC_last ? reinterpret_cast<float*>(at[8]) : nullptr;  // C_last, for <dC_last, C_last> in df
@@ -358,9 +394,8 @@ void launch_tc_bwd(const Call& call, Launcher& l) {
   rev.Cs = dkv.Cs = at[5];
   rev.C = static_cast<float*>(call.out("dC0").data);
   last.C = fwd.C;
-  const int dki = static_cast<int>(dk), dvi = static_cast<int>(dv), Li = static_cast<int>(L);
   const Dim3 state_grid{u32(seqs * (dk / mlstm_tc_state_tile(dki))), u32(dv / mlstm_tc_state_tile(dvi))};
-  const Dim3 tiles{u32(seqs * qtiles)}, block{u32(mlstm_tc_out_threads(Li))};
+  const Dim3 tiles{u32(seqs * qtiles), u32(mlstm_tc_bwd_blocks(dki, dvi))}, block{u32(mlstm_tc_out_threads(Li))};
   const auto state_smem = u32(mlstm_tc_state_smem_bytes(dki, dvi, Li)), smem = u32(mlstm_tc_bwd_smem_bytes(dki, dvi, Li));
   void* args[] = {&a};
   void* fwd_args[] = {&fwd};
@@ -370,10 +405,29 @@ void launch_tc_bwd(const Call& call, Launcher& l) {
   l.launch(0, {u32(seqs)}, {32}, 0, args);
   l.launch(1, state_grid, {u32(mlstm_tc_state_threads(dki))}, state_smem, fwd_args);
   l.launch(2, state_grid, {u32(mlstm_tc_state_threads(dki))}, state_smem, rev_args);
+  // A gradient's partials are summed (the reduce kernels follow df) before the next kernel reuses them.
+  const size_t df_at = fused ? 5 : 6;
+  MlstmParams dk_sum = a;  // fused: dk's partials after dv's (mlstm_tc_dkv_fused_kernel's kDkAt)
+  if (fused && a.part) dk_sum.part = a.part + dv_floats;
+  void* dk_sum_args[] = {&dk_sum};
+  auto reduce = [&](MlstmGrad g) {
+    const auto at_g = std::find(reduced.begin(), reduced.end(), g);
+    if (at_g != reduced.end())
+      l.launch(df_at + 1 + static_cast<size_t>(at_g - reduced.begin()), {u32(seqs * ((S + 3) / 4))}, {128}, 0,
+               g == kMlstmGradDk ? dk_sum_args : args);
+  };
   l.launch(3, tiles, block, smem, fwd_args);
-  l.launch(4, tiles, block, smem, dkv_args);
-  l.launch(5, tiles, block, smem, dkv_args);
-  l.launch(6, {u32(seqs)}, {32}, 0, last_args);
+  reduce(kMlstmGradDq);
+  if (fused) {
+    l.launch(4, tiles, {2 * block.x}, smem, dkv_args);
+    reduce(kMlstmGradDv);
+  } else {
+    l.launch(4, tiles, block, smem, dkv_args);
+    reduce(kMlstmGradDv);
+    l.launch(5, tiles, block, smem, dkv_args);
+  }
+  reduce(kMlstmGradDk);
+  l.launch(df_at, {u32(seqs)}, {32}, 0, last_args);
 }
 
 // ---- mlstm.chunkwise.bwd ----
@@ -388,14 +442,15 @@ OpDef make_chunkwise_bwd() {
   op.info.outputs = bwd_outputs(true);
   op.tuning = chunkwise_bwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.info.tuning_names = {{"algo", {"simt", "tc"}}};
+  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_fused"}}};
   op.cases = chunkwise_bwd_cases();
   op.tolerance_scale = 4.0;
   op.kernels = [](const Problem& p, const Config& c) {
-    return c.get("algo") == kTc ? tc_bwd_kernels(p) : bwd_kernels(p, c, p.param_int("chunk"));
+    return c.get("algo") == kSimt ? bwd_kernels(p, c, p.param_int("chunk"))
+                                  : tc_bwd_kernels(p, c.get("algo") == kTcFused);
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
-    if (c.get("algo") == kTc) return launch_tc_bwd(call, l);
+    if (c.get("algo") != kSimt) return launch_tc_bwd(call, l, c.get("algo") == kTcFused);
     launch_bwd(call, c, l, call.problem.param_int("chunk"), true);
   };
   op.prepare_inputs = [](const Problem& p, std::vector<HostTensor>& in) { bwd_prepare(p, in, true); };

@@ -11,7 +11,12 @@ namespace kspec::mlstm {
 const std::vector<DType> kFloatTypes = {DType::f32, DType::f16, DType::bf16};
 // Head dims the kernels are built for: xLSTM's 64..512 and 16, 32 for tests.
 const std::vector<int64_t> kHeadDims = {16, 32, 64, 128, 256, 512};
-const std::vector<int64_t> kChunks = {16, 32, 64, 128};
+const std::vector<int64_t> kChunks = {16, 32, 64, 128, 256};
+// The SIMT kernels keep chunk x chunk fp32 scores in shared memory (the backward two such tiles): the
+// forward's 68.6 KB at 128 would be 262 KB at 256, past sm_90's 227 KB per block. algo=tc holds 64-row
+// tiles whatever the chunk, so it alone runs chunk 256 (its state kernel's two K/V stages: 150 KB).
+constexpr int64_t kSimtMaxChunk = 128;
+const std::vector<int64_t> kSimtChunks = {16, 32, 64, 128};
 const std::vector<std::string> kC = {"batch", "heads", "dhqk", "dhhv"}, kN = {"batch", "heads", "dhqk"},
                                kM = {"batch", "heads", "1"}, kRows = {"batch", "heads", "seqlen"};
 
@@ -45,6 +50,12 @@ void check_mlstm(const Problem& p) {
   if (op == "mlstm.chunkwise.fwd" || op == "mlstm.chunkwise.bwd") {
     KSPEC_CHECK_AS(one_of(p.param_int("chunk"), kChunks), Unsupported, op, ": parameter 'chunk' = ",
                    p.param_int("chunk"), " is not supported (one of ", list(kChunks), ")");
+    if (p.param_int("chunk") > kSimtMaxChunk) {
+      const std::string no_tc = tc_unsupported(p);
+      KSPEC_CHECK_AS(no_tc.empty(), Unsupported, op, ": parameter 'chunk' = ", p.param_int("chunk"),
+                     " runs only on algo=tc (the SIMT kernels keep chunk x chunk fp32 scores in shared memory: chunk <= ",
+                     kSimtMaxChunk, " within sm_90's 227 KB per block), and ", no_tc);
+    }
   }
 }
 
@@ -102,6 +113,8 @@ std::vector<Case> chunkwise_cases(const std::vector<std::string>& init, const Va
       {"chunk_128", 1, 2, 300, 32, 32, 128, true},
       {"dh_64", 1, 2, 130, 64, 64, 64, true},
       {"dk_128_dv_256", 1, 1, 70, 128, 256, 64, true},
+      {"chunk_256", 1, 2, 300, 32, 32, 256, true},
+      {"dk_128_dv_256_chunk_256", 1, 1, 300, 128, 256, 256, true},
       {"S_1000", 1, 2, 1000, 64, 64, 64, false, true},
       {"dk_256_dv_512", 1, 1, 200, 256, 512, 64, true, true},
   };
@@ -120,6 +133,9 @@ std::vector<Case> chunkwise_cases(const std::vector<std::string>& init, const Va
     Case c = seq_case(s.name, s.B, s.NH, s.S, s.dk, s.dv, s.large);
     c.params = {{"chunk", s.chunk}};
     if (!s.init) c.without = init;
+    // q, k, v (and with them the gates) in bf16 whatever the run's dtype: chunks over kSimtMaxChunk are
+    // algo=tc's alone, which takes 16-bit inputs.
+    if (s.chunk > kSimtMaxChunk) c.tensor_dtypes = {{"q", DType::bf16}};
     cases.push_back(std::move(c));
   }
   for (Case& c : cases) c.representative = named(c, representative);
@@ -141,7 +157,8 @@ ParamDef eps_param() {
 }
 
 ParamDef chunk_param() {
-  ParamDef chunk{"chunk", ParamType::Int, kDefaultChunk, {}, "L, steps per chunk: " + list(kChunks)};
+  ParamDef chunk{"chunk", ParamType::Int, kDefaultChunk, {}, "L, steps per chunk: " + list(kChunks) +
+                                                          " (above " + std::to_string(kSimtMaxChunk) + ": algo=tc only)"};
   chunk.min = 1.0;
   chunk.max = 4096.0;
   return chunk;
@@ -158,15 +175,24 @@ TuningSpace mlstm_tuning(bool bwd) {
   return t;
 }
 
-std::string tc_unsupported(const Problem& p, bool bwd) {
+std::string tc_unsupported(const Problem& p) {
   const DType dt = p.dtype("q");
   if (dt != DType::f16 && dt != DType::bf16) return "algo=tc needs float16 or bfloat16 q, k, v";
   if (p.dim("dhqk") > 256) return "algo=tc keeps dhqk <= 256 (its Q and C tiles in shared memory)";
-  if (bwd && (p.dim("dhqk") > 128 || p.dim("dhhv") > 128))
-    return "the backward's algo=tc keeps dhqk, dhhv <= 128 (a whole C and dC tile in shared memory)";
   if (p.align_bytes < 16) return "algo=tc copies 16-byte pieces: every pointer must be 16-byte aligned";
   return "";
 }
+
+namespace {
+
+// algo=simt's limit: chunk <= kSimtMaxChunk.
+bool simt_runs(const Problem& p, std::string* why) {
+  if (p.param_int("chunk") <= kSimtMaxChunk) return true;
+  if (why) *why = "algo=simt keeps chunk <= " + std::to_string(kSimtMaxChunk) + " (chunk x chunk fp32 scores in shared memory)";
+  return false;
+}
+
+}  // namespace
 
 // algo=tc wherever it runs (tools/bench/NOTES.md, "mlstm: the tensor-core forward"), else the SIMT kernel
 // at 256 threads.
@@ -174,7 +200,7 @@ TuningSpace chunkwise_fwd_tuning() {
   TuningSpace t = mlstm_tuning();
   t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc}});
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
-    if (c.get("algo") != kTc) return true;
+    if (c.get("algo") != kTc) return simt_runs(p, why);
     std::string no = tc_unsupported(p);
     if (no.empty() && c.get("threads") != 128) no = "algo=tc sets its own block sizes (named with threads=128)";
     if (why) *why = no;
@@ -190,10 +216,10 @@ TuningSpace chunkwise_fwd_tuning() {
 
 TuningSpace chunkwise_bwd_tuning() {
   TuningSpace t = mlstm_tuning(true);
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcFused}});
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
-    if (c.get("algo") != kTc) return true;
-    std::string no = tc_unsupported(p, true);
+    if (c.get("algo") == kSimt) return simt_runs(p, why);
+    std::string no = tc_unsupported(p);
     if (no.empty() && c.get("threads") != 128) no = "algo=tc sets its own block sizes (named with threads=128)";
     if (why) *why = no;
     return no.empty();
@@ -201,10 +227,10 @@ TuningSpace chunkwise_bwd_tuning() {
   // algo=tc wherever it runs: on the H100 (2026-11-27, B=8, NH=8, DH=128, bf16, chunk 128) fwd+bwd 1.488 ms
   // at S=4096 against 263 ms for the SIMT pair; it matched the float64 reference on every case there.
   t.heuristic = [](const Problem& p) {
-    return tc_unsupported(p, true).empty() ? Config{{{"algo", kTc}, {"threads", 128}}}
+    return tc_unsupported(p).empty() ? Config{{{"algo", kTc}, {"threads", 128}}}
                                            : Config{{{"algo", kSimt}, {"threads", 256}}};
   };
-  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") == kTc ? 128 : c.get("threads"); };
+  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") == kSimt ? c.get("threads") : 128; };
   return t;
 }
 
@@ -212,7 +238,7 @@ TuningSpace chunkwise_bwd_tuning() {
 // chunk is then a tile size, free to tune, not a parameter. Untuned: 64 steps, 256 threads.
 TuningSpace parallel_tuning(bool bwd) {
   TuningSpace t = mlstm_tuning(bwd);
-  t.axes.push_back({"chunk", kChunks});
+  t.axes.push_back({"chunk", kSimtChunks});
   t.heuristic = [](const Problem&) { return Config{{{"threads", 256}, {"chunk", kDefaultChunk}}}; };
   return t;
 }

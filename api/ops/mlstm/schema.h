@@ -28,14 +28,14 @@ ParamDef chunk_param();  // the chunkwise ops' `chunk`
 TuningSpace mlstm_tuning(bool bwd = false);
 // mlstm.chunkwise.fwd's space: the `algo` axis (kSimt: chunkwise_fwd.cuh, `threads` its CTA size; kTc:
 // chunkwise_tc.cuh, its own block sizes, named with threads = 128) over mlstm_tuning's threads.
-enum FwdAlgo : int64_t { kSimt = 0, kTc = 1 };
+// The backward also has kTcFused: algo=tc with its dv and dk kernels as one (mlstm_tc_dkv_fused_kernel).
+enum FwdAlgo : int64_t { kSimt = 0, kTc = 1, kTcFused = 2 };
 TuningSpace chunkwise_fwd_tuning();
-// mlstm.chunkwise.bwd's: the same axes; algo=tc (chunkwise_tc_bwd.cuh) only where a config names it
-// until it is measured on a GPU.
+// mlstm.chunkwise.bwd's: the same axes and kTcFused (named by a config only until it is measured on a GPU).
 TuningSpace chunkwise_bwd_tuning();
-// Why algo=tc cannot run a problem ("" when it can): 16-bit q, k, v, DHQK <= 256 (backward: DHQK and
-// DHHV <= 128), 16-byte pointers.
-std::string tc_unsupported(const Problem& p, bool bwd = false);
+// Why algo=tc cannot run a problem ("" when it can): 16-bit q, k, v, DHQK <= 256, 16-byte pointers
+// (the backward the same: it cuts head dims over 128 into column blocks).
+std::string tc_unsupported(const Problem& p);
 TuningSpace parallel_tuning(bool bwd);  // chunk is a tuning axis
 
 // Inputs q, k, v, i, f with these leading dims; i and f in the input dtype or fp32.
