@@ -32,7 +32,18 @@ struct DiffLogicParams {
   const void* fire;
   long long height, width, wired;
   int periodic;
+  // CA step backward (ca_bwd.cuh): dout dnext, dx dstate [batch, height, width, C]; partials [blocks,
+  // K perception_gates + update_gates, 4] (each block's S_uv sums); dcells [batch height width, C, 10]
+  // (per cell and channel: the gradient of its 9 patch values, then of its own state); dlogits and
+  // logits offset to the gates from gate0 on.
+  float* partials;
+  float* dcells;
+  long long blocks, gate0;
 };
+
+// Blocks of the CA step backward: each sums its cells' dlogits partials in order, the blocks' partials
+// then summed in block order. A fixed count, not the device's, so the bits do not depend on the GPU.
+constexpr int kDiffLogicCaBwdBlocks = 512;
 
 // Samples per chunk of the row-major layer backward's dlogits partials (layer.cuh; the host sizes the
 // workspace by it).
