@@ -60,7 +60,8 @@ struct DiffLogicCaArch {
   int update[20];
 };
 // 0 checkerboard: the published notebook's (C = 8, K = 16, 9 -> 8 -> 4 -> 2, 264 -> 256 x 10 -> 128 -> 64
-// -> 32 -> 16 -> 8 -> 8, 3040 update gates). 1 tiny: C = 2, K = 2, 9 -> 8 -> 4 -> 2, 10 -> 6 -> 2 (tests).
+// -> 32 -> 16 -> 8 -> 8: 2816 update gates, 3040 with the perception's 16 x 14). 1 tiny: C = 2, K = 2,
+// 9 -> 8 -> 4 -> 2, 10 -> 6 -> 2 (tests).
 constexpr DiffLogicCaArch kDiffLogicCaArchs[] = {
     {8, 16, 3, 16, {8, 4, 2}, {256, 256, 256, 256, 256, 256, 256, 256, 256, 256, 128, 64, 32, 16, 8, 8}},
     {2, 2, 3, 2, {8, 4, 2}, {6, 2}},
