@@ -1,4 +1,4 @@
-"""kspec.nn.DiffLogicCA on the GPU (issue 30), against the float64 references
+"""kspec.nn.DiffLogicCA and GroupSum's torch surface on the GPU (issue 30), against the float64 references
 (kspec.reference.difflogic): the checkerboard (C=8, K=16, 9-8-4-2, 264-256x10-128-64-32-16-8-8) through a
 20-step rollout, loss sum((s_T[..., 0] - target)^2), gradients of the initial state and of both logits
 within 1e-3 (fp32; max|x - ref| / max|ref|), with and without fire masks, cached and checkpointed; two
@@ -94,3 +94,16 @@ def test_rollout_clamps_the_logits_gradients():
     ca.zero_grad()
     (ca.rollout(s0, 20)[..., 0] ** 2).sum().mul(1e4).backward()
     assert ca.update_logits.grad.abs().max() > 100.0  # the clamp above did something
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_sum_surface(dtype):
+    x = torch.rand(33, 40, device="cuda").to(dtype).requires_grad_()
+    y = kspec.ops.group_sum(x, 10, tau=2.0)
+    want = x.detach().double().reshape(33, 10, 4).sum(-1) / 2.0
+    assert y.dtype == dtype and _err(y, _np(want)) <= (1e-6 if dtype == torch.float32 else 1e-2)
+    dy = torch.randn(33, 10, device="cuda").to(dtype)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    assert torch.equal(dx.float(), (dy.float()[:, :, None] / 2.0).expand(33, 10, 4).reshape(33, 40).to(dtype).float())
+    m = kspec.nn.GroupSum(10, tau=2.0)
+    assert torch.equal(m(x), y)
