@@ -1,9 +1,10 @@
 // difflogic.ca.step.fwd and .bwd (api/ops/difflogic/ca.cpp). Without a GPU: the architecture's sizes checked with
-// messages naming the argument, and the precompile plan compiling for sm_90 without spills or a stack
-// frame. On a GPU (skipped without one; the generic checker cannot drive int32 inputs): every case of the
+// messages naming the argument, the precompile plan compiling for sm_90 without spills or a stack
+// frame, and the generic checker's inputs of the difflogic ops valid wirings. On a GPU (skipped without one; the generic checker cannot drive int32 inputs): every case of the
 // op's table in every activation dtype against the float64 reference (the checkerboard and tiny
 // architectures, zero-padded and periodic, with and without a fire mask, soft and hard), and two runs
 // bitwise equal.
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -14,8 +15,10 @@
 
 #include "api/src/device_data.h"
 #include "api/src/op.h"
+#include "difflogic/reference.h"
 #include "jit/driver.h"
 #include "kspec/kspec.h"
+#include "templates/difflogic/params.h"
 #include "test_helpers.h"
 
 using namespace kspec;
@@ -84,6 +87,21 @@ struct DevBuf {
   explicit DevBuf(size_t b) : bytes(std::max<size_t>(b, 16)) { CU_CHECK(cuMemAlloc(&p, bytes)); }
   ~DevBuf() { jit::driver().cuMemFree(p); }
   void* ptr() const { return reinterpret_cast<void*>(p); }
+};
+
+// A case's problem (sm_90, the case's dims and params), as the checker makes it.
+struct CaRunSpec {
+  Problem p;
+  CaRunSpec(const OpDef& op, const Case& cs) {
+    CompileRequest req;
+    req.op = op.info.name;
+    req.dtype = DType::f32;
+    req.arch = "sm_90";
+    req.without = cs.without;
+    for (const auto& [k, v] : cs.params.items()) req.params.set(k, v);
+    for (const auto& [k, v] : cs.dims) req.params.set(k, v);
+    p = problem_from_request(op, req);
+  }
 };
 
 // One case of an op's table on the device: logits N(0, 2), the rest from the op's own generator (a
@@ -261,4 +279,59 @@ TEST(DiffLogicCaGpu, BackwardMatchesTheReference) {
       EXPECT_TRUE(r.run(&c256) == got) << cs.name << " " << dtype_short(dt) << ": the configs differ";
       EXPECT_TRUE(r.run(&c128) == got) << cs.name << " " << dtype_short(dt) << ": a rerun differs";
     }
+}
+
+// The generic checker (kspec check, tools/gpu/sanitize_all.sh) draws the int32 inputs of the difflogic ops
+// it runs through random_inputs: integers survive the round trip, and every case's wiring is valid (the CA's
+// perm a permutation of the neighbours and each layer's wires inside its inputs; the layers' wires in
+// [0, n_in) and their CSR the consumers of that wiring).
+TEST(DiffLogicGenericCheck, CaseInputsAreValidWirings) {
+  std::vector<double> ints = {-3.0, 0.0, 7.0, 2147483647.0};
+  quantize(DType::i32, ints);
+  EXPECT_EQ(ints, (std::vector<double>{-3.0, 0.0, 7.0, 2147483647.0}));
+  for (const char* name : {"difflogic.ca.step.fwd", "difflogic.ca.step.bwd"}) {
+    const OpDef& op = Registry::global().get(name);
+    EXPECT_TRUE(op.generic_check) << name;
+    for (const Case& cs : op.cases) {
+      CaRunSpec s(op, cs);
+      const auto in = random_inputs(op, s.p, 99);
+      std::vector<double> perm = in[1].data;
+      std::sort(perm.begin(), perm.end());
+      EXPECT_EQ(perm, (std::vector<double>{0, 1, 2, 3, 5, 6, 7, 8})) << name << " " << cs.name;
+      // Each layer's columns of the wires against its inputs (the arch's widths).
+      const auto& A = kDiffLogicCaArchs[std::get<std::string>(*cs.params.find("arch")) == "tiny" ? 1 : 0];
+      const int64_t wired = s.p.dim("wired");
+      std::vector<std::pair<int, int>> layers;  // (n_in, width)
+      for (int l = 1; l < A.n_perception; ++l) layers.emplace_back(A.perception[l - 1], A.perception[l]);
+      int n_in = A.C + A.C * A.perception[A.n_perception - 1] * A.K;
+      for (int l = 0; l < A.n_update; ++l) {
+        layers.emplace_back(n_in, A.update[l]);
+        n_in = A.update[l];
+      }
+      int64_t col = 0;
+      for (auto [n, width] : layers)
+        for (int g = 0; g < width; ++g, ++col)
+          for (int64_t row : {int64_t{0}, wired})
+            ASSERT_TRUE(in[2].data[row + col] >= 0 && in[2].data[row + col] < n) << name << " " << cs.name << " col " << col;
+      EXPECT_EQ(col, wired);
+    }
+  }
+  for (const char* name : {"difflogic.layer.fwd", "difflogic.layer.bwd"}) {
+    const OpDef& op = Registry::global().get(name);
+    EXPECT_TRUE(op.generic_check) << name;
+    for (const Case& cs : op.cases) {
+      CaRunSpec s(op, cs);
+      const auto in = random_inputs(op, s.p, 99);
+      const int64_t n_in = s.p.dim("n_in");
+      for (size_t w : {2, 3})
+        for (double v : in[w].data) ASSERT_TRUE(v >= 0 && v < n_in) << name << " " << cs.name;
+      if (std::string(name) == "difflogic.layer.bwd") {
+        std::vector<int32_t> a(in[2].data.begin(), in[2].data.end()), b(in[3].data.begin(), in[3].data.end());
+        const auto c = ref::difflogic_consumers(n_in, a, b);
+        std::vector<double> want(c.offsets.begin(), c.offsets.end());
+        want.insert(want.end(), c.entries.begin(), c.entries.end());
+        EXPECT_EQ(in[5].data, want) << cs.name;
+      }
+    }
+  }
 }

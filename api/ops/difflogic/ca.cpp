@@ -4,9 +4,9 @@
 // launch for the step (templates/difflogic/ca.cuh) or three for its backward (ca_bwd.cuh). The float64
 // references are difflogic_ca_step_ref / _bwd_ref (api/ops/difflogic/reference.h; NumPy twins in
 // python/kspec/reference/difflogic.py). Wires are int32 data: checked where the wiring is built (the
-// reference's check_ca), never followed out of range by the kernels (NaN). The generic checker cannot
-// encode int32 inputs: tests/cpp/test_difflogic_ca.cpp compares the ops with the references
-// (generic_check = false).
+// reference's check_ca), never followed out of range by the kernels (NaN). The generic checker (kspec
+// check, the sanitizers) draws them from prepare_ca, a valid wiring; tests/cpp/test_difflogic_ca.cpp
+// compares the ops with the references too (reruns and configs bitwise).
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
@@ -181,7 +181,6 @@ void ca_schema(OpDef& op) {
   op.info.tuning_axes = op.tuning.axes;
   op.dtypes = kFloatTypes;
   op.compile_dims = {{"batch", 1}, {"height", 1}, {"width", 1}};
-  op.generic_check = false;
 }
 
 // The gate tables of both logits (kernel 0: difflogic_tables_kernel) into the workspace's first
