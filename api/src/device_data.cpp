@@ -35,6 +35,9 @@ void encode(DType dt, const std::vector<double>& src, std::vector<unsigned char>
       case DType::f64: std::memcpy(&bytes[i * 8], &src[i], 8); break;
       case DType::f16: { _Float16 h = static_cast<_Float16>(static_cast<float>(src[i])); std::memcpy(&bytes[i * 2], &h, 2); break; }
       case DType::bf16: { uint16_t h = to_bf16(static_cast<float>(src[i])); std::memcpy(&bytes[i * 2], &h, 2); break; }
+      // Integer data (wires, CSR offsets): the value rounded; an op's prepare_inputs makes it valid.
+      case DType::i32: { auto v = static_cast<int32_t>(std::llround(src[i])); std::memcpy(&bytes[i * 4], &v, 4); break; }
+      case DType::i64: { auto v = static_cast<int64_t>(std::llround(src[i])); std::memcpy(&bytes[i * 8], &v, 8); break; }
       default: throw Unsupported(detail::concat("check: dtype ", dtype_name(dt), " not supported"));
     }
   }
@@ -49,6 +52,8 @@ std::vector<double> decode(DType dt, const std::vector<unsigned char>& bytes) {
       case DType::f64: std::memcpy(&out[i], &bytes[i * 8], 8); break;
       case DType::f16: { _Float16 h; std::memcpy(&h, &bytes[i * 2], 2); out[i] = static_cast<float>(h); break; }
       case DType::bf16: { uint16_t h; std::memcpy(&h, &bytes[i * 2], 2); out[i] = from_bf16(h); break; }
+      case DType::i32: { int32_t v; std::memcpy(&v, &bytes[i * 4], 4); out[i] = v; break; }
+      case DType::i64: { int64_t v; std::memcpy(&v, &bytes[i * 8], 8); out[i] = static_cast<double>(v); break; }
       default: break;
     }
   }

@@ -15,7 +15,8 @@ namespace kspec {
 
 void encode(DType dt, const std::vector<double>& src, std::vector<unsigned char>& bytes);
 std::vector<double> decode(DType dt, const std::vector<unsigned char>& bytes);
-// Rounds values to what the dtype can hold, so the reference sees exactly the GPU's inputs.
+// Rounds values to what the dtype can hold, so the reference sees exactly the GPU's inputs. Integer
+// dtypes (i32, i64) round to the nearest integer: valid int data is the op's prepare_inputs' business.
 void quantize(DType dt, std::vector<double>& v);
 
 // Inputs of a problem: N(0, 1) per element, rounded to each input's dtype, then the op's

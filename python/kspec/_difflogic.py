@@ -92,6 +92,29 @@ def logic_layer(x, logits, a, b, *, mode: str = "soft", grad_factor: float = 1.0
     return layer(x, logits, a, b, consumers_csr, mode, float(grad_factor))
 
 
+def _group_sum_bwd(dy, x, tau):
+    B, k, m = x.shape
+    return call("difflogic.group_sum.bwd", dy[:, :, None].expand(B, k, m), tau=tau, out=(x.new_empty(x.shape),))
+
+
+# GroupSum on x (batch, k, m): y (batch, k) = the groups' sums / tau; dx = dy expanded over m / tau (no copy
+# of dy: the backward op reads it with stride 0).
+group_sum_surface = build(Family(
+    name="group_sum", ops=("difflogic.group_sum.fwd", "difflogic.group_sum.bwd"),
+    fwd="Tensor x, float tau", fwd_out=("y",), bwd="Tensor dy, Tensor x, float tau", bwd_out=("dx",),
+    backward=_group_sum_bwd, bwd_fake=lambda dy, x, tau: (x.new_empty(x.shape),)))
+
+
+def group_sum(x, k: int, tau: float = 1.0):
+    """GroupSum(k, tau) on kspec's kernels: x (..., n) -> (..., k), the sums of k equal groups of n / k divided
+    by tau (x's dtype), differentiable."""
+    if x.dim() < 1 or k < 1 or x.shape[-1] % k:
+        raise ValueError(f"kspec.ops.group_sum: the last dim of x {tuple(x.shape)} must be a multiple of k = {k}")
+    lead = x.shape[:-1]
+    y = group_sum_surface(x.reshape(-1, k, x.shape[-1] // k).contiguous(), float(tau))
+    return y.reshape(*lead, k)
+
+
 # ---- bit packing and packed inference (forward only) ----
 
 _WORD = {32: torch.int32, 64: torch.int64}
@@ -214,6 +237,8 @@ class GroupSum(torch.nn.Module):
     def forward(self, x):
         if x.shape[-1] % self.k:
             raise ValueError(f"kspec.nn.GroupSum: the last dim {x.shape[-1]} is not a multiple of k = {self.k}")
+        if x.is_cuda:  # kspec's kernels (difflogic.group_sum.fwd / .bwd); elsewhere torch's sum
+            return group_sum(x, self.k, self.tau)
         return x.reshape(*x.shape[:-1], self.k, x.shape[-1] // self.k).sum(-1) / self.tau
 
     def extra_repr(self):

@@ -115,6 +115,11 @@ from ._difflogic import GroupSum, LogicLayer, from_difflogic  # noqa: E402
 
 __all__ += ["LogicLayer", "GroupSum", "from_difflogic"]
 
+# The DiffLogic cellular automaton (issue 30), on the CA step kernels
+from ._difflogic_ca import DiffLogicCA  # noqa: E402
+
+__all__ += ["DiffLogicCA"]
+
 # mHC (issue 34), on kspec's mhc ops
 from ._mhc import HyperConnection, HyperConnectionHead, expand as mhc_expand  # noqa: E402
 

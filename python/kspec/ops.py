@@ -533,6 +533,14 @@ def logic_layer(x, logits, a, b, *, mode: str = "soft", grad_factor: float = 1.0
     return _difflogic.logic_layer(x, logits, a, b, mode=mode, grad_factor=grad_factor, consumers_csr=consumers)
 
 
+def group_sum(x, k: int, tau: float = 1.0):
+    """difflogic's GroupSum on kspec's kernels: x (..., n) -> (..., k), the sums of k equal groups of n / k
+    divided by tau, in x's dtype; differentiable (dx = dy / tau over each group)."""
+    from . import _difflogic
+
+    return _difflogic.group_sum(x, k, tau)
+
+
 def difflogic_pack(x, w: int = 32):
     """{0,1} (batch, n) -> words (n, ceil(batch / w)) int32 (w = 32) or int64 (w = 64); sample s is bit
     s mod w of word s // w, padding bits 0."""

@@ -32,7 +32,18 @@ struct DiffLogicParams {
   const void* fire;
   long long height, width, wired;
   int periodic;
+  // CA step backward (ca_bwd.cuh): dout dnext, dx dstate [batch, height, width, C]; partials [blocks,
+  // K perception_gates + update_gates, 4] (each block's S_uv sums); dcells [batch height width, C, 10]
+  // (per cell and channel: the gradient of its 9 patch values, then of its own state); dlogits and
+  // logits offset to the gates from gate0 on.
+  float* partials;
+  float* dcells;
+  long long blocks, gate0;
 };
+
+// Blocks of the CA step backward: each sums its cells' dlogits partials in order, the blocks' partials
+// then summed in block order. A fixed count, not the device's, so the bits do not depend on the GPU.
+constexpr int kDiffLogicCaBwdBlocks = 512;
 
 // Samples per chunk of the row-major layer backward's dlogits partials (layer.cuh; the host sizes the
 // workspace by it).
@@ -49,7 +60,8 @@ struct DiffLogicCaArch {
   int update[20];
 };
 // 0 checkerboard: the published notebook's (C = 8, K = 16, 9 -> 8 -> 4 -> 2, 264 -> 256 x 10 -> 128 -> 64
-// -> 32 -> 16 -> 8 -> 8, 3040 update gates). 1 tiny: C = 2, K = 2, 9 -> 8 -> 4 -> 2, 10 -> 6 -> 2 (tests).
+// -> 32 -> 16 -> 8 -> 8: 2816 update gates, 3040 with the perception's 16 x 14). 1 tiny: C = 2, K = 2,
+// 9 -> 8 -> 4 -> 2, 10 -> 6 -> 2 (tests).
 constexpr DiffLogicCaArch kDiffLogicCaArchs[] = {
     {8, 16, 3, 16, {8, 4, 2}, {256, 256, 256, 256, 256, 256, 256, 256, 256, 256, 128, 64, 32, 16, 8, 8}},
     {2, 2, 3, 2, {8, 4, 2}, {6, 2}},

@@ -237,3 +237,27 @@ def test_mhc_bench_references_run_on_the_cpu(families):
     x = mhc._inputs(torch, "cpu", 8, 4, 16, 0)
     want = mhc._ref(x, "fwd+bwd")
     assert {"dx", "dphi", "dalpha", "dbias"} <= set(want["layer"]) and want["layer"]["dx"].shape == (8, 4, 16)
+
+
+def test_torch_ca_peer_matches_the_reference(families):
+    """The CA benchmark's torch eager peer (periodic and zero-padded) is the float64 reference's rollout."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+    from kspec.reference import difflogic as dl_ref
+
+    torch.manual_seed(0)
+    for periodic in (False, True):
+        ca = __import__("kspec").nn.DiffLogicCA(2, 2, (8, 4, 2), (6, 2), periodic=periodic).double()
+        with torch.no_grad():
+            ca.perception_logits.normal_(0, 2)
+            ca.update_logits.normal_(0, 2)
+        s0 = torch.rand(2, 3, 4, 2, dtype=torch.float64)
+        got = families["difflogic"].torch_ca(torch, torch.tensor(dl_ref.TRUTH, dtype=torch.float64))(ca, s0, 2)
+        w = ca.wires.numpy()
+        layers = [(w[0, a:b], w[1, a:b]) for a, b in ((0, 4), (4, 6), (6, 12), (12, 14))]
+        pl, ul = ca.perception_logits.detach().numpy(), ca.update_logits.detach().numpy()
+        want = s0.numpy()
+        for _ in range(2):
+            want = dl_ref.ca_step(want, ca.perm.numpy(), layers[:2], layers[2:], [pl[:, :8], pl[:, 8:12], pl[:, 12:]],
+                                  [ul[:6], ul[6:]], periodic=periodic)
+        assert np.abs(got.detach().numpy() - want).max() <= 1e-12

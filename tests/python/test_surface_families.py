@@ -176,6 +176,11 @@ def _reference(op, a, p):
     if op == "difflogic.layer.bwd":
         x, logits, wa, wb, dout, _csr = a
         return dl_ref.layer_bwd(dout, x, logits, wa.astype(np.int64), wb.astype(np.int64), p["grad_factor"])
+    if op == "difflogic.group_sum.fwd":
+        B, k, m = a[0].shape
+        return (dl_ref.group_sum(a[0].reshape(B, k * m), k, p["tau"]),)
+    if op == "difflogic.group_sum.bwd":  # dy expanded over each group
+        return (a[0] / p["tau"],)
     raise AssertionError(op)
 
 
@@ -531,3 +536,18 @@ def test_hyper_connection_starts_as_a_plain_residual(on_reference):
     assert torch.equal(hc.alpha.detach(), torch.full((3,), 0.5))
     with pytest.raises(ValueError, match=r"fn must be \(24, 32\)"):
         hc.load_deepseek(torch.ones(M, D), torch.ones(3), torch.zeros(M))
+
+
+def test_group_sum_surface_on_reference(on_reference):
+    """GroupSum's torch surface (kspec.ops.group_sum, kspec::group_sum_fwd/_bwd): y and dx of the references."""
+    s = _surface.FAMILIES["group_sum"]
+    s.fwd_op.register_kernel("cpu", s.fwd_kernel)
+    s.bwd_op.register_kernel("cpu", s.bwd_kernel)
+    g = _gen(9)
+    x = torch.rand(2, 5, 12, generator=g, dtype=torch.float64)
+    dy = torch.randn(2, 5, 3, generator=g, dtype=torch.float64)
+    (y,), (dx,) = _grad(lambda x: kspec.ops.group_sum(x, 3, tau=2.0), (x,), (dy,))
+    _close(y, dl_ref.group_sum(_np(x).reshape(10, 12), 3, 2.0).reshape(2, 5, 3))
+    _close(dx, dl_ref.group_sum_bwd(_np(dy).reshape(10, 3), 12, 2.0).reshape(2, 5, 12))
+    with pytest.raises(ValueError, match=r"must be a multiple of k = 5"):
+        kspec.ops.group_sum(x, 5)

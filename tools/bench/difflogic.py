@@ -24,6 +24,10 @@ def add_arguments(p):
                    help="difflogic: layer shapes (default 1024x64000x64000; issue 30 also 16384x16000x16000)")
     p.add_argument("--difflogic-dtypes", metavar="DT,...", default="float32,bfloat16",
                    help="difflogic: activation dtypes (difflogic 0.1.0 runs float32 only)")
+    p.add_argument("--difflogic-packed-batches", metavar="B,...", default="16384,262144",
+                   help="difflogic: packed inference batches (784 -> 6 x 64k -> GroupSum(10); issue 30)")
+    p.add_argument("--difflogic-ca-batches", metavar="B,...", default="1,2,64,256",
+                   help="difflogic: CA batches (16x16x8 checkerboard, T = 20, one BPTT training step; issue 30)")
 
 
 def min_bytes(B, n_in, n_out, kind, s):
@@ -147,7 +151,262 @@ def run(ctx):
             if base:
                 r["kspec_speedup_gpu"] = r["gpu_ms"] / base["gpu_ms"]
                 r["kspec_speedup_ev"] = r["ev_ms"] / base["ev_ms"]
-    return _report(ctx, rows, notes, why)
+    results, sections = _report(ctx, rows, notes, why)
+    packed_rows, packed_section = run_packed(ctx)
+    ca_rows, ca_section = run_ca(ctx)
+    results["packed"], results["ca"] = packed_rows, ca_rows
+    return results, sections + [packed_section, ca_section]
+
+
+# ---- (b) packed inference: 784 -> 6 x 64k -> GroupSum(10) ----
+
+PACKED_IN, PACKED_WIDTH, PACKED_LAYERS, PACKED_K = 784, 64000, 6, 10
+FLOAT_MAX_B = 1 << 14  # the float paths keep (B, 64k) activations: 4 GB fp32 at 2^14, 64 GB at 2^18
+CHECK_PACKED = 1024  # samples of a large batch checked against the float hard path
+
+
+def packed_bytes(B, w):
+    """A floor: every layer's input words read once (a gate reads two rows, from L2 at best), its output
+    words written, 64 B of logits a gate; then the counts (int32)."""
+    words = -(-B // w) * (w // 8)  # bytes of one packed row
+    rows = PACKED_IN + PACKED_WIDTH * PACKED_LAYERS
+    return rows * words + PACKED_WIDTH * (PACKED_LAYERS - 1) * words + 64 * PACKED_WIDTH * PACKED_LAYERS + 4 * B * PACKED_K
+
+
+def run_packed(ctx):
+    torch, kspec = ctx.torch, ctx.kspec
+    from kspec._core import call
+
+    batches = [1024] if ctx.args.quick else [int(b) for b in ctx.args.difflogic_packed_batches.split(",")]
+    width = 4000 if ctx.args.quick else PACKED_WIDTH
+    peer_mod, why = _peer()
+    torch.manual_seed(ctx.args.seed)
+    layers, n_in = [], PACKED_IN
+    for _ in range(PACKED_LAYERS):
+        layers.append(kspec.nn.LogicLayer(n_in, width, device=ctx.dev).eval())
+        n_in = width
+    wiring = [(m.weights.detach(), m.indices[0].int().contiguous(), m.indices[1].int().contiguous()) for m in layers]
+    peer = None
+    if peer_mod is not None:
+        try:
+            torch.manual_seed(ctx.args.seed)
+            peer = torch.nn.Sequential(*[peer_mod.LogicLayer(PACKED_IN if i == 0 else width, width, device="cuda",
+                                                             implementation="cuda") for i in range(PACKED_LAYERS)],
+                                       peer_mod.GroupSum(PACKED_K, 1.0)).eval()
+        except Exception as e:  # noqa: BLE001
+            why = f"difflogic model: {brief(str(e))}"
+    from kspec.reference.difflogic import TRUTH
+
+    truth = torch.tensor(TRUTH, dtype=torch.float32, device=ctx.dev)
+
+    def eager_hard(x):  # torch eager, hard layers: one-hot argmax tables
+        for logits, a, b in wiring:
+            t = torch.nn.functional.one_hot(logits.argmax(-1), 16).float() @ truth
+            xa, xb = x[:, a.long()], x[:, b.long()]
+            x = t[:, 0] * (1 - xa) * (1 - xb) + t[:, 1] * (1 - xa) * xb + t[:, 2] * xa * (1 - xb) + t[:, 3] * xa * xb
+        return x.reshape(x.shape[0], PACKED_K, -1).sum(-1)
+
+    def float_hard(x):  # kspec's float path: the hard layers on fp32 activations
+        for m in layers:
+            x = m(x)
+        return x.reshape(x.shape[0], PACKED_K, -1).sum(-1)
+
+    rows = []
+    for B in batches:
+        g = torch.Generator(device=ctx.dev).manual_seed(ctx.args.seed + 7)
+        bits = (torch.rand(B, PACKED_IN, device=ctx.dev, generator=g) < 0.5)
+        with torch.no_grad():
+            want = float_hard(bits[:min(B, CHECK_PACKED)].float()).round().to(torch.int32)
+        for w in (32, 64):
+            words = kspec.ops.difflogic_pack(bits, w)  # packed once, outside the timing (the input's format)
+
+            def packed(words=words, B=B):
+                x = words
+                for logits, a, b in wiring:
+                    x = call("difflogic.packed.fwd", x, logits, a, b, batch=B)[0]
+                return call("difflogic.packed.group_sum", x,
+                            out=(torch.empty(B, PACKED_K, dtype=torch.int32, device=ctx.dev),))[0]
+
+            impls = [("kspec packed", "kspec", packed)]
+            if B <= FLOAT_MAX_B and w == 32:
+                impls += [("kspec float (hard)", "kspec", lambda b=bits: float_hard(b.float())),
+                          ("torch eager (hard)", "peer", lambda b=bits: eager_hard(b.float()))]
+            if peer is not None:
+                impls.append(("difflogic 0.1.0 packed", "peer",
+                              lambda b=bits, w=w: peer(peer_mod.PackBitsTensor(b, bit_count=w))))
+            for name, impl, fn in impls:
+                row = {"family": "difflogic.packed", "shape": f"B={B}", "w": w, "variant": name, "impl": impl,
+                       "bytes": packed_bytes(B, w), "status": ""}
+                if ctx.skipped(name):
+                    row["status"] = "skipped"
+                    rows.append(row)
+                    continue
+                try:
+                    with torch.no_grad():
+                        got = fn()
+                    torch.cuda.synchronize()
+                    got = torch.as_tensor(got)[:CHECK_PACKED].round().to(torch.int32)
+                    row["valid"] = bool(torch.equal(got, want))
+                    row["status"] = "ok" if row["valid"] else "INVALID (counts differ from the float hard path)"
+                    if row["valid"] or ctx.args.time_invalid:
+                        with torch.no_grad():
+                            row.update(ctx.timer.time(fn, lambda: None))
+                        row["gbps"] = row["bytes"] / (row["gpu_ms"] * 1e6)
+                except Exception as e:  # noqa: BLE001
+                    row["status"] = "OOM" if "out of memory" in str(e).lower() else "error"
+                    row["error"] = short_error(e)
+                    if ctx.args.verbose:
+                        traceback.print_exc()
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                print(f"bench: difflogic packed B={B} w={w} {name}: {row['status']}", file=sys.stderr, flush=True)
+            del words
+        del bits
+        torch.cuda.empty_cache()
+    for r in rows:
+        peers = [k for k in rows if k["impl"] == "peer" and k["shape"] == r["shape"] and k["w"] == r["w"] and "gpu_ms" in k]
+        if "gpu_ms" in r and peers:
+            r["vs_peer"] = min(p["gpu_ms"] for p in peers) / r["gpu_ms"]
+    cols = [("batch", "shape"), ("w", "w"), ("variant", "variant"),
+            ("gpu ms", lambda r: fmt(r.get("gpu_ms"), ".3f")), ("ev ms", lambda r: fmt(r.get("ev_ms"), ".3f")),
+            ("GB/s", lambda r: fmt(r.get("gbps"), ".0f")),
+            ("× fastest peer", lambda r: fmt(r.get("vs_peer"), ".2f")),
+            ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else ""))]
+    notes = [f"{PACKED_IN} -> {PACKED_LAYERS} x {width} hard logic layers -> GroupSum({PACKED_K}) counts; the input"
+             " packed once outside the timing; kspec packed: difflogic.packed.fwd per layer, difflogic.packed.group_sum;"
+             " kspec float (hard) and torch eager (hard): fp32 activations, only where B <= 2^14 (64 GB at 2^18);"
+             " difflogic 0.1.0 packed: PackBitsTensor through its eval-mode LogicLayers and GroupSum (it packs"
+             " wrongly unless w divides B, issue 30).",
+             f"validation: the counts of the first {CHECK_PACKED} samples equal the kspec float hard path's;"
+             " GB/s: the words' floor (each layer's input once, its output once); issue 30's target: >= 5x the peer."]
+    if why:
+        notes.append(f"peer absent: {why}")
+    return rows, Section("difflogic: packed inference", cols, rows, notes)
+
+
+# ---- (c) the CA: 16x16x8 checkerboard, T = 20, one BPTT training step ----
+
+CA_T, CA_HW = 20, 16
+CA_TOL = 1e-3  # issue 30: the 20-step BPTT gradient within 1e-3 (fp32)
+
+
+def torch_ca(torch, truth):
+    """The same CA in torch eager (kspec.reference.difflogic's maths as torch ops, autograd for the
+    backward): a rollout(state, steps) of a kspec.nn.DiffLogicCA's parameters and wiring."""
+    def tables(logits):
+        return torch.softmax(logits, dim=-1) @ truth  # (..., 4)
+
+    def gate(t, xa, xb):
+        return t[..., 0] * (1 - xa) * (1 - xb) + t[..., 1] * (1 - xa) * xb + t[..., 2] * xa * (1 - xb) + \
+            t[..., 3] * xa * xb
+
+    def rollout(ca, state, steps):
+        B, H, W, C = state.shape
+        K, P = ca.n_kernels, ca.perceive[-1]
+        wires = ca.wires.long()
+        perm = ca.perm.long()
+        pt = [tables(ca.perception_logits[:, a:b]) for a, b in _spans(ca.perceive)]  # (K, width, 4)
+        ut = [tables(ca.update_logits[a:b]) for a, b in _spans(ca.update)]
+        cols = _spans(ca.perceive[1:] + ca.update)
+        for _ in range(steps):
+            padded = torch.nn.functional.pad(state.permute(0, 3, 1, 2), (1, 1, 1, 1),
+                                             mode="circular" if ca.periodic else "constant")
+            patches = torch.stack([padded[:, :, dy:dy + H, dx:dx + W] for dy in range(3) for dx in range(3)], -1)
+            x = patches.permute(0, 2, 3, 1, 4).reshape(B * H * W * C, 1, 9)  # (N C, 1, 9)
+            x = gate(pt[0], x[..., perm], x[..., 4:5])  # (N C, K, 8)
+            for (a, b), t in zip(cols[:len(ca.perceive) - 1], pt[1:]):
+                x = gate(t, x[..., wires[0, a:b]], x[..., wires[1, a:b]])
+            perc = x.reshape(B * H * W, C, K, P).transpose(2, 3).reshape(B * H * W, C * P * K)
+            u = torch.cat([state.reshape(B * H * W, C), perc], dim=1)
+            for (a, b), t in zip(cols[len(ca.perceive) - 1:], ut):
+                u = gate(t, u[:, wires[0, a:b]], u[:, wires[1, a:b]])
+            state = u.reshape(B, H, W, C)
+        return state
+
+    return rollout
+
+
+def _spans(widths):
+    out, at = [], 0
+    for w in widths:
+        out.append((at, at + w))
+        at += w
+    return out
+
+
+def run_ca(ctx):
+    torch, kspec = ctx.torch, ctx.kspec
+    from kspec.reference.difflogic import TRUTH
+
+    eager = torch_ca(torch, torch.tensor(TRUTH, dtype=torch.float32, device=ctx.dev))
+    batches = [2] if ctx.args.quick else [int(b) for b in ctx.args.difflogic_ca_batches.split(",")]
+    torch.manual_seed(ctx.args.seed)
+    ca = kspec.nn.DiffLogicCA(periodic=True, grad_clip=None, device=ctx.dev)
+    with torch.no_grad():  # away from the pass-through init: every gate's gradient matters
+        ca.perception_logits.add_(torch.randn_like(ca.perception_logits))
+        ca.update_logits.add_(torch.randn_like(ca.update_logits))
+    target = ((torch.arange(CA_HW, device=ctx.dev)[:, None] + torch.arange(CA_HW, device=ctx.dev)) % 2).float()
+    impls = [("kspec rollout", "kspec", lambda s: ca.rollout(s, CA_T)),
+             ("kspec rollout (checkpoint)", "kspec", lambda s: ca.rollout(s, CA_T, checkpoint=True)),
+             ("torch eager", "peer", lambda s: eager(ca, s, CA_T))]
+    rows = []
+    for B in batches:
+        g = torch.Generator(device=ctx.dev).manual_seed(ctx.args.seed + B)
+        s0 = torch.rand(B, CA_HW, CA_HW, 8, device=ctx.dev, generator=g)
+
+        def train_step(fn):
+            ca.zero_grad()
+            out = fn(s0)
+            ((out[..., 0] - target) ** 2).sum().backward()
+            return out
+
+        ref = None
+        for name, impl, fn in impls:
+            row = {"family": "difflogic.ca", "shape": f"{B}x{CA_HW}x{CA_HW}x8", "dtype": "float32", "variant": name,
+                   "impl": impl, "kind": f"BPTT T={CA_T}", "cells": B * CA_HW * CA_HW * CA_T, "status": ""}
+            if ctx.skipped(name):
+                row["status"] = "skipped"
+                rows.append(row)
+                continue
+            try:
+                train_step(fn)
+                grads = [ca.perception_logits.grad.clone(), ca.update_logits.grad.clone()]
+                if ref is None:  # the first that ran is the others' yardstick: same maths, fp32 both
+                    ref, row["max_error"] = grads, 0.0
+                else:
+                    row["max_error"] = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+                                           for a, b in zip(grads, ref))
+                row["valid"] = row["max_error"] <= CA_TOL
+                row["status"] = "ok" if row["valid"] else "INVALID"
+                if row["valid"] or ctx.args.time_invalid:
+                    row.update(ctx.timer.time(lambda fn=fn: train_step(fn), lambda: None))
+                    row["cells_per_s"] = row["cells"] / (row["gpu_ms"] * 1e-3)
+            except Exception as e:  # noqa: BLE001
+                row["status"] = "OOM" if "out of memory" in str(e).lower() else "error"
+                row["error"] = short_error(e)
+                if ctx.args.verbose:
+                    traceback.print_exc()
+                torch.cuda.empty_cache()
+            rows.append(row)
+            print(f"bench: difflogic CA B={B} {name}: {row['status']}", file=sys.stderr, flush=True)
+    for r in rows:
+        peer = next((k for k in rows if k["impl"] == "peer" and k["shape"] == r["shape"] and "gpu_ms" in k), None)
+        if "gpu_ms" in r and peer:
+            r["vs_peer"] = peer["gpu_ms"] / r["gpu_ms"]
+    cols = [("shape (B×H×W×C)", "shape"), ("variant", "variant"), ("kind", "kind"),
+            ("gpu ms", lambda r: fmt(r.get("gpu_ms"), ".3f")), ("ev ms", lambda r: fmt(r.get("ev_ms"), ".3f")),
+            ("Mcells/s", lambda r: fmt(r["cells_per_s"] / 1e6 if "cells_per_s" in r else None, ".1f")),
+            ("× torch eager", lambda r: fmt(r.get("vs_peer"), ".2f")),
+            ("max rel err", lambda r: fmt(r.get("max_error"), ".1e")),
+            ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else ""))]
+    notes = [f"one training step: rollout of T = {CA_T} steps (periodic 16x16, the checkerboard architecture, logits"
+             " near the pass-through init plus N(0, 1)), loss sum((s_T[..., 0] - checkerboard)^2), backward through"
+             " time to both logits; kspec: kspec.nn.DiffLogicCA.rollout (T step kernels, T step backward kernels;"
+             " checkpoint: states recomputed in the backward); torch eager: the same maths as torch ops with"
+             " autograd (difflogic 0.1.0 has no CA).",
+             "cells: B H W T cell updates per step; max rel err: both logits' gradients vs the first variant's"
+             f" (target {CA_TOL:g}); issue 30's target: fwd+bwd >= 4x the peer."]
+    return rows, Section("difflogic: CA rollout with BPTT", cols, rows, notes)
 
 
 def _feature_major(t):
@@ -210,7 +469,7 @@ def _report(ctx, rows, notes, why):
         "bytes: a floor, x and y once, the backward dy, x again and dx (logits 64 B a gate); a gate reads two"
         " rows of x, so the forward moves up to 1.5x the floor where L2 misses the second reader; measured anchor (issue 30, H100):"
         " difflogic 64k→64k, B = 1024, fp32: fwd 1.101 ms, fwd+bwd 4.260 ms.",
-        "not benchmarked here: packed inference (kspec.ops.difflogic_packed) and the CA rollout (no op yet).",
+        "not benchmarked here: packed inference (kspec.ops.difflogic_packed).",
     ]
     if why:
         notes.append(f"peer absent: {why}")

@@ -4,6 +4,9 @@
 # hazards) and initcheck (global memory read before it was written). One process per op and tool, in
 # parallel; each is bounded by a timeout. E79's cluster kernels (not the heuristic's choice at these
 # batches) are run too with a forced config. Exit 1 if any run reports an error. Results: $OUT/sanitize/.
+# Int inputs come from each op's prepare_inputs (difflogic's layers and CA steps: valid wirings and CSRs);
+# an op without the generic check (TensorList or int64 data: difflogic's pack, unpack, packed.fwd,
+# packed.group_sum) runs no case here: its own GoogleTest suite covers it.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}

@@ -1,11 +1,12 @@
-// difflogic.ca.step.fwd: one step of a DiffLogic cellular automaton (issue 30), the architecture a
-// compile-time choice among kDiffLogicCaArchs (templates/difflogic/params.h; `arch`), wiring and logits as
-// data, the gate tables made once per call by difflogic_tables_kernel, then one launch for the step
-// (templates/difflogic/ca.cuh). The float64 reference is difflogic_ca_step_ref (api/ops/difflogic/
-// reference.h; NumPy twin ca_step in python/kspec/reference/difflogic.py). Wires are int32 data: checked
-// where the wiring is built (the reference's check_ca), never followed out of range by the kernel (NaN).
-// The generic checker cannot encode int32 inputs: tests/cpp/test_difflogic_ca.cpp compares the op with
-// the reference (generic_check = false).
+// difflogic.ca.step.fwd / .bwd: one step of a DiffLogic cellular automaton (issue 30) and its backward,
+// the architecture a compile-time choice among kDiffLogicCaArchs (templates/difflogic/params.h; `arch`),
+// wiring and logits as data, the gate tables made once per call by difflogic_tables_kernel, then one
+// launch for the step (templates/difflogic/ca.cuh) or three for its backward (ca_bwd.cuh). The float64
+// references are difflogic_ca_step_ref / _bwd_ref (api/ops/difflogic/reference.h; NumPy twins in
+// python/kspec/reference/difflogic.py). Wires are int32 data: checked where the wiring is built (the
+// reference's check_ca), never followed out of range by the kernels (NaN). The generic checker (kspec
+// check, the sanitizers) draws them from prepare_ca, a valid wiring; tests/cpp/test_difflogic_ca.cpp
+// compares the ops with the references too (reruns and configs bitwise).
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
@@ -127,16 +128,12 @@ void prepare_ca(const Problem& p, std::vector<HostTensor>& in) {
     for (double& v : in[5].data) v = unit(rng) < 0.75 ? 1.0 : 0.0;
 }
 
-OpDef make_ca_step_fwd() {
-  OpDef op;
-  op.info.name = "difflogic.ca.step.fwd";
+// What the step's forward and backward share: dims, the architecture's sizes (checked and derived), the
+// params but mode, the forward's inputs, the tuning space.
+void ca_schema(OpDef& op) {
   op.info.family = "difflogic";
-  op.info.doc = "one step of a DiffLogic CA: per cell, K perception kernels on each channel's 3x3 patch (first "
-                "layer gate g reads (patch[perm[g]], centre)), the update network on [state | perception], its "
-                "output the new state where fire is 1; the architecture (arch) compiled in, wiring and logits data";
-  op.info.reference = "api/ops/difflogic/reference.cpp: difflogic_ca_step_ref (python/kspec/reference/difflogic.py: "
-                      "ca_step)";
-  // One block per cell on a grid (width, height, batch): batch and height within a grid's y and z.
+  // Forward: one block per cell on a grid (width, height, batch), batch and height within a grid's y and z.
+  // Backward: cells as an int (ca_bwd.cuh), so fewer than 2^31 of them (checked below).
   op.info.dims = {{"batch", DimKind::Var, {}, "B", 0, 65535},
                   {"height", DimKind::Var, {}, "H", 1, 65535},
                   {"width", DimKind::Var, {}, "W", 1, INT32_MAX},
@@ -149,7 +146,6 @@ OpDef make_ca_step_fwd() {
       {"arch", ParamType::Choice, std::string("checkerboard"), kArchNames,
        "the architecture (templates/difflogic/params.h): checkerboard (C 8, K 16, 9-8-4-2, 264-256x10-128-64-32-"
        "16-8-8) or tiny (C 2, K 2, 9-8-4-2, 10-6-2)"},
-      {"mode", ParamType::Choice, std::string("soft"), {"soft", "hard"}, "soft (training) or hard (inference)"},
       {"periodic", ParamType::Bool, false, {}, "wrap the 3x3 patches around the grid (else zero padding)", true},
   };
   op.info.inputs = {
@@ -167,13 +163,15 @@ OpDef make_ca_step_fwd() {
       tensor_def("fire", {"batch", "height", "width"}, {}, "state", false, true, "", Layout::Contiguous,
                  "1: the cell updates, 0: it keeps its state (None: every cell updates)"),
   };
-  op.info.outputs = {tensor_def("next", {"batch", "height", "width", "channels"}, {}, "state", false, false, "",
-                                Layout::Contiguous, "the new state")};
   op.check = [](const Problem& p) {
     for (const auto& [name, what] : kArchDims)
       if (p.has_dim(name))
         KSPEC_CHECK(p.dim(name) == arch_dim(p, name), p.op->info.name, ": ", what, " is ", p.dim(name),
                     ", but arch '", p.param_str("arch"), "' has ", arch_dim(p, name));
+    if (p.has_dim("batch") && p.has_dim("height") && p.has_dim("width"))
+      KSPEC_CHECK(p.dim("batch") * p.dim("height") * p.dim("width") <= INT32_MAX, p.op->info.name,
+                  ": input 'state' has batch * height * width = ", p.dim("batch") * p.dim("height") * p.dim("width"),
+                  " cells, expected at most 2^31 - 1");
   };
   for (const auto& [name, what] : kArchDims) {
     const std::string n = name;
@@ -183,7 +181,56 @@ OpDef make_ca_step_fwd() {
   op.info.tuning_axes = op.tuning.axes;
   op.dtypes = kFloatTypes;
   op.compile_dims = {{"batch", 1}, {"height", 1}, {"width", 1}};
-  op.generic_check = false;
+}
+
+// The gate tables of both logits (kernel 0: difflogic_tables_kernel) into the workspace's first
+// 4 (K perception_gates + update_gates) floats.
+void launch_tables(const Call& call, int64_t threads, float* tables, Launcher& l) {
+  const Problem& p = call.problem;
+  const int64_t K = p.dim("kernels"), Gp = p.dim("perception_gates"), Gu = p.dim("update_gates");
+  DiffLogicParams a{};
+  void* args[] = {&a};
+  a.logits = static_cast<const float*>(call.in("perception_logits").data);
+  a.n_out = K * Gp;
+  a.tables = tables;
+  l.launch(0, {blocks_for(a.n_out, threads)}, {u32(threads)}, 0, args);
+  a.logits = static_cast<const float*>(call.in("update_logits").data);
+  a.n_out = Gu;
+  a.tables = tables + 4 * K * Gp;
+  l.launch(0, {blocks_for(a.n_out, threads)}, {u32(threads)}, 0, args);
+}
+
+// The step kernels' common arguments.
+DiffLogicParams step_params(const Call& call, float* tables) {
+  const Problem& p = call.problem;
+  DiffLogicParams a{};
+  a.x = call.in("state").data;
+  a.a = static_cast<const int*>(call.in("perm").data);
+  a.b = static_cast<const int*>(call.in("wires").data);
+  a.fire = p.present("fire") ? call.in("fire").data : nullptr;
+  a.tables = tables;
+  a.batch = p.dim("batch");
+  a.height = p.dim("height");
+  a.width = p.dim("width");
+  a.wired = p.dim("wired");
+  a.periodic = p.param_bool("periodic") ? 1 : 0;
+  return a;
+}
+
+OpDef make_ca_step_fwd() {
+  OpDef op;
+  ca_schema(op);
+  op.info.name = "difflogic.ca.step.fwd";
+  op.info.doc = "one step of a DiffLogic CA: per cell, K perception kernels on each channel's 3x3 patch (first "
+                "layer gate g reads (patch[perm[g]], centre)), the update network on [state | perception], its "
+                "output the new state where fire is 1; the architecture (arch) compiled in, wiring and logits data";
+  op.info.reference = "api/ops/difflogic/reference.cpp: difflogic_ca_step_ref (python/kspec/reference/difflogic.py: "
+                      "ca_step)";
+  op.info.params.insert(op.info.params.begin() + 1,
+                        {"mode", ParamType::Choice, std::string("soft"), {"soft", "hard"},
+                         "soft (training) or hard (inference)"});
+  op.info.outputs = {tensor_def("next", {"batch", "height", "width", "channels"}, {}, "state", false, false, "",
+                                Layout::Contiguous, "the new state")};
   struct Row {
     const char* name;
     const char* arch;
@@ -216,31 +263,13 @@ OpDef make_ca_step_fwd() {
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     const Problem& p = call.problem;
-    const int64_t K = p.dim("kernels"), Gp = p.dim("perception_gates"), Gu = p.dim("update_gates");
     const int64_t threads = c.get("threads");
-    float* tables = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(4 * (K * Gp + Gu))));
-    DiffLogicParams a{};
+    const int64_t gates = p.dim("kernels") * p.dim("perception_gates") + p.dim("update_gates");
+    float* tables = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(4 * gates)));
+    launch_tables(call, threads, tables, l);
+    DiffLogicParams a = step_params(call, tables);
     void* args[] = {&a};
-    a.logits = static_cast<const float*>(call.in("perception_logits").data);
-    a.n_out = K * Gp;
-    a.tables = tables;
-    l.launch(0, {blocks_for(a.n_out, threads)}, {u32(threads)}, 0, args);
-    a.logits = static_cast<const float*>(call.in("update_logits").data);
-    a.n_out = Gu;
-    a.tables = tables + 4 * K * Gp;
-    l.launch(0, {blocks_for(a.n_out, threads)}, {u32(threads)}, 0, args);
-    a = DiffLogicParams{};
-    a.x = call.in("state").data;
     a.y = call.out("next").data;
-    a.a = static_cast<const int*>(call.in("perm").data);
-    a.b = static_cast<const int*>(call.in("wires").data);
-    a.fire = p.present("fire") ? call.in("fire").data : nullptr;
-    a.tables = tables;
-    a.batch = p.dim("batch");
-    a.height = p.dim("height");
-    a.width = p.dim("width");
-    a.wired = p.dim("wired");
-    a.periodic = p.param_bool("periodic") ? 1 : 0;
     if (a.batch > 0) l.launch(1, {u32(a.width), u32(a.height), u32(a.batch)}, {u32(threads)}, 0, args);
   };
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
@@ -253,8 +282,125 @@ OpDef make_ca_step_fwd() {
   return op;
 }
 
+
+OpDef make_ca_step_bwd() {
+  OpDef op;
+  ca_schema(op);
+  op.info.name = "difflogic.ca.step.bwd";
+  op.info.doc = "the soft CA step's backward: the gradients of sum(dnext * next) for the state (kept cells, the "
+                "update network's input, every neighbour's perception) and every perception kernel's and update "
+                "layer's logits; no atomics, sums in a fixed order (same bits run to run)";
+  op.info.reference = "api/ops/difflogic/reference.cpp: difflogic_ca_step_bwd_ref (python/kspec/reference/"
+                      "difflogic.py: ca_step_bwd)";
+  op.info.inputs.push_back(tensor_def("dnext", {"batch", "height", "width", "channels"}, {}, "state", false, false, "",
+                                      Layout::Contiguous, "the gradient of the step's output"));
+  op.info.outputs = {
+      tensor_def("dstate", {"batch", "height", "width", "channels"}, {}, "state", false, false, "",
+                 Layout::Contiguous, "the gradient of the state"),
+      tensor_def("dperception_logits", {"kernels", "perception_gates", "16"}, {DType::f32}, "", false, false, "",
+                 Layout::Contiguous, "the gradient of the perception logits"),
+      tensor_def("dupdate_logits", {"update_gates", "16"}, {DType::f32}, "", false, false, "", Layout::Contiguous,
+                 "the gradient of the update logits")};
+  struct Row {
+    const char* name;
+    const char* arch;
+    int64_t B, H, W;
+    bool periodic, fire, representative;
+  };
+  // 1 x 2 periodic: a cell reads its one neighbour at six patch places (the gather's repeats).
+  for (const Row& r : std::vector<Row>{{"checkerboard", "checkerboard", 2, 16, 16, false, false, true},
+                                       {"checkerboard_periodic_fire", "checkerboard", 1, 16, 16, true, true, false},
+                                       {"tiny", "tiny", 33, 3, 4, false, false, true},
+                                       {"tiny_periodic_fire", "tiny", 2, 5, 1, true, true, false},
+                                       {"tiny_periodic_1x2", "tiny", 3, 1, 2, true, false, false},
+                                       {"tiny_B1", "tiny", 1, 1, 1, false, false, false},
+                                       {"tiny_B0", "tiny", 0, 2, 2, false, false, false}}) {
+    Case c;
+    c.name = r.name;
+    c.dims = {{"batch", r.B}, {"height", r.H}, {"width", r.W}};
+    c.params = {{"arch", std::string(r.arch)}, {"periodic", r.periodic}};
+    if (!r.fire) c.without = {"fire"};
+    c.representative = r.representative;
+    op.cases.push_back(std::move(c));
+  }
+  op.prepare_inputs = [](const Problem& p, std::vector<HostTensor>& in) {
+    prepare_ca(p, in);
+    std::mt19937_64 rng(static_cast<uint64_t>(p.dim("batch") * 104729 + p.dim("height") * 17 + p.dim("width")));
+    std::uniform_real_distribution<double> unit(-1.0, 1.0);
+    for (double& v : in[6].data) v = unit(rng);
+  };
+  op.kernels = [](const Problem& p, const Config& c) {
+    const std::string threads = std::to_string(c.get("threads"));
+    const std::vector<std::string> args = {dtype_cuda_type(p.dtype("state")), std::to_string(arch_index(p)), threads};
+    return std::vector<jit::KernelSpec>{
+        kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_tables_kernel", {"false", threads}),
+        kernel_spec(p, "difflogic/ca_bwd.cuh", "kspec::difflogic_ca_step_bwd_kernel", args),
+        kernel_spec(p, "difflogic/ca_bwd.cuh", "kspec::difflogic_ca_step_bwd_gather_kernel", args),
+        kernel_spec(p, "difflogic/ca_bwd.cuh", "kspec::difflogic_ca_step_bwd_finish_kernel", {threads})};
+  };
+  op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    const Problem& p = call.problem;
+    const int64_t threads = c.get("threads");
+    const int64_t K = p.dim("kernels"), Gp = p.dim("perception_gates"), Gu = p.dim("update_gates");
+    const int64_t gates = K * Gp + Gu, C = p.dim("channels");
+    const int64_t cells = p.dim("batch") * p.dim("height") * p.dim("width");
+    const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(cells, kDiffLogicCaBwdBlocks));
+    // tables [gates, 4] | partials [blocks, gates, 4] | dcells [cells, C, 10]
+    float* tables = static_cast<float*>(
+        l.workspace(sizeof(float) * static_cast<size_t>(4 * gates + blocks * gates * 4 + cells * C * 10)));
+    launch_tables(call, threads, tables, l);
+    DiffLogicParams a = step_params(call, tables);
+    void* args[] = {&a};
+    a.dout = call.in("dnext").data;
+    a.dx = call.out("dstate").data;
+    a.partials = tables + 4 * gates;
+    a.dcells = a.partials + blocks * gates * 4;
+    a.blocks = blocks;
+    // With no cell the partials stay zero (the one block zeroes its row), so dlogits are 0.
+    l.launch(1, {u32(blocks)}, {u32(threads)}, 0, args);
+    if (cells > 0) l.launch(2, {blocks_for(cells * C, threads)}, {u32(threads)}, 0, args);
+    a.n_in = gates;
+    a.logits = static_cast<const float*>(call.in("perception_logits").data);
+    a.dlogits = static_cast<float*>(call.out("dperception_logits").data);
+    a.gate0 = 0;
+    a.n_out = K * Gp;
+    l.launch(3, {blocks_for(a.n_out, threads)}, {u32(threads)}, 0, args);
+    a.logits = static_cast<const float*>(call.in("update_logits").data);
+    a.dlogits = static_cast<float*>(call.out("dupdate_logits").data);
+    a.tables = tables + 4 * K * Gp;
+    a.gate0 = K * Gp;
+    a.n_out = Gu;
+    l.launch(3, {blocks_for(a.n_out, threads)}, {u32(threads)}, 0, args);
+  };
+  op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
+    const DiffLogicCaArch& A = arch_of(p);
+    const auto g = ref::difflogic_ca_step_bwd_ref(ca_of(p, in), p.dim("batch"), p.dim("height"), p.dim("width"),
+                                                  in[0].data, logits_of(p, in), in[5].defined ? &in[5].data : nullptr,
+                                                  in[6].data);
+    const int64_t K = A.K, Gp = perception_gates(A);
+    std::vector<double> dperc(static_cast<size_t>(K * Gp * 16));
+    int64_t g0 = 0;
+    for (int l = 0; l < A.n_perception; ++l) {
+      const int64_t width = A.perception[l];
+      for (int64_t k = 0; k < K; ++k)
+        std::copy_n(g.dlogits.perception[l].begin() + k * width * 16, width * 16, dperc.begin() + (k * Gp + g0) * 16);
+      g0 += width;
+    }
+    std::vector<double> dupd;
+    for (const auto& layer : g.dlogits.update) dupd.insert(dupd.end(), layer.begin(), layer.end());
+    return std::vector<HostTensor>{
+        {true, {p.dim("batch"), p.dim("height"), p.dim("width"), p.dim("channels")}, g.dstate},
+        {true, {K, Gp, 16}, std::move(dperc)},
+        {true, {update_gates(A), 16}, std::move(dupd)}};
+  };
+  return op;
+}
+
 }  // namespace
 
-void register_difflogic_ca(Registry& r) { r.add(make_ca_step_fwd()); }
+void register_difflogic_ca(Registry& r) {
+  r.add(make_ca_step_fwd());
+  r.add(make_ca_step_bwd());
+}
 
 }  // namespace kspec::difflogic

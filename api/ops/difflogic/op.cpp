@@ -7,8 +7,10 @@
 // Wires are int32 data on the device: their range is checked where the wiring is built on the host
 // (kspec::ref::difflogic_consumers, which also builds the consumers CSR the backward reads, once per
 // wiring); checking them per call would cost a copy and a sync. The kernels never follow a wire outside
-// [0, n_in) (NaN, or zero words, instead). The generic checker cannot encode int32 inputs:
-// tests/cpp/test_difflogic.cpp compares these ops with the reference instead (generic_check = false).
+// [0, n_in) (NaN, or zero words, instead). The generic checker (kspec check, the sanitizers) takes the
+// layers' wires and CSR from prepare_inputs (valid ones); packed.fwd's words are int64 at w = 64, which
+// float64 host tensors cannot hold: tests/cpp/test_difflogic.cpp compares it instead (generic_check =
+// false), and the layers as well (layouts, reruns).
 #include <algorithm>
 #include <cstdint>
 #include <random>
@@ -109,7 +111,6 @@ OpDef layer_base(const char* name, const char* doc, bool csr) {
   op.dtypes = kFloatTypes;
   op.compile_dims = {{"batch", 1}, {"n_in", 1}, {"n_out", 1}};
   if (csr) op.compile_dims.push_back({"csr", 4});
-  op.generic_check = false;
   return op;
 }
 
