@@ -264,8 +264,10 @@ void write_view(KeyWriter& w, const TensorView& t) {
   w.raw(head);
   if (t.rank < 0) return;
   w.raw(t.device);
-  w.bytes(t.shape, sizeof(int64_t) * static_cast<size_t>(t.rank));
-  w.bytes(t.strides, sizeof(int64_t) * static_cast<size_t>(t.rank));
+  // Element by element: fixed-size stores the compiler inlines, where a memcpy of rank * 8 bytes is a
+  // libc call per array.
+  for (int d = 0; d < t.rank; ++d) w.raw(t.shape[d]);
+  for (int d = 0; d < t.rank; ++d) w.raw(t.strides[d]);
 }
 
 size_t param_key_size(const std::string& name, const ParamValue& v) {
