@@ -47,8 +47,8 @@ def norm_act(x, weight, bias=None, *, norm: str = "layernorm", act: str = "none"
     if _is_torch(x):
         from . import _torch
 
-        return _torch.norm_act(x, weight, bias, norm, canonical_act(act, _ACTS, "kspec.ops.norm_act"), float(eps))
-    return call("norm_act.fwd", x, weight, bias, norm=norm, act=act, eps=float(eps))[0]
+        return _torch.norm_act(x, weight, bias, norm, canonical_act(act, _ACTS, "kspec.ops.norm_act"), float(eps), True)
+    return call("norm_act.fwd", x, weight, bias, norm=norm, act=act, eps=float(eps), save_stats=False)[0]
 
 
 def norm_act_fwd(x, weight, bias=None, *, norm: str = "layernorm", act: str = "none", eps: float = 1e-5):

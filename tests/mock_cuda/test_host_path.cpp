@@ -145,5 +145,36 @@ TEST_F(HostPath, CallHitFromTwoThreads) {
   EXPECT_EQ(mock_launches() - launches, 400);
 }
 
+// norm_act.fwd with save_stats=false has y as its only output (mean and rstd follow the param, as
+// present_with), compiles the kernel with kSaveStats = false, and launches with them absent.
+TEST_F(HostPath, NormActWithoutStats) {
+  NormActCall a;
+  Params no_stats = a.params;
+  no_stats.set("save_stats", false);
+  auto specs = infer_outputs("norm_act.fwd", a.ins, no_stats);
+  ASSERT_EQ(specs.size(), 3u);
+  EXPECT_TRUE(specs[0].present);
+  EXPECT_FALSE(specs[1].present);
+  EXPECT_FALSE(specs[2].present);
+  for (const auto& s : infer_outputs("norm_act.fwd", a.ins, a.params)) EXPECT_TRUE(s.present);
+  const std::vector<TensorView> y_only{a.outs[0], TensorView(), TensorView()};
+  EXPECT_NE(explain("norm_act.fwd", a.ins, y_only, no_stats).find(", false>"), std::string::npos);
+  EXPECT_EQ(explain("norm_act.fwd", a.ins, a.outs, a.params).find(", false>"), std::string::npos);
+  const long launches = mock_launches();
+  call("norm_act.fwd", a.ins, y_only, no_stats, a.stream);
+  call("norm_act.fwd", a.ins, y_only, no_stats, a.stream);  // the cache hit
+  EXPECT_EQ(mock_launches() - launches, 2);
+  auto expect_refused = [&](const std::vector<TensorView>& outs, const Params& p, const std::string& says) {
+    try {
+      call("norm_act.fwd", a.ins, outs, p, a.stream);
+      FAIL() << "accepted; expected: " << says;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  expect_refused(a.outs, no_stats, "output 'mean' must be None when 'save_stats' is false");
+  expect_refused(y_only, a.params, "output 'mean' is required when 'save_stats' is true");
+}
+
 }  // namespace
 }  // namespace kspec

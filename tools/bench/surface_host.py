@@ -55,10 +55,10 @@ def carve(buf_bytes, specs):
 NORM_ACT_OUTS = [((4, 256), torch.bfloat16, 2048), ((4,), torch.float32, 16), ((4,), torch.float32, 16)]
 surface = _torch.norm_act
 ROWS = [
-    ("generated surface, no grad (the forward alone)", lambda: surface(x, w, None, "rmsnorm", "identity", 1e-5)),
-    ("generated surface, input requires grad", lambda: surface(xg, w, None, "rmsnorm", "identity", 1e-5)),
+    ("generated surface, no grad (the forward alone)", lambda: surface(x, w, None, "rmsnorm", "identity", 1e-5, True)),
+    ("generated surface, input requires grad", lambda: surface(xg, w, None, "rmsnorm", "identity", 1e-5, True)),
     ("hand-written autograd.Function.apply", lambda: HandWritten.apply(xg, w, None, "rmsnorm", "identity", 1e-5)),
-    ("generated forward + backward", lambda: surface(xg, w, None, "rmsnorm", "identity", 1e-5).backward(outs[0])),
+    ("generated forward + backward", lambda: surface(xg, w, None, "rmsnorm", "identity", 1e-5, True).backward(outs[0])),
     ("hand-written forward + backward",
      lambda: HandWritten.apply(xg, w, None, "rmsnorm", "identity", 1e-5).backward(outs[0])),
     ("torch.empty x 3 (norm_act's outputs)",
