@@ -4,8 +4,12 @@
 
 #include <dlfcn.h>
 
+#include <atomic>
 #include <mutex>
+#include <optional>
 #include <vector>
+
+#include "kspec/knobs.h"
 
 namespace kspec::jit {
 namespace {
@@ -18,11 +22,20 @@ struct Loaded {
 
 Loaded load() {
   Loaded out;
-  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (!lib) lib = dlopen("libcuda.so", RTLD_NOW | RTLD_LOCAL);
+  // Read once: the driver stays loaded for the process (a bad value is reported as the driver's error).
+  std::optional<std::string> given;
+  try {
+    given = knobs::libcuda();
+  } catch (const Error& e) {
+    out.error = e.what();
+    return out;
+  }
+  void* lib = given ? dlopen(given->c_str(), RTLD_NOW | RTLD_LOCAL) : dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!lib && !given) lib = dlopen("libcuda.so", RTLD_NOW | RTLD_LOCAL);
   if (!lib) {
     const char* e = dlerror();
-    out.error = std::string("the CUDA driver (libcuda.so.1) could not be loaded: ") + (e ? e : "?") +
+    out.error = std::string("the CUDA driver (") + (given ? "KSPEC_LIBCUDA " + *given : "libcuda.so.1") +
+                ") could not be loaded: " + (e ? e : "?") +
                 ". Compile-only features (kspec compile/precompile) work without it.";
     return out;
   }
@@ -86,7 +99,16 @@ void throw_cuda_error(CUresult r, const char* call, const char* file, int line) 
   throw CudaError(detail::concat(call, " failed with ", driver_error_text(r), " at ", file, ":", line));
 }
 
+// Every call makes its device's context current (ContextGuard): a retained context is read without the
+// lock. Contexts are retained once and never released, so a pointer once seen stays valid.
+namespace {
+constexpr int kFastDevices = 64;
+std::atomic<CUcontext> g_retained[kFastDevices];
+}  // namespace
+
 CUcontext primary_context(int device) {
+  if (device >= 0 && device < kFastDevices)
+    if (CUcontext c = g_retained[device].load(std::memory_order_acquire)) return c;
   static std::mutex mu;
   static std::vector<CUcontext> contexts;
   int count = device_count();
@@ -98,6 +120,7 @@ CUcontext primary_context(int device) {
     CUdevice dev;
     CU_CHECK(cuDeviceGet(&dev, device));
     CU_CHECK(cuDevicePrimaryCtxRetain(&contexts[device], dev));
+    if (device < kFastDevices) g_retained[device].store(contexts[device], std::memory_order_release);
   }
   return contexts[device];
 }

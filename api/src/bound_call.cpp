@@ -2,6 +2,7 @@
 // with new runtime params, outputs and stream; its event keeps the op's tables alive until the last run.
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
 
 #include "api/src/plan.h"
 #include "jit/driver.h"
@@ -12,7 +13,12 @@ namespace kspec {
 struct BoundCall::Impl {
   const OpDef* op = nullptr;
   std::vector<std::vector<TensorView>> lists;  // the list inputs' items, owned here
-  Call call;                                   // validated once; run() swaps params, outputs, stream
+  Call call;                                   // validated once, with the bound outputs
+  // What run() launches: a copy of `call` made once, whose outputs, stream and (for a run with runtime
+  // params) params are replaced in place, so that a plain run copies no Problem and allocates nothing.
+  Call run_call;
+  bool run_params_changed = false;             // run_call's params are a runtime-param run's
+  std::mutex run_mu;  // runs of one bound call from two threads (Python releases the GIL) take turns
   PlanEntry* plan = nullptr;                   // plans are never freed (see plan_for)
   Config config;
   std::string config_text;
@@ -52,6 +58,7 @@ BoundCall::BoundCall(std::string_view op_name, const std::vector<TensorView>& in
   jit::ContextGuard guard(b.call.device);
   if (b.op->bind) b.data = b.op->bind(b.call, b.config);
   b.call.bound = b.data.get();
+  b.run_call = b.call;
   CU_CHECK(cuEventCreate(b.done.out(), CU_EVENT_DISABLE_TIMING));
 }
 
@@ -70,8 +77,9 @@ bool BoundCall::idle() const {
 
 void BoundCall::run(const Params& runtime_params, const std::vector<TensorView>& outputs, Stream stream) {
   Impl& b = *impl_;
+  std::lock_guard<std::mutex> lock(b.run_mu);
   const OpInfo& info = b.op->info;
-  Call c = b.call;
+  Call& c = b.run_call;
   if (!runtime_params.items().empty()) {
     Params merged = b.call.problem.params;
     for (const auto& [name, v] : runtime_params.items()) {
@@ -82,6 +90,10 @@ void BoundCall::run(const Params& runtime_params, const std::vector<TensorView>&
       merged.set(name, v);
     }
     c.problem.params = complete_params(*b.op, merged);
+    b.run_params_changed = true;
+  } else if (b.run_params_changed) {
+    c.problem.params = b.call.problem.params;
+    b.run_params_changed = false;
   }
   KSPEC_CHECK(outputs.size() == b.call.outputs.size(), info.name, ": expected ", b.call.outputs.size(),
               " outputs, got ", outputs.size());
@@ -102,7 +114,7 @@ void BoundCall::run(const Params& runtime_params, const std::vector<TensorView>&
   bool moved = false;
   for (size_t i = 0; i < outputs.size(); ++i) moved = moved || outputs[i].data != b.call.outputs[i].data;
   if (moved) check_no_overlap(info, b.call.inputs, outputs);
-  c.outputs = outputs;
+  c.outputs.assign(outputs.begin(), outputs.end());
   c.stream = stream;
   if (b.op->check_call) b.op->check_call(c);  // the runtime params' rules
   jit::ContextGuard guard(c.device);

@@ -3,6 +3,7 @@
 #include "api/src/plan.h"
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <shared_mutex>
@@ -231,11 +232,6 @@ LoadedKernel* DeviceLauncher::prepare(size_t k, Dim3 grid, unsigned shared_bytes
 
 namespace {
 
-template <typename T>
-void append_raw(std::string& key, const T& v) {
-  key.append(reinterpret_cast<const char*>(&v), sizeof(T));
-}
-
 int pointer_alignment(const void* p) {
   auto a = reinterpret_cast<uintptr_t>(p);
   int al = 16;
@@ -243,21 +239,64 @@ int pointer_alignment(const void* p) {
   return al;
 }
 
-bool append_view(std::string& key, const TensorView& t) {
-  if (t.is_list()) return false;
+// A call key is sized first and then written in one pass through a cursor: one resize of the (thread's,
+// already large enough) buffer instead of an append per piece, which was most of a cache hit's cost.
+struct KeyWriter {
+  char* at;
+  template <typename T>
+  void raw(const T& v) {
+    std::memcpy(at, &v, sizeof(T));
+    at += sizeof(T);
+  }
+  void bytes(const void* p, size_t n) {
+    std::memcpy(at, p, n);
+    at += n;
+  }
+};
+
+size_t view_key_size(const TensorView& t) {
+  return 4 + (t.rank < 0 ? 0 : sizeof(t.device) + 2 * sizeof(int64_t) * static_cast<size_t>(t.rank));
+}
+
+void write_view(KeyWriter& w, const TensorView& t) {
   const int8_t head[4] = {static_cast<int8_t>(t.rank), static_cast<int8_t>(t.dtype),
                           static_cast<int8_t>(pointer_alignment(t.data)), 0};
-  append_raw(key, head);
-  if (t.rank < 0) return true;
-  append_raw(key, t.device);
-  key.append(reinterpret_cast<const char*>(t.shape), sizeof(int64_t) * static_cast<size_t>(t.rank));
-  key.append(reinterpret_cast<const char*>(t.strides), sizeof(int64_t) * static_cast<size_t>(t.rank));
-  return true;
+  w.raw(head);
+  if (t.rank < 0) return;
+  w.raw(t.device);
+  // Element by element: fixed-size stores the compiler inlines, where a memcpy of rank * 8 bytes is a
+  // libc call per array.
+  for (int d = 0; d < t.rank; ++d) w.raw(t.shape[d]);
+  for (int d = 0; d < t.rank; ++d) w.raw(t.strides[d]);
+}
+
+size_t param_key_size(const std::string& name, const ParamValue& v) {
+  size_t n = sizeof(uint32_t) + name.size() + 1;
+  if (std::holds_alternative<int64_t>(v)) return n + sizeof(int64_t);
+  if (std::holds_alternative<double>(v)) return n + sizeof(double);
+  if (std::holds_alternative<bool>(v)) return n + sizeof(bool);
+  return n + sizeof(uint32_t) + std::get<std::string>(v).size();
+}
+
+void write_param(KeyWriter& w, const std::string& name, const ParamValue& v) {
+  w.raw(static_cast<uint32_t>(name.size()));
+  w.bytes(name.data(), name.size());
+  w.raw(static_cast<uint8_t>(v.index()));
+  if (auto i = std::get_if<int64_t>(&v)) w.raw(*i);
+  else if (auto d = std::get_if<double>(&v)) w.raw(*d);
+  else if (auto b = std::get_if<bool>(&v)) w.raw(*b);
+  else {
+    const auto& str = std::get<std::string>(v);
+    w.raw(static_cast<uint32_t>(str.size()));
+    w.bytes(str.data(), str.size());
+  }
 }
 
 // A validated call kept for the next one with the same signature: its problem (params completed, arch
-// set), device and padded argument counts, and the plan it used.
+// set), device and padded argument counts, and the plan it used. Never freed (the cache is bounded), so
+// `key` may be the map's key and a thread's HitScratch may remember an entry by its address.
 struct CachedCall {
+  std::string key;
   Call call;
   PlanEntry* plan = nullptr;
   uint64_t generation = 0;
@@ -266,50 +305,90 @@ struct CachedCall {
 // Bounded: a process that sweeps shapes stops adding after this many (its calls validate in full).
 constexpr size_t kMaxCachedCalls = 4096;
 
+// A thread's Call for cache hits of one entry, so that a hit copies no Problem (vectors, strings, params:
+// a dozen heap allocations) and its views go into vectors that already have the room: the problem is
+// copied when the slot last held another entry, the views every time. A thread has kHitSlots of them,
+// picked by the entry's address, so that a training step's interleaved ops keep theirs. `busy` covers a
+// hit whose launch re-enters kspec::call on the same thread with the same slot (a tuner's timing
+// calls): that one takes a Call of its own.
+constexpr size_t kHitSlots = 16;
+struct HitScratch {
+  Call call;
+  const CachedCall* from = nullptr;
+  bool overlap_checked = false;  // call's views passed check_no_overlap
+  bool busy = false;
+};
+
+// Whether `views` begins with `given`'s data pointers (views: the last call's, padded to the schema).
+bool same_data(const std::vector<TensorView>& views, const std::vector<TensorView>& given) {
+  if (views.size() < given.size()) return false;
+  for (size_t i = 0; i < given.size(); ++i)
+    if (views[i].data != given[i].data) return false;
+  return true;
+}
+
+class ScratchClaim {
+ public:
+  explicit ScratchClaim(HitScratch& s) : s_(s.busy ? nullptr : &s) {
+    if (s_) s_->busy = true;
+  }
+  ~ScratchClaim() {
+    if (s_) s_->busy = false;
+  }
+  ScratchClaim(const ScratchClaim&) = delete;
+  ScratchClaim& operator=(const ScratchClaim&) = delete;
+  bool claimed() const { return s_ != nullptr; }
+
+ private:
+  HitScratch* s_;
+};
+
 }  // namespace
 
 bool append_call_key(std::string& key, const OpDef& op, const std::vector<TensorView>& inputs,
                      const std::vector<TensorView>& outputs, const Params& params) {
-  append_raw(key, &op);
+  const OpDef* op_ptr = &op;
   const uint16_t counts[2] = {static_cast<uint16_t>(inputs.size()), static_cast<uint16_t>(outputs.size())};
-  append_raw(key, counts);
-  for (const auto& t : inputs)
-    if (!append_view(key, t)) return false;
-  for (const auto& t : outputs)
-    if (!append_view(key, t)) return false;
-  for (const auto& [name, v] : params.items()) {
-    append_raw(key, static_cast<uint32_t>(name.size()));
-    key += name;
-    append_raw(key, static_cast<uint8_t>(v.index()));
-    if (auto i = std::get_if<int64_t>(&v)) append_raw(key, *i);
-    else if (auto d = std::get_if<double>(&v)) append_raw(key, *d);
-    else if (auto b = std::get_if<bool>(&v)) append_raw(key, *b);
-    else {
-      const auto& str = std::get<std::string>(v);
-      append_raw(key, static_cast<uint32_t>(str.size()));
-      key += str;
+  size_t size = sizeof(op_ptr) + sizeof(counts);
+  for (const auto* list : {&inputs, &outputs})
+    for (const auto& t : *list) {
+      if (t.is_list()) return false;
+      size += view_key_size(t);
     }
-  }
+  for (const auto& [name, v] : params.items()) size += param_key_size(name, v);
+  const size_t start = key.size();
+  key.resize(start + size);
+  KeyWriter w{&key[start]};
+  w.raw(op_ptr);
+  w.raw(counts);
+  for (const auto* list : {&inputs, &outputs})
+    for (const auto& t : *list) write_view(w, t);
+  for (const auto& [name, v] : params.items()) write_param(w, name, v);
   return true;
 }
 
 // kspec::call validates a call's signature once: a later call with the same signature (see
-// append_call_key) copies the validated problem and its plan, and checks only what depends on the
+// append_call_key) reuses the validated problem and its plan, and checks only what depends on the
 // pointers — null data, overlap between outputs and inputs, the op's own check_call — each with the
 // message full validation gives (a null pointer goes through full validation, which names it).
+// A hit allocates nothing: the key is built in a per-thread buffer, looked up by string_view, and the
+// call assembled in one of the thread's HitScratch slots (tests/mock_cuda/test_host_path.cpp counts
+// allocations).
 void call(std::string_view op_name, const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
           const Params& params, Stream stream, const CallOptions& options) {
   static std::shared_mutex mu;
-  static std::unordered_map<std::string, std::unique_ptr<CachedCall>> cache;
+  static std::unordered_map<std::string_view, std::unique_ptr<CachedCall>> cache;
+  thread_local std::string key_buffer;
+  thread_local HitScratch scratches[kHitSlots];
   const OpDef& op = Registry::global().get(op_name);
-  // Local, not thread_local: plan_for may tune (KSPEC_TUNE=auto), and the tuner's own calls come back here.
-  std::string key;
-  key.reserve(256);
-  const bool cacheable = !options.config && append_call_key(key, op, inputs, outputs, params);
+  // The buffer is read only up to the lookup (and copied into a new entry before anything that may
+  // re-enter kspec::call on this thread: plan_for may tune, and the tuner's calls come back here).
+  key_buffer.clear();
+  const bool cacheable = !options.config && append_call_key(key_buffer, op, inputs, outputs, params);
   const CachedCall* hit = nullptr;
   if (cacheable) {
     std::shared_lock<std::shared_mutex> lock(mu);
-    auto it = cache.find(key);
+    auto it = cache.find(std::string_view(key_buffer));
     if (it != cache.end()) hit = it->second.get();
   }
   bool pointers_ok = true;
@@ -318,16 +397,32 @@ void call(std::string_view op_name, const std::vector<TensorView>& inputs, const
       for (const auto& t : *list) pointers_ok = pointers_ok && (t.data || t.rank < 0 || t.numel() == 0);
   }
   if (hit && pointers_ok) {
-    Call c;
-    c.problem = hit->call.problem;
-    c.device = hit->call.device;
+    // Fibonacci hashing of the entry's address: its top bits pick the slot.
+    HitScratch& scratch = scratches[(reinterpret_cast<uintptr_t>(hit) * 0x9E3779B97F4A7C15ull) >> 60];
+    ScratchClaim claim(scratch);
+    Call own;  // only when the thread's scratch is in use further up the stack
+    Call& c = claim.claimed() ? scratch.call : own;
+    if (!claim.claimed() || scratch.from != hit) {
+      if (claim.claimed()) scratch.from = nullptr;  // until the copy is whole
+      c.problem = hit->call.problem;
+      c.device = hit->call.device;
+      c.inputs.clear();
+      c.outputs.clear();
+      if (claim.claimed()) scratch.from = hit;
+    }
+    // The thread's last call of this signature passed the overlap check with the very same pointers (the
+    // same shapes and strides, by the signature): it would pass again.
+    const bool checked = claim.claimed() && scratch.overlap_checked && same_data(c.inputs, inputs) &&
+                         same_data(c.outputs, outputs);
+    if (claim.claimed()) scratch.overlap_checked = false;
     c.stream = stream;
-    c.inputs = inputs;
+    c.inputs.assign(inputs.begin(), inputs.end());
     c.inputs.resize(hit->call.inputs.size());  // trailing optionals left out: absent views
-    c.outputs = outputs;
+    c.outputs.assign(outputs.begin(), outputs.end());
     c.outputs.resize(hit->call.outputs.size());
     if (op.check_call) op.check_call(c);
-    check_no_overlap(op.info, c.inputs, c.outputs);
+    if (!checked) check_no_overlap(op.info, c.inputs, c.outputs);
+    if (claim.claimed()) scratch.overlap_checked = true;
     PlanEntry* plan = hit->plan;
     if (hit->generation != tuning_generation()) plan = &plan_for(op, c.problem, c.device, nullptr, stream);
     jit::ContextGuard guard(c.device);
@@ -336,11 +431,13 @@ void call(std::string_view op_name, const std::vector<TensorView>& inputs, const
     launcher.finish();
     return;
   }
+  std::string key = cacheable ? key_buffer : std::string();
   Call c = validate_call(op, inputs, outputs, params, stream);
   c.problem.arch = device_arch(c.device);
   PlanEntry& plan = plan_for(op, c.problem, c.device, options.config, stream);
   if (cacheable) {
     auto entry = std::make_unique<CachedCall>();
+    entry->key = std::move(key);
     entry->call.problem = c.problem;
     entry->call.device = c.device;
     entry->call.inputs.resize(c.inputs.size());
@@ -348,7 +445,10 @@ void call(std::string_view op_name, const std::vector<TensorView>& inputs, const
     entry->plan = &plan;
     entry->generation = plan.generation;
     std::unique_lock<std::shared_mutex> lock(mu);
-    if (cache.size() < kMaxCachedCalls) cache.emplace(key, std::move(entry));
+    if (cache.size() < kMaxCachedCalls && !cache.count(entry->key)) {
+      std::string_view k = entry->key;
+      cache.emplace(k, std::move(entry));
+    }
   }
   jit::ContextGuard guard(c.device);
   DeviceLauncher launcher(plan, c.device, stream);

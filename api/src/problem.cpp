@@ -57,6 +57,9 @@ bool Problem::present(std::string_view tensor) const {
   if (i >= 0) return inputs[i].present;
   i = tensor_index(op->info.outputs, tensor);
   if (i >= 0) return outputs[i].present;
+  // An output's present_with may name a bool param instead (norm_act.fwd's save_stats).
+  for (const auto& d : op->info.params)
+    if (d.name == tensor && d.type == ParamType::Bool) return param_bool(tensor);
   throw InvalidArgument(detail::concat(op->info.name, ": no tensor named '", tensor, "'"));
 }
 

@@ -25,6 +25,7 @@ std::string param_to_string(const ParamValue& v) {
 }
 
 Params::Params(std::initializer_list<std::pair<std::string, ParamValue>> items) {
+  items_.reserve(items.size());  // one allocation for a call's params, not one per growth step
   for (const auto& [k, v] : items) set(k, v);
 }
 

@@ -14,6 +14,11 @@ using namespace validation;
 // ---- shapes ----
 
 namespace {
+
+// Whether an output's present_with names a param (a bool: norm_act.fwd's save_stats) rather than an input.
+bool is_param(const OpInfo& info, const std::string& name) {
+  return std::any_of(info.params.begin(), info.params.end(), [&](const ParamDef& d) { return d.name == name; });
+}
 // Calls f(size) for each dim of t's shape under p, in order, until f returns false (then false).
 // Whether p lays tensor t out in its alternative shape (outputs follow the input of the same name's
 // choice through TensorMeta as well).
@@ -152,11 +157,11 @@ Call validate_call(const OpDef& op, const std::vector<TensorView>& inputs_given,
     bool needed = def.present_with.empty() ? !def.optional : p.present(def.present_with);
     if (!outputs[i].defined()) {
       KSPEC_CHECK(!needed, info.name, ": ", what, " is required", def.present_with.empty() ? "" : " when '",
-                  def.present_with, def.present_with.empty() ? "" : "' is given");
+                  def.present_with, def.present_with.empty() ? "" : is_param(info, def.present_with) ? "' is true" : "' is given");
       continue;
     }
     KSPEC_CHECK(def.present_with.empty() || needed, info.name, ": ", what, " must be None when '",
-                def.present_with, "' is None");
+                def.present_with, is_param(info, def.present_with) ? "' is false" : "' is None");
     bool alt = p.outputs[i].alt;
     check_tensor(p, info, def, outputs[i], what, &device, true, p.outputs[i]);
     KSPEC_CHECK(p.outputs[i].alt == alt, info.name, ": ", what, ": expected shape ",

@@ -63,6 +63,20 @@ int index_of(const std::vector<TensorDef>& defs, const std::string& name) {
   return -1;
 }
 
+// An output's present_with rule: the named input is given, or the named bool param is true (as given,
+// else its default).
+bool present_with(const OpInfo& op, const TensorDef& out, const std::vector<TensorView>& ins, const Params& params) {
+  const int i = index_of(op.inputs, out.present_with);
+  if (i >= 0) return ins[size_t(i)].defined();
+  for (const auto& p : op.params) {
+    if (p.name != out.present_with) continue;
+    auto given = params.find(p.name);
+    const ParamValue& v = given ? *given : p.default_value;
+    return std::holds_alternative<bool>(v) && std::get<bool>(v);
+  }
+  return true;
+}
+
 const ParamDef* param_def(const OpInfo& op, std::string_view name) {
   for (const auto& p : op.params)
     if (p.name == name) return &p;
@@ -257,8 +271,7 @@ void run(const Target& t, Stream stream, int device, const ffi::RemainingArgs& a
 
   if (!a.given_outputs)
     for (const auto& d : op.outputs)
-      if (d.present_with.empty() ? !d.optional : ins[size_t(index_of(op.inputs, d.present_with))].defined())
-        a.outputs.push_back(d.name);
+      if (d.present_with.empty() ? !d.optional : present_with(op, d, ins, a.params)) a.outputs.push_back(d.name);
   std::vector<TensorView> outs(op.outputs.size());
   size_t r = 0;
   auto result = [&](const std::string& what) {

@@ -55,7 +55,7 @@ def _fake_kernel(op: str, derived: dict):
         tensors = args[:n_in]
         specs = _schema.output_specs(op, [None if t is None else tuple(t.shape) for t in tensors],
                                      [None if t is None else str(t.dtype).removeprefix("torch.") for t in tensors],
-                                     derived, None)
+                                     derived, None, params)
         first = next(t for t in tensors if t is not None)
         outs = tuple(first.new_empty(0) if s is None else first.new_empty(s[1], dtype=getattr(torch, s[0]))
                      for s in specs)

@@ -42,20 +42,26 @@ def _bind(info: dict, shapes, dtypes):
     return dims, leading, alt, dtype
 
 
-def output_specs(op: str, shapes, dtypes, derived=None, present=None):
+def output_specs(op: str, shapes, dtypes, derived=None, present=None, params=None):
     """[(dtype name, shape tuple) or None] for each output of `op`, as kspec.call would allocate them.
 
     shapes, dtypes: per input in schema order (None for an absent one). derived: {dim: f(dims)} for dims
     no input binds. present: {output name: bool} for optional outputs without a present_with rule (by
-    default absent, as C++ allocates them)."""
+    default absent, as C++ allocates them) or whose rule is a bool param (by default the param's value in
+    `params`, else its default: norm_act.fwd's mean and rstd follow save_stats)."""
     info = _info(op)
+    flags = {p["name"]: p["default"] for p in info["params"] if p["type"] == "bool"}
     dims, leading, alt, dtype = _bind(info, shapes, dtypes)
     for name, rule in (derived or {}).items():
         dims.setdefault(name, rule(dims))
     out = []
     for d in info["outputs"]:
-        if d["present_with"]:
-            here = d["present_with"] in dtype
+        rule = d["present_with"]
+        if rule in flags:
+            given = (params or {}).get(rule)
+            here = (present or {}).get(d["name"], bool(flags[rule] if given is None else given))
+        elif rule:
+            here = rule in dtype
         else:
             here = (present or {}).get(d["name"], not d["optional"])
         if not here:

@@ -10,6 +10,7 @@ output of that name (saved for the backward when it is a tensor), or an `extra` 
 backward output `d<arg>` is the gradient of forward argument <arg> (None where that argument was None)."""
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass, field, replace
 from operator import itemgetter
 from typing import Callable, Optional
@@ -23,12 +24,26 @@ FAMILIES: dict = {}  # name -> Family, in registration order
 
 
 def _args(schema: str):
-    """[(name, type)] of a custom op's arguments in torch schema syntax ("Tensor x, Tensor? bias, str act")."""
+    """[(name, type)] of a custom op's arguments in torch schema syntax ("Tensor x, Tensor? bias, str act",
+    "bool save_stats=True": a default is allowed)."""
     out = []
     for part in schema.split(","):
         typ, name = part.split()
-        out.append((name, typ))
+        out.append((name.split("=")[0], typ))
     return out
+
+
+def _defaults(schema: str) -> tuple:
+    """The values of the trailing arguments with defaults ("bool save_stats=True" -> (True,)): torch.library
+    leaves out an argument equal to its default when it calls a custom op's kernel, fake or autograd."""
+    tail = []
+    for part in schema.split(","):
+        _, name = part.split()
+        if "=" in name:
+            tail.append(ast.literal_eval(name.split("=", 1)[1]))
+        elif tail:
+            raise ValueError(f"{schema}: an argument without a default after one with")
+    return tuple(tail)
 
 
 def _is_tensor(typ: str) -> bool:
@@ -124,11 +139,6 @@ def _one_call(op, arg_types):
     return run
 
 
-def wants_grad(*tensors):
-    """Whether autograd will want a gradient of any of these (None skipped)."""
-    return torch.is_grad_enabled() and any([t.requires_grad for t in tensors if t is not None])
-
-
 class Surface:
     """What build() makes of a Family: the custom ops (.fwd_op, .bwd_op), their implementations (.fwd_kernel,
     .bwd_kernel: what a CPU test may register for CPU tensors) and __call__, the public entry."""
@@ -136,6 +146,7 @@ class Surface:
     def __init__(self, f: Family):
         self.fwd_args = _args(f.fwd)
         self.bwd_args = _args(f.bwd)
+        self.fwd_defaults = _defaults(f.fwd)
         if f.forward is None or f.backward is None:
             f = replace(f, forward=f.forward or _one_call(f.ops[0], self.fwd_args),
                         backward=f.backward or _one_call(f.ops[1], self.bwd_args))
@@ -184,7 +195,13 @@ class Surface:
     def _save_flag(self, args) -> bool:
         return True if self.save_pos is None else bool(args[self.save_pos])
 
+    def _full(self, args) -> tuple:
+        """args with the defaults torch.library left out put back (every forward argument, in order)."""
+        missing = len(self.fwd_args) - len(args)
+        return tuple(args) + self.fwd_defaults[len(self.fwd_defaults) - missing:] if missing else tuple(args)
+
     def fwd_kernel(self, *args):
+        args = self._full(args)
         return _unwrapped(_filled(self.family.forward(*args, save=self._save_flag(args)), args), self.one_fwd)
 
     def bwd_kernel(self, *args):
@@ -201,6 +218,7 @@ class Surface:
         return (outs,) if self.one_bwd else outs
 
     def _fwd_fake(self, *args):
+        args = self._full(args)
         f = self.family
         if f.fake is not None:
             return _unwrapped(_filled(f.fake(*args), args), self.one_fwd)
@@ -244,6 +262,7 @@ class Surface:
         return tuple(None if j < 0 or a else res[j] for j, a in zip(self.grad_plan, absent))
 
     def _op_setup(self, ctx, inputs, output):
+        inputs = self._full(inputs)
         output = (output,) if self.one_fwd else output
         self._setup(ctx, inputs, output)
         nondiff = [output[i] for i in range(len(output)) if i not in self.diff_out]
@@ -319,13 +338,24 @@ class Surface:
         alone when no gradient is wanted, else the eager path's node (C++ with the torch extension, else
         the autograd.Function)."""
         public = self.family.public
-        tensors = [args[i] for i in self.tensor_pos]
+        if len(args) < len(self.fwd_args):
+            args = self._full(args)
+        # Whether autograd wants a gradient, inline (no helper, no list): this runs once per op call, and
+        # each Python frame saved is ~0.1 us of a host-bound step. (Not operator.itemgetter: torch.compile
+        # traces this function, and dynamo cannot trace an itemgetter's call.)
+        grad = False
+        if torch.is_grad_enabled():
+            for i in self.tensor_pos:
+                t = args[i]
+                if t is not None and t.requires_grad:
+                    grad = True
+                    break
         if torch.compiler.is_compiling():
             if self.save_pos is not None:
                 args = list(args)
-                args[self.save_pos] = bool(args[self.save_pos]) and wants_grad(*tensors)
+                args[self.save_pos] = bool(args[self.save_pos]) and grad
             outs = self._fwd_call(*args)
-        elif not wants_grad(*tensors):
+        elif not grad:
             outs = self.family.forward(*args, save=False)
         elif _native.ext is not None:
             return self._native_apply(args)

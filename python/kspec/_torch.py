@@ -10,7 +10,13 @@ from ._core import call
 from ._surface import Family, build
 from .ops import ACTIVATION_ALIASES, gemm_reads_in_place
 
-# ---- norm_act (the forward: the default, one call of norm_act.fwd) ----
+# ---- norm_act ----
+# mean and rstd are outputs only where a backward will read them (save_stats): the no-grad path and a
+# no-grad graph allocate y alone.
+
+def _norm_act_fwd(x, weight, bias, norm, act, eps, save_stats, save):
+    return call("norm_act.fwd", x, weight, bias, norm=norm, act=act, eps=eps, save_stats=bool(save_stats and save))
+
 
 def _norm_act_bwd(dy, x, weight, bias, mean, rstd, norm, act, eps):
     if dy.stride(-1) != 1:
@@ -20,9 +26,11 @@ def _norm_act_bwd(dy, x, weight, bias, mean, rstd, norm, act, eps):
 
 norm_act = build(Family(
     name="norm_act", ops=("norm_act.fwd", "norm_act.bwd"),
-    fwd="Tensor x, Tensor weight, Tensor? bias, str norm, str act, float eps", fwd_out=("y", "mean", "rstd"),
+    fwd="Tensor x, Tensor weight, Tensor? bias, str norm, str act, float eps, bool save_stats=True",
+    fwd_out=("y", "mean", "rstd"),
     bwd="Tensor dy, Tensor x, Tensor weight, Tensor? bias, Tensor mean, Tensor rstd, str norm, str act, float eps",
-    bwd_out=("dx", "dweight", "dbias"), backward=_norm_act_bwd))
+    bwd_out=("dx", "dweight", "dbias"), forward=_norm_act_fwd, backward=_norm_act_bwd, save_arg="save_stats",
+    save_required=True))
 
 
 # ---- selective_scan ----

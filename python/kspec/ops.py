@@ -32,7 +32,10 @@ def canonical_act(act, allowed=ACTIVATIONS, who: str = "kspec") -> str:
 def _is_torch(x) -> bool:
     # By the type's bases, without importing torch or reading sys.modules: torch.compile traces this
     # function, and its tracer failed iterating sys.modules while other modules were being imported.
-    return any(c.__name__ == "Tensor" and c.__module__ == "torch" for c in type(x).__mro__)
+    t = type(x)
+    if t.__name__ == "Tensor" and t.__module__ == "torch":  # torch.Tensor itself: no generator frames
+        return True
+    return any(c.__name__ == "Tensor" and c.__module__ == "torch" for c in t.__mro__)
 
 
 def norm_act(x, weight, bias=None, *, norm: str = "layernorm", act: str = "none", eps: float = 1e-5):
@@ -45,10 +48,11 @@ def norm_act(x, weight, bias=None, *, norm: str = "layernorm", act: str = "none"
     bias: (hidden) like weight, or None. Returns y: (..., hidden) like x. Differentiable for torch
     tensors (dx, dweight, dbias from kspec's backward kernel)."""
     if _is_torch(x):
-        from . import _torch
+        import kspec._torch as _torch  # fromlist-free: `from . import` runs importlib's Python per call
 
-        return _torch.norm_act(x, weight, bias, norm, canonical_act(act, _ACTS, "kspec.ops.norm_act"), float(eps))
-    return call("norm_act.fwd", x, weight, bias, norm=norm, act=act, eps=float(eps))[0]
+        act = act if act in _ACTS else canonical_act(act, _ACTS, "kspec.ops.norm_act")
+        return _torch.norm_act(x, weight, bias, norm, act, float(eps), True)
+    return call("norm_act.fwd", x, weight, bias, norm=norm, act=act, eps=float(eps), save_stats=False)[0]
 
 
 def norm_act_fwd(x, weight, bias=None, *, norm: str = "layernorm", act: str = "none", eps: float = 1e-5):

@@ -80,8 +80,10 @@ __device__ __forceinline__ float affine(float xhat, float w, float b) {
 // block b, row group g takes row b * kRowsPerBlock + g (rows past the end are masked).
 // Shared memory: static only (kThreadsPerRow > 32: kThreads/32 floats), no dynamic shared memory.
 // Alignment: x, y to kVec*sizeof(T) bytes, row strides multiples of kVec; weight and bias to
-// min(kVec*sizeof(TW), 16) bytes. mean and rstd are always written ([rows] each; RMSNorm stores
-// mean = 0): 8 bytes a row, and no run-time null test, over which the compiler may clone code.
+// min(kVec*sizeof(TW), 16) bytes. With kSaveStats (a backward follows) mean and rstd are written
+// ([rows] each; RMSNorm stores mean = 0): 8 bytes a row. Without, they are not outputs at all (null):
+// a compile-time flag rather than a run-time null test, over which the compiler may clone code, and
+// the caller allocates one output instead of three.
 //
 // __launch_bounds__ names no minimum of blocks per SM on purpose: ptxas then trades a few bytes of
 // spill (at most 20, in 5 of 192 bf16 hidden-4096/8192 instantiations, all hidden 8192 with bias
@@ -89,7 +91,7 @@ __device__ __forceinline__ float affine(float xhat, float w, float b) {
 // (256,1,8) 0.095 ms vs 0.104 ms with (threads, 1); 4096x8192 (512,1,8) 0.053 vs 0.064 ms (H100).
 // ---------------------------------------------------------------------------------------------
 template <typename T, typename TW, int kHidden, int kNorm, int kAct, bool kHasBias,
-          int kThreadsPerRow, int kRowsPerBlock, int kVec>
+          int kThreadsPerRow, int kRowsPerBlock, int kVec, bool kSaveStats = true>
 __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock)
     norm_act_fwd_kernel(const NormActParams prm) {
   const T* __restrict__ x = static_cast<const T*>(prm.x);
@@ -164,7 +166,7 @@ __global__ void __launch_bounds__(kThreadsPerRow * kRowsPerBlock)
   const float rs = rsqrtf(fmaf(sq[0], inv_hidden, eps));
 
   if (row_ok) {
-    if (lane == 0) {
+    if (kSaveStats && lane == 0) {
       mean[row] = mu;
       rstd[row] = rs;
     }
@@ -428,7 +430,7 @@ __global__ void __launch_bounds__(kThreads)
 // Shared memory: static only (kThreads/32 * 2 floats). Alignment as for the register kernels.
 // ---------------------------------------------------------------------------------------------
 template <typename T, typename TW, int kHidden, int kNorm, int kAct, bool kHasBias, int kThreads,
-          int kVec>
+          int kVec, bool kSaveStats = true>
 __global__ void __launch_bounds__(kThreads)
     norm_act_fwd_stream_kernel(const NormActParams prm) {
   const T* __restrict__ x = static_cast<const T*>(prm.x);
@@ -477,7 +479,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   row_group_reduce_sum<kThreads, kThreads, 1>(sq, reduce_scratch);
   const float rs = rsqrtf(fmaf(sq[0], inv_hidden, eps));
-  if (tid == 0) {
+  if (kSaveStats && tid == 0) {
     mean[row] = mu;
     rstd[row] = rs;
   }

@@ -25,7 +25,7 @@ def test_registry_lists_ops_with_schema():
     info = kspec.op_info("norm_act.fwd")
     assert [t["name"] for t in info["inputs"]] == ["x", "weight", "bias"]
     assert info["inputs"][2]["optional"]
-    assert {p["name"] for p in info["params"]} == {"norm", "act", "eps"}
+    assert {p["name"] for p in info["params"]} == {"norm", "act", "eps", "save_stats"}
     axes = dict(info["tuning_axes"])
     assert set(axes) == {"threads_per_row", "rows_per_block", "vec", "stream"}
 

@@ -170,3 +170,24 @@ def test_no_grad_runs_the_forward_alone():
     assert public(x, w, b).grad_fn is None
     w.requires_grad_()
     assert public(x, w, b).grad_fn.name() == "NormActBackward"
+
+
+@pytest.mark.parametrize("hidden", [256, 4095, 16384])  # register kernel, odd width, streamed rows
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_act_without_statistics(hidden, dtype):
+    """save_stats=False (the no-grad path of kspec.ops.norm_act) allocates y alone and computes the very
+    y of the kernel that also writes mean and rstd (kSaveStats only drops their stores)."""
+    g = torch.Generator(device="cuda").manual_seed(hidden)
+    x = torch.randn(37, hidden, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(hidden, device="cuda", dtype=dtype, generator=g)
+    b = torch.randn(hidden, device="cuda", dtype=dtype, generator=g)
+    y, mean, rstd = kspec.call("norm_act.fwd", x, w, b, norm="layernorm", act="silu")
+    y2, mean2, rstd2 = kspec.call("norm_act.fwd", x, w, b, norm="layernorm", act="silu", save_stats=False)
+    assert mean is not None and rstd is not None and mean2 is None and rstd2 is None
+    assert torch.equal(y, y2)
+    with torch.no_grad():
+        assert torch.equal(kspec.ops.norm_act(x, w, b, norm="layernorm", act="silu"), y)
+    # torch.compile without a gradient: one frame, the same y
+    compiled = torch.compile(lambda x: kspec.ops.norm_act(x, w, b, norm="layernorm", act="silu"), fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), y)

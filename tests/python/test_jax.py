@@ -36,7 +36,7 @@ def test_target_table_is_the_registry():
         assert ("tensors" in attrs) == (t["op"] == "adamw")
     md = _xla.markdown()
     assert md.count("\n| `kspec_") == len(TARGETS)
-    assert "| `kspec_norm_act_fwd` | norm_act.fwd | x, weight, *bias* | y, mean, rstd |" in md
+    assert "| `kspec_norm_act_fwd` | norm_act.fwd | x, weight, *bias* | y, *mean*, *rstd* |" in md
 
 
 def test_handlers_are_capsules_when_built():

@@ -199,12 +199,14 @@ def test_fakes_keep_symbolic_sizes():
 
 # ---- norm_act with the float64 reference standing in for its kernels, on CPU ----
 
-def _reference_call(op, *inputs, norm, act, eps, out=None):
+def _reference_call(op, *inputs, norm, act, eps, save_stats=True, out=None):
     a = [None if t is None else t.detach().double().numpy() for t in inputs]
     like = inputs[0]
     if op == "norm_act.fwd":
         x, w, b = a
         y, mean, rstd = ref.norm_act_fwd(x, w, b, norm, act, eps)
+        if not save_stats:  # as C++: mean and rstd are not outputs then
+            return torch.from_numpy(y).to(like.dtype), None, None
         return (torch.from_numpy(y).to(like.dtype), torch.from_numpy(mean).float(), torch.from_numpy(rstd).float())
     assert op == "norm_act.bwd", op
     dy, x, w, b, _mean, _rstd = a
@@ -287,3 +289,39 @@ def test_eager_paths_record_only_what_is_needed(reference_norm_act):
     assert y.grad_fn.name() == "NormActBackward"  # the Function's node, or the torch extension's C++ one
     (dx,) = torch.autograd.grad(y.sum(), x)
     assert np.isfinite(dx.numpy()).all()
+
+
+def test_norm_act_keeps_statistics_only_for_a_backward(reference_norm_act, monkeypatch):
+    """norm_act.fwd's mean and rstd are outputs only where a backward reads them (save_stats): the
+    no-grad path asks for y alone, the grad path for all three; the custom op with save_stats=False
+    returns empty stand-ins, as its fake does."""
+    seen = []
+
+    def spy(op, *inputs, **kw):
+        seen.append((op, kw.get("save_stats", True)))
+        return _reference_call(op, *inputs, **kw)
+
+    monkeypatch.setattr(_torch, "call", spy)
+    x, w = torch.randn(3, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    kspec.ops.norm_act(x, w, norm="rmsnorm")
+    assert seen == [("norm_act.fwd", False)]
+    y = kspec.ops.norm_act(x.requires_grad_(), w, norm="rmsnorm")
+    y.sum().backward()
+    assert seen[1:] == [("norm_act.fwd", True), ("norm_act.bwd", True)]
+    torch.library.opcheck(torch.ops.kspec.norm_act_fwd.default, (x.detach(), w, None, "layernorm", "none", 1e-5, False))
+    y, mean, rstd = torch.ops.kspec.norm_act_fwd(x.detach(), w, None, "layernorm", "none", 1e-5, False)
+    assert y.shape == x.shape and mean.numel() == 0 and rstd.numel() == 0
+
+
+def test_schema_outputs_follow_a_bool_param():
+    """An output whose present_with is a bool param (norm_act.fwd's mean, rstd: save_stats) follows the
+    param as given, else its default, as C++ infer_outputs does."""
+    from kspec import _schema
+
+    shapes, dtypes = [(4, 16), (16,), None], ["float32", "float32", None]
+    assert _schema.output_specs("norm_act.fwd", shapes, dtypes) == [
+        ("float32", (4, 16)), ("float32", (4,)), ("float32", (4,))]
+    assert _schema.output_specs("norm_act.fwd", shapes, dtypes, params={"save_stats": False}) == [
+        ("float32", (4, 16)), None, None]
+    descs = _descs([torch.empty(4, 16), torch.empty(16), None])
+    assert [s is not None for s in _C.infer_outputs("norm_act.fwd", descs, {"save_stats": False})] == [True, False, False]

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+import kspec
 from kspec import _surface, _torch
 
 x = torch.randn(4, 256)
@@ -55,10 +56,12 @@ def carve(buf_bytes, specs):
 NORM_ACT_OUTS = [((4, 256), torch.bfloat16, 2048), ((4,), torch.float32, 16), ((4,), torch.float32, 16)]
 surface = _torch.norm_act
 ROWS = [
-    ("generated surface, no grad (the forward alone)", lambda: surface(x, w, None, "rmsnorm", "identity", 1e-5)),
-    ("generated surface, input requires grad", lambda: surface(xg, w, None, "rmsnorm", "identity", 1e-5)),
+    ("kspec.ops.norm_act, no grad (public entry)", lambda: kspec.ops.norm_act(x, w, None, norm="rmsnorm")),
+    ("kspec.ops.norm_act, input requires grad", lambda: kspec.ops.norm_act(xg, w, None, norm="rmsnorm")),
+    ("generated surface, no grad (the forward alone)", lambda: surface(x, w, None, "rmsnorm", "identity", 1e-5, True)),
+    ("generated surface, input requires grad", lambda: surface(xg, w, None, "rmsnorm", "identity", 1e-5, True)),
     ("hand-written autograd.Function.apply", lambda: HandWritten.apply(xg, w, None, "rmsnorm", "identity", 1e-5)),
-    ("generated forward + backward", lambda: surface(xg, w, None, "rmsnorm", "identity", 1e-5).backward(outs[0])),
+    ("generated forward + backward", lambda: surface(xg, w, None, "rmsnorm", "identity", 1e-5, True).backward(outs[0])),
     ("hand-written forward + backward",
      lambda: HandWritten.apply(xg, w, None, "rmsnorm", "identity", 1e-5).backward(outs[0])),
     ("torch.empty x 3 (norm_act's outputs)",

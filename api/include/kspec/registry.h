@@ -91,7 +91,7 @@ struct TensorDef {
   std::string dtype_of;          // must have the dtype of this other tensor...
   bool or_float32 = false;       // ...or float32 (e.g. weights of a bf16 model kept in fp32)
   bool optional = false;
-  std::string present_with;      // outputs: present iff this input is present
+  std::string present_with;      // outputs: present iff this input is present, or this bool param is true
   Layout layout = Layout::RowStrided;
   std::string doc;
   // Optional: a second accepted shape of another rank (e.g. a weight that is either per-channel [dim, dstate] or

@@ -282,12 +282,20 @@ OpDef make_fwd() {
   };
   i.outputs = {
       {"y", {"...rows", "hidden"}, {}, "x", false, false, "", Layout::RowStrided, "output"},
-      {"mean", {"...rows"}, {DType::f32}, "", false, false, "", Layout::Contiguous, "row means (0 for rmsnorm)"},
-      {"rstd", {"...rows"}, {DType::f32}, "", false, false, "", Layout::Contiguous, "1/sqrt(var + eps) per row"},
+      {"mean", {"...rows"}, {DType::f32}, "", false, true, "save_stats", Layout::Contiguous,
+       "row means (0 for rmsnorm), for the backward"},
+      {"rstd", {"...rows"}, {DType::f32}, "", false, true, "save_stats", Layout::Contiguous,
+       "1/sqrt(var + eps) per row, for the backward"},
   };
+  // Without a backward to follow (inference, torch's no-grad path) the statistics are not outputs at all:
+  // one allocation per call instead of three, and the kernel (kSaveStats = false) stores nothing else.
+  i.params.push_back({"save_stats", ParamType::Bool, true, {},
+                      "write mean and rstd (what norm_act.bwd reads); false: leave both out"});
   op.kernels = [](const Problem& p, const Config& c) {
     const char* kernel = c.get("stream") ? "kspec::norm_act_fwd_stream_kernel" : "kspec::norm_act_fwd_kernel";
-    return std::vector<jit::KernelSpec>{spec(p, kernel, common_targs(p, c, "x", "weight"))};
+    auto targs = common_targs(p, c, "x", "weight");
+    if (!p.param_bool("save_stats")) targs.push_back("false");  // kSaveStats, true by default
+    return std::vector<jit::KernelSpec>{spec(p, kernel, std::move(targs))};
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     int64_t rows = call.problem.dim("rows");

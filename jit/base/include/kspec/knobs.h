@@ -120,6 +120,10 @@ inline constexpr Knob<std::optional<std::string>> nvrtc{
     "KSPEC_NVRTC", {"(auto)", [] { return std::optional<std::string>(); }}, kOptionalPath,
     "path of the libnvrtc.so to load (else pip's nvidia wheels, CUDA_HOME, CUDA_PATH, the loader path, "
     "/usr/local/cuda)"};
+inline constexpr Knob<std::optional<std::string>> libcuda{
+    "KSPEC_LIBCUDA", {"(auto)", [] { return std::optional<std::string>(); }}, kOptionalPath,
+    "path of the CUDA driver library to load instead of libcuda.so.1 (a testing aid: tests/mock_cuda's "
+    "stand-in measures the host path on a machine without a GPU)"};
 inline constexpr Knob<int64_t> verbose{"KSPEC_VERBOSE", {"0", [] { return int64_t(0); }},
                                        integer<0, INT32_MAX, true>("int"),
                                        "1 (or on): log compilations and cache events to stderr"};

@@ -1,0 +1,162 @@
+// A stand-in for libcuda with no GPU behind it, for measuring and testing kspec's host path on a CPU
+// machine (KSPEC_LIBCUDA=<this library>): one sm_90 "device" whose memory is host memory, modules and
+// functions that are tokens, and launches that only count themselves. Exports every entry point kspec
+// resolves (jit/driver.h), under the versioned names cuda.h maps them to, plus kspec_mock_launches().
+#include <cuda.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+namespace {
+
+std::atomic<long long> g_launches{0};
+int g_context_token, g_module_token, g_function_token, g_event_token, g_graph_token;
+thread_local CUcontext t_current = nullptr;
+
+CUcontext the_context() { return reinterpret_cast<CUcontext>(&g_context_token); }
+
+// The attributes an H100 SXM reports for what kspec reads; 0 for anything else.
+int attribute(CUdevice_attribute a) {
+  switch (a) {
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: return 9;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: return 0;
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: return 132;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: return 1024;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: return 48 * 1024;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: return 227 * 1024;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: return 228 * 1024;
+    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK: return 65536;
+    case CU_DEVICE_ATTRIBUTE_WARP_SIZE: return 32;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: return 1;
+    default: return 0;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) long long kspec_mock_launches() { return g_launches.load(); }
+
+CUresult CUDAAPI cuInit(unsigned int) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuDriverGetVersion(int* v) { *v = 13000; return CUDA_SUCCESS; }
+CUresult CUDAAPI cuDeviceGet(CUdevice* d, int ordinal) {
+  if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
+  *d = 0;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuDeviceGetCount(int* n) { *n = 1; return CUDA_SUCCESS; }
+CUresult CUDAAPI cuDeviceGetAttribute(int* v, CUdevice_attribute a, CUdevice) { *v = attribute(a); return CUDA_SUCCESS; }
+CUresult CUDAAPI cuDeviceGetName(char* name, int len, CUdevice) {
+  std::strncpy(name, "kspec mock device (no GPU)", static_cast<size_t>(len));
+  if (len > 0) name[len - 1] = 0;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuDeviceTotalMem(size_t* bytes, CUdevice) { *bytes = size_t(80) << 30; return CUDA_SUCCESS; }
+CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice) { *c = the_context(); return CUDA_SUCCESS; }
+CUresult CUDAAPI cuCtxGetCurrent(CUcontext* c) { *c = t_current; return CUDA_SUCCESS; }
+CUresult CUDAAPI cuCtxSetCurrent(CUcontext c) { t_current = c; return CUDA_SUCCESS; }
+CUresult CUDAAPI cuCtxPushCurrent(CUcontext c) { t_current = c; return CUDA_SUCCESS; }
+CUresult CUDAAPI cuCtxPopCurrent(CUcontext* c) {
+  if (c) *c = t_current;
+  t_current = nullptr;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuCtxGetDevice(CUdevice* d) { *d = 0; return CUDA_SUCCESS; }
+CUresult CUDAAPI cuCtxSynchronize(void) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuModuleLoadData(CUmodule* m, const void*) {
+  *m = reinterpret_cast<CUmodule>(&g_module_token);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuModuleUnload(CUmodule) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuModuleGetFunction(CUfunction* f, CUmodule, const char*) {
+  *f = reinterpret_cast<CUfunction>(&g_function_token);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuFuncSetAttribute(CUfunction, CUfunction_attribute, int) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuFuncGetAttribute(int* v, CUfunction_attribute a, CUfunction) {
+  *v = a == CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK ? 1024 : a == CU_FUNC_ATTRIBUTE_NUM_REGS ? 32 : 0;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                CUstream, void**, void**) {
+  g_launches.fetch_add(1, std::memory_order_relaxed);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuLaunchKernelEx(const CUlaunchConfig*, CUfunction, void**, void**) {
+  g_launches.fetch_add(1, std::memory_order_relaxed);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuGetErrorName(CUresult, const char** s) { *s = "CUDA_ERROR_MOCK"; return CUDA_SUCCESS; }
+CUresult CUDAAPI cuGetErrorString(CUresult, const char** s) { *s = "an error of the mock driver"; return CUDA_SUCCESS; }
+CUresult CUDAAPI cuStreamIsCapturing(CUstream, CUstreamCaptureStatus* s) {
+  *s = CU_STREAM_CAPTURE_STATUS_NONE;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuStreamSynchronize(CUstream) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuStreamGetCtx(CUstream, CUcontext* c) { *c = the_context(); return CUDA_SUCCESS; }
+// Device memory is host memory, 256-byte aligned as cuMemAlloc's.
+CUresult CUDAAPI cuMemAlloc(CUdeviceptr* p, size_t bytes) {
+  void* q = std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
+  if (!q) return CUDA_ERROR_OUT_OF_MEMORY;
+  *p = reinterpret_cast<CUdeviceptr>(q);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemFree(CUdeviceptr p) { std::free(reinterpret_cast<void*>(p)); return CUDA_SUCCESS; }
+CUresult CUDAAPI cuMemAllocAsync(CUdeviceptr* p, size_t bytes, CUstream) { return cuMemAlloc(p, bytes); }
+CUresult CUDAAPI cuMemFreeAsync(CUdeviceptr p, CUstream) { return cuMemFree(p); }
+CUresult CUDAAPI cuMemcpyHtoD(CUdeviceptr d, const void* s, size_t n) {
+  std::memcpy(reinterpret_cast<void*>(d), s, n);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr d, const void* s, size_t n, CUstream) { return cuMemcpyHtoD(d, s, n); }
+CUresult CUDAAPI cuMemcpyDtoH(void* d, CUdeviceptr s, size_t n) {
+  std::memcpy(d, reinterpret_cast<const void*>(s), n);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemsetD8(CUdeviceptr d, unsigned char v, size_t n) {
+  std::memset(reinterpret_cast<void*>(d), v, n);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemsetD32Async(CUdeviceptr d, unsigned int v, size_t n, CUstream) {
+  auto* p = reinterpret_cast<unsigned int*>(d);
+  for (size_t i = 0; i < n; ++i) p[i] = v;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuPointerGetAttribute(void* data, CUpointer_attribute a, CUdeviceptr) {
+  if (a == CU_POINTER_ATTRIBUTE_MEMORY_TYPE) *static_cast<unsigned int*>(data) = CU_MEMORYTYPE_DEVICE;
+  else if (a == CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL) *static_cast<int*>(data) = 0;
+  else return CUDA_ERROR_INVALID_VALUE;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuStreamCreate(CUstream* s, unsigned int) {
+  *s = reinterpret_cast<CUstream>(&g_event_token);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuStreamDestroy(CUstream) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuEventCreate(CUevent* e, unsigned int) { *e = reinterpret_cast<CUevent>(&g_event_token); return CUDA_SUCCESS; }
+CUresult CUDAAPI cuEventRecord(CUevent, CUstream) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuEventSynchronize(CUevent) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuEventQuery(CUevent) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuEventElapsedTime(float* ms, CUevent, CUevent) { *ms = 0.001f; return CUDA_SUCCESS; }
+CUresult CUDAAPI cuEventDestroy(CUevent) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuMemGetInfo(size_t* free_bytes, size_t* total) {
+  *free_bytes = *total = size_t(80) << 30;
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuStreamBeginCapture(CUstream, CUstreamCaptureMode) { return CUDA_ERROR_NOT_SUPPORTED; }
+CUresult CUDAAPI cuStreamEndCapture(CUstream, CUgraph*) { return CUDA_ERROR_NOT_SUPPORTED; }
+CUresult CUDAAPI cuGraphInstantiate(CUgraphExec* g, CUgraph, unsigned long long) {
+  *g = reinterpret_cast<CUgraphExec>(&g_graph_token);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuGraphLaunch(CUgraphExec, CUstream) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuGraphDestroy(CUgraph) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuGraphExecDestroy(CUgraphExec) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, CUfunction, int, size_t) {
+  *blocks = 4;
+  return CUDA_SUCCESS;
+}
+
+}  // extern "C"

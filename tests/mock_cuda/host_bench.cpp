@@ -1,0 +1,72 @@
+// The host path of one kspec call with no GPU: a loop of N calls of one method through the mock driver
+// (KSPEC_LIBCUDA=libkspec_cuda_mock.so), for `valgrind --tool=callgrind` (instructions per call: the
+// difference of two N over their difference) or a wall clock (ns per call, printed). The problem is
+// kspec_dispatch_bench's: fp32 norm_act.fwd [1, 256], layernorm, identity, bias.
+//   kspec_host_bench METHOD N      METHOD: raw | call | call_prebuilt_params | typed | bound
+#include <cuda.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "jit/driver.h"
+#include "kspec/kspec.h"
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: kspec_host_bench raw|call|call_prebuilt_params|typed|bound N\n");
+    return 2;
+  }
+  const std::string method = argv[1];
+  const long n = std::atol(argv[2]);
+  try {
+    constexpr int kRows = 1, kHidden = 256;
+    constexpr double kEps = 1e-5;
+    kspec::jit::ContextGuard context(0);
+    std::vector<CUdeviceptr> bufs(6);
+    for (auto& b : bufs) CU_CHECK(cuMemAlloc(&b, kRows * kHidden * 4));
+    auto p = [&](int i) { return reinterpret_cast<void*>(bufs[i]); };
+    using kspec::DType;
+    using kspec::TensorView;
+    TensorView x(p(0), DType::f32, {kRows, kHidden}, 0), w(p(1), DType::f32, {kHidden}, 0),
+        b(p(2), DType::f32, {kHidden}, 0), y(p(3), DType::f32, {kRows, kHidden}, 0),
+        mean(p(4), DType::f32, {kRows}, 0), rstd(p(5), DType::f32, {kRows}, 0);
+    const std::vector<TensorView> ins{x, w, b}, outs{y, mean, rstd};
+    const kspec::Params params{{"norm", std::string("layernorm")}, {"act", std::string("identity")}, {"eps", kEps}};
+    const kspec::ops::NormActOptions options{"layernorm", "identity", kEps};
+    auto stream = reinterpret_cast<kspec::Stream>(uintptr_t(0x100));
+    CUfunction fn = nullptr;
+    int token = 0;
+    fn = reinterpret_cast<CUfunction>(&token);
+    unsigned char prm[144] = {};
+    void* args[] = {prm};
+    kspec::BoundCall bound("norm_act.fwd", ins, outs, params);
+    const kspec::Params no_params;
+
+    auto once = [&] {
+      if (method == "raw") CU_CHECK(cuLaunchKernel(fn, 1, 1, 1, 128, 1, 1, 0, reinterpret_cast<CUstream>(stream), args, nullptr));
+      else if (method == "call")
+        kspec::call("norm_act.fwd", {x, w, b}, {y, mean, rstd},
+                    kspec::Params{{"norm", std::string("layernorm")}, {"act", std::string("identity")}, {"eps", kEps}},
+                    stream);
+      else if (method == "call_prebuilt_params") kspec::call("norm_act.fwd", ins, outs, params, stream);
+      else if (method == "typed") kspec::ops::norm_act_fwd(x, w, b, y, mean, rstd, options, stream);
+      else if (method == "bound") bound.run(no_params, outs, stream);
+      else throw kspec::InvalidArgument("unknown method '" + method + "'");
+    };
+    once();  // the first call validates, plans and loads (compiles on a cold cache)
+    auto t0 = std::chrono::steady_clock::now();
+    for (long i = 0; i < n; ++i) once();
+    auto t1 = std::chrono::steady_clock::now();
+    std::printf("%s: %.1f ns per call over %ld calls\n", method.c_str(),
+                n ? std::chrono::duration<double, std::nano>(t1 - t0).count() / static_cast<double>(n) : 0.0, n);
+    for (auto bb : bufs) CU_CHECK(cuMemFree(bb));
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kspec_host_bench: %s\n", e.what());
+    return 1;
+  }
+}
