@@ -32,6 +32,12 @@ echo "wheel: $(basename "$wheel")"
 mkdir "$work/unpacked"
 "$PY" -m zipfile -e "$wheel" "$work/unpacked"
 ext=$(ls "$work"/unpacked/kspec/_C*.so)
+# the project URLs a package index shows (pyproject.toml's [project.urls])
+meta=$(cat "$work"/unpacked/kspec-*.dist-info/METADATA)
+for label in Homepage Repository Documentation Changelog Issues; do
+  grep -q "^Project-URL: $label, https://github.com/kspec-dev/kspec" <<<"$meta" || {
+    echo "FAIL: the wheel's METADATA has no Project-URL $label" >&2; exit 1; }
+done
 deps=$(readelf -d "$ext" | grep -E "NEEDED|RPATH|RUNPATH" || true)
 echo "$deps" | sed 's/^/  /'
 if echo "$deps" | grep -qE "nvrtc|crypto|cuda|RPATH|RUNPATH"; then
