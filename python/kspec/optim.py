@@ -8,6 +8,7 @@ checkpoint moves between the two. One kernel launch updates every tensor of a gr
 from __future__ import annotations
 
 from operator import attrgetter, itemgetter
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -41,7 +42,7 @@ class AdamW(torch.optim.Optimizer):
     deterministically on the GPU); step(grad_scale=...) divides the gradients by an AMP loss scale and
     skips the step when one is inf/nan (self.found_inf)."""
 
-    def __init__(self, params, lr: float | torch.Tensor = 1e-3,
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
@@ -62,8 +63,8 @@ class AdamW(torch.optim.Optimizer):
                         fused=fused, decoupled_weight_decay=True)
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
-        self.found_inf = None
-        self.grad_norm = None
+        self.found_inf: torch.Tensor | None = None
+        self.grad_norm: torch.Tensor | None = None
 
     def __setstate__(self, state):
         """As torch.optim.AdamW's: a group from an older or other state dict gets torch's defaults."""
@@ -90,13 +91,14 @@ class AdamW(torch.optim.Optimizer):
         return state
 
     @torch.no_grad()
-    def step(self, closure=None, *, grad_scale: torch.Tensor | None = None):
+    def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: torch.Tensor | None = None) -> Any:
         """One AdamW step of every parameter with a gradient; `closure` as torch's. Returns its loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        clip = self.max_grad_norm is not None and self.max_grad_norm > 0
+        max_norm = float(self.max_grad_norm) if self.max_grad_norm is not None and self.max_grad_norm > 0 else 0.0
+        clip = max_norm > 0
         check = grad_scale is not None or clip
         launches = []
         for gi, group in enumerate(self.param_groups):
@@ -117,9 +119,10 @@ class AdamW(torch.optim.Optimizer):
                 if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
                     device_lr = _device_lr(lr, b.device)
                 b.steps.add_(1)  # the step being taken, counted on the device; taken back below if skipped
-            hyper = dict(lr=float(lr) if device_lr is None else 0.0, beta1=float(beta1), beta2=float(beta2),
-                         eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                         step=1 if b.capturable else b.step + 1, max_norm=float(self.max_grad_norm) if clip else 0.0)
+            hyper: dict[str, Any] = dict(
+                lr=float(lr) if device_lr is None else 0.0, beta1=float(beta1), beta2=float(beta2),
+                eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                step=1 if b.capturable else b.step + 1, max_norm=max_norm)
             on_device = (b.steps[:1] if b.capturable else None, device_lr)
             if b.lists is None:  # a gradient that is not contiguous: its copy is new every step
                 if b.capturable and torch.cuda.is_current_stream_capturing():
@@ -143,7 +146,7 @@ class AdamW(torch.optim.Optimizer):
                 b.advance()
         return loss
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load_state_dict, except that fp32 state of a bf16/fp16 parameter stays fp32: torch casts
         every state tensor to its parameter's dtype, which would round kspec's fp32 moments and master
         copy (a torch state dict's bf16 moments are widened at the next step)."""
@@ -157,7 +160,7 @@ class AdamW(torch.optim.Optimizer):
                 if isinstance(v, torch.Tensor) and v.dtype == torch.float32 and p.dtype != torch.float32:
                     self.state[p][k] = v.to(device=p.device)
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """torch's state_dict; each step tensor a copy (the live ones are views of one buffer per launch)."""
         sd = super().state_dict()
         sd["state"] = {k: dict(v, step=v["step"].clone()) if "step" in v else v for k, v in sd["state"].items()}
