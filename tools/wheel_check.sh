@@ -59,7 +59,7 @@ if ((${#aw[@]})); then
   if ! "${aw[@]}" -m auditwheel repair --plat "$plat" -w "$work/tagged" "$wheel" >"$work/repair.log" 2>&1; then
     cat "$work/repair.log" >&2
     "${aw[@]}" -m auditwheel show "$wheel" >&2 || true
-    echo "FAIL: the wheel needs a newer glibc than $plat allows (objdump -T $ext | grep GLIBC_2.[3-9])" >&2
+    echo "FAIL: the wheel needs a newer glibc than $plat allows (objdump -T $ext | grep -E 'GLIBC_2[.](29|[3-9][0-9])')" >&2
     exit 1
   fi
   wheel=$(ls "$work"/tagged/kspec-*.whl)
