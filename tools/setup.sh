@@ -53,6 +53,9 @@ if ((${#missing[@]})); then
   echo "setup: pip installing ${pkgs[*]}"
   "$PY" -m pip install -q "${pkgs[@]}"
 fi
+# mypy for tests/python/test_typing.py's type check, which skips without it (an offline machine)
+"$PY" -c "import mypy" 2>/dev/null || timeout 120 "$PY" -m pip install -q mypy 2>/dev/null \
+  || echo "setup: mypy could not be installed: the type check will be skipped"
 
 if [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ]; then export CUDA_HOME=/usr/local/cuda; fi
 command -v nvcc >/dev/null 2>&1 || export PATH="${CUDA_HOME:-/usr/local/cuda}/bin:$PATH"

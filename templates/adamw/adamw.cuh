@@ -56,11 +56,15 @@ __global__ void __launch_bounds__(kThreads)
 
 // Pass 2 (one block): the norm in a fixed order. result[0] = the gradient multiplier (clip / scale),
 // result[1] = 1 when a gradient is not finite (the update then skips). Also fills the optional outputs.
+// For a capturable step (a CUDA graph replays the launch's scalars, so the step count and lr come from
+// device memory where given) also result[2..4] = lr, lr / (1 - beta1^step), sqrt(1 - beta2^step), in
+// fp32 as torch's capturable AdamW computes them; `chunks` is then 0 when nothing asked for pass 1.
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads)
     adamw_finalize_kernel(const double* __restrict__ partial, int chunks, const float* __restrict__ grad_scale,
                           float max_norm, float* __restrict__ result, float* __restrict__ found_inf,
-                          float* __restrict__ grad_norm) {
+                          float* __restrict__ grad_norm, AdamwScalars hp, const float* __restrict__ device_step,
+                          const float* __restrict__ device_lr) {
   __shared__ double scratch[kThreads / 32];
   double s = 0.0;
   for (int i = threadIdx.x; i < chunks; i += kThreads) s += partial[i];
@@ -75,6 +79,12 @@ __global__ void __launch_bounds__(kThreads)
     result[1] = bad ? 1.f : 0.f;
     if (found_inf) *found_inf = bad ? 1.f : 0.f;
     if (grad_norm) *grad_norm = static_cast<float>(norm);
+    const float lr = device_lr ? *device_lr : hp.lr;
+    const float bc1 = device_step ? 1.f - powf(hp.beta1, *device_step) : 1.f;
+    const float bc2 = device_step ? 1.f - powf(hp.beta2, *device_step) : 1.f;
+    result[2] = lr;
+    result[3] = lr / bc1;
+    result[4] = sqrtf(bc2);
   }
 }
 
@@ -103,9 +113,14 @@ __device__ __forceinline__ AdamwElem adamw_step(AdamwElem e, float g, const Adam
 }
 
 // Pass 3: the update. `result` (null without pass 1) holds the gradient multiplier and the skip flag;
-// without it the multiplier is 1 / *grad_scale (or 1). Launch: grid = chunks, block = kThreads.
+// without it the multiplier is 1 / *grad_scale (or 1). kDeviceScalars (a capturable step): lr and the
+// bias corrections come from result[2..4] instead of `s`. A template flag (if constexpr), not a run-time
+// branch: with the branch, or with the device pointers as kernel arguments, the fp32 update at 256
+// threads spilled 24 B on sm_90a (NVRTC 13.0; 52 registers and no spill without). Launch: grid = chunks,
+// block = kThreads.
 // kVec elements per access: every pointer 16-byte aligned for the fp32 lists (the host checks).
-template <typename TP, typename TG, bool kMaster, bool kAmsgrad, bool kMaximize, int kThreads, int kVec, int kChunk>
+template <typename TP, typename TG, bool kMaster, bool kAmsgrad, bool kMaximize, bool kDeviceScalars, int kThreads,
+          int kVec, int kChunk>
 __global__ void __launch_bounds__(kThreads)
     adamw_update_kernel(const AdamwTensor* __restrict__ tensors, const AdamwChunk* __restrict__ chunks,
                         AdamwScalars s, const float* __restrict__ result, const float* __restrict__ grad_scale) {
@@ -117,6 +132,11 @@ __global__ void __launch_bounds__(kThreads)
     mult = result[0];
   } else if (grad_scale) {
     mult = 1.f / *grad_scale;
+  }
+  if constexpr (kDeviceScalars) {
+    s.lr = result[2];
+    s.step_size = result[3];
+    s.bias_correction2_sqrt = result[4];
   }
   const AdamwChunk ch = chunks[blockIdx.x];
   const AdamwTensor t = tensors[ch.tensor];

@@ -17,7 +17,7 @@ import pytest
 HERE = pathlib.Path(__file__).resolve().parents[2] / "tools/bench"
 BENCH = HERE / "bench.py"
 EXPECTED = {"norm_act", "selective_scan", "selective_scan_configs", "gemm", "linear_sweep", "adamw", "jit", "e79", "dispatch",
-            "mlstm", "mhc", "difflogic"}
+            "mlstm", "mhc", "difflogic", "mamba_block"}
 
 
 @pytest.fixture(scope="module")

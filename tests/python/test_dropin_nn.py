@@ -290,12 +290,15 @@ def test_gpu_mamba_step_matches_forward(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_mamba_vs_mamba_ssm(dtype):
-    """mamba_ssm's own block, strictly loading kspec's state dict: forward, backward and decode agree."""
+    """mamba_ssm's own block and kspec's, each strictly loading the other's state dict: forward, the input's
+    and every parameter's gradient (paired by name), and 8 decode steps with their final conv and SSM
+    states agree to the dtype's tolerance."""
     mamba_simple = pytest.importorskip("mamba_ssm.modules.mamba_simple")
     torch.manual_seed(0)
     ours = kspec.nn.Mamba(64).cuda().to(dtype)
     theirs = mamba_simple.Mamba(64).cuda().to(dtype)
     theirs.load_state_dict(ours.state_dict(), strict=True)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
     h = torch.randn(2, 128, 64, device="cuda", dtype=dtype, requires_grad=True)
     h2 = h.detach().clone().requires_grad_()
     a, b = ours(h), theirs(h2)
@@ -304,7 +307,11 @@ def test_gpu_mamba_vs_mamba_ssm(dtype):
     b.backward(dy)
     tol = 1e-3 if dtype == torch.float32 else 3e-2
     assert _rel(a, b) <= tol and _rel(h.grad, h2.grad) <= tol
-    for (k, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters()):
+    their_params = dict(theirs.named_parameters())
+    assert their_params.keys() == dict(ours.named_parameters()).keys()
+    for k, p in ours.named_parameters():
+        q = their_params[k]
+        assert p.grad is not None and q.grad is not None, k
         assert _rel(p.grad, q.grad) <= 2 * tol, k
     with torch.no_grad():
         c1, s1 = ours.allocate_inference_cache(2, 8)
@@ -314,3 +321,4 @@ def test_gpu_mamba_vs_mamba_ssm(dtype):
             y1 = ours.step(h[:, t:t + 1].detach(), c1, s1)[0]
             y2 = theirs.step(h[:, t:t + 1].detach(), c2, s2)[0]
             assert _rel(y1, y2) <= tol
+        assert _rel(c1, c2) <= tol and _rel(s1.float(), s2.float()) <= tol

@@ -62,7 +62,6 @@ def test_honours_maximize_amsgrad_and_tensor_hyperparameters(recorder):
 
 @pytest.mark.parametrize("bad, match", [
     (dict(differentiable=True), "differentiable=True is not supported"),
-    (dict(capturable=True), "capturable=True is not supported"),
 ])
 def test_refuses_what_it_cannot_honour(bad, match):
     with pytest.raises(NotImplementedError, match=match):
@@ -73,6 +72,7 @@ def test_refuses_what_it_cannot_honour(bad, match):
     (dict(lr=torch.tensor([1e-3, 2e-3])), "Tensor lr must be 1-element"),
     (dict(lr=-1.0), "invalid hyperparameters"),
     (dict(betas=(0.9, 1.0)), "invalid hyperparameters"),
+    (dict(capturable=True, lr=torch.tensor(1e-3, dtype=torch.float64)), "reads a Tensor lr on the device as float32"),
 ])
 def test_bad_hyperparameters_are_named(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -209,23 +209,129 @@ def test_bf16_kspec_state_reloads_without_rounding(recorder):
             assert again.state[p][k].dtype == torch.float32 and torch.equal(again.state[p][k], sd["state"][i][k]), k
 
 
-def test_a_capturable_checkpoint_loads_and_steps_eagerly(recorder):
-    """A state dict of torch's AdamW(capturable=True) (step counts on the parameter's device) loads with
-    a warning, capturable set to False, and steps on from its count."""
+def _no_host_reads(monkeypatch):
+    """Make every read of a tensor's value on the host fail (what a captured step may not do)."""
+    def refuse(self, *a):
+        raise AssertionError("a tensor was read back to the host")
+    for name in ("item", "__float__", "__int__", "__bool__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+
+
+def test_capturable_steps_count_on_the_device_and_read_nothing_back(recorder, monkeypatch):
+    """capturable=True: after the first step (which builds the launch, as torch's warm-up does), a step
+    reads no tensor back to the host; the kernel gets the step count as a tensor (device_step, the
+    parameters' one step buffer) and the host's `step` param is unused; a step skipped for an inf
+    gradient is taken back on the device."""
+    import ctypes
+
     ps = params()
-    ref = torch.optim.AdamW(ps)  # capturable=True needs CUDA parameters: its state dict, but for the flag
-    ref.step()
-    sd = ref.state_dict()
-    sd["param_groups"][0]["capturable"] = True
-    opt = kspec.optim.AdamW(ps)
-    with pytest.warns(UserWarning, match="capturable=True; kspec's steps are not capturable"):
-        opt.load_state_dict(sd)
-    assert opt.param_groups[0]["capturable"] is False
-    opt.step()
-    assert recorder.binds[-1].runs[-1]["step"] == 2
-    opt.param_groups[0]["capturable"] = True  # asked for, not loaded: refused
-    with pytest.raises(NotImplementedError, match="capturable=True is not supported"):
+    opt = kspec.optim.AdamW(ps, lr=0.01, capturable=True)
+    assert opt.param_groups[0]["capturable"] is True
+    scale = torch.ones(1)
+    opt.step(grad_scale=scale)
+    skip = []
+
+    def run(self, hyper, outputs, stream):  # the kernel's found_inf: 1 when asked
+        self.runs.append(dict(hyper))
+        if skip:
+            ctypes.c_float.from_address(outputs[0][0]).value = 1.0
+
+    monkeypatch.setattr(recorder, "run", run)
+    _no_host_reads(monkeypatch)
+    opt.step(grad_scale=scale)
+    skip.append(True)
+    opt.step(grad_scale=scale)
+    monkeypatch.undo()
+    assert len(recorder.binds) == 1 and len(recorder.binds[0].runs) == 3
+    steps = [opt.state[p]["step"] for p in ps]
+    assert all(s.device == ps[0].device and float(s) == 2 for s in steps)  # the skipped third is taken back
+    assert float(opt.found_inf) == 1
+    b = recorder.binds[-1]
+    step_in = b.inputs[7]
+    assert step_in is not None and step_in[0] == steps[0].data_ptr() and step_in[2] == (1,)
+    assert b.inputs[8] is None  # a float lr is a launch argument
+    assert all(r["step"] == 1 and r["lr"] == pytest.approx(0.01) for r in b.runs)
+
+
+def test_capturable_state_dicts_go_both_ways_with_torch(recorder):
+    """A kspec capturable state dict loads into torch's AdamW(capturable=True) and back, keeping the
+    flag (no warning) and the step count, which the next step continues on the device."""
+    ps = params()
+    opt = kspec.optim.AdamW(ps, weight_decay=0.1, capturable=True)
+    for _ in range(2):
         opt.step()
+    ref = torch.optim.AdamW(params(), weight_decay=0.1, capturable=True)
+    ref.load_state_dict(copy.deepcopy(opt.state_dict()))
+    sd = ref.state_dict()
+    assert sd["param_groups"][0]["capturable"] is True and float(sd["state"][0]["step"]) == 2
+    again = kspec.optim.AdamW(ps, capturable=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again.load_state_dict(copy.deepcopy(sd))
+    assert again.param_groups[0]["capturable"] is True
+    for i, p in enumerate(ps):
+        assert torch.equal(again.state[p]["exp_avg"], sd["state"][i]["exp_avg"])
+    again.step()
+    assert all(float(again.state[p]["step"]) == 3 for p in ps)
+    assert recorder.binds[-1].inputs[7] is not None  # the count the kernel reads, on the device
+
+
+@pytest.mark.gpu
+def test_gpu_capturable_step_in_a_cuda_graph_matches_torch():
+    """opt.step() captured in a CUDA graph and replayed 3 times, with new gradients and a new (tensor) lr
+    before each replay, against torch's AdamW(capturable=True) captured the same way: parameters, moments
+    and step counts within 1e-5 (fp32). A replay whose gradient holds an inf (with grad_scale) changes
+    nothing, step count included."""
+    lr_k = torch.tensor(1e-2, device="cuda")
+    lr_t = lr_k.clone()
+    ps = params(device="cuda")
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    for p, q in zip(ps, qs):
+        q.grad = p.grad.clone()
+    opt = kspec.optim.AdamW(ps, lr=lr_k, weight_decay=0.1, amsgrad=True, capturable=True)
+    ref = torch.optim.AdamW(qs, lr=lr_t, weight_decay=0.1, amsgrad=True, capturable=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up, as torch asks: state and launches built outside the graph
+        opt.step()
+        ref.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()]
+    with torch.cuda.graph(graphs[0]):
+        opt.step()
+    with torch.cuda.graph(graphs[1]):
+        ref.step()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for i in range(3):
+        for p, q in zip(ps, qs):
+            p.grad.copy_(torch.randn(p.shape, generator=g, device="cuda"))
+            q.grad.copy_(p.grad)
+        lr_k.fill_(1e-2 / (i + 2))
+        lr_t.fill_(1e-2 / (i + 2))
+        for graph in graphs:
+            graph.replay()
+    torch.cuda.synchronize()
+    _assert_close(ps, qs, 1e-5)
+    for p, q in zip(ps, qs):
+        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            torch.testing.assert_close(opt.state[p][k], ref.state[q][k], rtol=1e-5, atol=1e-6)
+        assert float(opt.state[p]["step"]) == float(ref.state[q]["step"]) == 5
+
+    scale = torch.ones(1, device="cuda")
+    with torch.cuda.stream(side):
+        side.wait_stream(torch.cuda.current_stream())
+        opt.step(grad_scale=scale)
+    torch.cuda.current_stream().wait_stream(side)
+    scaled = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(scaled):
+        opt.step(grad_scale=scale)
+    before = [p.detach().clone() for p in ps]
+    ps[0].grad[0, 0] = float("inf")
+    scaled.replay()
+    torch.cuda.synchronize()
+    assert float(opt.found_inf) == 1
+    assert all(torch.equal(p, b) for p, b in zip(ps, before))
+    assert all(float(opt.state[p]["step"]) == 6 for p in ps)
 
 
 @pytest.mark.gpu
@@ -240,9 +346,7 @@ def test_gpu_steps_on_from_torch_capturable_and_fused_checkpoints():
             ref.step()
         ps = [torch.nn.Parameter(q.detach().clone()) for q in qs]
         opt = kspec.optim.AdamW(ps, weight_decay=0.1)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # capturable=True is set to False (tested without a GPU)
-            opt.load_state_dict(copy.deepcopy(ref.state_dict()))  # a checkpoint's copy (see above)
+        opt.load_state_dict(copy.deepcopy(ref.state_dict()))  # a checkpoint's copy (see above)
         for s in range(2, 5):
             _grads(ps, s)
             _grads(qs, s)

@@ -20,6 +20,8 @@ constexpr unsigned kFinalizeThreads = 256;
 
 size_t round_up(size_t b) { return (b + 255) / 256 * 256; }
 
+bool device_scalars(const Problem& p) { return p.present("device_step") || p.present("device_lr"); }
+
 bool valid_config(const Problem& p, const Config& c, std::string* why) {
   if (c.get("vec") > 1 && p.align_bytes < 16) {
     if (why) *why = "a tensor is not 16-byte aligned: vectors of 4 need it";
@@ -50,7 +52,8 @@ std::vector<jit::KernelSpec> kernels(const Problem& p, const Config& c) {
           spec("kspec::adamw_finalize_kernel", {std::to_string(kFinalizeThreads)}),
           spec("kspec::adamw_update_kernel",
                {dtype_cuda_type(p.dtype("params")), tg, p.present("master") ? "true" : "false",
-                p.present("max_exp_avg_sq") ? "true" : "false", p.param_bool("maximize") ? "true" : "false", threads,
+                p.present("max_exp_avg_sq") ? "true" : "false", p.param_bool("maximize") ? "true" : "false",
+                device_scalars(p) ? "true" : "false", threads,
                 std::to_string(c.get("vec")), chunk})};
 }
 
@@ -119,7 +122,8 @@ std::unique_ptr<BoundData> bind(const Call& call, const Config& c) {
 
 void launch(const Call& call, const Config& c, Launcher& l) {
   const Problem& p = call.problem;
-  const TensorView& scale = call.in("grad_scale");
+  const TensorView &scale = call.in("grad_scale"), &device_step = call.in("device_step"),
+                   &device_lr = call.in("device_lr");
   const TensorView &found_inf = call.out("found_inf"), &grad_norm = call.out("grad_norm");
   CUstream stream = reinterpret_cast<CUstream>(call.stream);
   void *tensors_dev = nullptr, *chunks_dev = nullptr;
@@ -161,12 +165,16 @@ void launch(const Call& call, const Config& c, Launcher& l) {
   float* gn = grad_norm.defined() ? static_cast<float*>(grad_norm.data) : nullptr;
   const bool first_pass = max_norm > 0.f || fi || gn;
   const float* res = nullptr;
-  if (first_pass) {
-    if (grid > 0) {
+  // Without bias correction the step is not read, from the host or the device.
+  const float* dstep = bc && device_step.defined() ? static_cast<const float*>(device_step.data) : nullptr;
+  const float* dlr = device_lr.defined() ? static_cast<const float*>(device_lr.data) : nullptr;
+  if (first_pass || device_scalars(p)) {  // the pass that writes what the update reads from `result`
+    if (first_pass && grid > 0) {
       void* a0[] = {&tensors_dev, &chunks_dev, &partial};
       l.launch(0, {grid}, {threads}, 0, a0);
     }
-    void* a1[] = {&partial, &n_chunks, &gs, &max_norm, &result, &fi, &gn};
+    int summed = first_pass ? n_chunks : 0;
+    void* a1[] = {&partial, &summed, &gs, &max_norm, &result, &fi, &gn, &s, &dstep, &dlr};
     l.launch(1, {1}, {kFinalizeThreads}, 0, a1);
     res = result;
   }
@@ -196,6 +204,11 @@ OpDef make_adamw() {
       list("max_exp_avg_sq", {DType::f32}, true, "AMSGrad's running max of exp_avg_sq (its presence enables AMSGrad)"),
       {"grad_scale", {"1"}, {DType::f32}, "", false, true, "", Layout::Contiguous,
        "gradients are divided by it (AMP loss scale)"},
+      // capturable (a CUDA graph replays the launch's arguments, so these must live on the device)
+      {"device_step", {"1"}, {DType::f32}, "", false, true, "", Layout::Contiguous,
+       "the step being taken, read by the kernel (CUDA-graph capturable): replaces param 'step'"},
+      {"device_lr", {"1"}, {DType::f32}, "", false, true, "", Layout::Contiguous,
+       "the learning rate, read by the kernel (CUDA-graph capturable): replaces param 'lr'"},
   };
   i.outputs = {
       {"found_inf", {"1"}, {DType::f32}, "", false, true, "", Layout::Contiguous,
@@ -233,13 +246,14 @@ OpDef make_adamw() {
                       "tests/python/test_gpu_adamw.py");
   };
   auto cs = [](std::string name, std::vector<std::pair<std::string, DType>> td, std::vector<std::string> without,
-               bool maximize) {
+               bool maximize, bool capturable = false) {
     Case k;
     k.name = std::move(name);
     k.dims = {{"tensors", 3}};
     k.params = {{"maximize", maximize}};
     k.tensor_dtypes = std::move(td);
     k.without = std::move(without);
+    if (!capturable) k.without.insert(k.without.end(), {"device_step", "device_lr"});
     k.representative = true;
     return k;
   };
@@ -249,6 +263,8 @@ OpDef make_adamw() {
       cs("bf16_master", {{"params", DType::bf16}, {"grads", DType::bf16}}, {"max_exp_avg_sq"}, false),
       cs("fp16_master_amsgrad", {{"params", DType::f16}, {"grads", DType::f16}}, {}, false),
       cs("bf16_params_fp32_grads", {{"params", DType::bf16}, {"grads", DType::f32}}, {"max_exp_avg_sq"}, false),
+      // the step count and lr read on the device (kspec.optim.AdamW(capturable=True))
+      cs("fp16_amsgrad_capturable", {{"params", DType::f16}, {"grads", DType::f16}}, {}, false, true),
   };
   op.dtypes = {DType::f32};
   op.generic_check = false;
