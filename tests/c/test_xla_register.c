@@ -3,23 +3,14 @@
  * command-buffer trait; XLA's refusal and an API of another major version come back as errors. */
 #include <kspec/kspec_xla.h>
 
+#include "check.h"
+
 #include <stdio.h>
 #include <string.h>
 
 #ifdef KSPEC_HAVE_XLA_HEADERS
 #include "xla/ffi/api/c_api.h"
 #endif
-
-static int failures = 0;
-#define EXPECT(cond, ...)                                                 \
-  do {                                                                    \
-    if (!(cond)) {                                                        \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);     \
-      fprintf(stderr, __VA_ARGS__);                                       \
-      fprintf(stderr, "\n");                                              \
-      ++failures;                                                         \
-    }                                                                     \
-  } while (0)
 
 static const char* const kTargets[] = {"kspec_selective_scan_fwd", "kspec_selective_scan_bwd", "kspec_selective_scan_step",
                                        "kspec_norm_act_fwd",       "kspec_norm_act_bwd",       "kspec_e79_fwd",
@@ -103,10 +94,5 @@ int main(void) {
     EXPECT(strstr(kspec_last_error(), "without XLA") != NULL, "message: %s", kspec_last_error());
   }
 #endif
-  if (failures) {
-    fprintf(stderr, "%d failures\n", failures);
-    return 1;
-  }
-  printf("kspec_xla_register: all checks passed\n");
-  return 0;
+  return finish("kspec_xla_register");
 }
