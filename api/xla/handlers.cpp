@@ -2,11 +2,14 @@
 // kspec::call of one op — the registry call C++ and Python make (validation, plan cache, tuning database):
 // no op is implemented twice. Built only with XLA's FFI headers (jax.ffi.include_dir(); see xla.cmake).
 //
-// Compilation: the first execution of a problem compiles (NVRTC, or the disk cache) inside the handler.
-// No handler declares XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE, so XLA never records one into a
-// command buffer (CUDA graph) and that first execution runs as an ordinary thunk, outside any capture.
-// The instantiate stage cannot compile ahead: it sees attributes but no buffer shapes, and kspec's
-// specializations depend on shapes (hidden, dstate, n).
+// Compilation happens before execution: each target has an initialize-stage handler beside its execute
+// handler. XLA runs it before the execution (and before any command buffer records one), with the
+// buffers' shapes and addresses but not their contents; it validates the call and builds its plan —
+// kernels compiled (NVRTC, or the disk cache) and loaded — without launching (prepare_call), so the
+// execute stage finds the plan cached. The instantiate stage cannot: it sees attributes but no buffers,
+// and kspec's specializations depend on shapes (hidden, dstate, n). No handler declares
+// XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE either (adamw's runtime params are read back on the
+// stream, which a capture cannot do), so XLA runs every execution as an ordinary thunk.
 #include <cuda.h>
 
 #include <cstring>
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "api/src/c_abi.h"
+#include "api/src/plan.h"
 #include "api/xla/targets.h"
 #include "jit/driver.h"
 #include "kspec/error.h"
@@ -220,8 +224,10 @@ ParamValue read_scalar(const ffi::AnyBuffer& b, const ParamDef& p, Stream stream
   throw InvalidArgument(detail::concat(what, ": a choice param cannot come from an operand"));
 }
 
-void run(const Target& t, Stream stream, int device, const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
-         const ffi::Dictionary& dict) {
+// The call of one execution (execute: true), or its preparation (the initialize stage: no stream, buffers
+// not yet written, so a runtime param's operand is not read; the plan does not depend on it).
+void run(const Target& t, bool execute, Stream stream, int device, const ffi::RemainingArgs& args,
+         const ffi::RemainingRets& rets, const ffi::Dictionary& dict) {
   const OpInfo& op = op_info(t.op);
   Attrs a = read_attrs(t, op, dict);
   if (!a.given_inputs)
@@ -245,7 +251,8 @@ void run(const Target& t, Stream stream, int device, const ffi::RemainingArgs& a
       const ParamDef* p = param_def(op, name);
       KSPEC_CHECK(p && p->runtime, t.name, ": inputs names '", name, "', which is neither an input of ", t.op,
                   " nor a runtime param");
-      a.params.set(name, read_scalar(operand("param '" + name + "'"), *p, stream, device, "operand '" + name + "'"));
+      const ffi::AnyBuffer b = operand("param '" + name + "'");
+      if (execute) a.params.set(name, read_scalar(b, *p, stream, device, "operand '" + name + "'"));
       continue;
     }
     const TensorDef& def = op.inputs[size_t(i)];
@@ -296,15 +303,18 @@ void run(const Target& t, Stream stream, int device, const ffi::RemainingArgs& a
     }
   }
   KSPEC_CHECK(r == rets.size(), t.name, ": ", rets.size(), " results, but outputs names ", r);
-  call(t.op, ins, outs, a.params, stream);
+  if (execute)
+    call(t.op, ins, outs, a.params, stream);
+  else
+    prepare_call(t.op, ins, outs, a.params);
 }
 
-ffi::Error run_ffi(const char* target, Stream stream, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                   ffi::Dictionary attrs) noexcept {
+ffi::Error run_ffi(const char* target, bool execute, Stream stream, int32_t device, ffi::RemainingArgs args,
+                   ffi::RemainingRets rets, ffi::Dictionary attrs) noexcept {
   try {
     const Target* t = find_target(target);
     if (!t) throw InternalError(detail::concat("no XLA target ", target, " in the table"));
-    run(*t, stream, device, args, rets, attrs);
+    run(*t, execute, stream, device, args, rets, attrs);
     return ffi::Error::Success();
   } catch (...) {
     const kspec_status st = c_abi::capture_error();
@@ -318,14 +328,26 @@ ffi::Error run_ffi(const char* target, Stream stream, int32_t device, ffi::Remai
 }  // namespace
 }  // namespace kspec::xla
 
+// A target's execute handler `sym` and its initialize handler `sym##_init` (no stream: the initialize
+// stage need not have one, and preparing launches nothing).
 #define KSPEC_XLA_HANDLER(sym, target)                                                                            \
   static ffi::Error sym##_impl(kspec::Stream stream, int32_t device, ffi::RemainingArgs args,                     \
                                ffi::RemainingRets rets, ffi::Dictionary attrs) {                                   \
-    return kspec::xla::run_ffi(target, stream, device, args, rets, attrs);                                       \
+    return kspec::xla::run_ffi(target, true, stream, device, args, rets, attrs);                                 \
   }                                                                                                                \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(sym, sym##_impl,                                                                   \
                                 ffi::Ffi::Bind()                                                                   \
                                     .Ctx<ffi::PlatformStream<kspec::Stream>>()                                     \
+                                    .Ctx<ffi::DeviceOrdinal>()                                                     \
+                                    .RemainingArgs()                                                               \
+                                    .RemainingRets()                                                               \
+                                    .Attrs<ffi::Dictionary>());                                                    \
+  static ffi::Error sym##_init_impl(int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,             \
+                                    ffi::Dictionary attrs) {                                                       \
+    return kspec::xla::run_ffi(target, false, nullptr, device, args, rets, attrs);                               \
+  }                                                                                                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(sym##_init, sym##_init_impl,                                                       \
+                                ffi::Ffi::BindInitialize()                                                         \
                                     .Ctx<ffi::DeviceOrdinal>()                                                     \
                                     .RemainingArgs()                                                               \
                                     .RemainingRets()                                                               \
@@ -343,15 +365,29 @@ KSPEC_XLA_HANDLER(kspec_xla_adamw, "kspec_adamw");
 namespace {
 struct Handler {
   const char* target;
-  XLA_FFI_Handler* fn;
+  XLA_FFI_Handler* fn;    // execute
+  XLA_FFI_Handler* init;  // initialize
 };
-// Every row of kspec::xla::targets() has its handler here (tests/python/test_jax.py checks it).
+#define KSPEC_XLA_ROW(target, sym) {target, sym, sym##_init}
+// Every row of kspec::xla::targets() has its handlers here (tests/python/test_jax.py checks it).
 const Handler kHandlers[] = {
-    {"kspec_selective_scan_fwd", kspec_xla_selective_scan_fwd}, {"kspec_selective_scan_bwd", kspec_xla_selective_scan_bwd},
-    {"kspec_selective_scan_step", kspec_xla_selective_scan_step}, {"kspec_norm_act_fwd", kspec_xla_norm_act_fwd},
-    {"kspec_norm_act_bwd", kspec_xla_norm_act_bwd}, {"kspec_e79_fwd", kspec_xla_e79_fwd},
-    {"kspec_e79_bwd", kspec_xla_e79_bwd}, {"kspec_adamw", kspec_xla_adamw},
+    KSPEC_XLA_ROW("kspec_selective_scan_fwd", kspec_xla_selective_scan_fwd),
+    KSPEC_XLA_ROW("kspec_selective_scan_bwd", kspec_xla_selective_scan_bwd),
+    KSPEC_XLA_ROW("kspec_selective_scan_step", kspec_xla_selective_scan_step),
+    KSPEC_XLA_ROW("kspec_norm_act_fwd", kspec_xla_norm_act_fwd),
+    KSPEC_XLA_ROW("kspec_norm_act_bwd", kspec_xla_norm_act_bwd),
+    KSPEC_XLA_ROW("kspec_e79_fwd", kspec_xla_e79_fwd),
+    KSPEC_XLA_ROW("kspec_e79_bwd", kspec_xla_e79_bwd),
+    KSPEC_XLA_ROW("kspec_adamw", kspec_xla_adamw),
 };
+#undef KSPEC_XLA_ROW
+
+const Handler* find_handler(const char* target) {
+  if (!target) return nullptr;
+  for (const auto& h : kHandlers)
+    if (std::strcmp(h.target, target) == 0) return &h;
+  return nullptr;
+}
 }  // namespace
 
 extern "C" {
@@ -359,10 +395,13 @@ extern "C" {
 int kspec_xla_available(void) { return 1; }
 
 void* kspec_xla_handler(const char* target) {
-  if (!target) return nullptr;
-  for (const auto& h : kHandlers)
-    if (std::strcmp(h.target, target) == 0) return reinterpret_cast<void*>(h.fn);
-  return nullptr;
+  const Handler* h = find_handler(target);
+  return h ? reinterpret_cast<void*>(h->fn) : nullptr;
+}
+
+void* kspec_xla_initialize_handler(const char* target) {
+  const Handler* h = find_handler(target);
+  return h ? reinterpret_cast<void*>(h->init) : nullptr;
 }
 
 kspec_status kspec_xla_register(const XLA_FFI_Api* api, const char* platform) {
@@ -380,7 +419,8 @@ kspec_status kspec_xla_register(const XLA_FFI_Api* api, const char* platform) {
     args.extension_start = nullptr;
     args.name = XLA_FFI_ByteSpan{h.target, std::strlen(h.target)};
     args.platform = XLA_FFI_ByteSpan{platform, std::strlen(platform)};
-    args.bundle = XLA_FFI_Handler_Bundle{};  // newer APIs add stages (e.g. record): all unset but execute
+    args.bundle = XLA_FFI_Handler_Bundle{};  // newer APIs add stages (e.g. record): unset
+    args.bundle.initialize = h.init;
     args.bundle.execute = h.fn;
     args.traits = 0;  // not command-buffer compatible: see the top of this file
     if (XLA_FFI_Error* err = api->XLA_FFI_Handler_Register(&args)) {

@@ -33,8 +33,10 @@ _STATE_STRIDE = _C.op_info("selective_scan.fwd")["constants"]["state_stride"]
 
 
 def _register() -> None:
+    # Both stages: the initialize handler compiles before an execution (never inside a command buffer).
     for t in _xla.targets():
-        jax.ffi.register_ffi_target(t["target"], _C._xla_handler(t["target"]), platform=PLATFORM)
+        stages = {s: _C._xla_handler(t["target"], s) for s in ("initialize", "execute")}
+        jax.ffi.register_ffi_target(t["target"], stages, platform=PLATFORM)
 
 
 _register()  # once: a module body runs once per process

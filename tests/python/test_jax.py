@@ -45,7 +45,11 @@ def test_handlers_are_capsules_when_built():
         return
     for t in TARGETS:
         assert type(_C._xla_handler(t)).__name__ == "PyCapsule", t
+        assert type(_C._xla_handler(t, "initialize")).__name__ == "PyCapsule", t
     assert _C._xla_handler("kspec_no_such_target") is None
+    assert _C._xla_handler("kspec_no_such_target", "initialize") is None
+    with pytest.raises(kspec.InvalidArgument, match="stage must be"):
+        _C._xla_handler("kspec_norm_act_fwd", "instantiate")
 
 
 def test_import_without_jax_says_why():
@@ -92,11 +96,13 @@ def test_registered_at_import_for_cuda(kj):
     if "CUDA" in xla_client._custom_callback_handler:
         pytest.skip("a CUDA plugin is loaded: registrations went straight to it (the GPU tests run them)")
     # Without the CUDA plugin, jaxlib keeps CUDA registrations until the plugin loads: every target is
-    # there once, with the typed FFI (api_version 1) and the handler kspec._C hands out.
+    # there once, with the typed FFI (api_version 1) and kspec._C's handlers for two stages: initialize
+    # (validates and compiles before the execution) and execute.
     pending = {name: (fn, api) for name, fn, api, _ in xla_client._custom_callback.get("CUDA", [])}
     for t in TARGETS:
         fn, api = pending[t]
-        assert api == 1 and type(fn).__name__ == "PyCapsule", t
+        assert api == 1 and sorted(fn) == ["execute", "initialize"], t
+        assert all(type(h).__name__ == "PyCapsule" for h in fn.values()), t
 
 
 def test_xla_binds_the_handler(tmp_path):
