@@ -42,7 +42,7 @@ def _register() -> None:
 _register()  # once: a module body runs once per process
 
 __all__ = ["selective_scan", "selective_scan_step", "norm_act", "e79_cell", "AdamWState", "adamw_init", "adamw_step",
-           "PLATFORM"]
+           "GradientTransformation", "adamw", "PLATFORM"]
 
 
 def _attr(v):
@@ -353,3 +353,55 @@ def adamw_step(params, grads, state: AdamWState, *, lr=1e-3, beta1=0.9, beta2=0.
     new_state = AdamWState(updated["exp_avg"], updated["exp_avg_sq"], updated.get("master"),
                            updated.get("max_exp_avg_sq"), step)
     return updated["params"], new_state, (res[k] if want_norm else None)
+
+
+class GradientTransformation(NamedTuple):
+    """optax.GradientTransformation's two fields, so optax.chain and optax.apply_updates take kspec's AdamW
+    without kspec importing optax: init(params) -> state; update(updates, state, params) -> (updates, state)."""
+    init: object
+    update: object
+
+
+def adamw(learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, *, amsgrad=False, maximize=False,
+          max_norm=0.0) -> GradientTransformation:
+    """optax.adamw's arguments (and defaults) as an (init, update) pair on adamw_step's fused kernel:
+
+        tx = kspec.jax.adamw(1e-3, weight_decay=0.01)
+        state = tx.init(params)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+
+    learning_rate: a float or a schedule (a function of the step count, as optax's), evaluated on device
+    and read by the handler: no recompilation as it changes. The kernel computes the new params; the
+    updates are new - old (fp32 for 16-bit params, whose fp32 master copy lives in the state, so
+    apply_updates lands on the kernel's params up to one rounding), and `params` is required. Last in an
+    optax.chain (the gradients it gets are the ones it steps with). Inside jit the params' buffers are
+    not donated through this interface: use adamw_step with donate_argnums for the in-place update."""
+    for name, v, lo, hi in (("b1", b1, 0.0, 1.0), ("b2", b2, 0.0, 1.0)):
+        if not lo <= float(v) < hi:
+            raise ValueError(f"kspec.jax.adamw: {name} must be in [0, 1), got {v!r}")
+    for name, v in (("eps", eps), ("weight_decay", weight_decay), ("max_norm", max_norm)):
+        if not float(v) >= 0.0:
+            raise ValueError(f"kspec.jax.adamw: {name} must be >= 0, got {v!r}")
+    if not callable(learning_rate) and not float(learning_rate) >= 0.0:
+        raise ValueError(f"kspec.jax.adamw: learning_rate must be >= 0 or a schedule, got {learning_rate!r}")
+
+    def init(params):
+        return adamw_init(params, amsgrad=amsgrad)
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("kspec.jax.adamw: update(grads, state, params) needs params (the fused kernel "
+                             "computes the new params from them)")
+        if not isinstance(state, AdamWState):
+            raise TypeError(f"kspec.jax.adamw: state must be the AdamWState of init(params), got "
+                            f"{type(state).__name__}")
+        lr = learning_rate(state.step) if callable(learning_rate) else learning_rate
+        new, new_state, _ = adamw_step(params, updates, state, lr=lr, beta1=b1, beta2=b2, eps=eps,
+                                       weight_decay=weight_decay, maximize=maximize, max_norm=max_norm)
+        delta = jax.tree_util.tree_map(
+            lambda n, p: n - p if p.dtype == jnp.float32 else n.astype(jnp.float32) - p.astype(jnp.float32),
+            new, params)
+        return delta, new_state
+
+    return GradientTransformation(init, update)

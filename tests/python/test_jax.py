@@ -218,3 +218,35 @@ def test_table_json_is_the_c_table():
 def test_readme_table_is_generated():
     readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert _xla.markdown() in readme, "README's target table is stale: paste `python -m kspec._xla`"
+
+
+def test_adamw_transformation_init_and_update(kj):
+    """kspec.jax.adamw: optax's (init, update) pair; update lowers to the one fused custom call, with the
+    schedule's learning rate as an operand, and returns updates shaped like the params (fp32 for 16-bit)."""
+    tx = kj.adamw(lambda count: 1e-3 / (1 + count), weight_decay=0.1)
+    assert isinstance(tx, tuple) and tx._fields == ("init", "update")
+    params = {"w": jnp.zeros((4, 3), jnp.bfloat16), "b": jnp.zeros((3,), jnp.float32)}
+    state = tx.init(params)
+    assert isinstance(state, kj.AdamWState) and int(state.step) == 0 and state.master is not None
+    assert jax.tree_util.tree_structure(state.exp_avg) == jax.tree_util.tree_structure(params)
+    updates, new_state = jax.eval_shape(tx.update, params, state, params)
+    assert {k: (v.shape, v.dtype) for k, v in updates.items()} == {"w": ((4, 3), jnp.float32),
+                                                                  "b": ((3,), jnp.float32)}
+    assert jax.tree_util.tree_structure(new_state) == jax.tree_util.tree_structure(state)
+    [(target, attrs)] = _calls(_hlo(tx.update, params, state, params))
+    assert target == "kspec_adamw" and 'inputs = "lr,step,params,grads,exp_avg,exp_avg_sq,master"' in attrs
+
+
+def test_adamw_transformation_errors(kj):
+    with pytest.raises(ValueError, match="b1 must be in"):
+        kj.adamw(1e-3, b1=1.0)
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        kj.adamw(1e-3, eps=-1.0)
+    with pytest.raises(ValueError, match="learning_rate must be >= 0"):
+        kj.adamw(-1e-3)
+    tx = kj.adamw()
+    params = {"w": jnp.zeros((3,), jnp.float32)}
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update(params, tx.init(params))
+    with pytest.raises(TypeError, match="AdamWState"):
+        tx.update(params, {"count": 0}, params)
