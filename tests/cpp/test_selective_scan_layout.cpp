@@ -127,6 +127,24 @@ TEST(SelectiveScanLayout, ExplainSaysWhichPath) {
   EXPECT_EQ(explain_request(r).config.find("segs=1"), std::string::npos);  // bdl: segments at this length
 }
 
+// Where the sequential backward takes no config (dstate 1: its prefetched chunk needs too many registers),
+// bld is refused as Unsupported with the reason, not given to a kernel that cannot read it.
+TEST(SelectiveScanLayout, NoSequentialConfigIsUnsupported) {
+  CompileRequest r;
+  r.op = "selective_scan.bwd";
+  r.dtype = DType::bf16;
+  r.params = {{"dstate", int64_t(1)}, {"seqlen", int64_t(300)}, {"layout", std::string("bld")}};
+  try {
+    explain_request(r);
+    ADD_FAILURE() << "no error";
+  } catch (const Unsupported& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("layout \"bld\" runs the sequential algorithm"), std::string::npos) << m;
+    EXPECT_NE(m.find("dstate 1"), std::string::npos) << m;
+    EXPECT_NE(m.find("pass layout \"bdl\""), std::string::npos) << m;
+  }
+}
+
 TEST(SelectiveScanLayout, TimeMajorKernelsCompile) {
   for (const char* name : {"selective_scan.fwd", "selective_scan.bwd"}) {
     CompileRequest r;

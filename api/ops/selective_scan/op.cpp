@@ -48,14 +48,17 @@ std::optional<Config> seq_at_warps(const Algorithm& a, const Problem& p, int64_t
 }
 
 // Layout bld: the sequential algorithm in one segment, at the lanes the heuristic would take, else the
-// first that fits.
+// first that fits; none (e.g. the backward at dstate 1 or 256): Unsupported, with the heuristic lanes' reason.
 template <typename Algorithm>
 Config time_major_config(const Algorithm& a, const Problem& p, int64_t lanes, int64_t chunk) {
   if (auto c = seq_at_warps(a, p, lanes, chunk, 1)) return *c;
   for (int64_t l : {1, 2, 4, 8, 16, 32})
     if (auto c = seq_at_warps(a, p, l, chunk, 1)) return *c;
-  throw Unsupported(p.op->info.name + ": layout \"bld\" needs the sequential algorithm, which takes no config for " +
-                    "this problem (dim / groups too small for a block's channels?); pass layout \"bdl\"");
+  std::string why;
+  algorithm_valid(a, p, seq_config(4, lanes, chunk, 1), &why);
+  throw Unsupported(p.op->info.name + ": layout \"bld\" runs the sequential algorithm, which takes no config for " +
+                    "this problem (dstate " + std::to_string(p.dim("dstate")) + ", " + std::to_string(lanes) +
+                    " lanes: " + why + "); pass layout \"bdl\"");
 }
 
 // The names of the `algo` axis' values (the forward has all three, the backward the first two).
