@@ -19,8 +19,10 @@ void bind_xla(py::module_& m) {
       "_xla_handler",
       [](const std::string& target, const std::string& stage) -> py::object {
         if (stage != "execute" && stage != "initialize")
-          throw kspec::InvalidArgument("_xla_handler: stage must be \"execute\" or \"initialize\", got \"" + stage + "\"");
-        void* fn = stage == "execute" ? kspec_xla_handler(target.c_str()) : kspec_xla_initialize_handler(target.c_str());
+          throw kspec::InvalidArgument("_xla_handler: stage must be \"execute\" or \"initialize\", got \"" + stage +
+                                       "\"");
+        void* fn =
+            stage == "execute" ? kspec_xla_handler(target.c_str()) : kspec_xla_initialize_handler(target.c_str());
         if (!fn) return py::none();
         return py::capsule(fn);  // unnamed, as jax.ffi.pycapsule makes them
       },

@@ -200,7 +200,8 @@ __device__ __forceinline__ void seq_forward_walk(float (&x)[Tr::kSpt], const flo
     if (c == last) break;
     cur.stage(s_dtu, nullptr, nullptr, s_B, nullptr, d0, dim, seqlen, c * kC);
     __syncthreads();
-    if (c + 1 < last) cur.load(u, delta, nullptr, nullptr, B, nullptr, b, d0, dim, seqlen, bc_base, (c + 1) * kC, groups);
+    if (c + 1 < last)
+      cur.load(u, delta, nullptr, nullptr, B, nullptr, b, d0, dim, seqlen, bc_base, (c + 1) * kC, groups);
     seq_scan_chunk<Tr, false, !kCkpt>(x, A2, Bf, Bf, s_dtu, s_B, nullptr, nullptr, cl, sl, sdt);
     __syncthreads();  // s_dtu, s_B are restaged next
   }

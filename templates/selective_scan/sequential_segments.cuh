@@ -102,7 +102,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   for (int c = seg.ce - 1; c >= seg.cb; --c) {
     cur.stage(nullptr, s_dt, s_gy, nullptr, s_C, at.d0, dim, seqlen, c * kC);
     __syncthreads();
-    if (c > seg.cb) cur.load(nullptr, delta, dout, z, nullptr, C, at.b, at.d0, dim, seqlen, at.bc_base, (c - 1) * kC, groups);
+    if (c > seg.cb)
+      cur.load(nullptr, delta, dout, z, nullptr, C, at.b, at.d0, dim, seqlen, at.bc_base, (c - 1) * kC, groups);
 #pragma unroll 2
     for (int t = kC - 4; t >= 0; t -= 4) {
       float dt[4], gy[4], Cv[4][S];

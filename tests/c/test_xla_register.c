@@ -1,6 +1,7 @@
 /* kspec_xla_register and the target table from C, against a stand-in XLA_FFI_Api that records what is
  * registered (no XLA needed): every target once, for the platform asked, with its execute and initialize
- * handlers (no instantiate or prepare stage) and no command-buffer trait; XLA's refusal and an API of another major version come back as errors. */
+ * handlers (no instantiate or prepare stage) and no command-buffer trait; XLA's refusal and an API of
+ * another major version come back as errors. */
 #include <kspec/kspec_xla.h>
 
 #include "check.h"

@@ -41,8 +41,11 @@ TEST(GpuPrepareCall, CompilesAndLoadsWithoutLaunching) {
   jit::ContextGuard g(0);
   const int64_t rows = 3, hidden = 1000 + 8;  // a hidden size no other test plans in this process
   jit::DeviceBuffer bx(rows * hidden * 4), bw(hidden * 4), by(rows * hidden * 4), bm(rows * 4), br(rows * 4);
-  TensorView x(reinterpret_cast<void*>(bx.ptr), DType::f32, {rows, hidden}, 0), w(reinterpret_cast<void*>(bw.ptr), DType::f32, {hidden}, 0),
-      y(reinterpret_cast<void*>(by.ptr), DType::f32, {rows, hidden}, 0), m(reinterpret_cast<void*>(bm.ptr), DType::f32, {rows}, 0), r(reinterpret_cast<void*>(br.ptr), DType::f32, {rows}, 0);
+  TensorView x(reinterpret_cast<void*>(bx.ptr), DType::f32, {rows, hidden}, 0),
+      w(reinterpret_cast<void*>(bw.ptr), DType::f32, {hidden}, 0),
+      y(reinterpret_cast<void*>(by.ptr), DType::f32, {rows, hidden}, 0),
+      m(reinterpret_cast<void*>(bm.ptr), DType::f32, {rows}, 0),
+      r(reinterpret_cast<void*>(br.ptr), DType::f32, {rows}, 0);
   CU_CHECK(cuMemsetD8(bx.ptr, 0, rows * hidden * 4));
   CU_CHECK(cuMemsetD8(bw.ptr, 0, hidden * 4));
   const Params params = {{"norm", std::string("rmsnorm")}};

@@ -45,8 +45,8 @@ Problem request(const char* op, const char* layout, int64_t batch, int64_t dim, 
   CompileRequest r;
   r.op = op;
   r.dtype = DType::bf16;
-  r.params = {{"dstate", int64_t(16)},  {"batch", batch},          {"dim", dim},
-              {"seqlen", seqlen},       {"delta_softplus", true}, {"layout", std::string(layout)}};
+  r.params = {{"dstate", int64_t(16)}, {"batch", batch},         {"dim", dim},
+              {"seqlen", seqlen},      {"delta_softplus", true}, {"layout", std::string(layout)}};
   return problem_from_request(Registry::global().get(op), r);
 }
 
@@ -56,7 +56,8 @@ TEST(SelectiveScanLayout, EachLayoutTakesItsStrides) {
   const int64_t b = 2, d = 8, l = 100, n = 4;
   TensorView A(fake(2 << 20), DType::f32, {d, n}, 0);
   TensorView u = time_major(fake(), DType::bf16, b, d, l), delta = time_major(fake(1 << 20), DType::bf16, b, d, l);
-  TensorView B = time_major_bc(fake(3 << 20), DType::bf16, b, 1, n, l), C = time_major_bc(fake(4 << 20), DType::bf16, b, 1, n, l);
+  TensorView B = time_major_bc(fake(3 << 20), DType::bf16, b, 1, n, l),
+             C = time_major_bc(fake(4 << 20), DType::bf16, b, 1, n, l);
   const Params bld = {{"layout", std::string("bld")}};
   auto outs = infer_outputs("selective_scan.fwd", {u, delta, A, B, C}, bld);
   EXPECT_EQ(outs[0].shape, (std::vector<int64_t>{b, d, l}));
@@ -77,7 +78,8 @@ TEST(SelectiveScanLayout, EachLayoutTakesItsStrides) {
     call("selective_scan.fwd", {u, delta, A, TensorView(fake(3 << 20), DType::bf16, {b, 1, n, l}, 0), C},
          {time_major(fake(5 << 20), DType::bf16, b, d, l), TensorView(fake(6 << 20), DType::f32, {b, d, n}, 0)}, bld);
   });
-  EXPECT_NE(m.find("input 'B': layout \"bld\" expects a [batch, seqlen, groups, dstate] buffer"), std::string::npos) << m;
+  EXPECT_NE(m.find("input 'B': layout \"bld\" expects a [batch, seqlen, groups, dstate] buffer"), std::string::npos)
+      << m;
   // A fixed B/C and the states stay contiguous in both layouts; a bad layout name is refused.
   m = error_of([&] { infer_outputs("selective_scan.fwd", {u, delta, A, B, C}, {{"layout", std::string("lbd")}}); });
   EXPECT_NE(m.find("layout"), std::string::npos) << m;
@@ -87,7 +89,8 @@ TEST(SelectiveScanLayout, PlanTakesTheSequentialKernelsInOneSegment) {
   for (const char* name : {"selective_scan.fwd", "selective_scan.bwd"}) {
     const OpDef& op = Registry::global().get(name);
     // 1x8x65536 and 1x2048x65536 take segments (or the tile kernel) in bdl.
-    for (auto [b, d, l] : std::vector<std::array<int64_t, 3>>{{2, 64, 300}, {1, 8, 65536}, {8, 2048, 2048}, {1, 2048, 65536}}) {
+    for (auto [b, d, l] :
+         std::vector<std::array<int64_t, 3>>{{2, 64, 300}, {1, 8, 65536}, {8, 2048, 2048}, {1, 2048, 65536}}) {
       Problem bld = request(name, "bld", b, d, l), bdl = request(name, "bdl", b, d, l);
       EXPECT_NE(bld.signature(), bdl.signature());
       Config c = op.tuning.heuristic(bld);
@@ -100,7 +103,9 @@ TEST(SelectiveScanLayout, PlanTakesTheSequentialKernelsInOneSegment) {
       // bdl keeps the spec text it had (no kTimeMajor argument), so its kernels are unchanged.
       auto kd = op.kernels(bdl, op.tuning.heuristic(bdl))[0].name_expression();
       EXPECT_EQ(kd.find("ScanFlags<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 16, true, true, true, true, true, "
-                        "true, true, false, true>"), std::string::npos) << kd;
+                        "true, true, false, true>"),
+                std::string::npos)
+          << kd;
       Config warp = c;
       for (auto& [axis, v] : warp.values)
         if (axis == "algo") v = 0;
@@ -218,7 +223,8 @@ TEST(GpuSelectiveScanLayout, TimeMajorMatchesBdlAtTheSameConfig) {
     std::vector<float> D = rnd(size_t(d)), bias = rnd(size_t(d), 0.1f);
     const int64_t ns = (l + 15) / 16;
     const Params bdl_p = {{"delta_softplus", true}}, bld_p = {{"delta_softplus", true}, {"layout", std::string("bld")}};
-    const Problem pb = request("selective_scan.fwd", "bld", b, d, l), qb = request("selective_scan.bwd", "bld", b, d, l);
+    const Problem pb = request("selective_scan.fwd", "bld", b, d, l),
+                  qb = request("selective_scan.bwd", "bld", b, d, l);
     const Config cf = Registry::global().get("selective_scan.fwd").tuning.heuristic(pb);
     const Config cb = Registry::global().get("selective_scan.bwd").tuning.heuristic(qb);
     struct Run {
@@ -226,9 +232,9 @@ TEST(GpuSelectiveScanLayout, TimeMajorMatchesBdlAtTheSameConfig) {
     };
     auto run = [&](bool bld) {
       const size_t S = size_t(b * d * l), BC = size_t(b * n * l);
-      Dev gu(S), gd(S), gz(S), go(S), gA(A.size()), gB(BC), gC(BC), gD(static_cast<size_t>(d)), gbias(static_cast<size_t>(d)),
-          gout(S), glast(size_t(b * d * n)), gst(size_t(b * d * ns * n)), gdu(S), gdd(S), gdz(S), gdA(A.size()),
-          gdB(BC), gdC(BC), gdD(static_cast<size_t>(d)), gdbias(static_cast<size_t>(d));
+      Dev gu(S), gd(S), gz(S), go(S), gA(A.size()), gB(BC), gC(BC), gD(static_cast<size_t>(d)),
+          gbias(static_cast<size_t>(d)), gout(S), glast(size_t(b * d * n)), gst(size_t(b * d * ns * n)), gdu(S), gdd(S),
+          gdz(S), gdA(A.size()), gdB(BC), gdC(BC), gdD(static_cast<size_t>(d)), gdbias(static_cast<size_t>(d));
       gu.up(bld ? swap_last(u, b, d, l) : u);
       gd.up(bld ? swap_last(delta, b, d, l) : delta);
       gz.up(bld ? swap_last(z, b, d, l) : z);
@@ -251,21 +257,35 @@ TEST(GpuSelectiveScanLayout, TimeMajorMatchesBdlAtTheSameConfig) {
       call("selective_scan.fwd", {sv(gu), sv(gd), Av, bcv(gB), bcv(gC), Dv, sv(gz), biasv, {}}, {sv(gout), lastv, stv},
            bld ? bld_p : bdl_p, nullptr, of);
       call("selective_scan.bwd", {sv(go), sv(gu), sv(gd), Av, bcv(gB), bcv(gC), Dv, sv(gz), biasv, {}, {}, stv},
-           {sv(gdu), sv(gdd), TensorView(gdA.ptr(), DType::f32, {d, n}, 0), bcv(gdB), bcv(gdC),
-            TensorView(gdD.ptr(), DType::f32, {d}, 0), sv(gdz), TensorView(gdbias.ptr(), DType::f32, {d}, 0), {}},
+           {sv(gdu),
+            sv(gdd),
+            TensorView(gdA.ptr(), DType::f32, {d, n}, 0),
+            bcv(gdB),
+            bcv(gdC),
+            TensorView(gdD.ptr(), DType::f32, {d}, 0),
+            sv(gdz),
+            TensorView(gdbias.ptr(), DType::f32, {d}, 0),
+            {}},
            bld ? bld_p : bdl_p, nullptr, ob);
       CU_CHECK(cuCtxSynchronize());
       auto back = [&](const Dev& m, int64_t r) { return bld ? swap_last(m.down(), b, l, r) : m.down(); };
-      return Run{back(gout, d), glast.down(), back(gdu, d), back(gdd, d), back(gdz, d), gdA.down(),
-                 back(gdB, n),  back(gdC, n),  gdD.down(),  gdbias.down()};
+      return Run{back(gout, d), glast.down(), back(gdu, d), back(gdd, d), back(gdz, d),
+                 gdA.down(),    back(gdB, n), back(gdC, n), gdD.down(),   gdbias.down()};
     };
     const Run x = run(false), y = run(true);
     const std::string at = std::to_string(b) + "x" + std::to_string(d) + "x" + std::to_string(l);
     EXPECT_EQ(y.out, x.out) << at;
     EXPECT_EQ(y.last, x.last) << at;
-    for (auto [name, got, want] : std::vector<std::tuple<const char*, const std::vector<float>*, const std::vector<float>*>>{
-             {"du", &y.du, &x.du}, {"ddelta", &y.ddelta, &x.ddelta}, {"dz", &y.dz, &x.dz}, {"dA", &y.dA, &x.dA},
-             {"dB", &y.dB, &x.dB}, {"dC", &y.dC, &x.dC}, {"dD", &y.dD, &x.dD}, {"ddelta_bias", &y.dbias, &x.dbias}})
+    for (auto [name, got, want] :
+         std::vector<std::tuple<const char*, const std::vector<float>*, const std::vector<float>*>>{
+             {"du", &y.du, &x.du},
+             {"ddelta", &y.ddelta, &x.ddelta},
+             {"dz", &y.dz, &x.dz},
+             {"dA", &y.dA, &x.dA},
+             {"dB", &y.dB, &x.dB},
+             {"dC", &y.dC, &x.dC},
+             {"dD", &y.dD, &x.dD},
+             {"ddelta_bias", &y.dbias, &x.dbias}})
       EXPECT_LE(max_rel(*got, *want), 1e-5) << at << " " << name;
   }
 }

@@ -1,6 +1,6 @@
 /* kspec's ops as XLA custom calls (XLA's typed FFI), for any XLA: jaxlib's (kspec.jax) and EXLA's (Elixir
- * Nx). One execute handler (and one initialize handler) per target, each a thin conversion of XLA buffers and attributes into the same kspec
- * call C++ and Python make. Pure C; link libkspec. The handlers exist when kspec was built with XLA's FFI
+ * Nx). One execute handler (and one initialize handler) per target, each a thin conversion of XLA buffers
+ * and attributes into the same kspec call C++ and Python make. Pure C; link libkspec. The handlers exist when kspec was built with XLA's FFI
  * headers (jax installed at build time); otherwise kspec_xla_register fails with KSPEC_ERROR_UNSUPPORTED
  * and kspec_xla_handler returns NULL. The target table is always there. */
 #ifndef KSPEC_KSPEC_XLA_H_
