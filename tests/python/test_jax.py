@@ -1,6 +1,6 @@
 """kspec.jax without a GPU: the XLA target table (generated from the registry), the handler capsules, their
 registration with jaxlib's XLA at import, and what jitted functions lower to (the custom calls, their
-attributes, the bld operand layouts, adamw's aliasing, the backward's targets under jax.grad)."""
+attributes, default row-major layouts in both scan layouts, adamw's aliasing, the backward's targets under jax.grad)."""
 import json
 import os
 import pathlib
