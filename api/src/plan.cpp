@@ -8,6 +8,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "api/src/tuning.h"
 #include "jit/driver.h"
@@ -454,6 +455,26 @@ void call(std::string_view op_name, const std::vector<TensorView>& inputs, const
   DeviceLauncher launcher(plan, c.device, stream);
   op.launch(c, plan.config, launcher);
   launcher.finish();
+}
+
+void prepare_call(std::string_view op_name, const std::vector<TensorView>& inputs,
+                  const std::vector<TensorView>& outputs, const Params& params) {
+  static std::mutex mu;
+  static std::unordered_set<std::string> prepared;
+  const OpDef& op = Registry::global().get(op_name);
+  std::string key;
+  const bool keyed = append_call_key(key, op, inputs, outputs, params);
+  if (keyed) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (prepared.count(key)) return;
+  }
+  Call c = validate_call(op, inputs, outputs, params, nullptr);
+  c.problem.arch = device_arch(c.device);
+  plan_for(op, c.problem, c.device, nullptr, nullptr);
+  if (keyed) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (prepared.size() < kMaxCachedCalls) prepared.insert(std::move(key));
+  }
 }
 
 }  // namespace kspec

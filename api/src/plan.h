@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "api/src/kernels.h"
@@ -37,6 +38,13 @@ PlanEntry& plan_for(const OpDef& op, const Problem& p, int device, const Config*
 // False (nothing appended) for a call the cache does not take: a TensorList argument.
 bool append_call_key(std::string& key, const OpDef& op, const std::vector<TensorView>& inputs,
                      const std::vector<TensorView>& outputs, const Params& params);
+
+// What kspec::call does before its launches, without them: validation, the plan, its kernels compiled (or
+// read from the disk cache) and loaded on the tensors' device — for a caller that must not compile later
+// (an XLA handler's initialize stage, run before a command buffer may capture the execution). The buffers'
+// contents are not read. A call already prepared (append_call_key's signature) returns at once.
+void prepare_call(std::string_view op, const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
+                  const Params& params);
 
 class DeviceLauncher final : public Launcher {
  public:

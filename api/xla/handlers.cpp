@@ -2,11 +2,14 @@
 // kspec::call of one op — the registry call C++ and Python make (validation, plan cache, tuning database):
 // no op is implemented twice. Built only with XLA's FFI headers (jax.ffi.include_dir(); see xla.cmake).
 //
-// Compilation: the first execution of a problem compiles (NVRTC, or the disk cache) inside the handler.
-// No handler declares XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE, so XLA never records one into a
-// command buffer (CUDA graph) and that first execution runs as an ordinary thunk, outside any capture.
-// The instantiate stage cannot compile ahead: it sees attributes but no buffer shapes, and kspec's
-// specializations depend on shapes (hidden, dstate, n).
+// Compilation happens before execution: each target has an initialize-stage handler beside its execute
+// handler. XLA runs it before the execution (and before any command buffer records one), with the
+// buffers' shapes and addresses but not their contents; it validates the call and builds its plan —
+// kernels compiled (NVRTC, or the disk cache) and loaded — without launching (prepare_call), so the
+// execute stage finds the plan cached. The instantiate stage cannot: it sees attributes but no buffers,
+// and kspec's specializations depend on shapes (hidden, dstate, n). No handler declares
+// XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE either (adamw's runtime params are read back on the
+// stream, which a capture cannot do), so XLA runs every execution as an ordinary thunk.
 #include <cuda.h>
 
 #include <cstring>
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "api/src/c_abi.h"
+#include "api/src/plan.h"
 #include "api/xla/targets.h"
 #include "jit/driver.h"
 #include "kspec/error.h"
@@ -130,6 +134,7 @@ Attrs read_attrs(const Target& t, const OpInfo& op, const ffi::Dictionary& attrs
         KSPEC_CHECK(t.scan_layout, what, ": ", t.name, " takes no layout");
         KSPEC_CHECK(v == "bdl" || v == "bld", what, ": expected \"bdl\" or \"bld\", got \"", v, "\"");
         a.bld = v == "bld";
+        a.params.set(name, std::string(v));  // the op's own layout param: its kernels read bld in place
       }
       continue;
     }
@@ -167,9 +172,10 @@ Attrs read_attrs(const Target& t, const OpInfo& op, const ffi::Dictionary& attrs
   return a;
 }
 
-// A buffer as kspec's view. With layout "bld" the scan's sequence tensors arrive as [batch, seqlen, dim] and
-// B/C as [batch, seqlen, (groups,) dstate] whose memory is in bdl order (the operands' XLA layouts say so):
-// the view only renames the dimensions, nothing is moved.
+// A buffer as kspec's view: XLA's buffers are dense row-major. With layout "bld" the scan's sequence
+// tensors arrive as [batch, seqlen, dim] and a variable B/C as [batch, seqlen, (groups,) dstate]: the view
+// is the op's [batch, dim, seqlen] / [batch, groups, dstate, seqlen] over that memory (seqlen stride dim,
+// the op's layout "bld"), so the kernels read and write them where they lie, with no transpose.
 TensorView view_of(const ffi::AnyBuffer& b, const TensorDef& def, bool bld, int device, const std::string& what) {
   TensorView v;
   v.data = b.untyped_data();
@@ -179,17 +185,24 @@ TensorView view_of(const ffi::AnyBuffer& b, const TensorDef& def, bool bld, int 
   std::vector<int64_t> shape(dims.begin(), dims.end());
   const bool seq = def.shape == std::vector<std::string>{"batch", "dim", "seqlen"};
   const bool bc = def.shape == std::vector<std::string>{"batch", "groups", "dstate", "seqlen"};
-  if (seq && bld && shape.size() == 3) shape = {shape[0], shape[2], shape[1]};
-  if (bc && shape.size() == 3) shape = bld ? std::vector<int64_t>{shape[0], 1, shape[2], shape[1]}
-                                           : std::vector<int64_t>{shape[0], 1, shape[1], shape[2]};
-  else if (bc && bld && shape.size() == 4) shape = {shape[0], shape[2], shape[3], shape[1]};
+  if (bc && shape.size() == 3) shape.insert(shape.begin() + (bld ? 2 : 1), 1);  // one group
   KSPEC_CHECK(shape.size() <= size_t(kMaxRank), what, ": rank ", shape.size(), " exceeds ", kMaxRank);
   v.rank = int(shape.size());
   int64_t stride = 1;
-  for (int d = v.rank - 1; d >= 0; --d) {
+  for (int d = v.rank - 1; d >= 0; --d) {  // row-major strides of the buffer as it lies
     v.shape[d] = shape[size_t(d)];
     v.strides[d] = stride;
     stride *= shape[size_t(d)] > 0 ? shape[size_t(d)] : 1;
+  }
+  // bld: the memory's [batch, seqlen, rest...] read as [batch, rest..., seqlen] (seqlen moved last).
+  if (bld && ((seq && v.rank == 3) || (bc && v.rank == 4))) {
+    const int64_t len = v.shape[1], len_stride = v.strides[1];
+    for (int d = 1; d + 1 < v.rank; ++d) {
+      v.shape[d] = v.shape[d + 1];
+      v.strides[d] = v.strides[d + 1];
+    }
+    v.shape[v.rank - 1] = len;
+    v.strides[v.rank - 1] = len_stride;
   }
   return v;
 }
@@ -225,8 +238,10 @@ ParamValue read_scalar(const ffi::AnyBuffer& b, const ParamDef& p, Stream stream
   throw InvalidArgument(detail::concat(what, ": a choice param cannot come from an operand"));
 }
 
-void run(const Target& t, Stream stream, int device, const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
-         const ffi::Dictionary& dict) {
+// The call of one execution (execute: true), or its preparation (the initialize stage: no stream, buffers
+// not yet written, so a runtime param's operand is not read; the plan does not depend on it).
+void run(const Target& t, bool execute, Stream stream, int device, const ffi::RemainingArgs& args,
+         const ffi::RemainingRets& rets, const ffi::Dictionary& dict) {
   const OpInfo& op = op_info(t.op);
   Attrs a = read_attrs(t, op, dict);
   if (!a.given_inputs)
@@ -250,7 +265,8 @@ void run(const Target& t, Stream stream, int device, const ffi::RemainingArgs& a
       const ParamDef* p = param_def(op, name);
       KSPEC_CHECK(p && p->runtime, t.name, ": inputs names '", name, "', which is neither an input of ", t.op,
                   " nor a runtime param");
-      a.params.set(name, read_scalar(operand("param '" + name + "'"), *p, stream, device, "operand '" + name + "'"));
+      const ffi::AnyBuffer b = operand("param '" + name + "'");
+      if (execute) a.params.set(name, read_scalar(b, *p, stream, device, "operand '" + name + "'"));
       continue;
     }
     const TensorDef& def = op.inputs[size_t(i)];
@@ -300,15 +316,18 @@ void run(const Target& t, Stream stream, int device, const ffi::RemainingArgs& a
     }
   }
   KSPEC_CHECK(r == rets.size(), t.name, ": ", rets.size(), " results, but outputs names ", r);
-  call(t.op, ins, outs, a.params, stream);
+  if (execute)
+    call(t.op, ins, outs, a.params, stream);
+  else
+    prepare_call(t.op, ins, outs, a.params);
 }
 
-ffi::Error run_ffi(const char* target, Stream stream, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                   ffi::Dictionary attrs) noexcept {
+ffi::Error run_ffi(const char* target, bool execute, Stream stream, int32_t device, ffi::RemainingArgs args,
+                   ffi::RemainingRets rets, ffi::Dictionary attrs) noexcept {
   try {
     const Target* t = find_target(target);
     if (!t) throw InternalError(detail::concat("no XLA target ", target, " in the table"));
-    run(*t, stream, device, args, rets, attrs);
+    run(*t, execute, stream, device, args, rets, attrs);
     return ffi::Error::Success();
   } catch (...) {
     const kspec_status st = c_abi::capture_error();
@@ -322,14 +341,26 @@ ffi::Error run_ffi(const char* target, Stream stream, int32_t device, ffi::Remai
 }  // namespace
 }  // namespace kspec::xla
 
+// A target's execute handler `sym` and its initialize handler `sym##_init` (no stream: the initialize
+// stage need not have one, and preparing launches nothing).
 #define KSPEC_XLA_HANDLER(sym, target)                                                                            \
   static ffi::Error sym##_impl(kspec::Stream stream, int32_t device, ffi::RemainingArgs args,                     \
                                ffi::RemainingRets rets, ffi::Dictionary attrs) {                                   \
-    return kspec::xla::run_ffi(target, stream, device, args, rets, attrs);                                       \
+    return kspec::xla::run_ffi(target, true, stream, device, args, rets, attrs);                                 \
   }                                                                                                                \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(sym, sym##_impl,                                                                   \
                                 ffi::Ffi::Bind()                                                                   \
                                     .Ctx<ffi::PlatformStream<kspec::Stream>>()                                     \
+                                    .Ctx<ffi::DeviceOrdinal>()                                                     \
+                                    .RemainingArgs()                                                               \
+                                    .RemainingRets()                                                               \
+                                    .Attrs<ffi::Dictionary>());                                                    \
+  static ffi::Error sym##_init_impl(int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,             \
+                                    ffi::Dictionary attrs) {                                                       \
+    return kspec::xla::run_ffi(target, false, nullptr, device, args, rets, attrs);                               \
+  }                                                                                                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(sym##_init, sym##_init_impl,                                                       \
+                                ffi::Ffi::BindInitialize()                                                         \
                                     .Ctx<ffi::DeviceOrdinal>()                                                     \
                                     .RemainingArgs()                                                               \
                                     .RemainingRets()                                                               \
@@ -347,15 +378,29 @@ KSPEC_XLA_HANDLER(kspec_xla_adamw, "kspec_adamw");
 namespace {
 struct Handler {
   const char* target;
-  XLA_FFI_Handler* fn;
+  XLA_FFI_Handler* fn;    // execute
+  XLA_FFI_Handler* init;  // initialize
 };
-// Every row of kspec::xla::targets() has its handler here (tests/python/test_jax.py checks it).
+#define KSPEC_XLA_ROW(target, sym) {target, sym, sym##_init}
+// Every row of kspec::xla::targets() has its handlers here (tests/python/test_jax.py checks it).
 const Handler kHandlers[] = {
-    {"kspec_selective_scan_fwd", kspec_xla_selective_scan_fwd}, {"kspec_selective_scan_bwd", kspec_xla_selective_scan_bwd},
-    {"kspec_selective_scan_step", kspec_xla_selective_scan_step}, {"kspec_norm_act_fwd", kspec_xla_norm_act_fwd},
-    {"kspec_norm_act_bwd", kspec_xla_norm_act_bwd}, {"kspec_e79_fwd", kspec_xla_e79_fwd},
-    {"kspec_e79_bwd", kspec_xla_e79_bwd}, {"kspec_adamw", kspec_xla_adamw},
+    KSPEC_XLA_ROW("kspec_selective_scan_fwd", kspec_xla_selective_scan_fwd),
+    KSPEC_XLA_ROW("kspec_selective_scan_bwd", kspec_xla_selective_scan_bwd),
+    KSPEC_XLA_ROW("kspec_selective_scan_step", kspec_xla_selective_scan_step),
+    KSPEC_XLA_ROW("kspec_norm_act_fwd", kspec_xla_norm_act_fwd),
+    KSPEC_XLA_ROW("kspec_norm_act_bwd", kspec_xla_norm_act_bwd),
+    KSPEC_XLA_ROW("kspec_e79_fwd", kspec_xla_e79_fwd),
+    KSPEC_XLA_ROW("kspec_e79_bwd", kspec_xla_e79_bwd),
+    KSPEC_XLA_ROW("kspec_adamw", kspec_xla_adamw),
 };
+#undef KSPEC_XLA_ROW
+
+const Handler* find_handler(const char* target) {
+  if (!target) return nullptr;
+  for (const auto& h : kHandlers)
+    if (std::strcmp(h.target, target) == 0) return &h;
+  return nullptr;
+}
 }  // namespace
 
 extern "C" {
@@ -363,10 +408,13 @@ extern "C" {
 int kspec_xla_available(void) { return 1; }
 
 void* kspec_xla_handler(const char* target) {
-  if (!target) return nullptr;
-  for (const auto& h : kHandlers)
-    if (std::strcmp(h.target, target) == 0) return reinterpret_cast<void*>(h.fn);
-  return nullptr;
+  const Handler* h = find_handler(target);
+  return h ? reinterpret_cast<void*>(h->fn) : nullptr;
+}
+
+void* kspec_xla_initialize_handler(const char* target) {
+  const Handler* h = find_handler(target);
+  return h ? reinterpret_cast<void*>(h->init) : nullptr;
 }
 
 kspec_status kspec_xla_register(const XLA_FFI_Api* api, const char* platform) {
@@ -384,7 +432,8 @@ kspec_status kspec_xla_register(const XLA_FFI_Api* api, const char* platform) {
     args.extension_start = nullptr;
     args.name = XLA_FFI_ByteSpan{h.target, std::strlen(h.target)};
     args.platform = XLA_FFI_ByteSpan{platform, std::strlen(platform)};
-    args.bundle = XLA_FFI_Handler_Bundle{};  // newer APIs add stages (e.g. record): all unset but execute
+    args.bundle = XLA_FFI_Handler_Bundle{};  // newer APIs add stages (e.g. record): unset
+    args.bundle.initialize = h.init;
     args.bundle.execute = h.fn;
     args.traits = 0;  // not command-buffer compatible: see the top of this file
     if (XLA_FFI_Error* err = api->XLA_FFI_Handler_Register(&args)) {

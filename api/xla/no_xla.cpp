@@ -9,6 +9,8 @@ int kspec_xla_available(void) { return 0; }
 
 void* kspec_xla_handler(const char*) { return nullptr; }
 
+void* kspec_xla_initialize_handler(const char*) { return nullptr; }
+
 kspec_status kspec_xla_register(const XLA_FFI_Api*, const char*) {
   return kspec::c_abi::set_error(KSPEC_ERROR_UNSUPPORTED,
                                  "kspec_xla_register: kspec was built without XLA's FFI headers (install jax, or "

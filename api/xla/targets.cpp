@@ -75,13 +75,14 @@ std::string targets_json() {
     if (t.scan_layout)
       attrs.push_back({{"name", kLayoutAttr}, {"type", "string"},
                        {"doc", "bdl (default): u/delta/z [batch, dim, seqlen], B/C [batch, (groups,) dstate, seqlen]; "
-                               "bld: [batch, seqlen, dim] and [batch, seqlen, (groups,) dstate] with XLA layouts "
-                               "{1,2,0} / {1,3,2,0} (memory in bdl order)"}});
+                               "bld: [batch, seqlen, dim] and [batch, seqlen, (groups,) dstate], read and written "
+                               "in place (the op's layout param)"}});
     if (has_list)
       attrs.push_back({{"name", kTensorsAttr}, {"type", "i64"}, {"doc", "operands per list input"}});
     for (const auto& p : op.params)
-      attrs.push_back({{"name", p.name}, {"type", xla_type(p.type)}, {"doc", p.doc}, {"runtime", p.runtime},
-                       {"choices", p.choices}});
+      if (!(t.scan_layout && p.name == kLayoutAttr))  // the op's layout param is the attribute above
+        attrs.push_back({{"name", p.name}, {"type", xla_type(p.type)}, {"doc", p.doc}, {"runtime", p.runtime},
+                         {"choices", p.choices}});
     all.push_back({{"target", t.name},
                    {"op", t.op},
                    {"operands", tensor_names(op.inputs)},

@@ -11,7 +11,7 @@ struct Target {
   const char* name;  // the custom call's target name
   const char* op;    // the kspec op it calls
   // Takes the `layout` attribute: "bdl" (mamba_ssm's [batch, dim, seqlen]) or "bld" ([batch, seqlen, dim],
-  // [batch, seqlen, dstate]: Nx's order, read in place through the operands' XLA layouts).
+  // [batch, seqlen, dstate]: Nx's order, row-major buffers read in place: the op's layout param).
   bool scan_layout;
 };
 

@@ -33,14 +33,16 @@ _STATE_STRIDE = _C.op_info("selective_scan.fwd")["constants"]["state_stride"]
 
 
 def _register() -> None:
+    # Both stages: the initialize handler compiles before an execution (never inside a command buffer).
     for t in _xla.targets():
-        jax.ffi.register_ffi_target(t["target"], _C._xla_handler(t["target"]), platform=PLATFORM)
+        stages = {s: _C._xla_handler(t["target"], s) for s in ("initialize", "execute")}
+        jax.ffi.register_ffi_target(t["target"], stages, platform=PLATFORM)
 
 
 _register()  # once: a module body runs once per process
 
 __all__ = ["selective_scan", "selective_scan_step", "norm_act", "e79_cell", "AdamWState", "adamw_init", "adamw_step",
-           "PLATFORM"]
+           "GradientTransformation", "adamw", "PLATFORM"]
 
 
 def _attr(v):
@@ -54,12 +56,10 @@ def _attr(v):
     return str(v)
 
 
-def _ffi(target, results, operands, inputs, outputs, *, input_layouts=None, output_layouts=None, aliases=None,
-         **params):
+def _ffi(target, results, operands, inputs, outputs, *, aliases=None, **params):
     """One custom call: operands named by `inputs`, results by `outputs` (the target table's protocol)."""
     attrs = {k: _attr(v) for k, v in params.items()}
-    call = jax.ffi.ffi_call(target, results, input_layouts=input_layouts, output_layouts=output_layouts,
-                            input_output_aliases=aliases)
+    call = jax.ffi.ffi_call(target, results, input_output_aliases=aliases)
     return call(*operands, inputs=",".join(inputs), outputs=",".join(outputs), **attrs)
 
 
@@ -70,26 +70,6 @@ def _spec(shape, dtype):
 # ---- selective scan ----
 
 _SCAN_OPTIONAL = ("D", "z", "delta_bias", "h0")
-_BDL_TO_BLD = (0, 2, 1)  # major-to-minor: an array [b, l, d] whose memory is [b, d, l]
-
-
-def _scan_layouts(names, arrays, bld):
-    """XLA layouts of the scan's operands: with "bld", [batch, seqlen, dim] and [batch, seqlen, (groups,)
-    dstate] arrays are asked for in bdl memory order, so the kernel reads them where they are and XLA's
-    layout assignment places the producer's output there (a copy only where it cannot)."""
-    out = []
-    for name, a in zip(names, arrays):
-        if not bld:
-            out.append(None)
-        elif name in ("u", "delta", "z", "dout"):
-            out.append(_BDL_TO_BLD)
-        elif name in ("B", "C") and a.ndim == 3:
-            out.append(_BDL_TO_BLD)
-        elif name in ("B", "C") and a.ndim == 4:
-            out.append((0, 2, 3, 1))
-        else:
-            out.append(None)
-    return out
 
 
 def _scan_dims(u, A, bld):
@@ -106,10 +86,7 @@ def _scan_forward(args, names, softplus, layout, save):
     results = [_spec(u.shape, u.dtype), _spec((b, dim, dstate), jnp.float32)]
     if save:
         results.append(_spec((b, dim, -(-seqlen // _STATE_STRIDE), dstate), jnp.float32))
-    return _ffi("kspec_selective_scan_fwd", results, args, names, outs,
-                input_layouts=_scan_layouts(names, args, bld),
-                output_layouts=[_BDL_TO_BLD if bld else None] + [None] * (len(results) - 1),
-                layout=layout, delta_softplus=softplus)
+    return _ffi("kspec_selective_scan_fwd", results, args, names, outs, layout=layout, delta_softplus=softplus)
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,7 +105,6 @@ def _scan_fn(names: tuple, softplus: bool, layout: str):
     def bwd(res, cts):
         args, states = res
         dout, dlast = cts
-        bld = layout == "bld"
         dout = dout.astype(args[0].dtype)
         ops = (dout,) + tuple(args) + (dlast.astype(jnp.float32), states)
         in_names = ("dout",) + names + ("dlast_state", "states")
@@ -136,10 +112,8 @@ def _scan_fn(names: tuple, softplus: bool, layout: str):
                  "delta_bias": "ddelta_bias", "h0": "dh0"}
         out_names = [grads[n] for n in names]
         results = [_spec(a.shape, a.dtype) for a in args]
-        layouts = _scan_layouts(names, args, bld)
-        res_grads = _ffi("kspec_selective_scan_bwd", results, ops, in_names, out_names,
-                         input_layouts=_scan_layouts(in_names, ops, bld), output_layouts=layouts,
-                         layout=layout, delta_softplus=softplus)
+        res_grads = _ffi("kspec_selective_scan_bwd", results, ops, in_names, out_names, layout=layout,
+                         delta_softplus=softplus)
         return tuple(res_grads)
 
     scan.defvjp(fwd, bwd)
@@ -152,7 +126,8 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 
     layout "bdl": u, delta, z (batch, dim, seqlen); B, C (batch, dstate, seqlen) or (batch, groups, dstate,
     seqlen). layout "bld": u, delta, z (batch, seqlen, dim); B, C (batch, seqlen, dstate) or (batch, seqlen,
-    groups, dstate) — Nx's order, read in place (the custom call asks XLA for bdl memory order). In both:
+    groups, dstate) — Nx's order, row-major buffers read and written where they lie (the kernels' time-major
+    path: the sequential algorithm in one segment; no transposes around the call). In both:
     B, C may be fixed (dim, dstate); A (dim, dstate) fp32; D, delta_bias (dim,) fp32; h0 (batch, dim,
     dstate) fp32. u fp32/fp16/bf16; delta, z and variable B, C like u (B, C may be fp32).
     Returns out (like u) and with return_last_state also last_state (batch, dim, dstate) fp32.
@@ -378,3 +353,55 @@ def adamw_step(params, grads, state: AdamWState, *, lr=1e-3, beta1=0.9, beta2=0.
     new_state = AdamWState(updated["exp_avg"], updated["exp_avg_sq"], updated.get("master"),
                            updated.get("max_exp_avg_sq"), step)
     return updated["params"], new_state, (res[k] if want_norm else None)
+
+
+class GradientTransformation(NamedTuple):
+    """optax.GradientTransformation's two fields, so optax.chain and optax.apply_updates take kspec's AdamW
+    without kspec importing optax: init(params) -> state; update(updates, state, params) -> (updates, state)."""
+    init: object
+    update: object
+
+
+def adamw(learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4, *, amsgrad=False, maximize=False,
+          max_norm=0.0) -> GradientTransformation:
+    """optax.adamw's arguments (and defaults) as an (init, update) pair on adamw_step's fused kernel:
+
+        tx = kspec.jax.adamw(1e-3, weight_decay=0.01)
+        state = tx.init(params)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+
+    learning_rate: a float or a schedule (a function of the step count, as optax's), evaluated on device
+    and read by the handler: no recompilation as it changes. The kernel computes the new params; the
+    updates are new - old (fp32 for 16-bit params, whose fp32 master copy lives in the state, so
+    apply_updates lands on the kernel's params up to one rounding), and `params` is required. Last in an
+    optax.chain (the gradients it gets are the ones it steps with). Inside jit the params' buffers are
+    not donated through this interface: use adamw_step with donate_argnums for the in-place update."""
+    for name, v, lo, hi in (("b1", b1, 0.0, 1.0), ("b2", b2, 0.0, 1.0)):
+        if not lo <= float(v) < hi:
+            raise ValueError(f"kspec.jax.adamw: {name} must be in [0, 1), got {v!r}")
+    for name, v in (("eps", eps), ("weight_decay", weight_decay), ("max_norm", max_norm)):
+        if not float(v) >= 0.0:
+            raise ValueError(f"kspec.jax.adamw: {name} must be >= 0, got {v!r}")
+    if not callable(learning_rate) and not float(learning_rate) >= 0.0:
+        raise ValueError(f"kspec.jax.adamw: learning_rate must be >= 0 or a schedule, got {learning_rate!r}")
+
+    def init(params):
+        return adamw_init(params, amsgrad=amsgrad)
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("kspec.jax.adamw: update(grads, state, params) needs params (the fused kernel "
+                             "computes the new params from them)")
+        if not isinstance(state, AdamWState):
+            raise TypeError(f"kspec.jax.adamw: state must be the AdamWState of init(params), got "
+                            f"{type(state).__name__}")
+        lr = learning_rate(state.step) if callable(learning_rate) else learning_rate
+        new, new_state, _ = adamw_step(params, updates, state, lr=lr, beta1=b1, beta2=b2, eps=eps,
+                                       weight_decay=weight_decay, maximize=maximize, max_norm=max_norm)
+        delta = jax.tree_util.tree_map(
+            lambda n, p: n - p if p.dtype == jnp.float32 else n.astype(jnp.float32) - p.astype(jnp.float32),
+            new, params)
+        return delta, new_state
+
+    return GradientTransformation(init, update)

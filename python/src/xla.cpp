@@ -14,11 +14,19 @@ void bind_xla(py::module_& m) {
     if (!json) throw kspec::InternalError(kspec_last_error());
     return std::string(json);
   });
-  m.def("_xla_handler", [](const std::string& target) -> py::object {
-    void* fn = kspec_xla_handler(target.c_str());
-    if (!fn) return py::none();
-    return py::capsule(fn);  // unnamed, as jax.ffi.pycapsule makes them
-  });
+  // stage: "execute" or "initialize" (jax.ffi.register_ffi_target's stage names).
+  m.def(
+      "_xla_handler",
+      [](const std::string& target, const std::string& stage) -> py::object {
+        if (stage != "execute" && stage != "initialize")
+          throw kspec::InvalidArgument("_xla_handler: stage must be \"execute\" or \"initialize\", got \"" + stage +
+                                       "\"");
+        void* fn =
+            stage == "execute" ? kspec_xla_handler(target.c_str()) : kspec_xla_initialize_handler(target.c_str());
+        if (!fn) return py::none();
+        return py::capsule(fn);  // unnamed, as jax.ffi.pycapsule makes them
+      },
+      py::arg("target"), py::arg("stage") = "execute");
 }
 
 }  // namespace kspec_py

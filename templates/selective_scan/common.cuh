@@ -15,8 +15,11 @@ namespace kspec {
 //   kVectors: whole aligned 16-byte vectors along time; what "whole" means is the algorithm's (the warp
 //   and sequential kernels' kEven: seqlen a multiple of 512; the tile kernel's kVec: of 8), and every
 //   pointer 16-byte aligned.
+//   kTimeMajor: u, delta, z, out (du, ddelta, dz, dout) lie as [batch, seqlen, dim] and a variable B/C
+//   (dB/dC) as [batch, seqlen, groups, dstate] (layout "bld": seqlen stride dim, channel stride 1); the
+//   sequential kernels' element-wise staging only (api/ops/selective_scan: the plan picks them for it).
 template <typename T_, typename TB_, typename TC_, int kDstate_, bool kVarB_, bool kVarC_, bool kHasD_,
-          bool kHasZ_, bool kHasDeltaBias_, bool kSoftplus_, bool kHasH0_, bool kVectors_>
+          bool kHasZ_, bool kHasDeltaBias_, bool kSoftplus_, bool kHasH0_, bool kVectors_, bool kTimeMajor_ = false>
 struct ScanFlags {
   using T = T_;
   using TB = TB_;
@@ -25,6 +28,7 @@ struct ScanFlags {
   static constexpr bool kVarB = kVarB_, kVarC = kVarC_, kHasD = kHasD_, kHasZ = kHasZ_;
   static constexpr bool kHasDeltaBias = kHasDeltaBias_, kSoftplus = kSoftplus_, kHasH0 = kHasH0_;
   static constexpr bool kVectors = kVectors_;
+  static constexpr bool kTimeMajor = kTimeMajor_;
 };
 
 namespace scan_detail {

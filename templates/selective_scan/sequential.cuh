@@ -53,6 +53,32 @@ struct SeqScanTraits : Flags {
   static_assert(kSpt <= 32, "at most 32 states per thread");
   static_assert(kChunk % 16 == 0, "kChunk: a multiple of 16 steps");
   static_assert(kWarps >= 1 && kWarps <= 32, "1..32 warps per block");
+  static_assert(!(Flags::kTimeMajor && kEven), "time-major tensors are staged element by element");
+
+  // Element e of a chunk's [channel][step] elements: its channel (row) and step. Time-major, neighbouring
+  // threads take neighbouring channels of one step, so a warp's loads and stores stay coalesced along the
+  // channels (unit stride there); else neighbouring steps of one channel.
+  static __device__ __forceinline__ int row_of(int e) { return Flags::kTimeMajor ? e % kChannels : e / kChunk; }
+  static __device__ __forceinline__ int step_of(int e) { return Flags::kTimeMajor ? e / kChannels : e % kChunk; }
+  // The same for a variable B/C chunk of kRows state rows: (n, t).
+  template <int kRows>
+  static __device__ __forceinline__ int bc_row_of(int e) { return Flags::kTimeMajor ? e % kRows : e / kChunk; }
+  template <int kRows>
+  static __device__ __forceinline__ int bc_step_of(int e) { return Flags::kTimeMajor ? e / kRows : e % kChunk; }
+  // Offset of u, delta, z, out (and the backward's) at channel d0 + r, step t0 + t of batch b.
+  static __device__ __forceinline__ long long seq_off(int b, int dim, int d0, int r, int seqlen, int t0, int t) {
+    if constexpr (Flags::kTimeMajor)
+      return (static_cast<long long>(b) * seqlen + t0 + t) * dim + d0 + r;
+    else
+      return (static_cast<long long>(b) * dim + d0 + r) * seqlen + t0 + t;
+  }
+  // Offset of a variable B/C (dB/dC) at state n, step t0 + t from its group's base (SeqPlace::bc_base).
+  static __device__ __forceinline__ long long bc_off(long long bc_base, int n, int seqlen, int groups, int t0, int t) {
+    if constexpr (Flags::kTimeMajor)
+      return bc_base + static_cast<long long>(t0 + t) * groups * Flags::kDstate + n;
+    else
+      return bc_base + static_cast<long long>(n) * seqlen + t0 + t;
+  }
 };
 
 namespace scan_detail {
@@ -435,7 +461,10 @@ struct SeqPlace {
     d = d0 + cl;
     live = d < dim;
     chan = static_cast<long long>(b) * dim + d;
-    bc_base = (static_cast<long long>(b) * groups + d0 / channels_per_group) * N * seqlen;
+    if constexpr (Tr::kTimeMajor)
+      bc_base = static_cast<long long>(b) * seqlen * groups * N + static_cast<long long>(d0 / channels_per_group) * N;
+    else
+      bc_base = (static_cast<long long>(b) * groups + d0 / channels_per_group) * N * seqlen;
   }
   // The thread's states of a [dim, dstate] row (A, or a fixed B or C) times `scale`, when kUse; zeros
   // past dim and dstate, and without kUse.

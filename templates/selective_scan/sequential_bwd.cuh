@@ -69,9 +69,9 @@ __device__ __forceinline__ void seq_bwd_write(typename Tr::T* __restrict__ gdu, 
 #pragma unroll
   for (int k = 0; k < PE; ++k) {
     const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads;
-    const int r = e / kC, t = e % kC;
+    const int r = Tr::row_of(e), t = Tr::step_of(e);
     if (e >= NC * kC || d0 + r >= dim || t0 + t >= seqlen) continue;
-    const long long off = (static_cast<long long>(b) * dim + d0 + r) * seqlen + t0 + t;
+    const long long off = Tr::seq_off(b, dim, d0, r, seqlen, t0, t);
     const int i = t * CS + r;
     const float Dd = Dk[k];
     const float4 st = s_st[t * (NC + 1) + r];  // dt, dt u, gy, u
@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(Tr::kThreads, seq_bwd_min_blocks<Tr>())
     seq_fold<Tr>(x, A2, seg_h, seg_dt, chan, nsegs, 0, seg.z, 1, sl, live);
     float unused = 0.0f;
     seq_forward_walk<Tr, true>(x, A2, Bf, u, delta, B, delta_bias, states + (live ? chan : 0) * nchunks * N, unused,
-                               s_dtu, s_B, b, d0, dim, seqlen, bc_base, seg.cb, seg.ce, cl, sl, live);
+                               s_dtu, s_B, b, d0, dim, seqlen, bc_base, seg.cb, seg.ce, cl, sl, live, groups);
   }
 
   // ---- 2: chunks in reverse ----
@@ -282,13 +282,13 @@ __global__ void __launch_bounds__(Tr::kThreads, seq_bwd_min_blocks<Tr>())
   float Dk[Ck::PE];  // D of element k's channel (see seq_bwd_write)
 #pragma unroll
   for (int k = 0; k < Ck::PE; ++k) {
-    const int r = (tid + k * Tr::kThreads) / kC;
+    const int r = Tr::row_of(tid + k * Tr::kThreads);
     dDk[k] = dbk[k] = 0.0f;
     Dk[k] = Tr::kHasD && r < NC && d0 + r < dim ? D[d0 + r] : 0.0f;
   }
   Ck cur(delta_bias, d0, dim);  // reloaded once staged: its registers are free during the chunk's work
   float xn[S];  // the next chunk's checkpoint, loaded a chunk ahead like its inputs
-  cur.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, (seg.ce - 1) * kC);
+  cur.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, (seg.ce - 1) * kC, groups);
   seq_get_state<Tr>(xn, ckpt + (seg.ce - 1) * ck_step * N, sl, live);
   for (int c = seg.ce - 1; c >= seg.cb; --c) {
     const int t0 = c * kC;
@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(Tr::kThreads, seq_bwd_min_blocks<Tr>())
     cur.stage_packed(s_st, s_sig, s_dzf, s_bc, d0, dim, seqlen, t0);
     __syncthreads();
     if (c > seg.cb) {
-      cur.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, t0 - kC);
+      cur.load(u, delta, dout, z, B, C, b, d0, dim, seqlen, bc_base, t0 - kC, groups);
       seq_get_state<Tr>(xn, ckpt + (c - 1) * ck_step * N, sl, live);
     }
 
@@ -367,9 +367,9 @@ __global__ void __launch_bounds__(Tr::kThreads, seq_bwd_min_blocks<Tr>())
                               dbk);
     if constexpr (Tr::kVarB || Tr::kVarC) {
       for (int e = tid; e < N * kC; e += Tr::kThreads) {
-        const int n = e / kC, t = e % kC;
+        const int n = Tr::template bc_row_of<N>(e), t = Tr::template bc_step_of<N>(e);
         if (t0 + t >= seqlen) continue;
-        const long long idx = bc_base + static_cast<long long>(n) * seqlen + t0 + t;
+        const long long idx = Tr::bc_off(bc_base, n, seqlen, groups, t0, t);
         if constexpr (Tr::kVarB) {
           float s = 0.0f;
 #pragma unroll
@@ -411,8 +411,10 @@ __global__ void __launch_bounds__(Tr::kThreads, seq_bwd_min_blocks<Tr>())
   for (int k = 0; k < Ck::PE; ++k) {
     const int e = tid + k * Tr::kThreads;
     if (e < NC * kC) {
-      s_sD[e] = dDk[k];
-      s_sb[e] = dbk[k];
+      // [channel][step], whichever order the elements were taken in
+      const int j = Tr::kTimeMajor ? Tr::row_of(e) * kC + Tr::step_of(e) : e;
+      s_sD[j] = dDk[k];
+      s_sb[j] = dbk[k];
     }
   }
   __syncthreads();

@@ -34,8 +34,9 @@ namespace scan_detail {
 enum SeqStage { kStageWalk = 0, kStageAll = 1, kStageAdjoint = 2 };
 
 // One chunk's raw inputs, held in registers from their global loads (issued a chunk ahead) to their
-// staging. Element e = tid + k * kThreads of a [channel][step] tensor is (r, t) = (e / kChunk,
-// e % kChunk); of a B/C chunk, (n, t). Zeros past dim, seqlen and dstate.
+// staging. Element e = tid + k * kThreads of a [channel][step] tensor is (r, t) = (Tr::row_of(e),
+// Tr::step_of(e)) (e / kChunk, e % kChunk unless time-major); of a B/C chunk, (n, t) likewise. Zeros past
+// dim, seqlen and dstate.
 template <typename Tr, int kMode>
 struct SeqBwdChunk {
   using T = typename Tr::T;
@@ -54,27 +55,27 @@ struct SeqBwdChunk {
   __device__ __forceinline__ SeqBwdChunk(const float* __restrict__ delta_bias, int d0, int dim) {
 #pragma unroll
     for (int k = 0; k < PE; ++k) {
-      const int r = (static_cast<int>(threadIdx.x) + k * Tr::kThreads) / kC;
+      const int r = Tr::row_of(static_cast<int>(threadIdx.x) + k * Tr::kThreads);
       bias[k] = Tr::kHasDeltaBias && r < NC && d0 + r < dim ? delta_bias[d0 + r] : 0.0f;
     }
   }
 
   static __device__ __forceinline__ bool elem(int k, int d0, int dim, int seqlen, int t0, int* r, int* t) {
     const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads;
-    *r = e / kC;
-    *t = e % kC;
+    *r = Tr::row_of(e);
+    *t = Tr::step_of(e);
     return e < NC * kC && d0 + *r < dim && t0 + *t < seqlen;
   }
 
   __device__ __forceinline__ void load(const T* __restrict__ gu, const T* __restrict__ gd, const T* __restrict__ gout,
                                        const T* __restrict__ gz, const typename Tr::TB* __restrict__ gB,
                                        const typename Tr::TC* __restrict__ gC, int b, int d0, int dim, int seqlen,
-                                       long long bc_base, int t0) {
+                                       long long bc_base, int t0, int groups) {
 #pragma unroll
     for (int k = 0; k < PE; ++k) {
       int r, t;
       const bool ok = elem(k, d0, dim, seqlen, t0, &r, &t);
-      const long long off = (static_cast<long long>(b) * dim + d0 + r) * seqlen + t0 + t;
+      const long long off = Tr::seq_off(b, dim, d0, r, seqlen, t0, t);
       if constexpr (kU) u[k] = 0u;
       dl[k] = 0u;
       if constexpr (kG) g[k] = 0u;
@@ -89,9 +90,9 @@ struct SeqBwdChunk {
 #pragma unroll
     for (int k = 0; k < PN; ++k) {
       const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads;
-      const int n = e / kC, t = e % kC;
+      const int n = Tr::template bc_row_of<NP>(e), t = Tr::template bc_step_of<NP>(e);
       const bool ok = n < N && t0 + t < seqlen;
-      const long long off = bc_base + static_cast<long long>(n) * seqlen + t0 + t;
+      const long long off = Tr::bc_off(bc_base, n, seqlen, groups, t0, t);
       if constexpr (kB) bv[k] = 0u;
       if constexpr (kCv) cv[k] = 0u;
       if (ok) {
@@ -141,7 +142,7 @@ struct SeqBwdChunk {
     for (int k = 0; k < PN; ++k) {
       const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads;
       if (e >= NP * kC) continue;
-      const int n = e / kC, t = e % kC;
+      const int n = Tr::template bc_row_of<NP>(e), t = Tr::template bc_step_of<NP>(e);
       float* row = s_bc + t * RS + (n / S) * 2 * S + n % S;
       if constexpr (kB) row[0] = raw_to_float<typename Tr::TB>(bv[k]);
       if constexpr (kCv) row[S] = raw_to_float<typename Tr::TC>(cv[k]);
@@ -169,7 +170,7 @@ struct SeqBwdChunk {
     for (int k = 0; k < PN; ++k) {
       const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads;
       if (e >= NP * kC) continue;
-      const int n = e / kC, t = e % kC;
+      const int n = Tr::template bc_row_of<NP>(e), t = Tr::template bc_step_of<NP>(e);
       if constexpr (kB) s_B[t * NP + n] = raw_to_float<typename Tr::TB>(bv[k]);
       if constexpr (kCv) s_C[t * NP + n] = raw_to_float<typename Tr::TC>(cv[k]);
     }
@@ -187,11 +188,11 @@ __device__ __forceinline__ void seq_forward_walk(float (&x)[Tr::kSpt], const flo
                                                  const float* __restrict__ delta_bias, float* __restrict__ ckpt,
                                                  float& sdt, float2* s_dtu, float* s_B, int b, int d0,
                                                  int dim, int seqlen, long long bc_base, int cb, int ce, int cl,
-                                                 int sl, bool live) {
+                                                 int sl, bool live, int groups) {
   constexpr int S = Tr::kSpt, N = Tr::kDstate, kC = Tr::kChunk;
   SeqBwdChunk<Tr, kStageWalk> cur(delta_bias, d0, dim);  // reloaded once staged: registers free during the scan
   const int last = kCkpt ? ce - 1 : ce;  // chunks [cb, last) are scanned
-  if (cb < last) cur.load(u, delta, nullptr, nullptr, B, nullptr, b, d0, dim, seqlen, bc_base, cb * kC);
+  if (cb < last) cur.load(u, delta, nullptr, nullptr, B, nullptr, b, d0, dim, seqlen, bc_base, cb * kC, groups);
   for (int c = cb; c < ce; ++c) {
     if constexpr (kCkpt) {
       if (live) seq_put_state<Tr>(ckpt + c * N, x, sl);
@@ -199,7 +200,8 @@ __device__ __forceinline__ void seq_forward_walk(float (&x)[Tr::kSpt], const flo
     if (c == last) break;
     cur.stage(s_dtu, nullptr, nullptr, s_B, nullptr, d0, dim, seqlen, c * kC);
     __syncthreads();
-    if (c + 1 < last) cur.load(u, delta, nullptr, nullptr, B, nullptr, b, d0, dim, seqlen, bc_base, (c + 1) * kC);
+    if (c + 1 < last)
+      cur.load(u, delta, nullptr, nullptr, B, nullptr, b, d0, dim, seqlen, bc_base, (c + 1) * kC, groups);
     seq_scan_chunk<Tr, false, !kCkpt>(x, A2, Bf, Bf, s_dtu, s_B, nullptr, nullptr, cl, sl, sdt);
     __syncthreads();  // s_dtu, s_B are restaged next
   }

@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(Tr::kThreads, seq_seg_min_blocks<Tr>())
              });
   } else {
     seq_forward_walk<Tr, false>(x, A2, Bf, u, delta, B, delta_bias, nullptr, sdt, s_dtu, s_B, at.b, at.d0, dim,
-                                seqlen, at.bc_base, seg.cb, seg.ce, at.cl, at.sl, at.live);
+                                seqlen, at.bc_base, seg.cb, seg.ce, at.cl, at.sl, at.live, groups);
   }
   if (at.live) {
     const long long sg = at.chan * nsegs + seg.z;
@@ -97,12 +97,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   at.state(nullptr, H);
   const SeqSegment seg(static_cast<int>(blockIdx.z) + 1, kC, seqlen, seg_len);
   SeqBwdChunk<Tr, kStageAdjoint> cur(delta_bias, at.d0, dim);  // reloaded once staged
-  cur.load(nullptr, delta, dout, z, nullptr, C, at.b, at.d0, dim, seqlen, at.bc_base, (seg.ce - 1) * kC);
+  cur.load(nullptr, delta, dout, z, nullptr, C, at.b, at.d0, dim, seqlen, at.bc_base, (seg.ce - 1) * kC, groups);
   float sdt = 0.0f;
   for (int c = seg.ce - 1; c >= seg.cb; --c) {
     cur.stage(nullptr, s_dt, s_gy, nullptr, s_C, at.d0, dim, seqlen, c * kC);
     __syncthreads();
-    if (c > seg.cb) cur.load(nullptr, delta, dout, z, nullptr, C, at.b, at.d0, dim, seqlen, at.bc_base, (c - 1) * kC);
+    if (c > seg.cb)
+      cur.load(nullptr, delta, dout, z, nullptr, C, at.b, at.d0, dim, seqlen, at.bc_base, (c - 1) * kC, groups);
 #pragma unroll 2
     for (int t = kC - 4; t >= 0; t -= 4) {
       float dt[4], gy[4], Cv[4][S];

@@ -46,6 +46,7 @@ namespace kspec {
 // =============================================================================================
 template <typename Flags, int kWarps_>
 struct TileScanTraits : Flags {
+  static_assert(!Flags::kTimeMajor, "time-major tensors: the sequential kernels only");
   static constexpr int kWarps = kWarps_, kThreads = 32 * kWarps;
   static constexpr int kS = 4;                 // states per lane
   static constexpr int kG = Flags::kDstate / kS;  // state groups (lanes per channel)

@@ -35,6 +35,7 @@ namespace kspec {
 // pointer is 16-byte aligned (vector loads, no masks).
 template <typename Flags, int kWarps_, int kItems_>
 struct ScanTraits : Flags {
+  static_assert(!Flags::kTimeMajor, "time-major tensors: the sequential kernels only");
   static constexpr bool kEven = Flags::kVectors;
   static constexpr int kWarps = kWarps_;
   static constexpr int kItems = kItems_;

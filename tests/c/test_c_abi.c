@@ -2,21 +2,11 @@
  * path that needs no GPU. Run by ctest; on a machine with a GPU the last check calls for real. */
 #include <kspec/kspec_c.h>
 
+#include "check.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static int failures = 0;
-
-#define EXPECT(cond, ...)                                 \
-  do {                                                    \
-    if (!(cond)) {                                        \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                       \
-      fprintf(stderr, "\n");                              \
-      ++failures;                                         \
-    }                                                     \
-  } while (0)
 
 /* A failing call: its status and a message containing `needle`. */
 static void expect_error(kspec_status got, kspec_status want, const char* needle, const char* what) {
@@ -115,10 +105,5 @@ int main(void) {
     printf("  %-28s -> %d: %.110s\n", "device 0, NULL data", (int)st, kspec_last_error());
   }
 
-  if (failures) {
-    fprintf(stderr, "%d failures\n", failures);
-    return 1;
-  }
-  printf("C ABI: all checks passed\n");
-  return 0;
+  return finish("C ABI");
 }

@@ -1,7 +1,10 @@
 /* kspec_xla_register and the target table from C, against a stand-in XLA_FFI_Api that records what is
- * registered (no XLA needed): every target once, for the platform asked, with its handler and no
- * command-buffer trait; XLA's refusal and an API of another major version come back as errors. */
+ * registered (no XLA needed): every target once, for the platform asked, with its execute and initialize
+ * handlers (no instantiate or prepare stage) and no command-buffer trait; XLA's refusal and an API of
+ * another major version come back as errors. */
 #include <kspec/kspec_xla.h>
+
+#include "check.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -10,17 +13,6 @@
 #include "xla/ffi/api/c_api.h"
 #endif
 
-static int failures = 0;
-#define EXPECT(cond, ...)                                                 \
-  do {                                                                    \
-    if (!(cond)) {                                                        \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);     \
-      fprintf(stderr, __VA_ARGS__);                                       \
-      fprintf(stderr, "\n");                                              \
-      ++failures;                                                         \
-    }                                                                     \
-  } while (0)
-
 static const char* const kTargets[] = {"kspec_selective_scan_fwd", "kspec_selective_scan_bwd", "kspec_selective_scan_step",
                                        "kspec_norm_act_fwd",       "kspec_norm_act_bwd",       "kspec_e79_fwd",
                                        "kspec_e79_bwd",            "kspec_adamw"};
@@ -28,7 +20,7 @@ static const char* const kTargets[] = {"kspec_selective_scan_fwd", "kspec_select
 
 #ifdef KSPEC_HAVE_XLA_HEADERS
 static char names[16][64], platforms[16][16];
-static void* executes[16];
+static void *executes[16], *initializes[16], *others[16];
 static unsigned traits[16];
 static int registered = 0, refuse_at = -1;
 static XLA_FFI_Error* const kRefused = (XLA_FFI_Error*)&refuse_at; /* any non-NULL pointer */
@@ -39,6 +31,8 @@ static XLA_FFI_Error* fake_register(XLA_FFI_Handler_Register_Args* args) {
     snprintf(names[registered], 64, "%.*s", (int)args->name.len, args->name.ptr);
     snprintf(platforms[registered], 16, "%.*s", (int)args->platform.len, args->platform.ptr);
     executes[registered] = (void*)args->bundle.execute;
+    initializes[registered] = (void*)args->bundle.initialize;
+    others[registered] = args->bundle.instantiate ? (void*)args->bundle.instantiate : (void*)args->bundle.prepare;
     traits[registered] = args->traits;
   }
   ++registered;
@@ -63,8 +57,12 @@ int main(void) {
   for (size_t i = 0; table && i < N_TARGETS; ++i) {
     EXPECT(strstr(table, kTargets[i]) != NULL, "table lacks %s", kTargets[i]);
     EXPECT((kspec_xla_handler(kTargets[i]) != NULL) == (kspec_xla_available() == 1), "handler of %s", kTargets[i]);
+    EXPECT((kspec_xla_initialize_handler(kTargets[i]) != NULL) == (kspec_xla_available() == 1),
+           "initialize handler of %s", kTargets[i]);
   }
   EXPECT(kspec_xla_handler("kspec_nope") == NULL && kspec_xla_handler(NULL) == NULL, "unknown target has a handler");
+  EXPECT(kspec_xla_initialize_handler("kspec_nope") == NULL && kspec_xla_initialize_handler(NULL) == NULL,
+         "unknown target has an initialize handler");
   printf("XLA handlers %s; %zu targets in the table\n", kspec_xla_available() ? "built" : "not built", N_TARGETS);
 
 #ifdef KSPEC_HAVE_XLA_HEADERS
@@ -83,6 +81,9 @@ int main(void) {
   for (int i = 0; i < registered && i < 16; ++i) {
     EXPECT(strcmp(platforms[i], "CUDA") == 0, "platform %s", platforms[i]);
     EXPECT(executes[i] != NULL && executes[i] == kspec_xla_handler(names[i]), "handler of %s", names[i]);
+    EXPECT(initializes[i] != NULL && initializes[i] == kspec_xla_initialize_handler(names[i]) &&
+               initializes[i] != executes[i], "initialize handler of %s", names[i]);
+    EXPECT(others[i] == NULL, "%s registers an instantiate or prepare stage", names[i]);
     EXPECT(traits[i] == 0, "%s declares traits %u", names[i], traits[i]);
   }
   registered = 0;
@@ -103,10 +104,5 @@ int main(void) {
     EXPECT(strstr(kspec_last_error(), "without XLA") != NULL, "message: %s", kspec_last_error());
   }
 #endif
-  if (failures) {
-    fprintf(stderr, "%d failures\n", failures);
-    return 1;
-  }
-  printf("kspec_xla_register: all checks passed\n");
-  return 0;
+  return finish("kspec_xla_register");
 }

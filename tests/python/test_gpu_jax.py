@@ -256,3 +256,24 @@ def test_adamw_steps_match_reference(kj, dt, amsgrad):
     errs.update({"m_" + k: rel_err(_f64(state.exp_avg[k]), ref_m[i]) for i, k in enumerate(names)})
     _check(errs, 1e-5)
     assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize("schedule", [False, True])
+def test_adamw_transformation_matches_optax(kj, schedule):
+    """kspec.jax.adamw in optax's place (optax.chain, apply_updates) steps like optax.adamw, fp32."""
+    optax = pytest.importorskip("optax")
+    rng = np.random.default_rng(1)
+    params = {"w": jnp.asarray(rng.standard_normal((7, 33)), jnp.float32),
+              "b": jnp.asarray(rng.standard_normal((33,)), jnp.float32)}
+    lr = optax.linear_schedule(1e-2, 1e-3, 3) if schedule else 1e-2
+    ours = optax.chain(kj.adamw(lr, b1=0.9, b2=0.99, weight_decay=0.1))
+    theirs = optax.adamw(lr, b1=0.9, b2=0.99, weight_decay=0.1)
+    p_k, p_o = params, params
+    s_k, s_o = ours.init(p_k), theirs.init(p_o)
+    step_k = jax.jit(lambda g, s, p: ours.update(g, s, p))
+    for _ in range(3):
+        grads = {k: jnp.asarray(rng.standard_normal(v.shape), jnp.float32) for k, v in params.items()}
+        u_k, s_k = step_k(grads, s_k, p_k)
+        u_o, s_o = theirs.update(grads, s_o, p_o)
+        p_k, p_o = optax.apply_updates(p_k, u_k), optax.apply_updates(p_o, u_o)
+    _check({k: rel_err(_f64(p_k[k]), _f64(p_o[k])) for k in params}, 1e-5)

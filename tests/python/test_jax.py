@@ -1,6 +1,6 @@
 """kspec.jax without a GPU: the XLA target table (generated from the registry), the handler capsules, their
 registration with jaxlib's XLA at import, and what jitted functions lower to (the custom calls, their
-attributes, the bld operand layouts, adamw's aliasing, the backward's targets under jax.grad)."""
+attributes, default row-major layouts in both scan layouts, adamw's aliasing, the backward's targets under jax.grad)."""
 import json
 import os
 import pathlib
@@ -45,7 +45,11 @@ def test_handlers_are_capsules_when_built():
         return
     for t in TARGETS:
         assert type(_C._xla_handler(t)).__name__ == "PyCapsule", t
+        assert type(_C._xla_handler(t, "initialize")).__name__ == "PyCapsule", t
     assert _C._xla_handler("kspec_no_such_target") is None
+    assert _C._xla_handler("kspec_no_such_target", "initialize") is None
+    with pytest.raises(kspec.InvalidArgument, match="stage must be"):
+        _C._xla_handler("kspec_norm_act_fwd", "instantiate")
 
 
 def test_import_without_jax_says_why():
@@ -92,11 +96,13 @@ def test_registered_at_import_for_cuda(kj):
     if "CUDA" in xla_client._custom_callback_handler:
         pytest.skip("a CUDA plugin is loaded: registrations went straight to it (the GPU tests run them)")
     # Without the CUDA plugin, jaxlib keeps CUDA registrations until the plugin loads: every target is
-    # there once, with the typed FFI (api_version 1) and the handler kspec._C hands out.
+    # there once, with the typed FFI (api_version 1) and kspec._C's handlers for two stages: initialize
+    # (validates and compiles before the execution) and execute.
     pending = {name: (fn, api) for name, fn, api, _ in xla_client._custom_callback.get("CUDA", [])}
     for t in TARGETS:
         fn, api = pending[t]
-        assert api == 1 and type(fn).__name__ == "PyCapsule", t
+        assert api == 1 and sorted(fn) == ["execute", "initialize"], t
+        assert all(type(h).__name__ == "PyCapsule" for h in fn.values()), t
 
 
 def test_xla_binds_the_handler(tmp_path):
@@ -153,8 +159,15 @@ def test_selective_scan_lowers_with_layouts_and_backward(kj, layout):
     assert 'outputs = "du,ddelta,dA,dB,dC,dD"' in bwd
     assert 'inputs = "dout,u,delta,A,B,C,D,dlast_state,states"' in bwd
     fwd_line = next(line for line in text.splitlines() if "@kspec_selective_scan_fwd" in line)
-    # XLA layouts are minor-to-major: [b, l, d] with memory [b, d, l] is {1, 2, 0}; bdl is the default.
-    assert ("dense<[1, 2, 0]>" in fwd_line) == (layout == "bld"), fwd_line
+    # Both layouts take XLA's default row-major buffers (the kernels read bld in place): every operand and
+    # result layout of both calls is the default (minor-to-major [rank-1, ..., 0]), so XLA adds no
+    # transposes around the calls.
+    for line in text.splitlines():
+        if "@kspec_selective_scan" in line:
+            for dims in re.findall(r"dense<\[([\d, ]+)\]>", line):
+                order = [int(x) for x in dims.split(",")]
+                assert order == sorted(order, reverse=True), line
+    assert "stablehlo.transpose" not in text
     # states: [batch, dim, ceil(seqlen / 16), dstate] fp32
     assert f"tensor<{b}x{d}x1x{n}xf32>" in fwd_line
 
@@ -205,3 +218,35 @@ def test_table_json_is_the_c_table():
 def test_readme_table_is_generated():
     readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert _xla.markdown() in readme, "README's target table is stale: paste `python -m kspec._xla`"
+
+
+def test_adamw_transformation_init_and_update(kj):
+    """kspec.jax.adamw: optax's (init, update) pair; update lowers to the one fused custom call, with the
+    schedule's learning rate as an operand, and returns updates shaped like the params (fp32 for 16-bit)."""
+    tx = kj.adamw(lambda count: 1e-3 / (1 + count), weight_decay=0.1)
+    assert isinstance(tx, tuple) and tx._fields == ("init", "update")
+    params = {"w": jnp.zeros((4, 3), jnp.bfloat16), "b": jnp.zeros((3,), jnp.float32)}
+    state = tx.init(params)
+    assert isinstance(state, kj.AdamWState) and int(state.step) == 0 and state.master is not None
+    assert jax.tree_util.tree_structure(state.exp_avg) == jax.tree_util.tree_structure(params)
+    updates, new_state = jax.eval_shape(tx.update, params, state, params)
+    assert {k: (v.shape, v.dtype) for k, v in updates.items()} == {"w": ((4, 3), jnp.float32),
+                                                                  "b": ((3,), jnp.float32)}
+    assert jax.tree_util.tree_structure(new_state) == jax.tree_util.tree_structure(state)
+    [(target, attrs)] = _calls(_hlo(tx.update, params, state, params))
+    assert target == "kspec_adamw" and 'inputs = "lr,step,params,grads,exp_avg,exp_avg_sq,master"' in attrs
+
+
+def test_adamw_transformation_errors(kj):
+    with pytest.raises(ValueError, match="b1 must be in"):
+        kj.adamw(1e-3, b1=1.0)
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        kj.adamw(1e-3, eps=-1.0)
+    with pytest.raises(ValueError, match="learning_rate must be >= 0"):
+        kj.adamw(-1e-3)
+    tx = kj.adamw()
+    params = {"w": jnp.zeros((3,), jnp.float32)}
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update(params, tx.init(params))
+    with pytest.raises(TypeError, match="AdamWState"):
+        tx.update(params, {"count": 0}, params)

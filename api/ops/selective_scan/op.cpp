@@ -17,6 +17,9 @@ namespace {
 // algorithm did before: the first rule that fails is the reason the tuner reports).
 template <typename Algorithm>
 bool algorithm_valid(const Algorithm& a, const Problem& p, const Config& c, std::string* why) {
+  if (time_major(p) && a.id != kSequential)
+    return no(why, "layout bld: time-major tensors are read by the sequential algorithm only");
+  if (time_major(p) && c.get("segs") > 1) return no(why, "layout bld: no segments (their local passes read bdl)");
   if (!a.valid(p, c, why)) return false;
   if (a.shared_bytes(p, c) > kSeqSmemLimit) return no(why, "more than 96 KiB of shared memory per block");
   return true;
@@ -42,6 +45,20 @@ std::optional<Config> seq_at_warps(const Algorithm& a, const Problem& p, int64_t
     if (algorithm_valid(a, p, c, nullptr)) return c;
   }
   return std::nullopt;
+}
+
+// Layout bld: the sequential algorithm in one segment, at the lanes the heuristic would take, else the
+// first that fits; none (e.g. the backward at dstate 1 or 256): Unsupported, with the heuristic lanes' reason.
+template <typename Algorithm>
+Config time_major_config(const Algorithm& a, const Problem& p, int64_t lanes, int64_t chunk) {
+  if (auto c = seq_at_warps(a, p, lanes, chunk, 1)) return *c;
+  for (int64_t l : {1, 2, 4, 8, 16, 32})
+    if (auto c = seq_at_warps(a, p, l, chunk, 1)) return *c;
+  std::string why;
+  algorithm_valid(a, p, seq_config(4, lanes, chunk, 1), &why);
+  throw Unsupported(p.op->info.name + ": layout \"bld\" runs the sequential algorithm, which takes no config for " +
+                    "this problem (dstate " + std::to_string(p.dim("dstate")) + ", " + std::to_string(lanes) +
+                    " lanes: " + why + "); pass layout \"bdl\"");
 }
 
 // The names of the `algo` axis' values (the forward has all three, the backward the first two).
@@ -89,6 +106,7 @@ TuningSpace fwd_tuning() {
     return algorithm_valid(fwd_algorithm(c), p, c, why);
   };
   t.heuristic = [](const Problem& p) {
+    if (time_major(p)) return time_major_config(kSequentialFwd, p, seq_default_lanes(p, 1), 32);
     if (tile_preferred(p)) return tile_heuristic_config(p);
     const FewChannels few = few_channels_plan(p, kFwdSegsMost, 32, true);
     if (few.segs)
@@ -113,6 +131,7 @@ TuningSpace bwd_tuning() {
     return algorithm_valid(bwd_algorithm(c), p, c, why);
   };
   t.heuristic = [](const Problem& p) {
+    if (time_major(p)) return time_major_config(kSequentialBwd, p, lanes_for_states(p, 4), 16);
     const FewChannels few = few_channels_plan(p, kBwdSegsMost, 16, false);
     if (few.segs)
       if (auto c = seq_at_warps(kSequentialBwd, p, few.lanes, 16, few.segs)) return *c;

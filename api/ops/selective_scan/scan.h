@@ -37,6 +37,11 @@ inline unsigned u32(int64_t v) { return static_cast<unsigned>(v); }
 inline bool var_b(const Problem& p) { return !p.alt("B"); }
 inline bool var_c(const Problem& p) { return !p.alt("C"); }
 inline bool var_bc(const Problem& p) { return var_b(p) || var_c(p); }
+// The `layout` param "bld" (fwd and bwd): u, delta, z, out and their gradients lie as [batch, seqlen, dim],
+// a variable B/C as [batch, seqlen, groups, dstate] (views [batch, dim, seqlen] with seqlen stride dim):
+// read and written where they lie by the sequential kernels' element-wise staging (kTimeMajor), without
+// segments; the warp and tile kernels read bdl only.
+bool time_major(const Problem& p);
 int64_t groups_of(const Problem& p);
 bool is_even(const Problem& p);
 // The tile kernel's (algo 2) vectors: a variable B/C row's 16-byte vectors of 8 steps and a lane's 4 steps
@@ -126,7 +131,7 @@ Config tile_heuristic_config(const Problem& p);
 // ---- schema.cpp ----
 extern const std::vector<DType> kFloatTypes;
 extern const std::vector<std::string> kBDT, kVarBC, kFixedBC, kState, kStates;
-// Every scan tensor is contiguous.
+// Every scan tensor is contiguous, but those a layout "bld" call gives time-major (check_scan_call).
 TensorDef tensor(std::string name, std::vector<std::string> shape, std::vector<DType> dtypes, std::string dtype_of,
                  bool or_f32, bool optional, std::string present_with, std::string doc,
                  std::vector<std::string> alt = {});

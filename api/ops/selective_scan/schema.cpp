@@ -21,9 +21,14 @@ const std::vector<std::string> kStates = {"batch", "dim", "nstates", "dstate"};
 int64_t groups_of(const Problem& p) {
   return var_bc(p) && p.has_dim("groups") ? p.dim("groups") : 1;
 }
-bool is_even(const Problem& p) { return p.dim("seqlen") % kEvenMultiple == 0 && p.align_bytes >= 16; }
+bool time_major(const Problem& p) { return p.has_dim("seqlen") && p.param_str("layout") == "bld"; }
+bool is_even(const Problem& p) {
+  return !time_major(p) && p.dim("seqlen") % kEvenMultiple == 0 && p.align_bytes >= 16;
+}
 constexpr int64_t kTileVector = 8;
-bool tile_vectors(const Problem& p) { return p.dim("seqlen") % kTileVector == 0 && p.align_bytes >= 16; }
+bool tile_vectors(const Problem& p) {
+  return !time_major(p) && p.dim("seqlen") % kTileVector == 0 && p.align_bytes >= 16;
+}
 
 int64_t group_fit(const Problem& p) {
   if (!var_bc(p) || groups_of(p) == 1) return 256;
@@ -40,7 +45,8 @@ std::string flags_type(const Problem& p, bool vectors) {
   for (bool f : {var_b(p), var_c(p), p.present("D"), p.present("z"), p.present("delta_bias"),
                  p.param_bool("delta_softplus"), p.present("h0"), vectors})
     s += std::string(", ") + b2s(f);
-  return s + ">";
+  // kTimeMajor is written only when set: the bdl kernels keep the spec text (and code) they had.
+  return s + (time_major(p) ? ", true>" : ">");
 }
 
 jit::KernelSpec kernel(const Problem& p, const char* header, const char* name, std::string traits) {
@@ -87,8 +93,52 @@ void check_scan(const Problem& p) {
               " must divide dim = ", dim);
 }
 
-std::vector<ParamDef> param_defs() {
-  return {{"delta_softplus", ParamType::Bool, false, {}, "dt = softplus(delta + delta_bias) (else delta + delta_bias)"}};
+std::vector<ParamDef> param_defs(bool with_seqlen) {
+  std::vector<ParamDef> d = {
+      {"delta_softplus", ParamType::Bool, false, {}, "dt = softplus(delta + delta_bias) (else delta + delta_bias)"}};
+  if (with_seqlen)
+    d.push_back({"layout", ParamType::Choice, std::string("bdl"), {"bdl", "bld"},
+                 "memory order of u, delta, z, out (and gradients): bdl contiguous [batch, dim, seqlen]; bld "
+                 "[batch, seqlen, dim] memory given as [batch, dim, seqlen] views (seqlen stride dim, e.g. "
+                 "u.transpose(1, 2)), a variable B/C likewise [batch, seqlen, groups, dstate]; bld runs the "
+                 "sequential algorithm without segments"});
+  return d;
+}
+
+// Whether t is dense in the memory order `order` (dims major to minor); sizes of 1 take any stride.
+bool dense_in(const TensorView& t, std::initializer_list<int> order) {
+  if (t.rank != static_cast<int>(order.size())) return false;
+  int64_t want = 1;
+  for (auto it = std::rbegin(order); it != std::rend(order); ++it) {
+    if (t.shape[*it] != 1 && t.strides[*it] != want) return false;
+    want *= t.shape[*it];
+  }
+  return true;
+}
+
+// The tensors the `layout` param governs lie as it says: every [batch, dim, seqlen] one and a variable
+// B/C (dB/dC); the rest (A, D, h0, states, a fixed B/C...) contiguous.
+void check_layout(const Call& call) {
+  const Problem& p = call.problem;
+  const bool bld = time_major(p);
+  auto check = [&](const TensorDef& def, const TensorView& t, const char* kind) {
+    if (!t.defined() || t.numel() == 0) return;
+    const bool seq = def.shape == kBDT, var = def.shape == kVarBC && t.rank == 4;
+    if (bld && seq)
+      KSPEC_CHECK(dense_in(t, {0, 2, 1}), p.op->info.name, ": ", kind, " '", def.name,
+                  "': layout \"bld\" expects a [batch, seqlen, dim] buffer viewed as [batch, dim, seqlen] (strides "
+                  "[seqlen*dim, 1, dim], e.g. x.transpose(1, 2)), got ", t.describe());
+    else if (bld && var)
+      KSPEC_CHECK(dense_in(t, {0, 3, 1, 2}), p.op->info.name, ": ", kind, " '", def.name,
+                  "': layout \"bld\" expects a [batch, seqlen, groups, dstate] buffer viewed as [batch, groups, "
+                  "dstate, seqlen] (strides [seqlen*groups*dstate, dstate, 1, groups*dstate]), got ", t.describe());
+    else
+      KSPEC_CHECK(t.is_contiguous(), p.op->info.name, ": ", kind, " '", def.name, "': expected a contiguous tensor",
+                  seq || var ? " (layout \"bdl\"; \"bld\" takes [batch, seqlen, ...] memory)" : "", ", got ",
+                  t.describe());
+  };
+  for (size_t i = 0; i < call.inputs.size(); ++i) check(p.op->info.inputs[i], call.inputs[i], "input");
+  for (size_t i = 0; i < call.outputs.size(); ++i) check(p.op->info.outputs[i], call.outputs[i], "output");
 }
 
 std::vector<DimDef> scan_dims(bool with_seqlen) {
@@ -106,6 +156,7 @@ std::vector<DimDef> scan_dims(bool with_seqlen) {
 // The forward's `states` output and the backward's `states` input agree on ceil(seqlen / 16) entries.
 void check_scan_call(const Call& call) {
   const Problem& p = call.problem;
+  check_layout(call);
   if (!p.has_dim("nstates")) return;
   const int64_t want = nstates_for(p.dim("seqlen"));
   KSPEC_CHECK(p.dim("nstates") == want, p.op->info.name, ": 'states': expected ", want,
@@ -240,8 +291,9 @@ std::string even_key(const Problem& p) { return p.has_dim("seqlen") && is_even(p
 
 TensorDef tensor(std::string name, std::vector<std::string> shape, std::vector<DType> dtypes, std::string dtype_of,
                  bool or_f32, bool optional, std::string present_with, std::string doc, std::vector<std::string> alt) {
+  // Strided: check_scan_call holds each to its layout (contiguous, or time-major under layout "bld").
   return tensor_def(std::move(name), std::move(shape), std::move(dtypes), std::move(dtype_of), or_f32, optional,
-                    std::move(present_with), Layout::Contiguous, std::move(doc), std::move(alt));
+                    std::move(present_with), Layout::Strided, std::move(doc), std::move(alt));
 }
 
 // The scan's inputs, shared by fwd (as is) and bwd (after dout).
@@ -337,7 +389,7 @@ OpDef scan_base(const char* name, const char* doc, bool with_seqlen) {
   op.info.name = name;
   op.info.family = "selective_scan";
   op.info.doc = doc;
-  op.info.params = param_defs();
+  op.info.params = param_defs(with_seqlen);
   op.info.dims = scan_dims(with_seqlen);
   op.info.reference = "api/ops/selective_scan/reference.cpp (python/kspec/reference/selective_scan.py)";
   op.info.constants = {{"state_stride", kStateStride}};  // kspec._torch allocates `states` with it
