@@ -22,17 +22,70 @@ struct MhcRows {
   static __device__ __forceinline__ int alpha_of(int r) { return r < N ? 0 : r < 2 * N ? 1 : 2; }
 };
 
+// Shared memory of the pre forward's second half (mhc_pre_finish, mhc_pre_y).
+template <int N, int kTMax, bool kPreOnly>
+struct MhcPreFinishSmem {
+  float hs[MhcRows<N, kPreOnly>::kM];
+  float h_pre[N];
+  typename MhcSinkhorn<N, kTMax>::Smem sk;
+};
+
+// The pre forward of token t once acc (acc[0] = sum v^2, acc[1 + r] = m[r]) is reduced across the block:
+// writes inv, h, H_pre, H_post, R and leaves H_pre in sm.h_pre for mhc_pre_y. Ends with every thread
+// past a barrier.
+template <int N, int kTMax, bool kPreOnly, int kK>
+__device__ __forceinline__ void mhc_pre_finish(const MhcPreParams& p, long long t, const float (&acc)[kK],
+                                               MhcPreFinishSmem<N, kTMax, kPreOnly>& sm) {
+  using Rows = MhcRows<N, kPreOnly>;
+  constexpr int kM = Rows::kM, kND = kK - 1;
+  static_assert(kK == kM + 1, "acc holds sum v^2 and the M rows");
+  const float inv = rsqrtf(acc[0] / static_cast<float>(kND) + p.eps_rms);
+  if (threadIdx.x == 0) p.inv[t] = inv;
+  if (threadIdx.x < kM) {
+    const int r = threadIdx.x;
+    float m = 0.f;
+#pragma unroll
+    for (int q = 0; q < kM; ++q) m = q == r ? acc[1 + q] : m;  // a register array: no dynamic index
+    const float h = inv * __ldg(p.alpha + Rows::alpha_of(r)) * m + __ldg(p.bias + r);
+    sm.hs[r] = h;
+    p.h[t * kM + r] = h;
+    if (r < N) {
+      sm.h_pre[r] = mhc_sigmoid(h) + p.eps_pre;
+      p.h_pre[t * N + r] = sm.h_pre[r];
+    } else if (r < 2 * N) {
+      p.h_post[t * N + r - N] = 2.f * mhc_sigmoid(h);
+    }
+  }
+  __syncthreads();
+  if constexpr (!kPreOnly) {
+    using SK = MhcSinkhorn<N, kTMax>;
+    const float* rr = SK::forward(sm.hs + 2 * N, p.eps_sk, sm.sk, false);
+    if (threadIdx.x < N * N) p.r[t * N * N + threadIdx.x] = rr[threadIdx.x];
+  }
+}
+
+// y = sum_i H_pre[i] x[i] of token t, reading x again (plain loads: in post_pre, x is what this block
+// has just written).
+template <typename T, int N, int D, int kThreads>
+__device__ __forceinline__ void mhc_pre_y(const MhcPreParams& p, long long t, const float* h_pre) {
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(p.y) + t * p.y_row;
+  for (int d = threadIdx.x; d < D; d += kThreads) {
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) s += h_pre[i] * to_float(x[(t * N + i) * p.x_row + d]);
+    y[d] = store_as<T>(s);
+  }
+}
+
 // Block of kThreads threads per token; grid.x = T.
 template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kThreads>
 __global__ void __launch_bounds__(kThreads) mhc_pre_fwd_kernel(const MhcPreParams p) {
   using Rows = MhcRows<N, kPreOnly>;
-  using SK = MhcSinkhorn<N, kTMax>;
   constexpr int kM = Rows::kM, kND = N * D, kK = kM + 1;
   static_assert(kThreads >= kM && kThreads >= N * N, "a row of h and a Sinkhorn element per thread");
   __shared__ float scratch[RowReduceScratch<kThreads, kThreads, kK>::value + 1];
-  __shared__ float hs[kM];
-  __shared__ float h_pre[N];
-  __shared__ typename SK::Smem sk;
+  __shared__ MhcPreFinishSmem<N, kTMax, kPreOnly> sm;
   const long long t = blockIdx.x;
   const T* x = static_cast<const T*>(p.x);
 
@@ -53,35 +106,8 @@ __global__ void __launch_bounds__(kThreads) mhc_pre_fwd_kernel(const MhcPreParam
     }
   }
   row_group_reduce_sum<kThreads, kThreads, kK>(acc, scratch);
-  const float inv = rsqrtf(acc[0] / static_cast<float>(kND) + p.eps_rms);
-  if (threadIdx.x == 0) p.inv[t] = inv;
-  if (threadIdx.x < kM) {
-    const int r = threadIdx.x;
-    float m = 0.f;
-#pragma unroll
-    for (int q = 0; q < kM; ++q) m = q == r ? acc[1 + q] : m;  // a register array: no dynamic index
-    const float h = inv * __ldg(p.alpha + Rows::alpha_of(r)) * m + __ldg(p.bias + r);
-    hs[r] = h;
-    p.h[t * kM + r] = h;
-    if (r < N) {
-      h_pre[r] = mhc_sigmoid(h) + p.eps_pre;
-      p.h_pre[t * N + r] = h_pre[r];
-    } else if (r < 2 * N) {
-      p.h_post[t * N + r - N] = 2.f * mhc_sigmoid(h);
-    }
-  }
-  __syncthreads();
-  if constexpr (!kPreOnly) {
-    const float* rr = SK::forward(hs + 2 * N, p.eps_sk, sk, false);
-    if (threadIdx.x < N * N) p.r[t * N * N + threadIdx.x] = rr[threadIdx.x];
-  }
-  T* y = static_cast<T*>(p.y) + t * p.y_row;
-  for (int d = threadIdx.x; d < D; d += kThreads) {
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < N; ++i) s += h_pre[i] * to_float(x[(t * N + i) * p.x_row + d]);
-    y[d] = store_as<T>(s);
-  }
+  mhc_pre_finish<N, kTMax, kPreOnly>(p, t, acc, sm);
+  mhc_pre_y<T, N, D, kThreads>(p, t, sm.h_pre);
 }
 
 // Backward, per token: g = dL/dh (the <dy, x[i]> and m reduced across the block; the Sinkhorn backward
