@@ -116,6 +116,6 @@ from ._difflogic import GroupSum, LogicLayer, from_difflogic  # noqa: E402
 __all__ += ["LogicLayer", "GroupSum", "from_difflogic"]
 
 # mHC (issue 34), on kspec's mhc ops
-from ._mhc import HyperConnection, HyperConnectionHead, expand as mhc_expand  # noqa: E402
+from ._mhc import HyperConnection, HyperConnectionHead, HyperConnectionStack, expand as mhc_expand  # noqa: E402
 
-__all__ += ["HyperConnection", "HyperConnectionHead", "mhc_expand"]
+__all__ += ["HyperConnection", "HyperConnectionHead", "HyperConnectionStack", "mhc_expand"]
