@@ -1,7 +1,8 @@
 """torch glue for mhc (issue 34): the family specs of the pre op (and its pre_only head), the post op and
 Sinkhorn-Knopp, and post(l) fused with pre(l + 1) (kspec._surface makes the custom ops kspec::mhc_pre_fwd/_bwd,
-mhc_pre_only_*, mhc_post_*, mhc_sinkhorn_*, mhc_post_pre_*, their fakes from the OpDefs' schemas, autograd and the eager path). The pre op's inv and h
-(100 B a token at n = 4) are what its backward reads; they carry no gradient."""
+mhc_pre_only_*, mhc_post_*, mhc_sinkhorn_*, mhc_post_pre_*, their fakes from the OpDefs' schemas, autograd and
+the eager path). The pre op's inv and h (100 B a token at n = 4) are what its backward reads; they carry no
+gradient."""
 from __future__ import annotations
 
 import torch

@@ -26,7 +26,7 @@ DEFAULT_FAKE = ["norm_act", "selective_scan"]  # fakes evaluated from the schema
 NO_SURFACE_YET = {"difflogic.group_sum.bwd": "issue 30"}
 
 # The families after norm_act, selective_scan, linear and e79 (issues 29, 30, 34).
-NEW_FAMILIES = ["logic_layer", "mhc_post", "mhc_pre", "mhc_pre_only", "mhc_sinkhorn", "mlstm_chunkwise",
+NEW_FAMILIES = ["logic_layer", "mhc_post", "mhc_post_pre", "mhc_pre", "mhc_pre_only", "mhc_sinkhorn", "mlstm_chunkwise",
                 "mlstm_parallel"]
 ALL_FAMILIES = sorted(["e79", "linear", "norm_act", "selective_scan"] + NEW_FAMILIES)
 

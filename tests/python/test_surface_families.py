@@ -418,8 +418,8 @@ def test_mhc_post_pre_doors_agree_with_post_then_pre(on_reference, gamma):
     T, n, D = x.shape
     f = torch.randn(T, D, generator=g, dtype=torch.float64)
     h_post, h_res = torch.rand(T, n, generator=g).float(), torch.rand(T, n, n, generator=g).float()
-    seeds = (torch.randn(T, n, D, generator=g, dtype=torch.float64), torch.randn(T, D, generator=g, dtype=torch.float64),
-             torch.randn(T, n, generator=g), torch.randn(T, n, generator=g), torch.randn(T, n, n, generator=g))
+    seeds = (torch.randn(T, n, D, generator=g, dtype=torch.float64),
+             torch.randn(T, D, generator=g, dtype=torch.float64), torch.randn(T, n, generator=g), torch.randn(T, n, generator=g), torch.randn(T, n, n, generator=g))
     npa = [_np(t) for t in (x, f, h_post, h_res, phi, alpha, bias)] + [None if gam is None else _np(gam)]
     fwd = mhc_ref.mhc_post_pre_fwd(*npa)
     bwd = mhc_ref.mhc_post_pre_bwd(*(_np(t) for t in seeds), *npa)
