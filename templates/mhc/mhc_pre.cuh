@@ -22,195 +22,239 @@ struct MhcRows {
   static __device__ __forceinline__ int alpha_of(int r) { return r < N ? 0 : r < 2 * N ? 1 : 2; }
 };
 
-// Shared memory of the pre forward's second half (mhc_pre_finish, mhc_pre_y).
-template <int N, int kTMax, bool kPreOnly>
-struct MhcPreFinishSmem {
-  float hs[MhcRows<N, kPreOnly>::kM];
-  float h_pre[N];
-  typename MhcSinkhorn<N, kTMax>::Smem sk;
-};
-
-// The pre forward of token t once acc (acc[0] = sum v^2, acc[1 + r] = m[r]) is reduced across the block:
-// writes inv, h, H_pre, H_post, R and leaves H_pre in sm.h_pre for mhc_pre_y. Ends with every thread
-// past a barrier.
-template <int N, int kTMax, bool kPreOnly, int kK>
-__device__ __forceinline__ void mhc_pre_finish(const MhcPreParams& p, long long t, const float (&acc)[kK],
-                                               MhcPreFinishSmem<N, kTMax, kPreOnly>& sm) {
+// The pre forward of the block's tokens t0 .. t0 + ntok - 1 once `tot` (shared) holds their totals,
+// tot[j * (M + 1)] = sum v^2 of token t0 + j and tot[j * (M + 1) + 1 + r] its m[r]: inv, h, H_pre, H_post,
+// R, then y = sum_i H_pre[i] x[i] with x read again from p.x (plain loads: in mhc_post_pre_fwd_kernel, p.x
+// is the x_next this block has just written, each thread reading back its own elements).
+template <typename T, int N, int D, int kTMax, bool kPreOnly, int kThreads, int kTok>
+__device__ __forceinline__ void mhc_pre_fwd_rows(const MhcPreParams& p, long long t0, int ntok, const float* tot) {
   using Rows = MhcRows<N, kPreOnly>;
-  constexpr int kM = Rows::kM, kND = kK - 1;
-  static_assert(kK == kM + 1, "acc holds sum v^2 and the M rows");
-  const float inv = rsqrtf(acc[0] / static_cast<float>(kND) + p.eps_rms);
-  if (threadIdx.x == 0) p.inv[t] = inv;
-  if (threadIdx.x < kM) {
-    const int r = threadIdx.x;
-    float m = 0.f;
-#pragma unroll
-    for (int q = 0; q < kM; ++q) m = q == r ? acc[1 + q] : m;  // a register array: no dynamic index
+  using SK = MhcSinkhorn<N, kTMax>;
+  constexpr int kM = Rows::kM, kND = N * D, kK = kM + 1, kNN = N * N;
+  __shared__ float hs[kTok][kM];
+  __shared__ float h_pre[kTok][N];
+  __shared__ typename SK::Smem sk[kPreOnly ? 1 : kTok];
+  const T* x = static_cast<const T*>(p.x);
+  if (threadIdx.x < kTok * kM) {
+    const int j = threadIdx.x / kM, r = threadIdx.x % kM;
+    const float m = tot[j * kK + 1 + r], ss = tot[j * kK];
+    const float inv = rsqrtf(ss / static_cast<float>(kND) + p.eps_rms);
     const float h = inv * __ldg(p.alpha + Rows::alpha_of(r)) * m + __ldg(p.bias + r);
-    sm.hs[r] = h;
-    p.h[t * kM + r] = h;
-    if (r < N) {
-      sm.h_pre[r] = mhc_sigmoid(h) + p.eps_pre;
-      p.h_pre[t * N + r] = sm.h_pre[r];
-    } else if (r < 2 * N) {
-      p.h_post[t * N + r - N] = 2.f * mhc_sigmoid(h);
+    hs[j][r] = h;
+    if (j < ntok) {
+      const long long t = t0 + j;
+      if (r == 0) p.inv[t] = inv;
+      p.h[t * kM + r] = h;
+      if (r < N) {
+        h_pre[j][r] = mhc_sigmoid(h) + p.eps_pre;
+        p.h_pre[t * N + r] = h_pre[j][r];
+      } else if (r < 2 * N) {
+        p.h_post[t * N + r - N] = 2.f * mhc_sigmoid(h);
+      }
     }
   }
   __syncthreads();
   if constexpr (!kPreOnly) {
-    using SK = MhcSinkhorn<N, kTMax>;
-    const float* rr = SK::forward(sm.hs + 2 * N, p.eps_sk, sm.sk, false);
-    if (threadIdx.x < N * N) p.r[t * N * N + threadIdx.x] = rr[threadIdx.x];
+    const int j = static_cast<int>(threadIdx.x) / kNN;
+    const int e = j < kTok ? static_cast<int>(threadIdx.x) % kNN : kNN;  // threads past the tokens' elements idle
+    const int js = j < kTok ? j : 0;
+    const float* rr = SK::forward(hs[js] + 2 * N, p.eps_sk, sk[js], false, e);
+    if (e < kNN && j < ntok) p.r[(t0 + j) * kNN + e] = rr[e];
   }
-}
-
-// y = sum_i H_pre[i] x[i] of token t, reading x again (plain loads: in post_pre, x is what this block
-// has just written).
-template <typename T, int N, int D, int kThreads>
-__device__ __forceinline__ void mhc_pre_y(const MhcPreParams& p, long long t, const float* h_pre) {
-  const T* x = static_cast<const T*>(p.x);
-  T* y = static_cast<T*>(p.y) + t * p.y_row;
-  for (int d = threadIdx.x; d < D; d += kThreads) {
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < N; ++i) s += h_pre[i] * to_float(x[(t * N + i) * p.x_row + d]);
-    y[d] = store_as<T>(s);
-  }
-}
-
-// Block of kThreads threads per token; grid.x = T.
-template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kThreads>
-__global__ void __launch_bounds__(kThreads) mhc_pre_fwd_kernel(const MhcPreParams p) {
-  using Rows = MhcRows<N, kPreOnly>;
-  constexpr int kM = Rows::kM, kND = N * D, kK = kM + 1;
-  static_assert(kThreads >= kM && kThreads >= N * N, "a row of h and a Sinkhorn element per thread");
-  __shared__ float scratch[RowReduceScratch<kThreads, kThreads, kK>::value + 1];
-  __shared__ MhcPreFinishSmem<N, kTMax, kPreOnly> sm;
-  const long long t = blockIdx.x;
-  const T* x = static_cast<const T*>(p.x);
-
-  // acc[0] = sum v^2, acc[1 + r] = m[r].
-  float acc[kK];
-#pragma unroll
-  for (int r = 0; r < kK; ++r) acc[r] = 0.f;
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const T* xr = x + (t * N + i) * p.x_row;
+  for (int j = 0; j < ntok; ++j) {
+    const long long t = t0 + j;
+    T* y = static_cast<T*>(p.y) + t * p.y_row;
     for (int d = threadIdx.x; d < D; d += kThreads) {
-      const float v = to_float(xr[d]);
-      const int c = i * D + d;
-      const float u = kHasGamma ? v * __ldg(p.gamma + c) : v;
-      acc[0] += v * v;
+      float s = 0.f;
 #pragma unroll
-      for (int r = 0; r < kM; ++r) acc[1 + r] += u * __ldg(p.phi + static_cast<long long>(r) * kND + c);
+      for (int i = 0; i < N; ++i) s += h_pre[j][i] * to_float(x[(t * N + i) * p.x_row + d]);
+      y[d] = store_as<T>(s);
     }
   }
-  row_group_reduce_sum<kThreads, kThreads, kK>(acc, scratch);
-  mhc_pre_finish<N, kTMax, kPreOnly>(p, t, acc, sm);
-  mhc_pre_y<T, N, D, kThreads>(p, t, sm.h_pre);
+}
+
+// Block of kThreads threads per kTok tokens; grid.x = ceil(T / kTok). The tokens of a block share each
+// load of phi (phi is M x nD fp32, 1.5 MB at n = 4, D = 4096: one block per token read it from L2 once per
+// token, 25 GB at T = 16384 and 2.6 ms on the H100). Each token's sums run in the same order whatever kTok
+// (thread k adds the elements k, k + kThreads, ... of each stream, then the block's fixed-order reduction),
+// so every kTok gives the same bits.
+template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kThreads, int kTok>
+__global__ void __launch_bounds__(kThreads) mhc_pre_fwd_kernel(const MhcPreParams p) {
+  using Rows = MhcRows<N, kPreOnly>;
+  constexpr int kM = Rows::kM, kND = N * D, kK = kM + 1, kNN = N * N;
+  static_assert(kTok >= 1 && kThreads >= kTok * kM && (kPreOnly || kThreads >= kTok * kNN),
+                "a row of h and a Sinkhorn element per thread for each token of the block");
+  __shared__ float scratch[RowReduceScratch<kThreads, kThreads, kTok * kK>::value + 1];
+  const long long t0 = static_cast<long long>(blockIdx.x) * kTok;
+  const int ntok = static_cast<int>(p.T - t0 < kTok ? p.T - t0 : kTok);
+  const T* x = static_cast<const T*>(p.x);
+
+  // acc[j * kK] = sum v^2 of token t0 + j, acc[j * kK + 1 + r] = its m[r]. Tokens past T (a partial last
+  // block) read token t0's rows again and are never written.
+  float acc[kTok * kK];
+#pragma unroll
+  for (int r = 0; r < kTok * kK; ++r) acc[r] = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    for (int d = threadIdx.x; d < D; d += kThreads) {
+      const int c = i * D + d;
+      const float gm = kHasGamma ? __ldg(p.gamma + c) : 1.f;
+      float ph[kM];
+#pragma unroll
+      for (int r = 0; r < kM; ++r) ph[r] = __ldg(p.phi + static_cast<long long>(r) * kND + c);
+#pragma unroll
+      for (int j = 0; j < kTok; ++j) {
+        const long long tj = t0 + (j < ntok ? j : 0);
+        const float v = to_float(x[(tj * N + i) * p.x_row + d]);
+        const float u = kHasGamma ? v * gm : v;
+        acc[j * kK] += v * v;
+#pragma unroll
+        for (int r = 0; r < kM; ++r) acc[j * kK + 1 + r] += u * ph[r];
+      }
+    }
+  }
+  row_group_reduce_sum<kThreads, kThreads, kTok * kK>(acc, scratch);
+  // Every thread holds the totals; one publishes them (a register array takes no dynamic index).
+  __shared__ float tot[kTok * kK];
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int q = 0; q < kTok * kK; ++q) tot[q] = acc[q];
+  }
+  __syncthreads();
+  mhc_pre_fwd_rows<T, N, D, kTMax, kPreOnly, kThreads, kTok>(p, t0, ntok, tot);
 }
 
 // Backward, per token: g = dL/dh (the <dy, x[i]> and m reduced across the block; the Sinkhorn backward
 // on chip), then dx = du * gamma - dinv inv^3 / nD * v + H_pre[i] dy (+ dx_post), du = dm phi.
-// Writes g, dm and inv * sum_s g m to the workspace for the sums over tokens.
-template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, bool kHasDxPost, int kThreads>
+// Writes g, dm and inv * sum_s g m to the workspace for the sums over tokens. kTok tokens per block share
+// each load of phi, as in the forward (the same per-token order of every sum, whatever kTok).
+template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, bool kHasDxPost, int kThreads,
+          int kTok>
 __global__ void __launch_bounds__(kThreads) mhc_pre_bwd_token_kernel(const MhcPreBwdParams p) {
   using Rows = MhcRows<N, kPreOnly>;
   using SK = MhcSinkhorn<N, kTMax>;
-  constexpr int kM = Rows::kM, kND = N * D, kK = N + kM;
-  static_assert(kThreads >= kM && kThreads >= N * N, "a row of h per thread");
-  __shared__ float scratch[RowReduceScratch<kThreads, kThreads, kK>::value + 1];
-  __shared__ float g[kM];
-  __shared__ float dm[kM];
-  __shared__ float h_pre[N];
-  __shared__ float dinv_s;
-  __shared__ typename SK::Smem sk;
-  const long long t = blockIdx.x;
+  constexpr int kM = Rows::kM, kND = N * D, kK = N + kM, kNN = N * N;
+  static_assert(kTok >= 1 && kThreads >= kTok * kM && (kPreOnly || kThreads >= kTok * kNN),
+                "a row of h and a Sinkhorn element per thread for each token of the block");
+  __shared__ float scratch[RowReduceScratch<kThreads, kThreads, kTok * kK>::value + 1];
+  __shared__ float tot[kTok * kK];
+  __shared__ float g[kTok][kM];
+  __shared__ float dm[kTok][kM];
+  __shared__ float h_pre[kTok][N];
+  __shared__ float c_v[kTok];
+  __shared__ typename SK::Smem sk[kPreOnly ? 1 : kTok];
+  const long long t0 = static_cast<long long>(blockIdx.x) * kTok;
+  const int ntok = static_cast<int>(p.T - t0 < kTok ? p.T - t0 : kTok);
   const T* x = static_cast<const T*>(p.x);
-  const T* dy = static_cast<const T*>(p.dy) + t * p.dy_row;
+  const T* dy = static_cast<const T*>(p.dy);
 
-  // acc[i] = <dy, x[i]> (i < n), acc[n + r] = m[r].
-  float acc[kK];
+  // acc[j * kK + i] = <dy, x[i]> (i < n), acc[j * kK + n + r] = m[r] of token t0 + j (past T: token t0's
+  // values again, never written).
+  float acc[kTok * kK];
 #pragma unroll
-  for (int r = 0; r < kK; ++r) acc[r] = 0.f;
+  for (int r = 0; r < kTok * kK; ++r) acc[r] = 0.f;
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    const T* xr = x + (t * N + i) * p.x_row;
     for (int d = threadIdx.x; d < D; d += kThreads) {
-      const float v = to_float(xr[d]);
       const int c = i * D + d;
-      const float u = kHasGamma ? v * __ldg(p.gamma + c) : v;
-      acc[i] += v * to_float(dy[d]);
+      const float gm = kHasGamma ? __ldg(p.gamma + c) : 1.f;
+      float ph[kM];
 #pragma unroll
-      for (int r = 0; r < kM; ++r) acc[N + r] += u * __ldg(p.phi + static_cast<long long>(r) * kND + c);
+      for (int r = 0; r < kM; ++r) ph[r] = __ldg(p.phi + static_cast<long long>(r) * kND + c);
+#pragma unroll
+      for (int j = 0; j < kTok; ++j) {
+        const long long tj = t0 + (j < ntok ? j : 0);
+        const float v = to_float(x[(tj * N + i) * p.x_row + d]);
+        const float u = kHasGamma ? v * gm : v;
+        acc[j * kK + i] += v * to_float(dy[tj * p.dy_row + d]);
+#pragma unroll
+        for (int r = 0; r < kM; ++r) acc[j * kK + N + r] += u * ph[r];
+      }
     }
   }
-  row_group_reduce_sum<kThreads, kThreads, kK>(acc, scratch);
-  const float inv = __ldg(p.inv + t);
-  const int e = threadIdx.x;
-  if (e < kM) {
+  row_group_reduce_sum<kThreads, kThreads, kTok * kK>(acc, scratch);
+  // Every thread holds the totals; one publishes them (a register array takes no dynamic index).
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int q = 0; q < kTok * kK; ++q) tot[q] = acc[q];
+  }
+  __syncthreads();
+  if (threadIdx.x < kTok * kM) {
+    const int j = threadIdx.x / kM, e = threadIdx.x % kM;
+    const long long t = t0 + (j < ntok ? j : 0);
     const float h_e = __ldg(p.h + t * kM + e);
     const float sg = mhc_sigmoid(h_e);
     if (e < N) {
-      float dyx = 0.f;
-#pragma unroll
-      for (int q = 0; q < N; ++q) dyx = q == e ? acc[q] : dyx;
-      const float up = dyx + (p.dh_pre ? __ldg(p.dh_pre + t * N + e) : 0.f);
-      g[e] = up * sg * (1.f - sg);
-      h_pre[e] = sg + p.eps_pre;
+      const float up = tot[j * kK + e] + (p.dh_pre ? __ldg(p.dh_pre + t * N + e) : 0.f);
+      g[j][e] = up * sg * (1.f - sg);
+      h_pre[j][e] = sg + p.eps_pre;
     } else if (e < 2 * N) {
-      g[e] = p.dh_post ? 2.f * __ldg(p.dh_post + t * N + e - N) * sg * (1.f - sg) : 0.f;
+      g[j][e] = p.dh_post ? 2.f * __ldg(p.dh_post + t * N + e - N) * sg * (1.f - sg) : 0.f;
     } else {
-      g[e] = p.dr ? __ldg(p.dr + t * N * N + e - 2 * N) : 0.f;  // dR, turned into dZ below
+      g[j][e] = p.dr ? __ldg(p.dr + t * kNN + e - 2 * N) : 0.f;  // dR, turned into dZ below
     }
   }
   __syncthreads();
   if constexpr (!kPreOnly) {
     if (p.dr) {
-      __shared__ float z[N * N];
-      if (e < N * N) z[e] = __ldg(p.h + t * kM + 2 * N + e);
+      __shared__ float z[kTok][kNN];
+      const int j = static_cast<int>(threadIdx.x) / kNN;
+      const int e = j < kTok ? static_cast<int>(threadIdx.x) % kNN : kNN;  // threads past the elements idle
+      const int js = j < kTok ? j : 0;
+      if (e < kNN) z[js][e] = __ldg(p.h + (t0 + (js < ntok ? js : 0)) * kM + 2 * N + e);
       __syncthreads();
-      SK::forward(z, p.eps_sk, sk, true);
-      SK::backward(g + 2 * N, p.eps_sk, sk);
+      SK::forward(z[js], p.eps_sk, sk[js], true, e);
+      SK::backward(g[js] + 2 * N, p.eps_sk, sk[js], e);
     }
   }
-  if (e < kM) {
-    const float a = __ldg(p.alpha + Rows::alpha_of(e));
-    dm[e] = inv * a * g[e];
-    p.ws_g[t * kM + e] = g[e];
-    p.ws_dm[t * kM + e] = dm[e];
+  if (threadIdx.x < kTok * kM) {
+    const int j = threadIdx.x / kM, e = threadIdx.x % kM;
+    const long long t = t0 + j;
+    dm[j][e] = __ldg(p.inv + t0 + (j < ntok ? j : 0)) * __ldg(p.alpha + Rows::alpha_of(e)) * g[j][e];
+    if (j < ntok) {
+      p.ws_g[t * kM + e] = g[j][e];
+      p.ws_dm[t * kM + e] = dm[j][e];
+    }
   }
   __syncthreads();
-  if (e == 0) {
+  if (threadIdx.x < kTok) {
     // Fixed-order sums over the M rows: dinv = sum alpha_s g m, and inv * sum_{rows of s} g m.
+    const int j = threadIdx.x;
+    const float inv = __ldg(p.inv + t0 + (j < ntok ? j : 0));
     float dinv = 0.f, ga[3] = {0.f, 0.f, 0.f};
     for (int r = 0; r < kM; ++r) {
-      float m = 0.f;
-#pragma unroll
-      for (int q = 0; q < kM; ++q) m = q == r ? acc[N + q] : m;
-      const float gm = g[r] * m;
+      const float gm = g[j][r] * tot[j * kK + N + r];
       dinv += __ldg(p.alpha + Rows::alpha_of(r)) * gm;
       ga[Rows::alpha_of(r)] += gm;
     }
-    dinv_s = dinv;
+    c_v[j] = dinv * inv * inv * inv / static_cast<float>(kND);
+    if (j < ntok) {
 #pragma unroll
-    for (int s = 0; s < Rows::kA; ++s) p.ws_ga[t * 3 + s] = inv * ga[s];
+      for (int s = 0; s < Rows::kA; ++s) p.ws_ga[(t0 + j) * 3 + s] = inv * ga[s];
+    }
   }
   __syncthreads();
-  const float c_v = dinv_s * inv * inv * inv / static_cast<float>(kND);
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    const T* xr = x + (t * N + i) * p.x_row;
-    T* dxr = static_cast<T*>(p.dx) + (t * N + i) * p.dx_row;
     for (int d = threadIdx.x; d < D; d += kThreads) {
       const int c = i * D + d;
-      float du = 0.f;
+      const float gm = kHasGamma ? __ldg(p.gamma + c) : 1.f;
+      float ph[kM];
 #pragma unroll
-      for (int r = 0; r < kM; ++r) du += dm[r] * __ldg(p.phi + static_cast<long long>(r) * kND + c);
-      const float v = to_float(xr[d]);
-      float dv = (kHasGamma ? du * __ldg(p.gamma + c) : du) - c_v * v + h_pre[i] * to_float(dy[d]);
-      if constexpr (kHasDxPost) dv += to_float(static_cast<const T*>(p.dx_post)[(t * N + i) * p.dx_post_row + d]);
-      dxr[d] = store_as<T>(dv);
+      for (int r = 0; r < kM; ++r) ph[r] = __ldg(p.phi + static_cast<long long>(r) * kND + c);
+#pragma unroll
+      for (int j = 0; j < kTok; ++j) {
+        if (j >= ntok) break;
+        const long long t = t0 + j;
+        float du = 0.f;
+#pragma unroll
+        for (int r = 0; r < kM; ++r) du += dm[j][r] * ph[r];
+        const float v = to_float(x[(t * N + i) * p.x_row + d]);
+        float dv = (kHasGamma ? du * gm : du) - c_v[j] * v + h_pre[j][i] * to_float(dy[t * p.dy_row + d]);
+        if constexpr (kHasDxPost)
+          dv += to_float(static_cast<const T*>(p.dx_post)[(t * N + i) * p.dx_post_row + d]);
+        static_cast<T*>(p.dx)[(t * N + i) * p.dx_row + d] = store_as<T>(dv);
+      }
     }
   }
 }

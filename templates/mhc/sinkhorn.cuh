@@ -36,7 +36,11 @@ struct MhcSinkhorn {
   // for the backward; else two buffers in turn, and R is at iter[kSteps & 1]). Every thread of the
   // block must call it; it ends with a barrier. Returns a pointer to R.
   static __device__ const float* forward(const float* z, float eps, Smem& sm, bool keep_all) {
-    const int e = threadIdx.x;
+    return forward(z, eps, sm, keep_all, static_cast<int>(threadIdx.x));
+  }
+  // The same with the calling thread's element e of the matrix given (e >= n*n: the thread only meets the
+  // barriers), so that one block can run several matrices side by side, each with its own Smem.
+  static __device__ const float* forward(const float* z, float eps, Smem& sm, bool keep_all, int e) {
     if (e < kNN) {
       const int j = e / N;
       float mx = z[j * N];
@@ -62,8 +66,9 @@ struct MhcSinkhorn {
   // d/dZ of sum(dR * R) after forward(.., keep_all = true): g (shared, n*n) holds dR on entry and
   // dZ on return. Y = X / (sum X + eps): dX = (dY - sum(dY * Y)) / (sum X + eps);
   // softmax: dZ = P * (dP - sum_k dP * P). Every thread of the block must call it.
-  static __device__ void backward(float* g, float eps, Smem& sm) {
-    const int e = threadIdx.x;
+  static __device__ void backward(float* g, float eps, Smem& sm) { backward(g, eps, sm, static_cast<int>(threadIdx.x)); }
+  // The same with the calling thread's element e given (e >= n*n: only the barriers), as forward's.
+  static __device__ void backward(float* g, float eps, Smem& sm, int e) {
     const int j = e / N, k = e % N;
     for (int s = kSteps; s >= 1; --s) {
       float ng = 0.f;

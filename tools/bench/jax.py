@@ -245,9 +245,10 @@ def _adamw_section(ctx, jax, jnp, np, kj, torch, kspec):
     h = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     label = f"{len(shapes)} tensors, {sum(int(np.prod(s)) for s in shapes) / 1e6:.1f} M fp32"
     rows = []
-    state = kj.adamw_init(params)
     step = jax.jit(lambda p, g, s, lr: kj.adamw_step(p, g, s, lr=lr, **h), donate_argnums=(0, 2))
-    box = {"p": params, "s": state}
+    # Each variant steps its own copy: a donated argument is deleted, and `params` seeds the peers below.
+    box = {"p": [p.copy() for p in params]}
+    box["s"] = kj.adamw_init(box["p"])
 
     def kspec_call():
         box["p"], box["s"], _ = step(box["p"], grads, box["s"], jnp.float32(1e-3))

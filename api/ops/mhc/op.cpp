@@ -123,6 +123,43 @@ int64_t pre_min_threads(const Problem& p) {
   return pre_only(p) ? proj_rows(p) : std::max<int64_t>(proj_rows(p), p.dim("n") * p.dim("n"));
 }
 
+// The pre kernels also take several tokens per block ("tokens"): they share each load of phi, which one
+// block per token read from L2 once per token (T = 16384, n = 4, D = 4096, bf16 on the H100: pre.fwd
+// 2.6 ms, 9% of 3 TB/s). A token keeps n + M running sums in every thread (the backward's; the forward
+// keeps M + 1), a row of h per thread, n*n Sinkhorn elements per thread and its own Sinkhorn iterates in
+// shared memory.
+constexpr int64_t kMaxPreTokenSums = 112, kMaxPreSkSmem = 40 * 1024;
+constexpr int64_t kMaxPostPreTokenValues = 72;  // mhc.post_pre.fwd's bound (make_post_pre_fwd)
+TuningSpace with_tokens_axis(TuningSpace t) {
+  t.axes.push_back({"tokens", {1, 2, 4}});
+  auto threads_valid = t.valid;
+  t.valid = [threads_valid](const Problem& p, const Config& c, std::string* why) {
+    if (!threads_valid(p, c, why)) return false;
+    const int64_t tok = c.get("tokens"), th = c.get("threads"), n = p.dim("n"), m = proj_rows(p);
+    const int64_t nn = pre_only(p) ? 0 : n * n;
+    const int64_t sk_smem = pre_only(p) ? 0 : tok * nn * (2 * p.param_int("t_max") + 1) * 4;
+    const char* no = nullptr;
+    if (tok * m > th || tok * nn > th) no = "fewer threads than tokens x (M rows, n*n Sinkhorn elements)";
+    else if (tok * (n + m) > kMaxPreTokenSums) no = "more running sums per thread than registers hold";
+    else if (sk_smem > kMaxPreSkSmem) no = "the tokens' Sinkhorn iterates exceed 40 KiB of shared memory";
+    if (no && why) *why = no;
+    return no == nullptr;
+  };
+  auto threads_heuristic = t.heuristic;
+  t.heuristic = [threads_heuristic, valid = t.valid](const Problem& p) {
+    const Config threads = threads_heuristic(p);
+    for (int64_t tok : {4, 2}) {
+      Config c = threads;
+      c.values.push_back({"tokens", tok});
+      if (valid(p, c, nullptr)) return c;
+    }
+    Config c = threads;
+    c.values.push_back({"tokens", 1});
+    return c;
+  };
+  return t;
+}
+
 std::string thr(const Config& c) { return std::to_string(c.get("threads")); }
 // pre_only has no Sinkhorn-Knopp: one specialization whatever t_max.
 std::string t_max_arg(const Problem& p) { return pre_only(p) ? "1" : std::to_string(p.param_int("t_max")); }
@@ -311,7 +348,7 @@ OpDef pre_base(const char* name, const char* doc, bool bwd, bool po) {
   op.check = check_pre;
   op.derived_dims = pre_derived_dims();
   op.compile_dims = {{"T", 1}};
-  op.tuning = threads_tuning({128, 256}, pre_min_threads, 256);
+  op.tuning = with_tokens_axis(threads_tuning({128, 256}, pre_min_threads, 256));
   op.info.tuning_axes = op.tuning.axes;
   op.cases = pre_cases(bwd, po);
   op.dtypes = kFloatTypes;
@@ -352,7 +389,7 @@ OpDef make_pre_fwd(bool po) {
     return std::vector<jit::KernelSpec>{kernel_spec(
         p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_fwd_kernel",
         {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")),
-         t_max_arg(p), b(p.present("gamma")), b(pre_only(p)), thr(c)})};
+         t_max_arg(p), b(p.present("gamma")), b(pre_only(p)), thr(c), std::to_string(c.get("tokens"))})};
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     const Problem& pr = call.problem;
@@ -378,7 +415,7 @@ OpDef make_pre_fwd(bool po) {
     a.eps_pre = static_cast<float>(pr.param_float("eps_pre"));
     a.eps_sk = pre_only(pr) ? 0.f : static_cast<float>(pr.param_float("eps_sk"));
     void* args[] = {&a};
-    l.launch(0, {u32(a.T)}, {u32(c.get("threads"))}, 0, args);
+    l.launch(0, {u32(ceil_div(a.T, c.get("tokens")))}, {u32(c.get("threads"))}, 0, args);
   };
   op.reference = pre_fwd_reference;
   op.prepare_inputs = pre_fwd_prepare;
@@ -394,7 +431,7 @@ std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, 
   const std::string T = dtype_cuda_type(p.dtype("x")), n = std::to_string(p.dim("n")),
                     D = std::to_string(p.dim("D")), g = b(p.present("gamma")), head = b(pre_only(p));
   return {kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_token_kernel",
-                      {T, n, D, t_max_arg(p), g, head, b(dx_post), thr(c)}),
+                      {T, n, D, t_max_arg(p), g, head, b(dx_post), thr(c), std::to_string(c.get("tokens"))}),
           kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_columns_kernel", {T, n, D, g, head, thr(c)}),
           kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_reduce_kernel",
                       {n, D, g, head, std::to_string(kReduceThreads)})};
@@ -444,7 +481,7 @@ void* launch_pre_bwd(const Call& call, const Config& c, Launcher& l, MhcPreBwdPa
   a.tokens_per_part = static_cast<int>(ceil_div(T, parts));
   void* args[] = {&a};
   const unsigned th = u32(c.get("threads"));
-  if (T > 0) l.launch(0, {u32(T)}, {th}, 0, args);
+  if (T > 0) l.launch(0, {u32(ceil_div(T, c.get("tokens")))}, {th}, 0, args);
   l.launch(1, {u32(ceil_div(nd, th)), u32(parts)}, {th}, 0, args);
   l.launch(2, {u32(ceil_div((m + 1) * nd + m + 3, kReduceThreads))}, {kReduceThreads}, 0, args);
   return a.dx;
@@ -737,11 +774,30 @@ OpDef make_post_pre_fwd() {
                      f32("inv", {"...T"}, false, "1/sqrt(mean(x_next^2) + eps_rms), saved for the backward"),
                      f32("h", {"...T", "M"}, false, "layer l + 1's pre-activation rows, saved for the backward")};
   op.check_call = [](const Call& call) { check_tokens(call.problem); };
+  // Each token of a block also keeps its n streams of x and its f per thread (n + 1 more registers):
+  // ptxas (sm_90a, NVRTC 13) spills 8-24 bytes with 4 tokens at n = 2, 3 and 4 (some thread counts and
+  // dtypes), none with 2 tokens up to 72 values (n <= 4), nor with one token at n = 8.
+  auto valid = op.tuning.valid;
+  op.tuning.valid = [valid](const Problem& p, const Config& c, std::string* why) {
+    if (!valid(p, c, why)) return false;
+    const int64_t tok = c.get("tokens");
+    if (tok == 1 || (tok == 2 && tok * (proj_rows(p) + p.dim("n") + 2) <= kMaxPostPreTokenValues)) return true;
+    if (why) *why = "more values per thread than registers hold (x and f kept too: 2 tokens up to 72 values)";
+    return false;
+  };
+  auto heuristic = op.tuning.heuristic;
+  op.tuning.heuristic = [heuristic, fits = op.tuning.valid](const Problem& p) {
+    Config c = heuristic(p);
+    for (auto& [axis, v] : c.values)
+      if (axis == "tokens")
+        while (v > 1 && !fits(p, c, nullptr)) v /= 2;
+    return c;
+  };
   op.kernels = [](const Problem& p, const Config& c) {
     return std::vector<jit::KernelSpec>{kernel_spec(
         p, "mhc/mhc_post_pre.cuh", "kspec::mhc_post_pre_fwd_kernel",
         {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")), t_max_arg(p),
-         b(p.present("gamma")), thr(c)})};
+         b(p.present("gamma")), thr(c), std::to_string(c.get("tokens"))})};
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     const Problem& pr = call.problem;
@@ -772,7 +828,7 @@ OpDef make_post_pre_fwd() {
     a.x_row = call.row_stride(call.in("x"));
     a.f_row = call.row_stride(call.in("f"));
     void* args[] = {&a};
-    l.launch(0, {u32(q.T)}, {u32(c.get("threads"))}, 0, args);
+    l.launch(0, {u32(ceil_div(q.T, c.get("tokens")))}, {u32(c.get("threads"))}, 0, args);
   };
   op.reference = post_pre_fwd_reference;
   op.prepare_inputs = post_pre_fwd_prepare;
