@@ -54,7 +54,8 @@ __global__ void __launch_bounds__(kThreads) mhc_post_pre_fwd_kernel(const MhcPos
       for (int i = 0; i < N; ++i) xv[j][i] = to_float(x[(tj * N + i) * p.x_row + d]);
       fv[j] = to_float(f[tj * p.f_row + d]);
     }
-#pragma unroll
+    // Not unrolled: unrolled, ptxas hoists the n columns' phi loads (n x M registers) and spills.
+#pragma unroll 1
     for (int k = 0; k < N; ++k) {
       const int c = k * D + d;
       const float gm = kHasGamma ? __ldg(p.pre.gamma + c) : 1.f;

@@ -129,7 +129,6 @@ int64_t pre_min_threads(const Problem& p) {
 // keeps M + 1), a row of h per thread, n*n Sinkhorn elements per thread and its own Sinkhorn iterates in
 // shared memory.
 constexpr int64_t kMaxPreTokenSums = 112, kMaxPreSkSmem = 40 * 1024;
-constexpr int64_t kMaxPostPreTokenValues = 72;  // mhc.post_pre.fwd's bound (make_post_pre_fwd)
 TuningSpace with_tokens_axis(TuningSpace t) {
   t.axes.push_back({"tokens", {1, 2, 4}});
   auto threads_valid = t.valid;
@@ -774,25 +773,6 @@ OpDef make_post_pre_fwd() {
                      f32("inv", {"...T"}, false, "1/sqrt(mean(x_next^2) + eps_rms), saved for the backward"),
                      f32("h", {"...T", "M"}, false, "layer l + 1's pre-activation rows, saved for the backward")};
   op.check_call = [](const Call& call) { check_tokens(call.problem); };
-  // Each token of a block also keeps its n streams of x and its f per thread (n + 1 more registers):
-  // ptxas (sm_90a, NVRTC 13) spills 8-24 bytes with 4 tokens at n = 2, 3 and 4 (some thread counts and
-  // dtypes), none with 2 tokens up to 72 values (n <= 4), nor with one token at n = 8.
-  auto valid = op.tuning.valid;
-  op.tuning.valid = [valid](const Problem& p, const Config& c, std::string* why) {
-    if (!valid(p, c, why)) return false;
-    const int64_t tok = c.get("tokens");
-    if (tok == 1 || (tok == 2 && tok * (proj_rows(p) + p.dim("n") + 2) <= kMaxPostPreTokenValues)) return true;
-    if (why) *why = "more values per thread than registers hold (x and f kept too: 2 tokens up to 72 values)";
-    return false;
-  };
-  auto heuristic = op.tuning.heuristic;
-  op.tuning.heuristic = [heuristic, fits = op.tuning.valid](const Problem& p) {
-    Config c = heuristic(p);
-    for (auto& [axis, v] : c.values)
-      if (axis == "tokens")
-        while (v > 1 && !fits(p, c, nullptr)) v /= 2;
-    return c;
-  };
   op.kernels = [](const Problem& p, const Config& c) {
     return std::vector<jit::KernelSpec>{kernel_spec(
         p, "mhc/mhc_post_pre.cuh", "kspec::mhc_post_pre_fwd_kernel",
