@@ -122,6 +122,6 @@ from ._difflogic_ca import DiffLogicCA  # noqa: E402
 __all__ += ["DiffLogicCA"]
 
 # mHC (issue 34), on kspec's mhc ops
-from ._mhc import HyperConnection, HyperConnectionHead, expand as mhc_expand  # noqa: E402
+from ._mhc import HyperConnection, HyperConnectionHead, HyperConnectionStack, expand as mhc_expand  # noqa: E402
 
-__all__ += ["HyperConnection", "HyperConnectionHead", "mhc_expand"]
+__all__ += ["HyperConnection", "HyperConnectionHead", "HyperConnectionStack", "mhc_expand"]

@@ -22,58 +22,19 @@ struct MhcRows {
   static __device__ __forceinline__ int alpha_of(int r) { return r < N ? 0 : r < 2 * N ? 1 : 2; }
 };
 
-// Block of kThreads threads per kTok tokens; grid.x = ceil(T / kTok). The tokens of a block share each
-// load of phi (phi is M x nD fp32, 1.5 MB at n = 4, D = 4096: one block per token read it from L2 once per
-// token, 25 GB at T = 16384 and 2.6 ms on the H100). Each token's sums run in the same order whatever kTok
-// (thread k adds the elements k, k + kThreads, ... of each stream, then the block's fixed-order reduction),
-// so every kTok gives the same bits.
-template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kThreads, int kTok>
-__global__ void __launch_bounds__(kThreads) mhc_pre_fwd_kernel(const MhcPreParams p) {
+// The pre forward of the block's tokens t0 .. t0 + ntok - 1 once `tot` (shared) holds their totals,
+// tot[j * (M + 1)] = sum v^2 of token t0 + j and tot[j * (M + 1) + 1 + r] its m[r]: inv, h, H_pre, H_post,
+// R, then y = sum_i H_pre[i] x[i] with x read again from p.x (plain loads: in mhc_post_pre_fwd_kernel, p.x
+// is the x_next this block has just written, each thread reading back its own elements).
+template <typename T, int N, int D, int kTMax, bool kPreOnly, int kThreads, int kTok>
+__device__ __forceinline__ void mhc_pre_fwd_rows(const MhcPreParams& p, long long t0, int ntok, const float* tot) {
   using Rows = MhcRows<N, kPreOnly>;
   using SK = MhcSinkhorn<N, kTMax>;
   constexpr int kM = Rows::kM, kND = N * D, kK = kM + 1, kNN = N * N;
-  static_assert(kTok >= 1 && kThreads >= kTok * kM && (kPreOnly || kThreads >= kTok * kNN),
-                "a row of h and a Sinkhorn element per thread for each token of the block");
-  __shared__ float scratch[RowReduceScratch<kThreads, kThreads, kTok * kK>::value + 1];
   __shared__ float hs[kTok][kM];
   __shared__ float h_pre[kTok][N];
   __shared__ typename SK::Smem sk[kPreOnly ? 1 : kTok];
-  const long long t0 = static_cast<long long>(blockIdx.x) * kTok;
-  const int ntok = static_cast<int>(p.T - t0 < kTok ? p.T - t0 : kTok);
   const T* x = static_cast<const T*>(p.x);
-
-  // acc[j * kK] = sum v^2 of token t0 + j, acc[j * kK + 1 + r] = its m[r]. Tokens past T (a partial last
-  // block) read token t0's rows again and are never written.
-  float acc[kTok * kK];
-#pragma unroll
-  for (int r = 0; r < kTok * kK; ++r) acc[r] = 0.f;
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    for (int d = threadIdx.x; d < D; d += kThreads) {
-      const int c = i * D + d;
-      const float gm = kHasGamma ? __ldg(p.gamma + c) : 1.f;
-      float ph[kM];
-#pragma unroll
-      for (int r = 0; r < kM; ++r) ph[r] = __ldg(p.phi + static_cast<long long>(r) * kND + c);
-#pragma unroll
-      for (int j = 0; j < kTok; ++j) {
-        const long long tj = t0 + (j < ntok ? j : 0);
-        const float v = to_float(x[(tj * N + i) * p.x_row + d]);
-        const float u = kHasGamma ? v * gm : v;
-        acc[j * kK] += v * v;
-#pragma unroll
-        for (int r = 0; r < kM; ++r) acc[j * kK + 1 + r] += u * ph[r];
-      }
-    }
-  }
-  row_group_reduce_sum<kThreads, kThreads, kTok * kK>(acc, scratch);
-  // Every thread holds the totals; one publishes them (a register array takes no dynamic index).
-  __shared__ float tot[kTok * kK];
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int q = 0; q < kTok * kK; ++q) tot[q] = acc[q];
-  }
-  __syncthreads();
   if (threadIdx.x < kTok * kM) {
     const int j = threadIdx.x / kM, r = threadIdx.x % kM;
     const float m = tot[j * kK + 1 + r], ss = tot[j * kK];
@@ -110,6 +71,57 @@ __global__ void __launch_bounds__(kThreads) mhc_pre_fwd_kernel(const MhcPreParam
       y[d] = store_as<T>(s);
     }
   }
+}
+
+// Block of kThreads threads per kTok tokens; grid.x = ceil(T / kTok). The tokens of a block share each
+// load of phi (phi is M x nD fp32, 1.5 MB at n = 4, D = 4096: one block per token read it from L2 once per
+// token, 25 GB at T = 16384 and 2.6 ms on the H100). Each token's sums run in the same order whatever kTok
+// (thread k adds the elements k, k + kThreads, ... of each stream, then the block's fixed-order reduction),
+// so every kTok gives the same bits.
+template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kThreads, int kTok>
+__global__ void __launch_bounds__(kThreads) mhc_pre_fwd_kernel(const MhcPreParams p) {
+  using Rows = MhcRows<N, kPreOnly>;
+  constexpr int kM = Rows::kM, kND = N * D, kK = kM + 1, kNN = N * N;
+  static_assert(kTok >= 1 && kThreads >= kTok * kM && (kPreOnly || kThreads >= kTok * kNN),
+                "a row of h and a Sinkhorn element per thread for each token of the block");
+  __shared__ float scratch[RowReduceScratch<kThreads, kThreads, kTok * kK>::value + 1];
+  const long long t0 = static_cast<long long>(blockIdx.x) * kTok;
+  const int ntok = static_cast<int>(p.T - t0 < kTok ? p.T - t0 : kTok);
+  const T* x = static_cast<const T*>(p.x);
+
+  // acc[j * kK] = sum v^2 of token t0 + j, acc[j * kK + 1 + r] = its m[r]. Tokens past T (a partial last
+  // block) read token t0's rows again and are never written.
+  float acc[kTok * kK];
+#pragma unroll
+  for (int r = 0; r < kTok * kK; ++r) acc[r] = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    for (int d = threadIdx.x; d < D; d += kThreads) {
+      const int c = i * D + d;
+      const float gm = kHasGamma ? __ldg(p.gamma + c) : 1.f;
+      float ph[kM];
+#pragma unroll
+      for (int r = 0; r < kM; ++r) ph[r] = __ldg(p.phi + static_cast<long long>(r) * kND + c);
+#pragma unroll
+      for (int j = 0; j < kTok; ++j) {
+        const long long tj = t0 + (j < ntok ? j : 0);
+        const float v = to_float(x[(tj * N + i) * p.x_row + d]);
+        const float u = kHasGamma ? v * gm : v;
+        acc[j * kK] += v * v;
+#pragma unroll
+        for (int r = 0; r < kM; ++r) acc[j * kK + 1 + r] += u * ph[r];
+      }
+    }
+  }
+  row_group_reduce_sum<kThreads, kThreads, kTok * kK>(acc, scratch);
+  // Every thread holds the totals; one publishes them (a register array takes no dynamic index).
+  __shared__ float tot[kTok * kK];
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int q = 0; q < kTok * kK; ++q) tot[q] = acc[q];
+  }
+  __syncthreads();
+  mhc_pre_fwd_rows<T, N, D, kTMax, kPreOnly, kThreads, kTok>(p, t0, ntok, tot);
 }
 
 // Backward, per token: g = dL/dh (the <dy, x[i]> and m reduced across the block; the Sinkhorn backward

@@ -60,6 +60,18 @@ struct MhcPostParams {
   long long T, x_row, f_row, out_row;
 };
 
+// mhc.post_pre.fwd: post(l) then pre(l + 1) per token, x_next written once and fed to the projection
+// from registers. pre.x is x_next (the y pass reads it back); the post side's x, f, h_post, r below.
+struct MhcPostPreParams {
+  MhcPreParams pre;
+  void* x_next;         // [T, n, D] (= pre.x)
+  const void* x;        // [T, n, D]
+  const void* f;        // [T, D]
+  const float* h_post;  // [T, n], layer l's
+  const float* r;       // [T, n, n], layer l's
+  long long x_row, f_row;
+};
+
 struct MhcPostBwdParams {
   const void* dout;     // [T, n, D]
   const void* x;        // [T, n, D]

@@ -2,6 +2,8 @@
 // input (each names the argument), and the base and n = 8 cases of every op compiling for sm_90
 // without spills. On a GPU: a layer (pre, identity sublayer, post) forward and backward on [B, S, n, D]
 // views with padded rows against the float64 reference, and pre.bwd giving the same bits three times.
+// mhc.post_pre (post fused with the next pre): its schema and messages; on a GPU, the fused ops against
+// post then pre of the reference at the named shapes.
 // (GpuEveryOp.EveryCaseEveryDtypeMatchesReference runs the case tables against the reference.)
 #include <algorithm>
 #include <cmath>
@@ -403,3 +405,137 @@ TEST(MhcGpu, PreBackwardIsBitwiseDeterministic) {
       EXPECT_EQ(std::memcmp(got[k].data(), first[k].data(), got[k].size() * 4), 0) << names[k] << " run " << run;
   }
 }
+
+// ---- post_pre: post(l) fused with pre(l + 1) ----
+
+namespace {
+
+// post_pre.fwd inputs for x [T, n, D] (bf16): post's x, f, h_post, h_res, then pre's phi, alpha, bias, gamma.
+std::vector<TensorView> post_pre_inputs(int64_t T, int64_t n, int64_t D) {
+  const int64_t M = n * n + 2 * n;
+  return {TensorView(fake(), DType::bf16, {T, n, D}, 0),        TensorView(fake(1 << 28), DType::bf16, {T, D}, 0),
+          TensorView(fake(2 << 28), DType::f32, {T, n}, 0),     TensorView(fake(3 << 28), DType::f32, {T, n, n}, 0),
+          TensorView(fake(4 << 28), DType::f32, {M, n * D}, 0), TensorView(fake(5 << 28), DType::f32, {3}, 0),
+          TensorView(fake(6 << 28), DType::f32, {M}, 0),        TensorView(fake(7 << 28), DType::f32, {n * D}, 0)};
+}
+
+}  // namespace
+
+TEST(Mhc, PostPreInfersBothLayersOutputsAndNamesBadArguments) {
+  auto outs = infer_outputs("mhc.post_pre.fwd", post_pre_inputs(9, 4, 40));
+  ASSERT_EQ(outs.size(), 7u);  // x_next, y, h_pre, h_post_next, r_next, inv, h
+  EXPECT_EQ(outs[0].shape, (std::vector<int64_t>{9, 4, 40}));
+  EXPECT_EQ(outs[0].dtype, DType::bf16);
+  EXPECT_EQ(outs[1].shape, (std::vector<int64_t>{9, 40}));
+  EXPECT_EQ(outs[1].dtype, DType::bf16);
+  EXPECT_EQ(outs[3].shape, (std::vector<int64_t>{9, 4}));
+  EXPECT_EQ(outs[4].shape, (std::vector<int64_t>{9, 4, 4}));
+  EXPECT_EQ(outs[5].shape, (std::vector<int64_t>{9}));
+  EXPECT_EQ(outs[6].shape, (std::vector<int64_t>{9, 24}));
+  const std::string op = "mhc.post_pre.fwd";
+  auto in = post_pre_inputs(9, 4, 40);
+  in[4] = TensorView(fake(4 << 28), DType::f32, {23, 160}, 0);
+  in[6] = TensorView(fake(6 << 28), DType::f32, {23}, 0);
+  expect_message(op, in, {}, {"input 'phi'", "M = n*n + 2n = 24", "got M = 23"});
+  in = post_pre_inputs(9, 4, 40);
+  in[1] = TensorView(fake(1 << 28), DType::bf16, {8, 40}, 0);
+  expect_message(op, in, {}, {"input 'f'", "T = 8", "T = 9"});
+  in = post_pre_inputs(9, 4, 40);
+  in[3] = TensorView(fake(3 << 28), DType::f32, {9, 3, 3}, 0);
+  expect_message(op, in, {}, {"input 'h_res'", "n = 3", "n = 4"});
+  in = post_pre_inputs(9, 4, 40);
+  in[7] = TensorView(fake(7 << 28), DType::f32, {159}, 0);
+  expect_message(op, in, {}, {"input 'gamma'", "nD = 159", "nD = 160"});
+  in = post_pre_inputs(9, 4, 40);
+  expect_message(op, in, {{"t_max", int64_t(0)}}, {"t_max"});
+  // The backward op: x_next like x.
+  const auto& bwd = Registry::global().get("mhc.post_pre.bwd");
+  ASSERT_EQ(bwd.info.outputs.size(), 8u);
+  EXPECT_EQ(bwd.info.outputs[0].name, "dx");
+  EXPECT_EQ(bwd.info.outputs[4].name, "dphi");
+}
+
+// The named shapes (d_not_pow2 at n 4, T 1, n in {1, 3, 8}) in fp32: mhc.post_pre.fwd and
+// mhc.post_pre.bwd against post then pre of the float64 reference (the backward with every upstream
+// gradient, dx_next among them).
+class MhcPostPreGpu : public ::testing::TestWithParam<std::tuple<int64_t, int64_t, int64_t>> {};
+
+TEST_P(MhcPostPreGpu, FusedForwardAndBackwardMatchPostThenPre) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  const auto [T, n, D] = GetParam();
+  const int64_t M = n * n + 2 * n, nd = n * D;
+  std::mt19937_64 rng(static_cast<uint64_t>(T * 131 + n * 7 + D));
+  std::vector<float> x = randn(rng, T * nd, 1.f), f = randn(rng, T * D, 1.f), hp = randn(rng, T * n, 1.f),
+                     hr = randn(rng, T * n * n, 0.5f), phi = randn(rng, M * nd, 1.f / std::sqrt(float(nd)));
+  std::vector<float> alpha = {0.7f, -0.5f, 1.3f}, bias = randn(rng, M, 0.5f), gamma = randn(rng, nd, 0.3f);
+  for (auto& g : gamma) g += 1.f;
+  std::vector<float> dxn = randn(rng, T * nd, 1.f), dy = randn(rng, T * D, 1.f), dhpre = randn(rng, T * n, 1.f),
+                     dhpost = randn(rng, T * n, 1.f), dr = randn(rng, T * n * n, 1.f);
+  DevBuf xb(T * nd * 4), fb(T * D * 4), hpb(T * n * 4), hrb(T * n * n * 4), phib(M * nd * 4), ab(12), bb(M * 4),
+      gb(nd * 4), xnb(T * nd * 4), yb(T * D * 4), hpre(T * n * 4), hpost(T * n * 4), rb(T * n * n * 4), invb(T * 4),
+      hb(T * M * 4), dxnb(T * nd * 4), dyb(T * D * 4), dhpreb(T * n * 4), dhpostb(T * n * 4), drb(T * n * n * 4),
+      dx(T * nd * 4), df(T * D * 4), dhp(T * n * 4), dhr(T * n * n * 4), dphi(M * nd * 4), dalpha(12), dbias(M * 4),
+      dgamma(nd * 4);
+  xb.upload(x);
+  fb.upload(f);
+  hpb.upload(hp);
+  hrb.upload(hr);
+  phib.upload(phi);
+  ab.upload(alpha);
+  bb.upload(bias);
+  gb.upload(gamma);
+  dxnb.upload(dxn);
+  dyb.upload(dy);
+  dhpreb.upload(dhpre);
+  dhpostb.upload(dhpost);
+  drb.upload(dr);
+  for (DevBuf* o : {&xnb, &yb, &hpre, &hpost, &rb, &invb, &hb, &dx, &df, &dhp, &dhr, &dphi, &dalpha, &dbias, &dgamma})
+    o->poison();
+  auto f32 = [](const DevBuf& b, std::vector<int64_t> shape) { return view(b.ptr(), DType::f32, shape); };
+  const TensorView xv = f32(xb, {T, n, D}), fv = f32(fb, {T, D}), hpv = f32(hpb, {T, n}), hrv = f32(hrb, {T, n, n}),
+                   phiv = f32(phib, {M, nd}), av = f32(ab, {3}), bv = f32(bb, {M}), gv = f32(gb, {nd}),
+                   xnv = f32(xnb, {T, n, D}), invv = f32(invb, {T}), hv = f32(hb, {T, M});
+  call("mhc.post_pre.fwd", {xv, fv, hpv, hrv, phiv, av, bv, gv},
+       {xnv, f32(yb, {T, D}), f32(hpre, {T, n}), f32(hpost, {T, n}), f32(rb, {T, n, n}), invv, hv});
+  call("mhc.post_pre.bwd",
+       {f32(dxnb, {T, n, D}), f32(dyb, {T, D}), f32(dhpreb, {T, n}), f32(dhpostb, {T, n}), f32(drb, {T, n, n}), xv,
+        fv, hpv, hrv, xnv, phiv, av, bv, gv, invv, hv},
+       {f32(dx, {T, n, D}), f32(df, {T, D}), f32(dhp, {T, n}), f32(dhr, {T, n, n}), f32(dphi, {M, nd}),
+        f32(dalpha, {3}), f32(dbias, {M}), f32(dgamma, {nd})});
+  CU_CHECK(cuCtxSynchronize());
+
+  const ref::MhcShape s{T, n, D, false};
+  const ref::MhcEps e;
+  const auto xn = ref::mhc_post_fwd_ref(s, to_double(x), to_double(f), to_double(hp), to_double(hr));
+  const ref::MhcPreInputs in{xn, to_double(phi), to_double(alpha), to_double(bias), to_double(gamma)};
+  const auto fw = ref::mhc_pre_fwd_ref(s, e, in);
+  const auto g = ref::mhc_pre_bwd_ref(
+      s, e, in, {to_double(dy), to_double(dhpre), to_double(dhpost), to_double(dr), to_double(dxn)});
+  const auto pg = ref::mhc_post_bwd_ref(s, to_double(x), to_double(f), to_double(hp), to_double(hr), g.dx);
+  const std::vector<std::tuple<const char*, const DevBuf*, const std::vector<double>*, double>> checks = {
+      {"x_next", &xnb, &xn, 1e-5},         {"y", &yb, &fw.y, 1e-5},          {"h_pre", &hpre, &fw.h_pre, 1e-5},
+      {"h_post_next", &hpost, &fw.h_post, 1e-5}, {"r_next", &rb, &fw.r, 1e-5}, {"inv", &invb, &fw.inv, 1e-5},
+      {"h", &hb, &fw.h, 1e-5},             {"dx", &dx, &pg.dx, 1e-4},        {"df", &df, &pg.df, 1e-4},
+      {"dh_post", &dhp, &pg.dh_post, 1e-4}, {"dh_res", &dhr, &pg.dr, 1e-4},  {"dphi", &dphi, &g.dphi, 1e-4},
+      {"dalpha", &dalpha, &g.dalpha, 1e-4}, {"dbias", &dbias, &g.dbias, 1e-4}, {"dgamma", &dgamma, &g.dgamma, 1e-4}};
+  for (const auto& [name, buf, want, tol] : checks)
+    EXPECT_LE(max_rel(buf->download(want->size()), *want), tol) << name;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    NamedShapes, MhcPostPreGpu,
+    ::testing::Values(std::make_tuple(int64_t(3), int64_t(4), int64_t(4000)),  // d_not_pow2
+                      std::make_tuple(int64_t(3), int64_t(4), int64_t(2560)),
+                      std::make_tuple(int64_t(2), int64_t(4), int64_t(7168)),
+                      std::make_tuple(int64_t(3), int64_t(4), int64_t(1000)),
+                      std::make_tuple(int64_t(6), int64_t(4), int64_t(37)),
+                      std::make_tuple(int64_t(5), int64_t(4), int64_t(128)),  // the 32-of-128
+                      std::make_tuple(int64_t(1), int64_t(4), int64_t(128)),  // T = 1
+                      std::make_tuple(int64_t(5), int64_t(1), int64_t(64)),
+                      std::make_tuple(int64_t(7), int64_t(3), int64_t(33)),
+                      std::make_tuple(int64_t(5), int64_t(8), int64_t(128))),
+    [](const ::testing::TestParamInfo<MhcPostPreGpu::ParamType>& p) {
+      return "T" + std::to_string(std::get<0>(p.param)) + "_n" + std::to_string(std::get<1>(p.param)) + "_D" +
+             std::to_string(std::get<2>(p.param));
+    });

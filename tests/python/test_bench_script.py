@@ -143,6 +143,9 @@ def test_mlstm_mhc_difflogic_napkin_math(families):
     assert round((mb("post", "fwd+bwd", T, n, D) - mb("post", "fwd", T, n, D)) / 1e9, 2) == 1.88
     layer_bwd = mb("layer", "fwd+bwd", T, n, D) - mb("layer", "fwd", T, n, D)
     assert abs((layer_bwd - 3 * T * n * D * 2 - 2 * T * D * 2) / 1e9 - 1.75) < 0.01
+    # post(l) + pre(l + 1) fused: one read of x (537 MB) less than post then pre
+    saved = mb("post", "fwd", T, n, D) + mb("pre", "fwd", T, n, D) - mb("post_pre", "fwd", T, n, D)
+    assert saved == T * n * D * 2 and round(saved / 1e6) == 537
     db = families["difflogic"].min_bytes
     assert round(100 * db(1024, 64000, 64000, "fwd", 4) / 1.101e-3 / 3e12) == 16
     assert round(100 * db(1024, 64000, 64000, "fwd+bwd", 4) / 4.260e-3 / 3e12) == 10
@@ -235,8 +238,16 @@ def test_mhc_bench_references_run_on_the_cpu(families):
     torch = pytest.importorskip("torch")
     mhc = families["mhc"]
     x = mhc._inputs(torch, "cpu", 8, 4, 16, 0)
+    np = pytest.importorskip("numpy")
     want = mhc._ref(x, "fwd+bwd")
     assert {"dx", "dphi", "dalpha", "dbias"} <= set(want["layer"]) and want["layer"]["dx"].shape == (8, 4, 16)
+    assert {"x_next", "y", "dx", "df", "dh_post", "dh_res", "dphi"} <= set(want["post_pre"])
+    np.testing.assert_allclose(want["post_pre"]["x_next"], want["post"]["out"])
+    # post_pre as post then pre (the peers' rows), on the bench's torch math
+    pp = mhc._then(lambda *a: mhc.torch_pre(torch, *a, None), lambda *a: mhc.torch_post(torch, *a))
+    got = pp(*(x[k].double() for k in ("x", "f", "h_post", "h_res", "phi", "alpha", "bias")))
+    np.testing.assert_allclose(got[0][:mhc.CHECK_TOKENS].numpy(), want["post_pre"]["x_next"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got[1][:mhc.CHECK_TOKENS].numpy(), want["post_pre"]["y"], rtol=1e-6, atol=1e-6)
 
 
 def test_torch_ca_peer_matches_the_reference(families):
@@ -261,3 +272,18 @@ def test_torch_ca_peer_matches_the_reference(families):
             want = dl_ref.ca_step(want, ca.perm.numpy(), layers[:2], layers[2:], [pl[:, :8], pl[:, 8:12], pl[:, 12:]],
                                   [ul[:6], ul[6:]], periodic=periodic)
         assert np.abs(got.detach().numpy() - want).max() <= 1e-12
+
+
+def test_mhc_decode_table_and_peer_report(families):
+    """The decode table says ok / MISSED against F.rms_norm per kspec.ops row; peer_report appends the shared
+    columns and the absent peer's note."""
+    mhc = families["mhc"]
+    rows = [{"variant": "torch F.rms_norm [T, n·D]", "host_us": 10.0, "status": "ok"},
+            {"variant": "kspec.ops.mhc_pre", "host_us": 9.0, "vs_peer": 0.9, "status": "ok"},
+            {"variant": "kspec.ops.mhc_post", "host_us": 12.0, "vs_peer": 1.2, "status": "ok"}]
+    sec = mhc._decode_section(rows)
+    assert "mhc_pre ok" in sec.notes[-1] and "mhc_post MISSED" in sec.notes[-1]
+    peer_report, PEER_COLUMNS = mhc.peer_report, sys.modules[mhc.peer_report.__module__].PEER_COLUMNS
+    data, (s,) = peer_report("t", [("op", "op")], [{"op": "x", "status": "ok"}], ["n"], "no peer", ["target"])
+    assert data == {"results": [{"op": "x", "status": "ok"}]} and s.notes == ["n", "peer absent: no peer", "target"]
+    assert [c[0] for c in s.columns] == ["op"] + [c[0] for c in PEER_COLUMNS]

@@ -14,7 +14,7 @@ import kspec
 ref = load_reference("mhc")
 
 OPS = ["mhc.pre.fwd", "mhc.pre.bwd", "mhc.pre_only.fwd", "mhc.pre_only.bwd", "mhc.post.fwd", "mhc.post.bwd",
-       "mhc.sinkhorn.fwd", "mhc.sinkhorn.bwd"]
+       "mhc.sinkhorn.fwd", "mhc.sinkhorn.bwd", "mhc.post_pre.fwd", "mhc.post_pre.bwd"]
 
 
 def test_ops_are_registered_with_the_named_cases():
@@ -163,3 +163,49 @@ def test_pre_backward_is_bitwise_deterministic():
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert t.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,D", [(1, 64), (3, 33), (4, 4000), (8, 128)])
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_post_pre_matches_post_then_pre(n, D, dtype_name):
+    """kspec.ops.mhc_post_pre against kspec.ops.mhc_post then mhc_pre on [B, S, n, D]: outputs and every
+    gradient (x_next's own and y's), within the dtype's tolerance; then a HyperConnectionStack of three
+    layers against the layers in turn."""
+    t = _torch()
+    dtype = getattr(t, dtype_name)
+    B, S = 2, 3
+    x, phi, alpha, bias, gam = _layer_inputs(B, S, n, D, dtype, seed=n * 100 + D)
+    g = t.Generator(device="cuda").manual_seed(D)
+    f = t.randn(B, S, D, device="cuda", generator=g).to(dtype)
+    h_post = 2 * t.sigmoid(t.randn(B, S, n, device="cuda", generator=g))
+    h_res = t.softmax(t.randn(B, S, n, n, device="cuda", generator=g), dim=-2)
+    dxn, dy = t.randn_like(x), t.randn_like(f)
+
+    def grads(fn):
+        leaves = [a.detach().clone().requires_grad_() for a in (x, f, h_post, h_res, phi, alpha, bias, gam)]
+        x_next, y = fn(*leaves)[:2]
+        t.autograd.backward([x_next, y], [dxn, dy])
+        return [x_next.detach(), y.detach()] + [a.grad for a in leaves]
+
+    fused = grads(kspec.ops.mhc_post_pre)
+
+    def unfused(x, f, h_post, h_res, phi, alpha, bias, gam):
+        x_next = kspec.ops.mhc_post(x, f, h_post, h_res)
+        return (x_next,) + kspec.ops.mhc_pre(x_next, phi, alpha, bias, gam)
+
+    names = ["x_next", "y", "dx", "df", "dh_post", "dh_res", "dphi", "dalpha", "dbias", "dgamma"]
+    for name, a, b in zip(names, fused, grads(unfused)):
+        assert _max_rel(a, _np(b)) <= _tol(dtype, name.startswith("d")), name
+
+    layers = [kspec.nn.HyperConnection(D, n, t.nn.Linear(D, D, device="cuda", dtype=dtype), device="cuda")
+              for _ in range(3)]
+    with t.no_grad():
+        for hc in layers:
+            hc.phi.normal_(0, (n * D) ** -0.5, generator=g)
+    stack = kspec.nn.HyperConnectionStack(layers)
+    out = stack(x)
+    want = x
+    for hc in layers:
+        want = hc(want)
+    assert _max_rel(out, _np(want)) <= _tol(dtype, False)

@@ -29,7 +29,7 @@ NO_SURFACE_YET = {
 }
 
 # The families after norm_act, selective_scan, linear and e79 (issues 29, 30, 34).
-NEW_FAMILIES = ["group_sum", "logic_layer", "mhc_post", "mhc_pre", "mhc_pre_only", "mhc_sinkhorn", "mlstm_chunkwise",
+NEW_FAMILIES = ["group_sum", "logic_layer", "mhc_post", "mhc_post_pre", "mhc_pre", "mhc_pre_only", "mhc_sinkhorn", "mlstm_chunkwise",
                 "mlstm_parallel"]
 ALL_FAMILIES = sorted(["e79", "linear", "norm_act", "selective_scan"] + NEW_FAMILIES)
 

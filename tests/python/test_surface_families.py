@@ -19,7 +19,7 @@ from kspec.reference import mlstm as mlstm_ref  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 FAMILIES = ["mlstm_chunkwise", "mlstm_parallel", "mhc_pre", "mhc_pre_only", "mhc_post", "mhc_sinkhorn",
-            "logic_layer"]
+            "logic_layer", "mhc_post_pre"]
 # A custom op's argument that is the op's input of another name.
 ALIAS = {("logic_layer", "dy"): "dout"}
 # Non-tensor arguments that are no param of the op: the value the fake test passes.
@@ -28,7 +28,7 @@ FLAGS = {"return_last_states": True, "save_rows": True, "mode": "soft", "grad_fa
 
 def _derived(op, dims):
     """The dims mhc derives from n and D (M, nD, A), which its cases leave out."""
-    if op.startswith("mhc.pre") and "n" in dims:
+    if op.startswith(("mhc.pre", "mhc.post_pre")) and "n" in dims:
         n, po = dims["n"], op.startswith("mhc.pre_only")
         dims = {**dims, "M": n if po else n * n + 2 * n, "nD": n * dims["D"], "A": 1 if po else 3}
     return dims
@@ -161,6 +161,13 @@ def _reference(op, a, p):
         dh_post, dr, dx_post = rest if not po else (None, None, rest[0])
         g = mhc_ref.mhc_pre_bwd(dy, x, phi, alpha, bias, gamma, dh_pre, dh_post, dr, dx_post, **kw)
         return g["dx"], g["dphi"], g["dalpha"], g["dbias"], g["dgamma"]
+    if op.startswith("mhc.post_pre."):
+        kw = dict(eps_rms=p["eps_rms"], eps_pre=p["eps_pre"], eps_sk=p["eps_sk"], t_max=p["t_max"])
+        if op.endswith(".fwd"):
+            o = mhc_ref.mhc_post_pre_fwd(*a, **kw)
+            return tuple(o[k] for k in ("x_next", "y", "h_pre", "h_post", "r", "inv", "h"))
+        g = mhc_ref.mhc_post_pre_bwd(*a[:9], *a[10:14], **kw)  # x_next (a[9]), inv, h: recomputed
+        return tuple(g[k] for k in ("dx", "df", "dh_post", "dr", "dphi", "dalpha", "dbias", "dgamma"))
     if op == "mhc.post.fwd":
         return (mhc_ref.mhc_post_fwd(*a),)
     if op == "mhc.post.bwd":
@@ -407,6 +414,107 @@ def test_mhc_post_sinkhorn_and_layer(on_reference):
     _close(dx, pre["dx"])
 
 
+@pytest.mark.parametrize("gamma", [True, False])
+def test_mhc_post_pre_doors_agree_with_post_then_pre(on_reference, gamma):
+    """mhc_post_pre's outputs and every input's gradient (with a gradient on x_next and on each output of
+    the next layer's pre) against the float64 post then pre."""
+    g = _gen(8)
+    x, phi, alpha, bias, gam = _mhc_inputs(g, gamma=gamma)
+    T, n, D = x.shape
+    f = torch.randn(T, D, generator=g, dtype=torch.float64)
+    h_post, h_res = torch.rand(T, n, generator=g).float(), torch.rand(T, n, n, generator=g).float()
+    seeds = (torch.randn(T, n, D, generator=g, dtype=torch.float64),
+             torch.randn(T, D, generator=g, dtype=torch.float64), torch.randn(T, n, generator=g), torch.randn(T, n, generator=g), torch.randn(T, n, n, generator=g))
+    npa = [_np(t) for t in (x, f, h_post, h_res, phi, alpha, bias)] + [None if gam is None else _np(gam)]
+    fwd = mhc_ref.mhc_post_pre_fwd(*npa)
+    bwd = mhc_ref.mhc_post_pre_bwd(*(_np(t) for t in seeds), *npa)
+    leaves = (x, f, h_post, h_res, phi, alpha, bias) + ((gam,) if gamma else ())
+
+    def public(x, f, h_post, h_res, phi, alpha, bias, *gm):
+        return kspec.ops.mhc_post_pre(x, f, h_post, h_res, phi, alpha, bias, *gm)
+
+    def custom(x, f, h_post, h_res, phi, alpha, bias, *gm):
+        return torch.ops.kspec.mhc_post_pre_fwd(x, f, h_post, h_res, phi, alpha, bias, gm[0] if gm else None, 1e-6,
+                                                1e-6, 1e-6, 20)[:5]
+
+    for outs, grads in _three_doors(public, custom, leaves, seeds):
+        for got, name in zip(outs, ("x_next", "y", "h_pre", "h_post", "r")):
+            _close(got, fwd[name])
+        for got, name in zip(grads, ("dx", "df", "dh_post", "dr", "dphi", "dalpha", "dbias", "dgamma")):
+            _close(got, bwd[name])
+    # Only y's gradient: x_next's and the H's absent (None into the backward op).
+    outs, grads = _grad(public, leaves, (None, seeds[1]))
+    want = mhc_ref.mhc_post_pre_bwd(None, _np(seeds[1]), None, None, None, *npa)
+    for got, name in zip(grads, ("dx", "df", "dh_post", "dr", "dphi")):
+        _close(got, want[name])
+
+
+def test_hyper_connection_stack_fuses_and_matches_layers_in_turn(on_reference, monkeypatch):
+    """HyperConnectionStack gives layer(x) in turn, forward and gradients, running post_pre between layers;
+    bad layers are refused naming the index."""
+    g = _gen(10)
+    B, S, n, D = 2, 3, 3, 8
+    x = torch.randn(B, S, n, D, generator=g, dtype=torch.float64)
+    layers = []
+    for _ in range(3):
+        hc = kspec.nn.HyperConnection(D, n, torch.nn.Linear(D, D, dtype=torch.float64))
+        with torch.no_grad():  # away from the plain-residual start, so every path carries weight
+            hc.phi.normal_(0, 0.1, generator=g)
+            hc.bias.add_(0.1 * torch.randn(hc.bias.shape, generator=g))
+        layers.append(hc)
+    stack = kspec.nn.HyperConnectionStack(layers)
+    fused = []
+    monkeypatch.setattr(_mhc, "post_pre", lambda *a, _f=_mhc.post_pre: fused.append(1) or _f(*a))
+    xa = x.clone().requires_grad_()
+    out = stack(xa)
+    assert len(fused) == 2
+    out.square().sum().backward()
+    got = [xa.grad] + [p.grad.clone() for p in stack.parameters()]
+    stack.zero_grad()
+    xb = x.clone().requires_grad_()
+    want_out = xb
+    for layer in layers:
+        want_out = layer(want_out)
+    want_out.square().sum().backward()
+    _close(out, _np(want_out.detach()))
+    for a, b in zip(got, [xb.grad] + [p.grad for p in stack.parameters()]):
+        _close(a, _np(b))
+    assert set(stack.state_dict()) >= {"layers.0.phi", "layers.2.sublayer.weight"}
+    with pytest.raises(ValueError, match=r"layers\[1\] must be a HyperConnection with a sublayer"):
+        kspec.nn.HyperConnectionStack([layers[0], kspec.nn.HyperConnection(D, n)])
+    with pytest.raises(ValueError, match=r"layers\[1\] has dim=8, n=2"):
+        kspec.nn.HyperConnectionStack([layers[0], kspec.nn.HyperConnection(D, 2, torch.nn.Identity())])
+
+
+def test_mhc_inference_is_one_call_of_the_forward_op(on_reference, monkeypatch):
+    """Under torch.no_grad (a decode step) kspec.ops.mhc_pre/_post/_post_pre and the modules make one kspec.call
+    of the forward op each, never the Surface's planning (autograd's entry), with the reference's outputs."""
+    g = _gen(11)
+    x, phi, alpha, bias, gamma = _mhc_inputs(g)
+    T, n, D = x.shape
+    f = torch.randn(T, D, generator=g, dtype=torch.float64)
+    h_post, h_res = torch.rand(T, n, generator=g).float(), torch.rand(T, n, n, generator=g).float()
+    ops, real = [], _mhc.call
+    monkeypatch.setattr(_mhc, "call", lambda op, *a, **k: ops.append(op) or real(op, *a, **k))
+    monkeypatch.setattr(_surface.Surface, "__call__", lambda *a: pytest.fail("the Surface ran under no_grad"))
+    with torch.no_grad():
+        y, h_pre, hp, r = kspec.ops.mhc_pre(x, phi, alpha, bias, gamma)
+        out = kspec.ops.mhc_post(x, f, h_post, h_res)
+        x_next, y2 = kspec.ops.mhc_post_pre(x, f, h_post, h_res, phi, alpha, bias, gamma)[:2]
+        kspec.ops.mhc_pre(x, phi[:n], alpha[:1], bias[:n], gamma, pre_only=True)
+        hc = kspec.nn.HyperConnection(D, n, torch.nn.Identity())
+        kspec.nn.HyperConnectionStack([hc, kspec.nn.HyperConnection(D, n, torch.nn.Identity())])(x)
+    assert ops == ["mhc.pre.fwd", "mhc.post.fwd", "mhc.post_pre.fwd", "mhc.pre_only.fwd", "mhc.pre.fwd",
+                   "mhc.post_pre.fwd", "mhc.post.fwd"]
+    want = mhc_ref.mhc_pre_fwd(*(_np(t) for t in (x, phi, alpha, bias, gamma)))
+    _close(y, want["y"])
+    _close(r, want["r"])
+    _close(out, mhc_ref.mhc_post_fwd(*(_np(t) for t in (x, f, h_post, h_res))))
+    pp = mhc_ref.mhc_post_pre_fwd(*(_np(t) for t in (x, f, h_post, h_res, phi, alpha, bias, gamma)))
+    _close(x_next, pp["x_next"])
+    _close(y2, pp["y"])
+
+
 def test_logic_layer_doors_agree_with_reference(on_reference):
     g = _gen(6)
     B, n_in, n_out = 9, 7, 12
@@ -447,6 +555,9 @@ def test_opcheck_generated_ops(on_reference):
     torch.library.opcheck(torch.ops.kspec.mhc_post_fwd.default,
                           (x, torch.randn(T, D, dtype=torch.float64), torch.rand(T, n), torch.rand(T, n, n)),
                           test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.kspec.mhc_post_pre_fwd.default,
+                          (x, torch.randn(T, D, dtype=torch.float64), torch.rand(T, n), torch.rand(T, n, n), phi, alpha,
+                           bias, gamma, 1e-6, 1e-6, 1e-6, 20), test_utils=("test_schema", "test_faketensor"))
     a = torch.tensor([0, 1, 2, 2], dtype=torch.int32)
     xs = torch.rand(3, 3, dtype=torch.float64)
     torch.library.opcheck(torch.ops.kspec.logic_layer_fwd.default,

@@ -1,14 +1,17 @@
 """The mhc benchmark (issue 34): manifold-constrained hyper-connections, bf16, T = 16384 (B = 4, S = 4096),
-n = 4, D = 4096, t_max 20: the pre op, the post op and a whole layer (pre, an identity sublayer, post),
-forward and forward+backward, kspec against the same math in torch eager and torch.compile and Liger's
-LigerMHC functions (liger-kernel 0.8.5, when importable), in one process."""
+n = 4, D = 4096, t_max 20: the pre op, the post op, a whole layer (pre, an identity sublayer, post) and the
+boundary between two layers (post of one, pre of the next: kspec's fused mhc_post_pre against kspec's post
+then pre), forward and forward+backward, kspec against the same math in torch eager and torch.compile and
+Liger's LigerMHC functions (liger-kernel 0.8.5, when importable), in one process. A second table: the decode
+shape (T = 8, same n, D), host µs per call beside torch eager's single op."""
 from __future__ import annotations
 
 import sys
 import traceback
 
 from .common import Section, brief, short_error
-from .report import fmt
+from .dispatch import host_us
+from .report import fmt, peer_report
 
 FAMILY = "mhc"
 DESCRIPTION = "mHC pre/post/layer: kspec.ops.mhc_pre/mhc_post against torch eager, torch.compile and LigerMHC"
@@ -18,6 +21,8 @@ CHECK_TOKENS = 64   # tokens compared with the float64 reference (upstream gradi
 FWD_TOL, BWD_TOL = 1e-2, 2e-2  # bf16 outputs (issue 34: 1e-2), max|err| / max|ref|
 TARGET_PCT = 80.0   # issue 34: >= 80% of 3 TB/s on the bytes each op moves
 LAYER_VS_COMPILE = 3.0  # issue 34: the layer's fwd+bwd >= 3x torch.compile
+DECODE_T = 8        # issue 34's small-batch decode shape: host µs per call <= torch eager's single op
+UNFUSED = "kspec post then pre"  # the post_pre rows' second kspec variant
 
 
 def add_arguments(p):
@@ -28,9 +33,13 @@ def min_bytes(op, kind, T, n, D, s=2):
     """Each tensor once: x = T n D s, y = f = T D s. pre fwd reads x, writes y; its backward reads dy and
     x, writes dx. post fwd reads x and f, writes out; its backward reads dout, x, f, writes dx, df. The layer
     adds them, its pre backward also reading the post's dx (issue 34's 1.75 GB). Per-token coefficients
-    (100 B a token) and the fp32 parameters are left out."""
+    (100 B a token) and the fp32 parameters are left out. post_pre (post of layer l, pre of l + 1) reads x
+    and f, writes x_next and y (unfused, pre reads x_next again: one x more); its backward reads dx_next, dy,
+    x_next, x and f, writes dx and df."""
     x, y = T * n * D * s, T * D * s
     pre_f, pre_b, post_f, post_b = x + y, 2 * x + y, 2 * x + y, 3 * x + 2 * y
+    if op == "post_pre":
+        return 2 * x + 2 * y if kind == "fwd" else 6 * x + 5 * y
     if op == "pre":
         return pre_f if kind == "fwd" else pre_f + pre_b
     if op == "post":
@@ -101,10 +110,16 @@ def _ref(x, kind):
     args = (a["x"], a["phi"], a["alpha"], a["bias"])
     pre = ref.mhc_pre_fwd(*args)
     post_out = ref.mhc_post_fwd(a["x"], a["f"], a["h_post"], a["h_res"])
+    pp_args = (a["x"], a["f"], a["h_post"], a["h_res"]) + args[1:]
+    pp = ref.mhc_post_pre_fwd(*pp_args)
     out = {"pre": {"y": pre["y"]}, "post": {"out": post_out},
-           "layer": {"out": ref.mhc_post_fwd(a["x"], pre["y"], pre["h_post"], pre["r"])}}
+           "layer": {"out": ref.mhc_post_fwd(a["x"], pre["y"], pre["h_post"], pre["r"])},
+           "post_pre": {"x_next": pp["x_next"], "y": pp["y"]}}
     if kind == "fwd":
         return out
+    g = ref.mhc_post_pre_bwd(a["dout"], a["dy"], None, None, None, *pp_args)
+    out["post_pre"].update(dx=g["dx"], df=g["df"], dh_post=g["dh_post"], dh_res=g["dr"], dphi=g["dphi"],
+                           dalpha=g["dalpha"], dbias=g["dbias"])
     g = ref.mhc_pre_bwd(a["dy"], *args)
     out["pre"].update(dx=g["dx"], dphi=g["dphi"], dalpha=g["dalpha"], dbias=g["dbias"])
     g = ref.mhc_post_bwd(a["dout"], a["x"], a["f"], a["h_post"], a["h_res"])
@@ -134,12 +149,23 @@ def _liger():
     return (liger_mhc_coeffs, liger_mhc_pre, liger_mhc_post_res), None
 
 
+def _then(pre, post):
+    """post_pre as post then pre: (x_next, y, h_pre, h_post, r)."""
+    def post_pre(x, f, h_post, r, phi, alpha, bias):
+        x_next = post(x, f, h_post, r)
+        return (x_next,) + tuple(pre(x_next, phi, alpha, bias))
+    return post_pre
+
+
 def implementations(ctx, liger):
-    """{name: (pre(x, phi, alpha, bias) -> (y, h_pre, h_post, r), post(x, f, h_post, r) -> out)}; r is
-    kspec's R[j, k] (stream j into k) for every implementation (Liger's h_res is its transpose)."""
+    """{name: (pre(x, phi, alpha, bias) -> (y, h_pre, h_post, r), post(x, f, h_post, r) -> out, post_pre(x, f,
+    h_post, r, phi, alpha, bias) -> (x_next, y, ...))}; r is kspec's R[j, k] (stream j into k) for every
+    implementation (Liger's h_res is its transpose). Only kspec fuses post_pre; UNFUSED is kspec's post then
+    pre (post_pre rows only)."""
     torch, K = ctx.torch, ctx.kspec.ops
     impls = {
         "kspec": (lambda x, phi, alpha, bias: K.mhc_pre(x, phi, alpha, bias), K.mhc_post),
+        UNFUSED: (lambda x, phi, alpha, bias: K.mhc_pre(x, phi, alpha, bias), K.mhc_post),
         "torch eager": (lambda x, phi, alpha, bias: torch_pre(torch, x, phi, alpha, bias, None),
                         lambda x, f, hp, r: torch_post(torch, x, f, hp, r)),
     }
@@ -156,6 +182,9 @@ def implementations(ctx, liger):
                 return lpre(x, hp), hp, hq, hr.transpose(-1, -2)
 
             impls[f"LigerMHC ({label})"] = (pre, lambda x, f, hp, r: lpost(x, f, hp, r.transpose(-1, -2)))
+    impls = {name: (pre, post, _then(pre, post)) for name, (pre, post) in impls.items()}
+    impls["kspec"] = impls["kspec"][:2] + (lambda x, f, hp, r, phi, alpha, bias: K.mhc_post_pre(x, f, hp, r, phi,
+                                                                                                alpha, bias),)
     return impls
 
 
@@ -173,18 +202,20 @@ def run(ctx):
     dy_check, dout_check = torch.zeros_like(x["dy"]), torch.zeros_like(x["dout"])
     dy_check[:CHECK_TOKENS], dout_check[:CHECK_TOKENS] = x["dy"][:CHECK_TOKENS], x["dout"][:CHECK_TOKENS]
     rows = []
-    for name, (pre, post) in implementations(ctx, liger).items():
-        for op in ("pre", "post", "layer"):
+    for name, fns in implementations(ctx, liger).items():
+        for op in ("pre", "post", "layer", "post_pre"):
+            if name == UNFUSED and op != "post_pre":
+                continue
             for kind in ("fwd", "fwd+bwd"):
                 row = {"family": "mhc", "shape": f"T={T} n={n} D={D}", "op": op, "variant": name, "kind": kind,
-                       "impl": "kspec" if name == "kspec" else "peer", "bytes": min_bytes(op, kind, T, n, D),
-                       "status": ""}
+                       "impl": "kspec" if name in ("kspec", UNFUSED) else "peer",
+                       "bytes": min_bytes(op, kind, T, n, D), "status": ""}
                 if ctx.skipped(name):
                     row["status"] = "skipped"
                     rows.append(row)
                     continue
                 try:
-                    row.update(_run_one(ctx, torch, x, pre, post, op, kind, refs[kind][op], dy_check, dout_check,
+                    row.update(_run_one(ctx, torch, x, fns, op, kind, refs[kind][op], dy_check, dout_check,
                                         row["impl"]))
                 except Exception as e:  # noqa: BLE001  (a peer that fails is a result)
                     row["status"] = "OOM" if "out of memory" in str(e).lower() else "error"
@@ -195,7 +226,7 @@ def run(ctx):
                 rows.append(row)
                 print(f"bench: mhc {op} {name} {kind}: {row['status']}", file=sys.stderr, flush=True)
     for r in rows:
-        base = next((k for k in rows if k["impl"] == "kspec" and k["op"] == r["op"] and k["kind"] == r["kind"]
+        base = next((k for k in rows if k["variant"] == "kspec" and k["op"] == r["op"] and k["kind"] == r["kind"]
                      and "gpu_ms" in k), None)
         if "gpu_ms" in r:
             r["gbps"] = r["bytes"] / (r["gpu_ms"] * 1e6)
@@ -203,14 +234,17 @@ def run(ctx):
             if base:
                 r["kspec_speedup_gpu"] = r["gpu_ms"] / base["gpu_ms"]
                 r["kspec_speedup_ev"] = r["ev_ms"] / base["ev_ms"]
-    return _report(ctx, rows, why)
+    data, sections = _report(ctx, rows, why)
+    data["decode"] = decode_rows(ctx, n, D)
+    return data, sections + [_decode_section(data["decode"])]
 
 
-def _step(torch, x, pre, post, op, kind, dy, dout):
+def _step(torch, x, fns, op, kind, dy, dout):
     """(step() -> outputs dict, prep) for one op and kind; leaves are fresh copies requiring grad."""
     leaves = {k: x[k].detach().clone().requires_grad_(kind != "fwd") for k in ("x", "f", "phi", "alpha", "bias",
                                                                                "h_post", "h_res")}
     L = leaves
+    pre, post, post_pre = fns
 
     def prep():
         for t in leaves.values():
@@ -227,6 +261,11 @@ def _step(torch, x, pre, post, op, kind, dy, dout):
             res = {"out": out}
             if kind != "fwd":
                 out.backward(dout)
+        elif op == "post_pre":
+            x_next, y = post_pre(L["x"], L["f"], L["h_post"], L["h_res"], L["phi"], L["alpha"], L["bias"])[:2]
+            res = {"x_next": x_next, "y": y}
+            if kind != "fwd":
+                torch.autograd.backward([x_next, y], [dout, dy])
         else:
             y, _, h_post, r = pre(L["x"], L["phi"], L["alpha"], L["bias"])
             out = post(L["x"], y, h_post, r)  # an identity sublayer
@@ -240,8 +279,8 @@ def _step(torch, x, pre, post, op, kind, dy, dout):
     return step, prep
 
 
-def _run_one(ctx, torch, x, pre, post, op, kind, ref, dy_check, dout_check, impl):
-    step, prep = _step(torch, x, pre, post, op, kind, dy_check, dout_check)
+def _run_one(ctx, torch, x, fns, op, kind, ref, dy_check, dout_check, impl):
+    step, prep = _step(torch, x, fns, op, kind, dy_check, dout_check)
     prep()
     got = step()
     torch.cuda.synchronize()
@@ -251,7 +290,7 @@ def _run_one(ctx, torch, x, pre, post, op, kind, ref, dy_check, dout_check, impl
     out["valid"] = out["max_error"] <= (FWD_TOL if kind == "fwd" else BWD_TOL)
     out["status"] = "ok" if out["valid"] else "INVALID"
     if out["valid"] or impl != "kspec" or ctx.args.time_invalid:
-        step, prep = _step(torch, x, pre, post, op, kind, x["dy"], x["dout"])
+        step, prep = _step(torch, x, fns, op, kind, x["dy"], x["dout"])
         out.update(ctx.timer.time(step, prep))
     return out
 
@@ -264,10 +303,6 @@ def _report(ctx, rows, why):
         ("ev µs", lambda r: fmt(r["ev_ms"] * 1e3 if "ev_ms" in r else None, ".0f")),
         ("GB/s", lambda r: fmt(r.get("gbps"), ".0f")),
         (f"% of {peak:g} TB/s", lambda r: fmt(r.get("pct_of_peak"), ".0f")),
-        ("kspec × gpu/ev", lambda r: f"{r['kspec_speedup_gpu']:.2f}× / {r['kspec_speedup_ev']:.2f}×"
-         if "kspec_speedup_gpu" in r else "—"),
-        ("max rel err", lambda r: fmt(r.get("max_error"), ".1e")),
-        ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else "")),
     ]
     notes = [
         "bytes: each tensor once (x = T·n·D·2, y = f = T·D·2; the layer's pre backward also reads the post's dx);"
@@ -278,11 +313,10 @@ def _report(ctx, rows, why):
         "Liger: Φ passed transposed ([nD, M]), α as three scalars, pre_eps 1e-6, its h_res = kspec's Rᵀ; measured"
         " (issue 34, H100): pre fwd 1.05 ms (bf16 Φ) / 1.42 (fp32 Φ), post fwd 1.44, layer fwd+bwd 16.5;"
         " torch.compile 1.47 / 4.65 / 13.7.",
+        f"post_pre: post of layer l then pre of layer l + 1 (x_next and y compared; bytes the fused floor, so the"
+        f" unfused rows' % shows the extra read of x_next); '{UNFUSED}' is kspec's two ops, the peers theirs.",
     ]
-    if why:
-        notes.append(f"peer absent: {why}")
-    notes += targets(rows, peak)
-    return {"results": rows}, [Section("mhc: bf16, n streams, t_max 20", cols, rows, notes)]
+    return peer_report("mhc: bf16, n streams, t_max 20", cols, rows, notes, why, targets(rows, peak))
 
 
 def targets(rows, peak) -> list:
@@ -291,8 +325,14 @@ def targets(rows, peak) -> list:
     for r in rows:
         if r["impl"] != "kspec" or "gpu_ms" not in r:
             continue
-        line = f"  {r['op']} {r['kind']}: {r['gpu_ms'] * 1e3:.0f} µs, {r['pct_of_peak']:.0f}%"
-        if r["op"] != "layer" or r["kind"] == "fwd":
+        line = (f"  {r['op']}{' (' + UNFUSED + ')' if r['variant'] == UNFUSED else ''} {r['kind']}:"
+                 f" {r['gpu_ms'] * 1e3:.0f} µs, {r['pct_of_peak']:.0f}%")
+        if r["op"] == "post_pre":
+            u = next((k for k in rows if k["variant"] == UNFUSED and k["kind"] == r["kind"] and "gpu_ms" in k), None)
+            if r["variant"] == "kspec" and u:
+                saved = (u["gpu_ms"] - r["gpu_ms"]) * 1e3
+                line += f"; the fusion saves {saved:.0f} µs ({u['gpu_ms'] / r['gpu_ms']:.2f}x)"
+        elif r["op"] != "layer" or r["kind"] == "fwd":
             line += " ok" if r["pct_of_peak"] >= TARGET_PCT else " MISSED"
         else:
             c = next((k for k in rows if k["variant"] == "torch.compile" and k["op"] == "layer"
@@ -302,3 +342,65 @@ def targets(rows, peak) -> list:
                      else "; torch.compile not timed")
         lines.append(line)
     return lines
+
+
+# ---- the decode shape: host time per call ----
+
+def decode_rows(ctx, n, D) -> list:
+    """Issue 34's small-batch decode shape (T = DECODE_T, bf16, no gradient): median host µs per call of
+    kspec.ops.mhc_pre, mhc_post and mhc_post_pre (dispatch.host_us: 2000 calls, no sync inside) beside torch
+    eager's single op of the same size (F.rms_norm on [T, n·D]) and the plain kspec.call of mhc.pre.fwd
+    (the floor of the Python path). Outputs checked against the float64 reference first."""
+    torch, K = ctx.torch, ctx.kspec
+    from kspec.reference import mhc as ref
+
+    x = _inputs(torch, ctx.dev, DECODE_T, n, D, ctx.args.seed)
+    a = (x["x"], x["phi"], x["alpha"], x["bias"])
+    post_args = (x["x"], x["f"], x["h_post"], x["h_res"])
+    w = torch.ones(n * D, device=ctx.dev, dtype=torch.bfloat16)
+    xf = x["x"].view(DECODE_T, n * D)
+    np_args = {k: t.double().cpu().numpy() for k, t in x.items()}
+    want_pp = ref.mhc_post_pre_fwd(*(np_args[k] for k in ("x", "f", "h_post", "h_res", "phi", "alpha", "bias")))
+    calls = [
+        ("torch F.rms_norm [T, n·D]", "peer", lambda: torch.nn.functional.rms_norm(xf, (n * D,), w, EPS), None),
+        ("kspec.call mhc.pre.fwd", "kspec", lambda: K.call("mhc.pre.fwd", *a, None), None),
+        ("kspec.ops.mhc_pre", "kspec", lambda: K.ops.mhc_pre(*a),
+         lambda o: _err(o[0], ref.mhc_pre_fwd(*(np_args[k] for k in ("x", "phi", "alpha", "bias")))["y"])),
+        ("kspec.ops.mhc_post", "kspec", lambda: K.ops.mhc_post(*post_args),
+         lambda o: _err(o, ref.mhc_post_fwd(*(np_args[k] for k in ("x", "f", "h_post", "h_res"))))),
+        ("kspec.ops.mhc_post_pre", "kspec", lambda: K.ops.mhc_post_pre(*post_args, *a[1:]),
+         lambda o: max(_err(o[0], want_pp["x_next"]), _err(o[1], want_pp["y"]))),
+    ]
+    rows = []
+    with torch.no_grad():
+        for name, impl, fn, check in calls:
+            row = {"family": "mhc", "shape": f"T={DECODE_T} n={n} D={D}", "variant": name, "impl": impl,
+                   "status": "ok"}
+            try:
+                if check is not None:
+                    row["max_error"] = check(fn())
+                    if not row["max_error"] <= FWD_TOL:
+                        row["status"] = "INVALID"
+                row["host_us"] = host_us(fn)
+            except Exception as e:  # noqa: BLE001  (a failing row is a result)
+                row["status"], row["error"] = "error", short_error(e)
+            rows.append(row)
+    peer = rows[0].get("host_us")
+    for r in rows[1:]:
+        if peer and "host_us" in r:
+            r["vs_peer"] = r["host_us"] / peer
+    return rows
+
+
+def _decode_section(rows) -> Section:
+    cols = [("call (no grad, bf16)", "variant"), ("host µs", lambda r: fmt(r.get("host_us"), ".1f")),
+            ("/ F.rms_norm", lambda r: fmt(r.get("vs_peer"), ".2f")),
+            ("max rel err", lambda r: fmt(r.get("max_error"), ".1e")),
+            ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else ""))]
+    notes = [f"median host µs of one call over 2000 calls after 200 warm-ups, no sync inside (tools/bench/"
+             f"dispatch.py's method), T = {DECODE_T}; under torch.no_grad the ops make one kspec.call of the forward op (the"
+             " torch fast path), not the autograd surface.",
+             "target (issue 34): kspec.ops.mhc_pre / mhc_post at or below F.rms_norm's host µs: "
+             + ", ".join(f"{r['variant'].removeprefix('kspec.ops.')} {'ok' if r['vs_peer'] <= 1.0 else 'MISSED'}"
+                         for r in rows if r["variant"].startswith("kspec.ops.") and "vs_peer" in r)]
+    return Section(f"mhc decode shape: host µs per call, T = {DECODE_T}", cols, rows, notes)

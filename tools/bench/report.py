@@ -19,6 +19,24 @@ def fmt(v, spec):
     return format(v, spec)
 
 
+# The columns a table of kspec against its peers ends with: kspec's speedup over the row (its time / kspec's,
+# gpu and ev), the max relative error against the float64 reference, the status with an error's start.
+PEER_COLUMNS = [
+    ("kspec × gpu/ev", lambda r: f"{r['kspec_speedup_gpu']:.2f}× / {r['kspec_speedup_ev']:.2f}×"
+     if "kspec_speedup_gpu" in r else "—"),
+    ("max rel err", lambda r: fmt(r.get("max_error"), ".1e")),
+    ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else "")),
+]
+
+
+def peer_report(title: str, columns: list, rows: list, notes: list, why: str | None = None,
+                target_lines: list = ()) -> tuple:
+    """A family's (data, sections) for one table of kspec against its peers: its own columns then
+    PEER_COLUMNS; its notes, then the absent peer (`why`) and the lines on its targets."""
+    notes = list(notes) + ([f"peer absent: {why}"] if why else []) + list(target_lines)
+    return {"results": rows}, [Section(title, list(columns) + PEER_COLUMNS, rows, notes)]
+
+
 def print_section(sec: Section):
     header = [c[0] for c in sec.columns]
     cells = []

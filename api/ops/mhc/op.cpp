@@ -425,6 +425,67 @@ OpDef make_pre_fwd(bool po) {
 
 int64_t bwd_parts(int64_t T) { return std::clamp<int64_t>(ceil_div(T, kTokensPerPart), 1, kMaxParts); }
 
+// pre.bwd's three kernels (token, columns, reduce), also the first three of post_pre.bwd.
+std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, bool dx_post) {
+  const std::string T = dtype_cuda_type(p.dtype("x")), n = std::to_string(p.dim("n")),
+                    D = std::to_string(p.dim("D")), g = b(p.present("gamma")), head = b(pre_only(p));
+  return {kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_token_kernel",
+                      {T, n, D, t_max_arg(p), g, head, b(dx_post), thr(c), std::to_string(c.get("tokens"))}),
+          kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_columns_kernel", {T, n, D, g, head, thr(c)}),
+          kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_reduce_kernel",
+                      {n, D, g, head, std::to_string(kReduceThreads)})};
+}
+
+// The pre backward's arguments both ops name alike; the caller sets x (the pre op's input `x_name`), the
+// upstream dh_post, dr, dx_post and where dx goes.
+MhcPreBwdParams pre_bwd_params(const Call& call, const char* x_name) {
+  const Problem& pr = call.problem;
+  MhcPreBwdParams a{};
+  a.dy = call.in("dy").data;
+  a.x = call.in(x_name).data;
+  a.x_row = call.row_stride(call.in(x_name));
+  a.phi = static_cast<const float*>(call.in("phi").data);
+  a.alpha = static_cast<const float*>(call.in("alpha").data);
+  a.bias = static_cast<const float*>(call.in("bias").data);
+  a.gamma = static_cast<const float*>(call.in("gamma").data);
+  a.inv = static_cast<const float*>(call.in("inv").data);
+  a.h = static_cast<const float*>(call.in("h").data);
+  a.dh_pre = static_cast<const float*>(call.in("dh_pre").data);
+  a.dphi = static_cast<float*>(call.out("dphi").data);
+  a.dalpha = static_cast<float*>(call.out("dalpha").data);
+  a.dbias = static_cast<float*>(call.out("dbias").data);
+  a.dgamma = static_cast<float*>(call.out("dgamma").data);
+  a.T = pr.dim("T");
+  a.dy_row = call.row_stride(call.in("dy"));
+  a.eps_pre = static_cast<float>(pr.param_float("eps_pre"));
+  a.eps_sk = pre_only(pr) ? 0.f : static_cast<float>(pr.param_float("eps_sk"));
+  return a;
+}
+
+// Launches pre_bwd_kernels (the plan's kernels 0, 1, 2). With dx_bytes, dx goes to the start of the
+// workspace (one request: a larger one would move it), returned; else to a.dx.
+void* launch_pre_bwd(const Call& call, const Config& c, Launcher& l, MhcPreBwdParams a, size_t dx_bytes) {
+  const Problem& pr = call.problem;
+  const int64_t T = pr.dim("T"), m = proj_rows(pr), nd = pr.dim("nD"), parts = bwd_parts(T);
+  const size_t lead = (dx_bytes + 255) / 256 * 256;
+  const int64_t ws_floats = T * (2 * m + 3) + parts * ((m + 1) * nd + m + 3);
+  auto* base = static_cast<char*>(l.workspace(lead + sizeof(float) * static_cast<size_t>(ws_floats)));
+  if (dx_bytes) a.dx = base;
+  auto* ws = reinterpret_cast<float*>(base + lead);
+  a.ws_g = ws;
+  a.ws_dm = ws + T * m;
+  a.ws_ga = ws + 2 * T * m;
+  a.ws_part = ws + T * (2 * m + 3);
+  a.parts = static_cast<int>(parts);
+  a.tokens_per_part = static_cast<int>(ceil_div(T, parts));
+  void* args[] = {&a};
+  const unsigned th = u32(c.get("threads"));
+  if (T > 0) l.launch(0, {u32(ceil_div(T, c.get("tokens")))}, {th}, 0, args);
+  l.launch(1, {u32(ceil_div(nd, th)), u32(parts)}, {th}, 0, args);
+  l.launch(2, {u32(ceil_div((m + 1) * nd + m + 3, kReduceThreads))}, {kReduceThreads}, 0, args);
+  return a.dx;
+}
+
 OpDef make_pre_bwd(bool po) {
   OpDef op = pre_base(po ? "mhc.pre_only.bwd" : "mhc.pre.bwd",
                       po ? "gradients of mhc.pre_only.fwd: dx (plus dx_post when given), dphi, dalpha, dbias, dgamma; "
@@ -466,59 +527,19 @@ OpDef make_pre_bwd(bool po) {
       f32("dgamma", {"nD"}, false, "gradient of gamma", "gamma"),
   };
   op.check_call = [](const Call& call) { check_tokens(call.problem); };
-  op.kernels = [](const Problem& p, const Config& c) {
-    const std::string T = dtype_cuda_type(p.dtype("x")), n = std::to_string(p.dim("n")),
-                      D = std::to_string(p.dim("D")), g = b(p.present("gamma")), head = b(pre_only(p));
-    return std::vector<jit::KernelSpec>{
-        kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_token_kernel",
-                    {T, n, D, t_max_arg(p), g, head, b(p.present("dx_post")), thr(c), std::to_string(c.get("tokens"))}),
-        kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_columns_kernel", {T, n, D, g, head, thr(c)}),
-        kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_reduce_kernel",
-                    {n, D, g, head, std::to_string(kReduceThreads)})};
-  };
+  op.kernels = [](const Problem& p, const Config& c) { return pre_bwd_kernels(p, c, p.present("dx_post")); };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     const Problem& pr = call.problem;
-    const int64_t T = pr.dim("T"), m = proj_rows(pr), nd = pr.dim("nD"), parts = bwd_parts(T);
-    MhcPreBwdParams a{};
-    a.dy = call.in("dy").data;
-    a.x = call.in("x").data;
-    a.phi = static_cast<const float*>(call.in("phi").data);
-    a.alpha = static_cast<const float*>(call.in("alpha").data);
-    a.bias = static_cast<const float*>(call.in("bias").data);
-    a.gamma = static_cast<const float*>(call.in("gamma").data);
-    a.inv = static_cast<const float*>(call.in("inv").data);
-    a.h = static_cast<const float*>(call.in("h").data);
-    a.dh_pre = static_cast<const float*>(call.in("dh_pre").data);
+    MhcPreBwdParams a = pre_bwd_params(call, "x");
     if (!pre_only(pr)) {
       a.dh_post = static_cast<const float*>(call.in("dh_post").data);
       a.dr = static_cast<const float*>(call.in("dr").data);
     }
     a.dx_post = call.in("dx_post").data;
-    a.dx = call.out("dx").data;
-    a.dphi = static_cast<float*>(call.out("dphi").data);
-    a.dalpha = static_cast<float*>(call.out("dalpha").data);
-    a.dbias = static_cast<float*>(call.out("dbias").data);
-    a.dgamma = static_cast<float*>(call.out("dgamma").data);
-    const int64_t ws_floats = T * (2 * m + 3) + parts * ((m + 1) * nd + m + 3);
-    auto* ws = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(ws_floats)));
-    a.ws_g = ws;
-    a.ws_dm = ws + T * m;
-    a.ws_ga = ws + 2 * T * m;
-    a.ws_part = ws + T * (2 * m + 3);
-    a.T = T;
-    a.x_row = call.row_stride(call.in("x"));
-    a.dy_row = call.row_stride(call.in("dy"));
-    a.dx_row = call.row_stride(call.out("dx"));
     a.dx_post_row = call.in("dx_post").defined() ? call.row_stride(call.in("dx_post")) : 0;
-    a.parts = static_cast<int>(parts);
-    a.tokens_per_part = static_cast<int>(ceil_div(T, parts));
-    a.eps_pre = static_cast<float>(pr.param_float("eps_pre"));
-    a.eps_sk = pre_only(pr) ? 0.f : static_cast<float>(pr.param_float("eps_sk"));
-    void* args[] = {&a};
-    const unsigned th = u32(c.get("threads"));
-    if (T > 0) l.launch(0, {u32(ceil_div(T, c.get("tokens")))}, {th}, 0, args);
-    l.launch(1, {u32(ceil_div(nd, th)), u32(parts)}, {th}, 0, args);
-    l.launch(2, {u32(ceil_div((m + 1) * nd + m + 3, kReduceThreads))}, {kReduceThreads}, 0, args);
+    a.dx = call.out("dx").data;
+    a.dx_row = call.row_stride(call.out("dx"));
+    launch_pre_bwd(call, c, l, a, 0);
   };
   op.reference = pre_bwd_reference;
   op.prepare_inputs = pre_bwd_prepare;
@@ -580,6 +601,37 @@ std::vector<HostTensor> post_bwd_reference(const Problem& p, const std::vector<H
           {true, in[4].shape, std::move(g.dr)}};
 }
 
+std::vector<jit::KernelSpec> post_bwd_kernels(const Problem& p, const Config& c) {
+  return {kernel_spec(p, "mhc/mhc_post.cuh", "kspec::mhc_post_bwd_kernel",
+                      {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")), thr(c)})};
+}
+
+// post.bwd's kernel (plan kernel `kernel`) with the gradient of out at dout (row stride dout_row); x, f,
+// h_post, h_res and the outputs dx, df, dh_post, dh_res by name (post.bwd's and post_pre.bwd's).
+void launch_post_bwd(const Call& call, const Config& c, Launcher& l, size_t kernel, const void* dout,
+                     int64_t dout_row) {
+  const Problem& pr = call.problem;
+  if (pr.dim("T") == 0) return;
+  MhcPostBwdParams a{};
+  a.dout = dout;
+  a.x = call.in("x").data;
+  a.f = call.in("f").data;
+  a.h_post = static_cast<const float*>(call.in("h_post").data);
+  a.r = static_cast<const float*>(call.in("h_res").data);
+  a.dx = call.out("dx").data;
+  a.df = call.out("df").data;
+  a.dh_post = static_cast<float*>(call.out("dh_post").data);
+  a.dr = static_cast<float*>(call.out("dh_res").data);
+  a.T = pr.dim("T");
+  a.dout_row = dout_row;
+  a.x_row = call.row_stride(call.in("x"));
+  a.f_row = call.row_stride(call.in("f"));
+  a.dx_row = call.row_stride(call.out("dx"));
+  a.df_row = call.row_stride(call.out("df"));
+  void* args[] = {&a};
+  l.launch(kernel, {u32(a.T)}, {u32(c.get("threads"))}, 0, args);
+}
+
 OpDef make_post_fwd() {
   OpDef op = post_base("mhc.post.fwd", "mHC post: out[k] = h_post[k] f + sum_j h_res[j, k] x[j] (the next layer's x)");
   op.info.inputs = post_inputs("");
@@ -618,34 +670,202 @@ OpDef make_post_bwd() {
                      per_token("df", "dout", "gradient of f"),
                      f32("dh_post", {"...T", "n"}, false, "gradient of h_post"),
                      f32("dh_res", {"...T", "n", "n"}, false, "gradient of h_res")};
+  op.kernels = post_bwd_kernels;
+  op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    launch_post_bwd(call, c, l, 0, call.in("dout").data, call.row_stride(call.in("dout")));
+  };
+  op.reference = post_bwd_reference;
+  return op;
+}
+
+// ---- post_pre: post(l) fused with pre(l + 1) ----
+
+// post_pre.fwd inputs: x, f, h_post, h_res (layer l's post), phi, alpha, bias, gamma (layer l + 1's pre).
+std::vector<HostTensor> post_pre_fwd_reference(const Problem& p, const std::vector<HostTensor>& in) {
+  const ref::MhcShape s = shape_of_problem(p);
+  std::vector<HostTensor> pre_in(in.begin() + 3, in.end());
+  pre_in[0] = {true, in[0].shape, ref::mhc_post_fwd_ref(s, in[0].data, in[1].data, in[2].data, in[3].data)};
+  std::vector<HostTensor> out = pre_fwd_reference(p, pre_in);
+  out.insert(out.begin(), pre_in[0]);
+  return out;
+}
+
+void post_pre_fwd_prepare(const Problem& p, std::vector<HostTensor>& in) { scale_projection(p, in, 4); }
+
+// post_pre.bwd inputs: dx_next, dy, dh_pre, dh_post_next, dr_next, x, f, h_post, h_res, x_next, phi,
+// alpha, bias, gamma, inv, h.
+constexpr size_t kPpX = 5, kPpXNext = 9, kPpPhi = 10;
+
+ref::MhcPreInputs post_pre_pre_inputs(const std::vector<HostTensor>& in) {
+  return {in[kPpXNext].data, in[kPpPhi].data, in[kPpPhi + 1].data, in[kPpPhi + 2].data, or_empty(in[kPpPhi + 3])};
+}
+
+// The two references in turn: pre(l + 1)'s backward with dx_next added into its dx, which is then post(l)'s
+// dout.
+std::vector<HostTensor> post_pre_bwd_reference(const Problem& p, const std::vector<HostTensor>& in) {
+  const ref::MhcShape s = shape_of_problem(p);
+  ref::MhcPreUpstream up{in[1].data, or_empty(in[2]), or_empty(in[3]), or_empty(in[4]), or_empty(in[0])};
+  auto g = ref::mhc_pre_bwd_ref(s, eps_of(p), post_pre_pre_inputs(in), up);
+  auto pg = ref::mhc_post_bwd_ref(s, in[kPpX].data, in[kPpX + 1].data, in[kPpX + 2].data, in[kPpX + 3].data, g.dx);
+  std::vector<HostTensor> out(8);
+  out[0] = {true, in[kPpX].shape, std::move(pg.dx)};
+  out[1] = {true, in[kPpX + 1].shape, std::move(pg.df)};
+  out[2] = {true, in[kPpX + 2].shape, std::move(pg.dh_post)};
+  out[3] = {true, in[kPpX + 3].shape, std::move(pg.dr)};
+  out[4] = {true, in[kPpPhi].shape, std::move(g.dphi)};
+  out[5] = {true, in[kPpPhi + 1].shape, std::move(g.dalpha)};
+  out[6] = {true, in[kPpPhi + 2].shape, std::move(g.dbias)};
+  if (in[kPpPhi + 3].defined) out[7] = {true, in[kPpPhi + 3].shape, std::move(g.dgamma)};
+  return out;
+}
+
+// x_next, inv and h must be the forward's on these inputs.
+void post_pre_bwd_prepare(const Problem& p, std::vector<HostTensor>& in) {
+  scale_projection(p, in, kPpPhi);
+  const ref::MhcShape s = shape_of_problem(p);
+  in[kPpXNext].data =
+      ref::mhc_post_fwd_ref(s, in[kPpX].data, in[kPpX + 1].data, in[kPpX + 2].data, in[kPpX + 3].data);
+  auto r = ref::mhc_pre_fwd_ref(s, eps_of(p), post_pre_pre_inputs(in));
+  in[kPpPhi + 4].data = std::move(r.inv);
+  in[kPpPhi + 5].data = std::move(r.h);
+}
+
+// pre.fwd's cases (the post side has no axis of its own), and in the backward each upstream gradient
+// alone beside dy.
+std::vector<Case> post_pre_cases(bool bwd) {
+  std::vector<Case> cases = pre_cases(false, false);
+  if (!bwd) return cases;
+  const std::vector<std::pair<const char*, std::vector<std::string>>> alone = {
+      {"only_dy", {"dx_next", "dh_pre", "dh_post_next", "dr_next"}},
+      {"dy_dx_next", {"dh_pre", "dh_post_next", "dr_next"}},
+      {"dy_dr_next", {"dx_next", "dh_pre", "dh_post_next"}},
+  };
+  for (const auto& [name, without] : alone) {
+    Case c;
+    c.name = name;
+    c.dims = {{"T", 19}, {"n", 3}, {"D", 160}};
+    c.without = without;
+    cases.push_back(std::move(c));
+  }
+  return cases;
+}
+
+OpDef post_pre_base(const char* name, const char* doc, bool bwd) {
+  OpDef op = pre_base(name, doc, bwd, false);
+  op.cases = post_pre_cases(bwd);
+  return op;
+}
+
+OpDef make_post_pre_fwd() {
+  OpDef op = post_pre_base(
+      "mhc.post_pre.fwd",
+      "mHC post of layer l fused with pre of layer l + 1: x_next = h_post[k] f + sum_j h_res[j, k] x[j] written "
+      "once and projected from registers (one read of the streams less than mhc.post.fwd then mhc.pre.fwd); "
+      "then y, h_pre, h_post_next, r_next as mhc.pre.fwd's, and inv, h saved for the backward",
+      false);
+  op.info.inputs = post_inputs("");
+  for (auto& t : pre_param_inputs()) op.info.inputs.push_back(t);
+  op.info.outputs = {streams("x_next", "x", "the next layer's n streams (mhc.post.fwd's out)"),
+                     per_token("y", "x", "layer l + 1's sublayer input sum_i h_pre[i] x_next[i]"),
+                     f32("h_pre", {"...T", "n"}, false, "layer l + 1's sigma(h[0:n]) + eps_pre"),
+                     f32("h_post_next", {"...T", "n"}, false, "layer l + 1's 2 sigma(h[n:2n])"),
+                     f32("r_next", {"...T", "n", "n"}, false, "layer l + 1's Sinkhorn-Knopp R[j, k]"),
+                     f32("inv", {"...T"}, false, "1/sqrt(mean(x_next^2) + eps_rms), saved for the backward"),
+                     f32("h", {"...T", "M"}, false, "layer l + 1's pre-activation rows, saved for the backward")};
+  op.check_call = [](const Call& call) { check_tokens(call.problem); };
   op.kernels = [](const Problem& p, const Config& c) {
     return std::vector<jit::KernelSpec>{kernel_spec(
-        p, "mhc/mhc_post.cuh", "kspec::mhc_post_bwd_kernel",
-        {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")), thr(c)})};
+        p, "mhc/mhc_post_pre.cuh", "kspec::mhc_post_pre_fwd_kernel",
+        {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")), t_max_arg(p),
+         b(p.present("gamma")), thr(c), std::to_string(c.get("tokens"))})};
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     const Problem& pr = call.problem;
     if (pr.dim("T") == 0) return;
-    MhcPostBwdParams a{};
-    a.dout = call.in("dout").data;
+    MhcPostPreParams a{};
+    MhcPreParams& q = a.pre;
+    q.x = a.x_next = call.out("x_next").data;
+    q.phi = static_cast<const float*>(call.in("phi").data);
+    q.alpha = static_cast<const float*>(call.in("alpha").data);
+    q.bias = static_cast<const float*>(call.in("bias").data);
+    q.gamma = static_cast<const float*>(call.in("gamma").data);
+    q.y = call.out("y").data;
+    q.h_pre = static_cast<float*>(call.out("h_pre").data);
+    q.h_post = static_cast<float*>(call.out("h_post_next").data);
+    q.r = static_cast<float*>(call.out("r_next").data);
+    q.inv = static_cast<float*>(call.out("inv").data);
+    q.h = static_cast<float*>(call.out("h").data);
+    q.T = pr.dim("T");
+    q.x_row = call.row_stride(call.out("x_next"));
+    q.y_row = call.row_stride(call.out("y"));
+    q.eps_rms = static_cast<float>(pr.param_float("eps_rms"));
+    q.eps_pre = static_cast<float>(pr.param_float("eps_pre"));
+    q.eps_sk = static_cast<float>(pr.param_float("eps_sk"));
     a.x = call.in("x").data;
     a.f = call.in("f").data;
     a.h_post = static_cast<const float*>(call.in("h_post").data);
     a.r = static_cast<const float*>(call.in("h_res").data);
-    a.dx = call.out("dx").data;
-    a.df = call.out("df").data;
-    a.dh_post = static_cast<float*>(call.out("dh_post").data);
-    a.dr = static_cast<float*>(call.out("dh_res").data);
-    a.T = pr.dim("T");
-    a.dout_row = call.row_stride(call.in("dout"));
     a.x_row = call.row_stride(call.in("x"));
     a.f_row = call.row_stride(call.in("f"));
-    a.dx_row = call.row_stride(call.out("dx"));
-    a.df_row = call.row_stride(call.out("df"));
     void* args[] = {&a};
-    l.launch(0, {u32(a.T)}, {u32(c.get("threads"))}, 0, args);
+    l.launch(0, {u32(ceil_div(q.T, c.get("tokens")))}, {u32(c.get("threads"))}, 0, args);
   };
-  op.reference = post_bwd_reference;
+  op.reference = post_pre_fwd_reference;
+  op.prepare_inputs = post_pre_fwd_prepare;
+  return op;
+}
+
+// Composed of the existing kernels: pre.bwd's three (dx_next added into the pre op's dx, which goes to a
+// workspace) then post.bwd's on it. The forward is where the fusion pays; the backward reads the
+// streams as the two unfused backward ops would.
+OpDef make_post_pre_bwd() {
+  OpDef op = post_pre_base("mhc.post_pre.bwd",
+                           "gradients of mhc.post_pre.fwd: mhc.pre.bwd's kernels (dx_next added in), then "
+                           "mhc.post.bwd's on that: dx, df, dh_post, dh_res, dphi, dalpha, dbias, dgamma",
+                           true);
+  op.info.inputs = {
+      tensor_def("dx_next", {"...T", "n", "D"}, {}, "dy", false, true, "", Layout::RowStrided,
+                 "gradient of x_next from its other uses (absent: 0)"),
+      per_token("dy", "", "gradient of y"),
+      f32("dh_pre", {"...T", "n"}, true, "gradient of h_pre (absent: 0)"),
+      f32("dh_post_next", {"...T", "n"}, true, "gradient of h_post_next (absent: 0)"),
+      f32("dr_next", {"...T", "n", "n"}, true, "gradient of r_next (absent: 0)")};
+  op.info.inputs[1].dtypes = kFloatTypes;
+  op.info.inputs[1].dtype_of.clear();
+  for (auto& t : post_inputs("dy")) op.info.inputs.push_back(t);
+  op.info.inputs.push_back(streams("x_next", "dy", "the forward's x_next"));
+  for (auto& t : pre_param_inputs()) op.info.inputs.push_back(t);
+  op.info.inputs.push_back(f32("inv", {"...T"}, false, "saved by the forward"));
+  op.info.inputs.push_back(f32("h", {"...T", "M"}, false, "saved by the forward"));
+  op.info.outputs = {streams("dx", "dy", "gradient of x"),
+                     per_token("df", "dy", "gradient of f"),
+                     f32("dh_post", {"...T", "n"}, false, "gradient of h_post"),
+                     f32("dh_res", {"...T", "n", "n"}, false, "gradient of h_res"),
+                     f32("dphi", {"M", "nD"}, false, "gradient of phi"),
+                     f32("dalpha", {"A"}, false, "gradient of alpha"),
+                     f32("dbias", {"M"}, false, "gradient of bias"),
+                     f32("dgamma", {"nD"}, false, "gradient of gamma", "gamma")};
+  op.check_call = [](const Call& call) { check_tokens(call.problem); };
+  op.kernels = [](const Problem& p, const Config& c) {
+    auto k = pre_bwd_kernels(p, c, p.present("dx_next"));
+    k.push_back(post_bwd_kernels(p, c).front());
+    return k;
+  };
+  op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    const Problem& pr = call.problem;
+    const int64_t T = pr.dim("T"), D = pr.dim("D"), nd = pr.dim("nD");
+    MhcPreBwdParams a = pre_bwd_params(call, "x_next");
+    a.dh_post = static_cast<const float*>(call.in("dh_post_next").data);
+    a.dr = static_cast<const float*>(call.in("dr_next").data);
+    a.dx_post = call.in("dx_next").data;
+    a.dx_post_row = call.in("dx_next").defined() ? call.row_stride(call.in("dx_next")) : 0;
+    a.dx_row = D;  // the whole gradient of x_next, contiguous, in the workspace's lead
+    const size_t dxn_bytes = static_cast<size_t>(T * nd) * static_cast<size_t>(dtype_size(pr.dtype("x")));
+    void* dxn = launch_pre_bwd(call, c, l, a, dxn_bytes);
+    launch_post_bwd(call, c, l, 3, dxn, D);
+  };
+  op.reference = post_pre_bwd_reference;
+  op.prepare_inputs = post_pre_bwd_prepare;
   return op;
 }
 
@@ -762,6 +982,8 @@ void register_mhc(Registry& r) {
   }
   r.add(make_post_fwd());
   r.add(make_post_bwd());
+  r.add(make_post_pre_fwd());
+  r.add(make_post_pre_bwd());
   r.add(make_sinkhorn_fwd());
   r.add(make_sinkhorn_bwd());
 }

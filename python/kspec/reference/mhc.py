@@ -177,3 +177,24 @@ def mhc_post_bwd(dout, x, f, h_post, r):
     _check(dout.shape == x.shape, f"dout must be {x.shape}, got {dout.shape}")
     return {"dx": np.einsum("tjk,tkd->tjd", r, dout), "df": np.einsum("tk,tkd->td", h_post, dout),
             "dh_post": np.einsum("tkd,td->tk", dout, f), "dr": np.einsum("tkd,tjd->tjk", dout, x)}
+
+
+def mhc_post_pre_fwd(x, f, h_post, h_res, phi, alpha, bias, gamma=None, eps_rms=1e-6, eps_pre=1e-6, eps_sk=1e-6,
+                     t_max=20):
+    """Layer l's post then layer l + 1's pre (mhc.post_pre.fwd): dict x_next (T, n, D) and mhc_pre_fwd's
+    y, h_pre, h_post, r, inv, h of x_next."""
+    x_next = mhc_post_fwd(x, f, h_post, h_res)
+    out = mhc_pre_fwd(x_next, phi, alpha, bias, gamma, eps_rms=eps_rms, eps_pre=eps_pre, eps_sk=eps_sk, t_max=t_max)
+    return {"x_next": x_next, **out}
+
+
+def mhc_post_pre_bwd(dx_next, dy, dh_pre, dh_post_next, dr_next, x, f, h_post, h_res, phi, alpha, bias, gamma=None,
+                     eps_rms=1e-6, eps_pre=1e-6, eps_sk=1e-6, t_max=20):
+    """Gradients of mhc_post_pre_fwd: the pre backward on x_next (dx_next, the gradient of x_next's other
+    uses, added into its dx; None = 0), then the post backward of that. Dict dx, df, dh_post, dr (post's
+    inputs) and dphi, dalpha, dbias, dgamma."""
+    x_next = mhc_post_fwd(x, f, h_post, h_res)
+    g = mhc_pre_bwd(dy, x_next, phi, alpha, bias, gamma, dh_pre, dh_post_next, dr_next, dx_next, eps_rms=eps_rms,
+                    eps_pre=eps_pre, eps_sk=eps_sk, t_max=t_max)
+    pg = mhc_post_bwd(g["dx"], x, f, h_post, h_res)
+    return {**pg, "dphi": g["dphi"], "dalpha": g["dalpha"], "dbias": g["dbias"], "dgamma": g["dgamma"]}
