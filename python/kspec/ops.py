@@ -517,8 +517,9 @@ def mhc_post(x: Array, f: Array, h_post: Array, h_res: Array) -> Array:
     return _mhc.run_post(x, f, h_post, h_res)
 
 
-def mhc_post_pre(x, f, h_post, h_res, phi, alpha, bias, gamma=None, *, eps_rms: float = 1e-6,
-                 eps_pre: float = 1e-6, eps_sk: float = 1e-6, t_max: int = 20):
+def mhc_post_pre(x: Array, f: Array, h_post: Array, h_res: Array, phi: Array, alpha: Array, bias: Array,
+                 gamma: Array | None = None, *, eps_rms: float = 1e-6, eps_pre: float = 1e-6, eps_sk: float = 1e-6,
+                 t_max: int = 20) -> tuple[Array, ...]:
     """Layer l's mhc_post fused with layer l + 1's mhc_pre: x_next = mhc_post(x, f, h_post, h_res) is written
     once and projected on chip, so the n streams are read once less than post then pre (537 MB at T 16384,
     n 4, D 4096 bf16). x, f, h_post, h_res as mhc_post's; phi, alpha, bias, gamma and the eps/t_max as

@@ -8,7 +8,7 @@ import sys
 import traceback
 
 from .common import Section, brief, short_error
-from .report import fmt
+from .report import fmt, peer_report
 
 FAMILY = "difflogic"
 DESCRIPTION = "logic gate layers: kspec.nn.LogicLayer against difflogic 0.1.0 and torch eager"
@@ -455,11 +455,7 @@ def _report(ctx, rows, notes, why):
         ("gpu ms", lambda r: fmt(r.get("gpu_ms"), ".3f")), ("ev ms", lambda r: fmt(r.get("ev_ms"), ".3f")),
         ("GB/s", lambda r: fmt(r.get("gbps"), ".0f")),
         (f"% of {peak:g} TB/s", lambda r: fmt(r.get("pct_of_peak"), ".0f")),
-        ("kspec × gpu/ev", lambda r: f"{r['kspec_speedup_gpu']:.2f}× / {r['kspec_speedup_ev']:.2f}×"
-         if "kspec_speedup_gpu" in r else "—"),
-        ("max rel err", lambda r: fmt(r.get("max_error"), ".1e")),
-        ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else "")),
-    ]
+    ]  # then report.PEER_COLUMNS (speed-up, error, status)
     notes = list(notes) + [
         "kspec: kspec.nn.LogicLayer (training mode: the soft layer; wiring checked and its consumers CSR built"
         " once), x and dy row-major as given; kspec feature-major: the same layer handed x.t() of a contiguous"
@@ -471,10 +467,7 @@ def _report(ctx, rows, notes, why):
         " difflogic 64k→64k, B = 1024, fp32: fwd 1.101 ms, fwd+bwd 4.260 ms.",
         "not benchmarked here: packed inference (kspec.ops.difflogic_packed).",
     ]
-    if why:
-        notes.append(f"peer absent: {why}")
-    notes += targets(rows, peak)
-    return {"results": rows}, [Section("difflogic: logic gate layer", cols, rows, notes)]
+    return peer_report("difflogic: logic gate layer", cols, rows, notes, why, targets(rows, peak))
 
 
 def targets(rows, peak) -> list:

@@ -8,7 +8,7 @@ import sys
 import traceback
 
 from .common import Section, brief, short_error
-from .report import fmt
+from .report import fmt, peer_report
 
 FAMILY = "mlstm"
 DESCRIPTION = "the mLSTM cell: kspec.ops.mlstm_chunkwise against mlstm_kernels (Triton xl_chunk) and torch"
@@ -318,11 +318,7 @@ def _report(ctx, rows, why):
         ("gpu ms", lambda r: fmt(r.get("gpu_ms"), ".3f")), ("ev ms", lambda r: fmt(r.get("ev_ms"), ".3f")),
         ("TFLOP/s", lambda r: fmt(r.get("tflops"), ".1f")),
         ("Mtok/s", lambda r: fmt(r["tokens_per_s"] / 1e6 if "tokens_per_s" in r else None, ".2f")),
-        ("kspec × gpu/ev", lambda r: f"{r['kspec_speedup_gpu']:.2f}× / {r['kspec_speedup_ev']:.2f}×"
-         if "kspec_speedup_gpu" in r else "—"),
-        ("max rel err", lambda r: fmt(r.get("max_error"), ".1e")),
-        ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else "")),
-    ]
+    ]  # then report.PEER_COLUMNS (speed-up, error, status)
     notes = [
         "gpu: spin queued before the start event (pure GPU time); ev: plain events (host launch time included);"
         " kspec ×: this row's time / kspec's best chunk size's (> 1: kspec faster).",
@@ -334,10 +330,7 @@ def _report(ctx, rows, why):
         " backward holds n and m constant, as kspec's. Anchor (peers.md, H100): xl_chunk L=128, 8x8, DH 128:"
         " S=4096 0.514 / 1.624 ms, S=8192 0.994 / 3.150 ms.",
     ]
-    if why:
-        notes.append(f"peer absent: {why}")
-    notes += targets(rows)
-    return {"results": rows}, [Section("mlstm: the mLSTM cell, bf16, B=8, NH=8", cols, rows, notes)]
+    return peer_report("mlstm: the mLSTM cell, bf16, B=8, NH=8", cols, rows, notes, why, targets(rows))
 
 
 def targets(rows) -> list:
