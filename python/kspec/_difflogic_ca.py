@@ -108,7 +108,8 @@ class DiffLogicCA(torch.nn.Module):
     `perm` (8,) int32 (the neighbours 0..8 but the centre 4, shuffled) and `wires` (2, wired) int32 (each
     layer's a and b rows: every input of a layer read once before any is read twice), drawn from torch's
     CPU generator. grad_clip: the logits' gradients after a rollout are clamped to [-grad_clip, grad_clip]
-    (100 as the notebook; None: no clamp). state: (batch, height, width, channels) fp32/fp16/bf16 on CUDA."""
+    (100 as the notebook; None: no clamp). state: (batch, height, width, channels) fp32/bf16 on CUDA (fp16:
+    the forward only; the backward refuses it, the state's gradient flushing to zero in fp16)."""
 
     def __init__(self, channels: int = 8, n_kernels: int = 16, perceive=(8, 4, 2),
                  update=(256,) * 10 + (128, 64, 32, 16, 8, 8), periodic: bool = False, pass_value: float = 10.0,

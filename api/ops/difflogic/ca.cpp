@@ -294,6 +294,17 @@ OpDef make_ca_step_bwd() {
                       "difflogic.py: ca_step_bwd)";
   op.info.inputs.push_back(tensor_def("dnext", {"batch", "height", "width", "channels"}, {}, "state", false, false, "",
                                       Layout::Contiguous, "the gradient of the step's output"));
+  // No float16: the state's gradient shrinks through the update network's layers below float16's range.
+  // On the H100 the checkerboard case's dstate (12 gate layers from the update output back to the state)
+  // flushed to zero in float16 (error 0.63-1.0 against the float64 reference) where bfloat16 and float32
+  // matched; a gradient that silently vanishes is worse than a refusal.
+  op.dtypes = {DType::f32, DType::bf16};
+  op.check = [schema_check = op.check](const Problem& p) {
+    KSPEC_CHECK_AS(p.dtype("state") != DType::f16, Unsupported, p.op->info.name,
+                   ": input 'state' is float16, whose range cannot hold the state's gradient (it flushes to zero "
+                   "through the update network's layers): use bfloat16 or float32");
+    schema_check(p);
+  };
   op.info.outputs = {
       tensor_def("dstate", {"batch", "height", "width", "channels"}, {}, "state", false, false, "",
                  Layout::Contiguous, "the gradient of the state"),
