@@ -207,6 +207,7 @@ double max_rel(const std::vector<float>& a, const std::vector<float>& b) {
 // each thread walks the same steps in the same order; the backward's atomics reorder dB/dC sums).
 TEST(GpuSelectiveScanLayout, TimeMajorMatchesBdlAtTheSameConfig) {
   KSPEC_REQUIRE_GPU();
+  jit::ContextGuard context(0);  // the buffers below are allocated before any kspec call makes one current
   for (auto [b, d, l] : std::vector<std::array<int64_t, 3>>{{2, 40, 300}, {8, 1024, 130}, {1, 8, 1}, {2, 24, 2}}) {
     const int64_t n = 16;
     std::mt19937_64 rng(b * 1000 + d + l);
