@@ -1,6 +1,6 @@
 """kspec.jax without a GPU: the XLA target table (generated from the registry), the handler capsules, their
 registration with jaxlib's XLA at import, and what jitted functions lower to (the custom calls, their
-attributes, default row-major layouts in both scan layouts, adamw's aliasing, the backward's targets under jax.grad)."""
+attributes, the bld operand layouts, adamw's aliasing, the backward's targets under jax.grad)."""
 import json
 import os
 import pathlib
@@ -159,15 +159,9 @@ def test_selective_scan_lowers_with_layouts_and_backward(kj, layout):
     assert 'outputs = "du,ddelta,dA,dB,dC,dD"' in bwd
     assert 'inputs = "dout,u,delta,A,B,C,D,dlast_state,states"' in bwd
     fwd_line = next(line for line in text.splitlines() if "@kspec_selective_scan_fwd" in line)
-    # Both layouts take XLA's default row-major buffers (the kernels read bld in place): every operand and
-    # result layout of both calls is the default (minor-to-major [rank-1, ..., 0]), so XLA adds no
-    # transposes around the calls.
-    for line in text.splitlines():
-        if "@kspec_selective_scan" in line:
-            for dims in re.findall(r"dense<\[([\d, ]+)\]>", line):
-                order = [int(x) for x in dims.split(",")]
-                assert order == sorted(order, reverse=True), line
-    assert "stablehlo.transpose" not in text
+    # XLA layouts are minor-to-major: [b, l, d] with memory [b, d, l] is {1, 2, 0}; bdl is the default.
+    # (The op's own layout "bld", read in place by the time-major kernels, is not used by kspec.jax yet.)
+    assert ("dense<[1, 2, 0]>" in fwd_line) == (layout == "bld"), fwd_line
     # states: [batch, dim, ceil(seqlen / 16), dstate] fp32
     assert f"tensor<{b}x{d}x1x{n}xf32>" in fwd_line
 
@@ -197,7 +191,7 @@ def test_adamw_lowers_in_place(kj):
                 state, jnp.float32(1e-3))
     [(target, attrs)] = _calls(text)
     assert target == "kspec_adamw"
-    assert 'inputs = "lr,step,params,grads,exp_avg,exp_avg_sq,master"' in attrs
+    assert 'inputs = "device_lr,device_step,params,grads,exp_avg,exp_avg_sq,master"' in attrs
     assert 'outputs = "params,exp_avg,exp_avg_sq,master,grad_norm"' in attrs and "tensors = 2 : i64" in attrs
     # every in-place list's buffers alias their operands: 4 lists x 2 tensors
     assert text.count("output_tuple_indices") == 8
@@ -234,7 +228,7 @@ def test_adamw_transformation_init_and_update(kj):
                                                                   "b": ((3,), jnp.float32)}
     assert jax.tree_util.tree_structure(new_state) == jax.tree_util.tree_structure(state)
     [(target, attrs)] = _calls(_hlo(tx.update, params, state, params))
-    assert target == "kspec_adamw" and 'inputs = "lr,step,params,grads,exp_avg,exp_avg_sq,master"' in attrs
+    assert target == "kspec_adamw" and 'inputs = "device_lr,device_step,params,grads,exp_avg,exp_avg_sq,master"' in attrs
 
 
 def test_adamw_transformation_errors(kj):
