@@ -299,6 +299,10 @@ OpDef make_ca_step_bwd() {
   // flushed to zero in float16 (error 0.63-1.0 against the float64 reference) where bfloat16 and float32
   // matched; a gradient that silently vanishes is worse than a refusal.
   op.dtypes = {DType::f32, DType::bf16};
+  // 256 threads only: at 128, ptxas (NVRTC 13) spills 40 bytes of the tiny architecture's main kernel for
+  // sm_80 (none for sm_90, none at 256 for either).
+  op.tuning.axes = {{"threads", {256}}};
+  op.info.tuning_axes = op.tuning.axes;
   op.check = [schema_check = op.check](const Problem& p) {
     KSPEC_CHECK_AS(p.dtype("state") != DType::f16, Unsupported, p.op->info.name,
                    ": input 'state' is float16, whose range cannot hold the state's gradient (it flushes to zero "
