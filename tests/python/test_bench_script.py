@@ -287,3 +287,25 @@ def test_mhc_decode_table_and_peer_report(families):
     data, (s,) = peer_report("t", [("op", "op")], [{"op": "x", "status": "ok"}], ["n"], "no peer", ["target"])
     assert data == {"results": [{"op": "x", "status": "ok"}]} and s.notes == ["n", "peer absent: no peer", "target"]
     assert [c[0] for c in s.columns] == ["op"] + [c[0] for c in PEER_COLUMNS]
+
+
+def test_record_failure_names_oom_and_releases_the_cache(families, capsys):
+    """The failed-variant row the family files share: OOM told apart from other errors, the message kept,
+    the traceback printed only with --verbose, torch's cache released when torch is given."""
+    record_failure = sys.modules[families["mhc"].record_failure.__module__].record_failure
+    released = []
+    fake_torch = type("T", (), {"cuda": type("C", (), {"empty_cache": staticmethod(lambda: released.append(1))})})
+    rows = []
+    for err, verbose in ((RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"), False),
+                         (ValueError("bad shape"), True)):
+        row = {}
+        try:
+            raise err
+        except Exception as e:  # noqa: BLE001
+            record_failure(row, e, verbose, fake_torch)
+        rows.append(row)
+    assert rows[0]["status"] == "OOM" and rows[0]["error"].startswith("RuntimeError: CUDA out of memory")
+    assert rows[1] == {"status": "error", "error": "ValueError: bad shape"}
+    assert released == [1, 1]
+    err = capsys.readouterr().err
+    assert "bad shape" in err and "out of memory" not in err  # the traceback of the verbose one only

@@ -4,6 +4,7 @@ table type, and the errors a family may raise."""
 from __future__ import annotations
 
 import math
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -35,6 +36,18 @@ TOLERANCE = _Tolerances()
 def short_error(e: BaseException, limit: int = 2000) -> str:
     text = f"{type(e).__name__}: {e}"
     return text if len(text) <= limit else text[:limit] + " …"
+
+
+def record_failure(row: dict, e: BaseException, verbose: bool, torch=None) -> None:
+    """A variant that raised (a peer's OOM or compile failure is a result): its row says OOM or error with the
+    message, the traceback is printed with --verbose, and torch's cached blocks are released. Call it inside
+    the `except` block (the traceback is the exception being handled)."""
+    row["status"] = "OOM" if "out of memory" in str(e).lower() else "error"
+    row["error"] = short_error(e)
+    if verbose:
+        traceback.print_exc()
+    if torch is not None:
+        torch.cuda.empty_cache()
 
 
 def brief(text: str, limit: int = 160) -> str:

@@ -5,9 +5,8 @@ process."""
 from __future__ import annotations
 
 import sys
-import traceback
 
-from .common import Section, brief, short_error
+from .common import Section, brief, record_failure
 from .report import fmt, peer_report
 
 FAMILY = "difflogic"
@@ -132,11 +131,7 @@ def run(ctx):
                     try:
                         row.update(_run_one(ctx, torch, fn, weights, x, dy, dy_check, kind, ref, impl, dt, fm))
                     except Exception as e:  # noqa: BLE001
-                        row["status"] = "OOM" if "out of memory" in str(e).lower() else "error"
-                        row["error"] = short_error(e)
-                        if ctx.args.verbose:
-                            traceback.print_exc()
-                        torch.cuda.empty_cache()
+                        record_failure(row, e, ctx.args.verbose, torch)
                     rows.append(row)
                     print(f"bench: difflogic {row['shape']} {dt} {name} {kind}: {row['status']}", file=sys.stderr,
                           flush=True)
@@ -253,11 +248,7 @@ def run_packed(ctx):
                             row.update(ctx.timer.time(fn, lambda: None))
                         row["gbps"] = row["bytes"] / (row["gpu_ms"] * 1e6)
                 except Exception as e:  # noqa: BLE001
-                    row["status"] = "OOM" if "out of memory" in str(e).lower() else "error"
-                    row["error"] = short_error(e)
-                    if ctx.args.verbose:
-                        traceback.print_exc()
-                    torch.cuda.empty_cache()
+                    record_failure(row, e, ctx.args.verbose, torch)
                 rows.append(row)
                 print(f"bench: difflogic packed B={B} w={w} {name}: {row['status']}", file=sys.stderr, flush=True)
             del words
@@ -382,11 +373,7 @@ def run_ca(ctx):
                     row.update(ctx.timer.time(lambda fn=fn: train_step(fn), lambda: None))
                     row["cells_per_s"] = row["cells"] / (row["gpu_ms"] * 1e-3)
             except Exception as e:  # noqa: BLE001
-                row["status"] = "OOM" if "out of memory" in str(e).lower() else "error"
-                row["error"] = short_error(e)
-                if ctx.args.verbose:
-                    traceback.print_exc()
-                torch.cuda.empty_cache()
+                record_failure(row, e, ctx.args.verbose, torch)
             rows.append(row)
             print(f"bench: difflogic CA B={B} {name}: {row['status']}", file=sys.stderr, flush=True)
     for r in rows:

@@ -7,9 +7,8 @@ shape (T = 8, same n, D), host µs per call beside torch eager's single op."""
 from __future__ import annotations
 
 import sys
-import traceback
 
-from .common import Section, brief, short_error
+from .common import Section, brief, record_failure, short_error
 from .dispatch import host_us
 from .report import fmt, peer_report
 
@@ -218,11 +217,7 @@ def run(ctx):
                     row.update(_run_one(ctx, torch, x, fns, op, kind, refs[kind][op], dy_check, dout_check,
                                         row["impl"]))
                 except Exception as e:  # noqa: BLE001  (a peer that fails is a result)
-                    row["status"] = "OOM" if "out of memory" in str(e).lower() else "error"
-                    row["error"] = short_error(e)
-                    if ctx.args.verbose:
-                        traceback.print_exc()
-                    torch.cuda.empty_cache()
+                    record_failure(row, e, ctx.args.verbose, torch)
                 rows.append(row)
                 print(f"bench: mhc {op} {name} {kind}: {row['status']}", file=sys.stderr, flush=True)
     for r in rows:

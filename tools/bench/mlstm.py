@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 
-from .common import Section, brief, short_error
+from .common import Section, brief, record_failure, short_error
 from .report import fmt, peer_report
 
 FAMILY = "mlstm"
@@ -177,11 +176,7 @@ def run(ctx):
                         row.update(_validate_and_time(ctx, torch, kind, fwd, fwdbwd, prep, leaves, dh_check, ref,
                                                       impl, step, quick))
                     except Exception as e:  # noqa: BLE001  (a peer's OOM or compile failure is a result)
-                        row["status"] = "OOM" if "out of memory" in str(e).lower() else "error"
-                        row["error"] = short_error(e)
-                        if ctx.args.verbose:
-                            traceback.print_exc()
-                        torch.cuda.empty_cache()
+                        record_failure(row, e, ctx.args.verbose, torch)
                     rows.append(row)
                     print(f"bench: mlstm {shape} {name} {kind}: {row['status']}", file=sys.stderr, flush=True)
             del x, dh, dh_check, leaves
