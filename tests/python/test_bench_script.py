@@ -309,3 +309,15 @@ def test_record_failure_names_oom_and_releases_the_cache(families, capsys):
     assert released == [1, 1]
     err = capsys.readouterr().err
     assert "bad shape" in err and "out of memory" not in err  # the traceback of the verbose one only
+
+
+def test_speedup_vs_kspec_matches_shape_and_kind(families):
+    """Each timed row over the timed kspec row of its own shape and kind; untimed rows and rows without a
+    kspec base get none."""
+    speedup = sys.modules[families["selective_scan"].speedup_vs_kspec.__module__].speedup_vs_kspec
+    rows = [{"impl": "kspec", "shape": "a", "kind": "fwd", "gpu_ms": 2.0},
+            {"impl": "peer", "shape": "a", "kind": "fwd", "gpu_ms": 5.0},
+            {"impl": "peer", "shape": "a", "kind": "fwd+bwd", "gpu_ms": 9.0},
+            {"impl": "peer", "shape": "b", "kind": "fwd"}]
+    speedup(rows)
+    assert [r.get("kspec_speedup_gpu") for r in rows] == [1.0, 2.5, None, None]

@@ -50,6 +50,16 @@ def record_failure(row: dict, e: BaseException, verbose: bool, torch=None) -> No
         torch.cuda.empty_cache()
 
 
+def speedup_vs_kspec(rows: list, keys: tuple = ("shape", "kind")) -> None:
+    """Sets each timed row's kspec_speedup_gpu: its gpu_ms over that of the timed kspec row with the same keys
+    (> 1: kspec faster)."""
+    for r in rows:
+        base = next((k for k in rows if k["impl"] == "kspec" and "gpu_ms" in k and all(k[x] == r[x] for x in keys)),
+                    None)
+        if base and "gpu_ms" in r:
+            r["kspec_speedup_gpu"] = r["gpu_ms"] / base["gpu_ms"]
+
+
 def brief(text: str, limit: int = 160) -> str:
     """The last non-empty line of an error: where a subprocess's stderr ends, the reason usually is."""
     lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import traceback
 
-from .common import Section, brief, rel_error, short_error
+from .common import Section, brief, rel_error, short_error, speedup_vs_kspec
 from .report import fmt
 
 
@@ -108,11 +108,7 @@ def run(ctx):
                       flush=True)
         del x, leaves, dout
         torch.cuda.empty_cache()
-    for r in rows:
-        base = next((k for k in rows if k["impl"] == "kspec" and k["kind"] == r["kind"] and k["shape"] == r["shape"]
-                     and "gpu_ms" in k), None)
-        if base and "gpu_ms" in r:
-            r["kspec_speedup_gpu"] = r["gpu_ms"] / base["gpu_ms"]
+    speedup_vs_kspec(rows)
     cols = [
         ("shape (B×D×L)", "shape"), ("impl", "impl"), ("kind", "kind"),
         ("gpu ms", lambda r: fmt(r.get("gpu_ms"), ".3f")), ("ev ms", lambda r: fmt(r.get("ev_ms"), ".3f")),
