@@ -182,6 +182,8 @@ void compare_with_reference(CaseRun& r) noexcept {
     for (const auto& row : r.rows) any = any || row.passed;
     if (any) {
       std::vector<HostTensor> refs = r.op->reference(r.p, r.host_in);
+      std::vector<double> scale;
+      if (r.op->error_scale) scale = r.op->error_scale(r.p, r.host_in, refs);
       const auto& outs = r.op->info.outputs;
       for (size_t k = 0; k < r.rows.size(); ++k) {
         CheckRow& row = r.rows[k];
@@ -189,6 +191,12 @@ void compare_with_reference(CaseRun& r) noexcept {
         for (size_t i = 0; i < outs.size(); ++i) {
           if (!r.p.outputs[i].present) continue;
           double err = rel_error(decode(r.p.outputs[i].dtype, r.outs[k][i]), refs[i].data);
+          if (i < scale.size() && scale[i] > 0) {  // measured against the terms' norm where it is larger
+            double ref_norm = 0;
+            for (double v : refs[i].data) ref_norm += v * v;
+            ref_norm = std::sqrt(ref_norm);
+            if (scale[i] > ref_norm) err = ref_norm > 0 ? err * ref_norm / scale[i] : err / scale[i];
+          }
           row.errors.emplace_back(outs[i].name, err);
           if (!(err <= row.tolerance)) {
             row.passed = false;

@@ -168,6 +168,14 @@ struct OpDef {
   std::function<std::string(const Problem&)> derived_key;
   // Relative-error tolerance multiplier for long recurrences (1 = the dtype table).
   double tolerance_scale = 1.0;
+  // Optional: per output (the outputs' order; 0 = none), the 2-norm of the magnitudes of the terms the
+  // output sums, from the inputs and the float64 reference's outputs. An output that is a difference of
+  // nearly equal terms (mlstm's df: a sum of q.dq - k.dk) is measured against this norm where it is larger
+  // than the output's own: the error the inputs' and intermediates' rounding cause scales with the terms,
+  // not with their small difference, so ||out - ref|| / ||ref|| says nothing of the kernel there.
+  std::function<std::vector<double>(const Problem&, const std::vector<HostTensor>& in,
+                                    const std::vector<HostTensor>& ref)>
+      error_scale;
   std::vector<Case> cases;
   // Optional: the tuning database's shape bucket of a problem (nearby shapes share a tuned config):
   // a short text over its runtime dims. Default (tune_bucket in api/src/tuning.h): every Var dim

@@ -263,6 +263,44 @@ TEST(Mlstm, BackwardOutputsAndValidation) {
   EXPECT_TRUE(std::any_of(axes.begin(), axes.end(), [](const auto& a) { return a.first == "chunk"; }));
 }
 
+// df's error scale (OpDef::error_scale): at S = 1 without states df is exactly 0 (q.dq = k.dk) however
+// large q.dq is, so the checker measures df's error against the terms' norm; every other output keeps its
+// own norm (scale 0). Without a GPU: the float64 reference of the parallel backward's S_1 case.
+TEST(Mlstm, DfErrorIsMeasuredAgainstItsTerms) {
+  for (const char* name : {"mlstm.parallel.bwd", "mlstm.chunkwise.bwd"}) {
+    SCOPED_TRACE(name);
+    const OpDef& op = Registry::global().get(name);
+    ASSERT_TRUE(op.error_scale);
+    // S = 1 without initial states or dC_last: the parallel table's S_1, the chunkwise table's no_states
+    // at seqlen 1
+    const char* base = std::string(name) == "mlstm.parallel.bwd" ? "S_1" : "no_states";
+    auto it = std::find_if(op.cases.begin(), op.cases.end(), [&](const Case& c) { return c.name == base; });
+    ASSERT_NE(it, op.cases.end()) << base;
+    Case one = *it;
+    for (auto& [k, v] : one.dims)
+      if (k == "seqlen") v = int64_t(1);
+    const Case* s1 = &one;
+    CompileRequest req;
+    req.op = name;
+    req.dtype = DType::bf16;
+    req.arch = "sm_90";
+    req.without = s1->without;
+    for (const auto& [k, v] : s1->params.items()) req.params.set(k, v);
+    for (const auto& [k, v] : s1->dims) req.params.set(k, v);
+    const Problem p = problem_from_request(op, req);
+    const auto in = random_inputs(op, p, 7);
+    const auto ref = op.reference(p, in);
+    const auto scale = op.error_scale(p, in, ref);
+    ASSERT_EQ(scale.size(), ref.size());
+    double df_norm = 0;
+    for (double v : ref[4].data) df_norm += v * v;
+    EXPECT_LT(std::sqrt(df_norm), 1e-9 * scale[4]);  // df is a cancellation: 0 up to float64 rounding
+    EXPECT_GT(scale[4], 1e-3);
+    for (size_t i = 0; i < scale.size(); ++i)
+      if (i != 4) EXPECT_EQ(scale[i], 0.0) << "output " << i;
+  }
+}
+
 // Every case of every mlstm op compiles for sm_90 (bf16; the base case in every dtype) with the heuristic's
 // config, without spills or a stack frame.
 TEST(Mlstm, EveryCaseCompilesWithoutSpills) {

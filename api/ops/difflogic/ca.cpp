@@ -299,6 +299,10 @@ OpDef make_ca_step_bwd() {
   // flushed to zero in float16 (error 0.63-1.0 against the float64 reference) where bfloat16 and float32
   // matched; a gradient that silently vanishes is worse than a refusal.
   op.dtypes = {DType::f32, DType::bf16};
+  // The logits' gradients are sums whose terms cancel (dlogits_i = p_i sum_uv (table_i[uv] - T[uv]) G[uv],
+  // sum_uv G[uv] = the sum of dout), over the gate layers' chain back from the output: on the H100,
+  // tiny_periodic_fire's dperception_logits came to 2.5e-5 in float32 (dstate and dupdate_logits 0.0).
+  op.tolerance_scale = 4.0;
   // 256 threads only: at 128, ptxas (NVRTC 13) spills 40 bytes of the tiny architecture's main kernel for
   // sm_80 (none for sm_90, none at 256 for either).
   op.tuning.axes = {{"threads", {256}}};

@@ -5,8 +5,10 @@
 // the schema, tuning spaces and case tables they share in schema.cpp. Kernels in templates/mlstm/
 // (step.cuh, chunkwise_fwd.cuh, chunkwise_bwd.cuh), their one argument templates/mlstm/params.h.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "api/src/device_data.h"
 #include "api/src/op.h"
@@ -28,6 +30,32 @@ MlstmParams qkvif_args(const Call& call) {
   a.i = call.in("i").data;
   a.f = call.in("f").data;
   return a;
+}
+
+// The norm df's error is measured against (OpDef::error_scale): df_t = sigmoid(-f_t) (<dC_last, C_last> +
+// sum_{r >= t} (q_r . dq_r - k_r . dk_r)) is a difference of nearly equal sums (at S = 1 without states
+// q.dq = k.dk exactly, so df is 0 however large the terms), and bf16 inputs put an error of their rounding
+// times the terms' size into it. The terms' size: sigmoid(-f_t) sum_{r >= t} (|q_r . dq_r| + |k_r . dk_r|),
+// from the rounded inputs and the float64 reference's dq, dk. Only df gets one.
+std::vector<double> df_error_scale(const Problem& p, const std::vector<HostTensor>& in,
+                                   const std::vector<HostTensor>& ref) {
+  const int64_t rows = p.dim("batch") * p.dim("heads"), S = p.dim("seqlen"), DK = p.dim("dhqk");
+  const auto &q = in[0].data, &k = in[1].data, &f = in[4].data, &dq = ref[0].data, &dk = ref[1].data;
+  double sum_sq = 0;
+  for (int64_t row = 0; row < rows; ++row) {
+    double tail = 0;  // sum over r >= t
+    for (int64_t t = S - 1; t >= 0; --t) {
+      const size_t base = static_cast<size_t>((row * S + t) * DK);
+      double qdq = 0, kdk = 0;
+      for (int64_t d = 0; d < DK; ++d) qdq += q[base + d] * dq[base + d], kdk += k[base + d] * dk[base + d];
+      tail += std::abs(qdq) + std::abs(kdk);
+      const double term = tail / (1.0 + std::exp(f[static_cast<size_t>(row * S + t)]));
+      sum_sq += term * term;
+    }
+  }
+  std::vector<double> scale(ref.size(), 0.0);
+  scale[4] = std::sqrt(sum_sq);
+  return scale;
 }
 
 // ---- mlstm.step ----
@@ -445,6 +473,7 @@ OpDef make_chunkwise_bwd() {
   op.info.tuning_names = {{"algo", {"simt", "tc", "tc_fused"}}};
   op.cases = chunkwise_bwd_cases();
   op.tolerance_scale = 4.0;
+  op.error_scale = df_error_scale;
   op.kernels = [](const Problem& p, const Config& c) {
     return c.get("algo") == kSimt ? bwd_kernels(p, c, p.param_int("chunk"))
                                   : tc_bwd_kernels(p, c.get("algo") == kTcFused);
@@ -513,6 +542,7 @@ OpDef make_parallel_bwd() {
   op.info.tuning_axes = op.tuning.axes;
   op.cases = parallel_cases(true);
   op.tolerance_scale = 4.0;
+  op.error_scale = df_error_scale;
   op.kernels = [](const Problem& p, const Config& c) { return bwd_kernels(p, c, c.get("chunk")); };
   op.launch = [](const Call& call, const Config& c, Launcher& l) { launch_bwd(call, c, l, c.get("chunk"), false); };
   op.prepare_inputs = [](const Problem& p, std::vector<HostTensor>& in) { bwd_prepare(p, in, false); };
