@@ -321,3 +321,15 @@ def test_speedup_vs_kspec_matches_shape_and_kind(families):
             {"impl": "peer", "shape": "b", "kind": "fwd"}]
     speedup(rows)
     assert [r.get("kspec_speedup_gpu") for r in rows] == [1.0, 2.5, None, None]
+
+
+def test_rel_error_takes_bfloat16_tensors(families):
+    """mamba_block compares a bfloat16 (on the GPU, CUDA) tensor with a float64 one: numpy takes neither
+    bfloat16 nor a CUDA tensor, so rel_error converts torch tensors itself (the H100 run's TypeError)."""
+    torch = pytest.importorskip("torch")
+    rel_error = sys.modules[families["mamba_block"].rel_error.__module__].rel_error
+    ref = torch.tensor([[3.0, 4.0]], dtype=torch.float64)
+    got = torch.tensor([[3.0, 4.5]], dtype=torch.bfloat16)
+    assert rel_error(got, ref) == pytest.approx(0.1)
+    assert rel_error(got.float().numpy(), ref.numpy()) == pytest.approx(0.1)
+    assert rel_error(got[:, :1], ref) == float("inf")

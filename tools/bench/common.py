@@ -68,11 +68,18 @@ def brief(text: str, limit: int = 160) -> str:
 
 
 def rel_error(out, ref) -> float:
-    """‖out − ref‖ / ‖ref‖ in float64 (absolute ‖out‖ when ref is all zeros)."""
+    """‖out − ref‖ / ‖ref‖ in float64 (absolute ‖out‖ when ref is all zeros). Arrays or torch tensors on any
+    device and of any dtype (numpy takes neither a CUDA tensor nor bfloat16)."""
     import numpy as np
 
-    out = np.asarray(out, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
+    def f64(a):
+        if hasattr(a, "detach") and hasattr(a, "cpu"):  # a torch tensor (torch is imported then)
+            import torch
+
+            return a.detach().to("cpu", dtype=torch.float64).numpy()
+        return np.asarray(a, dtype=np.float64)
+
+    out, ref = f64(out), f64(ref)
     if out.shape != ref.shape:
         return float("inf")
     den = float(np.linalg.norm(ref))
