@@ -22,19 +22,17 @@ struct MhcRows {
   static __device__ __forceinline__ int alpha_of(int r) { return r < N ? 0 : r < 2 * N ? 1 : 2; }
 };
 
-// The pre forward of the block's tokens t0 .. t0 + ntok - 1 once `tot` (shared) holds their totals,
-// tot[j * (M + 1)] = sum v^2 of token t0 + j and tot[j * (M + 1) + 1 + r] its m[r]: inv, h, H_pre, H_post,
-// R, then y = sum_i H_pre[i] x[i] with x read again from p.x (plain loads: in mhc_post_pre_fwd_kernel, p.x
-// is the x_next this block has just written, each thread reading back its own elements).
-template <typename T, int N, int D, int kTMax, bool kPreOnly, int kThreads, int kTok>
-__device__ __forceinline__ void mhc_pre_fwd_rows(const MhcPreParams& p, long long t0, int ntok, const float* tot) {
+// The pre forward's heads of the block's tokens t0 .. t0 + ntok - 1 once `tot` (shared) holds their
+// totals, tot[j * (M + 1)] = sum v^2 of token t0 + j and tot[j * (M + 1) + 1 + r] its m[r]: inv, h, H_pre
+// (also into the shared h_pre[j], for the y pass), H_post and R. Every thread of the block calls it.
+template <int N, int D, int kTMax, bool kPreOnly, int kTok>
+__device__ __forceinline__ void mhc_pre_fwd_heads(const MhcPreParams& p, long long t0, int ntok, const float* tot,
+                                                  float (*h_pre)[N]) {
   using Rows = MhcRows<N, kPreOnly>;
   using SK = MhcSinkhorn<N, kTMax>;
   constexpr int kM = Rows::kM, kND = N * D, kK = kM + 1, kNN = N * N;
   __shared__ float hs[kTok][kM];
-  __shared__ float h_pre[kTok][N];
   __shared__ typename SK::Smem sk[kPreOnly ? 1 : kTok];
-  const T* x = static_cast<const T*>(p.x);
   if (threadIdx.x < kTok * kM) {
     const int j = threadIdx.x / kM, r = threadIdx.x % kM;
     const float m = tot[j * kK + 1 + r], ss = tot[j * kK];
@@ -61,6 +59,16 @@ __device__ __forceinline__ void mhc_pre_fwd_rows(const MhcPreParams& p, long lon
     const float* rr = SK::forward(hs[js] + 2 * N, p.eps_sk, sk[js], false, e);
     if (e < kNN && j < ntok) p.r[(t0 + j) * kNN + e] = rr[e];
   }
+}
+
+// The heads, then y = sum_i H_pre[i] x[i] with x read again from p.x (plain loads: in
+// mhc_post_pre_fwd_kernel, p.x is the x_next this block has just written, each thread reading back its
+// own elements).
+template <typename T, int N, int D, int kTMax, bool kPreOnly, int kThreads, int kTok>
+__device__ __forceinline__ void mhc_pre_fwd_rows(const MhcPreParams& p, long long t0, int ntok, const float* tot) {
+  __shared__ float h_pre[kTok][N];
+  mhc_pre_fwd_heads<N, D, kTMax, kPreOnly, kTok>(p, t0, ntok, tot, h_pre);
+  const T* x = static_cast<const T*>(p.x);
   for (int j = 0; j < ntok; ++j) {
     const long long t = t0 + j;
     T* y = static_cast<T*>(p.y) + t * p.y_row;

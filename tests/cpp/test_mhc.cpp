@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <random>
+#include <tuple>
 
 #include "api/src/op.h"
 #include "jit/driver.h"
@@ -217,6 +218,81 @@ TEST(Mhc, BaseAndWidestCasesCompileWithoutSpills) {
   EXPECT_GE(compiled, 16);
 }
 
+// pre.fwd's algo axis: the tensor-core projection (algo=mma, mhc_pre_mma.cuh) is the default from sm_80
+// on, with 64 tokens a block for 16-bit x in 16-byte groups, 32 for fp32 x or D % 8 != 0, 16 at n = 8; the
+// SIMT kernel (algo=simt) below sm_80 and selectable everywhere; the rules name what rules a config out;
+// the mma kernel compiles without spills for sm_80 and sm_90 at the edges of the rules.
+TEST(Mhc, PreForwardTakesTensorCoresFromSm80) {
+  struct Row {
+    const char* op;
+    DType dt;
+    int64_t n, D;
+    const char* arch;
+    int64_t algo, tokens;
+  };
+  for (const Row& row : {Row{"mhc.pre.fwd", DType::bf16, 4, 4096, "sm_90", 1, 64},
+                         Row{"mhc.pre.fwd", DType::f16, 4, 4096, "sm_80", 1, 64},
+                         Row{"mhc.pre.fwd", DType::f32, 4, 4096, "sm_90", 1, 32},
+                         Row{"mhc.pre.fwd", DType::bf16, 4, 37, "sm_90", 1, 32},
+                         Row{"mhc.pre.fwd", DType::bf16, 8, 128, "sm_90", 1, 16},
+                         Row{"mhc.pre_only.fwd", DType::bf16, 8, 128, "sm_80", 1, 64},
+                         Row{"mhc.pre.fwd", DType::bf16, 4, 4096, "sm_75", 0, 4}}) {
+    const OpDef& op = Registry::global().get(row.op);
+    CompileRequest r;
+    r.op = row.op;
+    r.dtype = row.dt;
+    r.arch = row.arch;
+    r.params = {{"n", row.n}, {"D", row.D}};
+    const Problem p = problem_from_request(op, r);
+    const Config c = op.tuning.heuristic(p);
+    EXPECT_EQ(c.get("algo"), row.algo) << row.op << " " << row.arch << " D = " << row.D;
+    EXPECT_EQ(c.get("tokens"), row.tokens) << row.op << " " << row.arch << " D = " << row.D;
+    EXPECT_TRUE(op.tuning.valid(p, c, nullptr)) << c.str();
+    EXPECT_TRUE(op.tuning.valid(p, Config{{{"algo", 0}, {"threads", 128}, {"tokens", 1}}}, nullptr));  // selectable
+  }
+  const OpDef& op = Registry::global().get("mhc.pre.fwd");
+  CompileRequest r;
+  r.op = op.info.name;
+  r.dtype = DType::f32;
+  r.arch = "sm_80";
+  r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+  const Problem p = problem_from_request(op, r);
+  const std::vector<std::pair<Config, const char*>> bad = {
+      {Config{{{"algo", 1}, {"threads", 256}, {"tokens", 16}}}, "128 threads"},
+      {Config{{{"algo", 1}, {"threads", 128}, {"tokens", 4}}}, "m16 tiles"},
+      {Config{{{"algo", 1}, {"threads", 128}, {"tokens", 64}}}, "64 tokens only with 16-bit x"},
+      {Config{{{"algo", 0}, {"threads", 128}, {"tokens", 16}}}, "algo=simt takes 1 or 4 tokens"}};
+  for (const auto& [c, fragment] : bad) {
+    std::string why;
+    EXPECT_FALSE(op.tuning.valid(p, c, &why)) << c.str();
+    EXPECT_NE(why.find(fragment), std::string::npos) << why;
+  }
+  r.arch = "sm_75";
+  std::string why;
+  EXPECT_FALSE(op.tuning.valid(problem_from_request(op, r), Config{{{"algo", 1}, {"threads", 128}, {"tokens", 32}}},
+                               &why));
+  EXPECT_NE(why.find("sm_80"), std::string::npos) << why;
+
+  // The register-heaviest legal configs (ptxas, NVRTC 13): n = 3 at D = 33 and 96, n = 7 at 16 tokens.
+  int compiled = 0;
+  for (const char* arch : {"sm_80", "sm_90"})
+    for (auto [dt, n, D] : {std::tuple{DType::bf16, 3, 96}, std::tuple{DType::f16, 3, 33}, std::tuple{DType::f32, 3, 96},
+                            std::tuple{DType::f32, 7, 33}, std::tuple{DType::bf16, 4, 4096}}) {
+      CompileRequest q;
+      q.op = "mhc.pre.fwd";
+      q.dtype = dt;
+      q.arch = arch;
+      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+      q.config = op.tuning.heuristic(problem_from_request(op, q));
+      for (const auto& rep : compile(q)) {
+        EXPECT_NE(rep.kernel.find("mhc_pre_fwd_mma_kernel"), std::string::npos) << rep.kernel;
+        EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
+        ++compiled;
+      }
+    }
+  EXPECT_EQ(compiled, 10);
+}
+
 // ---- GPU ----
 
 namespace {
@@ -404,6 +480,33 @@ TEST(MhcGpu, PreBackwardIsBitwiseDeterministic) {
     for (size_t k = 0; k < got.size(); ++k)
       EXPECT_EQ(std::memcmp(got[k].data(), first[k].data(), got[k].size() * 4), 0) << names[k] << " run " << run;
   }
+}
+
+// Every algo=mma config (16, 32, 64 tokens where legal) of pre.fwd and pre_only.fwd on the edge cases, each
+// dtype, against the float64 reference (GpuEveryOp runs every case with the heuristic's config, mma from
+// sm_80 on): T = 1, T = 1031 (not a multiple of any token tile), n = 1, 3, 8, D = 33, 37, 50, 300 (no
+// 16-byte groups), no gamma, fp32 x split over three TF32 mmas.
+TEST(MhcGpu, PreForwardEveryMmaConfigMatchesReference) {
+  KSPEC_REQUIRE_GPU();
+  const std::vector<std::pair<const char*, std::vector<const char*>>> cases = {
+      {"mhc.pre.fwd", {"base", "T_1", "n_3", "n_8", "D_37", "dx_dgamma_multiblock"}},
+      {"mhc.pre_only.fwd", {"base", "T_1", "no_gamma_n_1"}}};
+  int checked = 0;
+  for (const auto& [op, names] : cases)
+    for (const char* cs : names)
+      for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+        CheckOptions o;
+        o.case_name = cs;
+        o.dtypes = {dt};
+        for (const Config& c : configs_for_case(op, cs, dt))
+          if (c.get("algo") == 1) o.configs.push_back(c);
+        ASSERT_FALSE(o.configs.empty()) << op << " " << cs;
+        auto rows = check_op(op, o);
+        EXPECT_EQ(rows.size(), o.configs.size()) << op << " " << cs;
+        kspec::testing::report(rows);
+        checked += static_cast<int>(rows.size());
+      }
+  EXPECT_GE(checked, 50);  // 57: 2 or 3 tiles per case and dtype
 }
 
 // ---- post_pre: post(l) fused with pre(l + 1) ----

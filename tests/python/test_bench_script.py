@@ -250,6 +250,21 @@ def test_mhc_bench_references_run_on_the_cpu(families):
     np.testing.assert_allclose(got[1][:mhc.CHECK_TOKENS].numpy(), want["post_pre"]["y"], rtol=1e-6, atol=1e-6)
 
 
+def test_mhc_bench_pre_kernel_configs_are_the_ops_legal_configs(families):
+    """The mhc bench's pre.fwd rows by kernel name configs that the op accepts (each compiles, no GPU needed):
+    algo=simt and every algo=mma token tile the rules allow; 64 tokens only for 16-bit x with D % 8 == 0."""
+    import kspec
+
+    mhc = families["mhc"]
+    assert list(mhc.pre_kernel_configs(4, 4096)) == [mhc.PRE_KERNELS + v for v in ("simt", "mma 16", "mma 32", "mma 64")]
+    assert list(mhc.pre_kernel_configs(4, 37)) == [mhc.PRE_KERNELS + v for v in ("simt", "mma 16", "mma 32")]
+    assert list(mhc.pre_kernel_configs(4, 4096, "f32")) == [mhc.PRE_KERNELS + v for v in ("simt", "mma 16", "mma 32")]
+    for name, config in mhc.pre_kernel_configs(8, 128).items():
+        kernels = [r["kernel"] for r in kspec.compile("mhc.pre.fwd", dtype="bf16", arch="sm_80", config=config,
+                                                      n=8, D=128, t_max=20)]
+        assert kernels and ("mma" in kernels[0]) == ("mma" in name), (name, kernels)
+
+
 def test_torch_ca_peer_matches_the_reference(families):
     """The CA benchmark's torch eager peer (periodic and zero-padded) is the float64 reference's rollout."""
     torch = pytest.importorskip("torch")

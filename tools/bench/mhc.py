@@ -22,6 +22,7 @@ TARGET_PCT = 80.0   # issue 34: >= 80% of 3 TB/s on the bytes each op moves
 LAYER_VS_COMPILE = 3.0  # issue 34: the layer's fwd+bwd >= 3x torch.compile
 DECODE_T = 8        # issue 34's small-batch decode shape: host µs per call <= torch eager's single op
 UNFUSED = "kspec post then pre"  # the post_pre rows' second kspec variant
+PRE_KERNELS = "kspec pre.fwd "   # the pre fwd rows of each of pre.fwd's kernels by config (see pre_kernel_configs)
 
 
 def add_arguments(p):
@@ -44,6 +45,19 @@ def min_bytes(op, kind, T, n, D, s=2):
     if op == "post":
         return post_f if kind == "fwd" else post_f + post_b
     return pre_f + post_f if kind == "fwd" else pre_f + post_f + post_b + pre_b + x
+
+
+def pre_kernel_configs(n, D, dtype="bf16"):
+    """{variant: config} for mhc.pre.fwd's two kernels (api/ops/mhc/op.cpp, the `algo` axis): algo=simt
+    (mhc_pre.cuh, the default before sm_80) at 128 threads and 4 tokens a block where they fit, and algo=mma
+    (mhc_pre_mma.cuh, tensor cores) at each legal token tile: 64 only for 16-bit x with D % 8 == 0, at most
+    12 accumulator tiles (tokens / 16 x ceil(M / 8))."""
+    m = n * n + 2 * n
+    out = {PRE_KERNELS + "simt": f"algo=0,threads=128,tokens={4 if 4 * max(m, n * n) <= 128 else 1}"}
+    for tok in (16, 32, 64):
+        if (tok < 64 or (dtype != "f32" and D % 8 == 0)) and tok // 16 * -(-m // 8) <= (10 if dtype == "f32" else 12):
+            out[f"{PRE_KERNELS}mma {tok}"] = f"algo=1,threads=128,tokens={tok}"
+    return out
 
 
 def torch_sinkhorn(torch, z, eps=EPS, t_max=T_MAX):
@@ -156,11 +170,11 @@ def _then(pre, post):
     return post_pre
 
 
-def implementations(ctx, liger):
+def implementations(ctx, liger, n, D):
     """{name: (pre(x, phi, alpha, bias) -> (y, h_pre, h_post, r), post(x, f, h_post, r) -> out, post_pre(x, f,
     h_post, r, phi, alpha, bias) -> (x_next, y, ...))}; r is kspec's R[j, k] (stream j into k) for every
     implementation (Liger's h_res is its transpose). Only kspec fuses post_pre; UNFUSED is kspec's post then
-    pre (post_pre rows only)."""
+    pre (post_pre rows only); the PRE_KERNELS variants are mhc.pre.fwd's kernels by config (pre fwd rows only)."""
     torch, K = ctx.torch, ctx.kspec.ops
     impls = {
         "kspec": (lambda x, phi, alpha, bias: K.mhc_pre(x, phi, alpha, bias), K.mhc_post),
@@ -181,6 +195,11 @@ def implementations(ctx, liger):
                 return lpre(x, hp), hp, hq, hr.transpose(-1, -2)
 
             impls[f"LigerMHC ({label})"] = (pre, lambda x, f, hp, r: lpost(x, f, hp, r.transpose(-1, -2)))
+    for name, config in pre_kernel_configs(n, D).items():
+        def pre(x, phi, alpha, bias, config=config):
+            return ctx.kspec.call("mhc.pre.fwd", x, phi, alpha, bias, None, config=config)[:4]
+
+        impls[name] = (pre, K.mhc_post)
     impls = {name: (pre, post, _then(pre, post)) for name, (pre, post) in impls.items()}
     impls["kspec"] = impls["kspec"][:2] + (lambda x, f, hp, r, phi, alpha, bias: K.mhc_post_pre(x, f, hp, r, phi,
                                                                                                 alpha, bias),)
@@ -201,13 +220,13 @@ def run(ctx):
     dy_check, dout_check = torch.zeros_like(x["dy"]), torch.zeros_like(x["dout"])
     dy_check[:CHECK_TOKENS], dout_check[:CHECK_TOKENS] = x["dy"][:CHECK_TOKENS], x["dout"][:CHECK_TOKENS]
     rows = []
-    for name, fns in implementations(ctx, liger).items():
+    for name, fns in implementations(ctx, liger, n, D).items():
         for op in ("pre", "post", "layer", "post_pre"):
-            if name == UNFUSED and op != "post_pre":
+            if (name == UNFUSED and op != "post_pre") or (name.startswith(PRE_KERNELS) and op != "pre"):
                 continue
-            for kind in ("fwd", "fwd+bwd"):
+            for kind in ("fwd",) if name.startswith(PRE_KERNELS) else ("fwd", "fwd+bwd"):
                 row = {"family": "mhc", "shape": f"T={T} n={n} D={D}", "op": op, "variant": name, "kind": kind,
-                       "impl": "kspec" if name in ("kspec", UNFUSED) else "peer",
+                       "impl": "kspec" if name in ("kspec", UNFUSED) or name.startswith(PRE_KERNELS) else "peer",
                        "bytes": min_bytes(op, kind, T, n, D), "status": ""}
                 if ctx.skipped(name):
                     row["status"] = "skipped"
@@ -308,6 +327,8 @@ def _report(ctx, rows, why):
         "Liger: Φ passed transposed ([nD, M]), α as three scalars, pre_eps 1e-6, its h_res = kspec's Rᵀ; measured"
         " (issue 34, H100): pre fwd 1.05 ms (bf16 Φ) / 1.42 (fp32 Φ), post fwd 1.44, layer fwd+bwd 16.5;"
         " torch.compile 1.47 / 4.65 / 13.7.",
+        f"'{PRE_KERNELS}…': mhc.pre.fwd's kernels by config through kspec.call (forward only): algo=simt, the SIMT"
+        " projection; algo=mma, the projection on tensor cores at 16, 32 or 64 tokens a block.",
         f"post_pre: post of layer l then pre of layer l + 1 (x_next and y compared; bytes the fused floor, so the"
         f" unfused rows' % shows the extra read of x_next); '{UNFUSED}' is kspec's two ops, the peers theirs.",
     ]
@@ -320,7 +341,7 @@ def targets(rows, peak) -> list:
     for r in rows:
         if r["impl"] != "kspec" or "gpu_ms" not in r:
             continue
-        line = (f"  {r['op']}{' (' + UNFUSED + ')' if r['variant'] == UNFUSED else ''} {r['kind']}:"
+        line = (f"  {r['op']}{' (' + r['variant'] + ')' if r['variant'] != 'kspec' else ''} {r['kind']}:"
                  f" {r['gpu_ms'] * 1e3:.0f} µs, {r['pct_of_peak']:.0f}%")
         if r["op"] == "post_pre":
             u = next((k for k in rows if k["variant"] == UNFUSED and k["kind"] == r["kind"] and "gpu_ms" in k), None)

@@ -10,6 +10,7 @@
 
 #include "api/src/device_data.h"
 #include "api/src/op.h"
+#include "jit/spec.h"
 #include "mhc/reference.h"
 #include "templates/mhc/params.h"
 
@@ -156,6 +157,64 @@ TuningSpace with_tokens_axis(TuningSpace t) {
     c.values.push_back({"tokens", 1});
     return c;
   };
+  return t;
+}
+
+// pre.fwd's `algo` axis: kSimt, the kernel above (mhc_pre.cuh: `threads`, `tokens` 1 or 4); kMma, the
+// projection on tensor cores (mhc_pre_mma.cuh: 128 threads, `tokens` 16, 32 or 64, whole m16 tiles).
+enum PreFwdAlgo : int64_t { kSimt = 0, kMma = 1 };
+constexpr int64_t kMmaThreads = 128;  // templates/mhc/mhc_pre_mma.cuh: kMhcMmaThreads
+// 16-byte loads of x, phi, gamma and stores of y: whole 8-element groups, every pointer and row aligned.
+bool mma_vec(const Problem& p) { return p.dim("D") % 8 == 0 && p.align_bytes >= 16; }
+// A lane keeps (tokens / 16) x ceil(M / 8) accumulator tiles of 4 floats, 8 columns of phi per tile and
+// its rows of x twice (this chunk's and the next's). Without spills on sm_80 (ptxas, NVRTC 13): 64 tokens
+// only with 16-bit x in 16-byte groups (n = 4: 224-230 registers; fp32 x spilled 740 bytes, bf16 at D = 33
+// and n = 3 8 bytes), else 32; at most 12 tiles, 10 with fp32 x.
+int64_t max_mma_tokens(const Problem& p) { return p.dtype("x") != DType::f32 && mma_vec(p) ? 64 : 32; }
+int64_t max_mma_tiles(const Problem& p) { return p.dtype("x") == DType::f32 ? 10 : 12; }
+std::string mma_unsupported(const Problem& p) {
+  if (jit::compute_capability(p.arch) < 80) return "algo=mma needs sm_80 or newer (mma.sync with TF32 operands)";
+  return "";
+}
+int64_t mma_tiles(const Problem& p, int64_t tokens) { return tokens / 16 * ceil_div(proj_rows(p), 8); }
+
+// The tensor-core projection wherever it runs (not yet measured: tools/bench/NOTES.md, "mhc pre: the
+// projection on tensor cores"), with the most tokens a block whose accumulators fit.
+TuningSpace with_algo_axis(TuningSpace t) {
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma}});
+  for (auto& [name, values] : t.axes)
+    if (name == "tokens") values = {1, 4, 16, 32, 64};
+  auto simt_valid = t.valid;
+  t.valid = [simt_valid](const Problem& p, const Config& c, std::string* why) {
+    const int64_t tok = c.get("tokens");
+    std::string no;
+    if (c.get("algo") == kSimt) {
+      if (tok <= 4) return simt_valid(p, c, why);
+      no = "algo=simt takes 1 or 4 tokens a block";
+    } else {
+      no = mma_unsupported(p);
+      if (no.empty() && c.get("threads") != kMmaThreads) no = "algo=mma runs 128 threads a block (named threads=128)";
+      else if (no.empty() && tok < 16) no = "algo=mma takes whole m16 tiles of tokens: 16, 32 or 64";
+      else if (no.empty() && tok > max_mma_tokens(p))
+        no = "algo=mma takes 64 tokens only with 16-bit x in 16-byte groups (D % 8 == 0, aligned): registers";
+      else if (no.empty() && mma_tiles(p, tok) > max_mma_tiles(p))
+        no = "algo=mma: more accumulator tiles (tokens / 16 x ceil(M / 8)) than registers hold (12, fp32 x 10)";
+    }
+    if (why) *why = no;
+    return no.empty();
+  };
+  auto simt_heuristic = t.heuristic;
+  t.heuristic = [simt_heuristic](const Problem& p) {
+    if (mma_unsupported(p).empty()) {
+      for (int64_t tok : {64, 32, 16})
+        if (tok <= max_mma_tokens(p) && mma_tiles(p, tok) <= max_mma_tiles(p))
+          return Config{{{"algo", kMma}, {"threads", kMmaThreads}, {"tokens", tok}}};
+    }
+    Config c = simt_heuristic(p);
+    c.values.insert(c.values.begin(), {"algo", kSimt});
+    return c;
+  };
+  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") == kMma ? kMmaThreads : c.get("threads"); };
   return t;
 }
 
@@ -384,7 +443,15 @@ OpDef make_pre_fwd(bool po) {
   op.info.outputs.push_back(f32("inv", {"...T"}, false, "1/sqrt(mean(v^2) + eps_rms), saved for the backward"));
   op.info.outputs.push_back(f32("h", {"...T", "M"}, false, "the pre-activation rows, saved for the backward"));
   op.check_call = [](const Call& call) { check_tokens(call.problem); };
+  op.tuning = with_algo_axis(op.tuning);
+  op.info.tuning_axes = op.tuning.axes;
   op.kernels = [](const Problem& p, const Config& c) {
+    if (c.get("algo") == kMma) {
+      return std::vector<jit::KernelSpec>{kernel_spec(
+          p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_mma_kernel",
+          {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")), t_max_arg(p),
+           b(p.present("gamma")), b(pre_only(p)), std::to_string(c.get("tokens")), b(mma_vec(p))})};
+    }
     return std::vector<jit::KernelSpec>{kernel_spec(
         p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_fwd_kernel",
         {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")),
@@ -414,7 +481,8 @@ OpDef make_pre_fwd(bool po) {
     a.eps_pre = static_cast<float>(pr.param_float("eps_pre"));
     a.eps_sk = pre_only(pr) ? 0.f : static_cast<float>(pr.param_float("eps_sk"));
     void* args[] = {&a};
-    l.launch(0, {u32(ceil_div(a.T, c.get("tokens")))}, {u32(c.get("threads"))}, 0, args);
+    l.launch(0, {u32(ceil_div(a.T, c.get("tokens")))}, {u32(c.get("algo") == kMma ? kMmaThreads : c.get("threads"))},
+             0, args);
   };
   op.reference = pre_fwd_reference;
   op.prepare_inputs = pre_fwd_prepare;

@@ -1,0 +1,253 @@
+// mhc.pre.fwd with the projection on tensor cores (algo=mma, sm_80+). The SIMT kernel (mhc_pre.cuh) spends
+// M = n*n + 2n fp32 FMAs per element of x on m = (v * gamma) phi^T and re-reads phi (1.5 MB at n 4,
+// D 4096) per 4 tokens: 14% of the H100's bandwidth. Here a block of 128 threads takes kTok = 16..64 tokens
+// (1..4 m16 tiles) and splits the nD columns among its 4 warps in chunks of 32; each lane loads 8
+// consecutive elements of x per token row (16-byte loads) and the same 8 columns of phi and gamma, so a
+// block reads phi once per kTok tokens. The k slots of mma.m16n8k8 are a permutation of the chunk's
+// columns (slot c of step s is column 8c + 2s, slot c + 4 column 8c + 2s + 1), the same for A and B.
+// TF32 operands, fp32 accumulation, exact enough for the fp32 reference: bf16/fp16 x is exact in TF32,
+// phi * gamma is split into hi + lo TF32 parts (two mmas, relative error ~2^-22); fp32 x is split too
+// (x_hi phi_hi + x_hi phi_lo + x_lo phi_hi). The sum of squares comes from the same registers. The warps'
+// partial sums are added in warp order (deterministic), the heads (inv, h, H, Sinkhorn-Knopp) run as in
+// mhc_pre.cuh a few tokens at a time, and y = sum_i H_pre[i] x[i] reads x a second time (a 64-token tile
+// is 2 MB at n 4, D 4096: no shared memory holds it), 8 elements per thread and several items in flight.
+#pragma once
+
+#include "common/dtype.cuh"
+#include "mhc/mhc_pre.cuh"
+
+namespace kspec {
+
+constexpr int kMhcMmaThreads = 128;
+
+__device__ __forceinline__ float mhc_tf32(float v) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(v));
+  return __uint_as_float(r);
+}
+
+// D += A * B, A 16x8 row-major, B 8x8 column-major, TF32 inputs, fp32 accumulators. Lane (g, c) =
+// (lane / 4, lane % 4): a0 (row g, k c), a1 (row g + 8, k c), a2 (row g, k c + 4), a3 (row g + 8, k c + 4);
+// b0 (k c, n g), b1 (k c + 4, n g); d as mma.m16n8k16's (rows g, g + 8; cols 2c, 2c + 1).
+__device__ __forceinline__ void mhc_mma_tf32(float (&d)[4], float a0, float a1, float a2, float a3, float b0,
+                                             float b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(__float_as_uint(a0)), "r"(__float_as_uint(a1)), "r"(__float_as_uint(a2)), "r"(__float_as_uint(a3)),
+        "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+}
+
+// Eight consecutive elements of a row, as stored.
+template <typename T>
+struct alignas(16) MhcRow8 {
+  T v[8];
+};
+
+// Elements src[0 .. valid) (zeros past them). kVec: 16-byte loads, every 8-element group wholly inside
+// or outside the row (D % 8 == 0) and 16-byte aligned.
+template <typename T, bool kVec>
+__device__ __forceinline__ void mhc_load8(MhcRow8<T>& o, const T* src, int valid) {
+  constexpr int kWords = sizeof(MhcRow8<T>) / 16;
+  if (kVec) {
+#pragma unroll
+    for (int w = 0; w < kWords; ++w)
+      reinterpret_cast<uint4*>(o.v)[w] = valid > 0 ? __ldg(reinterpret_cast<const uint4*>(src) + w) : make_uint4(0, 0, 0, 0);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o.v[e] = e < valid ? src[e] : from_float<T>(0.f);
+  }
+}
+template <bool kVec>
+__device__ __forceinline__ void mhc_load8f(float (&o)[8], const float* src, int valid) {
+  if (kVec) {
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      const float4 q = valid > 0 ? __ldg(reinterpret_cast<const float4*>(src) + w) : make_float4(0.f, 0.f, 0.f, 0.f);
+      o[4 * w] = q.x, o[4 * w + 1] = q.y, o[4 * w + 2] = q.z, o[4 * w + 3] = q.w;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] = e < valid ? __ldg(src + e) : 0.f;
+  }
+}
+
+// Grid: ceil(T / kTok) blocks of kMhcMmaThreads. kVec: D % 8 == 0 and every pointer and row stride
+// 16-byte aligned (the plan's choice).
+template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kTok, bool kVec>
+__global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_fwd_mma_kernel(const MhcPreParams p) {
+  using Rows = MhcRows<N, kPreOnly>;
+  constexpr int kThreads = kMhcMmaThreads, kWarps = kThreads / 32;
+  constexpr int kM = Rows::kM, kND = N * D, kK = kM + 1, kNN = N * N;
+  constexpr int kNt = (kM + 7) / 8, kMt = kTok / 16;
+  constexpr int kChunksPerStream = (D + 31) / 32, kChunks = N * kChunksPerStream;
+  constexpr bool kSplitX = IsSame<T, float>::value;
+  // Tokens whose heads run side by side: a row of h and a Sinkhorn element per thread for each.
+  constexpr int kSub = (4 * kM <= kThreads && (kPreOnly || 4 * kNN <= kThreads)) ? 4
+                       : (2 * kM <= kThreads && (kPreOnly || 2 * kNN <= kThreads)) ? 2 : 1;
+  static_assert(kTok % 16 == 0 && kTok % kSub == 0 && kM <= kThreads && (kPreOnly || kNN <= kThreads),
+                "whole m16 tiles of tokens, and a row of h per thread");
+  __shared__ float tot[kTok * kK];
+  __shared__ float h_pre[kTok][N];
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int g = lane / 4, c = lane % 4;
+  const long long t0 = static_cast<long long>(blockIdx.x) * kTok;
+  const int ntok = static_cast<int>(p.T - t0 < kTok ? p.T - t0 : kTok);
+  const T* x = static_cast<const T*>(p.x);
+
+  float acc[kMt][kNt][4];
+  float ss[kMt][2];
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt) {
+    ss[mt][0] = ss[mt][1] = 0.f;
+#pragma unroll
+    for (int j = 0; j < kNt; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.f;
+  }
+
+  // This lane's rows of x in chunk q: tokens mt * 16 + g + 8 h, columns d0 .. d0 + 7 of stream i (zeros past
+  // the block's tokens and past D).
+  auto load_x = [&](MhcRow8<T> (&buf)[kMt][2], int q) {
+    const int i = q / kChunksPerStream, d0 = (q % kChunksPerStream) * 32 + 8 * c;
+#pragma unroll
+    for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int tr = mt * 16 + g + 8 * h;
+        const long long t = t0 + (tr < ntok ? tr : 0);
+        mhc_load8<T, kVec>(buf[mt][h], x + (t * N + i) * p.x_row + d0, tr < ntok ? D - d0 : 0);
+      }
+  };
+
+  MhcRow8<T> xc[kMt][2];
+  if (warp < kChunks) load_x(xc, warp);
+  for (int q = warp; q < kChunks; q += kWarps) {
+    // The next chunk's x in flight while this one's mmas run.
+    MhcRow8<T> xn[kMt][2];
+    if (q + kWarps < kChunks) load_x(xn, q + kWarps);
+    const int i = q / kChunksPerStream, d0 = (q % kChunksPerStream) * 32 + 8 * c;
+    const int col = i * D + d0, valid = D - d0;
+    float gm[8], ph[kNt][8];
+    if (kHasGamma) mhc_load8f<kVec>(gm, p.gamma + col, valid);
+#pragma unroll
+    for (int j = 0; j < kNt; ++j) {
+      const int r = 8 * j + g;
+      mhc_load8f<kVec>(ph[j], p.phi + static_cast<long long>(r < kM ? r : 0) * kND + col, r < kM ? valid : 0);
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float v = to_float(xc[mt][h].v[e]);
+          ss[mt][h] = fmaf(v, v, ss[mt][h]);
+        }
+#pragma unroll
+    for (int j = 0; j < kNt; ++j) {
+      float bh[8], bl[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float w = kHasGamma ? ph[j][e] * gm[e] : ph[j][e];
+        bh[e] = mhc_tf32(w);
+        bl[e] = mhc_tf32(w - bh[e]);
+      }
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+#pragma unroll
+        for (int mt = 0; mt < kMt; ++mt) {
+          const float a0 = to_float(xc[mt][0].v[2 * s]), a1 = to_float(xc[mt][1].v[2 * s]);
+          const float a2 = to_float(xc[mt][0].v[2 * s + 1]), a3 = to_float(xc[mt][1].v[2 * s + 1]);
+          if (kSplitX) {
+            const float h0 = mhc_tf32(a0), h1 = mhc_tf32(a1), h2 = mhc_tf32(a2), h3 = mhc_tf32(a3);
+            mhc_mma_tf32(acc[mt][j], mhc_tf32(a0 - h0), mhc_tf32(a1 - h1), mhc_tf32(a2 - h2), mhc_tf32(a3 - h3),
+                         bh[2 * s], bh[2 * s + 1]);
+            mhc_mma_tf32(acc[mt][j], h0, h1, h2, h3, bl[2 * s], bl[2 * s + 1]);
+            mhc_mma_tf32(acc[mt][j], h0, h1, h2, h3, bh[2 * s], bh[2 * s + 1]);
+          } else {
+            mhc_mma_tf32(acc[mt][j], a0, a1, a2, a3, bl[2 * s], bl[2 * s + 1]);
+            mhc_mma_tf32(acc[mt][j], a0, a1, a2, a3, bh[2 * s], bh[2 * s + 1]);
+          }
+        }
+    }
+    if (q + kWarps < kChunks) {
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt) xc[mt][0] = xn[mt][0], xc[mt][1] = xn[mt][1];
+    }
+  }
+
+  // A row's sum of squares over the quad's four lanes, then the warps' partials added in warp order.
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      ss[mt][h] += __shfl_xor_sync(0xffffffffu, ss[mt][h], 1);
+      ss[mt][h] += __shfl_xor_sync(0xffffffffu, ss[mt][h], 2);
+    }
+  for (int w = 0; w < kWarps; ++w) {
+    if (warp == w) {
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float* row = tot + (mt * 16 + g + 8 * h) * kK;
+          if (c == 0) row[0] = w == 0 ? ss[mt][h] : row[0] + ss[mt][h];
+#pragma unroll
+          for (int j = 0; j < kNt; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int r = 8 * j + 2 * c + e;
+              if (r < kM) row[1 + r] = w == 0 ? acc[mt][j][2 * h + e] : row[1 + r] + acc[mt][j][2 * h + e];
+            }
+        }
+    }
+    __syncthreads();
+  }
+
+  for (int s0 = 0; s0 < ntok; s0 += kSub) {
+    mhc_pre_fwd_heads<N, D, kTMax, kPreOnly, kSub>(p, t0 + s0, ntok - s0 < kSub ? ntok - s0 : kSub, tot + s0 * kK,
+                                                   h_pre + s0);
+    __syncthreads();
+  }
+
+  // y: items of 8 elements of one token, kBatch items per thread loaded before any is stored.
+  constexpr int kRow8 = (D + 7) / 8, kBatch = N >= 8 ? 2 : 4;
+  const int items = ntok * kRow8;
+  for (int base = 0; base < items; base += kBatch * kThreads) {
+    MhcRow8<T> v[kBatch][N];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int it = base + b * kThreads + static_cast<int>(threadIdx.x);
+      const int j = it < items ? it / kRow8 : 0, d = (it < items ? it % kRow8 : 0) * 8;
+#pragma unroll
+      for (int i = 0; i < N; ++i)
+        mhc_load8<T, kVec>(v[b][i], x + ((t0 + j) * N + i) * p.x_row + d, it < items ? D - d : 0);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int it = base + b * kThreads + static_cast<int>(threadIdx.x);
+      if (it >= items) continue;
+      const int j = it / kRow8, d = it % kRow8 * 8;
+      MhcRow8<T> out;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < N; ++i) s += h_pre[j][i] * to_float(v[b][i].v[e]);
+        out.v[e] = store_as<T>(s);
+      }
+      T* y = static_cast<T*>(p.y) + (t0 + j) * p.y_row + d;
+      if (kVec) {
+#pragma unroll
+        for (int w = 0; w < static_cast<int>(sizeof(out) / 16); ++w)
+          reinterpret_cast<uint4*>(y)[w] = reinterpret_cast<const uint4*>(out.v)[w];
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          if (d + e < D) y[e] = out.v[e];
+      }
+    }
+  }
+}
+
+}  // namespace kspec
