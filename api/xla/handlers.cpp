@@ -7,20 +7,26 @@
 // buffers' shapes and addresses but not their contents; it validates the call and builds its plan —
 // kernels compiled (NVRTC, or the disk cache) and loaded — without launching (prepare_call), so the
 // execute stage finds the plan cached. The instantiate stage cannot: it sees attributes but no buffers,
-// and kspec's specializations depend on shapes (hidden, dstate, n). No handler declares
-// XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE either (adamw's runtime params are read back on the
-// stream, which a capture cannot do), so XLA runs every execution as an ordinary thunk.
+// and kspec's specializations depend on shapes (hidden, dstate, n). XLA runs the initialize stage before
+// every execution, so both stages find the call's conversion (a Binding) cached and do no parsing, string
+// building or allocation of their own. No handler declares XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE
+// (adamw's bound call is rebuilt when its buffers move, which a recorded command buffer would not see), so
+// XLA runs every execution as an ordinary thunk.
 #include <cuda.h>
 
+#include <algorithm>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
 #include <string>
+#include <unordered_map>
 #include <string_view>
 #include <vector>
 
 #include "api/src/c_abi.h"
 #include "api/src/plan.h"
 #include "api/xla/targets.h"
-#include "jit/driver.h"
 #include "kspec/error.h"
 #include "kspec/kspec_xla.h"
 #include "kspec/registry.h"
@@ -200,57 +206,75 @@ TensorView view_of(const ffi::AnyBuffer& b, const TensorDef& def, bool bld, int 
   return v;
 }
 
-// A runtime param given as a one-element operand (a learning rate or step count that changes every call
-// without recompiling the XLA program): read back on the call's stream. The wait makes this call
-// synchronous with its stream, which is why only params the caller names in `inputs` take this path.
-ParamValue read_scalar(const ffi::AnyBuffer& b, const ParamDef& p, Stream stream, int device, const std::string& what) {
-  KSPEC_CHECK(b.element_count() == 1, what, ": a param operand holds one element, got ", b.element_count());
-  const DType dt = dtype_of(b.element_type(), what);
-  KSPEC_CHECK(dt == DType::f32 || dt == DType::f64 || dt == DType::i32 || dt == DType::i64, what,
-              ": a param operand is f32, f64, s32 or s64, got ", dtype_name(dt));
-  unsigned char raw[8] = {};
-  {
-    jit::ContextGuard context(device);
-    CU_CHECK(cuStreamSynchronize(stream));
-    CU_CHECK(cuMemcpyDtoH(raw, reinterpret_cast<CUdeviceptr>(b.untyped_data()), size_t(dtype_size(dt))));
-  }
-  double x = 0;
-  int64_t n = 0;
-  switch (dt) {
-    case DType::f32: { float f; std::memcpy(&f, raw, 4); x = f; n = int64_t(f); break; }
-    case DType::f64: std::memcpy(&x, raw, 8); n = int64_t(x); break;
-    case DType::i32: { int32_t i; std::memcpy(&i, raw, 4); n = i; x = double(i); break; }
-    default: std::memcpy(&n, raw, 8); x = double(n); break;
-  }
-  switch (p.type) {
-    case ParamType::Int: return n;
-    case ParamType::Float: return x;
-    case ParamType::Bool: return n != 0;
-    case ParamType::Choice: break;
-  }
-  throw InvalidArgument(detail::concat(what, ": a choice param cannot come from an operand"));
-}
+// A custom call converted once: which operand is which input (or list item), which result which output
+// (or which operand it aliases), the params, and views with the buffers' dtypes and shapes (their data set
+// per execution). Built the first time a signature (target, device, attributes, operands' and results'
+// dtypes and shapes: binding_key) is seen; later executions only fill in pointers.
+struct Binding {
+  struct Operand {
+    int input = -1;     // index in op.inputs
+    int list = -1;      // a list input's index in `lists`, else -1
+    int64_t item = -1;  // and the item
+  };
+  struct Result {
+    int output = -1;   // index in op.outputs, or -1 for an input updated in place...
+    int operand = -1;  // ...whose operand's buffer it must be
+  };
+  std::string key;
+  const Target* target = nullptr;
+  const OpInfo* op = nullptr;
+  Params params;
+  std::vector<Operand> operands;
+  std::vector<Result> results;
+  std::vector<TensorView> ins, outs;            // list inputs point into `lists`
+  std::vector<std::vector<TensorView>> lists;
+  bool has_list = false;
+  bool prepared = false;  // its initialize stage ran (plan built, kernels loaded)
 
-// The call of one execution (execute: true), or its preparation (the initialize stage: no stream, buffers
-// not yet written, so a runtime param's operand is not read; the plan does not depend on it).
-void run(const Target& t, bool execute, Stream stream, int device, const ffi::RemainingArgs& args,
-         const ffi::RemainingRets& rets, const ffi::Dictionary& dict) {
-  const OpInfo& op = op_info(t.op);
+  // List ops (adamw): kspec::call validates every item of every list each call (its call cache takes no
+  // lists) and uploads the tensor table each step, so an execution runs a BoundCall instead, bound to
+  // the operands' addresses. Donated, aliased buffers keep theirs step after step; gradients made by
+  // another jitted function tend to come back at one of a few (XLA's allocator reuses freed blocks), so
+  // the last kBoundPerBinding bound calls are kept. A binding that has bound kMaxBinds calls and still
+  // meets new addresses goes back to kspec::call (validation and the table's upload on every call).
+  struct Bound {
+    std::vector<const void*> ptrs;  // the operands' addresses it was built with
+    std::unique_ptr<BoundCall> call;
+    uint64_t used = 0;              // the `clock` of its last run
+  };
+  std::mutex mu;
+  std::vector<Bound> bound;
+  std::vector<std::unique_ptr<BoundCall>> retired;  // evicted, possibly still running: freed once idle
+  uint64_t clock = 0;
+  int binds = 0;
+};
+
+constexpr size_t kBoundPerBinding = 4;
+constexpr int kMaxBinds = 16;
+constexpr size_t kMaxBindings = 4096;  // a process that sweeps shapes converts the rest on every call
+
+std::unique_ptr<Binding> make_binding(const Target& t, int device, const ffi::RemainingArgs& args,
+                                      const ffi::RemainingRets& rets, const ffi::Dictionary& dict) {
+  auto bp = std::make_unique<Binding>();
+  Binding& b = *bp;
+  b.target = &t;
+  b.op = &op_info(t.op);
+  const OpInfo& op = *b.op;
   Attrs a = read_attrs(t, op, dict);
+  b.params = std::move(a.params);
   if (!a.given_inputs)
     for (const auto& d : op.inputs)
       if (!d.optional) a.inputs.push_back(d.name);
 
-  std::vector<TensorView> ins(op.inputs.size());
-  std::vector<std::vector<TensorView>> lists;  // the items of list inputs, alive for the call
-  lists.reserve(op.inputs.size());
+  b.ins.resize(op.inputs.size());
+  b.lists.reserve(op.inputs.size());
   size_t next = 0;
   auto operand = [&](const std::string& what) {
     KSPEC_CHECK(next < args.size(), t.name, ": ", what, ": expected an operand, but only ", args.size(),
                 " were given (inputs=\"", [&] { std::string s; for (auto& n : a.inputs) s += (s.empty() ? "" : ",") + n; return s; }(), "\")");
-    auto b = args.get<ffi::AnyBuffer>(next++);
-    if (!b.has_value()) throw InvalidArgument(detail::concat(t.name, ": ", what, ": ", b.error().message()));
-    return b.value();
+    auto buf = args.get<ffi::AnyBuffer>(next++);
+    if (!buf.has_value()) throw InvalidArgument(detail::concat(t.name, ": ", what, ": ", buf.error().message()));
+    return buf.value();
   };
   for (const auto& name : a.inputs) {
     const int i = index_of(op.inputs, name);
@@ -258,67 +282,274 @@ void run(const Target& t, bool execute, Stream stream, int device, const ffi::Re
       const ParamDef* p = param_def(op, name);
       KSPEC_CHECK(p && p->runtime, t.name, ": inputs names '", name, "', which is neither an input of ", t.op,
                   " nor a runtime param");
-      const ffi::AnyBuffer b = operand("param '" + name + "'");
-      if (execute) a.params.set(name, read_scalar(b, *p, stream, device, "operand '" + name + "'"));
-      continue;
+      // Reading it would make the handler wait for its stream; the op reads its device scalars itself.
+      const std::string device_input = "device_" + name;
+      throw InvalidArgument(detail::concat(
+          t.name, ": runtime param '", name, "' cannot be an operand (the handler would wait on the stream to read it); ",
+          index_of(op.inputs, device_input) >= 0 ? "pass it as the one-element f32 input '" + device_input + "'"
+                                                 : "pass it as the attribute '" + name + "'"));
     }
     const TensorDef& def = op.inputs[size_t(i)];
-    KSPEC_CHECK(!ins[size_t(i)].defined(), t.name, ": input '", name, "' is named twice in inputs");
+    KSPEC_CHECK(!b.ins[size_t(i)].defined(), t.name, ": input '", name, "' is named twice in inputs");
     if (def.list) {
       KSPEC_CHECK(a.tensors >= 0, t.name, ": list input '", name, "' needs the attribute '", kTensorsAttr, "'");
-      lists.emplace_back();
+      b.has_list = true;
+      b.lists.emplace_back();
       for (int64_t k = 0; k < a.tensors; ++k) {
         const std::string what = detail::concat("input '", name, "' item ", k);
-        lists.back().push_back(view_of(operand(what), def, a.bld, device, what));
+        b.lists.back().push_back(view_of(operand(what), def, a.bld, device, what));
+        b.operands.push_back({i, int(b.lists.size() - 1), k});
       }
-      ins[size_t(i)] = TensorView::list(lists.back().data(), a.tensors);
+      b.ins[size_t(i)] = TensorView::list(b.lists.back().data(), a.tensors);
     } else {
-      ins[size_t(i)] = view_of(operand("input '" + name + "'"), def, a.bld, device, "input '" + name + "'");
+      b.ins[size_t(i)] = view_of(operand("input '" + name + "'"), def, a.bld, device, "input '" + name + "'");
+      b.operands.push_back({i, -1, -1});
     }
   }
   KSPEC_CHECK(next == args.size(), t.name, ": ", args.size(), " operands given, but inputs names ", next);
 
   if (!a.given_outputs)
     for (const auto& d : op.outputs)
-      if (d.present_with.empty() ? !d.optional : present_with(op, d, ins, a.params)) a.outputs.push_back(d.name);
-  std::vector<TensorView> outs(op.outputs.size());
+      if (d.present_with.empty() ? !d.optional : present_with(op, d, b.ins, b.params)) a.outputs.push_back(d.name);
+  b.outs.resize(op.outputs.size());
   size_t r = 0;
   auto result = [&](const std::string& what) {
     KSPEC_CHECK(r < rets.size(), t.name, ": ", what, ": expected a result, but only ", rets.size(), " exist");
-    auto b = rets.get<ffi::AnyBuffer>(r++);
-    if (!b.has_value()) throw InvalidArgument(detail::concat(t.name, ": ", what, ": ", b.error().message()));
-    return *b.value();
+    auto buf = rets.get<ffi::AnyBuffer>(r++);
+    if (!buf.has_value()) throw InvalidArgument(detail::concat(t.name, ": ", what, ": ", buf.error().message()));
+    return *buf.value();
   };
   for (const auto& name : a.outputs) {
     const int o = index_of(op.outputs, name);
     if (o >= 0) {
-      outs[size_t(o)] = view_of(result("output '" + name + "'"), op.outputs[size_t(o)], a.bld, device, "output '" + name + "'");
+      b.outs[size_t(o)] = view_of(result("output '" + name + "'"), op.outputs[size_t(o)], a.bld, device, "output '" + name + "'");
+      b.results.push_back({o, -1});
       continue;
     }
     // An input updated in place: XLA gives its result the operand's buffer (input_output_aliases).
     const int i = index_of(op.inputs, name);
-    KSPEC_CHECK(i >= 0 && ins[size_t(i)].defined(), t.name, ": outputs names '", name,
+    KSPEC_CHECK(i >= 0 && b.ins[size_t(i)].defined(), t.name, ": outputs names '", name,
                 "', which is neither an output of ", t.op, " nor a given input");
-    const TensorView& in = ins[size_t(i)];
+    const TensorView& in = b.ins[size_t(i)];
     const int64_t n = in.is_list() ? in.list_size() : 1;
     for (int64_t k = 0; k < n; ++k) {
       const std::string what = detail::concat("result '", name, "'", in.is_list() ? detail::concat(" item ", k) : "");
       const void* want = in.is_list() ? in.item(k).data : in.data;
       KSPEC_CHECK(result(what).untyped_data() == want, t.name, ": ", what,
                   " must be its operand's buffer (alias it with input_output_aliases)");
+      int j = 0;  // its operand (there is one: the input is given)
+      while (b.operands[size_t(j)].input != i || b.operands[size_t(j)].item != (in.is_list() ? k : -1)) ++j;
+      b.results.push_back({-1, j});
     }
   }
   KSPEC_CHECK(r == rets.size(), t.name, ": ", rets.size(), " results, but outputs names ", r);
-  if (execute)
-    call(t.op, ins, outs, a.params, stream);
-  else
-    prepare_call(t.op, ins, outs, a.params);
+  return bp;
 }
 
-ffi::Error run_ffi(const char* target, bool execute, Stream stream, int32_t device, ffi::RemainingArgs args,
-                   ffi::RemainingRets rets, ffi::Dictionary attrs) noexcept {
+// binding_key's writer: raw bytes appended to a thread's buffer (no allocation once it has grown).
+struct KeyBytes {
+  std::string& s;
+  template <typename T>
+  void raw(const T& v) { s.append(reinterpret_cast<const char*>(&v), sizeof(T)); }
+  void bytes(std::string_view v) {
+    raw(v.size());
+    s.append(v.data(), v.size());
+  }
+  template <typename Buffer>
+  void buffer(const Buffer& b) {
+    raw(uint8_t(b.element_type()));
+    const auto dims = b.dimensions();
+    raw(uint8_t(dims.size()));
+    for (int64_t d : dims) raw(d);
+  }
+};
+
+// Everything a Binding is made from except the buffers' addresses: the target, the device, every
+// attribute (name, type, value) and every operand's and result's dtype and shape. An attribute of a type
+// no target takes (arrays, dictionaries) goes in by name only: make_binding refuses it, so no binding
+// is ever found under such a key.
+void binding_key(std::string& key, const Target& t, int32_t device, const ffi::RemainingArgs& args,
+                 const ffi::RemainingRets& rets, const ffi::Dictionary& dict) {
+  KeyBytes w{key};
+  w.raw(&t);
+  w.raw(device);
+  w.raw(dict.size());
+  for (auto it = dict.begin(); it != dict.end(); ++it) {
+    const std::string_view name = *it;
+    w.bytes(name);
+    if (dict.isa<std::string_view>(it)) {
+      w.raw('s');
+      w.bytes(dict.get<std::string_view>(name).value());
+    } else if (dict.isa<bool>(it)) {
+      w.raw('b');
+      w.raw(dict.get<bool>(name).value());
+    } else if (dict.isa<int64_t>(it)) {
+      w.raw('l');
+      w.raw(dict.get<int64_t>(name).value());
+    } else if (dict.isa<int32_t>(it)) {
+      w.raw('i');
+      w.raw(dict.get<int32_t>(name).value());
+    } else if (dict.isa<double>(it)) {
+      w.raw('d');
+      w.raw(dict.get<double>(name).value());
+    } else if (dict.isa<float>(it)) {
+      w.raw('f');
+      w.raw(dict.get<float>(name).value());
+    } else {
+      w.raw('?');
+    }
+  }
+  w.raw(args.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto b = args.get<ffi::AnyBuffer>(i);
+    if (b.has_value()) w.buffer(b.value());
+    else w.raw(uint8_t(0xff));
+  }
+  w.raw(rets.size());
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto b = rets.get<ffi::AnyBuffer>(i);
+    if (b.has_value()) w.buffer(*b.value());
+    else w.raw(uint8_t(0xff));
+  }
+}
+
+// The binding of this call: found by its key, else made (and kept while there is room). Never freed:
+// an entry's bound call may still be running at exit, and plans (which it points to) are never freed
+// either. `owned` holds one that did not fit.
+Binding& binding_for(const Target& t, int32_t device, const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+                     const ffi::Dictionary& dict, std::unique_ptr<Binding>& owned) {
+  static std::shared_mutex mu;
+  static auto& cache = *new std::unordered_map<std::string_view, std::unique_ptr<Binding>>();
+  thread_local std::string key;
+  key.clear();
+  binding_key(key, t, device, args, rets, dict);
+  {
+    std::shared_lock<std::shared_mutex> lock(mu);
+    auto it = cache.find(std::string_view(key));
+    if (it != cache.end()) return *it->second;
+  }
+  std::unique_ptr<Binding> b = make_binding(t, device, args, rets, dict);
+  b->key = key;
+  std::unique_lock<std::shared_mutex> lock(mu);
+  auto it = cache.find(std::string_view(b->key));
+  if (it != cache.end()) return *it->second;  // another thread made it first
+  if (cache.size() >= kMaxBindings) {
+    owned = std::move(b);
+    return *owned;
+  }
+  Binding& kept = *b;
+  cache.emplace(std::string_view(kept.key), std::move(b));
+  return kept;
+}
+
+const void* operand_data(const ffi::RemainingArgs& args, size_t i) {
+  return args.get<ffi::AnyBuffer>(i).value().untyped_data();
+}
+
+// The results' buffers into `outs` (a copy of the binding's), each aliased one checked against its operand.
+void fill_results(const Binding& b, const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+                  std::vector<TensorView>& outs) {
+  for (size_t r = 0; r < b.results.size(); ++r) {
+    void* data = rets.get<ffi::AnyBuffer>(r).value()->untyped_data();
+    const Binding::Result& res = b.results[r];
+    if (res.output >= 0) {
+      outs[size_t(res.output)].data = data;
+      continue;
+    }
+    KSPEC_CHECK(data == operand_data(args, size_t(res.operand)), b.target->name, ": result ", r,
+                " must be its operand's buffer (alias it with input_output_aliases)");
+  }
+}
+
+// The binding's input views at this call's addresses, list items included (their own copies: the
+// binding's views are shared by the threads that run it).
+struct Views {
+  std::vector<TensorView> ins;
+  std::vector<std::vector<TensorView>> lists;
+};
+
+Views views_at(const Binding& b, const ffi::RemainingArgs& args) {
+  Views v{b.ins, b.lists};
+  for (size_t j = 0; j < b.operands.size(); ++j) {
+    const Binding::Operand& o = b.operands[j];
+    void* data = const_cast<void*>(operand_data(args, j));
+    if (o.list >= 0) v.lists[size_t(o.list)][size_t(o.item)].data = data;
+    else v.ins[size_t(o.input)].data = data;
+  }
+  for (size_t j = 0; j < b.operands.size(); ++j) {
+    const Binding::Operand& o = b.operands[j];
+    if (o.list >= 0 && o.item == 0) v.ins[size_t(o.input)] = TensorView::list(v.lists[size_t(o.list)].data(), int64_t(v.lists[size_t(o.list)].size()));
+  }
+  return v;
+}
+
+// A list op's execution (see Binding): the bound call made for these operands' addresses, else a new
+// one, else (after kMaxBinds) kspec::call.
+void run_list_op(Binding& b, Stream stream, const ffi::RemainingArgs& args, const ffi::RemainingRets& rets) {
+  std::lock_guard<std::mutex> lock(b.mu);
+  thread_local std::vector<const void*> ptrs;
+  ptrs.resize(args.size());
+  for (size_t j = 0; j < args.size(); ++j) ptrs[j] = operand_data(args, j);
+  thread_local std::vector<TensorView> outs;
+  outs.assign(b.outs.begin(), b.outs.end());
+  fill_results(b, args, rets, outs);
+  ++b.clock;
+  for (auto& bc : b.bound)
+    if (bc.ptrs == ptrs) {
+      bc.used = b.clock;
+      bc.call->run({}, outs, stream);
+      return;
+    }
+  Views v = views_at(b, args);
+  if (b.binds >= kMaxBinds) {
+    call(b.op->name, v.ins, outs, b.params, stream);
+    return;
+  }
+  b.retired.erase(std::remove_if(b.retired.begin(), b.retired.end(), [](const auto& c) { return c->idle(); }),
+                  b.retired.end());
+  if (b.bound.size() >= kBoundPerBinding) {  // the least recently run makes room
+    auto lru = std::min_element(b.bound.begin(), b.bound.end(), [](const auto& x, const auto& y) { return x.used < y.used; });
+    b.retired.push_back(std::move(lru->call));
+    b.bound.erase(lru);
+  }
+  b.bound.push_back({ptrs, std::make_unique<BoundCall>(b.op->name, v.ins, outs, b.params), b.clock});
+  ++b.binds;
+  b.bound.back().call->run({}, outs, stream);
+}
+
+// One execution (execute: true), or its preparation (the initialize stage: no stream, buffers not yet
+// written; XLA runs it before every execution, so a binding prepared once returns at once).
+void run(const Target& t, bool execute, Stream stream, int device, const ffi::RemainingArgs& args,
+         const ffi::RemainingRets& rets, const ffi::Dictionary& dict) {
+  std::unique_ptr<Binding> owned;
+  Binding& b = binding_for(t, device, args, rets, dict, owned);
+  if (!execute) {
+    std::lock_guard<std::mutex> lock(b.mu);
+    if (b.prepared) return;
+    Views v = views_at(b, args);
+    std::vector<TensorView> outs = b.outs;
+    fill_results(b, args, rets, outs);
+    prepare_call(b.op->name, v.ins, outs, b.params);
+    b.prepared = true;
+    return;
+  }
+  if (b.has_list) {
+    run_list_op(b, stream, args, rets);
+    return;
+  }
+  // kspec::call's own cache finds the validated call by the views' signature and checks only what
+  // depends on the pointers; the views go into this thread's vectors (no allocation once grown).
+  thread_local std::vector<TensorView> ins, outs;
+  ins.assign(b.ins.begin(), b.ins.end());
+  outs.assign(b.outs.begin(), b.outs.end());
+  for (size_t j = 0; j < b.operands.size(); ++j) ins[size_t(b.operands[j].input)].data = const_cast<void*>(operand_data(args, j));
+  fill_results(b, args, rets, outs);
+  call(b.op->name, ins, outs, b.params, stream);
+}
+
+ffi::Error run_ffi(const Target* t, const char* target, bool execute, Stream stream, int32_t device,
+                   ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) noexcept {
   try {
-    const Target* t = find_target(target);
     if (!t) throw InternalError(detail::concat("no XLA target ", target, " in the table"));
     run(*t, execute, stream, device, args, rets, attrs);
     return ffi::Error::Success();
@@ -339,7 +570,8 @@ ffi::Error run_ffi(const char* target, bool execute, Stream stream, int32_t devi
 #define KSPEC_XLA_HANDLER(sym, target)                                                                            \
   static ffi::Error sym##_impl(kspec::Stream stream, int32_t device, ffi::RemainingArgs args,                     \
                                ffi::RemainingRets rets, ffi::Dictionary attrs) {                                   \
-    return kspec::xla::run_ffi(target, true, stream, device, args, rets, attrs);                                 \
+    static const kspec::xla::Target* const t = kspec::xla::find_target(target);                                  \
+    return kspec::xla::run_ffi(t, target, true, stream, device, args, rets, attrs);                                 \
   }                                                                                                                \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(sym, sym##_impl,                                                                   \
                                 ffi::Ffi::Bind()                                                                   \
@@ -350,7 +582,8 @@ ffi::Error run_ffi(const char* target, bool execute, Stream stream, int32_t devi
                                     .Attrs<ffi::Dictionary>());                                                    \
   static ffi::Error sym##_init_impl(int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,             \
                                     ffi::Dictionary attrs) {                                                       \
-    return kspec::xla::run_ffi(target, false, nullptr, device, args, rets, attrs);                               \
+    static const kspec::xla::Target* const t = kspec::xla::find_target(target);                                  \
+    return kspec::xla::run_ffi(t, target, false, nullptr, device, args, rets, attrs);                               \
   }                                                                                                                \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(sym##_init, sym##_init_impl,                                                       \
                                 ffi::Ffi::BindInitialize()                                                         \

@@ -68,7 +68,8 @@ std::string targets_json() {
     nlohmann::json attrs = nlohmann::json::array();
     attrs.push_back({{"name", kInputsAttr}, {"type", "string"},
                      {"doc", "the op's inputs given as operands, comma-separated, in order (default: the required ones); "
-                             "a runtime param named here is read from a one-element operand"}});
+                             "params are attributes (a runtime param named here is refused: reading it would wait "
+                             "on the stream; adamw reads lr and step from its operands device_lr, device_step)"}});
     attrs.push_back({{"name", kOutputsAttr}, {"type", "string"},
                      {"doc", "the results, comma-separated, in order (default: the required outputs and those present "
                              "with a given input); an input's name is that input updated in place (an aliased result)"}});

@@ -337,9 +337,11 @@ def adamw_step(params, grads, state: AdamWState, *, lr=1e-3, beta1=0.9, beta2=0.
     """One fused multi-tensor AdamW step (torch.optim.AdamW semantics; kspec.optim.AdamW's kernel).
     Returns (new_params, new_state, grad_norm) — grad_norm (1,) fp32 when max_norm > 0, else None.
     params and the state's tensors are updated in the buffers they came in (aliased results): jit with
-    params and state donated (donate_argnums) for no copies. lr may be a traced scalar (a schedule): it and
-    the step count are read from device memory by the handler (one wait on the stream per step, no
-    recompilation as they change). grad_scale: (1,) fp32 AMP loss scale or None."""
+    params and state donated (donate_argnums) for no copies (and the handler's bound call, built for the
+    buffers' addresses, is then reused step after step). lr may be a traced scalar (a schedule): it and the
+    step count are operands (fp32 (1,) device scalars, the op's device_lr and device_step) read by the
+    kernel itself, so they change without recompiling and without the host waiting for the stream.
+    grad_scale: (1,) fp32 AMP loss scale or None."""
     p_leaves, treedef = jax.tree_util.tree_flatten(params)
     g_leaves = treedef.flatten_up_to(grads)
     lists = [("params", p_leaves), ("grads", g_leaves), ("exp_avg", treedef.flatten_up_to(state.exp_avg)),
@@ -349,8 +351,10 @@ def adamw_step(params, grads, state: AdamWState, *, lr=1e-3, beta1=0.9, beta2=0.
     if state.max_exp_avg_sq is not None:
         lists.append(("max_exp_avg_sq", treedef.flatten_up_to(state.max_exp_avg_sq)))
     step = state.step + 1
-    names = ["lr", "step"] + [name for name, _ in lists]
-    ops = [jnp.asarray(lr, jnp.float32).reshape(()), step.astype(jnp.int32)] + [a for _, xs in lists for a in xs]
+    names = ["device_lr", "device_step"] + [name for name, _ in lists]
+    # fp32 holds every step count up to 2**24 exactly
+    ops = [jnp.asarray(lr, jnp.float32).reshape((1,)), step.astype(jnp.float32).reshape((1,))]
+    ops += [a for _, xs in lists for a in xs]
     if grad_scale is not None:
         names.append("grad_scale")
         ops.append(jnp.asarray(grad_scale, jnp.float32).reshape((1,)))

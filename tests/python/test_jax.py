@@ -191,7 +191,9 @@ def test_adamw_lowers_in_place(kj):
                 state, jnp.float32(1e-3))
     [(target, attrs)] = _calls(text)
     assert target == "kspec_adamw"
-    assert 'inputs = "lr,step,params,grads,exp_avg,exp_avg_sq,master"' in attrs
+    # lr and the step are device scalars the kernel reads (no host read-back in the handler)
+    assert 'inputs = "device_lr,device_step,params,grads,exp_avg,exp_avg_sq,master"' in attrs
+    assert "lr =" not in attrs and "step =" not in attrs
     assert 'outputs = "params,exp_avg,exp_avg_sq,master,grad_norm"' in attrs and "tensors = 2 : i64" in attrs
     # every in-place list's buffers alias their operands: 4 lists x 2 tensors
     assert text.count("output_tuple_indices") == 8
@@ -228,7 +230,7 @@ def test_adamw_transformation_init_and_update(kj):
                                                                   "b": ((3,), jnp.float32)}
     assert jax.tree_util.tree_structure(new_state) == jax.tree_util.tree_structure(state)
     [(target, attrs)] = _calls(_hlo(tx.update, params, state, params))
-    assert target == "kspec_adamw" and 'inputs = "lr,step,params,grads,exp_avg,exp_avg_sq,master"' in attrs
+    assert target == "kspec_adamw" and 'inputs = "device_lr,device_step,params,grads,exp_avg,exp_avg_sq,master"' in attrs
 
 
 def test_adamw_transformation_errors(kj):
