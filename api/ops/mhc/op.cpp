@@ -168,12 +168,15 @@ constexpr int64_t kMmaThreads = 128;  // templates/mhc/mhc_pre_mma.cuh: kMhcMmaT
 bool mma_vec(const Problem& p) { return p.dim("D") % 8 == 0 && p.align_bytes >= 16; }
 // A lane keeps (tokens / 16) x ceil(M / 8) accumulator tiles of 4 floats, 8 columns of phi per tile and
 // its rows of x twice (this chunk's and the next's). Without spills on sm_80 (ptxas, NVRTC 13): 64 tokens
-// only with 16-bit x in 16-byte groups (n = 4: 224-230 registers; fp32 x spilled 740 bytes, bf16 at D = 33
-// and n = 3 8 bytes), else 32; at most 12 tiles, 10 with fp32 x.
-int64_t max_mma_tokens(const Problem& p) { return p.dtype("x") != DType::f32 && mma_vec(p) ? 64 : 32; }
-int64_t max_mma_tiles(const Problem& p) { return p.dtype("x") == DType::f32 ? 10 : 12; }
+// only with x in 16-byte groups (n = 4: 224-230 registers; bf16 at D = 33 and n = 3 spilled 8 bytes), else
+// 32; at most 12 tiles.
+int64_t max_mma_tokens(const Problem& p) { return mma_vec(p) ? 64 : 32; }
+constexpr int64_t kMaxMmaTiles = 12;
 std::string mma_unsupported(const Problem& p) {
   if (jit::compute_capability(p.arch) < 80) return "algo=mma needs sm_80 or newer (mma.sync with TF32 operands)";
+  // Split into three TF32 products, fp32 x came to 1.1e-5..2.2e-5 in h at D = 2560..7168 on the H100 (the
+  // fp32 tolerance is 1e-5; algo=simt passes): fp32 x keeps the exact-fp32 SIMT kernel.
+  if (p.dtype("x") == DType::f32) return "algo=mma takes bfloat16 or float16 x (float32 x: algo=simt)";
   return "";
 }
 int64_t mma_tiles(const Problem& p, int64_t tokens) { return tokens / 16 * ceil_div(proj_rows(p), 8); }
@@ -196,9 +199,9 @@ TuningSpace with_algo_axis(TuningSpace t) {
       if (no.empty() && c.get("threads") != kMmaThreads) no = "algo=mma runs 128 threads a block (named threads=128)";
       else if (no.empty() && tok < 16) no = "algo=mma takes whole m16 tiles of tokens: 16, 32 or 64";
       else if (no.empty() && tok > max_mma_tokens(p))
-        no = "algo=mma takes 64 tokens only with 16-bit x in 16-byte groups (D % 8 == 0, aligned): registers";
-      else if (no.empty() && mma_tiles(p, tok) > max_mma_tiles(p))
-        no = "algo=mma: more accumulator tiles (tokens / 16 x ceil(M / 8)) than registers hold (12, fp32 x 10)";
+        no = "algo=mma takes 64 tokens only with x in 16-byte groups (D % 8 == 0, aligned): registers";
+      else if (no.empty() && mma_tiles(p, tok) > kMaxMmaTiles)
+        no = "algo=mma: more accumulator tiles (tokens / 16 x ceil(M / 8)) than registers hold (12)";
     }
     if (why) *why = no;
     return no.empty();
@@ -207,7 +210,7 @@ TuningSpace with_algo_axis(TuningSpace t) {
   t.heuristic = [simt_heuristic](const Problem& p) {
     if (mma_unsupported(p).empty()) {
       for (int64_t tok : {64, 32, 16})
-        if (tok <= max_mma_tokens(p) && mma_tiles(p, tok) <= max_mma_tiles(p))
+        if (tok <= max_mma_tokens(p) && mma_tiles(p, tok) <= kMaxMmaTiles)
           return Config{{{"algo", kMma}, {"threads", kMmaThreads}, {"tokens", tok}}};
     }
     Config c = simt_heuristic(p);
