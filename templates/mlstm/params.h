@@ -26,6 +26,7 @@ struct MlstmParams {
   // algo=tc (chunkwise_tc.cuh): what its gates and state kernels leave in the workspace for the output
   // kernel (NC = ceil(S / L) chunks; m_rows above is then always set, to the output or the workspace).
   float* gate_rows;  // [seqs, S, 4]: b_t - m_t, i_t - b_t, g_t = e^(b_t + m - m_t), w_t = e^(b_L - b_t + i_t - m_L)
+                     // (mlstm.step algo=split: [seqs, kMlstmStepScalars], decay, gain, normalizer; step.cuh)
   float* chunk_g;    // [seqs, NC]: e^(b_L + m - m_L), the decay of the state carried over each chunk
   void* Cs;          // [seqs, NC, DHQK, DHHV] in the input dtype: C entering each chunk
   float* ns;         // [seqs, NC, DHQK]: n entering each chunk
@@ -34,6 +35,10 @@ struct MlstmParams {
   // blocks of the dim they contract (mlstm_tc_bwd_parts), summed in a fixed order by the reduce kernel.
   float* part;
 };
+
+// mlstm.step algo=split: floats a sequence of the gates kernel's scalars for the slab kernel (3 used,
+// padded to 16 bytes).
+constexpr int kMlstmStepScalars = 4;
 
 // Dynamic shared memory of mlstm_chunkwise_fwd_kernel in floats: S (chunk x chunk), six vectors of
 // chunk floats and two scalars.

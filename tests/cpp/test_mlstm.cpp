@@ -21,6 +21,7 @@
 #include "jit/driver.h"
 #include "kspec/kspec.h"
 #include "mlstm/reference.h"
+#include "mlstm/schema.h"
 #include "templates/mlstm/params.h"
 #include "test_helpers.h"
 
@@ -334,6 +335,56 @@ TEST(Mlstm, TensorCoreBackwardCompilesWithoutSpills) {
   }
 }
 
+// mlstm.step: every legal config of the cases at the model's head dims and the extremes (16 x 16, 512 x
+// 512) compiles for sm_80 and sm_90 without spills or a stack frame (algo=split: two kernels, block:
+// one), and at least one config a case is algo=split (its float4 slabs, where pointers are aligned).
+TEST(Mlstm, StepEveryConfigCompilesWithoutSpills) {
+  const OpDef& op = Registry::global().get("mlstm.step");
+  for (const char* name : {"dh_16", "B_1_dh_128", "B_1_dk_256_dv_64", "dh_512"}) {
+    const auto it = std::find_if(op.cases.begin(), op.cases.end(), [&](const Case& c) { return c.name == name; });
+    ASSERT_NE(it, op.cases.end()) << name;
+    for (const char* arch : {"sm_80", "sm_90"}) {
+      int split = 0;
+      for (const Config& config : configs_for_case("mlstm.step", name, DType::bf16, arch)) {
+        const bool is_split = config.get("algo") == mlstm::kStepSplit;
+        split += is_split;
+        CompileRequest r;
+        r.op = op.info.name;
+        r.dtype = DType::bf16;
+        r.arch = arch;
+        r.config = config;
+        for (const auto& [k, v] : it->dims)
+          if (k == "dhqk" || k == "dhhv") r.params.set(k, v);
+        const auto reports = compile(r);
+        EXPECT_EQ(reports.size(), is_split ? 2u : 1u) << name << " " << config.str(op.info);
+        for (const auto& rep : reports) {
+          EXPECT_EQ(rep.spill_bytes, 0) << name << " " << arch << " " << config.str(op.info) << ": " << rep.kernel;
+          EXPECT_EQ(rep.stack_bytes, 0) << name << " " << arch << " " << config.str(op.info) << ": " << rep.kernel;
+        }
+      }
+      EXPECT_GE(split, 1) << name << " " << arch;
+    }
+  }
+}
+
+// mlstm.step's default: algo=split over slabs of 16 columns at B * NH = 8 (64 CTAs at DH 128, where
+// algo=block had 8), of 32 columns from 256 CTAs on; algo=block where a pointer is not 16-byte aligned.
+TEST(Mlstm, StepHeuristicSplitsColumns) {
+  const OpDef& op = Registry::global().get("mlstm.step");
+  auto pick = [&](int64_t B, int64_t dk, int64_t dv, int align) {
+    Problem p;
+    p.op = &op;
+    p.dims = {{"batch", B}, {"heads", 8}, {"dhqk", dk}, {"dhhv", dv}};
+    p.align_bytes = align;
+    return op.tuning.heuristic(p).str(op.info);
+  };
+  EXPECT_EQ(pick(1, 128, 128, 16), "algo=split,threads=256,cols=16");
+  EXPECT_EQ(pick(8, 128, 128, 16), "algo=split,threads=256,cols=32");
+  EXPECT_EQ(pick(64, 128, 128, 16), "algo=split,threads=256,cols=32");
+  EXPECT_EQ(pick(1, 16, 16, 16), "algo=split,threads=64,cols=16");
+  EXPECT_EQ(pick(1, 128, 128, 4), "algo=block,threads=256,cols=16");
+}
+
 // The log-sigmoid probe (templates/mlstm/log_sigmoid_probe.cuh) compiles for every gate dtype.
 jit::KernelSpec log_sigmoid_probe(DType dt, const std::string& arch) {
   jit::KernelSpec s;
@@ -493,11 +544,19 @@ struct Problem32 {
 }  // namespace
 
 // The step updates C, n, m in place; h and the states match the float64 recurrence; a second step from
-// the updated states matches two steps of the recurrence.
-TEST(MlstmGpu, StepInPlaceMatchesRecurrence) {
+// the updated states matches two steps of the recurrence. Each algorithm: algo=split's slab CTAs all read
+// n and m's scalars through the gates kernel while C is updated where it is read, so in place is where
+// a race between its two kernels would show (the heuristic's split, slabs of 16 and of 64 columns, block).
+class MlstmStepInPlace : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(MlstmStepInPlace, MatchesRecurrence) {
   KSPEC_REQUIRE_GPU();
   jit::ContextGuard guard(0);
   const int64_t B = 3, NH = 2, dk = 64, dv = 128, seqs = B * NH;
+  const std::string text = GetParam();
+  const Config config = text.empty() ? Config() : Config::parse(text, op_info("mlstm.step"));
+  CallOptions opt;
+  if (!text.empty()) opt.config = &config;
   Problem32 pr(B, NH, 2, dk, dv, 11);
   DevBuf q(seqs * dk * 4), k(seqs * dk * 4), v(seqs * dv * 4), i(seqs * 4), f(seqs * 4), C(seqs * dk * dv * 4),
       n(seqs * dk * 4), m(seqs * 4), h(seqs * dv * 4);
@@ -523,7 +582,7 @@ TEST(MlstmGpu, StepInPlaceMatchesRecurrence) {
          {TensorView(q.ptr(), DType::f32, {B, NH, dk}, 0), TensorView(k.ptr(), DType::f32, {B, NH, dk}, 0),
           TensorView(v.ptr(), DType::f32, {B, NH, dv}, 0), TensorView(i.ptr(), DType::f32, {B, NH, 1}, 0),
           TensorView(f.ptr(), DType::f32, {B, NH, 1}, 0), Cv, nv, mv},
-         {TensorView(h.ptr(), DType::f32, {B, NH, dv}, 0), Cv, nv, mv}, {});
+         {TensorView(h.ptr(), DType::f32, {B, NH, dv}, 0), Cv, nv, mv}, {}, nullptr, opt);
     CU_CHECK(cuCtxSynchronize());
     std::vector<double> h_ref;
     for (int64_t s = 0; s < seqs; ++s)
@@ -533,6 +592,29 @@ TEST(MlstmGpu, StepInPlaceMatchesRecurrence) {
   EXPECT_LT(rel_err(C.download(seqs * dk * dv), want.C), 1e-5);
   EXPECT_LT(rel_err(n.download(seqs * dk), want.n), 1e-5);
   EXPECT_LT(rel_err(m.download(seqs), want.m_last), 1e-6);
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, MlstmStepInPlace,
+                         ::testing::Values("", "algo=split,threads=256,cols=16", "algo=split,threads=64,cols=64",
+                                           "algo=split,threads=128,cols=32", "algo=block,threads=256,cols=16"));
+
+// algo=split at the model's head dims with one sequence (B = 1: the heuristic's slabs of 16 columns):
+// every valid config of mlstm.step (slabs of 16, 32, 64 columns; 64 to 512 threads, so 1 to 16 passes
+// over the rows) against the float64 reference, fp32 and bf16, outputs NaN-poisoned by the checker.
+TEST(MlstmGpu, StepEveryConfigAtModelHeadDims) {
+  KSPEC_REQUIRE_GPU();
+  for (const char* cs : {"B_1_dh_128", "B_1_dk_256_dv_64", "dh_64", "B_1_NH_1"}) {
+    for (DType dt : {DType::f32, DType::bf16}) {
+      CheckOptions o;
+      o.case_name = cs;
+      o.dtypes = {dt};
+      o.configs = configs_for_case("mlstm.step", cs, dt);
+      ASSERT_GE(o.configs.size(), 5u) << cs;
+      auto rows = check_op("mlstm.step", o);
+      EXPECT_EQ(rows.size(), o.configs.size()) << cs;
+      kspec::testing::report(rows);
+    }
+  }
 }
 
 // Two chunkwise calls, the second from the first's last states, equal one call (S = 150 split at 70,

@@ -52,11 +52,21 @@ OpDef make_step() {
   op.info.outputs[2].in_place_of = "n";
   op.info.outputs[3].in_place_of = "m";
   op.cases = step_cases();
+  op.tuning = step_tuning();
+  op.info.tuning_axes = op.tuning.axes;
+  op.info.tuning_names = {{"algo", {"block", "split"}}};
+  op.derived_key = [](const Problem& p) { return "cols" + std::to_string(step_cols(p)); };
+  // algo=block: mlstm_step_kernel; algo=split: kernel 0 the gates (n', m', the scalars), kernel 1 the slabs.
   op.kernels = [](const Problem& p, const Config& c) {
-    return std::vector<jit::KernelSpec>{kernel_spec(
-        p, "mlstm/step.cuh", "kspec::mlstm_step_kernel",
-        {dtype_cuda_type(p.dtype("q")), gate_type(p), std::to_string(p.dim("dhqk")), std::to_string(p.dim("dhhv")),
-         std::to_string(c.get("threads"))})};
+    const std::string t = dtype_cuda_type(p.dtype("q")), dk = std::to_string(p.dim("dhqk")),
+                      dv = std::to_string(p.dim("dhhv")), threads = std::to_string(c.get("threads"));
+    if (c.get("algo") == kStepBlock)
+      return std::vector<jit::KernelSpec>{
+          kernel_spec(p, "mlstm/step.cuh", "kspec::mlstm_step_kernel", {t, gate_type(p), dk, dv, threads})};
+    return std::vector<jit::KernelSpec>{
+        kernel_spec(p, "mlstm/step.cuh", "kspec::mlstm_step_gates_kernel", {t, gate_type(p), dk}),
+        kernel_spec(p, "mlstm/step.cuh", "kspec::mlstm_step_cols_kernel",
+                    {t, dk, dv, std::to_string(c.get("cols")), threads})};
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     const Problem& p = call.problem;
@@ -70,8 +80,13 @@ OpDef make_step() {
     a.m = static_cast<float*>(call.out("m_new").data);
     a.seqlen = 1;
     a.eps = static_cast<float>(p.param_float("eps"));
+    const int64_t seqs = p.dim("batch") * p.dim("heads");
+    if (seqs == 0) return;
     void* args[] = {&a};
-    l.launch(0, {u32(p.dim("batch") * p.dim("heads"))}, {u32(c.get("threads"))}, 0, args);
+    if (c.get("algo") == kStepBlock) return l.launch(0, {u32(seqs)}, {u32(c.get("threads"))}, 0, args);
+    a.gate_rows = static_cast<float*>(l.workspace(sizeof(float) * kMlstmStepScalars * static_cast<size_t>(seqs)));
+    l.launch(0, {u32(seqs)}, {32}, 0, args);
+    l.launch_dependent(1, {u32(seqs), u32(p.dim("dhhv") / c.get("cols"))}, {u32(c.get("threads"))}, 0, args);
   };
   // The recurrence with S = 1 ([B, NH, 1, D] is [B, NH, D]).
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {

@@ -37,6 +37,14 @@ TuningSpace chunkwise_bwd_tuning();
 // (the backward the same: it cuts head dims over 128 into column blocks).
 std::string tc_unsupported(const Problem& p);
 TuningSpace parallel_tuning(bool bwd);  // chunk is a tuning axis
+// mlstm.step's: `algo` kStepBlock (mlstm_step_kernel, one CTA of `threads` per sequence; named with
+// cols = 16) or kStepSplit (the gates kernel, then CTAs of `threads` over slabs of `cols` columns of C;
+// 16-byte pointers), templates/mlstm/step.cuh.
+enum StepAlgo : int64_t { kStepBlock = 0, kStepSplit = 1 };
+TuningSpace step_tuning();
+// The heuristic's slab width (16 or 32), which depends on batch * heads: in the step's derived_key, so
+// the plan cache does not keep one batch's choice for another.
+int64_t step_cols(const Problem& p);
 
 // Inputs q, k, v, i, f with these leading dims; i and f in the input dtype or fp32.
 std::vector<TensorDef> qkvif(const std::vector<std::string>& lead, const std::vector<std::string>& gate);
