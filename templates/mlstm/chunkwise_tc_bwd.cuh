@@ -11,7 +11,8 @@
 // head dims 128), looping over the chunk's query tiles from the diagonal on; then df per sequence.
 // Head dims over 128: a CTA per column block of 128 (params.h, mlstm_tc_bwd_blocks), the tiles and
 // accumulators of a 128 x 128 problem; a gradient that contracts a split dim is a sum of the blocks'
-// fp32 partials, which mlstm_tc_reduce_kernel adds in a fixed order (with q . dq and k . dk).
+// fp32 partials, which mlstm_tc_reduce_kernel adds in a fixed order (with q . dq and k . dk), except dq
+// at DHQK <= 128, whose CTA loops over DHHV's blocks itself (mlstm_tc_dq_loops).
 // No atomics: every output element is one thread's, every sum a fixed order (bitwise repeatable).
 #pragma once
 
@@ -62,14 +63,17 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
   constexpr int L = kChunk, R = mlstm_tc_rows(L), P = kMlstmTcPad, kThreads = mlstm_tc_out_threads(L);
   constexpr int BK = Block::BK, BV = Block::BV, KS = BK + P, VS = BV + P, NQ = BK / 8, NK = R / 8;
   constexpr bool kReduced = mlstm_tc_bwd_reduced(kDk, kDv, kMlstmGradDq);
+  // mlstm_tc_dq_loops: this CTA's DHHV blocks are all of them (grid.y is DHQK's blocks, Block's e0 = 0),
+  // contracted one after the other into the same accumulators; dH is loaded once, DHHV wide (HW).
+  constexpr int kEB = mlstm_tc_dq_loops(kDk, kDv) ? kDv / BV : 1, HW = kEB * BV, HS = HW + P;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);  // [R][KS]
   T* Ks = Qs + R * KS;                     // [R][KS]
-  T* Hs = Ks + R * KS;                     // [R][VS] dh
-  T* Vs = Hs + R * VS;                     // [R][VS]
-  T* Cs = Vs + R * VS;                     // [BK][VS] C entering the chunk
+  T* Hs = Ks + R * KS;                     // [R][HS] dh
+  T* Vs = Hs + R * HS;                     // [R][VS]
+  T* Cs = Vs + R * VS;                     // [BK][VS] C entering the chunk (a DHHV block of it)
   float* ibs = reinterpret_cast<float*>(Cs + BK * VS);  // [L]
-  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_bwd_smem_bytes(kDk, kDv, L) / 4);
+  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_dq_smem_bytes(kDk, kDv, L) / 4);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
   const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
   const long long seq = blockIdx.x / QT, t0 = (blockIdx.x % QT) * R, c = t0 / L, cs = c * L;
@@ -77,14 +81,14 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
   const Block blk;
   const T* k = static_cast<const T*>(p.k) + seq * S * kDk + blk.d0;
   const T* v = static_cast<const T*>(p.v) + seq * S * kDv + blk.e0;
+  const T* Cg = static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv + blk.d0 * kDv + blk.e0;
   const float4* gr = reinterpret_cast<const float4*>(p.gate_rows) + seq * S;
   const float scale = rsqrtf(static_cast<float>(kDk));
 
   if (!kReduced)  // for q . dq (the reduce kernel's otherwise)
     mlstm_tc_load_rows<T, kDk, R, kThreads>(Qs, static_cast<const T*>(p.q) + seq * S * kDk, t0, S, tid);
-  mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Hs, static_cast<const T*>(p.dh) + seq * S * kDv + blk.e0, t0, S, tid);
-  mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(
-      Cs, static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv + blk.d0 * kDv + blk.e0, 0, BK, tid);
+  mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Hs, static_cast<const T*>(p.dh) + seq * S * kDv + blk.e0, t0, S, tid);
+  mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Cs, Cg, 0, BK, tid);
   cp_async_commit();
   for (int s = tid; s < ktiles * R; s += kThreads) ibs[s] = cs + s < S ? gr[cs + s].y : mlstm_neg_inf();
   const int ra = warp * 16 + g;
@@ -99,29 +103,42 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
   // dq = u_t (dH C^T): B[dv][dk] = C[dk][dv], stored as [n][k].
   float dq[NQ][4];
   mma_zero(dq);
+#pragma unroll
+  for (int eb = 0; eb < kEB; ++eb) {
+    if (eb > 0) {
+      __syncthreads();  // every warp is done with the last block of C
+      mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Cs, Cg + eb * BV, 0, BK, tid);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+    }
 #pragma unroll 2
-  for (int kk = 0; kk < BV / 16; ++kk) {
-    unsigned a[4];
-    ldmatrix_x4(a, frag_a(Hs, VS, warp * 16, kk * 16, lane));
-    mma_row<T, NQ, false>(dq, a, Cs, VS, kk * 16, lane);
+    for (int kk = 0; kk < BV / 16; ++kk) {
+      unsigned a[4];
+      ldmatrix_x4(a, frag_a(Hs, HS, warp * 16, eb * BV + kk * 16, lane));
+      mma_row<T, NQ, false>(dq, a, Cs, VS, kk * 16, lane);
+    }
   }
   mma_scale_rows(dq, ua, ub);
 
   const int row_a = static_cast<int>(t0 - cs) + ra, row_b = row_a + 8;
   for (int kt = 0; kt < ktiles; ++kt) {
-    __syncthreads();  // every warp is done with the last K and V tiles
-    mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Ks, k, cs + kt * R, S, tid);
-    mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Vs, v, cs + kt * R, S, tid);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    float sc[NK][4];  // dH V^T: B[dv][key] = V[key][dv], stored as [n][k]
+    float sc[NK][4];  // dH V^T, summed over the DHHV blocks: B[dv][key] = V[key][dv], stored as [n][k]
     mma_zero(sc);
+#pragma unroll
+    for (int eb = 0; eb < kEB; ++eb) {
+      __syncthreads();  // every warp is done with the last K and V tiles
+      if (eb == 0) mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Ks, k, cs + kt * R, S, tid);
+      mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Vs, v + eb * BV, cs + kt * R, S, tid);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
 #pragma unroll 2
-    for (int kk = 0; kk < BV / 16; ++kk) {
-      unsigned a[4];
-      ldmatrix_x4(a, frag_a(Hs, VS, warp * 16, kk * 16, lane));
-      mma_row<T, NK, false>(sc, a, Vs, VS, kk * 16, lane);
+      for (int kk = 0; kk < BV / 16; ++kk) {
+        unsigned a[4];
+        ldmatrix_x4(a, frag_a(Hs, HS, warp * 16, eb * BV + kk * 16, lane));
+        mma_row<T, NK, false>(sc, a, Vs, VS, kk * 16, lane);
+      }
     }
 #pragma unroll
     for (int nt = 0; nt < NK; ++nt)

@@ -99,8 +99,22 @@ enum MlstmGrad { kMlstmGradDq = 0, kMlstmGradDv = 1, kMlstmGradDk = 2 };
 constexpr int mlstm_tc_bwd_parts(int dk, int dv, int grad) {
   return grad == kMlstmGradDv ? dk / mlstm_tc_bwd_block(dk) : dv / mlstm_tc_bwd_block(dv);
 }
+// dq where DHQK is one block (<= 128) and DHHV several: one CTA per query tile loops over DHHV's
+// blocks itself (its dH tile at full width, C and V a block at a time), so dq needs no fp32 partials and
+// no reduce kernel (tools/bench/NOTES.md, "the backward at (128, 256)").
+constexpr bool mlstm_tc_dq_loops(int dk, int dv) { return dk <= 128 && dv > 128; }
 constexpr bool mlstm_tc_bwd_reduced(int dk, int dv, int grad) {
-  return mlstm_tc_bwd_blocks(dk, dv) > 1 && (grad != kMlstmGradDv || mlstm_tc_bwd_parts(dk, dv, grad) > 1);
+  return mlstm_tc_bwd_blocks(dk, dv) > 1 && (grad != kMlstmGradDv || mlstm_tc_bwd_parts(dk, dv, grad) > 1) &&
+         !(grad == kMlstmGradDq && mlstm_tc_dq_loops(dk, dv));
+}
+// The dq kernel's grid.y (its column blocks) and dynamic shared memory: mlstm_tc_bwd_smem_bytes's tiles
+// with the dH tile DHHV wide where it loops.
+constexpr int mlstm_tc_dq_blocks(int dk, int dv) {
+  return mlstm_tc_dq_loops(dk, dv) ? dk / mlstm_tc_bwd_block(dk) : mlstm_tc_bwd_blocks(dk, dv);
+}
+constexpr int mlstm_tc_dq_smem_bytes(int dk, int dv, int chunk) {
+  return mlstm_tc_bwd_smem_bytes(dk, dv, chunk) +
+         (mlstm_tc_dq_loops(dk, dv) ? 2 * mlstm_tc_rows(chunk) * (dv - mlstm_tc_bwd_block(dv)) : 0);
 }
 
 }  // namespace kspec

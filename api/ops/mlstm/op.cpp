@@ -431,7 +431,7 @@ void launch_tc_bwd(const Call& call, Launcher& l, bool fused) {
       l.launch(df_at + 1 + static_cast<size_t>(at_g - reduced.begin()), {u32(seqs * ((S + 3) / 4))}, {128}, 0,
                g == kMlstmGradDk ? dk_sum_args : args);
   };
-  l.launch(3, tiles, block, smem, fwd_args);
+  l.launch(3, {tiles.x, u32(mlstm_tc_dq_blocks(dki, dvi))}, block, u32(mlstm_tc_dq_smem_bytes(dki, dvi, Li)), fwd_args);
   reduce(kMlstmGradDq);
   if (fused) {
     l.launch(4, tiles, {2 * block.x}, smem, dkv_args);
