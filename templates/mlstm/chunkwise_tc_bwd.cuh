@@ -187,21 +187,25 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
 // One key tile's dv or dk by 4 warps (`warp` 0..3 of them); the tiles are loaded by kThreads threads
 // (`tid` 0 .. kThreads - 1): the 4 warps alone (mlstm_tc_dkv_kernel), or with the 4 warps of the other
 // gradient, which load the same tiles (mlstm_tc_dkv_fused_kernel). Partials (head dims over 128) go to
-// p.part + kPartAt * seqs * S.
-template <typename T, int kDk, int kDv, int kChunk, bool kDkPart, int kThreads, int kPartAt>
+// p.part + kPartAt * seqs * S. kLoop (dk alone, mlstm_tc_dk_loops): the CTA contracts all of DHHV's
+// blocks itself, its V and dH tiles DHHV wide, dC a block at a time (no partials).
+template <typename T, int kDk, int kDv, int kChunk, bool kDkPart, int kThreads, int kPartAt, bool kLoop = false>
 __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned char* smem_raw, int tid, int warp) {
   using Block = MlstmTcBwdBlock<kDk, kDv>;
+  static_assert(!kLoop || kDkPart, "only dk contracts DHHV");
   constexpr int L = kChunk, R = mlstm_tc_rows(L), P = kMlstmTcPad;
   constexpr int BK = Block::BK, BV = Block::BV, KS = BK + P, VS = BV + P, NA = (kDkPart ? BK : BV) / 8, NK = R / 8;
-  constexpr bool kReduced = mlstm_tc_bwd_reduced(kDk, kDv, kDkPart ? kMlstmGradDk : kMlstmGradDv);
+  constexpr int kEB = kLoop ? kDv / BV : 1, HW = kEB * BV, HS = HW + P;  // V and dH tiles: HW columns
+  constexpr bool kReduced = !kLoop && mlstm_tc_bwd_reduced(kDk, kDv, kDkPart ? kMlstmGradDk : kMlstmGradDv, true);
   T* Ks = reinterpret_cast<T*>(smem_raw);  // [R][KS] this tile's keys
   T* Qs = Ks + R * KS;                     // [R][KS] a query tile
-  T* Vs = Qs + R * KS;                     // [R][VS] this tile's values
-  T* Hs = Vs + R * VS;                     // [R][VS] a query tile's dh
-  T* Ds = Hs + R * VS;                     // [BK][VS] dC after the chunk
+  T* Vs = Qs + R * KS;                     // [R][HS] this tile's values
+  T* Hs = Vs + R * HS;                     // [R][HS] a query tile's dh
+  T* Ds = Hs + R * HS;                     // [BK][VS] dC after the chunk (a DHHV block of it)
   float* bms = reinterpret_cast<float*>(Ds + BK * VS);  // [R] b_t - m_t of the query tile (-inf past S)
   float* rds = bms + R;                                  // [R] 1 / (nrm_t + eps) (0 past S)
-  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_bwd_smem_bytes(kDk, kDv, L) / 4);
+  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw),
+                              (kLoop ? mlstm_tc_dk_smem_bytes(kDk, kDv, L) : mlstm_tc_bwd_smem_bytes(kDk, kDv, L)) / 4);
   const int lane = threadIdx.x % 32, g = lane / 4, cq = lane % 4;
   const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
   const long long seq = blockIdx.x / QT, s0 = (blockIdx.x % QT) * R, c = s0 / L, cs = c * L;
@@ -213,9 +217,9 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   const float scale = rsqrtf(static_cast<float>(kDk));
 
   mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Ks, static_cast<const T*>(p.k) + seq * S * kDk + blk.d0, s0, S, tid);
-  mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Vs, static_cast<const T*>(p.v) + seq * S * kDv + blk.e0, s0, S, tid);
-  mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(
-      Ds, static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv + blk.d0 * kDv + blk.e0, 0, BK, tid);
+  mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Vs, static_cast<const T*>(p.v) + seq * S * kDv + blk.e0, s0, S, tid);
+  const T* Dg = static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv + blk.d0 * kDv + blk.e0;
+  mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Ds, Dg, 0, BK, tid);
   cp_async_commit();
   const int ra = warp * 16 + g;
   const long long sa = s0 + ra, sb = sa + 8;
@@ -227,11 +231,22 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   // Inter-chunk term: dv_s = w_s (k_s^T dC) (B[dk][dv] = dC, [k][n]); dk_s = w_s (dC v_s) (B[dv][dk], [n][k]).
   float acc[NA][4];
   mma_zero(acc);
+#pragma unroll
+  for (int eb = 0; eb < kEB; ++eb) {
+    if (eb > 0) {
+      __syncthreads();  // every warp is done with the last block of dC
+      mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Ds, Dg + eb * BV, 0, BK, tid);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+    }
 #pragma unroll 2
-  for (int kk = 0; kk < (kDkPart ? BV : BK) / 16; ++kk) {
-    unsigned a[4];
-    ldmatrix_x4(a, kDkPart ? frag_a(Vs, VS, warp * 16, kk * 16, lane) : frag_a(Ks, KS, warp * 16, kk * 16, lane));
-    mma_row<T, NA, !kDkPart>(acc, a, Ds, VS, kk * 16, lane);
+    for (int kk = 0; kk < (kDkPart ? BV : BK) / 16; ++kk) {
+      unsigned a[4];
+      ldmatrix_x4(a, kDkPart ? frag_a(Vs, HS, warp * 16, eb * BV + kk * 16, lane)
+                             : frag_a(Ks, KS, warp * 16, kk * 16, lane));
+      mma_row<T, NA, !kDkPart>(acc, a, Ds, VS, kk * 16, lane);
+    }
   }
   mma_scale_rows(acc, wa, wb);
 
@@ -239,7 +254,7 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   for (long long t0 = s0; t0 < ce; t0 += R) {
     __syncthreads();  // every warp is done with the last query tile
     mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Qs, q, t0, S, tid);
-    mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Hs, dh, t0, S, tid);
+    mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Hs, dh, t0, S, tid);
     cp_async_commit();
     for (int r = tid; r < R; r += kThreads) {
       const bool ok = t0 + r < S;
@@ -252,10 +267,10 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
     float sc[NK][4];
     mma_zero(sc);
 #pragma unroll 2
-    for (int kk = 0; kk < (kDkPart ? BV : BK) / 16; ++kk) {
+    for (int kk = 0; kk < (kDkPart ? HW : BK) / 16; ++kk) {
       unsigned a[4];
-      ldmatrix_x4(a, kDkPart ? frag_a(Vs, VS, warp * 16, kk * 16, lane) : frag_a(Ks, KS, warp * 16, kk * 16, lane));
-      if (kDkPart) mma_row<T, NK, false>(sc, a, Hs, VS, kk * 16, lane);
+      ldmatrix_x4(a, kDkPart ? frag_a(Vs, HS, warp * 16, kk * 16, lane) : frag_a(Ks, KS, warp * 16, kk * 16, lane));
+      if (kDkPart) mma_row<T, NK, false>(sc, a, Hs, HS, kk * 16, lane);
       else mma_row<T, NK, false>(sc, a, Qs, KS, kk * 16, lane);
     }
     const int tpos = static_cast<int>(t0 - cs);
@@ -274,7 +289,7 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
       unsigned a[4];
       scores_as_a<T, NK>(a, sc, kk);
       if (kDkPart) mma_row<T, NA, true>(acc, a, Qs, KS, kk * 16, lane);
-      else mma_row<T, NA, true>(acc, a, Hs, VS, kk * 16, lane);
+      else mma_row<T, NA, true>(acc, a, Hs, HS, kk * 16, lane);
     }
   }
   constexpr int kW = kDkPart ? kDk : kDv;
@@ -308,11 +323,12 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   }
 }
 
+// dk loops over DHHV's blocks where mlstm_tc_dk_loops (grid.y: DHQK's blocks), as the dq kernel.
 template <typename T, int kDk, int kDv, int kChunk, bool kDkPart>
 __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dkv_kernel(const MlstmParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, kDkPart, mlstm_tc_out_threads(kChunk), 0>(p, smem_raw, threadIdx.x,
-                                                                                   threadIdx.x / 32);
+  mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, kDkPart, mlstm_tc_out_threads(kChunk), 0,
+                    kDkPart && mlstm_tc_dk_loops(kDk, kDv)>(p, smem_raw, threadIdx.x, threadIdx.x / 32);
 }
 
 // algo=tc_fused: dv (warps 0-3) and dk (warps 4-7) of a key tile in one CTA of 8 warps, so its K, V, dC,

@@ -102,10 +102,14 @@ constexpr int mlstm_tc_bwd_parts(int dk, int dv, int grad) {
 // dq where DHQK is one block (<= 128) and DHHV several: one CTA per query tile loops over DHHV's
 // blocks itself (its dH tile at full width, C and V a block at a time), so dq needs no fp32 partials and
 // no reduce kernel (tools/bench/NOTES.md, "the backward at (128, 256)").
+// dk alike in algo=tc's own dk kernel (not algo=tc_fused, whose CTA shares its tiles with dv's DHHV
+// block): its V and dH tiles DHHV wide, dC a block at a time.
 constexpr bool mlstm_tc_dq_loops(int dk, int dv) { return dk <= 128 && dv > 128; }
-constexpr bool mlstm_tc_bwd_reduced(int dk, int dv, int grad) {
+constexpr bool mlstm_tc_dk_loops(int dk, int dv) { return mlstm_tc_dq_loops(dk, dv); }
+constexpr bool mlstm_tc_bwd_reduced(int dk, int dv, int grad, bool fused = false) {
   return mlstm_tc_bwd_blocks(dk, dv) > 1 && (grad != kMlstmGradDv || mlstm_tc_bwd_parts(dk, dv, grad) > 1) &&
-         !(grad == kMlstmGradDq && mlstm_tc_dq_loops(dk, dv));
+         !(grad == kMlstmGradDq && mlstm_tc_dq_loops(dk, dv)) &&
+         !(grad == kMlstmGradDk && !fused && mlstm_tc_dk_loops(dk, dv));
 }
 // The dq kernel's grid.y (its column blocks) and dynamic shared memory: mlstm_tc_bwd_smem_bytes's tiles
 // with the dH tile DHHV wide where it loops.
@@ -115,6 +119,14 @@ constexpr int mlstm_tc_dq_blocks(int dk, int dv) {
 constexpr int mlstm_tc_dq_smem_bytes(int dk, int dv, int chunk) {
   return mlstm_tc_bwd_smem_bytes(dk, dv, chunk) +
          (mlstm_tc_dq_loops(dk, dv) ? 2 * mlstm_tc_rows(chunk) * (dv - mlstm_tc_bwd_block(dv)) : 0);
+}
+// The dk kernel's (algo=tc): grid.y and shared memory with its V and dH tiles DHHV wide where it loops.
+constexpr int mlstm_tc_dk_blocks(int dk, int dv) {
+  return mlstm_tc_dk_loops(dk, dv) ? dk / mlstm_tc_bwd_block(dk) : mlstm_tc_bwd_blocks(dk, dv);
+}
+constexpr int mlstm_tc_dk_smem_bytes(int dk, int dv, int chunk) {
+  return mlstm_tc_bwd_smem_bytes(dk, dv, chunk) +
+         (mlstm_tc_dk_loops(dk, dv) ? 2 * 2 * mlstm_tc_rows(chunk) * (dv - mlstm_tc_bwd_block(dv)) : 0);
 }
 
 }  // namespace kspec

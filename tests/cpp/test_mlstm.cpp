@@ -172,17 +172,19 @@ TEST(Mlstm, Chunk256IsTensorCoreOnly) {
 
 // The tensor-core backward at head dims over 128 (issue 29's (128, 256) and (256, 512)): one CTA per
 // column block of 128, so its kernels are those of 128 x 128 plus one reduce kernel for each gradient
-// that sums blocks (dq, dk contract DHHV; dv DHQK; not dq at DHQK <= 128, whose CTA loops over DHHV's
-// blocks), and nothing more at 128 x 128; algo=tc_fused has the same kernels with dv and dk as one.
+// that sums blocks (dq, dk contract DHHV; dv DHQK; not dq and algo=tc's dk at DHQK <= 128, whose CTAs
+// loop over DHHV's blocks), and nothing more at 128 x 128; algo=tc_fused has the same kernels with dv
+// and dk as one (and its dk reduced wherever DHHV has several blocks).
 TEST(Mlstm, TensorCoreBackwardBlocksLargeHeadDims) {
   const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
   const Config tc = Config::parse("algo=tc,threads=128", op.info);
   struct Row {
     int64_t dk, dv;
-    size_t kernels;
+    size_t kernels, fused_kernels;
     int blocks;
   };
-  for (const Row& row : std::vector<Row>{{128, 128, 7, 1}, {64, 256, 8, 2}, {128, 256, 8, 2}, {256, 512, 10, 8}}) {
+  for (const Row& row :
+       std::vector<Row>{{128, 128, 7, 6, 1}, {64, 256, 7, 7, 2}, {128, 256, 7, 7, 2}, {256, 512, 10, 9, 8}}) {
     CompileRequest r;
     r.op = op.info.name;
     r.dtype = DType::bf16;
@@ -196,17 +198,20 @@ TEST(Mlstm, TensorCoreBackwardBlocksLargeHeadDims) {
       EXPECT_EQ(kernels[k].kernel, "kspec::mlstm_tc_reduce_kernel") << k;
     // algo=tc_fused: dv and dk as one kernel (4), df next, the same reduce kernels after it.
     const auto fused = op.kernels(p, Config::parse("algo=tc_fused,threads=128", op.info));
-    ASSERT_EQ(fused.size(), row.kernels - 1) << row.dk << " x " << row.dv;
+    ASSERT_EQ(fused.size(), row.fused_kernels) << row.dk << " x " << row.dv;
     EXPECT_EQ(fused[4].kernel, "kspec::mlstm_tc_dkv_fused_kernel");
     EXPECT_EQ(fused[5].kernel, "kspec::mlstm_tc_df_kernel");
-    for (size_t k = 6; k < fused.size(); ++k) EXPECT_EQ(fused[k].targs, kernels[k + 1].targs) << k;
+    for (size_t k = 6; k < fused.size(); ++k) EXPECT_EQ(fused[k].kernel, "kspec::mlstm_tc_reduce_kernel") << k;
+    if (row.fused_kernels + 1 == row.kernels) {
+      for (size_t k = 6; k < fused.size(); ++k) EXPECT_EQ(fused[k].targs, kernels[k + 1].targs) << k;
+    }
     const int dk = static_cast<int>(row.dk), dv = static_cast<int>(row.dv);
     EXPECT_EQ(mlstm_tc_bwd_blocks(dk, dv), row.blocks);
     // Every CTA's tiles are at most those of 128 x 128 (106 KB at chunk 256, within sm_90's 227 KB).
     EXPECT_LE(mlstm_tc_bwd_smem_bytes(dk, dv, 256), mlstm_tc_bwd_smem_bytes(128, 128, 256));
     EXPECT_LE(mlstm_tc_bwd_smem_bytes(128, 128, 256), 227 * 1024);
   }
-  // dv over a single DHQK block needs no sum (written directly); dk over two DHHV blocks does.
+  // dv over a single DHQK block needs no sum (written directly).
   EXPECT_FALSE(mlstm_tc_bwd_reduced(128, 256, kMlstmGradDq));  // its CTA loops over DHHV's blocks
   EXPECT_TRUE(mlstm_tc_bwd_reduced(256, 512, kMlstmGradDq));
   EXPECT_EQ(mlstm_tc_dq_blocks(128, 256), 1);
@@ -214,7 +219,12 @@ TEST(Mlstm, TensorCoreBackwardBlocksLargeHeadDims) {
   EXPECT_EQ(mlstm_tc_dq_smem_bytes(128, 128, 128), mlstm_tc_bwd_smem_bytes(128, 128, 128));
   EXPECT_LE(mlstm_tc_dq_smem_bytes(128, 512, 256), 227 * 1024);
   EXPECT_FALSE(mlstm_tc_bwd_reduced(128, 256, kMlstmGradDv));
-  EXPECT_TRUE(mlstm_tc_bwd_reduced(128, 256, kMlstmGradDk));
+  EXPECT_FALSE(mlstm_tc_bwd_reduced(128, 256, kMlstmGradDk));       // algo=tc: its CTA loops too
+  EXPECT_TRUE(mlstm_tc_bwd_reduced(128, 256, kMlstmGradDk, true));  // algo=tc_fused: dv's block
+  EXPECT_TRUE(mlstm_tc_bwd_reduced(256, 512, kMlstmGradDk));
+  EXPECT_EQ(mlstm_tc_dk_blocks(128, 256), 1);
+  EXPECT_EQ(mlstm_tc_dk_smem_bytes(128, 128, 128), mlstm_tc_bwd_smem_bytes(128, 128, 128));
+  EXPECT_LE(mlstm_tc_dk_smem_bytes(128, 512, 256), 227 * 1024);
   EXPECT_TRUE(mlstm_tc_bwd_reduced(256, 512, kMlstmGradDv));
   EXPECT_FALSE(mlstm_tc_bwd_reduced(128, 128, kMlstmGradDq));
 }
@@ -316,7 +326,7 @@ TEST(Mlstm, TensorCoreBackwardCompilesWithoutSpills) {
                                          {"chunk_128", DType::bf16, fused, 6},
                                          {"chunk_256", DType::bf16, fused, 6},
                                          {"dk_128_dv_256", DType::bf16, fused, 7},
-                                         {"dk_128_dv_256", DType::bf16, tc, 8}}) {
+                                         {"dk_128_dv_256", DType::bf16, tc, 7}}) {
     int found = 0;
     for (const auto& cs : op.cases) {
       if (cs.name != row.case_name) continue;

@@ -311,12 +311,13 @@ std::vector<jit::KernelSpec> bwd_kernels(const Problem& p, const Config& c, int6
 
 // ---- the tensor-core backward (mlstm.chunkwise.bwd, algo=tc; templates/mlstm/chunkwise_tc_bwd.cuh) ----
 
-// Which of dq, dv, dk (MlstmGrad order) go through the partials and a reduce kernel (head dims > 128).
-std::vector<MlstmGrad> tc_bwd_reduced(const Problem& p) {
+// Which of dq, dv, dk (MlstmGrad order) go through the partials and a reduce kernel (head dims > 128;
+// algo=tc_fused's dk also where algo=tc's dk kernel loops over DHHV's blocks).
+std::vector<MlstmGrad> tc_bwd_reduced(const Problem& p, bool fused) {
   const int dk = static_cast<int>(p.dim("dhqk")), dv = static_cast<int>(p.dim("dhhv"));
   std::vector<MlstmGrad> r;
   for (MlstmGrad g : {kMlstmGradDq, kMlstmGradDv, kMlstmGradDk})
-    if (mlstm_tc_bwd_reduced(dk, dv, g)) r.push_back(g);
+    if (mlstm_tc_bwd_reduced(dk, dv, g, fused)) r.push_back(g);
   return r;
 }
 
@@ -338,7 +339,7 @@ std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, bool fused) {
     k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "true"}));
   }
   k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_df_kernel", {gate_type(p), dk, dv}));
-  for (MlstmGrad g : tc_bwd_reduced(p))
+  for (MlstmGrad g : tc_bwd_reduced(p, fused))
     k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_reduce_kernel", {t, dk, dv, std::to_string(g)}));
   return k;
 }
@@ -357,7 +358,7 @@ void launch_tc_bwd(const Call& call, Launcher& l, bool fused) {
   const int64_t qtiles = (S + rows - 1) / rows;
   KSPEC_CHECK_AS(seqs * qtiles <= INT32_MAX, Unsupported, "mlstm.chunkwise.bwd: batch * heads * ceil(seqlen / ", rows,
                  ") = ", seqs * qtiles, " thread blocks exceed the grid (at most ", INT32_MAX, "); use algo=simt");
-  KSPEC_CHECK_AS(tc_bwd_reduced(p).empty() || seqs * ((S + 3) / 4) <= INT32_MAX, Unsupported,
+  KSPEC_CHECK_AS(tc_bwd_reduced(p, fused).empty() || seqs * ((S + 3) / 4) <= INT32_MAX, Unsupported,
                  "mlstm.chunkwise.bwd: batch * heads * ceil(seqlen / 4) = ", seqs * ((S + 3) / 4),
                  " thread blocks of the partial sums' reduction exceed the grid (at most ", INT32_MAX,
                  "); use algo=simt");
@@ -376,7 +377,7 @@ void launch_tc_bwd(const Call& call, Launcher& l, bool fused) {
   a.eps = static_cast<float>(p.param_float("eps"));
   auto round = [](size_t b) { return (b + 255) / 256 * 256; };
   const size_t rows_b = round(sizeof(float) * seqs * S), state_b = round(dtype_size(p.dtype("q")) * static_cast<size_t>(seqs * NC * dk * dv));
-  const std::vector<MlstmGrad> reduced = tc_bwd_reduced(p);
+  const std::vector<MlstmGrad> reduced = tc_bwd_reduced(p, fused);
   const int dki = static_cast<int>(dk), dvi = static_cast<int>(dv), Li = static_cast<int>(L);
   auto part_floats = [&](MlstmGrad g) {
     return std::find(reduced.begin(), reduced.end(), g) == reduced.end()
@@ -439,7 +440,8 @@ void launch_tc_bwd(const Call& call, Launcher& l, bool fused) {
   } else {
     l.launch(4, tiles, block, smem, dkv_args);
     reduce(kMlstmGradDv);
-    l.launch(5, tiles, block, smem, dkv_args);
+    l.launch(5, {tiles.x, u32(mlstm_tc_dk_blocks(dki, dvi))}, block, u32(mlstm_tc_dk_smem_bytes(dki, dvi, Li)),
+             dkv_args);
   }
   reduce(kMlstmGradDk);
   l.launch(df_at, {u32(seqs)}, {32}, 0, last_args);
