@@ -66,12 +66,16 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
   // mlstm_tc_dq_loops: this CTA's DHHV blocks are all of them (grid.y is DHQK's blocks, Block's e0 = 0),
   // contracted one after the other into the same accumulators; dH is loaded once, DHHV wide (HW).
   constexpr int kEB = mlstm_tc_dq_loops(kDk, kDv) ? kDv / BV : 1, HW = kEB * BV, HS = HW + P;
+  // Looping, Q is loaded at the end into C's buffer (free by then), so the wide dH tile costs no more
+  // shared memory than the separate Q tile did: 2 CTAs an SM still fit (params.h, mlstm_tc_dq_smem_bytes).
+  constexpr bool kQAtEnd = kEB > 1;
+  static_assert(!kQAtEnd || BK * VS >= R * KS, "Q fits C's buffer");
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* Qs = reinterpret_cast<T*>(smem_raw);  // [R][KS]
-  T* Ks = Qs + R * KS;                     // [R][KS]
+  T* Ks = reinterpret_cast<T*>(smem_raw) + (kQAtEnd ? 0 : R * KS);  // [R][KS]
   T* Hs = Ks + R * KS;                     // [R][HS] dh
   T* Vs = Hs + R * HS;                     // [R][VS]
   T* Cs = Vs + R * VS;                     // [BK][VS] C entering the chunk (a DHHV block of it)
+  T* Qs = kQAtEnd ? Cs : reinterpret_cast<T*>(smem_raw);  // [R][KS]
   float* ibs = reinterpret_cast<float*>(Cs + BK * VS);  // [L]
   mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_dq_smem_bytes(kDk, kDv, L) / 4);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
@@ -85,7 +89,7 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
   const float4* gr = reinterpret_cast<const float4*>(p.gate_rows) + seq * S;
   const float scale = rsqrtf(static_cast<float>(kDk));
 
-  if (!kReduced)  // for q . dq (the reduce kernel's otherwise)
+  if (!kReduced && !kQAtEnd)  // for q . dq (the reduce kernel's otherwise)
     mlstm_tc_load_rows<T, kDk, R, kThreads>(Qs, static_cast<const T*>(p.q) + seq * S * kDk, t0, S, tid);
   mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Hs, static_cast<const T*>(p.dh) + seq * S * kDv + blk.e0, t0, S, tid);
   mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Cs, Cg, 0, BK, tid);
@@ -157,6 +161,12 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
       mma_row<T, NQ, true>(dq, a, Ks, KS, kk * 16, lane);
     }
   }
+  if (kQAtEnd) {  // C's buffer was last read before the key loop's barriers
+    mlstm_tc_load_rows<T, kDk, R, kThreads>(Qs, static_cast<const T*>(p.q) + seq * S * kDk, t0, S, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+  }
   if (kReduced) {  // part: this CTA's DHHV block
     const long long seqs = gridDim.x / QT;
     mlstm_tc_store_part<NQ, kDk>(dq, p.part + ((blk.e0 / BV) * seqs + seq) * S * kDk, ta, tb, S, blk.d0, cq);
@@ -197,12 +207,15 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   constexpr int BK = Block::BK, BV = Block::BV, KS = BK + P, VS = BV + P, NA = (kDkPart ? BK : BV) / 8, NK = R / 8;
   constexpr int kEB = kLoop ? kDv / BV : 1, HW = kEB * BV, HS = HW + P;  // V and dH tiles: HW columns
   constexpr bool kReduced = !kLoop && mlstm_tc_bwd_reduced(kDk, kDv, kDkPart ? kMlstmGradDk : kMlstmGradDv, true);
+  // Looping, dC shares its buffer with the query tiles (the inter term is done before the first query
+  // tile is loaded), so the wide V and dH tiles still leave 2 CTAs an SM (mlstm_tc_dk_smem_bytes).
+  constexpr int kRegion = BK * VS > R * KS + R * HS ? BK * VS : R * KS + R * HS;
   T* Ks = reinterpret_cast<T*>(smem_raw);  // [R][KS] this tile's keys
-  T* Qs = Ks + R * KS;                     // [R][KS] a query tile
-  T* Vs = Qs + R * KS;                     // [R][HS] this tile's values
-  T* Hs = Vs + R * HS;                     // [R][HS] a query tile's dh
-  T* Ds = Hs + R * HS;                     // [BK][VS] dC after the chunk (a DHHV block of it)
-  float* bms = reinterpret_cast<float*>(Ds + BK * VS);  // [R] b_t - m_t of the query tile (-inf past S)
+  T* Qs = kLoop ? Ks + R * KS + R * HS : Ks + R * KS;  // [R][KS] a query tile
+  T* Vs = kLoop ? Ks + R * KS : Qs + R * KS;           // [R][HS] this tile's values
+  T* Hs = kLoop ? Qs + R * KS : Vs + R * HS;           // [R][HS] a query tile's dh
+  T* Ds = kLoop ? Qs : Hs + R * HS;                    // [BK][VS] dC after the chunk (a DHHV block of it)
+  float* bms = reinterpret_cast<float*>(kLoop ? Qs + kRegion : Ds + BK * VS);  // [R] b_t - m_t of the query tile (-inf past S)
   float* rds = bms + R;                                  // [R] 1 / (nrm_t + eps) (0 past S)
   mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw),
                               (kLoop ? mlstm_tc_dk_smem_bytes(kDk, kDv, L) : mlstm_tc_bwd_smem_bytes(kDk, kDv, L)) / 4);
@@ -252,7 +265,7 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
 
   const int pos_a = static_cast<int>(s0 - cs) + ra, pos_b = pos_a + 8;  // the keys' positions in the chunk
   for (long long t0 = s0; t0 < ce; t0 += R) {
-    __syncthreads();  // every warp is done with the last query tile
+    __syncthreads();  // every warp is done with the last query tile (looping: with dC)
     mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Qs, q, t0, S, tid);
     mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Hs, dh, t0, S, tid);
     cp_async_commit();

@@ -112,21 +112,29 @@ constexpr bool mlstm_tc_bwd_reduced(int dk, int dv, int grad, bool fused = false
          !(grad == kMlstmGradDk && !fused && mlstm_tc_dk_loops(dk, dv));
 }
 // The dq kernel's grid.y (its column blocks) and dynamic shared memory: mlstm_tc_bwd_smem_bytes's tiles
-// with the dH tile DHHV wide where it loops.
+// where it does not loop; looping, K, dH (DHHV wide), V, and C's block, which Q reuses at the end.
 constexpr int mlstm_tc_dq_blocks(int dk, int dv) {
   return mlstm_tc_dq_loops(dk, dv) ? dk / mlstm_tc_bwd_block(dk) : mlstm_tc_bwd_blocks(dk, dv);
 }
 constexpr int mlstm_tc_dq_smem_bytes(int dk, int dv, int chunk) {
-  return mlstm_tc_bwd_smem_bytes(dk, dv, chunk) +
-         (mlstm_tc_dq_loops(dk, dv) ? 2 * mlstm_tc_rows(chunk) * (dv - mlstm_tc_bwd_block(dv)) : 0);
+  return !mlstm_tc_dq_loops(dk, dv)
+             ? mlstm_tc_bwd_smem_bytes(dk, dv, chunk)
+             : 2 * (mlstm_tc_rows(chunk) * (mlstm_tc_bwd_block(dk) + kMlstmTcPad) + mlstm_tc_rows(chunk) * (dv + kMlstmTcPad) +
+                    mlstm_tc_rows(chunk) * (mlstm_tc_bwd_block(dv) + kMlstmTcPad) +
+                    mlstm_tc_bwd_block(dk) * (mlstm_tc_bwd_block(dv) + kMlstmTcPad)) +
+                   4 * (chunk + 2 * mlstm_tc_rows(chunk));
 }
-// The dk kernel's (algo=tc): grid.y and shared memory with its V and dH tiles DHHV wide where it loops.
+// The dk kernel's (algo=tc): grid.y and shared memory; looping, K, V (DHHV wide), then one region for
+// dC's block or else a Q and a dH (DHHV wide) tile.
 constexpr int mlstm_tc_dk_blocks(int dk, int dv) {
   return mlstm_tc_dk_loops(dk, dv) ? dk / mlstm_tc_bwd_block(dk) : mlstm_tc_bwd_blocks(dk, dv);
 }
 constexpr int mlstm_tc_dk_smem_bytes(int dk, int dv, int chunk) {
-  return mlstm_tc_bwd_smem_bytes(dk, dv, chunk) +
-         (mlstm_tc_dk_loops(dk, dv) ? 2 * 2 * mlstm_tc_rows(chunk) * (dv - mlstm_tc_bwd_block(dv)) : 0);
+  const int R = mlstm_tc_rows(chunk), KS = mlstm_tc_bwd_block(dk) + kMlstmTcPad, HS = dv + kMlstmTcPad,
+            D = mlstm_tc_bwd_block(dk) * (mlstm_tc_bwd_block(dv) + kMlstmTcPad);
+  return !mlstm_tc_dk_loops(dk, dv) ? mlstm_tc_bwd_smem_bytes(dk, dv, chunk)
+                                    : 2 * (R * KS + R * HS + (D > R * KS + R * HS ? D : R * KS + R * HS)) +
+                                          4 * (chunk + 2 * R);
 }
 
 }  // namespace kspec

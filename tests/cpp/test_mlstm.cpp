@@ -225,6 +225,12 @@ TEST(Mlstm, TensorCoreBackwardBlocksLargeHeadDims) {
   EXPECT_EQ(mlstm_tc_dk_blocks(128, 256), 1);
   EXPECT_EQ(mlstm_tc_dk_smem_bytes(128, 128, 128), mlstm_tc_bwd_smem_bytes(128, 128, 128));
   EXPECT_LE(mlstm_tc_dk_smem_bytes(128, 512, 256), 227 * 1024);
+  // Looping at 128 x 256 keeps 2 CTAs an SM (sm_90: 228 KB a multiprocessor, 1 KB reserved a CTA), as the
+  // separate Q tile and dC block did before: Q reuses C's buffer in dq, dC the query tiles' in dk.
+  for (int chunk : {64, 128, 256}) {
+    EXPECT_LE(2 * (mlstm_tc_dq_smem_bytes(128, 256, chunk) + 1024), 228 * 1024) << chunk;
+    EXPECT_LE(2 * (mlstm_tc_dk_smem_bytes(128, 256, chunk) + 1024), 228 * 1024) << chunk;
+  }
   EXPECT_TRUE(mlstm_tc_bwd_reduced(256, 512, kMlstmGradDv));
   EXPECT_FALSE(mlstm_tc_bwd_reduced(128, 128, kMlstmGradDq));
 }
