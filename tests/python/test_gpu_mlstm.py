@@ -168,7 +168,7 @@ def test_tensor_core_large_head_dims(DK, DV, S, chunk, algo):
         assert torch.equal(a, b), f"{name}: a second call differs"
 
 
-@pytest.mark.parametrize("config", [None, "algo=split,threads=64,cols=64", "algo=block,threads=256,cols=16"])
+@pytest.mark.parametrize("config", [None, "algo=split,threads=256,cols=64", "algo=block,threads=256,cols=16"])
 @pytest.mark.parametrize("B,NH,DK,DV", [(1, 8, 128, 128), (1, 2, 256, 256), (3, 2, 64, 16)])
 def test_step_in_place_matches_the_recurrence(B, NH, DK, DV, config):
     """mlstm.step in place (C, n, m updated where they are read), the default (algo=split: a gates kernel,
