@@ -57,15 +57,17 @@ __device__ __forceinline__ void mlstm_tc_store_part(const float (&acc)[kNt][4], 
 
 // ---- dq (and q . dq) ----
 
-template <typename T, int kDk, int kDv, int kChunk>
+// kLoop (algo=tc where mlstm_tc_dq_loops; false: algo=tc_parts, or a shape with one DHHV block).
+template <typename T, int kDk, int kDv, int kChunk, bool kLoop>
 __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_kernel(const MlstmParams p) {
   using Block = MlstmTcBwdBlock<kDk, kDv>;
+  static_assert(!kLoop || mlstm_tc_dq_loops(kDk, kDv), "loops over DHHV's blocks at DHQK <= 128 only");
   constexpr int L = kChunk, R = mlstm_tc_rows(L), P = kMlstmTcPad, kThreads = mlstm_tc_out_threads(L);
   constexpr int BK = Block::BK, BV = Block::BV, KS = BK + P, VS = BV + P, NQ = BK / 8, NK = R / 8;
-  constexpr bool kReduced = mlstm_tc_bwd_reduced(kDk, kDv, kMlstmGradDq);
-  // mlstm_tc_dq_loops: this CTA's DHHV blocks are all of them (grid.y is DHQK's blocks, Block's e0 = 0),
+  constexpr bool kReduced = mlstm_tc_bwd_reduced(kDk, kDv, kMlstmGradDq, false, kLoop);
+  // kLoop: this CTA's DHHV blocks are all of them (grid.y is DHQK's single block, Block's e0 = 0),
   // contracted one after the other into the same accumulators; dH is loaded once, DHHV wide (HW).
-  constexpr int kEB = mlstm_tc_dq_loops(kDk, kDv) ? kDv / BV : 1, HW = kEB * BV, HS = HW + P;
+  constexpr int kEB = kLoop ? kDv / BV : 1, HW = kEB * BV, HS = HW + P;
   // Looping, Q is loaded at the end into C's buffer (free by then), so the wide dH tile costs no more
   // shared memory than the separate Q tile did: 2 CTAs an SM still fit (params.h, mlstm_tc_dq_smem_bytes).
   constexpr bool kQAtEnd = kEB > 1;
@@ -77,7 +79,7 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
   T* Cs = Vs + R * VS;                     // [BK][VS] C entering the chunk (a DHHV block of it)
   T* Qs = kQAtEnd ? Cs : reinterpret_cast<T*>(smem_raw);  // [R][KS]
   float* ibs = reinterpret_cast<float*>(Cs + BK * VS);  // [L]
-  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_dq_smem_bytes(kDk, kDv, L) / 4);
+  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_dq_smem_bytes(kDk, kDv, L, kLoop) / 4);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
   const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
   const long long seq = blockIdx.x / QT, t0 = (blockIdx.x % QT) * R, c = t0 / L, cs = c * L;
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
 // One key tile's dv or dk by 4 warps (`warp` 0..3 of them); the tiles are loaded by kThreads threads
 // (`tid` 0 .. kThreads - 1): the 4 warps alone (mlstm_tc_dkv_kernel), or with the 4 warps of the other
 // gradient, which load the same tiles (mlstm_tc_dkv_fused_kernel). Partials (head dims over 128) go to
-// p.part + kPartAt * seqs * S. kLoop (dk alone, mlstm_tc_dk_loops): the CTA contracts all of DHHV's
+// p.part + kPartAt * seqs * S. kLoop (dk alone, at mlstm_tc_dq_loops' shapes): the CTA contracts all of DHHV's
 // blocks itself, its V and dH tiles DHHV wide, dC a block at a time (no partials).
 template <typename T, int kDk, int kDv, int kChunk, bool kDkPart, int kThreads, int kPartAt, bool kLoop = false>
 __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned char* smem_raw, int tid, int warp) {
@@ -206,7 +208,8 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   constexpr int L = kChunk, R = mlstm_tc_rows(L), P = kMlstmTcPad;
   constexpr int BK = Block::BK, BV = Block::BV, KS = BK + P, VS = BV + P, NA = (kDkPart ? BK : BV) / 8, NK = R / 8;
   constexpr int kEB = kLoop ? kDv / BV : 1, HW = kEB * BV, HS = HW + P;  // V and dH tiles: HW columns
-  constexpr bool kReduced = !kLoop && mlstm_tc_bwd_reduced(kDk, kDv, kDkPart ? kMlstmGradDk : kMlstmGradDv, true);
+  constexpr int kGrad = kDkPart ? kMlstmGradDk : kMlstmGradDv;
+  constexpr bool kReduced = !kLoop && mlstm_tc_bwd_reduced(kDk, kDv, kGrad, false, false);
   // Looping, dC shares its buffer with the query tiles (the inter term is done before the first query
   // tile is loaded), so the wide V and dH tiles still leave 2 CTAs an SM (mlstm_tc_dk_smem_bytes).
   constexpr int kRegion = BK * VS > R * KS + R * HS ? BK * VS : R * KS + R * HS;
@@ -215,10 +218,12 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   T* Vs = kLoop ? Ks + R * KS : Qs + R * KS;           // [R][HS] this tile's values
   T* Hs = kLoop ? Qs + R * KS : Vs + R * HS;           // [R][HS] a query tile's dh
   T* Ds = kLoop ? Qs : Hs + R * HS;                    // [BK][VS] dC after the chunk (a DHHV block of it)
-  float* bms = reinterpret_cast<float*>(kLoop ? Qs + kRegion : Ds + BK * VS);  // [R] b_t - m_t of the query tile (-inf past S)
+  // [R] b_t - m_t of the query tile (-inf past S)
+  float* bms = reinterpret_cast<float*>(kLoop ? Qs + kRegion : Ds + BK * VS);
   float* rds = bms + R;                                  // [R] 1 / (nrm_t + eps) (0 past S)
   mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw),
                               (kLoop ? mlstm_tc_dk_smem_bytes(kDk, kDv, L) : mlstm_tc_bwd_smem_bytes(kDk, kDv, L)) / 4);
+  static_assert(!kLoop || mlstm_tc_dq_loops(kDk, kDv), "loops over DHHV's blocks at DHQK <= 128 only");
   const int lane = threadIdx.x % 32, g = lane / 4, cq = lane % 4;
   const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
   const long long seq = blockIdx.x / QT, s0 = (blockIdx.x % QT) * R, c = s0 / L, cs = c * L;
@@ -336,12 +341,12 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   }
 }
 
-// dk loops over DHHV's blocks where mlstm_tc_dk_loops (grid.y: DHQK's blocks), as the dq kernel.
-template <typename T, int kDk, int kDv, int kChunk, bool kDkPart>
+// kLoop (dk only, as the dq kernel's): loops over DHHV's blocks (grid.y: DHQK's single block).
+template <typename T, int kDk, int kDv, int kChunk, bool kDkPart, bool kLoop>
 __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dkv_kernel(const MlstmParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, kDkPart, mlstm_tc_out_threads(kChunk), 0,
-                    kDkPart && mlstm_tc_dk_loops(kDk, kDv)>(p, smem_raw, threadIdx.x, threadIdx.x / 32);
+  mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, kDkPart, mlstm_tc_out_threads(kChunk), 0, kLoop>(p, smem_raw, threadIdx.x,
+                                                                                        threadIdx.x / 32);
 }
 
 // algo=tc_fused: dv (warps 0-3) and dk (warps 4-7) of a key tile in one CTA of 8 warps, so its K, V, dC,

@@ -205,6 +205,21 @@ TEST(Mlstm, TensorCoreBackwardBlocksLargeHeadDims) {
     if (row.fused_kernels + 1 == row.kernels) {
       for (size_t k = 6; k < fused.size(); ++k) EXPECT_EQ(fused[k].targs, kernels[k + 1].targs) << k;
     }
+    // algo=tc_parts (where tc loops: DHQK <= 128 < DHHV): dq and dk by column blocks, each reduced.
+    const Config parts = Config::parse("algo=tc_parts,threads=128", op.info);
+    std::string why;
+    const bool loops = row.dk <= 128 && row.dv > 128;
+    EXPECT_EQ(op.tuning.valid(p, parts, &why), loops) << row.dk << " x " << row.dv << ": " << why;
+    if (loops) {
+      const auto sep = op.kernels(p, parts);
+      ASSERT_EQ(sep.size(), row.kernels + 2) << row.dk << " x " << row.dv;
+      EXPECT_EQ(sep[3].targs.back(), "false");
+      EXPECT_EQ(kernels[3].targs.back(), "true");  // algo=tc's dq loops
+      EXPECT_EQ(sep[5].targs.back(), "false");
+      EXPECT_EQ(kernels[5].targs.back(), "true");  // and its dk
+    } else {
+      EXPECT_NE(why.find("tc_parts"), std::string::npos) << why;
+    }
     const int dk = static_cast<int>(row.dk), dv = static_cast<int>(row.dv);
     EXPECT_EQ(mlstm_tc_bwd_blocks(dk, dv), row.blocks);
     // Every CTA's tiles are at most those of 128 x 128 (106 KB at chunk 256, within sm_90's 227 KB).
@@ -320,7 +335,8 @@ TEST(Mlstm, EveryCaseCompilesWithoutSpills) {
 TEST(Mlstm, TensorCoreBackwardCompilesWithoutSpills) {
   const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
   const Config tc = Config::parse("algo=tc,threads=128", op.info),
-               fused = Config::parse("algo=tc_fused,threads=128", op.info);
+               fused = Config::parse("algo=tc_fused,threads=128", op.info),
+               parts = Config::parse("algo=tc_parts,threads=128", op.info);
   struct Row {
     const char* case_name;
     DType dt;
@@ -332,7 +348,8 @@ TEST(Mlstm, TensorCoreBackwardCompilesWithoutSpills) {
                                          {"chunk_128", DType::bf16, fused, 6},
                                          {"chunk_256", DType::bf16, fused, 6},
                                          {"dk_128_dv_256", DType::bf16, fused, 7},
-                                         {"dk_128_dv_256", DType::bf16, tc, 7}}) {
+                                         {"dk_128_dv_256", DType::bf16, tc, 7},
+                                         {"dk_128_dv_256", DType::bf16, parts, 9}}) {
     int found = 0;
     for (const auto& cs : op.cases) {
       if (cs.name != row.case_name) continue;
@@ -1224,7 +1241,7 @@ TEST(MlstmGpu, TensorCorePoisonedSharedMemoryNeverReachesOutputs) {
   jit::ContextGuard guard(0);
   const int64_t B = 1, NH = 2, S = 100;
   for (const auto& [dk, dv, bwd_algo] : std::vector<std::tuple<int64_t, int64_t, const char*>>{
-           {32, 32, "tc"}, {32, 32, "tc_fused"}, {128, 256, "tc"}, {128, 256, "tc_fused"}}) {
+           {32, 32, "tc"}, {32, 32, "tc_fused"}, {128, 256, "tc"}, {128, 256, "tc_fused"}, {128, 256, "tc_parts"}}) {
     Problem32 pr(B, NH, S, dk, dv, 81);
     const auto dh32 = randn_f(B * NH * S * dv, 82), dC32 = randn_f(B * NH * dk * dv, 83);
     for (DType dt : {DType::f16, DType::bf16}) {

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <utility>
 
+#include "templates/mlstm/params.h"
+
 namespace kspec::mlstm {
 
 const std::vector<DType> kFloatTypes = {DType::f32, DType::f16, DType::bf16};
@@ -216,11 +218,15 @@ TuningSpace chunkwise_fwd_tuning() {
 
 TuningSpace chunkwise_bwd_tuning() {
   TuningSpace t = mlstm_tuning(true);
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcFused}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcFused, kTcParts}});
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     if (c.get("algo") == kSimt) return simt_runs(p, why);
     std::string no = tc_unsupported(p);
     if (no.empty() && c.get("threads") != 128) no = "algo=tc sets its own block sizes (named with threads=128)";
+    if (no.empty() && c.get("algo") == kTcParts &&
+        !mlstm_tc_dq_loops(static_cast<int>(p.dim("dhqk")), static_cast<int>(p.dim("dhhv"))))
+      no = "algo=tc_parts differs from algo=tc only at dhqk <= 128 < dhhv (its dq and dk without the loops over "
+           "dhhv's blocks)";
     if (why) *why = no;
     return no.empty();
   };
@@ -266,7 +272,8 @@ TuningSpace step_tuning() {
   t.heuristic = [](const Problem& p) {
     if (p.align_bytes < 16) return Config{{{"algo", kStepBlock}, {"threads", 256}, {"cols", 16}}};
     const int64_t cols = step_cols(p);
-    return Config{{{"algo", kStepSplit}, {"threads", std::min<int64_t>(256, p.dim("dhqk") * cols / 4)}, {"cols", cols}}};
+    const int64_t threads = std::min<int64_t>(256, p.dim("dhqk") * cols / 4);
+    return Config{{{"algo", kStepSplit}, {"threads", threads}, {"cols", cols}}};
   };
   t.block_threads = [](const Problem&, const Config& c) { return c.get("threads"); };
   return t;
