@@ -11,7 +11,8 @@
 // head dims 128), looping over the chunk's query tiles from the diagonal on; then df per sequence.
 // Head dims over 128: a CTA per column block of 128 (params.h, mlstm_tc_bwd_blocks), the tiles and
 // accumulators of a 128 x 128 problem; a gradient that contracts a split dim is a sum of the blocks'
-// fp32 partials, which mlstm_tc_reduce_kernel adds in a fixed order (with q . dq and k . dk).
+// fp32 partials, which mlstm_tc_reduce_kernel adds in a fixed order (with q . dq and k . dk), except dq
+// at DHQK <= 128, whose CTA loops over DHHV's blocks itself (mlstm_tc_dq_loops).
 // No atomics: every output element is one thread's, every sum a fixed order (bitwise repeatable).
 #pragma once
 
@@ -56,20 +57,29 @@ __device__ __forceinline__ void mlstm_tc_store_part(const float (&acc)[kNt][4], 
 
 // ---- dq (and q . dq) ----
 
-template <typename T, int kDk, int kDv, int kChunk>
+// kLoop (algo=tc where mlstm_tc_dq_loops; false: algo=tc_parts, or a shape with one DHHV block).
+template <typename T, int kDk, int kDv, int kChunk, bool kLoop>
 __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_kernel(const MlstmParams p) {
   using Block = MlstmTcBwdBlock<kDk, kDv>;
+  static_assert(!kLoop || mlstm_tc_dq_loops(kDk, kDv), "loops over DHHV's blocks at DHQK <= 128 only");
   constexpr int L = kChunk, R = mlstm_tc_rows(L), P = kMlstmTcPad, kThreads = mlstm_tc_out_threads(L);
   constexpr int BK = Block::BK, BV = Block::BV, KS = BK + P, VS = BV + P, NQ = BK / 8, NK = R / 8;
-  constexpr bool kReduced = mlstm_tc_bwd_reduced(kDk, kDv, kMlstmGradDq);
+  constexpr bool kReduced = mlstm_tc_bwd_reduced(kDk, kDv, kMlstmGradDq, false, kLoop);
+  // kLoop: this CTA's DHHV blocks are all of them (grid.y is DHQK's single block, Block's e0 = 0),
+  // contracted one after the other into the same accumulators; dH is loaded once, DHHV wide (HW).
+  constexpr int kEB = kLoop ? kDv / BV : 1, HW = kEB * BV, HS = HW + P;
+  // Looping, Q is loaded at the end into C's buffer (free by then), so the wide dH tile costs no more
+  // shared memory than the separate Q tile did: 2 CTAs an SM still fit (params.h, mlstm_tc_dq_smem_bytes).
+  constexpr bool kQAtEnd = kEB > 1;
+  static_assert(!kQAtEnd || BK * VS >= R * KS, "Q fits C's buffer");
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* Qs = reinterpret_cast<T*>(smem_raw);  // [R][KS]
-  T* Ks = Qs + R * KS;                     // [R][KS]
-  T* Hs = Ks + R * KS;                     // [R][VS] dh
-  T* Vs = Hs + R * VS;                     // [R][VS]
-  T* Cs = Vs + R * VS;                     // [BK][VS] C entering the chunk
+  T* Ks = reinterpret_cast<T*>(smem_raw) + (kQAtEnd ? 0 : R * KS);  // [R][KS]
+  T* Hs = Ks + R * KS;                     // [R][HS] dh
+  T* Vs = Hs + R * HS;                     // [R][VS]
+  T* Cs = Vs + R * VS;                     // [BK][VS] C entering the chunk (a DHHV block of it)
+  T* Qs = kQAtEnd ? Cs : reinterpret_cast<T*>(smem_raw);  // [R][KS]
   float* ibs = reinterpret_cast<float*>(Cs + BK * VS);  // [L]
-  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_bwd_smem_bytes(kDk, kDv, L) / 4);
+  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_dq_smem_bytes(kDk, kDv, L, kLoop) / 4);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
   const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
   const long long seq = blockIdx.x / QT, t0 = (blockIdx.x % QT) * R, c = t0 / L, cs = c * L;
@@ -77,14 +87,14 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
   const Block blk;
   const T* k = static_cast<const T*>(p.k) + seq * S * kDk + blk.d0;
   const T* v = static_cast<const T*>(p.v) + seq * S * kDv + blk.e0;
+  const T* Cg = static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv + blk.d0 * kDv + blk.e0;
   const float4* gr = reinterpret_cast<const float4*>(p.gate_rows) + seq * S;
   const float scale = rsqrtf(static_cast<float>(kDk));
 
-  if (!kReduced)  // for q . dq (the reduce kernel's otherwise)
+  if (!kReduced && !kQAtEnd)  // for q . dq (the reduce kernel's otherwise)
     mlstm_tc_load_rows<T, kDk, R, kThreads>(Qs, static_cast<const T*>(p.q) + seq * S * kDk, t0, S, tid);
-  mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Hs, static_cast<const T*>(p.dh) + seq * S * kDv + blk.e0, t0, S, tid);
-  mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(
-      Cs, static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv + blk.d0 * kDv + blk.e0, 0, BK, tid);
+  mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Hs, static_cast<const T*>(p.dh) + seq * S * kDv + blk.e0, t0, S, tid);
+  mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Cs, Cg, 0, BK, tid);
   cp_async_commit();
   for (int s = tid; s < ktiles * R; s += kThreads) ibs[s] = cs + s < S ? gr[cs + s].y : mlstm_neg_inf();
   const int ra = warp * 16 + g;
@@ -99,29 +109,42 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
   // dq = u_t (dH C^T): B[dv][dk] = C[dk][dv], stored as [n][k].
   float dq[NQ][4];
   mma_zero(dq);
+#pragma unroll
+  for (int eb = 0; eb < kEB; ++eb) {
+    if (eb > 0) {
+      __syncthreads();  // every warp is done with the last block of C
+      mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Cs, Cg + eb * BV, 0, BK, tid);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+    }
 #pragma unroll 2
-  for (int kk = 0; kk < BV / 16; ++kk) {
-    unsigned a[4];
-    ldmatrix_x4(a, frag_a(Hs, VS, warp * 16, kk * 16, lane));
-    mma_row<T, NQ, false>(dq, a, Cs, VS, kk * 16, lane);
+    for (int kk = 0; kk < BV / 16; ++kk) {
+      unsigned a[4];
+      ldmatrix_x4(a, frag_a(Hs, HS, warp * 16, eb * BV + kk * 16, lane));
+      mma_row<T, NQ, false>(dq, a, Cs, VS, kk * 16, lane);
+    }
   }
   mma_scale_rows(dq, ua, ub);
 
   const int row_a = static_cast<int>(t0 - cs) + ra, row_b = row_a + 8;
   for (int kt = 0; kt < ktiles; ++kt) {
-    __syncthreads();  // every warp is done with the last K and V tiles
-    mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Ks, k, cs + kt * R, S, tid);
-    mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Vs, v, cs + kt * R, S, tid);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    float sc[NK][4];  // dH V^T: B[dv][key] = V[key][dv], stored as [n][k]
+    float sc[NK][4];  // dH V^T, summed over the DHHV blocks: B[dv][key] = V[key][dv], stored as [n][k]
     mma_zero(sc);
+#pragma unroll
+    for (int eb = 0; eb < kEB; ++eb) {
+      __syncthreads();  // every warp is done with the last K and V tiles
+      if (eb == 0) mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Ks, k, cs + kt * R, S, tid);
+      mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Vs, v + eb * BV, cs + kt * R, S, tid);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
 #pragma unroll 2
-    for (int kk = 0; kk < BV / 16; ++kk) {
-      unsigned a[4];
-      ldmatrix_x4(a, frag_a(Hs, VS, warp * 16, kk * 16, lane));
-      mma_row<T, NK, false>(sc, a, Vs, VS, kk * 16, lane);
+      for (int kk = 0; kk < BV / 16; ++kk) {
+        unsigned a[4];
+        ldmatrix_x4(a, frag_a(Hs, HS, warp * 16, eb * BV + kk * 16, lane));
+        mma_row<T, NK, false>(sc, a, Vs, VS, kk * 16, lane);
+      }
     }
 #pragma unroll
     for (int nt = 0; nt < NK; ++nt)
@@ -139,6 +162,12 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
       scores_as_a<T, NK>(a, sc, kk);
       mma_row<T, NQ, true>(dq, a, Ks, KS, kk * 16, lane);
     }
+  }
+  if (kQAtEnd) {  // C's buffer was last read before the key loop's barriers
+    mlstm_tc_load_rows<T, kDk, R, kThreads>(Qs, static_cast<const T*>(p.q) + seq * S * kDk, t0, S, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
   }
   if (kReduced) {  // part: this CTA's DHHV block
     const long long seqs = gridDim.x / QT;
@@ -170,21 +199,31 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
 // One key tile's dv or dk by 4 warps (`warp` 0..3 of them); the tiles are loaded by kThreads threads
 // (`tid` 0 .. kThreads - 1): the 4 warps alone (mlstm_tc_dkv_kernel), or with the 4 warps of the other
 // gradient, which load the same tiles (mlstm_tc_dkv_fused_kernel). Partials (head dims over 128) go to
-// p.part + kPartAt * seqs * S.
-template <typename T, int kDk, int kDv, int kChunk, bool kDkPart, int kThreads, int kPartAt>
+// p.part + kPartAt * seqs * S. kLoop (dk alone, at mlstm_tc_dq_loops' shapes): the CTA contracts all of DHHV's
+// blocks itself, its V and dH tiles DHHV wide, dC a block at a time (no partials).
+template <typename T, int kDk, int kDv, int kChunk, bool kDkPart, int kThreads, int kPartAt, bool kLoop = false>
 __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned char* smem_raw, int tid, int warp) {
   using Block = MlstmTcBwdBlock<kDk, kDv>;
+  static_assert(!kLoop || kDkPart, "only dk contracts DHHV");
   constexpr int L = kChunk, R = mlstm_tc_rows(L), P = kMlstmTcPad;
   constexpr int BK = Block::BK, BV = Block::BV, KS = BK + P, VS = BV + P, NA = (kDkPart ? BK : BV) / 8, NK = R / 8;
-  constexpr bool kReduced = mlstm_tc_bwd_reduced(kDk, kDv, kDkPart ? kMlstmGradDk : kMlstmGradDv);
+  constexpr int kEB = kLoop ? kDv / BV : 1, HW = kEB * BV, HS = HW + P;  // V and dH tiles: HW columns
+  constexpr int kGrad = kDkPart ? kMlstmGradDk : kMlstmGradDv;
+  constexpr bool kReduced = !kLoop && mlstm_tc_bwd_reduced(kDk, kDv, kGrad, false, false);
+  // Looping, dC shares its buffer with the query tiles (the inter term is done before the first query
+  // tile is loaded), so the wide V and dH tiles still leave 2 CTAs an SM (mlstm_tc_dk_smem_bytes).
+  constexpr int kRegion = BK * VS > R * KS + R * HS ? BK * VS : R * KS + R * HS;
   T* Ks = reinterpret_cast<T*>(smem_raw);  // [R][KS] this tile's keys
-  T* Qs = Ks + R * KS;                     // [R][KS] a query tile
-  T* Vs = Qs + R * KS;                     // [R][VS] this tile's values
-  T* Hs = Vs + R * VS;                     // [R][VS] a query tile's dh
-  T* Ds = Hs + R * VS;                     // [BK][VS] dC after the chunk
-  float* bms = reinterpret_cast<float*>(Ds + BK * VS);  // [R] b_t - m_t of the query tile (-inf past S)
+  T* Qs = kLoop ? Ks + R * KS + R * HS : Ks + R * KS;  // [R][KS] a query tile
+  T* Vs = kLoop ? Ks + R * KS : Qs + R * KS;           // [R][HS] this tile's values
+  T* Hs = kLoop ? Qs + R * KS : Vs + R * HS;           // [R][HS] a query tile's dh
+  T* Ds = kLoop ? Qs : Hs + R * HS;                    // [BK][VS] dC after the chunk (a DHHV block of it)
+  // [R] b_t - m_t of the query tile (-inf past S)
+  float* bms = reinterpret_cast<float*>(kLoop ? Qs + kRegion : Ds + BK * VS);
   float* rds = bms + R;                                  // [R] 1 / (nrm_t + eps) (0 past S)
-  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_bwd_smem_bytes(kDk, kDv, L) / 4);
+  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw),
+                              (kLoop ? mlstm_tc_dk_smem_bytes(kDk, kDv, L) : mlstm_tc_bwd_smem_bytes(kDk, kDv, L)) / 4);
+  static_assert(!kLoop || mlstm_tc_dq_loops(kDk, kDv), "loops over DHHV's blocks at DHQK <= 128 only");
   const int lane = threadIdx.x % 32, g = lane / 4, cq = lane % 4;
   const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
   const long long seq = blockIdx.x / QT, s0 = (blockIdx.x % QT) * R, c = s0 / L, cs = c * L;
@@ -196,9 +235,9 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   const float scale = rsqrtf(static_cast<float>(kDk));
 
   mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Ks, static_cast<const T*>(p.k) + seq * S * kDk + blk.d0, s0, S, tid);
-  mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Vs, static_cast<const T*>(p.v) + seq * S * kDv + blk.e0, s0, S, tid);
-  mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(
-      Ds, static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv + blk.d0 * kDv + blk.e0, 0, BK, tid);
+  mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Vs, static_cast<const T*>(p.v) + seq * S * kDv + blk.e0, s0, S, tid);
+  const T* Dg = static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv + blk.d0 * kDv + blk.e0;
+  mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Ds, Dg, 0, BK, tid);
   cp_async_commit();
   const int ra = warp * 16 + g;
   const long long sa = s0 + ra, sb = sa + 8;
@@ -210,19 +249,30 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   // Inter-chunk term: dv_s = w_s (k_s^T dC) (B[dk][dv] = dC, [k][n]); dk_s = w_s (dC v_s) (B[dv][dk], [n][k]).
   float acc[NA][4];
   mma_zero(acc);
+#pragma unroll
+  for (int eb = 0; eb < kEB; ++eb) {
+    if (eb > 0) {
+      __syncthreads();  // every warp is done with the last block of dC
+      mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Ds, Dg + eb * BV, 0, BK, tid);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+    }
 #pragma unroll 2
-  for (int kk = 0; kk < (kDkPart ? BV : BK) / 16; ++kk) {
-    unsigned a[4];
-    ldmatrix_x4(a, kDkPart ? frag_a(Vs, VS, warp * 16, kk * 16, lane) : frag_a(Ks, KS, warp * 16, kk * 16, lane));
-    mma_row<T, NA, !kDkPart>(acc, a, Ds, VS, kk * 16, lane);
+    for (int kk = 0; kk < (kDkPart ? BV : BK) / 16; ++kk) {
+      unsigned a[4];
+      ldmatrix_x4(a, kDkPart ? frag_a(Vs, HS, warp * 16, eb * BV + kk * 16, lane)
+                             : frag_a(Ks, KS, warp * 16, kk * 16, lane));
+      mma_row<T, NA, !kDkPart>(acc, a, Ds, VS, kk * 16, lane);
+    }
   }
   mma_scale_rows(acc, wa, wb);
 
   const int pos_a = static_cast<int>(s0 - cs) + ra, pos_b = pos_a + 8;  // the keys' positions in the chunk
   for (long long t0 = s0; t0 < ce; t0 += R) {
-    __syncthreads();  // every warp is done with the last query tile
+    __syncthreads();  // every warp is done with the last query tile (looping: with dC)
     mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Qs, q, t0, S, tid);
-    mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Hs, dh, t0, S, tid);
+    mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Hs, dh, t0, S, tid);
     cp_async_commit();
     for (int r = tid; r < R; r += kThreads) {
       const bool ok = t0 + r < S;
@@ -235,10 +285,10 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
     float sc[NK][4];
     mma_zero(sc);
 #pragma unroll 2
-    for (int kk = 0; kk < (kDkPart ? BV : BK) / 16; ++kk) {
+    for (int kk = 0; kk < (kDkPart ? HW : BK) / 16; ++kk) {
       unsigned a[4];
-      ldmatrix_x4(a, kDkPart ? frag_a(Vs, VS, warp * 16, kk * 16, lane) : frag_a(Ks, KS, warp * 16, kk * 16, lane));
-      if (kDkPart) mma_row<T, NK, false>(sc, a, Hs, VS, kk * 16, lane);
+      ldmatrix_x4(a, kDkPart ? frag_a(Vs, HS, warp * 16, kk * 16, lane) : frag_a(Ks, KS, warp * 16, kk * 16, lane));
+      if (kDkPart) mma_row<T, NK, false>(sc, a, Hs, HS, kk * 16, lane);
       else mma_row<T, NK, false>(sc, a, Qs, KS, kk * 16, lane);
     }
     const int tpos = static_cast<int>(t0 - cs);
@@ -257,7 +307,7 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
       unsigned a[4];
       scores_as_a<T, NK>(a, sc, kk);
       if (kDkPart) mma_row<T, NA, true>(acc, a, Qs, KS, kk * 16, lane);
-      else mma_row<T, NA, true>(acc, a, Hs, VS, kk * 16, lane);
+      else mma_row<T, NA, true>(acc, a, Hs, HS, kk * 16, lane);
     }
   }
   constexpr int kW = kDkPart ? kDk : kDv;
@@ -291,11 +341,12 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   }
 }
 
-template <typename T, int kDk, int kDv, int kChunk, bool kDkPart>
+// kLoop (dk only, as the dq kernel's): loops over DHHV's blocks (grid.y: DHQK's single block).
+template <typename T, int kDk, int kDv, int kChunk, bool kDkPart, bool kLoop>
 __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dkv_kernel(const MlstmParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, kDkPart, mlstm_tc_out_threads(kChunk), 0>(p, smem_raw, threadIdx.x,
-                                                                                   threadIdx.x / 32);
+  mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, kDkPart, mlstm_tc_out_threads(kChunk), 0, kLoop>(p, smem_raw, threadIdx.x,
+                                                                                        threadIdx.x / 32);
 }
 
 // algo=tc_fused: dv (warps 0-3) and dk (warps 4-7) of a key tile in one CTA of 8 warps, so its K, V, dC,

@@ -26,6 +26,7 @@ struct MlstmParams {
   // algo=tc (chunkwise_tc.cuh): what its gates and state kernels leave in the workspace for the output
   // kernel (NC = ceil(S / L) chunks; m_rows above is then always set, to the output or the workspace).
   float* gate_rows;  // [seqs, S, 4]: b_t - m_t, i_t - b_t, g_t = e^(b_t + m - m_t), w_t = e^(b_L - b_t + i_t - m_L)
+                     // (mlstm.step algo=split: [seqs, kMlstmStepScalars], decay, gain, normalizer; step.cuh)
   float* chunk_g;    // [seqs, NC]: e^(b_L + m - m_L), the decay of the state carried over each chunk
   void* Cs;          // [seqs, NC, DHQK, DHHV] in the input dtype: C entering each chunk
   float* ns;         // [seqs, NC, DHQK]: n entering each chunk
@@ -34,6 +35,10 @@ struct MlstmParams {
   // blocks of the dim they contract (mlstm_tc_bwd_parts), summed in a fixed order by the reduce kernel.
   float* part;
 };
+
+// mlstm.step algo=split: floats a sequence of the gates kernel's scalars for the slab kernel (3 used,
+// padded to 16 bytes).
+constexpr int kMlstmStepScalars = 4;
 
 // Dynamic shared memory of mlstm_chunkwise_fwd_kernel in floats: S (chunk x chunk), six vectors of
 // chunk floats and two scalars.
@@ -94,8 +99,39 @@ enum MlstmGrad { kMlstmGradDq = 0, kMlstmGradDv = 1, kMlstmGradDk = 2 };
 constexpr int mlstm_tc_bwd_parts(int dk, int dv, int grad) {
   return grad == kMlstmGradDv ? dk / mlstm_tc_bwd_block(dk) : dv / mlstm_tc_bwd_block(dv);
 }
-constexpr bool mlstm_tc_bwd_reduced(int dk, int dv, int grad) {
-  return mlstm_tc_bwd_blocks(dk, dv) > 1 && (grad != kMlstmGradDv || mlstm_tc_bwd_parts(dk, dv, grad) > 1);
+// dq where DHQK is one block (<= 128) and DHHV several: one CTA per query tile loops over DHHV's
+// blocks itself (its dH tile at full width, C and V a block at a time), so dq needs no fp32 partials and
+// no reduce kernel (tools/bench/NOTES.md, "the backward at (128, 256)"). dk alike in algo=tc's own dk
+// kernel (not algo=tc_fused, whose CTA shares its tiles with dv's DHHV block): its V and dH tiles DHHV
+// wide, dC a block at a time. `loop` false: algo=tc_parts, the CTA per block with partials (as before,
+// kept to compare). The functions below take the shape's loop (mlstm_tc_dq_loops(dk, dv) && loop).
+constexpr bool mlstm_tc_dq_loops(int dk, int dv) { return dk <= 128 && dv > 128; }
+constexpr bool mlstm_tc_bwd_reduced(int dk, int dv, int grad, bool fused = false, bool loop = true) {
+  return mlstm_tc_bwd_blocks(dk, dv) > 1 && (grad != kMlstmGradDv || mlstm_tc_bwd_parts(dk, dv, grad) > 1) &&
+         !(loop && grad == kMlstmGradDq && mlstm_tc_dq_loops(dk, dv)) &&
+         !(loop && grad == kMlstmGradDk && !fused && mlstm_tc_dq_loops(dk, dv));
+}
+// The dq kernel's grid.y (its column blocks) and dynamic shared memory: mlstm_tc_bwd_smem_bytes's tiles
+// where it does not loop; looping, K, dH (DHHV wide), V, and C's block, which Q reuses at the end.
+constexpr int mlstm_tc_dq_blocks(int dk, int dv, bool loop = true) {
+  return loop && mlstm_tc_dq_loops(dk, dv) ? dk / mlstm_tc_bwd_block(dk) : mlstm_tc_bwd_blocks(dk, dv);
+}
+constexpr int mlstm_tc_dq_smem_bytes(int dk, int dv, int chunk, bool loop = true) {
+  const int R = mlstm_tc_rows(chunk), KS = mlstm_tc_bwd_block(dk) + kMlstmTcPad, HS = dv + kMlstmTcPad,
+            VS = mlstm_tc_bwd_block(dv) + kMlstmTcPad;
+  return !(loop && mlstm_tc_dq_loops(dk, dv))
+             ? mlstm_tc_bwd_smem_bytes(dk, dv, chunk)
+             : 2 * (R * KS + R * HS + R * VS + mlstm_tc_bwd_block(dk) * VS) + 4 * (chunk + 2 * R);
+}
+// The dk kernel's (algo=tc): grid.y and shared memory; looping, K, V (DHHV wide), then one region for
+// dC's block or else a Q and a dH (DHHV wide) tile.
+constexpr int mlstm_tc_dk_blocks(int dk, int dv, bool loop = true) { return mlstm_tc_dq_blocks(dk, dv, loop); }
+constexpr int mlstm_tc_dk_smem_bytes(int dk, int dv, int chunk, bool loop = true) {
+  const int R = mlstm_tc_rows(chunk), KS = mlstm_tc_bwd_block(dk) + kMlstmTcPad, HS = dv + kMlstmTcPad,
+            D = mlstm_tc_bwd_block(dk) * (mlstm_tc_bwd_block(dv) + kMlstmTcPad);
+  return !(loop && mlstm_tc_dq_loops(dk, dv)) ? mlstm_tc_bwd_smem_bytes(dk, dv, chunk)
+                                    : 2 * (R * KS + R * HS + (D > R * KS + R * HS ? D : R * KS + R * HS)) +
+                                          4 * (chunk + 2 * R);
 }
 
 }  // namespace kspec

@@ -1,8 +1,16 @@
 // mlstm.step: one decoding step of the mLSTM, states updated in place (api/ops/mlstm/reference.h is
-// the spec), one CTA per sequence:
+// the spec):
 //   m' = max(a + m, i)   C' = e^(a+m-m') C + e^(i-m') k v^T   n' = e^(a+m-m') n + e^(i-m') k
 //   h = (s q)^T C' / (max(|s q . n'|, e^(-m')) + eps),   a = logsigmoid(f), s = DHQK^-1/2.
-// First version, correct before fast: q and k in shared memory; thread j owns columns e = j, j +
+// Two algorithms (mlstm.step's `algo` axis). algo=block, mlstm_step_kernel: one CTA per sequence,
+// the first version. algo=split (tools/bench/NOTES.md, "mlstm.step as a bandwidth op"): the step is a
+// read and a write of C (64 KB a head at 128 x 128 in fp32), so C is cut into column slabs, one CTA
+// each, read once in float4s; every slab needs the same three scalars (decay, gain and the normalizer,
+// which needs all of n), so a one-warp kernel per sequence computes them first with n' and m'
+// (mlstm_step_gates_kernel), and the slab kernel (mlstm_step_cols_kernel) starts early by programmatic
+// dependent launch, loading its slab before it waits for them.
+//
+// algo=block, correct before fast: q and k in shared memory; thread j owns columns e = j, j +
 // kThreads, ... of C (coalesced rows) and elements d = j, ... of n. The state is memory-bound traffic
 // (DHQK x DHHV fp32 read and written once); C' and n' are written where C and n were read, by the same
 // thread, so the update may be in place. m is written after the block sum, by when every thread has
@@ -53,6 +61,138 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_kernel(const MlstmParams 
     static_cast<T*>(p.h)[seq * kDv + e] = from_float<T>(num / den);
   }
   if (tid == 0) p.m[seq] = m_new;
+}
+
+// ---- algo=split ----
+
+// sm_90's programmatic dependent launch (Launcher::launch_dependent; before sm_90 a plain launch, and
+// these are no-ops). The gates kernel lets the slab kernel start at once; the slab kernel waits for
+// the gates kernel to have finished, its writes visible, before reading the scalars.
+__device__ __forceinline__ void mlstm_step_allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mlstm_step_wait_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// One warp per sequence: m', n' (in place: lane j reads and writes n's elements j, j + 32, ...; lane 0
+// alone reads and writes m) and the slab kernel's three scalars to p.gate_rows[seq] (decay, gain, den).
+// The slab kernel never touches n or m, and this kernel never touches C or h.
+template <typename T, typename TG, int kDk>
+__global__ void __launch_bounds__(kWarpSize) mlstm_step_gates_kernel(const MlstmParams p) {
+  mlstm_step_allow_dependents();
+  const long long seq = blockIdx.x;
+  const int lane = threadIdx.x;
+  float m_old = 0.0f, a = 0.0f, ig = 0.0f;
+  if (lane == 0) {
+    m_old = p.m0[seq];
+    a = mlstm_log_sigmoid(to_float(static_cast<const TG*>(p.f)[seq]));
+    ig = to_float(static_cast<const TG*>(p.i)[seq]);
+  }
+  m_old = __shfl_sync(0xffffffffu, m_old, 0);
+  a = __shfl_sync(0xffffffffu, a, 0);
+  ig = __shfl_sync(0xffffffffu, ig, 0);
+  const float m_new = fmaxf(a + m_old, ig);
+  const float decay = expf(a + m_old - m_new), gain = expf(ig - m_new);
+  const float scale = rsqrtf(static_cast<float>(kDk));
+  const T* q = static_cast<const T*>(p.q) + seq * kDk;
+  const T* k = static_cast<const T*>(p.k) + seq * kDk;
+  float z = 0.0f;  // s q . n', this lane's part
+  for (int d = lane; d < kDk; d += kWarpSize) {
+    const float nn = fmaf(decay, p.n0[seq * kDk + d], gain * to_float(k[d]));
+    p.n[seq * kDk + d] = nn;
+    z = fmaf(to_float(q[d]) * scale, nn, z);
+  }
+  z = warp_reduce_sum(z);
+  if (lane == 0) {
+    p.m[seq] = m_new;
+    float* s = p.gate_rows + seq * kMlstmStepScalars;
+    s[0] = decay;
+    s[1] = gain;
+    s[2] = fmaxf(fabsf(z), expf(-m_new)) + p.eps;
+  }
+}
+
+// The slab of kCols columns of C (blockIdx.y) of one sequence (blockIdx.x), kThreads threads: a row's
+// kCols / 4 float4s go to kCols / 4 consecutive threads, so a warp reads 32 / (kCols / 4) whole row
+// pieces of 64-256 bytes; the CTA covers kThreads / (kCols / 4) rows a pass, kPasses passes, every
+// float4 of the slab loaded (all in flight at once) before the scalars are waited for. Each element of
+// C is read and written by the same thread (in place). h's columns: the thread's 4 partial sums over
+// its rows, summed across the warp's row groups by shuffles and across warps in shared memory, in a
+// fixed order (bitwise repeatable).
+template <typename T, int kDk, int kDv, int kCols, int kThreads>
+__global__ void __launch_bounds__(kThreads) mlstm_step_cols_kernel(const MlstmParams p) {
+  constexpr int kGroups = kCols / 4;              // threads a row
+  constexpr int kRowStep = kThreads / kGroups;    // rows a pass
+  constexpr int kPasses = kDk / kRowStep;
+  constexpr int kWarps = kThreads / kWarpSize;
+  static_assert(kCols % 4 == 0 && kDv % kCols == 0 && kWarpSize % kGroups == 0, "column slab");
+  static_assert(kThreads % kWarpSize == 0 && kPasses >= 1 && kDk % kRowStep == 0, "rows");
+  __shared__ float qs[kDk], ks[kDk], part[kWarps][kCols];
+  const long long seq = blockIdx.x;
+  const int tid = threadIdx.x, g = tid % kGroups, r0 = tid / kGroups;
+  const int col = blockIdx.y * kCols + 4 * g;
+  const long long base = seq * kDk * kDv + col;
+  float4 c[kPasses];
+#pragma unroll
+  for (int j = 0; j < kPasses; ++j)
+    c[j] = *reinterpret_cast<const float4*>(p.C0 + base + static_cast<long long>(r0 + j * kRowStep) * kDv);
+  const T* q = static_cast<const T*>(p.q) + seq * kDk;
+  const T* k = static_cast<const T*>(p.k) + seq * kDk;
+  const T* v = static_cast<const T*>(p.v) + seq * kDv + col;
+  const float scale = rsqrtf(static_cast<float>(kDk));
+  for (int d = tid; d < kDk; d += kThreads) {
+    qs[d] = to_float(q[d]) * scale;
+    ks[d] = to_float(k[d]);
+  }
+  const float v0 = to_float(v[0]), v1 = to_float(v[1]), v2 = to_float(v[2]), v3 = to_float(v[3]);
+  mlstm_step_wait_prior_grid();
+  const float* s = p.gate_rows + seq * kMlstmStepScalars;
+  const float decay = s[0], gain = s[1], den = s[2];
+  const float g0 = v0 * gain, g1 = v1 * gain, g2 = v2 * gain, g3 = v3 * gain;
+  __syncthreads();  // qs, ks
+  float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+  for (int j = 0; j < kPasses; ++j) {
+    const int d = r0 + j * kRowStep;
+    const float kd = ks[d], qd = qs[d];
+    float4 cn;
+    cn.x = fmaf(decay, c[j].x, kd * g0);
+    cn.y = fmaf(decay, c[j].y, kd * g1);
+    cn.z = fmaf(decay, c[j].z, kd * g2);
+    cn.w = fmaf(decay, c[j].w, kd * g3);
+    *reinterpret_cast<float4*>(p.C + base + static_cast<long long>(d) * kDv) = cn;
+    num.x = fmaf(qd, cn.x, num.x);
+    num.y = fmaf(qd, cn.y, num.y);
+    num.z = fmaf(qd, cn.z, num.z);
+    num.w = fmaf(qd, cn.w, num.w);
+  }
+  // Lanes l and l ^ off (off a multiple of kGroups) hold the same columns.
+#pragma unroll
+  for (int off = kGroups; off < kWarpSize; off *= 2) {
+    num.x += __shfl_xor_sync(0xffffffffu, num.x, off);
+    num.y += __shfl_xor_sync(0xffffffffu, num.y, off);
+    num.z += __shfl_xor_sync(0xffffffffu, num.z, off);
+    num.w += __shfl_xor_sync(0xffffffffu, num.w, off);
+  }
+  const int lane = tid % kWarpSize, warp = tid / kWarpSize;
+  if (lane < kGroups) {
+    part[warp][4 * lane] = num.x;
+    part[warp][4 * lane + 1] = num.y;
+    part[warp][4 * lane + 2] = num.z;
+    part[warp][4 * lane + 3] = num.w;
+  }
+  __syncthreads();
+  if (tid < kCols) {
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += part[w][tid];
+    static_cast<T*>(p.h)[seq * kDv + blockIdx.y * kCols + tid] = from_float<T>(total / den);
+  }
 }
 
 }  // namespace kspec

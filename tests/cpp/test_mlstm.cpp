@@ -21,6 +21,7 @@
 #include "jit/driver.h"
 #include "kspec/kspec.h"
 #include "mlstm/reference.h"
+#include "mlstm/schema.h"
 #include "templates/mlstm/params.h"
 #include "test_helpers.h"
 
@@ -171,17 +172,19 @@ TEST(Mlstm, Chunk256IsTensorCoreOnly) {
 
 // The tensor-core backward at head dims over 128 (issue 29's (128, 256) and (256, 512)): one CTA per
 // column block of 128, so its kernels are those of 128 x 128 plus one reduce kernel for each gradient
-// that sums blocks (dq, dk contract DHHV; dv DHQK), and nothing more at 128 x 128; algo=tc_fused has the
-// same kernels with dv and dk as one.
+// that sums blocks (dq, dk contract DHHV; dv DHQK; not dq and algo=tc's dk at DHQK <= 128, whose CTAs
+// loop over DHHV's blocks), and nothing more at 128 x 128; algo=tc_fused has the same kernels with dv
+// and dk as one (and its dk reduced wherever DHHV has several blocks).
 TEST(Mlstm, TensorCoreBackwardBlocksLargeHeadDims) {
   const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
   const Config tc = Config::parse("algo=tc,threads=128", op.info);
   struct Row {
     int64_t dk, dv;
-    size_t kernels;
+    size_t kernels, fused_kernels;
     int blocks;
   };
-  for (const Row& row : std::vector<Row>{{128, 128, 7, 1}, {64, 256, 9, 2}, {128, 256, 9, 2}, {256, 512, 10, 8}}) {
+  for (const Row& row :
+       std::vector<Row>{{128, 128, 7, 6, 1}, {64, 256, 7, 7, 2}, {128, 256, 7, 7, 2}, {256, 512, 10, 9, 8}}) {
     CompileRequest r;
     r.op = op.info.name;
     r.dtype = DType::bf16;
@@ -195,20 +198,54 @@ TEST(Mlstm, TensorCoreBackwardBlocksLargeHeadDims) {
       EXPECT_EQ(kernels[k].kernel, "kspec::mlstm_tc_reduce_kernel") << k;
     // algo=tc_fused: dv and dk as one kernel (4), df next, the same reduce kernels after it.
     const auto fused = op.kernels(p, Config::parse("algo=tc_fused,threads=128", op.info));
-    ASSERT_EQ(fused.size(), row.kernels - 1) << row.dk << " x " << row.dv;
+    ASSERT_EQ(fused.size(), row.fused_kernels) << row.dk << " x " << row.dv;
     EXPECT_EQ(fused[4].kernel, "kspec::mlstm_tc_dkv_fused_kernel");
     EXPECT_EQ(fused[5].kernel, "kspec::mlstm_tc_df_kernel");
-    for (size_t k = 6; k < fused.size(); ++k) EXPECT_EQ(fused[k].targs, kernels[k + 1].targs) << k;
+    for (size_t k = 6; k < fused.size(); ++k) EXPECT_EQ(fused[k].kernel, "kspec::mlstm_tc_reduce_kernel") << k;
+    if (row.fused_kernels + 1 == row.kernels) {
+      for (size_t k = 6; k < fused.size(); ++k) EXPECT_EQ(fused[k].targs, kernels[k + 1].targs) << k;
+    }
+    // algo=tc_parts (where tc loops: DHQK <= 128 < DHHV): dq and dk by column blocks, each reduced.
+    const Config parts = Config::parse("algo=tc_parts,threads=128", op.info);
+    std::string why;
+    const bool loops = row.dk <= 128 && row.dv > 128;
+    EXPECT_EQ(op.tuning.valid(p, parts, &why), loops) << row.dk << " x " << row.dv << ": " << why;
+    if (loops) {
+      const auto sep = op.kernels(p, parts);
+      ASSERT_EQ(sep.size(), row.kernels + 2) << row.dk << " x " << row.dv;
+      EXPECT_EQ(sep[3].targs.back(), "false");
+      EXPECT_EQ(kernels[3].targs.back(), "true");  // algo=tc's dq loops
+      EXPECT_EQ(sep[5].targs.back(), "false");
+      EXPECT_EQ(kernels[5].targs.back(), "true");  // and its dk
+    } else {
+      EXPECT_NE(why.find("tc_parts"), std::string::npos) << why;
+    }
     const int dk = static_cast<int>(row.dk), dv = static_cast<int>(row.dv);
     EXPECT_EQ(mlstm_tc_bwd_blocks(dk, dv), row.blocks);
     // Every CTA's tiles are at most those of 128 x 128 (106 KB at chunk 256, within sm_90's 227 KB).
     EXPECT_LE(mlstm_tc_bwd_smem_bytes(dk, dv, 256), mlstm_tc_bwd_smem_bytes(128, 128, 256));
     EXPECT_LE(mlstm_tc_bwd_smem_bytes(128, 128, 256), 227 * 1024);
   }
-  // dv over a single DHQK block needs no sum (written directly); dq and dk over two DHHV blocks do.
-  EXPECT_TRUE(mlstm_tc_bwd_reduced(128, 256, kMlstmGradDq));
+  // dv over a single DHQK block needs no sum (written directly).
+  EXPECT_FALSE(mlstm_tc_bwd_reduced(128, 256, kMlstmGradDq));  // its CTA loops over DHHV's blocks
+  EXPECT_TRUE(mlstm_tc_bwd_reduced(256, 512, kMlstmGradDq));
+  EXPECT_EQ(mlstm_tc_dq_blocks(128, 256), 1);
+  EXPECT_EQ(mlstm_tc_dq_blocks(256, 512), 8);
+  EXPECT_EQ(mlstm_tc_dq_smem_bytes(128, 128, 128), mlstm_tc_bwd_smem_bytes(128, 128, 128));
+  EXPECT_LE(mlstm_tc_dq_smem_bytes(128, 512, 256), 227 * 1024);
   EXPECT_FALSE(mlstm_tc_bwd_reduced(128, 256, kMlstmGradDv));
-  EXPECT_TRUE(mlstm_tc_bwd_reduced(128, 256, kMlstmGradDk));
+  EXPECT_FALSE(mlstm_tc_bwd_reduced(128, 256, kMlstmGradDk));       // algo=tc: its CTA loops too
+  EXPECT_TRUE(mlstm_tc_bwd_reduced(128, 256, kMlstmGradDk, true));  // algo=tc_fused: dv's block
+  EXPECT_TRUE(mlstm_tc_bwd_reduced(256, 512, kMlstmGradDk));
+  EXPECT_EQ(mlstm_tc_dk_blocks(128, 256), 1);
+  EXPECT_EQ(mlstm_tc_dk_smem_bytes(128, 128, 128), mlstm_tc_bwd_smem_bytes(128, 128, 128));
+  EXPECT_LE(mlstm_tc_dk_smem_bytes(128, 512, 256), 227 * 1024);
+  // Looping at 128 x 256 keeps 2 CTAs an SM (sm_90: 228 KB a multiprocessor, 1 KB reserved a CTA), as the
+  // separate Q tile and dC block did before: Q reuses C's buffer in dq, dC the query tiles' in dk.
+  for (int chunk : {64, 128, 256}) {
+    EXPECT_LE(2 * (mlstm_tc_dq_smem_bytes(128, 256, chunk) + 1024), 228 * 1024) << chunk;
+    EXPECT_LE(2 * (mlstm_tc_dk_smem_bytes(128, 256, chunk) + 1024), 228 * 1024) << chunk;
+  }
   EXPECT_TRUE(mlstm_tc_bwd_reduced(256, 512, kMlstmGradDv));
   EXPECT_FALSE(mlstm_tc_bwd_reduced(128, 128, kMlstmGradDq));
 }
@@ -338,7 +375,8 @@ TEST(Mlstm, EveryCaseCompilesWithoutSpills) {
 TEST(Mlstm, TensorCoreBackwardCompilesWithoutSpills) {
   const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
   const Config tc = Config::parse("algo=tc,threads=128", op.info),
-               fused = Config::parse("algo=tc_fused,threads=128", op.info);
+               fused = Config::parse("algo=tc_fused,threads=128", op.info),
+               parts = Config::parse("algo=tc_parts,threads=128", op.info);
   struct Row {
     const char* case_name;
     DType dt;
@@ -349,8 +387,9 @@ TEST(Mlstm, TensorCoreBackwardCompilesWithoutSpills) {
                                          {"base", DType::bf16, fused, 6},
                                          {"chunk_128", DType::bf16, fused, 6},
                                          {"chunk_256", DType::bf16, fused, 6},
-                                         {"dk_128_dv_256", DType::bf16, fused, 8},
-                                         {"dk_128_dv_256", DType::bf16, tc, 9}}) {
+                                         {"dk_128_dv_256", DType::bf16, fused, 7},
+                                         {"dk_128_dv_256", DType::bf16, tc, 7},
+                                         {"dk_128_dv_256", DType::bf16, parts, 9}}) {
     int found = 0;
     for (const auto& cs : op.cases) {
       if (cs.name != row.case_name) continue;
@@ -372,6 +411,56 @@ TEST(Mlstm, TensorCoreBackwardCompilesWithoutSpills) {
     }
     EXPECT_EQ(found, 1) << row.case_name;
   }
+}
+
+// mlstm.step: every legal config of the cases at the model's head dims and the extremes (16 x 16, 512 x
+// 512) compiles for sm_80 and sm_90 without spills or a stack frame (algo=split: two kernels, block:
+// one), and at least one config a case is algo=split (its float4 slabs, where pointers are aligned).
+TEST(Mlstm, StepEveryConfigCompilesWithoutSpills) {
+  const OpDef& op = Registry::global().get("mlstm.step");
+  for (const char* name : {"dh_16", "B_1_dh_128", "B_1_dk_256_dv_64", "dh_512"}) {
+    const auto it = std::find_if(op.cases.begin(), op.cases.end(), [&](const Case& c) { return c.name == name; });
+    ASSERT_NE(it, op.cases.end()) << name;
+    for (const char* arch : {"sm_80", "sm_90"}) {
+      int split = 0;
+      for (const Config& config : configs_for_case("mlstm.step", name, DType::bf16, arch)) {
+        const bool is_split = config.get("algo") == mlstm::kStepSplit;
+        split += is_split;
+        CompileRequest r;
+        r.op = op.info.name;
+        r.dtype = DType::bf16;
+        r.arch = arch;
+        r.config = config;
+        for (const auto& [k, v] : it->dims)
+          if (k == "dhqk" || k == "dhhv") r.params.set(k, v);
+        const auto reports = compile(r);
+        EXPECT_EQ(reports.size(), is_split ? 2u : 1u) << name << " " << config.str(op.info);
+        for (const auto& rep : reports) {
+          EXPECT_EQ(rep.spill_bytes, 0) << name << " " << arch << " " << config.str(op.info) << ": " << rep.kernel;
+          EXPECT_EQ(rep.stack_bytes, 0) << name << " " << arch << " " << config.str(op.info) << ": " << rep.kernel;
+        }
+      }
+      EXPECT_GE(split, 1) << name << " " << arch;
+    }
+  }
+}
+
+// mlstm.step's default: algo=split over slabs of 16 columns at B * NH = 8 (64 CTAs at DH 128, where
+// algo=block had 8), of 32 columns from 256 CTAs on; algo=block where a pointer is not 16-byte aligned.
+TEST(Mlstm, StepHeuristicSplitsColumns) {
+  const OpDef& op = Registry::global().get("mlstm.step");
+  auto pick = [&](int64_t B, int64_t dk, int64_t dv, int align) {
+    Problem p;
+    p.op = &op;
+    p.dims = {{"batch", B}, {"heads", 8}, {"dhqk", dk}, {"dhhv", dv}};
+    p.align_bytes = align;
+    return op.tuning.heuristic(p).str(op.info);
+  };
+  EXPECT_EQ(pick(1, 128, 128, 16), "algo=split,threads=256,cols=16");
+  EXPECT_EQ(pick(8, 128, 128, 16), "algo=split,threads=256,cols=32");
+  EXPECT_EQ(pick(64, 128, 128, 16), "algo=split,threads=256,cols=32");
+  EXPECT_EQ(pick(1, 16, 16, 16), "algo=split,threads=64,cols=16");
+  EXPECT_EQ(pick(1, 128, 128, 4), "algo=block,threads=256,cols=16");
 }
 
 // The log-sigmoid probe (templates/mlstm/log_sigmoid_probe.cuh) compiles for every gate dtype.
@@ -533,11 +622,19 @@ struct Problem32 {
 }  // namespace
 
 // The step updates C, n, m in place; h and the states match the float64 recurrence; a second step from
-// the updated states matches two steps of the recurrence.
-TEST(MlstmGpu, StepInPlaceMatchesRecurrence) {
+// the updated states matches two steps of the recurrence. Each algorithm: algo=split's slab CTAs all read
+// n and m's scalars through the gates kernel while C is updated where it is read, so in place is where
+// a race between its two kernels would show (the heuristic's split, slabs of 16 and of 64 columns, block).
+class MlstmStepInPlace : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(MlstmStepInPlace, MatchesRecurrence) {
   KSPEC_REQUIRE_GPU();
   jit::ContextGuard guard(0);
   const int64_t B = 3, NH = 2, dk = 64, dv = 128, seqs = B * NH;
+  const std::string text = GetParam();
+  const Config config = text.empty() ? Config() : Config::parse(text, op_info("mlstm.step"));
+  CallOptions opt;
+  if (!text.empty()) opt.config = &config;
   Problem32 pr(B, NH, 2, dk, dv, 11);
   DevBuf q(seqs * dk * 4), k(seqs * dk * 4), v(seqs * dv * 4), i(seqs * 4), f(seqs * 4), C(seqs * dk * dv * 4),
       n(seqs * dk * 4), m(seqs * 4), h(seqs * dv * 4);
@@ -563,7 +660,7 @@ TEST(MlstmGpu, StepInPlaceMatchesRecurrence) {
          {TensorView(q.ptr(), DType::f32, {B, NH, dk}, 0), TensorView(k.ptr(), DType::f32, {B, NH, dk}, 0),
           TensorView(v.ptr(), DType::f32, {B, NH, dv}, 0), TensorView(i.ptr(), DType::f32, {B, NH, 1}, 0),
           TensorView(f.ptr(), DType::f32, {B, NH, 1}, 0), Cv, nv, mv},
-         {TensorView(h.ptr(), DType::f32, {B, NH, dv}, 0), Cv, nv, mv}, {});
+         {TensorView(h.ptr(), DType::f32, {B, NH, dv}, 0), Cv, nv, mv}, {}, nullptr, opt);
     CU_CHECK(cuCtxSynchronize());
     std::vector<double> h_ref;
     for (int64_t s = 0; s < seqs; ++s)
@@ -573,6 +670,29 @@ TEST(MlstmGpu, StepInPlaceMatchesRecurrence) {
   EXPECT_LT(rel_err(C.download(seqs * dk * dv), want.C), 1e-5);
   EXPECT_LT(rel_err(n.download(seqs * dk), want.n), 1e-5);
   EXPECT_LT(rel_err(m.download(seqs), want.m_last), 1e-6);
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, MlstmStepInPlace,
+                         ::testing::Values("", "algo=split,threads=256,cols=16", "algo=split,threads=64,cols=64",
+                                           "algo=split,threads=128,cols=32", "algo=block,threads=256,cols=16"));
+
+// algo=split at the model's head dims with one sequence (B = 1: the heuristic's slabs of 16 columns):
+// every valid config of mlstm.step (slabs of 16, 32, 64 columns; 64 to 512 threads, so 1 to 16 passes
+// over the rows) against the float64 reference, fp32 and bf16, outputs NaN-poisoned by the checker.
+TEST(MlstmGpu, StepEveryConfigAtModelHeadDims) {
+  KSPEC_REQUIRE_GPU();
+  for (const char* cs : {"B_1_dh_128", "B_1_dk_256_dv_64", "dh_64", "B_1_NH_1"}) {
+    for (DType dt : {DType::f32, DType::bf16}) {
+      CheckOptions o;
+      o.case_name = cs;
+      o.dtypes = {dt};
+      o.configs = configs_for_case("mlstm.step", cs, dt);
+      ASSERT_GE(o.configs.size(), 5u) << cs;
+      auto rows = check_op("mlstm.step", o);
+      EXPECT_EQ(rows.size(), o.configs.size()) << cs;
+      kspec::testing::report(rows);
+    }
+  }
 }
 
 // Two chunkwise calls, the second from the first's last states, equal one call (S = 150 split at 70,
@@ -1161,7 +1281,7 @@ TEST(MlstmGpu, TensorCorePoisonedSharedMemoryNeverReachesOutputs) {
   jit::ContextGuard guard(0);
   const int64_t B = 1, NH = 2, S = 100;
   for (const auto& [dk, dv, bwd_algo] : std::vector<std::tuple<int64_t, int64_t, const char*>>{
-           {32, 32, "tc"}, {32, 32, "tc_fused"}, {128, 256, "tc"}, {128, 256, "tc_fused"}}) {
+           {32, 32, "tc"}, {32, 32, "tc_fused"}, {128, 256, "tc"}, {128, 256, "tc_fused"}, {128, 256, "tc_parts"}}) {
     Problem32 pr(B, NH, S, dk, dv, 81);
     const auto dh32 = randn_f(B * NH * S * dv, 82), dC32 = randn_f(B * NH * dk * dv, 83);
     for (DType dt : {DType::f16, DType::bf16}) {

@@ -169,6 +169,20 @@ def test_mlstm_quick_times_only_kspec_and_xl_chunk(families, bench):
     assert names == ["kspec chunkwise L=128", "mlstm_kernels xl_chunk L=128"]
 
 
+def test_mlstm_step_rows_time_the_old_kernel_beside_the_default(families):
+    """The step table's second kspec row forces mlstm.step's first kernel (algo=block, one CTA a sequence);
+    the default at the bench's shape (NH = 8, DH = 128, bf16) is algo=split: a gates kernel and the slab
+    kernel (no GPU needed: the specializations compile)."""
+    import kspec
+
+    m = families["mlstm"]
+    old = kspec.compile("mlstm.step", dtype="bf16", config=m.STEP_BLOCK, dhqk=128, dhhv=128)
+    assert [r["kernel"].split("<")[0] for r in old] == ["kspec::mlstm_step_kernel"]
+    new = kspec.compile("mlstm.step", dtype="bf16", dhqk=128, dhhv=128)
+    assert [r["kernel"].split("<")[0] for r in new] == ["kspec::mlstm_step_gates_kernel",
+                                                        "kspec::mlstm_step_cols_kernel"]
+
+
 def test_torch_peers_of_the_new_families_match_the_references(families):
     """The torch eager implementations the benchmarks time (and torch.compile compiles) compute what the
     float64 references do: mLSTM's parallel form, mHC's pre/post, the logic layer (CPU, float64)."""

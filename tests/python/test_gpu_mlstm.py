@@ -132,14 +132,17 @@ def test_tensor_core_backward(dtype, S, chunk):
         assert _rel_max(x, _np(y)) <= tol, name
 
 
-@pytest.mark.parametrize("algo", ["tc", "tc_fused"])
+@pytest.mark.parametrize("algo", ["tc", "tc_fused", "tc_parts"])
 @pytest.mark.parametrize("chunk", [64, 256])
 @pytest.mark.parametrize("S", [1, 65, 300])
 @pytest.mark.parametrize("DK,DV", [(128, 256), (256, 512)])
 def test_tensor_core_large_head_dims(DK, DV, S, chunk, algo):
     """Issue 29's larger head dims on the tensor-core kernels, bf16, with initial states and dC_last: the
     forward's h and the backward's gradients (column blocks of 128, partials summed in a fixed order;
-    tc_fused: dv and dk in one kernel) against the float64 reference, and a second backward bitwise equal."""
+    tc_fused: dv and dk in one kernel; tc_parts: dq and dk by column blocks too, where tc loops over DHHV's
+    blocks) against the float64 reference, and a second backward bitwise equal."""
+    if algo == "tc_parts" and DK > 128:
+        pytest.skip("algo=tc_parts differs from algo=tc only at DHQK <= 128 < DHHV")
     B, NH, dtype = 1, 1, torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(S + DK + chunk)
     r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
@@ -166,3 +169,29 @@ def test_tensor_core_large_head_dims(DK, DV, S, chunk, algo):
     for name, a, b in zip(("dq", "dk", "dv", "di", "df", "dC0"), got, again):
         assert _rel_max(a, want[name].reshape(a.shape)) <= 5e-2, name
         assert torch.equal(a, b), f"{name}: a second call differs"
+
+
+@pytest.mark.parametrize("config", [None, "algo=split,threads=256,cols=64", "algo=block,threads=256,cols=16"])
+@pytest.mark.parametrize("B,NH,DK,DV", [(1, 8, 128, 128), (1, 2, 256, 256), (3, 2, 64, 16)])
+def test_step_in_place_matches_the_recurrence(B, NH, DK, DV, config):
+    """mlstm.step in place (C, n, m updated where they are read), the default (algo=split: a gates kernel,
+    then CTAs over column slabs of C) and the first kernel (algo=block), bf16 q/k/v, fp32 states, two steps
+    in a row against the float64 recurrence; B = 1 and head dims 64-256 (slabs of 16 columns, 1-4 passes)."""
+    if config and "cols=64" in config and DV < 64:
+        config = "algo=split,threads=64,cols=16"
+    g = torch.Generator(device="cuda").manual_seed(DK + DV)
+    rn = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    C, n, m = rn(B, NH, DK, DV), rn(B, NH, DK).abs(), rn(B, NH, 1)
+    steps = [(rn(B, NH, DK), rn(B, NH, DK), rn(B, NH, DV), rn(B, NH, 1), rn(B, NH, 1) + 3) for _ in range(2)]
+    steps = [tuple(t.bfloat16() for t in s) for s in steps]
+    x = [np.stack([_np(s[j]) for s in steps], axis=2) for j in range(5)]  # [B, NH, 2, D] / [B, NH, 2, 1]
+    want_h, _, _, (want_C, want_n, want_m) = ref.mlstm_recurrent_fwd(
+        x[0], x[1], x[2], x[3][..., 0], x[4][..., 0], _np(C), _np(n), _np(m)[..., 0])
+    for t, (q, k, v, i, f) in enumerate(steps):
+        h = _nan_like(v)
+        kspec.call("mlstm.step", q, k, v, i, f, C, n, m, out=(h, C, n, m), config=config)
+        torch.cuda.synchronize()
+        assert _rel_max(h, want_h[:, :, t]) < 2e-2, t
+    assert _rel_max(C, want_C) < 1e-5
+    assert _rel_max(n, want_n) < 1e-5
+    assert _rel_max(m, want_m[..., None]) < 1e-6

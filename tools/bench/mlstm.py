@@ -30,8 +30,8 @@ def add_arguments(p):
                    help="mlstm: kspec's chunk sizes timed (default 64,128)")
     p.add_argument("--mlstm-quick", action="store_true",
                    help=f"mlstm: kspec tc vs mlstm_kernels xl_chunk only, L={QUICK_CHUNK}, S={QUICK_S}, DH "
-                        + ", ".join(f"{k}x{v}" for k, v in QUICK_DIMS) + f", {QUICK_REPS} reps (< 60 s on an H100;"
-                        " no step table)")
+                        + ", ".join(f"{k}x{v}" for k, v in QUICK_DIMS) + f", {QUICK_REPS} reps, and the step table"
+                        " (< 90 s on an H100)")
 
 
 def flops(B, NH, S, DK, DV, kind):
@@ -183,8 +183,6 @@ def run(ctx):
             torch.cuda.empty_cache()
     _ratios(rows)
     data, sections = _report(ctx, rows, why)
-    if quick:
-        return data, sections
     step_rows = run_step(ctx, peers_step())
     data["step"] = step_rows
     return data, sections + [_step_section(step_rows)]
@@ -193,6 +191,7 @@ def run(ctx):
 # ---- the decoding step ----
 
 STEP_BATCHES = (1, 8, 64)
+STEP_BLOCK = "algo=block,threads=256,cols=16"  # the step's first kernel (the default is algo=split)
 
 
 def peers_step():
@@ -230,7 +229,13 @@ def run_step(ctx, peer):
         want_h, _, _, (want_C, _, _) = ref.mlstm_recurrent_fwd(
             *(x[:, :, None] for x in a), i.double().cpu().numpy(), f.double().cpu().numpy(),
             C.double().cpu().numpy(), n.double().cpu().numpy(), m.double().cpu().numpy()[..., 0])
-        impls = [("kspec mlstm_step (in place)", lambda s: K.mlstm_step(q, k, v, i, f, *s, inplace=True))]
+        def block(s):  # the first kernel, one CTA a sequence (mlstm.step's algo=block), beside the default
+            h = torch.empty_like(v)
+            ctx.kspec.call("mlstm.step", q, k, v, i, f, *s, eps=1e-6, out=(h, *s), config=STEP_BLOCK)
+            return h, s
+
+        impls = [("kspec mlstm_step (in place)", lambda s: K.mlstm_step(q, k, v, i, f, *s, inplace=True)),
+                 ("kspec mlstm.step algo=block (in place)", block)]
         if peer is not None:
             impls.append(("mlstm_kernels triton step", lambda s: peer(q, k, v, i, f, *s)))
         for name, fn in impls:

@@ -8,6 +8,11 @@ timed call; "fwd+bwd" is one forward and one backward of the same algo. TFLOP/s 
 DHHV) forward, x3 with the backward).
 
     python3 tools/gpu/profile_mlstm.py [--seqlens 4096 8192] [--dtype bf16] [--chunk 128] [--reps 30]
+
+--compare (issue 29's open rows, old against new in one process, ~1 min): the backward at B=8, NH=8,
+S=4096, DHQK x DHHV = 128 x 256, bf16, chunk 128, algo=tc (dq and dk loop over DHHV's blocks), tc_parts (the
+column blocks with fp32 partials, as before) and tc_fused, each checked against tc first; then mlstm.step at
+NH=8, DH=128, B in {1, 8, 64}, in place, algo=split (the default) against algo=block (the first kernel).
 """
 import argparse
 import statistics
@@ -61,8 +66,47 @@ def time_ms(fn, reps, flush, warmup=5):
     return statistics.median(times)
 
 
+def compare(reps, flush):
+    """--compare: see the module's doc."""
+    dt, B, NH, S, DK, DV, L = torch.bfloat16, 8, 8, 4096, 128, 256, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    q, k, v = r(B, NH, S, DK).to(dt), r(B, NH, S, DK).to(dt), r(B, NH, S, DV).to(dt)
+    i, f, dh = r(B, NH, S).to(dt), (r(B, NH, S) + 3.0).to(dt), r(B, NH, S, DV).to(dt)
+    _, nrm, m = forward(q, k, v, i, f, L, CONFIGS["tc"], outputs(v, i))
+    algos = ("tc", "tc_parts", "tc_fused")
+    gr = {a: backward(q, k, v, i, f, nrm, m, dh, L, f"algo={a},threads=128", grads(q, k, v, i)) for a in algos}
+    torch.cuda.synchronize()
+    print(f"bwd {B}x{NH}x{S} {DK}x{DV} bf16 chunk {L} (ms, median of {reps}, L2 flushed):")
+    for a in algos:
+        errs = "  ".join(f"{n} {rel_max(x, y):.1e}"
+                         for n, x, y in zip(("dq", "dk", "dv", "di", "df"), gr[a], gr["tc"]))
+        ms = time_ms(lambda a=a: backward(q, k, v, i, f, nrm, m, dh, L, f"algo={a},threads=128", gr[a]), reps, flush)
+        print(f"  {a:9s} {ms:8.3f}   vs tc: {errs}")
+    print("mlstm.step NH=8 DH=128 bf16, in place (µs, median of 200, L2 not flushed: decode keeps C resident "
+          "only when it fits):")
+    for Bs in (1, 8, 64):
+        q1, k1, v1 = r(Bs, 8, 128).to(dt), r(Bs, 8, 128).to(dt), r(Bs, 8, 128).to(dt)
+        i1, f1 = r(Bs, 8, 1).to(dt), (r(Bs, 8, 1) + 3.0).to(dt)
+        C, n, m1 = r(Bs, 8, 128, 128), r(Bs, 8, 128).abs(), r(Bs, 8, 1)
+        row, hs = [], {}
+        for cfg in (None, "algo=block,threads=256,cols=16"):  # None: the default, algo=split
+            st = (C.clone(), n.clone(), m1.clone())
+            h = torch.empty_like(v1)
+            kspec.call("mlstm.step", q1, k1, v1, i1, f1, *st, out=(h, *st), config=cfg)
+            hs[cfg] = (h.clone(), st[0].clone())
+            t = time_ms(lambda cfg=cfg, st=st, h=h: kspec.call("mlstm.step", q1, k1, v1, i1, f1, *st,
+                                                              out=(h, *st), config=cfg),
+                        200, torch.empty(0, device="cuda"))
+            row.append(f"{cfg.split(',')[0] if cfg else 'algo=split'} {t * 1e3:6.1f}")
+        (h_a, c_a), (h_b, c_b) = hs.values()
+        print(f"  B={Bs:3d}  " + "  ".join(row)
+              + f"   split vs block: h {rel_max(h_a, h_b):.1e} C {rel_max(c_a, c_b):.1e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--compare", action="store_true", help="old against new: the (128, 256) backward, mlstm.step")
     ap.add_argument("--seqlens", nargs="*", type=int, default=[4096, 8192])
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
     ap.add_argument("--chunk", type=int, default=128)
@@ -73,6 +117,8 @@ def main() -> None:
     a = ap.parse_args()
     dt = torch.bfloat16 if a.dtype == "bf16" else torch.float16
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    if a.compare:
+        return compare(a.reps, flush)
     print(f"{torch.cuda.get_device_name()}  B={a.batch} NH={a.heads} DH={a.dh} {a.dtype} chunk {a.chunk}")
     for S in a.seqlens:
         g = torch.Generator(device="cuda").manual_seed(S)

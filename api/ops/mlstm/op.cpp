@@ -80,11 +80,21 @@ OpDef make_step() {
   op.info.outputs[2].in_place_of = "n";
   op.info.outputs[3].in_place_of = "m";
   op.cases = step_cases();
+  op.tuning = step_tuning();
+  op.info.tuning_axes = op.tuning.axes;
+  op.info.tuning_names = {{"algo", {"block", "split"}}};
+  op.derived_key = [](const Problem& p) { return "cols" + std::to_string(step_cols(p)); };
+  // algo=block: mlstm_step_kernel; algo=split: kernel 0 the gates (n', m', the scalars), kernel 1 the slabs.
   op.kernels = [](const Problem& p, const Config& c) {
-    return std::vector<jit::KernelSpec>{kernel_spec(
-        p, "mlstm/step.cuh", "kspec::mlstm_step_kernel",
-        {dtype_cuda_type(p.dtype("q")), gate_type(p), std::to_string(p.dim("dhqk")), std::to_string(p.dim("dhhv")),
-         std::to_string(c.get("threads"))})};
+    const std::string t = dtype_cuda_type(p.dtype("q")), dk = std::to_string(p.dim("dhqk")),
+                      dv = std::to_string(p.dim("dhhv")), threads = std::to_string(c.get("threads"));
+    if (c.get("algo") == kStepBlock)
+      return std::vector<jit::KernelSpec>{
+          kernel_spec(p, "mlstm/step.cuh", "kspec::mlstm_step_kernel", {t, gate_type(p), dk, dv, threads})};
+    return std::vector<jit::KernelSpec>{
+        kernel_spec(p, "mlstm/step.cuh", "kspec::mlstm_step_gates_kernel", {t, gate_type(p), dk}),
+        kernel_spec(p, "mlstm/step.cuh", "kspec::mlstm_step_cols_kernel",
+                    {t, dk, dv, std::to_string(c.get("cols")), threads})};
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     const Problem& p = call.problem;
@@ -98,8 +108,13 @@ OpDef make_step() {
     a.m = static_cast<float*>(call.out("m_new").data);
     a.seqlen = 1;
     a.eps = static_cast<float>(p.param_float("eps"));
+    const int64_t seqs = p.dim("batch") * p.dim("heads");
+    if (seqs == 0) return;
     void* args[] = {&a};
-    l.launch(0, {u32(p.dim("batch") * p.dim("heads"))}, {u32(c.get("threads"))}, 0, args);
+    if (c.get("algo") == kStepBlock) return l.launch(0, {u32(seqs)}, {u32(c.get("threads"))}, 0, args);
+    a.gate_rows = static_cast<float*>(l.workspace(sizeof(float) * kMlstmStepScalars * static_cast<size_t>(seqs)));
+    l.launch(0, {u32(seqs)}, {32}, 0, args);
+    l.launch_dependent(1, {u32(seqs), u32(p.dim("dhhv") / c.get("cols"))}, {u32(c.get("threads"))}, 0, args);
   };
   // The recurrence with S = 1 ([B, NH, 1, D] is [B, NH, D]).
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
@@ -324,18 +339,31 @@ std::vector<jit::KernelSpec> bwd_kernels(const Problem& p, const Config& c, int6
 
 // ---- the tensor-core backward (mlstm.chunkwise.bwd, algo=tc; templates/mlstm/chunkwise_tc_bwd.cuh) ----
 
+// The tensor-core backward's variant: algo=tc (loop: dq's and dk's CTAs loop over DHHV's blocks where
+// mlstm_tc_dq_loops), tc_fused (dv and dk in one kernel; dq loops), tc_parts (tc with a CTA per block
+// and partials everywhere, the code before the loops, kept to compare).
+struct TcBwd {
+  bool fused, loop;
+};
+TcBwd tc_bwd_variant(const Problem& p, int64_t algo) {
+  return {algo == kTcFused,
+          algo != kTcParts && mlstm_tc_dq_loops(static_cast<int>(p.dim("dhqk")), static_cast<int>(p.dim("dhhv")))};
+}
+
 // Which of dq, dv, dk (MlstmGrad order) go through the partials and a reduce kernel (head dims > 128).
-std::vector<MlstmGrad> tc_bwd_reduced(const Problem& p) {
+std::vector<MlstmGrad> tc_bwd_reduced(const Problem& p, TcBwd v) {
   const int dk = static_cast<int>(p.dim("dhqk")), dv = static_cast<int>(p.dim("dhhv"));
   std::vector<MlstmGrad> r;
   for (MlstmGrad g : {kMlstmGradDq, kMlstmGradDv, kMlstmGradDk})
-    if (mlstm_tc_bwd_reduced(dk, dv, g)) r.push_back(g);
+    if (mlstm_tc_bwd_reduced(dk, dv, g, v.fused, v.loop)) r.push_back(g);
   return r;
 }
 
 // Kernels 0..6: gates, state forward, state reversed, dq, dv, dk, df (fused: 0..5, dv and dk as kernel 4);
 // then one reduce kernel for each of tc_bwd_reduced.
-std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, bool fused) {
+std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, TcBwd v) {
+  const bool fused = v.fused;
+  const char* loop = v.loop ? "true" : "false";
   const std::string t = dtype_cuda_type(p.dtype("q")), dk = std::to_string(p.dim("dhqk")),
                     dv = std::to_string(p.dim("dhhv")), L = std::to_string(p.param_int("chunk"));
   const char* fwd = "mlstm/chunkwise_tc.cuh";
@@ -343,15 +371,15 @@ std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, bool fused) {
   std::vector<jit::KernelSpec> k = {kernel_spec(p, fwd, "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
                                     kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "false"}),
                                     kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "true"}),
-                                    kernel_spec(p, bwd, "kspec::mlstm_tc_dq_kernel", {t, dk, dv, L})};
+                                    kernel_spec(p, bwd, "kspec::mlstm_tc_dq_kernel", {t, dk, dv, L, loop})};
   if (fused) {
     k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_fused_kernel", {t, dk, dv, L}));
   } else {
-    k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "false"}));
-    k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "true"}));
+    k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "false", "false"}));
+    k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "true", loop}));
   }
   k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_df_kernel", {gate_type(p), dk, dv}));
-  for (MlstmGrad g : tc_bwd_reduced(p))
+  for (MlstmGrad g : tc_bwd_reduced(p, v))
     k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_reduce_kernel", {t, dk, dv, std::to_string(g)}));
   return k;
 }
@@ -361,7 +389,8 @@ std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, bool fused) {
 // dtype), q.dq and k.dk per step, C_last, n_last when dC_last is given (for df), and at head dims over
 // 128 the fp32 partials of one gradient at a time (each reduced before the next kernel writes them; fused:
 // dv's and dk's side by side).
-void launch_tc_bwd(const Call& call, Launcher& l, bool fused) {
+void launch_tc_bwd(const Call& call, Launcher& l, TcBwd v) {
+  const bool fused = v.fused;
   const Problem& p = call.problem;
   const int64_t seqs = p.dim("batch") * p.dim("heads"), S = p.dim("seqlen"), dk = p.dim("dhqk"),
                 dv = p.dim("dhhv"), L = p.param_int("chunk"), NC = (S + L - 1) / L;
@@ -370,7 +399,7 @@ void launch_tc_bwd(const Call& call, Launcher& l, bool fused) {
   const int64_t qtiles = (S + rows - 1) / rows;
   KSPEC_CHECK_AS(seqs * qtiles <= INT32_MAX, Unsupported, "mlstm.chunkwise.bwd: batch * heads * ceil(seqlen / ", rows,
                  ") = ", seqs * qtiles, " thread blocks exceed the grid (at most ", INT32_MAX, "); use algo=simt");
-  KSPEC_CHECK_AS(tc_bwd_reduced(p).empty() || seqs * ((S + 3) / 4) <= INT32_MAX, Unsupported,
+  KSPEC_CHECK_AS(tc_bwd_reduced(p, v).empty() || seqs * ((S + 3) / 4) <= INT32_MAX, Unsupported,
                  "mlstm.chunkwise.bwd: batch * heads * ceil(seqlen / 4) = ", seqs * ((S + 3) / 4),
                  " thread blocks of the partial sums' reduction exceed the grid (at most ", INT32_MAX,
                  "); use algo=simt");
@@ -389,7 +418,7 @@ void launch_tc_bwd(const Call& call, Launcher& l, bool fused) {
   a.eps = static_cast<float>(p.param_float("eps"));
   auto round = [](size_t b) { return (b + 255) / 256 * 256; };
   const size_t rows_b = round(sizeof(float) * seqs * S), state_b = round(dtype_size(p.dtype("q")) * static_cast<size_t>(seqs * NC * dk * dv));
-  const std::vector<MlstmGrad> reduced = tc_bwd_reduced(p);
+  const std::vector<MlstmGrad> reduced = tc_bwd_reduced(p, v);
   const int dki = static_cast<int>(dk), dvi = static_cast<int>(dv), Li = static_cast<int>(L);
   auto part_floats = [&](MlstmGrad g) {
     return std::find(reduced.begin(), reduced.end(), g) == reduced.end()
@@ -444,7 +473,8 @@ void launch_tc_bwd(const Call& call, Launcher& l, bool fused) {
       l.launch(df_at + 1 + static_cast<size_t>(at_g - reduced.begin()), {u32(seqs * ((S + 3) / 4))}, {128}, 0,
                g == kMlstmGradDk ? dk_sum_args : args);
   };
-  l.launch(3, tiles, block, smem, fwd_args);
+  l.launch(3, {tiles.x, u32(mlstm_tc_dq_blocks(dki, dvi, v.loop))}, block,
+           u32(mlstm_tc_dq_smem_bytes(dki, dvi, Li, v.loop)), fwd_args);
   reduce(kMlstmGradDq);
   if (fused) {
     l.launch(4, tiles, {2 * block.x}, smem, dkv_args);
@@ -452,7 +482,8 @@ void launch_tc_bwd(const Call& call, Launcher& l, bool fused) {
   } else {
     l.launch(4, tiles, block, smem, dkv_args);
     reduce(kMlstmGradDv);
-    l.launch(5, tiles, block, smem, dkv_args);
+    l.launch(5, {tiles.x, u32(mlstm_tc_dk_blocks(dki, dvi, v.loop))}, block,
+             u32(mlstm_tc_dk_smem_bytes(dki, dvi, Li, v.loop)), dkv_args);
   }
   reduce(kMlstmGradDk);
   l.launch(df_at, {u32(seqs)}, {32}, 0, last_args);
@@ -470,16 +501,16 @@ OpDef make_chunkwise_bwd() {
   op.info.outputs = bwd_outputs(true);
   op.tuning = chunkwise_bwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_fused"}}};
+  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_fused", "tc_parts"}}};
   op.cases = chunkwise_bwd_cases();
   op.tolerance_scale = 4.0;
   op.error_scale = df_error_scale;
   op.kernels = [](const Problem& p, const Config& c) {
     return c.get("algo") == kSimt ? bwd_kernels(p, c, p.param_int("chunk"))
-                                  : tc_bwd_kernels(p, c.get("algo") == kTcFused);
+                                  : tc_bwd_kernels(p, tc_bwd_variant(p, c.get("algo")));
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
-    if (c.get("algo") != kSimt) return launch_tc_bwd(call, l, c.get("algo") == kTcFused);
+    if (c.get("algo") != kSimt) return launch_tc_bwd(call, l, tc_bwd_variant(call.problem, c.get("algo")));
     launch_bwd(call, c, l, call.problem.param_int("chunk"), true);
   };
   op.prepare_inputs = [](const Problem& p, std::vector<HostTensor>& in) { bwd_prepare(p, in, true); };

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <utility>
 
+#include "templates/mlstm/params.h"
+
 namespace kspec::mlstm {
 
 const std::vector<DType> kFloatTypes = {DType::f32, DType::f16, DType::bf16};
@@ -216,11 +218,15 @@ TuningSpace chunkwise_fwd_tuning() {
 
 TuningSpace chunkwise_bwd_tuning() {
   TuningSpace t = mlstm_tuning(true);
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcFused}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcFused, kTcParts}});
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     if (c.get("algo") == kSimt) return simt_runs(p, why);
     std::string no = tc_unsupported(p);
     if (no.empty() && c.get("threads") != 128) no = "algo=tc sets its own block sizes (named with threads=128)";
+    if (no.empty() && c.get("algo") == kTcParts &&
+        !mlstm_tc_dq_loops(static_cast<int>(p.dim("dhqk")), static_cast<int>(p.dim("dhhv"))))
+      no = "algo=tc_parts differs from algo=tc only at dhqk <= 128 < dhhv (its dq and dk without the loops over "
+           "dhhv's blocks)";
     if (why) *why = no;
     return no.empty();
   };
@@ -231,6 +237,45 @@ TuningSpace chunkwise_bwd_tuning() {
                                            : Config{{{"algo", kSimt}, {"threads", 256}}};
   };
   t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") == kSimt ? c.get("threads") : 128; };
+  return t;
+}
+
+// algo=split wherever its float4s may be used (tools/bench/NOTES.md, "mlstm.step as a bandwidth op"):
+// slabs of 32 columns, or 16 where 32 would give fewer than 256 CTAs (B * NH = 8 at DH 128: 64 CTAs
+// rather than 32), 256 threads or fewer where the head has fewer rows than a pass would cover.
+int64_t step_cols(const Problem& p) {
+  const int64_t dv = p.dim("dhhv");
+  return dv >= 32 && p.dim("batch") * p.dim("heads") * (dv / 32) >= 256 ? 32 : 16;
+}
+
+TuningSpace step_tuning() {
+  TuningSpace t;
+  t.axes = {{"algo", {kStepBlock, kStepSplit}}, {"threads", {64, 128, 256, 512}}, {"cols", {16, 32, 64}}};
+  t.valid = [](const Problem& p, const Config& c, std::string* why) {
+    std::string no;
+    const int64_t threads = c.get("threads"), cols = c.get("cols"), dk = p.dim("dhqk"), dv = p.dim("dhhv");
+    if (c.get("algo") == kStepBlock) {
+      if (threads < 128) no = "algo=block runs 128 to 512 threads";
+      else if (cols != 16) no = "algo=block has no column slabs (named with cols=16)";
+    } else if (p.align_bytes < 16) {
+      no = "algo=split reads C in float4s: every pointer must be 16-byte aligned";
+    } else if (cols > dv) {
+      no = "algo=split's slab of cols=" + std::to_string(cols) + " is wider than dhhv=" + std::to_string(dv);
+    } else if (threads * 4 / cols > dk) {
+      no = "algo=split covers threads * 4 / cols rows a pass, more than dhqk=" + std::to_string(dk);
+    } else if (dk * cols / threads > 64) {
+      no = "algo=split holds dhqk * cols / threads > 64 floats of C a thread";
+    }
+    if (why) *why = no;
+    return no.empty();
+  };
+  t.heuristic = [](const Problem& p) {
+    if (p.align_bytes < 16) return Config{{{"algo", kStepBlock}, {"threads", 256}, {"cols", 16}}};
+    const int64_t cols = step_cols(p);
+    const int64_t threads = std::min<int64_t>(256, p.dim("dhqk") * cols / 4);
+    return Config{{{"algo", kStepSplit}, {"threads", threads}, {"cols", cols}}};
+  };
+  t.block_threads = [](const Problem&, const Config& c) { return c.get("threads"); };
   return t;
 }
 
@@ -323,6 +368,8 @@ std::vector<Case> step_cases() {
       {"base", 2, 3, 32, 32, false},    {"dh_16", 3, 2, 16, 16, false},  {"dk_16_dv_32", 2, 2, 16, 32, false},
       {"dh_64", 2, 4, 64, 64, false},   {"dk_128_dv_256", 2, 2, 128, 256, false},
       {"dh_512", 1, 2, 512, 512, false}, {"B_1_NH_1", 1, 1, 32, 64, false},
+      // B = 1 at the model's head dims: algo=split's slabs of 16 columns, one to four passes
+      {"B_1_dh_128", 1, 8, 128, 128, false}, {"B_1_dk_256_dv_64", 1, 3, 256, 64, false},
       {"model_B64_NH8_dh128", 64, 8, 128, 128, true},
   };
   std::vector<Case> cases;

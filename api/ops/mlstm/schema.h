@@ -28,15 +28,25 @@ ParamDef chunk_param();  // the chunkwise ops' `chunk`
 TuningSpace mlstm_tuning(bool bwd = false);
 // mlstm.chunkwise.fwd's space: the `algo` axis (kSimt: chunkwise_fwd.cuh, `threads` its CTA size; kTc:
 // chunkwise_tc.cuh, its own block sizes, named with threads = 128) over mlstm_tuning's threads.
-// The backward also has kTcFused: algo=tc with its dv and dk kernels as one (mlstm_tc_dkv_fused_kernel).
-enum FwdAlgo : int64_t { kSimt = 0, kTc = 1, kTcFused = 2 };
+// The backward also has kTcFused: algo=tc with its dv and dk kernels as one (mlstm_tc_dkv_fused_kernel),
+// and kTcParts: algo=tc without its dq and dk loops over DHHV's blocks (params.h, mlstm_tc_dq_loops: a
+// CTA per block and fp32 partials, as before them), valid only where they differ, to compare.
+enum FwdAlgo : int64_t { kSimt = 0, kTc = 1, kTcFused = 2, kTcParts = 3 };
 TuningSpace chunkwise_fwd_tuning();
-// mlstm.chunkwise.bwd's: the same axes and kTcFused (named by a config only until it is measured on a GPU).
+// mlstm.chunkwise.bwd's: the same axes, kTcFused and kTcParts (named by a config only, to compare).
 TuningSpace chunkwise_bwd_tuning();
 // Why algo=tc cannot run a problem ("" when it can): 16-bit q, k, v, DHQK <= 256, 16-byte pointers
 // (the backward the same: it cuts head dims over 128 into column blocks).
 std::string tc_unsupported(const Problem& p);
 TuningSpace parallel_tuning(bool bwd);  // chunk is a tuning axis
+// mlstm.step's: `algo` kStepBlock (mlstm_step_kernel, one CTA of `threads` per sequence; named with
+// cols = 16) or kStepSplit (the gates kernel, then CTAs of `threads` over slabs of `cols` columns of C;
+// 16-byte pointers), templates/mlstm/step.cuh.
+enum StepAlgo : int64_t { kStepBlock = 0, kStepSplit = 1 };
+TuningSpace step_tuning();
+// The heuristic's slab width (16 or 32), which depends on batch * heads: in the step's derived_key, so
+// the plan cache does not keep one batch's choice for another.
+int64_t step_cols(const Problem& p);
 
 // Inputs q, k, v, i, f with these leading dims; i and f in the input dtype or fp32.
 std::vector<TensorDef> qkvif(const std::vector<std::string>& lead, const std::vector<std::string>& gate);
