@@ -321,3 +321,24 @@ def test_speedup_vs_kspec_matches_shape_and_kind(families):
             {"impl": "peer", "shape": "b", "kind": "fwd"}]
     speedup(rows)
     assert [r.get("kspec_speedup_gpu") for r in rows] == [1.0, 2.5, None, None]
+
+
+def test_difflogic_parts_pick_the_tables(families, monkeypatch):
+    """--difflogic-parts runs only the tables named (the lead times the layer alone, or the packed and CA
+    tables with --quick), in the order layer, packed, ca, and merges their results."""
+    import argparse
+
+    dl = families["difflogic"]
+    calls = []
+    monkeypatch.setattr(dl, "run_layer", lambda ctx: (calls.append("layer"), ({"results": [1]}, ["L"]))[1])
+    monkeypatch.setattr(dl, "run_packed", lambda ctx: (calls.append("packed"), ([2], "P"))[1])
+    monkeypatch.setattr(dl, "run_ca", lambda ctx: (calls.append("ca"), ([3], "C"))[1])
+    p = argparse.ArgumentParser()
+    dl.add_arguments(p)
+    assert p.parse_args([]).difflogic_lanes == "0,4,8,16"
+    ctx = argparse.Namespace(args=p.parse_args(["--difflogic-parts", "ca,packed"]))
+    assert dl.run(ctx) == ({"packed": [2], "ca": [3]}, ["P", "C"]) and calls == ["packed", "ca"]
+    calls.clear()
+    ctx.args = p.parse_args([])
+    assert dl.run(ctx) == ({"results": [1], "packed": [2], "ca": [3]}, ["L", "P", "C"])
+    assert calls == ["layer", "packed", "ca"]

@@ -27,6 +27,11 @@ def add_arguments(p):
                    help="difflogic: packed inference batches (784 -> 6 x 64k -> GroupSum(10); issue 30)")
     p.add_argument("--difflogic-ca-batches", metavar="B,...", default="1,2,64,256",
                    help="difflogic: CA batches (16x16x8 checkerboard, T = 20, one BPTT training step; issue 30)")
+    p.add_argument("--difflogic-parts", metavar="PART,...", default="layer,packed,ca",
+                   help="difflogic: which tables: layer (a), packed (b), ca (c) (default all three)")
+    p.add_argument("--difflogic-lanes", metavar="L,...", default="0,4,8,16",
+                   help="difflogic: feature-major configs timed beside the default one, the same lanes in the forward"
+                        " and the backward (0: the flat kernels; else the batch-tiled ones; '' none)")
 
 
 def min_bytes(B, n_in, n_out, kind, s):
@@ -75,7 +80,50 @@ def _err(got, want):
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
+def configured_layer(torch, layer, lanes):
+    """The layer on feature-major x with the config threads=256,lanes=L for both ops (kspec.nn.LogicLayer
+    takes the heuristic's): the kernels old and new side by side in one process."""
+    from kspec._core import call
+
+    config = f"threads=256,lanes={lanes}"
+    a, b, csr = layer.wiring()
+
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, logits):
+            y = torch.empty(logits.shape[0], x.shape[0], dtype=x.dtype, device=x.device).t()
+            call("difflogic.layer.fwd", x, logits, a, b, layout="feature_major", config=config, out=(y,))
+            ctx.save_for_backward(x, logits)
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, logits = ctx.saved_tensors
+            dy = dy if dy.stride(0) == 1 else dy.t().contiguous().t()
+            dx = torch.empty(x.shape[1], x.shape[0], dtype=x.dtype, device=x.device).t()
+            dl = torch.empty_like(logits)
+            call("difflogic.layer.bwd", x, logits, a, b, dy, csr, layout="feature_major", config=config,
+                 out=(dx, dl))
+            return dx, dl
+
+    return lambda x: Fn.apply(x, layer.weights)
+
+
 def run(ctx):
+    parts = ctx.args.difflogic_parts.split(",")
+    results, sections = {}, []
+    if "layer" in parts:
+        results, sections = run_layer(ctx)
+    if "packed" in parts:
+        results["packed"], section = run_packed(ctx)
+        sections.append(section)
+    if "ca" in parts:
+        results["ca"], section = run_ca(ctx)
+        sections.append(section)
+    return results, sections
+
+
+def run_layer(ctx):
     torch, kspec = ctx.torch, ctx.kspec
     shapes = [tuple(int(v) for v in s.split("x")) for s in ctx.args.difflogic_shapes.split(",")]
     dtypes = ctx.args.difflogic_dtypes.split(",")
@@ -88,6 +136,7 @@ def run(ctx):
 
     truth = torch.tensor(TRUTH, dtype=torch.float32, device=ctx.dev)
     eager = torch_layer(torch, truth)
+    lanes = [int(n) for n in ctx.args.difflogic_lanes.split(",") if n.strip()]
     rows, notes = [], []
     for B, n_in, n_out in shapes:
         # One seed, one draw: difflogic's layer and kspec's (same weights and wiring by construction; checked)
@@ -115,7 +164,10 @@ def run(ctx):
             # kspec both ways: x (and dy) as given, row-major; and feature-major (the user hands over x.t() of
             # a contiguous (n_in, B), difflogic's own layout: y, dx come back feature-major, no copies timed).
             impls = [("kspec", "kspec", lambda x, m=layer: m(x), layer.weights, False),
-                     ("kspec feature-major", "kspec", lambda x, m=layer: m(x), layer.weights, True),
+                     ("kspec feature-major", "kspec", lambda x, m=layer: m(x), layer.weights, True)]
+            impls += [(f"kspec feature-major lanes={n}", "kspec", configured_layer(torch, layer, n), layer.weights,
+                       True) for n in lanes]
+            impls += [
                      ("torch eager", "peer", lambda x, w=layer.weights: eager(x, w, a, b), layer.weights, False)]
             if peer is not None and dtype == torch.float32:
                 impls.append(("difflogic 0.1.0", "peer", peer, peer.weights, False))
@@ -146,11 +198,7 @@ def run(ctx):
             if base:
                 r["kspec_speedup_gpu"] = r["gpu_ms"] / base["gpu_ms"]
                 r["kspec_speedup_ev"] = r["ev_ms"] / base["ev_ms"]
-    results, sections = _report(ctx, rows, notes, why)
-    packed_rows, packed_section = run_packed(ctx)
-    ca_rows, ca_section = run_ca(ctx)
-    results["packed"], results["ca"] = packed_rows, ca_rows
-    return results, sections + [packed_section, ca_section]
+    return _report(ctx, rows, notes, why)
 
 
 # ---- (b) packed inference: 784 -> 6 x 64k -> GroupSum(10) ----
@@ -446,13 +494,16 @@ def _report(ctx, rows, notes, why):
     notes = list(notes) + [
         "kspec: kspec.nn.LogicLayer (training mode: the soft layer; wiring checked and its consumers CSR built"
         " once), x and dy row-major as given; kspec feature-major: the same layer handed x.t() of a contiguous"
-        " (n_in, B) and dy likewise (difflogic's layout: its kernels run along the batch; y, dx feature-major). difflogic 0.1.0: LogicLayer(implementation='cuda'), fp32 only, synchronizes after every kernel.",
+        " (n_in, B) and dy likewise (difflogic's layout: its kernels run along the batch; y, dx feature-major;"
+        " its default config: batch-tiled, lanes 16 forward, 8 backward); kspec feature-major lanes=L: the same"
+        " ops with config threads=256,lanes=L in both (0: the flat kernels, a thread per element; else the"
+        " batch-tiled ones, L threads of 16 bytes per row and tile). difflogic 0.1.0: LogicLayer(implementation="
+        "'cuda'), fp32 only, synchronizes after every kernel.",
         f"validation: y, dx and dlogits of the first {CHECK_SAMPLES} samples (dy zero elsewhere) vs the float64"
         " reference, before timing; difflogic's dx differs on inputs of self-paired gates (its bug, issue 30).",
         "bytes: a floor, x and y once, the backward dy, x again and dx (logits 64 B a gate); a gate reads two"
         " rows of x, so the forward moves up to 1.5x the floor where L2 misses the second reader; measured anchor (issue 30, H100):"
         " difflogic 64k→64k, B = 1024, fp32: fwd 1.101 ms, fwd+bwd 4.260 ms.",
-        "not benchmarked here: packed inference (kspec.ops.difflogic_packed).",
     ]
     return peer_report("difflogic: logic gate layer", cols, rows, notes, why, targets(rows, peak))
 
