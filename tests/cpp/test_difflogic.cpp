@@ -181,10 +181,12 @@ TEST(DiffLogic, PrecompilePlanCompilesWithoutSpills) {
     if (r.op == "difflogic.packed.fwd") continue;
     ASSERT_TRUE(r.config.has_value()) << r.op;
     EXPECT_EQ(r.config->get("lanes"), 0) << r.op << ": row-major has the flat kernels only";
+    const ParamValue* mode = r.params.find("mode");
     for (int64_t lanes : {0, 4, 8, 16}) {
-      // The forward's mode changes the tables kernel only: the tiled kernels once per dtype and threads.
-      const ParamValue* mode = r.params.find("mode");
-      if (lanes > 0 && mode && std::get<std::string>(*mode) == "hard") continue;
+      // The tiled kernels once per dtype (the forward's mode changes the tables kernel only; 128 and 256
+      // threads allow the same 255 registers a thread): CI time.
+      if (lanes > 0 && ((mode && std::get<std::string>(*mode) == "hard") || r.config->get("threads") != 256))
+        continue;
       CompileRequest fm = r;
       fm.params.set("layout", std::string("feature_major"));
       fm.config = Config{{{"threads", r.config->get("threads")}, {"lanes", lanes}}};

@@ -495,7 +495,7 @@ def _report(ctx, rows, notes, why):
         "kspec: kspec.nn.LogicLayer (training mode: the soft layer; wiring checked and its consumers CSR built"
         " once), x and dy row-major as given; kspec feature-major: the same layer handed x.t() of a contiguous"
         " (n_in, B) and dy likewise (difflogic's layout: its kernels run along the batch; y, dx feature-major;"
-        " its default config: batch-tiled, lanes 16 forward, 8 backward); kspec feature-major lanes=L: the same"
+        " its default config: batch-tiled, lanes 8); kspec feature-major lanes=L: the same"
         " ops with config threads=256,lanes=L in both (0: the flat kernels, a thread per element; else the"
         " batch-tiled ones, L threads of 16 bytes per row and tile). difflogic 0.1.0: LogicLayer(implementation="
         "'cuda'), fp32 only, synchronizes after every kernel.",

@@ -69,14 +69,15 @@ bool feature_major(const Problem& p) { return p.param_str("layout") == "feature_
 // thread per element, whole rows in turn), else the batch-tiled ones (templates/difflogic/layer.cuh: lanes
 // threads of 16 bytes per row and tile, every gate of a tile before the next tile, so L2 holds the tile's
 // x for an input's second reader; the backward's dx kernel also makes the dlogits sums). Row-major has
-// the flat kernels only. Default: tiled, fwd 16 lanes (256-byte row pieces; x's tile at 64k inputs 16 MB
-// of the H100's 50 MB L2), bwd 8 (x, dout and dx tiles together 25 MB); not yet measured (NOTES.md).
-constexpr int64_t kFwdLanes = 16, kBwdLanes = 8;
+// the flat kernels only. Default: tiled, 8 lanes (128-byte row pieces; at 64k inputs and outputs, fp32, the
+// forward's x and y tiles are 8 + 8 MB and the backward's x, dout and dx tiles 25 MB, under the H100's 50 MB
+// L2 with room to spare); not yet measured (tools/bench/NOTES.md), the bench times 0, 4, 8 and 16.
+constexpr int64_t kDefaultLanes = 8;
 
 // A config written before the lanes axis (a tuning database's, a script's "threads=256") means the flat kernels.
 int64_t lanes_of(const Config& c) { return c.has("lanes") ? c.get("lanes") : 0; }
 
-TuningSpace layer_tuning(bool bwd) {
+TuningSpace layer_tuning() {
   TuningSpace t = difflogic_tuning();
   t.axes.push_back({"lanes", {0, 4, 8, 16}});
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
@@ -84,8 +85,8 @@ TuningSpace layer_tuning(bool bwd) {
     if (why) *why = "lanes > 0 (the batch-tiled kernels) needs layout feature_major";
     return false;
   };
-  t.heuristic = [bwd](const Problem& p) {
-    return Config{{{"threads", 256}, {"lanes", feature_major(p) ? (bwd ? kBwdLanes : kFwdLanes) : 0}}};
+  t.heuristic = [](const Problem& p) {
+    return Config{{{"threads", 256}, {"lanes", feature_major(p) ? kDefaultLanes : 0}}};
   };
   return t;
 }
@@ -97,7 +98,7 @@ int64_t tile_samples(const Problem& p, int64_t lanes) {
 
 // Grid of a tiled kernel: lane groups of `lanes` threads, one per row (gate or input), along x; tiles along y.
 Dim3 tiled_grid(const Problem& p, int64_t rows, int64_t threads, int64_t lanes) {
-  const int64_t per_block = threads / lanes, tiles = (p.dim("batch") + tile_samples(p, lanes) - 1) / tile_samples(p, lanes);
+  const int64_t per_block = threads / lanes, tile = tile_samples(p, lanes), tiles = (p.dim("batch") + tile - 1) / tile;
   return {u32((rows + per_block - 1) / per_block), u32(std::min<int64_t>(tiles, 65535))};
 }
 
@@ -142,7 +143,7 @@ OpDef layer_base(const char* name, const char* doc, bool csr) {
   op.info.dims = layer_dims(csr);
   op.info.reference = "api/ops/difflogic/reference.cpp (python/kspec/reference/difflogic.py)";
   op.info.inputs = layer_inputs();
-  op.tuning = layer_tuning(csr);
+  op.tuning = layer_tuning();
   op.info.tuning_axes = op.tuning.axes;
   op.dtypes = kFloatTypes;
   op.compile_dims = {{"batch", 1}, {"n_in", 1}, {"n_out", 1}};
@@ -250,8 +251,10 @@ OpDef make_layer_fwd() {
     const int64_t threads = c.get("threads"), lanes = lanes_of(c);
     void* args[] = {&a};
     l.launch(0, {blocks_for(a.n_out, threads)}, {u32(threads)}, 0, args);
-    if (a.batch > 0 && lanes > 0) l.launch(1, tiled_grid(call.problem, a.n_out, threads, lanes), {u32(threads)}, 0, args);
-    if (a.batch > 0 && lanes == 0) l.launch(1, {blocks_for(a.batch * a.n_out, threads)}, {u32(threads)}, 0, args);
+    if (a.batch == 0) return;
+    const Dim3 grid =
+        lanes > 0 ? tiled_grid(call.problem, a.n_out, threads, lanes) : Dim3{blocks_for(a.batch * a.n_out, threads)};
+    l.launch(1, grid, {u32(threads)}, 0, args);
   };
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
     const auto mode = p.param_str("mode") == "hard" ? ref::DiffLogicMode::Hard : ref::DiffLogicMode::Soft;
