@@ -203,6 +203,30 @@ TEST(DiffLogic, PrecompilePlanCompilesWithoutSpills) {
   EXPECT_EQ(requests["difflogic.packed.fwd"], 4);
 }
 
+// The lanes axis: feature-major defaults to the batch-tiled kernels (lanes 8), row-major keeps the flat ones
+// and refuses lanes > 0 with a message naming the axis and the layout.
+TEST(DiffLogic, TiledKernelsAreFeatureMajorsDefault) {
+  auto kernel_names = [](const std::string& op, const std::string& layout, std::optional<Config> config) {
+    CompileRequest r;
+    r.op = op;
+    r.params.set("layout", layout);
+    r.config = std::move(config);
+    std::string names;
+    for (const auto& rep : compile(r)) names += rep.kernel + " ";
+    return names;
+  };
+  expect_in(kernel_names("difflogic.layer.fwd", "feature_major", std::nullopt),
+            {"difflogic_fwd_tiled_kernel<float, 256, 8>"});
+  expect_in(kernel_names("difflogic.layer.bwd", "feature_major", std::nullopt),
+            {"difflogic_bwd_tiled_kernel<float, 256, 8>", "difflogic_dlogits_finish_kernel<256, 32>"});
+  expect_in(kernel_names("difflogic.layer.fwd", "row_major", std::nullopt),
+            {"difflogic_fwd_kernel<float, 256, false>"});
+  expect_in(kernel_names("difflogic.layer.bwd", "feature_major", Config{{{"threads", 128}, {"lanes", 0}}}),
+            {"difflogic_dx_kernel<float, 128, true>", "difflogic_dlogits_fm_kernel<float, 128>"});
+  const Config tiled{{{"threads", 256}, {"lanes", 8}}};
+  expect_in(message_of([&] { kernel_names("difflogic.layer.fwd", "row_major", tiled); }), {"lanes", "feature_major"});
+}
+
 namespace {
 
 struct DevBuf {
