@@ -397,13 +397,17 @@ __global__ void __launch_bounds__(kThreads) difflogic_bwd_tiled_kernel(const Dif
 #pragma unroll
     for (int k = 0; k < kV; ++k) sum[k] = 0.0f;
     bool bad = false;
+    // The next reader's entry is loaded a step ahead: each step's loads otherwise wait on a chain of three
+    // (entry, then its wires, then the rows).
+    int entry = k0 < k1 ? p.entries[k0] : 0;
     for (int e = k0; e < k1; ++e) {
-      const int entry = p.entries[e], g = entry >> 1, wa = p.a[g], wb = p.b[g];
+      const int g = entry >> 1, wa = p.a[g], wb = p.b[g];
+      const bool side_b = entry & 1;
+      entry = e + 1 < k1 ? p.entries[e + 1] : 0;
       if (!difflogic_wire_ok(wa, p.n_in) || !difflogic_wire_ok(wb, p.n_in)) {
         bad = true;  // dx NaN; the finish kernel gives the gate NaN dlogits
         continue;
       }
-      const bool side_b = entry & 1;
       const float4 t = reinterpret_cast<const float4*>(p.tables)[g];
       float other[kV], d[kV];
       Tile::load(x + (side_b ? wa : wb) * p.batch, vec, s0, lane, p.batch, other);
