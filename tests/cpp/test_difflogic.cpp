@@ -4,7 +4,8 @@
 // layer.fwd (soft and hard) and layer.bwd against the float64 reference for every dtype over widths 1, 7,
 // 33, 4097, B = 1, 33, 1024, fan-out 4 -> 2048 and self-paired gates; hard mode on {0, 1} inputs bit for
 // bit; packed.fwd (w = 32, 64) over three layers bit for bit; two backward runs bitwise equal; a wire out of range gives NaN, not a fault;
-// the straight-through estimator with Gumbel noise against the reference on logits + G.
+// the straight-through estimator with Gumbel noise against the reference on logits + G; the feature-major
+// batch-tiled kernels (config lanes) in every dtype against the reference.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
