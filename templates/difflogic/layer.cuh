@@ -20,6 +20,18 @@
 //                             (difflogic_dlogits_partial_kernel, _finish_kernel): threads along the gates
 //                             (a block per gate would read a different row per thread), each summing a
 //                             chunk of kDiffLogicChunk samples in order; the chunks then summed in order.
+//   Feature-major, batch-tiled (tuning axis lanes > 0; lanes = 0 keeps the flat kernels above):
+//   difflogic_fwd_tiled_kernel  kLanes threads per gate, each moving 16 bytes (float4, 8 halves) of a tile
+//                             of kLanes * 16 / sizeof(T) samples; blockIdx.x runs over the gates, fastest,
+//                             so every gate of one tile runs before the next tile: the tile's slice of x
+//                             (n_in x tile bytes) stays in L2 and the second reader of an input hits it
+//                             (the flat kernel walks whole rows: its second reader refetched from DRAM).
+//   difflogic_bwd_tiled_kernel  kLanes threads per (input j, tile), walking j's readers in CSR order: dx
+//                             as the flat dx kernel; at the reader entry of side 0 (exactly one per gate)
+//                             it also has x[a], x[b], dout[g] in registers, so it sums the gate's S_uv over
+//                             the tile (a fixed shuffle tree in the lane group) into partials[tile][g]:
+//                             no separate dlogits pass re-reading x and dout. difflogic_dlogits_finish_kernel
+//                             then sums the tiles in order.
 // A wire outside [0, n_in) is never followed: its outputs become NaN (the wiring is validated on the host
 // when it is built; this keeps a bad one from reading out of bounds).
 #pragma once
@@ -242,11 +254,12 @@ __global__ void __launch_bounds__(kThreads) difflogic_dlogits_partial_kernel(con
   }
 }
 
-// Row-major, second pass: one thread per (gate, op i); S = the chunks' partials summed in chunk order.
-template <int kThreads>
+// Second pass (row-major, and the feature-major tiled backward with kChunk its tile): one thread per
+// (gate, op i); S = the chunks' partials summed in chunk order.
+template <int kThreads, int kChunk>
 __global__ void __launch_bounds__(kThreads) difflogic_dlogits_finish_kernel(const DiffLogicParams p) {
   const float4* partials = reinterpret_cast<const float4*>(p.tables + 4 * p.n_out);
-  const long long chunks = p.batch > 0 ? (p.batch + kDiffLogicChunk - 1) / kDiffLogicChunk : 1;
+  const long long chunks = (p.batch + kChunk - 1) / kChunk;  // none at batch 0: S = 0
   for (long long e = blockIdx.x * static_cast<long long>(kThreads) + threadIdx.x; e < p.n_out * 16;
        e += static_cast<long long>(gridDim.x) * kThreads) {
     const long long g = e / 16;
@@ -261,6 +274,166 @@ __global__ void __launch_bounds__(kThreads) difflogic_dlogits_finish_kernel(cons
     }
     difflogic_dlogits_of(p, g, S, difflogic_wire_ok(wa, p.n_in) && difflogic_wire_ok(wb, p.n_in),
                          static_cast<int>(e % 16));
+  }
+}
+
+// ---- Feature-major, batch-tiled ----
+
+// Samples a lane holds: kVec consecutive ones when the rows are 16-byte aligned (vector accesses), else
+// kVec strided by kLanes (scalar accesses, still coalesced across the lane group). Sample s of lane `lane`,
+// element k, tile base s0.
+template <typename T, int kLanes>
+struct DiffLogicTile {
+  static constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  static constexpr int kSamples = kLanes * kVec;
+  __device__ static long long sample(bool vec, long long s0, int lane, int k) {
+    return vec ? s0 + lane * kVec + k : s0 + k * kLanes + lane;
+  }
+  // Row values of this lane's samples as floats; 0 past the batch.
+  __device__ static void load(const T* row, bool vec, long long s0, int lane, long long batch, float (&v)[kVec]) {
+    if (vec) {
+      const long long s = s0 + lane * kVec;  // batch % kVec == 0: a vector is all in or all out
+      if (s < batch) {
+        const Vec<T, kVec> w = load_vec<kVec>(row + s);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) v[k] = to_float(w.v[k]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) v[k] = 0.0f;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const long long s = s0 + k * kLanes + lane;
+        v[k] = s < batch ? to_float(row[s]) : 0.0f;
+      }
+    }
+  }
+  __device__ static void store(T* row, bool vec, long long s0, int lane, long long batch, const float (&v)[kVec]) {
+    if (vec) {
+      const long long s = s0 + lane * kVec;
+      if (s < batch) {
+        Vec<T, kVec> w;
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) w.v[k] = from_float<T>(v[k]);
+        store_vec<kVec>(row + s, w);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const long long s = s0 + k * kLanes + lane;
+        if (s < batch) row[s] = from_float<T>(v[k]);
+      }
+    }
+  }
+};
+
+// Whether every row of these feature-major tensors starts 16-byte aligned (vector accesses).
+template <typename T>
+__device__ __forceinline__ bool difflogic_rows_aligned(long long batch, const void* a, const void* b,
+                                                       const void* c = nullptr) {
+  const unsigned long long bits = reinterpret_cast<unsigned long long>(a) | reinterpret_cast<unsigned long long>(b) |
+                                  reinterpret_cast<unsigned long long>(c);
+  return bits % 16 == 0 && batch % (16 / static_cast<long long>(sizeof(T))) == 0;
+}
+
+// Grid (ceil(n_out / (kThreads / kLanes)), tiles): lane group = one gate, one tile per blockIdx.y.
+template <typename T, int kThreads, int kLanes>
+__global__ void __launch_bounds__(kThreads) difflogic_fwd_tiled_kernel(const DiffLogicParams p) {
+  static_assert(kLanes >= 1 && kLanes <= kWarpSize && (kLanes & (kLanes - 1)) == 0, "lanes: a power of two <= 32");
+  using Tile = DiffLogicTile<T, kLanes>;
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(p.y);
+  const long long g = blockIdx.x * static_cast<long long>(kThreads / kLanes) + threadIdx.x / kLanes;
+  if (g >= p.n_out) return;
+  const int lane = threadIdx.x % kLanes, wa = p.a[g], wb = p.b[g];
+  const bool ok = difflogic_wire_ok(wa, p.n_in) && difflogic_wire_ok(wb, p.n_in);
+  const bool vec = difflogic_rows_aligned<T>(p.batch, x, y);
+  const float4 t4 = reinterpret_cast<const float4*>(p.tables)[g];
+  const float t[4] = {t4.x, t4.y, t4.z, t4.w};
+  for (long long tile = blockIdx.y; tile * Tile::kSamples < p.batch; tile += gridDim.y) {
+    const long long s0 = tile * Tile::kSamples;
+    float out[Tile::kVec];
+    if (ok) {
+      float xa[Tile::kVec], xb[Tile::kVec];
+      Tile::load(x + wa * p.batch, vec, s0, lane, p.batch, xa);
+      Tile::load(x + wb * p.batch, vec, s0, lane, p.batch, xb);
+#pragma unroll
+      for (int k = 0; k < Tile::kVec; ++k) out[k] = difflogic_gate(t, xa[k], xb[k]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < Tile::kVec; ++k) out[k] = __int_as_float(0x7fc00000);  // NaN for a wire out of range
+    }
+    Tile::store(y + g * p.batch, vec, s0, lane, p.batch, out);
+  }
+}
+
+// Grid (ceil(n_in / (kThreads / kLanes)), tiles): lane group = one input j. dx[j] over the tile as the flat
+// dx kernel sums it (CSR order); each gate's side-0 entry adds its S_uv over the tile into
+// partials[tile][g] (workspace after the tables; every gate has exactly one side-0 entry, so each slot has
+// one writer). The group's lanes share j, hence the loop's trip count and every branch: the shuffles see
+// the whole group.
+template <typename T, int kThreads, int kLanes>
+__global__ void __launch_bounds__(kThreads) difflogic_bwd_tiled_kernel(const DiffLogicParams p) {
+  static_assert(kLanes >= 1 && kLanes <= kWarpSize && (kLanes & (kLanes - 1)) == 0, "lanes: a power of two <= 32");
+  static_assert(kThreads % kWarpSize == 0, "whole warps");
+  using Tile = DiffLogicTile<T, kLanes>;
+  constexpr int kV = Tile::kVec;
+  const T* x = static_cast<const T*>(p.x);
+  const T* dout = static_cast<const T*>(p.dout);
+  T* dx = static_cast<T*>(p.dx);
+  float4* partials = reinterpret_cast<float4*>(p.tables + 4 * p.n_out);
+  const long long j = blockIdx.x * static_cast<long long>(kThreads / kLanes) + threadIdx.x / kLanes;
+  if (j >= p.n_in) return;  // the whole lane group
+  const int lane = threadIdx.x % kLanes;
+  const unsigned group = kLanes == kWarpSize ? 0xffffffffu
+                                             : ((1u << kLanes) - 1u) << (threadIdx.x % kWarpSize / kLanes * kLanes);
+  const bool vec = difflogic_rows_aligned<T>(p.batch, x, dout, dx);
+  const int k0 = p.offsets[j], k1 = p.offsets[j + 1];
+  for (long long tile = blockIdx.y; tile * Tile::kSamples < p.batch; tile += gridDim.y) {
+    const long long s0 = tile * Tile::kSamples;
+    float own[kV], sum[kV];
+    Tile::load(x + j * p.batch, vec, s0, lane, p.batch, own);
+#pragma unroll
+    for (int k = 0; k < kV; ++k) sum[k] = 0.0f;
+    bool bad = false;
+    // The next reader's entry is loaded a step ahead: each step's loads otherwise wait on a chain of three
+    // (entry, then its wires, then the rows).
+    int entry = k0 < k1 ? p.entries[k0] : 0;
+    for (int e = k0; e < k1; ++e) {
+      const int g = entry >> 1, wa = p.a[g], wb = p.b[g];
+      const bool side_b = entry & 1;
+      entry = e + 1 < k1 ? p.entries[e + 1] : 0;
+      if (!difflogic_wire_ok(wa, p.n_in) || !difflogic_wire_ok(wb, p.n_in)) {
+        bad = true;  // dx NaN; the finish kernel gives the gate NaN dlogits
+        continue;
+      }
+      const float4 t = reinterpret_cast<const float4*>(p.tables)[g];
+      float other[kV], d[kV];
+      Tile::load(x + (side_b ? wa : wb) * p.batch, vec, s0, lane, p.batch, other);
+      Tile::load(dout + g * p.batch, vec, s0, lane, p.batch, d);
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int k = 0; k < kV; ++k) {
+        // As the flat kernel: side b gets d dy/db at (xa, xb) = (other, own), side a d dy/da at (own, other).
+        if (side_b) {
+          sum[k] += d[k] * ((t.y - t.x) * (1.0f - other[k]) + (t.w - t.z) * other[k]);
+        } else {
+          sum[k] += d[k] * ((t.z - t.x) * (1.0f - other[k]) + (t.w - t.y) * other[k]);
+          difflogic_accumulate(acc, d[k], own[k], other[k]);
+        }
+      }
+      if (!side_b) {
+#pragma unroll
+        for (int offset = kLanes / 2; offset > 0; offset /= 2)
+#pragma unroll
+          for (int uv = 0; uv < 4; ++uv) acc[uv] += __shfl_xor_sync(group, acc[uv], offset, kLanes);
+        if (lane == 0) partials[tile * p.n_out + g] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kV; ++k) sum[k] = bad ? __int_as_float(0x7fc00000) : p.grad_factor * sum[k];
+    Tile::store(dx + j * p.batch, vec, s0, lane, p.batch, sum);
   }
 }
 

@@ -4,7 +4,8 @@
 // layer.fwd (soft and hard) and layer.bwd against the float64 reference for every dtype over widths 1, 7,
 // 33, 4097, B = 1, 33, 1024, fan-out 4 -> 2048 and self-paired gates; hard mode on {0, 1} inputs bit for
 // bit; packed.fwd (w = 32, 64) over three layers bit for bit; two backward runs bitwise equal; a wire out of range gives NaN, not a fault;
-// the straight-through estimator with Gumbel noise against the reference on logits + G.
+// the straight-through estimator with Gumbel noise against the reference on logits + G; the feature-major
+// batch-tiled kernels (config lanes) in every dtype against the reference.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -159,9 +160,11 @@ TEST(DiffLogic, PackedInferenceAndMessages) {
 
 // What `kspec precompile --all` builds for the family (every dtype, every config of the representative
 // cases), and the layer ops' feature-major variants of the same requests (no case of theirs: the cases'
-// generated inputs are row-major), compile for sm_90 without spills or a stack frame.
+// generated inputs are row-major) with every lanes value (0: the flat kernels; else the batch-tiled ones,
+// for sm_80 as well, which CI's precompile does not reach), compile for sm_90 without spills or a stack frame.
 TEST(DiffLogic, PrecompilePlanCompilesWithoutSpills) {
-  // Row-major bwd: tables, dx, dlogits partials and finish; feature-major: tables, dx, dlogits.
+  // Row-major bwd: tables, dx, dlogits partials and finish; feature-major: tables, dx, dlogits (flat) or
+  // tables, dx with the dlogits partials, finish (tiled).
   const std::map<std::string, size_t> kernels = {
       {"difflogic.layer.fwd", 2}, {"difflogic.layer.bwd", 4}, {"difflogic.packed.fwd", 1}};
   std::map<std::string, int> requests;
@@ -177,14 +180,52 @@ TEST(DiffLogic, PrecompilePlanCompilesWithoutSpills) {
     ++requests[r.op];
     check(r, kernels.at(r.op));
     if (r.op == "difflogic.packed.fwd") continue;
-    CompileRequest fm = r;
-    fm.params.set("layout", std::string("feature_major"));
-    check(fm, r.op == "difflogic.layer.bwd" ? 3 : 2);
+    ASSERT_TRUE(r.config.has_value()) << r.op;
+    EXPECT_EQ(r.config->get("lanes"), 0) << r.op << ": row-major has the flat kernels only";
+    const ParamValue* mode = r.params.find("mode");
+    for (int64_t lanes : {0, 4, 8, 16}) {
+      // The tiled kernels once per dtype (the forward's mode changes the tables kernel only; 128 and 256
+      // threads allow the same 255 registers a thread): CI time.
+      if (lanes > 0 && ((mode && std::get<std::string>(*mode) == "hard") || r.config->get("threads") != 256))
+        continue;
+      CompileRequest fm = r;
+      fm.params.set("layout", std::string("feature_major"));
+      fm.config = Config{{{"threads", r.config->get("threads")}, {"lanes", lanes}}};
+      for (const char* arch : {"sm_90", "sm_80"}) {
+        if (lanes == 0 && std::string(arch) == "sm_80") continue;
+        fm.arch = arch;
+        check(fm, r.op == "difflogic.layer.bwd" ? 3 : 2);
+      }
+    }
   }
   // soft and hard x 3 dtypes x 2 configs; 3 dtypes x 2 configs; 2 word widths x 2 configs.
   EXPECT_EQ(requests["difflogic.layer.fwd"], 12);
   EXPECT_EQ(requests["difflogic.layer.bwd"], 6);
   EXPECT_EQ(requests["difflogic.packed.fwd"], 4);
+}
+
+// The lanes axis: feature-major defaults to the batch-tiled kernels (lanes 8), row-major keeps the flat ones
+// and refuses lanes > 0 with a message naming the axis and the layout.
+TEST(DiffLogic, TiledKernelsAreFeatureMajorsDefault) {
+  auto kernel_names = [](const std::string& op, const std::string& layout, std::optional<Config> config) {
+    CompileRequest r;
+    r.op = op;
+    r.params.set("layout", layout);
+    r.config = std::move(config);
+    std::string names;
+    for (const auto& rep : compile(r)) names += rep.kernel + " ";
+    return names;
+  };
+  expect_in(kernel_names("difflogic.layer.fwd", "feature_major", std::nullopt),
+            {"difflogic_fwd_tiled_kernel<float, 256, 8>"});
+  expect_in(kernel_names("difflogic.layer.bwd", "feature_major", std::nullopt),
+            {"difflogic_bwd_tiled_kernel<float, 256, 8>", "difflogic_dlogits_finish_kernel<256, 32>"});
+  expect_in(kernel_names("difflogic.layer.fwd", "row_major", std::nullopt),
+            {"difflogic_fwd_kernel<float, 256, false>"});
+  expect_in(kernel_names("difflogic.layer.bwd", "feature_major", Config{{{"threads", 128}, {"lanes", 0}}}),
+            {"difflogic_dx_kernel<float, 128, true>", "difflogic_dlogits_fm_kernel<float, 128>"});
+  const Config tiled{{{"threads", 256}, {"lanes", 8}}};
+  expect_in(message_of([&] { kernel_names("difflogic.layer.fwd", "row_major", tiled); }), {"lanes", "feature_major"});
 }
 
 namespace {
@@ -384,6 +425,51 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(std::make_tuple(1, 1, 1), std::make_tuple(33, 7, 33),
                                          std::make_tuple(1024, 33, 7), std::make_tuple(1, 4097, 7),
                                          std::make_tuple(33, 7, 4097), std::make_tuple(1024, 4097, 4097))));
+
+// The feature-major batch-tiled kernels (lanes 4, 8, 16; 0 the flat ones, for comparison) in every dtype
+// against the reference: B = 1, 2 and 33 (rows not 16-byte aligned: the scalar path), 1032 (aligned, a
+// partial last tile), 1024 (whole tiles); widths 1, 7, 999, 4097; every third gate self-paired, repeated
+// wires, an input read by 2048 gates (4 -> 2048); unread inputs' dx exactly 0; two runs bitwise equal.
+class DiffLogicGpuTiled
+    : public ::testing::TestWithParam<std::tuple<DType, int64_t, std::tuple<int64_t, int64_t, int64_t>>> {};
+
+TEST_P(DiffLogicGpuTiled, MatchesReference) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  const DType dt = std::get<0>(GetParam());
+  const int64_t lanes = std::get<1>(GetParam());
+  const auto [B, n_in, n_out] = std::get<2>(GetParam());
+  LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 5 + n_in * 17 + n_out + lanes), true);
+  for (int64_t threads : {128, 256}) {
+    const Config config{{{"threads", threads}, {"lanes", lanes}}};
+    for (const char* mode : {"soft", "hard"}) {
+      const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
+                                                     std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
+                                                                                 : ref::DiffLogicMode::Soft);
+      EXPECT_LE(rel_error(r.fwd(mode, {}, &config), want), tol(dt)) << mode << " threads " << threads;
+    }
+    const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 0.5);
+    const auto got = r.bwd(0.5, {}, &config);
+    const auto dx = r.values(got.first, n_in);
+    EXPECT_LE(rel_error(dx, want.dx), tol(dt)) << "dx threads " << threads;
+    EXPECT_LE(rel_error(decode(DType::f32, got.second), want.dlogits), tol(dt)) << "dlogits threads " << threads;
+    for (int64_t j = 0; j < n_in; ++j) {
+      if (r.csr[j] != r.csr[j + 1]) continue;
+      for (int64_t s = 0; s < B; ++s) ASSERT_EQ(dx[s * n_in + j], 0.0) << "unread input " << j << ", sample " << s;
+    }
+    const auto again = r.bwd(0.5, {}, &config);
+    EXPECT_TRUE(got.first == again.first) << "dx differs between two runs";
+    EXPECT_TRUE(got.second == again.second) << "dlogits differs between two runs";
+    EXPECT_TRUE(r.fwd("soft", {}, &config) == r.fwd("soft", {}, &config)) << "y differs between two runs";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, DiffLogicGpuTiled,
+    ::testing::Combine(::testing::Values(DType::f32, DType::f16, DType::bf16), ::testing::Values(0, 4, 8, 16),
+                       ::testing::Values(std::make_tuple(1, 1, 1), std::make_tuple(2, 7, 33),
+                                         std::make_tuple(33, 4097, 999), std::make_tuple(1032, 999, 1000),
+                                         std::make_tuple(1024, 4, 2048), std::make_tuple(1024, 33, 7))));
 
 // Hard mode on {0, 1} inputs is exact in every dtype: equal to the reference bit for bit.
 TEST(DiffLogicGpuExact, HardModeOnBitsIsExact) {

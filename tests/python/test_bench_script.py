@@ -362,3 +362,68 @@ def test_rel_error_takes_bfloat16_tensors(families):
     assert rel_error(got, ref) == pytest.approx(0.1)
     assert rel_error(got.float().numpy(), ref.numpy()) == pytest.approx(0.1)
     assert rel_error(got[:, :1], ref) == float("inf")
+
+
+def test_difflogic_parts_pick_the_tables(families, monkeypatch):
+    """--difflogic-parts runs only the tables named (the lead times the layer alone, or the packed and CA
+    tables with --quick), in the order layer, packed, ca, and merges their results."""
+    import argparse
+
+    dl = families["difflogic"]
+    calls = []
+    monkeypatch.setattr(dl, "run_layer", lambda ctx: (calls.append("layer"), ({"results": [1]}, ["L"]))[1])
+    monkeypatch.setattr(dl, "run_packed", lambda ctx: (calls.append("packed"), ([2], "P"))[1])
+    monkeypatch.setattr(dl, "run_ca", lambda ctx: (calls.append("ca"), ([3], "C"))[1])
+    p = argparse.ArgumentParser()
+    dl.add_arguments(p)
+    assert p.parse_args([]).difflogic_lanes == "0,4,8,16"
+    ctx = argparse.Namespace(args=p.parse_args(["--difflogic-parts", "ca,packed"]))
+    assert dl.run(ctx) == ({"packed": [2], "ca": [3]}, ["P", "C"]) and calls == ["packed", "ca"]
+    calls.clear()
+    ctx.args = p.parse_args([])
+    assert dl.run(ctx) == ({"results": [1], "packed": [2], "ca": [3]}, ["L", "P", "C"])
+    assert calls == ["layer", "packed", "ca"]
+
+
+def test_difflogic_ca_peer_is_the_same_ca(families):
+    """The CA benchmark's difflogic 0.1.0 peer (its LogicLayers, the perception kernels with block wiring)
+    computes the torch eager CA and sends the gradients to the kspec CA's logits: run here on a stand-in
+    for difflogic (its LogicLayer's attributes, forward in torch: x[..., a], x[..., b] through softmax(weights));
+    its reader lists are difflogic's (each input's gates ascending, a self-paired gate twice)."""
+    torch = pytest.importorskip("torch")
+    import types
+    from kspec.reference import difflogic as dl_ref
+
+    truth = torch.tensor(dl_ref.TRUTH, dtype=torch.float64)
+
+    class LogicLayer(torch.nn.Module):
+        def __init__(self, in_dim, out_dim, device="cpu", implementation="cuda"):
+            super().__init__()
+            assert device == "cpu" and implementation == "cuda"
+            self.weights = torch.nn.Parameter(torch.randn(out_dim, 16))
+            self.indices = (torch.zeros(out_dim, dtype=torch.int64),) * 2
+
+        def forward(self, x):
+            t = torch.softmax(self.weights, -1) @ truth
+            xa, xb = x[..., self.indices[0]], x[..., self.indices[1]]
+            return t[:, 0] * (1 - xa) * (1 - xb) + t[:, 1] * (1 - xa) * xb + t[:, 2] * xa * (1 - xb) + t[:, 3] * xa * xb
+
+    dl = families["difflogic"]
+    torch.manual_seed(0)
+    for periodic in (False, True):
+        ca = __import__("kspec").nn.DiffLogicCA(2, 2, (8, 4, 2), (6, 2), periodic=periodic).double()
+        with torch.no_grad():
+            ca.perception_logits.normal_(0, 2)
+            ca.update_logits.normal_(0, 2)
+        s0 = torch.rand(2, 3, 4, 2, dtype=torch.float64)
+        peer = dl.difflogic_ca(torch, types.SimpleNamespace(LogicLayer=LogicLayer), ca)
+        got = peer(s0, 2)
+        want = dl.torch_ca(torch, truth)(ca, s0, 2)
+        assert (got - want).abs().max().item() <= 1e-12
+        g_got = torch.autograd.grad(got.sum(), (ca.perception_logits, ca.update_logits))
+        g_want = torch.autograd.grad(want.sum(), (ca.perception_logits, ca.update_logits))
+        assert all((a - b).abs().max().item() <= 1e-12 for a, b in zip(g_got, g_want))
+    layer = dl._peer_layer(torch, types.SimpleNamespace(LogicLayer=LogicLayer), 3, torch.tensor([2, 0, 1]),
+                           torch.tensor([2, 2, 0]))
+    assert layer.given_x_indices_of_y_start.tolist() == [0, 2, 3, 6]
+    assert layer.given_x_indices_of_y.tolist() == [1, 2, 2, 0, 0, 1]

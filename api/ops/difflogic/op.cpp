@@ -65,6 +65,43 @@ ParamDef layout_param() {
 
 bool feature_major(const Problem& p) { return p.param_str("layout") == "feature_major"; }
 
+// The layer ops' tuning: the family's threads, and lanes for the feature-major kernels: 0 the flat ones (a
+// thread per element, whole rows in turn), else the batch-tiled ones (templates/difflogic/layer.cuh: lanes
+// threads of 16 bytes per row and tile, every gate of a tile before the next tile, so L2 holds the tile's
+// x for an input's second reader; the backward's dx kernel also makes the dlogits sums). Row-major has
+// the flat kernels only. Default: tiled, 8 lanes (128-byte row pieces; at 64k inputs and outputs, fp32, the
+// forward's x and y tiles are 8 + 8 MB and the backward's x, dout and dx tiles 25 MB, under the H100's 50 MB
+// L2 with room to spare); not yet measured (tools/bench/NOTES.md), the bench times 0, 4, 8 and 16.
+constexpr int64_t kDefaultLanes = 8;
+
+// A config written before the lanes axis (a tuning database's, a script's "threads=256") means the flat kernels.
+int64_t lanes_of(const Config& c) { return c.has("lanes") ? c.get("lanes") : 0; }
+
+TuningSpace layer_tuning() {
+  TuningSpace t = difflogic_tuning();
+  t.axes.push_back({"lanes", {0, 4, 8, 16}});
+  t.valid = [](const Problem& p, const Config& c, std::string* why) {
+    if (lanes_of(c) == 0 || feature_major(p)) return true;
+    if (why) *why = "lanes > 0 (the batch-tiled kernels) needs layout feature_major";
+    return false;
+  };
+  t.heuristic = [](const Problem& p) {
+    return Config{{{"threads", 256}, {"lanes", feature_major(p) ? kDefaultLanes : 0}}};
+  };
+  return t;
+}
+
+// Samples per tile of the tiled kernels: lanes x 16 bytes.
+int64_t tile_samples(const Problem& p, int64_t lanes) {
+  return lanes * 16 / static_cast<int64_t>(dtype_size(p.dtype("x")));
+}
+
+// Grid of a tiled kernel: lane groups of `lanes` threads, one per row (gate or input), along x; tiles along y.
+Dim3 tiled_grid(const Problem& p, int64_t rows, int64_t threads, int64_t lanes) {
+  const int64_t per_block = threads / lanes, tile = tile_samples(p, lanes), tiles = (p.dim("batch") + tile - 1) / tile;
+  return {u32((rows + per_block - 1) / per_block), u32(std::min<int64_t>(tiles, 65535))};
+}
+
 // An activation's strides against the layout (a size-1 dim's stride is free).
 void check_layout(const Call& call, const TensorView& t, const char* what) {
   if (t.numel() == 0) return;
@@ -106,7 +143,7 @@ OpDef layer_base(const char* name, const char* doc, bool csr) {
   op.info.dims = layer_dims(csr);
   op.info.reference = "api/ops/difflogic/reference.cpp (python/kspec/reference/difflogic.py)";
   op.info.inputs = layer_inputs();
-  op.tuning = difflogic_tuning();
+  op.tuning = layer_tuning();
   op.info.tuning_axes = op.tuning.axes;
   op.dtypes = kFloatTypes;
   op.compile_dims = {{"batch", 1}, {"n_in", 1}, {"n_out", 1}};
@@ -197,21 +234,27 @@ OpDef make_layer_fwd() {
     check_layout(call, call.out("y"), "output 'y'");
   };
   op.kernels = [](const Problem& p, const Config& c) {
-    const int64_t threads = c.get("threads");
+    const int64_t threads = c.get("threads"), lanes = lanes_of(c);
+    const std::string t = dtype_cuda_type(p.dtype("x"));
     return std::vector<jit::KernelSpec>{
         tables_kernel(p, p.param_str("mode") == "hard", threads),
-        kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_fwd_kernel",
-                    {dtype_cuda_type(p.dtype("x")), std::to_string(threads), feature_major(p) ? "true" : "false"})};
+        lanes > 0 ? kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_fwd_tiled_kernel",
+                                {t, std::to_string(threads), std::to_string(lanes)})
+                  : kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_fwd_kernel",
+                                {t, std::to_string(threads), feature_major(p) ? "true" : "false"})};
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     DiffLogicParams a = params_of(call);
     a.y = call.out("y").data;
     set_gumbel(call.problem, a);
     a.tables = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(4 * a.n_out)));
-    const int64_t threads = c.get("threads");
+    const int64_t threads = c.get("threads"), lanes = lanes_of(c);
     void* args[] = {&a};
     l.launch(0, {blocks_for(a.n_out, threads)}, {u32(threads)}, 0, args);
-    if (a.batch > 0) l.launch(1, {blocks_for(a.batch * a.n_out, threads)}, {u32(threads)}, 0, args);
+    if (a.batch == 0) return;
+    const Dim3 grid =
+        lanes > 0 ? tiled_grid(call.problem, a.n_out, threads, lanes) : Dim3{blocks_for(a.batch * a.n_out, threads)};
+    l.launch(1, grid, {u32(threads)}, 0, args);
   };
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
     const auto mode = p.param_str("mode") == "hard" ? ref::DiffLogicMode::Hard : ref::DiffLogicMode::Soft;
@@ -275,17 +318,28 @@ OpDef make_layer_bwd() {
     csr.assign(c.offsets.begin(), c.offsets.end());
     csr.insert(csr.end(), c.entries.begin(), c.entries.end());
   };
+  // Flat feature-major: tables, dx, dlogits; row-major: tables, dx, dlogits partials, finish; tiled: tables,
+  // dx with the dlogits partials, finish.
   op.kernels = [](const Problem& p, const Config& c) {
     const std::string t = dtype_cuda_type(p.dtype("x")), threads = std::to_string(c.get("threads"));
+    const int64_t lanes = lanes_of(c);
     const bool fm = feature_major(p);
-    std::vector<jit::KernelSpec> k = {
-        tables_kernel(p, false, c.get("threads")),
-        kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_dx_kernel", {t, threads, fm ? "true" : "false"})};
+    std::vector<jit::KernelSpec> k = {tables_kernel(p, false, c.get("threads"))};
+    if (lanes > 0) {
+      k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_bwd_tiled_kernel",
+                              {t, threads, std::to_string(lanes)}));
+      k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_dlogits_finish_kernel",
+                              {threads, std::to_string(tile_samples(p, lanes))}));
+      return k;
+    }
+    k.push_back(
+        kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_dx_kernel", {t, threads, fm ? "true" : "false"}));
     if (fm) {
       k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_dlogits_fm_kernel", {t, threads}));
     } else {
       k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_dlogits_partial_kernel", {t, threads}));
-      k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_dlogits_finish_kernel", {threads}));
+      k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_dlogits_finish_kernel",
+                              {threads, std::to_string(kDiffLogicChunk)}));
     }
     return k;
   };
@@ -299,13 +353,20 @@ OpDef make_layer_bwd() {
     a.grad_factor = static_cast<float>(call.problem.param_float("grad_factor"));
     set_gumbel(call.problem, a);
     const bool fm = feature_major(call.problem);
-    // Row-major: the tables, then the dlogits partials [chunks, n_out, 4] (at least one chunk, of zeros
-    // when batch = 0), in one workspace.
-    const int64_t chunks = fm ? 0 : std::max<int64_t>(1, (a.batch + kDiffLogicChunk - 1) / kDiffLogicChunk);
+    const int64_t threads = c.get("threads"), lanes = lanes_of(c);
+    // Row-major and tiled: the tables, then the dlogits partials [chunks, n_out, 4] (chunks of
+    // kDiffLogicChunk samples, or tiles; at least one, which the finish kernel reads only when batch > 0),
+    // in one workspace.
+    const int64_t chunk = lanes > 0 ? tile_samples(call.problem, lanes) : kDiffLogicChunk;
+    const int64_t chunks = fm && lanes == 0 ? 0 : std::max<int64_t>(1, (a.batch + chunk - 1) / chunk);
     a.tables = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(4 * a.n_out * (1 + chunks))));
-    const int64_t threads = c.get("threads");
     void* args[] = {&a};
     l.launch(0, {blocks_for(a.n_out, threads)}, {u32(threads)}, 0, args);
+    if (lanes > 0) {
+      if (a.batch > 0) l.launch(1, tiled_grid(call.problem, a.n_in, threads, lanes), {u32(threads)}, 0, args);
+      l.launch(2, {blocks_for(16 * a.n_out, threads)}, {u32(threads)}, 0, args);
+      return;
+    }
     if (a.batch > 0) l.launch(1, {blocks_for(a.batch * a.n_in, threads)}, {u32(threads)}, 0, args);
     if (fm) {
       l.launch(2, {u32(std::min<int64_t>(kMaxBlocks, a.n_out))}, {u32(threads)}, 0, args);
