@@ -174,8 +174,12 @@ class Surface:
         self.pick_saved, self.pick_cfg = (_picker([i if kind == 0 else n_args + i if kind == 1
                                                    else n_args + n_out + extras.index(i) for kind, i in keep])
                                           for keep in (keep_saved, keep_cfg))
-        # zeros for an unused output only where the backward cannot take None for its gradient
-        self.materialize = any(t == "Tensor" for (k, _), (_, t) in zip(self.bwd_plan, self.bwd_args) if k == 0)
+        # zeros for an unused output only where the backward cannot take None for its gradient: the C++
+        # node decides per differentiable output (the scan's unused last_state gets no zero-filled
+        # gradient: its `dlast_state` is optional), the autograd.Function for all of them at once
+        need = {i for (k, i), (_, t) in zip(self.bwd_plan, self.bwd_args) if k == 0 and t == "Tensor"}
+        self.materialize = bool(need)
+        self.materialize_out = tuple(i in need for i in self.diff_out)
         # forward argument -> index of its gradient among the backward's outputs (-1: none)
         self.grad_plan = [f.bwd_out.index("d" + n) if "d" + n in f.bwd_out else -1 for n in self.fwd_names]
         # One output: the op returns a Tensor, not a tuple (torch reads "-> (Tensor)" as one Tensor).
@@ -318,7 +322,7 @@ class Surface:
             named = dict(zip(self.fwd_names + list(f.fwd_out), env))
             env += tuple(fn(named) for fn in f.extra.values())
         ctx = (self.pick_cfg(env), [a is None for a in args], save)
-        _native.ext.record(self.node_name, self._native_backward, ctx, self.materialize,
+        _native.ext.record(self.node_name, self._native_backward, ctx, self.materialize_out,
                            [args[i] for i in self.tensor_pos], outs, self.diff_out, self.pick_saved(env))
         public = f.public
         return outs[public[0]] if len(public) == 1 else tuple(outs[i] for i in public)

@@ -126,18 +126,31 @@ def selective_scan_fn(u: Array, delta: Array, A: Array, B: Array, C: Array, D: A
     recomputing the forward; save_states=False keeps none, and the backward recomputes them.
     Other frameworks' GPU arrays (CuPy, __cuda_array_interface__, DLPack) run the forward alone; anything
     else, or torch mixed with another framework, is a TypeError naming the argument."""
-    _check_arrays("kspec.ops.selective_scan_fn", u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias,
-                  h0=h0)
+    args = (u, delta, A, B, C, D, z, delta_bias, h0)
+    # torch tensors (the common case: u's type or a subclass, nn.Parameter) need no _check_arrays: its
+    # keyword dict and two type tests per tensor cost more than the rest of this wrapper
+    tensor_type = type(u)
+    same = _is_torch(u)
+    if same:
+        for t in args:
+            if t is not None and not isinstance(t, tensor_type):
+                same = False
+                break
+    if not same:
+        _check_arrays("kspec.ops.selective_scan_fn", u=u, delta=delta, A=A, B=B, C=C, D=D, z=z,
+                      delta_bias=delta_bias, h0=h0)
     if B.ndim == 3:
         B = B[:, None]
     if C.ndim == 3:
         C = C[:, None]
-    args = [_contiguous(t) for t in (u, delta, A, B, C, D, z, delta_bias, h0)]
     if _is_torch(u):
-        from . import _torch
+        import kspec._torch as _torch  # fromlist-free: `from . import` runs importlib's Python per call
 
+        args = [t if t is None or t.is_contiguous() else t.contiguous()
+                for t in (u, delta, A, B, C, D, z, delta_bias, h0)]
         out, last = _torch.selective_scan(*args, bool(delta_softplus), bool(save_states))
     else:
+        args = [_contiguous(t) for t in (u, delta, A, B, C, D, z, delta_bias, h0)]
         out, last, _ = call("selective_scan.fwd", *args, delta_softplus=bool(delta_softplus))
     return (out, last) if return_last_state else out
 
