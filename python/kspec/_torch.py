@@ -84,11 +84,6 @@ _ACT = {"none": lambda t: t, "relu": torch.relu,
         "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
 
 
-def _as_matrix(x):
-    """nn.Linear takes (..., k); the gemm op takes (..., m, k): a 1-d input becomes one row."""
-    return x.unsqueeze(0) if x.dim() == 1 else x
-
-
 def _act(act):
     """The canonical name: the custom ops are called with an alias too (torch.ops.kspec.linear_fwd(...,
     "gelu", ...)), and the choice to keep GELU's input must see gelu_tanh (H100 run: the alias kept none)."""
@@ -165,14 +160,15 @@ linear_surface = build(Family(
 
 def _readable(t):
     """t itself when the gemm op reads it in place, else a contiguous copy (autograd sees the copy, so
-    the gradient comes back to the view F.linear was given)."""
-    if t is None or gemm_reads_in_place(t.shape, t.stride()):
+    the gradient comes back to the view F.linear was given). A contiguous tensor (the common case) is
+    read in place without gemm_reads_in_place's Python loop over its strides."""
+    if t is None or t.is_contiguous() or gemm_reads_in_place(t.shape, t.stride()):
         return t
     return t.contiguous()
 
 
 def linear(x, weight, bias, act, tf32):
-    squeeze = x.dim() == 1
-    y = linear_surface(_readable(_as_matrix(x)), _readable(weight), _readable(bias), act, tf32)
-    return y.squeeze(0) if squeeze else y
+    if x.dim() == 1:  # nn.Linear takes (..., k); the gemm op takes (..., m, k): a 1-d input becomes one row
+        return linear_surface(_readable(x.unsqueeze(0)), _readable(weight), _readable(bias), act, tf32).squeeze(0)
+    return linear_surface(_readable(x), _readable(weight), _readable(bias), act, tf32)
 

@@ -342,9 +342,9 @@ def linear(x: Array, weight: Array, bias: Array | None = None, act: str = "none"
     them); weight: (out_features, in_features); bias: (out_features) or None; act: "none", "relu" or
     "gelu_tanh" ("gelu" is accepted for it). Differentiable for torch tensors (gemm.bwd; dx comes back
     with x's shape and strides as autograd gives them)."""
-    act = canonical_act(act, _GEMM_ACTS, "kspec.ops.linear")
+    act = act if act in _GEMM_ACTS else canonical_act(act, _GEMM_ACTS, "kspec.ops.linear")
     if _is_torch(x):
-        from . import _torch
+        import kspec._torch as _torch  # fromlist-free: `from . import` runs importlib's Python per call
 
         return _torch.linear(x, weight, bias, act, bool(tf32))
     return call("gemm", x, weight, bias, act=act, tf32=bool(tf32))[0]
@@ -385,7 +385,7 @@ def e79_cell(kvqm: Array, n: int, b_s: Array | None = None, b_m: Array | None = 
     alike, e.g. "split=16,cluster=4" (one thread-block cluster of 4 CTAs per sequence, sm_90+); None:
     the tuned or heuristic one. torch.compile traces it without a graph break, as the custom ops
     kspec::e79_fwd and kspec::e79_bwd (checkpoints kept only where a gradient is wanted)."""
-    from . import _e79
+    import kspec._e79 as _e79  # fromlist-free: `from . import` runs importlib's Python per call
 
     if bias not in _e79.BIAS_MODES:
         raise ValueError(f"kspec.ops.e79_cell: bias must be one of {_e79.BIAS_MODES}, got {bias!r}")
@@ -416,7 +416,7 @@ def e79(x: Array, W_kvqm: Array, b_s: Array | None = None, b_m: Array | None = N
     bias="input"; S0, M0: (B, n, n) or None; config: as kspec.ops.e79_cell's. Returns (out (T, B, n) or
     (B, T, n), S, M (B, n, n) fp32). Under torch.compile: two custom ops (kspec::linear_fwd, kspec::e79_fwd)
     and their backwards, one graph (fullgraph=True works)."""
-    from . import _e79
+    import kspec._e79 as _e79  # fromlist-free: `from . import` runs importlib's Python per call
 
     if bias not in _e79.BIAS_MODES:
         raise ValueError(f"kspec.ops.e79: bias must be one of {_e79.BIAS_MODES}, got {bias!r}")
