@@ -21,10 +21,11 @@ def use_torch_ext(fn, some=None) -> None:
 
 
 def call_some(op: str, inputs: tuple, out: tuple, params: dict):
-    """kspec.call(op, *inputs, out=..., **params) for torch tensors where the outputs that are None in `out`
-    are allocated in C++ (the torch extension's at::empty), as far as the op has them without being given
-    them (an optional output left out stays absent); NotImplemented where the extension does not take the
-    call: the caller then allocates them itself and calls kspec.call, which raises what it raises."""
+    """kspec.call(op, *inputs, out=..., **params) for torch tensors with outputs allocated in C++ (the torch
+    extension's at::empty): each entry of `out` a tensor (given), None (allocated where the op has that
+    output without being given it; an optional one stays absent) or a shape tuple (allocated with it, the
+    op's dtype). NotImplemented where the extension does not take the call: the caller then allocates
+    the outputs itself and calls kspec.call, which raises what it raises."""
     if _call_some is None:
         return NotImplemented
     return _call_some(op, inputs, out, params)

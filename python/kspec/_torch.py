@@ -41,18 +41,19 @@ _STATE_STRIDE = _C.op_info("selective_scan.fwd")["constants"]["state_stride"]
 
 
 def _scan_fwd(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, save_states, save):
-    """(out, last_state, states); states (allocated only when kept for a backward) else None. out and
-    last_state are allocated in C++ (the registry sizes them; torch.empty from Python costs ~6 us a tensor
-    on the H100): without states by kspec.call itself, with them by the extension's call_some."""
+    """(out, last_state, states); states (allocated only when kept for a backward) else None. All three are
+    allocated in C++ (torch.empty from Python costs ~6 us a tensor on the H100): without states by
+    kspec.call itself, with them by the extension's call_some, given the states' shape (its nstates is
+    no input's dim)."""
     if not save:
         return call("selective_scan.fwd", u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus=delta_softplus)
     inputs = (u, delta, A, B, C, D, z, delta_bias, h0)
-    states = u.new_empty((u.shape[0], u.shape[1], -(-u.shape[2] // _STATE_STRIDE), A.shape[1]), dtype=torch.float32)
+    states = (u.shape[0], u.shape[1], -(-u.shape[2] // _STATE_STRIDE), A.shape[1])
     outs = call_some("selective_scan.fwd", inputs, (None, None, states), {"delta_softplus": delta_softplus})
     if outs is NotImplemented:  # the pure path (no extension), or an input the extension does not read
         outs = call("selective_scan.fwd", *inputs, delta_softplus=delta_softplus,
-                    out=(torch.empty_like(u), u.new_empty((u.shape[0], u.shape[1], A.shape[1]),
-                                                          dtype=torch.float32), states))
+                    out=(torch.empty_like(u), u.new_empty((u.shape[0], u.shape[1], A.shape[1]), dtype=torch.float32),
+                         u.new_empty(states, dtype=torch.float32)))
     return outs
 
 

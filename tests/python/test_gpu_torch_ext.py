@@ -143,3 +143,6 @@ def test_scan_forward_allocates_in_cpp_and_leaves_an_unused_last_state_unfilled(
     assert same is states and not states.isnan().any()
     want = kspec.call("selective_scan.fwd", u, delta, A, B, C, None, None, None, None, delta_softplus=True)
     assert torch.equal(out, want[0]) and torch.equal(last, want[1])
+    out, last, made = _native.ext.call_some("selective_scan.fwd", (u, delta, A, B, C, None, None, None, None),
+                                            (None, None, tuple(states.shape)), {"delta_softplus": True})
+    assert torch.equal(made, states) and torch.equal(out, want[0]) and torch.equal(last, want[1])

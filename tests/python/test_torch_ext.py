@@ -308,8 +308,9 @@ def test_scan_node_materializes_only_the_gradients_its_backward_requires(monkeyp
 
 def test_scan_host_path_on_the_mock_driver():
     """The extension's whole host path with no GPU (tools/bench/dispatch_host.py: CPU tensors through
-    kspec::call into the mock CUDA driver): call_some allocates the outputs left None and keeps the one
-    given; a selective_scan_fn training step runs its forward and backward through kspec's launches."""
+    kspec::call into the mock CUDA driver): call_some allocates the outputs left None, keeps the one
+    given, allocates one given as a shape with the op's dtype (and leaves a bad shape to the general
+    path); a selective_scan_fn training step runs its forward and backward through kspec's launches."""
     include = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
     if _native.ext is None or not os.path.exists(os.path.join(include, "cuda.h")):
         pytest.skip("needs the torch extension and the CUDA toolkit's cuda.h (for the mock driver)")
@@ -325,11 +326,14 @@ from kspec import _native
 dh.install_shim(shim)
 u, delta = torch.randn(2, 4, 40, dtype=torch.bfloat16), torch.rand(2, 4, 40, dtype=torch.bfloat16)
 A, B, C = -torch.rand(4, 16), torch.randn(2, 1, 16, 40, dtype=torch.bfloat16), torch.randn(2, 1, 16, 40, dtype=torch.bfloat16)
+ins, p = (u, delta, A, B, C, None, None, None, None), dict(delta_softplus=True)
 states = torch.empty(2, 4, 3, 16)
-out, last, got = _native.ext.call_some("selective_scan.fwd", (u, delta, A, B, C, None, None, None, None),
-                                       (None, None, states), dict(delta_softplus=True))
+out, last, got = _native.ext.call_some("selective_scan.fwd", ins, (None, None, states), p)
 assert got is states and out.shape == u.shape and out.dtype == u.dtype
 assert last.shape == (2, 4, 16) and last.dtype == torch.float32
+out, last, made = _native.ext.call_some("selective_scan.fwd", ins, (None, None, (2, 4, 3, 16)), p)
+assert made.shape == (2, 4, 3, 16) and made.dtype == torch.float32 and last.shape == (2, 4, 16)
+assert _native.ext.call_some("selective_scan.fwd", ins, (None, None, (2, -4)), p) is NotImplemented
 leaves = [t.clone().requires_grad_() for t in (u, delta, A, B, C)]
 kspec.ops.selective_scan_fn(*leaves, delta_softplus=True).sum().backward()
 assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)

@@ -73,11 +73,17 @@ void* stream_of(const at::Device& device) {
   return device.is_cuda() ? c10::cuda::getCurrentCUDAStream(device.index()).stream() : nullptr;
 }
 
+// An output's shape given by the caller (call_some): for one the registry cannot size from the inputs.
+struct Sized {
+  bool given = false;
+  std::vector<int64_t> shape;
+};
+
 // Outputs from the registry's infer_outputs, allocated on `device`: every present one into an empty
-// `out`, else (`out` already holds the outputs given) only those left undefined there; false when kspec
-// raised (kept).
+// `out`, else (`out` already holds the outputs given) only those left undefined there, with the shape in
+// `sized` where one is given (the op's dtype for it either way); false when kspec raised (kept).
 bool allocate(const char* op, const std::vector<kspec::TensorView>& in, const std::vector<kspec_ext::Param>& params,
-              const at::Device& device, std::vector<at::Tensor>* out) {
+              const at::Device& device, std::vector<at::Tensor>* out, const std::vector<Sized>* sized = nullptr) {
   kspec_ext::Output specs[kspec_ext::kMaxOutputs];
   int n = 0;
   if (g_api->infer_outputs(op, in.data(), static_cast<int>(in.size()), params.data(), static_cast<int>(params.size()),
@@ -85,9 +91,12 @@ bool allocate(const char* op, const std::vector<kspec::TensorView>& in, const st
     return false;
   if (out->empty()) out->resize(static_cast<size_t>(n));
   for (int i = 0; i < n && i < static_cast<int>(out->size()); ++i) {
-    if (!specs[i].present || (*out)[i].defined()) continue;
-    (*out)[i] = at::empty(c10::IntArrayRef(specs[i].shape, specs[i].rank),
-                          at::TensorOptions().dtype(to_torch(specs[i].dtype)).device(device));
+    if ((*out)[i].defined()) continue;
+    const auto options = at::TensorOptions().dtype(to_torch(specs[i].dtype)).device(device);
+    if (sized && (*sized)[i].given)
+      (*out)[i] = at::empty((*sized)[i].shape, options);
+    else if (specs[i].present)
+      (*out)[i] = at::empty(c10::IntArrayRef(specs[i].shape, specs[i].rank), options);
   }
   return true;
 }
@@ -160,6 +169,35 @@ bool tensors_of(PyObject* seq, std::vector<at::Tensor>* out) {
   return true;
 }
 
+// call_some's outputs: a tensor (given), None (allocated where the op has it) or a tuple of ints (allocated
+// with that shape); false (no error set) for anything else.
+bool outputs_of(PyObject* seq, std::vector<at::Tensor>* out, std::vector<Sized>* sized) {
+  if (!PyTuple_Check(seq) && !PyList_Check(seq)) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  out->resize(static_cast<size_t>(n));
+  sized->resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* o = PySequence_Fast_GET_ITEM(seq, i);
+    if (o == Py_None) continue;
+    if (THPVariable_Check(o)) {
+      (*out)[static_cast<size_t>(i)] = THPVariable_Unpack(o);
+      continue;
+    }
+    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) > kspec::kMaxRank) return false;
+    Sized& s = (*sized)[static_cast<size_t>(i)];
+    s.given = true;
+    for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(o); ++d) {
+      const long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(o, d));
+      if (v < 0) {  // not an int (an error set), or negative: the general path's to judge
+        PyErr_Clear();
+        return false;
+      }
+      s.shape.push_back(v);
+    }
+  }
+  return true;
+}
+
 bool views_of(const std::vector<at::Tensor>& ts, bool writable, std::vector<kspec::TensorView>* out) {
   out->resize(ts.size());
   for (size_t i = 0; i < ts.size(); ++i)
@@ -212,8 +250,11 @@ PyObject* call_with(PyObject* const* args, Py_ssize_t nargs, Outputs mode) {
   if (!first) return not_implemented();
   const at::Device device = first->device();
   if (mode == Outputs::kAllocated && args[2] != Py_None) mode = Outputs::kGiven;
-  if (mode != Outputs::kAllocated && !tensors_of(args[2], &out)) return not_implemented();
-  if (mode != Outputs::kGiven && !allocate(op, in_views, params, device, &out)) {
+  std::vector<Sized> sized;
+  if (mode == Outputs::kGiven && !tensors_of(args[2], &out)) return not_implemented();
+  if (mode == Outputs::kSome && !outputs_of(args[2], &out, &sized)) return not_implemented();
+  const std::vector<Sized>* shapes = mode == Outputs::kSome ? &sized : nullptr;
+  if (mode != Outputs::kGiven && !allocate(op, in_views, params, device, &out, shapes)) {
     g_api->raise_error();
     return nullptr;
   }
@@ -233,11 +274,11 @@ PyObject* py_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-// call_some(op, inputs, out, params): `out` a sequence like the op's outputs whose None entries are
-// allocated here (at::empty, ~1 us each against ~6 us for torch.empty from Python on the H100) where the
-// op has that output without being given it; an optional output it leaves out stays absent. For a
-// forward that must pass one output the registry cannot size (the scan's states) and wants the rest
-// allocated.
+// call_some(op, inputs, out, params): `out` a sequence like the op's outputs, each a tensor (given), None
+// (allocated here where the op has that output without being given it; an optional one stays absent) or
+// a tuple of ints (allocated with that shape and the op's dtype for it: an output the registry cannot
+// size from the inputs, the scan's states). at::empty costs ~1 us against ~6 us for torch.empty from
+// Python on the H100. Returns every output (the given ones themselves).
 PyObject* py_call_some(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   return call_with(args, nargs, Outputs::kSome);
