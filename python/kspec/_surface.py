@@ -263,7 +263,8 @@ class Surface:
         if f.save_required and not kept:
             raise RuntimeError(f"kspec::{f.name}_fwd ran with {f.save_arg}=False: it kept nothing for the backward")
         res = bwd(*[grads[i] if k == 0 else saved[i] if k == 1 else cfg[i] for k, i in self.bwd_plan])
-        return tuple(None if j < 0 or a else res[j] for j, a in zip(self.grad_plan, absent))
+        # a list comprehension, not a generator: one frame instead of one resumption per argument
+        return tuple([None if j < 0 or a else res[j] for j, a in zip(self.grad_plan, absent)])
 
     def _op_setup(self, ctx, inputs, output):
         inputs = self._full(inputs)
@@ -291,7 +292,7 @@ class Surface:
             present = [outs[i] for i in nondiff if outs[i] is not None]  # an absent output is None
             if present:
                 ctx.mark_non_differentiable(*present)
-            return outs[public[0]] if len(public) == 1 else tuple(outs[i] for i in public)
+            return outs[public[0]] if len(public) == 1 else tuple([outs[i] for i in public])
 
         def backward(ctx, *grads):
             full = [None] * n_out
@@ -325,7 +326,7 @@ class Surface:
         _native.ext.record(self.node_name, self._native_backward, ctx, self.materialize_out,
                            [args[i] for i in self.tensor_pos], outs, self.diff_out, self.pick_saved(env))
         public = f.public
-        return outs[public[0]] if len(public) == 1 else tuple(outs[i] for i in public)
+        return outs[public[0]] if len(public) == 1 else tuple([outs[i] for i in public])
 
     def _native_backward(self, saved, grads, ctx):
         """The tensor arguments' gradients; grads: one per differentiable output (None: none came)."""
@@ -365,7 +366,7 @@ class Surface:
             return self._native_apply(args)
         else:
             return self.function.apply(*args)
-        return outs[public[0]] if len(public) == 1 else tuple(outs[i] for i in public)
+        return outs[public[0]] if len(public) == 1 else tuple([outs[i] for i in public])
 
 
 def build(family: Family) -> Surface:

@@ -11,13 +11,14 @@ import kspec  # noqa: E402
 from kspec import _torch  # noqa: E402
 
 
-def _python_calls(fn) -> list:
-    """Names of the Python functions one fn() call runs (after a warm-up call)."""
+def _python_calls(fn, kspec_only=False) -> list:
+    """Names of the Python functions (and generator resumptions) one fn() call runs, after a warm-up call;
+    kspec_only: those of kspec's own files."""
     fn()
     names = []
 
     def hook(frame, event, arg):
-        if event == "call":
+        if event == "call" and (not kspec_only or "kspec" in frame.f_code.co_filename):
             names.append(frame.f_code.co_name)
 
     sys.setprofile(hook)
@@ -54,3 +55,23 @@ def test_linear_reads_contiguous_operands_without_the_layout_walk(monkeypatch, w
     names = _python_calls(lambda: kspec.ops.linear(x, w, None, "relu"))
     assert names.count("gemm_reads_in_place") == int(weight_t), names
     assert not (NOT_PER_CALL - {"gemm_reads_in_place"}) & set(names), names
+
+
+def test_scan_surface_runs_no_generator(monkeypatch):
+    """The surface's forward (its public outputs) and backward (Surface._grads_of's gradient mapping) build
+    their tuples from list comprehensions, not generators resumed once per item."""
+    b, d, t, n = 1, 4, 8, 16
+
+    def stub(op, *inputs, out=None, **params):
+        if op == "selective_scan.fwd":
+            return out if out is not None else (torch.zeros(b, d, t), torch.zeros(b, d, n), None)
+        return tuple(None if x is None else torch.zeros_like(x) for x in inputs[1:10])
+
+    monkeypatch.setattr(_torch, "call", stub)
+    monkeypatch.setattr(_torch, "call_some", lambda *args: NotImplemented)
+    leaves = [v.requires_grad_() for v in (torch.randn(b, d, t), torch.rand(b, d, t), -torch.rand(d, n),
+                                           torch.randn(b, 1, n, t), torch.randn(b, 1, n, t))]
+    dout = torch.randn(b, d, t)
+    names = _python_calls(lambda: kspec.ops.selective_scan_fn(*leaves, delta_softplus=True).backward(dout),
+                          kspec_only=True)
+    assert "_grads_of" in names and "<genexpr>" not in names, " ".join(names)
