@@ -325,7 +325,8 @@ import torch, kspec, kspec._torch
 from kspec import _native
 dh.install_shim(shim)
 u, delta = torch.randn(2, 4, 40, dtype=torch.bfloat16), torch.rand(2, 4, 40, dtype=torch.bfloat16)
-A, B, C = -torch.rand(4, 16), torch.randn(2, 1, 16, 40, dtype=torch.bfloat16), torch.randn(2, 1, 16, 40, dtype=torch.bfloat16)
+A = -torch.rand(4, 16)
+B, C = torch.randn(2, 1, 16, 40, dtype=torch.bfloat16), torch.randn(2, 1, 16, 40, dtype=torch.bfloat16)
 ins, p = (u, delta, A, B, C, None, None, None, None), dict(delta_softplus=True)
 states = torch.empty(2, 4, 3, 16)
 out, last, got = _native.ext.call_some("selective_scan.fwd", ins, (None, None, states), p)
