@@ -126,13 +126,13 @@ def selective_scan_fn(u: Array, delta: Array, A: Array, B: Array, C: Array, D: A
     recomputing the forward; save_states=False keeps none, and the backward recomputes them.
     Other frameworks' GPU arrays (CuPy, __cuda_array_interface__, DLPack) run the forward alone; anything
     else, or torch mixed with another framework, is a TypeError naming the argument."""
-    args = (u, delta, A, B, C, D, z, delta_bias, h0)
+    tensors = (u, delta, A, B, C, D, z, delta_bias, h0)
     # torch tensors (the common case: u's type or a subclass, nn.Parameter) need no _check_arrays: its
     # keyword dict and two type tests per tensor cost more than the rest of this wrapper
     tensor_type = type(u)
     same = _is_torch(u)
     if same:
-        for t in args:
+        for t in tensors:
             if t is not None and not isinstance(t, tensor_type):
                 same = False
                 break
