@@ -141,8 +141,11 @@ def test_scan_forward_allocates_in_cpp_and_leaves_an_unused_last_state_unfilled(
     out, last, same = _native.ext.call_some("selective_scan.fwd", (u, delta, A, B, C, None, None, None, None),
                                             (None, None, states), {"delta_softplus": True})
     assert same is states and not states.isnan().any()
-    want = kspec.call("selective_scan.fwd", u, delta, A, B, C, None, None, None, None, delta_softplus=True)
-    assert torch.equal(out, want[0]) and torch.equal(last, want[1])
+    # the same plan as with states given from Python (a forward without states may take another)
+    want = kspec.call("selective_scan.fwd", u, delta, A, B, C, None, None, None, None, delta_softplus=True,
+                      out=(torch.empty_like(u), torch.empty(2, 32, A.shape[1], device="cuda"),
+                           torch.empty_like(states)))
+    assert torch.equal(out, want[0]) and torch.equal(last, want[1]) and torch.equal(states, want[2])
     out, last, made = _native.ext.call_some("selective_scan.fwd", (u, delta, A, B, C, None, None, None, None),
                                             (None, None, tuple(states.shape)), {"delta_softplus": True})
-    assert torch.equal(made, states) and torch.equal(out, want[0]) and torch.equal(last, want[1])
+    assert torch.equal(made, want[2]) and torch.equal(out, want[0]) and torch.equal(last, want[1])
