@@ -174,12 +174,15 @@ class Surface:
         self.pick_saved, self.pick_cfg = (_picker([i if kind == 0 else n_args + i if kind == 1
                                                    else n_args + n_out + extras.index(i) for kind, i in keep])
                                           for keep in (keep_saved, keep_cfg))
-        # zeros for an unused output only where the backward cannot take None for its gradient: the C++
-        # node decides per differentiable output (the scan's unused last_state gets no zero-filled
-        # gradient: its `dlast_state` is optional), the autograd.Function for all of them at once
+        # zeros for an unused output only where the backward cannot take None for its gradient (the scan's
+        # unused last_state gets none: its `dlast_state` is optional; an allocation and a fill kernel per
+        # training step saved). The C++ node decides per differentiable output; the autograd.Function and
+        # the custom op let torch materialize where every differentiable output needs it, else make the
+        # zeros themselves (zero_outs) from the outputs' metadata kept at the forward.
         need = {i for (k, i), (_, t) in zip(self.bwd_plan, self.bwd_args) if k == 0 and t == "Tensor"}
-        self.materialize = bool(need)
         self.materialize_out = tuple(i in need for i in self.diff_out)
+        self.materialize = need == set(self.diff_out)
+        self.zero_outs = () if self.materialize else tuple(sorted(need))
         # forward argument -> index of its gradient among the backward's outputs (-1: none)
         self.grad_plan = [f.bwd_out.index("d" + n) if "d" + n in f.bwd_out else -1 for n in self.fwd_names]
         # One output: the op returns a Tensor, not a tuple (torch reads "-> (Tensor)" as one Tensor).
@@ -253,9 +256,16 @@ class Surface:
         ctx.kspec_saved = self._save_flag(args)
         if not self.materialize:
             ctx.set_materialize_grads(False)
+            ctx.kspec_zeros = [(i, outs[i].shape, outs[i].dtype, outs[i].device) for i in self.zero_outs
+                               if outs[i] is not None]
 
     def _grads(self, ctx, grads, bwd):
         """The forward arguments' gradients; grads: one per forward output (None: none came)."""
+        if self.zero_outs:
+            grads = list(grads)
+            for i, shape, dtype, device in ctx.kspec_zeros:
+                if grads[i] is None:
+                    grads[i] = torch.zeros(shape, dtype=dtype, device=device)
         return self._grads_of(ctx.saved_tensors, ctx.kspec_cfg, ctx.kspec_absent, ctx.kspec_saved, grads, bwd)
 
     def _grads_of(self, saved, cfg, absent, kept, grads, bwd):

@@ -122,9 +122,9 @@ def test_runs_on_the_current_stream_and_under_graph_capture():
 
 def test_scan_forward_allocates_in_cpp_and_leaves_an_unused_last_state_unfilled():
     """The scan's forward with a gradient wanted allocates out and last_state in C++ (call_some) beside the
-    states it is given; its C++ node passes None (no zero-filled tensor, no fill kernel) for the gradient
-    of a last_state the caller did not use, where the pure path's Function materializes zeros: the same
-    gradients either way."""
+    states it is given; its graph node passes None (no zero-filled tensor, no fill kernel) for the gradient
+    of a last_state the caller did not use: the gradients of the pure path's (which, with its
+    autograd.Function, does the same), and of a kspec.call with states given."""
     from test_gpu_surface import _scan
 
     inputs, public, *_ = _scan((2, 32, 100), torch.bfloat16)
