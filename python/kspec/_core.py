@@ -12,11 +12,23 @@ from ._typing import Array, Arrays
 # torch tensors' path: described, allocated and launched in one C++ call; kspec._torch_ext's (at::Tensor,
 # at::empty) when kspec._native loads it, else _C's (the Python C API, torch.empty).
 _call_torch = _C.call_torch
+_call_some = None  # kspec._torch_ext.call_some where the extension is loaded
 
 
-def use_torch_ext(fn) -> None:
-    global _call_torch
-    _call_torch = fn
+def use_torch_ext(fn, some=None) -> None:
+    global _call_torch, _call_some
+    _call_torch, _call_some = fn, some
+
+
+def call_some(op: str, inputs: tuple, out: tuple, params: dict):
+    """kspec.call(op, *inputs, out=..., **params) for torch tensors with outputs allocated in C++ (the torch
+    extension's at::empty): each entry of `out` a tensor (given), None (allocated where the op has that
+    output without being given it; an optional one stays absent) or a shape tuple (allocated with it, the
+    op's dtype). NotImplemented where the extension does not take the call: the caller then allocates
+    the outputs itself and calls kspec.call, which raises what it raises."""
+    if _call_some is None:
+        return NotImplemented
+    return _call_some(op, inputs, out, params)
 
 
 def call(op: str, *inputs: Array, config: str | None = None, out: Sequence[Array] | None = None,

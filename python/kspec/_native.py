@@ -29,7 +29,7 @@ def _load():
         return None
     _torch_ext.init(_C._ext_api)
     ext = _torch_ext
-    _core.use_torch_ext(ext.call)
+    _core.use_torch_ext(ext.call, ext.call_some)
     return ext
 
 

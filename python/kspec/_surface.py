@@ -174,8 +174,15 @@ class Surface:
         self.pick_saved, self.pick_cfg = (_picker([i if kind == 0 else n_args + i if kind == 1
                                                    else n_args + n_out + extras.index(i) for kind, i in keep])
                                           for keep in (keep_saved, keep_cfg))
-        # zeros for an unused output only where the backward cannot take None for its gradient
-        self.materialize = any(t == "Tensor" for (k, _), (_, t) in zip(self.bwd_plan, self.bwd_args) if k == 0)
+        # zeros for an unused output only where the backward cannot take None for its gradient (the scan's
+        # unused last_state gets none: its `dlast_state` is optional; an allocation and a fill kernel per
+        # training step saved). The C++ node decides per differentiable output; the autograd.Function and
+        # the custom op let torch materialize where every differentiable output needs it, else make the
+        # zeros themselves (zero_outs) from the outputs' metadata kept at the forward.
+        need = {i for (k, i), (_, t) in zip(self.bwd_plan, self.bwd_args) if k == 0 and t == "Tensor"}
+        self.materialize_out = tuple(i in need for i in self.diff_out)
+        self.materialize = need == set(self.diff_out)
+        self.zero_outs = () if self.materialize else tuple(sorted(need))
         # forward argument -> index of its gradient among the backward's outputs (-1: none)
         self.grad_plan = [f.bwd_out.index("d" + n) if "d" + n in f.bwd_out else -1 for n in self.fwd_names]
         # One output: the op returns a Tensor, not a tuple (torch reads "-> (Tensor)" as one Tensor).
@@ -249,9 +256,16 @@ class Surface:
         ctx.kspec_saved = self._save_flag(args)
         if not self.materialize:
             ctx.set_materialize_grads(False)
+            ctx.kspec_zeros = [(i, outs[i].shape, outs[i].dtype, outs[i].device) for i in self.zero_outs
+                               if outs[i] is not None]
 
     def _grads(self, ctx, grads, bwd):
         """The forward arguments' gradients; grads: one per forward output (None: none came)."""
+        if self.zero_outs:
+            grads = list(grads)
+            for i, shape, dtype, device in ctx.kspec_zeros:
+                if grads[i] is None:
+                    grads[i] = torch.zeros(shape, dtype=dtype, device=device)
         return self._grads_of(ctx.saved_tensors, ctx.kspec_cfg, ctx.kspec_absent, ctx.kspec_saved, grads, bwd)
 
     def _grads_of(self, saved, cfg, absent, kept, grads, bwd):
@@ -259,7 +273,8 @@ class Surface:
         if f.save_required and not kept:
             raise RuntimeError(f"kspec::{f.name}_fwd ran with {f.save_arg}=False: it kept nothing for the backward")
         res = bwd(*[grads[i] if k == 0 else saved[i] if k == 1 else cfg[i] for k, i in self.bwd_plan])
-        return tuple(None if j < 0 or a else res[j] for j, a in zip(self.grad_plan, absent))
+        # a list comprehension, not a generator: one frame instead of one resumption per argument
+        return tuple([None if j < 0 or a else res[j] for j, a in zip(self.grad_plan, absent)])
 
     def _op_setup(self, ctx, inputs, output):
         inputs = self._full(inputs)
@@ -287,7 +302,7 @@ class Surface:
             present = [outs[i] for i in nondiff if outs[i] is not None]  # an absent output is None
             if present:
                 ctx.mark_non_differentiable(*present)
-            return outs[public[0]] if len(public) == 1 else tuple(outs[i] for i in public)
+            return outs[public[0]] if len(public) == 1 else tuple([outs[i] for i in public])
 
         def backward(ctx, *grads):
             full = [None] * n_out
@@ -318,10 +333,10 @@ class Surface:
             named = dict(zip(self.fwd_names + list(f.fwd_out), env))
             env += tuple(fn(named) for fn in f.extra.values())
         ctx = (self.pick_cfg(env), [a is None for a in args], save)
-        _native.ext.record(self.node_name, self._native_backward, ctx, self.materialize,
+        _native.ext.record(self.node_name, self._native_backward, ctx, self.materialize_out,
                            [args[i] for i in self.tensor_pos], outs, self.diff_out, self.pick_saved(env))
         public = f.public
-        return outs[public[0]] if len(public) == 1 else tuple(outs[i] for i in public)
+        return outs[public[0]] if len(public) == 1 else tuple([outs[i] for i in public])
 
     def _native_backward(self, saved, grads, ctx):
         """The tensor arguments' gradients; grads: one per differentiable output (None: none came)."""
@@ -361,7 +376,7 @@ class Surface:
             return self._native_apply(args)
         else:
             return self.function.apply(*args)
-        return outs[public[0]] if len(public) == 1 else tuple(outs[i] for i in public)
+        return outs[public[0]] if len(public) == 1 else tuple([outs[i] for i in public])
 
 
 def build(family: Family) -> Surface:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import _C
-from ._core import call
+from ._core import call, call_some
 from ._surface import Family, build
 from .ops import ACTIVATION_ALIASES, gemm_reads_in_place
 
@@ -41,23 +41,29 @@ _STATE_STRIDE = _C.op_info("selective_scan.fwd")["constants"]["state_stride"]
 
 
 def _scan_fwd(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, save_states, save):
-    """(out, last_state, states); states (allocated only when kept for a backward) else None."""
-    out = torch.empty_like(u)
-    last = u.new_empty((u.shape[0], u.shape[1], A.shape[1]), dtype=torch.float32)
-    states = None
-    if save:
-        states = u.new_empty((u.shape[0], u.shape[1], -(-u.shape[2] // _STATE_STRIDE), A.shape[1]),
-                             dtype=torch.float32)
-    call("selective_scan.fwd", u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus=delta_softplus,
-         out=(out, last, states))
-    return out, last, states
+    """(out, last_state, states); states (allocated only when kept for a backward) else None. All three are
+    allocated in C++ (torch.empty from Python costs ~6 us a tensor on the H100): without states by
+    kspec.call itself, with them by the extension's call_some, given the states' shape (its nstates is
+    no input's dim)."""
+    if not save:
+        return call("selective_scan.fwd", u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus=delta_softplus)
+    inputs = (u, delta, A, B, C, D, z, delta_bias, h0)
+    states = (u.shape[0], u.shape[1], -(-u.shape[2] // _STATE_STRIDE), A.shape[1])
+    outs = call_some("selective_scan.fwd", inputs, (None, None, states), {"delta_softplus": delta_softplus})
+    if outs is NotImplemented:  # the pure path (no extension), or an input the extension does not read
+        outs = call("selective_scan.fwd", *inputs, delta_softplus=delta_softplus,
+                    out=(torch.empty_like(u), u.new_empty((u.shape[0], u.shape[1], A.shape[1]), dtype=torch.float32),
+                         u.new_empty(states, dtype=torch.float32)))
+    return outs
 
 
 def _scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, h0, dlast_state, states, delta_softplus):
     if states is not None and states.numel() == 0:
         states = None  # the forward kept none (the custom op's stand-in): the backward recomputes them
-    dout = dout.contiguous()
-    dlast_state = None if dlast_state is None else dlast_state.contiguous()
+    if not dout.is_contiguous():
+        dout = dout.contiguous()
+    if dlast_state is not None and not dlast_state.is_contiguous():
+        dlast_state = dlast_state.contiguous()
     return call("selective_scan.bwd", dout, u, delta, A, B, C, D, z, delta_bias, h0, dlast_state, states,
                 delta_softplus=delta_softplus)
 
@@ -77,11 +83,6 @@ selective_scan = build(Family(
 
 _ACT = {"none": lambda t: t, "relu": torch.relu,
         "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
-
-
-def _as_matrix(x):
-    """nn.Linear takes (..., k); the gemm op takes (..., m, k): a 1-d input becomes one row."""
-    return x.unsqueeze(0) if x.dim() == 1 else x
 
 
 def _act(act):
@@ -160,14 +161,15 @@ linear_surface = build(Family(
 
 def _readable(t):
     """t itself when the gemm op reads it in place, else a contiguous copy (autograd sees the copy, so
-    the gradient comes back to the view F.linear was given)."""
-    if t is None or gemm_reads_in_place(t.shape, t.stride()):
+    the gradient comes back to the view F.linear was given). A contiguous tensor (the common case) is
+    read in place without gemm_reads_in_place's Python loop over its strides."""
+    if t is None or t.is_contiguous() or gemm_reads_in_place(t.shape, t.stride()):
         return t
     return t.contiguous()
 
 
 def linear(x, weight, bias, act, tf32):
-    squeeze = x.dim() == 1
-    y = linear_surface(_readable(_as_matrix(x)), _readable(weight), _readable(bias), act, tf32)
-    return y.squeeze(0) if squeeze else y
+    if x.dim() == 1:  # nn.Linear takes (..., k); the gemm op takes (..., m, k): a 1-d input becomes one row
+        return linear_surface(_readable(x.unsqueeze(0)), _readable(weight), _readable(bias), act, tf32).squeeze(0)
+    return linear_surface(_readable(x), _readable(weight), _readable(bias), act, tf32)
 

@@ -126,18 +126,31 @@ def selective_scan_fn(u: Array, delta: Array, A: Array, B: Array, C: Array, D: A
     recomputing the forward; save_states=False keeps none, and the backward recomputes them.
     Other frameworks' GPU arrays (CuPy, __cuda_array_interface__, DLPack) run the forward alone; anything
     else, or torch mixed with another framework, is a TypeError naming the argument."""
-    _check_arrays("kspec.ops.selective_scan_fn", u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias,
-                  h0=h0)
+    tensors = (u, delta, A, B, C, D, z, delta_bias, h0)
+    # torch tensors (the common case: u's type or a subclass, nn.Parameter) need no _check_arrays: its
+    # keyword dict and two type tests per tensor cost more than the rest of this wrapper
+    tensor_type = type(u)
+    same = _is_torch(u)
+    if same:
+        for t in tensors:
+            if t is not None and not isinstance(t, tensor_type):
+                same = False
+                break
+    if not same:
+        _check_arrays("kspec.ops.selective_scan_fn", u=u, delta=delta, A=A, B=B, C=C, D=D, z=z,
+                      delta_bias=delta_bias, h0=h0)
     if B.ndim == 3:
         B = B[:, None]
     if C.ndim == 3:
         C = C[:, None]
-    args = [_contiguous(t) for t in (u, delta, A, B, C, D, z, delta_bias, h0)]
     if _is_torch(u):
-        from . import _torch
+        import kspec._torch as _torch  # fromlist-free: `from . import` runs importlib's Python per call
 
+        args = [t if t is None or t.is_contiguous() else t.contiguous()
+                for t in (u, delta, A, B, C, D, z, delta_bias, h0)]
         out, last = _torch.selective_scan(*args, bool(delta_softplus), bool(save_states))
     else:
+        args = [_contiguous(t) for t in (u, delta, A, B, C, D, z, delta_bias, h0)]
         out, last, _ = call("selective_scan.fwd", *args, delta_softplus=bool(delta_softplus))
     return (out, last) if return_last_state else out
 
@@ -329,9 +342,9 @@ def linear(x: Array, weight: Array, bias: Array | None = None, act: str = "none"
     them); weight: (out_features, in_features); bias: (out_features) or None; act: "none", "relu" or
     "gelu_tanh" ("gelu" is accepted for it). Differentiable for torch tensors (gemm.bwd; dx comes back
     with x's shape and strides as autograd gives them)."""
-    act = canonical_act(act, _GEMM_ACTS, "kspec.ops.linear")
+    act = act if act in _GEMM_ACTS else canonical_act(act, _GEMM_ACTS, "kspec.ops.linear")
     if _is_torch(x):
-        from . import _torch
+        import kspec._torch as _torch  # fromlist-free: `from . import` runs importlib's Python per call
 
         return _torch.linear(x, weight, bias, act, bool(tf32))
     return call("gemm", x, weight, bias, act=act, tf32=bool(tf32))[0]
@@ -372,7 +385,7 @@ def e79_cell(kvqm: Array, n: int, b_s: Array | None = None, b_m: Array | None = 
     alike, e.g. "split=16,cluster=4" (one thread-block cluster of 4 CTAs per sequence, sm_90+); None:
     the tuned or heuristic one. torch.compile traces it without a graph break, as the custom ops
     kspec::e79_fwd and kspec::e79_bwd (checkpoints kept only where a gradient is wanted)."""
-    from . import _e79
+    import kspec._e79 as _e79  # fromlist-free: `from . import` runs importlib's Python per call
 
     if bias not in _e79.BIAS_MODES:
         raise ValueError(f"kspec.ops.e79_cell: bias must be one of {_e79.BIAS_MODES}, got {bias!r}")
@@ -403,7 +416,7 @@ def e79(x: Array, W_kvqm: Array, b_s: Array | None = None, b_m: Array | None = N
     bias="input"; S0, M0: (B, n, n) or None; config: as kspec.ops.e79_cell's. Returns (out (T, B, n) or
     (B, T, n), S, M (B, n, n) fp32). Under torch.compile: two custom ops (kspec::linear_fwd, kspec::e79_fwd)
     and their backwards, one graph (fullgraph=True works)."""
-    from . import _e79
+    import kspec._e79 as _e79  # fromlist-free: `from . import` runs importlib's Python per call
 
     if bias not in _e79.BIAS_MODES:
         raise ValueError(f"kspec.ops.e79: bias must be one of {_e79.BIAS_MODES}, got {bias!r}")

@@ -16,11 +16,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_native.ext is None, reason="t
 
 class pure_path:
     def __enter__(self):
-        self.saved = _core._call_torch
+        self.saved = _core._call_torch, _core._call_some
         _core.use_torch_ext(_C.call_torch)
 
     def __exit__(self, *exc):
-        _core.use_torch_ext(self.saved)
+        _core.use_torch_ext(*self.saved)
 
 
 def _np(t):
@@ -118,3 +118,34 @@ def test_runs_on_the_current_stream_and_under_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y1, want) and torch.equal(y2, want)
+
+
+def test_scan_forward_allocates_in_cpp_and_leaves_an_unused_last_state_unfilled():
+    """The scan's forward with a gradient wanted allocates out and last_state in C++ (call_some) beside the
+    states it is given; its graph node passes None (no zero-filled tensor, no fill kernel) for the gradient
+    of a last_state the caller did not use: the gradients of the pure path's (which, with its
+    autograd.Function, does the same), and of a kspec.call with states given."""
+    from test_gpu_surface import _scan
+
+    inputs, public, *_ = _scan((2, 32, 100), torch.bfloat16)
+
+    def out_only(*ts):
+        return public(*ts)[0]
+
+    got = _run(out_only, inputs)
+    with pure_path():
+        want, again = _run(out_only, inputs), _run(out_only, inputs)
+    _same(got, want, again, torch.bfloat16, "scan, out only")
+    u, delta, A, B, C = (t.detach() for t in inputs[:5])
+    states = torch.full((2, 32, 7, A.shape[1]), float("nan"), device="cuda")
+    out, last, same = _native.ext.call_some("selective_scan.fwd", (u, delta, A, B, C, None, None, None, None),
+                                            (None, None, states), {"delta_softplus": True})
+    assert same is states and not states.isnan().any()
+    # the same plan as with states given from Python (a forward without states may take another)
+    want = kspec.call("selective_scan.fwd", u, delta, A, B, C, None, None, None, None, delta_softplus=True,
+                      out=(torch.empty_like(u), torch.empty(2, 32, A.shape[1], device="cuda"),
+                           torch.empty_like(states)))
+    assert torch.equal(out, want[0]) and torch.equal(last, want[1]) and torch.equal(states, want[2])
+    out, last, made = _native.ext.call_some("selective_scan.fwd", (u, delta, A, B, C, None, None, None, None),
+                                            (None, None, tuple(states.shape)), {"delta_softplus": True})
+    assert torch.equal(made, want[2]) and torch.equal(out, want[0]) and torch.equal(last, want[1])

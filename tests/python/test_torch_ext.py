@@ -270,3 +270,80 @@ def test_eager_node_in_cpp_gives_the_functions_gradients(monkeypatch):
     torch.autograd.grad(y, xl, dy)
     with pytest.raises(RuntimeError, match="retain_graph=True"):
         torch.autograd.grad(y, xl, dy)
+
+
+@pytest.mark.parametrize("node", ["cpp", "function"])
+def test_scan_node_materializes_only_the_gradients_its_backward_requires(monkeypatch, node):
+    """The scan's graph node (the extension's C++ node, or the autograd.Function without it): a last_state
+    the caller did not use gets no zero-filled gradient (the backward takes dlast_state=None: no
+    allocation, no fill kernel per training step), while an unused `out` still gets zeros (its dout is a
+    required Tensor). The kernels stood in for by a stub that records what the backward was given."""
+    from kspec import _torch
+
+    if node == "cpp" and _native.ext is None:
+        pytest.skip("KSPEC_TORCH_EXT is off")
+    if node == "function":
+        monkeypatch.setattr(_native, "ext", None)
+
+    seen = []
+
+    def stub(op, *inputs, out=None, **params):
+        if op == "selective_scan.fwd":
+            u, A = inputs[0], inputs[2]
+            return out if out is not None else (torch.zeros_like(u), torch.zeros(*u.shape[:2], A.shape[1]), None)
+        seen.append((inputs[0], inputs[10]))  # dout, dlast_state
+        return tuple(None if t is None else torch.zeros_like(t) for t in inputs[1:10])
+
+    monkeypatch.setattr(_torch, "call", stub)
+    monkeypatch.setattr(_torch, "call_some", lambda *args: NotImplemented)
+    b, d, t, n = 2, 4, 8, 16
+    leaves = [torch.randn(b, d, t), torch.rand(b, d, t), -torch.rand(d, n), torch.randn(b, 1, n, t),
+              torch.randn(b, 1, n, t)]
+    leaves = [v.requires_grad_() for v in leaves]
+    out, last = kspec.ops.selective_scan_fn(*leaves, delta_softplus=True, return_last_state=True)
+    assert "SelectiveScanBackward" in out.grad_fn.name()
+    out.sum().backward()
+    dout, dlast = seen[-1]
+    assert dout is not None and dlast is None
+    out, last = kspec.ops.selective_scan_fn(*leaves, delta_softplus=True, return_last_state=True)
+    last.sum().backward()
+    dout, dlast = seen[-1]
+    assert dlast is not None and dout is not None and dout.shape == out.shape and not dout.any()
+
+
+def test_scan_host_path_on_the_mock_driver():
+    """The extension's whole host path with no GPU (tools/bench/dispatch_host.py: CPU tensors through
+    kspec::call into the mock CUDA driver): call_some allocates the outputs left None, keeps the one
+    given, allocates one given as a shape with the op's dtype (and leaves a bad shape to the general
+    path); a selective_scan_fn training step runs its forward and backward through kspec's launches."""
+    include = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
+    if _native.ext is None or not os.path.exists(os.path.join(include, "cuda.h")):
+        pytest.skip("needs the torch extension and the CUDA toolkit's cuda.h (for the mock driver)")
+    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench")
+    script = f"""
+import os, sys
+sys.path.insert(0, {tools!r})
+import dispatch_host as dh
+mock, shim = dh.build({include!r})
+os.environ["KSPEC_LIBCUDA"] = mock
+import torch, kspec, kspec._torch
+from kspec import _native
+dh.install_shim(shim)
+u, delta = torch.randn(2, 4, 40, dtype=torch.bfloat16), torch.rand(2, 4, 40, dtype=torch.bfloat16)
+A = -torch.rand(4, 16)
+B, C = torch.randn(2, 1, 16, 40, dtype=torch.bfloat16), torch.randn(2, 1, 16, 40, dtype=torch.bfloat16)
+ins, p = (u, delta, A, B, C, None, None, None, None), dict(delta_softplus=True)
+states = torch.empty(2, 4, 3, 16)
+out, last, got = _native.ext.call_some("selective_scan.fwd", ins, (None, None, states), p)
+assert got is states and out.shape == u.shape and out.dtype == u.dtype
+assert last.shape == (2, 4, 16) and last.dtype == torch.float32
+out, last, made = _native.ext.call_some("selective_scan.fwd", ins, (None, None, (2, 4, 3, 16)), p)
+assert made.shape == (2, 4, 3, 16) and made.dtype == torch.float32 and last.shape == (2, 4, 16)
+assert _native.ext.call_some("selective_scan.fwd", ins, (None, None, (2, -4)), p) is NotImplemented
+leaves = [t.clone().requires_grad_() for t in (u, delta, A, B, C)]
+kspec.ops.selective_scan_fn(*leaves, delta_softplus=True).sum().backward()
+assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

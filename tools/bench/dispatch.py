@@ -245,13 +245,13 @@ class _PurePath:
     def __enter__(self):
         from kspec import _C, _core
 
-        self.saved = _core._call_torch
+        self.saved = _core._call_torch, _core._call_some
         _core.use_torch_ext(_C.call_torch)
 
     def __exit__(self, *exc):
         from kspec import _core
 
-        _core.use_torch_ext(self.saved)
+        _core.use_torch_ext(*self.saved)
 
 
 def _twins(rows):

@@ -73,19 +73,30 @@ void* stream_of(const at::Device& device) {
   return device.is_cuda() ? c10::cuda::getCurrentCUDAStream(device.index()).stream() : nullptr;
 }
 
-// Outputs from the registry's infer_outputs, allocated on `device`; false when kspec raised (kept).
+// An output's shape given by the caller (call_some): for one the registry cannot size from the inputs.
+struct Sized {
+  bool given = false;
+  std::vector<int64_t> shape;
+};
+
+// Outputs from the registry's infer_outputs, allocated on `device`: every present one into an empty
+// `out`, else (`out` already holds the outputs given) only those left undefined there, with the shape in
+// `sized` where one is given (the op's dtype for it either way); false when kspec raised (kept).
 bool allocate(const char* op, const std::vector<kspec::TensorView>& in, const std::vector<kspec_ext::Param>& params,
-              const at::Device& device, std::vector<at::Tensor>* out) {
+              const at::Device& device, std::vector<at::Tensor>* out, const std::vector<Sized>* sized = nullptr) {
   kspec_ext::Output specs[kspec_ext::kMaxOutputs];
   int n = 0;
   if (g_api->infer_outputs(op, in.data(), static_cast<int>(in.size()), params.data(), static_cast<int>(params.size()),
                            specs, kspec_ext::kMaxOutputs, &n) != 0)
     return false;
-  out->resize(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) {
-    if (!specs[i].present) continue;
-    (*out)[i] = at::empty(c10::IntArrayRef(specs[i].shape, specs[i].rank),
-                          at::TensorOptions().dtype(to_torch(specs[i].dtype)).device(device));
+  if (out->empty()) out->resize(static_cast<size_t>(n));
+  for (int i = 0; i < n && i < static_cast<int>(out->size()); ++i) {
+    if ((*out)[i].defined()) continue;
+    const auto options = at::TensorOptions().dtype(to_torch(specs[i].dtype)).device(device);
+    if (sized && (*sized)[i].given)
+      (*out)[i] = at::empty((*sized)[i].shape, options);
+    else if (specs[i].present)
+      (*out)[i] = at::empty(c10::IntArrayRef(specs[i].shape, specs[i].rank), options);
   }
   return true;
 }
@@ -158,6 +169,35 @@ bool tensors_of(PyObject* seq, std::vector<at::Tensor>* out) {
   return true;
 }
 
+// call_some's outputs: a tensor (given), None (allocated where the op has it) or a tuple of ints (allocated
+// with that shape); false (no error set) for anything else.
+bool outputs_of(PyObject* seq, std::vector<at::Tensor>* out, std::vector<Sized>* sized) {
+  if (!PyTuple_Check(seq) && !PyList_Check(seq)) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  out->resize(static_cast<size_t>(n));
+  sized->resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* o = PySequence_Fast_GET_ITEM(seq, i);
+    if (o == Py_None) continue;
+    if (THPVariable_Check(o)) {
+      (*out)[static_cast<size_t>(i)] = THPVariable_Unpack(o);
+      continue;
+    }
+    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) > kspec::kMaxRank) return false;
+    Sized& s = (*sized)[static_cast<size_t>(i)];
+    s.given = true;
+    for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(o); ++d) {
+      const long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(o, d));
+      if (v < 0) {  // not an int (an error set), or negative: the general path's to judge
+        PyErr_Clear();
+        return false;
+      }
+      s.shape.push_back(v);
+    }
+  }
+  return true;
+}
+
 bool views_of(const std::vector<at::Tensor>& ts, bool writable, std::vector<kspec::TensorView>* out) {
   out->resize(ts.size());
   for (size_t i = 0; i < ts.size(); ++i)
@@ -165,11 +205,31 @@ bool views_of(const std::vector<at::Tensor>& ts, bool writable, std::vector<kspe
   return true;
 }
 
-// call(op, inputs, out, params): kspec.call for torch tensors (None or a sequence of outputs for `out`).
-// NotImplemented for anything it does not read (another framework, a dtype or device kspec does not
-// know, a param of another type): kspec.call's general path then runs and raises what it raises.
-PyObject* py_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
+// The outputs as a new tuple (None for an absent one).
+PyObject* wrap(std::vector<at::Tensor>* out) {
+  PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(out->size()));
+  if (!result) return nullptr;
+  for (size_t i = 0; i < out->size(); ++i) {
+    PyObject* o = Py_None;
+    if ((*out)[i].defined())
+      o = THPVariable_Wrap(std::move((*out)[i]));
+    else
+      Py_INCREF(o);
+    if (!o) {
+      Py_DECREF(result);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i), o);
+  }
+  return result;
+}
+
+enum class Outputs { kGiven, kAllocated, kSome };
+
+// call / call_some: kspec.call for torch tensors. NotImplemented for anything it does not read (another
+// framework, a dtype or device kspec does not know, a param of another type): kspec.call's general path
+// then runs and raises what it raises.
+PyObject* call_with(PyObject* const* args, Py_ssize_t nargs, Outputs mode) {
   if (nargs != 4 || !PyUnicode_Check(args[0])) {
     PyErr_SetString(PyExc_TypeError, "_torch_ext.call(op, inputs, out, params)");
     return nullptr;
@@ -189,36 +249,39 @@ PyObject* py_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
   if (!first) return not_implemented();
   const at::Device device = first->device();
-  const bool allocated = args[2] == Py_None;
-  if (allocated) {
-    if (!allocate(op, in_views, params, device, &out)) {
-      g_api->raise_error();
-      return nullptr;
-    }
-  } else if (!tensors_of(args[2], &out)) {
-    return not_implemented();
+  if (mode == Outputs::kAllocated && args[2] != Py_None) mode = Outputs::kGiven;
+  std::vector<Sized> sized;
+  if (mode == Outputs::kGiven && !tensors_of(args[2], &out)) return not_implemented();
+  if (mode == Outputs::kSome && !outputs_of(args[2], &out, &sized)) return not_implemented();
+  const std::vector<Sized>* shapes = mode == Outputs::kSome ? &sized : nullptr;
+  if (mode != Outputs::kGiven && !allocate(op, in_views, params, device, &out, shapes)) {
+    g_api->raise_error();
+    return nullptr;
   }
   if (!views_of(out, true, &out_views)) return not_implemented();
   if (run_released(op, in_views, out_views, params, stream_of(device)) != 0) {
     g_api->raise_error();
     return nullptr;
   }
-  if (!allocated) return PySequence_Tuple(args[2]);
-  PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(out.size()));
-  if (!result) return nullptr;
-  for (size_t i = 0; i < out.size(); ++i) {
-    PyObject* o = Py_None;
-    if (out[i].defined())
-      o = THPVariable_Wrap(std::move(out[i]));
-    else
-      Py_INCREF(o);
-    if (!o) {
-      Py_DECREF(result);
-      return nullptr;
-    }
-    PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i), o);
-  }
-  return result;
+  if (mode == Outputs::kGiven) return PySequence_Tuple(args[2]);
+  return wrap(&out);
+}
+
+// call(op, inputs, out, params): kspec.call for torch tensors (None or a sequence of outputs for `out`).
+PyObject* py_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  return call_with(args, nargs, Outputs::kAllocated);
+  END_HANDLE_TH_ERRORS
+}
+
+// call_some(op, inputs, out, params): `out` a sequence like the op's outputs, each a tensor (given), None
+// (allocated here where the op has that output without being given it; an optional one stays absent) or
+// a tuple of ints (allocated with that shape and the op's dtype for it: an output the registry cannot
+// size from the inputs, the scan's states). at::empty costs ~1 us against ~6 us for torch.empty from
+// Python on the H100. Returns every output (the given ones themselves).
+PyObject* py_call_some(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  return call_with(args, nargs, Outputs::kSome);
   END_HANDLE_TH_ERRORS
 }
 
@@ -380,8 +443,8 @@ PyObject* py_define(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // (saved tensors, gradients of the differentiable outputs, ctx) -> gradients of the tensor inputs.
 class SurfaceBackward final : public torch::autograd::Node {
  public:
-  SurfaceBackward(std::string name, PyObject* backward, PyObject* ctx, bool materialize)
-      : name_(std::move(name)), backward_(backward), ctx_(ctx), materialize_(materialize) {
+  SurfaceBackward(std::string name, PyObject* backward, PyObject* ctx, std::vector<bool> materialize)
+      : name_(std::move(name)), backward_(backward), ctx_(ctx), materialize_(std::move(materialize)) {
     Py_INCREF(backward_);
     Py_INCREF(ctx_);
   }
@@ -408,7 +471,7 @@ class SurfaceBackward final : public torch::autograd::Node {
     std::vector<at::Tensor> saved;
     for (auto& v : saved_) saved.push_back(v.unpack(shared_from_this()));
     for (size_t i = 0; i < grads.size(); ++i)
-      if (!grads[i].defined() && materialize_ && output_defined_[i]) grads[i] = input_metadata(i).zeros_like();
+      if (!grads[i].defined() && materialize_[i] && output_defined_[i]) grads[i] = input_metadata(i).zeros_like();
     pybind11::gil_scoped_acquire gil;
     auto to_tuple = [](const std::vector<at::Tensor>& ts) {
       pybind11::tuple t(ts.size());
@@ -437,7 +500,7 @@ class SurfaceBackward final : public torch::autograd::Node {
   std::string name_;
   PyObject* backward_;
   PyObject* ctx_;
-  bool materialize_;
+  std::vector<bool> materialize_;  // per differentiable output: zeros for a gradient that did not come
   bool released_ = false;
   std::vector<bool> output_defined_;
   std::vector<torch::autograd::SavedVariable> saved_;
@@ -447,6 +510,8 @@ class SurfaceBackward final : public torch::autograd::Node {
 // `outputs` from `inputs` (tensors or None, computed without grad) into the autograd graph: a
 // SurfaceBackward node whose inputs are outputs[diff] (they get it as grad_fn) and whose next edges are
 // the tensor inputs'; it saves `saved` (outputs among them are saved as outputs, with no reference cycle).
+// materialize: one bool per entry of diff, whether a gradient that did not come is passed as zeros (the
+// backward needs it) or as None (no allocation and no fill kernel per step).
 PyObject* py_record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK(nargs == 8, "_torch_ext.record(name, backward, ctx, materialize, inputs, outputs, diff, saved)");
@@ -455,13 +520,24 @@ PyObject* py_record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   std::vector<at::Tensor> inputs, outputs, saved;
   TORCH_CHECK(tensors_of(args[4], &inputs) && tensors_of(args[5], &outputs) && tensors_of(args[7], &saved),
               name, ": inputs, outputs and saved must be sequences of tensors or None");
-  auto node = std::shared_ptr<SurfaceBackward>(
-      new SurfaceBackward(name, args[1], args[2], PyObject_IsTrue(args[3]) == 1), torch::autograd::deleteNode);
-  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
-  std::vector<const at::TensorImpl*> with_history;
   PyObject* diff = PySequence_Fast(args[6], "diff: a sequence of output indices");
   if (!diff) return nullptr;
   pybind11::object hold = pybind11::reinterpret_steal<pybind11::object>(diff);
+  PyObject* zeros = PySequence_Fast(args[3], "materialize: a sequence of bools, one per diff index");
+  if (!zeros) return nullptr;
+  pybind11::object hold_zeros = pybind11::reinterpret_steal<pybind11::object>(zeros);
+  TORCH_CHECK(PySequence_Fast_GET_SIZE(zeros) == PySequence_Fast_GET_SIZE(diff), name,
+              ": materialize needs one bool per diff index");
+  std::vector<bool> materialize;
+  for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(zeros); ++k) {
+    const int v = PyObject_IsTrue(PySequence_Fast_GET_ITEM(zeros, k));
+    if (v < 0) return nullptr;
+    materialize.push_back(v == 1);
+  }
+  auto node = std::shared_ptr<SurfaceBackward>(
+      new SurfaceBackward(name, args[1], args[2], std::move(materialize)), torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  std::vector<const at::TensorImpl*> with_history;
   for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(diff); ++k) {
     const long i = PyLong_AsLong(PySequence_Fast_GET_ITEM(diff, k));
     if (i == -1 && PyErr_Occurred()) return nullptr;
@@ -496,6 +572,8 @@ PyMethodDef kMethods[] = {
     {"init", py_init, METH_O, "init(kspec._C._ext_api): connect to kspec's registry"},
     {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_call)), METH_FASTCALL,
      "call(op, inputs, out, params): kspec.call for torch tensors, or NotImplemented"},
+    {"call_some", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_call_some)), METH_FASTCALL,
+     "call_some(op, inputs, out, params): call with the outputs that are None in `out` allocated"},
     {"define", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_define)), METH_FASTCALL,
      "define(ns, op, schema, module): a dispatcher op running registry op `op`"},
     {"record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_record)), METH_FASTCALL,

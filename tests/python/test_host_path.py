@@ -1,0 +1,77 @@
+"""The Python layer of kspec.ops.* per call (no GPU: the registry call stubbed): what runs for torch tensors
+in the common case, counted with a profile hook. A host-bound training step calls these per layer, so the
+wrappers must not run importlib per call (`from . import`), nor checks and layout walks that the common
+case does not need (tools/bench/NOTES.md, "host path")."""
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import kspec  # noqa: E402
+from kspec import _torch  # noqa: E402
+
+
+def _python_calls(fn, kspec_only=False) -> list:
+    """Names of the Python functions (and generator resumptions) one fn() call runs, after a warm-up call;
+    kspec_only: those of kspec's own files."""
+    fn()
+    names = []
+
+    def hook(frame, event, arg):
+        if event == "call" and (not kspec_only or "kspec" in frame.f_code.co_filename):
+            names.append(frame.f_code.co_name)
+
+    sys.setprofile(hook)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return names[:-1]  # the last is setprofile's own exit
+
+
+NOT_PER_CALL = {"_handle_fromlist", "_check_arrays", "gemm_reads_in_place", "canonical_act", "_contiguous"}
+
+
+def test_selective_scan_fn_runs_no_import_or_generic_checks(monkeypatch):
+    u = torch.randn(1, 4, 8)
+    A, B = -torch.rand(4, 16), torch.randn(1, 1, 16, 8)
+
+    def stub(op, *inputs, out=None, **params):
+        return torch.empty_like(u), torch.empty(1, 4, 16), None
+
+    monkeypatch.setattr(_torch, "call", stub)
+    names = _python_calls(lambda: kspec.ops.selective_scan_fn(u, u, A, B, B, delta_softplus=True))
+    assert not NOT_PER_CALL & set(names), names
+    assert len(names) <= 16, names
+
+
+@pytest.mark.parametrize("weight_t", [False, True])
+def test_linear_reads_contiguous_operands_without_the_layout_walk(monkeypatch, weight_t):
+    x = torch.randn(4, 32)
+    w = torch.randn(16, 32)
+    if weight_t:  # a transposed weight: the layout rule runs for it alone (it is read in place)
+        w = torch.randn(32, 16).t()
+    monkeypatch.setattr(_torch, "call", lambda op, *inputs, **params: (torch.empty(4, 16), None))
+    names = _python_calls(lambda: kspec.ops.linear(x, w, None, "relu"))
+    assert names.count("gemm_reads_in_place") == int(weight_t), names
+    assert not (NOT_PER_CALL - {"gemm_reads_in_place"}) & set(names), names
+
+
+def test_scan_surface_runs_no_generator(monkeypatch):
+    """The surface's forward (its public outputs) and backward (Surface._grads_of's gradient mapping) build
+    their tuples from list comprehensions, not generators resumed once per item."""
+    b, d, t, n = 1, 4, 8, 16
+
+    def stub(op, *inputs, out=None, **params):
+        if op == "selective_scan.fwd":
+            return out if out is not None else (torch.zeros(b, d, t), torch.zeros(b, d, n), None)
+        return tuple(None if x is None else torch.zeros_like(x) for x in inputs[1:10])
+
+    monkeypatch.setattr(_torch, "call", stub)
+    monkeypatch.setattr(_torch, "call_some", lambda *args: NotImplemented)
+    leaves = [v.requires_grad_() for v in (torch.randn(b, d, t), torch.rand(b, d, t), -torch.rand(d, n),
+                                           torch.randn(b, 1, n, t), torch.randn(b, 1, n, t))]
+    dout = torch.randn(b, d, t)
+    names = _python_calls(lambda: kspec.ops.selective_scan_fn(*leaves, delta_softplus=True).backward(dout),
+                          kspec_only=True)
+    assert "_grads_of" in names and "<genexpr>" not in names, " ".join(names)

@@ -1,0 +1,155 @@
+"""The host path of kspec's torch surface on a machine without a GPU: torch's CPU tensors go through the
+torch extension (kspec._torch_ext) and the whole of kspec::call (validation, call cache, plan) into the mock
+CUDA driver (tests/mock_cuda: host memory, launches that only count). A shim of kspec._C's C ABI
+(dispatch_host_shim.cpp) moves every view to device 0 on the way, so nothing is stubbed but the GPU.
+Rows as tools/bench/dispatch.py's (median host µs of N calls, each timed alone) and, exact whatever the
+machine's load, the Python-level calls per call (cProfile). Kernels are compiled for sm_90 on first use
+(NVRTC: the CUDA toolkit is needed, not a GPU). Differs from the GPU: the autograd engine runs a CPU
+graph's backward on the calling thread, where a CUDA graph's runs on the device's worker thread.
+
+    python3 tools/bench/dispatch_host.py [--calls N] [--cuda-include DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import ctypes
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def build(cuda_include: str) -> tuple[str, str]:
+    """(mock driver, C ABI shim): compiled with g++ into a temporary folder."""
+    out = tempfile.mkdtemp(prefix="kspec-dispatch-host-")
+    mock, shim = os.path.join(out, "libcuda_mock.so"), os.path.join(out, "shim.so")
+    flags = ["g++", "-O2", "-std=c++17", "-fPIC", "-shared"]
+    subprocess.run(flags + [f"-I{cuda_include}", os.path.join(ROOT, "tests/mock_cuda/cuda_mock.cpp"), "-o", mock],
+                   check=True)
+    subprocess.run(flags + [f"-I{ROOT}", f"-I{ROOT}/api/include", f"-I{ROOT}/jit/base/include",
+                            os.path.join(ROOT, "tools/bench/dispatch_host_shim.cpp"), "-o", shim], check=True)
+    return mock, shim
+
+
+_keep = []  # the shim's library and the capsule's name live as long as the process
+
+
+def install_shim(shim_path: str) -> None:
+    """kspec._torch_ext re-initialized with the shim over kspec._C's C ABI."""
+    from kspec import _C, _native
+
+    if _native.ext is None:
+        sys.exit("dispatch_host: kspec._torch_ext is not loaded (built without torch, or KSPEC_TORCH_EXT=off)")
+    name = b"kspec._C._ext_api"
+    api = ctypes.pythonapi
+    api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+    api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    api.PyCapsule_New.restype = ctypes.py_object
+    api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    lib = ctypes.CDLL(shim_path)
+    lib.kspec_ext_shim.restype = ctypes.c_void_p
+    lib.kspec_ext_shim.argtypes = [ctypes.c_void_p]
+    shim = lib.kspec_ext_shim(api.PyCapsule_GetPointer(_C._ext_api, name))
+    _keep.extend([lib, name])
+    _native.ext.init(api.PyCapsule_New(shim, name, None))
+
+
+def host_us(fn, calls: int) -> float:
+    for _ in range(calls // 10):
+        fn()
+    t = [0] * calls
+    clock = time.perf_counter_ns
+    for i in range(calls):
+        t0 = clock()
+        fn()
+        t[i] = clock() - t0
+    t.sort()
+    return t[calls // 2] / 1e3
+
+
+def py_calls(fn, n=50) -> float:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    return pstats.Stats(prof).total_calls / n
+
+
+def rows():
+    import torch
+
+    import kspec
+
+    bf = torch.bfloat16
+    x = torch.randn(4, 256, dtype=bf)
+    w = torch.ones(256, dtype=bf)
+    xg = x.clone().requires_grad_()
+    y, mean, rstd = torch.empty_like(x), torch.empty(4), torch.empty(4)
+    nm = dict(norm="rmsnorm", act="identity", eps=1e-5)
+    b, d, t, n = 1, 16, 32, 16
+    u = torch.randn(b, d, t, dtype=bf)
+    delta = torch.rand(b, d, t, dtype=bf)
+    A = -torch.rand(d, n)
+    B = torch.randn(b, 1, n, t, dtype=bf)
+    C = torch.randn(b, 1, n, t, dtype=bf)
+    D = torch.randn(d)
+    ug = u.clone().requires_grad_()
+    gy = torch.randn(4, 256, dtype=bf)
+
+    def norm_step():
+        xg.grad = None
+        kspec.ops.norm_act(xg, w, None, norm="rmsnorm").backward(gy)
+
+    # issue 33's host-bound training step (2, 4096, 333): every input a leaf that wants its gradient
+    b2, d2, t2 = 2, 4096, 333
+    leaves = [torch.randn(b2, d2, t2, dtype=bf), torch.rand(b2, d2, t2, dtype=bf), -torch.rand(d2, n),
+              torch.randn(b2, 1, n, t2, dtype=bf), torch.randn(b2, 1, n, t2, dtype=bf), torch.randn(d2),
+              torch.randn(b2, d2, t2, dtype=bf), torch.randn(d2) * 0.1]
+    leaves = [v.requires_grad_() for v in leaves]
+    dout = torch.randn(b2, d2, t2, dtype=bf)
+
+    def scan_step():
+        for v in leaves:
+            v.grad = None
+        kspec.ops.selective_scan_fn(*leaves, delta_softplus=True).backward(dout)
+
+    return [
+        ("kspec.call norm_act.fwd, out=", lambda: kspec.call("norm_act.fwd", x, w, None, out=(y, mean, rstd), **nm)),
+        ("kspec.call norm_act.fwd (allocated)", lambda: kspec.call("norm_act.fwd", x, w, None, **nm)),
+        ("kspec.ops.norm_act (no grad)", lambda: kspec.ops.norm_act(x, w, None, norm="rmsnorm")),
+        ("kspec.ops.norm_act (input requires grad)", lambda: kspec.ops.norm_act(xg, w, None, norm="rmsnorm")),
+        ("kspec.ops.selective_scan_fn [1, 16, 32] (no grad)",
+         lambda: kspec.ops.selective_scan_fn(u, delta, A, B, C, D, delta_softplus=True)),
+        ("kspec.ops.selective_scan_fn (input requires grad)",
+         lambda: kspec.ops.selective_scan_fn(ug, delta, A, B, C, D, delta_softplus=True)),
+        ("norm_act fwd+bwd step [4, 256]", norm_step),
+        ("scan fwd+bwd step (2, 4096, 333)", scan_step),
+    ]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--cuda-include", default=os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include"))
+    a = p.parse_args()
+    mock, shim = build(a.cuda_include)
+    os.environ["KSPEC_LIBCUDA"] = mock  # before kspec loads a driver
+    import kspec
+    import kspec._torch  # noqa: F401  (loads the extension)
+
+    install_shim(shim)
+    print(f"kspec {kspec.__file__}: median host µs of {a.calls} calls (CPU, mock driver), Python calls per call")
+    for name, fn in rows():
+        fn()  # compiles on first use
+        us = host_us(fn, a.calls if "step" not in name else max(a.calls // 10, 20))
+        print(f"{name:52s} {us:9.1f} {py_calls(fn):9.1f}")
+
+
+if __name__ == "__main__":
+    main()
