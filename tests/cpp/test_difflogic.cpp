@@ -569,7 +569,7 @@ TEST(DiffLogicGpuExact, StraightThroughGumbelMatchesReference) {
   Params gumbel;
   gumbel.set("gumbel", true);
   gumbel.set("seed", seed);
-  const Config c128{{{"threads", 128}}}, c256{{{"threads", 256}}};
+  const Config c128{{{"threads", 128}, {"lanes", 0}}}, c256{{{"threads", 256}, {"lanes", 0}}};
 
   const auto hard = r.fwd("hard", gumbel, &c128);
   EXPECT_EQ(hard, r.fwd("hard", gumbel, &c256)) << "the noise depends on the launch configuration";

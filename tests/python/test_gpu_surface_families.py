@@ -210,8 +210,11 @@ def test_logic_layer_feature_major(dtype, B, n_in, n_out):
     yr = kspec.ops.logic_layer(xr, lr, a, b, grad_factor=1.5)
     dxr, _ = torch.autograd.grad(yr, (xr, lr), dy)
     # two kernels (the compiler contracts their sums into FMAs differently: the H100 saw fp32 y differ in
-    # the last bits), so equal to rounding, not bit for bit; each path is bitwise repeatable (below)
-    assert rel_err(_np(y), _np(yr)) <= 1e-6 and rel_err(_np(dx), _np(dxr)) <= 1e-6
+    # the last bits), so equal to rounding, not bit for bit; each path is bitwise repeatable (below). In
+    # bfloat16 such a last-bit difference can move an output across a rounding boundary: one bf16 step
+    # (2^-8 relative) at most (the H100: 2.1e-5 and 6.8e-6 over the whole tensor)
+    near = 1e-6 if dtype == F32 else 2.0 ** -8
+    assert rel_err(_np(y), _np(yr)) <= near and rel_err(_np(dx), _np(dxr)) <= near
     again = torch.autograd.grad(kspec.ops.logic_layer(xf, ll, a, b, grad_factor=1.5), (xf, ll), dy.t().contiguous().t())
     assert torch.equal(again[0], dx) and torch.equal(again[1], dl)  # no atomics: the same bits
     torch.manual_seed(1)
@@ -219,7 +222,7 @@ def test_logic_layer_feature_major(dtype, B, n_in, n_out):
                                 kspec.nn.LogicLayer(n_in, n_in, device="cuda"))
     out = stack(xf)
     assert feature_major(out)
-    assert rel_err(_np(out), _np(stack(x))) <= 1e-6  # the row-major stack, to rounding (see above)
+    assert rel_err(_np(out), _np(stack(x))) <= near  # the row-major stack, to rounding (see above)
 
 
 @pytest.mark.parametrize("w", [32, 64])
