@@ -7,7 +7,7 @@ import torch
 
 from . import _C, _native
 from ._core import call, call_some
-from ._surface import Family, build
+from ._surface import _GRAD, _OUT, Family, build
 from .ops import ACTIVATION_ALIASES, gemm_reads_in_place
 
 # ---- norm_act ----
@@ -169,7 +169,7 @@ def _readable(t):
 
 
 # call_grad's backward arguments (dy, x, weight, saved) per act without GELU's input: relu's backward reads y
-_LINEAR_GRAD_ARGS = {"none": (2000, 0, 1, -1), "relu": (2000, 0, 1, 1000)}
+_LINEAR_GRAD_ARGS = {"none": (_GRAD, 0, 1, -1), "relu": (_GRAD, 0, 1, _OUT)}
 
 
 def linear(x, weight, bias, act, tf32):

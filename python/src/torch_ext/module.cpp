@@ -630,7 +630,8 @@ class OpBackward final : public torch::autograd::Node {
       }
     }
     std::vector<kspec::TensorView> in_views, out_views;
-    TORCH_INTERNAL_ASSERT(views_of(in, false, &in_views), name_, ": a saved tensor kspec cannot read");
+    TORCH_CHECK(views_of(in, false, &in_views), name_, ": ", op_,
+                " cannot read a gradient of a dtype kspec does not know or on a device other than CPU/CUDA");
     const at::Tensor* first = nullptr;
     for (const auto& t : in)
       if (t.defined()) {
