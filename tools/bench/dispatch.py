@@ -238,7 +238,7 @@ def native_rows():
     registry op as a dispatcher op (kspec_ops::norm_act_fwd, what torch.compile may trace)."""
     import torch
 
-    from kspec import _native
+    from kspec import _native, _torch
 
     if _native.ext is None:
         return []
@@ -247,7 +247,10 @@ def native_rows():
     w = torch.ones(256, device=dev, dtype=bf)
     nm = dict(norm="rmsnorm", act="identity", eps=1e-5)
     op = torch.ops.kspec_ops.norm_act_fwd.default
+    lx, lw = torch.randn(4, 256, device=dev, dtype=bf), torch.randn(256, 256, device=dev, dtype=bf)
     return [
+        ("ext", "linear's surface (no grad; ops.linear's path before)",
+         lambda: _torch.linear_surface(lx, lw, None, "none", False)),
         ("ext", "_torch_ext.call norm_act.fwd (allocated)", lambda: _native.ext.call("norm_act.fwd", (x, w, None),
                                                                                      None, nm)),
         ("ext", "dispatcher op kspec_ops::norm_act_fwd (allocated)", lambda: op(x, w, None, **nm)),
@@ -303,7 +306,7 @@ def _twins(rows):
         out.append((group, name, "ext" if kspec_row and _native.ext is not None else "", fn))
         if kspec_row and _native.ext is not None:
             out.append((group, name, "pure", fn))
-            if ("norm_act" in name or "linear" in name) and ("grad" in name or "bwd" in name):
+            if ("norm_act" in name or "linear" in name) and ("requires grad" in name or "bwd" in name):
                 out.append((group, name, "node", fn))
     return out
 
