@@ -21,6 +21,7 @@ from . import _native, _schema
 from ._core import call
 
 FAMILIES: dict = {}  # name -> Family, in registration order
+_OUT, _GRAD = 1000, 2000  # call_grad's codes: forward output i is _OUT + i, its gradient _GRAD + i
 
 
 def _args(schema: str):
@@ -70,7 +71,11 @@ class Family:
     ops: (forward op, backward op) in the registry, whose schemas give the default fakes (the custom
     op's tensor arguments in the op's input order); derived: {dim: fn(dims)} for an output dim no input
     binds. fake, bwd_fake: (*args) -> outputs like forward/backward's, where the schema's rule is not the
-    one (other layouts, composite ops)."""
+    one (other layouts, composite ops).
+    one_call: forward and backward compute what one call of ops[0] / ops[1] does (the tensor arguments in
+    the op's input order, every other argument a param of the forward op, the save_arg on): with the torch
+    extension a call that wants a gradient is then one C++ call (kspec._torch_ext.call_grad: the forward
+    op and a C++ graph node whose backward runs ops[1] without Python)."""
     name: str
     fwd: str
     fwd_out: tuple
@@ -86,6 +91,7 @@ class Family:
     derived: dict = field(default_factory=dict)
     fake: Optional[Callable] = None
     bwd_fake: Optional[Callable] = None
+    one_call: bool = False
 
 
 def _absent(args):
@@ -196,6 +202,7 @@ class Surface:
         self.bwd_op.register_fake(self._bwd_fake)
         self.fwd_op.register_autograd(self._op_backward, setup_context=self._op_setup)
         self.function = self._eager_function()
+        self.grad_call = self._grad_call_plan() if f.one_call else None
 
     # ---- the custom ops ----
 
@@ -346,6 +353,41 @@ class Surface:
         res = self._grads_of(saved, ctx[0], ctx[1], ctx[2], full, self.family.backward)
         return [res[i] for i in self.tensor_pos]
 
+    # ---- one C++ call with a C++ node (kspec._torch_ext.call_grad), for a one_call family ----
+
+    def _grad_call_plan(self):
+        """call_grad's constant arguments, resolved once: (fwd op, bwd op, the param names, fn(args) -> their
+        values, the backward's params, its arguments coded as call_grad takes them, the inputs' gradients)."""
+        f = self.family
+        codes, bwd_params = [], []
+        for n, t in self.bwd_args:
+            if n.startswith("d") and n[1:] in f.fwd_out:
+                codes.append(_GRAD + f.fwd_out.index(n[1:]))
+            elif n in f.extra:
+                raise ValueError(f"{f.name}: one_call with an extra ({n})")
+            elif not _is_tensor(t):
+                bwd_params.append(n)
+            elif n in self.fwd_names:
+                codes.append(self.tensor_pos.index(self.fwd_names.index(n)))
+            else:
+                codes.append(_OUT + f.fwd_out.index(n))
+        param_pos = [i for i, (_, t) in enumerate(self.fwd_args) if not _is_tensor(t)]
+        names = tuple(self.fwd_names[i] for i in param_pos)
+        grad_of = tuple(self.grad_plan[i] for i in self.tensor_pos)
+        self.pick_tensors = _picker(self.tensor_pos)
+        return f.ops[0], f.ops[1], names, _picker(param_pos), tuple(bwd_params), tuple(codes), grad_of
+
+    def _call_grad(self, args):
+        """The public outputs through call_grad, or NotImplemented (nothing run) where it declines the call."""
+        fwd_op, bwd_op, names, pick, bwd_params, codes, grad_of = self.grad_call
+        params = dict(zip(names, pick(args)))
+        outs = _native.ext.call_grad(self.node_name, fwd_op, bwd_op, self.pick_tensors(args), params, bwd_params,
+                                     codes, grad_of)
+        if outs is NotImplemented:
+            return outs
+        public = self.family.public
+        return outs[public[0]] if len(public) == 1 else tuple([outs[i] for i in public])
+
     # ---- the public entry ----
 
     def __call__(self, *args):
@@ -373,6 +415,11 @@ class Surface:
         elif not grad:
             outs = self.family.forward(*args, save=False)
         elif _native.ext is not None:
+            # a one_call family's saving forward in C++ (save_arg off: the general node, whose backward raises)
+            if self.grad_call is not None and (self.save_pos is None or args[self.save_pos]):
+                outs = self._call_grad(args)
+                if outs is not NotImplemented:
+                    return outs
             return self._native_apply(args)
         else:
             return self.function.apply(*args)

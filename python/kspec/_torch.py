@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from . import _C
+from . import _C, _native
 from ._core import call, call_some
-from ._surface import Family, build
+from ._surface import _GRAD, _OUT, Family, build
 from .ops import ACTIVATION_ALIASES, gemm_reads_in_place
 
 # ---- norm_act ----
@@ -30,7 +30,7 @@ norm_act = build(Family(
     fwd_out=("y", "mean", "rstd"),
     bwd="Tensor dy, Tensor x, Tensor weight, Tensor? bias, Tensor mean, Tensor rstd, str norm, str act, float eps",
     bwd_out=("dx", "dweight", "dbias"), forward=_norm_act_fwd, backward=_norm_act_bwd, save_arg="save_stats",
-    save_required=True))
+    save_required=True, one_call=True))
 
 
 # ---- selective_scan ----
@@ -168,8 +168,35 @@ def _readable(t):
     return t.contiguous()
 
 
+# call_grad's backward arguments (dy, x, weight, saved) per act without GELU's input: relu's backward reads y
+_LINEAR_GRAD_ARGS = {"none": (_GRAD, 0, 1, -1), "relu": (_GRAD, 0, 1, _OUT)}
+
+
 def linear(x, weight, bias, act, tf32):
-    if x.dim() == 1:  # nn.Linear takes (..., k); the gemm op takes (..., m, k): a 1-d input becomes one row
-        return linear_surface(_readable(x.unsqueeze(0)), _readable(weight), _readable(bias), act, tf32).squeeze(0)
-    return linear_surface(_readable(x), _readable(weight), _readable(bias), act, tf32)
+    """The surface's linear, with its common cases taken straight (a host-bound step calls it per layer): no
+    gradient wanted, one gemm call; a gradient wanted with act none or relu, one C++ call recording the
+    C++ node (call_grad: the same gemm and gemm.bwd calls as the surface's forward and backward)."""
+    one_row = x.dim() == 1  # nn.Linear takes (..., k); the gemm op takes (..., m, k): one row
+    if one_row:
+        x = x.unsqueeze(0)
+    # a contiguous operand (the common case) read in place without a call
+    if not x.is_contiguous():
+        x = _readable(x)
+    if not weight.is_contiguous():
+        weight = _readable(weight)
+    if bias is not None and not bias.is_contiguous():
+        bias = _readable(bias)
+    if torch.compiler.is_compiling() or not x.numel():
+        y = linear_surface(x, weight, bias, act, tf32)
+    elif not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                           or (bias is not None and bias.requires_grad))):
+        y = call("gemm", x, weight, bias, act=act, tf32=tf32)[0]
+    else:
+        codes = _LINEAR_GRAD_ARGS.get(act) if _native.ext is not None else None
+        y = NotImplemented
+        if codes is not None:
+            y = _native.ext.call_grad(linear_surface.node_name, "gemm", "gemm.bwd", [x, weight, bias],
+                                      {"act": act, "tf32": tf32}, ("act", "tf32"), codes, (0, 1, 2))
+        y = linear_surface(x, weight, bias, act, tf32) if y is NotImplemented else y[0]
+    return y.squeeze(0) if one_row else y
 

@@ -15,12 +15,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_native.ext is None, reason="t
 
 
 class pure_path:
+    """Without the extension: _C's call path, and the autograd.Function (not the extension's C++ nodes)."""
+
     def __enter__(self):
-        self.saved = _core._call_torch, _core._call_some
+        self.saved = _core._call_torch, _core._call_some, _native.ext
         _core.use_torch_ext(_C.call_torch)
+        _native.ext = None
 
     def __exit__(self, *exc):
-        _core.use_torch_ext(*self.saved)
+        _core.use_torch_ext(*self.saved[:2])
+        _native.ext = self.saved[2]
 
 
 def _np(t):
@@ -149,3 +153,47 @@ def test_scan_forward_allocates_in_cpp_and_leaves_an_unused_last_state_unfilled(
     out, last, made = _native.ext.call_some("selective_scan.fwd", (u, delta, A, B, C, None, None, None, None),
                                             (None, None, tuple(states.shape)), {"delta_softplus": True})
     assert torch.equal(made, want[2]) and torch.equal(out, want[0]) and torch.equal(last, want[1])
+
+
+def _norm_act_cases():
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(2, 33, 384, device="cuda", dtype=torch.bfloat16, generator=g)
+    w32 = torch.randn(384, device="cuda", generator=g)
+    for norm, act, w, b in (("layernorm", "gelu_tanh", w32.bfloat16(), w32.bfloat16() * 0.5),
+                            ("rmsnorm", "silu", w32, None), ("layernorm", "none", w32, w32 * 0.1)):
+        yield f"norm_act {norm} {act} bias={b is not None} w {w.dtype}", (x, w, b), \
+            lambda x, w, b, norm=norm, act=act: kspec.ops.norm_act(x, w, b, norm=norm, act=act)
+
+
+def _linear_cases():
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(3, 40, 96, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(64, 96, device="cuda", dtype=torch.bfloat16, generator=g) * 0.1
+    b = torch.randn(64, device="cuda", dtype=torch.bfloat16, generator=g)
+    for act in ("none", "relu"):
+        yield f"linear {act} bias", (x, w, b), lambda x, w, b, act=act: kspec.ops.linear(x, w, b, act)
+        yield f"linear {act} no bias", (x, w), lambda x, w, act=act: kspec.ops.linear(x, w, None, act)
+        yield f"linear {act} 1-d x, transposed weight", (x[0, 0], w.t().contiguous().t(), b), \
+            lambda x, w, b, act=act: kspec.ops.linear(x, w, b, act)
+
+
+def _outputs_and_grads(fn, inputs, loss):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    y = fn(*leaves)
+    return y, [y] + list(torch.autograd.grad(loss(y), leaves))
+
+
+@pytest.mark.parametrize("cases", [_norm_act_cases, _linear_cases])
+def test_call_grad_node_gives_the_functions_outputs_and_gradients(cases):
+    """norm_act and linear (act none/relu) with a gradient wanted are one C++ call (call_grad: the forward op
+    and a C++ node running the backward op without Python): the outputs and gradients of the
+    autograd.Function on the pure path, for a broadcast gradient (y.sum(): strides 0) too."""
+    for what, inputs, fn in cases():
+        for loss in (lambda y: y.float().square().sum(), lambda y: y.sum()):
+            y, got = _outputs_and_grads(fn, inputs, loss)
+            assert not isinstance(y.grad_fn, torch.autograd.function.BackwardCFunction), what
+            with pure_path():
+                want_y, want = _outputs_and_grads(fn, inputs, loss)
+                assert isinstance(want_y.grad_fn, torch.autograd.function.BackwardCFunction), what
+                again = _outputs_and_grads(fn, inputs, loss)[1]
+            _same(got, want, again, torch.bfloat16, what)

@@ -75,3 +75,58 @@ def test_scan_surface_runs_no_generator(monkeypatch):
     names = _python_calls(lambda: kspec.ops.selective_scan_fn(*leaves, delta_softplus=True).backward(dout),
                           kspec_only=True)
     assert "_grads_of" in names and "<genexpr>" not in names, " ".join(names)
+
+
+def test_linear_without_grad_is_one_gemm_call_without_the_surface(monkeypatch):
+    """kspec.ops.linear with no gradient wanted: one gemm call, straight (no Surface.__call__, no forward
+    function), whatever the act."""
+    x, w = torch.randn(4, 32), torch.randn(16, 32)
+    calls = []
+
+    def stub(op, *inputs, **params):
+        calls.append((op, params))
+        return torch.empty(4, 16), None
+
+    monkeypatch.setattr(_torch, "call", stub)
+    for act in ("none", "relu", "gelu_tanh"):
+        calls.clear()
+        names = _python_calls(lambda: kspec.ops.linear(x, w, None, act), kspec_only=True)
+        assert calls == [("gemm", {"act": act, "tf32": False})] * 2, calls  # the warm-up call and the one counted
+        assert not {"__call__", "_linear_fwd", "_readable"} & set(names), names
+
+
+class _FakeExt:
+    """The extension with call_grad recorded (no kernels on CPU)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def call_grad(self, name, fwd_op, bwd_op, inputs, params, bwd_params, codes, grad_of):
+        self.seen.append((name, fwd_op, bwd_op, params, bwd_params, codes, grad_of))
+        x, w = inputs[0], inputs[1]
+        return torch.empty(*x.shape[:-1], w.shape[0]), None
+
+
+def test_linear_with_grad_is_one_call_grad_for_none_and_relu(monkeypatch):
+    """With a gradient wanted, act none or relu: one call_grad (gemm, then gemm.bwd reading (dy, x, weight,
+    saved) = (the gradient of y, x, weight, nothing / y)); gelu_tanh (GELU's input kept) and an empty x
+    stay with the surface."""
+    from kspec import _native
+
+    fake = _FakeExt()
+    monkeypatch.setattr(_native, "ext", fake)
+    x, w, b = torch.randn(4, 32, requires_grad=True), torch.randn(16, 32), torch.randn(16)
+    for act, codes in (("none", (2000, 0, 1, -1)), ("relu", (2000, 0, 1, 1000))):
+        fake.seen.clear()
+        y = kspec.ops.linear(x, w, b, act)
+        assert fake.seen == [("LinearBackward", "gemm", "gemm.bwd", {"act": act, "tf32": False}, ("act", "tf32"),
+                              codes, (0, 1, 2))]
+        assert y.shape == (4, 16)
+    assert kspec.ops.linear(x[0], w, b, "relu").shape == (16,)  # a 1-d x: one row, squeezed back
+
+    surface = []
+    monkeypatch.setattr(_torch, "linear_surface", lambda *args: surface.append(args) or torch.empty(4, 16))
+    fake.seen.clear()
+    kspec.ops.linear(x, w, b, "gelu_tanh")
+    kspec.ops.linear(torch.randn(0, 32, requires_grad=True), w, b, "relu")
+    assert not fake.seen and len(surface) == 2

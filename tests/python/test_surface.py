@@ -220,6 +220,7 @@ def _reference_call(op, *inputs, norm, act, eps, save_stats=True, out=None):
 def reference_norm_act(monkeypatch):
     monkeypatch.setattr(_torch, "call", _reference_call)
     monkeypatch.setattr(_surface, "call", _reference_call)  # the default forward's one call
+    monkeypatch.setattr(_torch.norm_act, "grad_call", None)  # call_grad runs the registry ops, not the stand-in
     _torch.norm_act.fwd_op.register_kernel("cpu", _torch.norm_act.fwd_kernel)
     _torch.norm_act.bwd_op.register_kernel("cpu", _torch.norm_act.bwd_kernel)
     torch._dynamo.reset()

@@ -241,6 +241,7 @@ def test_eager_node_in_cpp_gives_the_functions_gradients(monkeypatch):
 
     monkeypatch.setattr(_torch, "call", _reference_call)
     monkeypatch.setattr(_surface, "call", _reference_call)
+    monkeypatch.setattr(_torch.norm_act, "grad_call", None)  # the node of record(), not call_grad's
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, 24, generator=g, dtype=torch.float64)
     w, b = torch.randn(24, generator=g, dtype=torch.float64), torch.randn(24, generator=g, dtype=torch.float64)
@@ -270,6 +271,21 @@ def test_eager_node_in_cpp_gives_the_functions_gradients(monkeypatch):
     torch.autograd.grad(y, xl, dy)
     with pytest.raises(RuntimeError, match="retain_graph=True"):
         torch.autograd.grad(y, xl, dy)
+
+
+def test_norm_act_grad_call_plan():
+    """norm_act's call_grad arguments, resolved from its Family: the backward op norm_act.bwd reads (dy, x,
+    weight, bias, mean, rstd) = (the gradient of y, inputs 0-2, forward outputs 1 and 2) with the params
+    norm, act and eps, and gives dx, dweight, dbias for x, weight, bias."""
+    from kspec import _torch
+
+    fwd_op, bwd_op, names, pick, bwd_params, codes, grad_of = _torch.norm_act.grad_call
+    assert (fwd_op, bwd_op) == ("norm_act.fwd", "norm_act.bwd")
+    assert names == ("norm", "act", "eps", "save_stats")
+    assert pick((1, 2, 3, "rmsnorm", "silu", 1e-5, True)) == ("rmsnorm", "silu", 1e-5, True)
+    assert bwd_params == ("norm", "act", "eps")
+    assert codes == (2000, 0, 1, 2, 1001, 1002) and grad_of == (0, 1, 2)
+    assert _torch.selective_scan.grad_call is None and _torch.linear_surface.grad_call is None
 
 
 @pytest.mark.parametrize("node", ["cpp", "function"])
@@ -343,6 +359,68 @@ assert _native.ext.call_some("selective_scan.fwd", ins, (None, None, (2, -4)), p
 leaves = [t.clone().requires_grad_() for t in (u, delta, A, B, C)]
 kspec.ops.selective_scan_fn(*leaves, delta_softplus=True).sum().backward()
 assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_norm_act_with_grad_is_one_cpp_call_on_the_mock_driver():
+    """kspec.ops.norm_act with a gradient wanted, through the whole host path on the mock driver: the forward
+    is one C++ call (call_grad: no Python beyond the surface's entry), the backward runs no Python at all
+    (the C++ node launches norm_act.bwd), the gradients have their inputs' shapes and dtypes (an fp32
+    weight under a bf16 x), an absent bias gets none, the saved tensors go with the first backward, and a
+    bad weight raises what kspec.call raises."""
+    include = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
+    if _native.ext is None or not os.path.exists(os.path.join(include, "cuda.h")):
+        pytest.skip("needs the torch extension and the CUDA toolkit's cuda.h (for the mock driver)")
+    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench")
+    script = f"""
+import os, sys
+sys.path.insert(0, {tools!r})
+import dispatch_host as dh
+mock, shim = dh.build({include!r})
+os.environ["KSPEC_LIBCUDA"] = mock
+import torch, kspec, kspec._torch
+dh.install_shim(shim)
+x = torch.randn(4, 256, dtype=torch.bfloat16, requires_grad=True)
+w = torch.randn(256, requires_grad=True)
+b = torch.randn(256, requires_grad=True)
+kspec.ops.norm_act(x, w, b)  # compiles
+names = []
+def hook(frame, event, arg):
+    if event == "call" and "kspec" in frame.f_code.co_filename:
+        names.append(frame.f_code.co_name)
+sys.setprofile(hook)
+y = kspec.ops.norm_act(x, w, b)
+sys.setprofile(None)
+assert set(names) <= {{"norm_act", "_is_torch", "__call__", "_call_grad"}} and "_call_grad" in names, names
+assert y.grad_fn.name() == "NormActBackward" and not isinstance(y.grad_fn, torch.autograd.function.BackwardCFunction)
+dy = torch.randn(4, 256, dtype=torch.bfloat16)
+names.clear()
+sys.setprofile(hook)
+dx, dw, db = torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)
+sys.setprofile(None)
+assert not names, names
+assert (dx.shape, dx.dtype, dw.shape, dw.dtype, db.shape, db.dtype) == (x.shape, x.dtype, w.shape, w.dtype, b.shape, b.dtype)
+torch.autograd.grad(y, x, dy)
+try:
+    torch.autograd.grad(y, x, dy)
+    raise SystemExit("a third backward ran")
+except RuntimeError as e:
+    assert "retain_graph=True" in str(e), e
+y = kspec.ops.norm_act(x, w, None, norm="rmsnorm", act="silu")
+gx, gw = torch.autograd.grad(y.sum(), (x, w))
+assert gx.shape == x.shape and gw.shape == w.shape
+def outcome(fn):
+    try:
+        fn()
+    except Exception as e:
+        return type(e).__name__, str(e)
+bad = torch.randn(255, requires_grad=True)
+got = outcome(lambda: kspec.ops.norm_act(x, bad, None))
+want = outcome(lambda: kspec.call("norm_act.fwd", x.detach(), bad.detach(), None, norm="layernorm", act="none", eps=1e-5))
+assert got == want and got is not None, (got, want)
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

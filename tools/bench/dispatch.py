@@ -4,7 +4,9 @@ problems so small that only dispatch is measured. Each row is the median host ti
 between rows). A second table times a training step (forward + backward through autograd) per call in
 a loop: wall time per step with one sync at the end, and the host time the loop took to enqueue it.
 With the torch extension loaded (kspec._native), each kspec row runs twice, through the extension and
-on the pure path (kspec._C.call_torch), and the extension's own doors have rows ("ext").
+on the pure path (kspec._C.call_torch), and the extension's own doors have rows ("ext"); a norm_act or
+linear row with a gradient runs a third time on the record node ("node": the forward from Python and
+_torch_ext.record's node with the surface's Python backward, as before call_grad).
 
     python3 tools/bench/bench.py --family dispatch [--json FILE] [--dispatch-bin build/gpu/tools/bench/kspec_dispatch_bench]
     python3 tools/bench/dispatch.py [--json FILE] [--dispatch-bin ...]      # the same, alone
@@ -186,6 +188,16 @@ def step_rows():
 
     def norm_step(fn):
         return lambda: fn().backward(gy)
+    lx = torch.randn(4, 256, device=dev, dtype=bf, requires_grad=True)
+    lw = (torch.randn(256, 256, device=dev, dtype=bf) * 0.06).requires_grad_()
+    lb = torch.zeros(256, device=dev, dtype=bf, requires_grad=True)
+
+    def linear_step(fn):
+        def step():
+            for v in (lx, lw, lb):
+                v.grad = None
+            fn().backward(gy)
+        return step
     b, d, t, n = 2, 4096, 333, 16
     g = torch.Generator(device=dev).manual_seed(0)
     leaves = dict(u=torch.randn(b, d, t, device=dev, dtype=bf, generator=g),
@@ -213,6 +225,9 @@ def step_rows():
     return [
         ("norm step", "torch F.rms_norm fwd+bwd [4, 256]", norm_step(lambda: F.rms_norm(x, (256,), w, 1e-5))),
         ("norm step", "kspec.ops.norm_act fwd+bwd", norm_step(lambda: kspec.ops.norm_act(x, w, None, norm="rmsnorm"))),
+        ("lin step", "torch F.linear + relu fwd+bwd [4, 256] x [256, 256]",
+         linear_step(lambda: F.relu(F.linear(lx, lw, lb)))),
+        ("lin step", "kspec.ops.linear relu fwd+bwd", linear_step(lambda: kspec.ops.linear(lx, lw, lb, "relu"))),
         ("scan step", "mamba_ssm fwd+bwd (2, 4096, 333)", None if mamba_scan is None else scan_step(mamba_scan)),
         ("scan step", "kspec fwd+bwd (2, 4096, 333)", scan_step(kspec.ops.selective_scan_fn)),
     ]
@@ -223,7 +238,7 @@ def native_rows():
     registry op as a dispatcher op (kspec_ops::norm_act_fwd, what torch.compile may trace)."""
     import torch
 
-    from kspec import _native
+    from kspec import _native, _torch
 
     if _native.ext is None:
         return []
@@ -232,11 +247,30 @@ def native_rows():
     w = torch.ones(256, device=dev, dtype=bf)
     nm = dict(norm="rmsnorm", act="identity", eps=1e-5)
     op = torch.ops.kspec_ops.norm_act_fwd.default
+    lx, lw = torch.randn(4, 256, device=dev, dtype=bf), torch.randn(256, 256, device=dev, dtype=bf)
     return [
+        ("ext", "linear's surface (no grad; ops.linear's path before)",
+         lambda: _torch.linear_surface(lx, lw, None, "none", False)),
         ("ext", "_torch_ext.call norm_act.fwd (allocated)", lambda: _native.ext.call("norm_act.fwd", (x, w, None),
                                                                                      None, nm)),
         ("ext", "dispatcher op kspec_ops::norm_act_fwd (allocated)", lambda: op(x, w, None, **nm)),
     ]
+
+
+class _RecordNode:
+    """norm_act's and linear's gradient-wanted path as before call_grad: the forward from Python, then the
+    C++ node of _torch_ext.record calling the surface's Python backward."""
+
+    def __enter__(self):
+        from kspec import _torch
+
+        self.saved = _torch.norm_act.grad_call, _torch._LINEAR_GRAD_ARGS
+        _torch.norm_act.grad_call, _torch._LINEAR_GRAD_ARGS = None, {}
+
+    def __exit__(self, *exc):
+        from kspec import _torch
+
+        _torch.norm_act.grad_call, _torch._LINEAR_GRAD_ARGS = self.saved
 
 
 class _PurePath:
@@ -247,16 +281,23 @@ class _PurePath:
 
         self.saved = _core._call_torch, _core._call_some
         _core.use_torch_ext(_C.call_torch)
+        self.node = _RecordNode()  # call_grad calls the extension's C++ path itself
+        self.node.__enter__()
 
     def __exit__(self, *exc):
         from kspec import _core
 
         _core.use_torch_ext(*self.saved)
+        self.node.__exit__(*exc)
+
+
+_PATHS = {"pure": _PurePath, "node": _RecordNode}
 
 
 def _twins(rows):
     """Each kspec row, then with the extension loaded the same row on the pure path ("pure" in its path
-    column): [(group, name, path, fn or None)]."""
+    column), and a norm_act / linear row with a gradient on the record node ("node": before call_grad):
+    [(group, name, path, fn or None)]."""
     from kspec import _native
 
     out = []
@@ -265,6 +306,8 @@ def _twins(rows):
         out.append((group, name, "ext" if kspec_row and _native.ext is not None else "", fn))
         if kspec_row and _native.ext is not None:
             out.append((group, name, "pure", fn))
+            if ("norm_act" in name or "linear" in name) and ("requires grad" in name or "bwd" in name):
+                out.append((group, name, "node", fn))
     return out
 
 
@@ -291,8 +334,8 @@ def run(args) -> dict:
     for group, name, path, fn in _twins(call_rows() + piece_rows() + native_rows()):
         if fn is None:
             us = None
-        elif path == "pure":
-            with _PurePath():
+        elif path in _PATHS:
+            with _PATHS[path]():
                 us = host_us(fn)
         else:
             us = host_us(fn)
@@ -302,8 +345,8 @@ def run(args) -> dict:
     for group, name, path, fn in _twins(step_rows()):
         if fn is None:
             wall, host = None, None
-        elif path == "pure":
-            with _PurePath():
+        elif path in _PATHS:
+            with _PATHS[path]():
                 wall, host = step_us(fn)
         else:
             wall, host = step_us(fn)

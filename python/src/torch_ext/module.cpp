@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -83,7 +84,8 @@ struct Sized {
 // `out`, else (`out` already holds the outputs given) only those left undefined there, with the shape in
 // `sized` where one is given (the op's dtype for it either way); false when kspec raised (kept).
 bool allocate(const char* op, const std::vector<kspec::TensorView>& in, const std::vector<kspec_ext::Param>& params,
-              const at::Device& device, std::vector<at::Tensor>* out, const std::vector<Sized>* sized = nullptr) {
+              const at::Device& device, std::vector<at::Tensor>* out, const std::vector<Sized>* sized = nullptr,
+              const std::vector<bool>* skip = nullptr) {
   kspec_ext::Output specs[kspec_ext::kMaxOutputs];
   int n = 0;
   if (g_api->infer_outputs(op, in.data(), static_cast<int>(in.size()), params.data(), static_cast<int>(params.size()),
@@ -91,7 +93,8 @@ bool allocate(const char* op, const std::vector<kspec::TensorView>& in, const st
     return false;
   if (out->empty()) out->resize(static_cast<size_t>(n));
   for (int i = 0; i < n && i < static_cast<int>(out->size()); ++i) {
-    if ((*out)[i].defined()) continue;
+    if ((*out)[i].defined() || (skip && static_cast<size_t>(i) < skip->size() && (*skip)[static_cast<size_t>(i)]))
+      continue;
     const auto options = at::TensorOptions().dtype(to_torch(specs[i].dtype)).device(device);
     if (sized && (*sized)[i].given)
       (*out)[i] = at::empty((*sized)[i].shape, options);
@@ -555,6 +558,219 @@ PyObject* py_record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// ---- the eager autograd node of a family whose forward and backward are one registry call each ----
+
+// The backward op's argument that is not a saved tensor: a gradient of forward output i is kGrad + i.
+constexpr long kOut = 1000, kGrad = 2000;
+
+// Params of the C ABI with their strings owned (a node outlives the Python call that made it).
+struct OwnedParams {
+  std::vector<std::string> names, strings;
+  std::vector<kspec_ext::Param> params;
+
+  void add(const kspec_ext::Param& p) {
+    names.emplace_back(p.name);
+    strings.emplace_back(p.s ? p.s : "");
+    params.push_back(p);
+  }
+  // Pointers into names/strings, once they no longer move.
+  void fix() {
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].name = names[i].c_str();
+      if (params[i].kind == kspec_ext::kStr) params[i].s = strings[i].c_str();
+    }
+  }
+};
+
+// The graph node of call_grad: its backward is the registry's backward op, run here in C++ (no Python, no
+// GIL unless kspec raises): arguments from `args_` (a saved tensor, a gradient made contiguous, or None),
+// outputs allocated from its infer_outputs (those that are gradients of an absent input left out), each
+// returned as the gradient of the forward input `grad_of_` names.
+class OpBackward final : public torch::autograd::Node {
+ public:
+  OpBackward(std::string name, std::string op, OwnedParams params, std::vector<long> args, std::vector<long> grad_of)
+      : name_(std::move(name)), op_(std::move(op)), params_(std::move(params)), args_(std::move(args)),
+        grad_of_(std::move(grad_of)) {
+    params_.fix();
+  }
+  std::string name() const override { return name_; }
+
+  // Forward output `index`, which gets this node as grad_fn (the node's next input, in order).
+  void add_output(const at::Tensor& t, long index) {
+    torch::autograd::set_history(t, shared_from_this());
+    diff_.push_back(index);
+  }
+  // saved_: one per args_ entry that is a tensor (an input or an output), in args_'s order
+  void save(const at::Tensor& t, bool is_output) { saved_.emplace_back(t, is_output); }
+  // The forward's inputs as they were (an undefined one absent): a gradient the backward op leaves
+  // optional (gemm.bwd's dbias) is allocated with its input's shape and dtype, as autograd wants it.
+  void set_inputs(const std::vector<at::Tensor>& in) {
+    for (const auto& t : in) {
+      absent_.push_back(!t.defined());
+      shapes_.push_back(t.defined() ? t.sizes().vec() : std::vector<int64_t>());
+      dtypes_.push_back(t.defined() ? t.scalar_type() : at::kFloat);
+    }
+  }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    TORCH_CHECK(!released_, name_, ": its saved tensors were freed by a backward that ran before; pass "
+                "retain_graph=True to the first backward to run it twice");
+    std::vector<at::Tensor> in(args_.size());
+    size_t k = 0;
+    for (size_t a = 0; a < args_.size(); ++a) {
+      const long code = args_[a];
+      if (code >= kGrad) {
+        const size_t i = static_cast<size_t>(std::find(diff_.begin(), diff_.end(), code - kGrad) - diff_.begin());
+        // every gradient argument of these backward ops is required: zeros for one that did not come
+        at::Tensor g = grads[i].defined() ? grads[i] : input_metadata(i).zeros_like();
+        // autograd's gradient may be any view (y.sum() gives a broadcast one): the ops read rows of it
+        in[a] = g.is_contiguous() ? g : g.contiguous();
+      } else if (code >= 0) {
+        in[a] = saved_[k++].unpack(shared_from_this());
+      }
+    }
+    std::vector<kspec::TensorView> in_views, out_views;
+    TORCH_CHECK(views_of(in, false, &in_views), name_, ": ", op_,
+                " cannot read a gradient of a dtype kspec does not know or on a device other than CPU/CUDA");
+    const at::Tensor* first = nullptr;
+    for (const auto& t : in)
+      if (t.defined()) {
+        first = &t;
+        break;
+      }
+    TORCH_INTERNAL_ASSERT(first, name_, ": no tensor argument");
+    // a gradient of an absent input (dbias without a bias) is not allocated, so not computed
+    std::vector<bool> skip(kspec_ext::kMaxOutputs, false);
+    for (size_t i = 0; i < grad_of_.size(); ++i)
+      if (grad_of_[i] >= 0 && absent_[i]) skip[static_cast<size_t>(grad_of_[i])] = true;
+    std::vector<at::Tensor> out;
+    const at::Device device = first->device();
+    if (!allocate(op_.c_str(), in_views, params_.params, device, &out, nullptr, &skip)) throw_kept_error();
+    for (size_t i = 0; i < grad_of_.size(); ++i) {
+      const size_t j = static_cast<size_t>(grad_of_[i]);
+      if (grad_of_[i] >= 0 && !absent_[i] && j < out.size() && !out[j].defined())
+        out[j] = at::empty(shapes_[i], at::TensorOptions().dtype(dtypes_[i]).device(device));
+    }
+    TORCH_INTERNAL_ASSERT(views_of(out, true, &out_views));
+    if (run_released(op_.c_str(), in_views, out_views, params_.params, stream_of(device)) != 0) throw_kept_error();
+    torch::autograd::variable_list result(grad_of_.size());
+    for (size_t i = 0; i < grad_of_.size(); ++i)
+      if (grad_of_[i] >= 0 && static_cast<size_t>(grad_of_[i]) < out.size())
+        result[i] = out[static_cast<size_t>(grad_of_[i])];
+    return result;
+  }
+
+  void release_variables() override {
+    saved_.clear();
+    released_ = true;
+  }
+
+ private:
+  std::string name_, op_;
+  OwnedParams params_;
+  std::vector<long> args_, grad_of_, diff_;
+  std::vector<bool> absent_;
+  std::vector<std::vector<int64_t>> shapes_;
+  std::vector<at::ScalarType> dtypes_;
+  bool released_ = false;
+  std::vector<torch::autograd::SavedVariable> saved_;
+};
+
+// A tuple of ints as a vector; false (a Python error set) for anything else.
+bool ints_of(PyObject* seq, std::vector<long>* out) {
+  if (!PyTuple_Check(seq)) {
+    PyErr_SetString(PyExc_TypeError, "a tuple of ints");
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(seq); ++i) {
+    const long v = PyLong_AsLong(PyTuple_GET_ITEM(seq, i));
+    if (v == -1 && PyErr_Occurred()) return false;
+    out->push_back(v);
+  }
+  return true;
+}
+
+// call_grad(name, fwd_op, bwd_op, inputs, params, bwd_params, bwd_args, grad_of): the forward op's outputs
+// (allocated), recorded in the autograd graph as one OpBackward node named `name`, in one C++ call (no
+// torch.autograd.Function, no Python in the backward). `params` the forward's; `bwd_params` the names of
+// those the backward op takes too; `bwd_args` the backward op's inputs in order, each an input index
+// (saved), kOut + i (forward output i, saved), kGrad + i (the gradient of forward output i, which thereby
+// gets this node as grad_fn) or -1 (None); `grad_of` per input, the backward output that is its gradient
+// (-1: none). NotImplemented, nothing recorded, where kspec.call's C++ path would decline the call.
+PyObject* py_call_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(nargs == 8, "_torch_ext.call_grad(name, fwd_op, bwd_op, inputs, params, bwd_params, bwd_args, grad_of)");
+  const char* name = PyUnicode_AsUTF8(args[0]);
+  const char* fwd_op = PyUnicode_AsUTF8(args[1]);
+  const char* bwd_op = PyUnicode_AsUTF8(args[2]);
+  if (!name || !fwd_op || !bwd_op) return nullptr;
+  std::vector<at::Tensor> in, out;
+  std::vector<kspec::TensorView> in_views, out_views;
+  std::vector<kspec_ext::Param> params;
+  if (!tensors_of(args[3], &in) || !views_of(in, false, &in_views) || !params_of(args[4], &params))
+    return not_implemented();
+  std::vector<long> bwd_args, grad_of;
+  if (!ints_of(args[6], &bwd_args) || !ints_of(args[7], &grad_of)) return nullptr;
+  TORCH_CHECK(grad_of.size() == in.size(), name, ": grad_of needs one entry per input");
+  for (long j : grad_of)
+    TORCH_CHECK(j >= -1 && j < kspec_ext::kMaxOutputs, name, ": grad_of entry ", j, " is no backward output");
+  const at::Tensor* first = nullptr;
+  for (const auto& t : in)
+    if (t.defined()) {
+      first = &t;
+      break;
+    }
+  if (!first) return not_implemented();
+  const at::Device device = first->device();
+  if (!allocate(fwd_op, in_views, params, device, &out)) {
+    g_api->raise_error();
+    return nullptr;
+  }
+  if (!views_of(out, true, &out_views)) return not_implemented();
+  if (run_released(fwd_op, in_views, out_views, params, stream_of(device)) != 0) {
+    g_api->raise_error();
+    return nullptr;
+  }
+  OwnedParams bwd_params;
+  if (!PyTuple_Check(args[5])) {
+    PyErr_SetString(PyExc_TypeError, "bwd_params: a tuple of names");
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[5]); ++i) {
+    const char* pname = PyUnicode_AsUTF8(PyTuple_GET_ITEM(args[5], i));
+    if (!pname) return nullptr;
+    for (const auto& p : params)
+      if (std::strcmp(p.name, pname) == 0) bwd_params.add(p);
+  }
+  auto node = std::shared_ptr<OpBackward>(new OpBackward(name, bwd_op, std::move(bwd_params), bwd_args, grad_of),
+                                          torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(in));
+  node->set_inputs(in);
+  // the node's inputs: the forward outputs whose gradient the backward reads, in order of index
+  std::vector<long> diff;
+  for (long code : bwd_args)
+    if (code >= kGrad) diff.push_back(code - kGrad);
+  std::sort(diff.begin(), diff.end());
+  for (long i : diff) {
+    TORCH_CHECK(static_cast<size_t>(i) < out.size() && out[static_cast<size_t>(i)].defined(), name,
+                ": bwd_args names the gradient of output ", i, ", which the forward did not make");
+    node->add_output(out[static_cast<size_t>(i)], i);
+  }
+  for (long code : bwd_args) {
+    if (code >= kGrad || code < 0) continue;
+    if (code >= kOut) {
+      const size_t i = static_cast<size_t>(code - kOut);
+      TORCH_CHECK(i < out.size(), name, ": bwd_args names output ", i, " of ", out.size());
+      node->save(out[i], std::binary_search(diff.begin(), diff.end(), static_cast<long>(i)));
+    } else {
+      TORCH_CHECK(static_cast<size_t>(code) < in.size(), name, ": bwd_args names input ", code, " of ", in.size());
+      node->save(in[static_cast<size_t>(code)], false);
+    }
+  }
+  return wrap(&out);
+  END_HANDLE_TH_ERRORS
+}
+
 // init(capsule): takes kspec._C's C ABI (kspec._C._ext_api).
 PyObject* py_init(PyObject*, PyObject* capsule) {
   auto* api = static_cast<const kspec_ext::Api*>(PyCapsule_GetPointer(capsule, "kspec._C._ext_api"));
@@ -576,6 +792,9 @@ PyMethodDef kMethods[] = {
      "call_some(op, inputs, out, params): call with the outputs that are None in `out` allocated"},
     {"define", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_define)), METH_FASTCALL,
      "define(ns, op, schema, module): a dispatcher op running registry op `op`"},
+    {"call_grad", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_call_grad)), METH_FASTCALL,
+     "call_grad(name, fwd_op, bwd_op, inputs, params, bwd_params, bwd_args, grad_of): the forward op's "
+     "outputs with a C++ autograd node running the backward op"},
     {"record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_record)), METH_FASTCALL,
      "record(name, backward, ctx, materialize, inputs, outputs, diff, saved): a C++ autograd node"},
     {nullptr, nullptr, 0, nullptr}};
