@@ -79,33 +79,44 @@ __device__ __forceinline__ void mlstm_step_wait_prior_grid() {
 #endif
 }
 
-// One warp per sequence: m', n' (in place: lane j reads and writes n's elements j, j + 32, ...; lane 0
-// alone reads and writes m) and the slab kernel's three scalars to p.gate_rows[seq] (decay, gain, den).
-// The slab kernel never touches n or m, and this kernel never touches C or h.
+// One warp per sequence: m', n' (in place: lane j reads and writes n's elements j, j + 32, ...; m is
+// written by lane 0 alone) and the slab kernel's three scalars to p.gate_rows[seq] (decay, gain, den).
+// The slab kernel never touches n or m, and this kernel never touches C or h. Every load is issued
+// before the first store: n' may be n, and the compiler cannot move a load of n0, q or k above a store
+// of n that may alias it, so a loop storing as it goes waited one DRAM round trip per 32 elements (4 at
+// DHQK 128, ahead of the slab kernel's wait); all lanes read m, f, i (one broadcast each) instead of lane
+// 0 reading and shuffling them.
 template <typename T, typename TG, int kDk>
 __global__ void __launch_bounds__(kWarpSize) mlstm_step_gates_kernel(const MlstmParams p) {
+  constexpr int kPer = (kDk + kWarpSize - 1) / kWarpSize;
   mlstm_step_allow_dependents();
   const long long seq = blockIdx.x;
   const int lane = threadIdx.x;
-  float m_old = 0.0f, a = 0.0f, ig = 0.0f;
-  if (lane == 0) {
-    m_old = p.m0[seq];
-    a = mlstm_log_sigmoid(to_float(static_cast<const TG*>(p.f)[seq]));
-    ig = to_float(static_cast<const TG*>(p.i)[seq]);
+  const T* q = static_cast<const T*>(p.q) + seq * kDk;
+  const T* k = static_cast<const T*>(p.k) + seq * kDk;
+  const float* n0 = p.n0 + seq * kDk;
+  const float m_old = p.m0[seq];
+  const float fg = to_float(static_cast<const TG*>(p.f)[seq]), ig = to_float(static_cast<const TG*>(p.i)[seq]);
+  float nv[kPer], kv[kPer], qv[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int d = lane + j * kWarpSize;
+    const bool in = kDk % kWarpSize == 0 || d < kDk;
+    nv[j] = in ? n0[d] : 0.0f;
+    kv[j] = in ? to_float(k[d]) : 0.0f;
+    qv[j] = in ? to_float(q[d]) : 0.0f;
   }
-  m_old = __shfl_sync(0xffffffffu, m_old, 0);
-  a = __shfl_sync(0xffffffffu, a, 0);
-  ig = __shfl_sync(0xffffffffu, ig, 0);
+  const float a = mlstm_log_sigmoid(fg);
   const float m_new = fmaxf(a + m_old, ig);
   const float decay = expf(a + m_old - m_new), gain = expf(ig - m_new);
   const float scale = rsqrtf(static_cast<float>(kDk));
-  const T* q = static_cast<const T*>(p.q) + seq * kDk;
-  const T* k = static_cast<const T*>(p.k) + seq * kDk;
   float z = 0.0f;  // s q . n', this lane's part
-  for (int d = lane; d < kDk; d += kWarpSize) {
-    const float nn = fmaf(decay, p.n0[seq * kDk + d], gain * to_float(k[d]));
-    p.n[seq * kDk + d] = nn;
-    z = fmaf(to_float(q[d]) * scale, nn, z);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int d = lane + j * kWarpSize;
+    const float nn = fmaf(decay, nv[j], gain * kv[j]);
+    if (kDk % kWarpSize == 0 || d < kDk) p.n[seq * kDk + d] = nn;
+    z = fmaf(qv[j] * scale, nn, z);
   }
   z = warp_reduce_sum(z);
   if (lane == 0) {

@@ -445,8 +445,9 @@ TEST(Mlstm, StepEveryConfigCompilesWithoutSpills) {
   }
 }
 
-// mlstm.step's default: algo=split over slabs of 16 columns at B * NH = 8 (64 CTAs at DH 128, where
-// algo=block had 8), of 32 columns from 256 CTAs on; algo=block where a pointer is not 16-byte aligned.
+// mlstm.step's default: algo=split over slabs of 8 columns at B * NH = 8 (128 CTAs at DH 128, where
+// slabs of 16 gave 64 and algo=block 8), of 16 from 128 CTAs on, of 32 from 256 CTAs on, never of 8
+// below DHQK 32 (under 64 threads); algo=block where a pointer is not 16-byte aligned.
 TEST(Mlstm, StepHeuristicSplitsColumns) {
   const OpDef& op = Registry::global().get("mlstm.step");
   auto pick = [&](int64_t B, int64_t dk, int64_t dv, int align) {
@@ -456,7 +457,9 @@ TEST(Mlstm, StepHeuristicSplitsColumns) {
     p.align_bytes = align;
     return op.tuning.heuristic(p).str(op.info);
   };
-  EXPECT_EQ(pick(1, 128, 128, 16), "algo=split,threads=256,cols=16");
+  EXPECT_EQ(pick(1, 128, 128, 16), "algo=split,threads=256,cols=8");
+  EXPECT_EQ(pick(2, 128, 128, 16), "algo=split,threads=256,cols=16");
+  EXPECT_EQ(pick(1, 32, 128, 16), "algo=split,threads=64,cols=8");
   EXPECT_EQ(pick(8, 128, 128, 16), "algo=split,threads=256,cols=32");
   EXPECT_EQ(pick(64, 128, 128, 16), "algo=split,threads=256,cols=32");
   EXPECT_EQ(pick(1, 16, 16, 16), "algo=split,threads=64,cols=16");
@@ -624,7 +627,7 @@ struct Problem32 {
 // The step updates C, n, m in place; h and the states match the float64 recurrence; a second step from
 // the updated states matches two steps of the recurrence. Each algorithm: algo=split's slab CTAs all read
 // n and m's scalars through the gates kernel while C is updated where it is read, so in place is where
-// a race between its two kernels would show (the heuristic's split, slabs of 16 and of 64 columns, block).
+// a race between its two kernels would show (the heuristic's split, slabs of 8, 16 and 64 columns, block).
 class MlstmStepInPlace : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(MlstmStepInPlace, MatchesRecurrence) {
@@ -673,11 +676,12 @@ TEST_P(MlstmStepInPlace, MatchesRecurrence) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, MlstmStepInPlace,
-                         ::testing::Values("", "algo=split,threads=256,cols=16", "algo=split,threads=64,cols=64",
+                         ::testing::Values("", "algo=split,threads=256,cols=16", "algo=split,threads=128,cols=8",
+                                           "algo=split,threads=64,cols=64",
                                            "algo=split,threads=128,cols=32", "algo=block,threads=256,cols=16"));
 
-// algo=split at the model's head dims with one sequence (B = 1: the heuristic's slabs of 16 columns):
-// every valid config of mlstm.step (slabs of 16, 32, 64 columns; 64 to 512 threads, so 1 to 16 passes
+// algo=split at the model's head dims with one sequence (B = 1: the heuristic's slabs of 8 columns):
+// every valid config of mlstm.step (slabs of 8, 16, 32, 64 columns; 64 to 512 threads, so 1 to 16 passes
 // over the rows) against the float64 reference, fp32 and bf16, outputs NaN-poisoned by the checker.
 TEST(MlstmGpu, StepEveryConfigAtModelHeadDims) {
   KSPEC_REQUIRE_GPU();

@@ -176,7 +176,8 @@ def test_tensor_core_large_head_dims(DK, DV, S, chunk, algo):
 def test_step_in_place_matches_the_recurrence(B, NH, DK, DV, config):
     """mlstm.step in place (C, n, m updated where they are read), the default (algo=split: a gates kernel,
     then CTAs over column slabs of C) and the first kernel (algo=block), bf16 q/k/v, fp32 states, two steps
-    in a row against the float64 recurrence; B = 1 and head dims 64-256 (slabs of 16 columns, 1-4 passes)."""
+    in a row against the float64 recurrence; B = 1 and head dims 64-256 (the default: slabs of 8 columns, 1-2
+    passes)."""
     if config and "cols=64" in config and DV < 64:
         config = "algo=split,threads=64,cols=16"
     g = torch.Generator(device="cuda").manual_seed(DK + DV)

@@ -12,10 +12,14 @@ DHHV) forward, x3 with the backward).
 --compare (issue 29's open rows, old against new in one process, ~1 min): the backward at B=8, NH=8,
 S=4096, DHQK x DHHV = 128 x 256, bf16, chunk 128, algo=tc (dq and dk loop over DHHV's blocks), tc_parts (the
 column blocks with fp32 partials, as before) and tc_fused, each checked against tc first; then mlstm.step at
-NH=8, DH=128, B in {1, 8, 64}, in place, algo=split (the default) against algo=block (the first kernel).
+NH=8, DH=128, B in {1, 8, 64}, in place: the default (algo=split, heuristic slabs), split over slabs of 16 and
+algo=block (the first kernel), each checked against the default, and mlstm_kernels' Triton step where it
+imports; gpu (spin-queued), ev (plain events: includes kspec.call's host enqueue) and host µs each.
 """
 import argparse
+import os
 import statistics
+import sys
 
 import torch
 
@@ -83,25 +87,65 @@ def compare(reps, flush):
                          for n, x, y in zip(("dq", "dk", "dv", "di", "df"), gr[a], gr["tc"]))
         ms = time_ms(lambda a=a: backward(q, k, v, i, f, nrm, m, dh, L, f"algo={a},threads=128", gr[a]), reps, flush)
         print(f"  {a:9s} {ms:8.3f}   vs tc: {errs}")
-    print("mlstm.step NH=8 DH=128 bf16, in place (µs, median of 200, L2 not flushed: decode keeps C resident "
-          "only when it fits):")
+    step_compare()
+
+
+# mlstm.step's configs beside the default (algo=split at the heuristic's slab width: 8 columns at B = 1,
+# 32 from B = 8 on at NH = 8, DH = 128): split over slabs of 16 (the default at B = 1 before), block.
+STEP_CONFIGS = (None, "algo=split,threads=256,cols=16", "algo=block,threads=256,cols=16")
+
+
+def triton_step():
+    """mlstm_kernels' Triton step (new states out of place), or None where it is not importable."""
+    os.environ.setdefault("DISABLE_LLVM_OPT", "1")
+    try:
+        from mlstm_kernels.torch.recurrent.triton_step import mlstm_recurrent_step__triton_fw
+    except Exception:  # noqa: BLE001  (absent: the table says so)
+        return None
+    return lambda q, k, v, i, f, C, n, m: mlstm_recurrent_step__triton_fw(
+        matC_old=C, vecN_old=n, scaM_old=m, vecQ=q, vecK=k, vecV=v, scaI=i, scaF=f, eps=1e-6)
+
+
+def step_compare():
+    """mlstm.step at NH=8, DH=128, B = 1/8/64, in place, each config against the default's h and C', and
+    the Triton step in the same process. Two times a call (tools/bench/timing.py's GpuTimer, L2 not
+    flushed: decode keeps C resident only when it fits): gpu, with a GPU spin queued before the start
+    event so that the whole call is queued when the clock starts (the kernels' own time), and ev, plain
+    events around the call (what this table printed before: the host's enqueue time of kspec.call, tens of
+    µs from Python, counts in it whenever it is longer than the GPU's work); host is that enqueue time."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    from timing import GpuTimer
+
+    timer = GpuTimer(torch, "cuda", reps=200, warmup=10, flush_bytes=4)
+    peer = triton_step()
+    dt = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(1)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    print("mlstm.step NH=8 DH=128 bf16, in place (µs, median of 200, L2 not flushed): gpu / ev / host"
+          + ("" if peer else "; Triton step absent (mlstm_kernels not importable)"))
     for Bs in (1, 8, 64):
         q1, k1, v1 = r(Bs, 8, 128).to(dt), r(Bs, 8, 128).to(dt), r(Bs, 8, 128).to(dt)
         i1, f1 = r(Bs, 8, 1).to(dt), (r(Bs, 8, 1) + 3.0).to(dt)
         C, n, m1 = r(Bs, 8, 128, 128), r(Bs, 8, 128).abs(), r(Bs, 8, 1)
-        row, hs = [], {}
-        for cfg in (None, "algo=block,threads=256,cols=16"):  # None: the default, algo=split
+        cells, first = [], None
+        for cfg in STEP_CONFIGS:
             st = (C.clone(), n.clone(), m1.clone())
             h = torch.empty_like(v1)
             kspec.call("mlstm.step", q1, k1, v1, i1, f1, *st, out=(h, *st), config=cfg)
-            hs[cfg] = (h.clone(), st[0].clone())
-            t = time_ms(lambda cfg=cfg, st=st, h=h: kspec.call("mlstm.step", q1, k1, v1, i1, f1, *st,
-                                                              out=(h, *st), config=cfg),
-                        200, torch.empty(0, device="cuda"))
-            row.append(f"{cfg.split(',')[0] if cfg else 'algo=split'} {t * 1e3:6.1f}")
-        (h_a, c_a), (h_b, c_b) = hs.values()
-        print(f"  B={Bs:3d}  " + "  ".join(row)
-              + f"   split vs block: h {rel_max(h_a, h_b):.1e} C {rel_max(c_a, c_b):.1e}")
+            got = (h.clone(), st[0].clone())
+            first = first or got
+            t = timer.time(lambda cfg=cfg, st=st, h=h: kspec.call("mlstm.step", q1, k1, v1, i1, f1, *st,
+                                                                  out=(h, *st), config=cfg))
+            name = "default" if cfg is None else cfg.replace("algo=", "").replace(",threads=256", "")
+            err = "" if cfg is None else f" (h {rel_max(got[0], first[0]):.0e} C {rel_max(got[1], first[1]):.0e})"
+            cells.append(f"{name} {t['gpu_ms'] * 1e3:.1f} / {t['ev_ms'] * 1e3:.1f} / {t['host_us']:.1f}{err}")
+        if peer:
+            h_t, (C_t, _, _) = peer(q1, k1, v1, i1, f1, C, n, m1)
+            t = timer.time(lambda: peer(q1, k1, v1, i1, f1, C, n, m1))
+            cells.append(f"triton {t['gpu_ms'] * 1e3:.1f} / {t['ev_ms'] * 1e3:.1f} / {t['host_us']:.1f}"
+                         f" (h {rel_max(h_t.reshape(first[0].shape), first[0]):.0e}"
+                         f" C {rel_max(C_t.reshape(C.shape), first[1]):.0e})")
+        print(f"  B={Bs:3d}  " + "  ".join(cells))
 
 
 def main() -> None:

@@ -241,16 +241,19 @@ TuningSpace chunkwise_bwd_tuning() {
 }
 
 // algo=split wherever its float4s may be used (tools/bench/NOTES.md, "mlstm.step as a bandwidth op"):
-// slabs of 32 columns, or 16 where 32 would give fewer than 256 CTAs (B * NH = 8 at DH 128: 64 CTAs
-// rather than 32), 256 threads or fewer where the head has fewer rows than a pass would cover.
+// slabs of 32 columns from 256 CTAs on, else of 16 from 128 CTAs on, else of 8 (B * NH = 8 at DH 128:
+// 128 CTAs of 4 KB rather than 64 of 8 KB, so one step spreads over most of an H100's 132 SMs; a slab of
+// 8 is a row's 32-byte sector), 256 threads or fewer where the head has fewer rows than a pass would
+// cover. Slabs of 8 only from DHQK 32 on: below, a CTA would have fewer than 64 threads.
 int64_t step_cols(const Problem& p) {
-  const int64_t dv = p.dim("dhhv");
-  return dv >= 32 && p.dim("batch") * p.dim("heads") * (dv / 32) >= 256 ? 32 : 16;
+  const int64_t dv = p.dim("dhhv"), seqs = p.dim("batch") * p.dim("heads");
+  if (dv >= 32 && seqs * (dv / 32) >= 256) return 32;
+  return seqs * (dv / 16) >= 128 || p.dim("dhqk") < 32 ? 16 : 8;
 }
 
 TuningSpace step_tuning() {
   TuningSpace t;
-  t.axes = {{"algo", {kStepBlock, kStepSplit}}, {"threads", {64, 128, 256, 512}}, {"cols", {16, 32, 64}}};
+  t.axes = {{"algo", {kStepBlock, kStepSplit}}, {"threads", {64, 128, 256, 512}}, {"cols", {8, 16, 32, 64}}};
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     std::string no;
     const int64_t threads = c.get("threads"), cols = c.get("cols"), dk = p.dim("dhqk"), dv = p.dim("dhhv");

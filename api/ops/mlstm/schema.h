@@ -44,7 +44,7 @@ TuningSpace parallel_tuning(bool bwd);  // chunk is a tuning axis
 // 16-byte pointers), templates/mlstm/step.cuh.
 enum StepAlgo : int64_t { kStepBlock = 0, kStepSplit = 1 };
 TuningSpace step_tuning();
-// The heuristic's slab width (16 or 32), which depends on batch * heads: in the step's derived_key, so
+// The heuristic's slab width (8, 16 or 32), which depends on batch * heads: in the step's derived_key, so
 // the plan cache does not keep one batch's choice for another.
 int64_t step_cols(const Problem& p);
 
