@@ -267,6 +267,20 @@ __global__ void __launch_bounds__(kThreads) mhc_pre_bwd_token_kernel(const MhcPr
   }
 }
 
+// The part's sums over its tokens [t0, t1) of g and inv g m (dbias, dalpha), one thread per row, in token
+// order; threads kM + kA and up idle. Block (0, part) of each columns kernel runs it.
+template <int N, int D, bool kPreOnly>
+__device__ __forceinline__ void mhc_pre_bwd_row_sums(const MhcPreBwdParams& p, int part, long long t0, long long t1) {
+  using Rows = MhcRows<N, kPreOnly>;
+  constexpr int kM = Rows::kM, kND = N * D;
+  if (threadIdx.x < kM + Rows::kA) {
+    const int r = threadIdx.x;
+    float s = 0.f;
+    for (long long t = t0; t < t1; ++t) s += r < kM ? __ldg(p.ws_g + t * kM + r) : __ldg(p.ws_ga + t * 3 + r - kM);
+    p.ws_part[static_cast<long long>(p.parts) * (kM + 1) * kND + static_cast<long long>(part) * (kM + 3) + r] = s;
+  }
+}
+
 // Sums over tokens, part by part: block (bx, part) takes kThreads columns c of nD and the tokens
 // [part * tokens_per_part, ...), in order: dphi[r, c] = sum_t dm[t, r] u[t, c] and
 // dgamma[c] = sum_t (dm[t] phi[:, c]) v[t, c]; block (0, part) also sums g and inv g m (dbias, dalpha).
@@ -303,12 +317,7 @@ __global__ void __launch_bounds__(kThreads) mhc_pre_bwd_columns_kernel(const Mhc
     for (int r = 0; r < kM; ++r) out[static_cast<long long>(r) * kND + c] = dphi[r];
     out[static_cast<long long>(kM) * kND + c] = dgam;
   }
-  if (blockIdx.x == 0 && threadIdx.x < kM + Rows::kA) {
-    const int r = threadIdx.x;
-    float s = 0.f;
-    for (long long t = t0; t < t1; ++t) s += r < kM ? __ldg(p.ws_g + t * kM + r) : __ldg(p.ws_ga + t * 3 + r - kM);
-    p.ws_part[static_cast<long long>(p.parts) * (kM + 1) * kND + static_cast<long long>(part) * (kM + 3) + r] = s;
-  }
+  if (blockIdx.x == 0) mhc_pre_bwd_row_sums<N, D, kPreOnly>(p, part, t0, t1);
 }
 
 // The parts' sums added in part order: one thread per element of dphi, dgamma, dbias, dalpha.

@@ -496,13 +496,25 @@ OpDef make_pre_fwd(bool po) {
 
 int64_t bwd_parts(int64_t T) { return std::clamp<int64_t>(ceil_div(T, kTokensPerPart), 1, kMaxParts); }
 
+// pre.bwd's `algo` axis (mhc.pre.bwd, mhc.pre_only.bwd; post_pre.bwd has none and runs kSimt): kSimt, the
+// columns kernel of mhc_pre.cuh; kMma, the sums over tokens as one GEMM a part on tensor cores
+// (mhc_pre_bwd_mma.cuh, 128 threads). The token kernel is the same in both (`threads`, `tokens`).
+bool bwd_mma(const Config& c) { return c.has("algo") && c.get("algo") == kMma; }
+// The mma columns kernel's consecutive columns per lane (its kNt): 8 while ceil(M / 16) <= 3 m16 tiles of
+// accumulators fit (n <= 6), else 4; a block takes 4 warps x 8 kNt columns.
+int64_t bwd_mma_lane_cols(const Problem& p) { return ceil_div(proj_rows(p), 16) <= 3 ? 8 : 4; }
+int64_t bwd_mma_block_cols(const Problem& p) { return 4 * 8 * bwd_mma_lane_cols(p); }
+bool bwd_mma_vec(const Problem& p) { return p.dim("D") % bwd_mma_lane_cols(p) == 0 && p.align_bytes >= 16; }
+
 // pre.bwd's three kernels (token, columns, reduce), also the first three of post_pre.bwd.
 std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, bool dx_post) {
   const std::string T = dtype_cuda_type(p.dtype("x")), n = std::to_string(p.dim("n")),
                     D = std::to_string(p.dim("D")), g = b(p.present("gamma")), head = b(pre_only(p));
   return {kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_token_kernel",
                       {T, n, D, t_max_arg(p), g, head, b(dx_post), thr(c), std::to_string(c.get("tokens"))}),
-          kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_columns_kernel", {T, n, D, g, head, thr(c)}),
+          bwd_mma(c) ? kernel_spec(p, "mhc/mhc_pre_bwd_mma.cuh", "kspec::mhc_pre_bwd_columns_mma_kernel",
+                                   {T, n, D, g, head, b(bwd_mma_vec(p))})
+                     : kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_columns_kernel", {T, n, D, g, head, thr(c)}),
           kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_reduce_kernel",
                       {n, D, g, head, std::to_string(kReduceThreads)})};
 }
@@ -552,9 +564,35 @@ void* launch_pre_bwd(const Call& call, const Config& c, Launcher& l, MhcPreBwdPa
   void* args[] = {&a};
   const unsigned th = u32(c.get("threads"));
   if (T > 0) l.launch(0, {u32(ceil_div(T, c.get("tokens")))}, {th}, 0, args);
-  l.launch(1, {u32(ceil_div(nd, th)), u32(parts)}, {th}, 0, args);
+  if (bwd_mma(c)) l.launch(1, {u32(ceil_div(nd, bwd_mma_block_cols(pr))), u32(parts)}, {u32(kMmaThreads)}, 0, args);
+  else l.launch(1, {u32(ceil_div(nd, th)), u32(parts)}, {th}, 0, args);
   l.launch(2, {u32(ceil_div((m + 1) * nd + m + 3, kReduceThreads))}, {kReduceThreads}, 0, args);
   return a.dx;
+}
+
+// algo=mma wherever mma_unsupported allows, with the token kernel's threads and tokens as for kSimt; the
+// heuristic keeps kSimt until the H100 has timed both (tools/bench/NOTES.md, "mhc pre backward: the sums
+// over tokens on tensor cores").
+TuningSpace with_bwd_algo_axis(TuningSpace t) {
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma}});
+  auto simt_valid = t.valid;
+  t.valid = [simt_valid](const Problem& p, const Config& c, std::string* why) {
+    if (c.get("algo") == kMma) {
+      const std::string no = mma_unsupported(p);
+      if (!no.empty()) {
+        if (why) *why = no;
+        return false;
+      }
+    }
+    return simt_valid(p, c, why);
+  };
+  auto simt_heuristic = t.heuristic;
+  t.heuristic = [simt_heuristic](const Problem& p) {
+    Config c = simt_heuristic(p);
+    c.values.insert(c.values.begin(), {"algo", kSimt});
+    return c;
+  };
+  return t;
 }
 
 OpDef make_pre_bwd(bool po) {
@@ -576,6 +614,8 @@ OpDef make_pre_bwd(bool po) {
       return valid(p, c, why);
     };
   }
+  op.tuning = with_bwd_algo_axis(op.tuning);
+  op.info.tuning_axes = op.tuning.axes;
   op.info.inputs = {per_token("dy", "", "gradient of y"),
                     streams("x", "dy", "the forward's x")};
   op.info.inputs[0].dtypes = kFloatTypes;
