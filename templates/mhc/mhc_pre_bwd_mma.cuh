@@ -6,7 +6,8 @@
 // projection on tensor cores"). mma.m16n8k8 with TF32 operands and fp32 accumulators: 16-bit x is exact
 // in TF32, dm (fp32) is split into hi + lo TF32 parts (two mmas, relative error ~2^-22). The per-part
 // sums go to the same workspace as the SIMT kernel's and mhc_pre_bwd_reduce_kernel adds the parts in
-// order: deterministic, no atomics.
+// order: deterministic, no atomics. mhc_pre_bwd_dx_mma_kernel below does the token kernel's other pass
+// over x, du = dm phi for dx, on tensor cores too.
 #pragma once
 
 #include "common/dtype.cuh"
@@ -140,6 +141,126 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_columns_mma_kernel
       }
   }
   if (blockIdx.x == 0) mhc_pre_bwd_row_sums<N, D, kPreOnly>(p, part, t0, t1);
+}
+
+// dx of kTok tokens (grid: ceil(T / kTok) blocks of kMhcMmaThreads), after the token kernel ran with
+// kDx = false: du = dm phi on tensor cores ([kTok, M] x [M, nD]: A = dm from the workspace, B = phi, both
+// fp32 split hi + lo, three mmas: lo hi, hi lo, hi hi), then dx = du gamma - c_v v + H_pre[i] dy
+// (+ dx_post). The warps take chunks of 64 flattened columns in turn; the n slots of a chunk's 8 n-tiles
+// are a permutation of its columns (slot s of tile j = column 8 s + j), so lane (g, c) loads 8
+// consecutive floats of phi per k row and ends with the 16 columns 16 c .. 16 c + 15 of its token rows g
+// and g + 8: 16-byte loads and stores of x, dy, dx. dm of the block's tokens stays in registers (split
+// once). kVec: D % 8 == 0 and every pointer and row 16-byte aligned.
+template <typename T, int N, int D, bool kHasGamma, bool kPreOnly, bool kHasDxPost, int kTok, bool kVec>
+__global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_dx_mma_kernel(const MhcPreBwdParams p) {
+  using Rows = MhcRows<N, kPreOnly>;
+  constexpr int kM = Rows::kM, kND = N * D, kMt = kTok / 16, kKt = (kM + 7) / 8;
+  constexpr int kWarps = kMhcMmaThreads / 32, kChunks = (kND + 63) / 64;
+  static_assert(kTok % 16 == 0, "whole m16 tiles of tokens");
+  static_assert(!IsSame<T, float>::value, "algo=mma takes 16-bit x only");
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int g = lane / 4, c = lane % 4;
+  const long long t0 = static_cast<long long>(blockIdx.x) * kTok;
+  const int ntok = static_cast<int>(p.T - t0 < kTok ? p.T - t0 : kTok);
+
+  // A = dm: a0 (token g, k c), a1 (token g + 8, k c), a2 (token g, k c + 4), a3 (token g + 8, k c + 4).
+  float ah[kMt][kKt][4], al[kMt][kKt][4];
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+    for (int kk = 0; kk < kKt; ++kk)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int tr = mt * 16 + g + 8 * (q & 1), r = kk * 8 + c + 4 * (q >> 1);
+        const float v = tr < ntok && r < kM ? __ldg(p.ws_dm + (t0 + tr) * kM + r) : 0.f;
+        ah[mt][kk][q] = mhc_tf32(v);
+        al[mt][kk][q] = mhc_tf32(v - ah[mt][kk][q]);
+      }
+
+  for (int q = warp; q < kChunks; q += kWarps) {
+    const int base = q * 64;
+    float acc[kMt][8][4];
+#pragma unroll
+    for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kKt; ++kk) {
+      // B = phi: b0 (k row kk 8 + c), b1 (row + 4), columns base + 8 g .. + 7 (n slot g of tiles 0 .. 7).
+      float b[2][8];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = kk * 8 + c + 4 * h, col = base + 8 * g;
+        const int valid = r < kM ? kND - col : 0;
+        if (kVec) {
+          mhc_load8f<true>(b[h], p.phi + static_cast<long long>(r < kM ? r : 0) * kND + col, valid);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            b[h][e] = e < valid ? __ldg(p.phi + static_cast<long long>(r) * kND + col + e) : 0.f;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float bh0 = mhc_tf32(b[0][j]), bh1 = mhc_tf32(b[1][j]);
+        const float bl0 = mhc_tf32(b[0][j] - bh0), bl1 = mhc_tf32(b[1][j] - bh1);
+#pragma unroll
+        for (int mt = 0; mt < kMt; ++mt) {
+          const float* a = ah[mt][kk];
+          const float* l = al[mt][kk];
+          mhc_mma_tf32(acc[mt][j], l[0], l[1], l[2], l[3], bh0, bh1);
+          mhc_mma_tf32(acc[mt][j], a[0], a[1], a[2], a[3], bl0, bl1);
+          mhc_mma_tf32(acc[mt][j], a[0], a[1], a[2], a[3], bh0, bh1);
+        }
+      }
+    }
+    // acc[mt][j][2 h + e] = du of token mt 16 + g + 8 h at column base + 8 (2c + e) + j.
+#pragma unroll
+    for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int tr = mt * 16 + g + 8 * h;
+        if (tr >= ntok) continue;
+        const long long t = t0 + tr;
+        const float cv = __ldg(p.ws_cv + t);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c0 = base + 8 * (2 * c + e);
+          if (kVec) {
+            if (c0 >= kND) continue;
+            const int i = c0 / D, d = c0 - i * D;
+            const float hp = __ldg(p.ws_hpre + t * N + i);
+            MhcRow8<T> xv, dyv, dp, out;
+            float gm[8];
+            mhc_load8<T, true>(xv, static_cast<const T*>(p.x) + (t * N + i) * p.x_row + d, 8);
+            mhc_load8<T, true>(dyv, static_cast<const T*>(p.dy) + t * p.dy_row + d, 8);
+            if (kHasDxPost) mhc_load8<T, true>(dp, static_cast<const T*>(p.dx_post) + (t * N + i) * p.dx_post_row + d, 8);
+            if (kHasGamma) mhc_load8f<true>(gm, p.gamma + c0, 8);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              const float du = acc[mt][j][2 * h + e];
+              float dv = (kHasGamma ? du * gm[j] : du) - cv * to_float(xv.v[j]) + hp * to_float(dyv.v[j]);
+              if (kHasDxPost) dv += to_float(dp.v[j]);
+              out.v[j] = store_as<T>(dv);
+            }
+            *reinterpret_cast<MhcRow8<T>*>(static_cast<T*>(p.dx) + (t * N + i) * p.dx_row + d) = out;
+          } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              const int cc = c0 + j;
+              if (cc >= kND) continue;
+              const int i = cc / D, d = cc - i * D;
+              const float du = acc[mt][j][2 * h + e];
+              const float v = to_float(static_cast<const T*>(p.x)[(t * N + i) * p.x_row + d]);
+              const float dyv = to_float(static_cast<const T*>(p.dy)[t * p.dy_row + d]);
+              float dv = (kHasGamma ? du * __ldg(p.gamma + cc) : du) - cv * v + __ldg(p.ws_hpre + t * N + i) * dyv;
+              if (kHasDxPost) dv += to_float(static_cast<const T*>(p.dx_post)[(t * N + i) * p.dx_post_row + d]);
+              static_cast<T*>(p.dx)[(t * N + i) * p.dx_row + d] = store_as<T>(dv);
+            }
+          }
+        }
+      }
+  }
 }
 
 }  // namespace kspec

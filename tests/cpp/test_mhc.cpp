@@ -221,7 +221,7 @@ TEST(Mhc, BaseAndWidestCasesCompileWithoutSpills) {
 
 // The backward's algo=mma (the sums over tokens on tensor cores) is selectable for 16-bit x from sm_80
 // on, never for fp32 x or below sm_80, and not the heuristic's choice until the H100 has timed it; it
-// swaps the columns kernel only (post_pre.bwd has no such axis).
+// swaps the columns kernel and moves dx to its own kernel (post_pre.bwd has no such axis).
 TEST(Mhc, PreBackwardMmaIsSelectableNotDefault) {
   for (const char* name : {"mhc.pre.bwd", "mhc.pre_only.bwd"}) {
     const OpDef& op = Registry::global().get(name);
@@ -238,9 +238,12 @@ TEST(Mhc, PreBackwardMmaIsSelectableNotDefault) {
       if (axis == "algo") v = 1;
     EXPECT_TRUE(op.tuning.valid(p, mma, nullptr)) << name << " " << mma.str();
     const auto kernels = op.kernels(p, mma);
-    ASSERT_EQ(kernels.size(), 3u);
-    EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_bwd_columns_mma_kernel");
+    ASSERT_EQ(kernels.size(), 4u);
     EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_kernel");
+    EXPECT_EQ(kernels[0].targs.back(), "false");  // no dx pass: kernel 3 writes dx
+    EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_bwd_columns_mma_kernel");
+    EXPECT_EQ(kernels[3].kernel, "kspec::mhc_pre_bwd_dx_mma_kernel");
+    EXPECT_EQ(op.kernels(p, h).size(), 3u);
     EXPECT_EQ(op.kernels(p, h)[1].kernel, "kspec::mhc_pre_bwd_columns_kernel");
     for (const auto& [dt, arch, fragment] :
          {std::tuple{DType::f32, "sm_90", "float32 x"}, std::tuple{DType::bf16, "sm_75", "sm_80"}}) {
@@ -252,8 +255,9 @@ TEST(Mhc, PreBackwardMmaIsSelectableNotDefault) {
       EXPECT_NE(why.find(fragment), std::string::npos) << why;
     }
   }
-  // The mma columns kernel without spills on sm_80 and sm_90: 8 columns a lane (n = 4, 16-byte loads;
-  // n = 6, the most m16 tiles at 8), 4 (n = 8), element loads (D = 33), pre_only at n = 1.
+  // The mma columns and dx kernels without spills on sm_80 and sm_90: 8 columns a lane (n = 4, 16-byte
+  // loads, 32 tokens for dx; n = 6, the most m16 tiles at 8), 4 (n = 8), element loads (D = 33), pre_only
+  // at n = 1.
   int compiled = 0;
   for (const char* arch : {"sm_80", "sm_90"})
     for (auto [name, dt, n, D] : {std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096}, std::tuple{"mhc.pre.bwd", DType::f16, 6, 64},
@@ -270,14 +274,14 @@ TEST(Mhc, PreBackwardMmaIsSelectableNotDefault) {
         if (axis == "algo") v = 1;
       q.config = c;
       for (const auto& rep : compile(q)) {
-        if (rep.kernel.find("columns_mma") == std::string::npos) continue;
+        if (rep.kernel.find("_mma_kernel") == std::string::npos) continue;
         EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
         EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
         std::cout << arch << " " << rep.kernel << ": " << rep.registers << " registers\n";
         ++compiled;
       }
     }
-  EXPECT_EQ(compiled, 10);
+  EXPECT_EQ(compiled, 20);  // the columns and dx kernels
 }
 
 // pre.fwd's algo axis: the tensor-core projection (algo=mma, mhc_pre_mma.cuh) is the default from sm_80

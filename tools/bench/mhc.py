@@ -62,9 +62,10 @@ def pre_kernel_configs(n, D, dtype="bf16"):
 
 
 def pre_bwd_configs(n):
-    """{variant: config} for mhc.pre.bwd's `algo` axis (api/ops/mhc/op.cpp): algo=simt, the SIMT sums over
-    tokens (mhc_pre.cuh's columns kernel, the default), and algo=mma, those sums as one GEMM a part on tensor
-    cores (mhc_pre_bwd_mma.cuh); the token kernel the same in both (128 threads, 4 tokens where they fit)."""
+    """{variant: config} for mhc.pre.bwd's `algo` axis (api/ops/mhc/op.cpp): algo=simt (mhc_pre.cuh, the
+    default), and algo=mma, the sums over tokens as one GEMM a part and dx's du = dm·Φ on tensor cores
+    (mhc_pre_bwd_mma.cuh); the token kernel's first pass the same in both (128 threads, 4 tokens where they
+    fit)."""
     m = n * n + 2 * n
     tokens = 4 if 4 * max(m, n * n) <= 128 and 4 * (n + m) <= 112 else 1
     return {PRE_BWD_KERNELS + name: f"algo={algo},threads=128,tokens={tokens}" for name, algo in (("simt", 0), ("mma", 1))}
@@ -369,8 +370,8 @@ def _report(ctx, rows, why):
         f"'{PRE_KERNELS}…': mhc.pre.fwd's kernels by config through kspec.call (forward only): algo=simt, the SIMT"
         " projection; algo=mma, the projection on tensor cores at 16, 32 or 64 tokens a block.",
         f"'{PRE_BWD_KERNELS}…': pre fwd+bwd with mhc.pre.bwd by config through kspec.call (the forward the"
-        " heuristic's): algo=simt, the SIMT sums over tokens; algo=mma, dΦ and dγ from one GEMM S = dmᵀ·x a part"
-        " on tensor cores.",
+        " heuristic's): algo=simt, the SIMT kernels; algo=mma, dΦ and dγ from one GEMM S = dmᵀ·x a part and dx's"
+        " du = dm·Φ on tensor cores.",
         f"post_pre: post of layer l then pre of layer l + 1 (x_next and y compared; bytes the fused floor, so the"
         f" unfused rows' % shows the extra read of x_next); '{UNFUSED}' is kspec's two ops, the peers theirs.",
     ]
