@@ -236,6 +236,15 @@ TEST(Mhc, PreBackwardMmaIsSelectableNotDefault) {
     Config mma = h;
     for (auto& [axis, v] : mma.values)
       if (axis == "algo") v = 1;
+    if (std::string(name) == "mhc.pre_only.bwd") {  // its token kernel spilled at 4 tokens without the dx pass
+      std::string why;
+      for (auto& [axis, v] : mma.values)
+        if (axis == "tokens" && v > 1) {
+          EXPECT_FALSE(op.tuning.valid(p, mma, &why)) << mma.str();
+          EXPECT_NE(why.find("1 token a block"), std::string::npos) << why;
+          v = 1;
+        }
+    }
     EXPECT_TRUE(op.tuning.valid(p, mma, nullptr)) << name << " " << mma.str();
     const auto kernels = op.kernels(p, mma);
     ASSERT_EQ(kernels.size(), 4u);
@@ -270,8 +279,10 @@ TEST(Mhc, PreBackwardMmaIsSelectableNotDefault) {
       q.arch = arch;
       q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
       Config c = op.tuning.heuristic(problem_from_request(op, q));
-      for (auto& [axis, v] : c.values)
+      for (auto& [axis, v] : c.values) {
         if (axis == "algo") v = 1;
+        if (axis == "tokens" && std::string(name) == "mhc.pre_only.bwd") v = 1;
+      }
       q.config = c;
       for (const auto& rep : compile(q)) {
         if (rep.kernel.find("_mma_kernel") == std::string::npos) continue;
