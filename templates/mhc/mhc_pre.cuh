@@ -135,9 +135,11 @@ __global__ void __launch_bounds__(kThreads) mhc_pre_fwd_kernel(const MhcPreParam
 // Backward, per token: g = dL/dh (the <dy, x[i]> and m reduced across the block; the Sinkhorn backward
 // on chip), then dx = du * gamma - dinv inv^3 / nD * v + H_pre[i] dy (+ dx_post), du = dm phi.
 // Writes g, dm and inv * sum_s g m to the workspace for the sums over tokens. kTok tokens per block share
-// each load of phi, as in the forward (the same per-token order of every sum, whatever kTok).
+// each load of phi, as in the forward (the same per-token order of every sum, whatever kTok). !kDx
+// (algo=mma): no dx pass; the token's dinv inv^3 / nD and H_pre go to the workspace for
+// mhc_pre_bwd_dx_mma_kernel (mhc_pre_bwd_mma.cuh).
 template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, bool kHasDxPost, int kThreads,
-          int kTok>
+          int kTok, bool kDx = true>
 __global__ void __launch_bounds__(kThreads) mhc_pre_bwd_token_kernel(const MhcPreBwdParams p) {
   using Rows = MhcRows<N, kPreOnly>;
   using SK = MhcSinkhorn<N, kTMax>;
@@ -242,6 +244,14 @@ __global__ void __launch_bounds__(kThreads) mhc_pre_bwd_token_kernel(const MhcPr
     }
   }
   __syncthreads();
+  if constexpr (!kDx) {
+    if (threadIdx.x < kTok * N) {
+      const int j = threadIdx.x / N, i = threadIdx.x % N;
+      if (j < ntok) p.ws_hpre[(t0 + j) * N + i] = h_pre[j][i];
+    }
+    if (threadIdx.x < kTok && static_cast<int>(threadIdx.x) < ntok) p.ws_cv[t0 + threadIdx.x] = c_v[threadIdx.x];
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     for (int d = threadIdx.x; d < D; d += kThreads) {
@@ -264,6 +274,20 @@ __global__ void __launch_bounds__(kThreads) mhc_pre_bwd_token_kernel(const MhcPr
         static_cast<T*>(p.dx)[(t * N + i) * p.dx_row + d] = store_as<T>(dv);
       }
     }
+  }
+}
+
+// The part's sums over its tokens [t0, t1) of g and inv g m (dbias, dalpha), one thread per row, in token
+// order; threads kM + kA and up idle. Block (0, part) of each columns kernel runs it.
+template <int N, int D, bool kPreOnly>
+__device__ __forceinline__ void mhc_pre_bwd_row_sums(const MhcPreBwdParams& p, int part, long long t0, long long t1) {
+  using Rows = MhcRows<N, kPreOnly>;
+  constexpr int kM = Rows::kM, kND = N * D;
+  if (threadIdx.x < kM + Rows::kA) {
+    const int r = threadIdx.x;
+    float s = 0.f;
+    for (long long t = t0; t < t1; ++t) s += r < kM ? __ldg(p.ws_g + t * kM + r) : __ldg(p.ws_ga + t * 3 + r - kM);
+    p.ws_part[static_cast<long long>(p.parts) * (kM + 1) * kND + static_cast<long long>(part) * (kM + 3) + r] = s;
   }
 }
 
@@ -303,12 +327,7 @@ __global__ void __launch_bounds__(kThreads) mhc_pre_bwd_columns_kernel(const Mhc
     for (int r = 0; r < kM; ++r) out[static_cast<long long>(r) * kND + c] = dphi[r];
     out[static_cast<long long>(kM) * kND + c] = dgam;
   }
-  if (blockIdx.x == 0 && threadIdx.x < kM + Rows::kA) {
-    const int r = threadIdx.x;
-    float s = 0.f;
-    for (long long t = t0; t < t1; ++t) s += r < kM ? __ldg(p.ws_g + t * kM + r) : __ldg(p.ws_ga + t * 3 + r - kM);
-    p.ws_part[static_cast<long long>(p.parts) * (kM + 1) * kND + static_cast<long long>(part) * (kM + 3) + r] = s;
-  }
+  if (blockIdx.x == 0) mhc_pre_bwd_row_sums<N, D, kPreOnly>(p, part, t0, t1);
 }
 
 // The parts' sums added in part order: one thread per element of dphi, dgamma, dbias, dalpha.

@@ -46,6 +46,8 @@ struct MhcPreBwdParams {
   float* ws_dm;         // [T, M]   inv alpha_s g
   float* ws_ga;         // [T, 3]   inv sum_{rows of alpha_s} g m
   float* ws_part;       // [parts, M + 1, nD] then [parts, M + 3]: the parts' column sums
+  float* ws_cv;         // [T]      dinv inv^3 / nD (algo=mma: the token kernel leaves dx to the dx kernel)
+  float* ws_hpre;       // [T, n]   H_pre (algo=mma, likewise)
   long long T, x_row, dy_row, dx_row, dx_post_row;
   int parts, tokens_per_part;
   float eps_pre, eps_sk;

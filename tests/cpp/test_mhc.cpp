@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <iostream>
 #include <random>
 #include <tuple>
 
@@ -216,6 +217,82 @@ TEST(Mhc, BaseAndWidestCasesCompileWithoutSpills) {
     }
   }
   EXPECT_GE(compiled, 16);
+}
+
+// The backward's algo=mma (the sums over tokens on tensor cores) is selectable for 16-bit x from sm_80
+// on, never for fp32 x or below sm_80, and not the heuristic's choice until the H100 has timed it; it
+// swaps the columns kernel and moves dx to its own kernel (post_pre.bwd has no such axis).
+TEST(Mhc, PreBackwardMmaIsSelectableNotDefault) {
+  for (const char* name : {"mhc.pre.bwd", "mhc.pre_only.bwd"}) {
+    const OpDef& op = Registry::global().get(name);
+    CompileRequest r;
+    r.op = name;
+    r.dtype = DType::bf16;
+    r.arch = "sm_90";
+    r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+    const Problem p = problem_from_request(op, r);
+    const Config h = op.tuning.heuristic(p);
+    EXPECT_EQ(h.get("algo"), 0) << name;
+    Config mma = h;
+    for (auto& [axis, v] : mma.values)
+      if (axis == "algo") v = 1;
+    if (std::string(name) == "mhc.pre_only.bwd") {  // its token kernel spilled at 4 tokens without the dx pass
+      std::string why;
+      for (auto& [axis, v] : mma.values)
+        if (axis == "tokens" && v > 1) {
+          EXPECT_FALSE(op.tuning.valid(p, mma, &why)) << mma.str();
+          EXPECT_NE(why.find("1 token a block"), std::string::npos) << why;
+          v = 1;
+        }
+    }
+    EXPECT_TRUE(op.tuning.valid(p, mma, nullptr)) << name << " " << mma.str();
+    const auto kernels = op.kernels(p, mma);
+    ASSERT_EQ(kernels.size(), 4u);
+    EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_kernel");
+    EXPECT_EQ(kernels[0].targs.back(), "false");  // no dx pass: kernel 3 writes dx
+    EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_bwd_columns_mma_kernel");
+    EXPECT_EQ(kernels[3].kernel, "kspec::mhc_pre_bwd_dx_mma_kernel");
+    EXPECT_EQ(op.kernels(p, h).size(), 3u);
+    EXPECT_EQ(op.kernels(p, h)[1].kernel, "kspec::mhc_pre_bwd_columns_kernel");
+    for (const auto& [dt, arch, fragment] :
+         {std::tuple{DType::f32, "sm_90", "float32 x"}, std::tuple{DType::bf16, "sm_75", "sm_80"}}) {
+      CompileRequest q = r;
+      q.dtype = dt;
+      q.arch = arch;
+      std::string why;
+      EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q), mma, &why)) << name << " " << arch;
+      EXPECT_NE(why.find(fragment), std::string::npos) << why;
+    }
+  }
+  // The mma columns and dx kernels without spills on sm_80 and sm_90: 8 columns a lane (n = 4, 16-byte
+  // loads, 32 tokens for dx; n = 6, the most m16 tiles at 8), 4 (n = 8), element loads (D = 33), pre_only
+  // at n = 1.
+  int compiled = 0;
+  for (const char* arch : {"sm_80", "sm_90"})
+    for (auto [name, dt, n, D] : {std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096}, std::tuple{"mhc.pre.bwd", DType::f16, 6, 64},
+                                  std::tuple{"mhc.pre.bwd", DType::bf16, 8, 128}, std::tuple{"mhc.pre.bwd", DType::f16, 3, 33},
+                                  std::tuple{"mhc.pre_only.bwd", DType::bf16, 1, 50}}) {
+      const OpDef& op = Registry::global().get(name);
+      CompileRequest q;
+      q.op = name;
+      q.dtype = dt;
+      q.arch = arch;
+      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+      Config c = op.tuning.heuristic(problem_from_request(op, q));
+      for (auto& [axis, v] : c.values) {
+        if (axis == "algo") v = 1;
+        if (axis == "tokens" && std::string(name) == "mhc.pre_only.bwd") v = 1;
+      }
+      q.config = c;
+      for (const auto& rep : compile(q)) {
+        if (rep.kernel.find("_mma_kernel") == std::string::npos) continue;
+        EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
+        EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
+        std::cout << arch << " " << rep.kernel << ": " << rep.registers << " registers\n";
+        ++compiled;
+      }
+    }
+  EXPECT_EQ(compiled, 20);  // the columns and dx kernels
 }
 
 // pre.fwd's algo axis: the tensor-core projection (algo=mma, mhc_pre_mma.cuh) is the default from sm_80
@@ -516,6 +593,37 @@ TEST(MhcGpu, PreForwardEveryMmaConfigMatchesReference) {
         checked += static_cast<int>(rows.size());
       }
   EXPECT_GE(checked, 32);  // 38: 2 or 3 tiles per case and dtype
+}
+
+// Every case of mhc.pre.bwd and mhc.pre_only.bwd (T = 1, T = 1031 over several parts, n = 1, 3, 8, D = 33,
+// 37, no gamma, each upstream gradient alone) with the sums over tokens on tensor cores (algo=mma), f16 and
+// bf16, against the float64 reference; the token kernel is the heuristic's (the columns kernel does not
+// depend on its threads or tokens).
+TEST(MhcGpu, PreBackwardMmaMatchesReferenceOnEveryCase) {
+  KSPEC_REQUIRE_GPU();
+  int checked = 0;
+  for (const char* op_name : {"mhc.pre.bwd", "mhc.pre_only.bwd"}) {
+    const OpDef& op = Registry::global().get(op_name);
+    for (const Case& cs : op.cases) {
+      if (cs.large) continue;
+      for (DType dt : {DType::f16, DType::bf16}) {
+        CheckOptions o;
+        o.case_name = cs.name;
+        o.dtypes = {dt};
+        for (const Config& c : configs_for_case(op_name, cs.name, dt))
+          if (c.get("algo") == 1) {
+            o.configs.push_back(c);
+            break;
+          }
+        ASSERT_EQ(o.configs.size(), 1u) << op_name << " " << cs.name;
+        auto rows = check_op(op_name, o);
+        EXPECT_EQ(rows.size(), 1u) << op_name << " " << cs.name;
+        kspec::testing::report(rows);
+        checked += static_cast<int>(rows.size());
+      }
+    }
+  }
+  EXPECT_GE(checked, 50);
 }
 
 // ---- post_pre: post(l) fused with pre(l + 1) ----

@@ -279,6 +279,21 @@ def test_mhc_bench_pre_kernel_configs_are_the_ops_legal_configs(families):
         assert kernels and ("mma" in kernels[0]) == ("mma" in name), (name, kernels)
 
 
+def test_mhc_bench_pre_bwd_configs_compile_each_algo(families):
+    """The mhc bench's pre fwd+bwd rows by mhc.pre.bwd config: algo=simt and algo=mma each accepted and
+    compiled (no GPU needed); algo=mma's columns kernel (the second) and its dx kernel (a fourth)."""
+    import kspec
+
+    mhc = families["mhc"]
+    assert list(mhc.pre_bwd_configs(4)) == [mhc.PRE_BWD_KERNELS + v for v in ("simt", "mma")]
+    for n in (4, 8):
+        for name, config in mhc.pre_bwd_configs(n).items():
+            kernels = [r["kernel"] for r in kspec.compile("mhc.pre.bwd", dtype="bf16", arch="sm_80", config=config,
+                                                          n=n, D=128, t_max=20)]
+            mma = name.endswith("mma")
+            assert len(kernels) == (4 if mma else 3) and ("columns_mma" in kernels[1]) == mma, (name, kernels)
+
+
 def test_torch_ca_peer_matches_the_reference(families):
     """The CA benchmark's torch eager peer (periodic and zero-padded) is the float64 reference's rollout."""
     torch = pytest.importorskip("torch")

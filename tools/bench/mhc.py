@@ -23,6 +23,7 @@ LAYER_VS_COMPILE = 3.0  # issue 34: the layer's fwd+bwd >= 3x torch.compile
 DECODE_T = 8        # issue 34's small-batch decode shape: host µs per call <= torch eager's single op
 UNFUSED = "kspec post then pre"  # the post_pre rows' second kspec variant
 PRE_KERNELS = "kspec pre.fwd "   # the pre fwd rows of each of pre.fwd's kernels by config (see pre_kernel_configs)
+PRE_BWD_KERNELS = "kspec pre.bwd "  # the pre fwd+bwd rows of each of pre.bwd's algos by config (pre_bwd_configs)
 
 
 def add_arguments(p):
@@ -58,6 +59,41 @@ def pre_kernel_configs(n, D, dtype="bf16"):
         if (tok < 64 or (dtype != "f32" and D % 8 == 0)) and tok // 16 * -(-m // 8) <= (10 if dtype == "f32" else 12):
             out[f"{PRE_KERNELS}mma {tok}"] = f"algo=1,threads=128,tokens={tok}"
     return out
+
+
+def pre_bwd_configs(n):
+    """{variant: config} for mhc.pre.bwd's `algo` axis (api/ops/mhc/op.cpp): algo=simt (mhc_pre.cuh, the
+    default), and algo=mma, the sums over tokens as one GEMM a part and dx's du = dm·Φ on tensor cores
+    (mhc_pre_bwd_mma.cuh); the token kernel's first pass the same in both (128 threads, 4 tokens where they
+    fit)."""
+    m = n * n + 2 * n
+    tokens = 4 if 4 * max(m, n * n) <= 128 and 4 * (n + m) <= 112 else 1
+    return {PRE_BWD_KERNELS + name: f"algo={algo},threads=128,tokens={tokens}" for name, algo in (("simt", 0), ("mma", 1))}
+
+
+def _pre_with_bwd_config(ctx, config):
+    """pre(x, phi, alpha, bias) -> (y, h_pre, h_post, r): mhc.pre.fwd by its heuristic, its backward
+    mhc.pre.bwd at `config`, both through kspec.call."""
+    torch, call = ctx.torch, ctx.kspec.call
+
+    class Pre(torch.autograd.Function):
+        @staticmethod
+        def forward(fc, x, phi, alpha, bias):
+            fc.set_materialize_grads(False)
+            y, h_pre, h_post, r, inv, h = call("mhc.pre.fwd", x, phi, alpha, bias, None)
+            fc.save_for_backward(x, phi, alpha, bias, inv, h)
+            return y, h_pre, h_post, r
+
+        @staticmethod
+        def backward(fc, dy, dh_pre, dh_post, dr):
+            x, phi, alpha, bias, inv, h = fc.saved_tensors
+            dy = dy.contiguous() if dy is not None else torch.zeros(x.shape[0], x.shape[2], dtype=x.dtype,
+                                                                     device=x.device)
+            dx, dphi, dalpha, dbias, _ = call("mhc.pre.bwd", dy, x, phi, alpha, bias, None, inv, h, dh_pre, dh_post,
+                                              dr, None, config=config)
+            return dx, dphi, dalpha, dbias
+
+    return lambda x, phi, alpha, bias: Pre.apply(x, phi, alpha, bias)
 
 
 def torch_sinkhorn(torch, z, eps=EPS, t_max=T_MAX):
@@ -200,6 +236,8 @@ def implementations(ctx, liger, n, D):
             return ctx.kspec.call("mhc.pre.fwd", x, phi, alpha, bias, None, config=config)[:4]
 
         impls[name] = (pre, K.mhc_post)
+    for name, config in pre_bwd_configs(n).items():
+        impls[name] = (_pre_with_bwd_config(ctx, config), K.mhc_post)
     impls = {name: (pre, post, _then(pre, post)) for name, (pre, post) in impls.items()}
     impls["kspec"] = impls["kspec"][:2] + (lambda x, f, hp, r, phi, alpha, bias: K.mhc_post_pre(x, f, hp, r, phi,
                                                                                                 alpha, bias),)
@@ -222,11 +260,13 @@ def run(ctx):
     rows = []
     for name, fns in implementations(ctx, liger, n, D).items():
         for op in ("pre", "post", "layer", "post_pre"):
-            if (name == UNFUSED and op != "post_pre") or (name.startswith(PRE_KERNELS) and op != "pre"):
+            by_config = name.startswith(PRE_KERNELS) or name.startswith(PRE_BWD_KERNELS)
+            if (name == UNFUSED and op != "post_pre") or (by_config and op != "pre"):
                 continue
-            for kind in ("fwd",) if name.startswith(PRE_KERNELS) else ("fwd", "fwd+bwd"):
+            kinds = ("fwd",) if name.startswith(PRE_KERNELS) else ("fwd+bwd",) if by_config else ("fwd", "fwd+bwd")
+            for kind in kinds:
                 row = {"family": "mhc", "shape": f"T={T} n={n} D={D}", "op": op, "variant": name, "kind": kind,
-                       "impl": "kspec" if name in ("kspec", UNFUSED) or name.startswith(PRE_KERNELS) else "peer",
+                       "impl": "kspec" if name in ("kspec", UNFUSED) or by_config else "peer",
                        "bytes": min_bytes(op, kind, T, n, D), "status": ""}
                 if ctx.skipped(name):
                     row["status"] = "skipped"
@@ -329,6 +369,9 @@ def _report(ctx, rows, why):
         " torch.compile 1.47 / 4.65 / 13.7.",
         f"'{PRE_KERNELS}…': mhc.pre.fwd's kernels by config through kspec.call (forward only): algo=simt, the SIMT"
         " projection; algo=mma, the projection on tensor cores at 16, 32 or 64 tokens a block.",
+        f"'{PRE_BWD_KERNELS}…': pre fwd+bwd with mhc.pre.bwd by config through kspec.call (the forward the"
+        " heuristic's): algo=simt, the SIMT kernels; algo=mma, dΦ and dγ from one GEMM S = dmᵀ·x a part and dx's"
+        " du = dm·Φ on tensor cores.",
         f"post_pre: post of layer l then pre of layer l + 1 (x_next and y compared; bytes the fused floor, so the"
         f" unfused rows' % shows the extra read of x_next); '{UNFUSED}' is kspec's two ops, the peers theirs.",
     ]

@@ -496,15 +496,42 @@ OpDef make_pre_fwd(bool po) {
 
 int64_t bwd_parts(int64_t T) { return std::clamp<int64_t>(ceil_div(T, kTokensPerPart), 1, kMaxParts); }
 
-// pre.bwd's three kernels (token, columns, reduce), also the first three of post_pre.bwd.
+// pre.bwd's `algo` axis (mhc.pre.bwd, mhc.pre_only.bwd; post_pre.bwd has none and runs kSimt): kSimt, the
+// token and columns kernels of mhc_pre.cuh; kMma, the sums over tokens as one GEMM a part and dx's
+// du = dm phi on tensor cores (mhc_pre_bwd_mma.cuh, 128 threads); the token kernel's first pass and heads
+// are the same in both (`threads`, `tokens`).
+bool bwd_mma(const Config& c) { return c.has("algo") && c.get("algo") == kMma; }
+// The mma columns kernel's consecutive columns per lane (its kNt): 8 while ceil(M / 16) <= 3 m16 tiles of
+// accumulators fit (n <= 6), else 4; a block takes 4 warps x 8 kNt columns.
+int64_t bwd_mma_lane_cols(const Problem& p) { return ceil_div(proj_rows(p), 16) <= 3 ? 8 : 4; }
+int64_t bwd_mma_block_cols(const Problem& p) { return 4 * 8 * bwd_mma_lane_cols(p); }
+bool bwd_mma_vec(const Problem& p) { return p.dim("D") % bwd_mma_lane_cols(p) == 0 && p.align_bytes >= 16; }
+// The mma dx kernel's tokens a block: its lanes keep dm split hi + lo for (tokens / 16) x ceil(M / 8) mma
+// steps; 32 tokens while that is at most 6 (n <= 4), else 16.
+int64_t bwd_mma_dx_tokens(const Problem& p) { return 2 * ceil_div(proj_rows(p), 8) <= 6 ? 32 : 16; }
+
+// pre.bwd's three kernels (token, columns, reduce), also the first three of post_pre.bwd; algo=mma adds a
+// fourth, dx.
 std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, bool dx_post) {
   const std::string T = dtype_cuda_type(p.dtype("x")), n = std::to_string(p.dim("n")),
                     D = std::to_string(p.dim("D")), g = b(p.present("gamma")), head = b(pre_only(p));
+  const std::string tokens = std::to_string(c.get("tokens"));
+  const auto reduce = kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_reduce_kernel",
+                                  {n, D, g, head, std::to_string(kReduceThreads)});
+  if (!bwd_mma(c)) {
+    return {kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_token_kernel",
+                        {T, n, D, t_max_arg(p), g, head, b(dx_post), thr(c), tokens}),
+            kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_columns_kernel", {T, n, D, g, head, thr(c)}), reduce};
+  }
+  // algo=mma: the token kernel without its dx pass (so no dx_post there), then dx on tensor cores (plan
+  // kernel 3, after the reduce: it needs only the token kernel's workspace).
   return {kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_token_kernel",
-                      {T, n, D, t_max_arg(p), g, head, b(dx_post), thr(c), std::to_string(c.get("tokens"))}),
-          kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_columns_kernel", {T, n, D, g, head, thr(c)}),
-          kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_reduce_kernel",
-                      {n, D, g, head, std::to_string(kReduceThreads)})};
+                      {T, n, D, t_max_arg(p), g, head, "false", thr(c), tokens, "false"}),
+          kernel_spec(p, "mhc/mhc_pre_bwd_mma.cuh", "kspec::mhc_pre_bwd_columns_mma_kernel",
+                      {T, n, D, g, head, b(bwd_mma_vec(p))}),
+          reduce,
+          kernel_spec(p, "mhc/mhc_pre_bwd_mma.cuh", "kspec::mhc_pre_bwd_dx_mma_kernel",
+                      {T, n, D, g, head, b(dx_post), std::to_string(bwd_mma_dx_tokens(p)), b(mma_vec(p))})};
 }
 
 // The pre backward's arguments both ops name alike; the caller sets x (the pre op's input `x_name`), the
@@ -539,7 +566,7 @@ void* launch_pre_bwd(const Call& call, const Config& c, Launcher& l, MhcPreBwdPa
   const Problem& pr = call.problem;
   const int64_t T = pr.dim("T"), m = proj_rows(pr), nd = pr.dim("nD"), parts = bwd_parts(T);
   const size_t lead = (dx_bytes + 255) / 256 * 256;
-  const int64_t ws_floats = T * (2 * m + 3) + parts * ((m + 1) * nd + m + 3);
+  const int64_t ws_floats = T * (2 * m + 3) + parts * ((m + 1) * nd + m + 3) + T * (1 + pr.dim("n"));
   auto* base = static_cast<char*>(l.workspace(lead + sizeof(float) * static_cast<size_t>(ws_floats)));
   if (dx_bytes) a.dx = base;
   auto* ws = reinterpret_cast<float*>(base + lead);
@@ -549,12 +576,44 @@ void* launch_pre_bwd(const Call& call, const Config& c, Launcher& l, MhcPreBwdPa
   a.ws_part = ws + T * (2 * m + 3);
   a.parts = static_cast<int>(parts);
   a.tokens_per_part = static_cast<int>(ceil_div(T, parts));
+  a.ws_cv = a.ws_part + parts * ((m + 1) * nd + m + 3);
+  a.ws_hpre = a.ws_cv + T;
   void* args[] = {&a};
   const unsigned th = u32(c.get("threads"));
   if (T > 0) l.launch(0, {u32(ceil_div(T, c.get("tokens")))}, {th}, 0, args);
-  l.launch(1, {u32(ceil_div(nd, th)), u32(parts)}, {th}, 0, args);
+  if (bwd_mma(c)) l.launch(1, {u32(ceil_div(nd, bwd_mma_block_cols(pr))), u32(parts)}, {u32(kMmaThreads)}, 0, args);
+  else l.launch(1, {u32(ceil_div(nd, th)), u32(parts)}, {th}, 0, args);
   l.launch(2, {u32(ceil_div((m + 1) * nd + m + 3, kReduceThreads))}, {kReduceThreads}, 0, args);
+  if (bwd_mma(c) && T > 0) l.launch(3, {u32(ceil_div(T, bwd_mma_dx_tokens(pr)))}, {u32(kMmaThreads)}, 0, args);
   return a.dx;
+}
+
+// algo=mma wherever mma_unsupported allows, with the token kernel's threads and tokens as for kSimt; the
+// heuristic keeps kSimt until the H100 has timed both (tools/bench/NOTES.md, "mhc pre backward: the sums
+// over tokens on tensor cores").
+TuningSpace with_bwd_algo_axis(TuningSpace t) {
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma}});
+  auto simt_valid = t.valid;
+  t.valid = [simt_valid](const Problem& p, const Config& c, std::string* why) {
+    if (c.get("algo") == kMma) {
+      std::string no = mma_unsupported(p);
+      // Without its dx pass, ptxas (NVRTC 13) still spilled 8 bytes in the pre_only token kernel at 4 tokens
+      // (n 4, D 300, sm_80); 1 token does not.
+      if (no.empty() && pre_only(p) && c.get("tokens") > 1) no = "algo=mma on mhc.pre_only.bwd takes 1 token a block";
+      if (!no.empty()) {
+        if (why) *why = no;
+        return false;
+      }
+    }
+    return simt_valid(p, c, why);
+  };
+  auto simt_heuristic = t.heuristic;
+  t.heuristic = [simt_heuristic](const Problem& p) {
+    Config c = simt_heuristic(p);
+    c.values.insert(c.values.begin(), {"algo", kSimt});
+    return c;
+  };
+  return t;
 }
 
 OpDef make_pre_bwd(bool po) {
@@ -576,6 +635,8 @@ OpDef make_pre_bwd(bool po) {
       return valid(p, c, why);
     };
   }
+  op.tuning = with_bwd_algo_axis(op.tuning);
+  op.info.tuning_axes = op.tuning.axes;
   op.info.inputs = {per_token("dy", "", "gradient of y"),
                     streams("x", "dy", "the forward's x")};
   op.info.inputs[0].dtypes = kFloatTypes;
