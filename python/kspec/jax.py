@@ -161,9 +161,8 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     forward kept every 16th step)."""
     if layout not in ("bdl", "bld"):
         raise ValueError(f"kspec.jax.selective_scan: layout must be 'bdl' or 'bld', got {layout!r}")
-    # (batch, dstate, seqlen) B and C go in as they are (the handler reads them as one group): a reshape
-    # to (batch, 1, dstate, seqlen) here cost a copy kernel for each under XLA (it laid the unit
-    # dimension out elsewhere)
+    # 3-D B and C go in as given (the handler reads them as one group): a reshape to (batch, 1, dstate,
+    # seqlen) would be a copy kernel each under XLA, whose layout assignment puts the unit dimension elsewhere
     given = dict(zip(("D", "z", "delta_bias", "h0"), (D, z, delta_bias, h0)))
     names = ("u", "delta", "A", "B", "C") + tuple(n for n in _SCAN_OPTIONAL if given[n] is not None)
     args = (u, delta, A, B, C) + tuple(given[n] for n in _SCAN_OPTIONAL if given[n] is not None)
@@ -197,18 +196,20 @@ def _norm_act_fn(has_bias: bool, norm: str, act: str, eps: float):
     names = ("x", "weight") + (("bias",) if has_bias else ())
     params = dict(norm=norm, act=act, eps=eps)
 
-    def forward(args):
+    def forward(args, save):
         x = args[0]
+        y = _spec(x.shape, x.dtype)
+        if not save:  # no gradient taken: the statistics are not written (as torch's path without grad)
+            return _ffi("kspec_norm_act_fwd", [y], args, names, ("y",), save_stats=False, **params)
         stats = _spec(x.shape[:-1], jnp.float32)
-        return _ffi("kspec_norm_act_fwd", [_spec(x.shape, x.dtype), stats, stats], args, names,
-                    ("y", "mean", "rstd"), **params)
+        return _ffi("kspec_norm_act_fwd", [y, stats, stats], args, names, ("y", "mean", "rstd"), **params)
 
     @jax.custom_vjp
     def f(*args):
-        return forward(args)[0]
+        return forward(args, save=False)[0]
 
     def fwd(*args):
-        y, mean, rstd = forward(args)
+        y, mean, rstd = forward(args, save=True)
         return y, (args, mean, rstd)
 
     def bwd(res, dy):
