@@ -20,7 +20,7 @@ namespace kspec::jit {
   X(cuFuncSetAttribute) X(cuFuncGetAttribute) X(cuLaunchKernel) X(cuLaunchKernelEx)        \
   X(cuGetErrorName) X(cuGetErrorString) X(cuStreamIsCapturing) X(cuStreamSynchronize)     \
   X(cuStreamGetCtx) X(cuMemAlloc) X(cuMemFree) X(cuMemAllocAsync) X(cuMemFreeAsync)        \
-  X(cuMemcpyHtoD) X(cuMemcpyHtoDAsync) X(cuMemcpyDtoH)                                    \
+  X(cuMemcpyHtoD) X(cuMemcpyHtoDAsync) X(cuMemcpyDtoH) X(cuMemcpyDtoDAsync)               \
   X(cuMemsetD8) X(cuMemsetD32Async) X(cuPointerGetAttribute) X(cuStreamCreate)            \
   X(cuStreamDestroy) X(cuEventCreate) X(cuEventRecord) X(cuEventSynchronize) X(cuEventQuery) \
   X(cuEventElapsedTime) X(cuEventDestroy) X(cuMemGetInfo) X(cuStreamBeginCapture)            \

@@ -27,6 +27,8 @@
 #include "api/src/c_abi.h"
 #include "api/src/plan.h"
 #include "api/xla/targets.h"
+#include "jit/driver.h"
+#include "jit/handles.h"
 #include "kspec/error.h"
 #include "kspec/kspec_xla.h"
 #include "kspec/registry.h"
@@ -233,15 +235,28 @@ struct Binding {
 
   // List ops (adamw): kspec::call validates every item of every list each call (its call cache takes no
   // lists) and uploads the tensor table each step, so an execution runs a BoundCall instead, bound to
-  // the operands' addresses. Donated, aliased buffers keep theirs step after step; gradients made by
+  // the list operands' addresses. Donated, aliased buffers keep theirs step after step; gradients made by
   // another jitted function tend to come back at one of a few (XLA's allocator reuses freed blocks), so
   // the last kBoundPerBinding bound calls are kept. A binding that has bound kMaxBinds calls and still
   // meets new addresses goes back to kspec::call (validation and the table's upload on every call).
   struct Bound {
-    std::vector<const void*> ptrs;  // the operands' addresses it was built with
+    std::vector<const void*> ptrs;  // the list operands' addresses it was built with
     std::unique_ptr<BoundCall> call;
     uint64_t used = 0;              // the `clock` of its last run
   };
+  // A list op's other operands (adamw's device_lr, device_step, grad_scale: one-element scalars that XLA
+  // computes into temporaries, or a jit argument, at an address that changes from one execution to the
+  // next) are copied on the stream into `slots`, the binding's own device memory, before a bound call
+  // runs, and every bound call reads them there: a new scalar address then needs no new bound call.
+  struct Slot {
+    size_t operand = 0;  // index in `operands`
+    size_t offset = 0;   // in `slots`
+    size_t bytes = 0;
+  };
+  std::vector<Slot> slot_of;
+  jit::DeviceBuffer slots;   // allocated with the first bound call
+  Stream slot_stream = nullptr;  // the stream of the last copy into them
+  bool slot_copied = false;
   std::mutex mu;
   std::vector<Bound> bound;
   std::vector<std::unique_ptr<BoundCall>> retired;  // evicted, possibly still running: freed once idle
@@ -307,6 +322,16 @@ std::unique_ptr<Binding> make_binding(const Target& t, int device, const ffi::Re
     }
   }
   KSPEC_CHECK(next == args.size(), t.name, ": ", args.size(), " operands given, but inputs names ", next);
+  if (b.has_list) {
+    size_t offset = 0;
+    for (size_t j = 0; j < b.operands.size(); ++j) {
+      if (b.operands[j].list >= 0) continue;
+      const TensorView& v = b.ins[size_t(b.operands[j].input)];
+      const size_t bytes = size_t(v.numel()) * size_t(dtype_size(v.dtype));
+      b.slot_of.push_back({j, offset, bytes});
+      offset += (bytes + 255) / 256 * 256;  // each as aligned as cuMemAlloc's own
+    }
+  }
 
   if (!a.given_outputs)
     for (const auto& d : op.outputs)
@@ -483,20 +508,41 @@ Views views_at(const Binding& b, const ffi::RemainingArgs& args) {
   return v;
 }
 
-// A list op's execution (see Binding): the bound call made for these operands' addresses, else a new
-// one, else (after kMaxBinds) kspec::call.
-void run_list_op(Binding& b, Stream stream, const ffi::RemainingArgs& args, const ffi::RemainingRets& rets) {
+// The list operands' addresses (what picks a bound call; see Binding).
+void list_ptrs(const Binding& b, const ffi::RemainingArgs& args, std::vector<const void*>& ptrs) {
+  ptrs.clear();
+  for (size_t j = 0; j < b.operands.size(); ++j)
+    if (b.operands[j].list >= 0) ptrs.push_back(operand_data(args, j));
+}
+
+// This execution's other operands into the binding's slots, on the stream (see Binding::Slot). A bound
+// call that last ran on another stream may still be reading them: that stream is waited for first
+// (XLA runs a device's executions on one compute stream, so this does not happen step after step).
+void copy_slots(Binding& b, Stream stream, const ffi::RemainingArgs& args) {
+  if (b.slot_copied && b.slot_stream != stream)
+    CU_CHECK(cuStreamSynchronize(reinterpret_cast<CUstream>(b.slot_stream)));
+  for (const Binding::Slot& s : b.slot_of)
+    CU_CHECK(cuMemcpyDtoDAsync(b.slots.ptr + s.offset, reinterpret_cast<CUdeviceptr>(operand_data(args, s.operand)),
+                               s.bytes, reinterpret_cast<CUstream>(stream)));
+  b.slot_stream = stream;
+  b.slot_copied = true;
+}
+
+// A list op's execution (see Binding): the bound call made for these list operands' addresses, else a
+// new one, else (after kMaxBinds) kspec::call.
+void run_list_op(Binding& b, int device, Stream stream, const ffi::RemainingArgs& args, const ffi::RemainingRets& rets) {
   std::lock_guard<std::mutex> lock(b.mu);
   thread_local std::vector<const void*> ptrs;
-  ptrs.resize(args.size());
-  for (size_t j = 0; j < args.size(); ++j) ptrs[j] = operand_data(args, j);
+  list_ptrs(b, args, ptrs);
   thread_local std::vector<TensorView> outs;
   outs.assign(b.outs.begin(), b.outs.end());
   fill_results(b, args, rets, outs);
   ++b.clock;
+  jit::ContextGuard guard(device);
   for (auto& bc : b.bound)
     if (bc.ptrs == ptrs) {
       bc.used = b.clock;
+      copy_slots(b, stream, args);
       bc.call->run({}, outs, stream);
       return;
     }
@@ -505,6 +551,12 @@ void run_list_op(Binding& b, Stream stream, const ffi::RemainingArgs& args, cons
     call(b.op->name, v.ins, outs, b.params, stream);
     return;
   }
+  if (!b.slots.ptr && !b.slot_of.empty()) {
+    const Binding::Slot& last = b.slot_of.back();
+    b.slots = jit::DeviceBuffer(last.offset + last.bytes);
+  }
+  for (const Binding::Slot& s : b.slot_of)
+    v.ins[size_t(b.operands[s.operand].input)].data = reinterpret_cast<void*>(b.slots.ptr + s.offset);
   b.retired.erase(std::remove_if(b.retired.begin(), b.retired.end(), [](const auto& c) { return c->idle(); }),
                   b.retired.end());
   if (b.bound.size() >= kBoundPerBinding) {  // the least recently run makes room
@@ -514,6 +566,7 @@ void run_list_op(Binding& b, Stream stream, const ffi::RemainingArgs& args, cons
   }
   b.bound.push_back({ptrs, std::make_unique<BoundCall>(b.op->name, v.ins, outs, b.params), b.clock});
   ++b.binds;
+  copy_slots(b, stream, args);
   b.bound.back().call->run({}, outs, stream);
 }
 
@@ -534,7 +587,7 @@ void run(const Target& t, bool execute, Stream stream, int device, const ffi::Re
     return;
   }
   if (b.has_list) {
-    run_list_op(b, stream, args, rets);
+    run_list_op(b, device, stream, args, rets);
     return;
   }
   // kspec::call's own cache finds the validated call by the views' signature and checks only what

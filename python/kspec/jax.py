@@ -161,10 +161,8 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     forward kept every 16th step)."""
     if layout not in ("bdl", "bld"):
         raise ValueError(f"kspec.jax.selective_scan: layout must be 'bdl' or 'bld', got {layout!r}")
-    if B.ndim == 3 and layout == "bdl":
-        B = B[:, None]
-    if C.ndim == 3 and layout == "bdl":
-        C = C[:, None]
+    # 3-D B and C go in as given (the handler reads them as one group): a reshape to (batch, 1, dstate,
+    # seqlen) would be a copy kernel each under XLA, whose layout assignment puts the unit dimension elsewhere
     given = dict(zip(("D", "z", "delta_bias", "h0"), (D, z, delta_bias, h0)))
     names = ("u", "delta", "A", "B", "C") + tuple(n for n in _SCAN_OPTIONAL if given[n] is not None)
     args = (u, delta, A, B, C) + tuple(given[n] for n in _SCAN_OPTIONAL if given[n] is not None)
@@ -198,18 +196,20 @@ def _norm_act_fn(has_bias: bool, norm: str, act: str, eps: float):
     names = ("x", "weight") + (("bias",) if has_bias else ())
     params = dict(norm=norm, act=act, eps=eps)
 
-    def forward(args):
+    def forward(args, save):
         x = args[0]
+        y = _spec(x.shape, x.dtype)
+        if not save:  # no gradient taken: the statistics are not written (as torch's path without grad)
+            return _ffi("kspec_norm_act_fwd", [y], args, names, ("y",), save_stats=False, **params)
         stats = _spec(x.shape[:-1], jnp.float32)
-        return _ffi("kspec_norm_act_fwd", [_spec(x.shape, x.dtype), stats, stats], args, names,
-                    ("y", "mean", "rstd"), **params)
+        return _ffi("kspec_norm_act_fwd", [y, stats, stats], args, names, ("y", "mean", "rstd"), **params)
 
     @jax.custom_vjp
     def f(*args):
-        return forward(args)[0]
+        return forward(args, save=False)[0]
 
     def fwd(*args):
-        y, mean, rstd = forward(args)
+        y, mean, rstd = forward(args, save=True)
         return y, (args, mean, rstd)
 
     def bwd(res, dy):
@@ -333,15 +333,38 @@ def adamw_init(params, *, amsgrad: bool = False) -> AdamWState:
 
 
 def adamw_step(params, grads, state: AdamWState, *, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-               weight_decay=1e-2, maximize=False, max_norm=0.0, grad_scale=None):
+               weight_decay=1e-2, maximize=False, max_norm=0.0, grad_scale=None, donate=False):
     """One fused multi-tensor AdamW step (torch.optim.AdamW semantics; kspec.optim.AdamW's kernel).
     Returns (new_params, new_state, grad_norm) — grad_norm (1,) fp32 when max_norm > 0, else None.
-    params and the state's tensors are updated in the buffers they came in (aliased results): jit with
-    params and state donated (donate_argnums) for no copies (and the handler's bound call, built for the
-    buffers' addresses, is then reused step after step). lr may be a traced scalar (a schedule): it and the
-    step count are operands (fp32 (1,) device scalars, the op's device_lr and device_step) read by the
-    kernel itself, so they change without recompiling and without the host waiting for the stream.
-    grad_scale: (1,) fp32 AMP loss scale or None."""
+    params and the state's tensors are updated in the buffers they came in (aliased results), when XLA
+    may: jit with params and state donated (donate_argnums) for no copies (and the handler's bound call,
+    built for the buffers' addresses, is then reused step after step). Without donation XLA copies each of
+    them first (three to five times the parameters' bytes: the step's time doubles). Called outside jit,
+    the step runs as one jitted function of its own; donate=True donates params and state to it (updated
+    in place; the arrays passed are deleted, as with donate_argnums). Under jit, donate the jitted
+    function's arguments instead (donate=True there is an error: it could not take effect).
+    lr may be a traced scalar (a schedule): it and the step count are operands (fp32 (1,) device scalars,
+    the op's device_lr and device_step) read by the kernel itself, so they change without recompiling and
+    without the host waiting for the stream. grad_scale: (1,) fp32 AMP loss scale or None."""
+    hyper = dict(beta1=float(beta1), beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay),
+                 maximize=bool(maximize), max_norm=float(max_norm))
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((params, grads, state, lr, grad_scale))):
+        if donate:
+            raise ValueError("kspec.jax.adamw_step: donate=True under jit cannot take effect; donate params and "
+                             "state with the jitted function's donate_argnums")
+        return _adamw_step(params, grads, state, lr, grad_scale, **hyper)
+    return _adamw_step_jit(bool(donate))(params, grads, state, lr, grad_scale, **hyper)
+
+
+@functools.lru_cache(maxsize=None)
+def _adamw_step_jit(donate: bool):
+    """adamw_step outside jit: one compiled step (the eager ops and custom call dispatched one by one would
+    each be compiled apart, and without donation XLA copies every aliased operand)."""
+    return jax.jit(_adamw_step, static_argnames=("beta1", "beta2", "eps", "weight_decay", "maximize", "max_norm"),
+                   donate_argnums=(0, 2) if donate else ())
+
+
+def _adamw_step(params, grads, state, lr, grad_scale, *, beta1, beta2, eps, weight_decay, maximize, max_norm):
     p_leaves, treedef = jax.tree_util.tree_flatten(params)
     g_leaves = treedef.flatten_up_to(grads)
     lists = [("params", p_leaves), ("grads", g_leaves), ("exp_avg", treedef.flatten_up_to(state.exp_avg)),
@@ -369,13 +392,12 @@ def adamw_step(params, grads, state: AdamWState, *, lr=1e-3, beta1=0.9, beta2=0.
                 results.append(_spec(a.shape, a.dtype))
                 r += 1
     outs = list(in_place)
-    want_norm = float(max_norm) > 0
+    want_norm = max_norm > 0
     if want_norm:
         outs.append("grad_norm")
         results.append(_spec((1,), jnp.float32))
-    res = _ffi("kspec_adamw", results, ops, names, outs, aliases=aliases, tensors=n, beta1=float(beta1),
-               beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay), maximize=bool(maximize),
-               max_norm=float(max_norm))
+    res = _ffi("kspec_adamw", results, ops, names, outs, aliases=aliases, tensors=n, beta1=beta1, beta2=beta2,
+               eps=eps, weight_decay=weight_decay, maximize=maximize, max_norm=max_norm)
     updated, k = {}, 0
     for name in in_place:
         updated[name] = jax.tree_util.tree_unflatten(treedef, res[k:k + n])

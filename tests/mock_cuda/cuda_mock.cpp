@@ -11,6 +11,7 @@
 namespace {
 
 std::atomic<long long> g_launches{0};
+std::atomic<long long> g_dtod_copies{0};  // device-to-device copies (the XLA handlers' scalar slots)
 int g_context_token, g_module_token, g_function_token, g_event_token, g_graph_token;
 thread_local CUcontext t_current = nullptr;
 
@@ -38,6 +39,7 @@ int attribute(CUdevice_attribute a) {
 extern "C" {
 
 __attribute__((visibility("default"))) long long kspec_mock_launches() { return g_launches.load(); }
+__attribute__((visibility("default"))) long long kspec_mock_dtod_copies() { return g_dtod_copies.load(); }
 
 CUresult CUDAAPI cuInit(unsigned int) { return CUDA_SUCCESS; }
 CUresult CUDAAPI cuDriverGetVersion(int* v) { *v = 13000; return CUDA_SUCCESS; }
@@ -113,6 +115,11 @@ CUresult CUDAAPI cuMemcpyHtoD(CUdeviceptr d, const void* s, size_t n) {
 CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr d, const void* s, size_t n, CUstream) { return cuMemcpyHtoD(d, s, n); }
 CUresult CUDAAPI cuMemcpyDtoH(void* d, CUdeviceptr s, size_t n) {
   std::memcpy(d, reinterpret_cast<const void*>(s), n);
+  return CUDA_SUCCESS;
+}
+CUresult CUDAAPI cuMemcpyDtoDAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream) {
+  g_dtod_copies.fetch_add(1, std::memory_order_relaxed);
+  std::memcpy(reinterpret_cast<void*>(d), reinterpret_cast<const void*>(s), n);
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuMemsetD8(CUdeviceptr d, unsigned char v, size_t n) {

@@ -44,6 +44,11 @@ long mock_launches() {
   return fn ? static_cast<long>(fn()) : -1;
 }
 
+long mock_dtod_copies() {
+  static auto fn = reinterpret_cast<long long (*)()>(dlsym(dlopen(KSPEC_CUDA_MOCK, RTLD_NOW | RTLD_NOLOAD), "kspec_mock_dtod_copies"));
+  return fn ? static_cast<long>(fn()) : -1;
+}
+
 // The XLA runtime's side of the FFI, as much of it as the handlers use: errors, the stream, the device.
 std::string g_error;  // the last error's message (one error at a time in these tests)
 int g_error_token;
@@ -318,6 +323,33 @@ TEST_F(XlaHandlers, AdamwMovingBuffersStillRun) {
   a.f.set_ret(0, a.f.alloc(7 * 33));  // params item 0's result no longer its operand
   ASSERT_NE(a.f.call("kspec_adamw", kExecute), nullptr);
   EXPECT_NE(g_error.find("must be its operand's buffer"), std::string::npos) << g_error;
+}
+
+// lr and the step as XLA passes them: a jit argument or a temporary, at a new address every execution,
+// while the donated lists stay put. The bound call stays (copied into the binding's slots, one
+// device-to-device copy per scalar per step): no new bound call, no fallback to kspec::call past the
+// binding limit (16), no heap allocation. Before, each new scalar address bound a new call (the tensor
+// table built, validated and uploaded again), then after 16 ran kspec::call on every step.
+TEST_F(XlaHandlers, AdamwScalarsAtNewAddressesKeepTheBoundCall) {
+  AdamwFrame a(0.5);  // a max_norm of its own: a binding no other test has bound calls for
+  ASSERT_EQ(a.f.call("kspec_adamw", kInitialize), nullptr) << g_error;
+  ASSERT_EQ(a.f.call("kspec_adamw", kExecute), nullptr) << g_error;
+  constexpr int kSteps = 40;
+  std::vector<void*> lr, step;
+  for (int i = 0; i < kSteps; ++i) {
+    lr.push_back(a.f.alloc(1));
+    step.push_back(a.f.alloc(1));
+  }
+  const long launches = mock_launches(), copies = mock_dtod_copies(), allocations = g_allocations.load();
+  for (int i = 0; i < kSteps; ++i) {
+    a.f.set_arg(0, lr[size_t(i)]);
+    a.f.set_arg(1, step[size_t(i)]);
+    ASSERT_EQ(a.f.call("kspec_adamw", kInitialize), nullptr) << g_error;
+    ASSERT_EQ(a.f.call("kspec_adamw", kExecute), nullptr) << "step " << i << ": " << g_error;
+  }
+  EXPECT_EQ(g_allocations.load() - allocations, 0) << "heap allocations in " << kSteps << " steps";
+  EXPECT_EQ(mock_launches() - launches, 3 * kSteps);  // the norm's pass, finalize, update
+  EXPECT_EQ(mock_dtod_copies() - copies, 2 * kSteps);  // lr and step into the slots
 }
 
 TEST_F(XlaHandlers, RuntimeParamOperandIsRefusedNamingTheDeviceInput) {

@@ -258,6 +258,30 @@ def test_adamw_steps_match_reference(kj, dt, amsgrad):
     assert step._cache_size() == 1
 
 
+def test_adamw_step_outside_jit_donated_updates_in_place(kj):
+    """adamw_step called outside jit with donate=True: the new params and moments live in the buffers
+    passed in (the inputs are deleted), and the numbers are those of the default (copying) call."""
+    rng = np.random.default_rng(5)
+    shapes = {"w": (7, 33), "b": (33,)}
+    p0 = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    g = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=0.1)
+    params = {k: jnp.asarray(v) for k, v in p0.items()}
+    state = kj.adamw_init(params)
+    ref_p, ref_s, _ = kj.adamw_step(params, g, state, **hyper)
+    assert not params["w"].is_deleted()  # the default call copies: the caller's arrays stay valid
+    ptrs = {k: params[k].unsafe_buffer_pointer() for k in shapes}
+    m_ptrs = {k: state.exp_avg[k].unsafe_buffer_pointer() for k in shapes}
+    new_p, new_s, _ = kj.adamw_step(params, g, state, donate=True, **hyper)
+    assert params["w"].is_deleted() and state.exp_avg["w"].is_deleted()
+    assert {k: new_p[k].unsafe_buffer_pointer() for k in shapes} == ptrs
+    assert {k: new_s.exp_avg[k].unsafe_buffer_pointer() for k in shapes} == m_ptrs
+    for k in shapes:
+        assert np.array_equal(np.asarray(new_p[k]), np.asarray(ref_p[k]))
+        assert np.array_equal(np.asarray(new_s.exp_avg_sq[k]), np.asarray(ref_s.exp_avg_sq[k]))
+    assert int(new_s.step) == 1
+
+
 @pytest.mark.parametrize("schedule", [False, True])
 def test_adamw_transformation_matches_optax(kj, schedule):
     """kspec.jax.adamw in optax's place (optax.chain, apply_updates) steps like optax.adamw, fp32."""

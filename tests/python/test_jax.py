@@ -131,11 +131,13 @@ def test_norm_act_lowers_to_the_custom_call_and_its_backward(kj):
     text = _hlo(lambda x, w: kj.norm_act(x, w, norm="rmsnorm", act="silu", eps=1e-6), x, w)
     [(target, attrs)] = _calls(text)
     assert target == "kspec_norm_act_fwd"
-    assert 'inputs = "x,weight"' in attrs and 'outputs = "y,mean,rstd"' in attrs
+    # without a gradient the statistics are not asked for (torch's path skips them too)
+    assert 'inputs = "x,weight"' in attrs and 'outputs = "y"' in attrs and "save_stats = false" in attrs
     assert 'norm = "rmsnorm"' in attrs and 'act = "silu"' in attrs and "eps = 9.9999999999999995E-7 : f64" in attrs
     grad = _hlo(jax.grad(lambda x, w: kj.norm_act(x, w).astype(jnp.float32).sum(), argnums=(0, 1)), x, w)
     assert [t for t, _ in _calls(grad)] == ["kspec_norm_act_fwd", "kspec_norm_act_bwd"]
     assert 'inputs = "dy,x,weight,mean,rstd"' in grad and 'outputs = "dx,dweight"' in grad
+    assert 'outputs = "y,mean,rstd"' in grad
 
 
 @pytest.mark.parametrize("layout", ["bdl", "bld"])
@@ -164,6 +166,8 @@ def test_selective_scan_lowers_with_layouts_and_backward(kj, layout):
     assert ("dense<[1, 2, 0]>" in fwd_line) == (layout == "bld"), fwd_line
     # states: [batch, dim, ceil(seqlen / 16), dstate] fp32
     assert f"tensor<{b}x{d}x1x{n}xf32>" in fwd_line
+    # 3-D B and C are operands as given: no reshape (under XLA a copy kernel each) in front of the call
+    assert f"tensor<{bc[0]}x{bc[1]}x{bc[2]}xbf16>" in fwd_line and "stablehlo.reshape" not in text, text
 
 
 def test_e79_and_step_lower(kj):
@@ -197,6 +201,26 @@ def test_adamw_lowers_in_place(kj):
     assert 'outputs = "params,exp_avg,exp_avg_sq,master,grad_norm"' in attrs and "tensors = 2 : i64" in attrs
     # every in-place list's buffers alias their operands: 4 lists x 2 tensors
     assert text.count("output_tuple_indices") == 8
+
+
+def test_adamw_step_outside_jit_is_one_jit_donating_on_request(kj):
+    """Outside jit, adamw_step runs one jitted step of its own: with donate=True every params and state
+    buffer is donated to the result it becomes (no copy before the in-place kernel); by default none is
+    (the caller's arrays stay valid; XLA copies). Under jit, donate=True is refused: it cannot apply."""
+    params = {"w": jnp.zeros((4, 3), jnp.float32), "b": jnp.zeros((3,), jnp.float32)}
+    state = kj.adamw_init(params)
+    hyper = dict(beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, maximize=False, max_norm=0.0)
+
+    def lowered(donate):
+        return kj._adamw_step_jit(donate).trace(params, params, state, 1e-3, None, **hyper).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    donated = lowered(True)
+    # params (2), exp_avg (2), exp_avg_sq (2) and the step count, each aliased to its result
+    assert donated.count("tf.aliasing_output") == 7, donated[:2000]
+    assert "tf.aliasing_output" not in lowered(False)
+    with pytest.raises(ValueError, match="donate=True under jit"):
+        jax.jit(lambda p, g, s: kj.adamw_step(p, g, s, donate=True)).trace(params, params, state)
 
 
 def test_bad_layout_is_refused_before_lowering(kj):
