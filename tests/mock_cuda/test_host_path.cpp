@@ -15,25 +15,10 @@
 
 #include "jit/driver.h"
 #include "kspec/kspec.h"
-
-namespace {
-std::atomic<long> g_allocations{0};
-}  // namespace
-
-// Every heap allocation of the process counted (the library's too: these replace the global ones).
-void* operator new(size_t n) {
-  g_allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(n ? n : 1)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, size_t) noexcept { std::free(p); }
+#include "mock_test_process.h"
 
 namespace kspec {
 namespace {
-
-// Selects the mock before the first driver call of the process (the driver is loaded once).
-const bool kMockSelected = setenv("KSPEC_LIBCUDA", KSPEC_CUDA_MOCK, 1) == 0;
 
 long mock_launches() {
   static auto fn = reinterpret_cast<long long (*)()>(dlsym(dlopen(KSPEC_CUDA_MOCK, RTLD_NOW | RTLD_NOLOAD), "kspec_mock_launches"));
