@@ -327,21 +327,26 @@ def test_scan_node_materializes_only_the_gradients_its_backward_requires(monkeyp
     assert dlast is not None and dout is not None and dout.shape == out.shape and not dout.any()
 
 
+def _run_on_mock_driver(body):
+    """body in a fresh Python process on the extension's whole host path with no GPU
+    (tools/bench/dispatch_host.py: CPU tensors through kspec::call into the mock CUDA driver, whose
+    library is selected before kspec loads); the body prints "ok" last."""
+    include = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
+    if _native.ext is None or not os.path.exists(os.path.join(include, "cuda.h")):
+        pytest.skip("needs the torch extension and the CUDA toolkit's cuda.h (for the mock driver)")
+    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench")
+    prelude = (f"import os, sys\nsys.path.insert(0, {tools!r})\nimport dispatch_host as dh\n"
+               f"mock, shim = dh.build({include!r})\nos.environ['KSPEC_LIBCUDA'] = mock\n")
+    r = subprocess.run([sys.executable, "-c", prelude + body], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def test_scan_host_path_on_the_mock_driver():
     """The extension's whole host path with no GPU (tools/bench/dispatch_host.py: CPU tensors through
     kspec::call into the mock CUDA driver): call_some allocates the outputs left None, keeps the one
     given, allocates one given as a shape with the op's dtype (and leaves a bad shape to the general
     path); a selective_scan_fn training step runs its forward and backward through kspec's launches."""
-    include = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
-    if _native.ext is None or not os.path.exists(os.path.join(include, "cuda.h")):
-        pytest.skip("needs the torch extension and the CUDA toolkit's cuda.h (for the mock driver)")
-    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench")
-    script = f"""
-import os, sys
-sys.path.insert(0, {tools!r})
-import dispatch_host as dh
-mock, shim = dh.build({include!r})
-os.environ["KSPEC_LIBCUDA"] = mock
+    _run_on_mock_driver("""
 import torch, kspec, kspec._torch
 from kspec import _native
 dh.install_shim(shim)
@@ -360,9 +365,7 @@ leaves = [t.clone().requires_grad_() for t in (u, delta, A, B, C)]
 kspec.ops.selective_scan_fn(*leaves, delta_softplus=True).sum().backward()
 assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
 print("ok")
-"""
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+""")
 
 
 def test_norm_act_with_grad_is_one_cpp_call_on_the_mock_driver():
@@ -371,16 +374,7 @@ def test_norm_act_with_grad_is_one_cpp_call_on_the_mock_driver():
     (the C++ node launches norm_act.bwd), the gradients have their inputs' shapes and dtypes (an fp32
     weight under a bf16 x), an absent bias gets none, the saved tensors go with the first backward, and a
     bad weight raises what kspec.call raises."""
-    include = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
-    if _native.ext is None or not os.path.exists(os.path.join(include, "cuda.h")):
-        pytest.skip("needs the torch extension and the CUDA toolkit's cuda.h (for the mock driver)")
-    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench")
-    script = f"""
-import os, sys
-sys.path.insert(0, {tools!r})
-import dispatch_host as dh
-mock, shim = dh.build({include!r})
-os.environ["KSPEC_LIBCUDA"] = mock
+    _run_on_mock_driver("""
 import torch, kspec, kspec._torch
 dh.install_shim(shim)
 x = torch.randn(4, 256, dtype=torch.bfloat16, requires_grad=True)
@@ -394,7 +388,7 @@ def hook(frame, event, arg):
 sys.setprofile(hook)
 y = kspec.ops.norm_act(x, w, b)
 sys.setprofile(None)
-assert set(names) <= {{"norm_act", "_is_torch", "__call__", "_call_grad"}} and "_call_grad" in names, names
+assert set(names) <= {"norm_act", "_is_torch", "__call__", "_call_grad"} and "_call_grad" in names, names
 assert y.grad_fn.name() == "NormActBackward" and not isinstance(y.grad_fn, torch.autograd.function.BackwardCFunction)
 dy = torch.randn(4, 256, dtype=torch.bfloat16)
 names.clear()
@@ -422,6 +416,4 @@ got = outcome(lambda: kspec.ops.norm_act(x, bad, None))
 want = outcome(lambda: kspec.call("norm_act.fwd", x.detach(), bad.detach(), None, norm="layernorm", act="none", eps=1e-5))
 assert got == want and got is not None, (got, want)
 print("ok")
-"""
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+""")
