@@ -132,9 +132,85 @@ __global__ void __launch_bounds__(kThreads) mhc_pre_fwd_kernel(const MhcPreParam
   mhc_pre_fwd_rows<T, N, D, kTMax, kPreOnly, kThreads, kTok>(p, t0, ntok, tot);
 }
 
-// Backward, per token: g = dL/dh (the <dy, x[i]> and m reduced across the block; the Sinkhorn backward
-// on chip), then dx = du * gamma - dinv inv^3 / nD * v + H_pre[i] dy (+ dx_post), du = dm phi.
-// Writes g, dm and inv * sum_s g m to the workspace for the sums over tokens. kTok tokens per block share
+// The backward's heads of the kTok tokens t0 .. t0 + ntok - 1 once tot (shared) holds their totals,
+// tot[j * (n + M) + i] = <dy, x[i]> and tot[j * (n + M) + n + r] = m[r] of token t0 + j: g = dL/dh (the
+// Sinkhorn backward on chip), dm = inv alpha_s g, H_pre and c_v = dinv inv^3 / nD into the caller's shared
+// dm, h_pre, c_v (rows past ntok: token t0's values), and g, dm, inv * sum_s g m into the workspace; with
+// kSaveDx, H_pre and c_v too (the dx kernel's, mhc_pre_bwd_mma.cuh). Every thread of the block calls it;
+// it ends with a barrier. Threads: kTok * M and kTok * n * n at least.
+template <int N, int D, int kTMax, bool kPreOnly, int kTok, bool kSaveDx>
+__device__ __forceinline__ void mhc_pre_bwd_heads(const MhcPreBwdParams& p, long long t0, int ntok, const float* tot,
+                                                  float (*dm)[MhcRows<N, kPreOnly>::kM], float (*h_pre)[N],
+                                                  float* c_v) {
+  using Rows = MhcRows<N, kPreOnly>;
+  using SK = MhcSinkhorn<N, kTMax>;
+  constexpr int kM = Rows::kM, kND = N * D, kK = N + kM, kNN = N * N;
+  __shared__ float g[kTok][kM];
+  __shared__ typename SK::Smem sk[kPreOnly ? 1 : kTok];
+  if (threadIdx.x < kTok * kM) {
+    const int j = threadIdx.x / kM, e = threadIdx.x % kM;
+    const long long t = t0 + (j < ntok ? j : 0);
+    const float h_e = __ldg(p.h + t * kM + e);
+    const float sg = mhc_sigmoid(h_e);
+    if (e < N) {
+      const float up = tot[j * kK + e] + (p.dh_pre ? __ldg(p.dh_pre + t * N + e) : 0.f);
+      g[j][e] = up * sg * (1.f - sg);
+      h_pre[j][e] = sg + p.eps_pre;
+      if (kSaveDx && j < ntok) p.ws_hpre[t * N + e] = h_pre[j][e];
+    } else if (e < 2 * N) {
+      g[j][e] = p.dh_post ? 2.f * __ldg(p.dh_post + t * N + e - N) * sg * (1.f - sg) : 0.f;
+    } else {
+      g[j][e] = p.dr ? __ldg(p.dr + t * kNN + e - 2 * N) : 0.f;  // dR, turned into dZ below
+    }
+  }
+  __syncthreads();
+  if constexpr (!kPreOnly) {
+    if (p.dr) {
+      __shared__ float z[kTok][kNN];
+      const int j = static_cast<int>(threadIdx.x) / kNN;
+      const int e = j < kTok ? static_cast<int>(threadIdx.x) % kNN : kNN;  // threads past the elements idle
+      const int js = j < kTok ? j : 0;
+      if (e < kNN) z[js][e] = __ldg(p.h + (t0 + (js < ntok ? js : 0)) * kM + 2 * N + e);
+      __syncthreads();
+      SK::forward(z[js], p.eps_sk, sk[js], true, e);
+      SK::backward(g[js] + 2 * N, p.eps_sk, sk[js], e);
+    }
+  }
+  if (threadIdx.x < kTok * kM) {
+    const int j = threadIdx.x / kM, e = threadIdx.x % kM;
+    const long long t = t0 + j;
+    dm[j][e] = __ldg(p.inv + t0 + (j < ntok ? j : 0)) * __ldg(p.alpha + Rows::alpha_of(e)) * g[j][e];
+    if (j < ntok) {
+      p.ws_g[t * kM + e] = g[j][e];
+      p.ws_dm[t * kM + e] = dm[j][e];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < kTok) {
+    // Fixed-order sums over the M rows: dinv = sum alpha_s g m, and inv * sum_{rows of s} g m.
+    const int j = threadIdx.x;
+    const float inv = __ldg(p.inv + t0 + (j < ntok ? j : 0));
+    float dinv = 0.f, ga[3] = {0.f, 0.f, 0.f};
+    // Unrolled, so that ga's index is a constant (a rolled loop put ga on the stack: 8 bytes, and 16 of
+    // spills, in the pre_only mma token kernel at n 4, D 300 on sm_90).
+#pragma unroll
+    for (int r = 0; r < kM; ++r) {
+      const float gm = g[j][r] * tot[j * kK + N + r];
+      dinv += __ldg(p.alpha + Rows::alpha_of(r)) * gm;
+      ga[Rows::alpha_of(r)] += gm;
+    }
+    c_v[j] = dinv * inv * inv * inv / static_cast<float>(kND);
+    if (j < ntok) {
+#pragma unroll
+      for (int s = 0; s < Rows::kA; ++s) p.ws_ga[(t0 + j) * 3 + s] = inv * ga[s];
+      if (kSaveDx) p.ws_cv[t0 + j] = c_v[j];
+    }
+  }
+  __syncthreads();
+}
+
+// Backward, per token: g = dL/dh (the <dy, x[i]> and m reduced across the block; the heads above), then
+// dx = du * gamma - dinv inv^3 / nD * v + H_pre[i] dy (+ dx_post), du = dm phi. kTok tokens per block share
 // each load of phi, as in the forward (the same per-token order of every sum, whatever kTok). !kDx
 // (algo=mma): no dx pass; the token's dinv inv^3 / nD and H_pre go to the workspace for
 // mhc_pre_bwd_dx_mma_kernel (mhc_pre_bwd_mma.cuh).
@@ -142,17 +218,14 @@ template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, bo
           int kTok, bool kDx = true>
 __global__ void __launch_bounds__(kThreads) mhc_pre_bwd_token_kernel(const MhcPreBwdParams p) {
   using Rows = MhcRows<N, kPreOnly>;
-  using SK = MhcSinkhorn<N, kTMax>;
   constexpr int kM = Rows::kM, kND = N * D, kK = N + kM, kNN = N * N;
   static_assert(kTok >= 1 && kThreads >= kTok * kM && (kPreOnly || kThreads >= kTok * kNN),
                 "a row of h and a Sinkhorn element per thread for each token of the block");
   __shared__ float scratch[RowReduceScratch<kThreads, kThreads, kTok * kK>::value + 1];
   __shared__ float tot[kTok * kK];
-  __shared__ float g[kTok][kM];
   __shared__ float dm[kTok][kM];
   __shared__ float h_pre[kTok][N];
   __shared__ float c_v[kTok];
-  __shared__ typename SK::Smem sk[kPreOnly ? 1 : kTok];
   const long long t0 = static_cast<long long>(blockIdx.x) * kTok;
   const int ntok = static_cast<int>(p.T - t0 < kTok ? p.T - t0 : kTok);
   const T* x = static_cast<const T*>(p.x);
@@ -189,69 +262,8 @@ __global__ void __launch_bounds__(kThreads) mhc_pre_bwd_token_kernel(const MhcPr
     for (int q = 0; q < kTok * kK; ++q) tot[q] = acc[q];
   }
   __syncthreads();
-  if (threadIdx.x < kTok * kM) {
-    const int j = threadIdx.x / kM, e = threadIdx.x % kM;
-    const long long t = t0 + (j < ntok ? j : 0);
-    const float h_e = __ldg(p.h + t * kM + e);
-    const float sg = mhc_sigmoid(h_e);
-    if (e < N) {
-      const float up = tot[j * kK + e] + (p.dh_pre ? __ldg(p.dh_pre + t * N + e) : 0.f);
-      g[j][e] = up * sg * (1.f - sg);
-      h_pre[j][e] = sg + p.eps_pre;
-    } else if (e < 2 * N) {
-      g[j][e] = p.dh_post ? 2.f * __ldg(p.dh_post + t * N + e - N) * sg * (1.f - sg) : 0.f;
-    } else {
-      g[j][e] = p.dr ? __ldg(p.dr + t * kNN + e - 2 * N) : 0.f;  // dR, turned into dZ below
-    }
-  }
-  __syncthreads();
-  if constexpr (!kPreOnly) {
-    if (p.dr) {
-      __shared__ float z[kTok][kNN];
-      const int j = static_cast<int>(threadIdx.x) / kNN;
-      const int e = j < kTok ? static_cast<int>(threadIdx.x) % kNN : kNN;  // threads past the elements idle
-      const int js = j < kTok ? j : 0;
-      if (e < kNN) z[js][e] = __ldg(p.h + (t0 + (js < ntok ? js : 0)) * kM + 2 * N + e);
-      __syncthreads();
-      SK::forward(z[js], p.eps_sk, sk[js], true, e);
-      SK::backward(g[js] + 2 * N, p.eps_sk, sk[js], e);
-    }
-  }
-  if (threadIdx.x < kTok * kM) {
-    const int j = threadIdx.x / kM, e = threadIdx.x % kM;
-    const long long t = t0 + j;
-    dm[j][e] = __ldg(p.inv + t0 + (j < ntok ? j : 0)) * __ldg(p.alpha + Rows::alpha_of(e)) * g[j][e];
-    if (j < ntok) {
-      p.ws_g[t * kM + e] = g[j][e];
-      p.ws_dm[t * kM + e] = dm[j][e];
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x < kTok) {
-    // Fixed-order sums over the M rows: dinv = sum alpha_s g m, and inv * sum_{rows of s} g m.
-    const int j = threadIdx.x;
-    const float inv = __ldg(p.inv + t0 + (j < ntok ? j : 0));
-    float dinv = 0.f, ga[3] = {0.f, 0.f, 0.f};
-    for (int r = 0; r < kM; ++r) {
-      const float gm = g[j][r] * tot[j * kK + N + r];
-      dinv += __ldg(p.alpha + Rows::alpha_of(r)) * gm;
-      ga[Rows::alpha_of(r)] += gm;
-    }
-    c_v[j] = dinv * inv * inv * inv / static_cast<float>(kND);
-    if (j < ntok) {
-#pragma unroll
-      for (int s = 0; s < Rows::kA; ++s) p.ws_ga[(t0 + j) * 3 + s] = inv * ga[s];
-    }
-  }
-  __syncthreads();
-  if constexpr (!kDx) {
-    if (threadIdx.x < kTok * N) {
-      const int j = threadIdx.x / N, i = threadIdx.x % N;
-      if (j < ntok) p.ws_hpre[(t0 + j) * N + i] = h_pre[j][i];
-    }
-    if (threadIdx.x < kTok && static_cast<int>(threadIdx.x) < ntok) p.ws_cv[t0 + threadIdx.x] = c_v[threadIdx.x];
-    return;
-  }
+  mhc_pre_bwd_heads<N, D, kTMax, kPreOnly, kTok, !kDx>(p, t0, ntok, tot, dm, h_pre, c_v);
+  if constexpr (!kDx) return;
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     for (int d = threadIdx.x; d < D; d += kThreads) {

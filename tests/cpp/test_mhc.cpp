@@ -219,50 +219,68 @@ TEST(Mhc, BaseAndWidestCasesCompileWithoutSpills) {
   EXPECT_GE(compiled, 16);
 }
 
-// The backward's algo=mma (the sums over tokens on tensor cores) is selectable for 16-bit x from sm_80
-// on, never for fp32 x or below sm_80, and not the heuristic's choice until the H100 has timed it; it
-// swaps the columns kernel and moves dx to its own kernel (post_pre.bwd has no such axis).
-TEST(Mhc, PreBackwardMmaIsSelectableNotDefault) {
-  for (const char* name : {"mhc.pre.bwd", "mhc.pre_only.bwd"}) {
-    const OpDef& op = Registry::global().get(name);
+// The backward's algo=mma (the sums over tokens on tensor cores) is the heuristic's choice for 16-bit x
+// from sm_80 on (H200: pre fwd+bwd 3567 us against 6280 with algo=simt), with the SIMT heuristic's
+// threads and tokens (4 at n 4; 1 at n 8 and on pre_only, whose token kernel spilled at 4 tokens without
+// the dx pass); algo=simt for fp32 x and below sm_80, where algo=mma is refused by name. algo=mma swaps
+// the columns kernel and moves dx to its own kernel (post_pre.bwd has no such axis and stays SIMT).
+TEST(Mhc, PreBackwardTakesMmaFromSm80) {
+  struct Row {
+    const char* op;
+    DType dt;
+    const char* arch;
+    int64_t n, algo, tokens;
+  };
+  for (const Row& row : {Row{"mhc.pre.bwd", DType::bf16, "sm_90", 4, 1, 4}, Row{"mhc.pre.bwd", DType::f16, "sm_80", 4, 1, 4},
+                         Row{"mhc.pre.bwd", DType::bf16, "sm_90", 8, 1, 1}, Row{"mhc.pre_only.bwd", DType::bf16, "sm_90", 4, 1, 1},
+                         Row{"mhc.pre.bwd", DType::f32, "sm_90", 4, 0, 4}, Row{"mhc.pre.bwd", DType::bf16, "sm_75", 4, 0, 4},
+                         Row{"mhc.pre_only.bwd", DType::f32, "sm_90", 4, 0, 4}}) {
+    const OpDef& op = Registry::global().get(row.op);
     CompileRequest r;
-    r.op = name;
+    r.op = row.op;
+    r.dtype = row.dt;
+    r.arch = row.arch;
+    r.params = {{"n", row.n}, {"D", int64_t(4096)}};
+    const Problem p = problem_from_request(op, r);
+    const Config h = op.tuning.heuristic(p);
+    EXPECT_EQ(h.get("algo"), row.algo) << row.op << " " << row.arch << " n " << row.n;
+    EXPECT_EQ(h.get("tokens"), row.tokens) << row.op << " " << row.arch << " n " << row.n;
+    EXPECT_TRUE(op.tuning.valid(p, h, nullptr)) << h.str();
+    const auto kernels = op.kernels(p, h);
+    ASSERT_EQ(kernels.size(), row.algo == 1 ? 4u : 3u);
+    EXPECT_EQ(kernels[1].kernel,
+              row.algo == 1 ? "kspec::mhc_pre_bwd_columns_mma_kernel" : "kspec::mhc_pre_bwd_columns_kernel");
+    if (row.algo == 1) {
+      EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_kernel");
+      EXPECT_EQ(kernels[0].targs.back(), "false");  // no dx pass: kernel 3 writes dx
+      EXPECT_EQ(kernels[3].kernel, "kspec::mhc_pre_bwd_dx_mma_kernel");
+      if (std::string(row.op) == "mhc.pre_only.bwd") {
+        Config four = h;
+        for (auto& [axis, v] : four.values)
+          if (axis == "tokens") v = 4;
+        std::string why;
+        EXPECT_FALSE(op.tuning.valid(p, four, &why)) << four.str();
+        EXPECT_NE(why.find("1 token a block"), std::string::npos) << why;
+      }
+    } else {
+      Config mma = h;
+      for (auto& [axis, v] : mma.values)
+        if (axis == "algo") v = 1;
+      std::string why;
+      EXPECT_FALSE(op.tuning.valid(p, mma, &why)) << row.op << " " << row.arch;
+      EXPECT_NE(why.find(row.dt == DType::f32 ? "float32 x" : "sm_80"), std::string::npos) << why;
+    }
+  }
+  // post_pre.bwd: no algo axis, the SIMT kernels.
+  {
+    const OpDef& op = Registry::global().get("mhc.post_pre.bwd");
+    CompileRequest r;
+    r.op = "mhc.post_pre.bwd";
     r.dtype = DType::bf16;
     r.arch = "sm_90";
     r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
     const Problem p = problem_from_request(op, r);
-    const Config h = op.tuning.heuristic(p);
-    EXPECT_EQ(h.get("algo"), 0) << name;
-    Config mma = h;
-    for (auto& [axis, v] : mma.values)
-      if (axis == "algo") v = 1;
-    if (std::string(name) == "mhc.pre_only.bwd") {  // its token kernel spilled at 4 tokens without the dx pass
-      std::string why;
-      for (auto& [axis, v] : mma.values)
-        if (axis == "tokens" && v > 1) {
-          EXPECT_FALSE(op.tuning.valid(p, mma, &why)) << mma.str();
-          EXPECT_NE(why.find("1 token a block"), std::string::npos) << why;
-          v = 1;
-        }
-    }
-    EXPECT_TRUE(op.tuning.valid(p, mma, nullptr)) << name << " " << mma.str();
-    const auto kernels = op.kernels(p, mma);
-    ASSERT_EQ(kernels.size(), 4u);
-    EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_kernel");
-    EXPECT_EQ(kernels[0].targs.back(), "false");  // no dx pass: kernel 3 writes dx
-    EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_bwd_columns_mma_kernel");
-    EXPECT_EQ(kernels[3].kernel, "kspec::mhc_pre_bwd_dx_mma_kernel");
-    EXPECT_EQ(op.kernels(p, h).size(), 3u);
-    EXPECT_EQ(op.kernels(p, h)[1].kernel, "kspec::mhc_pre_bwd_columns_kernel");
-    for (const auto& [dt, arch, fragment] :
-         {std::tuple{DType::f32, "sm_90", "float32 x"}, std::tuple{DType::bf16, "sm_75", "sm_80"}}) {
-      CompileRequest q = r;
-      q.dtype = dt;
-      q.arch = arch;
-      std::string why;
-      EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q), mma, &why)) << name << " " << arch;
-      EXPECT_NE(why.find(fragment), std::string::npos) << why;
-    }
+    EXPECT_EQ(op.kernels(p, op.tuning.heuristic(p))[1].kernel, "kspec::mhc_pre_bwd_columns_kernel");
   }
   // The mma columns and dx kernels without spills on sm_80 and sm_90: 8 columns a lane (n = 4, 16-byte
   // loads, 32 tokens for dx; n = 6, the most m16 tiles at 8), 4 (n = 8), element loads (D = 33), pre_only
@@ -293,6 +311,86 @@ TEST(Mhc, PreBackwardMmaIsSelectableNotDefault) {
       }
     }
   EXPECT_EQ(compiled, 20);  // the columns and dx kernels
+}
+
+// algo=mma_tokens (2): the token pass on tensor cores too (mhc_pre_bwd_token_mma.cuh), 128 threads and
+// whole m16 tiles of tokens, x in 16-byte groups; the rules name what rules a config out (a lane's
+// n x tokens / 16 rows of x, element loads, fp32 x, below sm_80); every kernel of its plan compiles without
+// spills on sm_80 and sm_90 at the largest legal tile of each shape: n = 4 (32 tokens), n = 2 (64), n = 7
+// and n = 6 (16, the most accumulator tiles), n = 3 (16), pre_only at n = 1 (64) and n = 8 (16).
+TEST(Mhc, PreBackwardMmaTokensRulesAndCompileWithoutSpills) {
+  const OpDef& op = Registry::global().get("mhc.pre.bwd");
+  CompileRequest r;
+  r.op = "mhc.pre.bwd";
+  r.dtype = DType::bf16;
+  r.arch = "sm_90";
+  r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+  const Problem p = problem_from_request(op, r);
+  const Config ok{{{"algo", 2}, {"threads", 128}, {"tokens", 32}}};
+  EXPECT_TRUE(op.tuning.valid(p, ok, nullptr));
+  const auto kernels = op.kernels(p, ok);
+  ASSERT_EQ(kernels.size(), 4u);
+  EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_mma_kernel");
+  EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_bwd_columns_mma_kernel");
+  EXPECT_EQ(kernels[3].kernel, "kspec::mhc_pre_bwd_dx_mma_kernel");
+  for (const auto& [config, fragment] : std::vector<std::pair<Config, const char*>>{
+           {Config{{{"algo", 2}, {"threads", 128}, {"tokens", 64}}}, "n x tokens / 16"},
+           {Config{{{"algo", 2}, {"threads", 128}, {"tokens", 4}}}, "m16 tiles"},
+           {Config{{{"algo", 2}, {"threads", 256}, {"tokens", 32}}}, "128 threads"},
+           {Config{{{"algo", 1}, {"threads", 128}, {"tokens", 32}}}, "1 or 4 tokens"},
+           {Config{{{"algo", 0}, {"threads", 128}, {"tokens", 16}}}, "1 or 4 tokens"}}) {
+    std::string why;
+    EXPECT_FALSE(op.tuning.valid(p, config, &why)) << config.str();
+    EXPECT_NE(why.find(fragment), std::string::npos) << config.str() << ": " << why;
+  }
+  for (const auto& [dt, arch, fragment] :
+       {std::tuple{DType::f32, "sm_90", "float32 x"}, std::tuple{DType::bf16, "sm_75", "sm_80"}}) {
+    CompileRequest q = r;
+    q.dtype = dt;
+    q.arch = arch;
+    std::string why;
+    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q), ok, &why)) << arch;
+    EXPECT_NE(why.find(fragment), std::string::npos) << why;
+  }
+  // D % 8 != 0: no 16-byte groups, no algo=mma_tokens; n = 8: no tile fits.
+  for (const auto& [n, D, tokens, fragment] :
+       {std::tuple{2, 100, 16, "16-byte groups"}, std::tuple{3, 33, 16, "16-byte groups"},
+        std::tuple{8, 128, 16, "accumulator tiles above 16"}, std::tuple{3, 256, 32, "n = 3 takes 16"}}) {
+    CompileRequest q = r;
+    q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+    std::string why;
+    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q),
+                                 Config{{{"algo", 2}, {"threads", 128}, {"tokens", tokens}}}, &why))
+        << n << " " << D;
+    EXPECT_NE(why.find(fragment), std::string::npos) << why;
+  }
+  int compiled = 0;
+  for (const char* arch : {"sm_80", "sm_90"})
+    for (auto [name, dt, n, D, tokens] :
+         {std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32}, std::tuple{"mhc.pre.bwd", DType::f16, 2, 256, 64},
+          std::tuple{"mhc.pre.bwd", DType::bf16, 7, 128, 16}, std::tuple{"mhc.pre.bwd", DType::f16, 6, 64, 16},
+          std::tuple{"mhc.pre.bwd", DType::f16, 3, 256, 16}, std::tuple{"mhc.pre_only.bwd", DType::bf16, 1, 64, 64},
+          std::tuple{"mhc.pre_only.bwd", DType::f16, 8, 128, 16}}) {
+      const OpDef& o = Registry::global().get(name);
+      CompileRequest q;
+      q.op = name;
+      q.dtype = dt;
+      q.arch = arch;
+      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+      q.config = Config{{{"algo", 2}, {"threads", 128}, {"tokens", tokens}}};
+      std::string why;
+      ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << " n " << n << ": " << why;
+      const auto reports = compile(q);
+      ASSERT_EQ(reports.size(), 4u) << name;
+      for (const auto& rep : reports) {
+        EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
+        EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
+      }
+      std::cout << arch << " " << name << " n " << n << " D " << D << " " << tokens << " tokens: "
+                << reports[0].registers << " registers\n";
+      ++compiled;
+    }
+  EXPECT_EQ(compiled, 14);
 }
 
 // pre.fwd's algo axis: the tensor-core projection (algo=mma, mhc_pre_mma.cuh) is the default from sm_80
@@ -624,6 +722,110 @@ TEST(MhcGpu, PreBackwardMmaMatchesReferenceOnEveryCase) {
     }
   }
   EXPECT_GE(checked, 50);
+}
+
+// Every case of mhc.pre.bwd and mhc.pre_only.bwd that has an algo=mma_tokens config (x in 16-byte groups:
+// base, T = 1, T = 2, n = 1, 2, 3, D = 128 ... 7168, t_max 1, eps 0, no gamma, T = 1031 over several parts,
+// each upstream gradient alone), at every such config (16, 32, 64 tokens where legal), f16 and bf16, against
+// the float64 reference: the token pass on tensor cores (mhc_pre_bwd_token_mma.cuh) with the columns and
+// dx kernels of algo=mma.
+TEST(MhcGpu, PreBackwardMmaTokensMatchesReferenceOnEveryCase) {
+  KSPEC_REQUIRE_GPU();
+  int checked = 0, cases = 0;
+  for (const char* op_name : {"mhc.pre.bwd", "mhc.pre_only.bwd"}) {
+    const OpDef& op = Registry::global().get(op_name);
+    for (const Case& cs : op.cases) {
+      if (cs.large) continue;
+      for (DType dt : {DType::f16, DType::bf16}) {
+        CheckOptions o;
+        o.case_name = cs.name;
+        o.dtypes = {dt};
+        for (const Config& c : configs_for_case(op_name, cs.name, dt))
+          if (c.get("algo") == 2) o.configs.push_back(c);
+        if (o.configs.empty()) continue;  // D % 8 != 0, or n = 8
+        auto rows = check_op(op_name, o);
+        EXPECT_EQ(rows.size(), o.configs.size()) << op_name << " " << cs.name;
+        kspec::testing::report(rows);
+        checked += static_cast<int>(rows.size());
+        ++cases;
+      }
+    }
+  }
+  EXPECT_GE(cases, 40);
+  EXPECT_GE(checked, 60);
+}
+
+namespace {
+
+// Round to nearest even, as __float2bfloat16 does.
+std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
+  std::vector<uint16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &v[i], 4);
+    out[i] = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  return out;
+}
+
+}  // namespace
+
+// grads_deterministic on the tensor-core backward: bf16 x, T 1031 (several parts along T, a partial last
+// token tile), D 4000 (16-byte groups); algo=mma (4 tokens) and algo=mma_tokens (32) each give the same
+// bits three times for dx, dphi, dalpha, dbias, dgamma.
+TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  const int64_t T = 1031, n = 4, D = 4000, M = n * n + 2 * n, nd = n * D;
+  std::mt19937_64 rng(34);
+  const auto x = to_bf16(randn(rng, T * nd, 1.f)), dy = to_bf16(randn(rng, T * D, 1.f)),
+             dxp = to_bf16(randn(rng, T * nd, 1.f));
+  DevBuf xb(T * nd * 2), phib(M * nd * 4), ab(12), bb(M * 4), gb(nd * 4), yb(T * D * 2), hpre(T * n * 4),
+      hpost(T * n * 4), rb(T * n * n * 4), invb(T * 4), hb(T * M * 4), dyb(T * D * 2), dhp(T * n * 4),
+      drb(T * n * n * 4), dxpb(T * nd * 2);
+  CU_CHECK(cuMemcpyHtoD(xb.mem.ptr, x.data(), x.size() * 2));
+  CU_CHECK(cuMemcpyHtoD(dyb.mem.ptr, dy.data(), dy.size() * 2));
+  CU_CHECK(cuMemcpyHtoD(dxpb.mem.ptr, dxp.data(), dxp.size() * 2));
+  phib.upload(randn(rng, M * nd, 1.f / std::sqrt(float(nd))));
+  ab.upload({0.7f, -0.5f, 1.3f});
+  bb.upload(randn(rng, M, 0.5f));
+  gb.upload(randn(rng, nd, 1.f));
+  dhp.upload(randn(rng, T * n, 1.f));
+  drb.upload(randn(rng, T * n * n, 1.f));
+  auto f32 = [](const DevBuf& b, std::vector<int64_t> shape) { return view(b.ptr(), DType::f32, shape); };
+  auto b16 = [](const DevBuf& b, std::vector<int64_t> shape) { return view(b.ptr(), DType::bf16, shape); };
+  const TensorView xv = b16(xb, {T, n, D}), phiv = f32(phib, {M, nd}), av = f32(ab, {3}), bv = f32(bb, {M}),
+                   gv = f32(gb, {nd}), invv = f32(invb, {T}), hv = f32(hb, {T, M});
+  call("mhc.pre.fwd", {xv, phiv, av, bv, gv},
+       {b16(yb, {T, D}), f32(hpre, {T, n}), f32(hpost, {T, n}), f32(rb, {T, n, n}), invv, hv});
+  for (const Config& config : {Config{{{"algo", 1}, {"threads", 128}, {"tokens", 4}}},
+                               Config{{{"algo", 2}, {"threads", 128}, {"tokens", 32}}}}) {
+    CallOptions opts;
+    opts.config = &config;
+    std::vector<std::vector<uint8_t>> first;
+    for (int run = 0; run < 3; ++run) {
+      DevBuf dx(T * nd * 2), dphi(M * nd * 4), dalpha(12), dbias(M * 4), dgamma(nd * 4);
+      for (DevBuf* o : {&dx, &dphi, &dalpha, &dbias, &dgamma}) o->poison();
+      call("mhc.pre.bwd",
+           {b16(dyb, {T, D}), xv, phiv, av, bv, gv, invv, hv, TensorView(), f32(dhp, {T, n}), f32(drb, {T, n, n}),
+            b16(dxpb, {T, n, D})},
+           {b16(dx, {T, n, D}), f32(dphi, {M, nd}), f32(dalpha, {3}), f32(dbias, {M}), f32(dgamma, {nd})}, {}, nullptr,
+           opts);
+      CU_CHECK(cuCtxSynchronize());
+      std::vector<std::vector<uint8_t>> got;
+      for (const DevBuf* o : {&dx, &dphi, &dalpha, &dbias, &dgamma}) {
+        got.emplace_back(o->bytes);
+        CU_CHECK(cuMemcpyDtoH(got.back().data(), o->mem.ptr, o->bytes));
+      }
+      if (run == 0) {
+        first = got;
+        continue;
+      }
+      const char* names[] = {"dx", "dphi", "dalpha", "dbias", "dgamma"};
+      for (size_t k = 0; k < got.size(); ++k)
+        EXPECT_EQ(got[k], first[k]) << names[k] << " run " << run << " " << config.str();
+    }
+  }
 }
 
 // ---- post_pre: post(l) fused with pre(l + 1) ----

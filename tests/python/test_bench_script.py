@@ -280,18 +280,24 @@ def test_mhc_bench_pre_kernel_configs_are_the_ops_legal_configs(families):
 
 
 def test_mhc_bench_pre_bwd_configs_compile_each_algo(families):
-    """The mhc bench's pre fwd+bwd rows by mhc.pre.bwd config: algo=simt and algo=mma each accepted and
-    compiled (no GPU needed); algo=mma's columns kernel (the second) and its dx kernel (a fourth)."""
+    """The mhc bench's pre fwd+bwd rows by mhc.pre.bwd config: algo=simt, algo=mma and algo=mma_tokens (at its
+    largest legal token tile; none at n = 8 or D % 8 != 0) each accepted and compiled (no GPU needed);
+    algo=mma's columns kernel (the second) and its dx kernel (a fourth), algo=mma_tokens' token kernel."""
     import kspec
 
     mhc = families["mhc"]
-    assert list(mhc.pre_bwd_configs(4)) == [mhc.PRE_BWD_KERNELS + v for v in ("simt", "mma")]
+    assert list(mhc.pre_bwd_configs(4, 4096)) == [mhc.PRE_BWD_KERNELS + v for v in ("simt", "mma", "mma_tokens 32")]
+    assert list(mhc.pre_bwd_configs(2, 4096))[-1] == mhc.PRE_BWD_KERNELS + "mma_tokens 64"
+    assert list(mhc.pre_bwd_configs(4, 100)) == [mhc.PRE_BWD_KERNELS + v for v in ("simt", "mma")]
     for n in (4, 8):
-        for name, config in mhc.pre_bwd_configs(n).items():
+        configs = mhc.pre_bwd_configs(n, 128)
+        assert any("mma_tokens" in name for name in configs) == (n == 4)
+        for name, config in configs.items():
             kernels = [r["kernel"] for r in kspec.compile("mhc.pre.bwd", dtype="bf16", arch="sm_80", config=config,
                                                           n=n, D=128, t_max=20)]
-            mma = name.endswith("mma")
+            mma = "mma" in name
             assert len(kernels) == (4 if mma else 3) and ("columns_mma" in kernels[1]) == mma, (name, kernels)
+            assert ("token_mma" in kernels[0]) == ("mma_tokens" in name), (name, kernels)
 
 
 def test_torch_ca_peer_matches_the_reference(families):

@@ -61,14 +61,22 @@ def pre_kernel_configs(n, D, dtype="bf16"):
     return out
 
 
-def pre_bwd_configs(n):
-    """{variant: config} for mhc.pre.bwd's `algo` axis (api/ops/mhc/op.cpp): algo=simt (mhc_pre.cuh, the
-    default), and algo=mma, the sums over tokens as one GEMM a part and dx's du = dm·Φ on tensor cores
-    (mhc_pre_bwd_mma.cuh); the token kernel's first pass the same in both (128 threads, 4 tokens where they
-    fit)."""
+def pre_bwd_configs(n, D):
+    """{variant: config} for mhc.pre.bwd's `algo` axis (api/ops/mhc/op.cpp): algo=simt (mhc_pre.cuh), algo=mma
+    (the heuristic's for 16-bit x), the sums over tokens as one GEMM a part and dx's du = dm·Φ on tensor cores
+    (mhc_pre_bwd_mma.cuh) after the SIMT token kernel's first pass (128 threads, 4 tokens where they fit), and
+    algo=mma_tokens, that first pass on tensor cores too (mhc_pre_bwd_token_mma.cuh) at its largest legal token
+    tile: x in 16-byte groups (D % 8 == 0), n x tokens / 16 <= 8 rows of x a lane, plus the accumulator tiles
+    <= 16, 16 tokens at n = 3."""
     m = n * n + 2 * n
     tokens = 4 if 4 * max(m, n * n) <= 128 and 4 * (n + m) <= 112 else 1
-    return {PRE_BWD_KERNELS + name: f"algo={algo},threads=128,tokens={tokens}" for name, algo in (("simt", 0), ("mma", 1))}
+    out = {PRE_BWD_KERNELS + name: f"algo={algo},threads=128,tokens={tokens}" for name, algo in (("simt", 0), ("mma", 1))}
+    for tok in (64, 32, 16):
+        rows = tok // 16 * n
+        if D % 8 == 0 and rows <= 8 and rows + tok // 16 * -(-m // 8) <= 16 and (n != 3 or tok == 16):
+            out[f"{PRE_BWD_KERNELS}mma_tokens {tok}"] = f"algo=2,threads=128,tokens={tok}"
+            break
+    return out
 
 
 def _pre_with_bwd_config(ctx, config):
@@ -236,7 +244,7 @@ def implementations(ctx, liger, n, D):
             return ctx.kspec.call("mhc.pre.fwd", x, phi, alpha, bias, None, config=config)[:4]
 
         impls[name] = (pre, K.mhc_post)
-    for name, config in pre_bwd_configs(n).items():
+    for name, config in pre_bwd_configs(n, D).items():
         impls[name] = (_pre_with_bwd_config(ctx, config), K.mhc_post)
     impls = {name: (pre, post, _then(pre, post)) for name, (pre, post) in impls.items()}
     impls["kspec"] = impls["kspec"][:2] + (lambda x, f, hp, r, phi, alpha, bias: K.mhc_post_pre(x, f, hp, r, phi,
@@ -370,8 +378,9 @@ def _report(ctx, rows, why):
         f"'{PRE_KERNELS}…': mhc.pre.fwd's kernels by config through kspec.call (forward only): algo=simt, the SIMT"
         " projection; algo=mma, the projection on tensor cores at 16, 32 or 64 tokens a block.",
         f"'{PRE_BWD_KERNELS}…': pre fwd+bwd with mhc.pre.bwd by config through kspec.call (the forward the"
-        " heuristic's): algo=simt, the SIMT kernels; algo=mma, dΦ and dγ from one GEMM S = dmᵀ·x a part and dx's"
-        " du = dm·Φ on tensor cores.",
+        " heuristic's): algo=simt, the SIMT kernels; algo=mma (the default), dΦ and dγ from one GEMM S = dmᵀ·x a"
+        " part and dx's du = dm·Φ on tensor cores; algo=mma_tokens, the token pass (m and <dy, x[i]>) on tensor"
+        " cores too.",
         f"post_pre: post of layer l then pre of layer l + 1 (x_next and y compared; bytes the fused floor, so the"
         f" unfused rows' % shows the extra read of x_next); '{UNFUSED}' is kspec's two ops, the peers theirs.",
     ]

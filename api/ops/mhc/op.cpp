@@ -162,7 +162,8 @@ TuningSpace with_tokens_axis(TuningSpace t) {
 
 // pre.fwd's `algo` axis: kSimt, the kernel above (mhc_pre.cuh: `threads`, `tokens` 1 or 4); kMma, the
 // projection on tensor cores (mhc_pre_mma.cuh: 128 threads, `tokens` 16, 32 or 64, whole m16 tiles).
-enum PreFwdAlgo : int64_t { kSimt = 0, kMma = 1 };
+// pre.bwd's (with_bwd_algo_axis) has a third value, kMmaTokens.
+enum PreAlgo : int64_t { kSimt = 0, kMma = 1, kMmaTokens = 2 };
 constexpr int64_t kMmaThreads = 128;  // templates/mhc/mhc_pre_mma.cuh: kMhcMmaThreads
 // 16-byte loads of x, phi, gamma and stores of y: whole 8-element groups, every pointer and row aligned.
 bool mma_vec(const Problem& p) { return p.dim("D") % 8 == 0 && p.align_bytes >= 16; }
@@ -498,9 +499,11 @@ int64_t bwd_parts(int64_t T) { return std::clamp<int64_t>(ceil_div(T, kTokensPer
 
 // pre.bwd's `algo` axis (mhc.pre.bwd, mhc.pre_only.bwd; post_pre.bwd has none and runs kSimt): kSimt, the
 // token and columns kernels of mhc_pre.cuh; kMma, the sums over tokens as one GEMM a part and dx's
-// du = dm phi on tensor cores (mhc_pre_bwd_mma.cuh, 128 threads); the token kernel's first pass and heads
-// are the same in both (`threads`, `tokens`).
-bool bwd_mma(const Config& c) { return c.has("algo") && c.get("algo") == kMma; }
+// du = dm phi on tensor cores (mhc_pre_bwd_mma.cuh, 128 threads), the SIMT token kernel's first pass and
+// heads as kSimt's (`threads`, `tokens` 1 or 4); kMmaTokens, kMma with that first pass on tensor cores too
+// (mhc_pre_bwd_token_mma.cuh: 128 threads, `tokens` 16, 32 or 64).
+bool bwd_mma(const Config& c) { return c.has("algo") && c.get("algo") >= kMma; }
+bool bwd_mma_tokens(const Config& c) { return c.has("algo") && c.get("algo") == kMmaTokens; }
 // The mma columns kernel's consecutive columns per lane (its kNt): 8 while ceil(M / 16) <= 3 m16 tiles of
 // accumulators fit (n <= 6), else 4; a block takes 4 warps x 8 kNt columns.
 int64_t bwd_mma_lane_cols(const Problem& p) { return ceil_div(proj_rows(p), 16) <= 3 ? 8 : 4; }
@@ -524,9 +527,12 @@ std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, 
             kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_columns_kernel", {T, n, D, g, head, thr(c)}), reduce};
   }
   // algo=mma: the token kernel without its dx pass (so no dx_post there), then dx on tensor cores (plan
-  // kernel 3, after the reduce: it needs only the token kernel's workspace).
-  return {kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_token_kernel",
-                      {T, n, D, t_max_arg(p), g, head, "false", thr(c), tokens, "false"}),
+  // kernel 3, after the reduce: it needs only the token kernel's workspace); algo=mma_tokens: the token
+  // pass on tensor cores, which never writes dx.
+  return {bwd_mma_tokens(c) ? kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
+                                          {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p))})
+                            : kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_token_kernel",
+                                          {T, n, D, t_max_arg(p), g, head, "false", thr(c), tokens, "false"}),
           kernel_spec(p, "mhc/mhc_pre_bwd_mma.cuh", "kspec::mhc_pre_bwd_columns_mma_kernel",
                       {T, n, D, g, head, b(bwd_mma_vec(p))}),
           reduce,
@@ -588,28 +594,78 @@ void* launch_pre_bwd(const Call& call, const Config& c, Launcher& l, MhcPreBwdPa
   return a.dx;
 }
 
-// algo=mma wherever mma_unsupported allows, with the token kernel's threads and tokens as for kSimt; the
-// heuristic keeps kSimt until the H100 has timed both (tools/bench/NOTES.md, "mhc pre backward: the sums
-// over tokens on tensor cores").
+// The tokens whose heads run side by side in the mma kernels (their kSub): a row of h and a Sinkhorn
+// element per thread of 128 for each.
+int64_t mma_head_tokens(const Problem& p) {
+  const int64_t m = proj_rows(p), nn = pre_only(p) ? 0 : p.dim("n") * p.dim("n");
+  for (int64_t k : {4, 2})
+    if (k * m <= kMmaThreads && k * nn <= kMmaThreads) return k;
+  return 1;
+}
+
+// algo=mma_tokens' token tiles: x in 16-byte groups (D % 8 == 0, aligned) and whole m16 tiles (16, 32,
+// 64). A lane loads its n x tokens / 16 x 2 rows of 8 elements of x (4 registers each) before the chunk's
+// mmas: at most 8 such n x tokens / 16, and with the accumulator tiles (tokens / 16 x ceil(M / 8)) at most
+// 16 together. Without spills on sm_80 and sm_90 (ptxas, NVRTC 13): 192-202 registers at n 4 with 32
+// tokens, 202-206 at n 2 with 64, 204-206 at n 6 with 16, 255 at n 7; n 8 (8 + 10) spilled 20 bytes, f16 at
+// n 3 with 32 tokens 36 bytes on sm_90 (168 registers; bf16 did not), and element loads of x (D % 8 != 0)
+// 8-84 bytes at 2-4 rows, down to 16 tokens at n 2. "" when `tokens` is one.
+std::string bwd_mma_tokens_unsupported(const Problem& p, int64_t tokens) {
+  const int64_t rows = tokens / 16 * p.dim("n");
+  if (!mma_vec(p)) return "algo=mma_tokens takes x in 16-byte groups (D % 8 == 0, aligned): registers";
+  if (tokens < 16) return "algo=mma_tokens takes whole m16 tiles of tokens: 16, 32 or 64";
+  if (rows > 8) return "algo=mma_tokens: n x tokens / 16 above 8 (the rows of x a lane holds)";
+  if (p.dim("n") == 3 && tokens > 16) return "algo=mma_tokens at n = 3 takes 16 tokens (f16 spilled at 32 on sm_90)";
+  if (rows + mma_tiles(p, tokens) > 16)
+    return "algo=mma_tokens: n x tokens / 16 rows of x and tokens / 16 x ceil(M / 8) accumulator tiles above 16 "
+           "(registers; n = 8 has no such tile)";
+  if (!pre_only(p) &&
+      mma_head_tokens(p) * p.dim("n") * p.dim("n") * (2 * p.param_int("t_max") + 1) * 4 > kMaxPreSkSmem)
+    return "algo=mma_tokens: the Sinkhorn iterates of the tokens whose heads run together exceed 40 KiB";
+  return "";
+}
+
+// algo=mma and algo=mma_tokens wherever mma_unsupported allows; algo=mma with the SIMT token kernel's
+// threads and tokens (1 or 4), algo=mma_tokens with 128 threads and 16-64 tokens. The heuristic takes
+// algo=mma wherever it is valid (H200, T 16384, n 4, D 4096, bf16: pre fwd+bwd 3567 us against 6280 with
+// kSimt, the backward alone ~3.1 ms against ~5.8), with the SIMT heuristic's threads and tokens (1 token on
+// pre_only, its rule); algo=mma_tokens is not yet timed (tools/bench/NOTES.md, "mhc pre backward: the
+// token pass on tensor cores").
 TuningSpace with_bwd_algo_axis(TuningSpace t) {
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaTokens}});
+  for (auto& [name, values] : t.axes)
+    if (name == "tokens") values = {1, 4, 16, 32, 64};
   auto simt_valid = t.valid;
   t.valid = [simt_valid](const Problem& p, const Config& c, std::string* why) {
-    if (c.get("algo") == kMma) {
-      std::string no = mma_unsupported(p);
-      // Without its dx pass, ptxas (NVRTC 13) still spilled 8 bytes in the pre_only token kernel at 4 tokens
-      // (n 4, D 300, sm_80); 1 token does not.
-      if (no.empty() && pre_only(p) && c.get("tokens") > 1) no = "algo=mma on mhc.pre_only.bwd takes 1 token a block";
-      if (!no.empty()) {
-        if (why) *why = no;
-        return false;
-      }
+    const int64_t algo = c.get("algo"), tok = c.get("tokens");
+    std::string no = algo == kSimt ? "" : mma_unsupported(p);
+    if (no.empty() && algo == kMmaTokens) {
+      if (c.get("threads") != kMmaThreads) no = "algo=mma_tokens runs 128 threads a block (named threads=128)";
+      else no = bwd_mma_tokens_unsupported(p, tok);
+      if (no.empty()) return true;
+    } else if (no.empty() && tok > 4) {
+      no = "algo=simt and algo=mma take 1 or 4 tokens a block (the SIMT token kernel's)";
+    } else if (no.empty() && algo == kMma && pre_only(p) && tok > 1) {
+      // Without its dx pass, ptxas (NVRTC 13) still spilled 8 bytes in the pre_only token kernel at 4
+      // tokens (n 4, D 300, sm_80); 1 token does not.
+      no = "algo=mma on mhc.pre_only.bwd takes 1 token a block";
+    }
+    if (!no.empty()) {
+      if (why) *why = no;
+      return false;
     }
     return simt_valid(p, c, why);
   };
   auto simt_heuristic = t.heuristic;
-  t.heuristic = [simt_heuristic](const Problem& p) {
-    Config c = simt_heuristic(p);
+  t.heuristic = [simt_heuristic, valid = t.valid](const Problem& p) {
+    const Config simt = simt_heuristic(p);
+    Config mma = simt;
+    mma.values.insert(mma.values.begin(), {"algo", kMma});
+    if (pre_only(p))
+      for (auto& [axis, v] : mma.values)
+        if (axis == "tokens") v = 1;
+    if (valid(p, mma, nullptr)) return mma;
+    Config c = simt;
     c.values.insert(c.values.begin(), {"algo", kSimt});
     return c;
   };

@@ -1,0 +1,152 @@
+// mhc.pre.bwd's token pass on tensor cores (algo=mma_tokens, sm_80+, 16-bit x). The SIMT token kernel
+// (mhc_pre.cuh) recomputes m = (v * gamma) phi^T with M fp32 FMAs per element of x and re-reads phi (1.5 MB
+// at n 4, D 4096) from L2 once per 4 tokens: 6.4 GB of L2 reads per call at T 16384, as the SIMT forward
+// (1.66 ms on the H100, where the tensor-core forward took 0.57). Here the projection is the forward's
+// (mhc_pre_mma.cuh: mma.m16n8k8, TF32, phi * gamma split hi + lo, the same permuted k slots), a block of
+// 128 threads takes kTok = 16..64 tokens and reads phi once per kTok tokens, and the n sums <dy, x[i]>
+// come from the same registers: a warp takes 32 columns d of all n streams at once (chunk dc: its n rows of
+// x and the one row of dy, loaded before any mma), so dy is read once. The lanes' and then the warps'
+// partial sums are added in a fixed order (quad shuffles, warps in turn through shared memory), the heads
+// (g, the Sinkhorn backward, dm) run kSub tokens side by side as the SIMT kernel's, and dx is left to
+// mhc_pre_bwd_dx_mma_kernel (the workspace gets H_pre and c_v).
+#pragma once
+
+#include "common/dtype.cuh"
+#include "mhc/mhc_pre.cuh"
+#include "mhc/mhc_pre_mma.cuh"
+
+namespace kspec {
+
+// Grid: ceil(T / kTok) blocks of kMhcMmaThreads. kVec: D % 8 == 0 and every pointer and row 16-byte
+// aligned. Registers: a lane keeps n x (kTok / 16) x 2 rows of 8 elements of x, its rows of dy, kMt x kNt
+// accumulator tiles and kMt x 2 x n sums <dy, x[i]> (api/ops/mhc/op.cpp bounds kMt n and kMt kNt).
+template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kTok, bool kVec>
+__global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_token_mma_kernel(const MhcPreBwdParams p) {
+  using Rows = MhcRows<N, kPreOnly>;
+  constexpr int kThreads = kMhcMmaThreads, kWarps = kThreads / 32;
+  constexpr int kM = Rows::kM, kND = N * D, kK = N + kM, kNN = N * N;
+  constexpr int kNt = (kM + 7) / 8, kMt = kTok / 16, kDChunks = (D + 31) / 32;
+  static_assert(!IsSame<T, float>::value, "algo=mma_tokens takes 16-bit x only (exact in TF32)");
+  // Tokens whose heads run side by side: a row of h and a Sinkhorn element per thread for each.
+  constexpr int kSub = (4 * kM <= kThreads && (kPreOnly || 4 * kNN <= kThreads)) ? 4
+                       : (2 * kM <= kThreads && (kPreOnly || 2 * kNN <= kThreads)) ? 2 : 1;
+  static_assert(kTok % 16 == 0 && kTok % kSub == 0 && kM <= kThreads && (kPreOnly || kNN <= kThreads),
+                "whole m16 tiles of tokens, and a row of h per thread");
+  __shared__ float tot[kTok * kK];
+  __shared__ float dm[kSub][kM];
+  __shared__ float h_pre[kSub][N];
+  __shared__ float c_v[kSub];
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int g = lane / 4, c = lane % 4;
+  const long long t0 = static_cast<long long>(blockIdx.x) * kTok;
+  const int ntok = static_cast<int>(p.T - t0 < kTok ? p.T - t0 : kTok);
+  const T* x = static_cast<const T*>(p.x);
+  const T* dy = static_cast<const T*>(p.dy);
+
+  // acc: m of the lane's token rows mt * 16 + g + 8 h (accumulator layout, rows 8 j + 2 c + e); dxy[mt][h][i]:
+  // the lane's part of <dy, x[i]> of the same rows.
+  float acc[kMt][kNt][4], dxy[kMt][2][N];
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt) {
+#pragma unroll
+    for (int j = 0; j < kNt; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < N; ++i) dxy[mt][h][i] = 0.f;
+  }
+
+  for (int dc = warp; dc < kDChunks; dc += kWarps) {
+    const int d0 = dc * 32 + 8 * c, valid = D - d0;
+    // Every row this step reads, loaded before any is used (zeros past the block's tokens and past D).
+    MhcRow8<T> xv[N][kMt][2], yv[kMt][2];
+#pragma unroll
+    for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int tr = mt * 16 + g + 8 * h;
+        const long long t = t0 + (tr < ntok ? tr : 0);
+        const int v = tr < ntok ? valid : 0;
+        mhc_load8<T, kVec>(yv[mt][h], dy + t * p.dy_row + d0, v);
+#pragma unroll
+        for (int i = 0; i < N; ++i) mhc_load8<T, kVec>(xv[i][mt][h], x + (t * N + i) * p.x_row + d0, v);
+      }
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int col = i * D + d0;
+      float gm[8], ph[kNt][8];
+      if (kHasGamma) mhc_load8f<kVec>(gm, p.gamma + col, valid);
+#pragma unroll
+      for (int j = 0; j < kNt; ++j) {
+        const int r = 8 * j + g;
+        mhc_load8f<kVec>(ph[j], p.phi + static_cast<long long>(r < kM ? r : 0) * kND + col, r < kM ? valid : 0);
+      }
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            dxy[mt][h][i] = fmaf(to_float(xv[i][mt][h].v[e]), to_float(yv[mt][h].v[e]), dxy[mt][h][i]);
+#pragma unroll
+      for (int j = 0; j < kNt; ++j) {
+        float bh[8], bl[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float w = kHasGamma ? ph[j][e] * gm[e] : ph[j][e];
+          bh[e] = mhc_tf32(w);
+          bl[e] = mhc_tf32(w - bh[e]);
+        }
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+#pragma unroll
+          for (int mt = 0; mt < kMt; ++mt) {
+            const float a0 = to_float(xv[i][mt][0].v[2 * s]), a1 = to_float(xv[i][mt][1].v[2 * s]);
+            const float a2 = to_float(xv[i][mt][0].v[2 * s + 1]), a3 = to_float(xv[i][mt][1].v[2 * s + 1]);
+            mhc_mma_tf32(acc[mt][j], a0, a1, a2, a3, bl[2 * s], bl[2 * s + 1]);
+            mhc_mma_tf32(acc[mt][j], a0, a1, a2, a3, bh[2 * s], bh[2 * s + 1]);
+          }
+      }
+    }
+  }
+
+  // A row's <dy, x[i]> over the quad's four lanes, then the warps' partials added in warp order into
+  // tot[row * kK]: <dy, x[i]> at i, m[r] at n + r (mhc_pre_bwd_heads' layout).
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        dxy[mt][h][i] += __shfl_xor_sync(0xffffffffu, dxy[mt][h][i], 1);
+        dxy[mt][h][i] += __shfl_xor_sync(0xffffffffu, dxy[mt][h][i], 2);
+      }
+  for (int w = 0; w < kWarps; ++w) {
+    if (warp == w) {
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float* row = tot + (mt * 16 + g + 8 * h) * kK;
+          if (c == 0) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) row[i] = w == 0 ? dxy[mt][h][i] : row[i] + dxy[mt][h][i];
+          }
+#pragma unroll
+          for (int j = 0; j < kNt; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int r = 8 * j + 2 * c + e;
+              if (r < kM) row[N + r] = w == 0 ? acc[mt][j][2 * h + e] : row[N + r] + acc[mt][j][2 * h + e];
+            }
+        }
+    }
+    __syncthreads();
+  }
+
+  for (int s0 = 0; s0 < ntok; s0 += kSub)
+    mhc_pre_bwd_heads<N, D, kTMax, kPreOnly, kSub, true>(p, t0 + s0, ntok - s0 < kSub ? ntok - s0 : kSub,
+                                                         tot + s0 * kK, dm, h_pre, c_v);
+}
+
+}  // namespace kspec
