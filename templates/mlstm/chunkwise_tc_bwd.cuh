@@ -31,15 +31,23 @@ __device__ __forceinline__ void mlstm_tc_load_rows(T* dst, const T* src, long lo
   }
 }
 
-// This CTA's column blocks: DHQK columns d0 .. d0 + BK - 1, DHHV columns e0 .. e0 + BV - 1.
+// This CTA's column blocks: DHQK columns d0 .. d0 + BK - 1, DHHV columns e0 .. e0 + BV - 1, from its
+// block index `by` (blockIdx.y of the separate kernels: DHQK block * DHHV blocks + DHHV block).
 template <int kDk, int kDv>
 struct MlstmTcBwdBlock {
   static constexpr int BK = mlstm_tc_bwd_block(kDk), BV = mlstm_tc_bwd_block(kDv);
   static constexpr bool kOne = mlstm_tc_bwd_blocks(kDk, kDv) == 1;  // both 0, known to the compiler
   int d0, e0;
-  __device__ __forceinline__ MlstmTcBwdBlock()
-      : d0(kOne ? 0 : static_cast<int>(blockIdx.y / (kDv / BV)) * BK),
-        e0(kOne ? 0 : static_cast<int>(blockIdx.y % (kDv / BV)) * BV) {}
+  __device__ __forceinline__ explicit MlstmTcBwdBlock(int by)
+      : d0(kOne ? 0 : by / (kDv / BV) * BK), e0(kOne ? 0 : by % (kDv / BV) * BV) {}
+};
+
+// Where a CTA of the dq, dv or dk code sits: `tile` is its 64-row tile among all sequences' (seq * QT +
+// tile in the sequence; blockIdx.x of the separate kernels), `tiles` their number (gridDim.x there), `by`
+// its column block. mlstm_tc_grads_kernel derives them from its role instead.
+struct MlstmTcTile {
+  long long tile, tiles;
+  int by;
 };
 
 // A 16-row slice of a partial gradient in fp32 (rows sa and sb of the sequence whose rows start at
@@ -59,7 +67,7 @@ __device__ __forceinline__ void mlstm_tc_store_part(const float (&acc)[kNt][4], 
 
 // kLoop (algo=tc where mlstm_tc_dq_loops; false: algo=tc_parts, or a shape with one DHHV block).
 template <typename T, int kDk, int kDv, int kChunk, bool kLoop>
-__global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_kernel(const MlstmParams p) {
+__device__ __forceinline__ void mlstm_tc_dq_tile(const MlstmParams& p, unsigned char* smem_raw, MlstmTcTile at) {
   using Block = MlstmTcBwdBlock<kDk, kDv>;
   static_assert(!kLoop || mlstm_tc_dq_loops(kDk, kDv), "loops over DHHV's blocks at DHQK <= 128 only");
   constexpr int L = kChunk, R = mlstm_tc_rows(L), P = kMlstmTcPad, kThreads = mlstm_tc_out_threads(L);
@@ -72,7 +80,6 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
   // shared memory than the separate Q tile did: 2 CTAs an SM still fit (params.h, mlstm_tc_dq_smem_bytes).
   constexpr bool kQAtEnd = kEB > 1;
   static_assert(!kQAtEnd || BK * VS >= R * KS, "Q fits C's buffer");
-  extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Ks = reinterpret_cast<T*>(smem_raw) + (kQAtEnd ? 0 : R * KS);  // [R][KS]
   T* Hs = Ks + R * KS;                     // [R][HS] dh
   T* Vs = Hs + R * HS;                     // [R][VS]
@@ -82,9 +89,9 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
   mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_dq_smem_bytes(kDk, kDv, L, kLoop) / 4);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
   const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
-  const long long seq = blockIdx.x / QT, t0 = (blockIdx.x % QT) * R, c = t0 / L, cs = c * L;
+  const long long seq = at.tile / QT, t0 = (at.tile % QT) * R, c = t0 / L, cs = c * L;
   const int ktiles = static_cast<int>((t0 - cs) / R) + 1;
-  const Block blk;
+  const Block blk(at.by);
   const T* k = static_cast<const T*>(p.k) + seq * S * kDk + blk.d0;
   const T* v = static_cast<const T*>(p.v) + seq * S * kDv + blk.e0;
   const T* Cg = static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv + blk.d0 * kDv + blk.e0;
@@ -170,7 +177,7 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
     __syncthreads();
   }
   if (kReduced) {  // part: this CTA's DHHV block
-    const long long seqs = gridDim.x / QT;
+    const long long seqs = at.tiles / QT;
     mlstm_tc_store_part<NQ, kDk>(dq, p.part + ((blk.e0 / BV) * seqs + seq) * S * kDk, ta, tb, S, blk.d0, cq);
     return;
   }
@@ -194,6 +201,12 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
   }
 }
 
+template <typename T, int kDk, int kDv, int kChunk, bool kLoop>
+__global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_kernel(const MlstmParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  mlstm_tc_dq_tile<T, kDk, kDv, kChunk, kLoop>(p, smem_raw, {blockIdx.x, gridDim.x, static_cast<int>(blockIdx.y)});
+}
+
 // ---- dv (kDkPart false) or dk, di and k . dk (kDkPart true), per key tile ----
 
 // One key tile's dv or dk by 4 warps (`warp` 0..3 of them); the tiles are loaded by kThreads threads
@@ -202,7 +215,8 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
 // p.part + kPartAt * seqs * S. kLoop (dk alone, at mlstm_tc_dq_loops' shapes): the CTA contracts all of DHHV's
 // blocks itself, its V and dH tiles DHHV wide, dC a block at a time (no partials).
 template <typename T, int kDk, int kDv, int kChunk, bool kDkPart, int kThreads, int kPartAt, bool kLoop = false>
-__device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned char* smem_raw, int tid, int warp) {
+__device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned char* smem_raw, int tid, int warp,
+                                                  MlstmTcTile at) {
   using Block = MlstmTcBwdBlock<kDk, kDv>;
   static_assert(!kLoop || kDkPart, "only dk contracts DHHV");
   constexpr int L = kChunk, R = mlstm_tc_rows(L), P = kMlstmTcPad;
@@ -226,16 +240,18 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   static_assert(!kLoop || mlstm_tc_dq_loops(kDk, kDv), "loops over DHHV's blocks at DHQK <= 128 only");
   const int lane = threadIdx.x % 32, g = lane / 4, cq = lane % 4;
   const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
-  const long long seq = blockIdx.x / QT, s0 = (blockIdx.x % QT) * R, c = s0 / L, cs = c * L;
+  const long long seq = at.tile / QT, s0 = (at.tile % QT) * R, c = s0 / L, cs = c * L;
   const long long ce = cs + L < S ? cs + L : S;  // the chunk's end
-  const Block blk;
+  const Block blk(at.by);
   const T* q = static_cast<const T*>(p.q) + seq * S * kDk + blk.d0;
   const T* dh = static_cast<const T*>(p.dh) + seq * S * kDv + blk.e0;
   const float4* gr = reinterpret_cast<const float4*>(p.gate_rows) + seq * S;
   const float scale = rsqrtf(static_cast<float>(kDk));
 
   mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Ks, static_cast<const T*>(p.k) + seq * S * kDk + blk.d0, s0, S, tid);
-  mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Vs, static_cast<const T*>(p.v) + seq * S * kDv + blk.e0, s0, S, tid);
+  // dv never reads V; its warps load a share of it only in the fused CTA, for dk's.
+  if (kDkPart || kThreads > mlstm_tc_out_threads(kChunk))
+    mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Vs, static_cast<const T*>(p.v) + seq * S * kDv + blk.e0, s0, S, tid);
   const T* Dg = static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv + blk.d0 * kDv + blk.e0;
   mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Ds, Dg, 0, BK, tid);
   cp_async_commit();
@@ -312,7 +328,7 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   }
   constexpr int kW = kDkPart ? kDk : kDv;
   if (kReduced) {  // part: this CTA's block of the dim the gradient contracts
-    const long long seqs = gridDim.x / QT, part = kDkPart ? blk.e0 / BV : blk.d0 / BK;
+    const long long seqs = at.tiles / QT, part = kDkPart ? blk.e0 / BV : blk.d0 / BK;
     mlstm_tc_store_part<NA, kW>(acc, p.part + kPartAt * seqs * S + (part * seqs + seq) * S * kW, sa, sb, S,
                                 kDkPart ? blk.d0 : blk.e0, cq);
     return;
@@ -345,8 +361,8 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
 template <typename T, int kDk, int kDv, int kChunk, bool kDkPart, bool kLoop>
 __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dkv_kernel(const MlstmParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, kDkPart, mlstm_tc_out_threads(kChunk), 0, kLoop>(p, smem_raw, threadIdx.x,
-                                                                                        threadIdx.x / 32);
+  mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, kDkPart, mlstm_tc_out_threads(kChunk), 0, kLoop>(
+      p, smem_raw, threadIdx.x, threadIdx.x / 32, {blockIdx.x, gridDim.x, static_cast<int>(blockIdx.y)});
 }
 
 // algo=tc_fused: dv (warps 0-3) and dk (warps 4-7) of a key tile in one CTA of 8 warps, so its K, V, dC,
@@ -360,10 +376,49 @@ __global__ void __launch_bounds__(2 * mlstm_tc_out_threads(kChunk), 1) mlstm_tc_
   constexpr int kThreads = 2 * mlstm_tc_out_threads(kChunk), kWarps = kThreads / 64;
   constexpr int kDkAt = mlstm_tc_bwd_reduced(kDk, kDv, kMlstmGradDv) ? mlstm_tc_bwd_parts(kDk, kDv, kMlstmGradDv) * kDv : 0;
   const int warp = threadIdx.x / 32;
+  const MlstmTcTile at{blockIdx.x, gridDim.x, static_cast<int>(blockIdx.y)};
   if (warp < kWarps)
-    mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, false, kThreads, 0>(p, smem_raw, threadIdx.x, warp);
+    mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, false, kThreads, 0>(p, smem_raw, threadIdx.x, warp, at);
   else
-    mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, true, kThreads, kDkAt>(p, smem_raw, threadIdx.x, warp - kWarps);
+    mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, true, kThreads, kDkAt>(p, smem_raw, threadIdx.x, warp - kWarps, at);
+}
+
+// ---- algo=tc_merged: both state scans in one launch, dq, dv and dk in one launch ----
+
+// The forward's state scan (C entering each chunk: blockIdx.z 0, `fwd`) and the reversed one (dC after
+// each chunk: blockIdx.z 1, `rev`) in one grid. They are independent (K, V against Q, dH) and each CTA walks
+// every chunk of its sequence in turn, so in two launches the reversed scan waited for the forward's last,
+// partly filled wave; in one, its CTAs take the SMs the forward's leave idle.
+template <typename T, int kDk, int kDv, int kChunk>
+__global__ void __launch_bounds__(mlstm_tc_state_threads(kDk))
+    mlstm_tc_states_kernel(const MlstmParams fwd, const MlstmParams rev) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  if (blockIdx.z == 0) mlstm_tc_state<T, kDk, kDv, kChunk, false>(fwd, smem_raw);
+  else mlstm_tc_state<T, kDk, kDv, kChunk, true>(rev, smem_raw);
+}
+
+// dq (from C entering the chunks: `pq`), dv and dk (from dC after them: `pkv`) of every 64-row tile in one
+// launch, the CTAs of a tile consecutive (blockIdx.x = tile * roles + role; roles: dq, dv's DHHV blocks,
+// dk), each running the separate kernels' code. The three read the same Q, K, V and dH tiles: run one
+// after the other, each kernel read them from DRAM again (4 x 67 MB at 8x8x4096, 128 x 128, three times);
+// side by side, the first CTA of a tile brings them to L2 for the others (tools/bench/NOTES.md,
+// "algo=tc_merged"). DHQK <= 128 (mlstm_tc_merged_runs): every gradient is one CTA's, no partial sums.
+template <typename T, int kDk, int kDv, int kChunk>
+__global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1)
+    mlstm_tc_grads_kernel(const MlstmParams pq, const MlstmParams pkv) {
+  static_assert(mlstm_tc_merged_runs(kDk), "every gradient one CTA's: DHQK <= 128");
+  constexpr bool kLoop = mlstm_tc_dq_loops(kDk, kDv);
+  constexpr int kThreads = mlstm_tc_out_threads(kChunk), kDvBlocks = mlstm_tc_bwd_blocks(kDk, kDv);
+  constexpr int kRoles = mlstm_tc_grads_roles(kDk, kDv);
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int role = static_cast<int>(blockIdx.x % kRoles), warp = threadIdx.x / 32;
+  const long long tile = blockIdx.x / kRoles, tiles = gridDim.x / kRoles;
+  if (role == 0)
+    mlstm_tc_dq_tile<T, kDk, kDv, kChunk, kLoop>(pq, smem_raw, {tile, tiles, 0});
+  else if (role <= kDvBlocks)
+    mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, false, kThreads, 0>(pkv, smem_raw, threadIdx.x, warp, {tile, tiles, role - 1});
+  else
+    mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, true, kThreads, 0, kLoop>(pkv, smem_raw, threadIdx.x, warp, {tile, tiles, 0});
 }
 
 // ---- the sum of the partials (head dims over 128) ----

@@ -134,4 +134,18 @@ constexpr int mlstm_tc_dk_smem_bytes(int dk, int dv, int chunk, bool loop = true
                                           4 * (chunk + 2 * R);
 }
 
+// algo=tc_merged (chunkwise_tc_bwd.cuh, mlstm_tc_grads_kernel): dq, dv and dk in one launch, where no
+// gradient needs partial sums (DHQK <= 128: dq and dk loop over DHHV's blocks, dv's DHQK is one block).
+// A tile's CTAs (its roles): dq, one dv per DHHV block, dk; each the shared memory of its separate kernel,
+// so the launch takes the largest.
+constexpr bool mlstm_tc_merged_runs(int dk) { return dk <= 128; }
+constexpr int mlstm_tc_grads_roles(int dk, int dv) {
+  return mlstm_tc_dq_blocks(dk, dv) + mlstm_tc_bwd_blocks(dk, dv) + mlstm_tc_dk_blocks(dk, dv);
+}
+constexpr int mlstm_tc_max(int a, int b) { return a > b ? a : b; }
+constexpr int mlstm_tc_grads_smem_bytes(int dk, int dv, int chunk) {
+  return mlstm_tc_max(mlstm_tc_dq_smem_bytes(dk, dv, chunk),
+                      mlstm_tc_max(mlstm_tc_bwd_smem_bytes(dk, dv, chunk), mlstm_tc_dk_smem_bytes(dk, dv, chunk)));
+}
+
 }  // namespace kspec

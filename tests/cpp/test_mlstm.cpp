@@ -250,6 +250,54 @@ TEST(Mlstm, TensorCoreBackwardBlocksLargeHeadDims) {
   EXPECT_FALSE(mlstm_tc_bwd_reduced(128, 128, kMlstmGradDq));
 }
 
+// algo=tc_merged: algo=tc's CTAs in four launches (gates, both state scans, dq/dv/dk, df), valid where
+// no gradient is reduced (DHQK <= 128); a tile's roles are dq, dv's DHHV blocks and dk, and the merged
+// launch's shared memory (the largest role's) still leaves 2 CTAs an SM up to DHHV 256 (at 512 algo=tc's
+// dq, with its 512-wide dH tile, already holds one).
+TEST(Mlstm, TensorCoreMergedBackwardKernels) {
+  const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
+  const Config merged = Config::parse("algo=tc_merged,threads=128", op.info);
+  struct Row {
+    int64_t dk, dv;
+    int roles;
+  };
+  for (const Row& row : std::vector<Row>{{32, 32, 3}, {128, 128, 3}, {64, 256, 4}, {128, 256, 4}, {128, 512, 6},
+                                         {256, 512, 0}}) {
+    CompileRequest r;
+    r.op = op.info.name;
+    r.dtype = DType::bf16;
+    r.arch = "sm_90";
+    r.params.set("dhqk", row.dk);
+    r.params.set("dhhv", row.dv);
+    const Problem p = problem_from_request(op, r);
+    std::string why;
+    const std::string what = std::to_string(row.dk) + " x " + std::to_string(row.dv);
+    if (row.roles == 0) {
+      EXPECT_FALSE(op.tuning.valid(p, merged, &why)) << what;
+      expect_in(why, {"tc_merged", "dhqk <= 128"});
+      continue;
+    }
+    ASSERT_TRUE(op.tuning.valid(p, merged, &why)) << what << ": " << why;
+    const auto k = op.kernels(p, merged);
+    ASSERT_EQ(k.size(), 4u) << what;
+    EXPECT_EQ(k[0].kernel, "kspec::mlstm_tc_gates_kernel");
+    EXPECT_EQ(k[1].kernel, "kspec::mlstm_tc_states_kernel");
+    EXPECT_EQ(k[2].kernel, "kspec::mlstm_tc_grads_kernel");
+    EXPECT_EQ(k[3].kernel, "kspec::mlstm_tc_df_kernel");
+    const int dk = static_cast<int>(row.dk), dv = static_cast<int>(row.dv);
+    EXPECT_EQ(mlstm_tc_grads_roles(dk, dv), row.roles) << what;
+    for (MlstmGrad g : {kMlstmGradDq, kMlstmGradDv, kMlstmGradDk})
+      EXPECT_FALSE(mlstm_tc_bwd_reduced(dk, dv, g)) << what << " grad " << g;
+    for (int chunk : {64, 128, 256}) {
+      EXPECT_EQ(mlstm_tc_grads_smem_bytes(dk, dv, chunk),
+                std::max({mlstm_tc_dq_smem_bytes(dk, dv, chunk), mlstm_tc_bwd_smem_bytes(dk, dv, chunk),
+                          mlstm_tc_dk_smem_bytes(dk, dv, chunk)}));
+      EXPECT_LE((dv <= 256 ? 2 : 1) * (mlstm_tc_grads_smem_bytes(dk, dv, chunk) + 1024), 228 * 1024)
+          << what << " chunk " << chunk;
+    }
+  }
+}
+
 // mlstm.chunkwise.bwd: q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last at fake addresses (i, f fp32).
 std::vector<TensorView> bwd_inputs(bool init, bool dC_last) {
   const int64_t B = 2, NH = 3, S = 70, dk = 32, dv = 64;
@@ -369,14 +417,15 @@ TEST(Mlstm, EveryCaseCompilesWithoutSpills) {
   }
 }
 
-// mlstm.chunkwise.bwd's algo=tc_fused (not the heuristic's choice, so not compiled above) compiles
-// without spills or a stack frame: the base case in fp16 and bf16, chunk 128 and 256, and head dims
-// 128 x 256 (its dv and dk partials side by side) in bf16; algo=tc at 128 x 256 beside it.
+// mlstm.chunkwise.bwd's algo=tc_fused and tc_merged (not the heuristic's choice, so not compiled above)
+// compile without spills or a stack frame: the base case in fp16 and bf16, chunk 128 and 256, and head
+// dims 128 x 256 (tc_fused's dv and dk partials side by side) in bf16; algo=tc at 128 x 256 beside them.
 TEST(Mlstm, TensorCoreBackwardCompilesWithoutSpills) {
   const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
   const Config tc = Config::parse("algo=tc,threads=128", op.info),
                fused = Config::parse("algo=tc_fused,threads=128", op.info),
-               parts = Config::parse("algo=tc_parts,threads=128", op.info);
+               parts = Config::parse("algo=tc_parts,threads=128", op.info),
+               merged = Config::parse("algo=tc_merged,threads=128", op.info);
   struct Row {
     const char* case_name;
     DType dt;
@@ -389,7 +438,11 @@ TEST(Mlstm, TensorCoreBackwardCompilesWithoutSpills) {
                                          {"chunk_256", DType::bf16, fused, 6},
                                          {"dk_128_dv_256", DType::bf16, fused, 7},
                                          {"dk_128_dv_256", DType::bf16, tc, 7},
-                                         {"dk_128_dv_256", DType::bf16, parts, 9}}) {
+                                         {"dk_128_dv_256", DType::bf16, parts, 9},
+                                         {"base", DType::f16, merged, 4},
+                                         {"chunk_256", DType::bf16, merged, 4},
+                                         {"dh_64", DType::bf16, merged, 4},
+                                         {"dk_128_dv_256", DType::bf16, merged, 4}}) {
     int found = 0;
     for (const auto& cs : op.cases) {
       if (cs.name != row.case_name) continue;
@@ -1275,8 +1328,8 @@ class PoisonedLauncher : public Launcher {
 
 }  // namespace
 
-// accumulators_initialized for algo=tc (issue 29): the tensor-core forward and backward (algo=tc and
-// tc_fused) with their shared memory and workspace NaN-filled and every output NaN-poisoned, bf16 and
+// accumulators_initialized for algo=tc (issue 29): the tensor-core forward and backward (algo=tc,
+// tc_fused, tc_parts and tc_merged) with their shared memory and workspace NaN-filled and every output NaN-poisoned, bf16 and
 // fp16, S = 100 over chunks of 16 and 64 (short last chunks), head dims 32 x 32 and 128 x 256 (the
 // backward's column blocks and partial sums), with initial states and dC_last: every output finite and
 // within tolerance of the float64 reference.
@@ -1285,7 +1338,8 @@ TEST(MlstmGpu, TensorCorePoisonedSharedMemoryNeverReachesOutputs) {
   jit::ContextGuard guard(0);
   const int64_t B = 1, NH = 2, S = 100;
   for (const auto& [dk, dv, bwd_algo] : std::vector<std::tuple<int64_t, int64_t, const char*>>{
-           {32, 32, "tc"}, {32, 32, "tc_fused"}, {128, 256, "tc"}, {128, 256, "tc_fused"}, {128, 256, "tc_parts"}}) {
+           {32, 32, "tc"}, {32, 32, "tc_fused"}, {32, 32, "tc_merged"}, {128, 256, "tc"}, {128, 256, "tc_fused"},
+           {128, 256, "tc_parts"}, {128, 256, "tc_merged"}}) {
     Problem32 pr(B, NH, S, dk, dv, 81);
     const auto dh32 = randn_f(B * NH * S * dv, 82), dC32 = randn_f(B * NH * dk * dv, 83);
     for (DType dt : {DType::f16, DType::bf16}) {

@@ -341,13 +341,15 @@ std::vector<jit::KernelSpec> bwd_kernels(const Problem& p, const Config& c, int6
 
 // The tensor-core backward's variant: algo=tc (loop: dq's and dk's CTAs loop over DHHV's blocks where
 // mlstm_tc_dq_loops), tc_fused (dv and dk in one kernel; dq loops), tc_parts (tc with a CTA per block
-// and partials everywhere, the code before the loops, kept to compare).
+// and partials everywhere, the code before the loops, kept to compare), tc_merged (tc's CTAs, the two
+// state scans in one launch and dq, dv, dk in another; DHQK <= 128, where nothing is reduced).
 struct TcBwd {
-  bool fused, loop;
+  bool fused, loop, merged;
 };
 TcBwd tc_bwd_variant(const Problem& p, int64_t algo) {
   return {algo == kTcFused,
-          algo != kTcParts && mlstm_tc_dq_loops(static_cast<int>(p.dim("dhqk")), static_cast<int>(p.dim("dhhv")))};
+          algo != kTcParts && mlstm_tc_dq_loops(static_cast<int>(p.dim("dhqk")), static_cast<int>(p.dim("dhhv"))),
+          algo == kTcMerged};
 }
 
 // Which of dq, dv, dk (MlstmGrad order) go through the partials and a reduce kernel (head dims > 128).
@@ -360,7 +362,7 @@ std::vector<MlstmGrad> tc_bwd_reduced(const Problem& p, TcBwd v) {
 }
 
 // Kernels 0..6: gates, state forward, state reversed, dq, dv, dk, df (fused: 0..5, dv and dk as kernel 4);
-// then one reduce kernel for each of tc_bwd_reduced.
+// then one reduce kernel for each of tc_bwd_reduced. Merged: gates, both states, dq/dv/dk, df.
 std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, TcBwd v) {
   const bool fused = v.fused;
   const char* loop = v.loop ? "true" : "false";
@@ -368,6 +370,11 @@ std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, TcBwd v) {
                     dv = std::to_string(p.dim("dhhv")), L = std::to_string(p.param_int("chunk"));
   const char* fwd = "mlstm/chunkwise_tc.cuh";
   const char* bwd = "mlstm/chunkwise_tc_bwd.cuh";
+  if (v.merged)
+    return {kernel_spec(p, fwd, "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
+            kernel_spec(p, bwd, "kspec::mlstm_tc_states_kernel", {t, dk, dv, L}),
+            kernel_spec(p, bwd, "kspec::mlstm_tc_grads_kernel", {t, dk, dv, L}),
+            kernel_spec(p, bwd, "kspec::mlstm_tc_df_kernel", {gate_type(p), dk, dv})};
   std::vector<jit::KernelSpec> k = {kernel_spec(p, fwd, "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
                                     kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "false"}),
                                     kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "true"}),
@@ -460,6 +467,18 @@ void launch_tc_bwd(const Call& call, Launcher& l, TcBwd v) {
   void* dkv_args[] = {&dkv};
   void* last_args[] = {&last};
   l.launch(0, {u32(seqs)}, {32}, 0, args);
+  if (v.merged) {  // tc_bwd_reduced is empty here: no partials
+    const int roles = mlstm_tc_grads_roles(dki, dvi);
+    KSPEC_CHECK_AS(seqs * qtiles * roles <= INT32_MAX, Unsupported, "mlstm.chunkwise.bwd: batch * heads * ceil(seqlen / ",
+                   rows, ") * ", roles, " = ", seqs * qtiles * roles,
+                   " thread blocks of algo=tc_merged exceed the grid (at most ", INT32_MAX, "); use algo=tc");
+    void* both_states[] = {&fwd, &rev};
+    void* grads_args[] = {&fwd, &dkv};
+    l.launch(1, {state_grid.x, state_grid.y, 2}, {u32(mlstm_tc_state_threads(dki))}, state_smem, both_states);
+    l.launch(2, {u32(seqs * qtiles * roles)}, block, u32(mlstm_tc_grads_smem_bytes(dki, dvi, Li)), grads_args);
+    l.launch(3, {u32(seqs)}, {32}, 0, last_args);
+    return;
+  }
   l.launch(1, state_grid, {u32(mlstm_tc_state_threads(dki))}, state_smem, fwd_args);
   l.launch(2, state_grid, {u32(mlstm_tc_state_threads(dki))}, state_smem, rev_args);
   // A gradient's partials are summed (the reduce kernels follow df) before the next kernel reuses them.
@@ -501,7 +520,7 @@ OpDef make_chunkwise_bwd() {
   op.info.outputs = bwd_outputs(true);
   op.tuning = chunkwise_bwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_fused", "tc_parts"}}};
+  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_fused", "tc_parts", "tc_merged"}}};
   op.cases = chunkwise_bwd_cases();
   op.tolerance_scale = 4.0;
   op.error_scale = df_error_scale;
