@@ -218,26 +218,33 @@ template <typename T, int kDk, int kDv, int kChunk, bool kDkPart, int kThreads, 
 __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned char* smem_raw, int tid, int warp,
                                                   MlstmTcTile at) {
   using Block = MlstmTcBwdBlock<kDk, kDv>;
-  static_assert(!kLoop || kDkPart, "only dk contracts DHHV");
+  static_assert(!kLoop || (kDkPart ? mlstm_tc_dq_loops(kDk, kDv) : mlstm_tc_dv_loops(kDk)),
+                "dk loops over DHHV's blocks at DHQK <= 128 < DHHV, dv over DHQK's at DHQK > 128");
   constexpr int L = kChunk, R = mlstm_tc_rows(L), P = kMlstmTcPad;
-  constexpr int BK = Block::BK, BV = Block::BV, KS = BK + P, VS = BV + P, NA = (kDkPart ? BK : BV) / 8, NK = R / 8;
-  constexpr int kEB = kLoop ? kDv / BV : 1, HW = kEB * BV, HS = HW + P;  // V and dH tiles: HW columns
+  constexpr int BK = Block::BK, BV = Block::BV, VS = BV + P, NA = (kDkPart ? BK : BV) / 8, NK = R / 8;
+  // Looping, dk contracts all of DHHV's blocks (its V and dH tiles HW wide), dv all of DHQK's (its K and Q
+  // tiles KW wide); the inter term takes dC a block at a time, kIB blocks.
+  constexpr int kEB = kLoop && kDkPart ? kDv / BV : 1, HW = kEB * BV, HS = HW + P;
+  constexpr int kDB = kLoop && !kDkPart ? kDk / BK : 1, KW = kDB * BK, KS = KW + P, kIB = kEB * kDB;
   constexpr int kGrad = kDkPart ? kMlstmGradDk : kMlstmGradDv;
   constexpr bool kReduced = !kLoop && mlstm_tc_bwd_reduced(kDk, kDv, kGrad, false, false);
   // Looping, dC shares its buffer with the query tiles (the inter term is done before the first query
-  // tile is loaded), so the wide V and dH tiles still leave 2 CTAs an SM (mlstm_tc_dk_smem_bytes).
+  // tile is loaded), so the wide tiles still leave 2 CTAs an SM (mlstm_tc_dk_smem_bytes,
+  // mlstm_tc_dv_smem_bytes); dv looping has no V tile.
+  constexpr int kVElems = kLoop && !kDkPart ? 0 : R * HS;
   constexpr int kRegion = BK * VS > R * KS + R * HS ? BK * VS : R * KS + R * HS;
   T* Ks = reinterpret_cast<T*>(smem_raw);  // [R][KS] this tile's keys
-  T* Qs = kLoop ? Ks + R * KS + R * HS : Ks + R * KS;  // [R][KS] a query tile
-  T* Vs = kLoop ? Ks + R * KS : Qs + R * KS;           // [R][HS] this tile's values
-  T* Hs = kLoop ? Qs + R * KS : Vs + R * HS;           // [R][HS] a query tile's dh
-  T* Ds = kLoop ? Qs : Hs + R * HS;                    // [BK][VS] dC after the chunk (a DHHV block of it)
+  T* Qs = kLoop ? Ks + R * KS + kVElems : Ks + R * KS;  // [R][KS] a query tile
+  T* Vs = kLoop ? Ks + R * KS : Qs + R * KS;            // [R][HS] this tile's values
+  T* Hs = kLoop ? Qs + R * KS : Vs + R * HS;            // [R][HS] a query tile's dh
+  T* Ds = kLoop ? Qs : Hs + R * HS;                     // [BK][VS] dC after the chunk (a block of it)
   // [R] b_t - m_t of the query tile (-inf past S)
   float* bms = reinterpret_cast<float*>(kLoop ? Qs + kRegion : Ds + BK * VS);
   float* rds = bms + R;                                  // [R] 1 / (nrm_t + eps) (0 past S)
   mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw),
-                              (kLoop ? mlstm_tc_dk_smem_bytes(kDk, kDv, L) : mlstm_tc_bwd_smem_bytes(kDk, kDv, L)) / 4);
-  static_assert(!kLoop || mlstm_tc_dq_loops(kDk, kDv), "loops over DHHV's blocks at DHQK <= 128 only");
+                              (!kLoop    ? mlstm_tc_bwd_smem_bytes(kDk, kDv, L)
+                               : kDkPart ? mlstm_tc_dk_smem_bytes(kDk, kDv, L)
+                                         : mlstm_tc_dv_smem_bytes(kDk, kDv, L)) / 4);
   const int lane = threadIdx.x % 32, g = lane / 4, cq = lane % 4;
   const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
   const long long seq = at.tile / QT, s0 = (at.tile % QT) * R, c = s0 / L, cs = c * L;
@@ -248,7 +255,7 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   const float4* gr = reinterpret_cast<const float4*>(p.gate_rows) + seq * S;
   const float scale = rsqrtf(static_cast<float>(kDk));
 
-  mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Ks, static_cast<const T*>(p.k) + seq * S * kDk + blk.d0, s0, S, tid);
+  mlstm_tc_load_rows<T, KW, R, kThreads, kDk>(Ks, static_cast<const T*>(p.k) + seq * S * kDk + blk.d0, s0, S, tid);
   // dv never reads V; its warps load a share of it only in the fused CTA, for dk's.
   if (kDkPart || kThreads > mlstm_tc_out_threads(kChunk))
     mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Vs, static_cast<const T*>(p.v) + seq * S * kDv + blk.e0, s0, S, tid);
@@ -263,13 +270,14 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   __syncthreads();
 
   // Inter-chunk term: dv_s = w_s (k_s^T dC) (B[dk][dv] = dC, [k][n]); dk_s = w_s (dC v_s) (B[dv][dk], [n][k]).
+  // Looping, block ib of dC is DHHV's (dk) or DHQK's (dv) ib-th.
   float acc[NA][4];
   mma_zero(acc);
 #pragma unroll
-  for (int eb = 0; eb < kEB; ++eb) {
-    if (eb > 0) {
+  for (int ib = 0; ib < kIB; ++ib) {
+    if (ib > 0) {
       __syncthreads();  // every warp is done with the last block of dC
-      mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Ds, Dg + eb * BV, 0, BK, tid);
+      mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Ds, Dg + (kDkPart ? ib * BV : ib * BK * kDv), 0, BK, tid);
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
@@ -277,8 +285,8 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
 #pragma unroll 2
     for (int kk = 0; kk < (kDkPart ? BV : BK) / 16; ++kk) {
       unsigned a[4];
-      ldmatrix_x4(a, kDkPart ? frag_a(Vs, HS, warp * 16, eb * BV + kk * 16, lane)
-                             : frag_a(Ks, KS, warp * 16, kk * 16, lane));
+      ldmatrix_x4(a, kDkPart ? frag_a(Vs, HS, warp * 16, ib * BV + kk * 16, lane)
+                             : frag_a(Ks, KS, warp * 16, ib * BK + kk * 16, lane));
       mma_row<T, NA, !kDkPart>(acc, a, Ds, VS, kk * 16, lane);
     }
   }
@@ -287,7 +295,7 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   const int pos_a = static_cast<int>(s0 - cs) + ra, pos_b = pos_a + 8;  // the keys' positions in the chunk
   for (long long t0 = s0; t0 < ce; t0 += R) {
     __syncthreads();  // every warp is done with the last query tile (looping: with dC)
-    mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Qs, q, t0, S, tid);
+    mlstm_tc_load_rows<T, KW, R, kThreads, kDk>(Qs, q, t0, S, tid);
     mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Hs, dh, t0, S, tid);
     cp_async_commit();
     for (int r = tid; r < R; r += kThreads) {
@@ -301,7 +309,7 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
     float sc[NK][4];
     mma_zero(sc);
 #pragma unroll 2
-    for (int kk = 0; kk < (kDkPart ? HW : BK) / 16; ++kk) {
+    for (int kk = 0; kk < (kDkPart ? HW : KW) / 16; ++kk) {
       unsigned a[4];
       ldmatrix_x4(a, kDkPart ? frag_a(Vs, HS, warp * 16, kk * 16, lane) : frag_a(Ks, KS, warp * 16, kk * 16, lane));
       if (kDkPart) mma_row<T, NK, false>(sc, a, Hs, HS, kk * 16, lane);

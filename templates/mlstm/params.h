@@ -106,11 +106,18 @@ constexpr int mlstm_tc_bwd_parts(int dk, int dv, int grad) {
 // wide, dC a block at a time. `loop` false: algo=tc_parts, the CTA per block with partials (as before,
 // kept to compare). The functions below take the shape's loop (mlstm_tc_dq_loops(dk, dv) && loop).
 constexpr bool mlstm_tc_dq_loops(int dk, int dv) { return dk <= 128 && dv > 128; }
-constexpr bool mlstm_tc_bwd_reduced(int dk, int dv, int grad, bool fused = false, bool loop = true) {
+// dv where DHQK has several blocks (algo=tc_merged; `dv_loop` below): its CTA per (key tile, DHHV block)
+// loops over DHQK's blocks itself, its K and query tiles' Q DHQK wide (the scores K Qᵀ formed once over
+// the whole DHQK, not as a partial per block), dC a block at a time: no fp32 partials, no reduce kernel.
+constexpr bool mlstm_tc_dv_loops(int dk) { return dk > 128; }
+constexpr bool mlstm_tc_bwd_reduced(int dk, int dv, int grad, bool fused = false, bool loop = true,
+                                    bool dv_loop = false) {
   return mlstm_tc_bwd_blocks(dk, dv) > 1 && (grad != kMlstmGradDv || mlstm_tc_bwd_parts(dk, dv, grad) > 1) &&
          !(loop && grad == kMlstmGradDq && mlstm_tc_dq_loops(dk, dv)) &&
-         !(loop && grad == kMlstmGradDk && !fused && mlstm_tc_dq_loops(dk, dv));
+         !(loop && grad == kMlstmGradDk && !fused && mlstm_tc_dq_loops(dk, dv)) &&
+         !(dv_loop && grad == kMlstmGradDv && mlstm_tc_dv_loops(dk));
 }
+constexpr int mlstm_tc_max(int a, int b) { return a > b ? a : b; }
 // The dq kernel's grid.y (its column blocks) and dynamic shared memory: mlstm_tc_bwd_smem_bytes's tiles
 // where it does not loop; looping, K, dH (DHHV wide), V, and C's block, which Q reuses at the end.
 constexpr int mlstm_tc_dq_blocks(int dk, int dv, bool loop = true) {
@@ -137,15 +144,27 @@ constexpr int mlstm_tc_dk_smem_bytes(int dk, int dv, int chunk, bool loop = true
 // algo=tc_merged (chunkwise_tc_bwd.cuh, mlstm_tc_grads_kernel): dq, dv and dk in one launch, where no
 // gradient needs partial sums (DHQK <= 128: dq and dk loop over DHHV's blocks, dv's DHQK is one block).
 // A tile's CTAs (its roles): dq, one dv per DHHV block, dk; each the shared memory of its separate kernel,
-// so the launch takes the largest.
+// so the launch takes the largest. At DHQK > 128 algo=tc_merged launches dq, dv and dk apart (dq's and
+// dk's partials each summed before the next kernel reuses the buffer), dv looping over DHQK's blocks.
 constexpr bool mlstm_tc_merged_runs(int dk) { return dk <= 128; }
 constexpr int mlstm_tc_grads_roles(int dk, int dv) {
   return mlstm_tc_dq_blocks(dk, dv) + mlstm_tc_bwd_blocks(dk, dv) + mlstm_tc_dk_blocks(dk, dv);
 }
-constexpr int mlstm_tc_max(int a, int b) { return a > b ? a : b; }
 constexpr int mlstm_tc_grads_smem_bytes(int dk, int dv, int chunk) {
   return mlstm_tc_max(mlstm_tc_dq_smem_bytes(dk, dv, chunk),
                       mlstm_tc_max(mlstm_tc_bwd_smem_bytes(dk, dv, chunk), mlstm_tc_dk_smem_bytes(dk, dv, chunk)));
+}
+
+// The dv kernel's grid.y and shared memory; looping (DHQK > 128), its DHHV blocks, and K (DHQK wide), then
+// one region for dC's block or else a Q (DHQK wide) and a dH tile.
+constexpr int mlstm_tc_dv_blocks(int dk, int dv, bool loop = true) {
+  return loop && mlstm_tc_dv_loops(dk) ? dv / mlstm_tc_bwd_block(dv) : mlstm_tc_bwd_blocks(dk, dv);
+}
+constexpr int mlstm_tc_dv_smem_bytes(int dk, int dv, int chunk, bool loop = true) {
+  const int R = mlstm_tc_rows(chunk), KS = dk + kMlstmTcPad, VS = mlstm_tc_bwd_block(dv) + kMlstmTcPad,
+            D = mlstm_tc_bwd_block(dk) * VS;
+  return !(loop && mlstm_tc_dv_loops(dk)) ? mlstm_tc_bwd_smem_bytes(dk, dv, chunk)
+                                          : 2 * (R * KS + mlstm_tc_max(D, R * KS + R * VS)) + 4 * (chunk + 2 * R);
 }
 
 }  // namespace kspec

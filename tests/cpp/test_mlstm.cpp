@@ -250,10 +250,11 @@ TEST(Mlstm, TensorCoreBackwardBlocksLargeHeadDims) {
   EXPECT_FALSE(mlstm_tc_bwd_reduced(128, 128, kMlstmGradDq));
 }
 
-// algo=tc_merged: algo=tc's CTAs in four launches (gates, both state scans, dq/dv/dk, df), valid where
-// no gradient is reduced (DHQK <= 128); a tile's roles are dq, dv's DHHV blocks and dk, and the merged
-// launch's shared memory (the largest role's) still leaves 2 CTAs an SM up to DHHV 256 (at 512 algo=tc's
-// dq, with its 512-wide dH tile, already holds one).
+// algo=tc_merged: at DHQK <= 128 (no gradient reduced) algo=tc's CTAs in four launches (gates, both state
+// scans, dq/dv/dk, df); a tile's roles are dq, dv's DHHV blocks and dk, and the merged launch's shared
+// memory (the largest role's) still leaves 2 CTAs an SM up to DHHV 256 (at 512 algo=tc's dq, with its
+// 512-wide dH tile, already holds one). At DHQK 256: both state scans in one launch, dq, dv, dk apart, dv
+// looping over DHQK's blocks (no dv partials: only dq's and dk's reduce kernels), 2 CTAs an SM.
 TEST(Mlstm, TensorCoreMergedBackwardKernels) {
   const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
   const Config merged = Config::parse("algo=tc_merged,threads=128", op.info);
@@ -272,19 +273,34 @@ TEST(Mlstm, TensorCoreMergedBackwardKernels) {
     const Problem p = problem_from_request(op, r);
     std::string why;
     const std::string what = std::to_string(row.dk) + " x " + std::to_string(row.dv);
-    if (row.roles == 0) {
-      EXPECT_FALSE(op.tuning.valid(p, merged, &why)) << what;
-      expect_in(why, {"tc_merged", "dhqk <= 128"});
-      continue;
-    }
     ASSERT_TRUE(op.tuning.valid(p, merged, &why)) << what << ": " << why;
     const auto k = op.kernels(p, merged);
+    const int dk = static_cast<int>(row.dk), dv = static_cast<int>(row.dv);
+    if (row.roles == 0) {
+      const std::vector<std::string> names = {
+          "kspec::mlstm_tc_gates_kernel", "kspec::mlstm_tc_states_kernel", "kspec::mlstm_tc_dq_kernel",
+          "kspec::mlstm_tc_dkv_kernel",   "kspec::mlstm_tc_dkv_kernel",    "kspec::mlstm_tc_df_kernel",
+          "kspec::mlstm_tc_reduce_kernel", "kspec::mlstm_tc_reduce_kernel"};
+      ASSERT_EQ(k.size(), names.size()) << what;
+      for (size_t j = 0; j < names.size(); ++j) EXPECT_EQ(k[j].kernel, names[j]) << j;
+      EXPECT_EQ(k[3].targs.back(), "true");   // dv loops over DHQK's blocks
+      EXPECT_EQ(k[4].targs.back(), "false");  // dk by column blocks
+      EXPECT_EQ(k[6].targs.back(), std::to_string(kMlstmGradDq));
+      EXPECT_EQ(k[7].targs.back(), std::to_string(kMlstmGradDk));
+      EXPECT_FALSE(mlstm_tc_bwd_reduced(dk, dv, kMlstmGradDv, false, false, true));
+      EXPECT_TRUE(mlstm_tc_bwd_reduced(dk, dv, kMlstmGradDv));  // algo=tc's dv
+      EXPECT_EQ(mlstm_tc_dv_blocks(dk, dv), dv / 128);
+      EXPECT_EQ(mlstm_tc_dv_blocks(dk, dv, false), mlstm_tc_bwd_blocks(dk, dv));
+      for (int chunk : {64, 128, 256})
+        EXPECT_LE(2 * (mlstm_tc_dv_smem_bytes(dk, dv, chunk) + 1024), 228 * 1024) << what << " chunk " << chunk;
+      continue;
+    }
+    EXPECT_EQ(mlstm_tc_dv_smem_bytes(dk, dv, 128), mlstm_tc_bwd_smem_bytes(dk, dv, 128)) << what;
     ASSERT_EQ(k.size(), 4u) << what;
     EXPECT_EQ(k[0].kernel, "kspec::mlstm_tc_gates_kernel");
     EXPECT_EQ(k[1].kernel, "kspec::mlstm_tc_states_kernel");
     EXPECT_EQ(k[2].kernel, "kspec::mlstm_tc_grads_kernel");
     EXPECT_EQ(k[3].kernel, "kspec::mlstm_tc_df_kernel");
-    const int dk = static_cast<int>(row.dk), dv = static_cast<int>(row.dv);
     EXPECT_EQ(mlstm_tc_grads_roles(dk, dv), row.roles) << what;
     for (MlstmGrad g : {kMlstmGradDq, kMlstmGradDv, kMlstmGradDk})
       EXPECT_FALSE(mlstm_tc_bwd_reduced(dk, dv, g)) << what << " grad " << g;
@@ -442,7 +458,8 @@ TEST(Mlstm, TensorCoreBackwardCompilesWithoutSpills) {
                                          {"base", DType::f16, merged, 4},
                                          {"chunk_256", DType::bf16, merged, 4},
                                          {"dh_64", DType::bf16, merged, 4},
-                                         {"dk_128_dv_256", DType::bf16, merged, 4}}) {
+                                         {"dk_128_dv_256", DType::bf16, merged, 4},
+                                         {"dk_256_dv_512", DType::bf16, merged, 8}}) {
     int found = 0;
     for (const auto& cs : op.cases) {
       if (cs.name != row.case_name) continue;

@@ -341,15 +341,16 @@ std::vector<jit::KernelSpec> bwd_kernels(const Problem& p, const Config& c, int6
 
 // The tensor-core backward's variant: algo=tc (loop: dq's and dk's CTAs loop over DHHV's blocks where
 // mlstm_tc_dq_loops), tc_fused (dv and dk in one kernel; dq loops), tc_parts (tc with a CTA per block
-// and partials everywhere, the code before the loops, kept to compare), tc_merged (tc's CTAs, the two
-// state scans in one launch and dq, dv, dk in another; DHQK <= 128, where nothing is reduced).
+// and partials everywhere, the code before the loops, kept to compare), tc_merged (the two state scans in
+// one launch; at DHQK <= 128 tc's dq, dv and dk CTAs in another, nothing reduced; above, dv looping over
+// DHQK's blocks: dv_loop).
 struct TcBwd {
-  bool fused, loop, merged;
+  bool fused, loop, merged, dv_loop;
 };
 TcBwd tc_bwd_variant(const Problem& p, int64_t algo) {
-  return {algo == kTcFused,
-          algo != kTcParts && mlstm_tc_dq_loops(static_cast<int>(p.dim("dhqk")), static_cast<int>(p.dim("dhhv"))),
-          algo == kTcMerged};
+  const int dk = static_cast<int>(p.dim("dhqk")), dv = static_cast<int>(p.dim("dhhv"));
+  return {algo == kTcFused, algo != kTcParts && mlstm_tc_dq_loops(dk, dv), algo == kTcMerged,
+          algo == kTcMerged && mlstm_tc_dv_loops(dk)};
 }
 
 // Which of dq, dv, dk (MlstmGrad order) go through the partials and a reduce kernel (head dims > 128).
@@ -357,12 +358,13 @@ std::vector<MlstmGrad> tc_bwd_reduced(const Problem& p, TcBwd v) {
   const int dk = static_cast<int>(p.dim("dhqk")), dv = static_cast<int>(p.dim("dhhv"));
   std::vector<MlstmGrad> r;
   for (MlstmGrad g : {kMlstmGradDq, kMlstmGradDv, kMlstmGradDk})
-    if (mlstm_tc_bwd_reduced(dk, dv, g, v.fused, v.loop)) r.push_back(g);
+    if (mlstm_tc_bwd_reduced(dk, dv, g, v.fused, v.loop, v.dv_loop)) r.push_back(g);
   return r;
 }
 
 // Kernels 0..6: gates, state forward, state reversed, dq, dv, dk, df (fused: 0..5, dv and dk as kernel 4);
-// then one reduce kernel for each of tc_bwd_reduced. Merged: gates, both states, dq/dv/dk, df.
+// then one reduce kernel for each of tc_bwd_reduced. Merged: gates, both states, dq/dv/dk, df (DHQK > 128:
+// gates, both states, dq, dv, dk, df, the reduce kernels).
 std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, TcBwd v) {
   const bool fused = v.fused;
   const char* loop = v.loop ? "true" : "false";
@@ -370,22 +372,26 @@ std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, TcBwd v) {
                     dv = std::to_string(p.dim("dhhv")), L = std::to_string(p.param_int("chunk"));
   const char* fwd = "mlstm/chunkwise_tc.cuh";
   const char* bwd = "mlstm/chunkwise_tc_bwd.cuh";
-  if (v.merged)
-    return {kernel_spec(p, fwd, "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
-            kernel_spec(p, bwd, "kspec::mlstm_tc_states_kernel", {t, dk, dv, L}),
-            kernel_spec(p, bwd, "kspec::mlstm_tc_grads_kernel", {t, dk, dv, L}),
-            kernel_spec(p, bwd, "kspec::mlstm_tc_df_kernel", {gate_type(p), dk, dv})};
-  std::vector<jit::KernelSpec> k = {kernel_spec(p, fwd, "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
-                                    kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "false"}),
-                                    kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "true"}),
-                                    kernel_spec(p, bwd, "kspec::mlstm_tc_dq_kernel", {t, dk, dv, L, loop})};
+  const jit::KernelSpec gates = kernel_spec(p, fwd, "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
+                        df = kernel_spec(p, bwd, "kspec::mlstm_tc_df_kernel", {gate_type(p), dk, dv});
+  if (v.merged && mlstm_tc_merged_runs(static_cast<int>(p.dim("dhqk"))))
+    return {gates, kernel_spec(p, bwd, "kspec::mlstm_tc_states_kernel", {t, dk, dv, L}),
+            kernel_spec(p, bwd, "kspec::mlstm_tc_grads_kernel", {t, dk, dv, L}), df};
+  std::vector<jit::KernelSpec> k = {gates};
+  if (v.merged) {
+    k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_states_kernel", {t, dk, dv, L}));
+  } else {
+    k.push_back(kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "false"}));
+    k.push_back(kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "true"}));
+  }
+  k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dq_kernel", {t, dk, dv, L, loop}));
   if (fused) {
     k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_fused_kernel", {t, dk, dv, L}));
   } else {
-    k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "false", "false"}));
+    k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "false", v.dv_loop ? "true" : "false"}));
     k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "true", loop}));
   }
-  k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_df_kernel", {gate_type(p), dk, dv}));
+  k.push_back(df);
   for (MlstmGrad g : tc_bwd_reduced(p, v))
     k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_reduce_kernel", {t, dk, dv, std::to_string(g)}));
   return k;
@@ -467,22 +473,27 @@ void launch_tc_bwd(const Call& call, Launcher& l, TcBwd v) {
   void* dkv_args[] = {&dkv};
   void* last_args[] = {&last};
   l.launch(0, {u32(seqs)}, {32}, 0, args);
-  if (v.merged) {  // tc_bwd_reduced is empty here: no partials
-    const int roles = mlstm_tc_grads_roles(dki, dvi);
-    KSPEC_CHECK_AS(seqs * qtiles * roles <= INT32_MAX, Unsupported, "mlstm.chunkwise.bwd: batch * heads * ceil(seqlen / ",
-                   rows, ") * ", roles, " = ", seqs * qtiles * roles,
-                   " thread blocks of algo=tc_merged exceed the grid (at most ", INT32_MAX, "); use algo=tc");
+  if (v.merged) {
     void* both_states[] = {&fwd, &rev};
-    void* grads_args[] = {&fwd, &dkv};
     l.launch(1, {state_grid.x, state_grid.y, 2}, {u32(mlstm_tc_state_threads(dki))}, state_smem, both_states);
-    l.launch(2, {u32(seqs * qtiles * roles)}, block, u32(mlstm_tc_grads_smem_bytes(dki, dvi, Li)), grads_args);
-    l.launch(3, {u32(seqs)}, {32}, 0, last_args);
-    return;
+    if (mlstm_tc_merged_runs(dki)) {  // tc_bwd_reduced is empty here: no partials
+      const int roles = mlstm_tc_grads_roles(dki, dvi);
+      KSPEC_CHECK_AS(seqs * qtiles * roles <= INT32_MAX, Unsupported,
+                     "mlstm.chunkwise.bwd: batch * heads * ceil(seqlen / ", rows, ") * ", roles, " = ",
+                     seqs * qtiles * roles, " thread blocks of algo=tc_merged exceed the grid (at most ", INT32_MAX,
+                     "); use algo=tc");
+      void* grads_args[] = {&fwd, &dkv};
+      l.launch(2, {u32(seqs * qtiles * roles)}, block, u32(mlstm_tc_grads_smem_bytes(dki, dvi, Li)), grads_args);
+      l.launch(3, {u32(seqs)}, {32}, 0, last_args);
+      return;
+    }
+  } else {
+    l.launch(1, state_grid, {u32(mlstm_tc_state_threads(dki))}, state_smem, fwd_args);
+    l.launch(2, state_grid, {u32(mlstm_tc_state_threads(dki))}, state_smem, rev_args);
   }
-  l.launch(1, state_grid, {u32(mlstm_tc_state_threads(dki))}, state_smem, fwd_args);
-  l.launch(2, state_grid, {u32(mlstm_tc_state_threads(dki))}, state_smem, rev_args);
   // A gradient's partials are summed (the reduce kernels follow df) before the next kernel reuses them.
-  const size_t df_at = fused ? 5 : 6;
+  // Merged (DHQK > 128): one state launch, so every later kernel one index lower.
+  const size_t dq_at = v.merged ? 2 : 3, df_at = fused || v.merged ? 5 : 6;
   MlstmParams dk_sum = a;  // fused: dk's partials after dv's (mlstm_tc_dkv_fused_kernel's kDkAt)
   if (fused && a.part) dk_sum.part = a.part + dv_floats;
   void* dk_sum_args[] = {&dk_sum};
@@ -492,16 +503,17 @@ void launch_tc_bwd(const Call& call, Launcher& l, TcBwd v) {
       l.launch(df_at + 1 + static_cast<size_t>(at_g - reduced.begin()), {u32(seqs * ((S + 3) / 4))}, {128}, 0,
                g == kMlstmGradDk ? dk_sum_args : args);
   };
-  l.launch(3, {tiles.x, u32(mlstm_tc_dq_blocks(dki, dvi, v.loop))}, block,
+  l.launch(dq_at, {tiles.x, u32(mlstm_tc_dq_blocks(dki, dvi, v.loop))}, block,
            u32(mlstm_tc_dq_smem_bytes(dki, dvi, Li, v.loop)), fwd_args);
   reduce(kMlstmGradDq);
   if (fused) {
-    l.launch(4, tiles, {2 * block.x}, smem, dkv_args);
+    l.launch(dq_at + 1, tiles, {2 * block.x}, smem, dkv_args);
     reduce(kMlstmGradDv);
   } else {
-    l.launch(4, tiles, block, smem, dkv_args);
+    l.launch(dq_at + 1, {tiles.x, u32(mlstm_tc_dv_blocks(dki, dvi, v.dv_loop))}, block,
+             u32(mlstm_tc_dv_smem_bytes(dki, dvi, Li, v.dv_loop)), dkv_args);
     reduce(kMlstmGradDv);
-    l.launch(5, {tiles.x, u32(mlstm_tc_dk_blocks(dki, dvi, v.loop))}, block,
+    l.launch(dq_at + 2, {tiles.x, u32(mlstm_tc_dk_blocks(dki, dvi, v.loop))}, block,
              u32(mlstm_tc_dk_smem_bytes(dki, dvi, Li, v.loop)), dkv_args);
   }
   reduce(kMlstmGradDk);

@@ -227,8 +227,6 @@ TuningSpace chunkwise_bwd_tuning() {
         !mlstm_tc_dq_loops(static_cast<int>(p.dim("dhqk")), static_cast<int>(p.dim("dhhv"))))
       no = "algo=tc_parts differs from algo=tc only at dhqk <= 128 < dhhv (its dq and dk without the loops over "
            "dhhv's blocks)";
-    if (no.empty() && c.get("algo") == kTcMerged && !mlstm_tc_merged_runs(static_cast<int>(p.dim("dhqk"))))
-      no = "algo=tc_merged keeps dhqk <= 128 (every gradient one thread block's: no partial sums over column blocks)";
     if (why) *why = no;
     return no.empty();
   };

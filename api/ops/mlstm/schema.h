@@ -31,7 +31,8 @@ TuningSpace mlstm_tuning(bool bwd = false);
 // The backward also has kTcFused: algo=tc with its dv and dk kernels as one (mlstm_tc_dkv_fused_kernel),
 // and kTcParts: algo=tc without its dq and dk loops over DHHV's blocks (params.h, mlstm_tc_dq_loops: a
 // CTA per block and fp32 partials, as before them), valid only where they differ, to compare; and
-// kTcMerged: algo=tc's CTAs in two launches fewer (both state scans in one, dq, dv, dk in one), DHQK <= 128.
+// kTcMerged: both state scans in one launch, and at DHQK <= 128 algo=tc's dq, dv, dk CTAs in one; above,
+// dv looping over DHQK's blocks (no partials for dv).
 enum FwdAlgo : int64_t { kSimt = 0, kTc = 1, kTcFused = 2, kTcParts = 3, kTcMerged = 4 };
 TuningSpace chunkwise_fwd_tuning();
 // mlstm.chunkwise.bwd's: the same axes, kTcFused, kTcParts and kTcMerged (named by a config only, to compare).
