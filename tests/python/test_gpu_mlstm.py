@@ -170,7 +170,7 @@ def test_tensor_core_merged_backward(DK, DV, S, chunk, dtype):
         assert torch.equal(x, y), f"{name}: a second call differs"
 
 
-@pytest.mark.parametrize("algo", ["tc", "tc_fused", "tc_parts", "tc_merged"])
+@pytest.mark.parametrize("algo", ["tc", "tc_fused", "tc_parts", "tc_merged", "tc_stream"])
 @pytest.mark.parametrize("chunk", [64, 256])
 @pytest.mark.parametrize("S", [1, 65, 300])
 @pytest.mark.parametrize("DK,DV", [(128, 256), (256, 512)])
@@ -178,10 +178,13 @@ def test_tensor_core_large_head_dims(DK, DV, S, chunk, algo):
     """Issue 29's larger head dims on the tensor-core kernels, bf16, with initial states and dC_last: the
     forward's h and the backward's gradients (column blocks of 128, partials summed in a fixed order;
     tc_fused: dv and dk in one kernel; tc_parts: dq and dk by column blocks too, where tc loops over DHHV's
-    blocks; tc_merged: tc's CTAs in fewer launches at DHQK 128, dv looping over DHQK's blocks at 256) against
+    blocks; tc_merged: tc's CTAs in fewer launches at DHQK 128, dv looping over DHQK's blocks at 256;
+    tc_stream: dq and dk streaming DHHV's blocks at DHQK 256, their dots q . dq, k . dk in two parts) against
     the float64 reference, and a second backward bitwise equal."""
     if algo == "tc_parts" and DK > 128:
         pytest.skip("algo=tc_parts differs from algo=tc only at DHQK <= 128 < DHHV")
+    if algo == "tc_stream" and DK <= 128:
+        pytest.skip("algo=tc_stream differs from algo=tc_merged only at DHQK > 128")
     B, NH, dtype = 1, 1, torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(S + DK + chunk)
     r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731

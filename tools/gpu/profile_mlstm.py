@@ -11,7 +11,8 @@ DHHV) forward, x3 with the backward).
 
 --compare (issue 29's open rows, old against new in one process, < 90 s): at B=8, NH=8, S=4096, bf16, chunk
 128 and DHQK x DHHV in {128 x 128, 128 x 256, 256 x 512}, the backward's variants (BWD_ALGOS: algo=tc, the
-default; tc_merged, two launches fewer; tc_fused where it was never timed), each checked against tc first,
+default; tc_merged, two launches fewer; tc_stream at 256 x 512; tc_fused at 128 x 128, never timed there),
+each checked against tc first,
 then bwd alone and fwd+bwd (algo=tc's forward, then the variant's backward) in ms, beside mlstm_kernels'
 xl_chunk at chunk 128 (autograd, fwd and fwd+bwd) where it imports, and each fwd+bwd's ratio to it (issue
 29's target: 1.3x).
@@ -76,11 +77,11 @@ def time_ms(fn, reps, flush, warmup=5):
 
 
 # --compare's shapes and, per shape, the backward's variants timed (the first is the baseline the others are
-# checked against): tc_merged everywhere, tc_fused at 128 x 128 (timed only at 128 x 256, where it keeps dk's
-# partials, so far).
+# checked against): tc_merged everywhere, tc_stream at 256 x 512 (where it differs), tc_fused at 128 x 128
+# (timed only at 128 x 256, where it keeps dk's partials, so far).
 COMPARE_DIMS = ((128, 128), (128, 256), (256, 512))
 BWD_ALGOS = {(128, 128): ("tc", "tc_merged", "tc_fused"), (128, 256): ("tc", "tc_merged"),
-             (256, 512): ("tc", "tc_merged")}
+             (256, 512): ("tc", "tc_merged", "tc_stream")}
 
 
 def xl_chunk():

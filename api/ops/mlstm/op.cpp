@@ -343,14 +343,16 @@ std::vector<jit::KernelSpec> bwd_kernels(const Problem& p, const Config& c, int6
 // mlstm_tc_dq_loops), tc_fused (dv and dk in one kernel; dq loops), tc_parts (tc with a CTA per block
 // and partials everywhere, the code before the loops, kept to compare), tc_merged (the two state scans in
 // one launch; at DHQK <= 128 tc's dq, dv and dk CTAs in another, nothing reduced; above, dv looping over
-// DHQK's blocks: dv_loop).
+// DHQK's blocks: dv_loop), tc_stream (DHQK > 128 only: tc_merged with dq and dk streaming DHHV's blocks,
+// so nothing is reduced there either and dq, dv, dk share one launch).
 struct TcBwd {
-  bool fused, loop, merged, dv_loop;
+  bool fused, loop, merged, dv_loop, stream;
 };
 TcBwd tc_bwd_variant(const Problem& p, int64_t algo) {
   const int dk = static_cast<int>(p.dim("dhqk")), dv = static_cast<int>(p.dim("dhhv"));
-  return {algo == kTcFused, algo != kTcParts && mlstm_tc_dq_loops(dk, dv), algo == kTcMerged,
-          algo == kTcMerged && mlstm_tc_dv_loops(dk)};
+  const bool merged = algo == kTcMerged || algo == kTcStream, stream = algo == kTcStream;
+  return {algo == kTcFused, (algo != kTcParts && mlstm_tc_dq_loops(dk, dv)) || stream, merged,
+          merged && mlstm_tc_dv_loops(dk), stream};
 }
 
 // Which of dq, dv, dk (MlstmGrad order) go through the partials and a reduce kernel (head dims > 128).
@@ -358,7 +360,7 @@ std::vector<MlstmGrad> tc_bwd_reduced(const Problem& p, TcBwd v) {
   const int dk = static_cast<int>(p.dim("dhqk")), dv = static_cast<int>(p.dim("dhhv"));
   std::vector<MlstmGrad> r;
   for (MlstmGrad g : {kMlstmGradDq, kMlstmGradDv, kMlstmGradDk})
-    if (mlstm_tc_bwd_reduced(dk, dv, g, v.fused, v.loop, v.dv_loop)) r.push_back(g);
+    if (mlstm_tc_bwd_reduced(dk, dv, g, v.fused, v.loop, v.dv_loop, v.stream)) r.push_back(g);
   return r;
 }
 
@@ -372,9 +374,12 @@ std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, TcBwd v) {
                     dv = std::to_string(p.dim("dhhv")), L = std::to_string(p.param_int("chunk"));
   const char* fwd = "mlstm/chunkwise_tc.cuh";
   const char* bwd = "mlstm/chunkwise_tc_bwd.cuh";
+  const int parts = mlstm_tc_dot_parts(static_cast<int>(p.dim("dhqk")), v.stream);
+  std::vector<std::string> df_targs = {gate_type(p), dk, dv};
+  if (parts > 1) df_targs.push_back(std::to_string(parts));
   const jit::KernelSpec gates = kernel_spec(p, fwd, "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
-                        df = kernel_spec(p, bwd, "kspec::mlstm_tc_df_kernel", {gate_type(p), dk, dv});
-  if (v.merged && mlstm_tc_merged_runs(static_cast<int>(p.dim("dhqk"))))
+                        df = kernel_spec(p, bwd, "kspec::mlstm_tc_df_kernel", df_targs);
+  if (v.merged && mlstm_tc_merged_runs(static_cast<int>(p.dim("dhqk")), v.stream))
     return {gates, kernel_spec(p, bwd, "kspec::mlstm_tc_states_kernel", {t, dk, dv, L}),
             kernel_spec(p, bwd, "kspec::mlstm_tc_grads_kernel", {t, dk, dv, L}), df};
   std::vector<jit::KernelSpec> k = {gates};
@@ -399,7 +404,7 @@ std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, TcBwd v) {
 
 // Workspace (256-byte pieces): gate rows, m per step (recomputed: the forward's of the same inputs),
 // per-chunk decay, n entering each chunk (written, unused), C entering and dC after each chunk (input
-// dtype), q.dq and k.dk per step, C_last, n_last when dC_last is given (for df), and at head dims over
+// dtype), q.dq and k.dk per step (tc_stream at DHQK > 128: one per DHQK block), C_last, n_last when dC_last is given (for df), and at head dims over
 // 128 the fp32 partials of one gradient at a time (each reduced before the next kernel writes them; fused:
 // dv's and dk's side by side).
 void launch_tc_bwd(const Call& call, Launcher& l, TcBwd v) {
@@ -441,8 +446,9 @@ void launch_tc_bwd(const Call& call, Launcher& l, TcBwd v) {
   const size_t dv_floats = part_floats(kMlstmGradDv);
   const size_t part_b = round(sizeof(float) * std::max({part_floats(kMlstmGradDq), fused ? 0 : dv_floats,
                                                         (fused ? dv_floats : 0) + part_floats(kMlstmGradDk)}));
+  const size_t dots_b = rows_b * static_cast<size_t>(mlstm_tc_dot_parts(static_cast<int>(dk), v.stream));
   const size_t sizes[] = {4 * rows_b, rows_b, round(sizeof(float) * seqs * NC), round(sizeof(float) * seqs * NC * dk),
-                          state_b, state_b, rows_b, rows_b,
+                          state_b, state_b, dots_b, dots_b,
                           a.dC_last ? round(sizeof(float) * seqs * dk * dv) : 0, a.dC_last ? round(sizeof(float) * seqs * dk) : 0,
                           part_b};
   size_t total = 0;
@@ -476,7 +482,7 @@ void launch_tc_bwd(const Call& call, Launcher& l, TcBwd v) {
   if (v.merged) {
     void* both_states[] = {&fwd, &rev};
     l.launch(1, {state_grid.x, state_grid.y, 2}, {u32(mlstm_tc_state_threads(dki))}, state_smem, both_states);
-    if (mlstm_tc_merged_runs(dki)) {  // tc_bwd_reduced is empty here: no partials
+    if (mlstm_tc_merged_runs(dki, v.stream)) {  // tc_bwd_reduced is empty here: no partials
       const int roles = mlstm_tc_grads_roles(dki, dvi);
       KSPEC_CHECK_AS(seqs * qtiles * roles <= INT32_MAX, Unsupported,
                      "mlstm.chunkwise.bwd: batch * heads * ceil(seqlen / ", rows, ") * ", roles, " = ",
@@ -532,7 +538,7 @@ OpDef make_chunkwise_bwd() {
   op.info.outputs = bwd_outputs(true);
   op.tuning = chunkwise_bwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_fused", "tc_parts", "tc_merged"}}};
+  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_fused", "tc_parts", "tc_merged", "tc_stream"}}};
   op.cases = chunkwise_bwd_cases();
   op.tolerance_scale = 4.0;
   op.error_scale = df_error_scale;
