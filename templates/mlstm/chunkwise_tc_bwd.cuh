@@ -271,7 +271,8 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   const T* v = static_cast<const T*>(p.v) + seq * S * kDv + blk.e0;
   mlstm_tc_load_rows<T, KW, R, kThreads, kDk>(Ks, static_cast<const T*>(p.k) + seq * S * kDk + blk.d0, s0, S, tid);
   // dv never reads V; its warps load a share of it only in the fused CTA, for dk's.
-  if (kDkPart || kThreads > mlstm_tc_out_threads(kChunk)) mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Vs, v, s0, S, tid);
+  if (kDkPart || kThreads > mlstm_tc_out_threads(kChunk))
+    mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Vs, v, s0, S, tid);
   const T* Dg = static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv + blk.d0 * kDv + blk.e0;
   mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Ds, Dg, 0, BK, tid);
   cp_async_commit();

@@ -1366,10 +1366,10 @@ class PoisonedLauncher : public Launcher {
 }  // namespace
 
 // accumulators_initialized for algo=tc (issue 29): the tensor-core forward and backward (algo=tc,
-// tc_fused, tc_parts, tc_merged and tc_stream) with their shared memory and workspace NaN-filled and every output NaN-poisoned, bf16 and
-// fp16, S = 100 over chunks of 16 and 64 (short last chunks), head dims 32 x 32 and 128 x 256 (the
-// backward's column blocks and partial sums), with initial states and dC_last: every output finite and
-// within tolerance of the float64 reference.
+// tc_fused, tc_parts, tc_merged and tc_stream) with their shared memory and workspace NaN-filled and every
+// output NaN-poisoned, bf16 and fp16, S = 100 over chunks of 16 and 64 (short last chunks), head dims 32 x
+// 32, 128 x 256 and 256 x 512 (the backward's column blocks, partial sums and loops), with initial states
+// and dC_last: every output finite and within tolerance of the float64 reference.
 TEST(MlstmGpu, TensorCorePoisonedSharedMemoryNeverReachesOutputs) {
   KSPEC_REQUIRE_GPU();
   jit::ContextGuard guard(0);

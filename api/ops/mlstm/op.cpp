@@ -393,7 +393,8 @@ std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, TcBwd v) {
   if (fused) {
     k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_fused_kernel", {t, dk, dv, L}));
   } else {
-    k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "false", v.dv_loop ? "true" : "false"}));
+    const char* dv_loop = v.dv_loop ? "true" : "false";
+    k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "false", dv_loop}));
     k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "true", loop}));
   }
   k.push_back(df);
@@ -404,9 +405,9 @@ std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, TcBwd v) {
 
 // Workspace (256-byte pieces): gate rows, m per step (recomputed: the forward's of the same inputs),
 // per-chunk decay, n entering each chunk (written, unused), C entering and dC after each chunk (input
-// dtype), q.dq and k.dk per step (tc_stream at DHQK > 128: one per DHQK block), C_last, n_last when dC_last is given (for df), and at head dims over
-// 128 the fp32 partials of one gradient at a time (each reduced before the next kernel writes them; fused:
-// dv's and dk's side by side).
+// dtype), q.dq and k.dk per step (tc_stream at DHQK > 128: one per DHQK block), C_last, n_last when
+// dC_last is given (for df), and at head dims over 128 the fp32 partials of one gradient at a time (each
+// reduced before the next kernel writes them; fused: dv's and dk's side by side).
 void launch_tc_bwd(const Call& call, Launcher& l, TcBwd v) {
   const bool fused = v.fused;
   const Problem& p = call.problem;
