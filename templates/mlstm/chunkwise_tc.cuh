@@ -117,13 +117,14 @@ __global__ void __launch_bounds__(32) mlstm_tc_gates_kernel(const MlstmParams p)
 // dC <- e^(b_L + m - m_L) dC + sum_t u_t q_t dh_t^T with u_t = s g_t / (nrm_t + eps), from dC_last;
 // writes dC after every chunk (to Cs), and dC0 (the gradient entering the first chunk) when p.C is set.
 // The same product either way: a [64 x L] . [L x 64] mma per chunk with a per-step weight on A.
+// A CTA's work (its tile from blockIdx.x, .y); mlstm_tc_state_kernel launches one direction,
+// chunkwise_tc_bwd.cuh's mlstm_tc_states_kernel both in one grid.
 template <typename T, int kDk, int kDv, int kChunk, bool kReverse>
-__global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_kernel(const MlstmParams p) {
+__device__ __forceinline__ void mlstm_tc_state(const MlstmParams& p, unsigned char* smem_raw) {
   constexpr int L = kChunk, BK = mlstm_tc_state_tile(kDk), BV = mlstm_tc_state_tile(kDv), P = kMlstmTcPad;
   constexpr int kThreads = mlstm_tc_state_threads(kDk), NT = BV / 8, KS = BK + P, VS = BV + P;
   constexpr int kDkTiles = kDk / BK;
   static_assert(BK % 16 == 0 && BV % 16 == 0 && L % 16 == 0, "tiles of 16");
-  extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Ks = reinterpret_cast<T*>(smem_raw);                  // [2][L][KS]: k (q reversed)
   T* Vs = Ks + 2 * L * KS;                                 // [2][L][VS]: v (dh reversed)
   float* ws = reinterpret_cast<float*>(Vs + 2 * L * VS);  // [2][L]: w_t (u_t reversed)
@@ -239,6 +240,12 @@ __global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_ke
     }
     if (writes_n) p.n[seq * kDk + r0] = n_a, p.n[seq * kDk + r0 + 8] = n_b;
   }
+}
+
+template <typename T, int kDk, int kDv, int kChunk, bool kReverse>
+__global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_kernel(const MlstmParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  mlstm_tc_state<T, kDk, kDv, kChunk, kReverse>(p, smem_raw);
 }
 
 // ---- 3. output ----

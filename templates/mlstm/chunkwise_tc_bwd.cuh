@@ -31,15 +31,23 @@ __device__ __forceinline__ void mlstm_tc_load_rows(T* dst, const T* src, long lo
   }
 }
 
-// This CTA's column blocks: DHQK columns d0 .. d0 + BK - 1, DHHV columns e0 .. e0 + BV - 1.
+// This CTA's column blocks: DHQK columns d0 .. d0 + BK - 1, DHHV columns e0 .. e0 + BV - 1, from its
+// block index `by` (blockIdx.y of the separate kernels: DHQK block * DHHV blocks + DHHV block).
 template <int kDk, int kDv>
 struct MlstmTcBwdBlock {
   static constexpr int BK = mlstm_tc_bwd_block(kDk), BV = mlstm_tc_bwd_block(kDv);
   static constexpr bool kOne = mlstm_tc_bwd_blocks(kDk, kDv) == 1;  // both 0, known to the compiler
   int d0, e0;
-  __device__ __forceinline__ MlstmTcBwdBlock()
-      : d0(kOne ? 0 : static_cast<int>(blockIdx.y / (kDv / BV)) * BK),
-        e0(kOne ? 0 : static_cast<int>(blockIdx.y % (kDv / BV)) * BV) {}
+  __device__ __forceinline__ explicit MlstmTcBwdBlock(int by)
+      : d0(kOne ? 0 : by / (kDv / BV) * BK), e0(kOne ? 0 : by % (kDv / BV) * BV) {}
+};
+
+// Where a CTA of the dq, dv or dk code sits: `tile` is its 64-row tile among all sequences' (seq * QT +
+// tile in the sequence; blockIdx.x of the separate kernels), `tiles` their number (gridDim.x there), `by`
+// its column block. mlstm_tc_grads_kernel derives them from its role instead.
+struct MlstmTcTile {
+  long long tile, tiles;
+  int by;
 };
 
 // A 16-row slice of a partial gradient in fp32 (rows sa and sb of the sequence whose rows start at
@@ -59,41 +67,46 @@ __device__ __forceinline__ void mlstm_tc_store_part(const float (&acc)[kNt][4], 
 
 // kLoop (algo=tc where mlstm_tc_dq_loops; false: algo=tc_parts, or a shape with one DHHV block).
 template <typename T, int kDk, int kDv, int kChunk, bool kLoop>
-__global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_kernel(const MlstmParams p) {
+__device__ __forceinline__ void mlstm_tc_dq_tile(const MlstmParams& p, unsigned char* smem_raw, MlstmTcTile at) {
   using Block = MlstmTcBwdBlock<kDk, kDv>;
-  static_assert(!kLoop || mlstm_tc_dq_loops(kDk, kDv), "loops over DHHV's blocks at DHQK <= 128 only");
+  static_assert(!kLoop || mlstm_tc_dq_loops(kDk, kDv) || mlstm_tc_streams(kDk),
+                "loops over DHHV's blocks at DHQK <= 128 < DHHV, or streams them at DHQK > 128");
   constexpr int L = kChunk, R = mlstm_tc_rows(L), P = kMlstmTcPad, kThreads = mlstm_tc_out_threads(L);
   constexpr int BK = Block::BK, BV = Block::BV, KS = BK + P, VS = BV + P, NQ = BK / 8, NK = R / 8;
-  constexpr bool kReduced = mlstm_tc_bwd_reduced(kDk, kDv, kMlstmGradDq, false, kLoop);
-  // kLoop: this CTA's DHHV blocks are all of them (grid.y is DHQK's single block, Block's e0 = 0),
-  // contracted one after the other into the same accumulators; dH is loaded once, DHHV wide (HW).
-  constexpr int kEB = kLoop ? kDv / BV : 1, HW = kEB * BV, HS = HW + P;
+  // kLoop: this CTA's DHHV blocks are all of them (grid.y is DHQK's blocks, Block's e0 = 0), contracted
+  // one after the other into the same accumulators; dH is loaded once, DHHV wide (HW), or at DHQK > 128
+  // (kStream, algo=tc_stream) a block at a time beside C's and V's blocks.
+  constexpr bool kStream = kLoop && mlstm_tc_streams(kDk);
+  constexpr bool kReduced = mlstm_tc_bwd_reduced(kDk, kDv, kMlstmGradDq, false, kLoop, false, kStream);
+  constexpr int kEB = kLoop ? kDv / BV : 1, HW = kStream ? BV : kEB * BV, HS = HW + P;
   // Looping, Q is loaded at the end into C's buffer (free by then), so the wide dH tile costs no more
   // shared memory than the separate Q tile did: 2 CTAs an SM still fit (params.h, mlstm_tc_dq_smem_bytes).
   constexpr bool kQAtEnd = kEB > 1;
   static_assert(!kQAtEnd || BK * VS >= R * KS, "Q fits C's buffer");
-  extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Ks = reinterpret_cast<T*>(smem_raw) + (kQAtEnd ? 0 : R * KS);  // [R][KS]
   T* Hs = Ks + R * KS;                     // [R][HS] dh
   T* Vs = Hs + R * HS;                     // [R][VS]
   T* Cs = Vs + R * VS;                     // [BK][VS] C entering the chunk (a DHHV block of it)
   T* Qs = kQAtEnd ? Cs : reinterpret_cast<T*>(smem_raw);  // [R][KS]
   float* ibs = reinterpret_cast<float*>(Cs + BK * VS);  // [L]
-  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_dq_smem_bytes(kDk, kDv, L, kLoop) / 4);
+  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw),
+                              mlstm_tc_dq_smem_bytes(kDk, kDv, L, kLoop, kStream) / 4);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
   const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
-  const long long seq = blockIdx.x / QT, t0 = (blockIdx.x % QT) * R, c = t0 / L, cs = c * L;
+  const long long seq = at.tile / QT, t0 = (at.tile % QT) * R, c = t0 / L, cs = c * L;
   const int ktiles = static_cast<int>((t0 - cs) / R) + 1;
-  const Block blk;
+  const Block blk(at.by);
   const T* k = static_cast<const T*>(p.k) + seq * S * kDk + blk.d0;
   const T* v = static_cast<const T*>(p.v) + seq * S * kDv + blk.e0;
   const T* Cg = static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv + blk.d0 * kDv + blk.e0;
+  const T* dh = static_cast<const T*>(p.dh) + seq * S * kDv + blk.e0;
+  const T* q = static_cast<const T*>(p.q) + seq * S * kDk + blk.d0;
   const float4* gr = reinterpret_cast<const float4*>(p.gate_rows) + seq * S;
   const float scale = rsqrtf(static_cast<float>(kDk));
 
   if (!kReduced && !kQAtEnd)  // for q . dq (the reduce kernel's otherwise)
-    mlstm_tc_load_rows<T, kDk, R, kThreads>(Qs, static_cast<const T*>(p.q) + seq * S * kDk, t0, S, tid);
-  mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Hs, static_cast<const T*>(p.dh) + seq * S * kDv + blk.e0, t0, S, tid);
+    mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Qs, q, t0, S, tid);
+  mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Hs, dh, t0, S, tid);
   mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Cs, Cg, 0, BK, tid);
   cp_async_commit();
   for (int s = tid; s < ktiles * R; s += kThreads) ibs[s] = cs + s < S ? gr[cs + s].y : mlstm_neg_inf();
@@ -112,8 +125,9 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
 #pragma unroll
   for (int eb = 0; eb < kEB; ++eb) {
     if (eb > 0) {
-      __syncthreads();  // every warp is done with the last block of C
+      __syncthreads();  // every warp is done with the last block of C (streaming: and of dH)
       mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Cs, Cg + eb * BV, 0, BK, tid);
+      if (kStream) mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Hs, dh + eb * BV, t0, S, tid);
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
@@ -121,7 +135,7 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
 #pragma unroll 2
     for (int kk = 0; kk < BV / 16; ++kk) {
       unsigned a[4];
-      ldmatrix_x4(a, frag_a(Hs, HS, warp * 16, eb * BV + kk * 16, lane));
+      ldmatrix_x4(a, frag_a(Hs, HS, warp * 16, (kStream ? 0 : eb * BV) + kk * 16, lane));
       mma_row<T, NQ, false>(dq, a, Cs, VS, kk * 16, lane);
     }
   }
@@ -136,13 +150,14 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
       __syncthreads();  // every warp is done with the last K and V tiles
       if (eb == 0) mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Ks, k, cs + kt * R, S, tid);
       mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Vs, v + eb * BV, cs + kt * R, S, tid);
+      if (kStream) mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Hs, dh + eb * BV, t0, S, tid);
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
 #pragma unroll 2
       for (int kk = 0; kk < BV / 16; ++kk) {
         unsigned a[4];
-        ldmatrix_x4(a, frag_a(Hs, HS, warp * 16, eb * BV + kk * 16, lane));
+        ldmatrix_x4(a, frag_a(Hs, HS, warp * 16, (kStream ? 0 : eb * BV) + kk * 16, lane));
         mma_row<T, NK, false>(sc, a, Vs, VS, kk * 16, lane);
       }
     }
@@ -164,18 +179,18 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
     }
   }
   if (kQAtEnd) {  // C's buffer was last read before the key loop's barriers
-    mlstm_tc_load_rows<T, kDk, R, kThreads>(Qs, static_cast<const T*>(p.q) + seq * S * kDk, t0, S, tid);
+    mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Qs, q, t0, S, tid);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
   }
   if (kReduced) {  // part: this CTA's DHHV block
-    const long long seqs = gridDim.x / QT;
+    const long long seqs = at.tiles / QT;
     mlstm_tc_store_part<NQ, kDk>(dq, p.part + ((blk.e0 / BV) * seqs + seq) * S * kDk, ta, tb, S, blk.d0, cq);
     return;
   }
-  float qa = 0.0f, qb = 0.0f;  // q . dq in fp32, before dq is rounded
-  T* dqo = static_cast<T*>(p.dq) + seq * S * kDk;
+  float qa = 0.0f, qb = 0.0f;  // q . dq in fp32, before dq is rounded (streaming: this DHQK block's part)
+  T* dqo = static_cast<T*>(p.dq) + seq * S * kDk + blk.d0;
 #pragma unroll
   for (int nt = 0; nt < NQ; ++nt) {
     const int col = nt * 8 + 2 * cq;
@@ -189,9 +204,16 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
     qb += __shfl_xor_sync(0xffffffffu, qb, x);
   }
   if (cq == 0) {
-    if (ta < S) p.qdq[seq * S + ta] = qa;
-    if (tb < S) p.qdq[seq * S + tb] = qb;
+    float* qdq = p.qdq + ((blk.d0 / BK) * (at.tiles / QT) + seq) * S;  // blk.d0 = 0 unless streaming
+    if (ta < S) qdq[ta] = qa;
+    if (tb < S) qdq[tb] = qb;
   }
+}
+
+template <typename T, int kDk, int kDv, int kChunk, bool kLoop>
+__global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_kernel(const MlstmParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  mlstm_tc_dq_tile<T, kDk, kDv, kChunk, kLoop>(p, smem_raw, {blockIdx.x, gridDim.x, static_cast<int>(blockIdx.y)});
 }
 
 // ---- dv (kDkPart false) or dk, di and k . dk (kDkPart true), per key tile ----
@@ -202,40 +224,55 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
 // p.part + kPartAt * seqs * S. kLoop (dk alone, at mlstm_tc_dq_loops' shapes): the CTA contracts all of DHHV's
 // blocks itself, its V and dH tiles DHHV wide, dC a block at a time (no partials).
 template <typename T, int kDk, int kDv, int kChunk, bool kDkPart, int kThreads, int kPartAt, bool kLoop = false>
-__device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned char* smem_raw, int tid, int warp) {
+__device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned char* smem_raw, int tid, int warp,
+                                                  MlstmTcTile at) {
   using Block = MlstmTcBwdBlock<kDk, kDv>;
-  static_assert(!kLoop || kDkPart, "only dk contracts DHHV");
+  static_assert(!kLoop || (kDkPart ? mlstm_tc_dq_loops(kDk, kDv) || mlstm_tc_streams(kDk) : mlstm_tc_dv_loops(kDk)),
+                "dk loops over DHHV's blocks at DHQK <= 128 < DHHV (streams them above), dv over DHQK's at DHQK > 128");
   constexpr int L = kChunk, R = mlstm_tc_rows(L), P = kMlstmTcPad;
-  constexpr int BK = Block::BK, BV = Block::BV, KS = BK + P, VS = BV + P, NA = (kDkPart ? BK : BV) / 8, NK = R / 8;
-  constexpr int kEB = kLoop ? kDv / BV : 1, HW = kEB * BV, HS = HW + P;  // V and dH tiles: HW columns
+  constexpr int BK = Block::BK, BV = Block::BV, VS = BV + P, NA = (kDkPart ? BK : BV) / 8, NK = R / 8;
+  // Looping, dk contracts all of DHHV's blocks (its V and dH tiles HW wide, or at DHQK > 128, kStream,
+  // a block at a time), dv all of DHQK's (its K and Q tiles KW wide); the inter term takes dC a block at
+  // a time, kIB blocks.
+  constexpr bool kStream = kLoop && kDkPart && mlstm_tc_streams(kDk);
+  constexpr int kEB = kLoop && kDkPart ? kDv / BV : 1, HW = kStream ? BV : kEB * BV, HS = HW + P;
+  constexpr int kDB = kLoop && !kDkPart ? kDk / BK : 1, KW = kDB * BK, KS = KW + P, kIB = kEB * kDB;
   constexpr int kGrad = kDkPart ? kMlstmGradDk : kMlstmGradDv;
   constexpr bool kReduced = !kLoop && mlstm_tc_bwd_reduced(kDk, kDv, kGrad, false, false);
-  // Looping, dC shares its buffer with the query tiles (the inter term is done before the first query
-  // tile is loaded), so the wide V and dH tiles still leave 2 CTAs an SM (mlstm_tc_dk_smem_bytes).
+  // Looping with a wide tile (kAlias), dC shares its buffer with the query tiles (the inter term is done
+  // before the first query tile is loaded), so the wide tiles still leave 2 CTAs an SM
+  // (mlstm_tc_dk_smem_bytes, mlstm_tc_dv_smem_bytes); dv looping has no V tile. Streaming, every tile
+  // has its own buffer, as without a loop.
+  constexpr bool kAlias = kLoop && !kStream;
+  constexpr int kVElems = kLoop && !kDkPart ? 0 : R * HS;
   constexpr int kRegion = BK * VS > R * KS + R * HS ? BK * VS : R * KS + R * HS;
   T* Ks = reinterpret_cast<T*>(smem_raw);  // [R][KS] this tile's keys
-  T* Qs = kLoop ? Ks + R * KS + R * HS : Ks + R * KS;  // [R][KS] a query tile
-  T* Vs = kLoop ? Ks + R * KS : Qs + R * KS;           // [R][HS] this tile's values
-  T* Hs = kLoop ? Qs + R * KS : Vs + R * HS;           // [R][HS] a query tile's dh
-  T* Ds = kLoop ? Qs : Hs + R * HS;                    // [BK][VS] dC after the chunk (a DHHV block of it)
+  T* Qs = kAlias ? Ks + R * KS + kVElems : Ks + R * KS;  // [R][KS] a query tile
+  T* Vs = kAlias ? Ks + R * KS : Qs + R * KS;            // [R][HS] this tile's values
+  T* Hs = kAlias ? Qs + R * KS : Vs + R * HS;            // [R][HS] a query tile's dh
+  T* Ds = kAlias ? Qs : Hs + R * HS;                     // [BK][VS] dC after the chunk (a block of it)
   // [R] b_t - m_t of the query tile (-inf past S)
-  float* bms = reinterpret_cast<float*>(kLoop ? Qs + kRegion : Ds + BK * VS);
+  float* bms = reinterpret_cast<float*>(kAlias ? Qs + kRegion : Ds + BK * VS);
   float* rds = bms + R;                                  // [R] 1 / (nrm_t + eps) (0 past S)
   mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw),
-                              (kLoop ? mlstm_tc_dk_smem_bytes(kDk, kDv, L) : mlstm_tc_bwd_smem_bytes(kDk, kDv, L)) / 4);
-  static_assert(!kLoop || mlstm_tc_dq_loops(kDk, kDv), "loops over DHHV's blocks at DHQK <= 128 only");
+                              (!kLoop    ? mlstm_tc_bwd_smem_bytes(kDk, kDv, L)
+                               : kDkPart ? mlstm_tc_dk_smem_bytes(kDk, kDv, L)
+                                         : mlstm_tc_dv_smem_bytes(kDk, kDv, L)) / 4);
   const int lane = threadIdx.x % 32, g = lane / 4, cq = lane % 4;
   const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
-  const long long seq = blockIdx.x / QT, s0 = (blockIdx.x % QT) * R, c = s0 / L, cs = c * L;
+  const long long seq = at.tile / QT, s0 = (at.tile % QT) * R, c = s0 / L, cs = c * L;
   const long long ce = cs + L < S ? cs + L : S;  // the chunk's end
-  const Block blk;
+  const Block blk(at.by);
   const T* q = static_cast<const T*>(p.q) + seq * S * kDk + blk.d0;
   const T* dh = static_cast<const T*>(p.dh) + seq * S * kDv + blk.e0;
   const float4* gr = reinterpret_cast<const float4*>(p.gate_rows) + seq * S;
   const float scale = rsqrtf(static_cast<float>(kDk));
 
-  mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Ks, static_cast<const T*>(p.k) + seq * S * kDk + blk.d0, s0, S, tid);
-  mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Vs, static_cast<const T*>(p.v) + seq * S * kDv + blk.e0, s0, S, tid);
+  const T* v = static_cast<const T*>(p.v) + seq * S * kDv + blk.e0;
+  mlstm_tc_load_rows<T, KW, R, kThreads, kDk>(Ks, static_cast<const T*>(p.k) + seq * S * kDk + blk.d0, s0, S, tid);
+  // dv never reads V; its warps load a share of it only in the fused CTA, for dk's.
+  if (kDkPart || kThreads > mlstm_tc_out_threads(kChunk))
+    mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Vs, v, s0, S, tid);
   const T* Dg = static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv + blk.d0 * kDv + blk.e0;
   mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Ds, Dg, 0, BK, tid);
   cp_async_commit();
@@ -247,13 +284,15 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   __syncthreads();
 
   // Inter-chunk term: dv_s = w_s (k_s^T dC) (B[dk][dv] = dC, [k][n]); dk_s = w_s (dC v_s) (B[dv][dk], [n][k]).
+  // Looping, block ib of dC is DHHV's (dk) or DHQK's (dv) ib-th.
   float acc[NA][4];
   mma_zero(acc);
 #pragma unroll
-  for (int eb = 0; eb < kEB; ++eb) {
-    if (eb > 0) {
-      __syncthreads();  // every warp is done with the last block of dC
-      mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Ds, Dg + eb * BV, 0, BK, tid);
+  for (int ib = 0; ib < kIB; ++ib) {
+    if (ib > 0) {
+      __syncthreads();  // every warp is done with the last block of dC (streaming: and of V)
+      mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Ds, Dg + (kDkPart ? ib * BV : ib * BK * kDv), 0, BK, tid);
+      if (kStream) mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Vs, v + ib * BV, s0, S, tid);
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
@@ -261,8 +300,8 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
 #pragma unroll 2
     for (int kk = 0; kk < (kDkPart ? BV : BK) / 16; ++kk) {
       unsigned a[4];
-      ldmatrix_x4(a, kDkPart ? frag_a(Vs, HS, warp * 16, eb * BV + kk * 16, lane)
-                             : frag_a(Ks, KS, warp * 16, kk * 16, lane));
+      ldmatrix_x4(a, kDkPart ? frag_a(Vs, HS, warp * 16, (kStream ? 0 : ib * BV) + kk * 16, lane)
+                             : frag_a(Ks, KS, warp * 16, ib * BK + kk * 16, lane));
       mma_row<T, NA, !kDkPart>(acc, a, Ds, VS, kk * 16, lane);
     }
   }
@@ -271,8 +310,9 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   const int pos_a = static_cast<int>(s0 - cs) + ra, pos_b = pos_a + 8;  // the keys' positions in the chunk
   for (long long t0 = s0; t0 < ce; t0 += R) {
     __syncthreads();  // every warp is done with the last query tile (looping: with dC)
-    mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Qs, q, t0, S, tid);
+    mlstm_tc_load_rows<T, KW, R, kThreads, kDk>(Qs, q, t0, S, tid);
     mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Hs, dh, t0, S, tid);
+    if (kStream) mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Vs, v, s0, S, tid);  // V's first block again
     cp_async_commit();
     for (int r = tid; r < R; r += kThreads) {
       const bool ok = t0 + r < S;
@@ -282,14 +322,26 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
     cp_async_wait<0>();
     __syncthreads();
     // Scores with the keys as rows: K Q^T (for dv) or V dH^T (for dk); B = the query tile, [n][k].
+    // Streaming, V dH^T is summed over DHHV's blocks, V's and dH's loaded a block at a time.
     float sc[NK][4];
     mma_zero(sc);
+#pragma unroll 1
+    for (int eb = 0; eb < (kStream ? kEB : 1); ++eb) {
+      if (eb > 0) {
+        __syncthreads();  // every warp is done with the last blocks of V and dH
+        mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Vs, v + eb * BV, s0, S, tid);
+        mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Hs, dh + eb * BV, t0, S, tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+      }
 #pragma unroll 2
-    for (int kk = 0; kk < (kDkPart ? HW : BK) / 16; ++kk) {
-      unsigned a[4];
-      ldmatrix_x4(a, kDkPart ? frag_a(Vs, HS, warp * 16, kk * 16, lane) : frag_a(Ks, KS, warp * 16, kk * 16, lane));
-      if (kDkPart) mma_row<T, NK, false>(sc, a, Hs, HS, kk * 16, lane);
-      else mma_row<T, NK, false>(sc, a, Qs, KS, kk * 16, lane);
+      for (int kk = 0; kk < (kDkPart ? HW : KW) / 16; ++kk) {
+        unsigned a[4];
+        ldmatrix_x4(a, kDkPart ? frag_a(Vs, HS, warp * 16, kk * 16, lane) : frag_a(Ks, KS, warp * 16, kk * 16, lane));
+        if (kDkPart) mma_row<T, NK, false>(sc, a, Hs, HS, kk * 16, lane);
+        else mma_row<T, NK, false>(sc, a, Qs, KS, kk * 16, lane);
+      }
     }
     const int tpos = static_cast<int>(t0 - cs);
 #pragma unroll
@@ -312,7 +364,7 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   }
   constexpr int kW = kDkPart ? kDk : kDv;
   if (kReduced) {  // part: this CTA's block of the dim the gradient contracts
-    const long long seqs = gridDim.x / QT, part = kDkPart ? blk.e0 / BV : blk.d0 / BK;
+    const long long seqs = at.tiles / QT, part = kDkPart ? blk.e0 / BV : blk.d0 / BK;
     mlstm_tc_store_part<NA, kW>(acc, p.part + kPartAt * seqs * S + (part * seqs + seq) * S * kW, sa, sb, S,
                                 kDkPart ? blk.d0 : blk.e0, cq);
     return;
@@ -334,9 +386,10 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
       da += __shfl_xor_sync(0xffffffffu, da, x);
       db += __shfl_xor_sync(0xffffffffu, db, x);
     }
-    if (cq == 0) {
-      if (sa < S) p.kdk[seq * S + sa] = da;
-      if (sb < S) p.kdk[seq * S + sb] = db;
+    if (cq == 0) {  // streaming: this DHQK block's part of k . dk
+      float* kdk = p.kdk + ((kStream ? blk.d0 / BK : 0) * (at.tiles / QT) + seq) * S;
+      if (sa < S) kdk[sa] = da;
+      if (sb < S) kdk[sb] = db;
     }
   }
 }
@@ -345,8 +398,8 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
 template <typename T, int kDk, int kDv, int kChunk, bool kDkPart, bool kLoop>
 __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dkv_kernel(const MlstmParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, kDkPart, mlstm_tc_out_threads(kChunk), 0, kLoop>(p, smem_raw, threadIdx.x,
-                                                                                        threadIdx.x / 32);
+  mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, kDkPart, mlstm_tc_out_threads(kChunk), 0, kLoop>(
+      p, smem_raw, threadIdx.x, threadIdx.x / 32, {blockIdx.x, gridDim.x, static_cast<int>(blockIdx.y)});
 }
 
 // algo=tc_fused: dv (warps 0-3) and dk (warps 4-7) of a key tile in one CTA of 8 warps, so its K, V, dC,
@@ -360,10 +413,56 @@ __global__ void __launch_bounds__(2 * mlstm_tc_out_threads(kChunk), 1) mlstm_tc_
   constexpr int kThreads = 2 * mlstm_tc_out_threads(kChunk), kWarps = kThreads / 64;
   constexpr int kDkAt = mlstm_tc_bwd_reduced(kDk, kDv, kMlstmGradDv) ? mlstm_tc_bwd_parts(kDk, kDv, kMlstmGradDv) * kDv : 0;
   const int warp = threadIdx.x / 32;
+  const MlstmTcTile at{blockIdx.x, gridDim.x, static_cast<int>(blockIdx.y)};
   if (warp < kWarps)
-    mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, false, kThreads, 0>(p, smem_raw, threadIdx.x, warp);
+    mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, false, kThreads, 0>(p, smem_raw, threadIdx.x, warp, at);
   else
-    mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, true, kThreads, kDkAt>(p, smem_raw, threadIdx.x, warp - kWarps);
+    mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, true, kThreads, kDkAt>(p, smem_raw, threadIdx.x, warp - kWarps, at);
+}
+
+// ---- algo=tc_merged: both state scans in one launch, dq, dv and dk in one launch ----
+
+// The forward's state scan (C entering each chunk: blockIdx.z 0, `fwd`) and the reversed one (dC after
+// each chunk: blockIdx.z 1, `rev`) in one grid. They are independent (K, V against Q, dH) and each CTA walks
+// every chunk of its sequence in turn, so in two launches the reversed scan waited for the forward's last,
+// partly filled wave; in one, its CTAs take the SMs the forward's leave idle.
+template <typename T, int kDk, int kDv, int kChunk>
+__global__ void __launch_bounds__(mlstm_tc_state_threads(kDk))
+    mlstm_tc_states_kernel(const MlstmParams fwd, const MlstmParams rev) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  if (blockIdx.z == 0) mlstm_tc_state<T, kDk, kDv, kChunk, false>(fwd, smem_raw);
+  else mlstm_tc_state<T, kDk, kDv, kChunk, true>(rev, smem_raw);
+}
+
+// dq (from C entering the chunks: `pq`), dv and dk (from dC after them: `pkv`) of every 64-row tile in one
+// launch, the CTAs of a tile consecutive (blockIdx.x = tile * roles + role; roles: dq's DHQK blocks, dv's
+// DHHV blocks, dk's DHQK blocks), each running the separate kernels' code. The three read the same Q, K, V
+// and dH tiles: run one after the other, each kernel read them from DRAM again (4 x 67 MB at 8x8x4096,
+// 128 x 128, three times); side by side, the first CTA of a tile brings them to L2 for the others
+// (tools/bench/NOTES.md, "algo=tc_merged"). Where no gradient has partial sums (mlstm_tc_merged_runs):
+// DHQK <= 128 (algo=tc_merged), or DHQK > 128 with dq and dk streaming DHHV's blocks (algo=tc_stream).
+template <typename T, int kDk, int kDv, int kChunk>
+__global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1)
+    mlstm_tc_grads_kernel(const MlstmParams pq, const MlstmParams pkv) {
+  // dq and dk contract all of DHHV (looping at DHQK <= 128 < DHHV, streaming at DHQK > 128), dv all of
+  // DHQK (looping at DHQK > 128).
+  constexpr bool kLoopQK = mlstm_tc_dq_loops(kDk, kDv) || mlstm_tc_streams(kDk), kLoopV = mlstm_tc_dv_loops(kDk);
+  constexpr int kThreads = mlstm_tc_out_threads(kChunk), kEBlocks = kDv / mlstm_tc_bwd_block(kDv);
+  constexpr int kQ = mlstm_tc_dq_blocks(kDk, kDv, true, true), kV = mlstm_tc_dv_blocks(kDk, kDv);
+  constexpr int kRoles = mlstm_tc_grads_roles(kDk, kDv);
+  static_assert(kV == kEBlocks && kRoles == 2 * kQ + kV, "dq and dk a CTA per DHQK block, dv per DHHV block");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int role = static_cast<int>(blockIdx.x % kRoles), warp = threadIdx.x / 32;
+  const long long tile = blockIdx.x / kRoles, tiles = gridDim.x / kRoles;
+  // Block indices as MlstmTcBwdBlock reads them: DHQK block * DHHV blocks + DHHV block.
+  if (role < kQ)
+    mlstm_tc_dq_tile<T, kDk, kDv, kChunk, kLoopQK>(pq, smem_raw, {tile, tiles, role * kEBlocks});
+  else if (role < kQ + kV)
+    mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, false, kThreads, 0, kLoopV>(pkv, smem_raw, threadIdx.x, warp,
+                                                                      {tile, tiles, role - kQ});
+  else
+    mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, true, kThreads, 0, kLoopQK>(pkv, smem_raw, threadIdx.x, warp,
+                                                                      {tile, tiles, (role - kQ - kV) * kEBlocks});
 }
 
 // ---- the sum of the partials (head dims over 128) ----
@@ -399,7 +498,9 @@ __global__ void __launch_bounds__(128) mlstm_tc_reduce_kernel(const MlstmParams 
 
 // ---- di, df: one warp per sequence, from the end ----
 
-template <typename TG, int kDk, int kDv>
+// kDotParts: q . dq and k . dk as that many partial dots per row (one per DHQK block, algo=tc_stream:
+// params.h mlstm_tc_dot_parts), added in block order.
+template <typename TG, int kDk, int kDv, int kDotParts = 1>
 __global__ void __launch_bounds__(32) mlstm_tc_df_kernel(const MlstmParams p) {
   const long long seq = blockIdx.x, S = p.seqlen;
   const int lane = threadIdx.x;
@@ -410,8 +511,15 @@ __global__ void __launch_bounds__(32) mlstm_tc_df_kernel(const MlstmParams p) {
     for (int j = lane; j < kDk * kDv; j += 32) run = fmaf(up[j], C[j], run);
     run = warp_reduce_sum(run);
   }
+  const long long part = gridDim.x * S;  // one partial dot of every row
   const float* qdq = p.qdq + seq * S;
   const float* kdk = p.kdk + seq * S;
+  auto qk = [&](long long t) {  // q_t . dq_t - k_t . dk_t, and k_t . dk_t for di
+    float x = 0.0f, y = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kDotParts; ++j) x += qdq[j * part + t], y += kdk[j * part + t];
+    return make_float2(x - y, y);
+  };
   const TG* fp = static_cast<const TG*>(p.f) + seq * S;
   TG* di = static_cast<TG*>(p.di) + seq * S;
   TG* df = static_cast<TG*>(p.df) + seq * S;
@@ -420,7 +528,7 @@ __global__ void __launch_bounds__(32) mlstm_tc_df_kernel(const MlstmParams p) {
   const long long seg = (S + 31) / 32, lo = lane * seg < S ? lane * seg : S, hi = lo + seg < S ? lo + seg : S;
   float own = 0.0f;
 #pragma unroll 4
-  for (long long t = lo; t < hi; ++t) own += qdq[t] - kdk[t];
+  for (long long t = lo; t < hi; ++t) own += qk(t).x;
   float later = own;  // sum over lanes >= this one
 #pragma unroll
   for (int off = 1; off < 32; off *= 2) {
@@ -430,10 +538,11 @@ __global__ void __launch_bounds__(32) mlstm_tc_df_kernel(const MlstmParams p) {
   float da = run + later - own;
 #pragma unroll 4
   for (long long t = hi - 1; t >= lo; --t) {
-    da += qdq[t] - kdk[t];
+    const float2 x = qk(t);
+    da += x.x;
     const float d = (t == 0 && !p.C0) ? 0.0f : da;  // step 0 without a state: a_0 scales nothing
     df[t] = from_float<TG>(d / (1.0f + expf(to_float(fp[t]))));
-    di[t] = from_float<TG>(kdk[t]);
+    di[t] = from_float<TG>(x.y);
   }
 }
 

@@ -23,6 +23,7 @@ struct MlstmParams {
   void *dq, *dk, *dv;      // like q, k, v
   void *di, *df;           // like i
   float* qdq;              // [seqs, S] workspace: q_t . dq_t in fp32, from the forward pass to df's
+                           // (algo=tc_stream at DHQK > 128: [DHQK / 128][seqs, S], one part per DHQK block)
   // algo=tc (chunkwise_tc.cuh): what its gates and state kernels leave in the workspace for the output
   // kernel (NC = ceil(S / L) chunks; m_rows above is then always set, to the output or the workspace).
   float* gate_rows;  // [seqs, S, 4]: b_t - m_t, i_t - b_t, g_t = e^(b_t + m - m_t), w_t = e^(b_L - b_t + i_t - m_L)
@@ -30,7 +31,7 @@ struct MlstmParams {
   float* chunk_g;    // [seqs, NC]: e^(b_L + m - m_L), the decay of the state carried over each chunk
   void* Cs;          // [seqs, NC, DHQK, DHHV] in the input dtype: C entering each chunk
   float* ns;         // [seqs, NC, DHQK]: n entering each chunk
-  float* kdk;        // backward: [seqs, S] k_t . dk_t in fp32 (qdq above: q_t . dq_t), for df
+  float* kdk;        // backward: [seqs, S] k_t . dk_t in fp32 (qdq above: q_t . dq_t, and parted alike), for df
   // backward at head dims > 128: [parts, seqs, S, D] fp32 partial sums of dq, dv or dk over the column
   // blocks of the dim they contract (mlstm_tc_bwd_parts), summed in a fixed order by the reduce kernel.
   float* part;
@@ -106,32 +107,84 @@ constexpr int mlstm_tc_bwd_parts(int dk, int dv, int grad) {
 // wide, dC a block at a time. `loop` false: algo=tc_parts, the CTA per block with partials (as before,
 // kept to compare). The functions below take the shape's loop (mlstm_tc_dq_loops(dk, dv) && loop).
 constexpr bool mlstm_tc_dq_loops(int dk, int dv) { return dk <= 128 && dv > 128; }
-constexpr bool mlstm_tc_bwd_reduced(int dk, int dv, int grad, bool fused = false, bool loop = true) {
+// dv where DHQK has several blocks (algo=tc_merged; `dv_loop` below): its CTA per (key tile, DHHV block)
+// loops over DHQK's blocks itself, its K and query tiles' Q DHQK wide (the scores K Qᵀ formed once over
+// the whole DHQK, not as a partial per block), dC a block at a time: no fp32 partials, no reduce kernel.
+constexpr bool mlstm_tc_dv_loops(int dk) { return dk > 128; }
+// dq and dk where DHQK has several blocks (algo=tc_stream; `stream` below): their CTA per (tile, DHQK
+// block) loops over DHHV's blocks too, but takes dH (and dk its V) a block at a time with C, dC and V
+// (the DHHV-wide tiles of the loops above would be 512 wide at (256, 512), one CTA an SM); q . dq and
+// k . dk then come as one partial dot per DHQK block (fp32, MlstmParams::qdq and kdk [DHQK blocks][seqs,
+// S]), which the df kernel adds in block order. No fp32 partials of dq or dk, no reduce kernels.
+constexpr bool mlstm_tc_streams(int dk) { return dk > 128; }
+// Whether a dq or dk CTA contracts all of DHHV: algo=tc's loop (DHQK <= 128 < DHHV) or streaming.
+constexpr bool mlstm_tc_qk_loops(int dk, int dv, bool loop, bool stream) {
+  return (loop && mlstm_tc_dq_loops(dk, dv)) || (stream && mlstm_tc_streams(dk));
+}
+constexpr bool mlstm_tc_bwd_reduced(int dk, int dv, int grad, bool fused = false, bool loop = true,
+                                    bool dv_loop = false, bool stream = false) {
   return mlstm_tc_bwd_blocks(dk, dv) > 1 && (grad != kMlstmGradDv || mlstm_tc_bwd_parts(dk, dv, grad) > 1) &&
          !(loop && grad == kMlstmGradDq && mlstm_tc_dq_loops(dk, dv)) &&
-         !(loop && grad == kMlstmGradDk && !fused && mlstm_tc_dq_loops(dk, dv));
+         !(loop && grad == kMlstmGradDk && !fused && mlstm_tc_dq_loops(dk, dv)) &&
+         !(dv_loop && grad == kMlstmGradDv && mlstm_tc_dv_loops(dk)) &&
+         !(stream && grad != kMlstmGradDv && mlstm_tc_streams(dk));
 }
+// The partial dots q . dq and k . dk a row has (one per DHQK block where dq and dk stream).
+constexpr int mlstm_tc_dot_parts(int dk, bool stream) { return stream && mlstm_tc_streams(dk) ? dk / 128 : 1; }
+constexpr int mlstm_tc_max(int a, int b) { return a > b ? a : b; }
 // The dq kernel's grid.y (its column blocks) and dynamic shared memory: mlstm_tc_bwd_smem_bytes's tiles
-// where it does not loop; looping, K, dH (DHHV wide), V, and C's block, which Q reuses at the end.
-constexpr int mlstm_tc_dq_blocks(int dk, int dv, bool loop = true) {
-  return loop && mlstm_tc_dq_loops(dk, dv) ? dk / mlstm_tc_bwd_block(dk) : mlstm_tc_bwd_blocks(dk, dv);
+// where it does not loop; looping, K, dH (DHHV wide, or streaming a block), V, and C's block, which Q
+// reuses at the end.
+constexpr int mlstm_tc_dq_blocks(int dk, int dv, bool loop = true, bool stream = false) {
+  return mlstm_tc_qk_loops(dk, dv, loop, stream) ? dk / mlstm_tc_bwd_block(dk) : mlstm_tc_bwd_blocks(dk, dv);
 }
-constexpr int mlstm_tc_dq_smem_bytes(int dk, int dv, int chunk, bool loop = true) {
-  const int R = mlstm_tc_rows(chunk), KS = mlstm_tc_bwd_block(dk) + kMlstmTcPad, HS = dv + kMlstmTcPad,
-            VS = mlstm_tc_bwd_block(dv) + kMlstmTcPad;
-  return !(loop && mlstm_tc_dq_loops(dk, dv))
+constexpr int mlstm_tc_dq_smem_bytes(int dk, int dv, int chunk, bool loop = true, bool stream = false) {
+  const int R = mlstm_tc_rows(chunk), KS = mlstm_tc_bwd_block(dk) + kMlstmTcPad,
+            VS = mlstm_tc_bwd_block(dv) + kMlstmTcPad,
+            HS = (stream && mlstm_tc_streams(dk) ? mlstm_tc_bwd_block(dv) : dv) + kMlstmTcPad;
+  return !mlstm_tc_qk_loops(dk, dv, loop, stream)
              ? mlstm_tc_bwd_smem_bytes(dk, dv, chunk)
              : 2 * (R * KS + R * HS + R * VS + mlstm_tc_bwd_block(dk) * VS) + 4 * (chunk + 2 * R);
 }
 // The dk kernel's (algo=tc): grid.y and shared memory; looping, K, V (DHHV wide), then one region for
 // dC's block or else a Q and a dH (DHHV wide) tile.
-constexpr int mlstm_tc_dk_blocks(int dk, int dv, bool loop = true) { return mlstm_tc_dq_blocks(dk, dv, loop); }
+constexpr int mlstm_tc_dk_blocks(int dk, int dv, bool loop = true, bool stream = false) {
+  return mlstm_tc_dq_blocks(dk, dv, loop, stream);
+}
 constexpr int mlstm_tc_dk_smem_bytes(int dk, int dv, int chunk, bool loop = true) {
   const int R = mlstm_tc_rows(chunk), KS = mlstm_tc_bwd_block(dk) + kMlstmTcPad, HS = dv + kMlstmTcPad,
             D = mlstm_tc_bwd_block(dk) * (mlstm_tc_bwd_block(dv) + kMlstmTcPad);
   return !(loop && mlstm_tc_dq_loops(dk, dv)) ? mlstm_tc_bwd_smem_bytes(dk, dv, chunk)
                                     : 2 * (R * KS + R * HS + (D > R * KS + R * HS ? D : R * KS + R * HS)) +
                                           4 * (chunk + 2 * R);
+}
+
+// The dv kernel's grid.y and shared memory; looping (DHQK > 128), its DHHV blocks, and K (DHQK wide), then
+// one region for dC's block or else a Q (DHQK wide) and a dH tile.
+constexpr int mlstm_tc_dv_blocks(int dk, int dv, bool loop = true) {
+  return loop && mlstm_tc_dv_loops(dk) ? dv / mlstm_tc_bwd_block(dv) : mlstm_tc_bwd_blocks(dk, dv);
+}
+constexpr int mlstm_tc_dv_smem_bytes(int dk, int dv, int chunk, bool loop = true) {
+  const int R = mlstm_tc_rows(chunk), KS = dk + kMlstmTcPad, VS = mlstm_tc_bwd_block(dv) + kMlstmTcPad,
+            D = mlstm_tc_bwd_block(dk) * VS;
+  return !(loop && mlstm_tc_dv_loops(dk)) ? mlstm_tc_bwd_smem_bytes(dk, dv, chunk)
+                                          : 2 * (R * KS + mlstm_tc_max(D, R * KS + R * VS)) + 4 * (chunk + 2 * R);
+}
+
+
+// algo=tc_merged and tc_stream (chunkwise_tc_bwd.cuh, mlstm_tc_grads_kernel): dq, dv and dk in one launch,
+// where no gradient needs partial sums: DHQK <= 128 (dq and dk loop over DHHV's blocks, dv's DHQK is one
+// block), or streaming (tc_stream at DHQK > 128: dq and dk stream DHHV's blocks, dv loops over DHQK's).
+// A tile's CTAs (its roles): dq's DHQK blocks, dv's DHHV blocks, dk's DHQK blocks; each the shared memory
+// of its separate kernel, so the launch takes the largest. At DHQK > 128 algo=tc_merged launches dq, dv and
+// dk apart (dq's and dk's partials each summed before the next kernel reuses the buffer), dv looping.
+constexpr bool mlstm_tc_merged_runs(int dk, bool stream = false) { return dk <= 128 || stream; }
+constexpr int mlstm_tc_grads_roles(int dk, int dv) {
+  return mlstm_tc_dq_blocks(dk, dv, true, true) + mlstm_tc_dv_blocks(dk, dv) + mlstm_tc_dk_blocks(dk, dv, true, true);
+}
+constexpr int mlstm_tc_grads_smem_bytes(int dk, int dv, int chunk) {
+  return mlstm_tc_max(mlstm_tc_dq_smem_bytes(dk, dv, chunk, true, true),
+                      mlstm_tc_max(mlstm_tc_dv_smem_bytes(dk, dv, chunk), mlstm_tc_dk_smem_bytes(dk, dv, chunk)));
 }
 
 }  // namespace kspec

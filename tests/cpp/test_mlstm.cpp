@@ -250,6 +250,88 @@ TEST(Mlstm, TensorCoreBackwardBlocksLargeHeadDims) {
   EXPECT_FALSE(mlstm_tc_bwd_reduced(128, 128, kMlstmGradDq));
 }
 
+// algo=tc_merged: at DHQK <= 128 (no gradient reduced) algo=tc's CTAs in four launches (gates, both state
+// scans, dq/dv/dk, df); a tile's roles are dq, dv's DHHV blocks and dk, and the merged launch's shared
+// memory (the largest role's) still leaves 2 CTAs an SM up to DHHV 256 (at 512 algo=tc's dq, with its
+// 512-wide dH tile, already holds one). At DHQK 256: both state scans in one launch, dq, dv, dk apart, dv
+// looping over DHQK's blocks (no dv partials: only dq's and dk's reduce kernels), 2 CTAs an SM; and
+// algo=tc_stream, valid there only, the four launches again (dq and dk streaming DHHV's blocks, their
+// dots in two parts for df), 8 roles a tile.
+TEST(Mlstm, TensorCoreMergedBackwardKernels) {
+  const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
+  const Config merged = Config::parse("algo=tc_merged,threads=128", op.info),
+               stream = Config::parse("algo=tc_stream,threads=128", op.info);
+  struct Row {
+    int64_t dk, dv;
+    int roles;
+  };
+  for (const Row& row : std::vector<Row>{{32, 32, 3}, {128, 128, 3}, {64, 256, 4}, {128, 256, 4}, {128, 512, 6},
+                                         {256, 512, 0}}) {
+    CompileRequest r;
+    r.op = op.info.name;
+    r.dtype = DType::bf16;
+    r.arch = "sm_90";
+    r.params.set("dhqk", row.dk);
+    r.params.set("dhhv", row.dv);
+    const Problem p = problem_from_request(op, r);
+    std::string why;
+    const std::string what = std::to_string(row.dk) + " x " + std::to_string(row.dv);
+    ASSERT_TRUE(op.tuning.valid(p, merged, &why)) << what << ": " << why;
+    const auto k = op.kernels(p, merged);
+    const int dk = static_cast<int>(row.dk), dv = static_cast<int>(row.dv);
+    EXPECT_EQ(op.tuning.valid(p, stream, &why), dk > 128) << what << ": " << why;
+    if (dk <= 128) expect_in(why, {"tc_stream", "dhqk > 128"});
+    if (row.roles == 0) {
+      const auto ks = op.kernels(p, stream);
+      ASSERT_EQ(ks.size(), 4u) << what;
+      EXPECT_EQ(ks[1].kernel, "kspec::mlstm_tc_states_kernel");
+      EXPECT_EQ(ks[2].kernel, "kspec::mlstm_tc_grads_kernel");
+      EXPECT_EQ(ks[3].kernel, "kspec::mlstm_tc_df_kernel");
+      EXPECT_EQ(ks[3].targs.back(), "2");  // q . dq and k . dk in two DHQK blocks
+      EXPECT_EQ(mlstm_tc_grads_roles(dk, dv), 2 + dv / 128 + 2);
+      EXPECT_EQ(mlstm_tc_dot_parts(dk, true), 2);
+      EXPECT_EQ(mlstm_tc_dot_parts(dk, false), 1);
+      for (MlstmGrad g : {kMlstmGradDq, kMlstmGradDv, kMlstmGradDk})
+        EXPECT_FALSE(mlstm_tc_bwd_reduced(dk, dv, g, false, true, true, true)) << g;
+      for (int chunk : {64, 128, 256})
+        EXPECT_LE(2 * (mlstm_tc_grads_smem_bytes(dk, dv, chunk) + 1024), 228 * 1024) << what << " chunk " << chunk;
+      const std::vector<std::string> names = {
+          "kspec::mlstm_tc_gates_kernel", "kspec::mlstm_tc_states_kernel", "kspec::mlstm_tc_dq_kernel",
+          "kspec::mlstm_tc_dkv_kernel",   "kspec::mlstm_tc_dkv_kernel",    "kspec::mlstm_tc_df_kernel",
+          "kspec::mlstm_tc_reduce_kernel", "kspec::mlstm_tc_reduce_kernel"};
+      ASSERT_EQ(k.size(), names.size()) << what;
+      for (size_t j = 0; j < names.size(); ++j) EXPECT_EQ(k[j].kernel, names[j]) << j;
+      EXPECT_EQ(k[3].targs.back(), "true");   // dv loops over DHQK's blocks
+      EXPECT_EQ(k[4].targs.back(), "false");  // dk by column blocks
+      EXPECT_EQ(k[6].targs.back(), std::to_string(kMlstmGradDq));
+      EXPECT_EQ(k[7].targs.back(), std::to_string(kMlstmGradDk));
+      EXPECT_FALSE(mlstm_tc_bwd_reduced(dk, dv, kMlstmGradDv, false, false, true));
+      EXPECT_TRUE(mlstm_tc_bwd_reduced(dk, dv, kMlstmGradDv));  // algo=tc's dv
+      EXPECT_EQ(mlstm_tc_dv_blocks(dk, dv), dv / 128);
+      EXPECT_EQ(mlstm_tc_dv_blocks(dk, dv, false), mlstm_tc_bwd_blocks(dk, dv));
+      for (int chunk : {64, 128, 256})
+        EXPECT_LE(2 * (mlstm_tc_dv_smem_bytes(dk, dv, chunk) + 1024), 228 * 1024) << what << " chunk " << chunk;
+      continue;
+    }
+    EXPECT_EQ(mlstm_tc_dv_smem_bytes(dk, dv, 128), mlstm_tc_bwd_smem_bytes(dk, dv, 128)) << what;
+    ASSERT_EQ(k.size(), 4u) << what;
+    EXPECT_EQ(k[0].kernel, "kspec::mlstm_tc_gates_kernel");
+    EXPECT_EQ(k[1].kernel, "kspec::mlstm_tc_states_kernel");
+    EXPECT_EQ(k[2].kernel, "kspec::mlstm_tc_grads_kernel");
+    EXPECT_EQ(k[3].kernel, "kspec::mlstm_tc_df_kernel");
+    EXPECT_EQ(mlstm_tc_grads_roles(dk, dv), row.roles) << what;
+    for (MlstmGrad g : {kMlstmGradDq, kMlstmGradDv, kMlstmGradDk})
+      EXPECT_FALSE(mlstm_tc_bwd_reduced(dk, dv, g)) << what << " grad " << g;
+    for (int chunk : {64, 128, 256}) {
+      EXPECT_EQ(mlstm_tc_grads_smem_bytes(dk, dv, chunk),
+                std::max({mlstm_tc_dq_smem_bytes(dk, dv, chunk), mlstm_tc_bwd_smem_bytes(dk, dv, chunk),
+                          mlstm_tc_dk_smem_bytes(dk, dv, chunk)}));
+      EXPECT_LE((dv <= 256 ? 2 : 1) * (mlstm_tc_grads_smem_bytes(dk, dv, chunk) + 1024), 228 * 1024)
+          << what << " chunk " << chunk;
+    }
+  }
+}
+
 // mlstm.chunkwise.bwd: q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last at fake addresses (i, f fp32).
 std::vector<TensorView> bwd_inputs(bool init, bool dC_last) {
   const int64_t B = 2, NH = 3, S = 70, dk = 32, dv = 64;
@@ -369,14 +451,16 @@ TEST(Mlstm, EveryCaseCompilesWithoutSpills) {
   }
 }
 
-// mlstm.chunkwise.bwd's algo=tc_fused (not the heuristic's choice, so not compiled above) compiles
-// without spills or a stack frame: the base case in fp16 and bf16, chunk 128 and 256, and head dims
-// 128 x 256 (its dv and dk partials side by side) in bf16; algo=tc at 128 x 256 beside it.
+// mlstm.chunkwise.bwd's algo=tc_fused and tc_merged (not the heuristic's choice, so not compiled above)
+// compile without spills or a stack frame: the base case in fp16 and bf16, chunk 128 and 256, and head
+// dims 128 x 256 (tc_fused's dv and dk partials side by side) in bf16; algo=tc at 128 x 256 beside them.
 TEST(Mlstm, TensorCoreBackwardCompilesWithoutSpills) {
   const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
   const Config tc = Config::parse("algo=tc,threads=128", op.info),
                fused = Config::parse("algo=tc_fused,threads=128", op.info),
-               parts = Config::parse("algo=tc_parts,threads=128", op.info);
+               parts = Config::parse("algo=tc_parts,threads=128", op.info),
+               merged = Config::parse("algo=tc_merged,threads=128", op.info),
+               stream = Config::parse("algo=tc_stream,threads=128", op.info);
   struct Row {
     const char* case_name;
     DType dt;
@@ -389,7 +473,13 @@ TEST(Mlstm, TensorCoreBackwardCompilesWithoutSpills) {
                                          {"chunk_256", DType::bf16, fused, 6},
                                          {"dk_128_dv_256", DType::bf16, fused, 7},
                                          {"dk_128_dv_256", DType::bf16, tc, 7},
-                                         {"dk_128_dv_256", DType::bf16, parts, 9}}) {
+                                         {"dk_128_dv_256", DType::bf16, parts, 9},
+                                         {"base", DType::f16, merged, 4},
+                                         {"chunk_256", DType::bf16, merged, 4},
+                                         {"dh_64", DType::bf16, merged, 4},
+                                         {"dk_128_dv_256", DType::bf16, merged, 4},
+                                         {"dk_256_dv_512", DType::bf16, merged, 8},
+                                         {"dk_256_dv_512", DType::bf16, stream, 4}}) {
     int found = 0;
     for (const auto& cs : op.cases) {
       if (cs.name != row.case_name) continue;
@@ -1275,17 +1365,18 @@ class PoisonedLauncher : public Launcher {
 
 }  // namespace
 
-// accumulators_initialized for algo=tc (issue 29): the tensor-core forward and backward (algo=tc and
-// tc_fused) with their shared memory and workspace NaN-filled and every output NaN-poisoned, bf16 and
-// fp16, S = 100 over chunks of 16 and 64 (short last chunks), head dims 32 x 32 and 128 x 256 (the
-// backward's column blocks and partial sums), with initial states and dC_last: every output finite and
-// within tolerance of the float64 reference.
+// accumulators_initialized for algo=tc (issue 29): the tensor-core forward and backward (algo=tc,
+// tc_fused, tc_parts, tc_merged and tc_stream) with their shared memory and workspace NaN-filled and every
+// output NaN-poisoned, bf16 and fp16, S = 100 over chunks of 16 and 64 (short last chunks), head dims 32 x
+// 32, 128 x 256 and 256 x 512 (the backward's column blocks, partial sums and loops), with initial states
+// and dC_last: every output finite and within tolerance of the float64 reference.
 TEST(MlstmGpu, TensorCorePoisonedSharedMemoryNeverReachesOutputs) {
   KSPEC_REQUIRE_GPU();
   jit::ContextGuard guard(0);
   const int64_t B = 1, NH = 2, S = 100;
   for (const auto& [dk, dv, bwd_algo] : std::vector<std::tuple<int64_t, int64_t, const char*>>{
-           {32, 32, "tc"}, {32, 32, "tc_fused"}, {128, 256, "tc"}, {128, 256, "tc_fused"}, {128, 256, "tc_parts"}}) {
+           {32, 32, "tc"}, {32, 32, "tc_fused"}, {32, 32, "tc_merged"}, {128, 256, "tc"}, {128, 256, "tc_fused"},
+           {128, 256, "tc_parts"}, {128, 256, "tc_merged"}, {256, 512, "tc_merged"}, {256, 512, "tc_stream"}}) {
     Problem32 pr(B, NH, S, dk, dv, 81);
     const auto dh32 = randn_f(B * NH * S * dv, 82), dC32 = randn_f(B * NH * dk * dv, 83);
     for (DType dt : {DType::f16, DType::bf16}) {

@@ -132,7 +132,45 @@ def test_tensor_core_backward(dtype, S, chunk):
         assert _rel_max(x, _np(y)) <= tol, name
 
 
-@pytest.mark.parametrize("algo", ["tc", "tc_fused", "tc_parts"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [64, 128])
+@pytest.mark.parametrize("S", [1, 65, 300])
+@pytest.mark.parametrize("DK,DV", [(32, 64), (128, 128), (64, 256)])
+def test_tensor_core_merged_backward(DK, DV, S, chunk, dtype):
+    """algo=tc_merged (both state scans in one launch; dq, dv and dk of a tile as consecutive CTAs of one
+    launch) over several sequences (B = 2, NH = 3: each CTA finds its sequence and tile from its role), with
+    initial states and dC_last: every gradient against the float64 reference within the issue's tolerance
+    and within it of algo=tc's (the same per-CTA code), and a second call bitwise equal."""
+    B, NH = 2, 3
+    g = torch.Generator(device="cuda").manual_seed(S + DK + DV + chunk)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    q, k, v = r(B, NH, S, DK).to(dtype), r(B, NH, S, DK).to(dtype), r(B, NH, S, DV).to(dtype)
+    i, f = r(B, NH, S).to(dtype), (r(B, NH, S) + 2.0).to(dtype)
+    dh = r(B, NH, S, DV).to(dtype)
+    C0, n0, m0, dC_last = r(B, NH, DK, DV), torch.zeros(B, NH, DK, device="cuda"), r(B, NH, 1), r(B, NH, DK, DV)
+    rows = _nan_like(i, torch.float32)
+    nrm, m_rows = rows.clone(), rows.clone()
+    kspec.call("mlstm.chunkwise.fwd", q, k, v, i, f, C0, n0, m0, out=(_nan_like(v), nrm, m_rows, None, None, None),
+               chunk=chunk, config="algo=tc,threads=128")
+
+    def run(algo):
+        out = (_nan_like(q), _nan_like(k), _nan_like(v), _nan_like(i), _nan_like(f), _nan_like(C0))
+        kspec.call("mlstm.chunkwise.bwd", q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, out=out, chunk=chunk,
+                   config=f"algo={algo},threads=128")
+        return out
+
+    got, again, tc = run("tc_merged"), run("tc_merged"), run("tc")
+    torch.cuda.synchronize()
+    want = ref.mlstm_chunkwise_bwd(*(_np(t) for t in (dh, q, k, v, i, f, C0, n0)), _np(m0).reshape(B, NH),
+                                   _np(dC_last), chunk=chunk)
+    tol = 1e-2 if dtype == torch.float16 else 5e-2
+    for name, x, y, z in zip(("dq", "dk", "dv", "di", "df", "dC0"), got, again, tc):
+        assert _rel_max(x, want[name].reshape(x.shape)) <= tol, name
+        assert _rel_max(x, _np(z)) <= tol, f"{name} vs algo=tc"
+        assert torch.equal(x, y), f"{name}: a second call differs"
+
+
+@pytest.mark.parametrize("algo", ["tc", "tc_fused", "tc_parts", "tc_merged", "tc_stream"])
 @pytest.mark.parametrize("chunk", [64, 256])
 @pytest.mark.parametrize("S", [1, 65, 300])
 @pytest.mark.parametrize("DK,DV", [(128, 256), (256, 512)])
@@ -140,9 +178,13 @@ def test_tensor_core_large_head_dims(DK, DV, S, chunk, algo):
     """Issue 29's larger head dims on the tensor-core kernels, bf16, with initial states and dC_last: the
     forward's h and the backward's gradients (column blocks of 128, partials summed in a fixed order;
     tc_fused: dv and dk in one kernel; tc_parts: dq and dk by column blocks too, where tc loops over DHHV's
-    blocks) against the float64 reference, and a second backward bitwise equal."""
+    blocks; tc_merged: tc's CTAs in fewer launches at DHQK 128, dv looping over DHQK's blocks at 256;
+    tc_stream: dq and dk streaming DHHV's blocks at DHQK 256, their dots q . dq, k . dk in two parts) against
+    the float64 reference, and a second backward bitwise equal."""
     if algo == "tc_parts" and DK > 128:
         pytest.skip("algo=tc_parts differs from algo=tc only at DHQK <= 128 < DHHV")
+    if algo == "tc_stream" and DK <= 128:
+        pytest.skip("algo=tc_stream differs from algo=tc_merged only at DHQK > 128")
     B, NH, dtype = 1, 1, torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(S + DK + chunk)
     r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731

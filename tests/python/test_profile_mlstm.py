@@ -35,3 +35,19 @@ def test_step_timer_is_found_where_the_script_looks():
     with open(timing) as fh:
         text = fh.read()
     assert "class GpuTimer" in text and "_sleep" in text
+
+
+def test_compare_backward_algos_are_valid_at_their_head_dims():
+    """--compare's backward variants at 128 x 256 and 256 x 512 (the chunkwise cases of those head dims)
+    are valid configs there, the first of each shape is algo=tc (the baseline the others are checked
+    against), and every timed shape has its list."""
+    mod = _script()
+    assert set(mod.BWD_ALGOS) == set(mod.COMPARE_DIMS)
+    cases = {(128, 256): "dk_128_dv_256", (256, 512): "dk_256_dv_512"}
+    for dims, algos in mod.BWD_ALGOS.items():
+        assert algos[0] == "tc"
+        if dims not in cases:
+            continue
+        valid = set(kspec._C.configs_for_case("mlstm.chunkwise.bwd", cases[dims], "bf16"))
+        for a in algos:
+            assert f"algo={a},threads=128" in valid, (dims, a)

@@ -9,12 +9,18 @@ DHHV) forward, x3 with the backward).
 
     python3 tools/gpu/profile_mlstm.py [--seqlens 4096 8192] [--dtype bf16] [--chunk 128] [--reps 30]
 
---compare (issue 29's open rows, old against new in one process, ~1 min): the backward at B=8, NH=8,
-S=4096, DHQK x DHHV = 128 x 256, bf16, chunk 128, algo=tc (dq and dk loop over DHHV's blocks), tc_parts (the
-column blocks with fp32 partials, as before) and tc_fused, each checked against tc first; then mlstm.step at
-NH=8, DH=128, B in {1, 8, 64}, in place: the default (algo=split, heuristic slabs), split over slabs of 16 and
-algo=block (the first kernel), each checked against the default, and mlstm_kernels' Triton step where it
-imports; gpu (spin-queued), ev (plain events: includes kspec.call's host enqueue) and host µs each.
+--compare (issue 29's open rows, old against new in one process, < 90 s): at B=8, NH=8, S=4096, bf16, chunk
+128 and DHQK x DHHV in {128 x 128, 128 x 256, 256 x 512}, the backward's variants (BWD_ALGOS: algo=tc, the
+default; tc_merged, two launches fewer; tc_stream at 256 x 512; tc_fused at 128 x 128, never timed there),
+each checked against tc first,
+then bwd alone and fwd+bwd (algo=tc's forward, then the variant's backward) in ms, beside mlstm_kernels'
+xl_chunk at chunk 128 (autograd, fwd and fwd+bwd) where it imports, and each fwd+bwd's ratio to it (issue
+29's target: 1.3x).
+
+--step: mlstm.step at NH=8, DH=128, B in {1, 8, 64}, in place: the default (algo=split, heuristic slabs),
+split over slabs of 16 and algo=block (the first kernel), each checked against the default, and
+mlstm_kernels' Triton step where it imports; gpu (spin-queued), ev (plain events: includes kspec.call's host
+enqueue) and host µs each.
 """
 import argparse
 import os
@@ -70,24 +76,69 @@ def time_ms(fn, reps, flush, warmup=5):
     return statistics.median(times)
 
 
+# --compare's shapes and, per shape, the backward's variants timed (the first is the baseline the others are
+# checked against): tc_merged everywhere, tc_stream at 256 x 512 (where it differs), tc_fused at 128 x 128
+# (timed only at 128 x 256, where it keeps dk's partials, so far).
+COMPARE_DIMS = ((128, 128), (128, 256), (256, 512))
+BWD_ALGOS = {(128, 128): ("tc", "tc_merged", "tc_fused"), (128, 256): ("tc", "tc_merged"),
+             (256, 512): ("tc", "tc_merged", "tc_stream")}
+
+
+def xl_chunk():
+    """mlstm_kernels' xl_chunk chunkwise kernels (autograd), or None where it is not importable."""
+    os.environ.setdefault("DISABLE_LLVM_OPT", "1")  # triton 3.6's LLVM crashes on xl_chunk otherwise
+    try:
+        from mlstm_kernels.torch.chunkwise import mlstm_chunkwise__xl_chunk
+    except Exception:  # noqa: BLE001  (absent: the table says so)
+        return None
+    return mlstm_chunkwise__xl_chunk
+
+
 def compare(reps, flush):
     """--compare: see the module's doc."""
-    dt, B, NH, S, DK, DV, L = torch.bfloat16, 8, 8, 4096, 128, 256, 128
-    g = torch.Generator(device="cuda").manual_seed(0)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-    q, k, v = r(B, NH, S, DK).to(dt), r(B, NH, S, DK).to(dt), r(B, NH, S, DV).to(dt)
-    i, f, dh = r(B, NH, S).to(dt), (r(B, NH, S) + 3.0).to(dt), r(B, NH, S, DV).to(dt)
-    _, nrm, m = forward(q, k, v, i, f, L, CONFIGS["tc"], outputs(v, i))
-    algos = ("tc", "tc_parts", "tc_fused")
-    gr = {a: backward(q, k, v, i, f, nrm, m, dh, L, f"algo={a},threads=128", grads(q, k, v, i)) for a in algos}
-    torch.cuda.synchronize()
-    print(f"bwd {B}x{NH}x{S} {DK}x{DV} bf16 chunk {L} (ms, median of {reps}, L2 flushed):")
-    for a in algos:
-        errs = "  ".join(f"{n} {rel_max(x, y):.1e}"
-                         for n, x, y in zip(("dq", "dk", "dv", "di", "df"), gr[a], gr["tc"]))
-        ms = time_ms(lambda a=a: backward(q, k, v, i, f, nrm, m, dh, L, f"algo={a},threads=128", gr[a]), reps, flush)
-        print(f"  {a:9s} {ms:8.3f}   vs tc: {errs}")
-    step_compare()
+    dt, B, NH, S, L = torch.bfloat16, 8, 8, 4096, 128
+    peer = xl_chunk()
+    print(f"{torch.cuda.get_device_name()}  B={B} NH={NH} S={S} bf16 chunk {L} (ms, median of {reps}, L2 flushed)"
+          + ("" if peer else "; mlstm_kernels absent (not importable)"))
+    for DK, DV in COMPARE_DIMS:
+        g = torch.Generator(device="cuda").manual_seed(DK + DV)
+        r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+        q, k, v = r(B, NH, S, DK).to(dt), r(B, NH, S, DK).to(dt), r(B, NH, S, DV).to(dt)
+        i, f, dh = r(B, NH, S).to(dt), (r(B, NH, S) + 3.0).to(dt), r(B, NH, S, DV).to(dt)
+        out = outputs(v, i)
+        _, nrm, m = forward(q, k, v, i, f, L, CONFIGS["tc"], out)
+        algos = BWD_ALGOS[(DK, DV)]
+        cfg = {a: f"algo={a},threads=128" for a in algos}
+        gr = {a: backward(q, k, v, i, f, nrm, m, dh, L, cfg[a], grads(q, k, v, i)) for a in algos}
+        torch.cuda.synchronize()
+        fwd_ms = time_ms(lambda: forward(q, k, v, i, f, L, CONFIGS["tc"], out), reps, flush)
+        peer_ms = None
+        if peer:
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, i, f)]
+            run_peer = lambda x: peer(q=x[0], k=x[1], v=x[2], i=x[3], f=x[4], chunk_size=L)  # noqa: E731
+
+            def peer_both():
+                for t in leaves:
+                    t.grad = None
+                run_peer(leaves).backward(dh)
+
+            with torch.no_grad():
+                peer_fwd = time_ms(lambda: run_peer((q, k, v, i, f)), reps, flush)
+            peer_ms = time_ms(peer_both, reps, flush)
+            print(f"{DK}x{DV}: mlstm_kernels xl_chunk L={L}  fwd {peer_fwd:8.3f}  fwd+bwd {peer_ms:8.3f}   "
+                  f"kspec tc fwd {fwd_ms:8.3f} ({peer_fwd / fwd_ms:.2f}x)")
+        else:
+            print(f"{DK}x{DV}: kspec tc fwd {fwd_ms:8.3f}")
+        for a in algos:
+            errs = "  ".join(f"{n} {rel_max(x, y):.1e}"
+                             for n, x, y in zip(("dq", "dk", "dv", "di", "df"), gr[a], gr[algos[0]]))
+            bwd = time_ms(lambda a=a: backward(q, k, v, i, f, nrm, m, dh, L, cfg[a], gr[a]), reps, flush)
+            both = time_ms(lambda a=a: backward(q, k, v, i, f, *forward(q, k, v, i, f, L, CONFIGS["tc"], out)[1:],
+                                                 dh, L, cfg[a], gr[a]), reps, flush)
+            vs = f" ({peer_ms / both:.2f}x)" if peer_ms else ""
+            print(f"  {a:9s} bwd {bwd:8.3f}  fwd+bwd {both:8.3f}{vs}   vs {algos[0]}: {errs}")
+        del q, k, v, i, f, dh, out, nrm, m, gr
+        torch.cuda.empty_cache()
 
 
 # mlstm.step's configs beside the default (algo=split at the heuristic's slab width: 8 columns at B = 1,
@@ -150,7 +201,9 @@ def step_compare():
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--compare", action="store_true", help="old against new: the (128, 256) backward, mlstm.step")
+    ap.add_argument("--compare", action="store_true",
+                    help="old against new: the backward's variants at issue 29's head dims, beside xl_chunk")
+    ap.add_argument("--step", action="store_true", help="mlstm.step's configs beside the Triton step")
     ap.add_argument("--seqlens", nargs="*", type=int, default=[4096, 8192])
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
     ap.add_argument("--chunk", type=int, default=128)
@@ -161,8 +214,12 @@ def main() -> None:
     a = ap.parse_args()
     dt = torch.bfloat16 if a.dtype == "bf16" else torch.float16
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    if a.compare:
-        return compare(a.reps, flush)
+    if a.compare or a.step:
+        if a.compare:
+            compare(a.reps, flush)
+        if a.step:
+            step_compare()
+        return
     print(f"{torch.cuda.get_device_name()}  B={a.batch} NH={a.heads} DH={a.dh} {a.dtype} chunk {a.chunk}")
     for S in a.seqlens:
         g = torch.Generator(device="cuda").manual_seed(S)

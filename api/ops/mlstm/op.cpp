@@ -341,13 +341,18 @@ std::vector<jit::KernelSpec> bwd_kernels(const Problem& p, const Config& c, int6
 
 // The tensor-core backward's variant: algo=tc (loop: dq's and dk's CTAs loop over DHHV's blocks where
 // mlstm_tc_dq_loops), tc_fused (dv and dk in one kernel; dq loops), tc_parts (tc with a CTA per block
-// and partials everywhere, the code before the loops, kept to compare).
+// and partials everywhere, the code before the loops, kept to compare), tc_merged (the two state scans in
+// one launch; at DHQK <= 128 tc's dq, dv and dk CTAs in another, nothing reduced; above, dv looping over
+// DHQK's blocks: dv_loop), tc_stream (DHQK > 128 only: tc_merged with dq and dk streaming DHHV's blocks,
+// so nothing is reduced there either and dq, dv, dk share one launch).
 struct TcBwd {
-  bool fused, loop;
+  bool fused, loop, merged, dv_loop, stream;
 };
 TcBwd tc_bwd_variant(const Problem& p, int64_t algo) {
-  return {algo == kTcFused,
-          algo != kTcParts && mlstm_tc_dq_loops(static_cast<int>(p.dim("dhqk")), static_cast<int>(p.dim("dhhv")))};
+  const int dk = static_cast<int>(p.dim("dhqk")), dv = static_cast<int>(p.dim("dhhv"));
+  const bool merged = algo == kTcMerged || algo == kTcStream, stream = algo == kTcStream;
+  return {algo == kTcFused, (algo != kTcParts && mlstm_tc_dq_loops(dk, dv)) || stream, merged,
+          merged && mlstm_tc_dv_loops(dk), stream};
 }
 
 // Which of dq, dv, dk (MlstmGrad order) go through the partials and a reduce kernel (head dims > 128).
@@ -355,12 +360,13 @@ std::vector<MlstmGrad> tc_bwd_reduced(const Problem& p, TcBwd v) {
   const int dk = static_cast<int>(p.dim("dhqk")), dv = static_cast<int>(p.dim("dhhv"));
   std::vector<MlstmGrad> r;
   for (MlstmGrad g : {kMlstmGradDq, kMlstmGradDv, kMlstmGradDk})
-    if (mlstm_tc_bwd_reduced(dk, dv, g, v.fused, v.loop)) r.push_back(g);
+    if (mlstm_tc_bwd_reduced(dk, dv, g, v.fused, v.loop, v.dv_loop, v.stream)) r.push_back(g);
   return r;
 }
 
 // Kernels 0..6: gates, state forward, state reversed, dq, dv, dk, df (fused: 0..5, dv and dk as kernel 4);
-// then one reduce kernel for each of tc_bwd_reduced.
+// then one reduce kernel for each of tc_bwd_reduced. Merged: gates, both states, dq/dv/dk, df (DHQK > 128:
+// gates, both states, dq, dv, dk, df, the reduce kernels).
 std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, TcBwd v) {
   const bool fused = v.fused;
   const char* loop = v.loop ? "true" : "false";
@@ -368,17 +374,30 @@ std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, TcBwd v) {
                     dv = std::to_string(p.dim("dhhv")), L = std::to_string(p.param_int("chunk"));
   const char* fwd = "mlstm/chunkwise_tc.cuh";
   const char* bwd = "mlstm/chunkwise_tc_bwd.cuh";
-  std::vector<jit::KernelSpec> k = {kernel_spec(p, fwd, "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
-                                    kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "false"}),
-                                    kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "true"}),
-                                    kernel_spec(p, bwd, "kspec::mlstm_tc_dq_kernel", {t, dk, dv, L, loop})};
+  const int parts = mlstm_tc_dot_parts(static_cast<int>(p.dim("dhqk")), v.stream);
+  std::vector<std::string> df_targs = {gate_type(p), dk, dv};
+  if (parts > 1) df_targs.push_back(std::to_string(parts));
+  const jit::KernelSpec gates = kernel_spec(p, fwd, "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
+                        df = kernel_spec(p, bwd, "kspec::mlstm_tc_df_kernel", df_targs);
+  if (v.merged && mlstm_tc_merged_runs(static_cast<int>(p.dim("dhqk")), v.stream))
+    return {gates, kernel_spec(p, bwd, "kspec::mlstm_tc_states_kernel", {t, dk, dv, L}),
+            kernel_spec(p, bwd, "kspec::mlstm_tc_grads_kernel", {t, dk, dv, L}), df};
+  std::vector<jit::KernelSpec> k = {gates};
+  if (v.merged) {
+    k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_states_kernel", {t, dk, dv, L}));
+  } else {
+    k.push_back(kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "false"}));
+    k.push_back(kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "true"}));
+  }
+  k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dq_kernel", {t, dk, dv, L, loop}));
   if (fused) {
     k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_fused_kernel", {t, dk, dv, L}));
   } else {
-    k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "false", "false"}));
+    const char* dv_loop = v.dv_loop ? "true" : "false";
+    k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "false", dv_loop}));
     k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_dkv_kernel", {t, dk, dv, L, "true", loop}));
   }
-  k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_df_kernel", {gate_type(p), dk, dv}));
+  k.push_back(df);
   for (MlstmGrad g : tc_bwd_reduced(p, v))
     k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_reduce_kernel", {t, dk, dv, std::to_string(g)}));
   return k;
@@ -386,9 +405,9 @@ std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, TcBwd v) {
 
 // Workspace (256-byte pieces): gate rows, m per step (recomputed: the forward's of the same inputs),
 // per-chunk decay, n entering each chunk (written, unused), C entering and dC after each chunk (input
-// dtype), q.dq and k.dk per step, C_last, n_last when dC_last is given (for df), and at head dims over
-// 128 the fp32 partials of one gradient at a time (each reduced before the next kernel writes them; fused:
-// dv's and dk's side by side).
+// dtype), q.dq and k.dk per step (tc_stream at DHQK > 128: one per DHQK block), C_last, n_last when
+// dC_last is given (for df), and at head dims over 128 the fp32 partials of one gradient at a time (each
+// reduced before the next kernel writes them; fused: dv's and dk's side by side).
 void launch_tc_bwd(const Call& call, Launcher& l, TcBwd v) {
   const bool fused = v.fused;
   const Problem& p = call.problem;
@@ -428,8 +447,9 @@ void launch_tc_bwd(const Call& call, Launcher& l, TcBwd v) {
   const size_t dv_floats = part_floats(kMlstmGradDv);
   const size_t part_b = round(sizeof(float) * std::max({part_floats(kMlstmGradDq), fused ? 0 : dv_floats,
                                                         (fused ? dv_floats : 0) + part_floats(kMlstmGradDk)}));
+  const size_t dots_b = rows_b * static_cast<size_t>(mlstm_tc_dot_parts(static_cast<int>(dk), v.stream));
   const size_t sizes[] = {4 * rows_b, rows_b, round(sizeof(float) * seqs * NC), round(sizeof(float) * seqs * NC * dk),
-                          state_b, state_b, rows_b, rows_b,
+                          state_b, state_b, dots_b, dots_b,
                           a.dC_last ? round(sizeof(float) * seqs * dk * dv) : 0, a.dC_last ? round(sizeof(float) * seqs * dk) : 0,
                           part_b};
   size_t total = 0;
@@ -460,10 +480,27 @@ void launch_tc_bwd(const Call& call, Launcher& l, TcBwd v) {
   void* dkv_args[] = {&dkv};
   void* last_args[] = {&last};
   l.launch(0, {u32(seqs)}, {32}, 0, args);
-  l.launch(1, state_grid, {u32(mlstm_tc_state_threads(dki))}, state_smem, fwd_args);
-  l.launch(2, state_grid, {u32(mlstm_tc_state_threads(dki))}, state_smem, rev_args);
+  if (v.merged) {
+    void* both_states[] = {&fwd, &rev};
+    l.launch(1, {state_grid.x, state_grid.y, 2}, {u32(mlstm_tc_state_threads(dki))}, state_smem, both_states);
+    if (mlstm_tc_merged_runs(dki, v.stream)) {  // tc_bwd_reduced is empty here: no partials
+      const int roles = mlstm_tc_grads_roles(dki, dvi);
+      KSPEC_CHECK_AS(seqs * qtiles * roles <= INT32_MAX, Unsupported,
+                     "mlstm.chunkwise.bwd: batch * heads * ceil(seqlen / ", rows, ") * ", roles, " = ",
+                     seqs * qtiles * roles, " thread blocks of algo=tc_merged exceed the grid (at most ", INT32_MAX,
+                     "); use algo=tc");
+      void* grads_args[] = {&fwd, &dkv};
+      l.launch(2, {u32(seqs * qtiles * roles)}, block, u32(mlstm_tc_grads_smem_bytes(dki, dvi, Li)), grads_args);
+      l.launch(3, {u32(seqs)}, {32}, 0, last_args);
+      return;
+    }
+  } else {
+    l.launch(1, state_grid, {u32(mlstm_tc_state_threads(dki))}, state_smem, fwd_args);
+    l.launch(2, state_grid, {u32(mlstm_tc_state_threads(dki))}, state_smem, rev_args);
+  }
   // A gradient's partials are summed (the reduce kernels follow df) before the next kernel reuses them.
-  const size_t df_at = fused ? 5 : 6;
+  // Merged (DHQK > 128): one state launch, so every later kernel one index lower.
+  const size_t dq_at = v.merged ? 2 : 3, df_at = fused || v.merged ? 5 : 6;
   MlstmParams dk_sum = a;  // fused: dk's partials after dv's (mlstm_tc_dkv_fused_kernel's kDkAt)
   if (fused && a.part) dk_sum.part = a.part + dv_floats;
   void* dk_sum_args[] = {&dk_sum};
@@ -473,16 +510,17 @@ void launch_tc_bwd(const Call& call, Launcher& l, TcBwd v) {
       l.launch(df_at + 1 + static_cast<size_t>(at_g - reduced.begin()), {u32(seqs * ((S + 3) / 4))}, {128}, 0,
                g == kMlstmGradDk ? dk_sum_args : args);
   };
-  l.launch(3, {tiles.x, u32(mlstm_tc_dq_blocks(dki, dvi, v.loop))}, block,
+  l.launch(dq_at, {tiles.x, u32(mlstm_tc_dq_blocks(dki, dvi, v.loop))}, block,
            u32(mlstm_tc_dq_smem_bytes(dki, dvi, Li, v.loop)), fwd_args);
   reduce(kMlstmGradDq);
   if (fused) {
-    l.launch(4, tiles, {2 * block.x}, smem, dkv_args);
+    l.launch(dq_at + 1, tiles, {2 * block.x}, smem, dkv_args);
     reduce(kMlstmGradDv);
   } else {
-    l.launch(4, tiles, block, smem, dkv_args);
+    l.launch(dq_at + 1, {tiles.x, u32(mlstm_tc_dv_blocks(dki, dvi, v.dv_loop))}, block,
+             u32(mlstm_tc_dv_smem_bytes(dki, dvi, Li, v.dv_loop)), dkv_args);
     reduce(kMlstmGradDv);
-    l.launch(5, {tiles.x, u32(mlstm_tc_dk_blocks(dki, dvi, v.loop))}, block,
+    l.launch(dq_at + 2, {tiles.x, u32(mlstm_tc_dk_blocks(dki, dvi, v.loop))}, block,
              u32(mlstm_tc_dk_smem_bytes(dki, dvi, Li, v.loop)), dkv_args);
   }
   reduce(kMlstmGradDk);
@@ -501,7 +539,7 @@ OpDef make_chunkwise_bwd() {
   op.info.outputs = bwd_outputs(true);
   op.tuning = chunkwise_bwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_fused", "tc_parts"}}};
+  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_fused", "tc_parts", "tc_merged", "tc_stream"}}};
   op.cases = chunkwise_bwd_cases();
   op.tolerance_scale = 4.0;
   op.error_scale = df_error_scale;

@@ -218,7 +218,7 @@ TuningSpace chunkwise_fwd_tuning() {
 
 TuningSpace chunkwise_bwd_tuning() {
   TuningSpace t = mlstm_tuning(true);
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcFused, kTcParts}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcFused, kTcParts, kTcMerged, kTcStream}});
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     if (c.get("algo") == kSimt) return simt_runs(p, why);
     std::string no = tc_unsupported(p);
@@ -227,6 +227,8 @@ TuningSpace chunkwise_bwd_tuning() {
         !mlstm_tc_dq_loops(static_cast<int>(p.dim("dhqk")), static_cast<int>(p.dim("dhhv"))))
       no = "algo=tc_parts differs from algo=tc only at dhqk <= 128 < dhhv (its dq and dk without the loops over "
            "dhhv's blocks)";
+    if (no.empty() && c.get("algo") == kTcStream && !mlstm_tc_streams(static_cast<int>(p.dim("dhqk"))))
+      no = "algo=tc_stream differs from algo=tc_merged only at dhqk > 128 (its dq and dk streaming dhhv's blocks)";
     if (why) *why = no;
     return no.empty();
   };

@@ -30,10 +30,14 @@ TuningSpace mlstm_tuning(bool bwd = false);
 // chunkwise_tc.cuh, its own block sizes, named with threads = 128) over mlstm_tuning's threads.
 // The backward also has kTcFused: algo=tc with its dv and dk kernels as one (mlstm_tc_dkv_fused_kernel),
 // and kTcParts: algo=tc without its dq and dk loops over DHHV's blocks (params.h, mlstm_tc_dq_loops: a
-// CTA per block and fp32 partials, as before them), valid only where they differ, to compare.
-enum FwdAlgo : int64_t { kSimt = 0, kTc = 1, kTcFused = 2, kTcParts = 3 };
+// CTA per block and fp32 partials, as before them), valid only where they differ, to compare; and
+// kTcMerged: both state scans in one launch, and at DHQK <= 128 algo=tc's dq, dv, dk CTAs in one; above,
+// dv looping over DHQK's blocks (no partials for dv); kTcStream (DHQK > 128 only, where it differs):
+// kTcMerged with dq and dk streaming DHHV's blocks too (no partials at all, dq, dv, dk in one launch).
+enum FwdAlgo : int64_t { kSimt = 0, kTc = 1, kTcFused = 2, kTcParts = 3, kTcMerged = 4, kTcStream = 5 };
 TuningSpace chunkwise_fwd_tuning();
-// mlstm.chunkwise.bwd's: the same axes, kTcFused and kTcParts (named by a config only, to compare).
+// mlstm.chunkwise.bwd's: the same axes and kTcFused, kTcParts, kTcMerged, kTcStream (named by a config only,
+// to compare).
 TuningSpace chunkwise_bwd_tuning();
 // Why algo=tc cannot run a problem ("" when it can): 16-bit q, k, v, DHQK <= 256, 16-byte pointers
 // (the backward the same: it cuts head dims over 128 into column blocks).
