@@ -220,10 +220,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     if constexpr (Tr::kVarB) rb.stage(s);
     if constexpr (Tr::kVarC) rc.stage(s + (Tr::kVarB ? TL * N : 0));
   };
+  // The first tile's u, delta, z are loaded before its B/C rows are staged (which waits on their loads), so
+  // the two loads' latencies overlap: a block of a short sequence runs few tiles after this start.
   load_bc(0);
+  load_q(0);
   stage_bc(0);
   if (nt > 1) load_bc(TL);
-  load_q(0);
   if (w == 0) {
 #pragma unroll
     for (int i = 0; i < S; ++i) s_carry[c * N + n0 + i] = Tr::kHasH0 && live ? h0[chan * N + n0 + i] : 0.0f;
