@@ -1,7 +1,7 @@
 // The one-pass tile kernel (algo 2) of the selective scan's forward.
 #pragma once
 
-#include "selective_scan/common.cuh"
+#include "selective_scan/packed.cuh"
 
 namespace kspec {
 
@@ -71,31 +71,6 @@ constexpr int tile_fwd_smem_floats() {
 }
 
 namespace scan_detail {
-// The low (hi = 0) or high 16-bit element of a word as a float.
-template <typename T>
-__device__ __forceinline__ float half_word_to_float(unsigned x, int hi);
-template <>
-__device__ __forceinline__ float half_word_to_float<__nv_bfloat16>(unsigned x, int hi) {
-  return __uint_as_float(hi ? x & 0xffff0000u : x << 16);
-}
-template <>
-__device__ __forceinline__ float half_word_to_float<__half>(unsigned x, int hi) {
-  return raw_to_float<__half>(hi ? x >> 16 : x & 0xffffu);
-}
-// Two floats rounded to T and packed in a word (one conversion instruction for both).
-template <typename T>
-__device__ __forceinline__ unsigned pack2(float a, float b);
-template <>
-__device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float a, float b) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<const unsigned*>(&v);
-}
-template <>
-__device__ __forceinline__ unsigned pack2<__half>(float a, float b) {
-  const __half2 v = __floats2half2_rn(a, b);
-  return *reinterpret_cast<const unsigned*>(&v);
-}
-
 // 4 consecutive elements of T as raw 32-bit words (8 or 16 bytes), split where used.
 template <typename T>
 struct Raw4 {
@@ -220,10 +195,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     if constexpr (Tr::kVarB) rb.stage(s);
     if constexpr (Tr::kVarC) rc.stage(s + (Tr::kVarB ? TL * N : 0));
   };
+  // The first tile's u, delta, z are loaded before its B/C rows are staged (which waits on their loads), so
+  // the two loads' latencies overlap: a block of a short sequence runs few tiles after this start.
   load_bc(0);
+  load_q(0);
   stage_bc(0);
   if (nt > 1) load_bc(TL);
-  load_q(0);
   if (w == 0) {
 #pragma unroll
     for (int i = 0; i < S; ++i) s_carry[c * N + n0 + i] = Tr::kHasH0 && live ? h0[chan * N + n0 + i] : 0.0f;

@@ -316,13 +316,15 @@ TEST(Params, NamedChoicesOfATuningAxis) {
   EXPECT_EQ(Config::parse("algo=2,warps=6,items=4,lanes=1,chunk=32,segs=1", fwd).str(fwd), named);
   EXPECT_EQ(Config::parse("algo=warp", fwd).get("algo"), 0);
   EXPECT_EQ(Config::parse("algo=sequential", fwd).get("algo"), 1);
-  // The backward has no tile kernel: its names are the first two.
+  // The backward has no tile or wide kernel: its names are the first two.
+  EXPECT_EQ(Config::parse("algo=wide", fwd).get("algo"), 3);
+  EXPECT_THROW(Config::parse("algo=wide", op_info("selective_scan.bwd")), InvalidArgument);
   EXPECT_THROW(Config::parse("algo=tile", op_info("selective_scan.bwd")), InvalidArgument);
   try {
     Config::parse("algo=fast,warps=4", fwd);
     ADD_FAILURE() << "an unknown name was read";
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("'algo=fast': algo is one of warp, sequential, tile"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("'algo=fast': algo is one of warp, sequential, tile, wide"), std::string::npos)
         << e.what();
   }
   // Without the op, or on an op without names, a word is not a value.
@@ -330,7 +332,7 @@ TEST(Params, NamedChoicesOfATuningAxis) {
   EXPECT_THROW(Config::parse("vec=wide", op_info("norm_act.fwd")), InvalidArgument);
   EXPECT_EQ(Config::parse("vec=4", op_info("norm_act.fwd")).str(op_info("norm_act.fwd")), "vec=4");
   // The op's description lists the names.
-  EXPECT_NE(describe_op("selective_scan.fwd").find("algo{warp,sequential,tile}"), std::string::npos)
+  EXPECT_NE(describe_op("selective_scan.fwd").find("algo{warp,sequential,tile,wide}"), std::string::npos)
       << describe_op("selective_scan.fwd");
 }
 

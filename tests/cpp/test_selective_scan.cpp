@@ -321,16 +321,75 @@ TEST(SelectiveScan, HeuristicForShortSequences) {
   EXPECT_EQ(heuristic(fwd, 1, 1024, 2000).get("lanes"), 8);
   EXPECT_EQ(heuristic(fwd, 4, 1536, 1004).get("algo"), 0);  // 6144 channels: the warp scan stays ahead
   EXPECT_EQ(heuristic(fwd, 2, 4096, 333).get("lanes"), 8);
-  EXPECT_EQ(heuristic(fwd, 16, 768, 256).get("algo"), 2);  // 12288 channels, 256 steps: the tile kernel
+  // 8192..16384 channels under 512 steps of whole 8-step vectors: the wide kernel (4 warps)
+  EXPECT_EQ(heuristic(fwd, 16, 768, 256).get("algo"), 3);
   EXPECT_EQ(heuristic(fwd, 16, 768, 256).get("warps"), 4);
-  EXPECT_EQ(heuristic(fwd, 16, 768, 264).get("algo"), 1);  // past 256 steps: algo 1 as before
-  EXPECT_EQ(heuristic(fwd, 16, 768, 264).get("lanes"), 4);
+  EXPECT_EQ(heuristic(fwd, 16, 768, 264).get("algo"), 3);
+  EXPECT_EQ(heuristic(fwd, 16, 1024, 504).get("algo"), 3);
+  EXPECT_EQ(heuristic(fwd, 9, 1000, 40).get("algo"), 3);
+  EXPECT_EQ(heuristic(fwd, 16, 768, 260).get("algo"), 1);  // not whole vectors: algo 1 as before
+  EXPECT_EQ(heuristic(fwd, 16, 768, 260).get("lanes"), 4);
+  EXPECT_EQ(heuristic(fwd, 16, 768, 512).get("algo"), 1);  // from 512 steps
   EXPECT_EQ(heuristic(fwd, 24, 768, 256).get("algo"), 1);  // past 16384 channels
+  EXPECT_EQ(heuristic(fwd, 2, 4096, 336).get("algo"), 2);  // 8192 channels: the tile kernel's
+  EXPECT_EQ(heuristic(bwd, 16, 768, 256).get("algo"), 1);  // the backward has no wide kernel
   EXPECT_EQ(heuristic(fwd, 8, 2048, 2048).get("lanes"), 2);  // long sequences as before
   // the tile kernel: 4 warps up to 512 steps (whole 64-step tiles), 6 beyond
   EXPECT_EQ(heuristic(fwd, 1, 2048, 512).get("algo"), 2);
   EXPECT_EQ(heuristic(fwd, 1, 2048, 512).get("warps"), 4);
   EXPECT_EQ(heuristic(fwd, 1, 2048, 520).get("warps"), 6);
+}
+
+// The wide kernel (algo=wide, forward only) takes 16-bit data, dstate 16, whole 8-step vectors, 4 or 8
+// warps of 8 channels of one B/C group and rows that 32-bit offsets reach; each rule names itself.
+TEST(SelectiveScan, WideKernelRules) {
+  const OpDef& op = Registry::global().get("selective_scan.fwd");
+  auto wide = [](int64_t warps, int64_t items = 4) {
+    return Config{{{"algo", 3}, {"warps", warps}, {"items", items}, {"lanes", 1}, {"chunk", 32}, {"segs", 1}}};
+  };
+  auto request = [&](int64_t b, int64_t d, int64_t t) {
+    CompileRequest r;
+    r.op = "selective_scan.fwd";
+    r.dtype = DType::bf16;
+    r.params = {{"dstate", int64_t(16)}, {"batch", b}, {"dim", d}, {"seqlen", t}, {"delta_softplus", true}};
+    return r;
+  };
+  auto why_not = [&](const CompileRequest& r, const Config& c) {
+    std::string why;
+    return op.tuning.valid(problem_from_request(op, r), c, &why) ? std::string("valid") : why;
+  };
+  CompileRequest r = request(16, 768, 256);
+  for (int64_t w : {4, 8}) EXPECT_EQ(why_not(r, wide(w)), "valid") << w;
+  for (int64_t w : {2, 6}) EXPECT_NE(why_not(r, wide(w)).find("4 or 8 warps"), std::string::npos) << w;
+  EXPECT_NE(why_not(r, wide(4, 8)).find("does not use items"), std::string::npos);
+  for (int64_t t : {1, 2, 260}) {  // seqlen 1, 2 and a non-multiple of 8: refused, and not the heuristic's
+    CompileRequest s = request(16, 768, t);
+    EXPECT_NE(why_not(s, wide(4)).find("seqlen a multiple of 8"), std::string::npos) << t;
+    EXPECT_NE(op.tuning.heuristic(problem_from_request(op, s)).get("algo"), 3) << t;
+  }
+  CompileRequest f32 = r;
+  f32.dtype = DType::f32;
+  EXPECT_NE(why_not(f32, wide(4)).find("16-bit"), std::string::npos);
+  EXPECT_NE(op.tuning.heuristic(problem_from_request(op, f32)).get("algo"), 3);
+  CompileRequest n8 = r;
+  n8.params.set("dstate", int64_t(8));
+  EXPECT_NE(why_not(n8, wide(4)).find("dstate 16"), std::string::npos);
+  // 2 groups of 32 channels: blocks of 32 channels (4 warps) fit a group, of 64 do not; of 48, neither
+  CompileRequest grouped = request(16, 64, 256);
+  grouped.params.set("groups", int64_t(2));
+  EXPECT_EQ(why_not(grouped, wide(4)), "valid");
+  EXPECT_NE(why_not(grouped, wide(8)).find("one B/C group"), std::string::npos);
+  grouped.params.set("dim", int64_t(96));
+  EXPECT_NE(why_not(grouped, wide(4)).find("one B/C group"), std::string::npos);
+  // a fixed B (or C) beside a variable one: one variable tensor's rows staged
+  CompileRequest fixed_b = r;
+  fixed_b.alt_shapes = {"B"};
+  EXPECT_EQ(why_not(fixed_b, wide(4)), "valid");
+  // 64 channels of 2^25 steps overflow an int (8 warps); 32 channels do not
+  CompileRequest longest = request(1, 64, int64_t(1) << 25);
+  EXPECT_NE(why_not(longest, wide(8)).find("32-bit offsets"), std::string::npos);
+  EXPECT_EQ(why_not(longest, wide(4)), "valid");
+  EXPECT_FALSE(op.kernels(problem_from_request(op, r), wide(4)).empty());
 }
 
 TEST(SelectiveScan, EveryCasePlansItsKernels) {
@@ -382,8 +441,9 @@ TEST(SelectiveScan, AnAlgorithmsHeaderEditChangesOnlyItsKernelsKeys) {
   std::vector<jit::KernelSpec> specs;
   for (const char* name : {"selective_scan.fwd", "selective_scan.bwd"}) {
     const Problem p = problem(name, true);
-    for (int64_t algo : {0, 1, 2}) {
-      if (algo == 2 && std::string(name) == "selective_scan.bwd") continue;  // the tile kernel is forward only
+    for (int64_t algo : {0, 1, 2, 3}) {
+      // the tile and wide kernels are forward only
+      if (algo >= 2 && std::string(name) == "selective_scan.bwd") continue;
       for (auto& k : p.op->kernels(p, config(algo, algo == 2 ? 6 : 4))) specs.push_back(k);
     }
   }
@@ -402,13 +462,15 @@ TEST(SelectiveScan, AnAlgorithmsHeaderEditChangesOnlyItsKernelsKeys) {
     return names;
   };
   const auto k0 = keys();
-  // Every scan kernel once: 3 forward algorithms and the segments' forward pass, 2 backward algorithms, the
+  // Every scan kernel once: 4 forward algorithms and the segments' forward pass, 2 backward algorithms, the
   // segments' backward pass, the backward's reduce and zero kernels, the step.
-  ASSERT_EQ(k0.size(), 10u);
+  ASSERT_EQ(k0.size(), 11u);
   // Each header edited in turn changes the keys of its own kernels only.
   const std::vector<std::pair<std::string, std::vector<std::string>>> edits = {
       {"step.cuh", {"kspec::selective_scan_step_kernel"}},
       {"tile.cuh", {"kspec::selective_scan_fwd_tile_kernel"}},
+      {"wide.cuh", {"kspec::selective_scan_fwd_wide_kernel"}},
+      {"packed.cuh", {"kspec::selective_scan_fwd_tile_kernel", "kspec::selective_scan_fwd_wide_kernel"}},
       {"sequential_fwd.cuh", {"kspec::selective_scan_fwd_seq_kernel"}},
       {"sequential_bwd.cuh", {"kspec::selective_scan_bwd_seq_kernel"}},
       {"sequential_segments.cuh", {"kspec::selective_scan_seg_bwd_kernel", "kspec::selective_scan_seg_fwd_kernel"}}};
@@ -455,6 +517,7 @@ TEST(SelectiveScan, ArgumentListsFollowTheKernelSignatures) {
   };
   EXPECT_EQ(names(fwd_args(s)), signature("warp_scan.cuh", "selective_scan_fwd_kernel"));
   EXPECT_EQ(names(fwd_args(s)), signature("tile.cuh", "selective_scan_fwd_tile_kernel"));
+  EXPECT_EQ(names(fwd_args(s)), signature("wide.cuh", "selective_scan_fwd_wide_kernel"));
   EXPECT_EQ(names(fwd_seq_args(s)), signature("sequential_fwd.cuh", "selective_scan_fwd_seq_kernel"));
   EXPECT_EQ(names(bwd_args(s)), signature("warp_scan.cuh", "selective_scan_bwd_kernel"));
   EXPECT_EQ(names(bwd_seq_args(s)), signature("sequential_bwd.cuh", "selective_scan_bwd_seq_kernel"));

@@ -448,3 +448,48 @@ def test_difflogic_ca_peer_is_the_same_ca(families):
                            torch.tensor([2, 2, 0]))
     assert layer.given_x_indices_of_y_start.tolist() == [0, 2, 3, 6]
     assert layer.given_x_indices_of_y.tolist() == [1, 2, 2, 0, 0, 1]
+
+
+def test_scan_configs_sweep_times_each_shape_beside_mamba(families, monkeypatch):
+    """selective_scan_configs over several shapes (--scan-shape A,B) in one process: per shape the heuristic's
+    config (marked) and the given ones, each checked against the float64 reference before it is timed, and
+    mamba_ssm's forward where it is built, whose gpu time over each config's fills the "mamba_ssm ÷ this"
+    column (no GPU: kspec, the peer and the timer are stand-ins computing the reference's out)."""
+    import argparse
+    import types
+
+    torch = pytest.importorskip("torch")
+    from kspec.reference import selective_scan as ref
+
+    m = families["selective_scan_configs"]
+
+    def reference_out(u, delta, A, B, C, D, z, delta_bias, *rest):
+        f = lambda t: t.double().numpy()  # noqa: E731
+        y, _ = ref.selective_scan_fwd(f(u), f(delta), f(A), f(B), f(C), f(D), f(z), f(delta_bias), True)
+        return torch.from_numpy(y).to(u.dtype)
+
+    calls = []
+
+    def call(op, *args, config=None, delta_softplus=True, out=None):
+        calls.append(config)
+        return reference_out(*args), None, None
+
+    heuristic = "algo=wide,warps=4,items=4,lanes=1,chunk=32,segs=1"
+    monkeypatch.setattr(m, "_peer", lambda: lambda *a: reference_out(*a))
+    times = iter([0.02, 0.03, 0.06] * 2)  # the heuristic's, the given config's, mamba_ssm's
+    p = argparse.ArgumentParser()
+    m.add_arguments(p)
+    args = p.parse_args(["--scan-shape", "1x8x16,2x4x24", "--scan-config", "algo=tile,warps=4,items=4,lanes=1,chunk=32,segs=1"])
+    args.quick, args.seed = False, 0
+    ctx = types.SimpleNamespace(torch=torch, dev="cpu", args=args,
+                                kspec=types.SimpleNamespace(call=call, explain=lambda *a, **k: f"config: {heuristic} (heuristic)"),
+                                timer=types.SimpleNamespace(time=lambda step: (step(), {"gpu_ms": next(times)})[1]))
+    result, sections = m.run(ctx)
+    rows = result["results"]
+    assert [s.title for s in sections] == ["selective_scan.fwd configs, bf16, 1x8x16, dstate 16",
+                                           "selective_scan.fwd configs, bf16, 2x4x24, dstate 16"]
+    assert [(r["shape"], r["config"].split(",")[0], r["heuristic"], r["status"]) for r in rows] == [
+        (s, c, h, "ok") for s in ("1x8x16", "2x4x24")
+        for c, h in (("algo=wide", True), ("algo=tile", False), ("mamba_ssm", False))]
+    assert [round(r["mamba_x"], 6) for r in rows] == [3.0, 2.0, 1.0] * 2
+    assert all(r["max_error"] < 1e-2 for r in rows)

@@ -1,7 +1,8 @@
 """selective_scan on the GPU through Python: forward and every gradient (autograd, h0 and the last
 state's gradient included) against the float64 reference for every dtype, fixed and variable B/C,
 groups, each optional input on and off, dstate 1..256, T=1, T=2, odd and tile-multiple lengths and
-a 65536-step sequence; the decode step against the reference and against the scan; torch.compile."""
+a 65536-step sequence; the forward's tile and wide kernels at their edges; the decode step against the
+reference and against the scan; torch.compile."""
 import numpy as np
 import pytest
 
@@ -278,6 +279,79 @@ def test_tile_kernel_is_the_heuristic_for_2048_channels():
         args = [x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")]
         text = str(kspec.explain("selective_scan.fwd", *args, delta_softplus=True))
         assert ("config: algo=tile," in text) == tile, text
+
+
+WIDE_VARIANTS = {
+    # dim 20: one block of 32 (or 64) channels holds 20; 264 steps: a last chunk of 8 steps, half a state stride
+    "wide_partial": dict(dim=20, seqlen=264),
+    "wide_fixed_bc_no_h0": dict(dim=40, seqlen=64, form="fixed", h0=False),
+    # a fixed B beside a variable C: one variable tensor's rows staged; 2 groups of 64 channels
+    "wide_fixed_b": dict(dim=128, groups=2, seqlen=96, form="fixed_b"),
+    "wide_groups_2_no_z": dict(dim=128, groups=2, seqlen=136, z=False, softplus=False),
+    "wide_bc_3d_no_D": dict(dim=24, seqlen=48, form="var3", D=False, bias=False),
+    # the shortest sequences it takes (one chunk, partial) and many chunks
+    "wide_seqlen_8": dict(dim=8, seqlen=8),
+    "wide_seqlen_16": dict(dim=8, seqlen=16, h0=False),
+    "wide_seqlen_1000": dict(dim=24, seqlen=1000),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("name", list(WIDE_VARIANTS))
+@pytest.mark.parametrize("warps", [4, 8])
+def test_wide_kernel_forward_states_and_backward(dtype, name, warps):
+    """The wide kernel (algo=wide): out, last_state and `states` against the float64 reference (poisoned
+    first), then selective_scan.bwd from those states: every gradient against the reference."""
+    v = dict(BASE, **WIDE_VARIANTS[name])
+    cfg = f"algo=wide,warps={warps},items=4,lanes=1,chunk=32,segs=1"
+    args, out, last, states, np_in, kw = _forward_states_checked(dtype, v, _inputs(dtype, v), config=cfg)
+    tol = _tol(dtype)
+    dout = torch.randn_like(out)
+    dlast = torch.randn_like(last)
+    grads = kspec.call("selective_scan.bwd", dout, *args, dlast, states, delta_softplus=v["softplus"])
+    grads_r = ref.selective_scan_bwd(_np(dout), np_in["u"], np_in["delta"], np_in["A"], np_in["B"], np_in["C"],
+                                     dlast_state=_np(dlast), **kw)
+    for key, got in zip(("du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias", "dh0"), grads):
+        if got is not None and grads_r.get(key) is not None:
+            err = rel_err(_np(got), grads_r[key])
+            assert err <= tol, (key, err, tol)
+
+
+# Issue 33's small Mamba-1 shapes' channel counts (batch x dim) at a short length, and 16x768x256 itself.
+WIDE_ISSUE_SHAPES = [(4, 1536, 72), (2, 4096, 72), (1, 2048, 72), (16, 768, 72), (8, 2560, 72), (16, 768, 256)]
+
+
+@pytest.mark.parametrize("shape", WIDE_ISSUE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("warps", [4, 8])
+def test_wide_kernel_at_the_issue_shapes_channel_counts(shape, warps):
+    """bf16, the Mamba-1 call (variable B/C, D, z, delta_bias, softplus, h0): out, last_state and states of
+    the wide kernel against the float64 reference."""
+    b, d, t = shape
+    v = dict(BASE, batch=b, dim=d, seqlen=t)
+    _forward_states_checked(torch.bfloat16, v, _inputs(torch.bfloat16, v),
+                            config=f"algo=wide,warps={warps},items=4,lanes=1,chunk=32,segs=1")
+
+
+def test_wide_kernel_is_the_heuristic_for_short_sequences_of_many_channels():
+    """12288 channels of 256 steps (issue 33's 16x768x256) in bf16: the heuristic's forward is the wide
+    kernel, and its outputs match the reference; not in fp32, nor where seqlen is not a multiple of 8
+    (or is 1 or 2: the config is refused with its reason)."""
+    for dtype, seqlen, wide in ((torch.bfloat16, 256, True), (torch.float32, 256, False),
+                                (torch.bfloat16, 260, False), (torch.bfloat16, 2, False)):
+        v = dict(BASE, batch=16, dim=768, seqlen=seqlen)
+        x = _inputs(dtype, v)
+        args = [x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")]
+        text = str(kspec.explain("selective_scan.fwd", *args, delta_softplus=True))
+        assert ("config: algo=wide," in text) == wide, text
+        if wide:
+            _forward_states_checked(dtype, v, x)
+    for seqlen in (1, 2):
+        v = dict(BASE, dim=40, seqlen=seqlen)
+        x = _inputs(torch.bfloat16, v)
+        args = [x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")]
+        with pytest.raises(ValueError, match="algo=wide needs seqlen a multiple of 8"):
+            kspec.call("selective_scan.fwd", *args, config="algo=wide,warps=4,items=4,lanes=1,chunk=32,segs=1",
+                       delta_softplus=True)
 
 
 def test_backward_with_states_of_another_length_is_refused():

@@ -53,19 +53,38 @@ def test_mamba_specialization_compiles_without_spills(op, alt):
         assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, (r["source"], r["arch"], r["log"][-1500:])
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("variant", ["bf16_w4", "bf16_w8", "f16_w4_fixed_b_no_z_no_h0"])
+def test_wide_kernel_compiles_without_spills(arch, variant):
+    """The wide kernel (algo=wide) at 128 registers (16 warps per SM) on both architectures CI compiles for:
+    no spill (the registers the launch bounds allow, 2 blocks of 8 warps or 4 of 4)."""
+    dtype, w = variant.split("_")[:2]
+    kw = dict(without=["z", "h0"], alt_shapes=["B"]) if "fixed_b" in variant else {}
+    reports = kspec.compile("selective_scan.fwd", dtype=dtype, arch=arch, batch=16, dim=768, seqlen=256, dstate=16,
+                            delta_softplus=True, config=f"algo=wide,warps={w[1:]},items=4,lanes=1,chunk=32,segs=1",
+                            **kw)
+    assert [r["kernel"].split("<")[0] for r in reports] == ["kspec::selective_scan_fwd_wide_kernel"]
+    for r in reports:
+        assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 128, (r["arch"], r["registers"], r["log"][-1500:])
+
+
 def test_algo_is_a_named_choice_in_configs():
     """`algo` is written by name (the op's info, the configs of a case) and read by name or number in a
     forced config; an unknown name or an algorithm a problem cannot run is refused before compiling."""
     info = kspec.op_info("selective_scan.fwd")
-    assert dict(info["tuning_names"]) == {"algo": ["warp", "sequential", "tile"]}
+    assert dict(info["tuning_names"]) == {"algo": ["warp", "sequential", "tile", "wide"]}
     assert dict(kspec.op_info("selective_scan.bwd")["tuning_names"]) == {"algo": ["warp", "sequential"]}
     configs = kspec._C.configs_for_case("selective_scan.fwd", "seqlen_even_1024", "bf16")
-    assert {c.split(",")[0] for c in configs} == {"algo=warp", "algo=sequential", "algo=tile"}
-    small = dict(dstate=16, seqlen=300)  # seqlen not a multiple of 8: no tile kernel
-    with pytest.raises(ValueError, match="'algo=fast': algo is one of warp, sequential, tile"):
+    assert {c.split(",")[0] for c in configs} == {"algo=warp", "algo=sequential", "algo=tile", "algo=wide"}
+    small = dict(dstate=16, seqlen=300)  # seqlen not a multiple of 8: no tile or wide kernel
+    with pytest.raises(ValueError, match="'algo=fast': algo is one of warp, sequential, tile, wide"):
         kspec.compile("selective_scan.fwd", "bf16", config="algo=fast,warps=4,items=8,lanes=1,chunk=32,segs=1",
                       **small)
     for text in ("algo=tile,warps=6,items=4,lanes=1,chunk=32,segs=1", "algo=2,warps=6,items=4,lanes=1,chunk=32,segs=1"):
         with pytest.raises(ValueError, match=r"config \{algo=tile,warps=6.*\} is not valid for this problem: algo=tile "
+                                             "needs seqlen a multiple of 8"):
+            kspec.compile("selective_scan.fwd", "bf16", config=text, **small)
+    for text in ("algo=wide,warps=4,items=4,lanes=1,chunk=32,segs=1", "algo=3,warps=4,items=4,lanes=1,chunk=32,segs=1"):
+        with pytest.raises(ValueError, match=r"config \{algo=wide,warps=4.*\} is not valid for this problem: algo=wide "
                                              "needs seqlen a multiple of 8"):
             kspec.compile("selective_scan.fwd", "bf16", config=text, **small)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 import sys
 
-from .common import Section, short_error
+from .common import Section, brief, short_error
 from .report import fmt
 from .selective_scan import SFU_EX2_PER_S, scan_check, scan_inputs
 
@@ -16,24 +16,47 @@ IN_ALL = False  # a sweep, run on request
 
 def add_arguments(p):
     p.add_argument("--scan-op", choices=("fwd", "bwd"), default="fwd", help="selective_scan_configs: the op")
-    p.add_argument("--scan-shape", default="8x2048x2048", metavar="BxDxL", help="selective_scan_configs: the shape")
+    p.add_argument("--scan-shape", default="8x2048x2048", metavar="BxDxL[,BxDxL...]",
+                   help="selective_scan_configs: the shape, or several (comma-separated), each with every config")
     p.add_argument("--scan-own-states", action="store_true",
                    help="selective_scan_configs: the backward without the forward's states (it makes its own)")
     p.add_argument("--scan-config", action="append", metavar="CONFIG",
                    help="selective_scan_configs: a config to time (repeatable; default: a forward sweep)")
 
 
+def _peer():
+    """mamba_ssm's selective_scan_fn where it is built (its forward is timed beside the configs), else None."""
+    try:
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn  # torch imported first
+        return selective_scan_fn
+    except Exception as e:  # noqa: BLE001
+        print(f"bench: selective_scan_configs: mamba_ssm not importable ({brief(str(e))})", file=sys.stderr)
+        return None
+
+
 def run(ctx):
-    """selective_scan.fwd or .bwd (--scan-op) at one shape (--scan-shape BxDxL, default 8x2048x2048) under
-    each config of a list (--scan-config, repeatable; default: a forward sweep), the heuristic's choice
-    timed too and marked: which algorithm, block shape and segment count to prefer. Raw kspec.call, no
-    autograd: the forward without states (inference), the backward with the forward's states (training;
-    --scan-own-states: without, so it makes its own). Each config's outputs are compared with the
-    heuristic's before it is timed (the forward's out prefix also with the float64 reference)."""
+    """selective_scan.fwd or .bwd (--scan-op) at one shape or several (--scan-shape BxDxL[,...], default
+    8x2048x2048) under each config of a list (--scan-config, repeatable; default: a forward sweep), the
+    heuristic's choice timed too and marked, and for the forward mamba_ssm's selective_scan_fn (no grad) where
+    it is built: which algorithm, block shape and segment count to prefer, old and new configs in one process.
+    Raw kspec.call, no autograd: the forward without states (inference), the backward with the forward's
+    states (training; --scan-own-states: without, so it makes its own). Each config's outputs are compared with
+    the heuristic's before it is timed (the forward's out prefix also with the float64 reference)."""
+    shapes = ([(2, 1024, 1024)] if ctx.args.quick else
+              [tuple(int(v) for v in s.split("x")) for s in ctx.args.scan_shape.split(",")])
+    peer = _peer() if ctx.args.scan_op == "fwd" else None
+    rows, sections = [], []
+    for b, d, t in shapes:
+        shape_rows = _run_shape(ctx, b, d, t, peer)
+        rows += shape_rows
+        sections.append(_section(ctx.args.scan_op, b, d, t, shape_rows))
+    return {"results": rows}, sections
+
+
+def _run_shape(ctx, b, d, t, peer):
     torch = ctx.torch
     kspec = ctx.kspec
     op = f"selective_scan.{ctx.args.scan_op}"
-    b, d, t = (2, 1024, 1024) if ctx.args.quick else tuple(int(v) for v in ctx.args.scan_shape.split("x"))
     n = 16
     x = scan_inputs(torch, ctx.dev, b, d, t, n, ctx.args.seed)
     fwd_args = (x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"], x["delta_bias"], None)
@@ -60,6 +83,7 @@ def run(ctx):
     ref_out = [o.float() for o in kspec.call(op, *args, delta_softplus=True) if o is not None]
     rows = []
     elems = b * d * t
+    ex2_floor_ms = elems * n * (1 if ctx.args.scan_op == "fwd" else 2) / SFU_EX2_PER_S * 1e3
     for cfg in configs:
         row = {"family": "selective_scan_configs", "op": op, "shape": f"{b}x{d}x{t}", "config": cfg,
                "heuristic": cfg == heur, "status": ""}
@@ -74,19 +98,44 @@ def run(ctx):
             row["status"] = "ok" if ok else "INVALID"
             if ok:
                 row.update(ctx.timer.time(step))
-                row["ex2_floor_ms"] = elems * n * (1 if ctx.args.scan_op == "fwd" else 2) / SFU_EX2_PER_S * 1e3
+                row["ex2_floor_ms"] = ex2_floor_ms
         except Exception as e:  # noqa: BLE001
             row["status"] = "error"
             row["error"] = short_error(e)
         rows.append(row)
-        print(f"bench: selective_scan_configs {op} {cfg}: {row['status']} {row.get('gpu_ms', '')}", file=sys.stderr,
-              flush=True)
+        print(f"bench: selective_scan_configs {op} {b}x{d}x{t} {cfg}: {row['status']} {row.get('gpu_ms', '')}",
+              file=sys.stderr, flush=True)
+    if peer is not None:
+        row = {"family": "selective_scan_configs", "op": op, "shape": f"{b}x{d}x{t}", "config": "mamba_ssm",
+               "heuristic": False, "status": ""}
+        try:
+            step = lambda a=x: peer(a["u"], a["delta"], a["A"], a["B"], a["C"], a["D"], a["z"],  # noqa: E731
+                                    a["delta_bias"], True)
+            row["max_error"] = scan_check(torch, x, step().float()[:1, :4, :512].cpu())
+            row["status"] = "ok" if row["max_error"] <= 2e-2 else "INVALID"
+            row.update(ctx.timer.time(step))
+            row["ex2_floor_ms"] = ex2_floor_ms
+        except Exception as e:  # noqa: BLE001
+            row["status"] = "error"
+            row["error"] = short_error(e)
+        rows.append(row)
+    peer_row = next((r for r in rows if r["config"] == "mamba_ssm" and "gpu_ms" in r), None)
+    for r in rows:
+        if peer_row and "gpu_ms" in r:
+            r["mamba_x"] = peer_row["gpu_ms"] / r["gpu_ms"]
+    return rows
+
+
+def _section(op_name, b, d, t, rows):
     cols = [("config", "config"), ("heuristic", lambda r: "*" if r["heuristic"] else ""),
             ("gpu ms", lambda r: fmt(r.get("gpu_ms"), ".4f")), ("ev ms", lambda r: fmt(r.get("ev_ms"), ".4f")),
             ("ex2 floor ms", lambda r: fmt(r.get("ex2_floor_ms"), ".3f")),
+            ("mamba_ssm ÷ this (gpu)", lambda r: fmt(r.get("mamba_x"), ".2f")),
             ("vs heuristic", lambda r: fmt(r.get("vs_heuristic"), ".1e")),
             ("rel err (prefix)", lambda r: fmt(r.get("max_error"), ".1e")),
             ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else ""))]
     notes = ["ex2 floor: one ex2 per step and state for the forward, two for the backward (its recompute from"
-             " the forward's states and the adjoint; three without the states, and one more with segments)."]
-    return {"results": rows}, [Section(f"{op} configs, bf16, {b}x{d}x{t}, dstate {n}", cols, rows, notes)]
+             " the forward's states and the adjoint; three without the states, and one more with segments).",
+             "mamba_ssm: its selective_scan_fn forward (no grad) on the same inputs, where it is built; the"
+             " column is its gpu time over each config's (issue 33 asks >= 1.5)."]
+    return Section(f"selective_scan.{op_name} configs, bf16, {b}x{d}x{t}, dstate 16", cols, rows, notes)

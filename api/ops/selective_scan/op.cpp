@@ -26,7 +26,7 @@ bool algorithm_valid(const Algorithm& a, const Problem& p, const Config& c, std:
 }
 
 const FwdAlgorithm& fwd_algorithm(const Config& c) {
-  for (const FwdAlgorithm* a : {&kWarpFwd, &kSequentialFwd, &kTileFwd})
+  for (const FwdAlgorithm* a : {&kWarpFwd, &kSequentialFwd, &kTileFwd, &kWideFwd})
     if (a->id == c.get("algo")) return *a;
   throw InvalidArgument("selective_scan.fwd: config " + c.str() + ": no such algo");
 }
@@ -61,7 +61,7 @@ Config time_major_config(const Algorithm& a, const Problem& p, int64_t lanes, in
                     " lanes: " + why + "); pass layout \"bdl\"");
 }
 
-// The names of the `algo` axis' values (the forward has all three, the backward the first two).
+// The names of the `algo` axis' values (the forward has all four, the backward the first two).
 std::pair<std::string, std::vector<std::string>> algo_names(size_t n) {
   return {"algo", std::vector<std::string>(kAlgoNames.begin(), kAlgoNames.begin() + n)};
 }
@@ -85,7 +85,7 @@ std::string fwd_key(const Problem& p) {
   return even_key(p) + ",gfit|" + std::to_string(group_fit(p)) + (many_channels(p) ? ",wide" : ",narrow") +
          ",segs|" + std::to_string(segs) + ",lanes|" + std::to_string(seq_default_lanes(p, segs)) +
          (tile_vectors(p) ? ",v8" : "") +
-         (tile_preferred(p) ? ",tile" + std::to_string(tile_warps(p)) : "") +
+         (tile_preferred(p) ? ",tile" + std::to_string(tile_warps(p)) : "") + (wide_preferred(p) ? ",wide" : "") +
          few_key(few_channels_plan(p, kFwdSegsMost, 32, true));
 }
 
@@ -98,15 +98,16 @@ std::string bwd_all_key(const Problem& p) {
 
 TuningSpace fwd_tuning() {
   TuningSpace t;
-  // warp: (warps, items); sequential: (warps, lanes, chunk, segs); tile: (warps). Axes an algorithm does
-  // not use must hold their first value, so each kernel appears once in the enumeration.
-  t.axes = {{"algo", {kWarp, kSequential, kTile}}, {"warps", {2, 4, 6, 8}}, {"items", {4, 8, 16}},
+  // warp: (warps, items); sequential: (warps, lanes, chunk, segs); tile, wide: (warps). Axes an algorithm
+  // does not use must hold their first value, so each kernel appears once in the enumeration.
+  t.axes = {{"algo", {kWarp, kSequential, kTile, kWide}}, {"warps", {2, 4, 6, 8}}, {"items", {4, 8, 16}},
             {"lanes", {1, 2, 4, 8, 16, 32}}, {"chunk", {32, 64, 128}}, {"segs", {1, 2, 4, 8, 16, 32}}};
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     return algorithm_valid(fwd_algorithm(c), p, c, why);
   };
   t.heuristic = [](const Problem& p) {
     if (time_major(p)) return time_major_config(kSequentialFwd, p, seq_default_lanes(p, 1), 32);
+    if (wide_preferred(p)) return wide_heuristic_config(p);
     if (tile_preferred(p)) return tile_heuristic_config(p);
     const FewChannels few = few_channels_plan(p, kFwdSegsMost, 32, true);
     if (few.segs)
@@ -177,7 +178,7 @@ OpDef make_fwd() {
              "for training: the state entering steps 0, 16, 32, ... (selective_scan.bwd's `states`, which then "
              "skips its own forward pass); leave out for inference"),
   };
-  set_tuning(op, fwd_tuning(), 3);
+  set_tuning(op, fwd_tuning(), 4);
   op.derived_key = fwd_key;
   op.kernels = [](const Problem& p, const Config& c) { return fwd_algorithm(c).kernels(p, c); };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {

@@ -15,8 +15,8 @@ namespace kspec::scan {
 
 // The `algo` tuning axis: a named choice (OpInfo::tuning_names); the numbers are those older tuning
 // databases and scripts hold.
-enum Algo : int64_t { kWarp = 0, kSequential = 1, kTile = 2 };
-extern const std::vector<std::string> kAlgoNames;  // {"warp", "sequential", "tile"}
+enum Algo : int64_t { kWarp = 0, kSequential = 1, kTile = 2, kWide = 3 };
+extern const std::vector<std::string> kAlgoNames;  // {"warp", "sequential", "tile", "wide"}
 
 constexpr const char* kReduceHeader = "selective_scan/reduce.cuh";  // the backward's zero and pass 2
 constexpr const char* kStepHeader = "selective_scan/step.cuh";
@@ -98,7 +98,7 @@ struct BwdAlgorithm {
   int64_t (*shared_bytes)(const Problem&, const Config&);
 };
 
-extern const FwdAlgorithm kWarpFwd, kSequentialFwd, kTileFwd;
+extern const FwdAlgorithm kWarpFwd, kSequentialFwd, kTileFwd, kWideFwd;
 extern const BwdAlgorithm kWarpBwd, kSequentialBwd;
 
 // ---- the warp scan (warp.cpp) ----
@@ -127,6 +127,10 @@ constexpr int64_t kTileChannels = 8;
 int64_t tile_warps(const Problem& p);
 bool tile_preferred(const Problem& p);
 Config tile_heuristic_config(const Problem& p);
+
+// ---- the wide kernel (wide.cuh) ----
+bool wide_preferred(const Problem& p);
+Config wide_heuristic_config(const Problem& p);
 
 // ---- schema.cpp ----
 extern const std::vector<DType> kFloatTypes;

@@ -10,7 +10,7 @@
 
 namespace kspec::scan {
 
-const std::vector<std::string> kAlgoNames = {"warp", "sequential", "tile"};
+const std::vector<std::string> kAlgoNames = {"warp", "sequential", "tile", "wide"};
 const std::vector<DType> kFloatTypes = {DType::f32, DType::f16, DType::bf16};
 const std::vector<std::string> kBDT = {"batch", "dim", "seqlen"};
 const std::vector<std::string> kVarBC = {"batch", "groups", "dstate", "seqlen"};
@@ -229,6 +229,9 @@ std::vector<Case> scan_cases(bool with_seqlen) {
       // batch * dim >= 8192: the heuristic's sequential-state kernel (the cases above take the warp scan)
       {"wide_8x1024", 8, 1024, 130, 16, 1, true, {}, {}},
       {"wide_even_8x1024", 8, 1024, 512, 16, 1, true, {"h0"}, {}},
+      // 8192..16384 channels, under 512 steps of whole 8-step vectors: the forward's wide kernel (a partial
+      // last block of 32 channels, a partial last chunk of 32 steps and state stride of 16)
+      {"wide_short_9x1000x40", 9, 1000, 40, 16, 1, true, {}, {}},
       // few channels, long: the heuristic's sequential kernel over 4 segments in parallel
       {"segments_2x32x9000", 2, 32, 9000, 16, 1, true, {}, {}},
       // the same at a length of whole 512-step tiles: the segments' vector-load (kEven) paths

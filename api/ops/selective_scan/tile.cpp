@@ -78,7 +78,8 @@ Config tile_heuristic_config(const Problem& p) {
 // Past 8192 channels, short sequences still take it: there algo 1 pays its per-channel start for few
 // steps (16x768x256, 12288 channels: tile 4 warps 0.0493 ms, 6 warps 0.0501, algo 0 0.0892, algo 1 0.0937;
 // kspec tune --all-configs, H100, 2026-11-27). Up to 16384 channels of at most 256 steps: the one point
-// measured, where longer ones went to algo 1 (1x12288x1024 above).
+// measured, where longer ones went to algo 1 (1x12288x1024 above). The heuristic now takes the wide kernel
+// there first (wide.cpp); this rule is left for B/C groups of 8 or 16 channels, which its blocks of 32 span.
 constexpr int64_t kTileChannelsMin = 2048, kTileChannelsMost = 8192;
 constexpr int64_t kTileWideChannelsMost = 16384, kTileWideSeqlenMost = 256;
 bool tile_preferred(const Problem& p) {
