@@ -336,7 +336,7 @@ def _run_on_mock_driver(body):
         pytest.skip("needs the torch extension and the CUDA toolkit's cuda.h (for the mock driver)")
     tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench")
     prelude = (f"import os, sys\nsys.path.insert(0, {tools!r})\nimport dispatch_host as dh\n"
-               f"mock, shim = dh.build({include!r})\nos.environ['KSPEC_LIBCUDA'] = mock\n")
+               f"mock, shim = dh.build({include!r})\ndh.select(mock)\n")
     r = subprocess.run([sys.executable, "-c", prelude + body], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
