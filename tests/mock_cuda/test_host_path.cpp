@@ -7,6 +7,7 @@
 #include <cuda.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <new>
@@ -166,6 +167,32 @@ TEST_F(HostPath, NormActWithoutStats) {
   };
   expect_refused(a.outs, no_stats, "output 'mean' must be None when 'save_stats' is false");
   expect_refused(y_only, a.params, "output 'mean' is required when 'save_stats' is true");
+}
+
+// What the torch extension asks before each call that allocates its outputs: a repeated signature,
+// answered into the caller's vector, allocates nothing (before: the key's buffer and a copy of the
+// specs, a vector per output shape, on every call).
+TEST_F(HostPath, InferOutputsHitAllocatesNothing) {
+  NormActCall a;
+  std::vector<OutputSpec> specs;
+  infer_outputs("norm_act.fwd", a.ins, a.params, &specs);
+  infer_outputs("norm_act.fwd", a.ins, a.params, &specs);
+  const long allocations = g_allocations.load();
+  for (int i = 0; i < 100; ++i) infer_outputs("norm_act.fwd", a.ins, a.params, &specs);
+  EXPECT_EQ(g_allocations.load() - allocations, 0) << "heap allocations in 100 repeated infer_outputs";
+  auto is = [](const std::vector<int64_t>& shape, std::initializer_list<int64_t> want) {
+    return std::equal(shape.begin(), shape.end(), want.begin(), want.end());
+  };
+  ASSERT_EQ(specs.size(), 3u);
+  EXPECT_TRUE(is(specs[0].shape, {4, 256}));
+  EXPECT_TRUE(is(specs[1].shape, {4}));
+  EXPECT_EQ(specs[0].dtype, DType::f32);
+  // Another signature into the same vector gets its own answer (no stale shape).
+  std::vector<TensorView> wider = a.ins;
+  wider[0] = TensorView(a.ins[0].data, DType::f32, {2, 256}, 0);
+  infer_outputs("norm_act.fwd", wider, a.params, &specs);
+  EXPECT_TRUE(is(specs[0].shape, {2, 256}));
+  EXPECT_TRUE(is(specs[2].shape, {2}));
 }
 
 // An fp32 linear layer x [rows, 64] · W [64, 64]ᵀ (+ bias) in mock device memory: gemm through cuBLASLt.
