@@ -377,17 +377,6 @@ class Surface:
         self.pick_tensors = _picker(self.tensor_pos)
         return f.ops[0], f.ops[1], names, _picker(param_pos), tuple(bwd_params), tuple(codes), grad_of
 
-    def _call_grad(self, args):
-        """The public outputs through call_grad, or NotImplemented (nothing run) where it declines the call."""
-        fwd_op, bwd_op, names, pick, bwd_params, codes, grad_of = self.grad_call
-        params = dict(zip(names, pick(args)))
-        outs = _native.ext.call_grad(self.node_name, fwd_op, bwd_op, self.pick_tensors(args), params, bwd_params,
-                                     codes, grad_of)
-        if outs is NotImplemented:
-            return outs
-        public = self.family.public
-        return outs[public[0]] if len(public) == 1 else tuple([outs[i] for i in public])
-
     # ---- the public entry ----
 
     def __call__(self, *args):
@@ -415,12 +404,16 @@ class Surface:
         elif not grad:
             outs = self.family.forward(*args, save=False)
         elif _native.ext is not None:
-            # a one_call family's saving forward in C++ (save_arg off: the general node, whose backward raises)
+            # a one_call family's saving forward in C++ (save_arg off: the general node, whose backward raises),
+            # written out here rather than in a helper: one Python frame less per call
             if self.grad_call is not None and (self.save_pos is None or args[self.save_pos]):
-                outs = self._call_grad(args)
-                if outs is not NotImplemented:
-                    return outs
-            return self._native_apply(args)
+                fwd_op, bwd_op, names, pick, bwd_params, codes, grad_of = self.grad_call
+                outs = _native.ext.call_grad(self.node_name, fwd_op, bwd_op, self.pick_tensors(args),
+                                             dict(zip(names, pick(args))), bwd_params, codes, grad_of)
+                if outs is NotImplemented:  # kspec.call's C++ path would decline: nothing ran
+                    return self._native_apply(args)
+            else:
+                return self._native_apply(args)
         else:
             return self.function.apply(*args)
         return outs[public[0]] if len(public) == 1 else tuple([outs[i] for i in public])
