@@ -10,6 +10,7 @@
 
 #include "jit/cuda_libs.h"
 #include "jit/driver.h"
+#include "kspec/knobs.h"
 
 namespace kspec::jit {
 namespace {
@@ -23,7 +24,14 @@ LoadedLt load() {
   LoadedLt out;
   // Searched like NVRTC (pip's nvidia-cublas wheel, CUDA_HOME, the loader path, /usr/local/cuda); only
   // the CUDA 13 ABI kspec is compiled against.
-  OpenedLibrary opened = open_first(library_candidates("", std::nullopt, {"libcublasLt.so.13"}, {"cu13/lib"}),
+  std::optional<std::string> given;
+  try {
+    given = knobs::libcublaslt();
+  } catch (const Error& e) {
+    out.error = e.what();
+    return out;
+  }
+  OpenedLibrary opened = open_first(library_candidates("KSPEC_LIBCUBLASLT", given, {"libcublasLt.so.13"}, {"cu13/lib"}),
                                     [](void*) { return std::string(); });
   void* lib = opened.handle;
   if (!lib) {

@@ -282,36 +282,46 @@ std::string describe_op(std::string_view name) {
 }
 
 // Cached by the inputs' signature (append_call_key): a caller that allocates outputs asks this before
-// every call with the same shapes.
-std::vector<OutputSpec> infer_outputs(std::string_view op_name, const std::vector<TensorView>& inputs,
-                                      const Params& params) {
+// every call with the same shapes. The key is written into a per-thread buffer, and a hit is copied into
+// *out's existing storage: no allocation.
+void infer_outputs(std::string_view op_name, const std::vector<TensorView>& inputs, const Params& params,
+                   std::vector<OutputSpec>* out) {
   static std::shared_mutex mu;
   static std::unordered_map<std::string, std::vector<OutputSpec>> cache;
   constexpr size_t kMaxEntries = 4096;
   const OpDef& op = Registry::global().get(op_name);
-  std::string key;
-  key.reserve(256);
+  thread_local std::string key;
+  key.clear();
   const bool cacheable = append_call_key(key, op, inputs, {}, params);
   if (cacheable) {
     std::shared_lock<std::shared_mutex> lock(mu);
     auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
+    if (it != cache.end()) {
+      *out = it->second;
+      return;
+    }
   }
+  const std::string miss_key = key;  // the buffer is the thread's: kept apart from what validation runs
   Problem p = validate_call(op, inputs, {}, params, nullptr, /*inputs_only=*/true).problem;
-  std::vector<OutputSpec> out;
+  out->resize(op.info.outputs.size());
   for (size_t i = 0; i < op.info.outputs.size(); ++i) {
     const TensorDef& d = op.info.outputs[i];
-    OutputSpec s;
+    OutputSpec& s = (*out)[i];
     s.present = d.present_with.empty() ? !d.optional : p.present(d.present_with);
-    if (!d.dtype_of.empty()) s.dtype = p.dtype(d.dtype_of);
-    else s.dtype = d.dtypes.front();
+    s.dtype = d.dtype_of.empty() ? d.dtypes.front() : p.dtype(d.dtype_of);
     if (s.present) s.shape = shape_of(d, p);
-    out.push_back(std::move(s));
+    else s.shape.clear();
   }
   if (cacheable) {
     std::unique_lock<std::shared_mutex> lock(mu);
-    if (cache.size() < kMaxEntries) cache.emplace(key, out);
+    if (cache.size() < kMaxEntries) cache.emplace(miss_key, *out);
   }
+}
+
+std::vector<OutputSpec> infer_outputs(std::string_view op_name, const std::vector<TensorView>& inputs,
+                                      const Params& params) {
+  std::vector<OutputSpec> out;
+  infer_outputs(op_name, inputs, params, &out);
   return out;
 }
 

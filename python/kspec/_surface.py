@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass, field, replace
-from operator import itemgetter
+from operator import is_, itemgetter
 from typing import Callable, Optional
 
 import torch
@@ -159,6 +159,8 @@ class Surface:
         self.family = f
         self.fwd_names = [n for n, _ in self.fwd_args]
         self.tensor_pos = [i for i, (_, t) in enumerate(self.fwd_args) if _is_tensor(t)]
+        self.pick_tensors = _picker(self.tensor_pos)
+        self.nones = (None,) * len(self.fwd_args)  # for the absent flags: map(is_, args, nones), no Python frame
         self.save_pos = self.fwd_names.index(f.save_arg) if f.save_arg else None
         bwd_names = [n for n, _ in self.bwd_args]
         # forward outputs with a gradient argument in the backward; the others are non-differentiable
@@ -339,9 +341,9 @@ class Surface:
         if f.extra:
             named = dict(zip(self.fwd_names + list(f.fwd_out), env))
             env += tuple(fn(named) for fn in f.extra.values())
-        ctx = (self.pick_cfg(env), [a is None for a in args], save)
+        ctx = (self.pick_cfg(env), tuple(map(is_, args, self.nones)), save)
         _native.ext.record(self.node_name, self._native_backward, ctx, self.materialize_out,
-                           [args[i] for i in self.tensor_pos], outs, self.diff_out, self.pick_saved(env))
+                           self.pick_tensors(args), outs, self.diff_out, self.pick_saved(env))
         public = f.public
         return outs[public[0]] if len(public) == 1 else tuple([outs[i] for i in public])
 
@@ -350,8 +352,7 @@ class Surface:
         full = [None] * len(self.family.fwd_out)
         for i, g in zip(self.diff_out, grads):
             full[i] = g
-        res = self._grads_of(saved, ctx[0], ctx[1], ctx[2], full, self.family.backward)
-        return [res[i] for i in self.tensor_pos]
+        return self.pick_tensors(self._grads_of(saved, ctx[0], ctx[1], ctx[2], full, self.family.backward))
 
     # ---- one C++ call with a C++ node (kspec._torch_ext.call_grad), for a one_call family ----
 
@@ -374,19 +375,7 @@ class Surface:
         param_pos = [i for i, (_, t) in enumerate(self.fwd_args) if not _is_tensor(t)]
         names = tuple(self.fwd_names[i] for i in param_pos)
         grad_of = tuple(self.grad_plan[i] for i in self.tensor_pos)
-        self.pick_tensors = _picker(self.tensor_pos)
         return f.ops[0], f.ops[1], names, _picker(param_pos), tuple(bwd_params), tuple(codes), grad_of
-
-    def _call_grad(self, args):
-        """The public outputs through call_grad, or NotImplemented (nothing run) where it declines the call."""
-        fwd_op, bwd_op, names, pick, bwd_params, codes, grad_of = self.grad_call
-        params = dict(zip(names, pick(args)))
-        outs = _native.ext.call_grad(self.node_name, fwd_op, bwd_op, self.pick_tensors(args), params, bwd_params,
-                                     codes, grad_of)
-        if outs is NotImplemented:
-            return outs
-        public = self.family.public
-        return outs[public[0]] if len(public) == 1 else tuple([outs[i] for i in public])
 
     # ---- the public entry ----
 
@@ -415,12 +404,16 @@ class Surface:
         elif not grad:
             outs = self.family.forward(*args, save=False)
         elif _native.ext is not None:
-            # a one_call family's saving forward in C++ (save_arg off: the general node, whose backward raises)
+            # a one_call family's saving forward in C++ (save_arg off: the general node, whose backward raises),
+            # written out here rather than in a helper: one Python frame less per call
             if self.grad_call is not None and (self.save_pos is None or args[self.save_pos]):
-                outs = self._call_grad(args)
-                if outs is not NotImplemented:
-                    return outs
-            return self._native_apply(args)
+                fwd_op, bwd_op, names, pick, bwd_params, codes, grad_of = self.grad_call
+                outs = _native.ext.call_grad(self.node_name, fwd_op, bwd_op, self.pick_tensors(args),
+                                             dict(zip(names, pick(args))), bwd_params, codes, grad_of)
+                if outs is NotImplemented:  # kspec.call's C++ path would decline: nothing ran
+                    return self._native_apply(args)
+            else:
+                return self._native_apply(args)
         else:
             return self.function.apply(*args)
         return outs[public[0]] if len(public) == 1 else tuple([outs[i] for i in public])

@@ -3,9 +3,11 @@ forward and backward it runs, their arguments and outputs by name) and the code 
 need beyond one registry call. kspec._surface makes the custom ops, fakes, autograd and eager path."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from . import _C, _native
+from . import _C, _native, ops
 from ._core import call, call_some
 from ._surface import _GRAD, _OUT, Family, build
 from .ops import ACTIVATION_ALIASES, gemm_reads_in_place
@@ -200,3 +202,5 @@ def linear(x, weight, bias, act, tf32):
         y = linear_surface(x, weight, bias, act, tf32) if y is NotImplemented else y[0]
     return y.squeeze(0) if one_row else y
 
+
+ops._torch = sys.modules[__name__]  # the torch entries of kspec.ops read it per call (no import statement)

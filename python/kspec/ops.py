@@ -12,6 +12,18 @@ from ._typing import Array, Arrays
 if TYPE_CHECKING:
     from ._core import Explanation
 
+# kspec._torch, which sets this when it is imported (kspec's own import does, where torch is): the torch
+# entries below read a global per call instead of running an import statement (importlib's fast path,
+# ~0.4 µs a call on the helper machine). _torch_glue() where it is not set yet.
+_torch = None
+
+
+def _torch_glue():
+    import kspec._torch as glue  # fromlist-free: `from . import` runs importlib's Python per call
+
+    return glue
+
+
 _NORMS = ("layernorm", "rmsnorm")
 # One activation vocabulary for every op with an `act` (api/ops/common/activations.h, where the C++ ops
 # map an alias to its canonical name): canonical none, relu, silu, gelu_tanh, gelu_erf; "identity" is
@@ -55,10 +67,8 @@ def norm_act(x: Array, weight: Array, bias: Array | None = None, *, norm: str = 
     bias: (hidden) like weight, or None. Returns y: (..., hidden) like x. Differentiable for torch
     tensors (dx, dweight, dbias from kspec's backward kernel)."""
     if _is_torch(x):
-        import kspec._torch as _torch  # fromlist-free: `from . import` runs importlib's Python per call
-
         act = act if act in _ACTS else canonical_act(act, _ACTS, "kspec.ops.norm_act")
-        return _torch.norm_act(x, weight, bias, norm, act, float(eps), True)
+        return (_torch or _torch_glue()).norm_act(x, weight, bias, norm, act, float(eps), True)
     return call("norm_act.fwd", x, weight, bias, norm=norm, act=act, eps=float(eps), save_stats=False)[0]
 
 
@@ -131,6 +141,7 @@ def selective_scan_fn(u: Array, delta: Array, A: Array, B: Array, C: Array, D: A
     # keyword dict and two type tests per tensor cost more than the rest of this wrapper
     tensor_type = type(u)
     same = _is_torch(u)
+    is_torch = same
     if same:
         for t in tensors:
             if t is not None and not isinstance(t, tensor_type):
@@ -143,12 +154,10 @@ def selective_scan_fn(u: Array, delta: Array, A: Array, B: Array, C: Array, D: A
         B = B[:, None]
     if C.ndim == 3:
         C = C[:, None]
-    if _is_torch(u):
-        import kspec._torch as _torch  # fromlist-free: `from . import` runs importlib's Python per call
-
+    if is_torch:  # u is (and, past _check_arrays, so is every tensor)
         args = [t if t is None or t.is_contiguous() else t.contiguous()
                 for t in (u, delta, A, B, C, D, z, delta_bias, h0)]
-        out, last = _torch.selective_scan(*args, bool(delta_softplus), bool(save_states))
+        out, last = (_torch or _torch_glue()).selective_scan(*args, bool(delta_softplus), bool(save_states))
     else:
         args = [_contiguous(t) for t in (u, delta, A, B, C, D, z, delta_bias, h0)]
         out, last, _ = call("selective_scan.fwd", *args, delta_softplus=bool(delta_softplus))
@@ -344,9 +353,7 @@ def linear(x: Array, weight: Array, bias: Array | None = None, act: str = "none"
     with x's shape and strides as autograd gives them)."""
     act = act if act in _GEMM_ACTS else canonical_act(act, _GEMM_ACTS, "kspec.ops.linear")
     if _is_torch(x):
-        import kspec._torch as _torch  # fromlist-free: `from . import` runs importlib's Python per call
-
-        return _torch.linear(x, weight, bias, act, bool(tf32))
+        return (_torch or _torch_glue()).linear(x, weight, bias, act, bool(tf32))
     return call("gemm", x, weight, bias, act=act, tf32=bool(tf32))[0]
 
 

@@ -19,23 +19,52 @@ namespace {
 
 thread_local std::exception_ptr g_error;
 
-kspec::Params to_params(const kspec_ext::Param* p, int n) {
-  kspec::Params out;
+// What one C ABI call hands kspec, kept per thread so that a repeated call allocates nothing: the views
+// and params refilled in place (kspec::call and infer_outputs take vectors). `busy` while in use: a call
+// that re-enters on this thread (a Python log handler calling kspec) gets its own.
+struct Scratch {
+  std::vector<kspec::TensorView> in, out;
+  kspec::Params params;
+  std::vector<kspec::OutputSpec> specs;
+  bool busy = false;
+};
+
+class ScratchLease {
+ public:
+  ScratchLease() : s_(t_scratch.busy ? own_ : t_scratch) { s_.busy = true; }
+  ~ScratchLease() { s_.busy = false; }
+  ScratchLease(const ScratchLease&) = delete;
+  ScratchLease& operator=(const ScratchLease&) = delete;
+  Scratch* operator->() { return &s_; }
+
+ private:
+  static thread_local Scratch t_scratch;
+  Scratch own_;
+  Scratch& s_;
+};
+thread_local Scratch ScratchLease::t_scratch;
+
+void fill_params(const kspec_ext::Param* p, int n, kspec::Params* out) {
+  out->clear();
+  out->reserve(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) {
     switch (p[i].kind) {
-      case kspec_ext::kInt: out.set(p[i].name, p[i].i); break;
-      case kspec_ext::kFloat: out.set(p[i].name, p[i].f); break;
-      case kspec_ext::kBool: out.set(p[i].name, p[i].i != 0); break;
-      default: out.set(p[i].name, std::string(p[i].s)); break;
+      case kspec_ext::kInt: out->set(p[i].name, p[i].i); break;
+      case kspec_ext::kFloat: out->set(p[i].name, p[i].f); break;
+      case kspec_ext::kBool: out->set(p[i].name, p[i].i != 0); break;
+      default: out->set(p[i].name, std::string(p[i].s)); break;
     }
   }
-  return out;
 }
 
 int infer_outputs(const char* op, const kspec::TensorView* in, int n_in, const kspec_ext::Param* params,
                   int n_params, kspec_ext::Output* out, int capacity, int* n_out) {
   try {
-    auto specs = kspec::infer_outputs(op, std::vector<kspec::TensorView>(in, in + n_in), to_params(params, n_params));
+    ScratchLease s;
+    s->in.assign(in, in + n_in);
+    fill_params(params, n_params, &s->params);
+    kspec::infer_outputs(op, s->in, s->params, &s->specs);
+    const auto& specs = s->specs;
     if (static_cast<int>(specs.size()) > capacity)
       throw kspec::InternalError(std::string(op) + ": more outputs than the torch extension takes");
     for (size_t i = 0; i < specs.size(); ++i) {
@@ -55,8 +84,11 @@ int infer_outputs(const char* op, const kspec::TensorView* in, int n_in, const k
 int call(const char* op, const kspec::TensorView* in, int n_in, const kspec::TensorView* out, int n_out,
          const kspec_ext::Param* params, int n_params, void* stream) {
   try {
-    kspec::call(op, std::vector<kspec::TensorView>(in, in + n_in), std::vector<kspec::TensorView>(out, out + n_out),
-                to_params(params, n_params), static_cast<kspec::Stream>(stream));
+    ScratchLease s;
+    s->in.assign(in, in + n_in);
+    s->out.assign(out, out + n_out);
+    fill_params(params, n_params, &s->params);
+    kspec::call(op, s->in, s->out, s->params, static_cast<kspec::Stream>(stream));
     return 0;
   } catch (...) {
     g_error = std::current_exception();

@@ -1,7 +1,7 @@
 // What every mock-driver test executable sets up once (include it in exactly one source file of the
 // executable: it replaces the global operator new/delete): every heap allocation of the process counted in
-// g_allocations (the library's too), and KSPEC_LIBCUDA pointed at the mock (KSPEC_CUDA_MOCK, from CMake)
-// before anything loads the driver (kMockSelected, asserted by the tests).
+// g_allocations (the library's too), and KSPEC_LIBCUDA and KSPEC_LIBCUBLASLT pointed at the mock
+// (KSPEC_CUDA_MOCK, from CMake) before anything loads them (kMockSelected, asserted by the tests).
 #pragma once
 
 #include <atomic>
@@ -21,5 +21,6 @@ void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, size_t) noexcept { std::free(p); }
 
 namespace {
-const bool kMockSelected = setenv("KSPEC_LIBCUDA", KSPEC_CUDA_MOCK, 1) == 0;
+const bool kMockSelected =
+    setenv("KSPEC_LIBCUDA", KSPEC_CUDA_MOCK, 1) == 0 && setenv("KSPEC_LIBCUBLASLT", KSPEC_CUDA_MOCK, 1) == 0;
 }  // namespace

@@ -1,11 +1,13 @@
-// kspec's host path on the mock driver (tests/mock_cuda/cuda_mock.cpp), so that CI without a GPU runs
-// it: a call whose signature was seen before (kspec::call's cache hit, BoundCall::run) launches once
-// and allocates nothing, and still refuses what depends on the pointers (null data, overlap).
+// kspec's host path on the mock driver (tests/mock_cuda/cuda_mock.cpp, cublaslt_mock.cpp), so that CI
+// without a GPU runs it: a call whose signature was seen before (kspec::call's cache hit, BoundCall::run)
+// launches once and allocates nothing, and still refuses what depends on the pointers (null data,
+// overlap); a repeated GEMM reuses its cuBLASLt descriptors and algorithm.
 #include <gtest/gtest.h>
 
 #include <cuda.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <new>
@@ -20,10 +22,16 @@
 namespace kspec {
 namespace {
 
-long mock_launches() {
-  static auto fn = reinterpret_cast<long long (*)()>(dlsym(dlopen(KSPEC_CUDA_MOCK, RTLD_NOW | RTLD_NOLOAD), "kspec_mock_launches"));
-  return fn ? static_cast<long>(fn()) : -1;
+// A counter of the mock library (-1 before it is loaded).
+template <typename T = long long>
+T mock_value(const char* name) {
+  void* lib = dlopen(KSPEC_CUDA_MOCK, RTLD_NOW | RTLD_NOLOAD);
+  auto fn = lib ? reinterpret_cast<T (*)()>(dlsym(lib, name)) : nullptr;
+  if (lib) dlclose(lib);  // drops only the reference NOLOAD took
+  return fn ? fn() : T(-1);
 }
+
+long mock_launches() { return static_cast<long>(mock_value("kspec_mock_launches")); }
 
 // fp32 norm_act.fwd [4, 256] in mock device memory (host memory).
 struct NormActCall {
@@ -159,6 +167,113 @@ TEST_F(HostPath, NormActWithoutStats) {
   };
   expect_refused(a.outs, no_stats, "output 'mean' must be None when 'save_stats' is false");
   expect_refused(y_only, a.params, "output 'mean' is required when 'save_stats' is true");
+}
+
+// What the torch extension asks before each call that allocates its outputs: a repeated signature,
+// answered into the caller's vector, allocates nothing (before: the key's buffer and a copy of the
+// specs, a vector per output shape, on every call).
+TEST_F(HostPath, InferOutputsHitAllocatesNothing) {
+  NormActCall a;
+  std::vector<OutputSpec> specs;
+  infer_outputs("norm_act.fwd", a.ins, a.params, &specs);
+  infer_outputs("norm_act.fwd", a.ins, a.params, &specs);
+  const long allocations = g_allocations.load();
+  for (int i = 0; i < 100; ++i) infer_outputs("norm_act.fwd", a.ins, a.params, &specs);
+  EXPECT_EQ(g_allocations.load() - allocations, 0) << "heap allocations in 100 repeated infer_outputs";
+  auto is = [](const std::vector<int64_t>& shape, std::initializer_list<int64_t> want) {
+    return std::equal(shape.begin(), shape.end(), want.begin(), want.end());
+  };
+  ASSERT_EQ(specs.size(), 3u);
+  EXPECT_TRUE(is(specs[0].shape, {4, 256}));
+  EXPECT_TRUE(is(specs[1].shape, {4}));
+  EXPECT_EQ(specs[0].dtype, DType::f32);
+  // Another signature into the same vector gets its own answer (no stale shape).
+  std::vector<TensorView> wider = a.ins;
+  wider[0] = TensorView(a.ins[0].data, DType::f32, {2, 256}, 0);
+  infer_outputs("norm_act.fwd", wider, a.params, &specs);
+  EXPECT_TRUE(is(specs[0].shape, {2, 256}));
+  EXPECT_TRUE(is(specs[2].shape, {2}));
+}
+
+// An fp32 linear layer x [rows, 64] · W [64, 64]ᵀ (+ bias) in mock device memory: gemm through cuBLASLt.
+struct GemmCall {
+  std::vector<CUdeviceptr> bufs;
+  std::vector<TensorView> ins, outs;
+  Params params{{"act", std::string("none")}};
+  Stream stream = reinterpret_cast<Stream>(uintptr_t(0x100));
+  explicit GemmCall(int64_t rows) {
+    for (int i = 0; i < 5; ++i) {
+      CUdeviceptr p = 0;
+      CU_CHECK(cuMemAlloc(&p, 64 * 64 * 4));
+      bufs.push_back(p);
+    }
+    auto v = [&](int i, std::initializer_list<int64_t> shape) {
+      return TensorView(reinterpret_cast<void*>(bufs[i]), DType::f32, shape, 0);
+    };
+    ins = {v(0, {rows, 64}), v(1, {64, 64}), v(2, {64})};
+    outs = {v(3, {rows, 64}), TensorView()};
+  }
+  void run() const { call("gemm", ins, outs, params, stream); }
+  ~GemmCall() {
+    for (auto p : bufs) jit::driver().cuMemFree(p);
+  }
+};
+
+long long lt_setup_calls() { return mock_value("kspec_mock_lt_setup_calls"); }
+long long lt_matmuls() { return mock_value("kspec_mock_lt_matmuls"); }
+
+// A repeated problem makes no descriptor, attribute or heuristic call: only the matmul (before the plan
+// cache, every call created a matmul descriptor and three layouts and set their attributes).
+TEST_F(HostPath, GemmReusesItsCuBlasLtPlan) {
+  GemmCall a(4), b(8);  // b: another m, so another problem
+  a.run();
+  ASSERT_GE(lt_matmuls(), 1) << "the mock cuBLASLt did not load from " KSPEC_CUDA_MOCK;
+  long long setup = lt_setup_calls(), matmuls = lt_matmuls();
+  constexpr int kCalls = 50;
+  for (int i = 0; i < kCalls; ++i) a.run();
+  EXPECT_EQ(lt_setup_calls() - setup, 0) << "cuBLASLt setup calls in " << kCalls << " repeated calls";
+  EXPECT_EQ(lt_matmuls() - matmuls, kCalls);
+
+  setup = lt_setup_calls();
+  b.run();  // a changed problem builds its own plan
+  EXPECT_GT(lt_setup_calls() - setup, 0) << "a changed problem reused another's descriptors";
+  setup = lt_setup_calls();
+  for (int i = 0; i < kCalls; ++i) {  // interleaved, as a step's layers are: each keeps its plan
+    a.run();
+    b.run();
+  }
+  EXPECT_EQ(lt_setup_calls() - setup, 0);
+
+  // The same problem with another bias buffer: the plan is reused with the call's own bias pointer.
+  GemmCall c(4);
+  ASSERT_NE(c.ins[2].data, a.ins[2].data);
+  setup = lt_setup_calls();
+  c.run();
+  EXPECT_EQ(lt_setup_calls() - setup, 1) << "more than the bias pointer was set";
+  EXPECT_EQ(mock_value<const void*>("kspec_mock_lt_last_bias"), c.ins[2].data);
+  a.run();
+  EXPECT_EQ(mock_value<const void*>("kspec_mock_lt_last_bias"), a.ins[2].data);
+}
+
+// Plans are per thread (a call sets its pointers in its plan's descriptor): a second thread builds its
+// own descriptors, with the algorithm the first one chose (no second heuristic query), and both run.
+TEST_F(HostPath, GemmPlanPerThread) {
+  GemmCall a(16);
+  a.run();
+  long long setup = lt_setup_calls();
+  const long long matmuls = lt_matmuls();
+  std::thread([&] {
+    for (int i = 0; i < 20; ++i) a.run();
+  }).join();
+  const long long other_thread = lt_setup_calls() - setup;
+  EXPECT_GT(other_thread, 0) << "the second thread used the first one's descriptors";
+  EXPECT_EQ(lt_matmuls() - matmuls, 20);
+  // Its own plan built once: the same count as the first thread's build, less the heuristic's preference
+  // (created, set, queried: 3 calls) and the algorithm's attribute reads.
+  setup = lt_setup_calls();
+  GemmCall fresh(24);
+  fresh.run();
+  EXPECT_LT(other_thread, lt_setup_calls() - setup);
 }
 
 }  // namespace

@@ -1,6 +1,10 @@
 // Host overhead of one kspec call from C++, against a raw cuLaunchKernel of the very same loaded
-// function: a tiny fp32 norm_act.fwd (1 x 256) so that the GPU side never limits the launch rate.
-// Prints one JSON object to stdout; tools/bench/bench.py --dispatch-bin runs it and keeps the JSON.
+// function: a tiny fp32 norm_act.fwd (1 x 256) so that the GPU side never limits the launch rate, through
+// kspec::call, the typed wrapper and a BoundCall; and an fp32 gemm (x [4, 64] · W [64, 64]ᵀ + bias, one
+// cuBLASLt matmul) through kspec::call. Prints one JSON object to stdout; tools/bench/bench.py
+// --dispatch-bin runs it and keeps the JSON.
+//   kspec_dispatch_bench [--no-check]   --no-check: skip the float64 check of the outputs (on the mock
+//                                        driver, tests/mock_cuda, whose launches compute nothing)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -97,7 +101,7 @@ std::string json_escape(const std::string& s) {
   return o;
 }
 
-int run() {
+int run(bool check) {
   if (!kspec::jit::driver_available() || kspec::jit::device_count() == 0) {
     std::fprintf(stderr, "kspec_dispatch_bench: no CUDA driver or no GPU visible; nothing to measure\n");
     return 2;
@@ -173,14 +177,32 @@ int run() {
   };
   auto call_prebuilt = [&] { kspec::call("norm_act.fwd", {xv, wv, bv}, {yv, mv, rv}, params, stream); };
   auto typed = [&] { kspec::ops::norm_act_fwd(xv, wv, bv, yv, mv, rv, options, stream); };
+  kspec::BoundCall bound_call("norm_act.fwd", {xv, wv, bv}, {yv, mv, rv}, params);
+  const kspec::Params no_params;
+  const std::vector<TensorView> bound_outs{yv, mv, rv};
+  auto bound = [&] { bound_call.run(no_params, bound_outs, stream); };
+  // A linear layer's GEMM (cuBLASLt), not compared with raw: its row is kspec's host cost around cuBLASLt's
+  // (x and W zeros, the bias ones: y must be ones).
+  constexpr int kGemmRows = 4, kGemmDim = 64;
+  DeviceBuffer gx(kGemmRows * kGemmDim * 4), gw(kGemmDim * kGemmDim * 4), gb(kGemmDim * 4), gy(kGemmRows * kGemmDim * 4);
+  CU_CHECK(cuMemsetD32Async(gx.dptr(), 0, kGemmRows * kGemmDim, cu_stream));
+  CU_CHECK(cuMemsetD32Async(gw.dptr(), 0, kGemmDim * kGemmDim, cu_stream));
+  CU_CHECK(cuMemsetD32Async(gb.dptr(), 0x3f800000u, kGemmDim, cu_stream));  // 1.0f
+  const std::vector<TensorView> gemm_ins{TensorView(gx.get(), DType::f32, {kGemmRows, kGemmDim}, kDevice),
+                                         TensorView(gw.get(), DType::f32, {kGemmDim, kGemmDim}, kDevice),
+                                         TensorView(gb.get(), DType::f32, {kGemmDim}, kDevice)},
+      gemm_outs{TensorView(gy.get(), DType::f32, {kGemmRows, kGemmDim}, kDevice), TensorView()};
+  const kspec::Params gemm_params{{"act", std::string("none")}};
+  auto gemm = [&] { kspec::call("gemm", gemm_ins, gemm_outs, gemm_params, stream); };
 
   struct Method {
     const char* name;
     std::function<void()> fn;
     std::vector<double> per_call_us;
   };
-  std::vector<Method> methods = {{"raw", raw, {}}, {"call", call, {}}, {"call_prebuilt_params", call_prebuilt, {}},
-                                 {"typed", typed, {}}};
+  std::vector<Method> methods = {{"raw", raw, {}},     {"call", call, {}},   {"call_prebuilt_params", call_prebuilt, {}},
+                                 {"typed", typed, {}}, {"bound", bound, {}}, {"gemm", gemm, {}}};
+  const size_t n_norm_act = methods.size() - 1;  // the methods that write y (all but gemm)
 
   // Validate every path before timing it: each writes y from scratch, checked against the float64
   // reference; the raw launch and kspec's must agree bit for bit (the same kernel on the same data).
@@ -191,7 +213,8 @@ int run() {
   double worst_error = 0;
   bool bitwise_equal = true;
   std::vector<float> first;
-  for (auto& m : methods) {
+  for (size_t i = 0; i < n_norm_act && check; ++i) {
+    Method& m = methods[i];
     CU_CHECK(cuMemsetD32Async(y.dptr(), 0x7fc00000u, n, cu_stream));  // NaN-poison the output
     m.fn();
     CU_CHECK(cuStreamSynchronize(cu_stream));
@@ -208,6 +231,18 @@ int run() {
     return 1;
   }
 
+  // The gemm's y = 0·Wᵀ + bias must be the bias (1.0) exactly.
+  if (check) {
+    CU_CHECK(cuMemsetD32Async(gy.dptr(), 0x7fc00000u, kGemmRows * kGemmDim, cu_stream));
+    gemm();
+    CU_CHECK(cuStreamSynchronize(cu_stream));
+    for (float v : download(gy, kGemmRows * kGemmDim)) {
+      if (v != 1.f) {
+        std::fprintf(stderr, "kspec_dispatch_bench: the gemm wrote %g where the bias is 1\n", static_cast<double>(v));
+        return 1;
+      }
+    }
+  }
   for (auto& m : methods) {
     for (int i = 0; i < kWarmupLaunches; ++i) m.fn();
     CU_CHECK(cuStreamSynchronize(cu_stream));
@@ -227,11 +262,12 @@ int run() {
   for (auto& m : methods) stats.push_back(summarize(m.per_call_us));
   std::printf("{\"device\": \"%s\", \"arch\": \"%s\", \"kspec_version\": \"%s\", \"op\": \"norm_act.fwd\", "
               "\"problem\": \"float32[%d, %d] layernorm identity bias\", \"kernel\": \"%s\", "
-              "\"launches_per_rep\": %d, \"reps\": %d, \"same_kernel\": %s, \"outputs_bitwise_equal\": %s, "
-              "\"max_rel_error\": %.3g",
+              "\"launches_per_rep\": %d, \"reps\": %d, \"same_kernel\": %s, \"checked\": %s, "
+              "\"outputs_bitwise_equal\": %s, \"max_rel_error\": %.3g, \"gemm_problem\": \"float32 x[%d, %d] W[%d, %d] bias\"",
               json_escape(name).c_str(), spec.arch.c_str(), kspec::version(), kRows, kHidden,
               json_escape(spec.name_expression()).c_str(), kLaunchesPerRep, kReps, same_kernel ? "true" : "false",
-              bitwise_equal ? "true" : "false", worst_error);
+              check ? "true" : "false", bitwise_equal ? "true" : "false", worst_error, kGemmRows, kGemmDim, kGemmDim,
+              kGemmDim);
   for (size_t i = 0; i < methods.size(); ++i)
     std::printf(", \"%s_us\": %.4f, \"%s_min_us\": %.4f, \"%s_p90_us\": %.4f", methods[i].name, stats[i].median,
                 methods[i].name, stats[i].min, methods[i].name, stats[i].p90);
@@ -243,9 +279,14 @@ int run() {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  const bool check = !(argc == 2 && std::strcmp(argv[1], "--no-check") == 0);
+  if (argc > 2 || (argc == 2 && check)) {
+    std::fprintf(stderr, "usage: kspec_dispatch_bench [--no-check]\n");
+    return 2;
+  }
   try {
-    return run();
+    return run(check);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kspec_dispatch_bench: %s\n", e.what());
     return 1;

@@ -312,7 +312,7 @@ def _twins(rows):
 
 
 def cpp_rows(path):
-    """kspec_dispatch_bench's JSON (C++: raw cuLaunchKernel, kspec::call, the typed wrapper)."""
+    """kspec_dispatch_bench's JSON (C++: raw cuLaunchKernel, kspec::call, the typed wrapper, a BoundCall, a gemm)."""
     r = subprocess.run([path], capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise RuntimeError(f"{path} exited {r.returncode}: {r.stderr.strip()[-400:]}")
@@ -360,7 +360,8 @@ def run(args) -> dict:
             print(f"\nC++ ({c['problem']}): raw cuLaunchKernel {c['raw_us']:.2f} µs, kspec::call {c['call_us']:.2f} "
                   f"(+{c['call_minus_raw_us']:.2f}), prebuilt params {c['call_prebuilt_params_us']:.2f} "
                   f"(+{c['call_prebuilt_params_minus_raw_us']:.2f}), typed {c['typed_us']:.2f} "
-                  f"(+{c['typed_minus_raw_us']:.2f})")
+                  f"(+{c['typed_minus_raw_us']:.2f}), BoundCall {c['bound_us']:.2f} (+{c['bound_minus_raw_us']:.2f}); "
+                  f"kspec::call gemm ({c['gemm_problem']}, one cuBLASLt matmul) {c['gemm_us']:.2f}")
         except Exception as e:  # the Python table stands without it
             data["cpp_error"] = str(e)
             print(f"\nC++ dispatch benchmark: {e}")

@@ -1,13 +1,17 @@
 """The host path of kspec's torch surface on a machine without a GPU: torch's CPU tensors go through the
 torch extension (kspec._torch_ext) and the whole of kspec::call (validation, call cache, plan) into the mock
-CUDA driver (tests/mock_cuda: host memory, launches that only count). A shim of kspec._C's C ABI
+CUDA driver and mock cuBLASLt (tests/mock_cuda: host memory, launches and matmuls that only count). A shim
+of kspec._C's C ABI
 (dispatch_host_shim.cpp) moves every view to device 0 on the way, so nothing is stubbed but the GPU.
 Rows as tools/bench/dispatch.py's (median host µs of N calls, each timed alone) and, exact whatever the
 machine's load, the Python-level calls per call (cProfile). Kernels are compiled for sm_90 on first use
 (NVRTC: the CUDA toolkit is needed, not a GPU). Differs from the GPU: the autograd engine runs a CPU
 graph's backward on the calling thread, where a CUDA graph's runs on the device's worker thread.
 
-    python3 tools/bench/dispatch_host.py [--calls N] [--cuda-include DIR]
+    python3 tools/bench/dispatch_host.py [--calls N] [--cuda-include DIR] [--row TEXT] [--profile]
+
+--row keeps the rows whose name contains TEXT; --profile prints each row's Python functions by own time
+(cProfile), the pieces of its host time.
 """
 from __future__ import annotations
 
@@ -25,18 +29,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def build(cuda_include: str) -> tuple[str, str]:
-    """(mock driver, C ABI shim): compiled with g++ into a temporary folder."""
+    """(mock driver and cuBLASLt in one library, C ABI shim): compiled with g++ into a temporary folder."""
     out = tempfile.mkdtemp(prefix="kspec-dispatch-host-")
     mock, shim = os.path.join(out, "libcuda_mock.so"), os.path.join(out, "shim.so")
     flags = ["g++", "-O2", "-std=c++17", "-fPIC", "-shared"]
-    subprocess.run(flags + [f"-I{cuda_include}", os.path.join(ROOT, "tests/mock_cuda/cuda_mock.cpp"), "-o", mock],
-                   check=True)
+    subprocess.run(flags + [f"-I{cuda_include}", os.path.join(ROOT, "tests/mock_cuda/cuda_mock.cpp"),
+                            os.path.join(ROOT, "tests/mock_cuda/cublaslt_mock.cpp"), "-o", mock], check=True)
     subprocess.run(flags + [f"-I{ROOT}", f"-I{ROOT}/api/include", f"-I{ROOT}/jit/base/include",
                             os.path.join(ROOT, "tools/bench/dispatch_host_shim.cpp"), "-o", shim], check=True)
     return mock, shim
 
 
 _keep = []  # the shim's library and the capsule's name live as long as the process
+
+
+def select(mock: str) -> None:
+    """The mock as kspec's driver and cuBLASLt: before kspec loads either."""
+    os.environ["KSPEC_LIBCUDA"] = os.environ["KSPEC_LIBCUBLASLT"] = mock
 
 
 def install_shim(shim_path: str) -> None:
@@ -72,13 +81,16 @@ def host_us(fn, calls: int) -> float:
     return t[calls // 2] / 1e3
 
 
-def py_calls(fn, n=50) -> float:
+def py_calls(fn, n=50, profile=False) -> float:
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(n):
         fn()
     prof.disable()
-    return pstats.Stats(prof).total_calls / n
+    stats = pstats.Stats(prof)
+    if profile:
+        stats.sort_stats("tottime").print_stats(12)
+    return stats.total_calls / n
 
 
 def rows():
@@ -119,6 +131,16 @@ def rows():
             v.grad = None
         kspec.ops.selective_scan_fn(*leaves, delta_softplus=True).backward(dout)
 
+    lx = torch.randn(4, 256, dtype=bf)
+    lw = torch.randn(256, 256, dtype=bf) * 0.06
+    lb = torch.zeros(256, dtype=bf)
+    lxg, lwg, lbg = (v.clone().requires_grad_() for v in (lx, lw, lb))
+
+    def linear_step():
+        for v in (lxg, lwg, lbg):
+            v.grad = None
+        kspec.ops.linear(lxg, lwg, lbg, "relu").backward(gy)
+
     return [
         ("kspec.call norm_act.fwd, out=", lambda: kspec.call("norm_act.fwd", x, w, None, out=(y, mean, rstd), **nm)),
         ("kspec.call norm_act.fwd (allocated)", lambda: kspec.call("norm_act.fwd", x, w, None, **nm)),
@@ -128,7 +150,10 @@ def rows():
          lambda: kspec.ops.selective_scan_fn(u, delta, A, B, C, D, delta_softplus=True)),
         ("kspec.ops.selective_scan_fn (input requires grad)",
          lambda: kspec.ops.selective_scan_fn(ug, delta, A, B, C, D, delta_softplus=True)),
+        ("kspec.ops.linear [4, 256] x [256, 256] (no grad)", lambda: kspec.ops.linear(lx, lw, lb)),
+        ("kspec.ops.linear (input requires grad)", lambda: kspec.ops.linear(lxg, lw, lb)),
         ("norm_act fwd+bwd step [4, 256]", norm_step),
+        ("linear relu fwd+bwd step", linear_step),
         ("scan fwd+bwd step (2, 4096, 333)", scan_step),
     ]
 
@@ -137,18 +162,22 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--cuda-include", default=os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include"))
+    p.add_argument("--row", default="", help="only the rows whose name contains this")
+    p.add_argument("--profile", action="store_true", help="each row's Python functions by own time")
     a = p.parse_args()
     mock, shim = build(a.cuda_include)
-    os.environ["KSPEC_LIBCUDA"] = mock  # before kspec loads a driver
+    select(mock)
     import kspec
     import kspec._torch  # noqa: F401  (loads the extension)
 
     install_shim(shim)
     print(f"kspec {kspec.__file__}: median host µs of {a.calls} calls (CPU, mock driver), Python calls per call")
     for name, fn in rows():
+        if a.row not in name:
+            continue
         fn()  # compiles on first use
         us = host_us(fn, a.calls if "step" not in name else max(a.calls // 10, 20))
-        print(f"{name:52s} {us:9.1f} {py_calls(fn):9.1f}")
+        print(f"{name:52s} {us:9.1f} {py_calls(fn, profile=a.profile):9.1f}")
 
 
 if __name__ == "__main__":

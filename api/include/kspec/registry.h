@@ -35,6 +35,7 @@ class Params {
   const ParamValue* find(std::string_view name) const;
   const std::vector<std::pair<std::string, ParamValue>>& items() const { return items_; }
   void reserve(size_t n) { items_.reserve(n); }
+  void clear() { items_.clear(); }  // keeps the storage, for a Params refilled per call
 
  private:
   std::vector<std::pair<std::string, ParamValue>> items_;
@@ -208,6 +209,10 @@ struct OutputSpec {
 };
 std::vector<OutputSpec> infer_outputs(std::string_view op, const std::vector<TensorView>& inputs,
                                       const Params& params = {});
+// The same into *out, whose storage is reused: a signature seen before allocates nothing (a caller that
+// allocates outputs per call keeps one vector).
+void infer_outputs(std::string_view op, const std::vector<TensorView>& inputs, const Params& params,
+                   std::vector<OutputSpec>* out);
 
 // ---- Compiling without a GPU ----
 

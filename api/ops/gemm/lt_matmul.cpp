@@ -1,14 +1,18 @@
-// cuBLASLt matmul: RAII descriptors per call (a few µs of host time), the heuristic's (or a tuned and
-// checked) algorithm cached; the heuristic's top candidates for the tuner.
+// cuBLASLt matmul: the descriptors and the heuristic's (or a tuned and checked) algorithm built once per
+// problem and thread, so that a repeated call only sets its pointers and launches; the heuristic's top
+// candidates for the tuner.
 #include "gemm/lt_matmul.h"
 
 #include <algorithm>
+#include <array>
 #include <climits>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "jit/base/log.h"
 #include "jit/cublaslt.h"
@@ -51,7 +55,7 @@ std::string algo_key(const LtCall& c, int device, size_t ws) {
                         c.aux_ld, ",", c.aux_batch_stride, "|d", device, "|w", ws);
 }
 
-// The descriptors of one call (a few µs of host time).
+// The descriptors of one problem (a few µs of host time to build: 4 creations and 6-10 attributes).
 struct Descriptors {
   cublasComputeType_t compute;
   cudaDataType_t tab, td;
@@ -235,61 +239,128 @@ bool algo_from_config(const Config& c, const std::string& prefix, LtAlgoConfig* 
   return true;
 }
 
+namespace {
+
 // The heuristic's first algorithm whose split-K leaves each split at least 64 of K (else its first): for
 // a tiny K its top choice split K = 7 twelve ways and more (H100 bf16 33x4097x7: 0.0069 ms, the same
 // kernel unsplit 0.0041; kspec tune gemm, 2026-11-27).
 constexpr int kHeuristicLookahead = 8;
 constexpr int64_t kMinSplitDepth = 64;
 
-void lt_matmul(const LtCall& c, int device, Stream stream, void* workspace, size_t workspace_bytes) {
+// The algorithm for a problem's descriptors: a tuned one where cuBLASLt accepts it, else the heuristic's.
+// Chosen once per problem for the process (not per thread), so that every thread runs the same algorithm
+// and gets the same bits.
+cublasLtMatmulAlgo_t choose_algo(Descriptors& d, cublasLtHandle_t handle, const LtCall& c, int device,
+                                 size_t workspace_bytes) {
   const LtGemm& g = c.g;
-  if (g.m == 0 || g.n == 0 || g.batch == 0) return;
-  KSPEC_CHECK_AS(g.k > 0, Unsupported, "gemm: the reduction dim k is 0");
-  Descriptors d(c);
-
   static std::mutex mu;
   static std::map<std::string, cublasLtMatmulAlgo_t> algos;
   std::string key = algo_key(c, device, workspace_bytes);
   if (c.algo) key += "|cfg:" + config_text(*c.algo);
-  cublasLtMatmulAlgo_t algo;
-  bool have = false;
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = algos.find(key);
-    if (it != algos.end()) {
-      algo = it->second;
-      have = true;
+    if (it != algos.end()) return it->second;
+  }
+  cublasLtMatmulAlgo_t algo;
+  std::string why;
+  if (c.algo && build_algo(d, handle, *c.algo, workspace_bytes, &algo, &why)) {
+    std::lock_guard<std::mutex> lock(mu);
+    return algos.emplace(key, algo).first->second;
+  }
+  if (c.algo) {
+    jit::warn_once("gemm-algo:" + key, "gemm: the tuned cuBLASLt algorithm {" + config_text(*c.algo) +
+                                           "} does not apply to " + describe(g) + " (" + why +
+                                           "); using cuBLASLt's heuristic (retune with kspec tune gemm)");
+  }
+  auto found = heuristic(d, handle, workspace_bytes, kHeuristicLookahead);
+  KSPEC_CHECK_AS(!found.empty(), Unsupported, "gemm: cuBLASLt has no algorithm for ", describe(g), " (",
+                 dtype_name(c.ab_dtype), " -> ", dtype_name(c.d_dtype), ", epilogue ", static_cast<int>(c.epilogue),
+                 ")");
+  algo = found[0].algo;
+  for (const auto& r : found) {
+    if (config_of(r.algo).splitk <= std::max<int64_t>(1, g.k / kMinSplitDepth)) {
+      algo = r.algo;
+      break;
     }
   }
-  cublasLtHandle_t handle = jit::cublaslt_handle(device);
-  if (!have) {
-    std::string why;
-    if (c.algo && build_algo(d, handle, *c.algo, workspace_bytes, &algo, &why)) {
-      have = true;
-    } else if (c.algo) {
-      jit::warn_once("gemm-algo:" + key, "gemm: the tuned cuBLASLt algorithm {" + config_text(*c.algo) +
-                                             "} does not apply to " + describe(g) + " (" + why +
-                                             "); using cuBLASLt's heuristic (retune with kspec tune gemm)");
-    }
-    if (!have) {
-      auto found = heuristic(d, handle, workspace_bytes, kHeuristicLookahead);
-      KSPEC_CHECK_AS(!found.empty(), Unsupported, "gemm: cuBLASLt has no algorithm for ", describe(g), " (",
-                     dtype_name(c.ab_dtype), " -> ", dtype_name(c.d_dtype), ", epilogue ",
-                     static_cast<int>(c.epilogue), ")");
-      algo = found[0].algo;
-      for (const auto& r : found) {
-        if (config_of(r.algo).splitk <= std::max<int64_t>(1, g.k / kMinSplitDepth)) {
-          algo = r.algo;
-          break;
-        }
-      }
-    }
-    std::lock_guard<std::mutex> lock(mu);
-    algos.emplace(key, algo);
+  std::lock_guard<std::mutex> lock(mu);
+  return algos.emplace(key, algo).first->second;
+}
+
+// What a call's descriptors and algorithm depend on: everything of an LtCall but its data pointers, which
+// enter as their alignment (0: absent), with the device, the workspace size and the tuned algorithm.
+using PlanKey = std::array<int64_t, 43>;
+
+PlanKey plan_key(const LtCall& c, int device, size_t ws) {
+  const LtGemm& g = c.g;
+  uint32_t beta_bits;
+  std::memcpy(&beta_bits, &c.beta, sizeof(beta_bits));
+  const LtAlgoConfig none, &t = c.algo ? *c.algo : none;
+  return {g.m, g.n, g.k, g.batch,
+          g.a.stored_rows, g.a.stored_cols, g.a.ld, g.a.batch_stride, g.a.transpose,
+          g.b.stored_rows, g.b.stored_cols, g.b.ld, g.b.batch_stride, g.b.transpose,
+          g.d.stored_rows, g.d.stored_cols, g.d.ld, g.d.batch_stride, g.d.transpose,
+          static_cast<int64_t>(c.ab_dtype), static_cast<int64_t>(c.d_dtype), c.tf32, c.epilogue, beta_bits,
+          align_of(c.a), align_of(c.b), align_of(c.d), align_of(c.bias), align_of(c.aux),
+          c.aux_ld, c.aux_batch_stride, device, static_cast<int64_t>(ws),
+          c.algo != nullptr, t.algo, t.tile, t.stages, t.splitk, t.reduction, t.swizzle, t.custom, t.inner, t.cluster};
+}
+
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& k) const {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (int64_t v : k) h = (h ^ static_cast<uint64_t>(v)) * 0x100000001b3ull;
+    return static_cast<size_t>(h ^ (h >> 29));
+  }
+};
+
+// A problem's descriptors and algorithm, with the bias and aux pointers its descriptor holds now.
+struct Plan {
+  Descriptors d;
+  cublasLtHandle_t handle;
+  cublasLtMatmulAlgo_t algo;
+  const void* bias;
+  void* aux;
+  Plan(const LtCall& c, int device, size_t ws)
+      : d(c), handle(jit::cublaslt_handle(device)), algo(choose_algo(d, handle, c, device, ws)), bias(c.bias),
+        aux(c.aux) {}
+};
+
+// Per thread: a call rewrites its plan's pointer attributes, so a descriptor is never shared between
+// threads. A training step's few dozen GEMMs stay far below the cap, which only bounds a loop over ever
+// new shapes (then the thread starts over).
+constexpr size_t kMaxPlansPerThread = 1024;
+
+Plan& plan_for(const LtCall& c, int device, size_t ws) {
+  thread_local std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> plans;
+  const PlanKey key = plan_key(c, device, ws);
+  auto it = plans.find(key);
+  if (it != plans.end()) return *it->second;
+  auto plan = std::make_unique<Plan>(c, device, ws);
+  if (plans.size() >= kMaxPlansPerThread) plans.clear();
+  return *plans.emplace(key, std::move(plan)).first->second;
+}
+
+}  // namespace
+
+void lt_matmul(const LtCall& c, int device, Stream stream, void* workspace, size_t workspace_bytes) {
+  const LtGemm& g = c.g;
+  if (g.m == 0 || g.n == 0 || g.batch == 0) return;
+  KSPEC_CHECK_AS(g.k > 0, Unsupported, "gemm: the reduction dim k is 0");
+  Plan& p = plan_for(c, device, workspace_bytes);
+  // The pointers live in the descriptor: a repeated problem with new ones (a fresh output) sets them.
+  if (p.bias != c.bias) {
+    jit::set_attribute(p.d.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, c.bias);
+    p.bias = c.bias;
+  }
+  if (p.aux != c.aux) {
+    jit::set_attribute(p.d.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, c.aux);
+    p.aux = c.aux;
   }
   float alpha = 1.f, beta = c.beta;
-  CUBLAS_CHECK(cublasLtMatmul(handle, d.desc.get(), &alpha, c.a, d.la.get(), c.b, d.lb.get(), &beta, c.d,
-                              d.ld.get(), c.d, d.ld.get(), &algo, workspace, workspace_bytes,
+  CUBLAS_CHECK(cublasLtMatmul(p.handle, p.d.desc.get(), &alpha, c.a, p.d.la.get(), c.b, p.d.lb.get(), &beta, c.d,
+                              p.d.ld.get(), c.d, p.d.ld.get(), &p.algo, workspace, workspace_bytes,
                               reinterpret_cast<cudaStream_t>(stream)));
 }
 

@@ -6,6 +6,7 @@
 // kspec itself is reached through kspec._C's C ABI (python/src/ext_api.h): one registry, one call cache.
 #include <Python.h>
 
+#include <ATen/core/DimVector.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAStream.h>
@@ -130,6 +131,7 @@ PyObject* not_implemented() {
 // Python params as the C ABI's; false (no error set) for a value the general path must judge.
 bool params_of(PyObject* dict, std::vector<kspec_ext::Param>* out) {
   if (!PyDict_Check(dict)) return false;
+  out->reserve(static_cast<size_t>(PyDict_Size(dict)));
   Py_ssize_t pos = 0;
   PyObject *k, *v;
   while (PyDict_Next(dict, &pos, &k, &v)) {
@@ -568,6 +570,11 @@ struct OwnedParams {
   std::vector<std::string> names, strings;
   std::vector<kspec_ext::Param> params;
 
+  void reserve(size_t n) {
+    names.reserve(n);
+    strings.reserve(n);
+    params.reserve(n);
+  }
   void add(const kspec_ext::Param& p) {
     names.emplace_back(p.name);
     strings.emplace_back(p.s ? p.s : "");
@@ -592,6 +599,8 @@ class OpBackward final : public torch::autograd::Node {
       : name_(std::move(name)), op_(std::move(op)), params_(std::move(params)), args_(std::move(args)),
         grad_of_(std::move(grad_of)) {
     params_.fix();
+    saved_.reserve(args_.size());
+    diff_.reserve(args_.size());
   }
   std::string name() const override { return name_; }
 
@@ -605,9 +614,12 @@ class OpBackward final : public torch::autograd::Node {
   // The forward's inputs as they were (an undefined one absent): a gradient the backward op leaves
   // optional (gemm.bwd's dbias) is allocated with its input's shape and dtype, as autograd wants it.
   void set_inputs(const std::vector<at::Tensor>& in) {
+    absent_.reserve(in.size());
+    shapes_.reserve(in.size());
+    dtypes_.reserve(in.size());
     for (const auto& t : in) {
       absent_.push_back(!t.defined());
-      shapes_.push_back(t.defined() ? t.sizes().vec() : std::vector<int64_t>());
+      shapes_.push_back(t.defined() ? at::DimVector(t.sizes()) : at::DimVector());
       dtypes_.push_back(t.defined() ? t.scalar_type() : at::kFloat);
     }
   }
@@ -670,7 +682,7 @@ class OpBackward final : public torch::autograd::Node {
   OwnedParams params_;
   std::vector<long> args_, grad_of_, diff_;
   std::vector<bool> absent_;
-  std::vector<std::vector<int64_t>> shapes_;
+  std::vector<at::DimVector> shapes_;  // inline up to 5 dims: no allocation per input
   std::vector<at::ScalarType> dtypes_;
   bool released_ = false;
   std::vector<torch::autograd::SavedVariable> saved_;
@@ -682,6 +694,7 @@ bool ints_of(PyObject* seq, std::vector<long>* out) {
     PyErr_SetString(PyExc_TypeError, "a tuple of ints");
     return false;
   }
+  out->reserve(static_cast<size_t>(PyTuple_GET_SIZE(seq)));
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(seq); ++i) {
     const long v = PyLong_AsLong(PyTuple_GET_ITEM(seq, i));
     if (v == -1 && PyErr_Occurred()) return false;
@@ -736,6 +749,7 @@ PyObject* py_call_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "bwd_params: a tuple of names");
     return nullptr;
   }
+  bwd_params.reserve(static_cast<size_t>(PyTuple_GET_SIZE(args[5])));
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[5]); ++i) {
     const char* pname = PyUnicode_AsUTF8(PyTuple_GET_ITEM(args[5], i));
     if (!pname) return nullptr;
@@ -748,6 +762,7 @@ PyObject* py_call_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   node->set_inputs(in);
   // the node's inputs: the forward outputs whose gradient the backward reads, in order of index
   std::vector<long> diff;
+  diff.reserve(bwd_args.size());
   for (long code : bwd_args)
     if (code >= kGrad) diff.push_back(code - kGrad);
   std::sort(diff.begin(), diff.end());

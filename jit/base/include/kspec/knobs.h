@@ -124,6 +124,10 @@ inline constexpr Knob<std::optional<std::string>> libcuda{
     "KSPEC_LIBCUDA", {"(auto)", [] { return std::optional<std::string>(); }}, kOptionalPath,
     "path of the CUDA driver library to load instead of libcuda.so.1 (a testing aid: tests/mock_cuda's "
     "stand-in measures the host path on a machine without a GPU)"};
+inline constexpr Knob<std::optional<std::string>> libcublaslt{
+    "KSPEC_LIBCUBLASLT", {"(auto)", [] { return std::optional<std::string>(); }}, kOptionalPath,
+    "path of the cuBLASLt library to load instead of searching for libcublasLt.so.13 (a testing aid, as "
+    "KSPEC_LIBCUDA: tests/mock_cuda's stand-in counts the gemm ops' cuBLASLt calls)"};
 inline constexpr Knob<int64_t> verbose{"KSPEC_VERBOSE", {"0", [] { return int64_t(0); }},
                                        integer<0, INT32_MAX, true>("int"),
                                        "1 (or on): log compilations and cache events to stderr"};
