@@ -142,6 +142,7 @@ Attrs read_attrs(const Target& t, const OpInfo& op, const ffi::Dictionary& attrs
         KSPEC_CHECK(t.scan_layout, what, ": ", t.name, " takes no layout");
         KSPEC_CHECK(v == "bdl" || v == "bld", what, ": expected \"bdl\" or \"bld\", got \"", v, "\"");
         a.bld = v == "bld";
+        a.params.set(name, std::string(v));  // the op's own layout param: its kernels read bld in place
       }
       continue;
     }
@@ -179,11 +180,11 @@ Attrs read_attrs(const Target& t, const OpInfo& op, const ffi::Dictionary& attrs
   return a;
 }
 
-// A buffer as kspec's view. With layout "bld" the scan's sequence tensors arrive as [batch, seqlen, dim] and
-// B/C as [batch, seqlen, (groups,) dstate] whose memory is in bdl order (the operands' XLA layouts say so):
-// the view only renames the dimensions, nothing is moved. (The op's own layout "bld", whose kernels read
-// row-major [batch, seqlen, dim] in place, is not used here yet: the H100 run of this session failed every
-// bld case of tests/python/test_gpu_jax.py through it, its log lost; see tools/bench/NOTES.md.)
+// A buffer as kspec's view. XLA's buffers are dense row-major (kspec.jax asks for no other operand layouts,
+// EXLA cannot). With layout "bld" the scan's sequence tensors arrive as [batch, seqlen, dim] and a variable
+// B/C as [batch, seqlen, (groups,) dstate]: the view is the op's [batch, dim, seqlen] / [batch, groups,
+// dstate, seqlen] over that memory (seqlen's stride dim, the op's own layout "bld"), so the time-major
+// kernels read and write the buffers where they lie and XLA adds no transpose around the call.
 TensorView view_of(const ffi::AnyBuffer& b, const TensorDef& def, bool bld, int device, const std::string& what) {
   TensorView v;
   v.data = b.untyped_data();
@@ -193,17 +194,24 @@ TensorView view_of(const ffi::AnyBuffer& b, const TensorDef& def, bool bld, int 
   std::vector<int64_t> shape(dims.begin(), dims.end());
   const bool seq = def.shape == std::vector<std::string>{"batch", "dim", "seqlen"};
   const bool bc = def.shape == std::vector<std::string>{"batch", "groups", "dstate", "seqlen"};
-  if (seq && bld && shape.size() == 3) shape = {shape[0], shape[2], shape[1]};
-  if (bc && shape.size() == 3) shape = bld ? std::vector<int64_t>{shape[0], 1, shape[2], shape[1]}
-                                           : std::vector<int64_t>{shape[0], 1, shape[1], shape[2]};
-  else if (bc && bld && shape.size() == 4) shape = {shape[0], shape[2], shape[3], shape[1]};
+  if (bc && shape.size() == 3) shape.insert(shape.begin() + (bld ? 2 : 1), 1);  // one group, where it lies
   KSPEC_CHECK(shape.size() <= size_t(kMaxRank), what, ": rank ", shape.size(), " exceeds ", kMaxRank);
   v.rank = int(shape.size());
   int64_t stride = 1;
-  for (int d = v.rank - 1; d >= 0; --d) {
+  for (int d = v.rank - 1; d >= 0; --d) {  // row-major strides of the buffer as it lies
     v.shape[d] = shape[size_t(d)];
     v.strides[d] = stride;
     stride *= shape[size_t(d)] > 0 ? shape[size_t(d)] : 1;
+  }
+  // bld: [batch, seqlen, rest...] memory viewed as [batch, rest..., seqlen] (seqlen's axis moved last).
+  if (bld && ((seq && v.rank == 3) || (bc && v.rank == 4))) {
+    const int64_t len = v.shape[1], len_stride = v.strides[1];
+    for (int d = 1; d + 1 < v.rank; ++d) {
+      v.shape[d] = v.shape[d + 1];
+      v.strides[d] = v.strides[d + 1];
+    }
+    v.shape[v.rank - 1] = len;
+    v.strides[v.rank - 1] = len_stride;
   }
   return v;
 }
