@@ -200,7 +200,7 @@ class XlaHandlers : public ::testing::Test {
 constexpr auto kExecute = XLA_FFI_ExecutionStage_EXECUTE;
 constexpr auto kInitialize = XLA_FFI_ExecutionStage_INITIALIZE;
 
-void norm_act_frame(Frame& f) {
+void norm_act_frame(Frame& f, const char* act = "silu") {
   f.arg({4, 256});
   f.arg({256});
   f.arg({256});
@@ -210,7 +210,7 @@ void norm_act_frame(Frame& f) {
   f.attr("inputs", "x,weight,bias");
   f.attr("outputs", "y,mean,rstd");
   f.attr("norm", "layernorm");
-  f.attr("act", "silu");
+  f.attr("act", act);
   f.attr("eps", 1e-5);
 }
 
@@ -234,6 +234,30 @@ TEST_F(XlaHandlers, NormActRepeatLaunchesOnceAndAllocatesNothing) {
   }
   EXPECT_EQ(mock_launches() - launches, kCalls);
   EXPECT_EQ(g_allocations.load() - allocations, 0) << "heap allocations in " << kCalls << " executions";
+}
+
+// A handler first tries the binding it ran last (its signature compared word by word), so a call that
+// differs from it in one buffer's shape or one attribute's value must still be converted (and here
+// refused) on its own, right after the other ran; and the first runs again after it.
+TEST_F(XlaHandlers, AnotherSignatureIsNotTheLastBinding) {
+  Frame good;
+  norm_act_frame(good);
+  Frame bad_shape;
+  bad_shape.arg({4, 256});
+  bad_shape.arg({128});
+  bad_shape.ret({4, 256});
+  bad_shape.attr("inputs", "x,weight");
+  bad_shape.attr("outputs", "y");
+  Frame bad_attr;
+  norm_act_frame(bad_attr, "nonsense");
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(good.call("kspec_norm_act_fwd", kExecute), nullptr) << g_error;
+    ASSERT_NE(bad_shape.call("kspec_norm_act_fwd", kExecute), nullptr);
+    EXPECT_NE(g_error.find("'weight'"), std::string::npos) << g_error;
+    ASSERT_EQ(good.call("kspec_norm_act_fwd", kExecute), nullptr) << g_error;
+    ASSERT_NE(bad_attr.call("kspec_norm_act_fwd", kExecute), nullptr);
+    EXPECT_NE(g_error.find("nonsense"), std::string::npos) << g_error;
+  }
 }
 
 // adamw over 3 fp32 tensors, lr and step as device operands, every state list updated in place.
