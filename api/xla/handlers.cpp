@@ -384,8 +384,9 @@ std::unique_ptr<Binding> make_binding(const Target& t, int device, const ffi::Re
 // the device, every attribute's name, type and value, every operand's and result's dtype and shape) as a
 // stream of 64-bit words handed to `word` (which returns false to stop early; signature then returns
 // false). Hashed to find a binding, compared with the binding's copy to confirm it, copied once when one is
-// made: no string is built, nothing allocated (AdamW over GPT-350M's 243 tensors has 1703 buffers: the
-// byte-string key this replaced was ~60% of its handlers' host instructions, two stages a step). An
+// made: no string is built, nothing allocated (AdamW over GPT-350M's 243 tensors has 1703 buffers, two
+// stages a step: 0.57M host instructions a step on the mock driver, 1.15M with the byte-string key this
+// replaced, built and hashed per stage). An
 // attribute of a type no target takes (arrays, dictionaries) goes in by name only: make_binding refuses
 // it, so no binding is ever found for such a call.
 template <typename Word>
