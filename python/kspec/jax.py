@@ -56,12 +56,11 @@ def _attr(v):
     return str(v)
 
 
-def _ffi(target, results, operands, inputs, outputs, *, input_layouts=None, output_layouts=None, aliases=None,
-         **params):
-    """One custom call: operands named by `inputs`, results by `outputs` (the target table's protocol)."""
+def _ffi(target, results, operands, inputs, outputs, *, aliases=None, **params):
+    """One custom call: operands named by `inputs`, results by `outputs` (the target table's protocol). Every
+    operand and result has XLA's default (row-major) layout: the handlers read buffers as they lie."""
     attrs = {k: _attr(v) for k, v in params.items()}
-    call = jax.ffi.ffi_call(target, results, input_layouts=input_layouts, output_layouts=output_layouts,
-                            input_output_aliases=aliases)
+    call = jax.ffi.ffi_call(target, results, input_output_aliases=aliases)
     return call(*operands, inputs=",".join(inputs), outputs=",".join(outputs), **attrs)
 
 
@@ -72,26 +71,6 @@ def _spec(shape, dtype):
 # ---- selective scan ----
 
 _SCAN_OPTIONAL = ("D", "z", "delta_bias", "h0")
-_BDL_TO_BLD = (0, 2, 1)  # major-to-minor: an array [b, l, d] whose memory is [b, d, l]
-
-
-def _scan_layouts(names, arrays, bld):
-    """XLA layouts of the scan's operands: with "bld", [batch, seqlen, dim] and [batch, seqlen, (groups,)
-    dstate] arrays are asked for in bdl memory order, so the kernel reads them where they are and XLA's
-    layout assignment places the producer's output there (a copy only where it cannot)."""
-    out = []
-    for name, a in zip(names, arrays):
-        if not bld:
-            out.append(None)
-        elif name in ("u", "delta", "z", "dout"):
-            out.append(_BDL_TO_BLD)
-        elif name in ("B", "C") and a.ndim == 3:
-            out.append(_BDL_TO_BLD)
-        elif name in ("B", "C") and a.ndim == 4:
-            out.append((0, 2, 3, 1))
-        else:
-            out.append(None)
-    return out
 
 
 def _scan_dims(u, A, bld):
@@ -108,10 +87,7 @@ def _scan_forward(args, names, softplus, layout, save):
     results = [_spec(u.shape, u.dtype), _spec((b, dim, dstate), jnp.float32)]
     if save:
         results.append(_spec((b, dim, -(-seqlen // _STATE_STRIDE), dstate), jnp.float32))
-    return _ffi("kspec_selective_scan_fwd", results, args, names, outs,
-                input_layouts=_scan_layouts(names, args, bld),
-                output_layouts=[_BDL_TO_BLD if bld else None] + [None] * (len(results) - 1),
-                layout=layout, delta_softplus=softplus)
+    return _ffi("kspec_selective_scan_fwd", results, args, names, outs, layout=layout, delta_softplus=softplus)
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,10 +113,8 @@ def _scan_fn(names: tuple, softplus: bool, layout: str):
                  "delta_bias": "ddelta_bias", "h0": "dh0"}
         out_names = [grads[n] for n in names]
         results = [_spec(a.shape, a.dtype) for a in args]
-        bld = layout == "bld"
-        res_grads = _ffi("kspec_selective_scan_bwd", results, ops, in_names, out_names,
-                         input_layouts=_scan_layouts(in_names, ops, bld), output_layouts=_scan_layouts(names, args, bld),
-                         layout=layout, delta_softplus=softplus)
+        res_grads = _ffi("kspec_selective_scan_bwd", results, ops, in_names, out_names, layout=layout,
+                         delta_softplus=softplus)
         return tuple(res_grads)
 
     scan.defvjp(fwd, bwd)
@@ -153,7 +127,8 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 
     layout "bdl": u, delta, z (batch, dim, seqlen); B, C (batch, dstate, seqlen) or (batch, groups, dstate,
     seqlen). layout "bld": u, delta, z (batch, seqlen, dim); B, C (batch, seqlen, dstate) or (batch, seqlen,
-    groups, dstate) — Nx's order, read in place (the custom call asks XLA for bdl memory order). In both:
+    groups, dstate) — Nx's order, row-major buffers read and written where they lie (the op's layout "bld":
+    the sequential kernels' time-major path in one segment; XLA adds no transposes around the call). In both:
     B, C may be fixed (dim, dstate); A (dim, dstate) fp32; D, delta_bias (dim,) fp32; h0 (batch, dim,
     dstate) fp32. u fp32/fp16/bf16; delta, z and variable B, C like u (B, C may be fp32).
     Returns out (like u) and with return_last_state also last_state (batch, dim, dstate) fp32.

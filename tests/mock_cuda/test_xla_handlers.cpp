@@ -2,7 +2,7 @@
 // attributes, through a stand-in XLA_FFI_Api): an execution whose custom call was seen before converts
 // nothing and allocates nothing (norm_act through kspec::call's cache, adamw through its bound call, lr and
 // step as device operands), the initialize stage returns at once once prepared, and the errors still
-// come back as XLA errors with kspec's message.
+// come back as XLA errors with kspec's message; the scan's bld buffers are read where they lie.
 #include <gtest/gtest.h>
 
 #include <cuda.h>
@@ -200,7 +200,7 @@ class XlaHandlers : public ::testing::Test {
 constexpr auto kExecute = XLA_FFI_ExecutionStage_EXECUTE;
 constexpr auto kInitialize = XLA_FFI_ExecutionStage_INITIALIZE;
 
-void norm_act_frame(Frame& f) {
+void norm_act_frame(Frame& f, const char* act = "silu") {
   f.arg({4, 256});
   f.arg({256});
   f.arg({256});
@@ -210,7 +210,7 @@ void norm_act_frame(Frame& f) {
   f.attr("inputs", "x,weight,bias");
   f.attr("outputs", "y,mean,rstd");
   f.attr("norm", "layernorm");
-  f.attr("act", "silu");
+  f.attr("act", act);
   f.attr("eps", 1e-5);
 }
 
@@ -234,6 +234,30 @@ TEST_F(XlaHandlers, NormActRepeatLaunchesOnceAndAllocatesNothing) {
   }
   EXPECT_EQ(mock_launches() - launches, kCalls);
   EXPECT_EQ(g_allocations.load() - allocations, 0) << "heap allocations in " << kCalls << " executions";
+}
+
+// A handler first tries the binding it ran last (its signature compared word by word), so a call that
+// differs from it in one buffer's shape or one attribute's value must still be converted (and here
+// refused) on its own, right after the other ran; and the first runs again after it.
+TEST_F(XlaHandlers, AnotherSignatureIsNotTheLastBinding) {
+  Frame good;
+  norm_act_frame(good);
+  Frame bad_shape;
+  bad_shape.arg({4, 256});
+  bad_shape.arg({128});
+  bad_shape.ret({4, 256});
+  bad_shape.attr("inputs", "x,weight");
+  bad_shape.attr("outputs", "y");
+  Frame bad_attr;
+  norm_act_frame(bad_attr, "nonsense");
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(good.call("kspec_norm_act_fwd", kExecute), nullptr) << g_error;
+    ASSERT_NE(bad_shape.call("kspec_norm_act_fwd", kExecute), nullptr);
+    EXPECT_NE(g_error.find("'weight'"), std::string::npos) << g_error;
+    ASSERT_EQ(good.call("kspec_norm_act_fwd", kExecute), nullptr) << g_error;
+    ASSERT_NE(bad_attr.call("kspec_norm_act_fwd", kExecute), nullptr);
+    EXPECT_NE(g_error.find("nonsense"), std::string::npos) << g_error;
+  }
 }
 
 // adamw over 3 fp32 tensors, lr and step as device operands, every state list updated in place.
@@ -336,6 +360,86 @@ TEST_F(XlaHandlers, AdamwScalarsAtNewAddressesKeepTheBoundCall) {
   EXPECT_EQ(g_allocations.load() - allocations, 0) << "heap allocations in " << kSteps << " steps";
   EXPECT_EQ(mock_launches() - launches, 3 * kSteps);  // the norm's pass, finalize, update
   EXPECT_EQ(mock_dtod_copies() - copies, 2 * kSteps);  // lr and step into the slots
+}
+
+// The scan's layout "bld" as XLA hands it over: dense row-major [batch, seqlen, dim] buffers and B/C as
+// [batch, seqlen, (groups,) dstate] (one group as 3-D buffers, two as 4-D). The handler views them as the
+// op's [batch, dim, seqlen] over that memory and passes layout "bld" to the op, whose validation takes only
+// time-major strides there (contiguous views of the same buffers are refused), and its sequential kernels
+// run on them: the forward and the backward validate, plan, compile and launch. That the op got "bld" shows
+// where only its time-major path refuses: 4 channels a B/C group (a sequential block holds 16 or more).
+// Before, the handler renamed the dimensions of contiguous buffers for the op's bdl path (XLA had been
+// asked for bdl memory order, so it transposed around every call): the last check passed there.
+TEST_F(XlaHandlers, ScanBldBuffersAreReadWhereTheyLie) {
+  constexpr int64_t b = 2, len = 5, d = 64, n = 4, g = 2;  // 32 channels a group: a block of the sequential kernels
+  for (const std::vector<int64_t>& bc : {std::vector<int64_t>{b, len, n}, std::vector<int64_t>{b, len, g, n}}) {
+    const std::string at = bc.size() == 3 ? "3-D B/C" : "4-D B/C";
+    Frame fwd;
+    void* const u = fwd.arg({b, len, d});
+    void* const delta = fwd.arg({b, len, d});
+    void* const A = fwd.arg({d, n});
+    void* const B = fwd.arg(bc);
+    void* const C = fwd.arg(bc);
+    fwd.ret({b, len, d});
+    fwd.ret({b, d, n});
+    void* const states = fwd.ret({b, d, 1, n});
+    fwd.attr("inputs", "u,delta,A,B,C");
+    fwd.attr("outputs", "out,last_state,states");
+    fwd.attr("layout", "bld");
+    long launches = mock_launches();
+    ASSERT_EQ(fwd.call("kspec_selective_scan_fwd", kInitialize), nullptr) << at << ": " << g_error;
+    ASSERT_EQ(fwd.call("kspec_selective_scan_fwd", kExecute), nullptr) << at << ": " << g_error;
+    EXPECT_GE(mock_launches() - launches, 1) << at;
+
+    Frame bwd;
+    bwd.arg({b, len, d});  // dout
+    bwd.arg({b, len, d}, u);
+    bwd.arg({b, len, d}, delta);
+    bwd.arg({d, n}, A);
+    bwd.arg(bc, B);
+    bwd.arg(bc, C);
+    bwd.arg({b, d, 1, n}, states);
+    bwd.ret({b, len, d});
+    bwd.ret({b, len, d});
+    bwd.ret({d, n});
+    bwd.ret(bc);
+    bwd.ret(bc);
+    bwd.attr("inputs", "dout,u,delta,A,B,C,states");
+    bwd.attr("outputs", "du,ddelta,dA,dB,dC");
+    bwd.attr("layout", "bld");
+    launches = mock_launches();
+    ASSERT_EQ(bwd.call("kspec_selective_scan_bwd", kInitialize), nullptr) << at << ": " << g_error;
+    ASSERT_EQ(bwd.call("kspec_selective_scan_bwd", kExecute), nullptr) << at << ": " << g_error;
+    EXPECT_GE(mock_launches() - launches, 1) << at;
+  }
+  // A buffer in the other order (bdl's [batch, dim, seqlen] under layout "bld") is refused, naming it.
+  Frame bad;
+  bad.arg({b, len, d});
+  bad.arg({b, d, len});
+  bad.arg({d, n});
+  bad.arg({b, len, n});
+  bad.arg({b, len, n});
+  bad.ret({b, len, d});
+  bad.ret({b, d, n});
+  bad.attr("inputs", "u,delta,A,B,C");
+  bad.attr("outputs", "out,last_state");
+  bad.attr("layout", "bld");
+  ASSERT_NE(bad.call("kspec_selective_scan_fwd", kExecute), nullptr);
+  EXPECT_NE(g_error.find("'delta'"), std::string::npos) << g_error;
+  // The op's own rule for bld: 8 channels in 2 groups is not a problem its sequential kernels take.
+  Frame narrow;
+  narrow.arg({b, len, 8});
+  narrow.arg({b, len, 8});
+  narrow.arg({8, n});
+  narrow.arg({b, len, g, n});
+  narrow.arg({b, len, g, n});
+  narrow.ret({b, len, 8});
+  narrow.ret({b, 8, n});
+  narrow.attr("inputs", "u,delta,A,B,C");
+  narrow.attr("outputs", "out,last_state");
+  narrow.attr("layout", "bld");
+  ASSERT_NE(narrow.call("kspec_selective_scan_fwd", kExecute), nullptr);
+  EXPECT_NE(g_error.find("layout \"bld\" runs the sequential algorithm"), std::string::npos) << g_error;
 }
 
 TEST_F(XlaHandlers, RuntimeParamOperandIsRefusedNamingTheDeviceInput) {

@@ -128,10 +128,57 @@ def test_selective_scan_forward_and_grad(kj, dt, shape, layout):
     torch = _torch()
     if torch is not None:  # the torch path on the same inputs: the same forward kernel, the same bits
         t = {k: _to_torch(torch, x[k]) for k in names}
-        t_out, t_last = kspec.ops.selective_scan_fn(t["u"], t["delta"], t["A"], t["B"], t["C"], t["D"], t["z"],
-                                                    t["delta_bias"], True, True, t["h0"])
+        if layout == "bdl":
+            t_out, t_last = kspec.ops.selective_scan_fn(t["u"], t["delta"], t["A"], t["B"], t["C"], t["D"], t["z"],
+                                                        t["delta_bias"], True, True, t["h0"])
+        else:
+            # bld runs the op's time-major kernels (algo=sequential, one segment), which ops.selective_scan_fn
+            # (bdl, the warp kernels at these shapes) does not: kspec.call with layout="bld" on [b, L, d]
+            # memory viewed as [b, d, L] (B/C [b, L, 1, n] as [b, 1, n, L]) runs the same kernel.
+            seq_view = lambda a: a.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731
+            bc_view = lambda a: a.transpose(1, 2).contiguous().unsqueeze(2).permute(0, 2, 3, 1)  # noqa: E731
+            t_out = seq_view(torch.empty_like(t["u"]))
+            t_last = torch.empty((b, d, n), dtype=torch.float32, device=t["u"].device)
+            kspec.call("selective_scan.fwd", seq_view(t["u"]), seq_view(t["delta"]), t["A"], bc_view(t["B"]),
+                       bc_view(t["C"]), t["D"], seq_view(t["z"]), t["delta_bias"], t["h0"], out=(t_out, t_last, None),
+                       delta_softplus=True, layout="bld")
         assert torch.equal(_to_torch(torch, tr(out)).float(), t_out.float())
         assert torch.equal(_to_torch(torch, last), t_last)
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+@pytest.mark.parametrize("layout", ["bdl", "bld"])
+def test_selective_scan_grouped_bc_forward_and_grad(kj, dt, layout):
+    """B and C in 2 groups (4-D: bdl (batch, groups, dstate, seqlen), bld (batch, seqlen, groups, dstate),
+    the bld buffers read where they lie): forward and every gradient against the float64 reference."""
+    b, d, L, n, g = 2, 64, 70, 8, 2
+    rng = np.random.default_rng(3)
+    rn = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    x = dict(u=rn(b, d, L), delta=rn(b, d, L), A=-(0.25 + np.abs(rn(d, n))), B=rn(b, g, n, L), C=rn(b, g, n, L),
+             D=rn(d), z=rn(b, d, L))
+    names = ("u", "delta", "A", "B", "C", "D", "z")
+    j = {k: jnp.asarray(v, DTYPES[dt] if k in ("u", "delta", "B", "C", "z") else jnp.float32) for k, v in x.items()}
+    seq = lambda a: jnp.swapaxes(a, 1, 2) if layout == "bld" else a  # noqa: E731  [b, d, L] <-> [b, L, d]
+    bc = lambda a: jnp.transpose(a, (0, 3, 1, 2)) if layout == "bld" else a  # noqa: E731  [b, g, n, L] -> [b, L, g, n]
+    bc_back = lambda a: jnp.transpose(a, (0, 2, 3, 1)) if layout == "bld" else a  # noqa: E731
+    args = [seq(j[k]) if k in ("u", "delta", "z") else bc(j[k]) if k in ("B", "C") else j[k] for k in names]
+    P = rng.standard_normal((b, d, L))
+
+    def f(*a):
+        return kj.selective_scan(*a, delta_softplus=True, layout=layout)
+
+    out = jax.jit(f)(*args)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(seq(f(*a)).astype(jnp.float32) * P), argnums=tuple(range(7))))(*args)
+    np_in = {k: _f64(j[k]) for k in names}
+    out_r, _ = scan_ref.selective_scan_fwd(np_in["u"], np_in["delta"], np_in["A"], np_in["B"], np_in["C"],
+                                           D=np_in["D"], z=np_in["z"], delta_softplus=True)
+    g_r = scan_ref.selective_scan_bwd(P, np_in["u"], np_in["delta"], np_in["A"], np_in["B"], np_in["C"], D=np_in["D"],
+                                      z=np_in["z"], delta_softplus=True)
+    back = {"u": seq, "delta": seq, "z": seq, "B": bc_back, "C": bc_back}
+    errs = {"out": rel_err(_f64(seq(out)), out_r)}
+    for k, gk in zip(names, grads):
+        errs["d" + k] = rel_err(_f64(back.get(k, lambda a: a)(gk)), g_r["d" + k])
+    _check(errs, _tol("selective_scan.fwd", dt))
 
 
 @pytest.mark.parametrize("dt", list(DTYPES))

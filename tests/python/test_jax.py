@@ -1,12 +1,13 @@
 """kspec.jax without a GPU: the XLA target table (generated from the registry), the handler capsules, their
 registration with jaxlib's XLA at import, and what jitted functions lower to (the custom calls, their
-attributes, the bld operand layouts, adamw's aliasing, the backward's targets under jax.grad)."""
+attributes, default row-major layouts in both scan layouts and no copies in the compiled bld module, adamw's aliasing, the backward's targets under jax.grad)."""
 import json
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -161,13 +162,55 @@ def test_selective_scan_lowers_with_layouts_and_backward(kj, layout):
     assert 'outputs = "du,ddelta,dA,dB,dC,dD"' in bwd
     assert 'inputs = "dout,u,delta,A,B,C,D,dlast_state,states"' in bwd
     fwd_line = next(line for line in text.splitlines() if "@kspec_selective_scan_fwd" in line)
-    # XLA layouts are minor-to-major: [b, l, d] with memory [b, d, l] is {1, 2, 0}; bdl is the default.
-    # (The op's own layout "bld", read in place by the time-major kernels, is not used by kspec.jax yet.)
-    assert ("dense<[1, 2, 0]>" in fwd_line) == (layout == "bld"), fwd_line
+    # Both layouts take XLA's default row-major buffers (the handler hands bld buffers to the op's layout
+    # "bld", whose kernels read them in place): every operand and result layout of both calls is the
+    # default (minor-to-major [rank-1, ..., 0]), so XLA adds no transposes around them (the compiled
+    # module: test_selective_scan_bld_compiles_without_copies).
+    for line in text.splitlines():
+        if "@kspec_selective_scan" in line:
+            for dims in re.findall(r"dense<\[([\d, ]+)\]>", line):
+                order = [int(x) for x in dims.split(",")]
+                assert order == sorted(order, reverse=True), line
+    assert "stablehlo.transpose" not in text
     # states: [batch, dim, ceil(seqlen / 16), dstate] fp32
     assert f"tensor<{b}x{d}x1x{n}xf32>" in fwd_line
     # 3-D B and C are operands as given: no reshape (under XLA a copy kernel each) in front of the call
     assert f"tensor<{bc[0]}x{bc[1]}x{bc[2]}xbf16>" in fwd_line and "stablehlo.reshape" not in text, text
+
+
+def test_selective_scan_bld_compiles_without_copies():
+    """Layout "bld" (Nx's [batch, seqlen, dim]) is read where it lies: XLA's compiled module of a jitted
+    forward + backward has no copy or transpose anywhere, as for "bdl". The CPU compiler runs the layout
+    assignment and copy insertion passes the GPU's does; the handlers are registered for the CPU only to
+    compile (in a subprocess: nothing runs). Asking XLA for bdl operand layouts instead gave 10 copies."""
+    if not _xla.available():
+        pytest.skip("kspec built without XLA's FFI headers")
+    code = textwrap.dedent("""
+        import re, jax, jax.numpy as jnp
+        from kspec import _C, _xla
+        for t in _xla.targets():
+            stages = {s: _C._xla_handler(t["target"], s) for s in ("initialize", "execute")}
+            jax.ffi.register_ffi_target(t["target"], stages, platform="cpu")
+        import kspec.jax as kj
+        S = jax.ShapeDtypeStruct
+        b, d, L, n, g = 2, 8, 5, 4, 2
+        for layout in ("bdl", "bld"):  # B one group (3-D), C two groups (4-D)
+            seq, B, C = (((b, d, L), (b, n, L), (b, g, n, L)) if layout == "bdl" else
+                         ((b, L, d), (b, L, n), (b, L, g, n)))
+            args = (S(seq, jnp.bfloat16), S(seq, jnp.bfloat16), S((d, n), jnp.float32), S(B, jnp.bfloat16),
+                    S(C, jnp.bfloat16), S((d,), jnp.float32), S(seq, jnp.bfloat16))
+            def loss(u, delta, A, B, C, D, z):
+                out = kj.selective_scan(u, delta, A, B, C, D, z, delta_softplus=True, layout=layout)
+                return out.astype(jnp.float32).sum()
+            hlo = jax.jit(jax.grad(loss, argnums=tuple(range(7)))).trace(*args).lower().compile().as_text()
+            calls = len(re.findall(r'custom_call_target="kspec_selective_scan_(?:fwd|bwd)"', hlo))
+            moves = re.findall(r" (copy|transpose)\\(", hlo)
+            print(layout, "calls", calls, "moves", len(moves))
+        """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "bdl calls 2 moves 0" in r.stdout and "bld calls 2 moves 0" in r.stdout, (r.stdout, r.stderr[-2000:])
 
 
 def test_e79_and_step_lower(kj):

@@ -1,6 +1,9 @@
 """The jax family (issue 32): kspec.jax, kspec's ops as XLA custom calls, against kspec's torch path on the
 same inputs (the FFI should add nothing), and against what a JAX user writes without kspec: the scan as
-jax.lax.associative_scan and as jax.lax.scan, XLA's fused layer_norm + silu, optax's adamw, all jitted.
+jax.lax.associative_scan and as jax.lax.scan, XLA's fused layer_norm + silu, optax's adamw, all jitted. The
+scan also runs in Nx's layout (kspec.jax bld: [batch, seqlen, dim] read in place by the time-major kernels).
+AdamW's table splits what is JAX's from what is kspec's: a jitted identity over the same ~1000 arguments
+(JAX's own cost per call) and 10 steps inside one jit (the step without that cost), kspec's and optax's.
 
 Timing: JAX runs on its own stream, which torch's CUDA events do not see, so every row here (the torch rows
 too, for one method) is the wall clock of `--jax-calls` calls queued back to back, then one wait, divided by
@@ -31,18 +34,27 @@ def add_arguments(p):
     p.add_argument("--jax-repeats", type=int, default=7, help="timings per variant, median taken (default 7)")
 
 
-def _wall_ms(fn, sync, calls, repeats):
+def _wall_ms(fn, sync, calls, repeats, steps=1):
+    """ms: wall clock per call, `calls` queued back to back then one wait (median of `repeats`); host_ms: the
+    time one call takes to return on an idle queue (median), what the host spends before the GPU is given
+    the work; both per step when one call runs `steps` steps."""
     for _ in range(3):
         fn()
     sync()
+    host = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3 / steps)
+        sync()
     per = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         sync()
-        per.append((time.perf_counter() - t0) / calls * 1e3)
-    return {"ms": statistics.median(per), "min_ms": min(per)}
+        per.append((time.perf_counter() - t0) / calls * 1e3 / steps)
+    return {"ms": statistics.median(per), "min_ms": min(per), "host_ms": statistics.median(host)}
 
 
 def _rel(a, b, np):
@@ -109,14 +121,22 @@ def _scan_section(ctx, jax, jnp, np, kj, torch, kspec):
         def kspec_fn(u, delta, A, B, C, D, z, delta_bias):
             return kj.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True)
 
+        def kspec_bld_fn(u, delta, A, B, C, D, z, delta_bias):
+            return kj.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True, layout="bld")
+
         def fwd_bwd(f):
             return jax.jit(lambda dout, *a: jax.vjp(f, *a)[1](dout))
 
-        fwd = {"kspec.jax": jax.jit(kspec_fn)}
-        fb = {"kspec.jax": fwd_bwd(kspec_fn)}
+        fwd = {"kspec.jax": jax.jit(kspec_fn), "kspec.jax bld": jax.jit(kspec_bld_fn)}
+        fb = {"kspec.jax": fwd_bwd(kspec_fn), "kspec.jax bld": fwd_bwd(kspec_bld_fn)}
         for name, f in peers.items():
             fwd[name] = jax.jit(f)
             fb[name] = fwd_bwd(f)
+        # bld: Nx's [batch, seqlen, dim] (B, C [batch, seqlen, dstate]), made once, read in place by the op's
+        # time-major kernels (algo=sequential, one segment); its output is transposed back to be checked.
+        swap = {"u", "delta", "B", "C", "z"}
+        bld_args = [jax.block_until_ready(jnp.swapaxes(j[k], 1, 2)) if k in swap else j[k] for k in names]
+        bld_dout = jax.block_until_ready(jnp.swapaxes(dout, 1, 2))
         ref = np.asarray(fwd["kspec.jax"](*args), np.float32)
         t = {k: torch.from_dlpack(jax.block_until_ready(j[k])) for k in names}
         t_out = kspec.ops.selective_scan_fn(*(t[k] for k in names[:5]), t["D"], t["z"], t["delta_bias"], True)
@@ -129,13 +149,17 @@ def _scan_section(ctx, jax, jnp, np, kj, torch, kspec):
                 if ctx.skipped(name):
                     continue
                 row = {"shape": shape, "pass": mode, "variant": name}
+                bld = name == "kspec.jax bld"
+                a, g = (bld_args, bld_dout) if bld else (args, dout)
                 try:
                     if mode == "fwd":
-                        call = lambda f=f: f(*args)  # noqa: E731
+                        call = lambda f=f, a=a: f(*a)  # noqa: E731
                         out = np.asarray(call(), np.float32)
+                        if bld:
+                            out = np.swapaxes(out, 1, 2)
                         row["rel_err"] = _rel(out, ref, np) if name != "kspec.jax" else 0.0
                     else:
-                        call = lambda f=f: f(dout, *args)  # noqa: E731
+                        call = lambda f=f, a=a, g=g: f(g, *a)  # noqa: E731
                         call()
                     if name == "kspec.jax":
                         row["valid"] = same if mode == "fwd" else True
@@ -235,6 +259,26 @@ def _norm_section(ctx, jax, jnp, np, kj, torch, kspec):
     return rows
 
 
+_IN_JIT_STEPS = 10
+
+
+def _jax_loop_row(jax, ctx, label, variant, fn, params, init, grads, lr, steps):
+    """A row for fn(params, grads, state, lr) -> (params, state), jitted with params and state donated, on
+    its own copy of the params; `steps` optimizer steps a call (the row is per step)."""
+    box = {"p": [p.copy() for p in params]}
+    box["s"] = init(box["p"])
+
+    def call():
+        box["p"], box["s"] = fn(box["p"], grads, box["s"], lr)
+
+    row = {"shape": label, "pass": "step", "variant": variant}
+    try:
+        row.update(_wall_ms(call, lambda: jax.block_until_ready(box["p"]), ctx.jax_calls, ctx.jax_repeats, steps))
+    except Exception as e:  # noqa: BLE001 (a row, not the end)
+        row["error"] = short_error(e, 300)
+    return row
+
+
 def _adamw_section(ctx, jax, jnp, np, kj, torch, kspec):
     from .adamw import gpt350m_shapes
 
@@ -263,6 +307,23 @@ def _adamw_section(ctx, jax, jnp, np, kj, torch, kspec):
                      "variant": "kspec.jax adamw_step" + (" (jit, donated)" if donate else " (jit, not donated)"),
                      **_wall_ms(kspec_call, lambda box=box: jax.block_until_ready(box["p"]), ctx.jax_calls,
                                 ctx.jax_repeats)})
+    # What is JAX's and what is kspec's: a jitted identity over the same arguments (donated, nothing to run)
+    # costs what JAX spends per call on ~4 x 243 arrays; the same step run 10 times inside one jit
+    # (fori_loop, params and state carried in place) costs the step's own GPU and handler time, per step.
+    n_args = 4 * len(shapes) + 2
+
+    def identity(p, g, s, lr):
+        return p, s
+
+    rows += [_jax_loop_row(jax, ctx, label, f"jax.jit identity, same {n_args} arguments (donated)",
+                           jax.jit(identity, donate_argnums=(0, 2)), params, kj.adamw_init, grads, lr, 1)]
+
+    def kspec_steps(p, g, s, lr):
+        return jax.lax.fori_loop(0, _IN_JIT_STEPS, lambda i, c: kj.adamw_step(c[0], g, c[1], lr=lr, **h)[:2], (p, s))
+
+    rows.append(_jax_loop_row(jax, ctx, label, f"kspec.jax adamw_step x{_IN_JIT_STEPS} in one jit, per step",
+                              jax.jit(kspec_steps, donate_argnums=(0, 2)), params, kj.adamw_init, grads, lr,
+                              _IN_JIT_STEPS))
     try:
         import optax
 
@@ -281,6 +342,17 @@ def _adamw_section(ctx, jax, jnp, np, kj, torch, kspec):
 
         rows.append({"shape": label, "pass": "step", "variant": "optax.adamw (jit, donated)",
                      **_wall_ms(optax_call, lambda: jax.block_until_ready(obox["p"]), ctx.jax_calls, ctx.jax_repeats)})
+
+        def optax_steps(p, g, s, lr):
+            def body(i, c):
+                updates, st = opt.update(g, c[1], c[0])
+                return optax.apply_updates(c[0], updates), st
+
+            return jax.lax.fori_loop(0, _IN_JIT_STEPS, body, (p, s))
+
+        rows.append(_jax_loop_row(jax, ctx, label, f"optax.adamw x{_IN_JIT_STEPS} in one jit, per step",
+                                  jax.jit(optax_steps, donate_argnums=(0, 2)), params, opt.init, grads, lr,
+                                  _IN_JIT_STEPS))
     except ImportError as e:
         rows.append({"shape": label, "pass": "step", "variant": "optax.adamw", "error": f"not installed ({e})"})
     tp = [torch.nn.Parameter(torch.from_dlpack(jax.block_until_ready(p.copy()))) for p in params]
@@ -314,7 +386,8 @@ def run(ctx):
 
     kspec = ctx.kspec
     cols = [("shape", "shape"), ("pass", "pass"), ("variant", "variant"),
-            ("ms", lambda r: fmt(r.get("ms"), ".3f")), ("vs kspec.jax", lambda r: fmt(r.get("vs_kspec_jax"), ".2f")),
+            ("ms", lambda r: fmt(r.get("ms"), ".3f")), ("host ms", lambda r: fmt(r.get("host_ms"), ".3f")),
+            ("vs kspec.jax", lambda r: fmt(r.get("vs_kspec_jax"), ".2f")),
             ("rel err", lambda r: fmt(r.get("rel_err"), ".1e")),
             ("check", lambda r: r.get("error") or ("ok" if r.get("valid", True) else "INVALID"))]
     data, sections = {}, []
@@ -325,7 +398,12 @@ def run(ctx):
             continue
         rows = fn(ctx, jax, jnp, np, kj, torch, kspec)
         data[key] = rows
-        sections.append(Section(title, cols, rows, notes=[
-            "ms: wall clock per call with --jax-calls calls queued back to back, median of --jax-repeats; "
-            "kspec.jax's forward must equal kspec torch's bit for bit, peers kspec within the bf16 tolerance"]))
+        notes = ["ms: wall clock per call with --jax-calls calls queued back to back, median of --jax-repeats; "
+                 "host ms: one call's return on an idle queue (the host's part); kspec.jax's forward must equal "
+                 "kspec torch's bit for bit, peers (and kspec.jax bld) kspec within the bf16 tolerance"]
+        if key == "adamw":
+            notes.append(f"the identity row is JAX's own cost per call of these arguments (nothing runs); the x"
+                         f"{_IN_JIT_STEPS} rows are one jitted call of {_IN_JIT_STEPS} steps (fori_loop), per step: "
+                         "the step without JAX's per-call cost")
+        sections.append(Section(title, cols, rows, notes=notes))
     return data, sections
