@@ -479,10 +479,11 @@ def test_scan_configs_sweep_times_each_shape_beside_mamba(families, monkeypatch)
     times = iter([0.02, 0.03, 0.06] * 2)  # the heuristic's, the given config's, mamba_ssm's
     p = argparse.ArgumentParser()
     m.add_arguments(p)
-    args = p.parse_args(["--scan-shape", "1x8x16,2x4x24", "--scan-config", "algo=tile,warps=4,items=4,lanes=1,chunk=32,segs=1"])
+    args = p.parse_args(["--scan-shape", "1x8x16,2x4x24",
+                         "--scan-config", "algo=tile,warps=4,items=4,lanes=1,chunk=32,segs=1"])
     args.quick, args.seed = False, 0
-    ctx = types.SimpleNamespace(torch=torch, dev="cpu", args=args,
-                                kspec=types.SimpleNamespace(call=call, explain=lambda *a, **k: f"config: {heuristic} (heuristic)"),
+    explain = lambda *a, **k: f"config: {heuristic} (heuristic)"  # noqa: E731
+    ctx = types.SimpleNamespace(torch=torch, dev="cpu", args=args, kspec=types.SimpleNamespace(call=call, explain=explain),
                                 timer=types.SimpleNamespace(time=lambda step: (step(), {"gpu_ms": next(times)})[1]))
     result, sections = m.run(ctx)
     rows = result["results"]

@@ -44,8 +44,9 @@ bool valid(const Problem& p, const Config& c, std::string* why) {
 }
 
 std::vector<jit::KernelSpec> kernels(const Problem& p, const Config& c) {
-  return {kernel(p, kHeader, "kspec::selective_scan_fwd_wide_kernel",
-                 "kspec::WideScanTraits<" + flags_type(p, tile_vectors(p)) + ", " + std::to_string(c.get("warps")) + ">")};
+  const std::string traits =
+      "kspec::WideScanTraits<" + flags_type(p, tile_vectors(p)) + ", " + std::to_string(c.get("warps")) + ">";
+  return {kernel(p, kHeader, "kspec::selective_scan_fwd_wide_kernel", traits)};
 }
 
 void launch(const Call& call, const Config& c, Launcher& l, ScanParams& s) {
