@@ -332,6 +332,94 @@ TEST(Mlstm, TensorCoreMergedBackwardKernels) {
   }
 }
 
+namespace {
+
+// Records an op launcher's launches (nothing runs: a CPU test of the host side's plan).
+class RecordingLauncher : public Launcher {
+ public:
+  struct Launch {
+    size_t kernel;
+    Dim3 grid, block;
+    unsigned shared;
+  };
+  std::vector<Launch> launches;
+  void launch(size_t k, Dim3 grid, Dim3 block, unsigned shared, void**) override {
+    launches.push_back({k, grid, block, shared});
+  }
+  void launch_clusters(size_t k, Dim3 grid, Dim3 block, Dim3, unsigned shared, void** args) override {
+    launch(k, grid, block, shared, args);
+  }
+  void launch_dependent(size_t k, Dim3 grid, Dim3 block, unsigned shared, void** args) override {
+    launch(k, grid, block, shared, args);
+  }
+  void* workspace(size_t) override { return fake(uintptr_t(1) << 40); }
+  int multiprocessors() const override { return 132; }
+  int occupancy(size_t, unsigned, unsigned) override { return 1; }
+};
+
+}  // namespace
+
+// The tensor-core backward's launcher at fake addresses (B = 2, NH = 3, S = 300, chunk 64, bf16, with
+// initial states and dC_last), every variant at 128 x 256 and 256 x 512: each kernel of the plan is
+// launched exactly once, within sm_90's 227 KB of shared memory; tc_merged's and tc_stream's state scans
+// as one grid of two z-slices over the separate kernels' grid, their dq/dv/dk grid one CTA per (tile,
+// role) with the largest role's shared memory.
+TEST(Mlstm, TensorCoreBackwardLaunchesEveryKernelOnce) {
+  const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
+  const int64_t B = 2, NH = 3, S = 300, L = 64, seqs = B * NH, qtiles = (S + 63) / 64;
+  for (const auto& [dk, dv] : std::vector<std::pair<int64_t, int64_t>>{{128, 256}, {256, 512}}) {
+    auto in = chunk_inputs(B, NH, S, dk, dv, DType::bf16, true);
+    in.erase(in.begin() + 6);  // no n0
+    in.push_back(TensorView(fake(10u << 28), DType::f32, {B, NH, S}, 0));
+    in.push_back(TensorView(fake(11u << 28), DType::f32, {B, NH, S}, 0));
+    in.push_back(TensorView(fake(12u << 28), DType::bf16, {B, NH, S, dv}, 0));
+    in.push_back(TensorView(fake(13u << 28), DType::f32, {B, NH, dk, dv}, 0));
+    auto at = [](uintptr_t j) { return fake(j << 28); };  // 256 MB apart, past the inputs
+    const std::vector<TensorView> out = {
+        TensorView(at(14), DType::bf16, {B, NH, S, dk}, 0), TensorView(at(15), DType::bf16, {B, NH, S, dk}, 0),
+        TensorView(at(16), DType::bf16, {B, NH, S, dv}, 0), TensorView(at(17), DType::bf16, {B, NH, S}, 0),
+        TensorView(at(18), DType::bf16, {B, NH, S}, 0),     TensorView(at(19), DType::f32, {B, NH, dk, dv}, 0)};
+    Params params;
+    params.set("chunk", L);
+    Call call = validate_call(op, in, out, params, nullptr);
+    call.problem.arch = "sm_90";
+    const int dki = static_cast<int>(dk), dvi = static_cast<int>(dv);
+    int ran = 0;  // tc_parts runs at 128 x 256 only, tc_stream at 256 x 512 only
+    for (const char* algo : {"tc", "tc_fused", "tc_parts", "tc_merged", "tc_stream"}) {
+      const Config c = Config::parse(std::string("algo=") + algo + ",threads=128", op.info);
+      if (!op.tuning.valid(call.problem, c, nullptr)) continue;
+      ++ran;
+      const std::string what = std::to_string(dk) + " x " + std::to_string(dv) + " " + algo;
+      const auto kernels = op.kernels(call.problem, c);
+      RecordingLauncher rec;
+      op.launch(call, c, rec);
+      ASSERT_EQ(rec.launches.size(), kernels.size()) << what;
+      std::vector<int> times(kernels.size(), 0);
+      for (const auto& l : rec.launches) {
+        ASSERT_LT(l.kernel, kernels.size()) << what;
+        ++times[l.kernel];
+        EXPECT_LE(l.shared, 227u * 1024) << what << " " << kernels[l.kernel].kernel;
+        const std::string& name = kernels[l.kernel].kernel;
+        if (name == "kspec::mlstm_tc_states_kernel") {
+          EXPECT_EQ(l.grid.x, unsigned(seqs * (dk / 64))) << what;
+          EXPECT_EQ(l.grid.y, unsigned(dv / 64)) << what;
+          EXPECT_EQ(l.grid.z, 2u) << what;
+        }
+        if (name == "kspec::mlstm_tc_grads_kernel") {
+          EXPECT_EQ(l.grid.x, unsigned(seqs * qtiles * mlstm_tc_grads_roles(dki, dvi))) << what;
+          EXPECT_EQ(l.shared, unsigned(mlstm_tc_grads_smem_bytes(dki, dvi, static_cast<int>(L)))) << what;
+        }
+        if (name == "kspec::mlstm_tc_dkv_kernel" && kernels[l.kernel].targs[4] == "false") {  // dv
+          const bool loops = kernels[l.kernel].targs[5] == "true";  // over DHQK's blocks
+          EXPECT_EQ(l.grid.y, unsigned(loops ? dv / 128 : (dk / 128) * (dv / 128))) << what;
+        }
+      }
+      for (size_t k = 0; k < kernels.size(); ++k) EXPECT_EQ(times[k], 1) << what << " " << kernels[k].kernel;
+    }
+    EXPECT_EQ(ran, 4) << dk << " x " << dv;
+  }
+}
+
 // mlstm.chunkwise.bwd: q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last at fake addresses (i, f fp32).
 std::vector<TensorView> bwd_inputs(bool init, bool dC_last) {
   const int64_t B = 2, NH = 3, S = 70, dk = 32, dv = 64;

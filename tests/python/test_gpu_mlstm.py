@@ -135,12 +135,16 @@ def test_tensor_core_backward(dtype, S, chunk):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [64, 128])
 @pytest.mark.parametrize("S", [1, 65, 300])
-@pytest.mark.parametrize("DK,DV", [(32, 64), (128, 128), (64, 256)])
-def test_tensor_core_merged_backward(DK, DV, S, chunk, dtype):
+@pytest.mark.parametrize("DK,DV,algo", [(32, 64, "tc_merged"), (128, 128, "tc_merged"), (64, 256, "tc_merged"),
+                                        (256, 512, "tc_merged"), (256, 512, "tc_stream")])
+def test_tensor_core_merged_backward(DK, DV, algo, S, chunk, dtype):
     """algo=tc_merged (both state scans in one launch; dq, dv and dk of a tile as consecutive CTAs of one
-    launch) over several sequences (B = 2, NH = 3: each CTA finds its sequence and tile from its role), with
-    initial states and dC_last: every gradient against the float64 reference within the issue's tolerance
-    and within it of algo=tc's (the same per-CTA code), and a second call bitwise equal."""
+    launch; at DHQK 256 dv looping over DHQK's blocks) and tc_stream (DHQK 256: dq and dk streaming DHHV's
+    blocks, all three in one launch) over several sequences (B = 2, NH = 3: each CTA finds its sequence and
+    tile from its role), with initial states and dC_last: every gradient against the float64 reference
+    within the issue's tolerance and within it of algo=tc's, and a second call bitwise equal."""
+    if DK > 128 and (S == 1 or chunk == 128 or dtype == torch.float16):
+        pytest.skip("256 x 512: S 65 and 300 at chunk 64 in bf16 (test_tensor_core_large_head_dims has the rest)")
     B, NH = 2, 3
     g = torch.Generator(device="cuda").manual_seed(S + DK + DV + chunk)
     r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
@@ -159,7 +163,7 @@ def test_tensor_core_merged_backward(DK, DV, S, chunk, dtype):
                    config=f"algo={algo},threads=128")
         return out
 
-    got, again, tc = run("tc_merged"), run("tc_merged"), run("tc")
+    got, again, tc = run(algo), run(algo), run("tc")
     torch.cuda.synchronize()
     want = ref.mlstm_chunkwise_bwd(*(_np(t) for t in (dh, q, k, v, i, f, C0, n0)), _np(m0).reshape(B, NH),
                                    _np(dC_last), chunk=chunk)
