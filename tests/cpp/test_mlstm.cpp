@@ -136,7 +136,7 @@ TEST(Mlstm, ValidationNamesTheArgument) {
 
 // chunk 256 (issue 29's L up to 256) runs on algo=tc only: fp32 inputs get an Unsupported naming the
 // chunk, the SIMT kernels' shared-memory limit and why algo=tc cannot run them; bf16 inputs pass, and
-// the heuristic picks algo=tc for them in both directions (algo=simt is out of the space).
+// the heuristic picks the tensor cores for them in both directions (algo=simt is out of the space).
 TEST(Mlstm, Chunk256IsTensorCoreOnly) {
   const Params chunk256{{"chunk", int64_t(256)}};
   for (const char* op : {"mlstm.chunkwise.fwd", "mlstm.chunkwise.bwd"}) {
@@ -163,7 +163,9 @@ TEST(Mlstm, Chunk256IsTensorCoreOnly) {
     r.params.set("dhqk", int64_t(64));
     r.params.set("dhhv", int64_t(64));
     const Problem pr = problem_from_request(def, r);
-    EXPECT_EQ(def.tuning.heuristic(pr).get("algo"), 1) << op;  // algo=tc
+    // algo=tc forward, algo=tc_merged backward: the tensor cores
+    EXPECT_EQ(def.tuning.heuristic(pr).str(def.info),
+              std::string(op) == "mlstm.chunkwise.fwd" ? "algo=tc,threads=128" : "algo=tc_merged,threads=128");
     std::string why;
     EXPECT_FALSE(def.tuning.valid(pr, Config{{{"algo", 0}, {"threads", 256}}}, &why)) << op;
     expect_in(why, {"algo=simt", "chunk <= 128"});
@@ -642,6 +644,30 @@ TEST(Mlstm, StepHeuristicSplitsColumns) {
   EXPECT_EQ(pick(64, 128, 128, 16), "algo=split,threads=256,cols=32");
   EXPECT_EQ(pick(1, 16, 16, 16), "algo=split,threads=64,cols=16");
   EXPECT_EQ(pick(1, 128, 128, 4), "algo=block,threads=256,cols=16");
+}
+
+// The backward's default: algo=tc_merged on the tensor cores, tc_stream at dhqk > 128 (both timed faster
+// than tc on the H100), the SIMT kernel where the tensor cores do not run (fp32).
+TEST(Mlstm, BackwardHeuristicTakesMergedAndStream) {
+  const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
+  auto pick = [&](DType dt, int64_t dk, int64_t dv) {
+    CompileRequest r;
+    r.op = op.info.name;
+    r.dtype = dt;
+    r.arch = "sm_90";
+    r.params.set("dhqk", dk);
+    r.params.set("dhhv", dv);
+    const Problem p = problem_from_request(op, r);
+    const Config c = op.tuning.heuristic(p);
+    std::string why;
+    EXPECT_TRUE(op.tuning.valid(p, c, &why)) << c.str(op.info) << ": " << why;
+    return c.str(op.info);
+  };
+  EXPECT_EQ(pick(DType::bf16, 128, 128), "algo=tc_merged,threads=128");
+  EXPECT_EQ(pick(DType::f16, 128, 256), "algo=tc_merged,threads=128");
+  EXPECT_EQ(pick(DType::bf16, 64, 64), "algo=tc_merged,threads=128");
+  EXPECT_EQ(pick(DType::bf16, 256, 512), "algo=tc_stream,threads=128");
+  EXPECT_EQ(pick(DType::f32, 128, 128), "algo=simt,threads=256");
 }
 
 // The log-sigmoid probe (templates/mlstm/log_sigmoid_probe.cuh) compiles for every gate dtype.

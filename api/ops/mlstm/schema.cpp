@@ -232,11 +232,14 @@ TuningSpace chunkwise_bwd_tuning() {
     if (why) *why = no;
     return no.empty();
   };
-  // algo=tc wherever it runs: on the H100 (2026-11-27, B=8, NH=8, DH=128, bf16, chunk 128) fwd+bwd 1.488 ms
-  // at S=4096 against 263 ms for the SIMT pair; it matched the float64 reference on every case there.
+  // The tensor cores wherever they run (the SIMT pair took 263 ms for tc's 1.488 at B=8, NH=8, S=4096, DH=128):
+  // algo=tc_merged, and tc_stream at dhqk > 128. H100, B=8, NH=8, S=4096, bf16, chunk 128, bwd ms (fwd+bwd,
+  // against mlstm_kernels' xl_chunk): 128x128 tc 1.007, tc_merged 0.942 (1.41x); 128x256 tc 1.673, tc_merged
+  // 1.465 (1.40x); 256x512 tc 8.141, tc_merged 7.066, tc_stream 4.963 (1.31x) (tools/bench/NOTES.md).
   t.heuristic = [](const Problem& p) {
-    return tc_unsupported(p).empty() ? Config{{{"algo", kTc}, {"threads", 128}}}
-                                           : Config{{{"algo", kSimt}, {"threads", 256}}};
+    if (!tc_unsupported(p).empty()) return Config{{{"algo", kSimt}, {"threads", 256}}};
+    const bool stream = mlstm_tc_streams(static_cast<int>(p.dim("dhqk")));
+    return Config{{{"algo", stream ? kTcStream : kTcMerged}, {"threads", 128}}};
   };
   t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") == kSimt ? c.get("threads") : 128; };
   return t;
