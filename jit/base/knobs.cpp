@@ -98,7 +98,7 @@ const std::vector<KnobInfo>& all() {
       info<cache_dir>(),       info<cache_enabled>(), info<cache_max_bytes>(), info<template_dir>(),
       info<cuda_include>(),    info<verbose>(),       info<debug_dir>(),       info<compile_threads>(),
       info<tuning_db>(),       info<tune>(),          info<tune_budget>(),
-      info<nvrtc>(),           info<libcuda>(),       info<torch_ext>()};
+      info<nvrtc>(),           info<libcuda>(),       info<libcublaslt>(),     info<torch_ext>()};
   return table;
 }
 

@@ -120,7 +120,7 @@ TEST(Knobs, TableListsEveryKnobOnceAndValidateReadsEach) {
     EXPECT_EQ(std::string(k.name).rfind("KSPEC_", 0), 0u) << k.name;
     EXPECT_TRUE(*k.type && *k.default_value && *k.doc) << k.name;
   }
-  EXPECT_EQ(names.size(), 14u);
+  EXPECT_EQ(names.size(), 15u);
   for (const char* typed : {"KSPEC_CACHE", "KSPEC_CACHE_MAX_BYTES", "KSPEC_VERBOSE", "KSPEC_COMPILE_THREADS",
                             "KSPEC_TUNE", "KSPEC_TUNE_BUDGET"}) {
     ScopedEnv e(typed, "bogus");

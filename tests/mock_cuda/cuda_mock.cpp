@@ -12,6 +12,7 @@ namespace {
 
 std::atomic<long long> g_launches{0};
 std::atomic<long long> g_dtod_copies{0};  // device-to-device copies (the XLA handlers' scalar slots)
+std::atomic<long long> g_stream_queries{0};  // cuStreamIsCapturing and cuEventRecord: driver calls a hit path avoids
 int g_context_token, g_module_token, g_function_token, g_event_token, g_graph_token;
 thread_local CUcontext t_current = nullptr;
 
@@ -40,6 +41,7 @@ extern "C" {
 
 __attribute__((visibility("default"))) long long kspec_mock_launches() { return g_launches.load(); }
 __attribute__((visibility("default"))) long long kspec_mock_dtod_copies() { return g_dtod_copies.load(); }
+__attribute__((visibility("default"))) long long kspec_mock_stream_queries() { return g_stream_queries.load(); }
 
 CUresult CUDAAPI cuInit(unsigned int) { return CUDA_SUCCESS; }
 CUresult CUDAAPI cuDriverGetVersion(int* v) { *v = 13000; return CUDA_SUCCESS; }
@@ -93,6 +95,7 @@ CUresult CUDAAPI cuLaunchKernelEx(const CUlaunchConfig*, CUfunction, void**, voi
 CUresult CUDAAPI cuGetErrorName(CUresult, const char** s) { *s = "CUDA_ERROR_MOCK"; return CUDA_SUCCESS; }
 CUresult CUDAAPI cuGetErrorString(CUresult, const char** s) { *s = "an error of the mock driver"; return CUDA_SUCCESS; }
 CUresult CUDAAPI cuStreamIsCapturing(CUstream, CUstreamCaptureStatus* s) {
+  g_stream_queries.fetch_add(1, std::memory_order_relaxed);
   *s = CU_STREAM_CAPTURE_STATUS_NONE;
   return CUDA_SUCCESS;
 }
@@ -143,7 +146,10 @@ CUresult CUDAAPI cuStreamCreate(CUstream* s, unsigned int) {
 }
 CUresult CUDAAPI cuStreamDestroy(CUstream) { return CUDA_SUCCESS; }
 CUresult CUDAAPI cuEventCreate(CUevent* e, unsigned int) { *e = reinterpret_cast<CUevent>(&g_event_token); return CUDA_SUCCESS; }
-CUresult CUDAAPI cuEventRecord(CUevent, CUstream) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuEventRecord(CUevent, CUstream) {
+  g_stream_queries.fetch_add(1, std::memory_order_relaxed);
+  return CUDA_SUCCESS;
+}
 CUresult CUDAAPI cuEventSynchronize(CUevent) { return CUDA_SUCCESS; }
 CUresult CUDAAPI cuEventQuery(CUevent) { return CUDA_SUCCESS; }
 CUresult CUDAAPI cuEventElapsedTime(float* ms, CUevent, CUevent) { *ms = 0.001f; return CUDA_SUCCESS; }

@@ -91,11 +91,16 @@ TEST_F(HostPath, BoundRunLaunchesOnceAndAllocatesNothing) {
   const Params none;
   bound.run(none, a.outs, a.stream);
   const long launches = mock_launches(), allocations = g_allocations.load();
+  const long long queries = mock_value("kspec_mock_stream_queries");
   constexpr int kRuns = 100;
   for (int i = 0; i < kRuns; ++i) bound.run(none, a.outs, a.stream);
   EXPECT_EQ(g_allocations.load() - allocations, 0) << "heap allocations in " << kRuns << " runs";
   EXPECT_EQ(mock_launches() - launches, kRuns);
   EXPECT_EQ(bound.runs(), kRuns + 1);
+  // norm_act binds no tables: nothing for the destructor to wait for, so no capture query and no event
+  // record per run (before: one of each).
+  EXPECT_EQ(mock_value("kspec_mock_stream_queries") - queries, 0);
+  EXPECT_TRUE(bound.idle());
 }
 
 // The hit path keeps the checks that depend on the pointers, with full validation's messages.

@@ -86,6 +86,8 @@ def test_scan_surface_runs_no_generator(monkeypatch):
     names = _python_calls(lambda: kspec.ops.selective_scan_fn(*leaves, delta_softplus=True).backward(dout),
                           kspec_only=True)
     assert "_grads_of" in names and "<genexpr>" not in names, " ".join(names)
+    # the wrapper's contiguity pass and _grads_of's two; the record path picks with itemgetter and map
+    assert names.count("<listcomp>") == 3, " ".join(names)
 
 
 def test_linear_without_grad_is_one_gemm_call_without_the_surface(monkeypatch):

@@ -181,7 +181,8 @@ void call(std::string_view op, const std::vector<TensorView>& inputs,
 // table of tensors and chunks to device memory once) — and run() then takes only the params declared
 // runtime (lr, step, ...) and outputs laid out like the bound ones. Its view of the inputs is fixed:
 // when a pointer, shape or dtype changes, build a new one (Python's kspec.optim.AdamW does so by
-// comparing every pointer before each step). Destroying it waits for its last run's kernels.
+// comparing every pointer before each step). Destroying one with tables of its own in device memory
+// (adamw's) waits for its last run's kernels; one without has nothing to wait for.
 class BoundCall {
  public:
   BoundCall(std::string_view op, const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
@@ -193,7 +194,8 @@ class BoundCall {
   void run(const Params& runtime_params, const std::vector<TensorView>& outputs, Stream stream = nullptr);
   const std::string& config() const;  // the plan's config (as text)
   int64_t runs() const;
-  // Whether its last run's kernels have finished (then destroying it does not wait). Never blocks.
+  // Whether destroying it would not wait: its last run's kernels have finished, or it holds no tables they
+  // read (always true then). Never blocks.
   bool idle() const;
 
  private:
