@@ -11,6 +11,7 @@ tests/mock_cuda cannot see), and a profile of the loop. A diagnosis tool for the
 --trace adds torch.profiler's table of the CUDA API calls and kernels of 5 ev-style steps per shape."""
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -58,7 +59,10 @@ def ev_split(fwd, bwd, flush, reps=100):
         for k, v in (("ev_fwd_ms", s.elapsed_time(m)), ("ev_step_ms", s.elapsed_time(e)),
                      ("host_fwd_us", (t1 - t0) / 1e3), ("host_step_us", (t2 - t0) / 1e3)):
             rows[k].append(v)
-    return {k: statistics.median(v[10:]) for k, v in rows.items()}
+    out = {k: statistics.median(v[10:]) for k, v in rows.items()}
+    step = sorted(rows["ev_step_ms"][10:])
+    out["ev_step_min_ms"], out["ev_step_p90_ms"] = step[0], step[int(0.9 * (len(step) - 1))]
+    return out
 
 
 ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
@@ -113,8 +117,12 @@ def profile_shape(shape, trace):
 
     r["fwdbwd_step"] = per_call_us(step, 100)
     r.update({f"kspec_{k}": v for k, v in ev_split(fwd, lambda y: y.backward(dout), flush_buf.zero_).items()})
+    gc.disable()  # Python's collector runs every few hundred allocations: whether it is in the ev median
+    try:
+        r["kspec_ev_step_gc_off_ms"] = ev_split(fwd, lambda y: y.backward(dout), flush_buf.zero_)["ev_step_ms"]
+    finally:
+        gc.enable()
     r.update({f"kspec_{k}": v for k, v in allocator_per_step(step).items()})
-    peer = None
     try:
         from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as peer
 
