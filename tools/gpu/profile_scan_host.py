@@ -147,9 +147,12 @@ def profile_shape(shape, trace):
     if trace:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            ev_split(fwd, lambda y: y.backward(dout), flush_buf.zero_, reps=5)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        try:  # CUPTI may be missing: the rows above stand without the table
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                ev_split(fwd, lambda y: y.backward(dout), flush_buf.zero_, reps=5)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        except Exception as e:  # noqa: BLE001
+            print(f"{shape} trace: {str(e)[:200]}")
     del flush_buf
     torch.cuda.empty_cache()
     return r
