@@ -1,8 +1,9 @@
 """What a warm selective_scan training step does on the host at issue 33's small shapes, counted on the mock
 CUDA driver (tests/mock_cuda through tools/bench/dispatch_host.py: CPU tensors through the torch extension and
 kspec::call, kernels compiled but not run): the plan's launches and nothing else of the driver's (no cuMemAlloc,
-free, memset, synchronize or kernel attribute set per step), no plan build or kernel load per step, the outputs
-and gradients as 11 allocations and no fill or copy, and the same Python path at every shape. The H100's fwd+bwd
+free, memset, synchronize or kernel attribute set per step), no kernel compiled or looked up per step (a plan
+built for kernels not yet loaded would count; the call cache's hits and misses are not counted), the outputs and
+gradients as 11 allocations and no fill or copy, and the same Python path at every shape. The H100's fwd+bwd
 "ev" at 1x2048x512 and 16x768x256 was ~130 µs over 2x4096x333's (tools/bench/NOTES.md): this pins that kspec's
 and autograd's host work does not depend on the shape (tools/gpu/profile_scan_host.py looks at the rest)."""
 import os
