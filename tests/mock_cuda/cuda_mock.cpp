@@ -7,12 +7,16 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 namespace {
 
 std::atomic<long long> g_launches{0};
 std::atomic<long long> g_dtod_copies{0};  // device-to-device copies (the XLA handlers' scalar slots)
 std::atomic<long long> g_stream_queries{0};  // cuStreamIsCapturing and cuEventRecord: driver calls a hit path avoids
+// What a host path must not do per call once warm (a cuMemAlloc, a wait on the GPU, a memset, a kernel
+// attribute set), counted for kspec_mock_count(): tests/python/test_host_path.py's scan steps.
+std::atomic<long long> g_allocs{0}, g_frees{0}, g_syncs{0}, g_memsets{0}, g_attribute_sets{0};
 int g_context_token, g_module_token, g_function_token, g_event_token, g_graph_token;
 thread_local CUcontext t_current = nullptr;
 
@@ -42,6 +46,16 @@ extern "C" {
 __attribute__((visibility("default"))) long long kspec_mock_launches() { return g_launches.load(); }
 __attribute__((visibility("default"))) long long kspec_mock_dtod_copies() { return g_dtod_copies.load(); }
 __attribute__((visibility("default"))) long long kspec_mock_stream_queries() { return g_stream_queries.load(); }
+// One counter by name: "allocs" (cuMemAlloc, cuMemAllocAsync), "frees", "syncs" (stream, context and event
+// synchronizes), "memsets", "attribute_sets" (cuFuncSetAttribute), "launches"; -1 for any other name.
+__attribute__((visibility("default"))) long long kspec_mock_count(const char* what) {
+  const std::pair<const char*, std::atomic<long long>*> counters[] = {
+      {"allocs", &g_allocs}, {"frees", &g_frees}, {"syncs", &g_syncs}, {"memsets", &g_memsets},
+      {"attribute_sets", &g_attribute_sets}, {"launches", &g_launches}};
+  for (const auto& [name, counter] : counters)
+    if (std::strcmp(what, name) == 0) return counter->load();
+  return -1;
+}
 
 CUresult CUDAAPI cuInit(unsigned int) { return CUDA_SUCCESS; }
 CUresult CUDAAPI cuDriverGetVersion(int* v) { *v = 13000; return CUDA_SUCCESS; }
@@ -68,7 +82,10 @@ CUresult CUDAAPI cuCtxPopCurrent(CUcontext* c) {
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuCtxGetDevice(CUdevice* d) { *d = 0; return CUDA_SUCCESS; }
-CUresult CUDAAPI cuCtxSynchronize(void) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuCtxSynchronize(void) {
+  g_syncs.fetch_add(1);
+  return CUDA_SUCCESS;
+}
 CUresult CUDAAPI cuModuleLoadData(CUmodule* m, const void*) {
   *m = reinterpret_cast<CUmodule>(&g_module_token);
   return CUDA_SUCCESS;
@@ -78,7 +95,10 @@ CUresult CUDAAPI cuModuleGetFunction(CUfunction* f, CUmodule, const char*) {
   *f = reinterpret_cast<CUfunction>(&g_function_token);
   return CUDA_SUCCESS;
 }
-CUresult CUDAAPI cuFuncSetAttribute(CUfunction, CUfunction_attribute, int) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuFuncSetAttribute(CUfunction, CUfunction_attribute, int) {
+  g_attribute_sets.fetch_add(1);
+  return CUDA_SUCCESS;
+}
 CUresult CUDAAPI cuFuncGetAttribute(int* v, CUfunction_attribute a, CUfunction) {
   *v = a == CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK ? 1024 : a == CU_FUNC_ATTRIBUTE_NUM_REGS ? 32 : 0;
   return CUDA_SUCCESS;
@@ -99,16 +119,21 @@ CUresult CUDAAPI cuStreamIsCapturing(CUstream, CUstreamCaptureStatus* s) {
   *s = CU_STREAM_CAPTURE_STATUS_NONE;
   return CUDA_SUCCESS;
 }
-CUresult CUDAAPI cuStreamSynchronize(CUstream) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuStreamSynchronize(CUstream) { g_syncs.fetch_add(1); return CUDA_SUCCESS; }
 CUresult CUDAAPI cuStreamGetCtx(CUstream, CUcontext* c) { *c = the_context(); return CUDA_SUCCESS; }
 // Device memory is host memory, 256-byte aligned as cuMemAlloc's.
 CUresult CUDAAPI cuMemAlloc(CUdeviceptr* p, size_t bytes) {
+  g_allocs.fetch_add(1);
   void* q = std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
   if (!q) return CUDA_ERROR_OUT_OF_MEMORY;
   *p = reinterpret_cast<CUdeviceptr>(q);
   return CUDA_SUCCESS;
 }
-CUresult CUDAAPI cuMemFree(CUdeviceptr p) { std::free(reinterpret_cast<void*>(p)); return CUDA_SUCCESS; }
+CUresult CUDAAPI cuMemFree(CUdeviceptr p) {
+  g_frees.fetch_add(1);
+  std::free(reinterpret_cast<void*>(p));
+  return CUDA_SUCCESS;
+}
 CUresult CUDAAPI cuMemAllocAsync(CUdeviceptr* p, size_t bytes, CUstream) { return cuMemAlloc(p, bytes); }
 CUresult CUDAAPI cuMemFreeAsync(CUdeviceptr p, CUstream) { return cuMemFree(p); }
 CUresult CUDAAPI cuMemcpyHtoD(CUdeviceptr d, const void* s, size_t n) {
@@ -126,10 +151,12 @@ CUresult CUDAAPI cuMemcpyDtoDAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstr
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuMemsetD8(CUdeviceptr d, unsigned char v, size_t n) {
+  g_memsets.fetch_add(1);
   std::memset(reinterpret_cast<void*>(d), v, n);
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuMemsetD32Async(CUdeviceptr d, unsigned int v, size_t n, CUstream) {
+  g_memsets.fetch_add(1);
   auto* p = reinterpret_cast<unsigned int*>(d);
   for (size_t i = 0; i < n; ++i) p[i] = v;
   return CUDA_SUCCESS;
@@ -150,7 +177,10 @@ CUresult CUDAAPI cuEventRecord(CUevent, CUstream) {
   g_stream_queries.fetch_add(1, std::memory_order_relaxed);
   return CUDA_SUCCESS;
 }
-CUresult CUDAAPI cuEventSynchronize(CUevent) { return CUDA_SUCCESS; }
+CUresult CUDAAPI cuEventSynchronize(CUevent) {
+  g_syncs.fetch_add(1);
+  return CUDA_SUCCESS;
+}
 CUresult CUDAAPI cuEventQuery(CUevent) { return CUDA_SUCCESS; }
 CUresult CUDAAPI cuEventElapsedTime(float* ms, CUevent, CUevent) { *ms = 0.001f; return CUDA_SUCCESS; }
 CUresult CUDAAPI cuEventDestroy(CUevent) { return CUDA_SUCCESS; }

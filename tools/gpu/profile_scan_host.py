@@ -1,11 +1,21 @@
 """Where the host time of a selective_scan training step goes (kspec.ops.selective_scan_fn forward +
-backward through autograd), at one shape: per-piece host microseconds (perf_counter_ns around the raw
-calls, the autograd forward, the backward) and a cProfile of the loop. A diagnosis tool for the GPU machine."""
+backward through autograd), at one or more shapes in one process: per-piece host microseconds
+(perf_counter_ns around the raw calls, the autograd forward, the backward), the step timed as
+tools/bench/timing.py's "ev" column (after a synchronize and an L2 flush) split at the forward's return
+(GPU events and host clock side by side: whether the step's ev is the host's or the GPU's), torch's
+caching-allocator counters per step (cudaMalloc / cudaFree / retries: what the mock driver of
+tests/mock_cuda cannot see), and a profile of the loop. A diagnosis tool for the GPU machine.
+
+    python3 tools/gpu/profile_scan_host.py --shape 1x2048x512,16x768x256,2x4096x333 [--json F] [--trace]
+
+--trace adds torch.profiler's table of the CUDA API calls and kernels of 5 ev-style steps per shape."""
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
+import statistics
 import time
 
 import torch
@@ -27,12 +37,52 @@ def per_call_us(fn, calls=200):
     return t[len(t) // 2]
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="2x4096x333")
-    p.add_argument("--json")
-    a = p.parse_args()
-    b, d, t = (int(v) for v in a.shape.split("x"))
+def ev_split(fwd, bwd, flush, reps=100):
+    """The step as the bench's ev column times it (synchronize, flush, events around one call), split at the
+    forward's return: GPU ms from the start event to an event recorded after the forward / to the end, and
+    the host's µs to the same two points. host ≈ GPU for a part: the host's enqueueing is that part's time."""
+    ev = torch.cuda.Event
+    rows = {"ev_fwd_ms": [], "ev_step_ms": [], "host_fwd_us": [], "host_step_us": []}
+    for _ in range(reps + 10):
+        flush()
+        torch.cuda.synchronize()
+        s, m, e = ev(enable_timing=True), ev(enable_timing=True), ev(enable_timing=True)
+        s.record()
+        t0 = time.perf_counter_ns()
+        y = fwd()
+        t1 = time.perf_counter_ns()
+        m.record()
+        bwd(y)
+        t2 = time.perf_counter_ns()
+        e.record()
+        e.synchronize()
+        for k, v in (("ev_fwd_ms", s.elapsed_time(m)), ("ev_step_ms", s.elapsed_time(e)),
+                     ("host_fwd_us", (t1 - t0) / 1e3), ("host_step_us", (t2 - t0) / 1e3)):
+            rows[k].append(v)
+    out = {k: statistics.median(v[10:]) for k, v in rows.items()}
+    step = sorted(rows["ev_step_ms"][10:])
+    out["ev_step_min_ms"], out["ev_step_p90_ms"] = step[0], step[int(0.9 * (len(step) - 1))]
+    return out
+
+
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def allocator_per_step(step, steps=50):
+    """torch's caching-allocator events per step (each device alloc/free is a cudaMalloc/cudaFree; a free
+    waits for the device)."""
+    step()
+    torch.cuda.synchronize()
+    a = torch.cuda.memory_stats()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    b = torch.cuda.memory_stats()
+    return {k: (b.get(k, 0) - a.get(k, 0)) / steps for k in ALLOCATOR_COUNTERS}
+
+
+def profile_shape(shape, trace):
+    b, d, t = (int(v) for v in shape.split("x"))
     n = 16
     dev = "cuda"
     bf = torch.bfloat16
@@ -47,6 +97,7 @@ def main():
     out = torch.empty_like(x["u"])
     last = torch.empty(b, d, n, device=dev)
     states = torch.empty(b, d, -(-t // 16), n, device=dev)
+    flush_buf = torch.empty(64 << 20, dtype=torch.int32, device=dev)  # 256 MiB, as the bench's timer
     r = {}
     r["raw_fwd_out"] = per_call_us(lambda: kspec.call("selective_scan.fwd", *args, None, delta_softplus=True,
                                                       out=(out, last, states)))
@@ -56,25 +107,34 @@ def main():
     r["fn_nograd"] = per_call_us(lambda: kspec.ops.selective_scan_fn(*args, delta_softplus=True))
     r["fn_grad_fwd"] = per_call_us(lambda: kspec.ops.selective_scan_fn(*largs, delta_softplus=True))
 
-    def step():
+    def fwd(fn=kspec.ops.selective_scan_fn):
         for v in leaves.values():
             v.grad = None
-        kspec.ops.selective_scan_fn(*largs, delta_softplus=True).backward(dout)
+        return fn(*largs, delta_softplus=True)
+
+    def step(fn=kspec.ops.selective_scan_fn):
+        fwd(fn).backward(dout)
 
     r["fwdbwd_step"] = per_call_us(step, 100)
+    r.update({f"kspec_{k}": v for k, v in ev_split(fwd, lambda y: y.backward(dout), flush_buf.zero_).items()})
+    gc.disable()  # Python's collector runs every few hundred allocations: whether it is in the ev median
+    try:
+        r["kspec_ev_step_gc_off_ms"] = ev_split(fwd, lambda y: y.backward(dout), flush_buf.zero_)["ev_step_ms"]
+    finally:
+        gc.enable()
+    r.update({f"kspec_{k}": v for k, v in allocator_per_step(step).items()})
     try:
         from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as peer
 
-        def pstep():
-            for v in leaves.values():
-                v.grad = None
-            peer(*largs, delta_softplus=True).backward(dout)
-        r["mamba_fwdbwd_step"] = per_call_us(pstep, 100)
+        r["mamba_fwdbwd_step"] = per_call_us(lambda: step(peer), 100)
         r["mamba_fwd_nograd"] = per_call_us(lambda: peer(*args, delta_softplus=True))
+        r.update({f"mamba_{k}": v for k, v in ev_split(lambda: fwd(peer), lambda y: y.backward(dout),
+                                                         flush_buf.zero_).items()})
     except Exception as e:  # noqa: BLE001
         r["mamba"] = str(e)[:200]
     for k, v in r.items():
-        print(f"{a.shape} {k:>22}: {v if isinstance(v, str) else f'{v:9.1f} us'}")
+        unit = "ms" if k.endswith("_ms") else "per step" if k.split("_", 1)[-1] in ALLOCATOR_COUNTERS else "us"
+        print(f"{shape} {k:>30}: {v if isinstance(v, str) else f'{v:9.3f} {unit}'}")
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(50):
@@ -82,10 +142,31 @@ def main():
     torch.cuda.synchronize()
     pr.disable()
     s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(15)
     print(s.getvalue())
+    if trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        try:  # CUPTI may be missing: the rows above stand without the table
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                ev_split(fwd, lambda y: y.backward(dout), flush_buf.zero_, reps=5)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        except Exception as e:  # noqa: BLE001
+            print(f"{shape} trace: {str(e)[:200]}")
+    del flush_buf
+    torch.cuda.empty_cache()
+    return r
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="2x4096x333", help="BxDxL, or several separated by commas")
+    p.add_argument("--json")
+    p.add_argument("--trace", action="store_true", help="torch.profiler's CUDA API and kernel table per shape")
+    a = p.parse_args()
+    results = {shape: profile_shape(shape, a.trace) for shape in a.shape.split(",")}
     if a.json:
-        json.dump(r, open(a.json, "w"), indent=1)
+        json.dump(results if len(results) > 1 else next(iter(results.values())), open(a.json, "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,97 @@
+"""What a warm selective_scan training step does on the host at issue 33's small shapes, counted on the mock
+CUDA driver (tests/mock_cuda through tools/bench/dispatch_host.py: CPU tensors through the torch extension and
+kspec::call, kernels compiled but not run): the plan's launches and nothing else of the driver's (no cuMemAlloc,
+free, memset, synchronize or kernel attribute set per step), no kernel compiled or looked up per step (a plan
+built for kernels not yet loaded would count; the call cache's hits and misses are not counted), the outputs and
+gradients as 11 allocations and no fill or copy, and the same Python path at every shape. The H100's fwd+bwd
+"ev" at 1x2048x512 and 16x768x256 was ~130 µs over 2x4096x333's (tools/bench/NOTES.md): this pins that kspec's
+and autograd's host work does not depend on the shape (tools/gpu/profile_scan_host.py looks at the rest)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from kspec import _native  # noqa: E402
+
+_BODY = r"""
+import collections, ctypes, json
+import torch, kspec, kspec._torch
+from torch.profiler import ProfilerActivity, profile
+dh.install_shim(shim)
+lib = ctypes.CDLL(mock)
+lib.kspec_mock_count.restype = ctypes.c_longlong
+lib.kspec_mock_count.argtypes = [ctypes.c_char_p]
+DRIVER = ("launches", "allocs", "frees", "syncs", "memsets", "attribute_sets")
+KSPEC = ("compiled", "disk_hits", "memory_hits")
+
+def counts():
+    c = {k: lib.kspec_mock_count(k.encode()) for k in DRIVER}
+    c.update({k: kspec.counters()[k] for k in KSPEC})
+    return c
+
+result = {}
+for shape in SHAPES:
+    b, d, t = shape
+    n, bf = 16, torch.bfloat16
+    leaves = [torch.randn(b, d, t, dtype=bf), torch.rand(b, d, t, dtype=bf), -torch.rand(d, n),
+              torch.randn(b, 1, n, t, dtype=bf), torch.randn(b, 1, n, t, dtype=bf), torch.randn(d),
+              torch.randn(b, d, t, dtype=bf), torch.randn(d) * 0.1]
+    leaves = [v.requires_grad_() for v in leaves]
+    dout = torch.randn(b, d, t, dtype=bf)
+
+    def step():
+        for v in leaves:
+            v.grad = None
+        kspec.ops.selective_scan_fn(*leaves, delta_softplus=True).backward(dout)
+
+    for _ in range(3):
+        step()
+    before = counts()
+    for _ in range(4):
+        step()
+    after = counts()
+    per_step = {k: (after[k] - before[k]) / 4 for k in after}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    aten = collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+    names = []
+    def hook(frame, event, arg):
+        if event == "call":
+            names.append(frame.f_code.co_name)
+    sys.setprofile(hook)
+    step()
+    sys.setprofile(None)
+    result["x".join(map(str, shape))] = dict(per_step=per_step, aten=dict(aten), python=names[:-1])
+print(json.dumps(result))
+print("ok")
+"""
+
+# (shape, launches per step): the forward's kernel (tile at 1x2048x512, wide at 16x768x256, sequential at
+# 2x4096x333), then the backward's zero kernel for the variable dB/dC, its main kernel and the reduce; at
+# 1x2048x512 the backward's few-channels plan also runs its segments' adjoint pass (4 segments).
+SHAPES = {(2, 4096, 333): 4, (1, 2048, 512): 5, (16, 768, 256): 4}
+
+
+def test_warm_scan_step_host_work_does_not_depend_on_the_shape():
+    include = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
+    if _native.ext is None or not os.path.exists(os.path.join(include, "cuda.h")):
+        pytest.skip("needs the torch extension and the CUDA toolkit's cuda.h (for the mock driver)")
+    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench")
+    prelude = (f"import os, sys\nsys.path.insert(0, {tools!r})\nimport dispatch_host as dh\n"
+               f"mock, shim = dh.build({include!r})\ndh.select(mock)\nSHAPES = {list(SHAPES)!r}\n")
+    r = subprocess.run([sys.executable, "-c", prelude + _BODY], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    import json
+
+    got = json.loads(r.stdout.strip().splitlines()[-2])
+    paths = set()
+    for shape, launches in SHAPES.items():
+        g = got["x".join(map(str, shape))]
+        assert g["per_step"] == {"launches": launches, "allocs": 0, "frees": 0, "syncs": 0, "memsets": 0,
+                                 "attribute_sets": 0, "compiled": 0, "disk_hits": 0, "memory_hits": 0}, (shape, g)
+        # out, last_state, states and 8 gradients (no dh0): no zeros, fill, copy or clone beside them
+        assert g["aten"] == {"aten::empty": 11, "aten::detach": 8}, (shape, g["aten"])
+        paths.add(tuple(g["python"]))
+    assert len(paths) == 1, "the Python path of a step differs between shapes"
