@@ -191,8 +191,8 @@ __device__ __forceinline__ void mhc_pre_bwd_heads(const MhcPreBwdParams& p, long
     const int j = threadIdx.x;
     const float inv = __ldg(p.inv + t0 + (j < ntok ? j : 0));
     float dinv = 0.f, ga[3] = {0.f, 0.f, 0.f};
-    // Unrolled, so that ga's index is a constant (a rolled loop put ga on the stack: 8 bytes, and 16 of
-    // spills, in the pre_only mma token kernel at n 4, D 300 on sm_90).
+    // Unrolled, so that ga's index is a constant (a register array indexed at run time lives in local
+    // memory).
 #pragma unroll
     for (int r = 0; r < kM; ++r) {
       const float gm = g[j][r] * tot[j * kK + N + r];

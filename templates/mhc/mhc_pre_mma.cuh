@@ -15,6 +15,7 @@
 
 #include "common/dtype.cuh"
 #include "mhc/mhc_pre.cuh"
+#include "mhc/row8.cuh"
 
 namespace kspec {
 
@@ -37,40 +38,6 @@ __device__ __forceinline__ void mhc_mma_tf32(float (&d)[4], float a0, float a1, 
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(__float_as_uint(a0)), "r"(__float_as_uint(a1)), "r"(__float_as_uint(a2)), "r"(__float_as_uint(a3)),
         "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
-}
-
-// Eight consecutive elements of a row, as stored.
-template <typename T>
-struct alignas(16) MhcRow8 {
-  T v[8];
-};
-
-// Elements src[0 .. valid) (zeros past them). kVec: 16-byte loads, every 8-element group wholly inside
-// or outside the row (D % 8 == 0) and 16-byte aligned.
-template <typename T, bool kVec>
-__device__ __forceinline__ void mhc_load8(MhcRow8<T>& o, const T* src, int valid) {
-  constexpr int kWords = sizeof(MhcRow8<T>) / 16;
-  if (kVec) {
-#pragma unroll
-    for (int w = 0; w < kWords; ++w)
-      reinterpret_cast<uint4*>(o.v)[w] = valid > 0 ? __ldg(reinterpret_cast<const uint4*>(src) + w) : make_uint4(0, 0, 0, 0);
-  } else {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) o.v[e] = e < valid ? src[e] : from_float<T>(0.f);
-  }
-}
-template <bool kVec>
-__device__ __forceinline__ void mhc_load8f(float (&o)[8], const float* src, int valid) {
-  if (kVec) {
-#pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      const float4 q = valid > 0 ? __ldg(reinterpret_cast<const float4*>(src) + w) : make_float4(0.f, 0.f, 0.f, 0.f);
-      o[4 * w] = q.x, o[4 * w + 1] = q.y, o[4 * w + 2] = q.z, o[4 * w + 3] = q.w;
-    }
-  } else {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) o[e] = e < valid ? __ldg(src + e) : 0.f;
-  }
 }
 
 // Grid: ceil(T / kTok) blocks of kMhcMmaThreads. kVec: D % 8 == 0 and every pointer and row stride

@@ -393,6 +393,68 @@ TEST(Mhc, PreBackwardMmaTokensRulesAndCompileWithoutSpills) {
   EXPECT_EQ(compiled, 14);
 }
 
+// post's `vec` axis: 8 consecutive d a thread with 16-byte loads where D % 8 == 0 and n >= 3 (n <= 7 in
+// the backward; refused by name otherwise), not the heuristic's until timed; post.fwd and post.bwd at vec 8
+// compile without spills on sm_80 and sm_90 for n = 3, 4, 7 (8 forward) in bf16, f16 and fp32 (two 16-byte
+// words a row); post_pre.bwd keeps vec 1.
+TEST(Mhc, PostVecAxisRulesAndCompileWithoutSpills) {
+  for (const char* name : {"mhc.post.fwd", "mhc.post.bwd"}) {
+    const OpDef& op = Registry::global().get(name);
+    CompileRequest r;
+    r.op = name;
+    r.dtype = DType::bf16;
+    r.arch = "sm_90";
+    r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+    const Problem p = problem_from_request(op, r);
+    EXPECT_EQ(op.tuning.heuristic(p).get("vec"), 1) << name;
+    const Config v8{{{"threads", 128}, {"vec", 8}}};
+    EXPECT_TRUE(op.tuning.valid(p, v8, nullptr)) << name;
+    EXPECT_EQ(op.kernels(p, v8)[0].targs.back(), "8") << name;
+    for (const auto& [n, D, fragment] : {std::tuple{4, 37, "vec=8 takes D % 8 == 0"}, std::tuple{2, 128, "n >= 3"},
+                                         std::tuple{8, 128, "n <= 7"}}) {
+      CompileRequest q = r;
+      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+      std::string why;
+      const bool bwd = std::string(name) == "mhc.post.bwd";
+      if (n == 8 && !bwd) {
+        EXPECT_TRUE(op.tuning.valid(problem_from_request(op, q), v8, &why)) << why;
+        continue;
+      }
+      EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q), v8, &why)) << name << " n " << n;
+      EXPECT_NE(why.find(fragment), std::string::npos) << why;
+    }
+  }
+  {
+    const OpDef& op = Registry::global().get("mhc.post_pre.bwd");
+    CompileRequest r;
+    r.op = "mhc.post_pre.bwd";
+    r.dtype = DType::bf16;
+    r.arch = "sm_90";
+    r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+    const Problem p = problem_from_request(op, r);
+    EXPECT_EQ(op.kernels(p, op.tuning.heuristic(p)).back().targs.back(), "1");
+  }
+  int compiled = 0;
+  for (const char* arch : {"sm_80", "sm_90"})
+    for (const char* name : {"mhc.post.fwd", "mhc.post.bwd"})
+      for (auto [dt, n] : {std::pair{DType::bf16, 3}, std::pair{DType::f16, 4}, std::pair{DType::bf16, 7},
+                           std::pair{DType::f32, 4}, std::pair{DType::f32, 7}}) {
+        CompileRequest q;
+        q.op = name;
+        q.dtype = dt;
+        q.arch = arch;
+        q.params = {{"n", int64_t(n)}, {"D", int64_t(256)}};
+        q.config = Config{{{"threads", 128}, {"vec", 8}}};
+        for (const auto& rep : compile(q)) {
+          EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
+          EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
+          std::cout << arch << " " << rep.kernel << ": " << rep.registers << " registers\n";
+          ++compiled;
+        }
+      }
+  EXPECT_EQ(compiled, 20);
+}
+
 // pre.fwd's algo axis: the tensor-core projection (algo=mma, mhc_pre_mma.cuh) is the default from sm_80
 // on for 16-bit x, with 64 tokens a block for x in 16-byte groups, 32 for D % 8 != 0, 16 at n = 8; the
 // SIMT kernel (algo=simt) below sm_80, for fp32 x, and selectable everywhere; the rules name what rules a config out;
@@ -753,6 +815,32 @@ TEST(MhcGpu, PreBackwardMmaTokensMatchesReferenceOnEveryCase) {
   }
   EXPECT_GE(cases, 40);
   EXPECT_GE(checked, 60);
+}
+
+// post.fwd and post.bwd at vec 8 (16-byte loads) on every case with D % 8 == 0, every dtype and thread
+// count, against the float64 reference.
+TEST(MhcGpu, PostVec8MatchesReferenceOnEveryCase) {
+  KSPEC_REQUIRE_GPU();
+  int checked = 0;
+  for (const char* op_name : {"mhc.post.fwd", "mhc.post.bwd"}) {
+    const OpDef& op = Registry::global().get(op_name);
+    for (const Case& cs : op.cases) {
+      if (cs.large) continue;
+      for (DType dt : op.dtypes) {
+        CheckOptions o;
+        o.case_name = cs.name;
+        o.dtypes = {dt};
+        for (const Config& c : configs_for_case(op_name, cs.name, dt))
+          if (c.get("vec") == 8) o.configs.push_back(c);
+        if (o.configs.empty()) continue;  // D % 8 != 0
+        auto rows = check_op(op_name, o);
+        EXPECT_EQ(rows.size(), o.configs.size()) << op_name << " " << cs.name;
+        kspec::testing::report(rows);
+        checked += static_cast<int>(rows.size());
+      }
+    }
+  }
+  EXPECT_GE(checked, 100);
 }
 
 namespace {

@@ -300,6 +300,19 @@ def test_mhc_bench_pre_bwd_configs_compile_each_algo(families):
             assert ("token_mma" in kernels[0]) == ("mma_tokens" in name), (name, kernels)
 
 
+def test_mhc_bench_post_vec8_rows_take_the_vec_axis(families):
+    """The mhc bench's 'kspec post vec 8' rows: mhc.post.fwd and mhc.post.bwd accept threads=128,vec=8 and compile
+    the 8-wide kernels (no GPU needed)."""
+    import kspec
+
+    mhc = families["mhc"]
+    assert mhc.POST_VEC8 == "kspec post vec 8"
+    for op in ("mhc.post.fwd", "mhc.post.bwd"):
+        kernels = [r["kernel"] for r in kspec.compile(op, dtype="bf16", arch="sm_80", config="threads=128,vec=8", n=4,
+                                                      D=128)]
+        assert kernels and kernels[0].endswith(", 128, 8>"), (op, kernels)
+
+
 def test_torch_ca_peer_matches_the_reference(families):
     """The CA benchmark's torch eager peer (periodic and zero-padded) is the float64 reference's rollout."""
     torch = pytest.importorskip("torch")

@@ -24,6 +24,7 @@ DECODE_T = 8        # issue 34's small-batch decode shape: host µs per call <= 
 UNFUSED = "kspec post then pre"  # the post_pre rows' second kspec variant
 PRE_KERNELS = "kspec pre.fwd "   # the pre fwd rows of each of pre.fwd's kernels by config (see pre_kernel_configs)
 PRE_BWD_KERNELS = "kspec pre.bwd "  # the pre fwd+bwd rows of each of pre.bwd's algos by config (pre_bwd_configs)
+POST_VEC8 = "kspec post vec 8"   # the post fwd and fwd+bwd rows of mhc.post.fwd/.bwd at vec=8 (16-byte loads)
 
 
 def add_arguments(p):
@@ -102,6 +103,24 @@ def _pre_with_bwd_config(ctx, config):
             return dx, dphi, dalpha, dbias
 
     return lambda x, phi, alpha, bias: Pre.apply(x, phi, alpha, bias)
+
+
+def _post_with_config(ctx, config):
+    """post(x, f, h_post, r) -> out: mhc.post.fwd and mhc.post.bwd at `config`, both through kspec.call."""
+    torch, call = ctx.torch, ctx.kspec.call
+
+    class Post(torch.autograd.Function):
+        @staticmethod
+        def forward(fc, x, f, h_post, r):
+            fc.save_for_backward(x, f, h_post, r)
+            return call("mhc.post.fwd", x, f, h_post, r, config=config)[0]
+
+        @staticmethod
+        def backward(fc, dout):
+            x, f, h_post, r = fc.saved_tensors
+            return tuple(call("mhc.post.bwd", dout.contiguous(), x, f, h_post, r, config=config))
+
+    return Post.apply
 
 
 def torch_sinkhorn(torch, z, eps=EPS, t_max=T_MAX):
@@ -246,6 +265,9 @@ def implementations(ctx, liger, n, D):
         impls[name] = (pre, K.mhc_post)
     for name, config in pre_bwd_configs(n, D).items():
         impls[name] = (_pre_with_bwd_config(ctx, config), K.mhc_post)
+    if D % 8 == 0:
+        impls[POST_VEC8] = (lambda x, phi, alpha, bias: K.mhc_pre(x, phi, alpha, bias),
+                            _post_with_config(ctx, "threads=128,vec=8"))
     impls = {name: (pre, post, _then(pre, post)) for name, (pre, post) in impls.items()}
     impls["kspec"] = impls["kspec"][:2] + (lambda x, f, hp, r, phi, alpha, bias: K.mhc_post_pre(x, f, hp, r, phi,
                                                                                                 alpha, bias),)
@@ -269,12 +291,13 @@ def run(ctx):
     for name, fns in implementations(ctx, liger, n, D).items():
         for op in ("pre", "post", "layer", "post_pre"):
             by_config = name.startswith(PRE_KERNELS) or name.startswith(PRE_BWD_KERNELS)
-            if (name == UNFUSED and op != "post_pre") or (by_config and op != "pre"):
+            if (name == UNFUSED and op != "post_pre") or (by_config and op != "pre") or (name == POST_VEC8
+                                                                                         and op != "post"):
                 continue
             kinds = ("fwd",) if name.startswith(PRE_KERNELS) else ("fwd+bwd",) if by_config else ("fwd", "fwd+bwd")
             for kind in kinds:
                 row = {"family": "mhc", "shape": f"T={T} n={n} D={D}", "op": op, "variant": name, "kind": kind,
-                       "impl": "kspec" if name in ("kspec", UNFUSED) or by_config else "peer",
+                       "impl": "kspec" if name in ("kspec", UNFUSED, POST_VEC8) or by_config else "peer",
                        "bytes": min_bytes(op, kind, T, n, D), "status": ""}
                 if ctx.skipped(name):
                     row["status"] = "skipped"
@@ -381,6 +404,8 @@ def _report(ctx, rows, why):
         " heuristic's): algo=simt, the SIMT kernels; algo=mma (the default), dΦ and dγ from one GEMM S = dmᵀ·x a"
         " part and dx's du = dm·Φ on tensor cores; algo=mma_tokens, the token pass (m and <dy, x[i]>) on tensor"
         " cores too.",
+        f"'{POST_VEC8}': post fwd and fwd+bwd with mhc.post.fwd/.bwd at vec=8 (8 consecutive d a thread, 16-byte"
+        " loads and stores) through kspec.call; 'kspec' runs vec=1, the default.",
         f"post_pre: post of layer l then pre of layer l + 1 (x_next and y compared; bytes the fused floor, so the"
         f" unfused rows' % shows the extra read of x_next); '{UNFUSED}' is kspec's two ops, the peers theirs.",
     ]

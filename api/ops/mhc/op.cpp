@@ -750,7 +750,40 @@ std::vector<Case> post_cases() {
   return cases;
 }
 
-OpDef post_base(const char* name, const char* doc) {
+// post's `vec` axis: 1, a thread one d with 2-byte loads and stores (mhc_post.cuh), or 8, a thread 8
+// consecutive d with 16-byte ones (D % 8 == 0, every pointer and row 16-byte aligned). On the H100 (T 16384,
+// n 4, D 4096, bf16) post.fwd ran at 72% of 3 TB/s and post fwd+bwd at 76% with vec 1; vec 8 is not yet
+// timed, so the heuristic keeps 1 (tools/bench/NOTES.md, "mhc post: 16-byte loads"). Without spills
+// (ptxas, NVRTC 13, sm_80 and sm_90, bf16, f16, fp32, D 128 to 4096) from n 3 on, and in the backward up
+// to n 7: at n 8 its 72 running sums and 17 rows of 8 spilled 24-128 bytes; at n 1 and 2 ptxas spilled 8-16
+// bytes at 32-48 registers (post.fwd f16 n 2 on sm_90, post.bwd bf16 n 1 on sm_80).
+int64_t post_vec(const Config& c) { return c.has("vec") ? c.get("vec") : 1; }
+TuningSpace with_vec_axis(TuningSpace t, bool bwd) {
+  t.axes.push_back({"vec", {1, 8}});
+  auto threads_valid = t.valid;
+  t.valid = [threads_valid, bwd](const Problem& p, const Config& c, std::string* why) {
+    const char* no = nullptr;
+    if (c.get("vec") == 8) {
+      if (!mma_vec(p)) no = "vec=8 takes D % 8 == 0 and 16-byte aligned pointers and rows (x, f, out / dout, dx, df)";
+      else if (p.dim("n") < 3) no = "vec=8 takes n >= 3 (ptxas spilled at n 1 and 2)";
+      else if (bwd && p.dim("n") > 7) no = "vec=8 in the backward takes n <= 7 (its n + n^2 sums and 2n + 1 rows spill at 8)";
+    }
+    if (no) {
+      if (why) *why = no;
+      return false;
+    }
+    return threads_valid(p, c, why);
+  };
+  auto threads_heuristic = t.heuristic;
+  t.heuristic = [threads_heuristic](const Problem& p) {
+    Config c = threads_heuristic(p);
+    c.values.push_back({"vec", 1});
+    return c;
+  };
+  return t;
+}
+
+OpDef post_base(const char* name, const char* doc, bool bwd) {
   OpDef op;
   op.info.name = name;
   op.info.family = "mhc";
@@ -760,7 +793,7 @@ OpDef post_base(const char* name, const char* doc) {
   op.info.constants = {{"max_n", kMaxN}};
   op.check = check_tokens;
   op.compile_dims = {{"T", 1}};
-  op.tuning = threads_tuning({64, 128, 256}, [](const Problem&) { return int64_t(32); }, 256);
+  op.tuning = with_vec_axis(threads_tuning({64, 128, 256}, [](const Problem&) { return int64_t(32); }, 256), bwd);
   op.info.tuning_axes = op.tuning.axes;
   op.cases = post_cases();
   op.dtypes = kFloatTypes;
@@ -789,9 +822,11 @@ std::vector<HostTensor> post_bwd_reference(const Problem& p, const std::vector<H
           {true, in[4].shape, std::move(g.dr)}};
 }
 
+// post_pre.bwd's config has no `vec`: 1.
 std::vector<jit::KernelSpec> post_bwd_kernels(const Problem& p, const Config& c) {
   return {kernel_spec(p, "mhc/mhc_post.cuh", "kspec::mhc_post_bwd_kernel",
-                      {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")), thr(c)})};
+                      {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")), thr(c),
+                       std::to_string(post_vec(c))})};
 }
 
 // post.bwd's kernel (plan kernel `kernel`) with the gradient of out at dout (row stride dout_row); x, f,
@@ -821,13 +856,15 @@ void launch_post_bwd(const Call& call, const Config& c, Launcher& l, size_t kern
 }
 
 OpDef make_post_fwd() {
-  OpDef op = post_base("mhc.post.fwd", "mHC post: out[k] = h_post[k] f + sum_j h_res[j, k] x[j] (the next layer's x)");
+  OpDef op =
+      post_base("mhc.post.fwd", "mHC post: out[k] = h_post[k] f + sum_j h_res[j, k] x[j] (the next layer's x)", false);
   op.info.inputs = post_inputs("");
   op.info.outputs = {streams("out", "x", "the next layer's n streams")};
   op.kernels = [](const Problem& p, const Config& c) {
     return std::vector<jit::KernelSpec>{kernel_spec(
         p, "mhc/mhc_post.cuh", "kspec::mhc_post_fwd_kernel",
-        {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")), thr(c)})};
+        {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")), thr(c),
+         std::to_string(post_vec(c))})};
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     const Problem& pr = call.problem;
@@ -844,14 +881,15 @@ OpDef make_post_fwd() {
     a.out_row = call.row_stride(call.out("out"));
     void* args[] = {&a};
     const int64_t th = c.get("threads");
-    l.launch(0, {u32(a.T), u32(ceil_div(pr.dim("D"), th))}, {u32(th)}, 0, args);
+    l.launch(0, {u32(a.T), u32(ceil_div(pr.dim("D"), th * post_vec(c)))}, {u32(th)}, 0, args);
   };
   op.reference = post_fwd_reference;
   return op;
 }
 
 OpDef make_post_bwd() {
-  OpDef op = post_base("mhc.post.bwd", "gradients of mhc.post.fwd: dx, df, dh_post, dh_res (per token, no atomics)");
+  OpDef op =
+      post_base("mhc.post.bwd", "gradients of mhc.post.fwd: dx, df, dh_post, dh_res (per token, no atomics)", true);
   op.info.inputs = post_inputs("dout");
   op.info.inputs.insert(op.info.inputs.begin(), streams("dout", "", "gradient of out"));
   op.info.outputs = {streams("dx", "dout", "gradient of x (pass it to mhc.pre.bwd as dx_post)"),
