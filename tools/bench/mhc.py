@@ -401,11 +401,11 @@ def _report(ctx, rows, why):
         f"'{PRE_KERNELS}…': mhc.pre.fwd's kernels by config through kspec.call (forward only): algo=simt, the SIMT"
         " projection; algo=mma, the projection on tensor cores at 16, 32 or 64 tokens a block.",
         f"'{PRE_BWD_KERNELS}…': pre fwd+bwd with mhc.pre.bwd by config through kspec.call (the forward the"
-        " heuristic's): algo=simt, the SIMT kernels; algo=mma (the default), dΦ and dγ from one GEMM S = dmᵀ·x a"
-        " part and dx's du = dm·Φ on tensor cores; algo=mma_tokens, the token pass (m and <dy, x[i]>) on tensor"
-        " cores too.",
+        " heuristic's): algo=simt, the SIMT kernels; algo=mma, dΦ and dγ from one GEMM S = dmᵀ·x a part and dx's"
+        " du = dm·Φ on tensor cores; algo=mma_tokens (the default where its tile is valid), the token pass (m and"
+        " <dy, x[i]>) on tensor cores too.",
         f"'{POST_VEC8}': post fwd and fwd+bwd with mhc.post.fwd/.bwd at vec=8 (8 consecutive d a thread, 16-byte"
-        " loads and stores) through kspec.call; 'kspec' runs vec=1, the default.",
+        " loads and stores) through kspec.call; 'kspec' runs the heuristic's, vec=8 where it is valid.",
         f"post_pre: post of layer l then pre of layer l + 1 (x_next and y compared; bytes the fused floor, so the"
         f" unfused rows' % shows the extra read of x_next); '{UNFUSED}' is kspec's two ops, the peers theirs.",
     ]

@@ -627,10 +627,10 @@ std::string bwd_mma_tokens_unsupported(const Problem& p, int64_t tokens) {
 
 // algo=mma and algo=mma_tokens wherever mma_unsupported allows; algo=mma with the SIMT token kernel's
 // threads and tokens (1 or 4), algo=mma_tokens with 128 threads and 16-64 tokens. The heuristic takes
-// algo=mma wherever it is valid (H200, T 16384, n 4, D 4096, bf16: pre fwd+bwd 3567 us against 6280 with
-// kSimt, the backward alone ~3.1 ms against ~5.8), with the SIMT heuristic's threads and tokens (1 token on
-// pre_only, its rule); algo=mma_tokens is not yet timed (tools/bench/NOTES.md, "mhc pre backward: the
-// token pass on tensor cores").
+// algo=mma_tokens at 32 tokens (16 where 32 is not valid) wherever it is valid, else algo=mma with the SIMT
+// heuristic's threads and tokens (1 token on pre_only, its rule), else the SIMT kernels. H100, T 16384, n 4,
+// D 4096, bf16, pre fwd+bwd: mma_tokens 32 2540 us, mma 3716, simt 6280 (H200: mma 3567 against simt 6280;
+// tools/bench/NOTES.md).
 TuningSpace with_bwd_algo_axis(TuningSpace t) {
   t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaTokens}});
   for (auto& [name, values] : t.axes)
@@ -659,6 +659,15 @@ TuningSpace with_bwd_algo_axis(TuningSpace t) {
   auto simt_heuristic = t.heuristic;
   t.heuristic = [simt_heuristic, valid = t.valid](const Problem& p) {
     const Config simt = simt_heuristic(p);
+    for (int64_t tok : {32, 16}) {
+      Config c = simt;
+      c.values.insert(c.values.begin(), {"algo", kMmaTokens});
+      for (auto& [axis, v] : c.values) {
+        if (axis == "tokens") v = tok;
+        if (axis == "threads") v = kMmaThreads;
+      }
+      if (valid(p, c, nullptr)) return c;
+    }
     Config mma = simt;
     mma.values.insert(mma.values.begin(), {"algo", kMma});
     if (pre_only(p))
@@ -752,8 +761,8 @@ std::vector<Case> post_cases() {
 
 // post's `vec` axis: 1, a thread one d with 2-byte loads and stores (mhc_post.cuh), or 8, a thread 8
 // consecutive d with 16-byte ones (D % 8 == 0, every pointer and row 16-byte aligned). On the H100 (T 16384,
-// n 4, D 4096, bf16) post.fwd ran at 72% of 3 TB/s and post fwd+bwd at 76% with vec 1; vec 8 is not yet
-// timed, so the heuristic keeps 1 (tools/bench/NOTES.md, "mhc post: 16-byte loads"). Without spills
+// n 4, D 4096, bf16) post.fwd ran at 72% of 3 TB/s and post fwd+bwd at 76% with vec 1, at 94% (428 us) and
+// 97% (1060 us) with vec 8: the heuristic takes 8 wherever it is valid (tools/bench/NOTES.md). Without spills
 // (ptxas, NVRTC 13, sm_80 and sm_90, bf16, f16, fp32, D 128 to 4096) from n 3 on, and in the backward up
 // to n 7: at n 8 its 72 running sums and 17 rows of 8 spilled 24-128 bytes; at n 1 and 2 ptxas spilled 8-16
 // bytes at 32-48 registers (post.fwd f16 n 2 on sm_90, post.bwd bf16 n 1 on sm_80).
@@ -775,9 +784,10 @@ TuningSpace with_vec_axis(TuningSpace t, bool bwd) {
     return threads_valid(p, c, why);
   };
   auto threads_heuristic = t.heuristic;
-  t.heuristic = [threads_heuristic](const Problem& p) {
+  t.heuristic = [threads_heuristic, valid = t.valid](const Problem& p) {
     Config c = threads_heuristic(p);
-    c.values.push_back({"vec", 1});
+    c.values.push_back({"vec", 8});
+    if (!valid(p, c, nullptr)) c.values.back().second = 1;
     return c;
   };
   return t;
