@@ -29,6 +29,8 @@ POST_VEC8 = "kspec post vec 8"   # the post fwd and fwd+bwd rows of mhc.post.fwd
 
 def add_arguments(p):
     p.add_argument("--mhc-shape", metavar="TxNxD", default="16384x4x4096", help="mhc: tokens x streams x dim")
+    p.add_argument("--mhc-ops", default="pre,post,layer,post_pre",
+                   help="mhc: which rows to time, of pre, post, layer, post_pre (comma-separated)")
 
 
 def min_bytes(op, kind, T, n, D, s=2):
@@ -290,6 +292,8 @@ def run(ctx):
     rows = []
     for name, fns in implementations(ctx, liger, n, D).items():
         for op in ("pre", "post", "layer", "post_pre"):
+            if op not in ctx.args.mhc_ops.split(","):
+                continue
             by_config = name.startswith(PRE_KERNELS) or name.startswith(PRE_BWD_KERNELS)
             if (name == UNFUSED and op != "post_pre") or (by_config and op != "pre") or (name == POST_VEC8
                                                                                          and op != "post"):
