@@ -313,7 +313,9 @@ def run(ctx):
                 except Exception as e:  # noqa: BLE001  (a peer that fails is a result)
                     record_failure(row, e, ctx.args.verbose, torch)
                 rows.append(row)
-                print(f"bench: mhc {op} {name} {kind}: {row['status']}", file=sys.stderr, flush=True)
+                # the times on the progress line too: a run cut short by its time limit still shows them
+                times = f" gpu {row['gpu_ms']:.3f} ms, ev {row['ev_ms']:.3f} ms" if "gpu_ms" in row else ""
+                print(f"bench: mhc {op} {name} {kind}: {row['status']}{times}", file=sys.stderr, flush=True)
     for r in rows:
         base = next((k for k in rows if k["variant"] == "kspec" and k["op"] == r["op"] and k["kind"] == r["kind"]
                      and "gpu_ms" in k), None)
