@@ -6,7 +6,8 @@
 
 namespace kspec {
 
-// Zeroes the variable dB/dC accumulators. Launch: any 1-D grid; n floats each (0 when fixed).
+// Zeroes the variable dB/dC accumulators where they are not kept zero between calls (a workspace inside a
+// CUDA graph capture; elsewhere pass 2 leaves them zero). Launch: any 1-D grid; n floats each (0 when fixed).
 __global__ void selective_scan_bwd_zero_kernel(float* __restrict__ a, long long na, float* __restrict__ b,
                                                long long nb) {
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
@@ -17,12 +18,13 @@ __global__ void selective_scan_bwd_zero_kernel(float* __restrict__ a, long long 
 // ---------------------------------------------------------------------------------------------
 // Backward, pass 2 of 2: sums the per-channel partials over the batch in order b = 0, 1, ... (dA,
 // fixed dB/dC per (d, n); dD, ddelta_bias per d) and rounds the variable dB/dC accumulators to their
-// dtypes. Launch: 1-D, any grid (grid-stride loops), no shared memory.
+// dtypes, writing zeros back: the next backward on the stream finds them zero without a zeroing launch of
+// its own (op.cpp, VarAccumulators). Launch: 1-D, any grid (grid-stride loops), no shared memory.
 // ---------------------------------------------------------------------------------------------
 template <typename TB, typename TC, int kDstate, bool kVarB, bool kVarC, bool kHasD, bool kHasDeltaBias>
 __global__ void selective_scan_bwd_reduce_kernel(const float* __restrict__ partials,
-                                                 const float* __restrict__ dB_acc,
-                                                 const float* __restrict__ dC_acc, float* __restrict__ dA,
+                                                 float* __restrict__ dB_acc,
+                                                 float* __restrict__ dC_acc, float* __restrict__ dA,
                                                  TB* __restrict__ dB, TC* __restrict__ dC, float* __restrict__ dD,
                                                  float* __restrict__ ddelta_bias, int batch, int dim,
                                                  long long var_elems) {
@@ -54,8 +56,14 @@ __global__ void selective_scan_bwd_reduce_kernel(const float* __restrict__ parti
     if constexpr (kHasDeltaBias) ddelta_bias[d] = sbias;
   }
   for (long long i = first; i < var_elems; i += step) {
-    if constexpr (kVarB) dB[i] = from_float<TB>(dB_acc[i]);
-    if constexpr (kVarC) dC[i] = from_float<TC>(dC_acc[i]);
+    if constexpr (kVarB) {
+      dB[i] = from_float<TB>(dB_acc[i]);
+      dB_acc[i] = 0.0f;
+    }
+    if constexpr (kVarC) {
+      dC[i] = from_float<TC>(dC_acc[i]);
+      dC_acc[i] = 0.0f;
+    }
   }
 }
 

@@ -269,8 +269,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // Launch: blockDim = (kThreads, 1, 1); gridDim = (dim / kWarps, batch) when B or C is variable
 // (kWarps must divide dim / groups: the block barriers need every warp, and its channels one group),
 // else (ceil(dim / kWarps), batch). Shared memory: static, (kHasVarBC ? 2 * kThreads * kItems : 0) +
-// 2 * kWarps * kDstate + 3 * kWarps * kDstate floats. Workspace: states, partials, dB_acc and dC_acc
-// when variable ([batch, groups, dstate, seqlen] fp32).
+// 2 * kWarps * kDstate + 3 * kWarps * kDstate floats. Workspace: states, partials; dB_acc and dC_acc
+// when variable ([batch, groups, dstate, seqlen] fp32, zero on entry: op.cpp's VarAccumulators).
 // ---------------------------------------------------------------------------------------------
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)

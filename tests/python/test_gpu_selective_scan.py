@@ -372,6 +372,23 @@ def test_forward_without_last_state_and_numpy_free_path():
     assert torch.is_tensor(out) and out.shape == x["u"].shape
 
 
+def test_variable_bc_accumulators_are_zero_for_every_backward():
+    """The backward's variable dB/dC accumulators are a buffer per stream that the reduce kernel leaves zero
+    for the next call (no zeroing launch): backward after backward on one stream, the buffer grown by a
+    larger problem and read again by smaller ones, B or C alone variable, a second stream; each gradient
+    against the float64 reference (a sum left over from the call before would show in dB/dC)."""
+    runs = [dict(), dict(), dict(batch=4, dim=64, seqlen=1100, h0=False), dict(), dict(form="fixed_b", groups=2),
+            dict(form="var3", seqlen=77), dict(batch=1, dim=1024, seqlen=600)]
+    for i, r in enumerate(runs):
+        _run_and_check(torch.bfloat16, dict(BASE, **r), seed=i)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(2):
+            _run_and_check(torch.float32, dict(BASE), seed=10 + i)
+    torch.cuda.current_stream().wait_stream(side)
+
+
 def test_backward_is_deterministic_except_variable_bc():
     v = dict(BASE, form="fixed", dim=64, seqlen=777)
     x = _inputs(torch.float32, v)

@@ -6,11 +6,16 @@ tools/bench/timing.py's "ev" column (after a synchronize and an L2 flush) split 
 caching-allocator counters per step (cudaMalloc / cudaFree / retries: what the mock driver of
 tests/mock_cuda cannot see), and a profile of the loop. A diagnosis tool for the GPU machine.
 
-    python3 tools/gpu/profile_scan_host.py --shape 1x2048x512,16x768x256,2x4096x333 [--json F] [--trace]
+    python3 tools/gpu/profile_scan_host.py --shape 1x2048x512,16x768x256,2x4096x333 [--json F] [--trace] [--split]
 
---trace adds torch.profiler's table of the CUDA API calls and kernels of 5 ev-style steps per shape."""
+--trace adds torch.profiler's table of the CUDA API calls and kernels of 5 ev-style steps per shape. --split
+times the ev step's backward in pieces on the host clock, from hooks in kspec's and mamba_ssm's backward (what
+torch's autograd engine takes before and after the op's own backward, against the op's), and the ev step early
+and late in its run (a warm-up drift shows as a difference). A shape may be given twice: the rows of its first
+run and of its last then show what the order of the shapes does."""
 import argparse
 import cProfile
+import dataclasses
 import gc
 import io
 import json
@@ -81,7 +86,107 @@ def allocator_per_step(step, steps=50):
     return {k: (b.get(k, 0) - a.get(k, 0)) / steps for k in ALLOCATOR_COUNTERS}
 
 
-def profile_shape(shape, trace):
+class BackwardClock:
+    """Host timestamps (perf_counter_ns, one clock for every thread) inside one backward: the op's node
+    entered and left (it runs on autograd's device thread), and the op's own call inside it (kspec: its
+    registry call of selective_scan.bwd). Installed by wrapping the Python functions the node runs."""
+
+    def __init__(self):
+        self.marks = {}
+        self.calls = 0
+
+    def mark(self, name):
+        self.marks[name] = time.perf_counter_ns()
+
+    def wrap(self, fn, enter, leave):
+        def wrapped(*args, **kwargs):
+            self.mark(enter)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.mark(leave)
+                self.calls += 1
+        return wrapped
+
+
+def kspec_clock():
+    """Hooks in kspec's selective_scan backward on the torch extension's path (SurfaceBackward calls the
+    surface's _native_backward, which calls the family's backward: the registry call). None without the
+    extension (the autograd.Function's backward is bound at import)."""
+    from kspec import _native, _torch
+
+    surf = _torch.selective_scan
+    if _native.ext is None:
+        return None, lambda: None
+    clock = BackwardClock()
+    family, native = surf.family, surf._native_backward
+    surf.family = dataclasses.replace(family, backward=clock.wrap(family.backward, "call", "call_end"))
+    surf._native_backward = clock.wrap(native, "node", "node_end")
+
+    def undo():
+        surf.family = family
+        del surf._native_backward
+    return clock, undo
+
+
+def mamba_clock():
+    """mamba_ssm's SelectiveScanFn.backward (Python, on the device thread) with the node's entry and exit;
+    its C++ call is the rest of it (no separate marks)."""
+    from mamba_ssm.ops import selective_scan_interface as m
+
+    clock = BackwardClock()
+    raw = m.SelectiveScanFn.__dict__["backward"]
+    fn = clock.wrap(raw.__func__ if isinstance(raw, staticmethod) else raw, "node", "node_end")
+    m.SelectiveScanFn.backward = staticmethod(lambda ctx, *a: fn(ctx, *a))
+
+    def undo():
+        m.SelectiveScanFn.backward = raw
+    return clock, undo
+
+
+def split_step(fwd, bwd, flush, clock, reps=100):
+    """The ev step (as ev_split) with the host's pieces (µs, medians): fwd (the forward's return), hop (from
+    backward() to the node's entry on the device thread: torch's engine, a thread wake-up), pre (the node's
+    Python before the op's call), call (the op's call: allocations, launches), post (after it, in the node),
+    tail (from the node's exit to backward()'s return on the calling thread: the AccumulateGrad nodes, the
+    engine's completion, a wake-up), and the ev step in the first and last 30 timed steps."""
+    ev = torch.cuda.Event
+    pieces = {k: [] for k in ("fwd", "hop", "pre", "call", "post", "tail", "host_step")}
+    steps = []
+    for i in range(reps + 10):
+        flush()
+        torch.cuda.synchronize()
+        clock.marks.clear()
+        s, e = ev(enable_timing=True), ev(enable_timing=True)
+        s.record()
+        t0 = time.perf_counter_ns()
+        y = fwd()
+        t1 = time.perf_counter_ns()
+        bwd(y)
+        t2 = time.perf_counter_ns()
+        e.record()
+        e.synchronize()
+        if i < 10:
+            continue
+        m = clock.marks
+        steps.append(s.elapsed_time(e))
+        pieces["fwd"].append(t1 - t0)
+        pieces["host_step"].append(t2 - t0)
+        if "node" in m and "node_end" in m:
+            pieces["hop"].append(m["node"] - t1)
+            pieces["tail"].append(t2 - m["node_end"])
+            if "call" in m and "call_end" in m:
+                pieces["pre"].append(m["call"] - m["node"])
+                pieces["call"].append(m["call_end"] - m["call"])
+                pieces["post"].append(m["node_end"] - m["call_end"])
+    out = {f"split_{k}_us": statistics.median(v) / 1e3 for k, v in pieces.items() if v}
+    out["split_ev_step_ms"] = statistics.median(steps)
+    out["split_ev_first30_ms"] = statistics.median(steps[:30])
+    out["split_ev_last30_ms"] = statistics.median(steps[-30:])
+    return out
+
+
+def profile_shape(shape, trace, split=False, cprofile=True, label=None):
     b, d, t = (int(v) for v in shape.split("x"))
     n = 16
     dev = "cuda"
@@ -123,6 +228,16 @@ def profile_shape(shape, trace):
     finally:
         gc.enable()
     r.update({f"kspec_{k}": v for k, v in allocator_per_step(step).items()})
+    if split:
+        clock, undo = kspec_clock()
+        if clock is None:
+            r["kspec_split"] = "no torch extension: the backward's hooks are not on this path"
+        else:
+            try:
+                r.update({f"kspec_{k}": v for k, v in split_step(fwd, lambda y: y.backward(dout), flush_buf.zero_,
+                                                                 clock).items()})
+            finally:
+                undo()
     try:
         from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as peer
 
@@ -130,20 +245,28 @@ def profile_shape(shape, trace):
         r["mamba_fwd_nograd"] = per_call_us(lambda: peer(*args, delta_softplus=True))
         r.update({f"mamba_{k}": v for k, v in ev_split(lambda: fwd(peer), lambda y: y.backward(dout),
                                                          flush_buf.zero_).items()})
+        if split:
+            clock, undo = mamba_clock()
+            try:
+                r.update({f"mamba_{k}": v for k, v in split_step(lambda: fwd(peer), lambda y: y.backward(dout),
+                                                                 flush_buf.zero_, clock).items()})
+            finally:
+                undo()
     except Exception as e:  # noqa: BLE001
         r["mamba"] = str(e)[:200]
     for k, v in r.items():
         unit = "ms" if k.endswith("_ms") else "per step" if k.split("_", 1)[-1] in ALLOCATOR_COUNTERS else "us"
-        print(f"{shape} {k:>30}: {v if isinstance(v, str) else f'{v:9.3f} {unit}'}")
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(50):
-        step()
-    torch.cuda.synchronize()
-    pr.disable()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(15)
-    print(s.getvalue())
+        print(f"{label or shape} {k:>30}: {v if isinstance(v, str) else f'{v:9.3f} {unit}'}", flush=True)
+    if cprofile:
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(50):
+            step()
+        torch.cuda.synchronize()
+        pr.disable()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(15)
+        print(s.getvalue())
     if trace:
         from torch.profiler import ProfilerActivity, profile
 
@@ -163,8 +286,14 @@ def main():
     p.add_argument("--shape", default="2x4096x333", help="BxDxL, or several separated by commas")
     p.add_argument("--json")
     p.add_argument("--trace", action="store_true", help="torch.profiler's CUDA API and kernel table per shape")
+    p.add_argument("--split", action="store_true", help="the ev step's backward in host pieces (hooks), early/late")
+    p.add_argument("--no-profile", action="store_true", help="leave out the cProfile table")
     a = p.parse_args()
-    results = {shape: profile_shape(shape, a.trace) for shape in a.shape.split(",")}
+    shapes = a.shape.split(",")
+    results = {}
+    for i, shape in enumerate(shapes):  # a repeated shape keeps each run's rows apart: shape#run
+        key = shape if shapes.count(shape) == 1 else f"{shape}#{shapes[:i + 1].count(shape)}"
+        results[key] = profile_shape(shape, a.trace, a.split, not a.no_profile, key)
     if a.json:
         json.dump(results if len(results) > 1 else next(iter(results.values())), open(a.json, "w"), indent=1)
 

@@ -4,14 +4,63 @@
 // references: schema.cpp; kernels: templates/selective_scan/, one header per kernel family (each
 // binary's cache key hashes only its own header's include tree).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <map>
+#include <mutex>
 #include <optional>
 
+#include "jit/driver.h"
 #include "selective_scan/scan.h"
 
 namespace kspec {
 namespace scan {
 namespace {
+
+// The backward's variable dB/dC accumulators (fp32, summed over channels with atomics), outside a CUDA graph
+// capture: one buffer per (device, stream), all zeros between calls, since the reduce kernel (pass 2) writes
+// zeros back where it reads them. A backward then needs no zeroing launch of its own: one launch fewer in
+// every training step with a variable B or C (the host's launch and the GPU's kernel: issue 33's small shapes
+// are host-bound). Zeroed once when allocated or grown, and again after a call that stopped between its
+// main kernel and its reduce (an exception: `zero` stays false). Calls on one stream run in order, so they
+// may share it, as they share the workspace; inside a capture the accumulators are the graph's own
+// workspace, zeroed by the zero kernel (a graph may replay beside eager work on its stream).
+struct VarAccumulators {
+  CUdeviceptr ptr = 0;
+  size_t bytes = 0;
+  std::atomic<bool> zero{true};
+};
+
+VarAccumulators& var_accumulators(int device, Stream stream, size_t bytes) {
+  static std::mutex mu;
+  static std::map<std::pair<int, Stream>, VarAccumulators> buffers;  // nodes stay put: references are kept
+  std::lock_guard<std::mutex> lock(mu);
+  VarAccumulators& a = buffers[{device, stream}];
+  auto cu_stream = reinterpret_cast<CUstream>(stream);
+  if (a.bytes < bytes) {
+    if (a.ptr) {
+      CU_CHECK(cuStreamSynchronize(cu_stream));  // pending kernels may still use it
+      CU_CHECK(cuMemFree(a.ptr));
+      a.ptr = 0;
+      a.bytes = 0;
+    }
+    const size_t grow = std::max(bytes, size_t(1) << 16);
+    CU_CHECK(cuMemAlloc(&a.ptr, grow));
+    a.bytes = grow;
+    a.zero = false;
+  }
+  if (!a.zero) {
+    CU_CHECK(cuMemsetD32Async(a.ptr, 0, a.bytes / sizeof(float), cu_stream));
+    a.zero = true;
+  }
+  return a;
+}
+
+bool capturing(Stream stream) {
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  CU_CHECK(cuStreamIsCapturing(reinterpret_cast<CUstream>(stream), &status));
+  return status != CU_STREAM_CAPTURE_STATUS_NONE;
+}
 
 // An algorithm's rules, then the dynamic shared memory a block may have (checked last, as each
 // algorithm did before: the first rule that fails is the reason the tuner reports).
@@ -224,7 +273,8 @@ OpDef make_bwd() {
   };
   set_tuning(op, bwd_tuning(), 2);
   op.derived_key = bwd_all_key;
-  // Kernel 0 and 3..: the algorithm's; 1 and 2: the reduce (pass 2) and the zeroing of a variable dB/dC.
+  // Kernel 0 and 3..: the algorithm's; 1 and 2: the reduce (pass 2) and the zeroing of a variable dB/dC
+  // (inside a graph capture only: elsewhere the accumulators are kept zero, VarAccumulators).
   op.kernels = [](const Problem& p, const Config& c) {
     std::vector<jit::KernelSpec> k = bwd_algorithm(c).kernels(p, c);
     k.insert(k.begin() + 1, {kernel_spec(p, kReduceHeader, "kspec::selective_scan_bwd_reduce_kernel",
@@ -244,29 +294,38 @@ OpDef make_bwd() {
     const BwdWork w = algo.work(p, c);
     ScanParams s = scan_params_of(call);
     s.given = static_cast<const float*>(call.in("states").data);  // the forward's: no forward pass, no workspace
-    // Workspace: tile or chunk states | per-channel (and segment) partials | variable dB, dC accumulators
-    // | with segments, their local end states, adjoints and sums of dt (fp32).
     const int64_t n_states = s.given ? 0 : batch * dim * w.ntiles * N, n_part = batch * w.nsegs * dim * (3 * N + 2);
     const int64_t n_var = batch * s.groups * N * seqlen;
     const int64_t n_db = var_b(p) ? n_var : 0, n_dc = var_c(p) ? n_var : 0;
     const int64_t n_seg = w.nsegs > 1 ? batch * dim * w.nsegs * (2 * N + 1) : 0;
-    auto* ws = static_cast<float*>(l.workspace(sizeof(float) * (n_states + n_part + n_db + n_dc + n_seg)));
+    // Workspace: tile or chunk states | per-channel (and segment) partials | with segments, their local end
+    // states, adjoints and sums of dt | inside a capture, the variable dB/dC accumulators (else their own
+    // buffer, kept zero: VarAccumulators).
+    const bool in_capture = var_bc(p) && capturing(call.stream);
+    const int64_t n_acc = in_capture ? n_db + n_dc : 0;
+    auto* ws = static_cast<float*>(l.workspace(sizeof(float) * (n_states + n_part + n_seg + n_acc)));
     s.states = ws;
     s.partials = ws + n_states;
-    s.dB_acc = s.partials + n_part;
-    s.dC_acc = s.dB_acc + n_db;
     if (w.nsegs > 1) {
-      s.seg_h = s.dC_acc + n_dc;
+      s.seg_h = s.partials + n_part;
       s.seg_g = s.seg_h + batch * dim * w.nsegs * N;
       s.seg_dt = s.seg_g + batch * dim * w.nsegs * N;
     }
     s.seg_len = w.seg_len;
     s.nsegs = w.nsegs;
     const int sms = l.multiprocessors();
-    long long n_zero_b = n_db, n_zero_c = n_dc;
-    if (var_bc(p)) {
+    VarAccumulators* kept = nullptr;
+    if (in_capture) {
+      s.dB_acc = s.partials + n_part + n_seg;
+      s.dC_acc = s.dB_acc + n_db;
+      long long n_zero_b = n_db, n_zero_c = n_dc;
       void* zargs[] = {&s.dB_acc, &n_zero_b, &s.dC_acc, &n_zero_c};
       l.launch(2, {u32(std::min<int64_t>(ceil_div(std::max(n_db, n_dc), 256), 8 * sms))}, {256}, 0, zargs);
+    } else if (var_bc(p)) {
+      kept = &var_accumulators(call.device, call.stream, sizeof(float) * static_cast<size_t>(n_db + n_dc));
+      kept->zero = false;  // until the reduce that zeroes them again is enqueued
+      s.dB_acc = reinterpret_cast<float*>(kept->ptr);
+      s.dC_acc = s.dB_acc + n_db;
     }
     s.dout = call.in("dout").data;
     s.dlast_state = static_cast<const float*>(call.in("dlast_state").data);
@@ -282,6 +341,7 @@ OpDef make_bwd() {
     void* rargs[] = {&s.partials, &s.dB_acc, &s.dC_acc, &dA, &dB, &dC, &dD, &ddb, &batch_i, &s.dim, &var_elems};
     const int64_t work = std::max<int64_t>({dim * N, dim, var_elems});
     l.launch(1, {u32(std::min<int64_t>(ceil_div(work, 256), 8 * sms))}, {256}, 0, rargs);
+    if (kept) kept->zero = true;
   };
   for (auto& c : op.cases)
     if (c.name == std::string("none_optional")) c.without.push_back("dlast_state");
