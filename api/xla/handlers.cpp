@@ -380,70 +380,84 @@ std::unique_ptr<Binding> make_binding(const Target& t, int device, const ffi::Re
   return bp;
 }
 
+// A scalar attribute's bytes (XLA_FFI_Scalar's dtype), 0 for a type no target takes.
+size_t scalar_bytes(XLA_FFI_DataType t) {
+  switch (t) {
+    case XLA_FFI_DataType_PRED: case XLA_FFI_DataType_S8: case XLA_FFI_DataType_U8: return 1;
+    case XLA_FFI_DataType_S16: case XLA_FFI_DataType_U16: case XLA_FFI_DataType_F16: case XLA_FFI_DataType_BF16: return 2;
+    case XLA_FFI_DataType_S32: case XLA_FFI_DataType_U32: case XLA_FFI_DataType_F32: return 4;
+    case XLA_FFI_DataType_S64: case XLA_FFI_DataType_U64: case XLA_FFI_DataType_F64: return 8;
+    default: return 0;
+  }
+}
+
+const XLA_FFI_Buffer* arg_buffer(const XLA_FFI_CallFrame& f, size_t i) {
+  return f.args.types[i] == XLA_FFI_ArgType_BUFFER ? static_cast<const XLA_FFI_Buffer*>(f.args.args[i]) : nullptr;
+}
+
+const XLA_FFI_Buffer* ret_buffer(const XLA_FFI_CallFrame& f, size_t i) {
+  return f.rets.types[i] == XLA_FFI_RetType_BUFFER ? static_cast<const XLA_FFI_Buffer*>(f.rets.rets[i]) : nullptr;
+}
+
 // A custom call's signature: everything a Binding is made from except the buffers' addresses (the target,
 // the device, every attribute's name, type and value, every operand's and result's dtype and shape) as a
 // stream of 64-bit words handed to `word` (which returns false to stop early; signature then returns
 // false). Hashed to find a binding, compared with the binding's copy to confirm it, copied once when one is
-// made: no string is built, nothing allocated (AdamW over GPT-350M's 243 tensors has 1703 buffers, two
-// stages a step: 0.57M host instructions a step on the mock driver, 1.15M with the byte-string key this
-// replaced, built and hashed per stage). An
-// attribute of a type no target takes (arrays, dictionaries) goes in by name only: make_binding refuses
-// it, so no binding is ever found for such a call.
+// made: no string is built, nothing allocated. Read from XLA's call frame as it lies (the C API's arrays,
+// attribute by index): the typed API's Dictionary::get(name) searched the names for every attribute, which
+// with the buffers' decoding was ~2.9K host instructions a stage for norm_act's 6 attributes and 4 buffers
+// (mock driver, callgrind), twice an execution. An attribute of a type no target takes (arrays,
+// dictionaries, other scalars) goes in by name only: make_binding refuses it, so no binding is ever found
+// for such a call.
 template <typename Word>
-bool signature(const Target& t, int32_t device, const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
-               const ffi::Dictionary& dict, Word&& word) {
-  auto bytes = [&](std::string_view v) {  // the length, then 8 bytes a word
-    if (!word(v.size())) return false;
-    for (size_t i = 0; i < v.size(); i += 8) {
+bool signature(const Target& t, int32_t device, const XLA_FFI_CallFrame& f, Word&& word) {
+  auto bytes = [&](const XLA_FFI_ByteSpan& v) {  // the length, then 8 bytes a word
+    if (!word(v.len)) return false;
+    for (size_t i = 0; i < v.len; i += 8) {
       uint64_t w = 0;
-      std::memcpy(&w, v.data() + i, std::min<size_t>(8, v.size() - i));
+      std::memcpy(&w, v.ptr + i, std::min<size_t>(8, v.len - i));
       if (!word(w)) return false;
     }
     return true;
   };
-  auto bits = [](auto v) {
-    uint64_t w = 0;
-    std::memcpy(&w, &v, sizeof(v));
-    return w;
-  };
-  auto buffer = [&](const auto& b) {
-    const auto dims = b.dimensions();
-    if (!word(uint64_t(b.element_type()) << 8 | uint64_t(dims.size()))) return false;
-    for (int64_t d : dims)
-      if (!word(uint64_t(d))) return false;
+  auto buffer = [&](const XLA_FFI_Buffer* b) {
+    if (!b) return word(~uint64_t(0));
+    if (!word(uint64_t(b->dtype) << 8 | uint64_t(b->rank))) return false;
+    for (int64_t d = 0; d < b->rank; ++d)
+      if (!word(uint64_t(b->dims[d]))) return false;
     return true;
   };
-  if (!word(reinterpret_cast<uintptr_t>(&t)) || !word(uint64_t(uint32_t(device))) || !word(dict.size())) return false;
-  for (auto it = dict.begin(); it != dict.end(); ++it) {
-    const std::string_view name = *it;
-    if (!bytes(name)) return false;
+  const XLA_FFI_Attrs& attrs = f.attrs;
+  if (!word(reinterpret_cast<uintptr_t>(&t)) || !word(uint64_t(uint32_t(device))) || !word(uint64_t(attrs.size)))
+    return false;
+  for (int64_t i = 0; i < attrs.size; ++i) {
+    if (!bytes(*attrs.names[i])) return false;
     bool ok;
-    if (dict.isa<std::string_view>(it)) ok = word('s') && bytes(dict.get<std::string_view>(name).value());
-    else if (dict.isa<bool>(it)) ok = word('b') && word(dict.get<bool>(name).value());
-    else if (dict.isa<int64_t>(it)) ok = word('l') && word(bits(dict.get<int64_t>(name).value()));
-    else if (dict.isa<int32_t>(it)) ok = word('i') && word(bits(dict.get<int32_t>(name).value()));
-    else if (dict.isa<double>(it)) ok = word('d') && word(bits(dict.get<double>(name).value()));
-    else if (dict.isa<float>(it)) ok = word('f') && word(bits(dict.get<float>(name).value()));
-    else ok = word('?');
+    if (attrs.types[i] == XLA_FFI_AttrType_STRING) {
+      ok = word('s') && bytes(*static_cast<const XLA_FFI_ByteSpan*>(attrs.attrs[i]));
+    } else if (attrs.types[i] == XLA_FFI_AttrType_SCALAR) {
+      const auto* v = static_cast<const XLA_FFI_Scalar*>(attrs.attrs[i]);
+      uint64_t bits = 0;
+      const size_t n = scalar_bytes(v->dtype);
+      std::memcpy(&bits, v->value, n);
+      ok = n ? word('n' | uint64_t(v->dtype) << 8) && word(bits) : word('?');
+    } else {
+      ok = word('?');
+    }
     if (!ok) return false;
   }
-  if (!word(args.size())) return false;
-  for (size_t i = 0; i < args.size(); ++i) {
-    auto b = args.get<ffi::AnyBuffer>(i);
-    if (!(b.has_value() ? buffer(b.value()) : word(~uint64_t(0)))) return false;
-  }
-  if (!word(rets.size())) return false;
-  for (size_t i = 0; i < rets.size(); ++i) {
-    auto b = rets.get<ffi::AnyBuffer>(i);
-    if (!(b.has_value() ? buffer(*b.value()) : word(~uint64_t(0)))) return false;
-  }
+  if (!word(uint64_t(f.args.size))) return false;
+  for (int64_t i = 0; i < f.args.size; ++i)
+    if (!buffer(arg_buffer(f, size_t(i)))) return false;
+  if (!word(uint64_t(f.rets.size))) return false;
+  for (int64_t i = 0; i < f.rets.size; ++i)
+    if (!buffer(ret_buffer(f, size_t(i)))) return false;
   return true;
 }
 
-uint64_t signature_hash(const Target& t, int32_t device, const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
-                        const ffi::Dictionary& dict) {
+uint64_t signature_hash(const Target& t, int32_t device, const XLA_FFI_CallFrame& f) {
   uint64_t h = 0x9e3779b97f4a7c15ull;
-  signature(t, device, args, rets, dict, [&](uint64_t w) {
+  signature(t, device, f, [&](uint64_t w) {
     h = (h ^ w) * 0xff51afd7ed558ccdull;  // a multiply-xorshift step per word
     h ^= h >> 32;
     return true;
@@ -452,10 +466,9 @@ uint64_t signature_hash(const Target& t, int32_t device, const ffi::RemainingArg
 }
 
 // Whether this call's signature is the binding's, word for word.
-bool same_signature(const Binding& b, const Target& t, int32_t device, const ffi::RemainingArgs& args,
-                    const ffi::RemainingRets& rets, const ffi::Dictionary& dict) {
+bool same_signature(const Binding& b, const Target& t, int32_t device, const XLA_FFI_CallFrame& f) {
   size_t i = 0;
-  return signature(t, device, args, rets, dict, [&](uint64_t w) { return i < b.sig.size() && b.sig[i++] == w; }) &&
+  return signature(t, device, f, [&](uint64_t w) { return i < b.sig.size() && b.sig[i++] == w; }) &&
          i == b.sig.size();
 }
 
@@ -463,16 +476,16 @@ bool same_signature(const Binding& b, const Target& t, int32_t device, const ffi
 // step repeats its calls), else found by the signature's hash and confirmed, else made (and kept while
 // there is room). Never freed: an entry's bound call may still be running at exit, and plans (which it
 // points to) are never freed either. `owned` holds one that did not fit (never made `last`).
-Binding& binding_for(const Target& t, int32_t device, const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
-                     const ffi::Dictionary& dict, std::atomic<Binding*>& last, std::unique_ptr<Binding>& owned) {
-  if (Binding* b = last.load(std::memory_order_acquire); b && same_signature(*b, t, device, args, rets, dict)) return *b;
+Binding& binding_for(const Target& t, int32_t device, const XLA_FFI_CallFrame& f, std::atomic<Binding*>& last,
+                     std::unique_ptr<Binding>& owned) {
+  if (Binding* b = last.load(std::memory_order_acquire); b && same_signature(*b, t, device, f)) return *b;
   static std::shared_mutex mu;
   static auto& cache = *new std::unordered_multimap<uint64_t, std::unique_ptr<Binding>>();
-  const uint64_t hash = signature_hash(t, device, args, rets, dict);
+  const uint64_t hash = signature_hash(t, device, f);
   auto find = [&]() -> Binding* {
     auto [lo, hi] = cache.equal_range(hash);
     for (auto it = lo; it != hi; ++it)
-      if (same_signature(*it->second, t, device, args, rets, dict)) return it->second.get();
+      if (same_signature(*it->second, t, device, f)) return it->second.get();
     return nullptr;
   };
   {
@@ -482,8 +495,10 @@ Binding& binding_for(const Target& t, int32_t device, const ffi::RemainingArgs& 
       return *b;
     }
   }
-  std::unique_ptr<Binding> b = make_binding(t, device, args, rets, dict);
-  signature(t, device, args, rets, dict, [&](uint64_t w) {
+  // The typed API's views of the frame (its public constructors): the conversion runs once per signature.
+  std::unique_ptr<Binding> b = make_binding(t, device, ffi::RemainingArgs(&f.args, 0), ffi::RemainingRets(&f.rets, 0),
+                                            ffi::Dictionary(&f.attrs));
+  signature(t, device, f, [&](uint64_t w) {
     b->sig.push_back(w);
     return true;
   });
@@ -499,21 +514,19 @@ Binding& binding_for(const Target& t, int32_t device, const ffi::RemainingArgs& 
   return kept;
 }
 
-const void* operand_data(const ffi::RemainingArgs& args, size_t i) {
-  return args.get<ffi::AnyBuffer>(i).value().untyped_data();
-}
+// Operand i's address (a buffer: the binding was made from this signature, which make_binding checked).
+void* operand_data(const XLA_FFI_CallFrame& f, size_t i) { return arg_buffer(f, i)->data; }
 
 // The results' buffers into `outs` (a copy of the binding's), each aliased one checked against its operand.
-void fill_results(const Binding& b, const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
-                  std::vector<TensorView>& outs) {
+void fill_results(const Binding& b, const XLA_FFI_CallFrame& f, std::vector<TensorView>& outs) {
   for (size_t r = 0; r < b.results.size(); ++r) {
-    void* data = rets.get<ffi::AnyBuffer>(r).value()->untyped_data();
+    void* data = ret_buffer(f, r)->data;
     const Binding::Result& res = b.results[r];
     if (res.output >= 0) {
       outs[size_t(res.output)].data = data;
       continue;
     }
-    KSPEC_CHECK(data == operand_data(args, size_t(res.operand)), b.target->name, ": result ", r,
+    KSPEC_CHECK(data == operand_data(f, size_t(res.operand)), b.target->name, ": result ", r,
                 " must be its operand's buffer (alias it with input_output_aliases)");
   }
 }
@@ -525,11 +538,11 @@ struct Views {
   std::vector<std::vector<TensorView>> lists;
 };
 
-Views views_at(const Binding& b, const ffi::RemainingArgs& args) {
+Views views_at(const Binding& b, const XLA_FFI_CallFrame& f) {
   Views v{b.ins, b.lists};
   for (size_t j = 0; j < b.operands.size(); ++j) {
     const Binding::Operand& o = b.operands[j];
-    void* data = const_cast<void*>(operand_data(args, j));
+    void* data = operand_data(f, j);
     if (o.list >= 0) v.lists[size_t(o.list)][size_t(o.item)].data = data;
     else v.ins[size_t(o.input)].data = data;
   }
@@ -541,20 +554,20 @@ Views views_at(const Binding& b, const ffi::RemainingArgs& args) {
 }
 
 // The list operands' addresses (what picks a bound call; see Binding).
-void list_ptrs(const Binding& b, const ffi::RemainingArgs& args, std::vector<const void*>& ptrs) {
+void list_ptrs(const Binding& b, const XLA_FFI_CallFrame& f, std::vector<const void*>& ptrs) {
   ptrs.clear();
   for (size_t j = 0; j < b.operands.size(); ++j)
-    if (b.operands[j].list >= 0) ptrs.push_back(operand_data(args, j));
+    if (b.operands[j].list >= 0) ptrs.push_back(operand_data(f, j));
 }
 
 // This execution's other operands into the binding's slots, on the stream (see Binding::Slot). A bound
 // call that last ran on another stream may still be reading them: that stream is waited for first
 // (XLA runs a device's executions on one compute stream, so this does not happen step after step).
-void copy_slots(Binding& b, Stream stream, const ffi::RemainingArgs& args) {
+void copy_slots(Binding& b, Stream stream, const XLA_FFI_CallFrame& f) {
   if (b.slot_copied && b.slot_stream != stream)
     CU_CHECK(cuStreamSynchronize(reinterpret_cast<CUstream>(b.slot_stream)));
   for (const Binding::Slot& s : b.slot_of)
-    CU_CHECK(cuMemcpyDtoDAsync(b.slots.ptr + s.offset, reinterpret_cast<CUdeviceptr>(operand_data(args, s.operand)),
+    CU_CHECK(cuMemcpyDtoDAsync(b.slots.ptr + s.offset, reinterpret_cast<CUdeviceptr>(operand_data(f, s.operand)),
                                s.bytes, reinterpret_cast<CUstream>(stream)));
   b.slot_stream = stream;
   b.slot_copied = true;
@@ -562,23 +575,23 @@ void copy_slots(Binding& b, Stream stream, const ffi::RemainingArgs& args) {
 
 // A list op's execution (see Binding): the bound call made for these list operands' addresses, else a
 // new one, else (after kMaxBinds) kspec::call.
-void run_list_op(Binding& b, int device, Stream stream, const ffi::RemainingArgs& args, const ffi::RemainingRets& rets) {
+void run_list_op(Binding& b, int device, Stream stream, const XLA_FFI_CallFrame& f) {
   std::lock_guard<std::mutex> lock(b.mu);
   thread_local std::vector<const void*> ptrs;
-  list_ptrs(b, args, ptrs);
+  list_ptrs(b, f, ptrs);
   thread_local std::vector<TensorView> outs;
   outs.assign(b.outs.begin(), b.outs.end());
-  fill_results(b, args, rets, outs);
+  fill_results(b, f, outs);
   ++b.clock;
   jit::ContextGuard guard(device);
   for (auto& bc : b.bound)
     if (bc.ptrs == ptrs) {
       bc.used = b.clock;
-      copy_slots(b, stream, args);
+      copy_slots(b, stream, f);
       bc.call->run({}, outs, stream);
       return;
     }
-  Views v = views_at(b, args);
+  Views v = views_at(b, f);
   if (b.binds >= kMaxBinds) {
     call(b.op->name, v.ins, outs, b.params, stream);
     return;
@@ -598,28 +611,28 @@ void run_list_op(Binding& b, int device, Stream stream, const ffi::RemainingArgs
   }
   b.bound.push_back({ptrs, std::make_unique<BoundCall>(b.op->name, v.ins, outs, b.params), b.clock});
   ++b.binds;
-  copy_slots(b, stream, args);
+  copy_slots(b, stream, f);
   b.bound.back().call->run({}, outs, stream);
 }
 
 // One execution (execute: true), or its preparation (the initialize stage: no stream, buffers not yet
 // written; XLA runs it before every execution, so a binding prepared once returns at once).
-void run(const Target& t, bool execute, Stream stream, int device, const ffi::RemainingArgs& args,
-         const ffi::RemainingRets& rets, const ffi::Dictionary& dict, std::atomic<Binding*>& last) {
+void run(const Target& t, bool execute, Stream stream, int device, const XLA_FFI_CallFrame& f,
+         std::atomic<Binding*>& last) {
   std::unique_ptr<Binding> owned;
-  Binding& b = binding_for(t, device, args, rets, dict, last, owned);
+  Binding& b = binding_for(t, device, f, last, owned);
   if (!execute) {
     std::lock_guard<std::mutex> lock(b.mu);
     if (b.prepared) return;
-    Views v = views_at(b, args);
+    Views v = views_at(b, f);
     std::vector<TensorView> outs = b.outs;
-    fill_results(b, args, rets, outs);
+    fill_results(b, f, outs);
     prepare_call(b.op->name, v.ins, outs, b.params);
     b.prepared = true;
     return;
   }
   if (b.has_list) {
-    run_list_op(b, device, stream, args, rets);
+    run_list_op(b, device, stream, f);
     return;
   }
   // kspec::call's own cache finds the validated call by the views' signature and checks only what
@@ -627,24 +640,64 @@ void run(const Target& t, bool execute, Stream stream, int device, const ffi::Re
   thread_local std::vector<TensorView> ins, outs;
   ins.assign(b.ins.begin(), b.ins.end());
   outs.assign(b.outs.begin(), b.outs.end());
-  for (size_t j = 0; j < b.operands.size(); ++j) ins[size_t(b.operands[j].input)].data = const_cast<void*>(operand_data(args, j));
-  fill_results(b, args, rets, outs);
+  for (size_t j = 0; j < b.operands.size(); ++j) ins[size_t(b.operands[j].input)].data = operand_data(f, j);
+  fill_results(b, f, outs);
   call(b.op->name, ins, outs, b.params, stream);
 }
 
-ffi::Error run_ffi(const Target* t, const char* target, bool execute, Stream stream, int32_t device,
-                   ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs,
-                   std::atomic<Binding*>& last) noexcept {
+XLA_FFI_Error* make_error(const XLA_FFI_Api* api, XLA_FFI_Error_Code code, const std::string& message) {
+  XLA_FFI_Error_Create_Args args{XLA_FFI_Error_Create_Args_STRUCT_SIZE, nullptr, message.c_str(), code};
+  return api->XLA_FFI_Error_Create(&args);
+}
+
+void drop_error(const XLA_FFI_Api* api, XLA_FFI_Error* err) {
+  XLA_FFI_Error_Destroy_Args args{XLA_FFI_Error_Destroy_Args_STRUCT_SIZE, nullptr, err};
+  api->XLA_FFI_Error_Destroy(&args);
+}
+
+// The frame's device ordinal and (execute: true) its stream, through the C API as the typed binding's
+// context decoding asks for them; false where XLA has none to give (the caller then lets the typed
+// binding report it in XLA's own words).
+bool frame_context(const XLA_FFI_CallFrame& f, bool execute, int32_t& device, Stream& stream) {
+  XLA_FFI_DeviceOrdinal_Get_Args dev{XLA_FFI_DeviceOrdinal_Get_Args_STRUCT_SIZE, nullptr, f.ctx, 0};
+  if (XLA_FFI_Error* err = f.api->XLA_FFI_DeviceOrdinal_Get(&dev)) {
+    drop_error(f.api, err);
+    return false;
+  }
+  device = dev.device_ordinal;
+  if (!execute) return true;
+  XLA_FFI_Stream_Get_Args st{XLA_FFI_Stream_Get_Args_STRUCT_SIZE, nullptr, f.ctx, nullptr};
+  if (XLA_FFI_Error* err = f.api->XLA_FFI_Stream_Get(&st)) {
+    drop_error(f.api, err);
+    return false;
+  }
+  stream = static_cast<Stream>(st.stream);
+  return true;
+}
+
+// A handler's body: the call frame read as it lies (see signature). XLA's typed binding (`typed`, a
+// handler of the same stage) answers what this does not read itself: XLA's metadata query (the API
+// version and traits the binding declares), a frame of another layout (struct size) or stage, and a
+// context without a device or stream, each with XLA's own message.
+XLA_FFI_Error* handle(const Target* t, const char* target, XLA_FFI_ExecutionStage stage, XLA_FFI_CallFrame* f,
+                      XLA_FFI_Handler* typed, std::atomic<Binding*>& last) noexcept {
+  if (f->struct_size < XLA_FFI_CallFrame_STRUCT_SIZE || f->stage != stage ||
+      (f->extension_start && f->extension_start->type == XLA_FFI_Extension_Metadata))
+    return typed(f);
+  const bool execute = stage == XLA_FFI_ExecutionStage_EXECUTE;
+  int32_t device = 0;
+  Stream stream = nullptr;
+  if (!frame_context(*f, execute, device, stream)) return typed(f);
   try {
     if (!t) throw InternalError(detail::concat("no XLA target ", target, " in the table"));
-    run(*t, execute, stream, device, args, rets, attrs, last);
-    return ffi::Error::Success();
+    run(*t, execute, stream, device, *f, last);
+    return nullptr;
   } catch (...) {
     const kspec_status st = c_abi::capture_error();
-    const ffi::ErrorCode code = st == KSPEC_ERROR_INVALID_ARGUMENT ? ffi::ErrorCode::kInvalidArgument
-                                : st == KSPEC_ERROR_UNSUPPORTED     ? ffi::ErrorCode::kUnimplemented
-                                                                    : ffi::ErrorCode::kInternal;
-    return ffi::Error(code, std::string(target) + ": " + kspec_last_error());
+    const XLA_FFI_Error_Code code = st == KSPEC_ERROR_INVALID_ARGUMENT ? XLA_FFI_Error_Code_INVALID_ARGUMENT
+                                    : st == KSPEC_ERROR_UNSUPPORTED     ? XLA_FFI_Error_Code_UNIMPLEMENTED
+                                                                        : XLA_FFI_Error_Code_INTERNAL;
+    return make_error(f->api, code, std::string(target) + ": " + kspec_last_error());
   }
 }
 
@@ -652,33 +705,40 @@ ffi::Error run_ffi(const Target* t, const char* target, bool execute, Stream str
 }  // namespace kspec::xla
 
 // A target's execute handler `sym` and its initialize handler `sym##_init` (no stream: the initialize
-// stage need not have one, and preparing launches nothing), each with the binding it last ran.
+// stage need not have one, and preparing launches nothing), each with the binding it last ran: `handle`
+// over the call frame, behind XLA's typed binding of the same stage (`sym##_typed`), which declares the
+// handler to XLA (its metadata) and reports a frame `handle` does not read; its body is never reached.
 #define KSPEC_XLA_HANDLER(sym, target)                                                                            \
-  static ffi::Error sym##_impl(kspec::Stream stream, int32_t device, ffi::RemainingArgs args,                     \
-                               ffi::RemainingRets rets, ffi::Dictionary attrs) {                                   \
+  static ffi::Error sym##_unreached(kspec::Stream, int32_t, ffi::RemainingArgs, ffi::RemainingRets,                 \
+                                    ffi::Dictionary) {                                                             \
+    return ffi::Error::Internal(target ": the typed binding's body ran (kspec's handler reads the frame itself)");  \
+  }                                                                                                                \
+  XLA_FFI_DEFINE_HANDLER(sym##_typed, sym##_unreached,                                                             \
+                         ffi::Ffi::Bind()                                                                          \
+                             .Ctx<ffi::PlatformStream<kspec::Stream>>()                                            \
+                             .Ctx<ffi::DeviceOrdinal>()                                                            \
+                             .RemainingArgs()                                                                      \
+                             .RemainingRets()                                                                      \
+                             .Attrs<ffi::Dictionary>());                                                           \
+  static ffi::Error sym##_init_unreached(int32_t, ffi::RemainingArgs, ffi::RemainingRets, ffi::Dictionary) {       \
+    return ffi::Error::Internal(target ": the typed binding's body ran (kspec's handler reads the frame itself)");  \
+  }                                                                                                                \
+  XLA_FFI_DEFINE_HANDLER(sym##_init_typed, sym##_init_unreached,                                                   \
+                         ffi::Ffi::BindInitialize()                                                                \
+                             .Ctx<ffi::DeviceOrdinal>()                                                            \
+                             .RemainingArgs()                                                                      \
+                             .RemainingRets()                                                                      \
+                             .Attrs<ffi::Dictionary>());                                                           \
+  extern "C" XLA_FFI_Error* sym(XLA_FFI_CallFrame* f) {                                                            \
     static const kspec::xla::Target* const t = kspec::xla::find_target(target);                                  \
     static std::atomic<kspec::xla::Binding*> last{nullptr};                                                      \
-    return kspec::xla::run_ffi(t, target, true, stream, device, args, rets, attrs, last);                           \
+    return kspec::xla::handle(t, target, XLA_FFI_ExecutionStage_EXECUTE, f, sym##_typed, last);                   \
   }                                                                                                                \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(sym, sym##_impl,                                                                   \
-                                ffi::Ffi::Bind()                                                                   \
-                                    .Ctx<ffi::PlatformStream<kspec::Stream>>()                                     \
-                                    .Ctx<ffi::DeviceOrdinal>()                                                     \
-                                    .RemainingArgs()                                                               \
-                                    .RemainingRets()                                                               \
-                                    .Attrs<ffi::Dictionary>());                                                    \
-  static ffi::Error sym##_init_impl(int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,             \
-                                    ffi::Dictionary attrs) {                                                       \
+  extern "C" XLA_FFI_Error* sym##_init(XLA_FFI_CallFrame* f) {                                                     \
     static const kspec::xla::Target* const t = kspec::xla::find_target(target);                                  \
     static std::atomic<kspec::xla::Binding*> last{nullptr};                                                      \
-    return kspec::xla::run_ffi(t, target, false, nullptr, device, args, rets, attrs, last);                         \
-  }                                                                                                                \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(sym##_init, sym##_init_impl,                                                       \
-                                ffi::Ffi::BindInitialize()                                                         \
-                                    .Ctx<ffi::DeviceOrdinal>()                                                     \
-                                    .RemainingArgs()                                                               \
-                                    .RemainingRets()                                                               \
-                                    .Attrs<ffi::Dictionary>())
+    return kspec::xla::handle(t, target, XLA_FFI_ExecutionStage_INITIALIZE, f, sym##_init_typed, last);           \
+  }
 
 KSPEC_XLA_HANDLER(kspec_xla_selective_scan_fwd, "kspec_selective_scan_fwd");
 KSPEC_XLA_HANDLER(kspec_xla_selective_scan_bwd, "kspec_selective_scan_bwd");

@@ -121,8 +121,17 @@ def _scan_fn(names: tuple, softplus: bool, layout: str):
     return scan
 
 
+_BLD_MODES = ("in_place", "transpose")
+
+
+def _bld_to_bdl(a):
+    """A bld operand in bdl's order: [batch, seqlen, dim] -> [batch, dim, seqlen]; B/C [batch, seqlen, dstate]
+    -> [batch, dstate, seqlen], [batch, seqlen, groups, dstate] -> [batch, groups, dstate, seqlen]."""
+    return jnp.swapaxes(a, 1, 2) if a.ndim == 3 else jnp.transpose(a, (0, 2, 3, 1))
+
+
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, h0=None,
-                   layout="bdl", return_last_state=False):
+                   layout="bdl", return_last_state=False, bld_mode="in_place"):
     """The Mamba (S6) selective scan, mamba_ssm's selective_scan_fn arguments plus h0 (kspec.ops.selective_scan_fn).
 
     layout "bdl": u, delta, z (batch, dim, seqlen); B, C (batch, dstate, seqlen) or (batch, groups, dstate,
@@ -133,9 +142,24 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     dstate) fp32. u fp32/fp16/bf16; delta, z and variable B, C like u (B, C may be fp32).
     Returns out (like u) and with return_last_state also last_state (batch, dim, dstate) fp32.
     Differentiable in every array argument (jax.grad: kspec's backward, which reads the states the
-    forward kept every 16th step)."""
+    forward kept every 16th step).
+
+    bld_mode (layout "bld" only): "in_place" (the default) runs the time-major kernels on the buffers as
+    they lie; "transpose" has XLA transpose u, delta, z, B, C to bdl (a copy kernel each, and their
+    gradients and out back), then runs the bdl kernels: more bytes moved, but on the H100 the time-major
+    forward was 4.3x bdl's at (8, 2048, 2048) bf16 (1.142 against 0.263 ms), where the four 64 MB
+    transposes add ~0.2 ms (tools/bench/NOTES.md)."""
     if layout not in ("bdl", "bld"):
         raise ValueError(f"kspec.jax.selective_scan: layout must be 'bdl' or 'bld', got {layout!r}")
+    if bld_mode not in _BLD_MODES:
+        raise ValueError(f"kspec.jax.selective_scan: bld_mode must be one of {_BLD_MODES}, got {bld_mode!r}")
+    if layout == "bld" and bld_mode == "transpose":
+        t = lambda a: None if a is None else _bld_to_bdl(a)  # noqa: E731
+        B, C = (x if x.ndim == 2 else t(x) for x in (B, C))  # fixed (dim, dstate) B/C have no seqlen
+        res = selective_scan(t(u), t(delta), A, B, C, D, t(z), delta_bias, delta_softplus, h0, layout="bdl",
+                             return_last_state=True)
+        out = jnp.swapaxes(res[0], 1, 2)
+        return (out, res[1]) if return_last_state else out
     # 3-D B and C go in as given (the handler reads them as one group): a reshape to (batch, 1, dstate,
     # seqlen) would be a copy kernel each under XLA, whose layout assignment puts the unit dimension elsewhere
     given = dict(zip(("D", "z", "delta_bias", "h0"), (D, z, delta_bias, h0)))

@@ -103,11 +103,15 @@ class Frame {
   void set_arg(size_t i, void* data) { bufs_[args_[i]].data = data; }
 
   XLA_FFI_Error* call(const char* target, XLA_FFI_ExecutionStage stage) {
+    const bool init = stage == XLA_FFI_ExecutionStage_INITIALIZE;
+    return call_handler(init ? kspec_xla_initialize_handler(target) : kspec_xla_handler(target), stage);
+  }
+  // `handler` (kspec_xla_handler's or kspec_xla_initialize_handler's) with a frame of `stage` and `extension`.
+  XLA_FFI_Error* call_handler(void* handler, XLA_FFI_ExecutionStage stage, XLA_FFI_Extension_Base* extension = nullptr) {
     build();
     frame_.stage = stage;
-    const bool init = stage == XLA_FFI_ExecutionStage_INITIALIZE;
-    auto* handler = reinterpret_cast<XLA_FFI_Handler*>(init ? kspec_xla_initialize_handler(target) : kspec_xla_handler(target));
-    return handler(&frame_);
+    frame_.extension_start = extension;
+    return reinterpret_cast<XLA_FFI_Handler*>(handler)(&frame_);
   }
 
  private:
@@ -234,6 +238,35 @@ TEST_F(XlaHandlers, NormActRepeatLaunchesOnceAndAllocatesNothing) {
   }
   EXPECT_EQ(mock_launches() - launches, kCalls);
   EXPECT_EQ(g_allocations.load() - allocations, 0) << "heap allocations in " << kCalls << " executions";
+}
+
+// The handlers read XLA's call frame themselves; what they do not read goes to XLA's typed binding of the
+// same stage: the metadata query XLA makes when a handler is registered (the FFI API version kspec was
+// built with, no traits: not command-buffer compatible), and a frame of the other stage, refused with
+// XLA's own message and nothing launched.
+TEST_F(XlaHandlers, MetadataQueryAndWrongStageGoToXlasTypedBinding) {
+  Frame f;
+  norm_act_frame(f);
+  for (void* handler : {kspec_xla_handler("kspec_norm_act_fwd"), kspec_xla_initialize_handler("kspec_norm_act_fwd")}) {
+    XLA_FFI_Metadata metadata;
+    std::memset(&metadata, 0xff, sizeof(metadata));
+    metadata.struct_size = XLA_FFI_Metadata_STRUCT_SIZE;
+    XLA_FFI_Metadata_Extension ext;
+    ext.extension_base = {XLA_FFI_Metadata_Extension_STRUCT_SIZE, XLA_FFI_Extension_Metadata, nullptr};
+    ext.metadata = &metadata;
+    const long launches = mock_launches();
+    ASSERT_EQ(f.call_handler(handler, kExecute, &ext.extension_base), nullptr) << g_error;
+    EXPECT_EQ(metadata.api_version.major_version, XLA_FFI_API_MAJOR);
+    EXPECT_EQ(metadata.api_version.minor_version, XLA_FFI_API_MINOR);
+    EXPECT_EQ(metadata.traits, 0u);
+    EXPECT_EQ(mock_launches(), launches);
+  }
+  const long launches = mock_launches();
+  ASSERT_NE(f.call_handler(kspec_xla_handler("kspec_norm_act_fwd"), kInitialize), nullptr);
+  EXPECT_NE(g_error.find("stage"), std::string::npos) << g_error;
+  ASSERT_NE(f.call_handler(kspec_xla_initialize_handler("kspec_norm_act_fwd"), kExecute), nullptr);
+  EXPECT_NE(g_error.find("stage"), std::string::npos) << g_error;
+  EXPECT_EQ(mock_launches(), launches);
 }
 
 // A handler first tries the binding it ran last (its signature compared word by word), so a call that

@@ -181,6 +181,52 @@ def test_selective_scan_grouped_bc_forward_and_grad(kj, dt, layout):
     _check(errs, _tol("selective_scan.fwd", dt))
 
 
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+@pytest.mark.parametrize("groups", [None, 2])
+def test_selective_scan_bld_transpose_is_bdl(kj, dt, groups):
+    """bld_mode="transpose" runs the bdl kernels on XLA's transposes of the bld operands: out and last_state
+    are bdl's bit for bit, in bld's order, and every gradient is bdl's (within the tolerance: the backward's
+    cross-channel sums may add in another order)."""
+    b, d, L, n = 2, 64, 70, 8
+    rng = np.random.default_rng(5)
+    rn = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    bc_shape = (b, n, L) if groups is None else (b, groups, n, L)
+    x = dict(u=rn(b, d, L), delta=rn(b, d, L), A=-(0.25 + np.abs(rn(d, n))), B=rn(*bc_shape), C=rn(*bc_shape),
+             D=rn(d), z=rn(b, d, L), delta_bias=rn(d), h0=rn(b, d, n))
+    names = tuple(x)
+    j = {k: jnp.asarray(v, DTYPES[dt] if k in ("u", "delta", "B", "C", "z") else jnp.float32) for k, v in x.items()}
+    seq = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731  [b, d, L] <-> [b, L, d]
+    bc = lambda a: jnp.swapaxes(a, 1, 2) if a.ndim == 3 else jnp.transpose(a, (0, 3, 1, 2))  # noqa: E731
+    bc_back = lambda a: jnp.swapaxes(a, 1, 2) if a.ndim == 3 else jnp.transpose(a, (0, 2, 3, 1))  # noqa: E731
+    to_bld = {"u": seq, "delta": seq, "z": seq, "B": bc, "C": bc}
+    back = {"u": seq, "delta": seq, "z": seq, "B": bc_back, "C": bc_back}
+    P = jnp.asarray(rn(b, d, L), j["u"].dtype)
+    Q = jnp.asarray(rn(b, d, n))
+
+    def run(layout, **kw):
+        def f(*a):
+            a = dict(zip(names, a))
+            return kj.selective_scan(a["u"], a["delta"], a["A"], a["B"], a["C"], a["D"], a["z"], a["delta_bias"],
+                                     delta_softplus=True, h0=a["h0"], layout=layout, return_last_state=True, **kw)
+
+        args = [to_bld[k](j[k]) if layout == "bld" and k in to_bld else j[k] for k in names]
+        (out, last), vjp = jax.vjp(jax.jit(f), *args)
+        grads = vjp((seq(P) if layout == "bld" else P, Q))
+        return out, last, grads
+
+    out_d, last_d, g_d = run("bdl")
+    out_t, last_t, g_t = run("bld", bld_mode="transpose")
+    assert out_t.shape == (b, L, d)
+    assert np.array_equal(np.asarray(seq(out_t), np.float32), np.asarray(out_d, np.float32))
+    assert np.array_equal(np.asarray(last_t), np.asarray(last_d))
+    errs = {}
+    for k, gt, gd in zip(names, g_t, g_d):
+        gt = back[k](gt) if k in back else gt
+        assert gt.shape == gd.shape and gt.dtype == gd.dtype, k
+        errs["d" + k] = rel_err(_f64(gt), _f64(gd))
+    _check(errs, _tol("selective_scan.fwd", dt))
+
+
 @pytest.mark.parametrize("dt", list(DTYPES))
 def test_selective_scan_step_matches_reference(kj, dt):
     b, d, n = 2, 24, 16

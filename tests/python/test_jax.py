@@ -213,6 +213,36 @@ def test_selective_scan_bld_compiles_without_copies():
     assert "bdl calls 2 moves 0" in r.stdout and "bld calls 2 moves 0" in r.stdout, (r.stdout, r.stderr[-2000:])
 
 
+@pytest.mark.parametrize("groups", [None, 2])
+def test_selective_scan_bld_transpose_runs_the_bdl_call(kj, groups):
+    """bld_mode="transpose": XLA transposes the bld operands to bdl (B/C 3-D and 4-D), the custom calls run
+    layout "bdl" on them (forward and backward), and out and the gradients come back in bld's order."""
+    b, d, L, n = 2, 8, 5, 4
+    S = jax.ShapeDtypeStruct
+    bc = (b, L, n) if groups is None else (b, L, groups, n)
+    args = (S((b, L, d), jnp.bfloat16), S((b, L, d), jnp.bfloat16), S((d, n), jnp.float32), S(bc, jnp.bfloat16),
+            S(bc, jnp.bfloat16), S((d,), jnp.float32), S((b, L, d), jnp.bfloat16))
+
+    def fwd(u, delta, A, B, C, D, z):
+        return kj.selective_scan(u, delta, A, B, C, D, z, delta_softplus=True, layout="bld", bld_mode="transpose")
+
+    out = jax.eval_shape(fwd, *args)
+    assert out.shape == (b, L, d) and out.dtype == jnp.bfloat16
+    grads = jax.eval_shape(jax.grad(lambda *a: fwd(*a).astype(jnp.float32).sum(), argnums=tuple(range(7))), *args)
+    assert [g.shape for g in grads] == [a.shape for a in args]
+    text = _hlo(jax.grad(lambda *a: fwd(*a).astype(jnp.float32).sum(), argnums=tuple(range(7))), *args)
+    calls = _calls(text)
+    assert [t for t, _ in calls] == ["kspec_selective_scan_fwd", "kspec_selective_scan_bwd"]
+    assert all('layout = "bdl"' in attrs for _, attrs in calls)
+    fwd_line = next(line for line in text.splitlines() if "@kspec_selective_scan_fwd" in line)
+    assert f"tensor<{b}x{d}x{L}xbf16>" in fwd_line  # u as bdl
+    assert ((f"tensor<{b}x{n}x{L}xbf16>" if groups is None else f"tensor<{b}x{groups}x{n}x{L}xbf16>")
+            in fwd_line)
+    assert "stablehlo.transpose" in text
+    in_place = _hlo(lambda *a: kj.selective_scan(*a[:5], a[5], a[6], layout="bld"), *args)
+    assert "stablehlo.transpose" not in in_place and 'layout = "bld"' in in_place
+
+
 def test_e79_and_step_lower(kj):
     T, B, n = 3, 2, 8
     kvqm = jax.ShapeDtypeStruct((T, B, 4 * n), jnp.float32)
@@ -270,6 +300,8 @@ def test_bad_layout_is_refused_before_lowering(kj):
     x = jnp.zeros((1, 2, 3))
     with pytest.raises(ValueError, match="layout must be 'bdl' or 'bld'"):
         kj.selective_scan(x, x, jnp.zeros((2, 4)), x, x, layout="lbd")
+    with pytest.raises(ValueError, match="bld_mode must be one of"):
+        kj.selective_scan(x, x, jnp.zeros((2, 4)), x, x, layout="bld", bld_mode="copy")
     with pytest.raises(ValueError, match="kvqm must be"):
         kj.e79_cell(jnp.zeros((2, 2, 7)), 2)
 

@@ -1,7 +1,10 @@
 """The jax family (issue 32): kspec.jax, kspec's ops as XLA custom calls, against kspec's torch path on the
 same inputs (the FFI should add nothing), and against what a JAX user writes without kspec: the scan as
 jax.lax.associative_scan and as jax.lax.scan, XLA's fused layer_norm + silu, optax's adamw, all jitted. The
-scan also runs in Nx's layout (kspec.jax bld: [batch, seqlen, dim] read in place by the time-major kernels).
+scan also runs in Nx's layout (kspec.jax bld: [batch, seqlen, dim] read in place by the time-major kernels;
+kspec.jax bld (transpose): transposed to bdl by XLA around the bdl kernels). norm_act's table splits a
+forward's host time: JAX's own cost per call, the statistics' results, the initialize stage, and 10 calls
+inside one jit.
 AdamW's table splits what is JAX's from what is kspec's: a jitted identity over the same ~1000 arguments
 (JAX's own cost per call) and 10 steps inside one jit (the step without that cost), kspec's and optax's.
 
@@ -27,6 +30,8 @@ IN_ALL = False
 SCAN_SHAPES = [(8, 2048, 2048), (4, 1536, 1000)]  # (batch, dim, seqlen), dstate 16: the torch benchmarks'
 DSTATE = 16
 NORM_SHAPE = (16384, 4096)
+BLD_T = "kspec.jax bld (transpose)"  # bld_mode="transpose": XLA transposes to bdl around the bdl kernels
+_ALIASES = set()  # targets the bench registered itself (kspec's handlers under another name)
 
 
 def add_arguments(p):
@@ -124,11 +129,16 @@ def _scan_section(ctx, jax, jnp, np, kj, torch, kspec):
         def kspec_bld_fn(u, delta, A, B, C, D, z, delta_bias):
             return kj.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True, layout="bld")
 
+        def kspec_bld_t_fn(u, delta, A, B, C, D, z, delta_bias):
+            return kj.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True, layout="bld",
+                                     bld_mode="transpose")
+
         def fwd_bwd(f):
             return jax.jit(lambda dout, *a: jax.vjp(f, *a)[1](dout))
 
-        fwd = {"kspec.jax": jax.jit(kspec_fn), "kspec.jax bld": jax.jit(kspec_bld_fn)}
-        fb = {"kspec.jax": fwd_bwd(kspec_fn), "kspec.jax bld": fwd_bwd(kspec_bld_fn)}
+        fwd = {"kspec.jax": jax.jit(kspec_fn), "kspec.jax bld": jax.jit(kspec_bld_fn),
+               BLD_T: jax.jit(kspec_bld_t_fn)}
+        fb = {"kspec.jax": fwd_bwd(kspec_fn), "kspec.jax bld": fwd_bwd(kspec_bld_fn), BLD_T: fwd_bwd(kspec_bld_t_fn)}
         for name, f in peers.items():
             fwd[name] = jax.jit(f)
             fb[name] = fwd_bwd(f)
@@ -149,7 +159,7 @@ def _scan_section(ctx, jax, jnp, np, kj, torch, kspec):
                 if ctx.skipped(name):
                     continue
                 row = {"shape": shape, "pass": mode, "variant": name}
-                bld = name == "kspec.jax bld"
+                bld = name in ("kspec.jax bld", BLD_T)
                 a, g = (bld_args, bld_dout) if bld else (args, dout)
                 try:
                     if mode == "fwd":
@@ -243,6 +253,7 @@ def _norm_section(ctx, jax, jnp, np, kj, torch, kspec):
             except Exception as e:  # noqa: BLE001
                 row["error"] = short_error(e, 300)
             rows.append(row)
+    rows += _norm_host_rows(ctx, jax, jnp, np, kj, kspec_fn, xla_fn, x, w, bb, ref, shape, tol)
     for mode in ("fwd", "fwd+bwd"):
         g = mode == "fwd+bwd"
         a = [t.clone().requires_grad_(g) for t in (tx, tw_, tb)]
@@ -256,6 +267,63 @@ def _norm_section(ctx, jax, jnp, np, kj, torch, kspec):
         rows.append({"shape": shape, "pass": mode, "variant": "kspec torch", "valid": True,
                      **_wall_ms(torch_call, torch.cuda.synchronize, ctx.jax_calls, ctx.jax_repeats)})
     _ratios(rows, shape)
+    return rows
+
+
+def _norm_host_rows(ctx, jax, jnp, np, kj, kspec_fn, xla_fn, x, w, bb, ref, shape, tol):
+    """Where a forward call's host time goes (issue 32: kspec.jax's forward was host-bound at 0.113 ms a
+    call against torch's 0.100 on the H100, host 0.117 ms): JAX's own cost per call of these arguments (a
+    jitted identity, x donated: nothing runs); the same custom call with the statistics written (3
+    results); the same handler registered under another name without its initialize stage (XLA then runs
+    one FFI stage per execution, not two); and N calls unrolled inside one jit, kspec's and XLA's, per call
+    (JAX's dispatch paid once per N: the host ms column is then mostly XLA's thunks and kspec's handler)."""
+    from kspec import _C
+
+    rows = []
+
+    def timed(variant, call, steps=1, check="bitwise"):
+        row = {"shape": shape, "pass": "fwd", "variant": variant}
+        try:
+            if check:  # "bitwise": the same kernel as kspec.jax's forward; "tol": another specialization
+                row["rel_err"] = _rel(np.asarray(call(), np.float32), ref, np)
+                row["valid"] = row["rel_err"] == 0.0 if check == "bitwise" else row["rel_err"] <= tol
+            last = [None]
+            row.update(_wall_ms(lambda: last.__setitem__(0, call()), lambda: jax.block_until_ready(last[0]),
+                                ctx.jax_calls, ctx.jax_repeats, steps))
+        except Exception as e:  # noqa: BLE001 (a row, not the end)
+            row["error"] = short_error(e, 300)
+        rows.append(row)
+
+    box = {"x": x.copy()}  # donated each call and handed back: JAX's dispatch, no kernel
+    ident = jax.jit(lambda x, w, b: x, donate_argnums=0)
+
+    def ident_call():
+        box["x"] = ident(box["x"], w, bb)
+        return box["x"]
+
+    timed("jax.jit identity, same 3 arguments (x donated)", ident_call, check=None)
+    params = dict(norm="layernorm", act="silu", eps=np.float64(1e-5))
+    y_spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    stats = jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32)
+    with_stats = jax.jit(lambda x, w, b: jax.ffi.ffi_call("kspec_norm_act_fwd", [y_spec, stats, stats])(
+        x, w, b, inputs="x,weight,bias", outputs="y,mean,rstd", **params)[0])
+    timed("kspec.jax with mean, rstd (3 results)", lambda: with_stats(x, w, bb), check="tol")
+    alias = "kspec_bench_norm_act_fwd_execute_only"
+    if alias not in _ALIASES:  # once per process (a second --repeat of the family reuses it)
+        jax.ffi.register_ffi_target(alias, _C._xla_handler("kspec_norm_act_fwd"), platform=kj.PLATFORM)
+        _ALIASES.add(alias)
+    exec_only = jax.jit(lambda x, w, b: jax.ffi.ffi_call(alias, [y_spec])(
+        x, w, b, inputs="x,weight,bias", outputs="y", save_stats=np.bool_(False), **params)[0])
+    timed("kspec.jax, execute stage only (no initialize)", lambda: exec_only(x, w, bb))
+    n = _IN_JIT_STEPS
+    for variant, f in ((f"kspec.jax x{n} in one jit, per call", kspec_fn),
+                       (f"XLA layer_norm+silu x{n} in one jit, per call", xla_fn)):
+        def chain(x, w, b, f=f):
+            for _ in range(n):  # unrolled: n custom calls (or fusions), each on the last one's output
+                x = f(x, w, b)
+            return x
+
+        timed(variant, lambda g=jax.jit(chain): g(x, w, bb), steps=n, check=None)
     return rows
 
 
@@ -401,6 +469,14 @@ def run(ctx):
         notes = ["ms: wall clock per call with --jax-calls calls queued back to back, median of --jax-repeats; "
                  "host ms: one call's return on an idle queue (the host's part); kspec.jax's forward must equal "
                  "kspec torch's bit for bit, peers (and kspec.jax bld) kspec within the bf16 tolerance"]
+        if key == "norm_act":
+            notes.append(f"identity: JAX's own cost per call of these arguments (nothing runs); execute stage only: "
+                         f"kspec's handler registered without its initialize stage; x{_IN_JIT_STEPS} rows: one jitted "
+                         f"call of {_IN_JIT_STEPS} chained forwards, per forward (host ms: XLA's thunks and kspec's "
+                         "handler with JAX's dispatch spread over them)")
+        if key == "selective_scan":
+            notes.append(f"{BLD_T}: bld_mode='transpose', XLA transposes the bld operands to bdl around the bdl "
+                         "kernels; kspec.jax bld: the time-major kernels reading bld in place")
         if key == "adamw":
             notes.append(f"the identity row is JAX's own cost per call of these arguments (nothing runs); the x"
                          f"{_IN_JIT_STEPS} rows are one jitted call of {_IN_JIT_STEPS} steps (fori_loop), per step: "
