@@ -118,17 +118,19 @@ __global__ void __launch_bounds__(32) mlstm_tc_gates_kernel(const MlstmParams p)
 // writes dC after every chunk (to Cs), and dC0 (the gradient entering the first chunk) when p.C is set.
 // The same product either way: a [64 x L] . [L x 64] mma per chunk with a per-step weight on A.
 // A CTA's work (its tile from blockIdx.x, .y); mlstm_tc_state_kernel launches one direction,
-// chunkwise_tc_bwd.cuh's mlstm_tc_states_kernel both in one grid.
-template <typename T, int kDk, int kDv, int kChunk, bool kReverse>
+// chunkwise_tc_bwd.cuh's mlstm_tc_states_kernel both in one grid. kTile: the C tile's edge (64; 128 for
+// algo=tc_wide, params.h), 16 rows a warp.
+template <typename T, int kDk, int kDv, int kChunk, bool kReverse, int kTile = 64>
 __device__ __forceinline__ void mlstm_tc_state(const MlstmParams& p, unsigned char* smem_raw) {
-  constexpr int L = kChunk, BK = mlstm_tc_state_tile(kDk), BV = mlstm_tc_state_tile(kDv), P = kMlstmTcPad;
-  constexpr int kThreads = mlstm_tc_state_threads(kDk), NT = BV / 8, KS = BK + P, VS = BV + P;
+  constexpr int L = kChunk, BK = mlstm_tc_state_tile(kDk, kTile), BV = mlstm_tc_state_tile(kDv, kTile);
+  constexpr int P = kMlstmTcPad, kThreads = mlstm_tc_state_threads(kDk, kTile), NT = BV / 8, KS = BK + P,
+                VS = BV + P;
   constexpr int kDkTiles = kDk / BK;
   static_assert(BK % 16 == 0 && BV % 16 == 0 && L % 16 == 0, "tiles of 16");
   T* Ks = reinterpret_cast<T*>(smem_raw);                  // [2][L][KS]: k (q reversed)
   T* Vs = Ks + 2 * L * KS;                                 // [2][L][VS]: v (dh reversed)
   float* ws = reinterpret_cast<float*>(Vs + 2 * L * VS);  // [2][L]: w_t (u_t reversed)
-  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_state_smem_bytes(kDk, kDv, L) / 4);
+  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_state_smem_bytes(kDk, kDv, L, kTile) / 4);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
   const long long seq = blockIdx.x / kDkTiles, S = p.seqlen, NC = (S + L - 1) / L;
   const int d0 = static_cast<int>(blockIdx.x % kDkTiles) * BK, e0 = blockIdx.y * BV;
@@ -242,10 +244,10 @@ __device__ __forceinline__ void mlstm_tc_state(const MlstmParams& p, unsigned ch
   }
 }
 
-template <typename T, int kDk, int kDv, int kChunk, bool kReverse>
-__global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_kernel(const MlstmParams p) {
+template <typename T, int kDk, int kDv, int kChunk, bool kReverse, int kTile = 64>
+__global__ void __launch_bounds__(mlstm_tc_state_threads(kDk, kTile)) mlstm_tc_state_kernel(const MlstmParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  mlstm_tc_state<T, kDk, kDv, kChunk, kReverse>(p, smem_raw);
+  mlstm_tc_state<T, kDk, kDv, kChunk, kReverse, kTile>(p, smem_raw);
 }
 
 // ---- 3. output ----

@@ -670,6 +670,72 @@ TEST(Mlstm, BackwardHeuristicTakesMergedAndStream) {
   EXPECT_EQ(pick(DType::f32, 128, 128), "algo=simt,threads=256");
 }
 
+// algo=tc_wide (both ops): valid where both head dims are >= 128 and chunk <= 128, a clear reason
+// elsewhere; the state kernels take the 128 x 128 tile (their last template argument), the backward keeps
+// the default's other kernels (tc_merged, tc_stream at DHQK 256); the forward at (256, 512) compiles
+// for sm_80 and sm_90 and the backward for sm_90 without spills or a stack frame (CI's precompile checks
+// every case on both).
+TEST(Mlstm, WideStateTiles) {
+  for (const char* name : {"mlstm.chunkwise.fwd", "mlstm.chunkwise.bwd"}) {
+    const OpDef& op = Registry::global().get(name);
+    const Config wide = Config::parse("algo=tc_wide,threads=128", op.info);
+    const bool bwd = op.info.name == "mlstm.chunkwise.bwd";
+    struct Row {
+      int64_t dk, dv, chunk;
+      const char* why;  // "" where valid
+    };
+    for (const Row& row : std::vector<Row>{{128, 128, 128, ""},
+                                           {128, 256, 64, ""},
+                                           {256, 512, 128, ""},
+                                           {64, 128, 64, "dhqk and dhhv >= 128"},
+                                           {128, 64, 64, "dhqk and dhhv >= 128"},
+                                           {128, 256, 256, "chunk <= 128"}}) {
+      CompileRequest r;
+      r.op = op.info.name;
+      r.dtype = DType::bf16;
+      r.arch = "sm_90";
+      r.params.set("dhqk", row.dk);
+      r.params.set("dhhv", row.dv);
+      r.params.set("chunk", row.chunk);
+      const Problem p = problem_from_request(op, r);
+      const std::string what = op.info.name + " " + std::to_string(row.dk) + " x " + std::to_string(row.dv) +
+                               " chunk " + std::to_string(row.chunk);
+      std::string why;
+      EXPECT_EQ(op.tuning.valid(p, wide, &why), *row.why == 0) << what << ": " << why;
+      if (*row.why) {
+        expect_in(why, {"algo=tc_wide", row.why});
+        continue;
+      }
+      const auto k = op.kernels(p, wide);
+      ASSERT_EQ(k.size(), bwd ? 4u : 3u) << what;
+      EXPECT_EQ(k[1].kernel, bwd ? "kspec::mlstm_tc_states_kernel" : "kspec::mlstm_tc_state_kernel") << what;
+      EXPECT_EQ(k[1].targs.back(), "128") << what;
+      if (bwd) {
+        const auto dflt = op.kernels(p, op.tuning.heuristic(p));
+        ASSERT_EQ(dflt.size(), k.size()) << what;
+        for (size_t j : {0u, 2u, 3u}) EXPECT_EQ(k[j].targs, dflt[j].targs) << what << " kernel " << j;
+        EXPECT_EQ(dflt[1].targs.size() + 1, k[1].targs.size()) << what;
+      }
+    }
+    EXPECT_EQ(mlstm_tc_state_threads(256, kMlstmTcWideTile), 256);
+    EXPECT_LE(mlstm_tc_state_smem_bytes(256, 512, 128, kMlstmTcWideTile), 160 * 1024);  // sm_80's 163 KB
+    for (const char* arch : bwd ? std::vector<const char*>{"sm_90"} : std::vector<const char*>{"sm_80", "sm_90"}) {
+      CompileRequest r;
+      r.op = op.info.name;
+      r.dtype = DType::bf16;
+      r.arch = arch;
+      r.config = wide;
+      r.params.set("dhqk", 256);
+      r.params.set("dhhv", 512);
+      r.params.set("chunk", bwd ? 64 : 128);
+      for (const auto& rep : compile(r)) {
+        EXPECT_EQ(rep.spill_bytes, 0) << name << " " << arch << ": " << rep.kernel;
+        EXPECT_EQ(rep.stack_bytes, 0) << name << " " << arch << ": " << rep.kernel;
+      }
+    }
+  }
+}
+
 // The log-sigmoid probe (templates/mlstm/log_sigmoid_probe.cuh) compiles for every gate dtype.
 jit::KernelSpec log_sigmoid_probe(DType dt, const std::string& arch) {
   jit::KernelSpec s;

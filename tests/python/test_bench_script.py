@@ -188,6 +188,26 @@ def test_mlstm_full_table_variants(families):
     assert no_torch == ["kspec chunkwise L=128"]
 
 
+def test_mlstm_config_rows_are_valid_where_timed(families):
+    """The kspec rows by explicit config (algo=tc_wide beside the defaults at 256 x 512) name legal configs of
+    both ops at their head dims, and join the variants of that shape only."""
+    import types
+
+    import kspec
+
+    m = families["mlstm"]
+    assert m.CONFIG_ROWS
+    for dims, label, fwd_config, bwd_config in m.CONFIG_ROWS:
+        assert dims == (256, 512)
+        for op, config in (("mlstm.chunkwise.fwd", fwd_config), ("mlstm.chunkwise.bwd", bwd_config)):
+            if config is not None:
+                assert config in set(kspec._C.configs_for_case(op, "dk_256_dv_512", "bf16")), (op, config)
+    ctx = types.SimpleNamespace(torch=None, kspec=types.SimpleNamespace(ops=None, call=None))
+    names = [v[0] for v in m.variants(ctx, [128], {}, torch_rows=False, dims=(256, 512))]
+    assert names == ["kspec chunkwise L=128"] + [f"kspec L=128 {label}" for _, label, _, _ in m.CONFIG_ROWS]
+    assert len(m.variants(ctx, [128], {}, torch_rows=False, dims=(128, 256))) == 1
+
+
 def _mlstm_row(m, group, kind, ms=None, L=None, status="ok", S=4096, dims=(256, 512)):
     r = {"shape": f"8x8x{S} {dims[0]}x{dims[1]}", "S": S, "DHQK": dims[0], "DHHV": dims[1], "B": 8, "kind": kind,
          "group": group, "chunk": L, "impl": "kspec" if group == "kspec" else "peer", "status": status,

@@ -51,3 +51,14 @@ def test_compare_backward_algos_are_valid_at_their_head_dims():
         valid = set(kspec._C.configs_for_case("mlstm.chunkwise.bwd", cases[dims], "bf16"))
         for a in algos:
             assert f"algo={a},threads=128" in valid, (dims, a)
+
+
+def test_compare_forward_algos_are_valid_at_their_head_dims():
+    """--compare's forward variants (algo=tc_wide beside tc, the first) are valid configs of
+    mlstm.chunkwise.fwd at 128 x 256 and 256 x 512."""
+    mod = _script()
+    assert mod.FWD_ALGOS[0] == "tc" and "tc_wide" in mod.FWD_ALGOS
+    for case in ("dk_128_dv_256", "dk_256_dv_512"):
+        valid = set(kspec._C.configs_for_case("mlstm.chunkwise.fwd", case, "bf16"))
+        for a in mod.FWD_ALGOS:
+            assert f"algo={a},threads=128" in valid, (case, a)

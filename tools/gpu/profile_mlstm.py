@@ -10,9 +10,10 @@ DHHV) forward, x3 with the backward).
     python3 tools/gpu/profile_mlstm.py [--seqlens 4096 8192] [--dtype bf16] [--chunk 128] [--reps 30]
 
 --compare (issue 29's open rows, old against new in one process, < 90 s): at B=8, NH=8, S=4096, bf16, chunk
-128 and DHQK x DHHV in {128 x 128, 128 x 256, 256 x 512}, the backward's variants (BWD_ALGOS: algo=tc, the
-default; tc_merged, two launches fewer; tc_stream at 256 x 512; tc_fused at 128 x 128, never timed there),
-each checked against tc first,
+128 and DHQK x DHHV in {128 x 128, 128 x 256, 256 x 512}, the forward's algo=tc_wide against tc (FWD_ALGOS),
+and the backward's variants (BWD_ALGOS: algo=tc; tc_merged, two launches fewer; tc_stream at 256 x 512;
+tc_fused at 128 x 128, never timed there; tc_wide, the state scans on 128 x 128 tiles), each checked
+against tc first,
 then bwd alone and fwd+bwd (algo=tc's forward, then the variant's backward) in ms, beside mlstm_kernels'
 xl_chunk at chunk 128 (autograd, fwd and fwd+bwd) where it imports, and each fwd+bwd's ratio to it (issue
 29's target: 1.3x).
@@ -80,8 +81,10 @@ def time_ms(fn, reps, flush, warmup=5):
 # checked against): tc_merged everywhere, tc_stream at 256 x 512 (where it differs), tc_fused at 128 x 128
 # (timed only at 128 x 256, where it keeps dk's partials, so far).
 COMPARE_DIMS = ((128, 128), (128, 256), (256, 512))
-BWD_ALGOS = {(128, 128): ("tc", "tc_merged", "tc_fused"), (128, 256): ("tc", "tc_merged"),
-             (256, 512): ("tc", "tc_merged", "tc_stream")}
+BWD_ALGOS = {(128, 128): ("tc", "tc_merged", "tc_fused", "tc_wide"), (128, 256): ("tc", "tc_merged", "tc_wide"),
+             (256, 512): ("tc", "tc_merged", "tc_stream", "tc_wide")}
+# The forward's variants, the first the baseline: algo=tc_wide (state scans on 128 x 128 tiles) beside tc.
+FWD_ALGOS = ("tc", "tc_wide")
 
 
 def xl_chunk():
@@ -112,6 +115,12 @@ def compare(reps, flush):
         gr = {a: backward(q, k, v, i, f, nrm, m, dh, L, cfg[a], grads(q, k, v, i)) for a in algos}
         torch.cuda.synchronize()
         fwd_ms = time_ms(lambda: forward(q, k, v, i, f, L, CONFIGS["tc"], out), reps, flush)
+        for a in FWD_ALGOS[1:]:
+            alt = forward(q, k, v, i, f, L, f"algo={a},threads=128", outputs(v, i))
+            torch.cuda.synchronize()
+            errs = "  ".join(f"{n} {rel_max(x, y):.1e}" for n, x, y in zip(("h", "nrm", "m"), alt, out))
+            ms = time_ms(lambda a=a, alt=alt: forward(q, k, v, i, f, L, f"algo={a},threads=128", alt), reps, flush)
+            print(f"{DK}x{DV}: kspec {a} fwd {ms:8.3f} (tc {fwd_ms:8.3f}: {fwd_ms / ms:.2f}x)   vs tc: {errs}")
         peer_ms = None
         if peer:
             leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, i, f)]

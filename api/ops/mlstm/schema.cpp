@@ -185,6 +185,13 @@ std::string tc_unsupported(const Problem& p) {
   return "";
 }
 
+std::string tc_wide_unsupported(const Problem& p) {
+  if (mlstm_tc_wide_runs(static_cast<int>(p.dim("dhqk")), static_cast<int>(p.dim("dhhv")),
+                         static_cast<int>(p.param_int("chunk"))))
+    return "";
+  return "algo=tc_wide scans 128 x 128 tiles of C: dhqk and dhhv >= 128 and chunk <= 128";
+}
+
 namespace {
 
 // algo=simt's limit: chunk <= kSimtMaxChunk.
@@ -200,11 +207,12 @@ bool simt_runs(const Problem& p, std::string* why) {
 // at 256 threads.
 TuningSpace chunkwise_fwd_tuning() {
   TuningSpace t = mlstm_tuning();
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcWide}});
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
-    if (c.get("algo") != kTc) return simt_runs(p, why);
+    if (c.get("algo") == kSimt) return simt_runs(p, why);
     std::string no = tc_unsupported(p);
     if (no.empty() && c.get("threads") != 128) no = "algo=tc sets its own block sizes (named with threads=128)";
+    if (no.empty() && c.get("algo") == kTcWide) no = tc_wide_unsupported(p);
     if (why) *why = no;
     return no.empty();
   };
@@ -212,13 +220,13 @@ TuningSpace chunkwise_fwd_tuning() {
     return tc_unsupported(p).empty() ? Config{{{"algo", kTc}, {"threads", 128}}}
                                      : Config{{{"algo", kSimt}, {"threads", 256}}};
   };
-  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") == kTc ? 128 : c.get("threads"); };
+  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") == kSimt ? c.get("threads") : 128; };
   return t;
 }
 
 TuningSpace chunkwise_bwd_tuning() {
   TuningSpace t = mlstm_tuning(true);
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcFused, kTcParts, kTcMerged, kTcStream}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcFused, kTcParts, kTcMerged, kTcStream, kTcWide}});
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     if (c.get("algo") == kSimt) return simt_runs(p, why);
     std::string no = tc_unsupported(p);
@@ -229,6 +237,7 @@ TuningSpace chunkwise_bwd_tuning() {
            "dhhv's blocks)";
     if (no.empty() && c.get("algo") == kTcStream && !mlstm_tc_streams(static_cast<int>(p.dim("dhqk"))))
       no = "algo=tc_stream differs from algo=tc_merged only at dhqk > 128 (its dq and dk streaming dhhv's blocks)";
+    if (no.empty() && c.get("algo") == kTcWide) no = tc_wide_unsupported(p);
     if (why) *why = no;
     return no.empty();
   };
