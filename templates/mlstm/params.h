@@ -75,13 +75,19 @@ constexpr int mlstm_tc_out_region_elems(int dk, int dv, int chunk) {
              ? dk * (mlstm_tc_bv(dv) + kMlstmTcPad)
              : mlstm_tc_rows(chunk) * (dk + kMlstmTcPad) + mlstm_tc_rows(chunk) * (mlstm_tc_bv(dv) + kMlstmTcPad);
 }
-// Dynamic shared memory in bytes (16-bit elements): Q tile, the region, a second K and V buffer, then
-// in fp32 i_s - b_s of a chunk and its entering n.
-constexpr int mlstm_tc_out_smem_bytes(int dk, int dv, int chunk) {
-  return 2 * (mlstm_tc_rows(chunk) * (dk + kMlstmTcPad) + mlstm_tc_out_region_elems(dk, dv, chunk) +
+// Dynamic shared memory in bytes (16-bit elements): Q tile (`qrows` rows; 0: mlstm_tc_rows(chunk)), the
+// region, a second K and V buffer, then in fp32 i_s - b_s of a chunk and its entering n.
+constexpr int mlstm_tc_out_smem_bytes(int dk, int dv, int chunk, int qrows = 0) {
+  return 2 * ((qrows ? qrows : mlstm_tc_rows(chunk)) * (dk + kMlstmTcPad) + mlstm_tc_out_region_elems(dk, dv, chunk) +
               mlstm_tc_rows(chunk) * (dk + kMlstmTcPad) + mlstm_tc_rows(chunk) * (mlstm_tc_bv(dv) + kMlstmTcPad)) +
          4 * (chunk + dk);
 }
+// algo=tc_q128 and tc_wide_q128 (forward): the output kernel's CTA takes 128 query rows (8 warps) instead of
+// 64, its key tiles still 64 rows: the chunk's C tile and each key tile come once for twice the queries
+// (at chunk 128 a CTA is a whole chunk), and a CTA of 8 warps fills an SM where the 64-row CTA's 156 KB of
+// shared memory at DHQK 256 let only 4 warps run (tools/bench/NOTES.md). Chunks that are multiples of 128.
+constexpr int kMlstmTcWideRows = 128;
+constexpr bool mlstm_tc_q128_runs(int chunk) { return chunk % kMlstmTcWideRows == 0; }
 // Two stages of a chunk's K and V slices, and of its w_t.
 constexpr int mlstm_tc_state_smem_bytes(int dk, int dv, int chunk, int tile = 64) {
   return 2 * 2 * chunk * (mlstm_tc_state_tile(dk, tile) + mlstm_tc_state_tile(dv, tile) + 2 * kMlstmTcPad) +

@@ -175,37 +175,47 @@ def test_mlstm_full_table_variants(families):
     import types
 
     m = families["mlstm"]
-    ctx = types.SimpleNamespace(torch=None, kspec=types.SimpleNamespace(ops=None))
+    ctx = types.SimpleNamespace(torch=None, kspec=types.SimpleNamespace(ops=None, call=None))
     peers = {"xl_chunk": object(), "limit_chunk": object()}
     got = [(v[0], v[2], v[3]) for v in m.variants(ctx, list(m.KSPEC_CHUNKS), peers, compiled=object(),
                                                   dims=(128, 128))]
+    configs = [(f"kspec L=128 {label}", "kspec config", 128) for d, label, _, _ in m.CONFIG_ROWS if d == (128, 128)]
     assert got == [(f"kspec chunkwise L={L}", "kspec", L) for L in (64, 128, 256)] + \
-        [(f"mlstm_kernels xl_chunk L={L}", "xl_chunk", L) for L in (64, 128, 256)] + \
+        [(f"mlstm_kernels xl_chunk L={L}", "xl_chunk", L) for L in (64, 128, 256)] + configs + \
         [("mlstm_kernels limit_chunk L=64", "limit_chunk", 64), ("torch eager (parallel)", "torch eager", None),
          ("torch.compile (parallel)", "torch.compile", None)]
     assert m.DEFAULT_CHUNK in m.KSPEC_CHUNKS
-    no_torch = [v[0] for v in m.variants(ctx, [128], {}, torch_rows=False)]
+    no_torch = [v[0] for v in m.variants(ctx, [128], {}, torch_rows=False, dims=(64, 64))]
     assert no_torch == ["kspec chunkwise L=128"]
 
 
 def test_mlstm_config_rows_are_valid_where_timed(families):
-    """The kspec rows by explicit config (algo=tc_wide beside the defaults at 256 x 512) name legal configs of
-    both ops at their head dims, and join the variants of that shape only."""
+    """The kspec rows by explicit config (algo=tc_wide, tc_q128 and both beside the defaults) name values of
+    the ops' algo axis, tc_wide and tc_q128 legal configs of cases at those head dims and chunks (the chunk
+    128 rows themselves: Mlstm.WideStateTiles, Mlstm.ForwardOutputKernelOn128Rows), and join the variants of
+    their shapes only."""
     import types
 
     import kspec
 
     m = families["mlstm"]
-    assert m.CONFIG_ROWS
     for dims, label, fwd_config, bwd_config in m.CONFIG_ROWS:
-        assert dims == (256, 512)
+        assert dims in ((128, 128), (128, 256), (256, 512))
         for op, config in (("mlstm.chunkwise.fwd", fwd_config), ("mlstm.chunkwise.bwd", bwd_config)):
-            if config is not None:
-                assert config in set(kspec._C.configs_for_case(op, "dk_256_dv_512", "bf16")), (op, config)
+            if config is None:
+                continue
+            names = dict(kspec.op_info(op)["tuning_names"])["algo"]
+            algo, threads = (kv.split("=")[1] for kv in config.split(","))
+            assert algo in names and threads == "128", (op, config)
+    fwd = "mlstm.chunkwise.fwd"
+    assert m._WIDE in set(kspec._C.configs_for_case(fwd, "dk_256_dv_512", "bf16"))
+    assert m._WIDE in set(kspec._C.configs_for_case("mlstm.chunkwise.bwd", "dk_256_dv_512", "bf16"))
+    assert m._Q128 in set(kspec._C.configs_for_case(fwd, "dk_128_dv_256_chunk_256", "bf16"))
     ctx = types.SimpleNamespace(torch=None, kspec=types.SimpleNamespace(ops=None, call=None))
-    names = [v[0] for v in m.variants(ctx, [128], {}, torch_rows=False, dims=(256, 512))]
-    assert names == ["kspec chunkwise L=128"] + [f"kspec L=128 {label}" for _, label, _, _ in m.CONFIG_ROWS]
-    assert len(m.variants(ctx, [128], {}, torch_rows=False, dims=(128, 256))) == 1
+    for dims in ((128, 128), (128, 256), (256, 512)):
+        names = [v[0] for v in m.variants(ctx, [128], {}, torch_rows=False, dims=dims)]
+        assert names == ["kspec chunkwise L=128"] + [f"kspec L=128 {label}" for d, label, _, _ in m.CONFIG_ROWS
+                                                     if d == dims]
 
 
 def _mlstm_row(m, group, kind, ms=None, L=None, status="ok", S=4096, dims=(256, 512)):

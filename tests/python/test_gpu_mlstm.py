@@ -174,6 +174,44 @@ def test_tensor_core_merged_backward(DK, DV, algo, S, chunk, dtype):
         assert torch.equal(x, y), f"{name}: a second call differs"
 
 
+@pytest.mark.parametrize("algo", ["tc_q128", "tc_wide_q128"])
+@pytest.mark.parametrize("chunk", [128, 256])
+@pytest.mark.parametrize("S", [1, 65, 200, 300])
+@pytest.mark.parametrize("DK,DV", [(32, 64), (128, 128), (256, 512)])
+def test_tensor_core_forward_128_query_rows(DK, DV, S, chunk, algo):
+    """The forward's output kernel on 128 query rows a CTA (algo=tc_q128; tc_wide_q128 with tc_wide's state
+    tiles) over several sequences (B = 2, NH = 3), from initial states, bf16: h, nrm, m and the last states
+    against the float64 reference and algo=tc's, a second call bitwise equal. S = 65 and 200 end inside a
+    CTA's first or second half (its warps past S, and at chunk 256 the upper CTA of a chunk), 300 spans
+    chunks."""
+    if algo == "tc_wide_q128" and (chunk > 128 or DK < 128):
+        pytest.skip("tc_wide: head dims >= 128 and chunk <= 128")
+    B, NH, dtype = 2, 3, torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(S + DK + DV + chunk)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    q, k, v = r(B, NH, S, DK).to(dtype), r(B, NH, S, DK).to(dtype), r(B, NH, S, DV).to(dtype)
+    i, f = r(B, NH, S).to(dtype), (r(B, NH, S) + 2.0).to(dtype)
+    C0, n0, m0 = r(B, NH, DK, DV), r(B, NH, DK), r(B, NH, 1)
+
+    def fwd(config):
+        rows = _nan_like(i, torch.float32)
+        out = (_nan_like(v), rows.clone(), rows.clone(), _nan_like(C0), _nan_like(n0), _nan_like(m0))
+        kspec.call("mlstm.chunkwise.fwd", q, k, v, i, f, C0, n0, m0, out=out, chunk=chunk, config=config)
+        return out
+
+    got, again, tc = fwd(f"algo={algo},threads=128"), fwd(f"algo={algo},threads=128"), fwd("algo=tc,threads=128")
+    torch.cuda.synchronize()
+    want_h, want_nrm, want_m, (want_C, want_n, _) = ref.mlstm_chunkwise_fwd(
+        *(_np(t) for t in (q, k, v, i, f, C0, n0)), _np(m0).reshape(B, NH), chunk=chunk)
+    for name, a, b, c, w, tol in zip(("h", "nrm", "m_rows", "C_last", "n_last", "m_last"), got, again, tc,
+                                     (want_h, want_nrm, want_m, want_C, want_n, None),
+                                     (2e-2, 1e-4, 1e-4, 2e-2, 2e-2, 1e-4)):
+        if w is not None:
+            assert _rel_max(a, w.reshape(a.shape)) <= tol, name
+        assert _rel_max(a, _np(c)) <= tol, f"{name} vs algo=tc"
+        assert torch.equal(a, b), f"{name}: a second call differs"
+
+
 @pytest.mark.parametrize("chunk", [64, 128])
 @pytest.mark.parametrize("S", [1, 65, 300])
 @pytest.mark.parametrize("DK,DV", [(128, 128), (128, 256), (256, 512)])

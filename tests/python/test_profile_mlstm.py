@@ -54,11 +54,13 @@ def test_compare_backward_algos_are_valid_at_their_head_dims():
 
 
 def test_compare_forward_algos_are_valid_at_their_head_dims():
-    """--compare's forward variants (algo=tc_wide beside tc, the first) are valid configs of
-    mlstm.chunkwise.fwd at 128 x 256 and 256 x 512."""
+    """--compare's forward variants (algo=tc_wide, tc_q128 and both beside tc, the first) are values of
+    mlstm.chunkwise.fwd's algo axis, tc_wide and tc_q128 valid at cases of those head dims (the chunk-128
+    shapes it times: Mlstm.WideStateTiles, Mlstm.ForwardOutputKernelOn128Rows)."""
     mod = _script()
-    assert mod.FWD_ALGOS[0] == "tc" and "tc_wide" in mod.FWD_ALGOS
-    for case in ("dk_128_dv_256", "dk_256_dv_512"):
-        valid = set(kspec._C.configs_for_case("mlstm.chunkwise.fwd", case, "bf16"))
-        for a in mod.FWD_ALGOS:
-            assert f"algo={a},threads=128" in valid, (case, a)
+    assert mod.FWD_ALGOS[0] == "tc" and {"tc_wide", "tc_q128", "tc_wide_q128"} <= set(mod.FWD_ALGOS)
+    names = dict(kspec.op_info("mlstm.chunkwise.fwd")["tuning_names"])["algo"]
+    assert set(mod.FWD_ALGOS) <= set(names)
+    for case, algo in (("dk_128_dv_256", "tc_wide"), ("dk_256_dv_512", "tc_wide"),
+                       ("dk_128_dv_256_chunk_256", "tc_q128")):
+        assert f"algo={algo},threads=128" in set(kspec._C.configs_for_case("mlstm.chunkwise.fwd", case, "bf16"))

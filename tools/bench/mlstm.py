@@ -37,10 +37,17 @@ PEERS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mlstm_p
 # S = 4096, few reps, and the step table (< 60 s on an H100).
 QUICK_DIMS, QUICK_S, QUICK_CHUNK, QUICK_REPS, QUICK_WARMUP = ((128, 128), (128, 256), (256, 512)), 4096, 128, 10, 3
 # kspec rows by explicit config beside the defaults (raw kspec.call, chunk 128), at the head dims each is
-# for: (head dims, label, forward config, backward config; None: the op's default). algo=tc_wide (the state
-# scans on 128 x 128 tiles, tools/bench/NOTES.md) against the defaults by the same raw calls, at (256, 512).
+# for: (head dims, label, forward config, backward config; None: the op's default). Against the defaults by
+# the same raw calls (tools/bench/NOTES.md): algo=tc_wide (the state scans on 128 x 128 tiles, both ops),
+# tc_q128 (the forward's output kernel on 128 query rows) and both, at (256, 512); tc_q128 at the others.
+_WIDE, _Q128, _WIDE_Q128 = ("algo=tc_wide,threads=128", "algo=tc_q128,threads=128",
+                            "algo=tc_wide_q128,threads=128")
 CONFIG_ROWS = (((256, 512), "raw calls, default configs", None, None),
-               ((256, 512), "algo=tc_wide (fwd, bwd)", "algo=tc_wide,threads=128", "algo=tc_wide,threads=128"))
+               ((256, 512), "fwd, bwd algo=tc_wide", _WIDE, _WIDE),
+               ((256, 512), "fwd algo=tc_q128", _Q128, None),
+               ((256, 512), "fwd algo=tc_wide_q128, bwd tc_wide", _WIDE_Q128, _WIDE),
+               ((128, 128), "fwd algo=tc_q128", _Q128, None),
+               ((128, 256), "fwd algo=tc_q128", _Q128, None))
 
 
 def add_arguments(p):

@@ -10,7 +10,8 @@ DHHV) forward, x3 with the backward).
     python3 tools/gpu/profile_mlstm.py [--seqlens 4096 8192] [--dtype bf16] [--chunk 128] [--reps 30]
 
 --compare (issue 29's open rows, old against new in one process, < 90 s): at B=8, NH=8, S=4096, bf16, chunk
-128 and DHQK x DHHV in {128 x 128, 128 x 256, 256 x 512}, the forward's algo=tc_wide against tc (FWD_ALGOS),
+128 and DHQK x DHHV in {128 x 128, 128 x 256, 256 x 512}, the forward's algo=tc_wide, tc_q128 and
+tc_wide_q128 against tc (FWD_ALGOS),
 and the backward's variants (BWD_ALGOS: algo=tc; tc_merged, two launches fewer; tc_stream at 256 x 512;
 tc_fused at 128 x 128, never timed there; tc_wide, the state scans on 128 x 128 tiles), each checked
 against tc first,
@@ -83,8 +84,9 @@ def time_ms(fn, reps, flush, warmup=5):
 COMPARE_DIMS = ((128, 128), (128, 256), (256, 512))
 BWD_ALGOS = {(128, 128): ("tc", "tc_merged", "tc_fused", "tc_wide"), (128, 256): ("tc", "tc_merged", "tc_wide"),
              (256, 512): ("tc", "tc_merged", "tc_stream", "tc_wide")}
-# The forward's variants, the first the baseline: algo=tc_wide (state scans on 128 x 128 tiles) beside tc.
-FWD_ALGOS = ("tc", "tc_wide")
+# The forward's variants, the first the baseline: algo=tc_wide (state scans on 128 x 128 tiles), tc_q128
+# (the output kernel on 128 query rows) and both, beside tc.
+FWD_ALGOS = ("tc", "tc_wide", "tc_q128", "tc_wide_q128")
 
 
 def xl_chunk():

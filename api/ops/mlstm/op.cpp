@@ -169,28 +169,37 @@ void launch_fwd(const Call& call, const Config& c, Launcher& l, int64_t chunk, b
 
 // ---- the tensor-core forward (mlstm.chunkwise.fwd, algo=tc; templates/mlstm/chunkwise_tc.cuh) ----
 
-// The state scans' C tile edge of a tensor-core config: 128 for algo=tc_wide, else 64 (params.h).
-int tc_state_tile(int64_t algo) { return algo == kTcWide ? kMlstmTcWideTile : 64; }
+// The state scans' C tile edge of a tensor-core config: 128 for algo=tc_wide (and tc_wide_q128), else 64
+// (params.h).
+int tc_state_tile(int64_t algo) { return algo == kTcWide || algo == kTcWideQ128 ? kMlstmTcWideTile : 64; }
+
+// The forward's output kernel's query rows a CTA: 128 for algo=tc_q128 (and tc_wide_q128), else
+// mlstm_tc_rows(chunk).
+int tc_out_rows(int64_t algo, int64_t chunk) {
+  return algo == kTcQ128 || algo == kTcWideQ128 ? kMlstmTcWideRows : mlstm_tc_rows(static_cast<int>(chunk));
+}
 
 // Kernels 0, 1, 2: gates, state, output.
-std::vector<jit::KernelSpec> tc_kernels(const Problem& p, int tile) {
+std::vector<jit::KernelSpec> tc_kernels(const Problem& p, int64_t algo) {
   const std::string t = dtype_cuda_type(p.dtype("q")), dk = std::to_string(p.dim("dhqk")),
                     dv = std::to_string(p.dim("dhhv")), L = std::to_string(p.param_int("chunk"));
-  std::vector<std::string> state = {t, dk, dv, L, "false"};
+  const int tile = tc_state_tile(algo), rows = tc_out_rows(algo, p.param_int("chunk"));
+  std::vector<std::string> state = {t, dk, dv, L, "false"}, out = {t, dk, dv, L};
   if (tile != 64) state.push_back(std::to_string(tile));
+  if (rows != mlstm_tc_rows(static_cast<int>(p.param_int("chunk")))) out.push_back(std::to_string(rows));
   return {kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
           kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_state_kernel", state),
-          kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_out_kernel", {t, dk, dv, L})};
+          kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_out_kernel", out)};
 }
 
 // Workspace, each piece 256-byte aligned: the per-step gate rows (4 floats), m per step when m_rows is
 // not an output, the per-chunk decay, n and C entering every chunk (C in the input dtype).
-void launch_tc(const Call& call, Launcher& l, int tile) {
+void launch_tc(const Call& call, Launcher& l, int64_t algo) {
   const Problem& p = call.problem;
   const int64_t seqs = p.dim("batch") * p.dim("heads"), S = p.dim("seqlen"), dk = p.dim("dhqk"),
                 dv = p.dim("dhhv"), L = p.param_int("chunk"), NC = (S + L - 1) / L;
   if (seqs == 0) return;
-  const int rows = mlstm_tc_rows(static_cast<int>(L));
+  const int rows = tc_out_rows(algo, L), tile = tc_state_tile(algo);
   const int64_t qtiles = (S + rows - 1) / rows;
   KSPEC_CHECK_AS(seqs * qtiles <= INT32_MAX &&
                      seqs * (dk / mlstm_tc_state_tile(static_cast<int>(dk), tile)) <= INT32_MAX,
@@ -223,8 +232,8 @@ void launch_tc(const Call& call, Launcher& l, int tile) {
   l.launch(0, {u32(seqs)}, {32}, 0, args);
   l.launch(1, {u32(seqs * (dk / mlstm_tc_state_tile(dki, tile))), u32(dv / mlstm_tc_state_tile(dvi, tile))},
            {u32(mlstm_tc_state_threads(dki, tile))}, u32(mlstm_tc_state_smem_bytes(dki, dvi, Li, tile)), args);
-  l.launch(2, {u32(seqs * qtiles), u32(dv / mlstm_tc_bv(dvi))}, {u32(mlstm_tc_out_threads(Li))},
-           u32(mlstm_tc_out_smem_bytes(dki, dvi, Li)), args);
+  l.launch(2, {u32(seqs * qtiles), u32(dv / mlstm_tc_bv(dvi))}, {u32(2 * rows)},
+           u32(mlstm_tc_out_smem_bytes(dki, dvi, Li, rows)), args);
 }
 
 // ---- mlstm.chunkwise.fwd ----
@@ -255,16 +264,15 @@ OpDef make_chunkwise_fwd() {
   };
   op.tuning = chunkwise_fwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_wide"}}};
+  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_wide", "tc_q128", "tc_wide_q128"}}};
   op.cases = chunkwise_fwd_cases();
   // fp32 over recurrences of up to 4096 steps: 4e-5 relative.
   op.tolerance_scale = 4.0;
   op.kernels = [](const Problem& p, const Config& c) {
-    return c.get("algo") == kSimt ? fwd_kernels(p, c, p.param_int("chunk"))
-                                  : tc_kernels(p, tc_state_tile(c.get("algo")));
+    return c.get("algo") == kSimt ? fwd_kernels(p, c, p.param_int("chunk")) : tc_kernels(p, c.get("algo"));
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
-    if (c.get("algo") != kSimt) return launch_tc(call, l, tc_state_tile(c.get("algo")));
+    if (c.get("algo") != kSimt) return launch_tc(call, l, c.get("algo"));
     launch_fwd(call, c, l, call.problem.param_int("chunk"), true);
   };
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {

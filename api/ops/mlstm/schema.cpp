@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "jit/spec.h"
 #include "templates/mlstm/params.h"
 
 namespace kspec::mlstm {
@@ -192,6 +193,20 @@ std::string tc_wide_unsupported(const Problem& p) {
   return "algo=tc_wide scans 128 x 128 tiles of C: dhqk and dhhv >= 128 and chunk <= 128";
 }
 
+std::string tc_q128_unsupported(const Problem& p) {
+  const int dk = static_cast<int>(p.dim("dhqk")), dv = static_cast<int>(p.dim("dhhv")),
+            L = static_cast<int>(p.param_int("chunk"));
+  if (!mlstm_tc_q128_runs(L)) return "algo=tc_q128 takes 128 query rows of a chunk: chunk 128 or 256";
+  // Opt-in shared memory a block: 227 KB from sm_90 on, 163 KB on sm_80 (A100), 99 KB on sm_86/89.
+  const int cc = jit::compute_capability(p.arch);
+  const int limit = cc >= 90 ? 232448 : cc == 80 || cc == 87 ? 166912 : 101376;
+  const int smem = mlstm_tc_out_smem_bytes(dk, dv, L, kMlstmTcWideRows);
+  if (smem > limit)
+    return "algo=tc_q128's output kernel needs " + std::to_string(smem) + " bytes of shared memory at dhqk = " +
+           std::to_string(dk) + ", more than " + p.arch + "'s " + std::to_string(limit);
+  return "";
+}
+
 namespace {
 
 // algo=simt's limit: chunk <= kSimtMaxChunk.
@@ -207,12 +222,14 @@ bool simt_runs(const Problem& p, std::string* why) {
 // at 256 threads.
 TuningSpace chunkwise_fwd_tuning() {
   TuningSpace t = mlstm_tuning();
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcWide}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcWide, kTcQ128, kTcWideQ128}});
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     if (c.get("algo") == kSimt) return simt_runs(p, why);
     std::string no = tc_unsupported(p);
     if (no.empty() && c.get("threads") != 128) no = "algo=tc sets its own block sizes (named with threads=128)";
-    if (no.empty() && c.get("algo") == kTcWide) no = tc_wide_unsupported(p);
+    const int64_t algo = c.get("algo");
+    if (no.empty() && (algo == kTcWide || algo == kTcWideQ128)) no = tc_wide_unsupported(p);
+    if (no.empty() && (algo == kTcQ128 || algo == kTcWideQ128)) no = tc_q128_unsupported(p);
     if (why) *why = no;
     return no.empty();
   };
