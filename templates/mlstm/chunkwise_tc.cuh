@@ -118,17 +118,19 @@ __global__ void __launch_bounds__(32) mlstm_tc_gates_kernel(const MlstmParams p)
 // writes dC after every chunk (to Cs), and dC0 (the gradient entering the first chunk) when p.C is set.
 // The same product either way: a [64 x L] . [L x 64] mma per chunk with a per-step weight on A.
 // A CTA's work (its tile from blockIdx.x, .y); mlstm_tc_state_kernel launches one direction,
-// chunkwise_tc_bwd.cuh's mlstm_tc_states_kernel both in one grid.
-template <typename T, int kDk, int kDv, int kChunk, bool kReverse>
+// chunkwise_tc_bwd.cuh's mlstm_tc_states_kernel both in one grid. kTile: the C tile's edge (64; 128 for
+// algo=tc_wide, params.h), 16 rows a warp.
+template <typename T, int kDk, int kDv, int kChunk, bool kReverse, int kTile = 64>
 __device__ __forceinline__ void mlstm_tc_state(const MlstmParams& p, unsigned char* smem_raw) {
-  constexpr int L = kChunk, BK = mlstm_tc_state_tile(kDk), BV = mlstm_tc_state_tile(kDv), P = kMlstmTcPad;
-  constexpr int kThreads = mlstm_tc_state_threads(kDk), NT = BV / 8, KS = BK + P, VS = BV + P;
+  constexpr int L = kChunk, BK = mlstm_tc_state_tile(kDk, kTile), BV = mlstm_tc_state_tile(kDv, kTile);
+  constexpr int P = kMlstmTcPad, kThreads = mlstm_tc_state_threads(kDk, kTile), NT = BV / 8, KS = BK + P,
+                VS = BV + P;
   constexpr int kDkTiles = kDk / BK;
   static_assert(BK % 16 == 0 && BV % 16 == 0 && L % 16 == 0, "tiles of 16");
   T* Ks = reinterpret_cast<T*>(smem_raw);                  // [2][L][KS]: k (q reversed)
   T* Vs = Ks + 2 * L * KS;                                 // [2][L][VS]: v (dh reversed)
   float* ws = reinterpret_cast<float*>(Vs + 2 * L * VS);  // [2][L]: w_t (u_t reversed)
-  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_state_smem_bytes(kDk, kDv, L) / 4);
+  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_state_smem_bytes(kDk, kDv, L, kTile) / 4);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
   const long long seq = blockIdx.x / kDkTiles, S = p.seqlen, NC = (S + L - 1) / L;
   const int d0 = static_cast<int>(blockIdx.x % kDkTiles) * BK, e0 = blockIdx.y * BV;
@@ -242,10 +244,10 @@ __device__ __forceinline__ void mlstm_tc_state(const MlstmParams& p, unsigned ch
   }
 }
 
-template <typename T, int kDk, int kDv, int kChunk, bool kReverse>
-__global__ void __launch_bounds__(mlstm_tc_state_threads(kDk)) mlstm_tc_state_kernel(const MlstmParams p) {
+template <typename T, int kDk, int kDv, int kChunk, bool kReverse, int kTile = 64>
+__global__ void __launch_bounds__(mlstm_tc_state_threads(kDk, kTile)) mlstm_tc_state_kernel(const MlstmParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  mlstm_tc_state<T, kDk, kDv, kChunk, kReverse>(p, smem_raw);
+  mlstm_tc_state<T, kDk, kDv, kChunk, kReverse, kTile>(p, smem_raw);
 }
 
 // ---- 3. output ----
@@ -267,31 +269,36 @@ __device__ __forceinline__ void mlstm_tc_load_kv(T* Ks, T* Vs, const T* k, const
   }
 }
 
-template <typename T, int kDk, int kDv, int kChunk>
-__global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 2) mlstm_tc_out_kernel(const MlstmParams p) {
-  constexpr int L = kChunk, R = mlstm_tc_rows(L), BV = mlstm_tc_bv(kDv), P = kMlstmTcPad;
-  constexpr int kThreads = mlstm_tc_out_threads(L), QS = kDk + P, VS = BV + P, NV = BV / 8, NK = R / 8;
-  static_assert(kDk % 16 == 0 && BV % 16 == 0 && R % 16 == 0 && L % R == 0, "tiles of 16");
+// kQRows: query rows a CTA, 16 a warp (mlstm_tc_rows(kChunk), or kMlstmTcWideRows for algo=tc_q128); key
+// tiles are mlstm_tc_rows(kChunk) rows either way.
+template <typename T, int kDk, int kDv, int kChunk, int kQRows = mlstm_tc_rows(kChunk)>
+__global__ void __launch_bounds__(2 * kQRows, kQRows == mlstm_tc_rows(kChunk) ? 2 : 1)
+    mlstm_tc_out_kernel(const MlstmParams p) {
+  constexpr int L = kChunk, R = mlstm_tc_rows(L), RQ = kQRows, BV = mlstm_tc_bv(kDv), P = kMlstmTcPad;
+  constexpr int kThreads = 2 * RQ, QS = kDk + P, VS = BV + P, NV = BV / 8, NK = R / 8;
+  static_assert(kDk % 16 == 0 && BV % 16 == 0 && R % 16 == 0 && L % R == 0 && RQ % R == 0 && L % RQ == 0,
+                "tiles of 16");
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  // Q [R][QS]; two K/V buffers: 0 first holds the C tile [kDk][VS], 1 the first K/V tile, then they
+  // Q [RQ][QS]; two K/V buffers: 0 first holds the C tile [kDk][VS], 1 the first K/V tile, then they
   // alternate (tile kt in buffer (kt + 1) % 2); then i_s - b_s of the chunk and n entering it.
   T* Qs = reinterpret_cast<T*>(smem_raw);
-  T* const buf0 = Qs + R * QS;
+  T* const buf0 = Qs + RQ * QS;
   T* const buf1 = buf0 + mlstm_tc_out_region_elems(kDk, kDv, L);
   float* ibs = reinterpret_cast<float*>(buf1 + R * QS + R * VS);  // [L]
   float* nsm = ibs + L;                                             // [kDk]
-  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_out_smem_bytes(kDk, kDv, L) / 4);
+  mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw), mlstm_tc_out_smem_bytes(kDk, kDv, L, RQ) / 4);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
-  const long long S = p.seqlen, QT = (S + R - 1) / R, NC = (S + L - 1) / L;
-  const long long seq = blockIdx.x / QT, t0 = (blockIdx.x % QT) * R, c = t0 / L, cs = c * L;
-  const int e0 = blockIdx.y * BV, ktiles = static_cast<int>((t0 - cs) / R) + 1;
+  const long long S = p.seqlen, QT = (S + RQ - 1) / RQ, NC = (S + L - 1) / L;
+  const long long seq = blockIdx.x / QT, t0 = (blockIdx.x % QT) * RQ, c = t0 / L, cs = c * L;
+  // Key tiles from the chunk's start to the CTA's last row's (each warp skips those past its own rows).
+  const int e0 = blockIdx.y * BV, ktiles = static_cast<int>((t0 - cs) / R) + RQ / R;
   const T* q = static_cast<const T*>(p.q) + seq * S * kDk;
   const T* k = static_cast<const T*>(p.k) + seq * S * kDk;
   const T* v = static_cast<const T*>(p.v) + seq * S * kDv;
   const float4* gr = reinterpret_cast<const float4*>(p.gate_rows) + seq * S;
   const float scale = rsqrtf(static_cast<float>(kDk));
 
-  for (int j = tid; j < R * (kDk / 8); j += kThreads) {
+  for (int j = tid; j < RQ * (kDk / 8); j += kThreads) {
     const int r = j / (kDk / 8), x = j % (kDk / 8);
     const bool ok = t0 + r < S;
     cp_async_16(Qs + r * QS + x * 8, q + (ok ? t0 + r : 0) * kDk + x * 8, ok);
@@ -347,6 +354,9 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 2) mlstm_tc_out_
       cp_async_wait<0>();
     }
     __syncthreads();
+    // This warp's rows all precede the tile's keys (a 128-row CTA's first 4 warps, its last tile): masked
+    // out entirely, nothing to add. Warp-uniform; the barriers above stay outside.
+    if (row_a + 15 - g < kt * R) continue;
     const T* Ks = kt % 2 ? buf0 : buf1;
     const T* Vs = Ks + R * QS;
     float sc[NK][4];

@@ -426,12 +426,12 @@ __global__ void __launch_bounds__(2 * mlstm_tc_out_threads(kChunk), 1) mlstm_tc_
 // each chunk: blockIdx.z 1, `rev`) in one grid. They are independent (K, V against Q, dH) and each CTA walks
 // every chunk of its sequence in turn, so in two launches the reversed scan waited for the forward's last,
 // partly filled wave; in one, its CTAs take the SMs the forward's leave idle.
-template <typename T, int kDk, int kDv, int kChunk>
-__global__ void __launch_bounds__(mlstm_tc_state_threads(kDk))
+template <typename T, int kDk, int kDv, int kChunk, int kTile = 64>
+__global__ void __launch_bounds__(mlstm_tc_state_threads(kDk, kTile))
     mlstm_tc_states_kernel(const MlstmParams fwd, const MlstmParams rev) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  if (blockIdx.z == 0) mlstm_tc_state<T, kDk, kDv, kChunk, false>(fwd, smem_raw);
-  else mlstm_tc_state<T, kDk, kDv, kChunk, true>(rev, smem_raw);
+  if (blockIdx.z == 0) mlstm_tc_state<T, kDk, kDv, kChunk, false, kTile>(fwd, smem_raw);
+  else mlstm_tc_state<T, kDk, kDv, kChunk, true, kTile>(rev, smem_raw);
 }
 
 // dq (from C entering the chunks: `pq`), dv and dk (from dC after them: `pkv`) of every 64-row tile in one

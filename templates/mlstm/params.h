@@ -55,10 +55,19 @@ constexpr int mlstm_chunkwise_bwd_smem_floats(int chunk) { return 2 * chunk * ch
 // addresses of an ldmatrix fall in distinct banks.
 constexpr int mlstm_tc_rows(int chunk) { return chunk < 64 ? chunk : 64; }
 constexpr int mlstm_tc_bv(int dv) { return dv < 128 ? dv : 128; }
-constexpr int mlstm_tc_state_tile(int dh) { return dh < 64 ? dh : 64; }
+// `tile`: the state kernel's C tile edge, 64 (algo=tc), or kMlstmTcWideTile (algo=tc_wide).
+constexpr int mlstm_tc_state_tile(int dh, int tile = 64) { return dh < tile ? dh : tile; }
 constexpr int kMlstmTcPad = 8;
 constexpr int mlstm_tc_out_threads(int chunk) { return mlstm_tc_rows(chunk) * 2; }
-constexpr int mlstm_tc_state_threads(int dk) { return mlstm_tc_state_tile(dk) * 2; }
+constexpr int mlstm_tc_state_threads(int dk, int tile = 64) { return mlstm_tc_state_tile(dk, tile) * 2; }
+// algo=tc_wide (forward and backward): the state scans on C tiles of 128 x 128 (8 warps, 64 fp32
+// accumulators a thread) instead of 64 x 64. Each CTA requests its K (Q) slice once per 128 columns of
+// DHHV instead of per 64 and its V (dH) slice once per 128 rows of DHQK: at (256, 512) the scans' 2.1 GB
+// of requests at 8x8x4096, chunk 128, become 1.1 GB, in 512 CTAs instead of 2048 (tools/bench/NOTES.md).
+// Only where both head dims are >= 128 (fewer, not wider, CTAs below) and chunk <= 128 (two stages of
+// 128-wide K and V slices: 137 KB at 128, 274 KB at 256).
+constexpr int kMlstmTcWideTile = 128;
+constexpr bool mlstm_tc_wide_runs(int dk, int dv, int chunk) { return dk >= 128 && dv >= 128 && chunk <= 128; }
 // The output kernel's C tile, then K and V tiles, share one region.
 constexpr int mlstm_tc_out_region_elems(int dk, int dv, int chunk) {
   return dk * (mlstm_tc_bv(dv) + kMlstmTcPad) >
@@ -66,16 +75,23 @@ constexpr int mlstm_tc_out_region_elems(int dk, int dv, int chunk) {
              ? dk * (mlstm_tc_bv(dv) + kMlstmTcPad)
              : mlstm_tc_rows(chunk) * (dk + kMlstmTcPad) + mlstm_tc_rows(chunk) * (mlstm_tc_bv(dv) + kMlstmTcPad);
 }
-// Dynamic shared memory in bytes (16-bit elements): Q tile, the region, a second K and V buffer, then
-// in fp32 i_s - b_s of a chunk and its entering n.
-constexpr int mlstm_tc_out_smem_bytes(int dk, int dv, int chunk) {
-  return 2 * (mlstm_tc_rows(chunk) * (dk + kMlstmTcPad) + mlstm_tc_out_region_elems(dk, dv, chunk) +
+// Dynamic shared memory in bytes (16-bit elements): Q tile (`qrows` rows; 0: mlstm_tc_rows(chunk)), the
+// region, a second K and V buffer, then in fp32 i_s - b_s of a chunk and its entering n.
+constexpr int mlstm_tc_out_smem_bytes(int dk, int dv, int chunk, int qrows = 0) {
+  return 2 * ((qrows ? qrows : mlstm_tc_rows(chunk)) * (dk + kMlstmTcPad) + mlstm_tc_out_region_elems(dk, dv, chunk) +
               mlstm_tc_rows(chunk) * (dk + kMlstmTcPad) + mlstm_tc_rows(chunk) * (mlstm_tc_bv(dv) + kMlstmTcPad)) +
          4 * (chunk + dk);
 }
+// algo=tc_q128 and tc_wide_q128 (forward): the output kernel's CTA takes 128 query rows (8 warps) instead of
+// 64, its key tiles still 64 rows: the chunk's C tile and each key tile come once for twice the queries
+// (at chunk 128 a CTA is a whole chunk), and a CTA of 8 warps fills an SM where the 64-row CTA's 156 KB of
+// shared memory at DHQK 256 let only 4 warps run (tools/bench/NOTES.md). Chunks that are multiples of 128.
+constexpr int kMlstmTcWideRows = 128;
+constexpr bool mlstm_tc_q128_runs(int chunk) { return chunk % kMlstmTcWideRows == 0; }
 // Two stages of a chunk's K and V slices, and of its w_t.
-constexpr int mlstm_tc_state_smem_bytes(int dk, int dv, int chunk) {
-  return 2 * 2 * chunk * (mlstm_tc_state_tile(dk) + mlstm_tc_state_tile(dv) + 2 * kMlstmTcPad) + 2 * 4 * chunk;
+constexpr int mlstm_tc_state_smem_bytes(int dk, int dv, int chunk, int tile = 64) {
+  return 2 * 2 * chunk * (mlstm_tc_state_tile(dk, tile) + mlstm_tc_state_tile(dv, tile) + 2 * kMlstmTcPad) +
+         2 * 4 * chunk;
 }
 
 // The backward (chunkwise_tc_bwd.cuh), 4 warps for 64 rows like the output kernel. Head dims over 128

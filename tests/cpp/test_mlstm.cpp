@@ -670,6 +670,134 @@ TEST(Mlstm, BackwardHeuristicTakesMergedAndStream) {
   EXPECT_EQ(pick(DType::f32, 128, 128), "algo=simt,threads=256");
 }
 
+// algo=tc_wide (both ops): valid where both head dims are >= 128 and chunk <= 128, a clear reason
+// elsewhere; the state kernels take the 128 x 128 tile (their last template argument), the backward keeps
+// the default's other kernels (tc_merged, tc_stream at DHQK 256); the forward at (256, 512) compiles
+// for sm_80 and sm_90 and the backward for sm_90 without spills or a stack frame (CI's precompile checks
+// every case on both).
+TEST(Mlstm, WideStateTiles) {
+  for (const char* name : {"mlstm.chunkwise.fwd", "mlstm.chunkwise.bwd"}) {
+    const OpDef& op = Registry::global().get(name);
+    const Config wide = Config::parse("algo=tc_wide,threads=128", op.info);
+    const bool bwd = op.info.name == "mlstm.chunkwise.bwd";
+    struct Row {
+      int64_t dk, dv, chunk;
+      const char* why;  // "" where valid
+    };
+    for (const Row& row : std::vector<Row>{{128, 128, 128, ""},
+                                           {128, 256, 64, ""},
+                                           {256, 512, 128, ""},
+                                           {64, 128, 64, "dhqk and dhhv >= 128"},
+                                           {128, 64, 64, "dhqk and dhhv >= 128"},
+                                           {128, 256, 256, "chunk <= 128"}}) {
+      CompileRequest r;
+      r.op = op.info.name;
+      r.dtype = DType::bf16;
+      r.arch = "sm_90";
+      r.params.set("dhqk", row.dk);
+      r.params.set("dhhv", row.dv);
+      r.params.set("chunk", row.chunk);
+      const Problem p = problem_from_request(op, r);
+      const std::string what = op.info.name + " " + std::to_string(row.dk) + " x " + std::to_string(row.dv) +
+                               " chunk " + std::to_string(row.chunk);
+      std::string why;
+      EXPECT_EQ(op.tuning.valid(p, wide, &why), *row.why == 0) << what << ": " << why;
+      if (*row.why) {
+        expect_in(why, {"algo=tc_wide", row.why});
+        continue;
+      }
+      const auto k = op.kernels(p, wide);
+      ASSERT_EQ(k.size(), bwd ? 4u : 3u) << what;
+      EXPECT_EQ(k[1].kernel, bwd ? "kspec::mlstm_tc_states_kernel" : "kspec::mlstm_tc_state_kernel") << what;
+      EXPECT_EQ(k[1].targs.back(), "128") << what;
+      if (bwd) {
+        const auto dflt = op.kernels(p, op.tuning.heuristic(p));
+        ASSERT_EQ(dflt.size(), k.size()) << what;
+        for (size_t j : {0u, 2u, 3u}) EXPECT_EQ(k[j].targs, dflt[j].targs) << what << " kernel " << j;
+        EXPECT_EQ(dflt[1].targs.size() + 1, k[1].targs.size()) << what;
+      }
+    }
+    EXPECT_EQ(mlstm_tc_state_threads(256, kMlstmTcWideTile), 256);
+    EXPECT_LE(mlstm_tc_state_smem_bytes(256, 512, 128, kMlstmTcWideTile), 160 * 1024);  // sm_80's 163 KB
+    for (const char* arch : bwd ? std::vector<const char*>{"sm_90"} : std::vector<const char*>{"sm_80", "sm_90"}) {
+      CompileRequest r;
+      r.op = op.info.name;
+      r.dtype = DType::bf16;
+      r.arch = arch;
+      r.config = wide;
+      r.params.set("dhqk", 256);
+      r.params.set("dhhv", 512);
+      r.params.set("chunk", bwd ? 64 : 128);
+      for (const auto& rep : compile(r)) {
+        EXPECT_EQ(rep.spill_bytes, 0) << name << " " << arch << ": " << rep.kernel;
+        EXPECT_EQ(rep.stack_bytes, 0) << name << " " << arch << ": " << rep.kernel;
+      }
+    }
+  }
+}
+
+// The forward's algo=tc_q128 and tc_wide_q128 (the output kernel on 128 query rows, 8 warps; the latter
+// with tc_wide's state tiles): valid at chunks 128 and 256 where the output kernel's shared memory fits
+// the arch (DHQK 256 needs sm_90's 227 KB), a reason naming the limit elsewhere; the output kernel takes
+// 128 as its last template argument; no spills or stack on sm_80 (128 x 128) and sm_90 (256 x 512).
+TEST(Mlstm, ForwardOutputKernelOn128Rows) {
+  const OpDef& op = Registry::global().get("mlstm.chunkwise.fwd");
+  const Config q128 = Config::parse("algo=tc_q128,threads=128", op.info),
+               both = Config::parse("algo=tc_wide_q128,threads=128", op.info);
+  struct Row {
+    int64_t dk, dv, chunk;
+    const char* arch;
+    const char* why;  // "" where valid
+  };
+  for (const Row& row : std::vector<Row>{{128, 128, 128, "sm_80", ""},
+                                         {128, 256, 256, "sm_90", ""},
+                                         {256, 512, 128, "sm_90", ""},
+                                         {256, 512, 128, "sm_80", "shared memory"},
+                                         {128, 128, 64, "sm_90", "chunk 128 or 256"}}) {
+    CompileRequest r;
+    r.op = op.info.name;
+    r.dtype = DType::bf16;
+    r.arch = row.arch;
+    r.params.set("dhqk", row.dk);
+    r.params.set("dhhv", row.dv);
+    r.params.set("chunk", row.chunk);
+    const Problem p = problem_from_request(op, r);
+    const std::string what = std::to_string(row.dk) + " x " + std::to_string(row.dv) + " chunk " +
+                             std::to_string(row.chunk) + " " + row.arch;
+    std::string why;
+    EXPECT_EQ(op.tuning.valid(p, q128, &why), *row.why == 0) << what << ": " << why;
+    if (*row.why) {
+      expect_in(why, {"algo=tc_q128", row.why});
+      continue;
+    }
+    const auto k = op.kernels(p, q128);
+    ASSERT_EQ(k.size(), 3u) << what;
+    EXPECT_EQ(k[2].kernel, "kspec::mlstm_tc_out_kernel") << what;
+    EXPECT_EQ(k[2].targs.back(), "128") << what;
+    EXPECT_EQ(k[1].targs, op.kernels(p, Config::parse("algo=tc,threads=128", op.info))[1].targs) << what;
+    EXPECT_EQ(op.tuning.valid(p, both, &why), row.chunk <= 128) << what << ": " << why;
+  }
+  struct Build {
+    int64_t dk, dv, chunk;
+    const char* arch;
+    const Config& config;
+  };
+  for (const Build& b : std::vector<Build>{{128, 128, 128, "sm_80", q128}, {256, 512, 128, "sm_90", both}}) {
+    CompileRequest r;
+    r.op = op.info.name;
+    r.dtype = DType::bf16;
+    r.arch = b.arch;
+    r.config = b.config;
+    r.params.set("dhqk", b.dk);
+    r.params.set("dhhv", b.dv);
+    r.params.set("chunk", b.chunk);
+    for (const auto& rep : compile(r)) {
+      EXPECT_EQ(rep.spill_bytes, 0) << b.arch << ": " << rep.kernel;
+      EXPECT_EQ(rep.stack_bytes, 0) << b.arch << ": " << rep.kernel;
+    }
+  }
+}
+
 // The log-sigmoid probe (templates/mlstm/log_sigmoid_probe.cuh) compiles for every gate dtype.
 jit::KernelSpec log_sigmoid_probe(DType dt, const std::string& arch) {
   jit::KernelSpec s;
@@ -1479,22 +1607,29 @@ class PoisonedLauncher : public Launcher {
 
 }  // namespace
 
-// accumulators_initialized for algo=tc (issue 29): the tensor-core forward and backward (algo=tc,
-// tc_fused, tc_parts, tc_merged and tc_stream) with their shared memory and workspace NaN-filled and every
-// output NaN-poisoned, bf16 and fp16, S = 100 over chunks of 16 and 64 (short last chunks), head dims 32 x
+// accumulators_initialized for algo=tc (issue 29): the tensor-core forward (algo=tc, tc_wide, tc_q128) and
+// backward (algo=tc, tc_fused, tc_parts, tc_merged, tc_stream, tc_wide) with their shared memory and
+// workspace NaN-filled and every output NaN-poisoned, bf16 and fp16, S = 100 over chunks of 16 and 64
+// (short last chunks; tc_q128: one chunk of 128, its rows past S), head dims 32 x
 // 32, 128 x 256 and 256 x 512 (the backward's column blocks, partial sums and loops), with initial states
 // and dC_last: every output finite and within tolerance of the float64 reference.
 TEST(MlstmGpu, TensorCorePoisonedSharedMemoryNeverReachesOutputs) {
   KSPEC_REQUIRE_GPU();
   jit::ContextGuard guard(0);
   const int64_t B = 1, NH = 2, S = 100;
-  for (const auto& [dk, dv, bwd_algo] : std::vector<std::tuple<int64_t, int64_t, const char*>>{
-           {32, 32, "tc"}, {32, 32, "tc_fused"}, {32, 32, "tc_merged"}, {128, 256, "tc"}, {128, 256, "tc_fused"},
-           {128, 256, "tc_parts"}, {128, 256, "tc_merged"}, {256, 512, "tc_merged"}, {256, 512, "tc_stream"}}) {
+  using Row = std::tuple<int64_t, int64_t, const char*, const char*>;  // dk, dv, backward and forward algo
+  for (const auto& [dk, dv, bwd_algo, fwd_algo] : std::vector<Row>{
+           {32, 32, "tc", "tc"}, {32, 32, "tc_fused", "tc"}, {32, 32, "tc_merged", "tc_q128"}, {128, 256, "tc", "tc"},
+           {128, 256, "tc_fused", "tc"}, {128, 256, "tc_parts", "tc"}, {128, 256, "tc_merged", "tc"},
+           {128, 256, "tc_wide", "tc_wide"}, {256, 512, "tc_merged", "tc"}, {256, 512, "tc_stream", "tc"},
+           {256, 512, "tc_wide", "tc_wide"}}) {
     Problem32 pr(B, NH, S, dk, dv, 81);
     const auto dh32 = randn_f(B * NH * S * dv, 82), dC32 = randn_f(B * NH * dk * dv, 83);
+    // The forward's 128 query rows take chunks of 128 (S = 100: one CTA a sequence, rows past S).
+    const std::vector<int64_t> chunks = std::string(fwd_algo) == "tc_q128" ? std::vector<int64_t>{128}
+                                                                            : std::vector<int64_t>{16, 64};
     for (DType dt : {DType::f16, DType::bf16}) {
-      for (int64_t chunk : {16, 64}) {
+      for (int64_t chunk : chunks) {
         std::vector<std::unique_ptr<DeviceBuffer>> bufs;
         auto put = [&](std::vector<double> x, DType t, std::initializer_list<int64_t> shape) {
           quantize(t, x);
@@ -1532,7 +1667,7 @@ TEST(MlstmGpu, TensorCorePoisonedSharedMemoryNeverReachesOutputs) {
           const OpDef& op = Registry::global().get(name);
           Call call = validate_call(op, in, out, params, nullptr);
           call.problem.arch = device_arch(0);  // as the plan sets it before compiling (H100 run: NVRTC got -arch=)
-          const std::string algo = op.info.name == "mlstm.chunkwise.bwd" ? bwd_algo : "tc";
+          const std::string algo = op.info.name == "mlstm.chunkwise.bwd" ? bwd_algo : fwd_algo;
           const Config c = Config::parse("algo=" + algo + ",threads=128", op.info);
           PoisonedLauncher l(poisoned_plan(op, call.problem, c));
           op.launch(call, c, l);
@@ -1545,7 +1680,7 @@ TEST(MlstmGpu, TensorCorePoisonedSharedMemoryNeverReachesOutputs) {
         const auto want = ref::mlstm_chunkwise_fwd_ref(shape, r, chunk);
         const auto grads = ref::mlstm_chunkwise_bwd_ref(shape, r, dhd, &dCd, chunk);
         const std::string what = std::string(dtype_short(dt)) + " chunk " + std::to_string(chunk) + " dk " +
-                                 std::to_string(dk) + " dv " + std::to_string(dv) + " " + bwd_algo;
+                                 std::to_string(dk) + " dv " + std::to_string(dv) + " " + fwd_algo + " / " + bwd_algo;
         const double tol = dt == DType::f16 ? 3e-3 : 2e-2, gtol = dt == DType::f16 ? 1e-2 : 5e-2;
         EXPECT_LT(rel_max_d(fetch(h), want.h), tol) << what << " h";
         EXPECT_LT(rel_max_d(fetch(nrm), want.nrm), 1e-4) << what << " nrm";

@@ -169,6 +169,148 @@ def test_mlstm_quick_times_only_kspec_and_xl_chunk(families, bench):
     assert names == ["kspec chunkwise L=128", "mlstm_kernels xl_chunk L=128"]
 
 
+def test_mlstm_full_table_variants(families):
+    """The default run times issue 29's columns at every shape: kspec at chunks 64/128/256, xl_chunk at
+    64/128/256, limit_chunk, torch eager and torch.compile of the parallel form (no GPU: nothing is called)."""
+    import types
+
+    m = families["mlstm"]
+    ctx = types.SimpleNamespace(torch=None, kspec=types.SimpleNamespace(ops=None, call=None))
+    peers = {"xl_chunk": object(), "limit_chunk": object()}
+    got = [(v[0], v[2], v[3]) for v in m.variants(ctx, list(m.KSPEC_CHUNKS), peers, compiled=object(),
+                                                  dims=(128, 128))]
+    configs = [(f"kspec L=128 {label}", "kspec config", 128) for d, label, _, _ in m.CONFIG_ROWS if d == (128, 128)]
+    assert got == [(f"kspec chunkwise L={L}", "kspec", L) for L in (64, 128, 256)] + \
+        [(f"mlstm_kernels xl_chunk L={L}", "xl_chunk", L) for L in (64, 128, 256)] + configs + \
+        [("mlstm_kernels limit_chunk L=64", "limit_chunk", 64), ("torch eager (parallel)", "torch eager", None),
+         ("torch.compile (parallel)", "torch.compile", None)]
+    assert m.DEFAULT_CHUNK in m.KSPEC_CHUNKS
+    no_torch = [v[0] for v in m.variants(ctx, [128], {}, torch_rows=False, dims=(64, 64))]
+    assert no_torch == ["kspec chunkwise L=128"]
+
+
+def test_mlstm_config_rows_are_valid_where_timed(families):
+    """The kspec rows by explicit config (algo=tc_wide, tc_q128 and both beside the defaults) name values of
+    the ops' algo axis, tc_wide and tc_q128 legal configs of cases at those head dims and chunks (the chunk
+    128 rows themselves: Mlstm.WideStateTiles, Mlstm.ForwardOutputKernelOn128Rows), and join the variants of
+    their shapes only."""
+    import types
+
+    import kspec
+
+    m = families["mlstm"]
+    for dims, label, fwd_config, bwd_config in m.CONFIG_ROWS:
+        assert dims in ((128, 128), (128, 256), (256, 512))
+        for op, config in (("mlstm.chunkwise.fwd", fwd_config), ("mlstm.chunkwise.bwd", bwd_config)):
+            if config is None:
+                continue
+            names = dict(kspec.op_info(op)["tuning_names"])["algo"]
+            algo, threads = (kv.split("=")[1] for kv in config.split(","))
+            assert algo in names and threads == "128", (op, config)
+    fwd = "mlstm.chunkwise.fwd"
+    assert m._WIDE in set(kspec._C.configs_for_case(fwd, "dk_256_dv_512", "bf16"))
+    assert m._WIDE in set(kspec._C.configs_for_case("mlstm.chunkwise.bwd", "dk_256_dv_512", "bf16"))
+    assert m._Q128 in set(kspec._C.configs_for_case(fwd, "dk_128_dv_256_chunk_256", "bf16"))
+    ctx = types.SimpleNamespace(torch=None, kspec=types.SimpleNamespace(ops=None, call=None))
+    for dims in ((128, 128), (128, 256), (256, 512)):
+        names = [v[0] for v in m.variants(ctx, [128], {}, torch_rows=False, dims=dims)]
+        assert names == ["kspec chunkwise L=128"] + [f"kspec L=128 {label}" for d, label, _, _ in m.CONFIG_ROWS
+                                                     if d == dims]
+
+
+def _mlstm_row(m, group, kind, ms=None, L=None, status="ok", S=4096, dims=(256, 512)):
+    r = {"shape": f"8x8x{S} {dims[0]}x{dims[1]}", "S": S, "DHQK": dims[0], "DHHV": dims[1], "B": 8, "kind": kind,
+         "group": group, "chunk": L, "impl": "kspec" if group == "kspec" else "peer", "status": status,
+         "variant": {"kspec": f"kspec chunkwise L={L}", "xl_chunk": f"mlstm_kernels xl_chunk L={L}",
+                     "limit_chunk": "mlstm_kernels limit_chunk L=64"}.get(group, group),
+         "flops": m.flops(8, 8, S, dims[0], dims[1], kind)}
+    if ms is not None:
+        r.update(gpu_ms=ms, ev_ms=ms)
+    return r
+
+
+def test_mlstm_summary_is_the_issue_table(families):
+    """The summary line of a (S, head dims, kind): kspec's default and best chunk, xl_chunk per chunk with
+    the best marked, limit_chunk, the torch rows' OOM, the best mlstm_kernels kernel (limit_chunk counts),
+    both ratios against it and the 1.3x verdict; TFLOP/s by the issue's formula."""
+    m = families["mlstm"]
+    rows = [_mlstm_row(m, "kspec", "fwd", 2.6, 64), _mlstm_row(m, "kspec", "fwd", 2.5, 128),
+            _mlstm_row(m, "kspec", "fwd", 2.2, 256), _mlstm_row(m, "xl_chunk", "fwd", 3.4, 64),
+            _mlstm_row(m, "xl_chunk", "fwd", 3.2, 128), _mlstm_row(m, "xl_chunk", "fwd", 3.1, 256),
+            _mlstm_row(m, "limit_chunk", "fwd", 2.9, 64), _mlstm_row(m, "torch eager", "fwd", status="OOM"),
+            _mlstm_row(m, "torch.compile", "fwd", 80.0),
+            _mlstm_row(m, "kspec", "fwd+bwd", 9.0, 128), _mlstm_row(m, "xl_chunk", "fwd+bwd", 9.7, 128)]
+    m._ratios(rows)
+    fwd, both = m.summary_rows(rows)
+    assert (fwd["kind"], both["kind"]) == ("fwd", "fwd+bwd") and fwd["dims"] == "256x512"
+    assert fwd["kspec_default"] == "2.500" and fwd["kspec_best"] == "2.200 (L=256)"
+    assert (fwd["xl_64"], fwd["xl_128"], fwd["xl_256"]) == ("3.400", "3.200", "3.100*")
+    assert fwd["limit_chunk"] == "2.900" and fwd["torch_eager"] == "OOM" and fwd["torch_compile"] == "80.000"
+    assert fwd["best_peer"] == "2.900 (limit_chunk L=64)"
+    assert fwd["x_default"] == pytest.approx(2.9 / 2.5) and fwd["x_best"] == pytest.approx(2.9 / 2.2)
+    assert fwd["target"] == "ok" and both["target"] == "MISSED" and both["x_best"] == pytest.approx(9.7 / 9.0)
+    assert fwd["kspec_tflops"] == pytest.approx(m.flops(8, 8, 4096, 256, 512, "fwd") / 2.2e-3 / 1e12)
+    best = next(r for r in rows if r["gpu_ms"] == 2.2 if "gpu_ms" in r)
+    assert best["best_marks"] == "+" and best["vs_best_peer"] == pytest.approx(2.9 / 2.2)
+    lines = m.targets(rows)
+    assert any("S=4096 256x512 fwd+bwd" in ln and "MISSED" in ln for ln in lines)
+
+
+def test_mlstm_reps_by_size(families):
+    """Short calls get the run's reps, long ones ~100 ms of GPU time a pass, never under the floors: the
+    table's ~110 rows fit the 150 s budget (issue 29's median of 100 cut, as the notes say)."""
+    m = families["mlstm"]
+    assert m.reps_for(0.4, 50, 10) == (50, 10)
+    assert m.reps_for(10.0, 50, 10) == (10, 5)
+    assert m.reps_for(40.0, 50, 10) == (m.MIN_REPS, 1)
+    assert m.reps_for(200.0, 50, 10) == (m.MIN_REPS_SLOW, 1)
+    worst = sum(2 * m.reps_for(ms, 50, 10)[0] * ms + m.reps_for(ms, 50, 10)[1] * ms
+                for ms in [20.0] * 84 + [200.0] * 24) / 1e3
+    assert worst < 60  # seconds of timed calls even if every kernel row took 20 ms and every torch row 200
+
+
+def test_mlstm_warm_tasks_cover_every_peer_compile(families):
+    """The warm-up workers compile each (S, head dims, chunk) xl_chunk runs at, limit_chunk per shape, the
+    Triton step and torch.compile's graph, largest shapes first; --mlstm-quick's only its one chunk."""
+    peers = sys.modules["kspec_bench.mlstm_peers"]
+    tasks = peers.warm_tasks([4096, 8192], [(128, 128), (256, 512)])
+    chunks = {(t["S"], t["DK"], t["DV"], t["L"]) for t in tasks if t["kind"] == "xl_chunk"}
+    assert chunks == {(S, dk, dv, L) for S in (4096, 8192) for dk, dv in ((128, 128), (256, 512))
+                      for L in (64, 128, 256)}
+    assert sum(t["kind"] == "limit_chunk" for t in tasks) == 4
+    assert tasks[0]["kind"] == "compile" and (tasks[1]["S"], tasks[1]["DK"]) == (8192, 256)
+    assert {t["kind"] for t in tasks} == {"compile", "xl_chunk", "limit_chunk", "step"}
+    quick = peers.warm_tasks([4096], [(128, 128)], [128], limit=False, compile_torch=False, step=False)
+    assert quick == [{"kind": "xl_chunk", "S": 4096, "DK": 128, "DV": 128, "L": 128}]
+
+
+def test_mlstm_warm_worker_runs_as_a_script():
+    """mlstm_peers.py runs on its own (no package-relative import; its folder's jax.py and difflogic.py
+    off sys.path): with no task it exits 0."""
+    script = HERE / "mlstm_peers.py"
+    r = subprocess.run([sys.executable, str(script), "[]"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_mlstm_torch_compile_graph_serves_every_shape(families):
+    """torch.compile's dynamic graph, compiled first at mlstm_peers.GENERIC (every size distinct), serves the
+    table's shapes (B = NH = 8, DHQK = DHHV, DHQK != DHHV, any S) without another compile (CPU, dynamo's
+    counting backend); compiled first at a shape with DHQK = DHHV it would compile again at 128 x 256."""
+    torch = pytest.importorskip("torch")
+    import torch._dynamo.testing
+
+    peers = sys.modules["kspec_bench.mlstm_peers"]
+    counter = torch._dynamo.testing.CompileCounter()
+    torch._dynamo.reset()
+    fn = peers.compiled_parallel(torch, backend=counter)
+    peers.warm_compiled(torch, fn, "cpu", dtype=torch.float32)
+    assert counter.frame_count == 2  # without and with grad
+    for S, dk, dv in ((64, 128, 128), (96, 256, 512)):
+        peers.warm_compiled(torch, fn, "cpu", dict(B=8, NH=8, S=S, DK=dk, DV=dv), torch.float32)
+    assert counter.frame_count == 2
+    torch._dynamo.reset()
+
+
 def test_mlstm_step_rows_time_the_old_kernel_beside_the_default(families):
     """The step table's second kspec row forces mlstm.step's first kernel (algo=block, one CTA a sequence);
     the default at the bench's shape (NH = 8, DH = 128, bf16) is algo=split: a gates kernel and the slab

@@ -51,3 +51,55 @@ def test_compare_backward_algos_are_valid_at_their_head_dims():
         valid = set(kspec._C.configs_for_case("mlstm.chunkwise.bwd", cases[dims], "bf16"))
         for a in algos:
             assert f"algo={a},threads=128" in valid, (dims, a)
+
+
+def test_compare_forward_algos_are_valid_at_their_head_dims():
+    """--compare's forward variants (algo=tc_wide, tc_q128 and both beside tc, the first) are values of
+    mlstm.chunkwise.fwd's algo axis, tc_wide and tc_q128 valid at cases of those head dims (the chunk-128
+    shapes it times: Mlstm.WideStateTiles, Mlstm.ForwardOutputKernelOn128Rows)."""
+    mod = _script()
+    assert mod.FWD_ALGOS[0] == "tc" and {"tc_wide", "tc_q128", "tc_wide_q128"} <= set(mod.FWD_ALGOS)
+    names = dict(kspec.op_info("mlstm.chunkwise.fwd")["tuning_names"])["algo"]
+    assert set(mod.FWD_ALGOS) <= set(names)
+    for case, algo in (("dk_128_dv_256", "tc_wide"), ("dk_256_dv_512", "tc_wide"),
+                       ("dk_128_dv_256_chunk_256", "tc_q128")):
+        assert f"algo={algo},threads=128" in set(kspec._C.configs_for_case("mlstm.chunkwise.fwd", case, "bf16"))
+
+
+def test_kernel_times_sum_each_kernel_per_call(monkeypatch):
+    """--kernels' table from the profiler's events (no GPU: a stand-in profiler): kspec's mlstm kernels by
+    name without template arguments, launches and µs per call; other kernels (the L2 flush, torch's) left out."""
+    import types
+
+    import torch.profiler
+
+    mod = _script()
+    events = [types.SimpleNamespace(key="void kspec::mlstm_tc_out_kernel<__nv_bfloat16, 256, 512, 128>", count=10,
+                                    device_time_total=25000.0),
+              types.SimpleNamespace(key="void kspec::mlstm_tc_state_kernel<__nv_bfloat16, 256, 512, 128, false>",
+                                    count=10, device_time_total=9000.0),
+              types.SimpleNamespace(key="void kspec::mlstm_tc_reduce_kernel<__nv_bfloat16, 256, 512, 0>", count=20,
+                                    device_time_total=4000.0),
+              types.SimpleNamespace(key="void at::native::vectorized_elementwise_kernel<4>", count=10,
+                                    device_time_total=500.0)]
+
+    class FakeProfile:
+        def __init__(self, **_):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_):
+            return False
+
+        def key_averages(self):
+            return events
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(mod.torch.cuda, "synchronize", lambda: None)
+    calls = []
+    got = mod.kernel_times(lambda: calls.append(1), 10)
+    assert len(calls) == 11  # one warm-up call, then the profiled ones
+    assert got == {"mlstm_tc_out_kernel": (1.0, 2500.0), "mlstm_tc_state_kernel": (1.0, 900.0),
+                   "mlstm_tc_reduce_kernel": (2.0, 400.0)}

@@ -10,12 +10,16 @@ DHHV) forward, x3 with the backward).
     python3 tools/gpu/profile_mlstm.py [--seqlens 4096 8192] [--dtype bf16] [--chunk 128] [--reps 30]
 
 --compare (issue 29's open rows, old against new in one process, < 90 s): at B=8, NH=8, S=4096, bf16, chunk
-128 and DHQK x DHHV in {128 x 128, 128 x 256, 256 x 512}, the backward's variants (BWD_ALGOS: algo=tc, the
-default; tc_merged, two launches fewer; tc_stream at 256 x 512; tc_fused at 128 x 128, never timed there),
-each checked against tc first,
+128 and DHQK x DHHV in {128 x 128, 128 x 256, 256 x 512}, the forward's algo=tc_wide, tc_q128 and
+tc_wide_q128 against tc (FWD_ALGOS),
+and the backward's variants (BWD_ALGOS: algo=tc; tc_merged, two launches fewer; tc_stream at 256 x 512;
+tc_fused at 128 x 128, never timed there; tc_wide, the state scans on 128 x 128 tiles), each checked
+against tc first,
 then bwd alone and fwd+bwd (algo=tc's forward, then the variant's backward) in ms, beside mlstm_kernels'
 xl_chunk at chunk 128 (autograd, fwd and fwd+bwd) where it imports, and each fwd+bwd's ratio to it (issue
 29's target: 1.3x).
+
+--kernels: the same variants kernel by kernel (GPU µs per call from torch.profiler; where the time goes).
 
 --step: mlstm.step at NH=8, DH=128, B in {1, 8, 64}, in place: the default (algo=split, heuristic slabs),
 split over slabs of 16 and algo=block (the first kernel), each checked against the default, and
@@ -80,8 +84,11 @@ def time_ms(fn, reps, flush, warmup=5):
 # checked against): tc_merged everywhere, tc_stream at 256 x 512 (where it differs), tc_fused at 128 x 128
 # (timed only at 128 x 256, where it keeps dk's partials, so far).
 COMPARE_DIMS = ((128, 128), (128, 256), (256, 512))
-BWD_ALGOS = {(128, 128): ("tc", "tc_merged", "tc_fused"), (128, 256): ("tc", "tc_merged"),
-             (256, 512): ("tc", "tc_merged", "tc_stream")}
+BWD_ALGOS = {(128, 128): ("tc", "tc_merged", "tc_fused", "tc_wide"), (128, 256): ("tc", "tc_merged", "tc_wide"),
+             (256, 512): ("tc", "tc_merged", "tc_stream", "tc_wide")}
+# The forward's variants, the first the baseline: algo=tc_wide (state scans on 128 x 128 tiles), tc_q128
+# (the output kernel on 128 query rows) and both, beside tc.
+FWD_ALGOS = ("tc", "tc_wide", "tc_q128", "tc_wide_q128")
 
 
 def xl_chunk():
@@ -112,6 +119,12 @@ def compare(reps, flush):
         gr = {a: backward(q, k, v, i, f, nrm, m, dh, L, cfg[a], grads(q, k, v, i)) for a in algos}
         torch.cuda.synchronize()
         fwd_ms = time_ms(lambda: forward(q, k, v, i, f, L, CONFIGS["tc"], out), reps, flush)
+        for a in FWD_ALGOS[1:]:
+            alt = forward(q, k, v, i, f, L, f"algo={a},threads=128", outputs(v, i))
+            torch.cuda.synchronize()
+            errs = "  ".join(f"{n} {rel_max(x, y):.1e}" for n, x, y in zip(("h", "nrm", "m"), alt, out))
+            ms = time_ms(lambda a=a, alt=alt: forward(q, k, v, i, f, L, f"algo={a},threads=128", alt), reps, flush)
+            print(f"{DK}x{DV}: kspec {a} fwd {ms:8.3f} (tc {fwd_ms:8.3f}: {fwd_ms / ms:.2f}x)   vs tc: {errs}")
         peer_ms = None
         if peer:
             leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, i, f)]
@@ -199,11 +212,66 @@ def step_compare():
         print(f"  B={Bs:3d}  " + "  ".join(cells))
 
 
+def kernel_times(fn, reps):
+    """{kernel name without its template arguments: (launches per call, GPU µs per call)} of fn() from
+    torch.profiler's CUDA activity (CUPTI sees kspec's cuLaunchKernel launches as any other)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        us = e.cuda_time_total if us is None else us
+        name = e.key.split("<")[0].replace("void ", "").replace("kspec::", "")
+        if us and "mlstm" in name:
+            n, t = out.get(name, (0, 0.0))
+            out[name] = (n + e.count / reps, t + us / reps)
+    return out
+
+
+def kernels(reps):
+    """--kernels: where the time of each forward and backward variant of --compare goes, kernel by kernel
+    (GPU µs per call from the profiler, L2 not flushed), at B=8, NH=8, S=4096, bf16, chunk 128."""
+    dt, B, NH, S, L = torch.bfloat16, 8, 8, 4096, 128
+    print(f"{torch.cuda.get_device_name()}  B={B} NH={NH} S={S} bf16 chunk {L}: GPU µs per call by kernel "
+          f"(profiler, {reps} calls)")
+    for DK, DV in COMPARE_DIMS:
+        g = torch.Generator(device="cuda").manual_seed(DK + DV)
+        r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+        q, k, v = r(B, NH, S, DK).to(dt), r(B, NH, S, DK).to(dt), r(B, NH, S, DV).to(dt)
+        i, f, dh = r(B, NH, S).to(dt), (r(B, NH, S) + 3.0).to(dt), r(B, NH, S, DV).to(dt)
+        out = outputs(v, i)
+        _, nrm, m = forward(q, k, v, i, f, L, CONFIGS["tc"], out)
+        gr = grads(q, k, v, i)
+        rows = [(f"fwd {a}", lambda a=a: forward(q, k, v, i, f, L, f"algo={a},threads=128", out)) for a in FWD_ALGOS]
+        rows += [(f"bwd {a}", lambda a=a: backward(q, k, v, i, f, nrm, m, dh, L, f"algo={a},threads=128", gr))
+                 for a in BWD_ALGOS[(DK, DV)]]
+        for label, fn in rows:
+            try:
+                times = kernel_times(fn, reps)
+            except Exception as e:  # noqa: BLE001  (an invalid config at this shape: say so, go on)
+                print(f"  {DK}x{DV} {label}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            total = sum(t for _, t in times.values())
+            parts = "  ".join(f"{name} {t:.0f}" + (f" (x{n:.0f})" if n > 1 else "")
+                              for name, (n, t) in sorted(times.items(), key=lambda kv: -kv[1][1]))
+            print(f"  {DK}x{DV} {label:16s} {total:8.0f} µs: {parts}")
+        del q, k, v, i, f, dh, out, nrm, m, gr
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--compare", action="store_true",
                     help="old against new: the backward's variants at issue 29's head dims, beside xl_chunk")
     ap.add_argument("--step", action="store_true", help="mlstm.step's configs beside the Triton step")
+    ap.add_argument("--kernels", action="store_true",
+                    help="GPU time of each kernel of --compare's forward and backward variants (torch.profiler)")
     ap.add_argument("--seqlens", nargs="*", type=int, default=[4096, 8192])
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
     ap.add_argument("--chunk", type=int, default=128)
@@ -214,9 +282,11 @@ def main() -> None:
     a = ap.parse_args()
     dt = torch.bfloat16 if a.dtype == "bf16" else torch.float16
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    if a.compare or a.step:
+    if a.compare or a.step or a.kernels:
         if a.compare:
             compare(a.reps, flush)
+        if a.kernels:
+            kernels(min(a.reps, 10))
         if a.step:
             step_compare()
         return

@@ -169,25 +169,40 @@ void launch_fwd(const Call& call, const Config& c, Launcher& l, int64_t chunk, b
 
 // ---- the tensor-core forward (mlstm.chunkwise.fwd, algo=tc; templates/mlstm/chunkwise_tc.cuh) ----
 
+// The state scans' C tile edge of a tensor-core config: 128 for algo=tc_wide (and tc_wide_q128), else 64
+// (params.h).
+int tc_state_tile(int64_t algo) { return algo == kTcWide || algo == kTcWideQ128 ? kMlstmTcWideTile : 64; }
+
+// The forward's output kernel's query rows a CTA: 128 for algo=tc_q128 (and tc_wide_q128), else
+// mlstm_tc_rows(chunk).
+int tc_out_rows(int64_t algo, int64_t chunk) {
+  return algo == kTcQ128 || algo == kTcWideQ128 ? kMlstmTcWideRows : mlstm_tc_rows(static_cast<int>(chunk));
+}
+
 // Kernels 0, 1, 2: gates, state, output.
-std::vector<jit::KernelSpec> tc_kernels(const Problem& p) {
+std::vector<jit::KernelSpec> tc_kernels(const Problem& p, int64_t algo) {
   const std::string t = dtype_cuda_type(p.dtype("q")), dk = std::to_string(p.dim("dhqk")),
                     dv = std::to_string(p.dim("dhhv")), L = std::to_string(p.param_int("chunk"));
+  const int tile = tc_state_tile(algo), rows = tc_out_rows(algo, p.param_int("chunk"));
+  std::vector<std::string> state = {t, dk, dv, L, "false"}, out = {t, dk, dv, L};
+  if (tile != 64) state.push_back(std::to_string(tile));
+  if (rows != mlstm_tc_rows(static_cast<int>(p.param_int("chunk")))) out.push_back(std::to_string(rows));
   return {kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
-          kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "false"}),
-          kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_out_kernel", {t, dk, dv, L})};
+          kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_state_kernel", state),
+          kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_out_kernel", out)};
 }
 
 // Workspace, each piece 256-byte aligned: the per-step gate rows (4 floats), m per step when m_rows is
 // not an output, the per-chunk decay, n and C entering every chunk (C in the input dtype).
-void launch_tc(const Call& call, Launcher& l) {
+void launch_tc(const Call& call, Launcher& l, int64_t algo) {
   const Problem& p = call.problem;
   const int64_t seqs = p.dim("batch") * p.dim("heads"), S = p.dim("seqlen"), dk = p.dim("dhqk"),
                 dv = p.dim("dhhv"), L = p.param_int("chunk"), NC = (S + L - 1) / L;
   if (seqs == 0) return;
-  const int rows = mlstm_tc_rows(static_cast<int>(L));
+  const int rows = tc_out_rows(algo, L), tile = tc_state_tile(algo);
   const int64_t qtiles = (S + rows - 1) / rows;
-  KSPEC_CHECK_AS(seqs * qtiles <= INT32_MAX && seqs * (dk / mlstm_tc_state_tile(static_cast<int>(dk))) <= INT32_MAX,
+  KSPEC_CHECK_AS(seqs * qtiles <= INT32_MAX &&
+                     seqs * (dk / mlstm_tc_state_tile(static_cast<int>(dk), tile)) <= INT32_MAX,
                  Unsupported, "mlstm.chunkwise.fwd: batch * heads * ceil(seqlen / ", rows, ") = ", seqs * qtiles,
                  " thread blocks exceed the grid (at most ", INT32_MAX, "); use algo=simt");
   MlstmParams a = qkvif_args(call);
@@ -215,10 +230,10 @@ void launch_tc(const Call& call, Launcher& l) {
   void* args[] = {&a};
   const int dki = static_cast<int>(dk), dvi = static_cast<int>(dv), Li = static_cast<int>(L);
   l.launch(0, {u32(seqs)}, {32}, 0, args);
-  l.launch(1, {u32(seqs * (dk / mlstm_tc_state_tile(dki))), u32(dv / mlstm_tc_state_tile(dvi))},
-           {u32(mlstm_tc_state_threads(dki))}, u32(mlstm_tc_state_smem_bytes(dki, dvi, Li)), args);
-  l.launch(2, {u32(seqs * qtiles), u32(dv / mlstm_tc_bv(dvi))}, {u32(mlstm_tc_out_threads(Li))},
-           u32(mlstm_tc_out_smem_bytes(dki, dvi, Li)), args);
+  l.launch(1, {u32(seqs * (dk / mlstm_tc_state_tile(dki, tile))), u32(dv / mlstm_tc_state_tile(dvi, tile))},
+           {u32(mlstm_tc_state_threads(dki, tile))}, u32(mlstm_tc_state_smem_bytes(dki, dvi, Li, tile)), args);
+  l.launch(2, {u32(seqs * qtiles), u32(dv / mlstm_tc_bv(dvi))}, {u32(2 * rows)},
+           u32(mlstm_tc_out_smem_bytes(dki, dvi, Li, rows)), args);
 }
 
 // ---- mlstm.chunkwise.fwd ----
@@ -249,15 +264,15 @@ OpDef make_chunkwise_fwd() {
   };
   op.tuning = chunkwise_fwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.info.tuning_names = {{"algo", {"simt", "tc"}}};
+  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_wide", "tc_q128", "tc_wide_q128"}}};
   op.cases = chunkwise_fwd_cases();
   // fp32 over recurrences of up to 4096 steps: 4e-5 relative.
   op.tolerance_scale = 4.0;
   op.kernels = [](const Problem& p, const Config& c) {
-    return c.get("algo") == kTc ? tc_kernels(p) : fwd_kernels(p, c, p.param_int("chunk"));
+    return c.get("algo") == kSimt ? fwd_kernels(p, c, p.param_int("chunk")) : tc_kernels(p, c.get("algo"));
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
-    if (c.get("algo") == kTc) return launch_tc(call, l);
+    if (c.get("algo") != kSimt) return launch_tc(call, l, c.get("algo"));
     launch_fwd(call, c, l, call.problem.param_int("chunk"), true);
   };
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
@@ -345,14 +360,17 @@ std::vector<jit::KernelSpec> bwd_kernels(const Problem& p, const Config& c, int6
 // one launch; at DHQK <= 128 tc's dq, dv and dk CTAs in another, nothing reduced; above, dv looping over
 // DHQK's blocks: dv_loop), tc_stream (DHQK > 128 only: tc_merged with dq and dk streaming DHHV's blocks,
 // so nothing is reduced there either and dq, dv, dk share one launch).
+// tc_wide: the default's kernels (tc_merged, tc_stream at DHQK > 128) with the state scans on 128 x 128 tiles.
 struct TcBwd {
   bool fused, loop, merged, dv_loop, stream;
+  int state_tile;
 };
 TcBwd tc_bwd_variant(const Problem& p, int64_t algo) {
   const int dk = static_cast<int>(p.dim("dhqk")), dv = static_cast<int>(p.dim("dhhv"));
-  const bool merged = algo == kTcMerged || algo == kTcStream, stream = algo == kTcStream;
+  const bool merged = algo == kTcMerged || algo == kTcStream || algo == kTcWide,
+             stream = algo == kTcStream || (algo == kTcWide && mlstm_tc_streams(dk));
   return {algo == kTcFused, (algo != kTcParts && mlstm_tc_dq_loops(dk, dv)) || stream, merged,
-          merged && mlstm_tc_dv_loops(dk), stream};
+          merged && mlstm_tc_dv_loops(dk), stream, tc_state_tile(algo)};
 }
 
 // Which of dq, dv, dk (MlstmGrad order) go through the partials and a reduce kernel (head dims > 128).
@@ -379,12 +397,14 @@ std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, TcBwd v) {
   if (parts > 1) df_targs.push_back(std::to_string(parts));
   const jit::KernelSpec gates = kernel_spec(p, fwd, "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
                         df = kernel_spec(p, bwd, "kspec::mlstm_tc_df_kernel", df_targs);
+  std::vector<std::string> states = {t, dk, dv, L};
+  if (v.state_tile != 64) states.push_back(std::to_string(v.state_tile));
   if (v.merged && mlstm_tc_merged_runs(static_cast<int>(p.dim("dhqk")), v.stream))
-    return {gates, kernel_spec(p, bwd, "kspec::mlstm_tc_states_kernel", {t, dk, dv, L}),
+    return {gates, kernel_spec(p, bwd, "kspec::mlstm_tc_states_kernel", states),
             kernel_spec(p, bwd, "kspec::mlstm_tc_grads_kernel", {t, dk, dv, L}), df};
   std::vector<jit::KernelSpec> k = {gates};
   if (v.merged) {
-    k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_states_kernel", {t, dk, dv, L}));
+    k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_states_kernel", states));
   } else {
     k.push_back(kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "false"}));
     k.push_back(kernel_spec(p, fwd, "kspec::mlstm_tc_state_kernel", {t, dk, dv, L, "true"}));
@@ -471,9 +491,12 @@ void launch_tc_bwd(const Call& call, Launcher& l, TcBwd v) {
   rev.Cs = dkv.Cs = at[5];
   rev.C = static_cast<float*>(call.out("dC0").data);
   last.C = fwd.C;
-  const Dim3 state_grid{u32(seqs * (dk / mlstm_tc_state_tile(dki))), u32(dv / mlstm_tc_state_tile(dvi))};
+  const int tile = v.state_tile;
+  const Dim3 state_grid{u32(seqs * (dk / mlstm_tc_state_tile(dki, tile))), u32(dv / mlstm_tc_state_tile(dvi, tile))};
   const Dim3 tiles{u32(seqs * qtiles), u32(mlstm_tc_bwd_blocks(dki, dvi))}, block{u32(mlstm_tc_out_threads(Li))};
-  const auto state_smem = u32(mlstm_tc_state_smem_bytes(dki, dvi, Li)), smem = u32(mlstm_tc_bwd_smem_bytes(dki, dvi, Li));
+  const auto state_smem = u32(mlstm_tc_state_smem_bytes(dki, dvi, Li, tile)),
+             smem = u32(mlstm_tc_bwd_smem_bytes(dki, dvi, Li));
+  const Dim3 state_block{u32(mlstm_tc_state_threads(dki, tile))};
   void* args[] = {&a};
   void* fwd_args[] = {&fwd};
   void* rev_args[] = {&rev};
@@ -482,7 +505,7 @@ void launch_tc_bwd(const Call& call, Launcher& l, TcBwd v) {
   l.launch(0, {u32(seqs)}, {32}, 0, args);
   if (v.merged) {
     void* both_states[] = {&fwd, &rev};
-    l.launch(1, {state_grid.x, state_grid.y, 2}, {u32(mlstm_tc_state_threads(dki))}, state_smem, both_states);
+    l.launch(1, {state_grid.x, state_grid.y, 2}, state_block, state_smem, both_states);
     if (mlstm_tc_merged_runs(dki, v.stream)) {  // tc_bwd_reduced is empty here: no partials
       const int roles = mlstm_tc_grads_roles(dki, dvi);
       KSPEC_CHECK_AS(seqs * qtiles * roles <= INT32_MAX, Unsupported,
@@ -495,8 +518,8 @@ void launch_tc_bwd(const Call& call, Launcher& l, TcBwd v) {
       return;
     }
   } else {
-    l.launch(1, state_grid, {u32(mlstm_tc_state_threads(dki))}, state_smem, fwd_args);
-    l.launch(2, state_grid, {u32(mlstm_tc_state_threads(dki))}, state_smem, rev_args);
+    l.launch(1, state_grid, state_block, state_smem, fwd_args);
+    l.launch(2, state_grid, state_block, state_smem, rev_args);
   }
   // A gradient's partials are summed (the reduce kernels follow df) before the next kernel reuses them.
   // Merged (DHQK > 128): one state launch, so every later kernel one index lower.
@@ -539,7 +562,7 @@ OpDef make_chunkwise_bwd() {
   op.info.outputs = bwd_outputs(true);
   op.tuning = chunkwise_bwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_fused", "tc_parts", "tc_merged", "tc_stream"}}};
+  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_fused", "tc_parts", "tc_merged", "tc_stream", "tc_wide"}}};
   op.cases = chunkwise_bwd_cases();
   op.tolerance_scale = 4.0;
   op.error_scale = df_error_scale;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "jit/spec.h"
 #include "templates/mlstm/params.h"
 
 namespace kspec::mlstm {
@@ -185,6 +186,27 @@ std::string tc_unsupported(const Problem& p) {
   return "";
 }
 
+std::string tc_wide_unsupported(const Problem& p) {
+  if (mlstm_tc_wide_runs(static_cast<int>(p.dim("dhqk")), static_cast<int>(p.dim("dhhv")),
+                         static_cast<int>(p.param_int("chunk"))))
+    return "";
+  return "algo=tc_wide scans 128 x 128 tiles of C: dhqk and dhhv >= 128 and chunk <= 128";
+}
+
+std::string tc_q128_unsupported(const Problem& p) {
+  const int dk = static_cast<int>(p.dim("dhqk")), dv = static_cast<int>(p.dim("dhhv")),
+            L = static_cast<int>(p.param_int("chunk"));
+  if (!mlstm_tc_q128_runs(L)) return "algo=tc_q128 takes 128 query rows of a chunk: chunk 128 or 256";
+  // Opt-in shared memory a block: 227 KB from sm_90 on, 163 KB on sm_80 (A100), 99 KB on sm_86/89.
+  const int cc = jit::compute_capability(p.arch);
+  const int limit = cc >= 90 ? 232448 : cc == 80 || cc == 87 ? 166912 : 101376;
+  const int smem = mlstm_tc_out_smem_bytes(dk, dv, L, kMlstmTcWideRows);
+  if (smem > limit)
+    return "algo=tc_q128's output kernel needs " + std::to_string(smem) + " bytes of shared memory at dhqk = " +
+           std::to_string(dk) + ", more than " + p.arch + "'s " + std::to_string(limit);
+  return "";
+}
+
 namespace {
 
 // algo=simt's limit: chunk <= kSimtMaxChunk.
@@ -200,11 +222,14 @@ bool simt_runs(const Problem& p, std::string* why) {
 // at 256 threads.
 TuningSpace chunkwise_fwd_tuning() {
   TuningSpace t = mlstm_tuning();
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcWide, kTcQ128, kTcWideQ128}});
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
-    if (c.get("algo") != kTc) return simt_runs(p, why);
+    if (c.get("algo") == kSimt) return simt_runs(p, why);
     std::string no = tc_unsupported(p);
     if (no.empty() && c.get("threads") != 128) no = "algo=tc sets its own block sizes (named with threads=128)";
+    const int64_t algo = c.get("algo");
+    if (no.empty() && (algo == kTcWide || algo == kTcWideQ128)) no = tc_wide_unsupported(p);
+    if (no.empty() && (algo == kTcQ128 || algo == kTcWideQ128)) no = tc_q128_unsupported(p);
     if (why) *why = no;
     return no.empty();
   };
@@ -212,13 +237,13 @@ TuningSpace chunkwise_fwd_tuning() {
     return tc_unsupported(p).empty() ? Config{{{"algo", kTc}, {"threads", 128}}}
                                      : Config{{{"algo", kSimt}, {"threads", 256}}};
   };
-  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") == kTc ? 128 : c.get("threads"); };
+  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") == kSimt ? c.get("threads") : 128; };
   return t;
 }
 
 TuningSpace chunkwise_bwd_tuning() {
   TuningSpace t = mlstm_tuning(true);
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcFused, kTcParts, kTcMerged, kTcStream}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcFused, kTcParts, kTcMerged, kTcStream, kTcWide}});
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     if (c.get("algo") == kSimt) return simt_runs(p, why);
     std::string no = tc_unsupported(p);
@@ -229,6 +254,7 @@ TuningSpace chunkwise_bwd_tuning() {
            "dhhv's blocks)";
     if (no.empty() && c.get("algo") == kTcStream && !mlstm_tc_streams(static_cast<int>(p.dim("dhqk"))))
       no = "algo=tc_stream differs from algo=tc_merged only at dhqk > 128 (its dq and dk streaming dhhv's blocks)";
+    if (no.empty() && c.get("algo") == kTcWide) no = tc_wide_unsupported(p);
     if (why) *why = no;
     return no.empty();
   };

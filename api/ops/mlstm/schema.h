@@ -34,11 +34,21 @@ TuningSpace mlstm_tuning(bool bwd = false);
 // kTcMerged: both state scans in one launch, and at DHQK <= 128 algo=tc's dq, dv, dk CTAs in one; above,
 // dv looping over DHQK's blocks (no partials for dv); kTcStream (DHQK > 128 only, where it differs):
 // kTcMerged with dq and dk streaming DHHV's blocks too (no partials at all, dq, dv, dk in one launch).
-enum FwdAlgo : int64_t { kSimt = 0, kTc = 1, kTcFused = 2, kTcParts = 3, kTcMerged = 4, kTcStream = 5 };
+// kTcWide, both ops: the state scans on 128 x 128 tiles of C (params.h, mlstm_tc_wide_runs); in the
+// backward with the default's kernels otherwise (kTcMerged, kTcStream at DHQK > 128). The forward's
+// kTcQ128: the output kernel on 128 query rows a CTA (params.h, mlstm_tc_q128_runs); kTcWideQ128: both.
+enum FwdAlgo : int64_t {
+  kSimt = 0, kTc = 1, kTcFused = 2, kTcParts = 3, kTcMerged = 4, kTcStream = 5, kTcWide = 6, kTcQ128 = 7,
+  kTcWideQ128 = 8
+};
 TuningSpace chunkwise_fwd_tuning();
-// mlstm.chunkwise.bwd's: the same axes and kTcFused, kTcParts, kTcMerged, kTcStream (named by a config only,
-// to compare).
+// mlstm.chunkwise.bwd's: the same axes and kTcFused, kTcParts, kTcMerged, kTcStream, kTcWide (named by a
+// config only, to compare).
 TuningSpace chunkwise_bwd_tuning();
+// Why algo=tc_wide cannot run a problem ("" when it can), beyond tc_unsupported.
+std::string tc_wide_unsupported(const Problem& p);
+// Why the forward's output kernel cannot take 128 query rows a CTA (algo=tc_q128), beyond tc_unsupported.
+std::string tc_q128_unsupported(const Problem& p);
 // Why algo=tc cannot run a problem ("" when it can): 16-bit q, k, v, DHQK <= 256, 16-byte pointers
 // (the backward the same: it cuts head dims over 128 into column blocks).
 std::string tc_unsupported(const Problem& p);
