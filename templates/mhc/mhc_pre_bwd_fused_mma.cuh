@@ -30,12 +30,22 @@ struct alignas(8) MhcRow4 {
   T v[4];
 };
 
-// src[0 .. 4) through the read-only path, or zeros.
-template <typename T>
-__device__ __forceinline__ MhcRow4<T> mhc_load4(const T* src, bool ok) {
-  MhcRow4<T> o;
-  *reinterpret_cast<uint2*>(o.v) = ok ? __ldg(reinterpret_cast<const uint2*>(src)) : make_uint2(0u, 0u);
-  return o;
+// 8 bytes from global to shared memory without passing through registers (cp.async, sm_80+), or zeros stored
+// at once. The calling thread alone reads dst back, after mhc_cp_async_wait.
+__device__ __forceinline__ void mhc_cp_async8(uint2* dst, const void* src, bool ok) {
+  if (ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+                 "l"(src)
+                 : "memory");
+  } else {
+    *dst = make_uint2(0u, 0u);
+  }
+}
+__device__ __forceinline__ void mhc_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most kPending of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void mhc_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // Grid: (ceil(nD / 128), parts) blocks of kMhcMmaThreads; warp w of block bx takes the 32 columns
@@ -45,8 +55,7 @@ template <typename T, int N, int D, bool kHasGamma, bool kPreOnly, bool kHasDxPo
 __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(const MhcPreBwdParams p) {
   using Rows = MhcRows<N, kPreOnly>;
   constexpr int kM = Rows::kM, kND = N * D, kKt = (kM + 7) / 8;  // du's k steps = S^T's n-tiles
-  // 8 tokens a step, the next step's rows in flight: 160 registers at n 4 (nvcc 13, sm_90); 16 a step came to
-  // 222-255 and spilled.
+  // 8 tokens a step: 16 a step (rows prefetched in registers) came to 222-255 registers and spilled.
   constexpr int kWarps = kMhcMmaThreads / 32, kWarpCols = 32, kStep = 8, kJ = kStep / 8;
   static_assert(sizeof(T) == 2, "algo=mma_fused takes 16-bit x only (exact in TF32, 8-byte rows of 4)");
   static_assert(kKt <= 3, "phi's fragments of M <= 24 rows stay in registers");
@@ -107,33 +116,33 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(c
       v[k] = q < kDm && q < left ? __ldg(src + q) : 0.f;
     }
   };
-  // The lane's rows of a step at token t: tokens t + 8 j + 2 c + e (zeros past the part and past nD), from
-  // pointers at token t + 2c.
-  struct Rows4 {
-    MhcRow4<T> x[kJ][2], dy[kJ][2], dp[kJ][2];
-  };
+  // The lane's rows of a step at token t: tokens t + 8 j + 2 c + e (zeros past the part and past nD), copied
+  // into the thread's own slots of a ring of kStages steps, kStages - 1 steps ahead (cp.async: 2 steps of x,
+  // dy, dx_post in flight a lane, without the registers; held in registers one step ahead, 18 KB an SM were in
+  // flight at 3 blocks an SM).
+  constexpr int kStages = 3;
+  __shared__ uint2 ring[kStages][3][kJ][2][kMhcMmaThreads];
   const long long xs = N * p.x_row, ps = N * p.dx_post_row, ds = N * p.dx_row;
-  auto load = [&](Rows4& b, long long t) {
+  auto issue = [&](int stage, long long t) {
     const long long tl = t + 2 * c;
-    const T* xp = x + tl * xs;
-    const T* yp = dy + tl * p.dy_row;
-    const T* pp = dxp + tl * ps;
 #pragma unroll
     for (int j = 0; j < kJ; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int o = 8 * j + e;
-        const bool ok = live && tl + o < t1;
-        b.x[j][e] = mhc_load4(xp + o * xs, ok);
-        b.dy[j][e] = mhc_load4(yp + o * p.dy_row, ok);
-        if (kHasDxPost) b.dp[j][e] = mhc_load4(pp + o * ps, ok);
+        const long long tok = tl + 8 * j + e;
+        const bool ok = live && tok < t1;
+        mhc_cp_async8(&ring[stage][0][j][e][threadIdx.x], x + tok * xs, ok);
+        mhc_cp_async8(&ring[stage][1][j][e][threadIdx.x], dy + tok * p.dy_row, ok);
+        if (kHasDxPost) mhc_cp_async8(&ring[stage][2][j][e][threadIdx.x], dxp + tok * ps, ok);
       }
+    mhc_cp_async_commit();
   };
 
-  Rows4 cur;
   float dmv[kDmLane];
-  load(cur, t0);
   load_dm(dmv, t0);
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue(s, t0 + s * kStep);
+  int stage = 0;
 #pragma unroll 1
   for (long long t = t0; t < t1; t += kStep) {
     __syncwarp();  // the last step's reads of dms are done
@@ -141,12 +150,23 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(c
     for (int k = 0; k < kDmLane; ++k)
       if (lane + 32 * k < kDm) dms[warp][lane + 32 * k] = dmv[k];
     __syncwarp();
-    // The next step's rows and dm in flight while this one's mmas run.
-    Rows4 nxt;
-    if (t + kStep < t1) {
-      load(nxt, t + kStep);
-      load_dm(dmv, t + kStep);
-    }
+    // kStages - 1 steps ahead into the slot the last step read (its values are used, so read); then this
+    // step's group is complete once at most kStages - 1 are pending. dm one step ahead in registers.
+    issue(stage == 0 ? kStages - 1 : stage - 1, t + (kStages - 1) * kStep);
+    if (t + kStep < t1) load_dm(dmv, t + kStep);
+    mhc_cp_async_wait<kStages - 1>();
+    struct {
+      MhcRow4<T> x[kJ][2], dy[kJ][2], dp[kJ][2];
+    } cur;
+#pragma unroll
+    for (int j = 0; j < kJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        *reinterpret_cast<uint2*>(cur.x[j][e].v) = ring[stage][0][j][e][threadIdx.x];
+        *reinterpret_cast<uint2*>(cur.dy[j][e].v) = ring[stage][1][j][e][threadIdx.x];
+        if (kHasDxPost) *reinterpret_cast<uint2*>(cur.dp[j][e].v) = ring[stage][2][j][e][threadIdx.x];
+      }
+    stage = stage == kStages - 1 ? 0 : stage + 1;
     const float* dm = dms[warp];
 #pragma unroll
     for (int j = 0; j < kJ; ++j) {
@@ -205,7 +225,6 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(c
         *reinterpret_cast<MhcRow4<T>*>(dx + tok * ds) = out;
       }
     }
-    if (t + kStep < t1) cur = nxt;
   }
 
   // The part's dphi = gamma S and dgamma = sum_r phi S: the lane's rows r = 8 nt + 2c + e of its 4 columns,
