@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(c
   // 8 tokens a step: 16 a step (rows prefetched in registers) came to 222-255 registers and spilled.
   constexpr int kWarps = kMhcMmaThreads / 32, kWarpCols = 32, kStep = 8, kJ = kStep / 8;
   static_assert(sizeof(T) == 2, "algo=mma_fused takes 16-bit x only (exact in TF32, 8-byte rows of 4)");
-  static_assert(kKt <= 3, "phi's fragments of M <= 24 rows stay in registers");
+  static_assert(kKt <= 3, "M <= 24: phi's fragments (8 KB a k step) and the ring fit 48 KB of shared memory");
   static_assert(D % 8 == 0, "whole 8-element groups of a stream");
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane / 4, c = lane % 4;

@@ -401,6 +401,60 @@ TEST(Mhc, PreBackwardMmaTokensRulesAndCompileWithoutSpills) {
   EXPECT_EQ(compiled, 14);
 }
 
+// pre.fwd's algo=mma_warp_heads (2): the mma projection, then each warp runs its own tokens' heads (the
+// Sinkhorn-Knopp iterates by shuffles) and their y; at most 32 projection rows (n <= 4, pre_only any n),
+// refused by name past that; not the heuristic's until timed; the kernel compiles without spills on sm_80
+// and sm_90 at 64, 32 and 16 tokens, n 4, 3 (element loads) and pre_only n 8.
+TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
+  const OpDef& op = Registry::global().get("mhc.pre.fwd");
+  CompileRequest r;
+  r.op = "mhc.pre.fwd";
+  r.dtype = DType::bf16;
+  r.arch = "sm_90";
+  r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+  const Problem p = problem_from_request(op, r);
+  const Config ok{{{"algo", 2}, {"threads", 128}, {"tokens", 32}}};
+  std::string why;
+  EXPECT_TRUE(op.tuning.valid(p, ok, &why)) << why;
+  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 1);
+  const auto kernels = op.kernels(p, ok);
+  ASSERT_EQ(kernels.size(), 1u);
+  EXPECT_EQ(kernels[0].targs.back(), "true");
+  EXPECT_EQ(op.kernels(p, Config{{{"algo", 1}, {"threads", 128}, {"tokens", 32}}})[0].targs.back(), "false");
+  {
+    CompileRequest q = r;
+    q.params = {{"n", int64_t(5)}, {"D", int64_t(256)}};
+    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q), Config{{{"algo", 2}, {"threads", 128}, {"tokens", 16}}},
+                                 &why));
+    EXPECT_NE(why.find("32 projection rows"), std::string::npos) << why;
+    q.dtype = DType::f32;
+    q.params = r.params;
+    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q), ok, &why));
+    EXPECT_NE(why.find("float32 x"), std::string::npos) << why;
+  }
+  int compiled = 0;
+  for (const char* arch : {"sm_80", "sm_90"})
+    for (auto [name, dt, n, D, tokens] :
+         {std::tuple{"mhc.pre.fwd", DType::bf16, 4, 4096, 64}, std::tuple{"mhc.pre.fwd", DType::bf16, 4, 4096, 32},
+          std::tuple{"mhc.pre.fwd", DType::f16, 3, 33, 32}, std::tuple{"mhc.pre_only.fwd", DType::f16, 8, 128, 16}}) {
+      const OpDef& o = Registry::global().get(name);
+      CompileRequest q;
+      q.op = name;
+      q.dtype = dt;
+      q.arch = arch;
+      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+      q.config = Config{{{"algo", 2}, {"threads", 128}, {"tokens", tokens}}};
+      ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << " n " << n << ": " << why;
+      for (const auto& rep : compile(q)) {
+        EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
+        EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
+        std::cout << arch << " " << rep.kernel << ": " << rep.registers << " registers\n";
+        ++compiled;
+      }
+    }
+  EXPECT_EQ(compiled, 8);
+}
+
 // algo=mma_fused (3): mma_tokens' token pass, then dx and the sums over tokens in one pass over x
 // (mhc_pre_bwd_fused_mma.cuh) instead of the columns and dx kernels (two passes): three kernels, the same
 // rules as mma_tokens plus M <= 24 (phi's fragments in registers), refused by name past that; every kernel
@@ -1017,6 +1071,67 @@ TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
       for (size_t k = 0; k < got.size(); ++k)
         EXPECT_EQ(got[k], first[k]) << names[k] << " run " << run << " " << config.str();
     }
+  }
+}
+
+// Every case of mhc.pre.fwd and mhc.pre_only.fwd with an algo=mma_warp_heads config (n <= 4 on pre.fwd), at
+// every such config, f16 and bf16, against the float64 reference; and on bf16 T 1031, D 4000 (a partial last
+// tile) the same bits as algo=mma at the same tiles for every output (the heads' operations are the same).
+TEST(MhcGpu, PreForwardMmaWarpHeadsMatchesReferenceAndMmaBits) {
+  KSPEC_REQUIRE_GPU();
+  int checked = 0;
+  for (const char* op_name : {"mhc.pre.fwd", "mhc.pre_only.fwd"}) {
+    const OpDef& op = Registry::global().get(op_name);
+    for (const Case& cs : op.cases) {
+      if (cs.large) continue;
+      for (DType dt : {DType::f16, DType::bf16}) {
+        CheckOptions o;
+        o.case_name = cs.name;
+        o.dtypes = {dt};
+        for (const Config& c : configs_for_case(op_name, cs.name, dt))
+          if (c.get("algo") == 2) o.configs.push_back(c);
+        if (o.configs.empty()) continue;  // n > 4
+        auto rows = check_op(op_name, o);
+        EXPECT_EQ(rows.size(), o.configs.size()) << op_name << " " << cs.name;
+        kspec::testing::report(rows);
+        checked += static_cast<int>(rows.size());
+      }
+    }
+  }
+  EXPECT_GE(checked, 40);
+
+  jit::ContextGuard guard(0);
+  const int64_t T = 1031, n = 4, D = 4000, M = n * n + 2 * n, nd = n * D;
+  std::mt19937_64 rng(35);
+  const auto x = to_bf16(randn(rng, T * nd, 1.f));
+  DevBuf xb(T * nd * 2), phib(M * nd * 4), ab(12), bb(M * 4), gb(nd * 4);
+  CU_CHECK(cuMemcpyHtoD(xb.mem.ptr, x.data(), x.size() * 2));
+  phib.upload(randn(rng, M * nd, 1.f / std::sqrt(float(nd))));
+  ab.upload({0.7f, -0.5f, 1.3f});
+  bb.upload(randn(rng, M, 0.5f));
+  gb.upload(randn(rng, nd, 1.f));
+  auto f32 = [](const DevBuf& b, std::vector<int64_t> shape) { return view(b.ptr(), DType::f32, shape); };
+  for (int64_t tokens : {16, 32, 64}) {
+    std::vector<std::vector<uint8_t>> outs[2];
+    for (int k = 0; k < 2; ++k) {
+      const Config config{{{"algo", k == 0 ? 1 : 2}, {"threads", 128}, {"tokens", tokens}}};
+      CallOptions opts;
+      opts.config = &config;
+      DevBuf yb(T * D * 2), hpre(T * n * 4), hpost(T * n * 4), rb(T * n * n * 4), invb(T * 4), hb(T * M * 4);
+      for (DevBuf* o : {&yb, &hpre, &hpost, &rb, &invb, &hb}) o->poison();
+      call("mhc.pre.fwd",
+           {view(xb.ptr(), DType::bf16, {T, n, D}), f32(phib, {M, nd}), f32(ab, {3}), f32(bb, {M}), f32(gb, {nd})},
+           {view(yb.ptr(), DType::bf16, {T, D}), f32(hpre, {T, n}), f32(hpost, {T, n}), f32(rb, {T, n, n}),
+            f32(invb, {T}), f32(hb, {T, M})},
+           {}, nullptr, opts);
+      CU_CHECK(cuCtxSynchronize());
+      for (const DevBuf* o : {&yb, &hpre, &hpost, &rb, &invb, &hb}) {
+        outs[k].emplace_back(o->bytes);
+        CU_CHECK(cuMemcpyDtoH(outs[k].back().data(), o->mem.ptr, o->bytes));
+      }
+    }
+    const char* names[] = {"y", "h_pre", "h_post", "r", "inv", "h"};
+    for (size_t q = 0; q < outs[0].size(); ++q) EXPECT_EQ(outs[1][q], outs[0][q]) << names[q] << " tokens " << tokens;
   }
 }
 

@@ -266,17 +266,22 @@ def test_mhc_bench_references_run_on_the_cpu(families):
 
 def test_mhc_bench_pre_kernel_configs_are_the_ops_legal_configs(families):
     """The mhc bench's pre.fwd rows by kernel name configs that the op accepts (each compiles, no GPU needed):
-    algo=simt and every algo=mma token tile the rules allow; 64 tokens only for 16-bit x with D % 8 == 0."""
+    algo=simt and every algo=mma token tile the rules allow; 64 tokens only for 16-bit x with D % 8 == 0;
+    algo=mma_warp_heads at 32 and 64 of them for 16-bit x with M <= 32 (its kernel's last template argument)."""
     import kspec
 
     mhc = families["mhc"]
-    assert list(mhc.pre_kernel_configs(4, 4096)) == [mhc.PRE_KERNELS + v for v in ("simt", "mma 16", "mma 32", "mma 64")]
-    assert list(mhc.pre_kernel_configs(4, 37)) == [mhc.PRE_KERNELS + v for v in ("simt", "mma 16", "mma 32")]
+    assert list(mhc.pre_kernel_configs(4, 4096)) == [mhc.PRE_KERNELS + v for v in (
+        "simt", "mma 16", "mma 32", "mma 64", "mma_warp_heads 32", "mma_warp_heads 64")]
+    assert list(mhc.pre_kernel_configs(4, 37)) == [mhc.PRE_KERNELS + v for v in ("simt", "mma 16", "mma 32",
+                                                                                 "mma_warp_heads 32")]
     assert list(mhc.pre_kernel_configs(4, 4096, "f32")) == [mhc.PRE_KERNELS + v for v in ("simt", "mma 16", "mma 32")]
-    for name, config in mhc.pre_kernel_configs(8, 128).items():
-        kernels = [r["kernel"] for r in kspec.compile("mhc.pre.fwd", dtype="bf16", arch="sm_80", config=config,
-                                                      n=8, D=128, t_max=20)]
-        assert kernels and ("mma" in kernels[0]) == ("mma" in name), (name, kernels)
+    for n in (8, 4):
+        for name, config in mhc.pre_kernel_configs(n, 128).items():
+            kernels = [r["kernel"] for r in kspec.compile("mhc.pre.fwd", dtype="bf16", arch="sm_80", config=config,
+                                                          n=n, D=128, t_max=20)]
+            assert kernels and ("mma" in kernels[0]) == ("mma" in name), (name, kernels)
+            assert kernels[0].endswith("true>") == ("warp_heads" in name), (name, kernels)
 
 
 def test_mhc_bench_pre_bwd_configs_compile_each_algo(families):

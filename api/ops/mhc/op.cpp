@@ -164,6 +164,13 @@ TuningSpace with_tokens_axis(TuningSpace t) {
 // projection on tensor cores (mhc_pre_mma.cuh: 128 threads, `tokens` 16, 32 or 64, whole m16 tiles).
 // pre.bwd's (with_bwd_algo_axis) has two more, kMmaTokens and kMmaFused.
 enum PreAlgo : int64_t { kSimt = 0, kMma = 1, kMmaTokens = 2, kMmaFused = 3 };
+// pre.fwd's third value: kMma with each warp running its own tokens' heads and then their y
+// (mhc_pre_mma.cuh, kWarpHeads): n*n and M at most 32.
+constexpr int64_t kMmaWarpHeads = 2;
+std::string warp_heads_unsupported(const Problem& p) {
+  if (proj_rows(p) > 32) return "algo=mma_warp_heads takes at most 32 projection rows (n <= 4; pre_only any n)";
+  return "";
+}
 constexpr int64_t kMmaThreads = 128;  // templates/mhc/mhc_pre_mma.cuh: kMhcMmaThreads
 // 16-byte loads of x, phi, gamma and stores of y: whole 8-element groups, every pointer and row aligned.
 bool mma_vec(const Problem& p) { return p.dim("D") % 8 == 0 && p.align_bytes >= 16; }
@@ -185,7 +192,7 @@ int64_t mma_tiles(const Problem& p, int64_t tokens) { return tokens / 16 * ceil_
 // The tensor-core projection wherever it runs (not yet measured: tools/bench/NOTES.md, "mhc pre: the
 // projection on tensor cores"), with the most tokens a block whose accumulators fit.
 TuningSpace with_algo_axis(TuningSpace t) {
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaWarpHeads}});
   for (auto& [name, values] : t.axes)
     if (name == "tokens") values = {1, 4, 16, 32, 64};
   auto simt_valid = t.valid;
@@ -197,6 +204,7 @@ TuningSpace with_algo_axis(TuningSpace t) {
       no = "algo=simt takes 1 or 4 tokens a block";
     } else {
       no = mma_unsupported(p);
+      if (no.empty() && c.get("algo") == kMmaWarpHeads) no = warp_heads_unsupported(p);
       if (no.empty() && c.get("threads") != kMmaThreads) no = "algo=mma runs 128 threads a block (named threads=128)";
       else if (no.empty() && tok < 16) no = "algo=mma takes whole m16 tiles of tokens: 16, 32 or 64";
       else if (no.empty() && tok > max_mma_tokens(p))
@@ -218,7 +226,7 @@ TuningSpace with_algo_axis(TuningSpace t) {
     c.values.insert(c.values.begin(), {"algo", kSimt});
     return c;
   };
-  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") == kMma ? kMmaThreads : c.get("threads"); };
+  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") != kSimt ? kMmaThreads : c.get("threads"); };
   return t;
 }
 
@@ -450,11 +458,12 @@ OpDef make_pre_fwd(bool po) {
   op.tuning = with_algo_axis(op.tuning);
   op.info.tuning_axes = op.tuning.axes;
   op.kernels = [](const Problem& p, const Config& c) {
-    if (c.get("algo") == kMma) {
+    if (c.get("algo") != kSimt) {
       return std::vector<jit::KernelSpec>{kernel_spec(
           p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_mma_kernel",
           {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")), t_max_arg(p),
-           b(p.present("gamma")), b(pre_only(p)), std::to_string(c.get("tokens")), b(mma_vec(p))})};
+           b(p.present("gamma")), b(pre_only(p)), std::to_string(c.get("tokens")), b(mma_vec(p)),
+           b(c.get("algo") == kMmaWarpHeads)})};
     }
     return std::vector<jit::KernelSpec>{kernel_spec(
         p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_fwd_kernel",
@@ -485,7 +494,7 @@ OpDef make_pre_fwd(bool po) {
     a.eps_pre = static_cast<float>(pr.param_float("eps_pre"));
     a.eps_sk = pre_only(pr) ? 0.f : static_cast<float>(pr.param_float("eps_sk"));
     void* args[] = {&a};
-    l.launch(0, {u32(ceil_div(a.T, c.get("tokens")))}, {u32(c.get("algo") == kMma ? kMmaThreads : c.get("threads"))},
+    l.launch(0, {u32(ceil_div(a.T, c.get("tokens")))}, {u32(c.get("algo") != kSimt ? kMmaThreads : c.get("threads"))},
              0, args);
   };
   op.reference = pre_fwd_reference;
@@ -655,9 +664,10 @@ TuningSpace with_bwd_algo_axis(TuningSpace t) {
     if (no.empty() && algo >= kMmaTokens) {
       if (c.get("threads") != kMmaThreads) no = "algo=mma_tokens runs 128 threads a block (named threads=128)";
       else no = bwd_mma_tokens_unsupported(p, tok);
-      // The fused kernel keeps phi's fragments of every row in registers (mhc_pre_bwd_fused_mma.cuh).
+      // The fused kernel keeps phi's fragments of every row in shared memory, 8 KB per 8 rows, beside its
+      // 18 KB ring of rows (mhc_pre_bwd_fused_mma.cuh): 46 KB of the 48 static at M = 24.
       if (no.empty() && algo == kMmaFused && proj_rows(p) > 24)
-        no = "algo=mma_fused takes at most 24 projection rows (n <= 4; pre_only n <= 8): phi stays in registers";
+        no = "algo=mma_fused takes at most 24 projection rows (n <= 4; pre_only n <= 8): shared memory";
       if (no.empty()) return true;
     } else if (no.empty() && tok > 4) {
       no = "algo=simt and algo=mma take 1 or 4 tokens a block (the SIMT token kernel's)";
