@@ -11,6 +11,11 @@
 // partial sums are added in warp order (deterministic), the heads (inv, h, H, Sinkhorn-Knopp) run as in
 // mhc_pre.cuh a few tokens at a time, and y = sum_i H_pre[i] x[i] reads x a second time (a 64-token tile
 // is 2 MB at n 4, D 4096: no shared memory holds it), 8 elements per thread and several items in flight.
+// kWarpHeads (algo=mma_warp_heads, n*n and M <= 32): each warp instead takes whole tokens, its heads on the
+// warp alone (the Sinkhorn-Knopp iterates by shuffles: MhcSinkhorn::forward_warp) and then that token's y,
+// so no block barrier separates heads from y and one warp's Sinkhorn-Knopp hides behind the others' loads
+// (the block's heads ran 39 barriers a round, 16 rounds a 64-token tile, with no load in flight). Same
+// operations in the same order: the same bits as the block's heads.
 #pragma once
 
 #include "common/dtype.cuh"
@@ -42,7 +47,7 @@ __device__ __forceinline__ void mhc_mma_tf32(float (&d)[4], float a0, float a1, 
 
 // Grid: ceil(T / kTok) blocks of kMhcMmaThreads. kVec: D % 8 == 0 and every pointer and row stride
 // 16-byte aligned (the plan's choice).
-template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kTok, bool kVec>
+template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kTok, bool kVec, bool kWarpHeads>
 __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_fwd_mma_kernel(const MhcPreParams p) {
   using Rows = MhcRows<N, kPreOnly>;
   constexpr int kThreads = kMhcMmaThreads, kWarps = kThreads / 32;
@@ -58,7 +63,6 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_fwd_mma_kernel(const M
   static_assert(kTok % 16 == 0 && kTok % kSub == 0 && kM <= kThreads && (kPreOnly || kNN <= kThreads),
                 "whole m16 tiles of tokens, and a row of h per thread");
   __shared__ float tot[kTok * kK];
-  __shared__ float h_pre[kTok][N];
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane / 4, c = lane % 4;
   const long long t0 = static_cast<long long>(blockIdx.x) * kTok;
@@ -165,49 +169,83 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_fwd_mma_kernel(const M
     __syncthreads();
   }
 
-  for (int s0 = 0; s0 < ntok; s0 += kSub) {
-    mhc_pre_fwd_heads<N, D, kTMax, kPreOnly, kSub>(p, t0 + s0, ntok - s0 < kSub ? ntok - s0 : kSub, tot + s0 * kK,
-                                                   h_pre + s0);
-    __syncthreads();
-  }
-
-  // y: items of 8 elements of one token, kBatch items per thread loaded before any is stored.
+  // y: items of 8 elements (it / kRow8 a token's, it % kRow8 its group of 8 d), this thread's from `first`
+  // in steps of `stride`, kBatch loaded before any is stored; token_of(it) is its token in the tile,
+  // weight(j, i) token j's H_pre[i].
   constexpr int kRow8 = (D + 7) / 8, kBatch = N >= 8 ? 2 : 4;
-  const int items = ntok * kRow8;
-  for (int base = 0; base < items; base += kBatch * kThreads) {
-    MhcRow8<T> v[kBatch][N];
+  auto y_items = [&](int items, int first, int stride, auto&& token_of, auto&& weight) {
+    for (int base = first; base < items; base += kBatch * stride) {
+      MhcRow8<T> v[kBatch][N];
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int it = base + b * kThreads + static_cast<int>(threadIdx.x);
-      const int j = it < items ? it / kRow8 : 0, d = (it < items ? it % kRow8 : 0) * 8;
+      for (int b = 0; b < kBatch; ++b) {
+        const int it = base + b * stride;
+        const int j = it < items ? token_of(it) : 0, d = (it < items ? it % kRow8 : 0) * 8;
 #pragma unroll
-      for (int i = 0; i < N; ++i)
-        mhc_load8<T, kVec>(v[b][i], x + ((t0 + j) * N + i) * p.x_row + d, it < items ? D - d : 0);
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int it = base + b * kThreads + static_cast<int>(threadIdx.x);
-      if (it >= items) continue;
-      const int j = it / kRow8, d = it % kRow8 * 8;
-      MhcRow8<T> out;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        float s = 0.f;
-#pragma unroll
-        for (int i = 0; i < N; ++i) s += h_pre[j][i] * to_float(v[b][i].v[e]);
-        out.v[e] = store_as<T>(s);
+        for (int i = 0; i < N; ++i)
+          mhc_load8<T, kVec>(v[b][i], x + ((t0 + j) * N + i) * p.x_row + d, it < items ? D - d : 0);
       }
-      T* y = static_cast<T*>(p.y) + (t0 + j) * p.y_row + d;
-      if (kVec) {
 #pragma unroll
-        for (int w = 0; w < static_cast<int>(sizeof(out) / 16); ++w)
-          reinterpret_cast<uint4*>(y)[w] = reinterpret_cast<const uint4*>(out.v)[w];
-      } else {
+      for (int b = 0; b < kBatch; ++b) {
+        const int it = base + b * stride;
+        if (it >= items) continue;
+        const int j = token_of(it), d = it % kRow8 * 8;
+        MhcRow8<T> out;
 #pragma unroll
-        for (int e = 0; e < 8; ++e)
-          if (d + e < D) y[e] = out.v[e];
+        for (int e = 0; e < 8; ++e) {
+          float s = 0.f;
+#pragma unroll
+          for (int i = 0; i < N; ++i) s += weight(j, i) * to_float(v[b][i].v[e]);
+          out.v[e] = store_as<T>(s);
+        }
+        T* y = static_cast<T*>(p.y) + (t0 + j) * p.y_row + d;
+        if (kVec) {
+#pragma unroll
+          for (int w = 0; w < static_cast<int>(sizeof(out) / 16); ++w)
+            reinterpret_cast<uint4*>(y)[w] = reinterpret_cast<const uint4*>(out.v)[w];
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            if (d + e < D) y[e] = out.v[e];
+        }
       }
     }
+  };
+
+  if constexpr (kWarpHeads) {
+    static_assert(kM <= 32 && (kPreOnly || kNN <= 32), "a row of h and a Sinkhorn element a lane");
+    for (int j = warp; j < ntok; j += kWarps) {
+      // mhc_pre_fwd_heads' arithmetic for token t0 + j, lane r holding row r of h.
+      const long long t = t0 + j;
+      const float* tj = tot + j * kK;
+      const float inv = rsqrtf(tj[0] / static_cast<float>(kND) + p.eps_rms);
+      const int r = lane < kM ? lane : 0;
+      const float h = inv * __ldg(p.alpha + Rows::alpha_of(r)) * tj[1 + r] + __ldg(p.bias + r);
+      const float hp = mhc_sigmoid(h) + p.eps_pre;
+      if (lane < kM) {
+        if (lane == 0) p.inv[t] = inv;
+        p.h[t * kM + lane] = h;
+        if (lane < N) p.h_pre[t * N + lane] = hp;
+        else if (lane < 2 * N) p.h_post[t * N + lane - N] = 2.f * mhc_sigmoid(h);
+      }
+      if constexpr (!kPreOnly) {
+        const float z = __shfl_sync(0xffffffffu, h, 2 * N + (lane < kNN ? lane : 0));
+        const float rr = MhcSinkhorn<N, kTMax>::forward_warp(z, p.eps_sk, lane);
+        if (lane < kNN) p.r[t * kNN + lane] = rr;
+      }
+      float w[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) w[i] = __shfl_sync(0xffffffffu, hp, i);
+      y_items(kRow8, lane, 32, [&](int) { return j; }, [&](int, int i) { return w[i]; });
+    }
+  } else {
+    __shared__ float h_pre[kTok][N];
+    for (int s0 = 0; s0 < ntok; s0 += kSub) {
+      mhc_pre_fwd_heads<N, D, kTMax, kPreOnly, kSub>(p, t0 + s0, ntok - s0 < kSub ? ntok - s0 : kSub, tot + s0 * kK,
+                                                     h_pre + s0);
+      __syncthreads();
+    }
+    y_items(ntok * kRow8, static_cast<int>(threadIdx.x), kThreads, [&](int it) { return it / kRow8; },
+            [&](int j, int i) { return h_pre[j][i]; });
   }
 }
 

@@ -63,6 +63,30 @@ struct MhcSinkhorn {
     return keep_all ? sm.iter[kSteps] : sm.iter[kSteps & 1];
   }
 
+  // The forward on one warp, no shared memory and no barrier: lane e < n*n holds z[e] on entry and gets R's
+  // element e (lanes past n*n compute a copy of element 0; every lane of the warp must call it). The same
+  // operations in the same order as forward(), the row and column sums gathered by shuffles, so the bits are
+  // forward()'s. n*n <= 32.
+  static __device__ __forceinline__ float forward_warp(float z, float eps, int lane) {
+    static_assert(kNN <= 32, "one element a lane");
+    const int e = lane < kNN ? lane : 0, j = e / N, k = e % N;
+    float mx = __shfl_sync(0xffffffffu, z, j * N);
+#pragma unroll
+    for (int q = 1; q < N; ++q) mx = fmaxf(mx, __shfl_sync(0xffffffffu, z, j * N + q));
+    float sum = 0.f;
+#pragma unroll
+    for (int q = 0; q < N; ++q) sum += expf(__shfl_sync(0xffffffffu, z, j * N + q) - mx);
+    float x = expf(__shfl_sync(0xffffffffu, z, e) - mx) / sum + eps;
+#pragma unroll 1
+    for (int s = 1; s <= kSteps; ++s) {
+      float div = 0.f;
+#pragma unroll
+      for (int q = 0; q < N; ++q) div += __shfl_sync(0xffffffffu, x, (s & 1) ? q * N + k : j * N + q);
+      x = x / (div + eps);
+    }
+    return x;
+  }
+
   // d/dZ of sum(dR * R) after forward(.., keep_all = true): g (shared, n*n) holds dR on entry and
   // dZ on return. Y = X / (sum X + eps): dX = (dY - sum(dY * Y)) / (sum X + eps);
   // softmax: dZ = P * (dP - sum_k dP * P). Every thread of the block must call it.

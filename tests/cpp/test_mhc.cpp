@@ -401,6 +401,124 @@ TEST(Mhc, PreBackwardMmaTokensRulesAndCompileWithoutSpills) {
   EXPECT_EQ(compiled, 14);
 }
 
+// pre.fwd's algo=mma_warp_heads (2): the mma projection, then each warp runs its own tokens' heads (the
+// Sinkhorn-Knopp iterates by shuffles) and their y; at most 32 projection rows (n <= 4, pre_only any n),
+// refused by name past that; not the heuristic's until timed; the kernel compiles without spills on sm_80
+// and sm_90 at 64, 32 and 16 tokens, n 4, 3 (element loads) and pre_only n 8.
+TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
+  const OpDef& op = Registry::global().get("mhc.pre.fwd");
+  CompileRequest r;
+  r.op = "mhc.pre.fwd";
+  r.dtype = DType::bf16;
+  r.arch = "sm_90";
+  r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+  const Problem p = problem_from_request(op, r);
+  const Config ok{{{"algo", 2}, {"threads", 128}, {"tokens", 32}}};
+  std::string why;
+  EXPECT_TRUE(op.tuning.valid(p, ok, &why)) << why;
+  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 1);
+  const auto kernels = op.kernels(p, ok);
+  ASSERT_EQ(kernels.size(), 1u);
+  EXPECT_EQ(kernels[0].targs.back(), "true");
+  EXPECT_EQ(op.kernels(p, Config{{{"algo", 1}, {"threads", 128}, {"tokens", 32}}})[0].targs.back(), "false");
+  {
+    CompileRequest q = r;
+    q.params = {{"n", int64_t(5)}, {"D", int64_t(256)}};
+    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q), Config{{{"algo", 2}, {"threads", 128}, {"tokens", 16}}},
+                                 &why));
+    EXPECT_NE(why.find("32 projection rows"), std::string::npos) << why;
+    q.dtype = DType::f32;
+    q.params = r.params;
+    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q), ok, &why));
+    EXPECT_NE(why.find("float32 x"), std::string::npos) << why;
+  }
+  int compiled = 0;
+  for (const char* arch : {"sm_80", "sm_90"})
+    for (auto [name, dt, n, D, tokens] :
+         {std::tuple{"mhc.pre.fwd", DType::bf16, 4, 4096, 64}, std::tuple{"mhc.pre.fwd", DType::bf16, 4, 4096, 32},
+          std::tuple{"mhc.pre.fwd", DType::f16, 3, 33, 32}, std::tuple{"mhc.pre_only.fwd", DType::f16, 8, 128, 16}}) {
+      const OpDef& o = Registry::global().get(name);
+      CompileRequest q;
+      q.op = name;
+      q.dtype = dt;
+      q.arch = arch;
+      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+      q.config = Config{{{"algo", 2}, {"threads", 128}, {"tokens", tokens}}};
+      ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << " n " << n << ": " << why;
+      for (const auto& rep : compile(q)) {
+        EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
+        EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
+        std::cout << arch << " " << rep.kernel << ": " << rep.registers << " registers\n";
+        ++compiled;
+      }
+    }
+  EXPECT_EQ(compiled, 8);
+}
+
+// algo=mma_fused (3): mma_tokens' token pass, then dx and the sums over tokens in one pass over x
+// (mhc_pre_bwd_fused_mma.cuh) instead of the columns and dx kernels (two passes): three kernels, the same
+// rules as mma_tokens plus M <= 24 (phi's fragments in registers), refused by name past that; every kernel
+// compiles without spills on sm_80 and sm_90, with and without dx_post.
+TEST(Mhc, PreBackwardMmaFusedRulesAndCompileWithoutSpills) {
+  const OpDef& op = Registry::global().get("mhc.pre.bwd");
+  CompileRequest r;
+  r.op = "mhc.pre.bwd";
+  r.dtype = DType::bf16;
+  r.arch = "sm_90";
+  r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+  const Problem p = problem_from_request(op, r);
+  const Config ok{{{"algo", 3}, {"threads", 128}, {"tokens", 32}}};
+  std::string why;
+  EXPECT_TRUE(op.tuning.valid(p, ok, &why)) << why;
+  const auto kernels = op.kernels(p, ok);
+  ASSERT_EQ(kernels.size(), 3u);
+  EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_mma_kernel");
+  EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_bwd_fused_mma_kernel");
+  EXPECT_EQ(kernels[2].kernel, "kspec::mhc_pre_bwd_reduce_kernel");
+  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 2);  // not the default until timed
+  for (const auto& [n, D, tokens, fragment] :
+       {std::tuple{5, 256, 16, "24 projection rows"}, std::tuple{4, 100, 16, "16-byte groups"},
+        std::tuple{4, 256, 64, "n x tokens / 16"}}) {
+    CompileRequest q = r;
+    q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q),
+                                 Config{{{"algo", 3}, {"threads", 128}, {"tokens", tokens}}}, &why))
+        << n << " " << D;
+    EXPECT_NE(why.find(fragment), std::string::npos) << why;
+  }
+  {
+    CompileRequest q = r;
+    q.dtype = DType::f32;
+    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q), ok, &why));
+    EXPECT_NE(why.find("float32 x"), std::string::npos) << why;
+  }
+  int compiled = 0;
+  for (const char* arch : {"sm_80", "sm_90"})
+    for (auto [name, dt, n, D, tokens, bare] :
+         {std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, false}, std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, true},
+          std::tuple{"mhc.pre.bwd", DType::f16, 2, 256, 64, false}, std::tuple{"mhc.pre.bwd", DType::bf16, 3, 264, 16, false},
+          std::tuple{"mhc.pre_only.bwd", DType::f16, 8, 128, 16, false}}) {
+      const OpDef& o = Registry::global().get(name);
+      CompileRequest q;
+      q.op = name;
+      q.dtype = dt;
+      q.arch = arch;
+      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+      if (bare) q.without = {"gamma", "dx_post"};
+      q.config = Config{{{"algo", 3}, {"threads", 128}, {"tokens", tokens}}};
+      ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << " n " << n << ": " << why;
+      for (const auto& rep : compile(q)) {
+        EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
+        EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
+        if (rep.kernel.find("fused") == std::string::npos) continue;
+        std::cout << arch << " " << name << " n " << n << " D " << D << (bare ? " (no gamma, dx_post) " : " ")
+                  << rep.kernel << ": " << rep.registers << " registers\n";
+        ++compiled;
+      }
+    }
+  EXPECT_EQ(compiled, 10);
+}
+
 // post's `vec` axis: 8 consecutive d a thread with 16-byte loads where D % 8 == 0 and n >= 3 (n <= 7 in
 // the backward; refused by name otherwise), the heuristic's where valid (H100: post fwd 428 us against 562 at
 // vec 1, fwd+bwd 1060 against 1360); post.fwd and post.bwd at vec 8
@@ -827,6 +945,35 @@ TEST(MhcGpu, PreBackwardMmaTokensMatchesReferenceOnEveryCase) {
   EXPECT_GE(checked, 60);
 }
 
+// Every case of mhc.pre.bwd and mhc.pre_only.bwd with an algo=mma_fused config (mma_tokens' cases but
+// n <= 4 on pre.bwd), at every such config, f16 and bf16, against the float64 reference: dx and the sums
+// over tokens from one pass over x (mhc_pre_bwd_fused_mma.cuh).
+TEST(MhcGpu, PreBackwardMmaFusedMatchesReferenceOnEveryCase) {
+  KSPEC_REQUIRE_GPU();
+  int checked = 0, cases = 0;
+  for (const char* op_name : {"mhc.pre.bwd", "mhc.pre_only.bwd"}) {
+    const OpDef& op = Registry::global().get(op_name);
+    for (const Case& cs : op.cases) {
+      if (cs.large) continue;
+      for (DType dt : {DType::f16, DType::bf16}) {
+        CheckOptions o;
+        o.case_name = cs.name;
+        o.dtypes = {dt};
+        for (const Config& c : configs_for_case(op_name, cs.name, dt))
+          if (c.get("algo") == 3) o.configs.push_back(c);
+        if (o.configs.empty()) continue;  // D % 8 != 0, or M > 24
+        auto rows = check_op(op_name, o);
+        EXPECT_EQ(rows.size(), o.configs.size()) << op_name << " " << cs.name;
+        kspec::testing::report(rows);
+        checked += static_cast<int>(rows.size());
+        ++cases;
+      }
+    }
+  }
+  EXPECT_GE(cases, 30);
+  EXPECT_GE(checked, 40);
+}
+
 // post.fwd and post.bwd at vec 8 (16-byte loads) on every case with D % 8 == 0, every dtype and thread
 // count, against the float64 reference.
 TEST(MhcGpu, PostVec8MatchesReferenceOnEveryCase) {
@@ -869,8 +1016,8 @@ std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
 }  // namespace
 
 // grads_deterministic on the tensor-core backward: bf16 x, T 1031 (several parts along T, a partial last
-// token tile), D 4000 (16-byte groups); algo=mma (4 tokens) and algo=mma_tokens (32) each give the same
-// bits three times for dx, dphi, dalpha, dbias, dgamma.
+// token tile), D 4000 (16-byte groups); algo=mma (4 tokens), algo=mma_tokens (32) and algo=mma_fused (32)
+// each give the same bits three times for dx, dphi, dalpha, dbias, dgamma.
 TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
   KSPEC_REQUIRE_GPU();
   jit::ContextGuard guard(0);
@@ -897,7 +1044,8 @@ TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
   call("mhc.pre.fwd", {xv, phiv, av, bv, gv},
        {b16(yb, {T, D}), f32(hpre, {T, n}), f32(hpost, {T, n}), f32(rb, {T, n, n}), invv, hv});
   for (const Config& config : {Config{{{"algo", 1}, {"threads", 128}, {"tokens", 4}}},
-                               Config{{{"algo", 2}, {"threads", 128}, {"tokens", 32}}}}) {
+                               Config{{{"algo", 2}, {"threads", 128}, {"tokens", 32}}},
+                               Config{{{"algo", 3}, {"threads", 128}, {"tokens", 32}}}}) {
     CallOptions opts;
     opts.config = &config;
     std::vector<std::vector<uint8_t>> first;
@@ -923,6 +1071,67 @@ TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
       for (size_t k = 0; k < got.size(); ++k)
         EXPECT_EQ(got[k], first[k]) << names[k] << " run " << run << " " << config.str();
     }
+  }
+}
+
+// Every case of mhc.pre.fwd and mhc.pre_only.fwd with an algo=mma_warp_heads config (n <= 4 on pre.fwd), at
+// every such config, f16 and bf16, against the float64 reference; and on bf16 T 1031, D 4000 (a partial last
+// tile) the same bits as algo=mma at the same tiles for every output (the heads' operations are the same).
+TEST(MhcGpu, PreForwardMmaWarpHeadsMatchesReferenceAndMmaBits) {
+  KSPEC_REQUIRE_GPU();
+  int checked = 0;
+  for (const char* op_name : {"mhc.pre.fwd", "mhc.pre_only.fwd"}) {
+    const OpDef& op = Registry::global().get(op_name);
+    for (const Case& cs : op.cases) {
+      if (cs.large) continue;
+      for (DType dt : {DType::f16, DType::bf16}) {
+        CheckOptions o;
+        o.case_name = cs.name;
+        o.dtypes = {dt};
+        for (const Config& c : configs_for_case(op_name, cs.name, dt))
+          if (c.get("algo") == 2) o.configs.push_back(c);
+        if (o.configs.empty()) continue;  // n > 4
+        auto rows = check_op(op_name, o);
+        EXPECT_EQ(rows.size(), o.configs.size()) << op_name << " " << cs.name;
+        kspec::testing::report(rows);
+        checked += static_cast<int>(rows.size());
+      }
+    }
+  }
+  EXPECT_GE(checked, 40);
+
+  jit::ContextGuard guard(0);
+  const int64_t T = 1031, n = 4, D = 4000, M = n * n + 2 * n, nd = n * D;
+  std::mt19937_64 rng(35);
+  const auto x = to_bf16(randn(rng, T * nd, 1.f));
+  DevBuf xb(T * nd * 2), phib(M * nd * 4), ab(12), bb(M * 4), gb(nd * 4);
+  CU_CHECK(cuMemcpyHtoD(xb.mem.ptr, x.data(), x.size() * 2));
+  phib.upload(randn(rng, M * nd, 1.f / std::sqrt(float(nd))));
+  ab.upload({0.7f, -0.5f, 1.3f});
+  bb.upload(randn(rng, M, 0.5f));
+  gb.upload(randn(rng, nd, 1.f));
+  auto f32 = [](const DevBuf& b, std::vector<int64_t> shape) { return view(b.ptr(), DType::f32, shape); };
+  for (int64_t tokens : {16, 32, 64}) {
+    std::vector<std::vector<uint8_t>> outs[2];
+    for (int k = 0; k < 2; ++k) {
+      const Config config{{{"algo", k == 0 ? 1 : 2}, {"threads", 128}, {"tokens", tokens}}};
+      CallOptions opts;
+      opts.config = &config;
+      DevBuf yb(T * D * 2), hpre(T * n * 4), hpost(T * n * 4), rb(T * n * n * 4), invb(T * 4), hb(T * M * 4);
+      for (DevBuf* o : {&yb, &hpre, &hpost, &rb, &invb, &hb}) o->poison();
+      call("mhc.pre.fwd",
+           {view(xb.ptr(), DType::bf16, {T, n, D}), f32(phib, {M, nd}), f32(ab, {3}), f32(bb, {M}), f32(gb, {nd})},
+           {view(yb.ptr(), DType::bf16, {T, D}), f32(hpre, {T, n}), f32(hpost, {T, n}), f32(rb, {T, n, n}),
+            f32(invb, {T}), f32(hb, {T, M})},
+           {}, nullptr, opts);
+      CU_CHECK(cuCtxSynchronize());
+      for (const DevBuf* o : {&yb, &hpre, &hpost, &rb, &invb, &hb}) {
+        outs[k].emplace_back(o->bytes);
+        CU_CHECK(cuMemcpyDtoH(outs[k].back().data(), o->mem.ptr, o->bytes));
+      }
+    }
+    const char* names[] = {"y", "h_pre", "h_post", "r", "inv", "h"};
+    for (size_t q = 0; q < outs[0].size(); ++q) EXPECT_EQ(outs[1][q], outs[0][q]) << names[q] << " tokens " << tokens;
   }
 }
 

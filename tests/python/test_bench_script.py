@@ -408,38 +408,48 @@ def test_mhc_bench_references_run_on_the_cpu(families):
 
 def test_mhc_bench_pre_kernel_configs_are_the_ops_legal_configs(families):
     """The mhc bench's pre.fwd rows by kernel name configs that the op accepts (each compiles, no GPU needed):
-    algo=simt and every algo=mma token tile the rules allow; 64 tokens only for 16-bit x with D % 8 == 0."""
+    algo=simt and every algo=mma token tile the rules allow; 64 tokens only for 16-bit x with D % 8 == 0;
+    algo=mma_warp_heads at 32 and 64 of them for 16-bit x with M <= 32 (its kernel's last template argument)."""
     import kspec
 
     mhc = families["mhc"]
-    assert list(mhc.pre_kernel_configs(4, 4096)) == [mhc.PRE_KERNELS + v for v in ("simt", "mma 16", "mma 32", "mma 64")]
-    assert list(mhc.pre_kernel_configs(4, 37)) == [mhc.PRE_KERNELS + v for v in ("simt", "mma 16", "mma 32")]
+    assert list(mhc.pre_kernel_configs(4, 4096)) == [mhc.PRE_KERNELS + v for v in (
+        "simt", "mma 16", "mma 32", "mma 64", "mma_warp_heads 32", "mma_warp_heads 64")]
+    assert list(mhc.pre_kernel_configs(4, 37)) == [mhc.PRE_KERNELS + v for v in ("simt", "mma 16", "mma 32",
+                                                                                 "mma_warp_heads 32")]
     assert list(mhc.pre_kernel_configs(4, 4096, "f32")) == [mhc.PRE_KERNELS + v for v in ("simt", "mma 16", "mma 32")]
-    for name, config in mhc.pre_kernel_configs(8, 128).items():
-        kernels = [r["kernel"] for r in kspec.compile("mhc.pre.fwd", dtype="bf16", arch="sm_80", config=config,
-                                                      n=8, D=128, t_max=20)]
-        assert kernels and ("mma" in kernels[0]) == ("mma" in name), (name, kernels)
+    for n in (8, 4):
+        for name, config in mhc.pre_kernel_configs(n, 128).items():
+            kernels = [r["kernel"] for r in kspec.compile("mhc.pre.fwd", dtype="bf16", arch="sm_80", config=config,
+                                                          n=n, D=128, t_max=20)]
+            assert kernels and ("mma" in kernels[0]) == ("mma" in name), (name, kernels)
+            assert kernels[0].endswith("true>") == ("warp_heads" in name), (name, kernels)
 
 
 def test_mhc_bench_pre_bwd_configs_compile_each_algo(families):
-    """The mhc bench's pre fwd+bwd rows by mhc.pre.bwd config: algo=simt, algo=mma and algo=mma_tokens (at its
-    largest legal token tile; none at n = 8 or D % 8 != 0) each accepted and compiled (no GPU needed);
-    algo=mma's columns kernel (the second) and its dx kernel (a fourth), algo=mma_tokens' token kernel."""
+    """The mhc bench's pre fwd+bwd rows by mhc.pre.bwd config: algo=simt, algo=mma, algo=mma_tokens (at its
+    largest legal token tile; none at n = 8 or D % 8 != 0) and algo=mma_fused (the same tile, M <= 24) each
+    accepted and compiled (no GPU needed); algo=mma's columns kernel (the second) and its dx kernel (a fourth),
+    algo=mma_tokens' token kernel, algo=mma_fused's token kernel and its fused kernel (three in all)."""
     import kspec
 
     mhc = families["mhc"]
-    assert list(mhc.pre_bwd_configs(4, 4096)) == [mhc.PRE_BWD_KERNELS + v for v in ("simt", "mma", "mma_tokens 32")]
-    assert list(mhc.pre_bwd_configs(2, 4096))[-1] == mhc.PRE_BWD_KERNELS + "mma_tokens 64"
+    assert list(mhc.pre_bwd_configs(4, 4096)) == [mhc.PRE_BWD_KERNELS + v
+                                                 for v in ("simt", "mma", "mma_tokens 32", "mma_fused 32")]
+    assert list(mhc.pre_bwd_configs(2, 4096))[-1] == mhc.PRE_BWD_KERNELS + "mma_fused 64"
     assert list(mhc.pre_bwd_configs(4, 100)) == [mhc.PRE_BWD_KERNELS + v for v in ("simt", "mma")]
+    assert not any("mma_fused" in name for name in mhc.pre_bwd_configs(5, 128))  # M = 35 > 24
     for n in (4, 8):
         configs = mhc.pre_bwd_configs(n, 128)
         assert any("mma_tokens" in name for name in configs) == (n == 4)
         for name, config in configs.items():
             kernels = [r["kernel"] for r in kspec.compile("mhc.pre.bwd", dtype="bf16", arch="sm_80", config=config,
                                                           n=n, D=128, t_max=20)]
-            mma = "mma" in name
+            fused = "mma_fused" in name
+            mma = "mma" in name and not fused
             assert len(kernels) == (4 if mma else 3) and ("columns_mma" in kernels[1]) == mma, (name, kernels)
-            assert ("token_mma" in kernels[0]) == ("mma_tokens" in name), (name, kernels)
+            assert ("fused_mma" in kernels[1]) == fused, (name, kernels)
+            assert ("token_mma" in kernels[0]) == ("mma_tokens" in name or fused), (name, kernels)
 
 
 def test_mhc_bench_post_vec8_rows_take_the_vec_axis(families):

@@ -55,12 +55,18 @@ def pre_kernel_configs(n, D, dtype="bf16"):
     """{variant: config} for mhc.pre.fwd's two kernels (api/ops/mhc/op.cpp, the `algo` axis): algo=simt
     (mhc_pre.cuh, the default before sm_80) at 128 threads and 4 tokens a block where they fit, and algo=mma
     (mhc_pre_mma.cuh, tensor cores) at each legal token tile: 64 only for 16-bit x with D % 8 == 0, at most
-    12 accumulator tiles (tokens / 16 x ceil(M / 8))."""
+    12 accumulator tiles (tokens / 16 x ceil(M / 8)); algo=mma_warp_heads (each warp its own tokens' heads, then
+    their y) at 32 and 64 of those tiles, 16-bit x with M <= 32 (n <= 4)."""
     m = n * n + 2 * n
     out = {PRE_KERNELS + "simt": f"algo=0,threads=128,tokens={4 if 4 * max(m, n * n) <= 128 else 1}"}
-    for tok in (16, 32, 64):
-        if (tok < 64 or (dtype != "f32" and D % 8 == 0)) and tok // 16 * -(-m // 8) <= (10 if dtype == "f32" else 12):
-            out[f"{PRE_KERNELS}mma {tok}"] = f"algo=1,threads=128,tokens={tok}"
+    legal = [tok for tok in (16, 32, 64)
+             if (tok < 64 or (dtype != "f32" and D % 8 == 0)) and tok // 16 * -(-m // 8) <= (10 if dtype == "f32" else 12)]
+    for tok in legal:
+        out[f"{PRE_KERNELS}mma {tok}"] = f"algo=1,threads=128,tokens={tok}"
+    if dtype != "f32" and m <= 32:
+        for tok in (32, 64):
+            if tok in legal:
+                out[f"{PRE_KERNELS}mma_warp_heads {tok}"] = f"algo=2,threads=128,tokens={tok}"
     return out
 
 
@@ -70,7 +76,8 @@ def pre_bwd_configs(n, D):
     (mhc_pre_bwd_mma.cuh) after the SIMT token kernel's first pass (128 threads, 4 tokens where they fit), and
     algo=mma_tokens, that first pass on tensor cores too (mhc_pre_bwd_token_mma.cuh) at its largest legal token
     tile: x in 16-byte groups (D % 8 == 0), n x tokens / 16 <= 8 rows of x a lane, plus the accumulator tiles
-    <= 16, 16 tokens at n = 3."""
+    <= 16, 16 tokens at n = 3; and algo=mma_fused at the same tile (M <= 24),
+    mma_tokens' token pass, then dx and the sums over tokens from one pass over x (mhc_pre_bwd_fused_mma.cuh)."""
     m = n * n + 2 * n
     tokens = 4 if 4 * max(m, n * n) <= 128 and 4 * (n + m) <= 112 else 1
     out = {PRE_BWD_KERNELS + name: f"algo={algo},threads=128,tokens={tokens}" for name, algo in (("simt", 0), ("mma", 1))}
@@ -78,6 +85,8 @@ def pre_bwd_configs(n, D):
         rows = tok // 16 * n
         if D % 8 == 0 and rows <= 8 and rows + tok // 16 * -(-m // 8) <= 16 and (n != 3 or tok == 16):
             out[f"{PRE_BWD_KERNELS}mma_tokens {tok}"] = f"algo=2,threads=128,tokens={tok}"
+            if m <= 24:
+                out[f"{PRE_BWD_KERNELS}mma_fused {tok}"] = f"algo=3,threads=128,tokens={tok}"
             break
     return out
 
@@ -405,11 +414,13 @@ def _report(ctx, rows, why):
         " (issue 34, H100): pre fwd 1.05 ms (bf16 Φ) / 1.42 (fp32 Φ), post fwd 1.44, layer fwd+bwd 16.5;"
         " torch.compile 1.47 / 4.65 / 13.7.",
         f"'{PRE_KERNELS}…': mhc.pre.fwd's kernels by config through kspec.call (forward only): algo=simt, the SIMT"
-        " projection; algo=mma, the projection on tensor cores at 16, 32 or 64 tokens a block.",
+        " projection; algo=mma, the projection on tensor cores at 16, 32 or 64 tokens a block; algo=mma_warp_heads,"
+        " the same with each warp running its own tokens' heads (Sinkhorn-Knopp by shuffles) and then their y.",
         f"'{PRE_BWD_KERNELS}…': pre fwd+bwd with mhc.pre.bwd by config through kspec.call (the forward the"
         " heuristic's): algo=simt, the SIMT kernels; algo=mma, dΦ and dγ from one GEMM S = dmᵀ·x a part and dx's"
         " du = dm·Φ on tensor cores; algo=mma_tokens (the default where its tile is valid), the token pass (m and"
-        " <dy, x[i]>) on tensor cores too.",
+        " <dy, x[i]>) on tensor cores too; algo=mma_fused, mma_tokens' token pass, then dx and the sums over tokens"
+        " in one pass over x (x read twice in the backward instead of three times).",
         f"'{POST_VEC8}': post fwd and fwd+bwd with mhc.post.fwd/.bwd at vec=8 (8 consecutive d a thread, 16-byte"
         " loads and stores) through kspec.call; 'kspec' runs the heuristic's, vec=8 where it is valid.",
         f"post_pre: post of layer l then pre of layer l + 1 (x_next and y compared; bytes the fused floor, so the"

@@ -162,8 +162,15 @@ TuningSpace with_tokens_axis(TuningSpace t) {
 
 // pre.fwd's `algo` axis: kSimt, the kernel above (mhc_pre.cuh: `threads`, `tokens` 1 or 4); kMma, the
 // projection on tensor cores (mhc_pre_mma.cuh: 128 threads, `tokens` 16, 32 or 64, whole m16 tiles).
-// pre.bwd's (with_bwd_algo_axis) has a third value, kMmaTokens.
-enum PreAlgo : int64_t { kSimt = 0, kMma = 1, kMmaTokens = 2 };
+// pre.bwd's (with_bwd_algo_axis) has two more, kMmaTokens and kMmaFused.
+enum PreAlgo : int64_t { kSimt = 0, kMma = 1, kMmaTokens = 2, kMmaFused = 3 };
+// pre.fwd's third value: kMma with each warp running its own tokens' heads and then their y
+// (mhc_pre_mma.cuh, kWarpHeads): n*n and M at most 32.
+constexpr int64_t kMmaWarpHeads = 2;
+std::string warp_heads_unsupported(const Problem& p) {
+  if (proj_rows(p) > 32) return "algo=mma_warp_heads takes at most 32 projection rows (n <= 4; pre_only any n)";
+  return "";
+}
 constexpr int64_t kMmaThreads = 128;  // templates/mhc/mhc_pre_mma.cuh: kMhcMmaThreads
 // 16-byte loads of x, phi, gamma and stores of y: whole 8-element groups, every pointer and row aligned.
 bool mma_vec(const Problem& p) { return p.dim("D") % 8 == 0 && p.align_bytes >= 16; }
@@ -185,7 +192,7 @@ int64_t mma_tiles(const Problem& p, int64_t tokens) { return tokens / 16 * ceil_
 // The tensor-core projection wherever it runs (not yet measured: tools/bench/NOTES.md, "mhc pre: the
 // projection on tensor cores"), with the most tokens a block whose accumulators fit.
 TuningSpace with_algo_axis(TuningSpace t) {
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaWarpHeads}});
   for (auto& [name, values] : t.axes)
     if (name == "tokens") values = {1, 4, 16, 32, 64};
   auto simt_valid = t.valid;
@@ -197,6 +204,7 @@ TuningSpace with_algo_axis(TuningSpace t) {
       no = "algo=simt takes 1 or 4 tokens a block";
     } else {
       no = mma_unsupported(p);
+      if (no.empty() && c.get("algo") == kMmaWarpHeads) no = warp_heads_unsupported(p);
       if (no.empty() && c.get("threads") != kMmaThreads) no = "algo=mma runs 128 threads a block (named threads=128)";
       else if (no.empty() && tok < 16) no = "algo=mma takes whole m16 tiles of tokens: 16, 32 or 64";
       else if (no.empty() && tok > max_mma_tokens(p))
@@ -218,7 +226,7 @@ TuningSpace with_algo_axis(TuningSpace t) {
     c.values.insert(c.values.begin(), {"algo", kSimt});
     return c;
   };
-  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") == kMma ? kMmaThreads : c.get("threads"); };
+  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") != kSimt ? kMmaThreads : c.get("threads"); };
   return t;
 }
 
@@ -450,11 +458,12 @@ OpDef make_pre_fwd(bool po) {
   op.tuning = with_algo_axis(op.tuning);
   op.info.tuning_axes = op.tuning.axes;
   op.kernels = [](const Problem& p, const Config& c) {
-    if (c.get("algo") == kMma) {
+    if (c.get("algo") != kSimt) {
       return std::vector<jit::KernelSpec>{kernel_spec(
           p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_mma_kernel",
           {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")), t_max_arg(p),
-           b(p.present("gamma")), b(pre_only(p)), std::to_string(c.get("tokens")), b(mma_vec(p))})};
+           b(p.present("gamma")), b(pre_only(p)), std::to_string(c.get("tokens")), b(mma_vec(p)),
+           b(c.get("algo") == kMmaWarpHeads)})};
     }
     return std::vector<jit::KernelSpec>{kernel_spec(
         p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_fwd_kernel",
@@ -485,7 +494,7 @@ OpDef make_pre_fwd(bool po) {
     a.eps_pre = static_cast<float>(pr.param_float("eps_pre"));
     a.eps_sk = pre_only(pr) ? 0.f : static_cast<float>(pr.param_float("eps_sk"));
     void* args[] = {&a};
-    l.launch(0, {u32(ceil_div(a.T, c.get("tokens")))}, {u32(c.get("algo") == kMma ? kMmaThreads : c.get("threads"))},
+    l.launch(0, {u32(ceil_div(a.T, c.get("tokens")))}, {u32(c.get("algo") != kSimt ? kMmaThreads : c.get("threads"))},
              0, args);
   };
   op.reference = pre_fwd_reference;
@@ -501,9 +510,13 @@ int64_t bwd_parts(int64_t T) { return std::clamp<int64_t>(ceil_div(T, kTokensPer
 // token and columns kernels of mhc_pre.cuh; kMma, the sums over tokens as one GEMM a part and dx's
 // du = dm phi on tensor cores (mhc_pre_bwd_mma.cuh, 128 threads), the SIMT token kernel's first pass and
 // heads as kSimt's (`threads`, `tokens` 1 or 4); kMmaTokens, kMma with that first pass on tensor cores too
-// (mhc_pre_bwd_token_mma.cuh: 128 threads, `tokens` 16, 32 or 64).
+// (mhc_pre_bwd_token_mma.cuh: 128 threads, `tokens` 16, 32 or 64); kMmaFused, kMmaTokens' token pass, then
+// dx and the sums over tokens in one pass over x (mhc_pre_bwd_fused_mma.cuh) instead of two.
 bool bwd_mma(const Config& c) { return c.has("algo") && c.get("algo") >= kMma; }
-bool bwd_mma_tokens(const Config& c) { return c.has("algo") && c.get("algo") == kMmaTokens; }
+bool bwd_mma_tokens(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaTokens; }
+bool bwd_mma_fused(const Config& c) { return c.has("algo") && c.get("algo") == kMmaFused; }
+// The fused kernel's columns a block (4 warps of 32).
+constexpr int64_t kFusedBlockCols = 128;
 // The mma columns kernel's consecutive columns per lane (its kNt): 8 while ceil(M / 16) <= 3 m16 tiles of
 // accumulators fit (n <= 6), else 4; a block takes 4 warps x 8 kNt columns.
 int64_t bwd_mma_lane_cols(const Problem& p) { return ceil_div(proj_rows(p), 16) <= 3 ? 8 : 4; }
@@ -513,8 +526,8 @@ bool bwd_mma_vec(const Problem& p) { return p.dim("D") % bwd_mma_lane_cols(p) ==
 // steps; 32 tokens while that is at most 6 (n <= 4), else 16.
 int64_t bwd_mma_dx_tokens(const Problem& p) { return 2 * ceil_div(proj_rows(p), 8) <= 6 ? 32 : 16; }
 
-// pre.bwd's three kernels (token, columns, reduce), also the first three of post_pre.bwd; algo=mma adds a
-// fourth, dx.
+// pre.bwd's three kernels (token, columns, reduce), also the first three of post_pre.bwd; algo=mma and
+// algo=mma_tokens add a fourth, dx; algo=mma_fused has three (token, fused dx and columns, reduce).
 std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, bool dx_post) {
   const std::string T = dtype_cuda_type(p.dtype("x")), n = std::to_string(p.dim("n")),
                     D = std::to_string(p.dim("D")), g = b(p.present("gamma")), head = b(pre_only(p));
@@ -528,7 +541,14 @@ std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, 
   }
   // algo=mma: the token kernel without its dx pass (so no dx_post there), then dx on tensor cores (plan
   // kernel 3, after the reduce: it needs only the token kernel's workspace); algo=mma_tokens: the token
-  // pass on tensor cores, which never writes dx.
+  // pass on tensor cores, which never writes dx; algo=mma_fused: that token pass, then dx with the columns.
+  if (bwd_mma_fused(c)) {
+    return {kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
+                        {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p))}),
+            kernel_spec(p, "mhc/mhc_pre_bwd_fused_mma.cuh", "kspec::mhc_pre_bwd_fused_mma_kernel",
+                        {T, n, D, g, head, b(dx_post)}),
+            reduce};
+  }
   return {bwd_mma_tokens(c) ? kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
                                           {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p))})
                             : kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_token_kernel",
@@ -587,10 +607,11 @@ void* launch_pre_bwd(const Call& call, const Config& c, Launcher& l, MhcPreBwdPa
   void* args[] = {&a};
   const unsigned th = u32(c.get("threads"));
   if (T > 0) l.launch(0, {u32(ceil_div(T, c.get("tokens")))}, {th}, 0, args);
-  if (bwd_mma(c)) l.launch(1, {u32(ceil_div(nd, bwd_mma_block_cols(pr))), u32(parts)}, {u32(kMmaThreads)}, 0, args);
+  if (bwd_mma_fused(c)) l.launch(1, {u32(ceil_div(nd, kFusedBlockCols)), u32(parts)}, {u32(kMmaThreads)}, 0, args);
+  else if (bwd_mma(c)) l.launch(1, {u32(ceil_div(nd, bwd_mma_block_cols(pr))), u32(parts)}, {u32(kMmaThreads)}, 0, args);
   else l.launch(1, {u32(ceil_div(nd, th)), u32(parts)}, {th}, 0, args);
   l.launch(2, {u32(ceil_div((m + 1) * nd + m + 3, kReduceThreads))}, {kReduceThreads}, 0, args);
-  if (bwd_mma(c) && T > 0) l.launch(3, {u32(ceil_div(T, bwd_mma_dx_tokens(pr)))}, {u32(kMmaThreads)}, 0, args);
+  if (bwd_mma(c) && !bwd_mma_fused(c) && T > 0) l.launch(3, {u32(ceil_div(T, bwd_mma_dx_tokens(pr)))}, {u32(kMmaThreads)}, 0, args);
   return a.dx;
 }
 
@@ -630,18 +651,23 @@ std::string bwd_mma_tokens_unsupported(const Problem& p, int64_t tokens) {
 // algo=mma_tokens at 32 tokens (16 where 32 is not valid) wherever it is valid, else algo=mma with the SIMT
 // heuristic's threads and tokens (1 token on pre_only, its rule), else the SIMT kernels. H100, T 16384, n 4,
 // D 4096, bf16, pre fwd+bwd: mma_tokens 32 2540 us, mma 3716, simt 6280 (H200: mma 3567 against simt 6280;
-// tools/bench/NOTES.md).
+// tools/bench/NOTES.md). algo=mma_fused (mma_tokens' tiles, M <= 24) is selectable, not yet the
+// heuristic's: not yet timed.
 TuningSpace with_bwd_algo_axis(TuningSpace t) {
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaTokens}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaTokens, kMmaFused}});
   for (auto& [name, values] : t.axes)
     if (name == "tokens") values = {1, 4, 16, 32, 64};
   auto simt_valid = t.valid;
   t.valid = [simt_valid](const Problem& p, const Config& c, std::string* why) {
     const int64_t algo = c.get("algo"), tok = c.get("tokens");
     std::string no = algo == kSimt ? "" : mma_unsupported(p);
-    if (no.empty() && algo == kMmaTokens) {
+    if (no.empty() && algo >= kMmaTokens) {
       if (c.get("threads") != kMmaThreads) no = "algo=mma_tokens runs 128 threads a block (named threads=128)";
       else no = bwd_mma_tokens_unsupported(p, tok);
+      // The fused kernel keeps phi's fragments of every row in shared memory, 8 KB per 8 rows, beside its
+      // 18 KB ring of rows (mhc_pre_bwd_fused_mma.cuh): 46 KB of the 48 static at M = 24.
+      if (no.empty() && algo == kMmaFused && proj_rows(p) > 24)
+        no = "algo=mma_fused takes at most 24 projection rows (n <= 4; pre_only n <= 8): shared memory";
       if (no.empty()) return true;
     } else if (no.empty() && tok > 4) {
       no = "algo=simt and algo=mma take 1 or 4 tokens a block (the SIMT token kernel's)";
