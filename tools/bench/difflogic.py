@@ -29,6 +29,10 @@ def add_arguments(p):
                    help="difflogic: CA batches (16x16x8 checkerboard, T = 20, one BPTT training step; issue 30)")
     p.add_argument("--difflogic-parts", metavar="PART,...", default="layer,packed,ca",
                    help="difflogic: which tables: layer (a), packed (b), ca (c) (default all three)")
+    p.add_argument("--difflogic-net-configs", metavar="CFG;...",
+                   default="algo=layers;algo=chunked,chunk=64,inflight=2;algo=chunked,chunk=128,inflight=2;"
+                           "algo=chunked,chunk=64,inflight=4;algo=chunked,chunk=32,inflight=4",
+                   help="difflogic: difflogic.packed.net configs timed in the packed table (';'-separated; '' none)")
     p.add_argument("--difflogic-lanes", metavar="L,...", default="0,4,8,16",
                    help="difflogic: feature-major configs timed beside the default one, the same lanes in the forward"
                         " and the backward (0: the flat kernels; else the batch-tiled ones; '' none)")
@@ -271,6 +275,17 @@ def run_packed(ctx):
                             out=(torch.empty(B, PACKED_K, dtype=torch.int32, device=ctx.dev),))[0]
 
             impls = [("kspec packed", "kspec", packed)]
+            # The whole network in one op (difflogic.packed.net), each config in the same process: algo=layers
+            # is the per-layer path above in one call, algo=chunked the persistent kernel over chunks in L2.
+            # The wires are checked once above (kspec.ops.difflogic_packed_net checks them per call, a host sync).
+            net_in = [list(t) for t in zip(*wiring)]
+
+            def net(words=words, B=B, cfg=None):
+                return call("difflogic.packed.net", words, *net_in, config=cfg,
+                            out=(torch.empty(B, PACKED_K, dtype=torch.int32, device=ctx.dev),))[0]
+
+            impls += [(f"kspec net {cfg}", "kspec", lambda net=net, cfg=cfg: net(cfg=cfg))
+                      for cfg in ctx.args.difflogic_net_configs.split(";") if cfg.strip()]
             if B <= FLOAT_MAX_B and w == 32:
                 impls += [("kspec float (hard)", "kspec", lambda b=bits: float_hard(b.float())),
                           ("torch eager (hard)", "peer", lambda b=bits: eager_hard(b.float()))]
@@ -313,6 +328,7 @@ def run_packed(ctx):
             ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else ""))]
     notes = [f"{PACKED_IN} -> {PACKED_LAYERS} x {width} hard logic layers -> GroupSum({PACKED_K}) counts; the input"
              " packed once outside the timing; kspec packed: difflogic.packed.fwd per layer, difflogic.packed.group_sum;"
+             " kspec net CFG: difflogic.packed.net (the whole network in one op) with that config;"
              " kspec float (hard) and torch eager (hard): fp32 activations, only where B <= 2^14 (64 GB at 2^18);"
              " difflogic 0.1.0 packed: PackBitsTensor through its eval-mode LogicLayers and GroupSum (it packs"
              " wrongly unless w divides B, issue 30).",
