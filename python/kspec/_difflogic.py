@@ -168,8 +168,8 @@ def packed_net(words, layers, batch: int, k: int, config: str | None = None):
     """A whole packed network in one op (difflogic.packed.net): words [n_in, ceil(batch / w)] int32/int64
     through the hard layers `layers` [(logits (n_l, 16) fp32, a, b (n_l,) wires), ...] (1 to 16 of them),
     then GroupSum's counts [batch, k] int32 of the last layer. config: e.g. "algo=chunked,chunk=64,inflight=2"
-    (one launch over chunks of the samples, each chunk's layers in L2) or "algo=layers" (a launch per layer);
-    None: the op's default."""
+    (one launch over chunks of the samples, each chunk's layers in L2) or "algo=layers,chunk=128,inflight=2" (a
+    launch per layer; chunk and inflight at their canonical values); None: the op's default."""
     n_in = words.shape[0]
     logits, wa, wb = [], [], []
     for i, (lg, a, b) in enumerate(layers):

@@ -631,7 +631,8 @@ def difflogic_packed_net(words: Array, layers: Sequence[tuple[Array, Array, Arra
     """A packed network in one op: words (n_in, ceil(batch / w)) int32/int64 through hard layers
     [(logits (n_l, 16), a, b (n_l,)), ...], then GroupSum: (batch, k) int32 counts of set bits in each of k
     equal groups of the last layer's gates. config picks the algorithm ("algo=chunked,chunk=64,inflight=2":
-    one launch, each chunk of samples through every layer in L2; "algo=layers": a launch per layer)."""
+    one launch, each chunk of samples through every layer in L2; "algo=layers,chunk=128,inflight=2": a launch
+    per layer). A config names every axis."""
     from . import _difflogic
 
     return _difflogic.packed_net(words, layers, batch, k, config)
