@@ -106,11 +106,13 @@ __device__ __forceinline__ void dl_wait(const unsigned* counter, unsigned target
 }
 
 // kChunkBytes: bytes of every row per chunk (16 to 256; kChunkBytes * 8 samples); kThreads per block;
-// kUnits: 16-byte units per thread in a load or layer item; kGsRows: rows per thread in a GroupSum item
+// kUnits x kWaves: 16-byte units per thread in a load or layer item (a layer item's loads in kWaves waves of
+// kUnits, to bound the registers); kGsRows: rows per thread in a GroupSum item
 // (its bit-sliced counters have 7 planes: up to 127 rows).
 template <int kChunkBytes, int kThreads>
 __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const DiffLogicNetParams p) {
-  constexpr int kPieces = kChunkBytes / 16, kUnits = DiffLogicNetTraits::kUnits, kGsRows = DiffLogicNetTraits::kGsRows;
+  constexpr int kPieces = kChunkBytes / 16, kUnits = DiffLogicNetTraits::kUnits, kWaves = DiffLogicNetTraits::kWaves;
+  constexpr int kGsRows = DiffLogicNetTraits::kGsRows;
   constexpr int kPos = kChunkBytes / 4, kRowLanes = kThreads / kPos;  // GroupSum: 32-bit words x row lanes
   static_assert(kChunkBytes % 16 == 0 && kThreads % kPos == 0 && kGsRows < 128, "chunk, threads, GroupSum rows");
   __shared__ DiffLogicNetItem item;
@@ -145,8 +147,8 @@ __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const Di
       const unsigned char* x = static_cast<const unsigned char*>(p.x);
       const long long units = p.width[0] * kPieces, off0 = it.chunk * kChunkBytes;
 #pragma unroll
-      for (int i = 0; i < kUnits; ++i) {
-        const long long u = (it.tile * kUnits + i) * kThreads + tid;
+      for (int i = 0; i < kUnits * kWaves; ++i) {
+        const long long u = (it.tile * kUnits * kWaves + i) * kThreads + tid;
         if (u >= units) break;
         const long long row = u / kPieces, off = off0 + (u - row * kPieces) * 16;
         const unsigned* src = reinterpret_cast<const unsigned*>(x + row * p.row_bytes + off);
@@ -163,29 +165,33 @@ __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const Di
       const int* wb = p.b[l - 1];
       const unsigned char* ops = p.ops + p.gate0[l - 1];
       const long long units = p.width[l] * kPieces;
-      unsigned op[kUnits];
-      long long ra[kUnits], rb[kUnits];
+      for (int wave = 0; wave < kWaves; ++wave) {
+        const long long base = (it.tile * kWaves + wave) * kUnits;
+        if (base * kThreads >= units) break;
+        unsigned op[kUnits];
+        long long ra[kUnits], rb[kUnits];
 #pragma unroll
-      for (int i = 0; i < kUnits; ++i) {  // the gates' ops and wires first, then their rows: loads in flight together
-        const long long u = (it.tile * kUnits + i) * kThreads + tid;
-        const long long g = u < units ? u / kPieces : 0, piece = u < units ? u - g * kPieces : 0;
-        op[i] = ops[g];
-        ra[i] = (op[i] < 16 ? wa[g] : 0) * static_cast<long long>(kChunkBytes) + piece * 16;
-        rb[i] = (op[i] < 16 ? wb[g] : 0) * static_cast<long long>(kChunkBytes) + piece * 16;
-      }
-      uint4 A[kUnits], B[kUnits];
+        for (int i = 0; i < kUnits; ++i) {  // the gates' ops and wires first, then their rows: loads in flight together
+          const long long u = (base + i) * kThreads + tid;
+          const long long g = u < units ? u / kPieces : 0, piece = u < units ? u - g * kPieces : 0;
+          op[i] = ops[g];
+          ra[i] = (op[i] < 16 ? wa[g] : 0) * static_cast<long long>(kChunkBytes) + piece * 16;
+          rb[i] = (op[i] < 16 ? wb[g] : 0) * static_cast<long long>(kChunkBytes) + piece * 16;
+        }
+        uint4 A[kUnits], B[kUnits];
 #pragma unroll
-      for (int i = 0; i < kUnits; ++i) {
-        A[i] = dl_ldcg16(src + ra[i]);
-        B[i] = dl_ldcg16(src + rb[i]);
-      }
+        for (int i = 0; i < kUnits; ++i) {
+          A[i] = dl_ldcg16(src + ra[i]);
+          B[i] = dl_ldcg16(src + rb[i]);
+        }
 #pragma unroll
-      for (int i = 0; i < kUnits; ++i) {
-        const long long u = (it.tile * kUnits + i) * kThreads + tid;
-        if (u >= units) break;
-        const unsigned o = op[i] < 16 ? op[i] : 0u;  // 16: a wire out of range, zero bits
-        dl_st16(dst + u * 16, make_uint4(dl_gate(o, A[i].x, B[i].x), dl_gate(o, A[i].y, B[i].y),
-                                         dl_gate(o, A[i].z, B[i].z), dl_gate(o, A[i].w, B[i].w)));
+        for (int i = 0; i < kUnits; ++i) {
+          const long long u = (base + i) * kThreads + tid;
+          if (u >= units) break;
+          const unsigned o = op[i] < 16 ? op[i] : 0u;  // 16: a wire out of range, zero bits
+          dl_st16(dst + u * 16, make_uint4(dl_gate(o, A[i].x, B[i].x), dl_gate(o, A[i].y, B[i].y),
+                                           dl_gate(o, A[i].z, B[i].z), dl_gate(o, A[i].w, B[i].w)));
+        }
       }
     } else {
       // GroupSum of the last layer: item = (group, block of kRowLanes * kGsRows rows of it). Each thread adds

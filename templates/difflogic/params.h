@@ -57,7 +57,8 @@ constexpr int kDiffLogicChunk = 64;
 // then two buffers of max_width rows, kChunkBytes bytes a row.
 constexpr int kDiffLogicNetMaxLayers = 16;
 struct DiffLogicNetTraits {
-  static constexpr int kUnits = 4;    // 16-byte units per thread in a load or layer item
+  static constexpr int kUnits = 4;    // 16-byte units per thread in flight at once in a layer item
+  static constexpr int kWaves = 2;    // ... and such waves per item: 32 KB of output an item, half the tickets of one
   static constexpr int kGsRows = 64;  // rows per thread in a GroupSum item (its counters hold up to 127)
 };
 struct DiffLogicNetParams {

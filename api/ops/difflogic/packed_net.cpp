@@ -132,7 +132,7 @@ void launch_chunked(const Call& call, const Config& c, Launcher& l) {
   const Problem& p = call.problem;
   const std::vector<int64_t> width = widths(call);
   const int64_t layers = static_cast<int64_t>(width.size()) - 1, chunk = c.get("chunk");
-  constexpr int64_t kUnits = DiffLogicNetTraits::kUnits, kGsRows = DiffLogicNetTraits::kGsRows;
+  constexpr int64_t kUnits = DiffLogicNetTraits::kUnits * DiffLogicNetTraits::kWaves, kGsRows = DiffLogicNetTraits::kGsRows;
   DiffLogicNetParams q{};
   q.x = call.in("x").data;
   q.counts = static_cast<int*>(call.out("counts").data);
