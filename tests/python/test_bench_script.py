@@ -459,7 +459,7 @@ def test_difflogic_slow_calls_get_fewer_reps(families):
 def test_difflogic_packed_net_configs_compile(families):
     """The packed table's "kspec net CFG" rows: each default config of --difflogic-net-configs is a legal
     difflogic.packed.net config and compiles (no GPU needed): algo=layers the per-layer kernels, chunked the
-    ops kernel and the network kernel of its chunk."""
+    ops kernel and the network kernel of its chunk; and the per-layer rows kernel's row."""
     import argparse
 
     import kspec
@@ -478,6 +478,10 @@ def test_difflogic_packed_net_configs_compile(families):
             chunk = dict(kv.split("=") for kv in config.split(","))["chunk"]
             assert kernels == ["kspec::difflogic_packed_ops_kernel<256>",
                                f"kspec::difflogic_packed_net_kernel<{chunk}, 256>"], kernels
+    # the "kspec packed threads=128,vec=1" rows: packed.fwd's rows kernel
+    kernels = [r["kernel"] for r in kspec.compile("difflogic.packed.fwd", dtype="f32", arch="sm_80", config=dl.ROWS_CONFIG,
+                                                  tensor_dtypes={"x": "int64"})]
+    assert kernels == ["kspec::difflogic_packed_fwd_rows_kernel<64, 128>"], kernels
 
 
 def test_difflogic_ca_peer_is_the_same_ca(families):

@@ -235,6 +235,11 @@ FLOAT_MAX_B = 1 << 14  # the float paths keep (B, 64k) activations: 4 GB fp32 at
 CHECK_PACKED = 1024  # samples of a large batch checked against the float hard path
 
 
+# difflogic.packed.fwd's rows kernel (a thread per 128 bits of a gate's row, the same cost per bit at w = 32 and
+# 64): 128 threads cover 512 words of a row, all of B = 2^14's at w = 32.
+ROWS_CONFIG = "threads=128,vec=1"
+
+
 def packed_bytes(B, w):
     """A floor: every layer's input words read once (a gate reads two rows, from L2 at best), its output
     words written, 64 B of logits a gate; then the counts (int32)."""
@@ -290,14 +295,15 @@ def run_packed(ctx):
         for w in (32, 64):
             words = kspec.ops.difflogic_pack(bits, w)  # packed once, outside the timing (the input's format)
 
-            def packed(words=words, B=B):
+            def packed(words=words, B=B, config=None):
                 x = words
                 for logits, a, b in wiring:
-                    x = call("difflogic.packed.fwd", x, logits, a, b, batch=B)[0]
+                    x = call("difflogic.packed.fwd", x, logits, a, b, batch=B, config=config)[0]
                 return call("difflogic.packed.group_sum", x,
                             out=(torch.empty(B, PACKED_K, dtype=torch.int32, device=ctx.dev),))[0]
 
-            impls = [("kspec packed", "kspec", packed)]
+            impls = [("kspec packed", "kspec", packed),
+                     (f"kspec packed {ROWS_CONFIG}", "kspec", lambda packed=packed: packed(config=ROWS_CONFIG))]
             # The whole network in one op (difflogic.packed.net), each config in the same process: algo=layers
             # is the per-layer path above in one call, algo=chunked the persistent kernel over chunks in L2.
             # The wires are checked once above (kspec.ops.difflogic_packed_net checks them per call, a host sync).
@@ -352,7 +358,8 @@ def run_packed(ctx):
             ("× fastest peer", lambda r: fmt(r.get("vs_peer"), ".2f")),
             ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else ""))]
     notes = [f"{PACKED_IN} -> {PACKED_LAYERS} x {width} hard logic layers -> GroupSum({PACKED_K}) counts; the input"
-             " packed once outside the timing; kspec packed: difflogic.packed.fwd per layer, difflogic.packed.group_sum;"
+             " packed once outside the timing; kspec packed: difflogic.packed.fwd per layer, difflogic.packed.group_sum"
+             f" (its default config; {ROWS_CONFIG}: the rows kernel);"
              " kspec net CFG: difflogic.packed.net (the whole network in one op) with that config;"
              " kspec float (hard) and torch eager (hard): fp32 activations, only where B <= 2^14 (64 GB at 2^18);"
              " difflogic 0.1.0 packed: PackBitsTensor through its eval-mode LogicLayers and GroupSum (it packs"
