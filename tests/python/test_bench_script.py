@@ -447,7 +447,7 @@ def test_difflogic_slow_calls_get_fewer_reps(families):
     dl.time.perf_counter = lambda: clock["t"]
     try:
         for first, call, want in [(2.0, 2.0, (None, None)), (5000.0, 2.0, (None, None)), (660.0, 660.0, (1, 1)),
-                                  (170.0, 170.0, (4, 1)), (30.0, 25.0, (29, 1)), (12.0, 12.0, (50, 1))]:
+                                  (170.0, 170.0, (2, 1)), (30.0, 25.0, (19, 1)), (12.0, 12.0, (41, 1))]:
             seen.clear()
             ctx, fn = ctx_with(call)
             dl.timed(ctx, fn, lambda: None, first)
