@@ -164,6 +164,24 @@ def packed_group_sum(words, batch: int, k: int):
     return unpack(words, batch).to(torch.int64).reshape(batch, k, n // k).sum(-1)
 
 
+def packed_net(words, layers, batch: int, k: int, config: str | None = None):
+    """A whole packed network in one op (difflogic.packed.net): words [n_in, ceil(batch / w)] int32/int64
+    through the hard layers `layers` [(logits (n_l, 16) fp32, a, b (n_l,) wires), ...] (1 to 16 of them),
+    then GroupSum's counts [batch, k] int32 of the last layer. config: e.g. "algo=chunked,chunk=64,inflight=2"
+    (one launch over chunks of the samples, each chunk's layers in L2) or "algo=layers,chunk=128,inflight=2" (a
+    launch per layer; chunk and inflight at their canonical values); None: the op's default."""
+    n_in = words.shape[0]
+    logits, wa, wb = [], [], []
+    for i, (lg, a, b) in enumerate(layers):
+        a, b = check_wires(n_in, a, b, f"kspec.ops.difflogic_packed_net: layer {i}")
+        logits.append(lg)
+        wa.append(a)
+        wb.append(b)
+        n_in = lg.shape[0]
+    counts = torch.empty(batch, k, dtype=torch.int32, device=words.device)
+    return call("difflogic.packed.net", words, logits, wa, wb, config=config, out=(counts,))[0]
+
+
 # ---- modules ----
 
 class LogicLayer(torch.nn.Module):

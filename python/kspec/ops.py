@@ -626,6 +626,18 @@ def difflogic_packed(words: Array, logits: Array, a: Array, b: Array, batch: int
     return _difflogic.packed_layer(words, logits, a, b, batch)
 
 
+def difflogic_packed_net(words: Array, layers: Sequence[tuple[Array, Array, Array]], batch: int, k: int,
+                         config: str | None = None) -> Array:
+    """A packed network in one op: words (n_in, ceil(batch / w)) int32/int64 through hard layers
+    [(logits (n_l, 16), a, b (n_l,)), ...], then GroupSum: (batch, k) int32 counts of set bits in each of k
+    equal groups of the last layer's gates. config picks the algorithm ("algo=chunked,chunk=64,inflight=2":
+    one launch, each chunk of samples through every layer in L2; "algo=layers,chunk=128,inflight=2": a launch
+    per layer). A config names every axis."""
+    from . import _difflogic
+
+    return _difflogic.packed_net(words, layers, batch, k, config)
+
+
 def difflogic_packed_group_sum(words: Array, batch: int, k: int) -> Array:
     """GroupSum on packed outputs: (batch, k) int64 counts of set bits in each of k equal groups of rows."""
     from . import _difflogic

@@ -49,6 +49,37 @@ constexpr int kDiffLogicCaBwdBlocks = 512;
 // workspace by it).
 constexpr int kDiffLogicChunk = 64;
 
+// difflogic.packed.net (packed_net.cuh): a network of up to kDiffLogicNetMaxLayers hard layers on packed
+// words, then GroupSum counts, in one persistent launch over chunks of the samples. Layer l (1-based) has
+// width[l] gates reading width[l - 1] rows; its wires a[l - 1], b[l - 1], its logits logits[l - 1] and its
+// ops ops[gate0[l - 1] ..]. Stage 0 copies a chunk of the input rows, stage l runs layer l, stage layers + 1
+// counts; tiles[s] items of stage s per chunk. Scratch: `inflight` slots of slot_bytes, each the input rows
+// then two buffers of max_width rows, kChunkBytes bytes a row.
+constexpr int kDiffLogicNetMaxLayers = 16;
+struct DiffLogicNetTraits {
+  static constexpr int kUnits = 4;    // 16-byte units per thread in flight at once in a layer item
+  static constexpr int kWaves = 2;    // ... and such waves per item: 32 KB of output an item, half the tickets of one
+  static constexpr int kGsRows = 64;  // rows per thread in a GroupSum item (its counters hold up to 127)
+};
+struct DiffLogicNetParams {
+  const void* x;  // words [width[0], words]: row_bytes bytes a row
+  int* counts;    // [batch, groups], zeroed before the launch (the items add into it)
+  const float* logits[kDiffLogicNetMaxLayers];
+  const int* a[kDiffLogicNetMaxLayers];
+  const int* b[kDiffLogicNetMaxLayers];
+  unsigned char* ops;            // [gate0[layers]] workspace (difflogic_packed_ops_kernel)
+  unsigned char* scratch;        // [inflight, slot_bytes] workspace
+  unsigned long long* ticket;    // [1], zeroed before the launch
+  unsigned* done;                // [chunks, layers + 2] items finished per (chunk, stage), zeroed before the launch
+  long long width[kDiffLogicNetMaxLayers + 1];
+  long long gate0[kDiffLogicNetMaxLayers + 1];
+  long long tiles[kDiffLogicNetMaxLayers + 2];
+  long long batch, row_bytes, groups;
+  long long chunks, inflight, max_width, slot_bytes;
+  long long chunk_items, round_items;  // items of one chunk (all stages), of a full round of inflight chunks
+  int layers;
+};
+
 // The CA architectures (compile-time: a kernel is specialized for one): C channels, K perception kernels,
 // the perception's widths (the first 8: gate g reads (patch[perm[g]], centre)) and the update network's
 // (first n_in C + C P K, P the perception's last width; last width C). Read by the host (op.cpp) and by

@@ -198,10 +198,10 @@ TEST(DiffLogic, PrecompilePlanCompilesWithoutSpills) {
       }
     }
   }
-  // soft and hard x 3 dtypes x 2 configs; 3 dtypes x 2 configs; 2 word widths x 2 configs.
+  // soft and hard x 3 dtypes x 2 configs; 3 dtypes x 2 configs; 2 word widths x 2 threads x 2 vec.
   EXPECT_EQ(requests["difflogic.layer.fwd"], 12);
   EXPECT_EQ(requests["difflogic.layer.bwd"], 6);
-  EXPECT_EQ(requests["difflogic.packed.fwd"], 4);
+  EXPECT_EQ(requests["difflogic.packed.fwd"], 8);
 }
 
 // The lanes axis: feature-major defaults to the batch-tiled kernels (lanes 8), row-major keeps the flat ones
@@ -483,12 +483,16 @@ TEST(DiffLogicGpuExact, HardModeOnBitsIsExact) {
 }
 
 // Three hard layers on packed words (w = 32 in int32, 64 in int64; B not a multiple of w) equal the
-// reference bit for bit, padding bits cleared.
+// reference bit for bit, padding bits cleared: the flat kernel (vec 0) and the rows kernel (vec 1; B = 40000
+// spans several blocks of a row at 128 threads).
 TEST(DiffLogicGpuExact, PackedEqualsReferenceBitForBit) {
   KSPEC_REQUIRE_GPU();
   jit::ContextGuard guard(0);
+  const Config configs[] = {Config{{{"threads", 256}, {"vec", 0}}}, Config{{{"threads", 128}, {"vec", 1}}},
+                            Config{{{"threads", 256}, {"vec", 1}}}};
+  for (const Config& config : configs)
   for (int w : {32, 64})
-    for (int64_t B : {1, 33, 64, 100, 1000}) {
+    for (int64_t B : {1, 33, 64, 100, 1000, 40000}) {
       const int64_t W = (B + w - 1) / w;
       const DType dt = w == 32 ? DType::i32 : DType::i64;
       std::mt19937_64 rng(static_cast<uint64_t>(B * 3 + w));
@@ -517,6 +521,7 @@ TEST(DiffLogicGpuExact, PackedEqualsReferenceBitForBit) {
           a.push_back(wire(rng));
           b.push_back(g % 3 == 0 ? a.back() : wire(rng));
         }
+        if (n_out == 7) a[2] = static_cast<int32_t>(n);  // out of range: never followed, zero bits
         std::vector<unsigned char> lbytes;
         encode(DType::f32, logits, lbytes);
         DevBuf l(lbytes.size()), ab(a.size() * 4), bb(b.size() * 4);
@@ -528,10 +533,13 @@ TEST(DiffLogicGpuExact, PackedEqualsReferenceBitForBit) {
         call("difflogic.packed.fwd",
              {TensorView(cur->ptr(), dt, {n, W}, 0), TensorView(l.ptr(), DType::f32, {n_out, 16}, 0),
               TensorView(ab.ptr(), DType::i32, {n_out}, 0), TensorView(bb.ptr(), DType::i32, {n_out}, 0)},
-             {TensorView(next->ptr(), dt, {n_out, W}, 0)}, {{"batch", B}});
+             {TensorView(next->ptr(), dt, {n_out, W}, 0)}, {{"batch", B}}, nullptr, CallOptions{&config});
         CU_CHECK(cuCtxSynchronize());
-        want = ref::difflogic_packed_fwd_ref(B, n, want, w, ref::difflogic_hard_ops(logits, n_out), a, b);
-        EXPECT_TRUE(next->download(n_out * W * (w / 8)) == to_bytes(want)) << "w " << w << " B " << B << " n_out " << n_out;
+        std::vector<int> ops = ref::difflogic_hard_ops(logits, n_out);
+        if (n_out == 7) ops[2] = a[2] = 0;  // the reference's zero bits: op 0 (FALSE) on a valid wire
+        want = ref::difflogic_packed_fwd_ref(B, n, want, w, ops, a, b);
+        EXPECT_TRUE(next->download(n_out * W * (w / 8)) == to_bytes(want))
+            << "w " << w << " B " << B << " n_out " << n_out << " vec " << config.get("vec");
         cur = std::move(next);
         n = n_out;
       }

@@ -571,6 +571,71 @@ def test_difflogic_parts_pick_the_tables(families, monkeypatch):
     assert calls == ["layer", "packed", "ca"]
 
 
+def test_difflogic_slow_calls_get_fewer_reps(families):
+    """A call of SLOW_MS or more (the CA's BPTT at B = 256: 0.66 s; torch eager at 16k) is timed with about ROW_MS
+    of calls, at least one rep, after one warm-up, from the faster of the validation call and one more (a first
+    call may include compiling); a fast call keeps the run's reps and warm-up."""
+    import argparse
+    import types
+
+    dl = families["difflogic"]
+    clock = {"t": 0.0}
+    seen = []
+
+    class Timer:
+        reps = 50
+
+        def time(self, fn, prep, reps=None, warmup=None):
+            seen.append((reps, warmup))
+            return {"gpu_ms": 1.0}
+
+    def ctx_with(call_ms):
+        def fn():
+            clock["t"] += call_ms / 1e3
+        cuda = types.SimpleNamespace(synchronize=lambda: None)
+        return argparse.Namespace(timer=Timer(), torch=types.SimpleNamespace(cuda=cuda)), fn
+
+    real = dl.time.perf_counter
+    dl.time.perf_counter = lambda: clock["t"]
+    try:
+        for first, call, want in [(2.0, 2.0, (None, None)), (5000.0, 2.0, (None, None)), (660.0, 660.0, (1, 1)),
+                                  (170.0, 170.0, (2, 1)), (30.0, 25.0, (19, 1)), (12.0, 12.0, (41, 1))]:
+            seen.clear()
+            ctx, fn = ctx_with(call)
+            dl.timed(ctx, fn, lambda: None, first)
+            assert seen == [want], (first, call, seen)
+    finally:
+        dl.time.perf_counter = real
+
+
+def test_difflogic_packed_net_configs_compile(families):
+    """The packed table's "kspec net CFG" rows: each default config of --difflogic-net-configs is a legal
+    difflogic.packed.net config and compiles (no GPU needed): algo=layers the per-layer kernels, chunked the
+    ops kernel and the network kernel of its chunk; and the per-layer rows kernel's row."""
+    import argparse
+
+    import kspec
+
+    dl = families["difflogic"]
+    p = argparse.ArgumentParser()
+    dl.add_arguments(p)
+    configs = p.parse_args([]).difflogic_net_configs.split(";")
+    assert configs[0] == "algo=layers,chunk=128,inflight=2" and len(configs) >= 3
+    for config in configs:
+        kernels = [r["kernel"] for r in kspec.compile("difflogic.packed.net", dtype="f32", arch="sm_80", config=config)]
+        if config.startswith("algo=layers"):
+            assert kernels == ["kspec::difflogic_packed_fwd_kernel<32, 256>",
+                               "kspec::difflogic_packed_group_sum_kernel<32, 256>"], kernels
+        else:
+            chunk = dict(kv.split("=") for kv in config.split(","))["chunk"]
+            assert kernels == ["kspec::difflogic_packed_ops_kernel<256>",
+                               f"kspec::difflogic_packed_net_kernel<{chunk}, 256>"], kernels
+    # the "kspec packed threads=128,vec=1" rows: packed.fwd's rows kernel
+    kernels = [r["kernel"] for r in kspec.compile("difflogic.packed.fwd", dtype="f32", arch="sm_80", config=dl.ROWS_CONFIG,
+                                                  tensor_dtypes={"x": "int64"})]
+    assert kernels == ["kspec::difflogic_packed_fwd_rows_kernel<64, 128>"], kernels
+
+
 def test_difflogic_ca_peer_is_the_same_ca(families):
     """The CA benchmark's difflogic 0.1.0 peer (its LogicLayers, the perception kernels with block wiring)
     computes the torch eager CA and sends the gradients to the kspec CA's logits: run here on a stand-in

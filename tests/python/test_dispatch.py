@@ -177,7 +177,7 @@ def test_schema_shapes_match_infer_outputs():
 
     # Ops whose output has a dim no input binds and no family rule gives (packing: ceil(batch / w) words,
     # unpack's batch): the caller sizes the output (out=).
-    caller_sized = {"difflogic.pack", "difflogic.unpack", "difflogic.packed.group_sum"}
+    caller_sized = {"difflogic.pack", "difflogic.unpack", "difflogic.packed.group_sum", "difflogic.packed.net"}
     compared = 0
     for op in _C.list_ops():
         info = _C.op_info(op)

@@ -243,6 +243,21 @@ def test_packed_layer_and_group_sum_vs_reference(w):
     assert kspec.ops.difflogic_packed_group_sum(y, B, 4).tolist() == dl_ref.packed_group_sum(want, B, w, 4).tolist()
 
 
+@pytest.mark.parametrize("w", [32, 64])
+@pytest.mark.parametrize("config", ["algo=layers,chunk=128,inflight=2", "algo=chunked,chunk=32,inflight=2", "algo=chunked,chunk=128,inflight=1"])
+def test_packed_net_vs_reference(w, config):
+    B, widths, k = 3000, [30, 200, 48], 6  # B not a multiple of w; 12 chunks of 32 bytes
+    g = torch.Generator(device="cuda").manual_seed(w)
+    bits = (torch.rand(B, widths[0], device="cuda", generator=g) > 0.5).to(torch.uint8)
+    layers = [(_rn(g, n, 16), torch.randint(0, m, (n,), device="cuda", generator=g),
+               torch.randint(0, m, (n,), device="cuda", generator=g)) for m, n in zip(widths, widths[1:])]
+    counts = kspec.ops.difflogic_packed_net(kspec.ops.difflogic_pack(bits, w), layers, B, k, config=config)
+    want = dl_ref.pack(bits.cpu().numpy(), w)
+    for logits, a, b in layers:
+        want = dl_ref.packed_fwd(want, B, w, dl_ref.hard_ops(_np(logits)), a.cpu().numpy(), b.cpu().numpy())
+    assert counts.dtype == torch.int32 and counts.tolist() == dl_ref.packed_group_sum(want, B, w, k).tolist()
+
+
 def test_logic_layer_module_modes_and_difflogic():
     torch.manual_seed(0)
     layer = kspec.nn.LogicLayer(64, 128)

@@ -584,6 +584,9 @@ def test_difflogic_wires_pack_and_modules():
         assert torch.equal(kspec.ops.difflogic_unpack(words, w + 3), bits)
         assert kspec.ops.difflogic_packed_group_sum(words, w + 3, 3).tolist() == \
             dl_ref.packed_group_sum(dl_ref.pack(bits.numpy(), w), w + 3, w, 3).tolist()
+    with pytest.raises(ValueError, match=r"difflogic_packed_net: layer 1: wires must lie in \[0, n_in\) = \[0, 4\)"):
+        kspec.ops.difflogic_packed_net(words, [(torch.randn(4, 16), torch.arange(4), torch.arange(4)),
+                                               (torch.randn(2, 16), torch.tensor([0, 4]), torch.tensor([1, 2]))], 67, 2)
     # LogicLayer: difflogic's draw (weights, then the wiring from the CPU generator), in the state dict
     torch.manual_seed(0)
     layer = kspec.nn.LogicLayer(6, 8, device="cpu")

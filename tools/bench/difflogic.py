@@ -5,6 +5,7 @@ process."""
 from __future__ import annotations
 
 import sys
+import time
 
 from .common import Section, brief, record_failure
 from .report import fmt, peer_report
@@ -16,6 +17,12 @@ NEEDS_BUILD = "difflogic"  # the peer tools/gpu/check.sh builds from source (bui
 CHECK_SAMPLES = 16  # samples compared with the float64 reference (dy zero on the others)
 TOL = {"float32": (1e-4, 1e-4), "bfloat16": (1e-2, 2e-2)}  # issue 30: fp32 1e-4; bf16 bounds ours
 FWD_PCT, FWDBWD_VS_PEER = 60.0, 4.0  # issue 30: >= 60% of 3 TB/s forward; fwd+bwd >= 4x difflogic (fp32)
+# Calls of SLOW_MS or more (the CA's BPTT step at B = 64 and 256: 0.17-1.1 s a call; torch eager at 16k x 16k;
+# the packed network at B = 2^18) are timed with fewer reps: about ROW_MS of calls a row, at least one, after one
+# warm-up call (the validation call before it warmed it as well). The same quantity (median gpu / ev time of a
+# call, L2 flushed), fewer samples: at the run's 50 reps a 0.66 s call took over a minute a row, and the CA and
+# 16k tables never finished.
+SLOW_MS, ROW_MS = 10.0, 2000.0
 
 
 def add_arguments(p):
@@ -29,6 +36,10 @@ def add_arguments(p):
                    help="difflogic: CA batches (16x16x8 checkerboard, T = 20, one BPTT training step; issue 30)")
     p.add_argument("--difflogic-parts", metavar="PART,...", default="layer,packed,ca",
                    help="difflogic: which tables: layer (a), packed (b), ca (c) (default all three)")
+    p.add_argument("--difflogic-net-configs", metavar="CFG;...",
+                   default="algo=layers,chunk=128,inflight=2;algo=chunked,chunk=64,inflight=2;algo=chunked,chunk=128,inflight=2;"
+                           "algo=chunked,chunk=64,inflight=4",
+                   help="difflogic: difflogic.packed.net configs timed in the packed table (';'-separated; '' none)")
     p.add_argument("--difflogic-lanes", metavar="L,...", default="0,4,8,16",
                    help="difflogic: feature-major configs timed beside the default one, the same lanes in the forward"
                         " and the backward (0: the flat kernels; else the batch-tiled ones; '' none)")
@@ -49,6 +60,23 @@ def torch_layer(torch, truth):
         return t[:, 0] * (1 - xa) * (1 - xb) + t[:, 1] * (1 - xa) * xb + t[:, 2] * xa * (1 - xb) + t[:, 3] * xa * xb
 
     return layer
+
+
+def timed(ctx, fn, prep, first_ms):
+    """ctx.timer.time(fn, prep), with the reps cut for a slow call: first_ms, the wall time of the call that
+    validated it (timed once more where slow: a first call may include compiling). A timing pass costs about
+    4 reps + 1 calls (a host-bound call's GPU pass is repeated up to 3 times when the spin cannot cover its
+    enqueueing, then the ev pass)."""
+    if first_ms >= SLOW_MS:
+        prep()
+        t0 = time.perf_counter()
+        fn()
+        ctx.torch.cuda.synchronize()
+        first_ms = min(first_ms, (time.perf_counter() - t0) * 1e3)
+    if first_ms < SLOW_MS:
+        return ctx.timer.time(fn, prep)
+    reps = max(1, min(ctx.timer.reps, int((ROW_MS / first_ms - 1) / 4)))
+    return ctx.timer.time(fn, prep, reps=reps, warmup=1)
 
 
 def _peer():
@@ -208,6 +236,11 @@ FLOAT_MAX_B = 1 << 14  # the float paths keep (B, 64k) activations: 4 GB fp32 at
 CHECK_PACKED = 1024  # samples of a large batch checked against the float hard path
 
 
+# difflogic.packed.fwd's rows kernel (a thread per 128 bits of a gate's row, the same cost per bit at w = 32 and
+# 64): 128 threads cover 512 words of a row, all of B = 2^14's at w = 32.
+ROWS_CONFIG = "threads=128,vec=1"
+
+
 def packed_bytes(B, w):
     """A floor: every layer's input words read once (a gate reads two rows, from L2 at best), its output
     words written, 64 B of logits a gate; then the counts (int32)."""
@@ -263,14 +296,26 @@ def run_packed(ctx):
         for w in (32, 64):
             words = kspec.ops.difflogic_pack(bits, w)  # packed once, outside the timing (the input's format)
 
-            def packed(words=words, B=B):
+            def packed(words=words, B=B, config=None):
                 x = words
                 for logits, a, b in wiring:
-                    x = call("difflogic.packed.fwd", x, logits, a, b, batch=B)[0]
+                    x = call("difflogic.packed.fwd", x, logits, a, b, batch=B, config=config)[0]
                 return call("difflogic.packed.group_sum", x,
                             out=(torch.empty(B, PACKED_K, dtype=torch.int32, device=ctx.dev),))[0]
 
-            impls = [("kspec packed", "kspec", packed)]
+            impls = [("kspec packed", "kspec", packed),
+                     (f"kspec packed {ROWS_CONFIG}", "kspec", lambda packed=packed: packed(config=ROWS_CONFIG))]
+            # The whole network in one op (difflogic.packed.net), each config in the same process: algo=layers
+            # is the per-layer path above in one call, algo=chunked the persistent kernel over chunks in L2.
+            # The wires are checked once above (kspec.ops.difflogic_packed_net checks them per call, a host sync).
+            net_in = [list(t) for t in zip(*wiring)]
+
+            def net(words=words, B=B, cfg=None):
+                return call("difflogic.packed.net", words, *net_in, config=cfg,
+                            out=(torch.empty(B, PACKED_K, dtype=torch.int32, device=ctx.dev),))[0]
+
+            impls += [(f"kspec net {cfg}", "kspec", lambda net=net, cfg=cfg: net(cfg=cfg))
+                      for cfg in ctx.args.difflogic_net_configs.split(";") if cfg.strip()]
             if B <= FLOAT_MAX_B and w == 32:
                 impls += [("kspec float (hard)", "kspec", lambda b=bits: float_hard(b.float())),
                           ("torch eager (hard)", "peer", lambda b=bits: eager_hard(b.float()))]
@@ -285,15 +330,17 @@ def run_packed(ctx):
                     rows.append(row)
                     continue
                 try:
+                    t0 = time.perf_counter()
                     with torch.no_grad():
                         got = fn()
                     torch.cuda.synchronize()
+                    first_ms = (time.perf_counter() - t0) * 1e3
                     got = torch.as_tensor(got)[:CHECK_PACKED].round().to(torch.int32)
                     row["valid"] = bool(torch.equal(got, want))
                     row["status"] = "ok" if row["valid"] else "INVALID (counts differ from the float hard path)"
                     if row["valid"] or ctx.args.time_invalid:
                         with torch.no_grad():
-                            row.update(ctx.timer.time(fn, lambda: None))
+                            row.update(timed(ctx, fn, lambda: None, first_ms))
                         row["gbps"] = row["bytes"] / (row["gpu_ms"] * 1e6)
                 except Exception as e:  # noqa: BLE001
                     record_failure(row, e, ctx.args.verbose, torch)
@@ -312,7 +359,9 @@ def run_packed(ctx):
             ("× fastest peer", lambda r: fmt(r.get("vs_peer"), ".2f")),
             ("status", lambda r: r["status"] + (f": {r['error'][:90]}" if r.get("error") else ""))]
     notes = [f"{PACKED_IN} -> {PACKED_LAYERS} x {width} hard logic layers -> GroupSum({PACKED_K}) counts; the input"
-             " packed once outside the timing; kspec packed: difflogic.packed.fwd per layer, difflogic.packed.group_sum;"
+             " packed once outside the timing; kspec packed: difflogic.packed.fwd per layer, difflogic.packed.group_sum"
+             f" (its default config; {ROWS_CONFIG}: the rows kernel);"
+             " kspec net CFG: difflogic.packed.net (the whole network in one op) with that config;"
              " kspec float (hard) and torch eager (hard): fp32 activations, only where B <= 2^14 (64 GB at 2^18);"
              " difflogic 0.1.0 packed: PackBitsTensor through its eval-mode LogicLayers and GroupSum (it packs"
              " wrongly unless w divides B, issue 30).",
@@ -475,7 +524,10 @@ def run_ca(ctx):
                 rows.append(row)
                 continue
             try:
+                t0 = time.perf_counter()
                 train_step(fn)
+                torch.cuda.synchronize()
+                first_ms = (time.perf_counter() - t0) * 1e3
                 grads = [ca.perception_logits.grad.clone(), ca.update_logits.grad.clone()]
                 if ref is None:  # the first that ran is the others' yardstick: same maths, fp32 both
                     ref, row["max_error"] = grads, 0.0
@@ -485,7 +537,7 @@ def run_ca(ctx):
                 row["valid"] = row["max_error"] <= CA_TOL
                 row["status"] = "ok" if row["valid"] else "INVALID"
                 if row["valid"] or impl == "peer" or ctx.args.time_invalid:  # a peer's time stands (its errors shown)
-                    row.update(ctx.timer.time(lambda fn=fn: train_step(fn), lambda: None))
+                    row.update(timed(ctx, lambda fn=fn: train_step(fn), lambda: None, first_ms))
                     row["cells_per_s"] = row["cells"] / (row["gpu_ms"] * 1e-3)
             except Exception as e:  # noqa: BLE001
                 record_failure(row, e, ctx.args.verbose, torch)
@@ -538,8 +590,10 @@ def _run_one(ctx, torch, fn, weights, x, dy, dy_check, kind, ref, impl, dt, fm=F
         return y
 
     prep()
+    t0 = time.perf_counter()
     y = step(dy_check)
     torch.cuda.synchronize()
+    first_ms = (time.perf_counter() - t0) * 1e3
     errs = {"y": _err(y, ref["y"])}
     if kind != "fwd":
         errs["dx"] = _err(xl.grad, ref["dx"]) if xl.grad is not None else float("inf")
@@ -550,7 +604,7 @@ def _run_one(ctx, torch, fn, weights, x, dy, dy_check, kind, ref, impl, dt, fm=F
     out["valid"] = out["max_error"] <= (fwd_tol if kind == "fwd" else bwd_tol)
     out["status"] = "ok" if out["valid"] else "INVALID"
     if out["valid"] or impl != "kspec" or ctx.args.time_invalid:
-        out.update(ctx.timer.time(lambda: step(dy), prep))
+        out.update(timed(ctx, lambda: step(dy), prep, first_ms))
     return out
 
 

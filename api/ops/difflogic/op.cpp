@@ -386,6 +386,8 @@ OpDef make_layer_bwd() {
 
 // ---- difflogic.packed.fwd ----
 
+int64_t packed_vec_of(const Config& c) { return c.has("vec") ? c.get("vec") : 0; }
+
 OpDef make_packed_fwd() {
   OpDef op;
   op.info.name = "difflogic.packed.fwd";
@@ -418,7 +420,12 @@ OpDef make_packed_fwd() {
     KSPEC_CHECK(p.dim("words") == want, p.op->info.name, ": parameter 'batch' = ", p.param_int("batch"), " needs ",
                 want, " words of ", w, " bits per row, but input 'x' has ", p.dim("words"));
   };
+  // vec: 0 the flat kernel (a thread per word), 1 the rows kernel (a thread per 128 bits of a gate's row:
+  // the same cost per bit at w = 32 and 64). A config written before the axis ("threads=256") means 0. The
+  // default stays 0 until the H100 run times 1 (tools/bench/NOTES.md).
   op.tuning = difflogic_tuning();
+  op.tuning.axes.push_back({"vec", {0, 1}});
+  op.tuning.heuristic = [](const Problem&) { return Config{{{"threads", 256}, {"vec", 0}}}; };
   op.info.tuning_axes = op.tuning.axes;
   // The main dtype is the logits' (fp32); the word width is x's dtype, which the _w64 rows set.
   op.dtypes = {DType::f32};
@@ -440,9 +447,10 @@ OpDef make_packed_fwd() {
       op.cases.push_back(std::move(c));
     }
   op.kernels = [](const Problem& p, const Config& c) {
-    return std::vector<jit::KernelSpec>{
-        kernel_spec(p, "difflogic/packed.cuh", "kspec::difflogic_packed_fwd_kernel",
-                    {p.dtype("x") == DType::i64 ? "64" : "32", std::to_string(c.get("threads"))})};
+    return std::vector<jit::KernelSpec>{kernel_spec(
+        p, "difflogic/packed.cuh",
+        packed_vec_of(c) ? "kspec::difflogic_packed_fwd_rows_kernel" : "kspec::difflogic_packed_fwd_kernel",
+        {p.dtype("x") == DType::i64 ? "64" : "32", std::to_string(c.get("threads"))})};
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     const Problem& p = call.problem;
@@ -458,7 +466,11 @@ OpDef make_packed_fwd() {
     a.words = p.dim("words");
     const int64_t threads = c.get("threads");
     void* args[] = {&a};
-    l.launch(0, {blocks_for(a.n_out * a.words, threads)}, {u32(threads)}, 0, args);
+    if (!packed_vec_of(c)) return l.launch(0, {blocks_for(a.n_out * a.words, threads)}, {u32(threads)}, 0, args);
+    // Rows kernel: x covers a row's words (threads x 128 bits a block), y the gates (grid-stride past 65535).
+    const int64_t per_block = threads * (128 / (p.dtype("x") == DType::i64 ? 64 : 32));
+    l.launch(0, {u32((a.words + per_block - 1) / per_block), u32(std::min<int64_t>(a.n_out, 65535))}, {u32(threads)},
+             0, args);
   };
   // Host tensors are float64: an int32 word is exact there, a 64-bit word is not (the w = 64 kernel is
   // compared with difflogic_packed_fwd_ref directly in tests/cpp/test_difflogic.cpp).
@@ -482,6 +494,7 @@ void register_difflogic(Registry& r) {
   r.add(make_packed_fwd());
   register_difflogic_bits(r);
   register_difflogic_ca(r);
+  register_difflogic_packed_net(r);
 }
 
 }  // namespace kspec

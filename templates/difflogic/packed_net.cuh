@@ -1,0 +1,240 @@
+// difflogic.packed.net, algo=chunked: a whole packed network (hard layers, then GroupSum counts) in one
+// persistent launch, so that only the input words and the counts touch DRAM (api/ops/difflogic/packed_net.cpp
+// says what runs when; api/ops/difflogic/reference.h: difflogic_packed_fwd_ref and
+// difflogic_packed_group_sum_ref chained are the spec).
+//
+// Why: one launch per layer streams every layer's words through DRAM (at B = 2^18 a 64k-wide layer is 2 GB
+// of bits: 6 layers read and write ~25 GB). Here the samples are cut into chunks of kChunkBytes bytes of
+// every row (kChunkBytes * 8 samples), and all stages of a chunk run back to back on scratch rows of
+// kChunkBytes bytes: stage 0 copies the chunk of the input rows, stage l (1..L) runs layer l, stage L + 1
+// adds the last layer's bits into the counts. A layer's scratch (64k rows x 128 B = 8 MB) stays in L2
+// between the stage that writes it and the one that reads it.
+//
+// Scheduling: work items (chunk, stage, tile) are handed out in one global order by an atomic ticket, and
+// an item waits (spinning on a per-(chunk, stage) done counter) only for items with smaller tickets: the
+// previous stage of its chunk, and the stage of the previous chunk of its scratch slot that last reads the
+// buffer the item writes. Every block that waits has a ticket, so the item it waits for was taken by a running block,
+// which itself waits only for smaller tickets: nothing hangs, whatever the grid size or residency, and no
+// cooperative launch is needed. The order interleaves `inflight` chunks (one scratch slot each) stage by
+// stage, so the first items of a stage rarely find the last items of the previous stage of their chunk
+// still running (the other chunks' items lie between them).
+//
+// The word width does not matter here: a w = 64 row is the w = 32 row of the same bits (little-endian:
+// sample s is bit s mod 32 of 32-bit word s / 32 either way), only the row length in bytes differs, so one
+// kernel serves both at the same cost per bit, and each thread moves 16 bytes per row and unit. Bits of
+// samples >= batch are never cleared on the way (the counts skip those samples).
+//
+// Memory: scratch is read with ld.global.cg (past L1, which is not coherent: a slot is rewritten by other
+// blocks for every chunk); the input words with ld.global.cs (read once). Integer atomics make the counts
+// exact and the same run to run.
+#pragma once
+
+#include "difflogic/params.h"
+
+namespace kspec {
+
+// 16-byte unit helpers.
+__device__ __forceinline__ uint4 dl_ldcg16(const unsigned char* p) {
+  return __ldcg(reinterpret_cast<const uint4*>(p));
+}
+__device__ __forceinline__ void dl_st16(unsigned char* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
+__device__ __forceinline__ unsigned dl_gate(unsigned op, unsigned A, unsigned B) {
+  const unsigned f00 = 0u - ((op >> 3) & 1u), f01 = 0u - ((op >> 2) & 1u), f10 = 0u - ((op >> 1) & 1u),
+                 f11 = 0u - (op & 1u);
+  return (f00 & ~A & ~B) | (f01 & ~A & B) | (f10 & A & ~B) | (f11 & A & B);
+}
+
+// The argmax op of every gate of every layer, in [0, 16), or 16 where a wire is outside [0, width of the
+// layer's input): such a gate is never followed and gives zero bits, as difflogic.packed.fwd's do. Made once
+// per call, before the network kernel (the logits are read once, not once per chunk).
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) difflogic_packed_ops_kernel(const DiffLogicNetParams p) {
+  const long long total = p.gate0[p.layers];
+  for (long long e = blockIdx.x * static_cast<long long>(kThreads) + threadIdx.x; e < total;
+       e += static_cast<long long>(gridDim.x) * kThreads) {
+    int l = 0;
+    while (e >= p.gate0[l + 1]) ++l;
+    const long long g = e - p.gate0[l];
+    const int wa = p.a[l][g], wb = p.b[l][g];
+    const float* lg = p.logits[l] + g * 16;
+    int op = 0;
+#pragma unroll
+    for (int i = 1; i < 16; ++i)
+      if (lg[i] > lg[op]) op = i;  // strict: ties stay with the lower index
+    const unsigned long long n_in = static_cast<unsigned long long>(p.width[l]);
+    const bool ok = static_cast<unsigned long long>(static_cast<long long>(wa)) < n_in &&
+                    static_cast<unsigned long long>(static_cast<long long>(wb)) < n_in;
+    p.ops[e] = static_cast<unsigned char>(ok ? op : 16);
+  }
+}
+
+// What a ticket names.
+struct DiffLogicNetItem {
+  long long chunk, tile;
+  int stage;  // -1: no work left
+};
+
+// The ticket order: rounds of `inflight` chunks; in a round, stage by stage; in a stage, chunk by chunk;
+// in a chunk, tile by tile. p.tiles[s]: items of stage s for one chunk; p.round_items: items of a full round.
+__device__ __forceinline__ DiffLogicNetItem dl_decode(const DiffLogicNetParams& p, long long t) {
+  DiffLogicNetItem it{0, 0, -1};
+  if (t >= p.chunks * p.chunk_items) return it;
+  const long long r = t / p.round_items, first = r * p.inflight;
+  const long long nr = p.chunks - first < p.inflight ? p.chunks - first : p.inflight;
+  long long rem = t - r * p.round_items;
+  for (int s = 0; s <= p.layers + 1; ++s) {
+    const long long n = nr * p.tiles[s];
+    if (rem < n) {
+      it.chunk = first + rem / p.tiles[s];
+      it.tile = rem - (it.chunk - first) * p.tiles[s];
+      it.stage = s;
+      return it;
+    }
+    rem -= n;
+  }
+  return it;  // unreachable: the stages' items add up to the round's
+}
+
+__device__ __forceinline__ void dl_wait(const unsigned* counter, unsigned target) {
+  for (;;) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+    if (v >= target) break;
+    __nanosleep(64);
+  }
+  __threadfence();
+}
+
+// kChunkBytes: bytes of every row per chunk (16 to 256; kChunkBytes * 8 samples); kThreads per block;
+// kUnits x kWaves: 16-byte units per thread in a load or layer item (a layer item's loads in kWaves waves of
+// kUnits, to bound the registers); kGsRows: rows per thread in a GroupSum item
+// (its bit-sliced counters have 7 planes: up to 127 rows).
+template <int kChunkBytes, int kThreads>
+__global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const DiffLogicNetParams p) {
+  constexpr int kPieces = kChunkBytes / 16, kUnits = DiffLogicNetTraits::kUnits, kWaves = DiffLogicNetTraits::kWaves;
+  constexpr int kGsRows = DiffLogicNetTraits::kGsRows;
+  constexpr int kPos = kChunkBytes / 4, kRowLanes = kThreads / kPos;  // GroupSum: 32-bit words x row lanes
+  static_assert(kChunkBytes % 16 == 0 && kThreads % kPos == 0 && kGsRows < 128, "chunk, threads, GroupSum rows");
+  __shared__ DiffLogicNetItem item;
+  __shared__ int partial[kChunkBytes * 8];  // GroupSum: one count per sample of the chunk
+  const int tid = threadIdx.x;
+  const int stages = p.layers + 2;
+  for (;;) {
+    if (tid == 0) {
+      const long long t = static_cast<long long>(atomicAdd(p.ticket, 1ull));
+      DiffLogicNetItem it = dl_decode(p, t);
+      if (it.stage > 0) dl_wait(p.done + it.chunk * stages + it.stage - 1, static_cast<unsigned>(p.tiles[it.stage - 1]));
+      if (it.stage >= 0 && it.stage <= p.layers && it.chunk >= p.inflight) {
+        // The buffer this stage writes, free of the slot's previous chunk: its last reader there done. Stage 0's
+        // input rows are read by stage 1; stage s's buffer (one per parity of s) last by stage layers + 1 where
+        // s and layers have one parity, else by stage layers. A round's first stages thus wait for the last
+        // layer of the round before, and only its third for that round's GroupSum.
+        const int last = it.stage == 0 ? 1 : ((it.stage ^ p.layers) & 1) == 0 ? p.layers + 1 : p.layers;
+        dl_wait(p.done + (it.chunk - p.inflight) * stages + last, static_cast<unsigned>(p.tiles[last]));
+      }
+      item = it;
+    }
+    __syncthreads();
+    const DiffLogicNetItem it = item;
+    if (it.stage < 0) return;
+    unsigned char* slot = p.scratch + (it.chunk % p.inflight) * p.slot_bytes;
+    unsigned char* in_rows = slot;  // stage 0's output: the input rows
+    // The two layer buffers, picked by select (an indexed pair would live in local memory).
+    unsigned char* const buf0 = slot + p.width[0] * kChunkBytes;
+    unsigned char* const buf1 = buf0 + p.max_width * kChunkBytes;
+    if (it.stage == 0) {
+      // Copy the chunk of the input rows; bytes past a row's end are zero.
+      const unsigned char* x = static_cast<const unsigned char*>(p.x);
+      const long long units = p.width[0] * kPieces, off0 = it.chunk * kChunkBytes;
+#pragma unroll
+      for (int i = 0; i < kUnits * kWaves; ++i) {
+        const long long u = (it.tile * kUnits * kWaves + i) * kThreads + tid;
+        if (u >= units) break;
+        const long long row = u / kPieces, off = off0 + (u - row * kPieces) * 16;
+        const unsigned* src = reinterpret_cast<const unsigned*>(x + row * p.row_bytes + off);
+        unsigned v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = off + 4 * j < p.row_bytes ? __ldcs(src + j) : 0u;
+        dl_st16(in_rows + u * 16, make_uint4(v[0], v[1], v[2], v[3]));
+      }
+    } else if (it.stage <= p.layers) {
+      const int l = it.stage;  // layer l reads width[l - 1] rows, writes width[l]
+      const unsigned char* src = l == 1 ? in_rows : (l & 1) ? buf1 : buf0;
+      unsigned char* dst = (l & 1) ? buf0 : buf1;
+      const int* wa = p.a[l - 1];
+      const int* wb = p.b[l - 1];
+      const unsigned char* ops = p.ops + p.gate0[l - 1];
+      const long long units = p.width[l] * kPieces;
+      for (int wave = 0; wave < kWaves; ++wave) {
+        const long long base = (it.tile * kWaves + wave) * kUnits;
+        if (base * kThreads >= units) break;
+        unsigned op[kUnits];
+        long long ra[kUnits], rb[kUnits];
+#pragma unroll
+        for (int i = 0; i < kUnits; ++i) {  // the gates' ops and wires first, then their rows: loads in flight together
+          const long long u = (base + i) * kThreads + tid;
+          const long long g = u < units ? u / kPieces : 0, piece = u < units ? u - g * kPieces : 0;
+          op[i] = ops[g];
+          ra[i] = (op[i] < 16 ? wa[g] : 0) * static_cast<long long>(kChunkBytes) + piece * 16;
+          rb[i] = (op[i] < 16 ? wb[g] : 0) * static_cast<long long>(kChunkBytes) + piece * 16;
+        }
+        uint4 A[kUnits], B[kUnits];
+#pragma unroll
+        for (int i = 0; i < kUnits; ++i) {
+          A[i] = dl_ldcg16(src + ra[i]);
+          B[i] = dl_ldcg16(src + rb[i]);
+        }
+#pragma unroll
+        for (int i = 0; i < kUnits; ++i) {
+          const long long u = (base + i) * kThreads + tid;
+          if (u >= units) break;
+          const unsigned o = op[i] < 16 ? op[i] : 0u;  // 16: a wire out of range, zero bits
+          dl_st16(dst + u * 16, make_uint4(dl_gate(o, A[i].x, B[i].x), dl_gate(o, A[i].y, B[i].y),
+                                           dl_gate(o, A[i].z, B[i].z), dl_gate(o, A[i].w, B[i].w)));
+        }
+      }
+    } else {
+      // GroupSum of the last layer: item = (group, block of kRowLanes * kGsRows rows of it). Each thread adds
+      // kGsRows rows of one 32-bit word position into 7 bit-sliced counters (plane i: bit i of 32 counts),
+      // then the block sums its threads' counts per sample in shared memory and adds them to the counts.
+      const unsigned char* src = (p.layers & 1) ? buf0 : buf1;
+      const long long m = p.width[p.layers] / p.groups, per_group = (m + kRowLanes * kGsRows - 1) / (kRowLanes * kGsRows);
+      const long long group = it.tile / per_group, first = group * m + (it.tile - group * per_group) * kRowLanes * kGsRows;
+      const long long end = (group + 1) * m;
+      const int pos = tid % kPos, lane = tid / kPos;
+      for (int j = tid; j < kChunkBytes * 8; j += kThreads) partial[j] = 0;
+      unsigned plane[7] = {0u, 0u, 0u, 0u, 0u, 0u, 0u};
+#pragma unroll 4
+      for (int i = 0; i < kGsRows; ++i) {
+        const long long row = first + lane + static_cast<long long>(i) * kRowLanes;
+        if (row >= end) break;
+        unsigned carry = __ldcg(reinterpret_cast<const unsigned*>(src + row * kChunkBytes) + pos);
+#pragma unroll
+        for (int q = 0; q < 7; ++q) {
+          const unsigned next = plane[q] & carry;
+          plane[q] ^= carry;
+          carry = next;
+        }
+      }
+      __syncthreads();  // partial zeroed
+#pragma unroll 4
+      for (int bit = 0; bit < 32; ++bit) {
+        int count = 0;
+#pragma unroll
+        for (int q = 0; q < 7; ++q) count |= static_cast<int>((plane[q] >> bit) & 1u) << q;
+        if (count) atomicAdd(&partial[pos * 32 + bit], count);
+      }
+      __syncthreads();
+      const long long s0 = it.chunk * kChunkBytes * 8;
+      for (int j = tid; j < kChunkBytes * 8; j += kThreads)
+        if (partial[j] && s0 + j < p.batch) atomicAdd(p.counts + (s0 + j) * p.groups + group, partial[j]);
+    }
+    __syncthreads();  // every thread's stores of the item issued (and `item`, `partial` free again)
+    if (tid == 0) {
+      __threadfence();
+      atomicAdd(p.done + it.chunk * stages + it.stage, 1u);
+    }
+  }
+}
+
+}  // namespace kspec
