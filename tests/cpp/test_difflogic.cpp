@@ -67,6 +67,33 @@ TEST(DiffLogic, InferOutputs) {
   EXPECT_EQ(g[1].dtype, DType::f32);
 }
 
+// difflogic.transpose: y [cols, rows] in x's dtype; a strided x is refused by name (the op reads rows), and
+// every dtype and config compiles for sm_80 and sm_90 without spills or a stack frame (64 x 64 tiles: 16
+// or 32 values a thread held between its loads and its shared-memory stores).
+TEST(DiffLogic, TransposeShapesMessagesAndCompiles) {
+  auto y = infer_outputs("difflogic.transpose", {TensorView(fake(), DType::bf16, {5, 3}, 0)});
+  ASSERT_EQ(y.size(), 1u);
+  EXPECT_EQ(y[0].shape, (std::vector<int64_t>{3, 5}));
+  EXPECT_EQ(y[0].dtype, DType::bf16);
+  expect_in(message_of([] {
+              infer_outputs("difflogic.transpose", {TensorView::strided(fake(), DType::f32, {5, 3}, {1, 5}, 0)});
+            }),
+            {"difflogic.transpose", "'x'"});
+  for (DType dt : {DType::f32, DType::f16, DType::bf16})
+    for (int64_t threads : {128, 256})
+      for (const char* arch : {"sm_80", "sm_90"}) {
+        CompileRequest r;
+        r.op = "difflogic.transpose";
+        r.dtype = dt;
+        r.arch = arch;
+        r.config = Config{{{"threads", threads}}};
+        const auto reports = compile(r);
+        ASSERT_EQ(reports.size(), 1u);
+        EXPECT_EQ(reports[0].spill_bytes, 0) << arch << " " << dtype_short(dt) << " " << threads;
+        EXPECT_EQ(reports[0].stack_bytes, 0) << arch << " " << dtype_short(dt) << " " << threads;
+      }
+}
+
 TEST(DiffLogic, ValidationNamesTheArgument) {
   const char* fwd = "difflogic.layer.fwd";
   {

@@ -482,6 +482,7 @@ void register_difflogic(Registry& r) {
   r.add(make_packed_fwd());
   register_difflogic_bits(r);
   register_difflogic_ca(r);
+  register_difflogic_transpose(r);
 }
 
 }  // namespace kspec
