@@ -65,35 +65,25 @@ def transpose(t):
     return call("difflogic.transpose", t)[0]
 
 
-def _to_row_major(t):
-    """A (batch, n) gradient in a row-major copy (one transpose when it is feature-major)."""
-    if feature_major(t):
-        return transpose(t.t())
-    return t.contiguous()
-
-
-class _ToFeatureMajor(torch.autograd.Function):
-    """x (batch, n) contiguous -> the same values feature-major (a view of a contiguous (n, batch)), one
-    transpose; its gradient goes back row-major, x's layout (one transpose of a feature-major dx: what the
-    layer's backward gives; autograd would otherwise copy it into a leaf x's strides with torch's slower one)."""
+class _RowMajorLayer(torch.autograd.Function):
+    """The layer on a row-major x through the feature-major kernels: x transposed once (kept for the
+    backward, as the layer keeps its x), y feature-major; the backward transposes a row-major dy once and
+    writes dx row-major itself (layer.bwd's dx_layout row_major: no transpose of dx afterwards)."""
 
     @staticmethod
-    def forward(ctx, x):
-        return transpose(x).t()
+    def forward(ctx, x, logits, a, b, csr, mode, grad_factor):
+        xf = transpose(x).t()
+        ctx.save_for_backward(xf, logits, a, b, csr)
+        ctx.grad_factor = grad_factor
+        return _layer_fwd(xf, logits, a, b, csr, mode, grad_factor, save=True)[0]
 
     @staticmethod
-    def backward(ctx, g):
-        return _to_row_major(g)
-
-
-def to_feature_major(x):
-    """x (batch, n) in the feature-major layout (x itself when it is), differentiable. Under torch.compile,
-    torch's copy (x.t().contiguous().t(), traced like any torch op)."""
-    if feature_major(x):
-        return x
-    if torch.compiler.is_compiling():
-        return x.t().contiguous().t()
-    return _ToFeatureMajor.apply(x.contiguous())
+    def backward(ctx, dy):
+        xf, logits, a, b, csr = ctx.saved_tensors
+        dx, dlogits = call("difflogic.layer.bwd", xf, logits, a, b, _feature_major_dy(dy), csr,
+                           grad_factor=ctx.grad_factor, layout="feature_major", dx_layout="row_major",
+                           out=(xf.new_empty(xf.shape), torch.empty_like(logits)))
+        return dx, dlogits, None, None, None, None, None
 
 
 def _like_x(x, n):
@@ -110,10 +100,17 @@ def _layer_fwd(x, logits, a, b, csr, mode, grad_factor, save):
     return call("difflogic.layer.fwd", x, logits, a, b, mode=mode)
 
 
+def _feature_major_dy(dy):
+    """dy in the feature-major layout: a row-major one (the loss's) transposed once (an expanded one, as
+    sum().backward() gives, by torch's copy)."""
+    if feature_major(dy):
+        return dy
+    return transpose(dy).t() if dy.is_contiguous() else dy.t().contiguous().t()
+
+
 def _layer_bwd(dy, x, logits, a, b, csr, grad_factor):
     if feature_major(x):
-        if not feature_major(dy):  # a row-major dy (the loss's): one transpose (an expanded one: torch's copy)
-            dy = transpose(dy).t() if dy.is_contiguous() else dy.t().contiguous().t()
+        dy = _feature_major_dy(dy)
         return call("difflogic.layer.bwd", x, logits, a, b, dy, csr, grad_factor=grad_factor, layout="feature_major",
                     out=(_like_x(x, x.shape[1]), torch.empty_like(logits)))
     return call("difflogic.layer.bwd", x, logits, a, b, dy.contiguous(), csr, grad_factor=grad_factor)
@@ -150,8 +147,10 @@ def logic_layer(x, logits, a, b, *, mode: str = "soft", grad_factor: float = 1.0
     if consumers_csr is None:
         consumers_csr = consumers(x.shape[1], a, b)
     if transposes(x, row_major):
-        x = to_feature_major(x)
-    elif not (x.is_contiguous() or feature_major(x)):
+        if torch.compiler.is_compiling():  # torch's copy, traced like any torch op, then the feature-major path
+            return layer(x.t().contiguous().t(), logits, a, b, consumers_csr, mode, float(grad_factor))
+        return _RowMajorLayer.apply(x.contiguous(), logits, a, b, consumers_csr, mode, float(grad_factor))
+    if not (x.is_contiguous() or feature_major(x)):
         x = x.contiguous()
     return layer(x, logits, a, b, consumers_csr, mode, float(grad_factor))
 

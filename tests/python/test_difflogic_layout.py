@@ -1,6 +1,6 @@
 """The logic layer's layouts without a GPU (issue 30 Speed): a row-major x is transposed once to the
 feature-major layout (difflogic.transpose) and runs the feature-major ops, y comes back feature-major, a
-row-major dy is transposed once and dx goes back row-major (x's layout); feature-major x and chains of layers
+row-major dy is transposed once and dx comes back row-major (x's layout: layer.bwd's dx_layout row_major); feature-major x and chains of layers
 (with a torch op between them) transpose nothing more; row_major="direct" and B = 1 keep the row-major ops.
 The ops are stood in for by the float64 references on CPU (a kspec.call that checks the layout param against
 every activation's strides, as the ops' check_call does, and counts the calls), so the layout plumbing and the
@@ -37,9 +37,11 @@ def reference_call(op, *args, out=None, **params):
         return (x.t().contiguous(),)
     layout = params.get("layout", "row_major")
     x, logits, a, b = args[:4]
-    acts = [x] + ([args[4]] if op == "difflogic.layer.bwd" else []) + list(out or ())[:1]
-    for t in acts:
-        assert _layout_ok(t, layout), (op, layout, t.shape, t.stride())
+    acts = [(x, layout)] + ([(args[4], layout)] if op == "difflogic.layer.bwd" else [])
+    if out is not None:  # y, or dx (row-major under dx_layout row_major)
+        acts.append((out[0], "row_major" if params.get("dx_layout") == "row_major" else layout))
+    for t, want in acts:
+        assert _layout_ok(t, want), (op, want, t.shape, t.stride())
     if op == "difflogic.layer.fwd":
         y = dl_ref.layer_fwd(_np(x), _np(logits), a.numpy(), b.numpy(), hard=params["mode"] == "hard")
         res = (torch.from_numpy(y).to(x.dtype).contiguous(),)
@@ -81,8 +83,8 @@ def test_row_major_x_runs_feature_major_once(B, n_in, n_out):
     xl, ll = x.float().requires_grad_(), logits.clone().requires_grad_()
     y = _layer(xl, ll, a, b)
     assert _difflogic.feature_major(y) and CALLS["difflogic.transpose"] == 1
-    y.backward(dy.float())  # a row-major dy: transposed once, dx transposed back once
-    assert CALLS["difflogic.transpose"] == 3 and CALLS["difflogic.layer.bwd"] == 1
+    y.backward(dy.float())  # a row-major dy: transposed once; dx written row-major by the backward op
+    assert CALLS["difflogic.transpose"] == 2 and CALLS["difflogic.layer.bwd"] == 1
     assert xl.grad.is_contiguous()  # x's layout
     want_dx, want_dl = dl_ref.layer_bwd(_np(dy.float()), _np(x.float()), _np(logits), a.numpy(), b.numpy(), 1.5)
     want_y = dl_ref.layer_fwd(_np(x.float()), _np(logits), a.numpy(), b.numpy())
@@ -118,7 +120,7 @@ def test_expanded_dy_and_single_sample():
     logits = torch.randn(5, 16, generator=g)
     a, b = _wiring(g, 6, 5)
     _layer(x, logits, a, b).sum().backward()
-    assert CALLS["difflogic.transpose"] == 2  # x, then dx back
+    assert CALLS["difflogic.transpose"] == 1  # x alone: dx comes row-major
     want_dx, _ = dl_ref.layer_bwd(np.ones((4, 5)), _np(x), _np(logits), a.numpy(), b.numpy(), 1.5)
     assert np.allclose(_np(x.grad), want_dx, rtol=1e-5, atol=1e-6) and x.grad.is_contiguous()
     CALLS.clear()
@@ -128,7 +130,8 @@ def test_expanded_dy_and_single_sample():
 
 def test_chain_of_layers_transposes_once_each_way():
     """Row-major input -> LogicLayer -> a torch op -> LogicLayer -> LogicLayer: one transpose forward (the first
-    layer's x), two backward (the loss's row-major dy at the last layer, dx back at the first); every value
+    layer's x), one backward (the loss's row-major dy at the last layer; the first layer's dx comes out
+    row-major); every value
     and gradient equal to the same chain on the row-major ops."""
     def chain(row_major):
         torch.manual_seed(0)
@@ -150,7 +153,7 @@ def test_chain_of_layers_transposes_once_each_way():
         results[row_major] = (h, xl.grad, [m.weights.grad for m in layers], CALLS["difflogic.transpose"],
                               _difflogic.feature_major(h))
     h, dx, dw, transposes, fm = results["auto"]
-    assert transposes == 3 and fm and dx.is_contiguous()
+    assert transposes == 2 and fm and dx.is_contiguous()
     hd, dxd, dwd, transposes_d, fm_d = results["direct"]
     assert transposes_d == 0 and not fm_d
     assert torch.equal(h, hd) and torch.equal(dx, dxd) and all(torch.equal(p, q) for p, q in zip(dw, dwd))
