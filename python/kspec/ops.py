@@ -581,7 +581,7 @@ def mhc_expand(x: Array, n: int) -> Array:
 # ---- difflogic (issue 30): torch tensors only ----
 
 def logic_layer(x: Array, logits: Array, a: Array, b: Array, *, mode: str = "soft", grad_factor: float = 1.0,
-                consumers: tuple | None = None) -> Array:
+                consumers: tuple | None = None, row_major: str = "auto") -> Array:
     """A differentiable logic gate layer: y[:, g] = sum_i p_i op_i(x[:, a_g], x[:, b_g]) over the 16 two-input
     ops (multilinear extensions), p = softmax(logits[g]) (mode="soft") or the one-hot argmax, ties to the
     lower index (mode="hard"; its gradient is the straight-through estimator's: the soft backward).
@@ -589,10 +589,15 @@ def logic_layer(x: Array, logits: Array, a: Array, b: Array, *, mode: str = "sof
     x: (batch, n_in) fp32/fp16/bf16; logits: (n_out, 16) fp32; a, b: (n_out,) integer wires in [0, n_in)
     (a gate may read one input twice). Returns y (batch, n_out) like x. Differentiable in x and logits
     (dx scaled by grad_factor; no atomics: the same bits every run). consumers: the wiring's CSR
-    (kspec._difflogic.consumers) when the caller caches it; None builds it (and checks the wires) per call."""
+    (kspec._difflogic.consumers) when the caller caches it; None builds it (and checks the wires) per call.
+    Layout: a feature-major x (x.t() of a contiguous (n_in, batch)) runs the fast feature-major kernels and
+    gives y the same way; a row-major x is transposed to it once first (row_major="auto" outside
+    torch.compile, or "transpose"), y then feature-major too, dx row-major as x; row_major="direct" (and
+    "auto" under torch.compile) runs the row-major kernels (y row-major; gathers within rows: slower)."""
     from . import _difflogic
 
-    return _difflogic.logic_layer(x, logits, a, b, mode=mode, grad_factor=grad_factor, consumers_csr=consumers)
+    return _difflogic.logic_layer(x, logits, a, b, mode=mode, grad_factor=grad_factor, consumers_csr=consumers,
+                                  row_major=row_major)
 
 
 def group_sum(x: Array, k: int, tau: float = 1.0) -> Array:

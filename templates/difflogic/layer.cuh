@@ -373,27 +373,42 @@ __global__ void __launch_bounds__(kThreads) difflogic_fwd_tiled_kernel(const Dif
 // partials[tile][g] (workspace after the tables; every gate has exactly one side-0 entry, so each slot has
 // one writer). The group's lanes share j, hence the loop's trip count and every branch: the shuffles see
 // the whole group.
-template <typename T, int kThreads, int kLanes>
+// kDxRowMajor: dx is written row-major ([batch, n_in] contiguous; x and dout stay feature-major), the
+// transpose a row-major caller would otherwise run on dx afterwards (dx written, read and written again):
+// the block's kThreads / kLanes consecutive inputs x kSamples samples of dx go through shared memory and
+// out along dx's rows (32 consecutive inputs, 128 bytes of fp32, at lanes 8 and 256 threads).
+template <typename T, int kThreads, int kLanes, bool kDxRowMajor = false>
 __global__ void __launch_bounds__(kThreads) difflogic_bwd_tiled_kernel(const DiffLogicParams p) {
   static_assert(kLanes >= 1 && kLanes <= kWarpSize && (kLanes & (kLanes - 1)) == 0, "lanes: a power of two <= 32");
   static_assert(kThreads % kWarpSize == 0, "whole warps");
   using Tile = DiffLogicTile<T, kLanes>;
-  constexpr int kV = Tile::kVec;
+  constexpr int kV = Tile::kVec, kGroups = kThreads / kLanes;
+  // kDxRowMajor's staging: [input of the block][sample of the tile], one padding column (conflict-free reads
+  // down a column); a one-float dummy otherwise.
+  __shared__ float staged[kDxRowMajor ? kGroups : 1][kDxRowMajor ? Tile::kSamples + 1 : 1];
   const T* x = static_cast<const T*>(p.x);
   const T* dout = static_cast<const T*>(p.dout);
   T* dx = static_cast<T*>(p.dx);
   float4* partials = reinterpret_cast<float4*>(p.tables + 4 * p.n_out);
-  const long long j = blockIdx.x * static_cast<long long>(kThreads / kLanes) + threadIdx.x / kLanes;
-  if (j >= p.n_in) return;  // the whole lane group
+  const long long j0 = blockIdx.x * static_cast<long long>(kGroups), j = j0 + threadIdx.x / kLanes;
+  // Past n_in the whole lane group idles; with kDxRowMajor it stays for the block's barriers.
+  if (!kDxRowMajor && j >= p.n_in) return;
+  const bool active = j < p.n_in;
   const int lane = threadIdx.x % kLanes;
   const unsigned group = kLanes == kWarpSize ? 0xffffffffu
                                              : ((1u << kLanes) - 1u) << (threadIdx.x % kWarpSize / kLanes * kLanes);
-  const bool vec = difflogic_rows_aligned<T>(p.batch, x, dout, dx);
-  const int k0 = p.offsets[j], k1 = p.offsets[j + 1];
+  // Feature-major dx shares x's alignment rule; row-major dx is written element by element.
+  const bool vec = difflogic_rows_aligned<T>(p.batch, x, dout, kDxRowMajor ? nullptr : dx);
+  const int k0 = active ? p.offsets[j] : 0, k1 = active ? p.offsets[j + 1] : 0;
   for (long long tile = blockIdx.y; tile * Tile::kSamples < p.batch; tile += gridDim.y) {
     const long long s0 = tile * Tile::kSamples;
     float own[kV], sum[kV];
-    Tile::load(x + j * p.batch, vec, s0, lane, p.batch, own);
+    if (active) {
+      Tile::load(x + j * p.batch, vec, s0, lane, p.batch, own);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kV; ++k) own[k] = 0.0f;
+    }
 #pragma unroll
     for (int k = 0; k < kV; ++k) sum[k] = 0.0f;
     bool bad = false;
@@ -433,7 +448,23 @@ __global__ void __launch_bounds__(kThreads) difflogic_bwd_tiled_kernel(const Dif
     }
 #pragma unroll
     for (int k = 0; k < kV; ++k) sum[k] = bad ? __int_as_float(0x7fc00000) : p.grad_factor * sum[k];
-    Tile::store(dx + j * p.batch, vec, s0, lane, p.batch, sum);
+    if (!kDxRowMajor) {
+      Tile::store(dx + j * p.batch, vec, s0, lane, p.batch, sum);
+      continue;
+    }
+    const int row = threadIdx.x / kLanes;
+#pragma unroll
+    for (int k = 0; k < kV; ++k) staged[row][Tile::sample(vec, 0, lane, k)] = sum[k];
+    __syncthreads();
+    // Element e of the block's tile: sample e / kGroups, input e % kGroups (consecutive threads, consecutive
+    // inputs of one dx row).
+#pragma unroll
+    for (int i = 0; i < kV; ++i) {  // kGroups kSamples = kThreads kV elements
+      const int e = static_cast<int>(threadIdx.x) + i * kThreads;
+      const long long s = s0 + e / kGroups, jj = j0 + e % kGroups;
+      if (s < p.batch && jj < p.n_in) dx[s * p.n_in + jj] = from_float<T>(staged[e % kGroups][e / kGroups]);
+    }
+    __syncthreads();  // staged is refilled by the next tile
   }
 }
 

@@ -67,6 +67,33 @@ TEST(DiffLogic, InferOutputs) {
   EXPECT_EQ(g[1].dtype, DType::f32);
 }
 
+// difflogic.transpose: y [cols, rows] in x's dtype; a strided x is refused by name (the op reads rows), and
+// every dtype and config compiles for sm_80 and sm_90 without spills or a stack frame (64 x 64 tiles: 16
+// or 32 values a thread held between its loads and its shared-memory stores).
+TEST(DiffLogic, TransposeShapesMessagesAndCompiles) {
+  auto y = infer_outputs("difflogic.transpose", {TensorView(fake(), DType::bf16, {5, 3}, 0)});
+  ASSERT_EQ(y.size(), 1u);
+  EXPECT_EQ(y[0].shape, (std::vector<int64_t>{3, 5}));
+  EXPECT_EQ(y[0].dtype, DType::bf16);
+  expect_in(message_of([] {
+              infer_outputs("difflogic.transpose", {TensorView::strided(fake(), DType::f32, {5, 3}, {1, 5}, 0)});
+            }),
+            {"difflogic.transpose", "'x'"});
+  for (DType dt : {DType::f32, DType::f16, DType::bf16})
+    for (int64_t threads : {128, 256})
+      for (const char* arch : {"sm_80", "sm_90"}) {
+        CompileRequest r;
+        r.op = "difflogic.transpose";
+        r.dtype = dt;
+        r.arch = arch;
+        r.config = Config{{{"threads", threads}}};
+        const auto reports = compile(r);
+        ASSERT_EQ(reports.size(), 1u);
+        EXPECT_EQ(reports[0].spill_bytes, 0) << arch << " " << dtype_short(dt) << " " << threads;
+        EXPECT_EQ(reports[0].stack_bytes, 0) << arch << " " << dtype_short(dt) << " " << threads;
+      }
+}
+
 TEST(DiffLogic, ValidationNamesTheArgument) {
   const char* fwd = "difflogic.layer.fwd";
   {
@@ -228,6 +255,49 @@ TEST(DiffLogic, TiledKernelsAreFeatureMajorsDefault) {
   expect_in(message_of([&] { kernel_names("difflogic.layer.fwd", "row_major", tiled); }), {"lanes", "feature_major"});
 }
 
+// dx_layout row_major: the tiled backward's row-major-dx variant, compiled for sm_80 and sm_90 in every dtype
+// and lanes without spills; the flat kernels (lanes 0) refuse it by name; a feature-major dx is refused.
+TEST(DiffLogic, RowMajorDxKernels) {
+  for (DType dt : {DType::f32, DType::f16, DType::bf16})
+    for (int64_t lanes : {4, 8, 16})
+      for (const char* arch : {"sm_80", "sm_90"}) {
+        CompileRequest r;
+        r.op = "difflogic.layer.bwd";
+        r.dtype = dt;
+        r.arch = arch;
+        r.params.set("layout", std::string("feature_major"));
+        r.params.set("dx_layout", std::string("row_major"));
+        r.config = Config{{{"threads", 256}, {"lanes", lanes}}};
+        const auto reports = compile(r);
+        ASSERT_EQ(reports.size(), 3u);
+        EXPECT_NE(reports[1].kernel.find("difflogic_bwd_tiled_kernel<"), std::string::npos) << reports[1].kernel;
+        EXPECT_NE(reports[1].kernel.find(", true>"), std::string::npos) << reports[1].kernel;
+        for (const auto& rep : reports) {
+          EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << dtype_short(dt) << " lanes " << lanes << ": " << rep.kernel;
+          EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << dtype_short(dt) << " lanes " << lanes << ": " << rep.kernel;
+        }
+      }
+  CompileRequest flat;
+  flat.op = "difflogic.layer.bwd";
+  flat.params.set("layout", std::string("feature_major"));
+  flat.params.set("dx_layout", std::string("row_major"));
+  flat.config = Config{{{"threads", 256}, {"lanes", 0}}};
+  expect_in(message_of([&] { compile(flat); }), {"dx_layout", "lanes"});
+  const int64_t B = 8, n_in = 10, n_out = 7;
+  auto in = bwd_inputs(B, n_in, n_out, DType::f32);
+  in[0] = TensorView::strided(fake(1 << 28), DType::f32, {B, n_in}, {1, B}, 0);
+  in[4] = TensorView::strided(fake(5 << 28), DType::f32, {B, n_out}, {1, B}, 0);
+  Params p;
+  p.set("layout", std::string("feature_major"));
+  p.set("dx_layout", std::string("row_major"));
+  const TensorView dx_fm = TensorView::strided(fake(7 << 28), DType::f32, {B, n_in}, {1, B}, 0);
+  const TensorView dl(fake(8 << 28), DType::f32, {n_out, 16}, 0);
+  const OpDef& bwd = Registry::global().get("difflogic.layer.bwd");
+  EXPECT_NO_THROW(validate_call(bwd, in, {TensorView(fake(7 << 28), DType::f32, {B, n_in}, 0), dl}, p, nullptr));
+  expect_in(message_of([&] { validate_call(bwd, in, {dx_fm, dl}, p, nullptr); }),
+            {"output 'dx'", "dx_layout 'row_major' expects strides (10, 1)"});
+}
+
 namespace {
 
 struct DevBuf {
@@ -341,6 +411,26 @@ struct LayerRun {
     opts.config = config;
     call("difflogic.layer.bwd", in,
          {act(*dx_, n_in), TensorView(dlogits_->ptr(), DType::f32, {n_out, 16}, 0)}, extra,
+         nullptr, opts);
+    CU_CHECK(cuCtxSynchronize());
+    return {dx_->download(B * n_in * dtype_size(dt)), dlogits_->download(n_out * 16 * 4)};
+  }
+  // The feature-major backward with dx_layout row_major: dx [B, n_in] contiguous (raw bytes), dlogits.
+  std::pair<std::vector<unsigned char>, std::vector<unsigned char>> bwd_dx_row_major(double grad_factor,
+                                                                                     const Config* config) {
+    dx_->poison();
+    dlogits_->poison();
+    auto in = inputs();
+    in.push_back(act(*dout_, n_out));
+    in.push_back(TensorView(csr_->ptr(), DType::i32, {static_cast<int64_t>(csr.size())}, 0));
+    Params extra;
+    extra.set("grad_factor", grad_factor);
+    extra.set("layout", std::string("feature_major"));
+    extra.set("dx_layout", std::string("row_major"));
+    CallOptions opts;
+    opts.config = config;
+    call("difflogic.layer.bwd", in,
+         {TensorView(dx_->ptr(), dt, {B, n_in}, 0), TensorView(dlogits_->ptr(), DType::f32, {n_out, 16}, 0)}, extra,
          nullptr, opts);
     CU_CHECK(cuCtxSynchronize());
     return {dx_->download(B * n_in * dtype_size(dt)), dlogits_->download(n_out * 16 * 4)};
@@ -470,6 +560,39 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(std::make_tuple(1, 1, 1), std::make_tuple(2, 7, 33),
                                          std::make_tuple(33, 4097, 999), std::make_tuple(1032, 999, 1000),
                                          std::make_tuple(1024, 4, 2048), std::make_tuple(1024, 33, 7))));
+
+// dx_layout row_major (x and dout feature-major, dx contiguous [B, n_in], written through shared memory):
+// the same sums in the same order as the feature-major dx, so dx equals it bit for bit once transposed, and
+// dlogits is the same bits; B = 1, 2, 33 (scalar path), 1032 (a partial last tile), widths that no block of
+// inputs divides, 4 -> 2048 fan-out.
+class DiffLogicGpuRowMajorDx
+    : public ::testing::TestWithParam<std::tuple<DType, int64_t, std::tuple<int64_t, int64_t, int64_t>>> {};
+
+TEST_P(DiffLogicGpuRowMajorDx, EqualsFeatureMajorDx) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  const DType dt = std::get<0>(GetParam());
+  const int64_t lanes = std::get<1>(GetParam());
+  const auto [B, n_in, n_out] = std::get<2>(GetParam());
+  LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 3 + n_in * 7 + n_out + lanes), true);
+  for (int64_t threads : {128, 256}) {
+    const Config config{{{"threads", threads}, {"lanes", lanes}}};
+    const auto fm = r.bwd(0.5, {}, &config);
+    const auto rm = r.bwd_dx_row_major(0.5, &config);
+    const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 0.5);
+    EXPECT_LE(rel_error(decode(dt, rm.first), want.dx), tol(dt)) << "dx threads " << threads;
+    EXPECT_TRUE(decode(dt, rm.first) == r.values(fm.first, n_in)) << "dx differs from the feature-major dx";
+    EXPECT_TRUE(rm.second == fm.second) << "dlogits differs from the feature-major run's";
+    EXPECT_TRUE(r.bwd_dx_row_major(0.5, &config) == rm) << "two runs differ";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, DiffLogicGpuRowMajorDx,
+    ::testing::Combine(::testing::Values(DType::f32, DType::bf16), ::testing::Values(4, 8, 16),
+                       ::testing::Values(std::make_tuple(1, 1, 1), std::make_tuple(2, 7, 33),
+                                         std::make_tuple(33, 4097, 999), std::make_tuple(1032, 999, 1000),
+                                         std::make_tuple(1024, 4, 2048))));
 
 // Hard mode on {0, 1} inputs is exact in every dtype: equal to the reference bit for bit.
 TEST(DiffLogicGpuExact, HardModeOnBitsIsExact) {

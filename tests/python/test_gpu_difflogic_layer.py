@@ -72,3 +72,92 @@ def test_row_major_refuses_the_tiled_kernels():
     a = torch.arange(8, device="cuda", dtype=torch.int32)
     with pytest.raises(kspec.InvalidArgument, match="lanes"):
         call("difflogic.layer.fwd", x, logits, a, a, config="threads=256,lanes=8")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(1, 1), (1, 33), (33, 1), (65, 130), (1024, 4097), (0, 5)])
+def test_transpose_is_exact(dtype, rows, cols):
+    """difflogic.transpose: bit for bit torch's x.t().contiguous(), tiles partial at both edges."""
+    g = torch.Generator(device="cuda").manual_seed(rows + cols)
+    x = torch.randn(rows, cols, device="cuda", generator=g).to(dtype)
+    (y,) = call("difflogic.transpose", x)
+    assert y.shape == (cols, rows) and y.is_contiguous() and torch.equal(y, x.t().contiguous())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,n_in,n_out", [(33, 65, 1000), (1032, 300, 257)])
+def test_row_major_x_is_transposed_to_the_tiled_kernels(dtype, B, n_in, n_out):
+    """A row-major x (the user's layout) runs the feature-major kernels after one transpose: y comes back
+    feature-major, dx row-major (x's layout), both against the float64 reference and equal to the row-major
+    kernels' (row_major="direct") to rounding; two runs bitwise equal."""
+    from kspec._difflogic import feature_major
+
+    g = torch.Generator(device="cuda").manual_seed(B + n_out)
+    x = torch.rand(B, n_in, device="cuda", generator=g).to(dtype)
+    logits = torch.randn(n_out, 16, device="cuda", generator=g)
+    a = torch.randint(0, n_in - 1, (n_out,), device="cuda", generator=g)  # input n_in - 1 unread
+    b = torch.randint(0, n_in - 1, (n_out,), device="cuda", generator=g)
+    b[::3] = a[::3]
+    dy = torch.randn(B, n_out, device="cuda", generator=g).to(dtype)
+
+    def run(row_major):
+        xl, ll = x.clone().requires_grad_(), logits.clone().requires_grad_()
+        y = kspec.ops.logic_layer(xl, ll, a, b, grad_factor=1.5, row_major=row_major)
+        y.backward(dy)
+        return y, xl.grad, ll.grad
+
+    y, dx, dl = run("auto")
+    assert feature_major(y) and dx.is_contiguous()
+    xs, lg, wa, wb = x.double().cpu().numpy(), logits.double().cpu().numpy(), a.cpu().numpy(), b.cpu().numpy()
+    want_dx, want_dl = dl_ref.layer_bwd(dy.double().cpu().numpy(), xs, lg, wa, wb, 1.5)
+    fwd_tol, bwd_tol = TOL[dtype]
+    assert _err(y, dl_ref.layer_fwd(xs, lg, wa, wb)) <= fwd_tol
+    assert _err(dx, want_dx) <= bwd_tol and _err(dl, want_dl) <= bwd_tol
+    assert torch.all(dx[:, n_in - 1] == 0)
+    y2, dx2, dl2 = run("auto")
+    assert torch.equal(y2, y) and torch.equal(dx2, dx) and torch.equal(dl2, dl)  # no atomics: the same bits
+    yd, dxd, dld = run("direct")
+    assert yd.is_contiguous()
+    near = 1e-6 if dtype == torch.float32 else 2.0 ** -8  # other FMA contractions (test_gpu_surface_families)
+    assert _err(y, yd.double().cpu().numpy()) <= near and _err(dx, dxd.double().cpu().numpy()) <= near
+    assert _err(dl, dld.double().cpu().numpy()) <= bwd_tol
+
+
+def test_chain_of_layers_and_compile():
+    """Row-major input -> LogicLayer -> a torch op -> LogicLayer: the second layer gets the first's feature-major
+    y (no copy); values and gradients equal to the chain on the row-major kernels to rounding. Under
+    torch.compile, row_major="transpose" traces the transpose as a torch op and gives the eager values."""
+    from kspec._difflogic import feature_major
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.rand(256, 100, device="cuda", generator=g)
+    dy = torch.randn(256, 64, device="cuda", generator=g)
+    out = {}
+    for row_major in ("auto", "direct"):
+        torch.manual_seed(0)
+        l1 = kspec.nn.LogicLayer(100, 300, row_major=row_major)
+        l2 = kspec.nn.LogicLayer(300, 64, row_major=row_major)
+        xl = x.clone().requires_grad_()
+        h = l1(xl)
+        assert feature_major(h) == (row_major == "auto")
+        y = l2(h * 0.5 + 0.25)
+        y.backward(dy)
+        out[row_major] = [y, xl.grad, l1.weights.grad, l2.weights.grad]
+    for got, want in zip(out["auto"], out["direct"]):
+        assert _err(got, want.double().cpu().numpy()) <= 1e-5
+    torch.manual_seed(0)
+    layer = kspec.nn.LogicLayer(100, 300)
+    a, b, csr = layer.wiring()
+
+    def f(x, w):
+        return kspec.ops.logic_layer(x, w, a, b, consumers=csr, row_major="transpose")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    xe, we = x.clone().requires_grad_(), layer.weights.detach().clone().requires_grad_()
+    xc, wc = x.clone().requires_grad_(), layer.weights.detach().clone().requires_grad_()
+    ye, yc = f(xe, we), compiled(xc, wc)
+    cot = torch.randn(ye.shape, device="cuda", generator=g)
+    ge, gc = torch.autograd.grad(ye, (xe, we), cot), torch.autograd.grad(yc, (xc, wc), cot)
+    for got, want in zip((yc,) + gc, (ye,) + ge):
+        assert _err(got, want.double().cpu().numpy()) <= 1e-6

@@ -183,6 +183,8 @@ def _reference(op, a, p):
     if op == "difflogic.layer.bwd":
         x, logits, wa, wb, dout, _csr = a
         return dl_ref.layer_bwd(dout, x, logits, wa.astype(np.int64), wb.astype(np.int64), p["grad_factor"])
+    if op == "difflogic.transpose":  # a row-major x to the feature-major layer kernels, and dx back
+        return (a[0].T,)
     if op == "difflogic.group_sum.fwd":
         B, k, m = a[0].shape
         return (dl_ref.group_sum(a[0].reshape(B, k * m), k, p["tau"]),)

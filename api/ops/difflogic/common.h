@@ -52,9 +52,11 @@ inline std::vector<double> doubles_of_words(const std::vector<uint64_t>& words) 
 // The word width of a packed tensor: its dtype, int32 or int64.
 inline int word_bits(DType dt) { return dt == DType::i64 ? 64 : 32; }
 
-// GroupSum, pack, unpack, packed GroupSum (bits.cpp); the CA step (ca.cpp); the packed network (packed_net.cpp).
+// GroupSum, pack, unpack, packed GroupSum (bits.cpp); the CA step (ca.cpp); the packed network (packed_net.cpp);
+// the activations' transpose (transpose.cpp).
 void register_difflogic_bits(Registry& r);
 void register_difflogic_ca(Registry& r);
 void register_difflogic_packed_net(Registry& r);
+void register_difflogic_transpose(Registry& r);
 
 }  // namespace kspec::difflogic

@@ -65,6 +65,20 @@ ParamDef layout_param() {
 
 bool feature_major(const Problem& p) { return p.param_str("layout") == "feature_major"; }
 
+// layer.bwd's dx_layout (compile-time): as_x, or row_major, a contiguous [batch, n_in] dx whatever x's
+// layout: a row-major caller's x transposed to feature-major gets its dx back in its own layout without a
+// second transpose (the batch-tiled kernel writes it through shared memory). The forward has no such param.
+ParamDef dx_layout_param() {
+  return {"dx_layout", ParamType::Choice, std::string("as_x"), {"as_x", "row_major"},
+          "dx: as_x (the layout param's) or row_major (contiguous [batch, n_in]; with layout feature_major it "
+          "needs the batch-tiled kernels, lanes > 0)"};
+}
+
+bool dx_row_major(const Problem& p) {
+  const ParamValue* v = p.params.find("dx_layout");
+  return v && std::get<std::string>(*v) == "row_major";
+}
+
 // The layer ops' tuning: the family's threads, and lanes for the feature-major kernels: 0 the flat ones (a
 // thread per element, whole rows in turn), else the batch-tiled ones (templates/difflogic/layer.cuh: lanes
 // threads of 16 bytes per row and tile, every gate of a tile before the next tile, so L2 holds the tile's
@@ -81,6 +95,10 @@ TuningSpace layer_tuning() {
   TuningSpace t = difflogic_tuning();
   t.axes.push_back({"lanes", {0, 4, 8, 16}});
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
+    if (lanes_of(c) == 0 && feature_major(p) && dx_row_major(p)) {
+      if (why) *why = "dx_layout row_major with layout feature_major needs the batch-tiled kernels (lanes > 0)";
+      return false;
+    }
     if (lanes_of(c) == 0 || feature_major(p)) return true;
     if (why) *why = "lanes > 0 (the batch-tiled kernels) needs layout feature_major";
     return false;
@@ -102,16 +120,18 @@ Dim3 tiled_grid(const Problem& p, int64_t rows, int64_t threads, int64_t lanes) 
   return {u32((rows + per_block - 1) / per_block), u32(std::min<int64_t>(tiles, 65535))};
 }
 
-// An activation's strides against the layout (a size-1 dim's stride is free).
-void check_layout(const Call& call, const TensorView& t, const char* what) {
+// An activation's strides against the layout (a size-1 dim's stride is free); row_major: dx under
+// dx_layout row_major, whatever the layout param.
+void check_layout(const Call& call, const TensorView& t, const char* what, bool row_major = false) {
   if (t.numel() == 0) return;
-  const bool fm = feature_major(call.problem);
+  const bool fm = feature_major(call.problem) && !row_major;
   const int64_t want[2] = {fm ? 1 : t.shape[1], fm ? t.shape[0] : 1};
   for (int d = 0; d < 2; ++d)
-    KSPEC_CHECK(t.shape[d] == 1 || t.strides[d] == want[d], call.problem.op->info.name, ": ", what, ": layout '",
-                call.problem.param_str("layout"), "' expects strides (", want[0], ", ", want[1], ") ",
+    KSPEC_CHECK(t.shape[d] == 1 || t.strides[d] == want[d], call.problem.op->info.name, ": ", what, ": ",
+                row_major ? "dx_layout 'row_major" : "layout '", row_major ? "" : call.problem.param_str("layout"),
+                "' expects strides (", want[0], ", ", want[1], ") ",
                 fm ? "(the transpose of a contiguous [width, batch])" : "(contiguous [batch, width])", ", got ",
-                t.describe(), fm ? "" : "; pass layout='feature_major' for a batch-contiguous view");
+                t.describe(), fm || row_major ? "" : "; pass layout='feature_major' for a batch-contiguous view");
 }
 
 std::vector<DimDef> layer_dims(bool csr) {
@@ -275,7 +295,7 @@ OpDef make_layer_bwd() {
                         "readers in the consumers CSR's order (no atomics: the same bits every run)",
                         true);
   ParamDef gf{"grad_factor", ParamType::Float, 1.0, {}, "scales dx only", true};
-  op.info.params = {gf, layout_param()};
+  op.info.params = {gf, layout_param(), dx_layout_param()};
   for (auto& g : gumbel_params()) op.info.params.push_back(std::move(g));
   op.info.inputs.push_back(tensor_def("dout", {"batch", "n_out"}, {}, "x", false, false, "", Layout::Strided,
                                       "upstream gradient of y (layout as x)"));
@@ -295,7 +315,7 @@ OpDef make_layer_bwd() {
   op.check_call = [](const Call& call) {
     check_layout(call, call.in("x"), "input 'x'");
     check_layout(call, call.in("dout"), "input 'dout'");
-    check_layout(call, call.out("dx"), "output 'dx'");
+    check_layout(call, call.out("dx"), "output 'dx'", dx_row_major(call.problem));
   };
   op.cases = layer_cases();
   for (auto& c : op.cases) {
@@ -326,8 +346,9 @@ OpDef make_layer_bwd() {
     const bool fm = feature_major(p);
     std::vector<jit::KernelSpec> k = {tables_kernel(p, false, c.get("threads"))};
     if (lanes > 0) {
-      k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_bwd_tiled_kernel",
-                              {t, threads, std::to_string(lanes)}));
+      std::vector<std::string> targs = {t, threads, std::to_string(lanes)};
+      if (dx_row_major(p)) targs.push_back("true");  // the default false keeps the other kernels' names
+      k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_bwd_tiled_kernel", std::move(targs)));
       k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_dlogits_finish_kernel",
                               {threads, std::to_string(tile_samples(p, lanes))}));
       return k;
@@ -495,6 +516,7 @@ void register_difflogic(Registry& r) {
   register_difflogic_bits(r);
   register_difflogic_ca(r);
   register_difflogic_packed_net(r);
+  register_difflogic_transpose(r);
 }
 
 }  // namespace kspec
