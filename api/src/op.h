@@ -34,7 +34,7 @@ struct Problem {
   // Leading dims collapsed into a "...name" dim, as the first input with it had them (for outputs).
   std::vector<std::pair<std::string, std::vector<int64_t>>> leading;
 
-  int64_t dim(std::string_view name) const;
+  int64_t dim(std::string_view name) const;  // inline below, as are in/out and the params
   DType dtype(std::string_view tensor) const;
   bool present(std::string_view tensor) const;
   bool alt(std::string_view tensor) const;  // given in its TensorDef::alt_shape
@@ -230,6 +230,58 @@ std::vector<int64_t> shape_of(const TensorDef& t, const Problem& p);
 // another output, naming both (api/src/tensor.cpp; run by validate_call and BoundCall::run).
 void check_no_overlap(const OpInfo& info, const std::vector<TensorView>& inputs,
                       const std::vector<TensorView>& outputs);
+
+// ---- the lookups every launch makes by name, inline ----
+// A launcher reads its tensors, dims, params and config by name (call.in("x"), c.get("vec")) on every call:
+// inline, the compiler compares each literal in place (a length test, a few bytes), where the out-of-line
+// lookups called libc's memcmp per entry (70-100 instructions a lookup, nine in norm_act's launch: most of
+// a cached call's host path after its key; tools/bench/NOTES.md). The errors stay out of line.
+
+// The index of the tensor named `name` in defs, -1 if none.
+inline int schema_index(const std::vector<TensorDef>& defs, std::string_view name) {
+  for (size_t i = 0; i < defs.size(); ++i)
+    if (defs[i].name == name) return static_cast<int>(i);
+  return -1;
+}
+
+// The position of input / output `name` in an op's schema, for a launcher that resolves its tensors' names
+// once, when its op is made, and reads call.inputs[i] on every call. InternalError for a name the schema
+// lacks (a bug in the op's definition, raised at registration).
+size_t input_index(const OpInfo& info, std::string_view name);
+size_t output_index(const OpInfo& info, std::string_view name);
+
+[[noreturn]] void throw_unbound_dim(const Problem& p, std::string_view name);
+[[noreturn]] void throw_no_param(const Problem& p, std::string_view name);
+[[noreturn]] void throw_no_tensor(const Problem& p, const char* kind, std::string_view name);
+
+inline int64_t Problem::dim(std::string_view name) const {
+  for (const auto& d : dims)
+    if (d.first == name) return d.second;
+  throw_unbound_dim(*this, name);
+}
+
+inline const ParamValue& problem_param(const Problem& p, std::string_view name) {
+  const ParamValue* v = p.params.find(name);
+  if (!v) throw_no_param(p, name);
+  return *v;
+}
+inline int64_t Problem::param_int(std::string_view name) const { return std::get<int64_t>(problem_param(*this, name)); }
+inline double Problem::param_float(std::string_view name) const { return std::get<double>(problem_param(*this, name)); }
+inline bool Problem::param_bool(std::string_view name) const { return std::get<bool>(problem_param(*this, name)); }
+inline const std::string& Problem::param_str(std::string_view name) const {
+  return std::get<std::string>(problem_param(*this, name));
+}
+
+inline const TensorView& Call::in(std::string_view name) const {
+  const int i = schema_index(problem.op->info.inputs, name);
+  if (i < 0) throw_no_tensor(problem, "input", name);
+  return inputs[static_cast<size_t>(i)];
+}
+inline const TensorView& Call::out(std::string_view name) const {
+  const int i = schema_index(problem.op->info.outputs, name);
+  if (i < 0) throw_no_tensor(problem, "output", name);
+  return outputs[static_cast<size_t>(i)];
+}
 
 // One kernel of an op's plan: template header, kernel template name and arguments, for the problem's arch.
 inline jit::KernelSpec kernel_spec(const Problem& p, std::string header, std::string kernel,

@@ -320,6 +320,20 @@ struct HitScratch {
   bool busy = false;
 };
 
+// A thread's state for kspec::call: its key buffer and hit scratches.
+struct HitState {
+  CallKey key;
+  HitScratch scratches[kHitSlots];
+};
+
+// The thread's HitState, reached once per call through a function: with a thread_local named in
+// kspec::call, GCC computed its address again (a __tls_get_addr call in a shared library) at each of its
+// eight uses, ~90 instructions of a hit.
+[[gnu::noinline]] HitState& hit_state() {
+  thread_local HitState state;
+  return state;
+}
+
 // Whether `views` begins with `given`'s data pointers (views: the last call's, padded to the schema).
 bool same_data(const std::vector<TensorView>& views, const std::vector<TensorView>& given) {
   if (views.size() < given.size()) return false;
@@ -346,7 +360,20 @@ class ScratchClaim {
 
 }  // namespace
 
-bool append_call_key(std::string& key, const OpDef& op, const std::vector<TensorView>& inputs,
+char* CallKey::extend(size_t n) {
+  if (size_ + n > capacity_) {
+    const size_t capacity = std::max<size_t>(2 * (size_ + n), 256);
+    std::unique_ptr<char[]> data(new char[capacity]);
+    if (size_) std::memcpy(data.get(), data_.get(), size_);
+    data_ = std::move(data);
+    capacity_ = capacity;
+  }
+  char* at = data_.get() + size_;
+  size_ += n;
+  return at;
+}
+
+bool append_call_key(CallKey& key, const OpDef& op, const std::vector<TensorView>& inputs,
                      const std::vector<TensorView>& outputs, const Params& params) {
   const OpDef* op_ptr = &op;
   const uint16_t counts[2] = {static_cast<uint16_t>(inputs.size()), static_cast<uint16_t>(outputs.size())};
@@ -357,9 +384,7 @@ bool append_call_key(std::string& key, const OpDef& op, const std::vector<Tensor
       size += view_key_size(t);
     }
   for (const auto& [name, v] : params.items()) size += param_key_size(name, v);
-  const size_t start = key.size();
-  key.resize(start + size);
-  KeyWriter w{&key[start]};
+  KeyWriter w{key.extend(size)};
   w.raw(op_ptr);
   w.raw(counts);
   for (const auto* list : {&inputs, &outputs})
@@ -379,17 +404,16 @@ void call(std::string_view op_name, const std::vector<TensorView>& inputs, const
           const Params& params, Stream stream, const CallOptions& options) {
   static std::shared_mutex mu;
   static std::unordered_map<std::string_view, std::unique_ptr<CachedCall>> cache;
-  thread_local std::string key_buffer;
-  thread_local HitScratch scratches[kHitSlots];
+  HitState& st = hit_state();
   const OpDef& op = Registry::global().get(op_name);
   // The buffer is read only up to the lookup (and copied into a new entry before anything that may
   // re-enter kspec::call on this thread: plan_for may tune, and the tuner's calls come back here).
-  key_buffer.clear();
-  const bool cacheable = !options.config && append_call_key(key_buffer, op, inputs, outputs, params);
+  st.key.clear();
+  const bool cacheable = !options.config && append_call_key(st.key, op, inputs, outputs, params);
   const CachedCall* hit = nullptr;
   if (cacheable) {
     std::shared_lock<std::shared_mutex> lock(mu);
-    auto it = cache.find(std::string_view(key_buffer));
+    auto it = cache.find(st.key.view());
     if (it != cache.end()) hit = it->second.get();
   }
   bool pointers_ok = true;
@@ -399,7 +423,7 @@ void call(std::string_view op_name, const std::vector<TensorView>& inputs, const
   }
   if (hit && pointers_ok) {
     // Fibonacci hashing of the entry's address: its top bits pick the slot.
-    HitScratch& scratch = scratches[(reinterpret_cast<uintptr_t>(hit) * 0x9E3779B97F4A7C15ull) >> 60];
+    HitScratch& scratch = st.scratches[(reinterpret_cast<uintptr_t>(hit) * 0x9E3779B97F4A7C15ull) >> 60];
     ScratchClaim claim(scratch);
     Call own;  // only when the thread's scratch is in use further up the stack
     Call& c = claim.claimed() ? scratch.call : own;
@@ -432,7 +456,7 @@ void call(std::string_view op_name, const std::vector<TensorView>& inputs, const
     launcher.finish();
     return;
   }
-  std::string key = cacheable ? key_buffer : std::string();
+  std::string key = cacheable ? std::string(st.key.view()) : std::string();
   Call c = validate_call(op, inputs, outputs, params, stream);
   c.problem.arch = device_arch(c.device);
   PlanEntry& plan = plan_for(op, c.problem, c.device, options.config, stream);
@@ -462,8 +486,9 @@ void prepare_call(std::string_view op_name, const std::vector<TensorView>& input
   static std::mutex mu;
   static std::unordered_set<std::string> prepared;
   const OpDef& op = Registry::global().get(op_name);
-  std::string key;
-  const bool keyed = append_call_key(key, op, inputs, outputs, params);
+  CallKey key_buffer;
+  const bool keyed = append_call_key(key_buffer, op, inputs, outputs, params);
+  std::string key(key_buffer.view());
   if (keyed) {
     std::lock_guard<std::mutex> lock(mu);
     if (prepared.count(key)) return;

@@ -6,6 +6,7 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -31,12 +32,26 @@ std::vector<jit::KernelSpec> kernel_specs(const OpDef& op, const Problem& p, con
 // bound calls may still hold them.
 PlanEntry& plan_for(const OpDef& op, const Problem& p, int device, const Config* forced, Stream stream);
 
+// A call key being written: grown as needed and never zero-filled first (a std::string's resize writes
+// every byte before the key does, ~100 instructions of a cache hit's ~2400 on the mock driver).
+class CallKey {
+ public:
+  void clear() { size_ = 0; }
+  // Room for n more bytes at the end: where they go.
+  char* extend(size_t n);
+  std::string_view view() const { return {data_.get(), size_}; }
+
+ private:
+  std::unique_ptr<char[]> data_;
+  size_t size_ = 0, capacity_ = 0;
+};
+
 // The compact signature of a call for the call cache: the op, every view's presence, dtype, rank, shape,
 // strides, device and pointer alignment (the largest power of two up to 16 dividing it), and the params as
 // given. Everything validation reads but the pointers themselves, so two calls with one signature pass or
 // fail validation alike except for what depends on the pointers (null, overlap, the op's check_call).
 // False (nothing appended) for a call the cache does not take: a TensorList argument.
-bool append_call_key(std::string& key, const OpDef& op, const std::vector<TensorView>& inputs,
+bool append_call_key(CallKey& key, const OpDef& op, const std::vector<TensorView>& inputs,
                      const std::vector<TensorView>& outputs, const Params& params);
 
 // What kspec::call does before its launches, without them: validation, the plan, its kernels compiled (or

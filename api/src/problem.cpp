@@ -15,19 +15,32 @@ using namespace validation;
 
 // ---- Problem / Call accessors ----
 
-int64_t Problem::dim(std::string_view name) const {
-  for (const auto& [n, v] : dims)
-    if (n == name) return v;
-  throw InvalidArgument(detail::concat(op ? op->info.name : "?", ": dim '", name, "' is not bound"));
+void throw_unbound_dim(const Problem& p, std::string_view name) {
+  throw InvalidArgument(detail::concat(p.op ? p.op->info.name : "?", ": dim '", name, "' is not bound"));
 }
 
+void throw_no_param(const Problem& p, std::string_view name) {
+  throw InvalidArgument(detail::concat(p.op->info.name, ": no parameter '", name, "'"));
+}
+
+void throw_no_tensor(const Problem& p, const char* kind, std::string_view name) {
+  throw InvalidArgument(detail::concat(p.op->info.name, ": no ", kind, " '", name, "'"));
+}
+
+size_t input_index(const OpInfo& info, std::string_view name) {
+  const int i = schema_index(info.inputs, name);
+  KSPEC_CHECK_AS(i >= 0, InternalError, info.name, ": its launcher reads an input '", name, "' it does not have");
+  return static_cast<size_t>(i);
+}
+
+size_t output_index(const OpInfo& info, std::string_view name) {
+  const int i = schema_index(info.outputs, name);
+  KSPEC_CHECK_AS(i >= 0, InternalError, info.name, ": its launcher reads an output '", name, "' it does not have");
+  return static_cast<size_t>(i);
+}
 
 namespace validation {
-int tensor_index(const std::vector<TensorDef>& defs, std::string_view name) {
-  for (size_t i = 0; i < defs.size(); ++i)
-    if (defs[i].name == name) return static_cast<int>(i);
-  return -1;
-}
+int tensor_index(const std::vector<TensorDef>& defs, std::string_view name) { return schema_index(defs, name); }
 }  // namespace validation
 
 DType Problem::dtype(std::string_view tensor) const {
@@ -63,20 +76,6 @@ bool Problem::present(std::string_view tensor) const {
   throw InvalidArgument(detail::concat(op->info.name, ": no tensor named '", tensor, "'"));
 }
 
-namespace {
-const ParamValue& get_param(const Problem& p, std::string_view name) {
-  const ParamValue* v = p.params.find(name);
-  if (!v) throw InvalidArgument(detail::concat(p.op->info.name, ": no parameter '", name, "'"));
-  return *v;
-}
-}  // namespace
-
-int64_t Problem::param_int(std::string_view name) const { return std::get<int64_t>(get_param(*this, name)); }
-double Problem::param_float(std::string_view name) const { return std::get<double>(get_param(*this, name)); }
-bool Problem::param_bool(std::string_view name) const { return std::get<bool>(get_param(*this, name)); }
-const std::string& Problem::param_str(std::string_view name) const {
-  return std::get<std::string>(get_param(*this, name));
-}
 
 std::string Problem::signature() const {
   // Built on every call (it keys the plan cache): plain appends, no streams.
@@ -133,17 +132,6 @@ std::string Problem::signature() const {
   return s;
 }
 
-const TensorView& Call::in(std::string_view name) const {
-  int i = tensor_index(problem.op->info.inputs, name);
-  KSPEC_CHECK(i >= 0, problem.op->info.name, ": no input '", name, "'");
-  return inputs[i];
-}
-
-const TensorView& Call::out(std::string_view name) const {
-  int i = tensor_index(problem.op->info.outputs, name);
-  KSPEC_CHECK(i >= 0, problem.op->info.name, ": no output '", name, "'");
-  return outputs[i];
-}
 
 int64_t Call::row_stride(const TensorView& t) const { return row_stride_of(t); }
 

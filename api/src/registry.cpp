@@ -2,6 +2,7 @@
 // inference. The call path lives in plan.cpp and bound_call.cpp, the compile requests in requests.cpp.
 #include <algorithm>
 #include <charconv>
+#include <list>
 #include <mutex>
 #include <shared_mutex>
 #include <sstream>
@@ -39,15 +40,7 @@ Params& Params::set(const std::string& name, ParamValue value) {
   return *this;
 }
 
-const ParamValue* Params::find(std::string_view name) const {
-  for (const auto& kv : items_)
-    if (kv.first == name) return &kv.second;
-  return nullptr;
-}
-
-int64_t Config::get(std::string_view name) const {
-  for (const auto& [k, v] : values)
-    if (k == name) return v;
+void Config::missing(std::string_view name) const {
   throw InvalidArgument(detail::concat("config: no value for '", name, "' in {", str(), "}"));
 }
 
@@ -287,21 +280,23 @@ std::string describe_op(std::string_view name) {
 void infer_outputs(std::string_view op_name, const std::vector<TensorView>& inputs, const Params& params,
                    std::vector<OutputSpec>* out) {
   static std::shared_mutex mu;
-  static std::unordered_map<std::string, std::vector<OutputSpec>> cache;
+  // Keyed by views of the entries' own keys (std::list: their strings never move).
+  static std::list<std::string> keys;
+  static std::unordered_map<std::string_view, std::vector<OutputSpec>> cache;
   constexpr size_t kMaxEntries = 4096;
   const OpDef& op = Registry::global().get(op_name);
-  thread_local std::string key;
+  thread_local CallKey key;
   key.clear();
   const bool cacheable = append_call_key(key, op, inputs, {}, params);
   if (cacheable) {
     std::shared_lock<std::shared_mutex> lock(mu);
-    auto it = cache.find(key);
+    auto it = cache.find(key.view());
     if (it != cache.end()) {
       *out = it->second;
       return;
     }
   }
-  const std::string miss_key = key;  // the buffer is the thread's: kept apart from what validation runs
+  const std::string miss_key(key.view());  // the buffer is the thread's: kept apart from what validation runs
   Problem p = validate_call(op, inputs, {}, params, nullptr, /*inputs_only=*/true).problem;
   out->resize(op.info.outputs.size());
   for (size_t i = 0; i < op.info.outputs.size(); ++i) {
@@ -314,7 +309,10 @@ void infer_outputs(std::string_view op_name, const std::vector<TensorView>& inpu
   }
   if (cacheable) {
     std::unique_lock<std::shared_mutex> lock(mu);
-    if (cache.size() < kMaxEntries) cache.emplace(miss_key, *out);
+    if (cache.size() < kMaxEntries && !cache.count(miss_key)) {
+      keys.push_back(miss_key);
+      cache.emplace(std::string_view(keys.back()), *out);
+    }
   }
 }
 

@@ -17,9 +17,9 @@ namespace kspec {
 namespace {
 
 std::string key_of(const std::vector<TensorView>& in, const std::vector<TensorView>& out, const Params& p) {
-  std::string k;
+  CallKey k;
   EXPECT_TRUE(append_call_key(k, Registry::global().get("norm_act.fwd"), in, out, p));
-  return k;
+  return std::string(k.view());
 }
 
 TEST(CallCache, KeyTellsApartWhatValidationReads) {
@@ -47,10 +47,27 @@ TEST(CallCache, KeyTellsApartWhatValidationReads) {
   EXPECT_NE(key_of({x, w, TensorView()}, {}, {{"eps", int64_t(0)}}), key_of({x, w, TensorView()}, {}, {{"eps", 0.0}}));
 }
 
+// A key longer than the buffer's first allocation keeps what was written before it grew.
+TEST(CallCache, KeyBufferGrowsKeepingItsBytes) {
+  CallKey k;
+  std::string want;
+  for (int i = 0; i < 300; ++i) {
+    char* at = k.extend(3);
+    for (int j = 0; j < 3; ++j) {
+      at[j] = static_cast<char>('a' + (i + j) % 26);
+      want += at[j];
+    }
+  }
+  EXPECT_EQ(std::string(k.view()), want);
+  k.clear();
+  EXPECT_TRUE(k.view().empty());
+}
+
 TEST(CallCache, ListsAreNotCached) {
   TensorView items[1] = {TensorView(reinterpret_cast<void*>(uintptr_t(1) << 32), DType::f32, {4}, 0)};
-  std::string k;
+  CallKey k;
   EXPECT_FALSE(append_call_key(k, Registry::global().get("adamw"), {TensorView::list(items, 1)}, {}, {}));
+  EXPECT_TRUE(k.view().empty());
 }
 
 // Owns one cuMemAlloc'd buffer.

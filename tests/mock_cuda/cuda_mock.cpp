@@ -19,6 +19,10 @@ std::atomic<long long> g_stream_queries{0};  // cuStreamIsCapturing and cuEventR
 std::atomic<long long> g_allocs{0}, g_frees{0}, g_syncs{0}, g_memsets{0}, g_attribute_sets{0};
 int g_context_token, g_module_token, g_function_token, g_event_token, g_graph_token;
 thread_local CUcontext t_current = nullptr;
+// The first argument of this thread's last cuLaunchKernel (kspec's kernels take one params struct), its
+// first t_arg_bytes kept where a test asked for them (kspec_mock_record_arg): which buffers a launcher passed.
+thread_local unsigned char t_last_arg[256];
+thread_local size_t t_arg_bytes = 0;
 
 CUcontext the_context() { return reinterpret_cast<CUcontext>(&g_context_token); }
 
@@ -46,6 +50,13 @@ extern "C" {
 __attribute__((visibility("default"))) long long kspec_mock_launches() { return g_launches.load(); }
 __attribute__((visibility("default"))) long long kspec_mock_dtod_copies() { return g_dtod_copies.load(); }
 __attribute__((visibility("default"))) long long kspec_mock_stream_queries() { return g_stream_queries.load(); }
+// From now on this thread's launches keep the first n bytes (at most 256: the size of the kernels' params
+// struct, so that nothing past it is read) of their first argument; 0 stops it.
+__attribute__((visibility("default"))) void kspec_mock_record_arg(size_t n) {
+  t_arg_bytes = n < sizeof(t_last_arg) ? n : sizeof(t_last_arg);
+}
+// What the last launch kept (kspec_mock_record_arg's bytes).
+__attribute__((visibility("default"))) void kspec_mock_last_arg(void* out) { std::memcpy(out, t_last_arg, t_arg_bytes); }
 // One counter by name: "allocs" (cuMemAlloc, cuMemAllocAsync), "frees", "syncs" (stream, context and event
 // synchronizes), "memsets", "attribute_sets" (cuFuncSetAttribute), "launches"; -1 for any other name.
 __attribute__((visibility("default"))) long long kspec_mock_count(const char* what) {
@@ -104,7 +115,8 @@ CUresult CUDAAPI cuFuncGetAttribute(int* v, CUfunction_attribute a, CUfunction) 
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                                CUstream, void**, void**) {
+                                CUstream, void** args, void**) {
+  if (args && args[0] && t_arg_bytes) std::memcpy(t_last_arg, args[0], t_arg_bytes);
   g_launches.fetch_add(1, std::memory_order_relaxed);
   return CUDA_SUCCESS;
 }

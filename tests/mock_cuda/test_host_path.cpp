@@ -18,6 +18,7 @@
 #include "jit/driver.h"
 #include "kspec/kspec.h"
 #include "mock_test_process.h"
+#include "templates/norm_act/params.h"
 
 namespace kspec {
 namespace {
@@ -101,6 +102,69 @@ TEST_F(HostPath, BoundRunLaunchesOnceAndAllocatesNothing) {
   // record per run (before: one of each).
   EXPECT_EQ(mock_value("kspec_mock_stream_queries") - queries, 0);
   EXPECT_TRUE(bound.idle());
+}
+
+// The params struct norm_act's launchers passed to their last kernel (the mock keeps it).
+struct LastParams {
+  LastParams() { fn("kspec_mock_record_arg", sizeof(NormActParams)); }
+  ~LastParams() { fn("kspec_mock_record_arg", 0); }
+  NormActParams get() const {
+    NormActParams p{};
+    void* lib = dlopen(KSPEC_CUDA_MOCK, RTLD_NOW | RTLD_NOLOAD);
+    if (auto f = lib ? reinterpret_cast<void (*)(void*)>(dlsym(lib, "kspec_mock_last_arg")) : nullptr) f(&p);
+    if (lib) dlclose(lib);
+    return p;
+  }
+  static void fn(const char* name, size_t n) {
+    void* lib = dlopen(KSPEC_CUDA_MOCK, RTLD_NOW | RTLD_NOLOAD);
+    if (auto f = lib ? reinterpret_cast<void (*)(size_t)>(dlsym(lib, name)) : nullptr) f(n);
+    if (lib) dlclose(lib);
+  }
+};
+
+// norm_act's launchers find their tensors by schema positions resolved when the op is made: each field of
+// the kernels' params is the call's buffer of that name, on a miss, a hit and a bound run, forward and
+// backward (with and without a bias).
+TEST_F(HostPath, NormActLaunchesPassEachTensorInItsPlace) {
+  LastParams last;
+  NormActCall f;
+  auto ptr = [&](int i) { return reinterpret_cast<void*>(f.bufs[static_cast<size_t>(i)]); };
+  for (int i = 0; i < 2; ++i) {  // a miss, then a hit
+    call("norm_act.fwd", f.ins, f.outs, {{"norm", std::string("layernorm")}, {"eps", 0.25}}, f.stream);
+    const NormActParams p = last.get();
+    EXPECT_EQ(p.x, ptr(0));
+    EXPECT_EQ(p.weight, ptr(1));
+    EXPECT_EQ(p.bias, ptr(2));
+    EXPECT_EQ(p.y, ptr(3));
+    EXPECT_EQ(static_cast<void*>(p.mean), ptr(4));
+    EXPECT_EQ(static_cast<void*>(p.rstd), ptr(5));
+    EXPECT_EQ(p.rows, 4);
+    EXPECT_EQ(p.eps, 0.25f);
+  }
+  BoundCall bound("norm_act.fwd", f.ins, f.outs, f.params);
+  bound.run({}, f.outs, f.stream);
+  EXPECT_EQ(last.get().y, ptr(3));
+  EXPECT_EQ(static_cast<void*>(last.get().rstd), ptr(5));
+  // The backward: dy x weight bias mean rstd -> dx dweight dbias, its buffers in another order.
+  NormActCall g;
+  const TensorView dy = f.ins[0], x = g.ins[0], w = f.ins[1], bias = g.ins[1], mean = f.outs[1], rstd = g.outs[1];
+  const TensorView dx = g.outs[0], dw = f.ins[2], db = g.ins[2];
+  for (bool with_bias : {true, false}) {
+    for (int i = 0; i < 2; ++i) {
+      call("norm_act.bwd", {dy, x, w, with_bias ? bias : TensorView(), mean, rstd}, {dx, dw, with_bias ? db : TensorView()},
+           f.params, f.stream);
+      const NormActParams p = last.get();  // the reduction, launched last, reads the same struct
+      EXPECT_EQ(p.dy, dy.data);
+      EXPECT_EQ(p.x, x.data);
+      EXPECT_EQ(p.weight, w.data);
+      EXPECT_EQ(p.bias, with_bias ? bias.data : nullptr);
+      EXPECT_EQ(static_cast<void*>(p.mean), mean.data);
+      EXPECT_EQ(static_cast<void*>(p.rstd), rstd.data);
+      EXPECT_EQ(p.dx, dx.data);
+      EXPECT_EQ(p.dweight, dw.data);
+      EXPECT_EQ(p.dbias, with_bias ? db.data : nullptr);
+    }
+  }
 }
 
 // The hit path keeps the checks that depend on the pointers, with full validation's messages.

@@ -32,7 +32,12 @@ class Params {
   Params() = default;
   Params(std::initializer_list<std::pair<std::string, ParamValue>> items);
   Params& set(const std::string& name, ParamValue value);
-  const ParamValue* find(std::string_view name) const;
+  // Inline (as Config::get): a launcher's literal name is compared in place, not through a libc memcmp.
+  const ParamValue* find(std::string_view name) const {
+    for (const auto& kv : items_)
+      if (kv.first == name) return &kv.second;
+    return nullptr;
+  }
   const std::vector<std::pair<std::string, ParamValue>>& items() const { return items_; }
   void reserve(size_t n) { items_.reserve(n); }
   void clear() { items_.clear(); }  // keeps the storage, for a Params refilled per call
@@ -154,7 +159,13 @@ std::string describe_op(std::string_view name);  // human-readable schema
 // A tuning configuration: {{"threads_per_row", 128}, {"vec", 8}}.
 struct Config {
   std::vector<std::pair<std::string, int64_t>> values;
-  int64_t get(std::string_view name) const;
+  // Inline: every launch reads its config by name, and a literal compared in place costs a few
+  // instructions where an out-of-line std::string == string_view called memcmp per entry.
+  int64_t get(std::string_view name) const {
+    for (const auto& kv : values)
+      if (kv.first == name) return kv.second;
+    missing(name);
+  }
   bool has(std::string_view name) const;
   std::string str() const;  // "threads_per_row=128,vec=8": every value a number (plan keys, comparisons)
   // The text a user reads and the tuning database stores: a named choice by its name ("algo=tile,warps=4").
@@ -163,6 +174,9 @@ struct Config {
   // The same, also reading the op's named choices ("algo=tile"); a number is still read (older tuning
   // entries and scripts). An unknown name throws InvalidArgument listing the axis' names.
   static Config parse(std::string_view text, const OpInfo& op);
+
+ private:
+  [[noreturn]] void missing(std::string_view name) const;  // InvalidArgument naming it and the config
 };
 
 struct CallOptions {

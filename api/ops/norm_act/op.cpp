@@ -108,31 +108,63 @@ std::vector<std::string> common_targs(const Problem& p, const Config& c, const c
   return t;
 }
 
+// Where the launchers find their tensors in a call: resolved from the schema once, when the op is made, so
+// that a launch reads call.inputs[i] instead of looking each name up on every call (most of a cached call's
+// launch on the mock driver: tools/bench/NOTES.md). The backward's outputs in y, mean, rstd's places.
+struct Slots {
+  size_t x, weight, bias, mean, rstd, dy = 0, y, dweight = 0, dbias = 0;
+};
+
+Slots fwd_slots(const OpInfo& i) {
+  Slots s;
+  s.x = input_index(i, "x");
+  s.weight = input_index(i, "weight");
+  s.bias = input_index(i, "bias");
+  s.y = output_index(i, "y");
+  s.mean = output_index(i, "mean");
+  s.rstd = output_index(i, "rstd");
+  return s;
+}
+
+Slots bwd_slots(const OpInfo& i) {
+  Slots s;
+  s.dy = input_index(i, "dy");
+  s.x = input_index(i, "x");
+  s.weight = input_index(i, "weight");
+  s.bias = input_index(i, "bias");
+  s.mean = input_index(i, "mean");
+  s.rstd = input_index(i, "rstd");
+  s.y = output_index(i, "dx");
+  s.dweight = output_index(i, "dweight");
+  s.dbias = output_index(i, "dbias");
+  return s;
+}
+
 // The kernels' parameters a call's tensors give (templates/norm_act/params.h); the work split's fields
 // (partials) are the launch's to fill.
-NormActParams kernel_params(const Call& call, bool backward) {
-  const TensorView& x = call.in("x");
+NormActParams kernel_params(const Call& call, const Slots& s, bool backward) {
+  const TensorView& x = call.inputs[s.x];
   NormActParams prm{};
   prm.x = x.data;
-  prm.weight = call.in("weight").data;
-  prm.bias = call.in("bias").data;
+  prm.weight = call.inputs[s.weight].data;
+  prm.bias = call.inputs[s.bias].data;
   prm.x_row_stride = call.row_stride(x);
   prm.rows = static_cast<int>(call.problem.dim("rows"));
   if (backward) {
-    const TensorView &dy = call.in("dy"), &dx = call.out("dx");
-    prm.mean = static_cast<float*>(call.in("mean").data);
-    prm.rstd = static_cast<float*>(call.in("rstd").data);
+    const TensorView &dy = call.inputs[s.dy], &dx = call.outputs[s.y];
+    prm.mean = static_cast<float*>(call.inputs[s.mean].data);
+    prm.rstd = static_cast<float*>(call.inputs[s.rstd].data);
     prm.dy = dy.data;
     prm.dx = dx.data;
-    prm.dweight = call.out("dweight").data;
-    prm.dbias = call.out("dbias").data;
+    prm.dweight = call.outputs[s.dweight].data;
+    prm.dbias = call.outputs[s.dbias].data;
     prm.dy_row_stride = call.row_stride(dy);
     prm.dx_row_stride = call.row_stride(dx);
   } else {
-    const TensorView& y = call.out("y");
+    const TensorView& y = call.outputs[s.y];
     prm.y = y.data;
-    prm.mean = static_cast<float*>(call.out("mean").data);
-    prm.rstd = static_cast<float*>(call.out("rstd").data);
+    prm.mean = static_cast<float*>(call.outputs[s.mean].data);
+    prm.rstd = static_cast<float*>(call.outputs[s.rstd].data);
     prm.y_row_stride = call.row_stride(y);
     prm.eps = static_cast<float>(call.problem.param_float("eps"));
   }
@@ -297,10 +329,10 @@ OpDef make_fwd() {
     if (!p.param_bool("save_stats")) targs.push_back("false");  // kSaveStats, true by default
     return std::vector<jit::KernelSpec>{spec(p, kernel, std::move(targs))};
   };
-  op.launch = [](const Call& call, const Config& c, Launcher& l) {
+  op.launch = [s = fwd_slots(i)](const Call& call, const Config& c, Launcher& l) {
     int64_t rows = call.problem.dim("rows");
     KSPEC_CHECK(rows <= INT32_MAX, "norm_act.fwd: input 'x': at most 2^31-1 rows, got ", rows);
-    NormActParams prm = kernel_params(call, false);
+    NormActParams prm = kernel_params(call, s, false);
     void* args[] = {&prm};
     unsigned rpb = static_cast<unsigned>(c.get("rows_per_block"));  // 1 when streamed
     unsigned threads = static_cast<unsigned>(c.get("threads_per_row")) * rpb;
@@ -328,14 +360,14 @@ jit::KernelSpec reduce_spec(const Problem& p) {
 // Streamed rows: dx one block per row, dweight/dbias column-parallel over `parts` slices of the rows,
 // then the ordered reduction of the parts. `parts` depends only on rows, hidden and the GPU, so
 // results are bitwise reproducible there.
-void launch_bwd_stream(const Call& call, const Config& c, Launcher& l) {
+void launch_bwd_stream(const Call& call, const Slots& s, const Config& c, Launcher& l) {
   int64_t rows = call.problem.dim("rows"), hidden = call.problem.dim("hidden");
   int64_t col_blocks = ceil_div(hidden, kColumnThreads);
   int64_t parts = std::clamp<int64_t>(ceil_div(l.multiprocessors() * kColumnBlocksPerSm, col_blocks), 1,
                                       std::max<int64_t>(rows, 1));
   parts = std::min<int64_t>(parts, 65535);  // gridDim.y
   auto* ws = static_cast<float*>(l.workspace(sizeof(float) * 2 * parts * hidden));
-  NormActParams prm = kernel_params(call, true);
+  NormActParams prm = kernel_params(call, s, true);
   prm.dw_partial = ws;
   prm.db_partial = ws + parts * hidden;
   prm.rows_per_part = static_cast<int>(ceil_div(rows, parts));
@@ -375,8 +407,8 @@ OpDef make_bwd() {
     return std::vector<jit::KernelSpec>{spec(p, "kspec::norm_act_bwd_kernel", common_targs(p, c, "x", "weight")),
                                         reduce_spec(p)};
   };
-  op.launch = [](const Call& call, const Config& c, Launcher& l) {
-    if (c.get("stream")) return launch_bwd_stream(call, c, l);
+  op.launch = [s = bwd_slots(i)](const Call& call, const Config& c, Launcher& l) {
+    if (c.get("stream")) return launch_bwd_stream(call, s, c, l);
     int64_t rows = call.problem.dim("rows"), hidden = call.problem.dim("hidden");
     KSPEC_CHECK(rows <= INT32_MAX, "norm_act.bwd: input 'x': at most 2^31-1 rows, got ", rows);
     int64_t rpb = c.get("rows_per_block");
@@ -388,7 +420,7 @@ OpDef make_bwd() {
     int64_t per_sm = std::max(1, l.occupancy(0, static_cast<unsigned>(threads), 0));
     int64_t grid = std::min<int64_t>(ceil_div(rows, rpb), l.multiprocessors() * per_sm);
     auto* ws = static_cast<float*>(l.workspace(sizeof(float) * 2 * std::max<int64_t>(grid, 1) * hidden));
-    NormActParams prm = kernel_params(call, true);
+    NormActParams prm = kernel_params(call, s, true);
     prm.dw_partial = ws;
     prm.db_partial = ws + std::max<int64_t>(grid, 1) * hidden;
     prm.num_partials = static_cast<int>(grid);
