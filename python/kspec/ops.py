@@ -24,6 +24,15 @@ def _torch_glue():
     return glue
 
 
+_mhc = None  # kspec._mhc, set when it is imported (as _torch above): a decode step calls mhc_pre per layer
+
+
+def _mhc_glue():
+    import kspec._mhc as glue
+
+    return glue
+
+
 _NORMS = ("layernorm", "rmsnorm")
 # One activation vocabulary for every op with an `act` (api/ops/common/activations.h, where the C++ ops
 # map an alias to its canonical name): canonical none, relu, silu, gelu_tanh, gelu_erf; "identity" is
@@ -521,20 +530,17 @@ def mhc_pre(x: Array, phi: Array, alpha: Array, bias: Array, gamma: Array | None
     alpha: (3,) fp32 (pre_only: (1,)); bias: (M,) fp32; gamma: (n*D,) fp32 or None. Returns (y (..., D) like x,
     h_pre (..., n), h_post (..., n), r (..., n, n)) fp32 — pre_only: (y, h_pre). Differentiable in every
     input (kspec::mhc_pre_fwd/_bwd; kspec::mhc_pre_only_* for the final collapse of the streams)."""
-    from . import _mhc
-
+    glue = _mhc or _mhc_glue()
     if pre_only:
-        return _mhc.run_pre_only(x, phi, alpha, bias, gamma, float(eps_rms), float(eps_pre))
-    return _mhc.run_pre(x, phi, alpha, bias, gamma, float(eps_rms), float(eps_pre), float(eps_sk), int(t_max))
+        return glue.run_pre_only(x, phi, alpha, bias, gamma, float(eps_rms), float(eps_pre))
+    return glue.run_pre(x, phi, alpha, bias, gamma, float(eps_rms), float(eps_pre), float(eps_sk), int(t_max))
 
 
 def mhc_post(x: Array, f: Array, h_post: Array, h_res: Array) -> Array:
     """mHC post: out[k] = h_post[k] f + sum_j h_res[j, k] x[j], the next layer's streams.
     x: (..., n, D); f: (..., D) like x; h_post: (..., n), h_res: (..., n, n) fp32 (mhc_pre's h_post and r).
     Returns out (..., n, D) like x. Differentiable (kspec::mhc_post_fwd/_bwd)."""
-    from . import _mhc
-
-    return _mhc.run_post(x, f, h_post, h_res)
+    return (_mhc or _mhc_glue()).run_post(x, f, h_post, h_res)
 
 
 def mhc_post_pre(x: Array, f: Array, h_post: Array, h_res: Array, phi: Array, alpha: Array, bias: Array,
@@ -546,10 +552,8 @@ def mhc_post_pre(x: Array, f: Array, h_post: Array, h_res: Array, phi: Array, al
     mhc_pre's (layer l + 1's). Returns (x_next (..., n, D) like x, y (..., D) like x, h_pre, h_post, r) of
     layer l + 1. Differentiable in every input (kspec::mhc_post_pre_fwd/_bwd; the backward runs
     mhc.pre.bwd's kernels then mhc.post.bwd's)."""
-    from . import _mhc
-
-    return _mhc.run_post_pre(x, f, h_post, h_res, phi, alpha, bias, gamma, float(eps_rms), float(eps_pre),
-                             float(eps_sk), int(t_max))
+    return (_mhc or _mhc_glue()).run_post_pre(x, f, h_post, h_res, phi, alpha, bias, gamma, float(eps_rms),
+                                              float(eps_pre), float(eps_sk), int(t_max))
 
 
 def mhc_sinkhorn(logits: Array, *, eps_sk: float = 1e-6, t_max: int = 20) -> Array:

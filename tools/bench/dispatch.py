@@ -45,6 +45,26 @@ def host_us(fn, calls=CALLS, warmup=WARMUP) -> float:
     return t[calls // 2] / 1e3
 
 
+def gpu_us(fn, calls=50) -> float:
+    """Median GPU µs of one fn() call's kernels: each call queued behind a spin kernel (torch.cuda._sleep) so that
+    its events time the kernels alone, not the host's launch gaps. Where this is near host_us, the host loop was
+    waiting for the GPU (the launch queue full), not the other way round."""
+    import torch
+
+    fn()
+    t = []
+    for _ in range(calls):
+        torch.cuda._sleep(200_000)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        t.append((s, e))
+    torch.cuda.synchronize()
+    ms = sorted(s.elapsed_time(e) for s, e in t)
+    return ms[len(ms) // 2] * 1e3
+
+
 def step_us(fn, steps=STEPS, warmup=STEP_WARMUP) -> tuple[float, float]:
     """(wall µs per step with one sync at the end, host µs per step spent enqueueing)."""
     import torch
@@ -101,6 +121,20 @@ def call_rows():
         from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as mamba_scan
     except ImportError:
         mamba_scan = None
+    # issue 34's decode shape (T = 8, n = 4, D = 4096, bf16), without grad as a decode step runs (the peer too)
+    T, hn, hd = 8, 4, 4096
+    hx = torch.randn(T, hn, hd, device=dev, dtype=bf)
+    phi = torch.randn(hn * hn + 2 * hn, hn * hd, device=dev) * 0.01
+    alpha, hbias = torch.full((3,), 0.01, device=dev), torch.zeros(hn * hn + 2 * hn, device=dev)
+    hxf, hw = hx.view(T, hn * hd), torch.ones(hn * hd, device=dev, dtype=bf)
+    hf = torch.randn(T, hd, device=dev, dtype=bf)
+    h_post, h_res = torch.rand(T, hn, device=dev), torch.rand(T, hn, hn, device=dev)
+
+    def no_grad(fn):
+        def run():
+            with torch.no_grad():
+                return fn()
+        return run
     return [
         ("launch", "CuPy RawKernel launch", _cupy_row()),
         ("launch", "torch F.rms_norm [4, 256] bf16", lambda: F.rms_norm(x, (256,), w, 1e-5)),
@@ -126,6 +160,11 @@ def call_rows():
          None if mamba_scan is None else lambda: mamba_scan(ug, delta, A, B, C, D, delta_softplus=True)),
         ("scan", "kspec.ops.selective_scan_fn (input requires grad)",
          lambda: kspec.ops.selective_scan_fn(ug, delta, A, B, C, D, delta_softplus=True)),
+        ("mhc", "torch F.rms_norm [8, 4*4096] (no_grad)", no_grad(lambda: F.rms_norm(hxf, (hn * hd,), hw, 1e-6))),
+        ("mhc", "kspec.call mhc.pre.fwd (no_grad, 6 outputs)", no_grad(lambda: kspec.call("mhc.pre.fwd", hx, phi, alpha,
+                                                                                         hbias, None))),
+        ("mhc", "kspec.ops.mhc_pre T=8 n=4 D=4096 (no_grad)", no_grad(lambda: kspec.ops.mhc_pre(hx, phi, alpha, hbias))),
+        ("mhc", "kspec.ops.mhc_post (no_grad)", no_grad(lambda: kspec.ops.mhc_post(hx, hf, h_post, h_res))),
     ]
 
 
@@ -311,6 +350,98 @@ def _twins(rows):
     return out
 
 
+def norm_step_breakdown(trace: bool = False, rounds: int = 5, steps: int = 100) -> list:
+    """Where a norm_act training step's host time goes (issue 28's one row over its peer), each variant in the
+    same process and interleaved (`rounds` rounds of `steps` steps each, variants in turn, so that no variant
+    owns the warm or the cold end of the run): per step the forward's and the backward's host µs (each call
+    timed alone, medians over every round) and the wall µs of a round with one sync at its end (median of the
+    rounds); the kernels launched per step (torch.profiler: cuLaunchKernel / cudaLaunchKernel events); with
+    `trace`, the profiler's rows by self CPU time for each variant's steps. Variants: torch F.rms_norm, kspec
+    with call_grad's C++ node (ext: the default), the record node (node: the forward from Python, the
+    surface's Python backward), and, in each kspec variant, the same without x.grad/w.grad accumulation
+    (grads reset to None each step: AccumulateGrad steals the gradient instead of adding a kernel)."""
+    import torch
+    import torch.nn.functional as F
+
+    import kspec
+
+    dev, bf = "cuda", torch.bfloat16
+    x = torch.randn(4, 256, device=dev, dtype=bf, requires_grad=True)
+    w = torch.ones(256, device=dev, dtype=bf, requires_grad=True)
+    gy = torch.randn(4, 256, device=dev, dtype=bf)
+    variants = [("torch F.rms_norm", None, lambda: F.rms_norm(x, (256,), w, 1e-5)),
+                ("kspec ext (call_grad)", None, lambda: kspec.ops.norm_act(x, w, None, norm="rmsnorm")),
+                ("kspec node (record)", "node", lambda: kspec.ops.norm_act(x, w, None, norm="rmsnorm"))]
+    clock = time.perf_counter_ns
+    res = {name: {"fwd": [], "bwd": [], "wall": []} for name, _, _ in variants}
+
+    def run_steps(name, path, fn, n, reset):
+        ctx = _PATHS[path]() if path else None
+        if ctx:
+            ctx.__enter__()
+        try:
+            fwd, bwd = res[name]["fwd"], res[name]["bwd"]
+            torch.cuda.synchronize()
+            t_start = clock()
+            for _ in range(n):
+                if reset:
+                    x.grad = w.grad = None
+                t0 = clock()
+                y = fn()
+                t1 = clock()
+                y.backward(gy)
+                t2 = clock()
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+            torch.cuda.synchronize()
+            res[name]["wall"].append((clock() - t_start) / n)
+        finally:
+            if ctx:
+                ctx.__exit__(None, None, None)
+
+    for name, path, fn in variants:  # warm-up (compiles, allocator pools)
+        run_steps(name, path, fn, 20, False)
+        for k in res[name]:
+            res[name][k].clear()
+    for _ in range(rounds):
+        for name, path, fn in variants:
+            run_steps(name, path, fn, steps, False)
+    rows = []
+    med = lambda v: sorted(v)[len(v) // 2] / 1e3  # noqa: E731
+    for name, path, fn in variants:
+        r = {"variant": name, "fwd_us": med(res[name]["fwd"]), "bwd_us": med(res[name]["bwd"]),
+             "wall_us": med(res[name]["wall"])}
+        # the same without accumulation into x.grad / w.grad (one add kernel each per step)
+        res[name] = {"fwd": [], "bwd": [], "wall": []}
+        run_steps(name, path, fn, steps, True)
+        r["wall_no_accum_us"] = med(res[name]["wall"])
+        r["bwd_no_accum_us"] = med(res[name]["bwd"])
+        try:
+            from torch.profiler import ProfilerActivity, profile
+
+            ctx = _PATHS[path]() if path else None
+            if ctx:
+                ctx.__enter__()
+            try:
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(20):
+                        fn().backward(gy)
+                    torch.cuda.synchronize()
+            finally:
+                if ctx:
+                    ctx.__exit__(None, None, None)
+            ev = prof.key_averages()
+            r["launches_per_step"] = sum(e.count for e in ev if e.key in ("cuLaunchKernel", "cudaLaunchKernel",
+                                                                         "cuLaunchKernelEx", "cudaLaunchKernelExC")) / 20
+            r["gpu_ops_per_step"] = sum(e.count for e in ev if str(e.device_type).endswith("CUDA")) / 20
+            if trace:
+                r["trace"] = ev.table(sort_by="self_cpu_time_total", row_limit=14)
+        except Exception as e:  # noqa: BLE001  (the timings stand without the profiler)
+            r["trace_error"] = str(e)[:200]
+        rows.append(r)
+    return rows
+
+
 def cpp_rows(path):
     """kspec_dispatch_bench's JSON (C++: raw cuLaunchKernel, kspec::call, the typed wrapper, a BoundCall, a gemm)."""
     r = subprocess.run([path], capture_output=True, text=True, timeout=300)
@@ -339,8 +470,13 @@ def run(args) -> dict:
                 us = host_us(fn)
         else:
             us = host_us(fn)
-        data["rows"].append({"group": group, "call": name, "path": path, "us": us})
-        print(f"{group:8} {name:50} {path:5} {'n/a' if us is None else f'{us:8.1f}':>8}")
+        row = {"group": group, "call": name, "path": path, "us": us}
+        # where the GPU may be the slower side (mhc.pre at decode streams its whole projection per call)
+        gpu = gpu_us(fn) if group == "mhc" and fn is not None and path != "pure" else None
+        row["gpu_us"] = gpu
+        data["rows"].append(row)
+        print(f"{group:8} {name:50} {path:5} {'n/a' if us is None else f'{us:8.1f}':>8}"
+              + ("" if gpu is None else f"   gpu {gpu:7.1f}"))
     print(f"\n{'group':10} {'step':42} {'path':5} {'wall µs':>9} {'host µs':>9}")
     for group, name, path, fn in _twins(step_rows()):
         if fn is None:
@@ -353,6 +489,19 @@ def run(args) -> dict:
         data["steps"].append({"group": group, "step": name, "path": path, "wall_us": wall, "host_us": host})
         cols = "      n/a       n/a" if wall is None else f"{wall:9.1f} {host:9.1f}"
         print(f"{group:10} {name:42} {path:5} {cols}")
+    print("\nnorm_act [4, 256] bf16 training step, variants interleaved (host µs per call: fwd, bwd; wall µs per step"
+          " with x.grad/w.grad accumulated, and with them reset to None)")
+    print(f"{'variant':24} {'fwd':>7} {'bwd':>7} {'wall':>8} {'bwd*':>7} {'wall*':>8} {'launches':>9} {'gpu ops':>8}")
+    data["norm_step_breakdown"] = norm_step_breakdown(getattr(args, "trace", False))
+    for r in data["norm_step_breakdown"]:
+        print(f"{r['variant']:24} {r['fwd_us']:7.1f} {r['bwd_us']:7.1f} {r['wall_us']:8.1f} {r['bwd_no_accum_us']:7.1f} "
+              f"{r['wall_no_accum_us']:8.1f} {r.get('launches_per_step', float('nan')):9.1f} "
+              f"{r.get('gpu_ops_per_step', float('nan')):8.1f}")
+    for r in data["norm_step_breakdown"]:
+        if r.get("trace"):
+            print(f"\n{r['variant']}: torch.profiler, 20 steps, by self CPU\n{r['trace']}")
+        elif r.get("trace_error"):
+            print(f"{r['variant']}: profiler: {r['trace_error']}")
     if getattr(args, "dispatch_bin", None):
         try:
             c = cpp_rows(args.dispatch_bin)
@@ -372,6 +521,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--dispatch-bin", metavar="PATH", help="the kspec_dispatch_bench binary (C++ rows)")
+    p.add_argument("--trace", action="store_true", help="torch.profiler's rows of each norm-step variant")
     args = p.parse_args()
     data = run(args)
     if args.json:
