@@ -45,6 +45,131 @@ __device__ __forceinline__ void mhc_mma_tf32(float (&d)[4], float a0, float a1, 
         "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
 }
 
+// The end of the mma forward once a warp's accumulators hold its chunks' sums (acc: m of the lane's token
+// rows mt * 16 + g + 8 h at rows 8 j + 2 c + e; ss: their sums of squares): the warps' partials added in
+// warp order into tot (shared, kTok x (M + 1)), the heads, then y from p.x. kCoherent: p.x was written by
+// this block (mhc_post_pre_mma.cuh's x_next), so y reads it with plain loads, not the read-only path.
+template <typename T, int N, int D, int kTMax, bool kPreOnly, int kTok, bool kVec, bool kWarpHeads, bool kCoherent>
+__device__ __forceinline__ void mhc_pre_fwd_mma_finish(const MhcPreParams& p, long long t0, int ntok,
+                                                       float (&acc)[kTok / 16][(MhcRows<N, kPreOnly>::kM + 7) / 8][4],
+                                                       float (&ss)[kTok / 16][2], float* tot) {
+  using Rows = MhcRows<N, kPreOnly>;
+  constexpr int kThreads = kMhcMmaThreads, kWarps = kThreads / 32;
+  constexpr int kM = Rows::kM, kND = N * D, kK = kM + 1, kNN = N * N;
+  constexpr int kNt = (kM + 7) / 8, kMt = kTok / 16;
+  constexpr int kSub = (4 * kM <= kThreads && (kPreOnly || 4 * kNN <= kThreads)) ? 4
+                       : (2 * kM <= kThreads && (kPreOnly || 2 * kNN <= kThreads)) ? 2 : 1;
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int g = lane / 4, c = lane % 4;
+  const T* x = static_cast<const T*>(p.x);
+  // A row's sum of squares over the quad's four lanes, then the warps' partials added in warp order.
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      ss[mt][h] += __shfl_xor_sync(0xffffffffu, ss[mt][h], 1);
+      ss[mt][h] += __shfl_xor_sync(0xffffffffu, ss[mt][h], 2);
+    }
+  for (int w = 0; w < kWarps; ++w) {
+    if (warp == w) {
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float* row = tot + (mt * 16 + g + 8 * h) * kK;
+          if (c == 0) row[0] = w == 0 ? ss[mt][h] : row[0] + ss[mt][h];
+#pragma unroll
+          for (int j = 0; j < kNt; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int r = 8 * j + 2 * c + e;
+              if (r < kM) row[1 + r] = w == 0 ? acc[mt][j][2 * h + e] : row[1 + r] + acc[mt][j][2 * h + e];
+            }
+        }
+    }
+    __syncthreads();
+  }
+
+  // y: items of 8 elements (it / kRow8 a token's, it % kRow8 its group of 8 d), this thread's from `first`
+  // in steps of `stride`, kBatch loaded before any is stored; token_of(it) is its token in the tile,
+  // weight(j, i) token j's H_pre[i].
+  constexpr int kRow8 = (D + 7) / 8, kBatch = N >= 8 ? 2 : 4;
+  auto y_items = [&](int items, int first, int stride, auto&& token_of, auto&& weight) {
+    for (int base = first; base < items; base += kBatch * stride) {
+      MhcRow8<T> v[kBatch][N];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int it = base + b * stride;
+        const int j = it < items ? token_of(it) : 0, d = (it < items ? it % kRow8 : 0) * 8;
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+          mhc_load8<T, kVec, !kCoherent>(v[b][i], x + ((t0 + j) * N + i) * p.x_row + d, it < items ? D - d : 0);
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int it = base + b * stride;
+        if (it >= items) continue;
+        const int j = token_of(it), d = it % kRow8 * 8;
+        MhcRow8<T> out;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          float s = 0.f;
+#pragma unroll
+          for (int i = 0; i < N; ++i) s += weight(j, i) * to_float(v[b][i].v[e]);
+          out.v[e] = store_as<T>(s);
+        }
+        T* y = static_cast<T*>(p.y) + (t0 + j) * p.y_row + d;
+        if (kVec) {
+#pragma unroll
+          for (int w = 0; w < static_cast<int>(sizeof(out) / 16); ++w)
+            reinterpret_cast<uint4*>(y)[w] = reinterpret_cast<const uint4*>(out.v)[w];
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            if (d + e < D) y[e] = out.v[e];
+        }
+      }
+    }
+  };
+
+  if constexpr (kWarpHeads) {
+    static_assert(kM <= 32 && (kPreOnly || kNN <= 32), "a row of h and a Sinkhorn element a lane");
+    for (int j = warp; j < ntok; j += kWarps) {
+      // mhc_pre_fwd_heads' arithmetic for token t0 + j, lane r holding row r of h.
+      const long long t = t0 + j;
+      const float* tj = tot + j * kK;
+      const float inv = rsqrtf(tj[0] / static_cast<float>(kND) + p.eps_rms);
+      const int r = lane < kM ? lane : 0;
+      const float h = inv * __ldg(p.alpha + Rows::alpha_of(r)) * tj[1 + r] + __ldg(p.bias + r);
+      const float hp = mhc_sigmoid(h) + p.eps_pre;
+      if (lane < kM) {
+        if (lane == 0) p.inv[t] = inv;
+        p.h[t * kM + lane] = h;
+        if (lane < N) p.h_pre[t * N + lane] = hp;
+        else if (lane < 2 * N) p.h_post[t * N + lane - N] = 2.f * mhc_sigmoid(h);
+      }
+      if constexpr (!kPreOnly) {
+        const float z = __shfl_sync(0xffffffffu, h, 2 * N + (lane < kNN ? lane : 0));
+        const float rr = MhcSinkhorn<N, kTMax>::forward_warp(z, p.eps_sk, lane);
+        if (lane < kNN) p.r[t * kNN + lane] = rr;
+      }
+      float w[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) w[i] = __shfl_sync(0xffffffffu, hp, i);
+      y_items(kRow8, lane, 32, [&](int) { return j; }, [&](int, int i) { return w[i]; });
+    }
+  } else {
+    __shared__ float h_pre[kTok][N];
+    for (int s0 = 0; s0 < ntok; s0 += kSub) {
+      mhc_pre_fwd_heads<N, D, kTMax, kPreOnly, kSub>(p, t0 + s0, ntok - s0 < kSub ? ntok - s0 : kSub, tot + s0 * kK,
+                                                     h_pre + s0);
+      __syncthreads();
+    }
+    y_items(ntok * kRow8, static_cast<int>(threadIdx.x), kThreads, [&](int it) { return it / kRow8; },
+            [&](int j, int i) { return h_pre[j][i]; });
+  }
+}
+
 // Grid: ceil(T / kTok) blocks of kMhcMmaThreads. kVec: D % 8 == 0 and every pointer and row stride
 // 16-byte aligned (the plan's choice).
 template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kTok, bool kVec, bool kWarpHeads>
@@ -141,112 +266,7 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_fwd_mma_kernel(const M
     }
   }
 
-  // A row's sum of squares over the quad's four lanes, then the warps' partials added in warp order.
-#pragma unroll
-  for (int mt = 0; mt < kMt; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      ss[mt][h] += __shfl_xor_sync(0xffffffffu, ss[mt][h], 1);
-      ss[mt][h] += __shfl_xor_sync(0xffffffffu, ss[mt][h], 2);
-    }
-  for (int w = 0; w < kWarps; ++w) {
-    if (warp == w) {
-#pragma unroll
-      for (int mt = 0; mt < kMt; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float* row = tot + (mt * 16 + g + 8 * h) * kK;
-          if (c == 0) row[0] = w == 0 ? ss[mt][h] : row[0] + ss[mt][h];
-#pragma unroll
-          for (int j = 0; j < kNt; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int r = 8 * j + 2 * c + e;
-              if (r < kM) row[1 + r] = w == 0 ? acc[mt][j][2 * h + e] : row[1 + r] + acc[mt][j][2 * h + e];
-            }
-        }
-    }
-    __syncthreads();
-  }
-
-  // y: items of 8 elements (it / kRow8 a token's, it % kRow8 its group of 8 d), this thread's from `first`
-  // in steps of `stride`, kBatch loaded before any is stored; token_of(it) is its token in the tile,
-  // weight(j, i) token j's H_pre[i].
-  constexpr int kRow8 = (D + 7) / 8, kBatch = N >= 8 ? 2 : 4;
-  auto y_items = [&](int items, int first, int stride, auto&& token_of, auto&& weight) {
-    for (int base = first; base < items; base += kBatch * stride) {
-      MhcRow8<T> v[kBatch][N];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int it = base + b * stride;
-        const int j = it < items ? token_of(it) : 0, d = (it < items ? it % kRow8 : 0) * 8;
-#pragma unroll
-        for (int i = 0; i < N; ++i)
-          mhc_load8<T, kVec>(v[b][i], x + ((t0 + j) * N + i) * p.x_row + d, it < items ? D - d : 0);
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int it = base + b * stride;
-        if (it >= items) continue;
-        const int j = token_of(it), d = it % kRow8 * 8;
-        MhcRow8<T> out;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          float s = 0.f;
-#pragma unroll
-          for (int i = 0; i < N; ++i) s += weight(j, i) * to_float(v[b][i].v[e]);
-          out.v[e] = store_as<T>(s);
-        }
-        T* y = static_cast<T*>(p.y) + (t0 + j) * p.y_row + d;
-        if (kVec) {
-#pragma unroll
-          for (int w = 0; w < static_cast<int>(sizeof(out) / 16); ++w)
-            reinterpret_cast<uint4*>(y)[w] = reinterpret_cast<const uint4*>(out.v)[w];
-        } else {
-#pragma unroll
-          for (int e = 0; e < 8; ++e)
-            if (d + e < D) y[e] = out.v[e];
-        }
-      }
-    }
-  };
-
-  if constexpr (kWarpHeads) {
-    static_assert(kM <= 32 && (kPreOnly || kNN <= 32), "a row of h and a Sinkhorn element a lane");
-    for (int j = warp; j < ntok; j += kWarps) {
-      // mhc_pre_fwd_heads' arithmetic for token t0 + j, lane r holding row r of h.
-      const long long t = t0 + j;
-      const float* tj = tot + j * kK;
-      const float inv = rsqrtf(tj[0] / static_cast<float>(kND) + p.eps_rms);
-      const int r = lane < kM ? lane : 0;
-      const float h = inv * __ldg(p.alpha + Rows::alpha_of(r)) * tj[1 + r] + __ldg(p.bias + r);
-      const float hp = mhc_sigmoid(h) + p.eps_pre;
-      if (lane < kM) {
-        if (lane == 0) p.inv[t] = inv;
-        p.h[t * kM + lane] = h;
-        if (lane < N) p.h_pre[t * N + lane] = hp;
-        else if (lane < 2 * N) p.h_post[t * N + lane - N] = 2.f * mhc_sigmoid(h);
-      }
-      if constexpr (!kPreOnly) {
-        const float z = __shfl_sync(0xffffffffu, h, 2 * N + (lane < kNN ? lane : 0));
-        const float rr = MhcSinkhorn<N, kTMax>::forward_warp(z, p.eps_sk, lane);
-        if (lane < kNN) p.r[t * kNN + lane] = rr;
-      }
-      float w[N];
-#pragma unroll
-      for (int i = 0; i < N; ++i) w[i] = __shfl_sync(0xffffffffu, hp, i);
-      y_items(kRow8, lane, 32, [&](int) { return j; }, [&](int, int i) { return w[i]; });
-    }
-  } else {
-    __shared__ float h_pre[kTok][N];
-    for (int s0 = 0; s0 < ntok; s0 += kSub) {
-      mhc_pre_fwd_heads<N, D, kTMax, kPreOnly, kSub>(p, t0 + s0, ntok - s0 < kSub ? ntok - s0 : kSub, tot + s0 * kK,
-                                                     h_pre + s0);
-      __syncthreads();
-    }
-    y_items(ntok * kRow8, static_cast<int>(threadIdx.x), kThreads, [&](int it) { return it / kRow8; },
-            [&](int j, int i) { return h_pre[j][i]; });
-  }
+  mhc_pre_fwd_mma_finish<T, N, D, kTMax, kPreOnly, kTok, kVec, kWarpHeads, false>(p, t0, ntok, acc, ss, tot);
 }
 
 }  // namespace kspec

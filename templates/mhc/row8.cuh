@@ -13,14 +13,17 @@ struct alignas(16) MhcRow8 {
 };
 
 // Elements src[0 .. valid) (zeros past them). kVec: 16-byte loads, every 8-element group wholly inside
-// or outside the row (D % 8 == 0) and 16-byte aligned.
-template <typename T, bool kVec>
+// or outside the row (D % 8 == 0) and 16-byte aligned. kReadOnly: through the read-only path (__ldg); false
+// for data this kernel wrote.
+template <typename T, bool kVec, bool kReadOnly = true>
 __device__ __forceinline__ void mhc_load8(MhcRow8<T>& o, const T* src, int valid) {
   constexpr int kWords = sizeof(MhcRow8<T>) / 16;
   if (kVec) {
 #pragma unroll
-    for (int w = 0; w < kWords; ++w)
-      reinterpret_cast<uint4*>(o.v)[w] = valid > 0 ? __ldg(reinterpret_cast<const uint4*>(src) + w) : make_uint4(0, 0, 0, 0);
+    for (int w = 0; w < kWords; ++w) {
+      const uint4* q = reinterpret_cast<const uint4*>(src) + w;
+      reinterpret_cast<uint4*>(o.v)[w] = valid > 0 ? (kReadOnly ? __ldg(q) : *q) : make_uint4(0, 0, 0, 0);
+    }
   } else {
 #pragma unroll
     for (int e = 0; e < 8; ++e) o.v[e] = e < valid ? src[e] : from_float<T>(0.f);

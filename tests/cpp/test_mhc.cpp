@@ -455,6 +455,62 @@ TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
   EXPECT_EQ(compiled, 8);
 }
 
+// mhc.post_pre.fwd's algo axis: the SIMT kernel stays the heuristic's; algo=mma (1) and mma_warp_heads (2)
+// project x_next on tensor cores (mhc_post_pre_mma.cuh) at whole m16 tiles with x in 16-byte groups and at
+// most 4 rows of x a lane (16 tokens up to n 7), refused by name otherwise; compiles without spills on sm_80
+// and sm_90.
+TEST(Mhc, PostPreForwardMmaRulesAndCompileWithoutSpills) {
+  const OpDef& op = Registry::global().get("mhc.post_pre.fwd");
+  CompileRequest r;
+  r.op = "mhc.post_pre.fwd";
+  r.dtype = DType::bf16;
+  r.arch = "sm_90";
+  r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+  const Problem p = problem_from_request(op, r);
+  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 0);
+  EXPECT_EQ(op.kernels(p, op.tuning.heuristic(p))[0].kernel, "kspec::mhc_post_pre_fwd_kernel");
+  std::string why;
+  for (int64_t algo : {1, 2}) {
+    const Config ok{{{"algo", algo}, {"threads", 128}, {"tokens", 16}}};
+    EXPECT_TRUE(op.tuning.valid(p, ok, &why)) << why;
+    const auto kernels = op.kernels(p, ok);
+    ASSERT_EQ(kernels.size(), 1u);
+    EXPECT_EQ(kernels[0].kernel, "kspec::mhc_post_pre_fwd_mma_kernel");
+    EXPECT_EQ(kernels[0].targs.back(), algo == 2 ? "true" : "false");
+  }
+  for (const auto& [n, D, algo, tokens, fragment] :
+       {std::tuple{4, 4096, 1, 32, "above 4"}, std::tuple{4, 100, 1, 16, "16-byte groups"},
+        std::tuple{5, 128, 2, 16, "32 projection rows"}, std::tuple{8, 128, 1, 16, "above 4"},
+        std::tuple{4, 4096, 1, 4, "m16 tiles"}, std::tuple{4, 4096, 0, 16, "1 or 4 tokens"}}) {
+    CompileRequest q = r;
+    q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q),
+                                 Config{{{"algo", algo}, {"threads", 128}, {"tokens", tokens}}}, &why))
+        << n << " " << D << " " << tokens;
+    EXPECT_NE(why.find(fragment), std::string::npos) << why;
+  }
+  int compiled = 0;
+  for (const char* arch : {"sm_80", "sm_90"})
+    for (auto [dt, n, D, algo, tokens] :
+         {std::tuple{DType::bf16, 4, 4096, 1, 16}, std::tuple{DType::bf16, 4, 4096, 2, 16},
+          std::tuple{DType::f16, 2, 256, 1, 32}, std::tuple{DType::f16, 7, 128, 1, 16},
+          std::tuple{DType::bf16, 1, 64, 2, 64}}) {
+      CompileRequest q = r;
+      q.dtype = dt;
+      q.arch = arch;
+      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+      q.config = Config{{{"algo", algo}, {"threads", 128}, {"tokens", tokens}}};
+      ASSERT_TRUE(op.tuning.valid(problem_from_request(op, q), *q.config, &why)) << n << ": " << why;
+      for (const auto& rep : compile(q)) {
+        EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
+        EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
+        std::cout << arch << " " << rep.kernel << ": " << rep.registers << " registers\n";
+        ++compiled;
+      }
+    }
+  EXPECT_EQ(compiled, 10);
+}
+
 // algo=mma_fused (3): mma_tokens' token pass, then dx and the sums over tokens in one pass over x
 // (mhc_pre_bwd_fused_mma.cuh) instead of the columns and dx kernels (two passes): three kernels, the same
 // rules as mma_tokens plus M <= 24 (phi's fragments in registers), refused by name past that; every kernel
@@ -1133,6 +1189,30 @@ TEST(MhcGpu, PreForwardMmaWarpHeadsMatchesReferenceAndMmaBits) {
     const char* names[] = {"y", "h_pre", "h_post", "r", "inv", "h"};
     for (size_t q = 0; q < outs[0].size(); ++q) EXPECT_EQ(outs[1][q], outs[0][q]) << names[q] << " tokens " << tokens;
   }
+}
+
+// Every case of mhc.post_pre.fwd with an algo=mma or mma_warp_heads config (x in 16-byte groups), at every
+// such config, f16 and bf16, against the float64 reference: x_next and the projection on tensor cores.
+TEST(MhcGpu, PostPreForwardMmaMatchesReferenceOnEveryCase) {
+  KSPEC_REQUIRE_GPU();
+  const OpDef& op = Registry::global().get("mhc.post_pre.fwd");
+  int checked = 0;
+  for (const Case& cs : op.cases) {
+    if (cs.large) continue;
+    for (DType dt : {DType::f16, DType::bf16}) {
+      CheckOptions o;
+      o.case_name = cs.name;
+      o.dtypes = {dt};
+      for (const Config& c : configs_for_case("mhc.post_pre.fwd", cs.name, dt))
+        if (c.get("algo") >= 1) o.configs.push_back(c);
+      if (o.configs.empty()) continue;  // D % 8 != 0
+      auto rows = check_op("mhc.post_pre.fwd", o);
+      EXPECT_EQ(rows.size(), o.configs.size()) << cs.name;
+      kspec::testing::report(rows);
+      checked += static_cast<int>(rows.size());
+    }
+  }
+  EXPECT_GE(checked, 8);
 }
 
 // ---- post_pre: post(l) fused with pre(l + 1) ----

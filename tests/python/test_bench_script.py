@@ -452,6 +452,26 @@ def test_mhc_bench_pre_bwd_configs_compile_each_algo(families):
             assert ("token_mma" in kernels[0]) == ("mma_tokens" in name or fused), (name, kernels)
 
 
+def test_mhc_bench_post_pre_kernel_configs_compile_the_mma_kernel(families):
+    """The mhc bench's 'kspec post_pre …' rows: mhc.post_pre.fwd accepts each config (algo=mma and
+    mma_warp_heads at the largest legal tile: 16 tokens at n = 4, 64 at n = 1, none for D % 8 != 0 or n = 8) and
+    compiles the tensor-core kernel (no GPU needed)."""
+    import kspec
+
+    mhc = families["mhc"]
+    assert list(mhc.post_pre_kernel_configs(4, 4096)) == [mhc.POST_PRE_KERNELS + v
+                                                         for v in ("mma 16", "mma_warp_heads 16")]
+    assert list(mhc.post_pre_kernel_configs(1, 128)) == [mhc.POST_PRE_KERNELS + v
+                                                        for v in ("mma 64", "mma_warp_heads 64")]
+    assert mhc.post_pre_kernel_configs(4, 100) == {} and mhc.post_pre_kernel_configs(8, 128) == {}
+    assert list(mhc.post_pre_kernel_configs(6, 128)) == [mhc.POST_PRE_KERNELS + "mma 16"]  # M = 48 > 32
+    for name, config in mhc.post_pre_kernel_configs(4, 128).items():
+        kernels = [r["kernel"] for r in kspec.compile("mhc.post_pre.fwd", dtype="bf16", arch="sm_80", config=config,
+                                                      n=4, D=128, t_max=20)]
+        assert kernels == [k for k in kernels if "mhc_post_pre_fwd_mma_kernel" in k] and len(kernels) == 1, kernels
+        assert kernels[0].endswith("true>") == ("warp_heads" in name), (name, kernels)
+
+
 def test_mhc_bench_post_vec8_rows_take_the_vec_axis(families):
     """The mhc bench's 'kspec post vec 8' rows: mhc.post.fwd and mhc.post.bwd accept threads=128,vec=8 and compile
     the 8-wide kernels (no GPU needed)."""

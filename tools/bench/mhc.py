@@ -25,6 +25,7 @@ UNFUSED = "kspec post then pre"  # the post_pre rows' second kspec variant
 PRE_KERNELS = "kspec pre.fwd "   # the pre fwd rows of each of pre.fwd's kernels by config (see pre_kernel_configs)
 PRE_BWD_KERNELS = "kspec pre.bwd "  # the pre fwd+bwd rows of each of pre.bwd's algos by config (pre_bwd_configs)
 POST_VEC8 = "kspec post vec 8"   # the post fwd and fwd+bwd rows of mhc.post.fwd/.bwd at vec=8 (16-byte loads)
+POST_PRE_KERNELS = "kspec post_pre "  # the post_pre fwd rows of mhc.post_pre.fwd's kernels by config
 
 
 def add_arguments(p):
@@ -88,6 +89,21 @@ def pre_bwd_configs(n, D):
             if m <= 24:
                 out[f"{PRE_BWD_KERNELS}mma_fused {tok}"] = f"algo=3,threads=128,tokens={tok}"
             break
+    return out
+
+
+def post_pre_kernel_configs(n, D):
+    """{variant: config} for mhc.post_pre.fwd's tensor-core kernels (api/ops/mhc/op.cpp, the `algo` axis; the
+    SIMT kernel is the 'kspec' row): algo=mma and algo=mma_warp_heads (M <= 32) at the largest legal token tile,
+    x in 16-byte groups (D % 8 == 0) and n x tokens / 16 <= 4 (16 tokens up to n = 7)."""
+    if D % 8:
+        return {}
+    tok = next((t for t in (64, 32, 16) if n * t // 16 <= 4 or (t == 16 and n <= 7)), None)
+    if tok is None:
+        return {}
+    out = {f"{POST_PRE_KERNELS}mma {tok}": f"algo=1,threads=128,tokens={tok}"}
+    if n * n + 2 * n <= 32:
+        out[f"{POST_PRE_KERNELS}mma_warp_heads {tok}"] = f"algo=2,threads=128,tokens={tok}"
     return out
 
 
@@ -276,10 +292,15 @@ def implementations(ctx, liger, n, D):
         impls[name] = (pre, K.mhc_post)
     for name, config in pre_bwd_configs(n, D).items():
         impls[name] = (_pre_with_bwd_config(ctx, config), K.mhc_post)
+    for name, config in post_pre_kernel_configs(n, D).items():
+        def post_pre(x, f, hp, r, phi, alpha, bias, config=config):
+            return ctx.kspec.call("mhc.post_pre.fwd", x, f, hp, r, phi, alpha, bias, None, config=config)[:5]
+
+        impls[name] = (lambda x, phi, alpha, bias: K.mhc_pre(x, phi, alpha, bias), K.mhc_post, post_pre)
     if D % 8 == 0:
         impls[POST_VEC8] = (lambda x, phi, alpha, bias: K.mhc_pre(x, phi, alpha, bias),
                             _post_with_config(ctx, "threads=128,vec=8"))
-    impls = {name: (pre, post, _then(pre, post)) for name, (pre, post) in impls.items()}
+    impls = {name: fns if len(fns) == 3 else (fns[0], fns[1], _then(fns[0], fns[1])) for name, fns in impls.items()}
     impls["kspec"] = impls["kspec"][:2] + (lambda x, f, hp, r, phi, alpha, bias: K.mhc_post_pre(x, f, hp, r, phi,
                                                                                                 alpha, bias),)
     return impls
@@ -304,13 +325,18 @@ def run(ctx):
             if op not in ctx.args.mhc_ops.split(","):
                 continue
             by_config = name.startswith(PRE_KERNELS) or name.startswith(PRE_BWD_KERNELS)
+            post_pre_kernel = name.startswith(POST_PRE_KERNELS)
             if (name == UNFUSED and op != "post_pre") or (by_config and op != "pre") or (name == POST_VEC8
                                                                                          and op != "post"):
                 continue
-            kinds = ("fwd",) if name.startswith(PRE_KERNELS) else ("fwd+bwd",) if by_config else ("fwd", "fwd+bwd")
+            if post_pre_kernel and op != "post_pre":
+                continue
+            kinds = (("fwd",) if name.startswith(PRE_KERNELS) or post_pre_kernel else ("fwd+bwd",) if by_config
+                     else ("fwd", "fwd+bwd"))
             for kind in kinds:
                 row = {"family": "mhc", "shape": f"T={T} n={n} D={D}", "op": op, "variant": name, "kind": kind,
-                       "impl": "kspec" if name in ("kspec", UNFUSED, POST_VEC8) or by_config else "peer",
+                       "impl": "kspec" if name in ("kspec", UNFUSED, POST_VEC8) or by_config or post_pre_kernel
+                       else "peer",
                        "bytes": min_bytes(op, kind, T, n, D), "status": ""}
                 if ctx.skipped(name):
                     row["status"] = "skipped"
@@ -423,6 +449,8 @@ def _report(ctx, rows, why):
         " in one pass over x (x read twice in the backward instead of three times).",
         f"'{POST_VEC8}': post fwd and fwd+bwd with mhc.post.fwd/.bwd at vec=8 (8 consecutive d a thread, 16-byte"
         " loads and stores) through kspec.call; 'kspec' runs the heuristic's, vec=8 where it is valid.",
+        f"'{POST_PRE_KERNELS}…': post_pre fwd with mhc.post_pre.fwd by config through kspec.call: the projection of"
+        " x_next on tensor cores (algo=mma; algo=mma_warp_heads, the heads per warp); 'kspec' runs the SIMT kernel.",
         f"post_pre: post of layer l then pre of layer l + 1 (x_next and y compared; bytes the fused floor, so the"
         f" unfused rows' % shows the extra read of x_next); '{UNFUSED}' is kspec's two ops, the peers theirs.",
     ]

@@ -1022,6 +1022,50 @@ OpDef post_pre_base(const char* name, const char* doc, bool bwd) {
   return op;
 }
 
+// post_pre.fwd's `algo` axis: kSimt (mhc_post_pre.cuh: `threads`, `tokens` 1 or 4), kMma (the projection on
+// tensor cores, mhc_post_pre_mma.cuh: 128 threads, whole m16 tiles of tokens, x in 16-byte groups) and
+// kMmaWarpHeads (that, with the heads per warp as pre.fwd's, M <= 32). A lane holds n x tokens / 16 x 2 rows
+// of x: without spills on sm_80 and sm_90 (nvcc 13) at most 4 such n x tokens / 16 (n 4 at 16 tokens: 164-168
+// registers; at 32, 223-255 with the stream loop unrolled 480 bytes of spill), and 16 tokens up to n 7 (168-238;
+// n 8 246). The heuristic keeps kSimt until the H100 has timed both.
+std::string post_pre_mma_unsupported(const Problem& p, int64_t tokens) {
+  if (!mma_vec(p)) return "algo=mma on mhc.post_pre.fwd takes x in 16-byte groups (D % 8 == 0, aligned)";
+  if (tokens < 16) return "algo=mma on mhc.post_pre.fwd takes whole m16 tiles of tokens: 16, 32 or 64";
+  const int64_t n = p.dim("n");
+  if (n * tokens / 16 > 4 && !(tokens == 16 && n <= 7))
+    return "algo=mma on mhc.post_pre.fwd: n x tokens / 16 above 4 (16 tokens up to n = 7): registers";
+  return "";
+}
+TuningSpace with_post_pre_algo_axis(TuningSpace t) {
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaWarpHeads}});
+  for (auto& [name, values] : t.axes)
+    if (name == "tokens") values = {1, 4, 16, 32, 64};
+  auto simt_valid = t.valid;
+  t.valid = [simt_valid](const Problem& p, const Config& c, std::string* why) {
+    const int64_t tok = c.get("tokens");
+    std::string no;
+    if (c.get("algo") == kSimt) {
+      if (tok <= 4) return simt_valid(p, c, why);
+      no = "algo=simt takes 1 or 4 tokens a block";
+    } else {
+      no = mma_unsupported(p);
+      if (no.empty() && c.get("algo") == kMmaWarpHeads) no = warp_heads_unsupported(p);
+      if (no.empty() && c.get("threads") != kMmaThreads) no = "algo=mma runs 128 threads a block (named threads=128)";
+      if (no.empty()) no = post_pre_mma_unsupported(p, tok);
+    }
+    if (why) *why = no;
+    return no.empty();
+  };
+  auto simt_heuristic = t.heuristic;
+  t.heuristic = [simt_heuristic](const Problem& p) {
+    Config c = simt_heuristic(p);
+    c.values.insert(c.values.begin(), {"algo", kSimt});
+    return c;
+  };
+  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") != kSimt ? kMmaThreads : c.get("threads"); };
+  return t;
+}
+
 OpDef make_post_pre_fwd() {
   OpDef op = post_pre_base(
       "mhc.post_pre.fwd",
@@ -1039,7 +1083,15 @@ OpDef make_post_pre_fwd() {
                      f32("inv", {"...T"}, false, "1/sqrt(mean(x_next^2) + eps_rms), saved for the backward"),
                      f32("h", {"...T", "M"}, false, "layer l + 1's pre-activation rows, saved for the backward")};
   op.check_call = [](const Call& call) { check_tokens(call.problem); };
+  op.tuning = with_post_pre_algo_axis(op.tuning);
+  op.info.tuning_axes = op.tuning.axes;
   op.kernels = [](const Problem& p, const Config& c) {
+    if (c.get("algo") != kSimt) {
+      return std::vector<jit::KernelSpec>{kernel_spec(
+          p, "mhc/mhc_post_pre_mma.cuh", "kspec::mhc_post_pre_fwd_mma_kernel",
+          {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")), t_max_arg(p),
+           b(p.present("gamma")), std::to_string(c.get("tokens")), b(c.get("algo") == kMmaWarpHeads)})};
+    }
     return std::vector<jit::KernelSpec>{kernel_spec(
         p, "mhc/mhc_post_pre.cuh", "kspec::mhc_post_pre_fwd_kernel",
         {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")), t_max_arg(p),
@@ -1074,7 +1126,8 @@ OpDef make_post_pre_fwd() {
     a.x_row = call.row_stride(call.in("x"));
     a.f_row = call.row_stride(call.in("f"));
     void* args[] = {&a};
-    l.launch(0, {u32(ceil_div(q.T, c.get("tokens")))}, {u32(c.get("threads"))}, 0, args);
+    l.launch(0, {u32(ceil_div(q.T, c.get("tokens")))}, {u32(c.get("algo") != kSimt ? kMmaThreads : c.get("threads"))},
+             0, args);
   };
   op.reference = post_pre_fwd_reference;
   op.prepare_inputs = post_pre_fwd_prepare;
