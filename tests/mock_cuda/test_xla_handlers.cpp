@@ -15,6 +15,7 @@
 #include <cstring>
 #include <new>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "jit/driver.h"
@@ -107,7 +108,9 @@ class Frame {
     return call_handler(init ? kspec_xla_initialize_handler(target) : kspec_xla_handler(target), stage);
   }
   // `handler` (kspec_xla_handler's or kspec_xla_initialize_handler's) with a frame of `stage` and `extension`.
-  XLA_FFI_Error* call_handler(void* handler, XLA_FFI_ExecutionStage stage, XLA_FFI_Extension_Base* extension = nullptr) {
+  // The extension's type by decltype: XLA_FFI_Extension_Base in jaxlib 0.10, XLA_FFI_InternalExtension in 0.11.
+  using Extension = std::remove_pointer_t<decltype(XLA_FFI_CallFrame::extension_start)>;
+  XLA_FFI_Error* call_handler(void* handler, XLA_FFI_ExecutionStage stage, Extension* extension = nullptr) {
     build();
     frame_.stage = stage;
     frame_.extension_start = extension;
