@@ -227,9 +227,11 @@ def precompile_kspec(ctx, dims, chunks, configs=False) -> dict:
     return {"requests": len(reqs), "seconds": time.perf_counter() - t0, "errors": errors}
 
 
-def start_warm(seqlens, dims, peer_chunks, limit, torch_rows, workers):
-    """Warm-up worker processes (mlstm_peers.py), started at once: [(Popen, log file)]."""
-    tasks = warm_tasks(seqlens, dims, peer_chunks, limit, compile_torch=torch_rows)
+def start_warm(seqlens, dims, peer_chunks, limit, workers):
+    """Warm-up worker processes (mlstm_peers.py) for the peers' Triton kernels, started at once: [(Popen, log
+    file)]. torch.compile's graphs the timing process compiles itself meanwhile (run()): one compile, where a
+    worker's would be one more."""
+    tasks = warm_tasks(seqlens, dims, peer_chunks, limit, compile_torch=False)
     workers = min(workers, len(tasks))
     procs = []
     for j in range(workers):
@@ -346,17 +348,13 @@ def run(ctx):
     if why:
         print(f"bench: mlstm: {why}", file=sys.stderr)
     workers = getattr(ctx.args, "mlstm_warm_workers", WARM_WORKERS)
-    warm = start_warm(seqlens, dims, [QUICK_CHUNK] if quick else PEER_CHUNKS, not quick, torch_rows,
-                      workers) if workers > 0 and not ctx.args.quick and (peers or torch_rows) else []
+    warm = start_warm(seqlens, dims, [QUICK_CHUNK] if quick else PEER_CHUNKS, not quick,
+                      workers) if workers > 0 and not ctx.args.quick and peers else []
     prep_info = {"kspec_precompile": precompile_kspec(ctx, dims, chunks, configs)}
     print(f"bench: mlstm: kspec's kernels {prep_info['kspec_precompile']['seconds']:.1f} s", file=sys.stderr,
           flush=True)
-    if warm:
-        prep_info["warm"] = wait_warm(warm, t_start)
-        print(f"bench: mlstm: peers' warm-up {prep_info['warm']['seconds']:.1f} s (exit codes "
-              f"{prep_info['warm']['exit_codes']})", file=sys.stderr, flush=True)
     compiled, compile_error = None, None
-    if torch_rows:
+    if torch_rows:  # while the workers compile the peers' kernels
         t0 = time.perf_counter()
         try:
             compiled = compiled_parallel(torch)
@@ -364,6 +362,11 @@ def run(ctx):
         except Exception as e:  # noqa: BLE001  (its rows say so)
             compiled, compile_error = None, short_error(e, 300)
         prep_info["torch_compile_s"] = time.perf_counter() - t0
+        print(f"bench: mlstm: torch.compile {prep_info['torch_compile_s']:.1f} s", file=sys.stderr, flush=True)
+    if warm:
+        prep_info["warm"] = wait_warm(warm, t_start)
+        print(f"bench: mlstm: peers' warm-up {prep_info['warm']['seconds']:.1f} s (exit codes "
+              f"{prep_info['warm']['exit_codes']})", file=sys.stderr, flush=True)
     prep_info["seconds_before_timing"] = time.perf_counter() - t_start
     print(f"bench: mlstm: compiles before timing {prep_info['seconds_before_timing']:.1f} s", file=sys.stderr,
           flush=True)
