@@ -33,7 +33,11 @@ DEFAULT_CHUNK = 128  # kspec.ops.mlstm_chunkwise's chunk_size default (mlstm_ker
 # (gpu and ev) of that many after one warm-up call (the validation call, timed, sizes them). --reps given on
 # the command line overrides all of it.
 REP_BUDGET_MS, MAX_REPS, MIN_REPS = 30.0, 20, 3
-WARM_WORKERS, WARM_TIMEOUT_S = 12, 240.0
+# A worker still compiling after WARM_TIMEOUT_S is ended (the timing process compiles the rest on first use).
+WARM_WORKERS, WARM_TIMEOUT_S = 12, 70.0
+# Past this many seconds of the run, the rows left are marked "skipped: time budget" and the tables print:
+# a device call that ends first keeps nothing (run 21).
+BUDGET_S = 85.0
 TORCH_SEQLENS = "4096"  # torch's parallel form: S^2 memory (fwd+bwd OOM at 8192 in run 21), seconds a row
 PEERS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mlstm_peers.py")
 # --mlstm-quick: kspec's default (L=128) and mlstm_kernels xl_chunk at chunk 128 only, these head dims at
@@ -63,6 +67,8 @@ def add_arguments(p):
                    help="mlstm: leave out the parallel form in torch eager and torch.compile")
     p.add_argument("--mlstm-torch-seqlens", metavar="S,...", default=TORCH_SEQLENS,
                    help=f"mlstm: sequence lengths of the torch rows (default {TORCH_SEQLENS})")
+    p.add_argument("--mlstm-budget-s", type=float, default=BUDGET_S, metavar="S",
+                   help=f"mlstm: seconds of the run after which the rows left are skipped (default {BUDGET_S:.0f})")
     p.add_argument("--mlstm-configs", action="store_true",
                    help="mlstm: also kspec's rows by explicit config (CONFIG_ROWS: algo=tc_wide, tc_q128 beside the"
                         " defaults)")
@@ -371,47 +377,50 @@ def run(ctx):
     print(f"bench: mlstm: compiles before timing {prep_info['seconds_before_timing']:.1f} s", file=sys.stderr,
           flush=True)
     rows = []
-    for DK, DV in dims:
-        for S in seqlens:
-            x = _inputs(torch, ctx.dev, Bn, NH, S, DK, DV, ctx.args.seed + S)
-            dh = torch.randn(Bn, NH, S, DV, device=ctx.dev).to(torch.bfloat16)
-            dh_check = torch.zeros_like(dh)  # dh on the checked prefix only: its gradients are the prefix's
-            dh_check[:1, :1, :CHECK_STEPS] = dh[:1, :1, :CHECK_STEPS]
-            ref = _reference(torch, x, dh_check)
-            leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
-            shape = f"{Bn}x{NH}x{S} {DK}x{DV}"
-            for name, impl, group, L, fwd, fwdbwd in variants(ctx, chunks, peers, quick, compiled,
-                                                               torch_rows and S in torch_seqlens, (DK, DV), configs):
-                for kind in ("fwd", "fwd+bwd"):
-                    row = {"family": "mlstm", "shape": shape, "B": Bn, "NH": NH, "S": S, "DHQK": DK, "DHHV": DV,
-                           "variant": name, "impl": impl, "group": group, "chunk": L, "kind": kind,
-                           "flops": flops(Bn, NH, S, DK, DV, kind), "bytes": min_bytes(Bn, NH, S, DK, DV, kind),
-                           "status": ""}
-                    t_row = time.perf_counter()
-                    if group == "torch.compile" and compile_error:
-                        row.update(status="error", error=compile_error)
-                    elif ctx.skipped(name):
-                        row["status"] = "skipped"
-                    else:
-                        failed = False
-                        try:
-                            row.update(_validate_and_time(ctx, torch, kind, fwd, fwdbwd, x, leaves, dh, dh_check,
-                                                          ref, impl, quick))
-                        except Exception as e:  # noqa: BLE001  (a peer's OOM or compile failure is a result)
-                            record_failure(row, e, ctx.args.verbose)
-                            failed = True
-                        if failed:  # outside the except: its traceback no longer holds the failed call's tensors
-                            for t in leaves.values():
-                                t.grad = None
-                            _free(torch)
-                    rows.append(row)
-                    ms = f" {row['gpu_ms']:.3f} ms (reps {row['reps']})" if "gpu_ms" in row else ""
-                    print(f"bench: mlstm {shape} {name} {kind}: {row['status']}{ms}, {time.perf_counter() - t_row:.1f} s"
-                          f" (run {time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
-                if group.startswith("torch"):
-                    _free(torch)
-            del x, dh, dh_check, leaves
-            _free(torch)
+    budget = getattr(ctx.args, "mlstm_budget_s", BUDGET_S)
+    # The shorter sequences first, the largest head dims first within them: what a budget cuts is the rest.
+    for S, (DK, DV) in [(S, d) for S in sorted(seqlens) for d in sorted(dims, key=lambda d: -d[0] * d[1])]:
+        x = _inputs(torch, ctx.dev, Bn, NH, S, DK, DV, ctx.args.seed + S)
+        dh = torch.randn(Bn, NH, S, DV, device=ctx.dev).to(torch.bfloat16)
+        dh_check = torch.zeros_like(dh)  # dh on the checked prefix only: its gradients are the prefix's
+        dh_check[:1, :1, :CHECK_STEPS] = dh[:1, :1, :CHECK_STEPS]
+        ref = _reference(torch, x, dh_check)
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+        shape = f"{Bn}x{NH}x{S} {DK}x{DV}"
+        for name, impl, group, L, fwd, fwdbwd in variants(ctx, chunks, peers, quick, compiled,
+                                                           torch_rows and S in torch_seqlens, (DK, DV), configs):
+            for kind in ("fwd", "fwd+bwd"):
+                row = {"family": "mlstm", "shape": shape, "B": Bn, "NH": NH, "S": S, "DHQK": DK, "DHHV": DV,
+                       "variant": name, "impl": impl, "group": group, "chunk": L, "kind": kind,
+                       "flops": flops(Bn, NH, S, DK, DV, kind), "bytes": min_bytes(Bn, NH, S, DK, DV, kind),
+                       "status": ""}
+                t_row = time.perf_counter()
+                if time.perf_counter() - t_start > budget:
+                    row["status"] = "skipped: time budget"
+                elif group == "torch.compile" and compile_error:
+                    row.update(status="error", error=compile_error)
+                elif ctx.skipped(name):
+                    row["status"] = "skipped"
+                else:
+                    failed = False
+                    try:
+                        row.update(_validate_and_time(ctx, torch, kind, fwd, fwdbwd, x, leaves, dh, dh_check,
+                                                      ref, impl, quick))
+                    except Exception as e:  # noqa: BLE001  (a peer's OOM or compile failure is a result)
+                        record_failure(row, e, ctx.args.verbose)
+                        failed = True
+                    if failed:  # outside the except: its traceback no longer holds the failed call's tensors
+                        for t in leaves.values():
+                            t.grad = None
+                        _free(torch)
+                rows.append(row)
+                ms = f" {row['gpu_ms']:.3f} ms (reps {row['reps']})" if "gpu_ms" in row else ""
+                print(f"bench: mlstm {shape} {name} {kind}: {row['status']}{ms}, {time.perf_counter() - t_row:.1f} s"
+                      f" (run {time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)
+            if group.startswith("torch"):
+                _free(torch)
+        del x, dh, dh_check, leaves
+        _free(torch)
     _ratios(rows)
     data, sections = _report(ctx, rows, why)
     data["prepare"] = prep_info
@@ -578,8 +587,10 @@ def summary_rows(rows) -> list:
                   key=lambda k: (k[1] * k[2], k[0], k[3]))
     for S, dk, dv, kind, shape in keys:
         same = [r for r in rows if r["shape"] == shape and r["kind"] == kind]
-        pick = lambda group, L=None: next((r for r in same if r["group"] == group and (L is None or r["chunk"] == L)),  # noqa: E731
-                                          None)
+
+        def pick(group, L=None, same=same):
+            return next((r for r in same if r["group"] == group and (L is None or r["chunk"] == L)), None)
+
         kdef = pick("kspec", DEFAULT_CHUNK)
         kbest = _best(same, lambda r: r["group"] == "kspec")
         peer = _best(same, lambda r: r["group"] in ("xl_chunk", "limit_chunk"))
