@@ -7,9 +7,10 @@ Imported by the mlstm family (tools/bench/mlstm.py); run as a script it is one w
 Why workers: mlstm_kernels' Triton kernels take B, NH, S, the strides and the chunk as constexprs, so every
 (S, head dims, chunk) of issue 29's table compiles its own ~6 kernels, over a hundred in all, one after the
 other in the timing process (the reason the full table took > 150 s on the H100). Workers compile them side
-by side at the real shapes into Triton's on-disk cache, which the timing process then hits; torch.compile's
-one dynamic-shape graph (see compiled_parallel) likewise into inductor's cache. A worker's failure (an OOM
-with other workers on the GPU, say) only costs the timing process that compile: it never changes a figure.
+by side at the real shapes into Triton's on-disk cache, which the timing process then hits (the bench
+compiles kspec's kernels and torch.compile's one dynamic-shape graph meanwhile; a "compile" task here does
+the latter into inductor's cache, for use on its own). A worker's failure (an OOM with other workers on the
+GPU, say) only costs the timing process that compile: it never changes a figure.
 """
 from __future__ import annotations
 
