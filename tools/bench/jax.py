@@ -1,8 +1,8 @@
 """The jax family (issue 32): kspec.jax, kspec's ops as XLA custom calls, against kspec's torch path on the
 same inputs (the FFI should add nothing), and against what a JAX user writes without kspec: the scan as
 jax.lax.associative_scan and as jax.lax.scan, XLA's fused layer_norm + silu, optax's adamw, all jitted. The
-scan also runs in Nx's layout (kspec.jax bld: [batch, seqlen, dim] read in place by the time-major kernels;
-kspec.jax bld (transpose): transposed to bdl by XLA around the bdl kernels). norm_act's table splits a
+scan also runs in Nx's layout ([batch, seqlen, dim]; kspec.jax bld (in place): read where it lies by the
+time-major kernels; kspec.jax bld (transpose), kspec.jax's default: transposed by XLA around the bdl kernels). norm_act's table splits a
 forward's host time: JAX's own cost per call, the statistics' results, the initialize stage, and 10 calls
 inside one jit.
 AdamW's table splits what is JAX's from what is kspec's: a jitted identity over the same ~1000 arguments
@@ -30,7 +30,8 @@ IN_ALL = False
 SCAN_SHAPES = [(8, 2048, 2048), (4, 1536, 1000)]  # (batch, dim, seqlen), dstate 16: the torch benchmarks'
 DSTATE = 16
 NORM_SHAPE = (16384, 4096)
-BLD_T = "kspec.jax bld (transpose)"  # bld_mode="transpose": XLA transposes to bdl around the bdl kernels
+BLD_IN = "kspec.jax bld (in place)"  # bld_mode="in_place": the time-major kernels on the bld buffers
+BLD_T = "kspec.jax bld (transpose)"  # bld_mode="transpose", the default: XLA transposes to bdl around the bdl kernels
 _ALIASES = set()  # targets the bench registered itself (kspec's handlers under another name)
 
 
@@ -127,7 +128,8 @@ def _scan_section(ctx, jax, jnp, np, kj, torch, kspec):
             return kj.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True)
 
         def kspec_bld_fn(u, delta, A, B, C, D, z, delta_bias):
-            return kj.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True, layout="bld")
+            return kj.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True, layout="bld",
+                                     bld_mode="in_place")
 
         def kspec_bld_t_fn(u, delta, A, B, C, D, z, delta_bias):
             return kj.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True, layout="bld",
@@ -136,14 +138,14 @@ def _scan_section(ctx, jax, jnp, np, kj, torch, kspec):
         def fwd_bwd(f):
             return jax.jit(lambda dout, *a: jax.vjp(f, *a)[1](dout))
 
-        fwd = {"kspec.jax": jax.jit(kspec_fn), "kspec.jax bld": jax.jit(kspec_bld_fn),
-               BLD_T: jax.jit(kspec_bld_t_fn)}
-        fb = {"kspec.jax": fwd_bwd(kspec_fn), "kspec.jax bld": fwd_bwd(kspec_bld_fn), BLD_T: fwd_bwd(kspec_bld_t_fn)}
+        fwd = {"kspec.jax": jax.jit(kspec_fn), BLD_IN: jax.jit(kspec_bld_fn), BLD_T: jax.jit(kspec_bld_t_fn)}
+        fb = {"kspec.jax": fwd_bwd(kspec_fn), BLD_IN: fwd_bwd(kspec_bld_fn), BLD_T: fwd_bwd(kspec_bld_t_fn)}
         for name, f in peers.items():
             fwd[name] = jax.jit(f)
             fb[name] = fwd_bwd(f)
-        # bld: Nx's [batch, seqlen, dim] (B, C [batch, seqlen, dstate]), made once, read in place by the op's
-        # time-major kernels (algo=sequential, one segment); its output is transposed back to be checked.
+        # bld: Nx's [batch, seqlen, dim] (B, C [batch, seqlen, dstate]), made once: read in place by the op's
+        # time-major kernels (algo=sequential, one segment), or transposed by XLA around the bdl kernels; the
+        # output is transposed back to be checked.
         swap = {"u", "delta", "B", "C", "z"}
         bld_args = [jax.block_until_ready(jnp.swapaxes(j[k], 1, 2)) if k in swap else j[k] for k in names]
         bld_dout = jax.block_until_ready(jnp.swapaxes(dout, 1, 2))
@@ -159,7 +161,7 @@ def _scan_section(ctx, jax, jnp, np, kj, torch, kspec):
                 if ctx.skipped(name):
                     continue
                 row = {"shape": shape, "pass": mode, "variant": name}
-                bld = name in ("kspec.jax bld", BLD_T)
+                bld = name in (BLD_IN, BLD_T)
                 a, g = (bld_args, bld_dout) if bld else (args, dout)
                 try:
                     if mode == "fwd":
@@ -468,7 +470,7 @@ def run(ctx):
         data[key] = rows
         notes = ["ms: wall clock per call with --jax-calls calls queued back to back, median of --jax-repeats; "
                  "host ms: one call's return on an idle queue (the host's part); kspec.jax's forward must equal "
-                 "kspec torch's bit for bit, peers (and kspec.jax bld) kspec within the bf16 tolerance"]
+                 "kspec torch's bit for bit, peers (and the bld rows) kspec within the bf16 tolerance"]
         if key == "norm_act":
             notes.append(f"identity: JAX's own cost per call of these arguments (nothing runs); execute stage only: "
                          f"kspec's handler registered without its initialize stage; x{_IN_JIT_STEPS} rows: one jitted "
@@ -476,7 +478,7 @@ def run(ctx):
                          "handler with JAX's dispatch spread over them)")
         if key == "selective_scan":
             notes.append(f"{BLD_T}: bld_mode='transpose', XLA transposes the bld operands to bdl around the bdl "
-                         "kernels; kspec.jax bld: the time-major kernels reading bld in place")
+                         f"kernels; {BLD_IN}: the time-major kernels reading bld where it lies")
         if key == "adamw":
             notes.append(f"the identity row is JAX's own cost per call of these arguments (nothing runs); the x"
                          f"{_IN_JIT_STEPS} rows are one jitted call of {_IN_JIT_STEPS} steps (fori_loop), per step: "
