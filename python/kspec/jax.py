@@ -131,7 +131,7 @@ def _bld_to_bdl(a):
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, h0=None,
-                   layout="bdl", return_last_state=False, bld_mode="transpose"):
+                   layout="bdl", return_last_state=False, bld_mode="in_place"):
     """The Mamba (S6) selective scan, mamba_ssm's selective_scan_fn arguments plus h0 (kspec.ops.selective_scan_fn).
 
     layout "bdl": u, delta, z (batch, dim, seqlen); B, C (batch, dstate, seqlen) or (batch, groups, dstate,
@@ -144,9 +144,10 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     Differentiable in every array argument (jax.grad: kspec's backward, which reads the states the
     forward kept every 16th step).
 
-    bld_mode (layout "bld" only): "transpose" (the default) has XLA transpose u, delta, z, B, C to bdl (a
-    copy kernel each; out and the gradients back), then runs the bdl kernels; "in_place" runs the op's
-    time-major kernels on the buffers as they lie (no copy, as EXLA's calls do). H100, bf16, ms (run 20):
+    bld_mode (layout "bld" only): "in_place" (the default, as issue 32 asks: no transposes around the call;
+    what EXLA's calls do) runs the op's time-major kernels on the buffers as they lie; "transpose" has XLA
+    transpose u, delta, z, B, C to bdl (a copy kernel each; out and the gradients back), then runs the bdl
+    kernels, which is faster on the H100 though it moves more bytes: H100, bf16, ms (run 20):
     forward at (8, 2048, 2048) 0.458 transposed against 1.147 in place (bdl 0.263), forward + backward 1.832
     against 2.483 (bdl 1.484); at (4, 1536, 1000) forward 0.139 against 0.315. The transposed copies of
     u, delta, z, B, C are the backward's residuals (their bytes again, until the backward)."""

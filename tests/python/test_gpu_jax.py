@@ -99,7 +99,7 @@ def test_selective_scan_forward_and_grad(kj, dt, shape, layout):
         a = dict(zip(names, args))
         out, last = kj.selective_scan(a["u"], a["delta"], a["A"], a["B"], a["C"], a["D"], a["z"], a["delta_bias"],
                                       delta_softplus=True, h0=a["h0"], layout=layout, return_last_state=True,
-                                      bld_mode="in_place")  # the handlers' bld path (the default transposes)
+                                      bld_mode="in_place")  # the handlers' bld path (the default)
         return out, last
 
     args = [tr(x[k]) if k in seq else x[k] for k in names]
@@ -216,7 +216,7 @@ def test_selective_scan_bld_transpose_is_bdl(kj, dt, groups):
         return out, last, grads
 
     out_d, last_d, g_d = run("bdl")
-    out_t, last_t, g_t = run("bld")  # bld_mode="transpose", the default
+    out_t, last_t, g_t = run("bld", bld_mode="transpose")
     assert out_t.shape == (b, L, d)
     assert np.array_equal(np.asarray(seq(out_t), np.float32), np.asarray(out_d, np.float32))
     assert np.array_equal(np.asarray(last_t), np.asarray(last_d))

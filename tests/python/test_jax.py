@@ -217,9 +217,9 @@ def test_selective_scan_bld_compiles_without_copies():
 
 @pytest.mark.parametrize("groups", [None, 2])
 def test_selective_scan_bld_transpose_runs_the_bdl_call(kj, groups):
-    """bld_mode="transpose" (the default): XLA transposes the bld operands to bdl (B/C 3-D and 4-D), the
+    """bld_mode="transpose": XLA transposes the bld operands to bdl (B/C 3-D and 4-D), the
     custom calls run layout "bdl" on them (forward and backward), and out and the gradients come back in
-    bld's order; bld_mode="in_place" calls layout "bld" on the buffers as they lie."""
+    bld's order; bld_mode="in_place" (the default) calls layout "bld" on the buffers as they lie."""
     b, d, L, n = 2, 8, 5, 4
     S = jax.ShapeDtypeStruct
     bc = (b, L, n) if groups is None else (b, L, groups, n)
@@ -227,7 +227,7 @@ def test_selective_scan_bld_transpose_runs_the_bdl_call(kj, groups):
             S(bc, jnp.bfloat16), S((d,), jnp.float32), S((b, L, d), jnp.bfloat16))
 
     def fwd(u, delta, A, B, C, D, z):
-        return kj.selective_scan(u, delta, A, B, C, D, z, delta_softplus=True, layout="bld")
+        return kj.selective_scan(u, delta, A, B, C, D, z, delta_softplus=True, layout="bld", bld_mode="transpose")
 
     out = jax.eval_shape(fwd, *args)
     assert out.shape == (b, L, d) and out.dtype == jnp.bfloat16
@@ -242,7 +242,7 @@ def test_selective_scan_bld_transpose_runs_the_bdl_call(kj, groups):
     assert ((f"tensor<{b}x{n}x{L}xbf16>" if groups is None else f"tensor<{b}x{groups}x{n}x{L}xbf16>")
             in fwd_line)
     assert "stablehlo.transpose" in text
-    in_place = _hlo(lambda *a: kj.selective_scan(*a[:5], a[5], a[6], layout="bld", bld_mode="in_place"), *args)
+    in_place = _hlo(lambda *a: kj.selective_scan(*a[:5], a[5], a[6], layout="bld"), *args)  # the default
     assert "stablehlo.transpose" not in in_place and 'layout = "bld"' in in_place
 
 

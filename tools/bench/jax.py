@@ -2,7 +2,7 @@
 same inputs (the FFI should add nothing), and against what a JAX user writes without kspec: the scan as
 jax.lax.associative_scan and as jax.lax.scan, XLA's fused layer_norm + silu, optax's adamw, all jitted. The
 scan also runs in Nx's layout ([batch, seqlen, dim]; kspec.jax bld (in place): read where it lies by the
-time-major kernels; kspec.jax bld (transpose), kspec.jax's default: transposed by XLA around the bdl kernels). norm_act's table splits a
+time-major kernels; kspec.jax bld (transpose), bld_mode="transpose": transposed by XLA around the bdl kernels). norm_act's table splits a
 forward's host time: JAX's own cost per call, the statistics' results, the initialize stage, and 10 calls
 inside one jit.
 AdamW's table splits what is JAX's from what is kspec's: a jitted identity over the same ~1000 arguments
@@ -31,7 +31,7 @@ SCAN_SHAPES = [(8, 2048, 2048), (4, 1536, 1000)]  # (batch, dim, seqlen), dstate
 DSTATE = 16
 NORM_SHAPE = (16384, 4096)
 BLD_IN = "kspec.jax bld (in place)"  # bld_mode="in_place": the time-major kernels on the bld buffers
-BLD_T = "kspec.jax bld (transpose)"  # bld_mode="transpose", the default: XLA transposes to bdl around the bdl kernels
+BLD_T = "kspec.jax bld (transpose)"  # bld_mode="transpose" (opt-in): XLA transposes to bdl around the bdl kernels
 _ALIASES = set()  # targets the bench registered itself (kspec's handlers under another name)
 
 
