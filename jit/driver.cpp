@@ -125,12 +125,18 @@ CUcontext primary_context(int device) {
   return contexts[device];
 }
 
+// torch's autograd worker for device 0 starts with no current context (c10's SetDevice skips cudaSetDevice
+// for the device it already reports, 0), and the runtime binds device 0's primary context at its first call
+// there. Unbinding it again after each kspec call made every backward node on that thread cost two context
+// switches of ours and a rebind of the runtime's (norm_act's training step, issue 28). Keeping device 0's
+// primary context is what the runtime would do: the thread's current device stays 0. For another device, a
+// thread without a context gets none back (its runtime would report that device as current otherwise).
 ContextGuard::ContextGuard(int device) {
   CUcontext target = primary_context(device);
   CU_CHECK(cuCtxGetCurrent(&previous_));
   if (previous_ != target) {
     CU_CHECK(cuCtxSetCurrent(target));
-    switched_ = true;
+    switched_ = previous_ != nullptr || device != 0;
   }
 }
 

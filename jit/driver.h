@@ -43,7 +43,9 @@ std::string driver_error_text(CUresult r);
 // The primary context of a device, retained once per process and kept for its lifetime.
 CUcontext primary_context(int device);
 
-// Makes the device's primary context current for the scope, restoring the caller's afterwards.
+// Makes the device's primary context current for the scope, restoring the caller's afterwards; but a thread
+// with no current context that ran on device 0 keeps device 0's primary context (what the CUDA runtime binds
+// there on its own first call anyway, so the thread's current device stays 0).
 class ContextGuard {
  public:
   explicit ContextGuard(int device);

@@ -167,6 +167,30 @@ TEST_F(HostPath, NormActLaunchesPassEachTensorInItsPlace) {
   }
 }
 
+// A thread with no current context (torch's autograd worker for device 0) keeps device 0's primary context
+// after a call, as the runtime's first call there would bind it: no unbind and rebind per backward node. A
+// thread with another context current gets it back.
+TEST_F(HostPath, ContextGuardKeepsDeviceZerosContextOnAThreadWithoutOne) {
+  NormActCall a;
+  call("norm_act.fwd", a.ins, a.outs, a.params, a.stream);
+  CUcontext on_fresh_thread = reinterpret_cast<CUcontext>(uintptr_t(1)), after_other = nullptr;
+  int other_token = 0;
+  const auto other = reinterpret_cast<CUcontext>(&other_token);
+  std::thread t([&] {
+    CUcontext none = reinterpret_cast<CUcontext>(uintptr_t(1));
+    CU_CHECK(cuCtxGetCurrent(&none));
+    EXPECT_EQ(none, nullptr);
+    call("norm_act.fwd", a.ins, a.outs, a.params, a.stream);
+    CU_CHECK(cuCtxGetCurrent(&on_fresh_thread));
+    CU_CHECK(cuCtxSetCurrent(other));
+    call("norm_act.fwd", a.ins, a.outs, a.params, a.stream);
+    CU_CHECK(cuCtxGetCurrent(&after_other));
+  });
+  t.join();
+  EXPECT_EQ(on_fresh_thread, jit::primary_context(0));
+  EXPECT_EQ(after_other, other);
+}
+
 // The hit path keeps the checks that depend on the pointers, with full validation's messages.
 TEST_F(HostPath, CallHitStillChecksPointers) {
   NormActCall a;
