@@ -7,8 +7,7 @@
 //            chunk's layers back to back in L2-resident scratch, `inflight` chunks interleaved
 //            (templates/difflogic/packed_net.cuh), after a small kernel that takes every gate's argmax op.
 // Both give the counts of difflogic_packed_fwd_ref chained over the layers and difflogic_packed_group_sum_ref
-// bit for bit (tests/cpp/test_difflogic_packed_net.cpp). The heuristic keeps algo=layers until the H100 run
-// shows chunked faster (tools/bench/NOTES.md).
+// bit for bit (tests/cpp/test_difflogic_packed_net.cpp). The heuristic takes chunked (H100 figures below).
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -24,11 +23,11 @@ namespace {
 
 constexpr int64_t kThreads = 256;
 constexpr int64_t kLayers = 0, kChunked = 1;  // the algo axis
-// The heuristic's algorithm: the one line to change once the GPU run shows chunked faster.
-constexpr int64_t kDefaultAlgo = kLayers;
-// chunked's defaults: 64-byte rows (512 samples a chunk), 2 chunks in flight: at 64k-wide layers 2 x (2 x
-// 64k rows x 64 B) = 16 MB of scratch, a third of the H100's L2. Not yet measured.
-constexpr int64_t kDefaultChunk = 64, kDefaultInflight = 2;
+// The heuristic: chunked, 128-byte rows (1024 samples a chunk), 2 chunks in flight (at 64k-wide layers 2 x (2 x
+// 64k rows x 128 B) = 33 MB of scratch, in the H100's 50 MB L2). H100, run 20, 784 -> 6 x 64k -> GroupSum(10),
+// gpu ms: B 2^14 0.833 (w32) / 0.834 (w64) against algo=layers 3.185 / 2.381; B 2^18 12.93 / 12.96 against
+// 42.67 / 32.79; chunk 64 at inflight 2: 1.19 / 18.9, at inflight 4: 0.863 / 13.3.
+constexpr int64_t kDefaultChunk = 128, kDefaultInflight = 2;
 constexpr int64_t kCanonicalChunk = 128, kCanonicalInflight = 2;  // what algo=layers carries (it reads neither)
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -75,8 +74,6 @@ bool valid(const Problem&, const Config& c, std::string* why) {
 }
 
 Config heuristic(const Problem&) {
-  if (kDefaultAlgo == kLayers)
-    return Config{{{"algo", kLayers}, {"chunk", kCanonicalChunk}, {"inflight", kCanonicalInflight}}};
   return Config{{{"algo", kChunked}, {"chunk", kDefaultChunk}, {"inflight", kDefaultInflight}}};
 }
 
