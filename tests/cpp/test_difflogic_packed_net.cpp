@@ -89,6 +89,7 @@ TEST(DiffLogicPackedNet, TuningSpace) {
   EXPECT_FALSE(op.tuning.valid(p, Config{{{"algo", 0}, {"chunk", 64}, {"inflight", 2}}}, &why));
   EXPECT_NE(why.find("canonical values 128, 2"), std::string::npos) << why;
   EXPECT_TRUE(op.tuning.valid(p, Config{{{"algo", 1}, {"chunk", 32}, {"inflight", 4}}}, &why)) << why;
+  EXPECT_TRUE(op.tuning.valid(p, Config{{{"algo", 2}, {"chunk", 64}, {"inflight", 8}}}, &why)) << why;
   const Config h = op.tuning.heuristic(p);
   EXPECT_TRUE(op.tuning.valid(p, h, &why)) << why;
   // The measured defaults (H100, run 20): chunked at 128-byte rows, 2 chunks in flight; packed.fwd's rows kernel.
@@ -116,10 +117,13 @@ TEST(DiffLogicPackedNet, PrecompilePlanCompilesWithoutSpills) {
       EXPECT_EQ(rep.spill_bytes, 0) << rep.arch << " " << rep.kernel << " " << rep.config;
       EXPECT_EQ(rep.stack_bytes, 0) << rep.arch << " " << rep.kernel << " " << rep.config << rep.log;
     }
-  // algo=layers: the per-layer kernels at w = 32 and 64; chunked: the ops kernel and a network kernel per chunk.
+  // algo=layers: the per-layer kernels at w = 32 and 64; chunked and chains: the ops kernel and a network kernel
+  // per chunk (kChains false / true).
   for (const char* k : {"kspec::difflogic_packed_fwd_kernel<32, 256>", "kspec::difflogic_packed_fwd_kernel<64, 256>",
-                        "kspec::difflogic_packed_ops_kernel<256>", "kspec::difflogic_packed_net_kernel<32, 256>",
-                        "kspec::difflogic_packed_net_kernel<256, 256>"})
+                        "kspec::difflogic_packed_ops_kernel<256>", "kspec::difflogic_packed_net_kernel<32, 256, false>",
+                        "kspec::difflogic_packed_net_kernel<256, 256, false>",
+                        "kspec::difflogic_packed_net_kernel<32, 256, true>",
+                        "kspec::difflogic_packed_net_kernel<256, 256, true>"})
     EXPECT_GT(kernels[k], 0) << k;
 }
 
