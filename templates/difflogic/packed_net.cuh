@@ -151,7 +151,7 @@ __device__ __forceinline__ void dl_wait(const unsigned* counter, unsigned target
 // kChunkBytes: bytes of every row per chunk (16 to 256; kChunkBytes * 8 samples); kThreads per block;
 // kUnits x kWaves: 16-byte units per thread in a load or layer item (a layer item's loads in kWaves waves of
 // kUnits, to bound the registers); kGsRows: rows per thread in a GroupSum item
-// (its bit-sliced counters have 7 planes: up to 127 rows).
+// (its bit-sliced counters have 7 planes: up to 127 rows); kChains: a ticket per slot (dl_decode_chain).
 template <int kChunkBytes, int kThreads, bool kChains>
 __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const DiffLogicNetParams p) {
   constexpr int kPieces = kChunkBytes / 16, kUnits = DiffLogicNetTraits::kUnits, kWaves = DiffLogicNetTraits::kWaves;
@@ -183,10 +183,9 @@ __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const Di
       }
       if (it.stage > 0) dl_wait(p.done + it.chunk * stages + it.stage - 1, static_cast<unsigned>(p.tiles[it.stage - 1]));
       if (it.stage >= 0 && it.stage <= p.layers && it.chunk >= p.inflight) {
-        // The buffer this stage writes, free of the slot's previous chunk: its last reader there done. Stage 0's
-        // input rows are read by stage 1; stage s's buffer (one per parity of s) last by stage layers + 1 where
-        // s and layers have one parity, else by stage layers. A round's first stages thus wait for the last
-        // layer of the round before, and only its third for that round's GroupSum.
+        // The buffer this stage writes, free of the slot's previous chunk: its last reader there done (a
+        // chunk's first stages thus wait for the last layer of the slot's chunk before, only its third for
+        // that chunk's GroupSum).
         const int last = dl_last_reader(p, it.stage);
         dl_wait(p.done + (it.chunk - p.inflight) * stages + last, static_cast<unsigned>(p.tiles[last]));
       }
