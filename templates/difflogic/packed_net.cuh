@@ -166,6 +166,9 @@ __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const Di
     if (tid == 0) {
       DiffLogicNetItem it{0, 0, -1};
       if (kChains) {
+        // Nothing ready: sleep 64 ns doubling to 1 us between scans (a thousand blocks' thread 0 scanning
+        // every chain's ticket and counters would take L2 bandwidth from the items running).
+        unsigned nap = 64;
         for (bool open = true; open && it.stage < 0;) {
           open = false;
           for (long long k = 0; k < p.inflight && it.stage < 0; ++k) {
@@ -176,7 +179,10 @@ __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const Di
             open = true;
             if (dl_ready(p, next)) it = dl_decode_chain(p, j, static_cast<long long>(atomicAdd(p.ticket + j, 1ull)));
           }
-          if (open && it.stage < 0) __nanosleep(128);
+          if (open && it.stage < 0) {
+            __nanosleep(nap);
+            nap = nap < 1024 ? 2 * nap : nap;
+          }
         }
       } else {
         it = dl_decode(p, static_cast<long long>(atomicAdd(p.ticket, 1ull)));
