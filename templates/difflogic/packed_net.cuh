@@ -95,6 +95,49 @@ __device__ __forceinline__ DiffLogicNetItem dl_decode(const DiffLogicNetParams& 
   return it;  // unreachable: the stages' items add up to the round's
 }
 
+// kChains (algo=chains): a ticket per slot instead (chain j: chunks j, j + inflight, ..., each stage by stage), and
+// a block takes an item only from a chain whose next item looks ready (its waits met), else it tries the other
+// chains, else it sleeps holding nothing: a chain draining a stage no longer holds up the blocks the others
+// could use (with one ticket order the chunks of a round go through their stages in step, and the blocks that
+// took the next stage's items wait: run 20 measured ~5.8 us a stage of a round beyond the bandwidth). The same
+// waits (a chain's items wait only for smaller tickets of their chain): nothing hangs.
+__device__ __forceinline__ DiffLogicNetItem dl_decode_chain(const DiffLogicNetParams& p, long long j, long long t) {
+  DiffLogicNetItem it{0, 0, -1};
+  const long long i = t / p.chunk_items, c = j + i * p.inflight;
+  if (c >= p.chunks) return it;
+  long long rem = t - i * p.chunk_items;
+  for (int s = 0; s <= p.layers + 1; ++s) {
+    if (rem < p.tiles[s]) {
+      it.chunk = c;
+      it.tile = rem;
+      it.stage = s;
+      return it;
+    }
+    rem -= p.tiles[s];
+  }
+  return it;  // unreachable: a chunk's stages add up to its items
+}
+
+// The stage of the slot's previous chunk that last reads the buffer stage s writes (stage 0's input rows: stage
+// 1; stage s's buffer, one per parity of s: stage layers + 1 where s and layers have one parity, else layers).
+__device__ __forceinline__ int dl_last_reader(const DiffLogicNetParams& p, int s) {
+  return s == 0 ? 1 : ((s ^ p.layers) & 1) == 0 ? p.layers + 1 : p.layers;
+}
+
+// Whether an item's waits are met now (a relaxed look: the taker still waits with acquire loads).
+__device__ __forceinline__ bool dl_ready(const DiffLogicNetParams& p, const DiffLogicNetItem& it) {
+  const int stages = p.layers + 2;
+  if (it.stage > 0 && *static_cast<const volatile unsigned*>(p.done + it.chunk * stages + it.stage - 1) <
+                          static_cast<unsigned>(p.tiles[it.stage - 1]))
+    return false;
+  if (it.stage <= p.layers && it.chunk >= p.inflight) {
+    const int last = dl_last_reader(p, it.stage);
+    return *static_cast<const volatile unsigned*>(p.done + (it.chunk - p.inflight) * stages + last) >=
+           static_cast<unsigned>(p.tiles[last]);
+  }
+  return true;
+}
+
 __device__ __forceinline__ void dl_wait(const unsigned* counter, unsigned target) {
   for (;;) {
     unsigned v;
@@ -108,8 +151,8 @@ __device__ __forceinline__ void dl_wait(const unsigned* counter, unsigned target
 // kChunkBytes: bytes of every row per chunk (16 to 256; kChunkBytes * 8 samples); kThreads per block;
 // kUnits x kWaves: 16-byte units per thread in a load or layer item (a layer item's loads in kWaves waves of
 // kUnits, to bound the registers); kGsRows: rows per thread in a GroupSum item
-// (its bit-sliced counters have 7 planes: up to 127 rows).
-template <int kChunkBytes, int kThreads>
+// (its bit-sliced counters have 7 planes: up to 127 rows); kChains: a ticket per slot (dl_decode_chain).
+template <int kChunkBytes, int kThreads, bool kChains>
 __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const DiffLogicNetParams p) {
   constexpr int kPieces = kChunkBytes / 16, kUnits = DiffLogicNetTraits::kUnits, kWaves = DiffLogicNetTraits::kWaves;
   constexpr int kGsRows = DiffLogicNetTraits::kGsRows;
@@ -121,15 +164,35 @@ __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const Di
   const int stages = p.layers + 2;
   for (;;) {
     if (tid == 0) {
-      const long long t = static_cast<long long>(atomicAdd(p.ticket, 1ull));
-      DiffLogicNetItem it = dl_decode(p, t);
+      DiffLogicNetItem it{0, 0, -1};
+      if (kChains) {
+        // Nothing ready: sleep 64 ns doubling to 1 us between scans (a thousand blocks' thread 0 scanning
+        // every chain's ticket and counters would take L2 bandwidth from the items running).
+        unsigned nap = 64;
+        for (bool open = true; open && it.stage < 0;) {
+          open = false;
+          for (long long k = 0; k < p.inflight && it.stage < 0; ++k) {
+            const long long j = (blockIdx.x + k) % p.inflight;
+            const long long t = static_cast<long long>(*static_cast<volatile unsigned long long*>(p.ticket + j));
+            const DiffLogicNetItem next = dl_decode_chain(p, j, t);
+            if (next.stage < 0) continue;  // chain j has no items left
+            open = true;
+            if (dl_ready(p, next)) it = dl_decode_chain(p, j, static_cast<long long>(atomicAdd(p.ticket + j, 1ull)));
+          }
+          if (open && it.stage < 0) {
+            __nanosleep(nap);
+            nap = nap < 1024 ? 2 * nap : nap;
+          }
+        }
+      } else {
+        it = dl_decode(p, static_cast<long long>(atomicAdd(p.ticket, 1ull)));
+      }
       if (it.stage > 0) dl_wait(p.done + it.chunk * stages + it.stage - 1, static_cast<unsigned>(p.tiles[it.stage - 1]));
       if (it.stage >= 0 && it.stage <= p.layers && it.chunk >= p.inflight) {
-        // The buffer this stage writes, free of the slot's previous chunk: its last reader there done. Stage 0's
-        // input rows are read by stage 1; stage s's buffer (one per parity of s) last by stage layers + 1 where
-        // s and layers have one parity, else by stage layers. A round's first stages thus wait for the last
-        // layer of the round before, and only its third for that round's GroupSum.
-        const int last = it.stage == 0 ? 1 : ((it.stage ^ p.layers) & 1) == 0 ? p.layers + 1 : p.layers;
+        // The buffer this stage writes, free of the slot's previous chunk: its last reader there done (a
+        // chunk's first stages thus wait for the last layer of the slot's chunk before, only its third for
+        // that chunk's GroupSum).
+        const int last = dl_last_reader(p, it.stage);
         dl_wait(p.done + (it.chunk - p.inflight) * stages + last, static_cast<unsigned>(p.tiles[last]));
       }
       item = it;

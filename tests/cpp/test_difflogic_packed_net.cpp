@@ -1,6 +1,6 @@
 // difflogic.packed.net (api/ops/difflogic/packed_net.cpp). Without a GPU: the messages for bad input (a
 // layer's logits or wires of the wrong shape, k not dividing the last width, the word count), the tuning
-// space (algo=layers carries canonical chunk/inflight; the heuristic's pick), and every specialization of
+// space (algo=layers carries canonical chunk/inflight; the heuristics' measured picks), and every specialization of
 // the precompile plan compiling for sm_80 and sm_90 without spills. On a GPU (skipped without one): both
 // algorithms, every legal config, w = 32 and 64, B from 1 to several chunks (not a multiple of w), a wire
 // out of range, equal to difflogic_packed_fwd_ref chained over the layers and then
@@ -89,7 +89,22 @@ TEST(DiffLogicPackedNet, TuningSpace) {
   EXPECT_FALSE(op.tuning.valid(p, Config{{{"algo", 0}, {"chunk", 64}, {"inflight", 2}}}, &why));
   EXPECT_NE(why.find("canonical values 128, 2"), std::string::npos) << why;
   EXPECT_TRUE(op.tuning.valid(p, Config{{{"algo", 1}, {"chunk", 32}, {"inflight", 4}}}, &why)) << why;
-  EXPECT_TRUE(op.tuning.valid(p, op.tuning.heuristic(p), &why)) << why;
+  EXPECT_TRUE(op.tuning.valid(p, Config{{{"algo", 2}, {"chunk", 64}, {"inflight", 8}}}, &why)) << why;
+  const Config h = op.tuning.heuristic(p);
+  EXPECT_TRUE(op.tuning.valid(p, h, &why)) << why;
+  // The measured defaults (H100, run 20): chunked at 128-byte rows, 2 chunks in flight; packed.fwd's rows kernel.
+  EXPECT_EQ(h.get("algo"), 1);
+  EXPECT_EQ(h.get("chunk"), 128);
+  EXPECT_EQ(h.get("inflight"), 2);
+  const OpDef& fwd = Registry::global().get("difflogic.packed.fwd");
+  const Config f = fwd.tuning.heuristic(problem_from_request(fwd, [] {
+    CompileRequest r;
+    r.op = "difflogic.packed.fwd";
+    r.arch = "sm_90";
+    return r;
+  }()));
+  EXPECT_EQ(f.get("vec"), 1);
+  EXPECT_EQ(f.get("threads"), 128);
 }
 
 // Every specialization `kspec precompile --all` builds for the op compiles for sm_80 and sm_90 without
@@ -102,10 +117,13 @@ TEST(DiffLogicPackedNet, PrecompilePlanCompilesWithoutSpills) {
       EXPECT_EQ(rep.spill_bytes, 0) << rep.arch << " " << rep.kernel << " " << rep.config;
       EXPECT_EQ(rep.stack_bytes, 0) << rep.arch << " " << rep.kernel << " " << rep.config << rep.log;
     }
-  // algo=layers: the per-layer kernels at w = 32 and 64; chunked: the ops kernel and a network kernel per chunk.
+  // algo=layers: the per-layer kernels at w = 32 and 64; chunked and chains: the ops kernel and a network kernel
+  // per chunk (kChains false / true).
   for (const char* k : {"kspec::difflogic_packed_fwd_kernel<32, 256>", "kspec::difflogic_packed_fwd_kernel<64, 256>",
-                        "kspec::difflogic_packed_ops_kernel<256>", "kspec::difflogic_packed_net_kernel<32, 256>",
-                        "kspec::difflogic_packed_net_kernel<256, 256>"})
+                        "kspec::difflogic_packed_ops_kernel<256>", "kspec::difflogic_packed_net_kernel<32, 256, false>",
+                        "kspec::difflogic_packed_net_kernel<256, 256, false>",
+                        "kspec::difflogic_packed_net_kernel<32, 256, true>",
+                        "kspec::difflogic_packed_net_kernel<256, 256, true>"})
     EXPECT_GT(kernels[k], 0) << k;
 }
 

@@ -653,9 +653,10 @@ def test_difflogic_packed_net_configs_compile(families):
             assert kernels == ["kspec::difflogic_packed_fwd_kernel<32, 256>",
                                "kspec::difflogic_packed_group_sum_kernel<32, 256>"], kernels
         else:
-            chunk = dict(kv.split("=") for kv in config.split(","))["chunk"]
+            cfg = dict(kv.split("=") for kv in config.split(","))
+            chains = "true" if cfg["algo"] == "chains" else "false"
             assert kernels == ["kspec::difflogic_packed_ops_kernel<256>",
-                               f"kspec::difflogic_packed_net_kernel<{chunk}, 256>"], kernels
+                               f"kspec::difflogic_packed_net_kernel<{cfg['chunk']}, 256, {chains}>"], kernels
     # the "kspec packed threads=128,vec=1" rows: packed.fwd's rows kernel
     kernels = [r["kernel"] for r in kspec.compile("difflogic.packed.fwd", dtype="f32", arch="sm_80", config=dl.ROWS_CONFIG,
                                                   tensor_dtypes={"x": "int64"})]

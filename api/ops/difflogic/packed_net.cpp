@@ -6,9 +6,10 @@
 //   chunked  one persistent launch over chunks of `chunk` bytes of every row (chunk * 8 samples), each
 //            chunk's layers back to back in L2-resident scratch, `inflight` chunks interleaved
 //            (templates/difflogic/packed_net.cuh), after a small kernel that takes every gate's argmax op.
+//   chains   the same kernel with a ticket per scratch slot, a block taking items from whichever chain of
+//            chunks is ready (packed_net.cuh: kChains). Not yet measured.
 // Both give the counts of difflogic_packed_fwd_ref chained over the layers and difflogic_packed_group_sum_ref
-// bit for bit (tests/cpp/test_difflogic_packed_net.cpp). The heuristic keeps algo=layers until the H100 run
-// shows chunked faster (tools/bench/NOTES.md).
+// bit for bit (tests/cpp/test_difflogic_packed_net.cpp). The heuristic takes chunked (H100 figures below).
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -23,12 +24,12 @@ namespace kspec::difflogic {
 namespace {
 
 constexpr int64_t kThreads = 256;
-constexpr int64_t kLayers = 0, kChunked = 1;  // the algo axis
-// The heuristic's algorithm: the one line to change once the GPU run shows chunked faster.
-constexpr int64_t kDefaultAlgo = kLayers;
-// chunked's defaults: 64-byte rows (512 samples a chunk), 2 chunks in flight: at 64k-wide layers 2 x (2 x
-// 64k rows x 64 B) = 16 MB of scratch, a third of the H100's L2. Not yet measured.
-constexpr int64_t kDefaultChunk = 64, kDefaultInflight = 2;
+constexpr int64_t kLayers = 0, kChunked = 1, kChains = 2;  // the algo axis
+// The heuristic: chunked, 128-byte rows (1024 samples a chunk), 2 chunks in flight (at 64k-wide layers 2 x (2 x
+// 64k rows x 128 B) = 33 MB of scratch, in the H100's 50 MB L2). H100, run 20, 784 -> 6 x 64k -> GroupSum(10),
+// gpu ms: B 2^14 0.833 (w32) / 0.834 (w64) against algo=layers 3.185 / 2.381; B 2^18 12.93 / 12.96 against
+// 42.67 / 32.79; chunk 64 at inflight 2: 1.19 / 18.9, at inflight 4: 0.863 / 13.3.
+constexpr int64_t kDefaultChunk = 128, kDefaultInflight = 2;
 constexpr int64_t kCanonicalChunk = 128, kCanonicalInflight = 2;  // what algo=layers carries (it reads neither)
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -75,8 +76,6 @@ bool valid(const Problem&, const Config& c, std::string* why) {
 }
 
 Config heuristic(const Problem&) {
-  if (kDefaultAlgo == kLayers)
-    return Config{{{"algo", kLayers}, {"chunk", kCanonicalChunk}, {"inflight", kCanonicalInflight}}};
   return Config{{{"algo", kChunked}, {"chunk", kDefaultChunk}, {"inflight", kDefaultInflight}}};
 }
 
@@ -90,7 +89,7 @@ std::vector<jit::KernelSpec> kernels(const Problem& p, const Config& c) {
   // The word width is not a template argument: a w = 64 row is the w = 32 row of the same bits.
   return {kernel_spec(p, "difflogic/packed_net.cuh", "kspec::difflogic_packed_ops_kernel", {threads}),
           kernel_spec(p, "difflogic/packed_net.cuh", "kspec::difflogic_packed_net_kernel",
-                      {std::to_string(c.get("chunk")), threads})};
+                      {std::to_string(c.get("chunk")), threads, c.get("algo") == kChains ? "true" : "false"})};
 }
 
 void launch_layers(const Call& call, Launcher& l) {
@@ -161,11 +160,12 @@ void launch_chunked(const Call& call, const Config& c, Launcher& l) {
   q.chunk_items = 0;
   for (int64_t s = 0; s <= layers + 1; ++s) q.chunk_items += q.tiles[s];
   q.round_items = q.inflight * q.chunk_items;
-  // Workspace: the ticket and done counters (zeroed here), the ops, the scratch slots.
-  const int64_t counters = round_up(8 + 4 * q.chunks * (layers + 2), 256), ops = round_up(q.gate0[layers], 256);
+  // Workspace: the tickets (one; algo=chains one per slot) and done counters (zeroed here), the ops, the scratch.
+  const int64_t tickets = c.get("algo") == kChains ? q.inflight : 1;
+  const int64_t counters = round_up(8 * tickets + 4 * q.chunks * (layers + 2), 256), ops = round_up(q.gate0[layers], 256);
   unsigned char* ws = static_cast<unsigned char*>(l.workspace(static_cast<size_t>(counters + ops + q.inflight * q.slot_bytes)));
   q.ticket = reinterpret_cast<unsigned long long*>(ws);
-  q.done = reinterpret_cast<unsigned*>(ws + 8);
+  q.done = reinterpret_cast<unsigned*>(ws + 8 * tickets);
   q.ops = ws + counters;
   q.scratch = ws + counters + ops;
   const CUstream stream = reinterpret_cast<CUstream>(call.stream);
@@ -208,12 +208,12 @@ OpDef make_packed_net() {
   op.info.outputs = {tensor_def("counts", {"batch", "k"}, {DType::i32}, "", false, false, "", Layout::Contiguous,
                                 "set bits per sample and group of the last layer")};
   op.check_call = check_call;
-  op.tuning.axes = {{"algo", {kLayers, kChunked}}, {"chunk", {32, 64, 128, 256}}, {"inflight", {1, 2, 4}}};
+  op.tuning.axes = {{"algo", {kLayers, kChunked, kChains}}, {"chunk", {32, 64, 128, 256}}, {"inflight", {1, 2, 4, 8}}};
   op.tuning.valid = valid;
   op.tuning.heuristic = heuristic;
   op.tuning.block_threads = [](const Problem&, const Config&) { return kThreads; };
   op.info.tuning_axes = op.tuning.axes;
-  op.info.tuning_names = {{"algo", {"layers", "chunked"}}};
+  op.info.tuning_names = {{"algo", {"layers", "chunked", "chains"}}};
   // The main dtype is nominal (the logits' fp32); the word width is x's dtype, which the _w64 rows set.
   op.dtypes = {DType::f32};
   op.generic_check = false;  // TensorList inputs and integer words (the test compares with the reference)
@@ -235,7 +235,7 @@ OpDef make_packed_net() {
   op.kernels = kernels;
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     if (c.get("algo") == kLayers) return launch_layers(call, l);
-    launch_chunked(call, c, l);
+    launch_chunked(call, c, l);  // chunked and chains
   };
   op.reference = [](const Problem&, const std::vector<HostTensor>&) -> std::vector<HostTensor> {
     throw Unsupported("difflogic.packed.net: list inputs: the generic checker does not build lists; see "
