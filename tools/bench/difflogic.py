@@ -4,6 +4,7 @@ tools/gpu/build_difflogic.sh) and the same layer in torch eager, on the same wei
 process."""
 from __future__ import annotations
 
+import contextlib
 import sys
 
 from .common import Section, brief, record_failure
@@ -434,6 +435,29 @@ def difflogic_ca(torch, peer_mod, ca):
     return rollout
 
 
+@contextlib.contextmanager
+def _ca_bwd_config(config):
+    """kspec's CA rollout with `config` for difflogic.ca.step.bwd (None: its default), for the old-vs-new rows:
+    the rollout's calls go through kspec._difflogic_ca.call, wrapped here for the duration."""
+    if config is None:
+        yield
+        return
+    from kspec import _difflogic_ca
+
+    inner = _difflogic_ca.call
+
+    def call(op, *args, **kw):
+        if op == "difflogic.ca.step.bwd":
+            kw.setdefault("config", config)
+        return inner(op, *args, **kw)
+
+    _difflogic_ca.call = call
+    try:
+        yield
+    finally:
+        _difflogic_ca.call = inner
+
+
 def _spans(widths):
     out, at = [], 0
     for w in widths:
@@ -454,7 +478,10 @@ def run_ca(ctx):
         ca.perception_logits.add_(torch.randn_like(ca.perception_logits))
         ca.update_logits.add_(torch.randn_like(ca.update_logits))
     target = ((torch.arange(CA_HW, device=ctx.dev)[:, None] + torch.arange(CA_HW, device=ctx.dev)) % 2).float()
+    # "readers=0": the step backward's first version (each update layer's input gradient tests every gate per
+    # input), beside the default (readers=1, a readers CSR), in the same process.
     impls = [("kspec rollout", "kspec", lambda s: ca.rollout(s, CA_T)),
+             ("kspec rollout readers=0", "kspec", lambda s: ca.rollout(s, CA_T)),
              ("kspec rollout (checkpoint)", "kspec", lambda s: ca.rollout(s, CA_T, checkpoint=True)),
              ("torch eager", "peer", lambda s: eager(ca, s, CA_T))]
     peer_mod, why = _peer()
@@ -469,10 +496,11 @@ def run_ca(ctx):
         g = torch.Generator(device=ctx.dev).manual_seed(ctx.args.seed + B)
         s0 = torch.rand(B, CA_HW, CA_HW, 8, device=ctx.dev, generator=g)
 
-        def train_step(fn):
+        def train_step(fn, config=None):
             ca.zero_grad()
-            out = fn(s0)
-            ((out[..., 0] - target) ** 2).sum().backward()
+            with _ca_bwd_config(config):
+                out = fn(s0)
+                ((out[..., 0] - target) ** 2).sum().backward()
             return out
 
         ref = None
@@ -483,8 +511,9 @@ def run_ca(ctx):
                 row["status"] = "skipped"
                 rows.append(row)
                 continue
+            config = "threads=256,readers=0" if name.endswith("readers=0") else None
             try:
-                train_step(fn)
+                train_step(fn, config)
                 grads = [ca.perception_logits.grad.clone(), ca.update_logits.grad.clone()]
                 if ref is None:  # the first that ran is the others' yardstick: same maths, fp32 both
                     ref, row["max_error"] = grads, 0.0
@@ -494,7 +523,7 @@ def run_ca(ctx):
                 row["valid"] = row["max_error"] <= CA_TOL
                 row["status"] = "ok" if row["valid"] else "INVALID"
                 if row["valid"] or impl == "peer" or ctx.args.time_invalid:  # a peer's time stands (its errors shown)
-                    row.update(ctx.timer.time(lambda fn=fn: train_step(fn), lambda: None))
+                    row.update(ctx.timer.time(lambda fn=fn, config=config: train_step(fn, config), lambda: None))
                     row["cells_per_s"] = row["cells"] / (row["gpu_ms"] * 1e-3)
             except Exception as e:  # noqa: BLE001
                 record_failure(row, e, ctx.args.verbose, torch)
