@@ -165,7 +165,8 @@ def run_layer(ctx):
             # kspec both ways: x (and dy) as given, row-major; and feature-major (the user hands over x.t() of
             # a contiguous (n_in, B), difflogic's own layout: y, dx come back feature-major, no copies timed).
             # "kspec" on a row-major x: transposed once to feature-major (kspec's transpose kernel; y comes back
-            # feature-major, a row-major dy is transposed, dx back to row-major: 3 transposes a step, all timed);
+            # feature-major, a row-major dy is transposed, dx written row-major by the backward: 2 transposes a
+            # step, timed);
             # "row-major direct": the row-major kernels (the old path); "torch transpose": the same feature-major
             # kernels behind torch's x.t().contiguous() (autograd copies dx back into x's strides).
             wa, wb, csr = layer.wiring()
@@ -603,9 +604,10 @@ def _report(ctx, rows, notes, why):
     notes = list(notes) + [
         "kspec: kspec.nn.LogicLayer (training mode: the soft layer; wiring checked and its consumers CSR built"
         " once), x and dy row-major as given: x transposed once (difflogic.transpose) to the feature-major"
-        " kernels, y feature-major, dy transposed, dx back to row-major (all timed); kspec row-major direct:"
+        " kernels, y feature-major, dy transposed, dx written row-major by the backward (timed); kspec row-major direct:"
         " row_major='direct', the row-major kernels (gathers within rows); kspec torch transpose: torch's"
-        " x.t().contiguous() in front instead of kspec's (dx copied back by autograd); kspec feature-major: the same layer handed x.t() of a contiguous"
+        " x.t().contiguous() in front instead of kspec's (dx copied back by autograd); kspec feature-major: the"
+        " same layer handed x.t() of a contiguous"
         " (n_in, B) and dy likewise (difflogic's layout: its kernels run along the batch; y, dx feature-major;"
         " its default config: batch-tiled, lanes 8); kspec feature-major lanes=L: the same"
         " ops with config threads=256,lanes=L in both (0: the flat kernels, a thread per element; else the"
