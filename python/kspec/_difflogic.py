@@ -250,14 +250,16 @@ def packed_net(words, layers, batch: int, k: int, config: str | None = None):
 class LogicLayer(torch.nn.Module):
     """difflogic 0.1.0's LogicLayer on kspec's kernels: y[:, g] = sum_i p_i op_i(x[:, a_g], x[:, b_g]).
 
-    x: (batch, in_dim) fp32/fp16/bf16 on CUDA -> (batch, out_dim) like x, feature-major: x.t() of a
-    contiguous (in_dim, batch) (difflogic's layout) runs the feature-major kernels directly; a row-major x
-    is transposed to it once first (row_major="auto", the default, or "transpose"; "direct": the row-major
-    kernels, y row-major, as under torch.compile with "auto"), so y is a (batch, out_dim) view of a contiguous
-    (out_dim, batch) and a stack of layers transposes once, at its first layer (dx goes back in x's layout). Parameter `weights` (out_dim, 16) (randn, as difflogic's), buffer `indices` (2, out_dim) int64: the wiring, drawn as difflogic draws it
-    (the same torch seed gives the same weights and wiring) and kept in the state dict. Training: the soft
-    layer; eval: the hard one (argmax op, ties to the lower index). straight_through=True: the hard forward
-    in training too, with the soft backward. grad_factor scales dx only. implementation: accepted for
+    x: (batch, in_dim) fp32/fp16/bf16 on CUDA -> y (batch, out_dim) in x's dtype. x.t() of a contiguous
+    (in_dim, batch) (difflogic's layout) runs the feature-major kernels directly; a row-major x is transposed
+    to it once first (row_major="auto", the default, or "transpose"); either way y is feature-major, a view of
+    a contiguous (out_dim, batch), so a stack of layers transposes once, at its first layer (dx goes back in
+    x's layout). row_major="direct" (and "auto" under torch.compile): the row-major kernels, y row-major.
+    Parameter `weights` (out_dim, 16) (randn, as difflogic's), buffer `indices` (2, out_dim) int64: the
+    wiring, drawn as difflogic draws it (the same torch seed gives the same weights and wiring) and kept in
+    the state dict. Training: the soft layer; eval: the hard one (argmax op, ties to the lower index).
+    straight_through=True: the hard forward in training too, with the soft backward. grad_factor scales dx
+    only. implementation: accepted for
     difflogic's signature ("cuda" or None; kspec's kernels run either way)."""
 
     def __init__(self, in_dim: int, out_dim: int, device="cuda", grad_factor: float = 1.0, implementation=None,

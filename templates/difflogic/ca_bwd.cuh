@@ -13,6 +13,12 @@
 //       patch gradients of the (up to 9) cells that read it, in patch order: no scatter.
 //   difflogic_ca_step_bwd_finish_kernel  one thread per gate: S = the blocks' partials in block order, then
 //       dlogits_i = p_i (sum_uv f_i(u, v) S_uv - sum_uv T_uv S_uv), as the layer's backward.
+//   kReaders (tuning axis readers = 1): an update layer's input gradient walks each input's readers from a
+//       CSR (difflogic_ca_update_readers_kernel, once per call, from the wires) instead of testing every
+//       gate of the layer for each input: 2 x 2816 entries a cell for the checkerboard's update network
+//       instead of ~700k (input, gate) tests, the main kernel's cost at batch 64 and 256 (run 20: 2.6 ms
+//       a batch element a rollout, linear in B, 512 blocks each walking its cells in turn). The readers are
+//       in gate order, a before b, as the test loop adds them: the same sums in the same order, same bits.
 // Cells are int: the op refuses batch height width >= 2^31 (a 64-bit division is a call with a stack frame).
 #pragma once
 
@@ -37,7 +43,61 @@ __device__ __forceinline__ void difflogic_ca_gate_grad(const float* t, float xa,
   db = d * ((t[1] - t[0]) * (1.0f - xa) + (t[3] - t[2]) * xa);
 }
 
-template <typename T, int kArch, int kThreads>
+// The update network's readers CSR (int32, in the workspace; api/ops/difflogic/ca.cpp sizes it): every
+// layer's offsets [n_in_l + 1] (relative to the layer's entries; n_in_0 = C + C P K), layer l's from
+// kInputs + offset(l - 1) + l on (0 for l = 0), then every layer's entries [2 width_l] (2 g + side, in gate
+// order per input), layer l's from 2 offset(l) on.
+
+// Update layer L's readers, by one block: one thread per input j (and j = n_in for the end): the offset is
+// the number of the layer's wires below j, then j's readers in gate order, a before b. A wire outside the
+// layer's inputs is no reader (the main kernel gives its gate NaN gradients as before). L is a template
+// argument: the first version (an unrolled loop over the layers testing blockIdx.x, helpers taking the
+// architecture by reference) had a 112-byte stack frame (the architecture's size) for the tiny one.
+template <int kArch, int L, int kThreads>
+__device__ __forceinline__ void difflogic_ca_readers_of_layer(const DiffLogicParams& p) {
+  constexpr DiffLogicCaArch A = kDiffLogicCaArchs[kArch];
+  constexpr int kInputs = A.C + A.C * A.perception[A.n_perception - 1] * A.K;
+  constexpr int kWidth = A.update[L], kIn = L == 0 ? kInputs : A.update[L == 0 ? 0 : L - 1];
+  constexpr int kWire0 = difflogic_sum_width(A.perception, A.n_perception) - A.perception[0] +
+                         difflogic_offset(A.update, L);
+  constexpr int kOffsets = kInputs + difflogic_offset(A.update, A.n_update - 1) + A.n_update;
+  constexpr int kOff0 = L == 0 ? 0 : kInputs + difflogic_offset(A.update, L == 0 ? 0 : L - 1) + L;
+  const int* wa = p.b + kWire0;
+  const int* wb = wa + p.wired;
+  int* off = static_cast<int*>(p.y) + kOff0;
+  int* ent = static_cast<int*>(p.y) + kOffsets + 2 * difflogic_offset(A.update, L);
+  for (int j = threadIdx.x; j <= kIn; j += kThreads) {
+    int below = 0;
+    for (int g = 0; g < kWidth; ++g) {
+      const int ia = wa[g], ib = wb[g];
+      below += (difflogic_ca_wire_ok(ia, kIn) && ia < j) + (difflogic_ca_wire_ok(ib, kIn) && ib < j);
+    }
+    off[j] = below;
+    if (j == kIn) continue;
+    for (int g = 0; g < kWidth; ++g) {
+      if (wa[g] == j) ent[below++] = 2 * g;
+      if (wb[g] == j) ent[below++] = 2 * g + 1;
+    }
+  }
+}
+
+template <int kArch, int L, int kThreads>
+__device__ __forceinline__ void difflogic_ca_readers_dispatch(const DiffLogicParams& p) {
+  if constexpr (L < kDiffLogicCaArchs[kArch].n_update) {
+    if (static_cast<int>(blockIdx.x) == L)
+      difflogic_ca_readers_of_layer<kArch, L, kThreads>(p);
+    else
+      difflogic_ca_readers_dispatch<kArch, L + 1, kThreads>(p);
+  }
+}
+
+// One block per update layer (blockIdx.x = l). Writes p.y: the offsets of every layer, then the entries.
+template <int kArch, int kThreads>
+__global__ void __launch_bounds__(kThreads) difflogic_ca_update_readers_kernel(const DiffLogicParams p) {
+  difflogic_ca_readers_dispatch<kArch, 0, kThreads>(p);
+}
+
+template <typename T, int kArch, int kThreads, bool kReaders = false>
 __global__ void __launch_bounds__(kThreads) difflogic_ca_step_bwd_kernel(const DiffLogicParams p) {
   constexpr DiffLogicCaArch A = kDiffLogicCaArchs[kArch];
   constexpr int C = A.C, K = A.K, P = A.perception[A.n_perception - 1], kInputs = C + C * P * K;
@@ -154,10 +214,17 @@ __global__ void __launch_bounds__(kThreads) difflogic_ca_step_bwd_kernel(const D
       __syncthreads();
       for (int j = threadIdx.x; j < n_in; j += kThreads) {
         float sum = 0.0f;
-        for (int g = 0; g < width; ++g) {
-          const int w = kPercWires + ugate0 + g;
-          if (wa[w] == j) sum += dside[2 * g];
-          if (wb[w] == j) sum += dside[2 * g + 1];
+        if (kReaders) {
+          const int* off = p.offsets + (l == 0 ? 0 : kInputs + difflogic_offset(A.update, l - 1) + l);
+          const int* ent = p.entries + 2 * ugate0;
+          const int k1 = off[j + 1];
+          for (int k = off[j]; k < k1; ++k) sum += dside[__ldg(ent + k)];
+        } else {
+          for (int g = 0; g < width; ++g) {
+            const int w = kPercWires + ugate0 + g;
+            if (wa[w] == j) sum += dside[2 * g];
+            if (wb[w] == j) sum += dside[2 * g + 1];
+          }
         }
         din[j] = sum;
       }

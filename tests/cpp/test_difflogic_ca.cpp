@@ -245,20 +245,21 @@ TEST(DiffLogicCaBwd, SchemaAndChecks) {
   EXPECT_EQ(op_info(op).params.size(), 2u);  // arch, periodic: the backward is the soft step's
 }
 
-// Its precompile plan (both architectures, every dtype and config: 4 kernels each) compiles for sm_90
-// without spills or a stack frame; the case table covers both architectures.
+// Its precompile plan (both architectures, every dtype and config: 4 kernels each, 5 with readers = 1, the
+// readers CSR's) compiles for sm_90 without spills or a stack frame; the case table covers both architectures.
 TEST(DiffLogicCaBwd, PrecompilePlanCompilesWithoutSpills) {
   int requests = 0;
   for (const auto& r : precompile_plan({"sm_90"}, {"difflogic.ca.step.bwd"})) {
     ++requests;
     auto reports = compile(r);
-    ASSERT_EQ(reports.size(), 4u);
+    ASSERT_TRUE(r.config.has_value());
+    ASSERT_EQ(reports.size(), r.config->get("readers") ? 5u : 4u);
     for (const auto& rep : reports) {
       EXPECT_EQ(rep.spill_bytes, 0) << dtype_short(r.dtype) << ": " << rep.kernel << ", " << rep.registers << " registers";
       EXPECT_EQ(rep.stack_bytes, 0) << dtype_short(r.dtype) << ": " << rep.kernel;
     }
   }
-  EXPECT_EQ(requests, 4);  // 2 architectures x 2 dtypes (no float16) x 1 config (256 threads)
+  EXPECT_EQ(requests, 8);  // 2 architectures x 2 dtypes (no float16) x 2 configs (256 threads, readers 0 / 1)
   std::set<std::string> archs;
   for (const Case& c : Registry::global().get("difflogic.ca.step.bwd").cases) archs.insert(std::get<std::string>(*c.params.find("arch")));
   EXPECT_EQ(archs, (std::set<std::string>{"checkerboard", "tiny"}));
@@ -266,7 +267,8 @@ TEST(DiffLogicCaBwd, PrecompilePlanCompilesWithoutSpills) {
 
 // On the GPU, every case in every dtype against the float64 reference's backward: dstate within 1e-4 in
 // fp32 (the state's rounding in fp16 / bf16), dlogits within 1e-4 (fp32 sums of the same inputs); both
-// configs and a rerun give the same bits (the sums' order depends on neither).
+// configs (readers 0: every gate tested per input; 1: the readers CSR, the default) and a rerun give the same
+// bits (the sums' order depends on neither).
 TEST(DiffLogicCaGpu, BackwardMatchesTheReference) {
   KSPEC_REQUIRE_GPU();
   jit::ContextGuard guard(0);
@@ -284,6 +286,9 @@ TEST(DiffLogicCaGpu, BackwardMatchesTheReference) {
         EXPECT_LE(rel_error(decode(t, got[o]), want[o].data), tol) << cs.name << " " << dtype_short(dt) << " " << names[o];
       }
       EXPECT_TRUE(r.run(&c256) == got) << cs.name << " " << dtype_short(dt) << ": a rerun differs";
+      const Config readers{{{"threads", 256}, {"readers", 1}}};
+      EXPECT_TRUE(r.run(&readers) == got) << cs.name << " " << dtype_short(dt) << ": readers = 1 differs";
+      EXPECT_TRUE(r.run(nullptr) == got) << cs.name << " " << dtype_short(dt) << ": the default config differs";
     }
 }
 

@@ -1,7 +1,8 @@
 """The logic layer's layouts without a GPU (issue 30 Speed): a row-major x is transposed once to the
 feature-major layout (difflogic.transpose) and runs the feature-major ops, y comes back feature-major, a
-row-major dy is transposed once and dx comes back row-major (x's layout: layer.bwd's dx_layout row_major); feature-major x and chains of layers
-(with a torch op between them) transpose nothing more; row_major="direct" and B = 1 keep the row-major ops.
+row-major dy is transposed once and dx comes back row-major (x's layout: layer.bwd's dx_layout row_major);
+feature-major x and chains of layers (with a torch op between them) transpose nothing more;
+row_major="direct" and B = 1 keep the row-major ops.
 The ops are stood in for by the float64 references on CPU (a kspec.call that checks the layout param against
 every activation's strides, as the ops' check_call does, and counts the calls), so the layout plumbing and the
 gradients are checked exactly; the kernels themselves: test_gpu_difflogic_layer.py."""

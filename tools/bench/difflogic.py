@@ -4,6 +4,7 @@ tools/gpu/build_difflogic.sh) and the same layer in torch eager, on the same wei
 process."""
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -192,7 +193,8 @@ def run_layer(ctx):
             # kspec both ways: x (and dy) as given, row-major; and feature-major (the user hands over x.t() of
             # a contiguous (n_in, B), difflogic's own layout: y, dx come back feature-major, no copies timed).
             # "kspec" on a row-major x: transposed once to feature-major (kspec's transpose kernel; y comes back
-            # feature-major, a row-major dy is transposed, dx back to row-major: 3 transposes a step, all timed);
+            # feature-major, a row-major dy is transposed, dx written row-major by the backward: 2 transposes a
+            # step, timed);
             # "row-major direct": the row-major kernels (the old path); "torch transpose": the same feature-major
             # kernels behind torch's x.t().contiguous() (autograd copies dx back into x's strides).
             wa, wb, csr = layer.wiring()
@@ -483,6 +485,29 @@ def difflogic_ca(torch, peer_mod, ca):
     return rollout
 
 
+@contextlib.contextmanager
+def _ca_bwd_config(config):
+    """kspec's CA rollout with `config` for difflogic.ca.step.bwd (None: its default), for the old-vs-new rows:
+    the rollout's calls go through kspec._difflogic_ca.call, wrapped here for the duration."""
+    if config is None:
+        yield
+        return
+    from kspec import _difflogic_ca
+
+    inner = _difflogic_ca.call
+
+    def call(op, *args, **kw):
+        if op == "difflogic.ca.step.bwd":
+            kw.setdefault("config", config)
+        return inner(op, *args, **kw)
+
+    _difflogic_ca.call = call
+    try:
+        yield
+    finally:
+        _difflogic_ca.call = inner
+
+
 def _spans(widths):
     out, at = [], 0
     for w in widths:
@@ -503,7 +528,10 @@ def run_ca(ctx):
         ca.perception_logits.add_(torch.randn_like(ca.perception_logits))
         ca.update_logits.add_(torch.randn_like(ca.update_logits))
     target = ((torch.arange(CA_HW, device=ctx.dev)[:, None] + torch.arange(CA_HW, device=ctx.dev)) % 2).float()
+    # "readers=0": the step backward's first version (each update layer's input gradient tests every gate per
+    # input), beside the default (readers=1, a readers CSR), in the same process.
     impls = [("kspec rollout", "kspec", lambda s: ca.rollout(s, CA_T)),
+             ("kspec rollout readers=0", "kspec", lambda s: ca.rollout(s, CA_T)),
              ("kspec rollout (checkpoint)", "kspec", lambda s: ca.rollout(s, CA_T, checkpoint=True)),
              ("torch eager", "peer", lambda s: eager(ca, s, CA_T))]
     peer_mod, why = _peer()
@@ -518,10 +546,11 @@ def run_ca(ctx):
         g = torch.Generator(device=ctx.dev).manual_seed(ctx.args.seed + B)
         s0 = torch.rand(B, CA_HW, CA_HW, 8, device=ctx.dev, generator=g)
 
-        def train_step(fn):
+        def train_step(fn, config=None):
             ca.zero_grad()
-            out = fn(s0)
-            ((out[..., 0] - target) ** 2).sum().backward()
+            with _ca_bwd_config(config):
+                out = fn(s0)
+                ((out[..., 0] - target) ** 2).sum().backward()
             return out
 
         ref = None
@@ -532,9 +561,10 @@ def run_ca(ctx):
                 row["status"] = "skipped"
                 rows.append(row)
                 continue
+            config = "threads=256,readers=0" if name.endswith("readers=0") else None
             try:
                 t0 = time.perf_counter()
-                train_step(fn)
+                train_step(fn, config)
                 torch.cuda.synchronize()
                 first_ms = (time.perf_counter() - t0) * 1e3
                 grads = [ca.perception_logits.grad.clone(), ca.update_logits.grad.clone()]
@@ -546,7 +576,7 @@ def run_ca(ctx):
                 row["valid"] = row["max_error"] <= CA_TOL
                 row["status"] = "ok" if row["valid"] else "INVALID"
                 if row["valid"] or impl == "peer" or ctx.args.time_invalid:  # a peer's time stands (its errors shown)
-                    row.update(timed(ctx, lambda fn=fn: train_step(fn), lambda: None, first_ms))
+                    row.update(timed(ctx, lambda fn=fn, config=config: train_step(fn, config), lambda: None, first_ms))
                     row["cells_per_s"] = row["cells"] / (row["gpu_ms"] * 1e-3)
             except Exception as e:  # noqa: BLE001
                 record_failure(row, e, ctx.args.verbose, torch)
@@ -628,9 +658,10 @@ def _report(ctx, rows, notes, why):
     notes = list(notes) + [
         "kspec: kspec.nn.LogicLayer (training mode: the soft layer; wiring checked and its consumers CSR built"
         " once), x and dy row-major as given: x transposed once (difflogic.transpose) to the feature-major"
-        " kernels, y feature-major, dy transposed, dx back to row-major (all timed); kspec row-major direct:"
+        " kernels, y feature-major, dy transposed, dx written row-major by the backward (timed); kspec row-major direct:"
         " row_major='direct', the row-major kernels (gathers within rows); kspec torch transpose: torch's"
-        " x.t().contiguous() in front instead of kspec's (dx copied back by autograd); kspec feature-major: the same layer handed x.t() of a contiguous"
+        " x.t().contiguous() in front instead of kspec's (dx copied back by autograd); kspec feature-major: the"
+        " same layer handed x.t() of a contiguous"
         " (n_in, B) and dy likewise (difflogic's layout: its kernels run along the batch; y, dx feature-major;"
         " its default config: batch-tiled, lanes 8); kspec feature-major lanes=L: the same"
         " ops with config threads=256,lanes=L in both (0: the flat kernels, a thread per element; else the"

@@ -283,6 +283,23 @@ OpDef make_ca_step_fwd() {
 }
 
 
+// The backward's readers axis (0 for a config written before it).
+bool readers_of(const Config& c) { return c.has("readers") && c.get("readers") != 0; }
+
+// Sizes of the update network's readers CSR (templates/difflogic/ca_bwd.cuh, the readers CSR): every
+// layer's offsets (its inputs + 1), then every layer's entries (2 per gate).
+int64_t readers_offsets(const DiffLogicCaArch& A) {
+  int64_t n = A.C + int64_t{A.C} * A.perception[A.n_perception - 1] * A.K + A.n_update;
+  for (int l = 0; l + 1 < A.n_update; ++l) n += A.update[l];
+  return n;
+}
+
+int64_t readers_entries(const DiffLogicCaArch& A) {
+  int64_t n = 0;
+  for (int l = 0; l < A.n_update; ++l) n += 2 * A.update[l];
+  return n;
+}
+
 OpDef make_ca_step_bwd() {
   OpDef op;
   ca_schema(op);
@@ -304,8 +321,12 @@ OpDef make_ca_step_bwd() {
   // tiny_periodic_fire's dperception_logits came to 2.5e-5 in float32 (dstate and dupdate_logits 0.0).
   op.tolerance_scale = 4.0;
   // 256 threads only: at 128, ptxas (NVRTC 13) spills 40 bytes of the tiny architecture's main kernel for
-  // sm_80 (none for sm_90, none at 256 for either).
-  op.tuning.axes = {{"threads", {256}}};
+  // sm_80 (none for sm_90, none at 256 for either). readers: 1 walks an update layer's input gradient from a
+  // readers CSR built once per call (templates/difflogic/ca_bwd.cuh kReaders: 2 x 2816 entries a cell of
+  // the checkerboard against ~700k (input, gate) tests), 0 tests every gate per input (the first version;
+  // a config without the axis means it). The same sums in the same order either way: the same bits.
+  op.tuning.axes = {{"threads", {256}}, {"readers", {0, 1}}};
+  op.tuning.heuristic = [](const Problem&) { return Config{{{"threads", 256}, {"readers", 1}}}; };
   op.info.tuning_axes = op.tuning.axes;
   op.check = [schema_check = op.check](const Problem& p) {
     KSPEC_CHECK_AS(p.dtype("state") != DType::f16, Unsupported, p.op->info.name,
@@ -351,11 +372,17 @@ OpDef make_ca_step_bwd() {
   op.kernels = [](const Problem& p, const Config& c) {
     const std::string threads = std::to_string(c.get("threads"));
     const std::vector<std::string> args = {dtype_cuda_type(p.dtype("state")), std::to_string(arch_index(p)), threads};
-    return std::vector<jit::KernelSpec>{
+    std::vector<std::string> main_args = args;
+    if (readers_of(c)) main_args.push_back("true");  // the default false keeps the first version's name
+    std::vector<jit::KernelSpec> k = {
         kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_tables_kernel", {"false", threads}),
-        kernel_spec(p, "difflogic/ca_bwd.cuh", "kspec::difflogic_ca_step_bwd_kernel", args),
+        kernel_spec(p, "difflogic/ca_bwd.cuh", "kspec::difflogic_ca_step_bwd_kernel", main_args),
         kernel_spec(p, "difflogic/ca_bwd.cuh", "kspec::difflogic_ca_step_bwd_gather_kernel", args),
         kernel_spec(p, "difflogic/ca_bwd.cuh", "kspec::difflogic_ca_step_bwd_finish_kernel", {threads})};
+    if (readers_of(c))
+      k.push_back(kernel_spec(p, "difflogic/ca_bwd.cuh", "kspec::difflogic_ca_update_readers_kernel",
+                              {std::to_string(arch_index(p)), threads}));
+    return k;
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     const Problem& p = call.problem;
@@ -364,12 +391,21 @@ OpDef make_ca_step_bwd() {
     const int64_t gates = K * Gp + Gu, C = p.dim("channels");
     const int64_t cells = p.dim("batch") * p.dim("height") * p.dim("width");
     const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(cells, kDiffLogicCaBwdBlocks));
-    // tables [gates, 4] | partials [blocks, gates, 4] | dcells [cells, C, 10]
-    float* tables = static_cast<float*>(
-        l.workspace(sizeof(float) * static_cast<size_t>(4 * gates + blocks * gates * 4 + cells * C * 10)));
+    const DiffLogicCaArch& A = arch_of(p);
+    const int64_t csr = readers_of(c) ? readers_offsets(A) + readers_entries(A) : 0;
+    // tables [gates, 4] | partials [blocks, gates, 4] | dcells [cells, C, 10] | readers CSR (int32)
+    const int64_t floats = 4 * gates + blocks * gates * 4 + cells * C * 10;
+    float* tables = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(floats + csr)));
     launch_tables(call, threads, tables, l);
     DiffLogicParams a = step_params(call, tables);
     void* args[] = {&a};
+    if (csr > 0) {
+      int* readers = reinterpret_cast<int*>(tables + floats);
+      a.y = readers;
+      l.launch(4, {u32(A.n_update)}, {u32(threads)}, 0, args);
+      a.offsets = readers;
+      a.entries = readers + readers_offsets(A);
+    }
     a.dout = call.in("dnext").data;
     a.dx = call.out("dstate").data;
     a.partials = tables + 4 * gates;
