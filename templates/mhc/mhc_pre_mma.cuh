@@ -134,6 +134,7 @@ __device__ __forceinline__ void mhc_pre_fwd_mma_finish(const MhcPreParams& p, lo
 
   if constexpr (kWarpHeads) {
     static_assert(kM <= 32 && (kPreOnly || kNN <= 32), "a row of h and a Sinkhorn element a lane");
+    __shared__ float wh[kWarps][N];
     for (int j = warp; j < ntok; j += kWarps) {
       // mhc_pre_fwd_heads' arithmetic for token t0 + j, lane r holding row r of h.
       const long long t = t0 + j;
@@ -153,10 +154,43 @@ __device__ __forceinline__ void mhc_pre_fwd_mma_finish(const MhcPreParams& p, lo
         const float rr = MhcSinkhorn<N, kTMax>::forward_warp(z, p.eps_sk, lane);
         if (lane < kNN) p.r[t * kNN + lane] = rr;
       }
-      float w[N];
+      // H_pre through the warp's own shared row (a register array indexed in the y loop went to the stack:
+      // 8-16 bytes at n 6-8, 32 tokens).
+      __syncwarp();  // the last token's y reads of wh are done
+      if (lane < N) wh[warp][lane] = hp;
+      __syncwarp();
+      const T* xt = x + (t0 + j) * N * p.x_row;
+      T* yt = static_cast<T*>(p.y) + (t0 + j) * p.y_row;
+#pragma unroll 1
+      for (int base = lane; base < kRow8; base += kBatch * 32) {
+        MhcRow8<T> v[kBatch][N];
 #pragma unroll
-      for (int i = 0; i < N; ++i) w[i] = __shfl_sync(0xffffffffu, hp, i);
-      y_items(kRow8, lane, 32, [&](int) { return j; }, [&](int, int i) { return w[i]; });
+        for (int b = 0; b < kBatch; ++b) {
+          const int it = base + b * 32, d = (it < kRow8 ? it : 0) * 8;
+#pragma unroll
+          for (int i = 0; i < N; ++i) mhc_load8<T, kVec, !kCoherent>(v[b][i], xt + i * p.x_row + d, it < kRow8 ? D - d : 0);
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int it = base + b * 32, d = it * 8;
+          if (it >= kRow8) continue;
+          MhcRow8<T> out;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < N; ++i) s += wh[warp][i] * to_float(v[b][i].v[e]);
+            out.v[e] = store_as<T>(s);
+          }
+          if (kVec) {
+            mhc_store8(yt + d, out);
+          } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+              if (d + e < D) yt[d + e] = out.v[e];
+          }
+        }
+      }
     }
   } else {
     __shared__ float h_pre[kTok][N];
@@ -172,8 +206,11 @@ __device__ __forceinline__ void mhc_pre_fwd_mma_finish(const MhcPreParams& p, lo
 
 // Grid: ceil(T / kTok) blocks of kMhcMmaThreads. kVec: D % 8 == 0 and every pointer and row stride
 // 16-byte aligned (the plan's choice).
+// kWarpHeads names a minimum of one block an SM: without it ptxas capped some 32-token tiles at 72-80
+// registers and spilled 4-20 bytes (pre_only n 2-8, n 2 at D 96; nvcc 13), with it 96 and none. Without
+// kWarpHeads (0: none named) the kernel is compiled as before.
 template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kTok, bool kVec, bool kWarpHeads>
-__global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_fwd_mma_kernel(const MhcPreParams p) {
+__global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads ? 1 : 0) mhc_pre_fwd_mma_kernel(const MhcPreParams p) {
   using Rows = MhcRows<N, kPreOnly>;
   constexpr int kThreads = kMhcMmaThreads, kWarps = kThreads / 32;
   constexpr int kM = Rows::kM, kND = N * D, kK = kM + 1, kNN = N * N;

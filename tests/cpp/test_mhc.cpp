@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <random>
 #include <tuple>
 
@@ -532,6 +533,12 @@ TEST(Mhc, PreBackwardMmaFusedRulesAndCompileWithoutSpills) {
   EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_bwd_fused_mma_kernel");
   EXPECT_EQ(kernels[2].kernel, "kspec::mhc_pre_bwd_reduce_kernel");
   EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 2);  // not the default until timed
+  // algo=mma_fused_warp_heads (4): the same plan, the token kernel with its heads per warp.
+  const Config warp_heads{{{"algo", 4}, {"threads", 128}, {"tokens", 32}}};
+  EXPECT_TRUE(op.tuning.valid(p, warp_heads, &why)) << why;
+  EXPECT_EQ(kernels[0].targs.back(), "false");
+  EXPECT_EQ(op.kernels(p, warp_heads)[0].targs.back(), "true");
+  EXPECT_EQ(op.kernels(p, warp_heads)[1].kernel, "kspec::mhc_pre_bwd_fused_mma_kernel");
   for (const auto& [n, D, tokens, fragment] :
        {std::tuple{5, 256, 16, "24 projection rows"}, std::tuple{4, 100, 16, "16-byte groups"},
         std::tuple{4, 256, 64, "n x tokens / 16"}}) {
@@ -550,10 +557,12 @@ TEST(Mhc, PreBackwardMmaFusedRulesAndCompileWithoutSpills) {
   }
   int compiled = 0;
   for (const char* arch : {"sm_80", "sm_90"})
-    for (auto [name, dt, n, D, tokens, bare] :
-         {std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, false}, std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, true},
-          std::tuple{"mhc.pre.bwd", DType::f16, 2, 256, 64, false}, std::tuple{"mhc.pre.bwd", DType::bf16, 3, 264, 16, false},
-          std::tuple{"mhc.pre_only.bwd", DType::f16, 8, 128, 16, false}}) {
+    for (auto [name, dt, n, D, tokens, bare, algo] :
+         {std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, false, 3}, std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, true, 3},
+          std::tuple{"mhc.pre.bwd", DType::f16, 2, 256, 64, false, 3}, std::tuple{"mhc.pre.bwd", DType::bf16, 3, 264, 16, false, 3},
+          std::tuple{"mhc.pre_only.bwd", DType::f16, 8, 128, 16, false, 3},
+          std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, false, 4}, std::tuple{"mhc.pre.bwd", DType::f16, 2, 256, 64, false, 4},
+          std::tuple{"mhc.pre_only.bwd", DType::f16, 8, 128, 16, false, 4}}) {
       const OpDef& o = Registry::global().get(name);
       CompileRequest q;
       q.op = name;
@@ -561,18 +570,19 @@ TEST(Mhc, PreBackwardMmaFusedRulesAndCompileWithoutSpills) {
       q.arch = arch;
       q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
       if (bare) q.without = {"gamma", "dx_post"};
-      q.config = Config{{{"algo", 3}, {"threads", 128}, {"tokens", tokens}}};
+      q.config = Config{{{"algo", algo}, {"threads", 128}, {"tokens", tokens}}};
       ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << " n " << n << ": " << why;
       for (const auto& rep : compile(q)) {
         EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
         EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
-        if (rep.kernel.find("fused") == std::string::npos) continue;
+        if (rep.kernel.find("fused") == std::string::npos && algo == 3) continue;
+        if (rep.kernel.find("token_mma") == std::string::npos && algo == 4) continue;
         std::cout << arch << " " << name << " n " << n << " D " << D << (bare ? " (no gamma, dx_post) " : " ")
                   << rep.kernel << ": " << rep.registers << " registers\n";
         ++compiled;
       }
     }
-  EXPECT_EQ(compiled, 10);
+  EXPECT_EQ(compiled, 16);
 }
 
 // post's `vec` axis: 8 consecutive d a thread with 16-byte loads where D % 8 == 0 and n >= 3 (n <= 7 in
@@ -1001,9 +1011,10 @@ TEST(MhcGpu, PreBackwardMmaTokensMatchesReferenceOnEveryCase) {
   EXPECT_GE(checked, 60);
 }
 
-// Every case of mhc.pre.bwd and mhc.pre_only.bwd with an algo=mma_fused config (mma_tokens' cases but
-// n <= 4 on pre.bwd), at every such config, f16 and bf16, against the float64 reference: dx and the sums
-// over tokens from one pass over x (mhc_pre_bwd_fused_mma.cuh).
+// Every case of mhc.pre.bwd and mhc.pre_only.bwd with an algo=mma_fused or mma_fused_warp_heads config
+// (mma_tokens' cases but n <= 4 on pre.bwd), at every such config, f16 and bf16, against the float64
+// reference: dx and the sums over tokens from one pass over x (mhc_pre_bwd_fused_mma.cuh), the token pass's
+// heads per block or per warp.
 TEST(MhcGpu, PreBackwardMmaFusedMatchesReferenceOnEveryCase) {
   KSPEC_REQUIRE_GPU();
   int checked = 0, cases = 0;
@@ -1016,7 +1027,7 @@ TEST(MhcGpu, PreBackwardMmaFusedMatchesReferenceOnEveryCase) {
         o.case_name = cs.name;
         o.dtypes = {dt};
         for (const Config& c : configs_for_case(op_name, cs.name, dt))
-          if (c.get("algo") == 3) o.configs.push_back(c);
+          if (c.get("algo") >= 3) o.configs.push_back(c);
         if (o.configs.empty()) continue;  // D % 8 != 0, or M > 24
         auto rows = check_op(op_name, o);
         EXPECT_EQ(rows.size(), o.configs.size()) << op_name << " " << cs.name;
@@ -1027,7 +1038,7 @@ TEST(MhcGpu, PreBackwardMmaFusedMatchesReferenceOnEveryCase) {
     }
   }
   EXPECT_GE(cases, 30);
-  EXPECT_GE(checked, 40);
+  EXPECT_GE(checked, 80);
 }
 
 // post.fwd and post.bwd at vec 8 (16-byte loads) on every case with D % 8 == 0, every dtype and thread
@@ -1072,8 +1083,9 @@ std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
 }  // namespace
 
 // grads_deterministic on the tensor-core backward: bf16 x, T 1031 (several parts along T, a partial last
-// token tile), D 4000 (16-byte groups); algo=mma (4 tokens), algo=mma_tokens (32) and algo=mma_fused (32)
-// each give the same bits three times for dx, dphi, dalpha, dbias, dgamma.
+// token tile), D 4000 (16-byte groups); algo=mma (4 tokens), algo=mma_tokens (32), algo=mma_fused (32) and
+// algo=mma_fused_warp_heads (32) each give the same bits three times for dx, dphi, dalpha, dbias, dgamma, and
+// the last two the same bits as each other (the heads per warp do the block's operations).
 TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
   KSPEC_REQUIRE_GPU();
   jit::ContextGuard guard(0);
@@ -1099,12 +1111,14 @@ TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
                    gv = f32(gb, {nd}), invv = f32(invb, {T}), hv = f32(hb, {T, M});
   call("mhc.pre.fwd", {xv, phiv, av, bv, gv},
        {b16(yb, {T, D}), f32(hpre, {T, n}), f32(hpost, {T, n}), f32(rb, {T, n, n}), invv, hv});
+  std::map<int64_t, std::vector<std::vector<uint8_t>>> firsts;  // by algo
   for (const Config& config : {Config{{{"algo", 1}, {"threads", 128}, {"tokens", 4}}},
                                Config{{{"algo", 2}, {"threads", 128}, {"tokens", 32}}},
-                               Config{{{"algo", 3}, {"threads", 128}, {"tokens", 32}}}}) {
+                               Config{{{"algo", 3}, {"threads", 128}, {"tokens", 32}}},
+                               Config{{{"algo", 4}, {"threads", 128}, {"tokens", 32}}}}) {
     CallOptions opts;
     opts.config = &config;
-    std::vector<std::vector<uint8_t>> first;
+    std::vector<std::vector<uint8_t>>& first = firsts[config.get("algo")];
     for (int run = 0; run < 3; ++run) {
       DevBuf dx(T * nd * 2), dphi(M * nd * 4), dalpha(12), dbias(M * 4), dgamma(nd * 4);
       for (DevBuf* o : {&dx, &dphi, &dalpha, &dbias, &dgamma}) o->poison();
@@ -1128,6 +1142,9 @@ TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
         EXPECT_EQ(got[k], first[k]) << names[k] << " run " << run << " " << config.str();
     }
   }
+  const char* names[] = {"dx", "dphi", "dalpha", "dbias", "dgamma"};
+  for (size_t k = 0; k < firsts[3].size(); ++k)
+    EXPECT_EQ(firsts[4][k], firsts[3][k]) << names[k] << ": mma_fused_warp_heads against mma_fused";
 }
 
 // Every case of mhc.pre.fwd and mhc.pre_only.fwd with an algo=mma_warp_heads config (n <= 4 on pre.fwd), at

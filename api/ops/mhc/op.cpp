@@ -162,8 +162,8 @@ TuningSpace with_tokens_axis(TuningSpace t) {
 
 // pre.fwd's `algo` axis: kSimt, the kernel above (mhc_pre.cuh: `threads`, `tokens` 1 or 4); kMma, the
 // projection on tensor cores (mhc_pre_mma.cuh: 128 threads, `tokens` 16, 32 or 64, whole m16 tiles).
-// pre.bwd's (with_bwd_algo_axis) has two more, kMmaTokens and kMmaFused.
-enum PreAlgo : int64_t { kSimt = 0, kMma = 1, kMmaTokens = 2, kMmaFused = 3 };
+// pre.bwd's (with_bwd_algo_axis) has three more, kMmaTokens, kMmaFused and kMmaFusedWarpHeads.
+enum PreAlgo : int64_t { kSimt = 0, kMma = 1, kMmaTokens = 2, kMmaFused = 3, kMmaFusedWarpHeads = 4 };
 // pre.fwd's third value: kMma with each warp running its own tokens' heads and then their y
 // (mhc_pre_mma.cuh, kWarpHeads): n*n and M at most 32.
 constexpr int64_t kMmaWarpHeads = 2;
@@ -511,10 +511,13 @@ int64_t bwd_parts(int64_t T) { return std::clamp<int64_t>(ceil_div(T, kTokensPer
 // du = dm phi on tensor cores (mhc_pre_bwd_mma.cuh, 128 threads), the SIMT token kernel's first pass and
 // heads as kSimt's (`threads`, `tokens` 1 or 4); kMmaTokens, kMma with that first pass on tensor cores too
 // (mhc_pre_bwd_token_mma.cuh: 128 threads, `tokens` 16, 32 or 64); kMmaFused, kMmaTokens' token pass, then
-// dx and the sums over tokens in one pass over x (mhc_pre_bwd_fused_mma.cuh) instead of two.
+// dx and the sums over tokens in one pass over x (mhc_pre_bwd_fused_mma.cuh) instead of two;
+// kMmaFusedWarpHeads, kMmaFused with each warp of the token pass running its own tokens' heads.
 bool bwd_mma(const Config& c) { return c.has("algo") && c.get("algo") >= kMma; }
 bool bwd_mma_tokens(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaTokens; }
-bool bwd_mma_fused(const Config& c) { return c.has("algo") && c.get("algo") == kMmaFused; }
+bool bwd_mma_fused(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaFused; }
+// kMmaFusedWarpHeads: kMmaFused with the token pass's heads run per warp (mhc_pre_bwd_token_mma.cuh, kWarpHeads).
+bool bwd_warp_heads(const Config& c) { return c.has("algo") && c.get("algo") == kMmaFusedWarpHeads; }
 // The fused kernel's columns a block (4 warps of 32).
 constexpr int64_t kFusedBlockCols = 128;
 // The mma columns kernel's consecutive columns per lane (its kNt): 8 while ceil(M / 16) <= 3 m16 tiles of
@@ -544,13 +547,13 @@ std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, 
   // pass on tensor cores, which never writes dx; algo=mma_fused: that token pass, then dx with the columns.
   if (bwd_mma_fused(c)) {
     return {kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
-                        {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p))}),
+                        {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), b(bwd_warp_heads(c))}),
             kernel_spec(p, "mhc/mhc_pre_bwd_fused_mma.cuh", "kspec::mhc_pre_bwd_fused_mma_kernel",
                         {T, n, D, g, head, b(dx_post)}),
             reduce};
   }
   return {bwd_mma_tokens(c) ? kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
-                                          {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p))})
+                                          {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), "false"})
                             : kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_token_kernel",
                                           {T, n, D, t_max_arg(p), g, head, "false", thr(c), tokens, "false"}),
           kernel_spec(p, "mhc/mhc_pre_bwd_mma.cuh", "kspec::mhc_pre_bwd_columns_mma_kernel",
@@ -651,10 +654,10 @@ std::string bwd_mma_tokens_unsupported(const Problem& p, int64_t tokens) {
 // algo=mma_tokens at 32 tokens (16 where 32 is not valid) wherever it is valid, else algo=mma with the SIMT
 // heuristic's threads and tokens (1 token on pre_only, its rule), else the SIMT kernels. H100, T 16384, n 4,
 // D 4096, bf16, pre fwd+bwd: mma_tokens 32 2540 us, mma 3716, simt 6280 (H200: mma 3567 against simt 6280;
-// tools/bench/NOTES.md). algo=mma_fused (mma_tokens' tiles, M <= 24) is selectable, not yet the
-// heuristic's: not yet timed.
+// tools/bench/NOTES.md). algo=mma_fused and mma_fused_warp_heads (mma_tokens' tiles, M <= 24) are
+// selectable, not yet the heuristic's: not yet timed.
 TuningSpace with_bwd_algo_axis(TuningSpace t) {
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaTokens, kMmaFused}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaTokens, kMmaFused, kMmaFusedWarpHeads}});
   for (auto& [name, values] : t.axes)
     if (name == "tokens") values = {1, 4, 16, 32, 64};
   auto simt_valid = t.valid;
@@ -666,7 +669,7 @@ TuningSpace with_bwd_algo_axis(TuningSpace t) {
       else no = bwd_mma_tokens_unsupported(p, tok);
       // The fused kernel keeps phi's fragments of every row in shared memory, 8 KB per 8 rows, beside its
       // 18 KB ring of rows (mhc_pre_bwd_fused_mma.cuh): 46 KB of the 48 static at M = 24.
-      if (no.empty() && algo == kMmaFused && proj_rows(p) > 24)
+      if (no.empty() && algo >= kMmaFused && proj_rows(p) > 24)
         no = "algo=mma_fused takes at most 24 projection rows (n <= 4; pre_only n <= 8): shared memory";
       if (no.empty()) return true;
     } else if (no.empty() && tok > 4) {
