@@ -220,12 +220,13 @@ TEST(Mhc, BaseAndWidestCasesCompileWithoutSpills) {
   EXPECT_GE(compiled, 16);
 }
 
-// The backward on tensor cores is the heuristic's choice for 16-bit x from sm_80 on: algo=mma_tokens at 32
-// tokens (16 at n 3, its rule; H100: pre fwd+bwd 2540 us against 3716 with algo=mma and 6280 with
-// algo=simt), algo=mma where mma_tokens has no tile (n 8), with the SIMT heuristic's threads and tokens (1
-// at n 8, whose token kernel spilled at 4 tokens on pre_only without the dx pass); algo=simt for fp32 x and
-// below sm_80, where both are refused by name. The mma algos swap the columns kernel and move dx to its own
-// kernel; mma_tokens runs the token pass on tensor cores too (post_pre.bwd has no such axis: SIMT).
+// The backward on tensor cores is the heuristic's choice for 16-bit x from sm_80 on: algo=mma_fused at 32
+// tokens where M <= 24 (16 at n 3, its rule; H100 run 20: pre fwd+bwd 2056 us against 2543 with mma_tokens,
+// 3718 with algo=mma), algo=mma_tokens past that (n 5: 16 tokens), algo=mma where mma_tokens has no tile
+// (n 8), with the SIMT heuristic's threads and tokens (1 at n 8, whose token kernel spilled at 4 tokens on
+// pre_only without the dx pass); algo=simt for fp32 x and below sm_80, where both are refused by name. The
+// mma algos swap the columns kernel and move dx to its own kernel; mma_tokens runs the token pass on tensor
+// cores too; mma_fused then does dx and the columns in one kernel (post_pre.bwd has no such axis: SIMT).
 TEST(Mhc, PreBackwardTakesTensorCoresFromSm80) {
   struct Row {
     const char* op;
@@ -233,9 +234,10 @@ TEST(Mhc, PreBackwardTakesTensorCoresFromSm80) {
     const char* arch;
     int64_t n, algo, tokens;
   };
-  for (const Row& row : {Row{"mhc.pre.bwd", DType::bf16, "sm_90", 4, 2, 32}, Row{"mhc.pre.bwd", DType::f16, "sm_80", 4, 2, 32},
-                         Row{"mhc.pre.bwd", DType::bf16, "sm_90", 3, 2, 16}, Row{"mhc.pre.bwd", DType::bf16, "sm_90", 8, 1, 1},
-                         Row{"mhc.pre_only.bwd", DType::bf16, "sm_90", 4, 2, 32},
+  for (const Row& row : {Row{"mhc.pre.bwd", DType::bf16, "sm_90", 4, 3, 32}, Row{"mhc.pre.bwd", DType::f16, "sm_80", 4, 3, 32},
+                         Row{"mhc.pre.bwd", DType::bf16, "sm_90", 3, 3, 16}, Row{"mhc.pre.bwd", DType::bf16, "sm_90", 5, 2, 16},
+                         Row{"mhc.pre.bwd", DType::bf16, "sm_90", 8, 1, 1},
+                         Row{"mhc.pre_only.bwd", DType::bf16, "sm_90", 4, 3, 32},
                          Row{"mhc.pre.bwd", DType::f32, "sm_90", 4, 0, 4}, Row{"mhc.pre.bwd", DType::bf16, "sm_75", 4, 0, 4},
                          Row{"mhc.pre_only.bwd", DType::f32, "sm_90", 4, 0, 4}}) {
     const OpDef& op = Registry::global().get(row.op);
@@ -250,10 +252,14 @@ TEST(Mhc, PreBackwardTakesTensorCoresFromSm80) {
     EXPECT_EQ(h.get("tokens"), row.tokens) << row.op << " " << row.arch << " n " << row.n;
     EXPECT_TRUE(op.tuning.valid(p, h, nullptr)) << h.str();
     const auto kernels = op.kernels(p, h);
-    ASSERT_EQ(kernels.size(), row.algo >= 1 ? 4u : 3u);
-    EXPECT_EQ(kernels[1].kernel,
-              row.algo >= 1 ? "kspec::mhc_pre_bwd_columns_mma_kernel" : "kspec::mhc_pre_bwd_columns_kernel");
-    if (row.algo == 2) {
+    ASSERT_EQ(kernels.size(), row.algo == 1 || row.algo == 2 ? 4u : 3u);
+    EXPECT_EQ(kernels[1].kernel, row.algo == 3   ? "kspec::mhc_pre_bwd_fused_mma_kernel"
+                                 : row.algo >= 1 ? "kspec::mhc_pre_bwd_columns_mma_kernel"
+                                                 : "kspec::mhc_pre_bwd_columns_kernel");
+    if (row.algo == 3) {
+      EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_mma_kernel");
+      EXPECT_EQ(kernels[2].kernel, "kspec::mhc_pre_bwd_reduce_kernel");
+    } else if (row.algo == 2) {
       EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_mma_kernel");
       EXPECT_EQ(kernels[3].kernel, "kspec::mhc_pre_bwd_dx_mma_kernel");
     } else if (row.algo == 1) {
@@ -417,7 +423,7 @@ TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
   const Config ok{{{"algo", 2}, {"threads", 128}, {"tokens", 32}}};
   std::string why;
   EXPECT_TRUE(op.tuning.valid(p, ok, &why)) << why;
-  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 1);
+  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 2);  // H100 run 20: 520 us at 64 tokens against 573 (mma)
   const auto kernels = op.kernels(p, ok);
   ASSERT_EQ(kernels.size(), 1u);
   EXPECT_EQ(kernels[0].targs.back(), "true");
@@ -532,7 +538,7 @@ TEST(Mhc, PreBackwardMmaFusedRulesAndCompileWithoutSpills) {
   EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_mma_kernel");
   EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_bwd_fused_mma_kernel");
   EXPECT_EQ(kernels[2].kernel, "kspec::mhc_pre_bwd_reduce_kernel");
-  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 2);  // not the default until timed
+  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 3);  // H100 run 20: pre fwd+bwd 2056 us against 2543 (mma_tokens)
   // algo=mma_fused_warp_heads (4): the same plan, the token kernel with its heads per warp.
   const Config warp_heads{{{"algo", 4}, {"threads", 128}, {"tokens", 32}}};
   EXPECT_TRUE(op.tuning.valid(p, warp_heads, &why)) << why;
@@ -649,8 +655,9 @@ TEST(Mhc, PostVecAxisRulesAndCompileWithoutSpills) {
   EXPECT_EQ(compiled, 20);
 }
 
-// pre.fwd's algo axis: the tensor-core projection (algo=mma, mhc_pre_mma.cuh) is the default from sm_80
-// on for 16-bit x, with 64 tokens a block for x in 16-byte groups, 32 for D % 8 != 0, 16 at n = 8; the
+// pre.fwd's algo axis: the tensor-core projection (mhc_pre_mma.cuh) is the default from sm_80 on for 16-bit
+// x, with the heads per warp (algo=mma_warp_heads) where M <= 32, else algo=mma (n 8), with 64 tokens a block
+// for x in 16-byte groups, 32 for D % 8 != 0, 16 at n = 8; the
 // SIMT kernel (algo=simt) below sm_80, for fp32 x, and selectable everywhere; the rules name what rules a config out;
 // the mma kernel compiles without spills for sm_80 and sm_90 at the edges of the rules.
 TEST(Mhc, PreForwardTakesTensorCoresFromSm80) {
@@ -661,12 +668,12 @@ TEST(Mhc, PreForwardTakesTensorCoresFromSm80) {
     const char* arch;
     int64_t algo, tokens;
   };
-  for (const Row& row : {Row{"mhc.pre.fwd", DType::bf16, 4, 4096, "sm_90", 1, 64},
-                         Row{"mhc.pre.fwd", DType::f16, 4, 4096, "sm_80", 1, 64},
+  for (const Row& row : {Row{"mhc.pre.fwd", DType::bf16, 4, 4096, "sm_90", 2, 64},
+                         Row{"mhc.pre.fwd", DType::f16, 4, 4096, "sm_80", 2, 64},
                          Row{"mhc.pre.fwd", DType::f32, 4, 4096, "sm_90", 0, 4},
-                         Row{"mhc.pre.fwd", DType::bf16, 4, 37, "sm_90", 1, 32},
+                         Row{"mhc.pre.fwd", DType::bf16, 4, 37, "sm_90", 2, 32},
                          Row{"mhc.pre.fwd", DType::bf16, 8, 128, "sm_90", 1, 16},
-                         Row{"mhc.pre_only.fwd", DType::bf16, 8, 128, "sm_80", 1, 64},
+                         Row{"mhc.pre_only.fwd", DType::bf16, 8, 128, "sm_80", 2, 64},
                          Row{"mhc.pre.fwd", DType::bf16, 4, 4096, "sm_75", 0, 4}}) {
     const OpDef& op = Registry::global().get(row.op);
     CompileRequest r;

@@ -436,13 +436,15 @@ def _report(ctx, rows, why):
         " (issue 34, H100): pre fwd 1.05 ms (bf16 Φ) / 1.42 (fp32 Φ), post fwd 1.44, layer fwd+bwd 16.5;"
         " torch.compile 1.47 / 4.65 / 13.7.",
         f"'{PRE_KERNELS}…': mhc.pre.fwd's kernels by config through kspec.call (forward only): algo=simt, the SIMT"
-        " projection; algo=mma, the projection on tensor cores at 16, 32 or 64 tokens a block; algo=mma_warp_heads,"
-        " the same with each warp running its own tokens' heads (Sinkhorn-Knopp by shuffles) and then their y.",
+        " projection; algo=mma, the projection on tensor cores at 16, 32 or 64 tokens a block; algo=mma_warp_heads"
+        " (the default for M <= 32), the same with each warp running its own tokens' heads (Sinkhorn-Knopp by"
+        " shuffles) and then their y.",
         f"'{PRE_BWD_KERNELS}…': pre fwd+bwd with mhc.pre.bwd by config through kspec.call (the forward the"
         " heuristic's): algo=simt, the SIMT kernels; algo=mma, dΦ and dγ from one GEMM S = dmᵀ·x a part and dx's"
-        " du = dm·Φ on tensor cores; algo=mma_tokens (the default where its tile is valid), the token pass (m and"
+        " du = dm·Φ on tensor cores; algo=mma_tokens (the default past M = 24), the token pass (m and"
         " <dy, x[i]>) on tensor cores too; algo=mma_fused, mma_tokens' token pass, then dx and the sums over tokens"
-        " in one pass over x (x read twice in the backward instead of three times); algo=mma_fused_warp_heads, that"
+        " in one pass over x (x read twice in the backward instead of three times; the default for M <= 24);"
+        " algo=mma_fused_warp_heads, that"
         " with the token pass's heads (the Sinkhorn-Knopp backward) run per warp.",
         f"'{POST_VEC8}': post fwd and fwd+bwd with mhc.post.fwd/.bwd at vec=8 (8 consecutive d a thread, 16-byte"
         " loads and stores) through kspec.call; 'kspec' runs the heuristic's, vec=8 where it is valid.",

@@ -189,8 +189,8 @@ std::string mma_unsupported(const Problem& p) {
 }
 int64_t mma_tiles(const Problem& p, int64_t tokens) { return tokens / 16 * ceil_div(proj_rows(p), 8); }
 
-// The tensor-core projection wherever it runs (not yet measured: tools/bench/NOTES.md, "mhc pre: the
-// projection on tensor cores"), with the most tokens a block whose accumulators fit.
+// The tensor-core projection wherever it runs, with the most tokens a block whose accumulators fit, the
+// heads per warp where M <= 32 (tools/bench/NOTES.md).
 TuningSpace with_algo_axis(TuningSpace t) {
   t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaWarpHeads}});
   for (auto& [name, values] : t.axes)
@@ -216,11 +216,13 @@ TuningSpace with_algo_axis(TuningSpace t) {
     return no.empty();
   };
   auto simt_heuristic = t.heuristic;
+  // H100 (run 20, T 16384, n 4, D 4096, bf16): mma_warp_heads 64 520 us, 32 522; mma 64 573, 32 530.
   t.heuristic = [simt_heuristic](const Problem& p) {
     if (mma_unsupported(p).empty()) {
+      const int64_t algo = warp_heads_unsupported(p).empty() ? kMmaWarpHeads : kMma;
       for (int64_t tok : {64, 32, 16})
         if (tok <= max_mma_tokens(p) && mma_tiles(p, tok) <= kMaxMmaTiles)
-          return Config{{{"algo", kMma}, {"threads", kMmaThreads}, {"tokens", tok}}};
+          return Config{{{"algo", algo}, {"threads", kMmaThreads}, {"tokens", tok}}};
     }
     Config c = simt_heuristic(p);
     c.values.insert(c.values.begin(), {"algo", kSimt});
@@ -650,12 +652,12 @@ std::string bwd_mma_tokens_unsupported(const Problem& p, int64_t tokens) {
 }
 
 // algo=mma and algo=mma_tokens wherever mma_unsupported allows; algo=mma with the SIMT token kernel's
-// threads and tokens (1 or 4), algo=mma_tokens with 128 threads and 16-64 tokens. The heuristic takes
-// algo=mma_tokens at 32 tokens (16 where 32 is not valid) wherever it is valid, else algo=mma with the SIMT
+// threads and tokens (1 or 4), algo=mma_tokens with 128 threads and 16-64 tokens; algo=mma_fused and
+// mma_fused_warp_heads at mma_tokens' tiles with M <= 24. The heuristic takes algo=mma_fused (M <= 24) or
+// else mma_tokens at 32 tokens (16 where 32 is not valid) wherever it is valid, else algo=mma with the SIMT
 // heuristic's threads and tokens (1 token on pre_only, its rule), else the SIMT kernels. H100, T 16384, n 4,
-// D 4096, bf16, pre fwd+bwd: mma_tokens 32 2540 us, mma 3716, simt 6280 (H200: mma 3567 against simt 6280;
-// tools/bench/NOTES.md). algo=mma_fused and mma_fused_warp_heads (mma_tokens' tiles, M <= 24) are
-// selectable, not yet the heuristic's: not yet timed.
+// D 4096, bf16, pre fwd+bwd: mma_fused 32 2056 us (run 20), mma_tokens 32 2540, mma 3716, simt 6280 (H200:
+// mma 3567 against simt 6280; tools/bench/NOTES.md). mma_fused_warp_heads is selectable, not yet timed.
 TuningSpace with_bwd_algo_axis(TuningSpace t) {
   t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaTokens, kMmaFused, kMmaFusedWarpHeads}});
   for (auto& [name, values] : t.axes)
@@ -690,7 +692,7 @@ TuningSpace with_bwd_algo_axis(TuningSpace t) {
     const Config simt = simt_heuristic(p);
     for (int64_t tok : {32, 16}) {
       Config c = simt;
-      c.values.insert(c.values.begin(), {"algo", kMmaTokens});
+      c.values.insert(c.values.begin(), {"algo", proj_rows(p) <= 24 ? kMmaFused : kMmaTokens});
       for (auto& [axis, v] : c.values) {
         if (axis == "tokens") v = tok;
         if (axis == "threads") v = kMmaThreads;
