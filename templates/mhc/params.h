@@ -22,6 +22,7 @@ struct MhcPreParams {
   float* h;             // [T, M]
   long long T, x_row, y_row;
   float eps_rms, eps_pre, eps_sk;
+  float* ws_split;      // algo=mma_split: [ceil(T / tokens), splits, tokens, M + 1] partial totals
 };
 
 // mhc.pre.bwd. Per token (mhc_pre_bwd_token_kernel): dx, and g = dL/dh, dm = inv alpha_s g and the

@@ -410,8 +410,8 @@ TEST(Mhc, PreBackwardMmaTokensRulesAndCompileWithoutSpills) {
 
 // pre.fwd's algo=mma_warp_heads (2): the mma projection, then each warp runs its own tokens' heads (the
 // Sinkhorn-Knopp iterates by shuffles) and their y; at most 32 projection rows (n <= 4, pre_only any n),
-// refused by name past that; not the heuristic's until timed; the kernel compiles without spills on sm_80
-// and sm_90 at 64, 32 and 16 tokens, n 4, 3 (element loads) and pre_only n 8.
+// refused by name past that; the heuristic's; with the split plan for few tokens beside it; every kernel
+// compiles without spills on sm_80 and sm_90 at 64, 32 and 16 tokens, n 4, 3 (element loads) and pre_only n 8.
 TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
   const OpDef& op = Registry::global().get("mhc.pre.fwd");
   CompileRequest r;
@@ -425,9 +425,18 @@ TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
   EXPECT_TRUE(op.tuning.valid(p, ok, &why)) << why;
   EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 2);  // H100 run 20: 520 us at 64 tokens against 573 (mma)
   const auto kernels = op.kernels(p, ok);
-  ASSERT_EQ(kernels.size(), 1u);
+  // The tile's kernel, then the split plan's two (taken by the launcher for T <= 256): projection partials
+  // over 64 groups of columns at 16 tokens, then their sum, the heads and y.
+  ASSERT_EQ(kernels.size(), 3u);
   EXPECT_EQ(kernels[0].targs.back(), "true");
-  EXPECT_EQ(op.kernels(p, Config{{{"algo", 1}, {"threads", 128}, {"tokens", 32}}})[0].targs.back(), "false");
+  EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_fwd_mma_kernel");
+  EXPECT_EQ(kernels[1].targs[6], "16");
+  EXPECT_EQ(kernels[1].targs[8], "64");
+  EXPECT_EQ(kernels[2].kernel, "kspec::mhc_pre_fwd_split_heads_kernel");
+  EXPECT_EQ(kernels[0].targs[8], "1");
+  const auto mma = op.kernels(p, Config{{{"algo", 1}, {"threads", 128}, {"tokens", 32}}});
+  ASSERT_EQ(mma.size(), 1u);
+  EXPECT_EQ(mma[0].targs.back(), "false");
   {
     CompileRequest q = r;
     q.params = {{"n", int64_t(5)}, {"D", int64_t(256)}};
@@ -459,7 +468,7 @@ TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
         ++compiled;
       }
     }
-  EXPECT_EQ(compiled, 8);
+  EXPECT_EQ(compiled, 24);  // three kernels each
 }
 
 // mhc.post_pre.fwd's algo axis: the SIMT kernel stays the heuristic's; algo=mma (1) and mma_warp_heads (2)
@@ -732,12 +741,14 @@ TEST(Mhc, PreForwardTakesTensorCoresFromSm80) {
       q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
       q.config = op.tuning.heuristic(problem_from_request(op, q));
       for (const auto& rep : compile(q)) {
-        EXPECT_NE(rep.kernel.find("mhc_pre_fwd_mma_kernel"), std::string::npos) << rep.kernel;
+        EXPECT_TRUE(rep.kernel.find("mhc_pre_fwd_mma_kernel") != std::string::npos ||
+                    rep.kernel.find("mhc_pre_fwd_split_heads_kernel") != std::string::npos)
+            << rep.kernel;
         EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
         ++compiled;
       }
     }
-  EXPECT_EQ(compiled, 10);
+  EXPECT_EQ(compiled, 26);  // three kernels (mma_warp_heads with its split plan) but at n = 7 (mma, one)
 }
 
 // ---- GPU ----
@@ -1155,8 +1166,10 @@ TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
 }
 
 // Every case of mhc.pre.fwd and mhc.pre_only.fwd with an algo=mma_warp_heads config (n <= 4 on pre.fwd), at
-// every such config, f16 and bf16, against the float64 reference; and on bf16 T 1031, D 4000 (a partial last
-// tile) the same bits as algo=mma at the same tiles for every output (the heads' operations are the same).
+// every such config, f16 and bf16, against the float64 reference (cases up to 256 tokens run the split plan:
+// partial projections over column groups, their sum, the heads and y per range of D); and on bf16 T 1031,
+// D 4000 (a partial last tile; the tile plan) the same bits as algo=mma at the same tiles for every output (the
+// heads' operations are the same). The split plan at large D: the cases D_2560, D_4000, D_7168 (T 2-3, n 4).
 TEST(MhcGpu, PreForwardMmaWarpHeadsMatchesReferenceAndMmaBits) {
   KSPEC_REQUIRE_GPU();
   int checked = 0;

@@ -167,6 +167,16 @@ enum PreAlgo : int64_t { kSimt = 0, kMma = 1, kMmaTokens = 2, kMmaFused = 3, kMm
 // pre.fwd's third value: kMma with each warp running its own tokens' heads and then their y
 // (mhc_pre_mma.cuh, kWarpHeads): n*n and M at most 32.
 constexpr int64_t kMmaWarpHeads = 2;
+// Under kMmaWarpHeads, up to this many tokens (decode, small batches) take the split plan instead: at T 8 the
+// one 64-token block took 166 us of GPU on the H100 (run 21; F.rms_norm over the same bytes 16). The switch is
+// in the launcher, not the heuristic, because the plan cache keys leave T out.
+constexpr int64_t kSplitMaxT = 256, kSplitTokens = 16;
+// The split plan's blocks a 16-token tile: projection blocks (each every splits-th group of 4 chunks of 32
+// columns), and y blocks (each a range of D).
+int64_t fwd_splits(const Problem& p) {
+  return std::clamp<int64_t>(p.dim("n") * ceil_div(p.dim("D"), 32) / 4, 1, 64);
+}
+int64_t fwd_y_blocks(const Problem& p) { return std::clamp<int64_t>(ceil_div(p.dim("D"), 8) / 64, 1, 16); }
 std::string warp_heads_unsupported(const Problem& p) {
   if (proj_rows(p) > 32) return "algo=mma_warp_heads takes at most 32 projection rows (n <= 4; pre_only any n)";
   return "";
@@ -461,11 +471,19 @@ OpDef make_pre_fwd(bool po) {
   op.info.tuning_axes = op.tuning.axes;
   op.kernels = [](const Problem& p, const Config& c) {
     if (c.get("algo") != kSimt) {
-      return std::vector<jit::KernelSpec>{kernel_spec(
-          p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_mma_kernel",
-          {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")), t_max_arg(p),
-           b(p.present("gamma")), b(pre_only(p)), std::to_string(c.get("tokens")), b(mma_vec(p)),
-           b(c.get("algo") == kMmaWarpHeads)})};
+      const std::string T = dtype_cuda_type(p.dtype("x")), n = std::to_string(p.dim("n")),
+                        D = std::to_string(p.dim("D")), g = b(p.present("gamma")), head = b(pre_only(p));
+      std::vector<jit::KernelSpec> k{kernel_spec(p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_mma_kernel",
+                                                 {T, n, D, t_max_arg(p), g, head, std::to_string(c.get("tokens")),
+                                                  b(mma_vec(p)), "1", b(c.get("algo") == kMmaWarpHeads)})};
+      if (c.get("algo") == kMmaWarpHeads) {  // the split plan for few tokens (kernels 1, 2)
+        const std::string tok = std::to_string(kSplitTokens), splits = std::to_string(fwd_splits(p));
+        k.push_back(kernel_spec(p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_mma_kernel",
+                                {T, n, D, t_max_arg(p), g, head, tok, b(mma_vec(p)), splits, "true"}));
+        k.push_back(kernel_spec(p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_split_heads_kernel",
+                                {T, n, D, t_max_arg(p), head, tok, b(mma_vec(p)), splits}));
+      }
+      return k;
     }
     return std::vector<jit::KernelSpec>{kernel_spec(
         p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_fwd_kernel",
@@ -496,6 +514,14 @@ OpDef make_pre_fwd(bool po) {
     a.eps_pre = static_cast<float>(pr.param_float("eps_pre"));
     a.eps_sk = pre_only(pr) ? 0.f : static_cast<float>(pr.param_float("eps_sk"));
     void* args[] = {&a};
+    if (c.get("algo") == kMmaWarpHeads && a.T <= kSplitMaxT) {
+      const int64_t tiles = ceil_div(a.T, kSplitTokens), splits = fwd_splits(pr);
+      a.ws_split = static_cast<float*>(
+          l.workspace(sizeof(float) * static_cast<size_t>(tiles * splits * kSplitTokens * (proj_rows(pr) + 1))));
+      l.launch(1, {u32(tiles), u32(splits)}, {u32(kMmaThreads)}, 0, args);
+      l.launch(2, {u32(tiles), u32(fwd_y_blocks(pr))}, {u32(kMmaThreads)}, 0, args);
+      return;
+    }
     l.launch(0, {u32(ceil_div(a.T, c.get("tokens")))}, {u32(c.get("algo") != kSimt ? kMmaThreads : c.get("threads"))},
              0, args);
   };
