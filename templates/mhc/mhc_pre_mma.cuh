@@ -345,6 +345,7 @@ __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads || kSplits > 1 ? 1 
 // them) and y of the 8-element groups of the by-th of gridDim.y ranges of D.
 template <typename T, int N, int D, int kTMax, bool kPreOnly, int kTok, bool kVec, int kSplits>
 __global__ void __launch_bounds__(kMhcMmaThreads, 1) mhc_pre_fwd_split_heads_kernel(const MhcPreParams p) {
+  static_assert(kSplits > 1, "the partials of mhc_pre_fwd_mma_kernel<..., kSplits > 1, ...>");
   constexpr int kWarps = kMhcMmaThreads / 32, kK = MhcRows<N, kPreOnly>::kM + 1, kRow8 = (D + 7) / 8;
   __shared__ float tot[kTok * kK];
   __shared__ float wh[kWarps][N];

@@ -172,9 +172,10 @@ constexpr int64_t kMmaWarpHeads = 2;
 // in the launcher, not the heuristic, because the plan cache keys leave T out.
 constexpr int64_t kSplitMaxT = 256, kSplitTokens = 16;
 // The split plan's blocks a 16-token tile: projection blocks (each every splits-th group of 4 chunks of 32
-// columns), and y blocks (each a range of D).
+// columns; at least 2, the kernel's kSplits > 1 being what makes it leave partials), and y blocks (each a
+// range of D).
 int64_t fwd_splits(const Problem& p) {
-  return std::clamp<int64_t>(p.dim("n") * ceil_div(p.dim("D"), 32) / 4, 1, 64);
+  return std::clamp<int64_t>(p.dim("n") * ceil_div(p.dim("D"), 32) / 4, 2, 64);
 }
 int64_t fwd_y_blocks(const Problem& p) { return std::clamp<int64_t>(ceil_div(p.dim("D"), 8) / 64, 1, 16); }
 std::string warp_heads_unsupported(const Problem& p) {
