@@ -231,12 +231,26 @@ __device__ __forceinline__ void mhc_pre_fwd_mma_finish(const MhcPreParams& p, lo
 // registers and spilled 4-20 bytes (pre_only n 2-8, n 2 at D 96; nvcc 13), with it 96 and none. Without
 // kWarpHeads (0: none named) the kernel is compiled as before.
 // kSplits > 1 (algo=mma_split, for few tokens): grid (ceil(T / kTok), kSplits), block (bx, s) projecting every
-// kSplits-th group of 4 chunks from s and leaving its tile's totals in p.ws_split for
+// kSplits-th group of 4 chunks from s and leaving its tile's totals in the workspace (MhcPreSplitParams) for
 // mhc_pre_fwd_split_heads_kernel below.
+template <int kSplits>
+struct MhcPreFwdArgs {
+  using Type = MhcPreSplitParams;
+  static __device__ __forceinline__ const MhcPreParams& pre(const MhcPreSplitParams& a) { return a.pre; }
+  static __device__ __forceinline__ float* ws(const MhcPreSplitParams& a) { return a.ws; }
+};
+template <>
+struct MhcPreFwdArgs<1> {
+  using Type = MhcPreParams;
+  static __device__ __forceinline__ const MhcPreParams& pre(const MhcPreParams& a) { return a; }
+  static __device__ __forceinline__ float* ws(const MhcPreParams&) { return nullptr; }
+};
+
 template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kTok, bool kVec, int kSplits,
           bool kWarpHeads>
 __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads || kSplits > 1 ? 1 : 0)
-    mhc_pre_fwd_mma_kernel(const MhcPreParams p) {
+    mhc_pre_fwd_mma_kernel(const typename MhcPreFwdArgs<kSplits>::Type args) {
+  const MhcPreParams& p = MhcPreFwdArgs<kSplits>::pre(args);
   using Rows = MhcRows<N, kPreOnly>;
   constexpr int kThreads = kMhcMmaThreads, kWarps = kThreads / 32;
   constexpr int kM = Rows::kM, kND = N * D, kK = kM + 1, kNN = N * N;
@@ -332,7 +346,7 @@ __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads || kSplits > 1 ? 1 
   }
   if constexpr (kSplits > 1) {
     mhc_pre_fwd_mma_reduce<N, kPreOnly, kTok>(acc, ss, tot);
-    float* part = p.ws_split + (static_cast<long long>(blockIdx.x) * kSplits + blockIdx.y) * (kTok * kK);
+    float* part = MhcPreFwdArgs<kSplits>::ws(args) + (static_cast<long long>(blockIdx.x) * kSplits + blockIdx.y) * (kTok * kK);
     for (int e = threadIdx.x; e < kTok * kK; e += kThreads) part[e] = tot[e];
     return;
   }
@@ -344,7 +358,8 @@ __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads || kSplits > 1 ? 1 
 // partial totals in split order (deterministic), then each warp runs its tokens' heads (block by == 0 writes
 // them) and y of the 8-element groups of the by-th of gridDim.y ranges of D.
 template <typename T, int N, int D, int kTMax, bool kPreOnly, int kTok, bool kVec, int kSplits>
-__global__ void __launch_bounds__(kMhcMmaThreads, 1) mhc_pre_fwd_split_heads_kernel(const MhcPreParams p) {
+__global__ void __launch_bounds__(kMhcMmaThreads, 1) mhc_pre_fwd_split_heads_kernel(const MhcPreSplitParams args) {
+  const MhcPreParams& p = args.pre;
   static_assert(kSplits > 1, "the partials of mhc_pre_fwd_mma_kernel<..., kSplits > 1, ...>");
   constexpr int kWarps = kMhcMmaThreads / 32, kK = MhcRows<N, kPreOnly>::kM + 1, kRow8 = (D + 7) / 8;
   __shared__ float tot[kTok * kK];
@@ -352,7 +367,7 @@ __global__ void __launch_bounds__(kMhcMmaThreads, 1) mhc_pre_fwd_split_heads_ker
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const long long t0 = static_cast<long long>(blockIdx.x) * kTok;
   const int ntok = static_cast<int>(p.T - t0 < kTok ? p.T - t0 : kTok);
-  const float* part = p.ws_split + static_cast<long long>(blockIdx.x) * kSplits * (kTok * kK);
+  const float* part = args.ws + static_cast<long long>(blockIdx.x) * kSplits * (kTok * kK);
   for (int e = threadIdx.x; e < kTok * kK; e += kMhcMmaThreads) {
     float s = 0.f;
     for (int q = 0; q < kSplits; ++q) s += part[q * (kTok * kK) + e];

@@ -517,10 +517,11 @@ OpDef make_pre_fwd(bool po) {
     void* args[] = {&a};
     if (c.get("algo") == kMmaWarpHeads && a.T <= kSplitMaxT) {
       const int64_t tiles = ceil_div(a.T, kSplitTokens), splits = fwd_splits(pr);
-      a.ws_split = static_cast<float*>(
-          l.workspace(sizeof(float) * static_cast<size_t>(tiles * splits * kSplitTokens * (proj_rows(pr) + 1))));
-      l.launch(1, {u32(tiles), u32(splits)}, {u32(kMmaThreads)}, 0, args);
-      l.launch(2, {u32(tiles), u32(fwd_y_blocks(pr))}, {u32(kMmaThreads)}, 0, args);
+      MhcPreSplitParams sp{a, static_cast<float*>(l.workspace(
+                                  sizeof(float) * static_cast<size_t>(tiles * splits * kSplitTokens * (proj_rows(pr) + 1))))};
+      void* split_args[] = {&sp};
+      l.launch(1, {u32(tiles), u32(splits)}, {u32(kMmaThreads)}, 0, split_args);
+      l.launch(2, {u32(tiles), u32(fwd_y_blocks(pr))}, {u32(kMmaThreads)}, 0, split_args);
       return;
     }
     l.launch(0, {u32(ceil_div(a.T, c.get("tokens")))}, {u32(c.get("algo") != kSimt ? kMmaThreads : c.get("threads"))},
