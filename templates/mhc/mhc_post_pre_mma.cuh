@@ -19,8 +19,10 @@ namespace kspec {
 // Grid: ceil(T / kTok) blocks of kMhcMmaThreads. D % 8 == 0 and every pointer and row 16-byte aligned (the
 // plan's rule). Registers: a lane keeps n x (kTok / 16) x 2 rows of 8 elements of x, its rows of f and
 // (kTok / 16) x ceil(M / 8) accumulator tiles (api/ops/mhc/op.cpp bounds them as algo=mma_tokens').
+// One block an SM named as the minimum: with the thread count alone ptxas capped n 1 at 16 tokens at 48 registers
+// and spilled (nvcc 13, sm_80).
 template <typename T, int N, int D, int kTMax, bool kHasGamma, int kTok, bool kWarpHeads>
-__global__ void __launch_bounds__(kMhcMmaThreads) mhc_post_pre_fwd_mma_kernel(const MhcPostPreParams p) {
+__global__ void __launch_bounds__(kMhcMmaThreads, 1) mhc_post_pre_fwd_mma_kernel(const MhcPostPreParams p) {
   using Rows = MhcRows<N, false>;
   constexpr int kWarps = kMhcMmaThreads / 32;
   constexpr int kM = Rows::kM, kND = N * D, kK = kM + 1, kNN = N * N;

@@ -8,7 +8,10 @@
 // x and the one row of dy, loaded before any mma), so dy is read once. The lanes' and then the warps'
 // partial sums are added in a fixed order (quad shuffles, warps in turn through shared memory), the heads
 // (g, the Sinkhorn backward, dm) run kSub tokens side by side as the SIMT kernel's, and dx is left to
-// mhc_pre_bwd_dx_mma_kernel (the workspace gets H_pre and c_v).
+// mhc_pre_bwd_dx_mma_kernel (the workspace gets H_pre and c_v). kWarpHeads (algo=mma_fused_warp_heads, M <= 32):
+// each warp instead runs whole tokens' heads on its own (mhc_pre_bwd_heads_warp: the Sinkhorn-Knopp forward and
+// backward by shuffles, the iterates in the warp's own shared slots), 4 tokens at a time in the block with no
+// block barrier, where the block's heads ran ~125 barriers a round of 4 tokens.
 #pragma once
 
 #include "common/dtype.cuh"
@@ -17,11 +20,68 @@
 
 namespace kspec {
 
+// mhc_pre_bwd_heads (kSaveDx) for token t0 + j on the calling warp alone, tj = its row of the block's totals
+// (tj[i] = <dy, x[i]>, tj[n + r] = m[r]); lane r < M holds row r. iter: the warp's own [2 t_max][n*n] floats.
+// The same operations in the same order as the block's heads, so the same bits.
+template <int N, int D, int kTMax, bool kPreOnly>
+__device__ __forceinline__ void mhc_pre_bwd_heads_warp(const MhcPreBwdParams& p, long long t, const float* tj,
+                                                       float* iter, int lane) {
+  using Rows = MhcRows<N, kPreOnly>;
+  using SK = MhcSinkhorn<N, kTMax>;
+  constexpr int kM = Rows::kM, kND = N * D, kNN = N * N;
+  static_assert(kM <= 32 && (kPreOnly || kNN <= 32), "a row of h and a Sinkhorn element a lane");
+  const int r = lane < kM ? lane : 0;
+  const float h_e = __ldg(p.h + t * kM + r);
+  const float sg = mhc_sigmoid(h_e);
+  float g;
+  if (r < N) {
+    const float up = tj[r] + (p.dh_pre ? __ldg(p.dh_pre + t * N + r) : 0.f);
+    g = up * sg * (1.f - sg);
+    if (lane < N) p.ws_hpre[t * N + r] = sg + p.eps_pre;
+  } else if (r < 2 * N) {
+    g = p.dh_post ? 2.f * __ldg(p.dh_post + t * N + r - N) * sg * (1.f - sg) : 0.f;
+  } else {
+    g = p.dr ? __ldg(p.dr + t * kNN + r - 2 * N) : 0.f;  // dR, turned into dZ below
+  }
+  if constexpr (!kPreOnly) {
+    if (p.dr) {
+      const int src = 2 * N + (lane < kNN ? lane : 0);
+      const float z = __shfl_sync(0xffffffffu, h_e, src), dr = __shfl_sync(0xffffffffu, g, src);
+      float pv;
+      SK::forward_warp(z, p.eps_sk, lane, iter, &pv);
+      const float dz = SK::backward_warp(dr, pv, iter, p.eps_sk, lane);
+      const float back = __shfl_sync(0xffffffffu, dz, r >= 2 * N ? r - 2 * N : 0);
+      if (r >= 2 * N) g = back;
+    }
+  }
+  const float inv = __ldg(p.inv + t);
+  const float dm = inv * __ldg(p.alpha + Rows::alpha_of(r)) * g;
+  if (lane < kM) {
+    p.ws_g[t * kM + r] = g;
+    p.ws_dm[t * kM + r] = dm;
+  }
+  // Fixed-order sums over the M rows (every lane the same): dinv = sum alpha_s g m, inv * sum_{rows of s} g m.
+  float dinv = 0.f, ga[3] = {0.f, 0.f, 0.f};
+#pragma unroll
+  for (int q = 0; q < kM; ++q) {
+    const float gm = __shfl_sync(0xffffffffu, g, q) * tj[N + q];
+    dinv += __ldg(p.alpha + Rows::alpha_of(q)) * gm;
+    ga[Rows::alpha_of(q)] += gm;
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int s = 0; s < Rows::kA; ++s) p.ws_ga[t * 3 + s] = inv * ga[s];
+    p.ws_cv[t] = dinv * inv * inv * inv / static_cast<float>(kND);
+  }
+}
+
 // Grid: ceil(T / kTok) blocks of kMhcMmaThreads. kVec: D % 8 == 0 and every pointer and row 16-byte
 // aligned. Registers: a lane keeps n x (kTok / 16) x 2 rows of 8 elements of x, its rows of dy, kMt x kNt
 // accumulator tiles and kMt x 2 x n sums <dy, x[i]> (api/ops/mhc/op.cpp bounds kMt n and kMt kNt).
-template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kTok, bool kVec>
-__global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_token_mma_kernel(const MhcPreBwdParams p) {
+// kWarpHeads names a minimum of one block an SM (as mhc_pre_fwd_mma_kernel's: ptxas capped n 1-2 at 64-80
+// registers and spilled without it); without kWarpHeads the kernel is compiled as before.
+template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kTok, bool kVec, bool kWarpHeads>
+__global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads ? 1 : 0) mhc_pre_bwd_token_mma_kernel(const MhcPreBwdParams p) {
   using Rows = MhcRows<N, kPreOnly>;
   constexpr int kThreads = kMhcMmaThreads, kWarps = kThreads / 32;
   constexpr int kM = Rows::kM, kND = N * D, kK = N + kM, kNN = N * N;
@@ -33,9 +93,6 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_token_mma_kernel(c
   static_assert(kTok % 16 == 0 && kTok % kSub == 0 && kM <= kThreads && (kPreOnly || kNN <= kThreads),
                 "whole m16 tiles of tokens, and a row of h per thread");
   __shared__ float tot[kTok * kK];
-  __shared__ float dm[kSub][kM];
-  __shared__ float h_pre[kSub][N];
-  __shared__ float c_v[kSub];
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane / 4, c = lane % 4;
   const long long t0 = static_cast<long long>(blockIdx.x) * kTok;
@@ -144,9 +201,18 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_token_mma_kernel(c
     __syncthreads();
   }
 
-  for (int s0 = 0; s0 < ntok; s0 += kSub)
-    mhc_pre_bwd_heads<N, D, kTMax, kPreOnly, kSub, true>(p, t0 + s0, ntok - s0 < kSub ? ntok - s0 : kSub,
-                                                         tot + s0 * kK, dm, h_pre, c_v);
+  if constexpr (kWarpHeads) {
+    __shared__ float iter[kWarps][kPreOnly ? 1 : 2 * kTMax * kNN];
+    for (int j = warp; j < ntok; j += kWarps)
+      mhc_pre_bwd_heads_warp<N, D, kTMax, kPreOnly>(p, t0 + j, tot + j * kK, iter[warp], lane);
+  } else {
+    __shared__ float dm[kSub][kM];
+    __shared__ float h_pre[kSub][N];
+    __shared__ float c_v[kSub];
+    for (int s0 = 0; s0 < ntok; s0 += kSub)
+      mhc_pre_bwd_heads<N, D, kTMax, kPreOnly, kSub, true>(p, t0 + s0, ntok - s0 < kSub ? ntok - s0 : kSub,
+                                                           tot + s0 * kK, dm, h_pre, c_v);
+  }
 }
 
 }  // namespace kspec

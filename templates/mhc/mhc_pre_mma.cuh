@@ -45,24 +45,81 @@ __device__ __forceinline__ void mhc_mma_tf32(float (&d)[4], float a0, float a1, 
         "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
 }
 
-// The end of the mma forward once a warp's accumulators hold its chunks' sums (acc: m of the lane's token
-// rows mt * 16 + g + 8 h at rows 8 j + 2 c + e; ss: their sums of squares): the warps' partials added in
-// warp order into tot (shared, kTok x (M + 1)), the heads, then y from p.x. kCoherent: p.x was written by
-// this block (mhc_post_pre_mma.cuh's x_next), so y reads it with plain loads, not the read-only path.
-template <typename T, int N, int D, int kTMax, bool kPreOnly, int kTok, bool kVec, bool kWarpHeads, bool kCoherent>
-__device__ __forceinline__ void mhc_pre_fwd_mma_finish(const MhcPreParams& p, long long t0, int ntok,
-                                                       float (&acc)[kTok / 16][(MhcRows<N, kPreOnly>::kM + 7) / 8][4],
-                                                       float (&ss)[kTok / 16][2], float* tot) {
+// mhc_pre_fwd_heads' arithmetic for token t on the calling warp (lane r holding row r of h; tj: the token's
+// totals, tj[0] = sum v^2, tj[1 + r] = m[r]; the Sinkhorn-Knopp iterates by shuffles), its outputs written
+// where `write` (the split kernel's other blocks recompute them), then y of the token's 8-element groups
+// [i0, i1) with H_pre through wh, the warp's own shared row (a register array indexed in the y loop went to
+// the stack: 8-16 bytes at n 6-8, 32 tokens). Every lane of the warp calls it.
+template <typename T, int N, int D, int kTMax, bool kPreOnly, bool kVec, bool kCoherent>
+__device__ __forceinline__ void mhc_pre_fwd_token_warp(const MhcPreParams& p, long long t, const float* tj, float* wh,
+                                                       int lane, int i0, int i1, bool write) {
   using Rows = MhcRows<N, kPreOnly>;
-  constexpr int kThreads = kMhcMmaThreads, kWarps = kThreads / 32;
-  constexpr int kM = Rows::kM, kND = N * D, kK = kM + 1, kNN = N * N;
+  constexpr int kM = Rows::kM, kND = N * D, kNN = N * N, kBatch = N >= 8 ? 2 : 4;
+  static_assert(kM <= 32 && (kPreOnly || kNN <= 32), "a row of h and a Sinkhorn element a lane");
+  const float inv = rsqrtf(tj[0] / static_cast<float>(kND) + p.eps_rms);
+  const int r = lane < kM ? lane : 0;
+  const float h = inv * __ldg(p.alpha + Rows::alpha_of(r)) * tj[1 + r] + __ldg(p.bias + r);
+  const float hp = mhc_sigmoid(h) + p.eps_pre;
+  if (write && lane < kM) {
+    if (lane == 0) p.inv[t] = inv;
+    p.h[t * kM + lane] = h;
+    if (lane < N) p.h_pre[t * N + lane] = hp;
+    else if (lane < 2 * N) p.h_post[t * N + lane - N] = 2.f * mhc_sigmoid(h);
+  }
+  if constexpr (!kPreOnly) {
+    if (write) {
+      const float z = __shfl_sync(0xffffffffu, h, 2 * N + (lane < kNN ? lane : 0));
+      const float rr = MhcSinkhorn<N, kTMax>::forward_warp(z, p.eps_sk, lane);
+      if (lane < kNN) p.r[t * kNN + lane] = rr;
+    }
+  }
+  __syncwarp();  // the last token's y reads of wh are done
+  if (lane < N) wh[lane] = hp;
+  __syncwarp();
+  const T* xt = static_cast<const T*>(p.x) + t * N * p.x_row;
+  T* yt = static_cast<T*>(p.y) + t * p.y_row;
+#pragma unroll 1
+  for (int base = i0 + lane; base < i1; base += kBatch * 32) {
+    MhcRow8<T> v[kBatch][N];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int it = base + b * 32, d = (it < i1 ? it : 0) * 8;
+#pragma unroll
+      for (int i = 0; i < N; ++i) mhc_load8<T, kVec, !kCoherent>(v[b][i], xt + i * p.x_row + d, it < i1 ? D - d : 0);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int it = base + b * 32, d = it * 8;
+      if (it >= i1) continue;
+      MhcRow8<T> out;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < N; ++i) s += wh[i] * to_float(v[b][i].v[e]);
+        out.v[e] = store_as<T>(s);
+      }
+      if (kVec) {
+        mhc_store8(yt + d, out);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          if (d + e < D) yt[d + e] = out.v[e];
+      }
+    }
+  }
+}
+
+// A row's sum of squares over the quad's four lanes, then the warps' partials (acc, ss: as the finish's)
+// added in warp order into tot (shared, kTok x (M + 1): sum v^2, then m); ends with a barrier.
+template <int N, bool kPreOnly, int kTok>
+__device__ __forceinline__ void mhc_pre_fwd_mma_reduce(float (&acc)[kTok / 16][(MhcRows<N, kPreOnly>::kM + 7) / 8][4],
+                                                       float (&ss)[kTok / 16][2], float* tot) {
+  constexpr int kWarps = kMhcMmaThreads / 32, kM = MhcRows<N, kPreOnly>::kM, kK = kM + 1;
   constexpr int kNt = (kM + 7) / 8, kMt = kTok / 16;
-  constexpr int kSub = (4 * kM <= kThreads && (kPreOnly || 4 * kNN <= kThreads)) ? 4
-                       : (2 * kM <= kThreads && (kPreOnly || 2 * kNN <= kThreads)) ? 2 : 1;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane / 4, c = lane % 4;
-  const T* x = static_cast<const T*>(p.x);
-  // A row's sum of squares over the quad's four lanes, then the warps' partials added in warp order.
+
 #pragma unroll
   for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
@@ -89,6 +146,24 @@ __device__ __forceinline__ void mhc_pre_fwd_mma_finish(const MhcPreParams& p, lo
     }
     __syncthreads();
   }
+}
+
+// The end of the mma forward once a warp's accumulators hold its chunks' sums (acc: m of the lane's token
+// rows mt * 16 + g + 8 h at rows 8 j + 2 c + e; ss: their sums of squares): the warps' partials added in
+// warp order into tot (shared, kTok x (M + 1)), the heads, then y from p.x. kCoherent: p.x was written by
+// this block (mhc_post_pre_mma.cuh's x_next), so y reads it with plain loads, not the read-only path.
+template <typename T, int N, int D, int kTMax, bool kPreOnly, int kTok, bool kVec, bool kWarpHeads, bool kCoherent>
+__device__ __forceinline__ void mhc_pre_fwd_mma_finish(const MhcPreParams& p, long long t0, int ntok,
+                                                       float (&acc)[kTok / 16][(MhcRows<N, kPreOnly>::kM + 7) / 8][4],
+                                                       float (&ss)[kTok / 16][2], float* tot) {
+  using Rows = MhcRows<N, kPreOnly>;
+  constexpr int kThreads = kMhcMmaThreads, kWarps = kThreads / 32;
+  constexpr int kM = Rows::kM, kK = kM + 1, kNN = N * N;
+  constexpr int kSub = (4 * kM <= kThreads && (kPreOnly || 4 * kNN <= kThreads)) ? 4
+                       : (2 * kM <= kThreads && (kPreOnly || 2 * kNN <= kThreads)) ? 2 : 1;
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const T* x = static_cast<const T*>(p.x);
+  mhc_pre_fwd_mma_reduce<N, kPreOnly, kTok>(acc, ss, tot);
 
   // y: items of 8 elements (it / kRow8 a token's, it % kRow8 its group of 8 d), this thread's from `first`
   // in steps of `stride`, kBatch loaded before any is stored; token_of(it) is its token in the tile,
@@ -134,30 +209,10 @@ __device__ __forceinline__ void mhc_pre_fwd_mma_finish(const MhcPreParams& p, lo
 
   if constexpr (kWarpHeads) {
     static_assert(kM <= 32 && (kPreOnly || kNN <= 32), "a row of h and a Sinkhorn element a lane");
-    for (int j = warp; j < ntok; j += kWarps) {
-      // mhc_pre_fwd_heads' arithmetic for token t0 + j, lane r holding row r of h.
-      const long long t = t0 + j;
-      const float* tj = tot + j * kK;
-      const float inv = rsqrtf(tj[0] / static_cast<float>(kND) + p.eps_rms);
-      const int r = lane < kM ? lane : 0;
-      const float h = inv * __ldg(p.alpha + Rows::alpha_of(r)) * tj[1 + r] + __ldg(p.bias + r);
-      const float hp = mhc_sigmoid(h) + p.eps_pre;
-      if (lane < kM) {
-        if (lane == 0) p.inv[t] = inv;
-        p.h[t * kM + lane] = h;
-        if (lane < N) p.h_pre[t * N + lane] = hp;
-        else if (lane < 2 * N) p.h_post[t * N + lane - N] = 2.f * mhc_sigmoid(h);
-      }
-      if constexpr (!kPreOnly) {
-        const float z = __shfl_sync(0xffffffffu, h, 2 * N + (lane < kNN ? lane : 0));
-        const float rr = MhcSinkhorn<N, kTMax>::forward_warp(z, p.eps_sk, lane);
-        if (lane < kNN) p.r[t * kNN + lane] = rr;
-      }
-      float w[N];
-#pragma unroll
-      for (int i = 0; i < N; ++i) w[i] = __shfl_sync(0xffffffffu, hp, i);
-      y_items(kRow8, lane, 32, [&](int) { return j; }, [&](int, int i) { return w[i]; });
-    }
+    __shared__ float wh[kWarps][N];
+    for (int j = warp; j < ntok; j += kWarps)
+      mhc_pre_fwd_token_warp<T, N, D, kTMax, kPreOnly, kVec, kCoherent>(p, t0 + j, tot + j * kK, wh[warp], lane, 0,
+                                                                         kRow8, true);
   } else {
     __shared__ float h_pre[kTok][N];
     for (int s0 = 0; s0 < ntok; s0 += kSub) {
@@ -172,8 +227,30 @@ __device__ __forceinline__ void mhc_pre_fwd_mma_finish(const MhcPreParams& p, lo
 
 // Grid: ceil(T / kTok) blocks of kMhcMmaThreads. kVec: D % 8 == 0 and every pointer and row stride
 // 16-byte aligned (the plan's choice).
-template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kTok, bool kVec, bool kWarpHeads>
-__global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_fwd_mma_kernel(const MhcPreParams p) {
+// kWarpHeads names a minimum of one block an SM: without it ptxas capped some 32-token tiles at 72-80
+// registers and spilled 4-20 bytes (pre_only n 2-8, n 2 at D 96; nvcc 13), with it 96 and none. Without
+// kWarpHeads (0: none named) the kernel is compiled as before.
+// kSplits > 1 (algo=mma_split, for few tokens): grid (ceil(T / kTok), kSplits), block (bx, s) projecting every
+// kSplits-th group of 4 chunks from s and leaving its tile's totals in the workspace (MhcPreSplitParams) for
+// mhc_pre_fwd_split_heads_kernel below.
+template <int kSplits>
+struct MhcPreFwdArgs {
+  using Type = MhcPreSplitParams;
+  static __device__ __forceinline__ const MhcPreParams& pre(const MhcPreSplitParams& a) { return a.pre; }
+  static __device__ __forceinline__ float* ws(const MhcPreSplitParams& a) { return a.ws; }
+};
+template <>
+struct MhcPreFwdArgs<1> {
+  using Type = MhcPreParams;
+  static __device__ __forceinline__ const MhcPreParams& pre(const MhcPreParams& a) { return a; }
+  static __device__ __forceinline__ float* ws(const MhcPreParams&) { return nullptr; }
+};
+
+template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kTok, bool kVec, int kSplits,
+          bool kWarpHeads>
+__global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads || kSplits > 1 ? 1 : 0)
+    mhc_pre_fwd_mma_kernel(const typename MhcPreFwdArgs<kSplits>::Type args) {
+  const MhcPreParams& p = MhcPreFwdArgs<kSplits>::pre(args);
   using Rows = MhcRows<N, kPreOnly>;
   constexpr int kThreads = kMhcMmaThreads, kWarps = kThreads / 32;
   constexpr int kM = Rows::kM, kND = N * D, kK = kM + 1, kNN = N * N;
@@ -217,12 +294,14 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_fwd_mma_kernel(const M
       }
   };
 
+  constexpr int kStep = kWarps * kSplits;
+  const int q0 = (kSplits == 1 ? 0 : static_cast<int>(blockIdx.y) * kWarps) + warp;
   MhcRow8<T> xc[kMt][2];
-  if (warp < kChunks) load_x(xc, warp);
-  for (int q = warp; q < kChunks; q += kWarps) {
+  if (q0 < kChunks) load_x(xc, q0);
+  for (int q = q0; q < kChunks; q += kStep) {
     // The next chunk's x in flight while this one's mmas run.
     MhcRow8<T> xn[kMt][2];
-    if (q + kWarps < kChunks) load_x(xn, q + kWarps);
+    if (q + kStep < kChunks) load_x(xn, q + kStep);
     const int i = q / kChunksPerStream, d0 = (q % kChunksPerStream) * 32 + 8 * c;
     const int col = i * D + d0, valid = D - d0;
     float gm[8], ph[kNt][8];
@@ -260,13 +339,45 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_fwd_mma_kernel(const M
           mhc_mma_tf32(acc[mt][j], a0, a1, a2, a3, bh[2 * s], bh[2 * s + 1]);
         }
     }
-    if (q + kWarps < kChunks) {
+    if (q + kStep < kChunks) {
 #pragma unroll
       for (int mt = 0; mt < kMt; ++mt) xc[mt][0] = xn[mt][0], xc[mt][1] = xn[mt][1];
     }
   }
+  if constexpr (kSplits > 1) {
+    mhc_pre_fwd_mma_reduce<N, kPreOnly, kTok>(acc, ss, tot);
+    float* part = MhcPreFwdArgs<kSplits>::ws(args) + (static_cast<long long>(blockIdx.x) * kSplits + blockIdx.y) * (kTok * kK);
+    for (int e = threadIdx.x; e < kTok * kK; e += kThreads) part[e] = tot[e];
+    return;
+  }
 
   mhc_pre_fwd_mma_finish<T, N, D, kTMax, kPreOnly, kTok, kVec, kWarpHeads, false>(p, t0, ntok, acc, ss, tot);
+}
+
+// algo=mma_split's second kernel: grid (ceil(T / kTok), y blocks). Block (bx, by) adds tile bx's kSplits
+// partial totals in split order (deterministic), then each warp runs its tokens' heads (block by == 0 writes
+// them) and y of the 8-element groups of the by-th of gridDim.y ranges of D.
+template <typename T, int N, int D, int kTMax, bool kPreOnly, int kTok, bool kVec, int kSplits>
+__global__ void __launch_bounds__(kMhcMmaThreads, 1) mhc_pre_fwd_split_heads_kernel(const MhcPreSplitParams args) {
+  const MhcPreParams& p = args.pre;
+  static_assert(kSplits > 1, "the partials of mhc_pre_fwd_mma_kernel<..., kSplits > 1, ...>");
+  constexpr int kWarps = kMhcMmaThreads / 32, kK = MhcRows<N, kPreOnly>::kM + 1, kRow8 = (D + 7) / 8;
+  __shared__ float tot[kTok * kK];
+  __shared__ float wh[kWarps][N];
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const long long t0 = static_cast<long long>(blockIdx.x) * kTok;
+  const int ntok = static_cast<int>(p.T - t0 < kTok ? p.T - t0 : kTok);
+  const float* part = args.ws + static_cast<long long>(blockIdx.x) * kSplits * (kTok * kK);
+  for (int e = threadIdx.x; e < kTok * kK; e += kMhcMmaThreads) {
+    float s = 0.f;
+    for (int q = 0; q < kSplits; ++q) s += part[q * (kTok * kK) + e];
+    tot[e] = s;
+  }
+  __syncthreads();
+  const int i0 = static_cast<int>(blockIdx.y * kRow8 / gridDim.y), i1 = static_cast<int>((blockIdx.y + 1) * kRow8 / gridDim.y);
+  for (int j = warp; j < ntok; j += kWarps)
+    mhc_pre_fwd_token_warp<T, N, D, kTMax, kPreOnly, kVec, false>(p, t0 + j, tot + j * kK, wh[warp], lane, i0, i1,
+                                                                   blockIdx.y == 0);
 }
 
 }  // namespace kspec

@@ -24,6 +24,14 @@ struct MhcPreParams {
   float eps_rms, eps_pre, eps_sk;
 };
 
+// mhc.pre.fwd's split plan for few tokens (mhc_pre_mma.cuh): the forward's arguments and the workspace of
+// partial totals, [ceil(T / 16), splits, 16, M + 1]. Its own struct: a field more in MhcPreParams moved
+// ptxas' choices in the SIMT kernels (pre_only n 8 at 256 threads spilled 8 bytes on sm_90).
+struct MhcPreSplitParams {
+  MhcPreParams pre;
+  float* ws;
+};
+
 // mhc.pre.bwd. Per token (mhc_pre_bwd_token_kernel): dx, and g = dL/dh, dm = inv alpha_s g and the
 // token's three inv * sum_s g m into the workspace; over tokens (mhc_pre_bwd_columns_kernel, then
 // mhc_pre_bwd_reduce_kernel): dphi, dgamma, dbias, dalpha summed part by part in a fixed order.

@@ -67,7 +67,10 @@ struct MhcSinkhorn {
   // element e (lanes past n*n compute a copy of element 0; every lane of the warp must call it). The same
   // operations in the same order as forward(), the row and column sums gathered by shuffles, so the bits are
   // forward()'s. n*n <= 32.
-  static __device__ __forceinline__ float forward_warp(float z, float eps, int lane) {
+  // iter (optional, the warp's own [kSteps + 1][n*n]): every iterate kept, for backward_warp; *p: the lane's
+  // softmax element.
+  static __device__ __forceinline__ float forward_warp(float z, float eps, int lane, float* iter = nullptr,
+                                                       float* p = nullptr) {
     static_assert(kNN <= 32, "one element a lane");
     const int e = lane < kNN ? lane : 0, j = e / N, k = e % N;
     float mx = __shfl_sync(0xffffffffu, z, j * N);
@@ -76,15 +79,46 @@ struct MhcSinkhorn {
     float sum = 0.f;
 #pragma unroll
     for (int q = 0; q < N; ++q) sum += expf(__shfl_sync(0xffffffffu, z, j * N + q) - mx);
-    float x = expf(__shfl_sync(0xffffffffu, z, e) - mx) / sum + eps;
+    const float pv = expf(__shfl_sync(0xffffffffu, z, e) - mx) / sum;
+    if (p) *p = pv;
+    float x = pv + eps;
+    if (iter && lane < kNN) iter[e] = x;
 #pragma unroll 1
     for (int s = 1; s <= kSteps; ++s) {
       float div = 0.f;
 #pragma unroll
       for (int q = 0; q < N; ++q) div += __shfl_sync(0xffffffffu, x, (s & 1) ? q * N + k : j * N + q);
       x = x / (div + eps);
+      if (iter && lane < kNN) iter[s * kNN + e] = x;
     }
     return x;
+  }
+
+  // backward() on one warp, after forward_warp's iterates were kept: `iter` is the warp's own [kSteps + 1][n*n]
+  // (iterate s of element e at iter[s * n*n + e], each lane reading back only its own; lanes past n*n read
+  // nothing and return garbage), p the lane's softmax
+  // element, g its dR on entry; returns its dZ. The same operations in the same order as backward(), the sums
+  // gathered by shuffles. Every lane of the warp must call it.
+  static __device__ __forceinline__ float backward_warp(float g, float p, const float* iter, float eps, int lane) {
+    static_assert(kNN <= 32, "one element a lane");
+    const int e = lane < kNN ? lane : 0, j = e / N, k = e % N;
+#pragma unroll 1
+    for (int s = kSteps; s >= 1; --s) {
+      const float y = lane < kNN ? iter[s * kNN + e] : 0.f, xp = lane < kNN ? iter[(s - 1) * kNN + e] : 0.f;
+      float dot = 0.f, div = 0.f;
+#pragma unroll
+      for (int q = 0; q < N; ++q) {
+        const int o = (s & 1) ? q * N + k : j * N + q;
+        dot += __shfl_sync(0xffffffffu, g, o) * __shfl_sync(0xffffffffu, y, o);
+      }
+#pragma unroll
+      for (int q = 0; q < N; ++q) div += __shfl_sync(0xffffffffu, xp, (s & 1) ? q * N + k : j * N + q);
+      g = (g - dot) / (div + eps);
+    }
+    float dot = 0.f;
+#pragma unroll
+    for (int q = 0; q < N; ++q) dot += __shfl_sync(0xffffffffu, g, j * N + q) * __shfl_sync(0xffffffffu, p, j * N + q);
+    return p * (g - dot);
   }
 
   // d/dZ of sum(dR * R) after forward(.., keep_all = true): g (shared, n*n) holds dR on entry and

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <random>
 #include <tuple>
 
@@ -219,12 +220,13 @@ TEST(Mhc, BaseAndWidestCasesCompileWithoutSpills) {
   EXPECT_GE(compiled, 16);
 }
 
-// The backward on tensor cores is the heuristic's choice for 16-bit x from sm_80 on: algo=mma_tokens at 32
-// tokens (16 at n 3, its rule; H100: pre fwd+bwd 2540 us against 3716 with algo=mma and 6280 with
-// algo=simt), algo=mma where mma_tokens has no tile (n 8), with the SIMT heuristic's threads and tokens (1
-// at n 8, whose token kernel spilled at 4 tokens on pre_only without the dx pass); algo=simt for fp32 x and
-// below sm_80, where both are refused by name. The mma algos swap the columns kernel and move dx to its own
-// kernel; mma_tokens runs the token pass on tensor cores too (post_pre.bwd has no such axis: SIMT).
+// The backward on tensor cores is the heuristic's choice for 16-bit x from sm_80 on: algo=mma_fused at 32
+// tokens where M <= 24 (16 at n 3, its rule; H100 run 20: pre fwd+bwd 2056 us against 2543 with mma_tokens,
+// 3718 with algo=mma), algo=mma_tokens past that (n 5: 16 tokens), algo=mma where mma_tokens has no tile
+// (n 8), with the SIMT heuristic's threads and tokens (1 at n 8, whose token kernel spilled at 4 tokens on
+// pre_only without the dx pass); algo=simt for fp32 x and below sm_80, where both are refused by name. The
+// mma algos swap the columns kernel and move dx to its own kernel; mma_tokens runs the token pass on tensor
+// cores too; mma_fused then does dx and the columns in one kernel (post_pre.bwd has no such axis: SIMT).
 TEST(Mhc, PreBackwardTakesTensorCoresFromSm80) {
   struct Row {
     const char* op;
@@ -232,9 +234,10 @@ TEST(Mhc, PreBackwardTakesTensorCoresFromSm80) {
     const char* arch;
     int64_t n, algo, tokens;
   };
-  for (const Row& row : {Row{"mhc.pre.bwd", DType::bf16, "sm_90", 4, 2, 32}, Row{"mhc.pre.bwd", DType::f16, "sm_80", 4, 2, 32},
-                         Row{"mhc.pre.bwd", DType::bf16, "sm_90", 3, 2, 16}, Row{"mhc.pre.bwd", DType::bf16, "sm_90", 8, 1, 1},
-                         Row{"mhc.pre_only.bwd", DType::bf16, "sm_90", 4, 2, 32},
+  for (const Row& row : {Row{"mhc.pre.bwd", DType::bf16, "sm_90", 4, 3, 32}, Row{"mhc.pre.bwd", DType::f16, "sm_80", 4, 3, 32},
+                         Row{"mhc.pre.bwd", DType::bf16, "sm_90", 3, 3, 16}, Row{"mhc.pre.bwd", DType::bf16, "sm_90", 5, 2, 16},
+                         Row{"mhc.pre.bwd", DType::bf16, "sm_90", 8, 1, 1},
+                         Row{"mhc.pre_only.bwd", DType::bf16, "sm_90", 4, 3, 32},
                          Row{"mhc.pre.bwd", DType::f32, "sm_90", 4, 0, 4}, Row{"mhc.pre.bwd", DType::bf16, "sm_75", 4, 0, 4},
                          Row{"mhc.pre_only.bwd", DType::f32, "sm_90", 4, 0, 4}}) {
     const OpDef& op = Registry::global().get(row.op);
@@ -249,10 +252,14 @@ TEST(Mhc, PreBackwardTakesTensorCoresFromSm80) {
     EXPECT_EQ(h.get("tokens"), row.tokens) << row.op << " " << row.arch << " n " << row.n;
     EXPECT_TRUE(op.tuning.valid(p, h, nullptr)) << h.str();
     const auto kernels = op.kernels(p, h);
-    ASSERT_EQ(kernels.size(), row.algo >= 1 ? 4u : 3u);
-    EXPECT_EQ(kernels[1].kernel,
-              row.algo >= 1 ? "kspec::mhc_pre_bwd_columns_mma_kernel" : "kspec::mhc_pre_bwd_columns_kernel");
-    if (row.algo == 2) {
+    ASSERT_EQ(kernels.size(), row.algo == 1 || row.algo == 2 ? 4u : 3u);
+    EXPECT_EQ(kernels[1].kernel, row.algo == 3   ? "kspec::mhc_pre_bwd_fused_mma_kernel"
+                                 : row.algo >= 1 ? "kspec::mhc_pre_bwd_columns_mma_kernel"
+                                                 : "kspec::mhc_pre_bwd_columns_kernel");
+    if (row.algo == 3) {
+      EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_mma_kernel");
+      EXPECT_EQ(kernels[2].kernel, "kspec::mhc_pre_bwd_reduce_kernel");
+    } else if (row.algo == 2) {
       EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_mma_kernel");
       EXPECT_EQ(kernels[3].kernel, "kspec::mhc_pre_bwd_dx_mma_kernel");
     } else if (row.algo == 1) {
@@ -403,8 +410,8 @@ TEST(Mhc, PreBackwardMmaTokensRulesAndCompileWithoutSpills) {
 
 // pre.fwd's algo=mma_warp_heads (2): the mma projection, then each warp runs its own tokens' heads (the
 // Sinkhorn-Knopp iterates by shuffles) and their y; at most 32 projection rows (n <= 4, pre_only any n),
-// refused by name past that; not the heuristic's until timed; the kernel compiles without spills on sm_80
-// and sm_90 at 64, 32 and 16 tokens, n 4, 3 (element loads) and pre_only n 8.
+// refused by name past that; the heuristic's; with the split plan for few tokens beside it; every kernel
+// compiles without spills on sm_80 and sm_90 at 64, 32 and 16 tokens, n 4, 3 (element loads) and pre_only n 8.
 TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
   const OpDef& op = Registry::global().get("mhc.pre.fwd");
   CompileRequest r;
@@ -416,11 +423,20 @@ TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
   const Config ok{{{"algo", 2}, {"threads", 128}, {"tokens", 32}}};
   std::string why;
   EXPECT_TRUE(op.tuning.valid(p, ok, &why)) << why;
-  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 1);
+  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 2);  // H100 run 20: 520 us at 64 tokens against 573 (mma)
   const auto kernels = op.kernels(p, ok);
-  ASSERT_EQ(kernels.size(), 1u);
+  // The tile's kernel, then the split plan's two (taken by the launcher for T <= 256): projection partials
+  // over 64 groups of columns at 16 tokens, then their sum, the heads and y.
+  ASSERT_EQ(kernels.size(), 3u);
   EXPECT_EQ(kernels[0].targs.back(), "true");
-  EXPECT_EQ(op.kernels(p, Config{{{"algo", 1}, {"threads", 128}, {"tokens", 32}}})[0].targs.back(), "false");
+  EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_fwd_mma_kernel");
+  EXPECT_EQ(kernels[1].targs[6], "16");
+  EXPECT_EQ(kernels[1].targs[8], "64");
+  EXPECT_EQ(kernels[2].kernel, "kspec::mhc_pre_fwd_split_heads_kernel");
+  EXPECT_EQ(kernels[0].targs[8], "1");
+  const auto mma = op.kernels(p, Config{{{"algo", 1}, {"threads", 128}, {"tokens", 32}}});
+  ASSERT_EQ(mma.size(), 1u);
+  EXPECT_EQ(mma[0].targs.back(), "false");
   {
     CompileRequest q = r;
     q.params = {{"n", int64_t(5)}, {"D", int64_t(256)}};
@@ -452,7 +468,7 @@ TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
         ++compiled;
       }
     }
-  EXPECT_EQ(compiled, 8);
+  EXPECT_EQ(compiled, 24);  // three kernels each
 }
 
 // mhc.post_pre.fwd's algo axis: the SIMT kernel stays the heuristic's; algo=mma (1) and mma_warp_heads (2)
@@ -531,7 +547,13 @@ TEST(Mhc, PreBackwardMmaFusedRulesAndCompileWithoutSpills) {
   EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_mma_kernel");
   EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_bwd_fused_mma_kernel");
   EXPECT_EQ(kernels[2].kernel, "kspec::mhc_pre_bwd_reduce_kernel");
-  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 2);  // not the default until timed
+  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 3);  // H100 run 20: pre fwd+bwd 2056 us against 2543 (mma_tokens)
+  // algo=mma_fused_warp_heads (4): the same plan, the token kernel with its heads per warp.
+  const Config warp_heads{{{"algo", 4}, {"threads", 128}, {"tokens", 32}}};
+  EXPECT_TRUE(op.tuning.valid(p, warp_heads, &why)) << why;
+  EXPECT_EQ(kernels[0].targs.back(), "false");
+  EXPECT_EQ(op.kernels(p, warp_heads)[0].targs.back(), "true");
+  EXPECT_EQ(op.kernels(p, warp_heads)[1].kernel, "kspec::mhc_pre_bwd_fused_mma_kernel");
   for (const auto& [n, D, tokens, fragment] :
        {std::tuple{5, 256, 16, "24 projection rows"}, std::tuple{4, 100, 16, "16-byte groups"},
         std::tuple{4, 256, 64, "n x tokens / 16"}}) {
@@ -550,10 +572,12 @@ TEST(Mhc, PreBackwardMmaFusedRulesAndCompileWithoutSpills) {
   }
   int compiled = 0;
   for (const char* arch : {"sm_80", "sm_90"})
-    for (auto [name, dt, n, D, tokens, bare] :
-         {std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, false}, std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, true},
-          std::tuple{"mhc.pre.bwd", DType::f16, 2, 256, 64, false}, std::tuple{"mhc.pre.bwd", DType::bf16, 3, 264, 16, false},
-          std::tuple{"mhc.pre_only.bwd", DType::f16, 8, 128, 16, false}}) {
+    for (auto [name, dt, n, D, tokens, bare, algo] :
+         {std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, false, 3}, std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, true, 3},
+          std::tuple{"mhc.pre.bwd", DType::f16, 2, 256, 64, false, 3}, std::tuple{"mhc.pre.bwd", DType::bf16, 3, 264, 16, false, 3},
+          std::tuple{"mhc.pre_only.bwd", DType::f16, 8, 128, 16, false, 3},
+          std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, false, 4}, std::tuple{"mhc.pre.bwd", DType::f16, 2, 256, 64, false, 4},
+          std::tuple{"mhc.pre_only.bwd", DType::f16, 8, 128, 16, false, 4}}) {
       const OpDef& o = Registry::global().get(name);
       CompileRequest q;
       q.op = name;
@@ -561,18 +585,19 @@ TEST(Mhc, PreBackwardMmaFusedRulesAndCompileWithoutSpills) {
       q.arch = arch;
       q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
       if (bare) q.without = {"gamma", "dx_post"};
-      q.config = Config{{{"algo", 3}, {"threads", 128}, {"tokens", tokens}}};
+      q.config = Config{{{"algo", algo}, {"threads", 128}, {"tokens", tokens}}};
       ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << " n " << n << ": " << why;
       for (const auto& rep : compile(q)) {
         EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
         EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
-        if (rep.kernel.find("fused") == std::string::npos) continue;
+        if (rep.kernel.find("fused") == std::string::npos && algo == 3) continue;
+        if (rep.kernel.find("token_mma") == std::string::npos && algo == 4) continue;
         std::cout << arch << " " << name << " n " << n << " D " << D << (bare ? " (no gamma, dx_post) " : " ")
                   << rep.kernel << ": " << rep.registers << " registers\n";
         ++compiled;
       }
     }
-  EXPECT_EQ(compiled, 10);
+  EXPECT_EQ(compiled, 16);
 }
 
 // post's `vec` axis: 8 consecutive d a thread with 16-byte loads where D % 8 == 0 and n >= 3 (n <= 7 in
@@ -639,8 +664,9 @@ TEST(Mhc, PostVecAxisRulesAndCompileWithoutSpills) {
   EXPECT_EQ(compiled, 20);
 }
 
-// pre.fwd's algo axis: the tensor-core projection (algo=mma, mhc_pre_mma.cuh) is the default from sm_80
-// on for 16-bit x, with 64 tokens a block for x in 16-byte groups, 32 for D % 8 != 0, 16 at n = 8; the
+// pre.fwd's algo axis: the tensor-core projection (mhc_pre_mma.cuh) is the default from sm_80 on for 16-bit
+// x, with the heads per warp (algo=mma_warp_heads) where M <= 32, else algo=mma (n 8), with 64 tokens a block
+// for x in 16-byte groups, 32 for D % 8 != 0, 16 at n = 8; the
 // SIMT kernel (algo=simt) below sm_80, for fp32 x, and selectable everywhere; the rules name what rules a config out;
 // the mma kernel compiles without spills for sm_80 and sm_90 at the edges of the rules.
 TEST(Mhc, PreForwardTakesTensorCoresFromSm80) {
@@ -651,12 +677,12 @@ TEST(Mhc, PreForwardTakesTensorCoresFromSm80) {
     const char* arch;
     int64_t algo, tokens;
   };
-  for (const Row& row : {Row{"mhc.pre.fwd", DType::bf16, 4, 4096, "sm_90", 1, 64},
-                         Row{"mhc.pre.fwd", DType::f16, 4, 4096, "sm_80", 1, 64},
+  for (const Row& row : {Row{"mhc.pre.fwd", DType::bf16, 4, 4096, "sm_90", 2, 64},
+                         Row{"mhc.pre.fwd", DType::f16, 4, 4096, "sm_80", 2, 64},
                          Row{"mhc.pre.fwd", DType::f32, 4, 4096, "sm_90", 0, 4},
-                         Row{"mhc.pre.fwd", DType::bf16, 4, 37, "sm_90", 1, 32},
+                         Row{"mhc.pre.fwd", DType::bf16, 4, 37, "sm_90", 2, 32},
                          Row{"mhc.pre.fwd", DType::bf16, 8, 128, "sm_90", 1, 16},
-                         Row{"mhc.pre_only.fwd", DType::bf16, 8, 128, "sm_80", 1, 64},
+                         Row{"mhc.pre_only.fwd", DType::bf16, 8, 128, "sm_80", 2, 64},
                          Row{"mhc.pre.fwd", DType::bf16, 4, 4096, "sm_75", 0, 4}}) {
     const OpDef& op = Registry::global().get(row.op);
     CompileRequest r;
@@ -715,12 +741,14 @@ TEST(Mhc, PreForwardTakesTensorCoresFromSm80) {
       q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
       q.config = op.tuning.heuristic(problem_from_request(op, q));
       for (const auto& rep : compile(q)) {
-        EXPECT_NE(rep.kernel.find("mhc_pre_fwd_mma_kernel"), std::string::npos) << rep.kernel;
+        EXPECT_TRUE(rep.kernel.find("mhc_pre_fwd_mma_kernel") != std::string::npos ||
+                    rep.kernel.find("mhc_pre_fwd_split_heads_kernel") != std::string::npos)
+            << rep.kernel;
         EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
         ++compiled;
       }
     }
-  EXPECT_EQ(compiled, 10);
+  EXPECT_EQ(compiled, 26);  // three kernels (mma_warp_heads with its split plan) but at n = 7 (mma, one)
 }
 
 // ---- GPU ----
@@ -1001,9 +1029,10 @@ TEST(MhcGpu, PreBackwardMmaTokensMatchesReferenceOnEveryCase) {
   EXPECT_GE(checked, 60);
 }
 
-// Every case of mhc.pre.bwd and mhc.pre_only.bwd with an algo=mma_fused config (mma_tokens' cases but
-// n <= 4 on pre.bwd), at every such config, f16 and bf16, against the float64 reference: dx and the sums
-// over tokens from one pass over x (mhc_pre_bwd_fused_mma.cuh).
+// Every case of mhc.pre.bwd and mhc.pre_only.bwd with an algo=mma_fused or mma_fused_warp_heads config
+// (mma_tokens' cases but n <= 4 on pre.bwd), at every such config, f16 and bf16, against the float64
+// reference: dx and the sums over tokens from one pass over x (mhc_pre_bwd_fused_mma.cuh), the token pass's
+// heads per block or per warp.
 TEST(MhcGpu, PreBackwardMmaFusedMatchesReferenceOnEveryCase) {
   KSPEC_REQUIRE_GPU();
   int checked = 0, cases = 0;
@@ -1016,7 +1045,7 @@ TEST(MhcGpu, PreBackwardMmaFusedMatchesReferenceOnEveryCase) {
         o.case_name = cs.name;
         o.dtypes = {dt};
         for (const Config& c : configs_for_case(op_name, cs.name, dt))
-          if (c.get("algo") == 3) o.configs.push_back(c);
+          if (c.get("algo") >= 3) o.configs.push_back(c);
         if (o.configs.empty()) continue;  // D % 8 != 0, or M > 24
         auto rows = check_op(op_name, o);
         EXPECT_EQ(rows.size(), o.configs.size()) << op_name << " " << cs.name;
@@ -1027,7 +1056,7 @@ TEST(MhcGpu, PreBackwardMmaFusedMatchesReferenceOnEveryCase) {
     }
   }
   EXPECT_GE(cases, 30);
-  EXPECT_GE(checked, 40);
+  EXPECT_GE(checked, 80);
 }
 
 // post.fwd and post.bwd at vec 8 (16-byte loads) on every case with D % 8 == 0, every dtype and thread
@@ -1072,8 +1101,9 @@ std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
 }  // namespace
 
 // grads_deterministic on the tensor-core backward: bf16 x, T 1031 (several parts along T, a partial last
-// token tile), D 4000 (16-byte groups); algo=mma (4 tokens), algo=mma_tokens (32) and algo=mma_fused (32)
-// each give the same bits three times for dx, dphi, dalpha, dbias, dgamma.
+// token tile), D 4000 (16-byte groups); algo=mma (4 tokens), algo=mma_tokens (32), algo=mma_fused (32) and
+// algo=mma_fused_warp_heads (32) each give the same bits three times for dx, dphi, dalpha, dbias, dgamma, and
+// the last two the same bits as each other (the heads per warp do the block's operations).
 TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
   KSPEC_REQUIRE_GPU();
   jit::ContextGuard guard(0);
@@ -1099,12 +1129,14 @@ TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
                    gv = f32(gb, {nd}), invv = f32(invb, {T}), hv = f32(hb, {T, M});
   call("mhc.pre.fwd", {xv, phiv, av, bv, gv},
        {b16(yb, {T, D}), f32(hpre, {T, n}), f32(hpost, {T, n}), f32(rb, {T, n, n}), invv, hv});
+  std::map<int64_t, std::vector<std::vector<uint8_t>>> firsts;  // by algo
   for (const Config& config : {Config{{{"algo", 1}, {"threads", 128}, {"tokens", 4}}},
                                Config{{{"algo", 2}, {"threads", 128}, {"tokens", 32}}},
-                               Config{{{"algo", 3}, {"threads", 128}, {"tokens", 32}}}}) {
+                               Config{{{"algo", 3}, {"threads", 128}, {"tokens", 32}}},
+                               Config{{{"algo", 4}, {"threads", 128}, {"tokens", 32}}}}) {
     CallOptions opts;
     opts.config = &config;
-    std::vector<std::vector<uint8_t>> first;
+    std::vector<std::vector<uint8_t>>& first = firsts[config.get("algo")];
     for (int run = 0; run < 3; ++run) {
       DevBuf dx(T * nd * 2), dphi(M * nd * 4), dalpha(12), dbias(M * 4), dgamma(nd * 4);
       for (DevBuf* o : {&dx, &dphi, &dalpha, &dbias, &dgamma}) o->poison();
@@ -1128,11 +1160,16 @@ TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
         EXPECT_EQ(got[k], first[k]) << names[k] << " run " << run << " " << config.str();
     }
   }
+  const char* names[] = {"dx", "dphi", "dalpha", "dbias", "dgamma"};
+  for (size_t k = 0; k < firsts[3].size(); ++k)
+    EXPECT_EQ(firsts[4][k], firsts[3][k]) << names[k] << ": mma_fused_warp_heads against mma_fused";
 }
 
 // Every case of mhc.pre.fwd and mhc.pre_only.fwd with an algo=mma_warp_heads config (n <= 4 on pre.fwd), at
-// every such config, f16 and bf16, against the float64 reference; and on bf16 T 1031, D 4000 (a partial last
-// tile) the same bits as algo=mma at the same tiles for every output (the heads' operations are the same).
+// every such config, f16 and bf16, against the float64 reference (cases up to 256 tokens run the split plan:
+// partial projections over column groups, their sum, the heads and y per range of D); and on bf16 T 1031,
+// D 4000 (a partial last tile; the tile plan) the same bits as algo=mma at the same tiles for every output (the
+// heads' operations are the same). The split plan at large D: the cases D_2560, D_4000, D_7168 (T 2-3, n 4).
 TEST(MhcGpu, PreForwardMmaWarpHeadsMatchesReferenceAndMmaBits) {
   KSPEC_REQUIRE_GPU();
   int checked = 0;

@@ -436,13 +436,14 @@ def test_mhc_bench_pre_bwd_configs_compile_each_algo(families):
     """The mhc bench's pre fwd+bwd rows by mhc.pre.bwd config: algo=simt, algo=mma, algo=mma_tokens (at its
     largest legal token tile; none at n = 8 or D % 8 != 0) and algo=mma_fused (the same tile, M <= 24) each
     accepted and compiled (no GPU needed); algo=mma's columns kernel (the second) and its dx kernel (a fourth),
-    algo=mma_tokens' token kernel, algo=mma_fused's token kernel and its fused kernel (three in all)."""
+    algo=mma_tokens' token kernel, algo=mma_fused's token kernel and its fused kernel (three in all), and
+    algo=mma_fused_warp_heads the same with the token kernel's last template argument true (heads per warp)."""
     import kspec
 
     mhc = families["mhc"]
-    assert list(mhc.pre_bwd_configs(4, 4096)) == [mhc.PRE_BWD_KERNELS + v
-                                                 for v in ("simt", "mma", "mma_tokens 32", "mma_fused 32")]
-    assert list(mhc.pre_bwd_configs(2, 4096))[-1] == mhc.PRE_BWD_KERNELS + "mma_fused 64"
+    assert list(mhc.pre_bwd_configs(4, 4096)) == [mhc.PRE_BWD_KERNELS + v for v in (
+        "simt", "mma", "mma_tokens 32", "mma_fused 32", "mma_fused_warp_heads 32")]
+    assert list(mhc.pre_bwd_configs(2, 4096))[-1] == mhc.PRE_BWD_KERNELS + "mma_fused_warp_heads 64"
     assert list(mhc.pre_bwd_configs(4, 100)) == [mhc.PRE_BWD_KERNELS + v for v in ("simt", "mma")]
     assert not any("mma_fused" in name for name in mhc.pre_bwd_configs(5, 128))  # M = 35 > 24
     for n in (4, 8):
@@ -456,6 +457,7 @@ def test_mhc_bench_pre_bwd_configs_compile_each_algo(families):
             assert len(kernels) == (4 if mma else 3) and ("columns_mma" in kernels[1]) == mma, (name, kernels)
             assert ("fused_mma" in kernels[1]) == fused, (name, kernels)
             assert ("token_mma" in kernels[0]) == ("mma_tokens" in name or fused), (name, kernels)
+            assert kernels[0].endswith("true>") == ("warp_heads" in name), (name, kernels)
 
 
 def test_mhc_bench_post_pre_kernel_configs_compile_the_mma_kernel(families):

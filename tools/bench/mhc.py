@@ -78,7 +78,8 @@ def pre_bwd_configs(n, D):
     algo=mma_tokens, that first pass on tensor cores too (mhc_pre_bwd_token_mma.cuh) at its largest legal token
     tile: x in 16-byte groups (D % 8 == 0), n x tokens / 16 <= 8 rows of x a lane, plus the accumulator tiles
     <= 16, 16 tokens at n = 3; and algo=mma_fused at the same tile (M <= 24),
-    mma_tokens' token pass, then dx and the sums over tokens from one pass over x (mhc_pre_bwd_fused_mma.cuh)."""
+    mma_tokens' token pass, then dx and the sums over tokens from one pass over x (mhc_pre_bwd_fused_mma.cuh),
+    and algo=mma_fused_warp_heads, that with the token pass's heads per warp."""
     m = n * n + 2 * n
     tokens = 4 if 4 * max(m, n * n) <= 128 and 4 * (n + m) <= 112 else 1
     out = {PRE_BWD_KERNELS + name: f"algo={algo},threads=128,tokens={tokens}" for name, algo in (("simt", 0), ("mma", 1))}
@@ -88,6 +89,7 @@ def pre_bwd_configs(n, D):
             out[f"{PRE_BWD_KERNELS}mma_tokens {tok}"] = f"algo=2,threads=128,tokens={tok}"
             if m <= 24:
                 out[f"{PRE_BWD_KERNELS}mma_fused {tok}"] = f"algo=3,threads=128,tokens={tok}"
+                out[f"{PRE_BWD_KERNELS}mma_fused_warp_heads {tok}"] = f"algo=4,threads=128,tokens={tok}"
             break
     return out
 
@@ -440,13 +442,16 @@ def _report(ctx, rows, why):
         " (issue 34, H100): pre fwd 1.05 ms (bf16 Φ) / 1.42 (fp32 Φ), post fwd 1.44, layer fwd+bwd 16.5;"
         " torch.compile 1.47 / 4.65 / 13.7.",
         f"'{PRE_KERNELS}…': mhc.pre.fwd's kernels by config through kspec.call (forward only): algo=simt, the SIMT"
-        " projection; algo=mma, the projection on tensor cores at 16, 32 or 64 tokens a block; algo=mma_warp_heads,"
-        " the same with each warp running its own tokens' heads (Sinkhorn-Knopp by shuffles) and then their y.",
+        " projection; algo=mma, the projection on tensor cores at 16, 32 or 64 tokens a block; algo=mma_warp_heads"
+        " (the default for M <= 32), the same with each warp running its own tokens' heads (Sinkhorn-Knopp by"
+        " shuffles) and then their y.",
         f"'{PRE_BWD_KERNELS}…': pre fwd+bwd with mhc.pre.bwd by config through kspec.call (the forward the"
         " heuristic's): algo=simt, the SIMT kernels; algo=mma, dΦ and dγ from one GEMM S = dmᵀ·x a part and dx's"
-        " du = dm·Φ on tensor cores; algo=mma_tokens (the default where its tile is valid), the token pass (m and"
+        " du = dm·Φ on tensor cores; algo=mma_tokens (the default past M = 24), the token pass (m and"
         " <dy, x[i]>) on tensor cores too; algo=mma_fused, mma_tokens' token pass, then dx and the sums over tokens"
-        " in one pass over x (x read twice in the backward instead of three times).",
+        " in one pass over x (x read twice in the backward instead of three times; the default for M <= 24);"
+        " algo=mma_fused_warp_heads, that"
+        " with the token pass's heads (the Sinkhorn-Knopp backward) run per warp.",
         f"'{POST_VEC8}': post fwd and fwd+bwd with mhc.post.fwd/.bwd at vec=8 (8 consecutive d a thread, 16-byte"
         " loads and stores) through kspec.call; 'kspec' runs the heuristic's, vec=8 where it is valid.",
         f"'{POST_PRE_KERNELS}…': post_pre fwd with mhc.post_pre.fwd by config through kspec.call: the projection of"

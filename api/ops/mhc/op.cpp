@@ -162,11 +162,22 @@ TuningSpace with_tokens_axis(TuningSpace t) {
 
 // pre.fwd's `algo` axis: kSimt, the kernel above (mhc_pre.cuh: `threads`, `tokens` 1 or 4); kMma, the
 // projection on tensor cores (mhc_pre_mma.cuh: 128 threads, `tokens` 16, 32 or 64, whole m16 tiles).
-// pre.bwd's (with_bwd_algo_axis) has two more, kMmaTokens and kMmaFused.
-enum PreAlgo : int64_t { kSimt = 0, kMma = 1, kMmaTokens = 2, kMmaFused = 3 };
+// pre.bwd's (with_bwd_algo_axis) has three more, kMmaTokens, kMmaFused and kMmaFusedWarpHeads.
+enum PreAlgo : int64_t { kSimt = 0, kMma = 1, kMmaTokens = 2, kMmaFused = 3, kMmaFusedWarpHeads = 4 };
 // pre.fwd's third value: kMma with each warp running its own tokens' heads and then their y
 // (mhc_pre_mma.cuh, kWarpHeads): n*n and M at most 32.
 constexpr int64_t kMmaWarpHeads = 2;
+// Under kMmaWarpHeads, up to this many tokens (decode, small batches) take the split plan instead: at T 8 the
+// one 64-token block took 166 us of GPU on the H100 (run 21; F.rms_norm over the same bytes 16). The switch is
+// in the launcher, not the heuristic, because the plan cache keys leave T out.
+constexpr int64_t kSplitMaxT = 256, kSplitTokens = 16;
+// The split plan's blocks a 16-token tile: projection blocks (each every splits-th group of 4 chunks of 32
+// columns; at least 2, the kernel's kSplits > 1 being what makes it leave partials), and y blocks (each a
+// range of D).
+int64_t fwd_splits(const Problem& p) {
+  return std::clamp<int64_t>(p.dim("n") * ceil_div(p.dim("D"), 32) / 4, 2, 64);
+}
+int64_t fwd_y_blocks(const Problem& p) { return std::clamp<int64_t>(ceil_div(p.dim("D"), 8) / 64, 1, 16); }
 std::string warp_heads_unsupported(const Problem& p) {
   if (proj_rows(p) > 32) return "algo=mma_warp_heads takes at most 32 projection rows (n <= 4; pre_only any n)";
   return "";
@@ -189,8 +200,8 @@ std::string mma_unsupported(const Problem& p) {
 }
 int64_t mma_tiles(const Problem& p, int64_t tokens) { return tokens / 16 * ceil_div(proj_rows(p), 8); }
 
-// The tensor-core projection wherever it runs (not yet measured: tools/bench/NOTES.md, "mhc pre: the
-// projection on tensor cores"), with the most tokens a block whose accumulators fit.
+// The tensor-core projection wherever it runs, with the most tokens a block whose accumulators fit, the
+// heads per warp where M <= 32 (tools/bench/NOTES.md).
 TuningSpace with_algo_axis(TuningSpace t) {
   t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaWarpHeads}});
   for (auto& [name, values] : t.axes)
@@ -216,11 +227,13 @@ TuningSpace with_algo_axis(TuningSpace t) {
     return no.empty();
   };
   auto simt_heuristic = t.heuristic;
+  // H100 (run 20, T 16384, n 4, D 4096, bf16): mma_warp_heads 64 520 us, 32 522; mma 64 573, 32 530.
   t.heuristic = [simt_heuristic](const Problem& p) {
     if (mma_unsupported(p).empty()) {
+      const int64_t algo = warp_heads_unsupported(p).empty() ? kMmaWarpHeads : kMma;
       for (int64_t tok : {64, 32, 16})
         if (tok <= max_mma_tokens(p) && mma_tiles(p, tok) <= kMaxMmaTiles)
-          return Config{{{"algo", kMma}, {"threads", kMmaThreads}, {"tokens", tok}}};
+          return Config{{{"algo", algo}, {"threads", kMmaThreads}, {"tokens", tok}}};
     }
     Config c = simt_heuristic(p);
     c.values.insert(c.values.begin(), {"algo", kSimt});
@@ -459,11 +472,19 @@ OpDef make_pre_fwd(bool po) {
   op.info.tuning_axes = op.tuning.axes;
   op.kernels = [](const Problem& p, const Config& c) {
     if (c.get("algo") != kSimt) {
-      return std::vector<jit::KernelSpec>{kernel_spec(
-          p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_mma_kernel",
-          {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")), t_max_arg(p),
-           b(p.present("gamma")), b(pre_only(p)), std::to_string(c.get("tokens")), b(mma_vec(p)),
-           b(c.get("algo") == kMmaWarpHeads)})};
+      const std::string T = dtype_cuda_type(p.dtype("x")), n = std::to_string(p.dim("n")),
+                        D = std::to_string(p.dim("D")), g = b(p.present("gamma")), head = b(pre_only(p));
+      std::vector<jit::KernelSpec> k{kernel_spec(p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_mma_kernel",
+                                                 {T, n, D, t_max_arg(p), g, head, std::to_string(c.get("tokens")),
+                                                  b(mma_vec(p)), "1", b(c.get("algo") == kMmaWarpHeads)})};
+      if (c.get("algo") == kMmaWarpHeads) {  // the split plan for few tokens (kernels 1, 2)
+        const std::string tok = std::to_string(kSplitTokens), splits = std::to_string(fwd_splits(p));
+        k.push_back(kernel_spec(p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_mma_kernel",
+                                {T, n, D, t_max_arg(p), g, head, tok, b(mma_vec(p)), splits, "true"}));
+        k.push_back(kernel_spec(p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_split_heads_kernel",
+                                {T, n, D, t_max_arg(p), head, tok, b(mma_vec(p)), splits}));
+      }
+      return k;
     }
     return std::vector<jit::KernelSpec>{kernel_spec(
         p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_fwd_kernel",
@@ -494,6 +515,15 @@ OpDef make_pre_fwd(bool po) {
     a.eps_pre = static_cast<float>(pr.param_float("eps_pre"));
     a.eps_sk = pre_only(pr) ? 0.f : static_cast<float>(pr.param_float("eps_sk"));
     void* args[] = {&a};
+    if (c.get("algo") == kMmaWarpHeads && a.T <= kSplitMaxT) {
+      const int64_t tiles = ceil_div(a.T, kSplitTokens), splits = fwd_splits(pr);
+      MhcPreSplitParams sp{a, static_cast<float*>(l.workspace(
+                                  sizeof(float) * static_cast<size_t>(tiles * splits * kSplitTokens * (proj_rows(pr) + 1))))};
+      void* split_args[] = {&sp};
+      l.launch(1, {u32(tiles), u32(splits)}, {u32(kMmaThreads)}, 0, split_args);
+      l.launch(2, {u32(tiles), u32(fwd_y_blocks(pr))}, {u32(kMmaThreads)}, 0, split_args);
+      return;
+    }
     l.launch(0, {u32(ceil_div(a.T, c.get("tokens")))}, {u32(c.get("algo") != kSimt ? kMmaThreads : c.get("threads"))},
              0, args);
   };
@@ -511,10 +541,13 @@ int64_t bwd_parts(int64_t T) { return std::clamp<int64_t>(ceil_div(T, kTokensPer
 // du = dm phi on tensor cores (mhc_pre_bwd_mma.cuh, 128 threads), the SIMT token kernel's first pass and
 // heads as kSimt's (`threads`, `tokens` 1 or 4); kMmaTokens, kMma with that first pass on tensor cores too
 // (mhc_pre_bwd_token_mma.cuh: 128 threads, `tokens` 16, 32 or 64); kMmaFused, kMmaTokens' token pass, then
-// dx and the sums over tokens in one pass over x (mhc_pre_bwd_fused_mma.cuh) instead of two.
+// dx and the sums over tokens in one pass over x (mhc_pre_bwd_fused_mma.cuh) instead of two;
+// kMmaFusedWarpHeads, kMmaFused with each warp of the token pass running its own tokens' heads.
 bool bwd_mma(const Config& c) { return c.has("algo") && c.get("algo") >= kMma; }
 bool bwd_mma_tokens(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaTokens; }
-bool bwd_mma_fused(const Config& c) { return c.has("algo") && c.get("algo") == kMmaFused; }
+bool bwd_mma_fused(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaFused; }
+// kMmaFusedWarpHeads: kMmaFused with the token pass's heads run per warp (mhc_pre_bwd_token_mma.cuh, kWarpHeads).
+bool bwd_warp_heads(const Config& c) { return c.has("algo") && c.get("algo") == kMmaFusedWarpHeads; }
 // The fused kernel's columns a block (4 warps of 32).
 constexpr int64_t kFusedBlockCols = 128;
 // The mma columns kernel's consecutive columns per lane (its kNt): 8 while ceil(M / 16) <= 3 m16 tiles of
@@ -544,13 +577,13 @@ std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, 
   // pass on tensor cores, which never writes dx; algo=mma_fused: that token pass, then dx with the columns.
   if (bwd_mma_fused(c)) {
     return {kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
-                        {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p))}),
+                        {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), b(bwd_warp_heads(c))}),
             kernel_spec(p, "mhc/mhc_pre_bwd_fused_mma.cuh", "kspec::mhc_pre_bwd_fused_mma_kernel",
                         {T, n, D, g, head, b(dx_post)}),
             reduce};
   }
   return {bwd_mma_tokens(c) ? kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
-                                          {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p))})
+                                          {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), "false"})
                             : kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_token_kernel",
                                           {T, n, D, t_max_arg(p), g, head, "false", thr(c), tokens, "false"}),
           kernel_spec(p, "mhc/mhc_pre_bwd_mma.cuh", "kspec::mhc_pre_bwd_columns_mma_kernel",
@@ -647,14 +680,14 @@ std::string bwd_mma_tokens_unsupported(const Problem& p, int64_t tokens) {
 }
 
 // algo=mma and algo=mma_tokens wherever mma_unsupported allows; algo=mma with the SIMT token kernel's
-// threads and tokens (1 or 4), algo=mma_tokens with 128 threads and 16-64 tokens. The heuristic takes
-// algo=mma_tokens at 32 tokens (16 where 32 is not valid) wherever it is valid, else algo=mma with the SIMT
+// threads and tokens (1 or 4), algo=mma_tokens with 128 threads and 16-64 tokens; algo=mma_fused and
+// mma_fused_warp_heads at mma_tokens' tiles with M <= 24. The heuristic takes algo=mma_fused (M <= 24) or
+// else mma_tokens at 32 tokens (16 where 32 is not valid) wherever it is valid, else algo=mma with the SIMT
 // heuristic's threads and tokens (1 token on pre_only, its rule), else the SIMT kernels. H100, T 16384, n 4,
-// D 4096, bf16, pre fwd+bwd: mma_tokens 32 2540 us, mma 3716, simt 6280 (H200: mma 3567 against simt 6280;
-// tools/bench/NOTES.md). algo=mma_fused (mma_tokens' tiles, M <= 24) is selectable, not yet the
-// heuristic's: not yet timed.
+// D 4096, bf16, pre fwd+bwd: mma_fused 32 2056 us (run 20), mma_tokens 32 2540, mma 3716, simt 6280 (H200:
+// mma 3567 against simt 6280; tools/bench/NOTES.md). mma_fused_warp_heads is selectable, not yet timed.
 TuningSpace with_bwd_algo_axis(TuningSpace t) {
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaTokens, kMmaFused}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaTokens, kMmaFused, kMmaFusedWarpHeads}});
   for (auto& [name, values] : t.axes)
     if (name == "tokens") values = {1, 4, 16, 32, 64};
   auto simt_valid = t.valid;
@@ -666,7 +699,7 @@ TuningSpace with_bwd_algo_axis(TuningSpace t) {
       else no = bwd_mma_tokens_unsupported(p, tok);
       // The fused kernel keeps phi's fragments of every row in shared memory, 8 KB per 8 rows, beside its
       // 18 KB ring of rows (mhc_pre_bwd_fused_mma.cuh): 46 KB of the 48 static at M = 24.
-      if (no.empty() && algo == kMmaFused && proj_rows(p) > 24)
+      if (no.empty() && algo >= kMmaFused && proj_rows(p) > 24)
         no = "algo=mma_fused takes at most 24 projection rows (n <= 4; pre_only n <= 8): shared memory";
       if (no.empty()) return true;
     } else if (no.empty() && tok > 4) {
@@ -687,7 +720,7 @@ TuningSpace with_bwd_algo_axis(TuningSpace t) {
     const Config simt = simt_heuristic(p);
     for (int64_t tok : {32, 16}) {
       Config c = simt;
-      c.values.insert(c.values.begin(), {"algo", kMmaTokens});
+      c.values.insert(c.values.begin(), {"algo", proj_rows(p) <= 24 ? kMmaFused : kMmaTokens});
       for (auto& [axis, v] : c.values) {
         if (axis == "tokens") v = tok;
         if (axis == "threads") v = kMmaThreads;
