@@ -233,9 +233,13 @@ TuningSpace chunkwise_fwd_tuning() {
     if (why) *why = no;
     return no.empty();
   };
+  // algo=tc_wide_q128 at dhqk > 128 where it runs (H100, B=8, NH=8, S=4096, (256, 512), bf16, chunk 128: forward
+  // 2.104 ms against tc's 2.467, mlstm_kernels' best 3.140; tools/bench/NOTES.md, session 8's last run); tc elsewhere
+  // (128-wide heads: tc_q128 not timed there).
   t.heuristic = [](const Problem& p) {
-    return tc_unsupported(p).empty() ? Config{{{"algo", kTc}, {"threads", 128}}}
-                                     : Config{{{"algo", kSimt}, {"threads", 256}}};
+    if (!tc_unsupported(p).empty()) return Config{{{"algo", kSimt}, {"threads", 256}}};
+    const bool wide = p.dim("dhqk") > 128 && tc_wide_unsupported(p).empty() && tc_q128_unsupported(p).empty();
+    return Config{{{"algo", wide ? kTcWideQ128 : kTc}, {"threads", 128}}};
   };
   t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") == kSimt ? c.get("threads") : 128; };
   return t;
@@ -262,9 +266,12 @@ TuningSpace chunkwise_bwd_tuning() {
   // algo=tc_merged, and tc_stream at dhqk > 128. H100, B=8, NH=8, S=4096, bf16, chunk 128, bwd ms (fwd+bwd,
   // against mlstm_kernels' xl_chunk): 128x128 tc 1.007, tc_merged 0.942 (1.41x); 128x256 tc 1.673, tc_merged
   // 1.465 (1.40x); 256x512 tc 8.141, tc_merged 7.066, tc_stream 4.963 (1.31x) (tools/bench/NOTES.md).
+  // At dhqk > 128, tc_wide (tc_stream's kernels with the state scans on 128 x 128 tiles) where it runs: 256x512
+  // fwd+bwd 6.913 ms with the forward's tc_wide_q128, against 7.380 with tc_stream (session 8's last run).
   t.heuristic = [](const Problem& p) {
     if (!tc_unsupported(p).empty()) return Config{{{"algo", kSimt}, {"threads", 256}}};
     const bool stream = mlstm_tc_streams(static_cast<int>(p.dim("dhqk")));
+    if (stream && tc_wide_unsupported(p).empty()) return Config{{{"algo", kTcWide}, {"threads", 128}}};
     return Config{{{"algo", stream ? kTcStream : kTcMerged}, {"threads", 128}}};
   };
   t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") == kSimt ? c.get("threads") : 128; };
