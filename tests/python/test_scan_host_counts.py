@@ -76,6 +76,20 @@ undo()
 step()
 result["split"] = dict(order=order, calls=clock.calls, restored=surf.family is family and
                        "_native_backward" not in vars(surf))
+# --probe's floor, a no-op autograd.Function of the scan's inputs: torch's engine alone, no launch, and the
+# allocations of kspec's step (out, 8 gradients) less last_state and states
+def noop_step():
+    for v in leaves:
+        v.grad = None
+    psh.NoopScan.apply(*leaves).backward(dout)
+noop_step()
+before = counts()
+noop_step()
+after = counts()
+with profile(activities=[ProfilerActivity.CPU]) as prof:
+    noop_step()
+result["noop"] = dict(launches=after["launches"] - before["launches"], grads=all(v.grad is not None for v in leaves),
+                      aten=sorted({e.name for e in prof.events() if e.name.startswith("aten::")}))
 print(json.dumps(result))
 print("ok")
 """
@@ -110,3 +124,7 @@ def test_warm_scan_step_host_work_does_not_depend_on_the_shape():
         paths.add(tuple(g["python"]))
     assert len(paths) == 1, "the Python path of a step differs between shapes"
     assert got["split"] == {"order": ["node", "call", "call_end", "node_end"], "calls": 2, "restored": True}, got["split"]
+    # the probe's floor launches nothing and only allocates (no copy of a gradient by AccumulateGrad)
+    noop = got["noop"]
+    assert noop["launches"] == 0 and noop["grads"], noop
+    assert set(noop["aten"]) <= {"aten::empty_like", "aten::empty", "aten::empty_strided", "aten::detach"}, noop
