@@ -420,9 +420,11 @@ def probe_shape(shape):
     for name, fn in steps.items():
         r = ev_split(lambda fn=fn: fwd(fn), lambda y: y.backward(dout), flush_buf.zero_)
         loop = per_call_us(lambda fn=fn: fwd(fn).backward(dout), 100)
+        idle, busy = (probe_call_us(lambda fn=fn: fwd(fn).backward(dout), PROBE_STATES[st])
+                      for st in ("after sync", "gpu busy"))
         print(f"{shape} probe step {name:>38}: ev {r['ev_step_ms'] * 1e3:6.1f} us (min {r['ev_step_min_ms'] * 1e3:6.1f}), "
-              f"host fwd {r['host_fwd_us']:6.1f}, host step {r['host_step_us']:6.1f}, back-to-back loop {loop:6.1f}",
-              flush=True)
+              f"host fwd {r['host_fwd_us']:6.1f}, host step {r['host_step_us']:6.1f}, back-to-back loop {loop:6.1f}; "
+              f"host step after a sync {idle:6.1f}, behind a busy GPU {busy:6.1f}", flush=True)
     del flush_buf
     torch.cuda.empty_cache()
 
