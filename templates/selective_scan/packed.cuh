@@ -21,10 +21,10 @@ __device__ __forceinline__ float half_word_to_float<__half>(unsigned x, int hi) 
   return raw_to_float<__half>(hi ? x >> 16 : x & 0xffffu);
 }
 
-// Q consecutive 16-bit elements as Q / 2 raw words: one 8- or 16-byte vector.
+// Q consecutive 16-bit elements as Q / 2 raw words: one 4-, 8- or 16-byte vector.
 template <typename T, int Q>
 struct RawSteps {
-  static_assert(sizeof(T) == 2 && (Q == 4 || Q == 8), "4 or 8 steps of a 16-bit type: one 8- or 16-byte vector");
+  static_assert(sizeof(T) == 2 && (Q == 2 || Q == 4 || Q == 8), "2, 4 or 8 steps of a 16-bit type: one 4-, 8- or 16-byte vector");
   static constexpr int kWords = Q / 2;
   Vec<unsigned, kWords> w;
   // p: aligned to Q elements

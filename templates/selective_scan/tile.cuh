@@ -15,7 +15,8 @@ namespace kspec {
 // So lanes n and n^1 read the same B/C vector and lanes n and n^2 the same {dt, dt u}, which halves
 // their shared-memory wavefronts (an LDS.128 takes 4 unless such pairs share an address, then 2).
 // Measured on the H100 (prototype, design D of tools/bench/NOTES.md): 1.93 -> 1.60 ms at 1x2048x65536.
-// The block's kWarps warps take kRun = 16 consecutive steps each of a tile of kTile = 16 kWarps steps.
+// The block's kWarps warps take kRun = 16 consecutive steps each of a tile of kTile = 16 kWarps steps
+// (kRun = 8 at 8 warps, below).
 // Per tile:
 //  1. each lane stages {dt, dt u} of 4 of its warp's steps of its channel (its raw u, delta and z
 //     were loaded a tile ahead into registers);
@@ -36,6 +37,14 @@ namespace kspec {
 // (y through shared memory, packed conversions, the unpredicated prefetch; z loaded late, dropped):
 // tools/bench/NOTES.md, "The tile kernel's attempts".
 //
+// 8 warps of 8-step runs (64-step tiles, as 4 warps of 16): for short sequences of few channels
+// (1x2048x512: 256 blocks, one per 8 channels) the grid is too small to give an SM more than 2 blocks, so
+// 4-warp blocks leave 8 warps per SM, 2 per scheduler, to hide the latencies of each tile's ex2, shared
+// memory reads and barrier; 8 warps of half the registers (C P and y of 8 steps: 128 registers, 2 blocks
+// per SM) double that, at the cost of twice the per-tile work per step (fold, staging, y's sum).
+// A lane then stages and writes 2 steps, and only the even warps' runs start at a multiple of
+// kStateStride (their entering state goes to `states`). Not yet measured.
+//
 // Launch: gridDim = (ceil(dim / 8), batch), blockDim = 32 kWarps, dynamic shared memory
 // tile_fwd_smem_floats() floats; the arguments of selective_scan_fwd_kernel. Requires kVec (seqlen a
 // multiple of 8, 16-byte aligned pointers: a variable B/C row's 8-step vectors and a lane's 4 steps are
@@ -51,14 +60,17 @@ struct TileScanTraits : Flags {
   static constexpr int kS = 4;                 // states per lane
   static constexpr int kG = Flags::kDstate / kS;  // state groups (lanes per channel)
   static constexpr int kCW = 32 / kG;          // channels per block
-  static constexpr int kRun = scan_detail::kStateStride;  // steps per warp and tile
+  // Steps per warp and tile: 16 (kStateStride), or 8 at 8 warps, whose runs' C P and y values (half of
+  // them) leave the 128 registers of 2 blocks of 8 warps per SM.
+  static constexpr int kRun = kWarps == 8 ? scan_detail::kStateStride / 2 : scan_detail::kStateStride;
   static constexpr int kTile = kWarps * kRun;  // steps per tile
   static constexpr int kQ = kRun / kG;         // steps a lane stages and writes
   static constexpr int kNvar = (Flags::kVarB ? 1 : 0) + (Flags::kVarC ? 1 : 0);
   static constexpr int kYRow = kCW * kRun + 4;  // a state group's row of partial y (+4: 8 bank groups)
   static_assert(Flags::kVectors, "the tile kernel needs whole 16-byte aligned vectors (kVec: seqlen a multiple of 8)");
   static_assert(Flags::kDstate == 16, "the tile kernel's lane map is for dstate 16");
-  static_assert(kQ == 4, "a lane stages 4 steps");
+  static_assert(kQ == 4 || kQ == 2, "a lane stages 4 steps (2 at 8 warps)");
+  static_assert(kWarps == 4 || kWarps == 6 || kWarps == 8, "4, 6 or 8 warps");
 };
 
 template <typename Tr>
@@ -232,7 +244,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
         h[2] = fmaf(P4.z, h[2], X4.z);
         h[3] = fmaf(P4.w, h[3], X4.w);
       }
-      if (states && run)
+      if (states && run && (R % kStateStride == 0 || tr % kStateStride == 0))
         *reinterpret_cast<float4*>(states + (chan * nstates_of(seqlen) + tr / kStateStride) * N + n0) =
             make_float4(h[0], h[1], h[2], h[3]);
       if (w == W - 1) {
@@ -260,8 +272,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     float yo[Q] = {};
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      const float4 v = *reinterpret_cast<const float4*>(sy + g * YR + c * R + sg * Q);
-      yo[0] += v.x, yo[1] += v.y, yo[2] += v.z, yo[3] += v.w;
+      if constexpr (Q == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(sy + g * YR + c * R + sg * Q);
+        yo[0] += v.x, yo[1] += v.y, yo[2] += v.z, yo[3] += v.w;
+      } else {
+        const float2 v = *reinterpret_cast<const float2*>(sy + g * YR + c * R + sg * Q);
+        yo[0] += v.x, yo[1] += v.y;
+      }
     }
     if (qrun) {
       float o[Q];
@@ -276,7 +293,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
           o[k + 1] *= g1;
         }
       }
-      *reinterpret_cast<uint2*>(out_blk + lane_out + t0) = make_uint2(pack2<T>(o[0], o[1]), pack2<T>(o[2], o[3]));
+      if constexpr (Q == 4)
+        *reinterpret_cast<uint2*>(out_blk + lane_out + t0) = make_uint2(pack2<T>(o[0], o[1]), pack2<T>(o[2], o[3]));
+      else
+        *reinterpret_cast<unsigned*>(out_blk + lane_out + t0) = pack2<T>(o[0], o[1]);
     }
   }
 }
