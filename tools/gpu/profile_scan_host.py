@@ -304,8 +304,8 @@ class RawLaunch:
     """cuLaunchKernel of an empty kernel (1 block of 32 threads) on torch's current stream, through ctypes
     (the same ctypes call to cuCtxGetCurrent is the control: what ctypes itself costs)."""
 
-    def __init__(self):
-        cu = ctypes.CDLL("libcuda.so.1")
+    def __init__(self, libcuda="libcuda.so.1"):
+        cu = ctypes.CDLL(libcuda)
         torch.cuda.current_stream().synchronize()  # torch's primary context is current on this thread
         mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
         for rc in (cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(_NOOP_PTX)),
@@ -331,7 +331,7 @@ def _spin_us(us):
 # The state of the GPU and the host before each timed call: the queue is empty except in "gpu busy" (a ~1 ms
 # spin kernel queued first) and "back to back" (the previous call's work).
 PROBE_STATES = {
-    "after sync": torch.cuda.synchronize,
+    "after sync": lambda: torch.cuda.synchronize(),
     "gpu idle 0.2 ms, host spins": lambda: (torch.cuda.synchronize(), _spin_us(200)),
     "gpu idle 2 ms, host spins": lambda: (torch.cuda.synchronize(), _spin_us(2000)),
     "gpu idle 2 ms, host sleeps": lambda: (torch.cuda.synchronize(), time.sleep(0.002)),
@@ -370,10 +370,11 @@ class NoopScan(torch.autograd.Function):
         return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
 
 
-def probe_shape(shape):
-    """The probe's rows at one shape (see --probe in the module's docstring)."""
+def probe_shape(shape, dev="cuda", libcuda="libcuda.so.1", flush_words=64 << 20):
+    """The probe's rows at one shape (see --probe in the module's docstring). dev, libcuda, flush_words: for
+    its test on the mock driver (CPU tensors)."""
     b, d, t = (int(v) for v in shape.split("x"))
-    n, dev, bf = 16, "cuda", torch.bfloat16
+    n, bf = 16, torch.bfloat16
     x = dict(u=torch.randn(b, d, t, device=dev, dtype=bf), delta=torch.randn(b, d, t, device=dev, dtype=bf) * 0.5 - 1,
              A=-(0.25 + torch.rand(d, n, device=dev)), B=torch.randn(b, 1, n, t, device=dev, dtype=bf),
              C=torch.randn(b, 1, n, t, device=dev, dtype=bf), D=torch.randn(d, device=dev),
@@ -386,7 +387,7 @@ def probe_shape(shape):
     kspec.call("selective_scan.fwd", *args, None, delta_softplus=True, out=fwd_out)
     bwd_in = (dout, *args, None, None, fwd_out[2])
     bwd_out = kspec.call("selective_scan.bwd", *bwd_in, delta_softplus=True)
-    raw = RawLaunch()
+    raw = RawLaunch(libcuda)
     small = torch.empty(1024, device=dev)
     calls = {
         "python no-op": lambda: None,
@@ -404,7 +405,7 @@ def probe_shape(shape):
         row = " | ".join(f"{probe_call_us(fn, before):7.1f}" for before in PROBE_STATES.values())
         print(f"{shape} probe {name:>34} | {row}", flush=True)
     # torch's engine alone (NoopScan) beside kspec's and mamba_ssm's steps, each timed as the ev step
-    flush_buf = torch.empty(64 << 20, dtype=torch.int32, device=dev)
+    flush_buf = torch.empty(flush_words, dtype=torch.int32, device=dev)  # 256 MiB, as the bench's timer
 
     def fwd(fn):
         for v in leaves:
