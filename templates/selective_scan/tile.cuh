@@ -47,7 +47,7 @@ namespace kspec {
 //
 // Launch: gridDim = (ceil(dim / 8), batch), blockDim = 32 kWarps, dynamic shared memory
 // tile_fwd_smem_floats() floats; the arguments of selective_scan_fwd_kernel. Requires kVec (seqlen a
-// multiple of 8, 16-byte aligned pointers: a variable B/C row's 8-step vectors and a lane's 4 steps are
+// multiple of 8, 16-byte aligned pointers: a variable B/C row's 8-step vectors and a lane's 4 (2) steps are
 // aligned vectors, wholly inside or outside the sequence) and dstate 16. Steps past seqlen stage dt = 0
 // (a = 1, dt u = 0: the carry passes through), by a lane's 4 steps, so a run may end inside a tile and
 // inside a warp's 16 steps; channels past dim run with A = 0 and dt = 0 and write nothing. Both read
@@ -82,7 +82,7 @@ constexpr int tile_fwd_smem_floats() {
          + Tr::kWarps * Tr::kG * Tr::kYRow;            // s_y [warp][group][channel * kRun + step]
 }
 
-// Two blocks per SM (168 registers at 6 warps, no spill). At 4 warps, 3 blocks (168 registers) ran the
+// Two blocks per SM (168 registers at 6 warps, 122-128 at 8, no spill). At 4 warps, 3 blocks (168 registers) ran the
 // prototype 1.50 ms against 1.53 at 2, but NVRTC spilled 8 bytes there for fp16 on sm_90.
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 2)
