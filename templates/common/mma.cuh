@@ -7,22 +7,9 @@
 #pragma once
 
 #include "common/dtype.cuh"
+#include "common/pack.cuh"
 
 namespace kspec {
-
-// Two fp32 values as one register of two 16-bit T (lo in the low half).
-template <typename T>
-__device__ __forceinline__ unsigned pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const unsigned*>(&v);
-}
-template <>
-__device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const unsigned*>(&v);
-}
 
 // One register of two T scaled by (lo, hi) in fp32 and rounded back to T; the fp32 products are also
 // added to `sum` (a row sum of the scaled operand before its rounding).

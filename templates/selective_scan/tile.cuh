@@ -15,7 +15,8 @@ namespace kspec {
 // So lanes n and n^1 read the same B/C vector and lanes n and n^2 the same {dt, dt u}, which halves
 // their shared-memory wavefronts (an LDS.128 takes 4 unless such pairs share an address, then 2).
 // Measured on the H100 (prototype, design D of tools/bench/NOTES.md): 1.93 -> 1.60 ms at 1x2048x65536.
-// The block's kWarps warps take kRun = 16 consecutive steps each of a tile of kTile = 16 kWarps steps.
+// The block's kWarps warps take kRun = 16 consecutive steps each of a tile of kTile = 16 kWarps steps
+// (kRun = 8 at 8 warps, below).
 // Per tile:
 //  1. each lane stages {dt, dt u} of 4 of its warp's steps of its channel (its raw u, delta and z
 //     were loaded a tile ahead into registers);
@@ -36,9 +37,17 @@ namespace kspec {
 // (y through shared memory, packed conversions, the unpredicated prefetch; z loaded late, dropped):
 // tools/bench/NOTES.md, "The tile kernel's attempts".
 //
+// 8 warps of 8-step runs (64-step tiles, as 4 warps of 16): for short sequences of few channels
+// (1x2048x512: 256 blocks, one per 8 channels) the grid is too small to give an SM more than 2 blocks, so
+// 4-warp blocks leave 8 warps per SM, 2 per scheduler, to hide the latencies of each tile's ex2, shared
+// memory reads and barrier; 8 warps of half the registers (C P and y of 8 steps: 128 registers, 2 blocks
+// per SM) double that, at the cost of twice the per-tile work per step (fold, staging, y's sum).
+// A lane then stages and writes 2 steps, and only the even warps' runs start at a multiple of
+// kStateStride (their entering state goes to `states`). Not yet measured.
+//
 // Launch: gridDim = (ceil(dim / 8), batch), blockDim = 32 kWarps, dynamic shared memory
 // tile_fwd_smem_floats() floats; the arguments of selective_scan_fwd_kernel. Requires kVec (seqlen a
-// multiple of 8, 16-byte aligned pointers: a variable B/C row's 8-step vectors and a lane's 4 steps are
+// multiple of 8, 16-byte aligned pointers: a variable B/C row's 8-step vectors and a lane's 4 (2) steps are
 // aligned vectors, wholly inside or outside the sequence) and dstate 16. Steps past seqlen stage dt = 0
 // (a = 1, dt u = 0: the carry passes through), by a lane's 4 steps, so a run may end inside a tile and
 // inside a warp's 16 steps; channels past dim run with A = 0 and dt = 0 and write nothing. Both read
@@ -51,14 +60,17 @@ struct TileScanTraits : Flags {
   static constexpr int kS = 4;                 // states per lane
   static constexpr int kG = Flags::kDstate / kS;  // state groups (lanes per channel)
   static constexpr int kCW = 32 / kG;          // channels per block
-  static constexpr int kRun = scan_detail::kStateStride;  // steps per warp and tile
+  // Steps per warp and tile: 16 (kStateStride), or 8 at 8 warps, whose runs' C P and y values (half of
+  // them) leave the 128 registers of 2 blocks of 8 warps per SM.
+  static constexpr int kRun = kWarps == 8 ? scan_detail::kStateStride / 2 : scan_detail::kStateStride;
   static constexpr int kTile = kWarps * kRun;  // steps per tile
   static constexpr int kQ = kRun / kG;         // steps a lane stages and writes
   static constexpr int kNvar = (Flags::kVarB ? 1 : 0) + (Flags::kVarC ? 1 : 0);
   static constexpr int kYRow = kCW * kRun + 4;  // a state group's row of partial y (+4: 8 bank groups)
   static_assert(Flags::kVectors, "the tile kernel needs whole 16-byte aligned vectors (kVec: seqlen a multiple of 8)");
   static_assert(Flags::kDstate == 16, "the tile kernel's lane map is for dstate 16");
-  static_assert(kQ == 4, "a lane stages 4 steps");
+  static_assert(kQ == 4 || kQ == 2, "a lane stages 4 steps (2 at 8 warps)");
+  static_assert(kWarps == 4 || kWarps == 6 || kWarps == 8, "4, 6 or 8 warps");
 };
 
 template <typename Tr>
@@ -70,62 +82,7 @@ constexpr int tile_fwd_smem_floats() {
          + Tr::kWarps * Tr::kG * Tr::kYRow;            // s_y [warp][group][channel * kRun + step]
 }
 
-namespace scan_detail {
-// 4 consecutive elements of T as raw 32-bit words (8 or 16 bytes), split where used.
-template <typename T>
-struct Raw4 {
-  static constexpr int kWords = static_cast<int>(sizeof(T));  // 4 elements of sizeof(T) bytes
-  Vec<unsigned, kWords> w;
-  __device__ __forceinline__ void load(const T* p) { w = load_vec<kWords>(reinterpret_cast<const unsigned*>(p)); }
-  // element k: a 16-bit one from its half of a word by a shift or a mask (as a Vec<T, 4> the compiler
-  // unpacked with PRMTs)
-  __device__ __forceinline__ float at(int k) const {
-    if constexpr (kWords == 4) {
-      return __uint_as_float(w.v[k]);
-    } else {
-      const unsigned x = w.v[k / 2];
-      return half_word_to_float<T>(x, k & 1);
-    }
-  }
-};
-
-// The block's variable B/C rows of one tile: 16-byte vectors of V steps of one state, [state][step] in
-// global memory, staged transposed to [step][state] floats. Zeros past seqlen.
-template <typename Tr, typename X>
-struct TileRows {
-  static constexpr int V = 16 / static_cast<int>(sizeof(X));
-  static constexpr int kVecs = Tr::kDstate * Tr::kTile / V;
-  static constexpr int kPer = kVecs / Tr::kThreads;
-  static_assert(kVecs % Tr::kThreads == 0, "whole vectors per thread");
-  uint4 v[kPer];
-  // g: the block's group's rows (dstate seqlen elements: 32-bit offsets, see tile_valid). Vectors past
-  // seqlen read the row's last one instead (no predicate, no zeroing): their steps have dt = 0.
-  __device__ __forceinline__ void load(const X* __restrict__ g, int seqlen, int t0) {
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads, n = e % Tr::kDstate, tv = (e / Tr::kDstate) * V;
-      v[k] = load_raw16(g + (n * seqlen + min(t0 + tv, seqlen - V)));
-    }
-  }
-  __device__ __forceinline__ void stage(float* s) const {
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads, n = e % Tr::kDstate, tv = (e / Tr::kDstate) * V;
-      const unsigned w[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        if constexpr (V == 8) {
-          s[(tv + j) * Tr::kDstate + n] = half_word_to_float<X>(w[j / 2], j & 1);  // a shift or a mask, no PRMT
-        } else {
-          s[(tv + j) * Tr::kDstate + n] = __uint_as_float(w[j]);
-        }
-      }
-    }
-  }
-};
-}  // namespace scan_detail
-
-// Two blocks per SM (168 registers at 6 warps, no spill). At 4 warps, 3 blocks (168 registers) ran the
+// Two blocks per SM (168 registers at 6 warps, 122-128 at 8, no spill). At 4 warps, 3 blocks (168 registers) ran the
 // prototype 1.50 ms against 1.53 at 2, but NVRTC spilled 8 bytes there for fp16 on sm_90.
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 2)
@@ -177,23 +134,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   T* const out_blk = out + blk;
   const int tq = w * R + sg * Q;
   const int lane_in = (live ? c : dim - 1 - d0) * seqlen, lane_out = c * seqlen + tq;
-  Raw4<T> pu, pd, pz;
-  auto load_q = [&](int t0) {
-    const int t = lane_in + min(t0 + tq, seqlen - Q);
-    pu.load(u_blk + t);
-    pd.load(delta_blk + t);
-    if constexpr (Tr::kHasZ) pz.load(z_blk + t);
-  };
-  TileRows<Tr, typename Tr::TB> rb;
-  TileRows<Tr, typename Tr::TC> rc;
+  LaneSteps<Tr, Q> pre;
+  auto load_q = [&](int t0) { pre.load(u_blk, delta_blk, z_blk, lane_in, t0 + tq, seqlen); };
+  BcRows<Tr, TL> rows;
+  const T* const Bv = Tr::kVarB ? reinterpret_cast<const T*>(B) + bc_base : nullptr;  // u's type (BcRows)
+  const T* const Cv = Tr::kVarC ? reinterpret_cast<const T*>(C) + bc_base : nullptr;
   auto load_bc = [&](int t0) {
-    if constexpr (Tr::kVarB) rb.load(B + bc_base, seqlen, t0);
-    if constexpr (Tr::kVarC) rc.load(C + bc_base, seqlen, t0);
+    if constexpr (Tr::kNvar > 0) rows.load(Bv, Cv, seqlen, t0);
   };
   auto stage_bc = [&](int buf) {
-    float* s = s_bc + buf * Tr::kNvar * TL * N;
-    if constexpr (Tr::kVarB) rb.stage(s);
-    if constexpr (Tr::kVarC) rc.stage(s + (Tr::kVarB ? TL * N : 0));
+    if constexpr (Tr::kNvar > 0) rows.stage(s_bc + buf * Tr::kNvar * TL * N);
   };
   // The first tile's u, delta, z are loaded before its B/C rows are staged (which waits on their loads), so
   // the two loads' latencies overlap: a block of a short sequence runs few tiles after this start.
@@ -212,15 +162,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     const bool run = live && tr < seqlen;            // the warp's run starts inside the sequence
     const bool qrun = live && tr + sg * Q < seqlen;  // this lane's Q steps are inside it (seqlen % Q == 0)
     // 1. {dt, dt u} of this lane's Q steps (dt = 0, u = 0 past seqlen and dim: the state passes through).
-    // u is kept as floats for the outputs, z as raw words (copied: the next tile's prefetch overwrites pz).
-    const Raw4<T> rz = pz;
+    // u is kept as floats for the outputs, z as raw words (copied: the next tile's prefetch overwrites it).
+    const RawSteps<T, Q> rz = pre.z;
     float uq[Q];
 #pragma unroll
     for (int k = 0; k < Q; ++k) {
-      float dt = pd.at(k) + bias;
+      float dt = pre.delta.at(k) + bias;
       if constexpr (Tr::kSoftplus) dt = softplus_sfu(dt);
       dt = qrun ? dt : 0.0f;
-      uq[k] = pu.at(k);
+      uq[k] = pre.u.at(k);
       s_q[(w * R + sg * Q + k) * CW + c] = make_float2(dt, dt * uq[k]);
     }
     if (it + 1 < nt) load_q(t0 + TL);
@@ -294,7 +244,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
         h[2] = fmaf(P4.z, h[2], X4.z);
         h[3] = fmaf(P4.w, h[3], X4.w);
       }
-      if (states && run)
+      if (states && run && (R % kStateStride == 0 || tr % kStateStride == 0))
         *reinterpret_cast<float4*>(states + (chan * nstates_of(seqlen) + tr / kStateStride) * N + n0) =
             make_float4(h[0], h[1], h[2], h[3]);
       if (w == W - 1) {
@@ -322,8 +272,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     float yo[Q] = {};
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      const float4 v = *reinterpret_cast<const float4*>(sy + g * YR + c * R + sg * Q);
-      yo[0] += v.x, yo[1] += v.y, yo[2] += v.z, yo[3] += v.w;
+      if constexpr (Q == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(sy + g * YR + c * R + sg * Q);
+        yo[0] += v.x, yo[1] += v.y, yo[2] += v.z, yo[3] += v.w;
+      } else {
+        const float2 v = *reinterpret_cast<const float2*>(sy + g * YR + c * R + sg * Q);
+        yo[0] += v.x, yo[1] += v.y;
+      }
     }
     if (qrun) {
       float o[Q];
@@ -338,12 +293,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
           o[k + 1] *= g1;
         }
       }
-      T* dst = out_blk + lane_out + t0;
-      if constexpr (sizeof(T) == 4) {
-        *reinterpret_cast<float4*>(dst) = make_float4(o[0], o[1], o[2], o[3]);
-      } else {
-        *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<T>(o[0], o[1]), pack2<T>(o[2], o[3]));
-      }
+      if constexpr (Q == 4)
+        *reinterpret_cast<uint2*>(out_blk + lane_out + t0) = make_uint2(pack2<T>(o[0], o[1]), pack2<T>(o[2], o[3]));
+      else
+        *reinterpret_cast<unsigned*>(out_blk + lane_out + t0) = pack2<T>(o[0], o[1]);
     }
   }
 }

@@ -79,48 +79,6 @@ constexpr int wide_fwd_smem_floats() {
          + Tr::kWarps * Tr::kG * Tr::kYg;           // s_y [warp][group][channel][step]
 }
 
-namespace scan_detail {
-// The block's variable B/C rows of one chunk: 16-byte vectors of 8 steps of one state, [state][step] in
-// global memory, staged transposed to [step][state] floats. The variable tensors' vectors are spread over
-// the block's threads (at 4 warps, B's on threads 0-63 and C's on 64-127: one vector each).
-template <typename Tr>
-struct WideRows {
-  using T = typename Tr::T;
-  static constexpr int kVecs = Tr::kDstate * Tr::kChunk / 8;  // of one tensor
-  static constexpr int kAll = Tr::kNvar * kVecs;
-  static constexpr int kPer = (kAll + Tr::kThreads - 1) / Tr::kThreads;
-  uint4 v[kPer > 0 ? kPer : 1];
-  // The vector e of the chunk: its tensor (0: the first variable one), state and first step.
-  static __device__ __forceinline__ int slot(int e) { return e / kVecs; }
-  static __device__ __forceinline__ int state(int e) { return e % Tr::kDstate; }
-  static __device__ __forceinline__ int step(int e) { return (e % kVecs) / Tr::kDstate * 8; }
-  // B, C: the block's group's rows (dstate seqlen elements each: 32-bit offsets, see the op's rules).
-  // Vectors past seqlen read the row's last one instead: their steps have dt = 0.
-  __device__ __forceinline__ void load(const T* __restrict__ B, const T* __restrict__ C, int seqlen, int t0) {
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads;
-      if (kAll % Tr::kThreads == 0 || e < kAll) {
-        const T* g = Tr::kVarB && slot(e) == 0 ? B : C;
-        v[k] = load_raw16(g + (state(e) * seqlen + min(t0 + step(e), seqlen - 8)));
-      }
-    }
-  }
-  __device__ __forceinline__ void stage(float* s) const {
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const int e = static_cast<int>(threadIdx.x) + k * Tr::kThreads;
-      if (kAll % Tr::kThreads == 0 || e < kAll) {
-        float* row = s + slot(e) * Tr::kChunk * Tr::kDstate + step(e) * Tr::kDstate + state(e);
-        const unsigned w[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
-#pragma unroll
-        for (int j = 0; j < 8; ++j) row[j * Tr::kDstate] = half_word_to_float<T>(w[j / 2], j & 1);
-      }
-    }
-  }
-};
-}  // namespace scan_detail
-
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     selective_scan_fwd_wide_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
@@ -170,14 +128,9 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
   T* const out_blk = out + blk;
   const int tq = sg * Q;
   const int lane_in = (live ? dl : dim - 1 - d0) * seqlen, lane_out = dl * seqlen + tq;
-  uint4 pu, pd, pz = {};
-  auto load_q = [&](int t0) {
-    const int t = lane_in + min(t0 + tq, seqlen - Q);
-    pu = load_raw16(u_blk + t);
-    pd = load_raw16(delta_blk + t);
-    if constexpr (Tr::kHasZ) pz = load_raw16(z_blk + t);
-  };
-  WideRows<Tr> rows;
+  LaneSteps<Tr, Q> pre;
+  auto load_q = [&](int t0) { pre.load(u_blk, delta_blk, z_blk, lane_in, t0 + tq, seqlen); };
+  BcRows<Tr, CH> rows;
   // The variable B/C rows of the block's group (16-bit: u's type T)
   const T* const Bv = Tr::kVarB ? reinterpret_cast<const T*>(B) + bc_base : nullptr;
   const T* const Cv = Tr::kVarC ? reinterpret_cast<const T*>(C) + bc_base : nullptr;
@@ -195,19 +148,16 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     const int t0 = it * CH;
     const bool qrun = live && t0 + tq < seqlen;  // this lane's Q steps are inside the sequence (seqlen % Q == 0)
     // 1. {dt, dt u} of this lane's Q steps (dt = 0 past seqlen and dim: the state passes through); u kept
-    // as floats for the outputs, z as raw words (copied: the next chunk's prefetch overwrites pz)
-    const uint4 rz = pz;
+    // as floats for the outputs, z as raw words (copied: the next chunk's prefetch overwrites it)
+    const RawSteps<T, Q> rz = pre.z;
     float uq[Q];
-    {
-      const unsigned wu[4] = {pu.x, pu.y, pu.z, pu.w}, wd[4] = {pd.x, pd.y, pd.z, pd.w};
 #pragma unroll
-      for (int k = 0; k < Q; ++k) {
-        float dt = half_word_to_float<T>(wd[k / 2], k & 1) + bias;
-        if constexpr (Tr::kSoftplus) dt = softplus_sfu(dt);
-        dt = qrun ? dt : 0.0f;
-        uq[k] = half_word_to_float<T>(wu[k / 2], k & 1);
-        sq[(tq + k) * CW + c] = make_float2(dt, dt * uq[k]);
-      }
+    for (int k = 0; k < Q; ++k) {
+      float dt = pre.delta.at(k) + bias;
+      if constexpr (Tr::kSoftplus) dt = softplus_sfu(dt);
+      dt = qrun ? dt : 0.0f;
+      uq[k] = pre.u.at(k);
+      sq[(tq + k) * CW + c] = make_float2(dt, dt * uq[k]);
     }
     if (it + 1 < nc) load_q(t0 + CH);
     __syncwarp();
@@ -273,13 +223,12 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
       }
     }
     if (qrun) {
-      const unsigned wz[4] = {rz.x, rz.y, rz.z, rz.w};
       unsigned o[Q / 2];
 #pragma unroll
       for (int k = 0; k < Q; k += 2) {
         float o0 = fmaf(Dd, uq[k], yo[k]), o1 = fmaf(Dd, uq[k + 1], yo[k + 1]);
         if constexpr (Tr::kHasZ) {
-          float g0 = half_word_to_float<T>(wz[k / 2], 0), g1 = half_word_to_float<T>(wz[k / 2], 1);
+          float g0 = rz.at(k), g1 = rz.at(k + 1);
           silu2_sfu(g0, g1);
           o0 *= g0;
           o1 *= g1;

@@ -473,6 +473,8 @@ TEST(SelectiveScan, AnAlgorithmsHeaderEditChangesOnlyItsKernelsKeys) {
       {"tile.cuh", {"kspec::selective_scan_fwd_tile_kernel"}},
       {"wide.cuh", {"kspec::selective_scan_fwd_wide_kernel"}},
       {"packed.cuh", {"kspec::selective_scan_fwd_tile_kernel", "kspec::selective_scan_fwd_wide_kernel"}},
+      // the one pack2 (common/pack.cuh, shared with the tensor-core fragments): the kernels that store packed
+      {"../common/pack.cuh", {"kspec::selective_scan_fwd_tile_kernel", "kspec::selective_scan_fwd_wide_kernel"}},
       {"sequential_fwd.cuh", {"kspec::selective_scan_fwd_seq_kernel"}},
       {"sequential_bwd.cuh", {"kspec::selective_scan_bwd_seq_kernel"}},
       {"sequential_segments.cuh", {"kspec::selective_scan_seg_bwd_kernel", "kspec::selective_scan_seg_fwd_kernel"}}};

@@ -249,12 +249,14 @@ TILE_VARIANTS = {
     "tile_seqlen_1000": dict(dim=24, seqlen=1000),
     "tile_seqlen_520_no_h0": dict(dim=16, seqlen=520, h0=False),
     "tile_seqlen_8": dict(dim=8, seqlen=8),
+    # issue 33's shape (at 8 warps: 8 tiles of 64 steps, the odd warps' runs write no `states`)
+    "tile_issue_1x2048x512": dict(batch=1, dim=2048, seqlen=512),
 }
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("name", list(TILE_VARIANTS))
-@pytest.mark.parametrize("warps", [4, 6])
+@pytest.mark.parametrize("warps", [4, 6, 8])
 def test_tile_kernel_forward_states_and_backward(dtype, name, warps):
     """The one-pass tile kernel (algo=tile): out, last_state and `states` against the float64 reference
     (poisoned first), then selective_scan.bwd from those states: every gradient against the reference."""

@@ -76,6 +76,20 @@ undo()
 step()
 result["split"] = dict(order=order, calls=clock.calls, restored=surf.family is family and
                        "_native_backward" not in vars(surf))
+# --probe's floor, a no-op autograd.Function of the scan's inputs: torch's engine alone, no launch, and the
+# allocations of kspec's step (out, 8 gradients) less last_state and states
+def noop_step():
+    for v in leaves:
+        v.grad = None
+    psh.NoopScan.apply(*leaves).backward(dout)
+noop_step()
+before = counts()
+noop_step()
+after = counts()
+with profile(activities=[ProfilerActivity.CPU]) as prof:
+    noop_step()
+result["noop"] = dict(launches=after["launches"] - before["launches"], grads=all(v.grad is not None for v in leaves),
+                      aten=sorted({e.name for e in prof.events() if e.name.startswith("aten::")}))
 print(json.dumps(result))
 print("ok")
 """
@@ -110,3 +124,73 @@ def test_warm_scan_step_host_work_does_not_depend_on_the_shape():
         paths.add(tuple(g["python"]))
     assert len(paths) == 1, "the Python path of a step differs between shapes"
     assert got["split"] == {"order": ["node", "call", "call_end", "node_end"], "calls": 2, "restored": True}, got["split"]
+    # the probe's floor launches nothing and only allocates (no copy of a gradient by AccumulateGrad)
+    noop = got["noop"]
+    assert noop["launches"] == 0 and noop["grads"], noop
+    assert set(noop["aten"]) <= {"aten::empty_like", "aten::empty", "aten::empty_strided", "aten::detach"}, noop
+
+
+_PROBE = r"""
+import torch, kspec
+dh.install_shim(shim)
+sys.path.insert(0, gpu_tools)
+import profile_scan_host as psh
+
+
+class Event:  # CPU tensors: nothing to time on a device
+    def __init__(self, enable_timing=False):
+        pass
+
+    def record(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+class Stream:
+    cuda_stream = 0
+
+    def synchronize(self):
+        pass
+
+
+torch.cuda.synchronize = lambda: None
+torch.cuda._sleep = lambda cycles: None
+torch.cuda.Event = Event
+torch.cuda.current_stream = Stream
+torch.cuda.empty_cache = lambda: None
+lib = ctypes.CDLL(mock)
+lib.kspec_mock_count.restype = ctypes.c_longlong
+lib.kspec_mock_count.argtypes = [ctypes.c_char_p]
+before = lib.kspec_mock_count(b"launches")
+psh.probe_shape("1x64x512", dev="cpu", libcuda=mock, flush_words=1024)
+print("launches", lib.kspec_mock_count(b"launches") - before)
+print("ok")
+"""
+
+
+def test_probe_runs_on_the_mock_driver():
+    """profile_scan_host.py --probe end to end on the mock driver (CPU tensors, torch.cuda's timing calls
+    stubbed): every row prints, the empty kernel is launched through the driver (ctypes), and the steps run."""
+    include = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
+    if _native.ext is None or not os.path.exists(os.path.join(include, "cuda.h")):
+        pytest.skip("needs the torch extension and the CUDA toolkit's cuda.h (for the mock driver)")
+    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench")
+    gpu_tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "gpu")
+    prelude = (f"import ctypes, os, sys\nsys.path.insert(0, {tools!r})\nimport dispatch_host as dh\n"
+               f"gpu_tools = {gpu_tools!r}\nmock, shim = dh.build({include!r})\ndh.select(mock)\n")
+    r = subprocess.run([sys.executable, "-c", prelude + _PROBE], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:] + r.stdout[-2000:]
+    rows = r.stdout.splitlines()
+    for name in ("python no-op", "raw cuLaunchKernel, empty kernel", "kspec.call fwd, out given",
+                 "kspec.call bwd, out given"):
+        row = next(line for line in rows if name in line)
+        assert len(row.split("|")) == 1 + 7, row  # one column per GPU/host state
+    steps = [line for line in rows if " probe step " in line]
+    assert len(steps) >= 2 and "no-op autograd.Function" in steps[0] and "kspec selective_scan_fn" in steps[1], rows
+    # every probe call and step launches: the empty kernel, kspec's forward and backward, the kspec steps
+    assert int(next(line for line in rows if line.startswith("launches")).split()[1]) > 1000, rows

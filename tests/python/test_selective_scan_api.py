@@ -68,6 +68,21 @@ def test_wide_kernel_compiles_without_spills(arch, variant):
         assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 128, (r["arch"], r["registers"], r["log"][-1500:])
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("variant", ["bf16", "f16_fixed_b_no_z_no_h0"])
+def test_tile_kernel_at_8_warps_fits_128_registers(arch, variant):
+    """The tile kernel at 8 warps (8-step runs, 64-step tiles) holds half the runs' values so that 2 blocks of 8
+    warps fit an SM: at most 128 registers and no spill on both architectures CI compiles for, at issue 33's
+    1x2048x512."""
+    dtype = variant.split("_")[0]
+    kw = dict(without=["z", "h0"], alt_shapes=["B"]) if "fixed_b" in variant else {}
+    reports = kspec.compile("selective_scan.fwd", dtype=dtype, arch=arch, batch=1, dim=2048, seqlen=512, dstate=16,
+                            delta_softplus=True, config="algo=tile,warps=8,items=4,lanes=1,chunk=32,segs=1", **kw)
+    assert [r["kernel"].split("<")[0] for r in reports] == ["kspec::selective_scan_fwd_tile_kernel"]
+    for r in reports:
+        assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 128, (r["arch"], r["registers"], r["log"][-1500:])
+
+
 def test_algo_is_a_named_choice_in_configs():
     """`algo` is written by name (the op's info, the configs of a case) and read by name or number in a
     forced config; an unknown name or an algorithm a problem cannot run is refused before compiling."""

@@ -12,9 +12,19 @@ tests/mock_cuda cannot see), and a profile of the loop. A diagnosis tool for the
 times the ev step's backward in pieces on the host clock, from hooks in kspec's and mamba_ssm's backward (what
 torch's autograd engine takes before and after the op's own backward, against the op's), and the ev step early
 and late in its run (a warm-up drift shows as a difference). A shape may be given twice: the rows of its first
-run and of its last then show what the order of the shapes does."""
+run and of its last then show what the order of the shapes does.
+
+--probe (instead of the rows above) asks why the host's CUDA calls of a step cost twice as much at 1x2048x512
+as at the other shapes (run 21: the forward 116-129 us, the backward's call 102-137, torch's hop and tail too):
+one call's host us (medians) of a raw cuLaunchKernel of an empty kernel, the raw kspec.call forward and
+backward (outputs given: no allocation) and controls without a CUDA call, each right after a synchronize, after
+the GPU has been idle 0.2 / 2 ms (the host spinning, or sleeping: a host or a GPU idle effect), behind a busy
+GPU (a 1 ms spin kernel queued) and back to back; then the fwd+bwd step of a no-op autograd.Function with the
+scan's 8 inputs (it allocates its output and 8 gradients, launches nothing) timed as the ev step: torch's
+engine alone, the floor under both libraries' steps."""
 import argparse
 import cProfile
+import ctypes
 import dataclasses
 import gc
 import io
@@ -281,6 +291,145 @@ def profile_shape(shape, trace, split=False, cprofile=True, label=None):
     return r
 
 
+# ---- --probe: one CUDA call's host cost by the state of the GPU and of the host ----
+
+_NOOP_PTX = b""".version 7.0
+.target sm_80
+.address_size 64
+.visible .entry kspec_probe_noop() { ret; }
+"""
+
+
+class RawLaunch:
+    """cuLaunchKernel of an empty kernel (1 block of 32 threads) on torch's current stream, through ctypes
+    (the same ctypes call to cuCtxGetCurrent is the control: what ctypes itself costs)."""
+
+    def __init__(self, libcuda="libcuda.so.1"):
+        cu = ctypes.CDLL(libcuda)
+        torch.cuda.current_stream().synchronize()  # torch's primary context is current on this thread
+        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        for rc in (cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(_NOOP_PTX)),
+                   cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"kspec_probe_noop")):
+            if rc != 0:
+                raise RuntimeError(f"probe: driver error {rc} loading the empty kernel")
+        self.cu, self.fn, self.ctx = cu, fn, ctypes.c_void_p()
+        self.stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+    def launch(self):
+        self.cu.cuLaunchKernel(self.fn, 1, 1, 1, 32, 1, 1, 0, self.stream, None, None)
+
+    def ctypes_only(self):
+        self.cu.cuCtxGetCurrent(ctypes.byref(self.ctx))
+
+
+def _spin_us(us):
+    end = time.perf_counter_ns() + int(us * 1e3)
+    while time.perf_counter_ns() < end:
+        pass
+
+
+# The state of the GPU and the host before each timed call: the queue is empty except in "gpu busy" (a ~1 ms
+# spin kernel queued first) and "back to back" (the previous call's work).
+PROBE_STATES = {
+    "after sync": lambda: torch.cuda.synchronize(),
+    "gpu idle 0.2 ms, host spins": lambda: (torch.cuda.synchronize(), _spin_us(200)),
+    "gpu idle 2 ms, host spins": lambda: (torch.cuda.synchronize(), _spin_us(2000)),
+    "gpu idle 2 ms, host sleeps": lambda: (torch.cuda.synchronize(), time.sleep(0.002)),
+    "gpu busy": lambda: (torch.cuda.synchronize(), torch.cuda._sleep(2_000_000)),
+    "gpu busy, host sleeps 0.2 ms": lambda: (torch.cuda.synchronize(), torch.cuda._sleep(2_000_000), time.sleep(0.0002)),
+    "back to back": None,
+}
+
+
+def probe_call_us(fn, before, reps=40):
+    """Median host us of one fn() after before() (not timed); back to back: fn() after fn(), no wait."""
+    t = []
+    for i in range(reps + 5):
+        if before is not None:
+            before()
+        t0 = time.perf_counter_ns()
+        fn()
+        t1 = time.perf_counter_ns()
+        if i >= 5:
+            t.append((t1 - t0) / 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(t)
+
+
+class NoopScan(torch.autograd.Function):
+    """The scan's autograd shape without its work: 8 inputs, out allocated like u, 8 gradients allocated in
+    the backward (AccumulateGrad takes them as they are: no copy), no kernel launched."""
+
+    @staticmethod
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias):
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias)
+        return torch.empty_like(u)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
+
+
+def probe_shape(shape, dev="cuda", libcuda="libcuda.so.1", flush_words=64 << 20):
+    """The probe's rows at one shape (see --probe in the module's docstring). dev, libcuda, flush_words: for
+    its test on the mock driver (CPU tensors)."""
+    b, d, t = (int(v) for v in shape.split("x"))
+    n, bf = 16, torch.bfloat16
+    x = dict(u=torch.randn(b, d, t, device=dev, dtype=bf), delta=torch.randn(b, d, t, device=dev, dtype=bf) * 0.5 - 1,
+             A=-(0.25 + torch.rand(d, n, device=dev)), B=torch.randn(b, 1, n, t, device=dev, dtype=bf),
+             C=torch.randn(b, 1, n, t, device=dev, dtype=bf), D=torch.randn(d, device=dev),
+             z=torch.randn(b, d, t, device=dev, dtype=bf), delta_bias=torch.randn(d, device=dev) * 0.1)
+    names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
+    args = [x[k] for k in names]
+    leaves = [x[k].clone().requires_grad_() for k in names]
+    dout = torch.randn_like(x["u"])
+    fwd_out = (torch.empty_like(x["u"]), torch.empty(b, d, n, device=dev), torch.empty(b, d, -(-t // 16), n, device=dev))
+    kspec.call("selective_scan.fwd", *args, None, delta_softplus=True, out=fwd_out)
+    bwd_in = (dout, *args, None, None, fwd_out[2])
+    bwd_out = kspec.call("selective_scan.bwd", *bwd_in, delta_softplus=True)
+    raw = RawLaunch(libcuda)
+    small = torch.empty(1024, device=dev)
+    calls = {
+        "python no-op": lambda: None,
+        "ctypes cuCtxGetCurrent": raw.ctypes_only,
+        "torch.empty like u (no CUDA call)": lambda: torch.empty(b, d, t, device=dev, dtype=bf),
+        "raw cuLaunchKernel, empty kernel": raw.launch,
+        "torch zero_ of 4 KB (1 launch)": small.zero_,
+        "kspec.call fwd, out given": lambda: kspec.call("selective_scan.fwd", *args, None, delta_softplus=True,
+                                                        out=fwd_out),
+        "kspec.call bwd, out given": lambda: kspec.call("selective_scan.bwd", *bwd_in, delta_softplus=True,
+                                                        out=bwd_out),
+    }
+    print(f"{shape} probe: host us of one call (median of 40) | " + " | ".join(PROBE_STATES), flush=True)
+    for name, fn in calls.items():
+        row = " | ".join(f"{probe_call_us(fn, before):7.1f}" for before in PROBE_STATES.values())
+        print(f"{shape} probe {name:>34} | {row}", flush=True)
+    # torch's engine alone (NoopScan) beside kspec's and mamba_ssm's steps, each timed as the ev step
+    flush_buf = torch.empty(flush_words, dtype=torch.int32, device=dev)  # 256 MiB, as the bench's timer
+
+    def fwd(fn):
+        for v in leaves:
+            v.grad = None
+        return fn()
+    steps = {"no-op autograd.Function (engine alone)": lambda: NoopScan.apply(*leaves),
+             "kspec selective_scan_fn": lambda: kspec.ops.selective_scan_fn(*leaves, delta_softplus=True)}
+    try:
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as peer
+        steps["mamba_ssm selective_scan_fn"] = lambda: peer(*leaves, delta_softplus=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"{shape} probe mamba_ssm: {str(e)[:120]}")
+    for name, fn in steps.items():
+        r = ev_split(lambda fn=fn: fwd(fn), lambda y: y.backward(dout), flush_buf.zero_)
+        loop = per_call_us(lambda fn=fn: fwd(fn).backward(dout), 100)
+        idle, busy = (probe_call_us(lambda fn=fn: fwd(fn).backward(dout), PROBE_STATES[st])
+                      for st in ("after sync", "gpu busy"))
+        print(f"{shape} probe step {name:>38}: ev {r['ev_step_ms'] * 1e3:6.1f} us (min {r['ev_step_min_ms'] * 1e3:6.1f}), "
+              f"host fwd {r['host_fwd_us']:6.1f}, host step {r['host_step_us']:6.1f}, back-to-back loop {loop:6.1f}; "
+              f"host step after a sync {idle:6.1f}, behind a busy GPU {busy:6.1f}", flush=True)
+    del flush_buf
+    torch.cuda.empty_cache()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="2x4096x333", help="BxDxL, or several separated by commas")
@@ -288,8 +437,14 @@ def main():
     p.add_argument("--trace", action="store_true", help="torch.profiler's CUDA API and kernel table per shape")
     p.add_argument("--split", action="store_true", help="the ev step's backward in host pieces (hooks), early/late")
     p.add_argument("--no-profile", action="store_true", help="leave out the cProfile table")
+    p.add_argument("--probe", action="store_true",
+                   help="only the probe: one CUDA call's host us by GPU/host state, and torch's engine alone")
     a = p.parse_args()
     shapes = a.shape.split(",")
+    if a.probe:
+        for shape in shapes:
+            probe_shape(shape)
+        return
     results = {}
     for i, shape in enumerate(shapes):  # a repeated shape keeps each run's rows apart: shape#run
         key = shape if shapes.count(shape) == 1 else f"{shape}#{shapes[:i + 1].count(shape)}"

@@ -6,15 +6,16 @@ namespace kspec::scan {
 namespace {
 
 constexpr const char* kHeader = "selective_scan/tile.cuh";
-// A block holds 8 channels (lanes = 8 channels x 4 groups of 4 states) and `warps` runs of 16 steps.
-constexpr int64_t kTileRun = 16;
+// A block holds 8 channels (lanes = 8 channels x 4 groups of 4 states) and `warps` runs of 16 steps (8 at
+// 8 warps: TileScanTraits::kRun).
+int64_t tile_run(const Config& c) { return c.get("warps") == 8 ? 8 : 16; }
 
 // Dynamic shared memory of the tile kernel (tile_fwd_smem_floats in tile.cuh).
 int64_t tile_smem_bytes(const Problem& p, const Config& c) {
-  int64_t w = c.get("warps"), tile = w * kTileRun, n = p.dim("dstate");
+  const int64_t w = c.get("warps"), run = tile_run(c), tile = w * run, n = p.dim("dstate");
   const int64_t nvar = (var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0);
   return 4 * (2 * nvar * tile * n + 2 * tile * kTileChannels + 2 * w * 2 * kTileChannels * n + 2 * kTileChannels * n +
-              w * (n / 4) * (kTileChannels * kTileRun + 4));
+              w * (n / 4) * (kTileChannels * run + 4));
 }
 
 // The kernel addresses a block's rows with 32-bit offsets: dstate * seqlen must fit in an int.
@@ -23,7 +24,8 @@ bool tile_offsets_fit(const Problem& p) { return p.dim("seqlen") * p.dim("dstate
 bool valid(const Problem& p, const Config& c, std::string* why) {
   if (c.get("items") != 4 || c.get("lanes") != 1 || c.get("chunk") != 32 || c.get("segs") != 1)
     return no(why, "algo=tile does not use items, lanes, chunk or segs (canonical values 4, 1, 32, 1)");
-  if (c.get("warps") != 4 && c.get("warps") != 6) return no(why, "algo=tile runs 4 or 6 warps (2 blocks per SM)");
+  if (c.get("warps") != 4 && c.get("warps") != 6 && c.get("warps") != 8)
+    return no(why, "algo=tile runs 4, 6 or 8 warps (2 blocks per SM)");
   if (p.dim("dstate") != 16) return no(why, "algo=tile's lane map is for dstate 16");
   // With fp32 u, delta, z (or a variable fp32 B/C) the raw prefetch of the next tile spilled 56-64 bytes.
   if (dtype_size(p.dtype("u")) != 2 || (var_b(p) && dtype_size(p.dtype("B")) != 2) ||
