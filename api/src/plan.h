@@ -39,7 +39,11 @@ class CallKey {
   void clear() { size_ = 0; }
   // Room for n more bytes at the end: where they go.
   char* extend(size_t n);
+  // Gives back the last n bytes of an extend() that wrote fewer (an upper bound asked first).
+  void shrink(size_t n) { size_ -= n; }
   std::string_view view() const { return {data_.get(), size_}; }
+  // A hash of the key's bytes, 8 at a time (a multiply and a shift each): the call cache's table index.
+  uint64_t hash() const;
 
  private:
   std::unique_ptr<char[]> data_;
@@ -53,6 +57,13 @@ class CallKey {
 // False (nothing appended) for a call the cache does not take: a TensorList argument.
 bool append_call_key(CallKey& key, const OpDef& op, const std::vector<TensorView>& inputs,
                      const std::vector<TensorView>& outputs, const Params& params);
+
+// The largest power of two up to 16 dividing p's address (16 for null): its lowest set bit, without the
+// divisions a loop of `% al` costs (~25 cycles each, up to four per view of a call key).
+inline int pointer_alignment(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p) | 16;
+  return static_cast<int>(a & (~a + 1));
+}
 
 // What kspec::call does before its launches, without them: validation, the plan, its kernels compiled (or
 // read from the disk cache) and loaded on the tensors' device — for a caller that must not compile later
