@@ -365,37 +365,6 @@ size_t scratch_slot(const CachedCall* e) {  // Fibonacci hashing of the entry's 
 size_t recent_slot(const OpDef* op) { return (reinterpret_cast<uintptr_t>(op) * 0x9E3779B97F4A7C15ull) >> 60; }
 static_assert(kHitSlots == 16 && kRecentSlots == 16, "the slots are a hash's top 4 bits");
 
-// Whether `given` has the signature (append_call_key's fields: all but the addresses, and those's
-// alignment) of `last`, the views of a call with the same count.
-bool same_views(const std::vector<TensorView>& last, const std::vector<TensorView>& given) {
-  for (size_t i = 0; i < given.size(); ++i) {
-    const TensorView &a = last[i], &b = given[i];
-    if (a.rank != b.rank || a.dtype != b.dtype || pointer_alignment(a.data) != pointer_alignment(b.data))
-      return false;
-    if (a.rank < 0) continue;
-    if (a.device != b.device) return false;
-    for (int d = 0; d < a.rank; ++d)
-      if (a.shape[d] != b.shape[d] || a.strides[d] != b.strides[d]) return false;
-  }
-  return true;
-}
-
-// Params equal as the key compares them: names, order, types, and values bit for bit (-0.0 is not 0.0).
-bool same_params(const Params& last, const Params& given) {
-  const auto &a = last.items(), &b = given.items();
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const ParamValue &x = a[i].second, &y = b[i].second;
-    if (x.index() != y.index() || a[i].first != b[i].first) return false;
-    if (auto d = std::get_if<double>(&x)) {
-      if (std::memcmp(d, std::get_if<double>(&y), sizeof(double)) != 0) return false;
-    } else if (!(x == y)) {
-      return false;
-    }
-  }
-  return true;
-}
-
 // The thread's last hit of `op` when this call has its signature, compared in place with the views and
 // params that hit's scratch slot keeps: no key written, hashed or looked up (about half of a hit's
 // instructions on the mock driver). Null otherwise (the slot since taken by another entry, or in use
@@ -447,6 +416,34 @@ class ScratchClaim {
 };
 
 }  // namespace
+
+bool same_views(const std::vector<TensorView>& last, const std::vector<TensorView>& given) {
+  for (size_t i = 0; i < given.size(); ++i) {
+    const TensorView &a = last[i], &b = given[i];
+    if (a.rank != b.rank || a.dtype != b.dtype || pointer_alignment(a.data) != pointer_alignment(b.data))
+      return false;
+    if (a.rank < 0) continue;
+    if (a.device != b.device) return false;
+    for (int d = 0; d < a.rank; ++d)
+      if (a.shape[d] != b.shape[d] || a.strides[d] != b.strides[d]) return false;
+  }
+  return true;
+}
+
+bool same_params(const Params& last, const Params& given) {
+  const auto &a = last.items(), &b = given.items();
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const ParamValue &x = a[i].second, &y = b[i].second;
+    if (x.index() != y.index() || a[i].first != b[i].first) return false;
+    if (auto d = std::get_if<double>(&x)) {
+      if (std::memcmp(d, std::get_if<double>(&y), sizeof(double)) != 0) return false;
+    } else if (!(x == y)) {
+      return false;
+    }
+  }
+  return true;
+}
 
 char* CallKey::extend(size_t n) {
   if (size_ + n > capacity_) {

@@ -58,6 +58,12 @@ class CallKey {
 bool append_call_key(CallKey& key, const OpDef& op, const std::vector<TensorView>& inputs,
                      const std::vector<TensorView>& outputs, const Params& params);
 
+// Whether `given` has the signature (append_call_key's fields: all but the addresses, and those's
+// alignment) of `last`, the views of a call with as many (`last` may have more: absent padding).
+bool same_views(const std::vector<TensorView>& last, const std::vector<TensorView>& given);
+// Params equal as the key compares them: names, order, types, and values bit for bit (-0.0 is not 0.0).
+bool same_params(const Params& last, const Params& given);
+
 // The largest power of two up to 16 dividing p's address (16 for null): its lowest set bit, without the
 // divisions a loop of `% al` costs (~25 cycles each, up to four per view of a call key).
 inline int pointer_alignment(const void* p) {
