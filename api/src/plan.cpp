@@ -369,8 +369,8 @@ static_assert(kHitSlots == 16 && kRecentSlots == 16, "the slots are a hash's top
 // params that hit's scratch slot keeps: no key written, hashed or looked up (about half of a hit's
 // instructions on the mock driver). Null otherwise (the slot since taken by another entry, or in use
 // further up the stack).
-const CachedCall* repeated_call(HitState& st, const OpDef& op, const std::vector<TensorView>& inputs,
-                                const std::vector<TensorView>& outputs, const Params& params) {
+const CachedCall* repeated_call(HitState& st, const OpDef& op, ViewList inputs, ViewList outputs,
+                                const Params& params) {
   const CachedCall* r = st.recent[recent_slot(&op)];
   if (!r || r->op != &op) return nullptr;
   const HitScratch& s = st.scratches[scratch_slot(r)];
@@ -390,7 +390,7 @@ const CachedCall* repeated_call(HitState& st, const OpDef& op, const std::vector
 
 // `given`'s data pointers into `views` (the last call of the same signature's, padded to the schema: the
 // same views but for their addresses); whether they were the same already.
-bool take_data(std::vector<TensorView>& views, const std::vector<TensorView>& given) {
+bool take_data(std::vector<TensorView>& views, ViewList given) {
   bool same = true;
   for (size_t i = 0; i < given.size(); ++i) {
     same = same && views[i].data == given[i].data;
@@ -417,7 +417,7 @@ class ScratchClaim {
 
 }  // namespace
 
-bool same_views(const std::vector<TensorView>& last, const std::vector<TensorView>& given) {
+bool same_views(const std::vector<TensorView>& last, ViewList given) {
   for (size_t i = 0; i < given.size(); ++i) {
     const TensorView &a = last[i], &b = given[i];
     if (a.rank != b.rank || a.dtype != b.dtype || pointer_alignment(a.data) != pointer_alignment(b.data))
@@ -475,8 +475,7 @@ uint64_t CallKey::hash() const {
   return h ^ (h >> 29);
 }
 
-bool append_call_key(CallKey& key, const OpDef& op, const std::vector<TensorView>& inputs,
-                     const std::vector<TensorView>& outputs, const Params& params) {
+bool append_call_key(CallKey& key, const OpDef& op, ViewList inputs, ViewList outputs, const Params& params) {
   const OpDef* op_ptr = &op;
   const uint16_t counts[2] = {static_cast<uint16_t>(inputs.size()), static_cast<uint16_t>(outputs.size())};
   size_t size = sizeof(op_ptr) + sizeof(counts) + kMaxViewKeySize * (inputs.size() + outputs.size());
@@ -506,8 +505,10 @@ bool append_call_key(CallKey& key, const OpDef& op, const std::vector<TensorView
 // in place (repeated_call); any other writes its key into a per-thread buffer and looks it up in a table
 // read without a lock; the call is assembled in one of the thread's HitScratch slots
 // (tests/mock_cuda/test_host_path.cpp counts allocations).
-void call(std::string_view op_name, const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
-          const Params& params, Stream stream, const CallOptions& options) {
+namespace {
+
+void call_views(std::string_view op_name, ViewList inputs, ViewList outputs, const Params& params, Stream stream,
+                const CallOptions& options) {
   static std::mutex add_mu;
   static CallTable cache;
   HitState& st = hit_state();
@@ -570,7 +571,7 @@ void call(std::string_view op_name, const std::vector<TensorView>& inputs, const
     return;
   }
   std::string key = cacheable ? std::string(st.key.view()) : std::string();
-  Call c = validate_call(op, inputs, outputs, params, stream);
+  Call c = validate_call(op, inputs.to_vector(), outputs.to_vector(), params, stream);
   c.problem.arch = device_arch(c.device);
   PlanEntry& plan = plan_for(op, c.problem, c.device, options.config, stream);
   if (cacheable) {
@@ -591,6 +592,19 @@ void call(std::string_view op_name, const std::vector<TensorView>& inputs, const
   DeviceLauncher launcher(plan, c.device, stream);
   op.launch(c, plan.config, launcher);
   launcher.finish();
+}
+
+}  // namespace
+
+void call(std::string_view op, const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
+          const Params& params, Stream stream, const CallOptions& options) {
+  call_views(op, inputs, outputs, params, stream, options);
+}
+
+void call(std::string_view op, std::initializer_list<TensorView> inputs, std::initializer_list<TensorView> outputs,
+          const Params& params, Stream stream, const CallOptions& options) {
+  call_views(op, ViewList(inputs.begin(), inputs.size()), ViewList(outputs.begin(), outputs.size()), params, stream,
+             options);
 }
 
 void prepare_call(std::string_view op_name, const std::vector<TensorView>& inputs,

@@ -158,6 +158,7 @@ def call_rows():
     phi = torch.randn(hn * hn + 2 * hn, hn * hd, device=dev) * 0.01
     alpha, hbias = torch.full((3,), 0.01, device=dev), torch.zeros(hn * hn + 2 * hn, device=dev)
     hxf, hw = hx.view(T, hn * hd), torch.ones(hn * hd, device=dev, dtype=bf)
+    hxg = hx.clone().requires_grad_()
     hf = torch.randn(T, hd, device=dev, dtype=bf)
     h_post, h_res = torch.rand(T, hn, device=dev), torch.rand(T, hn, hn, device=dev)
 
@@ -196,6 +197,9 @@ def call_rows():
                                                                                          hbias, None))),
         ("mhc", "kspec.ops.mhc_pre T=8 n=4 D=4096 (no_grad)", no_grad(lambda: kspec.ops.mhc_pre(hx, phi, alpha, hbias))),
         ("mhc", "kspec.ops.mhc_post (no_grad)", no_grad(lambda: kspec.ops.mhc_post(hx, hf, h_post, h_res))),
+        ("mhc", "torch F.rms_norm [8, 4*4096] (input requires grad)",
+         lambda: F.rms_norm(hxg.view(T, hn * hd), (hn * hd,), hw, 1e-6)),
+        ("mhc", "kspec.ops.mhc_pre (input requires grad)", lambda: kspec.ops.mhc_pre(hxg, phi, alpha, hbias)),
     ]
 
 
