@@ -335,8 +335,8 @@ class CallTable {
 };
 
 // A thread's Call for cache hits of one entry, so that a hit copies no Problem (vectors, strings, params:
-// a dozen heap allocations) and its views go into vectors that already have the room: the problem is
-// copied when the slot last held another entry, the views every time. A thread has kHitSlots of them,
+// a dozen heap allocations) and its views go into vectors that already have the room: the problem and the
+// views are copied when the slot last held another entry, else only the views' addresses. A thread has kHitSlots of them,
 // picked by the entry's address, so that a training step's interleaved ops keep theirs. `busy` covers a
 // hit whose launch re-enters kspec::call on the same thread with the same slot (a tuner's timing
 // calls): that one takes a Call of its own.
