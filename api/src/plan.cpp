@@ -3,6 +3,7 @@
 #include "api/src/plan.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -233,15 +234,8 @@ LoadedKernel* DeviceLauncher::prepare(size_t k, Dim3 grid, unsigned shared_bytes
 
 namespace {
 
-int pointer_alignment(const void* p) {
-  auto a = reinterpret_cast<uintptr_t>(p);
-  int al = 16;
-  while (al > 1 && a % al) al /= 2;
-  return al;
-}
-
-// A call key is sized first and then written in one pass through a cursor: one resize of the (thread's,
-// already large enough) buffer instead of an append per piece, which was most of a cache hit's cost.
+// A call key is written in one pass through a cursor into room asked for once (an upper bound for the
+// views, the exact size of the params), instead of an append per piece, which was most of a cache hit's cost.
 struct KeyWriter {
   char* at;
   template <typename T>
@@ -255,9 +249,7 @@ struct KeyWriter {
   }
 };
 
-size_t view_key_size(const TensorView& t) {
-  return 4 + (t.rank < 0 ? 0 : sizeof(t.device) + 2 * sizeof(int64_t) * static_cast<size_t>(t.rank));
-}
+constexpr size_t kMaxViewKeySize = 4 + sizeof(int) + 2 * sizeof(int64_t) * kMaxRank;
 
 void write_view(KeyWriter& w, const TensorView& t) {
   const int8_t head[4] = {static_cast<int8_t>(t.rank), static_cast<int8_t>(t.dtype),
@@ -295,9 +287,11 @@ void write_param(KeyWriter& w, const std::string& name, const ParamValue& v) {
 
 // A validated call kept for the next one with the same signature: its problem (params completed, arch
 // set), device and padded argument counts, and the plan it used. Never freed (the cache is bounded), so
-// `key` may be the map's key and a thread's HitScratch may remember an entry by its address.
+// a reader of the table may hold one without a lock and a thread's HitScratch may remember it by address.
 struct CachedCall {
   std::string key;
+  uint64_t hash = 0;  // key's CallKey::hash
+  const OpDef* op = nullptr;
   Call call;
   PlanEntry* plan = nullptr;
   uint64_t generation = 0;
@@ -306,9 +300,43 @@ struct CachedCall {
 // Bounded: a process that sweeps shapes stops adding after this many (its calls validate in full).
 constexpr size_t kMaxCachedCalls = 4096;
 
+// The call cache: open addressing over twice kMaxCachedCalls slots, so a probe always ends at an empty
+// slot. Entries are only ever added (under the caller's mutex) and never move or die, so a lookup reads
+// without a lock: an acquire load per slot, against a shared lock's two atomic read-modify-writes and an
+// unordered_map's bucket division per hit.
+class CallTable {
+ public:
+  const CachedCall* find(uint64_t hash, std::string_view key) const {
+    for (size_t i = hash & kMask;; i = (i + 1) & kMask) {
+      const CachedCall* e = slots_[i].load(std::memory_order_acquire);
+      if (!e) return nullptr;
+      if (e->hash == hash && std::string_view(e->key) == key) return e;
+    }
+  }
+  // Writers hold a mutex of their own. False (not added) when full or already there.
+  bool add(const CachedCall* e) {
+    if (size_ >= kMaxCachedCalls) return false;
+    size_t i = e->hash & kMask;
+    for (;; i = (i + 1) & kMask) {
+      const CachedCall* o = slots_[i].load(std::memory_order_relaxed);
+      if (!o) break;
+      if (o->hash == e->hash && o->key == e->key) return false;
+    }
+    slots_[i].store(e, std::memory_order_release);
+    ++size_;
+    return true;
+  }
+
+ private:
+  static constexpr size_t kSlots = 2 * kMaxCachedCalls, kMask = kSlots - 1;
+  static_assert((kSlots & kMask) == 0, "a power of two");
+  std::atomic<const CachedCall*> slots_[kSlots] = {};
+  size_t size_ = 0;
+};
+
 // A thread's Call for cache hits of one entry, so that a hit copies no Problem (vectors, strings, params:
-// a dozen heap allocations) and its views go into vectors that already have the room: the problem is
-// copied when the slot last held another entry, the views every time. A thread has kHitSlots of them,
+// a dozen heap allocations) and its views go into vectors that already have the room: the problem and the
+// views are copied when the slot last held another entry, else only the views' addresses. A thread has kHitSlots of them,
 // picked by the entry's address, so that a training step's interleaved ops keep theirs. `busy` covers a
 // hit whose launch re-enters kspec::call on the same thread with the same slot (a tuner's timing
 // calls): that one takes a Call of its own.
@@ -316,15 +344,41 @@ constexpr size_t kHitSlots = 16;
 struct HitScratch {
   Call call;
   const CachedCall* from = nullptr;
+  Params given;                  // the params of `from`'s calls as passed (as its key holds them)
+  size_t given_inputs = 0, given_outputs = 0;  // the views passed (call's are padded to the schema)
   bool overlap_checked = false;  // call's views passed check_no_overlap
   bool busy = false;
 };
 
-// A thread's state for kspec::call: its key buffer and hit scratches.
+// A thread's state for kspec::call: its key buffer, hit scratches, and its last hit per op (picked by the
+// OpDef's address; an op's calls in a loop are mostly one signature).
+constexpr size_t kRecentSlots = 16;
 struct HitState {
   CallKey key;
   HitScratch scratches[kHitSlots];
+  const CachedCall* recent[kRecentSlots] = {};
 };
+
+size_t scratch_slot(const CachedCall* e) {  // Fibonacci hashing of the entry's address: its top bits
+  return (reinterpret_cast<uintptr_t>(e) * 0x9E3779B97F4A7C15ull) >> 60;
+}
+size_t recent_slot(const OpDef* op) { return (reinterpret_cast<uintptr_t>(op) * 0x9E3779B97F4A7C15ull) >> 60; }
+static_assert(kHitSlots == 16 && kRecentSlots == 16, "the slots are a hash's top 4 bits");
+
+// The thread's last hit of `op` when this call has its signature, compared in place with the views and
+// params that hit's scratch slot keeps: no key written, hashed or looked up (about half of a hit's
+// instructions on the mock driver). Null otherwise (the slot since taken by another entry, or in use
+// further up the stack).
+const CachedCall* repeated_call(HitState& st, const OpDef& op, ViewList inputs, ViewList outputs,
+                                const Params& params) {
+  const CachedCall* r = st.recent[recent_slot(&op)];
+  if (!r || r->op != &op) return nullptr;
+  const HitScratch& s = st.scratches[scratch_slot(r)];
+  if (s.from != r || s.busy || s.given_inputs != inputs.size() || s.given_outputs != outputs.size()) return nullptr;
+  if (!same_views(s.call.inputs, inputs) || !same_views(s.call.outputs, outputs) || !same_params(s.given, params))
+    return nullptr;
+  return r;
+}
 
 // The thread's HitState, reached once per call through a function: with a thread_local named in
 // kspec::call, GCC computed its address again (a __tls_get_addr call in a shared library) at each of its
@@ -334,12 +388,15 @@ struct HitState {
   return state;
 }
 
-// Whether `views` begins with `given`'s data pointers (views: the last call's, padded to the schema).
-bool same_data(const std::vector<TensorView>& views, const std::vector<TensorView>& given) {
-  if (views.size() < given.size()) return false;
-  for (size_t i = 0; i < given.size(); ++i)
-    if (views[i].data != given[i].data) return false;
-  return true;
+// `given`'s data pointers into `views` (the last call of the same signature's, padded to the schema: the
+// same views but for their addresses); whether they were the same already.
+bool take_data(std::vector<TensorView>& views, ViewList given) {
+  bool same = true;
+  for (size_t i = 0; i < given.size(); ++i) {
+    same = same && views[i].data == given[i].data;
+    views[i].data = given[i].data;
+  }
+  return same;
 }
 
 class ScratchClaim {
@@ -360,6 +417,34 @@ class ScratchClaim {
 
 }  // namespace
 
+bool same_views(const std::vector<TensorView>& last, ViewList given) {
+  for (size_t i = 0; i < given.size(); ++i) {
+    const TensorView &a = last[i], &b = given[i];
+    if (a.rank != b.rank || a.dtype != b.dtype || pointer_alignment(a.data) != pointer_alignment(b.data))
+      return false;
+    if (a.rank < 0) continue;
+    if (a.device != b.device) return false;
+    for (int d = 0; d < a.rank; ++d)
+      if (a.shape[d] != b.shape[d] || a.strides[d] != b.strides[d]) return false;
+  }
+  return true;
+}
+
+bool same_params(const Params& last, const Params& given) {
+  const auto &a = last.items(), &b = given.items();
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const ParamValue &x = a[i].second, &y = b[i].second;
+    if (x.index() != y.index() || a[i].first != b[i].first) return false;
+    if (auto d = std::get_if<double>(&x)) {
+      if (std::memcmp(d, std::get_if<double>(&y), sizeof(double)) != 0) return false;
+    } else if (!(x == y)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 char* CallKey::extend(size_t n) {
   if (size_ + n > capacity_) {
     const size_t capacity = std::max<size_t>(2 * (size_ + n), 256);
@@ -373,23 +458,42 @@ char* CallKey::extend(size_t n) {
   return at;
 }
 
-bool append_call_key(CallKey& key, const OpDef& op, const std::vector<TensorView>& inputs,
-                     const std::vector<TensorView>& outputs, const Params& params) {
+uint64_t CallKey::hash() const {
+  constexpr uint64_t kMul = 0xff51afd7ed558ccdull;  // MurmurHash3's finalizer constant
+  uint64_t h = 0x9E3779B97F4A7C15ull ^ size_;
+  const char* p = data_.get();
+  size_t n = size_;
+  for (; n >= 8; n -= 8, p += 8) {
+    uint64_t w;
+    std::memcpy(&w, p, 8);
+    h = (h ^ w) * kMul;
+    h ^= h >> 32;
+  }
+  uint64_t tail = 0;
+  for (size_t i = 0; i < n; ++i) tail |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  h = (h ^ tail) * kMul;
+  return h ^ (h >> 29);
+}
+
+bool append_call_key(CallKey& key, const OpDef& op, ViewList inputs, ViewList outputs, const Params& params) {
   const OpDef* op_ptr = &op;
   const uint16_t counts[2] = {static_cast<uint16_t>(inputs.size()), static_cast<uint16_t>(outputs.size())};
-  size_t size = sizeof(op_ptr) + sizeof(counts);
-  for (const auto* list : {&inputs, &outputs})
-    for (const auto& t : *list) {
-      if (t.is_list()) return false;
-      size += view_key_size(t);
-    }
+  size_t size = sizeof(op_ptr) + sizeof(counts) + kMaxViewKeySize * (inputs.size() + outputs.size());
   for (const auto& [name, v] : params.items()) size += param_key_size(name, v);
-  KeyWriter w{key.extend(size)};
+  char* const begin = key.extend(size);
+  KeyWriter w{begin};
   w.raw(op_ptr);
   w.raw(counts);
   for (const auto* list : {&inputs, &outputs})
-    for (const auto& t : *list) write_view(w, t);
+    for (const auto& t : *list) {
+      if (t.is_list()) {
+        key.shrink(size);
+        return false;
+      }
+      write_view(w, t);
+    }
   for (const auto& [name, v] : params.items()) write_param(w, name, v);
+  key.shrink(size - static_cast<size_t>(w.at - begin));
   return true;
 }
 
@@ -397,24 +501,28 @@ bool append_call_key(CallKey& key, const OpDef& op, const std::vector<TensorView
 // append_call_key) reuses the validated problem and its plan, and checks only what depends on the
 // pointers — null data, overlap between outputs and inputs, the op's own check_call — each with the
 // message full validation gives (a null pointer goes through full validation, which names it).
-// A hit allocates nothing: the key is built in a per-thread buffer, looked up by string_view, and the
-// call assembled in one of the thread's HitScratch slots (tests/mock_cuda/test_host_path.cpp counts
-// allocations).
-void call(std::string_view op_name, const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
-          const Params& params, Stream stream, const CallOptions& options) {
-  static std::shared_mutex mu;
-  static std::unordered_map<std::string_view, std::unique_ptr<CachedCall>> cache;
+// A hit allocates nothing: a call with the signature of the thread's last hit of the op is recognised
+// in place (repeated_call); any other writes its key into a per-thread buffer and looks it up in a table
+// read without a lock; the call is assembled in one of the thread's HitScratch slots
+// (tests/mock_cuda/test_host_path.cpp counts allocations).
+namespace {
+
+void call_views(std::string_view op_name, ViewList inputs, ViewList outputs, const Params& params, Stream stream,
+                const CallOptions& options) {
+  static std::mutex add_mu;
+  static CallTable cache;
   HitState& st = hit_state();
   const OpDef& op = Registry::global().get(op_name);
-  // The buffer is read only up to the lookup (and copied into a new entry before anything that may
-  // re-enter kspec::call on this thread: plan_for may tune, and the tuner's calls come back here).
-  st.key.clear();
-  const bool cacheable = !options.config && append_call_key(st.key, op, inputs, outputs, params);
-  const CachedCall* hit = nullptr;
-  if (cacheable) {
-    std::shared_lock<std::shared_mutex> lock(mu);
-    auto it = cache.find(st.key.view());
-    if (it != cache.end()) hit = it->second.get();
+  const CachedCall* hit = options.config ? nullptr : repeated_call(st, op, inputs, outputs, params);
+  bool cacheable = true;
+  uint64_t hash = 0;
+  if (!hit) {
+    // The buffer is read only up to the lookup (and copied into a new entry before anything that may
+    // re-enter kspec::call on this thread: plan_for may tune, and the tuner's calls come back here).
+    st.key.clear();
+    cacheable = !options.config && append_call_key(st.key, op, inputs, outputs, params);
+    hash = cacheable ? st.key.hash() : 0;
+    hit = cacheable ? cache.find(hash, st.key.view()) : nullptr;
   }
   bool pointers_ok = true;
   if (hit) {
@@ -422,29 +530,35 @@ void call(std::string_view op_name, const std::vector<TensorView>& inputs, const
       for (const auto& t : *list) pointers_ok = pointers_ok && (t.data || t.rank < 0 || t.numel() == 0);
   }
   if (hit && pointers_ok) {
-    // Fibonacci hashing of the entry's address: its top bits pick the slot.
-    HitScratch& scratch = st.scratches[(reinterpret_cast<uintptr_t>(hit) * 0x9E3779B97F4A7C15ull) >> 60];
+    HitScratch& scratch = st.scratches[scratch_slot(hit)];
     ScratchClaim claim(scratch);
     Call own;  // only when the thread's scratch is in use further up the stack
     Call& c = claim.claimed() ? scratch.call : own;
-    if (!claim.claimed() || scratch.from != hit) {
+    bool same_pointers = false;
+    if (claim.claimed() && scratch.from == hit) {
+      // The slot's views are this signature's: only the addresses may differ (no 152-byte view copied).
+      same_pointers = take_data(c.inputs, inputs) & take_data(c.outputs, outputs);
+    } else {
       if (claim.claimed()) scratch.from = nullptr;  // until the copy is whole
       c.problem = hit->call.problem;
       c.device = hit->call.device;
-      c.inputs.clear();
-      c.outputs.clear();
-      if (claim.claimed()) scratch.from = hit;
+      c.inputs.assign(inputs.begin(), inputs.end());
+      c.inputs.resize(hit->call.inputs.size());  // trailing optionals left out: absent views
+      c.outputs.assign(outputs.begin(), outputs.end());
+      c.outputs.resize(hit->call.outputs.size());
+      if (claim.claimed()) {
+        scratch.given = params;
+        scratch.given_inputs = inputs.size();
+        scratch.given_outputs = outputs.size();
+        scratch.from = hit;
+      }
     }
+    if (claim.claimed()) st.recent[recent_slot(&op)] = hit;
     // The thread's last call of this signature passed the overlap check with the very same pointers (the
     // same shapes and strides, by the signature): it would pass again.
-    const bool checked = claim.claimed() && scratch.overlap_checked && same_data(c.inputs, inputs) &&
-                         same_data(c.outputs, outputs);
+    const bool checked = claim.claimed() && scratch.overlap_checked && same_pointers;
     if (claim.claimed()) scratch.overlap_checked = false;
     c.stream = stream;
-    c.inputs.assign(inputs.begin(), inputs.end());
-    c.inputs.resize(hit->call.inputs.size());  // trailing optionals left out: absent views
-    c.outputs.assign(outputs.begin(), outputs.end());
-    c.outputs.resize(hit->call.outputs.size());
     if (op.check_call) op.check_call(c);
     if (!checked) check_no_overlap(op.info, c.inputs, c.outputs);
     if (claim.claimed()) scratch.overlap_checked = true;
@@ -457,7 +571,7 @@ void call(std::string_view op_name, const std::vector<TensorView>& inputs, const
     return;
   }
   std::string key = cacheable ? std::string(st.key.view()) : std::string();
-  Call c = validate_call(op, inputs, outputs, params, stream);
+  Call c = validate_call(op, inputs.to_vector(), outputs.to_vector(), params, stream);
   c.problem.arch = device_arch(c.device);
   PlanEntry& plan = plan_for(op, c.problem, c.device, options.config, stream);
   if (cacheable) {
@@ -467,18 +581,30 @@ void call(std::string_view op_name, const std::vector<TensorView>& inputs, const
     entry->call.device = c.device;
     entry->call.inputs.resize(c.inputs.size());
     entry->call.outputs.resize(c.outputs.size());
+    entry->hash = hash;
+    entry->op = &op;
     entry->plan = &plan;
     entry->generation = plan.generation;
-    std::unique_lock<std::shared_mutex> lock(mu);
-    if (cache.size() < kMaxCachedCalls && !cache.count(entry->key)) {
-      std::string_view k = entry->key;
-      cache.emplace(k, std::move(entry));
-    }
+    std::lock_guard<std::mutex> lock(add_mu);
+    if (cache.add(entry.get())) entry.release();  // the table's from now on (never freed)
   }
   jit::ContextGuard guard(c.device);
   DeviceLauncher launcher(plan, c.device, stream);
   op.launch(c, plan.config, launcher);
   launcher.finish();
+}
+
+}  // namespace
+
+void call(std::string_view op, const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
+          const Params& params, Stream stream, const CallOptions& options) {
+  call_views(op, inputs, outputs, params, stream, options);
+}
+
+void call(std::string_view op, std::initializer_list<TensorView> inputs, std::initializer_list<TensorView> outputs,
+          const Params& params, Stream stream, const CallOptions& options) {
+  call_views(op, ViewList(inputs.begin(), inputs.size()), ViewList(outputs.begin(), outputs.size()), params, stream,
+             options);
 }
 
 void prepare_call(std::string_view op_name, const std::vector<TensorView>& inputs,

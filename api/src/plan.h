@@ -32,6 +32,23 @@ std::vector<jit::KernelSpec> kernel_specs(const OpDef& op, const Problem& p, con
 // bound calls may still hold them.
 PlanEntry& plan_for(const OpDef& op, const Problem& p, int device, const Config* forced, Stream stream);
 
+// A read-only run of views read in place: a vector's, or the initializer list a call was written with.
+class ViewList {
+ public:
+  ViewList() = default;
+  ViewList(const std::vector<TensorView>& v) : data_(v.data()), size_(v.size()) {}  // NOLINT: implicit
+  ViewList(const TensorView* data, size_t size) : data_(data), size_(size) {}
+  size_t size() const { return size_; }
+  const TensorView* begin() const { return data_; }
+  const TensorView* end() const { return data_ + size_; }
+  const TensorView& operator[](size_t i) const { return data_[i]; }
+  std::vector<TensorView> to_vector() const { return {begin(), end()}; }
+
+ private:
+  const TensorView* data_ = nullptr;
+  size_t size_ = 0;
+};
+
 // A call key being written: grown as needed and never zero-filled first (a std::string's resize writes
 // every byte before the key does, ~100 instructions of a cache hit's ~2400 on the mock driver).
 class CallKey {
@@ -39,7 +56,11 @@ class CallKey {
   void clear() { size_ = 0; }
   // Room for n more bytes at the end: where they go.
   char* extend(size_t n);
+  // Gives back the last n bytes of an extend() that wrote fewer (an upper bound asked first).
+  void shrink(size_t n) { size_ -= n; }
   std::string_view view() const { return {data_.get(), size_}; }
+  // A hash of the key's bytes, 8 at a time (a multiply and a shift each): the call cache's table index.
+  uint64_t hash() const;
 
  private:
   std::unique_ptr<char[]> data_;
@@ -51,8 +72,20 @@ class CallKey {
 // given. Everything validation reads but the pointers themselves, so two calls with one signature pass or
 // fail validation alike except for what depends on the pointers (null, overlap, the op's check_call).
 // False (nothing appended) for a call the cache does not take: a TensorList argument.
-bool append_call_key(CallKey& key, const OpDef& op, const std::vector<TensorView>& inputs,
-                     const std::vector<TensorView>& outputs, const Params& params);
+bool append_call_key(CallKey& key, const OpDef& op, ViewList inputs, ViewList outputs, const Params& params);
+
+// Whether `given` has the signature (append_call_key's fields: all but the addresses, and those's
+// alignment) of `last`, the views of a call with as many (`last` may have more: absent padding).
+bool same_views(const std::vector<TensorView>& last, ViewList given);
+// Params equal as the key compares them: names, order, types, and values bit for bit (-0.0 is not 0.0).
+bool same_params(const Params& last, const Params& given);
+
+// The largest power of two up to 16 dividing p's address (16 for null): its lowest set bit, without the
+// divisions a loop of `% al` costs (~25 cycles each, up to four per view of a call key).
+inline int pointer_alignment(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p) | 16;
+  return static_cast<int>(a & (~a + 1));
+}
 
 // What kspec::call does before its launches, without them: validation, the plan, its kernels compiled (or
 // read from the disk cache) and loaded on the tensors' device — for a caller that must not compile later

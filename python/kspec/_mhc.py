@@ -22,43 +22,45 @@ def _c(t):
     return t if t is None or t.is_contiguous() else t.contiguous()
 
 
-def _pre_bwd(dy, dh_pre, dh_post, dr, x, phi, alpha, bias, gamma, inv, h, eps_rms, eps_pre, eps_sk, t_max):
+def _pre_bwd(dy, x, phi, alpha, bias, gamma, inv, h, dh_pre, dh_post, dr, eps_rms, eps_pre, eps_sk, t_max):
     if dy is None:
         dy = x.new_zeros(x.shape[:-2] + x.shape[-1:])
     return call("mhc.pre.bwd", _c(dy), x, phi, alpha, bias, gamma, inv, h, _c(dh_pre), _c(dh_post), _c(dr), None,
                 eps_rms=eps_rms, eps_pre=eps_pre, eps_sk=eps_sk, t_max=t_max)
 
 
-def _pre_only_bwd(dy, dh_pre, x, phi, alpha, bias, gamma, inv, h, eps_rms, eps_pre):
+def _pre_only_bwd(dy, x, phi, alpha, bias, gamma, inv, h, dh_pre, eps_rms, eps_pre):
     if dy is None:
         dy = x.new_zeros(x.shape[:-2] + x.shape[-1:])
     return call("mhc.pre_only.bwd", _c(dy), x, phi, alpha, bias, gamma, inv, h, _c(dh_pre), None,
                 eps_rms=eps_rms, eps_pre=eps_pre)
 
 
+def _pre_bwd_fake(dy, x, phi, alpha, bias, gamma, *_):
+    return (x.new_empty(x.shape), torch.empty_like(phi), torch.empty_like(alpha), torch.empty_like(bias),
+            None if gamma is None else torch.empty_like(gamma))
+
+
 _PARAMS = "Tensor x, Tensor phi, Tensor alpha, Tensor bias, Tensor? gamma"
 _SAVED = "Tensor inv, Tensor h"
 _OUT = ("dx", "dphi", "dalpha", "dbias", "dgamma")
 
+# The backward ops' arguments in their inputs' order (one_call: with the torch extension a call wanting a
+# gradient is one C++ call, whose node runs mhc.pre.bwd without Python; a gradient that did not come is
+# passed absent where the op takes it so, zeros for dy).
 pre = build(Family(
     name="mhc_pre", ops=("mhc.pre.fwd", "mhc.pre.bwd"),
     fwd=_PARAMS + ", float eps_rms, float eps_pre, float eps_sk, int t_max",
     fwd_out=("y", "h_pre", "h_post", "r", "inv", "h"),
-    bwd="Tensor? dy, Tensor? dh_pre, Tensor? dh_post, Tensor? dr, " + _PARAMS + ", " + _SAVED
+    bwd="Tensor? dy, " + _PARAMS + ", " + _SAVED + ", Tensor? dh_pre, Tensor? dh_post, Tensor? dr"
     + ", float eps_rms, float eps_pre, float eps_sk, int t_max",
-    bwd_out=_OUT, backward=_pre_bwd, public=(0, 1, 2, 3),
-    bwd_fake=lambda dy, dh_pre, dh_post, dr, x, phi, alpha, bias, gamma, *_: (
-        x.new_empty(x.shape), torch.empty_like(phi), torch.empty_like(alpha), torch.empty_like(bias),
-        None if gamma is None else torch.empty_like(gamma))))
+    bwd_out=_OUT, backward=_pre_bwd, public=(0, 1, 2, 3), bwd_fake=_pre_bwd_fake, one_call=True))
 
 pre_only = build(Family(
     name="mhc_pre_only", ops=("mhc.pre_only.fwd", "mhc.pre_only.bwd"),
     fwd=_PARAMS + ", float eps_rms, float eps_pre", fwd_out=("y", "h_pre", "inv", "h"),
-    bwd="Tensor? dy, Tensor? dh_pre, " + _PARAMS + ", " + _SAVED + ", float eps_rms, float eps_pre",
-    bwd_out=_OUT, backward=_pre_only_bwd, public=(0, 1),
-    bwd_fake=lambda dy, dh_pre, x, phi, alpha, bias, gamma, *_: (
-        x.new_empty(x.shape), torch.empty_like(phi), torch.empty_like(alpha), torch.empty_like(bias),
-        None if gamma is None else torch.empty_like(gamma))))
+    bwd="Tensor? dy, " + _PARAMS + ", " + _SAVED + ", Tensor? dh_pre, float eps_rms, float eps_pre",
+    bwd_out=_OUT, backward=_pre_only_bwd, public=(0, 1), bwd_fake=_pre_bwd_fake, one_call=True))
 
 
 def _post_bwd(dout, x, f, h_post, h_res):
@@ -69,7 +71,7 @@ post = build(Family(
     name="mhc_post", ops=("mhc.post.fwd", "mhc.post.bwd"),
     fwd="Tensor x, Tensor f, Tensor h_post, Tensor h_res", fwd_out=("out",),
     bwd="Tensor dout, Tensor x, Tensor f, Tensor h_post, Tensor h_res", bwd_out=("dx", "df", "dh_post", "dh_res"),
-    backward=_post_bwd))
+    backward=_post_bwd, one_call=True))
 
 
 def _sinkhorn_bwd(dr, logits, eps_sk, t_max):

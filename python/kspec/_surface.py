@@ -21,7 +21,9 @@ from . import _native, _schema
 from ._core import call
 
 FAMILIES: dict = {}  # name -> Family, in registration order
-_OUT, _GRAD = 1000, 2000  # call_grad's codes: forward output i is _OUT + i, its gradient _GRAD + i
+# call_grad's codes: forward output i is _OUT + i, its gradient _GRAD + i (_GRAD_OPTIONAL + i where the backward op
+# takes that gradient absent: none made of zeros when it did not come)
+_OUT, _GRAD, _GRAD_OPTIONAL = 1000, 2000, 3000
 
 
 def _args(schema: str):
@@ -360,10 +362,11 @@ class Surface:
         """call_grad's constant arguments, resolved once: (fwd op, bwd op, the param names, fn(args) -> their
         values, the backward's params, its arguments coded as call_grad takes them, the inputs' gradients)."""
         f = self.family
+        optional = [t["optional"] for t in _schema._info(f.ops[1])["inputs"]]
         codes, bwd_params = [], []
         for n, t in self.bwd_args:
             if n.startswith("d") and n[1:] in f.fwd_out:
-                codes.append(_GRAD + f.fwd_out.index(n[1:]))
+                codes.append((_GRAD_OPTIONAL if optional[len(codes)] else _GRAD) + f.fwd_out.index(n[1:]))
             elif n in f.extra:
                 raise ValueError(f"{f.name}: one_call with an extra ({n})")
             elif not _is_tensor(t):

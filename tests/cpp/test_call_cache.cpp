@@ -66,7 +66,8 @@ TEST(CallCache, KeyBufferGrowsKeepingItsBytes) {
 TEST(CallCache, ListsAreNotCached) {
   TensorView items[1] = {TensorView(reinterpret_cast<void*>(uintptr_t(1) << 32), DType::f32, {4}, 0)};
   CallKey k;
-  EXPECT_FALSE(append_call_key(k, Registry::global().get("adamw"), {TensorView::list(items, 1)}, {}, {}));
+  const std::vector<TensorView> list{TensorView::list(items, 1)};
+  EXPECT_FALSE(append_call_key(k, Registry::global().get("adamw"), list, {}, {}));
   EXPECT_TRUE(k.view().empty());
 }
 

@@ -167,6 +167,53 @@ TEST_F(HostPath, NormActLaunchesPassEachTensorInItsPlace) {
   }
 }
 
+// A hit of the thread's last signature (recognised in place, its scratch's views updated by address only)
+// and of a signature seen before: each launch carries its own call's buffers, and a call differing from the
+// last in a param's value, a stride, or one argument absent is no repeat of it.
+TEST_F(HostPath, CallRepeatsTakeTheirOwnPointersAndNoOtherSignature) {
+  LastParams last;
+  NormActCall f, g;
+  auto check = [&](const NormActCall& c, float eps, long long x_row) {
+    const NormActParams p = last.get();
+    EXPECT_EQ(p.x, c.ins[0].data);
+    EXPECT_EQ(p.weight, c.ins[1].data);
+    EXPECT_EQ(p.bias, c.ins[2].data);
+    EXPECT_EQ(p.y, c.outs[0].data);
+    EXPECT_EQ(static_cast<void*>(p.mean), c.outs[1].data);
+    EXPECT_EQ(static_cast<void*>(p.rstd), c.outs[2].data);
+    EXPECT_EQ(p.eps, eps);
+    EXPECT_EQ(p.x_row_stride, x_row);
+  };
+  const Params quarter{{"norm", std::string("layernorm")}, {"eps", 0.25}}, half{{"norm", std::string("layernorm")},
+                                                                                {"eps", 0.5}};
+  // x with its rows 512 apart (the mock reads no buffer): a stride the key holds, the shape the same
+  NormActCall strided;
+  strided.ins[0] = TensorView::strided(strided.ins[0].data, DType::f32, {4, 256}, {512, 1}, 0);
+  for (int i = 0; i < 3; ++i) {
+    call("norm_act.fwd", f.ins, f.outs, quarter, f.stream);
+    check(f, 0.25f, 256);
+    call("norm_act.fwd", g.ins, g.outs, quarter, g.stream);  // the same signature, other buffers
+    check(g, 0.25f, 256);
+    call("norm_act.fwd", g.ins, g.outs, half, g.stream);  // another eps
+    check(g, 0.5f, 256);
+    call("norm_act.fwd", strided.ins, strided.outs, half, strided.stream);
+    check(strided, 0.5f, 512);
+  }
+  std::vector<TensorView> no_bias = f.ins;
+  no_bias[2] = TensorView();
+  call("norm_act.fwd", f.ins, f.outs, quarter, f.stream);
+  call("norm_act.fwd", no_bias, f.outs, quarter, f.stream);
+  EXPECT_EQ(last.get().bias, nullptr);
+  // A bound run with outputs moved to other buffers of the same layout launches with those.
+  BoundCall bound("norm_act.fwd", f.ins, f.outs, f.params);
+  for (const NormActCall* c : {&f, &g, &f}) {
+    bound.run({}, c->outs, f.stream);
+    EXPECT_EQ(last.get().x, f.ins[0].data);
+    EXPECT_EQ(last.get().y, c->outs[0].data);
+    EXPECT_EQ(static_cast<void*>(last.get().rstd), c->outs[2].data);
+  }
+}
+
 // A thread with no current context (torch's autograd worker for device 0) keeps device 0's primary context
 // after a call, as the runtime's first call there would bind it: no unbind and rebind per backward node. A
 // thread with another context current gets it back.

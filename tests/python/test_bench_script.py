@@ -753,3 +753,42 @@ def test_scan_configs_sweep_times_each_shape_beside_mamba(families, monkeypatch)
         for c, h in (("algo=wide", True), ("algo=tile", False), ("mamba_ssm", False))]
     assert [round(r["mamba_x"], 6) for r in rows] == [3.0, 2.0, 1.0] * 2
     assert all(r["max_error"] < 1e-2 for r in rows)
+
+
+def test_dispatch_step_rounds_interleave_and_rotate(families, monkeypatch):
+    """The dispatch table's training steps: each group's variants run in rounds, in turn, round r starting at
+    variant r, each variant under its own path context; a row's ratio is the median of its rounds' wall ratios
+    to the first (peer) row of the group, so drift that slows a whole round leaves the ratio alone."""
+    torch = pytest.importorskip("torch")
+    dispatch = families["dispatch"]
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    clock = [0]
+    monkeypatch.setattr(dispatch.time, "perf_counter_ns", lambda: clock[0])
+    order = []
+
+    def variant(name, cost):
+        def step():
+            order.append(name)
+            timed_round = max(len(order) - 4, 0) // 6  # after 3 warm-up steps, 3 variants x 2 steps a round
+            clock[0] += cost * (1 + timed_round % 3)  # each round slower or faster as a whole
+        return step
+    entered = []
+
+    class Ctx:
+        def __enter__(self):
+            entered.append("node")
+
+        def __exit__(self, *exc):
+            entered.append("exit")
+    monkeypatch.setitem(dispatch._PATHS, "node", Ctx)
+    variants = [(variant("peer", 1000), ""), (variant("kspec", 1500), ""), (variant("node", 500), "node")]
+    out = dispatch.interleaved_steps(variants, rounds=3, steps=2, warmup=1)
+    assert order[:3] == ["peer", "kspec", "node"]  # warm-up, each once
+    timed = [n for n in order[3:]]
+    firsts = [timed[i * 6] for i in range(3)]
+    assert firsts == ["peer", "kspec", "node"], timed  # round r starts at variant r
+    assert entered.count("node") == entered.count("exit") == 1 + 3
+    (pw, ph, pr), (kw, kh, kr), (nw, nh, nr) = out
+    assert pr == 1.0 and kr == pytest.approx(1.5) and nr == pytest.approx(0.5)
+    assert (pw, kw, nw) == pytest.approx((2.0, 3.0, 1.0))  # µs per step, the median round's (x2)
+    assert (ph, kh, nh) == (pw, kw, nw)

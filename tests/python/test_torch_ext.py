@@ -421,3 +421,65 @@ want = outcome(lambda: kspec.call("norm_act.fwd", x.detach(), bad.detach(), None
 assert got == want and got is not None, (got, want)
 print("ok")
 """)
+
+
+def test_mhc_with_grad_is_one_cpp_call_on_the_mock_driver():
+    """kspec.ops.mhc_pre and mhc_post with a gradient wanted (issue 34's decode shape scaled down: T 8, n 4),
+    through the whole host path on the mock driver: each forward is one C++ call (call_grad) recording a C++
+    node, the backward runs no Python (mhc.pre.bwd and mhc.post.bwd launched by the nodes), every gradient has
+    its input's shape and dtype (none for an absent gamma), the public outputs are the forward op's first
+    ones, and a bad phi raises what kspec.call raises. Without grad mhc_pre is one kspec.call."""
+    _run_on_mock_driver("""
+import torch, kspec, kspec._mhc
+dh.install_shim(shim)
+T, n, D, bf = 8, 4, 64, torch.bfloat16
+M = n * n + 2 * n
+x = torch.randn(T, n, D, dtype=bf, requires_grad=True)
+phi = (torch.randn(M, n * D) * 0.01).requires_grad_()
+alpha, bias = torch.full((3,), 0.01, requires_grad=True), torch.zeros(M, requires_grad=True)
+kspec.ops.mhc_pre(x, phi, alpha, bias)  # compiles
+names, builtins = [], []
+def hook(frame, event, arg):
+    if event == "call" and "kspec" in frame.f_code.co_filename:
+        names.append(frame.f_code.co_name)
+    if event == "c_call" and "kspec" in frame.f_code.co_filename:
+        builtins.append(arg.__name__)
+sys.setprofile(hook)
+y, h_pre, h_post, r = kspec.ops.mhc_pre(x, phi, alpha, bias)
+sys.setprofile(None)
+# (the public outputs' list comprehension is a frame of its own before Python 3.12)
+assert names[:4] == ["mhc_pre", "run_pre", "_eager_infer", "__call__"] and set(names[4:]) <= {"<listcomp>"}, names
+assert "call_grad" in builtins, builtins
+assert y.grad_fn.name() == "MhcPreBackward" and h_post.grad_fn is y.grad_fn
+assert (y.shape, y.dtype, h_pre.shape, h_post.shape, r.shape) == ((T, D), bf, (T, n), (T, n), (T, n, n))
+f = torch.randn(T, D, dtype=bf, requires_grad=True)
+out = kspec.ops.mhc_post(x, f, h_post, r)
+assert out.grad_fn.name() == "MhcPostBackward" and out.shape == x.shape
+names.clear()
+sys.setprofile(hook)
+gx, gphi, galpha, gbias, gf = torch.autograd.grad(out.float().sum() + y.float().sum(), (x, phi, alpha, bias, f))
+sys.setprofile(None)
+assert not names, names
+for g, t in ((gx, x), (gphi, phi), (galpha, alpha), (gbias, bias), (gf, f)):
+    assert g.shape == t.shape and g.dtype == t.dtype, (g.shape, t.shape)
+gamma = torch.ones(n * D, requires_grad=True)
+y2 = kspec.ops.mhc_pre(x, phi, alpha, bias, gamma)[0]
+assert torch.autograd.grad(y2.float().sum(), gamma)[0].shape == gamma.shape
+def outcome(fn):
+    try:
+        fn()
+    except Exception as e:
+        return type(e).__name__, str(e)
+bad = torch.randn(M, n * D - 1, requires_grad=True)
+got = outcome(lambda: kspec.ops.mhc_pre(x, bad, alpha, bias))
+want = outcome(lambda: kspec.call("mhc.pre.fwd", x.detach(), bad.detach(), alpha.detach(), bias.detach(), None,
+                                  eps_rms=1e-6, eps_pre=1e-6, eps_sk=1e-6, t_max=20))
+assert got == want and got is not None, (got, want)
+with torch.no_grad():
+    names.clear()
+    sys.setprofile(hook)
+    outs = kspec.ops.mhc_pre(x, phi, alpha, bias)
+    sys.setprofile(None)
+assert len(outs) == 4 and outs[0].grad_fn is None, outs
+print("ok")
+""")

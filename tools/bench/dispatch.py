@@ -24,11 +24,18 @@ FAMILY = "dispatch"
 DESCRIPTION = "host µs per call of kspec's entry points beside their peers (issue 28's table)"
 
 CALLS, WARMUP = 2000, 200
-STEPS, STEP_WARMUP = 200, 20
+SYNC_EVERY = 100  # calls between untimed synchronizes: the launch queue never fills
+STEP_WARMUP = 20
+# A step table's variants run in ROUNDS rounds of ROUND_STEPS steps, in turn, each round starting at the next
+# variant: a single 200-step loop per variant, one after another, put torch's own norm step at 117.5 µs and,
+# later in the same run (run 22), at 147.1 — the host's drift, not the ops, decided the row.
+ROUNDS, ROUND_STEPS = 20, 20
 
 
 def host_us(fn, calls=CALLS, warmup=WARMUP) -> float:
-    """Median host microseconds of one fn() call."""
+    """Median host microseconds of one fn() call. The GPU is synchronized (untimed) every SYNC_EVERY calls:
+    where a call's kernels take longer than its host work (mhc.pre at decode), a full launch queue would
+    otherwise make later launches wait for the GPU and time the GPU, not the host."""
     import torch
 
     for _ in range(warmup):
@@ -37,6 +44,8 @@ def host_us(fn, calls=CALLS, warmup=WARMUP) -> float:
     t = [0] * calls
     clock = time.perf_counter_ns
     for i in range(calls):
+        if i % SYNC_EVERY == 0:
+            torch.cuda.synchronize()
         t0 = clock()
         fn()
         t[i] = clock() - t0
@@ -65,20 +74,42 @@ def gpu_us(fn, calls=50) -> float:
     return ms[len(ms) // 2] * 1e3
 
 
-def step_us(fn, steps=STEPS, warmup=STEP_WARMUP) -> tuple[float, float]:
-    """(wall µs per step with one sync at the end, host µs per step spent enqueueing)."""
+def interleaved_steps(variants, rounds=ROUNDS, steps=ROUND_STEPS, warmup=STEP_WARMUP) -> list:
+    """Training steps of several variants (the peer first), interleaved: `rounds` rounds of `steps` steps of
+    each variant in turn, round r starting at variant r (none owns the warm or the cold end of the run, and
+    drift between rounds moves every variant of a round alike). variants: [(fn, path)], path a key of _PATHS
+    or "". Per variant (wall µs per step with one sync at a round's end, host µs per step spent enqueueing,
+    each the median over rounds; and the median over rounds of its wall / the peer's wall in that round)."""
+    import contextlib
+
     import torch
 
-    for _ in range(warmup):
-        fn()
+    def ctx(path):
+        return _PATHS[path]() if path in _PATHS else contextlib.nullcontext()
+    for fn, path in variants:
+        with ctx(path):
+            for _ in range(warmup):
+                fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter_ns()
-    for _ in range(steps):
-        fn()
-    t1 = time.perf_counter_ns()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter_ns()
-    return (t2 - t0) / 1e3 / steps, (t1 - t0) / 1e3 / steps
+    clock = time.perf_counter_ns
+    wall = [[] for _ in variants]
+    host = [[] for _ in variants]
+    for r in range(rounds):
+        for k in range(len(variants)):
+            i = (r + k) % len(variants)
+            fn, path = variants[i]
+            with ctx(path):
+                torch.cuda.synchronize()
+                t0 = clock()
+                for _ in range(steps):
+                    fn()
+                t1 = clock()
+                torch.cuda.synchronize()
+                t2 = clock()
+            wall[i].append((t2 - t0) / 1e3 / steps)
+            host[i].append((t1 - t0) / 1e3 / steps)
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    return [(med(wall[i]), med(host[i]), med([a / b for a, b in zip(wall[i], wall[0])])) for i in range(len(variants))]
 
 
 def _cupy_row():
@@ -127,6 +158,7 @@ def call_rows():
     phi = torch.randn(hn * hn + 2 * hn, hn * hd, device=dev) * 0.01
     alpha, hbias = torch.full((3,), 0.01, device=dev), torch.zeros(hn * hn + 2 * hn, device=dev)
     hxf, hw = hx.view(T, hn * hd), torch.ones(hn * hd, device=dev, dtype=bf)
+    hxg = hx.clone().requires_grad_()
     hf = torch.randn(T, hd, device=dev, dtype=bf)
     h_post, h_res = torch.rand(T, hn, device=dev), torch.rand(T, hn, hn, device=dev)
 
@@ -165,6 +197,9 @@ def call_rows():
                                                                                          hbias, None))),
         ("mhc", "kspec.ops.mhc_pre T=8 n=4 D=4096 (no_grad)", no_grad(lambda: kspec.ops.mhc_pre(hx, phi, alpha, hbias))),
         ("mhc", "kspec.ops.mhc_post (no_grad)", no_grad(lambda: kspec.ops.mhc_post(hx, hf, h_post, h_res))),
+        ("mhc", "torch F.rms_norm [8, 4*4096] (input requires grad)",
+         lambda: F.rms_norm(hxg.view(T, hn * hd), (hn * hd,), hw, 1e-6)),
+        ("mhc", "kspec.ops.mhc_pre (input requires grad)", lambda: kspec.ops.mhc_pre(hxg, phi, alpha, hbias)),
     ]
 
 
@@ -226,7 +261,10 @@ def step_rows():
     gy = torch.randn(4, 256, device=dev, dtype=bf)
 
     def norm_step(fn):
-        return lambda: fn().backward(gy)
+        def step():  # gradients reset as zero_grad() does: no accumulation kernels (as the other steps)
+            x.grad = w.grad = None
+            fn().backward(gy)
+        return step
     lx = torch.randn(4, 256, device=dev, dtype=bf, requires_grad=True)
     lw = (torch.randn(256, 256, device=dev, dtype=bf) * 0.06).requires_grad_()
     lb = torch.zeros(256, device=dev, dtype=bf, requires_grad=True)
@@ -477,39 +515,49 @@ def run(args) -> dict:
         data["rows"].append(row)
         print(f"{group:8} {name:50} {path:5} {'n/a' if us is None else f'{us:8.1f}':>8}"
               + ("" if gpu is None else f"   gpu {gpu:7.1f}"))
-    print(f"\n{'group':10} {'step':42} {'path':5} {'wall µs':>9} {'host µs':>9}")
+    print(f"\ntraining steps, each group's variants interleaved ({ROUNDS} rounds of {ROUND_STEPS} steps; medians over "
+          "rounds; x peer: the median of the rounds' wall ratios to the group's first row)")
+    print(f"{'group':10} {'step':42} {'path':5} {'wall µs':>9} {'host µs':>9} {'x peer':>7}")
+    groups: dict = {}
     for group, name, path, fn in _twins(step_rows()):
-        if fn is None:
-            wall, host = None, None
-        elif path in _PATHS:
-            with _PATHS[path]():
-                wall, host = step_us(fn)
-        else:
-            wall, host = step_us(fn)
-        data["steps"].append({"group": group, "step": name, "path": path, "wall_us": wall, "host_us": host})
-        cols = "      n/a       n/a" if wall is None else f"{wall:9.1f} {host:9.1f}"
-        print(f"{group:10} {name:42} {path:5} {cols}")
-    print("\nnorm_act [4, 256] bf16 training step, variants interleaved (host µs per call: fwd, bwd; wall µs per step"
-          " with x.grad/w.grad accumulated, and with them reset to None)")
-    print(f"{'variant':24} {'fwd':>7} {'bwd':>7} {'wall':>8} {'bwd*':>7} {'wall*':>8} {'launches':>9} {'gpu ops':>8}")
-    data["norm_step_breakdown"] = norm_step_breakdown(getattr(args, "trace", False))
-    for r in data["norm_step_breakdown"]:
-        print(f"{r['variant']:24} {r['fwd_us']:7.1f} {r['bwd_us']:7.1f} {r['wall_us']:8.1f} {r['bwd_no_accum_us']:7.1f} "
-              f"{r['wall_no_accum_us']:8.1f} {r.get('launches_per_step', float('nan')):9.1f} "
-              f"{r.get('gpu_ops_per_step', float('nan')):8.1f}")
-    for r in data["norm_step_breakdown"]:
-        if r.get("trace"):
-            print(f"\n{r['variant']}: torch.profiler, 20 steps, by self CPU\n{r['trace']}")
-        elif r.get("trace_error"):
-            print(f"{r['variant']}: profiler: {r['trace_error']}")
+        groups.setdefault(group, []).append((name, path, fn))
+    for group, rows in groups.items():
+        timed = [(name, path, fn) for name, path, fn in rows if fn is not None]
+        results = dict(zip(((n, p) for n, p, _ in timed), interleaved_steps([(fn, path) for _, path, fn in timed])))
+        for name, path, fn in rows:
+            wall, host, ratio = results.get((name, path), (None, None, None))
+            if rows[0][2] is None:  # no peer installed: the first timed row is no peer
+                ratio = None
+            data["steps"].append({"group": group, "step": name, "path": path, "wall_us": wall, "host_us": host,
+                                  "x_peer": ratio})
+            cols = ("      n/a       n/a     n/a" if wall is None else
+                    f"{wall:9.1f} {host:9.1f} " + ("    n/a" if ratio is None else f"{ratio:7.3f}"))
+            print(f"{group:10} {name:42} {path:5} {cols}")
+    if getattr(args, "trace", False):
+        print("\nnorm_act [4, 256] bf16 training step, variants interleaved (host µs per call: fwd, bwd; wall µs per "
+              "step with x.grad/w.grad accumulated, and with them reset to None)")
+        print(f"{'variant':24} {'fwd':>7} {'bwd':>7} {'wall':>8} {'bwd*':>7} {'wall*':>8} {'launches':>9} {'gpu ops':>8}")
+        data["norm_step_breakdown"] = norm_step_breakdown(True)
+        for r in data["norm_step_breakdown"]:
+            print(f"{r['variant']:24} {r['fwd_us']:7.1f} {r['bwd_us']:7.1f} {r['wall_us']:8.1f} "
+                  f"{r['bwd_no_accum_us']:7.1f} {r['wall_no_accum_us']:8.1f} {r.get('launches_per_step', float('nan')):9.1f} "
+                  f"{r.get('gpu_ops_per_step', float('nan')):8.1f}")
+        for r in data["norm_step_breakdown"]:
+            if r.get("trace"):
+                print(f"\n{r['variant']}: torch.profiler, 20 steps, by self CPU\n{r['trace']}")
+            elif r.get("trace_error"):
+                print(f"{r['variant']}: profiler: {r['trace_error']}")
     if getattr(args, "dispatch_bin", None):
         try:
             c = cpp_rows(args.dispatch_bin)
             data["cpp"] = c
-            print(f"\nC++ ({c['problem']}): raw cuLaunchKernel {c['raw_us']:.2f} µs, kspec::call {c['call_us']:.2f} "
-                  f"(+{c['call_minus_raw_us']:.2f}), prebuilt params {c['call_prebuilt_params_us']:.2f} "
-                  f"(+{c['call_prebuilt_params_minus_raw_us']:.2f}), typed {c['typed_us']:.2f} "
-                  f"(+{c['typed_minus_raw_us']:.2f}), BoundCall {c['bound_us']:.2f} (+{c['bound_minus_raw_us']:.2f}); "
+            print(f"\nC++ ({c['problem']}; {c['reps']} rounds of {c['launches_per_rep']} calls, methods in turn; "
+                  "+x: the median over rounds of the round's difference from raw, p90 in brackets): raw cuLaunchKernel "
+                  f"{c['raw_us']:.2f} µs, kspec::call {c['call_us']:.2f} (+{c['call_minus_raw_us']:.2f} "
+                  f"[{c['call_minus_raw_p90_us']:.2f}]), prebuilt params {c['call_prebuilt_params_us']:.2f} "
+                  f"(+{c['call_prebuilt_params_minus_raw_us']:.2f} [{c['call_prebuilt_params_minus_raw_p90_us']:.2f}]), "
+                  f"typed {c['typed_us']:.2f} (+{c['typed_minus_raw_us']:.2f}), BoundCall {c['bound_us']:.2f} "
+                  f"(+{c['bound_minus_raw_us']:.2f} [{c['bound_minus_raw_p90_us']:.2f}]); "
                   f"kspec::call gemm ({c['gemm_problem']}, one cuBLASLt matmul) {c['gemm_us']:.2f}")
         except Exception as e:  # the Python table stands without it
             data["cpp_error"] = str(e)
@@ -521,7 +569,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--dispatch-bin", metavar="PATH", help="the kspec_dispatch_bench binary (C++ rows)")
-    p.add_argument("--trace", action="store_true", help="torch.profiler's rows of each norm-step variant")
+    p.add_argument("--trace", action="store_true", help="the norm step's breakdown (fwd/bwd host µs, with and without "
+                   "gradient accumulation, kernels per step) and torch.profiler's rows of each variant")
     args = p.parse_args()
     data = run(args)
     if args.json:

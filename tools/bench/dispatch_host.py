@@ -136,6 +136,20 @@ def rows():
     lb = torch.zeros(256, dtype=bf)
     lxg, lwg, lbg = (v.clone().requires_grad_() for v in (lx, lw, lb))
 
+    T, hn, hd = 8, 4, 4096
+    hx = torch.randn(T, hn, hd, dtype=bf)
+    hxg = hx.clone().requires_grad_()
+    phi = torch.randn(hn * hn + 2 * hn, hn * hd) * 0.01
+    alpha, hbias = torch.full((3,), 0.01), torch.zeros(hn * hn + 2 * hn)
+    hw, hf = torch.ones(hn * hd, dtype=bf), torch.randn(T, hd, dtype=bf)
+    h_post, h_res = torch.rand(T, hn), torch.rand(T, hn, hn)
+
+    def no_grad(fn):
+        def run():
+            with torch.no_grad():
+                return fn()
+        return run
+
     def linear_step():
         for v in (lxg, lwg, lbg):
             v.grad = None
@@ -155,6 +169,15 @@ def rows():
         ("norm_act fwd+bwd step [4, 256]", norm_step),
         ("linear relu fwd+bwd step", linear_step),
         ("scan fwd+bwd step (2, 4096, 333)", scan_step),
+        # issue 34's decode shape (T 8, n 4, D 4096, bf16), without grad as a decode step runs, and with
+        ("torch.rms_norm [8, 16384] (no grad, CPU: a peer only in kind)", no_grad(lambda: torch.rms_norm(
+            hx.view(8, -1), (hn * hd,), hw, 1e-6))),
+        ("kspec.call mhc.pre.fwd (no grad, 6 outputs)", no_grad(lambda: kspec.call("mhc.pre.fwd", hx, phi, alpha,
+                                                                                  hbias, None))),
+        ("kspec.call mhc.post.fwd (no grad, 1 output)", no_grad(lambda: kspec.call("mhc.post.fwd", hx, hf, h_post,
+                                                                                  h_res))),
+        ("kspec.ops.mhc_pre T=8 n=4 D=4096 (no grad)", no_grad(lambda: kspec.ops.mhc_pre(hx, phi, alpha, hbias))),
+        ("kspec.ops.mhc_pre (input requires grad)", lambda: kspec.ops.mhc_pre(hxg, phi, alpha, hbias)),
     ]
 
 

@@ -188,6 +188,10 @@ struct CallOptions {
 void call(std::string_view op, const std::vector<TensorView>& inputs,
           const std::vector<TensorView>& outputs, const Params& params = {}, Stream stream = nullptr,
           const CallOptions& options = {});
+// The same with the lists written at the call (kspec::call("op", {x, w, b}, {y}, ...)): read in place, where
+// the overload above would build two vectors (two heap allocations and copies of each view) per call.
+void call(std::string_view op, std::initializer_list<TensorView> inputs, std::initializer_list<TensorView> outputs,
+          const Params& params = {}, Stream stream = nullptr, const CallOptions& options = {});
 
 // A call validated once and launched again and again on the same tensors (an optimizer's step over the
 // same parameter lists): the constructor does everything call() does before a launch — every tensor of

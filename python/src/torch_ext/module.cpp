@@ -229,6 +229,48 @@ PyObject* wrap(std::vector<at::Tensor>* out) {
   return result;
 }
 
+// A forward call's inputs as call, call_some and call_grad take them: tensors, their views, the params and
+// the device of the first tensor.
+struct ForwardArgs {
+  std::vector<at::Tensor> in;
+  std::vector<kspec::TensorView> in_views;
+  std::vector<kspec_ext::Param> params;
+  at::Device device{at::kCPU};
+};
+
+// False (no error set) where kspec.call's general path must judge the call: an input or a param the C++
+// path does not read, or no tensor at all.
+bool forward_args(PyObject* inputs, PyObject* params, ForwardArgs* a) {
+  if (!tensors_of(inputs, &a->in) || !views_of(a->in, false, &a->in_views) || !params_of(params, &a->params))
+    return false;
+  for (const auto& t : a->in)
+    if (t.defined()) {
+      a->device = t.device();
+      return true;
+    }
+  return false;
+}
+
+enum class Ran { kOk, kDeclined, kRaised };
+
+// The outputs missing from `out` allocated (allocate()'s rules; all of them into an empty `out`) unless
+// `given`, then op run on the device's current stream. kDeclined (no error set): an output the C++ path
+// does not read (the general path's); kRaised: kspec's error set as the Python exception.
+Ran allocate_and_run(const char* op, const ForwardArgs& a, bool given, std::vector<at::Tensor>* out,
+                     const std::vector<Sized>* shapes = nullptr) {
+  if (!given && !allocate(op, a.in_views, a.params, a.device, out, shapes)) {
+    g_api->raise_error();
+    return Ran::kRaised;
+  }
+  std::vector<kspec::TensorView> out_views;
+  if (!views_of(*out, true, &out_views)) return Ran::kDeclined;
+  if (run_released(op, a.in_views, out_views, a.params, stream_of(a.device)) != 0) {
+    g_api->raise_error();
+    return Ran::kRaised;
+  }
+  return Ran::kOk;
+}
+
 enum class Outputs { kGiven, kAllocated, kSome };
 
 // call / call_some: kspec.call for torch tensors. NotImplemented for anything it does not read (another
@@ -241,32 +283,17 @@ PyObject* call_with(PyObject* const* args, Py_ssize_t nargs, Outputs mode) {
   }
   const char* op = PyUnicode_AsUTF8(args[0]);
   if (!op) return nullptr;
-  std::vector<at::Tensor> in, out;
-  std::vector<kspec::TensorView> in_views, out_views;
-  std::vector<kspec_ext::Param> params;
-  if (!tensors_of(args[1], &in) || !views_of(in, false, &in_views) || !params_of(args[3], &params))
-    return not_implemented();
-  const at::Tensor* first = nullptr;
-  for (const auto& t : in)
-    if (t.defined()) {
-      first = &t;
-      break;
-    }
-  if (!first) return not_implemented();
-  const at::Device device = first->device();
+  ForwardArgs a;
+  if (!forward_args(args[1], args[3], &a)) return not_implemented();
   if (mode == Outputs::kAllocated && args[2] != Py_None) mode = Outputs::kGiven;
+  std::vector<at::Tensor> out;
   std::vector<Sized> sized;
   if (mode == Outputs::kGiven && !tensors_of(args[2], &out)) return not_implemented();
   if (mode == Outputs::kSome && !outputs_of(args[2], &out, &sized)) return not_implemented();
-  const std::vector<Sized>* shapes = mode == Outputs::kSome ? &sized : nullptr;
-  if (mode != Outputs::kGiven && !allocate(op, in_views, params, device, &out, shapes)) {
-    g_api->raise_error();
-    return nullptr;
-  }
-  if (!views_of(out, true, &out_views)) return not_implemented();
-  if (run_released(op, in_views, out_views, params, stream_of(device)) != 0) {
-    g_api->raise_error();
-    return nullptr;
+  switch (allocate_and_run(op, a, mode == Outputs::kGiven, &out, mode == Outputs::kSome ? &sized : nullptr)) {
+    case Ran::kDeclined: return not_implemented();
+    case Ran::kRaised: return nullptr;
+    case Ran::kOk: break;
   }
   if (mode == Outputs::kGiven) return PySequence_Tuple(args[2]);
   return wrap(&out);
@@ -562,8 +589,12 @@ PyObject* py_record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // ---- the eager autograd node of a family whose forward and backward are one registry call each ----
 
-// The backward op's argument that is not a saved tensor: a gradient of forward output i is kGrad + i.
-constexpr long kOut = 1000, kGrad = 2000;
+// The backward op's argument that is not a saved tensor: a gradient of forward output i is kGrad + i, or
+// kGradOptional + i where the op takes it absent (no zeros made for one that did not come).
+constexpr long kOut = 1000, kGrad = 2000, kGradOptional = 3000;
+
+// The forward output whose gradient `code` names, or -1.
+long grad_index(long code) { return code >= kGradOptional ? code - kGradOptional : code >= kGrad ? code - kGrad : -1; }
 
 // Params of the C ABI with their strings owned (a node outlives the Python call that made it).
 struct OwnedParams {
@@ -632,8 +663,9 @@ class OpBackward final : public torch::autograd::Node {
     for (size_t a = 0; a < args_.size(); ++a) {
       const long code = args_[a];
       if (code >= kGrad) {
-        const size_t i = static_cast<size_t>(std::find(diff_.begin(), diff_.end(), code - kGrad) - diff_.begin());
-        // every gradient argument of these backward ops is required: zeros for one that did not come
+        const size_t i = static_cast<size_t>(std::find(diff_.begin(), diff_.end(), grad_index(code)) - diff_.begin());
+        if (!grads[i].defined() && code >= kGradOptional) continue;  // absent: the op reads it as zeros
+        // a required gradient argument: zeros for one that did not come
         at::Tensor g = grads[i].defined() ? grads[i] : input_metadata(i).zeros_like();
         // autograd's gradient may be any view (y.sum() gives a broadcast one): the ops read rows of it
         in[a] = g.is_contiguous() ? g : g.contiguous();
@@ -708,7 +740,7 @@ bool ints_of(PyObject* seq, std::vector<long>* out) {
 // torch.autograd.Function, no Python in the backward). `params` the forward's; `bwd_params` the names of
 // those the backward op takes too; `bwd_args` the backward op's inputs in order, each an input index
 // (saved), kOut + i (forward output i, saved), kGrad + i (the gradient of forward output i, which thereby
-// gets this node as grad_fn) or -1 (None); `grad_of` per input, the backward output that is its gradient
+// gets this node as grad_fn; kGradOptional + i where the op takes it absent) or -1 (None); `grad_of` per input, the backward output that is its gradient
 // (-1: none). NotImplemented, nothing recorded, where kspec.call's C++ path would decline the call.
 PyObject* py_call_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
@@ -717,32 +749,20 @@ PyObject* py_call_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const char* fwd_op = PyUnicode_AsUTF8(args[1]);
   const char* bwd_op = PyUnicode_AsUTF8(args[2]);
   if (!name || !fwd_op || !bwd_op) return nullptr;
-  std::vector<at::Tensor> in, out;
-  std::vector<kspec::TensorView> in_views, out_views;
-  std::vector<kspec_ext::Param> params;
-  if (!tensors_of(args[3], &in) || !views_of(in, false, &in_views) || !params_of(args[4], &params))
-    return not_implemented();
+  ForwardArgs a;
+  if (!forward_args(args[3], args[4], &a)) return not_implemented();
+  const std::vector<at::Tensor>& in = a.in;
+  const std::vector<kspec_ext::Param>& params = a.params;
   std::vector<long> bwd_args, grad_of;
   if (!ints_of(args[6], &bwd_args) || !ints_of(args[7], &grad_of)) return nullptr;
   TORCH_CHECK(grad_of.size() == in.size(), name, ": grad_of needs one entry per input");
   for (long j : grad_of)
     TORCH_CHECK(j >= -1 && j < kspec_ext::kMaxOutputs, name, ": grad_of entry ", j, " is no backward output");
-  const at::Tensor* first = nullptr;
-  for (const auto& t : in)
-    if (t.defined()) {
-      first = &t;
-      break;
-    }
-  if (!first) return not_implemented();
-  const at::Device device = first->device();
-  if (!allocate(fwd_op, in_views, params, device, &out)) {
-    g_api->raise_error();
-    return nullptr;
-  }
-  if (!views_of(out, true, &out_views)) return not_implemented();
-  if (run_released(fwd_op, in_views, out_views, params, stream_of(device)) != 0) {
-    g_api->raise_error();
-    return nullptr;
+  std::vector<at::Tensor> out;
+  switch (allocate_and_run(fwd_op, a, /*given=*/false, &out)) {
+    case Ran::kDeclined: return not_implemented();
+    case Ran::kRaised: return nullptr;
+    case Ran::kOk: break;
   }
   OwnedParams bwd_params;
   if (!PyTuple_Check(args[5])) {
@@ -764,7 +784,7 @@ PyObject* py_call_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   std::vector<long> diff;
   diff.reserve(bwd_args.size());
   for (long code : bwd_args)
-    if (code >= kGrad) diff.push_back(code - kGrad);
+    if (code >= kGrad) diff.push_back(grad_index(code));
   std::sort(diff.begin(), diff.end());
   for (long i : diff) {
     TORCH_CHECK(static_cast<size_t>(i) < out.size() && out[static_cast<size_t>(i)].defined(), name,
