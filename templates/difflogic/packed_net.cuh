@@ -1,7 +1,7 @@
-// difflogic.packed.net, algo=chunked: a whole packed network (hard layers, then GroupSum counts) in one
-// persistent launch, so that only the input words and the counts touch DRAM (api/ops/difflogic/packed_net.cpp
-// says what runs when; api/ops/difflogic/reference.h: difflogic_packed_fwd_ref and
-// difflogic_packed_group_sum_ref chained are the spec).
+// difflogic.packed.net, algo=chunked (and chains, early): a whole packed network (hard layers, then GroupSum
+// counts) in one persistent launch, so that only the input words and the counts touch DRAM
+// (api/ops/difflogic/packed_net.cpp says what runs when; api/ops/difflogic/reference.h: difflogic_packed_fwd_ref
+// and difflogic_packed_group_sum_ref chained are the spec).
 //
 // Why: one launch per layer streams every layer's words through DRAM (at B = 2^18 a 64k-wide layer is 2 GB
 // of bits: 6 layers read and write ~25 GB). Here the samples are cut into chunks of kChunkBytes bytes of
@@ -148,16 +148,59 @@ __device__ __forceinline__ void dl_wait(const unsigned* counter, unsigned target
   __threadfence();
 }
 
-// kChunkBytes: bytes of every row per chunk (16 to 256; kChunkBytes * 8 samples); kThreads per block;
-// kUnits x kWaves: 16-byte units per thread in a load or layer item (a layer item's loads in kWaves waves of
-// kUnits, to bound the registers); kGsRows: rows per thread in a GroupSum item
-// (its bit-sliced counters have 7 planes: up to 127 rows); kChains: a ticket per slot (dl_decode_chain).
-template <int kChunkBytes, int kThreads, bool kChains>
-__global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const DiffLogicNetParams p) {
+// Thread 0's waits for an item: the previous stage of its chunk done, and the buffer it writes free of the
+// slot's previous chunk (its last reader there done: a chunk's first stages thus wait for the last layer of the
+// slot's chunk before, only its third for that chunk's GroupSum).
+__device__ __forceinline__ void dl_wait_item(const DiffLogicNetParams& p, const DiffLogicNetItem& it) {
+  const int stages = p.layers + 2;
+  if (it.stage > 0) dl_wait(p.done + it.chunk * stages + it.stage - 1, static_cast<unsigned>(p.tiles[it.stage - 1]));
+  if (it.stage >= 0 && it.stage <= p.layers && it.chunk >= p.inflight) {
+    const int last = dl_last_reader(p, it.stage);
+    dl_wait(p.done + (it.chunk - p.inflight) * stages + last, static_cast<unsigned>(p.tiles[last]));
+  }
+}
+
+// algo=early: this thread's gates of wave `wave` of layer item `it` (unit i: u = ((tile * kWaves + wave) *
+// kUnits + i) * kThreads + tid, gate u / kPieces): the wires and the ops, 4 bits each in ops. A unit past the
+// layer's end, or a gate with a wire out of range (op 16), reads row 0 and runs op 0 (FALSE): zero bits, never
+// stored past the end.
+template <int kPieces, int kThreads>
+__device__ __forceinline__ void dl_early_tables(const DiffLogicNetParams& p, const DiffLogicNetItem& it, int tid,
+                                                int wave, unsigned& ops, int (&a)[DiffLogicNetTraits::kUnits],
+                                                int (&b)[DiffLogicNetTraits::kUnits]) {
+  constexpr int kUnits = DiffLogicNetTraits::kUnits;
+  static_assert(kUnits <= 8, "ops holds 8 ops of 4 bits");
+  const int l = it.stage;
+  const long long units = p.width[l] * kPieces, base = (it.tile * DiffLogicNetTraits::kWaves + wave) * kUnits;
+  ops = 0;
+#pragma unroll
+  for (int i = 0; i < kUnits; ++i) {
+    const long long u = (base + i) * kThreads + tid;
+    const long long g = u < units ? u / kPieces : 0;
+    const unsigned o = p.ops[p.gate0[l - 1] + g];
+    ops |= (o < 16 ? o : 0u) << (4 * i);
+    a[i] = o < 16 ? p.a[l - 1][g] : 0;
+    b[i] = o < 16 ? p.b[l - 1][g] : 0;
+  }
+}
+
+// The network, run by every block until the tickets run out. kChunkBytes: bytes of every row per chunk (16 to
+// 256; kChunkBytes * 8 samples); kThreads per block; kUnits x kWaves: 16-byte units per thread in a load or
+// layer item (a layer item's loads in kWaves waves of kUnits, to bound the registers); kGsRows: rows per thread
+// in a GroupSum item (its bit-sliced counters have 7 planes: up to 127 rows); kChains: a ticket per slot
+// (dl_decode_chain); kEarly (algo=early): a layer item loads its first wave's gates (ops and wires) before
+// its waits (they do not depend on the previous stage), the second wave's while the first wave's rows are in
+// flight, so at a stage's opening only the rows' loads are left: one L2 round trip a wave instead of two. And
+// with x_vec layer 1 reads its rows straight from x through L1 (ld.global.nc: x is never written here), so there
+// is no stage 0 (the host gives it no items): a chunk of x's rows (784 x 128 B at the issue's network) is read
+// ~160 times by layer 1's 64k gates, mostly from L1 instead of L2 (layer 1 was ~11% of the L2 bytes).
+template <int kChunkBytes, int kThreads, bool kChains, bool kEarly>
+__device__ __forceinline__ void dl_net_run(const DiffLogicNetParams& p) {
   constexpr int kPieces = kChunkBytes / 16, kUnits = DiffLogicNetTraits::kUnits, kWaves = DiffLogicNetTraits::kWaves;
   constexpr int kGsRows = DiffLogicNetTraits::kGsRows;
   constexpr int kPos = kChunkBytes / 4, kRowLanes = kThreads / kPos;  // GroupSum: 32-bit words x row lanes
   static_assert(kChunkBytes % 16 == 0 && kThreads % kPos == 0 && kGsRows < 128, "chunk, threads, GroupSum rows");
+  static_assert(kThreads % kPieces == 0, "a thread's units are one piece (16 bytes) of their rows");
   __shared__ DiffLogicNetItem item;
   __shared__ int partial[kChunkBytes * 8];  // GroupSum: one count per sample of the chunk
   const int tid = threadIdx.x;
@@ -187,19 +230,22 @@ __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const Di
       } else {
         it = dl_decode(p, static_cast<long long>(atomicAdd(p.ticket, 1ull)));
       }
-      if (it.stage > 0) dl_wait(p.done + it.chunk * stages + it.stage - 1, static_cast<unsigned>(p.tiles[it.stage - 1]));
-      if (it.stage >= 0 && it.stage <= p.layers && it.chunk >= p.inflight) {
-        // The buffer this stage writes, free of the slot's previous chunk: its last reader there done (a
-        // chunk's first stages thus wait for the last layer of the slot's chunk before, only its third for
-        // that chunk's GroupSum).
-        const int last = dl_last_reader(p, it.stage);
-        dl_wait(p.done + (it.chunk - p.inflight) * stages + last, static_cast<unsigned>(p.tiles[last]));
-      }
+      if (!kEarly) dl_wait_item(p, it);
       item = it;
     }
     __syncthreads();
     const DiffLogicNetItem it = item;
     if (it.stage < 0) return;
+    // kEarly: this thread's gates of the first wave of a layer item (wires ea, eb, the ops 4 bits each in eops),
+    // loaded before the waits; the next wave's are loaded while a wave's rows are in flight (all 8 units' before
+    // the waits spilled at the 64 registers that keep 4 blocks of 256 on an SM).
+    unsigned eops = 0;
+    int ea[kUnits], eb[kUnits];
+    if (kEarly) {
+      if (it.stage >= 1 && it.stage <= p.layers) dl_early_tables<kPieces, kThreads>(p, it, tid, 0, eops, ea, eb);
+      if (tid == 0) dl_wait_item(p, it);
+      __syncthreads();
+    }
     unsigned char* slot = p.scratch + (it.chunk % p.inflight) * p.slot_bytes;
     unsigned char* in_rows = slot;  // stage 0's output: the input rows
     // The two layer buffers, picked by select (an indexed pair would live in local memory).
@@ -224,36 +270,69 @@ __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const Di
       const int l = it.stage;  // layer l reads width[l - 1] rows, writes width[l]
       const unsigned char* src = l == 1 ? in_rows : (l & 1) ? buf1 : buf0;
       unsigned char* dst = (l & 1) ? buf0 : buf1;
-      const int* wa = p.a[l - 1];
-      const int* wb = p.b[l - 1];
-      const unsigned char* ops = p.ops + p.gate0[l - 1];
       const long long units = p.width[l] * kPieces;
-      for (int wave = 0; wave < kWaves; ++wave) {
-        const long long base = (it.tile * kWaves + wave) * kUnits;
-        if (base * kThreads >= units) break;
-        unsigned op[kUnits];
-        long long ra[kUnits], rb[kUnits];
+      if constexpr (kEarly) {
+        const long long piece = tid % kPieces;  // kThreads % kPieces == 0: every unit of this thread
 #pragma unroll
-        for (int i = 0; i < kUnits; ++i) {  // the gates' ops and wires first, then their rows: loads in flight together
-          const long long u = (base + i) * kThreads + tid;
-          const long long g = u < units ? u / kPieces : 0, piece = u < units ? u - g * kPieces : 0;
-          op[i] = ops[g];
-          ra[i] = (op[i] < 16 ? wa[g] : 0) * static_cast<long long>(kChunkBytes) + piece * 16;
-          rb[i] = (op[i] < 16 ? wb[g] : 0) * static_cast<long long>(kChunkBytes) + piece * 16;
+        for (int wave = 0; wave < kWaves; ++wave) {
+          const long long base = (it.tile * kWaves + wave) * kUnits;
+          if (base * kThreads >= units) break;
+          uint4 A[kUnits], B[kUnits];
+          // Layer 1 with x_vec: the rows straight from x (through L1: x is read-only here), a piece past a row's
+          // end (the last chunk) read as zero, as stage 0 copies it; else from scratch (past L1: rewritten).
+          const bool direct = l == 1 && p.x_vec;
+          const unsigned char* rows = direct ? static_cast<const unsigned char*>(p.x) + it.chunk * kChunkBytes : src;
+          const long long stride = direct ? p.row_bytes : kChunkBytes;
+          const bool past = direct && it.chunk * kChunkBytes + piece * 16 >= p.row_bytes;
+#pragma unroll
+          for (int i = 0; i < kUnits; ++i) {
+            const uint4* ra = reinterpret_cast<const uint4*>(rows + ea[i] * stride + piece * 16);
+            const uint4* rb = reinterpret_cast<const uint4*>(rows + eb[i] * stride + piece * 16);
+            A[i] = past ? make_uint4(0u, 0u, 0u, 0u) : direct ? __ldg(ra) : __ldcg(ra);
+            B[i] = past ? make_uint4(0u, 0u, 0u, 0u) : direct ? __ldg(rb) : __ldcg(rb);
+          }
+          const unsigned ops = eops;
+          if (wave + 1 < kWaves) dl_early_tables<kPieces, kThreads>(p, it, tid, wave + 1, eops, ea, eb);
+#pragma unroll
+          for (int i = 0; i < kUnits; ++i) {
+            const long long u = (base + i) * kThreads + tid;
+            if (u >= units) break;
+            const unsigned o = (ops >> (4 * i)) & 15u;
+            dl_st16(dst + u * 16, make_uint4(dl_gate(o, A[i].x, B[i].x), dl_gate(o, A[i].y, B[i].y),
+                                             dl_gate(o, A[i].z, B[i].z), dl_gate(o, A[i].w, B[i].w)));
+          }
         }
-        uint4 A[kUnits], B[kUnits];
+      } else {
+        const int* wa = p.a[l - 1];
+        const int* wb = p.b[l - 1];
+        const unsigned char* ops = p.ops + p.gate0[l - 1];
+        for (int wave = 0; wave < kWaves; ++wave) {
+          const long long base = (it.tile * kWaves + wave) * kUnits;
+          if (base * kThreads >= units) break;
+          unsigned op[kUnits];
+          long long ra[kUnits], rb[kUnits];
 #pragma unroll
-        for (int i = 0; i < kUnits; ++i) {
-          A[i] = dl_ldcg16(src + ra[i]);
-          B[i] = dl_ldcg16(src + rb[i]);
-        }
+          for (int i = 0; i < kUnits; ++i) {  // the gates' ops and wires first, then their rows: loads in flight together
+            const long long u = (base + i) * kThreads + tid;
+            const long long g = u < units ? u / kPieces : 0, piece = u < units ? u - g * kPieces : 0;
+            op[i] = ops[g];
+            ra[i] = (op[i] < 16 ? wa[g] : 0) * static_cast<long long>(kChunkBytes) + piece * 16;
+            rb[i] = (op[i] < 16 ? wb[g] : 0) * static_cast<long long>(kChunkBytes) + piece * 16;
+          }
+          uint4 A[kUnits], B[kUnits];
 #pragma unroll
-        for (int i = 0; i < kUnits; ++i) {
-          const long long u = (base + i) * kThreads + tid;
-          if (u >= units) break;
-          const unsigned o = op[i] < 16 ? op[i] : 0u;  // 16: a wire out of range, zero bits
-          dl_st16(dst + u * 16, make_uint4(dl_gate(o, A[i].x, B[i].x), dl_gate(o, A[i].y, B[i].y),
-                                           dl_gate(o, A[i].z, B[i].z), dl_gate(o, A[i].w, B[i].w)));
+          for (int i = 0; i < kUnits; ++i) {
+            A[i] = dl_ldcg16(src + ra[i]);
+            B[i] = dl_ldcg16(src + rb[i]);
+          }
+#pragma unroll
+          for (int i = 0; i < kUnits; ++i) {
+            const long long u = (base + i) * kThreads + tid;
+            if (u >= units) break;
+            const unsigned o = op[i] < 16 ? op[i] : 0u;  // 16: a wire out of range, zero bits
+            dl_st16(dst + u * 16, make_uint4(dl_gate(o, A[i].x, B[i].x), dl_gate(o, A[i].y, B[i].y),
+                                             dl_gate(o, A[i].z, B[i].z), dl_gate(o, A[i].w, B[i].w)));
+          }
         }
       }
     } else {
@@ -298,6 +377,21 @@ __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const Di
       atomicAdd(p.done + it.chunk * stages + it.stage, 1u);
     }
   }
+}
+
+// algo=chunked (kChains false) and algo=chains (true): 2 waves of 4 units a layer item.
+template <int kChunkBytes, int kThreads, bool kChains>
+__global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const DiffLogicNetParams p) {
+  dl_net_run<kChunkBytes, kThreads, kChains, false>(p);
+}
+
+// algo=early: the chunked schedule with the gate tables loaded before the waits and layer 1 reading x
+// (dl_net_run: kEarly). At most 64 registers (4 blocks of 256 threads an SM, as the chunked kernel's 64 give):
+// a stage of 2 chunks of 128 bytes is 500 items, all of them resident at once (unbounded, ptxas took 80: 3
+// blocks an SM, 396 resident).
+template <int kChunkBytes, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1024 / kThreads) difflogic_packed_net_early_kernel(const DiffLogicNetParams p) {
+  dl_net_run<kChunkBytes, kThreads, false, true>(p);
 }
 
 }  // namespace kspec

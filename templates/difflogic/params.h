@@ -78,6 +78,7 @@ struct DiffLogicNetParams {
   long long chunks, inflight, max_width, slot_bytes;
   long long chunk_items, round_items;  // items of one chunk (all stages), of a full round of inflight chunks
   int layers;
+  int x_vec;  // algo=early, x and row_bytes 16-byte aligned: layer 1 reads x's rows (no stage 0 items)
 };
 
 // The CA architectures (compile-time: a kernel is specialized for one): C channels, K perception kernels,

@@ -91,6 +91,8 @@ TEST(DiffLogicPackedNet, TuningSpace) {
   EXPECT_NE(why.find("canonical values 128, 2"), std::string::npos) << why;
   EXPECT_TRUE(op.tuning.valid(p, Config{{{"algo", 1}, {"chunk", 32}, {"inflight", 4}}}, &why)) << why;
   EXPECT_TRUE(op.tuning.valid(p, Config{{{"algo", 2}, {"chunk", 64}, {"inflight", 8}}}, &why)) << why;
+  EXPECT_TRUE(op.tuning.valid(p, Config{{{"algo", 3}, {"chunk", 128}, {"inflight", 2}}}, &why)) << why;
+  EXPECT_EQ(Config::parse("algo=early,chunk=64,inflight=2", op.info).get("algo"), 3);
   const Config h = op.tuning.heuristic(p);
   EXPECT_TRUE(op.tuning.valid(p, h, &why)) << why;
   // The measured defaults (H100, run 20): chunked at 128-byte rows, 2 chunks in flight; packed.fwd's rows kernel.
@@ -115,12 +117,14 @@ TEST(DiffLogicPackedNet, PrecompilePlanCompilesWithoutSpills) {
   for (const auto& r : precompile_plan({"sm_80", "sm_90"}, {kOp}))
     for (const auto& rep : kspec::testing::expect_compiles_without_spills(r)) ++kernels[rep.kernel];
   // algo=layers: the per-layer kernels at w = 32 and 64; chunked and chains: the ops kernel and a network kernel
-  // per chunk (kChains false / true).
+  // per chunk (kChains false / true); early: the early kernel per chunk.
   for (const char* k : {"kspec::difflogic_packed_fwd_kernel<32, 256>", "kspec::difflogic_packed_fwd_kernel<64, 256>",
                         "kspec::difflogic_packed_ops_kernel<256>", "kspec::difflogic_packed_net_kernel<32, 256, false>",
                         "kspec::difflogic_packed_net_kernel<256, 256, false>",
                         "kspec::difflogic_packed_net_kernel<32, 256, true>",
-                        "kspec::difflogic_packed_net_kernel<256, 256, true>"})
+                        "kspec::difflogic_packed_net_kernel<256, 256, true>",
+                        "kspec::difflogic_packed_net_early_kernel<32, 256>",
+                        "kspec::difflogic_packed_net_early_kernel<256, 256>"})
     EXPECT_GT(kernels[k], 0) << k;
 }
 
@@ -157,8 +161,9 @@ std::vector<unsigned char> word_bytes(const std::vector<uint64_t>& words, int w)
 }  // namespace
 
 // Widths 40 -> 300 -> 35 -> 50 (k = 5), one gate of the second layer with a wire out of range (zero bits:
-// the reference runs it as op 0, FALSE, on wires 0, 0). B = 1, 33, 1000 and 5000 (20 chunks of 32 bytes:
-// several rounds of every inflight, the last chunk partial).
+// the reference runs it as op 0, FALSE, on wires 0, 0). B = 1, 33, 1000, 4224 and 5000 (20 chunks of 32 bytes:
+// several rounds of every inflight, the last chunk partial; 1000 and 4224 with 16-byte rows, which
+// algo=early's layer 1 reads straight from x, 4224's last chunk partial at every chunk size), x aligned and not.
 TEST(DiffLogicPackedNetGpu, CountsEqualTheChainedReference) {
   KSPEC_REQUIRE_GPU();
   jit::ContextGuard guard(0);
@@ -192,13 +197,18 @@ TEST(DiffLogicPackedNetGpu, CountsEqualTheChainedReference) {
     bv.emplace_back(dev.back()->ptr(), DType::i32, std::initializer_list<int64_t>{widths[l + 1]}, 0);
   }
   for (int w : {32, 64})
-    for (int64_t B : {1, 33, 1000, 5000}) {
+    for (int64_t B : {1, 33, 1000, 4224, 5000}) {
       const int64_t W = (B + w - 1) / w;
       std::bernoulli_distribution bit(0.5);
       std::vector<double> x(B * widths[0]);
       for (double& v : x) v = bit(rng);
       std::vector<uint64_t> words = ref::difflogic_pack_ref(B, widths[0], x, w);
-      auto xd = device_copy(word_bytes(words, w));
+      const std::vector<unsigned char> xbytes = word_bytes(words, w);
+      auto xd = device_copy(xbytes);
+      // The same words one word past a 16-byte boundary: algo=early's layer 1 then leaves x to stage 0's copy
+      // (its direct 16-byte loads need x and its rows aligned; B 1000 and 4224 have 16-byte rows).
+      DevBuf xoff(xbytes.size() + 16);
+      CU_CHECK(cuMemcpyHtoD(xoff.p + w / 8, xbytes.data(), xbytes.size()));
       for (size_t l = 0; l < logits.size(); ++l) {
         std::vector<int> ops = ref::difflogic_hard_ops(std::vector<double>(logits[l].begin(), logits[l].end()),
                                                        widths[l + 1]);
@@ -212,26 +222,28 @@ TEST(DiffLogicPackedNetGpu, CountsEqualTheChainedReference) {
       req.op = kOp;
       const Problem p = problem_from_request(op, req);
       DevBuf counts(B * k * 4);
-      for (const Config& c : op.tuning.enumerate(p)) {
-        std::vector<int32_t> first;
-        for (int run = 0; run < 2; ++run) {
-          counts.poison();
-          CallOptions o;
-          o.config = &c;
-          call(kOp,
-               {TensorView(xd->ptr(), w == 32 ? DType::i32 : DType::i64, {widths[0], W}, 0),
-                TensorView::list(lv.data(), int64_t(lv.size())), TensorView::list(av.data(), int64_t(av.size())),
-                TensorView::list(bv.data(), int64_t(bv.size()))},
-               {TensorView(counts.ptr(), DType::i32, {B, k}, 0)}, {}, nullptr, o);
-          CU_CHECK(cuCtxSynchronize());
-          std::vector<int32_t> got(B * k);
-          const auto bytes = counts.download(B * k * 4);
-          std::memcpy(got.data(), bytes.data(), bytes.size());
-          const std::string what = "w " + std::to_string(w) + " B " + std::to_string(B) + " " + c.str(op.info);
-          EXPECT_EQ(std::vector<int64_t>(got.begin(), got.end()), want) << what;
-          if (run == 0) first = got;
-          else EXPECT_EQ(got, first) << "rerun " << what;
+      for (const Config& c : op.tuning.enumerate(p))
+        for (void* xp : {xd->ptr(), reinterpret_cast<void*>(xoff.p + w / 8)}) {
+          std::vector<int32_t> first;
+          for (int run = 0; run < 2; ++run) {
+            counts.poison();
+            CallOptions o;
+            o.config = &c;
+            call(kOp,
+                 {TensorView(xp, w == 32 ? DType::i32 : DType::i64, {widths[0], W}, 0),
+                  TensorView::list(lv.data(), int64_t(lv.size())), TensorView::list(av.data(), int64_t(av.size())),
+                  TensorView::list(bv.data(), int64_t(bv.size()))},
+                 {TensorView(counts.ptr(), DType::i32, {B, k}, 0)}, {}, nullptr, o);
+            CU_CHECK(cuCtxSynchronize());
+            std::vector<int32_t> got(B * k);
+            const auto bytes = counts.download(B * k * 4);
+            std::memcpy(got.data(), bytes.data(), bytes.size());
+            const std::string what = "w " + std::to_string(w) + " B " + std::to_string(B) + " " + c.str(op.info) +
+                                     (xp == xd->ptr() ? "" : " (x not 16-byte aligned)");
+            EXPECT_EQ(std::vector<int64_t>(got.begin(), got.end()), want) << what;
+            if (run == 0) first = got;
+            else EXPECT_EQ(got, first) << "rerun " << what;
+          }
         }
-      }
     }
 }
