@@ -5,13 +5,14 @@
 # DRAM / SM throughput as % of peak and the kernel's time. ncu flushes the caches before each profiled
 # kernel (its default), as the bench flushes L2 between calls; --clock-control none: the clocks the bench runs at.
 #   tools/gpu/profile_packed_net.sh ['CFG;CFG;...'] [probe args, e.g. --w 64 --batch 16384]
+# (the network kernels: difflogic_packed_net_kernel, difflogic_packed_net_early_kernel; not the ops kernel)
 # Output: one line per config on stdout; ncu's raw CSV in $OUT/profile_packed_net.csv. About 30-50 s on the H100.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-CONFIGS=${1:-"algo=chunked,chunk=128,inflight=2;algo=chunked,chunk=64,inflight=2;algo=chunked,chunk=32,inflight=4"}
+CONFIGS=${1:-"algo=chunked,chunk=128,inflight=2;algo=chunked,chunk=64,inflight=2;algo=chunked,chunk=32,inflight=4;algo=early,chunk=128,inflight=2"}
 shift || true
 want=(gpu__time_duration.sum dram__bytes_read.sum dram__bytes_write.sum lts__t_bytes.sum
       lts__t_sector_hit_rate.pct lts__t_sector_op_read_hit_rate.pct lts__t_sector_op_write_hit_rate.pct
@@ -19,13 +20,15 @@ want=(gpu__time_duration.sum dram__bytes_read.sum dram__bytes_write.sum lts__t_b
       sm__throughput.avg.pct_of_peak_sustained_elapsed lts__t_sectors_srcunit_ltcfabric.sum)
 # Only the metrics this ncu knows on this GPU (an unknown one stops the whole run); the L2 fabric (sectors
 # crossing between the two L2 partitions) is not on every chip.
-known=$(ncu --query-metrics 2>/dev/null | awk '{print $1}')
+NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
+known=$("$NCU" --query-metrics 2>/dev/null | awk '{print $1}' || true)
 metrics=()
 for m in "${want[@]}"; do
-  if grep -qx "${m%%.*}" <<<"$known"; then metrics+=("$m"); else echo "(no metric ${m%%.*} on this GPU / ncu)"; fi
+  # (no list at all: ask for every metric, and let ncu say which one it lacks)
+  if [ -z "$known" ] || grep -qx "${m%%.*}" <<<"$known"; then metrics+=("$m"); else echo "(no metric ${m%%.*} here)"; fi
 done
 csv="$OUT/profile_packed_net.csv"
-ncu --clock-control none --kernel-name regex:difflogic_packed_net_kernel --csv --page raw \
+"$NCU" --clock-control none --kernel-name regex:difflogic_packed_net_ --csv --page raw \
     --metrics "$(IFS=,; echo "${metrics[*]}")" --log-file "$csv" \
     "$PY" tools/gpu/profile_packed_net.py --configs "$CONFIGS" "$@"
 # One line per profiled kernel, in the probe's order (its "profiled:" lines above name the configs).
