@@ -138,6 +138,12 @@ __device__ __forceinline__ bool dl_ready(const DiffLogicNetParams& p, const Diff
   return true;
 }
 
+// Spins until *counter >= target (acquire). kFence: then a __threadfence (fence.sc.gpu) too, as chunked and
+// chains do; algo=early leaves it out: the acquire load, then the block's barrier, already order every thread's
+// later loads after the writes the counter's release published (PTX memory model: the acquire pattern and
+// bar.sync's causality order; the pattern of CUTLASS's generic barrier), and a fence.sc on the stage's path
+// costs a round trip.
+template <bool kFence>
 __device__ __forceinline__ void dl_wait(const unsigned* counter, unsigned target) {
   for (;;) {
     unsigned v;
@@ -145,18 +151,20 @@ __device__ __forceinline__ void dl_wait(const unsigned* counter, unsigned target
     if (v >= target) break;
     __nanosleep(64);
   }
-  __threadfence();
+  if (kFence) __threadfence();
 }
 
 // Thread 0's waits for an item: the previous stage of its chunk done, and the buffer it writes free of the
 // slot's previous chunk (its last reader there done: a chunk's first stages thus wait for the last layer of the
 // slot's chunk before, only its third for that chunk's GroupSum).
+template <bool kFence>
 __device__ __forceinline__ void dl_wait_item(const DiffLogicNetParams& p, const DiffLogicNetItem& it) {
   const int stages = p.layers + 2;
-  if (it.stage > 0) dl_wait(p.done + it.chunk * stages + it.stage - 1, static_cast<unsigned>(p.tiles[it.stage - 1]));
+  if (it.stage > 0)
+    dl_wait<kFence>(p.done + it.chunk * stages + it.stage - 1, static_cast<unsigned>(p.tiles[it.stage - 1]));
   if (it.stage >= 0 && it.stage <= p.layers && it.chunk >= p.inflight) {
     const int last = dl_last_reader(p, it.stage);
-    dl_wait(p.done + (it.chunk - p.inflight) * stages + last, static_cast<unsigned>(p.tiles[last]));
+    dl_wait<kFence>(p.done + (it.chunk - p.inflight) * stages + last, static_cast<unsigned>(p.tiles[last]));
   }
 }
 
@@ -230,7 +238,7 @@ __device__ __forceinline__ void dl_net_run(const DiffLogicNetParams& p) {
       } else {
         it = dl_decode(p, static_cast<long long>(atomicAdd(p.ticket, 1ull)));
       }
-      if (!kEarly) dl_wait_item(p, it);
+      if (!kEarly) dl_wait_item<true>(p, it);
       item = it;
     }
     __syncthreads();
@@ -243,7 +251,7 @@ __device__ __forceinline__ void dl_net_run(const DiffLogicNetParams& p) {
     int ea[kUnits], eb[kUnits];
     if (kEarly) {
       if (it.stage >= 1 && it.stage <= p.layers) dl_early_tables<kPieces, kThreads>(p, it, tid, 0, eops, ea, eb);
-      if (tid == 0) dl_wait_item(p, it);
+      if (tid == 0) dl_wait_item<false>(p, it);
       __syncthreads();
     }
     unsigned char* slot = p.scratch + (it.chunk % p.inflight) * p.slot_bytes;
@@ -373,8 +381,13 @@ __device__ __forceinline__ void dl_net_run(const DiffLogicNetParams& p) {
     }
     __syncthreads();  // every thread's stores of the item issued (and `item`, `partial` free again)
     if (tid == 0) {
-      __threadfence();
-      atomicAdd(p.done + it.chunk * stages + it.stage, 1u);
+      unsigned* done = p.done + it.chunk * stages + it.stage;
+      if (kEarly) {  // a release reduction: the block's stores (ordered before it by the barrier) published
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" : : "l"(done) : "memory");
+      } else {
+        __threadfence();
+        atomicAdd(done, 1u);
+      }
     }
   }
 }

@@ -10,7 +10,8 @@
 //            chunks is ready (packed_net.cuh: kChains). H100, run 22: no gain (13.19 ms against 12.91 at 2^18).
 //   early    chunked, but a layer item loads its gates' ops and wires before it waits for the previous stage
 //            (packed_net.cuh: kEarly), leaving one L2 round trip a wave at a stage's opening instead of two,
-//            and layer 1 reads x's rows itself, through L1 (no stage 0). Not yet measured.
+//            and layer 1 reads x's rows itself, through L1 (no stage 0); acquire/release waits and signals
+//            without chunked's fence.sc. Not yet measured.
 // Both give the counts of difflogic_packed_fwd_ref chained over the layers and difflogic_packed_group_sum_ref
 // bit for bit (tests/cpp/test_difflogic_packed_net.cpp). The heuristic takes chunked (H100 figures below).
 #include <algorithm>
