@@ -29,7 +29,7 @@
 // exact and the same run to run.
 #pragma once
 
-#include "difflogic/params.h"
+#include "difflogic/packed_net_schedule.cuh"
 
 namespace kspec {
 
@@ -68,74 +68,15 @@ __global__ void __launch_bounds__(kThreads) difflogic_packed_ops_kernel(const Di
   }
 }
 
-// What a ticket names.
-struct DiffLogicNetItem {
-  long long chunk, tile;
-  int stage;  // -1: no work left
-};
-
-// The ticket order: rounds of `inflight` chunks; in a round, stage by stage; in a stage, chunk by chunk;
-// in a chunk, tile by tile. p.tiles[s]: items of stage s for one chunk; p.round_items: items of a full round.
-__device__ __forceinline__ DiffLogicNetItem dl_decode(const DiffLogicNetParams& p, long long t) {
-  DiffLogicNetItem it{0, 0, -1};
-  if (t >= p.chunks * p.chunk_items) return it;
-  const long long r = t / p.round_items, first = r * p.inflight;
-  const long long nr = p.chunks - first < p.inflight ? p.chunks - first : p.inflight;
-  long long rem = t - r * p.round_items;
-  for (int s = 0; s <= p.layers + 1; ++s) {
-    const long long n = nr * p.tiles[s];
-    if (rem < n) {
-      it.chunk = first + rem / p.tiles[s];
-      it.tile = rem - (it.chunk - first) * p.tiles[s];
-      it.stage = s;
-      return it;
-    }
-    rem -= n;
-  }
-  return it;  // unreachable: the stages' items add up to the round's
-}
-
-// kChains (algo=chains): a ticket per slot instead (chain j: chunks j, j + inflight, ..., each stage by stage), and
-// a block takes an item only from a chain whose next item looks ready (its waits met), else it tries the other
-// chains, else it sleeps holding nothing: a chain draining a stage no longer holds up the blocks the others
-// could use (with one ticket order the chunks of a round go through their stages in step, and the blocks that
-// took the next stage's items wait: run 20 measured ~5.8 us a stage of a round beyond the bandwidth). The same
-// waits (a chain's items wait only for smaller tickets of their chain): nothing hangs.
-__device__ __forceinline__ DiffLogicNetItem dl_decode_chain(const DiffLogicNetParams& p, long long j, long long t) {
-  DiffLogicNetItem it{0, 0, -1};
-  const long long i = t / p.chunk_items, c = j + i * p.inflight;
-  if (c >= p.chunks) return it;
-  long long rem = t - i * p.chunk_items;
-  for (int s = 0; s <= p.layers + 1; ++s) {
-    if (rem < p.tiles[s]) {
-      it.chunk = c;
-      it.tile = rem;
-      it.stage = s;
-      return it;
-    }
-    rem -= p.tiles[s];
-  }
-  return it;  // unreachable: a chunk's stages add up to its items
-}
-
-// The stage of the slot's previous chunk that last reads the buffer stage s writes (stage 0's input rows: stage
-// 1; stage s's buffer, one per parity of s: stage layers + 1 where s and layers have one parity, else layers).
-__device__ __forceinline__ int dl_last_reader(const DiffLogicNetParams& p, int s) {
-  return s == 0 ? 1 : ((s ^ p.layers) & 1) == 0 ? p.layers + 1 : p.layers;
-}
-
 // Whether an item's waits are met now (a relaxed look: the taker still waits with acquire loads).
 __device__ __forceinline__ bool dl_ready(const DiffLogicNetParams& p, const DiffLogicNetItem& it) {
   const int stages = p.layers + 2;
-  if (it.stage > 0 && *static_cast<const volatile unsigned*>(p.done + it.chunk * stages + it.stage - 1) <
-                          static_cast<unsigned>(p.tiles[it.stage - 1]))
+  const DiffLogicNetDeps d = dl_deps(p, it);
+  if (d.prev && *static_cast<const volatile unsigned*>(p.done + it.chunk * stages + it.stage - 1) <
+                    static_cast<unsigned>(p.tiles[it.stage - 1]))
     return false;
-  if (it.stage <= p.layers && it.chunk >= p.inflight) {
-    const int last = dl_last_reader(p, it.stage);
-    return *static_cast<const volatile unsigned*>(p.done + (it.chunk - p.inflight) * stages + last) >=
-           static_cast<unsigned>(p.tiles[last]);
-  }
-  return true;
+  return !d.slot || *static_cast<const volatile unsigned*>(p.done + d.slot_chunk * stages + d.slot_stage) >=
+                        static_cast<unsigned>(p.tiles[d.slot_stage]);
 }
 
 // Spins until *counter >= target (acquire). kFence: then a __threadfence (fence.sc.gpu) too, as chunked and
@@ -160,12 +101,9 @@ __device__ __forceinline__ void dl_wait(const unsigned* counter, unsigned target
 template <bool kFence>
 __device__ __forceinline__ void dl_wait_item(const DiffLogicNetParams& p, const DiffLogicNetItem& it) {
   const int stages = p.layers + 2;
-  if (it.stage > 0)
-    dl_wait<kFence>(p.done + it.chunk * stages + it.stage - 1, static_cast<unsigned>(p.tiles[it.stage - 1]));
-  if (it.stage >= 0 && it.stage <= p.layers && it.chunk >= p.inflight) {
-    const int last = dl_last_reader(p, it.stage);
-    dl_wait<kFence>(p.done + (it.chunk - p.inflight) * stages + last, static_cast<unsigned>(p.tiles[last]));
-  }
+  const DiffLogicNetDeps d = dl_deps(p, it);
+  if (d.prev) dl_wait<kFence>(p.done + it.chunk * stages + it.stage - 1, static_cast<unsigned>(p.tiles[it.stage - 1]));
+  if (d.slot) dl_wait<kFence>(p.done + d.slot_chunk * stages + d.slot_stage, static_cast<unsigned>(p.tiles[d.slot_stage]));
 }
 
 // algo=early: this thread's gates of wave `wave` of layer item `it` (unit i: u = ((tile * kWaves + wave) *
@@ -236,7 +174,8 @@ __device__ __forceinline__ void dl_net_run(const DiffLogicNetParams& p) {
           }
         }
       } else {
-        it = dl_decode(p, static_cast<long long>(atomicAdd(p.ticket, 1ull)));
+        const long long t = static_cast<long long>(atomicAdd(p.ticket, 1ull));
+        it = kEarly && p.gs_late ? dl_decode_late(p, t) : dl_decode(p, t);
       }
       if (!kEarly) dl_wait_item<true>(p, it);
       item = it;

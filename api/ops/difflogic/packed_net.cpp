@@ -11,7 +11,8 @@
 //   early    chunked, but a layer item loads its gates' ops and wires before it waits for the previous stage
 //            (packed_net.cuh: kEarly), leaving one L2 round trip a wave at a stage's opening instead of two,
 //            and layer 1 reads x's rows itself, through L1 (no stage 0); acquire/release waits and signals
-//            without chunked's fence.sc. Not yet measured.
+//            without chunked's fence.sc; with even layers, a round's layer 1 before the previous round's
+//            GroupSum in the ticket order. Not yet measured.
 // Both give the counts of difflogic_packed_fwd_ref chained over the layers and difflogic_packed_group_sum_ref
 // bit for bit (tests/cpp/test_difflogic_packed_net.cpp). The heuristic takes chunked (H100 figures below).
 #include <algorithm>
@@ -170,6 +171,8 @@ void launch_chunked(const Call& call, const Config& c, Launcher& l) {
     q.x_vec = 1;
     q.tiles[0] = 0;
   }
+  // algo=early, even layers: a round's layer 1 before the previous round's GroupSum (packed_net_schedule.cuh).
+  q.gs_late = c.get("algo") == kEarly && layers % 2 == 0 ? 1 : 0;
   q.chunk_items = 0;
   for (int64_t s = 0; s <= layers + 1; ++s) q.chunk_items += q.tiles[s];
   q.round_items = q.inflight * q.chunk_items;
