@@ -95,6 +95,8 @@ TEST(DiffLogicPackedNet, TuningSpace) {
   EXPECT_TRUE(op.tuning.valid(p, Config{{{"algo", 2}, {"chunk", 64}, {"inflight", 8}}}, &why)) << why;
   EXPECT_TRUE(op.tuning.valid(p, Config{{{"algo", 3}, {"chunk", 128}, {"inflight", 2}}}, &why)) << why;
   EXPECT_EQ(Config::parse("algo=early,chunk=64,inflight=2", op.info).get("algo"), 3);
+  EXPECT_TRUE(op.tuning.valid(p, Config{{{"algo", 4}, {"chunk", 64}, {"inflight", 4}}}, &why)) << why;
+  EXPECT_EQ(Config::parse("algo=early_late,chunk=64,inflight=2", op.info).get("algo"), 4);
   const Config h = op.tuning.heuristic(p);
   EXPECT_TRUE(op.tuning.valid(p, h, &why)) << why;
   // The measured defaults (H100, run 20): chunked at 128-byte rows, 2 chunks in flight; packed.fwd's rows kernel.

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-CONFIGS=${1:-"algo=chunked,chunk=128,inflight=2;algo=chunked,chunk=64,inflight=2;algo=chunked,chunk=32,inflight=4;algo=early,chunk=128,inflight=2"}
+CONFIGS=${1:-"algo=chunked,chunk=128,inflight=2;algo=early,chunk=128,inflight=2;algo=early_late,chunk=128,inflight=2;algo=chunked,chunk=64,inflight=2"}
 shift || true
 want=(gpu__time_duration.sum dram__bytes_read.sum dram__bytes_write.sum lts__t_bytes.sum
       lts__t_sector_hit_rate.pct lts__t_sector_op_read_hit_rate.pct lts__t_sector_op_write_hit_rate.pct
