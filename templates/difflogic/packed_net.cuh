@@ -338,12 +338,16 @@ __device__ __forceinline__ void dl_net_run(const DiffLogicNetParams& p) {
         int count = 0;
 #pragma unroll
         for (int q = 0; q < 7; ++q) count |= static_cast<int>((plane[q] >> bit) & 1u) << q;
-        if (count) atomicAdd(&partial[pos * 32 + bit], count);
+        // kEarly: sample pos * 32 + bit kept at pos * 32 + (bit ^ pos % 32), so a warp's lanes (consecutive pos)
+        // hit distinct banks; at pos * 32 + bit all of them hit bank `bit`: a 32-way conflict per atomic at chunk 128.
+        if (count) atomicAdd(&partial[pos * 32 + (kEarly ? bit ^ (pos & 31) : bit)], count);
       }
       __syncthreads();
       const long long s0 = it.chunk * kChunkBytes * 8;
-      for (int j = tid; j < kChunkBytes * 8; j += kThreads)
-        if (partial[j] && s0 + j < p.batch) atomicAdd(p.counts + (s0 + j) * p.groups + group, partial[j]);
+      for (int j = tid; j < kChunkBytes * 8; j += kThreads) {
+        const long long sample = s0 + (kEarly ? j ^ ((j >> 5) & 31) : j);  // the swizzle undone
+        if (partial[j] && sample < p.batch) atomicAdd(p.counts + sample * p.groups + group, partial[j]);
+      }
     }
     __syncthreads();  // every thread's stores of the item issued (and `item`, `partial` free again)
     if (tid == 0) {
