@@ -13,7 +13,7 @@
 //            and layer 1 reads x's rows itself, through L1 (no stage 0); acquire/release waits and signals
 //            without chunked's fence.sc; GroupSum items with their rows' loads in batches of 16 (4 round
 //            trips, not 16: that GroupSum is on the path, stage 2 of the slot's next chunk waits for it) and
-//            their shared-memory counts swizzled (no 32-way bank conflict).
+//            their shared-memory counts swizzled (no 32-way bank conflict); gate tables kept in L2 (evict_last).
 //            H100, run 25, 2^18 w32, before the batches: 13.59 ms against chunked's 12.82.
 //   early_late  early, and with even layers a round's layer 1 before the previous round's GroupSum in the
 //            ticket order (run 25, with the slow GroupSum: slower, the GroupSum started later). Neither measured
