@@ -63,8 +63,9 @@ for k, r in enumerate(data):
         if u in ("byte", "Kbyte", "Mbyte", "Gbyte"):
             f *= {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}[u]
             out.append(f"{name} {f / 1e9:.2f} GB")
-        elif u in ("nsecond", "usecond", "msecond"):
-            f *= {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1}[u]
+        elif u in ("nsecond", "usecond", "msecond", "second", "ns", "us", "ms", "s"):  # ncu spells both ways
+            f *= {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1, "second": 1e3, "ns": 1e-6, "us": 1e-3, "ms": 1,
+                  "s": 1e3}[u]
             out.append(f"{name} {f:.3f} ms")
         elif col.endswith(".sum") and u in ("sector", ""):
             out.append(f"{name} {f * 32 / 1e9:.2f} GB" if u == "sector" else f"{name} {f:g}")
