@@ -1,7 +1,7 @@
-// difflogic.packed.net, algo=chunked: a whole packed network (hard layers, then GroupSum counts) in one
-// persistent launch, so that only the input words and the counts touch DRAM (api/ops/difflogic/packed_net.cpp
-// says what runs when; api/ops/difflogic/reference.h: difflogic_packed_fwd_ref and
-// difflogic_packed_group_sum_ref chained are the spec).
+// difflogic.packed.net, algo=chunked (and chains, early): a whole packed network (hard layers, then GroupSum
+// counts) in one persistent launch, so that only the input words and the counts touch DRAM
+// (api/ops/difflogic/packed_net.cpp says what runs when; api/ops/difflogic/reference.h: difflogic_packed_fwd_ref
+// and difflogic_packed_group_sum_ref chained are the spec).
 //
 // Why: one launch per layer streams every layer's words through DRAM (at B = 2^18 a 64k-wide layer is 2 GB
 // of bits: 6 layers read and write ~25 GB). Here the samples are cut into chunks of kChunkBytes bytes of
@@ -29,7 +29,7 @@
 // exact and the same run to run.
 #pragma once
 
-#include "difflogic/params.h"
+#include "difflogic/packed_net_schedule.cuh"
 
 namespace kspec {
 
@@ -68,76 +68,23 @@ __global__ void __launch_bounds__(kThreads) difflogic_packed_ops_kernel(const Di
   }
 }
 
-// What a ticket names.
-struct DiffLogicNetItem {
-  long long chunk, tile;
-  int stage;  // -1: no work left
-};
-
-// The ticket order: rounds of `inflight` chunks; in a round, stage by stage; in a stage, chunk by chunk;
-// in a chunk, tile by tile. p.tiles[s]: items of stage s for one chunk; p.round_items: items of a full round.
-__device__ __forceinline__ DiffLogicNetItem dl_decode(const DiffLogicNetParams& p, long long t) {
-  DiffLogicNetItem it{0, 0, -1};
-  if (t >= p.chunks * p.chunk_items) return it;
-  const long long r = t / p.round_items, first = r * p.inflight;
-  const long long nr = p.chunks - first < p.inflight ? p.chunks - first : p.inflight;
-  long long rem = t - r * p.round_items;
-  for (int s = 0; s <= p.layers + 1; ++s) {
-    const long long n = nr * p.tiles[s];
-    if (rem < n) {
-      it.chunk = first + rem / p.tiles[s];
-      it.tile = rem - (it.chunk - first) * p.tiles[s];
-      it.stage = s;
-      return it;
-    }
-    rem -= n;
-  }
-  return it;  // unreachable: the stages' items add up to the round's
-}
-
-// kChains (algo=chains): a ticket per slot instead (chain j: chunks j, j + inflight, ..., each stage by stage), and
-// a block takes an item only from a chain whose next item looks ready (its waits met), else it tries the other
-// chains, else it sleeps holding nothing: a chain draining a stage no longer holds up the blocks the others
-// could use (with one ticket order the chunks of a round go through their stages in step, and the blocks that
-// took the next stage's items wait: run 20 measured ~5.8 us a stage of a round beyond the bandwidth). The same
-// waits (a chain's items wait only for smaller tickets of their chain): nothing hangs.
-__device__ __forceinline__ DiffLogicNetItem dl_decode_chain(const DiffLogicNetParams& p, long long j, long long t) {
-  DiffLogicNetItem it{0, 0, -1};
-  const long long i = t / p.chunk_items, c = j + i * p.inflight;
-  if (c >= p.chunks) return it;
-  long long rem = t - i * p.chunk_items;
-  for (int s = 0; s <= p.layers + 1; ++s) {
-    if (rem < p.tiles[s]) {
-      it.chunk = c;
-      it.tile = rem;
-      it.stage = s;
-      return it;
-    }
-    rem -= p.tiles[s];
-  }
-  return it;  // unreachable: a chunk's stages add up to its items
-}
-
-// The stage of the slot's previous chunk that last reads the buffer stage s writes (stage 0's input rows: stage
-// 1; stage s's buffer, one per parity of s: stage layers + 1 where s and layers have one parity, else layers).
-__device__ __forceinline__ int dl_last_reader(const DiffLogicNetParams& p, int s) {
-  return s == 0 ? 1 : ((s ^ p.layers) & 1) == 0 ? p.layers + 1 : p.layers;
-}
-
 // Whether an item's waits are met now (a relaxed look: the taker still waits with acquire loads).
 __device__ __forceinline__ bool dl_ready(const DiffLogicNetParams& p, const DiffLogicNetItem& it) {
   const int stages = p.layers + 2;
-  if (it.stage > 0 && *static_cast<const volatile unsigned*>(p.done + it.chunk * stages + it.stage - 1) <
-                          static_cast<unsigned>(p.tiles[it.stage - 1]))
+  const DiffLogicNetDeps d = dl_deps(p, it);
+  if (d.prev && *static_cast<const volatile unsigned*>(p.done + it.chunk * stages + it.stage - 1) <
+                    static_cast<unsigned>(p.tiles[it.stage - 1]))
     return false;
-  if (it.stage <= p.layers && it.chunk >= p.inflight) {
-    const int last = dl_last_reader(p, it.stage);
-    return *static_cast<const volatile unsigned*>(p.done + (it.chunk - p.inflight) * stages + last) >=
-           static_cast<unsigned>(p.tiles[last]);
-  }
-  return true;
+  return !d.slot || *static_cast<const volatile unsigned*>(p.done + d.slot_chunk * stages + d.slot_stage) >=
+                        static_cast<unsigned>(p.tiles[d.slot_stage]);
 }
 
+// Spins until *counter >= target (acquire). kFence: then a __threadfence (fence.sc.gpu) too, as chunked and
+// chains do; algo=early leaves it out: the acquire load, then the block's barrier, already order every thread's
+// later loads after the writes the counter's release published (PTX memory model: the acquire pattern and
+// bar.sync's causality order; the pattern of CUTLASS's generic barrier), and a fence.sc on the stage's path
+// costs a round trip.
+template <bool kFence>
 __device__ __forceinline__ void dl_wait(const unsigned* counter, unsigned target) {
   for (;;) {
     unsigned v;
@@ -145,19 +92,80 @@ __device__ __forceinline__ void dl_wait(const unsigned* counter, unsigned target
     if (v >= target) break;
     __nanosleep(64);
   }
-  __threadfence();
+  if (kFence) __threadfence();
 }
 
-// kChunkBytes: bytes of every row per chunk (16 to 256; kChunkBytes * 8 samples); kThreads per block;
-// kUnits x kWaves: 16-byte units per thread in a load or layer item (a layer item's loads in kWaves waves of
-// kUnits, to bound the registers); kGsRows: rows per thread in a GroupSum item
-// (its bit-sliced counters have 7 planes: up to 127 rows); kChains: a ticket per slot (dl_decode_chain).
-template <int kChunkBytes, int kThreads, bool kChains>
-__global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const DiffLogicNetParams p) {
+// Thread 0's waits for an item: the previous stage of its chunk done, and the buffer it writes free of the
+// slot's previous chunk (its last reader there done: a chunk's first stages thus wait for the last layer of the
+// slot's chunk before, only its third for that chunk's GroupSum).
+template <bool kFence>
+__device__ __forceinline__ void dl_wait_item(const DiffLogicNetParams& p, const DiffLogicNetItem& it) {
+  const int stages = p.layers + 2;
+  const DiffLogicNetDeps d = dl_deps(p, it);
+  if (d.prev) dl_wait<kFence>(p.done + it.chunk * stages + it.stage - 1, static_cast<unsigned>(p.tiles[it.stage - 1]));
+  if (d.slot) dl_wait<kFence>(p.done + d.slot_chunk * stages + d.slot_stage, static_cast<unsigned>(p.tiles[d.slot_stage]));
+}
+
+// The gate tables (ops, wires: 3.5 MB at 6 x 64k gates, read once a chunk) loaded with L2 priority evict_last:
+// run 25 measured ~1 GB of DRAM reads at 2^18, about the tables once per chunk (the scratch's traffic evicts them).
+__device__ __forceinline__ unsigned long long dl_keep_policy() {
+  unsigned long long policy;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ unsigned dl_ld_keep(const unsigned char* p, unsigned long long policy) {
+  unsigned short v;
+  asm("ld.global.L2::cache_hint.u8 %0, [%1], %2;" : "=h"(v) : "l"(p), "l"(policy));
+  return v;
+}
+__device__ __forceinline__ int dl_ld_keep(const int* p, unsigned long long policy) {
+  int v;
+  asm("ld.global.L2::cache_hint.s32 %0, [%1], %2;" : "=r"(v) : "l"(p), "l"(policy));
+  return v;
+}
+
+// algo=early: this thread's gates of wave `wave` of layer item `it` (unit i: u = ((tile * kWaves + wave) *
+// kUnits + i) * kThreads + tid, gate u / kPieces): the wires and the ops, 4 bits each in ops. A unit past the
+// layer's end, or a gate with a wire out of range (op 16), reads row 0 and runs op 0 (FALSE): zero bits, never
+// stored past the end.
+template <int kPieces, int kThreads>
+__device__ __forceinline__ void dl_early_tables(const DiffLogicNetParams& p, const DiffLogicNetItem& it, int tid,
+                                                int wave, unsigned& ops, int (&a)[DiffLogicNetTraits::kUnits],
+                                                int (&b)[DiffLogicNetTraits::kUnits]) {
+  constexpr int kUnits = DiffLogicNetTraits::kUnits;
+  static_assert(kUnits <= 8, "ops holds 8 ops of 4 bits");
+  const int l = it.stage;
+  const long long units = p.width[l] * kPieces, base = (it.tile * DiffLogicNetTraits::kWaves + wave) * kUnits;
+  const unsigned long long policy = dl_keep_policy();
+  ops = 0;
+#pragma unroll
+  for (int i = 0; i < kUnits; ++i) {
+    const long long u = (base + i) * kThreads + tid;
+    const long long g = u < units ? u / kPieces : 0;
+    const unsigned o = dl_ld_keep(p.ops + p.gate0[l - 1] + g, policy);
+    ops |= (o < 16 ? o : 0u) << (4 * i);
+    a[i] = o < 16 ? dl_ld_keep(p.a[l - 1] + g, policy) : 0;
+    b[i] = o < 16 ? dl_ld_keep(p.b[l - 1] + g, policy) : 0;
+  }
+}
+
+// The network, run by every block until the tickets run out. kChunkBytes: bytes of every row per chunk (16 to
+// 256; kChunkBytes * 8 samples); kThreads per block; kUnits x kWaves: 16-byte units per thread in a load or
+// layer item (a layer item's loads in kWaves waves of kUnits, to bound the registers); kGsRows: rows per thread
+// in a GroupSum item (its bit-sliced counters have 7 planes: up to 127 rows); kChains: a ticket per slot
+// (dl_decode_chain); kEarly (algo=early): a layer item loads its first wave's gates (ops and wires) before
+// its waits (they do not depend on the previous stage), the second wave's while the first wave's rows are in
+// flight, so at a stage's opening only the rows' loads are left: one L2 round trip a wave instead of two. And
+// with x_vec layer 1 reads its rows straight from x through L1 (ld.global.nc: x is never written here), so there
+// is no stage 0 (the host gives it no items): a chunk of x's rows (784 x 128 B at the issue's network) is read
+// ~160 times by layer 1's 64k gates, mostly from L1 instead of L2 (layer 1 was ~11% of the L2 bytes).
+template <int kChunkBytes, int kThreads, bool kChains, bool kEarly>
+__device__ __forceinline__ void dl_net_run(const DiffLogicNetParams& p) {
   constexpr int kPieces = kChunkBytes / 16, kUnits = DiffLogicNetTraits::kUnits, kWaves = DiffLogicNetTraits::kWaves;
   constexpr int kGsRows = DiffLogicNetTraits::kGsRows;
   constexpr int kPos = kChunkBytes / 4, kRowLanes = kThreads / kPos;  // GroupSum: 32-bit words x row lanes
   static_assert(kChunkBytes % 16 == 0 && kThreads % kPos == 0 && kGsRows < 128, "chunk, threads, GroupSum rows");
+  static_assert(kThreads % kPieces == 0, "a thread's units are one piece (16 bytes) of their rows");
   __shared__ DiffLogicNetItem item;
   __shared__ int partial[kChunkBytes * 8];  // GroupSum: one count per sample of the chunk
   const int tid = threadIdx.x;
@@ -185,21 +193,25 @@ __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const Di
           }
         }
       } else {
-        it = dl_decode(p, static_cast<long long>(atomicAdd(p.ticket, 1ull)));
+        const long long t = static_cast<long long>(atomicAdd(p.ticket, 1ull));
+        it = kEarly && p.gs_late ? dl_decode_late(p, t) : dl_decode(p, t);
       }
-      if (it.stage > 0) dl_wait(p.done + it.chunk * stages + it.stage - 1, static_cast<unsigned>(p.tiles[it.stage - 1]));
-      if (it.stage >= 0 && it.stage <= p.layers && it.chunk >= p.inflight) {
-        // The buffer this stage writes, free of the slot's previous chunk: its last reader there done (a
-        // chunk's first stages thus wait for the last layer of the slot's chunk before, only its third for
-        // that chunk's GroupSum).
-        const int last = dl_last_reader(p, it.stage);
-        dl_wait(p.done + (it.chunk - p.inflight) * stages + last, static_cast<unsigned>(p.tiles[last]));
-      }
+      if (!kEarly) dl_wait_item<true>(p, it);
       item = it;
     }
     __syncthreads();
     const DiffLogicNetItem it = item;
     if (it.stage < 0) return;
+    // kEarly: this thread's gates of the first wave of a layer item (wires ea, eb, the ops 4 bits each in eops),
+    // loaded before the waits; the next wave's are loaded while a wave's rows are in flight (all 8 units' before
+    // the waits spilled at the 64 registers that keep 4 blocks of 256 on an SM).
+    unsigned eops = 0;
+    int ea[kUnits], eb[kUnits];
+    if (kEarly) {
+      if (it.stage >= 1 && it.stage <= p.layers) dl_early_tables<kPieces, kThreads>(p, it, tid, 0, eops, ea, eb);
+      if (tid == 0) dl_wait_item<false>(p, it);
+      __syncthreads();
+    }
     unsigned char* slot = p.scratch + (it.chunk % p.inflight) * p.slot_bytes;
     unsigned char* in_rows = slot;  // stage 0's output: the input rows
     // The two layer buffers, picked by select (an indexed pair would live in local memory).
@@ -224,36 +236,69 @@ __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const Di
       const int l = it.stage;  // layer l reads width[l - 1] rows, writes width[l]
       const unsigned char* src = l == 1 ? in_rows : (l & 1) ? buf1 : buf0;
       unsigned char* dst = (l & 1) ? buf0 : buf1;
-      const int* wa = p.a[l - 1];
-      const int* wb = p.b[l - 1];
-      const unsigned char* ops = p.ops + p.gate0[l - 1];
       const long long units = p.width[l] * kPieces;
-      for (int wave = 0; wave < kWaves; ++wave) {
-        const long long base = (it.tile * kWaves + wave) * kUnits;
-        if (base * kThreads >= units) break;
-        unsigned op[kUnits];
-        long long ra[kUnits], rb[kUnits];
+      if constexpr (kEarly) {
+        const long long piece = tid % kPieces;  // kThreads % kPieces == 0: every unit of this thread
 #pragma unroll
-        for (int i = 0; i < kUnits; ++i) {  // the gates' ops and wires first, then their rows: loads in flight together
-          const long long u = (base + i) * kThreads + tid;
-          const long long g = u < units ? u / kPieces : 0, piece = u < units ? u - g * kPieces : 0;
-          op[i] = ops[g];
-          ra[i] = (op[i] < 16 ? wa[g] : 0) * static_cast<long long>(kChunkBytes) + piece * 16;
-          rb[i] = (op[i] < 16 ? wb[g] : 0) * static_cast<long long>(kChunkBytes) + piece * 16;
+        for (int wave = 0; wave < kWaves; ++wave) {
+          const long long base = (it.tile * kWaves + wave) * kUnits;
+          if (base * kThreads >= units) break;
+          uint4 A[kUnits], B[kUnits];
+          // Layer 1 with x_vec: the rows straight from x (through L1: x is read-only here), a piece past a row's
+          // end (the last chunk) read as zero, as stage 0 copies it; else from scratch (past L1: rewritten).
+          const bool direct = l == 1 && p.x_vec;
+          const unsigned char* rows = direct ? static_cast<const unsigned char*>(p.x) + it.chunk * kChunkBytes : src;
+          const long long stride = direct ? p.row_bytes : kChunkBytes;
+          const bool past = direct && it.chunk * kChunkBytes + piece * 16 >= p.row_bytes;
+#pragma unroll
+          for (int i = 0; i < kUnits; ++i) {
+            const uint4* ra = reinterpret_cast<const uint4*>(rows + ea[i] * stride + piece * 16);
+            const uint4* rb = reinterpret_cast<const uint4*>(rows + eb[i] * stride + piece * 16);
+            A[i] = past ? make_uint4(0u, 0u, 0u, 0u) : direct ? __ldg(ra) : __ldcg(ra);
+            B[i] = past ? make_uint4(0u, 0u, 0u, 0u) : direct ? __ldg(rb) : __ldcg(rb);
+          }
+          const unsigned ops = eops;
+          if (wave + 1 < kWaves) dl_early_tables<kPieces, kThreads>(p, it, tid, wave + 1, eops, ea, eb);
+#pragma unroll
+          for (int i = 0; i < kUnits; ++i) {
+            const long long u = (base + i) * kThreads + tid;
+            if (u >= units) break;
+            const unsigned o = (ops >> (4 * i)) & 15u;
+            dl_st16(dst + u * 16, make_uint4(dl_gate(o, A[i].x, B[i].x), dl_gate(o, A[i].y, B[i].y),
+                                             dl_gate(o, A[i].z, B[i].z), dl_gate(o, A[i].w, B[i].w)));
+          }
         }
-        uint4 A[kUnits], B[kUnits];
+      } else {
+        const int* wa = p.a[l - 1];
+        const int* wb = p.b[l - 1];
+        const unsigned char* ops = p.ops + p.gate0[l - 1];
+        for (int wave = 0; wave < kWaves; ++wave) {
+          const long long base = (it.tile * kWaves + wave) * kUnits;
+          if (base * kThreads >= units) break;
+          unsigned op[kUnits];
+          long long ra[kUnits], rb[kUnits];
 #pragma unroll
-        for (int i = 0; i < kUnits; ++i) {
-          A[i] = dl_ldcg16(src + ra[i]);
-          B[i] = dl_ldcg16(src + rb[i]);
-        }
+          for (int i = 0; i < kUnits; ++i) {  // the gates' ops and wires first, then their rows: loads in flight together
+            const long long u = (base + i) * kThreads + tid;
+            const long long g = u < units ? u / kPieces : 0, piece = u < units ? u - g * kPieces : 0;
+            op[i] = ops[g];
+            ra[i] = (op[i] < 16 ? wa[g] : 0) * static_cast<long long>(kChunkBytes) + piece * 16;
+            rb[i] = (op[i] < 16 ? wb[g] : 0) * static_cast<long long>(kChunkBytes) + piece * 16;
+          }
+          uint4 A[kUnits], B[kUnits];
 #pragma unroll
-        for (int i = 0; i < kUnits; ++i) {
-          const long long u = (base + i) * kThreads + tid;
-          if (u >= units) break;
-          const unsigned o = op[i] < 16 ? op[i] : 0u;  // 16: a wire out of range, zero bits
-          dl_st16(dst + u * 16, make_uint4(dl_gate(o, A[i].x, B[i].x), dl_gate(o, A[i].y, B[i].y),
-                                           dl_gate(o, A[i].z, B[i].z), dl_gate(o, A[i].w, B[i].w)));
+          for (int i = 0; i < kUnits; ++i) {
+            A[i] = dl_ldcg16(src + ra[i]);
+            B[i] = dl_ldcg16(src + rb[i]);
+          }
+#pragma unroll
+          for (int i = 0; i < kUnits; ++i) {
+            const long long u = (base + i) * kThreads + tid;
+            if (u >= units) break;
+            const unsigned o = op[i] < 16 ? op[i] : 0u;  // 16: a wire out of range, zero bits
+            dl_st16(dst + u * 16, make_uint4(dl_gate(o, A[i].x, B[i].x), dl_gate(o, A[i].y, B[i].y),
+                                             dl_gate(o, A[i].z, B[i].z), dl_gate(o, A[i].w, B[i].w)));
+          }
         }
       }
     } else {
@@ -267,16 +312,43 @@ __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const Di
       const int pos = tid % kPos, lane = tid / kPos;
       for (int j = tid; j < kChunkBytes * 8; j += kThreads) partial[j] = 0;
       unsigned plane[7] = {0u, 0u, 0u, 0u, 0u, 0u, 0u};
-#pragma unroll 4
-      for (int i = 0; i < kGsRows; ++i) {
-        const long long row = first + lane + static_cast<long long>(i) * kRowLanes;
-        if (row >= end) break;
-        unsigned carry = __ldcg(reinterpret_cast<const unsigned*>(src + row * kChunkBytes) + pos);
+      if constexpr (kEarly) {
+        // Batches of kGsBatch rows, every load of a batch in flight at once (a row past the group's end reads as
+        // zero): 4 L2 round trips an item instead of 16. Run 25 (H100): the GroupSum of a round is on the path
+        // (stage 2 of the slot's next chunk waits for it) and its items were ~3 layer items long.
+        constexpr int kGsBatch = 16;
+        static_assert(kGsRows % kGsBatch == 0, "GroupSum rows in whole batches");
+        for (int i0 = 0; i0 < kGsRows; i0 += kGsBatch) {
+          if (first + lane + static_cast<long long>(i0) * kRowLanes >= end) break;
+          unsigned words[kGsBatch];
 #pragma unroll
-        for (int q = 0; q < 7; ++q) {
-          const unsigned next = plane[q] & carry;
-          plane[q] ^= carry;
-          carry = next;
+          for (int i = 0; i < kGsBatch; ++i) {
+            const long long row = first + lane + static_cast<long long>(i0 + i) * kRowLanes;
+            words[i] = row < end ? __ldcg(reinterpret_cast<const unsigned*>(src + row * kChunkBytes) + pos) : 0u;
+          }
+#pragma unroll
+          for (int i = 0; i < kGsBatch; ++i) {
+            unsigned carry = words[i];
+#pragma unroll
+            for (int q = 0; q < 7; ++q) {
+              const unsigned next = plane[q] & carry;
+              plane[q] ^= carry;
+              carry = next;
+            }
+          }
+        }
+      } else {
+#pragma unroll 4
+        for (int i = 0; i < kGsRows; ++i) {
+          const long long row = first + lane + static_cast<long long>(i) * kRowLanes;
+          if (row >= end) break;
+          unsigned carry = __ldcg(reinterpret_cast<const unsigned*>(src + row * kChunkBytes) + pos);
+#pragma unroll
+          for (int q = 0; q < 7; ++q) {
+            const unsigned next = plane[q] & carry;
+            plane[q] ^= carry;
+            carry = next;
+          }
         }
       }
       __syncthreads();  // partial zeroed
@@ -285,19 +357,43 @@ __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const Di
         int count = 0;
 #pragma unroll
         for (int q = 0; q < 7; ++q) count |= static_cast<int>((plane[q] >> bit) & 1u) << q;
-        if (count) atomicAdd(&partial[pos * 32 + bit], count);
+        // kEarly: sample pos * 32 + bit kept at pos * 32 + (bit ^ pos % 32), so a warp's lanes (consecutive pos)
+        // hit distinct banks; at pos * 32 + bit all of them hit bank `bit`: a 32-way conflict per atomic at chunk 128.
+        if (count) atomicAdd(&partial[pos * 32 + (kEarly ? bit ^ (pos & 31) : bit)], count);
       }
       __syncthreads();
       const long long s0 = it.chunk * kChunkBytes * 8;
-      for (int j = tid; j < kChunkBytes * 8; j += kThreads)
-        if (partial[j] && s0 + j < p.batch) atomicAdd(p.counts + (s0 + j) * p.groups + group, partial[j]);
+      for (int j = tid; j < kChunkBytes * 8; j += kThreads) {
+        const long long sample = s0 + (kEarly ? j ^ ((j >> 5) & 31) : j);  // the swizzle undone
+        if (partial[j] && sample < p.batch) atomicAdd(p.counts + sample * p.groups + group, partial[j]);
+      }
     }
     __syncthreads();  // every thread's stores of the item issued (and `item`, `partial` free again)
     if (tid == 0) {
-      __threadfence();
-      atomicAdd(p.done + it.chunk * stages + it.stage, 1u);
+      unsigned* done = p.done + it.chunk * stages + it.stage;
+      if (kEarly) {  // a release reduction: the block's stores (ordered before it by the barrier) published
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" : : "l"(done) : "memory");
+      } else {
+        __threadfence();
+        atomicAdd(done, 1u);
+      }
     }
   }
+}
+
+// algo=chunked (kChains false) and algo=chains (true): 2 waves of 4 units a layer item.
+template <int kChunkBytes, int kThreads, bool kChains>
+__global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const DiffLogicNetParams p) {
+  dl_net_run<kChunkBytes, kThreads, kChains, false>(p);
+}
+
+// algo=early: the chunked schedule with the gate tables loaded before the waits and layer 1 reading x
+// (dl_net_run: kEarly). At most 64 registers (4 blocks of 256 threads an SM, as the chunked kernel's 64 give):
+// a stage of 2 chunks of 128 bytes is 500 items, all of them resident at once (unbounded, ptxas took 80: 3
+// blocks an SM, 396 resident).
+template <int kChunkBytes, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1024 / kThreads) difflogic_packed_net_early_kernel(const DiffLogicNetParams p) {
+  dl_net_run<kChunkBytes, kThreads, false, true>(p);
 }
 
 }  // namespace kspec

@@ -78,6 +78,8 @@ struct DiffLogicNetParams {
   long long chunks, inflight, max_width, slot_bytes;
   long long chunk_items, round_items;  // items of one chunk (all stages), of a full round of inflight chunks
   int layers;
+  int x_vec;    // algo=early, x and row_bytes 16-byte aligned: layer 1 reads x's rows (no stage 0 items)
+  int gs_late;  // algo=early, layers even: the ticket order dl_decode_late (packed_net_schedule.cuh)
 };
 
 // The CA architectures (compile-time: a kernel is specialized for one): C channels, K perception kernels,

@@ -638,8 +638,8 @@ def test_difflogic_slow_calls_get_fewer_reps(families):
 
 def test_difflogic_packed_net_configs_compile(families):
     """The packed table's "kspec net CFG" rows: each default config of --difflogic-net-configs is a legal
-    difflogic.packed.net config and compiles (no GPU needed): algo=layers the per-layer kernels, chunked the
-    ops kernel and the network kernel of its chunk; and the per-layer rows kernel's row."""
+    difflogic.packed.net config and compiles (no GPU needed): algo=layers the per-layer kernels, chunked, chains
+    and early the ops kernel and the network kernel of their chunk; and the per-layer rows kernel's row."""
     import argparse
 
     import kspec
@@ -656,9 +656,12 @@ def test_difflogic_packed_net_configs_compile(families):
                                "kspec::difflogic_packed_group_sum_kernel<32, 256>"], kernels
         else:
             cfg = dict(kv.split("=") for kv in config.split(","))
-            chains = "true" if cfg["algo"] == "chains" else "false"
-            assert kernels == ["kspec::difflogic_packed_ops_kernel<256>",
-                               f"kspec::difflogic_packed_net_kernel<{cfg['chunk']}, 256, {chains}>"], kernels
+            if cfg["algo"] in ("early", "early_late"):  # one kernel, the ticket order a parameter
+                net = f"kspec::difflogic_packed_net_early_kernel<{cfg['chunk']}, 256>"
+            else:
+                chains = "true" if cfg["algo"] == "chains" else "false"
+                net = f"kspec::difflogic_packed_net_kernel<{cfg['chunk']}, 256, {chains}>"
+            assert kernels == ["kspec::difflogic_packed_ops_kernel<256>", net], kernels
     # the "kspec packed threads=128,vec=1" rows: packed.fwd's rows kernel
     kernels = [r["kernel"] for r in kspec.compile("difflogic.packed.fwd", dtype="f32", arch="sm_80", config=dl.ROWS_CONFIG,
                                                   tensor_dtypes={"x": "int64"})]

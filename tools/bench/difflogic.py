@@ -39,7 +39,8 @@ def add_arguments(p):
                    help="difflogic: which tables: layer (a), packed (b), ca (c) (default all three)")
     p.add_argument("--difflogic-net-configs", metavar="CFG;...",
                    default="algo=layers,chunk=128,inflight=2;algo=chunked,chunk=128,inflight=2;"
-                           "algo=chains,chunk=128,inflight=2;algo=chains,chunk=64,inflight=4;algo=chains,chunk=32,inflight=8",
+                           "algo=early,chunk=128,inflight=2;algo=early_late,chunk=128,inflight=2;"
+                           "algo=early,chunk=64,inflight=4;algo=early,chunk=256,inflight=1",
                    help="difflogic: difflogic.packed.net configs timed in the packed table (';'-separated; '' none)")
     p.add_argument("--difflogic-lanes", metavar="L,...", default="0,4,8,16",
                    help="difflogic: feature-major configs timed beside the default one, the same lanes in the forward"

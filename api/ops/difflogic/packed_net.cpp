@@ -7,7 +7,17 @@
 //            chunk's layers back to back in L2-resident scratch, `inflight` chunks interleaved
 //            (templates/difflogic/packed_net.cuh), after a small kernel that takes every gate's argmax op.
 //   chains   the same kernel with a ticket per scratch slot, a block taking items from whichever chain of
-//            chunks is ready (packed_net.cuh: kChains). Not yet measured.
+//            chunks is ready (packed_net.cuh: kChains). H100, run 22: no gain (13.19 ms against 12.91 at 2^18).
+//   early    chunked, but a layer item loads its gates' ops and wires before it waits for the previous stage
+//            (packed_net.cuh: kEarly), leaving one L2 round trip a wave at a stage's opening instead of two,
+//            and layer 1 reads x's rows itself, through L1 (no stage 0); acquire/release waits and signals
+//            without chunked's fence.sc; GroupSum items with their rows' loads in batches of 16 (4 round
+//            trips, not 16: that GroupSum is on the path, stage 2 of the slot's next chunk waits for it) and
+//            their shared-memory counts swizzled (no 32-way bank conflict); gate tables kept in L2 (evict_last).
+//            H100, run 25, 2^18 w32, before the batches: 13.59 ms against chunked's 12.82.
+//   early_late  early, and with even layers a round's layer 1 before the previous round's GroupSum in the
+//            ticket order (run 25, with the slow GroupSum: slower, the GroupSum started later). Neither measured
+//            since.
 // Both give the counts of difflogic_packed_fwd_ref chained over the layers and difflogic_packed_group_sum_ref
 // bit for bit (tests/cpp/test_difflogic_packed_net.cpp). The heuristic takes chunked (H100 figures below).
 #include <algorithm>
@@ -24,12 +34,14 @@ namespace kspec::difflogic {
 namespace {
 
 constexpr int64_t kThreads = 256;
-constexpr int64_t kLayers = 0, kChunked = 1, kChains = 2;  // the algo axis
+constexpr int64_t kLayers = 0, kChunked = 1, kChains = 2, kEarly = 3, kEarlyLate = 4;  // the algo axis
+
+bool early(const Config& c) { return c.get("algo") == kEarly || c.get("algo") == kEarlyLate; }
 // The heuristic: chunked, 128-byte rows (1024 samples a chunk), 2 chunks in flight (at 64k-wide layers 2 x (2 x
 // 64k rows x 128 B) = 33 MB of scratch, in the H100's 50 MB L2). H100, run 20, 784 -> 6 x 64k -> GroupSum(10),
 // gpu ms: B 2^14 0.833 (w32) / 0.834 (w64) against algo=layers 3.185 / 2.381; B 2^18 12.93 / 12.96 against
 // 42.67 / 32.79; chunk 64 at inflight 2: 1.19 / 18.9, at inflight 4: 0.863 / 13.3.
-constexpr int64_t kDefaultChunk = 128, kDefaultInflight = 2;
+constexpr int64_t kDefaultAlgo = kChunked, kDefaultChunk = 128, kDefaultInflight = 2;
 constexpr int64_t kCanonicalChunk = 128, kCanonicalInflight = 2;  // what algo=layers carries (it reads neither)
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -76,7 +88,7 @@ bool valid(const Problem&, const Config& c, std::string* why) {
 }
 
 Config heuristic(const Problem&) {
-  return Config{{{"algo", kChunked}, {"chunk", kDefaultChunk}, {"inflight", kDefaultInflight}}};
+  return Config{{{"algo", kDefaultAlgo}, {"chunk", kDefaultChunk}, {"inflight", kDefaultInflight}}};
 }
 
 std::vector<jit::KernelSpec> kernels(const Problem& p, const Config& c) {
@@ -87,9 +99,12 @@ std::vector<jit::KernelSpec> kernels(const Problem& p, const Config& c) {
             kernel_spec(p, "difflogic/group_sum.cuh", "kspec::difflogic_packed_group_sum_kernel", {w, threads})};
   }
   // The word width is not a template argument: a w = 64 row is the w = 32 row of the same bits.
-  return {kernel_spec(p, "difflogic/packed_net.cuh", "kspec::difflogic_packed_ops_kernel", {threads}),
-          kernel_spec(p, "difflogic/packed_net.cuh", "kspec::difflogic_packed_net_kernel",
-                      {std::to_string(c.get("chunk")), threads, c.get("algo") == kChains ? "true" : "false"})};
+  const std::string chunk = std::to_string(c.get("chunk"));
+  jit::KernelSpec ops = kernel_spec(p, "difflogic/packed_net.cuh", "kspec::difflogic_packed_ops_kernel", {threads});
+  if (early(c))  // early and early_late: one kernel (the ticket order is a parameter)
+    return {ops, kernel_spec(p, "difflogic/packed_net.cuh", "kspec::difflogic_packed_net_early_kernel", {chunk, threads})};
+  return {ops, kernel_spec(p, "difflogic/packed_net.cuh", "kspec::difflogic_packed_net_kernel",
+                           {chunk, threads, c.get("algo") == kChains ? "true" : "false"})};
 }
 
 void launch_layers(const Call& call, Launcher& l) {
@@ -157,6 +172,14 @@ void launch_chunked(const Call& call, const Config& c, Launcher& l) {
     }
   }
   q.tiles[layers + 1] = q.groups * ceil_div(width[layers] / q.groups, rows_per_gs_item);
+  // algo=early, x and its rows 16-byte aligned (row_bytes: w32 words a multiple of 4, w64 of 2): layer 1 reads x
+  // itself, no copy stage (an item waiting for stage 0 waits for nothing); else stage 0 copies as chunked's does.
+  if (early(c) && reinterpret_cast<uintptr_t>(q.x) % 16 == 0 && q.row_bytes % 16 == 0) {
+    q.x_vec = 1;
+    q.tiles[0] = 0;
+  }
+  // algo=early_late, even layers: a round's layer 1 before the previous round's GroupSum (packed_net_schedule.cuh).
+  q.gs_late = c.get("algo") == kEarlyLate && layers % 2 == 0 ? 1 : 0;
   q.chunk_items = 0;
   for (int64_t s = 0; s <= layers + 1; ++s) q.chunk_items += q.tiles[s];
   q.round_items = q.inflight * q.chunk_items;
@@ -208,12 +231,12 @@ OpDef make_packed_net() {
   op.info.outputs = {tensor_def("counts", {"batch", "k"}, {DType::i32}, "", false, false, "", Layout::Contiguous,
                                 "set bits per sample and group of the last layer")};
   op.check_call = check_call;
-  op.tuning.axes = {{"algo", {kLayers, kChunked, kChains}}, {"chunk", {32, 64, 128, 256}}, {"inflight", {1, 2, 4, 8}}};
+  op.tuning.axes = {{"algo", {kLayers, kChunked, kChains, kEarly, kEarlyLate}}, {"chunk", {32, 64, 128, 256}}, {"inflight", {1, 2, 4, 8}}};
   op.tuning.valid = valid;
   op.tuning.heuristic = heuristic;
   op.tuning.block_threads = [](const Problem&, const Config&) { return kThreads; };
   op.info.tuning_axes = op.tuning.axes;
-  op.info.tuning_names = {{"algo", {"layers", "chunked", "chains"}}};
+  op.info.tuning_names = {{"algo", {"layers", "chunked", "chains", "early", "early_late"}}};
   // The main dtype is nominal (the logits' fp32); the word width is x's dtype, which the _w64 rows set.
   op.dtypes = {DType::f32};
   op.generic_check = false;  // TensorList inputs and integer words (the test compares with the reference)
@@ -235,7 +258,7 @@ OpDef make_packed_net() {
   op.kernels = kernels;
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     if (c.get("algo") == kLayers) return launch_layers(call, l);
-    launch_chunked(call, c, l);  // chunked and chains
+    launch_chunked(call, c, l);  // chunked, chains, early, early_late
   };
   op.reference = [](const Problem&, const std::vector<HostTensor>&) -> std::vector<HostTensor> {
     throw Unsupported("difflogic.packed.net: list inputs: the generic checker does not build lists; see "
