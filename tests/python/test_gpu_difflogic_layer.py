@@ -1,5 +1,5 @@
 """The layer ops' feature-major kernels from Python, each config by name (issue 30 Speed): lanes 0 (the flat
-kernels) and 4, 8, 16 (the batch-tiled ones; kspec.nn.LogicLayer's default is 8) through kspec.call with
+kernels) and 4, 8, 16, 32 (the batch-tiled ones; kspec.nn.LogicLayer's default is 8) through kspec.call with
 config=, fp32 / fp16 / bf16, B = 1, 33 (rows not 16-byte aligned: scalar accesses) and 1032 (aligned, a
 partial last tile), self-paired gates and an unread input, against the float64 reference; two runs bitwise
 equal. The GoogleTest twin with more shapes: tests/cpp/test_difflogic.cpp DiffLogicGpuTiled."""
@@ -29,7 +29,7 @@ def _fm(t):
     return t.t().contiguous().t()
 
 
-@pytest.mark.parametrize("lanes", [0, 4, 8, 16])
+@pytest.mark.parametrize("lanes", [0, 4, 8, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B,n_in,n_out", [(1, 7, 33), (33, 65, 1000), (1032, 300, 257)])
 def test_feature_major_config_matches_reference(lanes, dtype, B, n_in, n_out):

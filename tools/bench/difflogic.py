@@ -41,9 +41,13 @@ def add_arguments(p):
                    default="algo=layers,chunk=128,inflight=2;algo=chunked,chunk=128,inflight=2;"
                            "algo=chains,chunk=128,inflight=2;algo=chains,chunk=64,inflight=4;algo=chains,chunk=32,inflight=8",
                    help="difflogic: difflogic.packed.net configs timed in the packed table (';'-separated; '' none)")
-    p.add_argument("--difflogic-lanes", metavar="L,...", default="0,4,8,16",
+    p.add_argument("--difflogic-lanes", metavar="L,...", default="0,4,8,16,32",
                    help="difflogic: feature-major configs timed beside the default one, the same lanes in the forward"
-                        " and the backward (0: the flat kernels; else the batch-tiled ones; '' none)")
+                        " and the backward, the backward's ahead=0 (0: the flat kernels; else the batch-tiled ones;"
+                        " '' none)")
+    p.add_argument("--difflogic-ahead-lanes", metavar="L,...", default="",
+                   help="difflogic: the same with the backward's ahead=1 (readers' loads a step ahead, the default's;"
+                        " batch-tiled lanes only; '' none)")
 
 
 def min_bytes(B, n_in, n_out, kind, s):
@@ -189,6 +193,7 @@ def run_layer(ctx):
     truth = torch.tensor(TRUTH, dtype=torch.float32, device=ctx.dev)
     eager = torch_layer(torch, truth)
     lanes = [int(n) for n in ctx.args.difflogic_lanes.split(",") if n.strip()]
+    ahead_lanes = [int(n) for n in ctx.args.difflogic_ahead_lanes.split(",") if n.strip()]
     rows, notes = [], []
     for B, n_in, n_out in shapes:
         # One seed, one draw: difflogic's layer and kspec's (same weights and wiring by construction; checked)
@@ -233,6 +238,8 @@ def run_layer(ctx):
                      ("kspec feature-major", "kspec", lambda x, m=layer: m(x), layer.weights, True)]
             impls += [(f"kspec feature-major lanes={n}", "kspec", configured_layer(torch, layer, n), layer.weights,
                        True) for n in lanes]
+            impls += [(f"kspec feature-major lanes={n} ahead", "kspec", configured_layer(torch, layer, n, ahead=1),
+                       layer.weights, True) for n in ahead_lanes]
             impls += [
                      ("torch eager", "peer", lambda x, w=layer.weights: eager(x, w, a, b), layer.weights, False)]
             if peer is not None and dtype == torch.float32:
@@ -700,7 +707,8 @@ def _report(ctx, rows, notes, why):
         " kspec feature-major lanes=L: the same"
         " ops with config threads=256,lanes=L in both (0: the flat kernels, a thread per element; else the"
         " batch-tiled ones, L threads of 16 bytes per row and tile), the backward's ahead=0 (the loads in the"
-        " old order). difflogic 0.1.0: LogicLayer(implementation="
+        " old order); kspec feature-major lanes=L ahead: the same with ahead=1. difflogic 0.1.0:"
+        " LogicLayer(implementation="
         "'cuda'), fp32 only, synchronizes after every kernel.",
         f"validation: y, dx and dlogits of the first {CHECK_SAMPLES} samples (dy zero elsewhere) vs the float64"
         " reference, before timing; difflogic's dx differs on inputs of self-paired gates (its bug, issue 30).",

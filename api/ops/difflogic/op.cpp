@@ -85,7 +85,10 @@ bool dx_row_major(const Problem& p) {
 // x for an input's second reader; the backward's dx kernel also makes the dlogits sums). Row-major has
 // the flat kernels only. Default: tiled, 8 lanes (128-byte row pieces; at 64k inputs and outputs, fp32, the
 // forward's x and y tiles are 8 + 8 MB and the backward's x, dout and dx tiles 25 MB, under the H100's 50 MB
-// L2 with room to spare); not yet measured (tools/bench/NOTES.md), the bench times 0, 4, 8 and 16.
+// L2 with room to spare); lanes 16 measured 0.781 ms fwd+bwd against 0.800 there (H100, tools/bench/NOTES.md). Lanes 32: a
+// warp per input, so no lane group waits on another input's longer reader list (at 8, a warp's 4 inputs run
+// max(readers) steps, ~3.5 against a mean of 2); its tiles (512 B a row in fp32) hold 24 MB of x, dout and
+// dx at 16k, 96 MB at 64k (past L2). Not yet measured: the bench times every value.
 constexpr int64_t kDefaultLanes = 8;
 // The batch-tiled backward's readers' loads a step ahead (axis ahead) by default: the same bits, the same
 // bytes, one round trip a reader instead of two (registers: tools/bench/NOTES.md); not yet measured.
@@ -96,7 +99,7 @@ int64_t lanes_of(const Config& c) { return c.has("lanes") ? c.get("lanes") : 0; 
 
 TuningSpace layer_tuning() {
   TuningSpace t = difflogic_tuning();
-  t.axes.push_back({"lanes", {0, 4, 8, 16}});
+  t.axes.push_back({"lanes", {0, 4, 8, 16, 32}});
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     if (lanes_of(c) == 0 && feature_major(p) && dx_row_major(p)) {
       if (why) *why = "dx_layout row_major with layout feature_major needs the batch-tiled kernels (lanes > 0)";
