@@ -128,15 +128,16 @@ int64_t stage_of(const Config& c) { return c.has("stage") ? c.get("stage") : 0; 
 constexpr int64_t kStagedThreads = 1024;
 constexpr int64_t kStagedMaxRows = 8;
 
-// Opt-in shared memory a block and a multiprocessor: 227 / 228 KB from sm_90 on, 163 / 164 KB on sm_80
-// and sm_87, 99 / 100 KB on the others (sm_86, sm_89).
+// Opt-in shared memory a block and a multiprocessor: 227 / 228 KB on sm_90 to sm_110 (H100, B200), 163 / 164
+// KB on sm_80 and sm_87, 99 / 100 KB on the others (sm_86, sm_89, sm_120).
+bool big_smem(int cc) { return cc >= 90 && cc < 120; }
 int64_t smem_per_block(const std::string& arch) {
   const int cc = jit::compute_capability(arch);
-  return cc >= 90 ? 232448 : cc == 80 || cc == 87 ? 166912 : 101376;
+  return big_smem(cc) ? 232448 : cc == 80 || cc == 87 ? 166912 : 101376;
 }
 int64_t smem_per_sm(const std::string& arch) {
   const int cc = jit::compute_capability(arch);
-  return cc >= 90 ? 233472 : cc == 80 || cc == 87 ? 167936 : 102400;
+  return big_smem(cc) ? 233472 : cc == 80 || cc == 87 ? 167936 : 102400;
 }
 
 TuningSpace layer_fwd_tuning() {
