@@ -13,7 +13,8 @@ backward's dlogits and dx gather x and dout the same way: 25.9 ms fwd+bwd agains
 layer pays no transpose; in the backward a row-major dy is transposed once, and dx goes back to x's layout.
 Where no gradient is wanted (inference, eval, torch.no_grad) "auto" instead runs the row-major forward op,
 whose staged kernel reads x once (whole rows of x in shared memory, templates/difflogic/layer_staged.cuh):
-x and y once each, without the transpose's extra read and write of x; y row-major. row_major="staged" does
+x and y once each, without the transpose's extra read and write of x, where enough rows fit (stage_pays);
+y row-major. row_major="staged" does
 that in training too, the backward then transposing x and dy (the same bytes as "auto", moved out of the
 forward)."""
 from __future__ import annotations
@@ -64,12 +65,29 @@ def feature_major(t) -> bool:
 ROW_MAJOR = ("auto", "transpose", "direct", "staged")
 
 
-def stage_fits(x) -> bool:
-    """Whether one row of x fits in a block's shared memory on x's device: difflogic.layer.fwd's staged kernel
-    runs there (elsewhere the op falls back to its flat kernel, which gathers x from global memory)."""
+# The staged forward's rows a pass: as many as fit a block's shared memory, at most 8 (op.cpp kStagedMaxRows).
+STAGED_MAX_ROWS = 8
+# ... times the element size, at least this many bytes for "auto" to take it over the transpose path.
+STAGED_MIN_PASS_BYTES = 8
+
+
+def stage_pays(x) -> bool:
+    """Whether "auto" runs difflogic.layer.fwd's staged kernel on x rather than transposing x: by bytes. It moves
+    x and y once (2X, X = x's bytes) against the transpose path's 4X, but reads every gate's wires and T (24 B)
+    from L2 once a pass: 24 / rows bytes an output beside 2 (halves) or 4 (fp32) of DRAM. With 8 bytes of
+    activations a pass or more (fp32 from 2 rows: 16k fp32 holds 3 in the H100's 227 KB; halves from 4: 16k
+    holds 7) that costs less than the transpose's 2X; below (32k fp32 and 64k halves: 1 row) it costs more.
+    No row fits at all (64k fp32): the op would fall back to its flat kernel."""
     if not x.is_cuda:
         return False
-    return x.shape[1] * x.element_size() <= torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
+    return staged_pass_pays(x.shape[1], x.element_size(),
+                            torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin)
+
+
+def staged_pass_pays(n_in: int, element_size: int, smem_per_block: int) -> bool:
+    """stage_pays's rule: rows a pass (of n_in elements, in smem_per_block bytes) x element_size >= 8 bytes."""
+    rows = min(STAGED_MAX_ROWS, smem_per_block // (n_in * element_size))
+    return rows * element_size >= STAGED_MIN_PASS_BYTES
 
 
 def wants_grad(x, logits) -> bool:
@@ -171,12 +189,13 @@ def _row_major_proper(x) -> bool:
 def transposes(x, row_major: str = "auto", grad: bool = True) -> bool:
     """Whether the layer transposes this x to the feature-major layout first: a row-major x (_row_major_proper)
     with row_major "transpose", or "auto" outside torch.compile (under it "auto" keeps the row-major kernels:
-    one traced graph as before) where a gradient is wanted (grad) or a row does not fit the staged forward."""
+    one traced graph as before) where a gradient is wanted (grad) or the staged forward does not pay
+    (stage_pays)."""
     if not _row_major_proper(x):
         return False
     if row_major == "transpose":
         return True
-    return row_major == "auto" and not torch.compiler.is_compiling() and (grad or not stage_fits(x))
+    return row_major == "auto" and not torch.compiler.is_compiling() and (grad or not stage_pays(x))
 
 
 def logic_layer(x, logits, a, b, *, mode: str = "soft", grad_factor: float = 1.0, consumers_csr=None,

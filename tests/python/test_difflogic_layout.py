@@ -172,11 +172,11 @@ def test_row_major_option_is_checked():
 
 
 @pytest.mark.parametrize("fits", [True, False])
-def test_no_grad_row_major_x_reads_x_once_where_a_row_fits(monkeypatch, fits):
+def test_no_grad_row_major_x_reads_x_once_where_staging_pays(monkeypatch, fits):
     """Without a gradient (torch.no_grad, or nothing requiring grad) "auto" runs the row-major forward op (its
-    staged kernel reads x once) where a row of x fits in shared memory: no transpose, y row-major; where it
-    does not fit, the transpose path as in training. The same values either way."""
-    monkeypatch.setattr(_difflogic, "stage_fits", lambda x: fits)
+    staged kernel reads x once) where enough rows of x fit in shared memory (stage_pays): no transpose, y
+    row-major; elsewhere the transpose path as in training. The same values either way."""
+    monkeypatch.setattr(_difflogic, "stage_pays", lambda x: fits)
     g = torch.Generator().manual_seed(6)
     x = torch.rand(9, 7, generator=g)
     logits = torch.randn(12, 16, generator=g).requires_grad_()
@@ -199,7 +199,7 @@ def test_staged_option_moves_the_transposes_to_the_backward(monkeypatch):
     """row_major="staged" in training: the forward reads the row-major x (no transpose, y row-major), the
     backward transposes x and the row-major dy once each and writes dx row-major; values and gradients equal
     to "auto"'s."""
-    monkeypatch.setattr(_difflogic, "stage_fits", lambda x: True)
+    monkeypatch.setattr(_difflogic, "stage_pays", lambda x: True)
     g = torch.Generator().manual_seed(7)
     x = torch.rand(11, 6, generator=g)
     logits = torch.randn(10, 16, generator=g)
@@ -223,3 +223,15 @@ def test_staged_option_moves_the_transposes_to_the_backward(monkeypatch):
     with torch.no_grad():  # no gradient: the row-major forward alone
         CALLS.clear()
         assert _layer(x, logits, a, b, row_major="staged").is_contiguous() and CALLS["difflogic.transpose"] == 0
+
+
+def test_staging_pays_from_8_bytes_a_pass():
+    """stage_pays's rule on the H100's 227 KB: 16k fp32 (3 rows a pass) and 16k bf16 (7) stage; 32k fp32 and 64k
+    bf16 (1 row: 24 B of a gate's wires and T a pass against 4 or 2 B of output) and 64k fp32 (no row) take the
+    transpose; tiny widths stage (8 rows)."""
+    h100 = 232448
+    assert _difflogic.staged_pass_pays(16000, 4, h100) and _difflogic.staged_pass_pays(16000, 2, h100)
+    assert not _difflogic.staged_pass_pays(32000, 4, h100) and not _difflogic.staged_pass_pays(64000, 2, h100)
+    assert not _difflogic.staged_pass_pays(64000, 4, h100)
+    assert _difflogic.staged_pass_pays(1, 4, h100) and _difflogic.staged_pass_pays(7, 2, h100)
+    assert not _difflogic.stage_pays(torch.rand(4, 16))  # not on a GPU

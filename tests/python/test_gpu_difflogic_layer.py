@@ -177,7 +177,7 @@ def test_staged_row_major_forward(dtype, B, n_in, n_out):
     kernel (stage=0, to rounding), hard and soft; two runs bitwise equal. Through kspec.ops.logic_layer:
     no gradient -> "auto" runs it (y row-major, no transpose); row_major="staged" in training gives "auto"'s
     gradients bit for bit (the same transposed backward) and its y to rounding."""
-    from kspec._difflogic import stage_fits
+    from kspec._difflogic import stage_pays
 
     g = torch.Generator(device="cuda").manual_seed(B + n_in + n_out)
     x = torch.rand(B, n_in, device="cuda", generator=g).to(dtype)
@@ -199,7 +199,7 @@ def test_staged_row_major_forward(dtype, B, n_in, n_out):
         return
     with torch.no_grad():
         yn = kspec.ops.logic_layer(x, logits, a, b)
-    assert yn.is_contiguous() == stage_fits(x)
+    assert yn.is_contiguous() == stage_pays(x)
     assert _err(yn, dl_ref.layer_fwd(xs, lg, wa, wb)) <= fwd_tol
     dy = torch.randn(B, n_out, device="cuda", generator=g).to(dtype)
     out = {}
