@@ -113,20 +113,30 @@ def _err(got, want):
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
+# The row-major forward's flat kernel (the gather the staged kernel replaced).
+FLAT_FWD_CONFIG = "threads=256,lanes=0,stage=0"
+
+
+def layer_configs(lanes, ahead=0):
+    """(forward, backward) configs of the feature-major layer at threads=256,lanes=L: the forward's stage=0
+    (feature-major has no staged kernel), the backward's ahead=A (1 only with the batch-tiled lanes > 0)."""
+    config = f"threads=256,lanes={lanes}"
+    return config + ",stage=0", config + f",ahead={ahead if lanes else 0}"
+
+
 def configured_layer(torch, layer, lanes, ahead=0):
-    """The layer on feature-major x with the config threads=256,lanes=L for both ops (the forward's stage=0, the
-    backward's ahead=A; kspec.nn.LogicLayer takes the heuristic's: lanes 8, ahead 1): the kernels old and new
-    side by side in one process."""
+    """The layer on feature-major x with the configs of layer_configs(L, A) (kspec.nn.LogicLayer takes the
+    heuristic's: lanes 8, ahead 1): the kernels old and new side by side in one process."""
     from kspec._core import call
 
-    config = f"threads=256,lanes={lanes}"
+    fwd_config, bwd_config = layer_configs(lanes, ahead)
     a, b, csr = layer.wiring()
 
     class Fn(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, logits):
             y = torch.empty(logits.shape[0], x.shape[0], dtype=x.dtype, device=x.device).t()
-            call("difflogic.layer.fwd", x, logits, a, b, layout="feature_major", config=config + ",stage=0", out=(y,))
+            call("difflogic.layer.fwd", x, logits, a, b, layout="feature_major", config=fwd_config, out=(y,))
             ctx.save_for_backward(x, logits)
             return y
 
@@ -136,8 +146,8 @@ def configured_layer(torch, layer, lanes, ahead=0):
             dy = dy if dy.stride(0) == 1 else dy.t().contiguous().t()
             dx = torch.empty(x.shape[1], x.shape[0], dtype=x.dtype, device=x.device).t()
             dl = torch.empty_like(logits)
-            call("difflogic.layer.bwd", x, logits, a, b, dy, csr, layout="feature_major",
-                 config=config + f",ahead={ahead if lanes else 0}", out=(dx, dl))
+            call("difflogic.layer.bwd", x, logits, a, b, dy, csr, layout="feature_major", config=bwd_config,
+                 out=(dx, dl))
             return dx, dl
 
     return lambda x: Fn.apply(x, layer.weights)
@@ -154,7 +164,7 @@ def flat_row_major_layer(torch, layer):
         @staticmethod
         def forward(ctx, x, logits):
             ctx.save_for_backward(x, logits)
-            return call("difflogic.layer.fwd", x, logits, a, b, config="threads=256,lanes=0,stage=0")[0]
+            return call("difflogic.layer.fwd", x, logits, a, b, config=FLAT_FWD_CONFIG)[0]
 
         @staticmethod
         def backward(ctx, dy):
