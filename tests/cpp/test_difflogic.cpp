@@ -249,8 +249,8 @@ TEST(DiffLogic, PrecompilePlanCompilesWithoutSpills) {
   EXPECT_EQ(requests["difflogic.packed.fwd"], 8);
 }
 
-// The lanes axis: feature-major defaults to the batch-tiled kernels (lanes 8), row-major keeps the flat ones
-// and refuses lanes > 0 with a message naming the axis and the layout.
+// The lanes axis: feature-major defaults to the batch-tiled kernels (lanes 16 forward, 32 backward), row-major
+// keeps the flat ones and refuses lanes > 0 with a message naming the axis and the layout.
 TEST(DiffLogic, TiledKernelsAreFeatureMajorsDefault) {
   auto kernel_names = [](const std::string& op, const std::string& layout, std::optional<Config> config) {
     CompileRequest r;
@@ -262,9 +262,9 @@ TEST(DiffLogic, TiledKernelsAreFeatureMajorsDefault) {
     return names;
   };
   expect_in(kernel_names("difflogic.layer.fwd", "feature_major", std::nullopt),
-            {"difflogic_fwd_tiled_kernel<float, 256, 8>"});
+            {"difflogic_fwd_tiled_kernel<float, 256, 16>"});
   expect_in(kernel_names("difflogic.layer.bwd", "feature_major", std::nullopt),
-            {"difflogic_bwd_tiled_kernel<float, 256, 8, false, true>", "difflogic_dlogits_finish_kernel<256, 32>"});
+            {"difflogic_bwd_tiled_kernel<float, 256, 32, false, true>", "difflogic_dlogits_finish_kernel<256, 128>"});
   expect_in(kernel_names("difflogic.layer.bwd", "feature_major", Config{{{"threads", 256}, {"lanes", 8}, {"ahead", 0}}}),
             {"difflogic_bwd_tiled_kernel<float, 256, 8>"});
   expect_in(kernel_names("difflogic.layer.fwd", "row_major", std::nullopt),
@@ -293,7 +293,7 @@ TEST(DiffLogic, RowMajorDxKernels) {
         r.params.set("layout", std::string("feature_major"));
         r.params.set("dx_layout", std::string("row_major"));
         for (int64_t ahead : {0, 1}) {
-          if (ahead && lanes != 8) continue;  // the default lanes' (CI time; PrecompilePlan compiles the others)
+          if (ahead && lanes != 32) continue;  // the default lanes' (CI time; PrecompilePlan compiles the others)
           r.config = Config{{{"threads", 256}, {"lanes", lanes}, {"ahead", ahead}}};
           const auto reports = compile(r);
           ASSERT_EQ(reports.size(), 3u);

@@ -1,5 +1,5 @@
 """The layer ops' feature-major kernels from Python, each config by name (issue 30 Speed): lanes 0 (the flat
-kernels) and 4, 8, 16, 32 (the batch-tiled ones; kspec.nn.LogicLayer's default is 8) through kspec.call with
+kernels) and 4, 8, 16, 32 (the batch-tiled ones; kspec.nn.LogicLayer's defaults 16 forward, 32 backward) through kspec.call with
 config=, fp32 / fp16 / bf16, B = 1, 33 (rows not 16-byte aligned: scalar accesses) and 1032 (aligned, a
 partial last tile), self-paired gates and an unread input, against the float64 reference; two runs bitwise
 equal. The GoogleTest twin with more shapes: tests/cpp/test_difflogic.cpp DiffLogicGpuTiled."""
@@ -74,9 +74,9 @@ def test_row_major_refuses_the_tiled_kernels():
     a = torch.arange(8, device="cuda", dtype=torch.int32)
     with pytest.raises(kspec.InvalidArgument, match="lanes"):
         call("difflogic.layer.fwd", x, logits, a, a, config="threads=256,lanes=8,stage=0")
-    with pytest.raises(kspec.InvalidArgument, match="stage"):
+    with pytest.raises(kspec.InvalidArgument, match="stage"):  # y feature-major too: the layout check passes
         call("difflogic.layer.fwd", x.t().contiguous().t(), logits, a, a, layout="feature_major",
-             config="threads=256,lanes=0,stage=1")
+             config="threads=256,lanes=0,stage=1", out=(torch.empty(8, 4, device="cuda").t(),))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

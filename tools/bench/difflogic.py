@@ -126,7 +126,7 @@ def layer_configs(lanes, ahead=0):
 
 def configured_layer(torch, layer, lanes, ahead=0):
     """The layer on feature-major x with the configs of layer_configs(L, A) (kspec.nn.LogicLayer takes the
-    heuristic's: lanes 8, ahead 1): the kernels old and new side by side in one process."""
+    heuristic's: lanes 16 forward, 32 backward, ahead 1): the kernels old and new side by side in one process."""
     from kspec._core import call
 
     fwd_config, bwd_config = layer_configs(lanes, ahead)
@@ -713,7 +713,7 @@ def _report(ctx, rows, notes, why):
         " x.t().contiguous() in front instead of kspec's (dx copied back by autograd); kspec feature-major: the"
         " same layer handed x.t() of a contiguous"
         " (n_in, B) and dy likewise (difflogic's layout: its kernels run along the batch; y, dx feature-major;"
-        " its default config: batch-tiled, lanes 8, the backward's readers' loads a step ahead, ahead 1);"
+        " its default configs: batch-tiled, lanes 16 forward, 32 backward with its readers' loads a step ahead, ahead 1);"
         " kspec feature-major lanes=L: the same"
         " ops with config threads=256,lanes=L in both (0: the flat kernels, a thread per element; else the"
         " batch-tiled ones, L threads of 16 bytes per row and tile), the backward's ahead=0 (the loads in the"

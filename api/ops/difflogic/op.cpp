@@ -83,15 +83,15 @@ bool dx_row_major(const Problem& p) {
 // thread per element, whole rows in turn), else the batch-tiled ones (templates/difflogic/layer.cuh: lanes
 // threads of 16 bytes per row and tile, every gate of a tile before the next tile, so L2 holds the tile's
 // x for an input's second reader; the backward's dx kernel also makes the dlogits sums). Row-major has
-// the flat kernels only. Default: tiled, 8 lanes (128-byte row pieces; at 64k inputs and outputs, fp32, the
-// forward's x and y tiles are 8 + 8 MB and the backward's x, dout and dx tiles 25 MB, under the H100's 50 MB
-// L2 with room to spare); lanes 16 measured 0.781 ms fwd+bwd against 0.800 there (H100, tools/bench/NOTES.md). Lanes 32: a
-// warp per input, so no lane group waits on another input's longer reader list (at 8, a warp's 4 inputs run
-// max(readers) steps, ~3.5 against a mean of 2); its tiles (512 B a row in fp32) hold 24 MB of x, dout and
-// dx at 16k, 96 MB at 64k (past L2). Not yet measured: the bench times every value.
-constexpr int64_t kDefaultLanes = 8;
-// The batch-tiled backward's readers' loads a step ahead (axis ahead) by default: the same bits, the same
-// bytes, one round trip a reader instead of two (registers: tools/bench/NOTES.md); not yet measured.
+// the flat kernels only. Lanes 32: a warp per input, so no lane group waits on another input's longer
+// reader list (at 8, a warp's 4 inputs run max(readers) steps, ~3.5 against a mean of 2). Defaults, each op
+// its own (H100, run 25, fp32, gpu ms, 16384 x 16000 -> 16000 / 1024 x 64000 -> 64000): the forward lanes 16
+// (0.755 / 0.217 against lanes 8's 0.807 / 0.217, lanes 32's 0.764 / 0.239); the backward lanes 32 with its
+// readers' loads a step ahead (fwd+bwd less fwd: 1.81 / 0.58 against lanes 16's 1.93 / 0.57 and lanes 8's
+// 2.12 / 0.59; at 64k its tiles, 512 B a row, hold 96 MB of x, dout and dx, past L2, and it still holds even).
+// At lanes 8 the loads a step ahead measured 1% slower (2.961 against 2.928 fwd+bwd at 16k).
+constexpr int64_t kDefaultFwdLanes = 16;
+constexpr int64_t kDefaultBwdLanes = 32;
 constexpr int64_t kDefaultAhead = 1;
 
 // A config written before the lanes axis (a tuning database's, a script's "threads=256") means the flat kernels.
@@ -110,7 +110,7 @@ TuningSpace layer_tuning() {
     return false;
   };
   t.heuristic = [](const Problem& p) {
-    return Config{{{"threads", 256}, {"lanes", feature_major(p) ? kDefaultLanes : 0}}};
+    return Config{{{"threads", 256}, {"lanes", feature_major(p) ? kDefaultFwdLanes : 0}}};
   };
   return t;
 }
@@ -153,7 +153,7 @@ TuningSpace layer_fwd_tuning() {
   // element read, twice an output: 3.81 ms at 16384 x 16000 -> 16000 fp32 on the H100).
   t.heuristic = [](const Problem& p) {
     const bool fm = feature_major(p);
-    return Config{{{"threads", 256}, {"lanes", fm ? kDefaultLanes : 0}, {"stage", fm ? 0 : 1}}};
+    return Config{{{"threads", 256}, {"lanes", fm ? kDefaultFwdLanes : 0}, {"stage", fm ? 0 : 1}}};
   };
   t.block_threads = [](const Problem&, const Config& c) { return stage_of(c) ? kStagedThreads : c.get("threads"); };
   return t;
@@ -175,7 +175,7 @@ TuningSpace layer_bwd_tuning() {
   };
   t.heuristic = [](const Problem& p) {
     const bool fm = feature_major(p);
-    return Config{{{"threads", 256}, {"lanes", fm ? kDefaultLanes : 0}, {"ahead", fm ? kDefaultAhead : 0}}};
+    return Config{{{"threads", 256}, {"lanes", fm ? kDefaultBwdLanes : 0}, {"ahead", fm ? kDefaultAhead : 0}}};
   };
   return t;
 }
