@@ -211,6 +211,8 @@ def logic_layer(x, logits, a, b, *, mode: str = "soft", grad_factor: float = 1.0
     if consumers_csr is None:
         consumers_csr = consumers(x.shape[1], a, b)
     grad = wants_grad(x, logits)
+    if row_major == "staged" and not stage_pays(x):  # no rows to stage (64k fp32): the flat gather would run
+        row_major = "auto"
     if row_major == "staged" and grad and _row_major_proper(x) and not torch.compiler.is_compiling():
         return _StagedRowMajorLayer.apply(x.contiguous(), logits, a, b, consumers_csr, mode, float(grad_factor))
     if transposes(x, row_major, grad):
@@ -324,7 +326,7 @@ class LogicLayer(torch.nn.Module):
     x's layout). Without a gradient (eval, torch.no_grad) "auto" runs the row-major forward instead, which
     reads x once (whole rows in shared memory) and gives y row-major. row_major="direct" (and "auto" under
     torch.compile): the row-major kernels, y row-major; "staged": the row-major forward in training too, x
-    and dy transposed in the backward.
+    and dy transposed in the backward, where staging pays (else as "auto").
     Parameter `weights` (out_dim, 16) (randn, as difflogic's), buffer `indices` (2, out_dim) int64: the
     wiring, drawn as difflogic draws it (the same torch seed gives the same weights and wiring) and kept in
     the state dict. Training: the soft layer; eval: the hard one (argmax op, ties to the lower index).

@@ -600,7 +600,7 @@ def logic_layer(x: Array, logits: Array, a: Array, b: Array, *, mode: str = "sof
     runs the row-major forward, which reads x once (whole rows in shared memory; y row-major).
     row_major="direct" (and "auto" under torch.compile) runs the row-major kernels (y row-major; the
     backward gathers within rows: slower); "staged" the row-major forward in training too (x and dy
-    transposed in the backward)."""
+    transposed in the backward) where it pays, else as "auto"."""
     from . import _difflogic
 
     return _difflogic.logic_layer(x, logits, a, b, mode=mode, grad_factor=grad_factor, consumers_csr=consumers,

@@ -235,3 +235,17 @@ def test_staging_pays_from_8_bytes_a_pass():
     assert not _difflogic.staged_pass_pays(64000, 4, h100)
     assert _difflogic.staged_pass_pays(1, 4, h100) and _difflogic.staged_pass_pays(7, 2, h100)
     assert not _difflogic.stage_pays(torch.rand(4, 16))  # not on a GPU
+
+
+def test_staged_option_is_auto_where_staging_does_not_pay(monkeypatch):
+    """row_major="staged" where no rows pay (64k fp32 has none: the op would run its flat gather) is "auto": the
+    transpose path, y feature-major."""
+    monkeypatch.setattr(_difflogic, "stage_pays", lambda x: False)
+    g = torch.Generator().manual_seed(8)
+    x = torch.rand(5, 6, generator=g).requires_grad_()
+    logits = torch.randn(7, 16, generator=g)
+    a, b = _wiring(g, 6, 7)
+    y = _layer(x, logits, a, b, row_major="staged")
+    assert _difflogic.feature_major(y) and CALLS["difflogic.transpose"] == 1
+    with torch.no_grad():
+        assert _difflogic.feature_major(_layer(x, logits, a, b, row_major="staged"))

@@ -176,7 +176,8 @@ def test_staged_row_major_forward(dtype, B, n_in, n_out):
     memory; 65536 fp32 does not fit and takes the flat kernel) against the float64 reference and the flat
     kernel (stage=0, to rounding), hard and soft; two runs bitwise equal. Through kspec.ops.logic_layer:
     no gradient -> "auto" runs it (y row-major, no transpose); row_major="staged" in training gives "auto"'s
-    gradients bit for bit (the same transposed backward) and its y to rounding."""
+    gradients bit for bit (the same transposed backward) and its y to rounding; where staging does not pay
+    (64k halves, 65536 fp32) "staged" is "auto"."""
     from kspec._difflogic import stage_pays
 
     g = torch.Generator(device="cuda").manual_seed(B + n_in + n_out)
@@ -209,7 +210,7 @@ def test_staged_row_major_forward(dtype, B, n_in, n_out):
         yl.backward(dy)
         out[row_major] = (yl.detach(), xl.grad, ll.grad)
     (ys, dxs, dls), (ya, dxa, dla) = out["staged"], out["auto"]
-    assert ys.is_contiguous() and dxs.is_contiguous()
+    assert ys.is_contiguous() == stage_pays(x) and dxs.is_contiguous()  # "staged" is "auto" where staging does not pay
     assert _err(ys, ya.double().cpu().numpy()) <= near
     assert torch.equal(dxs, dxa) and torch.equal(dls, dla)
     want_dx, want_dl = dl_ref.layer_bwd(dy.double().cpu().numpy(), xs, lg, wa, wb, 1.5)
