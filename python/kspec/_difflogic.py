@@ -10,7 +10,13 @@ difflogic.transpose: x read and written once at streaming speed) instead of runn
 which gather x[s, a_g] at random within a row (a 32-byte sector through L2 for each 4-byte element, and the
 backward's dlogits and dx gather x and dout the same way: 25.9 ms fwd+bwd against 2.9 ms feature-major at
 16384 x 16000 -> 16000 fp32 on the H100). y comes back feature-major (a (batch, n_out) view), so a following
-layer pays no transpose; in the backward a row-major dy is transposed once, and dx goes back to x's layout."""
+layer pays no transpose; in the backward a row-major dy is transposed once, and dx goes back to x's layout.
+Where no gradient is wanted (inference, eval, torch.no_grad) "auto" instead runs the row-major forward op,
+whose staged kernel reads x once (whole rows of x in shared memory, templates/difflogic/layer_staged.cuh):
+x and y once each, without the transpose's extra read and write of x, where enough rows fit (stage_pays);
+y row-major. row_major="staged" does
+that in training too, the backward then transposing x and dy (the same bytes as "auto", moved out of the
+forward)."""
 from __future__ import annotations
 
 import torch
@@ -56,7 +62,37 @@ def feature_major(t) -> bool:
     return t.dim() == 2 and t.shape[0] > 1 and t.shape[1] > 1 and t.stride(0) == 1 and t.stride(1) == t.shape[0]
 
 
-ROW_MAJOR = ("auto", "transpose", "direct")
+ROW_MAJOR = ("auto", "transpose", "direct", "staged")
+
+
+# The staged forward's rows a pass: as many as fit a block's shared memory, at most 8 (op.cpp kStagedMaxRows).
+STAGED_MAX_ROWS = 8
+# ... times the element size, at least this many bytes for "auto" to take it over the transpose path.
+STAGED_MIN_PASS_BYTES = 8
+
+
+def stage_pays(x) -> bool:
+    """Whether "auto" runs difflogic.layer.fwd's staged kernel on x rather than transposing x: by bytes. It moves
+    x and y once (2X, X = x's bytes) against the transpose path's 4X, but reads every gate's wires and T (24 B)
+    from L2 once a pass: 24 / rows bytes an output beside 2 (halves) or 4 (fp32) of DRAM. With 8 bytes of
+    activations a pass or more (fp32 from 2 rows: 16k fp32 holds 3 in the H100's 227 KB; halves from 4: 16k
+    holds 7) that costs less than the transpose's 2X; below (32k fp32 and 64k halves: 1 row) it costs more.
+    No row fits at all (64k fp32): the op would fall back to its flat kernel."""
+    if not x.is_cuda:
+        return False
+    return staged_pass_pays(x.shape[1], x.element_size(),
+                            torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin)
+
+
+def staged_pass_pays(n_in: int, element_size: int, smem_per_block: int) -> bool:
+    """stage_pays's rule: rows a pass (of n_in elements, in smem_per_block bytes) x element_size >= 8 bytes."""
+    rows = min(STAGED_MAX_ROWS, smem_per_block // (n_in * element_size))
+    return rows * element_size >= STAGED_MIN_PASS_BYTES
+
+
+def wants_grad(x, logits) -> bool:
+    """Whether autograd will ask this layer for a backward."""
+    return torch.is_grad_enabled() and (x.requires_grad or logits.requires_grad)
 
 
 def transpose(t):
@@ -83,6 +119,26 @@ class _RowMajorLayer(torch.autograd.Function):
         dx, dlogits = call("difflogic.layer.bwd", xf, logits, a, b, _feature_major_dy(dy), csr,
                            grad_factor=ctx.grad_factor, layout="feature_major", dx_layout="row_major",
                            out=(xf.new_empty(xf.shape), torch.empty_like(logits)))
+        return dx, dlogits, None, None, None, None, None
+
+
+class _StagedRowMajorLayer(torch.autograd.Function):
+    """row_major="staged" with a gradient wanted: the forward reads the row-major x once (the row-major forward
+    op's staged kernel, y row-major) and keeps x; the backward transposes x and a row-major dy once each and
+    runs the feature-major backward, dx written row-major (layer.bwd's dx_layout row_major)."""
+
+    @staticmethod
+    def forward(ctx, x, logits, a, b, csr, mode, grad_factor):
+        ctx.save_for_backward(x, logits, a, b, csr)
+        ctx.grad_factor = grad_factor
+        return call("difflogic.layer.fwd", x, logits, a, b, mode=mode)[0]
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, logits, a, b, csr = ctx.saved_tensors
+        dx, dlogits = call("difflogic.layer.bwd", transpose(x).t(), logits, a, b, _feature_major_dy(dy), csr,
+                           grad_factor=ctx.grad_factor, layout="feature_major", dx_layout="row_major",
+                           out=(x.new_empty(x.shape), torch.empty_like(logits)))
         return dx, dlogits, None, None, None, None, None
 
 
@@ -125,13 +181,21 @@ layer = build(Family(
     bwd_fake=lambda dy, x, logits, *_: (_like_x(x, x.shape[1]), logits.new_empty(logits.shape))))
 
 
-def transposes(x, row_major: str = "auto") -> bool:
-    """Whether the layer transposes this x to the feature-major layout first: a row-major x of more than one
-    sample and one input (either layout otherwise, nothing to gain), with row_major "transpose", or "auto"
-    outside torch.compile (under it "auto" keeps the row-major kernels: one traced graph as before)."""
-    if feature_major(x) or x.dim() != 2 or x.shape[0] <= 1 or x.shape[1] <= 1:
+def _row_major_proper(x) -> bool:
+    """A row-major x of more than one sample and one input (either layout otherwise, nothing to gain)."""
+    return not feature_major(x) and x.dim() == 2 and x.shape[0] > 1 and x.shape[1] > 1
+
+
+def transposes(x, row_major: str = "auto", grad: bool = True) -> bool:
+    """Whether the layer transposes this x to the feature-major layout first: a row-major x (_row_major_proper)
+    with row_major "transpose", or "auto" outside torch.compile (under it "auto" keeps the row-major kernels:
+    one traced graph as before) where a gradient is wanted (grad) or the staged forward does not pay
+    (stage_pays)."""
+    if not _row_major_proper(x):
         return False
-    return row_major == "transpose" or (row_major == "auto" and not torch.compiler.is_compiling())
+    if row_major == "transpose":
+        return True
+    return row_major == "auto" and not torch.compiler.is_compiling() and (grad or not stage_pays(x))
 
 
 def logic_layer(x, logits, a, b, *, mode: str = "soft", grad_factor: float = 1.0, consumers_csr=None,
@@ -146,7 +210,12 @@ def logic_layer(x, logits, a, b, *, mode: str = "soft", grad_factor: float = 1.0
         a, b = check_wires(x.shape[1], a, b)
     if consumers_csr is None:
         consumers_csr = consumers(x.shape[1], a, b)
-    if transposes(x, row_major):
+    grad = wants_grad(x, logits)
+    if row_major == "staged" and not stage_pays(x):  # no rows to stage (64k fp32): the flat gather would run
+        row_major = "auto"
+    if row_major == "staged" and grad and _row_major_proper(x) and not torch.compiler.is_compiling():
+        return _StagedRowMajorLayer.apply(x.contiguous(), logits, a, b, consumers_csr, mode, float(grad_factor))
+    if transposes(x, row_major, grad):
         if torch.compiler.is_compiling():  # torch's copy, traced like any torch op, then the feature-major path
             return layer(x.t().contiguous().t(), logits, a, b, consumers_csr, mode, float(grad_factor))
         return _RowMajorLayer.apply(x.contiguous(), logits, a, b, consumers_csr, mode, float(grad_factor))
@@ -254,7 +323,10 @@ class LogicLayer(torch.nn.Module):
     (in_dim, batch) (difflogic's layout) runs the feature-major kernels directly; a row-major x is transposed
     to it once first (row_major="auto", the default, or "transpose"); either way y is feature-major, a view of
     a contiguous (out_dim, batch), so a stack of layers transposes once, at its first layer (dx goes back in
-    x's layout). row_major="direct" (and "auto" under torch.compile): the row-major kernels, y row-major.
+    x's layout). Without a gradient (eval, torch.no_grad) "auto" runs the row-major forward instead, which
+    reads x once (whole rows in shared memory) and gives y row-major. row_major="direct" (and "auto" under
+    torch.compile): the row-major kernels, y row-major; "staged": the row-major forward in training too, x
+    and dy transposed in the backward, where staging pays (else as "auto").
     Parameter `weights` (out_dim, 16) (randn, as difflogic's), buffer `indices` (2, out_dim) int64: the
     wiring, drawn as difflogic draws it (the same torch seed gives the same weights and wiring) and kept in
     the state dict. Training: the soft layer; eval: the hard one (argmax op, ties to the lower index).

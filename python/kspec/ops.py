@@ -596,8 +596,11 @@ def logic_layer(x: Array, logits: Array, a: Array, b: Array, *, mode: str = "sof
     (kspec._difflogic.consumers) when the caller caches it; None builds it (and checks the wires) per call.
     Layout: a feature-major x (x.t() of a contiguous (n_in, batch)) runs the fast feature-major kernels and
     gives y the same way; a row-major x is transposed to it once first (row_major="auto" outside
-    torch.compile, or "transpose"), y then feature-major too, dx row-major as x; row_major="direct" (and
-    "auto" under torch.compile) runs the row-major kernels (y row-major; gathers within rows: slower)."""
+    torch.compile, or "transpose"), y then feature-major too, dx row-major as x; without a gradient "auto"
+    runs the row-major forward, which reads x once (whole rows in shared memory; y row-major).
+    row_major="direct" (and "auto" under torch.compile) runs the row-major kernels (y row-major; the
+    backward gathers within rows: slower); "staged" the row-major forward in training too (x and dy
+    transposed in the backward) where it pays, else as "auto"."""
     from . import _difflogic
 
     return _difflogic.logic_layer(x, logits, a, b, mode=mode, grad_factor=grad_factor, consumers_csr=consumers,

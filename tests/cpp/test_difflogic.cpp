@@ -5,7 +5,8 @@
 // 33, 4097, B = 1, 33, 1024, fan-out 4 -> 2048 and self-paired gates; hard mode on {0, 1} inputs bit for
 // bit; packed.fwd (w = 32, 64) over three layers bit for bit; two backward runs bitwise equal; a wire out of range gives NaN, not a fault;
 // the straight-through estimator with Gumbel noise against the reference on logits + G; the feature-major
-// batch-tiled kernels (config lanes) in every dtype against the reference.
+// batch-tiled kernels (config lanes) in every dtype against the reference; the staged row-major forward
+// (config stage 1) against the reference and the flat row-major kernel.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -192,21 +193,31 @@ TEST(DiffLogic, PackedInferenceAndMessages) {
 // for sm_80 as well, which CI's precompile does not reach), compile for sm_90 without spills or a stack frame.
 TEST(DiffLogic, PrecompilePlanCompilesWithoutSpills) {
   // Row-major bwd: tables, dx, dlogits partials and finish; feature-major: tables, dx, dlogits (flat) or
-  // tables, dx with the dlogits partials, finish (tiled).
+  // tables, dx with the dlogits partials, finish (tiled). Row-major fwd at stage 1: tables, staged, flat.
   const std::map<std::string, size_t> kernels = {
       {"difflogic.layer.fwd", 2}, {"difflogic.layer.bwd", 4}, {"difflogic.packed.fwd", 1}};
+  const auto kernels_of = [&](const CompileRequest& r) {
+    return kernels.at(r.op) + (r.config && r.config->has("stage") && r.config->get("stage") ? 1 : 0);
+  };
   std::map<std::string, int> requests;
   auto check = [](const CompileRequest& r, size_t want) {
     EXPECT_EQ(kspec::testing::expect_compiles_without_spills(r).size(), want) << r.op;
   };
   for (const auto& r : precompile_plan({"sm_90"}, {"difflogic.layer.fwd", "difflogic.layer.bwd", "difflogic.packed.fwd"})) {
     ++requests[r.op];
-    check(r, kernels.at(r.op));
+    check(r, kernels_of(r));
     if (r.op == "difflogic.packed.fwd") continue;
     ASSERT_TRUE(r.config.has_value()) << r.op;
-    EXPECT_EQ(r.config->get("lanes"), 0) << r.op << ": row-major has the flat kernels only";
+    EXPECT_EQ(r.config->get("lanes"), 0) << r.op << ": row-major has the flat or staged kernels only";
     const ParamValue* mode = r.params.find("mode");
-    for (int64_t lanes : {0, 4, 8, 16}) {
+    const bool fwd = r.op == "difflogic.layer.fwd";
+    if (fwd && r.config->get("stage")) {  // the staged kernel for sm_80 too (its 1024 threads: 64 registers)
+      CompileRequest sm80 = r;
+      sm80.arch = "sm_80";
+      check(sm80, 3);
+      continue;
+    }
+    for (int64_t lanes : {0, 4, 8, 16, 32}) {
       // The tiled kernels once per dtype (the forward's mode changes the tables kernel only; 128 and 256
       // threads allow the same 255 registers a thread): CI time.
       if (lanes > 0 && ((mode && std::get<std::string>(*mode) == "hard") || r.config->get("threads") != 256))
@@ -214,21 +225,28 @@ TEST(DiffLogic, PrecompilePlanCompilesWithoutSpills) {
       CompileRequest fm = r;
       fm.params.set("layout", std::string("feature_major"));
       fm.config = Config{{{"threads", r.config->get("threads")}, {"lanes", lanes}}};
+      fm.config->values.push_back({fwd ? "stage" : "ahead", 0});
       for (const char* arch : {"sm_90", "sm_80"}) {
         if (lanes == 0 && std::string(arch) == "sm_80") continue;
         fm.arch = arch;
         check(fm, r.op == "difflogic.layer.bwd" ? 3 : 2);
+        if (!fwd && lanes > 0) {  // the readers' loads a step ahead
+          CompileRequest ahead = fm;
+          ahead.config = Config{{{"threads", r.config->get("threads")}, {"lanes", lanes}, {"ahead", 1}}};
+          check(ahead, 3);
+        }
       }
     }
   }
-  // soft and hard x 3 dtypes x 2 configs; 3 dtypes x 2 configs; 2 word widths x 2 threads x 2 vec.
-  EXPECT_EQ(requests["difflogic.layer.fwd"], 12);
+  // soft and hard x 3 dtypes x 4 configs (threads x stage); 3 dtypes x 2 configs; 2 word widths x 2 threads x
+  // 2 vec.
+  EXPECT_EQ(requests["difflogic.layer.fwd"], 24);
   EXPECT_EQ(requests["difflogic.layer.bwd"], 6);
   EXPECT_EQ(requests["difflogic.packed.fwd"], 8);
 }
 
-// The lanes axis: feature-major defaults to the batch-tiled kernels (lanes 8), row-major keeps the flat ones
-// and refuses lanes > 0 with a message naming the axis and the layout.
+// The lanes axis: feature-major defaults to the batch-tiled kernels (lanes 16 forward, 32 backward), row-major
+// keeps the flat ones and refuses lanes > 0 with a message naming the axis and the layout.
 TEST(DiffLogic, TiledKernelsAreFeatureMajorsDefault) {
   auto kernel_names = [](const std::string& op, const std::string& layout, std::optional<Config> config) {
     CompileRequest r;
@@ -240,22 +258,29 @@ TEST(DiffLogic, TiledKernelsAreFeatureMajorsDefault) {
     return names;
   };
   expect_in(kernel_names("difflogic.layer.fwd", "feature_major", std::nullopt),
-            {"difflogic_fwd_tiled_kernel<float, 256, 8>"});
+            {"difflogic_fwd_tiled_kernel<float, 256, 16>"});
   expect_in(kernel_names("difflogic.layer.bwd", "feature_major", std::nullopt),
-            {"difflogic_bwd_tiled_kernel<float, 256, 8>", "difflogic_dlogits_finish_kernel<256, 32>"});
+            {"difflogic_bwd_tiled_kernel<float, 256, 32, false, true>", "difflogic_dlogits_finish_kernel<256, 128>"});
+  expect_in(kernel_names("difflogic.layer.bwd", "feature_major", Config{{{"threads", 256}, {"lanes", 8}, {"ahead", 0}}}),
+            {"difflogic_bwd_tiled_kernel<float, 256, 8>"});
   expect_in(kernel_names("difflogic.layer.fwd", "row_major", std::nullopt),
-            {"difflogic_fwd_kernel<float, 256, false>"});
-  expect_in(kernel_names("difflogic.layer.bwd", "feature_major", Config{{{"threads", 128}, {"lanes", 0}}}),
+            {"difflogic_fwd_staged_kernel<float, 1024>", "difflogic_fwd_kernel<float, 256, false>"});
+  expect_in(kernel_names("difflogic.layer.fwd", "row_major", Config{{{"threads", 128}, {"lanes", 0}, {"stage", 0}}}),
+            {"difflogic_fwd_kernel<float, 128, false>"});
+  expect_in(kernel_names("difflogic.layer.bwd", "feature_major", Config{{{"threads", 128}, {"lanes", 0}, {"ahead", 0}}}),
             {"difflogic_dx_kernel<float, 128, true>", "difflogic_dlogits_fm_kernel<float, 128>"});
-  const Config tiled{{{"threads", 256}, {"lanes", 8}}};
+  const Config tiled{{{"threads", 256}, {"lanes", 8}, {"stage", 0}}};
   expect_in(message_of([&] { kernel_names("difflogic.layer.fwd", "row_major", tiled); }), {"lanes", "feature_major"});
+  const Config staged{{{"threads", 256}, {"lanes", 0}, {"stage", 1}}};
+  expect_in(message_of([&] { kernel_names("difflogic.layer.fwd", "feature_major", staged); }),
+            {"stage 1", "row_major"});
 }
 
 // dx_layout row_major: the tiled backward's row-major-dx variant, compiled for sm_80 and sm_90 in every dtype
 // and lanes without spills; the flat kernels (lanes 0) refuse it by name; a feature-major dx is refused.
 TEST(DiffLogic, RowMajorDxKernels) {
   for (DType dt : {DType::f32, DType::f16, DType::bf16})
-    for (int64_t lanes : {4, 8, 16})
+    for (int64_t lanes : {4, 8, 16, 32})
       for (const char* arch : {"sm_80", "sm_90"}) {
         CompileRequest r;
         r.op = "difflogic.layer.bwd";
@@ -263,22 +288,29 @@ TEST(DiffLogic, RowMajorDxKernels) {
         r.arch = arch;
         r.params.set("layout", std::string("feature_major"));
         r.params.set("dx_layout", std::string("row_major"));
-        r.config = Config{{{"threads", 256}, {"lanes", lanes}}};
-        const auto reports = compile(r);
-        ASSERT_EQ(reports.size(), 3u);
-        EXPECT_NE(reports[1].kernel.find("difflogic_bwd_tiled_kernel<"), std::string::npos) << reports[1].kernel;
-        EXPECT_NE(reports[1].kernel.find(", true>"), std::string::npos) << reports[1].kernel;
-        for (const auto& rep : reports) {
-          EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << dtype_short(dt) << " lanes " << lanes << ": " << rep.kernel;
-          EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << dtype_short(dt) << " lanes " << lanes << ": " << rep.kernel;
+        for (int64_t ahead : {0, 1}) {
+          if (ahead && lanes != 32) continue;  // the default lanes' (CI time; PrecompilePlan compiles the others)
+          r.config = Config{{{"threads", 256}, {"lanes", lanes}, {"ahead", ahead}}};
+          const auto reports = compile(r);
+          ASSERT_EQ(reports.size(), 3u);
+          EXPECT_NE(reports[1].kernel.find("difflogic_bwd_tiled_kernel<"), std::string::npos) << reports[1].kernel;
+          EXPECT_NE(reports[1].kernel.find(ahead ? ", true, true>" : ", true>"), std::string::npos)
+              << reports[1].kernel;
+          for (const auto& rep : reports) {
+            EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << dtype_short(dt) << " lanes " << lanes << ": " << rep.kernel;
+            EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << dtype_short(dt) << " lanes " << lanes << ": " << rep.kernel;
+          }
         }
       }
   CompileRequest flat;
   flat.op = "difflogic.layer.bwd";
   flat.params.set("layout", std::string("feature_major"));
   flat.params.set("dx_layout", std::string("row_major"));
-  flat.config = Config{{{"threads", 256}, {"lanes", 0}}};
+  flat.config = Config{{{"threads", 256}, {"lanes", 0}, {"ahead", 0}}};
   expect_in(message_of([&] { compile(flat); }), {"dx_layout", "lanes"});
+  flat.params.set("dx_layout", std::string("as_x"));
+  flat.config = Config{{{"threads", 256}, {"lanes", 0}, {"ahead", 1}}};
+  expect_in(message_of([&] { compile(flat); }), {"ahead 1", "lanes > 0"});
   const int64_t B = 8, n_in = 10, n_out = 7;
   auto in = bwd_inputs(B, n_in, n_out, DType::f32);
   in[0] = TensorView::strided(fake(1 << 28), DType::f32, {B, n_in}, {1, B}, 0);
@@ -512,7 +544,7 @@ INSTANTIATE_TEST_SUITE_P(
                                          std::make_tuple(1024, 33, 7), std::make_tuple(1, 4097, 7),
                                          std::make_tuple(33, 7, 4097), std::make_tuple(1024, 4097, 4097))));
 
-// The feature-major batch-tiled kernels (lanes 4, 8, 16; 0 the flat ones, for comparison) in every dtype
+// The feature-major batch-tiled kernels (lanes 4, 8, 16, 32; 0 the flat ones, for comparison) in every dtype
 // against the reference: B = 1, 2 and 33 (rows not 16-byte aligned: the scalar path), 1032 (aligned, a
 // partial last tile), 1024 (whole tiles); widths 1, 7, 999, 4097; every third gate self-paired, repeated
 // wires, an input read by 2048 gates (4 -> 2048); unread inputs' dx exactly 0; two runs bitwise equal.
@@ -527,12 +559,13 @@ TEST_P(DiffLogicGpuTiled, MatchesReference) {
   const auto [B, n_in, n_out] = std::get<2>(GetParam());
   LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 5 + n_in * 17 + n_out + lanes), true);
   for (int64_t threads : {128, 256}) {
-    const Config config{{{"threads", threads}, {"lanes", lanes}}};
+    const Config config{{{"threads", threads}, {"lanes", lanes}, {"ahead", 0}}};
+    const Config fwd_config{{{"threads", threads}, {"lanes", lanes}, {"stage", 0}}};
     for (const char* mode : {"soft", "hard"}) {
       const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
                                                      std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
                                                                                  : ref::DiffLogicMode::Soft);
-      EXPECT_LE(rel_error(r.fwd(mode, {}, &config), want), tol(dt)) << mode << " threads " << threads;
+      EXPECT_LE(rel_error(r.fwd(mode, {}, &fwd_config), want), tol(dt)) << mode << " threads " << threads;
     }
     const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 0.5);
     const auto got = r.bwd(0.5, {}, &config);
@@ -546,13 +579,17 @@ TEST_P(DiffLogicGpuTiled, MatchesReference) {
     const auto again = r.bwd(0.5, {}, &config);
     EXPECT_TRUE(got.first == again.first) << "dx differs between two runs";
     EXPECT_TRUE(got.second == again.second) << "dlogits differs between two runs";
-    EXPECT_TRUE(r.fwd("soft", {}, &config) == r.fwd("soft", {}, &config)) << "y differs between two runs";
+    EXPECT_TRUE(r.fwd("soft", {}, &fwd_config) == r.fwd("soft", {}, &fwd_config)) << "y differs between two runs";
+    if (lanes > 0) {  // the readers' loads a step ahead: only the loads move, so the same bits
+      const Config ahead{{{"threads", threads}, {"lanes", lanes}, {"ahead", 1}}};
+      EXPECT_TRUE(r.bwd(0.5, {}, &ahead) == got) << "ahead 1 differs from ahead 0, threads " << threads;
+    }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, DiffLogicGpuTiled,
-    ::testing::Combine(::testing::Values(DType::f32, DType::f16, DType::bf16), ::testing::Values(0, 4, 8, 16),
+    ::testing::Combine(::testing::Values(DType::f32, DType::f16, DType::bf16), ::testing::Values(0, 4, 8, 16, 32),
                        ::testing::Values(std::make_tuple(1, 1, 1), std::make_tuple(2, 7, 33),
                                          std::make_tuple(33, 4097, 999), std::make_tuple(1032, 999, 1000),
                                          std::make_tuple(1024, 4, 2048), std::make_tuple(1024, 33, 7))));
@@ -572,9 +609,11 @@ TEST_P(DiffLogicGpuRowMajorDx, EqualsFeatureMajorDx) {
   const auto [B, n_in, n_out] = std::get<2>(GetParam());
   LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 3 + n_in * 7 + n_out + lanes), true);
   for (int64_t threads : {128, 256}) {
-    const Config config{{{"threads", threads}, {"lanes", lanes}}};
+    const Config config{{{"threads", threads}, {"lanes", lanes}, {"ahead", 0}}};
+    const Config ahead{{{"threads", threads}, {"lanes", lanes}, {"ahead", 1}}};
     const auto fm = r.bwd(0.5, {}, &config);
     const auto rm = r.bwd_dx_row_major(0.5, &config);
+    EXPECT_TRUE(r.bwd_dx_row_major(0.5, &ahead) == rm) << "ahead 1 differs from ahead 0, threads " << threads;
     const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 0.5);
     EXPECT_LE(rel_error(decode(dt, rm.first), want.dx), tol(dt)) << "dx threads " << threads;
     EXPECT_TRUE(decode(dt, rm.first) == r.values(fm.first, n_in)) << "dx differs from the feature-major dx";
@@ -585,10 +624,51 @@ TEST_P(DiffLogicGpuRowMajorDx, EqualsFeatureMajorDx) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, DiffLogicGpuRowMajorDx,
-    ::testing::Combine(::testing::Values(DType::f32, DType::bf16), ::testing::Values(4, 8, 16),
+    ::testing::Combine(::testing::Values(DType::f32, DType::bf16), ::testing::Values(4, 8, 16, 32),
                        ::testing::Values(std::make_tuple(1, 1, 1), std::make_tuple(2, 7, 33),
                                          std::make_tuple(33, 4097, 999), std::make_tuple(1032, 999, 1000),
                                          std::make_tuple(1024, 4, 2048))));
+
+// The staged row-major forward (stage 1: whole rows of x in shared memory) in every dtype and mode against
+// the reference and the flat row-major kernel (stage 0; equal up to FMA contractions): widths 1, 7, 33, 4097
+// and 16383 (a row of 64 KB in fp32: 3 rows a pass on the H100), B = 1, 2, 33, 1031 (not a multiple of any
+// pass; rows not 16-byte aligned at odd widths: the element-by-element copy), self-paired gates (every
+// third), an input read by about 1000 gates (2 -> 1000), unread inputs (n_in 4097 under 7 gates); two runs
+// bitwise equal. A width whose row does not fit (65536 fp32: 256 KB, over the H100's 227 KB; in halves 128 KB
+// fits) takes the flat kernel from the same plan: also against the reference.
+class DiffLogicGpuStaged
+    : public ::testing::TestWithParam<std::tuple<DType, std::tuple<int64_t, int64_t, int64_t>>> {};
+
+TEST_P(DiffLogicGpuStaged, MatchesReferenceAndFlatKernel) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  const DType dt = std::get<0>(GetParam());
+  const auto [B, n_in, n_out] = std::get<1>(GetParam());
+  LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 11 + n_in * 3 + n_out));
+  const Config staged{{{"threads", 256}, {"lanes", 0}, {"stage", 1}}};
+  const Config flat{{{"threads", 256}, {"lanes", 0}, {"stage", 0}}};
+  // Ulps of the activation dtype: the flat kernel's y may differ by the FMA contractions' rounding.
+  const double near = dt == DType::f32 ? 1e-6 : tolerance_for(dt);
+  for (const char* mode : {"soft", "hard"}) {
+    const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
+                                                   std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
+                                                                               : ref::DiffLogicMode::Soft);
+    const auto got = r.fwd(mode, {}, &staged);
+    EXPECT_LE(rel_error(got, want), tol(dt)) << mode << " " << dtype_short(dt);
+    EXPECT_LE(rel_error(got, r.fwd(mode, {}, &flat)), near) << mode << " " << dtype_short(dt) << ": vs stage 0";
+    EXPECT_TRUE(got == r.fwd(mode, {}, &staged)) << mode << ": y differs between two runs";
+  }
+  // The default config of a row-major forward is the staged one.
+  EXPECT_TRUE(r.fwd("soft") == r.fwd("soft", {}, &staged)) << "the default is not stage 1";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, DiffLogicGpuStaged,
+    ::testing::Combine(::testing::Values(DType::f32, DType::f16, DType::bf16),
+                       ::testing::Values(std::make_tuple(1, 1, 1), std::make_tuple(2, 7, 33),
+                                         std::make_tuple(33, 33, 7), std::make_tuple(1031, 4097, 4097),
+                                         std::make_tuple(33, 4097, 7), std::make_tuple(1031, 2, 1000),
+                                         std::make_tuple(7, 16383, 999), std::make_tuple(3, 65536, 257))));
 
 // Hard mode on {0, 1} inputs is exact in every dtype: equal to the reference bit for bit.
 TEST(DiffLogicGpuExact, HardModeOnBitsIsExact) {

@@ -590,7 +590,7 @@ def test_difflogic_parts_pick_the_tables(families, monkeypatch):
     monkeypatch.setattr(dl, "run_ca", lambda ctx: (calls.append("ca"), ([3], "C"))[1])
     p = argparse.ArgumentParser()
     dl.add_arguments(p)
-    assert p.parse_args([]).difflogic_lanes == "0,4,8,16"
+    assert p.parse_args([]).difflogic_lanes == "0,4,8,16,32" and p.parse_args([]).difflogic_ahead_lanes == ""
     ctx = argparse.Namespace(args=p.parse_args(["--difflogic-parts", "ca,packed"]))
     assert dl.run(ctx) == ({"packed": [2], "ca": [3]}, ["P", "C"]) and calls == ["packed", "ca"]
     calls.clear()
@@ -634,6 +634,26 @@ def test_difflogic_slow_calls_get_fewer_reps(families):
             assert seen == [want], (first, call, seen)
     finally:
         dl.time.perf_counter = real
+
+
+def test_difflogic_layer_configs_compile(families):
+    """The layer table's configured rows name every axis of their op (a config lacking one is refused): the
+    feature-major rows (the forward's stage=0, the backward's ahead) and the row-major flat row."""
+    import kspec
+
+    dl = families["difflogic"]
+    fwd, bwd = dl.layer_configs(0)
+    assert (fwd, bwd) == ("threads=256,lanes=0,stage=0", "threads=256,lanes=0,ahead=0")
+    fwd, bwd = dl.layer_configs(32, ahead=1)
+    kernels = [r["kernel"] for r in kspec.compile("difflogic.layer.fwd", dtype="f32", arch="sm_90", config=fwd,
+                                                  layout="feature_major")]
+    assert kernels[1] == "kspec::difflogic_fwd_tiled_kernel<float, 256, 32>", kernels
+    kernels = [r["kernel"] for r in kspec.compile("difflogic.layer.bwd", dtype="f32", arch="sm_90", config=bwd,
+                                                  layout="feature_major")]
+    assert kernels[1] == "kspec::difflogic_bwd_tiled_kernel<float, 256, 32, false, true>", kernels
+    kernels = [r["kernel"] for r in kspec.compile("difflogic.layer.fwd", dtype="f32", arch="sm_90",
+                                                  config=dl.FLAT_FWD_CONFIG)]
+    assert kernels[1:] == ["kspec::difflogic_fwd_kernel<float, 256, false>"], kernels
 
 
 def test_difflogic_packed_net_configs_compile(families):

@@ -169,3 +169,83 @@ def test_row_major_option_is_checked():
         kspec.nn.LogicLayer(3, 2, device="cpu", row_major="never")
     assert _difflogic.transposes(x) and _difflogic.transposes(x, "transpose")
     assert not _difflogic.transposes(x, "direct") and not _difflogic.transposes(x.t().contiguous().t())
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_no_grad_row_major_x_reads_x_once_where_staging_pays(monkeypatch, fits):
+    """Without a gradient (torch.no_grad, or nothing requiring grad) "auto" runs the row-major forward op (its
+    staged kernel reads x once) where enough rows of x fit in shared memory (stage_pays): no transpose, y
+    row-major; elsewhere the transpose path as in training. The same values either way."""
+    monkeypatch.setattr(_difflogic, "stage_pays", lambda x: fits)
+    g = torch.Generator().manual_seed(6)
+    x = torch.rand(9, 7, generator=g)
+    logits = torch.randn(12, 16, generator=g).requires_grad_()
+    a, b = _wiring(g, 7, 12)
+    with torch.no_grad():
+        y = _layer(x, logits, a, b, mode="hard")
+    assert CALLS["difflogic.transpose"] == (0 if fits else 1)
+    assert y.is_contiguous() if fits else _difflogic.feature_major(y)
+    want = dl_ref.layer_fwd(_np(x), _np(logits), a.numpy(), b.numpy(), hard=True)
+    assert np.allclose(_np(y), want, rtol=1e-6, atol=1e-6)
+    CALLS.clear()
+    y2 = _layer(x, logits.detach(), a, b, mode="hard")  # grad enabled, nothing requires it
+    assert CALLS["difflogic.transpose"] == (0 if fits else 1) and torch.equal(y2, y)
+    CALLS.clear()
+    _layer(x, logits, a, b)  # logits require grad: training, transposed as before
+    assert CALLS["difflogic.transpose"] == 1
+
+
+def test_staged_option_moves_the_transposes_to_the_backward(monkeypatch):
+    """row_major="staged" in training: the forward reads the row-major x (no transpose, y row-major), the
+    backward transposes x and the row-major dy once each and writes dx row-major; values and gradients equal
+    to "auto"'s."""
+    monkeypatch.setattr(_difflogic, "stage_pays", lambda x: True)
+    g = torch.Generator().manual_seed(7)
+    x = torch.rand(11, 6, generator=g)
+    logits = torch.randn(10, 16, generator=g)
+    a, b = _wiring(g, 6, 10)
+    dy = torch.randn(11, 10, generator=g)
+    out = {}
+    for row_major in ("staged", "auto"):
+        CALLS.clear()
+        xl, ll = x.clone().requires_grad_(), logits.clone().requires_grad_()
+        y = _layer(xl, ll, a, b, row_major=row_major)
+        fwd_transposes = CALLS["difflogic.transpose"]
+        y.backward(dy)
+        out[row_major] = (y, xl.grad, ll.grad, fwd_transposes, CALLS["difflogic.transpose"])
+    y, dx, dl, fwd_t, all_t = out["staged"]
+    assert y.is_contiguous() and fwd_t == 0 and all_t == 2 and dx.is_contiguous()
+    ya, dxa, dla, fwd_ta, all_ta = out["auto"]
+    assert fwd_ta == 1 and all_ta == 2
+    assert torch.equal(y, ya) and torch.equal(dx, dxa) and torch.equal(dl, dla)
+    want_dx, want_dl = dl_ref.layer_bwd(_np(dy), _np(x), _np(logits), a.numpy(), b.numpy(), 1.5)
+    assert np.allclose(_np(dx), want_dx, rtol=1e-5, atol=1e-6) and np.allclose(_np(dl), want_dl, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # no gradient: the row-major forward alone
+        CALLS.clear()
+        assert _layer(x, logits, a, b, row_major="staged").is_contiguous() and CALLS["difflogic.transpose"] == 0
+
+
+def test_staging_pays_from_8_bytes_a_pass():
+    """stage_pays's rule on the H100's 227 KB: 16k fp32 (3 rows a pass) and 16k bf16 (7) stage; 32k fp32 and 64k
+    bf16 (1 row: 24 B of a gate's wires and T a pass against 4 or 2 B of output) and 64k fp32 (no row) take the
+    transpose; tiny widths stage (8 rows)."""
+    h100 = 232448
+    assert _difflogic.staged_pass_pays(16000, 4, h100) and _difflogic.staged_pass_pays(16000, 2, h100)
+    assert not _difflogic.staged_pass_pays(32000, 4, h100) and not _difflogic.staged_pass_pays(64000, 2, h100)
+    assert not _difflogic.staged_pass_pays(64000, 4, h100)
+    assert _difflogic.staged_pass_pays(1, 4, h100) and _difflogic.staged_pass_pays(7, 2, h100)
+    assert not _difflogic.stage_pays(torch.rand(4, 16))  # not on a GPU
+
+
+def test_staged_option_is_auto_where_staging_does_not_pay(monkeypatch):
+    """row_major="staged" where no rows pay (64k fp32 has none: the op would run its flat gather) is "auto": the
+    transpose path, y feature-major."""
+    monkeypatch.setattr(_difflogic, "stage_pays", lambda x: False)
+    g = torch.Generator().manual_seed(8)
+    x = torch.rand(5, 6, generator=g).requires_grad_()
+    logits = torch.randn(7, 16, generator=g)
+    a, b = _wiring(g, 6, 7)
+    y = _layer(x, logits, a, b, row_major="staged")
+    assert _difflogic.feature_major(y) and CALLS["difflogic.transpose"] == 1
+    with torch.no_grad():
+        assert _difflogic.feature_major(_layer(x, logits, a, b, row_major="staged"))

@@ -1,5 +1,5 @@
 """The layer ops' feature-major kernels from Python, each config by name (issue 30 Speed): lanes 0 (the flat
-kernels) and 4, 8, 16 (the batch-tiled ones; kspec.nn.LogicLayer's default is 8) through kspec.call with
+kernels) and 4, 8, 16, 32 (the batch-tiled ones; kspec.nn.LogicLayer's defaults 16 forward, 32 backward) through kspec.call with
 config=, fp32 / fp16 / bf16, B = 1, 33 (rows not 16-byte aligned: scalar accesses) and 1032 (aligned, a
 partial last tile), self-paired gates and an unread input, against the float64 reference; two runs bitwise
 equal. The GoogleTest twin with more shapes: tests/cpp/test_difflogic.cpp DiffLogicGpuTiled."""
@@ -29,7 +29,7 @@ def _fm(t):
     return t.t().contiguous().t()
 
 
-@pytest.mark.parametrize("lanes", [0, 4, 8, 16])
+@pytest.mark.parametrize("lanes", [0, 4, 8, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B,n_in,n_out", [(1, 7, 33), (33, 65, 1000), (1032, 300, 257)])
 def test_feature_major_config_matches_reference(lanes, dtype, B, n_in, n_out):
@@ -42,16 +42,18 @@ def test_feature_major_config_matches_reference(lanes, dtype, B, n_in, n_out):
     dy = torch.randn(B, n_out, device="cuda", generator=g).to(dtype)
     csr = consumers(n_in, a, b)
     config = f"threads=256,lanes={lanes}"
+    bwd_config = config + f",ahead={1 if lanes else 0}"  # the batch-tiled default: readers' loads a step ahead
     xf, dyf = _fm(x), _fm(dy)
 
     def fwd():
         y = torch.empty(n_out, B, dtype=dtype, device="cuda").t()
-        return call("difflogic.layer.fwd", xf, logits, a, b, layout="feature_major", config=config, out=(y,))[0]
+        return call("difflogic.layer.fwd", xf, logits, a, b, layout="feature_major", config=config + ",stage=0",
+                    out=(y,))[0]
 
     def bwd():
         dx = torch.empty(n_in, B, dtype=dtype, device="cuda").t()
         return call("difflogic.layer.bwd", xf, logits, a, b, dyf, csr, grad_factor=0.5, layout="feature_major",
-                    config=config, out=(dx, torch.empty_like(logits)))
+                    config=bwd_config, out=(dx, torch.empty_like(logits)))
 
     xs, lg, wa, wb = x.double().cpu().numpy(), logits.double().cpu().numpy(), a.cpu().numpy(), b.cpu().numpy()
     want_dx, want_dl = dl_ref.layer_bwd(dy.double().cpu().numpy(), xs, lg, wa, wb, 0.5)
@@ -71,7 +73,10 @@ def test_row_major_refuses_the_tiled_kernels():
     logits = torch.zeros(8, 16, device="cuda")
     a = torch.arange(8, device="cuda", dtype=torch.int32)
     with pytest.raises(kspec.InvalidArgument, match="lanes"):
-        call("difflogic.layer.fwd", x, logits, a, a, config="threads=256,lanes=8")
+        call("difflogic.layer.fwd", x, logits, a, a, config="threads=256,lanes=8,stage=0")
+    with pytest.raises(kspec.InvalidArgument, match="stage"):  # y feature-major too: the layout check passes
+        call("difflogic.layer.fwd", x.t().contiguous().t(), logits, a, a, layout="feature_major",
+             config="threads=256,lanes=0,stage=1", out=(torch.empty(8, 4, device="cuda").t(),))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -161,3 +166,52 @@ def test_chain_of_layers_and_compile():
     ge, gc = torch.autograd.grad(ye, (xe, we), cot), torch.autograd.grad(yc, (xc, wc), cot)
     for got, want in zip((yc.detach(),) + gc, (ye.detach(),) + ge):
         assert _err(got, want.double().cpu().numpy()) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,n_in,n_out", [(2, 7, 33), (33, 4097, 999), (1031, 2, 1000), (7, 16383, 4097),
+                                          (3, 65536, 257)])
+def test_staged_row_major_forward(dtype, B, n_in, n_out):
+    """The row-major forward's staged kernel (config stage=1, the row-major default: whole rows of x in shared
+    memory; 65536 fp32 does not fit and takes the flat kernel) against the float64 reference and the flat
+    kernel (stage=0, to rounding), hard and soft; two runs bitwise equal. Through kspec.ops.logic_layer:
+    no gradient -> "auto" runs it (y row-major, no transpose); row_major="staged" in training gives "auto"'s
+    gradients bit for bit (the same transposed backward) and its y to rounding; where staging does not pay
+    (64k halves, 65536 fp32) "staged" is "auto"."""
+    from kspec._difflogic import stage_pays
+
+    g = torch.Generator(device="cuda").manual_seed(B + n_in + n_out)
+    x = torch.rand(B, n_in, device="cuda", generator=g).to(dtype)
+    logits = torch.randn(n_out, 16, device="cuda", generator=g) * 1.5
+    a = torch.randint(0, max(n_in - 1, 1), (n_out,), device="cuda", generator=g, dtype=torch.int32)
+    b = torch.randint(0, max(n_in - 1, 1), (n_out,), device="cuda", generator=g, dtype=torch.int32)
+    b[::3] = a[::3]
+    xs, lg, wa, wb = x.double().cpu().numpy(), logits.double().cpu().numpy(), a.cpu().numpy(), b.cpu().numpy()
+    fwd_tol, bwd_tol = TOL[dtype]
+    near = 1e-6 if dtype == torch.float32 else 2.0 ** -8
+    for mode in ("soft", "hard"):
+        y = call("difflogic.layer.fwd", x, logits, a, b, mode=mode, config="threads=256,lanes=0,stage=1")[0]
+        flat = call("difflogic.layer.fwd", x, logits, a, b, mode=mode, config="threads=256,lanes=0,stage=0")[0]
+        assert _err(y, dl_ref.layer_fwd(xs, lg, wa, wb, hard=mode == "hard")) <= fwd_tol
+        assert _err(y, flat.double().cpu().numpy()) <= near
+        again = call("difflogic.layer.fwd", x, logits, a, b, mode=mode, config="threads=256,lanes=0,stage=1")[0]
+        assert torch.equal(again, y)
+    if B == 1 or n_in == 1:
+        return
+    with torch.no_grad():
+        yn = kspec.ops.logic_layer(x, logits, a, b)
+    assert yn.is_contiguous() == stage_pays(x)
+    assert _err(yn, dl_ref.layer_fwd(xs, lg, wa, wb)) <= fwd_tol
+    dy = torch.randn(B, n_out, device="cuda", generator=g).to(dtype)
+    out = {}
+    for row_major in ("staged", "auto"):
+        xl, ll = x.clone().requires_grad_(), logits.clone().requires_grad_()
+        yl = kspec.ops.logic_layer(xl, ll, a, b, grad_factor=1.5, row_major=row_major)
+        yl.backward(dy)
+        out[row_major] = (yl.detach(), xl.grad, ll.grad)
+    (ys, dxs, dls), (ya, dxa, dla) = out["staged"], out["auto"]
+    assert ys.is_contiguous() == stage_pays(x) and dxs.is_contiguous()  # "staged" is "auto" where staging does not pay
+    assert _err(ys, ya.double().cpu().numpy()) <= near
+    assert torch.equal(dxs, dxa) and torch.equal(dls, dla)
+    want_dx, want_dl = dl_ref.layer_bwd(dy.double().cpu().numpy(), xs, lg, wa, wb, 1.5)
+    assert _err(dxs, want_dx) <= bwd_tol and _err(dls, want_dl) <= bwd_tol

@@ -42,9 +42,13 @@ def add_arguments(p):
                            "algo=early,chunk=128,inflight=2;algo=early_late,chunk=128,inflight=2;"
                            "algo=early,chunk=64,inflight=4;algo=early,chunk=256,inflight=1",
                    help="difflogic: difflogic.packed.net configs timed in the packed table (';'-separated; '' none)")
-    p.add_argument("--difflogic-lanes", metavar="L,...", default="0,4,8,16",
+    p.add_argument("--difflogic-lanes", metavar="L,...", default="0,4,8,16,32",
                    help="difflogic: feature-major configs timed beside the default one, the same lanes in the forward"
-                        " and the backward (0: the flat kernels; else the batch-tiled ones; '' none)")
+                        " and the backward, the backward's ahead=0 (0: the flat kernels; else the batch-tiled ones;"
+                        " '' none)")
+    p.add_argument("--difflogic-ahead-lanes", metavar="L,...", default="",
+                   help="difflogic: the same with the backward's ahead=1 (readers' loads a step ahead, the default's;"
+                        " batch-tiled lanes only; '' none)")
 
 
 def min_bytes(B, n_in, n_out, kind, s):
@@ -110,19 +114,30 @@ def _err(got, want):
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def configured_layer(torch, layer, lanes):
-    """The layer on feature-major x with the config threads=256,lanes=L for both ops (kspec.nn.LogicLayer
-    takes the heuristic's): the kernels old and new side by side in one process."""
+# The row-major forward's flat kernel (the gather the staged kernel replaced).
+FLAT_FWD_CONFIG = "threads=256,lanes=0,stage=0"
+
+
+def layer_configs(lanes, ahead=0):
+    """(forward, backward) configs of the feature-major layer at threads=256,lanes=L: the forward's stage=0
+    (feature-major has no staged kernel), the backward's ahead=A (1 only with the batch-tiled lanes > 0)."""
+    config = f"threads=256,lanes={lanes}"
+    return config + ",stage=0", config + f",ahead={ahead if lanes else 0}"
+
+
+def configured_layer(torch, layer, lanes, ahead=0):
+    """The layer on feature-major x with the configs of layer_configs(L, A) (kspec.nn.LogicLayer takes the
+    heuristic's: lanes 16 forward, 32 backward, ahead 1): the kernels old and new side by side in one process."""
     from kspec._core import call
 
-    config = f"threads=256,lanes={lanes}"
+    fwd_config, bwd_config = layer_configs(lanes, ahead)
     a, b, csr = layer.wiring()
 
     class Fn(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, logits):
             y = torch.empty(logits.shape[0], x.shape[0], dtype=x.dtype, device=x.device).t()
-            call("difflogic.layer.fwd", x, logits, a, b, layout="feature_major", config=config, out=(y,))
+            call("difflogic.layer.fwd", x, logits, a, b, layout="feature_major", config=fwd_config, out=(y,))
             ctx.save_for_backward(x, logits)
             return y
 
@@ -132,8 +147,30 @@ def configured_layer(torch, layer, lanes):
             dy = dy if dy.stride(0) == 1 else dy.t().contiguous().t()
             dx = torch.empty(x.shape[1], x.shape[0], dtype=x.dtype, device=x.device).t()
             dl = torch.empty_like(logits)
-            call("difflogic.layer.bwd", x, logits, a, b, dy, csr, layout="feature_major", config=config,
+            call("difflogic.layer.bwd", x, logits, a, b, dy, csr, layout="feature_major", config=bwd_config,
                  out=(dx, dl))
+            return dx, dl
+
+    return lambda x: Fn.apply(x, layer.weights)
+
+
+def flat_row_major_layer(torch, layer):
+    """The layer on row-major x through the flat row-major kernels (the forward's config stage=0: the gather
+    from global memory that the staged kernel replaced; the row-major backward), y row-major."""
+    from kspec._core import call
+
+    a, b, csr = layer.wiring()
+
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, logits):
+            ctx.save_for_backward(x, logits)
+            return call("difflogic.layer.fwd", x, logits, a, b, config=FLAT_FWD_CONFIG)[0]
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, logits = ctx.saved_tensors
+            dx, dl = call("difflogic.layer.bwd", x, logits, a, b, dy.contiguous(), csr)
             return dx, dl
 
     return lambda x: Fn.apply(x, layer.weights)
@@ -167,6 +204,7 @@ def run_layer(ctx):
     truth = torch.tensor(TRUTH, dtype=torch.float32, device=ctx.dev)
     eager = torch_layer(torch, truth)
     lanes = [int(n) for n in ctx.args.difflogic_lanes.split(",") if n.strip()]
+    ahead_lanes = [int(n) for n in ctx.args.difflogic_ahead_lanes.split(",") if n.strip()]
     rows, notes = [], []
     for B, n_in, n_out in shapes:
         # One seed, one draw: difflogic's layer and kspec's (same weights and wiring by construction; checked)
@@ -199,14 +237,20 @@ def run_layer(ctx):
             # "row-major direct": the row-major kernels (the old path); "torch transpose": the same feature-major
             # kernels behind torch's x.t().contiguous() (autograd copies dx back into x's strides).
             wa, wb, csr = layer.wiring()
+            def with_row_major(row_major, w=layer.weights):
+                return lambda x: kspec.ops.logic_layer(x, w, wa, wb, consumers=csr, row_major=row_major)
+
             impls = [("kspec", "kspec", lambda x, m=layer: m(x), layer.weights, False),
-                     ("kspec row-major direct", "kspec",
-                      lambda x, w=layer.weights: kspec.ops.logic_layer(x, w, wa, wb, consumers=csr, row_major="direct"),
-                      layer.weights, False),
+                     ("kspec transpose", "kspec", with_row_major("transpose"), layer.weights, False),
+                     ("kspec staged", "kspec", with_row_major("staged"), layer.weights, False),
+                     ("kspec row-major direct", "kspec", with_row_major("direct"), layer.weights, False),
+                     ("kspec row-major flat", "kspec", flat_row_major_layer(torch, layer), layer.weights, False),
                      ("kspec torch transpose", "kspec", lambda x, m=layer: m(_feature_major(x)), layer.weights, False),
                      ("kspec feature-major", "kspec", lambda x, m=layer: m(x), layer.weights, True)]
             impls += [(f"kspec feature-major lanes={n}", "kspec", configured_layer(torch, layer, n), layer.weights,
                        True) for n in lanes]
+            impls += [(f"kspec feature-major lanes={n} ahead", "kspec", configured_layer(torch, layer, n, ahead=1),
+                       layer.weights, True) for n in ahead_lanes]
             impls += [
                      ("torch eager", "peer", lambda x, w=layer.weights: eager(x, w, a, b), layer.weights, False)]
             if peer is not None and dtype == torch.float32:
@@ -658,15 +702,24 @@ def _report(ctx, rows, notes, why):
     ]  # then report.PEER_COLUMNS (speed-up, error, status)
     notes = list(notes) + [
         "kspec: kspec.nn.LogicLayer (training mode: the soft layer; wiring checked and its consumers CSR built"
-        " once), x and dy row-major as given: x transposed once (difflogic.transpose) to the feature-major"
-        " kernels, y feature-major, dy transposed, dx written row-major by the backward (timed); kspec row-major direct:"
-        " row_major='direct', the row-major kernels (gathers within rows); kspec torch transpose: torch's"
+        " once), x and dy row-major as given: fwd (no gradient: torch.no_grad) the row-major forward op, whose"
+        " staged kernel reads x once (whole rows in shared memory; where a row does not fit, e.g. 64k fp32, x"
+        " is transposed as in training); fwd+bwd: x transposed once (difflogic.transpose) to the feature-major"
+        " kernels, y feature-major, dy transposed, dx written row-major by the backward (timed); kspec"
+        " transpose: row_major='transpose', the transpose path in the forward too (the old default's fwd);"
+        " kspec staged: row_major='staged', the staged forward in training too, x and dy transposed in the"
+        " backward; kspec row-major direct:"
+        " row_major='direct', the row-major ops (staged forward, the backward's gathers within rows); kspec"
+        " row-major flat: the same with the forward's config stage=0 (the old gather kernel); kspec torch transpose: torch's"
         " x.t().contiguous() in front instead of kspec's (dx copied back by autograd); kspec feature-major: the"
         " same layer handed x.t() of a contiguous"
         " (n_in, B) and dy likewise (difflogic's layout: its kernels run along the batch; y, dx feature-major;"
-        " its default config: batch-tiled, lanes 8); kspec feature-major lanes=L: the same"
+        " its default configs: batch-tiled, lanes 16 forward, 32 backward with its readers' loads a step ahead, ahead 1);"
+        " kspec feature-major lanes=L: the same"
         " ops with config threads=256,lanes=L in both (0: the flat kernels, a thread per element; else the"
-        " batch-tiled ones, L threads of 16 bytes per row and tile). difflogic 0.1.0: LogicLayer(implementation="
+        " batch-tiled ones, L threads of 16 bytes per row and tile), the backward's ahead=0 (the loads in the"
+        " old order); kspec feature-major lanes=L ahead: the same with ahead=1. difflogic 0.1.0:"
+        " LogicLayer(implementation="
         "'cuda'), fp32 only, synchronizes after every kernel.",
         f"validation: y, dx and dlogits of the first {CHECK_SAMPLES} samples (dy zero elsewhere) vs the float64"
         " reference, before timing; difflogic's dx differs on inputs of self-paired gates (its bug, issue 30).",

@@ -83,17 +83,23 @@ bool dx_row_major(const Problem& p) {
 // thread per element, whole rows in turn), else the batch-tiled ones (templates/difflogic/layer.cuh: lanes
 // threads of 16 bytes per row and tile, every gate of a tile before the next tile, so L2 holds the tile's
 // x for an input's second reader; the backward's dx kernel also makes the dlogits sums). Row-major has
-// the flat kernels only. Default: tiled, 8 lanes (128-byte row pieces; at 64k inputs and outputs, fp32, the
-// forward's x and y tiles are 8 + 8 MB and the backward's x, dout and dx tiles 25 MB, under the H100's 50 MB
-// L2 with room to spare); not yet measured (tools/bench/NOTES.md), the bench times 0, 4, 8 and 16.
-constexpr int64_t kDefaultLanes = 8;
+// the flat kernels only. Lanes 32: a warp per input, so no lane group waits on another input's longer
+// reader list (at 8, a warp's 4 inputs run max(readers) steps, ~3.5 against a mean of 2). Defaults, each op
+// its own (H100, run 25, fp32, gpu ms, 16384 x 16000 -> 16000 / 1024 x 64000 -> 64000): the forward lanes 16
+// (0.755 / 0.217 against lanes 8's 0.807 / 0.217, lanes 32's 0.764 / 0.239); the backward lanes 32 with its
+// readers' loads a step ahead (fwd+bwd less fwd: 1.81 / 0.58 against lanes 16's 1.93 / 0.57 and lanes 8's
+// 2.12 / 0.59; at 64k its tiles, 512 B a row, hold 96 MB of x, dout and dx, past L2, and it still holds even).
+// At lanes 8 the loads a step ahead measured 1% slower (2.961 against 2.928 fwd+bwd at 16k).
+constexpr int64_t kDefaultFwdLanes = 16;
+constexpr int64_t kDefaultBwdLanes = 32;
+constexpr int64_t kDefaultAhead = 1;
 
 // A config written before the lanes axis (a tuning database's, a script's "threads=256") means the flat kernels.
 int64_t lanes_of(const Config& c) { return c.has("lanes") ? c.get("lanes") : 0; }
 
 TuningSpace layer_tuning() {
   TuningSpace t = difflogic_tuning();
-  t.axes.push_back({"lanes", {0, 4, 8, 16}});
+  t.axes.push_back({"lanes", {0, 4, 8, 16, 32}});
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     if (lanes_of(c) == 0 && feature_major(p) && dx_row_major(p)) {
       if (why) *why = "dx_layout row_major with layout feature_major needs the batch-tiled kernels (lanes > 0)";
@@ -104,7 +110,72 @@ TuningSpace layer_tuning() {
     return false;
   };
   t.heuristic = [](const Problem& p) {
-    return Config{{{"threads", 256}, {"lanes", feature_major(p) ? kDefaultLanes : 0}}};
+    return Config{{{"threads", 256}, {"lanes", feature_major(p) ? kDefaultFwdLanes : 0}}};
+  };
+  return t;
+}
+
+// The forward's stage axis (row-major only; templates/difflogic/layer_staged.cuh): 1 stages whole rows of x
+// in shared memory and reads x once (0: the flat kernel, gathering x[s, a_g] from global memory). A
+// config written before the axis means 0. The plan cannot depend on n_in (a runtime width: the plan is
+// cached per signature), so stage 1 also carries the flat kernel, launched where one row does not fit in
+// the device's shared memory (64k fp32 on the H100: 256 KB a row).
+int64_t stage_of(const Config& c) { return c.has("stage") ? c.get("stage") : 0; }
+
+// The staged kernel's block: the rows fill a multiprocessor's shared memory at large widths, one block an
+// SM, so the block brings every thread slot it may (1024); rows a pass at most kStagedMaxRows (small
+// widths: a gate's 24 bytes of wires and T, read from L2 once a pass, serve 8 rows).
+constexpr int64_t kStagedThreads = 1024;
+constexpr int64_t kStagedMaxRows = 8;
+
+// Opt-in shared memory a block and a multiprocessor: 227 / 228 KB on sm_90 to sm_110 (H100, B200), 163 / 164
+// KB on sm_80 and sm_87, 99 / 100 KB on the others (sm_86, sm_89, sm_120).
+bool big_smem(int cc) { return cc >= 90 && cc < 120; }
+int64_t smem_per_block(const std::string& arch) {
+  const int cc = jit::compute_capability(arch);
+  return big_smem(cc) ? 232448 : cc == 80 || cc == 87 ? 166912 : 101376;
+}
+int64_t smem_per_sm(const std::string& arch) {
+  const int cc = jit::compute_capability(arch);
+  return big_smem(cc) ? 233472 : cc == 80 || cc == 87 ? 167936 : 102400;
+}
+
+TuningSpace layer_fwd_tuning() {
+  TuningSpace t = layer_tuning();
+  t.axes.push_back({"stage", {0, 1}});
+  t.valid = [inner = t.valid](const Problem& p, const Config& c, std::string* why) {
+    if (!inner(p, c, why)) return false;
+    if (stage_of(c) == 0 || !feature_major(p)) return true;
+    if (why) *why = "stage 1 (whole rows of x in shared memory) needs layout row_major";
+    return false;
+  };
+  // Row-major: staged, x read once where a row fits (the flat kernel's gather moves a 32-byte sector per
+  // element read, twice an output: 3.81 ms at 16384 x 16000 -> 16000 fp32 on the H100).
+  t.heuristic = [](const Problem& p) {
+    const bool fm = feature_major(p);
+    return Config{{{"threads", 256}, {"lanes", fm ? kDefaultFwdLanes : 0}, {"stage", fm ? 0 : 1}}};
+  };
+  t.block_threads = [](const Problem&, const Config& c) { return stage_of(c) ? kStagedThreads : c.get("threads"); };
+  return t;
+}
+
+// The backward's ahead axis (the batch-tiled kernel only; templates/difflogic/layer.cuh kAhead): 1 loads
+// each reader's wires and T a step ahead, one round trip a reader instead of two; the same bits as 0. A
+// config written before the axis means 0.
+int64_t ahead_of(const Config& c) { return c.has("ahead") ? c.get("ahead") : 0; }
+
+TuningSpace layer_bwd_tuning() {
+  TuningSpace t = layer_tuning();
+  t.axes.push_back({"ahead", {0, 1}});
+  t.valid = [inner = t.valid](const Problem& p, const Config& c, std::string* why) {
+    if (!inner(p, c, why)) return false;
+    if (ahead_of(c) == 0 || lanes_of(c) > 0) return true;
+    if (why) *why = "ahead 1 (readers' loads a step ahead) needs the batch-tiled backward (lanes > 0)";
+    return false;
+  };
+  t.heuristic = [](const Problem& p) {
+    const bool fm = feature_major(p);
+    return Config{{{"threads", 256}, {"lanes", fm ? kDefaultBwdLanes : 0}, {"ahead", fm ? kDefaultAhead : 0}}};
   };
   return t;
 }
@@ -249,32 +320,56 @@ OpDef make_layer_fwd() {
   ste.params = {{"mode", std::string("hard")}, {"gumbel", true}, {"seed", int64_t{12345}}};
   op.cases.push_back(std::move(ste));
   op.prepare_inputs = prepare_wires;
+  op.tuning = layer_fwd_tuning();
+  op.info.tuning_axes = op.tuning.axes;
   op.check_call = [](const Call& call) {
     check_layout(call, call.in("x"), "input 'x'");
     check_layout(call, call.out("y"), "output 'y'");
   };
+  // tables, then the tiled, staged or flat kernel; stage 1 adds the flat kernel (kernel 2) for rows that do
+  // not fit in shared memory.
   op.kernels = [](const Problem& p, const Config& c) {
     const int64_t threads = c.get("threads"), lanes = lanes_of(c);
     const std::string t = dtype_cuda_type(p.dtype("x"));
-    return std::vector<jit::KernelSpec>{
-        tables_kernel(p, p.param_str("mode") == "hard", threads),
-        lanes > 0 ? kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_fwd_tiled_kernel",
-                                {t, std::to_string(threads), std::to_string(lanes)})
-                  : kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_fwd_kernel",
-                                {t, std::to_string(threads), feature_major(p) ? "true" : "false"})};
+    const jit::KernelSpec flat = kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_fwd_kernel",
+                                             {t, std::to_string(threads), feature_major(p) ? "true" : "false"});
+    std::vector<jit::KernelSpec> k = {tables_kernel(p, p.param_str("mode") == "hard", threads)};
+    if (lanes > 0) {
+      k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_fwd_tiled_kernel",
+                              {t, std::to_string(threads), std::to_string(lanes)}));
+    } else if (stage_of(c)) {
+      k.push_back(kernel_spec(p, "difflogic/layer_staged.cuh", "kspec::difflogic_fwd_staged_kernel",
+                              {t, std::to_string(kStagedThreads)}));
+      k.push_back(flat);
+    } else {
+      k.push_back(flat);
+    }
+    return k;
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
+    const Problem& p = call.problem;
     DiffLogicParams a = params_of(call);
     a.y = call.out("y").data;
-    set_gumbel(call.problem, a);
+    set_gumbel(p, a);
     a.tables = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(4 * a.n_out)));
     const int64_t threads = c.get("threads"), lanes = lanes_of(c);
     void* args[] = {&a};
     l.launch(0, {blocks_for(a.n_out, threads)}, {u32(threads)}, 0, args);
     if (a.batch == 0) return;
-    const Dim3 grid =
-        lanes > 0 ? tiled_grid(call.problem, a.n_out, threads, lanes) : Dim3{blocks_for(a.batch * a.n_out, threads)};
-    l.launch(1, grid, {u32(threads)}, 0, args);
+    if (lanes > 0) return l.launch(1, tiled_grid(p, a.n_out, threads, lanes), {u32(threads)}, 0, args);
+    // Staged: as many rows a pass as fit (at most kStagedMaxRows and the batch); blocks as many as are
+    // resident at once (the kernel loops over the passes), no more than there are passes.
+    const int64_t row_bytes = a.n_in * static_cast<int64_t>(dtype_size(p.dtype("x")));
+    const int64_t rows = std::min<int64_t>({kStagedMaxRows, a.batch, smem_per_block(p.arch) / row_bytes});
+    if (stage_of(c) && rows >= 1) {
+      const int64_t smem = rows * row_bytes;
+      const int64_t resident = std::max<int64_t>(1, std::min<int64_t>(2048 / kStagedThreads,
+                                                                       smem_per_sm(p.arch) / (smem + 1024)));
+      const int64_t passes = (a.batch + rows - 1) / rows;
+      const int64_t blocks = std::min(passes, resident * l.multiprocessors());
+      return l.launch(1, {u32(blocks)}, {u32(kStagedThreads)}, u32(smem), args);
+    }
+    l.launch(stage_of(c) ? 2 : 1, {blocks_for(a.batch * a.n_out, threads)}, {u32(threads)}, 0, args);
   };
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
     const auto mode = p.param_str("mode") == "hard" ? ref::DiffLogicMode::Hard : ref::DiffLogicMode::Soft;
@@ -317,6 +412,8 @@ OpDef make_layer_bwd() {
     check_layout(call, call.in("dout"), "input 'dout'");
     check_layout(call, call.out("dx"), "output 'dx'", dx_row_major(call.problem));
   };
+  op.tuning = layer_bwd_tuning();
+  op.info.tuning_axes = op.tuning.axes;
   op.cases = layer_cases();
   for (auto& c : op.cases) {
     int64_t n_in = 0, n_out = 0;
@@ -347,7 +444,9 @@ OpDef make_layer_bwd() {
     std::vector<jit::KernelSpec> k = {tables_kernel(p, false, c.get("threads"))};
     if (lanes > 0) {
       std::vector<std::string> targs = {t, threads, std::to_string(lanes)};
-      if (dx_row_major(p)) targs.push_back("true");  // the default false keeps the other kernels' names
+      // The defaults (false) left out keep the names the kernels had before these flags.
+      if (dx_row_major(p) || ahead_of(c)) targs.push_back(dx_row_major(p) ? "true" : "false");
+      if (ahead_of(c)) targs.push_back("true");
       k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_bwd_tiled_kernel", std::move(targs)));
       k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_dlogits_finish_kernel",
                               {threads, std::to_string(tile_samples(p, lanes))}));
