@@ -36,6 +36,23 @@ def _nan_like(t, dtype=None):
     return torch.full_like(t, float("nan"), dtype=dtype)
 
 
+def _fwd(q, k, v, i, f, C0, n0, m0, chunk, config):
+    """mlstm.chunkwise.fwd from initial states with every output NaN-poisoned first: (h, nrm, m_rows,
+    C_last, n_last, m_last)."""
+    rows = _nan_like(i, torch.float32)
+    out = (_nan_like(v), rows.clone(), rows.clone(), _nan_like(C0), _nan_like(n0), _nan_like(m0))
+    kspec.call("mlstm.chunkwise.fwd", q, k, v, i, f, C0, n0, m0, out=out, chunk=chunk, config=config)
+    return out
+
+
+def _bwd(q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, chunk, config):
+    """mlstm.chunkwise.bwd with every gradient NaN-poisoned first: (dq, dk, dv, di, df, dC0)."""
+    out = (_nan_like(q), _nan_like(k), _nan_like(v), _nan_like(i), _nan_like(f), _nan_like(C0))
+    kspec.call("mlstm.chunkwise.bwd", q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, out=out, chunk=chunk,
+               config=config)
+    return out
+
+
 @pytest.mark.parametrize("form", ["chunkwise", "parallel"])
 def test_fp16_S64_seed0(form):
     q, k, v, i, f, dh = _seed0_inputs()
@@ -80,10 +97,7 @@ def test_tensor_core_forward(dtype, S, chunk):
     C0, n0, m0 = r(B, NH, DK, DV), r(B, NH, DK), r(B, NH, 1)
 
     def run(config):
-        rows = _nan_like(i, torch.float32)
-        out = (_nan_like(v), rows.clone(), rows.clone(), _nan_like(C0), _nan_like(n0), _nan_like(m0))
-        kspec.call("mlstm.chunkwise.fwd", q, k, v, i, f, C0, n0, m0, out=out, chunk=chunk, config=config)
-        return out
+        return _fwd(q, k, v, i, f, C0, n0, m0, chunk, config)
 
     h, nrm, m, C, n, m_last = run("algo=tc,threads=128")
     h_simt = run("algo=simt,threads=256")[0]
@@ -117,10 +131,7 @@ def test_tensor_core_backward(dtype, S, chunk):
                chunk=chunk)
 
     def run(config):
-        out = (_nan_like(q), _nan_like(k), _nan_like(v), _nan_like(i), _nan_like(f), _nan_like(C0))
-        kspec.call("mlstm.chunkwise.bwd", q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, out=out, chunk=chunk,
-                   config=config)
-        return out
+        return _bwd(q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, chunk, config)
 
     got, simt = run("algo=tc,threads=128"), run("algo=simt,threads=256")
     torch.cuda.synchronize()
@@ -158,10 +169,7 @@ def test_tensor_core_merged_backward(DK, DV, algo, S, chunk, dtype):
                chunk=chunk, config="algo=tc,threads=128")
 
     def run(algo):
-        out = (_nan_like(q), _nan_like(k), _nan_like(v), _nan_like(i), _nan_like(f), _nan_like(C0))
-        kspec.call("mlstm.chunkwise.bwd", q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, out=out, chunk=chunk,
-                   config=f"algo={algo},threads=128")
-        return out
+        return _bwd(q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, chunk, f"algo={algo},threads=128")
 
     got, again, tc = run(algo), run(algo), run("tc")
     torch.cuda.synchronize()
@@ -194,10 +202,7 @@ def test_tensor_core_forward_128_query_rows(DK, DV, S, chunk, algo):
     C0, n0, m0 = r(B, NH, DK, DV), r(B, NH, DK), r(B, NH, 1)
 
     def fwd(config):
-        rows = _nan_like(i, torch.float32)
-        out = (_nan_like(v), rows.clone(), rows.clone(), _nan_like(C0), _nan_like(n0), _nan_like(m0))
-        kspec.call("mlstm.chunkwise.fwd", q, k, v, i, f, C0, n0, m0, out=out, chunk=chunk, config=config)
-        return out
+        return _fwd(q, k, v, i, f, C0, n0, m0, chunk, config)
 
     got, again, tc = fwd(f"algo={algo},threads=128"), fwd(f"algo={algo},threads=128"), fwd("algo=tc,threads=128")
     torch.cuda.synchronize()
@@ -232,10 +237,7 @@ def test_tensor_core_wide_state_tiles(DK, DV, S, chunk):
     C0, n0, m0, dC_last = r(B, NH, DK, DV), torch.zeros(B, NH, DK, device="cuda"), r(B, NH, 1), r(B, NH, DK, DV)
 
     def fwd(config):
-        rows = _nan_like(i, torch.float32)
-        out = (_nan_like(v), rows.clone(), rows.clone(), _nan_like(C0), _nan_like(n0), _nan_like(m0))
-        kspec.call("mlstm.chunkwise.fwd", q, k, v, i, f, C0, n0, m0, out=out, chunk=chunk, config=config)
-        return out
+        return _fwd(q, k, v, i, f, C0, n0, m0, chunk, config)
 
     wide, wide2, tc = fwd("algo=tc_wide,threads=128"), fwd("algo=tc_wide,threads=128"), fwd("algo=tc,threads=128")
     torch.cuda.synchronize()
@@ -250,10 +252,7 @@ def test_tensor_core_wide_state_tiles(DK, DV, S, chunk):
     _, nrm, m_rows = wide[:3]
 
     def bwd(config):
-        out = (_nan_like(q), _nan_like(k), _nan_like(v), _nan_like(i), _nan_like(f), _nan_like(C0))
-        kspec.call("mlstm.chunkwise.bwd", q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, out=out, chunk=chunk,
-                   config=config)
-        return out
+        return _bwd(q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, chunk, config)
 
     got, again, default = bwd("algo=tc_wide,threads=128"), bwd("algo=tc_wide,threads=128"), bwd(None)
     torch.cuda.synchronize()
@@ -291,10 +290,7 @@ def test_tensor_core_large_head_dims(DK, DV, S, chunk, algo):
                config="algo=tc,threads=128")
 
     def run():
-        out = (_nan_like(q), _nan_like(k), _nan_like(v), _nan_like(i), _nan_like(f), _nan_like(C0))
-        kspec.call("mlstm.chunkwise.bwd", q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, out=out, chunk=chunk,
-                   config=f"algo={algo},threads=128")
-        return out
+        return _bwd(q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, chunk, f"algo={algo},threads=128")
 
     got, again = run(), run()
     torch.cuda.synchronize()
