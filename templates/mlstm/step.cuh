@@ -2,13 +2,15 @@
 // the spec):
 //   m' = max(a + m, i)   C' = e^(a+m-m') C + e^(i-m') k v^T   n' = e^(a+m-m') n + e^(i-m') k
 //   h = (s q)^T C' / (max(|s q . n'|, e^(-m')) + eps),   a = logsigmoid(f), s = DHQK^-1/2.
-// Two algorithms (mlstm.step's `algo` axis). algo=block, mlstm_step_kernel: one CTA per sequence,
+// Three algorithms (mlstm.step's `algo` axis). algo=block, mlstm_step_kernel: one CTA per sequence,
 // the first version. algo=split (tools/bench/NOTES.md, "mlstm.step as a bandwidth op"): the step is a
 // read and a write of C (64 KB a head at 128 x 128 in fp32), so C is cut into column slabs, one CTA
 // each, read once in float4s; every slab needs the same three scalars (decay, gain and the normalizer,
 // which needs all of n), so a one-warp kernel per sequence computes them first with n' and m'
 // (mlstm_step_gates_kernel), and the slab kernel (mlstm_step_cols_kernel) starts early by programmatic
-// dependent launch, loading its slab before it waits for them.
+// dependent launch, loading its slab before it waits for them. algo=head (mlstm_step_head_kernel): one
+// CTA per sequence again, but moving all of C in float4s, every load in flight at once, and the scalars
+// formed in the CTA itself: one launch, nothing waited for from another grid.
 //
 // algo=block, correct before fast: q and k in shared memory; thread j owns columns e = j, j +
 // kThreads, ... of C (coalesced rows) and elements d = j, ... of n. The state is memory-bound traffic
@@ -203,6 +205,82 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_cols_kernel(const MlstmPa
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) total += part[w][tid];
     static_cast<T*>(p.h)[seq * kDv + blockIdx.y * kCols + tid] = from_float<T>(total / den);
+  }
+}
+
+// ---- algo=head ----
+
+// One CTA of kThreads per sequence, C in float4s: a row's kDv / 4 float4s on consecutive threads, kRowStep
+// rows a pass, kPasses passes, every float4 of C loaded (all in flight) before anything else. Thread d <
+// kDk forms n'_d (read and written by it alone: in place) and its share of s q . n'; the block sum gives
+// the normalizer to all, and m' is written after it (every thread has read m by then). C', n', m' are the
+// same fmas as algo=split's (bitwise equal); h's columns sum the threads' row partials in shared memory in
+// row order. Against algo=split at B = 64, NH = 8, DH = 128 (512 CTAs here, 2048 slab CTAs and a gates
+// kernel there): no wait for the gates grid before the first wave's updates (tools/bench/NOTES.md).
+template <typename T, typename TG, int kDk, int kDv, int kThreads>
+__global__ void __launch_bounds__(kThreads) mlstm_step_head_kernel(const MlstmParams p) {
+  constexpr int kGroups = kDv / 4;            // threads a row
+  constexpr int kRowStep = kThreads / kGroups;  // rows a pass
+  constexpr int kPasses = kDk / kRowStep;
+  static_assert(kDv % 4 == 0 && kThreads % kGroups == 0 && kRowStep >= 1 && kDk % kRowStep == 0, "rows");
+  static_assert(kThreads >= kDk && kThreads % kWarpSize == 0, "a thread for each element of n");
+  __shared__ float qs[kDk], ks[kDk], scratch[kThreads / kWarpSize];
+  __shared__ __align__(16) float part[kRowStep][kDv];  // each row group's partial h
+  const long long seq = blockIdx.x;
+  const int tid = threadIdx.x, g = tid % kGroups, r0 = tid / kGroups;
+  const long long base = seq * kDk * kDv + 4 * g;
+  float4 c[kPasses];
+#pragma unroll
+  for (int j = 0; j < kPasses; ++j)
+    c[j] = *reinterpret_cast<const float4*>(p.C0 + base + static_cast<long long>(r0 + j * kRowStep) * kDv);
+  // Every other load before the first store (n' may be n, and may alias anything else the compiler sees).
+  const T* v = static_cast<const T*>(p.v) + seq * kDv + 4 * g;
+  const float v0 = to_float(v[0]), v1 = to_float(v[1]), v2 = to_float(v[2]), v3 = to_float(v[3]);
+  const bool owns_n = tid < kDk;
+  const float qd = owns_n ? to_float(static_cast<const T*>(p.q)[seq * kDk + tid]) : 0.0f;
+  const float kd = owns_n ? to_float(static_cast<const T*>(p.k)[seq * kDk + tid]) : 0.0f;
+  const float n_old = owns_n ? p.n0[seq * kDk + tid] : 0.0f;
+  const float m_old = p.m0[seq];
+  const float fg = to_float(static_cast<const TG*>(p.f)[seq]), ig = to_float(static_cast<const TG*>(p.i)[seq]);
+  const float a = mlstm_log_sigmoid(fg);
+  const float m_new = fmaxf(a + m_old, ig);
+  const float decay = expf(a + m_old - m_new), gain = expf(ig - m_new);
+  const float scale = rsqrtf(static_cast<float>(kDk));
+  float z = 0.0f;  // s q . n', this thread's element
+  if (owns_n) {
+    qs[tid] = qd * scale;
+    ks[tid] = kd;
+    const float nn = fmaf(decay, n_old, gain * kd);
+    p.n[seq * kDk + tid] = nn;
+    z = qd * scale * nn;
+  }
+  z = mlstm_block_sum<kThreads>(z, scratch);  // also the barrier before qs, ks are read by all threads
+  if (tid == 0) p.m[seq] = m_new;
+  const float den = fmaxf(fabsf(z), expf(-m_new)) + p.eps;
+  const float g0 = v0 * gain, g1 = v1 * gain, g2 = v2 * gain, g3 = v3 * gain;
+  float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+  for (int j = 0; j < kPasses; ++j) {
+    const int d = r0 + j * kRowStep;
+    const float kr = ks[d], qr = qs[d];
+    float4 cn;
+    cn.x = fmaf(decay, c[j].x, kr * g0);
+    cn.y = fmaf(decay, c[j].y, kr * g1);
+    cn.z = fmaf(decay, c[j].z, kr * g2);
+    cn.w = fmaf(decay, c[j].w, kr * g3);
+    *reinterpret_cast<float4*>(p.C + base + static_cast<long long>(d) * kDv) = cn;
+    num.x = fmaf(qr, cn.x, num.x);
+    num.y = fmaf(qr, cn.y, num.y);
+    num.z = fmaf(qr, cn.z, num.z);
+    num.w = fmaf(qr, cn.w, num.w);
+  }
+  *reinterpret_cast<float4*>(&part[r0][4 * g]) = num;
+  __syncthreads();
+  for (int e = tid; e < kDv; e += kThreads) {
+    float total = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kRowStep; ++r) total += part[r][e];
+    static_cast<T*>(p.h)[seq * kDv + e] = from_float<T>(total / den);
   }
 }
 

@@ -182,6 +182,38 @@ def test_tensor_core_merged_backward(DK, DV, algo, S, chunk, dtype):
         assert torch.equal(x, y), f"{name}: a second call differs"
 
 
+@pytest.mark.parametrize("chunk", [64, 128, 256])
+@pytest.mark.parametrize("S", [1, 65, 300, 520])
+@pytest.mark.parametrize("DK,DV", [(32, 64), (64, 64), (128, 128)])
+def test_tensor_core_overlap_backward(DK, DV, S, chunk):
+    """algo=tc_overlap (tc_merged's kernels with each gradient CTA's next tiles requested while it computes:
+    key tiles (dq) and query tiles (dv, dk) double-buffered through C's and dC's buffers at 128 x 128) and
+    tc_wide_overlap (with tc_wide's state tiles) over several sequences, bf16, with initial states and
+    dC_last: every gradient bitwise equal to tc_merged's (tc_wide's), and within the issue's tolerance of the
+    float64 reference. Chunk 256 walks 4 key tiles (the buffers in turn), S = 65, 300 and 520 end inside a
+    tile."""
+    B, NH, dtype = 2, 3, torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(S + DK + DV + chunk)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    q, k, v = r(B, NH, S, DK).to(dtype), r(B, NH, S, DK).to(dtype), r(B, NH, S, DV).to(dtype)
+    i, f = r(B, NH, S).to(dtype), (r(B, NH, S) + 2.0).to(dtype)
+    dh = r(B, NH, S, DV).to(dtype)
+    C0, n0, m0, dC_last = r(B, NH, DK, DV), torch.zeros(B, NH, DK, device="cuda"), r(B, NH, 1), r(B, NH, DK, DV)
+    _, nrm, m_rows = _fwd(q, k, v, i, f, C0, n0, m0, chunk, "algo=tc,threads=128")[:3]
+    pairs = [("tc_overlap", "tc_merged")]
+    if DK >= 128 and chunk <= 128:
+        pairs.append(("tc_wide_overlap", "tc_wide"))
+    want = ref.mlstm_chunkwise_bwd(*(_np(t) for t in (dh, q, k, v, i, f, C0, n0)), _np(m0).reshape(B, NH),
+                                   _np(dC_last), chunk=chunk)
+    for algo, base in pairs:
+        got, same = (_bwd(q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, chunk, f"algo={a},threads=128")
+                     for a in (algo, base))
+        torch.cuda.synchronize()
+        for name, x, y in zip(("dq", "dk", "dv", "di", "df", "dC0"), got, same):
+            assert torch.equal(x, y), f"{algo} {name} vs {base}"
+            assert _rel_max(x, want[name].reshape(x.shape)) <= 5e-2, f"{algo} {name}"
+
+
 @pytest.mark.parametrize("algo", ["tc_q128", "tc_wide_q128"])
 @pytest.mark.parametrize("chunk", [128, 256])
 @pytest.mark.parametrize("S", [1, 65, 200, 300])
@@ -328,3 +360,34 @@ def test_step_in_place_matches_the_recurrence(B, NH, DK, DV, config):
     assert _rel_max(C, want_C) < 1e-5
     assert _rel_max(n, want_n) < 1e-5
     assert _rel_max(m, want_m[..., None]) < 1e-6
+
+
+@pytest.mark.parametrize("B,NH,DK,DV,threads", [(64, 8, 128, 128, 512), (8, 8, 128, 128, 256), (2, 3, 64, 128, 128),
+                                                (1, 2, 128, 256, 512)])
+def test_step_head_equals_split(B, NH, DK, DV, threads):
+    """mlstm.step algo=head (one CTA per sequence, the scalars formed in it, one launch) in place, two steps:
+    C', n', m' bitwise equal to algo=split's (the same fmas), h within the bf16 tolerance of split's and of
+    the float64 recurrence."""
+    g = torch.Generator(device="cuda").manual_seed(B + DK + DV)
+    rn = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    C, n, m = rn(B, NH, DK, DV), rn(B, NH, DK).abs(), rn(B, NH, 1)
+    steps = [tuple(t.bfloat16() for t in (rn(B, NH, DK), rn(B, NH, DK), rn(B, NH, DV), rn(B, NH, 1), rn(B, NH, 1) + 3))
+             for _ in range(2)]
+    x = [np.stack([_np(s[j]) for s in steps], axis=2) for j in range(5)]
+    want_h, _, _, (want_C, want_n, want_m) = ref.mlstm_recurrent_fwd(
+        x[0], x[1], x[2], x[3][..., 0], x[4][..., 0], _np(C), _np(n), _np(m)[..., 0])
+    states = {algo: (C.clone(), n.clone(), m.clone()) for algo in ("head", "split")}
+    configs = {"head": f"algo=head,threads={threads},cols=16", "split": "algo=split,threads=256,cols=32"}
+    for t, (q, k, v, i, f) in enumerate(steps):
+        hs = {}
+        for algo, s in states.items():
+            hs[algo] = _nan_like(v)
+            kspec.call("mlstm.step", q, k, v, i, f, *s, out=(hs[algo], *s), config=configs[algo])
+        torch.cuda.synchronize()
+        assert _rel_max(hs["head"], want_h[:, :, t]) < 2e-2, t
+        assert _rel_max(hs["head"], _np(hs["split"])) < 2e-2, t
+    for name, a, b in zip(("C", "n", "m"), states["head"], states["split"]):
+        assert torch.equal(a, b), name
+    assert _rel_max(states["head"][0], want_C) < 1e-5
+    assert _rel_max(states["head"][1], want_n) < 1e-5
+

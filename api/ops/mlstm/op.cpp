@@ -82,15 +82,18 @@ OpDef make_step() {
   op.cases = step_cases();
   op.tuning = step_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.info.tuning_names = {{"algo", {"block", "split"}}};
+  op.info.tuning_names = {{"algo", {"block", "split", "head"}}};
   op.derived_key = [](const Problem& p) { return "cols" + std::to_string(step_cols(p)); };
-  // algo=block: mlstm_step_kernel; algo=split: kernel 0 the gates (n', m', the scalars), kernel 1 the slabs.
+  // algo=block: mlstm_step_kernel; algo=head: mlstm_step_head_kernel; algo=split: kernel 0 the gates (n', m',
+  // the scalars), kernel 1 the slabs.
   op.kernels = [](const Problem& p, const Config& c) {
     const std::string t = dtype_cuda_type(p.dtype("q")), dk = std::to_string(p.dim("dhqk")),
                       dv = std::to_string(p.dim("dhhv")), threads = std::to_string(c.get("threads"));
-    if (c.get("algo") == kStepBlock)
+    if (c.get("algo") != kStepSplit)
       return std::vector<jit::KernelSpec>{
-          kernel_spec(p, "mlstm/step.cuh", "kspec::mlstm_step_kernel", {t, gate_type(p), dk, dv, threads})};
+          kernel_spec(p, "mlstm/step.cuh", c.get("algo") == kStepBlock ? "kspec::mlstm_step_kernel"
+                                                                       : "kspec::mlstm_step_head_kernel",
+                      {t, gate_type(p), dk, dv, threads})};
     return std::vector<jit::KernelSpec>{
         kernel_spec(p, "mlstm/step.cuh", "kspec::mlstm_step_gates_kernel", {t, gate_type(p), dk}),
         kernel_spec(p, "mlstm/step.cuh", "kspec::mlstm_step_cols_kernel",
@@ -111,7 +114,7 @@ OpDef make_step() {
     const int64_t seqs = p.dim("batch") * p.dim("heads");
     if (seqs == 0) return;
     void* args[] = {&a};
-    if (c.get("algo") == kStepBlock) return l.launch(0, {u32(seqs)}, {u32(c.get("threads"))}, 0, args);
+    if (c.get("algo") != kStepSplit) return l.launch(0, {u32(seqs)}, {u32(c.get("threads"))}, 0, args);
     a.gate_rows = static_cast<float*>(l.workspace(sizeof(float) * kMlstmStepScalars * static_cast<size_t>(seqs)));
     l.launch(0, {u32(seqs)}, {32}, 0, args);
     l.launch_dependent(1, {u32(seqs), u32(p.dim("dhhv") / c.get("cols"))}, {u32(c.get("threads"))}, 0, args);
@@ -171,7 +174,9 @@ void launch_fwd(const Call& call, const Config& c, Launcher& l, int64_t chunk, b
 
 // The state scans' C tile edge of a tensor-core config: 128 for algo=tc_wide (and tc_wide_q128), else 64
 // (params.h).
-int tc_state_tile(int64_t algo) { return algo == kTcWide || algo == kTcWideQ128 ? kMlstmTcWideTile : 64; }
+int tc_state_tile(int64_t algo) {
+  return algo == kTcWide || algo == kTcWideQ128 || algo == kTcWideOverlap ? kMlstmTcWideTile : 64;
+}
 
 // The forward's output kernel's query rows a CTA: 128 for algo=tc_q128 (and tc_wide_q128), else
 // mlstm_tc_rows(chunk).
@@ -361,16 +366,18 @@ std::vector<jit::KernelSpec> bwd_kernels(const Problem& p, const Config& c, int6
 // DHQK's blocks: dv_loop), tc_stream (DHQK > 128 only: tc_merged with dq and dk streaming DHHV's blocks,
 // so nothing is reduced there either and dq, dv, dk share one launch).
 // tc_wide: the default's kernels (tc_merged, tc_stream at DHQK > 128) with the state scans on 128 x 128 tiles.
+// tc_overlap (tc_wide_overlap): tc_merged's (tc_wide's) with the grads kernel's second loads prefetched.
 struct TcBwd {
-  bool fused, loop, merged, dv_loop, stream;
+  bool fused, loop, merged, dv_loop, stream, prefetch;
   int state_tile;
 };
 TcBwd tc_bwd_variant(const Problem& p, int64_t algo) {
   const int dk = static_cast<int>(p.dim("dhqk")), dv = static_cast<int>(p.dim("dhhv"));
-  const bool merged = algo == kTcMerged || algo == kTcStream || algo == kTcWide,
+  const bool prefetch = algo == kTcOverlap || algo == kTcWideOverlap,
+             merged = algo == kTcMerged || algo == kTcStream || algo == kTcWide || prefetch,
              stream = algo == kTcStream || (algo == kTcWide && mlstm_tc_streams(dk));
   return {algo == kTcFused, (algo != kTcParts && mlstm_tc_dq_loops(dk, dv)) || stream, merged,
-          merged && mlstm_tc_dv_loops(dk), stream, tc_state_tile(algo)};
+          merged && mlstm_tc_dv_loops(dk), stream, prefetch, tc_state_tile(algo)};
 }
 
 // Which of dq, dv, dk (MlstmGrad order) go through the partials and a reduce kernel (head dims > 128).
@@ -399,9 +406,11 @@ std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, TcBwd v) {
                         df = kernel_spec(p, bwd, "kspec::mlstm_tc_df_kernel", df_targs);
   std::vector<std::string> states = {t, dk, dv, L};
   if (v.state_tile != 64) states.push_back(std::to_string(v.state_tile));
+  std::vector<std::string> grads = {t, dk, dv, L};
+  if (v.prefetch) grads.push_back("true");
   if (v.merged && mlstm_tc_merged_runs(static_cast<int>(p.dim("dhqk")), v.stream))
     return {gates, kernel_spec(p, bwd, "kspec::mlstm_tc_states_kernel", states),
-            kernel_spec(p, bwd, "kspec::mlstm_tc_grads_kernel", {t, dk, dv, L}), df};
+            kernel_spec(p, bwd, "kspec::mlstm_tc_grads_kernel", grads), df};
   std::vector<jit::KernelSpec> k = {gates};
   if (v.merged) {
     k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_states_kernel", states));
@@ -562,7 +571,8 @@ OpDef make_chunkwise_bwd() {
   op.info.outputs = bwd_outputs(true);
   op.tuning = chunkwise_bwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_fused", "tc_parts", "tc_merged", "tc_stream", "tc_wide"}}};
+  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_fused", "tc_parts", "tc_merged", "tc_stream", "tc_wide",
+                                    "tc_overlap", "tc_wide_overlap"}}};
   op.cases = chunkwise_bwd_cases();
   op.tolerance_scale = 4.0;
   op.error_scale = df_error_scale;
