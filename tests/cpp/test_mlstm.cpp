@@ -771,11 +771,11 @@ TEST(Mlstm, WideStateTiles) {
   }
 }
 
-// The backward's algo=tc_overlap and tc_wide_overlap (the grads kernel's second loads prefetched): valid
-// at head dims <= 128 (tc_wide_overlap also where tc_wide runs), a reason naming the limit elsewhere;
-// tc_merged's (tc_wide's) kernels but for the grads kernel's last template argument "true"; the grads
-// kernel at 128 x 128, chunk 128 compiles for sm_80 and sm_90 without spill or stack (its other kernels
-// are tc_merged's).
+// The backward's algo=tc_overlap and tc_wide_overlap (the grads kernel's next loads prefetched, the gates
+// kernel by warps): valid at head dims <= 128 (tc_wide_overlap also where tc_wide runs), a reason naming the
+// limit elsewhere; tc_merged's (tc_wide's) states and df kernels, the grads kernel with a last template
+// argument "true", the gates kernel by kMlstmTcGatesWarps warps launched with as many 32-thread warps; at
+// 128 x 128, chunk 128 everything compiles for sm_80 and sm_90 without spill or stack.
 TEST(Mlstm, OverlapBackwardPrefetches) {
   const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
   const Config overlap = Config::parse("algo=tc_overlap,threads=128", op.info),
@@ -814,11 +814,15 @@ TEST(Mlstm, OverlapBackwardPrefetches) {
       const auto k = op.kernels(p, c), b = op.kernels(p, base);
       ASSERT_EQ(k.size(), 4u) << what;
       ASSERT_EQ(b.size(), 4u) << what;
-      for (size_t j : {0u, 1u, 3u}) EXPECT_EQ(k[j].targs, b[j].targs) << what << " kernel " << j;
+      for (size_t j : {1u, 3u}) EXPECT_EQ(k[j].targs, b[j].targs) << what << " kernel " << j;
       EXPECT_EQ(k[2].kernel, "kspec::mlstm_tc_grads_kernel") << what;
       std::vector<std::string> targs = b[2].targs;
       targs.push_back("true");
       EXPECT_EQ(k[2].targs, targs) << what;
+      EXPECT_EQ(k[0].kernel, "kspec::mlstm_tc_gates_warps_kernel") << what;
+      targs = b[0].targs;
+      targs.push_back(std::to_string(kMlstmTcGatesWarps));
+      EXPECT_EQ(k[0].targs, targs) << what;
     }
   }
   for (const char* arch : {"sm_80", "sm_90"}) {
@@ -835,6 +839,51 @@ TEST(Mlstm, OverlapBackwardPrefetches) {
       EXPECT_EQ(rep.stack_bytes, 0) << arch << ": " << rep.kernel;
     }
   }
+}
+
+// The forward's algo=tc_pg (the gates kernel by warps): valid wherever algo=tc is, its state and output kernels
+// tc's, its gates kernel mlstm_tc_gates_warps_kernel launched with 32 * kMlstmTcGatesWarps threads, one CTA a
+// sequence; that kernel compiles for sm_80 and sm_90 without spill or stack at chunks 16 and 128.
+TEST(Mlstm, ForwardGatesByWarps) {
+  const OpDef& op = Registry::global().get("mlstm.chunkwise.fwd");
+  const Config pg = Config::parse("algo=tc_pg,threads=128", op.info), tc = Config::parse("algo=tc,threads=128", op.info);
+  for (int64_t chunk : {16, 128}) {
+    for (const char* arch : {"sm_80", "sm_90"}) {
+      CompileRequest r;
+      r.op = op.info.name;
+      r.dtype = DType::bf16;
+      r.arch = arch;
+      r.params.set("dhqk", 64);
+      r.params.set("dhhv", 64);
+      r.params.set("chunk", chunk);
+      const Problem p = problem_from_request(op, r);
+      const std::string what = std::string(arch) + " chunk " + std::to_string(chunk);
+      std::string why;
+      ASSERT_TRUE(op.tuning.valid(p, pg, &why)) << what << ": " << why;
+      const auto k = op.kernels(p, pg), b = op.kernels(p, tc);
+      ASSERT_EQ(k.size(), 3u) << what;
+      EXPECT_EQ(k[0].kernel, "kspec::mlstm_tc_gates_warps_kernel") << what;
+      for (size_t j : {1u, 2u}) EXPECT_EQ(k[j].targs, b[j].targs) << what << " kernel " << j;
+      r.config = pg;
+      const auto reports = compile(r);
+      ASSERT_EQ(reports.size(), 3u) << what;
+      EXPECT_EQ(reports[0].spill_bytes, 0) << what;
+      EXPECT_EQ(reports[0].stack_bytes, 0) << what;
+    }
+  }
+  auto in = chunk_inputs(2, 3, 300, 64, 64, DType::bf16, false);
+  const std::vector<TensorView> out = {TensorView(fake(uintptr_t(20) << 28), DType::bf16, {2, 3, 300, 64}, 0), TensorView(),
+                                       TensorView(), TensorView(), TensorView(), TensorView()};
+  Params params;
+  params.set("chunk", 64);
+  Call call = validate_call(op, in, out, params, nullptr);
+  call.problem.arch = "sm_90";
+  RecordingLauncher rec;
+  op.launch(call, pg, rec);
+  ASSERT_EQ(rec.launches.size(), 3u);
+  EXPECT_EQ(rec.launches[0].kernel, 0u);
+  EXPECT_EQ(rec.launches[0].grid.x, 6u);
+  EXPECT_EQ(rec.launches[0].block.x, unsigned(32 * kMlstmTcGatesWarps));
 }
 
 // The forward's algo=tc_q128 and tc_wide_q128 (the output kernel on 128 query rows, 8 warps; the latter
@@ -1711,7 +1760,7 @@ class PoisonedLauncher : public Launcher {
 }  // namespace
 
 // accumulators_initialized for algo=tc (issue 29): the tensor-core forward (algo=tc, tc_wide, tc_q128) and
-// backward (algo=tc, tc_fused, tc_parts, tc_merged, tc_stream, tc_wide, tc_overlap, tc_wide_overlap) with
+// forward's tc_pg, backward (algo=tc, tc_fused, tc_parts, tc_merged, tc_stream, tc_wide, tc_overlap, tc_wide_overlap) with
 // their shared memory and workspace NaN-filled and every output NaN-poisoned, bf16 and fp16, S = 100 over
 // chunks of 16 and 64 (short last chunks; tc_q128: one chunk of 128, its rows past S), head dims 32 x 32,
 // 128 x 128, 128 x 256 and 256 x 512 (the backward's column blocks, partial sums and loops), with initial states
@@ -1725,7 +1774,7 @@ TEST(MlstmGpu, TensorCorePoisonedSharedMemoryNeverReachesOutputs) {
            {32, 32, "tc", "tc"}, {32, 32, "tc_fused", "tc"}, {32, 32, "tc_merged", "tc_q128"}, {128, 256, "tc", "tc"},
            {128, 256, "tc_fused", "tc"}, {128, 256, "tc_parts", "tc"}, {128, 256, "tc_merged", "tc"},
            {128, 256, "tc_wide", "tc_wide"}, {256, 512, "tc_merged", "tc"}, {256, 512, "tc_stream", "tc"},
-           {256, 512, "tc_wide", "tc_wide"}, {32, 32, "tc_overlap", "tc"}, {128, 128, "tc_wide_overlap", "tc"}}) {
+           {256, 512, "tc_wide", "tc_wide"}, {32, 32, "tc_overlap", "tc_pg"}, {128, 128, "tc_wide_overlap", "tc"}}) {
     Problem32 pr(B, NH, S, dk, dv, 81);
     const auto dh32 = randn_f(B * NH * S * dv, 82), dC32 = randn_f(B * NH * dk * dv, 83);
     // The forward's 128 query rows take chunks of 128 (S = 100: one CTA a sequence, rows past S).

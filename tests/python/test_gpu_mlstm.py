@@ -182,12 +182,35 @@ def test_tensor_core_merged_backward(DK, DV, algo, S, chunk, dtype):
         assert torch.equal(x, y), f"{name}: a second call differs"
 
 
+@pytest.mark.parametrize("S,chunk", [(1, 64), (65, 16), (300, 16), (2100, 64), (4100, 128), (700, 256)])
+def test_tensor_core_forward_gates_by_warps(S, chunk):
+    """algo=tc_pg (the gates kernel by 16 warps, one chunk each per round; the m carried between chunks walked
+    from shared memory): every output of the forward bitwise equal to algo=tc's (the same expressions), from
+    initial states, bf16, over several sequences; S from 1 to 4100 (1 to 3 rounds of 16 chunks, the last one
+    partial, chunks cut by S)."""
+    B, NH, DK, DV, dtype = 2, 3, 32, 64, torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(S + chunk)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    q, k, v = r(B, NH, S, DK).to(dtype), r(B, NH, S, DK).to(dtype), r(B, NH, S, DV).to(dtype)
+    i, f = r(B, NH, S).to(dtype), (r(B, NH, S) + 2.0).to(dtype)
+    C0, n0, m0 = r(B, NH, DK, DV), r(B, NH, DK), r(B, NH, 1)
+    got = _fwd(q, k, v, i, f, C0, n0, m0, chunk, "algo=tc_pg,threads=128")
+    tc = _fwd(q, k, v, i, f, C0, n0, m0, chunk, "algo=tc,threads=128")
+    torch.cuda.synchronize()
+    for name, a, b in zip(("h", "nrm", "m_rows", "C_last", "n_last", "m_last"), got, tc):
+        assert torch.equal(a, b), name
+    want_h = ref.mlstm_chunkwise_fwd(*(_np(t) for t in (q, k, v, i, f, C0, n0)), _np(m0).reshape(B, NH),
+                                     chunk=chunk)[0]
+    assert _rel_max(got[0], want_h) <= 2e-2
+
+
 @pytest.mark.parametrize("chunk", [64, 128, 256])
 @pytest.mark.parametrize("S", [1, 65, 300, 520])
 @pytest.mark.parametrize("DK,DV", [(32, 64), (64, 64), (128, 128)])
 def test_tensor_core_overlap_backward(DK, DV, S, chunk):
     """algo=tc_overlap (tc_merged's kernels with each gradient CTA's next tiles requested while it computes:
-    key tiles (dq) and query tiles (dv, dk) double-buffered through C's and dC's buffers at 128 x 128) and
+    key tiles (dq) and query tiles (dv, dk) double-buffered through C's and dC's buffers at 128 x 128; the
+    gates kernel by warps) and
     tc_wide_overlap (with tc_wide's state tiles) over several sequences, bf16, with initial states and
     dC_last: every gradient bitwise equal to tc_merged's (tc_wide's), and within the issue's tolerance of the
     float64 reference. Chunk 256 walks 4 key tiles (the buffers in turn), S = 65, 300 and 520 end inside a

@@ -47,19 +47,21 @@ QUICK_DIMS, QUICK_S, QUICK_CHUNK, QUICK_REPS, QUICK_WARMUP = ((128, 128), (128, 
 # dims each is for: (head dims, label, forward config, backward config; None: the op's default). Against the
 # defaults by the same raw calls (tools/bench/NOTES.md): algo=tc_wide (the state scans on 128 x 128 tiles,
 # both ops), tc_q128 (the forward's output kernel on 128 query rows) and both, at (256, 512); at (128, 128)
-# the backward's tc_wide (one wave of 128 scan CTAs), tc_overlap and tc_wide_overlap (the grads kernel's
-# second loads prefetched) and the forward's tc_q128.
+# the backward's tc_wide (one wave of 128 scan CTAs), tc_overlap and tc_wide_overlap (the grads kernel's next
+# loads prefetched, the gates kernel by warps) after the forward's tc_pg (its gates kernel by warps: the fwd
+# column of those rows), and the forward's tc_q128.
 _WIDE, _Q128, _WIDE_Q128 = ("algo=tc_wide,threads=128", "algo=tc_q128,threads=128",
                             "algo=tc_wide_q128,threads=128")
-_OVERLAP, _WIDE_OVERLAP = "algo=tc_overlap,threads=128", "algo=tc_wide_overlap,threads=128"
+_OVERLAP, _WIDE_OVERLAP, _PG = ("algo=tc_overlap,threads=128", "algo=tc_wide_overlap,threads=128",
+                                "algo=tc_pg,threads=128")
 CONFIG_ROWS = (((256, 512), "raw calls, default configs", None, None),
                ((256, 512), "fwd, bwd algo=tc_wide", _WIDE, _WIDE),
                ((256, 512), "fwd algo=tc_q128", _Q128, None),
                ((256, 512), "fwd algo=tc_wide_q128, bwd tc_wide", _WIDE_Q128, _WIDE),
                ((128, 128), "raw calls, default configs", None, None),
                ((128, 128), "bwd algo=tc_wide", None, _WIDE),
-               ((128, 128), "bwd algo=tc_overlap", None, _OVERLAP),
-               ((128, 128), "bwd algo=tc_wide_overlap", None, _WIDE_OVERLAP),
+               ((128, 128), "fwd algo=tc_pg, bwd tc_overlap", _PG, _OVERLAP),
+               ((128, 128), "fwd algo=tc_pg, bwd tc_wide_overlap", _PG, _WIDE_OVERLAP),
                ((128, 128), "fwd algo=tc_q128", _Q128, None))
 
 

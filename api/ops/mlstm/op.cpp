@@ -184,6 +184,16 @@ int tc_out_rows(int64_t algo, int64_t chunk) {
   return algo == kTcQ128 || algo == kTcWideQ128 ? kMlstmTcWideRows : mlstm_tc_rows(static_cast<int>(chunk));
 }
 
+// The tensor-core gates kernel (kernel 0 of both ops): one warp a sequence, or by warps (`warps`: algo=tc_pg
+// forward, tc_overlap backward; launched with 32 * gates_warps(..) threads).
+int gates_warps(bool warps) { return warps ? kMlstmTcGatesWarps : 1; }
+jit::KernelSpec tc_gates_kernel(const Problem& p, bool warps) {
+  const std::string L = std::to_string(p.param_int("chunk"));
+  if (!warps) return kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_gates_kernel", {gate_type(p), L});
+  return kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_gates_warps_kernel",
+                     {gate_type(p), L, std::to_string(kMlstmTcGatesWarps)});
+}
+
 // Kernels 0, 1, 2: gates, state, output.
 std::vector<jit::KernelSpec> tc_kernels(const Problem& p, int64_t algo) {
   const std::string t = dtype_cuda_type(p.dtype("q")), dk = std::to_string(p.dim("dhqk")),
@@ -192,7 +202,7 @@ std::vector<jit::KernelSpec> tc_kernels(const Problem& p, int64_t algo) {
   std::vector<std::string> state = {t, dk, dv, L, "false"}, out = {t, dk, dv, L};
   if (tile != 64) state.push_back(std::to_string(tile));
   if (rows != mlstm_tc_rows(static_cast<int>(p.param_int("chunk")))) out.push_back(std::to_string(rows));
-  return {kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
+  return {tc_gates_kernel(p, algo == kTcPg),
           kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_state_kernel", state),
           kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_out_kernel", out)};
 }
@@ -234,7 +244,7 @@ void launch_tc(const Call& call, Launcher& l, int64_t algo) {
   a.Cs = ws + gate_b + m_b + g_b + n_b;
   void* args[] = {&a};
   const int dki = static_cast<int>(dk), dvi = static_cast<int>(dv), Li = static_cast<int>(L);
-  l.launch(0, {u32(seqs)}, {32}, 0, args);
+  l.launch(0, {u32(seqs)}, {u32(32 * gates_warps(algo == kTcPg))}, 0, args);
   l.launch(1, {u32(seqs * (dk / mlstm_tc_state_tile(dki, tile))), u32(dv / mlstm_tc_state_tile(dvi, tile))},
            {u32(mlstm_tc_state_threads(dki, tile))}, u32(mlstm_tc_state_smem_bytes(dki, dvi, Li, tile)), args);
   l.launch(2, {u32(seqs * qtiles), u32(dv / mlstm_tc_bv(dvi))}, {u32(2 * rows)},
@@ -269,7 +279,7 @@ OpDef make_chunkwise_fwd() {
   };
   op.tuning = chunkwise_fwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_wide", "tc_q128", "tc_wide_q128"}}};
+  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_wide", "tc_q128", "tc_wide_q128", "tc_pg"}}};
   op.cases = chunkwise_fwd_cases();
   // fp32 over recurrences of up to 4096 steps: 4e-5 relative.
   op.tolerance_scale = 4.0;
@@ -366,7 +376,8 @@ std::vector<jit::KernelSpec> bwd_kernels(const Problem& p, const Config& c, int6
 // DHQK's blocks: dv_loop), tc_stream (DHQK > 128 only: tc_merged with dq and dk streaming DHHV's blocks,
 // so nothing is reduced there either and dq, dv, dk share one launch).
 // tc_wide: the default's kernels (tc_merged, tc_stream at DHQK > 128) with the state scans on 128 x 128 tiles.
-// tc_overlap (tc_wide_overlap): tc_merged's (tc_wide's) with the grads kernel's second loads prefetched.
+// tc_overlap (tc_wide_overlap): tc_merged's (tc_wide's) with the grads kernel's next loads prefetched and the
+// gates kernel by warps.
 struct TcBwd {
   bool fused, loop, merged, dv_loop, stream, prefetch;
   int state_tile;
@@ -402,7 +413,7 @@ std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, TcBwd v) {
   const int parts = mlstm_tc_dot_parts(static_cast<int>(p.dim("dhqk")), v.stream);
   std::vector<std::string> df_targs = {gate_type(p), dk, dv};
   if (parts > 1) df_targs.push_back(std::to_string(parts));
-  const jit::KernelSpec gates = kernel_spec(p, fwd, "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
+  const jit::KernelSpec gates = tc_gates_kernel(p, v.prefetch),
                         df = kernel_spec(p, bwd, "kspec::mlstm_tc_df_kernel", df_targs);
   std::vector<std::string> states = {t, dk, dv, L};
   if (v.state_tile != 64) states.push_back(std::to_string(v.state_tile));
@@ -511,7 +522,7 @@ void launch_tc_bwd(const Call& call, Launcher& l, TcBwd v) {
   void* rev_args[] = {&rev};
   void* dkv_args[] = {&dkv};
   void* last_args[] = {&last};
-  l.launch(0, {u32(seqs)}, {32}, 0, args);
+  l.launch(0, {u32(seqs)}, {u32(32 * gates_warps(v.prefetch))}, 0, args);
   if (v.merged) {
     void* both_states[] = {&fwd, &rev};
     l.launch(1, {state_grid.x, state_grid.y, 2}, state_block, state_smem, both_states);

@@ -222,7 +222,7 @@ bool simt_runs(const Problem& p, std::string* why) {
 // at 256 threads.
 TuningSpace chunkwise_fwd_tuning() {
   TuningSpace t = mlstm_tuning();
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcWide, kTcQ128, kTcWideQ128}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcWide, kTcQ128, kTcWideQ128, kTcPg}});
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     if (c.get("algo") == kSimt) return simt_runs(p, why);
     std::string no = tc_unsupported(p);
