@@ -81,19 +81,19 @@ __device__ __forceinline__ void mlstm_step_wait_prior_grid() {
 #endif
 }
 
-// One warp per sequence: m', n' (in place: lane j reads and writes n's elements j, j + 32, ...; m is
-// written by lane 0 alone) and the slab kernel's three scalars to p.gate_rows[seq] (decay, gain, den).
-// The slab kernel never touches n or m, and this kernel never touches C or h. Every load is issued
-// before the first store: n' may be n, and the compiler cannot move a load of n0, q or k above a store
-// of n that may alias it, so a loop storing as it goes waited one DRAM round trip per 32 elements (4 at
-// DHQK 128, ahead of the slab kernel's wait); all lanes read m, f, i (one broadcast each) instead of lane
-// 0 reading and shuffling them.
+// One warp's part of algo=split's gates (and algo=cluster's, step_cluster.cuh): lane j loads n's elements j,
+// j + 32, ... with q's and k's, and forms their n' (`nn`), the decay, gain, m' and the normalizer (every lane
+// the same scalars). Every load is issued before anything is stored (the callers store n' after): n' may be
+// n, and the compiler cannot move a load of n0, q or k above a store of n that may alias it, so a loop
+// storing as it goes waited one DRAM round trip per 32 elements (4 at DHQK 128); all lanes read m, f, i (one
+// broadcast each) instead of lane 0 reading and shuffling them.
+struct MlstmStepScalars {
+  float decay, gain, den, m_new;
+};
 template <typename T, typename TG, int kDk>
-__global__ void __launch_bounds__(kWarpSize) mlstm_step_gates_kernel(const MlstmParams p) {
+__device__ __forceinline__ MlstmStepScalars mlstm_step_gates_warp(const MlstmParams& p, long long seq, int lane,
+                                                                  float (&nn)[(kDk + kWarpSize - 1) / kWarpSize]) {
   constexpr int kPer = (kDk + kWarpSize - 1) / kWarpSize;
-  mlstm_step_allow_dependents();
-  const long long seq = blockIdx.x;
-  const int lane = threadIdx.x;
   const T* q = static_cast<const T*>(p.q) + seq * kDk;
   const T* k = static_cast<const T*>(p.k) + seq * kDk;
   const float* n0 = p.n0 + seq * kDk;
@@ -115,30 +115,53 @@ __global__ void __launch_bounds__(kWarpSize) mlstm_step_gates_kernel(const Mlstm
   float z = 0.0f;  // s q . n', this lane's part
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
-    const int d = lane + j * kWarpSize;
-    const float nn = fmaf(decay, nv[j], gain * kv[j]);
-    if (kDk % kWarpSize == 0 || d < kDk) p.n[seq * kDk + d] = nn;
-    z = fmaf(qv[j] * scale, nn, z);
+    nn[j] = fmaf(decay, nv[j], gain * kv[j]);
+    z = fmaf(qv[j] * scale, nn[j], z);
   }
   z = warp_reduce_sum(z);
+  return {decay, gain, fmaxf(fabsf(z), expf(-m_new)) + p.eps, m_new};
+}
+
+// n' (from mlstm_step_gates_warp's `nn`, lane j's elements j, j + 32, ...) and m' (lane 0) of sequence seq.
+template <int kDk>
+__device__ __forceinline__ void mlstm_step_store_nm(const MlstmParams& p, long long seq, int lane,
+                                                    const float (&nn)[(kDk + kWarpSize - 1) / kWarpSize], float m_new) {
+#pragma unroll
+  for (int j = 0; j < (kDk + kWarpSize - 1) / kWarpSize; ++j) {
+    const int d = lane + j * kWarpSize;
+    if (kDk % kWarpSize == 0 || d < kDk) p.n[seq * kDk + d] = nn[j];
+  }
+  if (lane == 0) p.m[seq] = m_new;
+}
+
+// One warp per sequence: m', n' (in place: lane j reads and writes n's elements j, j + 32, ...; m is
+// written by lane 0 alone) and the slab kernel's three scalars to p.gate_rows[seq] (decay, gain, den).
+// The slab kernel never touches n or m, and this kernel never touches C or h.
+template <typename T, typename TG, int kDk>
+__global__ void __launch_bounds__(kWarpSize) mlstm_step_gates_kernel(const MlstmParams p) {
+  mlstm_step_allow_dependents();
+  const long long seq = blockIdx.x;
+  const int lane = threadIdx.x;
+  float nn[(kDk + kWarpSize - 1) / kWarpSize];
+  const MlstmStepScalars sc = mlstm_step_gates_warp<T, TG, kDk>(p, seq, lane, nn);
+  mlstm_step_store_nm<kDk>(p, seq, lane, nn, sc.m_new);
   if (lane == 0) {
-    p.m[seq] = m_new;
     float* s = p.gate_rows + seq * kMlstmStepScalars;
-    s[0] = decay;
-    s[1] = gain;
-    s[2] = fmaxf(fabsf(z), expf(-m_new)) + p.eps;
+    s[0] = sc.decay;
+    s[1] = sc.gain;
+    s[2] = sc.den;
   }
 }
 
 // The slab of kCols columns of C (blockIdx.y) of one sequence (blockIdx.x), kThreads threads: a row's
 // kCols / 4 float4s go to kCols / 4 consecutive threads, so a warp reads 32 / (kCols / 4) whole row
 // pieces of 64-256 bytes; the CTA covers kThreads / (kCols / 4) rows a pass, kPasses passes, every
-// float4 of the slab loaded (all in flight at once) before the scalars are waited for. Each element of
-// C is read and written by the same thread (in place). h's columns: the thread's 4 partial sums over
-// its rows, summed across the warp's row groups by shuffles and across warps in shared memory, in a
-// fixed order (bitwise repeatable).
-template <typename T, int kDk, int kDv, int kCols, int kThreads>
-__global__ void __launch_bounds__(kThreads) mlstm_step_cols_kernel(const MlstmParams p) {
+// float4 of the slab loaded (all in flight at once) before the scalars are asked for (`scalars()`: they
+// may wait on another grid, or be formed by the CTA itself). Each element of C is read and written by the
+// same thread (in place). h's columns: the thread's 4 partial sums over its rows, summed across the warp's
+// row groups by shuffles and across warps in shared memory, in a fixed order (bitwise repeatable).
+template <typename T, int kDk, int kDv, int kCols, int kThreads, typename Scalars>
+__device__ __forceinline__ void mlstm_step_slab(const MlstmParams& p, Scalars scalars) {
   constexpr int kGroups = kCols / 4;              // threads a row
   constexpr int kRowStep = kThreads / kGroups;    // rows a pass
   constexpr int kPasses = kDk / kRowStep;
@@ -163,11 +186,9 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_cols_kernel(const MlstmPa
     ks[d] = to_float(k[d]);
   }
   const float v0 = to_float(v[0]), v1 = to_float(v[1]), v2 = to_float(v[2]), v3 = to_float(v[3]);
-  mlstm_step_wait_prior_grid();
-  const float* s = p.gate_rows + seq * kMlstmStepScalars;
-  const float decay = s[0], gain = s[1], den = s[2];
+  const MlstmStepScalars sc = scalars();  // ends with a barrier: qs, ks
+  const float decay = sc.decay, gain = sc.gain, den = sc.den;
   const float g0 = v0 * gain, g1 = v1 * gain, g2 = v2 * gain, g3 = v3 * gain;
-  __syncthreads();  // qs, ks
   float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
   for (int j = 0; j < kPasses; ++j) {
@@ -206,6 +227,18 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_cols_kernel(const MlstmPa
     for (int w = 0; w < kWarps; ++w) total += part[w][tid];
     static_cast<T*>(p.h)[seq * kDv + blockIdx.y * kCols + tid] = from_float<T>(total / den);
   }
+}
+
+// algo=split's slabs: the scalars from the gates kernel, waited for after the slab's loads are issued.
+template <typename T, int kDk, int kDv, int kCols, int kThreads>
+__global__ void __launch_bounds__(kThreads) mlstm_step_cols_kernel(const MlstmParams p) {
+  mlstm_step_slab<T, kDk, kDv, kCols, kThreads>(p, [&]() {
+    mlstm_step_wait_prior_grid();
+    const float* s = p.gate_rows + static_cast<long long>(blockIdx.x) * kMlstmStepScalars;
+    const MlstmStepScalars sc{s[0], s[1], s[2], 0.0f};
+    __syncthreads();  // qs, ks
+    return sc;
+  });
 }
 
 // ---- algo=head ----

@@ -679,6 +679,44 @@ TEST(Mlstm, StepHeadValidity) {
   }
 }
 
+// mlstm.step's algo=cluster (split's slabs forming the scalars themselves, a sequence's slabs one cluster):
+// sm_90 and newer, split's slab limits, at most 8 slabs a cluster; one kernel (step_cluster.cuh) launched
+// over (sequences, slabs); never the default.
+TEST(Mlstm, StepClusterValidity) {
+  const OpDef& op = Registry::global().get("mlstm.step");
+  struct Row {
+    int64_t dk, dv;
+    const char *config, *arch, *why;  // why: "" where valid
+  };
+  for (const Row& row : std::vector<Row>{{128, 128, "algo=cluster,threads=256,cols=32", "sm_90", ""},
+                                         {128, 128, "algo=cluster,threads=128,cols=16", "sm_90", ""},
+                                         {128, 128, "algo=cluster,threads=256,cols=32", "sm_80", "sm_90 or newer"},
+                                         {128, 512, "algo=cluster,threads=256,cols=32", "sm_90", "at most 8"},
+                                         {128, 16, "algo=cluster,threads=256,cols=32", "sm_90", "wider than dhhv"}}) {
+    CompileRequest r;
+    r.op = op.info.name;
+    r.dtype = DType::bf16;
+    r.arch = row.arch;
+    r.params.set("dhqk", row.dk);
+    r.params.set("dhhv", row.dv);
+    Problem p = problem_from_request(op, r);
+    p.align_bytes = 16;
+    const Config c = Config::parse(row.config, op.info);
+    const std::string what =
+        std::to_string(row.dk) + " x " + std::to_string(row.dv) + " " + row.config + " " + row.arch;
+    std::string why;
+    EXPECT_EQ(op.tuning.valid(p, c, &why), *row.why == 0) << what << ": " << why;
+    if (*row.why) {
+      expect_in(why, {"algo=cluster", row.why});
+      continue;
+    }
+    const auto k = op.kernels(p, c);
+    ASSERT_EQ(k.size(), 1u) << what;
+    EXPECT_EQ(k[0].kernel, "kspec::mlstm_step_cluster_kernel") << what;
+    EXPECT_NE(op.tuning.heuristic(p).get("algo"), mlstm::kStepCluster) << what;
+  }
+}
+
 // The backward's default: algo=tc_merged on the tensor cores, tc_wide at dhqk > 128 where it runs (else
 // tc_stream; all timed faster than tc on the H100), the SIMT kernel where the tensor cores do not run (fp32).
 TEST(Mlstm, BackwardHeuristicTakesMergedAndStream) {
@@ -846,7 +884,8 @@ TEST(Mlstm, OverlapBackwardPrefetches) {
 // sequence; that kernel compiles for sm_80 and sm_90 without spill or stack at chunks 16 and 128.
 TEST(Mlstm, ForwardGatesByWarps) {
   const OpDef& op = Registry::global().get("mlstm.chunkwise.fwd");
-  const Config pg = Config::parse("algo=tc_pg,threads=128", op.info), tc = Config::parse("algo=tc,threads=128", op.info);
+  const Config pg = Config::parse("algo=tc_pg,threads=128", op.info),
+               tc = Config::parse("algo=tc,threads=128", op.info);
   for (int64_t chunk : {16, 128}) {
     for (const char* arch : {"sm_80", "sm_90"}) {
       CompileRequest r;
@@ -1110,7 +1149,8 @@ struct Problem32 {
 // the updated states matches two steps of the recurrence. Each algorithm: algo=split's slab CTAs all read
 // n and m's scalars through the gates kernel while C is updated where it is read, so in place is where
 // a race between its two kernels would show (the heuristic's split, slabs of 8, 16 and 64 columns, block;
-// head, whose one CTA per sequence writes n' and m' where it read n and m: 16 and 4 passes over the rows).
+// head, whose one CTA per sequence writes n' and m' where it read n and m: 16 and 4 passes over the rows;
+// cluster, whose rank 0 writes them after the cluster's 4 or 8 slab CTAs have read them).
 class MlstmStepInPlace : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(MlstmStepInPlace, MatchesRecurrence) {
@@ -1118,6 +1158,8 @@ TEST_P(MlstmStepInPlace, MatchesRecurrence) {
   jit::ContextGuard guard(0);
   const int64_t B = 3, NH = 2, dk = 64, dv = 128, seqs = B * NH;
   const std::string text = GetParam();
+  if (text.find("algo=cluster") != std::string::npos && jit::compute_capability(device_arch(0)) < 90)
+    GTEST_SKIP() << "algo=cluster needs thread-block clusters (sm_90 or newer)";
   const Config config = text.empty() ? Config() : Config::parse(text, op_info("mlstm.step"));
   CallOptions opt;
   if (!text.empty()) opt.config = &config;
@@ -1162,7 +1204,8 @@ INSTANTIATE_TEST_SUITE_P(Configs, MlstmStepInPlace,
                          ::testing::Values("", "algo=split,threads=256,cols=16", "algo=split,threads=128,cols=8",
                                            "algo=split,threads=64,cols=64",
                                            "algo=split,threads=128,cols=32", "algo=block,threads=256,cols=16",
-                                           "algo=head,threads=128,cols=16", "algo=head,threads=512,cols=16"));
+                                           "algo=head,threads=128,cols=16", "algo=head,threads=512,cols=16",
+                                           "algo=cluster,threads=256,cols=32", "algo=cluster,threads=64,cols=16"));
 
 // algo=split at the model's head dims with one sequence (B = 1: the heuristic's slabs of 8 columns):
 // every valid config of mlstm.step (slabs of 8, 16, 32, 64 columns; 64 to 512 threads, so 1 to 16 passes

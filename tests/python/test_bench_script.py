@@ -321,7 +321,7 @@ def test_mlstm_torch_compile_graph_serves_every_shape(families):
 
 def test_mlstm_step_rows_time_the_old_kernel_beside_the_default(families):
     """The step table's second kspec row forces mlstm.step's first kernel (algo=block, one CTA a sequence),
-    the next ones algo=head (one kernel); the default at the bench's shape (NH = 8, DH = 128, bf16) is
+    the next ones algo=head and algo=cluster (one kernel); the default at the bench's shape (NH = 8, DH = 128, bf16) is
     algo=split: a gates kernel and the slab kernel (no GPU needed: the specializations compile)."""
     import kspec
 
@@ -331,6 +331,9 @@ def test_mlstm_step_rows_time_the_old_kernel_beside_the_default(families):
     for config in m.STEP_HEAD:  # one kernel, one CTA a sequence
         head = kspec.compile("mlstm.step", dtype="bf16", config=config, dhqk=128, dhhv=128)
         assert [r["kernel"].split("<")[0] for r in head] == ["kspec::mlstm_step_head_kernel"]
+    for config in m.STEP_CLUSTER:  # one kernel, a cluster a sequence (sm_90)
+        cl = kspec.compile("mlstm.step", dtype="bf16", arch="sm_90", config=config, dhqk=128, dhhv=128)
+        assert [r["kernel"].split("<")[0] for r in cl] == ["kspec::mlstm_step_cluster_kernel"]
     new = kspec.compile("mlstm.step", dtype="bf16", dhqk=128, dhhv=128)
     assert [r["kernel"].split("<")[0] for r in new] == ["kspec::mlstm_step_gates_kernel",
                                                         "kspec::mlstm_step_cols_kernel"]

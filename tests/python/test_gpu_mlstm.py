@@ -385,12 +385,16 @@ def test_step_in_place_matches_the_recurrence(B, NH, DK, DV, config):
     assert _rel_max(m, want_m[..., None]) < 1e-6
 
 
+@pytest.mark.parametrize("algo", ["head", "cluster"])
 @pytest.mark.parametrize("B,NH,DK,DV,threads", [(64, 8, 128, 128, 512), (8, 8, 128, 128, 256), (2, 3, 64, 128, 128),
                                                 (1, 2, 128, 256, 512)])
-def test_step_head_equals_split(B, NH, DK, DV, threads):
-    """mlstm.step algo=head (one CTA per sequence, the scalars formed in it, one launch) in place, two steps:
-    C', n', m' bitwise equal to algo=split's (the same fmas), h within the bf16 tolerance of split's and of
-    the float64 recurrence."""
+def test_step_head_and_cluster_equal_split(B, NH, DK, DV, threads, algo):
+    """mlstm.step algo=head (one CTA per sequence, the scalars formed in it, one launch) and algo=cluster
+    (split's slabs of 32 columns forming the scalars themselves, a sequence's slabs one cluster; sm_90+) in
+    place, two steps: C', n', m' bitwise equal to algo=split's (the same fmas; cluster: h too, the same
+    sums), h within the bf16 tolerance of split's and of the float64 recurrence."""
+    if algo == "cluster" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("algo=cluster needs thread-block clusters (sm_90 or newer)")
     g = torch.Generator(device="cuda").manual_seed(B + DK + DV)
     rn = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
     C, n, m = rn(B, NH, DK, DV), rn(B, NH, DK).abs(), rn(B, NH, 1)
@@ -399,18 +403,23 @@ def test_step_head_equals_split(B, NH, DK, DV, threads):
     x = [np.stack([_np(s[j]) for s in steps], axis=2) for j in range(5)]
     want_h, _, _, (want_C, want_n, want_m) = ref.mlstm_recurrent_fwd(
         x[0], x[1], x[2], x[3][..., 0], x[4][..., 0], _np(C), _np(n), _np(m)[..., 0])
-    states = {algo: (C.clone(), n.clone(), m.clone()) for algo in ("head", "split")}
-    configs = {"head": f"algo=head,threads={threads},cols=16", "split": "algo=split,threads=256,cols=32"}
+    states = {name: (C.clone(), n.clone(), m.clone()) for name in (algo, "split")}
+    split_threads = min(256, DK * 8)  # slabs of 32 columns, at most 64 floats of C a thread
+    configs = {"head": f"algo=head,threads={threads},cols=16",
+               "cluster": f"algo=cluster,threads={split_threads},cols=32",
+               "split": f"algo=split,threads={split_threads},cols=32"}
     for t, (q, k, v, i, f) in enumerate(steps):
         hs = {}
-        for algo, s in states.items():
-            hs[algo] = _nan_like(v)
-            kspec.call("mlstm.step", q, k, v, i, f, *s, out=(hs[algo], *s), config=configs[algo])
+        for name, s in states.items():
+            hs[name] = _nan_like(v)
+            kspec.call("mlstm.step", q, k, v, i, f, *s, out=(hs[name], *s), config=configs[name])
         torch.cuda.synchronize()
-        assert _rel_max(hs["head"], want_h[:, :, t]) < 2e-2, t
-        assert _rel_max(hs["head"], _np(hs["split"])) < 2e-2, t
-    for name, a, b in zip(("C", "n", "m"), states["head"], states["split"]):
+        assert _rel_max(hs[algo], want_h[:, :, t]) < 2e-2, t
+        assert _rel_max(hs[algo], _np(hs["split"])) < 2e-2, t
+        if algo == "cluster":
+            assert torch.equal(hs[algo], hs["split"]), t
+    for name, a, b in zip(("C", "n", "m"), states[algo], states["split"]):
         assert torch.equal(a, b), name
-    assert _rel_max(states["head"][0], want_C) < 1e-5
-    assert _rel_max(states["head"][1], want_n) < 1e-5
+    assert _rel_max(states[algo][0], want_C) < 1e-5
+    assert _rel_max(states[algo][1], want_n) < 1e-5
 

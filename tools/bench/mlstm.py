@@ -443,8 +443,11 @@ def run(ctx):
 # ---- the decoding step ----
 
 STEP_BLOCK = "algo=block,threads=256,cols=16"  # the step's first kernel (the default is algo=split)
-# algo=head (one CTA per sequence, all of C in float4s, the scalars in the CTA: one launch; not yet a default)
+# algo=head (one CTA per sequence, all of C in float4s, the scalars in the CTA: one launch) and algo=cluster
+# (sm_90+: split's slabs forming the scalars themselves, a sequence's slabs one cluster: one launch); not yet
+# defaults
 STEP_HEAD = ("algo=head,threads=512,cols=16", "algo=head,threads=256,cols=16")
+STEP_CLUSTER = ("algo=cluster,threads=256,cols=32", "algo=cluster,threads=128,cols=16")
 
 
 def peers_step():
@@ -482,7 +485,7 @@ def run_step(ctx, peer):
                   lambda s, q=q, k=k, v=v, i=i, f=f: K.mlstm_step(q, k, v, i, f, *s, inplace=True)),
                  ("kspec mlstm.step algo=block (in place)", lambda s: configured(s, STEP_BLOCK))]
         impls += [(f"kspec mlstm.step {c.rsplit(',', 1)[0].replace(',', ' ')} (in place)",
-                   lambda s, c=c: configured(s, c)) for c in STEP_HEAD]
+                   lambda s, c=c: configured(s, c)) for c in STEP_HEAD + STEP_CLUSTER]
         if peer is not None:
             impls.append(("mlstm_kernels triton step", lambda s, q=q, k=k, v=v, i=i, f=f: peer(q, k, v, i, f, *s)))
         for name, fn in impls:

@@ -82,13 +82,17 @@ OpDef make_step() {
   op.cases = step_cases();
   op.tuning = step_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.info.tuning_names = {{"algo", {"block", "split", "head"}}};
+  op.info.tuning_names = {{"algo", {"block", "split", "head", "cluster"}}};
   op.derived_key = [](const Problem& p) { return "cols" + std::to_string(step_cols(p)); };
   // algo=block: mlstm_step_kernel; algo=head: mlstm_step_head_kernel; algo=split: kernel 0 the gates (n', m',
-  // the scalars), kernel 1 the slabs.
+  // the scalars), kernel 1 the slabs; algo=cluster: mlstm_step_cluster_kernel.
   op.kernels = [](const Problem& p, const Config& c) {
     const std::string t = dtype_cuda_type(p.dtype("q")), dk = std::to_string(p.dim("dhqk")),
                       dv = std::to_string(p.dim("dhhv")), threads = std::to_string(c.get("threads"));
+    if (c.get("algo") == kStepCluster)
+      return std::vector<jit::KernelSpec>{
+          kernel_spec(p, "mlstm/step_cluster.cuh", "kspec::mlstm_step_cluster_kernel",
+                      {t, gate_type(p), dk, dv, std::to_string(c.get("cols")), threads})};
     if (c.get("algo") != kStepSplit)
       return std::vector<jit::KernelSpec>{
           kernel_spec(p, "mlstm/step.cuh", c.get("algo") == kStepBlock ? "kspec::mlstm_step_kernel"
@@ -114,10 +118,13 @@ OpDef make_step() {
     const int64_t seqs = p.dim("batch") * p.dim("heads");
     if (seqs == 0) return;
     void* args[] = {&a};
+    const unsigned slabs = u32(p.dim("dhhv") / c.get("cols"));
+    if (c.get("algo") == kStepCluster)
+      return l.launch_clusters(0, {u32(seqs), slabs}, {u32(c.get("threads"))}, {1, slabs, 1}, 0, args);
     if (c.get("algo") != kStepSplit) return l.launch(0, {u32(seqs)}, {u32(c.get("threads"))}, 0, args);
     a.gate_rows = static_cast<float*>(l.workspace(sizeof(float) * kMlstmStepScalars * static_cast<size_t>(seqs)));
     l.launch(0, {u32(seqs)}, {32}, 0, args);
-    l.launch_dependent(1, {u32(seqs), u32(p.dim("dhhv") / c.get("cols"))}, {u32(c.get("threads"))}, 0, args);
+    l.launch_dependent(1, {u32(seqs), slabs}, {u32(c.get("threads"))}, 0, args);
   };
   // The recurrence with S = 1 ([B, NH, 1, D] is [B, NH, D]).
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {

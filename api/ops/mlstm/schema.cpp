@@ -295,7 +295,9 @@ int64_t step_cols(const Problem& p) {
 
 TuningSpace step_tuning() {
   TuningSpace t;
-  t.axes = {{"algo", {kStepBlock, kStepSplit, kStepHead}}, {"threads", {64, 128, 256, 512}}, {"cols", {8, 16, 32, 64}}};
+  t.axes = {{"algo", {kStepBlock, kStepSplit, kStepHead, kStepCluster}},
+            {"threads", {64, 128, 256, 512}},
+            {"cols", {8, 16, 32, 64}}};
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     std::string no;
     const int64_t threads = c.get("threads"), cols = c.get("cols"), dk = p.dim("dhqk"), dv = p.dim("dhhv");
@@ -311,14 +313,21 @@ TuningSpace step_tuning() {
       else if (threads * 4 < dv) no = "algo=head puts a row of C on consecutive threads: threads * 4 >= dhhv";
       else if (threads * 4 / dv > dk) no = "algo=head covers threads * 4 / dhhv rows a pass, more than dhqk";
       else if (dk * dv / threads > 64) no = "algo=head holds dhqk * dhhv / threads > 64 floats of C a thread";
-    } else if (p.align_bytes < 16) {
-      no = "algo=split reads C in float4s: every pointer must be 16-byte aligned";
-    } else if (cols > dv) {
-      no = "algo=split's slab of cols=" + std::to_string(cols) + " is wider than dhhv=" + std::to_string(dv);
-    } else if (threads * 4 / cols > dk) {
-      no = "algo=split covers threads * 4 / cols rows a pass, more than dhqk=" + std::to_string(dk);
-    } else if (dk * cols / threads > 64) {
-      no = "algo=split holds dhqk * cols / threads > 64 floats of C a thread";
+    } else {  // split, or cluster: the same slabs
+      const std::string name = c.get("algo") == kStepCluster ? "algo=cluster" : "algo=split";
+      if (c.get("algo") == kStepCluster && jit::compute_capability(p.arch) < 90)
+        no = "algo=cluster needs thread-block clusters: sm_90 or newer, not " + p.arch;
+      else if (p.align_bytes < 16)
+        no = name + " reads C in float4s: every pointer must be 16-byte aligned";
+      else if (cols > dv)
+        no = name + "'s slab of cols=" + std::to_string(cols) + " is wider than dhhv=" + std::to_string(dv);
+      else if (threads * 4 / cols > dk)
+        no = name + " covers threads * 4 / cols rows a pass, more than dhqk=" + std::to_string(dk);
+      else if (dk * cols / threads > 64)
+        no = name + " holds dhqk * cols / threads > 64 floats of C a thread";
+      else if (c.get("algo") == kStepCluster && dv / cols > kStepMaxCluster)
+        no = "algo=cluster puts a sequence's dhhv / cols slabs in one cluster: at most " +
+             std::to_string(kStepMaxCluster) + " (dhhv=" + std::to_string(dv) + ", cols=" + std::to_string(cols) + ")";
     }
     if (why) *why = no;
     return no.empty();

@@ -60,8 +60,10 @@ TuningSpace parallel_tuning(bool bwd);  // chunk is a tuning axis
 // cols = 16), kStepSplit (the gates kernel, then CTAs of `threads` over slabs of `cols` columns of C;
 // 16-byte pointers) or kStepHead (mlstm_step_head_kernel: one CTA of `threads` per sequence, all of C in
 // float4s and the scalars in the CTA, one launch; 16-byte pointers, named with cols = 16),
-// templates/mlstm/step.cuh.
-enum StepAlgo : int64_t { kStepBlock = 0, kStepSplit = 1, kStepHead = 2 };
+// templates/mlstm/step.cuh; or kStepCluster (sm_90+: split's slabs forming the scalars themselves, a
+// sequence's slabs one thread-block cluster of at most kStepMaxCluster CTAs), templates/mlstm/step_cluster.cuh.
+enum StepAlgo : int64_t { kStepBlock = 0, kStepSplit = 1, kStepHead = 2, kStepCluster = 3 };
+constexpr int64_t kStepMaxCluster = 8;  // the portable cluster size
 TuningSpace step_tuning();
 // The heuristic's slab width (8, 16 or 32), which depends on batch * heads: in the step's derived_key, so
 // the plan cache does not keep one batch's choice for another.
