@@ -863,6 +863,24 @@ TEST(Mlstm, OverlapBackwardPrefetches) {
       EXPECT_EQ(k[0].targs, targs) << what;
     }
   }
+  // tc_wide_pg: tc_wide's kernels but the gates kernel by warps (no prefetch), wherever tc_wide runs.
+  for (const auto& [dk, dv] : std::vector<std::pair<int64_t, int64_t>>{{128, 128}, {256, 512}}) {
+    CompileRequest r;
+    r.op = op.info.name;
+    r.dtype = DType::bf16;
+    r.arch = "sm_90";
+    r.params.set("dhqk", dk);
+    r.params.set("dhhv", dv);
+    r.params.set("chunk", 128);
+    const Problem p = problem_from_request(op, r);
+    const Config wide_pg = Config::parse("algo=tc_wide_pg,threads=128", op.info);
+    std::string why;
+    ASSERT_TRUE(op.tuning.valid(p, wide_pg, &why)) << dk << " x " << dv << ": " << why;
+    const auto k = op.kernels(p, wide_pg), b = op.kernels(p, wide);
+    ASSERT_EQ(k.size(), b.size()) << dk << " x " << dv;
+    EXPECT_EQ(k[0].kernel, "kspec::mlstm_tc_gates_warps_kernel");
+    for (size_t j = 1; j < k.size(); ++j) EXPECT_EQ(k[j].targs, b[j].targs) << dk << " x " << dv << " kernel " << j;
+  }
   for (const char* arch : {"sm_80", "sm_90"}) {
     CompileRequest r;
     r.op = op.info.name;

@@ -210,7 +210,7 @@ def test_tensor_core_forward_gates_by_warps(S, chunk):
 def test_tensor_core_overlap_backward(DK, DV, S, chunk):
     """algo=tc_overlap (tc_merged's kernels with each gradient CTA's next tiles requested while it computes:
     key tiles (dq) and query tiles (dv, dk) double-buffered through C's and dC's buffers at 128 x 128; the
-    gates kernel by warps) and
+    gates kernel by warps), tc_wide_pg (tc_wide with the gates kernel by warps) and
     tc_wide_overlap (with tc_wide's state tiles) over several sequences, bf16, with initial states and
     dC_last: every gradient bitwise equal to tc_merged's (tc_wide's), and within the issue's tolerance of the
     float64 reference. Chunk 256 walks 4 key tiles (the buffers in turn), S = 65, 300 and 520 end inside a
@@ -225,7 +225,7 @@ def test_tensor_core_overlap_backward(DK, DV, S, chunk):
     _, nrm, m_rows = _fwd(q, k, v, i, f, C0, n0, m0, chunk, "algo=tc,threads=128")[:3]
     pairs = [("tc_overlap", "tc_merged")]
     if DK >= 128 and chunk <= 128:
-        pairs.append(("tc_wide_overlap", "tc_wide"))
+        pairs += [("tc_wide_overlap", "tc_wide"), ("tc_wide_pg", "tc_wide")]
     want = ref.mlstm_chunkwise_bwd(*(_np(t) for t in (dh, q, k, v, i, f, C0, n0)), _np(m0).reshape(B, NH),
                                    _np(dC_last), chunk=chunk)
     for algo, base in pairs:

@@ -52,8 +52,8 @@ QUICK_DIMS, QUICK_S, QUICK_CHUNK, QUICK_REPS, QUICK_WARMUP = ((128, 128), (128, 
 # column of those rows), and the forward's tc_q128.
 _WIDE, _Q128, _WIDE_Q128 = ("algo=tc_wide,threads=128", "algo=tc_q128,threads=128",
                             "algo=tc_wide_q128,threads=128")
-_OVERLAP, _WIDE_OVERLAP, _PG = ("algo=tc_overlap,threads=128", "algo=tc_wide_overlap,threads=128",
-                                "algo=tc_pg,threads=128")
+_OVERLAP, _WIDE_OVERLAP, _PG, _WIDE_PG = ("algo=tc_overlap,threads=128", "algo=tc_wide_overlap,threads=128",
+                                          "algo=tc_pg,threads=128", "algo=tc_wide_pg,threads=128")
 CONFIG_ROWS = (((256, 512), "raw calls, default configs", None, None),
                ((256, 512), "fwd, bwd algo=tc_wide", _WIDE, _WIDE),
                ((256, 512), "fwd algo=tc_q128", _Q128, None),
@@ -62,6 +62,7 @@ CONFIG_ROWS = (((256, 512), "raw calls, default configs", None, None),
                ((128, 128), "bwd algo=tc_wide", None, _WIDE),
                ((128, 128), "fwd algo=tc_pg, bwd tc_overlap", _PG, _OVERLAP),
                ((128, 128), "fwd algo=tc_pg, bwd tc_wide_overlap", _PG, _WIDE_OVERLAP),
+               ((128, 128), "fwd algo=tc_pg, bwd tc_wide_pg", _PG, _WIDE_PG),
                ((128, 128), "fwd algo=tc_q128", _Q128, None))
 
 

@@ -182,7 +182,8 @@ void launch_fwd(const Call& call, const Config& c, Launcher& l, int64_t chunk, b
 // The state scans' C tile edge of a tensor-core config: 128 for algo=tc_wide (and tc_wide_q128), else 64
 // (params.h).
 int tc_state_tile(int64_t algo) {
-  return algo == kTcWide || algo == kTcWideQ128 || algo == kTcWideOverlap ? kMlstmTcWideTile : 64;
+  return algo == kTcWide || algo == kTcWideQ128 || algo == kTcWideOverlap || algo == kTcWidePg ? kMlstmTcWideTile
+                                                                                                : 64;
 }
 
 // The forward's output kernel's query rows a CTA: 128 for algo=tc_q128 (and tc_wide_q128), else
@@ -384,18 +385,18 @@ std::vector<jit::KernelSpec> bwd_kernels(const Problem& p, const Config& c, int6
 // so nothing is reduced there either and dq, dv, dk share one launch).
 // tc_wide: the default's kernels (tc_merged, tc_stream at DHQK > 128) with the state scans on 128 x 128 tiles.
 // tc_overlap (tc_wide_overlap): tc_merged's (tc_wide's) with the grads kernel's next loads prefetched and the
-// gates kernel by warps.
+// gates kernel by warps (`gates_warps`); tc_wide_pg: tc_wide's with the gates kernel by warps.
 struct TcBwd {
-  bool fused, loop, merged, dv_loop, stream, prefetch;
+  bool fused, loop, merged, dv_loop, stream, prefetch, gates_warps;
   int state_tile;
 };
 TcBwd tc_bwd_variant(const Problem& p, int64_t algo) {
   const int dk = static_cast<int>(p.dim("dhqk")), dv = static_cast<int>(p.dim("dhhv"));
-  const bool prefetch = algo == kTcOverlap || algo == kTcWideOverlap,
-             merged = algo == kTcMerged || algo == kTcStream || algo == kTcWide || prefetch,
-             stream = algo == kTcStream || (algo == kTcWide && mlstm_tc_streams(dk));
+  const bool prefetch = algo == kTcOverlap || algo == kTcWideOverlap, wide = algo == kTcWide || algo == kTcWidePg,
+             merged = algo == kTcMerged || algo == kTcStream || wide || prefetch,
+             stream = algo == kTcStream || (wide && mlstm_tc_streams(dk));
   return {algo == kTcFused, (algo != kTcParts && mlstm_tc_dq_loops(dk, dv)) || stream, merged,
-          merged && mlstm_tc_dv_loops(dk), stream, prefetch, tc_state_tile(algo)};
+          merged && mlstm_tc_dv_loops(dk), stream, prefetch, prefetch || algo == kTcWidePg, tc_state_tile(algo)};
 }
 
 // Which of dq, dv, dk (MlstmGrad order) go through the partials and a reduce kernel (head dims > 128).
@@ -420,7 +421,7 @@ std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, TcBwd v) {
   const int parts = mlstm_tc_dot_parts(static_cast<int>(p.dim("dhqk")), v.stream);
   std::vector<std::string> df_targs = {gate_type(p), dk, dv};
   if (parts > 1) df_targs.push_back(std::to_string(parts));
-  const jit::KernelSpec gates = tc_gates_kernel(p, v.prefetch),
+  const jit::KernelSpec gates = tc_gates_kernel(p, v.gates_warps),
                         df = kernel_spec(p, bwd, "kspec::mlstm_tc_df_kernel", df_targs);
   std::vector<std::string> states = {t, dk, dv, L};
   if (v.state_tile != 64) states.push_back(std::to_string(v.state_tile));
@@ -529,7 +530,7 @@ void launch_tc_bwd(const Call& call, Launcher& l, TcBwd v) {
   void* rev_args[] = {&rev};
   void* dkv_args[] = {&dkv};
   void* last_args[] = {&last};
-  l.launch(0, {u32(seqs)}, {u32(32 * gates_warps(v.prefetch))}, 0, args);
+  l.launch(0, {u32(seqs)}, {u32(32 * gates_warps(v.gates_warps))}, 0, args);
   if (v.merged) {
     void* both_states[] = {&fwd, &rev};
     l.launch(1, {state_grid.x, state_grid.y, 2}, state_block, state_smem, both_states);
@@ -590,7 +591,7 @@ OpDef make_chunkwise_bwd() {
   op.tuning = chunkwise_bwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
   op.info.tuning_names = {{"algo", {"simt", "tc", "tc_fused", "tc_parts", "tc_merged", "tc_stream", "tc_wide",
-                                    "tc_overlap", "tc_wide_overlap"}}};
+                                    "tc_overlap", "tc_wide_overlap", "tc_wide_pg"}}};
   op.cases = chunkwise_bwd_cases();
   op.tolerance_scale = 4.0;
   op.error_scale = df_error_scale;

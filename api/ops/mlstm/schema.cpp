@@ -248,7 +248,7 @@ TuningSpace chunkwise_fwd_tuning() {
 TuningSpace chunkwise_bwd_tuning() {
   TuningSpace t = mlstm_tuning(true);
   t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcFused, kTcParts, kTcMerged, kTcStream, kTcWide, kTcOverlap,
-                                          kTcWideOverlap}});
+                                          kTcWideOverlap, kTcWidePg}});
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     if (c.get("algo") == kSimt) return simt_runs(p, why);
     std::string no = tc_unsupported(p);
@@ -259,7 +259,8 @@ TuningSpace chunkwise_bwd_tuning() {
            "dhhv's blocks)";
     if (no.empty() && c.get("algo") == kTcStream && !mlstm_tc_streams(static_cast<int>(p.dim("dhqk"))))
       no = "algo=tc_stream differs from algo=tc_merged only at dhqk > 128 (its dq and dk streaming dhhv's blocks)";
-    if (no.empty() && (c.get("algo") == kTcWide || c.get("algo") == kTcWideOverlap)) no = tc_wide_unsupported(p);
+    if (no.empty() && (c.get("algo") == kTcWide || c.get("algo") == kTcWideOverlap || c.get("algo") == kTcWidePg))
+      no = tc_wide_unsupported(p);
     if (no.empty() && (c.get("algo") == kTcOverlap || c.get("algo") == kTcWideOverlap) &&
         !mlstm_tc_overlap_runs(static_cast<int>(p.dim("dhqk")), static_cast<int>(p.dim("dhhv"))))
       no = "algo=tc_overlap prefetches into tiles of their own: dhqk and dhhv <= 128 (one column block)";

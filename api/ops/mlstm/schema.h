@@ -39,10 +39,11 @@ TuningSpace mlstm_tuning(bool bwd = false);
 // kTcQ128: the output kernel on 128 query rows a CTA (params.h, mlstm_tc_q128_runs); kTcWideQ128: both.
 // The backward's kTcOverlap (kTcWideOverlap): kTcMerged's (kTcWide's) kernels with each gradient CTA's next
 // tile loads in flight during its mma (params.h, mlstm_tc_overlap_runs: head dims <= 128) and the gates kernel
-// by warps (params.h, kMlstmTcGatesWarps); the forward's kTcPg: kTc with that gates kernel.
+// by warps (params.h, kMlstmTcGatesWarps); the forward's kTcPg: kTc with that gates kernel; the backward's
+// kTcWidePg: kTcWide with it.
 enum FwdAlgo : int64_t {
   kSimt = 0, kTc = 1, kTcFused = 2, kTcParts = 3, kTcMerged = 4, kTcStream = 5, kTcWide = 6, kTcQ128 = 7,
-  kTcWideQ128 = 8, kTcOverlap = 9, kTcWideOverlap = 10, kTcPg = 11
+  kTcWideQ128 = 8, kTcOverlap = 9, kTcWideOverlap = 10, kTcPg = 11, kTcWidePg = 12
 };
 TuningSpace chunkwise_fwd_tuning();
 // mlstm.chunkwise.bwd's: the same axes and kTcFused, kTcParts, kTcMerged, kTcStream, kTcWide, kTcOverlap,
