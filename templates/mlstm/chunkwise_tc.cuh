@@ -109,6 +109,110 @@ __global__ void __launch_bounds__(32) mlstm_tc_gates_kernel(const MlstmParams p)
   if (lane == 0 && p.m) p.m[seq] = m;
 }
 
+// The same rows by kWarps warps a sequence (algo=tc_pg forward, tc_overlap backward; params.h
+// kMlstmTcGatesWarps): the one-warp kernel above walks the chunks in turn, two 5-step shuffle scans and a
+// broadcast a chunk (~0.5 us at chunk 128: ~16 us for 32 chunks, ahead of every other kernel); here warp w
+// takes chunk c0 + w of each round of kWarps chunks and scans it as that kernel does, the only link between
+// chunks, m_L = b_L + max(m, X) (X: the chunk's max of i_s - b_s), is walked over the round's chunks from
+// shared memory by every thread, and each warp writes its rows with the m entering its chunk. Every value
+// the same expression of the same operands as there: bitwise equal rows.
+template <typename TG, int kChunk, int kWarps>
+__global__ void __launch_bounds__(32 * kWarps) mlstm_tc_gates_warps_kernel(const MlstmParams p) {
+  constexpr int L = kChunk, E = (L + 31) / 32;  // steps per lane, consecutive
+  const float kNegInf = mlstm_neg_inf();
+  __shared__ float2 links[kWarps];  // (b_L, X) of each chunk of the round
+  const long long seq = blockIdx.x, S = p.seqlen, NC = (S + L - 1) / L;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const TG* ip = static_cast<const TG*>(p.i) + seq * S;
+  const TG* fp = static_cast<const TG*>(p.f) + seq * S;
+  float4* rows = reinterpret_cast<float4*>(p.gate_rows) + seq * S;
+  float* mrow = p.m_rows + seq * S;
+  float m = p.m0 ? p.m0[seq] : p.m_init;  // entering the round
+  // This warp's chunk of the next round is loaded (raw) while this round's is scanned.
+  unsigned f_raw[E], i_raw[E];
+  auto load = [&](long long t0) {
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const long long t = t0 + lane * E + j;
+      f_raw[j] = t < S ? load_raw(fp + t) : 0u;
+      i_raw[j] = t < S ? load_raw(ip + t) : 0u;
+    }
+  };
+  load(static_cast<long long>(warp) * L);
+  for (long long c0 = 0; c0 < NC; c0 += kWarps) {
+    const long long c = c0 + warp, t0 = c * L;
+    const int chunks = static_cast<int>(NC - c0 < kWarps ? NC - c0 : kWarps);  // in this round
+    const bool active = c < NC;
+    const int len = active ? static_cast<int>(S - t0 < L ? S - t0 : L) : 1;
+    float b[E], ig[E], pm[E], fv[E];
+#pragma unroll
+    for (int j = 0; j < E; ++j) fv[j] = raw_to_float<TG>(f_raw[j]), ig[j] = raw_to_float<TG>(i_raw[j]);
+    if (c + kWarps < NC) load(t0 + kWarps * L);
+    float run = 0.0f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const bool ok = lane * E + j < len;
+      ig[j] = ok ? ig[j] : kNegInf;
+      run += ok ? mlstm_log_sigmoid(fv[j]) : 0.0f;
+      b[j] = run;
+    }
+    float incl = run;  // inclusive scan of the lanes' sums
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) {
+      const float y = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += y;
+    }
+    float run_max = kNegInf;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      b[j] += incl - run;
+      run_max = fmaxf(run_max, ig[j] - b[j]);
+      pm[j] = run_max;  // max over this lane's steps <= j of i_s - b_s
+    }
+    float pin = run_max;  // inclusive max scan over lanes
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) {
+      const float y = __shfl_up_sync(0xffffffffu, pin, off);
+      if (lane >= off) pin = fmaxf(pin, y);
+    }
+    float before = __shfl_up_sync(0xffffffffu, pin, 1);
+    if (lane == 0) before = kNegInf;
+    const int last = len - 1, owner = last / E, j_last = last % E;
+    float b_sel = 0.0f, x_sel = 0.0f;
+#pragma unroll
+    for (int j = 0; j < E; ++j)
+      if (j == j_last) b_sel = b[j], x_sel = fmaxf(pm[j], before);
+    const float bL = __shfl_sync(0xffffffffu, b_sel, owner), X = __shfl_sync(0xffffffffu, x_sel, owner);
+    if (lane == 0 && active) links[warp] = make_float2(bL, X);
+    __syncthreads();
+    float m_in = m, mc = m;  // m entering this warp's chunk; m entering chunk w, after the loop the round's last
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      if (w < chunks) {
+        if (w == warp) m_in = mc;
+        const float2 link = links[w];
+        mc = link.x + fmaxf(mc, link.y);
+      }
+    }
+    const float mL = bL + fmaxf(m_in, X);
+    if (active) {
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        const int t = lane * E + j;
+        if (t < len) {
+          const float mt = b[j] + fmaxf(m_in, fmaxf(pm[j], before));
+          rows[t0 + t] = make_float4(b[j] - mt, ig[j] - b[j], expf(b[j] + m_in - mt), expf(bL - b[j] + ig[j] - mL));
+          mrow[t0 + t] = mt;
+        }
+      }
+      if (lane == 0) p.chunk_g[seq * NC + c] = expf(bL + m_in - mL);
+    }
+    m = mc;
+    __syncthreads();  // every thread has read links before the next round writes them
+  }
+  if (threadIdx.x == 0 && p.m) p.m[seq] = m;
+}
+
 // ---- 2. state (and, reversed, the backward's state gradient) ----
 
 // kReverse false (the forward): C entering chunk c, C <- e^(b_L + m - m_L) C + sum_s w_s k_s v_s^T from

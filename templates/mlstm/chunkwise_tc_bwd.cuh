@@ -66,7 +66,11 @@ __device__ __forceinline__ void mlstm_tc_store_part(const float (&acc)[kNt][4], 
 // ---- dq (and q . dq) ----
 
 // kLoop (algo=tc where mlstm_tc_dq_loops; false: algo=tc_parts, or a shape with one DHHV block).
-template <typename T, int kDk, int kDv, int kChunk, bool kLoop>
+// kPrefetch (algo=tc_overlap, one column block: params.h mlstm_tc_overlap_runs): the first key tile's K
+// and V are requested with Q, dH and C, and arrive while the inter-chunk term is computed; each later key
+// tile is requested while the one before is computed, into C's buffer (free after the inter term) and
+// K's and V's in turn (kDouble, where both tiles fit C's buffer: 128 x 128 exactly).
+template <typename T, int kDk, int kDv, int kChunk, bool kLoop, bool kPrefetch = false>
 __device__ __forceinline__ void mlstm_tc_dq_tile(const MlstmParams& p, unsigned char* smem_raw, MlstmTcTile at) {
   using Block = MlstmTcBwdBlock<kDk, kDv>;
   static_assert(!kLoop || mlstm_tc_dq_loops(kDk, kDv) || mlstm_tc_streams(kDk),
@@ -83,12 +87,17 @@ __device__ __forceinline__ void mlstm_tc_dq_tile(const MlstmParams& p, unsigned 
   // shared memory than the separate Q tile did: 2 CTAs an SM still fit (params.h, mlstm_tc_dq_smem_bytes).
   constexpr bool kQAtEnd = kEB > 1;
   static_assert(!kQAtEnd || BK * VS >= R * KS, "Q fits C's buffer");
+  static_assert(!kPrefetch || (kEB == 1 && !kQAtEnd), "prefetching: every tile its own buffer, one DHHV block");
+  constexpr bool kDouble = kPrefetch && R * KS + R * VS <= BK * VS;
   T* Ks = reinterpret_cast<T*>(smem_raw) + (kQAtEnd ? 0 : R * KS);  // [R][KS]
   T* Hs = Ks + R * KS;                     // [R][HS] dh
   T* Vs = Hs + R * HS;                     // [R][VS]
   T* Cs = Vs + R * VS;                     // [BK][VS] C entering the chunk (a DHHV block of it)
   T* Qs = kQAtEnd ? Cs : reinterpret_cast<T*>(smem_raw);  // [R][KS]
   float* ibs = reinterpret_cast<float*>(Cs + BK * VS);  // [L]
+  // kDouble: key tile kt's K and V in Ks, Vs (kt even) or C's buffer (kt odd).
+  auto k_buf = [&](int kt) { return kDouble && (kt & 1) ? Cs : Ks; };
+  auto v_buf = [&](int kt) { return kDouble && (kt & 1) ? Cs + R * KS : Vs; };
   mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw),
                               mlstm_tc_dq_smem_bytes(kDk, kDv, L, kLoop, kStream) / 4);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, cq = lane % 4;
@@ -109,6 +118,11 @@ __device__ __forceinline__ void mlstm_tc_dq_tile(const MlstmParams& p, unsigned 
   mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Hs, dh, t0, S, tid);
   mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Cs, Cg, 0, BK, tid);
   cp_async_commit();
+  if (kPrefetch) {  // the first key tile's, a second group
+    mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Ks, k, cs, S, tid);
+    mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Vs, v, cs, S, tid);
+    cp_async_commit();
+  }
   for (int s = tid; s < ktiles * R; s += kThreads) ibs[s] = cs + s < S ? gr[cs + s].y : mlstm_neg_inf();
   const int ra = warp * 16 + g;
   const long long ta = t0 + ra, tb = ta + 8;
@@ -116,7 +130,7 @@ __device__ __forceinline__ void mlstm_tc_dq_tile(const MlstmParams& p, unsigned 
   const float rda = ta < S ? 1.0f / (p.nrm[seq * S + ta] + p.eps) : 0.0f;
   const float rdb = tb < S ? 1.0f / (p.nrm[seq * S + tb] + p.eps) : 0.0f;
   const float ua = ta < S ? scale * gr[ta].z * rda : 0.0f, ub = tb < S ? scale * gr[tb].z * rdb : 0.0f;
-  cp_async_wait<0>();
+  cp_async_wait<kPrefetch ? 1 : 0>();
   __syncthreads();
 
   // dq = u_t (dH C^T): B[dv][dk] = C[dk][dv], stored as [n][k].
@@ -147,18 +161,29 @@ __device__ __forceinline__ void mlstm_tc_dq_tile(const MlstmParams& p, unsigned 
     mma_zero(sc);
 #pragma unroll
     for (int eb = 0; eb < kEB; ++eb) {
-      __syncthreads();  // every warp is done with the last K and V tiles
-      if (eb == 0) mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Ks, k, cs + kt * R, S, tid);
-      mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Vs, v + eb * BV, cs + kt * R, S, tid);
-      if (kStream) mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Hs, dh + eb * BV, t0, S, tid);
-      cp_async_commit();
-      cp_async_wait<0>();
+      if (!kPrefetch || (!kDouble && kt > 0)) {
+        __syncthreads();  // every warp is done with the last K and V tiles
+        if (eb == 0) mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(Ks, k, cs + kt * R, S, tid);
+        mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Vs, v + eb * BV, cs + kt * R, S, tid);
+        if (kStream) mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Hs, dh + eb * BV, t0, S, tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+      } else if (kDouble && kt + 1 < ktiles) {
+        // Every warp is done with the buffer tile kt + 1 goes to (C's after the inter term, else tile kt - 1's).
+        __syncthreads();
+        mlstm_tc_load_rows<T, BK, R, kThreads, kDk>(k_buf(kt + 1), k, cs + (kt + 1) * R, S, tid);
+        mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(v_buf(kt + 1), v, cs + (kt + 1) * R, S, tid);
+        cp_async_commit();
+        cp_async_wait<1>();  // tile kt's group, every group but the newest
+      } else {
+        cp_async_wait<0>();
+      }
       __syncthreads();
 #pragma unroll 2
       for (int kk = 0; kk < BV / 16; ++kk) {
         unsigned a[4];
         ldmatrix_x4(a, frag_a(Hs, HS, warp * 16, (kStream ? 0 : eb * BV) + kk * 16, lane));
-        mma_row<T, NK, false>(sc, a, Vs, VS, kk * 16, lane);
+        mma_row<T, NK, false>(sc, a, v_buf(kt), VS, kk * 16, lane);
       }
     }
 #pragma unroll
@@ -175,7 +200,7 @@ __device__ __forceinline__ void mlstm_tc_dq_tile(const MlstmParams& p, unsigned 
     for (int kk = 0; kk < R / 16; ++kk) {  // dq += dS K: B[key][dk], stored as [k][n]
       unsigned a[4];
       scores_as_a<T, NK>(a, sc, kk);
-      mma_row<T, NQ, true>(dq, a, Ks, KS, kk * 16, lane);
+      mma_row<T, NQ, true>(dq, a, k_buf(kt), KS, kk * 16, lane);
     }
   }
   if (kQAtEnd) {  // C's buffer was last read before the key loop's barriers
@@ -222,8 +247,13 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1) mlstm_tc_dq_k
 // (`tid` 0 .. kThreads - 1): the 4 warps alone (mlstm_tc_dkv_kernel), or with the 4 warps of the other
 // gradient, which load the same tiles (mlstm_tc_dkv_fused_kernel). Partials (head dims over 128) go to
 // p.part + kPartAt * seqs * S. kLoop (dk alone, at mlstm_tc_dq_loops' shapes): the CTA contracts all of DHHV's
-// blocks itself, its V and dH tiles DHHV wide, dC a block at a time (no partials).
-template <typename T, int kDk, int kDv, int kChunk, bool kDkPart, int kThreads, int kPartAt, bool kLoop = false>
+// blocks itself, its V and dH tiles DHHV wide, dC a block at a time (no partials). kPrefetch (algo=tc_overlap,
+// one column block): the first query tile's Q and dH are requested with K, V and dC, and arrive while the
+// inter-chunk term is computed; each later query tile is requested while the one before is computed, into
+// dC's buffer (free after the inter term) and Q's and dH's in turn (kDouble, where both tiles fit dC's buffer
+// and a chunk has more than one query tile).
+template <typename T, int kDk, int kDv, int kChunk, bool kDkPart, int kThreads, int kPartAt, bool kLoop = false,
+          bool kPrefetch = false>
 __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned char* smem_raw, int tid, int warp,
                                                   MlstmTcTile at) {
   using Block = MlstmTcBwdBlock<kDk, kDv>;
@@ -244,6 +274,10 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   // (mlstm_tc_dk_smem_bytes, mlstm_tc_dv_smem_bytes); dv looping has no V tile. Streaming, every tile
   // has its own buffer, as without a loop.
   constexpr bool kAlias = kLoop && !kStream;
+  static_assert(!kPrefetch || (!kAlias && !kStream && kIB == 1), "prefetching: every tile its own buffer");
+  // The second query tile's rows (b_t - m_t, 1 / (nrm_t + eps)) take 2 R more floats after the first's, which
+  // mlstm_tc_bwd_smem_bytes' chunk + 2 R floats hold where L >= 2 R.
+  constexpr bool kDouble = kPrefetch && R * KS + R * HS <= BK * VS && L >= 2 * R;
   constexpr int kVElems = kLoop && !kDkPart ? 0 : R * HS;
   constexpr int kRegion = BK * VS > R * KS + R * HS ? BK * VS : R * KS + R * HS;
   T* Ks = reinterpret_cast<T*>(smem_raw);  // [R][KS] this tile's keys
@@ -254,6 +288,11 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   // [R] b_t - m_t of the query tile (-inf past S)
   float* bms = reinterpret_cast<float*>(kAlias ? Qs + kRegion : Ds + BK * VS);
   float* rds = bms + R;                                  // [R] 1 / (nrm_t + eps) (0 past S)
+  // kDouble: query tile j (from s0) in Qs, Hs, bms, rds (j even) or dC's buffer and the next 2 R floats (j odd).
+  auto q_buf = [&](int j) { return kDouble && (j & 1) ? Ds : Qs; };
+  auto h_buf = [&](int j) { return kDouble && (j & 1) ? Ds + R * KS : Hs; };
+  auto bm_buf = [&](int j) { return kDouble && (j & 1) ? bms + 2 * R : bms; };
+  auto rd_buf = [&](int j) { return kDouble && (j & 1) ? bms + 3 * R : rds; };
   mlstm_poison_smem<kThreads>(reinterpret_cast<float*>(smem_raw),
                               (!kLoop    ? mlstm_tc_bwd_smem_bytes(kDk, kDv, L)
                                : kDkPart ? mlstm_tc_dk_smem_bytes(kDk, kDv, L)
@@ -276,11 +315,27 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
   const T* Dg = static_cast<const T*>(p.Cs) + (seq * NC + c) * kDk * kDv + blk.d0 * kDv + blk.e0;
   mlstm_tc_load_rows<T, BV, BK, kThreads, kDv>(Ds, Dg, 0, BK, tid);
   cp_async_commit();
+  // Query tile j (rows t0 ..): its Q and dH as one group, its b_t - m_t and 1 / (nrm_t + eps) by plain
+  // stores (read after the barrier that follows).
+  auto load_query_tile = [&](long long t0, int j) {
+    mlstm_tc_load_rows<T, KW, R, kThreads, kDk>(q_buf(j), q, t0, S, tid);
+    mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(h_buf(j), dh, t0, S, tid);
+    if (kStream) mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Vs, v, s0, S, tid);  // V's first block again
+    cp_async_commit();
+    float* bm = bm_buf(j);
+    float* rd = rd_buf(j);
+    for (int r = tid; r < R; r += kThreads) {
+      const bool ok = t0 + r < S;
+      bm[r] = ok ? gr[t0 + r].x : mlstm_neg_inf();
+      rd[r] = ok ? 1.0f / (p.nrm[seq * S + t0 + r] + p.eps) : 0.0f;
+    }
+  };
+  if (kPrefetch) load_query_tile(s0, 0);  // the first query tile, a second group
   const int ra = warp * 16 + g;
   const long long sa = s0 + ra, sb = sa + 8;
   const float iba = sa < S ? gr[sa].y : mlstm_neg_inf(), ibb = sb < S ? gr[sb].y : mlstm_neg_inf();
   const float wa = sa < S ? gr[sa].w : 0.0f, wb = sb < S ? gr[sb].w : 0.0f;
-  cp_async_wait<0>();
+  cp_async_wait<kPrefetch ? 1 : 0>();
   __syncthreads();
 
   // Inter-chunk term: dv_s = w_s (k_s^T dC) (B[dk][dv] = dC, [k][n]); dk_s = w_s (dC v_s) (B[dv][dk], [n][k]).
@@ -309,17 +364,23 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
 
   const int pos_a = static_cast<int>(s0 - cs) + ra, pos_b = pos_a + 8;  // the keys' positions in the chunk
   for (long long t0 = s0; t0 < ce; t0 += R) {
-    __syncthreads();  // every warp is done with the last query tile (looping: with dC)
-    mlstm_tc_load_rows<T, KW, R, kThreads, kDk>(Qs, q, t0, S, tid);
-    mlstm_tc_load_rows<T, HW, R, kThreads, kDv>(Hs, dh, t0, S, tid);
-    if (kStream) mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Vs, v, s0, S, tid);  // V's first block again
-    cp_async_commit();
-    for (int r = tid; r < R; r += kThreads) {
-      const bool ok = t0 + r < S;
-      bms[r] = ok ? gr[t0 + r].x : mlstm_neg_inf();
-      rds[r] = ok ? 1.0f / (p.nrm[seq * S + t0 + r] + p.eps) : 0.0f;
+    const int j = static_cast<int>((t0 - s0) / R);
+    T* Qt = q_buf(j);
+    T* Ht = h_buf(j);
+    const float* bmt = bm_buf(j);
+    const float* rdt = rd_buf(j);
+    if (!kPrefetch || (!kDouble && t0 > s0)) {
+      __syncthreads();  // every warp is done with the last query tile (looping: with dC)
+      load_query_tile(t0, j);
+      cp_async_wait<0>();
+    } else if (kDouble && t0 + R < ce) {
+      // Every warp is done with the buffers tile j + 1 goes to (dC's after the inter term, else tile j - 1's).
+      __syncthreads();
+      load_query_tile(t0 + R, j + 1);
+      cp_async_wait<1>();  // tile j's group, every group but the newest
+    } else {
+      cp_async_wait<0>();
     }
-    cp_async_wait<0>();
     __syncthreads();
     // Scores with the keys as rows: K Q^T (for dv) or V dH^T (for dk); B = the query tile, [n][k].
     // Streaming, V dH^T is summed over DHHV's blocks, V's and dH's loaded a block at a time.
@@ -330,7 +391,7 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
       if (eb > 0) {
         __syncthreads();  // every warp is done with the last blocks of V and dH
         mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Vs, v + eb * BV, s0, S, tid);
-        mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Hs, dh + eb * BV, t0, S, tid);
+        mlstm_tc_load_rows<T, BV, R, kThreads, kDv>(Ht, dh + eb * BV, t0, S, tid);
         cp_async_commit();
         cp_async_wait<0>();
         __syncthreads();
@@ -339,8 +400,8 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
       for (int kk = 0; kk < (kDkPart ? HW : KW) / 16; ++kk) {
         unsigned a[4];
         ldmatrix_x4(a, kDkPart ? frag_a(Vs, HS, warp * 16, kk * 16, lane) : frag_a(Ks, KS, warp * 16, kk * 16, lane));
-        if (kDkPart) mma_row<T, NK, false>(sc, a, Hs, HS, kk * 16, lane);
-        else mma_row<T, NK, false>(sc, a, Qs, KS, kk * 16, lane);
+        if (kDkPart) mma_row<T, NK, false>(sc, a, Ht, HS, kk * 16, lane);
+        else mma_row<T, NK, false>(sc, a, Qt, KS, kk * 16, lane);
       }
     }
     const int tpos = static_cast<int>(t0 - cs);
@@ -351,15 +412,15 @@ __device__ __forceinline__ void mlstm_tc_dkv_tile(const MlstmParams& p, unsigned
         const int col = nt * 8 + 2 * cq + e % 2;  // the query row in the tile
         const bool upper = e < 2;
         sc[nt][e] = tpos + col >= (upper ? pos_a : pos_b)
-                        ? sc[nt][e] * scale * __expf(bms[col] + (upper ? iba : ibb)) * rds[col]
+                        ? sc[nt][e] * scale * __expf(bmt[col] + (upper ? iba : ibb)) * rdt[col]
                         : 0.0f;
       }
 #pragma unroll
     for (int kk = 0; kk < R / 16; ++kk) {  // dv += S^T dH, dk += dS^T Q: B = the query tile, [k][n]
       unsigned a[4];
       scores_as_a<T, NK>(a, sc, kk);
-      if (kDkPart) mma_row<T, NA, true>(acc, a, Qs, KS, kk * 16, lane);
-      else mma_row<T, NA, true>(acc, a, Hs, HS, kk * 16, lane);
+      if (kDkPart) mma_row<T, NA, true>(acc, a, Qt, KS, kk * 16, lane);
+      else mma_row<T, NA, true>(acc, a, Ht, HS, kk * 16, lane);
     }
   }
   constexpr int kW = kDkPart ? kDk : kDv;
@@ -441,7 +502,9 @@ __global__ void __launch_bounds__(mlstm_tc_state_threads(kDk, kTile))
 // 128 x 128, three times); side by side, the first CTA of a tile brings them to L2 for the others
 // (tools/bench/NOTES.md, "algo=tc_merged"). Where no gradient has partial sums (mlstm_tc_merged_runs):
 // DHQK <= 128 (algo=tc_merged), or DHQK > 128 with dq and dk streaming DHHV's blocks (algo=tc_stream).
-template <typename T, int kDk, int kDv, int kChunk>
+// kPrefetch (algo=tc_overlap, params.h mlstm_tc_overlap_runs): each role's second load group (dq's first key
+// tile, dv's and dk's first query tile) in flight during its inter-chunk term.
+template <typename T, int kDk, int kDv, int kChunk, bool kPrefetch = false>
 __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1)
     mlstm_tc_grads_kernel(const MlstmParams pq, const MlstmParams pkv) {
   // dq and dk contract all of DHHV (looping at DHQK <= 128 < DHHV, streaming at DHQK > 128), dv all of
@@ -455,14 +518,15 @@ __global__ void __launch_bounds__(mlstm_tc_out_threads(kChunk), 1)
   const int role = static_cast<int>(blockIdx.x % kRoles), warp = threadIdx.x / 32;
   const long long tile = blockIdx.x / kRoles, tiles = gridDim.x / kRoles;
   // Block indices as MlstmTcBwdBlock reads them: DHQK block * DHHV blocks + DHHV block.
+  static_assert(!kPrefetch || mlstm_tc_overlap_runs(kDk, kDv), "prefetching: one column block");
   if (role < kQ)
-    mlstm_tc_dq_tile<T, kDk, kDv, kChunk, kLoopQK>(pq, smem_raw, {tile, tiles, role * kEBlocks});
+    mlstm_tc_dq_tile<T, kDk, kDv, kChunk, kLoopQK, kPrefetch>(pq, smem_raw, {tile, tiles, role * kEBlocks});
   else if (role < kQ + kV)
-    mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, false, kThreads, 0, kLoopV>(pkv, smem_raw, threadIdx.x, warp,
-                                                                      {tile, tiles, role - kQ});
+    mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, false, kThreads, 0, kLoopV, kPrefetch>(pkv, smem_raw, threadIdx.x, warp,
+                                                                                 {tile, tiles, role - kQ});
   else
-    mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, true, kThreads, 0, kLoopQK>(pkv, smem_raw, threadIdx.x, warp,
-                                                                      {tile, tiles, (role - kQ - kV) * kEBlocks});
+    mlstm_tc_dkv_tile<T, kDk, kDv, kChunk, true, kThreads, 0, kLoopQK, kPrefetch>(
+        pkv, smem_raw, threadIdx.x, warp, {tile, tiles, (role - kQ - kV) * kEBlocks});
 }
 
 // ---- the sum of the partials (head dims over 128) ----

@@ -195,6 +195,15 @@ constexpr int mlstm_tc_dv_smem_bytes(int dk, int dv, int chunk, bool loop = true
 // of its separate kernel, so the launch takes the largest. At DHQK > 128 algo=tc_merged launches dq, dv and
 // dk apart (dq's and dk's partials each summed before the next kernel reuses the buffer), dv looping.
 constexpr bool mlstm_tc_merged_runs(int dk, bool stream = false) { return dk <= 128 || stream; }
+// algo=tc_overlap and tc_wide_overlap (mlstm_tc_grads_kernel's kPrefetch): tc_merged's (tc_wide's) kernels with
+// each role's second load group requested with its first, so it arrives while the inter-chunk term is
+// computed (a CTA otherwise waits for two loads in turn: 64 KB, then 32 KB at 128 x 128). Where each tile
+// has its own shared buffer: one column block (DHQK and DHHV <= 128).
+constexpr bool mlstm_tc_overlap_runs(int dk, int dv) { return mlstm_tc_bwd_blocks(dk, dv) == 1; }
+// The gates kernel by warps (chunkwise_tc.cuh, mlstm_tc_gates_warps_kernel: algo=tc_pg forward, tc_overlap and
+// tc_wide_overlap backward): a round of this many chunks scanned side by side, one warp each (2 rounds at
+// S 4096, chunk 128).
+constexpr int kMlstmTcGatesWarps = 16;
 constexpr int mlstm_tc_grads_roles(int dk, int dv) {
   return mlstm_tc_dq_blocks(dk, dv, true, true) + mlstm_tc_dv_blocks(dk, dv) + mlstm_tc_dk_blocks(dk, dv, true, true);
 }

@@ -594,8 +594,8 @@ TEST(Mlstm, TensorCoreBackwardCompilesWithoutSpills) {
 }
 
 // mlstm.step: every legal config of the cases at the model's head dims and the extremes (16 x 16, 512 x
-// 512) compiles for sm_80 and sm_90 without spills or a stack frame (algo=split: two kernels, block:
-// one), and at least one config a case is algo=split (its float4 slabs, where pointers are aligned).
+// 512) compiles for sm_80 and sm_90 without spills or a stack frame (algo=split: two kernels, block and
+// head: one), and at least one config a case is algo=split (its float4 slabs, where pointers are aligned).
 TEST(Mlstm, StepEveryConfigCompilesWithoutSpills) {
   const OpDef& op = Registry::global().get("mlstm.step");
   for (const char* name : {"dh_16", "B_1_dh_128", "B_1_dk_256_dv_64", "dh_512"}) {
@@ -644,6 +644,77 @@ TEST(Mlstm, StepHeuristicSplitsColumns) {
   EXPECT_EQ(pick(64, 128, 128, 16), "algo=split,threads=256,cols=32");
   EXPECT_EQ(pick(1, 16, 16, 16), "algo=split,threads=64,cols=16");
   EXPECT_EQ(pick(1, 128, 128, 4), "algo=block,threads=256,cols=16");
+}
+
+// mlstm.step's algo=head (one CTA per sequence, all of C in float4s): valid where a thread owns each
+// element of n, a row of C fits the CTA's threads and C at most 64 floats a thread; otherwise a reason
+// naming the limit. Never the default (not yet timed against algo=split).
+TEST(Mlstm, StepHeadValidity) {
+  const OpDef& op = Registry::global().get("mlstm.step");
+  struct Row {
+    int64_t dk, dv;
+    const char* config;
+    int align;
+    const char* why;  // "" where valid
+  };
+  for (const Row& row : std::vector<Row>{{128, 128, "algo=head,threads=512,cols=16", 16, ""},
+                                         {128, 128, "algo=head,threads=256,cols=16", 16, ""},
+                                         {128, 256, "algo=head,threads=512,cols=16", 16, ""},
+                                         {16, 16, "algo=head,threads=64,cols=16", 16, ""},
+                                         {128, 128, "algo=head,threads=64,cols=16", 16, "threads >= dhqk"},
+                                         {512, 512, "algo=head,threads=512,cols=16", 16, "64 floats of C a thread"},
+                                         {64, 16, "algo=head,threads=512,cols=16", 16, "more than dhqk"},
+                                         {128, 128, "algo=head,threads=256,cols=8", 16, "named with cols=16"},
+                                         {128, 128, "algo=head,threads=256,cols=16", 4, "16-byte aligned"}}) {
+    Problem p;
+    p.op = &op;
+    p.dims = {{"batch", 64}, {"heads", 8}, {"dhqk", row.dk}, {"dhhv", row.dv}};
+    p.align_bytes = row.align;
+    const Config c = Config::parse(row.config, op.info);
+    const std::string what = std::to_string(row.dk) + " x " + std::to_string(row.dv) + " " + row.config;
+    std::string why;
+    EXPECT_EQ(op.tuning.valid(p, c, &why), *row.why == 0) << what << ": " << why;
+    if (*row.why) expect_in(why, {"algo=head", row.why});
+    EXPECT_NE(op.tuning.heuristic(p).get("algo"), mlstm::kStepHead) << what;
+  }
+}
+
+// mlstm.step's algo=cluster (split's slabs forming the scalars themselves, a sequence's slabs one cluster):
+// sm_90 and newer, split's slab limits, at most 8 slabs a cluster; one kernel (step_cluster.cuh) launched
+// over (sequences, slabs); never the default.
+TEST(Mlstm, StepClusterValidity) {
+  const OpDef& op = Registry::global().get("mlstm.step");
+  struct Row {
+    int64_t dk, dv;
+    const char *config, *arch, *why;  // why: "" where valid
+  };
+  for (const Row& row : std::vector<Row>{{128, 128, "algo=cluster,threads=256,cols=32", "sm_90", ""},
+                                         {128, 128, "algo=cluster,threads=128,cols=16", "sm_90", ""},
+                                         {128, 128, "algo=cluster,threads=256,cols=32", "sm_80", "sm_90 or newer"},
+                                         {128, 512, "algo=cluster,threads=256,cols=32", "sm_90", "at most 8"},
+                                         {128, 16, "algo=cluster,threads=256,cols=32", "sm_90", "wider than dhhv"}}) {
+    CompileRequest r;
+    r.op = op.info.name;
+    r.dtype = DType::bf16;
+    r.arch = row.arch;
+    r.params.set("dhqk", row.dk);
+    r.params.set("dhhv", row.dv);
+    Problem p = problem_from_request(op, r);
+    p.align_bytes = 16;
+    const Config c = Config::parse(row.config, op.info);
+    const std::string what =
+        std::to_string(row.dk) + " x " + std::to_string(row.dv) + " " + row.config + " " + row.arch;
+    std::string why;
+    EXPECT_EQ(op.tuning.valid(p, c, &why), *row.why == 0) << what << ": " << why;
+    if (*row.why) {
+      expect_in(why, {"algo=cluster", row.why});
+      continue;
+    }
+    const auto k = op.kernels(p, c);
+    ASSERT_EQ(k.size(), 1u) << what;
+    EXPECT_EQ(k[0].kernel, "kspec::mlstm_step_cluster_kernel") << what;
+    EXPECT_NE(op.tuning.heuristic(p).get("algo"), mlstm::kStepCluster) << what;
+  }
 }
 
 // The backward's default: algo=tc_merged on the tensor cores, tc_wide at dhqk > 128 where it runs (else
@@ -736,6 +807,140 @@ TEST(Mlstm, WideStateTiles) {
       }
     }
   }
+}
+
+// The backward's algo=tc_overlap and tc_wide_overlap (the grads kernel's next loads prefetched, the gates
+// kernel by warps): valid at head dims <= 128 (tc_wide_overlap also where tc_wide runs), a reason naming the
+// limit elsewhere; tc_merged's (tc_wide's) states and df kernels, the grads kernel with a last template
+// argument "true", the gates kernel by kMlstmTcGatesWarps warps launched with as many 32-thread warps; at
+// 128 x 128, chunk 128 everything compiles for sm_80 and sm_90 without spill or stack.
+TEST(Mlstm, OverlapBackwardPrefetches) {
+  const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
+  const Config overlap = Config::parse("algo=tc_overlap,threads=128", op.info),
+               wide_overlap = Config::parse("algo=tc_wide_overlap,threads=128", op.info),
+               merged = Config::parse("algo=tc_merged,threads=128", op.info),
+               wide = Config::parse("algo=tc_wide,threads=128", op.info);
+  struct Row {
+    int64_t dk, dv, chunk;
+    const char* why;       // "" where algo=tc_overlap is valid
+    const char* wide_why;  // "" where algo=tc_wide_overlap is valid
+  };
+  for (const Row& row : std::vector<Row>{{128, 128, 128, "", ""},
+                                         {128, 128, 64, "", ""},
+                                         {32, 64, 64, "", "dhqk and dhhv >= 128"},
+                                         {64, 64, 256, "", "chunk <= 128"},
+                                         {128, 256, 64, "dhqk and dhhv <= 128", "dhqk and dhhv <= 128"},
+                                         {256, 512, 64, "dhqk and dhhv <= 128", "dhqk and dhhv <= 128"}}) {
+    CompileRequest r;
+    r.op = op.info.name;
+    r.dtype = DType::bf16;
+    r.arch = "sm_90";
+    r.params.set("dhqk", row.dk);
+    r.params.set("dhhv", row.dv);
+    r.params.set("chunk", row.chunk);
+    const Problem p = problem_from_request(op, r);
+    const std::string what = std::to_string(row.dk) + " x " + std::to_string(row.dv) + " chunk " +
+                             std::to_string(row.chunk);
+    for (const auto& [c, base, why_expected] : std::vector<std::tuple<Config, Config, const char*>>{
+             {overlap, merged, row.why}, {wide_overlap, wide, row.wide_why}}) {
+      std::string why;
+      EXPECT_EQ(op.tuning.valid(p, c, &why), *why_expected == 0) << what << " " << c.str(op.info) << ": " << why;
+      if (*why_expected) {
+        expect_in(why, {why_expected});
+        continue;
+      }
+      const auto k = op.kernels(p, c), b = op.kernels(p, base);
+      ASSERT_EQ(k.size(), 4u) << what;
+      ASSERT_EQ(b.size(), 4u) << what;
+      for (size_t j : {1u, 3u}) EXPECT_EQ(k[j].targs, b[j].targs) << what << " kernel " << j;
+      EXPECT_EQ(k[2].kernel, "kspec::mlstm_tc_grads_kernel") << what;
+      std::vector<std::string> targs = b[2].targs;
+      targs.push_back("true");
+      EXPECT_EQ(k[2].targs, targs) << what;
+      EXPECT_EQ(k[0].kernel, "kspec::mlstm_tc_gates_warps_kernel") << what;
+      targs = b[0].targs;
+      targs.push_back(std::to_string(kMlstmTcGatesWarps));
+      EXPECT_EQ(k[0].targs, targs) << what;
+    }
+  }
+  // tc_wide_pg: tc_wide's kernels but the gates kernel by warps (no prefetch), wherever tc_wide runs.
+  for (const auto& [dk, dv] : std::vector<std::pair<int64_t, int64_t>>{{128, 128}, {256, 512}}) {
+    CompileRequest r;
+    r.op = op.info.name;
+    r.dtype = DType::bf16;
+    r.arch = "sm_90";
+    r.params.set("dhqk", dk);
+    r.params.set("dhhv", dv);
+    r.params.set("chunk", 128);
+    const Problem p = problem_from_request(op, r);
+    const Config wide_pg = Config::parse("algo=tc_wide_pg,threads=128", op.info);
+    std::string why;
+    ASSERT_TRUE(op.tuning.valid(p, wide_pg, &why)) << dk << " x " << dv << ": " << why;
+    const auto k = op.kernels(p, wide_pg), b = op.kernels(p, wide);
+    ASSERT_EQ(k.size(), b.size()) << dk << " x " << dv;
+    EXPECT_EQ(k[0].kernel, "kspec::mlstm_tc_gates_warps_kernel");
+    for (size_t j = 1; j < k.size(); ++j) EXPECT_EQ(k[j].targs, b[j].targs) << dk << " x " << dv << " kernel " << j;
+  }
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    CompileRequest r;
+    r.op = op.info.name;
+    r.dtype = DType::bf16;
+    r.arch = arch;
+    r.config = overlap;
+    r.params.set("dhqk", 128);
+    r.params.set("dhhv", 128);
+    r.params.set("chunk", 128);
+    for (const auto& rep : compile(r)) {
+      EXPECT_EQ(rep.spill_bytes, 0) << arch << ": " << rep.kernel;
+      EXPECT_EQ(rep.stack_bytes, 0) << arch << ": " << rep.kernel;
+    }
+  }
+}
+
+// The forward's algo=tc_pg (the gates kernel by warps): valid wherever algo=tc is, its state and output kernels
+// tc's, its gates kernel mlstm_tc_gates_warps_kernel launched with 32 * kMlstmTcGatesWarps threads, one CTA a
+// sequence; that kernel compiles for sm_80 and sm_90 without spill or stack at chunks 16 and 128.
+TEST(Mlstm, ForwardGatesByWarps) {
+  const OpDef& op = Registry::global().get("mlstm.chunkwise.fwd");
+  const Config pg = Config::parse("algo=tc_pg,threads=128", op.info),
+               tc = Config::parse("algo=tc,threads=128", op.info);
+  for (int64_t chunk : {16, 128}) {
+    for (const char* arch : {"sm_80", "sm_90"}) {
+      CompileRequest r;
+      r.op = op.info.name;
+      r.dtype = DType::bf16;
+      r.arch = arch;
+      r.params.set("dhqk", 64);
+      r.params.set("dhhv", 64);
+      r.params.set("chunk", chunk);
+      const Problem p = problem_from_request(op, r);
+      const std::string what = std::string(arch) + " chunk " + std::to_string(chunk);
+      std::string why;
+      ASSERT_TRUE(op.tuning.valid(p, pg, &why)) << what << ": " << why;
+      const auto k = op.kernels(p, pg), b = op.kernels(p, tc);
+      ASSERT_EQ(k.size(), 3u) << what;
+      EXPECT_EQ(k[0].kernel, "kspec::mlstm_tc_gates_warps_kernel") << what;
+      for (size_t j : {1u, 2u}) EXPECT_EQ(k[j].targs, b[j].targs) << what << " kernel " << j;
+      r.config = pg;
+      const auto reports = compile(r);
+      ASSERT_EQ(reports.size(), 3u) << what;
+      EXPECT_EQ(reports[0].spill_bytes, 0) << what;
+      EXPECT_EQ(reports[0].stack_bytes, 0) << what;
+    }
+  }
+  auto in = chunk_inputs(2, 3, 300, 64, 64, DType::bf16, false);
+  const std::vector<TensorView> out = {TensorView(fake(uintptr_t(20) << 28), DType::bf16, {2, 3, 300, 64}, 0), TensorView(),
+                                       TensorView(), TensorView(), TensorView(), TensorView()};
+  Params params;
+  params.set("chunk", 64);
+  Call call = validate_call(op, in, out, params, nullptr);
+  call.problem.arch = "sm_90";
+  RecordingLauncher rec;
+  op.launch(call, pg, rec);
+  ASSERT_EQ(rec.launches.size(), 3u);
+  EXPECT_EQ(rec.launches[0].kernel, 0u);
+  EXPECT_EQ(rec.launches[0].grid.x, 6u);
+  EXPECT_EQ(rec.launches[0].block.x, unsigned(32 * kMlstmTcGatesWarps));
 }
 
 // The forward's algo=tc_q128 and tc_wide_q128 (the output kernel on 128 query rows, 8 warps; the latter
@@ -961,7 +1166,9 @@ struct Problem32 {
 // The step updates C, n, m in place; h and the states match the float64 recurrence; a second step from
 // the updated states matches two steps of the recurrence. Each algorithm: algo=split's slab CTAs all read
 // n and m's scalars through the gates kernel while C is updated where it is read, so in place is where
-// a race between its two kernels would show (the heuristic's split, slabs of 8, 16 and 64 columns, block).
+// a race between its two kernels would show (the heuristic's split, slabs of 8, 16 and 64 columns, block;
+// head, whose one CTA per sequence writes n' and m' where it read n and m: 16 and 4 passes over the rows;
+// cluster, whose rank 0 writes them after the cluster's 4 or 8 slab CTAs have read them).
 class MlstmStepInPlace : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(MlstmStepInPlace, MatchesRecurrence) {
@@ -969,6 +1176,8 @@ TEST_P(MlstmStepInPlace, MatchesRecurrence) {
   jit::ContextGuard guard(0);
   const int64_t B = 3, NH = 2, dk = 64, dv = 128, seqs = B * NH;
   const std::string text = GetParam();
+  if (text.find("algo=cluster") != std::string::npos && jit::compute_capability(device_arch(0)) < 90)
+    GTEST_SKIP() << "algo=cluster needs thread-block clusters (sm_90 or newer)";
   const Config config = text.empty() ? Config() : Config::parse(text, op_info("mlstm.step"));
   CallOptions opt;
   if (!text.empty()) opt.config = &config;
@@ -1012,7 +1221,9 @@ TEST_P(MlstmStepInPlace, MatchesRecurrence) {
 INSTANTIATE_TEST_SUITE_P(Configs, MlstmStepInPlace,
                          ::testing::Values("", "algo=split,threads=256,cols=16", "algo=split,threads=128,cols=8",
                                            "algo=split,threads=64,cols=64",
-                                           "algo=split,threads=128,cols=32", "algo=block,threads=256,cols=16"));
+                                           "algo=split,threads=128,cols=32", "algo=block,threads=256,cols=16",
+                                           "algo=head,threads=128,cols=16", "algo=head,threads=512,cols=16",
+                                           "algo=cluster,threads=256,cols=32", "algo=cluster,threads=64,cols=16"));
 
 // algo=split at the model's head dims with one sequence (B = 1: the heuristic's slabs of 8 columns):
 // every valid config of mlstm.step (slabs of 8, 16, 32, 64 columns; 64 to 512 threads, so 1 to 16 passes
@@ -1610,10 +1821,10 @@ class PoisonedLauncher : public Launcher {
 }  // namespace
 
 // accumulators_initialized for algo=tc (issue 29): the tensor-core forward (algo=tc, tc_wide, tc_q128) and
-// backward (algo=tc, tc_fused, tc_parts, tc_merged, tc_stream, tc_wide) with their shared memory and
-// workspace NaN-filled and every output NaN-poisoned, bf16 and fp16, S = 100 over chunks of 16 and 64
-// (short last chunks; tc_q128: one chunk of 128, its rows past S), head dims 32 x
-// 32, 128 x 256 and 256 x 512 (the backward's column blocks, partial sums and loops), with initial states
+// forward's tc_pg, backward (algo=tc, tc_fused, tc_parts, tc_merged, tc_stream, tc_wide, tc_overlap, tc_wide_overlap) with
+// their shared memory and workspace NaN-filled and every output NaN-poisoned, bf16 and fp16, S = 100 over
+// chunks of 16 and 64 (short last chunks; tc_q128: one chunk of 128, its rows past S), head dims 32 x 32,
+// 128 x 128, 128 x 256 and 256 x 512 (the backward's column blocks, partial sums and loops), with initial states
 // and dC_last: every output finite and within tolerance of the float64 reference.
 TEST(MlstmGpu, TensorCorePoisonedSharedMemoryNeverReachesOutputs) {
   KSPEC_REQUIRE_GPU();
@@ -1624,7 +1835,7 @@ TEST(MlstmGpu, TensorCorePoisonedSharedMemoryNeverReachesOutputs) {
            {32, 32, "tc", "tc"}, {32, 32, "tc_fused", "tc"}, {32, 32, "tc_merged", "tc_q128"}, {128, 256, "tc", "tc"},
            {128, 256, "tc_fused", "tc"}, {128, 256, "tc_parts", "tc"}, {128, 256, "tc_merged", "tc"},
            {128, 256, "tc_wide", "tc_wide"}, {256, 512, "tc_merged", "tc"}, {256, 512, "tc_stream", "tc"},
-           {256, 512, "tc_wide", "tc_wide"}}) {
+           {256, 512, "tc_wide", "tc_wide"}, {32, 32, "tc_overlap", "tc_pg"}, {128, 128, "tc_wide_overlap", "tc"}}) {
     Problem32 pr(B, NH, S, dk, dv, 81);
     const auto dh32 = randn_f(B * NH * S * dv, 82), dC32 = randn_f(B * NH * dk * dv, 83);
     // The forward's 128 query rows take chunks of 128 (S = 100: one CTA a sequence, rows past S).

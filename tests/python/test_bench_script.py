@@ -185,7 +185,8 @@ def test_mlstm_full_table_variants(families):
          ("torch.compile (parallel)", "torch.compile", None)]
     assert m.DEFAULT_CHUNK in m.KSPEC_CHUNKS
     configs = [v[0] for v in m.variants(ctx, [128], {}, torch_rows=False, dims=(256, 512), configs=True)]
-    assert configs == ["kspec chunkwise L=128"] + [f"kspec L=128 {label}" for _, label, _, _ in m.CONFIG_ROWS]
+    assert configs == ["kspec chunkwise L=128"] + [f"kspec L=128 {label}" for d, label, _, _ in m.CONFIG_ROWS
+                                                   if d == (256, 512)]
     assert len(m.variants(ctx, [128], {}, torch_rows=False, dims=(256, 512))) == 1  # configs: on request
     no_torch = [v[0] for v in m.variants(ctx, [128], {}, torch_rows=False, dims=(64, 64))]
     assert no_torch == ["kspec chunkwise L=128"]
@@ -213,6 +214,7 @@ def test_mlstm_config_rows_are_valid_where_timed(families):
     assert m._WIDE in set(kspec._C.configs_for_case(fwd, "dk_256_dv_512", "bf16"))
     assert m._WIDE in set(kspec._C.configs_for_case("mlstm.chunkwise.bwd", "dk_256_dv_512", "bf16"))
     assert m._Q128 in set(kspec._C.configs_for_case(fwd, "dk_128_dv_256_chunk_256", "bf16"))
+    assert m._OVERLAP in set(kspec._C.configs_for_case("mlstm.chunkwise.bwd", "dh_64", "bf16"))
     ctx = types.SimpleNamespace(torch=None, kspec=types.SimpleNamespace(ops=None, call=None))
     for dims in ((128, 128), (128, 256), (256, 512)):
         names = [v[0] for v in m.variants(ctx, [128], {}, torch_rows=False, dims=dims, configs=True)]
@@ -318,14 +320,20 @@ def test_mlstm_torch_compile_graph_serves_every_shape(families):
 
 
 def test_mlstm_step_rows_time_the_old_kernel_beside_the_default(families):
-    """The step table's second kspec row forces mlstm.step's first kernel (algo=block, one CTA a sequence);
-    the default at the bench's shape (NH = 8, DH = 128, bf16) is algo=split: a gates kernel and the slab
-    kernel (no GPU needed: the specializations compile)."""
+    """The step table's second kspec row forces mlstm.step's first kernel (algo=block, one CTA a sequence),
+    the next ones algo=head and algo=cluster (one kernel); the default at the bench's shape (NH = 8, DH = 128, bf16) is
+    algo=split: a gates kernel and the slab kernel (no GPU needed: the specializations compile)."""
     import kspec
 
     m = families["mlstm"]
     old = kspec.compile("mlstm.step", dtype="bf16", config=m.STEP_BLOCK, dhqk=128, dhhv=128)
     assert [r["kernel"].split("<")[0] for r in old] == ["kspec::mlstm_step_kernel"]
+    for config in m.STEP_HEAD:  # one kernel, one CTA a sequence
+        head = kspec.compile("mlstm.step", dtype="bf16", config=config, dhqk=128, dhhv=128)
+        assert [r["kernel"].split("<")[0] for r in head] == ["kspec::mlstm_step_head_kernel"]
+    for config in m.STEP_CLUSTER:  # one kernel, a cluster a sequence (sm_90)
+        cl = kspec.compile("mlstm.step", dtype="bf16", arch="sm_90", config=config, dhqk=128, dhhv=128)
+        assert [r["kernel"].split("<")[0] for r in cl] == ["kspec::mlstm_step_cluster_kernel"]
     new = kspec.compile("mlstm.step", dtype="bf16", dhqk=128, dhhv=128)
     assert [r["kernel"].split("<")[0] for r in new] == ["kspec::mlstm_step_gates_kernel",
                                                         "kspec::mlstm_step_cols_kernel"]

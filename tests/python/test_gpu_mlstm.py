@@ -36,6 +36,23 @@ def _nan_like(t, dtype=None):
     return torch.full_like(t, float("nan"), dtype=dtype)
 
 
+def _fwd(q, k, v, i, f, C0, n0, m0, chunk, config):
+    """mlstm.chunkwise.fwd from initial states with every output NaN-poisoned first: (h, nrm, m_rows,
+    C_last, n_last, m_last)."""
+    rows = _nan_like(i, torch.float32)
+    out = (_nan_like(v), rows.clone(), rows.clone(), _nan_like(C0), _nan_like(n0), _nan_like(m0))
+    kspec.call("mlstm.chunkwise.fwd", q, k, v, i, f, C0, n0, m0, out=out, chunk=chunk, config=config)
+    return out
+
+
+def _bwd(q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, chunk, config):
+    """mlstm.chunkwise.bwd with every gradient NaN-poisoned first: (dq, dk, dv, di, df, dC0)."""
+    out = (_nan_like(q), _nan_like(k), _nan_like(v), _nan_like(i), _nan_like(f), _nan_like(C0))
+    kspec.call("mlstm.chunkwise.bwd", q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, out=out, chunk=chunk,
+               config=config)
+    return out
+
+
 @pytest.mark.parametrize("form", ["chunkwise", "parallel"])
 def test_fp16_S64_seed0(form):
     q, k, v, i, f, dh = _seed0_inputs()
@@ -80,10 +97,7 @@ def test_tensor_core_forward(dtype, S, chunk):
     C0, n0, m0 = r(B, NH, DK, DV), r(B, NH, DK), r(B, NH, 1)
 
     def run(config):
-        rows = _nan_like(i, torch.float32)
-        out = (_nan_like(v), rows.clone(), rows.clone(), _nan_like(C0), _nan_like(n0), _nan_like(m0))
-        kspec.call("mlstm.chunkwise.fwd", q, k, v, i, f, C0, n0, m0, out=out, chunk=chunk, config=config)
-        return out
+        return _fwd(q, k, v, i, f, C0, n0, m0, chunk, config)
 
     h, nrm, m, C, n, m_last = run("algo=tc,threads=128")
     h_simt = run("algo=simt,threads=256")[0]
@@ -117,10 +131,7 @@ def test_tensor_core_backward(dtype, S, chunk):
                chunk=chunk)
 
     def run(config):
-        out = (_nan_like(q), _nan_like(k), _nan_like(v), _nan_like(i), _nan_like(f), _nan_like(C0))
-        kspec.call("mlstm.chunkwise.bwd", q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, out=out, chunk=chunk,
-                   config=config)
-        return out
+        return _bwd(q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, chunk, config)
 
     got, simt = run("algo=tc,threads=128"), run("algo=simt,threads=256")
     torch.cuda.synchronize()
@@ -158,10 +169,7 @@ def test_tensor_core_merged_backward(DK, DV, algo, S, chunk, dtype):
                chunk=chunk, config="algo=tc,threads=128")
 
     def run(algo):
-        out = (_nan_like(q), _nan_like(k), _nan_like(v), _nan_like(i), _nan_like(f), _nan_like(C0))
-        kspec.call("mlstm.chunkwise.bwd", q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, out=out, chunk=chunk,
-                   config=f"algo={algo},threads=128")
-        return out
+        return _bwd(q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, chunk, f"algo={algo},threads=128")
 
     got, again, tc = run(algo), run(algo), run("tc")
     torch.cuda.synchronize()
@@ -172,6 +180,61 @@ def test_tensor_core_merged_backward(DK, DV, algo, S, chunk, dtype):
         assert _rel_max(x, want[name].reshape(x.shape)) <= tol, name
         assert _rel_max(x, _np(z)) <= tol, f"{name} vs algo=tc"
         assert torch.equal(x, y), f"{name}: a second call differs"
+
+
+@pytest.mark.parametrize("S,chunk", [(1, 64), (65, 16), (300, 16), (2100, 64), (4100, 128), (700, 256)])
+def test_tensor_core_forward_gates_by_warps(S, chunk):
+    """algo=tc_pg (the gates kernel by 16 warps, one chunk each per round; the m carried between chunks walked
+    from shared memory): every output of the forward bitwise equal to algo=tc's (the same expressions), from
+    initial states, bf16, over several sequences; S from 1 to 4100 (1 to 3 rounds of 16 chunks, the last one
+    partial, chunks cut by S)."""
+    B, NH, DK, DV, dtype = 2, 3, 32, 64, torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(S + chunk)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    q, k, v = r(B, NH, S, DK).to(dtype), r(B, NH, S, DK).to(dtype), r(B, NH, S, DV).to(dtype)
+    i, f = r(B, NH, S).to(dtype), (r(B, NH, S) + 2.0).to(dtype)
+    C0, n0, m0 = r(B, NH, DK, DV), r(B, NH, DK), r(B, NH, 1)
+    got = _fwd(q, k, v, i, f, C0, n0, m0, chunk, "algo=tc_pg,threads=128")
+    tc = _fwd(q, k, v, i, f, C0, n0, m0, chunk, "algo=tc,threads=128")
+    torch.cuda.synchronize()
+    for name, a, b in zip(("h", "nrm", "m_rows", "C_last", "n_last", "m_last"), got, tc):
+        assert torch.equal(a, b), name
+    want_h = ref.mlstm_chunkwise_fwd(*(_np(t) for t in (q, k, v, i, f, C0, n0)), _np(m0).reshape(B, NH),
+                                     chunk=chunk)[0]
+    assert _rel_max(got[0], want_h) <= 2e-2
+
+
+@pytest.mark.parametrize("chunk", [64, 128, 256])
+@pytest.mark.parametrize("S", [1, 65, 300, 520])
+@pytest.mark.parametrize("DK,DV", [(32, 64), (64, 64), (128, 128)])
+def test_tensor_core_overlap_backward(DK, DV, S, chunk):
+    """algo=tc_overlap (tc_merged's kernels with each gradient CTA's next tiles requested while it computes:
+    key tiles (dq) and query tiles (dv, dk) double-buffered through C's and dC's buffers at 128 x 128; the
+    gates kernel by warps), tc_wide_pg (tc_wide with the gates kernel by warps) and
+    tc_wide_overlap (with tc_wide's state tiles) over several sequences, bf16, with initial states and
+    dC_last: every gradient bitwise equal to tc_merged's (tc_wide's), and within the issue's tolerance of the
+    float64 reference. Chunk 256 walks 4 key tiles (the buffers in turn), S = 65, 300 and 520 end inside a
+    tile."""
+    B, NH, dtype = 2, 3, torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(S + DK + DV + chunk)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    q, k, v = r(B, NH, S, DK).to(dtype), r(B, NH, S, DK).to(dtype), r(B, NH, S, DV).to(dtype)
+    i, f = r(B, NH, S).to(dtype), (r(B, NH, S) + 2.0).to(dtype)
+    dh = r(B, NH, S, DV).to(dtype)
+    C0, n0, m0, dC_last = r(B, NH, DK, DV), torch.zeros(B, NH, DK, device="cuda"), r(B, NH, 1), r(B, NH, DK, DV)
+    _, nrm, m_rows = _fwd(q, k, v, i, f, C0, n0, m0, chunk, "algo=tc,threads=128")[:3]
+    pairs = [("tc_overlap", "tc_merged")]
+    if DK >= 128 and chunk <= 128:
+        pairs += [("tc_wide_overlap", "tc_wide"), ("tc_wide_pg", "tc_wide")]
+    want = ref.mlstm_chunkwise_bwd(*(_np(t) for t in (dh, q, k, v, i, f, C0, n0)), _np(m0).reshape(B, NH),
+                                   _np(dC_last), chunk=chunk)
+    for algo, base in pairs:
+        got, same = (_bwd(q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, chunk, f"algo={a},threads=128")
+                     for a in (algo, base))
+        torch.cuda.synchronize()
+        for name, x, y in zip(("dq", "dk", "dv", "di", "df", "dC0"), got, same):
+            assert torch.equal(x, y), f"{algo} {name} vs {base}"
+            assert _rel_max(x, want[name].reshape(x.shape)) <= 5e-2, f"{algo} {name}"
 
 
 @pytest.mark.parametrize("algo", ["tc_q128", "tc_wide_q128"])
@@ -194,10 +257,7 @@ def test_tensor_core_forward_128_query_rows(DK, DV, S, chunk, algo):
     C0, n0, m0 = r(B, NH, DK, DV), r(B, NH, DK), r(B, NH, 1)
 
     def fwd(config):
-        rows = _nan_like(i, torch.float32)
-        out = (_nan_like(v), rows.clone(), rows.clone(), _nan_like(C0), _nan_like(n0), _nan_like(m0))
-        kspec.call("mlstm.chunkwise.fwd", q, k, v, i, f, C0, n0, m0, out=out, chunk=chunk, config=config)
-        return out
+        return _fwd(q, k, v, i, f, C0, n0, m0, chunk, config)
 
     got, again, tc = fwd(f"algo={algo},threads=128"), fwd(f"algo={algo},threads=128"), fwd("algo=tc,threads=128")
     torch.cuda.synchronize()
@@ -232,10 +292,7 @@ def test_tensor_core_wide_state_tiles(DK, DV, S, chunk):
     C0, n0, m0, dC_last = r(B, NH, DK, DV), torch.zeros(B, NH, DK, device="cuda"), r(B, NH, 1), r(B, NH, DK, DV)
 
     def fwd(config):
-        rows = _nan_like(i, torch.float32)
-        out = (_nan_like(v), rows.clone(), rows.clone(), _nan_like(C0), _nan_like(n0), _nan_like(m0))
-        kspec.call("mlstm.chunkwise.fwd", q, k, v, i, f, C0, n0, m0, out=out, chunk=chunk, config=config)
-        return out
+        return _fwd(q, k, v, i, f, C0, n0, m0, chunk, config)
 
     wide, wide2, tc = fwd("algo=tc_wide,threads=128"), fwd("algo=tc_wide,threads=128"), fwd("algo=tc,threads=128")
     torch.cuda.synchronize()
@@ -250,10 +307,7 @@ def test_tensor_core_wide_state_tiles(DK, DV, S, chunk):
     _, nrm, m_rows = wide[:3]
 
     def bwd(config):
-        out = (_nan_like(q), _nan_like(k), _nan_like(v), _nan_like(i), _nan_like(f), _nan_like(C0))
-        kspec.call("mlstm.chunkwise.bwd", q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, out=out, chunk=chunk,
-                   config=config)
-        return out
+        return _bwd(q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, chunk, config)
 
     got, again, default = bwd("algo=tc_wide,threads=128"), bwd("algo=tc_wide,threads=128"), bwd(None)
     torch.cuda.synchronize()
@@ -291,10 +345,7 @@ def test_tensor_core_large_head_dims(DK, DV, S, chunk, algo):
                config="algo=tc,threads=128")
 
     def run():
-        out = (_nan_like(q), _nan_like(k), _nan_like(v), _nan_like(i), _nan_like(f), _nan_like(C0))
-        kspec.call("mlstm.chunkwise.bwd", q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, out=out, chunk=chunk,
-                   config=f"algo={algo},threads=128")
-        return out
+        return _bwd(q, k, v, i, f, C0, m0, nrm, m_rows, dh, dC_last, chunk, f"algo={algo},threads=128")
 
     got, again = run(), run()
     torch.cuda.synchronize()
@@ -332,3 +383,43 @@ def test_step_in_place_matches_the_recurrence(B, NH, DK, DV, config):
     assert _rel_max(C, want_C) < 1e-5
     assert _rel_max(n, want_n) < 1e-5
     assert _rel_max(m, want_m[..., None]) < 1e-6
+
+
+@pytest.mark.parametrize("algo", ["head", "cluster"])
+@pytest.mark.parametrize("B,NH,DK,DV,threads", [(64, 8, 128, 128, 512), (8, 8, 128, 128, 256), (2, 3, 64, 128, 128),
+                                                (1, 2, 128, 256, 512)])
+def test_step_head_and_cluster_equal_split(B, NH, DK, DV, threads, algo):
+    """mlstm.step algo=head (one CTA per sequence, the scalars formed in it, one launch) and algo=cluster
+    (split's slabs of 32 columns forming the scalars themselves, a sequence's slabs one cluster; sm_90+) in
+    place, two steps: C', n', m' bitwise equal to algo=split's (the same fmas; cluster: h too, the same
+    sums), h within the bf16 tolerance of split's and of the float64 recurrence."""
+    if algo == "cluster" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("algo=cluster needs thread-block clusters (sm_90 or newer)")
+    g = torch.Generator(device="cuda").manual_seed(B + DK + DV)
+    rn = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    C, n, m = rn(B, NH, DK, DV), rn(B, NH, DK).abs(), rn(B, NH, 1)
+    steps = [tuple(t.bfloat16() for t in (rn(B, NH, DK), rn(B, NH, DK), rn(B, NH, DV), rn(B, NH, 1), rn(B, NH, 1) + 3))
+             for _ in range(2)]
+    x = [np.stack([_np(s[j]) for s in steps], axis=2) for j in range(5)]
+    want_h, _, _, (want_C, want_n, want_m) = ref.mlstm_recurrent_fwd(
+        x[0], x[1], x[2], x[3][..., 0], x[4][..., 0], _np(C), _np(n), _np(m)[..., 0])
+    states = {name: (C.clone(), n.clone(), m.clone()) for name in (algo, "split")}
+    split_threads = min(256, DK * 8)  # slabs of 32 columns, at most 64 floats of C a thread
+    configs = {"head": f"algo=head,threads={threads},cols=16",
+               "cluster": f"algo=cluster,threads={split_threads},cols=32",
+               "split": f"algo=split,threads={split_threads},cols=32"}
+    for t, (q, k, v, i, f) in enumerate(steps):
+        hs = {}
+        for name, s in states.items():
+            hs[name] = _nan_like(v)
+            kspec.call("mlstm.step", q, k, v, i, f, *s, out=(hs[name], *s), config=configs[name])
+        torch.cuda.synchronize()
+        assert _rel_max(hs[algo], want_h[:, :, t]) < 2e-2, t
+        assert _rel_max(hs[algo], _np(hs["split"])) < 2e-2, t
+        if algo == "cluster":
+            assert torch.equal(hs[algo], hs["split"]), t
+    for name, a, b in zip(("C", "n", "m"), states[algo], states["split"]):
+        assert torch.equal(a, b), name
+    assert _rel_max(states[algo][0], want_C) < 1e-5
+    assert _rel_max(states[algo][1], want_n) < 1e-5
+

@@ -46,13 +46,24 @@ QUICK_DIMS, QUICK_S, QUICK_CHUNK, QUICK_REPS, QUICK_WARMUP = ((128, 128), (128, 
 # --mlstm-configs: kspec rows by explicit config beside the defaults (raw kspec.call, chunk 128), at the head
 # dims each is for: (head dims, label, forward config, backward config; None: the op's default). Against the
 # defaults by the same raw calls (tools/bench/NOTES.md): algo=tc_wide (the state scans on 128 x 128 tiles,
-# both ops), tc_q128 (the forward's output kernel on 128 query rows) and both, at (256, 512).
+# both ops), tc_q128 (the forward's output kernel on 128 query rows) and both, at (256, 512); at (128, 128)
+# the backward's tc_wide (one wave of 128 scan CTAs), tc_overlap and tc_wide_overlap (the grads kernel's next
+# loads prefetched, the gates kernel by warps) after the forward's tc_pg (its gates kernel by warps: the fwd
+# column of those rows), and the forward's tc_q128.
 _WIDE, _Q128, _WIDE_Q128 = ("algo=tc_wide,threads=128", "algo=tc_q128,threads=128",
                             "algo=tc_wide_q128,threads=128")
+_OVERLAP, _WIDE_OVERLAP, _PG, _WIDE_PG = ("algo=tc_overlap,threads=128", "algo=tc_wide_overlap,threads=128",
+                                          "algo=tc_pg,threads=128", "algo=tc_wide_pg,threads=128")
 CONFIG_ROWS = (((256, 512), "raw calls, default configs", None, None),
                ((256, 512), "fwd, bwd algo=tc_wide", _WIDE, _WIDE),
                ((256, 512), "fwd algo=tc_q128", _Q128, None),
-               ((256, 512), "fwd algo=tc_wide_q128, bwd tc_wide", _WIDE_Q128, _WIDE))
+               ((256, 512), "fwd algo=tc_wide_q128, bwd tc_wide", _WIDE_Q128, _WIDE),
+               ((128, 128), "raw calls, default configs", None, None),
+               ((128, 128), "bwd algo=tc_wide", None, _WIDE),
+               ((128, 128), "fwd algo=tc_pg, bwd tc_overlap", _PG, _OVERLAP),
+               ((128, 128), "fwd algo=tc_pg, bwd tc_wide_overlap", _PG, _WIDE_OVERLAP),
+               ((128, 128), "fwd algo=tc_pg, bwd tc_wide_pg", _PG, _WIDE_PG),
+               ((128, 128), "fwd algo=tc_q128", _Q128, None))
 
 
 def add_arguments(p):
@@ -433,6 +444,11 @@ def run(ctx):
 # ---- the decoding step ----
 
 STEP_BLOCK = "algo=block,threads=256,cols=16"  # the step's first kernel (the default is algo=split)
+# algo=head (one CTA per sequence, all of C in float4s, the scalars in the CTA: one launch) and algo=cluster
+# (sm_90+: split's slabs forming the scalars themselves, a sequence's slabs one cluster: one launch); not yet
+# defaults
+STEP_HEAD = ("algo=head,threads=512,cols=16", "algo=head,threads=256,cols=16")
+STEP_CLUSTER = ("algo=cluster,threads=256,cols=32", "algo=cluster,threads=128,cols=16")
 
 
 def peers_step():
@@ -461,14 +477,16 @@ def run_step(ctx, peer):
             *(x[:, :, None] for x in a), i.double().cpu().numpy(), f.double().cpu().numpy(),
             C.double().cpu().numpy(), n.double().cpu().numpy(), m.double().cpu().numpy()[..., 0])
 
-        def block(s, q=q, k=k, v=v, i=i, f=f):  # the first kernel, one CTA a sequence (algo=block)
+        def configured(s, config, q=q, k=k, v=v, i=i, f=f):  # a named config of mlstm.step, in place
             h = torch.empty_like(v)
-            ctx.kspec.call("mlstm.step", q, k, v, i, f, *s, eps=1e-6, out=(h, *s), config=STEP_BLOCK)
+            ctx.kspec.call("mlstm.step", q, k, v, i, f, *s, eps=1e-6, out=(h, *s), config=config)
             return h, s
 
         impls = [("kspec mlstm_step (in place)",
                   lambda s, q=q, k=k, v=v, i=i, f=f: K.mlstm_step(q, k, v, i, f, *s, inplace=True)),
-                 ("kspec mlstm.step algo=block (in place)", block)]
+                 ("kspec mlstm.step algo=block (in place)", lambda s: configured(s, STEP_BLOCK))]
+        impls += [(f"kspec mlstm.step {c.rsplit(',', 1)[0].replace(',', ' ')} (in place)",
+                   lambda s, c=c: configured(s, c)) for c in STEP_HEAD + STEP_CLUSTER]
         if peer is not None:
             impls.append(("mlstm_kernels triton step", lambda s, q=q, k=k, v=v, i=i, f=f: peer(q, k, v, i, f, *s)))
         for name, fn in impls:

@@ -82,15 +82,22 @@ OpDef make_step() {
   op.cases = step_cases();
   op.tuning = step_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.info.tuning_names = {{"algo", {"block", "split"}}};
+  op.info.tuning_names = {{"algo", {"block", "split", "head", "cluster"}}};
   op.derived_key = [](const Problem& p) { return "cols" + std::to_string(step_cols(p)); };
-  // algo=block: mlstm_step_kernel; algo=split: kernel 0 the gates (n', m', the scalars), kernel 1 the slabs.
+  // algo=block: mlstm_step_kernel; algo=head: mlstm_step_head_kernel; algo=split: kernel 0 the gates (n', m',
+  // the scalars), kernel 1 the slabs; algo=cluster: mlstm_step_cluster_kernel.
   op.kernels = [](const Problem& p, const Config& c) {
     const std::string t = dtype_cuda_type(p.dtype("q")), dk = std::to_string(p.dim("dhqk")),
                       dv = std::to_string(p.dim("dhhv")), threads = std::to_string(c.get("threads"));
-    if (c.get("algo") == kStepBlock)
+    if (c.get("algo") == kStepCluster)
       return std::vector<jit::KernelSpec>{
-          kernel_spec(p, "mlstm/step.cuh", "kspec::mlstm_step_kernel", {t, gate_type(p), dk, dv, threads})};
+          kernel_spec(p, "mlstm/step_cluster.cuh", "kspec::mlstm_step_cluster_kernel",
+                      {t, gate_type(p), dk, dv, std::to_string(c.get("cols")), threads})};
+    if (c.get("algo") != kStepSplit)
+      return std::vector<jit::KernelSpec>{
+          kernel_spec(p, "mlstm/step.cuh", c.get("algo") == kStepBlock ? "kspec::mlstm_step_kernel"
+                                                                       : "kspec::mlstm_step_head_kernel",
+                      {t, gate_type(p), dk, dv, threads})};
     return std::vector<jit::KernelSpec>{
         kernel_spec(p, "mlstm/step.cuh", "kspec::mlstm_step_gates_kernel", {t, gate_type(p), dk}),
         kernel_spec(p, "mlstm/step.cuh", "kspec::mlstm_step_cols_kernel",
@@ -111,10 +118,13 @@ OpDef make_step() {
     const int64_t seqs = p.dim("batch") * p.dim("heads");
     if (seqs == 0) return;
     void* args[] = {&a};
-    if (c.get("algo") == kStepBlock) return l.launch(0, {u32(seqs)}, {u32(c.get("threads"))}, 0, args);
+    const unsigned slabs = u32(p.dim("dhhv") / c.get("cols"));
+    if (c.get("algo") == kStepCluster)
+      return l.launch_clusters(0, {u32(seqs), slabs}, {u32(c.get("threads"))}, {1, slabs, 1}, 0, args);
+    if (c.get("algo") != kStepSplit) return l.launch(0, {u32(seqs)}, {u32(c.get("threads"))}, 0, args);
     a.gate_rows = static_cast<float*>(l.workspace(sizeof(float) * kMlstmStepScalars * static_cast<size_t>(seqs)));
     l.launch(0, {u32(seqs)}, {32}, 0, args);
-    l.launch_dependent(1, {u32(seqs), u32(p.dim("dhhv") / c.get("cols"))}, {u32(c.get("threads"))}, 0, args);
+    l.launch_dependent(1, {u32(seqs), slabs}, {u32(c.get("threads"))}, 0, args);
   };
   // The recurrence with S = 1 ([B, NH, 1, D] is [B, NH, D]).
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
@@ -171,12 +181,25 @@ void launch_fwd(const Call& call, const Config& c, Launcher& l, int64_t chunk, b
 
 // The state scans' C tile edge of a tensor-core config: 128 for algo=tc_wide (and tc_wide_q128), else 64
 // (params.h).
-int tc_state_tile(int64_t algo) { return algo == kTcWide || algo == kTcWideQ128 ? kMlstmTcWideTile : 64; }
+int tc_state_tile(int64_t algo) {
+  return algo == kTcWide || algo == kTcWideQ128 || algo == kTcWideOverlap || algo == kTcWidePg ? kMlstmTcWideTile
+                                                                                                : 64;
+}
 
 // The forward's output kernel's query rows a CTA: 128 for algo=tc_q128 (and tc_wide_q128), else
 // mlstm_tc_rows(chunk).
 int tc_out_rows(int64_t algo, int64_t chunk) {
   return algo == kTcQ128 || algo == kTcWideQ128 ? kMlstmTcWideRows : mlstm_tc_rows(static_cast<int>(chunk));
+}
+
+// The tensor-core gates kernel (kernel 0 of both ops): one warp a sequence, or by warps (`warps`: algo=tc_pg
+// forward, tc_overlap backward; launched with 32 * gates_warps(..) threads).
+int gates_warps(bool warps) { return warps ? kMlstmTcGatesWarps : 1; }
+jit::KernelSpec tc_gates_kernel(const Problem& p, bool warps) {
+  const std::string L = std::to_string(p.param_int("chunk"));
+  if (!warps) return kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_gates_kernel", {gate_type(p), L});
+  return kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_gates_warps_kernel",
+                     {gate_type(p), L, std::to_string(kMlstmTcGatesWarps)});
 }
 
 // Kernels 0, 1, 2: gates, state, output.
@@ -187,7 +210,7 @@ std::vector<jit::KernelSpec> tc_kernels(const Problem& p, int64_t algo) {
   std::vector<std::string> state = {t, dk, dv, L, "false"}, out = {t, dk, dv, L};
   if (tile != 64) state.push_back(std::to_string(tile));
   if (rows != mlstm_tc_rows(static_cast<int>(p.param_int("chunk")))) out.push_back(std::to_string(rows));
-  return {kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
+  return {tc_gates_kernel(p, algo == kTcPg),
           kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_state_kernel", state),
           kernel_spec(p, "mlstm/chunkwise_tc.cuh", "kspec::mlstm_tc_out_kernel", out)};
 }
@@ -229,7 +252,7 @@ void launch_tc(const Call& call, Launcher& l, int64_t algo) {
   a.Cs = ws + gate_b + m_b + g_b + n_b;
   void* args[] = {&a};
   const int dki = static_cast<int>(dk), dvi = static_cast<int>(dv), Li = static_cast<int>(L);
-  l.launch(0, {u32(seqs)}, {32}, 0, args);
+  l.launch(0, {u32(seqs)}, {u32(32 * gates_warps(algo == kTcPg))}, 0, args);
   l.launch(1, {u32(seqs * (dk / mlstm_tc_state_tile(dki, tile))), u32(dv / mlstm_tc_state_tile(dvi, tile))},
            {u32(mlstm_tc_state_threads(dki, tile))}, u32(mlstm_tc_state_smem_bytes(dki, dvi, Li, tile)), args);
   l.launch(2, {u32(seqs * qtiles), u32(dv / mlstm_tc_bv(dvi))}, {u32(2 * rows)},
@@ -264,7 +287,7 @@ OpDef make_chunkwise_fwd() {
   };
   op.tuning = chunkwise_fwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_wide", "tc_q128", "tc_wide_q128"}}};
+  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_wide", "tc_q128", "tc_wide_q128", "tc_pg"}}};
   op.cases = chunkwise_fwd_cases();
   // fp32 over recurrences of up to 4096 steps: 4e-5 relative.
   op.tolerance_scale = 4.0;
@@ -361,16 +384,19 @@ std::vector<jit::KernelSpec> bwd_kernels(const Problem& p, const Config& c, int6
 // DHQK's blocks: dv_loop), tc_stream (DHQK > 128 only: tc_merged with dq and dk streaming DHHV's blocks,
 // so nothing is reduced there either and dq, dv, dk share one launch).
 // tc_wide: the default's kernels (tc_merged, tc_stream at DHQK > 128) with the state scans on 128 x 128 tiles.
+// tc_overlap (tc_wide_overlap): tc_merged's (tc_wide's) with the grads kernel's next loads prefetched and the
+// gates kernel by warps (`gates_warps`); tc_wide_pg: tc_wide's with the gates kernel by warps.
 struct TcBwd {
-  bool fused, loop, merged, dv_loop, stream;
+  bool fused, loop, merged, dv_loop, stream, prefetch, gates_warps;
   int state_tile;
 };
 TcBwd tc_bwd_variant(const Problem& p, int64_t algo) {
   const int dk = static_cast<int>(p.dim("dhqk")), dv = static_cast<int>(p.dim("dhhv"));
-  const bool merged = algo == kTcMerged || algo == kTcStream || algo == kTcWide,
-             stream = algo == kTcStream || (algo == kTcWide && mlstm_tc_streams(dk));
+  const bool prefetch = algo == kTcOverlap || algo == kTcWideOverlap, wide = algo == kTcWide || algo == kTcWidePg,
+             merged = algo == kTcMerged || algo == kTcStream || wide || prefetch,
+             stream = algo == kTcStream || (wide && mlstm_tc_streams(dk));
   return {algo == kTcFused, (algo != kTcParts && mlstm_tc_dq_loops(dk, dv)) || stream, merged,
-          merged && mlstm_tc_dv_loops(dk), stream, tc_state_tile(algo)};
+          merged && mlstm_tc_dv_loops(dk), stream, prefetch, prefetch || algo == kTcWidePg, tc_state_tile(algo)};
 }
 
 // Which of dq, dv, dk (MlstmGrad order) go through the partials and a reduce kernel (head dims > 128).
@@ -395,13 +421,15 @@ std::vector<jit::KernelSpec> tc_bwd_kernels(const Problem& p, TcBwd v) {
   const int parts = mlstm_tc_dot_parts(static_cast<int>(p.dim("dhqk")), v.stream);
   std::vector<std::string> df_targs = {gate_type(p), dk, dv};
   if (parts > 1) df_targs.push_back(std::to_string(parts));
-  const jit::KernelSpec gates = kernel_spec(p, fwd, "kspec::mlstm_tc_gates_kernel", {gate_type(p), L}),
+  const jit::KernelSpec gates = tc_gates_kernel(p, v.gates_warps),
                         df = kernel_spec(p, bwd, "kspec::mlstm_tc_df_kernel", df_targs);
   std::vector<std::string> states = {t, dk, dv, L};
   if (v.state_tile != 64) states.push_back(std::to_string(v.state_tile));
+  std::vector<std::string> grads = {t, dk, dv, L};
+  if (v.prefetch) grads.push_back("true");
   if (v.merged && mlstm_tc_merged_runs(static_cast<int>(p.dim("dhqk")), v.stream))
     return {gates, kernel_spec(p, bwd, "kspec::mlstm_tc_states_kernel", states),
-            kernel_spec(p, bwd, "kspec::mlstm_tc_grads_kernel", {t, dk, dv, L}), df};
+            kernel_spec(p, bwd, "kspec::mlstm_tc_grads_kernel", grads), df};
   std::vector<jit::KernelSpec> k = {gates};
   if (v.merged) {
     k.push_back(kernel_spec(p, bwd, "kspec::mlstm_tc_states_kernel", states));
@@ -502,7 +530,7 @@ void launch_tc_bwd(const Call& call, Launcher& l, TcBwd v) {
   void* rev_args[] = {&rev};
   void* dkv_args[] = {&dkv};
   void* last_args[] = {&last};
-  l.launch(0, {u32(seqs)}, {32}, 0, args);
+  l.launch(0, {u32(seqs)}, {u32(32 * gates_warps(v.gates_warps))}, 0, args);
   if (v.merged) {
     void* both_states[] = {&fwd, &rev};
     l.launch(1, {state_grid.x, state_grid.y, 2}, state_block, state_smem, both_states);
@@ -562,7 +590,8 @@ OpDef make_chunkwise_bwd() {
   op.info.outputs = bwd_outputs(true);
   op.tuning = chunkwise_bwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
-  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_fused", "tc_parts", "tc_merged", "tc_stream", "tc_wide"}}};
+  op.info.tuning_names = {{"algo", {"simt", "tc", "tc_fused", "tc_parts", "tc_merged", "tc_stream", "tc_wide",
+                                    "tc_overlap", "tc_wide_overlap", "tc_wide_pg"}}};
   op.cases = chunkwise_bwd_cases();
   op.tolerance_scale = 4.0;
   op.error_scale = df_error_scale;

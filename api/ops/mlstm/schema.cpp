@@ -222,7 +222,7 @@ bool simt_runs(const Problem& p, std::string* why) {
 // at 256 threads.
 TuningSpace chunkwise_fwd_tuning() {
   TuningSpace t = mlstm_tuning();
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcWide, kTcQ128, kTcWideQ128}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcWide, kTcQ128, kTcWideQ128, kTcPg}});
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     if (c.get("algo") == kSimt) return simt_runs(p, why);
     std::string no = tc_unsupported(p);
@@ -247,7 +247,8 @@ TuningSpace chunkwise_fwd_tuning() {
 
 TuningSpace chunkwise_bwd_tuning() {
   TuningSpace t = mlstm_tuning(true);
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcFused, kTcParts, kTcMerged, kTcStream, kTcWide}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kTc, kTcFused, kTcParts, kTcMerged, kTcStream, kTcWide, kTcOverlap,
+                                          kTcWideOverlap, kTcWidePg}});
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     if (c.get("algo") == kSimt) return simt_runs(p, why);
     std::string no = tc_unsupported(p);
@@ -258,7 +259,11 @@ TuningSpace chunkwise_bwd_tuning() {
            "dhhv's blocks)";
     if (no.empty() && c.get("algo") == kTcStream && !mlstm_tc_streams(static_cast<int>(p.dim("dhqk"))))
       no = "algo=tc_stream differs from algo=tc_merged only at dhqk > 128 (its dq and dk streaming dhhv's blocks)";
-    if (no.empty() && c.get("algo") == kTcWide) no = tc_wide_unsupported(p);
+    if (no.empty() && (c.get("algo") == kTcWide || c.get("algo") == kTcWideOverlap || c.get("algo") == kTcWidePg))
+      no = tc_wide_unsupported(p);
+    if (no.empty() && (c.get("algo") == kTcOverlap || c.get("algo") == kTcWideOverlap) &&
+        !mlstm_tc_overlap_runs(static_cast<int>(p.dim("dhqk")), static_cast<int>(p.dim("dhhv"))))
+      no = "algo=tc_overlap prefetches into tiles of their own: dhqk and dhhv <= 128 (one column block)";
     if (why) *why = no;
     return no.empty();
   };
@@ -291,21 +296,39 @@ int64_t step_cols(const Problem& p) {
 
 TuningSpace step_tuning() {
   TuningSpace t;
-  t.axes = {{"algo", {kStepBlock, kStepSplit}}, {"threads", {64, 128, 256, 512}}, {"cols", {8, 16, 32, 64}}};
+  t.axes = {{"algo", {kStepBlock, kStepSplit, kStepHead, kStepCluster}},
+            {"threads", {64, 128, 256, 512}},
+            {"cols", {8, 16, 32, 64}}};
   t.valid = [](const Problem& p, const Config& c, std::string* why) {
     std::string no;
     const int64_t threads = c.get("threads"), cols = c.get("cols"), dk = p.dim("dhqk"), dv = p.dim("dhhv");
     if (c.get("algo") == kStepBlock) {
       if (threads < 128) no = "algo=block runs 128 to 512 threads";
       else if (cols != 16) no = "algo=block has no column slabs (named with cols=16)";
-    } else if (p.align_bytes < 16) {
-      no = "algo=split reads C in float4s: every pointer must be 16-byte aligned";
-    } else if (cols > dv) {
-      no = "algo=split's slab of cols=" + std::to_string(cols) + " is wider than dhhv=" + std::to_string(dv);
-    } else if (threads * 4 / cols > dk) {
-      no = "algo=split covers threads * 4 / cols rows a pass, more than dhqk=" + std::to_string(dk);
-    } else if (dk * cols / threads > 64) {
-      no = "algo=split holds dhqk * cols / threads > 64 floats of C a thread";
+    } else if (c.get("algo") == kStepHead) {
+      // Head dims and threads are powers of two: a row's dhhv / 4 float4s on consecutive threads, threads * 4
+      // / dhhv rows a pass.
+      if (p.align_bytes < 16) no = "algo=head reads C in float4s: every pointer must be 16-byte aligned";
+      else if (cols != 16) no = "algo=head has no column slabs (named with cols=16)";
+      else if (threads < dk) no = "algo=head gives each element of n a thread: threads >= dhqk";
+      else if (threads * 4 < dv) no = "algo=head puts a row of C on consecutive threads: threads * 4 >= dhhv";
+      else if (threads * 4 / dv > dk) no = "algo=head covers threads * 4 / dhhv rows a pass, more than dhqk";
+      else if (dk * dv / threads > 64) no = "algo=head holds dhqk * dhhv / threads > 64 floats of C a thread";
+    } else {  // split, or cluster: the same slabs
+      const std::string name = c.get("algo") == kStepCluster ? "algo=cluster" : "algo=split";
+      if (c.get("algo") == kStepCluster && jit::compute_capability(p.arch) < 90)
+        no = "algo=cluster needs thread-block clusters: sm_90 or newer, not " + p.arch;
+      else if (p.align_bytes < 16)
+        no = name + " reads C in float4s: every pointer must be 16-byte aligned";
+      else if (cols > dv)
+        no = name + "'s slab of cols=" + std::to_string(cols) + " is wider than dhhv=" + std::to_string(dv);
+      else if (threads * 4 / cols > dk)
+        no = name + " covers threads * 4 / cols rows a pass, more than dhqk=" + std::to_string(dk);
+      else if (dk * cols / threads > 64)
+        no = name + " holds dhqk * cols / threads > 64 floats of C a thread";
+      else if (c.get("algo") == kStepCluster && dv / cols > kStepMaxCluster)
+        no = "algo=cluster puts a sequence's dhhv / cols slabs in one cluster: at most " +
+             std::to_string(kStepMaxCluster) + " (dhhv=" + std::to_string(dv) + ", cols=" + std::to_string(cols) + ")";
     }
     if (why) *why = no;
     return no.empty();

@@ -37,13 +37,17 @@ TuningSpace mlstm_tuning(bool bwd = false);
 // kTcWide, both ops: the state scans on 128 x 128 tiles of C (params.h, mlstm_tc_wide_runs); in the
 // backward with the default's kernels otherwise (kTcMerged, kTcStream at DHQK > 128). The forward's
 // kTcQ128: the output kernel on 128 query rows a CTA (params.h, mlstm_tc_q128_runs); kTcWideQ128: both.
+// The backward's kTcOverlap (kTcWideOverlap): kTcMerged's (kTcWide's) kernels with each gradient CTA's next
+// tile loads in flight during its mma (params.h, mlstm_tc_overlap_runs: head dims <= 128) and the gates kernel
+// by warps (params.h, kMlstmTcGatesWarps); the forward's kTcPg: kTc with that gates kernel; the backward's
+// kTcWidePg: kTcWide with it.
 enum FwdAlgo : int64_t {
   kSimt = 0, kTc = 1, kTcFused = 2, kTcParts = 3, kTcMerged = 4, kTcStream = 5, kTcWide = 6, kTcQ128 = 7,
-  kTcWideQ128 = 8
+  kTcWideQ128 = 8, kTcOverlap = 9, kTcWideOverlap = 10, kTcPg = 11, kTcWidePg = 12
 };
 TuningSpace chunkwise_fwd_tuning();
-// mlstm.chunkwise.bwd's: the same axes and kTcFused, kTcParts, kTcMerged, kTcStream, kTcWide (named by a
-// config only, to compare).
+// mlstm.chunkwise.bwd's: the same axes and kTcFused, kTcParts, kTcMerged, kTcStream, kTcWide, kTcOverlap,
+// kTcWideOverlap (named by a config only, to compare).
 TuningSpace chunkwise_bwd_tuning();
 // Why algo=tc_wide cannot run a problem ("" when it can), beyond tc_unsupported.
 std::string tc_wide_unsupported(const Problem& p);
@@ -54,9 +58,13 @@ std::string tc_q128_unsupported(const Problem& p);
 std::string tc_unsupported(const Problem& p);
 TuningSpace parallel_tuning(bool bwd);  // chunk is a tuning axis
 // mlstm.step's: `algo` kStepBlock (mlstm_step_kernel, one CTA of `threads` per sequence; named with
-// cols = 16) or kStepSplit (the gates kernel, then CTAs of `threads` over slabs of `cols` columns of C;
-// 16-byte pointers), templates/mlstm/step.cuh.
-enum StepAlgo : int64_t { kStepBlock = 0, kStepSplit = 1 };
+// cols = 16), kStepSplit (the gates kernel, then CTAs of `threads` over slabs of `cols` columns of C;
+// 16-byte pointers) or kStepHead (mlstm_step_head_kernel: one CTA of `threads` per sequence, all of C in
+// float4s and the scalars in the CTA, one launch; 16-byte pointers, named with cols = 16),
+// templates/mlstm/step.cuh; or kStepCluster (sm_90+: split's slabs forming the scalars themselves, a
+// sequence's slabs one thread-block cluster of at most kStepMaxCluster CTAs), templates/mlstm/step_cluster.cuh.
+enum StepAlgo : int64_t { kStepBlock = 0, kStepSplit = 1, kStepHead = 2, kStepCluster = 3 };
+constexpr int64_t kStepMaxCluster = 8;  // the portable cluster size
 TuningSpace step_tuning();
 // The heuristic's slab width (8, 16 or 32), which depends on batch * heads: in the step's derived_key, so
 // the plan cache does not keep one batch's choice for another.
