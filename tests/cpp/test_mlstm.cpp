@@ -163,9 +163,9 @@ TEST(Mlstm, Chunk256IsTensorCoreOnly) {
     r.params.set("dhqk", int64_t(64));
     r.params.set("dhhv", int64_t(64));
     const Problem pr = problem_from_request(def, r);
-    // algo=tc forward, algo=tc_merged backward: the tensor cores
+    // algo=tc_pg forward, algo=tc_merged backward: the tensor cores
     EXPECT_EQ(def.tuning.heuristic(pr).str(def.info),
-              std::string(op) == "mlstm.chunkwise.fwd" ? "algo=tc,threads=128" : "algo=tc_merged,threads=128");
+              std::string(op) == "mlstm.chunkwise.fwd" ? "algo=tc_pg,threads=128" : "algo=tc_merged,threads=128");
     std::string why;
     EXPECT_FALSE(def.tuning.valid(pr, Config{{{"algo", 0}, {"threads", 256}}}, &why)) << op;
     expect_in(why, {"algo=simt", "chunk <= 128"});
@@ -717,8 +717,9 @@ TEST(Mlstm, StepClusterValidity) {
   }
 }
 
-// The backward's default: algo=tc_merged on the tensor cores, tc_wide at dhqk > 128 where it runs (else
-// tc_stream; all timed faster than tc on the H100), the SIMT kernel where the tensor cores do not run (fp32).
+// The backward's default: algo=tc_merged on the tensor cores, tc_wide at dhqk > 128 and at 128 x 128 where it
+// runs (else tc_stream / tc_merged; all timed faster than tc on the H100), the SIMT kernel where the tensor cores
+// do not run (fp32).
 TEST(Mlstm, BackwardHeuristicTakesMergedAndStream) {
   const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
   auto pick = [&](DType dt, int64_t dk, int64_t dv) {
@@ -734,7 +735,7 @@ TEST(Mlstm, BackwardHeuristicTakesMergedAndStream) {
     EXPECT_TRUE(op.tuning.valid(p, c, &why)) << c.str(op.info) << ": " << why;
     return c.str(op.info);
   };
-  EXPECT_EQ(pick(DType::bf16, 128, 128), "algo=tc_merged,threads=128");
+  EXPECT_EQ(pick(DType::bf16, 128, 128), "algo=tc_wide,threads=128");
   EXPECT_EQ(pick(DType::f16, 128, 256), "algo=tc_merged,threads=128");
   EXPECT_EQ(pick(DType::bf16, 64, 64), "algo=tc_merged,threads=128");
   EXPECT_EQ(pick(DType::bf16, 256, 512), "algo=tc_wide,threads=128");

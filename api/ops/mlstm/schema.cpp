@@ -234,12 +234,13 @@ TuningSpace chunkwise_fwd_tuning() {
     return no.empty();
   };
   // algo=tc_wide_q128 at dhqk > 128 where it runs (H100, B=8, NH=8, S=4096, (256, 512), bf16, chunk 128: forward
-  // 2.104 ms against tc's 2.467, mlstm_kernels' best 3.140; tools/bench/NOTES.md, session 8's last run); tc elsewhere
-  // (128-wide heads: tc_q128 not timed there).
+  // 2.104 ms against tc's 2.467, mlstm_kernels' best 3.140; tools/bench/NOTES.md, session 8's last run); tc_pg
+  // elsewhere: tc with the gates kernel on 16 warps a sequence, the same bits (run 25, 128x128: 0.353 ms against
+  // tc's 0.373; tc_q128 0.412).
   t.heuristic = [](const Problem& p) {
     if (!tc_unsupported(p).empty()) return Config{{{"algo", kSimt}, {"threads", 256}}};
     const bool wide = p.dim("dhqk") > 128 && tc_wide_unsupported(p).empty() && tc_q128_unsupported(p).empty();
-    return Config{{{"algo", wide ? kTcWideQ128 : kTc}, {"threads", 128}}};
+    return Config{{{"algo", wide ? kTcWideQ128 : kTcPg}, {"threads", 128}}};
   };
   t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") == kSimt ? c.get("threads") : 128; };
   return t;
@@ -273,10 +274,13 @@ TuningSpace chunkwise_bwd_tuning() {
   // 1.465 (1.40x); 256x512 tc 8.141, tc_merged 7.066, tc_stream 4.963 (1.31x) (tools/bench/NOTES.md).
   // At dhqk > 128, tc_wide (tc_stream's kernels with the state scans on 128 x 128 tiles) where it runs: 256x512
   // fwd+bwd 6.913 ms with the forward's tc_wide_q128, against 7.380 with tc_stream (session 8's last run).
+  // At 128x128, tc_wide too (run 25, S 4096: fwd+bwd 1.247 ms against tc_merged's 1.306, xl_chunk's best 1.636);
+  // 128x256 keeps tc_merged (tc_wide not timed there).
   t.heuristic = [](const Problem& p) {
     if (!tc_unsupported(p).empty()) return Config{{{"algo", kSimt}, {"threads", 256}}};
     const bool stream = mlstm_tc_streams(static_cast<int>(p.dim("dhqk")));
-    if (stream && tc_wide_unsupported(p).empty()) return Config{{{"algo", kTcWide}, {"threads", 128}}};
+    const bool square_128 = p.dim("dhqk") == 128 && p.dim("dhhv") == 128;
+    if ((stream || square_128) && tc_wide_unsupported(p).empty()) return Config{{{"algo", kTcWide}, {"threads", 128}}};
     return Config{{{"algo", stream ? kTcStream : kTcMerged}, {"threads", 128}}};
   };
   t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") == kSimt ? c.get("threads") : 128; };
