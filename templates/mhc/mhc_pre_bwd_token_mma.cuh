@@ -84,7 +84,7 @@ template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, in
 __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads ? 1 : 0) mhc_pre_bwd_token_mma_kernel(const MhcPreBwdParams p) {
   using Rows = MhcRows<N, kPreOnly>;
   constexpr int kThreads = kMhcMmaThreads, kWarps = kThreads / 32;
-  constexpr int kM = Rows::kM, kND = N * D, kK = N + kM, kNN = N * N;
+  constexpr int kM = Rows::kM, kK = N + kM, kNN = N * N;
   constexpr int kNt = (kM + 7) / 8, kMt = kTok / 16, kDChunks = (D + 31) / 32;
   static_assert(!IsSame<T, float>::value, "algo=mma_tokens takes 16-bit x only (exact in TF32)");
   // Tokens whose heads run side by side: a row of h and a Sinkhorn element per thread for each.
@@ -115,56 +115,19 @@ __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads ? 1 : 0) mhc_pre_bw
 
   for (int dc = warp; dc < kDChunks; dc += kWarps) {
     const int d0 = dc * 32 + 8 * c, valid = D - d0;
-    // Every row this step reads, loaded before any is used (zeros past the block's tokens and past D).
     MhcRow8<T> xv[N][kMt][2], yv[kMt][2];
+    mhc_load_chunk_rows<T, N, kMt, kVec>(xv, yv, x, p.x_row, dy, p.dy_row, t0, ntok, g, d0, valid);
 #pragma unroll
-    for (int mt = 0; mt < kMt; ++mt)
+    for (int i = 0; i < N; ++i)
+      mhc_pre_mma_project<T, N, D, kHasGamma, kPreOnly, kMt, kVec>(p.phi, p.gamma, i * D + d0, valid, xv[i], acc, [&] {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int tr = mt * 16 + g + 8 * h;
-        const long long t = t0 + (tr < ntok ? tr : 0);
-        const int v = tr < ntok ? valid : 0;
-        mhc_load8<T, kVec>(yv[mt][h], dy + t * p.dy_row + d0, v);
+        for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
-        for (int i = 0; i < N; ++i) mhc_load8<T, kVec>(xv[i][mt][h], x + (t * N + i) * p.x_row + d0, v);
-      }
+          for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      const int col = i * D + d0;
-      float gm[8], ph[kNt][8];
-      if (kHasGamma) mhc_load8f<kVec>(gm, p.gamma + col, valid);
-#pragma unroll
-      for (int j = 0; j < kNt; ++j) {
-        const int r = 8 * j + g;
-        mhc_load8f<kVec>(ph[j], p.phi + static_cast<long long>(r < kM ? r : 0) * kND + col, r < kM ? valid : 0);
-      }
-#pragma unroll
-      for (int mt = 0; mt < kMt; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 8; ++e)
-            dxy[mt][h][i] = fmaf(to_float(xv[i][mt][h].v[e]), to_float(yv[mt][h].v[e]), dxy[mt][h][i]);
-#pragma unroll
-      for (int j = 0; j < kNt; ++j) {
-        float bh[8], bl[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float w = kHasGamma ? ph[j][e] * gm[e] : ph[j][e];
-          bh[e] = mhc_tf32(w);
-          bl[e] = mhc_tf32(w - bh[e]);
-        }
-#pragma unroll
-        for (int s = 0; s < 4; ++s)
-#pragma unroll
-          for (int mt = 0; mt < kMt; ++mt) {
-            const float a0 = to_float(xv[i][mt][0].v[2 * s]), a1 = to_float(xv[i][mt][1].v[2 * s]);
-            const float a2 = to_float(xv[i][mt][0].v[2 * s + 1]), a3 = to_float(xv[i][mt][1].v[2 * s + 1]);
-            mhc_mma_tf32(acc[mt][j], a0, a1, a2, a3, bl[2 * s], bl[2 * s + 1]);
-            mhc_mma_tf32(acc[mt][j], a0, a1, a2, a3, bh[2 * s], bh[2 * s + 1]);
-          }
-      }
-    }
+            for (int e = 0; e < 8; ++e)
+              dxy[mt][h][i] = fmaf(to_float(xv[i][mt][h].v[e]), to_float(yv[mt][h].v[e]), dxy[mt][h][i]);
+      });
   }
 
   // A row's <dy, x[i]> over the quad's four lanes, then the warps' partials added in warp order into

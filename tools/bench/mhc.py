@@ -71,6 +71,15 @@ def pre_kernel_configs(n, D, dtype="bf16"):
     return out
 
 
+def pre_ring_configs(n, D, dtype="bf16"):
+    """{variant: config} for mhc.pre.fwd's algo=mma_ring (api/ops/mhc/op.cpp): algo=mma_warp_heads with the
+    projection's rows of x through a cp.async ring in shared memory, 3 chunks ahead (the same bits), at 16 and 32
+    tokens: 16-bit x in 16-byte groups (D % 8 == 0) with M <= 32 (n <= 4)."""
+    if dtype == "f32" or D % 8 or n * n + 2 * n > 32:
+        return {}
+    return {f"{PRE_KERNELS}mma_ring {tok}": f"algo=3,threads=128,tokens={tok}" for tok in (16, 32)}
+
+
 def pre_bwd_configs(n, D):
     """{variant: config} for mhc.pre.bwd's `algo` axis (api/ops/mhc/op.cpp): algo=simt (mhc_pre.cuh), algo=mma
     (the heuristic's for 16-bit x), the sums over tokens as one GEMM a part and dx's du = dm·Φ on tensor cores
@@ -287,7 +296,7 @@ def implementations(ctx, liger, n, D):
                 return lpre(x, hp), hp, hq, hr.transpose(-1, -2)
 
             impls[f"LigerMHC ({label})"] = (pre, lambda x, f, hp, r: lpost(x, f, hp, r.transpose(-1, -2)))
-    for name, config in pre_kernel_configs(n, D).items():
+    for name, config in {**pre_kernel_configs(n, D), **pre_ring_configs(n, D)}.items():
         def pre(x, phi, alpha, bias, config=config):
             return ctx.kspec.call("mhc.pre.fwd", x, phi, alpha, bias, None, config=config)[:4]
 
@@ -444,7 +453,8 @@ def _report(ctx, rows, why):
         f"'{PRE_KERNELS}…': mhc.pre.fwd's kernels by config through kspec.call (forward only): algo=simt, the SIMT"
         " projection; algo=mma, the projection on tensor cores at 16, 32 or 64 tokens a block; algo=mma_warp_heads"
         " (the default for M <= 32), the same with each warp running its own tokens' heads (Sinkhorn-Knopp by"
-        " shuffles) and then their y.",
+        " shuffles) and then their y; algo=mma_ring, that with the projection's rows of x through a cp.async ring"
+        " in shared memory, 3 chunks ahead (the same bits).",
         f"'{PRE_BWD_KERNELS}…': pre fwd+bwd with mhc.pre.bwd by config through kspec.call (the forward the"
         " heuristic's): algo=simt, the SIMT kernels; algo=mma, dΦ and dγ from one GEMM S = dmᵀ·x a part and dx's"
         " du = dm·Φ on tensor cores; algo=mma_tokens (the default past M = 24), the token pass (m and"

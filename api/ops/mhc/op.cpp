@@ -166,11 +166,14 @@ TuningSpace with_tokens_axis(TuningSpace t) {
 // pre.bwd's (with_bwd_algo_axis) has three more, kMmaTokens, kMmaFused and kMmaFusedWarpHeads.
 enum PreAlgo : int64_t { kSimt = 0, kMma = 1, kMmaTokens = 2, kMmaFused = 3, kMmaFusedWarpHeads = 4 };
 // pre.fwd's third value: kMma with each warp running its own tokens' heads and then their y
-// (mhc_pre_mma.cuh, kWarpHeads): n*n and M at most 32.
-constexpr int64_t kMmaWarpHeads = 2;
-// Under kMmaWarpHeads, up to this many tokens (decode, small batches) take the split plan instead: at T 8 the
-// one 64-token block took 166 us of GPU on the H100 (run 21; F.rms_norm over the same bytes 16). The switch is
-// in the launcher, not the heuristic, because the plan cache keys leave T out.
+// (mhc_pre_mma.cuh, kWarpHeads): n*n and M at most 32. The fourth, kMmaRing: that with the projection's rows
+// of x through a ring of 4 chunks in shared memory, 3 ahead (cp.async) instead of 1 in registers: the same
+// bits, more bytes in flight (mhc_pre_mma.cuh, kRing; tools/bench/NOTES.md, session 9).
+constexpr int64_t kMmaWarpHeads = 2, kMmaRing = 3;
+bool fwd_warp_heads(const Config& c) { return c.get("algo") == kMmaWarpHeads || c.get("algo") == kMmaRing; }
+// Under kMmaWarpHeads and kMmaRing, up to this many tokens (decode, small batches) take the split plan instead:
+// at T 8 the one 64-token block took 166 us of GPU on the H100 (run 21; F.rms_norm over the same bytes 16). The
+// switch is in the launcher, not the heuristic, because the plan cache keys leave T out.
 constexpr int64_t kSplitMaxT = 256, kSplitTokens = 16;
 // The split plan's blocks a 16-token tile: projection blocks (each every splits-th group of 4 chunks of 32
 // columns; at least 2, the kernel's kSplits > 1 being what makes it leave partials), and y blocks (each a
@@ -201,32 +204,53 @@ std::string mma_unsupported(const Problem& p) {
 }
 int64_t mma_tiles(const Problem& p, int64_t tokens) { return tokens / 16 * ceil_div(proj_rows(p), 8); }
 
-// The tensor-core projection wherever it runs, with the most tokens a block whose accumulators fit, the
-// heads per warp where M <= 32 (tools/bench/NOTES.md).
-TuningSpace with_algo_axis(TuningSpace t) {
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaWarpHeads}});
+// The `algo` axis of pre.fwd and post_pre.fwd: kSimt (the SIMT kernel: `threads`, `tokens` 1 or 4) or the
+// tensor-core kernels `algos` (128 threads, the heads per warp under kMmaWarpHeads and kMmaRing), whose token
+// tiles each op rules on in `mma_rules` ("" where legal, else why not).
+using MmaRules = std::function<std::string(const Problem&, const Config&)>;
+TuningSpace with_fwd_algo_axis(TuningSpace t, std::vector<int64_t> algos, MmaRules mma_rules) {
+  t.axes.insert(t.axes.begin(), {"algo", std::move(algos)});
   for (auto& [name, values] : t.axes)
     if (name == "tokens") values = {1, 4, 16, 32, 64};
   auto simt_valid = t.valid;
-  t.valid = [simt_valid](const Problem& p, const Config& c, std::string* why) {
-    const int64_t tok = c.get("tokens");
+  t.valid = [simt_valid, mma_rules = std::move(mma_rules)](const Problem& p, const Config& c, std::string* why) {
     std::string no;
     if (c.get("algo") == kSimt) {
-      if (tok <= 4) return simt_valid(p, c, why);
+      if (c.get("tokens") <= 4) return simt_valid(p, c, why);
       no = "algo=simt takes 1 or 4 tokens a block";
     } else {
       no = mma_unsupported(p);
-      if (no.empty() && c.get("algo") == kMmaWarpHeads) no = warp_heads_unsupported(p);
+      if (no.empty() && fwd_warp_heads(c)) no = warp_heads_unsupported(p);
       if (no.empty() && c.get("threads") != kMmaThreads) no = "algo=mma runs 128 threads a block (named threads=128)";
-      else if (no.empty() && tok < 16) no = "algo=mma takes whole m16 tiles of tokens: 16, 32 or 64";
-      else if (no.empty() && tok > max_mma_tokens(p))
-        no = "algo=mma takes 64 tokens only with x in 16-byte groups (D % 8 == 0, aligned): registers";
-      else if (no.empty() && mma_tiles(p, tok) > kMaxMmaTiles)
-        no = "algo=mma: more accumulator tiles (tokens / 16 x ceil(M / 8)) than registers hold (12)";
+      if (no.empty()) no = mma_rules(p, c);
     }
     if (why) *why = no;
     return no.empty();
   };
+  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") != kSimt ? kMmaThreads : c.get("threads"); };
+  return t;
+}
+
+// kMmaRing's ring: 4 chunks of a lane's tokens / 16 x 2 rows of 16 bytes, 16 KB per m16 tile of tokens, beside
+// the tokens' totals in the 48 KB of static shared memory (mhc_pre_mma.cuh, kMhcFwdRingStages).
+std::string ring_unsupported(const Problem& p, int64_t tokens) {
+  if (!mma_vec(p)) return "algo=mma_ring takes x in 16-byte groups (D % 8 == 0, aligned): cp.async copies";
+  if (tokens > 32) return "algo=mma_ring takes 16 or 32 tokens: its ring of x in shared memory (16 KB a 16-token tile)";
+  return "";
+}
+
+// pre.fwd: the tensor-core projection wherever it runs, with the most tokens a block whose accumulators fit,
+// the heads per warp where M <= 32 (tools/bench/NOTES.md).
+TuningSpace with_algo_axis(TuningSpace t) {
+  t = with_fwd_algo_axis(std::move(t), {kSimt, kMma, kMmaWarpHeads, kMmaRing}, [](const Problem& p, const Config& c) {
+    const int64_t tok = c.get("tokens");
+    if (tok < 16) return std::string("algo=mma takes whole m16 tiles of tokens: 16, 32 or 64");
+    if (tok > max_mma_tokens(p))
+      return std::string("algo=mma takes 64 tokens only with x in 16-byte groups (D % 8 == 0, aligned): registers");
+    if (mma_tiles(p, tok) > kMaxMmaTiles)
+      return std::string("algo=mma: more accumulator tiles (tokens / 16 x ceil(M / 8)) than registers hold (12)");
+    return c.get("algo") == kMmaRing ? ring_unsupported(p, tok) : std::string();
+  });
   auto simt_heuristic = t.heuristic;
   // H100 (run 20, T 16384, n 4, D 4096, bf16): mma_warp_heads 64 520 us, 32 522; mma 64 573, 32 530.
   t.heuristic = [simt_heuristic](const Problem& p) {
@@ -240,7 +264,6 @@ TuningSpace with_algo_axis(TuningSpace t) {
     c.values.insert(c.values.begin(), {"algo", kSimt});
     return c;
   };
-  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") != kSimt ? kMmaThreads : c.get("threads"); };
   return t;
 }
 
@@ -477,11 +500,12 @@ OpDef make_pre_fwd(bool po) {
                         D = std::to_string(p.dim("D")), g = b(p.present("gamma")), head = b(pre_only(p));
       std::vector<jit::KernelSpec> k{kernel_spec(p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_mma_kernel",
                                                  {T, n, D, t_max_arg(p), g, head, std::to_string(c.get("tokens")),
-                                                  b(mma_vec(p)), "1", b(c.get("algo") == kMmaWarpHeads)})};
-      if (c.get("algo") == kMmaWarpHeads) {  // the split plan for few tokens (kernels 1, 2)
+                                                  b(mma_vec(p)), "1", b(c.get("algo") == kMmaRing),
+                                                  b(fwd_warp_heads(c))})};
+      if (fwd_warp_heads(c)) {  // the split plan for few tokens (kernels 1, 2)
         const std::string tok = std::to_string(kSplitTokens), splits = std::to_string(fwd_splits(p));
         k.push_back(kernel_spec(p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_mma_kernel",
-                                {T, n, D, t_max_arg(p), g, head, tok, b(mma_vec(p)), splits, "true"}));
+                                {T, n, D, t_max_arg(p), g, head, tok, b(mma_vec(p)), splits, "false", "true"}));
         k.push_back(kernel_spec(p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_split_heads_kernel",
                                 {T, n, D, t_max_arg(p), head, tok, b(mma_vec(p)), splits}));
       }
@@ -516,7 +540,7 @@ OpDef make_pre_fwd(bool po) {
     a.eps_pre = static_cast<float>(pr.param_float("eps_pre"));
     a.eps_sk = pre_only(pr) ? 0.f : static_cast<float>(pr.param_float("eps_sk"));
     void* args[] = {&a};
-    if (c.get("algo") == kMmaWarpHeads && a.T <= kSplitMaxT) {
+    if (fwd_warp_heads(c) && a.T <= kSplitMaxT) {
       const int64_t tiles = ceil_div(a.T, kSplitTokens), splits = fwd_splits(pr);
       MhcPreSplitParams sp{a, static_cast<float*>(l.workspace(
                                   sizeof(float) * static_cast<size_t>(tiles * splits * kSplitTokens * (proj_rows(pr) + 1))))};
@@ -1076,32 +1100,15 @@ std::string post_pre_mma_unsupported(const Problem& p, int64_t tokens) {
   return "";
 }
 TuningSpace with_post_pre_algo_axis(TuningSpace t) {
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaWarpHeads}});
-  for (auto& [name, values] : t.axes)
-    if (name == "tokens") values = {1, 4, 16, 32, 64};
-  auto simt_valid = t.valid;
-  t.valid = [simt_valid](const Problem& p, const Config& c, std::string* why) {
-    const int64_t tok = c.get("tokens");
-    std::string no;
-    if (c.get("algo") == kSimt) {
-      if (tok <= 4) return simt_valid(p, c, why);
-      no = "algo=simt takes 1 or 4 tokens a block";
-    } else {
-      no = mma_unsupported(p);
-      if (no.empty() && c.get("algo") == kMmaWarpHeads) no = warp_heads_unsupported(p);
-      if (no.empty() && c.get("threads") != kMmaThreads) no = "algo=mma runs 128 threads a block (named threads=128)";
-      if (no.empty()) no = post_pre_mma_unsupported(p, tok);
-    }
-    if (why) *why = no;
-    return no.empty();
-  };
+  t = with_fwd_algo_axis(std::move(t), {kSimt, kMma, kMmaWarpHeads}, [](const Problem& p, const Config& c) {
+    return post_pre_mma_unsupported(p, c.get("tokens"));
+  });
   auto simt_heuristic = t.heuristic;
   t.heuristic = [simt_heuristic](const Problem& p) {
     Config c = simt_heuristic(p);
     c.values.insert(c.values.begin(), {"algo", kSimt});
     return c;
   };
-  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") != kSimt ? kMmaThreads : c.get("threads"); };
   return t;
 }
 
