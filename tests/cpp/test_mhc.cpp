@@ -473,6 +473,63 @@ TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
   EXPECT_EQ(compiled, 24);  // three kernels each
 }
 
+// pre.bwd's algo=mma_fused_ring (5): mma_fused_warp_heads with the token pass's rows through a cp.async ring in
+// dynamic shared memory (the token kernel's kRing, its next-to-last template argument; the launch passes the
+// ring's bytes); mma_fused's rules; not the heuristic's; the token kernel compiles without spills on sm_80 and
+// sm_90 at n 4 (32 tokens), n 2 (64), n 3 (16) and pre_only n 8 (16).
+TEST(Mhc, PreBackwardMmaFusedRingRulesAndCompileWithoutSpills) {
+  const OpDef& op = Registry::global().get("mhc.pre.bwd");
+  CompileRequest r;
+  r.op = "mhc.pre.bwd";
+  r.dtype = DType::bf16;
+  r.arch = "sm_90";
+  r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+  const Problem p = problem_from_request(op, r);
+  const Config ok{{{"algo", 5}, {"threads", 128}, {"tokens", 32}}};
+  std::string why;
+  EXPECT_TRUE(op.tuning.valid(p, ok, &why)) << why;
+  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 4);
+  const auto kernels = op.kernels(p, ok);
+  ASSERT_EQ(kernels.size(), 3u);
+  EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_mma_kernel");
+  EXPECT_EQ(kernels[0].targs[8], "true");  // kRing
+  EXPECT_EQ(kernels[0].targs[9], "true");  // kWarpHeads
+  EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_bwd_fused_mma_kernel");
+  EXPECT_EQ(op.kernels(p, Config{{{"algo", 4}, {"threads", 128}, {"tokens", 32}}})[0].targs[8], "false");
+  for (const auto& [n, D, tokens, fragment] :
+       {std::tuple{5, 256, 16, "24 projection rows"}, std::tuple{4, 100, 16, "16-byte groups"},
+        std::tuple{4, 256, 64, "n x tokens / 16"}}) {
+    CompileRequest q = r;
+    q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q),
+                                 Config{{{"algo", 5}, {"threads", 128}, {"tokens", tokens}}}, &why))
+        << n << " " << D;
+    EXPECT_NE(why.find(fragment), std::string::npos) << why;
+  }
+  int compiled = 0;
+  for (const char* arch : {"sm_80", "sm_90"})
+    for (auto [name, dt, n, D, tokens] :
+         {std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32}, std::tuple{"mhc.pre.bwd", DType::f16, 2, 256, 64},
+          std::tuple{"mhc.pre.bwd", DType::bf16, 3, 264, 16}, std::tuple{"mhc.pre_only.bwd", DType::f16, 8, 128, 16}}) {
+      const OpDef& o = Registry::global().get(name);
+      CompileRequest q;
+      q.op = name;
+      q.dtype = dt;
+      q.arch = arch;
+      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+      q.config = Config{{{"algo", 5}, {"threads", 128}, {"tokens", tokens}}};
+      ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << " n " << n << ": " << why;
+      for (const auto& rep : compile(q)) {
+        EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
+        EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
+        if (rep.kernel.find("token_mma") == std::string::npos) continue;
+        std::cout << arch << " " << rep.kernel << ": " << rep.registers << " registers\n";
+        ++compiled;
+      }
+    }
+  EXPECT_EQ(compiled, 8);
+}
+
 // pre.fwd's algo=mma_ring (3): algo=mma_warp_heads with the projection's rows of x through a cp.async ring in
 // shared memory (the kernel's kRing, its next-to-last template argument; the split plan for few tokens as
 // mma_warp_heads'); refused by name at 64 tokens (the ring's shared memory), without 16-byte groups of x, past
@@ -1167,7 +1224,8 @@ TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
   for (const Config& config : {Config{{{"algo", 1}, {"threads", 128}, {"tokens", 4}}},
                                Config{{{"algo", 2}, {"threads", 128}, {"tokens", 32}}},
                                Config{{{"algo", 3}, {"threads", 128}, {"tokens", 32}}},
-                               Config{{{"algo", 4}, {"threads", 128}, {"tokens", 32}}}}) {
+                               Config{{{"algo", 4}, {"threads", 128}, {"tokens", 32}}},
+                               Config{{{"algo", 5}, {"threads", 128}, {"tokens", 32}}}}) {
     CallOptions opts;
     opts.config = &config;
     std::vector<std::vector<uint8_t>>& first = firsts[config.get("algo")];
@@ -1195,8 +1253,10 @@ TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
     }
   }
   const char* names[] = {"dx", "dphi", "dalpha", "dbias", "dgamma"};
-  for (size_t k = 0; k < firsts[3].size(); ++k)
+  for (size_t k = 0; k < firsts[3].size(); ++k) {
     EXPECT_EQ(firsts[4][k], firsts[3][k]) << names[k] << ": mma_fused_warp_heads against mma_fused";
+    EXPECT_EQ(firsts[5][k], firsts[4][k]) << names[k] << ": mma_fused_ring against mma_fused_warp_heads";
+  }
 }
 
 namespace {

@@ -448,6 +448,22 @@ def test_mhc_bench_pre_ring_configs_compile_the_ring_kernel(families):
         assert kernels[0].startswith("kspec::mhc_pre_fwd_mma_kernel<") and kernels[0].endswith("true, true>"), kernels
 
 
+def test_mhc_bench_pre_bwd_ring_configs_compile_the_ring_token_kernel(families):
+    """The mhc bench's 'kspec pre.bwd mma_fused_ring …' rows: algo=mma_fused_ring at mma_fused_warp_heads' tile
+    (none where that has none), accepted by mhc.pre.bwd and compiled (no GPU needed) with the token kernel's ring
+    (kRing, its next-to-last template argument) and heads per warp (the last), then the fused kernel."""
+    import kspec
+
+    mhc = families["mhc"]
+    assert mhc.pre_bwd_ring_configs(4, 4096) == {mhc.PRE_BWD_KERNELS + "mma_fused_ring 32": "algo=5,threads=128,tokens=32"}
+    assert mhc.pre_bwd_ring_configs(4, 100) == {} and mhc.pre_bwd_ring_configs(5, 128) == {}
+    for name, config in mhc.pre_bwd_ring_configs(4, 128).items():
+        kernels = [r["kernel"] for r in kspec.compile("mhc.pre.bwd", dtype="bf16", arch="sm_80", config=config,
+                                                      n=4, D=128, t_max=20)]
+        assert kernels[0].startswith("kspec::mhc_pre_bwd_token_mma_kernel<") and kernels[0].endswith("true, true>")
+        assert "fused_mma" in kernels[1], kernels
+
+
 def test_mhc_bench_pre_bwd_configs_compile_each_algo(families):
     """The mhc bench's pre fwd+bwd rows by mhc.pre.bwd config: algo=simt, algo=mma, algo=mma_tokens (at its
     largest legal token tile; none at n = 8 or D % 8 != 0) and algo=mma_fused (the same tile, M <= 24) each

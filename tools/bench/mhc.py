@@ -103,6 +103,14 @@ def pre_bwd_configs(n, D):
     return out
 
 
+def pre_bwd_ring_configs(n, D):
+    """{variant: config} for mhc.pre.bwd's algo=mma_fused_ring (api/ops/mhc/op.cpp): mma_fused_warp_heads with the
+    token pass's rows through a cp.async ring in dynamic shared memory (the same bits), at the tile pre_bwd_configs
+    gives mma_fused_warp_heads."""
+    return {name.replace("mma_fused_warp_heads", "mma_fused_ring"): config.replace("algo=4", "algo=5")
+            for name, config in pre_bwd_configs(n, D).items() if "mma_fused_warp_heads" in name}
+
+
 def post_pre_kernel_configs(n, D):
     """{variant: config} for mhc.post_pre.fwd's tensor-core kernels (api/ops/mhc/op.cpp, the `algo` axis; the
     SIMT kernel is the 'kspec' row): algo=mma and algo=mma_warp_heads (M <= 32) at the largest legal token tile,
@@ -301,7 +309,7 @@ def implementations(ctx, liger, n, D):
             return ctx.kspec.call("mhc.pre.fwd", x, phi, alpha, bias, None, config=config)[:4]
 
         impls[name] = (pre, K.mhc_post)
-    for name, config in pre_bwd_configs(n, D).items():
+    for name, config in {**pre_bwd_configs(n, D), **pre_bwd_ring_configs(n, D)}.items():
         impls[name] = (_pre_with_bwd_config(ctx, config), K.mhc_post)
     for name, config in post_pre_kernel_configs(n, D).items():
         def post_pre(x, f, hp, r, phi, alpha, bias, config=config):
@@ -461,7 +469,8 @@ def _report(ctx, rows, why):
         " <dy, x[i]>) on tensor cores too; algo=mma_fused, mma_tokens' token pass, then dx and the sums over tokens"
         " in one pass over x (x read twice in the backward instead of three times; the default for M <= 24);"
         " algo=mma_fused_warp_heads, that"
-        " with the token pass's heads (the Sinkhorn-Knopp backward) run per warp.",
+        " with the token pass's heads (the Sinkhorn-Knopp backward) run per warp; algo=mma_fused_ring, that with the"
+        " token pass's rows through a cp.async ring in shared memory (the same bits).",
         f"'{POST_VEC8}': post fwd and fwd+bwd with mhc.post.fwd/.bwd at vec=8 (8 consecutive d a thread, 16-byte"
         " loads and stores) through kspec.call; 'kspec' runs the heuristic's, vec=8 where it is valid.",
         f"'{POST_PRE_KERNELS}…': post_pre fwd with mhc.post_pre.fwd by config through kspec.call: the projection of"

@@ -164,7 +164,7 @@ TuningSpace with_tokens_axis(TuningSpace t) {
 // pre.fwd's `algo` axis: kSimt, the kernel above (mhc_pre.cuh: `threads`, `tokens` 1 or 4); kMma, the
 // projection on tensor cores (mhc_pre_mma.cuh: 128 threads, `tokens` 16, 32 or 64, whole m16 tiles).
 // pre.bwd's (with_bwd_algo_axis) has three more, kMmaTokens, kMmaFused and kMmaFusedWarpHeads.
-enum PreAlgo : int64_t { kSimt = 0, kMma = 1, kMmaTokens = 2, kMmaFused = 3, kMmaFusedWarpHeads = 4 };
+enum PreAlgo : int64_t { kSimt = 0, kMma = 1, kMmaTokens = 2, kMmaFused = 3, kMmaFusedWarpHeads = 4, kMmaFusedRing = 5 };
 // pre.fwd's third value: kMma with each warp running its own tokens' heads and then their y
 // (mhc_pre_mma.cuh, kWarpHeads): n*n and M at most 32. The fourth, kMmaRing: that with the projection's rows
 // of x through a ring of 4 chunks in shared memory, 3 ahead (cp.async) instead of 1 in registers: the same
@@ -571,8 +571,14 @@ int64_t bwd_parts(int64_t T) { return std::clamp<int64_t>(ceil_div(T, kTokensPer
 bool bwd_mma(const Config& c) { return c.has("algo") && c.get("algo") >= kMma; }
 bool bwd_mma_tokens(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaTokens; }
 bool bwd_mma_fused(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaFused; }
-// kMmaFusedWarpHeads: kMmaFused with the token pass's heads run per warp (mhc_pre_bwd_token_mma.cuh, kWarpHeads).
-bool bwd_warp_heads(const Config& c) { return c.has("algo") && c.get("algo") == kMmaFusedWarpHeads; }
+// kMmaFusedWarpHeads: kMmaFused with the token pass's heads run per warp (mhc_pre_bwd_token_mma.cuh, kWarpHeads);
+// kMmaFusedRing: that with the token pass's rows through a cp.async ring in dynamic shared memory (kRing).
+bool bwd_warp_heads(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaFusedWarpHeads; }
+bool bwd_ring(const Config& c) { return c.has("algo") && c.get("algo") == kMmaFusedRing; }
+// The token pass's ring (templates/mhc/mhc_pre_bwd_token_mma.cuh, mhc_pre_bwd_ring_bytes): 2 chunks of a lane's
+// n + 1 rows of 16 bytes per m16 tile of tokens; mma_tokens' n x tokens / 16 <= 8 keeps it at most 96 KB
+// (n 4, 32 tokens: 80 KB), beside 14 KB of static shared memory: 2 blocks an SM, as the registers allow.
+int64_t bwd_ring_bytes(const Problem& p, int64_t tokens) { return 2 * (p.dim("n") + 1) * (tokens / 16) * 2 * kMmaThreads * 16; }
 // The fused kernel's columns a block (4 warps of 32).
 constexpr int64_t kFusedBlockCols = 128;
 // The mma columns kernel's consecutive columns per lane (its kNt): 8 while ceil(M / 16) <= 3 m16 tiles of
@@ -602,13 +608,13 @@ std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, 
   // pass on tensor cores, which never writes dx; algo=mma_fused: that token pass, then dx with the columns.
   if (bwd_mma_fused(c)) {
     return {kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
-                        {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), b(bwd_warp_heads(c))}),
+                        {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), b(bwd_ring(c)), b(bwd_warp_heads(c))}),
             kernel_spec(p, "mhc/mhc_pre_bwd_fused_mma.cuh", "kspec::mhc_pre_bwd_fused_mma_kernel",
                         {T, n, D, g, head, b(dx_post)}),
             reduce};
   }
   return {bwd_mma_tokens(c) ? kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
-                                          {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), "false"})
+                                          {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), "false", "false"})
                             : kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_token_kernel",
                                           {T, n, D, t_max_arg(p), g, head, "false", thr(c), tokens, "false"}),
           kernel_spec(p, "mhc/mhc_pre_bwd_mma.cuh", "kspec::mhc_pre_bwd_columns_mma_kernel",
@@ -664,7 +670,8 @@ void* launch_pre_bwd(const Call& call, const Config& c, Launcher& l, MhcPreBwdPa
   a.ws_hpre = a.ws_cv + T;
   void* args[] = {&a};
   const unsigned th = u32(c.get("threads"));
-  if (T > 0) l.launch(0, {u32(ceil_div(T, c.get("tokens")))}, {th}, 0, args);
+  if (T > 0)
+    l.launch(0, {u32(ceil_div(T, c.get("tokens")))}, {th}, bwd_ring(c) ? u32(bwd_ring_bytes(pr, c.get("tokens"))) : 0, args);
   if (bwd_mma_fused(c)) l.launch(1, {u32(ceil_div(nd, kFusedBlockCols)), u32(parts)}, {u32(kMmaThreads)}, 0, args);
   else if (bwd_mma(c)) l.launch(1, {u32(ceil_div(nd, bwd_mma_block_cols(pr))), u32(parts)}, {u32(kMmaThreads)}, 0, args);
   else l.launch(1, {u32(ceil_div(nd, th)), u32(parts)}, {th}, 0, args);
@@ -710,9 +717,10 @@ std::string bwd_mma_tokens_unsupported(const Problem& p, int64_t tokens) {
 // else mma_tokens at 32 tokens (16 where 32 is not valid) wherever it is valid, else algo=mma with the SIMT
 // heuristic's threads and tokens (1 token on pre_only, its rule), else the SIMT kernels. H100, T 16384, n 4,
 // D 4096, bf16, pre fwd+bwd: mma_fused 32 2056 us (run 20), mma_tokens 32 2540, mma 3716, simt 6280 (H200:
-// mma 3567 against simt 6280; tools/bench/NOTES.md). mma_fused_warp_heads is selectable, not yet timed.
+// mma 3567 against simt 6280; tools/bench/NOTES.md). mma_fused_ring (the token pass through a cp.async ring) is
+// selectable, not yet timed.
 TuningSpace with_bwd_algo_axis(TuningSpace t) {
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaTokens, kMmaFused, kMmaFusedWarpHeads}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaTokens, kMmaFused, kMmaFusedWarpHeads, kMmaFusedRing}});
   for (auto& [name, values] : t.axes)
     if (name == "tokens") values = {1, 4, 16, 32, 64};
   auto simt_valid = t.valid;
@@ -726,6 +734,7 @@ TuningSpace with_bwd_algo_axis(TuningSpace t) {
       // 18 KB ring of rows (mhc_pre_bwd_fused_mma.cuh): 46 KB of the 48 static at M = 24.
       if (no.empty() && algo >= kMmaFused && proj_rows(p) > 24)
         no = "algo=mma_fused takes at most 24 projection rows (n <= 4; pre_only n <= 8): shared memory";
+
       if (no.empty()) return true;
     } else if (no.empty() && tok > 4) {
       no = "algo=simt and algo=mma take 1 or 4 tokens a block (the SIMT token kernel's)";
