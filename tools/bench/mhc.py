@@ -460,9 +460,9 @@ def _report(ctx, rows, why):
         " torch.compile 1.47 / 4.65 / 13.7.",
         f"'{PRE_KERNELS}…': mhc.pre.fwd's kernels by config through kspec.call (forward only): algo=simt, the SIMT"
         " projection; algo=mma, the projection on tensor cores at 16, 32 or 64 tokens a block; algo=mma_warp_heads"
-        " (the default for M <= 32), the same with each warp running its own tokens' heads (Sinkhorn-Knopp by"
-        " shuffles) and then their y; algo=mma_ring, that with the projection's rows of x through a cp.async ring"
-        " in shared memory, 3 chunks ahead (the same bits).",
+        " (M <= 32), the same with each warp running its own tokens' heads (Sinkhorn-Knopp by shuffles) and then"
+        " their y; algo=mma_ring (the default at 32 tokens for x in 16-byte groups and M <= 32), that with the"
+        " projection's rows of x through a cp.async ring in shared memory, 3 chunks ahead (the same bits).",
         f"'{PRE_BWD_KERNELS}…': pre fwd+bwd with mhc.pre.bwd by config through kspec.call (the forward the"
         " heuristic's): algo=simt, the SIMT kernels; algo=mma, dΦ and dγ from one GEMM S = dmᵀ·x a part and dx's"
         " du = dm·Φ on tensor cores; algo=mma_tokens (the default past M = 24), the token pass (m and"

@@ -168,7 +168,7 @@ enum PreAlgo : int64_t { kSimt = 0, kMma = 1, kMmaTokens = 2, kMmaFused = 3, kMm
 // pre.fwd's third value: kMma with each warp running its own tokens' heads and then their y
 // (mhc_pre_mma.cuh, kWarpHeads): n*n and M at most 32. The fourth, kMmaRing: that with the projection's rows
 // of x through a ring of 4 chunks in shared memory, 3 ahead (cp.async) instead of 1 in registers: the same
-// bits, more bytes in flight (mhc_pre_mma.cuh, kRing; tools/bench/NOTES.md, session 9).
+// bits, more bytes in flight (mhc_pre_mma.cuh, kRing; tools/bench/NOTES.md, session 9); the heuristic's where it runs.
 constexpr int64_t kMmaWarpHeads = 2, kMmaRing = 3;
 bool fwd_warp_heads(const Config& c) { return c.get("algo") == kMmaWarpHeads || c.get("algo") == kMmaRing; }
 // Under kMmaWarpHeads and kMmaRing, up to this many tokens (decode, small batches) take the split plan instead:
@@ -239,8 +239,9 @@ std::string ring_unsupported(const Problem& p, int64_t tokens) {
   return "";
 }
 
-// pre.fwd: the tensor-core projection wherever it runs, with the most tokens a block whose accumulators fit,
-// the heads per warp where M <= 32 (tools/bench/NOTES.md).
+// pre.fwd: the tensor-core projection wherever it runs: mma_ring at 32 tokens where x is in 16-byte groups and
+// M <= 32, else the most tokens a block whose accumulators fit, the heads per warp where M <= 32
+// (tools/bench/NOTES.md).
 TuningSpace with_algo_axis(TuningSpace t) {
   t = with_fwd_algo_axis(std::move(t), {kSimt, kMma, kMmaWarpHeads, kMmaRing}, [](const Problem& p, const Config& c) {
     const int64_t tok = c.get("tokens");
@@ -252,9 +253,12 @@ TuningSpace with_algo_axis(TuningSpace t) {
     return c.get("algo") == kMmaRing ? ring_unsupported(p, tok) : std::string();
   });
   auto simt_heuristic = t.heuristic;
-  // H100 (run 20, T 16384, n 4, D 4096, bf16): mma_warp_heads 64 520 us, 32 522; mma 64 573, 32 530.
+  // H100 (T 16384, n 4, D 4096, bf16): run 25 mma_ring 32 497 us, mma_warp_heads 64 521, mma_ring 16 585; run 20
+  // mma_warp_heads 64 520, 32 522, mma 64 573, 32 530. mma_ring at 32 tokens where it runs, else the largest tile.
   t.heuristic = [simt_heuristic](const Problem& p) {
     if (mma_unsupported(p).empty()) {
+      if (warp_heads_unsupported(p).empty() && ring_unsupported(p, 32).empty())
+        return Config{{{"algo", kMmaRing}, {"threads", kMmaThreads}, {"tokens", 32}}};
       const int64_t algo = warp_heads_unsupported(p).empty() ? kMmaWarpHeads : kMma;
       for (int64_t tok : {64, 32, 16})
         if (tok <= max_mma_tokens(p) && mma_tiles(p, tok) <= kMaxMmaTiles)
