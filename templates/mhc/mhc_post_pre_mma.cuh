@@ -25,7 +25,7 @@ template <typename T, int N, int D, int kTMax, bool kHasGamma, int kTok, bool kW
 __global__ void __launch_bounds__(kMhcMmaThreads, 1) mhc_post_pre_fwd_mma_kernel(const MhcPostPreParams p) {
   using Rows = MhcRows<N, false>;
   constexpr int kWarps = kMhcMmaThreads / 32;
-  constexpr int kM = Rows::kM, kND = N * D, kK = kM + 1, kNN = N * N;
+  constexpr int kM = Rows::kM, kK = kM + 1, kNN = N * N;
   constexpr int kNt = (kM + 7) / 8, kMt = kTok / 16, kDChunks = (D + 31) / 32;
   static_assert(!IsSame<T, float>::value, "the mma projection takes 16-bit x only (exact in TF32)");
   static_assert(D % 8 == 0 && kTok % 16 == 0, "16-byte groups of a stream, whole m16 tiles of tokens");
@@ -60,19 +60,8 @@ __global__ void __launch_bounds__(kMhcMmaThreads, 1) mhc_post_pre_fwd_mma_kernel
 
   for (int dc = warp; dc < kDChunks; dc += kWarps) {
     const int d0 = dc * 32 + 8 * c, valid = D - d0;
-    // Every row this chunk reads, loaded before any is used (zeros past the block's tokens and past D).
     MhcRow8<T> xv[N][kMt][2], fv[kMt][2];
-#pragma unroll
-    for (int mt = 0; mt < kMt; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int tr = mt * 16 + g + 8 * h;
-        const long long t = t0 + (tr < ntok ? tr : 0);
-        const int v = tr < ntok ? valid : 0;
-        mhc_load8<T, true>(fv[mt][h], f + t * p.f_row + d0, v);
-#pragma unroll
-        for (int i = 0; i < N; ++i) mhc_load8<T, true>(xv[i][mt][h], x + (t * N + i) * p.x_row + d0, v);
-      }
+    mhc_load_chunk_rows<T, N, kMt, true>(xv, fv, x, p.x_row, f, p.f_row, t0, ntok, g, d0, valid);
     // Not unrolled: unrolled, the n streams' phi and o are hoisted together and spill (n 4, 32 tokens: 480 bytes).
 #pragma unroll 1
     for (int k = 0; k < N; ++k) {
@@ -92,42 +81,8 @@ __global__ void __launch_bounds__(kMhcMmaThreads, 1) mhc_post_pre_fwd_mma_kernel
           }
           if (tr < ntok && valid > 0) mhc_store8(x_next + ((t0 + tr) * N + k) * p.pre.x_row + d0, o[mt][h]);
         }
-      const int col = k * D + d0;
-      float gm[8], ph[kNt][8];
-      if (kHasGamma) mhc_load8f<true>(gm, p.pre.gamma + col, valid);
-#pragma unroll
-      for (int j = 0; j < kNt; ++j) {
-        const int r = 8 * j + g;
-        mhc_load8f<true>(ph[j], p.pre.phi + static_cast<long long>(r < kM ? r : 0) * kND + col, r < kM ? valid : 0);
-      }
-#pragma unroll
-      for (int mt = 0; mt < kMt; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            const float v = to_float(o[mt][h].v[e]);
-            ss[mt][h] = fmaf(v, v, ss[mt][h]);
-          }
-#pragma unroll
-      for (int j = 0; j < kNt; ++j) {
-        float bh[8], bl[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float w = kHasGamma ? ph[j][e] * gm[e] : ph[j][e];
-          bh[e] = mhc_tf32(w);
-          bl[e] = mhc_tf32(w - bh[e]);
-        }
-#pragma unroll
-        for (int s = 0; s < 4; ++s)
-#pragma unroll
-          for (int mt = 0; mt < kMt; ++mt) {
-            const float a0 = to_float(o[mt][0].v[2 * s]), a1 = to_float(o[mt][1].v[2 * s]);
-            const float a2 = to_float(o[mt][0].v[2 * s + 1]), a3 = to_float(o[mt][1].v[2 * s + 1]);
-            mhc_mma_tf32(acc[mt][j], a0, a1, a2, a3, bl[2 * s], bl[2 * s + 1]);
-            mhc_mma_tf32(acc[mt][j], a0, a1, a2, a3, bh[2 * s], bh[2 * s + 1]);
-          }
-      }
+      mhc_pre_fwd_mma_chunk<T, N, D, kHasGamma, false, kMt, true>(p.pre.phi, p.pre.gamma, k * D + d0, valid, o, acc,
+                                                                  ss);
     }
   }
   // The finish's first barrier also orders this block's x_next stores before its y pass reads them back.

@@ -30,24 +30,6 @@ struct alignas(8) MhcRow4 {
   T v[4];
 };
 
-// 8 bytes from global to shared memory without passing through registers (cp.async, sm_80+), or zeros stored
-// at once. The calling thread alone reads dst back, after mhc_cp_async_wait.
-__device__ __forceinline__ void mhc_cp_async8(uint2* dst, const void* src, bool ok) {
-  if (ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))),
-                 "l"(src)
-                 : "memory");
-  } else {
-    *dst = make_uint2(0u, 0u);
-  }
-}
-__device__ __forceinline__ void mhc_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most kPending of this thread's committed groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void mhc_cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
 // Grid: (ceil(nD / 128), parts) blocks of kMhcMmaThreads; warp w of block bx takes the 32 columns
 // 128 bx + 32 w .. + 31. D % 8 == 0 and every pointer and row 16-byte aligned (the plan's rule), so a
 // lane's 4 columns lie in one stream and its loads are whole.

@@ -80,11 +80,21 @@ __device__ __forceinline__ void mhc_pre_bwd_heads_warp(const MhcPreBwdParams& p,
 // accumulator tiles and kMt x 2 x n sums <dy, x[i]> (api/ops/mhc/op.cpp bounds kMt n and kMt kNt).
 // kWarpHeads names a minimum of one block an SM (as mhc_pre_fwd_mma_kernel's: ptxas capped n 1-2 at 64-80
 // registers and spilled without it); without kWarpHeads the kernel is compiled as before.
-template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kTok, bool kVec, bool kWarpHeads>
+// kRing (algo=mma_fused_ring, with kWarpHeads): a chunk's rows come through a ring of 2 chunks in dynamic shared
+// memory (cp.async, mhc_pre_bwd_ring_bytes of it), the next chunk's copies issued before this one's mmas, so
+// loads stay in flight while a warp computes (without it a warp loads its 20 rows, then computes with nothing
+// in flight: registers leave no room for a prefetch). The same rows into the same operations: the same bits.
+constexpr int kMhcBwdRingStages = 2;
+template <int N, int kTok>
+constexpr int mhc_pre_bwd_ring_bytes() {
+  return kMhcBwdRingStages * (N + 1) * (kTok / 16) * 2 * kMhcMmaThreads * 16;
+}
+template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kTok, bool kVec, bool kRing,
+          bool kWarpHeads>
 __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads ? 1 : 0) mhc_pre_bwd_token_mma_kernel(const MhcPreBwdParams p) {
   using Rows = MhcRows<N, kPreOnly>;
   constexpr int kThreads = kMhcMmaThreads, kWarps = kThreads / 32;
-  constexpr int kM = Rows::kM, kND = N * D, kK = N + kM, kNN = N * N;
+  constexpr int kM = Rows::kM, kK = N + kM, kNN = N * N;
   constexpr int kNt = (kM + 7) / 8, kMt = kTok / 16, kDChunks = (D + 31) / 32;
   static_assert(!IsSame<T, float>::value, "algo=mma_tokens takes 16-bit x only (exact in TF32)");
   // Tokens whose heads run side by side: a row of h and a Sinkhorn element per thread for each.
@@ -113,59 +123,66 @@ __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads ? 1 : 0) mhc_pre_bw
       for (int i = 0; i < N; ++i) dxy[mt][h][i] = 0.f;
   }
 
-  for (int dc = warp; dc < kDChunks; dc += kWarps) {
-    const int d0 = dc * 32 + 8 * c, valid = D - d0;
-    // Every row this step reads, loaded before any is used (zeros past the block's tokens and past D).
-    MhcRow8<T> xv[N][kMt][2], yv[kMt][2];
+  // kRing: the lane's slots of stage s, row r (dy's kMt x 2 rows, then x's n x kMt x 2), kThreads apart.
+  extern __shared__ uint4 ring[];
+  constexpr int kRows = (N + 1) * kMt * 2;
+  auto slot = [&](int stage, int r) { return ring + (stage * kRows + r) * kThreads + threadIdx.x; };
+  auto issue = [&](int stage, int dc) {
+    const bool in = dc < kDChunks;
+    const int d0 = (in ? dc : 0) * 32 + 8 * c;
 #pragma unroll
     for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int tr = mt * 16 + g + 8 * h;
         const long long t = t0 + (tr < ntok ? tr : 0);
-        const int v = tr < ntok ? valid : 0;
-        mhc_load8<T, kVec>(yv[mt][h], dy + t * p.dy_row + d0, v);
+        const bool ok = in && tr < ntok && d0 < D;
+        mhc_cp_async16(slot(stage, mt * 2 + h), dy + t * p.dy_row + d0, ok);
 #pragma unroll
-        for (int i = 0; i < N; ++i) mhc_load8<T, kVec>(xv[i][mt][h], x + (t * N + i) * p.x_row + d0, v);
+        for (int i = 0; i < N; ++i)
+          mhc_cp_async16(slot(stage, kMt * 2 + (i * kMt + mt) * 2 + h), x + (t * N + i) * p.x_row + d0, ok);
       }
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      const int col = i * D + d0;
-      float gm[8], ph[kNt][8];
-      if (kHasGamma) mhc_load8f<kVec>(gm, p.gamma + col, valid);
-#pragma unroll
-      for (int j = 0; j < kNt; ++j) {
-        const int r = 8 * j + g;
-        mhc_load8f<kVec>(ph[j], p.phi + static_cast<long long>(r < kM ? r : 0) * kND + col, r < kM ? valid : 0);
-      }
+    mhc_cp_async_commit();
+  };
+  if constexpr (kRing) {
+    static_assert(kVec && kWarpHeads, "algo=mma_fused_ring: x in 16-byte groups, the heads per warp");
+    issue(0, warp);
+  }
+
+  for (int dc = warp, k = 0; dc < kDChunks; dc += kWarps, ++k) {
+    const int d0 = dc * 32 + 8 * c, valid = D - d0;
+    MhcRow8<T> xv[N][kMt][2], yv[kMt][2];
+    if constexpr (kRing) {
+      // Into the stage chunk k - 1 was read from (its rows are in registers since the last step).
+      issue((k + 1) % kMhcBwdRingStages, dc + kWarps);
+      mhc_cp_async_wait<1>();  // chunk k's copies landed
+      const int st = k % kMhcBwdRingStages;
 #pragma unroll
       for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+        for (int h = 0; h < 2; ++h) {
+          yv[mt][h] = *reinterpret_cast<const MhcRow8<T>*>(slot(st, mt * 2 + h));
 #pragma unroll
-          for (int e = 0; e < 8; ++e)
-            dxy[mt][h][i] = fmaf(to_float(xv[i][mt][h].v[e]), to_float(yv[mt][h].v[e]), dxy[mt][h][i]);
-#pragma unroll
-      for (int j = 0; j < kNt; ++j) {
-        float bh[8], bl[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float w = kHasGamma ? ph[j][e] * gm[e] : ph[j][e];
-          bh[e] = mhc_tf32(w);
-          bl[e] = mhc_tf32(w - bh[e]);
+          for (int i = 0; i < N; ++i)
+            xv[i][mt][h] = *reinterpret_cast<const MhcRow8<T>*>(slot(st, kMt * 2 + (i * kMt + mt) * 2 + h));
         }
-#pragma unroll
-        for (int s = 0; s < 4; ++s)
-#pragma unroll
-          for (int mt = 0; mt < kMt; ++mt) {
-            const float a0 = to_float(xv[i][mt][0].v[2 * s]), a1 = to_float(xv[i][mt][1].v[2 * s]);
-            const float a2 = to_float(xv[i][mt][0].v[2 * s + 1]), a3 = to_float(xv[i][mt][1].v[2 * s + 1]);
-            mhc_mma_tf32(acc[mt][j], a0, a1, a2, a3, bl[2 * s], bl[2 * s + 1]);
-            mhc_mma_tf32(acc[mt][j], a0, a1, a2, a3, bh[2 * s], bh[2 * s + 1]);
-          }
-      }
+    } else {
+      mhc_load_chunk_rows<T, N, kMt, kVec>(xv, yv, x, p.x_row, dy, p.dy_row, t0, ntok, g, d0, valid);
     }
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      mhc_pre_mma_project<T, N, D, kHasGamma, kPreOnly, kMt, kVec>(p.phi, p.gamma, i * D + d0, valid, xv[i], acc, [&] {
+#pragma unroll
+        for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+              dxy[mt][h][i] = fmaf(to_float(xv[i][mt][h].v[e]), to_float(yv[mt][h].v[e]), dxy[mt][h][i]);
+      });
   }
+
+  if constexpr (kRing) mhc_cp_async_wait<0>();
 
   // A row's <dy, x[i]> over the quad's four lanes, then the warps' partials added in warp order into
   // tot[row * kK]: <dy, x[i]> at i, m[r] at n + r (mhc_pre_bwd_heads' layout).

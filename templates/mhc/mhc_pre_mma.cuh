@@ -32,6 +32,30 @@ __device__ __forceinline__ float mhc_tf32(float v) {
   return __uint_as_float(r);
 }
 
+// 8 bytes from global to shared memory without passing through registers (cp.async, sm_80+), or zeros stored
+// at once. The calling thread alone reads dst back, after mhc_cp_async_wait.
+__device__ __forceinline__ void mhc_cp_async8(uint2* dst, const void* src, bool ok) {
+  if (ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+                 "l"(src)
+                 : "memory");
+  } else {
+    *dst = make_uint2(0u, 0u);
+  }
+}
+// The same for 16 bytes (dst and src 16-byte aligned); zeros when not `ok` (src-size 0: the source is not read).
+__device__ __forceinline__ void mhc_cp_async16(uint4* dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(src), "r"(ok ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void mhc_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most kPending of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void mhc_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
 // D += A * B, A 16x8 row-major, B 8x8 column-major, TF32 inputs, fp32 accumulators. Lane (g, c) =
 // (lane / 4, lane % 4): a0 (row g, k c), a1 (row g + 8, k c), a2 (row g, k c + 4), a3 (row g + 8, k c + 4);
 // b0 (k c, n g), b1 (k c + 4, n g); d as mma.m16n8k16's (rows g, g + 8; cols 2c, 2c + 1).
@@ -225,6 +249,87 @@ __device__ __forceinline__ void mhc_pre_fwd_mma_finish(const MhcPreParams& p, lo
   }
 }
 
+// The lane's rows of one chunk of 32 columns d (d0 = 32 dc + 8 c), loaded before any is used: the n streams of
+// x and one other row of the same tokens (f or dy); tokens mt * 16 + g + 8 h of the block's from t0, zeros past
+// its ntok tokens and past D (valid = D - d0).
+template <typename T, int N, int kMt, bool kVec>
+__device__ __forceinline__ void mhc_load_chunk_rows(MhcRow8<T> (&xv)[N][kMt][2], MhcRow8<T> (&ov)[kMt][2], const T* x,
+                                                    long long x_row, const T* o, long long o_row, long long t0,
+                                                    int ntok, int g, int d0, int valid) {
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int tr = mt * 16 + g + 8 * h;
+      const long long t = t0 + (tr < ntok ? tr : 0);
+      const int v = tr < ntok ? valid : 0;
+      mhc_load8<T, kVec>(ov[mt][h], o + t * o_row + d0, v);
+#pragma unroll
+      for (int i = 0; i < N; ++i) mhc_load8<T, kVec>(xv[i][mt][h], x + (t * N + i) * x_row + d0, v);
+    }
+}
+
+// m += (x * gamma) phi^T over one chunk: the lane's rows xr (tokens mt * 16 + g + 8 h, columns col .. col + 7
+// of the flattened streams, valid of them inside the stream) into the m16n8k8 accumulators of every row tile,
+// phi (times gamma) split into hi + lo TF32 parts (two mmas each). between(): the caller's own sums over the
+// rows, run after phi's loads are issued and before the mmas (the order ptxas kept without spills: with the
+// sums first, the token pass spilled 152-184 bytes at n 4, 32 tokens on sm_90).
+template <typename T, int N, int D, bool kHasGamma, bool kPreOnly, int kMt, bool kVec, typename Between>
+__device__ __forceinline__ void mhc_pre_mma_project(const float* phi, const float* gamma, int col, int valid,
+                                                    const MhcRow8<T> (&xr)[kMt][2],
+                                                    float (&acc)[kMt][(MhcRows<N, kPreOnly>::kM + 7) / 8][4],
+                                                    Between&& between) {
+  constexpr int kM = MhcRows<N, kPreOnly>::kM, kND = N * D, kNt = (kM + 7) / 8;
+  const int g = static_cast<int>(threadIdx.x) % 32 / 4;
+  float gm[8], ph[kNt][8];
+  if (kHasGamma) mhc_load8f<kVec>(gm, gamma + col, valid);
+#pragma unroll
+  for (int j = 0; j < kNt; ++j) {
+    const int r = 8 * j + g;
+    mhc_load8f<kVec>(ph[j], phi + static_cast<long long>(r < kM ? r : 0) * kND + col, r < kM ? valid : 0);
+  }
+  between();
+#pragma unroll
+  for (int j = 0; j < kNt; ++j) {
+    float bh[8], bl[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float w = kHasGamma ? ph[j][e] * gm[e] : ph[j][e];
+      bh[e] = mhc_tf32(w);
+      bl[e] = mhc_tf32(w - bh[e]);
+    }
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt) {
+        const float a0 = to_float(xr[mt][0].v[2 * s]), a1 = to_float(xr[mt][1].v[2 * s]);
+        const float a2 = to_float(xr[mt][0].v[2 * s + 1]), a3 = to_float(xr[mt][1].v[2 * s + 1]);
+        mhc_mma_tf32(acc[mt][j], a0, a1, a2, a3, bl[2 * s], bl[2 * s + 1]);
+        mhc_mma_tf32(acc[mt][j], a0, a1, a2, a3, bh[2 * s], bh[2 * s + 1]);
+      }
+  }
+}
+
+// The forward's step of one chunk (pre.fwd's and post_pre.fwd's): the projection, with the rows' sums of
+// squares.
+template <typename T, int N, int D, bool kHasGamma, bool kPreOnly, int kMt, bool kVec>
+__device__ __forceinline__ void mhc_pre_fwd_mma_chunk(const float* phi, const float* gamma, int col, int valid,
+                                                      const MhcRow8<T> (&xr)[kMt][2],
+                                                      float (&acc)[kMt][(MhcRows<N, kPreOnly>::kM + 7) / 8][4],
+                                                      float (&ss)[kMt][2]) {
+  mhc_pre_mma_project<T, N, D, kHasGamma, kPreOnly, kMt, kVec>(phi, gamma, col, valid, xr, acc, [&] {
+#pragma unroll
+    for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float v = to_float(xr[mt][h].v[e]);
+          ss[mt][h] = fmaf(v, v, ss[mt][h]);
+        }
+  });
+}
+
 // Grid: ceil(T / kTok) blocks of kMhcMmaThreads. kVec: D % 8 == 0 and every pointer and row stride
 // 16-byte aligned (the plan's choice).
 // kWarpHeads names a minimum of one block an SM: without it ptxas capped some 32-token tiles at 72-80
@@ -233,6 +338,11 @@ __device__ __forceinline__ void mhc_pre_fwd_mma_finish(const MhcPreParams& p, lo
 // kSplits > 1 (algo=mma_split, for few tokens): grid (ceil(T / kTok), kSplits), block (bx, s) projecting every
 // kSplits-th group of 4 chunks from s and leaving its tile's totals in the workspace (MhcPreSplitParams) for
 // mhc_pre_fwd_split_heads_kernel below.
+// kRing (algo=mma_ring, with kWarpHeads): the projection's rows of x come through a ring of kMhcFwdRingStages
+// chunks in shared memory (cp.async), 3 chunks ahead instead of 1 in registers: at 32 tokens 3 x 8 KB a block
+// in flight (4 KB before), and the 16-32 registers of the next chunk's rows freed. The same loads, mmas and
+// order of sums: the same bits as kWarpHeads alone.
+constexpr int kMhcFwdRingStages = 4;
 template <int kSplits>
 struct MhcPreFwdArgs {
   using Type = MhcPreSplitParams;
@@ -247,13 +357,13 @@ struct MhcPreFwdArgs<1> {
 };
 
 template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kTok, bool kVec, int kSplits,
-          bool kWarpHeads>
+          bool kRing, bool kWarpHeads>
 __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads || kSplits > 1 ? 1 : 0)
     mhc_pre_fwd_mma_kernel(const typename MhcPreFwdArgs<kSplits>::Type args) {
   const MhcPreParams& p = MhcPreFwdArgs<kSplits>::pre(args);
   using Rows = MhcRows<N, kPreOnly>;
   constexpr int kThreads = kMhcMmaThreads, kWarps = kThreads / 32;
-  constexpr int kM = Rows::kM, kND = N * D, kK = kM + 1, kNN = N * N;
+  constexpr int kM = Rows::kM, kK = kM + 1, kNN = N * N;
   constexpr int kNt = (kM + 7) / 8, kMt = kTok / 16;
   constexpr int kChunksPerStream = (D + 31) / 32, kChunks = N * kChunksPerStream;
   // fp32 x is algo=simt's (api/ops/mhc/op.cpp, mma_unsupported): split into TF32 parts it missed the fp32
@@ -280,68 +390,74 @@ __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads || kSplits > 1 ? 1 
     for (int j = 0; j < kNt; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.f;
   }
 
-  // This lane's rows of x in chunk q: tokens mt * 16 + g + 8 h, columns d0 .. d0 + 7 of stream i (zeros past
-  // the block's tokens and past D).
-  auto load_x = [&](MhcRow8<T> (&buf)[kMt][2], int q) {
-    const int i = q / kChunksPerStream, d0 = (q % kChunksPerStream) * 32 + 8 * c;
-#pragma unroll
-    for (int mt = 0; mt < kMt; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int tr = mt * 16 + g + 8 * h;
-        const long long t = t0 + (tr < ntok ? tr : 0);
-        mhc_load8<T, kVec>(buf[mt][h], x + (t * N + i) * p.x_row + d0, tr < ntok ? D - d0 : 0);
-      }
+  // Chunk q (32 columns of stream q / kChunksPerStream) of the lane's rows xc into ss and acc.
+  auto chunk = [&](int q, const MhcRow8<T> (&xc)[kMt][2]) {
+    const int d0 = (q % kChunksPerStream) * 32 + 8 * c;
+    mhc_pre_fwd_mma_chunk<T, N, D, kHasGamma, kPreOnly, kMt, kVec>(p.phi, p.gamma, q / kChunksPerStream * D + d0,
+                                                                   D - d0, xc, acc, ss);
   };
-
   constexpr int kStep = kWarps * kSplits;
   const int q0 = (kSplits == 1 ? 0 : static_cast<int>(blockIdx.y) * kWarps) + warp;
-  MhcRow8<T> xc[kMt][2];
-  if (q0 < kChunks) load_x(xc, q0);
-  for (int q = q0; q < kChunks; q += kStep) {
-    // The next chunk's x in flight while this one's mmas run.
-    MhcRow8<T> xn[kMt][2];
-    if (q + kStep < kChunks) load_x(xn, q + kStep);
-    const int i = q / kChunksPerStream, d0 = (q % kChunksPerStream) * 32 + 8 * c;
-    const int col = i * D + d0, valid = D - d0;
-    float gm[8], ph[kNt][8];
-    if (kHasGamma) mhc_load8f<kVec>(gm, p.gamma + col, valid);
+  if constexpr (kRing) {
+    // A ring of kStages chunks of this lane's rows in shared memory, each lane reading back only its own
+    // slots (no barrier): chunk k + kStages - 1's copies are issued before chunk k's mmas.
+    static_assert(kVec && kSplits == 1, "algo=mma_ring: x in 16-byte groups, one block a tile");
+    constexpr int kStages = kMhcFwdRingStages;
+    __shared__ uint4 ring[kStages][kMt * 2][kThreads];
+    auto issue = [&](int stage, int q) {
+      const bool in = q < kChunks;
+      const int i = in ? q / kChunksPerStream : 0, d0 = in ? (q % kChunksPerStream) * 32 + 8 * c : 0;
 #pragma unroll
-    for (int j = 0; j < kNt; ++j) {
-      const int r = 8 * j + g;
-      mhc_load8f<kVec>(ph[j], p.phi + static_cast<long long>(r < kM ? r : 0) * kND + col, r < kM ? valid : 0);
-    }
+      for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
-    for (int mt = 0; mt < kMt; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float v = to_float(xc[mt][h].v[e]);
-          ss[mt][h] = fmaf(v, v, ss[mt][h]);
+        for (int h = 0; h < 2; ++h) {
+          const int tr = mt * 16 + g + 8 * h;
+          const long long t = t0 + (tr < ntok ? tr : 0);
+          mhc_cp_async16(&ring[stage][mt * 2 + h][threadIdx.x], x + (t * N + i) * p.x_row + d0,
+                         in && tr < ntok && d0 < D);
         }
+      mhc_cp_async_commit();
+    };
 #pragma unroll
-    for (int j = 0; j < kNt; ++j) {
-      float bh[8], bl[8];
+    for (int s = 0; s < kStages - 1; ++s) issue(s, q0 + s * kStep);
+    for (int q = q0, k = 0; q < kChunks; q += kStep, ++k) {
+      mhc_cp_async_wait<kStages - 2>();  // chunk k's copies landed
+      MhcRow8<T> xc[kMt][2];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float w = kHasGamma ? ph[j][e] * gm[e] : ph[j][e];
-        bh[e] = mhc_tf32(w);
-        bl[e] = mhc_tf32(w - bh[e]);
+      for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          xc[mt][h] = *reinterpret_cast<const MhcRow8<T>*>(&ring[k % kStages][mt * 2 + h][threadIdx.x]);
+      // Into the slot chunk k - 1 was read from (its values are in use since the last step).
+      issue((k + kStages - 1) % kStages, q + (kStages - 1) * kStep);
+      chunk(q, xc);
+    }
+    mhc_cp_async_wait<0>();
+  } else {
+    // This lane's rows of x in chunk q: tokens mt * 16 + g + 8 h, columns d0 .. d0 + 7 of stream i (zeros past
+    // the block's tokens and past D).
+    auto load_x = [&](MhcRow8<T> (&buf)[kMt][2], int q) {
+      const int i = q / kChunksPerStream, d0 = (q % kChunksPerStream) * 32 + 8 * c;
+  #pragma unroll
+      for (int mt = 0; mt < kMt; ++mt)
+  #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int tr = mt * 16 + g + 8 * h;
+          const long long t = t0 + (tr < ntok ? tr : 0);
+          mhc_load8<T, kVec>(buf[mt][h], x + (t * N + i) * p.x_row + d0, tr < ntok ? D - d0 : 0);
+        }
+    };
+    MhcRow8<T> xc[kMt][2];
+    if (q0 < kChunks) load_x(xc, q0);
+    for (int q = q0; q < kChunks; q += kStep) {
+      // The next chunk's x in flight while this one's mmas run.
+      MhcRow8<T> xn[kMt][2];
+      if (q + kStep < kChunks) load_x(xn, q + kStep);
+      chunk(q, xc);
+      if (q + kStep < kChunks) {
+#pragma unroll
+        for (int mt = 0; mt < kMt; ++mt) xc[mt][0] = xn[mt][0], xc[mt][1] = xn[mt][1];
       }
-#pragma unroll
-      for (int s = 0; s < 4; ++s)
-#pragma unroll
-        for (int mt = 0; mt < kMt; ++mt) {
-          const float a0 = to_float(xc[mt][0].v[2 * s]), a1 = to_float(xc[mt][1].v[2 * s]);
-          const float a2 = to_float(xc[mt][0].v[2 * s + 1]), a3 = to_float(xc[mt][1].v[2 * s + 1]);
-          mhc_mma_tf32(acc[mt][j], a0, a1, a2, a3, bl[2 * s], bl[2 * s + 1]);
-          mhc_mma_tf32(acc[mt][j], a0, a1, a2, a3, bh[2 * s], bh[2 * s + 1]);
-        }
-    }
-    if (q + kStep < kChunks) {
-#pragma unroll
-      for (int mt = 0; mt < kMt; ++mt) xc[mt][0] = xn[mt][0], xc[mt][1] = xn[mt][1];
     }
   }
   if constexpr (kSplits > 1) {

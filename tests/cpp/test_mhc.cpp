@@ -425,7 +425,7 @@ TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
   const Config ok{{{"algo", 2}, {"threads", 128}, {"tokens", 32}}};
   std::string why;
   EXPECT_TRUE(op.tuning.valid(p, ok, &why)) << why;
-  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 2);  // H100 run 20: 520 us at 64 tokens against 573 (mma)
+  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 3);  // mma_ring (H100 run 25: 497 us against 521 at 64 tokens)
   const auto kernels = op.kernels(p, ok);
   // The tile's kernel, then the split plan's two (taken by the launcher for T <= 256): projection partials
   // over 64 groups of columns at 16 tokens, then their sum, the heads and y.
@@ -471,6 +471,128 @@ TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
       }
     }
   EXPECT_EQ(compiled, 24);  // three kernels each
+}
+
+// pre.bwd's algo=mma_fused_ring (5): mma_fused_warp_heads with the token pass's rows through a cp.async ring in
+// dynamic shared memory (the token kernel's kRing, its next-to-last template argument; the launch passes the
+// ring's bytes); mma_fused's rules; not the heuristic's; the token kernel compiles without spills on sm_80 and
+// sm_90 at n 4 (32 tokens), n 2 (64), n 3 (16) and pre_only n 8 (16).
+TEST(Mhc, PreBackwardMmaFusedRingRulesAndCompileWithoutSpills) {
+  const OpDef& op = Registry::global().get("mhc.pre.bwd");
+  CompileRequest r;
+  r.op = "mhc.pre.bwd";
+  r.dtype = DType::bf16;
+  r.arch = "sm_90";
+  r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+  const Problem p = problem_from_request(op, r);
+  const Config ok{{{"algo", 5}, {"threads", 128}, {"tokens", 32}}};
+  std::string why;
+  EXPECT_TRUE(op.tuning.valid(p, ok, &why)) << why;
+  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 4);
+  const auto kernels = op.kernels(p, ok);
+  ASSERT_EQ(kernels.size(), 3u);
+  EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_mma_kernel");
+  EXPECT_EQ(kernels[0].targs[8], "true");  // kRing
+  EXPECT_EQ(kernels[0].targs[9], "true");  // kWarpHeads
+  EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_bwd_fused_mma_kernel");
+  EXPECT_EQ(op.kernels(p, Config{{{"algo", 4}, {"threads", 128}, {"tokens", 32}}})[0].targs[8], "false");
+  for (const auto& [n, D, tokens, fragment] :
+       {std::tuple{5, 256, 16, "24 projection rows"}, std::tuple{4, 100, 16, "16-byte groups"},
+        std::tuple{4, 256, 64, "n x tokens / 16"}}) {
+    CompileRequest q = r;
+    q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q),
+                                 Config{{{"algo", 5}, {"threads", 128}, {"tokens", tokens}}}, &why))
+        << n << " " << D;
+    EXPECT_NE(why.find(fragment), std::string::npos) << why;
+  }
+  int compiled = 0;
+  for (const char* arch : {"sm_80", "sm_90"})
+    for (auto [name, dt, n, D, tokens] :
+         {std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32}, std::tuple{"mhc.pre.bwd", DType::f16, 2, 256, 64},
+          std::tuple{"mhc.pre.bwd", DType::bf16, 3, 264, 16}, std::tuple{"mhc.pre_only.bwd", DType::f16, 8, 128, 16}}) {
+      const OpDef& o = Registry::global().get(name);
+      CompileRequest q;
+      q.op = name;
+      q.dtype = dt;
+      q.arch = arch;
+      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+      q.config = Config{{{"algo", 5}, {"threads", 128}, {"tokens", tokens}}};
+      ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << " n " << n << ": " << why;
+      for (const auto& rep : compile(q)) {
+        EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
+        EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
+        if (rep.kernel.find("token_mma") == std::string::npos) continue;
+        std::cout << arch << " " << rep.kernel << ": " << rep.registers << " registers\n";
+        ++compiled;
+      }
+    }
+  EXPECT_EQ(compiled, 8);
+}
+
+// pre.fwd's algo=mma_ring (3): algo=mma_warp_heads with the projection's rows of x through a cp.async ring in
+// shared memory (the kernel's kRing, its next-to-last template argument; the split plan for few tokens as
+// mma_warp_heads'); refused by name at 64 tokens (the ring's shared memory), without 16-byte groups of x, past
+// 32 projection rows and for fp32 x; the heuristic's at 32 tokens (H100, run 25: 497 us against mma_warp_heads
+// 64's 521); compiles without spills on sm_80 and sm_90 at 32 and 16 tokens, n 4 and pre_only n 8.
+TEST(Mhc, PreForwardMmaRingRulesAndCompileWithoutSpills) {
+  const OpDef& op = Registry::global().get("mhc.pre.fwd");
+  CompileRequest r;
+  r.op = "mhc.pre.fwd";
+  r.dtype = DType::bf16;
+  r.arch = "sm_90";
+  r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+  const Problem p = problem_from_request(op, r);
+  const Config ok{{{"algo", 3}, {"threads", 128}, {"tokens", 32}}};
+  std::string why;
+  EXPECT_TRUE(op.tuning.valid(p, ok, &why)) << why;
+  EXPECT_EQ(op.tuning.heuristic(p).str(), ok.str());
+  const auto kernels = op.kernels(p, ok);
+  ASSERT_EQ(kernels.size(), 3u);
+  EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_fwd_mma_kernel");
+  EXPECT_EQ(kernels[0].targs[9], "true");  // kRing
+  EXPECT_EQ(kernels[0].targs[10], "true");  // kWarpHeads
+  EXPECT_EQ(kernels[1].targs[9], "false");  // the split plan's projection: no ring
+  EXPECT_EQ(kernels[2].kernel, "kspec::mhc_pre_fwd_split_heads_kernel");
+  EXPECT_EQ(op.kernels(p, Config{{{"algo", 2}, {"threads", 128}, {"tokens", 32}}})[0].targs[9], "false");
+  auto refused = [&](const CompileRequest& q, const Config& c, const char* because) {
+    std::string w;
+    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q), c, &w)) << because;
+    EXPECT_NE(w.find(because), std::string::npos) << w;
+  };
+  refused(r, Config{{{"algo", 3}, {"threads", 128}, {"tokens", 64}}}, "16 or 32 tokens");
+  {
+    CompileRequest q = r;
+    q.params = {{"n", int64_t(4)}, {"D", int64_t(100)}};
+    refused(q, ok, "16-byte groups");
+    q.params = {{"n", int64_t(5)}, {"D", int64_t(256)}};
+    refused(q, ok, "32 projection rows");
+    q.params = r.params;
+    q.dtype = DType::f32;
+    refused(q, ok, "float32 x");
+  }
+  int compiled = 0;
+  for (const char* arch : {"sm_80", "sm_90"})
+    for (auto [name, dt, n, D, tokens] :
+         {std::tuple{"mhc.pre.fwd", DType::bf16, 4, 4096, 32}, std::tuple{"mhc.pre.fwd", DType::f16, 4, 4096, 16},
+          std::tuple{"mhc.pre_only.fwd", DType::f16, 8, 128, 32}}) {
+      const OpDef& o = Registry::global().get(name);
+      CompileRequest q;
+      q.op = name;
+      q.dtype = dt;
+      q.arch = arch;
+      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+      q.config = Config{{{"algo", 3}, {"threads", 128}, {"tokens", tokens}}};
+      ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << " n " << n << ": " << why;
+      for (const auto& rep : compile(q)) {
+        EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
+        EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
+        std::cout << arch << " " << rep.kernel << ": " << rep.registers << " registers, " << rep.shared_bytes
+                  << " bytes of shared memory\n";
+        ++compiled;
+      }
+    }
+  EXPECT_EQ(compiled, 18);  // three kernels each
 }
 
 // mhc.post_pre.fwd's algo axis: the SIMT kernel stays the heuristic's; algo=mma (1) and mma_warp_heads (2)
@@ -667,8 +789,8 @@ TEST(Mhc, PostVecAxisRulesAndCompileWithoutSpills) {
 }
 
 // pre.fwd's algo axis: the tensor-core projection (mhc_pre_mma.cuh) is the default from sm_80 on for 16-bit
-// x, with the heads per warp (algo=mma_warp_heads) where M <= 32, else algo=mma (n 8), with 64 tokens a block
-// for x in 16-byte groups, 32 for D % 8 != 0, 16 at n = 8; the
+// x: algo=mma_ring at 32 tokens for x in 16-byte groups with M <= 32, else the heads per warp
+// (algo=mma_warp_heads) where M <= 32 at 32 tokens (D % 8 != 0), else algo=mma (n 8) at 16; the
 // SIMT kernel (algo=simt) below sm_80, for fp32 x, and selectable everywhere; the rules name what rules a config out;
 // the mma kernel compiles without spills for sm_80 and sm_90 at the edges of the rules.
 TEST(Mhc, PreForwardTakesTensorCoresFromSm80) {
@@ -679,12 +801,12 @@ TEST(Mhc, PreForwardTakesTensorCoresFromSm80) {
     const char* arch;
     int64_t algo, tokens;
   };
-  for (const Row& row : {Row{"mhc.pre.fwd", DType::bf16, 4, 4096, "sm_90", 2, 64},
-                         Row{"mhc.pre.fwd", DType::f16, 4, 4096, "sm_80", 2, 64},
+  for (const Row& row : {Row{"mhc.pre.fwd", DType::bf16, 4, 4096, "sm_90", 3, 32},
+                         Row{"mhc.pre.fwd", DType::f16, 4, 4096, "sm_80", 3, 32},
                          Row{"mhc.pre.fwd", DType::f32, 4, 4096, "sm_90", 0, 4},
                          Row{"mhc.pre.fwd", DType::bf16, 4, 37, "sm_90", 2, 32},
                          Row{"mhc.pre.fwd", DType::bf16, 8, 128, "sm_90", 1, 16},
-                         Row{"mhc.pre_only.fwd", DType::bf16, 8, 128, "sm_80", 2, 64},
+                         Row{"mhc.pre_only.fwd", DType::bf16, 8, 128, "sm_80", 3, 32},
                          Row{"mhc.pre.fwd", DType::bf16, 4, 4096, "sm_75", 0, 4}}) {
     const OpDef& op = Registry::global().get(row.op);
     CompileRequest r;
@@ -750,7 +872,7 @@ TEST(Mhc, PreForwardTakesTensorCoresFromSm80) {
         ++compiled;
       }
     }
-  EXPECT_EQ(compiled, 26);  // three kernels (mma_warp_heads with its split plan) but at n = 7 (mma, one)
+  EXPECT_EQ(compiled, 26);  // three kernels (mma_ring / mma_warp_heads with the split plan) but at n = 7 (mma, one)
 }
 
 // ---- GPU ----
@@ -819,6 +941,43 @@ std::vector<float> unpad_rows(const std::vector<float>& v, int64_t D, int64_t pa
     out.insert(out.end(), v.begin() + r * (D + pad), v.begin() + r * (D + pad) + D);
   return out;
 }
+
+// Every case of each op but the large ones, in each dtype (none named: the op's), at the case's configs that
+// `take` selects (the first `most` of them), against the float64 reference; a case without such a config is
+// left out, or a failure where `required`. Returns the cases and the rows checked.
+struct EveryCase {
+  int cases = 0, rows = 0;
+};
+EveryCase check_every_case(const std::vector<const char*>& ops, const std::vector<DType>& dtypes,
+                           const std::function<bool(const Config&)>& take, size_t most = SIZE_MAX,
+                           bool required = false) {
+  EveryCase n;
+  for (const char* op_name : ops) {
+    const OpDef& op = Registry::global().get(op_name);
+    for (const Case& cs : op.cases) {
+      if (cs.large) continue;
+      for (DType dt : dtypes.empty() ? op.dtypes : dtypes) {
+        CheckOptions o;
+        o.case_name = cs.name;
+        o.dtypes = {dt};
+        for (const Config& c : configs_for_case(op_name, cs.name, dt))
+          if (o.configs.size() < most && take(c)) o.configs.push_back(c);
+        if (o.configs.empty()) {
+          if (required) ADD_FAILURE() << op_name << " " << cs.name << ": no config taken";
+          continue;
+        }
+        auto rows = check_op(op_name, o);
+        EXPECT_EQ(rows.size(), o.configs.size()) << op_name << " " << cs.name;
+        kspec::testing::report(rows);
+        n.rows += static_cast<int>(rows.size());
+        ++n.cases;
+      }
+    }
+  }
+  return n;
+}
+const std::vector<DType> k16Bit = {DType::f16, DType::bf16};
+bool algo_is(const Config& c, int64_t algo) { return c.get("algo") == algo; }
 
 }  // namespace
 
@@ -975,29 +1134,9 @@ TEST(MhcGpu, PreForwardEveryMmaConfigMatchesReference) {
 // depend on its threads or tokens).
 TEST(MhcGpu, PreBackwardMmaMatchesReferenceOnEveryCase) {
   KSPEC_REQUIRE_GPU();
-  int checked = 0;
-  for (const char* op_name : {"mhc.pre.bwd", "mhc.pre_only.bwd"}) {
-    const OpDef& op = Registry::global().get(op_name);
-    for (const Case& cs : op.cases) {
-      if (cs.large) continue;
-      for (DType dt : {DType::f16, DType::bf16}) {
-        CheckOptions o;
-        o.case_name = cs.name;
-        o.dtypes = {dt};
-        for (const Config& c : configs_for_case(op_name, cs.name, dt))
-          if (c.get("algo") == 1) {
-            o.configs.push_back(c);
-            break;
-          }
-        ASSERT_EQ(o.configs.size(), 1u) << op_name << " " << cs.name;
-        auto rows = check_op(op_name, o);
-        EXPECT_EQ(rows.size(), 1u) << op_name << " " << cs.name;
-        kspec::testing::report(rows);
-        checked += static_cast<int>(rows.size());
-      }
-    }
-  }
-  EXPECT_GE(checked, 50);
+  const EveryCase n = check_every_case({"mhc.pre.bwd", "mhc.pre_only.bwd"}, k16Bit,
+                                       [](const Config& c) { return algo_is(c, 1); }, 1, true);
+  EXPECT_GE(n.rows, 50);
 }
 
 // Every case of mhc.pre.bwd and mhc.pre_only.bwd that has an algo=mma_tokens config (x in 16-byte groups:
@@ -1007,28 +1146,11 @@ TEST(MhcGpu, PreBackwardMmaMatchesReferenceOnEveryCase) {
 // dx kernels of algo=mma.
 TEST(MhcGpu, PreBackwardMmaTokensMatchesReferenceOnEveryCase) {
   KSPEC_REQUIRE_GPU();
-  int checked = 0, cases = 0;
-  for (const char* op_name : {"mhc.pre.bwd", "mhc.pre_only.bwd"}) {
-    const OpDef& op = Registry::global().get(op_name);
-    for (const Case& cs : op.cases) {
-      if (cs.large) continue;
-      for (DType dt : {DType::f16, DType::bf16}) {
-        CheckOptions o;
-        o.case_name = cs.name;
-        o.dtypes = {dt};
-        for (const Config& c : configs_for_case(op_name, cs.name, dt))
-          if (c.get("algo") == 2) o.configs.push_back(c);
-        if (o.configs.empty()) continue;  // D % 8 != 0, or n = 8
-        auto rows = check_op(op_name, o);
-        EXPECT_EQ(rows.size(), o.configs.size()) << op_name << " " << cs.name;
-        kspec::testing::report(rows);
-        checked += static_cast<int>(rows.size());
-        ++cases;
-      }
-    }
-  }
-  EXPECT_GE(cases, 40);
-  EXPECT_GE(checked, 60);
+  // Cases without a config: D % 8 != 0, or n = 8.
+  const EveryCase n = check_every_case({"mhc.pre.bwd", "mhc.pre_only.bwd"}, k16Bit,
+                                       [](const Config& c) { return algo_is(c, 2); });
+  EXPECT_GE(n.cases, 40);
+  EXPECT_GE(n.rows, 60);
 }
 
 // Every case of mhc.pre.bwd and mhc.pre_only.bwd with an algo=mma_fused or mma_fused_warp_heads config
@@ -1037,54 +1159,21 @@ TEST(MhcGpu, PreBackwardMmaTokensMatchesReferenceOnEveryCase) {
 // heads per block or per warp.
 TEST(MhcGpu, PreBackwardMmaFusedMatchesReferenceOnEveryCase) {
   KSPEC_REQUIRE_GPU();
-  int checked = 0, cases = 0;
-  for (const char* op_name : {"mhc.pre.bwd", "mhc.pre_only.bwd"}) {
-    const OpDef& op = Registry::global().get(op_name);
-    for (const Case& cs : op.cases) {
-      if (cs.large) continue;
-      for (DType dt : {DType::f16, DType::bf16}) {
-        CheckOptions o;
-        o.case_name = cs.name;
-        o.dtypes = {dt};
-        for (const Config& c : configs_for_case(op_name, cs.name, dt))
-          if (c.get("algo") >= 3) o.configs.push_back(c);
-        if (o.configs.empty()) continue;  // D % 8 != 0, or M > 24
-        auto rows = check_op(op_name, o);
-        EXPECT_EQ(rows.size(), o.configs.size()) << op_name << " " << cs.name;
-        kspec::testing::report(rows);
-        checked += static_cast<int>(rows.size());
-        ++cases;
-      }
-    }
-  }
-  EXPECT_GE(cases, 30);
-  EXPECT_GE(checked, 80);
+  // Cases without a config: D % 8 != 0, or M > 24.
+  const EveryCase n = check_every_case({"mhc.pre.bwd", "mhc.pre_only.bwd"}, k16Bit,
+                                       [](const Config& c) { return c.get("algo") >= 3; });
+  EXPECT_GE(n.cases, 30);
+  EXPECT_GE(n.rows, 80);
 }
 
 // post.fwd and post.bwd at vec 8 (16-byte loads) on every case with D % 8 == 0, every dtype and thread
 // count, against the float64 reference.
 TEST(MhcGpu, PostVec8MatchesReferenceOnEveryCase) {
   KSPEC_REQUIRE_GPU();
-  int checked = 0;
-  for (const char* op_name : {"mhc.post.fwd", "mhc.post.bwd"}) {
-    const OpDef& op = Registry::global().get(op_name);
-    for (const Case& cs : op.cases) {
-      if (cs.large) continue;
-      for (DType dt : op.dtypes) {
-        CheckOptions o;
-        o.case_name = cs.name;
-        o.dtypes = {dt};
-        for (const Config& c : configs_for_case(op_name, cs.name, dt))
-          if (c.get("vec") == 8) o.configs.push_back(c);
-        if (o.configs.empty()) continue;  // D % 8 != 0
-        auto rows = check_op(op_name, o);
-        EXPECT_EQ(rows.size(), o.configs.size()) << op_name << " " << cs.name;
-        kspec::testing::report(rows);
-        checked += static_cast<int>(rows.size());
-      }
-    }
-  }
-  EXPECT_GE(checked, 100);
+  // Cases without a config: D % 8 != 0.
+  const EveryCase n = check_every_case({"mhc.post.fwd", "mhc.post.bwd"}, {},
+                                       [](const Config& c) { return c.get("vec") == 8; });
+  EXPECT_GE(n.rows, 100);
 }
 
 namespace {
@@ -1135,7 +1224,8 @@ TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
   for (const Config& config : {Config{{{"algo", 1}, {"threads", 128}, {"tokens", 4}}},
                                Config{{{"algo", 2}, {"threads", 128}, {"tokens", 32}}},
                                Config{{{"algo", 3}, {"threads", 128}, {"tokens", 32}}},
-                               Config{{{"algo", 4}, {"threads", 128}, {"tokens", 32}}}}) {
+                               Config{{{"algo", 4}, {"threads", 128}, {"tokens", 32}}},
+                               Config{{{"algo", 5}, {"threads", 128}, {"tokens", 32}}}}) {
     CallOptions opts;
     opts.config = &config;
     std::vector<std::vector<uint8_t>>& first = firsts[config.get("algo")];
@@ -1163,38 +1253,17 @@ TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
     }
   }
   const char* names[] = {"dx", "dphi", "dalpha", "dbias", "dgamma"};
-  for (size_t k = 0; k < firsts[3].size(); ++k)
+  for (size_t k = 0; k < firsts[3].size(); ++k) {
     EXPECT_EQ(firsts[4][k], firsts[3][k]) << names[k] << ": mma_fused_warp_heads against mma_fused";
+    EXPECT_EQ(firsts[5][k], firsts[4][k]) << names[k] << ": mma_fused_ring against mma_fused_warp_heads";
+  }
 }
 
-// Every case of mhc.pre.fwd and mhc.pre_only.fwd with an algo=mma_warp_heads config (n <= 4 on pre.fwd), at
-// every such config, f16 and bf16, against the float64 reference (cases up to 256 tokens run the split plan:
-// partial projections over column groups, their sum, the heads and y per range of D); and on bf16 T 1031,
-// D 4000 (a partial last tile; the tile plan) the same bits as algo=mma at the same tiles for every output (the
-// heads' operations are the same). The split plan at large D: the cases D_2560, D_4000, D_7168 (T 2-3, n 4).
-TEST(MhcGpu, PreForwardMmaWarpHeadsMatchesReferenceAndMmaBits) {
-  KSPEC_REQUIRE_GPU();
-  int checked = 0;
-  for (const char* op_name : {"mhc.pre.fwd", "mhc.pre_only.fwd"}) {
-    const OpDef& op = Registry::global().get(op_name);
-    for (const Case& cs : op.cases) {
-      if (cs.large) continue;
-      for (DType dt : {DType::f16, DType::bf16}) {
-        CheckOptions o;
-        o.case_name = cs.name;
-        o.dtypes = {dt};
-        for (const Config& c : configs_for_case(op_name, cs.name, dt))
-          if (c.get("algo") == 2) o.configs.push_back(c);
-        if (o.configs.empty()) continue;  // n > 4
-        auto rows = check_op(op_name, o);
-        EXPECT_EQ(rows.size(), o.configs.size()) << op_name << " " << cs.name;
-        kspec::testing::report(rows);
-        checked += static_cast<int>(rows.size());
-      }
-    }
-  }
-  EXPECT_GE(checked, 40);
+namespace {
 
+// mhc.pre.fwd's outputs (y, h_pre, h_post, r, inv, h: their bytes) at `config` on bf16 T 1031, n 4, D 4000 (a
+// partial last tile at every token tile; x in 16-byte groups), the same inputs at every call.
+std::vector<std::vector<uint8_t>> pre_fwd_bytes(const Config& config) {
   jit::ContextGuard guard(0);
   const int64_t T = 1031, n = 4, D = 4000, M = n * n + 2 * n, nd = n * D;
   std::mt19937_64 rng(35);
@@ -1206,52 +1275,71 @@ TEST(MhcGpu, PreForwardMmaWarpHeadsMatchesReferenceAndMmaBits) {
   bb.upload(randn(rng, M, 0.5f));
   gb.upload(randn(rng, nd, 1.f));
   auto f32 = [](const DevBuf& b, std::vector<int64_t> shape) { return view(b.ptr(), DType::f32, shape); };
-  for (int64_t tokens : {16, 32, 64}) {
-    std::vector<std::vector<uint8_t>> outs[2];
-    for (int k = 0; k < 2; ++k) {
-      const Config config{{{"algo", k == 0 ? 1 : 2}, {"threads", 128}, {"tokens", tokens}}};
-      CallOptions opts;
-      opts.config = &config;
-      DevBuf yb(T * D * 2), hpre(T * n * 4), hpost(T * n * 4), rb(T * n * n * 4), invb(T * 4), hb(T * M * 4);
-      for (DevBuf* o : {&yb, &hpre, &hpost, &rb, &invb, &hb}) o->poison();
-      call("mhc.pre.fwd",
-           {view(xb.ptr(), DType::bf16, {T, n, D}), f32(phib, {M, nd}), f32(ab, {3}), f32(bb, {M}), f32(gb, {nd})},
-           {view(yb.ptr(), DType::bf16, {T, D}), f32(hpre, {T, n}), f32(hpost, {T, n}), f32(rb, {T, n, n}),
-            f32(invb, {T}), f32(hb, {T, M})},
-           {}, nullptr, opts);
-      CU_CHECK(cuCtxSynchronize());
-      for (const DevBuf* o : {&yb, &hpre, &hpost, &rb, &invb, &hb}) {
-        outs[k].emplace_back(o->bytes);
-        CU_CHECK(cuMemcpyDtoH(outs[k].back().data(), o->mem.ptr, o->bytes));
-      }
-    }
-    const char* names[] = {"y", "h_pre", "h_post", "r", "inv", "h"};
-    for (size_t q = 0; q < outs[0].size(); ++q) EXPECT_EQ(outs[1][q], outs[0][q]) << names[q] << " tokens " << tokens;
+  CallOptions opts;
+  opts.config = &config;
+  DevBuf yb(T * D * 2), hpre(T * n * 4), hpost(T * n * 4), rb(T * n * n * 4), invb(T * 4), hb(T * M * 4);
+  for (DevBuf* o : {&yb, &hpre, &hpost, &rb, &invb, &hb}) o->poison();
+  call("mhc.pre.fwd",
+       {view(xb.ptr(), DType::bf16, {T, n, D}), f32(phib, {M, nd}), f32(ab, {3}), f32(bb, {M}), f32(gb, {nd})},
+       {view(yb.ptr(), DType::bf16, {T, D}), f32(hpre, {T, n}), f32(hpost, {T, n}), f32(rb, {T, n, n}),
+        f32(invb, {T}), f32(hb, {T, M})},
+       {}, nullptr, opts);
+  CU_CHECK(cuCtxSynchronize());
+  std::vector<std::vector<uint8_t>> out;
+  for (const DevBuf* o : {&yb, &hpre, &hpost, &rb, &invb, &hb}) {
+    out.emplace_back(o->bytes);
+    CU_CHECK(cuMemcpyDtoH(out.back().data(), o->mem.ptr, o->bytes));
   }
+  return out;
+}
+
+// pre_fwd_bytes at algo `a` and algo `b`, the same tile, equal output by output.
+void expect_pre_fwd_same_bits(int64_t a, int64_t b, int64_t tokens) {
+  const auto first = pre_fwd_bytes(Config{{{"algo", a}, {"threads", 128}, {"tokens", tokens}}});
+  const auto second = pre_fwd_bytes(Config{{{"algo", b}, {"threads", 128}, {"tokens", tokens}}});
+  const char* names[] = {"y", "h_pre", "h_post", "r", "inv", "h"};
+  for (size_t q = 0; q < first.size(); ++q)
+    EXPECT_EQ(second[q], first[q]) << names[q] << ": algo " << b << " against " << a << ", tokens " << tokens;
+}
+
+}  // namespace
+
+// Every case of mhc.pre.fwd and mhc.pre_only.fwd with an algo=mma_warp_heads config (n <= 4 on pre.fwd), at
+// every such config, f16 and bf16, against the float64 reference (cases up to 256 tokens run the split plan:
+// partial projections over column groups, their sum, the heads and y per range of D); and on bf16 T 1031,
+// D 4000 (a partial last tile; the tile plan) the same bits as algo=mma at the same tiles for every output (the
+// heads' operations are the same). The split plan at large D: the cases D_2560, D_4000, D_7168 (T 2-3, n 4).
+TEST(MhcGpu, PreForwardMmaWarpHeadsMatchesReferenceAndMmaBits) {
+  KSPEC_REQUIRE_GPU();
+  // Cases without a config: n > 4.
+  const EveryCase n = check_every_case({"mhc.pre.fwd", "mhc.pre_only.fwd"}, k16Bit,
+                                       [](const Config& c) { return algo_is(c, 2); });
+  EXPECT_GE(n.rows, 40);
+  for (int64_t tokens : {16, 32, 64}) expect_pre_fwd_same_bits(1, 2, tokens);
+}
+
+// Every case of mhc.pre.fwd and mhc.pre_only.fwd with an algo=mma_ring config (x in 16-byte groups, n <= 4 on
+// pre.fwd, 16 or 32 tokens), f16 and bf16, against the float64 reference (up to 256 tokens the split plan, as
+// mma_warp_heads'); and on bf16 T 1031, D 4000 (the tile plan, a partial last tile) the same bits as
+// algo=mma_warp_heads at 16 and 32 tokens for every output: only the path of x into the mmas differs.
+TEST(MhcGpu, PreForwardMmaRingMatchesReferenceAndWarpHeadsBits) {
+  KSPEC_REQUIRE_GPU();
+  // Cases without a config: D % 8 != 0, or n > 4.
+  const EveryCase n = check_every_case({"mhc.pre.fwd", "mhc.pre_only.fwd"}, k16Bit,
+                                       [](const Config& c) { return algo_is(c, 3); });
+  EXPECT_GE(n.cases, 30);
+  EXPECT_GE(n.rows, 60);
+  for (int64_t tokens : {16, 32}) expect_pre_fwd_same_bits(2, 3, tokens);
 }
 
 // Every case of mhc.post_pre.fwd with an algo=mma or mma_warp_heads config (x in 16-byte groups), at every
 // such config, f16 and bf16, against the float64 reference: x_next and the projection on tensor cores.
 TEST(MhcGpu, PostPreForwardMmaMatchesReferenceOnEveryCase) {
   KSPEC_REQUIRE_GPU();
-  const OpDef& op = Registry::global().get("mhc.post_pre.fwd");
-  int checked = 0;
-  for (const Case& cs : op.cases) {
-    if (cs.large) continue;
-    for (DType dt : {DType::f16, DType::bf16}) {
-      CheckOptions o;
-      o.case_name = cs.name;
-      o.dtypes = {dt};
-      for (const Config& c : configs_for_case("mhc.post_pre.fwd", cs.name, dt))
-        if (c.get("algo") >= 1) o.configs.push_back(c);
-      if (o.configs.empty()) continue;  // D % 8 != 0
-      auto rows = check_op("mhc.post_pre.fwd", o);
-      EXPECT_EQ(rows.size(), o.configs.size()) << cs.name;
-      kspec::testing::report(rows);
-      checked += static_cast<int>(rows.size());
-    }
-  }
-  EXPECT_GE(checked, 8);
+  // Cases without a config: D % 8 != 0.
+  const EveryCase n =
+      check_every_case({"mhc.post_pre.fwd"}, k16Bit, [](const Config& c) { return c.get("algo") >= 1; });
+  EXPECT_GE(n.rows, 8);
 }
 
 // ---- post_pre: post(l) fused with pre(l + 1) ----

@@ -440,6 +440,38 @@ def test_mhc_bench_pre_kernel_configs_are_the_ops_legal_configs(families):
             assert kernels[0].endswith("true>") == ("warp_heads" in name), (name, kernels)
 
 
+def test_mhc_bench_pre_ring_configs_compile_the_ring_kernel(families):
+    """The mhc bench's 'kspec pre.fwd mma_ring …' rows: algo=mma_ring at 16 and 32 tokens where it is legal
+    (16-bit x, D % 8 == 0, M <= 32), each accepted by mhc.pre.fwd and compiled (no GPU needed) as the tile
+    kernel with its ring (kRing, the next-to-last template argument) and heads per warp (the last)."""
+    import kspec
+
+    mhc = families["mhc"]
+    assert list(mhc.pre_ring_configs(4, 4096)) == [mhc.PRE_KERNELS + v for v in ("mma_ring 16", "mma_ring 32")]
+    assert mhc.pre_ring_configs(4, 100) == {} and mhc.pre_ring_configs(5, 128) == {}
+    assert mhc.pre_ring_configs(4, 4096, "f32") == {}
+    for name, config in mhc.pre_ring_configs(4, 128).items():
+        kernels = [r["kernel"] for r in kspec.compile("mhc.pre.fwd", dtype="bf16", arch="sm_80", config=config,
+                                                      n=4, D=128, t_max=20)]
+        assert kernels[0].startswith("kspec::mhc_pre_fwd_mma_kernel<") and kernels[0].endswith("true, true>"), kernels
+
+
+def test_mhc_bench_pre_bwd_ring_configs_compile_the_ring_token_kernel(families):
+    """The mhc bench's 'kspec pre.bwd mma_fused_ring …' rows: algo=mma_fused_ring at mma_fused_warp_heads' tile
+    (none where that has none), accepted by mhc.pre.bwd and compiled (no GPU needed) with the token kernel's ring
+    (kRing, its next-to-last template argument) and heads per warp (the last), then the fused kernel."""
+    import kspec
+
+    mhc = families["mhc"]
+    assert mhc.pre_bwd_ring_configs(4, 4096) == {mhc.PRE_BWD_KERNELS + "mma_fused_ring 32": "algo=5,threads=128,tokens=32"}
+    assert mhc.pre_bwd_ring_configs(4, 100) == {} and mhc.pre_bwd_ring_configs(5, 128) == {}
+    for name, config in mhc.pre_bwd_ring_configs(4, 128).items():
+        kernels = [r["kernel"] for r in kspec.compile("mhc.pre.bwd", dtype="bf16", arch="sm_80", config=config,
+                                                      n=4, D=128, t_max=20)]
+        assert kernels[0].startswith("kspec::mhc_pre_bwd_token_mma_kernel<") and kernels[0].endswith("true, true>")
+        assert "fused_mma" in kernels[1], kernels
+
+
 def test_mhc_bench_pre_bwd_configs_compile_each_algo(families):
     """The mhc bench's pre fwd+bwd rows by mhc.pre.bwd config: algo=simt, algo=mma, algo=mma_tokens (at its
     largest legal token tile; none at n = 8 or D % 8 != 0) and algo=mma_fused (the same tile, M <= 24) each

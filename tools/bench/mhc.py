@@ -71,6 +71,15 @@ def pre_kernel_configs(n, D, dtype="bf16"):
     return out
 
 
+def pre_ring_configs(n, D, dtype="bf16"):
+    """{variant: config} for mhc.pre.fwd's algo=mma_ring (api/ops/mhc/op.cpp): algo=mma_warp_heads with the
+    projection's rows of x through a cp.async ring in shared memory, 3 chunks ahead (the same bits), at 16 and 32
+    tokens: 16-bit x in 16-byte groups (D % 8 == 0) with M <= 32 (n <= 4)."""
+    if dtype == "f32" or D % 8 or n * n + 2 * n > 32:
+        return {}
+    return {f"{PRE_KERNELS}mma_ring {tok}": f"algo=3,threads=128,tokens={tok}" for tok in (16, 32)}
+
+
 def pre_bwd_configs(n, D):
     """{variant: config} for mhc.pre.bwd's `algo` axis (api/ops/mhc/op.cpp): algo=simt (mhc_pre.cuh), algo=mma
     (the heuristic's for 16-bit x), the sums over tokens as one GEMM a part and dx's du = dm·Φ on tensor cores
@@ -92,6 +101,14 @@ def pre_bwd_configs(n, D):
                 out[f"{PRE_BWD_KERNELS}mma_fused_warp_heads {tok}"] = f"algo=4,threads=128,tokens={tok}"
             break
     return out
+
+
+def pre_bwd_ring_configs(n, D):
+    """{variant: config} for mhc.pre.bwd's algo=mma_fused_ring (api/ops/mhc/op.cpp): mma_fused_warp_heads with the
+    token pass's rows through a cp.async ring in dynamic shared memory (the same bits), at the tile pre_bwd_configs
+    gives mma_fused_warp_heads."""
+    return {name.replace("mma_fused_warp_heads", "mma_fused_ring"): config.replace("algo=4", "algo=5")
+            for name, config in pre_bwd_configs(n, D).items() if "mma_fused_warp_heads" in name}
 
 
 def post_pre_kernel_configs(n, D):
@@ -287,12 +304,12 @@ def implementations(ctx, liger, n, D):
                 return lpre(x, hp), hp, hq, hr.transpose(-1, -2)
 
             impls[f"LigerMHC ({label})"] = (pre, lambda x, f, hp, r: lpost(x, f, hp, r.transpose(-1, -2)))
-    for name, config in pre_kernel_configs(n, D).items():
+    for name, config in {**pre_kernel_configs(n, D), **pre_ring_configs(n, D)}.items():
         def pre(x, phi, alpha, bias, config=config):
             return ctx.kspec.call("mhc.pre.fwd", x, phi, alpha, bias, None, config=config)[:4]
 
         impls[name] = (pre, K.mhc_post)
-    for name, config in pre_bwd_configs(n, D).items():
+    for name, config in {**pre_bwd_configs(n, D), **pre_bwd_ring_configs(n, D)}.items():
         impls[name] = (_pre_with_bwd_config(ctx, config), K.mhc_post)
     for name, config in post_pre_kernel_configs(n, D).items():
         def post_pre(x, f, hp, r, phi, alpha, bias, config=config):
@@ -443,15 +460,17 @@ def _report(ctx, rows, why):
         " torch.compile 1.47 / 4.65 / 13.7.",
         f"'{PRE_KERNELS}…': mhc.pre.fwd's kernels by config through kspec.call (forward only): algo=simt, the SIMT"
         " projection; algo=mma, the projection on tensor cores at 16, 32 or 64 tokens a block; algo=mma_warp_heads"
-        " (the default for M <= 32), the same with each warp running its own tokens' heads (Sinkhorn-Knopp by"
-        " shuffles) and then their y.",
+        " (M <= 32), the same with each warp running its own tokens' heads (Sinkhorn-Knopp by shuffles) and then"
+        " their y; algo=mma_ring (the default at 32 tokens for x in 16-byte groups and M <= 32), that with the"
+        " projection's rows of x through a cp.async ring in shared memory, 3 chunks ahead (the same bits).",
         f"'{PRE_BWD_KERNELS}…': pre fwd+bwd with mhc.pre.bwd by config through kspec.call (the forward the"
         " heuristic's): algo=simt, the SIMT kernels; algo=mma, dΦ and dγ from one GEMM S = dmᵀ·x a part and dx's"
         " du = dm·Φ on tensor cores; algo=mma_tokens (the default past M = 24), the token pass (m and"
         " <dy, x[i]>) on tensor cores too; algo=mma_fused, mma_tokens' token pass, then dx and the sums over tokens"
         " in one pass over x (x read twice in the backward instead of three times; the default for M <= 24);"
         " algo=mma_fused_warp_heads, that"
-        " with the token pass's heads (the Sinkhorn-Knopp backward) run per warp.",
+        " with the token pass's heads (the Sinkhorn-Knopp backward) run per warp; algo=mma_fused_ring, that with the"
+        " token pass's rows through a cp.async ring in shared memory (the same bits).",
         f"'{POST_VEC8}': post fwd and fwd+bwd with mhc.post.fwd/.bwd at vec=8 (8 consecutive d a thread, 16-byte"
         " loads and stores) through kspec.call; 'kspec' runs the heuristic's, vec=8 where it is valid.",
         f"'{POST_PRE_KERNELS}…': post_pre fwd with mhc.post_pre.fwd by config through kspec.call: the projection of"

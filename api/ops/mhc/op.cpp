@@ -164,13 +164,16 @@ TuningSpace with_tokens_axis(TuningSpace t) {
 // pre.fwd's `algo` axis: kSimt, the kernel above (mhc_pre.cuh: `threads`, `tokens` 1 or 4); kMma, the
 // projection on tensor cores (mhc_pre_mma.cuh: 128 threads, `tokens` 16, 32 or 64, whole m16 tiles).
 // pre.bwd's (with_bwd_algo_axis) has three more, kMmaTokens, kMmaFused and kMmaFusedWarpHeads.
-enum PreAlgo : int64_t { kSimt = 0, kMma = 1, kMmaTokens = 2, kMmaFused = 3, kMmaFusedWarpHeads = 4 };
+enum PreAlgo : int64_t { kSimt = 0, kMma = 1, kMmaTokens = 2, kMmaFused = 3, kMmaFusedWarpHeads = 4, kMmaFusedRing = 5 };
 // pre.fwd's third value: kMma with each warp running its own tokens' heads and then their y
-// (mhc_pre_mma.cuh, kWarpHeads): n*n and M at most 32.
-constexpr int64_t kMmaWarpHeads = 2;
-// Under kMmaWarpHeads, up to this many tokens (decode, small batches) take the split plan instead: at T 8 the
-// one 64-token block took 166 us of GPU on the H100 (run 21; F.rms_norm over the same bytes 16). The switch is
-// in the launcher, not the heuristic, because the plan cache keys leave T out.
+// (mhc_pre_mma.cuh, kWarpHeads): n*n and M at most 32. The fourth, kMmaRing: that with the projection's rows
+// of x through a ring of 4 chunks in shared memory, 3 ahead (cp.async) instead of 1 in registers: the same
+// bits, more bytes in flight (mhc_pre_mma.cuh, kRing; tools/bench/NOTES.md, session 9); the heuristic's where it runs.
+constexpr int64_t kMmaWarpHeads = 2, kMmaRing = 3;
+bool fwd_warp_heads(const Config& c) { return c.get("algo") == kMmaWarpHeads || c.get("algo") == kMmaRing; }
+// Under kMmaWarpHeads and kMmaRing, up to this many tokens (decode, small batches) take the split plan instead:
+// at T 8 the one 64-token block took 166 us of GPU on the H100 (run 21; F.rms_norm over the same bytes 16). The
+// switch is in the launcher, not the heuristic, because the plan cache keys leave T out.
 constexpr int64_t kSplitMaxT = 256, kSplitTokens = 16;
 // The split plan's blocks a 16-token tile: projection blocks (each every splits-th group of 4 chunks of 32
 // columns; at least 2, the kernel's kSplits > 1 being what makes it leave partials), and y blocks (each a
@@ -201,36 +204,61 @@ std::string mma_unsupported(const Problem& p) {
 }
 int64_t mma_tiles(const Problem& p, int64_t tokens) { return tokens / 16 * ceil_div(proj_rows(p), 8); }
 
-// The tensor-core projection wherever it runs, with the most tokens a block whose accumulators fit, the
-// heads per warp where M <= 32 (tools/bench/NOTES.md).
-TuningSpace with_algo_axis(TuningSpace t) {
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaWarpHeads}});
+// The `algo` axis of pre.fwd and post_pre.fwd: kSimt (the SIMT kernel: `threads`, `tokens` 1 or 4) or the
+// tensor-core kernels `algos` (128 threads, the heads per warp under kMmaWarpHeads and kMmaRing), whose token
+// tiles each op rules on in `mma_rules` ("" where legal, else why not).
+using MmaRules = std::function<std::string(const Problem&, const Config&)>;
+TuningSpace with_fwd_algo_axis(TuningSpace t, std::vector<int64_t> algos, MmaRules mma_rules) {
+  t.axes.insert(t.axes.begin(), {"algo", std::move(algos)});
   for (auto& [name, values] : t.axes)
     if (name == "tokens") values = {1, 4, 16, 32, 64};
   auto simt_valid = t.valid;
-  t.valid = [simt_valid](const Problem& p, const Config& c, std::string* why) {
-    const int64_t tok = c.get("tokens");
+  t.valid = [simt_valid, mma_rules = std::move(mma_rules)](const Problem& p, const Config& c, std::string* why) {
     std::string no;
     if (c.get("algo") == kSimt) {
-      if (tok <= 4) return simt_valid(p, c, why);
+      if (c.get("tokens") <= 4) return simt_valid(p, c, why);
       no = "algo=simt takes 1 or 4 tokens a block";
     } else {
       no = mma_unsupported(p);
-      if (no.empty() && c.get("algo") == kMmaWarpHeads) no = warp_heads_unsupported(p);
+      if (no.empty() && fwd_warp_heads(c)) no = warp_heads_unsupported(p);
       if (no.empty() && c.get("threads") != kMmaThreads) no = "algo=mma runs 128 threads a block (named threads=128)";
-      else if (no.empty() && tok < 16) no = "algo=mma takes whole m16 tiles of tokens: 16, 32 or 64";
-      else if (no.empty() && tok > max_mma_tokens(p))
-        no = "algo=mma takes 64 tokens only with x in 16-byte groups (D % 8 == 0, aligned): registers";
-      else if (no.empty() && mma_tiles(p, tok) > kMaxMmaTiles)
-        no = "algo=mma: more accumulator tiles (tokens / 16 x ceil(M / 8)) than registers hold (12)";
+      if (no.empty()) no = mma_rules(p, c);
     }
     if (why) *why = no;
     return no.empty();
   };
+  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") != kSimt ? kMmaThreads : c.get("threads"); };
+  return t;
+}
+
+// kMmaRing's ring: 4 chunks of a lane's tokens / 16 x 2 rows of 16 bytes, 16 KB per m16 tile of tokens, beside
+// the tokens' totals in the 48 KB of static shared memory (mhc_pre_mma.cuh, kMhcFwdRingStages).
+std::string ring_unsupported(const Problem& p, int64_t tokens) {
+  if (!mma_vec(p)) return "algo=mma_ring takes x in 16-byte groups (D % 8 == 0, aligned): cp.async copies";
+  if (tokens > 32) return "algo=mma_ring takes 16 or 32 tokens: its ring of x in shared memory (16 KB a 16-token tile)";
+  return "";
+}
+
+// pre.fwd: the tensor-core projection wherever it runs: mma_ring at 32 tokens where x is in 16-byte groups and
+// M <= 32, else the most tokens a block whose accumulators fit, the heads per warp where M <= 32
+// (tools/bench/NOTES.md).
+TuningSpace with_algo_axis(TuningSpace t) {
+  t = with_fwd_algo_axis(std::move(t), {kSimt, kMma, kMmaWarpHeads, kMmaRing}, [](const Problem& p, const Config& c) {
+    const int64_t tok = c.get("tokens");
+    if (tok < 16) return std::string("algo=mma takes whole m16 tiles of tokens: 16, 32 or 64");
+    if (tok > max_mma_tokens(p))
+      return std::string("algo=mma takes 64 tokens only with x in 16-byte groups (D % 8 == 0, aligned): registers");
+    if (mma_tiles(p, tok) > kMaxMmaTiles)
+      return std::string("algo=mma: more accumulator tiles (tokens / 16 x ceil(M / 8)) than registers hold (12)");
+    return c.get("algo") == kMmaRing ? ring_unsupported(p, tok) : std::string();
+  });
   auto simt_heuristic = t.heuristic;
-  // H100 (run 20, T 16384, n 4, D 4096, bf16): mma_warp_heads 64 520 us, 32 522; mma 64 573, 32 530.
+  // H100 (T 16384, n 4, D 4096, bf16): run 25 mma_ring 32 497 us, mma_warp_heads 64 521, mma_ring 16 585; run 20
+  // mma_warp_heads 64 520, 32 522, mma 64 573, 32 530. mma_ring at 32 tokens where it runs, else the largest tile.
   t.heuristic = [simt_heuristic](const Problem& p) {
     if (mma_unsupported(p).empty()) {
+      if (warp_heads_unsupported(p).empty() && ring_unsupported(p, 32).empty())
+        return Config{{{"algo", kMmaRing}, {"threads", kMmaThreads}, {"tokens", 32}}};
       const int64_t algo = warp_heads_unsupported(p).empty() ? kMmaWarpHeads : kMma;
       for (int64_t tok : {64, 32, 16})
         if (tok <= max_mma_tokens(p) && mma_tiles(p, tok) <= kMaxMmaTiles)
@@ -240,7 +268,6 @@ TuningSpace with_algo_axis(TuningSpace t) {
     c.values.insert(c.values.begin(), {"algo", kSimt});
     return c;
   };
-  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") != kSimt ? kMmaThreads : c.get("threads"); };
   return t;
 }
 
@@ -477,11 +504,12 @@ OpDef make_pre_fwd(bool po) {
                         D = std::to_string(p.dim("D")), g = b(p.present("gamma")), head = b(pre_only(p));
       std::vector<jit::KernelSpec> k{kernel_spec(p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_mma_kernel",
                                                  {T, n, D, t_max_arg(p), g, head, std::to_string(c.get("tokens")),
-                                                  b(mma_vec(p)), "1", b(c.get("algo") == kMmaWarpHeads)})};
-      if (c.get("algo") == kMmaWarpHeads) {  // the split plan for few tokens (kernels 1, 2)
+                                                  b(mma_vec(p)), "1", b(c.get("algo") == kMmaRing),
+                                                  b(fwd_warp_heads(c))})};
+      if (fwd_warp_heads(c)) {  // the split plan for few tokens (kernels 1, 2)
         const std::string tok = std::to_string(kSplitTokens), splits = std::to_string(fwd_splits(p));
         k.push_back(kernel_spec(p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_mma_kernel",
-                                {T, n, D, t_max_arg(p), g, head, tok, b(mma_vec(p)), splits, "true"}));
+                                {T, n, D, t_max_arg(p), g, head, tok, b(mma_vec(p)), splits, "false", "true"}));
         k.push_back(kernel_spec(p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_split_heads_kernel",
                                 {T, n, D, t_max_arg(p), head, tok, b(mma_vec(p)), splits}));
       }
@@ -516,7 +544,7 @@ OpDef make_pre_fwd(bool po) {
     a.eps_pre = static_cast<float>(pr.param_float("eps_pre"));
     a.eps_sk = pre_only(pr) ? 0.f : static_cast<float>(pr.param_float("eps_sk"));
     void* args[] = {&a};
-    if (c.get("algo") == kMmaWarpHeads && a.T <= kSplitMaxT) {
+    if (fwd_warp_heads(c) && a.T <= kSplitMaxT) {
       const int64_t tiles = ceil_div(a.T, kSplitTokens), splits = fwd_splits(pr);
       MhcPreSplitParams sp{a, static_cast<float*>(l.workspace(
                                   sizeof(float) * static_cast<size_t>(tiles * splits * kSplitTokens * (proj_rows(pr) + 1))))};
@@ -547,8 +575,14 @@ int64_t bwd_parts(int64_t T) { return std::clamp<int64_t>(ceil_div(T, kTokensPer
 bool bwd_mma(const Config& c) { return c.has("algo") && c.get("algo") >= kMma; }
 bool bwd_mma_tokens(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaTokens; }
 bool bwd_mma_fused(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaFused; }
-// kMmaFusedWarpHeads: kMmaFused with the token pass's heads run per warp (mhc_pre_bwd_token_mma.cuh, kWarpHeads).
-bool bwd_warp_heads(const Config& c) { return c.has("algo") && c.get("algo") == kMmaFusedWarpHeads; }
+// kMmaFusedWarpHeads: kMmaFused with the token pass's heads run per warp (mhc_pre_bwd_token_mma.cuh, kWarpHeads);
+// kMmaFusedRing: that with the token pass's rows through a cp.async ring in dynamic shared memory (kRing).
+bool bwd_warp_heads(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaFusedWarpHeads; }
+bool bwd_ring(const Config& c) { return c.has("algo") && c.get("algo") == kMmaFusedRing; }
+// The token pass's ring (templates/mhc/mhc_pre_bwd_token_mma.cuh, mhc_pre_bwd_ring_bytes): 2 chunks of a lane's
+// n + 1 rows of 16 bytes per m16 tile of tokens; mma_tokens' n x tokens / 16 <= 8 keeps it at most 96 KB
+// (n 4, 32 tokens: 80 KB), beside 14 KB of static shared memory: 2 blocks an SM, as the registers allow.
+int64_t bwd_ring_bytes(const Problem& p, int64_t tokens) { return 2 * (p.dim("n") + 1) * (tokens / 16) * 2 * kMmaThreads * 16; }
 // The fused kernel's columns a block (4 warps of 32).
 constexpr int64_t kFusedBlockCols = 128;
 // The mma columns kernel's consecutive columns per lane (its kNt): 8 while ceil(M / 16) <= 3 m16 tiles of
@@ -578,13 +612,13 @@ std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, 
   // pass on tensor cores, which never writes dx; algo=mma_fused: that token pass, then dx with the columns.
   if (bwd_mma_fused(c)) {
     return {kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
-                        {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), b(bwd_warp_heads(c))}),
+                        {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), b(bwd_ring(c)), b(bwd_warp_heads(c))}),
             kernel_spec(p, "mhc/mhc_pre_bwd_fused_mma.cuh", "kspec::mhc_pre_bwd_fused_mma_kernel",
                         {T, n, D, g, head, b(dx_post)}),
             reduce};
   }
   return {bwd_mma_tokens(c) ? kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
-                                          {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), "false"})
+                                          {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), "false", "false"})
                             : kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_token_kernel",
                                           {T, n, D, t_max_arg(p), g, head, "false", thr(c), tokens, "false"}),
           kernel_spec(p, "mhc/mhc_pre_bwd_mma.cuh", "kspec::mhc_pre_bwd_columns_mma_kernel",
@@ -640,7 +674,8 @@ void* launch_pre_bwd(const Call& call, const Config& c, Launcher& l, MhcPreBwdPa
   a.ws_hpre = a.ws_cv + T;
   void* args[] = {&a};
   const unsigned th = u32(c.get("threads"));
-  if (T > 0) l.launch(0, {u32(ceil_div(T, c.get("tokens")))}, {th}, 0, args);
+  if (T > 0)
+    l.launch(0, {u32(ceil_div(T, c.get("tokens")))}, {th}, bwd_ring(c) ? u32(bwd_ring_bytes(pr, c.get("tokens"))) : 0, args);
   if (bwd_mma_fused(c)) l.launch(1, {u32(ceil_div(nd, kFusedBlockCols)), u32(parts)}, {u32(kMmaThreads)}, 0, args);
   else if (bwd_mma(c)) l.launch(1, {u32(ceil_div(nd, bwd_mma_block_cols(pr))), u32(parts)}, {u32(kMmaThreads)}, 0, args);
   else l.launch(1, {u32(ceil_div(nd, th)), u32(parts)}, {th}, 0, args);
@@ -686,9 +721,10 @@ std::string bwd_mma_tokens_unsupported(const Problem& p, int64_t tokens) {
 // else mma_tokens at 32 tokens (16 where 32 is not valid) wherever it is valid, else algo=mma with the SIMT
 // heuristic's threads and tokens (1 token on pre_only, its rule), else the SIMT kernels. H100, T 16384, n 4,
 // D 4096, bf16, pre fwd+bwd: mma_fused 32 2056 us (run 20), mma_tokens 32 2540, mma 3716, simt 6280 (H200:
-// mma 3567 against simt 6280; tools/bench/NOTES.md). mma_fused_warp_heads is selectable, not yet timed.
+// mma 3567 against simt 6280; tools/bench/NOTES.md). mma_fused_ring (the token pass through a cp.async ring) is
+// selectable, not yet timed.
 TuningSpace with_bwd_algo_axis(TuningSpace t) {
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaTokens, kMmaFused, kMmaFusedWarpHeads}});
+  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaTokens, kMmaFused, kMmaFusedWarpHeads, kMmaFusedRing}});
   for (auto& [name, values] : t.axes)
     if (name == "tokens") values = {1, 4, 16, 32, 64};
   auto simt_valid = t.valid;
@@ -702,6 +738,7 @@ TuningSpace with_bwd_algo_axis(TuningSpace t) {
       // 18 KB ring of rows (mhc_pre_bwd_fused_mma.cuh): 46 KB of the 48 static at M = 24.
       if (no.empty() && algo >= kMmaFused && proj_rows(p) > 24)
         no = "algo=mma_fused takes at most 24 projection rows (n <= 4; pre_only n <= 8): shared memory";
+
       if (no.empty()) return true;
     } else if (no.empty() && tok > 4) {
       no = "algo=simt and algo=mma take 1 or 4 tokens a block (the SIMT token kernel's)";
@@ -1076,32 +1113,15 @@ std::string post_pre_mma_unsupported(const Problem& p, int64_t tokens) {
   return "";
 }
 TuningSpace with_post_pre_algo_axis(TuningSpace t) {
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaWarpHeads}});
-  for (auto& [name, values] : t.axes)
-    if (name == "tokens") values = {1, 4, 16, 32, 64};
-  auto simt_valid = t.valid;
-  t.valid = [simt_valid](const Problem& p, const Config& c, std::string* why) {
-    const int64_t tok = c.get("tokens");
-    std::string no;
-    if (c.get("algo") == kSimt) {
-      if (tok <= 4) return simt_valid(p, c, why);
-      no = "algo=simt takes 1 or 4 tokens a block";
-    } else {
-      no = mma_unsupported(p);
-      if (no.empty() && c.get("algo") == kMmaWarpHeads) no = warp_heads_unsupported(p);
-      if (no.empty() && c.get("threads") != kMmaThreads) no = "algo=mma runs 128 threads a block (named threads=128)";
-      if (no.empty()) no = post_pre_mma_unsupported(p, tok);
-    }
-    if (why) *why = no;
-    return no.empty();
-  };
+  t = with_fwd_algo_axis(std::move(t), {kSimt, kMma, kMmaWarpHeads}, [](const Problem& p, const Config& c) {
+    return post_pre_mma_unsupported(p, c.get("tokens"));
+  });
   auto simt_heuristic = t.heuristic;
   t.heuristic = [simt_heuristic](const Problem& p) {
     Config c = simt_heuristic(p);
     c.values.insert(c.values.begin(), {"algo", kSimt});
     return c;
   };
-  t.block_threads = [](const Problem&, const Config& c) { return c.get("algo") != kSimt ? kMmaThreads : c.get("threads"); };
   return t;
 }
 
