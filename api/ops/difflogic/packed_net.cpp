@@ -37,11 +37,12 @@ constexpr int64_t kThreads = 256;
 constexpr int64_t kLayers = 0, kChunked = 1, kChains = 2, kEarly = 3, kEarlyLate = 4;  // the algo axis
 
 bool early(const Config& c) { return c.get("algo") == kEarly || c.get("algo") == kEarlyLate; }
-// The heuristic: chunked, 128-byte rows (1024 samples a chunk), 2 chunks in flight (at 64k-wide layers 2 x (2 x
-// 64k rows x 128 B) = 33 MB of scratch, in the H100's 50 MB L2). H100, run 20, 784 -> 6 x 64k -> GroupSum(10),
-// gpu ms: B 2^14 0.833 (w32) / 0.834 (w64) against algo=layers 3.185 / 2.381; B 2^18 12.93 / 12.96 against
-// 42.67 / 32.79; chunk 64 at inflight 2: 1.19 / 18.9, at inflight 4: 0.863 / 13.3.
-constexpr int64_t kDefaultAlgo = kChunked, kDefaultChunk = 128, kDefaultInflight = 2;
+// The heuristic: early (chunked's schedule with each item's gate tables loaded before its waits), 128-byte rows
+// (1024 samples a chunk), 2 chunks in flight (at 64k-wide layers 2 x (2 x 64k rows x 128 B) = 33 MB of scratch,
+// in the H100's 50 MB L2). H100, run 26, 784 -> 6 x 64k -> GroupSum(10), gpu ms, w32 / w64: B 2^14 early 0.664 /
+// 0.667 against chunked 0.839 / 0.844; B 2^18 10.13 / 10.19 against 12.80 / 12.79 (early 64/4 10.34, 256/1 10.47).
+// Run 20: algo=layers 3.185 / 2.381 at 2^14, 42.67 / 32.79 at 2^18.
+constexpr int64_t kDefaultAlgo = kEarly, kDefaultChunk = 128, kDefaultInflight = 2;
 constexpr int64_t kCanonicalChunk = 128, kCanonicalInflight = 2;  // what algo=layers carries (it reads neither)
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
