@@ -345,6 +345,12 @@ def cmd_check(a):
     for op in ops:
         res = [r for case in (a.case or [""])
                for r in _C.check_op(op, case, a.dtype or [], a.device, a.large, a.config, a.seed)]
+        if a.op and not res:
+            # An op named on the command line that runs no case would print "0 passed, 0 failed" and exit 0: a
+            # check (or a sanitizer run around it) that cannot fail. Ops without a generic reference (e.g.
+            # difflogic.packed.net) are checked by their own GPU tests.
+            raise UsageError(f"check: {op} ran no case (the generic checker has none for it with these "
+                             f"arguments; its own GPU tests check it)")
         for r in res:
             all_results.append(r)
             ok = ok and r["passed"]

@@ -86,6 +86,15 @@ def test_expected_errors_are_one_line_on_stderr_with_their_exit_code(args, code,
     assert needle in err and "Traceback" not in err and out == "", out + err
 
 
+def test_check_of_a_named_op_that_runs_no_case_is_an_error(capsys, monkeypatch):
+    # Without this, `kspec check --op difflogic.packed.net` (no generic cases) printed "0 passed, 0 failed" and
+    # exited 0, and three sanitizer runs around it checked nothing (session 9, run 27).
+    monkeypatch.setattr(kcli, "_gpu_count", lambda: 1)
+    monkeypatch.setattr(kcli._C, "check_op", lambda *a: [])
+    rc, out, err = inproc(capsys, "check", "--op", "difflogic.packed.net")
+    assert rc == kcli.EXIT_USAGE and "difflogic.packed.net ran no case" in err and "Traceback" not in err, out + err
+
+
 def test_an_error_in_a_fresh_process_has_no_traceback(tmp_path):
     r = run("compile", "norm_act.fwd", "--arch", "sm_50", "--param", "hidden=64",
             env={"KSPEC_CACHE_DIR": str(tmp_path / "c")})
