@@ -15,6 +15,23 @@ import pytest
 torch = pytest.importorskip("torch")
 from kspec import _native  # noqa: E402
 
+
+def _run_on_mock(body: str, defs: str = ""):
+    """Runs `body` in a fresh Python on the mock CUDA driver (tools/bench/dispatch_host.py builds it and its shim;
+    the body installs the shim after importing torch) with `defs` (Python source) before it; the names it
+    starts with: os, sys, ctypes, dh (dispatch_host), gpu_tools (tools/gpu's path), mock and shim (the built
+    libraries). Skips without the torch extension or cuda.h; asserts the body exited 0 and printed "ok" last."""
+    include = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
+    if _native.ext is None or not os.path.exists(os.path.join(include, "cuda.h")):
+        pytest.skip("needs the torch extension and the CUDA toolkit's cuda.h (for the mock driver)")
+    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench")
+    gpu_tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "gpu")
+    prelude = (f"import ctypes, os, sys\nsys.path.insert(0, {tools!r})\nimport dispatch_host as dh\n"
+               f"gpu_tools = {gpu_tools!r}\nmock, shim = dh.build({include!r})\ndh.select(mock)\n")
+    r = subprocess.run([sys.executable, "-c", prelude + defs + body], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:] + r.stdout[-2000:]
+    return r
+
 _BODY = r"""
 import collections, ctypes, json
 import torch, kspec, kspec._torch
@@ -102,15 +119,7 @@ SHAPES = {(2, 4096, 333): 3, (1, 2048, 512): 4, (16, 768, 256): 3}
 
 
 def test_warm_scan_step_host_work_does_not_depend_on_the_shape():
-    include = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
-    if _native.ext is None or not os.path.exists(os.path.join(include, "cuda.h")):
-        pytest.skip("needs the torch extension and the CUDA toolkit's cuda.h (for the mock driver)")
-    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench")
-    gpu_tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "gpu")
-    prelude = (f"import os, sys\nsys.path.insert(0, {tools!r})\nimport dispatch_host as dh\ngpu_tools = {gpu_tools!r}\n"
-               f"mock, shim = dh.build({include!r})\ndh.select(mock)\nSHAPES = {list(SHAPES)!r}\n")
-    r = subprocess.run([sys.executable, "-c", prelude + _BODY], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    r = _run_on_mock(_BODY, f"SHAPES = {list(SHAPES)!r}\n")
     import json
 
     got = json.loads(r.stdout.strip().splitlines()[-2])
@@ -176,15 +185,7 @@ print("ok")
 def test_probe_runs_on_the_mock_driver():
     """profile_scan_host.py --probe end to end on the mock driver (CPU tensors, torch.cuda's timing calls
     stubbed): every row prints, the empty kernel is launched through the driver (ctypes), and the steps run."""
-    include = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
-    if _native.ext is None or not os.path.exists(os.path.join(include, "cuda.h")):
-        pytest.skip("needs the torch extension and the CUDA toolkit's cuda.h (for the mock driver)")
-    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench")
-    gpu_tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "gpu")
-    prelude = (f"import ctypes, os, sys\nsys.path.insert(0, {tools!r})\nimport dispatch_host as dh\n"
-               f"gpu_tools = {gpu_tools!r}\nmock, shim = dh.build({include!r})\ndh.select(mock)\n")
-    r = subprocess.run([sys.executable, "-c", prelude + _PROBE], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:] + r.stdout[-2000:]
+    r = _run_on_mock(_PROBE)
     rows = r.stdout.splitlines()
     for name in ("python no-op", "raw cuLaunchKernel, empty kernel", "kspec.call fwd, out given",
                  "kspec.call bwd, out given"):
