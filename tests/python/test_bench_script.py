@@ -597,7 +597,7 @@ def test_record_failure_names_oom_and_releases_the_cache(families, capsys):
 def test_speedup_vs_kspec_matches_shape_and_kind(families):
     """Each timed row over the timed kspec row of its own shape and kind; untimed rows and rows without a
     kspec base get none."""
-    speedup = sys.modules[families["selective_scan"].speedup_vs_kspec.__module__].speedup_vs_kspec
+    speedup = sys.modules[families["mamba_block"].speedup_vs_kspec.__module__].speedup_vs_kspec
     rows = [{"impl": "kspec", "shape": "a", "kind": "fwd", "gpu_ms": 2.0},
             {"impl": "peer", "shape": "a", "kind": "fwd", "gpu_ms": 5.0},
             {"impl": "peer", "shape": "a", "kind": "fwd+bwd", "gpu_ms": 9.0},
@@ -855,3 +855,111 @@ def test_dispatch_step_rounds_interleave_and_rotate(families, monkeypatch):
     assert pr == 1.0 and kr == pytest.approx(1.5) and nr == pytest.approx(0.5)
     assert (pw, kw, nw) == pytest.approx((2.0, 3.0, 1.0))  # µs per step, the median round's (x2)
     assert (ph, kh, nh) == (pw, kw, nw)
+
+
+def _fake_cuda_timer(families, monkeypatch):
+    """A GpuTimer on a simulated GPU clock (no spin): events read the clock, which the timed fns advance."""
+    import importlib
+    import types
+
+    torch = pytest.importorskip("torch")
+    timing = importlib.import_module(families["selective_scan"].__name__.rsplit(".", 1)[0] + ".timing")
+    clock = [0.0]
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = 0.0
+
+        def record(self):
+            self.t = clock[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    timer = object.__new__(timing.GpuTimer)
+    timer.torch, timer.reps, timer.warmup = torch, 40, 1
+    timer.flush_buf = types.SimpleNamespace(zero_=lambda: None)
+    timer.start, timer.end = Event(), Event()
+    timer.has_sleep, timer.cycles_per_us = False, 0.0
+    return timer, clock
+
+
+def test_time_rounds_interleaves_and_takes_the_ratio_per_round(families, monkeypatch):
+    """GpuTimer.time_rounds (the scan bench's kspec and mamba_ssm rows): the fns in turn each round, round r
+    starting at fn r; a row's time the median of its rounds' medians and its ratio to fns[0] the median of the
+    rounds' ratios, so a slow stretch of the host that covers a few whole rounds decides neither (here rounds
+    3-6 run everything 5x slower: a median of plain per-fn loops would put the peer in the slow stretch)."""
+    order = []
+    timer, clock = _fake_cuda_timer(families, monkeypatch)
+
+    def fn(name, ms):
+        def call():
+            order.append(name)
+            timed_round = (len(order) - 3) // 8  # after 2 warm-up calls, 2 fns x (2 gpu + 2 ev) a round
+            clock[0] += ms * (5 if 3 <= timed_round <= 6 else 1)
+        return call
+    out = timer.time_rounds([fn("kspec", 1.0), fn("peer", 1.6)], rounds=10, per_round=2)
+    assert order[:2] == ["kspec", "peer"]  # warm-up
+    firsts = [order[2 + 8 * r] for r in range(10)]
+    assert firsts == ["kspec", "peer"] * 5, order  # round r starts at fn r
+    k, p = out
+    assert k["x_gpu"] == k["x_ev"] == 1.0
+    assert p["x_gpu"] == pytest.approx(1.6) and p["x_ev"] == pytest.approx(1.6)
+    assert (k["ev_ms"], p["ev_ms"]) == pytest.approx((1.0, 1.6))  # the fast rounds' (6 of 10)
+    assert k["ev_p90_ms"] == pytest.approx(5.0) and k["rounds"] == 10 and k["reps"] == 20
+
+
+def test_scan_bench_times_kspec_and_mamba_in_rounds(families, monkeypatch):
+    """The selective_scan family times a shape's kspec and mamba_ssm steps of one kind together
+    (timer.time_rounds, kspec first: the base of the ratios), after checking each forward once against the
+    float64 reference; the table's "kspec × (ev)" column is the rounds' ratio, and an impl whose forward
+    raises is that row's error, not the others'."""
+    import argparse
+    import types
+
+    torch = pytest.importorskip("torch")
+    from kspec.reference import selective_scan as ref
+
+    m = families["selective_scan"]
+
+    def reference_out(u, delta, A, B, C, D, z, delta_bias, *rest):
+        f = lambda t: t.detach().double().numpy()  # noqa: E731
+        y, _ = ref.selective_scan_fwd(f(u), f(delta), f(A), f(B[:, 0]), f(C[:, 0]), f(D), f(z), f(delta_bias), True)
+        return torch.from_numpy(y).to(u.dtype) + 0 * u  # differentiable: the fwd+bwd step runs backward()
+
+    groups = []
+
+    def time_rounds(steps):
+        for s in steps:
+            s()
+        groups.append(len(steps))
+        return [{"gpu_ms": 0.1 * (i + 1), "ev_ms": 0.3 * (i + 1), "x_gpu": 1.0 + i, "x_ev": 1.0 + 0.5 * i}
+                for i in range(len(steps))]
+
+    import builtins
+    real_import = builtins.__import__
+
+    def fake_import(name, *a, **k):
+        if name == "mamba_ssm.ops.selective_scan_interface":
+            return types.SimpleNamespace(selective_scan_fn=reference_out)
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    p = argparse.ArgumentParser()
+    m.add_arguments(p)
+    args = p.parse_args(["--scan-shapes", "1x4x16,2x3x8"])
+    args.quick, args.seed, args.verbose, args.time_invalid, args.peak_tbps = False, 0, False, False, 3.0
+    ctx = types.SimpleNamespace(torch=torch, dev="cpu", args=args, skipped=lambda impl: False,
+                                kspec=types.SimpleNamespace(ops=types.SimpleNamespace(selective_scan_fn=reference_out)),
+                                timer=types.SimpleNamespace(time_rounds=time_rounds))
+    result, sections = m.run(ctx)
+    rows = result["results"]
+    assert groups == [2, 2, 2, 2]  # per shape and kind, kspec and mamba_ssm together
+    assert [(r["shape"], r["impl"], r["kind"], r["status"]) for r in rows] == [
+        (s, i, k, "ok") for s in ("1x4x16", "2x3x8") for k in ("fwd", "fwd+bwd") for i in ("kspec", "mamba_ssm")]
+    peer = [r for r in rows if r["impl"] == "mamba_ssm"]
+    assert all(r["kspec_speedup_ev"] == 1.5 and r["kspec_speedup_gpu"] == 2.0 for r in peer)
+    cols = [c[0] for c in sections[0].columns]
+    assert "kspec × (ev)" in cols and "kspec × (gpu)" in cols

@@ -115,6 +115,63 @@ class GpuTimer:
         }
 
 
+    def time_rounds(self, fns: list, rounds: int = 10, per_round: int | None = None,
+                    warmup: int | None = None) -> list:
+        """Several callables (fns[0] the base, kspec's) timed interleaved, so that a slow stretch of the host
+        moves all of them alike instead of deciding one row: `rounds` rounds, in each every fn in turn (round
+        r starting at fn r), `per_round` calls of gpu and ev timing each (default reps / rounds, at least 5).
+        Per fn: gpu_ms and ev_ms the median over rounds of the round's median (min/p90 over the rounds'),
+        host_us likewise, and x_gpu / x_ev the median over rounds of that round's ratio, this fn's time over
+        fns[0]'s (> 1: the base is faster). Each fn's spin (gpu) is sized from its own warm-up, grown for the
+        next round where more than a tenth of a round's calls were not queued behind it."""
+        torch = self.torch
+        warmup = self.warmup if warmup is None else warmup
+        per_round = per_round or max(5, self.reps // rounds)
+        sleep = []
+        for fn in fns:
+            warm = []
+            for _ in range(warmup):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                warm.append((time.perf_counter() - t0) * 1e6)
+                torch.cuda.synchronize()
+            sleep.append(min(max(100.0, 2.0 * median(warm) + 50.0), 50_000.0) if self.has_sleep else 0.0)
+        n = len(fns)
+        gpu, ev, host, late = ([[] for _ in fns] for _ in range(4))
+        for r in range(rounds):
+            for k in range(n):
+                i = (r + k) % n
+                g, h, lt = self._gpu_pass(fns[i], lambda: None, sleep[i], per_round)
+                if self.has_sleep and lt > per_round // 10:
+                    sleep[i] = min(sleep[i] * 4, 50_000.0)
+                e = []
+                for _ in range(per_round):
+                    self.flush()
+                    torch.cuda.synchronize()
+                    self.start.record()
+                    fns[i]()
+                    self.end.record()
+                    self.end.synchronize()
+                    e.append(self.start.elapsed_time(self.end))
+                gpu[i].append(median(g))
+                ev[i].append(median(e))
+                host[i].append(median(h))
+                late[i].append(lt)
+        out = []
+        for i in range(n):
+            out.append({
+                "gpu_ms": median(gpu[i]), "gpu_min_ms": min(gpu[i]), "gpu_p90_ms": p90(gpu[i]),
+                "ev_ms": median(ev[i]), "ev_min_ms": min(ev[i]), "ev_p90_ms": p90(ev[i]),
+                "host_us": median(host[i]), "sleep_us": sleep[i],
+                "not_fully_queued": sum(late[i]) if self.has_sleep else None,
+                "x_gpu": median([a / b for a, b in zip(gpu[i], gpu[0])]),
+                "x_ev": median([a / b for a, b in zip(ev[i], ev[0])]),
+                "rounds": rounds, "reps": rounds * per_round,
+            })
+        return out
+
+
 def host_per_call_us(fn, sync, calls: int, repeats: int = 5) -> dict:
     """Host wall clock of `calls` back-to-back calls, divided by `calls` (median of `repeats`)."""
     for _ in range(min(calls, 200)):
