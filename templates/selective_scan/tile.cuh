@@ -43,7 +43,16 @@ namespace kspec {
 // memory reads and barrier; 8 warps of half the registers (C P and y of 8 steps: 128 registers, 2 blocks
 // per SM) double that, at the cost of twice the per-tile work per step (fold, staging, y's sum).
 // A lane then stages and writes 2 steps, and only the even warps' runs start at a multiple of
-// kStateStride (their entering state goes to `states`). Not yet measured.
+// kStateStride (their entering state goes to `states`). Measured (H100, run 25): 0.0194 ms against 0.0178
+// at 4 warps: slower.
+//
+// 2 states per lane (kStates = 2, config lanes=8: 8 lanes a channel, 4 channels a block; 4 warps): the same
+// grid problem from the other side. 1x2048x512 gets 512 blocks instead of 256, and a lane holds half the
+// C P values of its 16-step run (about 110 registers against 171-187), so 4 blocks of 4 warps fit an SM at
+// 128 registers: 16 warps per SM, each walking the 16-step runs of the 4-warp kernel, at ~1.3x the
+// instructions per channel-step (the per-step shared-memory reads of q and B/C, the fold and y's sum are
+// paid per 2 states instead of per 4; the ex2 count is the same). The lane map keeps its pairs: lanes n and
+// n^1 read the same B/C vector (bits 1-3 are the state group, bits 0 and 4 the channel). Not yet measured.
 //
 // Launch: gridDim = (ceil(dim / 8), batch), blockDim = 32 kWarps, dynamic shared memory
 // tile_fwd_smem_floats() floats; the arguments of selective_scan_fwd_kernel. Requires kVec (seqlen a
@@ -53,11 +62,11 @@ namespace kspec {
 // inside a warp's 16 steps; channels past dim run with A = 0 and dt = 0 and write nothing. Both read
 // inputs inside the tensors (the row's last steps, the last channel).
 // =============================================================================================
-template <typename Flags, int kWarps_>
+template <typename Flags, int kWarps_, int kStates = 4>
 struct TileScanTraits : Flags {
   static_assert(!Flags::kTimeMajor, "time-major tensors: the sequential kernels only");
   static constexpr int kWarps = kWarps_, kThreads = 32 * kWarps;
-  static constexpr int kS = 4;                 // states per lane
+  static constexpr int kS = kStates;           // states per lane
   static constexpr int kG = Flags::kDstate / kS;  // state groups (lanes per channel)
   static constexpr int kCW = 32 / kG;          // channels per block
   // Steps per warp and tile: 16 (kStateStride), or 8 at 8 warps, whose runs' C P and y values (half of
@@ -71,7 +80,31 @@ struct TileScanTraits : Flags {
   static_assert(Flags::kDstate == 16, "the tile kernel's lane map is for dstate 16");
   static_assert(kQ == 4 || kQ == 2, "a lane stages 4 steps (2 at 8 warps)");
   static_assert(kWarps == 4 || kWarps == 6 || kWarps == 8, "4, 6 or 8 warps");
+  static_assert(kS == 4 || (kS == 2 && kWarps == 4), "4 states per lane, or 2 at 4 warps");
+  // Blocks per SM the registers are bounded for: 2 (see the kernel), 4 with 2 states per lane (128 registers).
+  static constexpr int kMinBlocks = kS == 2 ? 4 : 2;
 };
+
+namespace scan_detail {
+// A lane's S consecutive floats of shared memory (S = 4: one 16-byte access, S = 2: one 8-byte access).
+template <int S>
+__device__ __forceinline__ void lds_states(const float* p, float (&v)[S]) {
+  if constexpr (S == 4) {
+    const float4 t = *reinterpret_cast<const float4*>(p);
+    v[0] = t.x, v[1] = t.y, v[2] = t.z, v[3] = t.w;
+  } else {
+    const float2 t = *reinterpret_cast<const float2*>(p);
+    v[0] = t.x, v[1] = t.y;
+  }
+}
+template <int S>
+__device__ __forceinline__ void sts_states(float* p, const float (&v)[S]) {
+  if constexpr (S == 4)
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  else
+    *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
+}
+}  // namespace scan_detail
 
 template <typename Tr>
 constexpr int tile_fwd_smem_floats() {
@@ -83,9 +116,9 @@ constexpr int tile_fwd_smem_floats() {
 }
 
 // Two blocks per SM (168 registers at 6 warps, 122-128 at 8, no spill). At 4 warps, 3 blocks (168 registers) ran the
-// prototype 1.50 ms against 1.53 at 2, but NVRTC spilled 8 bytes there for fp16 on sm_90.
+// prototype 1.50 ms against 1.53 at 2, but NVRTC spilled 8 bytes there for fp16 on sm_90. Four with 2 states a lane.
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kThreads, 2)
+__global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     selective_scan_fwd_tile_kernel(const typename Tr::T* __restrict__ u, const typename Tr::T* __restrict__ delta,
                                    const float* __restrict__ A, const typename Tr::TB* __restrict__ B,
                                    const typename Tr::TC* __restrict__ C, const float* __restrict__ D,
@@ -105,7 +138,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
   float* s_y = s_carry + 2 * CW * N;
 
   const int tid = static_cast<int>(threadIdx.x), w = tid / 32, lane = tid % 32;
-  const int sg = (lane >> 1) & (G - 1), c = (lane & 1) | ((lane >> 3) << 1);
+  const int sg = (lane >> 1) & (G - 1), c = (lane & 1) | ((lane / (2 * G)) << 1);
   const int b = static_cast<int>(blockIdx.y), d0 = static_cast<int>(blockIdx.x) * CW, d = d0 + c;
   const bool live = d < dim;
   const long long chan = static_cast<long long>(b) * dim + d;
@@ -190,15 +223,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
       for (int g = 0; g < 4; ++g) {
         q[g] = sq[(j0 + g) * CW];
         if constexpr (Tr::kVarB) {
-          const float4 v = *reinterpret_cast<const float4*>(sB + (j0 + g) * N);
-          bv[g][0] = v.x, bv[g][1] = v.y, bv[g][2] = v.z, bv[g][3] = v.w;
+          lds_states<S>(sB + (j0 + g) * N, bv[g]);
         } else {
 #pragma unroll
           for (int i = 0; i < S; ++i) bv[g][i] = Bf[i];
         }
         if constexpr (Tr::kVarC) {
-          const float4 v = *reinterpret_cast<const float4*>(sC + (j0 + g) * N);
-          cv[g][0] = v.x, cv[g][1] = v.y, cv[g][2] = v.z, cv[g][3] = v.w;
+          lds_states<S>(sC + (j0 + g) * N, cv[g]);
         } else {
 #pragma unroll
           for (int i = 0; i < S; ++i) cv[g][i] = Cf[i];
@@ -222,8 +253,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     }
     // 3. this warp's map; the next tile's B/C; the block's barrier
     float* px = s_px + ((it & 1) * W + w) * 2 * CW * N + c * N + n0;
-    *reinterpret_cast<float4*>(px) = make_float4(P[0], P[1], P[2], P[3]);
-    *reinterpret_cast<float4*>(px + CW * N) = make_float4(x[0], x[1], x[2], x[3]);
+    sts_states<S>(px, P);
+    sts_states<S>(px + CW * N, x);
     if (it + 1 < nt) {
       stage_bc((it + 1) & 1);
       if (it + 2 < nt) load_bc(t0 + 2 * TL);
@@ -232,26 +263,25 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
     // 4. the state entering this warp's steps: the carry folded over warps 0..w-1
     float h[S];
     {
-      const float4 cv = *reinterpret_cast<const float4*>(s_carry + (it & 1) * CW * N + c * N + n0);
-      h[0] = cv.x, h[1] = cv.y, h[2] = cv.z, h[3] = cv.w;
+      lds_states<S>(s_carry + (it & 1) * CW * N + c * N + n0, h);
 #pragma unroll
       for (int v = 0; v < W - 1; ++v) {
         if (v >= w) break;
         const float* pv = s_px + ((it & 1) * W + v) * 2 * CW * N + c * N + n0;
-        const float4 P4 = *reinterpret_cast<const float4*>(pv), X4 = *reinterpret_cast<const float4*>(pv + CW * N);
-        h[0] = fmaf(P4.x, h[0], X4.x);
-        h[1] = fmaf(P4.y, h[1], X4.y);
-        h[2] = fmaf(P4.z, h[2], X4.z);
-        h[3] = fmaf(P4.w, h[3], X4.w);
+        float Pv[S], Xv[S];
+        lds_states<S>(pv, Pv);
+        lds_states<S>(pv + CW * N, Xv);
+#pragma unroll
+        for (int i = 0; i < S; ++i) h[i] = fmaf(Pv[i], h[i], Xv[i]);
       }
       if (states && run && (R % kStateStride == 0 || tr % kStateStride == 0))
-        *reinterpret_cast<float4*>(states + (chan * nstates_of(seqlen) + tr / kStateStride) * N + n0) =
-            make_float4(h[0], h[1], h[2], h[3]);
+        sts_states<S>(states + (chan * nstates_of(seqlen) + tr / kStateStride) * N + n0, h);
       if (w == W - 1) {
-        const float4 nc = make_float4(fmaf(P[0], h[0], x[0]), fmaf(P[1], h[1], x[1]), fmaf(P[2], h[2], x[2]),
-                                      fmaf(P[3], h[3], x[3]));
-        *reinterpret_cast<float4*>(s_carry + ((it + 1) & 1) * CW * N + c * N + n0) = nc;
-        if (it + 1 == nt && live) *reinterpret_cast<float4*>(last_state + chan * N + n0) = nc;
+        float nc[S];
+#pragma unroll
+        for (int i = 0; i < S; ++i) nc[i] = fmaf(P[i], h[i], x[i]);
+        sts_states<S>(s_carry + ((it + 1) & 1) * CW * N + c * N + n0, nc);
+        if (it + 1 == nt && live) sts_states<S>(last_state + chan * N + n0, nc);
       }
     }
     // 5. sweep 2
@@ -259,8 +289,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 2)
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       float y0 = fmaf(CP[j][0], h[0], yl[j]), y1 = CP[j][1] * h[1];
-      y0 = fmaf(CP[j][2], h[2], y0);
-      y1 = fmaf(CP[j][3], h[3], y1);
+#pragma unroll
+      for (int i = 2; i < S; i += 2) {
+        y0 = fmaf(CP[j][i], h[i], y0);
+        y1 = fmaf(CP[j][i + 1], h[i + 1], y1);
+      }
       y[j] = y0 + y1;
     }
     // 6. y over the state groups through shared memory; this lane's Q steps out

@@ -394,6 +394,41 @@ TEST(SelectiveScan, WideKernelRules) {
   EXPECT_FALSE(op.kernels(problem_from_request(op, r), wide(4)).empty());
 }
 
+// algo=tile with lanes=8 (2 states a lane, 4 channels a block, 4 warps): its own rules, its own kernel (a third
+// template argument; lanes=1 keeps the kernel name it had), a launch of one block per 4 channels.
+TEST(SelectiveScan, TileKernelTwoStatesALaneRules) {
+  const OpDef& op = Registry::global().get("selective_scan.fwd");
+  auto tile = [](int64_t warps, int64_t lanes) {
+    return Config{{{"algo", 2}, {"warps", warps}, {"items", 4}, {"lanes", lanes}, {"chunk", 32}, {"segs", 1}}};
+  };
+  CompileRequest r;
+  r.op = "selective_scan.fwd";
+  r.dtype = DType::bf16;
+  r.params = {{"dstate", int64_t(16)}, {"batch", int64_t(1)}, {"dim", int64_t(2048)}, {"seqlen", int64_t(512)},
+              {"delta_softplus", true}};
+  auto why_not = [&](const CompileRequest& req, const Config& c) {
+    std::string why;
+    return op.tuning.valid(problem_from_request(op, req), c, &why) ? std::string("valid") : why;
+  };
+  EXPECT_EQ(why_not(r, tile(4, 8)), "valid");
+  for (int64_t w : {6, 8}) EXPECT_NE(why_not(r, tile(w, 8)).find("lanes=8 runs 4 warps"), std::string::npos) << w;
+  for (int64_t l : {2, 4, 16}) EXPECT_NE(why_not(r, tile(4, l)).find("lanes 1"), std::string::npos) << l;
+  // 2 groups of 4 channels: a block of 4 channels fits a group, one of 8 does not
+  CompileRequest grouped = r;
+  grouped.params.set("dim", int64_t(8));
+  grouped.params.set("groups", int64_t(2));
+  EXPECT_EQ(why_not(grouped, tile(4, 8)), "valid");
+  EXPECT_NE(why_not(grouped, tile(4, 1)).find("one B/C group"), std::string::npos);
+  const Problem p = problem_from_request(op, r);
+  const auto two = op.kernels(p, tile(4, 8)), four = op.kernels(p, tile(4, 1));
+  ASSERT_EQ(two.size(), 1u);
+  ASSERT_EQ(four.size(), 1u);
+  EXPECT_NE(two[0].name_expression().find(", 4, 2>"), std::string::npos) << two[0].name_expression();
+  EXPECT_NE(four[0].name_expression().find(", 4>"), std::string::npos) << four[0].name_expression();
+  // the heuristic keeps lanes=1 (lanes=8 is a config until an H100 run says otherwise)
+  EXPECT_EQ(op.tuning.heuristic(p).get("lanes"), 1);
+}
+
 TEST(SelectiveScan, EveryCasePlansItsKernels) {
   for (const char* name : {"selective_scan.fwd", "selective_scan.bwd", "selective_scan.step"}) {
     const OpDef& op = Registry::global().get(name);

@@ -251,17 +251,23 @@ TILE_VARIANTS = {
     "tile_seqlen_8": dict(dim=8, seqlen=8),
     # issue 33's shape (at 8 warps: 8 tiles of 64 steps, the odd warps' runs write no `states`)
     "tile_issue_1x2048x512": dict(batch=1, dim=2048, seqlen=512),
+    # 3 groups of 4 channels: lanes=8's blocks of 4 channels each read their own group's B/C (lanes=1's blocks
+    # of 8 would span two groups: refused, skipped)
+    "tile_dim_12_groups_3": dict(dim=12, groups=3, seqlen=256),
 }
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("name", list(TILE_VARIANTS))
-@pytest.mark.parametrize("warps", [4, 6, 8])
-def test_tile_kernel_forward_states_and_backward(dtype, name, warps):
-    """The one-pass tile kernel (algo=tile): out, last_state and `states` against the float64 reference
-    (poisoned first), then selective_scan.bwd from those states: every gradient against the reference."""
+@pytest.mark.parametrize("warps,lanes", [(4, 1), (6, 1), (8, 1), (4, 8)], ids=["w4", "w6", "w8", "w4_l8"])
+def test_tile_kernel_forward_states_and_backward(dtype, name, warps, lanes):
+    """The one-pass tile kernel (algo=tile; lanes=8: 2 states a lane, 4 channels a block): out, last_state and
+    `states` against the float64 reference (poisoned first), then selective_scan.bwd from those states: every
+    gradient against the reference."""
     v = dict(BASE, **TILE_VARIANTS[name])
-    cfg = f"algo=tile,warps={warps},items=4,lanes=1,chunk=32,segs=1"
+    if v["dim"] // v["groups"] < (8 if lanes == 1 else 4):
+        pytest.skip("a block's channels would span two B/C groups (the config is refused)")
+    cfg = f"algo=tile,warps={warps},items=4,lanes={lanes},chunk=32,segs=1"
     args, out, last, states, np_in, kw = _forward_states_checked(dtype, v, _inputs(dtype, v), config=cfg)
     tol = _tol(dtype)
     dout = torch.randn_like(out)

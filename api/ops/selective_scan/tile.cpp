@@ -1,32 +1,40 @@
 // The one-pass tile kernel (algo=tile, forward only; templates/selective_scan/tile.cuh): a block's
-// warps run along time, 8 channels of dstate 16 per block; and when the heuristic takes it.
+// warps run along time, 8 channels of dstate 16 per block (4 at lanes=8); and when the heuristic takes it.
 #include "selective_scan/scan.h"
 
 namespace kspec::scan {
 namespace {
 
 constexpr const char* kHeader = "selective_scan/tile.cuh";
-// A block holds 8 channels (lanes = 8 channels x 4 groups of 4 states) and `warps` runs of 16 steps (8 at
-// 8 warps: TileScanTraits::kRun).
+// A warp's 32 lanes are (channel, group of states): lanes=1 (the canonical value) is 4 lanes of 4 states a
+// channel, 8 channels a block; lanes=8 is 8 lanes of 2 states, 4 channels a block (TileScanTraits' kStates),
+// at 4 warps only. A block holds `warps` runs of 16 steps (8 at 8 warps: TileScanTraits::kRun).
+constexpr int64_t kTileDstate = 16;  // the lane map's (valid() refuses any other)
+int64_t tile_states(const Config& c) { return c.get("lanes") == 8 ? 2 : 4; }
+int64_t tile_channels(const Config& c) { return 32 / (kTileDstate / tile_states(c)); }
 int64_t tile_run(const Config& c) { return c.get("warps") == 8 ? 8 : 16; }
 
 // Dynamic shared memory of the tile kernel (tile_fwd_smem_floats in tile.cuh).
 int64_t tile_smem_bytes(const Problem& p, const Config& c) {
-  const int64_t w = c.get("warps"), run = tile_run(c), tile = w * run, n = p.dim("dstate");
+  const int64_t w = c.get("warps"), run = tile_run(c), tile = w * run, n = p.dim("dstate"), cw = tile_channels(c);
   const int64_t nvar = (var_b(p) ? 1 : 0) + (var_c(p) ? 1 : 0);
-  return 4 * (2 * nvar * tile * n + 2 * tile * kTileChannels + 2 * w * 2 * kTileChannels * n + 2 * kTileChannels * n +
-              w * (n / 4) * (kTileChannels * run + 4));
+  return 4 * (2 * nvar * tile * n + 2 * tile * cw + 2 * w * 2 * cw * n + 2 * cw * n +
+              w * (n / tile_states(c)) * (cw * run + 4));
 }
 
 // The kernel addresses a block's rows with 32-bit offsets: dstate * seqlen must fit in an int.
 bool tile_offsets_fit(const Problem& p) { return p.dim("seqlen") * p.dim("dstate") <= INT32_MAX; }
 
 bool valid(const Problem& p, const Config& c, std::string* why) {
-  if (c.get("items") != 4 || c.get("lanes") != 1 || c.get("chunk") != 32 || c.get("segs") != 1)
-    return no(why, "algo=tile does not use items, lanes, chunk or segs (canonical values 4, 1, 32, 1)");
+  if (c.get("items") != 4 || c.get("chunk") != 32 || c.get("segs") != 1)
+    return no(why, "algo=tile does not use items, chunk or segs (canonical values 4, 32, 1)");
+  if (c.get("lanes") != 1 && c.get("lanes") != 8)
+    return no(why, "algo=tile takes lanes 1 (4 lanes of 4 states a channel) or 8 (8 lanes of 2 states)");
   if (c.get("warps") != 4 && c.get("warps") != 6 && c.get("warps") != 8)
     return no(why, "algo=tile runs 4, 6 or 8 warps (2 blocks per SM)");
-  if (p.dim("dstate") != 16) return no(why, "algo=tile's lane map is for dstate 16");
+  if (c.get("lanes") == 8 && c.get("warps") != 4)
+    return no(why, "algo=tile with lanes=8 runs 4 warps (4 blocks per SM at 128 registers)");
+  if (p.dim("dstate") != kTileDstate) return no(why, "algo=tile's lane map is for dstate 16");
   // With fp32 u, delta, z (or a variable fp32 B/C) the raw prefetch of the next tile spilled 56-64 bytes.
   if (dtype_size(p.dtype("u")) != 2 || (var_b(p) && dtype_size(p.dtype("B")) != 2) ||
       (var_c(p) && dtype_size(p.dtype("C")) != 2))
@@ -34,25 +42,27 @@ bool valid(const Problem& p, const Config& c, std::string* why) {
   if (!tile_vectors(p)) return no(why, "algo=tile needs seqlen a multiple of 8 and 16-byte aligned tensors");
   if (!tile_offsets_fit(p))
     return no(why, "algo=tile addresses a block's rows with 32-bit offsets (dstate * seqlen at most 2^31 - 1)");
-  if (kTileChannels > group_fit(p)) return no(why, "a block's 8 channels must lie in one B/C group");
+  if (tile_channels(c) > group_fit(p)) return no(why, "a block's 8 (lanes=8: 4) channels must lie in one B/C group");
   return true;
 }
 
 std::vector<jit::KernelSpec> kernels(const Problem& p, const Config& c) {
+  const std::string states = tile_states(c) == 4 ? "" : ", " + std::to_string(tile_states(c));
   return {kernel(p, kHeader, "kspec::selective_scan_fwd_tile_kernel",
-                 "kspec::TileScanTraits<" + flags_type(p, tile_vectors(p)) + ", " + std::to_string(c.get("warps")) + ">")};
+                 "kspec::TileScanTraits<" + flags_type(p, tile_vectors(p)) + ", " + std::to_string(c.get("warps")) +
+                     states + ">")};
 }
 
 void launch(const Call& call, const Config& c, Launcher& l, ScanParams& s) {
   const Problem& p = call.problem;
   // A block's channels share one B/C group, and its rows fit 32-bit offsets (the tuning space's rules,
   // kept apart in the plan cache by the op's derived key).
-  KSPEC_CHECK_AS(kTileChannels <= group_fit(p), InternalError, "selective_scan.fwd: config ", c.str(p.op->info),
+  KSPEC_CHECK_AS(tile_channels(c) <= group_fit(p), InternalError, "selective_scan.fwd: config ", c.str(p.op->info),
                  " puts channels of two B/C groups in one block (a plan chosen for another dim?)");
   KSPEC_CHECK_AS(tile_offsets_fit(p), InternalError, "selective_scan.fwd: config ", c.str(p.op->info),
                  " addresses rows with 32-bit offsets: seqlen = ", p.dim("seqlen"),
                  " is too long (a plan chosen for another seqlen?)");
-  l.launch(0, {u32(ceil_div(s.dim, kTileChannels)), u32(p.dim("batch"))}, {u32(c.get("warps") * 32)},
+  l.launch(0, {u32(ceil_div(s.dim, tile_channels(c))), u32(p.dim("batch"))}, {u32(c.get("warps") * 32)},
            static_cast<unsigned>(tile_smem_bytes(p, c)), fwd_args(s).data());
 }
 
