@@ -775,8 +775,9 @@ def test_difflogic_ca_peer_is_the_same_ca(families):
 def test_scan_configs_sweep_times_each_shape_beside_mamba(families, monkeypatch):
     """selective_scan_configs over several shapes (--scan-shape A,B) in one process: per shape the heuristic's
     config (marked) and the given ones, each checked against the float64 reference before it is timed, and
-    mamba_ssm's forward where it is built, whose gpu time over each config's fills the "mamba_ssm ÷ this"
-    column (no GPU: kspec, the peer and the timer are stand-ins computing the reference's out)."""
+    mamba_ssm's forward where it is built, all timed together in rounds (the heuristic's first), whose gpu times
+    over each config's fill the "heuristic ÷ this" and "mamba_ssm ÷ this" columns (no GPU: kspec, the peer and
+    the timer are stand-ins computing the reference's out)."""
     import argparse
     import types
 
@@ -799,6 +800,14 @@ def test_scan_configs_sweep_times_each_shape_beside_mamba(families, monkeypatch)
     heuristic = "algo=wide,warps=4,items=4,lanes=1,chunk=32,segs=1"
     monkeypatch.setattr(m, "_peer", lambda: lambda *a: reference_out(*a))
     times = iter([0.02, 0.03, 0.06] * 2)  # the heuristic's, the given config's, mamba_ssm's
+    timed = []
+
+    def time_rounds(steps):  # the shape's configs and the peer interleaved: one call, the heuristic's first
+        timed.append(len(steps))
+        for step in steps:
+            step()
+        ms = [next(times) for _ in steps]
+        return [{"gpu_ms": t, "gpu_rounds_ms": [t, t, t], "x_gpu": t / ms[0]} for t in ms]
     p = argparse.ArgumentParser()
     m.add_arguments(p)
     args = p.parse_args(["--scan-shape", "1x8x16,2x4x24",
@@ -806,7 +815,7 @@ def test_scan_configs_sweep_times_each_shape_beside_mamba(families, monkeypatch)
     args.quick, args.seed = False, 0
     explain = lambda *a, **k: f"config: {heuristic} (heuristic)"  # noqa: E731
     ctx = types.SimpleNamespace(torch=torch, dev="cpu", args=args, kspec=types.SimpleNamespace(call=call, explain=explain),
-                                timer=types.SimpleNamespace(time=lambda step: (step(), {"gpu_ms": next(times)})[1]))
+                                timer=types.SimpleNamespace(time_rounds=time_rounds))
     result, sections = m.run(ctx)
     rows = result["results"]
     assert [s.title for s in sections] == ["selective_scan.fwd configs, bf16, 1x8x16, dstate 16",
@@ -815,6 +824,8 @@ def test_scan_configs_sweep_times_each_shape_beside_mamba(families, monkeypatch)
         (s, c, h, "ok") for s in ("1x8x16", "2x4x24")
         for c, h in (("algo=wide", True), ("algo=tile", False), ("mamba_ssm", False))]
     assert [round(r["mamba_x"], 6) for r in rows] == [3.0, 2.0, 1.0] * 2
+    assert [round(r["heuristic_x"], 6) for r in rows] == [1.0, round(2 / 3, 6), round(1 / 3, 6)] * 2
+    assert timed == [3, 3]
     assert all(r["max_error"] < 1e-2 for r in rows)
 
 

@@ -122,7 +122,8 @@ class GpuTimer:
         r starting at fn r), `per_round` calls of gpu and ev timing each (default reps / rounds, at least 5).
         Per fn: gpu_ms and ev_ms the median over rounds of the round's median (min/p90 over the rounds'),
         host_us likewise, and x_gpu / x_ev the median over rounds of that round's ratio, this fn's time over
-        fns[0]'s (> 1: the base is faster). Each fn's spin (gpu) is sized from its own warm-up, grown for the
+        fns[0]'s (> 1: the base is faster), and gpu_rounds_ms / ev_rounds_ms the rounds' medians in order (for
+        ratios to another fn, round by round: round_ratio). Each fn's spin (gpu) is sized from its own warm-up, grown for the
         next round where more than a tenth of a round's calls were not queued behind it."""
         torch = self.torch
         warmup = self.warmup if warmup is None else warmup
@@ -167,9 +168,14 @@ class GpuTimer:
                 "not_fully_queued": sum(late[i]) if self.has_sleep else None,
                 "x_gpu": median([a / b for a, b in zip(gpu[i], gpu[0])]),
                 "x_ev": median([a / b for a, b in zip(ev[i], ev[0])]),
-                "rounds": rounds, "reps": rounds * per_round,
+                "gpu_rounds_ms": gpu[i], "ev_rounds_ms": ev[i], "rounds": rounds, "reps": rounds * per_round,
             })
         return out
+
+
+def round_ratio(a: dict, b: dict, key: str = "gpu") -> float:
+    """The median over rounds of a's time over b's in the same round (two results of one time_rounds call)."""
+    return median([x / y for x, y in zip(a[f"{key}_rounds_ms"], b[f"{key}_rounds_ms"])])
 
 
 def host_per_call_us(fn, sync, calls: int, repeats: int = 5) -> dict:
