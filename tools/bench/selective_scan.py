@@ -51,6 +51,35 @@ def scan_check(torch, x, out, channels=4, steps=512):
     return rel_error(out[:1, :c, :s], torch.from_numpy(yr))
 
 
+FLOOR = "floor: no-op autograd.Function"
+
+
+class _NoopScan:
+    """The floor under a training step through torch's autograd (fwd+bwd rows): an autograd.Function of the
+    scan's 8 inputs that allocates out and the 8 gradients and launches nothing (tools/gpu/profile_scan_host.py's
+    probe has the same). mamba_ssm's step is such a Function with kernels; kspec's node is the extension's C++
+    one, so kspec may be below it."""
+
+    _fn = None
+
+    @classmethod
+    def apply(cls, *args):
+        if cls._fn is None:
+            import torch
+
+            class NoopScan(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, u, delta, A, B, C, D, z, delta_bias):
+                    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias)
+                    return torch.empty_like(u)
+
+                @staticmethod
+                def backward(ctx, dout):
+                    return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
+            cls._fn = NoopScan
+        return cls._fn.apply(*args)
+
+
 def _step(kind, fn, x, leaves, dout):
     """The timed call: the forward (no grad), or a training step through autograd (gradients reset to None
     first, as zero_grad does)."""
@@ -100,10 +129,16 @@ def run(ctx):
         for kind, nbytes, ex2 in (("fwd", 2 * 4 * elems + 2 * 2 * b * n * t, elems * n),
                                   ("fwd+bwd", 2 * 11 * elems + 2 * 6 * b * n * t, 3 * elems * n)):
             group, steps = [], []
-            for impl, fn in impls:
+            first = len(rows)
+            for impl, fn in impls + ([(FLOOR, None)] if kind == "fwd+bwd" else []):
                 row = {"family": "selective_scan", "shape": f"{b}x{d}x{t}", "impl": impl, "kind": kind,
                        "bytes": nbytes, "status": ""}
                 rows.append(row)
+                if impl == FLOOR:  # no kernel, nothing to check: timed beside the others in the same rounds
+                    row["status"] = "floor"
+                    group.append(row)
+                    steps.append(_step(kind, lambda *a: _NoopScan.apply(*a[:8]), x, leaves, dout))
+                    continue
                 if ctx.skipped(impl):
                     row["status"] = "skipped"
                     continue
@@ -138,7 +173,7 @@ def run(ctx):
                 row["ex2_floor_ms"] = ex2 / SFU_EX2_PER_S * 1e3
                 if base_is_kspec:
                     row["kspec_speedup_gpu"], row["kspec_speedup_ev"] = row["x_gpu"], row["x_ev"]
-            for row in rows[-len(impls):]:
+            for row in rows[first:]:
                 print(f"bench: selective_scan {row['shape']} {row['impl']} {kind}: {row['status']}", file=sys.stderr,
                       flush=True)
         del x, leaves, dout
@@ -159,6 +194,8 @@ def run(ctx):
              " torch.compile of the reference (a Python loop over seqlen steps does not compile in useful time).",
              "timing: a shape's kspec and mamba_ssm steps interleaved, 10 rounds, each in turn (round r starting at"
              " impl r); gpu and ev ms the median of the rounds' medians, kspec × the median of the rounds' ratios"
-             " (one slow stretch of the host moves both impls of a round, not one row)."]
+             " (one slow stretch of the host moves both impls of a round, not one row).",
+             f"{FLOOR} (fwd+bwd): torch's engine alone with the scan's inputs (out and 8 gradients allocated, no"
+             " kernel), in the same rounds: the host floor of a Python autograd.Function such as mamba_ssm's."]
     return {"results": rows}, [Section("selective_scan: bf16, variable B/C, D, z, delta_bias, softplus, dstate 16",
                                        cols, rows, notes)]
