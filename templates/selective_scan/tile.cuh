@@ -52,7 +52,9 @@ namespace kspec {
 // 128 registers: 16 warps per SM, each walking the 16-step runs of the 4-warp kernel, at ~1.3x the
 // instructions per channel-step (the per-step shared-memory reads of q and B/C, the fold and y's sum are
 // paid per 2 states instead of per 4; the ex2 count is the same). The lane map keeps its pairs: lanes n and
-// n^1 read the same B/C vector (bits 1-3 are the state group, bits 0 and 4 the channel). Not yet measured.
+// n^1 read the same B/C vector (bits 1-3 are the state group, bits 0 and 4 the channel). At 2 warps (32-step
+// tiles, 8 blocks per SM) a barrier waits for one other warp and the fold reads at most one map, for twice the
+// tiles. Not yet measured.
 //
 // Launch: gridDim = (ceil(dim / 8), batch), blockDim = 32 kWarps, dynamic shared memory
 // tile_fwd_smem_floats() floats; the arguments of selective_scan_fwd_kernel. Requires kVec (seqlen a
@@ -79,10 +81,11 @@ struct TileScanTraits : Flags {
   static_assert(Flags::kVectors, "the tile kernel needs whole 16-byte aligned vectors (kVec: seqlen a multiple of 8)");
   static_assert(Flags::kDstate == 16, "the tile kernel's lane map is for dstate 16");
   static_assert(kQ == 4 || kQ == 2, "a lane stages 4 steps (2 at 8 warps)");
-  static_assert(kWarps == 4 || kWarps == 6 || kWarps == 8, "4, 6 or 8 warps");
-  static_assert(kS == 4 || (kS == 2 && kWarps == 4), "4 states per lane, or 2 at 4 warps");
-  // Blocks per SM the registers are bounded for: 2 (see the kernel), 4 with 2 states per lane (128 registers).
-  static constexpr int kMinBlocks = kS == 2 ? 4 : 2;
+  static_assert(kS == 4 ? kWarps == 4 || kWarps == 6 || kWarps == 8 : kS == 2 && (kWarps == 2 || kWarps == 4),
+                "4 states per lane at 4, 6 or 8 warps; 2 at 2 or 4 warps");
+  // Blocks per SM the registers are bounded for: 2 (see the kernel); with 2 states per lane 16 warps per SM at
+  // 128 registers (4 blocks of 4 warps, 8 of 2).
+  static constexpr int kMinBlocks = kS == 2 ? 16 / kWarps : 2;
 };
 
 namespace scan_detail {

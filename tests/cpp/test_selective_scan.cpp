@@ -394,8 +394,8 @@ TEST(SelectiveScan, WideKernelRules) {
   EXPECT_FALSE(op.kernels(problem_from_request(op, r), wide(4)).empty());
 }
 
-// algo=tile with lanes=8 (2 states a lane, 4 channels a block, 4 warps): its own rules, its own kernel (a third
-// template argument; lanes=1 keeps the kernel name it had), a launch of one block per 4 channels.
+// algo=tile with lanes=8 (2 states a lane, 4 channels a block, 2 or 4 warps): its own rules, its own kernel (a
+// third template argument; lanes=1 keeps the kernel name it had), a launch of one block per 4 channels.
 TEST(SelectiveScan, TileKernelTwoStatesALaneRules) {
   const OpDef& op = Registry::global().get("selective_scan.fwd");
   auto tile = [](int64_t warps, int64_t lanes) {
@@ -410,8 +410,9 @@ TEST(SelectiveScan, TileKernelTwoStatesALaneRules) {
     std::string why;
     return op.tuning.valid(problem_from_request(op, req), c, &why) ? std::string("valid") : why;
   };
-  EXPECT_EQ(why_not(r, tile(4, 8)), "valid");
-  for (int64_t w : {6, 8}) EXPECT_NE(why_not(r, tile(w, 8)).find("lanes=8 runs 4 warps"), std::string::npos) << w;
+  for (int64_t w : {2, 4}) EXPECT_EQ(why_not(r, tile(w, 8)), "valid") << w;
+  for (int64_t w : {6, 8}) EXPECT_NE(why_not(r, tile(w, 8)).find("lanes=8 runs 2 or 4 warps"), std::string::npos) << w;
+  EXPECT_NE(why_not(r, tile(2, 1)).find("4, 6 or 8 warps"), std::string::npos);
   for (int64_t l : {2, 4, 16}) EXPECT_NE(why_not(r, tile(4, l)).find("lanes 1"), std::string::npos) << l;
   // 2 groups of 4 channels: a block of 4 channels fits a group, one of 8 does not
   CompileRequest grouped = r;

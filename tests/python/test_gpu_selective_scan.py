@@ -259,11 +259,11 @@ TILE_VARIANTS = {
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("name", list(TILE_VARIANTS))
-@pytest.mark.parametrize("warps,lanes", [(4, 1), (6, 1), (8, 1), (4, 8)], ids=["w4", "w6", "w8", "w4_l8"])
+@pytest.mark.parametrize("warps,lanes", [(4, 1), (6, 1), (8, 1), (2, 8), (4, 8)], ids=["w4", "w6", "w8", "w2_l8", "w4_l8"])
 def test_tile_kernel_forward_states_and_backward(dtype, name, warps, lanes):
-    """The one-pass tile kernel (algo=tile; lanes=8: 2 states a lane, 4 channels a block): out, last_state and
-    `states` against the float64 reference (poisoned first), then selective_scan.bwd from those states: every
-    gradient against the reference."""
+    """The one-pass tile kernel (algo=tile; lanes=8: 2 states a lane, 4 channels a block, 2 or 4 warps): out,
+    last_state and `states` against the float64 reference (poisoned first), then selective_scan.bwd from those
+    states: every gradient against the reference."""
     v = dict(BASE, **TILE_VARIANTS[name])
     if v["dim"] // v["groups"] < (8 if lanes == 1 else 4):
         pytest.skip("a block's channels would span two B/C groups (the config is refused)")

@@ -8,7 +8,7 @@ namespace {
 constexpr const char* kHeader = "selective_scan/tile.cuh";
 // A warp's 32 lanes are (channel, group of states): lanes=1 (the canonical value) is 4 lanes of 4 states a
 // channel, 8 channels a block; lanes=8 is 8 lanes of 2 states, 4 channels a block (TileScanTraits' kStates),
-// at 4 warps only. A block holds `warps` runs of 16 steps (8 at 8 warps: TileScanTraits::kRun).
+// at 2 or 4 warps. A block holds `warps` runs of 16 steps (8 at 8 warps: TileScanTraits::kRun).
 constexpr int64_t kTileDstate = 16;  // the lane map's (valid() refuses any other)
 int64_t tile_states(const Config& c) { return c.get("lanes") == 8 ? 2 : 4; }
 int64_t tile_channels(const Config& c) { return 32 / (kTileDstate / tile_states(c)); }
@@ -30,10 +30,10 @@ bool valid(const Problem& p, const Config& c, std::string* why) {
     return no(why, "algo=tile does not use items, chunk or segs (canonical values 4, 32, 1)");
   if (c.get("lanes") != 1 && c.get("lanes") != 8)
     return no(why, "algo=tile takes lanes 1 (4 lanes of 4 states a channel) or 8 (8 lanes of 2 states)");
-  if (c.get("warps") != 4 && c.get("warps") != 6 && c.get("warps") != 8)
+  if (c.get("lanes") == 1 && c.get("warps") != 4 && c.get("warps") != 6 && c.get("warps") != 8)
     return no(why, "algo=tile runs 4, 6 or 8 warps (2 blocks per SM)");
-  if (c.get("lanes") == 8 && c.get("warps") != 4)
-    return no(why, "algo=tile with lanes=8 runs 4 warps (4 blocks per SM at 128 registers)");
+  if (c.get("lanes") == 8 && c.get("warps") != 2 && c.get("warps") != 4)
+    return no(why, "algo=tile with lanes=8 runs 2 or 4 warps (16 warps per SM at 128 registers)");
   if (p.dim("dstate") != kTileDstate) return no(why, "algo=tile's lane map is for dstate 16");
   // With fp32 u, delta, z (or a variable fp32 B/C) the raw prefetch of the next tile spilled 56-64 bytes.
   if (dtype_size(p.dtype("u")) != 2 || (var_b(p) && dtype_size(p.dtype("B")) != 2) ||
