@@ -423,6 +423,42 @@ print("ok")
 """)
 
 
+def test_call_grad_returns_the_public_outputs_and_takes_names_and_values():
+    """call_grad's `public` (an output index: that output alone; a tuple: those) and params as (names, values), the
+    surface's form: the same y as the dict form's first output, a node that still saves mean and rstd (its
+    backward runs), and the dict form's NotImplemented for a param value the C++ path does not read."""
+    _run_on_mock_driver("""
+import torch, kspec, kspec._torch
+from kspec import _native, _torch
+dh.install_shim(shim)
+ext = _native.ext
+x = torch.randn(4, 256, requires_grad=True)
+w = torch.randn(256, requires_grad=True)
+fwd_op, bwd_op, names, pick, bwd_params, codes, grad_of = _torch.norm_act.grad_call
+args = (x, w, None, "rmsnorm", "identity", 1e-5, True)
+name, tensors = _torch.norm_act.node_name, _torch.norm_act.pick_tensors
+every = ext.call_grad(name, fwd_op, bwd_op, tensors(args), dict(zip(names, pick(args))), bwd_params, codes, grad_of)
+assert isinstance(every, tuple) and len(every) == 3
+y = ext.call_grad(name, fwd_op, bwd_op, tensors(args), (names, pick(args)), bwd_params, codes, grad_of, 0)
+assert isinstance(y, torch.Tensor) and y.shape == x.shape and y.grad_fn.name() == "NormActBackward"
+dx, dw = torch.autograd.grad(y.sum(), (x, w))  # the node kept mean and rstd without returning them
+assert dx.shape == x.shape and dw.shape == w.shape
+y2, rstd = ext.call_grad(name, fwd_op, bwd_op, tensors(args), (names, pick(args)), bwd_params, codes, grad_of, (0, 2))
+assert y2.shape == x.shape and rstd.shape == (4,) and rstd.dtype == torch.float32
+assert ext.call_grad(name, fwd_op, bwd_op, tensors(args), (names, pick(args)), bwd_params, codes, grad_of, (5,)) == (None,)
+odd = (names, ("rmsnorm", "identity", [1e-5], True))  # a list: the general path's to judge
+assert ext.call_grad(name, fwd_op, bwd_op, tensors(args), odd, bwd_params, codes, grad_of, 0) is NotImplemented
+assert ext.call_grad(name, fwd_op, bwd_op, tensors(args), (names, pick(args)[:2]), bwd_params, codes, grad_of,
+                     0) is NotImplemented  # names and values of other lengths
+try:
+    ext.call_grad(name, fwd_op, bwd_op, tensors(args), (names, pick(args)), bwd_params, codes, grad_of, "y")
+    raise SystemExit("a str public was accepted")
+except TypeError as e:
+    assert "public" in str(e), e
+print("ok")
+""")
+
+
 def test_mhc_with_grad_is_one_cpp_call_on_the_mock_driver():
     """kspec.ops.mhc_pre and mhc_post with a gradient wanted (issue 34's decode shape scaled down: T 8, n 4),
     through the whole host path on the mock driver: each forward is one C++ call (call_grad) recording a C++
