@@ -553,8 +553,9 @@ bool append_call_key(CallKey& key, const OpDef& op, ViewList inputs, ViewList ou
 // (tests/mock_cuda/test_host_path.cpp counts allocations).
 namespace {
 
-void call_views(std::string_view op_name, ViewList inputs, ViewList outputs, const Params& params, Stream stream,
-                const CallOptions& options) {
+// cached_only: return false, nothing launched, unless the call is a hit that needs no plan rebuilt.
+bool call_views(std::string_view op_name, ViewList inputs, ViewList outputs, const Params& params, Stream stream,
+                const CallOptions& options, bool cached_only = false) {
   static std::mutex add_mu;
   static CallTable cache;
   HitState& st = hit_state();
@@ -576,6 +577,10 @@ void call_views(std::string_view op_name, ViewList inputs, ViewList outputs, con
   }
   if (hit && (repeat || (has_data(inputs) && has_data(outputs)))) {
     HitScratch& scratch = st.scratches[scratch_slot(hit)];
+    if (cached_only && hit->generation != tuning_generation()) {  // plan_for may tune: not a cached call's
+      if (repeat) scratch.overlap_checked = false;  // its addresses are the slot's now, unchecked
+      return false;
+    }
     ScratchClaim claim(scratch);
     Call own;  // only when the thread's scratch is in use further up the stack
     Call& c = claim.claimed() ? scratch.call : own;
@@ -613,8 +618,9 @@ void call_views(std::string_view op_name, ViewList inputs, ViewList outputs, con
     DeviceLauncher launcher(*plan, c.device, stream);
     op.launch(c, plan->config, launcher);
     launcher.finish();
-    return;
+    return true;
   }
+  if (cached_only) return false;
   std::string key = cacheable ? std::string(st.key.view()) : std::string();
   Call c = validate_call(op, inputs.to_vector(), outputs.to_vector(), params, stream);
   c.problem.arch = device_arch(c.device);
@@ -637,9 +643,15 @@ void call_views(std::string_view op_name, ViewList inputs, ViewList outputs, con
   DeviceLauncher launcher(plan, c.device, stream);
   op.launch(c, plan.config, launcher);
   launcher.finish();
+  return true;
 }
 
 }  // namespace
+
+bool call_cached(std::string_view op, const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
+                 const Params& params, Stream stream) {
+  return call_views(op, inputs, outputs, params, stream, CallOptions{}, /*cached_only=*/true);
+}
 
 void call(std::string_view op, const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
           const Params& params, Stream stream, const CallOptions& options) {

@@ -111,11 +111,15 @@ int run(const char* op, const std::vector<kspec::TensorView>& in, const std::vec
                      params.data(), static_cast<int>(params.size()), stream);
 }
 
-// run() without the GIL where this thread holds it (the launch may compile or wait for a lock).
+// run() without the GIL where this thread holds it (the launch may compile or wait for a lock), unless kspec has
+// the call cached: that one compiles nothing and takes no lock, and runs with the GIL held as torch's own
+// launches do (releasing and taking back the GIL was two mutexes and a condition signal per call).
 int run_released(const char* op, const std::vector<kspec::TensorView>& in, const std::vector<kspec::TensorView>& out,
                  const std::vector<kspec_ext::Param>& params, void* stream) {
   if (!PyGILState_Check()) return run(op, in, out, params, stream);
-  int rc;
+  int rc = g_api->call_cached(op, in.data(), static_cast<int>(in.size()), out.data(), static_cast<int>(out.size()),
+                              params.data(), static_cast<int>(params.size()), stream);
+  if (rc != 1) return rc;
   Py_BEGIN_ALLOW_THREADS
   rc = run(op, in, out, params, stream);
   Py_END_ALLOW_THREADS
