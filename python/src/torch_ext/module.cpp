@@ -673,16 +673,14 @@ class OpBackward final : public torch::autograd::Node {
   void save(const at::Tensor& t, bool is_output) { saved_.emplace_back(t, is_output); }
   // The forward's inputs as they were (an undefined one absent): a gradient the backward op leaves
   // optional (gemm.bwd's dbias) is allocated with its input's shape and dtype, as autograd wants it.
+  // One vector of them, where three (absent, shape, dtype) were three allocations per forward call.
   void set_inputs(const std::vector<at::Tensor>& in) {
-    absent_.reserve(in.size());
-    shapes_.reserve(in.size());
-    dtypes_.reserve(in.size());
-    for (const auto& t : in) {
-      absent_.push_back(!t.defined());
-      shapes_.push_back(t.defined() ? at::DimVector(t.sizes()) : at::DimVector());
-      dtypes_.push_back(t.defined() ? t.scalar_type() : at::kFloat);
-    }
+    inputs_.reserve(in.size());
+    for (const auto& t : in)
+      inputs_.push_back(t.defined() ? InputMeta{false, at::DimVector(t.sizes()), t.scalar_type()} : InputMeta{});
   }
+  // The backward's arguments as call_grad was given them (read while the forward's call records the node).
+  const std::vector<long>& args() const { return args_; }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     TORCH_CHECK(!released_, name_, ": its saved tensors were freed by a backward that ran before; pass "
@@ -715,14 +713,14 @@ class OpBackward final : public torch::autograd::Node {
     // a gradient of an absent input (dbias without a bias) is not allocated, so not computed
     std::vector<bool> skip(kspec_ext::kMaxOutputs, false);
     for (size_t i = 0; i < grad_of_.size(); ++i)
-      if (grad_of_[i] >= 0 && absent_[i]) skip[static_cast<size_t>(grad_of_[i])] = true;
+      if (grad_of_[i] >= 0 && inputs_[i].absent) skip[static_cast<size_t>(grad_of_[i])] = true;
     std::vector<at::Tensor> out;
     const at::Device device = first->device();
     if (!allocate(op_.c_str(), in_views, params_.params, device, &out, nullptr, &skip)) throw_kept_error();
     for (size_t i = 0; i < grad_of_.size(); ++i) {
       const size_t j = static_cast<size_t>(grad_of_[i]);
-      if (grad_of_[i] >= 0 && !absent_[i] && j < out.size() && !out[j].defined())
-        out[j] = at::empty(shapes_[i], at::TensorOptions().dtype(dtypes_[i]).device(device));
+      if (grad_of_[i] >= 0 && !inputs_[i].absent && j < out.size() && !out[j].defined())
+        out[j] = at::empty(inputs_[i].shape, at::TensorOptions().dtype(inputs_[i].dtype).device(device));
     }
     TORCH_INTERNAL_ASSERT(views_of(out, true, &out_views));
     if (run_released(op_.c_str(), in_views, out_views, params_.params, stream_of(device)) != 0) throw_kept_error();
@@ -742,9 +740,12 @@ class OpBackward final : public torch::autograd::Node {
   std::string name_, op_;
   OwnedParams params_;
   std::vector<long> args_, grad_of_, diff_;
-  std::vector<bool> absent_;
-  std::vector<at::DimVector> shapes_;  // inline up to 5 dims: no allocation per input
-  std::vector<at::ScalarType> dtypes_;
+  struct InputMeta {
+    bool absent = true;
+    at::DimVector shape;  // inline up to 5 dims: no allocation per input
+    at::ScalarType dtype = at::kFloat;
+  };
+  std::vector<InputMeta> inputs_;
   bool released_ = false;
   std::vector<torch::autograd::SavedVariable> saved_;
 };
@@ -816,14 +817,17 @@ PyObject* py_call_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     for (const auto& p : params)
       if (std::strcmp(p.name, pname) == 0) bwd_params.add(p);
   }
-  auto node = std::shared_ptr<OpBackward>(new OpBackward(name, bwd_op, std::move(bwd_params), bwd_args, grad_of),
-                                          torch::autograd::deleteNode);
+  // bwd_args and grad_of moved into the node (two vector copies a call before); bwd_args read back from it
+  auto node = std::shared_ptr<OpBackward>(
+      new OpBackward(name, bwd_op, std::move(bwd_params), std::move(bwd_args), std::move(grad_of)),
+      torch::autograd::deleteNode);
+  const std::vector<long>& codes = node->args();
   node->set_next_edges(torch::autograd::collect_next_edges(in));
   node->set_inputs(in);
   // the node's inputs: the forward outputs whose gradient the backward reads, in order of index
   std::vector<long> diff;
-  diff.reserve(bwd_args.size());
-  for (long code : bwd_args)
+  diff.reserve(codes.size());
+  for (long code : codes)
     if (code >= kGrad) diff.push_back(grad_index(code));
   std::sort(diff.begin(), diff.end());
   for (long i : diff) {
@@ -831,7 +835,7 @@ PyObject* py_call_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                 ": bwd_args names the gradient of output ", i, ", which the forward did not make");
     node->add_output(out[static_cast<size_t>(i)], i);
   }
-  for (long code : bwd_args) {
+  for (long code : codes) {
     if (code >= kGrad || code < 0) continue;
     if (code >= kOut) {
       const size_t i = static_cast<size_t>(code - kOut);
