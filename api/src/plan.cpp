@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "api/src/call_cached.h"
 #include "api/src/tuning.h"
 #include "jit/driver.h"
 

@@ -106,13 +106,6 @@ inline int pointer_alignment(const void* p) {
   return static_cast<int>(a & (~a + 1));
 }
 
-// kspec::call where the call is cached (its signature validated and planned before, the plan current): such a
-// call compiles nothing and takes no lock, so a Python caller may keep the GIL for it. False, nothing done,
-// otherwise (a miss, a null pointer: kspec::call then validates, and raises what it raises). Throws what a
-// hit throws (overlap, the op's check_call, a failed launch).
-bool call_cached(std::string_view op, const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
-                 const Params& params, Stream stream);
-
 // What kspec::call does before its launches, without them: validation, the plan, its kernels compiled (or
 // read from the disk cache) and loaded on the tensors' device — for a caller that must not compile later
 // (an XLA handler's initialize stage, run before a command buffer may capture the execution). The buffers'

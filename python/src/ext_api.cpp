@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "api/src/plan.h"
+#include "api/src/call_cached.h"
 #include "kspec/kspec.h"
 #include "python/src/bindings.h"
 
