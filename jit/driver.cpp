@@ -74,11 +74,19 @@ const Loaded& loaded() {
 
 }  // namespace
 
-const Driver& driver() {
+namespace driver_detail {
+
+std::atomic<const Driver*> g_driver{nullptr};
+std::atomic<CUcontext> g_retained[kFastDevices];
+
+const Driver& load_driver() {
   const Loaded& l = loaded();
   if (!l.error.empty()) throw CudaError(l.error);
+  g_driver.store(&l.driver, std::memory_order_release);
   return l.driver;
 }
+
+}  // namespace driver_detail
 
 bool driver_available() { return loaded().error.empty() && loaded().device_count > 0; }
 
@@ -100,15 +108,9 @@ void throw_cuda_error(CUresult r, const char* call, const char* file, int line) 
 }
 
 // Every call makes its device's context current (ContextGuard): a retained context is read without the
-// lock. Contexts are retained once and never released, so a pointer once seen stays valid.
-namespace {
-constexpr int kFastDevices = 64;
-std::atomic<CUcontext> g_retained[kFastDevices];
-}  // namespace
-
-CUcontext primary_context(int device) {
-  if (device >= 0 && device < kFastDevices)
-    if (CUcontext c = g_retained[device].load(std::memory_order_acquire)) return c;
+// lock (primary_context, inline). Contexts are retained once and never released, so a pointer once seen
+// stays valid.
+CUcontext retain_primary_context(int device) {
   static std::mutex mu;
   static std::vector<CUcontext> contexts;
   int count = device_count();
@@ -120,7 +122,7 @@ CUcontext primary_context(int device) {
     CUdevice dev;
     CU_CHECK(cuDeviceGet(&dev, device));
     CU_CHECK(cuDevicePrimaryCtxRetain(&contexts[device], dev));
-    if (device < kFastDevices) g_retained[device].store(contexts[device], std::memory_order_release);
+    if (device < driver_detail::kFastDevices) driver_detail::g_retained[device].store(contexts[device], std::memory_order_release);
   }
   return contexts[device];
 }
@@ -131,17 +133,11 @@ CUcontext primary_context(int device) {
 // switches of ours and a rebind of the runtime's (norm_act's training step, issue 28). Keeping device 0's
 // primary context is what the runtime would do: the thread's current device stays 0. For another device, a
 // thread without a context gets none back (its runtime would report that device as current otherwise).
-ContextGuard::ContextGuard(int device) {
-  CUcontext target = primary_context(device);
-  CU_CHECK(cuCtxGetCurrent(&previous_));
-  if (previous_ != target) {
-    CU_CHECK(cuCtxSetCurrent(target));
-    switched_ = previous_ != nullptr || device != 0;
-  }
-}
-
-ContextGuard::~ContextGuard() {
-  if (switched_) driver().cuCtxSetCurrent(previous_);
+void ContextGuard::switch_to(CUresult got_current, CUcontext target, int device) {
+  if (got_current != CUDA_SUCCESS) throw_cuda_error(got_current, "cuCtxGetCurrent(&previous_)", __FILE__, __LINE__);
+  if (previous_ == target) return;
+  CU_CHECK(cuCtxSetCurrent(target));
+  switched_ = previous_ != nullptr || device != 0;
 }
 
 }  // namespace kspec::jit

@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "api/src/call_cached.h"
 #include "api/src/tuning.h"
 #include "jit/driver.h"
 
@@ -105,14 +106,13 @@ PlanEntry& plan_for(const OpDef& op, const Problem& p, int device, const Config*
   return put(key + "#b" + tune_bucket(p), std::move(entry));
 }
 
-DeviceLauncher::~DeviceLauncher() {
-  for (CUdeviceptr p : graph_owned_) jit::driver().cuMemFreeAsync(p, reinterpret_cast<CUstream>(stream_));
-}
-
-void DeviceLauncher::finish() {
+void DeviceLauncher::free_graph_owned(bool check) {
   std::vector<CUdeviceptr> owned;
   owned.swap(graph_owned_);
-  for (CUdeviceptr p : owned) CU_CHECK(cuMemFreeAsync(p, reinterpret_cast<CUstream>(stream_)));
+  for (CUdeviceptr p : owned) {
+    CUresult r = jit::driver().cuMemFreeAsync(p, reinterpret_cast<CUstream>(stream_));
+    if (check && r != CUDA_SUCCESS) jit::throw_cuda_error(r, "cuMemFreeAsync(workspace)", __FILE__, __LINE__);
+  }
 }
 
 void DeviceLauncher::launch(size_t k, Dim3 grid, Dim3 block, unsigned shared_bytes, void** args) {
@@ -357,6 +357,9 @@ struct HitState {
   CallKey key;
   HitScratch scratches[kHitSlots];
   const CachedCall* recent[kRecentSlots] = {};
+  // The op of the thread's last call, found again by comparing its name in place (the registry's lookup
+  // compares against each op in turn: ~75 instructions of a hit).
+  const OpDef* last_op = nullptr;
 };
 
 size_t scratch_slot(const CachedCall* e) {  // Fibonacci hashing of the entry's address: its top bits
@@ -365,27 +368,70 @@ size_t scratch_slot(const CachedCall* e) {  // Fibonacci hashing of the entry's 
 size_t recent_slot(const OpDef* op) { return (reinterpret_cast<uintptr_t>(op) * 0x9E3779B97F4A7C15ull) >> 60; }
 static_assert(kHitSlots == 16 && kRecentSlots == 16, "the slots are a hash's top 4 bits");
 
-// The thread's last hit of `op` when this call has its signature, compared in place with the views and
-// params that hit's scratch slot keeps: no key written, hashed or looked up (about half of a hit's
-// instructions on the mock driver). Null otherwise (the slot since taken by another entry, or in use
-// further up the stack).
+// Whether `given` (a repeat's views) has the layout of `views` (its scratch slot's: this signature's) with an
+// address to use in each, taking their addresses into `views` in the same pass; *same: whether those were
+// the slot's already. The views pass once, where same_views, has_data and take_data passed three times.
+// False at the first view that differs (the slot's addresses then partly the new ones: its caller marks its
+// overlap check undone).
+bool take_repeat(std::vector<TensorView>& views, ViewList given, bool* same) {
+  for (size_t i = 0; i < given.size(); ++i) {
+    TensorView& a = views[i];
+    const TensorView& b = given[i];
+    if (a.rank != b.rank || a.dtype != b.dtype || pointer_alignment(a.data) != pointer_alignment(b.data)) return false;
+    if (a.rank >= 0) {
+      if (a.device != b.device || (!b.data && b.numel() != 0)) return false;
+      for (int d = 0; d < a.rank; ++d)
+        if (a.shape[d] != b.shape[d] || a.strides[d] != b.strides[d]) return false;
+    }
+    *same = *same && a.data == b.data;
+    a.data = b.data;
+  }
+  return true;
+}
+
+// The thread's last hit of `op` when this call has its signature (and an address in every view), compared in
+// place with the views and params that hit's scratch slot keeps, whose views take this call's addresses: no
+// key written, hashed or looked up (about half of a hit's instructions on the mock driver). *same_pointers:
+// whether the addresses were the slot's already. Null otherwise (the slot since taken by another entry, or in
+// use further up the stack).
 const CachedCall* repeated_call(HitState& st, const OpDef& op, ViewList inputs, ViewList outputs,
-                                const Params& params) {
+                                const Params& params, bool* same_pointers) {
   const CachedCall* r = st.recent[recent_slot(&op)];
   if (!r || r->op != &op) return nullptr;
-  const HitScratch& s = st.scratches[scratch_slot(r)];
+  HitScratch& s = st.scratches[scratch_slot(r)];
   if (s.from != r || s.busy || s.given_inputs != inputs.size() || s.given_outputs != outputs.size()) return nullptr;
-  if (!same_views(s.call.inputs, inputs) || !same_views(s.call.outputs, outputs) || !same_params(s.given, params))
+  if (!same_params(s.given, params)) return nullptr;
+  *same_pointers = true;
+  if (!take_repeat(s.call.inputs, inputs, same_pointers) || !take_repeat(s.call.outputs, outputs, same_pointers)) {
+    s.overlap_checked = false;
     return nullptr;
+  }
   return r;
 }
 
 // The thread's HitState, reached once per call through a function: with a thread_local named in
 // kspec::call, GCC computed its address again (a __tls_get_addr call in a shared library) at each of its
-// eight uses, ~90 instructions of a hit.
+// eight uses, ~90 instructions of a hit. Through a plain pointer: a thread_local with a constructor is
+// reached through its init guard, a second __tls_get_addr per call.
+thread_local HitState* t_hit_state = nullptr;
+struct HitStateOwner {
+  std::unique_ptr<HitState> state;
+  ~HitStateOwner() { t_hit_state = nullptr; }  // no dangling pointer left to the thread's last moments
+};
 [[gnu::noinline]] HitState& hit_state() {
-  thread_local HitState state;
-  return state;
+  if (HitState* s = t_hit_state) return *s;
+  thread_local HitStateOwner owner;
+  owner.state = std::make_unique<HitState>();
+  t_hit_state = owner.state.get();
+  return *t_hit_state;
+}
+
+// Whether every view of a hit has an address to use: a null one (a tensor with elements) goes through
+// full validation, which names it.
+bool has_data(ViewList views) {
+  for (const TensorView& t : views)
+    if (!t.data && t.rank >= 0 && t.numel() != 0) return false;
+  return true;
 }
 
 // `given`'s data pointers into `views` (the last call of the same signature's, padded to the schema: the
@@ -435,12 +481,13 @@ bool same_params(const Params& last, const Params& given) {
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i) {
     const ParamValue &x = a[i].second, &y = b[i].second;
-    if (x.index() != y.index() || a[i].first != b[i].first) return false;
-    if (auto d = std::get_if<double>(&x)) {
-      if (std::memcmp(d, std::get_if<double>(&y), sizeof(double)) != 0) return false;
-    } else if (!(x == y)) {
-      return false;
-    }
+    if (x.index() != y.index() || !same_string(a[i].first, b[i].first)) return false;
+    bool same;
+    if (auto s = std::get_if<std::string>(&x)) same = same_string(*s, *std::get_if<std::string>(&y));
+    else if (auto d = std::get_if<double>(&x)) same = std::memcmp(d, std::get_if<double>(&y), sizeof(double)) == 0;
+    else if (auto n = std::get_if<int64_t>(&x)) same = *n == *std::get_if<int64_t>(&y);
+    else same = *std::get_if<bool>(&x) == *std::get_if<bool>(&y);
+    if (!same) return false;
   }
   return true;
 }
@@ -507,13 +554,18 @@ bool append_call_key(CallKey& key, const OpDef& op, ViewList inputs, ViewList ou
 // (tests/mock_cuda/test_host_path.cpp counts allocations).
 namespace {
 
-void call_views(std::string_view op_name, ViewList inputs, ViewList outputs, const Params& params, Stream stream,
-                const CallOptions& options) {
+// cached_only: return false, nothing launched, unless the call is a hit that needs no plan rebuilt.
+bool call_views(std::string_view op_name, ViewList inputs, ViewList outputs, const Params& params, Stream stream,
+                const CallOptions& options, bool cached_only = false) {
   static std::mutex add_mu;
   static CallTable cache;
   HitState& st = hit_state();
-  const OpDef& op = Registry::global().get(op_name);
-  const CachedCall* hit = options.config ? nullptr : repeated_call(st, op, inputs, outputs, params);
+  const OpDef* last_op = st.last_op;
+  const OpDef& op = last_op && same_string(last_op->info.name, op_name) ? *last_op : Registry::global().get(op_name);
+  st.last_op = &op;
+  bool same_pointers = false;
+  const CachedCall* hit = options.config ? nullptr : repeated_call(st, op, inputs, outputs, params, &same_pointers);
+  const bool repeat = hit != nullptr;  // its views already in its scratch slot, which is free
   bool cacheable = true;
   uint64_t hash = 0;
   if (!hit) {
@@ -524,21 +576,20 @@ void call_views(std::string_view op_name, ViewList inputs, ViewList outputs, con
     hash = cacheable ? st.key.hash() : 0;
     hit = cacheable ? cache.find(hash, st.key.view()) : nullptr;
   }
-  bool pointers_ok = true;
-  if (hit) {
-    for (const auto* list : {&inputs, &outputs})
-      for (const auto& t : *list) pointers_ok = pointers_ok && (t.data || t.rank < 0 || t.numel() == 0);
-  }
-  if (hit && pointers_ok) {
+  if (hit && (repeat || (has_data(inputs) && has_data(outputs)))) {
     HitScratch& scratch = st.scratches[scratch_slot(hit)];
+    if (cached_only && hit->generation != tuning_generation()) {  // plan_for may tune: not a cached call's
+      if (repeat) scratch.overlap_checked = false;  // its addresses are the slot's now, unchecked
+      return false;
+    }
     ScratchClaim claim(scratch);
     Call own;  // only when the thread's scratch is in use further up the stack
     Call& c = claim.claimed() ? scratch.call : own;
-    bool same_pointers = false;
-    if (claim.claimed() && scratch.from == hit) {
+    if (!repeat) same_pointers = false;  // (a repeat's views were taken by repeated_call)
+    if (!repeat && claim.claimed() && scratch.from == hit) {
       // The slot's views are this signature's: only the addresses may differ (no 152-byte view copied).
       same_pointers = take_data(c.inputs, inputs) & take_data(c.outputs, outputs);
-    } else {
+    } else if (!repeat) {
       if (claim.claimed()) scratch.from = nullptr;  // until the copy is whole
       c.problem = hit->call.problem;
       c.device = hit->call.device;
@@ -568,8 +619,9 @@ void call_views(std::string_view op_name, ViewList inputs, ViewList outputs, con
     DeviceLauncher launcher(*plan, c.device, stream);
     op.launch(c, plan->config, launcher);
     launcher.finish();
-    return;
+    return true;
   }
+  if (cached_only) return false;
   std::string key = cacheable ? std::string(st.key.view()) : std::string();
   Call c = validate_call(op, inputs.to_vector(), outputs.to_vector(), params, stream);
   c.problem.arch = device_arch(c.device);
@@ -592,9 +644,15 @@ void call_views(std::string_view op_name, ViewList inputs, ViewList outputs, con
   DeviceLauncher launcher(plan, c.device, stream);
   op.launch(c, plan.config, launcher);
   launcher.finish();
+  return true;
 }
 
 }  // namespace
+
+bool call_cached(std::string_view op, const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
+                 const Params& params, Stream stream) {
+  return call_views(op, inputs, outputs, params, stream, CallOptions{}, /*cached_only=*/true);
+}
 
 void call(std::string_view op, const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
           const Params& params, Stream stream, const CallOptions& options) {

@@ -6,6 +6,7 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -80,6 +81,24 @@ bool same_views(const std::vector<TensorView>& last, ViewList given);
 // Params equal as the key compares them: names, order, types, and values bit for bit (-0.0 is not 0.0).
 bool same_params(const Params& last, const Params& given);
 
+// Whether n bytes at a and b are equal, compared in place 8 at a time: the names and choices a call's params
+// are compared by are a few bytes long, and libc's memcmp behind std::string's == cost ~25 instructions a
+// call, five per norm_act call.
+inline bool same_bytes(const char* a, const char* b, size_t n) {
+  for (; n >= 8; n -= 8, a += 8, b += 8) {
+    uint64_t x, y;
+    std::memcpy(&x, a, 8);
+    std::memcpy(&y, b, 8);
+    if (x != y) return false;
+  }
+  for (; n > 0; --n)
+    if (*a++ != *b++) return false;
+  return true;
+}
+inline bool same_string(std::string_view a, std::string_view b) {
+  return a.size() == b.size() && same_bytes(a.data(), b.data(), a.size());
+}
+
 // The largest power of two up to 16 dividing p's address (16 for null): its lowest set bit, without the
 // divisions a loop of `% al` costs (~25 cycles each, up to four per view of a call key).
 inline int pointer_alignment(const void* p) {
@@ -98,13 +117,18 @@ class DeviceLauncher final : public Launcher {
  public:
   DeviceLauncher(PlanEntry& plan, int device, Stream stream) : plan_(plan), device_(device), stream_(stream) {}
   // An op that threw mid-capture: its graph-owned workspace is freed on the stream all the same (the capture
-  // is broken anyway; nothing to report from a destructor).
-  ~DeviceLauncher() override;
+  // is broken anyway; nothing to report from a destructor). Inline, as finish(): outside capture (every
+  // eager call) there is nothing to free, and the two out-of-line calls were ~45 of a hit's instructions.
+  ~DeviceLauncher() override {
+    if (!graph_owned_.empty()) free_graph_owned(false);
+  }
   DeviceLauncher(const DeviceLauncher&) = delete;
   DeviceLauncher& operator=(const DeviceLauncher&) = delete;
 
   // After the op's launches: a captured call's workspace is freed in the graph, behind its kernels.
-  void finish();
+  void finish() {
+    if (!graph_owned_.empty()) free_graph_owned(true);
+  }
 
   void launch(size_t k, Dim3 grid, Dim3 block, unsigned shared_bytes, void** args) override;
   void launch_clusters(size_t k, Dim3 grid, Dim3 block, Dim3 cluster, unsigned shared_bytes, void** args) override;
@@ -122,6 +146,8 @@ class DeviceLauncher final : public Launcher {
   // The plan's kernel k with room for shared_bytes of dynamic shared memory; null when the grid is
   // empty (nothing to do, e.g. zero rows).
   LoadedKernel* prepare(size_t k, Dim3 grid, unsigned shared_bytes);
+  // cuMemFreeAsync of graph_owned_ on the stream; `check`: a failure throws (finish), else is ignored.
+  void free_graph_owned(bool check);
 
   PlanEntry& plan_;
   int device_;

@@ -25,9 +25,16 @@ std::string param_to_string(const ParamValue& v) {
   return std::get<std::string>(v);
 }
 
+// Each item copied once into room reserved once (set() took its value by copy and moved it again); a name
+// given twice keeps the last value, as set() does. Names compared in place (same_string): a call's
+// Params built at the call pay this on every call.
 Params::Params(std::initializer_list<std::pair<std::string, ParamValue>> items) {
-  items_.reserve(items.size());  // one allocation for a call's params, not one per growth step
-  for (const auto& [k, v] : items) set(k, v);
+  items_.reserve(items.size());
+  for (const auto& kv : items) {
+    auto same = std::find_if(items_.begin(), items_.end(), [&](const auto& e) { return same_string(e.first, kv.first); });
+    if (same == items_.end()) items_.push_back(kv);
+    else same->second = kv.second;
+  }
 }
 
 Params& Params::set(const std::string& name, ParamValue value) {

@@ -410,11 +410,15 @@ class Surface:
             # a one_call family's saving forward in C++ (save_arg off: the general node, whose backward raises),
             # written out here rather than in a helper: one Python frame less per call
             if self.grad_call is not None and (self.save_pos is None or args[self.save_pos]):
+                # the params as (names, values), no dict per call; only the public outputs come back (no
+                # Python object made and dropped for each one only saved: norm_act's mean and rstd)
                 fwd_op, bwd_op, names, pick, bwd_params, codes, grad_of = self.grad_call
                 outs = _native.ext.call_grad(self.node_name, fwd_op, bwd_op, self.pick_tensors(args),
-                                             dict(zip(names, pick(args))), bwd_params, codes, grad_of)
+                                             (names, pick(args)), bwd_params, codes, grad_of,
+                                             public[0] if len(public) == 1 else public)
                 if outs is NotImplemented:  # kspec.call's C++ path would decline: nothing ran
                     return self._native_apply(args)
+                return outs
             else:
                 return self._native_apply(args)
         else:

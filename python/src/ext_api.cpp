@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "api/src/call_cached.h"
 #include "kspec/kspec.h"
 #include "python/src/bindings.h"
 
@@ -81,19 +82,32 @@ int infer_outputs(const char* op, const kspec::TensorView* in, int n_in, const k
   }
 }
 
-int call(const char* op, const kspec::TensorView* in, int n_in, const kspec::TensorView* out, int n_out,
-         const kspec_ext::Param* params, int n_params, void* stream) {
+// call and call_cached: 0 done, 1 not cached (call_cached only), -1 raised (kept).
+int call_with(const char* op, const kspec::TensorView* in, int n_in, const kspec::TensorView* out, int n_out,
+              const kspec_ext::Param* params, int n_params, void* stream, bool cached_only) {
   try {
     ScratchLease s;
     s->in.assign(in, in + n_in);
     s->out.assign(out, out + n_out);
     fill_params(params, n_params, &s->params);
-    kspec::call(op, s->in, s->out, s->params, static_cast<kspec::Stream>(stream));
+    const auto st = static_cast<kspec::Stream>(stream);
+    if (cached_only) return kspec::call_cached(op, s->in, s->out, s->params, st) ? 0 : 1;
+    kspec::call(op, s->in, s->out, s->params, st);
     return 0;
   } catch (...) {
     g_error = std::current_exception();
     return -1;
   }
+}
+
+int call(const char* op, const kspec::TensorView* in, int n_in, const kspec::TensorView* out, int n_out,
+         const kspec_ext::Param* params, int n_params, void* stream) {
+  return call_with(op, in, n_in, out, n_out, params, n_params, stream, false);
+}
+
+int call_cached(const char* op, const kspec::TensorView* in, int n_in, const kspec::TensorView* out, int n_out,
+                const kspec_ext::Param* params, int n_params, void* stream) {
+  return call_with(op, in, n_in, out, n_out, params, n_params, stream, true);
 }
 
 void raise_error() {
@@ -106,7 +120,7 @@ void raise_error() {
   }
 }
 
-const kspec_ext::Api kApi = {kspec_ext::kApiVersion, &infer_outputs, &call, &raise_error};
+const kspec_ext::Api kApi = {kspec_ext::kApiVersion, &infer_outputs, &call, &call_cached, &raise_error};
 
 }  // namespace
 

@@ -11,7 +11,7 @@
 
 namespace kspec_ext {
 
-constexpr int kApiVersion = 1;
+constexpr int kApiVersion = 2;
 constexpr int kMaxOutputs = 16;
 
 enum ParamKind : int { kInt = 0, kFloat = 1, kBool = 2, kStr = 3 };
@@ -39,6 +39,11 @@ struct Api {
                        Output* out, int capacity, int* n_out);
   int (*call)(const char* op, const kspec::TensorView* in, int n_in, const kspec::TensorView* out, int n_out,
               const Param* params, int n_params, void* stream);
+  // call, done only where kspec has the call cached (kspec::call_cached): 1, nothing done, where it has not.
+  // Such a call compiles nothing and takes no lock: the extension runs it with the GIL held, as torch's own
+  // launches run, and releases the GIL only for the rest.
+  int (*call_cached)(const char* op, const kspec::TensorView* in, int n_in, const kspec::TensorView* out, int n_out,
+                     const Param* params, int n_params, void* stream);
   // With the GIL held: sets the kept error as the Python exception kspec._C raises for it (same type,
   // message and attributes).
   void (*raise_error)();

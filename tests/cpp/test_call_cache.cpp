@@ -48,6 +48,38 @@ TEST(CallCache, KeyTellsApartWhatValidationReads) {
 }
 
 // A key longer than the buffer's first allocation keeps what was written before it grew.
+// same_string compares 8 bytes at a time and then the tail: every length around a word, a difference at
+// every position (a repeat with another choice of the same length, "relu" for "silu", is another signature).
+TEST(CallCache, SameStringComparesEveryByte) {
+  for (size_t n : {0, 1, 3, 7, 8, 9, 15, 16, 17, 24, 31}) {
+    const std::string a(n, 'a');
+    EXPECT_TRUE(same_string(a, std::string(n, 'a'))) << n;
+    EXPECT_FALSE(same_string(a, std::string(n + 1, 'a'))) << n;
+    for (size_t i = 0; i < n; ++i) {
+      std::string b = a;
+      b[i] = 'b';
+      EXPECT_FALSE(same_string(a, b)) << n << " at " << i;
+    }
+  }
+  EXPECT_TRUE(same_params(Params{{"act", std::string("silu")}, {"eps", 0.5}},
+                          Params{{"act", std::string("silu")}, {"eps", 0.5}}));
+  EXPECT_FALSE(same_params(Params{{"act", std::string("silu")}}, Params{{"act", std::string("relu")}}));
+  EXPECT_FALSE(same_params(Params{{"eps", 0.0}}, Params{{"eps", -0.0}}));  // bit for bit, as the key
+  EXPECT_FALSE(same_params(Params{{"n", int64_t(1)}}, Params{{"n", int64_t(2)}}));
+  EXPECT_FALSE(same_params(Params{{"b", true}}, Params{{"b", false}}));
+  EXPECT_FALSE(same_params(Params{{"n", int64_t(1)}}, Params{{"n", 1.0}}));
+  EXPECT_FALSE(same_params(Params{{"eps", 0.5}}, Params{{"tol", 0.5}}));
+}
+
+// Params built from a list: a name given twice keeps its last value, once, where it was first given.
+TEST(CallCache, ParamsListKeepsTheLastOfARepeatedName) {
+  const Params p{{"eps", 0.1}, {"act", std::string("silu")}, {"eps", 0.2}};
+  ASSERT_EQ(p.items().size(), 2u);
+  EXPECT_EQ(p.items()[0].first, "eps");
+  EXPECT_EQ(std::get<double>(p.items()[0].second), 0.2);
+  EXPECT_EQ(std::get<std::string>(*p.find("act")), "silu");
+}
+
 TEST(CallCache, KeyBufferGrowsKeepingItsBytes) {
   CallKey k;
   std::string want;

@@ -278,6 +278,83 @@ TEST_F(HostPath, CallHitFromTwoThreads) {
   EXPECT_EQ(mock_launches() - launches, 400);
 }
 
+// A repeat compares its views with its scratch slot's and takes their addresses in one pass (take_repeat): one
+// that differs only in its last view has already written its inputs' addresses into the slot. The next call
+// with exactly those addresses must not count as checked for overlap: here it has y over its own x.
+TEST_F(HostPath, RepeatThatDiffersLateStillChecksOverlapAfterwards) {
+  NormActCall a, b;
+  call("norm_act.fwd", a.ins, a.outs, a.params, a.stream);  // checked, and the op's repeat from now on
+  call("norm_act.fwd", a.ins, a.outs, a.params, a.stream);
+  // x is a's y buffer; its outputs are b's with y's rows 512 apart: a signature of its own, found different
+  // only at y, after the slot took the inputs' addresses
+  std::vector<TensorView> x_from_y = a.ins, strided_outs = b.outs;
+  x_from_y[0].data = a.outs[0].data;
+  strided_outs[0] = TensorView::strided(b.outs[0].data, DType::f32, {4, 256}, {512, 1}, 0);
+  call("norm_act.fwd", x_from_y, strided_outs, a.params, a.stream);
+  // the same inputs, a's outputs: y is x's memory
+  try {
+    call("norm_act.fwd", x_from_y, a.outs, a.params, a.stream);
+    FAIL() << "y sharing x's memory was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'y'"), std::string::npos) << e.what();
+  }
+  const long launches = mock_launches();
+  call("norm_act.fwd", a.ins, a.outs, a.params, a.stream);
+  EXPECT_EQ(mock_launches() - launches, 1);
+}
+
+// Runs of one bound call from two threads take turns (a flag, not a mutex): every launch passes the
+// outputs of the run that made it (bounded: 2 threads x 300 runs).
+TEST_F(HostPath, BoundRunFromTwoThreadsKeepsEachRunsOutputs) {
+  NormActCall a, b;
+  BoundCall bound("norm_act.fwd", a.ins, a.outs, a.params);
+  const long launches = mock_launches();
+  std::atomic<int> wrong{0};
+  auto work = [&](const NormActCall& c) {
+    LastParams last;  // the mock keeps each thread's last launch
+    for (int i = 0; i < 300; ++i) {
+      bound.run({}, c.outs, c.stream);
+      const NormActParams p = last.get();
+      if (p.y != c.outs[0].data || static_cast<void*>(p.rstd) != c.outs[2].data || p.x != a.ins[0].data) ++wrong;
+    }
+  };
+  std::thread t(work, std::cref(b));
+  work(a);
+  t.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(mock_launches() - launches, 600);
+  EXPECT_EQ(bound.runs(), 600);
+}
+
+// A bound run refuses outputs unlike the bound ones, with the messages it gave before its checks became one pass.
+TEST_F(HostPath, BoundRunRefusesOtherOutputs) {
+  NormActCall a;
+  BoundCall bound("norm_act.fwd", a.ins, a.outs, a.params);
+  auto refused = [&](std::vector<TensorView> outs, const char* what) {
+    try {
+      bound.run({}, outs, a.stream);
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  std::vector<TensorView> outs = a.outs;
+  outs[2] = TensorView();
+  refused(outs, "output 'rstd' is required");
+  outs = a.outs;
+  outs[0] = TensorView(a.outs[0].data, DType::f32, {2, 512}, 0);
+  refused(outs, "output 'y': expected a tensor laid out like the bound one");
+  outs = a.outs;
+  outs[1].data = static_cast<char*>(outs[1].data) + 2;  // mean less aligned than bound
+  refused(outs, "output 'mean': expected a tensor laid out like the bound one");
+  outs = a.outs;
+  outs[0].data = nullptr;
+  refused(outs, "output 'y': expected a tensor laid out like the bound one");
+  const long launches = mock_launches();
+  bound.run({}, a.outs, a.stream);
+  EXPECT_EQ(mock_launches() - launches, 1);
+}
+
 // norm_act.fwd with save_stats=false has y as its only output (mean and rstd follow the param, as
 // present_with), compiles the kernel with kSaveStats = false, and launches with them absent.
 TEST_F(HostPath, NormActWithoutStats) {

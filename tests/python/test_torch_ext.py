@@ -423,6 +423,78 @@ print("ok")
 """)
 
 
+def test_call_grad_returns_the_public_outputs_and_takes_names_and_values():
+    """call_grad's `public` (an output index: that output alone; a tuple: those) and params as (names, values), the
+    surface's form: the same y as the dict form's first output, a node that still saves mean and rstd (its
+    backward runs), and the dict form's NotImplemented for a param value the C++ path does not read."""
+    _run_on_mock_driver("""
+import torch, kspec, kspec._torch
+from kspec import _native, _torch
+dh.install_shim(shim)
+ext = _native.ext
+x = torch.randn(4, 256, requires_grad=True)
+w = torch.randn(256, requires_grad=True)
+fwd_op, bwd_op, names, pick, bwd_params, codes, grad_of = _torch.norm_act.grad_call
+args = (x, w, None, "rmsnorm", "identity", 1e-5, True)
+name, tensors = _torch.norm_act.node_name, _torch.norm_act.pick_tensors
+every = ext.call_grad(name, fwd_op, bwd_op, tensors(args), dict(zip(names, pick(args))), bwd_params, codes, grad_of)
+assert isinstance(every, tuple) and len(every) == 3
+y = ext.call_grad(name, fwd_op, bwd_op, tensors(args), (names, pick(args)), bwd_params, codes, grad_of, 0)
+assert isinstance(y, torch.Tensor) and y.shape == x.shape and y.grad_fn.name() == "NormActBackward"
+dx, dw = torch.autograd.grad(y.sum(), (x, w))  # the node kept mean and rstd without returning them
+assert dx.shape == x.shape and dw.shape == w.shape
+y2, rstd = ext.call_grad(name, fwd_op, bwd_op, tensors(args), (names, pick(args)), bwd_params, codes, grad_of, (0, 2))
+assert y2.shape == x.shape and rstd.shape == (4,) and rstd.dtype == torch.float32
+assert ext.call_grad(name, fwd_op, bwd_op, tensors(args), (names, pick(args)), bwd_params, codes, grad_of, (5,)) == (None,)
+odd = (names, ("rmsnorm", "identity", [1e-5], True))  # a list: the general path's to judge
+assert ext.call_grad(name, fwd_op, bwd_op, tensors(args), odd, bwd_params, codes, grad_of, 0) is NotImplemented
+assert ext.call_grad(name, fwd_op, bwd_op, tensors(args), (names, pick(args)[:2]), bwd_params, codes, grad_of,
+                     0) is NotImplemented  # names and values of other lengths
+try:
+    ext.call_grad(name, fwd_op, bwd_op, tensors(args), (names, pick(args)), bwd_params, codes, grad_of, "y")
+    raise SystemExit("a str public was accepted")
+except TypeError as e:
+    assert "public" in str(e), e
+print("ok")
+""")
+
+
+def test_cached_calls_keep_the_gil_and_others_release_it():
+    """A call kspec has cached (validated and planned before) runs through call_cached with the GIL held; a new
+    signature is declined there (nothing run) and runs through call with the GIL released (it may compile); a
+    cached signature whose outputs overlap raises what kspec.call raises for it, from call_cached."""
+    _run_on_mock_driver("""
+import ctypes, torch, kspec, kspec._torch
+from kspec import _native
+dh.install_shim(shim)
+counts = (ctypes.c_longlong * 5)()
+def seen():
+    dh._keep[0].kspec_ext_shim_counts(counts)
+    return list(counts)
+x, w = torch.randn(4, 256), torch.randn(256)
+nm = dict(norm="rmsnorm", act="identity", eps=1e-5)
+c0 = seen()
+_native.ext.call("norm_act.fwd", (x, w, None), None, nm)  # a new signature: declined, then run without the GIL
+c1 = seen()
+assert (c1[0] - c0[0], c1[1] - c0[1], c1[2] - c0[2], c1[4]) == (0, 1, 1, 0), (c0, c1)
+for _ in range(3):
+    _native.ext.call("norm_act.fwd", (x, w, None), None, nm)
+c2 = seen()
+assert (c2[0] - c1[0], c2[1] - c1[1], c2[2] - c1[2], c2[3]) == (3, 0, 0, 1), (c1, c2)
+y, stats = torch.empty(4, 256), torch.empty(64)
+_native.ext.call("norm_act.fwd", (x, w, None), (y, torch.empty(4), torch.empty(4)), nm)  # cached with given outputs
+c3 = seen()
+try:
+    _native.ext.call("norm_act.fwd", (x, w, None), (y, stats[:4], stats[:4]), nm)  # rstd over mean: same signature
+    raise SystemExit("an output over another was accepted")
+except ValueError as e:
+    assert "rstd" in str(e) or "mean" in str(e), e
+c4 = seen()
+assert c4[2] == c3[2] and c4[1] == c3[1], (c3, c4)  # raised by the cached call itself
+print("ok")
+""")
+
+
 def test_mhc_with_grad_is_one_cpp_call_on_the_mock_driver():
     """kspec.ops.mhc_pre and mhc_post with a gradient wanted (issue 34's decode shape scaled down: T 8, n 4),
     through the whole host path on the mock driver: each forward is one C++ call (call_grad) recording a C++

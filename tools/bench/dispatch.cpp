@@ -1,8 +1,10 @@
 // Host overhead of one kspec call from C++, against a raw cuLaunchKernel of the very same loaded
-// function: a tiny fp32 norm_act.fwd (1 x 256) so that the GPU side never limits the launch rate, through
-// kspec::call, the typed wrapper and a BoundCall; and an fp32 gemm (x [4, 64] · W [64, 64]ᵀ + bias, one
-// cuBLASLt matmul) through kspec::call. Prints one JSON object to stdout; tools/bench/bench.py
-// --dispatch-bin runs it and keeps the JSON.
+// function with the same argument block: a tiny fp32 norm_act.fwd (1 x 256) so that the GPU side never
+// limits the launch rate, through kspec::call, the typed wrapper and a BoundCall; the raw launch with one
+// piece of kspec's work added at a time (the context query, the argument written from views, a capture
+// query); and an fp32 gemm (x [4, 64] · W [64, 64]ᵀ + bias, one cuBLASLt matmul) through kspec::call.
+// Prints one JSON object to stdout ("methods" in order, each's µs and its per-round difference from raw);
+// tools/bench/bench.py --dispatch-bin runs it and keeps the JSON.
 //   kspec_dispatch_bench [--no-check]   --no-check: skip the float64 check of the outputs (on the mock
 //                                        driver, tests/mock_cuda, whose launches compute nothing)
 #include <algorithm>
@@ -172,6 +174,39 @@ int run(bool check) {
   const unsigned grid = (kRows + kRowsPerBlock - 1) / kRowsPerBlock;
 
   auto raw = [&] { CU_CHECK(cuLaunchKernel(fn, grid, 1, 1, kThreads, 1, 1, 0, cu_stream, args, nullptr)); };
+  // The breakdown: raw plus one piece of what kspec does around the same launch at a time, so that the GPU
+  // host's own cost of each shows (a driver query there is not the mock's few instructions).
+  // + the current-context query every kspec call makes (jit::ContextGuard):
+  auto raw_ctx = [&] {
+    CUcontext current = nullptr;
+    CU_CHECK(cuCtxGetCurrent(&current));
+    CU_CHECK(cuLaunchKernel(fn, grid, 1, 1, kThreads, 1, 1, 0, cu_stream, args, nullptr));
+  };
+  // + the kernel's argument written from the six views at each call, as norm_act's launcher does:
+  const TensorView* pack_views[] = {&xv, &wv, &bv, &yv, &mv, &rv};
+  auto raw_ctx_pack = [&] {
+    CUcontext current = nullptr;
+    CU_CHECK(cuCtxGetCurrent(&current));
+    kspec::NormActParams p{};
+    p.x = pack_views[0]->data;
+    p.weight = pack_views[1]->data;
+    p.bias = pack_views[2]->data;
+    p.y = pack_views[3]->data;
+    p.mean = static_cast<float*>(pack_views[4]->data);
+    p.rstd = static_cast<float*>(pack_views[5]->data);
+    p.x_row_stride = pack_views[0]->strides[0];
+    p.y_row_stride = pack_views[3]->strides[0];
+    p.rows = static_cast<int>(pack_views[0]->shape[0]);
+    p.eps = static_cast<float>(kEps);
+    void* a[] = {&p};
+    CU_CHECK(cuLaunchKernel(fn, grid, 1, 1, kThreads, 1, 1, 0, cu_stream, a, nullptr));
+  };
+  // + a capture-status query (kspec makes one where a call needs a workspace, or a bound call has tables):
+  auto raw_capture = [&] {
+    CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+    CU_CHECK(cuStreamIsCapturing(cu_stream, &status));
+    CU_CHECK(cuLaunchKernel(fn, grid, 1, 1, kThreads, 1, 1, 0, cu_stream, args, nullptr));
+  };
   // As a user writes it: the argument lists and Params built at the call.
   auto call = [&] {
     kspec::call("norm_act.fwd", {xv, wv, bv}, {yv, mv, rv},
@@ -203,8 +238,15 @@ int run(bool check) {
     std::function<void()> fn;
     std::vector<double> per_call_us;
   };
-  std::vector<Method> methods = {{"raw", raw, {}},     {"call", call, {}},   {"call_prebuilt_params", call_prebuilt, {}},
-                                 {"typed", typed, {}}, {"bound", bound, {}}, {"gemm", gemm, {}}};
+  std::vector<Method> methods = {{"raw", raw, {}},
+                                 {"raw_ctx", raw_ctx, {}},
+                                 {"raw_ctx_pack", raw_ctx_pack, {}},
+                                 {"raw_capture", raw_capture, {}},
+                                 {"bound", bound, {}},
+                                 {"call_prebuilt_params", call_prebuilt, {}},
+                                 {"call", call, {}},
+                                 {"typed", typed, {}},
+                                 {"gemm", gemm, {}}};
   const size_t n_norm_act = methods.size() - 1;  // the methods that write y (all but gemm)
 
   // Validate every path before timing it: each writes y from scratch, checked against the float64
@@ -278,6 +320,9 @@ int run(bool check) {
               json_escape(spec.name_expression()).c_str(), kLaunchesPerRep, kReps, same_kernel ? "true" : "false",
               check ? "true" : "false", bitwise_equal ? "true" : "false", worst_error, kGemmRows, kGemmDim, kGemmDim,
               kGemmDim);
+  std::printf(", \"methods\": [");
+  for (size_t i = 0; i < methods.size(); ++i) std::printf("%s\"%s\"", i ? ", " : "", methods[i].name);
+  std::printf("]");
   for (size_t i = 0; i < methods.size(); ++i)
     std::printf(", \"%s_us\": %.4f, \"%s_min_us\": %.4f, \"%s_p90_us\": %.4f", methods[i].name, stats[i].median,
                 methods[i].name, stats[i].min, methods[i].name, stats[i].p90);

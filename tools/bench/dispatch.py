@@ -325,12 +325,24 @@ def native_rows():
     nm = dict(norm="rmsnorm", act="identity", eps=1e-5)
     op = torch.ops.kspec_ops.norm_act_fwd.default
     lx, lw = torch.randn(4, 256, device=dev, dtype=bf), torch.randn(256, 256, device=dev, dtype=bf)
+    # norm_act with grad's one C++ call as the surface made it before (a params dict, every output wrapped and
+    # the tuple indexed in Python) and now ((names, values), y alone): the same node, the same kernels
+    xg = torch.randn(4, 256, device=dev, dtype=bf, requires_grad=True)
+    fwd_op, bwd_op, names, pick, bwd_params, codes, grad_of = _torch.norm_act.grad_call
+    args = (xg, w, None, "rmsnorm", "identity", 1e-5, True)
+    name, tensors = _torch.norm_act.node_name, _torch.norm_act.pick_tensors
     return [
         ("ext", "linear's surface (no grad; ops.linear's path before)",
          lambda: _torch.linear_surface(lx, lw, None, "none", False)),
         ("ext", "_torch_ext.call norm_act.fwd (allocated)", lambda: _native.ext.call("norm_act.fwd", (x, w, None),
                                                                                      None, nm)),
         ("ext", "dispatcher op kspec_ops::norm_act_fwd (allocated)", lambda: op(x, w, None, **nm)),
+        ("ext", "call_grad norm_act, before (params dict, all outputs)",
+         lambda: _native.ext.call_grad(name, fwd_op, bwd_op, tensors(args), dict(zip(names, pick(args))), bwd_params,
+                                       codes, grad_of)[0]),
+        ("ext", "call_grad norm_act, now ((names, values), y alone)",
+         lambda: _native.ext.call_grad(name, fwd_op, bwd_op, tensors(args), (names, pick(args)), bwd_params, codes,
+                                       grad_of, 0)),
     ]
 
 
@@ -559,6 +571,10 @@ def run(args) -> dict:
                   f"typed {c['typed_us']:.2f} (+{c['typed_minus_raw_us']:.2f}), BoundCall {c['bound_us']:.2f} "
                   f"(+{c['bound_minus_raw_us']:.2f} [{c['bound_minus_raw_p90_us']:.2f}]); "
                   f"kspec::call gemm ({c['gemm_problem']}, one cuBLASLt matmul) {c['gemm_us']:.2f}")
+            print("C++ breakdown (µs; +x over raw as above): " + ", ".join(
+                f"{m} {c[m + '_us']:.2f}" + ("" if m == "raw" else f" (+{c[m + '_minus_raw_us']:.2f} "
+                                                                f"[{c[m + '_minus_raw_p90_us']:.2f}])")
+                for m in c.get("methods", [])))
         except Exception as e:  # the Python table stands without it
             data["cpp_error"] = str(e)
             print(f"\nC++ dispatch benchmark: {e}")

@@ -140,16 +140,16 @@ Slots bwd_slots(const OpInfo& i) {
   return s;
 }
 
-// The kernels' parameters a call's tensors give (templates/norm_act/params.h); the work split's fields
-// (partials) are the launch's to fill.
-NormActParams kernel_params(const Call& call, const Slots& s, bool backward) {
+// The kernels' parameters a call's tensors give (templates/norm_act/params.h), `rows` as the launcher read
+// it (the problem's dims looked up once a call); the work split's fields (partials) are the launch's to fill.
+NormActParams kernel_params(const Call& call, const Slots& s, bool backward, int64_t rows) {
   const TensorView& x = call.inputs[s.x];
   NormActParams prm{};
   prm.x = x.data;
   prm.weight = call.inputs[s.weight].data;
   prm.bias = call.inputs[s.bias].data;
   prm.x_row_stride = call.row_stride(x);
-  prm.rows = static_cast<int>(call.problem.dim("rows"));
+  prm.rows = static_cast<int>(rows);
   if (backward) {
     const TensorView &dy = call.inputs[s.dy], &dx = call.outputs[s.y];
     prm.mean = static_cast<float*>(call.inputs[s.mean].data);
@@ -332,7 +332,7 @@ OpDef make_fwd() {
   op.launch = [s = fwd_slots(i)](const Call& call, const Config& c, Launcher& l) {
     int64_t rows = call.problem.dim("rows");
     KSPEC_CHECK(rows <= INT32_MAX, "norm_act.fwd: input 'x': at most 2^31-1 rows, got ", rows);
-    NormActParams prm = kernel_params(call, s, false);
+    NormActParams prm = kernel_params(call, s, false, rows);
     void* args[] = {&prm};
     unsigned rpb = static_cast<unsigned>(c.get("rows_per_block"));  // 1 when streamed
     unsigned threads = static_cast<unsigned>(c.get("threads_per_row")) * rpb;
@@ -367,7 +367,7 @@ void launch_bwd_stream(const Call& call, const Slots& s, const Config& c, Launch
                                       std::max<int64_t>(rows, 1));
   parts = std::min<int64_t>(parts, 65535);  // gridDim.y
   auto* ws = static_cast<float*>(l.workspace(sizeof(float) * 2 * parts * hidden));
-  NormActParams prm = kernel_params(call, s, true);
+  NormActParams prm = kernel_params(call, s, true, rows);
   prm.dw_partial = ws;
   prm.db_partial = ws + parts * hidden;
   prm.rows_per_part = static_cast<int>(ceil_div(rows, parts));
@@ -420,7 +420,7 @@ OpDef make_bwd() {
     int64_t per_sm = std::max(1, l.occupancy(0, static_cast<unsigned>(threads), 0));
     int64_t grid = std::min<int64_t>(ceil_div(rows, rpb), l.multiprocessors() * per_sm);
     auto* ws = static_cast<float*>(l.workspace(sizeof(float) * 2 * std::max<int64_t>(grid, 1) * hidden));
-    NormActParams prm = kernel_params(call, s, true);
+    NormActParams prm = kernel_params(call, s, true, rows);
     prm.dw_partial = ws;
     prm.db_partial = ws + std::max<int64_t>(grid, 1) * hidden;
     prm.num_partials = static_cast<int>(grid);

@@ -111,11 +111,15 @@ int run(const char* op, const std::vector<kspec::TensorView>& in, const std::vec
                      params.data(), static_cast<int>(params.size()), stream);
 }
 
-// run() without the GIL where this thread holds it (the launch may compile or wait for a lock).
+// run() without the GIL where this thread holds it (the launch may compile or wait for a lock), unless kspec has
+// the call cached: that one compiles nothing and takes no lock, and runs with the GIL held as torch's own
+// launches do (releasing and taking back the GIL was two mutexes and a condition signal per call).
 int run_released(const char* op, const std::vector<kspec::TensorView>& in, const std::vector<kspec::TensorView>& out,
                  const std::vector<kspec_ext::Param>& params, void* stream) {
   if (!PyGILState_Check()) return run(op, in, out, params, stream);
-  int rc;
+  int rc = g_api->call_cached(op, in.data(), static_cast<int>(in.size()), out.data(), static_cast<int>(out.size()),
+                              params.data(), static_cast<int>(params.size()), stream);
+  if (rc != 1) return rc;
   Py_BEGIN_ALLOW_THREADS
   rc = run(op, in, out, params, stream);
   Py_END_ALLOW_THREADS
@@ -128,36 +132,55 @@ PyObject* not_implemented() {
   Py_RETURN_NOTIMPLEMENTED;
 }
 
-// Python params as the C ABI's; false (no error set) for a value the general path must judge.
-bool params_of(PyObject* dict, std::vector<kspec_ext::Param>* out) {
-  if (!PyDict_Check(dict)) return false;
-  out->reserve(static_cast<size_t>(PyDict_Size(dict)));
-  Py_ssize_t pos = 0;
-  PyObject *k, *v;
-  while (PyDict_Next(dict, &pos, &k, &v)) {
-    kspec_ext::Param p{PyUnicode_Check(k) ? PyUnicode_AsUTF8(k) : nullptr, kspec_ext::kInt, 0, 0.0, nullptr};
-    if (!p.name) break;
-    if (PyBool_Check(v)) {
-      p.kind = kspec_ext::kBool;
-      p.i = v == Py_True;
-    } else if (PyLong_Check(v)) {
-      int overflow = 0;
-      p.i = PyLong_AsLongLongAndOverflow(v, &overflow);
-      if (overflow || (p.i == -1 && PyErr_Occurred())) break;
-    } else if (PyFloat_Check(v)) {
-      p.kind = kspec_ext::kFloat;
-      p.f = PyFloat_AS_DOUBLE(v);
-    } else if (PyUnicode_Check(v)) {
-      p.kind = kspec_ext::kStr;
-      p.s = PyUnicode_AsUTF8(v);
-      if (!p.s) break;
-    } else {
-      break;
+// One Python param as the C ABI's; false (no error set) for a name or value the general path must judge.
+bool param_of(PyObject* k, PyObject* v, kspec_ext::Param* p) {
+  *p = kspec_ext::Param{PyUnicode_Check(k) ? PyUnicode_AsUTF8(k) : nullptr, kspec_ext::kInt, 0, 0.0, nullptr};
+  if (!p->name) return false;
+  if (PyBool_Check(v)) {
+    p->kind = kspec_ext::kBool;
+    p->i = v == Py_True;
+  } else if (PyLong_Check(v)) {
+    int overflow = 0;
+    p->i = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow || (p->i == -1 && PyErr_Occurred())) return false;
+  } else if (PyFloat_Check(v)) {
+    p->kind = kspec_ext::kFloat;
+    p->f = PyFloat_AS_DOUBLE(v);
+  } else if (PyUnicode_Check(v)) {
+    p->kind = kspec_ext::kStr;
+    p->s = PyUnicode_AsUTF8(v);
+    if (!p->s) return false;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// Python params as the C ABI's: a dict, or (for call_grad) a pair of tuples (names, values), which a caller
+// with fixed names builds without a dict per call. False (no error set) for a value the general path must
+// judge.
+bool params_of(PyObject* given, std::vector<kspec_ext::Param>* out) {
+  bool ok = true;
+  if (PyDict_Check(given)) {
+    out->reserve(static_cast<size_t>(PyDict_Size(given)));
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (ok && PyDict_Next(given, &pos, &k, &v)) {
+      out->emplace_back();
+      ok = param_of(k, v, &out->back());
     }
-    out->push_back(p);
+  } else if (PyTuple_Check(given) && PyTuple_GET_SIZE(given) == 2 && PyTuple_Check(PyTuple_GET_ITEM(given, 0)) &&
+             PyTuple_Check(PyTuple_GET_ITEM(given, 1)) &&
+             PyTuple_GET_SIZE(PyTuple_GET_ITEM(given, 0)) == PyTuple_GET_SIZE(PyTuple_GET_ITEM(given, 1))) {
+    PyObject *names = PyTuple_GET_ITEM(given, 0), *values = PyTuple_GET_ITEM(given, 1);
+    out->resize(static_cast<size_t>(PyTuple_GET_SIZE(names)));
+    for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(names); ++i)
+      ok = param_of(PyTuple_GET_ITEM(names, i), PyTuple_GET_ITEM(values, i), &(*out)[static_cast<size_t>(i)]);
+  } else {
+    ok = false;
   }
   if (PyErr_Occurred()) PyErr_Clear();
-  return pos == PyDict_Size(dict) && static_cast<Py_ssize_t>(out->size()) == PyDict_Size(dict);
+  return ok;
 }
 
 // Tensors (None: absent) from a tuple or list; false (no error set) for anything else.
@@ -208,6 +231,12 @@ bool views_of(const std::vector<at::Tensor>& ts, bool writable, std::vector<kspe
   for (size_t i = 0; i < ts.size(); ++i)
     if (ts[i].defined() && !view_of(ts[i], writable, &(*out)[i])) return false;
   return true;
+}
+
+// Output i as a Python object (None where absent or out of range).
+PyObject* wrap_one(std::vector<at::Tensor>* out, Py_ssize_t i) {
+  if (i < 0 || static_cast<size_t>(i) >= out->size() || !(*out)[static_cast<size_t>(i)].defined()) Py_RETURN_NONE;
+  return THPVariable_Wrap(std::move((*out)[static_cast<size_t>(i)]));
 }
 
 // The outputs as a new tuple (None for an absent one).
@@ -644,16 +673,14 @@ class OpBackward final : public torch::autograd::Node {
   void save(const at::Tensor& t, bool is_output) { saved_.emplace_back(t, is_output); }
   // The forward's inputs as they were (an undefined one absent): a gradient the backward op leaves
   // optional (gemm.bwd's dbias) is allocated with its input's shape and dtype, as autograd wants it.
+  // One vector of them, where three (absent, shape, dtype) were three allocations per forward call.
   void set_inputs(const std::vector<at::Tensor>& in) {
-    absent_.reserve(in.size());
-    shapes_.reserve(in.size());
-    dtypes_.reserve(in.size());
-    for (const auto& t : in) {
-      absent_.push_back(!t.defined());
-      shapes_.push_back(t.defined() ? at::DimVector(t.sizes()) : at::DimVector());
-      dtypes_.push_back(t.defined() ? t.scalar_type() : at::kFloat);
-    }
+    inputs_.reserve(in.size());
+    for (const auto& t : in)
+      inputs_.push_back(t.defined() ? InputMeta{false, at::DimVector(t.sizes()), t.scalar_type()} : InputMeta{});
   }
+  // The backward's arguments as call_grad was given them (read while the forward's call records the node).
+  const std::vector<long>& args() const { return args_; }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     TORCH_CHECK(!released_, name_, ": its saved tensors were freed by a backward that ran before; pass "
@@ -686,14 +713,14 @@ class OpBackward final : public torch::autograd::Node {
     // a gradient of an absent input (dbias without a bias) is not allocated, so not computed
     std::vector<bool> skip(kspec_ext::kMaxOutputs, false);
     for (size_t i = 0; i < grad_of_.size(); ++i)
-      if (grad_of_[i] >= 0 && absent_[i]) skip[static_cast<size_t>(grad_of_[i])] = true;
+      if (grad_of_[i] >= 0 && inputs_[i].absent) skip[static_cast<size_t>(grad_of_[i])] = true;
     std::vector<at::Tensor> out;
     const at::Device device = first->device();
     if (!allocate(op_.c_str(), in_views, params_.params, device, &out, nullptr, &skip)) throw_kept_error();
     for (size_t i = 0; i < grad_of_.size(); ++i) {
       const size_t j = static_cast<size_t>(grad_of_[i]);
-      if (grad_of_[i] >= 0 && !absent_[i] && j < out.size() && !out[j].defined())
-        out[j] = at::empty(shapes_[i], at::TensorOptions().dtype(dtypes_[i]).device(device));
+      if (grad_of_[i] >= 0 && !inputs_[i].absent && j < out.size() && !out[j].defined())
+        out[j] = at::empty(inputs_[i].shape, at::TensorOptions().dtype(inputs_[i].dtype).device(device));
     }
     TORCH_INTERNAL_ASSERT(views_of(out, true, &out_views));
     if (run_released(op_.c_str(), in_views, out_views, params_.params, stream_of(device)) != 0) throw_kept_error();
@@ -713,9 +740,12 @@ class OpBackward final : public torch::autograd::Node {
   std::string name_, op_;
   OwnedParams params_;
   std::vector<long> args_, grad_of_, diff_;
-  std::vector<bool> absent_;
-  std::vector<at::DimVector> shapes_;  // inline up to 5 dims: no allocation per input
-  std::vector<at::ScalarType> dtypes_;
+  struct InputMeta {
+    bool absent = true;
+    at::DimVector shape;  // inline up to 5 dims: no allocation per input
+    at::ScalarType dtype = at::kFloat;
+  };
+  std::vector<InputMeta> inputs_;
   bool released_ = false;
   std::vector<torch::autograd::SavedVariable> saved_;
 };
@@ -735,16 +765,27 @@ bool ints_of(PyObject* seq, std::vector<long>* out) {
   return true;
 }
 
-// call_grad(name, fwd_op, bwd_op, inputs, params, bwd_params, bwd_args, grad_of): the forward op's outputs
-// (allocated), recorded in the autograd graph as one OpBackward node named `name`, in one C++ call (no
-// torch.autograd.Function, no Python in the backward). `params` the forward's; `bwd_params` the names of
-// those the backward op takes too; `bwd_args` the backward op's inputs in order, each an input index
-// (saved), kOut + i (forward output i, saved), kGrad + i (the gradient of forward output i, which thereby
-// gets this node as grad_fn; kGradOptional + i where the op takes it absent) or -1 (None); `grad_of` per input, the backward output that is its gradient
-// (-1: none). NotImplemented, nothing recorded, where kspec.call's C++ path would decline the call.
+// call_grad(name, fwd_op, bwd_op, inputs, params, bwd_params, bwd_args, grad_of[, public]): the forward op's
+// outputs (allocated; with `public`, those it names), recorded in the autograd graph as one OpBackward node
+// named `name`, in one C++ call (no torch.autograd.Function, no Python in the backward). `params` the
+// forward's (a dict, or (names, values)); `bwd_params` the names of those the backward op takes too;
+// `bwd_args` the backward op's inputs in order, each an input index (saved), kOut + i (forward output i,
+// saved), kGrad + i (the gradient of forward output i, which thereby gets this node as grad_fn;
+// kGradOptional + i where the op takes it absent) or -1 (None); `grad_of` per input, the backward output
+// that is its gradient (-1: none). NotImplemented, nothing recorded, where kspec.call's C++ path would
+// decline the call.
 PyObject* py_call_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK(nargs == 8, "_torch_ext.call_grad(name, fwd_op, bwd_op, inputs, params, bwd_params, bwd_args, grad_of)");
+  TORCH_CHECK(nargs == 8 || nargs == 9,
+              "_torch_ext.call_grad(name, fwd_op, bwd_op, inputs, params, bwd_params, bwd_args, grad_of[, public])");
+  // public: the one output index returned alone, or a tuple of them; without it every output, as a tuple.
+  // The outputs only saved for the backward (norm_act's mean and rstd) then get no Python object each (made,
+  // then dropped with the tuple) per call.
+  PyObject* public_out = nargs == 9 ? args[8] : nullptr;
+  if (public_out && !PyLong_Check(public_out) && !PyTuple_Check(public_out)) {
+    PyErr_SetString(PyExc_TypeError, "call_grad: public must be an output index or a tuple of them");
+    return nullptr;
+  }
   const char* name = PyUnicode_AsUTF8(args[0]);
   const char* fwd_op = PyUnicode_AsUTF8(args[1]);
   const char* bwd_op = PyUnicode_AsUTF8(args[2]);
@@ -776,14 +817,17 @@ PyObject* py_call_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     for (const auto& p : params)
       if (std::strcmp(p.name, pname) == 0) bwd_params.add(p);
   }
-  auto node = std::shared_ptr<OpBackward>(new OpBackward(name, bwd_op, std::move(bwd_params), bwd_args, grad_of),
-                                          torch::autograd::deleteNode);
+  // bwd_args and grad_of moved into the node (two vector copies a call before); bwd_args read back from it
+  auto node = std::shared_ptr<OpBackward>(
+      new OpBackward(name, bwd_op, std::move(bwd_params), std::move(bwd_args), std::move(grad_of)),
+      torch::autograd::deleteNode);
+  const std::vector<long>& codes = node->args();
   node->set_next_edges(torch::autograd::collect_next_edges(in));
   node->set_inputs(in);
   // the node's inputs: the forward outputs whose gradient the backward reads, in order of index
   std::vector<long> diff;
-  diff.reserve(bwd_args.size());
-  for (long code : bwd_args)
+  diff.reserve(codes.size());
+  for (long code : codes)
     if (code >= kGrad) diff.push_back(grad_index(code));
   std::sort(diff.begin(), diff.end());
   for (long i : diff) {
@@ -791,7 +835,7 @@ PyObject* py_call_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                 ": bwd_args names the gradient of output ", i, ", which the forward did not make");
     node->add_output(out[static_cast<size_t>(i)], i);
   }
-  for (long code : bwd_args) {
+  for (long code : codes) {
     if (code >= kGrad || code < 0) continue;
     if (code >= kOut) {
       const size_t i = static_cast<size_t>(code - kOut);
@@ -802,7 +846,25 @@ PyObject* py_call_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       node->save(in[static_cast<size_t>(code)], false);
     }
   }
-  return wrap(&out);
+  if (!public_out) return wrap(&out);
+  if (PyLong_Check(public_out)) {
+    const Py_ssize_t i = PyLong_AsSsize_t(public_out);
+    if (i == -1 && PyErr_Occurred()) return nullptr;
+    return wrap_one(&out, i);
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(public_out);
+  PyObject* result = PyTuple_New(n);
+  if (!result) return nullptr;
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    const Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(public_out, k));
+    PyObject* o = i == -1 && PyErr_Occurred() ? nullptr : wrap_one(&out, i);
+    if (!o) {
+      Py_DECREF(result);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(result, k, o);
+  }
+  return result;
   END_HANDLE_TH_ERRORS
 }
 
@@ -828,8 +890,8 @@ PyMethodDef kMethods[] = {
     {"define", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_define)), METH_FASTCALL,
      "define(ns, op, schema, module): a dispatcher op running registry op `op`"},
     {"call_grad", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_call_grad)), METH_FASTCALL,
-     "call_grad(name, fwd_op, bwd_op, inputs, params, bwd_params, bwd_args, grad_of): the forward op's "
-     "outputs with a C++ autograd node running the backward op"},
+     "call_grad(name, fwd_op, bwd_op, inputs, params, bwd_params, bwd_args, grad_of[, public]): the forward "
+     "op's outputs (those `public` names) with a C++ autograd node running the backward op"},
     {"record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_record)), METH_FASTCALL,
      "record(name, backward, ctx, materialize, inputs, outputs, diff, saved): a C++ autograd node"},
     {nullptr, nullptr, 0, nullptr}};
