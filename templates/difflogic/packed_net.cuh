@@ -125,20 +125,20 @@ __device__ __forceinline__ int dl_ld_keep(const int* p, unsigned long long polic
 }
 
 // The units of wave `wave` of layer item `it` (this thread's: first + i * kThreads + tid for i < kUnits, gate
-// unit / kPieces, real below end). A layer item: kWaves waves of its layer's units. With kFold the last layer's
-// item: kFoldWaves waves of one group's units (tiles[layers] / groups items a group; tile = group x those + the
-// item's place in it), so that an item's counts all go to one group.
+// unit / kPieces, real below end). A layer item: kWaves waves of its layer's units. With kFoldWaves (algo=fold)
+// the last layer's item: kFoldWaves waves of one group's units (tiles[layers] / groups items a group; tile = group
+// x those + the item's place in it), so that an item's counts all go to one group.
 struct DiffLogicNetWave {
   long long first, end;
 };
-template <int kPieces, int kThreads, bool kFold>
+template <int kPieces, int kThreads, int kFoldWaves>
 __device__ __forceinline__ DiffLogicNetWave dl_wave(const DiffLogicNetParams& p, const DiffLogicNetItem& it, int wave) {
   constexpr long long kWaveUnits = static_cast<long long>(DiffLogicNetTraits::kUnits) * kThreads;
   const int l = it.stage;
-  if (kFold && l == p.layers) {
+  if (kFoldWaves > 0 && l == p.layers) {
     const long long per_group = p.tiles[l] / p.groups, group = it.tile / per_group;
     const long long units = p.width[l] / p.groups * kPieces;  // a group's
-    return {group * units + ((it.tile - group * per_group) * DiffLogicNetTraits::kFoldWaves + wave) * kWaveUnits,
+    return {group * units + ((it.tile - group * per_group) * kFoldWaves + wave) * kWaveUnits,
             (group + 1) * units};
   }
   return {(it.tile * DiffLogicNetTraits::kWaves + wave) * kWaveUnits, p.width[l] * kPieces};
@@ -147,14 +147,14 @@ __device__ __forceinline__ DiffLogicNetWave dl_wave(const DiffLogicNetParams& p,
 // algo=early: this thread's gates of wave `wave` of layer item `it` (dl_wave): the wires and the ops, 4 bits each
 // in ops. A unit past the wave's end, or a gate with a wire out of range (op 16), reads row 0 and runs op 0
 // (FALSE): zero bits, never stored past the end.
-template <int kPieces, int kThreads, bool kFold>
+template <int kPieces, int kThreads, int kFoldWaves>
 __device__ __forceinline__ void dl_early_tables(const DiffLogicNetParams& p, const DiffLogicNetItem& it, int tid,
                                                 int wave, unsigned& ops, int (&a)[DiffLogicNetTraits::kUnits],
                                                 int (&b)[DiffLogicNetTraits::kUnits]) {
   constexpr int kUnits = DiffLogicNetTraits::kUnits;
   static_assert(kUnits <= 8, "ops holds 8 ops of 4 bits");
   const int l = it.stage;
-  const DiffLogicNetWave w = dl_wave<kPieces, kThreads, kFold>(p, it, wave);
+  const DiffLogicNetWave w = dl_wave<kPieces, kThreads, kFoldWaves>(p, it, wave);
   const unsigned long long policy = dl_keep_policy();
   ops = 0;
 #pragma unroll
@@ -172,7 +172,7 @@ __device__ __forceinline__ void dl_early_tables(const DiffLogicNetParams& p, con
 // row's end, the last chunk's, read as zero as stage 0 copies it; else scratch, past L1: it is rewritten): the bits
 // of this thread's kUnits units of the wave (dl_wave) in y. The wave's tables (eops, ea, eb) are loaded; the next
 // wave's are loaded into them while this wave's rows are in flight (when `next`).
-template <int kChunkBytes, int kThreads, bool kFold>
+template <int kChunkBytes, int kThreads, int kFoldWaves>
 __device__ __forceinline__ void dl_early_wave(const DiffLogicNetParams& p, const DiffLogicNetItem& it, int tid,
                                               int wave, bool next, const unsigned char* src, unsigned& eops,
                                               int (&ea)[DiffLogicNetTraits::kUnits],
@@ -193,7 +193,7 @@ __device__ __forceinline__ void dl_early_wave(const DiffLogicNetParams& p, const
     B[i] = past ? make_uint4(0u, 0u, 0u, 0u) : direct ? __ldg(rb) : __ldcg(rb);
   }
   const unsigned ops = eops;
-  if (next) dl_early_tables<kPieces, kThreads, kFold>(p, it, tid, wave + 1, eops, ea, eb);
+  if (next) dl_early_tables<kPieces, kThreads, kFoldWaves>(p, it, tid, wave + 1, eops, ea, eb);
 #pragma unroll
   for (int i = 0; i < kUnits; ++i) {
     const unsigned o = (ops >> (4 * i)) & 15u;
@@ -246,11 +246,13 @@ __device__ __forceinline__ void dl_gs_flush(const DiffLogicNetParams& p, long lo
 // with x_vec layer 1 reads its rows straight from x through L1 (ld.global.nc: x is never written here), so there
 // is no stage 0 (the host gives it no items): a chunk of x's rows (784 x 128 B at the issue's network) is read
 // ~160 times by layer 1's 64k gates, mostly from L1 instead of L2 (layer 1 was ~11% of the L2 bytes).
-// kFold (algo=fold, with kEarly): the last layer's items count their own bits (difflogic_packed_net_fold_kernel).
-template <int kChunkBytes, int kThreads, bool kChains, bool kEarly, bool kFold>
+// kFoldWaves > 0 (algo=fold, fold2, with kEarly): the last layer's items, of kFoldWaves waves, count their own bits
+// (difflogic_packed_net_fold_kernel).
+template <int kChunkBytes, int kThreads, bool kChains, bool kEarly, int kFoldWaves>
 __device__ __forceinline__ void dl_net_run(const DiffLogicNetParams& p) {
   constexpr int kPieces = kChunkBytes / 16, kUnits = DiffLogicNetTraits::kUnits, kWaves = DiffLogicNetTraits::kWaves;
-  constexpr int kGsRows = DiffLogicNetTraits::kGsRows, kFoldWaves = DiffLogicNetTraits::kFoldWaves;
+  constexpr int kGsRows = DiffLogicNetTraits::kGsRows;
+  constexpr bool kFold = kFoldWaves > 0;
   constexpr int kPos = kChunkBytes / 4, kRowLanes = kThreads / kPos;  // GroupSum: 32-bit words x row lanes
   // kFold: a wave's rows in shared memory, kUnits * kThreads / kPieces of them, kFoldRows a thread and wave.
   constexpr int kFoldRows = kUnits * kThreads / kPieces / kRowLanes;
@@ -303,7 +305,7 @@ __device__ __forceinline__ void dl_net_run(const DiffLogicNetParams& p) {
     unsigned eops = 0;
     int ea[kUnits], eb[kUnits];
     if (kEarly) {
-      if (it.stage >= 1 && it.stage <= p.layers) dl_early_tables<kPieces, kThreads, kFold>(p, it, tid, 0, eops, ea, eb);
+      if (it.stage >= 1 && it.stage <= p.layers) dl_early_tables<kPieces, kThreads, kFoldWaves>(p, it, tid, 0, eops, ea, eb);
       if (tid == 0) dl_wait_item<false>(p, it);
       __syncthreads();
     }
@@ -339,10 +341,10 @@ __device__ __forceinline__ void dl_net_run(const DiffLogicNetParams& p) {
       for (int q = 0; q < 7; ++q) fold_planes[q * kThreads + tid] = 0u;
       const unsigned* rows = reinterpret_cast<const unsigned*>(fold_rows);
       for (int wave = 0; wave < kFoldWaves; ++wave) {
-        const DiffLogicNetWave w = dl_wave<kPieces, kThreads, kFold>(p, it, wave);
+        const DiffLogicNetWave w = dl_wave<kPieces, kThreads, kFoldWaves>(p, it, wave);
         if (w.first >= w.end) break;  // the group's last item
         uint4 y[kUnits];  // zero past the group's end (op 0)
-        dl_early_wave<kChunkBytes, kThreads, kFold>(p, it, tid, wave, wave + 1 < kFoldWaves, src, eops, ea, eb, y);
+        dl_early_wave<kChunkBytes, kThreads, kFoldWaves>(p, it, tid, wave, wave + 1 < kFoldWaves, src, eops, ea, eb, y);
 #pragma unroll
         for (int i = 0; i < kUnits; ++i) fold_rows[i * kThreads + tid] = y[i];
         __syncthreads();  // the wave's rows stored
@@ -371,7 +373,7 @@ __device__ __forceinline__ void dl_net_run(const DiffLogicNetParams& p) {
           const long long base = (it.tile * kWaves + wave) * kUnits;
           if (base * kThreads >= units) break;
           uint4 y[kUnits];
-          dl_early_wave<kChunkBytes, kThreads, kFold>(p, it, tid, wave, wave + 1 < kWaves, src, eops, ea, eb, y);
+          dl_early_wave<kChunkBytes, kThreads, kFoldWaves>(p, it, tid, wave, wave + 1 < kWaves, src, eops, ea, eb, y);
 #pragma unroll
           for (int i = 0; i < kUnits; ++i) {
             const long long u = (base + i) * kThreads + tid;
@@ -466,7 +468,7 @@ __device__ __forceinline__ void dl_net_run(const DiffLogicNetParams& p) {
 // algo=chunked (kChains false) and algo=chains (true): 2 waves of 4 units a layer item.
 template <int kChunkBytes, int kThreads, bool kChains>
 __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const DiffLogicNetParams p) {
-  dl_net_run<kChunkBytes, kThreads, kChains, false, false>(p);
+  dl_net_run<kChunkBytes, kThreads, kChains, false, 0>(p);
 }
 
 // algo=early: the chunked schedule with the gate tables loaded before the waits and layer 1 reading x
@@ -475,18 +477,21 @@ __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const Di
 // blocks an SM, 396 resident).
 template <int kChunkBytes, int kThreads>
 __global__ void __launch_bounds__(kThreads, 1024 / kThreads) difflogic_packed_net_early_kernel(const DiffLogicNetParams p) {
-  dl_net_run<kChunkBytes, kThreads, false, true, false>(p);
+  dl_net_run<kChunkBytes, kThreads, false, true, 0>(p);
 }
 
-// algo=fold: early, with the GroupSum folded into the last layer: its items keep their rows in shared memory
-// (16 KB a block: a wave's) and count them there, so the last layer's rows never go to scratch and no GroupSum
-// stage reads them back. At issue 30's network that takes 1/7 of the stages a round off the path (the GroupSum was
-// on it: stage 2 of the slot's next chunk waits for its reader) and 16 MB a round of L2 traffic (the last layer's
-// 8 MB a chunk, written then read: ~11% of the bytes), with the same counts' atomics (one per sample and item:
-// kFoldWaves). The same 64 registers as early.
-template <int kChunkBytes, int kThreads>
+// algo=fold (kFoldWaves 4) and fold2 (2): early, with the GroupSum folded into the last layer: its items keep their
+// rows in shared memory (16 KB a block: a wave's) and count them there, so the last layer's rows never go to
+// scratch and no GroupSum stage reads them back. At issue 30's network that takes 1/7 of the stages a round off the
+// path (the GroupSum was on it: stage 2 of the slot's next chunk waits for its reader) and 16 MB a round of L2
+// traffic (the last layer's 8 MB a chunk, written then read: ~11% of the bytes). An item's counts cost one atomic per
+// sample of the chunk whatever its gates: 4 waves (512 gates at chunk 128, 13 items a 6400-gate group) keep the
+// GroupSum items' atomics and make 260 items a round of 2 chunks; 2 waves make them as long as a layer item's and
+// as many (500 a round, all resident) for twice the atomics. Which wins is for the GPU to say. The same 64
+// registers as early; the counters (64 rows a thread at 4 waves) within their 7 bits.
+template <int kChunkBytes, int kThreads, int kFoldWaves>
 __global__ void __launch_bounds__(kThreads, 1024 / kThreads) difflogic_packed_net_fold_kernel(const DiffLogicNetParams p) {
-  dl_net_run<kChunkBytes, kThreads, false, true, true>(p);
+  dl_net_run<kChunkBytes, kThreads, false, true, kFoldWaves>(p);
 }
 
 }  // namespace kspec

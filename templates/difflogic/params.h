@@ -60,11 +60,6 @@ struct DiffLogicNetTraits {
   static constexpr int kUnits = 4;    // 16-byte units per thread in flight at once in a layer item
   static constexpr int kWaves = 2;    // ... and such waves per item: 32 KB of output an item, half the tickets of one
   static constexpr int kGsRows = 64;  // rows per thread in a GroupSum item (its counters hold up to 127)
-  // algo=fold: waves of kUnits units in a last-layer item, which counts its own rows (4 x kUnits of them a
-  // thread and wave: 64 an item, within the 127 its counters hold). 4, not 2: an item's counts cost one atomic
-  // per sample of the chunk whatever its gates, and 4 waves (512 gates at chunk 128) keep those atomics what the
-  // GroupSum items' are (13 items a 6400-gate group).
-  static constexpr int kFoldWaves = 4;
 };
 struct DiffLogicNetParams {
   const void* x;  // words [width[0], words]: row_bytes bytes a row

@@ -102,6 +102,8 @@ TEST(DiffLogicPackedNet, TuningSpace) {
   EXPECT_EQ(Config::parse("algo=early_late,chunk=64,inflight=2", op.info).get("algo"), 4);
   EXPECT_TRUE(op.tuning.valid(p, Config{{{"algo", 5}, {"chunk", 32}, {"inflight", 4}}}, &why)) << why;
   EXPECT_EQ(Config::parse("algo=fold,chunk=128,inflight=2", op.info).get("algo"), 5);
+  EXPECT_TRUE(op.tuning.valid(p, Config{{{"algo", 6}, {"chunk", 256}, {"inflight", 1}}}, &why)) << why;
+  EXPECT_EQ(Config::parse("algo=fold2,chunk=128,inflight=2", op.info).get("algo"), 6);
   const Config h = op.tuning.heuristic(p);
   EXPECT_TRUE(op.tuning.valid(p, h, &why)) << why;
   // The measured defaults (H100, run 26): early at 128-byte rows, 2 chunks in flight; packed.fwd's rows kernel.
@@ -126,7 +128,8 @@ TEST(DiffLogicPackedNet, PrecompilePlanCompilesWithoutSpills) {
   for (const auto& r : precompile_plan({"sm_80", "sm_90"}, {kOp}))
     for (const auto& rep : kspec::testing::expect_compiles_without_spills(r)) ++kernels[rep.kernel];
   // algo=layers: the per-layer kernels at w = 32 and 64; chunked and chains: the ops kernel and a network kernel
-  // per chunk (kChains false / true); early: the early kernel per chunk; fold: the fold kernel per chunk.
+  // per chunk (kChains false / true); early: the early kernel per chunk; fold and fold2: the fold kernel per chunk
+  // (4 and 2 waves a last-layer item).
   for (const char* k : {"kspec::difflogic_packed_fwd_kernel<32, 256>", "kspec::difflogic_packed_fwd_kernel<64, 256>",
                         "kspec::difflogic_packed_ops_kernel<256>", "kspec::difflogic_packed_net_kernel<32, 256, false>",
                         "kspec::difflogic_packed_net_kernel<256, 256, false>",
@@ -134,9 +137,10 @@ TEST(DiffLogicPackedNet, PrecompilePlanCompilesWithoutSpills) {
                         "kspec::difflogic_packed_net_kernel<256, 256, true>",
                         "kspec::difflogic_packed_net_early_kernel<32, 256>",
                         "kspec::difflogic_packed_net_early_kernel<256, 256>",
-                        "kspec::difflogic_packed_net_fold_kernel<32, 256>",
-                        "kspec::difflogic_packed_net_fold_kernel<128, 256>",
-                        "kspec::difflogic_packed_net_fold_kernel<256, 256>"})
+                        "kspec::difflogic_packed_net_fold_kernel<32, 256, 4>",
+                        "kspec::difflogic_packed_net_fold_kernel<256, 256, 4>",
+                        "kspec::difflogic_packed_net_fold_kernel<32, 256, 2>",
+                        "kspec::difflogic_packed_net_fold_kernel<256, 256, 2>"})
     EXPECT_GT(kernels[k], 0) << k;
 }
 

@@ -718,8 +718,8 @@ def test_difflogic_packed_net_configs_compile(families):
             cfg = dict(kv.split("=") for kv in config.split(","))
             if cfg["algo"] in ("early", "early_late"):  # one kernel, the ticket order a parameter
                 net = f"kspec::difflogic_packed_net_early_kernel<{cfg['chunk']}, 256>"
-            elif cfg["algo"] == "fold":
-                net = f"kspec::difflogic_packed_net_fold_kernel<{cfg['chunk']}, 256>"
+            elif cfg["algo"] in ("fold", "fold2"):  # 4 and 2 waves a last-layer item
+                net = f"kspec::difflogic_packed_net_fold_kernel<{cfg['chunk']}, 256, {4 if cfg['algo'] == 'fold' else 2}>"
             else:
                 chains = "true" if cfg["algo"] == "chains" else "false"
                 net = f"kspec::difflogic_packed_net_kernel<{cfg['chunk']}, 256, {chains}>"
