@@ -146,7 +146,8 @@ __device__ __forceinline__ DiffLogicNetWave dl_wave(const DiffLogicNetParams& p,
 
 // algo=early: this thread's gates of wave `wave` of layer item `it` (dl_wave): the wires and the ops, 4 bits each
 // in ops. A unit past the wave's end, or a gate with a wire out of range (op 16), reads row 0 and runs op 0
-// (FALSE): zero bits, never stored past the end.
+// (FALSE): zero bits (a layer item stores none past the end; fold's last-layer items count every unit of a wave,
+// so a unit past its group's end must give zero bits, not gate 0's, which its table entry is read from).
 template <int kPieces, int kThreads, int kFoldWaves>
 __device__ __forceinline__ void dl_early_tables(const DiffLogicNetParams& p, const DiffLogicNetItem& it, int tid,
                                                 int wave, unsigned& ops, int (&a)[DiffLogicNetTraits::kUnits],
@@ -162,9 +163,10 @@ __device__ __forceinline__ void dl_early_tables(const DiffLogicNetParams& p, con
     const long long u = w.first + static_cast<long long>(i) * kThreads + tid;
     const long long g = u < w.end ? u / kPieces : 0;
     const unsigned o = dl_ld_keep(p.ops + p.gate0[l - 1] + g, policy);
-    ops |= (o < 16 ? o : 0u) << (4 * i);
-    a[i] = o < 16 ? dl_ld_keep(p.a[l - 1] + g, policy) : 0;
-    b[i] = o < 16 ? dl_ld_keep(p.b[l - 1] + g, policy) : 0;
+    const bool run = (kFoldWaves == 0 || u < w.end) && o < 16;  // early stores no unit past the end: no check
+    ops |= (run ? o : 0u) << (4 * i);
+    a[i] = run ? dl_ld_keep(p.a[l - 1] + g, policy) : 0;
+    b[i] = run ? dl_ld_keep(p.b[l - 1] + g, policy) : 0;
   }
 }
 
