@@ -124,28 +124,117 @@ __device__ __forceinline__ int dl_ld_keep(const int* p, unsigned long long polic
   return v;
 }
 
-// algo=early: this thread's gates of wave `wave` of layer item `it` (unit i: u = ((tile * kWaves + wave) *
-// kUnits + i) * kThreads + tid, gate u / kPieces): the wires and the ops, 4 bits each in ops. A unit past the
-// layer's end, or a gate with a wire out of range (op 16), reads row 0 and runs op 0 (FALSE): zero bits, never
-// stored past the end.
-template <int kPieces, int kThreads>
+// The units of wave `wave` of layer item `it` (this thread's: first + i * kThreads + tid for i < kUnits, gate
+// unit / kPieces, real below end). A layer item: kWaves waves of its layer's units. With kFoldWaves (algo=fold)
+// the last layer's item: kFoldWaves waves of one group's units (tiles[layers] / groups items a group; tile = group
+// x those + the item's place in it), so that an item's counts all go to one group.
+struct DiffLogicNetWave {
+  long long first, end;
+};
+template <int kPieces, int kThreads, int kFoldWaves>
+__device__ __forceinline__ DiffLogicNetWave dl_wave(const DiffLogicNetParams& p, const DiffLogicNetItem& it, int wave) {
+  constexpr long long kWaveUnits = static_cast<long long>(DiffLogicNetTraits::kUnits) * kThreads;
+  const int l = it.stage;
+  if (kFoldWaves > 0 && l == p.layers) {
+    const long long per_group = p.tiles[l] / p.groups, group = it.tile / per_group;
+    const long long units = p.width[l] / p.groups * kPieces;  // a group's
+    return {group * units + ((it.tile - group * per_group) * kFoldWaves + wave) * kWaveUnits,
+            (group + 1) * units};
+  }
+  return {(it.tile * DiffLogicNetTraits::kWaves + wave) * kWaveUnits, p.width[l] * kPieces};
+}
+
+// algo=early: this thread's gates of wave `wave` of layer item `it` (dl_wave): the wires and the ops, 4 bits each
+// in ops. A unit past the wave's end, or a gate with a wire out of range (op 16), reads row 0 and runs op 0
+// (FALSE): zero bits (a layer item stores none past the end; fold's last-layer items count every unit of a wave,
+// so a unit past its group's end must give zero bits, not gate 0's, which its table entry is read from).
+template <int kPieces, int kThreads, int kFoldWaves>
 __device__ __forceinline__ void dl_early_tables(const DiffLogicNetParams& p, const DiffLogicNetItem& it, int tid,
                                                 int wave, unsigned& ops, int (&a)[DiffLogicNetTraits::kUnits],
                                                 int (&b)[DiffLogicNetTraits::kUnits]) {
   constexpr int kUnits = DiffLogicNetTraits::kUnits;
   static_assert(kUnits <= 8, "ops holds 8 ops of 4 bits");
   const int l = it.stage;
-  const long long units = p.width[l] * kPieces, base = (it.tile * DiffLogicNetTraits::kWaves + wave) * kUnits;
+  const DiffLogicNetWave w = dl_wave<kPieces, kThreads, kFoldWaves>(p, it, wave);
   const unsigned long long policy = dl_keep_policy();
   ops = 0;
 #pragma unroll
   for (int i = 0; i < kUnits; ++i) {
-    const long long u = (base + i) * kThreads + tid;
-    const long long g = u < units ? u / kPieces : 0;
+    const long long u = w.first + static_cast<long long>(i) * kThreads + tid;
+    const long long g = u < w.end ? u / kPieces : 0;
     const unsigned o = dl_ld_keep(p.ops + p.gate0[l - 1] + g, policy);
-    ops |= (o < 16 ? o : 0u) << (4 * i);
-    a[i] = o < 16 ? dl_ld_keep(p.a[l - 1] + g, policy) : 0;
-    b[i] = o < 16 ? dl_ld_keep(p.b[l - 1] + g, policy) : 0;
+    const bool run = (kFoldWaves == 0 || u < w.end) && o < 16;  // early stores no unit past the end: no check
+    ops |= (run ? o : 0u) << (4 * i);
+    a[i] = run ? dl_ld_keep(p.a[l - 1] + g, policy) : 0;
+    b[i] = run ? dl_ld_keep(p.b[l - 1] + g, policy) : 0;
+  }
+}
+
+// algo=early: one wave of layer item `it` reading rows `src` (layer 1 with x_vec: x's, through L1, a piece past a
+// row's end, the last chunk's, read as zero as stage 0 copies it; else scratch, past L1: it is rewritten): the bits
+// of this thread's kUnits units of the wave (dl_wave) in y. The wave's tables (eops, ea, eb) are loaded; the next
+// wave's are loaded into them while this wave's rows are in flight (when `next`).
+template <int kChunkBytes, int kThreads, int kFoldWaves>
+__device__ __forceinline__ void dl_early_wave(const DiffLogicNetParams& p, const DiffLogicNetItem& it, int tid,
+                                              int wave, bool next, const unsigned char* src, unsigned& eops,
+                                              int (&ea)[DiffLogicNetTraits::kUnits],
+                                              int (&eb)[DiffLogicNetTraits::kUnits],
+                                              uint4 (&y)[DiffLogicNetTraits::kUnits]) {
+  constexpr int kPieces = kChunkBytes / 16, kUnits = DiffLogicNetTraits::kUnits;
+  const int piece = tid % kPieces;  // kThreads % kPieces == 0: every unit of this thread
+  const bool direct = it.stage == 1 && p.x_vec;
+  const unsigned char* rows = direct ? static_cast<const unsigned char*>(p.x) + it.chunk * kChunkBytes : src;
+  const long long stride = direct ? p.row_bytes : kChunkBytes;
+  const bool past = direct && it.chunk * kChunkBytes + piece * 16 >= p.row_bytes;
+  uint4 A[kUnits], B[kUnits];
+#pragma unroll
+  for (int i = 0; i < kUnits; ++i) {
+    const uint4* ra = reinterpret_cast<const uint4*>(rows + ea[i] * stride + piece * 16);
+    const uint4* rb = reinterpret_cast<const uint4*>(rows + eb[i] * stride + piece * 16);
+    A[i] = past ? make_uint4(0u, 0u, 0u, 0u) : direct ? __ldg(ra) : __ldcg(ra);
+    B[i] = past ? make_uint4(0u, 0u, 0u, 0u) : direct ? __ldg(rb) : __ldcg(rb);
+  }
+  const unsigned ops = eops;
+  if (next) dl_early_tables<kPieces, kThreads, kFoldWaves>(p, it, tid, wave + 1, eops, ea, eb);
+#pragma unroll
+  for (int i = 0; i < kUnits; ++i) {
+    const unsigned o = (ops >> (4 * i)) & 15u;
+    y[i] = make_uint4(dl_gate(o, A[i].x, B[i].x), dl_gate(o, A[i].y, B[i].y), dl_gate(o, A[i].z, B[i].z),
+                      dl_gate(o, A[i].w, B[i].w));
+  }
+}
+
+// GroupSum's counters: adds a word's 32 bits (one per sample) into 7 bit-sliced counters (plane q: bit q of 32
+// counts, up to 127).
+__device__ __forceinline__ void dl_count(unsigned (&plane)[7], unsigned carry) {
+#pragma unroll
+  for (int q = 0; q < 7; ++q) {
+    const unsigned next = plane[q] & carry;
+    plane[q] ^= carry;
+    carry = next;
+  }
+}
+
+// GroupSum's end: every thread's counters (samples pos * 32 .. + 31 of the chunk) summed per sample in `partial`
+// (zeroed by the item before), then added into counts[sample, group] for every sample below the batch. kSwizzle
+// (algo=early, fold): sample pos * 32 + bit kept at pos * 32 + (bit ^ pos % 32), so a warp's lanes (consecutive
+// pos) hit distinct banks; at pos * 32 + bit all of them hit bank `bit`: a 32-way conflict per atomic at chunk 128.
+template <int kChunkBytes, int kThreads, bool kSwizzle>
+__device__ __forceinline__ void dl_gs_flush(const DiffLogicNetParams& p, long long chunk, long long group, int pos,
+                                            const unsigned (&plane)[7], int* partial) {
+  __syncthreads();  // partial zeroed
+#pragma unroll 4
+  for (int bit = 0; bit < 32; ++bit) {
+    int count = 0;
+#pragma unroll
+    for (int q = 0; q < 7; ++q) count |= static_cast<int>((plane[q] >> bit) & 1u) << q;
+    if (count) atomicAdd(&partial[pos * 32 + (kSwizzle ? bit ^ (pos & 31) : bit)], count);
+  }
+  __syncthreads();
+  const long long s0 = chunk * kChunkBytes * 8;
+  for (int j = threadIdx.x; j < kChunkBytes * 8; j += kThreads) {
+    const long long sample = s0 + (kSwizzle ? j ^ ((j >> 5) & 31) : j);  // the swizzle undone
+    if (partial[j] && sample < p.batch) atomicAdd(p.counts + sample * p.groups + group, partial[j]);
   }
 }
 
@@ -159,15 +248,25 @@ __device__ __forceinline__ void dl_early_tables(const DiffLogicNetParams& p, con
 // with x_vec layer 1 reads its rows straight from x through L1 (ld.global.nc: x is never written here), so there
 // is no stage 0 (the host gives it no items): a chunk of x's rows (784 x 128 B at the issue's network) is read
 // ~160 times by layer 1's 64k gates, mostly from L1 instead of L2 (layer 1 was ~11% of the L2 bytes).
-template <int kChunkBytes, int kThreads, bool kChains, bool kEarly>
+// kFoldWaves > 0 (algo=fold, fold2, with kEarly): the last layer's items, of kFoldWaves waves, count their own bits
+// (difflogic_packed_net_fold_kernel).
+template <int kChunkBytes, int kThreads, bool kChains, bool kEarly, int kFoldWaves>
 __device__ __forceinline__ void dl_net_run(const DiffLogicNetParams& p) {
   constexpr int kPieces = kChunkBytes / 16, kUnits = DiffLogicNetTraits::kUnits, kWaves = DiffLogicNetTraits::kWaves;
   constexpr int kGsRows = DiffLogicNetTraits::kGsRows;
+  constexpr bool kFold = kFoldWaves > 0;
   constexpr int kPos = kChunkBytes / 4, kRowLanes = kThreads / kPos;  // GroupSum: 32-bit words x row lanes
+  // kFold: a wave's rows in shared memory, kUnits * kThreads / kPieces of them, kFoldRows a thread and wave.
+  constexpr int kFoldRows = kUnits * kThreads / kPieces / kRowLanes;
   static_assert(kChunkBytes % 16 == 0 && kThreads % kPos == 0 && kGsRows < 128, "chunk, threads, GroupSum rows");
   static_assert(kThreads % kPieces == 0, "a thread's units are one piece (16 bytes) of their rows");
+  static_assert(!kFold || (kEarly && !kChains && kFoldRows * kFoldWaves < 128), "fold: early's loads, 7-bit counts");
   __shared__ DiffLogicNetItem item;
   __shared__ int partial[kChunkBytes * 8];  // GroupSum: one count per sample of the chunk
+  // kFold: a wave's rows, and each thread's counters between waves (plane q of thread t at q kThreads + t: in
+  // registers across the wave's loads they spilled at 64).
+  __shared__ uint4 fold_rows[kFold ? kUnits * kThreads : 1];
+  __shared__ unsigned fold_planes[kFold ? 7 * kThreads : 1];
   const int tid = threadIdx.x;
   const int stages = p.layers + 2;
   for (;;) {
@@ -208,7 +307,7 @@ __device__ __forceinline__ void dl_net_run(const DiffLogicNetParams& p) {
     unsigned eops = 0;
     int ea[kUnits], eb[kUnits];
     if (kEarly) {
-      if (it.stage >= 1 && it.stage <= p.layers) dl_early_tables<kPieces, kThreads>(p, it, tid, 0, eops, ea, eb);
+      if (it.stage >= 1 && it.stage <= p.layers) dl_early_tables<kPieces, kThreads, kFoldWaves>(p, it, tid, 0, eops, ea, eb);
       if (tid == 0) dl_wait_item<false>(p, it);
       __syncthreads();
     }
@@ -232,40 +331,56 @@ __device__ __forceinline__ void dl_net_run(const DiffLogicNetParams& p) {
         for (int j = 0; j < 4; ++j) v[j] = off + 4 * j < p.row_bytes ? __ldcs(src + j) : 0u;
         dl_st16(in_rows + u * 16, make_uint4(v[0], v[1], v[2], v[3]));
       }
+    } else if (kFold && it.stage == p.layers) {
+      // algo=fold, the last layer: each wave's rows go to shared memory instead of scratch, and the item counts
+      // them there as a GroupSum item counts scratch rows (thread: word position pos, rows lane + j kRowLanes),
+      // kFoldWaves waves into its counters, then adds them to its group's counts. Rows past the group's end are
+      // zero (op 0).
+      const unsigned char* src = p.layers == 1 ? in_rows : (p.layers & 1) ? buf1 : buf0;
+      const int pos = tid % kPos, lane = tid / kPos;
+      for (int j = tid; j < kChunkBytes * 8; j += kThreads) partial[j] = 0;
+#pragma unroll
+      for (int q = 0; q < 7; ++q) fold_planes[q * kThreads + tid] = 0u;
+      const unsigned* rows = reinterpret_cast<const unsigned*>(fold_rows);
+      for (int wave = 0; wave < kFoldWaves; ++wave) {
+        const DiffLogicNetWave w = dl_wave<kPieces, kThreads, kFoldWaves>(p, it, wave);
+        if (w.first >= w.end) break;  // the group's last item
+        uint4 y[kUnits];  // zero past the group's end (op 0)
+        dl_early_wave<kChunkBytes, kThreads, kFoldWaves>(p, it, tid, wave, wave + 1 < kFoldWaves, src, eops, ea, eb, y);
+#pragma unroll
+        for (int i = 0; i < kUnits; ++i) fold_rows[i * kThreads + tid] = y[i];
+        __syncthreads();  // the wave's rows stored
+        unsigned plane[7];
+#pragma unroll
+        for (int q = 0; q < 7; ++q) plane[q] = fold_planes[q * kThreads + tid];
+#pragma unroll
+        for (int j = 0; j < kFoldRows; ++j) dl_count(plane, rows[(lane + j * kRowLanes) * kPos + pos]);
+#pragma unroll
+        for (int q = 0; q < 7; ++q) fold_planes[q * kThreads + tid] = plane[q];
+        __syncthreads();  // and counted, before the next wave stores its own
+      }
+      unsigned plane[7];
+#pragma unroll
+      for (int q = 0; q < 7; ++q) plane[q] = fold_planes[q * kThreads + tid];
+      const long long group = it.tile / (p.tiles[p.layers] / p.groups);
+      dl_gs_flush<kChunkBytes, kThreads, true>(p, it.chunk, group, pos, plane, partial);
     } else if (it.stage <= p.layers) {
       const int l = it.stage;  // layer l reads width[l - 1] rows, writes width[l]
       const unsigned char* src = l == 1 ? in_rows : (l & 1) ? buf1 : buf0;
       unsigned char* dst = (l & 1) ? buf0 : buf1;
       const long long units = p.width[l] * kPieces;
       if constexpr (kEarly) {
-        const long long piece = tid % kPieces;  // kThreads % kPieces == 0: every unit of this thread
 #pragma unroll
         for (int wave = 0; wave < kWaves; ++wave) {
           const long long base = (it.tile * kWaves + wave) * kUnits;
           if (base * kThreads >= units) break;
-          uint4 A[kUnits], B[kUnits];
-          // Layer 1 with x_vec: the rows straight from x (through L1: x is read-only here), a piece past a row's
-          // end (the last chunk) read as zero, as stage 0 copies it; else from scratch (past L1: rewritten).
-          const bool direct = l == 1 && p.x_vec;
-          const unsigned char* rows = direct ? static_cast<const unsigned char*>(p.x) + it.chunk * kChunkBytes : src;
-          const long long stride = direct ? p.row_bytes : kChunkBytes;
-          const bool past = direct && it.chunk * kChunkBytes + piece * 16 >= p.row_bytes;
-#pragma unroll
-          for (int i = 0; i < kUnits; ++i) {
-            const uint4* ra = reinterpret_cast<const uint4*>(rows + ea[i] * stride + piece * 16);
-            const uint4* rb = reinterpret_cast<const uint4*>(rows + eb[i] * stride + piece * 16);
-            A[i] = past ? make_uint4(0u, 0u, 0u, 0u) : direct ? __ldg(ra) : __ldcg(ra);
-            B[i] = past ? make_uint4(0u, 0u, 0u, 0u) : direct ? __ldg(rb) : __ldcg(rb);
-          }
-          const unsigned ops = eops;
-          if (wave + 1 < kWaves) dl_early_tables<kPieces, kThreads>(p, it, tid, wave + 1, eops, ea, eb);
+          uint4 y[kUnits];
+          dl_early_wave<kChunkBytes, kThreads, kFoldWaves>(p, it, tid, wave, wave + 1 < kWaves, src, eops, ea, eb, y);
 #pragma unroll
           for (int i = 0; i < kUnits; ++i) {
             const long long u = (base + i) * kThreads + tid;
             if (u >= units) break;
-            const unsigned o = (ops >> (4 * i)) & 15u;
-            dl_st16(dst + u * 16, make_uint4(dl_gate(o, A[i].x, B[i].x), dl_gate(o, A[i].y, B[i].y),
-                                             dl_gate(o, A[i].z, B[i].z), dl_gate(o, A[i].w, B[i].w)));
+            dl_st16(dst + u * 16, y[i]);
           }
         }
       } else {
@@ -301,7 +416,7 @@ __device__ __forceinline__ void dl_net_run(const DiffLogicNetParams& p) {
           }
         }
       }
-    } else {
+    } else if constexpr (!kFold) {
       // GroupSum of the last layer: item = (group, block of kRowLanes * kGsRows rows of it). Each thread adds
       // kGsRows rows of one 32-bit word position into 7 bit-sliced counters (plane i: bit i of 32 counts),
       // then the block sums its threads' counts per sample in shared memory and adds them to the counts.
@@ -327,46 +442,17 @@ __device__ __forceinline__ void dl_net_run(const DiffLogicNetParams& p) {
             words[i] = row < end ? __ldcg(reinterpret_cast<const unsigned*>(src + row * kChunkBytes) + pos) : 0u;
           }
 #pragma unroll
-          for (int i = 0; i < kGsBatch; ++i) {
-            unsigned carry = words[i];
-#pragma unroll
-            for (int q = 0; q < 7; ++q) {
-              const unsigned next = plane[q] & carry;
-              plane[q] ^= carry;
-              carry = next;
-            }
-          }
+          for (int i = 0; i < kGsBatch; ++i) dl_count(plane, words[i]);
         }
       } else {
 #pragma unroll 4
         for (int i = 0; i < kGsRows; ++i) {
           const long long row = first + lane + static_cast<long long>(i) * kRowLanes;
           if (row >= end) break;
-          unsigned carry = __ldcg(reinterpret_cast<const unsigned*>(src + row * kChunkBytes) + pos);
-#pragma unroll
-          for (int q = 0; q < 7; ++q) {
-            const unsigned next = plane[q] & carry;
-            plane[q] ^= carry;
-            carry = next;
-          }
+          dl_count(plane, __ldcg(reinterpret_cast<const unsigned*>(src + row * kChunkBytes) + pos));
         }
       }
-      __syncthreads();  // partial zeroed
-#pragma unroll 4
-      for (int bit = 0; bit < 32; ++bit) {
-        int count = 0;
-#pragma unroll
-        for (int q = 0; q < 7; ++q) count |= static_cast<int>((plane[q] >> bit) & 1u) << q;
-        // kEarly: sample pos * 32 + bit kept at pos * 32 + (bit ^ pos % 32), so a warp's lanes (consecutive pos)
-        // hit distinct banks; at pos * 32 + bit all of them hit bank `bit`: a 32-way conflict per atomic at chunk 128.
-        if (count) atomicAdd(&partial[pos * 32 + (kEarly ? bit ^ (pos & 31) : bit)], count);
-      }
-      __syncthreads();
-      const long long s0 = it.chunk * kChunkBytes * 8;
-      for (int j = tid; j < kChunkBytes * 8; j += kThreads) {
-        const long long sample = s0 + (kEarly ? j ^ ((j >> 5) & 31) : j);  // the swizzle undone
-        if (partial[j] && sample < p.batch) atomicAdd(p.counts + sample * p.groups + group, partial[j]);
-      }
+      dl_gs_flush<kChunkBytes, kThreads, kEarly>(p, it.chunk, group, pos, plane, partial);
     }
     __syncthreads();  // every thread's stores of the item issued (and `item`, `partial` free again)
     if (tid == 0) {
@@ -384,7 +470,7 @@ __device__ __forceinline__ void dl_net_run(const DiffLogicNetParams& p) {
 // algo=chunked (kChains false) and algo=chains (true): 2 waves of 4 units a layer item.
 template <int kChunkBytes, int kThreads, bool kChains>
 __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const DiffLogicNetParams p) {
-  dl_net_run<kChunkBytes, kThreads, kChains, false>(p);
+  dl_net_run<kChunkBytes, kThreads, kChains, false, 0>(p);
 }
 
 // algo=early: the chunked schedule with the gate tables loaded before the waits and layer 1 reading x
@@ -393,7 +479,21 @@ __global__ void __launch_bounds__(kThreads) difflogic_packed_net_kernel(const Di
 // blocks an SM, 396 resident).
 template <int kChunkBytes, int kThreads>
 __global__ void __launch_bounds__(kThreads, 1024 / kThreads) difflogic_packed_net_early_kernel(const DiffLogicNetParams p) {
-  dl_net_run<kChunkBytes, kThreads, false, true>(p);
+  dl_net_run<kChunkBytes, kThreads, false, true, 0>(p);
+}
+
+// algo=fold (kFoldWaves 4) and fold2 (2): early, with the GroupSum folded into the last layer: its items keep their
+// rows in shared memory (16 KB a block: a wave's) and count them there, so the last layer's rows never go to
+// scratch and no GroupSum stage reads them back. At issue 30's network that takes 1/7 of the stages a round off the
+// path (the GroupSum was on it: stage 2 of the slot's next chunk waits for its reader) and 16 MB a round of L2
+// traffic (the last layer's 8 MB a chunk, written then read: ~11% of the bytes). An item's counts cost one atomic per
+// sample of the chunk whatever its gates: 4 waves (512 gates at chunk 128, 13 items a 6400-gate group) keep the
+// GroupSum items' atomics and make 260 items a round of 2 chunks; 2 waves make them as long as a layer item's and
+// as many (500 a round, all resident) for twice the atomics. Which wins is for the GPU to say. The same 64
+// registers as early; the counters (64 rows a thread at 4 waves) within their 7 bits.
+template <int kChunkBytes, int kThreads, int kFoldWaves>
+__global__ void __launch_bounds__(kThreads, 1024 / kThreads) difflogic_packed_net_fold_kernel(const DiffLogicNetParams p) {
+  dl_net_run<kChunkBytes, kThreads, false, true, kFoldWaves>(p);
 }
 
 }  // namespace kspec

@@ -19,6 +19,22 @@ struct DiffLogicNetItem {
   int stage;  // -1: no work left
 };
 
+// Whether ticket remainder `rem` falls in stage s of the n chunks from c0 (n * tiles[s] items: chunk by chunk,
+// in a chunk tile by tile): then `it` names that item; else those items are taken off rem. Every ticket order
+// below walks its segments with it.
+KSPEC_DL_HD bool dl_take(const DiffLogicNetParams& p, int s, long long c0, long long n, long long& rem,
+                         DiffLogicNetItem& it) {
+  const long long items = n * p.tiles[s];
+  if (rem >= items) {
+    rem -= items;
+    return false;
+  }
+  it.chunk = c0 + rem / p.tiles[s];
+  it.tile = rem - (it.chunk - c0) * p.tiles[s];
+  it.stage = s;
+  return true;
+}
+
 // The ticket order: rounds of `inflight` chunks; in a round, stage by stage; in a stage, chunk by chunk;
 // in a chunk, tile by tile. p.tiles[s]: items of stage s for one chunk; p.round_items: items of a full round.
 KSPEC_DL_HD DiffLogicNetItem dl_decode(const DiffLogicNetParams& p, long long t) {
@@ -27,16 +43,8 @@ KSPEC_DL_HD DiffLogicNetItem dl_decode(const DiffLogicNetParams& p, long long t)
   const long long r = t / p.round_items, first = r * p.inflight;
   const long long nr = p.chunks - first < p.inflight ? p.chunks - first : p.inflight;
   long long rem = t - r * p.round_items;
-  for (int s = 0; s <= p.layers + 1; ++s) {
-    const long long n = nr * p.tiles[s];
-    if (rem < n) {
-      it.chunk = first + rem / p.tiles[s];
-      it.tile = rem - (it.chunk - first) * p.tiles[s];
-      it.stage = s;
-      return it;
-    }
-    rem -= n;
-  }
+  for (int s = 0; s <= p.layers + 1; ++s)
+    if (dl_take(p, s, first, nr, rem, it)) return it;
   return it;  // unreachable: the stages' items add up to the round's
 }
 
@@ -51,22 +59,19 @@ KSPEC_DL_HD DiffLogicNetItem dl_decode_chain(const DiffLogicNetParams& p, long l
   const long long i = t / p.chunk_items, c = j + i * p.inflight;
   if (c >= p.chunks) return it;
   long long rem = t - i * p.chunk_items;
-  for (int s = 0; s <= p.layers + 1; ++s) {
-    if (rem < p.tiles[s]) {
-      it.chunk = c;
-      it.tile = rem;
-      it.stage = s;
-      return it;
-    }
-    rem -= p.tiles[s];
-  }
+  for (int s = 0; s <= p.layers + 1; ++s)
+    if (dl_take(p, s, c, 1, rem, it)) return it;
   return it;  // unreachable: a chunk's stages add up to its items
 }
 
 // The stage of the slot's previous chunk that last reads the buffer stage s writes (stage 0's input rows: stage
-// 1; stage s's buffer, one per parity of s: stage layers + 1 where s and layers have one parity, else layers).
+// 1; stage s's buffer, one per parity of s: read by the stages of the other parity up to the GroupSum, layers + 1,
+// so the last of them is layers + 1 where s and layers have one parity, else layers). With p.fold the last layer
+// counts its bits itself and the GroupSum stage has no items: the readers end at stage layers (layers - 1 where s
+// and layers have one parity).
 KSPEC_DL_HD int dl_last_reader(const DiffLogicNetParams& p, int s) {
-  return s == 0 ? 1 : ((s ^ p.layers) & 1) == 0 ? p.layers + 1 : p.layers;
+  const int last = p.fold ? p.layers : p.layers + 1;
+  return s == 0 ? 1 : ((s ^ last) & 1) == 1 ? last : last - 1;
 }
 
 // algo=early with an even number of layers (p.gs_late): round r's tickets are stages 0 and 1 of its chunks, then
@@ -100,14 +105,7 @@ KSPEC_DL_HD DiffLogicNetItem dl_decode_late(const DiffLogicNetParams& p, long lo
     } else if (k == p.layers + 2) {
       n = r == rounds - 1 ? nr : 0;
     }
-    const long long items = n * p.tiles[s];
-    if (rem < items) {
-      it.chunk = c0 + rem / p.tiles[s];
-      it.tile = rem - (it.chunk - c0) * p.tiles[s];
-      it.stage = s;
-      return it;
-    }
-    rem -= items;
+    if (dl_take(p, s, c0, n, rem, it)) return it;
   }
   return it;  // unreachable: the segments' items add up to the round's
 }
@@ -120,8 +118,10 @@ struct DiffLogicNetDeps {
   long long slot_chunk;
   int slot_stage;
 };
+// With p.fold the last layer writes no scratch (its rows go to shared memory): it waits for no earlier reader.
 KSPEC_DL_HD DiffLogicNetDeps dl_deps(const DiffLogicNetParams& p, const DiffLogicNetItem& it) {
-  DiffLogicNetDeps d{it.stage > 0, it.stage >= 0 && it.stage <= p.layers && it.chunk >= p.inflight, 0, 0};
+  const int writers = p.fold ? p.layers - 1 : p.layers;  // the last stage that writes scratch
+  DiffLogicNetDeps d{it.stage > 0, it.stage >= 0 && it.stage <= writers && it.chunk >= p.inflight, 0, 0};
   if (d.slot) {
     d.slot_chunk = it.chunk - p.inflight;
     d.slot_stage = dl_last_reader(p, it.stage);

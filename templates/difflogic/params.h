@@ -80,6 +80,8 @@ struct DiffLogicNetParams {
   int layers;
   int x_vec;    // algo=early, x and row_bytes 16-byte aligned: layer 1 reads x's rows (no stage 0 items)
   int gs_late;  // algo=early, layers even: the ticket order dl_decode_late (packed_net_schedule.cuh)
+  int fold;     // algo=fold: stage `layers` counts its gates' bits (tiles[layers] = groups x items a group) and
+                // writes no scratch; the GroupSum stage has no items
 };
 
 // The CA architectures (compile-time: a kernel is specialized for one): C channels, K perception kernels,

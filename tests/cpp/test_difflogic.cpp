@@ -20,6 +20,7 @@
 #include "difflogic/reference.h"
 #include "jit/driver.h"
 #include "kspec/kspec.h"
+#include "device_buffer_test_util.h"
 #include "precompile_test_util.h"
 #include "test_helpers.h"
 
@@ -328,20 +329,7 @@ TEST(DiffLogic, RowMajorDxKernels) {
 
 namespace {
 
-struct DevBuf {
-  CUdeviceptr p = 0;
-  size_t bytes = 0;
-  explicit DevBuf(size_t b) : bytes(std::max<size_t>(b, 16)) { CU_CHECK(cuMemAlloc(&p, bytes)); }
-  ~DevBuf() { jit::driver().cuMemFree(p); }
-  void* ptr() const { return reinterpret_cast<void*>(p); }
-  void upload(const void* data, size_t n) { CU_CHECK(cuMemcpyHtoD(p, data, n)); }
-  std::vector<unsigned char> download(size_t n) const {
-    std::vector<unsigned char> v(n);
-    CU_CHECK(cuMemcpyDtoH(v.data(), p, n));
-    return v;
-  }
-  void poison() { CU_CHECK(cuMemsetD8(p, 0xFF, bytes)); }
-};
+using DevBuf = kspec::testing::DeviceBuffer<0xFF>;  // NaN in every float left unwritten
 
 // [rows, cols] row-major -> [cols, rows] row-major.
 std::vector<double> transposed(const std::vector<double>& v, int64_t rows, int64_t cols) {

@@ -1,15 +1,17 @@
 // difflogic.packed.net (api/ops/difflogic/packed_net.cpp). Without a GPU: the messages for bad input (a
 // layer's logits or wires of the wrong shape, k not dividing the last width, the word count), the tuning
-// space (algo=layers carries canonical chunk/inflight; the heuristics' measured picks), and every specialization of
-// the precompile plan compiling for sm_80 and sm_90 without spills. On a GPU (skipped without one): both
-// algorithms, every legal config, w = 32 and 64, B from 1 to several chunks (not a multiple of w), a wire
-// out of range, equal to difflogic_packed_fwd_ref chained over the layers and then
-// difflogic_packed_group_sum_ref, bit for bit, and a rerun equal to the first run.
+// space (algo=layers carries canonical chunk/inflight; the heuristics' measured picks), every specialization of
+// the precompile plan compiling for sm_80 and sm_90 without spills, and the schedules' waits (every wait
+// backwards, every reuse of the scratch ordered). On a GPU (skipped without one): every algorithm, every legal
+// config, w = 32 and 64, B from 1 to several chunks (not a multiple of w), a wire out of range, equal to
+// difflogic_packed_fwd_ref chained over the layers and then difflogic_packed_group_sum_ref, bit for bit, and a
+// rerun equal to the first run.
 #include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
 #include <random>
+#include <set>
 #include <tuple>
 
 #include "api/src/op.h"
@@ -17,6 +19,7 @@
 #include "difflogic/reference.h"
 #include "jit/driver.h"
 #include "kspec/kspec.h"
+#include "device_buffer_test_util.h"
 #include "precompile_test_util.h"
 #include "test_helpers.h"
 
@@ -97,6 +100,10 @@ TEST(DiffLogicPackedNet, TuningSpace) {
   EXPECT_EQ(Config::parse("algo=early,chunk=64,inflight=2", op.info).get("algo"), 3);
   EXPECT_TRUE(op.tuning.valid(p, Config{{{"algo", 4}, {"chunk", 64}, {"inflight", 4}}}, &why)) << why;
   EXPECT_EQ(Config::parse("algo=early_late,chunk=64,inflight=2", op.info).get("algo"), 4);
+  EXPECT_TRUE(op.tuning.valid(p, Config{{{"algo", 5}, {"chunk", 32}, {"inflight", 4}}}, &why)) << why;
+  EXPECT_EQ(Config::parse("algo=fold,chunk=128,inflight=2", op.info).get("algo"), 5);
+  EXPECT_TRUE(op.tuning.valid(p, Config{{{"algo", 6}, {"chunk", 256}, {"inflight", 1}}}, &why)) << why;
+  EXPECT_EQ(Config::parse("algo=fold2,chunk=128,inflight=2", op.info).get("algo"), 6);
   const Config h = op.tuning.heuristic(p);
   EXPECT_TRUE(op.tuning.valid(p, h, &why)) << why;
   // The measured defaults (H100, run 26): early at 128-byte rows, 2 chunks in flight; packed.fwd's rows kernel.
@@ -121,32 +128,86 @@ TEST(DiffLogicPackedNet, PrecompilePlanCompilesWithoutSpills) {
   for (const auto& r : precompile_plan({"sm_80", "sm_90"}, {kOp}))
     for (const auto& rep : kspec::testing::expect_compiles_without_spills(r)) ++kernels[rep.kernel];
   // algo=layers: the per-layer kernels at w = 32 and 64; chunked and chains: the ops kernel and a network kernel
-  // per chunk (kChains false / true); early: the early kernel per chunk.
+  // per chunk (kChains false / true); early: the early kernel per chunk; fold and fold2: the fold kernel per chunk
+  // (4 and 2 waves a last-layer item).
   for (const char* k : {"kspec::difflogic_packed_fwd_kernel<32, 256>", "kspec::difflogic_packed_fwd_kernel<64, 256>",
                         "kspec::difflogic_packed_ops_kernel<256>", "kspec::difflogic_packed_net_kernel<32, 256, false>",
                         "kspec::difflogic_packed_net_kernel<256, 256, false>",
                         "kspec::difflogic_packed_net_kernel<32, 256, true>",
                         "kspec::difflogic_packed_net_kernel<256, 256, true>",
                         "kspec::difflogic_packed_net_early_kernel<32, 256>",
-                        "kspec::difflogic_packed_net_early_kernel<256, 256>"})
+                        "kspec::difflogic_packed_net_early_kernel<256, 256>",
+                        "kspec::difflogic_packed_net_fold_kernel<32, 256, 4>",
+                        "kspec::difflogic_packed_net_fold_kernel<256, 256, 4>",
+                        "kspec::difflogic_packed_net_fold_kernel<32, 256, 2>",
+                        "kspec::difflogic_packed_net_fold_kernel<256, 256, 2>"})
     EXPECT_GT(kernels[k], 0) << k;
 }
 
 namespace {
 
 // A schedule as launch_chunked sets it: `layers` layers, `chunks` chunks, `inflight` slots, tiles[s] items of
-// stage s a chunk (stage 0's 0 where algo=early's layer 1 reads x itself).
-DiffLogicNetParams schedule(int layers, long long chunks, long long inflight, const std::vector<long long>& tiles,
-                            bool gs_late) {
+// stage s a chunk (stage 0's 0 where algo=early's layer 1 reads x itself; with `fold` the GroupSum's 0).
+DiffLogicNetParams schedule(int layers, long long chunks, long long inflight, std::vector<long long> tiles,
+                            bool gs_late, bool fold = false) {
   DiffLogicNetParams p{};
   p.layers = layers;
   p.chunks = chunks;
   p.inflight = std::min(inflight, chunks);
+  if (fold) tiles[layers + 1] = 0;
   for (int s = 0; s <= layers + 1; ++s) p.chunk_items += p.tiles[s] = tiles[s];
   p.round_items = p.inflight * p.chunk_items;
   p.gs_late = gs_late;
+  p.fold = fold;
   return p;
 }
+
+// Whether the waits (dl_deps, followed transitively; a wait on a stage without items orders nothing: its counter
+// starts met) order every use of the scratch as packed_net.cuh makes them: stage 0 writes the input rows, stage
+// s >= 1 writes the buffer of its parity (with fold, not the last layer), stage s + 1 reads what stage s wrote.
+// Each version's reader must come after its writer, and the next write of that buffer (the chunk's stage s + 2,
+// else the slot's next chunk's) after the reader. Returns the first unordered pair, "" if none. `waits_of`: the
+// params dl_deps is asked with (p's, unless a test swaps them).
+std::string hazard_fault(const DiffLogicNetParams& p, const DiffLogicNetParams& waits_of) {
+  const int stages = p.layers + 2, writers = p.fold ? p.layers - 1 : p.layers;
+  auto has = [&](long long c, int s) { return c < p.chunks && s < stages && p.tiles[s] > 0; };
+  std::map<std::pair<long long, int>, std::set<std::pair<long long, int>>> before;  // what an item waits for
+  std::function<const std::set<std::pair<long long, int>>&(long long, int)> waits = [&](long long c, int s)
+      -> const std::set<std::pair<long long, int>>& {
+    const auto key = std::make_pair(c, s);
+    if (auto f = before.find(key); f != before.end()) return f->second;
+    std::set<std::pair<long long, int>> w;
+    const DiffLogicNetDeps d = dl_deps(waits_of, DiffLogicNetItem{c, 0, s});
+    std::vector<std::pair<long long, int>> direct;
+    if (d.prev) direct.emplace_back(c, s - 1);
+    if (d.slot) direct.emplace_back(d.slot_chunk, d.slot_stage);
+    for (const auto& [dc, ds] : direct)
+      if (has(dc, ds)) {
+        w.insert({dc, ds});
+        const auto& more = waits(dc, ds);
+        w.insert(more.begin(), more.end());
+      }
+    return before[key] = w;
+  };
+  auto buffer = [](int s) { return s == 0 ? 0 : 1 + (s & 1); };
+  auto name = [](long long c, int s) { return "chunk " + std::to_string(c) + " stage " + std::to_string(s); };
+  for (long long c = 0; c < p.chunks; ++c)
+    for (int s = 0; s <= writers; ++s) {
+      if (!has(c, s) || !has(c, s + 1)) continue;  // no version, or none read
+      if (!waits(c, s + 1).count({c, s})) return name(c, s + 1) + " may read before " + name(c, s) + " writes";
+      // The next write of the buffer: this chunk's later stages, then the slot's next chunk's.
+      for (long long nc = c, first = s + 1; nc < p.chunks; nc += p.inflight, first = 0) {
+        int ns = first;
+        while (ns <= writers && !(has(nc, ns) && buffer(ns) == buffer(s))) ++ns;
+        if (ns > writers) continue;
+        if (!waits(nc, ns).count({c, s + 1}))
+          return name(nc, ns) + " may overwrite what " + name(c, s + 1) + " reads";
+        break;
+      }
+    }
+  return "";
+}
+std::string hazard_fault(const DiffLogicNetParams& p) { return hazard_fault(p, p); }
 
 // Decodes every ticket (one order, or each chain's where `chains`) and returns the first fault: an item named
 // twice or never, a ticket past the end naming an item, or an item waiting (dl_deps) for an item of a larger
@@ -211,6 +272,19 @@ TEST(DiffLogicPackedNet, ScheduleNamesEveryItemOnceAndWaitsOnlyBackwards) {
                                    std::to_string(stage0);
           EXPECT_EQ(schedule_fault(schedule(layers, chunks, inflight, tiles, false), false), "") << what;
           EXPECT_EQ(schedule_fault(schedule(layers, chunks, inflight, tiles, false), true), "") << "chains, " << what;
+          EXPECT_EQ(hazard_fault(schedule(layers, chunks, inflight, tiles, false)), "") << what;
+          EXPECT_EQ(schedule_fault(schedule(layers, chunks, inflight, tiles, false, true), false), "") << "fold, " << what;
+          EXPECT_EQ(hazard_fault(schedule(layers, chunks, inflight, tiles, false, true)), "") << "fold, " << what;
+          // fold's waits are its own: the unfolded ones have layer 1 of the slot's next chunk wait for the GroupSum,
+          // which has no items and orders nothing, where layer 2 still reads (odd layers; with even ones layer 1's
+          // last reader is the last layer either way).
+          const DiffLogicNetParams folded = schedule(layers, chunks, inflight, tiles, false, true);
+          DiffLogicNetParams unfolded = folded;
+          unfolded.fold = 0;
+          if (chunks > std::min(inflight, chunks) && layers % 2 == 1 && layers >= 3) {
+            EXPECT_NE(hazard_fault(folded, unfolded).find("may overwrite"), std::string::npos)
+                << "fold with the unfolded waits, " << what;
+          }
           const std::string late = schedule_fault(schedule(layers, chunks, inflight, tiles, true), false);
           if (layers % 2 == 0) {
             EXPECT_EQ(late, "") << "gs_late, " << what;
@@ -224,20 +298,7 @@ TEST(DiffLogicPackedNet, ScheduleNamesEveryItemOnceAndWaitsOnlyBackwards) {
 
 namespace {
 
-struct DevBuf {
-  CUdeviceptr p = 0;
-  size_t bytes = 0;
-  explicit DevBuf(size_t b) : bytes(std::max<size_t>(b, 16)) { CU_CHECK(cuMemAlloc(&p, bytes)); }
-  ~DevBuf() { jit::driver().cuMemFree(p); }
-  void* ptr() const { return reinterpret_cast<void*>(p); }
-  void upload(const void* data, size_t n) { CU_CHECK(cuMemcpyHtoD(p, data, n)); }
-  std::vector<unsigned char> download(size_t n) const {
-    std::vector<unsigned char> v(n);
-    CU_CHECK(cuMemcpyDtoH(v.data(), p, n));
-    return v;
-  }
-  void poison() { CU_CHECK(cuMemsetD8(p, 0xA5, bytes)); }
-};
+using DevBuf = kspec::testing::DeviceBuffer<>;
 
 template <typename T>
 std::unique_ptr<DevBuf> device_copy(const std::vector<T>& v) {
@@ -254,8 +315,9 @@ std::vector<unsigned char> word_bytes(const std::vector<uint64_t>& words, int w)
 
 }  // namespace
 
-// Widths 40 -> 300 -> 35 -> 50 and 40 -> 300 -> 35 -> 64 -> 50 (k = 5; algo=early's two ticket orders), one
-// gate of the second layer with a wire out of range (zero bits:
+// Widths 40 -> 300 -> 35 -> 50, 40 -> 300 -> 35 -> 64 -> 50 (k = 5; algo=early's two ticket orders) and 40 -> 300
+// -> 4100 (groups of 820 gates, several algo=fold items each), one gate of the second layer with a wire out of
+// range (zero bits:
 // the reference runs it as op 0, FALSE, on wires 0, 0). B = 1, 33, 1000, 4224 and 5000 (20 chunks of 32 bytes:
 // several rounds of every inflight, the last chunk partial; 1000 and 4224 with 16-byte rows, which
 // algo=early's layer 1 reads straight from x, 4224's last chunk partial at every chunk size), x aligned and not.
@@ -263,8 +325,10 @@ TEST(DiffLogicPackedNetGpu, CountsEqualTheChainedReference) {
   KSPEC_REQUIRE_GPU();
   jit::ContextGuard guard(0);
   const OpDef& op = Registry::global().get(kOp);
-  // 3 layers (algo=early in dl_decode's order) and 4 (even: dl_decode_late's).
-  for (const std::vector<int64_t>& widths : {std::vector<int64_t>{40, 300, 35, 50}, {40, 300, 35, 64, 50}}) {
+  // 3 layers (algo=early in dl_decode's order) and 4 (even: dl_decode_late's); 2 with 820-gate groups, which
+  // algo=fold's last-layer items (256 to 2048 gates by chunk) split at every chunk but 32 and 64.
+  for (const std::vector<int64_t>& widths :
+       {std::vector<int64_t>{40, 300, 35, 50}, {40, 300, 35, 64, 50}, {40, 300, 4100}}) {
     const int64_t k = 5;
     std::mt19937_64 rng(30);
     std::normal_distribution<float> normal(0.0f, 1.0f);

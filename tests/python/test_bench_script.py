@@ -699,7 +699,7 @@ def test_difflogic_layer_configs_compile(families):
 def test_difflogic_packed_net_configs_compile(families):
     """The packed table's "kspec net CFG" rows: each default config of --difflogic-net-configs is a legal
     difflogic.packed.net config and compiles (no GPU needed): algo=layers the per-layer kernels, chunked, chains
-    and early the ops kernel and the network kernel of their chunk; and the per-layer rows kernel's row."""
+    early and fold the ops kernel and the network kernel of their chunk; and the per-layer rows kernel's row."""
     import argparse
 
     import kspec
@@ -718,6 +718,8 @@ def test_difflogic_packed_net_configs_compile(families):
             cfg = dict(kv.split("=") for kv in config.split(","))
             if cfg["algo"] in ("early", "early_late"):  # one kernel, the ticket order a parameter
                 net = f"kspec::difflogic_packed_net_early_kernel<{cfg['chunk']}, 256>"
+            elif cfg["algo"] in ("fold", "fold2"):  # 4 and 2 waves a last-layer item
+                net = f"kspec::difflogic_packed_net_fold_kernel<{cfg['chunk']}, 256, {4 if cfg['algo'] == 'fold' else 2}>"
             else:
                 chains = "true" if cfg["algo"] == "chains" else "false"
                 net = f"kspec::difflogic_packed_net_kernel<{cfg['chunk']}, 256, {chains}>"

@@ -247,7 +247,8 @@ def test_packed_layer_and_group_sum_vs_reference(w):
 @pytest.mark.parametrize("config", ["algo=layers,chunk=128,inflight=2", "algo=chunked,chunk=32,inflight=2",
                                     "algo=chunked,chunk=128,inflight=1", "algo=chains,chunk=32,inflight=4",
                                     "algo=early,chunk=64,inflight=2", "algo=early,chunk=32,inflight=4",
-                                    "algo=early_late,chunk=64,inflight=2", None])
+                                    "algo=early_late,chunk=64,inflight=2", "algo=fold,chunk=128,inflight=2",
+                                    "algo=fold,chunk=32,inflight=4", "algo=fold2,chunk=64,inflight=2", None])
 def test_packed_net_vs_reference(w, config):
     B, widths, k = 3000, [30, 200, 48], 6  # B not a multiple of w; 12 chunks of 32 bytes
     g = torch.Generator(device="cuda").manual_seed(w)

@@ -40,7 +40,8 @@ def add_arguments(p):
     p.add_argument("--difflogic-net-configs", metavar="CFG;...",
                    default="algo=layers,chunk=128,inflight=2;algo=chunked,chunk=128,inflight=2;"
                            "algo=early,chunk=128,inflight=2;algo=early_late,chunk=128,inflight=2;"
-                           "algo=early,chunk=64,inflight=4;algo=early,chunk=256,inflight=1",
+                           "algo=early,chunk=64,inflight=4;algo=early,chunk=256,inflight=1;"
+                           "algo=fold,chunk=128,inflight=2;algo=fold,chunk=64,inflight=4;algo=fold2,chunk=128,inflight=2",
                    help="difflogic: difflogic.packed.net configs timed in the packed table (';'-separated; '' none)")
     p.add_argument("--difflogic-lanes", metavar="L,...", default="0,4,8,16,32",
                    help="difflogic: feature-major configs timed beside the default one, the same lanes in the forward"

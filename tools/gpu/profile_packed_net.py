@@ -14,7 +14,7 @@ from kspec._core import call
 
 N_IN, WIDTH, LAYERS, K = 784, 64000, 6, 10
 CONFIGS = ("algo=chunked,chunk=128,inflight=2;algo=early,chunk=128,inflight=2;algo=early_late,chunk=128,inflight=2;"
-           "algo=chunked,chunk=64,inflight=2")
+           "algo=chunked,chunk=64,inflight=2;algo=fold,chunk=128,inflight=2")
 
 
 def main() -> None:

@@ -5,14 +5,14 @@
 # DRAM / SM throughput as % of peak and the kernel's time. ncu flushes the caches before each profiled
 # kernel (its default), as the bench flushes L2 between calls; --clock-control none: the clocks the bench runs at.
 #   tools/gpu/profile_packed_net.sh ['CFG;CFG;...'] [probe args, e.g. --w 64 --batch 16384]
-# (the network kernels: difflogic_packed_net_kernel, difflogic_packed_net_early_kernel; not the ops kernel)
+# (the network kernels: difflogic_packed_net_kernel, _early_kernel, _fold_kernel; not the ops kernel)
 # Output: one line per config on stdout; ncu's raw CSV in $OUT/profile_packed_net.csv. About 30-50 s on the H100.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-CONFIGS=${1:-"algo=chunked,chunk=128,inflight=2;algo=early,chunk=128,inflight=2;algo=early_late,chunk=128,inflight=2;algo=chunked,chunk=64,inflight=2"}
+CONFIGS=${1:-"algo=chunked,chunk=128,inflight=2;algo=early,chunk=128,inflight=2;algo=early_late,chunk=128,inflight=2;algo=chunked,chunk=64,inflight=2;algo=fold,chunk=128,inflight=2"}
 shift || true
 want=(gpu__time_duration.sum dram__bytes_read.sum dram__bytes_write.sum lts__t_bytes.sum
       lts__t_sector_hit_rate.pct lts__t_sector_op_read_hit_rate.pct lts__t_sector_op_write_hit_rate.pct

@@ -18,8 +18,13 @@
 //   early_late  early, and with even layers a round's layer 1 before the previous round's GroupSum in the
 //            ticket order (run 25, with the slow GroupSum: slower, the GroupSum started later). Neither measured
 //            since.
-// Both give the counts of difflogic_packed_fwd_ref chained over the layers and difflogic_packed_group_sum_ref
-// bit for bit (tests/cpp/test_difflogic_packed_net.cpp). The heuristic takes chunked (H100 figures below).
+//   fold     early, with the GroupSum folded into the last layer: its items count their rows in shared memory
+//            (packed_net.cuh: difflogic_packed_net_fold_kernel), so the last layer writes no scratch and there is
+//            no GroupSum stage (one stage a round fewer on the path, ~11% fewer L2 bytes at issue 30's network);
+//            a last-layer item of 4 waves (a GroupSum item's atomics). fold2: of 2 waves (a layer item's length,
+//            twice the atomics). Not yet measured.
+// Every algo gives the counts of difflogic_packed_fwd_ref chained over the layers and difflogic_packed_group_sum_ref
+// bit for bit (tests/cpp/test_difflogic_packed_net.cpp). The heuristic takes early (H100 figures below).
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -34,9 +39,12 @@ namespace kspec::difflogic {
 namespace {
 
 constexpr int64_t kThreads = 256;
-constexpr int64_t kLayers = 0, kChunked = 1, kChains = 2, kEarly = 3, kEarlyLate = 4;  // the algo axis
+constexpr int64_t kLayers = 0, kChunked = 1, kChains = 2, kEarly = 3, kEarlyLate = 4, kFold = 5, kFold2 = 6;  // algo
 
-bool early(const Config& c) { return c.get("algo") == kEarly || c.get("algo") == kEarlyLate; }
+// Waves of a last-layer item where the GroupSum is folded into it (fold, fold2), else 0.
+int64_t fold_waves(const Config& c) { return c.get("algo") == kFold ? 4 : c.get("algo") == kFold2 ? 2 : 0; }
+// The algos of the early kernel's loads (the gate tables before the waits, layer 1 reading x).
+bool early(const Config& c) { return c.get("algo") == kEarly || c.get("algo") == kEarlyLate || fold_waves(c) > 0; }
 // The heuristic: early (chunked's schedule with each item's gate tables loaded before its waits), 128-byte rows
 // (1024 samples a chunk), 2 chunks in flight (at 64k-wide layers 2 x (2 x 64k rows x 128 B) = 33 MB of scratch,
 // in the H100's 50 MB L2). H100, run 26, 784 -> 6 x 64k -> GroupSum(10), gpu ms, w32 / w64: B 2^14 early 0.664 /
@@ -102,6 +110,9 @@ std::vector<jit::KernelSpec> kernels(const Problem& p, const Config& c) {
   // The word width is not a template argument: a w = 64 row is the w = 32 row of the same bits.
   const std::string chunk = std::to_string(c.get("chunk"));
   jit::KernelSpec ops = kernel_spec(p, "difflogic/packed_net.cuh", "kspec::difflogic_packed_ops_kernel", {threads});
+  if (fold_waves(c) > 0)
+    return {ops, kernel_spec(p, "difflogic/packed_net.cuh", "kspec::difflogic_packed_net_fold_kernel",
+                             {chunk, threads, std::to_string(fold_waves(c))})};
   if (early(c))  // early and early_late: one kernel (the ticket order is a parameter)
     return {ops, kernel_spec(p, "difflogic/packed_net.cuh", "kspec::difflogic_packed_net_early_kernel", {chunk, threads})};
   return {ops, kernel_spec(p, "difflogic/packed_net.cuh", "kspec::difflogic_packed_net_kernel",
@@ -173,6 +184,13 @@ void launch_chunked(const Call& call, const Config& c, Launcher& l) {
     }
   }
   q.tiles[layers + 1] = q.groups * ceil_div(width[layers] / q.groups, rows_per_gs_item);
+  // algo=fold, fold2: the last layer's items each count fold_waves waves of one group's units; no GroupSum stage.
+  if (fold_waves(c) > 0) {
+    q.fold = 1;
+    q.tiles[layers] =
+        q.groups * ceil_div(width[layers] / q.groups * pieces, kThreads * DiffLogicNetTraits::kUnits * fold_waves(c));
+    q.tiles[layers + 1] = 0;
+  }
   // algo=early, x and its rows 16-byte aligned (row_bytes: w32 words a multiple of 4, w64 of 2): layer 1 reads x
   // itself, no copy stage (an item waiting for stage 0 waits for nothing); else stage 0 copies as chunked's does.
   if (early(c) && reinterpret_cast<uintptr_t>(q.x) % 16 == 0 && q.row_bytes % 16 == 0) {
@@ -232,12 +250,12 @@ OpDef make_packed_net() {
   op.info.outputs = {tensor_def("counts", {"batch", "k"}, {DType::i32}, "", false, false, "", Layout::Contiguous,
                                 "set bits per sample and group of the last layer")};
   op.check_call = check_call;
-  op.tuning.axes = {{"algo", {kLayers, kChunked, kChains, kEarly, kEarlyLate}}, {"chunk", {32, 64, 128, 256}}, {"inflight", {1, 2, 4, 8}}};
+  op.tuning.axes = {{"algo", {kLayers, kChunked, kChains, kEarly, kEarlyLate, kFold, kFold2}}, {"chunk", {32, 64, 128, 256}}, {"inflight", {1, 2, 4, 8}}};
   op.tuning.valid = valid;
   op.tuning.heuristic = heuristic;
   op.tuning.block_threads = [](const Problem&, const Config&) { return kThreads; };
   op.info.tuning_axes = op.tuning.axes;
-  op.info.tuning_names = {{"algo", {"layers", "chunked", "chains", "early", "early_late"}}};
+  op.info.tuning_names = {{"algo", {"layers", "chunked", "chains", "early", "early_late", "fold", "fold2"}}};
   // The main dtype is nominal (the logits' fp32); the word width is x's dtype, which the _w64 rows set.
   op.dtypes = {DType::f32};
   op.generic_check = false;  // TensorList inputs and integer words (the test compares with the reference)
@@ -259,7 +277,7 @@ OpDef make_packed_net() {
   op.kernels = kernels;
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     if (c.get("algo") == kLayers) return launch_layers(call, l);
-    launch_chunked(call, c, l);  // chunked, chains, early, early_late
+    launch_chunked(call, c, l);  // chunked, chains, early, early_late, fold, fold2
   };
   op.reference = [](const Problem&, const std::vector<HostTensor>&) -> std::vector<HostTensor> {
     throw Unsupported("difflogic.packed.net: list inputs: the generic checker does not build lists; see "
