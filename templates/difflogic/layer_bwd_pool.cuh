@@ -16,9 +16,9 @@
 
 namespace kspec {
 
-// Grid (ceil(n_in / kPool), tiles). Launch bounds with one block an SM: without them ptxas held the row-major
-// dx variants to 80 registers and spilled (2-10 bytes); they take 80-107 (fp32 lanes 32 ahead 1: 88, 2 blocks
-// of 256 threads an SM, or 5 of 128).
+// Grid (ceil(n_in / kPool), tiles). Registers (sm_90, lanes 32, row-major dx): fp32 61 at ahead 0 (4 blocks of
+// 256 threads an SM, as the tiled kernel's), 72 at ahead 1 (3); halves 85-96. Launch bounds of one block an SM:
+// without them ptxas held the halves' variants to 80 registers and spilled 2-10 bytes.
 template <typename T, int kThreads, int kLanes, int kPool, bool kDxRowMajor, bool kAhead>
 __global__ void __launch_bounds__(kThreads, 1) difflogic_bwd_pool_kernel(const DiffLogicParams p) {
   static_assert(kLanes >= 1 && kLanes <= kWarpSize && (kLanes & (kLanes - 1)) == 0, "lanes: a power of two <= 32");
@@ -63,7 +63,8 @@ __global__ void __launch_bounds__(kThreads, 1) difflogic_bwd_pool_kernel(const D
     __syncthreads();  // every input of the pool done (and every group past the counter before it is reset)
     if (kDxRowMajor) {
       // Element e of the pool's tile: sample e / kPool, input e % kPool (consecutive threads, consecutive
-      // inputs of one dx row).
+      // inputs of one dx row). Not unrolled: the 16 to 32 stores' addresses, computed ahead, took 15-25 registers.
+#pragma unroll 1
       for (int e = threadIdx.x; e < kPool * Tile::kSamples; e += kThreads) {
         const long long s = s0 + e / kPool, j = j0 + e % kPool;
         if (s < p.batch && j < p.n_in) dx[s * p.n_in + j] = from_float<T>(staged[e % kPool][e / kPool]);

@@ -220,8 +220,11 @@ def transposed_layer(torch, layer, bwd_config):
 
 
 # The pooled backward (difflogic.layer.bwd config pool: a block's inputs handed out on demand) at the default
-# lanes 32, readers a step ahead, 256 or 128 threads.
-POOL_CONFIGS = {"pool=32": "threads=256,lanes=32,ahead=1,pool=32", "pool=64": "threads=256,lanes=32,ahead=1,pool=64",
+# lanes 32: readers a step ahead (fp32: 72 registers, 3 blocks of 256 an SM) or not ("a0": 61, 4 blocks), 256 or
+# 128 threads.
+POOL_CONFIGS = {"pool=32": "threads=256,lanes=32,ahead=1,pool=32",
+                "pool=32 a0": "threads=256,lanes=32,ahead=0,pool=32",
+                "pool=64 a0": "threads=256,lanes=32,ahead=0,pool=64",
                 "pool=32 t128": "threads=128,lanes=32,ahead=1,pool=32"}
 STAGED_FWD = "threads=256,lanes=0,stage={}"
 
@@ -323,7 +326,7 @@ def run_layer(ctx):
             # forward (stage 2, 4; its fwd row is the cluster kernel alone, fwd+bwd adds the transpose of x for
             # xt); the default transpose path with the pooled backward. bf16's row-major dx at lanes 32 stages
             # 64 x 257 floats at pool 64, over 48 KB: that config is fp32's only.
-            pools = {k: v for k, v in POOL_CONFIGS.items() if dt == "float32" or k != "pool=64"}
+            pools = {k: v for k, v in POOL_CONFIGS.items() if dt == "float32" or "pool=64" not in k}
             impls += [(f"kspec staged {k}", "kspec", staged_layer(torch, layer, STAGED_FWD.format(1), v),
                        layer.weights, False) for k, v in pools.items()]
             impls += [(f"kspec staged cluster={c}", "kspec", staged_layer(torch, layer, STAGED_FWD.format(c)),
