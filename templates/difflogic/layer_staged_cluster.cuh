@@ -23,26 +23,27 @@ __device__ __forceinline__ long long difflogic_cluster_slice(long long n_in) {
   return ((n_in + kCluster - 1) / kCluster + 7) / 8 * 8;
 }
 
-// The element at a shared::cluster address as a float. volatile: the same addresses are read again after
-// the next pass's barrier, and must not be merged with this pass's reads.
+// The element at a shared::cluster address as a float. volatile, and a memory clobber: the same addresses are
+// read again after the next pass's barrier, and must be neither merged with this pass's reads nor moved across
+// the barriers (cluster_sync).
 template <typename T>
 __device__ __forceinline__ float difflogic_cluster_load(unsigned addr);
 template <>
 __device__ __forceinline__ float difflogic_cluster_load<float>(unsigned addr) {
   float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
   return v;
 }
 template <>
 __device__ __forceinline__ float difflogic_cluster_load<__half>(unsigned addr) {
   unsigned short v;
-  asm volatile("ld.shared::cluster.u16 %0, [%1];" : "=h"(v) : "r"(addr));
+  asm volatile("ld.shared::cluster.u16 %0, [%1];" : "=h"(v) : "r"(addr) : "memory");
   return raw_to_float<__half>(v);
 }
 template <>
 __device__ __forceinline__ float difflogic_cluster_load<__nv_bfloat16>(unsigned addr) {
   unsigned short v;
-  asm volatile("ld.shared::cluster.u16 %0, [%1];" : "=h"(v) : "r"(addr));
+  asm volatile("ld.shared::cluster.u16 %0, [%1];" : "=h"(v) : "r"(addr) : "memory");
   return raw_to_float<__nv_bfloat16>(v);
 }
 
