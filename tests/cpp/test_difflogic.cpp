@@ -1027,7 +1027,11 @@ TEST(DiffLogicGpuExact, StraightThroughGumbelMatchesReference) {
   Params gumbel;
   gumbel.set("gumbel", true);
   gumbel.set("seed", seed);
-  const Config c128{{{"threads", 128}, {"lanes", 0}}}, c256{{{"threads", 256}, {"lanes", 0}}};
+  // Every axis named (a config lacking one is refused): the flat kernels at 128 and 256 threads.
+  const Config c128{{{"threads", 128}, {"lanes", 0}, {"stage", 0}}},
+      c256{{{"threads", 256}, {"lanes", 0}, {"stage", 0}}};
+  const Config b128{{{"threads", 128}, {"lanes", 0}, {"ahead", 0}, {"pool", 0}}},
+      b256{{{"threads", 256}, {"lanes", 0}, {"ahead", 0}, {"pool", 0}}};
 
   const auto hard = r.fwd("hard", gumbel, &c128);
   EXPECT_EQ(hard, r.fwd("hard", gumbel, &c256)) << "the noise depends on the launch configuration";
@@ -1048,10 +1052,10 @@ TEST(DiffLogicGpuExact, StraightThroughGumbelMatchesReference) {
   EXPECT_LE(rel_error(soft, ref::difflogic_layer_fwd_ref(B, n_in, r.x, noisy, r.a, r.b, ref::DiffLogicMode::Soft)),
             1e-4);
   const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, noisy, r.a, r.b, r.dout, 1.0);
-  const auto got = r.bwd(1.0, gumbel, &c128);
+  const auto got = r.bwd(1.0, gumbel, &b128);
   EXPECT_LE(rel_error(decode(DType::f32, got.first), want.dx), 1e-4) << "dx";
   EXPECT_LE(rel_error(decode(DType::f32, got.second), want.dlogits), 1e-4) << "dlogits";
-  const auto again = r.bwd(1.0, gumbel, &c256);
+  const auto again = r.bwd(1.0, gumbel, &b256);
   EXPECT_TRUE(got.first == again.first && got.second == again.second) << "the backward depends on the config";
   Params other = gumbel;
   other.set("seed", seed + 1);
