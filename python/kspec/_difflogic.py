@@ -14,9 +14,9 @@ layer pays no transpose; in the backward a row-major dy is transposed once, and 
 Where no gradient is wanted (inference, eval, torch.no_grad) "auto" instead runs the row-major forward op,
 whose staged kernel reads x once (whole rows of x in shared memory, templates/difflogic/layer_staged.cuh):
 x and y once each, without the transpose's extra read and write of x, where enough rows fit (stage_pays);
-y row-major. row_major="staged" does
-that in training too, the backward then transposing x and dy (the same bytes as "auto", moved out of the
-forward)."""
+y row-major. row_major="staged" does that in training too, the staged kernel then also writing x transposed
+from its shared memory (the forward op's save_xt: 3X where the transpose path's forward moves 4X), which the
+backward reads; the backward transposes a row-major dy as "auto"'s does."""
 from __future__ import annotations
 
 import torch
@@ -124,21 +124,25 @@ class _RowMajorLayer(torch.autograd.Function):
 
 class _StagedRowMajorLayer(torch.autograd.Function):
     """row_major="staged" with a gradient wanted: the forward reads the row-major x once (the row-major forward
-    op's staged kernel, y row-major) and keeps x; the backward transposes x and a row-major dy once each and
-    runs the feature-major backward, dx written row-major (layer.bwd's dx_layout row_major)."""
+    op's staged kernel, y row-major) and writes x transposed from its shared memory beside y (save_xt: the x the
+    feature-major backward reads, kept instead of x); the backward transposes a row-major dy once and runs the
+    feature-major backward, dx written row-major (layer.bwd's dx_layout row_major). Bytes a step, X = x's: the
+    forward 3X (x, y, xt) where the transpose path moves 4X (the transpose 2X, then x^T and y)."""
 
     @staticmethod
     def forward(ctx, x, logits, a, b, csr, mode, grad_factor):
-        ctx.save_for_backward(x, logits, a, b, csr)
+        y, xt = call("difflogic.layer.fwd", x, logits, a, b, mode=mode, save_xt=True)
+        ctx.save_for_backward(xt, logits, a, b, csr)
         ctx.grad_factor = grad_factor
-        return call("difflogic.layer.fwd", x, logits, a, b, mode=mode)[0]
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, logits, a, b, csr = ctx.saved_tensors
-        dx, dlogits = call("difflogic.layer.bwd", transpose(x).t(), logits, a, b, _feature_major_dy(dy), csr,
+        xt, logits, a, b, csr = ctx.saved_tensors
+        xf = xt.t()
+        dx, dlogits = call("difflogic.layer.bwd", xf, logits, a, b, _feature_major_dy(dy), csr,
                            grad_factor=ctx.grad_factor, layout="feature_major", dx_layout="row_major",
-                           out=(x.new_empty(x.shape), torch.empty_like(logits)))
+                           out=(xf.new_empty(xf.shape), torch.empty_like(logits)))
         return dx, dlogits, None, None, None, None, None
 
 
@@ -152,8 +156,8 @@ def _like_x(x, n):
 def _layer_fwd(x, logits, a, b, csr, mode, grad_factor, save):
     if feature_major(x):
         return call("difflogic.layer.fwd", x, logits, a, b, mode=mode, layout="feature_major",
-                    out=(_like_x(x, a.shape[0]),))
-    return call("difflogic.layer.fwd", x, logits, a, b, mode=mode)
+                    out=(_like_x(x, a.shape[0]), None))[:1]
+    return call("difflogic.layer.fwd", x, logits, a, b, mode=mode)[:1]  # y (xt: only with save_xt)
 
 
 def _feature_major_dy(dy):
@@ -325,8 +329,8 @@ class LogicLayer(torch.nn.Module):
     a contiguous (out_dim, batch), so a stack of layers transposes once, at its first layer (dx goes back in
     x's layout). Without a gradient (eval, torch.no_grad) "auto" runs the row-major forward instead, which
     reads x once (whole rows in shared memory) and gives y row-major. row_major="direct" (and "auto" under
-    torch.compile): the row-major kernels, y row-major; "staged": the row-major forward in training too, x
-    and dy transposed in the backward, where staging pays (else as "auto").
+    torch.compile): the row-major kernels, y row-major; "staged": the row-major forward in training too, writing
+    x transposed for the backward beside y (dy transposed in the backward), where staging pays (else as "auto").
     Parameter `weights` (out_dim, 16) (randn, as difflogic's), buffer `indices` (2, out_dim) int64: the
     wiring, drawn as difflogic draws it (the same torch seed gives the same weights and wiring) and kept in
     the state dict. Training: the soft layer; eval: the hard one (argmax op, ties to the lower index).

@@ -368,6 +368,105 @@ __global__ void __launch_bounds__(kThreads) difflogic_fwd_tiled_kernel(const Dif
   }
 }
 
+// Input j's dx over the tile at s0 (this lane's kVec samples of it) into sum, grad_factor applied (NaN where a
+// reader's wire is out of range): j's readers in the CSR's order [k0, k1), each gate's side-0 entry writing its
+// S_uv over the tile into partials[tile][g]. `active` false (a lane group past n_in): sum 0, nothing read. Every
+// lane of the group calls it with the same j (shared trip count and branches: the shuffles see the group).
+template <typename T, int kLanes, bool kAhead>
+__device__ __forceinline__ void difflogic_bwd_input_tile(const DiffLogicParams& p, bool active, long long j, int k0,
+                                                         int k1, long long s0, long long tile, int lane,
+                                                         unsigned group, bool vec,
+                                                         float (&sum)[DiffLogicTile<T, kLanes>::kVec]) {
+  using Tile = DiffLogicTile<T, kLanes>;
+  constexpr int kV = Tile::kVec;
+  const T* x = static_cast<const T*>(p.x);
+  const T* dout = static_cast<const T*>(p.dout);
+  float4* partials = reinterpret_cast<float4*>(p.tables + 4 * p.n_out);
+  float own[kV];
+  if (active) {
+    Tile::load(x + j * p.batch, vec, s0, lane, p.batch, own);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kV; ++k) own[k] = 0.0f;
+  }
+#pragma unroll
+  for (int k = 0; k < kV; ++k) sum[k] = 0.0f;
+  bool bad = false;
+  // The next reader's entry is loaded a step ahead: each step's loads otherwise wait on a chain of three
+  // (entry, then its wires, then the rows).
+  int entry = k0 < k1 ? p.entries[k0] : 0;
+  // kAhead: the next reader's gate, wires and T (loaded a step ahead), and the entry after it in `entry`.
+  int next_g = 0, next_wa = 0, next_wb = 0, next_entry = entry;
+  float4 next_t = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (kAhead && k0 < k1) {
+    next_g = entry >> 1;
+    next_wa = p.a[next_g];
+    next_wb = p.b[next_g];
+    next_t = reinterpret_cast<const float4*>(p.tables)[next_g];
+    entry = k0 + 1 < k1 ? p.entries[k0 + 1] : 0;
+  }
+  for (int e = k0; e < k1; ++e) {
+    int g, wa, wb;
+    bool side_b;
+    float4 t;
+    if (kAhead) {
+      g = next_g;
+      wa = next_wa;
+      wb = next_wb;
+      t = next_t;
+      side_b = next_entry & 1;
+      if (e + 1 < k1) {
+        next_entry = entry;
+        next_g = entry >> 1;
+        next_wa = p.a[next_g];
+        next_wb = p.b[next_g];
+        next_t = reinterpret_cast<const float4*>(p.tables)[next_g];
+        entry = e + 2 < k1 ? p.entries[e + 2] : 0;
+      }
+    } else {
+      g = entry >> 1;
+      wa = p.a[g];
+      wb = p.b[g];
+      side_b = entry & 1;
+      entry = e + 1 < k1 ? p.entries[e + 1] : 0;
+    }
+    if (!difflogic_wire_ok(wa, p.n_in) || !difflogic_wire_ok(wb, p.n_in)) {
+      bad = true;  // dx NaN; the finish kernel gives the gate NaN dlogits
+      continue;
+    }
+    if (!kAhead) t = reinterpret_cast<const float4*>(p.tables)[g];
+    float other[kV], d[kV];
+    Tile::load(x + (side_b ? wa : wb) * p.batch, vec, s0, lane, p.batch, other);
+    Tile::load(dout + g * p.batch, vec, s0, lane, p.batch, d);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int k = 0; k < kV; ++k) {
+      // As the flat kernel: side b gets d dy/db at (xa, xb) = (other, own), side a d dy/da at (own, other).
+      if (side_b) {
+        sum[k] += d[k] * ((t.y - t.x) * (1.0f - other[k]) + (t.w - t.z) * other[k]);
+      } else {
+        sum[k] += d[k] * ((t.z - t.x) * (1.0f - other[k]) + (t.w - t.y) * other[k]);
+        difflogic_accumulate(acc, d[k], own[k], other[k]);
+      }
+    }
+    if (!side_b) {
+#pragma unroll
+      for (int offset = kLanes / 2; offset > 0; offset /= 2)
+#pragma unroll
+        for (int uv = 0; uv < 4; ++uv) acc[uv] += __shfl_xor_sync(group, acc[uv], offset, kLanes);
+      if (lane == 0) partials[tile * p.n_out + g] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kV; ++k) sum[k] = bad ? __int_as_float(0x7fc00000) : p.grad_factor * sum[k];
+}
+
+// The shuffle mask of this thread's lane group of kLanes threads.
+template <int kLanes>
+__device__ __forceinline__ unsigned difflogic_group_mask() {
+  return kLanes == kWarpSize ? 0xffffffffu : ((1u << kLanes) - 1u) << (threadIdx.x % kWarpSize / kLanes * kLanes);
+}
+
 // Grid (ceil(n_in / (kThreads / kLanes)), tiles): lane group = one input j. dx[j] over the tile as the flat
 // dx kernel sums it (CSR order); each gate's side-0 entry adds its S_uv over the tile into
 // partials[tile][g] (workspace after the tables; every gate has exactly one side-0 entry, so each slot has
@@ -393,96 +492,19 @@ __global__ void __launch_bounds__(kThreads) difflogic_bwd_tiled_kernel(const Dif
   const T* x = static_cast<const T*>(p.x);
   const T* dout = static_cast<const T*>(p.dout);
   T* dx = static_cast<T*>(p.dx);
-  float4* partials = reinterpret_cast<float4*>(p.tables + 4 * p.n_out);
   const long long j0 = blockIdx.x * static_cast<long long>(kGroups), j = j0 + threadIdx.x / kLanes;
   // Past n_in the whole lane group idles; with kDxRowMajor it stays for the block's barriers.
   if (!kDxRowMajor && j >= p.n_in) return;
   const bool active = j < p.n_in;
   const int lane = threadIdx.x % kLanes;
-  const unsigned group = kLanes == kWarpSize ? 0xffffffffu
-                                             : ((1u << kLanes) - 1u) << (threadIdx.x % kWarpSize / kLanes * kLanes);
+  const unsigned group = difflogic_group_mask<kLanes>();
   // Feature-major dx shares x's alignment rule; row-major dx is written element by element.
   const bool vec = difflogic_rows_aligned<T>(p.batch, x, dout, kDxRowMajor ? nullptr : dx);
   const int k0 = active ? p.offsets[j] : 0, k1 = active ? p.offsets[j + 1] : 0;
   for (long long tile = blockIdx.y; tile * Tile::kSamples < p.batch; tile += gridDim.y) {
     const long long s0 = tile * Tile::kSamples;
-    float own[kV], sum[kV];
-    if (active) {
-      Tile::load(x + j * p.batch, vec, s0, lane, p.batch, own);
-    } else {
-#pragma unroll
-      for (int k = 0; k < kV; ++k) own[k] = 0.0f;
-    }
-#pragma unroll
-    for (int k = 0; k < kV; ++k) sum[k] = 0.0f;
-    bool bad = false;
-    // The next reader's entry is loaded a step ahead: each step's loads otherwise wait on a chain of three
-    // (entry, then its wires, then the rows).
-    int entry = k0 < k1 ? p.entries[k0] : 0;
-    // kAhead: the next reader's gate, wires and T (loaded a step ahead), and the entry after it in `entry`.
-    int next_g = 0, next_wa = 0, next_wb = 0, next_entry = entry;
-    float4 next_t = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (kAhead && k0 < k1) {
-      next_g = entry >> 1;
-      next_wa = p.a[next_g];
-      next_wb = p.b[next_g];
-      next_t = reinterpret_cast<const float4*>(p.tables)[next_g];
-      entry = k0 + 1 < k1 ? p.entries[k0 + 1] : 0;
-    }
-    for (int e = k0; e < k1; ++e) {
-      int g, wa, wb;
-      bool side_b;
-      float4 t;
-      if (kAhead) {
-        g = next_g;
-        wa = next_wa;
-        wb = next_wb;
-        t = next_t;
-        side_b = next_entry & 1;
-        if (e + 1 < k1) {
-          next_entry = entry;
-          next_g = entry >> 1;
-          next_wa = p.a[next_g];
-          next_wb = p.b[next_g];
-          next_t = reinterpret_cast<const float4*>(p.tables)[next_g];
-          entry = e + 2 < k1 ? p.entries[e + 2] : 0;
-        }
-      } else {
-        g = entry >> 1;
-        wa = p.a[g];
-        wb = p.b[g];
-        side_b = entry & 1;
-        entry = e + 1 < k1 ? p.entries[e + 1] : 0;
-      }
-      if (!difflogic_wire_ok(wa, p.n_in) || !difflogic_wire_ok(wb, p.n_in)) {
-        bad = true;  // dx NaN; the finish kernel gives the gate NaN dlogits
-        continue;
-      }
-      if (!kAhead) t = reinterpret_cast<const float4*>(p.tables)[g];
-      float other[kV], d[kV];
-      Tile::load(x + (side_b ? wa : wb) * p.batch, vec, s0, lane, p.batch, other);
-      Tile::load(dout + g * p.batch, vec, s0, lane, p.batch, d);
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int k = 0; k < kV; ++k) {
-        // As the flat kernel: side b gets d dy/db at (xa, xb) = (other, own), side a d dy/da at (own, other).
-        if (side_b) {
-          sum[k] += d[k] * ((t.y - t.x) * (1.0f - other[k]) + (t.w - t.z) * other[k]);
-        } else {
-          sum[k] += d[k] * ((t.z - t.x) * (1.0f - other[k]) + (t.w - t.y) * other[k]);
-          difflogic_accumulate(acc, d[k], own[k], other[k]);
-        }
-      }
-      if (!side_b) {
-#pragma unroll
-        for (int offset = kLanes / 2; offset > 0; offset /= 2)
-#pragma unroll
-          for (int uv = 0; uv < 4; ++uv) acc[uv] += __shfl_xor_sync(group, acc[uv], offset, kLanes);
-        if (lane == 0) partials[tile * p.n_out + g] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kV; ++k) sum[k] = bad ? __int_as_float(0x7fc00000) : p.grad_factor * sum[k];
+    float sum[kV];
+    difflogic_bwd_input_tile<T, kLanes, kAhead>(p, active, j, k0, k1, s0, tile, lane, group, vec, sum);
     if (!kDxRowMajor) {
       Tile::store(dx + j * p.batch, vec, s0, lane, p.batch, sum);
       continue;

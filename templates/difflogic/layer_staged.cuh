@@ -13,6 +13,12 @@
 // top of the next pass waits on L2 rather than DRAM. Every y element is difflogic_gate of its T and two
 // inputs, as in the other forward kernels (equal to theirs up to the compiler's FMA contractions), and
 // nothing is summed across threads: the grid (the device's multiprocessors) cannot change a bit.
+// kXT (layer.fwd's save_xt): the block also writes its staged rows transposed, p.dx = x^T [n_in, batch]
+// (the feature-major x the tiled backward reads), from shared memory: one more X of stores beside x and y
+// once, where the training path otherwise transposed x in a kernel of its own (2X) before the feature-major
+// forward (2X). Each pass writes `rows` consecutive samples of every column (12 bytes at 16k fp32: a third
+// of a sector); the blocks resident at once stage neighbouring rows, so L2 completes the sectors before it
+// writes them back.
 #pragma once
 
 #include "difflogic/layer.cuh"
@@ -21,7 +27,7 @@ namespace kspec {
 
 // Gates a thread has in flight at once: their wires and tables are loaded together, one L2 round trip for
 // kGates gates instead of one each.
-template <typename T, int kThreads, int kGates = 4>
+template <typename T, int kThreads, int kGates = 4, bool kXT = false>
 __global__ void __launch_bounds__(kThreads) difflogic_fwd_staged_kernel(const DiffLogicParams p) {
   extern __shared__ __align__(16) unsigned char difflogic_staged_rows[];
   T* xs = reinterpret_cast<T*>(difflogic_staged_rows);
@@ -70,6 +76,15 @@ __global__ void __launch_bounds__(kThreads) difflogic_fwd_staged_kernel(const Di
         asm volatile("prefetch.global.L2 [%0];" ::"l"(ahead + o));
     }
     __syncthreads();
+    if (kXT) {  // element e: column e / rows, sample r0 + e % rows (a thread's neighbours: the next samples)
+      T* xt = static_cast<T*>(p.dx) + r0;
+      // 32-bit: a pass's elements fit in shared memory (under 2^17), and the division is per element.
+      const unsigned n = static_cast<unsigned>(rows * width), w = static_cast<unsigned>(width);
+      for (unsigned e = threadIdx.x; e < n; e += kThreads) {
+        const unsigned j = e / static_cast<unsigned>(rows), r = e - j * static_cast<unsigned>(rows);
+        xt[j * p.batch + r] = xs[r * w + j];
+      }
+    }
     for (long long g0 = threadIdx.x; g0 < p.n_out; g0 += static_cast<long long>(kGates) * kThreads) {
       int wa[kGates], wb[kGates];
       float4 t[kGates];

@@ -16,7 +16,7 @@ struct DiffLogicParams {
   const void* dout;        // [batch, n_out] (backward)
   float* tables;           // [n_out, 4] workspace: T00, T01, T10, T11 per gate, made once per call
   void* y;                 // [batch, n_out] (forward)
-  void* dx;                // [batch, n_in] (backward)
+  void* dx;                // [batch, n_in] (backward); the forward's xt [n_in, batch] (save_xt: x transposed)
   float* dlogits;          // [n_out, 16] (backward)
   long long batch, n_in, n_out;
   long long words;         // packed: ceil(batch / w) words per row

@@ -59,9 +59,19 @@ std::vector<TensorView> bwd_inputs(int64_t B, int64_t n_in, int64_t n_out, DType
 
 TEST(DiffLogic, InferOutputs) {
   auto y = infer_outputs("difflogic.layer.fwd", fwd_inputs(3, 10, 7, DType::bf16));
-  ASSERT_EQ(y.size(), 1u);
+  ASSERT_EQ(y.size(), 2u);
   EXPECT_EQ(y[0].shape, (std::vector<int64_t>{3, 7}));
   EXPECT_EQ(y[0].dtype, DType::bf16);
+  EXPECT_FALSE(y[1].present) << "xt is an output only with save_xt";
+  Params save;
+  save.set("save_xt", true);
+  y = infer_outputs("difflogic.layer.fwd", fwd_inputs(3, 10, 7, DType::bf16), save);
+  ASSERT_TRUE(y[1].present);
+  EXPECT_EQ(y[1].shape, (std::vector<int64_t>{10, 3}));  // [n_in, batch]
+  EXPECT_EQ(y[1].dtype, DType::bf16);
+  save.set("layout", std::string("feature_major"));
+  expect_in(message_of([&] { infer_outputs("difflogic.layer.fwd", fwd_inputs(3, 10, 7, DType::f32), save); }),
+            {"save_xt", "row_major"});
   auto g = infer_outputs("difflogic.layer.bwd", bwd_inputs(3, 10, 7, DType::f16));
   ASSERT_EQ(g.size(), 2u);
   EXPECT_EQ(g[0].shape, (std::vector<int64_t>{3, 10}));
@@ -150,12 +160,12 @@ TEST(DiffLogic, LayoutChecksTheStrides) {
   auto rm = [](uintptr_t at, int64_t B, int64_t n) { return TensorView(fake(at << 28), DType::f32, {B, n}, 0); };
   auto in = fwd_inputs(3, 10, 7, DType::f32);
   in[0] = t(1, 3, 10);
-  EXPECT_NO_THROW(validate_call(fwd, in, {t(8, 3, 7)}, fm, nullptr));
-  expect_in(message_of([&] { validate_call(fwd, in, {t(8, 3, 7)}, {}, nullptr); }),
+  EXPECT_NO_THROW(validate_call(fwd, in, {t(8, 3, 7), TensorView()}, fm, nullptr));
+  expect_in(message_of([&] { validate_call(fwd, in, {t(8, 3, 7), TensorView()}, {}, nullptr); }),
             {"input 'x'", "layout 'row_major' expects strides (10, 1)", "layout='feature_major'"});
-  expect_in(message_of([&] { validate_call(fwd, in, {rm(8, 3, 7)}, fm, nullptr); }),
+  expect_in(message_of([&] { validate_call(fwd, in, {rm(8, 3, 7), TensorView()}, fm, nullptr); }),
             {"output 'y'", "layout 'feature_major' expects strides (1, 3)"});
-  EXPECT_NO_THROW(validate_call(fwd, fwd_inputs(1, 10, 7, DType::f32), {t(8, 1, 7)}, fm, nullptr));
+  EXPECT_NO_THROW(validate_call(fwd, fwd_inputs(1, 10, 7, DType::f32), {t(8, 1, 7), TensorView()}, fm, nullptr));
   auto bin = bwd_inputs(3, 10, 7, DType::f32);
   bin[0] = t(1, 3, 10);
   bin[4] = t(5, 3, 7);
@@ -194,7 +204,8 @@ TEST(DiffLogic, PackedInferenceAndMessages) {
 // for sm_80 as well, which CI's precompile does not reach), compile for sm_90 without spills or a stack frame.
 TEST(DiffLogic, PrecompilePlanCompilesWithoutSpills) {
   // Row-major bwd: tables, dx, dlogits partials and finish; feature-major: tables, dx, dlogits (flat) or
-  // tables, dx with the dlogits partials, finish (tiled). Row-major fwd at stage 1: tables, staged, flat.
+  // tables, dx with the dlogits partials, finish (tiled). Row-major fwd at stage 1: tables, staged, flat; at stage
+  // 2 and 4 tables, the cluster kernel, flat (sm_90 only: sm_80 refuses them by name).
   const std::map<std::string, size_t> kernels = {
       {"difflogic.layer.fwd", 2}, {"difflogic.layer.bwd", 4}, {"difflogic.packed.fwd", 1}};
   const auto kernels_of = [&](const CompileRequest& r) {
@@ -215,7 +226,11 @@ TEST(DiffLogic, PrecompilePlanCompilesWithoutSpills) {
     if (fwd && r.config->get("stage")) {  // the staged kernel for sm_80 too (its 1024 threads: 64 registers)
       CompileRequest sm80 = r;
       sm80.arch = "sm_80";
-      check(sm80, 3);
+      if (r.config->get("stage") == 1)
+        check(sm80, 3);
+      else
+        expect_in(message_of([&] { compile(sm80); }), {"stage " + std::to_string(r.config->get("stage")),
+                                                       "thread-block cluster", "needs sm_90", "sm_80"});
       continue;
     }
     for (int64_t lanes : {0, 4, 8, 16, 32}) {
@@ -227,21 +242,22 @@ TEST(DiffLogic, PrecompilePlanCompilesWithoutSpills) {
       fm.params.set("layout", std::string("feature_major"));
       fm.config = Config{{{"threads", r.config->get("threads")}, {"lanes", lanes}}};
       fm.config->values.push_back({fwd ? "stage" : "ahead", 0});
+      if (!fwd) fm.config->values.push_back({"pool", 0});
       for (const char* arch : {"sm_90", "sm_80"}) {
         if (lanes == 0 && std::string(arch) == "sm_80") continue;
         fm.arch = arch;
         check(fm, r.op == "difflogic.layer.bwd" ? 3 : 2);
         if (!fwd && lanes > 0) {  // the readers' loads a step ahead
           CompileRequest ahead = fm;
-          ahead.config = Config{{{"threads", r.config->get("threads")}, {"lanes", lanes}, {"ahead", 1}}};
+          ahead.config = Config{{{"threads", r.config->get("threads")}, {"lanes", lanes}, {"ahead", 1}, {"pool", 0}}};
           check(ahead, 3);
         }
       }
     }
   }
-  // soft and hard x 3 dtypes x 4 configs (threads x stage); 3 dtypes x 2 configs; 2 word widths x 2 threads x
+  // soft and hard x 3 dtypes x 8 configs (threads x stage); 3 dtypes x 2 configs; 2 word widths x 2 threads x
   // 2 vec.
-  EXPECT_EQ(requests["difflogic.layer.fwd"], 24);
+  EXPECT_EQ(requests["difflogic.layer.fwd"], 48);
   EXPECT_EQ(requests["difflogic.layer.bwd"], 6);
   EXPECT_EQ(requests["difflogic.packed.fwd"], 8);
 }
@@ -262,13 +278,15 @@ TEST(DiffLogic, TiledKernelsAreFeatureMajorsDefault) {
             {"difflogic_fwd_tiled_kernel<float, 256, 16>"});
   expect_in(kernel_names("difflogic.layer.bwd", "feature_major", std::nullopt),
             {"difflogic_bwd_tiled_kernel<float, 256, 32, false, true>", "difflogic_dlogits_finish_kernel<256, 128>"});
-  expect_in(kernel_names("difflogic.layer.bwd", "feature_major", Config{{{"threads", 256}, {"lanes", 8}, {"ahead", 0}}}),
+  expect_in(kernel_names("difflogic.layer.bwd", "feature_major",
+                         Config{{{"threads", 256}, {"lanes", 8}, {"ahead", 0}, {"pool", 0}}}),
             {"difflogic_bwd_tiled_kernel<float, 256, 8>"});
   expect_in(kernel_names("difflogic.layer.fwd", "row_major", std::nullopt),
             {"difflogic_fwd_staged_kernel<float, 1024>", "difflogic_fwd_kernel<float, 256, false>"});
   expect_in(kernel_names("difflogic.layer.fwd", "row_major", Config{{{"threads", 128}, {"lanes", 0}, {"stage", 0}}}),
             {"difflogic_fwd_kernel<float, 128, false>"});
-  expect_in(kernel_names("difflogic.layer.bwd", "feature_major", Config{{{"threads", 128}, {"lanes", 0}, {"ahead", 0}}}),
+  expect_in(kernel_names("difflogic.layer.bwd", "feature_major",
+                         Config{{{"threads", 128}, {"lanes", 0}, {"ahead", 0}, {"pool", 0}}}),
             {"difflogic_dx_kernel<float, 128, true>", "difflogic_dlogits_fm_kernel<float, 128>"});
   const Config tiled{{{"threads", 256}, {"lanes", 8}, {"stage", 0}}};
   expect_in(message_of([&] { kernel_names("difflogic.layer.fwd", "row_major", tiled); }), {"lanes", "feature_major"});
@@ -291,7 +309,7 @@ TEST(DiffLogic, RowMajorDxKernels) {
         r.params.set("dx_layout", std::string("row_major"));
         for (int64_t ahead : {0, 1}) {
           if (ahead && lanes != 32) continue;  // the default lanes' (CI time; PrecompilePlan compiles the others)
-          r.config = Config{{{"threads", 256}, {"lanes", lanes}, {"ahead", ahead}}};
+          r.config = Config{{{"threads", 256}, {"lanes", lanes}, {"ahead", ahead}, {"pool", 0}}};
           const auto reports = compile(r);
           ASSERT_EQ(reports.size(), 3u);
           EXPECT_NE(reports[1].kernel.find("difflogic_bwd_tiled_kernel<"), std::string::npos) << reports[1].kernel;
@@ -307,10 +325,10 @@ TEST(DiffLogic, RowMajorDxKernels) {
   flat.op = "difflogic.layer.bwd";
   flat.params.set("layout", std::string("feature_major"));
   flat.params.set("dx_layout", std::string("row_major"));
-  flat.config = Config{{{"threads", 256}, {"lanes", 0}, {"ahead", 0}}};
+  flat.config = Config{{{"threads", 256}, {"lanes", 0}, {"ahead", 0}, {"pool", 0}}};
   expect_in(message_of([&] { compile(flat); }), {"dx_layout", "lanes"});
   flat.params.set("dx_layout", std::string("as_x"));
-  flat.config = Config{{{"threads", 256}, {"lanes", 0}, {"ahead", 1}}};
+  flat.config = Config{{{"threads", 256}, {"lanes", 0}, {"ahead", 1}, {"pool", 0}}};
   expect_in(message_of([&] { compile(flat); }), {"ahead 1", "lanes > 0"});
   const int64_t B = 8, n_in = 10, n_out = 7;
   auto in = bwd_inputs(B, n_in, n_out, DType::f32);
@@ -409,7 +427,7 @@ struct LayerRun {
     if (fm) extra.set("layout", std::string("feature_major"));
     CallOptions opts;
     opts.config = config;
-    call("difflogic.layer.fwd", inputs(), {act(*y_, n_out)}, extra, nullptr, opts);
+    call("difflogic.layer.fwd", inputs(), {act(*y_, n_out), TensorView()}, extra, nullptr, opts);
     CU_CHECK(cuCtxSynchronize());
     return values(y_->download(B * n_out * dtype_size(dt)), n_out);
   }
@@ -547,7 +565,7 @@ TEST_P(DiffLogicGpuTiled, MatchesReference) {
   const auto [B, n_in, n_out] = std::get<2>(GetParam());
   LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 5 + n_in * 17 + n_out + lanes), true);
   for (int64_t threads : {128, 256}) {
-    const Config config{{{"threads", threads}, {"lanes", lanes}, {"ahead", 0}}};
+    const Config config{{{"threads", threads}, {"lanes", lanes}, {"ahead", 0}, {"pool", 0}}};
     const Config fwd_config{{{"threads", threads}, {"lanes", lanes}, {"stage", 0}}};
     for (const char* mode : {"soft", "hard"}) {
       const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
@@ -569,7 +587,7 @@ TEST_P(DiffLogicGpuTiled, MatchesReference) {
     EXPECT_TRUE(got.second == again.second) << "dlogits differs between two runs";
     EXPECT_TRUE(r.fwd("soft", {}, &fwd_config) == r.fwd("soft", {}, &fwd_config)) << "y differs between two runs";
     if (lanes > 0) {  // the readers' loads a step ahead: only the loads move, so the same bits
-      const Config ahead{{{"threads", threads}, {"lanes", lanes}, {"ahead", 1}}};
+      const Config ahead{{{"threads", threads}, {"lanes", lanes}, {"ahead", 1}, {"pool", 0}}};
       EXPECT_TRUE(r.bwd(0.5, {}, &ahead) == got) << "ahead 1 differs from ahead 0, threads " << threads;
     }
   }
@@ -597,8 +615,8 @@ TEST_P(DiffLogicGpuRowMajorDx, EqualsFeatureMajorDx) {
   const auto [B, n_in, n_out] = std::get<2>(GetParam());
   LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 3 + n_in * 7 + n_out + lanes), true);
   for (int64_t threads : {128, 256}) {
-    const Config config{{{"threads", threads}, {"lanes", lanes}, {"ahead", 0}}};
-    const Config ahead{{{"threads", threads}, {"lanes", lanes}, {"ahead", 1}}};
+    const Config config{{{"threads", threads}, {"lanes", lanes}, {"ahead", 0}, {"pool", 0}}};
+    const Config ahead{{{"threads", threads}, {"lanes", lanes}, {"ahead", 1}, {"pool", 0}}};
     const auto fm = r.bwd(0.5, {}, &config);
     const auto rm = r.bwd_dx_row_major(0.5, &config);
     EXPECT_TRUE(r.bwd_dx_row_major(0.5, &ahead) == rm) << "ahead 1 differs from ahead 0, threads " << threads;
@@ -657,6 +675,239 @@ INSTANTIATE_TEST_SUITE_P(
                                          std::make_tuple(33, 33, 7), std::make_tuple(1031, 4097, 4097),
                                          std::make_tuple(33, 4097, 7), std::make_tuple(1031, 2, 1000),
                                          std::make_tuple(7, 16383, 999), std::make_tuple(3, 65536, 257))));
+
+namespace {
+
+bool difflogic_device_has_clusters() {
+  CUdevice dev;
+  int major = 0;
+  CU_CHECK(cuDeviceGet(&dev, 0));
+  CU_CHECK(cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev));
+  return major >= 9;
+}
+
+// The forward with save_xt: y (row-major values) and xt [n_in, B] as raw bytes.
+std::pair<std::vector<double>, std::vector<unsigned char>> fwd_save_xt(LayerRun& r, const std::string& mode,
+                                                                      const Config& config) {
+  DevBuf xt(r.B * r.n_in * dtype_size(r.dt));
+  xt.poison();
+  r.y_->poison();
+  Params extra;
+  extra.set("mode", mode);
+  extra.set("save_xt", true);
+  CallOptions opts;
+  opts.config = &config;
+  call("difflogic.layer.fwd", r.inputs(), {r.act(*r.y_, r.n_out), TensorView(xt.ptr(), r.dt, {r.n_in, r.B}, 0)},
+       extra, nullptr, opts);
+  CU_CHECK(cuCtxSynchronize());
+  return {r.values(r.y_->download(r.B * r.n_out * dtype_size(r.dt)), r.n_out),
+          xt.download(r.B * r.n_in * dtype_size(r.dt))};
+}
+
+// x [B, n_in] as the device holds it, transposed: the bytes xt must have.
+std::vector<unsigned char> transposed_bytes(const LayerRun& r) {
+  std::vector<unsigned char> bytes;
+  encode(r.dt, transposed(r.x, r.B, r.n_in), bytes);
+  return bytes;
+}
+
+}  // namespace
+
+// The cluster-staged row-major forward (stage 2 and 4: a row split across a thread-block cluster's shared
+// memories, read through distributed shared memory; sm_90 and newer) in every dtype and mode against the
+// reference and the one-block staged kernel (stage 1; equal up to FMA contractions), two runs bitwise equal:
+// widths 1 (ranks without a column), 7, 33, 4097, 64000 (fp32: 256 KB a row, which only a cluster holds; the
+// one-block kernel falls back to the flat one there), B 1, 2, 33, 1031 (no pass divides it; odd widths take
+// the element-by-element copy), self-paired gates (every third), an input read by about 1000 gates (2 ->
+// 1000), unread inputs (4097 -> 7).
+class DiffLogicGpuStagedCluster
+    : public ::testing::TestWithParam<std::tuple<int64_t, DType, std::tuple<int64_t, int64_t, int64_t>>> {};
+
+TEST_P(DiffLogicGpuStagedCluster, MatchesReferenceAndOneBlockKernel) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  if (!difflogic_device_has_clusters()) GTEST_SKIP() << "thread-block clusters need sm_90";
+  const int64_t cluster = std::get<0>(GetParam());
+  const DType dt = std::get<1>(GetParam());
+  const auto [B, n_in, n_out] = std::get<2>(GetParam());
+  LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 13 + n_in * 5 + n_out));
+  const Config clustered{{{"threads", 256}, {"lanes", 0}, {"stage", cluster}}};
+  const Config one_block{{{"threads", 256}, {"lanes", 0}, {"stage", 1}}};
+  const double near = dt == DType::f32 ? 1e-6 : tolerance_for(dt);
+  for (const char* mode : {"soft", "hard"}) {
+    const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
+                                                   std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
+                                                                               : ref::DiffLogicMode::Soft);
+    const auto got = r.fwd(mode, {}, &clustered);
+    EXPECT_LE(rel_error(got, want), tol(dt)) << mode << " " << dtype_short(dt) << " cluster " << cluster;
+    EXPECT_LE(rel_error(got, r.fwd(mode, {}, &one_block)), near) << mode << " " << dtype_short(dt) << ": vs stage 1";
+    EXPECT_TRUE(got == r.fwd(mode, {}, &clustered)) << mode << ": y differs between two runs";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, DiffLogicGpuStagedCluster,
+    ::testing::Combine(::testing::Values(int64_t{2}, int64_t{4}),
+                       ::testing::Values(DType::f32, DType::f16, DType::bf16),
+                       ::testing::Values(std::make_tuple(1, 1, 1), std::make_tuple(2, 7, 33),
+                                         std::make_tuple(33, 33, 7), std::make_tuple(1031, 4097, 4097),
+                                         std::make_tuple(33, 4097, 7), std::make_tuple(1031, 2, 1000),
+                                         std::make_tuple(5, 64000, 64000))));
+
+// save_xt: the forward also writes x transposed ([n_in, B], bit for bit x's values), y unchanged (against the
+// reference, and equal to the same config without save_xt up to FMA contractions): from the staged kernel's
+// shared memory at stage 1, by the transpose kernel after the flat one (stage 0, and stage 1 where a row does
+// not fit: 65536 fp32) and after the cluster kernel (stage 4, sm_90). Widths 1, 7, 33, 4097, 16000 (3 rows a
+// pass in fp32), B 1, 2, 33, 1031; two runs bitwise equal.
+class DiffLogicGpuSaveXt
+    : public ::testing::TestWithParam<std::tuple<DType, std::tuple<int64_t, int64_t, int64_t>>> {};
+
+TEST_P(DiffLogicGpuSaveXt, WritesXTransposedBesideY) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  const DType dt = std::get<0>(GetParam());
+  const auto [B, n_in, n_out] = std::get<1>(GetParam());
+  LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 17 + n_in * 7 + n_out));
+  const auto xt_want = transposed_bytes(r);
+  const double near = dt == DType::f32 ? 1e-6 : tolerance_for(dt);
+  std::vector<int64_t> stages = {0, 1};
+  if (difflogic_device_has_clusters()) stages.push_back(4);
+  for (int64_t stage : stages) {
+    const Config config{{{"threads", 256}, {"lanes", 0}, {"stage", stage}}};
+    const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b, ref::DiffLogicMode::Soft);
+    const auto [y, xt] = fwd_save_xt(r, "soft", config);
+    EXPECT_LE(rel_error(y, want), tol(dt)) << dtype_short(dt) << " stage " << stage;
+    EXPECT_LE(rel_error(y, r.fwd("soft", {}, &config)), near) << dtype_short(dt) << " stage " << stage;
+    EXPECT_TRUE(xt == xt_want) << dtype_short(dt) << " stage " << stage << ": xt is not x transposed";
+    const auto again = fwd_save_xt(r, "soft", config);
+    EXPECT_TRUE(again.first == y && again.second == xt) << "stage " << stage << ": two runs differ";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, DiffLogicGpuSaveXt,
+    ::testing::Combine(::testing::Values(DType::f32, DType::bf16),
+                       ::testing::Values(std::make_tuple(1, 1, 1), std::make_tuple(2, 7, 33),
+                                         std::make_tuple(33, 33, 7), std::make_tuple(1031, 4097, 4097),
+                                         std::make_tuple(33, 16000, 16000), std::make_tuple(3, 65536, 257))));
+
+// pool (the backward's inputs handed out on demand within a block): the same sums in the same order as the
+// tiled kernel (pool 0), so dx and dlogits equal its bits, feature-major and row-major dx alike, ahead 0 and 1;
+// against the reference; unread inputs get dx 0; two runs bitwise equal. Widths 1, 7, 33, 4097 (no pool
+// divides them), 64000 (fp32 and bf16), B 1, 2, 33, 1032 (a partial last tile), self-paired gates (every
+// third), an input read by about 1000 gates (2 -> 1000, and 4 -> 2048), unread inputs (4097 -> 7).
+class DiffLogicGpuPool
+    : public ::testing::TestWithParam<std::tuple<DType, int64_t, std::tuple<int64_t, int64_t, int64_t>>> {};
+
+TEST_P(DiffLogicGpuPool, EqualsTiledKernelBitForBit) {
+  KSPEC_REQUIRE_GPU();
+  jit::ContextGuard guard(0);
+  const DType dt = std::get<0>(GetParam());
+  const int64_t lanes = std::get<1>(GetParam());
+  const auto [B, n_in, n_out] = std::get<2>(GetParam());
+  LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 5 + n_in * 11 + n_out + lanes), true);
+  const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 0.5);
+  for (int64_t ahead : {0, 1}) {
+    const Config tiled{{{"threads", 256}, {"lanes", lanes}, {"ahead", ahead}, {"pool", 0}}};
+    const auto fm = r.bwd(0.5, {}, &tiled);
+    const auto rm = r.bwd_dx_row_major(0.5, &tiled);
+    for (int64_t pool : {32, 64}) {
+      const Config pooled{{{"threads", 256}, {"lanes", lanes}, {"ahead", ahead}, {"pool", pool}}};
+      const std::string what = "pool " + std::to_string(pool) + " ahead " + std::to_string(ahead);
+      const auto got = r.bwd(0.5, {}, &pooled);
+      EXPECT_TRUE(got == fm) << what << ": feature-major dx or dlogits differ from the tiled kernel's";
+      const auto dx = r.values(got.first, n_in);
+      EXPECT_LE(rel_error(dx, want.dx), tol(dt)) << what << " dx";
+      EXPECT_LE(rel_error(decode(DType::f32, got.second), want.dlogits), tol(dt)) << what << " dlogits";
+      for (int64_t j = 0; j < n_in; ++j) {
+        if (r.csr[j] != r.csr[j + 1]) continue;
+        for (int64_t s = 0; s < B; ++s) ASSERT_EQ(dx[s * n_in + j], 0.0) << what << ": unread input " << j;
+      }
+      EXPECT_TRUE(r.bwd(0.5, {}, &pooled) == got) << what << ": two runs differ";
+      if (dt != DType::f32 && lanes == 32 && pool == 64) continue;  // refused: its dx staging is over 48 KB
+      const auto got_rm = r.bwd_dx_row_major(0.5, &pooled);
+      EXPECT_TRUE(got_rm == rm) << what << ": row-major dx or dlogits differ from the tiled kernel's";
+      EXPECT_TRUE(r.bwd_dx_row_major(0.5, &pooled) == got_rm) << what << ": two row-major runs differ";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, DiffLogicGpuPool,
+    ::testing::Combine(::testing::Values(DType::f32, DType::bf16), ::testing::Values(8, 32),
+                       ::testing::Values(std::make_tuple(1, 1, 1), std::make_tuple(2, 7, 33),
+                                         std::make_tuple(33, 33, 7), std::make_tuple(1032, 4097, 4097),
+                                         std::make_tuple(33, 4097, 7), std::make_tuple(1032, 2, 1000),
+                                         std::make_tuple(1024, 4, 2048), std::make_tuple(5, 64000, 64000))));
+
+// Without a GPU: the pooled backward compiles for sm_80 and sm_90 in every dtype, feature-major and row-major
+// dx, ahead 0 and 1, at the default lanes (32) and lanes 8, without spills or a stack frame; configs it cannot
+// run are refused by name (pool with the flat kernels, a pool smaller than the block's lane groups, a row-major
+// dx staging over 48 KB).
+TEST(DiffLogic, PooledBackwardCompiles) {
+  for (DType dt : {DType::f32, DType::f16, DType::bf16})
+    for (const char* arch : {"sm_90", "sm_80"})
+      for (int64_t lanes : {8, 32})
+        for (const char* dx_layout : {"as_x", "row_major"})
+          for (int64_t ahead : {0, 1}) {
+            if (std::string(arch) == "sm_80" && (ahead == 0 || lanes == 8)) continue;  // CI time: the default's
+            CompileRequest r;
+            r.op = "difflogic.layer.bwd";
+            r.dtype = dt;
+            r.arch = arch;
+            r.params.set("layout", std::string("feature_major"));
+            r.params.set("dx_layout", std::string(dx_layout));
+            const int64_t pool = dt == DType::f32 || lanes == 8 ? 64 : 32;
+            r.config = Config{{{"threads", 256}, {"lanes", lanes}, {"ahead", ahead}, {"pool", pool}}};
+            const auto reports = kspec::testing::expect_compiles_without_spills(r);
+            ASSERT_EQ(reports.size(), 3u);
+            EXPECT_NE(reports[1].kernel.find("difflogic_bwd_pool_kernel<"), std::string::npos) << reports[1].kernel;
+          }
+  CompileRequest r;
+  r.op = "difflogic.layer.bwd";
+  r.params.set("layout", std::string("feature_major"));
+  r.config = Config{{{"threads", 256}, {"lanes", 0}, {"ahead", 0}, {"pool", 32}}};
+  expect_in(message_of([&] { compile(r); }), {"pool > 0", "lanes > 0"});
+  r.config = Config{{{"threads", 256}, {"lanes", 4}, {"ahead", 0}, {"pool", 32}}};
+  expect_in(message_of([&] { compile(r); }), {"pool 32", "lane groups"});
+  r.dtype = DType::bf16;
+  r.params.set("dx_layout", std::string("row_major"));
+  r.config = Config{{{"threads", 256}, {"lanes", 32}, {"ahead", 1}, {"pool", 64}}};
+  expect_in(message_of([&] { compile(r); }), {"pool 64", "48 KB"});
+}
+
+// Without a GPU: the cluster kernels and the staged kernel writing xt compile for their archs in every dtype
+// without spills or a stack frame (the staged one for sm_80 too); sm_80 refuses stage 2 and 4 by name; the
+// plans' kernels are the ones the launcher indexes (the transpose last, with save_xt).
+TEST(DiffLogic, ClusterAndSaveXtKernelsCompile) {
+  for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+    for (int64_t stage : {0, 1, 2, 4})
+      for (bool xt : {false, true}) {
+        if (stage != 1 && !xt) continue;  // PrecompilePlanCompilesWithoutSpills has these
+        for (const char* arch : {"sm_90", "sm_80"}) {
+          CompileRequest r;
+          r.op = "difflogic.layer.fwd";
+          r.dtype = dt;
+          r.arch = arch;
+          r.params.set("save_xt", xt);
+          r.config = Config{{{"threads", 256}, {"lanes", 0}, {"stage", stage}}};
+          if (stage > 1 && std::string(arch) == "sm_80") {
+            expect_in(message_of([&] { compile(r); }), {"stage " + std::to_string(stage), "needs sm_90"});
+            continue;
+          }
+          const auto reports = kspec::testing::expect_compiles_without_spills(r);
+          ASSERT_EQ(reports.size(), (stage > 0 ? 3u : 2u) + (xt ? 1u : 0u)) << arch << " stage " << stage;
+          const std::string main = reports[1].kernel;
+          if (stage == 1) {
+            EXPECT_NE(main.find("difflogic_fwd_staged_kernel<"), std::string::npos) << main;
+            EXPECT_EQ(main.find(", 4, true>") != std::string::npos, xt) << main;  // kXT
+          }
+          EXPECT_EQ(main.find("difflogic_fwd_staged_cluster_kernel<") != std::string::npos, stage > 1) << main;
+          EXPECT_EQ(reports.back().kernel.find("difflogic_transpose_kernel<") != std::string::npos, xt);
+        }
+      }
+  }
+}
 
 // Hard mode on {0, 1} inputs is exact in every dtype: equal to the reference bit for bit.
 TEST(DiffLogicGpuExact, HardModeOnBitsIsExact) {
@@ -764,7 +1015,11 @@ TEST(DiffLogicGpuExact, StraightThroughGumbelMatchesReference) {
   Params gumbel;
   gumbel.set("gumbel", true);
   gumbel.set("seed", seed);
-  const Config c128{{{"threads", 128}, {"lanes", 0}}}, c256{{{"threads", 256}, {"lanes", 0}}};
+  // Every axis named (a config lacking one is refused): the flat kernels at 128 and 256 threads.
+  const Config c128{{{"threads", 128}, {"lanes", 0}, {"stage", 0}}},
+      c256{{{"threads", 256}, {"lanes", 0}, {"stage", 0}}};
+  const Config b128{{{"threads", 128}, {"lanes", 0}, {"ahead", 0}, {"pool", 0}}},
+      b256{{{"threads", 256}, {"lanes", 0}, {"ahead", 0}, {"pool", 0}}};
 
   const auto hard = r.fwd("hard", gumbel, &c128);
   EXPECT_EQ(hard, r.fwd("hard", gumbel, &c256)) << "the noise depends on the launch configuration";
@@ -785,10 +1040,10 @@ TEST(DiffLogicGpuExact, StraightThroughGumbelMatchesReference) {
   EXPECT_LE(rel_error(soft, ref::difflogic_layer_fwd_ref(B, n_in, r.x, noisy, r.a, r.b, ref::DiffLogicMode::Soft)),
             1e-4);
   const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, noisy, r.a, r.b, r.dout, 1.0);
-  const auto got = r.bwd(1.0, gumbel, &c128);
+  const auto got = r.bwd(1.0, gumbel, &b128);
   EXPECT_LE(rel_error(decode(DType::f32, got.first), want.dx), 1e-4) << "dx";
   EXPECT_LE(rel_error(decode(DType::f32, got.second), want.dlogits), 1e-4) << "dlogits";
-  const auto again = r.bwd(1.0, gumbel, &c256);
+  const auto again = r.bwd(1.0, gumbel, &b256);
   EXPECT_TRUE(got.first == again.first && got.second == again.second) << "the backward depends on the config";
   Params other = gumbel;
   other.set("seed", seed + 1);

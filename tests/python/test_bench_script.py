@@ -683,7 +683,7 @@ def test_difflogic_layer_configs_compile(families):
 
     dl = families["difflogic"]
     fwd, bwd = dl.layer_configs(0)
-    assert (fwd, bwd) == ("threads=256,lanes=0,stage=0", "threads=256,lanes=0,ahead=0")
+    assert (fwd, bwd) == ("threads=256,lanes=0,stage=0", "threads=256,lanes=0,ahead=0,pool=0")
     fwd, bwd = dl.layer_configs(32, ahead=1)
     kernels = [r["kernel"] for r in kspec.compile("difflogic.layer.fwd", dtype="f32", arch="sm_90", config=fwd,
                                                   layout="feature_major")]
@@ -694,6 +694,19 @@ def test_difflogic_layer_configs_compile(families):
     kernels = [r["kernel"] for r in kspec.compile("difflogic.layer.fwd", dtype="f32", arch="sm_90",
                                                   config=dl.FLAT_FWD_CONFIG)]
     assert kernels[1:] == ["kspec::difflogic_fwd_kernel<float, 256, false>"], kernels
+    # h-dlr10's rows: the pooled backward (row-major dx), the staged forward writing xt, the cluster forward.
+    for name, config in dl.POOL_CONFIGS.items():
+        kernels = [r["kernel"] for r in kspec.compile("difflogic.layer.bwd", dtype="f32", arch="sm_90", config=config,
+                                                      layout="feature_major", dx_layout="row_major")]
+        assert kernels[1].startswith("kspec::difflogic_bwd_pool_kernel<float, "), (name, kernels)
+    kernels = [r["kernel"] for r in kspec.compile("difflogic.layer.fwd", dtype="f32", arch="sm_90",
+                                                  config=dl.STAGED_FWD.format(1), save_xt=True)]
+    assert kernels[1] == "kspec::difflogic_fwd_staged_kernel<float, 1024, 4, true>", kernels
+    for c in (2, 4):
+        kernels = [r["kernel"] for r in kspec.compile("difflogic.layer.fwd", dtype="f32", arch="sm_90",
+                                                      config=dl.STAGED_FWD.format(c), save_xt=True)]
+        assert kernels[1] == f"kspec::difflogic_fwd_staged_cluster_kernel<float, 1024, {c}>", kernels
+        assert kernels[-1] == "kspec::difflogic_transpose_kernel<float, 256, 64>", kernels
 
 
 def test_difflogic_packed_net_configs_compile(families):

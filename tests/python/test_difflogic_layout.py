@@ -45,7 +45,10 @@ def reference_call(op, *args, out=None, **params):
         assert _layout_ok(t, want), (op, want, t.shape, t.stride())
     if op == "difflogic.layer.fwd":
         y = dl_ref.layer_fwd(_np(x), _np(logits), a.numpy(), b.numpy(), hard=params["mode"] == "hard")
-        res = (torch.from_numpy(y).to(x.dtype).contiguous(),)
+        xt = x.t().contiguous() if params.get("save_xt") else None  # row-major x only (the op checks)
+        assert xt is None or layout == "row_major"
+        CALLS["save_xt"] += xt is not None
+        res = (torch.from_numpy(y).to(x.dtype).contiguous(), xt)
     else:
         assert op == "difflogic.layer.bwd"
         dx, dl = dl_ref.layer_bwd(_np(args[4]), _np(x), _np(logits), a.numpy(), b.numpy(), params["grad_factor"])
@@ -53,7 +56,8 @@ def reference_call(op, *args, out=None, **params):
     if out is None:
         return res
     for o, r in zip(out, res):
-        o.copy_(r)
+        if o is not None:
+            o.copy_(r)
     return tuple(out)
 
 
@@ -195,10 +199,10 @@ def test_no_grad_row_major_x_reads_x_once_where_staging_pays(monkeypatch, fits):
     assert CALLS["difflogic.transpose"] == 1
 
 
-def test_staged_option_moves_the_transposes_to_the_backward(monkeypatch):
-    """row_major="staged" in training: the forward reads the row-major x (no transpose, y row-major), the
-    backward transposes x and the row-major dy once each and writes dx row-major; values and gradients equal
-    to "auto"'s."""
+def test_staged_option_writes_xt_in_the_forward(monkeypatch):
+    """row_major="staged" in training: the forward reads the row-major x (no transpose, y row-major) and writes x
+    transposed beside y (save_xt), which the backward reads: it transposes the row-major dy alone and writes dx
+    row-major; values and gradients equal to "auto"'s."""
     monkeypatch.setattr(_difflogic, "stage_pays", lambda x: True)
     g = torch.Generator().manual_seed(7)
     x = torch.rand(11, 6, generator=g)
@@ -212,11 +216,11 @@ def test_staged_option_moves_the_transposes_to_the_backward(monkeypatch):
         y = _layer(xl, ll, a, b, row_major=row_major)
         fwd_transposes = CALLS["difflogic.transpose"]
         y.backward(dy)
-        out[row_major] = (y, xl.grad, ll.grad, fwd_transposes, CALLS["difflogic.transpose"])
-    y, dx, dl, fwd_t, all_t = out["staged"]
-    assert y.is_contiguous() and fwd_t == 0 and all_t == 2 and dx.is_contiguous()
-    ya, dxa, dla, fwd_ta, all_ta = out["auto"]
-    assert fwd_ta == 1 and all_ta == 2
+        out[row_major] = (y, xl.grad, ll.grad, fwd_transposes, CALLS["difflogic.transpose"], CALLS["save_xt"])
+    y, dx, dl, fwd_t, all_t, xts = out["staged"]
+    assert y.is_contiguous() and fwd_t == 0 and all_t == 1 and dx.is_contiguous() and xts == 1
+    ya, dxa, dla, fwd_ta, all_ta, xts_a = out["auto"]
+    assert fwd_ta == 1 and all_ta == 2 and xts_a == 0
     assert torch.equal(y, ya) and torch.equal(dx, dxa) and torch.equal(dl, dla)
     want_dx, want_dl = dl_ref.layer_bwd(_np(dy), _np(x), _np(logits), a.numpy(), b.numpy(), 1.5)
     assert np.allclose(_np(dx), want_dx, rtol=1e-5, atol=1e-6) and np.allclose(_np(dl), want_dl, rtol=1e-5, atol=1e-6)

@@ -42,13 +42,13 @@ def test_feature_major_config_matches_reference(lanes, dtype, B, n_in, n_out):
     dy = torch.randn(B, n_out, device="cuda", generator=g).to(dtype)
     csr = consumers(n_in, a, b)
     config = f"threads=256,lanes={lanes}"
-    bwd_config = config + f",ahead={1 if lanes else 0}"  # the batch-tiled default: readers' loads a step ahead
+    bwd_config = config + f",ahead={1 if lanes else 0},pool=0"  # the batch-tiled default: loads a step ahead
     xf, dyf = _fm(x), _fm(dy)
 
     def fwd():
         y = torch.empty(n_out, B, dtype=dtype, device="cuda").t()
         return call("difflogic.layer.fwd", xf, logits, a, b, layout="feature_major", config=config + ",stage=0",
-                    out=(y,))[0]
+                    out=(y, None))[0]
 
     def bwd():
         dx = torch.empty(n_in, B, dtype=dtype, device="cuda").t()
@@ -76,7 +76,7 @@ def test_row_major_refuses_the_tiled_kernels():
         call("difflogic.layer.fwd", x, logits, a, a, config="threads=256,lanes=8,stage=0")
     with pytest.raises(kspec.InvalidArgument, match="stage"):  # y feature-major too: the layout check passes
         call("difflogic.layer.fwd", x.t().contiguous().t(), logits, a, a, layout="feature_major",
-             config="threads=256,lanes=0,stage=1", out=(torch.empty(8, 4, device="cuda").t(),))
+             config="threads=256,lanes=0,stage=1", out=(torch.empty(8, 4, device="cuda").t(), None))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -175,8 +175,9 @@ def test_staged_row_major_forward(dtype, B, n_in, n_out):
     """The row-major forward's staged kernel (config stage=1, the row-major default: whole rows of x in shared
     memory; 65536 fp32 does not fit and takes the flat kernel) against the float64 reference and the flat
     kernel (stage=0, to rounding), hard and soft; two runs bitwise equal. Through kspec.ops.logic_layer:
-    no gradient -> "auto" runs it (y row-major, no transpose); row_major="staged" in training gives "auto"'s
-    gradients bit for bit (the same transposed backward) and its y to rounding; where staging does not pay
+    no gradient -> "auto" runs it (y row-major, no transpose); row_major="staged" in training (the staged
+    kernel writing xt, save_xt) gives "auto"'s gradients bit for bit (xt is x transposed exactly: the same
+    backward) and its y to rounding; where staging does not pay
     (64k halves, 65536 fp32) "staged" is "auto"."""
     from kspec._difflogic import stage_pays
 

@@ -123,7 +123,7 @@ def layer_configs(lanes, ahead=0):
     """(forward, backward) configs of the feature-major layer at threads=256,lanes=L: the forward's stage=0
     (feature-major has no staged kernel), the backward's ahead=A (1 only with the batch-tiled lanes > 0)."""
     config = f"threads=256,lanes={lanes}"
-    return config + ",stage=0", config + f",ahead={ahead if lanes else 0}"
+    return config + ",stage=0", config + f",ahead={ahead if lanes else 0},pool=0"
 
 
 def configured_layer(torch, layer, lanes, ahead=0):
@@ -138,7 +138,7 @@ def configured_layer(torch, layer, lanes, ahead=0):
         @staticmethod
         def forward(ctx, x, logits):
             y = torch.empty(logits.shape[0], x.shape[0], dtype=x.dtype, device=x.device).t()
-            call("difflogic.layer.fwd", x, logits, a, b, layout="feature_major", config=fwd_config, out=(y,))
+            call("difflogic.layer.fwd", x, logits, a, b, layout="feature_major", config=fwd_config, out=(y, None))
             ctx.save_for_backward(x, logits)
             return y
 
@@ -153,6 +153,81 @@ def configured_layer(torch, layer, lanes, ahead=0):
             return dx, dl
 
     return lambda x: Fn.apply(x, layer.weights)
+
+
+def staged_layer(torch, layer, fwd_config, bwd_config=None):
+    """The layer on row-major x as row_major="staged" runs it, with explicit configs: the forward op on the
+    row-major x with save_xt (fwd_config: stage=1 the one-block staged kernel writing xt from shared memory,
+    stage=2/4 the cluster kernel, xt then by the transpose kernel; under no_grad without xt), y row-major; the
+    backward transposes dy and runs the feature-major backward on xt (bwd_config; None: its default), dx
+    row-major."""
+    from kspec._core import call
+    from kspec._difflogic import transpose
+
+    a, b, csr = layer.wiring()
+
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, logits):
+            y, xt = call("difflogic.layer.fwd", x, logits, a, b, config=fwd_config, save_xt=True)
+            ctx.save_for_backward(xt, logits)
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            xt, logits = ctx.saved_tensors
+            xf = xt.t()
+            dx, dl = call("difflogic.layer.bwd", xf, logits, a, b, transpose(dy.contiguous()).t(), csr,
+                          layout="feature_major", dx_layout="row_major", config=bwd_config,
+                          out=(xf.new_empty(xf.shape), torch.empty_like(logits)))
+            return dx, dl
+
+    def run(x):
+        if torch.is_grad_enabled():
+            return Fn.apply(x, layer.weights)
+        return call("difflogic.layer.fwd", x, layer.weights, a, b, config=fwd_config)[0]
+
+    return run
+
+
+def transposed_layer(torch, layer, bwd_config):
+    """The default training path on row-major x (x transposed by kspec's transpose, the feature-major forward at
+    its default config, y feature-major; dy transposed, dx row-major) with the backward's config bwd_config: the
+    pooled backward beside the default in one process."""
+    from kspec._core import call
+    from kspec._difflogic import transpose
+
+    a, b, csr = layer.wiring()
+
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, logits):
+            xf = transpose(x).t()
+            y = torch.empty(logits.shape[0], x.shape[0], dtype=x.dtype, device=x.device).t()
+            call("difflogic.layer.fwd", xf, logits, a, b, layout="feature_major", out=(y, None))
+            ctx.save_for_backward(xf, logits)
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            xf, logits = ctx.saved_tensors
+            dy = dy if dy.stride(0) == 1 else transpose(dy.contiguous()).t()
+            dx, dl = call("difflogic.layer.bwd", xf, logits, a, b, dy, csr, layout="feature_major",
+                          dx_layout="row_major", config=bwd_config,
+                          out=(xf.new_empty(xf.shape), torch.empty_like(logits)))
+            return dx, dl
+
+    return lambda x: Fn.apply(x, layer.weights)
+
+
+# The pooled backward (difflogic.layer.bwd config pool: a block's inputs handed out on demand) at the default
+# lanes 32: readers a step ahead (fp32: 72 registers, 3 blocks of 256 an SM) or not ("a0": 61, 4 blocks), 256 or
+# 128 threads.
+POOL_CONFIGS = {"pool=32": "threads=256,lanes=32,ahead=1,pool=32",
+                "pool=32 a0": "threads=256,lanes=32,ahead=0,pool=32",
+                "pool=64 a0": "threads=256,lanes=32,ahead=0,pool=64",
+                "pool=32 t128": "threads=128,lanes=32,ahead=1,pool=32"}
+STAGED_FWD = "threads=256,lanes=0,stage={}"
 
 
 def flat_row_major_layer(torch, layer):
@@ -248,6 +323,17 @@ def run_layer(ctx):
                      ("kspec row-major flat", "kspec", flat_row_major_layer(torch, layer), layer.weights, False),
                      ("kspec torch transpose", "kspec", lambda x, m=layer: m(_feature_major(x)), layer.weights, False),
                      ("kspec feature-major", "kspec", lambda x, m=layer: m(x), layer.weights, True)]
+            # New paths (h-dlr10): the staged forward writing xt with the pooled backward; the cluster-staged
+            # forward (stage 2, 4; its fwd row is the cluster kernel alone, fwd+bwd adds the transpose of x for
+            # xt); the default transpose path with the pooled backward. bf16's row-major dx at lanes 32 stages
+            # 64 x 257 floats at pool 64, over 48 KB: that config is fp32's only.
+            pools = {k: v for k, v in POOL_CONFIGS.items() if dt == "float32" or "pool=64" not in k}
+            impls += [(f"kspec staged {k}", "kspec", staged_layer(torch, layer, STAGED_FWD.format(1), v),
+                       layer.weights, False) for k, v in pools.items()]
+            impls += [(f"kspec staged cluster={c}", "kspec", staged_layer(torch, layer, STAGED_FWD.format(c)),
+                       layer.weights, False) for c in (2, 4)]
+            impls += [(f"kspec transpose {k}", "kspec", transposed_layer(torch, layer, v), layer.weights, False)
+                      for k, v in pools.items()]
             impls += [(f"kspec feature-major lanes={n}", "kspec", configured_layer(torch, layer, n), layer.weights,
                        True) for n in lanes]
             impls += [(f"kspec feature-major lanes={n} ahead", "kspec", configured_layer(torch, layer, n, ahead=1),
@@ -719,7 +805,11 @@ def _report(ctx, rows, notes, why):
         " kspec feature-major lanes=L: the same"
         " ops with config threads=256,lanes=L in both (0: the flat kernels, a thread per element; else the"
         " batch-tiled ones, L threads of 16 bytes per row and tile), the backward's ahead=0 (the loads in the"
-        " old order); kspec feature-major lanes=L ahead: the same with ahead=1. difflogic 0.1.0:"
+        " old order); kspec feature-major lanes=L ahead: the same with ahead=1. kspec staged pool=P (t128: 128"
+        " threads): the staged forward writing xt, the backward's config pool=P (a block's P inputs handed out on"
+        " demand; lanes 32, ahead 1); kspec staged cluster=C: the forward's config stage=C (a row staged across a"
+        " cluster of C CTAs; xt then by a transpose), the default backward; kspec transpose pool=P: the default"
+        " path (x transposed) with the backward's pool=P. difflogic 0.1.0:"
         " LogicLayer(implementation="
         "'cuda'), fp32 only, synchronizes after every kernel.",
         f"validation: y, dx and dlogits of the first {CHECK_SAMPLES} samples (dy zero elsewhere) vs the float64"

@@ -49,6 +49,14 @@ inline std::vector<double> doubles_of_words(const std::vector<uint64_t>& words) 
   return d;
 }
 
+// difflogic.transpose's kernel (templates/difflogic/transpose.cuh): 64 x 64 elements a tile (16 loads in flight a
+// thread at 256 threads), one block per tile up to kMaxBlocks. layer.fwd's save_xt runs it at 256 threads too.
+constexpr int kTransposeTile = 64;
+constexpr int64_t kTransposeThreads = 256;
+inline unsigned transpose_blocks(int64_t rows, int64_t cols) {
+  return blocks_for((rows + kTransposeTile - 1) / kTransposeTile * ((cols + kTransposeTile - 1) / kTransposeTile), 1);
+}
+
 // The word width of a packed tensor: its dtype, int32 or int64.
 inline int word_bits(DType dt) { return dt == DType::i64 ? 64 : 32; }
 

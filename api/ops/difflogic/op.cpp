@@ -115,11 +115,13 @@ TuningSpace layer_tuning() {
   return t;
 }
 
-// The forward's stage axis (row-major only; templates/difflogic/layer_staged.cuh): 1 stages whole rows of x
-// in shared memory and reads x once (0: the flat kernel, gathering x[s, a_g] from global memory). A
-// config written before the axis means 0. The plan cannot depend on n_in (a runtime width: the plan is
-// cached per signature), so stage 1 also carries the flat kernel, launched where one row does not fit in
-// the device's shared memory (64k fp32 on the H100: 256 KB a row).
+// The forward's stage axis (row-major only; templates/difflogic/layer_staged.cuh, layer_staged_cluster.cuh):
+// 1 stages whole rows of x in one block's shared memory and reads x once (0: the flat kernel, gathering
+// x[s, a_g] from global memory); 2 and 4 stage each row across a thread-block cluster of that many CTAs (sm_90
+// and newer), each holding a slice of the columns and reading the others' through distributed shared memory:
+// rows too wide for one block (64k fp32: 256 KB) read once as well. A config written before the axis means 0.
+// The plan cannot depend on n_in (a runtime width: the plan is cached per signature), so stage 1, 2 and 4 also
+// carry the flat kernel, launched where one row does not fit the block's (or the cluster's) shared memory.
 int64_t stage_of(const Config& c) { return c.has("stage") ? c.get("stage") : 0; }
 
 // The staged kernel's block: the rows fill a multiprocessor's shared memory at large widths, one block an
@@ -140,14 +142,26 @@ int64_t smem_per_sm(const std::string& arch) {
   return big_smem(cc) ? 233472 : cc == 80 || cc == 87 ? 167936 : 102400;
 }
 
+// CTAs of the cluster that stages a row (stage 2, 4), else 1.
+int64_t cluster_of(const Config& c) { return std::max<int64_t>(1, stage_of(c)); }
+
 TuningSpace layer_fwd_tuning() {
   TuningSpace t = layer_tuning();
-  t.axes.push_back({"stage", {0, 1}});
+  t.axes.push_back({"stage", {0, 1, 2, 4}});
   t.valid = [inner = t.valid](const Problem& p, const Config& c, std::string* why) {
     if (!inner(p, c, why)) return false;
-    if (stage_of(c) == 0 || !feature_major(p)) return true;
-    if (why) *why = "stage 1 (whole rows of x in shared memory) needs layout row_major";
-    return false;
+    if (stage_of(c) > 0 && feature_major(p)) {
+      if (why)
+        *why = "stage " + std::to_string(stage_of(c)) + " (whole rows of x in shared memory) needs layout row_major";
+      return false;
+    }
+    if (stage_of(c) > 1 && jit::compute_capability(p.arch) < 90) {
+      if (why)
+        *why = "stage " + std::to_string(stage_of(c)) + " (a row staged across a thread-block cluster) needs sm_90 or "
+               "newer, got " + p.arch;
+      return false;
+    }
+    return true;
   };
   // Row-major: staged, x read once where a row fits (the flat kernel's gather moves a 32-byte sector per
   // element read, twice an output: 3.81 ms at 16384 x 16000 -> 16000 fp32 on the H100).
@@ -164,18 +178,46 @@ TuningSpace layer_fwd_tuning() {
 // config written before the axis means 0.
 int64_t ahead_of(const Config& c) { return c.has("ahead") ? c.get("ahead") : 0; }
 
+// The backward's pool axis (the batch-tiled kernel only; templates/difflogic/layer_bwd_pool.cuh): 0 gives each
+// lane group one input of its block (a block lasts as long as its input with the most readers: run 28, H100,
+// 16384 x 16000 -> 16000 fp32, 1.97 ms at 49% of DRAM peak); 32 or 64 let a block's lane groups take that many
+// consecutive inputs one at a time from a shared counter, so they finish together. The same bits as 0. A
+// config written before the axis means 0; the default stays 0 until the GPU has timed it.
+int64_t pool_of(const Config& c) { return c.has("pool") ? c.get("pool") : 0; }
+constexpr int64_t kDefaultPool = 0;
+
 TuningSpace layer_bwd_tuning() {
   TuningSpace t = layer_tuning();
   t.axes.push_back({"ahead", {0, 1}});
+  t.axes.push_back({"pool", {0, 32, 64}});
   t.valid = [inner = t.valid](const Problem& p, const Config& c, std::string* why) {
     if (!inner(p, c, why)) return false;
-    if (ahead_of(c) == 0 || lanes_of(c) > 0) return true;
-    if (why) *why = "ahead 1 (readers' loads a step ahead) needs the batch-tiled backward (lanes > 0)";
+    if (lanes_of(c) > 0) {
+      const int64_t pool = pool_of(c), samples = lanes_of(c) * 16 / static_cast<int64_t>(dtype_size(p.dtype("x")));
+      if (pool > 0 && pool < c.get("threads") / lanes_of(c)) {
+        if (why) *why = "pool " + std::to_string(pool) + " is fewer inputs than the block's lane groups";
+        return false;
+      }
+      // The row-major dx's staging, pool x (tile + 1) floats, in static shared memory (48 KB at most).
+      if (pool > 0 && dx_row_major(p) && pool * (samples + 1) * 4 > 48 * 1024) {
+        if (why) *why = "pool " + std::to_string(pool) + " stages " + std::to_string(pool * (samples + 1) * 4) +
+                        " bytes of dx a tile, over 48 KB (fewer lanes or a smaller pool)";
+        return false;
+      }
+      return true;
+    }
+    if (ahead_of(c) == 0 && pool_of(c) == 0) return true;
+    if (why)
+      *why = ahead_of(c) ? "ahead 1 (readers' loads a step ahead) needs the batch-tiled backward (lanes > 0)"
+                         : "pool > 0 (inputs handed out on demand) needs the batch-tiled backward (lanes > 0)";
     return false;
   };
   t.heuristic = [](const Problem& p) {
     const bool fm = feature_major(p);
-    return Config{{{"threads", 256}, {"lanes", fm ? kDefaultBwdLanes : 0}, {"ahead", fm ? kDefaultAhead : 0}}};
+    return Config{{{"threads", 256},
+                   {"lanes", fm ? kDefaultBwdLanes : 0},
+                   {"ahead", fm ? kDefaultAhead : 0},
+                   {"pool", fm ? kDefaultPool : 0}}};
   };
   return t;
 }
@@ -304,10 +346,19 @@ OpDef make_layer_fwd() {
                         false);
   op.info.params = {{"mode", ParamType::Choice, std::string("soft"), kModes,
                      "soft (training) or hard (inference; the straight-through estimator's forward)"},
-                    layout_param()};
+                    layout_param(),
+                    {"save_xt", ParamType::Bool, false, {},
+                     "also write xt = x transposed, [n_in, batch] contiguous (layout row_major): the feature-major x "
+                     "layer.bwd reads, written by the staged kernel from its shared memory (else by a transpose)"}};
   for (auto& g : gumbel_params()) op.info.params.push_back(std::move(g));
   op.info.outputs = {
       tensor_def("y", {"batch", "n_out"}, {}, "x", false, false, "", Layout::Strided, "gate outputs (layout as x)"),
+      tensor_def("xt", {"n_in", "batch"}, {}, "x", false, true, "save_xt", Layout::Contiguous,
+                 "x transposed (save_xt): x.t() of it is x in layout feature_major"),
+  };
+  op.check = [](const Problem& p) {
+    KSPEC_CHECK(!p.param_bool("save_xt") || !feature_major(p), p.op->info.name,
+                ": save_xt needs layout 'row_major' (a feature-major x is already its own xt.t())");
   };
   op.cases = layer_cases();
   Case hard = op.cases.front();
@@ -319,6 +370,13 @@ OpDef make_layer_fwd() {
   ste.name = "hard_gumbel";
   ste.params = {{"mode", std::string("hard")}, {"gumbel", true}, {"seed", int64_t{12345}}};
   op.cases.push_back(std::move(ste));
+  for (size_t i : {size_t{0}, size_t{3}}) {  // base and B 33 x 4097: x transposed beside y
+    Case xt = op.cases[i];
+    xt.name += "_save_xt";
+    xt.representative = false;
+    xt.params = {{"save_xt", true}};
+    op.cases.push_back(std::move(xt));
+  }
   op.prepare_inputs = prepare_wires;
   op.tuning = layer_fwd_tuning();
   op.info.tuning_axes = op.tuning.axes;
@@ -326,56 +384,96 @@ OpDef make_layer_fwd() {
     check_layout(call, call.in("x"), "input 'x'");
     check_layout(call, call.out("y"), "output 'y'");
   };
-  // tables, then the tiled, staged or flat kernel; stage 1 adds the flat kernel (kernel 2) for rows that do
-  // not fit in shared memory.
+  // tables, then the tiled, staged or flat kernel; stage 1, 2 and 4 add the flat kernel (kernel 2) for rows that
+  // do not fit in shared memory; save_xt adds the transpose (last) for the kernels that do not write xt.
   op.kernels = [](const Problem& p, const Config& c) {
-    const int64_t threads = c.get("threads"), lanes = lanes_of(c);
-    const std::string t = dtype_cuda_type(p.dtype("x"));
+    const int64_t threads = c.get("threads"), lanes = lanes_of(c), stage = stage_of(c);
+    const std::string t = dtype_cuda_type(p.dtype("x")), staged_threads = std::to_string(kStagedThreads);
+    const bool xt = p.param_bool("save_xt");
     const jit::KernelSpec flat = kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_fwd_kernel",
                                              {t, std::to_string(threads), feature_major(p) ? "true" : "false"});
     std::vector<jit::KernelSpec> k = {tables_kernel(p, p.param_str("mode") == "hard", threads)};
     if (lanes > 0) {
       k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_fwd_tiled_kernel",
                               {t, std::to_string(threads), std::to_string(lanes)}));
-    } else if (stage_of(c)) {
-      k.push_back(kernel_spec(p, "difflogic/layer_staged.cuh", "kspec::difflogic_fwd_staged_kernel",
-                              {t, std::to_string(kStagedThreads)}));
+    } else if (stage == 1) {
+      std::vector<std::string> targs = {t, staged_threads};
+      if (xt) targs.insert(targs.end(), {"4", "true"});  // kGates (its default), kXT
+      k.push_back(kernel_spec(p, "difflogic/layer_staged.cuh", "kspec::difflogic_fwd_staged_kernel", std::move(targs)));
+      k.push_back(flat);
+    } else if (stage > 1) {
+      k.push_back(kernel_spec(p, "difflogic/layer_staged_cluster.cuh", "kspec::difflogic_fwd_staged_cluster_kernel",
+                              {t, staged_threads, std::to_string(stage)}));
       k.push_back(flat);
     } else {
       k.push_back(flat);
     }
+    if (xt)
+      k.push_back(kernel_spec(p, "difflogic/transpose.cuh", "kspec::difflogic_transpose_kernel",
+                              {t, std::to_string(kTransposeThreads), std::to_string(kTransposeTile)}));
     return k;
   };
   op.launch = [](const Call& call, const Config& c, Launcher& l) {
     const Problem& p = call.problem;
     DiffLogicParams a = params_of(call);
     a.y = call.out("y").data;
+    const bool save_xt = p.param_bool("save_xt");
+    if (save_xt) a.dx = call.out("xt").data;  // the staged kernel's xt (its params have no field of that name)
     set_gumbel(p, a);
     a.tables = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(4 * a.n_out)));
-    const int64_t threads = c.get("threads"), lanes = lanes_of(c);
+    const int64_t threads = c.get("threads"), lanes = lanes_of(c), stage = stage_of(c), cluster = cluster_of(c);
+    const size_t transpose = lanes > 0 || stage == 0 ? 2 : 3;  // the plan's last kernel, with save_xt
     void* args[] = {&a};
     l.launch(0, {blocks_for(a.n_out, threads)}, {u32(threads)}, 0, args);
     if (a.batch == 0) return;
     if (lanes > 0) return l.launch(1, tiled_grid(p, a.n_out, threads, lanes), {u32(threads)}, 0, args);
-    // Staged: as many rows a pass as fit (at most kStagedMaxRows and the batch); blocks as many as are
-    // resident at once (the kernel loops over the passes), no more than there are passes.
-    const int64_t row_bytes = a.n_in * static_cast<int64_t>(dtype_size(p.dtype("x")));
-    const int64_t rows = std::min<int64_t>({kStagedMaxRows, a.batch, smem_per_block(p.arch) / row_bytes});
-    if (stage_of(c) && rows >= 1) {
-      const int64_t smem = rows * row_bytes;
-      const int64_t resident = std::max<int64_t>(1, std::min<int64_t>(2048 / kStagedThreads,
-                                                                       smem_per_sm(p.arch) / (smem + 1024)));
-      const int64_t passes = (a.batch + rows - 1) / rows;
-      const int64_t blocks = std::min(passes, resident * l.multiprocessors());
-      return l.launch(1, {u32(blocks)}, {u32(kStagedThreads)}, u32(smem), args);
+    // Staged: as many rows a pass as fit (at most kStagedMaxRows and the batch) in a block's shared memory, or
+    // a cluster's (each CTA a slice of ceil(n_in / cluster) columns rounded up to 8, as the kernel slices); one
+    // block: as many as are resident at once (the kernel loops over the passes), no more than there are passes.
+    const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype("x")));
+    const int64_t slice = cluster > 1 ? ((a.n_in + cluster - 1) / cluster + 7) / 8 * 8 : a.n_in;
+    const int64_t rows = std::min<int64_t>({kStagedMaxRows, a.batch, smem_per_block(p.arch) / (slice * elem)});
+    if (stage > 0 && rows >= 1) {
+      const int64_t smem = rows * slice * elem, passes = (a.batch + rows - 1) / rows;
+      if (cluster == 1) {
+        const int64_t resident = std::max<int64_t>(1, std::min<int64_t>(2048 / kStagedThreads,
+                                                                         smem_per_sm(p.arch) / (smem + 1024)));
+        const int64_t blocks = std::min(passes, resident * l.multiprocessors());
+        return l.launch(1, {u32(blocks)}, {u32(kStagedThreads)}, u32(smem), args);
+      }
+      // A cluster a pass (layer_staged_cluster.cuh: how many clusters are resident at once depends on the GPCs),
+      // up to the grid's limit (the kernel loops over the rest).
+      const int64_t clusters = std::min<int64_t>(passes, INT32_MAX / cluster);
+      l.launch_clusters(1, {u32(clusters * cluster)}, {u32(kStagedThreads)}, {u32(cluster)}, u32(smem), args);
+    } else {
+      l.launch(stage > 0 ? 2 : 1, {blocks_for(a.batch * a.n_out, threads)}, {u32(threads)}, 0, args);
     }
-    l.launch(stage_of(c) ? 2 : 1, {blocks_for(a.batch * a.n_out, threads)}, {u32(threads)}, 0, args);
+    if (save_xt && !(stage == 1 && rows >= 1)) {  // the kernels that ran do not write xt
+      DiffLogicParams tr{};
+      tr.x = a.x;
+      tr.y = a.dx;
+      tr.batch = a.batch;
+      tr.n_in = a.n_in;
+      void* targs[] = {&tr};
+      l.launch(transpose, {transpose_blocks(a.batch, a.n_in)}, {u32(kTransposeThreads)}, 0, targs);
+    }
   };
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
     const auto mode = p.param_str("mode") == "hard" ? ref::DiffLogicMode::Hard : ref::DiffLogicMode::Soft;
-    auto y = ref::difflogic_layer_fwd_ref(p.dim("batch"), p.dim("n_in"), in[0].data, effective_logits(p, in[1]),
-                                          wires(in[2]), wires(in[3]), mode);
-    return std::vector<HostTensor>{{true, {p.dim("batch"), p.dim("n_out")}, std::move(y)}};
+    const int64_t B = p.dim("batch"), n_in = p.dim("n_in");
+    auto y = ref::difflogic_layer_fwd_ref(B, n_in, in[0].data, effective_logits(p, in[1]), wires(in[2]),
+                                          wires(in[3]), mode);
+    std::vector<HostTensor> out = {{true, {B, p.dim("n_out")}, std::move(y)}};
+    if (p.param_bool("save_xt")) {
+      std::vector<double> xt(in[0].data.size());
+      for (int64_t s = 0; s < B; ++s)
+        for (int64_t j = 0; j < n_in; ++j)
+          xt[static_cast<size_t>(j * B + s)] = in[0].data[static_cast<size_t>(s * n_in + j)];
+      out.push_back({true, {n_in, B}, std::move(xt)});
+    } else {
+      out.emplace_back();  // absent
+    }
+    return out;
   };
   return op;
 }
@@ -442,6 +540,14 @@ OpDef make_layer_bwd() {
     const int64_t lanes = lanes_of(c);
     const bool fm = feature_major(p);
     std::vector<jit::KernelSpec> k = {tables_kernel(p, false, c.get("threads"))};
+    if (lanes > 0 && pool_of(c) > 0) {
+      k.push_back(kernel_spec(p, "difflogic/layer_bwd_pool.cuh", "kspec::difflogic_bwd_pool_kernel",
+                              {t, threads, std::to_string(lanes), std::to_string(pool_of(c)),
+                               dx_row_major(p) ? "true" : "false", ahead_of(c) ? "true" : "false"}));
+      k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_dlogits_finish_kernel",
+                              {threads, std::to_string(tile_samples(p, lanes))}));
+      return k;
+    }
     if (lanes > 0) {
       std::vector<std::string> targs = {t, threads, std::to_string(lanes)};
       // The defaults (false) left out keep the names the kernels had before these flags.
@@ -483,7 +589,9 @@ OpDef make_layer_bwd() {
     void* args[] = {&a};
     l.launch(0, {blocks_for(a.n_out, threads)}, {u32(threads)}, 0, args);
     if (lanes > 0) {
-      if (a.batch > 0) l.launch(1, tiled_grid(call.problem, a.n_in, threads, lanes), {u32(threads)}, 0, args);
+      Dim3 grid = tiled_grid(call.problem, a.n_in, threads, lanes);
+      if (pool_of(c) > 0) grid.x = u32((a.n_in + pool_of(c) - 1) / pool_of(c));  // a block per pool of inputs
+      if (a.batch > 0) l.launch(1, grid, {u32(threads)}, 0, args);
       l.launch(2, {blocks_for(16 * a.n_out, threads)}, {u32(threads)}, 0, args);
       return;
     }

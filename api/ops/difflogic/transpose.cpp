@@ -13,9 +13,6 @@
 namespace kspec::difflogic {
 namespace {
 
-// 64 x 64 elements per tile: 16 loads in flight per thread at 256 threads (32 at 128).
-constexpr int kTransposeTile = 64;
-
 OpDef make_transpose() {
   OpDef op;
   op.info.name = "difflogic.transpose";
@@ -64,9 +61,8 @@ OpDef make_transpose() {
     a.y = call.out("y").data;
     a.batch = call.problem.dim("rows");
     a.n_in = call.problem.dim("cols");
-    const int64_t tiles = (a.batch + kTransposeTile - 1) / kTransposeTile * ((a.n_in + kTransposeTile - 1) / kTransposeTile);
     void* args[] = {&a};
-    if (tiles > 0) l.launch(0, {blocks_for(tiles, 1)}, {u32(c.get("threads"))}, 0, args);
+    if (a.batch > 0 && a.n_in > 0) l.launch(0, {transpose_blocks(a.batch, a.n_in)}, {u32(c.get("threads"))}, 0, args);
   };
   op.reference = [](const Problem& p, const std::vector<HostTensor>& in) {
     const int64_t rows = p.dim("rows"), cols = p.dim("cols");
