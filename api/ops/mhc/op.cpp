@@ -577,8 +577,12 @@ bool bwd_mma_tokens(const Config& c) { return c.has("algo") && c.get("algo") >= 
 bool bwd_mma_fused(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaFused; }
 // kMmaFusedWarpHeads: kMmaFused with the token pass's heads run per warp (mhc_pre_bwd_token_mma.cuh, kWarpHeads);
 // kMmaFusedRing: that with the token pass's rows through a cp.async ring in dynamic shared memory (kRing).
+// kMmaFusedAhead: kMmaFusedWarpHeads with the fused kernel's per-token c_v and H_pre loaded a step ahead with dm,
+// dx stored 8 bytes at a time, the parts from the last (mhc_pre_bwd_fused_mma.cuh, kAhead): the same bits.
+constexpr int64_t kMmaFusedAhead = 6;
 bool bwd_warp_heads(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaFusedWarpHeads; }
 bool bwd_ring(const Config& c) { return c.has("algo") && c.get("algo") == kMmaFusedRing; }
+bool bwd_ahead(const Config& c) { return c.has("algo") && c.get("algo") == kMmaFusedAhead; }
 // The token pass's ring (templates/mhc/mhc_pre_bwd_token_mma.cuh, mhc_pre_bwd_ring_bytes): 2 chunks of a lane's
 // n + 1 rows of 16 bytes per m16 tile of tokens; mma_tokens' n x tokens / 16 <= 8 keeps it at most 96 KB
 // (n 4, 32 tokens: 80 KB), beside 14 KB of static shared memory: 2 blocks an SM, as the registers allow.
@@ -614,7 +618,7 @@ std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, 
     return {kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
                         {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), b(bwd_ring(c)), b(bwd_warp_heads(c))}),
             kernel_spec(p, "mhc/mhc_pre_bwd_fused_mma.cuh", "kspec::mhc_pre_bwd_fused_mma_kernel",
-                        {T, n, D, g, head, b(dx_post)}),
+                        {T, n, D, g, head, b(dx_post), b(bwd_ahead(c))}),
             reduce};
   }
   return {bwd_mma_tokens(c) ? kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
@@ -722,9 +726,10 @@ std::string bwd_mma_tokens_unsupported(const Problem& p, int64_t tokens) {
 // heuristic's threads and tokens (1 token on pre_only, its rule), else the SIMT kernels. H100, T 16384, n 4,
 // D 4096, bf16, pre fwd+bwd: mma_fused 32 2056 us (run 20), mma_tokens 32 2540, mma 3716, simt 6280 (H200:
 // mma 3567 against simt 6280; tools/bench/NOTES.md). mma_fused_ring (the token pass through a cp.async ring) is
-// selectable, not yet timed.
+// selectable (run 26: 1767 us against mma_fused_warp_heads' 1773); mma_fused_ahead selectable, not yet timed.
 TuningSpace with_bwd_algo_axis(TuningSpace t) {
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaTokens, kMmaFused, kMmaFusedWarpHeads, kMmaFusedRing}});
+  t.axes.insert(t.axes.begin(),
+                {"algo", {kSimt, kMma, kMmaTokens, kMmaFused, kMmaFusedWarpHeads, kMmaFusedRing, kMmaFusedAhead}});
   for (auto& [name, values] : t.axes)
     if (name == "tokens") values = {1, 4, 16, 32, 64};
   auto simt_valid = t.valid;
