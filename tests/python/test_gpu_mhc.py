@@ -213,9 +213,10 @@ def test_post_pre_matches_post_then_pre(n, D, dtype_name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gamma,with_dx_post", [(True, True), (False, False)])
-def test_pre_backward_ahead_gives_the_warp_heads_bits(gamma, with_dx_post):
+def test_pre_backward_ahead_algos_give_the_warp_heads_bits(gamma, with_dx_post):
     """mhc.pre.bwd algo=mma_fused_ahead (the fused kernel's per-token coefficients a step ahead, 8-byte dx stores,
-    parts from the last) at 32 and 16 tokens: the bits of algo=mma_fused_warp_heads, and the float64 reference."""
+    parts from the last) and algo=mma_fused_phi_ring (that with the token pass's phi through a cp.async ring) at 32
+    and 16 tokens: the bits of algo=mma_fused_warp_heads, and the float64 reference."""
     t = _torch()
     B, S, n, D = 1, 1031, 4, 4000
     x, phi, alpha, bias, gam = _layer_inputs(B, S, n, D, t.bfloat16, seed=7, gamma=gamma)
@@ -229,10 +230,11 @@ def test_pre_backward_ahead_gives_the_warp_heads_bits(gamma, with_dx_post):
                           config=config)
 
     base = bwd("algo=4,threads=128,tokens=32")
-    for tokens in (32, 16):
-        for a, b in zip(base, bwd(f"algo=6,threads=128,tokens={tokens}")):
-            if a is not None:
-                assert t.equal(a, b), tokens
+    for algo in (6, 7):
+        for tokens in (32, 16):
+            for a, b in zip(base, bwd(f"algo={algo},threads=128,tokens={tokens}")):
+                if a is not None:
+                    assert t.equal(a, b), (algo, tokens)
     T = B * S
     g = ref.mhc_pre_bwd(_np(dy).reshape(T, D), _np(x).reshape(T, n, D), _np(phi), _np(alpha), _np(bias),
                         _np(gam) if gamma else None, dh_post=_np(dh_post).reshape(T, n), dr=_np(dr).reshape(T, n, n),
