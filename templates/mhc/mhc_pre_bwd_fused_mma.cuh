@@ -117,8 +117,10 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(c
   // into the thread's own slots of a ring of kStages steps, kStages - 1 steps ahead (cp.async: 2 steps of x,
   // dy, dx_post in flight a lane, without the registers; held in registers one step ahead, 18 KB an SM were in
   // flight at 3 blocks an SM).
-  constexpr int kStages = 3;
-  __shared__ uint2 ring[kStages][3][kJ][2][kMhcMmaThreads];
+  // kAhead without dx_post: 4 steps, 3 ahead, in the 6 KB dx_post's rows took (the 48 KB of static shared memory
+  // hold no more): at a faster step, 2 steps ahead cover less of DRAM's latency.
+  constexpr int kStages = kAhead && !kHasDxPost ? 4 : 3, kRowKinds = kAhead && !kHasDxPost ? 2 : 3;
+  __shared__ uint2 ring[kStages][kRowKinds][kJ][2][kMhcMmaThreads];
   const long long xs = N * p.x_row, ps = N * p.dx_post_row, ds = N * p.dx_row;
   auto issue = [&](int stage, long long t) {
     const long long tl = t + 2 * c;
@@ -130,7 +132,7 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(c
         const bool ok = live && tok < t1;
         mhc_cp_async8(&ring[stage][0][j][e][threadIdx.x], x + tok * xs, ok);
         mhc_cp_async8(&ring[stage][1][j][e][threadIdx.x], dy + tok * p.dy_row, ok);
-        if (kHasDxPost) mhc_cp_async8(&ring[stage][2][j][e][threadIdx.x], dxp + tok * ps, ok);
+        if constexpr (kHasDxPost) mhc_cp_async8(&ring[stage][2][j][e][threadIdx.x], dxp + tok * ps, ok);
       }
     mhc_cp_async_commit();
   };
@@ -161,7 +163,7 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(c
       for (int e = 0; e < 2; ++e) {
         *reinterpret_cast<uint2*>(cur.x[j][e].v) = ring[stage][0][j][e][threadIdx.x];
         *reinterpret_cast<uint2*>(cur.dy[j][e].v) = ring[stage][1][j][e][threadIdx.x];
-        if (kHasDxPost) *reinterpret_cast<uint2*>(cur.dp[j][e].v) = ring[stage][2][j][e][threadIdx.x];
+        if constexpr (kHasDxPost) *reinterpret_cast<uint2*>(cur.dp[j][e].v) = ring[stage][2][j][e][threadIdx.x];
       }
     stage = stage == kStages - 1 ? 0 : stage + 1;
     const float* dm = dms[warp];
