@@ -191,6 +191,13 @@ LoadedKernel& load_kernel(const jit::KernelSpec& spec, int device) {
   CU_CHECK(cuModuleGetFunction(&k->fn, module, ob.entry->lowered_name.c_str()));
   k->device = device;
   k->entry = ob.entry;
+  // Without cuFuncSetAttribute a launch may take 48 KB of shared memory in all, static and dynamic: the dynamic
+  // allowance starts at 48 KB less the kernel's static bytes (the launcher raises it past that). Counted from
+  // 48 KB alone, mhc.pre.bwd algo=mma_fused_ring at 16 tokens (40 KB of ring beside 12 KB static) was launched
+  // without the attribute and failed with CUDA_ERROR_INVALID_VALUE (run 29, H100).
+  int static_bytes = 0;
+  CU_CHECK(cuFuncGetAttribute(&static_bytes, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, k->fn));
+  k->dynamic_smem_limit.store(48 * 1024 - static_bytes);
   // Modules live as long as the process: a kernel may be captured in a CUDA graph that outlives any
   // scope kspec could tie them to.
   return *loaded.emplace(std::make_pair(device, canon), std::move(k)).first->second;

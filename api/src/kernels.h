@@ -37,7 +37,7 @@ struct BinaryEntry {
 struct LoadedKernel {
   CUfunction fn = nullptr;
   int device = 0;
-  std::atomic<int> dynamic_smem_limit{48 * 1024};
+  std::atomic<int> dynamic_smem_limit{48 * 1024};  // dynamic bytes a launch may take as is (set at load)
   std::shared_ptr<const BinaryEntry> entry;
   // The last occupancy answer, packed as (block threads << 40 | shared bytes << 8 | blocks) in one
   // atomic so concurrent callers never pair one shape's key with another's answer.

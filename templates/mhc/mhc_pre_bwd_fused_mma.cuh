@@ -16,6 +16,13 @@
 // (k slot c = token 2c, slot c + 4 = token 2c + 1), so no shuffle or shared memory sits between the two.
 // The per-part sums go to the same workspace as the other algos' and mhc_pre_bwd_reduce_kernel adds the
 // parts in order: deterministic, no atomics.
+// kAhead (algo=mma_fused_ahead): run 28 (H100, T 16384, n 4, D 4096, bf16, ncu) had this kernel at 941 us, 42% of
+// DRAM and 43% of the SM, 4 warps a scheduler, ~350 instructions a step but ~3300 cycles a step: each step's
+// epilogue loaded c_v and H_pre per token from L2 and used them at once (a round trip a step, nothing to
+// overlap it), and stored dx as four 2-byte stores a token (the row's struct copy went element by element).
+// With kAhead the step's c_v and H_pre come a step ahead with its dm (the same registers and shared slot), dx
+// goes out as one 8-byte store, and the parts run from the last (the token pass's last tiles are the ones still
+// in L2). The same values into the same operations: the same bits.
 #pragma once
 
 #include "common/dtype.cuh"
@@ -33,7 +40,7 @@ struct alignas(8) MhcRow4 {
 // Grid: (ceil(nD / 128), parts) blocks of kMhcMmaThreads; warp w of block bx takes the 32 columns
 // 128 bx + 32 w .. + 31. D % 8 == 0 and every pointer and row 16-byte aligned (the plan's rule), so a
 // lane's 4 columns lie in one stream and its loads are whole.
-template <typename T, int N, int D, bool kHasGamma, bool kPreOnly, bool kHasDxPost>
+template <typename T, int N, int D, bool kHasGamma, bool kPreOnly, bool kHasDxPost, bool kAhead>
 __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(const MhcPreBwdParams p) {
   using Rows = MhcRows<N, kPreOnly>;
   constexpr int kM = Rows::kM, kND = N * D, kKt = (kM + 7) / 8;  // du's k steps = S^T's n-tiles
@@ -44,7 +51,7 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(c
   static_assert(D % 8 == 0, "whole 8-element groups of a stream");
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane / 4, c = lane % 4;
-  const int part = blockIdx.y;
+  const int part = kAhead ? static_cast<int>(gridDim.y - 1 - blockIdx.y) : static_cast<int>(blockIdx.y);
   const long long t0 = static_cast<long long>(part) * p.tokens_per_part;
   const long long t1 = t0 + p.tokens_per_part < p.T ? t0 + p.tokens_per_part : p.T;
   const int col = (static_cast<int>(blockIdx.x) * kWarps + warp) * kWarpCols + 4 * g;  // the lane's 4 columns
@@ -87,23 +94,33 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(c
 
   // dm of a step's tokens (kStep x M floats, contiguous in the workspace): kDmLane coalesced loads a lane, held
   // in registers a step ahead, then through the warp's own shared slot to the fragments (zeros past the part).
-  constexpr int kDm = kStep * kM, kDmLane = (kDm + 31) / 32;
-  __shared__ float dms[kWarps][kDm];
+  // kAhead: then the step's c_v (kStep floats) and H_pre (kStep x n), contiguous in theirs, the same way.
+  constexpr int kDm = kStep * kM, kCoef = kAhead ? kStep * (1 + N) : 0, kDmLane = (kDm + kCoef + 31) / 32;
+  __shared__ float dms[kWarps][kDm + kCoef];
   auto load_dm = [&](float (&v)[kDmLane], long long t) {
     const long long left = (t1 - t) * kM;
     const float* src = p.ws_dm + t * kM;
 #pragma unroll
     for (int k = 0; k < kDmLane; ++k) {
       const int q = lane + 32 * k;
-      v[k] = q < kDm && q < left ? __ldg(src + q) : 0.f;
+      if (!kAhead || q < kDm) {
+        v[k] = q < kDm && q < left ? __ldg(src + q) : 0.f;
+      } else if (q < kDm + kStep) {
+        v[k] = t + (q - kDm) < t1 ? __ldg(p.ws_cv + t + (q - kDm)) : 0.f;
+      } else {
+        const int e = q - kDm - kStep;
+        v[k] = e < kStep * N && t + e / N < t1 ? __ldg(p.ws_hpre + t * N + e) : 0.f;
+      }
     }
   };
   // The lane's rows of a step at token t: tokens t + 8 j + 2 c + e (zeros past the part and past nD), copied
   // into the thread's own slots of a ring of kStages steps, kStages - 1 steps ahead (cp.async: 2 steps of x,
   // dy, dx_post in flight a lane, without the registers; held in registers one step ahead, 18 KB an SM were in
   // flight at 3 blocks an SM).
-  constexpr int kStages = 3;
-  __shared__ uint2 ring[kStages][3][kJ][2][kMhcMmaThreads];
+  // kAhead without dx_post: 4 steps, 3 ahead, in the 6 KB dx_post's rows took (the 48 KB of static shared memory
+  // hold no more): at a faster step, 2 steps ahead cover less of DRAM's latency.
+  constexpr int kStages = kAhead && !kHasDxPost ? 4 : 3, kRowKinds = kAhead && !kHasDxPost ? 2 : 3;
+  __shared__ uint2 ring[kStages][kRowKinds][kJ][2][kMhcMmaThreads];
   const long long xs = N * p.x_row, ps = N * p.dx_post_row, ds = N * p.dx_row;
   auto issue = [&](int stage, long long t) {
     const long long tl = t + 2 * c;
@@ -115,7 +132,7 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(c
         const bool ok = live && tok < t1;
         mhc_cp_async8(&ring[stage][0][j][e][threadIdx.x], x + tok * xs, ok);
         mhc_cp_async8(&ring[stage][1][j][e][threadIdx.x], dy + tok * p.dy_row, ok);
-        if (kHasDxPost) mhc_cp_async8(&ring[stage][2][j][e][threadIdx.x], dxp + tok * ps, ok);
+        if constexpr (kHasDxPost) mhc_cp_async8(&ring[stage][2][j][e][threadIdx.x], dxp + tok * ps, ok);
       }
     mhc_cp_async_commit();
   };
@@ -130,7 +147,7 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(c
     __syncwarp();  // the last step's reads of dms are done
 #pragma unroll
     for (int k = 0; k < kDmLane; ++k)
-      if (lane + 32 * k < kDm) dms[warp][lane + 32 * k] = dmv[k];
+      if (lane + 32 * k < kDm + kCoef) dms[warp][lane + 32 * k] = dmv[k];
     __syncwarp();
     // kStages - 1 steps ahead into the slot the last step read (its values are used, so read); then this
     // step's group is complete once at most kStages - 1 are pending. dm one step ahead in registers.
@@ -146,7 +163,7 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(c
       for (int e = 0; e < 2; ++e) {
         *reinterpret_cast<uint2*>(cur.x[j][e].v) = ring[stage][0][j][e][threadIdx.x];
         *reinterpret_cast<uint2*>(cur.dy[j][e].v) = ring[stage][1][j][e][threadIdx.x];
-        if (kHasDxPost) *reinterpret_cast<uint2*>(cur.dp[j][e].v) = ring[stage][2][j][e][threadIdx.x];
+        if constexpr (kHasDxPost) *reinterpret_cast<uint2*>(cur.dp[j][e].v) = ring[stage][2][j][e][threadIdx.x];
       }
     stage = stage == kStages - 1 ? 0 : stage + 1;
     const float* dm = dms[warp];
@@ -195,7 +212,9 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(c
       for (int e = 0; e < 2; ++e) {
         const long long tok = t + 8 * j + 2 * c + e;
         if (!live || tok >= t1) continue;
-        const float cv = __ldg(p.ws_cv + tok), hp = __ldg(p.ws_hpre + tok * N + si);
+        const int ts = 8 * j + 2 * c + e;  // the token's place in the step
+        const float cv = kAhead ? dm[kDm + ts] : __ldg(p.ws_cv + tok);
+        const float hp = kAhead ? dm[kDm + kStep + ts * N + si] : __ldg(p.ws_hpre + tok * N + si);
         MhcRow4<T> out;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -204,7 +223,13 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(c
           if (kHasDxPost) dv += to_float(cur.dp[j][e].v[q]);
           out.v[q] = store_as<T>(dv);
         }
-        *reinterpret_cast<MhcRow4<T>*>(dx + tok * ds) = out;
+        if (kAhead) {
+          // One 8-byte store (a uint2 store through a cast still came out as two 4-byte ones).
+          const uint2 w = *reinterpret_cast<const uint2*>(out.v);
+          asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(dx + tok * ds), "r"(w.x), "r"(w.y) : "memory");
+        } else {
+          *reinterpret_cast<MhcRow4<T>*>(dx + tok * ds) = out;
+        }
       }
     }
   }

@@ -84,13 +84,34 @@ __device__ __forceinline__ void mhc_pre_bwd_heads_warp(const MhcPreBwdParams& p,
 // memory (cp.async, mhc_pre_bwd_ring_bytes of it), the next chunk's copies issued before this one's mmas, so
 // loads stay in flight while a warp computes (without it a warp loads its 20 rows, then computes with nothing
 // in flight: registers leave no room for a prefetch). The same rows into the same operations: the same bits.
+// kPhiRing (algo=mma_fused_phi_ring, with kWarpHeads, not kRing): phi's and gamma's columns of each (chunk, stream)
+// step come through a ring of kMhcBwdPhiStages slots a warp in dynamic shared memory (cp.async, 3 steps ahead;
+// mhc_pre_bwd_phi_ring_bytes), where they were loaded from L2 just before that step's mmas. Run 28 (H100, T 16384,
+// n 4, D 4096, bf16, ncu): the token pass took 470 us at 43% of DRAM, 2 blocks an SM at 242 registers, ~1600
+// instructions a warp a chunk but ~7 us a chunk: four L2 round trips for phi (one a stream) after the chunk's rows.
+// A slot holds kNt x 8 rows of 32 columns (padded to 36 floats: the 8 rows g of a quarter warp's 16-byte reads
+// fall in different banks) and gamma's 32. The same values into the same operations: the same bits.
 constexpr int kMhcBwdRingStages = 2;
 template <int N, int kTok>
 constexpr int mhc_pre_bwd_ring_bytes() {
   return kMhcBwdRingStages * (N + 1) * (kTok / 16) * 2 * kMhcMmaThreads * 16;
 }
-template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kTok, bool kVec, bool kRing,
-          bool kWarpHeads>
+constexpr int kMhcBwdPhiStages = 4, kMhcBwdPhiRow = 36;
+// Eight floats of a slot (16-byte aligned shared memory).
+__device__ __forceinline__ void mhc_load8s(float (&o)[8], const float* src) {
+  const float4 a = reinterpret_cast<const float4*>(src)[0], b = reinterpret_cast<const float4*>(src)[1];
+  o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
+}
+template <int kM>
+constexpr int mhc_pre_bwd_phi_slot() {
+  return (kM + 7) / 8 * 8 * kMhcBwdPhiRow + 32;  // floats
+}
+template <int kM>
+constexpr int mhc_pre_bwd_phi_ring_bytes() {
+  return kMhcMmaThreads / 32 * kMhcBwdPhiStages * mhc_pre_bwd_phi_slot<kM>() * 4;
+}
+template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, int kTok, bool kVec, bool kPhiRing,
+          bool kRing, bool kWarpHeads>
 __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads ? 1 : 0) mhc_pre_bwd_token_mma_kernel(const MhcPreBwdParams p) {
   using Rows = MhcRows<N, kPreOnly>;
   constexpr int kThreads = kMhcMmaThreads, kWarps = kThreads / 32;
@@ -134,19 +155,49 @@ __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads ? 1 : 0) mhc_pre_bw
     for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int tr = mt * 16 + g + 8 * h;
-        const long long t = t0 + (tr < ntok ? tr : 0);
-        const bool ok = in && tr < ntok && d0 < D;
-        mhc_cp_async16(slot(stage, mt * 2 + h), dy + t * p.dy_row + d0, ok);
+        const MhcTileRow row = mhc_tile_row(t0, ntok, mt, g, h);
+        const bool ok = in && row.in && d0 < D;
+        mhc_cp_async16(slot(stage, mt * 2 + h), dy + row.t * p.dy_row + d0, ok);
 #pragma unroll
         for (int i = 0; i < N; ++i)
-          mhc_cp_async16(slot(stage, kMt * 2 + (i * kMt + mt) * 2 + h), x + (t * N + i) * p.x_row + d0, ok);
+          mhc_cp_async16(slot(stage, kMt * 2 + (i * kMt + mt) * 2 + h), x + (row.t * N + i) * p.x_row + d0, ok);
       }
     mhc_cp_async_commit();
   };
   if constexpr (kRing) {
     static_assert(kVec && kWarpHeads, "algo=mma_fused_ring: x in 16-byte groups, the heads per warp");
     issue(0, warp);
+  }
+
+  // kPhiRing: the warp's slots; step s (chunk warp + kWarps (s / N), stream s % N) goes to slot s % kPhiStages.
+  constexpr int kPhiStages = kMhcBwdPhiStages, kPhiRow = kMhcBwdPhiRow, kPhiRows = kNt * 8;
+  constexpr int kPhiSlot = mhc_pre_bwd_phi_slot<kM>(), kND = N * D;
+  [[maybe_unused]] float* const phs = reinterpret_cast<float*>(ring) + warp * kPhiStages * kPhiSlot;
+  // 16-byte pieces: the lane copies columns e .. e + 3 of rows lane / 8 + 4 k (row kPhiRows: gamma's); zeros past
+  // M and past the stream.
+  const int e = 4 * (lane % 8), r0 = lane / 8;
+  auto issue_phi = [&](int s) {
+    const int dc = warp + kWarps * (s / N), i = s % N;
+    const bool in = dc < kDChunks;
+    const int col = i * D + (in ? dc : 0) * 32 + e;
+    const bool ok = in && (in ? dc : 0) * 32 + e < D;
+    float* dst = phs + (s % kPhiStages) * kPhiSlot + r0 * kPhiRow + e;
+#pragma unroll
+    for (int k = 0; 4 * k < kPhiRows + 1; ++k) {
+      const int r = r0 + 4 * k;
+      if (r < kPhiRows)
+        mhc_cp_async16(reinterpret_cast<uint4*>(dst + 4 * k * kPhiRow),
+                       p.phi + static_cast<long long>(r < kM ? r : 0) * kND + col, ok && r < kM);
+      else if (kHasGamma && r == kPhiRows)
+        mhc_cp_async16(reinterpret_cast<uint4*>(dst + 4 * k * kPhiRow), p.gamma + col, ok);
+    }
+    mhc_cp_async_commit();
+  };
+  [[maybe_unused]] int step = 0;
+  if constexpr (kPhiRing) {
+    static_assert(kVec && kWarpHeads && !kRing, "algo=mma_fused_phi_ring: x in 16-byte groups, the heads per warp");
+#pragma unroll
+    for (int s = 0; s < kPhiStages - 1; ++s) issue_phi(s);
   }
 
   for (int dc = warp, k = 0; dc < kDChunks; dc += kWarps, ++k) {
@@ -170,8 +221,8 @@ __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads ? 1 : 0) mhc_pre_bw
       mhc_load_chunk_rows<T, N, kMt, kVec>(xv, yv, x, p.x_row, dy, p.dy_row, t0, ntok, g, d0, valid);
     }
 #pragma unroll
-    for (int i = 0; i < N; ++i)
-      mhc_pre_mma_project<T, N, D, kHasGamma, kPreOnly, kMt, kVec>(p.phi, p.gamma, i * D + d0, valid, xv[i], acc, [&] {
+    for (int i = 0; i < N; ++i) {
+      auto dots = [&] {
 #pragma unroll
         for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
@@ -179,10 +230,28 @@ __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads ? 1 : 0) mhc_pre_bw
 #pragma unroll
             for (int e = 0; e < 8; ++e)
               dxy[mt][h][i] = fmaf(to_float(xv[i][mt][h].v[e]), to_float(yv[mt][h].v[e]), dxy[mt][h][i]);
-      });
+      };
+      if constexpr (kPhiRing) {
+        mhc_cp_async_wait<kPhiStages - 2>();  // this step's slot landed (this lane's copies)
+        __syncwarp();                         // ... and every lane's; the last step's reads are done
+        issue_phi(step + kPhiStages - 1);     // into the slot the last step read
+        const float* sl = phs + (step % kPhiStages) * kPhiSlot + 8 * c;
+        ++step;
+        mhc_pre_mma_project_with<T, N, kHasGamma, kPreOnly, kMt>(
+            [&](float (&gm)[8], float (&ph)[kNt][8]) {
+              if (kHasGamma) mhc_load8s(gm, sl + kPhiRows * kPhiRow);
+#pragma unroll
+              for (int j = 0; j < kNt; ++j) mhc_load8s(ph[j], sl + (8 * j + g) * kPhiRow);
+            },
+            xv[i], acc, dots);
+      } else {
+        mhc_pre_mma_project<T, N, D, kHasGamma, kPreOnly, kMt, kVec>(p.phi, p.gamma, i * D + d0, valid, xv[i], acc,
+                                                                     dots);
+      }
+    }
   }
 
-  if constexpr (kRing) mhc_cp_async_wait<0>();
+  if constexpr (kRing || kPhiRing) mhc_cp_async_wait<0>();
 
   // A row's <dy, x[i]> over the quad's four lanes, then the warps' partials added in warp order into
   // tot[row * kK]: <dy, x[i]> at i, m[r] at n + r (mhc_pre_bwd_heads' layout).

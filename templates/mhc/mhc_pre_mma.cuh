@@ -249,6 +249,17 @@ __device__ __forceinline__ void mhc_pre_fwd_mma_finish(const MhcPreParams& p, lo
   }
 }
 
+// Row h of m16 tile mt of the lane's token rows (g = lane / 4) in a tile of ntok tokens from t0: its token (t0
+// itself past the tile: an address inside x for a masked load) and whether it is one of the tile's.
+struct MhcTileRow {
+  long long t;
+  bool in;
+};
+__device__ __forceinline__ MhcTileRow mhc_tile_row(long long t0, int ntok, int mt, int g, int h) {
+  const int tr = mt * 16 + g + 8 * h;
+  return {t0 + (tr < ntok ? tr : 0), tr < ntok};
+}
+
 // The lane's rows of one chunk of 32 columns d (d0 = 32 dc + 8 c), loaded before any is used: the n streams of
 // x and one other row of the same tokens (f or dy); tokens mt * 16 + g + 8 h of the block's from t0, zeros past
 // its ntok tokens and past D (valid = D - d0).
@@ -260,34 +271,27 @@ __device__ __forceinline__ void mhc_load_chunk_rows(MhcRow8<T> (&xv)[N][kMt][2],
   for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int tr = mt * 16 + g + 8 * h;
-      const long long t = t0 + (tr < ntok ? tr : 0);
-      const int v = tr < ntok ? valid : 0;
-      mhc_load8<T, kVec>(ov[mt][h], o + t * o_row + d0, v);
+      const MhcTileRow row = mhc_tile_row(t0, ntok, mt, g, h);
+      const int v = row.in ? valid : 0;
+      mhc_load8<T, kVec>(ov[mt][h], o + row.t * o_row + d0, v);
 #pragma unroll
-      for (int i = 0; i < N; ++i) mhc_load8<T, kVec>(xv[i][mt][h], x + (t * N + i) * x_row + d0, v);
+      for (int i = 0; i < N; ++i) mhc_load8<T, kVec>(xv[i][mt][h], x + (row.t * N + i) * x_row + d0, v);
     }
 }
 
 // m += (x * gamma) phi^T over one chunk: the lane's rows xr (tokens mt * 16 + g + 8 h, columns col .. col + 7
 // of the flattened streams, valid of them inside the stream) into the m16n8k8 accumulators of every row tile,
-// phi (times gamma) split into hi + lo TF32 parts (two mmas each). between(): the caller's own sums over the
-// rows, run after phi's loads are issued and before the mmas (the order ptxas kept without spills: with the
-// sums first, the token pass spilled 152-184 bytes at n 4, 32 tokens on sm_90).
-template <typename T, int N, int D, bool kHasGamma, bool kPreOnly, int kMt, bool kVec, typename Between>
-__device__ __forceinline__ void mhc_pre_mma_project(const float* phi, const float* gamma, int col, int valid,
-                                                    const MhcRow8<T> (&xr)[kMt][2],
-                                                    float (&acc)[kMt][(MhcRows<N, kPreOnly>::kM + 7) / 8][4],
-                                                    Between&& between) {
-  constexpr int kM = MhcRows<N, kPreOnly>::kM, kND = N * D, kNt = (kM + 7) / 8;
-  const int g = static_cast<int>(threadIdx.x) % 32 / 4;
+// phi (times gamma) split into hi + lo TF32 parts (two mmas each). load(gm, ph) fills the lane's 8 columns of
+// gamma (when kHasGamma) and of phi's rows 8 j + g (zeros past M and past the stream). between(): the caller's
+// own sums over the rows, run after phi's loads are issued and before the mmas (the order ptxas kept without
+// spills: with the sums first, the token pass spilled 152-184 bytes at n 4, 32 tokens on sm_90).
+template <typename T, int N, bool kHasGamma, bool kPreOnly, int kMt, typename Load, typename Between>
+__device__ __forceinline__ void mhc_pre_mma_project_with(Load&& load, const MhcRow8<T> (&xr)[kMt][2],
+                                                         float (&acc)[kMt][(MhcRows<N, kPreOnly>::kM + 7) / 8][4],
+                                                         Between&& between) {
+  constexpr int kM = MhcRows<N, kPreOnly>::kM, kNt = (kM + 7) / 8;
   float gm[8], ph[kNt][8];
-  if (kHasGamma) mhc_load8f<kVec>(gm, gamma + col, valid);
-#pragma unroll
-  for (int j = 0; j < kNt; ++j) {
-    const int r = 8 * j + g;
-    mhc_load8f<kVec>(ph[j], phi + static_cast<long long>(r < kM ? r : 0) * kND + col, r < kM ? valid : 0);
-  }
+  load(gm, ph);
   between();
 #pragma unroll
   for (int j = 0; j < kNt; ++j) {
@@ -308,6 +312,25 @@ __device__ __forceinline__ void mhc_pre_mma_project(const float* phi, const floa
         mhc_mma_tf32(acc[mt][j], a0, a1, a2, a3, bh[2 * s], bh[2 * s + 1]);
       }
   }
+}
+// The same with phi and gamma loaded from global memory (read-only path).
+template <typename T, int N, int D, bool kHasGamma, bool kPreOnly, int kMt, bool kVec, typename Between>
+__device__ __forceinline__ void mhc_pre_mma_project(const float* phi, const float* gamma, int col, int valid,
+                                                    const MhcRow8<T> (&xr)[kMt][2],
+                                                    float (&acc)[kMt][(MhcRows<N, kPreOnly>::kM + 7) / 8][4],
+                                                    Between&& between) {
+  constexpr int kM = MhcRows<N, kPreOnly>::kM, kND = N * D, kNt = (kM + 7) / 8;
+  mhc_pre_mma_project_with<T, N, kHasGamma, kPreOnly, kMt>(
+      [&](float (&gm)[8], float (&ph)[kNt][8]) {
+        const int g = static_cast<int>(threadIdx.x) % 32 / 4;
+        if (kHasGamma) mhc_load8f<kVec>(gm, gamma + col, valid);
+#pragma unroll
+        for (int j = 0; j < kNt; ++j) {
+          const int r = 8 * j + g;
+          mhc_load8f<kVec>(ph[j], phi + static_cast<long long>(r < kM ? r : 0) * kND + col, r < kM ? valid : 0);
+        }
+      },
+      xr, acc, between);
 }
 
 // The forward's step of one chunk (pre.fwd's and post_pre.fwd's): the projection, with the rows' sums of
@@ -411,10 +434,9 @@ __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads || kSplits > 1 ? 1 
       for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int tr = mt * 16 + g + 8 * h;
-          const long long t = t0 + (tr < ntok ? tr : 0);
-          mhc_cp_async16(&ring[stage][mt * 2 + h][threadIdx.x], x + (t * N + i) * p.x_row + d0,
-                         in && tr < ntok && d0 < D);
+          const MhcTileRow row = mhc_tile_row(t0, ntok, mt, g, h);
+          mhc_cp_async16(&ring[stage][mt * 2 + h][threadIdx.x], x + (row.t * N + i) * p.x_row + d0,
+                         in && row.in && d0 < D);
         }
       mhc_cp_async_commit();
     };
@@ -442,9 +464,8 @@ __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads || kSplits > 1 ? 1 
       for (int mt = 0; mt < kMt; ++mt)
   #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int tr = mt * 16 + g + 8 * h;
-          const long long t = t0 + (tr < ntok ? tr : 0);
-          mhc_load8<T, kVec>(buf[mt][h], x + (t * N + i) * p.x_row + d0, tr < ntok ? D - d0 : 0);
+          const MhcTileRow row = mhc_tile_row(t0, ntok, mt, g, h);
+          mhc_load8<T, kVec>(buf[mt][h], x + (row.t * N + i) * p.x_row + d0, row.in ? D - d0 : 0);
         }
     };
     MhcRow8<T> xc[kMt][2];

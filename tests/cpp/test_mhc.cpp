@@ -492,10 +492,10 @@ TEST(Mhc, PreBackwardMmaFusedRingRulesAndCompileWithoutSpills) {
   const auto kernels = op.kernels(p, ok);
   ASSERT_EQ(kernels.size(), 3u);
   EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_mma_kernel");
-  EXPECT_EQ(kernels[0].targs[8], "true");  // kRing
-  EXPECT_EQ(kernels[0].targs[9], "true");  // kWarpHeads
+  EXPECT_EQ(kernels[0].targs[9], "true");   // kRing
+  EXPECT_EQ(kernels[0].targs[10], "true");  // kWarpHeads
   EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_bwd_fused_mma_kernel");
-  EXPECT_EQ(op.kernels(p, Config{{{"algo", 4}, {"threads", 128}, {"tokens", 32}}})[0].targs[8], "false");
+  EXPECT_EQ(op.kernels(p, Config{{{"algo", 4}, {"threads", 128}, {"tokens", 32}}})[0].targs[9], "false");
   for (const auto& [n, D, tokens, fragment] :
        {std::tuple{5, 256, 16, "24 projection rows"}, std::tuple{4, 100, 16, "16-byte groups"},
         std::tuple{4, 256, 64, "n x tokens / 16"}}) {
@@ -1194,7 +1194,9 @@ std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
 // grads_deterministic on the tensor-core backward: bf16 x, T 1031 (several parts along T, a partial last
 // token tile), D 4000 (16-byte groups); algo=mma (4 tokens), algo=mma_tokens (32), algo=mma_fused (32) and
 // algo=mma_fused_warp_heads (32) each give the same bits three times for dx, dphi, dalpha, dbias, dgamma, and
-// the last two the same bits as each other (the heads per warp do the block's operations).
+// the last two the same bits as each other (the heads per warp do the block's operations); so do
+// mma_fused_ring (32), mma_fused_ahead and mma_fused_phi_ring (32 and 16 tokens: a token's sums run over the same
+// chunks in the same order at any tile) against mma_fused_warp_heads.
 TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
   KSPEC_REQUIRE_GPU();
   jit::ContextGuard guard(0);
@@ -1220,15 +1222,19 @@ TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
                    gv = f32(gb, {nd}), invv = f32(invb, {T}), hv = f32(hb, {T, M});
   call("mhc.pre.fwd", {xv, phiv, av, bv, gv},
        {b16(yb, {T, D}), f32(hpre, {T, n}), f32(hpost, {T, n}), f32(rb, {T, n, n}), invv, hv});
-  std::map<int64_t, std::vector<std::vector<uint8_t>>> firsts;  // by algo
+  std::map<int64_t, std::vector<std::vector<uint8_t>>> firsts;  // by algo, and 100 + algo at 16 tokens
   for (const Config& config : {Config{{{"algo", 1}, {"threads", 128}, {"tokens", 4}}},
                                Config{{{"algo", 2}, {"threads", 128}, {"tokens", 32}}},
                                Config{{{"algo", 3}, {"threads", 128}, {"tokens", 32}}},
                                Config{{{"algo", 4}, {"threads", 128}, {"tokens", 32}}},
-                               Config{{{"algo", 5}, {"threads", 128}, {"tokens", 32}}}}) {
+                               Config{{{"algo", 5}, {"threads", 128}, {"tokens", 32}}},
+                               Config{{{"algo", 6}, {"threads", 128}, {"tokens", 32}}},
+                               Config{{{"algo", 6}, {"threads", 128}, {"tokens", 16}}},
+                               Config{{{"algo", 7}, {"threads", 128}, {"tokens", 32}}},
+                               Config{{{"algo", 7}, {"threads", 128}, {"tokens", 16}}}}) {
     CallOptions opts;
     opts.config = &config;
-    std::vector<std::vector<uint8_t>>& first = firsts[config.get("algo")];
+    std::vector<std::vector<uint8_t>>& first = firsts[(config.get("tokens") == 16 ? 100 : 0) + config.get("algo")];
     for (int run = 0; run < 3; ++run) {
       DevBuf dx(T * nd * 2), dphi(M * nd * 4), dalpha(12), dbias(M * 4), dgamma(nd * 4);
       for (DevBuf* o : {&dx, &dphi, &dalpha, &dbias, &dgamma}) o->poison();
@@ -1256,6 +1262,10 @@ TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
   for (size_t k = 0; k < firsts[3].size(); ++k) {
     EXPECT_EQ(firsts[4][k], firsts[3][k]) << names[k] << ": mma_fused_warp_heads against mma_fused";
     EXPECT_EQ(firsts[5][k], firsts[4][k]) << names[k] << ": mma_fused_ring against mma_fused_warp_heads";
+    EXPECT_EQ(firsts[6][k], firsts[4][k]) << names[k] << ": mma_fused_ahead against mma_fused_warp_heads";
+    EXPECT_EQ(firsts[106][k], firsts[4][k]) << names[k] << ": mma_fused_ahead at 16 tokens against 32";
+    EXPECT_EQ(firsts[7][k], firsts[4][k]) << names[k] << ": mma_fused_phi_ring against mma_fused_warp_heads";
+    EXPECT_EQ(firsts[107][k], firsts[4][k]) << names[k] << ": mma_fused_phi_ring at 16 tokens against 32";
   }
 }
 
@@ -1475,3 +1485,76 @@ INSTANTIATE_TEST_SUITE_P(
       return "T" + std::to_string(std::get<0>(p.param)) + "_n" + std::to_string(std::get<1>(p.param)) + "_D" +
              std::to_string(std::get<2>(p.param));
     });
+
+// pre.bwd's algo=mma_fused_ahead (6): mma_fused_warp_heads' token pass (heads per warp, no ring), then the fused
+// kernel with kAhead (its last template argument: c_v and H_pre a step ahead with dm, 8-byte dx stores, the parts
+// from the last); algo=mma_fused_phi_ring (7): that with the token kernel's kPhiRing (its ninth template argument:
+// phi and gamma through a per-warp cp.async ring, launched with its dynamic shared memory); mma_fused's rules;
+// neither the heuristic's; both compile without spills on sm_80 and sm_90 at n 4 with and without gamma and
+// dx_post, n 2 and pre_only n 8, at 32 and 16 tokens.
+TEST(Mhc, PreBackwardMmaFusedAheadRulesAndCompileWithoutSpills) {
+  const OpDef& op = Registry::global().get("mhc.pre.bwd");
+  CompileRequest r;
+  r.op = "mhc.pre.bwd";
+  r.dtype = DType::bf16;
+  r.arch = "sm_90";
+  r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+  const Problem p = problem_from_request(op, r);
+  std::string why;
+  for (int64_t algo : {6, 7})
+    for (int64_t tokens : {32, 16}) {
+      const Config ahead{{{"algo", algo}, {"threads", 128}, {"tokens", tokens}}};
+      EXPECT_TRUE(op.tuning.valid(p, ahead, &why)) << algo << " " << tokens << ": " << why;
+      const auto kernels = op.kernels(p, ahead);
+      ASSERT_EQ(kernels.size(), 3u);
+      EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_mma_kernel");
+      EXPECT_EQ(kernels[0].targs[8], algo == 7 ? "true" : "false");  // kPhiRing
+      EXPECT_EQ(kernels[0].targs[9], "false");                       // no ring of rows
+      EXPECT_EQ(kernels[0].targs[10], "true");                       // heads per warp
+      EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_bwd_fused_mma_kernel");
+      EXPECT_EQ(kernels[1].targs.back(), "true");  // kAhead
+    }
+  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 4);
+  for (int64_t algo : {3, 4, 5}) {
+    const auto kernels = op.kernels(p, Config{{{"algo", algo}, {"threads", 128}, {"tokens", 32}}});
+    EXPECT_EQ(kernels[0].targs[8], "false");
+    EXPECT_EQ(kernels[1].targs.back(), "false");
+  }
+  for (int64_t algo : {6, 7})
+    for (const auto& [n, D, tokens, fragment] :
+         {std::tuple{5, 256, 16, "24 projection rows"}, std::tuple{4, 100, 16, "16-byte groups"},
+          std::tuple{4, 256, 64, "n x tokens / 16"}}) {
+      CompileRequest q = r;
+      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+      EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q),
+                                   Config{{{"algo", algo}, {"threads", 128}, {"tokens", tokens}}}, &why))
+          << algo << " " << n << " " << D;
+      EXPECT_NE(why.find(fragment), std::string::npos) << why;
+    }
+  int compiled = 0;
+  for (int64_t algo : {6, 7})
+    for (const char* arch : {"sm_80", "sm_90"})
+      for (auto [name, dt, n, D, tokens, bare] :
+           {std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, false},
+            std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 16, true},
+            std::tuple{"mhc.pre.bwd", DType::f16, 2, 256, 64, false},
+            std::tuple{"mhc.pre_only.bwd", DType::f16, 8, 128, 16, false}}) {
+        const OpDef& o = Registry::global().get(name);
+        CompileRequest q;
+        q.op = name;
+        q.dtype = dt;
+        q.arch = arch;
+        q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+        if (bare) q.without = {"gamma", "dx_post"};
+        q.config = Config{{{"algo", algo}, {"threads", 128}, {"tokens", tokens}}};
+        ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << " n " << n << ": " << why;
+        for (const auto& rep : compile(q)) {
+          EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
+          EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
+          if (rep.kernel.find(algo == 6 ? "fused_mma" : "token_mma") == std::string::npos) continue;
+          std::cout << arch << " " << rep.kernel << ": " << rep.registers << " registers\n";
+          ++compiled;
+        }
+      }
+  EXPECT_EQ(compiled, 16);
+}

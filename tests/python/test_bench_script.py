@@ -472,6 +472,29 @@ def test_mhc_bench_pre_bwd_ring_configs_compile_the_ring_token_kernel(families):
         assert "fused_mma" in kernels[1], kernels
 
 
+def test_mhc_bench_pre_bwd_ahead_configs_compile_the_ahead_fused_kernel(families):
+    """The mhc bench's 'kspec pre.bwd mma_fused_ahead …' and '… mma_fused_phi_ring …' rows: algo=mma_fused_ahead
+    and algo=mma_fused_phi_ring at mma_fused_warp_heads' tile and at 16 tokens (none where mma_fused_warp_heads has
+    no tile), accepted by mhc.pre.bwd and compiled (no GPU needed) as the token kernel with heads per warp, no ring
+    of rows and (phi_ring only) the phi ring (its last three template arguments), then the fused kernel with kAhead
+    (its last)."""
+    import kspec
+
+    mhc = families["mhc"]
+    assert mhc.pre_bwd_ahead_configs(4, 4096) == {
+        mhc.PRE_BWD_KERNELS + f"{label} {t}": f"algo={algo},threads=128,tokens={t}"
+        for label, algo in (("mma_fused_ahead", 6), ("mma_fused_phi_ring", 7)) for t in (32, 16)}
+    assert list(mhc.pre_bwd_ahead_configs(2, 4096))[:2] == [mhc.PRE_BWD_KERNELS + v for v in ("mma_fused_ahead 64",
+                                                                                              "mma_fused_ahead 16")]
+    assert mhc.pre_bwd_ahead_configs(4, 100) == {} and mhc.pre_bwd_ahead_configs(5, 128) == {}
+    for name, config in mhc.pre_bwd_ahead_configs(4, 128).items():
+        kernels = [r["kernel"] for r in kspec.compile("mhc.pre.bwd", dtype="bf16", arch="sm_80", config=config,
+                                                      n=4, D=128, t_max=20)]
+        tail = "true, false, true>" if "phi_ring" in name else "false, false, true>"
+        assert kernels[0].startswith("kspec::mhc_pre_bwd_token_mma_kernel<") and kernels[0].endswith(tail), kernels
+        assert "fused_mma" in kernels[1] and kernels[1].endswith("true>"), kernels
+
+
 def test_mhc_bench_pre_bwd_configs_compile_each_algo(families):
     """The mhc bench's pre fwd+bwd rows by mhc.pre.bwd config: algo=simt, algo=mma, algo=mma_tokens (at its
     largest legal token tile; none at n = 8 or D % 8 != 0) and algo=mma_fused (the same tile, M <= 24) each

@@ -209,3 +209,37 @@ def test_post_pre_matches_post_then_pre(n, D, dtype_name):
     for hc in layers:
         want = hc(want)
     assert _max_rel(out, _np(want)) <= _tol(dtype, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gamma,with_dx_post", [(True, True), (False, False)])
+def test_pre_backward_ahead_algos_give_the_warp_heads_bits(gamma, with_dx_post):
+    """mhc.pre.bwd algo=mma_fused_ahead (the fused kernel's per-token coefficients a step ahead, 8-byte dx stores,
+    parts from the last) and algo=mma_fused_phi_ring (that with the token pass's phi through a cp.async ring) at 32
+    and 16 tokens: the bits of algo=mma_fused_warp_heads, and the float64 reference."""
+    t = _torch()
+    B, S, n, D = 1, 1031, 4, 4000
+    x, phi, alpha, bias, gam = _layer_inputs(B, S, n, D, t.bfloat16, seed=7, gamma=gamma)
+    _, _, _, _, inv, h = kspec.call("mhc.pre.fwd", x, phi, alpha, bias, gam)
+    dy = t.randn(B, S, D).bfloat16().cuda()
+    dh_post, dr = t.randn(B, S, n).cuda(), t.randn(B, S, n, n).cuda()
+    dx_post = t.randn(B, S, n, D).bfloat16().cuda() if with_dx_post else None
+
+    def bwd(config):
+        return kspec.call("mhc.pre.bwd", dy, x, phi, alpha, bias, gam, inv, h, None, dh_post, dr, dx_post,
+                          config=config)
+
+    base = bwd("algo=4,threads=128,tokens=32")
+    for algo in (6, 7):
+        for tokens in (32, 16):
+            for a, b in zip(base, bwd(f"algo={algo},threads=128,tokens={tokens}")):
+                if a is not None:
+                    assert t.equal(a, b), (algo, tokens)
+    T = B * S
+    g = ref.mhc_pre_bwd(_np(dy).reshape(T, D), _np(x).reshape(T, n, D), _np(phi), _np(alpha), _np(bias),
+                        _np(gam) if gamma else None, dh_post=_np(dh_post).reshape(T, n), dr=_np(dr).reshape(T, n, n),
+                        dx_post=_np(dx_post).reshape(T, n, D) if with_dx_post else None)
+    for name, got in zip(("dx", "dphi", "dalpha", "dbias", "dgamma"), base):
+        if got is not None and g.get(name) is not None:
+            assert _max_rel(got.reshape(g[name].shape), g[name]) <= _tol(t.float32 if name != "dx" else t.bfloat16,
+                                                                          True), name

@@ -111,6 +111,22 @@ def pre_bwd_ring_configs(n, D):
             for name, config in pre_bwd_configs(n, D).items() if "mma_fused_warp_heads" in name}
 
 
+def pre_bwd_ahead_configs(n, D):
+    """{variant: config} for mhc.pre.bwd's algo=mma_fused_ahead and algo=mma_fused_phi_ring (api/ops/mhc/op.cpp):
+    mma_fused_warp_heads with the fused kernel's per-token coefficients loaded a step ahead, whole 8-byte dx stores
+    and the parts from the last; and that with the token pass's phi and gamma through a per-warp cp.async ring (the
+    same bits, both), at mma_fused_warp_heads' tile and 16 tokens (the token pass's blocks twice as many, fewer
+    registers a thread)."""
+    out = {}
+    for name, config in pre_bwd_configs(n, D).items():
+        if "mma_fused_warp_heads" in name:
+            tok = int(name.rsplit(" ", 1)[1])
+            for label, algo in (("mma_fused_ahead", 6), ("mma_fused_phi_ring", 7)):
+                for t in sorted({tok, 16}, reverse=True):
+                    out[f"{PRE_BWD_KERNELS}{label} {t}"] = f"algo={algo},threads=128,tokens={t}"
+    return out
+
+
 def post_pre_kernel_configs(n, D):
     """{variant: config} for mhc.post_pre.fwd's tensor-core kernels (api/ops/mhc/op.cpp, the `algo` axis; the
     SIMT kernel is the 'kspec' row): algo=mma and algo=mma_warp_heads (M <= 32) at the largest legal token tile,
@@ -309,7 +325,7 @@ def implementations(ctx, liger, n, D):
             return ctx.kspec.call("mhc.pre.fwd", x, phi, alpha, bias, None, config=config)[:4]
 
         impls[name] = (pre, K.mhc_post)
-    for name, config in {**pre_bwd_configs(n, D), **pre_bwd_ring_configs(n, D)}.items():
+    for name, config in {**pre_bwd_configs(n, D), **pre_bwd_ring_configs(n, D), **pre_bwd_ahead_configs(n, D)}.items():
         impls[name] = (_pre_with_bwd_config(ctx, config), K.mhc_post)
     for name, config in post_pre_kernel_configs(n, D).items():
         def post_pre(x, f, hp, r, phi, alpha, bias, config=config):
@@ -470,7 +486,10 @@ def _report(ctx, rows, why):
         " in one pass over x (x read twice in the backward instead of three times; the default for M <= 24);"
         " algo=mma_fused_warp_heads, that"
         " with the token pass's heads (the Sinkhorn-Knopp backward) run per warp; algo=mma_fused_ring, that with the"
-        " token pass's rows through a cp.async ring in shared memory (the same bits).",
+        " token pass's rows through a cp.async ring in shared memory (the same bits); algo=mma_fused_ahead,"
+        " mma_fused_warp_heads with the fused kernel's c_v and H_pre a step ahead, 8-byte dx stores and the parts"
+        " from the last (the same bits); algo=mma_fused_phi_ring, that with the token pass's Φ and γ through a"
+        " per-warp cp.async ring, 3 steps ahead (the same bits); both at 32 and 16 tokens.",
         f"'{POST_VEC8}': post fwd and fwd+bwd with mhc.post.fwd/.bwd at vec=8 (8 consecutive d a thread, 16-byte"
         " loads and stores) through kspec.call; 'kspec' runs the heuristic's, vec=8 where it is valid.",
         f"'{POST_PRE_KERNELS}…': post_pre fwd with mhc.post_pre.fwd by config through kspec.call: the projection of"

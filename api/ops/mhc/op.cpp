@@ -577,12 +577,22 @@ bool bwd_mma_tokens(const Config& c) { return c.has("algo") && c.get("algo") >= 
 bool bwd_mma_fused(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaFused; }
 // kMmaFusedWarpHeads: kMmaFused with the token pass's heads run per warp (mhc_pre_bwd_token_mma.cuh, kWarpHeads);
 // kMmaFusedRing: that with the token pass's rows through a cp.async ring in dynamic shared memory (kRing).
+// kMmaFusedAhead: kMmaFusedWarpHeads with the fused kernel's per-token c_v and H_pre loaded a step ahead with dm,
+// dx stored 8 bytes at a time, the parts from the last (mhc_pre_bwd_fused_mma.cuh, kAhead): the same bits.
+// kMmaFusedPhiRing: that with the token pass's phi and gamma through a per-warp cp.async ring in dynamic shared
+// memory, 3 (chunk, stream) steps ahead (mhc_pre_bwd_token_mma.cuh, kPhiRing): the same bits.
+constexpr int64_t kMmaFusedAhead = 6, kMmaFusedPhiRing = 7;
 bool bwd_warp_heads(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaFusedWarpHeads; }
 bool bwd_ring(const Config& c) { return c.has("algo") && c.get("algo") == kMmaFusedRing; }
+bool bwd_ahead(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaFusedAhead; }
+bool bwd_phi_ring(const Config& c) { return c.has("algo") && c.get("algo") == kMmaFusedPhiRing; }
 // The token pass's ring (templates/mhc/mhc_pre_bwd_token_mma.cuh, mhc_pre_bwd_ring_bytes): 2 chunks of a lane's
 // n + 1 rows of 16 bytes per m16 tile of tokens; mma_tokens' n x tokens / 16 <= 8 keeps it at most 96 KB
 // (n 4, 32 tokens: 80 KB), beside 14 KB of static shared memory: 2 blocks an SM, as the registers allow.
 int64_t bwd_ring_bytes(const Problem& p, int64_t tokens) { return 2 * (p.dim("n") + 1) * (tokens / 16) * 2 * kMmaThreads * 16; }
+// The phi ring (mhc_pre_bwd_phi_ring_bytes): 4 warps x 4 slots of ceil(M / 8) x 8 rows of 36 floats and 32 of
+// gamma: 56 KB at n 4, beside the 14 KB of static shared memory.
+int64_t bwd_phi_ring_bytes(const Problem& p) { return 4 * 4 * (ceil_div(proj_rows(p), 8) * 8 * 36 + 32) * 4; }
 // The fused kernel's columns a block (4 warps of 32).
 constexpr int64_t kFusedBlockCols = 128;
 // The mma columns kernel's consecutive columns per lane (its kNt): 8 while ceil(M / 16) <= 3 m16 tiles of
@@ -612,13 +622,15 @@ std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, 
   // pass on tensor cores, which never writes dx; algo=mma_fused: that token pass, then dx with the columns.
   if (bwd_mma_fused(c)) {
     return {kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
-                        {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), b(bwd_ring(c)), b(bwd_warp_heads(c))}),
+                        {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), b(bwd_phi_ring(c)), b(bwd_ring(c)),
+                         b(bwd_warp_heads(c))}),
             kernel_spec(p, "mhc/mhc_pre_bwd_fused_mma.cuh", "kspec::mhc_pre_bwd_fused_mma_kernel",
-                        {T, n, D, g, head, b(dx_post)}),
+                        {T, n, D, g, head, b(dx_post), b(bwd_ahead(c))}),
             reduce};
   }
   return {bwd_mma_tokens(c) ? kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
-                                          {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), "false", "false"})
+                                          {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), "false", "false",
+                                           "false"})
                             : kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_token_kernel",
                                           {T, n, D, t_max_arg(p), g, head, "false", thr(c), tokens, "false"}),
           kernel_spec(p, "mhc/mhc_pre_bwd_mma.cuh", "kspec::mhc_pre_bwd_columns_mma_kernel",
@@ -675,7 +687,11 @@ void* launch_pre_bwd(const Call& call, const Config& c, Launcher& l, MhcPreBwdPa
   void* args[] = {&a};
   const unsigned th = u32(c.get("threads"));
   if (T > 0)
-    l.launch(0, {u32(ceil_div(T, c.get("tokens")))}, {th}, bwd_ring(c) ? u32(bwd_ring_bytes(pr, c.get("tokens"))) : 0, args);
+    l.launch(0, {u32(ceil_div(T, c.get("tokens")))}, {th},
+             bwd_ring(c)       ? u32(bwd_ring_bytes(pr, c.get("tokens")))
+             : bwd_phi_ring(c) ? u32(bwd_phi_ring_bytes(pr))
+                               : 0,
+             args);
   if (bwd_mma_fused(c)) l.launch(1, {u32(ceil_div(nd, kFusedBlockCols)), u32(parts)}, {u32(kMmaThreads)}, 0, args);
   else if (bwd_mma(c)) l.launch(1, {u32(ceil_div(nd, bwd_mma_block_cols(pr))), u32(parts)}, {u32(kMmaThreads)}, 0, args);
   else l.launch(1, {u32(ceil_div(nd, th)), u32(parts)}, {th}, 0, args);
@@ -722,9 +738,12 @@ std::string bwd_mma_tokens_unsupported(const Problem& p, int64_t tokens) {
 // heuristic's threads and tokens (1 token on pre_only, its rule), else the SIMT kernels. H100, T 16384, n 4,
 // D 4096, bf16, pre fwd+bwd: mma_fused 32 2056 us (run 20), mma_tokens 32 2540, mma 3716, simt 6280 (H200:
 // mma 3567 against simt 6280; tools/bench/NOTES.md). mma_fused_ring (the token pass through a cp.async ring) is
+// selectable (run 26: 1767 us against mma_fused_warp_heads' 1773); mma_fused_ahead and mma_fused_phi_ring
 // selectable, not yet timed.
 TuningSpace with_bwd_algo_axis(TuningSpace t) {
-  t.axes.insert(t.axes.begin(), {"algo", {kSimt, kMma, kMmaTokens, kMmaFused, kMmaFusedWarpHeads, kMmaFusedRing}});
+  t.axes.insert(t.axes.begin(),
+                {"algo", {kSimt, kMma, kMmaTokens, kMmaFused, kMmaFusedWarpHeads, kMmaFusedRing, kMmaFusedAhead,
+                          kMmaFusedPhiRing}});
   for (auto& [name, values] : t.axes)
     if (name == "tokens") values = {1, 4, 16, 32, 64};
   auto simt_valid = t.valid;
