@@ -45,20 +45,33 @@ _PARAMS = "Tensor x, Tensor phi, Tensor alpha, Tensor bias, Tensor? gamma"
 _SAVED = "Tensor inv, Tensor h"
 _OUT = ("dx", "dphi", "dalpha", "dbias", "dgamma")
 
+
+# inv and h are outputs only where a backward will read them (save_stats): without a gradient the forward
+# allocates and writes neither.
+def _pre_fwd(x, phi, alpha, bias, gamma, eps_rms, eps_pre, eps_sk, t_max, save_stats, save):
+    return call("mhc.pre.fwd", x, phi, alpha, bias, gamma, eps_rms=eps_rms, eps_pre=eps_pre, eps_sk=eps_sk,
+                t_max=t_max, save_stats=bool(save_stats and save))
+
+
+def _pre_only_fwd(x, phi, alpha, bias, gamma, eps_rms, eps_pre, save_stats, save):
+    return call("mhc.pre_only.fwd", x, phi, alpha, bias, gamma, eps_rms=eps_rms, eps_pre=eps_pre,
+                save_stats=bool(save_stats and save))
+
 # The backward ops' arguments in their inputs' order (one_call: with the torch extension a call wanting a
 # gradient is one C++ call, whose node runs mhc.pre.bwd without Python; a gradient that did not come is
 # passed absent where the op takes it so, zeros for dy).
 pre = build(Family(
     name="mhc_pre", ops=("mhc.pre.fwd", "mhc.pre.bwd"),
-    fwd=_PARAMS + ", float eps_rms, float eps_pre, float eps_sk, int t_max",
-    fwd_out=("y", "h_pre", "h_post", "r", "inv", "h"),
+    fwd=_PARAMS + ", float eps_rms, float eps_pre, float eps_sk, int t_max, bool save_stats=True",
+    fwd_out=("y", "h_pre", "h_post", "r", "inv", "h"), forward=_pre_fwd, save_arg="save_stats", save_required=True,
     bwd="Tensor? dy, " + _PARAMS + ", " + _SAVED + ", Tensor? dh_pre, Tensor? dh_post, Tensor? dr"
     + ", float eps_rms, float eps_pre, float eps_sk, int t_max",
     bwd_out=_OUT, backward=_pre_bwd, public=(0, 1, 2, 3), bwd_fake=_pre_bwd_fake, one_call=True))
 
 pre_only = build(Family(
     name="mhc_pre_only", ops=("mhc.pre_only.fwd", "mhc.pre_only.bwd"),
-    fwd=_PARAMS + ", float eps_rms, float eps_pre", fwd_out=("y", "h_pre", "inv", "h"),
+    fwd=_PARAMS + ", float eps_rms, float eps_pre, bool save_stats=True", fwd_out=("y", "h_pre", "inv", "h"),
+    forward=_pre_only_fwd, save_arg="save_stats", save_required=True,
     bwd="Tensor? dy, " + _PARAMS + ", " + _SAVED + ", Tensor? dh_pre, float eps_rms, float eps_pre",
     bwd_out=_OUT, backward=_pre_only_bwd, public=(0, 1), bwd_fake=_pre_bwd_fake, one_call=True))
 
@@ -124,16 +137,17 @@ def _eager_infer() -> bool:
 
 def run_pre(x, phi, alpha, bias, gamma, eps_rms, eps_pre, eps_sk, t_max):
     """(y, h_pre, h_post, r)."""
-    if _eager_infer():
+    if _eager_infer():  # no backward: inv and h are not kept (save_stats=False)
         return call("mhc.pre.fwd", x, phi, alpha, bias, gamma, eps_rms=eps_rms, eps_pre=eps_pre, eps_sk=eps_sk,
-                    t_max=t_max)[:4]
+                    t_max=t_max, save_stats=False)[:4]
     return pre(x, phi, alpha, bias, gamma, eps_rms, eps_pre, eps_sk, t_max)
 
 
 def run_pre_only(x, phi, alpha, bias, gamma, eps_rms, eps_pre):
     """(y, h_pre)."""
     if _eager_infer():
-        return call("mhc.pre_only.fwd", x, phi, alpha, bias, gamma, eps_rms=eps_rms, eps_pre=eps_pre)[:2]
+        return call("mhc.pre_only.fwd", x, phi, alpha, bias, gamma, eps_rms=eps_rms, eps_pre=eps_pre,
+                    save_stats=False)[:2]
     return pre_only(x, phi, alpha, bias, gamma, eps_rms, eps_pre)
 
 
