@@ -659,6 +659,17 @@ def mhc_decode(args) -> dict:
         print(f"  {name}: max |split - decode| / max |decode| = {err:.2e}")
     timed(f"kspec.ops.mhc_pre (no grad), {algo}", pre)
     timed("kspec.ops.mhc_pre (input requires grad), algo=decode", pre_grad)
+    # Where decode stops paying: GPU µs of each plan by T (kspec.call with the config named; the host path's cost
+    # does not enter a GPU time), for api/ops/mhc/op.cpp's kDecodeUpToT.
+    print(f"\n{'T':>5} {'split plan gpu µs':>18} {'decode gpu µs':>14}")
+    data["by_T"] = []
+    for tt in (1, 8, 16, 32, 64, 128, 256):
+        xt = torch.randn(tt, n, D, device=dev, dtype=bf)
+        gpu = [gpu_us(no_grad(lambda c=c: kspec.call("mhc.pre.fwd", xt, phi, alpha, bias, gamma, config=c,
+                                                          save_stats=False)))
+               for c in ("algo=3,threads=128,tokens=32", DECODE_CONFIG)]
+        data["by_T"].append({"T": tt, "split_gpu_us": gpu[0], "decode_gpu_us": gpu[1]})
+        print(f"{tt:5d} {gpu[0]:18.1f} {gpu[1]:14.1f}")
     return data
 
 

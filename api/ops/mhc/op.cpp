@@ -282,6 +282,9 @@ TuningSpace with_algo_axis(TuningSpace t) {
 constexpr int64_t kDecode = 4, kDecodeThreads = 256, kDecodeItemCols = 256, kDecodeHeadTokens = 8;
 // kMhcDecodeThreads, kMhcDecodeItemCols, kMhcDecodeHeadTokens in the kernel
 constexpr int64_t kDecodeSyncBytes = 256;  // the four counters, padded
+// Up to this many tokens the mma_ring and mma_warp_heads plans run the decode kernel (their kernel 3) instead of
+// the split plan; 0: never (until the H100 has timed both: tools/bench/dispatch.py --mhc-decode).
+constexpr int64_t kDecodeUpToT = 0;
 int64_t decode_items(const Problem& p) { return ceil_div(p.dim("nD"), kDecodeItemCols); }
 int64_t decode_y_items(const Problem& p) { return ceil_div(p.dim("T") * ceil_div(p.dim("D"), 8), kDecodeThreads); }
 std::string decode_unsupported(const Config& c) {
@@ -342,7 +345,16 @@ unsigned char* decode_scratch(const Call& call, Launcher& l, size_t bytes) {
   return reinterpret_cast<unsigned char*>(b.ptr);
 }
 
-void launch_decode(const Call& call, Launcher& l, const MhcPreParams& pre) {
+std::string t_max_arg(const Problem& p);
+
+jit::KernelSpec decode_kernel(const Problem& p) {
+  return kernel_spec(p, "mhc/mhc_pre_decode.cuh", "kspec::mhc_pre_fwd_decode_kernel",
+                     {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")),
+                      t_max_arg(p), b(p.present("gamma")), b(pre_only(p)), b(mma_vec(p))});
+}
+
+// The decode kernel, the plan's kernel `kernel`.
+void launch_decode(const Call& call, Launcher& l, const MhcPreParams& pre, size_t kernel) {
   const Problem& pr = call.problem;
   MhcPreDecodeParams a{};
   a.pre = pre;
@@ -355,9 +367,9 @@ void launch_decode(const Call& call, Launcher& l, const MhcPreParams& pre) {
   a.part = reinterpret_cast<float*>(s + kDecodeSyncBytes);
   a.z = z ? a.part + part : nullptr;
   // At most the blocks resident at once (each then takes several items), and no more than the items.
-  const int64_t resident = int64_t(l.multiprocessors()) * std::max(1, l.occupancy(0, u32(kDecodeThreads), 0));
+  const int64_t resident = int64_t(l.multiprocessors()) * std::max(1, l.occupancy(kernel, u32(kDecodeThreads), 0));
   void* args[] = {&a};
-  l.launch(0, {u32(std::min<int64_t>(a.items + a.y_items, resident))}, {u32(kDecodeThreads)}, 0, args);
+  l.launch(kernel, {u32(std::min<int64_t>(a.items + a.y_items, resident))}, {u32(kDecodeThreads)}, 0, args);
 }
 
 std::string thr(const Config& c) { return std::to_string(c.get("threads")); }
@@ -594,12 +606,7 @@ OpDef make_pre_fwd(bool po) {
   op.tuning = with_decode_algo(with_algo_axis(op.tuning));
   op.info.tuning_axes = op.tuning.axes;
   op.kernels = [](const Problem& p, const Config& c) {
-    if (c.get("algo") == kDecode) {
-      return std::vector<jit::KernelSpec>{kernel_spec(
-          p, "mhc/mhc_pre_decode.cuh", "kspec::mhc_pre_fwd_decode_kernel",
-          {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")), t_max_arg(p),
-           b(p.present("gamma")), b(pre_only(p)), b(mma_vec(p))})};
-    }
+    if (c.get("algo") == kDecode) return std::vector<jit::KernelSpec>{decode_kernel(p)};
     if (c.get("algo") != kSimt) {
       const std::string T = dtype_cuda_type(p.dtype("x")), n = std::to_string(p.dim("n")),
                         D = std::to_string(p.dim("D")), g = b(p.present("gamma")), head = b(pre_only(p));
@@ -613,6 +620,7 @@ OpDef make_pre_fwd(bool po) {
                                 {T, n, D, t_max_arg(p), g, head, tok, b(mma_vec(p)), splits, "false", "true"}));
         k.push_back(kernel_spec(p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_split_heads_kernel",
                                 {T, n, D, t_max_arg(p), head, tok, b(mma_vec(p)), splits}));
+        if (kDecodeUpToT > 0) k.push_back(decode_kernel(p));  // kernel 3: up to kDecodeUpToT tokens
       }
       return k;
     }
@@ -644,7 +652,8 @@ OpDef make_pre_fwd(bool po) {
     a.eps_rms = static_cast<float>(pr.param_float("eps_rms"));
     a.eps_pre = static_cast<float>(pr.param_float("eps_pre"));
     a.eps_sk = pre_only(pr) ? 0.f : static_cast<float>(pr.param_float("eps_sk"));
-    if (c.get("algo") == kDecode) return launch_decode(call, l, a);
+    if (c.get("algo") == kDecode) return launch_decode(call, l, a, 0);
+    if (fwd_warp_heads(c) && a.T <= kDecodeUpToT) return launch_decode(call, l, a, 3);
     // Without save_stats the other kernels still store inv and h: into the workspace, after what the split
     // plan takes (one request for both).
     const bool split = fwd_warp_heads(c) && a.T <= kSplitMaxT;
