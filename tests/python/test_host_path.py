@@ -74,6 +74,7 @@ def test_mhc_entries_run_no_import_and_one_forward_call_without_grad(monkeypatch
         return tuple(torch.full((1,), float(i)) for i in range(n))
 
     monkeypatch.setattr(_mhc, "call", stub)
+    monkeypatch.setattr(_mhc, "_forward", lambda op, inputs, params: stub(op, *inputs, **params))
     with torch.no_grad():
         for fn, n_out in ((lambda: kspec.ops.mhc_pre(x, phi, alpha, bias), 4),
                           (lambda: kspec.ops.mhc_post(x, f, torch.rand(8, 4), torch.rand(8, 4, 4)), 1),
@@ -177,3 +178,20 @@ def test_linear_with_grad_is_one_call_grad_for_none_and_relu(monkeypatch):
     kspec.ops.linear(x, w, b, "gelu_tanh")
     kspec.ops.linear(torch.randn(0, 32, requires_grad=True), w, b, "relu")
     assert not fake.seen and len(surface) == 2
+
+
+def test_mhc_forward_calls_the_torch_fast_path_straight(monkeypatch):
+    """kspec._mhc._forward (the no-grad entries' one call): kspec._core's current torch fast path with the inputs
+    as a tuple and the params as a dict (no keyword packing), and kspec.call where that path returns NotImplemented
+    (the pure path's answer for what it does not read)."""
+    from kspec import _core, _mhc
+
+    seen = []
+    monkeypatch.setattr(_core, "_call_torch", lambda op, inputs, out, params: seen.append((op, inputs, out, params))
+                        or ("out",))
+    monkeypatch.setattr(_mhc, "call", lambda op, *inputs, **params: pytest.fail("kspec.call ran"))
+    assert _mhc._forward("mhc.post.fwd", (1, 2, 3, 4), {"a": 1}) == ("out",)
+    assert seen == [("mhc.post.fwd", (1, 2, 3, 4), None, {"a": 1})]
+    monkeypatch.setattr(_core, "_call_torch", lambda *a: NotImplemented)
+    monkeypatch.setattr(_mhc, "call", lambda op, *inputs, **params: (op, inputs, params))
+    assert _mhc._forward("mhc.post.fwd", (1, 2), {"a": 1}) == ("mhc.post.fwd", (1, 2), {"a": 1})

@@ -226,6 +226,8 @@ def _reference_call(op, *inputs, out=None, config=None, **params):
 def on_reference(monkeypatch):
     for mod in (_mlstm, _mhc, _difflogic, _surface):
         monkeypatch.setattr(mod, "call", _reference_call)
+    # mhc's no-grad entries call the torch fast path straight: through `call` here (the reference)
+    monkeypatch.setattr(_mhc, "_forward", lambda op, inputs, params: _mhc.call(op, *inputs, **params))
     for name in FAMILIES:
         s = _surface.FAMILIES[name]
         monkeypatch.setattr(s, "grad_call", None)  # call_grad's C++ node runs the kernels, not `call`
