@@ -361,7 +361,7 @@ void launch_decode(const Call& call, Launcher& l, const MhcPreParams& pre, size_
   a.items = static_cast<int>(decode_items(pr));
   a.y_items = static_cast<int>(decode_y_items(pr));
   const int64_t T = pr.dim("T"), k = proj_rows(pr) + 1, nn = pre_only(pr) ? 0 : pr.dim("n") * pr.dim("n");
-  const int64_t part = a.items * T * k, z = T > kDecodeHeadTokens ? T * nn : 0;
+  const int64_t part = a.items * ceil_div(T * k, 4) * 4, z = T > kDecodeHeadTokens ? T * nn : 0;  // rows of float4s
   unsigned char* s = decode_scratch(call, l, kDecodeSyncBytes + sizeof(float) * static_cast<size_t>(part + z));
   a.sync = reinterpret_cast<unsigned*>(s);
   a.part = reinterpret_cast<float*>(s + kDecodeSyncBytes);
