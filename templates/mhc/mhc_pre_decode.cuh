@@ -57,10 +57,11 @@ __device__ __forceinline__ float mhc_decode_x(const MhcPreParams& p, long long t
   return to_float(x[(t * N + c / D) * p.x_row + c % D]);
 }
 
+// kRowSplit (algo=decode_rows): the projection items' warps split the values (rows of phi), not the tokens.
 // Grid: any number of blocks of kMhcDecodeThreads (the launcher: at most the resident ones, and no more than the
 // items); a minimum of one block an SM named (without it ptxas held n 8 to 128 registers and spilled 2.5 KB).
 // kVec: D % 8 == 0 and x, y, their rows, phi and gamma 16-byte aligned (8 columns never straddle streams).
-template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, bool kVec>
+template <typename T, int N, int D, int kTMax, bool kHasGamma, bool kPreOnly, bool kVec, bool kRowSplit = false>
 __global__ void __launch_bounds__(kMhcDecodeThreads, 1) mhc_pre_fwd_decode_kernel(const MhcPreDecodeParams a) {
   using Rows = MhcRows<N, kPreOnly>;
   using SK = MhcSinkhorn<N, kTMax>;
@@ -98,8 +99,8 @@ __global__ void __launch_bounds__(kMhcDecodeThreads, 1) mhc_pre_fwd_decode_kerne
 #pragma unroll
         for (int e = 0; e < 8; ++e) gm[e] = 1.f;
       }
-      for (int t = warp; t < tokens; t += kWarps) {
-        float xv[8];
+      // The lane's 8 columns of token t's streams (zeros past n*D).
+      auto load_x = [&](int t, float (&xv)[8]) {
         if (kVec) {
           MhcRow8<T> r8;
           const T* x = static_cast<const T*>(p.x);
@@ -111,6 +112,51 @@ __global__ void __launch_bounds__(kMhcDecodeThreads, 1) mhc_pre_fwd_decode_kerne
 #pragma unroll
           for (int e = 0; e < 8; ++e) xv[e] = mhc_decode_x<T, N, D>(p, t, c0 + e);
         }
+      };
+      if constexpr (kRowSplit) {
+        // algo=decode_rows: warp w the values k = w, w + 8, ... (0: sum v^2, 1 + r: m[r]) of kTC tokens at once,
+        // so that the block reads each row of phi once (a warp a token read the item's phi 8 times through L1);
+        // kVW x kTC <= 32 accumulators, reduce-scattered as below: the same sums in the same order, the same bits.
+        // (at most 8 tokens at once: 16 or 32 spilled at n 3, n 1, their x * gamma in registers)
+        constexpr int kVW = (kK + kWarps - 1) / kWarps, kTC = 32 / kVW < 8 ? 32 / kVW : 8;
+        static_assert(kVW <= 32, "at most 32 values a warp");
+        for (int t0 = 0; t0 < tokens; t0 += kTC) {
+          float acc[32];
+#pragma unroll
+          for (int q = 0; q < 32; ++q) acc[q] = 0.f;
+          float u[kTC][8];
+#pragma unroll
+          for (int tc = 0; tc < kTC; ++tc) {
+            float xv[8];
+            load_x(t0 + tc < tokens ? t0 + tc : t0, xv);
+            float ss = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+              ss = fmaf(xv[e], xv[e], ss);
+              u[tc][e] = kHasGamma ? xv[e] * gm[e] : xv[e];
+            }
+            if (warp == 0) acc[tc] = ss;  // value 0 is warp 0's first
+          }
+#pragma unroll
+          for (int v = 0; v < kVW; ++v) {
+            const int k = warp + kWarps * v;
+            if (k == 0 || k >= kK) continue;
+            float ph[8];
+            mhc_load8f<kVec>(ph, p.phi + static_cast<long long>(k - 1) * kND + (valid > 0 ? c0 : 0), valid);
+#pragma unroll
+            for (int tc = 0; tc < kTC; ++tc)
+#pragma unroll
+              for (int e = 0; e < 8; ++e) acc[v * kTC + tc] = fmaf(u[tc][e], ph[e], acc[v * kTC + tc]);
+          }
+          mhc_decode_reduce_scatter(acc, lane);
+          const int v = lane / kTC, t = t0 + lane % kTC, k = warp + kWarps * v;
+          if (v < kVW && k < kK && t < tokens)
+            a.part[static_cast<long long>(item) * stride + static_cast<long long>(t) * kK + k] = acc[0];
+        }
+      }
+      for (int t = kRowSplit ? tokens : warp; t < tokens; t += kWarps) {
+        float xv[8];
+        load_x(t, xv);
         float ss = 0.f, u[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) {

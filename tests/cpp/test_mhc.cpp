@@ -1477,10 +1477,10 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(std::get<2>(p.param));
     });
 
-// pre.fwd's algo=decode (4): one launch for few tokens (mhc_pre_decode.cuh), named threads=256, tokens=1 and
-// refused by name otherwise; any dtype (exact fp32 FMAs, fp32 x too), any n; not the heuristic's yet. With
-// save_stats=false inv and h are no outputs (pre.fwd and pre_only.fwd). The kernel compiles without spills or
-// stack at n 4 (16-byte groups and not), n 8, pre_only n 8.
+// pre.fwd's algo=decode (4) and decode_rows (5): one launch for few tokens (mhc_pre_decode.cuh), named threads=256,
+// tokens=1 and refused by name otherwise; any dtype (exact fp32 FMAs, fp32 x too), any n; not the heuristic's yet.
+// With save_stats=false inv and h are no outputs (pre.fwd and pre_only.fwd). The kernel compiles without spills or
+// stack at n 4 (16-byte groups and not), n 8, pre_only n 8; decode_rows at n 1, 4, 8.
 TEST(Mhc, PreForwardDecodeRulesSaveStatsAndCompileWithoutSpills) {
   const OpDef& op = Registry::global().get("mhc.pre.fwd");
   CompileRequest r;
@@ -1498,8 +1498,15 @@ TEST(Mhc, PreForwardDecodeRulesSaveStatsAndCompileWithoutSpills) {
   ASSERT_EQ(kernels.size(), 1u);
   EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_fwd_decode_kernel");
   EXPECT_EQ(kernels[0].targs.back(), "true");  // kVec
+  // algo=decode_rows (5): the same kernel with kRowSplit (its last template argument) on
+  const Config rows{{{"algo", 5}, {"threads", 256}, {"tokens", 1}}};
+  EXPECT_TRUE(op.tuning.valid(p, rows, &why)) << why;
+  const auto rk = op.kernels(p, rows);
+  ASSERT_EQ(rk.size(), 1u);
+  EXPECT_EQ(rk[0].targs.size(), kernels[0].targs.size() + 1);
+  EXPECT_EQ(rk[0].targs.back(), "true");
   for (const Config& bad : {Config{{{"algo", 4}, {"threads", 128}, {"tokens", 1}}},
-                            Config{{{"algo", 4}, {"threads", 256}, {"tokens", 16}}}}) {
+                            Config{{{"algo", 5}, {"threads", 256}, {"tokens", 16}}}}) {
     EXPECT_FALSE(op.tuning.valid(p, bad, &why)) << bad.str();
     EXPECT_NE(why.find("threads=256, tokens=1"), std::string::npos) << why;
   }
@@ -1527,27 +1534,29 @@ TEST(Mhc, PreForwardDecodeRulesSaveStatsAndCompileWithoutSpills) {
   }
 
   int compiled = 0;
-  for (auto [name, arch, dt, n, D] :
-       {std::tuple{"mhc.pre.fwd", "sm_90", DType::bf16, 4, 4096}, std::tuple{"mhc.pre.fwd", "sm_80", DType::bf16, 4, 4096},
-        std::tuple{"mhc.pre.fwd", "sm_90", DType::f32, 4, 4000}, std::tuple{"mhc.pre.fwd", "sm_90", DType::f16, 8, 128},
-        std::tuple{"mhc.pre_only.fwd", "sm_90", DType::f16, 8, 128}}) {
+  for (auto [name, arch, dt, n, D, algo] :
+       {std::tuple{"mhc.pre.fwd", "sm_90", DType::bf16, 4, 4096, 4}, std::tuple{"mhc.pre.fwd", "sm_80", DType::bf16, 4, 4096, 4},
+        std::tuple{"mhc.pre.fwd", "sm_90", DType::f32, 4, 4000, 4}, std::tuple{"mhc.pre.fwd", "sm_90", DType::f16, 8, 128, 4},
+        std::tuple{"mhc.pre_only.fwd", "sm_90", DType::f16, 8, 128, 4}, std::tuple{"mhc.pre.fwd", "sm_90", DType::bf16, 4, 4096, 5},
+        std::tuple{"mhc.pre.fwd", "sm_90", DType::bf16, 1, 4096, 5}, std::tuple{"mhc.pre.fwd", "sm_90", DType::f16, 8, 128, 5}}) {
     const OpDef& o = Registry::global().get(name);
     CompileRequest q;
     q.op = name;
     q.dtype = dt;
     q.arch = arch;
     q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
-    q.config = ok;
-    ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), ok, &why)) << name << ": " << why;
+    q.config = Config{{{"algo", algo}, {"threads", 256}, {"tokens", 1}}};
+    ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << ": " << why;
     for (const auto& rep : compile(q)) {
       EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << name << " n " << n;
       EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << name << " n " << n;
-      std::cout << arch << " " << name << " n " << n << " D " << D << ": " << rep.registers << " registers, "
+      std::cout << arch << " " << name << " algo " << algo << " n " << n << " D " << D << ": " << rep.registers
+                << " registers, "
                 << rep.shared_bytes << " bytes of shared memory\n";
       ++compiled;
     }
   }
-  EXPECT_EQ(compiled, 5);
+  EXPECT_EQ(compiled, 8);
 }
 
 // ---- algo=decode on the GPU ----
@@ -1555,6 +1564,7 @@ TEST(Mhc, PreForwardDecodeRulesSaveStatsAndCompileWithoutSpills) {
 namespace {
 
 const Config kDecodeConfig{{{"algo", 4}, {"threads", 256}, {"tokens", 1}}};
+const Config kDecodeRowsConfig{{{"algo", 5}, {"threads", 256}, {"tokens", 1}}};
 
 // "" when a and b hold the same bytes output by output, else the first output that differs.
 std::string first_difference(const std::vector<std::vector<uint8_t>>& a, const std::vector<std::vector<uint8_t>>& b) {
@@ -1674,17 +1684,18 @@ struct DecodeProblem {
 }  // namespace
 
 // Every case of mhc.pre.fwd and mhc.pre_only.fwd (T 1, 2, 1031; n 1, 2, 3, 8; D 33 to 7168; eps 0; t_max 1 and
-// 3; no gamma) with algo=decode, every dtype, against the float64 reference (GpuEveryOp's checker: outputs
-// poisoned first).
+// 3; no gamma) with algo=decode and decode_rows, every dtype, against the float64 reference (GpuEveryOp's checker:
+// outputs poisoned first).
 TEST(MhcGpu, PreForwardDecodeMatchesReferenceOnEveryCase) {
   KSPEC_REQUIRE_GPU();
   const EveryCase n = check_every_case({"mhc.pre.fwd", "mhc.pre_only.fwd"}, {DType::f32, DType::f16, DType::bf16},
-                                       [](const Config& c) { return algo_is(c, 4); }, SIZE_MAX, true);
-  EXPECT_GE(n.rows, 60);
+                                       [](const Config& c) { return algo_is(c, 4) || algo_is(c, 5); }, SIZE_MAX, true);
+  EXPECT_GE(n.rows, 120);  // both algos
 }
 
 // The decode shapes: T 1, 2, 8, 33 (above the heads' 8 tokens at once), 256 against n 1, 3, 4, 8 and D 4000,
-// 4096, each dtype, gamma or not, pre_only or not, poisoned outputs against the float64 reference; T 8, n 4, D 4096 in every combination, and without save_stats (inv and h left as poisoned,
+// 4096, each dtype, gamma or not, pre_only or not, poisoned outputs against the float64 reference, and decode_rows
+// the same bits as decode; T 8, n 4, D 4096 in every combination, and without save_stats (inv and h left as poisoned,
 // the other outputs the same bits).
 TEST(MhcGpu, PreForwardDecodeShapesMatchReference) {
   KSPEC_REQUIRE_GPU();
@@ -1699,6 +1710,11 @@ TEST(MhcGpu, PreForwardDecodeShapesMatchReference) {
       p.enqueue(nullptr, kDecodeConfig);
       CU_CHECK(cuCtxSynchronize());
       p.expect_matches_reference(true, p.name());
+      const auto decode = p.bytes();
+      p.poison();
+      p.enqueue(nullptr, kDecodeRowsConfig);
+      CU_CHECK(cuCtxSynchronize());
+      EXPECT_EQ(first_difference(p.bytes(), decode), "") << p.name() << ": decode_rows against decode";
       ++run;
     }
   for (DType dt : dts)
@@ -1737,6 +1753,10 @@ TEST(MhcGpu, PreForwardDecodeIsDeterministicAcrossStreamsAndGraphReplays) {
   p.enqueue(nullptr, kDecodeConfig);
   CU_CHECK(cuCtxSynchronize());
   EXPECT_EQ(first_difference(p.bytes(), first), "") << "second run";
+  p.poison();
+  p.enqueue(nullptr, kDecodeRowsConfig);
+  CU_CHECK(cuCtxSynchronize());
+  EXPECT_EQ(first_difference(p.bytes(), first), "") << "decode_rows";
 
   DecodeProblem q(8, 4, 4096, DType::bf16, true, false);  // the same inputs (the seed is the shape's)
   jit::OwnedStream sa = jit::create_stream(CU_STREAM_NON_BLOCKING), sb = jit::create_stream(CU_STREAM_NON_BLOCKING);

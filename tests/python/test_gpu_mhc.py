@@ -214,6 +214,7 @@ def test_post_pre_matches_post_then_pre(n, D, dtype_name):
 # ---- algo=decode: mhc.pre.fwd for few tokens in one launch ----
 
 DECODE = "algo=4,threads=256,tokens=1"
+DECODE_ROWS = "algo=5,threads=256,tokens=1"  # the projection's warps split phi's rows: the same bits
 
 
 @pytest.mark.gpu
@@ -222,7 +223,7 @@ DECODE = "algo=4,threads=256,tokens=1"
 def test_decode_algo_matches_reference_without_saved_stats_too(T, n, D, dtype_name):
     """mhc.pre.fwd at algo=decode on [1, T, n, D]: every output against the float64 reference (fp32 outputs 1e-5:
     exact fp32 FMAs); with save_stats=False inv and h are absent (None) and the other outputs the same bits; a
-    second call the same bits again."""
+    second call the same bits again, and algo=decode_rows too."""
     t = _torch()
     dtype = getattr(t, dtype_name)
     x, phi, alpha, bias, gam = _layer_inputs(1, T, n, D, dtype, seed=T * 10 + n)
@@ -235,9 +236,10 @@ def test_decode_algo_matches_reference_without_saved_stats_too(T, n, D, dtype_na
     assert lean[4] is None and lean[5] is None
     for a, b in zip(outs[:4], lean[:4]):
         assert t.equal(a, b)
-    again = kspec.call("mhc.pre.fwd", x, phi, alpha, bias, gam, config=DECODE)
-    for a, b in zip(outs, again):
-        assert t.equal(a, b)
+    for config in (DECODE, DECODE_ROWS):
+        again = kspec.call("mhc.pre.fwd", x, phi, alpha, bias, gam, config=config)
+        for a, b in zip(outs, again):
+            assert t.equal(a, b), config
 
 
 @pytest.mark.gpu

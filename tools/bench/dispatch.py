@@ -569,6 +569,7 @@ def run(args) -> dict:
 # ---- mhc.pre at the decode shape: the split plan (the heuristic's today) against algo=decode, one process ----
 
 DECODE_CONFIG = "algo=4,threads=256,tokens=1"
+DECODE_ROWS_CONFIG = "algo=5,threads=256,tokens=1"  # the projection's warps split phi's rows (the same bits)
 
 
 def _own_tuning_db() -> str:
@@ -582,15 +583,16 @@ def _own_tuning_db() -> str:
     return folder
 
 
-def _decode_tuned(folder, calls) -> None:
-    """Routes the calls' problems to algo=decode: one record per problem (its key from kspec.explain) imported
-    into the process's own database (_own_tuning_db), which makes dispatch choose their configs again."""
+def _decode_tuned(folder, calls, config=DECODE_CONFIG, time_ms=1e-3) -> None:
+    """Routes the calls' problems to `config`: one record per problem (its key from kspec.explain) imported into
+    the process's own database (_own_tuning_db; a smaller time_ms replaces a record), which makes dispatch choose
+    their configs again."""
     import os
 
     import kspec
     from kspec import tuning
 
-    entries = {kspec.explain(op, *inputs, **params).tuning_key: {"config": DECODE_CONFIG, "time_ms": 1e-3}
+    entries = {kspec.explain(op, *inputs, **params).tuning_key: {"config": config, "time_ms": time_ms}
                for op, inputs, params in calls}
     src = os.path.join(folder, "decode.json")
     with open(src, "w") as f:
@@ -647,29 +649,36 @@ def mhc_decode(args) -> dict:
     timed(f"kspec.ops.mhc_pre (no grad), heuristic: {algo}", pre)
     timed("torch F.rms_norm (input requires grad)", lambda: F.rms_norm(xg.view(T, n * D), (n * D,), w, 1e-6))
     timed("kspec.ops.mhc_pre (input requires grad), heuristic", pre_grad)
-    _decode_tuned(folder, [("mhc.pre.fwd", (x, phi, alpha, bias, gamma), {"save_stats": False}),
-                   ("mhc.pre.fwd", (x, phi, alpha, bias, gamma), {})])
-    algo = kspec.explain("mhc.pre.fwd", x, phi, alpha, bias, gamma, save_stats=False).config
-    if algo != DECODE_CONFIG:
-        raise RuntimeError(f"the decode rows would run {algo}, not {DECODE_CONFIG}")
-    after = pre()
-    for name, a, b in zip(("y", "h_pre", "h_post", "r"), before, after):
-        err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-        data.setdefault("max_rel_decode_vs_split", {})[name] = err
-        print(f"  {name}: max |split - decode| / max |decode| = {err:.2e}")
-    timed(f"kspec.ops.mhc_pre (no grad), {algo}", pre)
-    timed("kspec.ops.mhc_pre (input requires grad), algo=decode", pre_grad)
+    problems = [("mhc.pre.fwd", (x, phi, alpha, bias, gamma), {"save_stats": False}),
+                ("mhc.pre.fwd", (x, phi, alpha, bias, gamma), {})]
+    decoded = None
+    for config, time_ms in ((DECODE_CONFIG, 1e-3), (DECODE_ROWS_CONFIG, 1e-4)):
+        _decode_tuned(folder, problems, config, time_ms)
+        algo = kspec.explain("mhc.pre.fwd", x, phi, alpha, bias, gamma, save_stats=False).config
+        if algo != config:
+            raise RuntimeError(f"the decode rows would run {algo}, not {config}")
+        after = pre()
+        for name, a, b in zip(("y", "h_pre", "h_post", "r"), before, after):
+            err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+            data.setdefault(f"max_rel_split_vs_{config}", {})[name] = err
+            print(f"  {name}: max |split - {config}| / max |it| = {err:.2e}")
+        if decoded is not None:
+            data[f"same_bits_as_{DECODE_CONFIG}"] = all(torch.equal(a, b) for a, b in zip(decoded, after))
+            print(f"  the same bits as {DECODE_CONFIG}: {data[f'same_bits_as_{DECODE_CONFIG}']}")
+        decoded = [o.clone() for o in after]
+        timed(f"kspec.ops.mhc_pre (no grad), {algo}", pre)
+        timed(f"kspec.ops.mhc_pre (input requires grad), {algo}", pre_grad)
     # Where decode stops paying: GPU µs of each plan by T (kspec.call with the config named; the host path's cost
     # does not enter a GPU time), for api/ops/mhc/op.cpp's kDecodeUpToT.
-    print(f"\n{'T':>5} {'split plan gpu µs':>18} {'decode gpu µs':>14}")
+    print(f"\n{'T':>5} {'split plan gpu µs':>18} {'decode gpu µs':>14} {'decode_rows gpu µs':>19}")
     data["by_T"] = []
     for tt in (1, 8, 16, 32, 64, 128, 256):
         xt = torch.randn(tt, n, D, device=dev, dtype=bf)
         gpu = [gpu_us(no_grad(lambda c=c: kspec.call("mhc.pre.fwd", xt, phi, alpha, bias, gamma, config=c,
                                                           save_stats=False)))
-               for c in ("algo=3,threads=128,tokens=32", DECODE_CONFIG)]
-        data["by_T"].append({"T": tt, "split_gpu_us": gpu[0], "decode_gpu_us": gpu[1]})
-        print(f"{tt:5d} {gpu[0]:18.1f} {gpu[1]:14.1f}")
+               for c in ("algo=3,threads=128,tokens=32", DECODE_CONFIG, DECODE_ROWS_CONFIG)]
+        data["by_T"].append({"T": tt, "split_gpu_us": gpu[0], "decode_gpu_us": gpu[1], "decode_rows_gpu_us": gpu[2]})
+        print(f"{tt:5d} {gpu[0]:18.1f} {gpu[1]:14.1f} {gpu[2]:19.1f}")
     return data
 
 

@@ -279,32 +279,36 @@ TuningSpace with_algo_axis(TuningSpace t) {
 // Its items: the projection's columns in items of 256 (a warp's 8 columns a lane), y in items of 256 groups of
 // 8 elements; blocks of 256 threads, named threads=256, tokens=1 (the kernel takes any T, a warp a token at a
 // time). Exact fp32 FMAs, so any dtype of x and any arch. Not yet the heuristic's: the H100 decides (run 29).
-constexpr int64_t kDecode = 4, kDecodeThreads = 256, kDecodeItemCols = 256, kDecodeHeadTokens = 8;
+// algo=decode_rows (5): the same with the projection items' warps splitting phi's rows instead of the tokens (each
+// row of the item read once a block, not once a warp): the same sums in the same order, the same bits.
+constexpr int64_t kDecode = 4, kDecodeRows = 5, kDecodeThreads = 256, kDecodeItemCols = 256, kDecodeHeadTokens = 8;
+bool decode_algo(const Config& c) { return c.get("algo") == kDecode || c.get("algo") == kDecodeRows; }
 // kMhcDecodeThreads, kMhcDecodeItemCols, kMhcDecodeHeadTokens in the kernel
 constexpr int64_t kDecodeSyncBytes = 256;  // the four counters, padded
 // Up to this many tokens the mma_ring and mma_warp_heads plans run the decode kernel (their kernel 3) instead of
 // the split plan; 0: never (until the H100 has timed both: tools/bench/dispatch.py --mhc-decode).
 constexpr int64_t kDecodeUpToT = 0;
+constexpr bool kDecodeUpToTRows = false;  // which of the two: decode (false) or decode_rows
 int64_t decode_items(const Problem& p) { return ceil_div(p.dim("nD"), kDecodeItemCols); }
 int64_t decode_y_items(const Problem& p) { return ceil_div(p.dim("T") * ceil_div(p.dim("D"), 8), kDecodeThreads); }
 std::string decode_unsupported(const Config& c) {
   if (c.get("threads") != kDecodeThreads || c.get("tokens") != 1)
-    return "algo=decode runs 256 threads a block over every token (named threads=256, tokens=1)";
+    return "algo=decode and decode_rows run 256 threads a block over every token (named threads=256, tokens=1)";
   return "";
 }
 TuningSpace with_decode_algo(TuningSpace t) {
   for (auto& [name, values] : t.axes)
-    if (name == "algo") values.push_back(kDecode);
+    if (name == "algo") values.insert(values.end(), {kDecode, kDecodeRows});
   auto valid = t.valid;
   t.valid = [valid](const Problem& p, const Config& c, std::string* why) {
-    if (c.get("algo") != kDecode) return valid(p, c, why);
+    if (!decode_algo(c)) return valid(p, c, why);
     const std::string no = decode_unsupported(c);
     if (why) *why = no;
     return no.empty();
   };
   auto block_threads = t.block_threads;
   t.block_threads = [block_threads](const Problem& p, const Config& c) {
-    return c.get("algo") == kDecode ? kDecodeThreads : block_threads(p, c);
+    return decode_algo(c) ? kDecodeThreads : block_threads(p, c);
   };
   return t;
 }
@@ -347,10 +351,12 @@ unsigned char* decode_scratch(const Call& call, Launcher& l, size_t bytes) {
 
 std::string t_max_arg(const Problem& p);
 
-jit::KernelSpec decode_kernel(const Problem& p) {
-  return kernel_spec(p, "mhc/mhc_pre_decode.cuh", "kspec::mhc_pre_fwd_decode_kernel",
-                     {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")), std::to_string(p.dim("D")),
-                      t_max_arg(p), b(p.present("gamma")), b(pre_only(p)), b(mma_vec(p))});
+jit::KernelSpec decode_kernel(const Problem& p, bool rows) {
+  std::vector<std::string> targs = {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")),
+                                    std::to_string(p.dim("D")), t_max_arg(p), b(p.present("gamma")), b(pre_only(p)),
+                                    b(mma_vec(p))};
+  if (rows) targs.push_back("true");  // kRowSplit, false by default
+  return kernel_spec(p, "mhc/mhc_pre_decode.cuh", "kspec::mhc_pre_fwd_decode_kernel", std::move(targs));
 }
 
 // The decode kernel, the plan's kernel `kernel`.
@@ -606,7 +612,7 @@ OpDef make_pre_fwd(bool po) {
   op.tuning = with_decode_algo(with_algo_axis(op.tuning));
   op.info.tuning_axes = op.tuning.axes;
   op.kernels = [](const Problem& p, const Config& c) {
-    if (c.get("algo") == kDecode) return std::vector<jit::KernelSpec>{decode_kernel(p)};
+    if (decode_algo(c)) return std::vector<jit::KernelSpec>{decode_kernel(p, c.get("algo") == kDecodeRows)};
     if (c.get("algo") != kSimt) {
       const std::string T = dtype_cuda_type(p.dtype("x")), n = std::to_string(p.dim("n")),
                         D = std::to_string(p.dim("D")), g = b(p.present("gamma")), head = b(pre_only(p));
@@ -620,7 +626,7 @@ OpDef make_pre_fwd(bool po) {
                                 {T, n, D, t_max_arg(p), g, head, tok, b(mma_vec(p)), splits, "false", "true"}));
         k.push_back(kernel_spec(p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_split_heads_kernel",
                                 {T, n, D, t_max_arg(p), head, tok, b(mma_vec(p)), splits}));
-        if (kDecodeUpToT > 0) k.push_back(decode_kernel(p));  // kernel 3: up to kDecodeUpToT tokens
+        if (kDecodeUpToT > 0) k.push_back(decode_kernel(p, kDecodeUpToTRows));  // kernel 3: up to kDecodeUpToT tokens
       }
       return k;
     }
@@ -652,7 +658,7 @@ OpDef make_pre_fwd(bool po) {
     a.eps_rms = static_cast<float>(pr.param_float("eps_rms"));
     a.eps_pre = static_cast<float>(pr.param_float("eps_pre"));
     a.eps_sk = pre_only(pr) ? 0.f : static_cast<float>(pr.param_float("eps_sk"));
-    if (c.get("algo") == kDecode) return launch_decode(call, l, a, 0);
+    if (decode_algo(c)) return launch_decode(call, l, a, 0);
     if (fwd_warp_heads(c) && a.T <= kDecodeUpToT) return launch_decode(call, l, a, 3);
     // Without save_stats the other kernels still store inv and h: into the workspace, after what the split
     // plan takes (one request for both).
