@@ -76,7 +76,7 @@ def test_decode_algo_in_a_cuda_graph_replays_the_eager_bits():
     eager = kspec.call("mhc.pre.fwd", x, phi, alpha, bias, gam, config=DECODE, save_stats=False)[:4]
     outs = tuple(t.empty_like(o) for o in eager)
     kspec.call("mhc.pre.fwd", x, phi, alpha, bias, gam, config=DECODE, save_stats=False,
-               out=outs + (None, None))  # warm on the side stream torch.cuda.graph captures on
+               out=outs + (None, None))  # warm: nothing to compile or load inside the capture
     t.cuda.synchronize()
     g = t.cuda.CUDAGraph()
     with t.cuda.graph(g):
