@@ -59,20 +59,22 @@ def test_torch_entries_read_the_glue_module_without_an_import():
 def test_mhc_entries_run_no_import_and_one_forward_call_without_grad(monkeypatch):
     """kspec.ops.mhc_pre / mhc_post / mhc_post_pre at decode (no gradient): the glue module read from a global that
     kspec._mhc sets (not `from . import _mhc`, importlib's _handle_fromlist per call), then one call of the
-    forward op; the public outputs are its first ones."""
+    forward op (mhc_pre's with save_stats=False); the public outputs are its first ones."""
     from kspec import _mhc, ops
 
     assert ops._mhc is _mhc and ops._mhc_glue() is _mhc
     x, f = torch.randn(8, 4, 64), torch.randn(8, 64)
     phi, alpha, bias = torch.zeros(24, 256), torch.full((3,), 0.01), torch.zeros(24)
-    calls = []
+    calls, saves = [], []
 
     def stub(op, *inputs, out=None, **params):
         calls.append(op)
+        saves.append(params.get("save_stats"))
         n = {"mhc.pre.fwd": 6, "mhc.post.fwd": 1, "mhc.post_pre.fwd": 7}[op]
         return tuple(torch.full((1,), float(i)) for i in range(n))
 
     monkeypatch.setattr(_mhc, "call", stub)
+    monkeypatch.setattr(_mhc, "_forward", lambda op, inputs, params: stub(op, *inputs, **params))
     with torch.no_grad():
         for fn, n_out in ((lambda: kspec.ops.mhc_pre(x, phi, alpha, bias), 4),
                           (lambda: kspec.ops.mhc_post(x, f, torch.rand(8, 4), torch.rand(8, 4, 4)), 1),
@@ -82,6 +84,8 @@ def test_mhc_entries_run_no_import_and_one_forward_call_without_grad(monkeypatch
             names = _python_calls(fn)
             assert not NOT_PER_CALL & set(names) and "_handle_fromlist" not in names, names
             assert calls == [calls[0]] * 2, calls  # the warm-up call and the counted one: one op call each
+            if calls[0] == "mhc.pre.fwd":  # no backward to follow: neither inv nor h allocated
+                assert saves[-1] is False, saves
             out = fn()
             got = [out] if n_out == 1 else list(out)
             assert [float(t[0]) for t in got] == list(range(n_out))
@@ -174,3 +178,20 @@ def test_linear_with_grad_is_one_call_grad_for_none_and_relu(monkeypatch):
     kspec.ops.linear(x, w, b, "gelu_tanh")
     kspec.ops.linear(torch.randn(0, 32, requires_grad=True), w, b, "relu")
     assert not fake.seen and len(surface) == 2
+
+
+def test_mhc_forward_calls_the_torch_fast_path_straight(monkeypatch):
+    """kspec._mhc._forward (the no-grad entries' one call): kspec._core's current torch fast path with the inputs
+    as a tuple and the params as a dict (no keyword packing), and kspec.call where that path returns NotImplemented
+    (the pure path's answer for what it does not read)."""
+    from kspec import _core, _mhc
+
+    seen = []
+    monkeypatch.setattr(_core, "_call_torch", lambda op, inputs, out, params: seen.append((op, inputs, out, params))
+                        or ("out",))
+    monkeypatch.setattr(_mhc, "call", lambda op, *inputs, **params: pytest.fail("kspec.call ran"))
+    assert _mhc._forward("mhc.post.fwd", (1, 2, 3, 4), {"a": 1}) == ("out",)
+    assert seen == [("mhc.post.fwd", (1, 2, 3, 4), None, {"a": 1})]
+    monkeypatch.setattr(_core, "_call_torch", lambda *a: NotImplemented)
+    monkeypatch.setattr(_mhc, "call", lambda op, *inputs, **params: (op, inputs, params))
+    assert _mhc._forward("mhc.post.fwd", (1, 2), {"a": 1}) == ("mhc.post.fwd", (1, 2), {"a": 1})

@@ -207,9 +207,11 @@ def _reference_call(op, *inputs, out=None, config=None, **params):
     specs = _schema.output_specs(op, [None if t is None else tuple(t.shape) for t in inputs],
                                  [None if t is None else str(t.dtype).removeprefix("torch.") for t in inputs],
                                  present={d["name"]: True for d in info["outputs"]})
+    # an output present with a bool param (mhc.pre.fwd's inv and h with save_stats) is absent where it is off
+    dropped = [p.get(d.get("present_with")) is False for d in info["outputs"]]
     got = []
     for j, r in enumerate(res):
-        if r is None or (out is not None and out[j] is None):
+        if r is None or (out is not None and out[j] is None) or dropped[j]:
             got.append(None)
             continue
         t = torch.from_numpy(np.ascontiguousarray(r)).to(getattr(torch, specs[j][0])).reshape(specs[j][1])
@@ -224,6 +226,8 @@ def _reference_call(op, *inputs, out=None, config=None, **params):
 def on_reference(monkeypatch):
     for mod in (_mlstm, _mhc, _difflogic, _surface):
         monkeypatch.setattr(mod, "call", _reference_call)
+    # mhc's no-grad entries call the torch fast path straight: through `call` here (the reference)
+    monkeypatch.setattr(_mhc, "_forward", lambda op, inputs, params: _mhc.call(op, *inputs, **params))
     for name in FAMILIES:
         s = _surface.FAMILIES[name]
         monkeypatch.setattr(s, "grad_call", None)  # call_grad's C++ node runs the kernels, not `call`
@@ -491,14 +495,16 @@ def test_hyper_connection_stack_fuses_and_matches_layers_in_turn(on_reference, m
 
 def test_mhc_inference_is_one_call_of_the_forward_op(on_reference, monkeypatch):
     """Under torch.no_grad (a decode step) kspec.ops.mhc_pre/_post/_post_pre and the modules make one kspec.call
-    of the forward op each, never the Surface's planning (autograd's entry), with the reference's outputs."""
+    of the forward op each, never the Surface's planning (autograd's entry), with the reference's outputs; the pre
+    ops without inv and h (save_stats=False)."""
     g = _gen(11)
     x, phi, alpha, bias, gamma = _mhc_inputs(g)
     T, n, D = x.shape
     f = torch.randn(T, D, generator=g, dtype=torch.float64)
     h_post, h_res = torch.rand(T, n, generator=g).float(), torch.rand(T, n, n, generator=g).float()
-    ops, real = [], _mhc.call
-    monkeypatch.setattr(_mhc, "call", lambda op, *a, **k: ops.append(op) or real(op, *a, **k))
+    ops, saves, real = [], [], _mhc.call
+    monkeypatch.setattr(_mhc, "call", lambda op, *a, **k: ops.append(op) or saves.append(k.get("save_stats")) or
+                        real(op, *a, **k))
     monkeypatch.setattr(_surface.Surface, "__call__", lambda *a: pytest.fail("the Surface ran under no_grad"))
     with torch.no_grad():
         y, h_pre, hp, r = kspec.ops.mhc_pre(x, phi, alpha, bias, gamma)
@@ -509,6 +515,8 @@ def test_mhc_inference_is_one_call_of_the_forward_op(on_reference, monkeypatch):
         kspec.nn.HyperConnectionStack([hc, kspec.nn.HyperConnection(D, n, torch.nn.Identity())])(x)
     assert ops == ["mhc.pre.fwd", "mhc.post.fwd", "mhc.post_pre.fwd", "mhc.pre_only.fwd", "mhc.pre.fwd",
                    "mhc.post_pre.fwd", "mhc.post.fwd"]
+    # no backward to follow: the pre ops keep neither inv nor h (save_stats=False: two outputs fewer to allocate)
+    assert [s for o, s in zip(ops, saves) if o in ("mhc.pre.fwd", "mhc.pre_only.fwd")] == [False] * 3, saves
     want = mhc_ref.mhc_pre_fwd(*(_np(t) for t in (x, phi, alpha, bias, gamma)))
     _close(y, want["y"])
     _close(r, want["r"])

@@ -10,6 +10,7 @@ _torch_ext.record's node with the surface's Python backward, as before call_grad
 
     python3 tools/bench/bench.py --family dispatch [--json FILE] [--dispatch-bin build/gpu/tools/bench/kspec_dispatch_bench]
     python3 tools/bench/dispatch.py [--json FILE] [--dispatch-bin ...]      # the same, alone
+    python3 tools/bench/dispatch.py --mhc-decode [--json FILE]   # mhc.pre at T 8: split plan against algo=decode
 
 A bench family (FAMILY below): the runner calls run(ctx), ctx.dispatch_bin from jit's --dispatch-bin option
 (None to skip the C++ rows)."""
@@ -581,14 +582,132 @@ def run(args) -> dict:
     return data
 
 
+# ---- mhc.pre at the decode shape: the split plan (the heuristic's today) against algo=decode, one process ----
+
+DECODE_CONFIG = "algo=4,threads=256,tokens=1"
+DECODE_ROWS_CONFIG = "algo=5,threads=256,tokens=1"  # the projection's warps split phi's rows (the same bits)
+
+
+def _own_tuning_db() -> str:
+    """A tuning database of this process's own (KSPEC_TUNING_DB: a file in a temporary folder, not there yet), so
+    that the machine's is neither read nor written. Returns the folder."""
+    import os
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="kspec-mhc-decode-")
+    os.environ["KSPEC_TUNING_DB"] = os.path.join(folder, "db.json")
+    return folder
+
+
+def _decode_tuned(folder, calls, config=DECODE_CONFIG, time_ms=1e-3) -> None:
+    """Routes the calls' problems to `config`: one record per problem (its key from kspec.explain) imported into
+    the process's own database (_own_tuning_db; a smaller time_ms replaces a record), which makes dispatch choose
+    their configs again."""
+    import os
+
+    import kspec
+    from kspec import tuning
+
+    entries = {kspec.explain(op, *inputs, **params).tuning_key: {"config": config, "time_ms": time_ms}
+               for op, inputs, params in calls}
+    src = os.path.join(folder, "decode.json")
+    with open(src, "w") as f:
+        json.dump({"version": 1, "kind": "kspec-tuning", "entries": entries}, f)
+    tuning.import_db(src)
+
+
+def mhc_decode(args) -> dict:
+    """Issue 34's decode shape (T 8, n 4, D 4096, bf16): host µs per call (dispatch's loop) and GPU µs (the kernels
+    alone, queued behind a spin kernel) of kspec.ops.mhc_pre, without and with a gradient, on the heuristic's plan
+    (mma_ring: the split plan, two launches) and on algo=decode (one launch), beside torch's F.rms_norm over the
+    same x; each algo's outputs checked against the other's first. The decode rows go through dispatch's fast path:
+    a tuning database of the process's own records algo=decode for these problems (_decode_tuned)."""
+    import torch
+    import torch.nn.functional as F
+
+    import kspec
+
+    folder = _own_tuning_db()
+    dev, bf = "cuda", torch.bfloat16
+    T, n, D = 8, 4, 4096
+    M = n * n + 2 * n
+    torch.manual_seed(34)
+    x = torch.randn(T, n, D, device=dev, dtype=bf)
+    phi = torch.randn(M, n * D, device=dev) / (n * D) ** 0.5
+    alpha, bias = torch.tensor([0.7, -0.5, 1.3], device=dev), torch.randn(M, device=dev) * 0.5
+    gamma = 1 + 0.3 * torch.randn(n * D, device=dev)
+    xg = x.clone().requires_grad_()
+    xf, w = x.view(T, n * D), torch.ones(n * D, device=dev, dtype=bf)
+
+    def no_grad(fn):
+        def run():
+            with torch.no_grad():
+                return fn()
+        return run
+
+    pre = no_grad(lambda: kspec.ops.mhc_pre(x, phi, alpha, bias, gamma))
+    pre_grad = lambda: kspec.ops.mhc_pre(xg, phi, alpha, bias, gamma)  # noqa: E731
+    rows = [("torch F.rms_norm [8, 16384] bf16 (no grad)", no_grad(lambda: F.rms_norm(xf, (n * D,), w, 1e-6)))]
+    data = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": CALLS, "rows": []}
+    print(f"mhc.pre decode (T {T}, n {n}, D {D}, bf16): median host µs of {CALLS} calls, GPU µs of the kernels "
+          f"({data['device']}, torch {torch.__version__})")
+    print(f"{'call':58} {'host µs':>8} {'gpu µs':>8}")
+
+    def timed(name, fn):
+        us, gpu = host_us(fn), gpu_us(fn)
+        data["rows"].append({"call": name, "us": us, "gpu_us": gpu})
+        print(f"{name:58} {us:8.1f} {gpu:8.1f}")
+
+    for name, fn in rows:
+        timed(name, fn)
+    before = [t.clone() for t in pre()]
+    algo = kspec.explain("mhc.pre.fwd", x, phi, alpha, bias, gamma, save_stats=False).config
+    timed(f"kspec.ops.mhc_pre (no grad), heuristic: {algo}", pre)
+    timed("torch F.rms_norm (input requires grad)", lambda: F.rms_norm(xg.view(T, n * D), (n * D,), w, 1e-6))
+    timed("kspec.ops.mhc_pre (input requires grad), heuristic", pre_grad)
+    problems = [("mhc.pre.fwd", (x, phi, alpha, bias, gamma), {"save_stats": False}),
+                ("mhc.pre.fwd", (x, phi, alpha, bias, gamma), {})]
+    decoded = None
+    for config, time_ms in ((DECODE_CONFIG, 1e-3), (DECODE_ROWS_CONFIG, 1e-4)):
+        _decode_tuned(folder, problems, config, time_ms)
+        algo = kspec.explain("mhc.pre.fwd", x, phi, alpha, bias, gamma, save_stats=False).config
+        if algo != config:
+            raise RuntimeError(f"the decode rows would run {algo}, not {config}")
+        after = pre()
+        for name, a, b in zip(("y", "h_pre", "h_post", "r"), before, after):
+            err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+            data.setdefault(f"max_rel_split_vs_{config}", {})[name] = err
+            print(f"  {name}: max |split - {config}| / max |it| = {err:.2e}")
+        if decoded is not None:
+            data[f"same_bits_as_{DECODE_CONFIG}"] = all(torch.equal(a, b) for a, b in zip(decoded, after))
+            print(f"  the same bits as {DECODE_CONFIG}: {data[f'same_bits_as_{DECODE_CONFIG}']}")
+        decoded = [o.clone() for o in after]
+        timed(f"kspec.ops.mhc_pre (no grad), {algo}", pre)
+        timed(f"kspec.ops.mhc_pre (input requires grad), {algo}", pre_grad)
+    # Where decode stops paying: GPU µs of each plan by T (kspec.call with the config named; the host path's cost
+    # does not enter a GPU time), for api/ops/mhc/op.cpp's kDecodeUpToT.
+    print(f"\n{'T':>5} {'split plan gpu µs':>18} {'decode gpu µs':>14} {'decode_rows gpu µs':>19}")
+    data["by_T"] = []
+    for tt in (1, 8, 16, 32, 64, 128, 256):
+        xt = torch.randn(tt, n, D, device=dev, dtype=bf)
+        gpu = [gpu_us(no_grad(lambda c=c: kspec.call("mhc.pre.fwd", xt, phi, alpha, bias, gamma, config=c,
+                                                          save_stats=False)))
+               for c in ("algo=3,threads=128,tokens=32", DECODE_CONFIG, DECODE_ROWS_CONFIG)]
+        data["by_T"].append({"T": tt, "split_gpu_us": gpu[0], "decode_gpu_us": gpu[1], "decode_rows_gpu_us": gpu[2]})
+        print(f"{tt:5d} {gpu[0]:18.1f} {gpu[1]:14.1f} {gpu[2]:19.1f}")
+    return data
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--dispatch-bin", metavar="PATH", help="the kspec_dispatch_bench binary (C++ rows)")
     p.add_argument("--trace", action="store_true", help="the norm step's breakdown (fwd/bwd host µs, with and without "
                    "gradient accumulation, kernels per step) and torch.profiler's rows of each variant")
+    p.add_argument("--mhc-decode", action="store_true", help="only mhc.pre at the decode shape: the split plan "
+                   "against algo=decode (host and GPU µs, one process; under a minute)")
     args = p.parse_args()
-    data = run(args)
+    data = mhc_decode(args) if args.mhc_decode else run(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1)

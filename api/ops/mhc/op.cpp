@@ -6,13 +6,17 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <tuple>
 #include <vector>
 
 #include "api/src/device_data.h"
 #include "api/src/op.h"
+#include "jit/driver.h"
 #include "jit/spec.h"
 #include "mhc/reference.h"
+#include "templates/mhc/decode_params.h"
 #include "templates/mhc/params.h"
 
 namespace kspec {
@@ -271,6 +275,109 @@ TuningSpace with_algo_axis(TuningSpace t) {
   return t;
 }
 
+// ---- pre.fwd's algo=decode: one launch for few tokens (templates/mhc/mhc_pre_decode.cuh) ----
+// Its items: the projection's columns in items of 256 (a warp's 8 columns a lane), y in items of 256 groups of
+// 8 elements; blocks of 256 threads, named threads=256, tokens=1 (the kernel takes any T, a warp a token at a
+// time). Exact fp32 FMAs, so any dtype of x and any arch. Not yet the heuristic's: the H100 decides (run 29).
+// algo=decode_rows (5): the same with the projection items' warps splitting phi's rows instead of the tokens (each
+// row of the item read once a block, not once a warp): the same sums in the same order, the same bits.
+constexpr int64_t kDecode = 4, kDecodeRows = 5, kDecodeThreads = 256, kDecodeItemCols = 256, kDecodeHeadTokens = 8;
+bool decode_algo(const Config& c) { return c.get("algo") == kDecode || c.get("algo") == kDecodeRows; }
+// kMhcDecodeThreads, kMhcDecodeItemCols, kMhcDecodeHeadTokens in the kernel
+constexpr int64_t kDecodeSyncBytes = 256;  // the four counters, padded
+// Up to this many tokens the mma_ring and mma_warp_heads plans run the decode kernel (their kernel 3) instead of
+// the split plan; 0: never (until the H100 has timed both: tools/bench/dispatch.py --mhc-decode).
+constexpr int64_t kDecodeUpToT = 0;
+constexpr bool kDecodeUpToTRows = false;  // which of the two: decode (false) or decode_rows
+int64_t decode_items(const Problem& p) { return ceil_div(p.dim("nD"), kDecodeItemCols); }
+int64_t decode_y_items(const Problem& p) { return ceil_div(p.dim("T") * ceil_div(p.dim("D"), 8), kDecodeThreads); }
+std::string decode_unsupported(const Config& c) {
+  if (c.get("threads") != kDecodeThreads || c.get("tokens") != 1)
+    return "algo=decode and decode_rows run 256 threads a block over every token (named threads=256, tokens=1)";
+  return "";
+}
+TuningSpace with_decode_algo(TuningSpace t) {
+  for (auto& [name, values] : t.axes)
+    if (name == "algo") values.insert(values.end(), {kDecode, kDecodeRows});
+  auto valid = t.valid;
+  t.valid = [valid](const Problem& p, const Config& c, std::string* why) {
+    if (!decode_algo(c)) return valid(p, c, why);
+    const std::string no = decode_unsupported(c);
+    if (why) *why = no;
+    return no.empty();
+  };
+  auto block_threads = t.block_threads;
+  t.block_threads = [block_threads](const Problem& p, const Config& c) {
+    return decode_algo(c) ? kDecodeThreads : block_threads(p, c);
+  };
+  return t;
+}
+
+// The counters and partial totals of a decode launch (MhcPreDecodeParams): the counters must be zero when the
+// kernel starts, and it leaves them so. Outside graph capture, one buffer per device and stream, its counters
+// zeroed once when it is allocated (launches on one stream run one after another; two streams never share one);
+// inside a capture, the graph's own workspace with a memset node before the kernel (a replay may run on any
+// stream, beside eager work on the capturing one). The buffers live as long as the process (as the workspaces).
+unsigned char* decode_scratch(const Call& call, Launcher& l, size_t bytes) {
+  const CUstream stream = reinterpret_cast<CUstream>(call.stream);
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  CU_CHECK(cuStreamIsCapturing(stream, &status));
+  if (status != CU_STREAM_CAPTURE_STATUS_NONE) {
+    auto* ws = static_cast<unsigned char*>(l.workspace(bytes));
+    CU_CHECK(cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(ws), 0, kDecodeSyncBytes / 4, stream));
+    return ws;
+  }
+  struct Buffer {
+    CUdeviceptr ptr = 0;
+    size_t bytes = 0;
+  };
+  static std::mutex mu;
+  static std::map<std::pair<int, Stream>, Buffer> buffers;
+  std::lock_guard<std::mutex> lock(mu);
+  Buffer& b = buffers[{call.device, call.stream}];
+  if (b.bytes < bytes) {
+    if (b.ptr) {
+      CU_CHECK(cuStreamSynchronize(stream));  // pending launches may still use it
+      CU_CHECK(cuMemFree(b.ptr));
+      b = Buffer{};
+    }
+    const size_t grow = std::max(bytes, size_t(1) << 20);
+    CU_CHECK(cuMemAlloc(&b.ptr, grow));
+    b.bytes = grow;
+    CU_CHECK(cuMemsetD32Async(b.ptr, 0, kDecodeSyncBytes / 4, stream));
+  }
+  return reinterpret_cast<unsigned char*>(b.ptr);
+}
+
+std::string t_max_arg(const Problem& p);
+
+jit::KernelSpec decode_kernel(const Problem& p, bool rows) {
+  std::vector<std::string> targs = {dtype_cuda_type(p.dtype("x")), std::to_string(p.dim("n")),
+                                    std::to_string(p.dim("D")), t_max_arg(p), b(p.present("gamma")), b(pre_only(p)),
+                                    b(mma_vec(p))};
+  if (rows) targs.push_back("true");  // kRowSplit, false by default
+  return kernel_spec(p, "mhc/mhc_pre_decode.cuh", "kspec::mhc_pre_fwd_decode_kernel", std::move(targs));
+}
+
+// The decode kernel, the plan's kernel `kernel`.
+void launch_decode(const Call& call, Launcher& l, const MhcPreParams& pre, size_t kernel) {
+  const Problem& pr = call.problem;
+  MhcPreDecodeParams a{};
+  a.pre = pre;
+  a.items = static_cast<int>(decode_items(pr));
+  a.y_items = static_cast<int>(decode_y_items(pr));
+  const int64_t T = pr.dim("T"), k = proj_rows(pr) + 1, nn = pre_only(pr) ? 0 : pr.dim("n") * pr.dim("n");
+  const int64_t part = a.items * ceil_div(T * k, 4) * 4, z = T > kDecodeHeadTokens ? T * nn : 0;  // rows of float4s
+  unsigned char* s = decode_scratch(call, l, kDecodeSyncBytes + sizeof(float) * static_cast<size_t>(part + z));
+  a.sync = reinterpret_cast<unsigned*>(s);
+  a.part = reinterpret_cast<float*>(s + kDecodeSyncBytes);
+  a.z = z ? a.part + part : nullptr;
+  // At most the blocks resident at once (each then takes several items), and no more than the items.
+  const int64_t resident = int64_t(l.multiprocessors()) * std::max(1, l.occupancy(kernel, u32(kDecodeThreads), 0));
+  void* args[] = {&a};
+  l.launch(kernel, {u32(std::min<int64_t>(a.items + a.y_items, resident))}, {u32(kDecodeThreads)}, 0, args);
+}
+
 std::string thr(const Config& c) { return std::to_string(c.get("threads")); }
 // pre_only has no Sinkhorn-Knopp: one specialization whatever t_max.
 std::string t_max_arg(const Problem& p) { return pre_only(p) ? "1" : std::to_string(p.param_int("t_max")); }
@@ -493,12 +600,19 @@ OpDef make_pre_fwd(bool po) {
     op.info.outputs.push_back(
         f32("r", {"...T", "n", "n"}, false, "Sinkhorn-Knopp of h[2n:] as n x n: R[j, k] mixes stream j into k"));
   }
-  op.info.outputs.push_back(f32("inv", {"...T"}, false, "1/sqrt(mean(v^2) + eps_rms), saved for the backward"));
-  op.info.outputs.push_back(f32("h", {"...T", "M"}, false, "the pre-activation rows, saved for the backward"));
+  op.info.outputs.push_back(f32("inv", {"...T"}, true, "1/sqrt(mean(v^2) + eps_rms), saved for the backward",
+                                 "save_stats"));
+  op.info.outputs.push_back(f32("h", {"...T", "M"}, true, "the pre-activation rows, saved for the backward",
+                                 "save_stats"));
+  // Without a backward to follow (inference, a decode step) inv and h are not outputs at all: two allocations
+  // fewer a call, and algo=decode stores neither (the other algos write them to the workspace).
+  op.info.params.push_back({"save_stats", ParamType::Bool, true, {},
+                            "write inv and h (what the backward reads); false: leave both out"});
   op.check_call = [](const Call& call) { check_tokens(call.problem); };
-  op.tuning = with_algo_axis(op.tuning);
+  op.tuning = with_decode_algo(with_algo_axis(op.tuning));
   op.info.tuning_axes = op.tuning.axes;
   op.kernels = [](const Problem& p, const Config& c) {
+    if (decode_algo(c)) return std::vector<jit::KernelSpec>{decode_kernel(p, c.get("algo") == kDecodeRows)};
     if (c.get("algo") != kSimt) {
       const std::string T = dtype_cuda_type(p.dtype("x")), n = std::to_string(p.dim("n")),
                         D = std::to_string(p.dim("D")), g = b(p.present("gamma")), head = b(pre_only(p));
@@ -512,6 +626,7 @@ OpDef make_pre_fwd(bool po) {
                                 {T, n, D, t_max_arg(p), g, head, tok, b(mma_vec(p)), splits, "false", "true"}));
         k.push_back(kernel_spec(p, "mhc/mhc_pre_mma.cuh", "kspec::mhc_pre_fwd_split_heads_kernel",
                                 {T, n, D, t_max_arg(p), head, tok, b(mma_vec(p)), splits}));
+        if (kDecodeUpToT > 0) k.push_back(decode_kernel(p, kDecodeUpToTRows));  // kernel 3: up to kDecodeUpToT tokens
       }
       return k;
     }
@@ -543,11 +658,25 @@ OpDef make_pre_fwd(bool po) {
     a.eps_rms = static_cast<float>(pr.param_float("eps_rms"));
     a.eps_pre = static_cast<float>(pr.param_float("eps_pre"));
     a.eps_sk = pre_only(pr) ? 0.f : static_cast<float>(pr.param_float("eps_sk"));
+    if (decode_algo(c)) return launch_decode(call, l, a, 0);
+    if (fwd_warp_heads(c) && a.T <= kDecodeUpToT) return launch_decode(call, l, a, 3);
+    // Without save_stats the other kernels still store inv and h: into the workspace, after what the split
+    // plan takes (one request for both).
+    const bool split = fwd_warp_heads(c) && a.T <= kSplitMaxT;
+    const int64_t split_floats =
+        split ? ceil_div(a.T, kSplitTokens) * fwd_splits(pr) * kSplitTokens * (proj_rows(pr) + 1) : 0;
+    const int64_t dropped = pr.param_bool("save_stats") ? 0 : a.T * (1 + proj_rows(pr));
+    float* ws = split_floats + dropped
+                    ? static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(split_floats + dropped)))
+                    : nullptr;
+    if (dropped) {
+      a.inv = ws + split_floats;
+      a.h = a.inv + a.T;
+    }
     void* args[] = {&a};
-    if (fwd_warp_heads(c) && a.T <= kSplitMaxT) {
+    if (split) {
       const int64_t tiles = ceil_div(a.T, kSplitTokens), splits = fwd_splits(pr);
-      MhcPreSplitParams sp{a, static_cast<float*>(l.workspace(
-                                  sizeof(float) * static_cast<size_t>(tiles * splits * kSplitTokens * (proj_rows(pr) + 1))))};
+      MhcPreSplitParams sp{a, ws};
       void* split_args[] = {&sp};
       l.launch(1, {u32(tiles), u32(splits)}, {u32(kMmaThreads)}, 0, split_args);
       l.launch(2, {u32(tiles), u32(fwd_y_blocks(pr))}, {u32(kMmaThreads)}, 0, split_args);
