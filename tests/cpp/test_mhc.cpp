@@ -97,26 +97,26 @@ void expect_refused(const OpDef& op, const CompileRequest& q, const Config& c, c
   EXPECT_NE(why.find(because), std::string::npos) << why;
 }
 
-// A row of a compile table: op at n, D in dt with mma_config(algo, tokens).
+// A row of a compile table: op at n, D in dt, `tokens` a block.
 struct MmaRow {
   const char* op;
   DType dt;
-  int64_t n, D, algo, tokens;
-  const char* counted = "";  // the kernels counted and printed: those whose name holds this ("": every one)
-  bool bare = false;         // without gamma and dx_post
+  int64_t n, D, tokens;
+  bool bare = false;  // without gamma and dx_post
 };
 
-// Every row's config is valid for sm_80 and sm_90, and every kernel of its plan (`plan_kernels` of them,
-// where given) compiles there without spills or a stack frame; `counted` kernels in all, their registers and
-// shared memory printed.
-void expect_mma_rows_compile(const std::vector<MmaRow>& rows, int counted, size_t plan_kernels = 0) {
+// Every row's mma_config(algo, tokens) is valid for sm_80 and sm_90, and every kernel of its plan
+// (`plan_kernels` of them, where given) compiles there without spills or a stack frame; `counted` kernels in
+// all whose name holds `counted_name` ("": every kernel), their registers and shared memory printed.
+void expect_mma_rows_compile(int64_t algo, const std::vector<MmaRow>& rows, int counted,
+                             const char* counted_name = "", size_t plan_kernels = 0) {
   int compiled = 0;
   for (const char* arch : {"sm_80", "sm_90"})
     for (const MmaRow& row : rows) {
       const OpDef& op = Registry::global().get(row.op);
       CompileRequest q = mhc_request(row.op, row.n, row.D, row.dt, arch);
       if (row.bare) q.without = {"gamma", "dx_post"};
-      q.config = mma_config(row.algo, row.tokens);
+      q.config = mma_config(algo, row.tokens);
       const std::string what = std::string(arch) + " " + row.op + " " + dtype_short(row.dt) + " n " +
                                std::to_string(row.n) + " D " + std::to_string(row.D) + " " + q.config->str() +
                                (row.bare ? " (no gamma, dx_post)" : "");
@@ -129,7 +129,7 @@ void expect_mma_rows_compile(const std::vector<MmaRow>& rows, int counted, size_
       for (const auto& rep : reports) {
         EXPECT_EQ(rep.spill_bytes, 0) << what << ": " << rep.kernel;
         EXPECT_EQ(rep.stack_bytes, 0) << what << ": " << rep.kernel;
-        if (rep.kernel.find(row.counted) == std::string::npos) continue;
+        if (rep.kernel.find(counted_name) == std::string::npos) continue;
         std::cout << what << " " << rep.kernel << ": " << rep.registers << " registers, " << rep.shared_bytes
                   << " bytes of shared memory\n";
         ++compiled;
@@ -425,15 +425,12 @@ TEST(Mhc, PreBackwardMmaTokensRulesAndCompileWithoutSpills) {
        {std::tuple{2, 100, 16, "16-byte groups"}, std::tuple{3, 33, 16, "16-byte groups"},
         std::tuple{8, 128, 16, "accumulator tiles above 16"}, std::tuple{3, 256, 32, "n = 3 takes 16"}})
     expect_refused(op, mhc_request("mhc.pre.bwd", n, D), mma_config(2, tokens), fragment);
-  // the token kernel of each plan of 4 kernels counted
-  expect_mma_rows_compile({{"mhc.pre.bwd", DType::bf16, 4, 4096, 2, 32, "token_mma"},
-                           {"mhc.pre.bwd", DType::f16, 2, 256, 2, 64, "token_mma"},
-                           {"mhc.pre.bwd", DType::bf16, 7, 128, 2, 16, "token_mma"},
-                           {"mhc.pre.bwd", DType::f16, 6, 64, 2, 16, "token_mma"},
-                           {"mhc.pre.bwd", DType::f16, 3, 256, 2, 16, "token_mma"},
-                           {"mhc.pre_only.bwd", DType::bf16, 1, 64, 2, 64, "token_mma"},
-                           {"mhc.pre_only.bwd", DType::f16, 8, 128, 2, 16, "token_mma"}},
-                          14, 4);
+  expect_mma_rows_compile(2,
+                          {{"mhc.pre.bwd", DType::bf16, 4, 4096, 32}, {"mhc.pre.bwd", DType::f16, 2, 256, 64},
+                           {"mhc.pre.bwd", DType::bf16, 7, 128, 16}, {"mhc.pre.bwd", DType::f16, 6, 64, 16},
+                           {"mhc.pre.bwd", DType::f16, 3, 256, 16}, {"mhc.pre_only.bwd", DType::bf16, 1, 64, 64},
+                           {"mhc.pre_only.bwd", DType::f16, 8, 128, 16}},
+                          14, "token_mma", 4);  // plans of 4 kernels, the token kernel counted
 }
 
 // pre.fwd's algo=mma_warp_heads (2): the mma projection, then each warp runs its own tokens' heads (the
@@ -463,10 +460,9 @@ TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
   EXPECT_EQ(mma[0].targs.back(), "false");
   expect_refused(op, mhc_request("mhc.pre.fwd", 5, 256), mma_config(2, 16), "32 projection rows");
   expect_refused(op, mhc_request("mhc.pre.fwd", 4, 4096, DType::f32), ok, "float32 x");
-  expect_mma_rows_compile({{"mhc.pre.fwd", DType::bf16, 4, 4096, 2, 64},
-                           {"mhc.pre.fwd", DType::bf16, 4, 4096, 2, 32},
-                           {"mhc.pre.fwd", DType::f16, 3, 33, 2, 32},
-                           {"mhc.pre_only.fwd", DType::f16, 8, 128, 2, 16}},
+  expect_mma_rows_compile(2,
+                          {{"mhc.pre.fwd", DType::bf16, 4, 4096, 64}, {"mhc.pre.fwd", DType::bf16, 4, 4096, 32},
+                           {"mhc.pre.fwd", DType::f16, 3, 33, 32}, {"mhc.pre_only.fwd", DType::f16, 8, 128, 16}},
                           24);  // three kernels each
 }
 
@@ -492,11 +488,10 @@ TEST(Mhc, PreBackwardMmaFusedRingRulesAndCompileWithoutSpills) {
        {std::tuple{5, 256, 16, "24 projection rows"}, std::tuple{4, 100, 16, "16-byte groups"},
         std::tuple{4, 256, 64, "n x tokens / 16"}})
     expect_refused(op, mhc_request("mhc.pre.bwd", n, D), mma_config(5, tokens), fragment);
-  expect_mma_rows_compile({{"mhc.pre.bwd", DType::bf16, 4, 4096, 5, 32, "token_mma"},
-                           {"mhc.pre.bwd", DType::f16, 2, 256, 5, 64, "token_mma"},
-                           {"mhc.pre.bwd", DType::bf16, 3, 264, 5, 16, "token_mma"},
-                           {"mhc.pre_only.bwd", DType::f16, 8, 128, 5, 16, "token_mma"}},
-                          8);
+  expect_mma_rows_compile(5,
+                          {{"mhc.pre.bwd", DType::bf16, 4, 4096, 32}, {"mhc.pre.bwd", DType::f16, 2, 256, 64},
+                           {"mhc.pre.bwd", DType::bf16, 3, 264, 16}, {"mhc.pre_only.bwd", DType::f16, 8, 128, 16}},
+                          8, "token_mma");
 }
 
 // pre.fwd's algo=mma_ring (3): algo=mma_warp_heads with the projection's rows of x through a cp.async ring in
@@ -524,9 +519,9 @@ TEST(Mhc, PreForwardMmaRingRulesAndCompileWithoutSpills) {
   expect_refused(op, mhc_request("mhc.pre.fwd", 4, 100), ok, "16-byte groups");
   expect_refused(op, mhc_request("mhc.pre.fwd", 5, 256), ok, "32 projection rows");
   expect_refused(op, mhc_request("mhc.pre.fwd", 4, 4096, DType::f32), ok, "float32 x");
-  expect_mma_rows_compile({{"mhc.pre.fwd", DType::bf16, 4, 4096, 3, 32},
-                           {"mhc.pre.fwd", DType::f16, 4, 4096, 3, 16},
-                           {"mhc.pre_only.fwd", DType::f16, 8, 128, 3, 32}},
+  expect_mma_rows_compile(3,
+                          {{"mhc.pre.fwd", DType::bf16, 4, 4096, 32}, {"mhc.pre.fwd", DType::f16, 4, 4096, 16},
+                           {"mhc.pre_only.fwd", DType::f16, 8, 128, 32}},
                           18);  // three kernels each
 }
 
@@ -553,12 +548,12 @@ TEST(Mhc, PostPreForwardMmaRulesAndCompileWithoutSpills) {
         std::tuple{5, 128, 2, 16, "32 projection rows"}, std::tuple{8, 128, 1, 16, "above 4"},
         std::tuple{4, 4096, 1, 4, "m16 tiles"}, std::tuple{4, 4096, 0, 16, "1 or 4 tokens"}})
     expect_refused(op, mhc_request("mhc.post_pre.fwd", n, D), mma_config(algo, tokens), fragment);
-  expect_mma_rows_compile({{"mhc.post_pre.fwd", DType::bf16, 4, 4096, 1, 16},
-                           {"mhc.post_pre.fwd", DType::bf16, 4, 4096, 2, 16},
-                           {"mhc.post_pre.fwd", DType::f16, 2, 256, 1, 32},
-                           {"mhc.post_pre.fwd", DType::f16, 7, 128, 1, 16},
-                           {"mhc.post_pre.fwd", DType::bf16, 1, 64, 2, 64}},
-                          10);
+  const char* post_pre = "mhc.post_pre.fwd";
+  expect_mma_rows_compile(1,
+                          {{post_pre, DType::bf16, 4, 4096, 16}, {post_pre, DType::f16, 2, 256, 32},
+                           {post_pre, DType::f16, 7, 128, 16}},
+                          6);
+  expect_mma_rows_compile(2, {{post_pre, DType::bf16, 4, 4096, 16}, {post_pre, DType::bf16, 1, 64, 64}}, 4);
 }
 
 // algo=mma_fused (3): mma_tokens' token pass, then dx and the sums over tokens in one pass over x
@@ -589,15 +584,15 @@ TEST(Mhc, PreBackwardMmaFusedRulesAndCompileWithoutSpills) {
     expect_refused(op, mhc_request("mhc.pre.bwd", n, D), mma_config(3, tokens), fragment);
   expect_refused(op, mhc_request("mhc.pre.bwd", 4, 4096, DType::f32), ok, "float32 x");
   // mma_fused's fused kernel counted, mma_fused_warp_heads' token kernel
-  expect_mma_rows_compile({{"mhc.pre.bwd", DType::bf16, 4, 4096, 3, 32, "fused"},
-                           {"mhc.pre.bwd", DType::bf16, 4, 4096, 3, 32, "fused", true},
-                           {"mhc.pre.bwd", DType::f16, 2, 256, 3, 64, "fused"},
-                           {"mhc.pre.bwd", DType::bf16, 3, 264, 3, 16, "fused"},
-                           {"mhc.pre_only.bwd", DType::f16, 8, 128, 3, 16, "fused"},
-                           {"mhc.pre.bwd", DType::bf16, 4, 4096, 4, 32, "token_mma"},
-                           {"mhc.pre.bwd", DType::f16, 2, 256, 4, 64, "token_mma"},
-                           {"mhc.pre_only.bwd", DType::f16, 8, 128, 4, 16, "token_mma"}},
-                          16);
+  expect_mma_rows_compile(3,
+                          {{"mhc.pre.bwd", DType::bf16, 4, 4096, 32}, {"mhc.pre.bwd", DType::bf16, 4, 4096, 32, true},
+                           {"mhc.pre.bwd", DType::f16, 2, 256, 64}, {"mhc.pre.bwd", DType::bf16, 3, 264, 16},
+                           {"mhc.pre_only.bwd", DType::f16, 8, 128, 16}},
+                          10, "fused");
+  expect_mma_rows_compile(4,
+                          {{"mhc.pre.bwd", DType::bf16, 4, 4096, 32}, {"mhc.pre.bwd", DType::f16, 2, 256, 64},
+                           {"mhc.pre_only.bwd", DType::f16, 8, 128, 16}},
+                          6, "token_mma");
 }
 
 // post's `vec` axis: 8 consecutive d a thread with 16-byte loads where D % 8 == 0 and n >= 3 (n <= 7 in
