@@ -28,10 +28,69 @@ __device__ __forceinline__ float mlstm_neg_inf() { return __int_as_float(0xff800
 
 // ---- 1. gates ----
 
+// A warp's raw gates of the chunk from t0: lane l's steps t0 + l * E + j (raw 0 past S).
+template <typename TG, int E>
+__device__ __forceinline__ void mlstm_tc_load_gates(const TG* fp, const TG* ip, long long S, long long t0, int lane,
+                                                    unsigned (&f_raw)[E], unsigned (&i_raw)[E]) {
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    const long long t = t0 + lane * E + j;
+    f_raw[j] = t < S ? load_raw(fp + t) : 0u;
+    i_raw[j] = t < S ? load_raw(ip + t) : 0u;
+  }
+}
+
+// One warp's scan of a chunk (its first len steps valid; lane l holds steps l * E + j), from its raw gates in
+// f_raw, i_raw: b[j] the in-chunk cumsum of logsigmoid(f) to the step, ig[j] its i (-inf past len), pm[j] the
+// max of i_s - b_s over the lane's steps <= j, `before` that max over the lanes below (-inf on lane 0). Once the
+// raw gates are read, those of the warp's next chunk (from step t_next, where `more`: the caller's chunk stride,
+// 1 or one a warp of a round) are loaded into f_raw, i_raw, so its loads do not wait on this chunk's scan. (The
+// caller forms `more` and t_next: with c, NC and the stride passed in instead, ptxas hoisted the address
+// arithmetic differently and reordered a few floating-point instructions at chunks 16 and 32.)
+template <typename TG, int E>
+__device__ __forceinline__ void mlstm_tc_scan_chunk_gates(const TG* fp, const TG* ip, long long S, bool more,
+                                                          long long t_next, int len, int lane,
+                                                          unsigned (&f_raw)[E], unsigned (&i_raw)[E], float (&b)[E],
+                                                          float (&ig)[E], float (&pm)[E], float& before) {
+  const float kNegInf = mlstm_neg_inf();
+  float fv[E];
+#pragma unroll
+  for (int j = 0; j < E; ++j) fv[j] = raw_to_float<TG>(f_raw[j]), ig[j] = raw_to_float<TG>(i_raw[j]);
+  if (more) mlstm_tc_load_gates<TG>(fp, ip, S, t_next, lane, f_raw, i_raw);
+  float run = 0.0f;
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    const bool ok = lane * E + j < len;
+    ig[j] = ok ? ig[j] : kNegInf;
+    run += ok ? mlstm_log_sigmoid(fv[j]) : 0.0f;
+    b[j] = run;
+  }
+  float incl = run;  // inclusive scan of the lanes' sums
+#pragma unroll
+  for (int off = 1; off < 32; off *= 2) {
+    const float y = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += y;
+  }
+  float run_max = kNegInf;
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    b[j] += incl - run;
+    run_max = fmaxf(run_max, ig[j] - b[j]);
+    pm[j] = run_max;  // max over this lane's steps <= j of i_s - b_s
+  }
+  float pin = run_max;  // inclusive max scan over lanes
+#pragma unroll
+  for (int off = 1; off < 32; off *= 2) {
+    const float y = __shfl_up_sync(0xffffffffu, pin, off);
+    if (lane >= off) pin = fmaxf(pin, y);
+  }
+  before = __shfl_up_sync(0xffffffffu, pin, 1);
+  if (lane == 0) before = kNegInf;
+}
+
 template <typename TG, int kChunk>
 __global__ void __launch_bounds__(32) mlstm_tc_gates_kernel(const MlstmParams p) {
   constexpr int L = kChunk, E = (L + 31) / 32;  // steps per lane, consecutive
-  const float kNegInf = mlstm_neg_inf();
   const long long seq = blockIdx.x, S = p.seqlen, NC = (S + L - 1) / L;
   const int lane = threadIdx.x;
   const TG* ip = static_cast<const TG*>(p.i) + seq * S;
@@ -42,51 +101,12 @@ __global__ void __launch_bounds__(32) mlstm_tc_gates_kernel(const MlstmParams p)
   // The next chunk's gates are loaded (raw) while this one's are scanned: the chunks' loads do not
   // wait on each other's latency.
   unsigned f_raw[E], i_raw[E];
-  auto load = [&](long long t0) {
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const long long t = t0 + lane * E + j;
-      f_raw[j] = t < S ? load_raw(fp + t) : 0u;
-      i_raw[j] = t < S ? load_raw(ip + t) : 0u;
-    }
-  };
-  load(0);
+  mlstm_tc_load_gates<TG>(fp, ip, S, 0, lane, f_raw, i_raw);
   for (long long c = 0; c < NC; ++c) {
     const long long t0 = c * L;
     const int len = static_cast<int>(S - t0 < L ? S - t0 : L);
-    float b[E], ig[E], pm[E], fv[E];
-#pragma unroll
-    for (int j = 0; j < E; ++j) fv[j] = raw_to_float<TG>(f_raw[j]), ig[j] = raw_to_float<TG>(i_raw[j]);
-    if (c + 1 < NC) load(t0 + L);
-    float run = 0.0f;
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const bool ok = lane * E + j < len;
-      ig[j] = ok ? ig[j] : kNegInf;
-      run += ok ? mlstm_log_sigmoid(fv[j]) : 0.0f;
-      b[j] = run;
-    }
-    float incl = run;  // inclusive scan of the lanes' sums
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) {
-      const float y = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += y;
-    }
-    float run_max = kNegInf;
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      b[j] += incl - run;
-      run_max = fmaxf(run_max, ig[j] - b[j]);
-      pm[j] = run_max;  // max over this lane's steps <= j of i_s - b_s
-    }
-    float pin = run_max;  // inclusive max scan over lanes
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) {
-      const float y = __shfl_up_sync(0xffffffffu, pin, off);
-      if (lane >= off) pin = fmaxf(pin, y);
-    }
-    float before = __shfl_up_sync(0xffffffffu, pin, 1);
-    if (lane == 0) before = kNegInf;
+    float b[E], ig[E], pm[E], before;
+    mlstm_tc_scan_chunk_gates<TG>(fp, ip, S, c + 1 < NC, t0 + L, len, lane, f_raw, i_raw, b, ig, pm, before);
     const int last = len - 1, owner = last / E, j_last = last % E;
     float mt[E], b_sel = 0.0f, m_sel = 0.0f;
 #pragma unroll
@@ -112,14 +132,14 @@ __global__ void __launch_bounds__(32) mlstm_tc_gates_kernel(const MlstmParams p)
 // The same rows by kWarps warps a sequence (algo=tc_pg forward, tc_overlap backward; params.h
 // kMlstmTcGatesWarps): the one-warp kernel above walks the chunks in turn, two 5-step shuffle scans and a
 // broadcast a chunk (~0.5 us at chunk 128: ~16 us for 32 chunks, ahead of every other kernel); here warp w
-// takes chunk c0 + w of each round of kWarps chunks and scans it as that kernel does, the only link between
-// chunks, m_L = b_L + max(m, X) (X: the chunk's max of i_s - b_s), is walked over the round's chunks from
-// shared memory by every thread, and each warp writes its rows with the m entering its chunk. Every value
-// the same expression of the same operands as there: bitwise equal rows.
+// takes chunk c0 + w of each round of kWarps chunks and scans it as that kernel does (the same
+// mlstm_tc_scan_chunk_gates, at a stride of kWarps chunks), the only link between chunks, m_L = b_L + max(m, X)
+// (X: the chunk's max of i_s - b_s), is walked over the round's chunks from shared memory by every thread,
+// and each warp writes its rows with the m entering its chunk. Every value the same expression of the same
+// operands as there: bitwise equal rows.
 template <typename TG, int kChunk, int kWarps>
 __global__ void __launch_bounds__(32 * kWarps) mlstm_tc_gates_warps_kernel(const MlstmParams p) {
   constexpr int L = kChunk, E = (L + 31) / 32;  // steps per lane, consecutive
-  const float kNegInf = mlstm_neg_inf();
   __shared__ float2 links[kWarps];  // (b_L, X) of each chunk of the round
   const long long seq = blockIdx.x, S = p.seqlen, NC = (S + L - 1) / L;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -130,53 +150,15 @@ __global__ void __launch_bounds__(32 * kWarps) mlstm_tc_gates_warps_kernel(const
   float m = p.m0 ? p.m0[seq] : p.m_init;  // entering the round
   // This warp's chunk of the next round is loaded (raw) while this round's is scanned.
   unsigned f_raw[E], i_raw[E];
-  auto load = [&](long long t0) {
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const long long t = t0 + lane * E + j;
-      f_raw[j] = t < S ? load_raw(fp + t) : 0u;
-      i_raw[j] = t < S ? load_raw(ip + t) : 0u;
-    }
-  };
-  load(static_cast<long long>(warp) * L);
+  mlstm_tc_load_gates<TG>(fp, ip, S, static_cast<long long>(warp) * L, lane, f_raw, i_raw);
   for (long long c0 = 0; c0 < NC; c0 += kWarps) {
     const long long c = c0 + warp, t0 = c * L;
     const int chunks = static_cast<int>(NC - c0 < kWarps ? NC - c0 : kWarps);  // in this round
     const bool active = c < NC;
     const int len = active ? static_cast<int>(S - t0 < L ? S - t0 : L) : 1;
-    float b[E], ig[E], pm[E], fv[E];
-#pragma unroll
-    for (int j = 0; j < E; ++j) fv[j] = raw_to_float<TG>(f_raw[j]), ig[j] = raw_to_float<TG>(i_raw[j]);
-    if (c + kWarps < NC) load(t0 + kWarps * L);
-    float run = 0.0f;
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const bool ok = lane * E + j < len;
-      ig[j] = ok ? ig[j] : kNegInf;
-      run += ok ? mlstm_log_sigmoid(fv[j]) : 0.0f;
-      b[j] = run;
-    }
-    float incl = run;  // inclusive scan of the lanes' sums
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) {
-      const float y = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += y;
-    }
-    float run_max = kNegInf;
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      b[j] += incl - run;
-      run_max = fmaxf(run_max, ig[j] - b[j]);
-      pm[j] = run_max;  // max over this lane's steps <= j of i_s - b_s
-    }
-    float pin = run_max;  // inclusive max scan over lanes
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) {
-      const float y = __shfl_up_sync(0xffffffffu, pin, off);
-      if (lane >= off) pin = fmaxf(pin, y);
-    }
-    float before = __shfl_up_sync(0xffffffffu, pin, 1);
-    if (lane == 0) before = kNegInf;
+    float b[E], ig[E], pm[E], before;
+    mlstm_tc_scan_chunk_gates<TG>(fp, ip, S, c + kWarps < NC, t0 + kWarps * L, len, lane, f_raw, i_raw, b, ig, pm,
+                                  before);
     const int last = len - 1, owner = last / E, j_last = last % E;
     float b_sel = 0.0f, x_sel = 0.0f;
 #pragma unroll

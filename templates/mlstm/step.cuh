@@ -153,6 +153,35 @@ __global__ void __launch_bounds__(kWarpSize) mlstm_step_gates_kernel(const Mlstm
   }
 }
 
+// A thread's rows of C updated in place, C' = decay C + k (gain v)^T, on its kPasses float4s (rows r0 +
+// j * kRowStep, the 4 columns at `base` + row * kDv, loaded by the caller into c), and their part of h's
+// numerator: the sum over those rows of (s q)_d C'_d (qs holds s q, ks k). algo=split's and algo=cluster's
+// slabs and algo=head's CTAs: the same fmas in the same order, so C' is bitwise equal between them.
+template <int kDv, int kRowStep, int kPasses>
+__device__ __forceinline__ float4 mlstm_step_update_rows(const MlstmParams& p, const float4 (&c)[kPasses],
+                                                         long long base, int r0, const float* qs, const float* ks,
+                                                         float decay, float gain, float v0, float v1, float v2,
+                                                         float v3) {
+  const float g0 = v0 * gain, g1 = v1 * gain, g2 = v2 * gain, g3 = v3 * gain;
+  float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+  for (int j = 0; j < kPasses; ++j) {
+    const int d = r0 + j * kRowStep;
+    const float kd = ks[d], qd = qs[d];
+    float4 cn;
+    cn.x = fmaf(decay, c[j].x, kd * g0);
+    cn.y = fmaf(decay, c[j].y, kd * g1);
+    cn.z = fmaf(decay, c[j].z, kd * g2);
+    cn.w = fmaf(decay, c[j].w, kd * g3);
+    *reinterpret_cast<float4*>(p.C + base + static_cast<long long>(d) * kDv) = cn;
+    num.x = fmaf(qd, cn.x, num.x);
+    num.y = fmaf(qd, cn.y, num.y);
+    num.z = fmaf(qd, cn.z, num.z);
+    num.w = fmaf(qd, cn.w, num.w);
+  }
+  return num;
+}
+
 // The slab of kCols columns of C (blockIdx.y) of one sequence (blockIdx.x), kThreads threads: a row's
 // kCols / 4 float4s go to kCols / 4 consecutive threads, so a warp reads 32 / (kCols / 4) whole row
 // pieces of 64-256 bytes; the CTA covers kThreads / (kCols / 4) rows a pass, kPasses passes, every
@@ -187,24 +216,7 @@ __device__ __forceinline__ void mlstm_step_slab(const MlstmParams& p, Scalars sc
   }
   const float v0 = to_float(v[0]), v1 = to_float(v[1]), v2 = to_float(v[2]), v3 = to_float(v[3]);
   const MlstmStepScalars sc = scalars();  // ends with a barrier: qs, ks
-  const float decay = sc.decay, gain = sc.gain, den = sc.den;
-  const float g0 = v0 * gain, g1 = v1 * gain, g2 = v2 * gain, g3 = v3 * gain;
-  float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-  for (int j = 0; j < kPasses; ++j) {
-    const int d = r0 + j * kRowStep;
-    const float kd = ks[d], qd = qs[d];
-    float4 cn;
-    cn.x = fmaf(decay, c[j].x, kd * g0);
-    cn.y = fmaf(decay, c[j].y, kd * g1);
-    cn.z = fmaf(decay, c[j].z, kd * g2);
-    cn.w = fmaf(decay, c[j].w, kd * g3);
-    *reinterpret_cast<float4*>(p.C + base + static_cast<long long>(d) * kDv) = cn;
-    num.x = fmaf(qd, cn.x, num.x);
-    num.y = fmaf(qd, cn.y, num.y);
-    num.z = fmaf(qd, cn.z, num.z);
-    num.w = fmaf(qd, cn.w, num.w);
-  }
+  float4 num = mlstm_step_update_rows<kDv, kRowStep>(p, c, base, r0, qs, ks, sc.decay, sc.gain, v0, v1, v2, v3);
   // Lanes l and l ^ off (off a multiple of kGroups) hold the same columns.
 #pragma unroll
   for (int off = kGroups; off < kWarpSize; off *= 2) {
@@ -225,7 +237,7 @@ __device__ __forceinline__ void mlstm_step_slab(const MlstmParams& p, Scalars sc
     float total = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) total += part[w][tid];
-    static_cast<T*>(p.h)[seq * kDv + blockIdx.y * kCols + tid] = from_float<T>(total / den);
+    static_cast<T*>(p.h)[seq * kDv + blockIdx.y * kCols + tid] = from_float<T>(total / sc.den);
   }
 }
 
@@ -290,23 +302,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_step_head_kernel(const MlstmPa
   z = mlstm_block_sum<kThreads>(z, scratch);  // also the barrier before qs, ks are read by all threads
   if (tid == 0) p.m[seq] = m_new;
   const float den = fmaxf(fabsf(z), expf(-m_new)) + p.eps;
-  const float g0 = v0 * gain, g1 = v1 * gain, g2 = v2 * gain, g3 = v3 * gain;
-  float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-  for (int j = 0; j < kPasses; ++j) {
-    const int d = r0 + j * kRowStep;
-    const float kr = ks[d], qr = qs[d];
-    float4 cn;
-    cn.x = fmaf(decay, c[j].x, kr * g0);
-    cn.y = fmaf(decay, c[j].y, kr * g1);
-    cn.z = fmaf(decay, c[j].z, kr * g2);
-    cn.w = fmaf(decay, c[j].w, kr * g3);
-    *reinterpret_cast<float4*>(p.C + base + static_cast<long long>(d) * kDv) = cn;
-    num.x = fmaf(qr, cn.x, num.x);
-    num.y = fmaf(qr, cn.y, num.y);
-    num.z = fmaf(qr, cn.z, num.z);
-    num.w = fmaf(qr, cn.w, num.w);
-  }
+  const float4 num = mlstm_step_update_rows<kDv, kRowStep>(p, c, base, r0, qs, ks, decay, gain, v0, v1, v2, v3);
   *reinterpret_cast<float4*>(&part[r0][4 * g]) = num;
   __syncthreads();
   for (int e = tid; e < kDv; e += kThreads) {

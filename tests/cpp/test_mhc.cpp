@@ -73,6 +73,71 @@ void expect_message(const std::string& op, const std::vector<TensorView>& in, co
   for (const char* f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
 }
 
+// A request for op at n, D (bf16 on sm_90 unless given).
+CompileRequest mhc_request(const std::string& op, int64_t n, int64_t D, DType dt = DType::bf16,
+                           const char* arch = "sm_90") {
+  CompileRequest r;
+  r.op = op;
+  r.dtype = dt;
+  r.arch = arch;
+  r.params = {{"n", n}, {"D", D}};
+  return r;
+}
+
+// The tensor-core algos' config: algo, 128 threads, tokens a block.
+Config mma_config(int64_t algo, int64_t tokens) {
+  return Config{{{"algo", algo}, {"threads", 128}, {"tokens", tokens}}};
+}
+
+// c is refused for q's problem, with a reason naming `because`.
+void expect_refused(const OpDef& op, const CompileRequest& q, const Config& c, const char* because) {
+  std::string why;
+  EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q), c, &why))
+      << q.op << " " << dtype_short(q.dtype) << " " << q.arch << " " << c.str() << ": not refused (" << because << ")";
+  EXPECT_NE(why.find(because), std::string::npos) << why;
+}
+
+// A row of a compile table: op at n, D in dt, `tokens` a block.
+struct MmaRow {
+  const char* op;
+  DType dt;
+  int64_t n, D, tokens;
+  bool bare = false;  // without gamma and dx_post
+};
+
+// Every row's mma_config(algo, tokens) is valid for sm_80 and sm_90, and every kernel of its plan
+// (`plan_kernels` of them, where given) compiles there without spills or a stack frame; `counted` kernels in
+// all whose name holds `counted_name` ("": every kernel), their registers and shared memory printed.
+void expect_mma_rows_compile(int64_t algo, const std::vector<MmaRow>& rows, int counted,
+                             const char* counted_name = "", size_t plan_kernels = 0) {
+  int compiled = 0;
+  for (const char* arch : {"sm_80", "sm_90"})
+    for (const MmaRow& row : rows) {
+      const OpDef& op = Registry::global().get(row.op);
+      CompileRequest q = mhc_request(row.op, row.n, row.D, row.dt, arch);
+      if (row.bare) q.without = {"gamma", "dx_post"};
+      q.config = mma_config(algo, row.tokens);
+      const std::string what = std::string(arch) + " " + row.op + " " + dtype_short(row.dt) + " n " +
+                               std::to_string(row.n) + " D " + std::to_string(row.D) + " " + q.config->str() +
+                               (row.bare ? " (no gamma, dx_post)" : "");
+      std::string why;
+      ASSERT_TRUE(op.tuning.valid(problem_from_request(op, q), *q.config, &why)) << what << ": " << why;
+      const auto reports = compile(q);
+      if (plan_kernels) {
+        ASSERT_EQ(reports.size(), plan_kernels) << what;
+      }
+      for (const auto& rep : reports) {
+        EXPECT_EQ(rep.spill_bytes, 0) << what << ": " << rep.kernel;
+        EXPECT_EQ(rep.stack_bytes, 0) << what << ": " << rep.kernel;
+        if (rep.kernel.find(counted_name) == std::string::npos) continue;
+        std::cout << what << " " << rep.kernel << ": " << rep.registers << " registers, " << rep.shared_bytes
+                  << " bytes of shared memory\n";
+        ++compiled;
+      }
+    }
+  EXPECT_EQ(compiled, counted);
+}
+
 }  // namespace
 
 TEST(Mhc, InferOutputsForTokensAndBatchSequenceLayouts) {
@@ -337,13 +402,9 @@ TEST(Mhc, PreBackwardTakesTensorCoresFromSm80) {
 // and n = 6 (16, the most accumulator tiles), n = 3 (16), pre_only at n = 1 (64) and n = 8 (16).
 TEST(Mhc, PreBackwardMmaTokensRulesAndCompileWithoutSpills) {
   const OpDef& op = Registry::global().get("mhc.pre.bwd");
-  CompileRequest r;
-  r.op = "mhc.pre.bwd";
-  r.dtype = DType::bf16;
-  r.arch = "sm_90";
-  r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+  const CompileRequest r = mhc_request("mhc.pre.bwd", 4, 4096);
   const Problem p = problem_from_request(op, r);
-  const Config ok{{{"algo", 2}, {"threads", 128}, {"tokens", 32}}};
+  const Config ok = mma_config(2, 32);
   EXPECT_TRUE(op.tuning.valid(p, ok, nullptr));
   const auto kernels = op.kernels(p, ok);
   ASSERT_EQ(kernels.size(), 4u);
@@ -351,63 +412,25 @@ TEST(Mhc, PreBackwardMmaTokensRulesAndCompileWithoutSpills) {
   EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_bwd_columns_mma_kernel");
   EXPECT_EQ(kernels[3].kernel, "kspec::mhc_pre_bwd_dx_mma_kernel");
   for (const auto& [config, fragment] : std::vector<std::pair<Config, const char*>>{
-           {Config{{{"algo", 2}, {"threads", 128}, {"tokens", 64}}}, "n x tokens / 16"},
-           {Config{{{"algo", 2}, {"threads", 128}, {"tokens", 4}}}, "m16 tiles"},
+           {mma_config(2, 64), "n x tokens / 16"},
+           {mma_config(2, 4), "m16 tiles"},
            {Config{{{"algo", 2}, {"threads", 256}, {"tokens", 32}}}, "128 threads"},
-           {Config{{{"algo", 1}, {"threads", 128}, {"tokens", 32}}}, "1 or 4 tokens"},
-           {Config{{{"algo", 0}, {"threads", 128}, {"tokens", 16}}}, "1 or 4 tokens"}}) {
-    std::string why;
-    EXPECT_FALSE(op.tuning.valid(p, config, &why)) << config.str();
-    EXPECT_NE(why.find(fragment), std::string::npos) << config.str() << ": " << why;
-  }
-  for (const auto& [dt, arch, fragment] :
-       {std::tuple{DType::f32, "sm_90", "float32 x"}, std::tuple{DType::bf16, "sm_75", "sm_80"}}) {
-    CompileRequest q = r;
-    q.dtype = dt;
-    q.arch = arch;
-    std::string why;
-    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q), ok, &why)) << arch;
-    EXPECT_NE(why.find(fragment), std::string::npos) << why;
-  }
+           {mma_config(1, 32), "1 or 4 tokens"},
+           {mma_config(0, 16), "1 or 4 tokens"}})
+    expect_refused(op, r, config, fragment);
+  expect_refused(op, mhc_request("mhc.pre.bwd", 4, 4096, DType::f32), ok, "float32 x");
+  expect_refused(op, mhc_request("mhc.pre.bwd", 4, 4096, DType::bf16, "sm_75"), ok, "sm_80");
   // D % 8 != 0: no 16-byte groups, no algo=mma_tokens; n = 8: no tile fits.
   for (const auto& [n, D, tokens, fragment] :
        {std::tuple{2, 100, 16, "16-byte groups"}, std::tuple{3, 33, 16, "16-byte groups"},
-        std::tuple{8, 128, 16, "accumulator tiles above 16"}, std::tuple{3, 256, 32, "n = 3 takes 16"}}) {
-    CompileRequest q = r;
-    q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
-    std::string why;
-    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q),
-                                 Config{{{"algo", 2}, {"threads", 128}, {"tokens", tokens}}}, &why))
-        << n << " " << D;
-    EXPECT_NE(why.find(fragment), std::string::npos) << why;
-  }
-  int compiled = 0;
-  for (const char* arch : {"sm_80", "sm_90"})
-    for (auto [name, dt, n, D, tokens] :
-         {std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32}, std::tuple{"mhc.pre.bwd", DType::f16, 2, 256, 64},
-          std::tuple{"mhc.pre.bwd", DType::bf16, 7, 128, 16}, std::tuple{"mhc.pre.bwd", DType::f16, 6, 64, 16},
-          std::tuple{"mhc.pre.bwd", DType::f16, 3, 256, 16}, std::tuple{"mhc.pre_only.bwd", DType::bf16, 1, 64, 64},
-          std::tuple{"mhc.pre_only.bwd", DType::f16, 8, 128, 16}}) {
-      const OpDef& o = Registry::global().get(name);
-      CompileRequest q;
-      q.op = name;
-      q.dtype = dt;
-      q.arch = arch;
-      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
-      q.config = Config{{{"algo", 2}, {"threads", 128}, {"tokens", tokens}}};
-      std::string why;
-      ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << " n " << n << ": " << why;
-      const auto reports = compile(q);
-      ASSERT_EQ(reports.size(), 4u) << name;
-      for (const auto& rep : reports) {
-        EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
-        EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
-      }
-      std::cout << arch << " " << name << " n " << n << " D " << D << " " << tokens << " tokens: "
-                << reports[0].registers << " registers\n";
-      ++compiled;
-    }
-  EXPECT_EQ(compiled, 14);
+        std::tuple{8, 128, 16, "accumulator tiles above 16"}, std::tuple{3, 256, 32, "n = 3 takes 16"}})
+    expect_refused(op, mhc_request("mhc.pre.bwd", n, D), mma_config(2, tokens), fragment);
+  expect_mma_rows_compile(2,
+                          {{"mhc.pre.bwd", DType::bf16, 4, 4096, 32}, {"mhc.pre.bwd", DType::f16, 2, 256, 64},
+                           {"mhc.pre.bwd", DType::bf16, 7, 128, 16}, {"mhc.pre.bwd", DType::f16, 6, 64, 16},
+                           {"mhc.pre.bwd", DType::f16, 3, 256, 16}, {"mhc.pre_only.bwd", DType::bf16, 1, 64, 64},
+                           {"mhc.pre_only.bwd", DType::f16, 8, 128, 16}},
+                          14, "token_mma", 4);  // plans of 4 kernels, the token kernel counted
 }
 
 // pre.fwd's algo=mma_warp_heads (2): the mma projection, then each warp runs its own tokens' heads (the
@@ -416,13 +439,9 @@ TEST(Mhc, PreBackwardMmaTokensRulesAndCompileWithoutSpills) {
 // compiles without spills on sm_80 and sm_90 at 64, 32 and 16 tokens, n 4, 3 (element loads) and pre_only n 8.
 TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
   const OpDef& op = Registry::global().get("mhc.pre.fwd");
-  CompileRequest r;
-  r.op = "mhc.pre.fwd";
-  r.dtype = DType::bf16;
-  r.arch = "sm_90";
-  r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+  const CompileRequest r = mhc_request("mhc.pre.fwd", 4, 4096);
   const Problem p = problem_from_request(op, r);
-  const Config ok{{{"algo", 2}, {"threads", 128}, {"tokens", 32}}};
+  const Config ok = mma_config(2, 32);
   std::string why;
   EXPECT_TRUE(op.tuning.valid(p, ok, &why)) << why;
   EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 3);  // mma_ring (H100 run 25: 497 us against 521 at 64 tokens)
@@ -436,41 +455,15 @@ TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
   EXPECT_EQ(kernels[1].targs[8], "64");
   EXPECT_EQ(kernels[2].kernel, "kspec::mhc_pre_fwd_split_heads_kernel");
   EXPECT_EQ(kernels[0].targs[8], "1");
-  const auto mma = op.kernels(p, Config{{{"algo", 1}, {"threads", 128}, {"tokens", 32}}});
+  const auto mma = op.kernels(p, mma_config(1, 32));
   ASSERT_EQ(mma.size(), 1u);
   EXPECT_EQ(mma[0].targs.back(), "false");
-  {
-    CompileRequest q = r;
-    q.params = {{"n", int64_t(5)}, {"D", int64_t(256)}};
-    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q), Config{{{"algo", 2}, {"threads", 128}, {"tokens", 16}}},
-                                 &why));
-    EXPECT_NE(why.find("32 projection rows"), std::string::npos) << why;
-    q.dtype = DType::f32;
-    q.params = r.params;
-    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q), ok, &why));
-    EXPECT_NE(why.find("float32 x"), std::string::npos) << why;
-  }
-  int compiled = 0;
-  for (const char* arch : {"sm_80", "sm_90"})
-    for (auto [name, dt, n, D, tokens] :
-         {std::tuple{"mhc.pre.fwd", DType::bf16, 4, 4096, 64}, std::tuple{"mhc.pre.fwd", DType::bf16, 4, 4096, 32},
-          std::tuple{"mhc.pre.fwd", DType::f16, 3, 33, 32}, std::tuple{"mhc.pre_only.fwd", DType::f16, 8, 128, 16}}) {
-      const OpDef& o = Registry::global().get(name);
-      CompileRequest q;
-      q.op = name;
-      q.dtype = dt;
-      q.arch = arch;
-      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
-      q.config = Config{{{"algo", 2}, {"threads", 128}, {"tokens", tokens}}};
-      ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << " n " << n << ": " << why;
-      for (const auto& rep : compile(q)) {
-        EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
-        EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
-        std::cout << arch << " " << rep.kernel << ": " << rep.registers << " registers\n";
-        ++compiled;
-      }
-    }
-  EXPECT_EQ(compiled, 24);  // three kernels each
+  expect_refused(op, mhc_request("mhc.pre.fwd", 5, 256), mma_config(2, 16), "32 projection rows");
+  expect_refused(op, mhc_request("mhc.pre.fwd", 4, 4096, DType::f32), ok, "float32 x");
+  expect_mma_rows_compile(2,
+                          {{"mhc.pre.fwd", DType::bf16, 4, 4096, 64}, {"mhc.pre.fwd", DType::bf16, 4, 4096, 32},
+                           {"mhc.pre.fwd", DType::f16, 3, 33, 32}, {"mhc.pre_only.fwd", DType::f16, 8, 128, 16}},
+                          24);  // three kernels each
 }
 
 // pre.bwd's algo=mma_fused_ring (5): mma_fused_warp_heads with the token pass's rows through a cp.async ring in
@@ -479,13 +472,8 @@ TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
 // sm_90 at n 4 (32 tokens), n 2 (64), n 3 (16) and pre_only n 8 (16).
 TEST(Mhc, PreBackwardMmaFusedRingRulesAndCompileWithoutSpills) {
   const OpDef& op = Registry::global().get("mhc.pre.bwd");
-  CompileRequest r;
-  r.op = "mhc.pre.bwd";
-  r.dtype = DType::bf16;
-  r.arch = "sm_90";
-  r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
-  const Problem p = problem_from_request(op, r);
-  const Config ok{{{"algo", 5}, {"threads", 128}, {"tokens", 32}}};
+  const Problem p = problem_from_request(op, mhc_request("mhc.pre.bwd", 4, 4096));
+  const Config ok = mma_config(5, 32);
   std::string why;
   EXPECT_TRUE(op.tuning.valid(p, ok, &why)) << why;
   EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 4);
@@ -495,39 +483,15 @@ TEST(Mhc, PreBackwardMmaFusedRingRulesAndCompileWithoutSpills) {
   EXPECT_EQ(kernels[0].targs[9], "true");   // kRing
   EXPECT_EQ(kernels[0].targs[10], "true");  // kWarpHeads
   EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_bwd_fused_mma_kernel");
-  EXPECT_EQ(op.kernels(p, Config{{{"algo", 4}, {"threads", 128}, {"tokens", 32}}})[0].targs[9], "false");
+  EXPECT_EQ(op.kernels(p, mma_config(4, 32))[0].targs[9], "false");
   for (const auto& [n, D, tokens, fragment] :
        {std::tuple{5, 256, 16, "24 projection rows"}, std::tuple{4, 100, 16, "16-byte groups"},
-        std::tuple{4, 256, 64, "n x tokens / 16"}}) {
-    CompileRequest q = r;
-    q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
-    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q),
-                                 Config{{{"algo", 5}, {"threads", 128}, {"tokens", tokens}}}, &why))
-        << n << " " << D;
-    EXPECT_NE(why.find(fragment), std::string::npos) << why;
-  }
-  int compiled = 0;
-  for (const char* arch : {"sm_80", "sm_90"})
-    for (auto [name, dt, n, D, tokens] :
-         {std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32}, std::tuple{"mhc.pre.bwd", DType::f16, 2, 256, 64},
-          std::tuple{"mhc.pre.bwd", DType::bf16, 3, 264, 16}, std::tuple{"mhc.pre_only.bwd", DType::f16, 8, 128, 16}}) {
-      const OpDef& o = Registry::global().get(name);
-      CompileRequest q;
-      q.op = name;
-      q.dtype = dt;
-      q.arch = arch;
-      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
-      q.config = Config{{{"algo", 5}, {"threads", 128}, {"tokens", tokens}}};
-      ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << " n " << n << ": " << why;
-      for (const auto& rep : compile(q)) {
-        EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
-        EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
-        if (rep.kernel.find("token_mma") == std::string::npos) continue;
-        std::cout << arch << " " << rep.kernel << ": " << rep.registers << " registers\n";
-        ++compiled;
-      }
-    }
-  EXPECT_EQ(compiled, 8);
+        std::tuple{4, 256, 64, "n x tokens / 16"}})
+    expect_refused(op, mhc_request("mhc.pre.bwd", n, D), mma_config(5, tokens), fragment);
+  expect_mma_rows_compile(5,
+                          {{"mhc.pre.bwd", DType::bf16, 4, 4096, 32}, {"mhc.pre.bwd", DType::f16, 2, 256, 64},
+                           {"mhc.pre.bwd", DType::bf16, 3, 264, 16}, {"mhc.pre_only.bwd", DType::f16, 8, 128, 16}},
+                          8, "token_mma");
 }
 
 // pre.fwd's algo=mma_ring (3): algo=mma_warp_heads with the projection's rows of x through a cp.async ring in
@@ -537,13 +501,9 @@ TEST(Mhc, PreBackwardMmaFusedRingRulesAndCompileWithoutSpills) {
 // 64's 521); compiles without spills on sm_80 and sm_90 at 32 and 16 tokens, n 4 and pre_only n 8.
 TEST(Mhc, PreForwardMmaRingRulesAndCompileWithoutSpills) {
   const OpDef& op = Registry::global().get("mhc.pre.fwd");
-  CompileRequest r;
-  r.op = "mhc.pre.fwd";
-  r.dtype = DType::bf16;
-  r.arch = "sm_90";
-  r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+  const CompileRequest r = mhc_request("mhc.pre.fwd", 4, 4096);
   const Problem p = problem_from_request(op, r);
-  const Config ok{{{"algo", 3}, {"threads", 128}, {"tokens", 32}}};
+  const Config ok = mma_config(3, 32);
   std::string why;
   EXPECT_TRUE(op.tuning.valid(p, ok, &why)) << why;
   EXPECT_EQ(op.tuning.heuristic(p).str(), ok.str());
@@ -554,45 +514,15 @@ TEST(Mhc, PreForwardMmaRingRulesAndCompileWithoutSpills) {
   EXPECT_EQ(kernels[0].targs[10], "true");  // kWarpHeads
   EXPECT_EQ(kernels[1].targs[9], "false");  // the split plan's projection: no ring
   EXPECT_EQ(kernels[2].kernel, "kspec::mhc_pre_fwd_split_heads_kernel");
-  EXPECT_EQ(op.kernels(p, Config{{{"algo", 2}, {"threads", 128}, {"tokens", 32}}})[0].targs[9], "false");
-  auto refused = [&](const CompileRequest& q, const Config& c, const char* because) {
-    std::string w;
-    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q), c, &w)) << because;
-    EXPECT_NE(w.find(because), std::string::npos) << w;
-  };
-  refused(r, Config{{{"algo", 3}, {"threads", 128}, {"tokens", 64}}}, "16 or 32 tokens");
-  {
-    CompileRequest q = r;
-    q.params = {{"n", int64_t(4)}, {"D", int64_t(100)}};
-    refused(q, ok, "16-byte groups");
-    q.params = {{"n", int64_t(5)}, {"D", int64_t(256)}};
-    refused(q, ok, "32 projection rows");
-    q.params = r.params;
-    q.dtype = DType::f32;
-    refused(q, ok, "float32 x");
-  }
-  int compiled = 0;
-  for (const char* arch : {"sm_80", "sm_90"})
-    for (auto [name, dt, n, D, tokens] :
-         {std::tuple{"mhc.pre.fwd", DType::bf16, 4, 4096, 32}, std::tuple{"mhc.pre.fwd", DType::f16, 4, 4096, 16},
-          std::tuple{"mhc.pre_only.fwd", DType::f16, 8, 128, 32}}) {
-      const OpDef& o = Registry::global().get(name);
-      CompileRequest q;
-      q.op = name;
-      q.dtype = dt;
-      q.arch = arch;
-      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
-      q.config = Config{{{"algo", 3}, {"threads", 128}, {"tokens", tokens}}};
-      ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << " n " << n << ": " << why;
-      for (const auto& rep : compile(q)) {
-        EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
-        EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
-        std::cout << arch << " " << rep.kernel << ": " << rep.registers << " registers, " << rep.shared_bytes
-                  << " bytes of shared memory\n";
-        ++compiled;
-      }
-    }
-  EXPECT_EQ(compiled, 18);  // three kernels each
+  EXPECT_EQ(op.kernels(p, mma_config(2, 32))[0].targs[9], "false");
+  expect_refused(op, r, mma_config(3, 64), "16 or 32 tokens");
+  expect_refused(op, mhc_request("mhc.pre.fwd", 4, 100), ok, "16-byte groups");
+  expect_refused(op, mhc_request("mhc.pre.fwd", 5, 256), ok, "32 projection rows");
+  expect_refused(op, mhc_request("mhc.pre.fwd", 4, 4096, DType::f32), ok, "float32 x");
+  expect_mma_rows_compile(3,
+                          {{"mhc.pre.fwd", DType::bf16, 4, 4096, 32}, {"mhc.pre.fwd", DType::f16, 4, 4096, 16},
+                           {"mhc.pre_only.fwd", DType::f16, 8, 128, 32}},
+                          18);  // three kernels each
 }
 
 // mhc.post_pre.fwd's algo axis: the SIMT kernel stays the heuristic's; algo=mma (1) and mma_warp_heads (2)
@@ -601,17 +531,12 @@ TEST(Mhc, PreForwardMmaRingRulesAndCompileWithoutSpills) {
 // and sm_90.
 TEST(Mhc, PostPreForwardMmaRulesAndCompileWithoutSpills) {
   const OpDef& op = Registry::global().get("mhc.post_pre.fwd");
-  CompileRequest r;
-  r.op = "mhc.post_pre.fwd";
-  r.dtype = DType::bf16;
-  r.arch = "sm_90";
-  r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
-  const Problem p = problem_from_request(op, r);
+  const Problem p = problem_from_request(op, mhc_request("mhc.post_pre.fwd", 4, 4096));
   EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 0);
   EXPECT_EQ(op.kernels(p, op.tuning.heuristic(p))[0].kernel, "kspec::mhc_post_pre_fwd_kernel");
   std::string why;
   for (int64_t algo : {1, 2}) {
-    const Config ok{{{"algo", algo}, {"threads", 128}, {"tokens", 16}}};
+    const Config ok = mma_config(algo, 16);
     EXPECT_TRUE(op.tuning.valid(p, ok, &why)) << why;
     const auto kernels = op.kernels(p, ok);
     ASSERT_EQ(kernels.size(), 1u);
@@ -621,34 +546,14 @@ TEST(Mhc, PostPreForwardMmaRulesAndCompileWithoutSpills) {
   for (const auto& [n, D, algo, tokens, fragment] :
        {std::tuple{4, 4096, 1, 32, "above 4"}, std::tuple{4, 100, 1, 16, "16-byte groups"},
         std::tuple{5, 128, 2, 16, "32 projection rows"}, std::tuple{8, 128, 1, 16, "above 4"},
-        std::tuple{4, 4096, 1, 4, "m16 tiles"}, std::tuple{4, 4096, 0, 16, "1 or 4 tokens"}}) {
-    CompileRequest q = r;
-    q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
-    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q),
-                                 Config{{{"algo", algo}, {"threads", 128}, {"tokens", tokens}}}, &why))
-        << n << " " << D << " " << tokens;
-    EXPECT_NE(why.find(fragment), std::string::npos) << why;
-  }
-  int compiled = 0;
-  for (const char* arch : {"sm_80", "sm_90"})
-    for (auto [dt, n, D, algo, tokens] :
-         {std::tuple{DType::bf16, 4, 4096, 1, 16}, std::tuple{DType::bf16, 4, 4096, 2, 16},
-          std::tuple{DType::f16, 2, 256, 1, 32}, std::tuple{DType::f16, 7, 128, 1, 16},
-          std::tuple{DType::bf16, 1, 64, 2, 64}}) {
-      CompileRequest q = r;
-      q.dtype = dt;
-      q.arch = arch;
-      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
-      q.config = Config{{{"algo", algo}, {"threads", 128}, {"tokens", tokens}}};
-      ASSERT_TRUE(op.tuning.valid(problem_from_request(op, q), *q.config, &why)) << n << ": " << why;
-      for (const auto& rep : compile(q)) {
-        EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
-        EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
-        std::cout << arch << " " << rep.kernel << ": " << rep.registers << " registers\n";
-        ++compiled;
-      }
-    }
-  EXPECT_EQ(compiled, 10);
+        std::tuple{4, 4096, 1, 4, "m16 tiles"}, std::tuple{4, 4096, 0, 16, "1 or 4 tokens"}})
+    expect_refused(op, mhc_request("mhc.post_pre.fwd", n, D), mma_config(algo, tokens), fragment);
+  const char* post_pre = "mhc.post_pre.fwd";
+  expect_mma_rows_compile(1,
+                          {{post_pre, DType::bf16, 4, 4096, 16}, {post_pre, DType::f16, 2, 256, 32},
+                           {post_pre, DType::f16, 7, 128, 16}},
+                          6);
+  expect_mma_rows_compile(2, {{post_pre, DType::bf16, 4, 4096, 16}, {post_pre, DType::bf16, 1, 64, 64}}, 4);
 }
 
 // algo=mma_fused (3): mma_tokens' token pass, then dx and the sums over tokens in one pass over x
@@ -657,13 +562,8 @@ TEST(Mhc, PostPreForwardMmaRulesAndCompileWithoutSpills) {
 // compiles without spills on sm_80 and sm_90, with and without dx_post.
 TEST(Mhc, PreBackwardMmaFusedRulesAndCompileWithoutSpills) {
   const OpDef& op = Registry::global().get("mhc.pre.bwd");
-  CompileRequest r;
-  r.op = "mhc.pre.bwd";
-  r.dtype = DType::bf16;
-  r.arch = "sm_90";
-  r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
-  const Problem p = problem_from_request(op, r);
-  const Config ok{{{"algo", 3}, {"threads", 128}, {"tokens", 32}}};
+  const Problem p = problem_from_request(op, mhc_request("mhc.pre.bwd", 4, 4096));
+  const Config ok = mma_config(3, 32);
   std::string why;
   EXPECT_TRUE(op.tuning.valid(p, ok, &why)) << why;
   const auto kernels = op.kernels(p, ok);
@@ -673,55 +573,26 @@ TEST(Mhc, PreBackwardMmaFusedRulesAndCompileWithoutSpills) {
   EXPECT_EQ(kernels[2].kernel, "kspec::mhc_pre_bwd_reduce_kernel");
   EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 4);  // H100, session 8: pre fwd+bwd 1794 us, mma_fused 2004, mma_tokens 2478
   // algo=mma_fused_warp_heads (4): the same plan, the token kernel with its heads per warp.
-  const Config warp_heads{{{"algo", 4}, {"threads", 128}, {"tokens", 32}}};
+  const Config warp_heads = mma_config(4, 32);
   EXPECT_TRUE(op.tuning.valid(p, warp_heads, &why)) << why;
   EXPECT_EQ(kernels[0].targs.back(), "false");
   EXPECT_EQ(op.kernels(p, warp_heads)[0].targs.back(), "true");
   EXPECT_EQ(op.kernels(p, warp_heads)[1].kernel, "kspec::mhc_pre_bwd_fused_mma_kernel");
   for (const auto& [n, D, tokens, fragment] :
        {std::tuple{5, 256, 16, "24 projection rows"}, std::tuple{4, 100, 16, "16-byte groups"},
-        std::tuple{4, 256, 64, "n x tokens / 16"}}) {
-    CompileRequest q = r;
-    q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
-    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q),
-                                 Config{{{"algo", 3}, {"threads", 128}, {"tokens", tokens}}}, &why))
-        << n << " " << D;
-    EXPECT_NE(why.find(fragment), std::string::npos) << why;
-  }
-  {
-    CompileRequest q = r;
-    q.dtype = DType::f32;
-    EXPECT_FALSE(op.tuning.valid(problem_from_request(op, q), ok, &why));
-    EXPECT_NE(why.find("float32 x"), std::string::npos) << why;
-  }
-  int compiled = 0;
-  for (const char* arch : {"sm_80", "sm_90"})
-    for (auto [name, dt, n, D, tokens, bare, algo] :
-         {std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, false, 3}, std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, true, 3},
-          std::tuple{"mhc.pre.bwd", DType::f16, 2, 256, 64, false, 3}, std::tuple{"mhc.pre.bwd", DType::bf16, 3, 264, 16, false, 3},
-          std::tuple{"mhc.pre_only.bwd", DType::f16, 8, 128, 16, false, 3},
-          std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, false, 4}, std::tuple{"mhc.pre.bwd", DType::f16, 2, 256, 64, false, 4},
-          std::tuple{"mhc.pre_only.bwd", DType::f16, 8, 128, 16, false, 4}}) {
-      const OpDef& o = Registry::global().get(name);
-      CompileRequest q;
-      q.op = name;
-      q.dtype = dt;
-      q.arch = arch;
-      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
-      if (bare) q.without = {"gamma", "dx_post"};
-      q.config = Config{{{"algo", algo}, {"threads", 128}, {"tokens", tokens}}};
-      ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << " n " << n << ": " << why;
-      for (const auto& rep : compile(q)) {
-        EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
-        EXPECT_EQ(rep.stack_bytes, 0) << arch << " " << rep.kernel;
-        if (rep.kernel.find("fused") == std::string::npos && algo == 3) continue;
-        if (rep.kernel.find("token_mma") == std::string::npos && algo == 4) continue;
-        std::cout << arch << " " << name << " n " << n << " D " << D << (bare ? " (no gamma, dx_post) " : " ")
-                  << rep.kernel << ": " << rep.registers << " registers\n";
-        ++compiled;
-      }
-    }
-  EXPECT_EQ(compiled, 16);
+        std::tuple{4, 256, 64, "n x tokens / 16"}})
+    expect_refused(op, mhc_request("mhc.pre.bwd", n, D), mma_config(3, tokens), fragment);
+  expect_refused(op, mhc_request("mhc.pre.bwd", 4, 4096, DType::f32), ok, "float32 x");
+  // mma_fused's fused kernel counted, mma_fused_warp_heads' token kernel
+  expect_mma_rows_compile(3,
+                          {{"mhc.pre.bwd", DType::bf16, 4, 4096, 32}, {"mhc.pre.bwd", DType::bf16, 4, 4096, 32, true},
+                           {"mhc.pre.bwd", DType::f16, 2, 256, 64}, {"mhc.pre.bwd", DType::bf16, 3, 264, 16},
+                           {"mhc.pre_only.bwd", DType::f16, 8, 128, 16}},
+                          10, "fused");
+  expect_mma_rows_compile(4,
+                          {{"mhc.pre.bwd", DType::bf16, 4, 4096, 32}, {"mhc.pre.bwd", DType::f16, 2, 256, 64},
+                           {"mhc.pre_only.bwd", DType::f16, 8, 128, 16}},
+                          6, "token_mma");
 }
 
 // post's `vec` axis: 8 consecutive d a thread with 16-byte loads where D % 8 == 0 and n >= 3 (n <= 7 in

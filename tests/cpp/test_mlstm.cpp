@@ -59,6 +59,37 @@ void expect_in(const std::string& msg, const std::vector<std::string>& fragments
   for (const auto& f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
 }
 
+// A request for op at dhqk x dhhv, bf16, for arch; at `chunk` where given (else the op's default).
+CompileRequest mlstm_request(const OpDef& op, int64_t dk, int64_t dv, const char* arch = "sm_90", int64_t chunk = 0) {
+  CompileRequest r;
+  r.op = op.info.name;
+  r.dtype = DType::bf16;
+  r.arch = arch;
+  r.params.set("dhqk", dk);
+  r.params.set("dhhv", dv);
+  if (chunk) r.params.set("chunk", chunk);
+  return r;
+}
+
+// One row of a validity table: config c is valid for p exactly where `why` is "", and where it is not the
+// reason names `algo` (where given) and `why`. Returns whether the row is a valid one (its kernels to check).
+bool expect_validity(const OpDef& op, const Problem& p, const Config& c, const char* why, const std::string& what,
+                     const char* algo = nullptr) {
+  std::string reason;
+  const bool valid = op.tuning.valid(p, c, &reason);
+  EXPECT_EQ(valid, *why == 0) << what << " " << c.str(op.info) << ": " << reason;
+  if (*why) expect_in(reason, algo ? std::vector<std::string>{algo, why} : std::vector<std::string>{why});
+  return *why == 0;
+}
+
+// Every kernel of r's plan compiles without spills or a stack frame.
+void expect_no_spills(const CompileRequest& r, const std::string& what) {
+  for (const auto& rep : compile(r)) {
+    EXPECT_EQ(rep.spill_bytes, 0) << what << " " << r.arch << ": " << rep.kernel;
+    EXPECT_EQ(rep.stack_bytes, 0) << what << " " << r.arch << ": " << rep.kernel;
+  }
+}
+
 }  // namespace
 
 TEST(Mlstm, InferOutputs) {
@@ -155,14 +186,7 @@ TEST(Mlstm, Chunk256IsTensorCoreOnly) {
     for (size_t j = 3; j < 5; ++j) in[j].dtype = DType::bf16;  // i, f
     EXPECT_NO_THROW(infer_outputs(op, in, chunk256)) << op;
     const OpDef& def = Registry::global().get(op);
-    CompileRequest r;
-    r.op = op;
-    r.dtype = DType::bf16;
-    r.arch = "sm_90";
-    r.params.set("chunk", int64_t(256));
-    r.params.set("dhqk", int64_t(64));
-    r.params.set("dhhv", int64_t(64));
-    const Problem pr = problem_from_request(def, r);
+    const Problem pr = problem_from_request(def, mlstm_request(def, 64, 64, "sm_90", 256));
     // algo=tc_pg forward, algo=tc_merged backward: the tensor cores
     EXPECT_EQ(def.tuning.heuristic(pr).str(def.info),
               std::string(op) == "mlstm.chunkwise.fwd" ? "algo=tc_pg,threads=128" : "algo=tc_merged,threads=128");
@@ -187,13 +211,7 @@ TEST(Mlstm, TensorCoreBackwardBlocksLargeHeadDims) {
   };
   for (const Row& row :
        std::vector<Row>{{128, 128, 7, 6, 1}, {64, 256, 7, 7, 2}, {128, 256, 7, 7, 2}, {256, 512, 10, 9, 8}}) {
-    CompileRequest r;
-    r.op = op.info.name;
-    r.dtype = DType::bf16;
-    r.arch = "sm_90";
-    r.params.set("dhqk", row.dk);
-    r.params.set("dhhv", row.dv);
-    const Problem p = problem_from_request(op, r);
+    const Problem p = problem_from_request(op, mlstm_request(op, row.dk, row.dv));
     const auto kernels = op.kernels(p, tc);
     ASSERT_EQ(kernels.size(), row.kernels) << row.dk << " x " << row.dv;
     for (size_t k = 7; k < kernels.size(); ++k)
@@ -269,13 +287,7 @@ TEST(Mlstm, TensorCoreMergedBackwardKernels) {
   };
   for (const Row& row : std::vector<Row>{{32, 32, 3}, {128, 128, 3}, {64, 256, 4}, {128, 256, 4}, {128, 512, 6},
                                          {256, 512, 0}}) {
-    CompileRequest r;
-    r.op = op.info.name;
-    r.dtype = DType::bf16;
-    r.arch = "sm_90";
-    r.params.set("dhqk", row.dk);
-    r.params.set("dhhv", row.dv);
-    const Problem p = problem_from_request(op, r);
+    const Problem p = problem_from_request(op, mlstm_request(op, row.dk, row.dv));
     std::string why;
     const std::string what = std::to_string(row.dk) + " x " + std::to_string(row.dv);
     ASSERT_TRUE(op.tuning.valid(p, merged, &why)) << what << ": " << why;
@@ -670,12 +682,10 @@ TEST(Mlstm, StepHeadValidity) {
     p.op = &op;
     p.dims = {{"batch", 64}, {"heads", 8}, {"dhqk", row.dk}, {"dhhv", row.dv}};
     p.align_bytes = row.align;
-    const Config c = Config::parse(row.config, op.info);
-    const std::string what = std::to_string(row.dk) + " x " + std::to_string(row.dv) + " " + row.config;
-    std::string why;
-    EXPECT_EQ(op.tuning.valid(p, c, &why), *row.why == 0) << what << ": " << why;
-    if (*row.why) expect_in(why, {"algo=head", row.why});
-    EXPECT_NE(op.tuning.heuristic(p).get("algo"), mlstm::kStepHead) << what;
+    const std::string what = std::to_string(row.dk) + " x " + std::to_string(row.dv) + " align " +
+                             std::to_string(row.align);
+    expect_validity(op, p, Config::parse(row.config, op.info), row.why, what, "algo=head");
+    EXPECT_NE(op.tuning.heuristic(p).get("algo"), mlstm::kStepHead) << what << " " << row.config;
   }
 }
 
@@ -693,23 +703,11 @@ TEST(Mlstm, StepClusterValidity) {
                                          {128, 128, "algo=cluster,threads=256,cols=32", "sm_80", "sm_90 or newer"},
                                          {128, 512, "algo=cluster,threads=256,cols=32", "sm_90", "at most 8"},
                                          {128, 16, "algo=cluster,threads=256,cols=32", "sm_90", "wider than dhhv"}}) {
-    CompileRequest r;
-    r.op = op.info.name;
-    r.dtype = DType::bf16;
-    r.arch = row.arch;
-    r.params.set("dhqk", row.dk);
-    r.params.set("dhhv", row.dv);
-    Problem p = problem_from_request(op, r);
+    Problem p = problem_from_request(op, mlstm_request(op, row.dk, row.dv, row.arch));
     p.align_bytes = 16;
     const Config c = Config::parse(row.config, op.info);
-    const std::string what =
-        std::to_string(row.dk) + " x " + std::to_string(row.dv) + " " + row.config + " " + row.arch;
-    std::string why;
-    EXPECT_EQ(op.tuning.valid(p, c, &why), *row.why == 0) << what << ": " << why;
-    if (*row.why) {
-      expect_in(why, {"algo=cluster", row.why});
-      continue;
-    }
+    const std::string what = std::to_string(row.dk) + " x " + std::to_string(row.dv) + " " + row.arch;
+    if (!expect_validity(op, p, c, row.why, what, "algo=cluster")) continue;
     const auto k = op.kernels(p, c);
     ASSERT_EQ(k.size(), 1u) << what;
     EXPECT_EQ(k[0].kernel, "kspec::mlstm_step_cluster_kernel") << what;
@@ -723,12 +721,8 @@ TEST(Mlstm, StepClusterValidity) {
 TEST(Mlstm, BackwardHeuristicTakesMergedAndStream) {
   const OpDef& op = Registry::global().get("mlstm.chunkwise.bwd");
   auto pick = [&](DType dt, int64_t dk, int64_t dv) {
-    CompileRequest r;
-    r.op = op.info.name;
+    CompileRequest r = mlstm_request(op, dk, dv);
     r.dtype = dt;
-    r.arch = "sm_90";
-    r.params.set("dhqk", dk);
-    r.params.set("dhhv", dv);
     const Problem p = problem_from_request(op, r);
     const Config c = op.tuning.heuristic(p);
     std::string why;
@@ -762,22 +756,10 @@ TEST(Mlstm, WideStateTiles) {
                                            {64, 128, 64, "dhqk and dhhv >= 128"},
                                            {128, 64, 64, "dhqk and dhhv >= 128"},
                                            {128, 256, 256, "chunk <= 128"}}) {
-      CompileRequest r;
-      r.op = op.info.name;
-      r.dtype = DType::bf16;
-      r.arch = "sm_90";
-      r.params.set("dhqk", row.dk);
-      r.params.set("dhhv", row.dv);
-      r.params.set("chunk", row.chunk);
-      const Problem p = problem_from_request(op, r);
+      const Problem p = problem_from_request(op, mlstm_request(op, row.dk, row.dv, "sm_90", row.chunk));
       const std::string what = op.info.name + " " + std::to_string(row.dk) + " x " + std::to_string(row.dv) +
                                " chunk " + std::to_string(row.chunk);
-      std::string why;
-      EXPECT_EQ(op.tuning.valid(p, wide, &why), *row.why == 0) << what << ": " << why;
-      if (*row.why) {
-        expect_in(why, {"algo=tc_wide", row.why});
-        continue;
-      }
+      if (!expect_validity(op, p, wide, row.why, what, "algo=tc_wide")) continue;
       const auto k = op.kernels(p, wide);
       ASSERT_EQ(k.size(), bwd ? 4u : 3u) << what;
       EXPECT_EQ(k[1].kernel, bwd ? "kspec::mlstm_tc_states_kernel" : "kspec::mlstm_tc_state_kernel") << what;
@@ -794,18 +776,9 @@ TEST(Mlstm, WideStateTiles) {
     EXPECT_EQ(mlstm_tc_state_threads(256, kMlstmTcWideTile), 256);
     EXPECT_LE(mlstm_tc_state_smem_bytes(256, 512, 128, kMlstmTcWideTile), 160 * 1024);  // sm_80's 163 KB
     for (const char* arch : bwd ? std::vector<const char*>{"sm_90"} : std::vector<const char*>{"sm_80", "sm_90"}) {
-      CompileRequest r;
-      r.op = op.info.name;
-      r.dtype = DType::bf16;
-      r.arch = arch;
+      CompileRequest r = mlstm_request(op, 256, 512, arch, bwd ? 64 : 128);
       r.config = wide;
-      r.params.set("dhqk", 256);
-      r.params.set("dhhv", 512);
-      r.params.set("chunk", bwd ? 64 : 128);
-      for (const auto& rep : compile(r)) {
-        EXPECT_EQ(rep.spill_bytes, 0) << name << " " << arch << ": " << rep.kernel;
-        EXPECT_EQ(rep.stack_bytes, 0) << name << " " << arch << ": " << rep.kernel;
-      }
+      expect_no_spills(r, name);
     }
   }
 }
@@ -832,24 +805,12 @@ TEST(Mlstm, OverlapBackwardPrefetches) {
                                          {64, 64, 256, "", "chunk <= 128"},
                                          {128, 256, 64, "dhqk and dhhv <= 128", "dhqk and dhhv <= 128"},
                                          {256, 512, 64, "dhqk and dhhv <= 128", "dhqk and dhhv <= 128"}}) {
-    CompileRequest r;
-    r.op = op.info.name;
-    r.dtype = DType::bf16;
-    r.arch = "sm_90";
-    r.params.set("dhqk", row.dk);
-    r.params.set("dhhv", row.dv);
-    r.params.set("chunk", row.chunk);
-    const Problem p = problem_from_request(op, r);
+    const Problem p = problem_from_request(op, mlstm_request(op, row.dk, row.dv, "sm_90", row.chunk));
     const std::string what = std::to_string(row.dk) + " x " + std::to_string(row.dv) + " chunk " +
                              std::to_string(row.chunk);
     for (const auto& [c, base, why_expected] : std::vector<std::tuple<Config, Config, const char*>>{
              {overlap, merged, row.why}, {wide_overlap, wide, row.wide_why}}) {
-      std::string why;
-      EXPECT_EQ(op.tuning.valid(p, c, &why), *why_expected == 0) << what << " " << c.str(op.info) << ": " << why;
-      if (*why_expected) {
-        expect_in(why, {why_expected});
-        continue;
-      }
+      if (!expect_validity(op, p, c, why_expected, what)) continue;
       const auto k = op.kernels(p, c), b = op.kernels(p, base);
       ASSERT_EQ(k.size(), 4u) << what;
       ASSERT_EQ(b.size(), 4u) << what;
@@ -866,14 +827,7 @@ TEST(Mlstm, OverlapBackwardPrefetches) {
   }
   // tc_wide_pg: tc_wide's kernels but the gates kernel by warps (no prefetch), wherever tc_wide runs.
   for (const auto& [dk, dv] : std::vector<std::pair<int64_t, int64_t>>{{128, 128}, {256, 512}}) {
-    CompileRequest r;
-    r.op = op.info.name;
-    r.dtype = DType::bf16;
-    r.arch = "sm_90";
-    r.params.set("dhqk", dk);
-    r.params.set("dhhv", dv);
-    r.params.set("chunk", 128);
-    const Problem p = problem_from_request(op, r);
+    const Problem p = problem_from_request(op, mlstm_request(op, dk, dv, "sm_90", 128));
     const Config wide_pg = Config::parse("algo=tc_wide_pg,threads=128", op.info);
     std::string why;
     ASSERT_TRUE(op.tuning.valid(p, wide_pg, &why)) << dk << " x " << dv << ": " << why;
@@ -883,18 +837,9 @@ TEST(Mlstm, OverlapBackwardPrefetches) {
     for (size_t j = 1; j < k.size(); ++j) EXPECT_EQ(k[j].targs, b[j].targs) << dk << " x " << dv << " kernel " << j;
   }
   for (const char* arch : {"sm_80", "sm_90"}) {
-    CompileRequest r;
-    r.op = op.info.name;
-    r.dtype = DType::bf16;
-    r.arch = arch;
+    CompileRequest r = mlstm_request(op, 128, 128, arch, 128);
     r.config = overlap;
-    r.params.set("dhqk", 128);
-    r.params.set("dhhv", 128);
-    r.params.set("chunk", 128);
-    for (const auto& rep : compile(r)) {
-      EXPECT_EQ(rep.spill_bytes, 0) << arch << ": " << rep.kernel;
-      EXPECT_EQ(rep.stack_bytes, 0) << arch << ": " << rep.kernel;
-    }
+    expect_no_spills(r, "tc_overlap 128 x 128 chunk 128");
   }
 }
 
@@ -907,13 +852,7 @@ TEST(Mlstm, ForwardGatesByWarps) {
                tc = Config::parse("algo=tc,threads=128", op.info);
   for (int64_t chunk : {16, 128}) {
     for (const char* arch : {"sm_80", "sm_90"}) {
-      CompileRequest r;
-      r.op = op.info.name;
-      r.dtype = DType::bf16;
-      r.arch = arch;
-      r.params.set("dhqk", 64);
-      r.params.set("dhhv", 64);
-      r.params.set("chunk", chunk);
+      CompileRequest r = mlstm_request(op, 64, 64, arch, chunk);
       const Problem p = problem_from_request(op, r);
       const std::string what = std::string(arch) + " chunk " + std::to_string(chunk);
       std::string why;
@@ -962,27 +901,16 @@ TEST(Mlstm, ForwardOutputKernelOn128Rows) {
                                          {256, 512, 128, "sm_90", ""},
                                          {256, 512, 128, "sm_80", "shared memory"},
                                          {128, 128, 64, "sm_90", "chunk 128 or 256"}}) {
-    CompileRequest r;
-    r.op = op.info.name;
-    r.dtype = DType::bf16;
-    r.arch = row.arch;
-    r.params.set("dhqk", row.dk);
-    r.params.set("dhhv", row.dv);
-    r.params.set("chunk", row.chunk);
-    const Problem p = problem_from_request(op, r);
+    const Problem p = problem_from_request(op, mlstm_request(op, row.dk, row.dv, row.arch, row.chunk));
     const std::string what = std::to_string(row.dk) + " x " + std::to_string(row.dv) + " chunk " +
                              std::to_string(row.chunk) + " " + row.arch;
-    std::string why;
-    EXPECT_EQ(op.tuning.valid(p, q128, &why), *row.why == 0) << what << ": " << why;
-    if (*row.why) {
-      expect_in(why, {"algo=tc_q128", row.why});
-      continue;
-    }
+    if (!expect_validity(op, p, q128, row.why, what, "algo=tc_q128")) continue;
     const auto k = op.kernels(p, q128);
     ASSERT_EQ(k.size(), 3u) << what;
     EXPECT_EQ(k[2].kernel, "kspec::mlstm_tc_out_kernel") << what;
     EXPECT_EQ(k[2].targs.back(), "128") << what;
     EXPECT_EQ(k[1].targs, op.kernels(p, Config::parse("algo=tc,threads=128", op.info))[1].targs) << what;
+    std::string why;
     EXPECT_EQ(op.tuning.valid(p, both, &why), row.chunk <= 128) << what << ": " << why;
   }
   struct Build {
@@ -991,18 +919,9 @@ TEST(Mlstm, ForwardOutputKernelOn128Rows) {
     const Config& config;
   };
   for (const Build& b : std::vector<Build>{{128, 128, 128, "sm_80", q128}, {256, 512, 128, "sm_90", both}}) {
-    CompileRequest r;
-    r.op = op.info.name;
-    r.dtype = DType::bf16;
-    r.arch = b.arch;
+    CompileRequest r = mlstm_request(op, b.dk, b.dv, b.arch, b.chunk);
     r.config = b.config;
-    r.params.set("dhqk", b.dk);
-    r.params.set("dhhv", b.dv);
-    r.params.set("chunk", b.chunk);
-    for (const auto& rep : compile(r)) {
-      EXPECT_EQ(rep.spill_bytes, 0) << b.arch << ": " << rep.kernel;
-      EXPECT_EQ(rep.stack_bytes, 0) << b.arch << ": " << rep.kernel;
-    }
+    expect_no_spills(r, b.config.str(op.info));
   }
 }
 

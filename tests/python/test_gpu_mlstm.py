@@ -36,6 +36,23 @@ def _nan_like(t, dtype=None):
     return torch.full_like(t, float("nan"), dtype=dtype)
 
 
+def _inputs(B, NH, S, DK, DV, dtype, seed, grad=False):
+    """Random inputs on CUDA from a generator seeded `seed`, drawn in this order: q, k, v (B, NH, S, DK / DV),
+    i, f + 2 (B, NH, S) in `dtype`; then the forward's fp32 C0 (B, NH, DK, DV), n0 (B, NH, DK), m0 (B, NH, 1):
+    (q, k, v, i, f, C0, n0, m0); with grad, dh (B, NH, S, DV) in `dtype` first and dC_last (like C0) last, n0
+    zero (the backward has no n0: the forward's nrm is its constant, and the reference's is from n0 = 0):
+    (q, k, v, i, f, dh, C0, n0, m0, dC_last)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    q, k, v = r(B, NH, S, DK).to(dtype), r(B, NH, S, DK).to(dtype), r(B, NH, S, DV).to(dtype)
+    i, f = r(B, NH, S).to(dtype), (r(B, NH, S) + 2.0).to(dtype)
+    if not grad:
+        return q, k, v, i, f, r(B, NH, DK, DV), r(B, NH, DK), r(B, NH, 1)
+    dh = r(B, NH, S, DV).to(dtype)
+    C0, n0, m0, dC_last = r(B, NH, DK, DV), torch.zeros(B, NH, DK, device="cuda"), r(B, NH, 1), r(B, NH, DK, DV)
+    return q, k, v, i, f, dh, C0, n0, m0, dC_last
+
+
 def _fwd(q, k, v, i, f, C0, n0, m0, chunk, config):
     """mlstm.chunkwise.fwd from initial states with every output NaN-poisoned first: (h, nrm, m_rows,
     C_last, n_last, m_last)."""
@@ -90,11 +107,7 @@ def test_tensor_core_forward(dtype, S, chunk):
     against the float64 reference of the same rounded inputs (h and the last states within the issue's
     forward tolerance, nrm and m in fp32 math within 1e-4), and h against algo=simt's."""
     B, NH, DK, DV = 1, 2, 32, 64
-    g = torch.Generator(device="cuda").manual_seed(S + chunk)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-    q, k, v = r(B, NH, S, DK).to(dtype), r(B, NH, S, DK).to(dtype), r(B, NH, S, DV).to(dtype)
-    i, f = r(B, NH, S).to(dtype), (r(B, NH, S) + 2.0).to(dtype)
-    C0, n0, m0 = r(B, NH, DK, DV), r(B, NH, DK), r(B, NH, 1)
+    q, k, v, i, f, C0, n0, m0 = _inputs(B, NH, S, DK, DV, dtype, S + chunk)
 
     def run(config):
         return _fwd(q, k, v, i, f, C0, n0, m0, chunk, config)
@@ -119,12 +132,7 @@ def test_tensor_core_backward(dtype, S, chunk):
     states and dC_last: every gradient against the float64 reference of the same rounded inputs within
     the issue's gradient tolerance, and against algo=simt's."""
     B, NH, DK, DV = 1, 2, 32, 64
-    g = torch.Generator(device="cuda").manual_seed(10 * S + chunk)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-    q, k, v = r(B, NH, S, DK).to(dtype), r(B, NH, S, DK).to(dtype), r(B, NH, S, DV).to(dtype)
-    i, f = r(B, NH, S).to(dtype), (r(B, NH, S) + 2.0).to(dtype)
-    dh = r(B, NH, S, DV).to(dtype)
-    C0, n0, m0, dC_last = r(B, NH, DK, DV), torch.zeros(B, NH, DK, device="cuda"), r(B, NH, 1), r(B, NH, DK, DV)
+    q, k, v, i, f, dh, C0, n0, m0, dC_last = _inputs(B, NH, S, DK, DV, dtype, 10 * S + chunk, grad=True)
     rows = _nan_like(i, torch.float32)
     nrm, m_rows = rows.clone(), rows.clone()
     kspec.call("mlstm.chunkwise.fwd", q, k, v, i, f, C0, n0, m0, out=(_nan_like(v), nrm, m_rows, None, None, None),
@@ -157,12 +165,7 @@ def test_tensor_core_merged_backward(DK, DV, algo, S, chunk, dtype):
     if DK > 128 and (S == 1 or chunk == 128 or dtype == torch.float16):
         pytest.skip("256 x 512: S 65 and 300 at chunk 64 in bf16 (test_tensor_core_large_head_dims has the rest)")
     B, NH = 2, 3
-    g = torch.Generator(device="cuda").manual_seed(S + DK + DV + chunk)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-    q, k, v = r(B, NH, S, DK).to(dtype), r(B, NH, S, DK).to(dtype), r(B, NH, S, DV).to(dtype)
-    i, f = r(B, NH, S).to(dtype), (r(B, NH, S) + 2.0).to(dtype)
-    dh = r(B, NH, S, DV).to(dtype)
-    C0, n0, m0, dC_last = r(B, NH, DK, DV), torch.zeros(B, NH, DK, device="cuda"), r(B, NH, 1), r(B, NH, DK, DV)
+    q, k, v, i, f, dh, C0, n0, m0, dC_last = _inputs(B, NH, S, DK, DV, dtype, S + DK + DV + chunk, grad=True)
     rows = _nan_like(i, torch.float32)
     nrm, m_rows = rows.clone(), rows.clone()
     kspec.call("mlstm.chunkwise.fwd", q, k, v, i, f, C0, n0, m0, out=(_nan_like(v), nrm, m_rows, None, None, None),
@@ -189,11 +192,7 @@ def test_tensor_core_forward_gates_by_warps(S, chunk):
     initial states, bf16, over several sequences; S from 1 to 4100 (1 to 3 rounds of 16 chunks, the last one
     partial, chunks cut by S)."""
     B, NH, DK, DV, dtype = 2, 3, 32, 64, torch.bfloat16
-    g = torch.Generator(device="cuda").manual_seed(S + chunk)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-    q, k, v = r(B, NH, S, DK).to(dtype), r(B, NH, S, DK).to(dtype), r(B, NH, S, DV).to(dtype)
-    i, f = r(B, NH, S).to(dtype), (r(B, NH, S) + 2.0).to(dtype)
-    C0, n0, m0 = r(B, NH, DK, DV), r(B, NH, DK), r(B, NH, 1)
+    q, k, v, i, f, C0, n0, m0 = _inputs(B, NH, S, DK, DV, dtype, S + chunk)
     got = _fwd(q, k, v, i, f, C0, n0, m0, chunk, "algo=tc_pg,threads=128")
     tc = _fwd(q, k, v, i, f, C0, n0, m0, chunk, "algo=tc,threads=128")
     torch.cuda.synchronize()
@@ -216,12 +215,7 @@ def test_tensor_core_overlap_backward(DK, DV, S, chunk):
     float64 reference. Chunk 256 walks 4 key tiles (the buffers in turn), S = 65, 300 and 520 end inside a
     tile."""
     B, NH, dtype = 2, 3, torch.bfloat16
-    g = torch.Generator(device="cuda").manual_seed(S + DK + DV + chunk)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-    q, k, v = r(B, NH, S, DK).to(dtype), r(B, NH, S, DK).to(dtype), r(B, NH, S, DV).to(dtype)
-    i, f = r(B, NH, S).to(dtype), (r(B, NH, S) + 2.0).to(dtype)
-    dh = r(B, NH, S, DV).to(dtype)
-    C0, n0, m0, dC_last = r(B, NH, DK, DV), torch.zeros(B, NH, DK, device="cuda"), r(B, NH, 1), r(B, NH, DK, DV)
+    q, k, v, i, f, dh, C0, n0, m0, dC_last = _inputs(B, NH, S, DK, DV, dtype, S + DK + DV + chunk, grad=True)
     _, nrm, m_rows = _fwd(q, k, v, i, f, C0, n0, m0, chunk, "algo=tc,threads=128")[:3]
     pairs = [("tc_overlap", "tc_merged")]
     if DK >= 128 and chunk <= 128:
@@ -250,11 +244,7 @@ def test_tensor_core_forward_128_query_rows(DK, DV, S, chunk, algo):
     if algo == "tc_wide_q128" and (chunk > 128 or DK < 128):
         pytest.skip("tc_wide: head dims >= 128 and chunk <= 128")
     B, NH, dtype = 2, 3, torch.bfloat16
-    g = torch.Generator(device="cuda").manual_seed(S + DK + DV + chunk)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-    q, k, v = r(B, NH, S, DK).to(dtype), r(B, NH, S, DK).to(dtype), r(B, NH, S, DV).to(dtype)
-    i, f = r(B, NH, S).to(dtype), (r(B, NH, S) + 2.0).to(dtype)
-    C0, n0, m0 = r(B, NH, DK, DV), r(B, NH, DK), r(B, NH, 1)
+    q, k, v, i, f, C0, n0, m0 = _inputs(B, NH, S, DK, DV, dtype, S + DK + DV + chunk)
 
     def fwd(config):
         return _fwd(q, k, v, i, f, C0, n0, m0, chunk, config)
@@ -283,13 +273,7 @@ def test_tensor_core_wide_state_tiles(DK, DV, S, chunk):
     if DK > 128 and S == 1:
         pytest.skip("256 x 512: S 65 and 300 (the tiles' rows and chunks; S = 1 at the smaller dims)")
     B, NH, dtype = 2, 3, torch.bfloat16
-    g = torch.Generator(device="cuda").manual_seed(S + DK + DV + chunk)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-    q, k, v = r(B, NH, S, DK).to(dtype), r(B, NH, S, DK).to(dtype), r(B, NH, S, DV).to(dtype)
-    i, f = r(B, NH, S).to(dtype), (r(B, NH, S) + 2.0).to(dtype)
-    dh = r(B, NH, S, DV).to(dtype)
-    # n0 = 0: the backward has no n0 (the forward's nrm is its constant, and the reference's is from n0 = 0)
-    C0, n0, m0, dC_last = r(B, NH, DK, DV), torch.zeros(B, NH, DK, device="cuda"), r(B, NH, 1), r(B, NH, DK, DV)
+    q, k, v, i, f, dh, C0, n0, m0, dC_last = _inputs(B, NH, S, DK, DV, dtype, S + DK + DV + chunk, grad=True)
 
     def fwd(config):
         return _fwd(q, k, v, i, f, C0, n0, m0, chunk, config)
@@ -334,12 +318,7 @@ def test_tensor_core_large_head_dims(DK, DV, S, chunk, algo):
     if algo == "tc_stream" and DK <= 128:
         pytest.skip("algo=tc_stream differs from algo=tc_merged only at DHQK > 128")
     B, NH, dtype = 1, 1, torch.bfloat16
-    g = torch.Generator(device="cuda").manual_seed(S + DK + chunk)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-    q, k, v = r(B, NH, S, DK).to(dtype), r(B, NH, S, DK).to(dtype), r(B, NH, S, DV).to(dtype)
-    i, f = r(B, NH, S).to(dtype), (r(B, NH, S) + 2.0).to(dtype)
-    dh = r(B, NH, S, DV).to(dtype)
-    C0, n0, m0, dC_last = r(B, NH, DK, DV), torch.zeros(B, NH, DK, device="cuda"), r(B, NH, 1), r(B, NH, DK, DV)
+    q, k, v, i, f, dh, C0, n0, m0, dC_last = _inputs(B, NH, S, DK, DV, dtype, S + DK + chunk, grad=True)
     h, nrm, m_rows = _nan_like(v), _nan_like(i, torch.float32), _nan_like(i, torch.float32)
     kspec.call("mlstm.chunkwise.fwd", q, k, v, i, f, C0, n0, m0, out=(h, nrm, m_rows, None, None, None), chunk=chunk,
                config="algo=tc,threads=128")
