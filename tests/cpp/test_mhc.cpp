@@ -447,8 +447,10 @@ TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
   EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 3);  // mma_ring (H100 run 25: 497 us against 521 at 64 tokens)
   const auto kernels = op.kernels(p, ok);
   // The tile's kernel, then the split plan's two (taken by the launcher for T <= 256): projection partials
-  // over 64 groups of columns at 16 tokens, then their sum, the heads and y.
-  ASSERT_EQ(kernels.size(), 3u);
+  // over 64 groups of columns at 16 tokens, then their sum, the heads and y; then the decode kernel (one launch,
+  // taken for T <= 16: the rows variant).
+  ASSERT_EQ(kernels.size(), 4u);
+  EXPECT_EQ(kernels[3].kernel, "kspec::mhc_pre_fwd_decode_kernel");
   EXPECT_EQ(kernels[0].targs.back(), "true");
   EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_fwd_mma_kernel");
   EXPECT_EQ(kernels[1].targs[6], "16");
@@ -463,7 +465,7 @@ TEST(Mhc, PreForwardMmaWarpHeadsRulesAndCompileWithoutSpills) {
   expect_mma_rows_compile(2,
                           {{"mhc.pre.fwd", DType::bf16, 4, 4096, 64}, {"mhc.pre.fwd", DType::bf16, 4, 4096, 32},
                            {"mhc.pre.fwd", DType::f16, 3, 33, 32}, {"mhc.pre_only.fwd", DType::f16, 8, 128, 16}},
-                          24);  // three kernels each
+                          32);  // four kernels each
 }
 
 // pre.bwd's algo=mma_fused_ring (5): mma_fused_warp_heads with the token pass's rows through a cp.async ring in
@@ -508,7 +510,7 @@ TEST(Mhc, PreForwardMmaRingRulesAndCompileWithoutSpills) {
   EXPECT_TRUE(op.tuning.valid(p, ok, &why)) << why;
   EXPECT_EQ(op.tuning.heuristic(p).str(), ok.str());
   const auto kernels = op.kernels(p, ok);
-  ASSERT_EQ(kernels.size(), 3u);
+  ASSERT_EQ(kernels.size(), 4u);  // the tile's, the split plan's two, the decode kernel
   EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_fwd_mma_kernel");
   EXPECT_EQ(kernels[0].targs[9], "true");  // kRing
   EXPECT_EQ(kernels[0].targs[10], "true");  // kWarpHeads
@@ -522,7 +524,7 @@ TEST(Mhc, PreForwardMmaRingRulesAndCompileWithoutSpills) {
   expect_mma_rows_compile(3,
                           {{"mhc.pre.fwd", DType::bf16, 4, 4096, 32}, {"mhc.pre.fwd", DType::f16, 4, 4096, 16},
                            {"mhc.pre_only.fwd", DType::f16, 8, 128, 32}},
-                          18);  // three kernels each
+                          24);  // four kernels each
 }
 
 // mhc.post_pre.fwd's algo axis: the SIMT kernel stays the heuristic's; algo=mma (1) and mma_warp_heads (2)

@@ -40,6 +40,12 @@ for cfg in "${cluster_cfgs[@]}"; do
     done
   done
 done
+# KSPEC_SANITIZE_EXTRA: more runs, "tool|op|config|kspec check arguments" separated by ';' (configs that are
+# no heuristic's choice at the small cases: a new kernel's own config, say)
+if [ -n "${KSPEC_SANITIZE_EXTRA:-}" ]; then
+  IFS=';' read -r -a extra_runs <<< "$KSPEC_SANITIZE_EXTRA"
+  runs+=("${extra_runs[@]}")
+fi
 pids=()
 for r in "${runs[@]}"; do
   IFS='|' read -r tool op cfg extra <<< "$r"

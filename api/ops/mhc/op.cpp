@@ -286,9 +286,10 @@ bool decode_algo(const Config& c) { return c.get("algo") == kDecode || c.get("al
 // kMhcDecodeThreads, kMhcDecodeItemCols, kMhcDecodeHeadTokens in the kernel
 constexpr int64_t kDecodeSyncBytes = 256;  // the four counters, padded
 // Up to this many tokens the mma_ring and mma_warp_heads plans run the decode kernel (their kernel 3) instead of
-// the split plan; 0: never (until the H100 has timed both: tools/bench/dispatch.py --mhc-decode).
-constexpr int64_t kDecodeUpToT = 0;
-constexpr bool kDecodeUpToTRows = false;  // which of the two: decode (false) or decode_rows
+// the split plan (H100, run 30, gpu us, split / decode / decode_rows: T 1 15.2 / 13.2 / 14.2, T 8 18.8 / 15.8 /
+// 15.2, T 16 26.2 / 23.0 / 22.4, T 32 26.4 / 36.3 / 35.9: tools/bench/dispatch.py --mhc-decode).
+constexpr int64_t kDecodeUpToT = 16;
+constexpr bool kDecodeUpToTRows = true;  // which of the two: decode (false) or decode_rows
 int64_t decode_items(const Problem& p) { return ceil_div(p.dim("nD"), kDecodeItemCols); }
 int64_t decode_y_items(const Problem& p) { return ceil_div(p.dim("T") * ceil_div(p.dim("D"), 8), kDecodeThreads); }
 std::string decode_unsupported(const Config& c) {
