@@ -98,6 +98,7 @@ CaseRun run_on_gpu(const OpDef& op, const Case& cs, DType dtype, const CheckOpti
   // held to the looser of the two precisions.
   double tol = tolerance_for(dtype);
   for (const auto& [name, dt] : cs.tensor_dtypes) tol = std::max(tol, tolerance_for(dt));
+  if (dtype == DType::f32 && op.f32_tolerance > 0) tol = std::max(tol, op.f32_tolerance);
   proto.tolerance = tol * op.tolerance_scale;
   CaseRun r;
   r.op = &op;

@@ -168,6 +168,9 @@ struct OpDef {
   std::function<std::string(const Problem&)> derived_key;
   // Relative-error tolerance multiplier for long recurrences (1 = the dtype table).
   double tolerance_scale = 1.0;
+  // Optional (0 = the dtype table's 1e-5): an fp32 run's tolerance where the op's spec states its own, e.g.
+  // a backward whose sums over tokens cancel (mhc's: 1e-4, as issue 34 states). Other dtypes keep theirs.
+  double f32_tolerance = 0.0;
   // Optional: per output (the outputs' order; 0 = none), the 2-norm of the magnitudes of the terms the
   // output sums, from the inputs and the float64 reference's outputs. An output that is a difference of
   // nearly equal terms (mlstm's df: a sum of q.dq - k.dk) is measured against this norm where it is larger

@@ -202,6 +202,9 @@ __global__ void __launch_bounds__(kMhcDecodeThreads, 1) mhc_pre_fwd_decode_kerne
           if (lane < kCK && b * kCK + lane < kK) part[b * kCK + lane] = acc[0];
         }
       }
+      // The row's padding to whole float4s (at most 3 floats), which the totals' float4 loads read and drop:
+      // written, so no load reads uninitialized memory (compute-sanitizer initcheck, H100 run 32).
+      if (tid < stride - tokens * kK) a.part[static_cast<long long>(item) * stride + tokens * kK + tid] = 0.f;
       __threadfence();  // every thread's totals of this item before its count
       __syncthreads();
       if (tid == 0) {
