@@ -26,11 +26,19 @@ __device__ __forceinline__ unsigned* difflogic_packed_wires(const DiffLogicParam
   return reinterpret_cast<unsigned*>(p.tables + 4 * p.n_out);
 }
 
+// Hard mode: each gate's T as 4 bits after the packed wires (a byte a gate, bit uv = T_uv, which is exactly 0
+// or 1 there), 0xff for a gate with a wire out of range: a hard record is 5 bytes, not 20.
+__device__ __forceinline__ unsigned char* difflogic_hard_bits(const DiffLogicParams& p) {
+  return reinterpret_cast<unsigned char*>(difflogic_packed_wires(p) + p.n_out);
+}
+constexpr unsigned kDiffLogicBadGate = 0xffu;
+
 // Widths whose wires fit 16 bits each.
 __device__ __forceinline__ bool difflogic_wires_pack(long long n_in) { return n_in <= 65536; }
 
-// The tables kernel's T, and where the wires pack, a | b << 16 per gate. A gate with a wire outside [0, n_in)
-// gets wires 0 (a column every row has) and a NaN table, so its outputs are NaN as in the other kernels.
+// The tables kernel's T, and where the wires pack, a | b << 16 per gate; kHard also T's bits. A gate with a wire
+// outside [0, n_in) gets wires 0 (a column every row has) and a NaN table (bits kDiffLogicBadGate), so its
+// outputs are NaN as in the other kernels.
 template <bool kHard, int kThreads>
 __global__ void __launch_bounds__(kThreads) difflogic_tables_wires_kernel(const DiffLogicParams p) {
   unsigned* wires = difflogic_packed_wires(p);
@@ -44,6 +52,12 @@ __global__ void __launch_bounds__(kThreads) difflogic_tables_wires_kernel(const 
 #pragma unroll
     for (int uv = 0; uv < 4; ++uv) p.tables[g * 4 + uv] = ok ? t[uv] : __int_as_float(0x7fc00000);
     if (pack) wires[g] = ok ? static_cast<unsigned>(a) | static_cast<unsigned>(b) << 16 : 0u;
+    if (kHard) {
+      unsigned bits = 0;
+#pragma unroll
+      for (int uv = 0; uv < 4; ++uv) bits |= (t[uv] != 0.0f ? 1u : 0u) << uv;
+      difflogic_hard_bits(p)[g] = static_cast<unsigned char>(ok ? bits : kDiffLogicBadGate);
+    }
   }
 }
 
@@ -51,6 +65,11 @@ __global__ void __launch_bounds__(kThreads) difflogic_tables_wires_kernel(const 
 __device__ __forceinline__ unsigned difflogic_ld_stream(const unsigned* p) {
   unsigned v;
   asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ unsigned difflogic_ld_stream(const unsigned char* p) {
+  unsigned short v;
+  asm volatile("ld.global.nc.L1::no_allocate.u8 %0, [%1];" : "=h"(v) : "l"(p));
   return v;
 }
 __device__ __forceinline__ float4 difflogic_ld_stream(const float4* p) {
@@ -77,7 +96,9 @@ __device__ __forceinline__ void difflogic_hybrid_copy(T* xs, const T* row, unsig
   }
 }
 
-// Gate g's record: its wires (packed, or the int32 ones: a wire out of range becomes one past any column) and T.
+// Gate g's record: its wires (packed, or the int32 ones: a wire out of range becomes one past any column) and T
+// (kHard: from its 4 bits, the same 0.0f / 1.0f the tables kernel computed; NaN for a bad gate).
+template <bool kHard>
 __device__ __forceinline__ void difflogic_hybrid_record(const DiffLogicParams& p, long long g, bool pack,
                                                         unsigned& wa, unsigned& wb, float4& t) {
   if (pack) {
@@ -88,7 +109,14 @@ __device__ __forceinline__ void difflogic_hybrid_record(const DiffLogicParams& p
     wa = static_cast<unsigned>(p.a[g]);
     wb = static_cast<unsigned>(p.b[g]);
   }
-  t = difflogic_ld_stream(reinterpret_cast<const float4*>(p.tables) + g);
+  if (kHard) {
+    const unsigned bits = difflogic_ld_stream(difflogic_hard_bits(p) + g);
+    const float bad = bits == kDiffLogicBadGate ? __int_as_float(0x7fc00000) : 0.0f;
+    t = make_float4((bits & 1u ? 1.0f : 0.0f) + bad, (bits & 2u ? 1.0f : 0.0f) + bad, (bits & 4u ? 1.0f : 0.0f) + bad,
+                    (bits & 8u ? 1.0f : 0.0f) + bad);
+  } else {
+    t = difflogic_ld_stream(reinterpret_cast<const float4*>(p.tables) + g);
+  }
 }
 
 // Input column w of the pass's row: from the staged prefix, else from global memory (L1, then L2).
@@ -108,8 +136,9 @@ __device__ __forceinline__ unsigned difflogic_hybrid_prefix_of(long long width) 
 }
 
 // Grid: the blocks resident at once (one an SM where the prefix fills shared memory); block b runs rows b,
-// b + gridDim.x, ... Gates a thread has in flight at once: kGates, their records loaded together.
-template <typename T, int kThreads, int kGates = 4>
+// b + gridDim.x, ... Gates a thread has in flight at once: kGates, their records loaded together. kHard: the
+// records' T from the hard bits (difflogic_tables_wires_kernel<true>).
+template <typename T, int kThreads, int kGates = 4, bool kHard = false>
 __global__ void __launch_bounds__(kThreads) difflogic_fwd_hybrid_kernel(const DiffLogicParams p) {
   extern __shared__ __align__(16) unsigned char difflogic_hybrid_prefix[];
   T* xs = reinterpret_cast<T*>(difflogic_hybrid_prefix);
@@ -134,7 +163,7 @@ __global__ void __launch_bounds__(kThreads) difflogic_fwd_hybrid_kernel(const Di
       float4 t[kGates];
 #pragma unroll
       for (int k = 0; k < kGates; ++k)
-        if (g0 + k * kThreads < p.n_out) difflogic_hybrid_record(p, g0 + k * kThreads, pack, wa[k], wb[k], t[k]);
+        if (g0 + k * kThreads < p.n_out) difflogic_hybrid_record<kHard>(p, g0 + k * kThreads, pack, wa[k], wb[k], t[k]);
 #pragma unroll
       for (int k = 0; k < kGates; ++k) {
         const long long g = g0 + k * kThreads;

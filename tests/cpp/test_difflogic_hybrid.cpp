@@ -6,7 +6,8 @@
 // widths around the prefix (the device's opt-in shared memory in elements: S - 1 and S, whole rows; S + 1, a
 // tail of one column), 64000 and 65536 (fp32: tails of 5888 and 7424 columns, wires packed in 16 bits), 100000
 // (int32 wires), and small ones; B 1, 2, 33, 300 (more rows than blocks at a tail) and 1031; self-paired gates;
-// soft and hard; fp32, fp16, bf16; two runs bitwise equal; save_xt; a wire out of range gives NaN, not a fault.
+// soft and hard (hard reads T from 4 bits a gate); fp32, fp16, bf16; two runs bitwise equal; save_xt; a wire out
+// of range gives NaN, not a fault.
 #include <cmath>
 #include <string>
 #include <tuple>
@@ -61,7 +62,9 @@ TEST(DiffLogic, HybridKernelsCompile) {
           EXPECT_NE(reports[0].kernel.find("difflogic_tables_wires_kernel<" + hard + ", 256>"), std::string::npos)
               << reports[0].kernel;
           EXPECT_NE(reports[1].kernel.find("difflogic_fwd_hybrid_kernel<"), std::string::npos) << reports[1].kernel;
-          EXPECT_NE(reports[1].kernel.find(", 1024>"), std::string::npos) << reports[1].kernel;
+          // Hard mode reads T from its 4 bits (kHard): 5-byte records.
+          const std::string tail = hard == "true" ? ", 1024, 4, true>" : ", 1024>";
+          EXPECT_NE(reports[1].kernel.find(tail), std::string::npos) << reports[1].kernel;
           if (xt) {
             EXPECT_NE(reports[2].kernel.find("difflogic_transpose_kernel<"), std::string::npos) << reports[2].kernel;
           }
@@ -126,28 +129,30 @@ TEST(DiffLogicGpuHybridXt, SaveXtWritesXTransposed) {
   }
 }
 
-// A wire outside [0, n_in) (n_in, and -1) gives NaN in its gate's outputs and nothing else changes: packed wires
-// (4097, 64000: the tables kernel marks the gate) and int32 ones (100000: the hybrid kernel checks them).
+// A wire outside [0, n_in) (n_in, and -1) gives NaN in its gate's outputs and nothing else changes, soft and hard:
+// packed wires (4097, 64000: the tables kernel marks the gate, by a NaN table or, hard, its bits) and int32 ones
+// (100000: the hybrid kernel checks them).
 TEST(DiffLogicGpuHybridXt, WireOutOfRangeGivesNaN) {
   KSPEC_REQUIRE_GPU();
   jit::ContextGuard guard(0);
-  for (int64_t n_in : {int64_t{4097}, int64_t{64000}, int64_t{100000}}) {
-    const int64_t B = 3, n_out = 40;
-    LayerRun r(B, n_in, n_out, DType::f32, false, static_cast<uint64_t>(n_in + 1));
-    const auto good = r.fwd("soft", {}, &kHybrid);
-    std::vector<int32_t> a = r.a, b = r.b;
-    a[1] = static_cast<int32_t>(n_in);
-    b[2] = -1;
-    r.a_->upload(a.data(), a.size() * 4);
-    r.b_->upload(b.data(), b.size() * 4);
-    const auto got = r.fwd("soft", {}, &kHybrid);
-    for (int64_t s = 0; s < B; ++s)
-      for (int64_t g = 0; g < n_out; ++g) {
-        const double v = got[s * n_out + g];
-        if (g == 1 || g == 2)
-          EXPECT_TRUE(std::isnan(v)) << "n_in " << n_in << " sample " << s << " gate " << g;
-        else
-          EXPECT_EQ(v, good[s * n_out + g]) << "n_in " << n_in << " sample " << s << " gate " << g;
-      }
-  }
+  for (int64_t n_in : {int64_t{4097}, int64_t{64000}, int64_t{100000}})
+    for (const char* mode : {"soft", "hard"}) {
+      const int64_t B = 3, n_out = 40;
+      LayerRun r(B, n_in, n_out, DType::f32, false, static_cast<uint64_t>(n_in + 1));
+      const auto good = r.fwd(mode, {}, &kHybrid);
+      std::vector<int32_t> a = r.a, b = r.b;
+      a[1] = static_cast<int32_t>(n_in);
+      b[2] = -1;
+      r.a_->upload(a.data(), a.size() * 4);
+      r.b_->upload(b.data(), b.size() * 4);
+      const auto got = r.fwd(mode, {}, &kHybrid);
+      for (int64_t s = 0; s < B; ++s)
+        for (int64_t g = 0; g < n_out; ++g) {
+          const double v = got[s * n_out + g];
+          if (g == 1 || g == 2)
+            EXPECT_TRUE(std::isnan(v)) << mode << " n_in " << n_in << " sample " << s << " gate " << g;
+          else
+            EXPECT_EQ(v, good[s * n_out + g]) << mode << " n_in " << n_in << " sample " << s << " gate " << g;
+        }
+    }
 }

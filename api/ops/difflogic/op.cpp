@@ -414,13 +414,14 @@ OpDef make_layer_fwd() {
     const bool xt = p.param_bool("save_xt");
     const jit::KernelSpec flat = kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_fwd_kernel",
                                              {t, std::to_string(threads), feature_major(p) ? "true" : "false"});
-    const bool hard = p.param_str("mode") == "hard";
-    std::vector<jit::KernelSpec> k = {tables_kernel(p, hard, threads)};
+    const bool hard_mode = p.param_str("mode") == "hard";
+    std::vector<jit::KernelSpec> k = {tables_kernel(p, hard_mode, threads)};
     if (stage == kHybridStage) {
       k[0] = kernel_spec(p, "difflogic/layer_hybrid.cuh", "kspec::difflogic_tables_wires_kernel",
-                         {hard ? "true" : "false", std::to_string(threads)});
-      k.push_back(
-          kernel_spec(p, "difflogic/layer_hybrid.cuh", "kspec::difflogic_fwd_hybrid_kernel", {t, staged_threads}));
+                         {hard_mode ? "true" : "false", std::to_string(threads)});
+      std::vector<std::string> targs = {t, staged_threads};
+      if (hard_mode) targs.insert(targs.end(), {"4", "true"});  // kGates (its default), kHard: 5-byte records
+      k.push_back(kernel_spec(p, "difflogic/layer_hybrid.cuh", "kspec::difflogic_fwd_hybrid_kernel", std::move(targs)));
     } else if (lanes > 0) {
       k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_fwd_tiled_kernel",
                               {t, std::to_string(threads), std::to_string(lanes)}));
@@ -450,8 +451,10 @@ OpDef make_layer_fwd() {
     set_gumbel(p, a);
     const int64_t threads = c.get("threads"), lanes = lanes_of(c), stage = stage_of(c), cluster = cluster_of(c);
     const bool hybrid = stage == kHybridStage;
-    // T (4 floats a gate), and for the hybrid kernel the packed wires after them (1 word a gate).
-    a.tables = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>((hybrid ? 5 : 4) * a.n_out)));
+    // T (4 floats a gate), and for the hybrid kernel the packed wires after them (1 word a gate), then in hard
+    // mode T's bits (1 byte a gate).
+    const size_t gates = static_cast<size_t>(a.n_out);
+    a.tables = static_cast<float*>(l.workspace(hybrid ? 21 * gates : 16 * gates));
     const size_t transpose = lanes > 0 || stage == 0 || hybrid ? 2 : 3;  // the plan's last kernel, with save_xt
     void* args[] = {&a};
     l.launch(0, {blocks_for(a.n_out, threads)}, {u32(threads)}, 0, args);
