@@ -93,8 +93,8 @@ def staged_pass_pays(n_in: int, element_size: int, smem_per_block: int) -> bool:
 # Where staging does not pay (stage_pays false: 64k fp32 has no whole row in shared memory, 32k fp32 and 64k
 # halves one), a forward without a gradient may run difflogic.layer.fwd's hybrid kernel (config stage 8,
 # templates/difflogic/layer_hybrid.cuh: a row's first columns in shared memory, the rest from L1/L2; x and y
-# once each) instead of the transpose path (4X). Off until the H100 times it against the transpose path
-# (tools/bench/NOTES.md, h-dl11: the bench's "kspec staged hybrid" fwd row against "kspec").
+# once each) instead of the transpose path (4X). Off: run 33 (H100, 1024 x 64000 -> 64000 fp32, soft) timed it
+# 0.515 ms against the transpose path's 0.402 (the gate records' L2 traffic bounds it: tools/bench/NOTES.md, h-dl11).
 HYBRID_IN_AUTO = False
 HYBRID_FWD_CONFIG = "threads=256,lanes=0,stage=8"
 
