@@ -758,7 +758,8 @@ bool bwd_mma_vec(const Problem& p) { return p.dim("D") % bwd_mma_lane_cols(p) ==
 int64_t bwd_mma_dx_tokens(const Problem& p) { return 2 * ceil_div(proj_rows(p), 8) <= 6 ? 32 : 16; }
 
 // pre.bwd's three kernels (token, columns, reduce), also the first three of post_pre.bwd; algo=mma and
-// algo=mma_tokens add a fourth, dx; algo=mma_fused has three (token, fused dx and columns, reduce).
+// algo=mma_tokens add a fourth, dx; algo=mma_fused has three (token, fused dx and columns, reduce); algo=mma_slice
+// three (token, dx and the columns by slices of every token, the reduce of db and dalpha alone).
 std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, bool dx_post) {
   const std::string T = dtype_cuda_type(p.dtype("x")), n = std::to_string(p.dim("n")),
                     D = std::to_string(p.dim("D")), g = b(p.present("gamma")), head = b(pre_only(p));
@@ -905,7 +906,8 @@ std::string bwd_mma_tokens_unsupported(const Problem& p, int64_t tokens) {
 // D 4096, bf16, pre fwd+bwd: mma_fused 32 2056 us (run 20), mma_tokens 32 2540, mma 3716, simt 6280 (H200:
 // mma 3567 against simt 6280; tools/bench/NOTES.md). mma_fused_ring (the token pass through a cp.async ring) is
 // selectable (run 26: 1767 us against mma_fused_warp_heads' 1773); mma_fused_ahead and mma_fused_phi_ring
-// selectable, not yet timed.
+// selectable (run 30: 1754 and 1774 against 1789); mma_slice (the columns kernel walking every token) selectable,
+// not yet timed, and refused where its shared memory exceeds the arch's.
 TuningSpace with_bwd_algo_axis(TuningSpace t) {
   t.axes.insert(t.axes.begin(),
                 {"algo", {kSimt, kMma, kMmaTokens, kMmaFused, kMmaFusedWarpHeads, kMmaFusedRing, kMmaFusedAhead,
