@@ -92,7 +92,9 @@ __device__ __forceinline__ void mhc_pre_bwd_fused_phi(const MhcPreBwdParams& p, 
 // One step of kJ x 8 tokens from t (the range ends at t1) for the lane's 4 columns at col (stream si): du^T =
 // phi^T dm^T, dx = du gamma - c_v v + H_pre[i] dy (+ dx_post) stored, S^T += x^T dm. dm: the step's dm
 // [kJ 8][M] in shared memory, then under kAhead its c_v [kJ 8] and H_pre [kJ 8][n] (else those from global).
-template <typename T, int N, int kM, int kJ, bool kHasGamma, bool kHasDxPost, bool kAhead>
+// kDuHiOnly (algo=mma_slice_du1): du from phi's and dm's TF32 hi parts alone, one mma instead of three (~2^-11
+// relative on du, which only dx, a 16-bit output, takes; S and so dphi and dgamma as before).
+template <typename T, int N, int kM, int kJ, bool kHasGamma, bool kHasDxPost, bool kAhead, bool kDuHiOnly = false>
 __device__ __forceinline__ void mhc_pre_bwd_fused_step(const MhcPreBwdParams& p, const float* dm,
                                                        const float4 (&ph)[2][(kM + 7) / 8][2][32],
                                                        const MhcFusedRows<T, kJ>& cur, const float (&gm)[4],
@@ -115,9 +117,12 @@ __device__ __forceinline__ void mhc_pre_bwd_fused_step(const MhcPreBwdParams& p,
       const float l0 = mhc_tf32(v0 - h0), l1 = mhc_tf32(v1 - h1);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        const float4 a = ph[mt][kk][0][lane], al = ph[mt][kk][1][lane];
-        mhc_mma_tf32(du[mt], al.x, al.y, al.z, al.w, h0, h1);
-        mhc_mma_tf32(du[mt], a.x, a.y, a.z, a.w, l0, l1);
+        const float4 a = ph[mt][kk][0][lane];
+        if constexpr (!kDuHiOnly) {
+          const float4 al = ph[mt][kk][1][lane];
+          mhc_mma_tf32(du[mt], al.x, al.y, al.z, al.w, h0, h1);
+          mhc_mma_tf32(du[mt], a.x, a.y, a.z, a.w, l0, l1);
+        }
         mhc_mma_tf32(du[mt], a.x, a.y, a.z, a.w, h0, h1);
       }
     }

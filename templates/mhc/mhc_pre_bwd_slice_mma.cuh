@@ -34,7 +34,8 @@ struct MhcSliceSmem {
   static constexpr int kBytes = kPhBytes + kCoefBytes + (kRowBytes > kRedBytes ? kRowBytes : kRedBytes);
 };
 
-template <typename T, int N, int D, bool kHasGamma, bool kPreOnly, bool kHasDxPost, int kGroups>
+// kDuHiOnly: algo=mma_slice_du1 (mhc_pre_bwd_fused_step's: du in one TF32 mma, for 16-bit dx).
+template <typename T, int N, int D, bool kHasGamma, bool kPreOnly, bool kHasDxPost, int kGroups, bool kDuHiOnly>
 __global__ void __launch_bounds__(128 * kGroups, 1) mhc_pre_bwd_slice_mma_kernel(const MhcPreBwdParams p) {
   using Rows = MhcRows<N, kPreOnly>;
   using Smem = MhcSliceSmem<Rows::kM, N, kGroups, kHasDxPost>;
@@ -123,7 +124,7 @@ __global__ void __launch_bounds__(128 * kGroups, 1) mhc_pre_bwd_slice_mma_kernel
       *reinterpret_cast<uint2*>(cur.dy[0][e].v) = rows[stage][grp][1][e][gt];
       if constexpr (kHasDxPost) *reinterpret_cast<uint2*>(cur.dp[0][e].v) = rows[stage][grp][2][e][gt];
     }
-    mhc_pre_bwd_fused_step<T, N, kM, 1, kHasGamma, kHasDxPost, true>(p, coef[stage][grp], ph[stripe], cur, gm, sacc,
+    mhc_pre_bwd_fused_step<T, N, kM, 1, kHasGamma, kHasDxPost, true, kDuHiOnly>(p, coef[stage][grp], ph[stripe], cur, gm, sacc,
                                                                      ln.dx, ds, t, t1, live, ln.si);
     stage = stage == kStages - 1 ? 0 : stage + 1;
   }

@@ -1,6 +1,7 @@
 // mhc.pre.bwd's algo=mma_slice (8): the token pass of mma_fused_ahead, then one block per 128 columns walking every
 // token (templates/mhc/mhc_pre_bwd_slice_mma.cuh) and a one-block reduce of db and dalpha. Without a GPU: its
-// rules, its kernels and their template arguments, and every kernel compiling for sm_80 and sm_90 without spills.
+// rules, its kernels and their template arguments, and every kernel compiling for sm_80 and sm_90 without spills;
+// algo=mma_slice_du1 (9), that with du in one TF32 mma instead of three.
 // On a GPU: every case of pre.bwd and pre_only.bwd that has the algo (T 1, 2, 1031, n 1-4, pre_only n 8, D 128 ...
 // 7168, no gamma, each upstream gradient alone) and the T 16384 x 4 x 4096 case against the float64 reference; the
 // same bits at every run; dx, db and dalpha the same bits as mma_fused_ahead (the same operations per token).
@@ -23,20 +24,22 @@ using namespace kspec;
 
 namespace {
 
-constexpr int64_t kSlice = 8;
+constexpr int64_t kSlice = 8, kSliceDu1 = 9;
 
-Config slice_config(int64_t tokens) { return Config{{{"algo", kSlice}, {"threads", 128}, {"tokens", tokens}}}; }
+Config slice_config(int64_t tokens, int64_t algo = kSlice) {
+  return Config{{{"algo", algo}, {"threads", 128}, {"tokens", tokens}}};
+}
 
 // A request for `op` at n, D (without gamma and dx_post when `bare`), at algo=mma_slice with `tokens`.
 CompileRequest slice_request(const char* op, DType dt, const char* arch, int64_t n, int64_t D, bool bare = false,
-                             int64_t tokens = 32) {
+                             int64_t tokens = 32, int64_t algo = kSlice) {
   CompileRequest r;
   r.op = op;
   r.dtype = dt;
   r.arch = arch;
   r.params = {{"n", n}, {"D", D}};
   if (bare) r.without = {"gamma", "dx_post"};
-  r.config = slice_config(tokens);
+  r.config = slice_config(tokens, algo);
   return r;
 }
 
@@ -48,26 +51,31 @@ Problem bwd_problem(const char* op, DType dt, const char* arch, int64_t n, int64
 
 // The rules are mma_fused's (16-bit x in 16-byte groups, M <= 24, mma_tokens' tiles) and the shared memory of the
 // arch; not the heuristic's; three kernels: mma_fused_ahead's token pass (heads per warp, no rings), the slice
-// kernel (dx_post and 4 groups its last two template arguments), the reduce with kRowsOnly.
+// kernel (dx_post, 4 groups and kDuHiOnly its last three template arguments), the reduce with kRowsOnly;
+// algo=mma_slice_du1 (9) the same with kDuHiOnly.
 TEST(MhcSlice, RulesAndKernels) {
   const OpDef& op = Registry::global().get("mhc.pre.bwd");
   const Problem p = bwd_problem("mhc.pre.bwd", DType::bf16, "sm_90", 4, 4096);
   std::string why;
-  for (int64_t tokens : {32, 16}) {
-    EXPECT_TRUE(op.tuning.valid(p, slice_config(tokens), &why)) << tokens << ": " << why;
-    const auto kernels = op.kernels(p, slice_config(tokens));
+  for (auto [algo, tokens] : {std::pair<int64_t, int64_t>{kSlice, 32}, {kSlice, 16}, {kSliceDu1, 32}}) {
+    EXPECT_TRUE(op.tuning.valid(p, slice_config(tokens, algo), &why)) << tokens << ": " << why;
+    const auto kernels = op.kernels(p, slice_config(tokens, algo));
     ASSERT_EQ(kernels.size(), 3u);
     EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_mma_kernel");
     EXPECT_EQ(kernels[0].targs[8], "false");   // no phi ring
     EXPECT_EQ(kernels[0].targs[9], "false");   // no ring of rows
     EXPECT_EQ(kernels[0].targs[10], "true");   // heads per warp
     EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_bwd_slice_mma_kernel");
-    EXPECT_EQ(kernels[1].targs[kernels[1].targs.size() - 2], "true");  // dx_post
-    EXPECT_EQ(kernels[1].targs.back(), "4");                           // groups of 4 warps
+    const auto& st = kernels[1].targs;
+    ASSERT_GE(st.size(), 3u);
+    EXPECT_EQ(st[st.size() - 3], "true");                             // dx_post
+    EXPECT_EQ(st[st.size() - 2], "4");                                // groups of 4 warps
+    EXPECT_EQ(st.back(), algo == kSliceDu1 ? "true" : "false");       // kDuHiOnly
     EXPECT_EQ(kernels[2].kernel, "kspec::mhc_pre_bwd_reduce_kernel");
     EXPECT_EQ(kernels[2].targs.back(), "true");  // db and dalpha only
   }
   EXPECT_NE(op.tuning.heuristic(p).get("algo"), kSlice);
+  EXPECT_NE(op.tuning.heuristic(p).get("algo"), kSliceDu1);
   // The other algos keep the whole reduce.
   for (int64_t algo : {3, 4, 6, 7})
     EXPECT_EQ(op.kernels(p, Config{{{"algo", algo}, {"threads", 128}, {"tokens", 32}}})[2].targs.back(), "false");
@@ -80,26 +88,30 @@ TEST(MhcSlice, RulesAndKernels) {
   }
   EXPECT_FALSE(op.tuning.valid(bwd_problem("mhc.pre.bwd", DType::f32, "sm_90", 4, 256), slice_config(16), &why));
   // 142 KB of shared memory at n 4: above sm_86's 99 KB, within sm_80's 163.
-  EXPECT_FALSE(op.tuning.valid(bwd_problem("mhc.pre.bwd", DType::bf16, "sm_86", 4, 256), slice_config(32), &why));
-  EXPECT_NE(why.find("shared memory"), std::string::npos) << why;
+  for (int64_t algo : {kSlice, kSliceDu1}) {
+    EXPECT_FALSE(
+        op.tuning.valid(bwd_problem("mhc.pre.bwd", DType::bf16, "sm_86", 4, 256), slice_config(32, algo), &why));
+    EXPECT_NE(why.find("shared memory"), std::string::npos) << why;
+  }
   EXPECT_TRUE(op.tuning.valid(bwd_problem("mhc.pre.bwd", DType::bf16, "sm_80", 4, 256), slice_config(32), &why)) << why;
 }
 
 // Every kernel of the algo compiles for sm_80 and sm_90 without spills or stack: n 4 with gamma and dx_post (32
-// tokens), without them (16), n 1, 2, 3, pre_only n 8; the slice kernel's registers printed.
+// tokens), without them (16), n 1, 2, 3, pre_only n 8, and mma_slice_du1 at n 4; the slice kernel's registers printed.
 TEST(MhcSlice, CompilesWithoutSpills) {
   int compiled = 0;
   std::string why;
   for (const char* arch : {"sm_80", "sm_90"})
-    for (auto [name, dt, n, D, tokens, bare] :
-         {std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, false},
-          std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 16, true},
-          std::tuple{"mhc.pre.bwd", DType::f16, 4, 4000, 32, false},
-          std::tuple{"mhc.pre.bwd", DType::f16, 2, 256, 64, false},
-          std::tuple{"mhc.pre.bwd", DType::bf16, 1, 264, 64, true},
-          std::tuple{"mhc.pre.bwd", DType::bf16, 3, 264, 16, false},
-          std::tuple{"mhc.pre_only.bwd", DType::f16, 8, 128, 16, false}}) {
-      const CompileRequest q = slice_request(name, dt, arch, n, D, bare, tokens);
+    for (auto [name, dt, n, D, tokens, bare, algo] :
+         {std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, false, kSlice},
+          std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 16, true, kSlice},
+          std::tuple{"mhc.pre.bwd", DType::f16, 4, 4000, 32, false, kSlice},
+          std::tuple{"mhc.pre.bwd", DType::f16, 2, 256, 64, false, kSlice},
+          std::tuple{"mhc.pre.bwd", DType::bf16, 1, 264, 64, true, kSlice},
+          std::tuple{"mhc.pre.bwd", DType::bf16, 3, 264, 16, false, kSlice},
+          std::tuple{"mhc.pre_only.bwd", DType::f16, 8, 128, 16, false, kSlice},
+          std::tuple{"mhc.pre.bwd", DType::bf16, 4, 4096, 32, false, kSliceDu1}}) {
+      const CompileRequest q = slice_request(name, dt, arch, n, D, bare, tokens, algo);
       const OpDef& o = Registry::global().get(name);
       ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << " n " << n << ": " << why;
       for (const auto& rep : compile(q)) {
@@ -111,11 +123,12 @@ TEST(MhcSlice, CompilesWithoutSpills) {
         ++compiled;
       }
     }
-  EXPECT_EQ(compiled, 14);
+  EXPECT_EQ(compiled, 16);
 }
 
-// Every case of mhc.pre.bwd and mhc.pre_only.bwd with an algo=mma_slice config (at most two token tiles a case), f16
-// and bf16, against the float64 reference; outputs poisoned before each run (check_op).
+// Every case of mhc.pre.bwd and mhc.pre_only.bwd with an algo=mma_slice config (its first token tile, and
+// mma_slice_du1's), f16 and bf16, against the float64 reference (dtype bounds; dx is 16-bit); outputs poisoned before
+// each run (check_op).
 TEST(MhcSliceGpu, MatchesReferenceOnEveryCase) {
   KSPEC_REQUIRE_GPU();
   int cases = 0, rows = 0;
@@ -125,8 +138,14 @@ TEST(MhcSliceGpu, MatchesReferenceOnEveryCase) {
         CheckOptions o;
         o.case_name = cs;
         o.dtypes = {dt};
-        for (const Config& c : configs_for_case(name, cs, dt))
-          if (c.get("algo") == kSlice && o.configs.size() < 2) o.configs.push_back(c);
+        bool taken[2] = {false, false};
+        for (const Config& c : configs_for_case(name, cs, dt)) {
+          const int64_t algo = c.get("algo");
+          if ((algo == kSlice || algo == kSliceDu1) && !taken[algo - kSlice]) {
+            taken[algo - kSlice] = true;
+            o.configs.push_back(c);
+          }
+        }
         if (o.configs.empty()) continue;  // D % 8 != 0, M > 24, or a large case
         const auto got = check_op(name, o);
         EXPECT_EQ(got.size(), o.configs.size()) << name << " " << cs;
@@ -135,7 +154,7 @@ TEST(MhcSliceGpu, MatchesReferenceOnEveryCase) {
         ++cases;
       }
   EXPECT_GE(cases, 30);
-  EXPECT_GE(rows, 50);
+  EXPECT_GE(rows, 60);
 }
 
 // The shape (T 16384, n 4, D 4096, bf16, the large case) against the float64 reference: 128 blocks, each
@@ -173,15 +192,26 @@ std::vector<uint16_t> bf16_bits(const std::vector<float>& v) {
   return out;
 }
 
-// max |a - b| / max |b| over two fp32 outputs' bytes.
-double rel_diff(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
-  const auto* fa = reinterpret_cast<const float*>(a.data());
-  const auto* fb = reinterpret_cast<const float*>(b.data());
+// max |a - b| / max |b| over two outputs' bytes, fp32 or (bf16) bfloat16.
+double rel_diff(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, bool bf16 = false) {
+  auto at = [bf16](const std::vector<uint8_t>& v, size_t i) {
+    uint32_t u = 0;
+    if (bf16) {
+      uint16_t h;
+      std::memcpy(&h, v.data() + 2 * i, 2);
+      u = uint32_t(h) << 16;
+    } else {
+      std::memcpy(&u, v.data() + 4 * i, 4);
+    }
+    float f;
+    std::memcpy(&f, &u, 4);
+    return double(f);
+  };
   double err = 0, scale = 0;
-  for (size_t i = 0; i < a.size() / 4; ++i) {
-    if (!std::isfinite(fa[i])) return INFINITY;
-    err = std::max(err, std::abs(double(fa[i]) - fb[i]));
-    scale = std::max(scale, std::abs(double(fb[i])));
+  for (size_t i = 0; i < a.size() / (bf16 ? 2 : 4); ++i) {
+    if (!std::isfinite(at(a, i))) return INFINITY;
+    err = std::max(err, std::abs(at(a, i) - at(b, i)));
+    scale = std::max(scale, std::abs(at(b, i)));
   }
   return err / std::max(scale, 1e-300);
 }
@@ -237,7 +267,8 @@ std::vector<std::vector<uint8_t>> pre_bwd_bytes(int64_t T, int64_t D, const Conf
 // grads_deterministic for algo=mma_slice (T 1031: a partial last step in a group's range; T 16384 with D 1000: 32
 // blocks, the last one's columns partly past nD): two runs give the same bits for every output; dx, dalpha and dbias
 // the same bits as mma_fused_ahead (the same step function per token, the same parts of the row sums), dphi and
-// dgamma within 1e-5 of it (only the order of the sums over tokens differs).
+// dgamma within 1e-5 of it (only the order of the sums over tokens differs). algo=mma_slice_du1: two runs the same
+// bits, dphi, dalpha, dbias, dgamma mma_slice's bits (du feeds only dx), dx within bf16's 1e-2 of it.
 TEST(MhcSliceGpu, BitwiseDeterministicAndAsFusedAhead) {
   KSPEC_REQUIRE_GPU();
   const char* names[] = {"dx", "dphi", "dalpha", "dbias", "dgamma"};
@@ -245,10 +276,15 @@ TEST(MhcSliceGpu, BitwiseDeterministicAndAsFusedAhead) {
     const auto first = pre_bwd_bytes(T, D, slice_config(32));
     const auto second = pre_bwd_bytes(T, D, slice_config(32));
     const auto ahead = pre_bwd_bytes(T, D, Config{{{"algo", 6}, {"threads", 128}, {"tokens", 32}}});
+    const auto du1 = pre_bwd_bytes(T, D, slice_config(32, kSliceDu1));
+    const auto du1_again = pre_bwd_bytes(T, D, slice_config(32, kSliceDu1));
     for (size_t k = 0; k < first.size(); ++k) {
       EXPECT_EQ(second[k], first[k]) << names[k] << " T " << T << ": a second run";
+      EXPECT_EQ(du1_again[k], du1[k]) << names[k] << " T " << T << ": a second run of mma_slice_du1";
       if (k == 1 || k == 4) EXPECT_LE(rel_diff(first[k], ahead[k]), 1e-5) << names[k] << " T " << T;
       else EXPECT_EQ(first[k], ahead[k]) << names[k] << " T " << T << ": against mma_fused_ahead";
+      if (k == 0) EXPECT_LE(rel_diff(du1[k], first[k], true), 1e-2) << "dx T " << T << ": mma_slice_du1";
+      else EXPECT_EQ(du1[k], first[k]) << names[k] << " T " << T << ": mma_slice_du1 against mma_slice";
     }
   }
 }

@@ -719,13 +719,17 @@ int64_t block_smem_limit(const Problem& p) {
 // warps over ranges of the tokens sharing each step's dm, c_v and H_pre through a 6-step cp.async ring, the groups'
 // sums added in shared memory and written as dphi and dgamma (mhc_pre_bwd_slice_mma.cuh): no partial sums over
 // parts but db's and dalpha's, dx the same bits as mma_fused_ahead.
-constexpr int64_t kMmaFusedAhead = 6, kMmaFusedPhiRing = 7, kMmaSlice = 8;
+// kMmaSliceDu1: kMmaSlice with du = dm phi in one TF32 mma of the hi parts instead of three (its dx, a 16-bit output,
+// within ~2^-11 of du; dphi, dgamma, db, dalpha as kMmaSlice's bits).
+constexpr int64_t kMmaFusedAhead = 6, kMmaFusedPhiRing = 7, kMmaSlice = 8, kMmaSliceDu1 = 9;
 bool bwd_warp_heads(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaFusedWarpHeads; }
 bool bwd_ring(const Config& c) { return c.has("algo") && c.get("algo") == kMmaFusedRing; }
 bool bwd_ahead(const Config& c) {
   return c.has("algo") && (c.get("algo") == kMmaFusedAhead || c.get("algo") == kMmaFusedPhiRing);
 }
-bool bwd_slice(const Config& c) { return c.has("algo") && c.get("algo") == kMmaSlice; }
+bool bwd_slice(const Config& c) {
+  return c.has("algo") && (c.get("algo") == kMmaSlice || c.get("algo") == kMmaSliceDu1);
+}
 // The slice kernel's groups of 4 warps (its kGroups): 4, 512 threads, one block an SM (__launch_bounds__(512, 1):
 // at most 128 registers).
 constexpr int64_t kSliceGroups = 4;
@@ -778,7 +782,8 @@ std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, 
     return {kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
                         {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), "false", "false", "true"}),
             kernel_spec(p, "mhc/mhc_pre_bwd_slice_mma.cuh", "kspec::mhc_pre_bwd_slice_mma_kernel",
-                        {T, n, D, g, head, b(dx_post), std::to_string(kSliceGroups)}),
+                        {T, n, D, g, head, b(dx_post), std::to_string(kSliceGroups),
+                         b(c.get("algo") == kMmaSliceDu1)}),
             reduce};
   }
   if (bwd_mma_fused(c)) {
@@ -911,7 +916,7 @@ std::string bwd_mma_tokens_unsupported(const Problem& p, int64_t tokens) {
 TuningSpace with_bwd_algo_axis(TuningSpace t) {
   t.axes.insert(t.axes.begin(),
                 {"algo", {kSimt, kMma, kMmaTokens, kMmaFused, kMmaFusedWarpHeads, kMmaFusedRing, kMmaFusedAhead,
-                          kMmaFusedPhiRing, kMmaSlice}});
+                          kMmaFusedPhiRing, kMmaSlice, kMmaSliceDu1}});
   for (auto& [name, values] : t.axes)
     if (name == "tokens") values = {1, 4, 16, 32, 64};
   auto simt_valid = t.valid;
@@ -925,7 +930,7 @@ TuningSpace with_bwd_algo_axis(TuningSpace t) {
       // 18 KB ring of rows (mhc_pre_bwd_fused_mma.cuh): 46 KB of the 48 static at M = 24.
       if (no.empty() && algo >= kMmaFused && proj_rows(p) > 24)
         no = "algo=mma_fused takes at most 24 projection rows (n <= 4; pre_only n <= 8): shared memory";
-      if (no.empty() && algo == kMmaSlice && bwd_slice_smem_bytes(p, p.present("dx_post")) > block_smem_limit(p))
+      if (no.empty() && algo >= kMmaSlice && bwd_slice_smem_bytes(p, p.present("dx_post")) > block_smem_limit(p))
         no = "algo=mma_slice needs " + std::to_string(bwd_slice_smem_bytes(p, p.present("dx_post"))) +
              " bytes of shared memory a block, above this arch's " + std::to_string(block_smem_limit(p));
 
