@@ -342,13 +342,14 @@ __global__ void __launch_bounds__(kThreads) mhc_pre_bwd_columns_kernel(const Mhc
   if (blockIdx.x == 0) mhc_pre_bwd_row_sums<N, D, kPreOnly>(p, part, t0, t1);
 }
 
-// The parts' sums added in part order: one thread per element of dphi, dgamma, dbias, dalpha.
-template <int N, int D, bool kHasGamma, bool kPreOnly, int kThreads>
+// The parts' sums added in part order: one thread per element of dphi, dgamma, dbias, dalpha. kRowsOnly
+// (algo=mma_slice, whose columns kernel writes dphi and dgamma itself): dbias and dalpha only, one block.
+template <int N, int D, bool kHasGamma, bool kPreOnly, int kThreads, bool kRowsOnly>
 __global__ void __launch_bounds__(kThreads) mhc_pre_bwd_reduce_kernel(const MhcPreBwdParams p) {
   using Rows = MhcRows<N, kPreOnly>;
   constexpr int kM = Rows::kM, kND = N * D;
   constexpr long long kCols = static_cast<long long>(kM + 1) * kND;
-  const long long e = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
+  const long long e = (kRowsOnly ? kCols : 0) + static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
   if (e < kCols) {
     if (e >= static_cast<long long>(kM) * kND && !kHasGamma) return;
     float s = 0.f;

@@ -49,6 +49,12 @@ __device__ __forceinline__ void mhc_cp_async16(uint4* dst, const void* src, bool
                ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(src), "r"(ok ? 16 : 0)
                : "memory");
 }
+// The same for 4 bytes (dst and src 4-byte aligned); zeros when not `ok` (src-size 0: the source is not read).
+__device__ __forceinline__ void mhc_cp_async4(float* dst, const float* src, bool ok) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+               ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), "l"(src), "r"(ok ? 4 : 0)
+               : "memory");
+}
 __device__ __forceinline__ void mhc_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most kPending of this thread's committed groups are still in flight.
 template <int kPending>

@@ -127,6 +127,18 @@ def pre_bwd_ahead_configs(n, D):
     return out
 
 
+def pre_bwd_slice_configs(n, D):
+    """{variant: config} for mhc.pre.bwd's algo=mma_slice (api/ops/mhc/op.cpp): mma_fused_ahead's token pass, then
+    one block per 128 columns walking every token (mhc_pre_bwd_slice_mma.cuh: 4 groups of 4 warps over ranges of
+    the tokens, each step's dm, c_v and H_pre shared by a group through a 6-step cp.async ring, dphi and dgamma
+    written once, no partial sums over parts), at mma_fused_warp_heads' tile and 16 tokens; and algo=mma_slice_du1
+    (9), that with du = dm·Φ in one TF32 mma instead of three, at that tile."""
+    out = {name.replace("mma_fused_ahead", "mma_slice"): config.replace("algo=6", "algo=8")
+           for name, config in pre_bwd_ahead_configs(n, D).items() if "mma_fused_ahead" in name}
+    return {**out, **{name.replace("mma_slice", "mma_slice_du1"): config.replace("algo=8", "algo=9")
+                      for name, config in list(out.items())[:1]}}
+
+
 def post_pre_kernel_configs(n, D):
     """{variant: config} for mhc.post_pre.fwd's tensor-core kernels (api/ops/mhc/op.cpp, the `algo` axis; the
     SIMT kernel is the 'kspec' row): algo=mma and algo=mma_warp_heads (M <= 32) at the largest legal token tile,
@@ -325,7 +337,8 @@ def implementations(ctx, liger, n, D):
             return ctx.kspec.call("mhc.pre.fwd", x, phi, alpha, bias, None, config=config)[:4]
 
         impls[name] = (pre, K.mhc_post)
-    for name, config in {**pre_bwd_configs(n, D), **pre_bwd_ring_configs(n, D), **pre_bwd_ahead_configs(n, D)}.items():
+    for name, config in {**pre_bwd_configs(n, D), **pre_bwd_ring_configs(n, D), **pre_bwd_ahead_configs(n, D),
+                         **pre_bwd_slice_configs(n, D)}.items():
         impls[name] = (_pre_with_bwd_config(ctx, config), K.mhc_post)
     for name, config in post_pre_kernel_configs(n, D).items():
         def post_pre(x, f, hp, r, phi, alpha, bias, config=config):
@@ -489,7 +502,10 @@ def _report(ctx, rows, why):
         " token pass's rows through a cp.async ring in shared memory (the same bits); algo=mma_fused_ahead,"
         " mma_fused_warp_heads with the fused kernel's c_v and H_pre a step ahead, 8-byte dx stores and the parts"
         " from the last (the same bits); algo=mma_fused_phi_ring, that with the token pass's Φ and γ through a"
-        " per-warp cp.async ring, 3 steps ahead (the same bits); both at 32 and 16 tokens.",
+        " per-warp cp.async ring, 3 steps ahead (the same bits); both at 32 and 16 tokens; algo=mma_slice,"
+        " mma_fused_ahead's token pass, then one block per 128 columns walking every token (its 4 groups of 4 warps"
+        " sharing each step's dm through a 6-step cp.async ring; dΦ and dγ written once, no partial sums; dx the"
+        " same bits); algo=mma_slice_du1, that with du = dm·Φ in one TF32 mma instead of three (dx within ~2^-11).",
         f"'{POST_VEC8}': post fwd and fwd+bwd with mhc.post.fwd/.bwd at vec=8 (8 consecutive d a thread, 16-byte"
         " loads and stores) through kspec.call; 'kspec' runs the heuristic's, vec=8 where it is valid.",
         f"'{POST_PRE_KERNELS}…': post_pre fwd with mhc.post_pre.fwd by config through kspec.call: the projection of"

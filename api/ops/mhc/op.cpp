@@ -711,10 +711,38 @@ bool bwd_mma_fused(const Config& c) { return c.has("algo") && c.get("algo") >= k
 // dx stored 8 bytes at a time, the parts from the last (mhc_pre_bwd_fused_mma.cuh, kAhead): the same bits.
 // kMmaFusedPhiRing: that with the token pass's phi and gamma through a per-warp cp.async ring in dynamic shared
 // memory, 3 (chunk, stream) steps ahead (mhc_pre_bwd_token_mma.cuh, kPhiRing): the same bits.
-constexpr int64_t kMmaFusedAhead = 6, kMmaFusedPhiRing = 7;
+// The most dynamic shared memory a block may opt in to (sm_80 and sm_87 163 KB, sm_90+ 227 KB, the others 99 KB).
+int64_t block_smem_limit(const Problem& p) {
+  const int cc = jit::compute_capability(p.arch);
+  return cc >= 90 ? 232448 : cc == 80 || cc == 87 ? 166912 : 101376;
+}
+// kMmaSlice: mma_fused_ahead's token pass, then one block per 128 columns walking every token, its groups of 4
+// warps over ranges of the tokens sharing each step's dm, c_v and H_pre through a 6-step cp.async ring, the groups'
+// sums added in shared memory and written as dphi and dgamma (mhc_pre_bwd_slice_mma.cuh): no partial sums over
+// parts but db's and dalpha's, dx the same bits as mma_fused_ahead.
+// kMmaSliceDu1: kMmaSlice with du = dm phi in one TF32 mma of the hi parts instead of three (its dx, a 16-bit output,
+// within ~2^-11 of du; dphi, dgamma, db, dalpha as kMmaSlice's bits).
+constexpr int64_t kMmaFusedAhead = 6, kMmaFusedPhiRing = 7, kMmaSlice = 8, kMmaSliceDu1 = 9;
 bool bwd_warp_heads(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaFusedWarpHeads; }
 bool bwd_ring(const Config& c) { return c.has("algo") && c.get("algo") == kMmaFusedRing; }
-bool bwd_ahead(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaFusedAhead; }
+bool bwd_ahead(const Config& c) {
+  return c.has("algo") && (c.get("algo") == kMmaFusedAhead || c.get("algo") == kMmaFusedPhiRing);
+}
+bool bwd_slice(const Config& c) {
+  return c.has("algo") && (c.get("algo") == kMmaSlice || c.get("algo") == kMmaSliceDu1);
+}
+// The slice kernel's groups of 4 warps (its kGroups): 4, 512 threads, one block an SM (__launch_bounds__(512, 1):
+// at most 128 registers).
+constexpr int64_t kSliceGroups = 4;
+// Its dynamic shared memory (MhcSliceSmem): phi's fragments of 4 warps (ceil(M / 8) x 2 KB each), 6 steps (4 with
+// dx_post) of each group's dm, c_v, H_pre (8 (M + 1 + n) floats, rounded to 4) and of its rows (2 or, with dx_post,
+// 3 x 2 KB), the last also holding the groups' sums at the end: 142 KB at n 4, 138 KB with dx_post.
+int64_t bwd_slice_smem_bytes(const Problem& p, bool dx_post) {
+  const int64_t kt = ceil_div(proj_rows(p), 8), stages = dx_post ? 4 : 6, groups = kSliceGroups;
+  const int64_t coef = (8 * (proj_rows(p) + 1 + p.dim("n")) + 3) / 4 * 4;
+  const int64_t rows = stages * groups * (dx_post ? 3 : 2) * 2 * 128 * 8, red = (groups - 1) * 4 * 2 * kt * 4 * 32 * 4;
+  return 4 * 2 * kt * 2 * 32 * 16 + stages * groups * coef * 4 + std::max(rows, red);
+}
 bool bwd_phi_ring(const Config& c) { return c.has("algo") && c.get("algo") == kMmaFusedPhiRing; }
 // The token pass's ring (templates/mhc/mhc_pre_bwd_token_mma.cuh, mhc_pre_bwd_ring_bytes): 2 chunks of a lane's
 // n + 1 rows of 16 bytes per m16 tile of tokens; mma_tokens' n x tokens / 16 <= 8 keeps it at most 96 KB
@@ -735,13 +763,14 @@ bool bwd_mma_vec(const Problem& p) { return p.dim("D") % bwd_mma_lane_cols(p) ==
 int64_t bwd_mma_dx_tokens(const Problem& p) { return 2 * ceil_div(proj_rows(p), 8) <= 6 ? 32 : 16; }
 
 // pre.bwd's three kernels (token, columns, reduce), also the first three of post_pre.bwd; algo=mma and
-// algo=mma_tokens add a fourth, dx; algo=mma_fused has three (token, fused dx and columns, reduce).
+// algo=mma_tokens add a fourth, dx; algo=mma_fused has three (token, fused dx and columns, reduce); algo=mma_slice
+// three (token, dx and the columns by slices of every token, the reduce of db and dalpha alone).
 std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, bool dx_post) {
   const std::string T = dtype_cuda_type(p.dtype("x")), n = std::to_string(p.dim("n")),
                     D = std::to_string(p.dim("D")), g = b(p.present("gamma")), head = b(pre_only(p));
   const std::string tokens = std::to_string(c.get("tokens"));
   const auto reduce = kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_reduce_kernel",
-                                  {n, D, g, head, std::to_string(kReduceThreads)});
+                                  {n, D, g, head, std::to_string(kReduceThreads), b(bwd_slice(c))});
   if (!bwd_mma(c)) {
     return {kernel_spec(p, "mhc/mhc_pre.cuh", "kspec::mhc_pre_bwd_token_kernel",
                         {T, n, D, t_max_arg(p), g, head, b(dx_post), thr(c), tokens}),
@@ -750,6 +779,14 @@ std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, 
   // algo=mma: the token kernel without its dx pass (so no dx_post there), then dx on tensor cores (plan
   // kernel 3, after the reduce: it needs only the token kernel's workspace); algo=mma_tokens: the token
   // pass on tensor cores, which never writes dx; algo=mma_fused: that token pass, then dx with the columns.
+  if (bwd_slice(c)) {
+    return {kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
+                        {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), "false", "false", "true"}),
+            kernel_spec(p, "mhc/mhc_pre_bwd_slice_mma.cuh", "kspec::mhc_pre_bwd_slice_mma_kernel",
+                        {T, n, D, g, head, b(dx_post), std::to_string(kSliceGroups),
+                         b(c.get("algo") == kMmaSliceDu1)}),
+            reduce};
+  }
   if (bwd_mma_fused(c)) {
     return {kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
                         {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), b(bwd_phi_ring(c)), b(bwd_ring(c)),
@@ -822,6 +859,12 @@ void* launch_pre_bwd(const Call& call, const Config& c, Launcher& l, MhcPreBwdPa
              : bwd_phi_ring(c) ? u32(bwd_phi_ring_bytes(pr))
                                : 0,
              args);
+  if (bwd_slice(c)) {
+    l.launch(1, {u32(ceil_div(nd, kFusedBlockCols))}, {u32(kSliceGroups * kMmaThreads)},
+             u32(bwd_slice_smem_bytes(pr, pr.present("dx_post"))), args);
+    l.launch(2, {1}, {kReduceThreads}, 0, args);
+    return a.dx;
+  }
   if (bwd_mma_fused(c)) l.launch(1, {u32(ceil_div(nd, kFusedBlockCols)), u32(parts)}, {u32(kMmaThreads)}, 0, args);
   else if (bwd_mma(c)) l.launch(1, {u32(ceil_div(nd, bwd_mma_block_cols(pr))), u32(parts)}, {u32(kMmaThreads)}, 0, args);
   else l.launch(1, {u32(ceil_div(nd, th)), u32(parts)}, {th}, 0, args);
@@ -869,11 +912,12 @@ std::string bwd_mma_tokens_unsupported(const Problem& p, int64_t tokens) {
 // D 4096, bf16, pre fwd+bwd: mma_fused 32 2056 us (run 20), mma_tokens 32 2540, mma 3716, simt 6280 (H200:
 // mma 3567 against simt 6280; tools/bench/NOTES.md). mma_fused_ring (the token pass through a cp.async ring) is
 // selectable (run 26: 1767 us against mma_fused_warp_heads' 1773); mma_fused_ahead and mma_fused_phi_ring
-// selectable, not yet timed.
+// selectable (run 30: 1754 and 1774 against 1789); mma_slice (the columns kernel walking every token) selectable,
+// not yet timed, and refused where its shared memory exceeds the arch's.
 TuningSpace with_bwd_algo_axis(TuningSpace t) {
   t.axes.insert(t.axes.begin(),
                 {"algo", {kSimt, kMma, kMmaTokens, kMmaFused, kMmaFusedWarpHeads, kMmaFusedRing, kMmaFusedAhead,
-                          kMmaFusedPhiRing}});
+                          kMmaFusedPhiRing, kMmaSlice, kMmaSliceDu1}});
   for (auto& [name, values] : t.axes)
     if (name == "tokens") values = {1, 4, 16, 32, 64};
   auto simt_valid = t.valid;
@@ -887,6 +931,9 @@ TuningSpace with_bwd_algo_axis(TuningSpace t) {
       // 18 KB ring of rows (mhc_pre_bwd_fused_mma.cuh): 46 KB of the 48 static at M = 24.
       if (no.empty() && algo >= kMmaFused && proj_rows(p) > 24)
         no = "algo=mma_fused takes at most 24 projection rows (n <= 4; pre_only n <= 8): shared memory";
+      if (no.empty() && algo >= kMmaSlice && bwd_slice_smem_bytes(p, p.present("dx_post")) > block_smem_limit(p))
+        no = "algo=mma_slice needs " + std::to_string(bwd_slice_smem_bytes(p, p.present("dx_post"))) +
+             " bytes of shared memory a block, above this arch's " + std::to_string(block_smem_limit(p));
 
       if (no.empty()) return true;
     } else if (no.empty() && tok > 4) {

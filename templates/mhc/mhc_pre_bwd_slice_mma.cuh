@@ -1,0 +1,167 @@
+// mhc.pre.bwd's dx and sums over tokens with each block owning a slice of columns for every token
+// (algo=mma_slice, sm_80+, 16-bit x, M <= 24). algo=mma_fused's grid is (128-column blocks) x (32 parts of
+// the tokens): each warp loads its own copy of every token's dm, c_v and H_pre (kAhead: 256 B a token, 2.1 GB
+// of L2 reads at T 16384, n 4, D 4096, beside x and dy's 0.67 GB), writes its part's sums (52 MB) for a
+// reduce kernel, and keeps 2-3 steps of rows in flight. Here block bx owns columns 128 bx .. + 127 and walks
+// ALL tokens: its kGroups groups of 4 warps (one warp a 32-column stripe, as mma_fused's) take contiguous
+// ranges of the tokens, and each group shares one copy of a step's dm, c_v and H_pre, copied by the group's
+// 128 threads (cp.async, 928 B a step at n 4) into a kStages-deep ring (6, or 4 with dx_post) beside its rows of x, dy and dx_post
+// (each thread's own slots, as mma_fused's): kStages - 1 steps in flight a group, ~80 KB an SM at 4 groups,
+// one block barrier a step. The groups' S^T are added in group order through shared memory at the
+// end and dphi = gamma S, dgamma = sum_r phi S go straight to the outputs: no partial sums in the workspace,
+// no reduce over parts for them (db and dalpha keep mma_fused's per-part row sums and a one-block reduce).
+// Per token and column the same operations as mma_fused (mhc_pre_bwd_fused_step): dx has the same bits; dphi
+// and dgamma differ from it by the order of the sums over tokens only (deterministic: fixed ranges and order).
+// At T 16384 and nD 16384: 128 blocks of 128 kGroups threads, one an SM, all resident.
+#pragma once
+
+#include "mhc/mhc_pre_bwd_fused_mma.cuh"
+
+namespace kspec {
+
+// The dynamic shared memory of mhc_pre_bwd_slice_mma_kernel (op.cpp's bwd_slice_smem_bytes mirrors it): phi's
+// fragments of 4 warps, then the ring of the groups' step values (dm, c_v, H_pre), then the ring of rows, whose
+// bytes also hold the groups' S^T for the final sum.
+template <int kM, int N, int kGroups, bool kHasDxPost>
+struct MhcSliceSmem {
+  // 6 steps (5 in flight); 4 with dx_post's rows, so that both fit sm_80's 163 KB.
+  static constexpr int kStages = kHasDxPost ? 4 : 6, kKt = (kM + 7) / 8, kRowKinds = kHasDxPost ? 3 : 2;
+  static constexpr int kCoef = 8 * (kM + 1 + N), kCoefPad = (kCoef + 3) / 4 * 4;
+  static constexpr int kPhBytes = 4 * 2 * kKt * 2 * 32 * 16;
+  static constexpr int kCoefBytes = kStages * kGroups * kCoefPad * 4;
+  static constexpr int kRowBytes = kStages * kGroups * kRowKinds * 2 * 128 * 8;
+  static constexpr int kRedBytes = (kGroups - 1) * 4 * 2 * kKt * 4 * 32 * 4;  // 4 warps a group
+  static constexpr int kBytes = kPhBytes + kCoefBytes + (kRowBytes > kRedBytes ? kRowBytes : kRedBytes);
+};
+
+// kDuHiOnly: algo=mma_slice_du1 (mhc_pre_bwd_fused_step's: du in one TF32 mma, for 16-bit dx).
+template <typename T, int N, int D, bool kHasGamma, bool kPreOnly, bool kHasDxPost, int kGroups, bool kDuHiOnly>
+__global__ void __launch_bounds__(128 * kGroups, 1) mhc_pre_bwd_slice_mma_kernel(const MhcPreBwdParams p) {
+  using Rows = MhcRows<N, kPreOnly>;
+  using Smem = MhcSliceSmem<Rows::kM, N, kGroups, kHasDxPost>;
+  constexpr int kM = Rows::kM, kND = N * D, kKt = Smem::kKt, kStages = Smem::kStages, kStep = 8;
+  constexpr int kCoef = Smem::kCoef, kCoefPad = Smem::kCoefPad, kDm = kStep * kM, kRowKinds = Smem::kRowKinds;
+  static_assert(sizeof(T) == 2, "algo=mma_slice takes 16-bit x only (exact in TF32, 8-byte rows of 4)");
+  static_assert(kKt <= 3, "M <= 24: phi's fragments and the accumulators as algo=mma_fused's");
+  static_assert(D % 8 == 0, "whole 8-element groups of a stream");
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int grp = warp / 4, stripe = warp % 4, gt = static_cast<int>(threadIdx.x) % 128;
+  const int g = lane / 4, c = lane % 4;
+  const int col = (static_cast<int>(blockIdx.x) * 4 + stripe) * 32 + 4 * g;  // the lane's 4 columns
+  const MhcFusedLane<T, N, D> ln(p, col);
+  const bool live = ln.live;
+  // The group's tokens: whole steps, the last group's range the shortest.
+  const long long per = ((p.T + kGroups - 1) / kGroups + kStep - 1) / kStep * kStep;
+  const long long t0 = grp * per < p.T ? grp * per : p.T, t1 = t0 + per < p.T ? t0 + per : p.T;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned launched_smem;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(launched_smem));
+  if (launched_smem < Smem::kBytes) __trap();  // the plan's bwd_slice_smem_bytes disagrees with MhcSliceSmem
+  auto* ph = reinterpret_cast<float4(*)[2][kKt][2][32]>(smem);
+  auto* coef = reinterpret_cast<float(*)[kGroups][kCoefPad]>(smem + Smem::kPhBytes);
+  auto* rows = reinterpret_cast<uint2(*)[kGroups][kRowKinds][2][128]>(smem + Smem::kPhBytes + Smem::kCoefBytes);
+  auto* red = reinterpret_cast<float(*)[2 * kKt * 4][32]>(smem + Smem::kPhBytes + Smem::kCoefBytes);
+
+  float gm[4];
+  mhc_pre_bwd_fused_phi<kM, kND, kHasGamma>(p, ph[stripe], gm, col, live, grp == 0);
+  float sacc[2][kKt][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kKt; ++nt) sacc[mt][nt][0] = sacc[mt][nt][1] = sacc[mt][nt][2] = sacc[mt][nt][3] = 0.f;
+  __syncthreads();  // phi's fragments, written by group 0, read by every group
+
+  // A step at token t into ring slot `stage`: the thread's rows (tokens t + 2c + e, zeros past the range and
+  // past nD) and its share of the group's step values, laid out as mhc_pre_bwd_fused_step's kAhead wants them:
+  // dm [8][M], c_v [8], H_pre [8][n] (zeros past the range).
+  const long long xs = N * p.x_row, ps = N * p.dx_post_row, ds = N * p.dx_row;
+  auto issue = [&](int stage, long long t) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const long long tok = t + 2 * c + e;
+      const bool ok = live && tok < t1;
+      mhc_cp_async8(&rows[stage][grp][0][e][gt], ln.x + tok * xs, ok);
+      mhc_cp_async8(&rows[stage][grp][1][e][gt], ln.dy + tok * p.dy_row, ok);
+      if constexpr (kHasDxPost) mhc_cp_async8(&rows[stage][grp][2][e][gt], ln.dxp + tok * ps, ok);
+    }
+#pragma unroll
+    for (int k = 0; k < (kCoef + 127) / 128; ++k) {
+      const int q = gt + 128 * k;
+      if (q < kCoef) {
+        const float* src = p.ws_dm;
+        bool ok;
+        if (q < kDm) {
+          src = p.ws_dm + t * kM + q;
+          ok = t + q / kM < t1;
+        } else if (q < kDm + kStep) {
+          src = p.ws_cv + t + (q - kDm);
+          ok = t + (q - kDm) < t1;
+        } else {
+          src = p.ws_hpre + t * N + (q - kDm - kStep);
+          ok = t + (q - kDm - kStep) / N < t1;
+        }
+        mhc_cp_async4(&coef[stage][grp][q], ok ? src : p.ws_dm, ok);
+      }
+    }
+    mhc_cp_async_commit();
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue(s, t0 + s * kStep);
+  int stage = 0;
+  // Every group runs per / 8 steps (the last group's past its range are all zeros and skip the step), so that one
+  // block barrier a step serves all groups: run 33's racecheck reported hazards between the ring's reads and the
+  // next copies with a named barrier a group (bar.sync 1 + group, 128) in its place (dx, dphi and the bits were
+  // right; the block barrier is the ordering racecheck can check).
+#pragma unroll 1
+  for (long long t = t0; t < t0 + per; t += kStep) {
+    // This step's copies (the thread's own) landed; after the barrier, every thread's have, and every warp is done
+    // with the slot the last step read, which the next copies refill.
+    mhc_cp_async_wait<kStages - 2>();
+    __syncthreads();
+    issue(stage == 0 ? kStages - 1 : stage - 1, t + (kStages - 1) * kStep);
+    MhcFusedRows<T, 1> cur;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      *reinterpret_cast<uint2*>(cur.x[0][e].v) = rows[stage][grp][0][e][gt];
+      *reinterpret_cast<uint2*>(cur.dy[0][e].v) = rows[stage][grp][1][e][gt];
+      if constexpr (kHasDxPost) *reinterpret_cast<uint2*>(cur.dp[0][e].v) = rows[stage][grp][2][e][gt];
+    }
+    if (t < t1)
+      mhc_pre_bwd_fused_step<T, N, kM, 1, kHasGamma, kHasDxPost, true, kDuHiOnly>(p, coef[stage][grp], ph[stripe], cur, gm,
+                                                                                 sacc, ln.dx, ds, t, t1, live, ln.si);
+    stage = stage == kStages - 1 ? 0 : stage + 1;
+  }
+
+  // The groups' S^T added in group order (the rows' ring, drained, holds groups 1.. of them), then group 0
+  // stores dphi and dgamma.
+  mhc_cp_async_wait<0>();
+  __syncthreads();
+  if (grp > 0) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kKt; ++nt)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) red[(grp - 1) * 4 + stripe][(mt * kKt + nt) * 4 + k][lane] = sacc[mt][nt][k];
+  }
+  __syncthreads();
+  if (grp == 0) {
+    for (int q = 1; q < kGroups; ++q)
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kKt; ++nt)
+#pragma unroll
+          for (int k = 0; k < 4; ++k) sacc[mt][nt][k] += red[(q - 1) * 4 + stripe][(mt * kKt + nt) * 4 + k][lane];
+    mhc_pre_bwd_fused_store_sums<kM, kND, kHasGamma>(p, sacc, gm, col, live, p.dphi, p.dgamma);
+  }
+  // db and dalpha: the parts' row sums (as mma_fused's), added by the one-block reduce.
+  for (int part = static_cast<int>(blockIdx.x); part < p.parts; part += static_cast<int>(gridDim.x)) {
+    const long long a = static_cast<long long>(part) * p.tokens_per_part;
+    mhc_pre_bwd_row_sums<N, D, kPreOnly>(p, part, a, a + p.tokens_per_part < p.T ? a + p.tokens_per_part : p.T);
+  }
+}
+
+}  // namespace kspec
