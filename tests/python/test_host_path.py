@@ -115,6 +115,8 @@ def test_scan_surface_runs_no_generator(monkeypatch):
 
     monkeypatch.setattr(_torch, "call", stub)
     monkeypatch.setattr(_torch, "call_some", lambda *args: NotImplemented)
+    # the record path (the C++ node of call_grad runs no Python: tests/python/test_scan_one_call.py)
+    monkeypatch.setattr(_torch.selective_scan, "grad_call", None)
     leaves = [v.requires_grad_() for v in (torch.randn(b, d, t), torch.rand(b, d, t), -torch.rand(d, n),
                                            torch.randn(b, 1, n, t), torch.randn(b, 1, n, t))]
     dout = torch.randn(b, d, t)
