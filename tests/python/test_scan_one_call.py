@@ -5,6 +5,7 @@ Family, and the whole host path on the mock CUDA driver (tools/bench/dispatch_ho
 kspec::call, kernels compiled, launches counted, nothing computed). The GPU twin, which compares the node's
 outputs and gradients with the autograd.Function's, is test_gpu_scan_one_call.py."""
 import json
+import os
 
 import pytest
 
@@ -64,17 +65,11 @@ base = [torch.randn(b, d, t, dtype=bf), torch.rand(b, d, t, dtype=bf), -torch.ra
 def leaves(wanted=(True,) * 9):
     return [v.clone().requires_grad_(w) for v, w in zip(base, wanted)]
 
+sys.path.insert(0, TESTS)
+from test_host_path import frames
+
 def kspec_frames(fn):
-    names = []
-    def hook(frame, event, arg):
-        if event == "call" and "kspec" in frame.f_code.co_filename:
-            names.append(frame.f_code.co_name)
-    sys.setprofile(hook)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return names
+    return frames(fn, kspec_only=True)
 
 def aten(fn):
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -154,7 +149,7 @@ print("ok")
 
 
 def test_scan_step_is_one_cpp_call_on_the_mock_driver():
-    r = _run_on_mock(_BODY)
+    r = _run_on_mock(_BODY, f"TESTS = {os.path.dirname(os.path.abspath(__file__))!r}\n")
     got = json.loads(r.stdout.strip().splitlines()[-2])
     name, kind, is_function, shared = got["node"]
     assert name == "SelectiveScanBackward" and kind != "BackwardCFunction" and not is_function and shared, got["node"]
