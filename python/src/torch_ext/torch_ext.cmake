@@ -27,7 +27,11 @@ target_include_directories(_torch_ext PRIVATE ${CMAKE_CURRENT_SOURCE_DIR} ${CMAK
 target_compile_definitions(_torch_ext PRIVATE _GLIBCXX_USE_CXX11_ABI=${KSPEC_TORCH_CXX11_ABI})
 # The C++ standard torch's headers need: C++20 where its own CMake config asks for it (torch 2.15's headers use
 # <=> and concepts), else the project's C++17.
-file(STRINGS "${KSPEC_TORCH_DIR}/share/cmake/Torch/TorchConfig.cmake" KSPEC_TORCH_CXX20 REGEX "cxx_std_20")
+set(KSPEC_TORCH_CONFIG "${KSPEC_TORCH_DIR}/share/cmake/Torch/TorchConfig.cmake")
+set(KSPEC_TORCH_CXX20)
+if(EXISTS "${KSPEC_TORCH_CONFIG}")
+  file(STRINGS "${KSPEC_TORCH_CONFIG}" KSPEC_TORCH_CXX20 REGEX "cxx_std_20")
+endif()
 if(KSPEC_TORCH_CXX20)
   set_target_properties(_torch_ext PROPERTIES CXX_STANDARD 20)
 endif()
