@@ -1,6 +1,7 @@
 """selective_scan's one C++ call (call_grad and its C++ node) on the GPU: the outputs and gradients of the
-autograd.Function on the pure path (no extension) — bitwise where the pure path repeats itself bitwise, else
-within the dtype's tolerance — for every way a training step meets the node: h0 and its gradient, a used and
+autograd.Function on the pure path (no extension) — bitwise, but a variable B/C's gradients, which the backward
+sums over channels with fp32 atomics (an order that differs from run to run: run 33 saw it at 3x37x129), within
+the dtype's tolerance — for every way a training step meets the node: h0 and its gradient, a used and
 an unused last_state, a broadcast or transposed dout, fixed B/C, no D/z/delta_bias, inputs that want no
 gradient, and the shapes of issue 33's table. The CPU twin (host path on the mock driver) is
 test_scan_one_call.py."""
@@ -9,7 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 import kspec  # noqa: E402
 from kspec import _native  # noqa: E402
-from test_gpu_torch_ext import _same, pure_path  # noqa: E402
+from helpers import TOL, rel_err  # noqa: E402
+from test_gpu_torch_ext import _np, pure_path  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_native.ext is None, reason="the torch extension is not loaded")]
 
@@ -26,14 +28,29 @@ def _inputs(b, d, t, fixed_bc=False, optional=True, seed=0):
     return [u, delta, A, B, C] + ([D, z, db, h0] if optional else [None, None, None, None])
 
 
+_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "h0")
+
+
 def _step(inputs, wanted, loss):
+    """(the node of out, {name: tensor} of out, last_state and the gradients of the inputs that want one)."""
     leaves = [None if t is None else t.detach().clone().requires_grad_(w) for t, w in zip(inputs, wanted)]
     u, delta, A, B, C, D, z, db, h0 = leaves
     out, last = kspec.ops.selective_scan_fn(u, delta, A, B, C, D, z, db, True, return_last_state=True, h0=h0)
     node = out.grad_fn
-    want = [t for t in leaves if t is not None and t.requires_grad]
-    grads = torch.autograd.grad(loss(out, last), want)
-    return node, [out, last] + list(grads)
+    names = [n for n, t in zip(_NAMES, leaves) if t is not None and t.requires_grad]
+    grads = torch.autograd.grad(loss(out, last), [leaves[_NAMES.index(n)] for n in names])
+    return node, dict(out=out, last_state=last, **{"d" + n: g for n, g in zip(names, grads)})
+
+
+def _same(got, want, what):
+    assert got.keys() == want.keys(), what
+    for k, a in got.items():
+        b = want[k]
+        assert a.shape == b.shape and a.dtype == b.dtype, (what, k)
+        if k in ("dB", "dC") and b.dim() == 4:  # a variable B/C's: fp32 atomics over channels
+            assert rel_err(_np(a), _np(b)) <= TOL["bfloat16"], (what, k)
+        else:
+            assert torch.equal(a, b), (what, k)
 
 
 _LOSSES = {
@@ -56,8 +73,7 @@ def test_one_call_node_gives_the_functions_outputs_and_gradients(shape, loss):
     with pure_path():
         want_node, want = _step(inputs, wanted, _LOSSES[loss])
         assert isinstance(want_node, torch.autograd.function.BackwardCFunction)
-        again = _step(inputs, wanted, _LOSSES[loss])[1]
-    _same(got, want, again, torch.bfloat16, f"scan {shape} {loss}")
+    _same(got, want, f"scan {shape} {loss}")
 
 
 @pytest.mark.parametrize("variant", ["fixed B/C", "no optional inputs", "some inputs want no gradient",
@@ -73,8 +89,7 @@ def test_one_call_node_variants(variant):
     assert not isinstance(node, torch.autograd.function.BackwardCFunction)
     with pure_path():
         _, want = _step(inputs, wanted, _LOSSES["out and last_state"])
-        again = _step(inputs, wanted, _LOSSES["out and last_state"])[1]
-    _same(got, want, again, torch.bfloat16, f"scan {variant}")
+    _same(got, want, f"scan {variant}")
 
 
 @pytest.mark.parametrize("shape", [(1, 2048, 512), (2, 4096, 333), (16, 768, 256)])
@@ -86,5 +101,4 @@ def test_one_call_node_at_issue_33_shapes(shape):
     node, got = _step(inputs, [True] * 9, _LOSSES["out"])
     with pure_path():
         _, want = _step(inputs, [True] * 9, _LOSSES["out"])
-        again = _step(inputs, [True] * 9, _LOSSES["out"])[1]
-    _same(got, want, again, torch.bfloat16, f"scan {shape}")
+    _same(got, want, f"scan {shape}")
