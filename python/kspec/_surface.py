@@ -53,6 +53,17 @@ def _is_tensor(typ: str) -> bool:
     return typ in ("Tensor", "Tensor?")
 
 
+@dataclass(frozen=True)
+class CeilDiv:
+    """A Family's `derived` rule ceil(dims[dim] / by) (the scan's nstates = ceil(seqlen / 16)): callable as
+    every rule is (symbolic sizes stay symbolic), and readable by call_grad, which sizes such an output in C++."""
+    dim: str
+    by: int
+
+    def __call__(self, dims):
+        return -(-dims[self.dim] // self.by)
+
+
 @dataclass(eq=False)
 class Family:
     """One op family's torch surface.
@@ -75,9 +86,10 @@ class Family:
     binds. fake, bwd_fake: (*args) -> outputs like forward/backward's, where the schema's rule is not the
     one (other layouts, composite ops).
     one_call: forward and backward compute what one call of ops[0] / ops[1] does (the tensor arguments in
-    the op's input order, every other argument a param of the forward op, the save_arg on): with the torch
-    extension a call that wants a gradient is then one C++ call (kspec._torch_ext.call_grad: the forward
-    op and a C++ graph node whose backward runs ops[1] without Python)."""
+    the op's input order, every other argument a param of the forward op or the save_arg, which is on): with
+    the torch extension a call that wants a gradient is then one C++ call (kspec._torch_ext.call_grad: the
+    forward op and a C++ graph node whose backward runs ops[1] without Python). An output with a dim no input
+    binds (the scan's states) needs a CeilDiv rule in `derived`: call_grad allocates it from the inputs' sizes."""
     name: str
     fwd: str
     fwd_out: tuple
@@ -128,11 +140,13 @@ def _schema_fake(op, tensors, derived, present):
 
 
 def _picker(indices):
-    """fn(seq) -> tuple of seq's items at `indices` (operator.itemgetter, always a tuple)."""
+    """fn(seq) -> tuple of a tuple's items at `indices` (operator.itemgetter, always a tuple; one index as a
+    one-item slice: no Python frame per call, as the scan's one param, delta_softplus, is picked per call)."""
     if not indices:
         return lambda seq: ()
-    get = itemgetter(*indices)
-    return get if len(indices) > 1 else (lambda seq: (get(seq),))
+    if len(indices) == 1:
+        return itemgetter(slice(indices[0], indices[0] + 1))
+    return itemgetter(*indices)
 
 
 def _one_call(op, arg_types):
@@ -207,6 +221,7 @@ class Surface:
         self.fwd_op.register_autograd(self._op_backward, setup_context=self._op_setup)
         self.function = self._eager_function()
         self.grad_call = self._grad_call_plan() if f.one_call else None
+        self.grad_sized = self._sized_plan() if f.one_call else None  # call_grad's `sized`
 
     # ---- the custom ops ----
 
@@ -375,10 +390,47 @@ class Surface:
                 codes.append(self.tensor_pos.index(self.fwd_names.index(n)))
             else:
                 codes.append(_OUT + f.fwd_out.index(n))
-        param_pos = [i for i, (_, t) in enumerate(self.fwd_args) if not _is_tensor(t)]
+        op_params = {p["name"] for p in _schema._info(f.ops[0])["params"]}
+        param_pos = []
+        for i, (n, t) in enumerate(self.fwd_args):
+            if _is_tensor(t) or n == f.save_arg and n not in op_params:
+                continue  # the save_arg that is no param of the op: the outputs `sized` allocates
+            if n not in op_params:
+                raise ValueError(f"{f.name}: one_call with a forward argument that is no param of {f.ops[0]} ({n})")
+            param_pos.append(i)
         names = tuple(self.fwd_names[i] for i in param_pos)
         grad_of = tuple(self.grad_plan[i] for i in self.tensor_pos)
         return f.ops[0], f.ops[1], names, _picker(param_pos), tuple(bwd_params), tuple(codes), grad_of
+
+    def _sized_plan(self):
+        """call_grad's `sized`: None where no forward output has a dim that no input binds, else per output None
+        or its dims as (input, dim, divisor) triples (the input by its place among the tensor arguments), read
+        from the op's schema: a dim from the first required input that has it, a derived one by its CeilDiv."""
+        f = self.family
+        info = _schema._info(f.ops[0])
+        where = {}  # dim -> (tensor argument index, its dim)
+        for k, d in enumerate(info["inputs"]):
+            if d["optional"] or d["alt_shape"] or any(tok.startswith("...") for tok in d["shape"]):
+                continue  # absent, or of another shape, in some calls
+            for j, tok in enumerate(d["shape"]):
+                where.setdefault(tok, (k, j))
+        rules, any_derived = [], False
+        for d in info["outputs"]:
+            if not any(tok in f.derived for tok in d["shape"]):
+                rules.append(None)
+                continue
+            dims = []
+            for tok in d["shape"]:
+                rule = f.derived.get(tok)
+                if rule is not None and not isinstance(rule, CeilDiv):
+                    raise ValueError(f"{f.name}: one_call sizes output '{d['name']}' only by a CeilDiv rule for '{tok}'")
+                src = rule.dim if rule is not None else tok
+                if src not in where:
+                    raise ValueError(f"{f.name}: no required input binds '{src}' of output '{d['name']}'")
+                dims.append((*where[src], rule.by if rule is not None else 1))
+            rules.append(tuple(dims))
+            any_derived = True
+        return tuple(rules) if any_derived else None
 
     # ---- the public entry ----
 
@@ -415,7 +467,7 @@ class Surface:
                 fwd_op, bwd_op, names, pick, bwd_params, codes, grad_of = self.grad_call
                 outs = _native.ext.call_grad(self.node_name, fwd_op, bwd_op, self.pick_tensors(args),
                                              (names, pick(args)), bwd_params, codes, grad_of,
-                                             public[0] if len(public) == 1 else public)
+                                             public[0] if len(public) == 1 else public, self.grad_sized)
                 if outs is NotImplemented:  # kspec.call's C++ path would decline: nothing ran
                     return self._native_apply(args)
                 return outs

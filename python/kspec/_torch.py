@@ -9,7 +9,7 @@ import torch
 
 from . import _C, _native, ops
 from ._core import call, call_some
-from ._surface import _GRAD, _OUT, Family, build
+from ._surface import _GRAD, _OUT, CeilDiv, Family, build
 from .ops import ACTIVATION_ALIASES, gemm_reads_in_place
 
 # ---- norm_act ----
@@ -50,6 +50,8 @@ def _scan_fwd(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, save_stat
     if not save:
         return call("selective_scan.fwd", u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus=delta_softplus)
     inputs = (u, delta, A, B, C, D, z, delta_bias, h0)
+    if u.dim() != 3 or A.dim() != 2:  # no states' shape to make: kspec.call's validation names the input
+        return call("selective_scan.fwd", *inputs, delta_softplus=delta_softplus)
     states = (u.shape[0], u.shape[1], -(-u.shape[2] // _STATE_STRIDE), A.shape[1])
     outs = call_some("selective_scan.fwd", inputs, (None, None, states), {"delta_softplus": delta_softplus})
     if outs is NotImplemented:  # the pure path (no extension), or an input the extension does not read
@@ -78,7 +80,7 @@ selective_scan = build(Family(
     bwd="Tensor dout, " + _SCAN_TENSORS + ", Tensor? dlast_state, Tensor? states, bool delta_softplus",
     bwd_out=("du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias", "dh0"),
     forward=_scan_fwd, backward=_scan_bwd, public=(0, 1), save_arg="save_states",
-    derived={"nstates": lambda dims: -(-dims["seqlen"] // _STATE_STRIDE)}))
+    derived={"nstates": CeilDiv("seqlen", _STATE_STRIDE)}, one_call=True))
 
 
 # ---- gemm / linear ----

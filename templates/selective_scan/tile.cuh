@@ -56,6 +56,17 @@ namespace kspec {
 // tiles, 8 blocks per SM) a barrier waits for one other warp and the fold reads at most one map, for twice the
 // tiles. Not yet measured.
 //
+// Lean (kLean 1 and 2, configs items=8 and items=16; 4 warps of 4 states a lane only): the same arithmetic with
+// fewer instructions on each tile's path, for 1x2048x512, where 8 warps an SM (the grid's 2 blocks of 4 warps at
+// 185-187 registers) leave each scheduler 2 warps and the kernel is latency-bound (run 28's ncu: SM 42% busy,
+// occupancy 12%; the loop is 902 SASS instructions a warp and tile on sm_90, MUFU about a third busy).
+// kLean 1: y's sum over a lane's states in one FMA chain a step, in both sweeps (the two accumulators and their
+// add a step were for a chain that the unrolled sweep's other steps already hide): 870 instructions a tile at
+// the same 185 registers (nvcc 13.0, sm_90). kLean 2 also reads every map the fold needs before its FMAs
+// (predicated, no early exit): the last warp's state waits one shared-memory latency instead of two on the way
+// to the next tile's barrier; 864 instructions, but 237 registers (still 2 blocks of 4 warps an SM). y is summed
+// in another order: not bitwise the kernel above, within its tolerance. Not yet measured.
+//
 // Launch: gridDim = (ceil(dim / 8), batch), blockDim = 32 kWarps, dynamic shared memory
 // tile_fwd_smem_floats() floats; the arguments of selective_scan_fwd_kernel. Requires kVec (seqlen a
 // multiple of 8, 16-byte aligned pointers: a variable B/C row's 8-step vectors and a lane's 4 (2) steps are
@@ -64,10 +75,13 @@ namespace kspec {
 // inside a warp's 16 steps; channels past dim run with A = 0 and dt = 0 and write nothing. Both read
 // inputs inside the tensors (the row's last steps, the last channel).
 // =============================================================================================
-template <typename Flags, int kWarps_, int kStates = 4>
+template <typename Flags, int kWarps_, int kStates = 4, int kLean_ = 0>
 struct TileScanTraits : Flags {
   static_assert(!Flags::kTimeMajor, "time-major tensors: the sequential kernels only");
   static constexpr int kWarps = kWarps_, kThreads = 32 * kWarps;
+  static constexpr int kLean = kLean_;  // 0: as measured; 1: y in one chain; 2: and the fold's maps read ahead
+  static_assert(kLean == 0 || (kLean <= 2 && kWarps == 4 && kStates == 4),
+                "the lean tile kernel (1 or 2): 4 warps of 4 states a lane");
   static constexpr int kS = kStates;           // states per lane
   static constexpr int kG = Flags::kDstate / kS;  // state groups (lanes per channel)
   static constexpr int kCW = 32 / kG;          // channels per block
@@ -248,10 +262,11 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
           x[i] = fmaf(a, x[i], q[g].y * bv[g][i]);
           P[i] *= a;
           CP[j][i] = cv[g][i] * P[i];
-          if (i & 1) y1 = fmaf(cv[g][i], x[i], y1);
-          else y0 = fmaf(cv[g][i], x[i], y0);
+          if (Tr::kLean > 0 || !(i & 1)) y0 = fmaf(cv[g][i], x[i], y0);
+          else y1 = fmaf(cv[g][i], x[i], y1);
         }
-        yl[j] = y0 + y1;
+        if constexpr (Tr::kLean > 0) yl[j] = y0;
+        else yl[j] = y0 + y1;
       }
     }
     // 3. this warp's map; the next tile's B/C; the block's barrier
@@ -267,15 +282,32 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     float h[S];
     {
       lds_states<S>(s_carry + (it & 1) * CW * N + c * N + n0, h);
+      if constexpr (Tr::kLean == 2) {
+        float Pv[W - 1][S], Xv[W - 1][S];
 #pragma unroll
-      for (int v = 0; v < W - 1; ++v) {
-        if (v >= w) break;
-        const float* pv = s_px + ((it & 1) * W + v) * 2 * CW * N + c * N + n0;
-        float Pv[S], Xv[S];
-        lds_states<S>(pv, Pv);
-        lds_states<S>(pv + CW * N, Xv);
+        for (int v = 0; v < W - 1; ++v)
+          if (v < w) {
+            const float* pv = s_px + ((it & 1) * W + v) * 2 * CW * N + c * N + n0;
+            lds_states<S>(pv, Pv[v]);
+            lds_states<S>(pv + CW * N, Xv[v]);
+          }
 #pragma unroll
-        for (int i = 0; i < S; ++i) h[i] = fmaf(Pv[i], h[i], Xv[i]);
+        for (int v = 0; v < W - 1; ++v)
+          if (v < w) {
+#pragma unroll
+            for (int i = 0; i < S; ++i) h[i] = fmaf(Pv[v][i], h[i], Xv[v][i]);
+          }
+      } else {
+#pragma unroll
+        for (int v = 0; v < W - 1; ++v) {
+          if (v >= w) break;
+          const float* pv = s_px + ((it & 1) * W + v) * 2 * CW * N + c * N + n0;
+          float Pv[S], Xv[S];
+          lds_states<S>(pv, Pv);
+          lds_states<S>(pv + CW * N, Xv);
+#pragma unroll
+          for (int i = 0; i < S; ++i) h[i] = fmaf(Pv[i], h[i], Xv[i]);
+        }
       }
       if (states && run && (R % kStateStride == 0 || tr % kStateStride == 0))
         sts_states<S>(states + (chan * nstates_of(seqlen) + tr / kStateStride) * N + n0, h);
@@ -291,13 +323,20 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     float y[R];
 #pragma unroll
     for (int j = 0; j < R; ++j) {
-      float y0 = fmaf(CP[j][0], h[0], yl[j]), y1 = CP[j][1] * h[1];
+      if constexpr (Tr::kLean > 0) {
+        float yj = yl[j];
 #pragma unroll
-      for (int i = 2; i < S; i += 2) {
-        y0 = fmaf(CP[j][i], h[i], y0);
-        y1 = fmaf(CP[j][i + 1], h[i + 1], y1);
+        for (int i = 0; i < S; ++i) yj = fmaf(CP[j][i], h[i], yj);
+        y[j] = yj;
+      } else {
+        float y0 = fmaf(CP[j][0], h[0], yl[j]), y1 = CP[j][1] * h[1];
+#pragma unroll
+        for (int i = 2; i < S; i += 2) {
+          y0 = fmaf(CP[j][i], h[i], y0);
+          y1 = fmaf(CP[j][i + 1], h[i + 1], y1);
+        }
+        y[j] = y0 + y1;
       }
-      y[j] = y0 + y1;
     }
     // 6. y over the state groups through shared memory; this lane's Q steps out
     float* sy = s_y + w * G * YR;

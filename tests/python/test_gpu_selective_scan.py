@@ -259,15 +259,17 @@ TILE_VARIANTS = {
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("name", list(TILE_VARIANTS))
-@pytest.mark.parametrize("warps,lanes", [(4, 1), (6, 1), (8, 1), (2, 8), (4, 8)], ids=["w4", "w6", "w8", "w2_l8", "w4_l8"])
-def test_tile_kernel_forward_states_and_backward(dtype, name, warps, lanes):
-    """The one-pass tile kernel (algo=tile; lanes=8: 2 states a lane, 4 channels a block, 2 or 4 warps): out,
-    last_state and `states` against the float64 reference (poisoned first), then selective_scan.bwd from those
-    states: every gradient against the reference."""
+@pytest.mark.parametrize("warps,lanes,items",
+                         [(4, 1, 4), (6, 1, 4), (8, 1, 4), (2, 8, 4), (4, 8, 4), (4, 1, 8), (4, 1, 16)],
+                         ids=["w4", "w6", "w8", "w2_l8", "w4_l8", "w4_lean", "w4_lean2"])
+def test_tile_kernel_forward_states_and_backward(dtype, name, warps, lanes, items):
+    """The one-pass tile kernel (algo=tile; lanes=8: 2 states a lane, 4 channels a block, 2 or 4 warps; items=8,
+    16: the lean kernels, test_scan_tile_lean.py): out, last_state and `states` against the float64 reference
+    (poisoned first), then selective_scan.bwd from those states: every gradient against the reference."""
     v = dict(BASE, **TILE_VARIANTS[name])
     if v["dim"] // v["groups"] < (8 if lanes == 1 else 4):
         pytest.skip("a block's channels would span two B/C groups (the config is refused)")
-    cfg = f"algo=tile,warps={warps},items=4,lanes={lanes},chunk=32,segs=1"
+    cfg = f"algo=tile,warps={warps},items={items},lanes={lanes},chunk=32,segs=1"
     args, out, last, states, np_in, kw = _forward_states_checked(dtype, v, _inputs(dtype, v), config=cfg)
     tol = _tol(dtype)
     dout = torch.randn_like(out)

@@ -11,10 +11,9 @@ import kspec  # noqa: E402
 from kspec import _torch  # noqa: E402
 
 
-def _python_calls(fn, kspec_only=False) -> list:
-    """Names of the Python functions (and generator resumptions) one fn() call runs, after a warm-up call;
-    kspec_only: those of kspec's own files."""
-    fn()
+def frames(fn, kspec_only=False) -> list:
+    """Names of the Python functions (and generator resumptions) one fn() call runs; kspec_only: those of
+    kspec's own files (test_scan_one_call.py reads the scan's backward with it)."""
     names = []
 
     def hook(frame, event, arg):
@@ -26,7 +25,13 @@ def _python_calls(fn, kspec_only=False) -> list:
         fn()
     finally:
         sys.setprofile(None)
-    return names[:-1]  # the last is setprofile's own exit
+    return names
+
+
+def _python_calls(fn, kspec_only=False) -> list:
+    """frames() of one fn() call after a warm-up call."""
+    fn()
+    return frames(fn, kspec_only)[:-1]  # the last is setprofile's own exit
 
 
 NOT_PER_CALL = {"_handle_fromlist", "_check_arrays", "gemm_reads_in_place", "canonical_act", "_contiguous",
@@ -115,6 +120,8 @@ def test_scan_surface_runs_no_generator(monkeypatch):
 
     monkeypatch.setattr(_torch, "call", stub)
     monkeypatch.setattr(_torch, "call_some", lambda *args: NotImplemented)
+    # the record path (the C++ node of call_grad runs no Python: tests/python/test_scan_one_call.py)
+    monkeypatch.setattr(_torch.selective_scan, "grad_call", None)
     leaves = [v.requires_grad_() for v in (torch.randn(b, d, t), torch.rand(b, d, t), -torch.rand(d, n),
                                            torch.randn(b, 1, n, t), torch.randn(b, 1, n, t))]
     dout = torch.randn(b, d, t)

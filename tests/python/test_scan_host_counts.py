@@ -85,14 +85,14 @@ for shape in SHAPES:
 sys.path.insert(0, gpu_tools)
 import profile_scan_host as psh
 surf = kspec._torch.selective_scan
-family = surf.family
+family, grad_call = surf.family, surf.grad_call
 clock, undo = psh.kspec_clock()
 step()
 order = sorted(clock.marks, key=clock.marks.get)
 undo()
 step()
 result["split"] = dict(order=order, calls=clock.calls, restored=surf.family is family and
-                       "_native_backward" not in vars(surf))
+                       surf.grad_call is grad_call and grad_call is not None and "_native_backward" not in vars(surf))
 # --probe's floor, a no-op autograd.Function of the scan's inputs: torch's engine alone, no launch, and the
 # allocations of kspec's step (out, 8 gradients) less last_state and states
 def noop_step():

@@ -17,6 +17,8 @@ NEEDS_BUILD = "mamba"  # the peer tools/gpu/check.sh builds from source (build_m
 def add_arguments(p):
     p.add_argument("--scan-shapes", metavar="BxDxL,...", help="selective_scan: these shapes instead of the default four"
                    " (the small ones of the outside test: 4x1536x1000,2x4096x333,1x2048x512,16x768x256,8x2560x1024)")
+    p.add_argument("--scan-kind", choices=("fwd", "fwd+bwd", "both"), default="both",
+                   help="selective_scan: the forward alone, the training step, or both (default)")
 
 
 # Floors. Bytes: u, delta, z read and out written once (B, C: 2 * batch * dstate * seqlen more), fwd+bwd
@@ -128,6 +130,8 @@ def run(ctx):
         elems = b * d * t
         for kind, nbytes, ex2 in (("fwd", 2 * 4 * elems + 2 * 2 * b * n * t, elems * n),
                                   ("fwd+bwd", 2 * 11 * elems + 2 * 6 * b * n * t, 3 * elems * n)):
+            if ctx.args.scan_kind not in ("both", kind):
+                continue
             group, steps = [], []
             first = len(rows)
             for impl, fn in impls + ([(FLOOR, None)] if kind == "fwd+bwd" else []):

@@ -120,21 +120,25 @@ class BackwardClock:
 
 
 def kspec_clock():
-    """Hooks in kspec's selective_scan backward on the torch extension's path (SurfaceBackward calls the
-    surface's _native_backward, which calls the family's backward: the registry call). None without the
-    extension (the autograd.Function's backward is bound at import)."""
+    """Hooks in kspec's selective_scan backward on the torch extension's record path (SurfaceBackward calls
+    the surface's _native_backward, which calls the family's backward: the registry call). The default path,
+    call_grad's C++ node, runs no Python to hook: while the clock is on, the scan takes the record path
+    (grad_call off), so --split times that path's pieces, not the default's. None without the extension (the
+    autograd.Function's backward is bound at import)."""
     from kspec import _native, _torch
 
     surf = _torch.selective_scan
     if _native.ext is None:
         return None, lambda: None
     clock = BackwardClock()
-    family, native = surf.family, surf._native_backward
+    family, native, grad_call = surf.family, surf._native_backward, surf.grad_call
     surf.family = dataclasses.replace(family, backward=clock.wrap(family.backward, "call", "call_end"))
     surf._native_backward = clock.wrap(native, "node", "node_end")
+    surf.grad_call = None
 
     def undo():
         surf.family = family
+        surf.grad_call = grad_call
         del surf._native_backward
     return clock, undo
 

@@ -25,9 +25,15 @@ int64_t tile_smem_bytes(const Problem& p, const Config& c) {
 // The kernel addresses a block's rows with 32-bit offsets: dstate * seqlen must fit in an int.
 bool tile_offsets_fit(const Problem& p) { return p.dim("seqlen") * p.dim("dstate") <= INT32_MAX; }
 
+// items: 4 the kernel as measured; 8 and 16 the lean kernels (TileScanTraits' kLean 1: y's sum in one FMA chain
+// a step; 2: and the fold's maps read ahead), at 4 warps of 4 states a lane only.
+int64_t tile_lean(const Config& c) { return c.get("items") == 8 ? 1 : c.get("items") == 16 ? 2 : 0; }
+
 bool valid(const Problem& p, const Config& c, std::string* why) {
-  if (c.get("items") != 4 || c.get("chunk") != 32 || c.get("segs") != 1)
-    return no(why, "algo=tile does not use items, chunk or segs (canonical values 4, 32, 1)");
+  if (c.get("chunk") != 32 || c.get("segs") != 1)
+    return no(why, "algo=tile does not use chunk or segs (canonical values 32, 1)");
+  if (tile_lean(c) && (c.get("lanes") != 1 || c.get("warps") != 4))
+    return no(why, "algo=tile's lean kernels (items=8, 16) run 4 warps of 4 states a lane (lanes=1)");
   if (c.get("lanes") != 1 && c.get("lanes") != 8)
     return no(why, "algo=tile takes lanes 1 (4 lanes of 4 states a channel) or 8 (8 lanes of 2 states)");
   if (c.get("lanes") == 1 && c.get("warps") != 4 && c.get("warps") != 6 && c.get("warps") != 8)
@@ -47,7 +53,9 @@ bool valid(const Problem& p, const Config& c, std::string* why) {
 }
 
 std::vector<jit::KernelSpec> kernels(const Problem& p, const Config& c) {
-  const std::string states = tile_states(c) == 4 ? "" : ", " + std::to_string(tile_states(c));
+  // the traits' optional arguments written only where they differ: the kernels measured before keep their spec text
+  const std::string states = tile_lean(c) ? ", 4, " + std::to_string(tile_lean(c))
+                             : tile_states(c) == 4 ? "" : ", " + std::to_string(tile_states(c));
   return {kernel(p, kHeader, "kspec::selective_scan_fwd_tile_kernel",
                  "kspec::TileScanTraits<" + flags_type(p, tile_vectors(p)) + ", " + std::to_string(c.get("warps")) +
                      states + ">")};

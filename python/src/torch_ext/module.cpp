@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -97,8 +98,8 @@ bool allocate(const char* op, const std::vector<kspec::TensorView>& in, const st
     if ((*out)[i].defined() || (skip && static_cast<size_t>(i) < skip->size() && (*skip)[static_cast<size_t>(i)]))
       continue;
     const auto options = at::TensorOptions().dtype(to_torch(specs[i].dtype)).device(device);
-    if (sized && (*sized)[i].given)
-      (*out)[i] = at::empty((*sized)[i].shape, options);
+    if (sized && static_cast<size_t>(i) < sized->size() && (*sized)[static_cast<size_t>(i)].given)
+      (*out)[i] = at::empty((*sized)[static_cast<size_t>(i)].shape, options);
     else if (specs[i].present)
       (*out)[i] = at::empty(c10::IntArrayRef(specs[i].shape, specs[i].rank), options);
   }
@@ -498,6 +499,25 @@ PyObject* py_define(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // ---- the eager autograd node of a surface (kspec._surface) ----
 
+// torch holds graph nodes by std::shared_ptr up to 2.14 (deleted through deleteNode, which frees a long graph
+// without deep recursion) and by c10::intrusive_ptr from 2.15: Node::getptr(), in both, says which.
+using NodePtr = decltype(std::declval<torch::autograd::Node&>().getptr());
+template <typename P>
+struct IsSharedPtr : std::false_type {};
+template <typename X>
+struct IsSharedPtr<std::shared_ptr<X>> : std::true_type {};
+
+template <typename T, typename... Args>
+auto make_node(Args&&... args) {
+  if constexpr (IsSharedPtr<NodePtr>::value) {
+    // deleteNode found by argument-dependent lookup at instantiation (torch::autograd, T's base's namespace):
+    // torch 2.15 has none, and this branch is not instantiated there
+    return std::shared_ptr<T>(new T(std::forward<Args>(args)...), [](T* p) { deleteNode(p); });
+  } else {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+}
+
 // One graph node for a family's forward, made in C++ instead of a torch.autograd.Function (whose Python
 // apply costs about 10 us on the H100). What it saves and how its backward is called is the family's
 // spec, resolved in Python (kspec._surface.Surface): `backward` is the surface's function
@@ -518,7 +538,7 @@ class SurfaceBackward final : public torch::autograd::Node {
 
   // An output it is the grad_fn of (an undefined one gets no gradient, not even materialized zeros).
   void add_output(const at::Tensor& t) {
-    torch::autograd::set_history(t, shared_from_this());
+    torch::autograd::set_history(t, getptr());
     output_defined_.push_back(t.defined());
   }
 
@@ -530,7 +550,7 @@ class SurfaceBackward final : public torch::autograd::Node {
     TORCH_CHECK(!released_, name_, ": its saved tensors were freed by a backward that ran before; pass "
                 "retain_graph=True to the first backward to run it twice");
     std::vector<at::Tensor> saved;
-    for (auto& v : saved_) saved.push_back(v.unpack(shared_from_this()));
+    for (auto& v : saved_) saved.push_back(v.unpack(getptr()));
     for (size_t i = 0; i < grads.size(); ++i)
       if (!grads[i].defined() && materialize_[i] && output_defined_[i]) grads[i] = input_metadata(i).zeros_like();
     pybind11::gil_scoped_acquire gil;
@@ -595,8 +615,7 @@ PyObject* py_record(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (v < 0) return nullptr;
     materialize.push_back(v == 1);
   }
-  auto node = std::shared_ptr<SurfaceBackward>(
-      new SurfaceBackward(name, args[1], args[2], std::move(materialize)), torch::autograd::deleteNode);
+  auto node = make_node<SurfaceBackward>(name, args[1], args[2], std::move(materialize));
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   std::vector<const at::TensorImpl*> with_history;
   for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(diff); ++k) {
@@ -666,7 +685,7 @@ class OpBackward final : public torch::autograd::Node {
 
   // Forward output `index`, which gets this node as grad_fn (the node's next input, in order).
   void add_output(const at::Tensor& t, long index) {
-    torch::autograd::set_history(t, shared_from_this());
+    torch::autograd::set_history(t, getptr());
     diff_.push_back(index);
   }
   // saved_: one per args_ entry that is a tensor (an input or an output), in args_'s order
@@ -697,7 +716,7 @@ class OpBackward final : public torch::autograd::Node {
         // autograd's gradient may be any view (y.sum() gives a broadcast one): the ops read rows of it
         in[a] = g.is_contiguous() ? g : g.contiguous();
       } else if (code >= 0) {
-        in[a] = saved_[k++].unpack(shared_from_this());
+        in[a] = saved_[k++].unpack(getptr());
       }
     }
     std::vector<kspec::TensorView> in_views, out_views;
@@ -724,9 +743,11 @@ class OpBackward final : public torch::autograd::Node {
     }
     TORCH_INTERNAL_ASSERT(views_of(out, true, &out_views));
     if (run_released(op_.c_str(), in_views, out_views, params_.params, stream_of(device)) != 0) throw_kept_error();
+    // gradients only for the inputs this backward serves (one that does not require grad, or one outside
+    // torch.autograd.grad's `inputs`, gets none; the op computes them all)
     torch::autograd::variable_list result(grad_of_.size());
     for (size_t i = 0; i < grad_of_.size(); ++i)
-      if (grad_of_[i] >= 0 && static_cast<size_t>(grad_of_[i]) < out.size())
+      if (grad_of_[i] >= 0 && static_cast<size_t>(grad_of_[i]) < out.size() && should_compute_output(i))
         result[i] = out[static_cast<size_t>(grad_of_[i])];
     return result;
   }
@@ -765,8 +786,48 @@ bool ints_of(PyObject* seq, std::vector<long>* out) {
   return true;
 }
 
-// call_grad(name, fwd_op, bwd_op, inputs, params, bwd_params, bwd_args, grad_of[, public]): the forward op's
-// outputs (allocated; with `public`, those it names), recorded in the autograd graph as one OpBackward node
+// call_grad's `sized`: per forward output, None (sized by the registry's infer_outputs, or absent) or a tuple of
+// (input, dim, divisor) triples, one per dim of the output: allocated as [ceil(inputs[input].size(dim) / divisor),
+// ...] with the op's dtype for it. For an output whose dims no input binds, which infer_outputs therefore leaves
+// absent: the scan's `states`, [batch, dim, ceil(seqlen / 16), dstate]. False with no error set where an input a
+// rule reads is absent or has too few dims (kspec.call's path judges that call and raises what it raises); false
+// with a TypeError set for a malformed rule.
+bool sized_of(PyObject* rules, const std::vector<at::Tensor>& in, std::vector<Sized>* out) {
+  if (!PyTuple_Check(rules)) {
+    PyErr_SetString(PyExc_TypeError, "call_grad: sized must be a tuple (None or a tuple of triples per output)");
+    return false;
+  }
+  out->resize(static_cast<size_t>(PyTuple_GET_SIZE(rules)));
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(rules); ++i) {
+    PyObject* rule = PyTuple_GET_ITEM(rules, i);
+    if (rule == Py_None) continue;
+    if (!PyTuple_Check(rule) || PyTuple_GET_SIZE(rule) > kspec::kMaxRank) {
+      PyErr_SetString(PyExc_TypeError, "call_grad: an output's size rule must be a tuple of (input, dim, divisor)");
+      return false;
+    }
+    Sized& s = (*out)[static_cast<size_t>(i)];
+    s.given = true;
+    s.shape.reserve(static_cast<size_t>(PyTuple_GET_SIZE(rule)));
+    for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(rule); ++d) {
+      PyObject* t = PyTuple_GET_ITEM(rule, d);
+      long v[3] = {-1, -1, 0};
+      if (PyTuple_Check(t) && PyTuple_GET_SIZE(t) == 3)
+        for (Py_ssize_t k = 0; k < 3; ++k) v[k] = PyLong_AsLong(PyTuple_GET_ITEM(t, k));
+      if (PyErr_Occurred() || v[0] < 0 || v[1] < 0 || v[2] < 1) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "call_grad: a size rule's dim is (input index, dim index, divisor >= 1)");
+        return false;
+      }
+      const size_t input = static_cast<size_t>(v[0]);
+      if (input >= in.size() || !in[input].defined() || v[1] >= in[input].dim()) return false;
+      s.shape.push_back((in[input].size(v[1]) + v[2] - 1) / v[2]);
+    }
+  }
+  return true;
+}
+
+// call_grad(name, fwd_op, bwd_op, inputs, params, bwd_params, bwd_args, grad_of[, public[, sized]]): the forward op's
+// outputs (allocated, those `sized` gives a rule for with its shape; with `public`, those it names), recorded in the autograd graph as one OpBackward node
 // named `name`, in one C++ call (no torch.autograd.Function, no Python in the backward). `params` the
 // forward's (a dict, or (names, values)); `bwd_params` the names of those the backward op takes too;
 // `bwd_args` the backward op's inputs in order, each an input index (saved), kOut + i (forward output i,
@@ -776,12 +837,12 @@ bool ints_of(PyObject* seq, std::vector<long>* out) {
 // decline the call.
 PyObject* py_call_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK(nargs == 8 || nargs == 9,
-              "_torch_ext.call_grad(name, fwd_op, bwd_op, inputs, params, bwd_params, bwd_args, grad_of[, public])");
+  TORCH_CHECK(nargs >= 8 && nargs <= 10, "_torch_ext.call_grad(name, fwd_op, bwd_op, inputs, params, bwd_params, "
+              "bwd_args, grad_of[, public[, sized]])");
   // public: the one output index returned alone, or a tuple of them; without it every output, as a tuple.
   // The outputs only saved for the backward (norm_act's mean and rstd) then get no Python object each (made,
   // then dropped with the tuple) per call.
-  PyObject* public_out = nargs == 9 ? args[8] : nullptr;
+  PyObject* public_out = nargs >= 9 && args[8] != Py_None ? args[8] : nullptr;
   if (public_out && !PyLong_Check(public_out) && !PyTuple_Check(public_out)) {
     PyErr_SetString(PyExc_TypeError, "call_grad: public must be an output index or a tuple of them");
     return nullptr;
@@ -799,8 +860,11 @@ PyObject* py_call_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   TORCH_CHECK(grad_of.size() == in.size(), name, ": grad_of needs one entry per input");
   for (long j : grad_of)
     TORCH_CHECK(j >= -1 && j < kspec_ext::kMaxOutputs, name, ": grad_of entry ", j, " is no backward output");
+  std::vector<Sized> sized;
+  if (nargs == 10 && args[9] != Py_None && !sized_of(args[9], in, &sized))
+    return PyErr_Occurred() ? nullptr : not_implemented();
   std::vector<at::Tensor> out;
-  switch (allocate_and_run(fwd_op, a, /*given=*/false, &out)) {
+  switch (allocate_and_run(fwd_op, a, /*given=*/false, &out, &sized)) {
     case Ran::kDeclined: return not_implemented();
     case Ran::kRaised: return nullptr;
     case Ran::kOk: break;
@@ -818,9 +882,7 @@ PyObject* py_call_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       if (std::strcmp(p.name, pname) == 0) bwd_params.add(p);
   }
   // bwd_args and grad_of moved into the node (two vector copies a call before); bwd_args read back from it
-  auto node = std::shared_ptr<OpBackward>(
-      new OpBackward(name, bwd_op, std::move(bwd_params), std::move(bwd_args), std::move(grad_of)),
-      torch::autograd::deleteNode);
+  auto node = make_node<OpBackward>(name, bwd_op, std::move(bwd_params), std::move(bwd_args), std::move(grad_of));
   const std::vector<long>& codes = node->args();
   node->set_next_edges(torch::autograd::collect_next_edges(in));
   node->set_inputs(in);
@@ -890,8 +952,8 @@ PyMethodDef kMethods[] = {
     {"define", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_define)), METH_FASTCALL,
      "define(ns, op, schema, module): a dispatcher op running registry op `op`"},
     {"call_grad", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_call_grad)), METH_FASTCALL,
-     "call_grad(name, fwd_op, bwd_op, inputs, params, bwd_params, bwd_args, grad_of[, public]): the forward "
-     "op's outputs (those `public` names) with a C++ autograd node running the backward op"},
+     "call_grad(name, fwd_op, bwd_op, inputs, params, bwd_params, bwd_args, grad_of[, public[, sized]]): the "
+     "forward op's outputs (those `public` names) with a C++ autograd node running the backward op"},
     {"record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_record)), METH_FASTCALL,
      "record(name, backward, ctx, materialize, inputs, outputs, diff, saved): a C++ autograd node"},
     {nullptr, nullptr, 0, nullptr}};

@@ -25,6 +25,16 @@ target_include_directories(_torch_ext SYSTEM PRIVATE ${KSPEC_TORCH_DIR}/include
 target_include_directories(_torch_ext PRIVATE ${CMAKE_CURRENT_SOURCE_DIR} ${CMAKE_CURRENT_SOURCE_DIR}/api/include
                            ${CMAKE_CURRENT_SOURCE_DIR}/jit/base/include)
 target_compile_definitions(_torch_ext PRIVATE _GLIBCXX_USE_CXX11_ABI=${KSPEC_TORCH_CXX11_ABI})
+# The C++ standard torch's headers need: C++20 where its own CMake config asks for it (torch 2.15's headers use
+# <=> and concepts), else the project's C++17.
+set(KSPEC_TORCH_CONFIG "${KSPEC_TORCH_DIR}/share/cmake/Torch/TorchConfig.cmake")
+set(KSPEC_TORCH_CXX20)
+if(EXISTS "${KSPEC_TORCH_CONFIG}")
+  file(STRINGS "${KSPEC_TORCH_CONFIG}" KSPEC_TORCH_CXX20 REGEX "cxx_std_20")
+endif()
+if(KSPEC_TORCH_CXX20)
+  set_target_properties(_torch_ext PROPERTIES CXX_STANDARD 20)
+endif()
 target_compile_options(_torch_ext PRIVATE ${KSPEC_WARNINGS})
 target_link_libraries(_torch_ext PRIVATE ${KSPEC_TORCH_LIBS})
 set_target_properties(_torch_ext PROPERTIES BUILD_RPATH "${KSPEC_TORCH_DIR}/lib"
