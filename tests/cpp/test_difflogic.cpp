@@ -25,19 +25,10 @@
 #include "test_helpers.h"
 
 using namespace kspec;
+using kspec::testing::fake;
+using kspec::testing::message_of;
 
 namespace {
-
-void* fake(uintptr_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + offset); }
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 void expect_in(const std::string& msg, const std::vector<std::string>& fragments) {
   for (const auto& f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
