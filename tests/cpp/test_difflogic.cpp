@@ -403,6 +403,21 @@ struct LayerRun {
   TensorView act(const DevBuf& d, int64_t n) const {
     return fm ? TensorView::strided(d.ptr(), dt, {B, n}, {1, B}, 0) : TensorView(d.ptr(), dt, {B, n}, 0);
   }
+  // The float64 reference forward in mode "soft" or "hard", and backward.
+  std::vector<double> fwd_ref(const std::string& mode) const {
+    return ref::difflogic_layer_fwd_ref(B, n_in, x, logits, a, b,
+                                        mode == "hard" ? ref::DiffLogicMode::Hard : ref::DiffLogicMode::Soft);
+  }
+  ref::DiffLogicGrads bwd_ref(double grad_factor) const {
+    return ref::difflogic_layer_bwd_ref(B, n_in, x, logits, a, b, dout, grad_factor);
+  }
+  // dx (a backward's row-major values) is exactly 0 at every input no gate reads.
+  void expect_unread_inputs_zero(const std::vector<double>& dx) const {
+    for (int64_t j = 0; j < n_in; ++j) {
+      if (csr[j] != csr[j + 1]) continue;
+      for (int64_t s = 0; s < B; ++s) ASSERT_EQ(dx[s * n_in + j], 0.0) << "unread input " << j << ", sample " << s;
+    }
+  }
   // A downloaded [B, n] activation, row-major.
   std::vector<double> values(const std::vector<unsigned char>& bytes, int64_t n) const {
     auto v = decode(dt, bytes);
@@ -476,12 +491,10 @@ TEST_P(DiffLogicGpu, LayerMatchesReference) {
   const auto [B, n_in, n_out] = std::get<1>(GetParam());
   LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 1009 + n_in * 31 + n_out));
   for (const char* mode : {"soft", "hard"}) {
-    const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
-                                                   std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
-                                                                               : ref::DiffLogicMode::Soft);
+    const auto want = r.fwd_ref(mode);
     EXPECT_LE(rel_error(r.fwd(mode), want), tol(dt)) << mode << " " << dtype_short(dt);
   }
-  const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 1.5);
+  const auto want = r.bwd_ref(1.5);
   const auto got = r.bwd(1.5);
   EXPECT_LE(rel_error(decode(dt, got.first), want.dx), tol(dt)) << "dx " << dtype_short(dt);
   EXPECT_LE(rel_error(decode(DType::f32, got.second), want.dlogits), tol(dt)) << "dlogits " << dtype_short(dt);
@@ -512,22 +525,15 @@ TEST_P(DiffLogicGpuLayout, MatchesReference) {
   const auto [B, n_in, n_out] = std::get<2>(GetParam());
   LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 7 + n_in * 13 + n_out), fm);
   for (const char* mode : {"soft", "hard"}) {
-    const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
-                                                   std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
-                                                                               : ref::DiffLogicMode::Soft);
+    const auto want = r.fwd_ref(mode);
     EXPECT_LE(rel_error(r.fwd(mode), want), tol(dt)) << mode;
   }
-  const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 0.5);
+  const auto want = r.bwd_ref(0.5);
   const auto got = r.bwd(0.5);
   const auto dx = r.values(got.first, n_in);
   EXPECT_LE(rel_error(dx, want.dx), tol(dt)) << "dx";
   EXPECT_LE(rel_error(decode(DType::f32, got.second), want.dlogits), tol(dt)) << "dlogits";
-  for (int64_t j = 0; j < n_in; ++j) {
-    if (r.csr[j] != r.csr[j + 1]) continue;
-    for (int64_t s = 0; s < B; ++s) {
-      ASSERT_EQ(dx[s * n_in + j], 0.0) << "unread input " << j << ", sample " << s;
-    }
-  }
+  r.expect_unread_inputs_zero(dx);
   const auto again = r.bwd(0.5);
   EXPECT_TRUE(got.first == again.first) << "dx differs between two runs";
   EXPECT_TRUE(got.second == again.second) << "dlogits differs between two runs";
@@ -559,20 +565,15 @@ TEST_P(DiffLogicGpuTiled, MatchesReference) {
     const Config config{{{"threads", threads}, {"lanes", lanes}, {"ahead", 0}, {"pool", 0}}};
     const Config fwd_config{{{"threads", threads}, {"lanes", lanes}, {"stage", 0}}};
     for (const char* mode : {"soft", "hard"}) {
-      const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
-                                                     std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
-                                                                                 : ref::DiffLogicMode::Soft);
+      const auto want = r.fwd_ref(mode);
       EXPECT_LE(rel_error(r.fwd(mode, {}, &fwd_config), want), tol(dt)) << mode << " threads " << threads;
     }
-    const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 0.5);
+    const auto want = r.bwd_ref(0.5);
     const auto got = r.bwd(0.5, {}, &config);
     const auto dx = r.values(got.first, n_in);
     EXPECT_LE(rel_error(dx, want.dx), tol(dt)) << "dx threads " << threads;
     EXPECT_LE(rel_error(decode(DType::f32, got.second), want.dlogits), tol(dt)) << "dlogits threads " << threads;
-    for (int64_t j = 0; j < n_in; ++j) {
-      if (r.csr[j] != r.csr[j + 1]) continue;
-      for (int64_t s = 0; s < B; ++s) ASSERT_EQ(dx[s * n_in + j], 0.0) << "unread input " << j << ", sample " << s;
-    }
+    r.expect_unread_inputs_zero(dx);
     const auto again = r.bwd(0.5, {}, &config);
     EXPECT_TRUE(got.first == again.first) << "dx differs between two runs";
     EXPECT_TRUE(got.second == again.second) << "dlogits differs between two runs";
@@ -611,7 +612,7 @@ TEST_P(DiffLogicGpuRowMajorDx, EqualsFeatureMajorDx) {
     const auto fm = r.bwd(0.5, {}, &config);
     const auto rm = r.bwd_dx_row_major(0.5, &config);
     EXPECT_TRUE(r.bwd_dx_row_major(0.5, &ahead) == rm) << "ahead 1 differs from ahead 0, threads " << threads;
-    const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 0.5);
+    const auto want = r.bwd_ref(0.5);
     EXPECT_LE(rel_error(decode(dt, rm.first), want.dx), tol(dt)) << "dx threads " << threads;
     EXPECT_TRUE(decode(dt, rm.first) == r.values(fm.first, n_in)) << "dx differs from the feature-major dx";
     EXPECT_TRUE(rm.second == fm.second) << "dlogits differs from the feature-major run's";
@@ -647,9 +648,7 @@ TEST_P(DiffLogicGpuStaged, MatchesReferenceAndFlatKernel) {
   // Ulps of the activation dtype: the flat kernel's y may differ by the FMA contractions' rounding.
   const double near = dt == DType::f32 ? 1e-6 : tolerance_for(dt);
   for (const char* mode : {"soft", "hard"}) {
-    const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
-                                                   std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
-                                                                               : ref::DiffLogicMode::Soft);
+    const auto want = r.fwd_ref(mode);
     const auto got = r.fwd(mode, {}, &staged);
     EXPECT_LE(rel_error(got, want), tol(dt)) << mode << " " << dtype_short(dt);
     EXPECT_LE(rel_error(got, r.fwd(mode, {}, &flat)), near) << mode << " " << dtype_short(dt) << ": vs stage 0";
@@ -726,9 +725,7 @@ TEST_P(DiffLogicGpuStagedCluster, MatchesReferenceAndOneBlockKernel) {
   const Config one_block{{{"threads", 256}, {"lanes", 0}, {"stage", 1}}};
   const double near = dt == DType::f32 ? 1e-6 : tolerance_for(dt);
   for (const char* mode : {"soft", "hard"}) {
-    const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
-                                                   std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
-                                                                               : ref::DiffLogicMode::Soft);
+    const auto want = r.fwd_ref(mode);
     const auto got = r.fwd(mode, {}, &clustered);
     EXPECT_LE(rel_error(got, want), tol(dt)) << mode << " " << dtype_short(dt) << " cluster " << cluster;
     EXPECT_LE(rel_error(got, r.fwd(mode, {}, &one_block)), near) << mode << " " << dtype_short(dt) << ": vs stage 1";
@@ -797,7 +794,7 @@ TEST_P(DiffLogicGpuPool, EqualsTiledKernelBitForBit) {
   const int64_t lanes = std::get<1>(GetParam());
   const auto [B, n_in, n_out] = std::get<2>(GetParam());
   LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 5 + n_in * 11 + n_out + lanes), true);
-  const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 0.5);
+  const auto want = r.bwd_ref(0.5);
   for (int64_t ahead : {0, 1}) {
     const Config tiled{{{"threads", 256}, {"lanes", lanes}, {"ahead", ahead}, {"pool", 0}}};
     const auto fm = r.bwd(0.5, {}, &tiled);
