@@ -1,10 +1,12 @@
-"""Shared test helpers: tolerances by dtype (the one table), the relative error ‖out−ref‖/‖ref‖, loading
-a float64 reference module, and finite-difference gradients for the reference tests."""
+"""Shared test helpers: tolerances by dtype (the one table), the relative errors ‖out−ref‖/‖ref‖ and
+max|out−ref|/max|ref|, loading a float64 reference module, torch (or a skip) and tensors as float64 NumPy,
+mhc's layer inputs on the GPU, and finite-difference gradients for the reference tests."""
 import importlib
 import importlib.util
 import pathlib
 
 import numpy as np
+import pytest
 
 def _tolerances() -> dict:
     try:
@@ -25,6 +27,36 @@ def rel_err(out, ref) -> float:
     den = np.linalg.norm(ref)
     num = np.linalg.norm(out - ref)
     return float(num / den) if den > 0 else float(num)
+
+
+def torch_or_skip():
+    """torch, or the calling test skipped where it is not installed."""
+    return pytest.importorskip("torch")
+
+
+def to_np(t):
+    """A tensor as float64 NumPy on the host (None stays None)."""
+    return None if t is None else t.detach().double().cpu().numpy()
+
+
+def max_rel(out, want) -> float:
+    """max |out - ref| / max |ref| (issue 34's measure); out a tensor."""
+    out, want = to_np(out), np.asarray(want)
+    return float(np.abs(out - want).max() / max(np.abs(want).max(), 1e-300))
+
+
+def mhc_layer_inputs(B, S, n, D, dtype, seed, gamma=True):
+    """x (B, S, n, D) in dtype; phi (n*n + 2n, n*D), alpha (3,), bias (n*n + 2n,) and gamma (n*D,) (or None) in
+    fp32; on the GPU, from a CPU generator seeded with seed."""
+    t = torch_or_skip()
+    g = t.Generator(device="cpu").manual_seed(seed)
+    M = n * n + 2 * n
+    x = t.randn(B, S, n, D, generator=g).to(dtype).cuda()
+    phi = (t.randn(M, n * D, generator=g) / (n * D) ** 0.5).cuda()
+    alpha = t.tensor([0.8, -0.6, 1.1]).cuda()
+    bias = (0.5 * t.randn(M, generator=g)).cuda()
+    gam = (1 + 0.3 * t.randn(n * D, generator=g)).cuda() if gamma else None
+    return x, phi, alpha, bias, gam
 
 
 def load_reference(name: str):
