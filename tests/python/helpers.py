@@ -1,9 +1,13 @@
 """Shared test helpers: tolerances by dtype (the one table), the relative errors ‖out−ref‖/‖ref‖ and
 max|out−ref|/max|ref|, loading a float64 reference module, torch (or a skip) and tensors as float64 NumPy,
-mhc's layer inputs on the GPU, and finite-difference gradients for the reference tests."""
+mhc's layer inputs on the GPU, a Python process on the mock CUDA driver, and finite-difference gradients for the
+reference tests."""
 import importlib
 import importlib.util
+import os
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -57,6 +61,27 @@ def mhc_layer_inputs(B, S, n, D, dtype, seed, gamma=True):
     bias = (0.5 * t.randn(M, generator=g)).cuda()
     gam = (1 + 0.3 * t.randn(n * D, generator=g)).cuda() if gamma else None
     return x, phi, alpha, bias, gam
+
+
+def run_on_mock_driver(body: str, defs: str = ""):
+    """Runs `body` in a fresh Python on the mock CUDA driver (tools/bench/dispatch_host.py builds it and its shim:
+    CPU tensors through the torch extension and kspec::call, kernels compiled but not run; the body installs the
+    shim after importing torch) with `defs` (Python source) before it; the names it starts with: os, sys, ctypes,
+    dh (dispatch_host), gpu_tools (tools/gpu's path), mock and shim (the built libraries). Skips without the torch
+    extension or cuda.h; asserts the body exited 0 and printed "ok" last; returns the CompletedProcess."""
+    from kspec import _native
+
+    include = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
+    if _native.ext is None or not os.path.exists(os.path.join(include, "cuda.h")):
+        pytest.skip("needs the torch extension and the CUDA toolkit's cuda.h (for the mock driver)")
+    here = os.path.dirname(__file__)
+    tools = os.path.join(here, "..", "..", "tools", "bench")
+    gpu_tools = os.path.join(here, "..", "..", "tools", "gpu")
+    prelude = (f"import ctypes, os, sys\nsys.path.insert(0, {tools!r})\nimport dispatch_host as dh\n"
+               f"gpu_tools = {gpu_tools!r}\nmock, shim = dh.build({include!r})\ndh.select(mock)\n")
+    r = subprocess.run([sys.executable, "-c", prelude + defs + body], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:] + r.stdout[-2000:]
+    return r
 
 
 def load_reference(name: str):
