@@ -329,6 +329,17 @@ def test_scan_node_materializes_only_the_gradients_its_backward_requires(monkeyp
     assert dlast is not None and dout is not None and dout.shape == out.shape and not dout.any()
 
 
+# Python source a mock-driver body starts with: sys.setprofile(hook) collects the names of the kspec frames called
+# (names) and of the builtins they call (builtins).
+_KSPEC_FRAMES = """
+names, builtins = [], []
+def hook(frame, event, arg):
+    if event == "call" and "kspec" in frame.f_code.co_filename:
+        names.append(frame.f_code.co_name)
+    if event == "c_call" and "kspec" in frame.f_code.co_filename:
+        builtins.append(arg.__name__)
+"""
+
 def test_scan_host_path_on_the_mock_driver():
     """The extension's whole host path with no GPU (tools/bench/dispatch_host.py: CPU tensors through
     kspec::call into the mock CUDA driver): call_some allocates the outputs left None, keeps the one
@@ -369,12 +380,6 @@ x = torch.randn(4, 256, dtype=torch.bfloat16, requires_grad=True)
 w = torch.randn(256, requires_grad=True)
 b = torch.randn(256, requires_grad=True)
 kspec.ops.norm_act(x, w, b)  # compiles
-names, builtins = [], []
-def hook(frame, event, arg):
-    if event == "call" and "kspec" in frame.f_code.co_filename:
-        names.append(frame.f_code.co_name)
-    if event == "c_call" and "kspec" in frame.f_code.co_filename:
-        builtins.append(arg.__name__)
 sys.setprofile(hook)
 y = kspec.ops.norm_act(x, w, b)
 sys.setprofile(None)
@@ -408,7 +413,7 @@ got = outcome(lambda: kspec.ops.norm_act(x, bad, None))
 want = outcome(lambda: kspec.call("norm_act.fwd", x.detach(), bad.detach(), None, norm="layernorm", act="none", eps=1e-5))
 assert got == want and got is not None, (got, want)
 print("ok")
-""")
+""", _KSPEC_FRAMES)
 
 
 def test_call_grad_returns_the_public_outputs_and_takes_names_and_values():
@@ -498,12 +503,6 @@ x = torch.randn(T, n, D, dtype=bf, requires_grad=True)
 phi = (torch.randn(M, n * D) * 0.01).requires_grad_()
 alpha, bias = torch.full((3,), 0.01, requires_grad=True), torch.zeros(M, requires_grad=True)
 kspec.ops.mhc_pre(x, phi, alpha, bias)  # compiles
-names, builtins = [], []
-def hook(frame, event, arg):
-    if event == "call" and "kspec" in frame.f_code.co_filename:
-        names.append(frame.f_code.co_name)
-    if event == "c_call" and "kspec" in frame.f_code.co_filename:
-        builtins.append(arg.__name__)
 sys.setprofile(hook)
 y, h_pre, h_post, r = kspec.ops.mhc_pre(x, phi, alpha, bias)
 sys.setprofile(None)
@@ -542,4 +541,4 @@ with torch.no_grad():
     sys.setprofile(None)
 assert len(outs) == 4 and outs[0].grad_fn is None, outs
 print("ok")
-""")
+""", _KSPEC_FRAMES)
