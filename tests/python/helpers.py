@@ -1,7 +1,7 @@
 """Shared test helpers: tolerances by dtype (the one table), the relative errors ‖out−ref‖/‖ref‖ and
 max|out−ref|/max|ref|, loading a float64 reference module, torch (or a skip) and tensors as float64 NumPy,
-mhc's layer inputs on the GPU, a Python process on the mock CUDA driver, and finite-difference gradients for the
-reference tests."""
+mhc's layer inputs on the GPU, a Python process on the mock CUDA driver, kspec's CLI in a subprocess, the outputs
+the registry infers for tensors, and finite-difference gradients for the reference tests."""
 import importlib
 import importlib.util
 import os
@@ -82,6 +82,35 @@ def run_on_mock_driver(body: str, defs: str = ""):
     r = subprocess.run([sys.executable, "-c", prelude + defs + body], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:] + r.stdout[-2000:]
     return r
+
+
+def cli(*args, env=None, check=True):
+    """`python -m kspec *args` with env added to this process's environment; check: assert it exited 0."""
+    e = dict(os.environ)
+    e.update(env or {})
+    r = subprocess.run([sys.executable, "-m", "kspec", *args], capture_output=True, text=True, env=e)
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def tensor_descs(tensors):
+    """_C.infer_outputs's descriptions of tensors (None stays None) at made-up addresses 1 GiB apart."""
+    descs, ptr = [], 1 << 32
+    for t in tensors:
+        if t is None:
+            descs.append(None)
+            continue
+        descs.append((ptr, str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()), 0))
+        ptr += 1 << 30
+    return descs
+
+
+def inferred_outputs(op, tensors, params):
+    """(dtype, shape) of each output the registry infers for op on tensors (None where absent)."""
+    from kspec import _C
+
+    return [None if s is None else (s[0], tuple(s[1])) for s in _C.infer_outputs(op, tensor_descs(tensors), params)]
 
 
 def load_reference(name: str):

@@ -11,15 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import kspec  # noqa: E402
 import kspec.optim  # noqa: E402
-from test_optim_cache import Recorder  # noqa: E402
-
-
-@pytest.fixture
-def recorder(monkeypatch):
-    Recorder.binds = []
-    monkeypatch.setattr(kspec.optim, "_C", type("C", (), {"BoundCall": Recorder}))
-    monkeypatch.setattr(kspec.optim, "current_stream", lambda *a: 0)
-    return Recorder
+from test_optim_cache import recorder  # noqa: E402,F401  (the fixture, shared)
 
 
 def params(n=3, seed=0, dtype=torch.float32, device="cpu"):
