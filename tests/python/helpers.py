@@ -84,11 +84,12 @@ def run_on_mock_driver(body: str, defs: str = ""):
     return r
 
 
-def cli(*args, env=None, check=True):
-    """`python -m kspec *args` with env added to this process's environment; check: assert it exited 0."""
+def cli(*args, env=None, check=True, timeout=None):
+    """`python -m kspec *args` with env added to this process's environment (at most timeout seconds); check:
+    assert it exited 0."""
     e = dict(os.environ)
     e.update(env or {})
-    r = subprocess.run([sys.executable, "-m", "kspec", *args], capture_output=True, text=True, env=e)
+    r = subprocess.run([sys.executable, "-m", "kspec", *args], capture_output=True, text=True, env=e, timeout=timeout)
     if check:
         assert r.returncode == 0, r.stdout + r.stderr
     return r
