@@ -212,8 +212,9 @@ def test_pre_backward_ahead_algos_give_the_warp_heads_bits(gamma, with_dx_post):
     T = B * S
     g = ref.mhc_pre_bwd(to_np(dy).reshape(T, D), to_np(x).reshape(T, n, D), to_np(phi), to_np(alpha), to_np(bias),
                         to_np(gam) if gamma else None, dh_post=to_np(dh_post).reshape(T, n),
-                        dr=to_np(dr).reshape(T, n, n), dx_post=to_np(dx_post).reshape(T, n, D) if with_dx_post else None)
+                        dr=to_np(dr).reshape(T, n, n),
+                        dx_post=to_np(dx_post).reshape(T, n, D) if with_dx_post else None)
     for name, got in zip(("dx", "dphi", "dalpha", "dbias", "dgamma"), base):
         if got is not None and g.get(name) is not None:
             assert max_rel(got.reshape(g[name].shape), g[name]) <= _tol(t.float32 if name != "dx" else t.bfloat16,
-                                                                          True), name
+                                                                        True), name

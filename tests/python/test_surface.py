@@ -102,7 +102,7 @@ def test_schema_fakes_match_infer_outputs_on_every_case(name):
                     continue
                 outs = custom(*tensors, *_params(s, case, which))
             want = inferred_outputs(op, [None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
-                              for t in tensors], case["params"])
+                                         for t in tensors], case["params"])
             for o, w, d in zip(outs, want, info["outputs"]):
                 assert o.device.type == "cuda"
                 if w is not None:
@@ -129,7 +129,7 @@ def test_linear_fake_matches_gemm_on_every_case():
             w = tensors[1].reshape(tensors[1].shape[-2:])
             y, pre = s.fwd_op(tensors[0], w, tensors[2], p.get("act", "none"), bool(p.get("tf32", False)))
         want = inferred_outputs("gemm", [None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
-                              for t in tensors], p)
+                                         for t in tensors], p)
         assert _got([y]) == [want[0]], case["name"]
         assert pre.numel() == 0 or _got([pre]) == [want[0]]
         checked += 1
@@ -152,7 +152,7 @@ def test_e79_fake_matches_infer_outputs_on_every_case():
             out, S, M, chk = s.fwd_op(kvqm, b_s if fixed else None, b_m if fixed else None, S0, M0, n, mode,
                                       chunk, None, True)
         want = inferred_outputs("e79.fwd", [None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
-                                 for t in tensors], case["params"])
+                                            for t in tensors], case["params"])
         assert _got([out, S, M]) == want[:3], case["name"]
         T, B = k.shape[:2]
         assert tuple(chk.shape) == (B, -(-T // chunk), 2, n, n), case["name"]

@@ -78,7 +78,7 @@ def test_fakes_match_infer_outputs_on_every_case(name):
                 got = custom(*args)
                 got = got if isinstance(got, tuple) else (got,)
             want = inferred_outputs(op, [None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
-                              for t in tensors], case["params"])
+                                         for t in tensors], case["params"])
             for o, oname in zip(got, outs):
                 assert o.device.type == "cuda"
                 w = want[names.index(oname)] if oname in names else None
