@@ -14,6 +14,7 @@
 #include "jit/driver.h"
 #include "jit/handles.h"
 #include "kspec/kspec.h"
+#include "precompile_test_util.h"
 #include "test_helpers.h"
 
 using namespace kspec;
@@ -318,30 +319,7 @@ TEST(E79, ClusterKernelsCompileWithoutSpills) {
 // config, without spills or a stack frame; the representative cases' full tuning spaces in every dtype
 // are `kspec precompile --all`'s. (About a minute on two cores.)
 TEST(E79, EveryCaseCompilesWithoutSpills) {
-  for (const char* name : {"e79.fwd", "e79.bwd"}) {
-    const OpDef& op = Registry::global().get(name);
-    for (const auto& cs : op.cases) {
-      for (DType dt : op.dtypes) {
-        if (dt != DType::bf16 && cs.name != "base") continue;
-        CompileRequest r;
-        r.op = name;
-        r.dtype = dt;
-        r.arch = "sm_90";
-        r.without = cs.without;
-        r.tensor_dtypes = cs.tensor_dtypes;
-        r.alt_shapes = cs.alt_shapes;
-        for (const auto& [k, v] : cs.params.items()) r.params.set(k, v);
-        for (const auto& [k, v] : cs.dims)
-          if (k == "n") r.params.set(k, v);
-        auto reports = compile(r);
-        ASSERT_FALSE(reports.empty()) << name << " " << cs.name;
-        for (const auto& rep : reports) {
-          EXPECT_EQ(rep.spill_bytes, 0) << name << " " << cs.name << " " << dtype_short(dt) << ": " << rep.kernel;
-          EXPECT_EQ(rep.stack_bytes, 0) << name << " " << cs.name << " " << dtype_short(dt) << ": " << rep.kernel;
-        }
-      }
-    }
-  }
+  kspec::testing::expect_every_case_compiles({"e79.fwd", "e79.bwd"}, {"n"});
 }
 
 // ---- GPU: the op fed by the gemm projection, as kspec.ops.e79 does it ----

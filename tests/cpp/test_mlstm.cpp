@@ -24,6 +24,7 @@
 #include "mlstm/reference.h"
 #include "mlstm/schema.h"
 #include "templates/mlstm/params.h"
+#include "precompile_test_util.h"
 #include "test_helpers.h"
 
 using namespace kspec;
@@ -522,30 +523,9 @@ TEST(Mlstm, DfErrorIsMeasuredAgainstItsTerms) {
 // Every case of every mlstm op compiles for sm_90 (bf16; the base case in every dtype) with the heuristic's
 // config, without spills or a stack frame.
 TEST(Mlstm, EveryCaseCompilesWithoutSpills) {
-  for (const char* name :
-       {"mlstm.step", "mlstm.chunkwise.fwd", "mlstm.chunkwise.bwd", "mlstm.parallel.fwd", "mlstm.parallel.bwd"}) {
-    const OpDef& op = Registry::global().get(name);
-    for (const auto& cs : op.cases) {
-      for (DType dt : op.dtypes) {
-        if (dt != DType::bf16 && cs.name != "base") continue;
-        CompileRequest r;
-        r.op = name;
-        r.dtype = dt;
-        r.arch = "sm_90";
-        r.without = cs.without;
-        r.tensor_dtypes = cs.tensor_dtypes;
-        for (const auto& [k, v] : cs.params.items()) r.params.set(k, v);
-        for (const auto& [k, v] : cs.dims)
-          if (k == "dhqk" || k == "dhhv") r.params.set(k, v);
-        auto reports = compile(r);
-        ASSERT_FALSE(reports.empty()) << name << " " << cs.name;
-        for (const auto& rep : reports) {
-          EXPECT_EQ(rep.spill_bytes, 0) << name << " " << cs.name << " " << dtype_short(dt) << ": " << rep.kernel;
-          EXPECT_EQ(rep.stack_bytes, 0) << name << " " << cs.name << " " << dtype_short(dt) << ": " << rep.kernel;
-        }
-      }
-    }
-  }
+  kspec::testing::expect_every_case_compiles(
+      {"mlstm.step", "mlstm.chunkwise.fwd", "mlstm.chunkwise.bwd", "mlstm.parallel.fwd", "mlstm.parallel.bwd"},
+      {"dhqk", "dhhv"});
 }
 
 // mlstm.chunkwise.bwd's algo=tc_fused and tc_merged (not the heuristic's choice, so not compiled above)
