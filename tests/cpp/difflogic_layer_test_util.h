@@ -3,6 +3,8 @@
 // forward and backward ops called on them with outputs poisoned first, and the tolerance by dtype.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <memory>
 #include <random>
@@ -83,6 +85,21 @@ struct LayerRun {
   // A [B, n] activation in the run's layout.
   TensorView act(const DevBuf& d, int64_t n) const {
     return fm ? TensorView::strided(d.ptr(), dt, {B, n}, {1, B}, 0) : TensorView(d.ptr(), dt, {B, n}, 0);
+  }
+  // The float64 reference forward in mode "soft" or "hard", and backward.
+  std::vector<double> fwd_ref(const std::string& mode) const {
+    return ref::difflogic_layer_fwd_ref(B, n_in, x, logits, a, b,
+                                        mode == "hard" ? ref::DiffLogicMode::Hard : ref::DiffLogicMode::Soft);
+  }
+  ref::DiffLogicGrads bwd_ref(double grad_factor) const {
+    return ref::difflogic_layer_bwd_ref(B, n_in, x, logits, a, b, dout, grad_factor);
+  }
+  // dx (a backward's row-major values) is exactly 0 at every input no gate reads.
+  void expect_unread_inputs_zero(const std::vector<double>& dx) const {
+    for (int64_t j = 0; j < n_in; ++j) {
+      if (csr[j] != csr[j + 1]) continue;
+      for (int64_t s = 0; s < B; ++s) ASSERT_EQ(dx[s * n_in + j], 0.0) << "unread input " << j << ", sample " << s;
+    }
   }
   // A downloaded [B, n] activation, row-major.
   std::vector<double> values(const std::vector<unsigned char>& bytes, int64_t n) const {

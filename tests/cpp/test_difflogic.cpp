@@ -27,24 +27,15 @@
 
 using namespace kspec;
 using kspec::testing::DevBuf;
+using kspec::testing::fake;
 using kspec::testing::fwd_save_xt;
-using kspec::testing::transposed_bytes;
 using kspec::testing::LayerRun;
+using kspec::testing::message_of;
 using kspec::testing::tol;
 using kspec::testing::transposed;
+using kspec::testing::transposed_bytes;
 
 namespace {
-
-void* fake(uintptr_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + offset); }
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 void expect_in(const std::string& msg, const std::vector<std::string>& fragments) {
   for (const auto& f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
@@ -354,7 +345,6 @@ TEST(DiffLogic, RowMajorDxKernels) {
             {"output 'dx'", "dx_layout 'row_major' expects strides (10, 1)"});
 }
 
-
 class DiffLogicGpu : public ::testing::TestWithParam<std::tuple<DType, std::tuple<int64_t, int64_t, int64_t>>> {};
 
 TEST_P(DiffLogicGpu, LayerMatchesReference) {
@@ -364,12 +354,10 @@ TEST_P(DiffLogicGpu, LayerMatchesReference) {
   const auto [B, n_in, n_out] = std::get<1>(GetParam());
   LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 1009 + n_in * 31 + n_out));
   for (const char* mode : {"soft", "hard"}) {
-    const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
-                                                   std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
-                                                                               : ref::DiffLogicMode::Soft);
+    const auto want = r.fwd_ref(mode);
     EXPECT_LE(rel_error(r.fwd(mode), want), tol(dt)) << mode << " " << dtype_short(dt);
   }
-  const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 1.5);
+  const auto want = r.bwd_ref(1.5);
   const auto got = r.bwd(1.5);
   EXPECT_LE(rel_error(decode(dt, got.first), want.dx), tol(dt)) << "dx " << dtype_short(dt);
   EXPECT_LE(rel_error(decode(DType::f32, got.second), want.dlogits), tol(dt)) << "dlogits " << dtype_short(dt);
@@ -400,22 +388,15 @@ TEST_P(DiffLogicGpuLayout, MatchesReference) {
   const auto [B, n_in, n_out] = std::get<2>(GetParam());
   LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 7 + n_in * 13 + n_out), fm);
   for (const char* mode : {"soft", "hard"}) {
-    const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
-                                                   std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
-                                                                               : ref::DiffLogicMode::Soft);
+    const auto want = r.fwd_ref(mode);
     EXPECT_LE(rel_error(r.fwd(mode), want), tol(dt)) << mode;
   }
-  const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 0.5);
+  const auto want = r.bwd_ref(0.5);
   const auto got = r.bwd(0.5);
   const auto dx = r.values(got.first, n_in);
   EXPECT_LE(rel_error(dx, want.dx), tol(dt)) << "dx";
   EXPECT_LE(rel_error(decode(DType::f32, got.second), want.dlogits), tol(dt)) << "dlogits";
-  for (int64_t j = 0; j < n_in; ++j) {
-    if (r.csr[j] != r.csr[j + 1]) continue;
-    for (int64_t s = 0; s < B; ++s) {
-      ASSERT_EQ(dx[s * n_in + j], 0.0) << "unread input " << j << ", sample " << s;
-    }
-  }
+  r.expect_unread_inputs_zero(dx);
   const auto again = r.bwd(0.5);
   EXPECT_TRUE(got.first == again.first) << "dx differs between two runs";
   EXPECT_TRUE(got.second == again.second) << "dlogits differs between two runs";
@@ -447,20 +428,15 @@ TEST_P(DiffLogicGpuTiled, MatchesReference) {
     const Config config{{{"threads", threads}, {"lanes", lanes}, {"ahead", 0}, {"pool", 0}}};
     const Config fwd_config{{{"threads", threads}, {"lanes", lanes}, {"stage", 0}}};
     for (const char* mode : {"soft", "hard"}) {
-      const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
-                                                     std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
-                                                                                 : ref::DiffLogicMode::Soft);
+      const auto want = r.fwd_ref(mode);
       EXPECT_LE(rel_error(r.fwd(mode, {}, &fwd_config), want), tol(dt)) << mode << " threads " << threads;
     }
-    const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 0.5);
+    const auto want = r.bwd_ref(0.5);
     const auto got = r.bwd(0.5, {}, &config);
     const auto dx = r.values(got.first, n_in);
     EXPECT_LE(rel_error(dx, want.dx), tol(dt)) << "dx threads " << threads;
     EXPECT_LE(rel_error(decode(DType::f32, got.second), want.dlogits), tol(dt)) << "dlogits threads " << threads;
-    for (int64_t j = 0; j < n_in; ++j) {
-      if (r.csr[j] != r.csr[j + 1]) continue;
-      for (int64_t s = 0; s < B; ++s) ASSERT_EQ(dx[s * n_in + j], 0.0) << "unread input " << j << ", sample " << s;
-    }
+    r.expect_unread_inputs_zero(dx);
     const auto again = r.bwd(0.5, {}, &config);
     EXPECT_TRUE(got.first == again.first) << "dx differs between two runs";
     EXPECT_TRUE(got.second == again.second) << "dlogits differs between two runs";
@@ -499,7 +475,7 @@ TEST_P(DiffLogicGpuRowMajorDx, EqualsFeatureMajorDx) {
     const auto fm = r.bwd(0.5, {}, &config);
     const auto rm = r.bwd_dx_row_major(0.5, &config);
     EXPECT_TRUE(r.bwd_dx_row_major(0.5, &ahead) == rm) << "ahead 1 differs from ahead 0, threads " << threads;
-    const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 0.5);
+    const auto want = r.bwd_ref(0.5);
     EXPECT_LE(rel_error(decode(dt, rm.first), want.dx), tol(dt)) << "dx threads " << threads;
     EXPECT_TRUE(decode(dt, rm.first) == r.values(fm.first, n_in)) << "dx differs from the feature-major dx";
     EXPECT_TRUE(rm.second == fm.second) << "dlogits differs from the feature-major run's";
@@ -535,9 +511,7 @@ TEST_P(DiffLogicGpuStaged, MatchesReferenceAndFlatKernel) {
   // Ulps of the activation dtype: the flat kernel's y may differ by the FMA contractions' rounding.
   const double near = dt == DType::f32 ? 1e-6 : tolerance_for(dt);
   for (const char* mode : {"soft", "hard"}) {
-    const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
-                                                   std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
-                                                                               : ref::DiffLogicMode::Soft);
+    const auto want = r.fwd_ref(mode);
     const auto got = r.fwd(mode, {}, &staged);
     EXPECT_LE(rel_error(got, want), tol(dt)) << mode << " " << dtype_short(dt);
     EXPECT_LE(rel_error(got, r.fwd(mode, {}, &flat)), near) << mode << " " << dtype_short(dt) << ": vs stage 0";
@@ -589,9 +563,7 @@ TEST_P(DiffLogicGpuStagedCluster, MatchesReferenceAndOneBlockKernel) {
   const Config one_block{{{"threads", 256}, {"lanes", 0}, {"stage", 1}}};
   const double near = dt == DType::f32 ? 1e-6 : tolerance_for(dt);
   for (const char* mode : {"soft", "hard"}) {
-    const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
-                                                   std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
-                                                                               : ref::DiffLogicMode::Soft);
+    const auto want = r.fwd_ref(mode);
     const auto got = r.fwd(mode, {}, &clustered);
     EXPECT_LE(rel_error(got, want), tol(dt)) << mode << " " << dtype_short(dt) << " cluster " << cluster;
     EXPECT_LE(rel_error(got, r.fwd(mode, {}, &one_block)), near) << mode << " " << dtype_short(dt) << ": vs stage 1";
@@ -660,7 +632,7 @@ TEST_P(DiffLogicGpuPool, EqualsTiledKernelBitForBit) {
   const int64_t lanes = std::get<1>(GetParam());
   const auto [B, n_in, n_out] = std::get<2>(GetParam());
   LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 5 + n_in * 11 + n_out + lanes), true);
-  const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 0.5);
+  const auto want = r.bwd_ref(0.5);
   for (int64_t ahead : {0, 1}) {
     const Config tiled{{{"threads", 256}, {"lanes", lanes}, {"ahead", ahead}, {"pool", 0}}};
     const auto fm = r.bwd(0.5, {}, &tiled);
