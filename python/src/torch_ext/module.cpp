@@ -6,9 +6,15 @@
 // kspec itself is reached through kspec._C's C ABI (python/src/ext_api.h): one registry, one call cache.
 #include <Python.h>
 
+#include <ATen/Context.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/record_function.h>
 #include <ATen/core/DimVector.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
@@ -75,6 +81,24 @@ void* stream_of(const at::Device& device) {
   return device.is_cuda() ? c10::cuda::getCurrentCUDAStream(device.index()).stream() : nullptr;
 }
 
+// A new contiguous tensor, as at::empty makes it, without the dispatcher's way there (the options' key set,
+// BackendSelect, the CUDA kernel's device guard): the allocator at::empty's kernels call (CUDA's caching
+// allocator, which allocates on the current device and stream; the CPU allocator), straight. On a device
+// other than the current one, where torch fills new memory (deterministic algorithms with
+// fill_uninitialized_memory), or while a profiler (any RecordFunction callback) would record aten::empty,
+// at::empty itself.
+at::Tensor empty_output(c10::IntArrayRef shape, at::ScalarType dtype, const at::Device& device) {
+  const auto& ctx = at::globalContext();
+  const bool fill = (ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory()) || at::hasCallbacks();
+  if (!fill && device.is_cuda() && device.index() == c10::cuda::current_device())
+    return at::Tensor(at::detail::empty_generic(shape, c10::cuda::CUDACachingAllocator::get(),
+                                                c10::DispatchKeySet(c10::DispatchKey::CUDA), dtype, std::nullopt));
+  if (!fill && device.is_cpu())
+    return at::Tensor(at::detail::empty_generic(shape, c10::GetCPUAllocator(), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                dtype, std::nullopt));
+  return at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
+}
+
 // An output's shape given by the caller (call_some): for one the registry cannot size from the inputs.
 struct Sized {
   bool given = false;
@@ -96,11 +120,11 @@ bool allocate(const char* op, const std::vector<kspec::TensorView>& in, const st
   for (int i = 0; i < n && i < static_cast<int>(out->size()); ++i) {
     if ((*out)[i].defined() || (skip && static_cast<size_t>(i) < skip->size() && (*skip)[static_cast<size_t>(i)]))
       continue;
-    const auto options = at::TensorOptions().dtype(to_torch(specs[i].dtype)).device(device);
+    const at::ScalarType dtype = to_torch(specs[i].dtype);
     if (sized && (*sized)[i].given)
-      (*out)[i] = at::empty((*sized)[i].shape, options);
+      (*out)[i] = empty_output((*sized)[i].shape, dtype, device);
     else if (specs[i].present)
-      (*out)[i] = at::empty(c10::IntArrayRef(specs[i].shape, specs[i].rank), options);
+      (*out)[i] = empty_output(c10::IntArrayRef(specs[i].shape, specs[i].rank), dtype, device);
   }
   return true;
 }
@@ -183,18 +207,22 @@ bool params_of(PyObject* given, std::vector<kspec_ext::Param>* out) {
   return ok;
 }
 
-// Tensors (None: absent) from a tuple or list; false (no error set) for anything else.
-bool tensors_of(PyObject* seq, std::vector<at::Tensor>* out) {
-  if (!PyTuple_Check(seq) && !PyList_Check(seq)) return false;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+// Tensors (None: absent) from n objects; false (no error set) for anything else.
+bool tensors_of(PyObject* const* items, Py_ssize_t n, std::vector<at::Tensor>* out) {
   out->resize(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* o = PySequence_Fast_GET_ITEM(seq, i);
+    PyObject* o = items[i];
     if (o == Py_None) continue;
     if (!THPVariable_Check(o)) return false;
     (*out)[static_cast<size_t>(i)] = THPVariable_Unpack(o);
   }
   return true;
+}
+
+// Tensors (None: absent) from a tuple or list; false (no error set) for anything else.
+bool tensors_of(PyObject* seq, std::vector<at::Tensor>* out) {
+  if (!PyTuple_Check(seq) && !PyList_Check(seq)) return false;
+  return tensors_of(PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq), out);
 }
 
 // call_some's outputs: a tensor (given), None (allocated where the op has it) or a tuple of ints (allocated
@@ -267,17 +295,22 @@ struct ForwardArgs {
   at::Device device{at::kCPU};
 };
 
-// False (no error set) where kspec.call's general path must judge the call: an input or a param the C++
-// path does not read, or no tensor at all.
-bool forward_args(PyObject* inputs, PyObject* params, ForwardArgs* a) {
-  if (!tensors_of(inputs, &a->in) || !views_of(a->in, false, &a->in_views) || !params_of(params, &a->params))
-    return false;
+// With a->in and a->params read: the views and the device of the first tensor. False (no error set) where an
+// input is one the C++ path does not read, or there is no tensor at all.
+bool forward_views(ForwardArgs* a) {
+  if (!views_of(a->in, false, &a->in_views)) return false;
   for (const auto& t : a->in)
     if (t.defined()) {
       a->device = t.device();
       return true;
     }
   return false;
+}
+
+// False (no error set) where kspec.call's general path must judge the call: an input or a param the C++
+// path does not read, or no tensor at all.
+bool forward_args(PyObject* inputs, PyObject* params, ForwardArgs* a) {
+  return tensors_of(inputs, &a->in) && params_of(params, &a->params) && forward_views(a);
 }
 
 enum class Ran { kOk, kDeclined, kRaised };
@@ -344,6 +377,86 @@ PyObject* py_call_some(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   return call_with(args, nargs, Outputs::kSome);
   END_HANDLE_TH_ERRORS
+}
+
+// ---- kspec.call itself: _torch_ext.kspec_call ----
+
+PyObject* g_call_python = nullptr;  // kspec._core._call_python: kspec.call for whatever kspec_call declines
+PyObject* g_s_out = nullptr;        // the keyword names kspec.call takes besides params, interned
+PyObject* g_s_config = nullptr;
+PyObject* g_s_op = nullptr;
+
+// Whether keyword name `k` is `interned` (a keyword name is almost always interned itself: then the pointers
+// say it, and only a name made at run time, **{...} of built strings, is compared as text).
+bool is_keyword(PyObject* k, PyObject* interned) {
+  if (k == interned) return true;
+  return !PyUnicode_CHECK_INTERNED(k) && PyUnicode_Compare(k, interned) == 0;
+}
+
+// kspec.call(op, *inputs, config=None, out=None, **params) as one vectorcall (kspec._native makes it kspec.call
+// where the extension is loaded): no Python frame, no tuple of the inputs nor dict of the params, the params read
+// from the call's keyword names. What it does not take (no op name, a config, an argument or param the C++ path
+// does not read) goes to kspec._core._call_python with the same arguments: the pure path, which raises what
+// kspec.call raises.
+PyObject* py_kspec_call(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  HANDLE_TH_ERRORS
+  auto python = [&] { return PyObject_Vectorcall(g_call_python, args, static_cast<size_t>(nargs), kwnames); };
+  if (!g_call_python) {
+    PyErr_SetString(PyExc_RuntimeError, "_torch_ext.kspec_call: set_call_fallback was not called");
+    return nullptr;
+  }
+  if (nargs < 1 || !PyUnicode_Check(args[0])) return python();
+  const char* op = PyUnicode_AsUTF8(args[0]);
+  if (!op) return nullptr;
+  ForwardArgs a;
+  PyObject* out = Py_None;
+  const Py_ssize_t n_kw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  a.params.reserve(static_cast<size_t>(n_kw));
+  for (Py_ssize_t k = 0; k < n_kw; ++k) {
+    PyObject* name = PyTuple_GET_ITEM(kwnames, k);
+    PyObject* value = args[nargs + k];
+    if (is_keyword(name, g_s_out)) {
+      out = value;
+    } else if (is_keyword(name, g_s_config)) {
+      if (value != Py_None) return python();
+    } else if (is_keyword(name, g_s_op)) {
+      return python();  // op given twice: Python's TypeError
+    } else {
+      a.params.emplace_back();
+      if (!param_of(name, value, &a.params.back())) {
+        PyErr_Clear();
+        return python();
+      }
+    }
+  }
+  if (!tensors_of(args + 1, nargs - 1, &a.in) || !forward_views(&a)) return python();
+  const bool given = out != Py_None;
+  std::vector<at::Tensor> outs;
+  if (given && !tensors_of(out, &outs)) return python();
+  switch (allocate_and_run(op, a, given, &outs)) {
+    case Ran::kDeclined: return python();
+    case Ran::kRaised: return nullptr;
+    case Ran::kOk: break;
+  }
+  return given ? PySequence_Tuple(out) : wrap(&outs);
+  END_HANDLE_TH_ERRORS
+}
+
+// set_call_fallback(fn): the Python function kspec_call hands what it does not take (kspec._core._call_python).
+PyObject* py_set_call_fallback(PyObject*, PyObject* fn) {
+  if (!PyCallable_Check(fn)) {
+    PyErr_SetString(PyExc_TypeError, "set_call_fallback: a callable");
+    return nullptr;
+  }
+  if (!g_s_out) {
+    g_s_out = PyUnicode_InternFromString("out");
+    g_s_config = PyUnicode_InternFromString("config");
+    g_s_op = PyUnicode_InternFromString("op");
+    if (!g_s_out || !g_s_config || !g_s_op) return nullptr;
+  }
+  Py_INCREF(fn);
+  Py_XSETREF(g_call_python, fn);
+  Py_RETURN_NONE;
 }
 
 // ---- the dispatcher ops: kspec_ops::<op> ----
@@ -887,6 +1000,12 @@ PyMethodDef kMethods[] = {
      "call(op, inputs, out, params): kspec.call for torch tensors, or NotImplemented"},
     {"call_some", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_call_some)), METH_FASTCALL,
      "call_some(op, inputs, out, params): call with the outputs that are None in `out` allocated"},
+    {"kspec_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_kspec_call)),
+     METH_FASTCALL | METH_KEYWORDS,
+     "kspec_call(op, /, *inputs, config=None, out=None, **params)\n--\n\n"
+     "kspec.call where the torch extension is loaded: one C++ call for torch tensors, kspec._core._call_python "
+     "for the rest"},
+    {"set_call_fallback", py_set_call_fallback, METH_O, "set_call_fallback(fn): what kspec_call declines goes to fn"},
     {"define", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_define)), METH_FASTCALL,
      "define(ns, op, schema, module): a dispatcher op running registry op `op`"},
     {"call_grad", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_call_grad)), METH_FASTCALL,
