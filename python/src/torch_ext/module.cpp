@@ -85,11 +85,13 @@ void* stream_of(const at::Device& device) {
 // BackendSelect, the CUDA kernel's device guard): the allocator at::empty's kernels call (CUDA's caching
 // allocator, which allocates on the current device and stream; the CPU allocator), straight. On a device
 // other than the current one, where torch fills new memory (deterministic algorithms with
-// fill_uninitialized_memory), or while a profiler (any RecordFunction callback) would record aten::empty,
+// fill_uninitialized_memory), or where the dispatcher would record aten::empty (a profiler's RecordFunction
+// callbacks, asked as the dispatcher asks: at::hasCallbacks was ~550 instructions an output under callgrind),
 // at::empty itself.
 at::Tensor empty_output(c10::IntArrayRef shape, at::ScalarType dtype, const at::Device& device) {
   const auto& ctx = at::globalContext();
-  const bool fill = (ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory()) || at::hasCallbacks();
+  const bool fill = (ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory()) ||
+                    at::getStepCallbacksUnlessEmpty(at::RecordScope::FUNCTION).has_value();
   if (!fill && device.is_cuda() && device.index() == c10::cuda::current_device())
     return at::Tensor(at::detail::empty_generic(shape, c10::cuda::CUDACachingAllocator::get(),
                                                 c10::DispatchKeySet(c10::DispatchKey::CUDA), dtype, std::nullopt));
