@@ -81,25 +81,34 @@ void* stream_of(const at::Device& device) {
   return device.is_cuda() ? c10::cuda::getCurrentCUDAStream(device.index()).stream() : nullptr;
 }
 
-// A new contiguous tensor, as at::empty makes it, without the dispatcher's way there (the options' key set,
+// New contiguous tensors, as at::empty makes them, without the dispatcher's way there (the options' key set,
 // BackendSelect, the CUDA kernel's device guard): the allocator at::empty's kernels call (CUDA's caching
-// allocator, which allocates on the current device and stream; the CPU allocator), straight. On a device
-// other than the current one, where torch fills new memory (deterministic algorithms with
-// fill_uninitialized_memory), or where the dispatcher would record aten::empty (a profiler's RecordFunction
-// callbacks, asked as the dispatcher asks: at::hasCallbacks was ~550 instructions an output under callgrind),
-// at::empty itself.
-at::Tensor empty_output(c10::IntArrayRef shape, at::ScalarType dtype, const at::Device& device) {
-  const auto& ctx = at::globalContext();
-  const bool fill = (ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory()) ||
-                    at::getStepCallbacksUnlessEmpty(at::RecordScope::FUNCTION).has_value();
-  if (!fill && device.is_cuda() && device.index() == c10::cuda::current_device())
-    return at::Tensor(at::detail::empty_generic(shape, c10::cuda::CUDACachingAllocator::get(),
-                                                c10::DispatchKeySet(c10::DispatchKey::CUDA), dtype, std::nullopt));
-  if (!fill && device.is_cpu())
-    return at::Tensor(at::detail::empty_generic(shape, c10::GetCPUAllocator(), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                                dtype, std::nullopt));
-  return at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
-}
+// allocator, which allocates on the current device and stream; the CPU allocator), straight. at::empty itself
+// on a device other than the current one, where torch fills new memory (deterministic algorithms with
+// fill_uninitialized_memory), and where the dispatcher would record aten::empty (a profiler's RecordFunction
+// callbacks, asked as the dispatcher asks). Those two are asked once per allocator (one call's outputs): each
+// was a few hundred instructions under callgrind.
+class OutputAllocator {
+ public:
+  OutputAllocator() {
+    const auto& ctx = at::globalContext();
+    direct_ = !(ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory()) &&
+              !at::getStepCallbacksUnlessEmpty(at::RecordScope::FUNCTION).has_value();
+  }
+
+  at::Tensor operator()(c10::IntArrayRef shape, at::ScalarType dtype, const at::Device& device) const {
+    if (direct_ && device.is_cuda() && device.index() == c10::cuda::current_device())
+      return at::Tensor(at::detail::empty_generic(shape, c10::cuda::CUDACachingAllocator::get(),
+                                                  c10::DispatchKeySet(c10::DispatchKey::CUDA), dtype, std::nullopt));
+    if (direct_ && device.is_cpu())
+      return at::Tensor(at::detail::empty_generic(shape, c10::GetCPUAllocator(),
+                                                  c10::DispatchKeySet(c10::DispatchKey::CPU), dtype, std::nullopt));
+    return at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
+  }
+
+ private:
+  bool direct_ = false;
+};
 
 // An output's shape given by the caller (call_some): for one the registry cannot size from the inputs.
 struct Sized {
@@ -119,6 +128,7 @@ bool allocate(const char* op, const std::vector<kspec::TensorView>& in, const st
                            specs, kspec_ext::kMaxOutputs, &n) != 0)
     return false;
   if (out->empty()) out->resize(static_cast<size_t>(n));
+  const OutputAllocator empty_output;
   for (int i = 0; i < n && i < static_cast<int>(out->size()); ++i) {
     if ((*out)[i].defined() || (skip && static_cast<size_t>(i) < skip->size() && (*skip)[static_cast<size_t>(i)]))
       continue;
@@ -209,22 +219,18 @@ bool params_of(PyObject* given, std::vector<kspec_ext::Param>* out) {
   return ok;
 }
 
-// Tensors (None: absent) from n objects; false (no error set) for anything else.
-bool tensors_of(PyObject* const* items, Py_ssize_t n, std::vector<at::Tensor>* out) {
+// Tensors (None: absent) from a tuple or list; false (no error set) for anything else.
+bool tensors_of(PyObject* seq, std::vector<at::Tensor>* out) {
+  if (!PyTuple_Check(seq) && !PyList_Check(seq)) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   out->resize(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* o = items[i];
+    PyObject* o = PySequence_Fast_GET_ITEM(seq, i);
     if (o == Py_None) continue;
     if (!THPVariable_Check(o)) return false;
     (*out)[static_cast<size_t>(i)] = THPVariable_Unpack(o);
   }
   return true;
-}
-
-// Tensors (None: absent) from a tuple or list; false (no error set) for anything else.
-bool tensors_of(PyObject* seq, std::vector<at::Tensor>* out) {
-  if (!PyTuple_Check(seq) && !PyList_Check(seq)) return false;
-  return tensors_of(PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq), out);
 }
 
 // call_some's outputs: a tensor (given), None (allocated where the op has it) or a tuple of ints (allocated
@@ -263,6 +269,26 @@ bool views_of(const std::vector<at::Tensor>& ts, bool writable, std::vector<kspe
   return true;
 }
 
+// Views of n objects (None: absent) read from the tensors they hold, no at::Tensor copied (a copy and its
+// release are two refcount updates, and in torch 2.15 a Python incref and decref through the interpreter, each
+// taking the GIL: ~390 instructions a tensor under callgrind); `device` the first tensor's where given. The
+// objects must outlive the views' use. False (no error set) for anything kspec.call's C++ path does not read.
+bool borrowed_views(PyObject* const* items, Py_ssize_t n, bool writable, std::vector<kspec::TensorView>* out,
+                    at::Device* device = nullptr) {
+  out->resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (items[i] == Py_None) continue;
+    if (!THPVariable_Check(items[i])) return false;
+    const at::Tensor& t = THPVariable_Unpack(items[i]);
+    if (!view_of(t, writable, &(*out)[static_cast<size_t>(i)])) return false;
+    if (device) {
+      *device = t.device();
+      device = nullptr;
+    }
+  }
+  return !device;  // a tensor was read where a device was asked for
+}
+
 // Output i as a Python object (None where absent or out of range).
 PyObject* wrap_one(std::vector<at::Tensor>* out, Py_ssize_t i) {
   if (i < 0 || static_cast<size_t>(i) >= out->size() || !(*out)[static_cast<size_t>(i)].defined()) Py_RETURN_NONE;
@@ -297,10 +323,11 @@ struct ForwardArgs {
   at::Device device{at::kCPU};
 };
 
-// With a->in and a->params read: the views and the device of the first tensor. False (no error set) where an
-// input is one the C++ path does not read, or there is no tensor at all.
-bool forward_views(ForwardArgs* a) {
-  if (!views_of(a->in, false, &a->in_views)) return false;
+// False (no error set) where kspec.call's general path must judge the call: an input or a param the C++
+// path does not read, or no tensor at all.
+bool forward_args(PyObject* inputs, PyObject* params, ForwardArgs* a) {
+  if (!tensors_of(inputs, &a->in) || !views_of(a->in, false, &a->in_views) || !params_of(params, &a->params))
+    return false;
   for (const auto& t : a->in)
     if (t.defined()) {
       a->device = t.device();
@@ -309,13 +336,16 @@ bool forward_views(ForwardArgs* a) {
   return false;
 }
 
-// False (no error set) where kspec.call's general path must judge the call: an input or a param the C++
-// path does not read, or no tensor at all.
-bool forward_args(PyObject* inputs, PyObject* params, ForwardArgs* a) {
-  return tensors_of(inputs, &a->in) && params_of(params, &a->params) && forward_views(a);
-}
-
 enum class Ran { kOk, kDeclined, kRaised };
+
+// op run on the device's current stream with these outputs; kRaised: kspec's error set as the Python exception.
+Ran run_views(const char* op, const ForwardArgs& a, const std::vector<kspec::TensorView>& out_views) {
+  if (run_released(op, a.in_views, out_views, a.params, stream_of(a.device)) != 0) {
+    g_api->raise_error();
+    return Ran::kRaised;
+  }
+  return Ran::kOk;
+}
 
 // The outputs missing from `out` allocated (allocate()'s rules; all of them into an empty `out`) unless
 // `given`, then op run on the device's current stream. kDeclined (no error set): an output the C++ path
@@ -328,11 +358,7 @@ Ran allocate_and_run(const char* op, const ForwardArgs& a, bool given, std::vect
   }
   std::vector<kspec::TensorView> out_views;
   if (!views_of(*out, true, &out_views)) return Ran::kDeclined;
-  if (run_released(op, a.in_views, out_views, a.params, stream_of(a.device)) != 0) {
-    g_api->raise_error();
-    return Ran::kRaised;
-  }
-  return Ran::kOk;
+  return run_views(op, a, out_views);
 }
 
 enum class Outputs { kGiven, kAllocated, kSome };
@@ -431,16 +457,30 @@ PyObject* py_kspec_call(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyOb
       }
     }
   }
-  if (!tensors_of(args + 1, nargs - 1, &a.in) || !forward_views(&a)) return python();
-  const bool given = out != Py_None;
+  // the inputs read in place (the caller holds them for the call); a.in stays empty: nothing here needs it
+  if (!borrowed_views(args + 1, nargs - 1, false, &a.in_views, &a.device)) return python();
+  if (out != Py_None) {
+    if (!PyTuple_Check(out) && !PyList_Check(out)) return python();
+    // the result, made first: it holds the given outputs while their views are used (a list may change
+    // while the GIL is released for a call kspec has not cached)
+    PyObject* result = PySequence_Tuple(out);
+    if (!result) return nullptr;
+    std::vector<kspec::TensorView> out_views;
+    if (!borrowed_views(PySequence_Fast_ITEMS(result), PyTuple_GET_SIZE(result), true, &out_views)) {
+      Py_DECREF(result);
+      return python();
+    }
+    if (run_views(op, a, out_views) == Ran::kOk) return result;
+    Py_DECREF(result);
+    return nullptr;
+  }
   std::vector<at::Tensor> outs;
-  if (given && !tensors_of(out, &outs)) return python();
-  switch (allocate_and_run(op, a, given, &outs)) {
+  switch (allocate_and_run(op, a, /*given=*/false, &outs)) {
     case Ran::kDeclined: return python();
     case Ran::kRaised: return nullptr;
     case Ran::kOk: break;
   }
-  return given ? PySequence_Tuple(out) : wrap(&outs);
+  return wrap(&outs);
   END_HANDLE_TH_ERRORS
 }
 
