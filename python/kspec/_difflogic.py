@@ -90,6 +90,22 @@ def staged_pass_pays(n_in: int, element_size: int, smem_per_block: int) -> bool:
     return rows * element_size >= STAGED_MIN_PASS_BYTES
 
 
+# Where staging does not pay (stage_pays false: 64k fp32 has no whole row in shared memory, 32k fp32 and 64k
+# halves one), a forward without a gradient may run difflogic.layer.fwd's hybrid kernel (config stage 8,
+# templates/difflogic/layer_hybrid.cuh: a row's first columns in shared memory, the rest from L1/L2; x and y
+# once each) instead of the transpose path (4X). Off until the H100 times it against the transpose path
+# (tools/bench/NOTES.md, h-dl11: the bench's "kspec staged hybrid" fwd row against "kspec").
+HYBRID_IN_AUTO = False
+HYBRID_FWD_CONFIG = "threads=256,lanes=0,stage=8"
+
+
+def runs_hybrid(x, row_major: str, grad: bool) -> bool:
+    """Whether "auto" runs the hybrid forward on this x: HYBRID_IN_AUTO, no gradient wanted, a row-major x
+    outside torch.compile where the staged kernel does not pay."""
+    return (HYBRID_IN_AUTO and row_major == "auto" and not grad and _row_major_proper(x)
+            and not torch.compiler.is_compiling() and not stage_pays(x))
+
+
 def wants_grad(x, logits) -> bool:
     """Whether autograd will ask this layer for a backward."""
     return torch.is_grad_enabled() and (x.requires_grad or logits.requires_grad)
@@ -217,6 +233,8 @@ def logic_layer(x, logits, a, b, *, mode: str = "soft", grad_factor: float = 1.0
     grad = wants_grad(x, logits)
     if row_major == "staged" and not stage_pays(x):  # no rows to stage (64k fp32): the flat gather would run
         row_major = "auto"
+    if runs_hybrid(x, row_major, grad):
+        return call("difflogic.layer.fwd", x.contiguous(), logits, a, b, mode=mode, config=HYBRID_FWD_CONFIG)[0]
     if row_major == "staged" and grad and _row_major_proper(x) and not torch.compiler.is_compiling():
         return _StagedRowMajorLayer.apply(x.contiguous(), logits, a, b, consumers_csr, mode, float(grad_factor))
     if transposes(x, row_major, grad):

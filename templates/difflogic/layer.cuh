@@ -70,30 +70,38 @@ __device__ __forceinline__ void difflogic_load_logits(const DiffLogicParams& p, 
   if (p.gumbel) difflogic_add_gumbel(l, p.seed, g);
 }
 
+// Gate g's table: T_uv = sum_i p_i f_i(u, v), p the softmax (or, kHard, the one-hot argmax) of its logits.
+template <bool kHard>
+__device__ __forceinline__ void difflogic_table(const DiffLogicParams& p, long long g, float* t) {
+  float l[16];
+  difflogic_load_logits(p, g, l);
+  float w[16];
+  if (kHard) {
+    int best = 0;
+#pragma unroll
+    for (int i = 1; i < 16; ++i)
+      if (l[i] > l[best]) best = i;  // strict: ties stay with the lower index
+#pragma unroll
+    for (int i = 0; i < 16; ++i) w[i] = i == best ? 1.0f : 0.0f;
+  } else {
+    difflogic_softmax(l, w);
+  }
+#pragma unroll
+  for (int uv = 0; uv < 4; ++uv) {
+    t[uv] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) t[uv] += w[i] * difflogic_truth(i, uv);
+  }
+}
+
 template <bool kHard, int kThreads>
 __global__ void __launch_bounds__(kThreads) difflogic_tables_kernel(const DiffLogicParams p) {
   for (long long g = blockIdx.x * static_cast<long long>(kThreads) + threadIdx.x; g < p.n_out;
        g += static_cast<long long>(gridDim.x) * kThreads) {
-    float l[16];
-    difflogic_load_logits(p, g, l);
-    float w[16];
-    if (kHard) {
-      int best = 0;
+    float t[4];
+    difflogic_table<kHard>(p, g, t);
 #pragma unroll
-      for (int i = 1; i < 16; ++i)
-        if (l[i] > l[best]) best = i;  // strict: ties stay with the lower index
-#pragma unroll
-      for (int i = 0; i < 16; ++i) w[i] = i == best ? 1.0f : 0.0f;
-    } else {
-      difflogic_softmax(l, w);
-    }
-#pragma unroll
-    for (int uv = 0; uv < 4; ++uv) {
-      float t = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) t += w[i] * difflogic_truth(i, uv);
-      p.tables[g * 4 + uv] = t;
-    }
+    for (int uv = 0; uv < 4; ++uv) p.tables[g * 4 + uv] = t[uv];
   }
 }
 

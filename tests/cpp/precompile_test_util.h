@@ -1,12 +1,14 @@
-// The check the difflogic suites' precompile tests share: every kernel a compile request builds compiles
-// without register spills and without a stack frame (CI's precompile fails on either).
+// The check the precompile tests share: every kernel a compile request builds compiles without register spills
+// and without a stack frame (CI's precompile fails on either); and that check over every case of some ops.
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
+#include "api/src/op.h"
 #include "kspec/kspec.h"
 
 namespace kspec::testing {
@@ -21,6 +23,32 @@ inline std::vector<CompileReport> expect_compiles_without_spills(const CompileRe
     EXPECT_EQ(rep.stack_bytes, 0) << what << "\n" << rep.log;
   }
   return reports;
+}
+
+// Every case of each op compiles for sm_90 (in bf16; the base case in every dtype) with the heuristic's config,
+// without spills or a stack frame; const_dims: the case dims the op takes as compile-time params.
+inline void expect_every_case_compiles(const std::vector<const char*>& ops,
+                                       const std::vector<std::string>& const_dims) {
+  for (const char* name : ops) {
+    const OpDef& op = Registry::global().get(name);
+    for (const Case& cs : op.cases) {
+      for (DType dt : op.dtypes) {
+        if (dt != DType::bf16 && cs.name != "base") continue;
+        SCOPED_TRACE(std::string(name) + " " + cs.name);
+        CompileRequest r;
+        r.op = name;
+        r.dtype = dt;
+        r.arch = "sm_90";
+        r.without = cs.without;
+        r.tensor_dtypes = cs.tensor_dtypes;
+        r.alt_shapes = cs.alt_shapes;
+        for (const auto& [k, v] : cs.params.items()) r.params.set(k, v);
+        for (const auto& [k, v] : cs.dims)
+          if (std::find(const_dims.begin(), const_dims.end(), k) != const_dims.end()) r.params.set(k, v);
+        ASSERT_FALSE(expect_compiles_without_spills(r).empty());
+      }
+    }
+  }
 }
 
 }  // namespace kspec::testing

@@ -1,5 +1,5 @@
-// Helpers shared by the float64 reference tests: random inputs bounded away from zero, and the
-// comparison of an analytic gradient with its central difference.
+// Helpers shared by the float64 reference tests: random inputs bounded away from zero, the pinned tests' formula
+// inputs and weighted loss, and the comparison of an analytic gradient with its central difference.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -28,6 +28,21 @@ inline std::vector<double> random_uniform(std::mt19937_64& rng, int64_t n, doubl
   std::vector<double> v(static_cast<size_t>(n));
   for (double& e : v) e = dist(rng);
   return v;
+}
+
+// scale * sin(0.37 j + c) + shift, j = 0..n-1: the inputs of the pinned tests, which the Python twins compute
+// the same way.
+inline std::vector<double> formula(int64_t n, double c, double scale, double shift = 0.0) {
+  std::vector<double> v(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) v[j] = scale * std::sin(0.37 * static_cast<double>(j) + c) + shift;
+  return v;
+}
+
+// sum_j a[j] cos(j): the pinned tests' scalar loss over an output.
+inline double weighted(const std::vector<double>& a) {
+  double r = 0.0;
+  for (size_t j = 0; j < a.size(); ++j) r += a[j] * std::cos(static_cast<double>(j));
+  return r;
 }
 
 inline double dot(const std::vector<double>& a, const std::vector<double>& b) {

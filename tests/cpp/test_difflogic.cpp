@@ -21,23 +21,21 @@
 #include "jit/driver.h"
 #include "kspec/kspec.h"
 #include "device_buffer_test_util.h"
+#include "difflogic_layer_test_util.h"
 #include "precompile_test_util.h"
 #include "test_helpers.h"
 
 using namespace kspec;
+using kspec::testing::DevBuf;
+using kspec::testing::fake;
+using kspec::testing::fwd_save_xt;
+using kspec::testing::LayerRun;
+using kspec::testing::message_of;
+using kspec::testing::tol;
+using kspec::testing::transposed;
+using kspec::testing::transposed_bytes;
 
 namespace {
-
-void* fake(uintptr_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + offset); }
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 void expect_in(const std::string& msg, const std::vector<std::string>& fragments) {
   for (const auto& f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
@@ -205,11 +203,13 @@ TEST(DiffLogic, PackedInferenceAndMessages) {
 TEST(DiffLogic, PrecompilePlanCompilesWithoutSpills) {
   // Row-major bwd: tables, dx, dlogits partials and finish; feature-major: tables, dx, dlogits (flat) or
   // tables, dx with the dlogits partials, finish (tiled). Row-major fwd at stage 1: tables, staged, flat; at stage
-  // 2 and 4 tables, the cluster kernel, flat (sm_90 only: sm_80 refuses them by name).
+  // 2 and 4 tables, the cluster kernel, flat (sm_90 only: sm_80 refuses them by name); at stage 8 the tables
+  // with the packed wires, the hybrid kernel (test_difflogic_hybrid.cpp has its own checks).
   const std::map<std::string, size_t> kernels = {
       {"difflogic.layer.fwd", 2}, {"difflogic.layer.bwd", 4}, {"difflogic.packed.fwd", 1}};
   const auto kernels_of = [&](const CompileRequest& r) {
-    return kernels.at(r.op) + (r.config && r.config->has("stage") && r.config->get("stage") ? 1 : 0);
+    const int64_t stage = r.config && r.config->has("stage") ? r.config->get("stage") : 0;
+    return kernels.at(r.op) + (stage == 1 || stage == 2 || stage == 4 ? 1 : 0);
   };
   std::map<std::string, int> requests;
   auto check = [](const CompileRequest& r, size_t want) {
@@ -226,8 +226,8 @@ TEST(DiffLogic, PrecompilePlanCompilesWithoutSpills) {
     if (fwd && r.config->get("stage")) {  // the staged kernel for sm_80 too (its 1024 threads: 64 registers)
       CompileRequest sm80 = r;
       sm80.arch = "sm_80";
-      if (r.config->get("stage") == 1)
-        check(sm80, 3);
+      if (r.config->get("stage") == 1 || r.config->get("stage") == 8)
+        check(sm80, kernels_of(r));
       else
         expect_in(message_of([&] { compile(sm80); }), {"stage " + std::to_string(r.config->get("stage")),
                                                        "thread-block cluster", "needs sm_90", "sm_80"});
@@ -255,9 +255,9 @@ TEST(DiffLogic, PrecompilePlanCompilesWithoutSpills) {
       }
     }
   }
-  // soft and hard x 3 dtypes x 8 configs (threads x stage); 3 dtypes x 2 configs; 2 word widths x 2 threads x
+  // soft and hard x 3 dtypes x 10 configs (threads x stage); 3 dtypes x 2 configs; 2 word widths x 2 threads x
   // 2 vec.
-  EXPECT_EQ(requests["difflogic.layer.fwd"], 48);
+  EXPECT_EQ(requests["difflogic.layer.fwd"], 60);
   EXPECT_EQ(requests["difflogic.layer.bwd"], 6);
   EXPECT_EQ(requests["difflogic.packed.fwd"], 8);
 }
@@ -345,137 +345,6 @@ TEST(DiffLogic, RowMajorDxKernels) {
             {"output 'dx'", "dx_layout 'row_major' expects strides (10, 1)"});
 }
 
-namespace {
-
-using DevBuf = kspec::testing::DeviceBuffer<0xFF>;  // NaN in every float left unwritten
-
-// [rows, cols] row-major -> [cols, rows] row-major.
-std::vector<double> transposed(const std::vector<double>& v, int64_t rows, int64_t cols) {
-  std::vector<double> t(v.size());
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) t[c * rows + r] = v[r * cols + c];
-  return t;
-}
-
-// One layer on the host (float64, rounded to the activation dtype) and on the device; with fm, the device
-// activations are feature-major (layout feature_major: [B, n] views of contiguous [n, B] buffers) and
-// fwd / bwd hand back row-major [B, n] values like the reference's.
-struct LayerRun {
-  int64_t B, n_in, n_out;
-  DType dt;
-  bool fm = false;
-  std::vector<double> x, logits, dout;
-  std::vector<int32_t> a, b, csr;
-  std::unique_ptr<DevBuf> dx_, dlogits_, y_, x_, logits_, a_, b_, dout_, csr_;
-
-  LayerRun(int64_t B_, int64_t n_in_, int64_t n_out_, DType dt_, bool bits, uint64_t seed, bool fm_ = false)
-      : B(B_), n_in(n_in_), n_out(n_out_), dt(dt_), fm(fm_) {
-    std::mt19937_64 rng(seed);
-    std::uniform_real_distribution<double> unit(0.0, 1.0);
-    std::normal_distribution<double> normal(0.0, 1.5);
-    std::uniform_int_distribution<int32_t> wire(0, static_cast<int32_t>(n_in - 1));
-    x.resize(B * n_in);
-    for (double& v : x) v = bits ? std::floor(unit(rng) * 2.0) : unit(rng);
-    logits.resize(n_out * 16);
-    for (double& v : logits) v = normal(rng);
-    dout.resize(B * n_out);
-    for (double& v : dout) v = normal(rng);
-    for (int64_t g = 0; g < n_out; ++g) {
-      a.push_back(wire(rng));
-      b.push_back(g % 3 == 0 ? a.back() : wire(rng));
-    }
-    quantize(dt, x);
-    quantize(dt, dout);
-    quantize(DType::f32, logits);
-    const auto c = ref::difflogic_consumers(n_in, a, b);
-    csr.assign(c.offsets.begin(), c.offsets.end());
-    csr.insert(csr.end(), c.entries.begin(), c.entries.end());
-    auto up = [](std::unique_ptr<DevBuf>& d, const void* data, size_t n) {
-      d = std::make_unique<DevBuf>(n);
-      d->upload(data, n);
-    };
-    std::vector<unsigned char> bytes;
-    encode(dt, fm ? transposed(x, B, n_in) : x, bytes);
-    up(x_, bytes.data(), bytes.size());
-    encode(dt, fm ? transposed(dout, B, n_out) : dout, bytes);
-    up(dout_, bytes.data(), bytes.size());
-    encode(DType::f32, logits, bytes);
-    up(logits_, bytes.data(), bytes.size());
-    up(a_, a.data(), a.size() * 4);
-    up(b_, b.data(), b.size() * 4);
-    up(csr_, csr.data(), csr.size() * 4);
-    y_ = std::make_unique<DevBuf>(B * n_out * dtype_size(dt));
-    dx_ = std::make_unique<DevBuf>(B * n_in * dtype_size(dt));
-    dlogits_ = std::make_unique<DevBuf>(n_out * 16 * 4);
-  }
-  // A [B, n] activation in the run's layout.
-  TensorView act(const DevBuf& d, int64_t n) const {
-    return fm ? TensorView::strided(d.ptr(), dt, {B, n}, {1, B}, 0) : TensorView(d.ptr(), dt, {B, n}, 0);
-  }
-  // A downloaded [B, n] activation, row-major.
-  std::vector<double> values(const std::vector<unsigned char>& bytes, int64_t n) const {
-    auto v = decode(dt, bytes);
-    return fm ? transposed(v, n, B) : v;
-  }
-  std::vector<TensorView> inputs() const {
-    return {act(*x_, n_in), TensorView(logits_->ptr(), DType::f32, {n_out, 16}, 0),
-            TensorView(a_->ptr(), DType::i32, {n_out}, 0), TensorView(b_->ptr(), DType::i32, {n_out}, 0)};
-  }
-  std::vector<double> fwd(const std::string& mode, Params extra = {}, const Config* config = nullptr) {
-    y_->poison();
-    extra.set("mode", mode);
-    if (fm) extra.set("layout", std::string("feature_major"));
-    CallOptions opts;
-    opts.config = config;
-    call("difflogic.layer.fwd", inputs(), {act(*y_, n_out), TensorView()}, extra, nullptr, opts);
-    CU_CHECK(cuCtxSynchronize());
-    return values(y_->download(B * n_out * dtype_size(dt)), n_out);
-  }
-  // dx and dlogits as raw bytes (for bitwise comparisons), dx in the run's layout (values() reads it).
-  std::pair<std::vector<unsigned char>, std::vector<unsigned char>> bwd(double grad_factor, Params extra = {},
-                                                                        const Config* config = nullptr) {
-    dx_->poison();
-    dlogits_->poison();
-    auto in = inputs();
-    in.push_back(act(*dout_, n_out));
-    in.push_back(TensorView(csr_->ptr(), DType::i32, {static_cast<int64_t>(csr.size())}, 0));
-    extra.set("grad_factor", grad_factor);
-    if (fm) extra.set("layout", std::string("feature_major"));
-    CallOptions opts;
-    opts.config = config;
-    call("difflogic.layer.bwd", in,
-         {act(*dx_, n_in), TensorView(dlogits_->ptr(), DType::f32, {n_out, 16}, 0)}, extra,
-         nullptr, opts);
-    CU_CHECK(cuCtxSynchronize());
-    return {dx_->download(B * n_in * dtype_size(dt)), dlogits_->download(n_out * 16 * 4)};
-  }
-  // The feature-major backward with dx_layout row_major: dx [B, n_in] contiguous (raw bytes), dlogits.
-  std::pair<std::vector<unsigned char>, std::vector<unsigned char>> bwd_dx_row_major(double grad_factor,
-                                                                                     const Config* config) {
-    dx_->poison();
-    dlogits_->poison();
-    auto in = inputs();
-    in.push_back(act(*dout_, n_out));
-    in.push_back(TensorView(csr_->ptr(), DType::i32, {static_cast<int64_t>(csr.size())}, 0));
-    Params extra;
-    extra.set("grad_factor", grad_factor);
-    extra.set("layout", std::string("feature_major"));
-    extra.set("dx_layout", std::string("row_major"));
-    CallOptions opts;
-    opts.config = config;
-    call("difflogic.layer.bwd", in,
-         {TensorView(dx_->ptr(), dt, {B, n_in}, 0), TensorView(dlogits_->ptr(), DType::f32, {n_out, 16}, 0)}, extra,
-         nullptr, opts);
-    CU_CHECK(cuCtxSynchronize());
-    return {dx_->download(B * n_in * dtype_size(dt)), dlogits_->download(n_out * 16 * 4)};
-  }
-};
-
-// fp32 within 1e-4 (issue 30); half precisions: their rounding of y and dx (the table's tolerance).
-double tol(DType dt) { return dt == DType::f32 ? 1e-4 : tolerance_for(dt); }
-
-}  // namespace
-
 class DiffLogicGpu : public ::testing::TestWithParam<std::tuple<DType, std::tuple<int64_t, int64_t, int64_t>>> {};
 
 TEST_P(DiffLogicGpu, LayerMatchesReference) {
@@ -485,12 +354,10 @@ TEST_P(DiffLogicGpu, LayerMatchesReference) {
   const auto [B, n_in, n_out] = std::get<1>(GetParam());
   LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 1009 + n_in * 31 + n_out));
   for (const char* mode : {"soft", "hard"}) {
-    const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
-                                                   std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
-                                                                               : ref::DiffLogicMode::Soft);
+    const auto want = r.fwd_ref(mode);
     EXPECT_LE(rel_error(r.fwd(mode), want), tol(dt)) << mode << " " << dtype_short(dt);
   }
-  const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 1.5);
+  const auto want = r.bwd_ref(1.5);
   const auto got = r.bwd(1.5);
   EXPECT_LE(rel_error(decode(dt, got.first), want.dx), tol(dt)) << "dx " << dtype_short(dt);
   EXPECT_LE(rel_error(decode(DType::f32, got.second), want.dlogits), tol(dt)) << "dlogits " << dtype_short(dt);
@@ -521,22 +388,15 @@ TEST_P(DiffLogicGpuLayout, MatchesReference) {
   const auto [B, n_in, n_out] = std::get<2>(GetParam());
   LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 7 + n_in * 13 + n_out), fm);
   for (const char* mode : {"soft", "hard"}) {
-    const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
-                                                   std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
-                                                                               : ref::DiffLogicMode::Soft);
+    const auto want = r.fwd_ref(mode);
     EXPECT_LE(rel_error(r.fwd(mode), want), tol(dt)) << mode;
   }
-  const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 0.5);
+  const auto want = r.bwd_ref(0.5);
   const auto got = r.bwd(0.5);
   const auto dx = r.values(got.first, n_in);
   EXPECT_LE(rel_error(dx, want.dx), tol(dt)) << "dx";
   EXPECT_LE(rel_error(decode(DType::f32, got.second), want.dlogits), tol(dt)) << "dlogits";
-  for (int64_t j = 0; j < n_in; ++j) {
-    if (r.csr[j] != r.csr[j + 1]) continue;
-    for (int64_t s = 0; s < B; ++s) {
-      ASSERT_EQ(dx[s * n_in + j], 0.0) << "unread input " << j << ", sample " << s;
-    }
-  }
+  r.expect_unread_inputs_zero(dx);
   const auto again = r.bwd(0.5);
   EXPECT_TRUE(got.first == again.first) << "dx differs between two runs";
   EXPECT_TRUE(got.second == again.second) << "dlogits differs between two runs";
@@ -568,20 +428,15 @@ TEST_P(DiffLogicGpuTiled, MatchesReference) {
     const Config config{{{"threads", threads}, {"lanes", lanes}, {"ahead", 0}, {"pool", 0}}};
     const Config fwd_config{{{"threads", threads}, {"lanes", lanes}, {"stage", 0}}};
     for (const char* mode : {"soft", "hard"}) {
-      const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
-                                                     std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
-                                                                                 : ref::DiffLogicMode::Soft);
+      const auto want = r.fwd_ref(mode);
       EXPECT_LE(rel_error(r.fwd(mode, {}, &fwd_config), want), tol(dt)) << mode << " threads " << threads;
     }
-    const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 0.5);
+    const auto want = r.bwd_ref(0.5);
     const auto got = r.bwd(0.5, {}, &config);
     const auto dx = r.values(got.first, n_in);
     EXPECT_LE(rel_error(dx, want.dx), tol(dt)) << "dx threads " << threads;
     EXPECT_LE(rel_error(decode(DType::f32, got.second), want.dlogits), tol(dt)) << "dlogits threads " << threads;
-    for (int64_t j = 0; j < n_in; ++j) {
-      if (r.csr[j] != r.csr[j + 1]) continue;
-      for (int64_t s = 0; s < B; ++s) ASSERT_EQ(dx[s * n_in + j], 0.0) << "unread input " << j << ", sample " << s;
-    }
+    r.expect_unread_inputs_zero(dx);
     const auto again = r.bwd(0.5, {}, &config);
     EXPECT_TRUE(got.first == again.first) << "dx differs between two runs";
     EXPECT_TRUE(got.second == again.second) << "dlogits differs between two runs";
@@ -620,7 +475,7 @@ TEST_P(DiffLogicGpuRowMajorDx, EqualsFeatureMajorDx) {
     const auto fm = r.bwd(0.5, {}, &config);
     const auto rm = r.bwd_dx_row_major(0.5, &config);
     EXPECT_TRUE(r.bwd_dx_row_major(0.5, &ahead) == rm) << "ahead 1 differs from ahead 0, threads " << threads;
-    const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 0.5);
+    const auto want = r.bwd_ref(0.5);
     EXPECT_LE(rel_error(decode(dt, rm.first), want.dx), tol(dt)) << "dx threads " << threads;
     EXPECT_TRUE(decode(dt, rm.first) == r.values(fm.first, n_in)) << "dx differs from the feature-major dx";
     EXPECT_TRUE(rm.second == fm.second) << "dlogits differs from the feature-major run's";
@@ -656,9 +511,7 @@ TEST_P(DiffLogicGpuStaged, MatchesReferenceAndFlatKernel) {
   // Ulps of the activation dtype: the flat kernel's y may differ by the FMA contractions' rounding.
   const double near = dt == DType::f32 ? 1e-6 : tolerance_for(dt);
   for (const char* mode : {"soft", "hard"}) {
-    const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
-                                                   std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
-                                                                               : ref::DiffLogicMode::Soft);
+    const auto want = r.fwd_ref(mode);
     const auto got = r.fwd(mode, {}, &staged);
     EXPECT_LE(rel_error(got, want), tol(dt)) << mode << " " << dtype_short(dt);
     EXPECT_LE(rel_error(got, r.fwd(mode, {}, &flat)), near) << mode << " " << dtype_short(dt) << ": vs stage 0";
@@ -686,31 +539,6 @@ bool difflogic_device_has_clusters() {
   return major >= 9;
 }
 
-// The forward with save_xt: y (row-major values) and xt [n_in, B] as raw bytes.
-std::pair<std::vector<double>, std::vector<unsigned char>> fwd_save_xt(LayerRun& r, const std::string& mode,
-                                                                      const Config& config) {
-  DevBuf xt(r.B * r.n_in * dtype_size(r.dt));
-  xt.poison();
-  r.y_->poison();
-  Params extra;
-  extra.set("mode", mode);
-  extra.set("save_xt", true);
-  CallOptions opts;
-  opts.config = &config;
-  call("difflogic.layer.fwd", r.inputs(), {r.act(*r.y_, r.n_out), TensorView(xt.ptr(), r.dt, {r.n_in, r.B}, 0)},
-       extra, nullptr, opts);
-  CU_CHECK(cuCtxSynchronize());
-  return {r.values(r.y_->download(r.B * r.n_out * dtype_size(r.dt)), r.n_out),
-          xt.download(r.B * r.n_in * dtype_size(r.dt))};
-}
-
-// x [B, n_in] as the device holds it, transposed: the bytes xt must have.
-std::vector<unsigned char> transposed_bytes(const LayerRun& r) {
-  std::vector<unsigned char> bytes;
-  encode(r.dt, transposed(r.x, r.B, r.n_in), bytes);
-  return bytes;
-}
-
 }  // namespace
 
 // The cluster-staged row-major forward (stage 2 and 4: a row split across a thread-block cluster's shared
@@ -735,9 +563,7 @@ TEST_P(DiffLogicGpuStagedCluster, MatchesReferenceAndOneBlockKernel) {
   const Config one_block{{{"threads", 256}, {"lanes", 0}, {"stage", 1}}};
   const double near = dt == DType::f32 ? 1e-6 : tolerance_for(dt);
   for (const char* mode : {"soft", "hard"}) {
-    const auto want = ref::difflogic_layer_fwd_ref(B, n_in, r.x, r.logits, r.a, r.b,
-                                                   std::string(mode) == "hard" ? ref::DiffLogicMode::Hard
-                                                                               : ref::DiffLogicMode::Soft);
+    const auto want = r.fwd_ref(mode);
     const auto got = r.fwd(mode, {}, &clustered);
     EXPECT_LE(rel_error(got, want), tol(dt)) << mode << " " << dtype_short(dt) << " cluster " << cluster;
     EXPECT_LE(rel_error(got, r.fwd(mode, {}, &one_block)), near) << mode << " " << dtype_short(dt) << ": vs stage 1";
@@ -806,7 +632,7 @@ TEST_P(DiffLogicGpuPool, EqualsTiledKernelBitForBit) {
   const int64_t lanes = std::get<1>(GetParam());
   const auto [B, n_in, n_out] = std::get<2>(GetParam());
   LayerRun r(B, n_in, n_out, dt, false, static_cast<uint64_t>(B * 5 + n_in * 11 + n_out + lanes), true);
-  const auto want = ref::difflogic_layer_bwd_ref(B, n_in, r.x, r.logits, r.a, r.b, r.dout, 0.5);
+  const auto want = r.bwd_ref(0.5);
   for (int64_t ahead : {0, 1}) {
     const Config tiled{{{"threads", 256}, {"lanes", lanes}, {"ahead", ahead}, {"pool", 0}}};
     const auto fm = r.bwd(0.5, {}, &tiled);

@@ -23,22 +23,13 @@
 #include "test_helpers.h"
 
 using namespace kspec;
+using kspec::testing::fake;
+using kspec::testing::message_of;
 
 namespace {
 
-void* fake(uintptr_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + offset); }
-
 TensorView view(uintptr_t slot, DType dt, std::initializer_list<int64_t> shape) {
   return TensorView(fake(slot << 28), dt, shape, 0);
-}
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 void expect_in(const std::string& msg, const std::vector<std::string>& fragments) {

@@ -15,6 +15,7 @@
 
 #include "api/src/device_data.h"
 #include "api/src/op.h"
+#include "device_buffer_test_util.h"
 #include "difflogic/reference.h"
 #include "jit/driver.h"
 #include "kspec/kspec.h"
@@ -22,19 +23,11 @@
 #include "test_helpers.h"
 
 using namespace kspec;
+using kspec::testing::message_of;
 
 namespace {
 
 void* fake(uintptr_t slot) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + (slot << 28)); }
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // tiny: C 2, K 2, perception 8 + 4 + 2 = 14 gates, update 6 + 2 = 8 gates, wired 14 - 8 + 8 = 14.
 std::vector<TensorView> tiny_inputs(int64_t C = 2, int64_t wired = 14, int64_t Gp = 14) {
@@ -81,13 +74,7 @@ TEST(DiffLogicCa, PrecompilePlanCompilesWithoutSpills) {
 
 namespace {
 
-struct DevBuf {
-  CUdeviceptr p = 0;
-  size_t bytes = 0;
-  explicit DevBuf(size_t b) : bytes(std::max<size_t>(b, 16)) { CU_CHECK(cuMemAlloc(&p, bytes)); }
-  ~DevBuf() { jit::driver().cuMemFree(p); }
-  void* ptr() const { return reinterpret_cast<void*>(p); }
-};
+using DevBuf = kspec::testing::DeviceBuffer<0xFF>;  // NaN in every float left unwritten
 
 // A case's problem (sm_90, the case's dims and params), as the checker makes it.
 struct CaRunSpec {
@@ -170,7 +157,7 @@ struct CaRun {
   }
   // Each output's bytes (outputs poisoned with 0xFF, NaN in every float dtype, first).
   std::vector<std::vector<unsigned char>> run(const Config* config = nullptr) {
-    for (const auto& o : outs) CU_CHECK(cuMemsetD8(o->p, 0xFF, o->bytes));
+    for (const auto& o : outs) o->poison();
     CallOptions opts;
     opts.config = config;
     call(op.info.name, views, out_views, params, nullptr, opts);

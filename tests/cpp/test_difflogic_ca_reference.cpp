@@ -20,7 +20,9 @@ namespace {
 
 using kspec::testing::central_diff;
 using kspec::testing::expect_grad_near;
+using kspec::testing::formula;
 using kspec::testing::random_uniform;
+using kspec::testing::weighted;
 namespace ref = kspec::ref;
 
 // C channels, K kernels, perception 9 -> 8 -> 4 -> 2, update (C + 2 C K) -> 6 -> C: a small checkerboard net.
@@ -150,19 +152,6 @@ TEST(DiffLogicCaReference, ErrorsNameTheArgument) {
   bad.ca.update.push_back(random_wires(rng, 2, 3));
   bad.logits.update.push_back(std::vector<double>(3 * 16));
   expect_error(bad, "last width is 3, expected C = 2");
-}
-
-// scale * sin(0.37 j + c) + shift, j = 0..n-1, and the cos-weighted sum: as the Python twin's test.
-std::vector<double> formula(int64_t n, double c, double scale, double shift = 0.0) {
-  std::vector<double> v(static_cast<size_t>(n));
-  for (int64_t j = 0; j < n; ++j) v[j] = scale * std::sin(0.37 * static_cast<double>(j) + c) + shift;
-  return v;
-}
-
-double weighted(const std::vector<double>& a) {
-  double r = 0.0;
-  for (size_t j = 0; j < a.size(); ++j) r += a[j] * std::cos(static_cast<double>(j));
-  return r;
 }
 
 // A formula CA (C = 2, K = 2, periodic, a fire mask): PINNED there.

@@ -24,21 +24,13 @@
 #include "test_helpers.h"
 
 using namespace kspec;
+using kspec::testing::message_of;
 
 namespace {
 
 constexpr const char* kOp = "difflogic.packed.net";
 
 void* fake(uintptr_t slot) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + (slot << 28)); }
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 void expect_in(const std::string& msg, const std::vector<std::string>& fragments) {
   for (const auto& f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;

@@ -24,8 +24,11 @@
 namespace {
 
 using kspec::testing::central_diff;
+using kspec::testing::dot;
 using kspec::testing::expect_grad_near;
+using kspec::testing::formula;
 using kspec::testing::random_uniform;
+using kspec::testing::weighted;
 namespace ref = kspec::ref;
 using ref::DiffLogicMode;
 
@@ -44,6 +47,15 @@ Layer make_layer(std::mt19937_64& rng, int64_t B, int64_t n_in, int64_t n_out) {
     l.b.push_back(g % 3 == 0 ? l.a.back() : wire(rng));
   }
   return l;
+}
+
+// g's dx and dlogits against central differences of loss through l's x (times grad_factor) and logits.
+template <typename Loss>
+void expect_layer_grads_near(const ref::DiffLogicGrads& g, Loss& loss, Layer& l, double grad_factor) {
+  std::vector<double> fd_x = central_diff(loss, l.x, 1e-6);
+  for (double& v : fd_x) v *= grad_factor;
+  expect_grad_near(g.dx, fd_x, 1e-9, "dx");
+  expect_grad_near(g.dlogits, central_diff(loss, l.logits, 1e-6), 1e-9, "dlogits");
 }
 
 TEST(DiffLogicReference, TruthTablesAreTheMultilinearExtensionsAtCorners) {
@@ -81,15 +93,9 @@ TEST_P(DiffLogicBackward, MatchesCentralDifferences) {
   const std::vector<double> dout = random_uniform(rng, B * n_out, -1.0, 1.0);
   const auto g = ref::difflogic_layer_bwd_ref(B, n_in, l.x, l.logits, l.a, l.b, dout, grad_factor);
   auto loss = [&] {
-    const auto y = ref::difflogic_layer_fwd_ref(B, n_in, l.x, l.logits, l.a, l.b, DiffLogicMode::Soft);
-    double s = 0.0;
-    for (size_t j = 0; j < y.size(); ++j) s += dout[j] * y[j];
-    return s;
+    return dot(dout, ref::difflogic_layer_fwd_ref(B, n_in, l.x, l.logits, l.a, l.b, DiffLogicMode::Soft));
   };
-  std::vector<double> fd_x = central_diff(loss, l.x, 1e-6);
-  for (double& v : fd_x) v *= grad_factor;
-  expect_grad_near(g.dx, fd_x, 1e-9, "dx");
-  expect_grad_near(g.dlogits, central_diff(loss, l.logits, 1e-6), 1e-9, "dlogits");
+  expect_layer_grads_near(g, loss, l, grad_factor);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, DiffLogicBackward,
@@ -134,15 +140,9 @@ TEST_P(DiffLogicBackward, StraightThroughGumbelMatchesCentralDifferences) {
   };
   const auto g = ref::difflogic_layer_bwd_ref(B, n_in, l.x, noisy(), l.a, l.b, dout, grad_factor);
   auto loss = [&] {
-    const auto y = ref::difflogic_layer_fwd_ref(B, n_in, l.x, noisy(), l.a, l.b, DiffLogicMode::Soft);
-    double s = 0.0;
-    for (size_t j = 0; j < y.size(); ++j) s += dout[j] * y[j];
-    return s;
+    return dot(dout, ref::difflogic_layer_fwd_ref(B, n_in, l.x, noisy(), l.a, l.b, DiffLogicMode::Soft));
   };
-  std::vector<double> fd_x = central_diff(loss, l.x, 1e-6);
-  for (double& v : fd_x) v *= grad_factor;
-  expect_grad_near(g.dx, fd_x, 1e-9, "dx");
-  expect_grad_near(g.dlogits, central_diff(loss, l.logits, 1e-6), 1e-9, "dlogits");
+  expect_layer_grads_near(g, loss, l, grad_factor);
   const auto hard = ref::difflogic_layer_fwd_ref(B, n_in, l.x, noisy(), l.a, l.b, DiffLogicMode::Hard);
   const auto ops = ref::difflogic_hard_ops(noisy(), n_out);
   for (int64_t s = 0; s < B; ++s)
@@ -254,19 +254,6 @@ TEST(DiffLogicReference, ErrorsNameTheArgument) {
   expect_error([&] { ref::difflogic_pack_ref(2, 3, x, 16); }, "w = 16");
   expect_error([&] { ref::difflogic_pack_ref(1, 1, {0.5}, 32); }, "expected 0 or 1");
   expect_error([&] { ref::difflogic_packed_fwd_ref(1, 1, {0}, 32, {16}, {0}, {0}); }, "ops[0] = 16");
-}
-
-// scale * sin(0.37 j + c) + shift, j = 0..n-1: the inputs both sides compute.
-std::vector<double> formula(int64_t n, double c, double scale, double shift = 0.0) {
-  std::vector<double> v(static_cast<size_t>(n));
-  for (int64_t j = 0; j < n; ++j) v[j] = scale * std::sin(0.37 * static_cast<double>(j) + c) + shift;
-  return v;
-}
-
-double weighted(const std::vector<double>& a) {
-  double r = 0.0;
-  for (size_t j = 0; j < a.size(); ++j) r += a[j] * std::cos(static_cast<double>(j));
-  return r;
 }
 
 // tests/python/test_reference_difflogic.py computes the same numbers (PINNED) with the NumPy reference.

@@ -9,17 +9,20 @@
 #include <random>
 
 #include "api/src/op.h"
+#include "device_buffer_test_util.h"
 #include "e79/reference.h"
 #include "jit/driver.h"
 #include "jit/handles.h"
 #include "kspec/kspec.h"
+#include "precompile_test_util.h"
 #include "test_helpers.h"
 
 using namespace kspec;
+using kspec::testing::fake;
+using kspec::testing::message_of;
+using kspec::testing::rel_err;
 
 namespace {
-
-void* fake(uintptr_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + offset); }
 
 // Views of one fused projection kvqm (+ b_s, b_m columns in input-bias mode): [T, B, C] contiguous, or
 // batch-first [B, T, C] seen as [T, B, C] through strides; column block j is [T, B, n] with unit stride.
@@ -32,15 +35,6 @@ struct Fused {
     return TensorView::strided(static_cast<char*>(fake(base)) + j * n * dtype_size(dt), dt, {T, B, n}, {st, sb, 1}, 0);
   }
 };
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 std::vector<TensorView> fwd_inputs(const Fused& f, int bias /*0 none, 1 fixed, 2 input*/) {
   TensorView bs, bm;
@@ -325,60 +319,14 @@ TEST(E79, ClusterKernelsCompileWithoutSpills) {
 // config, without spills or a stack frame; the representative cases' full tuning spaces in every dtype
 // are `kspec precompile --all`'s. (About a minute on two cores.)
 TEST(E79, EveryCaseCompilesWithoutSpills) {
-  for (const char* name : {"e79.fwd", "e79.bwd"}) {
-    const OpDef& op = Registry::global().get(name);
-    for (const auto& cs : op.cases) {
-      for (DType dt : op.dtypes) {
-        if (dt != DType::bf16 && cs.name != "base") continue;
-        CompileRequest r;
-        r.op = name;
-        r.dtype = dt;
-        r.arch = "sm_90";
-        r.without = cs.without;
-        r.tensor_dtypes = cs.tensor_dtypes;
-        r.alt_shapes = cs.alt_shapes;
-        for (const auto& [k, v] : cs.params.items()) r.params.set(k, v);
-        for (const auto& [k, v] : cs.dims)
-          if (k == "n") r.params.set(k, v);
-        auto reports = compile(r);
-        ASSERT_FALSE(reports.empty()) << name << " " << cs.name;
-        for (const auto& rep : reports) {
-          EXPECT_EQ(rep.spill_bytes, 0) << name << " " << cs.name << " " << dtype_short(dt) << ": " << rep.kernel;
-          EXPECT_EQ(rep.stack_bytes, 0) << name << " " << cs.name << " " << dtype_short(dt) << ": " << rep.kernel;
-        }
-      }
-    }
-  }
+  kspec::testing::expect_every_case_compiles({"e79.fwd", "e79.bwd"}, {"n"});
 }
 
 // ---- GPU: the op fed by the gemm projection, as kspec.ops.e79 does it ----
 
 namespace {
 
-struct DevBuf {
-  jit::DeviceBuffer mem;
-  CUdeviceptr p;  // mem.ptr
-  size_t bytes;
-  explicit DevBuf(size_t b) : mem(b), p(mem.ptr), bytes(std::max<size_t>(b, 16)) {}
-  void* ptr() const { return mem.data(); }
-  void upload(const std::vector<float>& v) { CU_CHECK(cuMemcpyHtoD(p, v.data(), v.size() * 4)); }
-  std::vector<float> download(size_t n) const {
-    std::vector<float> v(n);
-    CU_CHECK(cuMemcpyDtoH(v.data(), p, n * 4));
-    return v;
-  }
-  void poison() { CU_CHECK(cuMemsetD8(p, 0xFF, bytes)); }
-};
-
-double rel_err(const std::vector<float>& out, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (!std::isfinite(out[i])) return INFINITY;
-    num += (out[i] - ref[i]) * (out[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
+using DevBuf = kspec::testing::FloatBuffer;
 
 // fp32 end to end: x [T, B, dim] (or batch-first [B, T, dim]) -> gemm with W [C, dim] (C = 4n, or 6n
 // with the input biases' rows) -> e79.fwd on column blocks of the projection -> e79.bwd into column

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "adamw/reference.h"
+#include "api/src/device_data.h"
 #include "api/src/op.h"
 #include "jit/driver.h"
 #include "jit/handles.h"
@@ -122,16 +123,6 @@ struct Scalar {  // a one-float output (found_inf, grad_norm), poisoned with NaN
   }
 };
 
-double rel_err(const std::vector<double>& out, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (!std::isfinite(out[i])) return INFINITY;
-    num += (out[i] - ref[i]) * (out[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
 struct AdamwCase {
   std::string name;
   DType params = DType::f32;  // bf16: with an fp32 master copy (and bf16 gradients)
@@ -235,12 +226,12 @@ TEST_P(GpuAdamw, MatchesFloat64Reference) {
   const double tol32 = tolerance_for(DType::f32), tolp = tolerance_for(c.params);
   for (size_t t = 0; t < nt; ++t) {
     SCOPED_TRACE("tensor " + std::to_string(t) + " of " + std::to_string(kSizes[t]) + " elements");
-    EXPECT_LE(rel_err(gm[t], rm[t]), tol32) << "exp_avg";
-    EXPECT_LE(rel_err(gv[t], rv[t]), tol32) << "exp_avg_sq";
-    if (c.amsgrad) { EXPECT_LE(rel_err(gvmax[t], rvmax[t]), tol32) << "max_exp_avg_sq"; }
-    EXPECT_LE(rel_err(gp[t], rp[t]), tolp) << "params";
+    EXPECT_LE(rel_error(gm[t], rm[t]), tol32) << "exp_avg";
+    EXPECT_LE(rel_error(gv[t], rv[t]), tol32) << "exp_avg_sq";
+    if (c.amsgrad) { EXPECT_LE(rel_error(gvmax[t], rvmax[t]), tol32) << "max_exp_avg_sq"; }
+    EXPECT_LE(rel_error(gp[t], rp[t]), tolp) << "params";
     if (low) {
-      EXPECT_LE(rel_err(gmaster[t], rp[t]), tol32) << "master";
+      EXPECT_LE(rel_error(gmaster[t], rp[t]), tol32) << "master";
       for (size_t i = 0; i < gp[t].size(); ++i)
         ASSERT_EQ(gp[t][i], round_to(DType::bf16, gmaster[t][i])) << "param " << i << " is not its master's rounding";
     }

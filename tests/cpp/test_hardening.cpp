@@ -16,6 +16,7 @@
 #include "api/src/kernels.h"
 #include "api/src/op.h"
 #include "api/src/tuning.h"
+#include "env_test_util.h"
 #include "jit/driver.h"
 #include "kspec/kspec.h"
 #include "test_helpers.h"
@@ -24,22 +25,7 @@ using namespace kspec;
 
 namespace {
 
-// Sets an environment variable for one scope.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const std::string& value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    ::setenv(name, value.c_str(), 1);
-  }
-  ~ScopedEnv() {
-    if (old_) ::setenv(name_, old_->c_str(), 1);
-    else ::unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using kspec::testing::ScopedEnv;
 
 // Runs f and expects an InvalidArgument whose message contains every fragment.
 template <typename F>

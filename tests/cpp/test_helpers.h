@@ -1,15 +1,19 @@
-// Shared helpers for the GoogleTest suite: temp directories, running the probe, GPU skipping.
+// Shared helpers for the GoogleTest suite: temp directories, running the probe, GPU skipping, fake device
+// addresses and the message of a refused call.
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "kspec/check.h"
+#include "kspec/error.h"
 
 namespace kspec::testing {
 
@@ -36,6 +40,19 @@ bool gpu_available();
 
 // One EXPECT_TRUE per row of a GPU check: op, case, dtype, config, message and every output's error.
 void report(const std::vector<CheckRow>& rows);
+
+// A device address no CPU test dereferences (views for validation and planning), `offset` bytes in.
+inline void* fake(uintptr_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + offset); }
+
+// What the kspec::Error that f throws says; "" when f throws none.
+inline std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
 
 }  // namespace kspec::testing
 

@@ -15,73 +15,31 @@
 #include <tuple>
 
 #include "api/src/op.h"
+#include "device_buffer_test_util.h"
 #include "jit/driver.h"
 #include "jit/handles.h"
 #include "kspec/kspec.h"
 #include "mhc/reference.h"
+#include "mhc_test_util.h"
 #include "test_helpers.h"
 
 using namespace kspec;
+using kspec::testing::fake;
+using kspec::testing::max_rel;
+using kspec::testing::mhc_request;
+using kspec::testing::message_of;
+using kspec::testing::PreArgs;
+using kspec::testing::randn;
+using kspec::testing::to_double;
+using kspec::testing::view;
 
 namespace {
-
-void* fake(uintptr_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + offset); }
-
-// A view of any rank from vectors (contiguous unless strides are given).
-TensorView view(void* p, DType dt, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides = {}) {
-  TensorView t;
-  t.data = p;
-  t.dtype = dt;
-  t.rank = static_cast<int>(shape.size());
-  t.device = 0;
-  int64_t s = 1;
-  for (int i = t.rank - 1; i >= 0; --i) {
-    t.shape[i] = shape[i];
-    t.strides[i] = strides.empty() ? s : strides[i];
-    s *= shape[i];
-  }
-  return t;
-}
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
-// pre.fwd inputs for x [lead..., n, D] (bf16) with the given phi rows, alpha size and gamma size.
-struct PreArgs {
-  std::vector<int64_t> lead = {3, 5};
-  int64_t n = 4, D = 40, M = 24, A = 3, G = 160;
-  DType dt = DType::bf16;
-  std::vector<TensorView> inputs() const {
-    std::vector<int64_t> xs = lead;
-    xs.insert(xs.end(), {n, D});
-    return {view(fake(), dt, xs), TensorView(fake(1 << 28), DType::f32, {M, n * D}, 0),
-            TensorView(fake(2 << 28), DType::f32, {A}, 0), TensorView(fake(3 << 28), DType::f32, {M}, 0),
-            G ? TensorView(fake(4 << 28), DType::f32, {G}, 0) : TensorView()};
-  }
-};
 
 void expect_message(const std::string& op, const std::vector<TensorView>& in, const Params& params,
                     std::initializer_list<const char*> fragments) {
   const std::string msg = message_of([&] { infer_outputs(op, in, params); });
   ASSERT_FALSE(msg.empty()) << op << ": no error";
   for (const char* f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
-}
-
-// A request for op at n, D (bf16 on sm_90 unless given).
-CompileRequest mhc_request(const std::string& op, int64_t n, int64_t D, DType dt = DType::bf16,
-                           const char* arch = "sm_90") {
-  CompileRequest r;
-  r.op = op;
-  r.dtype = dt;
-  r.arch = arch;
-  r.params = {{"n", n}, {"D", D}};
-  return r;
 }
 
 // The tensor-core algos' config: algo, 128 threads, tokens a block.
@@ -307,11 +265,7 @@ TEST(Mhc, PreBackwardTakesTensorCoresFromSm80) {
                          Row{"mhc.pre.bwd", DType::f32, "sm_90", 4, 0, 4}, Row{"mhc.pre.bwd", DType::bf16, "sm_75", 4, 0, 4},
                          Row{"mhc.pre_only.bwd", DType::f32, "sm_90", 4, 0, 4}}) {
     const OpDef& op = Registry::global().get(row.op);
-    CompileRequest r;
-    r.op = row.op;
-    r.dtype = row.dt;
-    r.arch = row.arch;
-    r.params = {{"n", row.n}, {"D", int64_t(4096)}};
+    CompileRequest r = mhc_request(row.op, row.n, 4096, row.dt, row.arch);
     const Problem p = problem_from_request(op, r);
     const Config h = op.tuning.heuristic(p);
     EXPECT_EQ(h.get("algo"), row.algo) << row.op << " " << row.arch << " n " << row.n;
@@ -353,11 +307,7 @@ TEST(Mhc, PreBackwardTakesTensorCoresFromSm80) {
   // post_pre.bwd: no algo axis, the SIMT kernels.
   {
     const OpDef& op = Registry::global().get("mhc.post_pre.bwd");
-    CompileRequest r;
-    r.op = "mhc.post_pre.bwd";
-    r.dtype = DType::bf16;
-    r.arch = "sm_90";
-    r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+    CompileRequest r = mhc_request("mhc.post_pre.bwd", 4, 4096);
     const Problem p = problem_from_request(op, r);
     EXPECT_EQ(op.kernels(p, op.tuning.heuristic(p))[1].kernel, "kspec::mhc_pre_bwd_columns_kernel");
   }
@@ -370,11 +320,7 @@ TEST(Mhc, PreBackwardTakesTensorCoresFromSm80) {
                                   std::tuple{"mhc.pre.bwd", DType::bf16, 8, 128}, std::tuple{"mhc.pre.bwd", DType::f16, 3, 33},
                                   std::tuple{"mhc.pre_only.bwd", DType::bf16, 1, 50}}) {
       const OpDef& op = Registry::global().get(name);
-      CompileRequest q;
-      q.op = name;
-      q.dtype = dt;
-      q.arch = arch;
-      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+      CompileRequest q = mhc_request(name, n, D, dt, arch);
       // algo=mma at the most tokens it takes here (4, or 1: pre_only, n = 8), 128 threads
       const Problem pq = problem_from_request(op, q);
       Config c;
@@ -603,11 +549,7 @@ TEST(Mhc, PreBackwardMmaFusedRulesAndCompileWithoutSpills) {
 TEST(Mhc, PostVecAxisRulesAndCompileWithoutSpills) {
   for (const char* name : {"mhc.post.fwd", "mhc.post.bwd"}) {
     const OpDef& op = Registry::global().get(name);
-    CompileRequest r;
-    r.op = name;
-    r.dtype = DType::bf16;
-    r.arch = "sm_90";
-    r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+    CompileRequest r = mhc_request(name, 4, 4096);
     const Problem p = problem_from_request(op, r);
     EXPECT_EQ(op.tuning.heuristic(p).get("vec"), 8) << name;  // the heuristic's where valid
     const Config v8{{{"threads", 128}, {"vec", 8}}};
@@ -630,11 +572,7 @@ TEST(Mhc, PostVecAxisRulesAndCompileWithoutSpills) {
   }
   {
     const OpDef& op = Registry::global().get("mhc.post_pre.bwd");
-    CompileRequest r;
-    r.op = "mhc.post_pre.bwd";
-    r.dtype = DType::bf16;
-    r.arch = "sm_90";
-    r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+    CompileRequest r = mhc_request("mhc.post_pre.bwd", 4, 4096);
     const Problem p = problem_from_request(op, r);
     EXPECT_EQ(op.kernels(p, op.tuning.heuristic(p)).back().targs.back(), "1");
   }
@@ -643,11 +581,7 @@ TEST(Mhc, PostVecAxisRulesAndCompileWithoutSpills) {
     for (const char* name : {"mhc.post.fwd", "mhc.post.bwd"})
       for (auto [dt, n] : {std::pair{DType::bf16, 3}, std::pair{DType::f16, 4}, std::pair{DType::bf16, 7},
                            std::pair{DType::f32, 4}, std::pair{DType::f32, 7}}) {
-        CompileRequest q;
-        q.op = name;
-        q.dtype = dt;
-        q.arch = arch;
-        q.params = {{"n", int64_t(n)}, {"D", int64_t(256)}};
+        CompileRequest q = mhc_request(name, n, 256, dt, arch);
         q.config = Config{{{"threads", 128}, {"vec", 8}}};
         for (const auto& rep : compile(q)) {
           EXPECT_EQ(rep.spill_bytes, 0) << arch << " " << rep.kernel;
@@ -680,11 +614,7 @@ TEST(Mhc, PreForwardTakesTensorCoresFromSm80) {
                          Row{"mhc.pre_only.fwd", DType::bf16, 8, 128, "sm_80", 3, 32},
                          Row{"mhc.pre.fwd", DType::bf16, 4, 4096, "sm_75", 0, 4}}) {
     const OpDef& op = Registry::global().get(row.op);
-    CompileRequest r;
-    r.op = row.op;
-    r.dtype = row.dt;
-    r.arch = row.arch;
-    r.params = {{"n", row.n}, {"D", row.D}};
+    CompileRequest r = mhc_request(row.op, row.n, row.D, row.dt, row.arch);
     const Problem p = problem_from_request(op, r);
     const Config c = op.tuning.heuristic(p);
     EXPECT_EQ(c.get("algo"), row.algo) << row.op << " " << row.arch << " D = " << row.D;
@@ -693,11 +623,7 @@ TEST(Mhc, PreForwardTakesTensorCoresFromSm80) {
     EXPECT_TRUE(op.tuning.valid(p, Config{{{"algo", 0}, {"threads", 128}, {"tokens", 1}}}, nullptr));  // selectable
   }
   const OpDef& op = Registry::global().get("mhc.pre.fwd");
-  CompileRequest r;
-  r.op = op.info.name;
-  r.dtype = DType::bf16;
-  r.arch = "sm_80";
-  r.params = {{"n", int64_t(4)}, {"D", int64_t(4095)}};
+  CompileRequest r = mhc_request(op.info.name, 4, 4095, DType::bf16, "sm_80");
   const Problem p = problem_from_request(op, r);
   const std::vector<std::pair<Config, const char*>> bad = {
       {Config{{{"algo", 1}, {"threads", 256}, {"tokens", 16}}}, "128 threads"},
@@ -729,11 +655,7 @@ TEST(Mhc, PreForwardTakesTensorCoresFromSm80) {
   for (const char* arch : {"sm_80", "sm_90"})
     for (auto [dt, n, D] : {std::tuple{DType::bf16, 3, 96}, std::tuple{DType::f16, 3, 33}, std::tuple{DType::f16, 3, 96},
                             std::tuple{DType::bf16, 7, 33}, std::tuple{DType::bf16, 4, 4096}}) {
-      CompileRequest q;
-      q.op = "mhc.pre.fwd";
-      q.dtype = dt;
-      q.arch = arch;
-      q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+      CompileRequest q = mhc_request("mhc.pre.fwd", n, D, dt, arch);
       q.config = op.tuning.heuristic(problem_from_request(op, q));
       for (const auto& rep : compile(q)) {
         EXPECT_TRUE(rep.kernel.find("mhc_pre_fwd_mma_kernel") != std::string::npos ||
@@ -750,39 +672,7 @@ TEST(Mhc, PreForwardTakesTensorCoresFromSm80) {
 
 namespace {
 
-struct DevBuf {
-  jit::DeviceBuffer mem;
-  size_t bytes;
-  explicit DevBuf(size_t b) : mem(std::max<size_t>(b, 16)), bytes(std::max<size_t>(b, 16)) {}
-  void* ptr() const { return mem.data(); }
-  void upload(const std::vector<float>& v) { CU_CHECK(cuMemcpyHtoD(mem.ptr, v.data(), v.size() * 4)); }
-  std::vector<float> download(size_t n) const {
-    std::vector<float> v(n);
-    CU_CHECK(cuMemcpyDtoH(v.data(), mem.ptr, n * 4));
-    return v;
-  }
-  void poison() { CU_CHECK(cuMemsetD8(mem.ptr, 0xFF, bytes)); }
-};
-
-// max |out - ref| / max |ref| (issue 34's measure).
-double max_rel(const std::vector<float>& out, const std::vector<double>& ref) {
-  double err = 0, scale = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    if (!std::isfinite(out[i])) return INFINITY;
-    err = std::max(err, std::abs(out[i] - ref[i]));
-    scale = std::max(scale, std::abs(ref[i]));
-  }
-  return err / std::max(scale, 1e-300);
-}
-
-std::vector<float> randn(std::mt19937_64& rng, size_t count, float scale) {
-  std::normal_distribution<float> nd;
-  std::vector<float> v(count);
-  for (auto& x : v) x = scale * nd(rng);
-  return v;
-}
-
-std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+using DevBuf = kspec::testing::FloatBuffer;
 
 // x [B, S, n, D] fp32 with rows padded to D + pad floats, as a strided view.
 TensorView padded(const DevBuf& b, std::vector<int64_t> shape, int64_t pad) {
@@ -1078,9 +968,9 @@ TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
   DevBuf xb(T * nd * 2), phib(M * nd * 4), ab(12), bb(M * 4), gb(nd * 4), yb(T * D * 2), hpre(T * n * 4),
       hpost(T * n * 4), rb(T * n * n * 4), invb(T * 4), hb(T * M * 4), dyb(T * D * 2), dhp(T * n * 4),
       drb(T * n * n * 4), dxpb(T * nd * 2);
-  CU_CHECK(cuMemcpyHtoD(xb.mem.ptr, x.data(), x.size() * 2));
-  CU_CHECK(cuMemcpyHtoD(dyb.mem.ptr, dy.data(), dy.size() * 2));
-  CU_CHECK(cuMemcpyHtoD(dxpb.mem.ptr, dxp.data(), dxp.size() * 2));
+  xb.upload(x.data(), x.size() * 2);
+  dyb.upload(dy.data(), dy.size() * 2);
+  dxpb.upload(dxp.data(), dxp.size() * 2);
   phib.upload(randn(rng, M * nd, 1.f / std::sqrt(float(nd))));
   ab.upload({0.7f, -0.5f, 1.3f});
   bb.upload(randn(rng, M, 0.5f));
@@ -1118,7 +1008,7 @@ TEST(MhcGpu, PreBackwardMmaAlgosAreBitwiseDeterministic) {
       std::vector<std::vector<uint8_t>> got;
       for (const DevBuf* o : {&dx, &dphi, &dalpha, &dbias, &dgamma}) {
         got.emplace_back(o->bytes);
-        CU_CHECK(cuMemcpyDtoH(got.back().data(), o->mem.ptr, o->bytes));
+        CU_CHECK(cuMemcpyDtoH(got.back().data(), o->p, o->bytes));
       }
       if (run == 0) {
         first = got;
@@ -1150,7 +1040,7 @@ std::vector<std::vector<uint8_t>> pre_fwd_bytes(const Config& config) {
   std::mt19937_64 rng(35);
   const auto x = to_bf16(randn(rng, T * nd, 1.f));
   DevBuf xb(T * nd * 2), phib(M * nd * 4), ab(12), bb(M * 4), gb(nd * 4);
-  CU_CHECK(cuMemcpyHtoD(xb.mem.ptr, x.data(), x.size() * 2));
+  xb.upload(x.data(), x.size() * 2);
   phib.upload(randn(rng, M * nd, 1.f / std::sqrt(float(nd))));
   ab.upload({0.7f, -0.5f, 1.3f});
   bb.upload(randn(rng, M, 0.5f));
@@ -1169,7 +1059,7 @@ std::vector<std::vector<uint8_t>> pre_fwd_bytes(const Config& config) {
   std::vector<std::vector<uint8_t>> out;
   for (const DevBuf* o : {&yb, &hpre, &hpost, &rb, &invb, &hb}) {
     out.emplace_back(o->bytes);
-    CU_CHECK(cuMemcpyDtoH(out.back().data(), o->mem.ptr, o->bytes));
+    CU_CHECK(cuMemcpyDtoH(out.back().data(), o->p, o->bytes));
   }
   return out;
 }
@@ -1365,11 +1255,7 @@ INSTANTIATE_TEST_SUITE_P(
 // dx_post, n 2 and pre_only n 8, at 32 and 16 tokens.
 TEST(Mhc, PreBackwardMmaFusedAheadRulesAndCompileWithoutSpills) {
   const OpDef& op = Registry::global().get("mhc.pre.bwd");
-  CompileRequest r;
-  r.op = "mhc.pre.bwd";
-  r.dtype = DType::bf16;
-  r.arch = "sm_90";
-  r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+  CompileRequest r = mhc_request("mhc.pre.bwd", 4, 4096);
   const Problem p = problem_from_request(op, r);
   std::string why;
   for (int64_t algo : {6, 7})
@@ -1411,11 +1297,7 @@ TEST(Mhc, PreBackwardMmaFusedAheadRulesAndCompileWithoutSpills) {
             std::tuple{"mhc.pre.bwd", DType::f16, 2, 256, 64, false},
             std::tuple{"mhc.pre_only.bwd", DType::f16, 8, 128, 16, false}}) {
         const OpDef& o = Registry::global().get(name);
-        CompileRequest q;
-        q.op = name;
-        q.dtype = dt;
-        q.arch = arch;
-        q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+        CompileRequest q = mhc_request(name, n, D, dt, arch);
         if (bare) q.without = {"gamma", "dx_post"};
         q.config = Config{{{"algo", algo}, {"threads", 128}, {"tokens", tokens}}};
         ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << " n " << n << ": " << why;

@@ -2,7 +2,7 @@
 // (templates/mhc/mhc_pre_decode.cuh), and save_stats. Without a GPU: the rules, the outputs without save_stats, and
 // the kernel compiling without spills. On a GPU: every case and the decode shapes against the float64 reference,
 // decode_rows the same bits as decode, the same bits at every run, on two streams at once and through CUDA graph
-// replays. (Helpers as test_mhc.cpp's, a small local copy.)
+// replays. (Helpers shared with test_mhc.cpp in mhc_test_util.h.)
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -16,76 +16,25 @@
 
 #include "api/src/device_data.h"
 #include "api/src/op.h"
+#include "device_buffer_test_util.h"
 #include "jit/driver.h"
 #include "jit/handles.h"
 #include "kspec/kspec.h"
 #include "mhc/reference.h"
+#include "mhc_test_util.h"
 #include "test_helpers.h"
 
 using namespace kspec;
+using kspec::testing::max_rel;
+using kspec::testing::mhc_request;
+using kspec::testing::PreArgs;
+using kspec::testing::randn;
+using kspec::testing::to_double;
+using kspec::testing::view;
 
 namespace {
 
-void* fake(uintptr_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + offset); }
-
-// A view of any rank from vectors (contiguous).
-TensorView view(void* p, DType dt, const std::vector<int64_t>& shape) {
-  TensorView t;
-  t.data = p;
-  t.dtype = dt;
-  t.rank = static_cast<int>(shape.size());
-  t.device = 0;
-  int64_t s = 1;
-  for (int i = t.rank - 1; i >= 0; --i) {
-    t.shape[i] = shape[i];
-    t.strides[i] = s;
-    s *= shape[i];
-  }
-  return t;
-}
-
-// pre.fwd inputs for x [lead..., n, D] (bf16) with the given phi rows, alpha size and gamma size.
-struct PreArgs {
-  std::vector<int64_t> lead = {3, 5};
-  int64_t n = 4, D = 40, M = 24, A = 3, G = 160;
-  DType dt = DType::bf16;
-  std::vector<TensorView> inputs() const {
-    std::vector<int64_t> xs = lead;
-    xs.insert(xs.end(), {n, D});
-    return {view(fake(), dt, xs), TensorView(fake(1 << 28), DType::f32, {M, n * D}, 0),
-            TensorView(fake(2 << 28), DType::f32, {A}, 0), TensorView(fake(3 << 28), DType::f32, {M}, 0),
-            G ? TensorView(fake(4 << 28), DType::f32, {G}, 0) : TensorView()};
-  }
-};
-
-struct DevBuf {
-  jit::DeviceBuffer mem;
-  size_t bytes;
-  explicit DevBuf(size_t b) : mem(std::max<size_t>(b, 16)), bytes(std::max<size_t>(b, 16)) {}
-  void* ptr() const { return mem.data(); }
-  void upload(const std::vector<float>& v) { CU_CHECK(cuMemcpyHtoD(mem.ptr, v.data(), v.size() * 4)); }
-  void poison() { CU_CHECK(cuMemsetD8(mem.ptr, 0xFF, bytes)); }
-};
-
-// max |out - ref| / max |ref| (issue 34's measure).
-double max_rel(const std::vector<float>& out, const std::vector<double>& ref) {
-  double err = 0, scale = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    if (!std::isfinite(out[i])) return INFINITY;
-    err = std::max(err, std::abs(out[i] - ref[i]));
-    scale = std::max(scale, std::abs(ref[i]));
-  }
-  return err / std::max(scale, 1e-300);
-}
-
-std::vector<float> randn(std::mt19937_64& rng, size_t count, float scale) {
-  std::normal_distribution<float> nd;
-  std::vector<float> v(count);
-  for (auto& x : v) x = scale * nd(rng);
-  return v;
-}
-
-std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+using DevBuf = kspec::testing::FloatBuffer;
 
 bool algo_is(const Config& c, int64_t algo) { return c.get("algo") == algo; }
 
@@ -97,11 +46,7 @@ bool algo_is(const Config& c, int64_t algo) { return c.get("algo") == algo; }
 // stack at n 4 (16-byte groups and not), n 8, pre_only n 8; decode_rows at n 1, 4, 8.
 TEST(Mhc, PreForwardDecodeRulesSaveStatsAndCompileWithoutSpills) {
   const OpDef& op = Registry::global().get("mhc.pre.fwd");
-  CompileRequest r;
-  r.op = "mhc.pre.fwd";
-  r.dtype = DType::bf16;
-  r.arch = "sm_90";
-  r.params = {{"n", int64_t(4)}, {"D", int64_t(4096)}};
+  const CompileRequest r = mhc_request("mhc.pre.fwd", 4, 4096);
   const Problem p = problem_from_request(op, r);
   const Config ok{{{"algo", 4}, {"threads", 256}, {"tokens", 1}}};
   std::string why;
@@ -154,11 +99,7 @@ TEST(Mhc, PreForwardDecodeRulesSaveStatsAndCompileWithoutSpills) {
         std::tuple{"mhc.pre_only.fwd", "sm_90", DType::f16, 8, 128, 4}, std::tuple{"mhc.pre.fwd", "sm_90", DType::bf16, 4, 4096, 5},
         std::tuple{"mhc.pre.fwd", "sm_90", DType::bf16, 1, 4096, 5}, std::tuple{"mhc.pre.fwd", "sm_90", DType::f16, 8, 128, 5}}) {
     const OpDef& o = Registry::global().get(name);
-    CompileRequest q;
-    q.op = name;
-    q.dtype = dt;
-    q.arch = arch;
-    q.params = {{"n", int64_t(n)}, {"D", int64_t(D)}};
+    CompileRequest q = mhc_request(name, n, D, dt, arch);
     q.config = Config{{{"algo", algo}, {"threads", 256}, {"tokens", 1}}};
     ASSERT_TRUE(o.tuning.valid(problem_from_request(o, q), *q.config, &why)) << name << ": " << why;
     for (const auto& rep : compile(q)) {
@@ -248,7 +189,7 @@ struct DecodeProblem {
     std::vector<unsigned char> xbytes;
     encode(dt, x, xbytes);
     xb = std::make_unique<DevBuf>(xbytes.size());
-    CU_CHECK(cuMemcpyHtoD(xb->mem.ptr, xbytes.data(), xbytes.size()));
+    xb->upload(xbytes.data(), xbytes.size());
     auto f32buf = [](const std::vector<double>& v) {
       auto b = std::make_unique<DevBuf>(v.size() * 4);
       if (!v.empty()) b->upload(std::vector<float>(v.begin(), v.end()));
@@ -296,7 +237,7 @@ struct DecodeProblem {
     std::vector<std::vector<uint8_t>> b;
     for (const auto& o : outs) {
       b.emplace_back(o->bytes);
-      CU_CHECK(cuMemcpyDtoH(b.back().data(), o->mem.ptr, o->bytes));
+      CU_CHECK(cuMemcpyDtoH(b.back().data(), o->p, o->bytes));
     }
     return b;
   }

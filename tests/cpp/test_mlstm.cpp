@@ -18,27 +18,23 @@
 #include "api/src/device_data.h"
 #include "api/src/kernels.h"
 #include "api/src/op.h"
+#include "device_buffer_test_util.h"
 #include "jit/driver.h"
 #include "kspec/kspec.h"
 #include "mlstm/reference.h"
 #include "mlstm/schema.h"
 #include "templates/mlstm/params.h"
+#include "precompile_test_util.h"
 #include "test_helpers.h"
 
 using namespace kspec;
+using kspec::testing::fake;
+using kspec::testing::max_rel;
+using kspec::testing::message_of;
+using kspec::testing::rel_err;
+using kspec::testing::to_double;
 
 namespace {
-
-void* fake(uintptr_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + offset); }
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // q, k, v, i, f, C0, n0, m0 for mlstm.chunkwise.fwd at fake addresses.
 std::vector<TensorView> chunk_inputs(int64_t B, int64_t NH, int64_t S, int64_t dk, int64_t dv, DType dt, bool init) {
@@ -527,30 +523,9 @@ TEST(Mlstm, DfErrorIsMeasuredAgainstItsTerms) {
 // Every case of every mlstm op compiles for sm_90 (bf16; the base case in every dtype) with the heuristic's
 // config, without spills or a stack frame.
 TEST(Mlstm, EveryCaseCompilesWithoutSpills) {
-  for (const char* name :
-       {"mlstm.step", "mlstm.chunkwise.fwd", "mlstm.chunkwise.bwd", "mlstm.parallel.fwd", "mlstm.parallel.bwd"}) {
-    const OpDef& op = Registry::global().get(name);
-    for (const auto& cs : op.cases) {
-      for (DType dt : op.dtypes) {
-        if (dt != DType::bf16 && cs.name != "base") continue;
-        CompileRequest r;
-        r.op = name;
-        r.dtype = dt;
-        r.arch = "sm_90";
-        r.without = cs.without;
-        r.tensor_dtypes = cs.tensor_dtypes;
-        for (const auto& [k, v] : cs.params.items()) r.params.set(k, v);
-        for (const auto& [k, v] : cs.dims)
-          if (k == "dhqk" || k == "dhhv") r.params.set(k, v);
-        auto reports = compile(r);
-        ASSERT_FALSE(reports.empty()) << name << " " << cs.name;
-        for (const auto& rep : reports) {
-          EXPECT_EQ(rep.spill_bytes, 0) << name << " " << cs.name << " " << dtype_short(dt) << ": " << rep.kernel;
-          EXPECT_EQ(rep.stack_bytes, 0) << name << " " << cs.name << " " << dtype_short(dt) << ": " << rep.kernel;
-        }
-      }
-    }
-  }
+  kspec::testing::expect_every_case_compiles(
+      {"mlstm.step", "mlstm.chunkwise.fwd", "mlstm.chunkwise.bwd", "mlstm.parallel.fwd", "mlstm.parallel.bwd"},
+      {"dhqk", "dhhv"});
 }
 
 // mlstm.chunkwise.bwd's algo=tc_fused and tc_merged (not the heuristic's choice, so not compiled above)
@@ -1029,32 +1004,7 @@ TEST(MlstmGpu, LogSigmoidAllDtypes) {
 
 namespace {
 
-struct DevBuf {
-  CUdeviceptr p = 0;
-  size_t bytes = 0;
-  explicit DevBuf(size_t b) : bytes(std::max<size_t>(b, 16)) { CU_CHECK(cuMemAlloc(&p, bytes)); }
-  ~DevBuf() { jit::driver().cuMemFree(p); }
-  void* ptr() const { return reinterpret_cast<void*>(p); }
-  void upload(const std::vector<float>& v) { CU_CHECK(cuMemcpyHtoD(p, v.data(), v.size() * 4)); }
-  std::vector<float> download(size_t n) const {
-    std::vector<float> v(n);
-    CU_CHECK(cuMemcpyDtoH(v.data(), p, n * 4));
-    return v;
-  }
-  void poison() { CU_CHECK(cuMemsetD8(p, 0xFF, bytes)); }
-};
-
-double rel_err(const std::vector<float>& out, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t j = 0; j < out.size(); ++j) {
-    if (!std::isfinite(out[j])) return INFINITY;
-    num += (out[j] - ref[j]) * (out[j] - ref[j]);
-    den += ref[j] * ref[j];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
-
-std::vector<double> to_double(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
+using DevBuf = kspec::testing::FloatBuffer;
 
 // fp32 inputs of one problem, on the host and the device.
 struct Problem32 {
@@ -1294,16 +1244,6 @@ TEST(MlstmGpu, LongSequencesInHalfPrecision) {
 
 namespace {
 
-double rel_max(const std::vector<float>& out, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t j = 0; j < out.size(); ++j) {
-    if (!std::isfinite(out[j])) return INFINITY;
-    num = std::max(num, std::abs(out[j] - ref[j]));
-    den = std::max(den, std::abs(ref[j]));
-  }
-  return num / std::max(den, 1e-300);
-}
-
 struct Grads32 {
   std::vector<float> dq, dk, dv, di, df, dC0;
 };
@@ -1377,13 +1317,13 @@ std::vector<float> randn_f(size_t n, uint64_t seed) {
 
 // Every gradient within the issue's fp32 tolerance (max|x - ref| / max|ref| <= 1e-3).
 void expect_grads(const Grads32& g, const ref::MlstmGrads& want, const std::string& what) {
-  EXPECT_LT(rel_max(g.dq, want.dq), 1e-3) << what << " dq";
-  EXPECT_LT(rel_max(g.dk, want.dk), 1e-3) << what << " dk";
-  EXPECT_LT(rel_max(g.dv, want.dv), 1e-3) << what << " dv";
-  EXPECT_LT(rel_max(g.di, want.di), 1e-3) << what << " di";
-  EXPECT_LT(rel_max(g.df, want.df), 1e-3) << what << " df";
+  EXPECT_LT(max_rel(g.dq, want.dq), 1e-3) << what << " dq";
+  EXPECT_LT(max_rel(g.dk, want.dk), 1e-3) << what << " dk";
+  EXPECT_LT(max_rel(g.dv, want.dv), 1e-3) << what << " dv";
+  EXPECT_LT(max_rel(g.di, want.di), 1e-3) << what << " di";
+  EXPECT_LT(max_rel(g.df, want.df), 1e-3) << what << " df";
   if (!want.dC0.empty()) {
-    EXPECT_LT(rel_max(g.dC0, want.dC0), 1e-3) << what << " dC0";
+    EXPECT_LT(max_rel(g.dC0, want.dC0), 1e-3) << what << " dC0";
   }
 }
 
@@ -1417,8 +1357,8 @@ TEST(MlstmGpu, DcLastReachesDf) {
   const std::vector<double> dC_d = to_double(dC_last);
   const Grads32 with = device_grads(pr, dh, &dC_last, true, 64), without = device_grads(pr, dh, nullptr, true, 64);
   const auto want = ref::mlstm_chunkwise_bwd_ref({B, NH, S, dk, dv}, pr.ref_inputs(true), to_double(dh), &dC_d, 64);
-  EXPECT_LT(rel_max(with.df, want.df), 1e-3);
-  EXPECT_GT(rel_max(without.df, want.df), 1e-2);
+  EXPECT_LT(max_rel(with.df, want.df), 1e-3);
+  EXPECT_GT(max_rel(without.df, want.df), 1e-2);
 }
 
 // accumulators_initialized (issue 29): S of 8 chunks; two calls with different inputs, every output
@@ -1551,7 +1491,7 @@ std::vector<std::vector<double>> forward16(const Problem32& pr, DType dt, int64_
 }
 
 double rel_max_d(const std::vector<double>& out, const std::vector<double>& ref) {
-  return rel_max(std::vector<float>(out.begin(), out.end()), ref);
+  return max_rel(std::vector<float>(out.begin(), out.end()), ref);
 }
 
 }  // namespace
@@ -1876,12 +1816,12 @@ TEST(MlstmGpu, PoisonedSharedMemoryNeverReachesOutputs) {
   CU_CHECK(cuCtxSynchronize());
   const ref::MlstmShape shape{B, NH, S, dk, dv};
   const auto want = ref::mlstm_chunkwise_fwd_ref(shape, pr.ref_inputs(true), chunk);
-  EXPECT_LT(rel_max(h.download(seqs * S * dv), want.h), 1e-4);
-  EXPECT_LT(rel_max(nrm.download(seqs * S), want.nrm), 1e-4);
-  EXPECT_LT(rel_max(mr.download(seqs * S), want.m), 1e-5);
-  EXPECT_LT(rel_max(C.download(seqs * dk * dv), want.C), 1e-4);
-  EXPECT_LT(rel_max(n.download(seqs * dk), want.n), 1e-4);
-  EXPECT_LT(rel_max(m.download(seqs), want.m_last), 1e-5);
+  EXPECT_LT(max_rel(h.download(seqs * S * dv), want.h), 1e-4);
+  EXPECT_LT(max_rel(nrm.download(seqs * S), want.nrm), 1e-4);
+  EXPECT_LT(max_rel(mr.download(seqs * S), want.m), 1e-5);
+  EXPECT_LT(max_rel(C.download(seqs * dk * dv), want.C), 1e-4);
+  EXPECT_LT(max_rel(n.download(seqs * dk), want.n), 1e-4);
+  EXPECT_LT(max_rel(m.download(seqs), want.m_last), 1e-5);
   const std::vector<double> dC_d = to_double(dC_last);
   const Grads32 g{dq.download(seqs * S * dk), dkb.download(seqs * S * dk), dvb.download(seqs * S * dv),
                   di.download(seqs * S), df.download(seqs * S), dC0.download(seqs * dk * dv)};

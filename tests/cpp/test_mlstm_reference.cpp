@@ -22,7 +22,9 @@ namespace {
 using kspec::testing::central_diff;
 using kspec::testing::dot;
 using kspec::testing::expect_grad_near;
+using kspec::testing::formula;
 using kspec::testing::random_nonzero;
+using kspec::testing::weighted;
 
 using kspec::ref::log_sigmoid;
 using kspec::ref::MlstmGrads;
@@ -90,6 +92,16 @@ std::pair<std::vector<double>, std::vector<double>> frozen_fwd(const MlstmShape&
 
 constexpr double kStep = 1e-6;
 
+// g's dq, dk, dv, di and df against central differences of loss through in's q, k, v, i and f.
+template <typename Loss>
+void expect_qkvif_grads_near(const MlstmGrads& g, Loss& loss, MlstmInputs& in, double noise) {
+  expect_grad_near(g.dq, central_diff(loss, in.q, kStep), noise, "dq");
+  expect_grad_near(g.dk, central_diff(loss, in.k, kStep), noise, "dk");
+  expect_grad_near(g.dv, central_diff(loss, in.v, kStep), noise, "dv");
+  expect_grad_near(g.di, central_diff(loss, in.i, kStep), noise, "di");
+  expect_grad_near(g.df, central_diff(loss, in.f, kStep), noise, "df");
+}
+
 // S, with initial states, with dC_last
 using FdParam = std::tuple<int64_t, bool, bool>;
 class MlstmReferenceFiniteDiff : public ::testing::TestWithParam<FdParam> {};
@@ -108,11 +120,7 @@ TEST_P(MlstmReferenceFiniteDiff, ConstantNmBackwardMatchesFrozenCentralDifferenc
   };
   const MlstmGrads g = kspec::ref::mlstm_recurrent_bwd_ref(s, in, dh, {with_dC ? &dC : nullptr}, false);
   const double noise = 1e-9;
-  expect_grad_near(g.dq, central_diff(loss, in.q, kStep), noise, "dq");
-  expect_grad_near(g.dk, central_diff(loss, in.k, kStep), noise, "dk");
-  expect_grad_near(g.dv, central_diff(loss, in.v, kStep), noise, "dv");
-  expect_grad_near(g.di, central_diff(loss, in.i, kStep), noise, "di");
-  expect_grad_near(g.df, central_diff(loss, in.f, kStep), noise, "df");
+  expect_qkvif_grads_near(g, loss, in, noise);
   if (with_init) {
     expect_grad_near(g.dC0, central_diff(loss, in.C0, kStep), noise, "dC0");
     EXPECT_EQ(g.dn0, std::vector<double>(in.n0.size(), 0.0));
@@ -151,11 +159,7 @@ TEST_P(MlstmReferenceFiniteDiff, ExactBackwardMatchesCentralDifferences) {
   if (with_up) up = {&dC, &dn, &dm};
   const MlstmGrads g = kspec::ref::mlstm_recurrent_bwd_ref(s, in, dh, up, true, eps);
   const double noise = 1e-9;
-  expect_grad_near(g.dq, central_diff(loss, in.q, kStep), noise, "dq");
-  expect_grad_near(g.dk, central_diff(loss, in.k, kStep), noise, "dk");
-  expect_grad_near(g.dv, central_diff(loss, in.v, kStep), noise, "dv");
-  expect_grad_near(g.di, central_diff(loss, in.i, kStep), noise, "di");
-  expect_grad_near(g.df, central_diff(loss, in.f, kStep), noise, "df");
+  expect_qkvif_grads_near(g, loss, in, noise);
   if (with_init) {
     expect_grad_near(g.dC0, central_diff(loss, in.C0, kStep), noise, "dC0");
     expect_grad_near(g.dn0, central_diff(loss, in.n0, kStep), noise, "dn0");
@@ -351,19 +355,6 @@ TEST(MlstmReference, RejectsBadSizes) {
                std::invalid_argument);
   EXPECT_THROW(kspec::ref::mlstm_chunkwise_bwd_ref(s, good, std::vector<double>(7, 0.5), nullptr, 2),
                std::invalid_argument);
-}
-
-// The inputs the pinned test uses on both sides: scale * sin(0.37 j + c), j = 0..n-1.
-std::vector<double> formula(int64_t n, double c, double scale, double shift = 0.0) {
-  std::vector<double> v(n);
-  for (int64_t j = 0; j < n; ++j) v[j] = scale * std::sin(0.37 * static_cast<double>(j) + c) + shift;
-  return v;
-}
-
-double weighted(const std::vector<double>& a) {
-  double r = 0.0;
-  for (size_t j = 0; j < a.size(); ++j) r += a[j] * std::cos(static_cast<double>(j));
-  return r;
 }
 
 // tests/python/test_reference_mlstm.py computes the same numbers (PINNED) with the NumPy reference.

@@ -10,10 +10,9 @@
 #include "test_helpers.h"
 
 using namespace kspec;
+using kspec::testing::fake;
 
 namespace {
-
-void* fake(uintptr_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + offset); }
 
 // The message of the InvalidArgument that `f` throws, or "" (a failure) when it throws none.
 template <class F>

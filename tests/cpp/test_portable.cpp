@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <optional>
 
+#include "env_test_util.h"
 #include "jit/base/hash.h"
 #include "jit/cuda_libs.h"
 #include "jit/nvrtc.h"
@@ -16,23 +17,7 @@ using namespace kspec;
 
 namespace {
 
-// Sets (or unsets, with nullopt) an environment variable for a scope.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const std::optional<std::string>& value) : name_(name) {
-    if (const char* old = ::getenv(name)) old_ = old;
-    if (value) ::setenv(name, value->c_str(), 1);
-    else ::unsetenv(name);
-  }
-  ~ScopedEnv() {
-    if (old_) ::setenv(name_, old_->c_str(), 1);
-    else ::unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using kspec::testing::ScopedEnv;
 
 // Restores pip's nvidia directories after a test replaces them.
 struct ScopedNvidiaDirs {

@@ -12,19 +12,7 @@
 #include "test_helpers.h"
 
 using namespace kspec;
-
-namespace {
-
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
-}  // namespace
+using kspec::testing::message_of;
 
 TEST(PrepareCall, ValidatesAsCallDoes) {
   auto* p = reinterpret_cast<void*>(uintptr_t(0x7f0000000000));

@@ -9,10 +9,9 @@
 #include "test_helpers.h"
 
 using namespace kspec;
+using kspec::testing::fake;
 
 namespace {
-
-void* fake(uintptr_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + offset); }
 
 struct FwdArgs {
   TensorView x{fake(), DType::bf16, {4, 3, 1024}, 0};

@@ -19,10 +19,9 @@
 #include "test_helpers.h"
 
 using namespace kspec;
+using kspec::testing::fake;
 
 namespace {
-
-void* fake(uintptr_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + offset); }
 
 // A bf16 scan, batch 2, dim 8, seqlen 100, dstate 4; B and C variable with `groups` groups.
 struct ScanArgs {

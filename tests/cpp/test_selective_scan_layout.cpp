@@ -19,10 +19,9 @@
 #include "test_helpers.h"
 
 using namespace kspec;
+using kspec::testing::fake;
 
 namespace {
-
-void* fake(uintptr_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000) + offset); }
 
 // A [batch, dim, seqlen] view of [batch, seqlen, dim] memory, and a variable B/C likewise.
 TensorView time_major(void* p, DType dt, int64_t b, int64_t d, int64_t l) {

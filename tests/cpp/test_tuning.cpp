@@ -350,6 +350,20 @@ std::string algo_text(const std::string& prefix) {
   return c.str();
 }
 
+// gemm's three inputs from host, bf16 in new device buffers appended to bufs; their views.
+std::vector<kspec::TensorView> upload_bf16_inputs(const std::vector<kspec::HostTensor>& host,
+                                                  std::vector<kspec::DeviceBuffer>& bufs) {
+  std::vector<kspec::TensorView> in(3);
+  std::vector<unsigned char> bytes;
+  for (size_t i = 0; i < 3; ++i) {
+    kspec::encode(kspec::DType::bf16, host[i].data, bytes);
+    bufs.emplace_back(bytes.size());
+    CU_CHECK(cuMemcpyHtoD(bufs.back().ptr, bytes.data(), bytes.size()));
+    in[i] = kspec::view_of(bufs.back().ptr, kspec::DType::bf16, host[i].shape, 0);
+  }
+  return in;
+}
+
 }  // namespace
 
 TEST(GemmTuning, AlgoConfigRoundTripsThroughTheConfigText) {
@@ -618,14 +632,7 @@ TEST(GpuTuning, GemmTuneIsRecordedUsedByDispatchAndMatchesTheReference) {
   kspec::Problem p = kspec::problem_from_request(op, req);
   auto host = kspec::random_inputs(op, p, 7);
   std::vector<kspec::DeviceBuffer> bufs;
-  std::vector<kspec::TensorView> in(3), out(2);
-  std::vector<unsigned char> bytes;
-  for (size_t i = 0; i < 3; ++i) {
-    kspec::encode(kspec::DType::bf16, host[i].data, bytes);
-    bufs.emplace_back(bytes.size());
-    CU_CHECK(cuMemcpyHtoD(bufs.back().ptr, bytes.data(), bytes.size()));
-    in[i] = kspec::view_of(bufs.back().ptr, kspec::DType::bf16, host[i].shape, 0);
-  }
+  std::vector<kspec::TensorView> in = upload_bf16_inputs(host, bufs), out(2);
   std::vector<int64_t> yshape = {1, 1000, 768};
   bufs.emplace_back(1000 * 768 * 2);
   out[0] = kspec::view_of(bufs.back().ptr, kspec::DType::bf16, yshape, 0);
@@ -651,14 +658,7 @@ TEST(GpuTuning, AnAlgorithmCuBlasLtRefusesFallsBackToTheHeuristic) {
   kspec::Problem p = kspec::problem_from_request(op, req);
   auto host = kspec::random_inputs(op, p, 3);
   std::vector<kspec::DeviceBuffer> bufs;
-  std::vector<kspec::TensorView> in(3), out(2);
-  std::vector<unsigned char> bytes;
-  for (size_t i = 0; i < 3; ++i) {
-    kspec::encode(kspec::DType::bf16, host[i].data, bytes);
-    bufs.emplace_back(bytes.size());
-    CU_CHECK(cuMemcpyHtoD(bufs.back().ptr, bytes.data(), bytes.size()));
-    in[i] = kspec::view_of(bufs.back().ptr, kspec::DType::bf16, host[i].shape, 0);
-  }
+  std::vector<kspec::TensorView> in = upload_bf16_inputs(host, bufs), out(2);
   bufs.emplace_back(64 * 64 * 2);
   out[0] = kspec::view_of(bufs.back().ptr, kspec::DType::bf16, {1, 64, 64}, 0);
   // A well-formed record of an algorithm id no cuBLASLt has: explain and the launch both fall back.

@@ -57,6 +57,24 @@ struct NormActCall {
   }
 };
 
+// norm_act.fwd on ins, outs, params (a's stream) is refused: an InvalidArgument whose message holds `says`.
+void expect_call_refused(const NormActCall& a, const std::vector<TensorView>& ins, const std::vector<TensorView>& outs,
+                         const Params& params, const std::string& says) {
+  try {
+    call("norm_act.fwd", ins, outs, params, a.stream);
+    FAIL() << "accepted; expected: " << says;
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+  }
+}
+
+// a's own call, after refused ones, still runs: one launch.
+void expect_call_launches_once(const NormActCall& a) {
+  const long launches = mock_launches();
+  call("norm_act.fwd", a.ins, a.outs, a.params, a.stream);
+  EXPECT_EQ(mock_launches() - launches, 1);
+}
+
 class HostPath : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -244,24 +262,11 @@ TEST_F(HostPath, CallHitStillChecksPointers) {
   call("norm_act.fwd", a.ins, a.outs, a.params, a.stream);
   std::vector<TensorView> null_x = a.ins;
   null_x[0].data = nullptr;
-  try {
-    call("norm_act.fwd", null_x, a.outs, a.params, a.stream);
-    FAIL() << "a null x was accepted";
-  } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("'x'"), std::string::npos) << e.what();
-  }
+  expect_call_refused(a, null_x, a.outs, a.params, "'x'");
   std::vector<TensorView> aliased = a.outs;
   aliased[0].data = a.ins[0].data;  // y over x
-  try {
-    call("norm_act.fwd", a.ins, aliased, a.params, a.stream);
-    FAIL() << "y sharing x's memory was accepted";
-  } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("'y'"), std::string::npos) << e.what();
-  }
-  // And the good call still runs after them.
-  const long launches = mock_launches();
-  call("norm_act.fwd", a.ins, a.outs, a.params, a.stream);
-  EXPECT_EQ(mock_launches() - launches, 1);
+  expect_call_refused(a, a.ins, aliased, a.params, "'y'");
+  expect_call_launches_once(a);  // the good call still runs after them
 }
 
 // A second thread hits the same cached call concurrently with the first (bounded: 2 threads x 200).
@@ -292,15 +297,8 @@ TEST_F(HostPath, RepeatThatDiffersLateStillChecksOverlapAfterwards) {
   strided_outs[0] = TensorView::strided(b.outs[0].data, DType::f32, {4, 256}, {512, 1}, 0);
   call("norm_act.fwd", x_from_y, strided_outs, a.params, a.stream);
   // the same inputs, a's outputs: y is x's memory
-  try {
-    call("norm_act.fwd", x_from_y, a.outs, a.params, a.stream);
-    FAIL() << "y sharing x's memory was accepted";
-  } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("'y'"), std::string::npos) << e.what();
-  }
-  const long launches = mock_launches();
-  call("norm_act.fwd", a.ins, a.outs, a.params, a.stream);
-  EXPECT_EQ(mock_launches() - launches, 1);
+  expect_call_refused(a, x_from_y, a.outs, a.params, "'y'");
+  expect_call_launches_once(a);
 }
 
 // Runs of one bound call from two threads take turns (a flag, not a mutex): every launch passes the
@@ -374,16 +372,8 @@ TEST_F(HostPath, NormActWithoutStats) {
   call("norm_act.fwd", a.ins, y_only, no_stats, a.stream);
   call("norm_act.fwd", a.ins, y_only, no_stats, a.stream);  // the cache hit
   EXPECT_EQ(mock_launches() - launches, 2);
-  auto expect_refused = [&](const std::vector<TensorView>& outs, const Params& p, const std::string& says) {
-    try {
-      call("norm_act.fwd", a.ins, outs, p, a.stream);
-      FAIL() << "accepted; expected: " << says;
-    } catch (const InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
-    }
-  };
-  expect_refused(a.outs, no_stats, "output 'mean' must be None when 'save_stats' is false");
-  expect_refused(y_only, a.params, "output 'mean' is required when 'save_stats' is true");
+  expect_call_refused(a, a.ins, a.outs, no_stats, "output 'mean' must be None when 'save_stats' is false");
+  expect_call_refused(a, a.ins, y_only, a.params, "output 'mean' is required when 'save_stats' is true");
 }
 
 // What the torch extension asks before each call that allocates its outputs: a repeated signature,

@@ -1,5 +1,5 @@
 """pytest setup: a private kernel cache per session, the gpu marker (skipped without a CUDA GPU), and
-shared helpers (tolerances by dtype, relative error)."""
+the recorder fixture of the optimizer tests; shared helpers (tolerances by dtype, relative error) are in helpers.py."""
 import os
 import tempfile
 
@@ -28,3 +28,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+class Recorder:
+    """kspec.optim's native BoundCall stand-in: records each bind (Recorder.binds) and its runs' params."""
+
+    binds = []
+
+    def __init__(self, op, inputs, outputs, params):
+        assert op == "adamw"
+        self.inputs, self.outputs, self.params = inputs, outputs, params
+        self.runs = []
+        Recorder.binds.append(self)
+
+    def run(self, params, outputs, stream):
+        self.runs.append(dict(params))
+
+    def idle(self):
+        return True
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """kspec.optim binds and runs Recorders instead of kernels (test_optim_cache.py, test_dropin_optim.py)."""
+    import kspec.optim
+
+    Recorder.binds = []
+    monkeypatch.setattr(kspec.optim, "_C", type("C", (), {"BoundCall": Recorder}))
+    monkeypatch.setattr(kspec.optim, "current_stream", lambda *a: 0)
+    return Recorder

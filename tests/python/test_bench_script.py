@@ -730,6 +730,12 @@ def test_difflogic_layer_configs_compile(families):
                                                       config=dl.STAGED_FWD.format(c), save_xt=True)]
         assert kernels[1] == f"kspec::difflogic_fwd_staged_cluster_kernel<float, 1024, {c}>", kernels
         assert kernels[-1] == "kspec::difflogic_transpose_kernel<float, 256, 64>", kernels
+    # h-dl11's row: the hybrid forward (its own tables kernel with the packed wires), xt by the transpose.
+    kernels = [r["kernel"] for r in kspec.compile("difflogic.layer.fwd", dtype="f32", arch="sm_90",
+                                                  config=dl.HYBRID_FWD, save_xt=True)]
+    assert kernels == ["kspec::difflogic_tables_wires_kernel<false, 256>",
+                       "kspec::difflogic_fwd_hybrid_kernel<float, 1024>",
+                       "kspec::difflogic_transpose_kernel<float, 256, 64>"], kernels
 
 
 def test_difflogic_packed_net_configs_compile(families):

@@ -11,15 +11,14 @@ import sys
 
 import pytest
 
+import helpers
+
 import kspec
 from kspec import cli as kcli
 
 
 def run(*args, env=None, timeout=600):
-    e = dict(os.environ)
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "kspec", *args], capture_output=True, text=True, env=e,
-                          timeout=timeout)
+    return helpers.cli(*args, env=env, check=False, timeout=timeout)
 
 
 def inproc(capsys, *args):

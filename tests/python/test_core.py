@@ -2,21 +2,12 @@
 Python exceptions, the disk cache seen from a second process, precompile from a file, cache commands."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from helpers import cli
+
 import kspec
-
-
-def cli(*args, env=None, check=True):
-    e = dict(os.environ)
-    e.update(env or {})
-    r = subprocess.run([sys.executable, "-m", "kspec", *args], capture_output=True, text=True, env=e)
-    if check:
-        assert r.returncode == 0, r.stdout + r.stderr
-    return r
 
 
 def test_registry_lists_ops_with_schema():

@@ -253,3 +253,40 @@ def test_staged_option_is_auto_where_staging_does_not_pay(monkeypatch):
     assert _difflogic.feature_major(y) and CALLS["difflogic.transpose"] == 1
     with torch.no_grad():
         assert _difflogic.feature_major(_layer(x, logits, a, b, row_major="staged"))
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_no_grad_hybrid_forward_where_staging_does_not_pay(monkeypatch, hybrid):
+    """With HYBRID_IN_AUTO (off until the H100 times it), "auto" without a gradient where staging does not pay
+    runs the row-major forward op at config stage 8 (the hybrid kernel: x read once, y row-major, no transpose);
+    with it off, the transpose path. Training, and x where staging pays, are unchanged; the same values."""
+    monkeypatch.setattr(_difflogic, "stage_pays", lambda x: False)
+    monkeypatch.setattr(_difflogic, "HYBRID_IN_AUTO", hybrid)
+    configs = []
+
+    def recording_call(op, *args, **params):
+        configs.append((op, params.get("config")))
+        return reference_call(op, *args, **params)
+
+    monkeypatch.setattr(_difflogic, "call", recording_call)
+    g = torch.Generator().manual_seed(9)
+    x = torch.rand(9, 7, generator=g)
+    logits = torch.randn(12, 16, generator=g).requires_grad_()
+    a, b = _wiring(g, 7, 12)
+    with torch.no_grad():
+        y = _layer(x, logits, a, b)
+    assert CALLS["difflogic.transpose"] == (0 if hybrid else 1)
+    assert (("difflogic.layer.fwd", _difflogic.HYBRID_FWD_CONFIG) in configs) == hybrid
+    assert y.is_contiguous() if hybrid else _difflogic.feature_major(y)
+    want = dl_ref.layer_fwd(_np(x), _np(logits), a.numpy(), b.numpy())
+    assert np.allclose(_np(y), want, rtol=1e-6, atol=1e-6)
+    CALLS.clear()
+    configs.clear()
+    _layer(x, logits, a, b)  # training: the transpose path either way
+    assert CALLS["difflogic.transpose"] == 1 and ("difflogic.layer.fwd", _difflogic.HYBRID_FWD_CONFIG) not in configs
+    monkeypatch.setattr(_difflogic, "stage_pays", lambda x: True)
+    CALLS.clear()
+    configs.clear()
+    with torch.no_grad():  # staging pays: the staged kernel's default config
+        _layer(x, logits, a, b)
+    assert CALLS["difflogic.transpose"] == 0 and ("difflogic.layer.fwd", _difflogic.HYBRID_FWD_CONFIG) not in configs

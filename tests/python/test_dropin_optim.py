@@ -1,6 +1,6 @@
 """kspec.optim.AdamW as a drop-in for torch.optim.AdamW: every argument of torch's signature is taken
 (honoured, recorded, or refused with a clear error), and state dicts move both ways. Without a GPU the
-kernel is replaced by a recorder (as in test_optim_cache.py) to check what a step would launch and the
+kernel is replaced by a recorder (conftest.py's, as in test_optim_cache.py) to check what a step would launch and the
 state dicts' structure; on a GPU the numerics against torch across a state-dict hand-over either way."""
 import copy
 import inspect
@@ -11,15 +11,6 @@ import pytest
 torch = pytest.importorskip("torch")
 import kspec  # noqa: E402
 import kspec.optim  # noqa: E402
-from test_optim_cache import Recorder  # noqa: E402
-
-
-@pytest.fixture
-def recorder(monkeypatch):
-    Recorder.binds = []
-    monkeypatch.setattr(kspec.optim, "_C", type("C", (), {"BoundCall": Recorder}))
-    monkeypatch.setattr(kspec.optim, "current_stream", lambda *a: 0)
-    return Recorder
 
 
 def params(n=3, seed=0, dtype=torch.float32, device="cpu"):

@@ -1,40 +1,13 @@
 """mhc.pre.fwd's algo=decode (4) and decode_rows (5), the one-launch forward for few tokens, from Python on a GPU:
 against the float64 NumPy reference, save_stats=False (no inv, no h; the other outputs the same bits), the same bits
 at every call and from decode_rows, and torch.cuda.graph replays giving the eager bits."""
-import numpy as np
 import pytest
 
-from helpers import TOL, load_reference
+from helpers import TOL, load_reference, max_rel, mhc_layer_inputs, to_np, torch_or_skip
 
 import kspec
 
 ref = load_reference("mhc")
-
-
-def _torch():
-    return pytest.importorskip("torch")
-
-
-def _np(t):
-    return None if t is None else t.detach().double().cpu().numpy()
-
-
-def _max_rel(out, want):
-    """max |out - ref| / max |ref| (issue 34's measure)."""
-    out, want = _np(out), np.asarray(want)
-    return float(np.abs(out - want).max() / max(np.abs(want).max(), 1e-300))
-
-
-def _layer_inputs(B, S, n, D, dtype, seed):
-    t = _torch()
-    g = t.Generator(device="cpu").manual_seed(seed)
-    M = n * n + 2 * n
-    x = t.randn(B, S, n, D, generator=g).to(dtype).cuda()
-    phi = (t.randn(M, n * D, generator=g) / (n * D) ** 0.5).cuda()
-    alpha = t.tensor([0.8, -0.6, 1.1]).cuda()
-    bias = (0.5 * t.randn(M, generator=g)).cuda()
-    gam = (1 + 0.3 * t.randn(n * D, generator=g)).cuda()
-    return x, phi, alpha, bias, gam
 
 
 DECODE = "algo=4,threads=256,tokens=1"
@@ -48,14 +21,14 @@ def test_decode_algo_matches_reference_without_saved_stats_too(T, n, D, dtype_na
     """mhc.pre.fwd at algo=decode on [1, T, n, D]: every output against the float64 reference (fp32 outputs 1e-5:
     exact fp32 FMAs); with save_stats=False inv and h are absent (None) and the other outputs the same bits; a
     second call the same bits again, and algo=decode_rows too."""
-    t = _torch()
+    t = torch_or_skip()
     dtype = getattr(t, dtype_name)
-    x, phi, alpha, bias, gam = _layer_inputs(1, T, n, D, dtype, seed=T * 10 + n)
+    x, phi, alpha, bias, gam = mhc_layer_inputs(1, T, n, D, dtype, seed=T * 10 + n)
     outs = kspec.call("mhc.pre.fwd", x, phi, alpha, bias, gam, config=DECODE)
-    want = ref.mhc_pre_fwd(_np(x).reshape(T, n, D), _np(phi), _np(alpha), _np(bias), _np(gam))
+    want = ref.mhc_pre_fwd(to_np(x).reshape(T, n, D), to_np(phi), to_np(alpha), to_np(bias), to_np(gam))
     for name, got in zip(("y", "h_pre", "h_post", "r", "inv", "h"), outs):
         tol = TOL[dtype_name] if name == "y" else 1e-5
-        assert _max_rel(got.reshape(want[name].shape), want[name]) <= tol, name
+        assert max_rel(got.reshape(want[name].shape), want[name]) <= tol, name
     lean = kspec.call("mhc.pre.fwd", x, phi, alpha, bias, gam, config=DECODE, save_stats=False)
     assert lean[4] is None and lean[5] is None
     for a, b in zip(outs[:4], lean[:4]):
@@ -71,8 +44,8 @@ def test_decode_algo_in_a_cuda_graph_replays_the_eager_bits():
     """torch.cuda.graph captures kspec.call at algo=decode (its counters zeroed by a memset node in the graph and
     left zero by the kernel); two replays into poisoned outputs give the eager call's bits, and so does an eager
     call after them (the stream's own counters untouched)."""
-    t = _torch()
-    x, phi, alpha, bias, gam = _layer_inputs(1, 8, 4, 4096, t.bfloat16, seed=7)
+    t = torch_or_skip()
+    x, phi, alpha, bias, gam = mhc_layer_inputs(1, 8, 4, 4096, t.bfloat16, seed=7)
     eager = kspec.call("mhc.pre.fwd", x, phi, alpha, bias, gam, config=DECODE, save_stats=False)[:4]
     outs = tuple(t.empty_like(o) for o in eager)
     kspec.call("mhc.pre.fwd", x, phi, alpha, bias, gam, config=DECODE, save_stats=False,

@@ -9,16 +9,15 @@ import sys
 
 import pytest
 
+import helpers
+
 import kspec
 
 COMPILE = ["compile", "norm_act.fwd", "--dtype", "bf16", "--param", "hidden=64"]
 
 
 def cli(*args, env=None, timeout=120):
-    e = dict(os.environ)
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "kspec", *args], capture_output=True, text=True, env=e,
-                          timeout=timeout)
+    return helpers.cli(*args, env=env, check=False, timeout=timeout)
 
 
 def assert_clean_failure(r, *fragments):

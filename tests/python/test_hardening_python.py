@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+import helpers
+
 import kspec
 from kspec import _C
 
@@ -433,9 +435,7 @@ def test_errors_from_cpp_are_caught_as_kspec_error():
 
 
 def cli(*args, env=None):
-    e = dict(os.environ)
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "kspec", *args], capture_output=True, text=True, env=e, timeout=120)
+    return helpers.cli(*args, env=env, check=False, timeout=120)
 
 
 def assert_clean_error(r, fragment):

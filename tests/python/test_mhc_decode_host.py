@@ -4,14 +4,11 @@ extension and kspec::call, kernels compiled but not run), with algo=decode route
 process's own (tools/bench/dispatch.py --mhc-decode's way): without a gradient, one launch and the four public
 outputs as the only allocations (save_stats=False: no inv, no h); with one, one launch too; the counters'
 buffer allocated and zeroed once, at the first call on the stream, never per call."""
-import os
-import subprocess
-import sys
-
 import pytest
 
+from helpers import run_on_mock_driver
+
 torch = pytest.importorskip("torch")
-from kspec import _native  # noqa: E402
 
 _BODY = r"""
 import collections, ctypes, json
@@ -60,14 +57,7 @@ print("ok")
 
 
 def test_warm_decode_call_is_one_launch_and_four_allocations():
-    include = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
-    if _native.ext is None or not os.path.exists(os.path.join(include, "cuda.h")):
-        pytest.skip("needs the torch extension and the CUDA toolkit's cuda.h (for the mock driver)")
-    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench")
-    prelude = (f"import os, sys\nsys.path.insert(0, {tools!r})\nimport dispatch_host as dh\n"
-               f"mock, shim = dh.build({include!r})\ndh.select(mock)\n")
-    r = subprocess.run([sys.executable, "-c", prelude + _BODY], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    r = run_on_mock_driver(_BODY)
     import json
 
     got = json.loads(r.stdout.strip().splitlines()[-2])

@@ -10,30 +10,6 @@ import kspec  # noqa: E402
 import kspec.optim  # noqa: E402
 
 
-class Recorder:
-    binds = []
-
-    def __init__(self, op, inputs, outputs, params):
-        assert op == "adamw"
-        self.inputs, self.outputs, self.params = inputs, outputs, params
-        self.runs = []
-        Recorder.binds.append(self)
-
-    def run(self, params, outputs, stream):
-        self.runs.append(dict(params))
-
-    def idle(self):
-        return True
-
-
-@pytest.fixture
-def recorder(monkeypatch):
-    Recorder.binds = []
-    monkeypatch.setattr(kspec.optim, "_C", type("C", (), {"BoundCall": Recorder}))
-    monkeypatch.setattr(kspec.optim, "current_stream", lambda *a: 0)
-    return Recorder
-
-
 def make(n=5, seed=0, **kw):
     g = torch.Generator().manual_seed(seed)
     ps = [torch.nn.Parameter(torch.randn(3 + i, 2, generator=g)) for i in range(n)]

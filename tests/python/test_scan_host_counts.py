@@ -6,31 +6,12 @@ built for kernels not yet loaded would count; the call cache's hits and misses a
 gradients as 11 allocations and no fill or copy, and the same Python path at every shape. The H100's fwd+bwd
 "ev" at 1x2048x512 and 16x768x256 was ~130 µs over 2x4096x333's (tools/bench/NOTES.md): this pins that kspec's
 and autograd's host work does not depend on the shape (tools/gpu/profile_scan_host.py looks at the rest)."""
-import os
-import subprocess
-import sys
-
 import pytest
 
+from helpers import run_on_mock_driver
+
 torch = pytest.importorskip("torch")
-from kspec import _native  # noqa: E402
 
-
-def _run_on_mock(body: str, defs: str = ""):
-    """Runs `body` in a fresh Python on the mock CUDA driver (tools/bench/dispatch_host.py builds it and its shim;
-    the body installs the shim after importing torch) with `defs` (Python source) before it; the names it
-    starts with: os, sys, ctypes, dh (dispatch_host), gpu_tools (tools/gpu's path), mock and shim (the built
-    libraries). Skips without the torch extension or cuda.h; asserts the body exited 0 and printed "ok" last."""
-    include = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
-    if _native.ext is None or not os.path.exists(os.path.join(include, "cuda.h")):
-        pytest.skip("needs the torch extension and the CUDA toolkit's cuda.h (for the mock driver)")
-    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench")
-    gpu_tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "gpu")
-    prelude = (f"import ctypes, os, sys\nsys.path.insert(0, {tools!r})\nimport dispatch_host as dh\n"
-               f"gpu_tools = {gpu_tools!r}\nmock, shim = dh.build({include!r})\ndh.select(mock)\n")
-    r = subprocess.run([sys.executable, "-c", prelude + defs + body], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:] + r.stdout[-2000:]
-    return r
 
 _BODY = r"""
 import collections, ctypes, json
@@ -119,7 +100,7 @@ SHAPES = {(2, 4096, 333): 3, (1, 2048, 512): 4, (16, 768, 256): 3}
 
 
 def test_warm_scan_step_host_work_does_not_depend_on_the_shape():
-    r = _run_on_mock(_BODY, f"SHAPES = {list(SHAPES)!r}\n")
+    r = run_on_mock_driver(_BODY, f"SHAPES = {list(SHAPES)!r}\n")
     import json
 
     got = json.loads(r.stdout.strip().splitlines()[-2])
@@ -185,7 +166,7 @@ print("ok")
 def test_probe_runs_on_the_mock_driver():
     """profile_scan_host.py --probe end to end on the mock driver (CPU tensors, torch.cuda's timing calls
     stubbed): every row prints, the empty kernel is launched through the driver (ctypes), and the steps run."""
-    r = _run_on_mock(_PROBE)
+    r = run_on_mock_driver(_PROBE)
     rows = r.stdout.splitlines()
     for name in ("python no-op", "raw cuLaunchKernel, empty kernel", "kspec.call fwd, out given",
                  "kspec.call bwd, out given"):

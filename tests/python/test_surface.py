@@ -10,7 +10,7 @@ kernels for every family is test_gpu_surface.py."""
 import numpy as np
 import pytest
 
-from helpers import case_inputs, rel_err
+from helpers import case_inputs, inferred_outputs, rel_err, tensor_descs
 
 torch = pytest.importorskip("torch")
 import kspec  # noqa: E402
@@ -72,21 +72,6 @@ def _fake_inputs(info, case, device="cuda"):
             for sh, dt in zip(shapes, dtypes)]
 
 
-def _descs(tensors):
-    descs, ptr = [], 1 << 32
-    for t in tensors:
-        if t is None:
-            descs.append(None)
-            continue
-        descs.append((ptr, str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()), 0))
-        ptr += 1 << 30
-    return descs
-
-
-def _want(op, tensors, params):
-    return [None if s is None else (s[0], tuple(s[1])) for s in _C.infer_outputs(op, _descs(tensors), params)]
-
-
 def _got(outs):
     return [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in outs]
 
@@ -116,8 +101,8 @@ def test_schema_fakes_match_infer_outputs_on_every_case(name):
                 if tensors is None:
                     continue
                 outs = custom(*tensors, *_params(s, case, which))
-            want = _want(op, [None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
-                              for t in tensors], case["params"])
+            want = inferred_outputs(op, [None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
+                                         for t in tensors], case["params"])
             for o, w, d in zip(outs, want, info["outputs"]):
                 assert o.device.type == "cuda"
                 if w is not None:
@@ -143,8 +128,8 @@ def test_linear_fake_matches_gemm_on_every_case():
             p = case["params"]
             w = tensors[1].reshape(tensors[1].shape[-2:])
             y, pre = s.fwd_op(tensors[0], w, tensors[2], p.get("act", "none"), bool(p.get("tf32", False)))
-        want = _want("gemm", [None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
-                              for t in tensors], p)
+        want = inferred_outputs("gemm", [None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
+                                         for t in tensors], p)
         assert _got([y]) == [want[0]], case["name"]
         assert pre.numel() == 0 or _got([pre]) == [want[0]]
         checked += 1
@@ -166,8 +151,8 @@ def test_e79_fake_matches_infer_outputs_on_every_case():
             chunk = case["params"].get("chunk", 16)
             out, S, M, chk = s.fwd_op(kvqm, b_s if fixed else None, b_m if fixed else None, S0, M0, n, mode,
                                       chunk, None, True)
-        want = _want("e79.fwd", [None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
-                                 for t in tensors], case["params"])
+        want = inferred_outputs("e79.fwd", [None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
+                                            for t in tensors], case["params"])
         assert _got([out, S, M]) == want[:3], case["name"]
         T, B = k.shape[:2]
         assert tuple(chk.shape) == (B, -(-T // chunk), 2, n, n), case["name"]
@@ -324,5 +309,5 @@ def test_schema_outputs_follow_a_bool_param():
         ("float32", (4, 16)), ("float32", (4,)), ("float32", (4,))]
     assert _schema.output_specs("norm_act.fwd", shapes, dtypes, params={"save_stats": False}) == [
         ("float32", (4, 16)), None, None]
-    descs = _descs([torch.empty(4, 16), torch.empty(16), None])
+    descs = tensor_descs([torch.empty(4, 16), torch.empty(16), None])
     assert [s is not None for s in _C.infer_outputs("norm_act.fwd", descs, {"save_stats": False})] == [True, False, False]

@@ -8,7 +8,7 @@ reference's outputs and gradients; errors name the argument. The GPU twin: test_
 import numpy as np
 import pytest
 
-from helpers import case_inputs
+from helpers import case_inputs, inferred_outputs
 
 torch = pytest.importorskip("torch")
 import kspec  # noqa: E402
@@ -59,17 +59,6 @@ def _custom_args(s, which, op, case):
     return args, [by_name[d["name"]] for d in info["inputs"]]
 
 
-def _want(op, tensors, params):
-    descs, ptr = [], 1 << 32
-    for t in tensors:
-        if t is None:
-            descs.append(None)
-            continue
-        descs.append((ptr, str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()), 0))
-        ptr += 1 << 30
-    return [None if w is None else (w[0], tuple(w[1])) for w in _C.infer_outputs(op, descs, params)]
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_fakes_match_infer_outputs_on_every_case(name):
     """Forward and backward fakes: every output C++ allocates has its shape and dtype (matched by name:
@@ -88,8 +77,8 @@ def test_fakes_match_infer_outputs_on_every_case(name):
                     continue
                 got = custom(*args)
                 got = got if isinstance(got, tuple) else (got,)
-            want = _want(op, [None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
-                              for t in tensors], case["params"])
+            want = inferred_outputs(op, [None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
+                                         for t in tensors], case["params"])
             for o, oname in zip(got, outs):
                 assert o.device.type == "cuda"
                 w = want[names.index(oname)] if oname in names else None

@@ -11,6 +11,8 @@ import threading
 
 import pytest
 
+from helpers import run_on_mock_driver
+
 torch = pytest.importorskip("torch")
 import kspec  # noqa: E402
 from kspec import _C, _core, _native, _surface  # noqa: E402
@@ -327,26 +329,23 @@ def test_scan_node_materializes_only_the_gradients_its_backward_requires(monkeyp
     assert dlast is not None and dout is not None and dout.shape == out.shape and not dout.any()
 
 
-def _run_on_mock_driver(body):
-    """body in a fresh Python process on the extension's whole host path with no GPU
-    (tools/bench/dispatch_host.py: CPU tensors through kspec::call into the mock CUDA driver, whose
-    library is selected before kspec loads); the body prints "ok" last."""
-    include = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
-    if _native.ext is None or not os.path.exists(os.path.join(include, "cuda.h")):
-        pytest.skip("needs the torch extension and the CUDA toolkit's cuda.h (for the mock driver)")
-    tools = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench")
-    prelude = (f"import os, sys\nsys.path.insert(0, {tools!r})\nimport dispatch_host as dh\n"
-               f"mock, shim = dh.build({include!r})\ndh.select(mock)\n")
-    r = subprocess.run([sys.executable, "-c", prelude + body], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
-
+# Python source a mock-driver body starts with: sys.setprofile(hook) collects the names of the kspec frames called
+# (names) and of the builtins they call (builtins).
+_KSPEC_FRAMES = """
+names, builtins = [], []
+def hook(frame, event, arg):
+    if event == "call" and "kspec" in frame.f_code.co_filename:
+        names.append(frame.f_code.co_name)
+    if event == "c_call" and "kspec" in frame.f_code.co_filename:
+        builtins.append(arg.__name__)
+"""
 
 def test_scan_host_path_on_the_mock_driver():
     """The extension's whole host path with no GPU (tools/bench/dispatch_host.py: CPU tensors through
     kspec::call into the mock CUDA driver): call_some allocates the outputs left None, keeps the one
     given, allocates one given as a shape with the op's dtype (and leaves a bad shape to the general
     path); a selective_scan_fn training step runs its forward and backward through kspec's launches."""
-    _run_on_mock_driver("""
+    run_on_mock_driver("""
 import torch, kspec, kspec._torch
 from kspec import _native
 dh.install_shim(shim)
@@ -374,19 +373,13 @@ def test_norm_act_with_grad_is_one_cpp_call_on_the_mock_driver():
     (the C++ node launches norm_act.bwd), the gradients have their inputs' shapes and dtypes (an fp32
     weight under a bf16 x), an absent bias gets none, the saved tensors go with the first backward, and a
     bad weight raises what kspec.call raises."""
-    _run_on_mock_driver("""
+    run_on_mock_driver("""
 import torch, kspec, kspec._torch
 dh.install_shim(shim)
 x = torch.randn(4, 256, dtype=torch.bfloat16, requires_grad=True)
 w = torch.randn(256, requires_grad=True)
 b = torch.randn(256, requires_grad=True)
 kspec.ops.norm_act(x, w, b)  # compiles
-names, builtins = [], []
-def hook(frame, event, arg):
-    if event == "call" and "kspec" in frame.f_code.co_filename:
-        names.append(frame.f_code.co_name)
-    if event == "c_call" and "kspec" in frame.f_code.co_filename:
-        builtins.append(arg.__name__)
 sys.setprofile(hook)
 y = kspec.ops.norm_act(x, w, b)
 sys.setprofile(None)
@@ -420,14 +413,14 @@ got = outcome(lambda: kspec.ops.norm_act(x, bad, None))
 want = outcome(lambda: kspec.call("norm_act.fwd", x.detach(), bad.detach(), None, norm="layernorm", act="none", eps=1e-5))
 assert got == want and got is not None, (got, want)
 print("ok")
-""")
+""", _KSPEC_FRAMES)
 
 
 def test_call_grad_returns_the_public_outputs_and_takes_names_and_values():
     """call_grad's `public` (an output index: that output alone; a tuple: those) and params as (names, values), the
     surface's form: the same y as the dict form's first output, a node that still saves mean and rstd (its
     backward runs), and the dict form's NotImplemented for a param value the C++ path does not read."""
-    _run_on_mock_driver("""
+    run_on_mock_driver("""
 import torch, kspec, kspec._torch
 from kspec import _native, _torch
 dh.install_shim(shim)
@@ -463,7 +456,7 @@ def test_cached_calls_keep_the_gil_and_others_release_it():
     """A call kspec has cached (validated and planned before) runs through call_cached with the GIL held; a new
     signature is declined there (nothing run) and runs through call with the GIL released (it may compile); a
     cached signature whose outputs overlap raises what kspec.call raises for it, from call_cached."""
-    _run_on_mock_driver("""
+    run_on_mock_driver("""
 import ctypes, torch, kspec, kspec._torch
 from kspec import _native
 dh.install_shim(shim)
@@ -501,7 +494,7 @@ def test_mhc_with_grad_is_one_cpp_call_on_the_mock_driver():
     node, the backward runs no Python (mhc.pre.bwd and mhc.post.bwd launched by the nodes), every gradient has
     its input's shape and dtype (none for an absent gamma), the public outputs are the forward op's first
     ones, and a bad phi raises what kspec.call raises. Without grad mhc_pre is one kspec.call."""
-    _run_on_mock_driver("""
+    run_on_mock_driver("""
 import torch, kspec, kspec._mhc
 dh.install_shim(shim)
 T, n, D, bf = 8, 4, 64, torch.bfloat16
@@ -510,12 +503,6 @@ x = torch.randn(T, n, D, dtype=bf, requires_grad=True)
 phi = (torch.randn(M, n * D) * 0.01).requires_grad_()
 alpha, bias = torch.full((3,), 0.01, requires_grad=True), torch.zeros(M, requires_grad=True)
 kspec.ops.mhc_pre(x, phi, alpha, bias)  # compiles
-names, builtins = [], []
-def hook(frame, event, arg):
-    if event == "call" and "kspec" in frame.f_code.co_filename:
-        names.append(frame.f_code.co_name)
-    if event == "c_call" and "kspec" in frame.f_code.co_filename:
-        builtins.append(arg.__name__)
 sys.setprofile(hook)
 y, h_pre, h_post, r = kspec.ops.mhc_pre(x, phi, alpha, bias)
 sys.setprofile(None)
@@ -554,4 +541,4 @@ with torch.no_grad():
     sys.setprofile(None)
 assert len(outs) == 4 and outs[0].grad_fn is None, outs
 print("ok")
-""")
+""", _KSPEC_FRAMES)

@@ -8,20 +8,13 @@ import sys
 
 import pytest
 
+from helpers import cli
+
 import kspec
 from kspec import tuning
 
 REQ = dict(dtype="bf16", rows=3000, hidden=4096, norm="rmsnorm", act="silu")
 TUNED = "threads_per_row=512,rows_per_block=1,vec=4,stream=0"
-
-
-def cli(*args, env=None, check=True):
-    e = dict(os.environ)
-    e.update(env or {})
-    r = subprocess.run([sys.executable, "-m", "kspec", *args], capture_output=True, text=True, env=e)
-    if check:
-        assert r.returncode == 0, r.stdout + r.stderr
-    return r
 
 
 def explain_in_process(db, env=None, **req):

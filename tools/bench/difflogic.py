@@ -228,6 +228,10 @@ POOL_CONFIGS = {"pool=32": "threads=256,lanes=32,ahead=1,pool=32",
                 "pool=64 a0": "threads=256,lanes=32,ahead=0,pool=64",
                 "pool=32 t128": "threads=128,lanes=32,ahead=1,pool=32"}
 STAGED_FWD = "threads=256,lanes=0,stage={}"
+# The hybrid forward (h-dl11, stage 8: a row's first columns in shared memory, the rest from L1/L2, one row a
+# pass, 20-byte gate records): its fwd row is the hybrid kernel alone (no_grad), fwd+bwd adds the transpose of x
+# for xt and the feature-major backward. Named without "staged" so that --skip staged leaves it.
+HYBRID_FWD = STAGED_FWD.format(8)
 
 
 def flat_row_major_layer(torch, layer):
@@ -332,6 +336,7 @@ def run_layer(ctx):
                        layer.weights, False) for k, v in pools.items()]
             impls += [(f"kspec staged cluster={c}", "kspec", staged_layer(torch, layer, STAGED_FWD.format(c)),
                        layer.weights, False) for c in (2, 4)]
+            impls.append(("kspec hybrid", "kspec", staged_layer(torch, layer, HYBRID_FWD), layer.weights, False))
             impls += [(f"kspec transpose {k}", "kspec", transposed_layer(torch, layer, v), layer.weights, False)
                       for k, v in pools.items()]
             impls += [(f"kspec feature-major lanes={n}", "kspec", configured_layer(torch, layer, n), layer.weights,

@@ -7,6 +7,7 @@ import traceback
 
 from .common import Section, brief, rel_error, short_error
 from .report import fmt
+from .scan_floor import NoopScan as _NoopScan  # the fwd+bwd rows' floor
 
 
 FAMILY = "selective_scan"
@@ -52,32 +53,6 @@ def scan_check(torch, x, out, channels=4, steps=512):
 
 
 FLOOR = "floor: no-op autograd.Function"
-
-
-class _NoopScan:
-    """The floor under a training step through torch's autograd (fwd+bwd rows): an autograd.Function of the
-    scan's 8 inputs that allocates out and the 8 gradients and launches nothing (tools/gpu/profile_scan_host.py's
-    probe has the same). mamba_ssm's step is such a Function with kernels; kspec's node is the extension's C++
-    one, so kspec may be below it."""
-
-    _fn = None
-
-    @classmethod
-    def apply(cls, *args):
-        if cls._fn is None:
-            import torch
-
-            class NoopScan(torch.autograd.Function):
-                @staticmethod
-                def forward(ctx, u, delta, A, B, C, D, z, delta_bias):
-                    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias)
-                    return torch.empty_like(u)
-
-                @staticmethod
-                def backward(ctx, dout):
-                    return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
-            cls._fn = NoopScan
-        return cls._fn.apply(*args)
 
 
 def _step(kind, fn, x, leaves, dout):

@@ -101,6 +101,19 @@ def xl_chunk():
     return mlstm_chunkwise__xl_chunk
 
 
+def compare_problem(B, NH, S, DK, DV, L, dt):
+    """--compare's and --kernels' problem at head dims DK x DV: q, k, v (B, NH, S, DK or DV), i, f (B, NH, S) and dh
+    in dt from a generator seeded with DK + DV, the forward's outputs, and the tc forward's nrm and m (what the
+    backward reads)."""
+    g = torch.Generator(device="cuda").manual_seed(DK + DV)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    q, k, v = r(B, NH, S, DK).to(dt), r(B, NH, S, DK).to(dt), r(B, NH, S, DV).to(dt)
+    i, f, dh = r(B, NH, S).to(dt), (r(B, NH, S) + 3.0).to(dt), r(B, NH, S, DV).to(dt)
+    out = outputs(v, i)
+    _, nrm, m = forward(q, k, v, i, f, L, CONFIGS["tc"], out)
+    return q, k, v, i, f, dh, out, nrm, m
+
+
 def compare(reps, flush):
     """--compare: see the module's doc."""
     dt, B, NH, S, L = torch.bfloat16, 8, 8, 4096, 128
@@ -108,12 +121,7 @@ def compare(reps, flush):
     print(f"{torch.cuda.get_device_name()}  B={B} NH={NH} S={S} bf16 chunk {L} (ms, median of {reps}, L2 flushed)"
           + ("" if peer else "; mlstm_kernels absent (not importable)"))
     for DK, DV in COMPARE_DIMS:
-        g = torch.Generator(device="cuda").manual_seed(DK + DV)
-        r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-        q, k, v = r(B, NH, S, DK).to(dt), r(B, NH, S, DK).to(dt), r(B, NH, S, DV).to(dt)
-        i, f, dh = r(B, NH, S).to(dt), (r(B, NH, S) + 3.0).to(dt), r(B, NH, S, DV).to(dt)
-        out = outputs(v, i)
-        _, nrm, m = forward(q, k, v, i, f, L, CONFIGS["tc"], out)
+        q, k, v, i, f, dh, out, nrm, m = compare_problem(B, NH, S, DK, DV, L, dt)
         algos = BWD_ALGOS[(DK, DV)]
         cfg = {a: f"algo={a},threads=128" for a in algos}
         gr = {a: backward(q, k, v, i, f, nrm, m, dh, L, cfg[a], grads(q, k, v, i)) for a in algos}
@@ -241,12 +249,7 @@ def kernels(reps):
     print(f"{torch.cuda.get_device_name()}  B={B} NH={NH} S={S} bf16 chunk {L}: GPU µs per call by kernel "
           f"(profiler, {reps} calls)")
     for DK, DV in COMPARE_DIMS:
-        g = torch.Generator(device="cuda").manual_seed(DK + DV)
-        r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-        q, k, v = r(B, NH, S, DK).to(dt), r(B, NH, S, DK).to(dt), r(B, NH, S, DV).to(dt)
-        i, f, dh = r(B, NH, S).to(dt), (r(B, NH, S) + 3.0).to(dt), r(B, NH, S, DV).to(dt)
-        out = outputs(v, i)
-        _, nrm, m = forward(q, k, v, i, f, L, CONFIGS["tc"], out)
+        q, k, v, i, f, dh, out, nrm, m = compare_problem(B, NH, S, DK, DV, L, dt)
         gr = grads(q, k, v, i)
         rows = [(f"fwd {a}", lambda a=a: forward(q, k, v, i, f, L, f"algo={a},threads=128", out)) for a in FWD_ALGOS]
         rows += [(f"bwd {a}", lambda a=a: backward(q, k, v, i, f, nrm, m, dh, L, f"algo={a},threads=128", gr))

@@ -29,13 +29,18 @@ import dataclasses
 import gc
 import io
 import json
+import os
 import pstats
 import statistics
+import sys
 import time
 
 import torch
 
 import kspec
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from scan_floor import NoopScan  # noqa: E402  (the floor, shared with the bench's selective_scan fwd+bwd rows)
 
 
 def per_call_us(fn, calls=200):
@@ -354,20 +359,6 @@ def probe_call_us(fn, before, reps=40):
             t.append((t1 - t0) / 1e3)
     torch.cuda.synchronize()
     return statistics.median(t)
-
-
-class NoopScan(torch.autograd.Function):
-    """The scan's autograd shape without its work: 8 inputs, out allocated like u, 8 gradients allocated in
-    the backward (AccumulateGrad takes them as they are: no copy), no kernel launched."""
-
-    @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias):
-        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias)
-        return torch.empty_like(u)
-
-    @staticmethod
-    def backward(ctx, dout):
-        return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
 
 
 def probe_shape(shape, dev="cuda", libcuda="libcuda.so.1", flush_words=64 << 20):

@@ -122,7 +122,11 @@ TuningSpace layer_tuning() {
 // rows too wide for one block (64k fp32: 256 KB) read once as well. A config written before the axis means 0.
 // The plan cannot depend on n_in (a runtime width: the plan is cached per signature), so stage 1, 2 and 4 also
 // carry the flat kernel, launched where one row does not fit the block's (or the cluster's) shared memory.
+// 8 ("hybrid", templates/difflogic/layer_hybrid.cuh) stages one row a pass, as many of its first columns as
+// fit one block's shared memory, and reads the rest from global memory (L1, L2): any width, one block an SM,
+// every gate's record (T and its wires packed into 20 bytes by its own tables kernel) from L2 once an output.
 int64_t stage_of(const Config& c) { return c.has("stage") ? c.get("stage") : 0; }
+constexpr int64_t kHybridStage = 8;
 
 // The staged kernel's block: the rows fill a multiprocessor's shared memory at large widths, one block an
 // SM, so the block brings every thread slot it may (1024); rows a pass at most kStagedMaxRows (small
@@ -142,12 +146,29 @@ int64_t smem_per_sm(const std::string& arch) {
   return big_smem(cc) ? 233472 : cc == 80 || cc == 87 ? 167936 : 102400;
 }
 
+// Blocks of kStagedThreads threads and smem bytes of shared memory resident at once (1 or 2 an SM), at most
+// `work` (the passes: the staged kernels loop over the rest).
+int64_t resident_blocks(Launcher& l, const std::string& arch, int64_t work, int64_t smem) {
+  const int64_t per_sm =
+      std::max<int64_t>(1, std::min<int64_t>(2048 / kStagedThreads, smem_per_sm(arch) / (smem + 1024)));
+  return std::min(work, per_sm * l.multiprocessors());
+}
+
 // CTAs of the cluster that stages a row (stage 2, 4), else 1.
-int64_t cluster_of(const Config& c) { return std::max<int64_t>(1, stage_of(c)); }
+int64_t cluster_of(const Config& c) {
+  const int64_t stage = stage_of(c);
+  return stage == 2 || stage == 4 ? stage : 1;
+}
+
+// The hybrid kernel's prefix, in elements: the block's shared memory in whole 16-byte units (so a 16-byte
+// aligned row's prefix copies in 16-byte pieces), at most the row.
+int64_t hybrid_prefix(const std::string& arch, int64_t n_in, int64_t elem) {
+  return std::min(n_in, smem_per_block(arch) / 16 * 16 / elem);
+}
 
 TuningSpace layer_fwd_tuning() {
   TuningSpace t = layer_tuning();
-  t.axes.push_back({"stage", {0, 1, 2, 4}});
+  t.axes.push_back({"stage", {0, 1, 2, 4, kHybridStage}});
   t.valid = [inner = t.valid](const Problem& p, const Config& c, std::string* why) {
     if (!inner(p, c, why)) return false;
     if (stage_of(c) > 0 && feature_major(p)) {
@@ -155,7 +176,7 @@ TuningSpace layer_fwd_tuning() {
         *why = "stage " + std::to_string(stage_of(c)) + " (whole rows of x in shared memory) needs layout row_major";
       return false;
     }
-    if (stage_of(c) > 1 && jit::compute_capability(p.arch) < 90) {
+    if (cluster_of(c) > 1 && jit::compute_capability(p.arch) < 90) {
       if (why)
         *why = "stage " + std::to_string(stage_of(c)) + " (a row staged across a thread-block cluster) needs sm_90 or "
                "newer, got " + p.arch;
@@ -385,15 +406,22 @@ OpDef make_layer_fwd() {
     check_layout(call, call.out("y"), "output 'y'");
   };
   // tables, then the tiled, staged or flat kernel; stage 1, 2 and 4 add the flat kernel (kernel 2) for rows that
-  // do not fit in shared memory; save_xt adds the transpose (last) for the kernels that do not write xt.
+  // do not fit in shared memory; stage 8 is its own tables kernel (the packed wires too) and the hybrid kernel
+  // (any width); save_xt adds the transpose (last) for the kernels that do not write xt.
   op.kernels = [](const Problem& p, const Config& c) {
     const int64_t threads = c.get("threads"), lanes = lanes_of(c), stage = stage_of(c);
     const std::string t = dtype_cuda_type(p.dtype("x")), staged_threads = std::to_string(kStagedThreads);
     const bool xt = p.param_bool("save_xt");
     const jit::KernelSpec flat = kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_fwd_kernel",
                                              {t, std::to_string(threads), feature_major(p) ? "true" : "false"});
-    std::vector<jit::KernelSpec> k = {tables_kernel(p, p.param_str("mode") == "hard", threads)};
-    if (lanes > 0) {
+    const bool hard = p.param_str("mode") == "hard";
+    std::vector<jit::KernelSpec> k = {tables_kernel(p, hard, threads)};
+    if (stage == kHybridStage) {
+      k[0] = kernel_spec(p, "difflogic/layer_hybrid.cuh", "kspec::difflogic_tables_wires_kernel",
+                         {hard ? "true" : "false", std::to_string(threads)});
+      k.push_back(
+          kernel_spec(p, "difflogic/layer_hybrid.cuh", "kspec::difflogic_fwd_hybrid_kernel", {t, staged_threads}));
+    } else if (lanes > 0) {
       k.push_back(kernel_spec(p, "difflogic/layer.cuh", "kspec::difflogic_fwd_tiled_kernel",
                               {t, std::to_string(threads), std::to_string(lanes)}));
     } else if (stage == 1) {
@@ -401,7 +429,7 @@ OpDef make_layer_fwd() {
       if (xt) targs.insert(targs.end(), {"4", "true"});  // kGates (its default), kXT
       k.push_back(kernel_spec(p, "difflogic/layer_staged.cuh", "kspec::difflogic_fwd_staged_kernel", std::move(targs)));
       k.push_back(flat);
-    } else if (stage > 1) {
+    } else if (stage == 2 || stage == 4) {
       k.push_back(kernel_spec(p, "difflogic/layer_staged_cluster.cuh", "kspec::difflogic_fwd_staged_cluster_kernel",
                               {t, staged_threads, std::to_string(stage)}));
       k.push_back(flat);
@@ -420,27 +448,28 @@ OpDef make_layer_fwd() {
     const bool save_xt = p.param_bool("save_xt");
     if (save_xt) a.dx = call.out("xt").data;  // the staged kernel's xt (its params have no field of that name)
     set_gumbel(p, a);
-    a.tables = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>(4 * a.n_out)));
     const int64_t threads = c.get("threads"), lanes = lanes_of(c), stage = stage_of(c), cluster = cluster_of(c);
-    const size_t transpose = lanes > 0 || stage == 0 ? 2 : 3;  // the plan's last kernel, with save_xt
+    const bool hybrid = stage == kHybridStage;
+    // T (4 floats a gate), and for the hybrid kernel the packed wires after them (1 word a gate).
+    a.tables = static_cast<float*>(l.workspace(sizeof(float) * static_cast<size_t>((hybrid ? 5 : 4) * a.n_out)));
+    const size_t transpose = lanes > 0 || stage == 0 || hybrid ? 2 : 3;  // the plan's last kernel, with save_xt
     void* args[] = {&a};
     l.launch(0, {blocks_for(a.n_out, threads)}, {u32(threads)}, 0, args);
     if (a.batch == 0) return;
     if (lanes > 0) return l.launch(1, tiled_grid(p, a.n_out, threads, lanes), {u32(threads)}, 0, args);
+    const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype("x")));
     // Staged: as many rows a pass as fit (at most kStagedMaxRows and the batch) in a block's shared memory, or
     // a cluster's (each CTA a slice of ceil(n_in / cluster) columns rounded up to 8, as the kernel slices); one
     // block: as many as are resident at once (the kernel loops over the passes), no more than there are passes.
-    const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype("x")));
     const int64_t slice = cluster > 1 ? ((a.n_in + cluster - 1) / cluster + 7) / 8 * 8 : a.n_in;
     const int64_t rows = std::min<int64_t>({kStagedMaxRows, a.batch, smem_per_block(p.arch) / (slice * elem)});
-    if (stage > 0 && rows >= 1) {
+    if (hybrid) {  // the row's prefix in shared memory, rounded up to 16 bytes (the kernel stops at the row's end)
+      const int64_t smem = (hybrid_prefix(p.arch, a.n_in, elem) * elem + 15) / 16 * 16;
+      l.launch(1, {u32(resident_blocks(l, p.arch, a.batch, smem))}, {u32(kStagedThreads)}, u32(smem), args);
+    } else if (stage > 0 && rows >= 1) {
       const int64_t smem = rows * slice * elem, passes = (a.batch + rows - 1) / rows;
-      if (cluster == 1) {
-        const int64_t resident = std::max<int64_t>(1, std::min<int64_t>(2048 / kStagedThreads,
-                                                                         smem_per_sm(p.arch) / (smem + 1024)));
-        const int64_t blocks = std::min(passes, resident * l.multiprocessors());
-        return l.launch(1, {u32(blocks)}, {u32(kStagedThreads)}, u32(smem), args);
-      }
+      if (cluster == 1) return l.launch(1, {u32(resident_blocks(l, p.arch, passes, smem))}, {u32(kStagedThreads)},
+                                        u32(smem), args);
       // A cluster a pass (layer_staged_cluster.cuh: how many clusters are resident at once depends on the GPCs),
       // up to the grid's limit (the kernel loops over the rest).
       const int64_t clusters = std::min<int64_t>(passes, INT32_MAX / cluster);
