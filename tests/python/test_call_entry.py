@@ -11,7 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 import kspec  # noqa: E402
 from kspec import _C, _core, _native  # noqa: E402
-from test_torch_ext import _outcome, _run_on_mock_driver  # noqa: E402
+from helpers import run_on_mock_driver  # noqa: E402
+from test_torch_ext import _outcome  # noqa: E402
 
 needs_ext = pytest.mark.skipif(_native.ext is None, reason="the torch extension is not loaded")
 
@@ -67,7 +68,7 @@ def test_entry_on_the_mock_driver():
     shapes and dtypes, contiguous, on the inputs' device; a keyword name made at run time is a param like any;
     under torch's deterministic fill the allocated outputs are NaN (at::empty's fill: the mock's launch writes
     nothing); calls from four threads at once each get their own shapes."""
-    _run_on_mock_driver("""
+    run_on_mock_driver("""
 import threading, torch, kspec, kspec._torch
 from kspec import _native
 dh.install_shim(shim)
