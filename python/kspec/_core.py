@@ -15,9 +15,19 @@ _call_torch = _C.call_torch
 _call_some = None  # kspec._torch_ext.call_some where the extension is loaded
 
 
-def use_torch_ext(fn, some=None) -> None:
-    global _call_torch, _call_some
+def use_torch_ext(fn, some=None, entry=None) -> None:
+    """The torch extension's doors: `fn` for torch tensors (NotImplemented for the rest), `some` for call_some,
+    `entry` (kspec._torch_ext.kspec_call) kspec.call itself, in one C++ call, handing what it declines to
+    _call_python (without it, kspec.call is _call_python)."""
+    global _call_torch, _call_some, call
     _call_torch, _call_some = fn, some
+    entry = entry or _call_python
+    import sys
+
+    pkg = sys.modules.get(__package__)
+    if pkg is not None and getattr(pkg, "call", None) is call:
+        pkg.call = entry
+    call = entry
 
 
 def call_some(op: str, inputs: tuple, out: tuple, params: dict):
@@ -31,8 +41,8 @@ def call_some(op: str, inputs: tuple, out: tuple, params: dict):
     return _call_some(op, inputs, out, params)
 
 
-def call(op: str, *inputs: Array, config: str | None = None, out: Sequence[Array] | None = None,
-         **params: Any) -> Arrays:
+def _call_python(op: str, *inputs: Array, config: str | None = None, out: Sequence[Array] | None = None,
+                 **params: Any) -> Arrays:
     """Run a registered op. Inputs are positional as in the op's schema (None for a left-out optional
     input); params by keyword. Returns the op's outputs as a tuple (None for absent ones).
 
@@ -43,6 +53,11 @@ def call(op: str, *inputs: Array, config: str | None = None, out: Sequence[Array
         if r is not NotImplemented:
             return r
     return _call_general(op, inputs, config, out, params)
+
+
+# kspec.call: _call_python, or the torch extension's kspec_call (the same signature and results, one C++ call for
+# torch tensors: no Python frame, no tuple of the inputs nor dict of the params) once kspec._native loads it.
+call = _call_python
 
 
 def _call_general(op: str, inputs, config, out, params: dict):

@@ -29,7 +29,8 @@ def _load():
         return None
     _torch_ext.init(_C._ext_api)
     ext = _torch_ext
-    _core.use_torch_ext(ext.call, ext.call_some)
+    _torch_ext.set_call_fallback(_core._call_python)
+    _core.use_torch_ext(ext.call, ext.call_some, ext.kspec_call)
     return ext
 
 

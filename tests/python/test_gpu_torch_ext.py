@@ -18,13 +18,13 @@ class pure_path:
     """Without the extension: _C's call path, and the autograd.Function (not the extension's C++ nodes)."""
 
     def __enter__(self):
-        self.saved = _core._call_torch, _core._call_some, _native.ext
+        self.saved = _core._call_torch, _core._call_some, _core.call, _native.ext
         _core.use_torch_ext(_C.call_torch)
         _native.ext = None
 
     def __exit__(self, *exc):
-        _core.use_torch_ext(*self.saved[:2])
-        _native.ext = self.saved[2]
+        _core.use_torch_ext(*self.saved[:3])
+        _native.ext = self.saved[3]
 
 
 def _np(t):

@@ -130,7 +130,7 @@ def call_rows():
     import torch.nn.functional as F
 
     import kspec
-    from kspec._core import _call_general
+    from kspec._core import _call_general, _call_python
 
     dev, bf = "cuda", torch.bfloat16
     x = torch.randn(4, 256, device=dev, dtype=bf)
@@ -175,6 +175,10 @@ def call_rows():
         ("call", "kspec.call norm_act.fwd, out=", lambda: kspec.call("norm_act.fwd", x, w, None, out=(y, mean, rstd),
                                                                     **nm)),
         ("call", "kspec.call norm_act.fwd (allocated)", lambda: kspec.call("norm_act.fwd", x, w, None, **nm)),
+        ("call", "kspec.call's Python function (before), out=",
+         lambda: _call_python("norm_act.fwd", x, w, None, out=(y, mean, rstd), **nm)),
+        ("call", "kspec.call's Python function (before), allocated",
+         lambda: _call_python("norm_act.fwd", x, w, None, **nm)),
         ("call", "general path (any framework), allocated",
          lambda: _call_general("norm_act.fwd", (x, w, None), None, None, nm)),
         ("norm", "torch F.rms_norm", lambda: F.rms_norm(x, (256,), w, 1e-5)),
@@ -369,7 +373,7 @@ class _PurePath:
     def __enter__(self):
         from kspec import _C, _core
 
-        self.saved = _core._call_torch, _core._call_some
+        self.saved = _core._call_torch, _core._call_some, _core.call
         _core.use_torch_ext(_C.call_torch)
         self.node = _RecordNode()  # call_grad calls the extension's C++ path itself
         self.node.__enter__()

@@ -8,10 +8,12 @@ machine's load, the Python-level calls per call (cProfile). Kernels are compiled
 (NVRTC: the CUDA toolkit is needed, not a GPU). Differs from the GPU: the autograd engine runs a CPU
 graph's backward on the calling thread, where a CUDA graph's runs on the device's worker thread.
 
-    python3 tools/bench/dispatch_host.py [--calls N] [--cuda-include DIR] [--row TEXT] [--profile]
+    python3 tools/bench/dispatch_host.py [--calls N] [--cuda-include DIR] [--row TEXT] [--profile] [--callgrind]
 
 --row keeps the rows whose name contains TEXT; --profile prints each row's Python functions by own time
-(cProfile), the pieces of its host time.
+(cProfile), the pieces of its host time; --callgrind runs the rows under valgrind's callgrind instead and
+prints each row's instructions per call (exact whatever the machine's load: collected only around each row's
+--calls calls, less an empty row's loop; the rows' kernels must be in kspec's disk cache from a run without it).
 """
 from __future__ import annotations
 
@@ -66,6 +68,45 @@ def install_shim(shim_path: str) -> None:
     shim = lib.kspec_ext_shim(api.PyCapsule_GetPointer(_C._ext_api, name))
     _keep.extend([lib, name])
     _native.ext.init(api.PyCapsule_New(shim, name, None))
+
+
+_COUNTER = r"""
+#include <valgrind/callgrind.h>
+extern "C" void kspec_count_start() { CALLGRIND_ZERO_STATS; CALLGRIND_TOGGLE_COLLECT; }
+extern "C" void kspec_count_stop(const char* name) { CALLGRIND_TOGGLE_COLLECT; CALLGRIND_DUMP_STATS_AT(name); }
+"""
+
+
+def instructions(fn, calls: int, lib, name: str) -> None:
+    """fn called `calls` times with callgrind collecting (a dump named `name`); nothing outside valgrind."""
+    for _ in range(10):
+        fn()
+    lib.kspec_count_start()
+    for _ in range(calls):
+        fn()
+    lib.kspec_count_stop(name.encode())
+
+
+def callgrind(argv: list, calls: int) -> None:
+    """This script under callgrind with --count; prints each row's instructions per call (its dump's total over
+    `calls`, less the empty row's)."""
+    import glob
+    import re
+
+    out = tempfile.mkdtemp(prefix="kspec-callgrind-")
+    subprocess.run(["valgrind", "--tool=callgrind", "--collect-atstart=no", f"--callgrind-out-file={out}/cg.out",
+                    sys.executable, os.path.abspath(__file__), "--count"] + argv, check=True)
+    totals = {}
+    for path in glob.glob(f"{out}/cg.out*"):
+        text = open(path, errors="replace").read()
+        name = re.search(r"^desc: Trigger: Client Request: (.*)$", text, re.M)
+        total = re.search(r"^(?:totals|summary): (\d+)", text, re.M)
+        if name and total:
+            totals[name.group(1)] = int(total.group(1)) / calls
+    empty = totals.pop("empty", 0.0)
+    print(f"instructions per call (callgrind, {calls} calls a row, less an empty row's {empty:.0f})")
+    for name, ir in totals.items():
+        print(f"{name:52s} {ir - empty:9.0f}")
 
 
 def host_us(fn, calls: int) -> float:
@@ -187,13 +228,30 @@ def main():
     p.add_argument("--cuda-include", default=os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include"))
     p.add_argument("--row", default="", help="only the rows whose name contains this")
     p.add_argument("--profile", action="store_true", help="each row's Python functions by own time")
+    p.add_argument("--callgrind", action="store_true", help="instructions per call under valgrind's callgrind")
+    p.add_argument("--count", action="store_true", help=argparse.SUPPRESS)  # the run under callgrind
     a = p.parse_args()
+    if a.callgrind:
+        callgrind([arg for arg in sys.argv[1:] if arg != "--callgrind"], a.calls)
+        return
     mock, shim = build(a.cuda_include)
+    if a.count:
+        counter = os.path.join(os.path.dirname(shim), "count.so")
+        subprocess.run(["g++", "-O2", "-fPIC", "-shared", "-x", "c++", "-", "-o", counter], input=_COUNTER.encode(),
+                       check=True)
+        lib = ctypes.CDLL(counter)
+        lib.kspec_count_stop.argtypes = [ctypes.c_char_p]
     select(mock)
     import kspec
     import kspec._torch  # noqa: F401  (loads the extension)
 
     install_shim(shim)
+    if a.count:
+        instructions(lambda: None, a.calls, lib, "empty")
+        for name, fn in rows():
+            if a.row in name:
+                instructions(fn, a.calls, lib, name)
+        return
     print(f"kspec {kspec.__file__}: median host µs of {a.calls} calls (CPU, mock driver), Python calls per call")
     for name, fn in rows():
         if a.row not in name:

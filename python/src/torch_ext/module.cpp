@@ -6,9 +6,15 @@
 // kspec itself is reached through kspec._C's C ABI (python/src/ext_api.h): one registry, one call cache.
 #include <Python.h>
 
+#include <ATen/Context.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/record_function.h>
 #include <ATen/core/DimVector.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
@@ -76,6 +82,35 @@ void* stream_of(const at::Device& device) {
   return device.is_cuda() ? c10::cuda::getCurrentCUDAStream(device.index()).stream() : nullptr;
 }
 
+// New contiguous tensors, as at::empty makes them, without the dispatcher's way there (the options' key set,
+// BackendSelect, the CUDA kernel's device guard): the allocator at::empty's kernels call (CUDA's caching
+// allocator, which allocates on the current device and stream; the CPU allocator), straight. at::empty itself
+// on a device other than the current one, where torch fills new memory (deterministic algorithms with
+// fill_uninitialized_memory), and where the dispatcher would record aten::empty (a profiler's RecordFunction
+// callbacks, asked as the dispatcher asks). Those two are asked once per allocator (one call's outputs): each
+// was a few hundred instructions under callgrind.
+class OutputAllocator {
+ public:
+  OutputAllocator() {
+    const auto& ctx = at::globalContext();
+    direct_ = !(ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory()) &&
+              !at::getStepCallbacksUnlessEmpty(at::RecordScope::FUNCTION).has_value();
+  }
+
+  at::Tensor operator()(c10::IntArrayRef shape, at::ScalarType dtype, const at::Device& device) const {
+    if (direct_ && device.is_cuda() && device.index() == c10::cuda::current_device())
+      return at::Tensor(at::detail::empty_generic(shape, c10::cuda::CUDACachingAllocator::get(),
+                                                  c10::DispatchKeySet(c10::DispatchKey::CUDA), dtype, std::nullopt));
+    if (direct_ && device.is_cpu())
+      return at::Tensor(at::detail::empty_generic(shape, c10::GetCPUAllocator(),
+                                                  c10::DispatchKeySet(c10::DispatchKey::CPU), dtype, std::nullopt));
+    return at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
+  }
+
+ private:
+  bool direct_ = false;
+};
+
 // An output's shape given by the caller (call_some): for one the registry cannot size from the inputs.
 struct Sized {
   bool given = false;
@@ -94,14 +129,15 @@ bool allocate(const char* op, const std::vector<kspec::TensorView>& in, const st
                            specs, kspec_ext::kMaxOutputs, &n) != 0)
     return false;
   if (out->empty()) out->resize(static_cast<size_t>(n));
+  const OutputAllocator empty_output;
   for (int i = 0; i < n && i < static_cast<int>(out->size()); ++i) {
     if ((*out)[i].defined() || (skip && static_cast<size_t>(i) < skip->size() && (*skip)[static_cast<size_t>(i)]))
       continue;
-    const auto options = at::TensorOptions().dtype(to_torch(specs[i].dtype)).device(device);
+    const at::ScalarType dtype = to_torch(specs[i].dtype);
     if (sized && static_cast<size_t>(i) < sized->size() && (*sized)[static_cast<size_t>(i)].given)
-      (*out)[i] = at::empty((*sized)[static_cast<size_t>(i)].shape, options);
+      (*out)[i] = empty_output((*sized)[static_cast<size_t>(i)].shape, dtype, device);
     else if (specs[i].present)
-      (*out)[i] = at::empty(c10::IntArrayRef(specs[i].shape, specs[i].rank), options);
+      (*out)[i] = empty_output(c10::IntArrayRef(specs[i].shape, specs[i].rank), dtype, device);
   }
   return true;
 }
@@ -234,6 +270,26 @@ bool views_of(const std::vector<at::Tensor>& ts, bool writable, std::vector<kspe
   return true;
 }
 
+// Views of n objects (None: absent) read from the tensors they hold, no at::Tensor copied (a copy and its
+// release are two refcount updates, and in torch 2.15 a Python incref and decref through the interpreter, each
+// taking the GIL: ~390 instructions a tensor under callgrind); `device` the first tensor's where given. The
+// objects must outlive the views' use. False (no error set) for anything kspec.call's C++ path does not read.
+bool borrowed_views(PyObject* const* items, Py_ssize_t n, bool writable, std::vector<kspec::TensorView>* out,
+                    at::Device* device = nullptr) {
+  out->resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (items[i] == Py_None) continue;
+    if (!THPVariable_Check(items[i])) return false;
+    const at::Tensor& t = THPVariable_Unpack(items[i]);
+    if (!view_of(t, writable, &(*out)[static_cast<size_t>(i)])) return false;
+    if (device) {
+      *device = t.device();
+      device = nullptr;
+    }
+  }
+  return !device;  // a tensor was read where a device was asked for
+}
+
 // Output i as a Python object (None where absent or out of range).
 PyObject* wrap_one(std::vector<at::Tensor>* out, Py_ssize_t i) {
   if (i < 0 || static_cast<size_t>(i) >= out->size() || !(*out)[static_cast<size_t>(i)].defined()) Py_RETURN_NONE;
@@ -283,6 +339,15 @@ bool forward_args(PyObject* inputs, PyObject* params, ForwardArgs* a) {
 
 enum class Ran { kOk, kDeclined, kRaised };
 
+// op run on the device's current stream with these outputs; kRaised: kspec's error set as the Python exception.
+Ran run_views(const char* op, const ForwardArgs& a, const std::vector<kspec::TensorView>& out_views) {
+  if (run_released(op, a.in_views, out_views, a.params, stream_of(a.device)) != 0) {
+    g_api->raise_error();
+    return Ran::kRaised;
+  }
+  return Ran::kOk;
+}
+
 // The outputs missing from `out` allocated (allocate()'s rules; all of them into an empty `out`) unless
 // `given`, then op run on the device's current stream. kDeclined (no error set): an output the C++ path
 // does not read (the general path's); kRaised: kspec's error set as the Python exception.
@@ -294,11 +359,7 @@ Ran allocate_and_run(const char* op, const ForwardArgs& a, bool given, std::vect
   }
   std::vector<kspec::TensorView> out_views;
   if (!views_of(*out, true, &out_views)) return Ran::kDeclined;
-  if (run_released(op, a.in_views, out_views, a.params, stream_of(a.device)) != 0) {
-    g_api->raise_error();
-    return Ran::kRaised;
-  }
-  return Ran::kOk;
+  return run_views(op, a, out_views);
 }
 
 enum class Outputs { kGiven, kAllocated, kSome };
@@ -345,6 +406,100 @@ PyObject* py_call_some(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   return call_with(args, nargs, Outputs::kSome);
   END_HANDLE_TH_ERRORS
+}
+
+// ---- kspec.call itself: _torch_ext.kspec_call ----
+
+PyObject* g_call_python = nullptr;  // kspec._core._call_python: kspec.call for whatever kspec_call declines
+PyObject* g_s_out = nullptr;        // the keyword names kspec.call takes besides params, interned
+PyObject* g_s_config = nullptr;
+PyObject* g_s_op = nullptr;
+
+// Whether keyword name `k` is `interned` (a keyword name is almost always interned itself: then the pointers
+// say it, and only a name made at run time, **{...} of built strings, is compared as text).
+bool is_keyword(PyObject* k, PyObject* interned) {
+  if (k == interned) return true;
+  return !PyUnicode_CHECK_INTERNED(k) && PyUnicode_Compare(k, interned) == 0;
+}
+
+// kspec.call(op, *inputs, config=None, out=None, **params) as one vectorcall (kspec._native makes it kspec.call
+// where the extension is loaded): no Python frame, no tuple of the inputs nor dict of the params, the params read
+// from the call's keyword names. What it does not take (no op name, a config, an argument or param the C++ path
+// does not read) goes to kspec._core._call_python with the same arguments: the pure path, which raises what
+// kspec.call raises.
+PyObject* py_kspec_call(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  HANDLE_TH_ERRORS
+  auto python = [&] { return PyObject_Vectorcall(g_call_python, args, static_cast<size_t>(nargs), kwnames); };
+  if (!g_call_python) {
+    PyErr_SetString(PyExc_RuntimeError, "_torch_ext.kspec_call: set_call_fallback was not called");
+    return nullptr;
+  }
+  if (nargs < 1 || !PyUnicode_Check(args[0])) return python();
+  const char* op = PyUnicode_AsUTF8(args[0]);
+  if (!op) return nullptr;
+  ForwardArgs a;
+  PyObject* out = Py_None;
+  const Py_ssize_t n_kw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  a.params.reserve(static_cast<size_t>(n_kw));
+  for (Py_ssize_t k = 0; k < n_kw; ++k) {
+    PyObject* name = PyTuple_GET_ITEM(kwnames, k);
+    PyObject* value = args[nargs + k];
+    if (is_keyword(name, g_s_out)) {
+      out = value;
+    } else if (is_keyword(name, g_s_config)) {
+      if (value != Py_None) return python();
+    } else if (is_keyword(name, g_s_op)) {
+      return python();  // op given twice: Python's TypeError
+    } else {
+      a.params.emplace_back();
+      if (!param_of(name, value, &a.params.back())) {
+        PyErr_Clear();
+        return python();
+      }
+    }
+  }
+  // the inputs read in place (the caller holds them for the call); a.in stays empty: nothing here needs it
+  if (!borrowed_views(args + 1, nargs - 1, false, &a.in_views, &a.device)) return python();
+  if (out != Py_None) {
+    if (!PyTuple_Check(out) && !PyList_Check(out)) return python();
+    // the result, made first: it holds the given outputs while their views are used (a list may change
+    // while the GIL is released for a call kspec has not cached)
+    PyObject* result = PySequence_Tuple(out);
+    if (!result) return nullptr;
+    std::vector<kspec::TensorView> out_views;
+    if (!borrowed_views(PySequence_Fast_ITEMS(result), PyTuple_GET_SIZE(result), true, &out_views)) {
+      Py_DECREF(result);
+      return python();
+    }
+    if (run_views(op, a, out_views) == Ran::kOk) return result;
+    Py_DECREF(result);
+    return nullptr;
+  }
+  std::vector<at::Tensor> outs;
+  switch (allocate_and_run(op, a, /*given=*/false, &outs)) {
+    case Ran::kDeclined: return python();
+    case Ran::kRaised: return nullptr;
+    case Ran::kOk: break;
+  }
+  return wrap(&outs);
+  END_HANDLE_TH_ERRORS
+}
+
+// set_call_fallback(fn): the Python function kspec_call hands what it does not take (kspec._core._call_python).
+PyObject* py_set_call_fallback(PyObject*, PyObject* fn) {
+  if (!PyCallable_Check(fn)) {
+    PyErr_SetString(PyExc_TypeError, "set_call_fallback: a callable");
+    return nullptr;
+  }
+  if (!g_s_out) {
+    g_s_out = PyUnicode_InternFromString("out");
+    g_s_config = PyUnicode_InternFromString("config");
+    g_s_op = PyUnicode_InternFromString("op");
+    if (!g_s_out || !g_s_config || !g_s_op) return nullptr;
+  }
+  Py_INCREF(fn);
+  Py_XSETREF(g_call_python, fn);
+  Py_RETURN_NONE;
 }
 
 // ---- the dispatcher ops: kspec_ops::<op> ----
@@ -949,6 +1104,12 @@ PyMethodDef kMethods[] = {
      "call(op, inputs, out, params): kspec.call for torch tensors, or NotImplemented"},
     {"call_some", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_call_some)), METH_FASTCALL,
      "call_some(op, inputs, out, params): call with the outputs that are None in `out` allocated"},
+    {"kspec_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_kspec_call)),
+     METH_FASTCALL | METH_KEYWORDS,
+     "kspec_call(op, /, *inputs, config=None, out=None, **params)\n--\n\n"
+     "kspec.call where the torch extension is loaded: one C++ call for torch tensors, kspec._core._call_python "
+     "for the rest"},
+    {"set_call_fallback", py_set_call_fallback, METH_O, "set_call_fallback(fn): what kspec_call declines goes to fn"},
     {"define", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_define)), METH_FASTCALL,
      "define(ns, op, schema, module): a dispatcher op running registry op `op`"},
     {"call_grad", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_call_grad)), METH_FASTCALL,
