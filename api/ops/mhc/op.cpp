@@ -954,8 +954,12 @@ TuningSpace with_bwd_algo_axis(TuningSpace t) {
     const Config simt = simt_heuristic(p);
     // mma_fused_warp_heads where M <= 24 (H100, T 16384, n 4, D 4096, bf16, pre fwd+bwd: 1794 us against 2004
     // with mma_fused, 2478 with mma_tokens; the same bits as mma_fused), else mma_tokens.
+    // mma_slice_du1 first where nD gives at least ~96 column blocks (H100, T 16384, n 4, D 4096, bf16, run 33: pre
+    // fwd+bwd 1494 us against mma_fused_ahead's 1756 and mma_fused_warp_heads' 1766); its grid is nD / 128 blocks.
     const std::vector<int64_t> algos =
-        proj_rows(p) <= 24 ? std::vector<int64_t>{kMmaFusedWarpHeads, kMmaFused} : std::vector<int64_t>{kMmaTokens};
+        proj_rows(p) > 24         ? std::vector<int64_t>{kMmaTokens}
+        : p.dim("nD") >= 12288    ? std::vector<int64_t>{kMmaSliceDu1, kMmaFusedWarpHeads, kMmaFused}
+                                  : std::vector<int64_t>{kMmaFusedWarpHeads, kMmaFused};
     for (int64_t algo : algos)
       for (int64_t tok : {32, 16}) {
         Config c = simt;
