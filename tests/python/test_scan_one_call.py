@@ -160,7 +160,9 @@ def test_scan_step_is_one_cpp_call_on_the_mock_driver():
     assert got["bwd_frames"] == [] and got["bwd_launches"] >= 2, got
     assert all(got["grads"]), got["grads"]
     # the forward's Python: the wrapper (its contiguity pass) and the surface's entry, nothing per output
-    assert got["fwd_frames"] == ["selective_scan_fn", "_is_torch", "<listcomp>", "__call__"], got["fwd_frames"]
+    # (Python 3.12 inlines list comprehensions: no "<listcomp>" frame there)
+    assert [f for f in got["fwd_frames"] if f != "<listcomp>"] == ["selective_scan_fn", "_is_torch", "__call__"], \
+        got["fwd_frames"]
     # out, last_state, states and the 8 gradients; no zeros, fill, copy or clone (the unused last_state's
     # gradient is no tensor: the backward reads dlast_state as absent)
     assert {k: v for k, v in got["step_aten"].items() if k != "aten::detach"} == {"aten::empty": 11}, got["step_aten"]

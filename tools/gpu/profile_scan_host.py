@@ -409,6 +409,8 @@ def probe_shape(shape, dev="cuda", libcuda="libcuda.so.1", flush_words=64 << 20)
     steps = {"no-op autograd.Function (engine alone)": lambda: NoopScan.apply(*leaves),
              "kspec selective_scan_fn": lambda: kspec.ops.selective_scan_fn(*leaves, delta_softplus=True)}
     try:
+        if dev != "cuda":  # the mock driver's CPU tensors: mamba_ssm's kernels take CUDA tensors only
+            raise RuntimeError("not on a CUDA device")
         from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as peer
         steps["mamba_ssm selective_scan_fn"] = lambda: peer(*leaves, delta_softplus=True)
     except Exception as e:  # noqa: BLE001
