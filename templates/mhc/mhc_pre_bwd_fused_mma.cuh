@@ -37,174 +37,6 @@ struct alignas(8) MhcRow4 {
   T v[4];
 };
 
-// A lane's rows of one step: x, dy and dx_post of tokens 8 j + 2 c + e at its 4 columns.
-template <typename T, int kJ>
-struct MhcFusedRows {
-  MhcRow4<T> x[kJ][2], dy[kJ][2], dp[kJ][2];
-};
-
-// A lane's 4 columns from col: whether they lie in nD, their stream si, and its rows' addresses at token 0.
-template <typename T, int N, int D>
-struct MhcFusedLane {
-  bool live;
-  int si;
-  const T *x, *dy, *dxp;
-  T* dx;
-  __device__ __forceinline__ MhcFusedLane(const MhcPreBwdParams& p, int col) {
-    live = col < N * D;
-    si = live ? col / D : 0;
-    const int d = live ? col - si * D : 0;
-    x = static_cast<const T*>(p.x) + si * p.x_row + d;
-    dy = static_cast<const T*>(p.dy) + d;
-    dxp = static_cast<const T*>(p.dx_post) + si * p.dx_post_row + d;
-    dx = static_cast<T*>(p.dx) + si * p.dx_row + d;
-  }
-};
-
-// phi^T, A of du: a0 (column row g, r c), a1 (row g + 8, r c), a2 (row g, r c + 4), a3 (row g + 8, r c + 4)
-// of k step kk (r = 8 kk + ...), m-tile mt, as hi and lo, into `ph` when `write`; zero past M and past nD. gm:
-// gamma at the lane's 4 columns (1 without gamma).
-template <int kM, int kND, bool kHasGamma>
-__device__ __forceinline__ void mhc_pre_bwd_fused_phi(const MhcPreBwdParams& p, float4 (&ph)[2][(kM + 7) / 8][2][32],
-                                                      float (&gm)[4], int col, bool live, bool write) {
-  const int lane = static_cast<int>(threadIdx.x) % 32, c = lane % 4;
-  if (write) {
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int kk = 0; kk < (kM + 7) / 8; ++kk) {
-        float hi[4], lo[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int r = 8 * kk + c + 4 * (q >> 1), cc = col + 2 * (q & 1) + mt;
-          const float v = live && r < kM ? __ldg(p.phi + static_cast<long long>(r) * kND + cc) : 0.f;
-          hi[q] = mhc_tf32(v);
-          lo[q] = mhc_tf32(v - hi[q]);
-        }
-        ph[mt][kk][0][lane] = make_float4(hi[0], hi[1], hi[2], hi[3]);
-        ph[mt][kk][1][lane] = make_float4(lo[0], lo[1], lo[2], lo[3]);
-      }
-  }
-#pragma unroll
-  for (int q = 0; q < 4; ++q) gm[q] = kHasGamma && live ? __ldg(p.gamma + col + q) : 1.f;
-}
-
-// One step of kJ x 8 tokens from t (the range ends at t1) for the lane's 4 columns at col (stream si): du^T =
-// phi^T dm^T, dx = du gamma - c_v v + H_pre[i] dy (+ dx_post) stored, S^T += x^T dm. dm: the step's dm
-// [kJ 8][M] in shared memory, then under kAhead its c_v [kJ 8] and H_pre [kJ 8][n] (else those from global).
-// kDuHiOnly (algo=mma_slice_du1): du from phi's and dm's TF32 hi parts alone, one mma instead of three (~2^-11
-// relative on du, which only dx, a 16-bit output, takes; S and so dphi and dgamma as before).
-template <typename T, int N, int kM, int kJ, bool kHasGamma, bool kHasDxPost, bool kAhead, bool kDuHiOnly = false>
-__device__ __forceinline__ void mhc_pre_bwd_fused_step(const MhcPreBwdParams& p, const float* dm,
-                                                       const float4 (&ph)[2][(kM + 7) / 8][2][32],
-                                                       const MhcFusedRows<T, kJ>& cur, const float (&gm)[4],
-                                                       float (&sacc)[2][(kM + 7) / 8][4], T* dx, long long ds,
-                                                       long long t, long long t1, bool live, int si) {
-  constexpr int kKt = (kM + 7) / 8, kStep = 8 * kJ, kDm = kStep * kM;
-  const int lane = static_cast<int>(threadIdx.x) % 32, g = lane / 4, c = lane % 4;
-#pragma unroll
-  for (int j = 0; j < kJ; ++j) {
-    // du^T of tokens t + 8 j .. + 7: B = dm^T, b0 (r 8 kk + c, token slot g), b1 (r + 4, token slot g).
-    float du[2][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) du[mt][0] = du[mt][1] = du[mt][2] = du[mt][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kKt; ++kk) {
-      const int r0 = 8 * kk + c, r1 = r0 + 4;
-      const float v0 = r0 < kM ? dm[(8 * j + g) * kM + r0] : 0.f;
-      const float v1 = r1 < kM ? dm[(8 * j + g) * kM + r1] : 0.f;
-      const float h0 = mhc_tf32(v0), h1 = mhc_tf32(v1);
-      const float l0 = mhc_tf32(v0 - h0), l1 = mhc_tf32(v1 - h1);
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        const float4 a = ph[mt][kk][0][lane];
-        if constexpr (!kDuHiOnly) {
-          const float4 al = ph[mt][kk][1][lane];
-          mhc_mma_tf32(du[mt], al.x, al.y, al.z, al.w, h0, h1);
-          mhc_mma_tf32(du[mt], a.x, a.y, a.z, a.w, l0, l1);
-        }
-        mhc_mma_tf32(du[mt], a.x, a.y, a.z, a.w, h0, h1);
-      }
-    }
-    // S^T += x^T dm over these 8 tokens: A = x^T, a0 (column row g, token slot c = 8 j + 2c), a1 (row g + 8),
-    // a2 (row g, slot c + 4 = token 8 j + 2c + 1), a3 (row g + 8, slot c + 4); B = dm, b0 (token 8 j + 2c,
-    // r 8 nt + g), b1 (token 8 j + 2c + 1, r 8 nt + g).
-#pragma unroll
-    for (int nt = 0; nt < kKt; ++nt) {
-      const int r = 8 * nt + g;
-      const float w0 = r < kM ? dm[(8 * j + 2 * c) * kM + r] : 0.f;
-      const float w1 = r < kM ? dm[(8 * j + 2 * c + 1) * kM + r] : 0.f;
-      const float h0 = mhc_tf32(w0), h1 = mhc_tf32(w1);
-      const float l0 = mhc_tf32(w0 - h0), l1 = mhc_tf32(w1 - h1);
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        const float a0 = to_float(cur.x[j][0].v[mt]), a1 = to_float(cur.x[j][0].v[2 + mt]);
-        const float a2 = to_float(cur.x[j][1].v[mt]), a3 = to_float(cur.x[j][1].v[2 + mt]);
-        mhc_mma_tf32(sacc[mt][nt], a0, a1, a2, a3, l0, l1);
-        mhc_mma_tf32(sacc[mt][nt], a0, a1, a2, a3, h0, h1);
-      }
-    }
-    // du[mt][2h + e] = du of token t + 8 j + 2c + e at column col + 2h + mt: dx = du gamma - c_v v +
-    // H_pre[i] dy (+ dx_post).
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const long long tok = t + 8 * j + 2 * c + e;
-      if (!live || tok >= t1) continue;
-      const int ts = 8 * j + 2 * c + e;  // the token's place in the step
-      const float cv = kAhead ? dm[kDm + ts] : __ldg(p.ws_cv + tok);
-      const float hp = kAhead ? dm[kDm + kStep + ts * N + si] : __ldg(p.ws_hpre + tok * N + si);
-      MhcRow4<T> out;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float u = du[q & 1][2 * (q >> 1) + e];
-        float dv = (kHasGamma ? u * gm[q] : u) - cv * to_float(cur.x[j][e].v[q]) + hp * to_float(cur.dy[j][e].v[q]);
-        if (kHasDxPost) dv += to_float(cur.dp[j][e].v[q]);
-        out.v[q] = store_as<T>(dv);
-      }
-      if (kAhead) {
-        // One 8-byte store (a uint2 store through a cast still came out as two 4-byte ones).
-        const uint2 w = *reinterpret_cast<const uint2*>(out.v);
-        asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(dx + tok * ds), "r"(w.x), "r"(w.y) : "memory");
-      } else {
-        *reinterpret_cast<MhcRow4<T>*>(dx + tok * ds) = out;
-      }
-    }
-  }
-}
-
-// The sums of a range of tokens: dphi = gamma S into out_phi [M, nD] and dgamma = sum_r phi S into out_gamma
-// [nD]: the lane's rows r = 8 nt + 2c + e of its 4 columns, then the four lanes of the same g (lane bits 0, 1)
-// by shuffles in a fixed order.
-template <int kM, int kND, bool kHasGamma>
-__device__ __forceinline__ void mhc_pre_bwd_fused_store_sums(const MhcPreBwdParams& p,
-                                                             const float (&sacc)[2][(kM + 7) / 8][4],
-                                                             const float (&gm)[4], int col, bool live, float* out_phi,
-                                                             float* out_gamma) {
-  const int c = static_cast<int>(threadIdx.x) % 4;
-  float dg[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-  for (int nt = 0; nt < (kM + 7) / 8; ++nt)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int r = 8 * nt + 2 * c + e;
-      if (!live || r >= kM) continue;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float s = sacc[q & 1][nt][2 * (q >> 1) + e];
-        out_phi[static_cast<long long>(r) * kND + col + q] = kHasGamma ? gm[q] * s : s;
-        if (kHasGamma) dg[q] = fmaf(__ldg(p.phi + static_cast<long long>(r) * kND + col + q), s, dg[q]);
-      }
-    }
-  if constexpr (kHasGamma) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      dg[q] += __shfl_xor_sync(0xffffffffu, dg[q], 1);
-      dg[q] += __shfl_xor_sync(0xffffffffu, dg[q], 2);
-      if (c == 0 && live) out_gamma[col + q] = dg[q];
-    }
-  }
-}
-
 // Grid: (ceil(nD / 128), parts) blocks of kMhcMmaThreads; warp w of block bx takes the 32 columns
 // 128 bx + 32 w .. + 31. D % 8 == 0 and every pointer and row 16-byte aligned (the plan's rule), so a
 // lane's 4 columns lie in one stream and its loads are whole.
@@ -223,16 +55,35 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(c
   const long long t0 = static_cast<long long>(part) * p.tokens_per_part;
   const long long t1 = t0 + p.tokens_per_part < p.T ? t0 + p.tokens_per_part : p.T;
   const int col = (static_cast<int>(blockIdx.x) * kWarps + warp) * kWarpCols + 4 * g;  // the lane's 4 columns
-  const MhcFusedLane<T, N, D> ln(p, col);
-  const bool live = ln.live;
-  const int si = ln.si;
-  const T *x = ln.x, *dy = ln.dy, *dxp = ln.dxp;
-  T* dx = ln.dx;
+  const bool live = col < kND;
+  const int si = live ? col / D : 0, d = live ? col - si * D : 0;
+  const T* x = static_cast<const T*>(p.x) + si * p.x_row + d;
+  const T* dy = static_cast<const T*>(p.dy) + d;
+  const T* dxp = static_cast<const T*>(p.dx_post) + si * p.dx_post_row + d;
+  T* dx = static_cast<T*>(p.dx) + si * p.dx_row + d;
 
-  // phi's fragments (mhc_pre_bwd_fused_phi): a lane reads back only what it wrote, no barrier.
+  // phi^T, A of du: a0 (column row g, r c), a1 (row g + 8, r c), a2 (row g, r c + 4), a3 (row g + 8, r c + 4)
+  // of k step kk (r = 8 kk + ...), m-tile mt, as hi and lo; zero past M and past nD. A lane reads back only
+  // what it wrote: no barrier.
   __shared__ float4 ph[kWarps][2][kKt][2][32];
   float gm[4];
-  mhc_pre_bwd_fused_phi<kM, kND, kHasGamma>(p, ph[warp], gm, col, live, true);
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int kk = 0; kk < kKt; ++kk) {
+      float hi[4], lo[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int r = 8 * kk + c + 4 * (q >> 1), cc = col + 2 * (q & 1) + mt;
+        const float v = live && r < kM ? __ldg(p.phi + static_cast<long long>(r) * kND + cc) : 0.f;
+        hi[q] = mhc_tf32(v);
+        lo[q] = mhc_tf32(v - hi[q]);
+      }
+      ph[warp][mt][kk][0][lane] = make_float4(hi[0], hi[1], hi[2], hi[3]);
+      ph[warp][mt][kk][1][lane] = make_float4(lo[0], lo[1], lo[2], lo[3]);
+    }
+#pragma unroll
+  for (int q = 0; q < 4; ++q) gm[q] = kHasGamma && live ? __ldg(p.gamma + col + q) : 1.f;
 
   // S^T: sacc[mt][nt][2h + e] = sum over the part's tokens of x[., col + 2h + mt] dm[., 8 nt + 2c + e].
   float sacc[2][kKt][4];
@@ -303,7 +154,9 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(c
     issue(stage == 0 ? kStages - 1 : stage - 1, t + (kStages - 1) * kStep);
     if (t + kStep < t1) load_dm(dmv, t + kStep);
     mhc_cp_async_wait<kStages - 1>();
-    MhcFusedRows<T, kJ> cur;
+    struct {
+      MhcRow4<T> x[kJ][2], dy[kJ][2], dp[kJ][2];
+    } cur;
 #pragma unroll
     for (int j = 0; j < kJ; ++j)
 #pragma unroll
@@ -313,13 +166,99 @@ __global__ void __launch_bounds__(kMhcMmaThreads) mhc_pre_bwd_fused_mma_kernel(c
         if constexpr (kHasDxPost) *reinterpret_cast<uint2*>(cur.dp[j][e].v) = ring[stage][2][j][e][threadIdx.x];
       }
     stage = stage == kStages - 1 ? 0 : stage + 1;
-    mhc_pre_bwd_fused_step<T, N, kM, kJ, kHasGamma, kHasDxPost, kAhead>(p, dms[warp], ph[warp], cur, gm, sacc, dx, ds, t,
-                                                                       t1, live, si);
+    const float* dm = dms[warp];
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      // du^T of tokens t + 8 j .. + 7: B = dm^T, b0 (r 8 kk + c, token slot g), b1 (r + 4, token slot g).
+      float du[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) du[mt][0] = du[mt][1] = du[mt][2] = du[mt][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < kKt; ++kk) {
+        const int r0 = 8 * kk + c, r1 = r0 + 4;
+        const float v0 = r0 < kM ? dm[(8 * j + g) * kM + r0] : 0.f;
+        const float v1 = r1 < kM ? dm[(8 * j + g) * kM + r1] : 0.f;
+        const float h0 = mhc_tf32(v0), h1 = mhc_tf32(v1);
+        const float l0 = mhc_tf32(v0 - h0), l1 = mhc_tf32(v1 - h1);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const float4 a = ph[warp][mt][kk][0][lane], al = ph[warp][mt][kk][1][lane];
+          mhc_mma_tf32(du[mt], al.x, al.y, al.z, al.w, h0, h1);
+          mhc_mma_tf32(du[mt], a.x, a.y, a.z, a.w, l0, l1);
+          mhc_mma_tf32(du[mt], a.x, a.y, a.z, a.w, h0, h1);
+        }
+      }
+      // S^T += x^T dm over these 8 tokens: A = x^T, a0 (column row g, token slot c = 8 j + 2c), a1 (row g + 8),
+      // a2 (row g, slot c + 4 = token 8 j + 2c + 1), a3 (row g + 8, slot c + 4); B = dm, b0 (token 8 j + 2c,
+      // r 8 nt + g), b1 (token 8 j + 2c + 1, r 8 nt + g).
+#pragma unroll
+      for (int nt = 0; nt < kKt; ++nt) {
+        const int r = 8 * nt + g;
+        const float w0 = r < kM ? dm[(8 * j + 2 * c) * kM + r] : 0.f;
+        const float w1 = r < kM ? dm[(8 * j + 2 * c + 1) * kM + r] : 0.f;
+        const float h0 = mhc_tf32(w0), h1 = mhc_tf32(w1);
+        const float l0 = mhc_tf32(w0 - h0), l1 = mhc_tf32(w1 - h1);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const float a0 = to_float(cur.x[j][0].v[mt]), a1 = to_float(cur.x[j][0].v[2 + mt]);
+          const float a2 = to_float(cur.x[j][1].v[mt]), a3 = to_float(cur.x[j][1].v[2 + mt]);
+          mhc_mma_tf32(sacc[mt][nt], a0, a1, a2, a3, l0, l1);
+          mhc_mma_tf32(sacc[mt][nt], a0, a1, a2, a3, h0, h1);
+        }
+      }
+      // du[mt][2h + e] = du of token t + 8 j + 2c + e at column col + 2h + mt: dx = du gamma - c_v v +
+      // H_pre[i] dy (+ dx_post).
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const long long tok = t + 8 * j + 2 * c + e;
+        if (!live || tok >= t1) continue;
+        const int ts = 8 * j + 2 * c + e;  // the token's place in the step
+        const float cv = kAhead ? dm[kDm + ts] : __ldg(p.ws_cv + tok);
+        const float hp = kAhead ? dm[kDm + kStep + ts * N + si] : __ldg(p.ws_hpre + tok * N + si);
+        MhcRow4<T> out;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float u = du[q & 1][2 * (q >> 1) + e];
+          float dv = (kHasGamma ? u * gm[q] : u) - cv * to_float(cur.x[j][e].v[q]) + hp * to_float(cur.dy[j][e].v[q]);
+          if (kHasDxPost) dv += to_float(cur.dp[j][e].v[q]);
+          out.v[q] = store_as<T>(dv);
+        }
+        if (kAhead) {
+          // One 8-byte store (a uint2 store through a cast still came out as two 4-byte ones).
+          const uint2 w = *reinterpret_cast<const uint2*>(out.v);
+          asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(dx + tok * ds), "r"(w.x), "r"(w.y) : "memory");
+        } else {
+          *reinterpret_cast<MhcRow4<T>*>(dx + tok * ds) = out;
+        }
+      }
+    }
   }
 
-  // The part's dphi = gamma S and dgamma = sum_r phi S, as mhc_pre_bwd_columns_mma_kernel leaves them.
+  // The part's dphi = gamma S and dgamma = sum_r phi S: the lane's rows r = 8 nt + 2c + e of its 4 columns,
+  // then the four lanes of the same g (lane bits 0, 1) by shuffles in a fixed order.
   float* out = p.ws_part + static_cast<long long>(part) * (kM + 1) * kND;
-  mhc_pre_bwd_fused_store_sums<kM, kND, kHasGamma>(p, sacc, gm, col, live, out, out + static_cast<long long>(kM) * kND);
+  float dg[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int nt = 0; nt < kKt; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int r = 8 * nt + 2 * c + e;
+      if (!live || r >= kM) continue;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float s = sacc[q & 1][nt][2 * (q >> 1) + e];
+        out[static_cast<long long>(r) * kND + col + q] = kHasGamma ? gm[q] * s : s;
+        if (kHasGamma) dg[q] = fmaf(__ldg(p.phi + static_cast<long long>(r) * kND + col + q), s, dg[q]);
+      }
+    }
+  if constexpr (kHasGamma) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      dg[q] += __shfl_xor_sync(0xffffffffu, dg[q], 1);
+      dg[q] += __shfl_xor_sync(0xffffffffu, dg[q], 2);
+      if (c == 0 && live) out[static_cast<long long>(kM) * kND + col + q] = dg[q];
+    }
+  }
   if (blockIdx.x == 0) mhc_pre_bwd_row_sums<N, D, kPreOnly>(p, part, t0, t1);
 }
 
