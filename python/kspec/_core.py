@@ -26,7 +26,7 @@ def use_torch_ext(fn, some=None, entry=None) -> None:
 
     pkg = sys.modules.get(__package__)
     if pkg is not None and getattr(pkg, "call", None) is call:
-        pkg.call = entry
+        setattr(pkg, "call", entry)  # (mypy: a module has no attribute `call` to assign)
     call = entry
 
 
