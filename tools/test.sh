@@ -9,13 +9,17 @@ source tools/setup.sh
 PY=$PYTHON  # set by setup.sh: .venv unless PYTHON or an active venv says otherwise
 JOBS=${JOBS:-$(nproc)}
 export KSPEC_CACHE_DIR=${KSPEC_CACHE_DIR:-$(mktemp -d)/kspec-cache}
+# One cache for ctest's processes, pytest and the precompile step: a kernel is compiled once in this run.
+export KSPEC_TEST_CACHE_DIR=${KSPEC_TEST_CACHE_DIR:-$KSPEC_CACHE_DIR}
+start=$SECONDS
+step() { echo "== [$((SECONDS - start)) s] $*"; }
 
-echo "== C++: configure, build, ctest"
+step "C++: configure, build, ctest"
 cmake -S . -B build/test -G Ninja -DCMAKE_BUILD_TYPE=Release -DKSPEC_BUILD_TESTS=ON -DKSPEC_PYTHON="$(command -v "$PY")" >/dev/null
 cmake --build build/test -j "$JOBS"
 (cd build/test && ctest --output-on-failure -j "$JOBS")
 
-echo "== C++: install and use from a downstream CMake project"
+step "C++: install and use from a downstream CMake project"
 prefix=$(mktemp -d)
 cmake --install build/test --prefix "$prefix" >/dev/null
 cmake -S tests/downstream -B build/downstream -G Ninja -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
@@ -23,12 +27,13 @@ cmake --build build/downstream
 ./build/downstream/kspec_downstream
 ./build/downstream/kspec_downstream_c
 
-echo "== Python: install and pytest"
+step "Python: install and pytest"
 bash tools/install.sh
 "$PY" -m pytest -q tests/python
 
-echo "== Python: the wheel in a fresh venv without the toolkit (auditwheel, NVRTC from pip's wheels)"
+step "Python: the wheel in a fresh venv without the toolkit (auditwheel, NVRTC from pip's wheels)"
 bash tools/wheel_check.sh
 
-echo "== precompile: every specialization for sm_80 and sm_90"
+step "precompile: every specialization for sm_80 and sm_90"
 "$PY" -m kspec precompile --all --arch sm_80 --arch sm_90
+step "done"
