@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Quick start, command 2 (and CI): install, build, and run every test — GoogleTest (ctest), pytest,
 # the downstream find_package(kspec) project, the wheel in a fresh venv (tools/wheel_check.sh), and the
-# precompile check (every op x dtype x tuning config through NVRTC for sm_80 and sm_90, failing on a
-# compile error or a spill). GPU tests run when a GPU is present and skip otherwise.
+# precompile check (every op x case x dtype x tuning config through NVRTC for sm_90, the GPU kspec targets,
+# and every case's default plan for sm_80; failing on a compile error or a spill). GPU tests run when a
+# GPU is present and skip otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/setup.sh
@@ -34,6 +35,6 @@ bash tools/install.sh
 step "Python: the wheel in a fresh venv without the toolkit (auditwheel, NVRTC from pip's wheels)"
 bash tools/wheel_check.sh
 
-step "precompile: every specialization for sm_80 and sm_90"
-"$PY" -m kspec precompile --all --arch sm_80 --arch sm_90
+step "precompile: every specialization for sm_90 (every config of every tuning space), every default plan for sm_80"
+"$PY" -m kspec precompile --all --arch sm_90 --defaults sm_80
 step "done"

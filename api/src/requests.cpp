@@ -152,6 +152,33 @@ std::vector<CompileRequest> quick_plan(const std::vector<std::string>& archs, co
   return out;
 }
 
+std::vector<CompileRequest> defaults_plan(const std::vector<std::string>& archs, const std::vector<std::string>& ops) {
+  std::vector<CompileRequest> out;
+  const Registry& reg = Registry::global();
+  for (const auto& name : ops.empty() ? reg.names() : ops) {
+    const OpDef& op = reg.get(name);
+    if (!op.kernels) continue;  // a library op: nothing to compile
+    for (const auto& arch : archs) {
+      std::set<std::string> seen;  // one request per distinct kernel set
+      // precompile_plan's cases: where an op marks representative ones, those
+      bool any_rep = std::any_of(op.cases.begin(), op.cases.end(), [](const Case& c) { return c.representative; });
+      for (const Case& cs : op.cases) {
+        if (cs.large || (any_rep && !cs.representative)) continue;
+        for (DType dt : op.dtypes) {
+          CompileRequest req = case_request(op, cs, dt, arch);
+          for (const auto& [k, v] : cs.dims) req.params.set(k, v);
+          const Problem p = problem_from_request(op, req);
+          const Config cfg = choose_config(op, p, nullptr, default_device()).config;
+          std::string sig;
+          for (const auto& spec : op.kernels(p, cfg)) sig += spec.canonical() + "\n";
+          if (!sig.empty() && seen.insert(sig).second) out.push_back(std::move(req));
+        }
+      }
+    }
+  }
+  return out;
+}
+
 std::vector<CompileRequest> precompile_plan(const std::vector<std::string>& archs, const std::vector<std::string>& ops) {
   std::vector<CompileRequest> out;
   const Registry& reg = Registry::global();

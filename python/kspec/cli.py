@@ -164,11 +164,17 @@ def _local_arch():
 
 
 def cmd_precompile(a):
+    defaults = getattr(a, "defaults", None) or []
     if a.all and a.file:
         raise UsageError("precompile: give --all or --file, not both")
-    if a.all:
-        archs = a.arch or ["sm_80", "sm_90"]
-        reqs = _C.precompile_plan(archs, a.op or [])
+    if a.file and defaults:
+        raise UsageError("precompile: give --file or --defaults, not both")
+    if a.all or defaults:
+        # --all: every config of every tuning space for --arch; --defaults ARCH: each case's default plan for ARCH
+        archs = (a.arch or [x for x in ("sm_80", "sm_90") if x not in defaults]) if a.all else []
+        reqs = _C.precompile_plan(archs, a.op or []) if archs else []
+        reqs += _C.defaults_plan(defaults, a.op or []) if defaults else []
+        archs = archs + [d for d in defaults if d not in archs]
     elif a.file:
         reqs = _load_requests(a.file)
         archs = sorted({r["arch"] for r in reqs})
@@ -176,7 +182,7 @@ def cmd_precompile(a):
         archs = a.arch or [_local_arch()]
         reqs = _C.quick_plan(archs, a.op or [])
     jobs = a.jobs or _C.compile_threads()
-    quick = not a.all and not a.file
+    quick = not a.all and not a.file and not defaults
     results, failures = [], []
     t0 = time.time()
     progress = None
@@ -559,6 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--file", help="JSON lines (or a JSON list) of compile requests {op, dtype, arch, params, ...}")
     s.add_argument("--arch", action="append",
                    help="architecture to compile for (repeatable; default: the GPU's, else sm_90; with --all sm_80 and sm_90)")
+    s.add_argument("--defaults", action="append", metavar="ARCH",
+                   help="also every op x case x dtype with the config dispatch chooses, for ARCH (repeatable; "
+                        "alone or beside --all's full sweep of --arch); fails on a spill")
     s.add_argument("--op", action="append", help="only this op (repeatable)")
     s.add_argument("--jobs", type=int, help="compile threads (default KSPEC_COMPILE_THREADS, else the cores)")
     _json_flags(s)

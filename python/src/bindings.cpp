@@ -288,6 +288,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("precompile_plan", [plan_list](const std::vector<std::string>& archs, const std::vector<std::string>& ops) {
     return plan_list(kspec::precompile_plan(archs, ops));
   });
+  m.def("defaults_plan", [plan_list](const std::vector<std::string>& archs, const std::vector<std::string>& ops) {
+    return plan_list(kspec::defaults_plan(archs, ops));
+  });
   m.def("quick_plan", [plan_list](const std::vector<std::string>& archs, const std::vector<std::string>& ops) {
     return plan_list(kspec::quick_plan(archs, ops));
   });

@@ -274,6 +274,44 @@ TEST(Compile, QuickPlanIsOneTypicalCallPerOpAndDtype) {
   EXPECT_EQ(quick_plan({"sm_80", "sm_90"}, {"norm_act.bwd"}).size(), 6u);  // 2 archs x 3 dtypes
 }
 
+// CI's sm_80 sweep: every case (the representative ones where an op marks them; never the large) x dtype of each op with kernels, with dispatch's own config for the
+// case's whole call (full dims), once per distinct kernel set; each case's call is then a cache hit.
+TEST(Compile, DefaultsPlanIsEveryCaseDefaultOnce) {
+  auto plan = defaults_plan({"sm_80"}, {"norm_act.fwd", "selective_scan.fwd"});
+  std::set<std::string> ops, sigs;
+  for (const auto& r : plan) {
+    EXPECT_FALSE(r.config.has_value()) << r.op;
+    EXPECT_EQ(r.arch, "sm_80");
+    ops.insert(r.op);
+    std::string sig;
+    for (const auto& k : explain_request(r).kernels) sig += k.key;
+    EXPECT_TRUE(sigs.insert(sig).second) << r.op << ": two requests for one kernel set";
+  }
+  EXPECT_EQ(ops, (std::set<std::string>{"norm_act.fwd", "selective_scan.fwd"}));
+  // Every case's call is covered: its kernels are some request's kernels.
+  const OpDef& op = Registry::global().get("norm_act.fwd");
+  const bool any_rep = std::any_of(op.cases.begin(), op.cases.end(), [](const Case& c) { return c.representative; });
+  for (const Case& cs : op.cases) {
+    if (cs.large || (any_rep && !cs.representative)) continue;
+    for (DType dt : op.dtypes) {
+      CompileRequest r;
+      r.op = op.info.name;
+      r.dtype = dt;
+      r.arch = "sm_80";
+      r.without = cs.without;
+      r.tensor_dtypes = cs.tensor_dtypes;
+      r.alt_shapes = cs.alt_shapes;
+      for (const auto& [k, v] : cs.params.items()) r.params.set(k, v);
+      for (const auto& [k, v] : cs.dims) r.params.set(k, v);
+      std::string sig;
+      for (const auto& k : explain_request(r).kernels) sig += k.key;
+      EXPECT_TRUE(sigs.count(sig)) << cs.name << " " << dtype_short(dt);
+    }
+  }
+  const auto whole = defaults_plan({"sm_80"});
+  EXPECT_LT(whole.size(), precompile_plan({"sm_80"}).size() / 2);
+}
+
 TEST(Compile, PrecompilePlanCoversEveryDtypeAndConfig) {
   auto plan = precompile_plan({"sm_90"});
   std::map<std::string, int> per_op;

@@ -68,12 +68,28 @@ def test_help_lists_the_exit_codes(capsys):
     assert len(codes) == len(set(codes))
 
 
+def test_precompile_defaults_compiles_each_case_default_plan(tmp_path):
+    """`--defaults ARCH` (CI's sm_80 sweep): every case x dtype with dispatch's config, beside --all's sweep."""
+    env = {"KSPEC_CACHE_DIR": str(tmp_path / "c")}
+    r = run("precompile", "--defaults", "sm_80", "--op", "norm_act.fwd", "--json", env=env)
+    d = json.loads(r.stdout)
+    assert r.returncode == 0 and not d["failures"], r.stdout + r.stderr
+    assert d["archs"] == ["sm_80"] and d["requests"] > 3  # more than the quick plan's one call a dtype
+    assert {x["arch"] for x in d["results"]} == {"sm_80"}
+    r = run("precompile", "--all", "--arch", "sm_90", "--defaults", "sm_80", "--op", "norm_act.fwd", "--json", env=env)
+    both = json.loads(r.stdout)
+    assert r.returncode == 0 and both["archs"] == ["sm_90", "sm_80"], r.stdout + r.stderr
+    assert {x["arch"] for x in both["results"]} == {"sm_80", "sm_90a"}
+    assert both["requests"] > d["requests"]
+
+
 @pytest.mark.parametrize("args, code, needle", [
     (["compile", "norm_act.fwd", "--arch", "sm_50", "--param", "hidden=64"], kcli.EXIT_USAGE, "sm_50"),
     (["compile", "nope.fwd"], kcli.EXIT_USAGE, "unknown op 'nope.fwd'"),
     (["compile", "norm_act.fwd", "--param", "hidden"], kcli.EXIT_USAGE, "--param expects name=value"),
     (["tune"], kcli.EXIT_USAGE, "give an OP"),
     (["precompile", "--file", "/nonexistent/list.jsonl"], kcli.EXIT_USAGE, "cannot read it"),
+    (["precompile", "--file", "x.jsonl", "--defaults", "sm_80"], kcli.EXIT_USAGE, "not both"),
     (["check"], kcli.EXIT_CUDA, "no GPU visible"),
     (["frobnicate"], kcli.EXIT_USAGE, "invalid choice"),
 ])

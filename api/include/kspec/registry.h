@@ -270,6 +270,13 @@ std::vector<CompileReport> compile(const CompileRequest& request);
 std::vector<CompileRequest> precompile_plan(const std::vector<std::string>& archs,
                                             const std::vector<std::string>& ops = {});
 
+// Every case (as precompile_plan takes them: not the large, only the representative ones where an op marks
+// them) x dtype of each op with kernels, with the config dispatch chooses for that case's call (its full dims):
+// the plans calls run by default. `kspec precompile --defaults ARCH`; CI sweeps sm_90's tuning spaces whole
+// (precompile_plan) and sm_80's defaults.
+std::vector<CompileRequest> defaults_plan(const std::vector<std::string>& archs,
+                                          const std::vector<std::string>& ops = {});
+
 // What `kspec precompile` (and the main job without a GPU) builds in about a minute: for each op that has
 // kernels and each of its dtypes, the one call its case table marks typical (else its first case), with
 // the config dispatch would choose: the requests `kspec compile` makes for that call, so it is a cache hit.
