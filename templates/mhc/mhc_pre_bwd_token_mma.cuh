@@ -84,21 +84,6 @@ __device__ __forceinline__ void mhc_pre_bwd_tot_reduce(float (&acc)[kTok / 16][(
       acc, [&](int mt, int h, int i) -> float& { return dxy[mt][h][i]; }, tot);
 }
 
-// The sums a lane of the token pass keeps, zeroed: acc (m of the lane's token rows mt * 16 + g + 8 h, accumulator
-// layout, rows 8 j + 2 c + e) and dxy[mt][h][i] (its part of <dy, x[i]> of the same rows).
-template <int N, int kMt, int kNt>
-__device__ __forceinline__ void mhc_pre_bwd_zero_sums(float (&acc)[kMt][kNt][4], float (&dxy)[kMt][2][N]) {
-#pragma unroll
-  for (int mt = 0; mt < kMt; ++mt) {
-#pragma unroll
-    for (int j = 0; j < kNt; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.f;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int i = 0; i < N; ++i) dxy[mt][h][i] = 0.f;
-  }
-}
-
 // Grid: ceil(T / kTok) blocks of kMhcMmaThreads. kVec: D % 8 == 0 and every pointer and row 16-byte
 // aligned. Registers: a lane keeps n x (kTok / 16) x 2 rows of 8 elements of x, its rows of dy, kMt x kNt
 // accumulator tiles and kMt x 2 x n sums <dy, x[i]> (api/ops/mhc/op.cpp bounds kMt n and kMt kNt).
@@ -155,8 +140,18 @@ __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads ? 1 : 0) mhc_pre_bw
   const T* x = static_cast<const T*>(p.x);
   const T* dy = static_cast<const T*>(p.dy);
 
+  // acc: m of the lane's token rows mt * 16 + g + 8 h (accumulator layout, rows 8 j + 2 c + e); dxy[mt][h][i]:
+  // the lane's part of <dy, x[i]> of the same rows.
   float acc[kMt][kNt][4], dxy[kMt][2][N];
-  mhc_pre_bwd_zero_sums(acc, dxy);
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt) {
+#pragma unroll
+    for (int j = 0; j < kNt; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < N; ++i) dxy[mt][h][i] = 0.f;
+  }
 
   // kRing: the lane's slots of stage s, row r (dy's kMt x 2 rows, then x's n x kMt x 2), kThreads apart.
   extern __shared__ uint4 ring[];

@@ -266,17 +266,6 @@ __device__ __forceinline__ void mhc_pre_fwd_mma_finish(const MhcPreParams& p, lo
   }
 }
 
-// Block bx's tile of kTok tokens: its first token and how many of them there are (the last tile's fewer).
-struct MhcBlockTile {
-  long long t0;
-  int ntok;
-};
-template <int kTok>
-__device__ __forceinline__ MhcBlockTile mhc_block_tile(long long T) {
-  const long long t0 = static_cast<long long>(blockIdx.x) * kTok;
-  return {t0, static_cast<int>(T - t0 < kTok ? T - t0 : kTok)};
-}
-
 // Row h of m16 tile mt of the lane's token rows (g = lane / 4) in a tile of ntok tokens from t0: its token (t0
 // itself past the tile: an address inside x for a masked load) and whether it is one of the tile's.
 struct MhcTileRow {
@@ -519,18 +508,6 @@ __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads || kSplits > 1 ? 1 
   mhc_pre_fwd_mma_finish<T, N, D, kTMax, kPreOnly, kTok, kVec, kWarpHeads, false>(p, t0, ntok, acc, ss, tot);
 }
 
-// A tile's kSplits partial totals (part: kSplits rows of kLen floats) added in split order (deterministic) into tot
-// (shared, kLen floats) by the block's kMhcMmaThreads threads; ends with a barrier.
-template <int kLen, int kSplits>
-__device__ __forceinline__ void mhc_add_split_partials(const float* part, float* tot) {
-  for (int e = threadIdx.x; e < kLen; e += kMhcMmaThreads) {
-    float s = 0.f;
-    for (int q = 0; q < kSplits; ++q) s += part[q * kLen + e];
-    tot[e] = s;
-  }
-  __syncthreads();
-}
-
 // algo=mma_split's second kernel: grid (ceil(T / kTok), y blocks). Block (bx, by) adds tile bx's kSplits
 // partial totals in split order (deterministic), then each warp runs its tokens' heads (block by == 0 writes
 // them) and y of the 8-element groups of the by-th of gridDim.y ranges of D.
@@ -544,7 +521,13 @@ __global__ void __launch_bounds__(kMhcMmaThreads, 1) mhc_pre_fwd_split_heads_ker
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const long long t0 = static_cast<long long>(blockIdx.x) * kTok;
   const int ntok = static_cast<int>(p.T - t0 < kTok ? p.T - t0 : kTok);
-  mhc_add_split_partials<kTok * kK, kSplits>(args.ws + static_cast<long long>(blockIdx.x) * kSplits * (kTok * kK), tot);
+  const float* part = args.ws + static_cast<long long>(blockIdx.x) * kSplits * (kTok * kK);
+  for (int e = threadIdx.x; e < kTok * kK; e += kMhcMmaThreads) {
+    float s = 0.f;
+    for (int q = 0; q < kSplits; ++q) s += part[q * (kTok * kK) + e];
+    tot[e] = s;
+  }
+  __syncthreads();
   const int i0 = static_cast<int>(blockIdx.y * kRow8 / gridDim.y), i1 = static_cast<int>((blockIdx.y + 1) * kRow8 / gridDim.y);
   for (int j = warp; j < ntok; j += kWarps)
     mhc_pre_fwd_token_warp<T, N, D, kTMax, kPreOnly, kVec, false>(p, t0 + j, tot + j * kK, wh[warp], lane, i0, i1,

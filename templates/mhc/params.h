@@ -56,7 +56,6 @@ struct MhcPreBwdParams {
   float* ws_part;       // [parts, M + 1, nD] then [parts, M + 3]: the parts' column sums
   float* ws_cv;         // [T]      dinv inv^3 / nD (algo=mma: the token kernel leaves dx to the dx kernel)
   float* ws_hpre;       // [T, n]   H_pre (algo=mma, likewise)
-  float* ws_tok;        // [ceil(T / tokens) x splits, tokens, n + M]: algo=mma_split_du1's partial <dy, x[i]> and m
   long long T, x_row, dy_row, dx_row, dx_post_row;
   int parts, tokens_per_part;
   float eps_pre, eps_sk;

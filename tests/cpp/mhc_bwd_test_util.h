@@ -1,4 +1,4 @@
-// What the mhc pre backward suites (test_mhc_slice.cpp, test_mhc_split.cpp) share: a config and compile request at
+// What the mhc pre backward suites (test_mhc_slice.cpp, test_mhc_slice_sync.cpp) share: a config and compile request at
 // an algo, every kernel of a list of requests compiled without spills, and on a GPU pre.bwd's outputs as bytes at a
 // config on seeded inputs and the relative difference of two outputs.
 #pragma once

@@ -724,11 +724,8 @@ int64_t block_smem_limit(const Problem& p) {
 // within ~2^-11 of du; dphi, dgamma, db, dalpha as kMmaSlice's bits).
 // kMmaSliceDu1Nb, kMmaSliceDu1Mb: kMmaSliceDu1 with each group of 4 warps under its own named barrier / mbarrier a
 // step (the slice kernel's kGroupSync 1 / 2) instead of one block barrier: the same bits.
-// kMmaSplitDu1: kMmaSliceDu1Mb with the token pass split in two kernels (mhc_pre_bwd_split_mma.cuh): the projection
-// and <dy, x[i]> over (token tile x column slice) items, partial totals into the workspace, then the heads a warp a
-// token after adding the slices in order.
 constexpr int64_t kMmaFusedAhead = 6, kMmaFusedPhiRing = 7, kMmaSlice = 8, kMmaSliceDu1 = 9, kMmaSliceDu1Nb = 10,
-                  kMmaSliceDu1Mb = 11, kMmaSplitDu1 = 12;
+                  kMmaSliceDu1Mb = 11;
 bool bwd_warp_heads(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaFusedWarpHeads; }
 bool bwd_ring(const Config& c) { return c.has("algo") && c.get("algo") == kMmaFusedRing; }
 bool bwd_ahead(const Config& c) {
@@ -739,12 +736,8 @@ bool bwd_slice_du1(const Config& c) { return c.has("algo") && c.get("algo") >= k
 // The slice kernel's kGroupSync: 0 one block barrier a step, 1 a named barrier a group, 2 an mbarrier a group.
 int64_t bwd_slice_group_sync(const Config& c) {
   const int64_t algo = c.has("algo") ? c.get("algo") : 0;
-  return algo == kMmaSliceDu1Nb ? 1 : algo >= kMmaSliceDu1Mb ? 2 : 0;
+  return algo == kMmaSliceDu1Nb ? 1 : algo == kMmaSliceDu1Mb ? 2 : 0;
 }
-bool bwd_split(const Config& c) { return c.has("algo") && c.get("algo") == kMmaSplitDu1; }
-// The split token pass's column slices (its kSplits; the grid's y): 8 (T 16384, n 4, D 4096: 512 x 8 blocks of 4
-// warps, each 4 chunks of 32 columns a warp), fewer where D has fewer than 8 groups of 4 chunks.
-int64_t bwd_split_slices(const Problem& p) { return std::clamp<int64_t>(ceil_div(ceil_div(p.dim("D"), 32), 4), 1, 8); }
 // The slice kernel's groups of 4 warps (its kGroups): 4, 512 threads, one block an SM (__launch_bounds__(512, 1):
 // at most 128 registers).
 constexpr int64_t kSliceGroups = 4;
@@ -797,14 +790,6 @@ std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, 
     const auto slice = kernel_spec(p, "mhc/mhc_pre_bwd_slice_mma.cuh", "kspec::mhc_pre_bwd_slice_mma_kernel",
                                    {T, n, D, g, head, b(dx_post), std::to_string(kSliceGroups), b(bwd_slice_du1(c)),
                                     std::to_string(bwd_slice_group_sync(c))});
-    if (bwd_split(c)) {
-      const std::string splits = std::to_string(bwd_split_slices(p));
-      return {kernel_spec(p, "mhc/mhc_pre_bwd_split_mma.cuh", "kspec::mhc_pre_bwd_proj_mma_kernel",
-                          {T, n, D, g, head, tokens, b(mma_vec(p)), splits}),
-              kernel_spec(p, "mhc/mhc_pre_bwd_split_mma.cuh", "kspec::mhc_pre_bwd_split_heads_kernel",
-                          {n, D, t_max_arg(p), head, tokens, splits}),
-              slice, reduce};
-    }
     return {kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
                         {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), "false", "false", "true"}),
             slice, reduce};
@@ -861,11 +846,7 @@ void* launch_pre_bwd(const Call& call, const Config& c, Launcher& l, MhcPreBwdPa
   const Problem& pr = call.problem;
   const int64_t T = pr.dim("T"), m = proj_rows(pr), nd = pr.dim("nD"), parts = bwd_parts(T);
   const size_t lead = (dx_bytes + 255) / 256 * 256;
-  // algo=mma_split_du1's partial totals: n + M floats a token of every tile, per column slice.
-  const int64_t tok_floats = bwd_split(c) ? ceil_div(T, c.get("tokens")) * c.get("tokens") * bwd_split_slices(pr) *
-                                                (pr.dim("n") + m)
-                                          : 0;
-  const int64_t ws_floats = T * (2 * m + 3) + parts * ((m + 1) * nd + m + 3) + T * (1 + pr.dim("n")) + tok_floats;
+  const int64_t ws_floats = T * (2 * m + 3) + parts * ((m + 1) * nd + m + 3) + T * (1 + pr.dim("n"));
   auto* base = static_cast<char*>(l.workspace(lead + sizeof(float) * static_cast<size_t>(ws_floats)));
   if (dx_bytes) a.dx = base;
   auto* ws = reinterpret_cast<float*>(base + lead);
@@ -877,20 +858,8 @@ void* launch_pre_bwd(const Call& call, const Config& c, Launcher& l, MhcPreBwdPa
   a.tokens_per_part = static_cast<int>(ceil_div(T, parts));
   a.ws_cv = a.ws_part + parts * ((m + 1) * nd + m + 3);
   a.ws_hpre = a.ws_cv + T;
-  a.ws_tok = bwd_split(c) ? a.ws_hpre + T * pr.dim("n") : nullptr;
   void* args[] = {&a};
   const unsigned th = u32(c.get("threads"));
-  if (bwd_split(c)) {
-    if (T > 0) {
-      const unsigned tiles = u32(ceil_div(T, c.get("tokens")));
-      l.launch(0, {tiles, u32(bwd_split_slices(pr))}, {u32(kMmaThreads)}, 0, args);
-      l.launch(1, {tiles}, {u32(kMmaThreads)}, 0, args);
-    }
-    l.launch(2, {u32(ceil_div(nd, kFusedBlockCols))}, {u32(kSliceGroups * kMmaThreads)},
-             u32(bwd_slice_smem_bytes(pr, pr.present("dx_post"))), args);
-    l.launch(3, {1}, {kReduceThreads}, 0, args);
-    return a.dx;
-  }
   if (T > 0)
     l.launch(0, {u32(ceil_div(T, c.get("tokens")))}, {th},
              bwd_ring(c)       ? u32(bwd_ring_bytes(pr, c.get("tokens")))
@@ -950,12 +919,12 @@ std::string bwd_mma_tokens_unsupported(const Problem& p, int64_t tokens) {
 // D 4096, bf16, pre fwd+bwd: mma_fused 32 2056 us (run 20), mma_tokens 32 2540, mma 3716, simt 6280 (H200:
 // mma 3567 against simt 6280; tools/bench/NOTES.md). mma_fused_ring (the token pass through a cp.async ring) is
 // selectable (run 26: 1767 us against mma_fused_warp_heads' 1773); mma_fused_ahead and mma_fused_phi_ring
-// selectable (run 30: 1754 and 1774 against 1789); mma_slice (the columns kernel walking every token) selectable,
-// not yet timed, and refused where its shared memory exceeds the arch's.
+// selectable (run 30: 1754 and 1774 against 1789); mma_slice (the columns kernel walking every token) and its
+// variants refused where their shared memory exceeds the arch's; mma_slice_du1_nb the heuristic's where nD >= 12288.
 TuningSpace with_bwd_algo_axis(TuningSpace t) {
   t.axes.insert(t.axes.begin(),
                 {"algo", {kSimt, kMma, kMmaTokens, kMmaFused, kMmaFusedWarpHeads, kMmaFusedRing, kMmaFusedAhead,
-                          kMmaFusedPhiRing, kMmaSlice, kMmaSliceDu1, kMmaSliceDu1Nb, kMmaSliceDu1Mb, kMmaSplitDu1}});
+                          kMmaFusedPhiRing, kMmaSlice, kMmaSliceDu1, kMmaSliceDu1Nb, kMmaSliceDu1Mb}});
   for (auto& [name, values] : t.axes)
     if (name == "tokens") values = {1, 4, 16, 32, 64};
   auto simt_valid = t.valid;
@@ -969,10 +938,6 @@ TuningSpace with_bwd_algo_axis(TuningSpace t) {
       // 18 KB ring of rows (mhc_pre_bwd_fused_mma.cuh): 46 KB of the 48 static at M = 24.
       if (no.empty() && algo >= kMmaFused && proj_rows(p) > 24)
         no = "algo=mma_fused takes at most 24 projection rows (n <= 4; pre_only n <= 8): shared memory";
-      // The split token pass's projection kernel (mhc_pre_bwd_split_mma.cuh) spilled at 64 tokens under 168
-      // registers (NVRTC 13, n 2, sm_80 and sm_90).
-      if (no.empty() && algo == kMmaSplitDu1 && tok > 32)
-        no = "algo=mma_split_du1 takes 16 or 32 tokens (its projection kernel's registers)";
       if (no.empty() && algo >= kMmaSlice && bwd_slice_smem_bytes(p, p.present("dx_post")) > block_smem_limit(p))
         no = "algo=mma_slice needs " + std::to_string(bwd_slice_smem_bytes(p, p.present("dx_post"))) +
              " bytes of shared memory a block, above this arch's " + std::to_string(block_smem_limit(p));
@@ -998,9 +963,11 @@ TuningSpace with_bwd_algo_axis(TuningSpace t) {
     // with mma_fused, 2478 with mma_tokens; the same bits as mma_fused), else mma_tokens.
     // mma_slice_du1 first where nD gives at least ~96 column blocks (H100, T 16384, n 4, D 4096, bf16, run 33: pre
     // fwd+bwd 1494 us against mma_fused_ahead's 1756 and mma_fused_warp_heads' 1766); its grid is nD / 128 blocks.
+    // With a named barrier a group (mma_slice_du1_nb; run 35, H200: 1420 us against mma_slice_du1's 1512, the
+    // mbarrier's 1422; racecheck 0 hazards).
     const std::vector<int64_t> algos =
         proj_rows(p) > 24         ? std::vector<int64_t>{kMmaTokens}
-        : p.dim("nD") >= 12288    ? std::vector<int64_t>{kMmaSliceDu1, kMmaFusedWarpHeads, kMmaFused}
+        : p.dim("nD") >= 12288    ? std::vector<int64_t>{kMmaSliceDu1Nb, kMmaFusedWarpHeads, kMmaFused}
                                   : std::vector<int64_t>{kMmaFusedWarpHeads, kMmaFused};
     for (int64_t algo : algos)
       for (int64_t tok : {32, 16}) {
