@@ -204,8 +204,53 @@ struct MhcSliceSmem {
   static constexpr int kBytes = kPhBytes + kCoefBytes + (kRowBytes > kRedBytes ? kRowBytes : kRedBytes);
 };
 
+// A barrier of the `count` threads of one group on an mbarrier in shared memory (what cuda::barrier's
+// arrive_and_wait does: arrive, then wait for the phase that arrival belongs to). mbarrier.arrive releases and the
+// wait acquires at CTA scope, so a thread's shared-memory accesses before its arrival (its cp.async copies, once
+// cp.async.wait_group has seen them land) happen before every other thread's accesses after its wait. Compute
+// Sanitizer's racecheck models cuda::barrier (since 2021.2).
+__device__ __forceinline__ void mhc_mbar_init(unsigned long long* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared.b64 [%0], %1;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(bar))),
+               "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void mhc_mbar_sync(unsigned long long* bar) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  unsigned long long state;
+  asm volatile("mbarrier.arrive.shared.b64 %0, [%1];\n" : "=l"(state) : "r"(a) : "memory");
+  unsigned done = 0;
+  while (!done) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("{\n.reg .pred q;\nmbarrier.try_wait.shared.b64 q, [%1], %2;\nselp.u32 %0, 1, 0, q;\n}\n"
+                 : "=r"(done)
+                 : "r"(a), "l"(state)
+                 : "memory");
+#else
+    asm volatile("{\n.reg .pred q;\nmbarrier.test_wait.shared.b64 q, [%1], %2;\nselp.u32 %0, 1, 0, q;\n}\n"
+                 : "=r"(done)
+                 : "r"(a), "l"(state)
+                 : "memory");
+#endif
+  }
+}
+
 // kDuHiOnly: algo=mma_slice_du1 (mhc_pre_bwd_fused_step's: du in one TF32 mma, for 16-bit dx).
-template <typename T, int N, int D, bool kHasGamma, bool kPreOnly, bool kHasDxPost, int kGroups, bool kDuHiOnly>
+// kGroupSync: how the 4 warps of a group agree that a step's ring slot is full and the last one free. 0: one block
+// barrier a step for all groups (algo=mma_slice, mma_slice_du1). 1 (algo=mma_slice_du1_nb): a named barrier a group
+// (bar.sync 1 + group, 128); 2 (algo=mma_slice_du1_mb): an mbarrier a group (mhc_mbar_sync). The
+// groups share no shared memory in the loop (each its own ring slots [stage][grp]; phi's fragments are written before
+// the first block barrier and only read after it), so under 1 and 2 no group waits on another's step; the block
+// barrier stays where they share memory, after phi's fragments and before the S^T sums through the drained ring
+// (which holds the other groups' slots). Run 33 vs 34 (H100, pre fwd+bwd): a group's own barrier was worth ~50 us
+// (du1) to ~190 us (mma_slice) against the block barrier; run 35 (H200): du1 1512 us, 1420 named, 1422 mbarrier,
+// racecheck 0 hazards for both. Every group still runs per / 8 steps (the last group's past
+// its range skip the step): run 33's named barriers, with each group running its own range's steps only, drew
+// racecheck hazards between the loop's ring reads and the S^T writes after the loop's block barrier, in other groups'
+// slots. On the hardware that pair is ordered by the block barrier; a checker that counts each thread's barriers
+// (barrier intervals) instead sees a group that passed fewer named barriers as still inside the loop. With the same
+// count of group barriers in every group, every thread reaches the block barrier after as many barriers as the others.
+template <typename T, int N, int D, bool kHasGamma, bool kPreOnly, bool kHasDxPost, int kGroups, bool kDuHiOnly,
+          int kGroupSync = 0>
 __global__ void __launch_bounds__(128 * kGroups, 1) mhc_pre_bwd_slice_mma_kernel(const MhcPreBwdParams p) {
   using Rows = MhcRows<N, kPreOnly>;
   using Smem = MhcSliceSmem<Rows::kM, N, kGroups, kHasDxPost>;
@@ -233,6 +278,9 @@ __global__ void __launch_bounds__(128 * kGroups, 1) mhc_pre_bwd_slice_mma_kernel
   auto* rows = reinterpret_cast<uint2(*)[kGroups][kRowKinds][2][128]>(smem + Smem::kPhBytes + Smem::kCoefBytes);
   auto* red = reinterpret_cast<float(*)[2 * kKt * 4][32]>(smem + Smem::kPhBytes + Smem::kCoefBytes);
 
+  static_assert(kGroupSync >= 0 && kGroupSync <= 2, "0: block barrier, 1: named barrier, 2: mbarrier a group");
+  __shared__ unsigned long long group_bar[kGroups];
+  if (kGroupSync == 2 && gt == 0) mhc_mbar_init(&group_bar[grp], 128);
   float gm[4];
   mhc_pre_bwd_fused_phi<kM, kND, kHasGamma>(p, ph[stripe], gm, col, live, grp == 0);
   float sacc[2][kKt][4];
@@ -240,7 +288,7 @@ __global__ void __launch_bounds__(128 * kGroups, 1) mhc_pre_bwd_slice_mma_kernel
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
     for (int nt = 0; nt < kKt; ++nt) sacc[mt][nt][0] = sacc[mt][nt][1] = sacc[mt][nt][2] = sacc[mt][nt][3] = 0.f;
-  __syncthreads();  // phi's fragments, written by group 0, read by every group
+  __syncthreads();  // phi's fragments, written by group 0, read by every group; the groups' mbarriers initialised
 
   // A step at token t into ring slot `stage`: the thread's rows (tokens t + 2c + e, zeros past the range and
   // past nD) and its share of the group's step values, laid out as mhc_pre_bwd_fused_step's kAhead wants them:
@@ -280,16 +328,17 @@ __global__ void __launch_bounds__(128 * kGroups, 1) mhc_pre_bwd_slice_mma_kernel
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) issue(s, t0 + s * kStep);
   int stage = 0;
-  // Every group runs per / 8 steps (the last group's past its range are all zeros and skip the step), so that one
-  // block barrier a step serves all groups: run 33's racecheck reported hazards between the ring's reads and the
-  // next copies with a named barrier a group (bar.sync 1 + group, 128) in its place (dx, dphi and the bits were
-  // right; the block barrier is the ordering racecheck can check).
+  // Every group runs per / 8 steps (the last group's past its range are all zeros and skip the step), so that under
+  // kGroupSync 0 one block barrier a step serves all groups, and under 1 and 2 every group passes as many barriers
+  // (see kGroupSync above).
 #pragma unroll 1
   for (long long t = t0; t < t0 + per; t += kStep) {
-    // This step's copies (the thread's own) landed; after the barrier, every thread's have, and every warp is done
-    // with the slot the last step read, which the next copies refill.
+    // This step's copies (the thread's own) landed; after the barrier, every thread's (of the group) have, and every
+    // warp (of the group) is done with the slot the last step read, which the next copies refill.
     mhc_cp_async_wait<kStages - 2>();
-    __syncthreads();
+    if constexpr (kGroupSync == 1) asm volatile("bar.sync %0, 128;\n" ::"r"(1 + grp) : "memory");
+    else if constexpr (kGroupSync == 2) mhc_mbar_sync(&group_bar[grp]);
+    else __syncthreads();
     issue(stage == 0 ? kStages - 1 : stage - 1, t + (kStages - 1) * kStep);
     MhcFusedRows<T, 1> cur;
 #pragma unroll

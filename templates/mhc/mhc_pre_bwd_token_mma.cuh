@@ -75,6 +75,15 @@ __device__ __forceinline__ void mhc_pre_bwd_heads_warp(const MhcPreBwdParams& p,
   }
 }
 
+// The backward's: a row's <dy, x[i]> lead (tot[row * (n + M)]: <dy, x[i]> at i, m[r] at n + r, mhc_pre_bwd_heads'
+// layout); acc and dxy as the token pass's (the lane's token rows mt * 16 + g + 8 h). Ends with a barrier.
+template <int N, bool kPreOnly, int kTok>
+__device__ __forceinline__ void mhc_pre_bwd_tot_reduce(float (&acc)[kTok / 16][(MhcRows<N, kPreOnly>::kM + 7) / 8][4],
+                                                       float (&dxy)[kTok / 16][2][N], float* tot) {
+  mhc_mma_add_warp_partials<N, MhcRows<N, kPreOnly>::kM, kTok / 16>(
+      acc, [&](int mt, int h, int i) -> float& { return dxy[mt][h][i]; }, tot);
+}
+
 // Grid: ceil(T / kTok) blocks of kMhcMmaThreads. kVec: D % 8 == 0 and every pointer and row 16-byte
 // aligned. Registers: a lane keeps n x (kTok / 16) x 2 rows of 8 elements of x, its rows of dy, kMt x kNt
 // accumulator tiles and kMt x 2 x n sums <dy, x[i]> (api/ops/mhc/op.cpp bounds kMt n and kMt kNt).
@@ -253,39 +262,7 @@ __global__ void __launch_bounds__(kMhcMmaThreads, kWarpHeads ? 1 : 0) mhc_pre_bw
 
   if constexpr (kRing || kPhiRing) mhc_cp_async_wait<0>();
 
-  // A row's <dy, x[i]> over the quad's four lanes, then the warps' partials added in warp order into
-  // tot[row * kK]: <dy, x[i]> at i, m[r] at n + r (mhc_pre_bwd_heads' layout).
-#pragma unroll
-  for (int mt = 0; mt < kMt; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        dxy[mt][h][i] += __shfl_xor_sync(0xffffffffu, dxy[mt][h][i], 1);
-        dxy[mt][h][i] += __shfl_xor_sync(0xffffffffu, dxy[mt][h][i], 2);
-      }
-  for (int w = 0; w < kWarps; ++w) {
-    if (warp == w) {
-#pragma unroll
-      for (int mt = 0; mt < kMt; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float* row = tot + (mt * 16 + g + 8 * h) * kK;
-          if (c == 0) {
-#pragma unroll
-            for (int i = 0; i < N; ++i) row[i] = w == 0 ? dxy[mt][h][i] : row[i] + dxy[mt][h][i];
-          }
-#pragma unroll
-          for (int j = 0; j < kNt; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int r = 8 * j + 2 * c + e;
-              if (r < kM) row[N + r] = w == 0 ? acc[mt][j][2 * h + e] : row[N + r] + acc[mt][j][2 * h + e];
-            }
-        }
-    }
-    __syncthreads();
-  }
+  mhc_pre_bwd_tot_reduce<N, kPreOnly, kTok>(acc, dxy, tot);
 
   if constexpr (kWarpHeads) {
     __shared__ float iter[kWarps][kPreOnly ? 1 : 2 * kTMax * kNN];

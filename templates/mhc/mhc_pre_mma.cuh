@@ -140,23 +140,23 @@ __device__ __forceinline__ void mhc_pre_fwd_token_warp(const MhcPreParams& p, lo
   }
 }
 
-// A row's sum of squares over the quad's four lanes, then the warps' partials (acc, ss: as the finish's)
-// added in warp order into tot (shared, kTok x (M + 1): sum v^2, then m); ends with a barrier.
-template <int N, bool kPreOnly, int kTok>
-__device__ __forceinline__ void mhc_pre_fwd_mma_reduce(float (&acc)[kTok / 16][(MhcRows<N, kPreOnly>::kM + 7) / 8][4],
-                                                       float (&ss)[kTok / 16][2], float* tot) {
-  constexpr int kWarps = kMhcMmaThreads / 32, kM = MhcRows<N, kPreOnly>::kM, kK = kM + 1;
-  constexpr int kNt = (kM + 7) / 8, kMt = kTok / 16;
+// A token tile's rows' kLead leading sums (lead(mt, h, i): the lane's part for row mt * 16 + g + 8 h) over the quad's
+// four lanes, then the warps' partials of them and of the accumulators (acc: m of the same rows at rows 8 j + 2 c + e)
+// added in warp order into tot (shared, rows of kLead + M floats: the leading sums, then m); ends with a barrier.
+template <int kLead, int kM, int kMt, typename Lead>
+__device__ __forceinline__ void mhc_mma_add_warp_partials(float (&acc)[kMt][(kM + 7) / 8][4], Lead&& lead, float* tot) {
+  constexpr int kWarps = kMhcMmaThreads / 32, kK = kLead + kM, kNt = (kM + 7) / 8;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane / 4, c = lane % 4;
-
 #pragma unroll
   for (int mt = 0; mt < kMt; ++mt)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      ss[mt][h] += __shfl_xor_sync(0xffffffffu, ss[mt][h], 1);
-      ss[mt][h] += __shfl_xor_sync(0xffffffffu, ss[mt][h], 2);
-    }
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < kLead; ++i) {
+        lead(mt, h, i) += __shfl_xor_sync(0xffffffffu, lead(mt, h, i), 1);
+        lead(mt, h, i) += __shfl_xor_sync(0xffffffffu, lead(mt, h, i), 2);
+      }
   for (int w = 0; w < kWarps; ++w) {
     if (warp == w) {
 #pragma unroll
@@ -164,18 +164,29 @@ __device__ __forceinline__ void mhc_pre_fwd_mma_reduce(float (&acc)[kTok / 16][(
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float* row = tot + (mt * 16 + g + 8 * h) * kK;
-          if (c == 0) row[0] = w == 0 ? ss[mt][h] : row[0] + ss[mt][h];
+          if (c == 0) {
+#pragma unroll
+            for (int i = 0; i < kLead; ++i) row[i] = w == 0 ? lead(mt, h, i) : row[i] + lead(mt, h, i);
+          }
 #pragma unroll
           for (int j = 0; j < kNt; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int r = 8 * j + 2 * c + e;
-              if (r < kM) row[1 + r] = w == 0 ? acc[mt][j][2 * h + e] : row[1 + r] + acc[mt][j][2 * h + e];
+              if (r < kM) row[kLead + r] = w == 0 ? acc[mt][j][2 * h + e] : row[kLead + r] + acc[mt][j][2 * h + e];
             }
         }
     }
     __syncthreads();
   }
+}
+
+// The forward's: a row's sum of squares (ss, as the finish's) leads, tot is kTok x (M + 1).
+template <int N, bool kPreOnly, int kTok>
+__device__ __forceinline__ void mhc_pre_fwd_mma_reduce(float (&acc)[kTok / 16][(MhcRows<N, kPreOnly>::kM + 7) / 8][4],
+                                                       float (&ss)[kTok / 16][2], float* tot) {
+  mhc_mma_add_warp_partials<1, MhcRows<N, kPreOnly>::kM, kTok / 16>(
+      acc, [&](int mt, int h, int) -> float& { return ss[mt][h]; }, tot);
 }
 
 // The end of the mma forward once a warp's accumulators hold its chunks' sums (acc: m of the lane's token

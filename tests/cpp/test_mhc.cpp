@@ -258,11 +258,11 @@ TEST(Mhc, PreBackwardTakesTensorCoresFromSm80) {
     const char* arch;
     int64_t n, algo, tokens;
   };
-  // nD = n x 4096 >= 12288 with M <= 24: mma_slice_du1 (9).
-  for (const Row& row : {Row{"mhc.pre.bwd", DType::bf16, "sm_90", 4, 9, 32}, Row{"mhc.pre.bwd", DType::f16, "sm_80", 4, 9, 32},
-                         Row{"mhc.pre.bwd", DType::bf16, "sm_90", 3, 9, 16}, Row{"mhc.pre.bwd", DType::bf16, "sm_90", 5, 2, 16},
+  // nD = n x 4096 >= 12288 with M <= 24: mma_slice_du1_nb (10; run 35).
+  for (const Row& row : {Row{"mhc.pre.bwd", DType::bf16, "sm_90", 4, 10, 32}, Row{"mhc.pre.bwd", DType::f16, "sm_80", 4, 10, 32},
+                         Row{"mhc.pre.bwd", DType::bf16, "sm_90", 3, 10, 16}, Row{"mhc.pre.bwd", DType::bf16, "sm_90", 5, 2, 16},
                          Row{"mhc.pre.bwd", DType::bf16, "sm_90", 8, 1, 1},
-                         Row{"mhc.pre_only.bwd", DType::bf16, "sm_90", 4, 9, 32},
+                         Row{"mhc.pre_only.bwd", DType::bf16, "sm_90", 4, 10, 32},
                          Row{"mhc.pre.bwd", DType::f32, "sm_90", 4, 0, 4}, Row{"mhc.pre.bwd", DType::bf16, "sm_75", 4, 0, 4},
                          Row{"mhc.pre_only.bwd", DType::f32, "sm_90", 4, 0, 4}}) {
     const OpDef& op = Registry::global().get(row.op);
@@ -426,7 +426,7 @@ TEST(Mhc, PreBackwardMmaFusedRingRulesAndCompileWithoutSpills) {
   const Config ok = mma_config(5, 32);
   std::string why;
   EXPECT_TRUE(op.tuning.valid(p, ok, &why)) << why;
-  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 9);  // mma_slice_du1 at nD 16384
+  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 10);  // mma_slice_du1_nb at nD 16384
   const auto kernels = op.kernels(p, ok);
   ASSERT_EQ(kernels.size(), 3u);
   EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_mma_kernel");
@@ -521,7 +521,7 @@ TEST(Mhc, PreBackwardMmaFusedRulesAndCompileWithoutSpills) {
   EXPECT_EQ(kernels[0].kernel, "kspec::mhc_pre_bwd_token_mma_kernel");
   EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_bwd_fused_mma_kernel");
   EXPECT_EQ(kernels[2].kernel, "kspec::mhc_pre_bwd_reduce_kernel");
-  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 9);  // mma_slice_du1 at nD 16384 (H100 run 33: 1494 us against 1766)
+  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 10);  // mma_slice_du1_nb at nD 16384 (H200 run 35: 1420 us against 1512)
   // algo=mma_fused_warp_heads (4): the same plan, the token kernel with its heads per warp.
   const Config warp_heads = mma_config(4, 32);
   EXPECT_TRUE(op.tuning.valid(p, warp_heads, &why)) << why;
@@ -1277,7 +1277,7 @@ TEST(Mhc, PreBackwardMmaFusedAheadRulesAndCompileWithoutSpills) {
       EXPECT_EQ(kernels[1].kernel, "kspec::mhc_pre_bwd_fused_mma_kernel");
       EXPECT_EQ(kernels[1].targs.back(), "true");  // kAhead
     }
-  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 9);  // mma_slice_du1 at nD 16384
+  EXPECT_EQ(op.tuning.heuristic(p).get("algo"), 10);  // mma_slice_du1_nb at nD 16384
   for (int64_t algo : {3, 4, 5}) {
     const auto kernels = op.kernels(p, Config{{{"algo", algo}, {"threads", 128}, {"tokens", 32}}});
     EXPECT_EQ(kernels[0].targs[8], "false");

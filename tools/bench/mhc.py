@@ -139,6 +139,19 @@ def pre_bwd_slice_configs(n, D):
                       for name, config in list(out.items())[:1]}}
 
 
+def pre_bwd_sync_configs(n, D):
+    """{variant: config} for mhc.pre.bwd's algo=mma_slice_du1_nb (10, the heuristic's where nD >= 12288) and
+    mma_slice_du1_mb (11): mma_slice_du1 with each group of 4 warps under its own named barrier / mbarrier instead of
+    one block barrier a step (the same bits), at mma_slice_du1's tile."""
+    out = {}
+    for name, config in pre_bwd_slice_configs(n, D).items():
+        if "mma_slice_du1" in name:
+            tok = int(name.rsplit(" ", 1)[1])
+            out[f"{PRE_BWD_KERNELS}mma_slice_du1_nb {tok}"] = config.replace("algo=9", "algo=10")
+            out[f"{PRE_BWD_KERNELS}mma_slice_du1_mb {tok}"] = config.replace("algo=9", "algo=11")
+    return out
+
+
 def post_pre_kernel_configs(n, D):
     """{variant: config} for mhc.post_pre.fwd's tensor-core kernels (api/ops/mhc/op.cpp, the `algo` axis; the
     SIMT kernel is the 'kspec' row): algo=mma and algo=mma_warp_heads (M <= 32) at the largest legal token tile,
@@ -338,7 +351,7 @@ def implementations(ctx, liger, n, D):
 
         impls[name] = (pre, K.mhc_post)
     for name, config in {**pre_bwd_configs(n, D), **pre_bwd_ring_configs(n, D), **pre_bwd_ahead_configs(n, D),
-                         **pre_bwd_slice_configs(n, D)}.items():
+                         **pre_bwd_slice_configs(n, D), **pre_bwd_sync_configs(n, D)}.items():
         impls[name] = (_pre_with_bwd_config(ctx, config), K.mhc_post)
     for name, config in post_pre_kernel_configs(n, D).items():
         def post_pre(x, f, hp, r, phi, alpha, bias, config=config):
@@ -505,7 +518,9 @@ def _report(ctx, rows, why):
         " per-warp cp.async ring, 3 steps ahead (the same bits); both at 32 and 16 tokens; algo=mma_slice,"
         " mma_fused_ahead's token pass, then one block per 128 columns walking every token (its 4 groups of 4 warps"
         " sharing each step's dm through a 6-step cp.async ring; dΦ and dγ written once, no partial sums; dx the"
-        " same bits); algo=mma_slice_du1, that with du = dm·Φ in one TF32 mma instead of three (dx within ~2^-11).",
+        " same bits); algo=mma_slice_du1, that with du = dm·Φ in one TF32 mma instead of three (dx within ~2^-11);"
+        " algo=mma_slice_du1_nb (the default where nD >= 12288) / _mb, that with each group of 4 warps under its"
+        " own named barrier / mbarrier (the same bits).",
         f"'{POST_VEC8}': post fwd and fwd+bwd with mhc.post.fwd/.bwd at vec=8 (8 consecutive d a thread, 16-byte"
         " loads and stores) through kspec.call; 'kspec' runs the heuristic's, vec=8 where it is valid.",
         f"'{POST_PRE_KERNELS}…': post_pre fwd with mhc.post_pre.fwd by config through kspec.call: the projection of"

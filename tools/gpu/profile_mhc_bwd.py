@@ -4,8 +4,9 @@ shape (T 16384 = B 4 x S 4096, n 4, D 4096, bf16, t_max 20; no gamma, dh_post an
 bench's rows). One forward (the heuristic's), then per --config: the backward's outputs checked bit for bit
 against the first config's (dx, dalpha, dbias: every mma_fused* algo and mma_slice give the same bits; dphi and
 dgamma the same bits among the mma_fused* algos, the order of the sums over tokens differs in mma_slice: their
-largest difference relative to the first config's largest value is printed), then CUDA-event time of the
-backward alone (median of --reps after 3 warm-up calls, L2 flushed by a 256 MB write before each).
+largest difference relative to the first config's largest value is printed; algo=mma_slice_du1 (9) and its
+per-group barrier variants 10 and 11 the same bits as one another, dx within ~2^-11 of mma_slice's), then CUDA-event
+time of the backward alone (median of --reps after 3 warm-up calls, L2 flushed by a 256 MB write before each).
 
     python3 tools/gpu/profile_mhc_bwd.py --config algo=4,threads=128,tokens=32 --config algo=7,threads=128,tokens=16
     ncu --kernel-name regex:mhc_pre_bwd --metrics gpu__time_duration.sum,... python3 tools/gpu/profile_mhc_bwd.py ...

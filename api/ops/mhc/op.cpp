@@ -722,14 +722,21 @@ int64_t block_smem_limit(const Problem& p) {
 // parts but db's and dalpha's, dx the same bits as mma_fused_ahead.
 // kMmaSliceDu1: kMmaSlice with du = dm phi in one TF32 mma of the hi parts instead of three (its dx, a 16-bit output,
 // within ~2^-11 of du; dphi, dgamma, db, dalpha as kMmaSlice's bits).
-constexpr int64_t kMmaFusedAhead = 6, kMmaFusedPhiRing = 7, kMmaSlice = 8, kMmaSliceDu1 = 9;
+// kMmaSliceDu1Nb, kMmaSliceDu1Mb: kMmaSliceDu1 with each group of 4 warps under its own named barrier / mbarrier a
+// step (the slice kernel's kGroupSync 1 / 2) instead of one block barrier: the same bits.
+constexpr int64_t kMmaFusedAhead = 6, kMmaFusedPhiRing = 7, kMmaSlice = 8, kMmaSliceDu1 = 9, kMmaSliceDu1Nb = 10,
+                  kMmaSliceDu1Mb = 11;
 bool bwd_warp_heads(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaFusedWarpHeads; }
 bool bwd_ring(const Config& c) { return c.has("algo") && c.get("algo") == kMmaFusedRing; }
 bool bwd_ahead(const Config& c) {
   return c.has("algo") && (c.get("algo") == kMmaFusedAhead || c.get("algo") == kMmaFusedPhiRing);
 }
-bool bwd_slice(const Config& c) {
-  return c.has("algo") && (c.get("algo") == kMmaSlice || c.get("algo") == kMmaSliceDu1);
+bool bwd_slice(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaSlice; }
+bool bwd_slice_du1(const Config& c) { return c.has("algo") && c.get("algo") >= kMmaSliceDu1; }
+// The slice kernel's kGroupSync: 0 one block barrier a step, 1 a named barrier a group, 2 an mbarrier a group.
+int64_t bwd_slice_group_sync(const Config& c) {
+  const int64_t algo = c.has("algo") ? c.get("algo") : 0;
+  return algo == kMmaSliceDu1Nb ? 1 : algo == kMmaSliceDu1Mb ? 2 : 0;
 }
 // The slice kernel's groups of 4 warps (its kGroups): 4, 512 threads, one block an SM (__launch_bounds__(512, 1):
 // at most 128 registers).
@@ -780,12 +787,12 @@ std::vector<jit::KernelSpec> pre_bwd_kernels(const Problem& p, const Config& c, 
   // kernel 3, after the reduce: it needs only the token kernel's workspace); algo=mma_tokens: the token
   // pass on tensor cores, which never writes dx; algo=mma_fused: that token pass, then dx with the columns.
   if (bwd_slice(c)) {
+    const auto slice = kernel_spec(p, "mhc/mhc_pre_bwd_slice_mma.cuh", "kspec::mhc_pre_bwd_slice_mma_kernel",
+                                   {T, n, D, g, head, b(dx_post), std::to_string(kSliceGroups), b(bwd_slice_du1(c)),
+                                    std::to_string(bwd_slice_group_sync(c))});
     return {kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
                         {T, n, D, t_max_arg(p), g, head, tokens, b(mma_vec(p)), "false", "false", "true"}),
-            kernel_spec(p, "mhc/mhc_pre_bwd_slice_mma.cuh", "kspec::mhc_pre_bwd_slice_mma_kernel",
-                        {T, n, D, g, head, b(dx_post), std::to_string(kSliceGroups),
-                         b(c.get("algo") == kMmaSliceDu1)}),
-            reduce};
+            slice, reduce};
   }
   if (bwd_mma_fused(c)) {
     return {kernel_spec(p, "mhc/mhc_pre_bwd_token_mma.cuh", "kspec::mhc_pre_bwd_token_mma_kernel",
@@ -912,12 +919,12 @@ std::string bwd_mma_tokens_unsupported(const Problem& p, int64_t tokens) {
 // D 4096, bf16, pre fwd+bwd: mma_fused 32 2056 us (run 20), mma_tokens 32 2540, mma 3716, simt 6280 (H200:
 // mma 3567 against simt 6280; tools/bench/NOTES.md). mma_fused_ring (the token pass through a cp.async ring) is
 // selectable (run 26: 1767 us against mma_fused_warp_heads' 1773); mma_fused_ahead and mma_fused_phi_ring
-// selectable (run 30: 1754 and 1774 against 1789); mma_slice (the columns kernel walking every token) selectable,
-// not yet timed, and refused where its shared memory exceeds the arch's.
+// selectable (run 30: 1754 and 1774 against 1789); mma_slice (the columns kernel walking every token) and its
+// variants refused where their shared memory exceeds the arch's; mma_slice_du1_nb the heuristic's where nD >= 12288.
 TuningSpace with_bwd_algo_axis(TuningSpace t) {
   t.axes.insert(t.axes.begin(),
                 {"algo", {kSimt, kMma, kMmaTokens, kMmaFused, kMmaFusedWarpHeads, kMmaFusedRing, kMmaFusedAhead,
-                          kMmaFusedPhiRing, kMmaSlice, kMmaSliceDu1}});
+                          kMmaFusedPhiRing, kMmaSlice, kMmaSliceDu1, kMmaSliceDu1Nb, kMmaSliceDu1Mb}});
   for (auto& [name, values] : t.axes)
     if (name == "tokens") values = {1, 4, 16, 32, 64};
   auto simt_valid = t.valid;
@@ -956,9 +963,11 @@ TuningSpace with_bwd_algo_axis(TuningSpace t) {
     // with mma_fused, 2478 with mma_tokens; the same bits as mma_fused), else mma_tokens.
     // mma_slice_du1 first where nD gives at least ~96 column blocks (H100, T 16384, n 4, D 4096, bf16, run 33: pre
     // fwd+bwd 1494 us against mma_fused_ahead's 1756 and mma_fused_warp_heads' 1766); its grid is nD / 128 blocks.
+    // With a named barrier a group (mma_slice_du1_nb; run 35, H200: 1420 us against mma_slice_du1's 1512, the
+    // mbarrier's 1422; racecheck 0 hazards).
     const std::vector<int64_t> algos =
         proj_rows(p) > 24         ? std::vector<int64_t>{kMmaTokens}
-        : p.dim("nD") >= 12288    ? std::vector<int64_t>{kMmaSliceDu1, kMmaFusedWarpHeads, kMmaFused}
+        : p.dim("nD") >= 12288    ? std::vector<int64_t>{kMmaSliceDu1Nb, kMmaFusedWarpHeads, kMmaFused}
                                   : std::vector<int64_t>{kMmaFusedWarpHeads, kMmaFused};
     for (int64_t algo : algos)
       for (int64_t tok : {32, 16}) {
