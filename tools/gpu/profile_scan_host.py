@@ -408,6 +408,11 @@ def probe_shape(shape, dev="cuda", libcuda="libcuda.so.1", flush_words=64 << 20)
         return fn()
     steps = {"no-op autograd.Function (engine alone)": lambda: NoopScan.apply(*leaves),
              "kspec selective_scan_fn": lambda: kspec.ops.selective_scan_fn(*leaves, delta_softplus=True)}
+    from kspec import _native
+
+    noop_cpp = getattr(_native.ext, "noop_grad", None)  # the same through a C++ node, as kspec's is
+    if noop_cpp is not None:
+        steps["no-op C++ node (engine alone)"] = lambda: noop_cpp(tuple(leaves))
     try:
         if dev != "cuda":  # the mock driver's CPU tensors: mamba_ssm's kernels take CUDA tensors only
             raise RuntimeError("not on a CUDA device")
