@@ -65,16 +65,20 @@ at::ScalarType to_torch(int dtype) {
 // A tensor as kspec's view; false for one kspec's general path must judge (a dtype kspec does not
 // know, too many dims, a device other than CPU and CUDA). A CPU tensor is a view on kCpuDevice, so
 // kspec's validation gives it the message it gives any host tensor.
+// The sizes, strides and device read once each (per dim, size(d) and stride(d) each wrap and check the dim and
+// ask the tensor's size policy: ~5.7K instructions of a selective_scan training step's ~34 views under callgrind).
 bool view_of(const at::Tensor& t, bool writable, kspec::TensorView* v) {
-  if (!to_kspec(t.scalar_type(), &v->dtype) || t.dim() > kspec::kMaxRank) return false;
-  if (!t.is_cuda() && !t.is_cpu()) return false;
-  v->rank = static_cast<int>(t.dim());
+  const c10::Device device = t.device();
+  if (!to_kspec(t.scalar_type(), &v->dtype) || (!device.is_cuda() && !device.is_cpu())) return false;
+  const c10::IntArrayRef sizes = t.sizes(), strides = t.strides();
+  if (sizes.size() > static_cast<size_t>(kspec::kMaxRank)) return false;
+  v->rank = static_cast<int>(sizes.size());
   for (int d = 0; d < v->rank; ++d) {
-    v->shape[d] = t.size(d);
-    v->strides[d] = t.stride(d);
+    v->shape[d] = sizes[static_cast<size_t>(d)];
+    v->strides[d] = strides[static_cast<size_t>(d)];
   }
   v->data = writable ? t.mutable_data_ptr() : const_cast<void*>(t.const_data_ptr());
-  v->device = t.is_cuda() ? t.get_device() : kspec::kCpuDevice;
+  v->device = device.is_cuda() ? device.index() : kspec::kCpuDevice;
   return true;
 }
 
