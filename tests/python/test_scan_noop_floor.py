@@ -67,3 +67,20 @@ print("ok")
 
 def test_selective_scan_host_rows_run_on_the_mock_driver():
     run_on_mock_driver(_ROWS)
+
+
+_TORCH_PROFILE = """
+import torch
+import kspec, kspec._torch
+dh.install_shim(shim)
+sys.path.insert(0, gpu_tools)
+import profile_scan_host as ph
+ph.torch_profile_shape("1x16x32", steps=3, dev="cpu")
+print("ok")
+"""
+
+
+def test_torch_profile_runs_on_the_mock_driver():
+    """profile_scan_host.py --torch-profile's rows (kspec's step and the C++ floor's under torch.profiler), CPU only."""
+    r = run_on_mock_driver(_TORCH_PROFILE)
+    assert "torch-profile kspec selective_scan_fn: host" in r.stdout and "torch-profile no-op C++ node: host" in r.stdout
