@@ -1011,12 +1011,13 @@ def test_scan_bench_times_kspec_and_mamba_in_rounds(families, monkeypatch):
                                 timer=types.SimpleNamespace(time_rounds=time_rounds))
     result, sections = m.run(ctx)
     rows = result["results"]
-    # per shape and kind, kspec and mamba_ssm together, and with fwd+bwd the floor (a no-op autograd.Function)
-    assert groups == [2, 3, 2, 3]
-    floor = m.FLOOR
+    # per shape and kind, kspec and mamba_ssm together, and with fwd+bwd the floors (a no-op autograd.Function, and
+    # with the torch extension a no-op C++ node)
+    floors = (m.FLOOR,) + ((m.FLOOR_CPP,) if m._cpp_floor() else ())
+    assert groups == [2, 2 + len(floors), 2, 2 + len(floors)]
     assert [(r["shape"], r["impl"], r["kind"], r["status"]) for r in rows] == [
-        (s, i, k, "floor" if i == floor else "ok") for s in ("1x4x16", "2x3x8") for k in ("fwd", "fwd+bwd")
-        for i in ("kspec", "mamba_ssm") + ((floor,) if k == "fwd+bwd" else ())]
+        (s, i, k, "floor" if i in floors else "ok") for s in ("1x4x16", "2x3x8") for k in ("fwd", "fwd+bwd")
+        for i in ("kspec", "mamba_ssm") + (floors if k == "fwd+bwd" else ())]
     peer = [r for r in rows if r["impl"] == "mamba_ssm"]
     assert all(r["kspec_speedup_ev"] == 1.5 and r["kspec_speedup_gpu"] == 2.0 for r in peer)
     cols = [c[0] for c in sections[0].columns]

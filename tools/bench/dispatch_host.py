@@ -87,15 +87,25 @@ def instructions(fn, calls: int, lib, name: str) -> None:
     lib.kspec_count_stop(name.encode())
 
 
-def callgrind(argv: list, calls: int) -> None:
-    """This script under callgrind with --count; prints each row's instructions per call (its dump's total over
-    `calls`, less the empty row's)."""
+def counter_lib(shim: str):
+    """The callgrind client requests (kspec_count_start / stop) as a library built beside the shim."""
+    counter = os.path.join(os.path.dirname(shim), "count.so")
+    subprocess.run(["g++", "-O2", "-fPIC", "-shared", "-x", "c++", "-", "-o", counter], input=_COUNTER.encode(),
+                   check=True)
+    lib = ctypes.CDLL(counter)
+    lib.kspec_count_stop.argtypes = [ctypes.c_char_p]
+    return lib
+
+
+def callgrind(argv: list, calls: int, script: str = __file__) -> None:
+    """`script` (this one unless given) under callgrind with --count; prints each row's instructions per call (its
+    dump's total over `calls`, less the empty row's)."""
     import glob
     import re
 
     out = tempfile.mkdtemp(prefix="kspec-callgrind-")
     subprocess.run(["valgrind", "--tool=callgrind", "--collect-atstart=no", f"--callgrind-out-file={out}/cg.out",
-                    sys.executable, os.path.abspath(__file__), "--count"] + argv, check=True)
+                    sys.executable, os.path.abspath(script), "--count"] + argv, check=True)
     totals = {}
     for path in glob.glob(f"{out}/cg.out*"):
         text = open(path, errors="replace").read()
@@ -235,12 +245,7 @@ def main():
         callgrind([arg for arg in sys.argv[1:] if arg != "--callgrind"], a.calls)
         return
     mock, shim = build(a.cuda_include)
-    if a.count:
-        counter = os.path.join(os.path.dirname(shim), "count.so")
-        subprocess.run(["g++", "-O2", "-fPIC", "-shared", "-x", "c++", "-", "-o", counter], input=_COUNTER.encode(),
-                       check=True)
-        lib = ctypes.CDLL(counter)
-        lib.kspec_count_stop.argtypes = [ctypes.c_char_p]
+    lib = counter_lib(shim) if a.count else None
     select(mock)
     import kspec
     import kspec._torch  # noqa: F401  (loads the extension)

@@ -55,6 +55,15 @@ def scan_check(torch, x, out, channels=4, steps=512):
 
 
 FLOOR = "floor: no-op autograd.Function"
+FLOOR_CPP = "floor: no-op C++ node"
+
+
+def _cpp_floor():
+    """kspec._torch_ext.noop_grad (an output whose C++ node allocates the 8 gradients and runs nothing: the floor
+    of kspec's step, whose node is a C++ one too), or None without the extension."""
+    from kspec import _native
+
+    return getattr(_native.ext, "noop_grad", None)
 
 
 def _step(kind, fn, x, leaves, dout):
@@ -109,14 +118,17 @@ def run(ctx):
                 continue
             group, steps = [], []
             first = len(rows)
-            for impl, fn in impls + ([(FLOOR, None)] if kind == "fwd+bwd" else []):
+            noop_cpp = _cpp_floor() if kind == "fwd+bwd" else None
+            floors = [(FLOOR, None)] + ([(FLOOR_CPP, noop_cpp)] if noop_cpp else []) if kind == "fwd+bwd" else []
+            for impl, fn in impls + floors:
                 row = {"family": "selective_scan", "shape": f"{b}x{d}x{t}", "impl": impl, "kind": kind,
                        "bytes": nbytes, "status": ""}
                 rows.append(row)
-                if impl == FLOOR:  # no kernel, nothing to check: timed beside the others in the same rounds
+                if impl in (FLOOR, FLOOR_CPP):  # no kernel, nothing to check: timed beside the others, same rounds
                     row["status"] = "floor"
                     group.append(row)
-                    steps.append(_step(kind, lambda *a: _NoopScan.apply(*a[:8]), x, leaves, dout))
+                    noop = (lambda *a: _NoopScan.apply(*a[:8])) if impl == FLOOR else (lambda *a: noop_cpp(a[:8]))
+                    steps.append(_step(kind, noop, x, leaves, dout))
                     continue
                 if ctx.skipped(impl):
                     row["status"] = "skipped"
@@ -175,6 +187,8 @@ def run(ctx):
              " impl r); gpu and ev ms the median of the rounds' medians, kspec × the median of the rounds' ratios"
              " (one slow stretch of the host moves both impls of a round, not one row).",
              f"{FLOOR} (fwd+bwd): torch's engine alone with the scan's inputs (out and 8 gradients allocated, no"
-             " kernel), in the same rounds: the host floor of a Python autograd.Function such as mamba_ssm's."]
+             " kernel), in the same rounds: the host floor of a Python autograd.Function such as mamba_ssm's.",
+             f"{FLOOR_CPP} (fwd+bwd): the same through a C++ node (kspec._torch_ext.noop_grad), as kspec's is: what"
+             " kspec's step costs above it is kspec's own."]
     return {"results": rows}, [Section("selective_scan: bf16, variable B/C, D, z, delta_bias, softplus, dstate 16",
                                        cols, rows, notes)]

@@ -14,6 +14,11 @@ torch's autograd engine takes before and after the op's own backward, against th
 and late in its run (a warm-up drift shows as a difference). A shape may be given twice: the rows of its first
 run and of its last then show what the order of the shapes does.
 
+--torch-profile (instead of the rows above): torch.profiler over 20 fwd+bwd steps of kspec's selective_scan_fn and of
+the no-op C++ node (kspec._torch_ext.noop_grad: the step's floor without kspec), per shape: the host µs a step, the
+kernels' GPU µs a step, each op's / function's self CPU µs a step (the top 25) and the CUDA runtime and driver calls
+a step (launches, memsets, synchronizes, copies, allocations): what of the ev step above the C++ floor is kspec's.
+
 --probe (instead of the rows above) asks why the host's CUDA calls of a step cost twice as much at 1x2048x512
 as at the other shapes (run 21: the forward 116-129 us, the backward's call 102-137, torch's hop and tail too):
 one call's host us (medians) of a raw cuLaunchKernel of an empty kernel, the raw kspec.call forward and
@@ -205,15 +210,20 @@ def split_step(fwd, bwd, flush, clock, reps=100):
     return out
 
 
+def scan_inputs(b, d, t, dev, n=16):
+    """The Mamba-1 call's inputs (bf16 u, delta, z and variable B/C of one group; fp32 A, D, delta_bias)."""
+    bf = torch.bfloat16
+    return dict(u=torch.randn(b, d, t, device=dev, dtype=bf), delta=torch.randn(b, d, t, device=dev, dtype=bf) * 0.5 - 1,
+                A=-(0.25 + torch.rand(d, n, device=dev)), B=torch.randn(b, 1, n, t, device=dev, dtype=bf),
+                C=torch.randn(b, 1, n, t, device=dev, dtype=bf), D=torch.randn(d, device=dev),
+                z=torch.randn(b, d, t, device=dev, dtype=bf), delta_bias=torch.randn(d, device=dev) * 0.1)
+
+
 def profile_shape(shape, trace, split=False, cprofile=True, label=None):
     b, d, t = (int(v) for v in shape.split("x"))
     n = 16
     dev = "cuda"
-    bf = torch.bfloat16
-    x = dict(u=torch.randn(b, d, t, device=dev, dtype=bf), delta=torch.randn(b, d, t, device=dev, dtype=bf) * 0.5 - 1,
-             A=-(0.25 + torch.rand(d, n, device=dev)), B=torch.randn(b, 1, n, t, device=dev, dtype=bf),
-             C=torch.randn(b, 1, n, t, device=dev, dtype=bf), D=torch.randn(d, device=dev),
-             z=torch.randn(b, d, t, device=dev, dtype=bf), delta_bias=torch.randn(d, device=dev) * 0.1)
+    x = scan_inputs(b, d, t, dev, n)
     leaves = {k: v.clone().requires_grad_() for k, v in x.items()}
     dout = torch.randn_like(x["u"])
     args = [x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")]
@@ -370,10 +380,7 @@ def probe_shape(shape, dev="cuda", libcuda="libcuda.so.1", flush_words=64 << 20)
     its test on the mock driver (CPU tensors)."""
     b, d, t = (int(v) for v in shape.split("x"))
     n, bf = 16, torch.bfloat16
-    x = dict(u=torch.randn(b, d, t, device=dev, dtype=bf), delta=torch.randn(b, d, t, device=dev, dtype=bf) * 0.5 - 1,
-             A=-(0.25 + torch.rand(d, n, device=dev)), B=torch.randn(b, 1, n, t, device=dev, dtype=bf),
-             C=torch.randn(b, 1, n, t, device=dev, dtype=bf), D=torch.randn(d, device=dev),
-             z=torch.randn(b, d, t, device=dev, dtype=bf), delta_bias=torch.randn(d, device=dev) * 0.1)
+    x = scan_inputs(b, d, t, dev, n)
     names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
     args = [x[k] for k in names]
     leaves = [x[k].clone().requires_grad_() for k in names]
@@ -408,6 +415,11 @@ def probe_shape(shape, dev="cuda", libcuda="libcuda.so.1", flush_words=64 << 20)
         return fn()
     steps = {"no-op autograd.Function (engine alone)": lambda: NoopScan.apply(*leaves),
              "kspec selective_scan_fn": lambda: kspec.ops.selective_scan_fn(*leaves, delta_softplus=True)}
+    from kspec import _native
+
+    noop_cpp = getattr(_native.ext, "noop_grad", None)  # the same through a C++ node, as kspec's is
+    if noop_cpp is not None:
+        steps["no-op C++ node (engine alone)"] = lambda: noop_cpp(tuple(leaves))
     try:
         if dev != "cuda":  # the mock driver's CPU tensors: mamba_ssm's kernels take CUDA tensors only
             raise RuntimeError("not on a CUDA device")
@@ -427,6 +439,50 @@ def probe_shape(shape, dev="cuda", libcuda="libcuda.so.1", flush_words=64 << 20)
     torch.cuda.empty_cache()
 
 
+def torch_profile_shape(shape, steps=20, dev="cuda"):
+    """--torch-profile: kspec's fwd+bwd step and the no-op C++ node's under torch.profiler (see the module doc). dev:
+    "cpu" for its test on the mock driver (the CPU activity alone)."""
+    from kspec import _native
+    from torch.profiler import ProfilerActivity, profile
+
+    b, d, t = (int(v) for v in shape.split("x"))
+    x = scan_inputs(b, d, t, dev)
+    leaves = [x[k].clone().requires_grad_() for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    dout = torch.randn_like(x["u"])
+    impls = {"kspec selective_scan_fn": lambda: kspec.ops.selective_scan_fn(*leaves, delta_softplus=True)}
+    noop = getattr(_native.ext, "noop_grad", None)
+    if noop is not None:
+        impls["no-op C++ node"] = lambda: noop(tuple(leaves))
+
+    def step(fn):
+        for v in leaves:
+            v.grad = None
+        fn().backward(dout)
+    api = ("cuda", "cu")  # runtime and driver calls: cudaLaunchKernel, cuLaunchKernel(Ex), cudaMemsetAsync, ...
+    for name, fn in impls.items():
+        for _ in range(5):
+            step(fn)
+        sync()
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter_ns()
+            for _ in range(steps):
+                step(fn)
+            host_us = (time.perf_counter_ns() - t0) / 1e3 / steps
+            sync()
+        events = prof.key_averages()
+        gpu_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events
+                     if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA) / steps
+        print(f"{shape} torch-profile {name}: host {host_us:.1f} us a step (under the profiler), kernels {gpu_us:.1f} "
+              f"GPU us a step", flush=True)
+        print(events.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+        calls = sorted((e for e in events if e.key.startswith(api)), key=lambda e: -e.self_cpu_time_total)
+        print(f"{shape} torch-profile {name}: CUDA runtime / driver calls a step (count, self CPU us)")
+        for e in calls:
+            print(f"{shape}   {e.key:40s} {e.count / steps:6.2f} {e.self_cpu_time_total / steps:8.2f}", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="2x4096x333", help="BxDxL, or several separated by commas")
@@ -436,8 +492,14 @@ def main():
     p.add_argument("--no-profile", action="store_true", help="leave out the cProfile table")
     p.add_argument("--probe", action="store_true",
                    help="only the probe: one CUDA call's host us by GPU/host state, and torch's engine alone")
+    p.add_argument("--torch-profile", action="store_true",
+                   help="only torch.profiler over 20 fwd+bwd steps of kspec and of the no-op C++ node")
     a = p.parse_args()
     shapes = a.shape.split(",")
+    if a.torch_profile:
+        for shape in shapes:
+            torch_profile_shape(shape)
+        return
     if a.probe:
         for shape in shapes:
             probe_shape(shape)

@@ -65,16 +65,20 @@ at::ScalarType to_torch(int dtype) {
 // A tensor as kspec's view; false for one kspec's general path must judge (a dtype kspec does not
 // know, too many dims, a device other than CPU and CUDA). A CPU tensor is a view on kCpuDevice, so
 // kspec's validation gives it the message it gives any host tensor.
+// The sizes, strides and device read once each (per dim, size(d) and stride(d) each wrap and check the dim and
+// ask the tensor's size policy: ~5.7K instructions of a selective_scan training step's ~34 views under callgrind).
 bool view_of(const at::Tensor& t, bool writable, kspec::TensorView* v) {
-  if (!to_kspec(t.scalar_type(), &v->dtype) || t.dim() > kspec::kMaxRank) return false;
-  if (!t.is_cuda() && !t.is_cpu()) return false;
-  v->rank = static_cast<int>(t.dim());
+  const c10::Device device = t.device();
+  if (!to_kspec(t.scalar_type(), &v->dtype) || (!device.is_cuda() && !device.is_cpu())) return false;
+  const c10::IntArrayRef sizes = t.sizes(), strides = t.strides();
+  if (sizes.size() > static_cast<size_t>(kspec::kMaxRank)) return false;
+  v->rank = static_cast<int>(sizes.size());
   for (int d = 0; d < v->rank; ++d) {
-    v->shape[d] = t.size(d);
-    v->strides[d] = t.stride(d);
+    v->shape[d] = sizes[static_cast<size_t>(d)];
+    v->strides[d] = strides[static_cast<size_t>(d)];
   }
   v->data = writable ? t.mutable_data_ptr() : const_cast<void*>(t.const_data_ptr());
-  v->device = t.is_cuda() ? t.get_device() : kspec::kCpuDevice;
+  v->device = device.is_cuda() ? device.index() : kspec::kCpuDevice;
   return true;
 }
 
@@ -1085,6 +1089,49 @@ PyObject* py_call_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// noop_grad(inputs): the floor a kspec step's host time is read against (tools/bench/selective_scan_host.py): one
+// output like inputs[0], recorded with a C++ node (as call_grad's) whose backward allocates a gradient like each
+// input that wants one and runs nothing. torch's engine, allocator and a C++ node without kspec: what remains of
+// call_grad's step above it is kspec's (validation, the plan, launches, saved tensors).
+class NoopBackward final : public torch::autograd::Node {
+ public:
+  explicit NoopBackward(const std::vector<at::Tensor>& in) {
+    like_.reserve(in.size());
+    for (const auto& t : in) like_.push_back(t.defined() ? t.options() : at::TensorOptions());
+    shapes_.reserve(in.size());
+    for (const auto& t : in) shapes_.emplace_back(t.defined() ? t.sizes() : at::IntArrayRef{});
+  }
+  std::string name() const override { return "NoopBackward"; }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&&) override {
+    torch::autograd::variable_list result(like_.size());
+    for (size_t i = 0; i < like_.size(); ++i)
+      if (should_compute_output(i)) result[i] = at::empty(shapes_[i], like_[i]);
+    return result;
+  }
+
+ private:
+  std::vector<at::TensorOptions> like_;
+  std::vector<at::DimVector> shapes_;
+};
+
+PyObject* py_noop_grad(PyObject*, PyObject* seq) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(PyTuple_Check(seq) && PyTuple_GET_SIZE(seq) > 0, "noop_grad(inputs): a non-empty tuple of tensors");
+  std::vector<at::Tensor> in(static_cast<size_t>(PyTuple_GET_SIZE(seq)));
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(seq); ++i) {
+    PyObject* o = PyTuple_GET_ITEM(seq, i);
+    TORCH_CHECK(o == Py_None || THPVariable_Check(o), "noop_grad: input ", i, " is neither a tensor nor None");
+    if (o != Py_None) in[static_cast<size_t>(i)] = THPVariable_Unpack(o);
+  }
+  TORCH_CHECK(in[0].defined(), "noop_grad: input 0 must be a tensor");
+  auto node = make_node<NoopBackward>(in);
+  node->set_next_edges(torch::autograd::collect_next_edges(in));
+  at::Tensor out = at::empty(in[0].sizes(), in[0].options());
+  torch::autograd::set_history(out, node);
+  return THPVariable_Wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
 // init(capsule): takes kspec._C's C ABI (kspec._C._ext_api).
 PyObject* py_init(PyObject*, PyObject* capsule) {
   auto* api = static_cast<const kspec_ext::Api*>(PyCapsule_GetPointer(capsule, "kspec._C._ext_api"));
@@ -1112,6 +1159,8 @@ PyMethodDef kMethods[] = {
     {"set_call_fallback", py_set_call_fallback, METH_O, "set_call_fallback(fn): what kspec_call declines goes to fn"},
     {"define", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_define)), METH_FASTCALL,
      "define(ns, op, schema, module): a dispatcher op running registry op `op`"},
+    {"noop_grad", py_noop_grad, METH_O,
+     "noop_grad(inputs): an output like inputs[0] whose C++ node allocates the gradients and runs nothing (a floor)"},
     {"call_grad", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_call_grad)), METH_FASTCALL,
      "call_grad(name, fwd_op, bwd_op, inputs, params, bwd_params, bwd_args, grad_of[, public[, sized]]): the "
      "forward op's outputs (those `public` names) with a C++ autograd node running the backward op"},
