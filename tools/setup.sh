@@ -17,13 +17,18 @@ if ((${#need_apt[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
-# Python: $PYTHON if given, else the active virtual environment, else .venv at the repository root,
+# Python: $PYTHON if given, else the active virtual environment, else python3 when it is a virtual
+# environment's, else .venv at the repository root,
 # created here. Never the system interpreter itself: Debian's is externally managed (PEP 668) and
 # refuses pip. The venv sees the system's site-packages, so what a machine already has (torch, or
 # everything on an offline GPU machine) is used as it is and only what is missing is pip-installed.
 if [ -z "${PYTHON:-}" ]; then
   if [ -n "${VIRTUAL_ENV:-}" ]; then
     PYTHON="$VIRTUAL_ENV/bin/python"
+  elif python3 -c "import sys; sys.exit(sys.prefix == sys.base_prefix)" 2>/dev/null; then
+    # python3 is itself a virtual environment's (a machine's prepared one, e.g. torch's): a venv made from it
+    # would see the base interpreter's packages, not its own, so use it as it is.
+    PYTHON="$(python3 -c "import sys; print(sys.executable)")"
   else
     venv="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv"
     if [ ! -x "$venv/bin/python" ]; then
