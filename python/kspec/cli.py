@@ -348,9 +348,13 @@ def cmd_check(a):
     ops = a.op or _C.list_ops()
     rows, ok = [], True
     all_results = []
-    for op in ops:
+    t0 = time.time()
+    for i, op in enumerate(ops):
         res = [r for case in (a.case or [""])
                for r in _C.check_op(op, case, a.dtype or [], a.device, a.large, a.config, a.seed)]
+        if not a.json:  # a first run compiles every case's kernels: say how far it is (the table comes at the end)
+            print(f"kspec check: [{i + 1}/{len(ops)}] {op}: {sum(r['passed'] for r in res)}/{len(res)} passed"
+                  f" ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
         if a.op and not res:
             # An op named on the command line that runs no case would print "0 passed, 0 failed" and exit 0: a
             # check (or a sanitizer run around it) that cannot fail. Ops without a generic reference (e.g.

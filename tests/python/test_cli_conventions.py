@@ -110,6 +110,21 @@ def test_check_of_a_named_op_that_runs_no_case_is_an_error(capsys, monkeypatch):
     assert rc == kcli.EXIT_USAGE and "difflogic.packed.net ran no case" in err and "Traceback" not in err, out + err
 
 
+def test_check_says_how_far_it_is_op_by_op_on_stderr(capsys, monkeypatch):
+    # A first `kspec run` on a GPU compiles every case's kernels for minutes; the table comes at the end, so each
+    # op prints a line as it finishes (stderr; nothing of it with --json).
+    monkeypatch.setattr(kcli, "_gpu_count", lambda: 1)
+    fake = lambda op, *a: [{"op": op, "case": "base", "dtype": "f32", "shape": "-", "config": "-", "errors": [("y", 1e-7)],
+                            "tolerance": 1e-5, "passed": op != "mhc.post.fwd", "message": "off" if op == "mhc.post.fwd" else ""}]
+    monkeypatch.setattr(kcli._C, "check_op", fake)
+    rc, out, err = inproc(capsys, "check", "--op", "norm_act.fwd", "--op", "mhc.post.fwd")
+    assert rc == kcli.EXIT_FAILED, out + err
+    assert "[1/2] norm_act.fwd: 1/1 passed" in err and "[2/2] mhc.post.fwd: 0/1 passed" in err, err
+    assert "1 passed, 1 failed" in out
+    rc, out, err = inproc(capsys, "check", "--op", "norm_act.fwd", "--json")
+    assert rc == kcli.EXIT_OK and err == "" and json.loads(out)[0]["op"] == "norm_act.fwd", out + err
+
+
 def test_an_error_in_a_fresh_process_has_no_traceback(tmp_path):
     r = run("compile", "norm_act.fwd", "--arch", "sm_50", "--param", "hidden=64",
             env={"KSPEC_CACHE_DIR": str(tmp_path / "c")})
