@@ -136,6 +136,22 @@ CompileRequest case_request(const OpDef& op, const Case& cs, DType dt, const std
   return req;
 }
 
+// The cases the precompile plans take: not the large ones, and only the representative ones where an op marks them.
+std::vector<const Case*> plan_cases(const OpDef& op) {
+  const bool any_rep = std::any_of(op.cases.begin(), op.cases.end(), [](const Case& c) { return c.representative; });
+  std::vector<const Case*> out;
+  for (const Case& cs : op.cases)
+    if (!cs.large && (!any_rep || cs.representative)) out.push_back(&cs);
+  return out;
+}
+
+// The kernels a problem and config launch, as one string ("" for none): the plans keep one request per kernel set.
+std::string kernel_set(const OpDef& op, const Problem& p, const Config& cfg) {
+  std::string sig;
+  for (const auto& spec : op.kernels(p, cfg)) sig += spec.canonical() + "\n";
+  return sig;
+}
+
 }  // namespace
 
 std::vector<CompileRequest> quick_plan(const std::vector<std::string>& archs, const std::vector<std::string>& ops) {
@@ -160,17 +176,12 @@ std::vector<CompileRequest> defaults_plan(const std::vector<std::string>& archs,
     if (!op.kernels) continue;  // a library op: nothing to compile
     for (const auto& arch : archs) {
       std::set<std::string> seen;  // one request per distinct kernel set
-      // precompile_plan's cases: where an op marks representative ones, those
-      bool any_rep = std::any_of(op.cases.begin(), op.cases.end(), [](const Case& c) { return c.representative; });
-      for (const Case& cs : op.cases) {
-        if (cs.large || (any_rep && !cs.representative)) continue;
+      for (const Case* cs : plan_cases(op)) {
         for (DType dt : op.dtypes) {
-          CompileRequest req = case_request(op, cs, dt, arch);
-          for (const auto& [k, v] : cs.dims) req.params.set(k, v);
+          CompileRequest req = case_request(op, *cs, dt, arch);
+          for (const auto& [k, v] : cs->dims) req.params.set(k, v);
           const Problem p = problem_from_request(op, req);
-          const Config cfg = choose_config(op, p, nullptr, default_device()).config;
-          std::string sig;
-          for (const auto& spec : op.kernels(p, cfg)) sig += spec.canonical() + "\n";
+          const std::string sig = kernel_set(op, p, choose_config(op, p, nullptr, default_device()).config);
           if (!sig.empty() && seen.insert(sig).second) out.push_back(std::move(req));
         }
       }
@@ -188,17 +199,13 @@ std::vector<CompileRequest> precompile_plan(const std::vector<std::string>& arch
     // the algorithm axis (a tuning space's first axis), if any
     const std::string first = op.tuning.axes.empty() ? std::string() : op.tuning.axes.front().first;
     for (const auto& arch : archs) {
-      std::map<std::string, bool> seen;  // one request per distinct kernel set
-      bool any_rep = std::any_of(op.cases.begin(), op.cases.end(), [](const Case& c) { return c.representative; });
-      for (const auto& cs : op.cases) {
-        if (cs.large || (any_rep && !cs.representative)) continue;
+      std::set<std::string> seen;  // one request per distinct kernel set
+      for (const Case* cs : plan_cases(op)) {
         for (DType dt : op.dtypes) {
-          const CompileRequest req = case_request(op, cs, dt, arch);
+          const CompileRequest req = case_request(op, *cs, dt, arch);
           auto add = [&](const CompileRequest& base, const Problem& p, const Config& cfg) {
-            std::string sig;
-            for (const auto& spec : op.kernels(p, cfg)) sig += spec.canonical() + "\n";
-            if (sig.empty() || seen[sig]) return;
-            seen[sig] = true;
+            const std::string sig = kernel_set(op, p, cfg);
+            if (sig.empty() || !seen.insert(sig).second) return;
             CompileRequest r = base;
             r.config = cfg;
             out.push_back(std::move(r));
@@ -215,7 +222,7 @@ std::vector<CompileRequest> precompile_plan(const std::vector<std::string>& arch
           // algorithms' kernels for those dims (e.g. the scans' kEven variants) are left to the JIT: they
           // would double the scans' share of this plan.
           CompileRequest full = req;
-          for (const auto& [k, v] : cs.dims) full.params.set(k, v);
+          for (const auto& [k, v] : cs->dims) full.params.set(k, v);
           const Problem pf = problem_from_request(op, full);
           for (const auto& cfg : op.tuning.enumerate(pf))
             if (first.empty() || !algos.count(cfg.get(first))) add(full, pf, cfg);

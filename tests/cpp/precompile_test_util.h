@@ -25,6 +25,19 @@ inline std::vector<CompileReport> expect_compiles_without_spills(const CompileRe
   return reports;
 }
 
+// A case's compile request: its params and inputs, no dims (the caller adds the ones it wants).
+inline CompileRequest case_compile_request(const OpDef& op, const Case& cs, DType dt, const std::string& arch) {
+  CompileRequest r;
+  r.op = op.info.name;
+  r.dtype = dt;
+  r.arch = arch;
+  r.without = cs.without;
+  r.tensor_dtypes = cs.tensor_dtypes;
+  r.alt_shapes = cs.alt_shapes;
+  for (const auto& [k, v] : cs.params.items()) r.params.set(k, v);
+  return r;
+}
+
 // Every case of each op compiles for sm_90 (in bf16; the base case in every dtype) with the heuristic's config,
 // without spills or a stack frame; const_dims: the case dims the op takes as compile-time params.
 inline void expect_every_case_compiles(const std::vector<const char*>& ops,
@@ -35,14 +48,7 @@ inline void expect_every_case_compiles(const std::vector<const char*>& ops,
       for (DType dt : op.dtypes) {
         if (dt != DType::bf16 && cs.name != "base") continue;
         SCOPED_TRACE(std::string(name) + " " + cs.name);
-        CompileRequest r;
-        r.op = name;
-        r.dtype = dt;
-        r.arch = "sm_90";
-        r.without = cs.without;
-        r.tensor_dtypes = cs.tensor_dtypes;
-        r.alt_shapes = cs.alt_shapes;
-        for (const auto& [k, v] : cs.params.items()) r.params.set(k, v);
+        CompileRequest r = case_compile_request(op, cs, dt, "sm_90");
         for (const auto& [k, v] : cs.dims)
           if (std::find(const_dims.begin(), const_dims.end(), k) != const_dims.end()) r.params.set(k, v);
         ASSERT_FALSE(expect_compiles_without_spills(r).empty());

@@ -6,6 +6,7 @@
 #include "adamw/reference.h"
 #include "api/src/op.h"
 #include "kspec/kspec.h"
+#include "precompile_test_util.h"
 #include "test_helpers.h"
 
 using namespace kspec;
@@ -294,14 +295,7 @@ TEST(Compile, DefaultsPlanIsEveryCaseDefaultOnce) {
   for (const Case& cs : op.cases) {
     if (cs.large || (any_rep && !cs.representative)) continue;
     for (DType dt : op.dtypes) {
-      CompileRequest r;
-      r.op = op.info.name;
-      r.dtype = dt;
-      r.arch = "sm_80";
-      r.without = cs.without;
-      r.tensor_dtypes = cs.tensor_dtypes;
-      r.alt_shapes = cs.alt_shapes;
-      for (const auto& [k, v] : cs.params.items()) r.params.set(k, v);
+      CompileRequest r = kspec::testing::case_compile_request(op, cs, dt, "sm_80");
       for (const auto& [k, v] : cs.dims) r.params.set(k, v);
       std::string sig;
       for (const auto& k : explain_request(r).kernels) sig += k.key;
